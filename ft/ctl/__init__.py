@@ -1,0 +1,1 @@
+"""`ft ctl`: the scriptable admin client (httpx only; never imports torch)."""

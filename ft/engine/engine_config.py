@@ -1,0 +1,60 @@
+"""Engine options: one frozen dataclass whose fields are the `ft serve` / `ft generate` flags
+(with underscores), so each default lives in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from ft.engine.errors import ConfigError
+from ft.units import parse_bytes
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # checkpoint directory; None or "demo": the built-in demo model
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16
+    moe_backend: str = "offload"  # offload | resident
+    moe_cache_size: int | None = None  # expert slots; None: auto
+    moe_cache_auto: bool = False  # slots fill what the budget leaves after KV and mamba
+    num_tokens: int | None = None  # KV capacity in tokens; None: the whole context if it fits
+    max_seq_len_override: int | None = None  # context limit instead of max_position_embeddings
+    memory_ratio: float = 0.9
+    gpu_memory_limit: int | str | None = None  # bytes or "16GiB": act as if the card were this big
+    page_size: int = 64
+    max_running_requests: int = 8
+    max_prefill_length: int = 4096  # tokens per prefill chunk
+    mamba_cache_size: int | None = None  # mamba slots; None: 2 x max_running_requests (>= 4)
+    enable_prefix_cache: bool = True
+    seed: int = 0
+    progress: bool = False  # show loading progress
+
+    def __post_init__(self) -> None:
+        if self.moe_backend not in ("offload", "resident"):
+            raise ConfigError(f"--moe-backend must be offload or resident, got {self.moe_backend!r}")
+        if self.moe_backend == "resident" and self.moe_cache_size is not None:
+            raise ConfigError("--moe-cache-size applies to --moe-backend offload (resident keeps every expert)")
+        if self.moe_cache_auto and self.moe_cache_size is not None:
+            raise ConfigError("--moe-cache-auto and --moe-cache-size exclude each other")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        for name in ("page_size", "max_running_requests", "max_prefill_length"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.gpu_memory_limit is not None:
+            try:
+                object.__setattr__(self, "gpu_memory_limit", parse_bytes(self.gpu_memory_limit))
+            except ValueError as e:
+                raise ConfigError(f"--gpu-memory-limit: {e}") from None
+
+    @property
+    def mamba_slots(self) -> int:
+        return self.mamba_cache_size or max(4, 2 * self.max_running_requests)
+
+    @classmethod
+    def from_options(cls, **opts) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(opts) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s): {', '.join(unknown)}")
+        return cls(**opts)

@@ -1,0 +1,44 @@
+"""What one forward pass computes: new tokens of several sequences, flattened."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SeqSlice:
+    """One sequence's part of a batch.
+
+    start: tokens of this sequence already in the caches (position of its first new token).
+    length: new tokens in this batch. page_table: [n] int64 KV pages covering start+length.
+    mamba_slot: the slot holding its linear-attention state (read, then written back).
+    """
+
+    start: int
+    length: int
+    page_table: torch.Tensor
+    mamba_slot: int
+
+
+@dataclass
+class ForwardBatch:
+    """input_ids, positions [T] for T = sum of lengths, sequences in order."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    seqs: list[SeqSlice]
+
+    @property
+    def is_decode(self) -> bool:
+        return all(s.length == 1 for s in self.seqs)
+
+    @property
+    def last_token_index(self) -> torch.Tensor:
+        """[B] flat index of each sequence's last new token."""
+        ends = torch.tensor([s.length for s in self.seqs]).cumsum(0) - 1
+        return ends.to(self.input_ids.device)
+
+    def split_sizes(self) -> list[int]:
+        return [s.length for s in self.seqs]

@@ -1,0 +1,50 @@
+"""Linear projections whose weight is dense or NVFP4 (ModelOpt layout)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ft.kernels.nvfp4 import dequantize_nvfp4, nvfp4_linear
+
+
+@dataclass
+class NVFP4Weight:
+    """packed uint8 [N, K/2] (even element in the low nibble), scale e4m3 [N, K/16], scale_2 f32 []."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    scale_2: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 2
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.scale_2))
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_nvfp4(self.packed, self.scale, self.scale_2, dtype)
+
+
+class Linear:
+    """y = x @ W^T with W [N, K] dense (any float dtype) or NVFP4."""
+
+    def __init__(self, weight: torch.Tensor | NVFP4Weight) -> None:
+        self.weight = weight
+
+    @property
+    def nbytes(self) -> int:
+        w = self.weight
+        return w.nbytes if isinstance(w, NVFP4Weight) else w.numel() * w.element_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if isinstance(w, NVFP4Weight):
+            shape = x.shape
+            y = nvfp4_linear(x.reshape(-1, shape[-1]), w.packed, w.scale, w.scale_2)
+            return y.reshape(*shape[:-1], -1)
+        return F.linear(x, w)

@@ -1,0 +1,61 @@
+"""Qwen3-Next's sparse MoE block (routed experts from the expert cache + gated shared expert),
+and the dense MLP used by shared experts and `mlp_only_layers`."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ft.engine.layers.linear import Linear
+from ft.engine.memory.expert_cache import ExpertCache
+from ft.kernels.moe import moe_over_slots, router_topk_ref
+
+
+class MLP:
+    def __init__(self, gate_proj: Linear, up_proj: Linear, down_proj: Linear) -> None:
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE:
+    """Router top-k over `num_experts`; expert weights come from `cache` at MoE layer `moe_index`."""
+
+    def __init__(
+        self,
+        router: Linear,
+        shared_expert: MLP,
+        shared_expert_gate: Linear,
+        top_k: int,
+        norm_topk_prob: bool,
+        moe_index: int,
+    ) -> None:
+        self.router, self.shared_expert, self.shared_expert_gate = router, shared_expert, shared_expert_gate
+        self.top_k, self.norm_topk_prob, self.moe_index = top_k, norm_topk_prob, moe_index
+
+    def __call__(self, x: torch.Tensor, cache: ExpertCache) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        weights, ids = router_topk_ref(self.router(x), self.top_k, self.norm_topk_prob)
+        routed = self._routed(x, weights, ids, cache)
+        shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
+        return routed + shared
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, cache: ExpertCache) -> torch.Tensor:
+        layer = self.moe_index
+        experts = torch.unique(ids).tolist()
+        table = cache.slot_table[layer]
+        if len(experts) <= cache.num_slots:
+            cache.ensure(layer, experts)
+            return moe_over_slots(x, table[ids], weights, cache.slots)
+        # More distinct experts than slots (a long prefill chunk on a small cache): run them in
+        # groups that fit, each group's pairs with the others masked out (slot -1).
+        out = torch.zeros_like(x)
+        n = cache.num_slots
+        for i in range(0, len(experts), n):
+            group = experts[i : i + n]
+            cache.ensure(layer, group)
+            in_group = torch.isin(ids, torch.tensor(group, device=ids.device))
+            slots = torch.where(in_group, table[ids], torch.full_like(ids, -1))
+            out += moe_over_slots(x, slots, weights, cache.slots)
+        return out

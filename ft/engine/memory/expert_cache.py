@@ -1,0 +1,124 @@
+"""Routed experts: every expert in a host store, N device slots, an LRU map (layer, expert) -> slot.
+
+The host store holds each MoE layer's experts stacked ([L, E, ...], pinned on CUDA). The device
+keeps `num_slots` slots in the same format (`SlotWeights`), and `slot_table` [L, E] (int64, -1
+when absent) turns router expert ids into slot ids on the device. With the resident backend
+there is one slot per expert and nothing is ever evicted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from ft.kernels.moe import SlotWeights
+
+
+@dataclass
+class ExpertStats:
+    hits: int = 0
+    misses: int = 0
+    bytes_loaded: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+class ExpertCache:
+    """LRU cache of expert slots over a host store (`host`: SlotWeights with [L, E] leading dims)."""
+
+    def __init__(self, host: SlotWeights, num_slots: int, device: torch.device, policy: str = "lru") -> None:
+        self.host = host
+        self.num_layers, self.num_experts = host.w13.shape[:2]
+        if num_slots < 1:
+            raise ValueError("expert cache needs at least one slot")
+        self.policy = policy
+        self.slots = SlotWeights(
+            *(None if t is None else torch.empty((num_slots, *t.shape[2:]), dtype=t.dtype, device=device) for t in host)
+        )
+        self.slot_table = torch.full((self.num_layers, self.num_experts), -1, dtype=torch.int64, device=device)
+        self._lru: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.stats = ExpertStats()
+
+    # ----------------------------------------------------------------------------- geometry
+    @property
+    def num_slots(self) -> int:
+        return self.slots.w13.shape[0]
+
+    @property
+    def total_experts(self) -> int:
+        return self.num_layers * self.num_experts
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.slots if t is not None)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.bytes_per_slot
+
+    @property
+    def num_resident(self) -> int:
+        return len(self._lru)
+
+    def is_resident(self, layer: int, expert: int) -> bool:
+        return (layer, expert) in self._lru
+
+    # ----------------------------------------------------------------------------- residency
+    def preload_all(self) -> None:
+        """Load every expert (resident backend). Needs one slot per expert."""
+        if self.num_slots < self.total_experts:
+            raise ValueError(f"preload_all needs {self.total_experts} slots, have {self.num_slots}")
+        for layer in range(self.num_layers):
+            self.ensure(layer, list(range(self.num_experts)), count=False)
+
+    def ensure(self, layer: int, experts: list[int], count: bool = True) -> None:
+        """Make the distinct `experts` of `layer` resident, evicting least recently used others.
+
+        Contract: len(experts) <= num_slots (callers split larger sets into groups).
+        """
+        if len(experts) > self.num_slots:
+            raise ValueError(f"{len(experts)} experts asked at once, cache has {self.num_slots} slots")
+        wanted = {(layer, e) for e in experts}
+        for key in wanted:
+            if key in self._lru:
+                self._lru.move_to_end(key)
+                if count:
+                    self.stats.hits += 1
+        for key in sorted(wanted):
+            if key in self._lru:
+                continue
+            slot = self._take_slot(wanted)
+            self._load(key, slot)
+            if count:
+                self.stats.misses += 1
+
+    def _take_slot(self, keep: set[tuple[int, int]]) -> int:
+        if self._free:
+            return self._free.pop()
+        for key in self._lru:  # oldest first
+            if key not in keep:
+                slot = self._lru.pop(key)
+                self.slot_table[key] = -1
+                return slot
+        raise RuntimeError("expert cache: every slot is pinned by the current call")
+
+    def _load(self, key: tuple[int, int], slot: int) -> None:
+        layer, expert = key
+        for dst, src in zip(self.slots, self.host):
+            if dst is not None:
+                dst[slot].copy_(src[layer, expert], non_blocking=True)
+                self.stats.bytes_loaded += src[layer, expert].numel() * src.element_size()
+        self._lru[key] = slot
+        self.slot_table[layer, expert] = slot
+
+    def invalidate(self) -> None:
+        """Forget every resident expert (slots keep their bytes but are free)."""
+        self.slot_table.fill_(-1)
+        self._lru.clear()
+        self._free = list(range(self.num_slots - 1, -1, -1))

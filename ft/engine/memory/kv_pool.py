@@ -1,0 +1,97 @@
+"""Paged KV cache of the full-attention layers.
+
+One tensor `kv` [P, L, 2, page_size, Hkv, D] (P pages, L full-attention layers, K and V):
+pages are outermost so that the pool can grow or shrink at its tail. Pages are reference
+counted so that prefix-cache entries and running requests can share them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+class KVPool:
+    """Pages of KV plus their allocator. Sizes are in tokens for users, pages inside."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.page_size = page_size
+        self.kv = torch.zeros(
+            num_pages, num_layers, 2, page_size, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
+        self._refs = [0] * num_pages
+        self._free: deque[int] = deque(range(num_pages))
+
+    # --------------------------------------------------------------------------- geometry
+    @property
+    def num_pages(self) -> int:
+        return self.kv.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.kv[0].numel() * self.kv.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.bytes_per_page
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache) views [P, page_size, Hkv, D] of full-attention layer i."""
+        return self.kv[:, i, 0], self.kv[:, i, 1]
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    # --------------------------------------------------------------------------- allocation
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """n fresh pages with one reference each. Call `can_allocate` first."""
+        if n > len(self._free):
+            raise MemoryError(f"KV pool: {n} pages asked, {len(self._free)} free")
+        pages = [self._free.popleft() for _ in range(n)]
+        for p in pages:
+            self._refs[p] = 1
+        return pages
+
+    def ref(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self._refs[p] > 0, f"page {p} is free"
+            self._refs[p] += 1
+
+    def release(self, pages: list[int]) -> None:
+        """Drop one reference of each page; pages with none left return to the free list."""
+        for p in pages:
+            assert self._refs[p] > 0, f"page {p} released twice"
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
+
+    def copy_page(self, src: int, dst: int) -> None:
+        self.kv[dst].copy_(self.kv[src])

@@ -1,0 +1,122 @@
+"""Prefix cache for a hybrid model: KV pages *and* the linear-attention state at the boundary.
+
+A Gated DeltaNet layer can only resume from the recurrent state after exactly the cached tokens,
+so an entry is (token prefix, the KV pages covering it, a mamba slot holding the state after
+it). When a request finishes, its pages and its slot move into an entry covering every token it
+fed through the model (no copy). A new request whose prompt starts with an entry's tokens
+starts from there: full pages are shared (reference counted), the partial last page is copied
+(the request writes into it), and the state is copied into the request's own slot.
+
+Why whole-sequence boundaries rather than snapshots at every page boundary: the state is large
+(77 MB per request for the flagship), and the case that matters, the next turn of a
+conversation, always extends the previous turn's whole sequence.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from ft.engine.memory.kv_pool import KVPool
+from ft.engine.memory.mamba_pool import MambaPool
+
+
+@dataclass
+class PrefixEntry:
+    tokens: tuple[int, ...]
+    pages: list[int]
+    mamba_slot: int
+    last_used: int = 0
+    hits: int = field(default=0)
+
+
+@dataclass
+class PrefixMatch:
+    entry: PrefixEntry
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.entry.tokens)
+
+
+class PrefixCache:
+    def __init__(self, kv: KVPool, mamba: MambaPool, enabled: bool = True) -> None:
+        self.kv, self.mamba, self.enabled = kv, mamba, enabled
+        self._entries: dict[tuple[int, ...], PrefixEntry] = {}
+        self._clock = itertools.count(1)
+        self.hit_tokens = 0
+        self.query_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._entries)
+
+    def match(self, prompt: list[int]) -> PrefixMatch | None:
+        """The longest entry that is a proper prefix of `prompt` (one token must stay to compute)."""
+        if not self.enabled:
+            return None
+        best: PrefixEntry | None = None
+        n = len(prompt)
+        for e in self._entries.values():
+            m = len(e.tokens)
+            if m < n and (best is None or m > len(best.tokens)) and tuple(prompt[:m]) == e.tokens:
+                best = e
+        return PrefixMatch(best) if best else None
+
+    def apply(self, match: PrefixMatch, mamba_slot: int) -> list[int]:
+        """Copy the entry's state into `mamba_slot` and return the request's pages for its tokens.
+
+        Needs one free KV page when the entry ends inside a page (copy-on-write of that page).
+        """
+        e = match.entry
+        e.last_used, e.hits = next(self._clock), e.hits + 1
+        self.mamba.copy_slot(e.mamba_slot, mamba_slot)
+        full = len(e.tokens) // self.kv.page_size
+        pages = list(e.pages[:full])
+        self.kv.ref(pages)
+        if len(e.tokens) % self.kv.page_size:
+            (own,) = self.kv.allocate(1)
+            self.kv.copy_page(e.pages[full], own)
+            pages.append(own)
+        self.hit_tokens += len(e.tokens)
+        return pages
+
+    def insert(self, tokens: list[int], pages: list[int], mamba_slot: int) -> None:
+        """Take ownership of `pages` (one reference each) and `mamba_slot` for the prefix `tokens`."""
+        key = tuple(tokens)
+        if not self.enabled or not key or key in self._entries:
+            self.kv.release(pages)
+            self.mamba.free(mamba_slot)
+            if key in self._entries:
+                self._entries[key].last_used = next(self._clock)
+            return
+        keep = self.kv.pages_for(len(key))
+        self.kv.release(pages[keep:])
+        self._entries[key] = PrefixEntry(key, pages[:keep], mamba_slot, next(self._clock))
+
+    def evict_one(self, protect: PrefixEntry | None = None) -> bool:
+        """Drop the least recently used entry other than `protect`. False when there is none."""
+        candidates = [e for e in self._entries.values() if e is not protect]
+        if not candidates:
+            return False
+        self._drop(min(candidates, key=lambda x: x.last_used))
+        return True
+
+    def evict_for(self, pages: int = 0, slots: int = 0, protect: PrefixEntry | None = None) -> bool:
+        """Evict LRU entries (never `protect`) until `pages` KV pages and `slots` mamba slots are free."""
+        while self.kv.num_free_pages < pages or self.mamba.num_free < slots:
+            if not self.evict_one(protect):
+                return False
+        return True
+
+    def clear(self) -> None:
+        for e in list(self._entries.values()):
+            self._drop(e)
+
+    def _drop(self, e: PrefixEntry) -> None:
+        del self._entries[e.tokens]
+        self.kv.release(e.pages)
+        self.mamba.free(e.mamba_slot)

@@ -1,0 +1,159 @@
+"""FIFO scheduler: chunked prefill first, otherwise one batched decode step of all running requests.
+
+Every mutation has its check beside it: a request is admitted only when a mamba slot and the
+KV pages of its first chunk can be had (evicting prefix-cache entries if needed); a decode step
+that cannot get a page preempts the newest request (it is recomputed later, prefix cache first).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ft.engine.memory.kv_pool import KVPool
+from ft.engine.memory.mamba_pool import MambaPool
+from ft.engine.prefix_cache import PrefixCache
+from ft.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledWork:
+    """Sequences of one forward pass and how many new tokens each contributes."""
+
+    seqs: list[Sequence]
+    num_tokens: list[int]
+    is_prefill: bool
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVPool,
+        mamba: MambaPool,
+        prefix_cache: PrefixCache,
+        max_running_requests: int,
+        max_prefill_length: int,
+    ) -> None:
+        self.kv, self.mamba, self.prefix = kv, mamba, prefix_cache
+        self.max_running = max_running_requests
+        self.max_prefill = max_prefill_length
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # --------------------------------------------------------------------------- queue
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --------------------------------------------------------------------------- scheduling
+    def schedule(self) -> ScheduledWork | None:
+        work = self._schedule_prefill()
+        if work.seqs:
+            return work
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledWork:
+        budget = self.max_prefill
+        seqs, counts = [], []
+        for seq in self.running:  # requests in the middle of a chunked prefill
+            if budget and seq.num_uncomputed > 1:
+                n = self._grow_for(seq, min(seq.num_uncomputed, budget))
+                if n:
+                    seqs.append(seq)
+                    counts.append(n)
+                    budget -= n
+        while budget and self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            if not self._admit(seq):
+                break
+            n = self._grow_for(seq, min(seq.num_uncomputed, budget))
+            if not n:  # not even one chunk's pages: stay first in line
+                self._release(seq)
+                seq.num_computed = seq.num_cached = 0
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            seq.status = Status.RUNNING
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        return ScheduledWork(seqs, counts, True)
+
+    def _schedule_decode(self) -> ScheduledWork | None:
+        if not self.running:
+            return None
+        seqs: list[Sequence] = []
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted below
+                continue
+            while not self._grow_for(seq, 1):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                seqs.append(seq)
+        seqs = [s for s in seqs if s in self.running]
+        return ScheduledWork(seqs, [1] * len(seqs), False) if seqs else None
+
+    # --------------------------------------------------------------------------- resources
+    def _admit(self, seq: Sequence) -> bool:
+        """Give `seq` a mamba slot and, when the prefix cache has its start, that prefix."""
+        match = self.prefix.match(seq.token_ids)
+        entry = match.entry if match else None
+        cow = 1 if match and match.num_tokens % self.kv.page_size else 0
+        if not self.prefix.evict_for(pages=cow, slots=1, protect=entry):
+            return False
+        seq.mamba_slot = self.mamba.allocate()
+        if match:
+            seq.pages = self.prefix.apply(match, seq.mamba_slot)
+            seq.num_computed = seq.num_cached = match.num_tokens
+        self.prefix.query_tokens += seq.num_tokens
+        return True
+
+    def _grow_for(self, seq: Sequence, n: int) -> int:
+        """Pages so `seq` can compute n more tokens; returns n, or 0 when no page can be had."""
+        need = self.kv.pages_for(seq.num_computed + n) - len(seq.pages)
+        if need > 0:
+            if not self.prefix.evict_for(pages=need):
+                if seq.num_uncomputed > 1 and len(seq.pages) * self.kv.page_size > seq.num_computed:
+                    # a shorter prefill chunk that fits the pages already held
+                    return len(seq.pages) * self.kv.page_size - seq.num_computed
+                return 0
+            seq.pages += self.kv.allocate(need)
+        return n
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free everything `seq` holds; it goes back to the front of the queue to be recomputed."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed = seq.num_cached = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _release(self, seq: Sequence) -> None:
+        self.kv.release(seq.pages)
+        seq.pages = []
+        if seq.mamba_slot is not None:
+            self.mamba.free(seq.mamba_slot)
+            seq.mamba_slot = None
+
+    def finish(self, seq: Sequence, reason: str, cache: bool = True) -> None:
+        """Mark `seq` finished and hand its pages and state to the prefix cache (or free them)."""
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.mamba_slot is None:
+            return
+        if cache and seq.num_computed > 0:
+            self.prefix.insert(seq.token_ids[: seq.num_computed], seq.pages, seq.mamba_slot)
+            seq.pages, seq.mamba_slot = [], None
+        else:
+            self._release(seq)

@@ -1,0 +1,64 @@
+"""A request as the scheduler sees it: tokens, progress, the cache it holds."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from ft.engine.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """prompt + generated tokens. `num_computed` tokens are in the KV pages and the mamba slot.
+
+    Contract: the mamba state in `mamba_slot` is the state after exactly `num_computed` tokens,
+    and `pages` cover at least `num_computed` positions.
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+    request_id: str = field(default_factory=lambda: f"seq-{next(_ids)}")
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    num_cached: int = 0  # prompt tokens that came from the prefix cache
+    pages: list[int] = field(default_factory=list)
+    mamba_slot: int | None = None
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    stop_text: str | None = None  # the text cut before the stop string that ended it
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def possible_length(self) -> int:
+        """Tokens this request may occupy at most: prompt + its max new tokens."""
+        return len(self.prompt_ids) + self.max_new_tokens

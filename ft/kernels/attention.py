@@ -1,0 +1,59 @@
+"""Attention over a paged KV cache: torch reference.
+
+KV layout (one full-attention layer): k_cache, v_cache [P, page_size, Hkv, D]; a sequence's
+page table lists its pages in order, so token position p lives at
+(page_table[p // page_size], p % page_size).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_ref(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    page_table: torch.Tensor,
+    start: int,
+) -> None:
+    """Store k, v [T, Hkv, D] of positions start .. start+T-1 into the pages."""
+    page = k_cache.shape[1]
+    pos = torch.arange(start, start + k.shape[0], device=k.device)
+    pages = page_table[pos // page]
+    k_cache[pages, pos % page] = k.to(k_cache.dtype)
+    v_cache[pages, pos % page] = v.to(v_cache.dtype)
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    start: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of queries at positions start .. start+T-1 over keys 0 .. start+T-1.
+
+    Args:
+        q: [T, Hq, D]; Hq a multiple of Hkv (query head h reads kv head h // (Hq // Hkv)).
+        page_table: [n] int64 page ids covering at least start+T positions.
+    Returns: [T, Hq, D] in q's dtype (softmax in float32).
+    """
+    t, hq, _ = q.shape
+    n_ctx = start + t
+    page = k_cache.shape[1]
+    pos = torch.arange(n_ctx, device=q.device)
+    pages = page_table[pos // page]
+    k = k_cache[pages, pos % page]  # [N, Hkv, D]
+    v = v_cache[pages, pos % page]
+    rep = hq // k.shape[1]
+    k = k.repeat_interleave(rep, dim=1).to(q.dtype)
+    v = v.repeat_interleave(rep, dim=1).to(q.dtype)
+    scores = torch.einsum("thd,nhd->htn", q, k) * scale
+    q_pos = torch.arange(start, n_ctx, device=q.device)
+    mask = pos[None, :] > q_pos[:, None]  # [T, N]: future keys
+    scores = scores.masked_fill(mask[None], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.einsum("htn,nhd->thd", probs, v)

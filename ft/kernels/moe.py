@@ -1,0 +1,91 @@
+"""Mixture-of-experts over expert *slots*: router top-k and the expert computation.
+
+The engine keeps routed experts in a pool of slots (dense or NVFP4) and maps (layer, expert)
+to a slot; these functions only see slot indices. Torch references; the fused Triton kernel
+for CUDA comes with the kernels issue and plugs in behind `moe_over_slots`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ft.kernels.nvfp4 import dequantize_nvfp4
+
+
+class SlotWeights(NamedTuple):
+    """The slot pool of one expert cache.
+
+    Dense: w13 [S, 2I, H] (gate rows then up rows), w2 [S, H, I], scales None.
+    NVFP4: w13 uint8 [S, 2I, H/2], w13_scale e4m3 [S, 2I, H/16], w2 uint8 [S, H, I/2],
+    w2_scale e4m3 [S, H, I/16], scale_2 float32 [S, 3] (gate, up, down global scales).
+    """
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    scale_2: torch.Tensor | None = None
+
+    @property
+    def is_nvfp4(self) -> bool:
+        return self.w13_scale is not None
+
+
+def router_topk_ref(
+    logits: torch.Tensor, top_k: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax router: logits [T, E] -> (weights [T, k] in logits' dtype, ids [T, k] int64)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+def _slot_matrices(w: SlotWeights, slot: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense (w13 [2I, H], w2 [H, I]) of one slot."""
+    if not w.is_nvfp4:
+        return w.w13[slot].to(dtype), w.w2[slot].to(dtype)
+    i = w.w13.shape[1] // 2
+    s2 = w.scale_2[slot]
+    gate = dequantize_nvfp4(w.w13[slot, :i], w.w13_scale[slot, :i], s2[0], dtype)
+    up = dequantize_nvfp4(w.w13[slot, i:], w.w13_scale[slot, i:], s2[1], dtype)
+    down = dequantize_nvfp4(w.w2[slot], w.w2_scale[slot], s2[2], dtype)
+    return torch.cat([gate, up], dim=0), down
+
+
+def moe_over_slots_ref(
+    x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, w: SlotWeights
+) -> torch.Tensor:
+    """sum_k weight_k * down(silu(gate(x)) * up(x)) with the experts read from slots.
+
+    Args:
+        x: [T, H]; topk_slots: [T, k] int64 slot of each selected expert, or -1 for a pair to
+        skip (its expert is computed in another call); topk_weights: [T, k] routing weights.
+    Returns: [T, H] in x's dtype.
+    """
+    out = torch.zeros_like(x)
+    flat = topk_slots.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    slots, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    pairs = order.split(counts.tolist())
+    k = topk_slots.shape[1]
+    for slot, idx in zip(slots.tolist(), pairs):
+        if slot < 0:
+            continue
+        tok = idx // k
+        w13, w2 = _slot_matrices(w, slot, x.dtype)
+        gate, up = F.linear(x[tok], w13).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2)
+        out.index_add_(0, tok, y * topk_weights.reshape(-1)[idx, None])
+    return out
+
+
+def moe_over_slots(
+    x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, w: SlotWeights
+) -> torch.Tensor:
+    """Dispatcher (the reference on every device until the Triton kernel lands)."""
+    return moe_over_slots_ref(x, topk_slots, topk_weights, w)

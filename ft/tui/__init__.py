@@ -1,0 +1,1 @@
+"""`ft top`: the Textual dashboard (never imports torch)."""

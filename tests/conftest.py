@@ -1,0 +1,90 @@
+"""Shared fixtures: tiny random Qwen3-Next checkpoints made with transformers, the demo model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# Three small configurations that vary what the architecture lets vary.
+TINY_CONFIGS = {
+    "interval2-gqa2-top2": dict(
+        num_hidden_layers=4, full_attention_interval=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    ),
+    "types-gqa4-top4-nonorm": dict(
+        num_hidden_layers=5,
+        layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, linear_num_key_heads=2,
+        linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=32, num_experts=16,
+        num_experts_per_tok=4, norm_topk_prob=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
+    ),
+    "mha-top1-dense-mlp": dict(
+        num_hidden_layers=3, layer_types=["linear_attention", "linear_attention", "full_attention"],
+        num_attention_heads=2, num_key_value_heads=2, head_dim=16, linear_num_key_heads=1,
+        linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=16, num_experts=4,
+        num_experts_per_tok=1, norm_topk_prob=True, mlp_only_layers=[1],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+    ),
+}
+
+BASE = dict(
+    vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    shared_expert_intermediate_size=48, max_position_embeddings=512, linear_conv_kernel_dim=4,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=0,
+)
+
+
+def make_hf_model(overrides: dict, seed: int = 0):
+    """A random float32 transformers Qwen3NextForCausalLM with non-trivial norms and biases."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3NextConfig(**{**BASE, **overrides})
+    model = Qwen3NextForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "dt_bias" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("conv1d.weight"):
+                p.normal_(0, 0.3)
+            elif "embed_tokens" in name or "lm_head" in name:
+                p.normal_(0, 0.3)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.3)
+            elif p.dim() >= 2:
+                p.normal_(0, 0.08)
+    return model
+
+
+def save_checkpoint(model, path: Path) -> Path:
+    from ft.engine.demo import write_tokenizer_files
+
+    model.save_pretrained(path)
+    write_tokenizer_files(path)
+    return path
+
+
+@pytest.fixture(scope="session", params=list(TINY_CONFIGS))
+def tiny(request, tmp_path_factory):
+    """(name, transformers model, checkpoint dir) for each tiny configuration."""
+    name = request.param
+    model = make_hf_model(TINY_CONFIGS[name])
+    path = save_checkpoint(model, tmp_path_factory.mktemp(name))
+    return name, model, path
+
+
+@pytest.fixture(scope="session")
+def tiny_one(tmp_path_factory):
+    """The first tiny configuration only (for tests that need one model)."""
+    name = next(iter(TINY_CONFIGS))
+    model = make_hf_model(TINY_CONFIGS[name])
+    return name, model, save_checkpoint(model, tmp_path_factory.mktemp(name + "-one"))
