@@ -103,19 +103,21 @@ class Engine:
         return UnitCosts(kv.bytes_per_page, kv.page_size, mamba.bytes_per_slot, expert)
 
     def _activation_reserve(self) -> int:
-        """Bytes of activations of the largest forward pass (a full prefill chunk), estimated from
-        the widest per-token tensors; the CUDA path replaces this with a profiled figure."""
+        """Bytes of activations alive at the peak of the largest forward pass (a full prefill
+        chunk): the residual stream and a normalised copy, plus the widest projection output
+        twice (its input split and its product). Estimated from the config; the CUDA path will
+        replace this with a profiled figure."""
         c = self.model_config
-        width = (
-            6 * c.hidden_size
-            + 2 * (2 * c.linear_key_dim + 2 * c.linear_value_dim)
-            + 4 * c.num_attention_heads * c.head_dim
-            + c.num_experts
-            + 3 * c.num_experts_per_tok * c.moe_intermediate_size
-            + 3 * c.shared_expert_intermediate_size
+        widest = max(
+            2 * c.linear_key_dim + 2 * c.linear_value_dim,  # in_proj_qkvz
+            2 * c.num_attention_heads * c.head_dim,  # q with its gate
+            2 * c.num_experts_per_tok * c.moe_intermediate_size,  # routed gate/up of every pair
+            2 * max(c.shared_expert_intermediate_size, c.intermediate_size),
+            c.num_experts,
         )
         tokens = min(self.config.max_prefill_length, self.context_limit)
-        return tokens * width * 4 + self.config.max_running_requests * c.vocab_size * 4
+        per_token = (3 * c.hidden_size + 2 * widest) * torch.finfo(self.dtype).bits // 8
+        return tokens * per_token + self.config.max_running_requests * c.vocab_size * 4
 
     def _kv_pool(self, pages: int) -> KVPool:
         c = self.model_config
@@ -175,11 +177,11 @@ class Engine:
         return seq
 
     def abort(self, request_id: str) -> bool:
-        """Cancel a request: its pages and slot are freed (or cached) at once."""
+        """Cancel a request: its pages and its mamba slot are freed at once."""
         seq = self._requests.pop(request_id, None)
         if seq is None or seq.is_finished:
             return False
-        self.scheduler.finish(seq, "abort")
+        self.scheduler.finish(seq, "abort", cache=False)
         return True
 
     @property

@@ -15,7 +15,7 @@ import torch
 from ft.engine.errors import ConfigError
 from ft.units import format_bytes
 
-CPU_DEFAULT_CARD = 64 * 1024**2
+CPU_DEFAULT_CARD = 96 * 1024**2
 
 
 @dataclass(frozen=True)

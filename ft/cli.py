@@ -1,0 +1,43 @@
+"""`ft`: the command line. A thin composition root: each subcommand lives in its own module,
+imported only when it is the one chosen, so `ft ctl` and `ft --help` never load torch."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module with add_parser(subparsers), one-line help)
+COMMANDS = {
+    "generate": ("ft.generate_cmd", "generate text for one prompt"),
+    "quantize": ("ft.engine.quantize", "convert a Hugging Face checkpoint to NVFP4 (ModelOpt format)"),
+}
+
+
+def build_parser(command: str | None) -> argparse.ArgumentParser:
+    from ft import __version__
+
+    parser = argparse.ArgumentParser(prog="ft", description="FreeToken: serve large MoE models on small GPUs")
+    parser.add_argument("--version", action="version", version=f"ft {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        if name == command:
+            importlib.import_module(module).add_parser(sub)
+        else:
+            sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

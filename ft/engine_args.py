@@ -1,0 +1,55 @@
+"""argparse flags of the engine, read from `EngineConfig`'s fields so each default lives there.
+
+No torch import: `ft --help` and `ft ctl` stay instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from ft.engine.engine_config import EngineConfig
+
+HELP = {
+    "model": "checkpoint directory (Hugging Face layout); 'demo' or nothing: the built-in demo model",
+    "device": "auto | cpu | cuda | cuda:N",
+    "dtype": "compute dtype: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16",
+    "moe_backend": "offload: experts in host memory, an LRU cache of device slots; resident: every expert on the device",
+    "moe_cache_size": "expert slots on the device (offload backend)",
+    "moe_cache_auto": "expert slots fill what the budget leaves after KV and mamba (the default without --moe-cache-size)",
+    "num_tokens": "KV cache capacity in tokens (default: the whole context when it fits)",
+    "max_seq_len_override": "context limit in tokens instead of the checkpoint's max_position_embeddings",
+    "memory_ratio": "fraction of the free device memory the cache pools may use",
+    "gpu_memory_limit": "act as if the card had this much memory (e.g. 16GiB); on CPU the emulated card (default 96MiB)",
+    "page_size": "tokens per KV page",
+    "max_running_requests": "requests decoded together at most",
+    "max_prefill_length": "tokens per prefill chunk",
+    "mamba_cache_size": "linear-attention state slots (default: 2 x max running requests, at least 4)",
+    "enable_prefix_cache": "reuse KV and linear-attention state of earlier requests (--no-enable-prefix-cache to turn off)",
+    "seed": "engine seed",
+    "progress": "show loading progress",
+}
+
+
+CHOICES = {"moe_backend": ["offload", "resident"], "dtype": ["auto", "float32", "bfloat16", "float16"]}
+
+
+def _kind(f: dataclasses.Field):
+    """The argparse type of a field from its annotation ("int | None" -> int; byte sizes -> str)."""
+    first = str(f.type).split("|")[0].strip()
+    return {"bool": bool, "int": int, "float": float}.get(first, str)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = _kind(f)
+        if kind is bool:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=HELP.get(f.name))
+        else:
+            g.add_argument(flag, type=kind, default=f.default, choices=CHOICES.get(f.name), help=HELP.get(f.name))
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})

@@ -1,0 +1,72 @@
+"""`ft generate`: one prompt through the engine, streamed to the terminal or as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from ft.engine_args import add_engine_args, engine_config_from_args
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text for one prompt", description="Generate text for one prompt.")
+    p.add_argument("--prompt", required=True, help="the prompt text ('-' reads standard input)")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sample-seed", type=int, default=None, help="seed of this request's sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ft.engine.engine import Engine
+    from ft.engine.errors import FreeTokenError
+    from ft.engine.sampling_params import SamplingParams
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    try:
+        engine = Engine(engine_config_from_args(args))
+        tok = engine.tokenizer
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
+        ids = tok.encode(text)
+        params = SamplingParams(
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, seed=args.sample_seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+        )
+        t0 = time.perf_counter()
+        seq = engine.add_request(ids, params)
+        decoder = tok.incremental_decoder()
+        first = None
+        while not seq.is_finished:
+            for s in engine.step():
+                if first is None:
+                    first = time.perf_counter()
+                if not args.json and not args.stop:  # with stop strings, print once it is cut
+                    sys.stdout.write(decoder.step(s.output_ids[-1]))
+                    sys.stdout.flush()
+        end = time.perf_counter()
+    except FreeTokenError as e:
+        print(f"ft generate: {e}", file=sys.stderr)
+        return 1
+    n = len(seq.output_ids)
+    decode_s = end - (first or end)
+    rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0
+    if args.json:
+        print(json.dumps({
+            "text": engine.text_of(seq), "token_ids": seq.output_ids, "prompt_tokens": len(ids),
+            "finish_reason": seq.finish_reason, "time_to_first_token_s": round((first or end) - t0, 4),
+            "decode_tokens_per_s": round(rate, 2),
+        }))
+    else:
+        print(engine.text_of(seq) if args.stop else decoder.finish())
+        print(f"[{n} tokens, {seq.finish_reason}; first token {(first or end) - t0:.2f} s, "
+              f"decode {rate:.1f} tokens/s]", file=sys.stderr)
+    return 0

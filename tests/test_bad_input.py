@@ -1,0 +1,119 @@
+"""Bad checkpoints and bad requests raise clear errors that name the problem."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ft.engine import LLM, SamplingParams
+from ft.engine.errors import CheckpointError, ConfigError, RequestError, UnsupportedModelError
+
+
+def clone(src, dst, edit=None, config_edit=None, extra_files=None):
+    shutil.copytree(src, dst)
+    if edit:
+        state = load_file(dst / "model.safetensors")
+        edit(state)
+        save_file(state, dst / "model.safetensors")
+    if config_edit:
+        cfg = json.loads((dst / "config.json").read_text())
+        config_edit(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    for name, content in (extra_files or {}).items():
+        (dst / name).write_text(json.dumps(content))
+    return dst
+
+
+def load(path, **opts):
+    return LLM(model=str(path), device="cpu", dtype="float32", **opts)
+
+
+def test_missing_tensor_is_named(tiny_one, tmp_path):
+    name = "model.layers.1.self_attn.k_norm.weight"
+    path = clone(tiny_one[2], tmp_path / "ck", edit=lambda s: s.pop(name))
+    with pytest.raises(CheckpointError, match=f"missing tensor '{name}'"):
+        load(path)
+
+
+def test_unexpected_tensor_is_named(tiny_one, tmp_path):
+    path = clone(tiny_one[2], tmp_path / "ck", edit=lambda s: s.__setitem__("model.layers.0.extra.weight", torch.zeros(2)))
+    with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.0.extra.weight'"):
+        load(path)
+
+
+def test_wrong_shape_says_expected_and_found(tiny_one, tmp_path):
+    name = "model.layers.0.linear_attn.out_proj.weight"
+    path = clone(tiny_one[2], tmp_path / "ck", edit=lambda s: s.__setitem__(name, s[name][:, :-1].contiguous()))
+    with pytest.raises(CheckpointError, match=rf"'{name}': expected shape \[64, 64\], found \[64, 63\]"):
+        load(path)
+
+
+def test_unsupported_architecture(tiny_one, tmp_path):
+    path = clone(tiny_one[2], tmp_path / "ck", config_edit=lambda c: c.update(architectures=["LlamaForCausalLM"]))
+    with pytest.raises(UnsupportedModelError, match="unsupported architecture.*LlamaForCausalLM"):
+        load(path)
+
+
+def test_unsupported_quantization(tiny_one, tmp_path):
+    quant = {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8"}}
+    path = clone(tiny_one[2], tmp_path / "ck", extra_files={"hf_quant_config.json": quant})
+    with pytest.raises(UnsupportedModelError, match="unsupported quantization 'FP8'"):
+        load(path)
+
+
+def test_missing_directory_and_weights(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load(tmp_path / "empty")
+
+
+def test_no_safetensors(tiny_one, tmp_path):
+    path = clone(tiny_one[2], tmp_path / "ck")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no safetensors weights"):
+        load(path)
+
+
+def test_prompt_longer_than_context_is_refused(tiny_one):
+    llm = load(tiny_one[2], max_seq_len_override=100)
+    with pytest.raises(RequestError, match="the prompt is 150 tokens; the context limit is 100 tokens"):
+        llm.generate(prompt_token_ids=[[5] * 150], max_new_tokens=4)
+    with pytest.raises(RequestError, match="the prompt is 100 tokens; the context limit is 100"):
+        llm.generate(prompt_token_ids=[[5] * 100], max_new_tokens=4)
+    # 99 tokens leaves room for one: served, and stopped by the context limit
+    out = llm.generate(prompt_token_ids=[[5] * 99], max_new_tokens=4, temperature=0.0, ignore_eos=True)[0]
+    assert len(out.token_ids) == 1 and out.finish_reason == "length"
+
+
+def test_bad_token_ids_and_parameters(tiny_one):
+    llm = load(tiny_one[2])
+    with pytest.raises(RequestError, match="token id 999 is outside the vocabulary"):
+        llm.generate(prompt_token_ids=[[1, 999]])
+    with pytest.raises(RequestError, match="the prompt is empty"):
+        llm.generate(prompt_token_ids=[[]])
+    for bad in (dict(top_p=0.0), dict(temperature=-1.0), dict(max_new_tokens=0), dict(top_k=-2)):
+        with pytest.raises(RequestError):
+            SamplingParams(**bad)
+
+
+def test_bad_engine_options(tiny_one):
+    with pytest.raises(ConfigError, match="unknown engine option"):
+        load(tiny_one[2], moe_cache=3)
+    with pytest.raises(ConfigError, match="exclude each other"):
+        load(tiny_one[2], moe_cache_size=4, moe_cache_auto=True)
+    with pytest.raises(ConfigError, match="below the expert floor"):
+        load(tiny_one[2], moe_cache_size=1)
+    with pytest.raises(ConfigError, match="gpu-memory-limit"):
+        load(tiny_one[2], gpu_memory_limit="lots")
+    with pytest.raises(ConfigError, match="no memory left for the cache pools: card 1.0 MiB"):
+        load(tiny_one[2], gpu_memory_limit="1MiB")
+    with pytest.raises(ConfigError, match=r"cache pools need .* \(moe 4 slots .*kv 500032 tokens.*but the budget is"):
+        load(tiny_one[2], num_tokens=500_000, moe_cache_size=4)
+    with pytest.raises(ConfigError, match=r"the expert cache gets 0 slots after KV \(500032 tokens\)"):
+        load(tiny_one[2], num_tokens=500_000)

@@ -1,0 +1,95 @@
+"""Scheduling: many requests, preemption under KV pressure, cancellation, prefix-cache eviction."""
+
+from __future__ import annotations
+
+import torch
+
+from ft.engine import LLM, SamplingParams
+from test_oracle import GREEDY_32, hf_greedy, prompt_of
+
+
+def make(path, **opts):
+    return LLM(model=str(path), device="cpu", dtype="float32", page_size=16, **opts)
+
+
+def test_more_requests_than_running_slots(tiny_one):
+    _, model, path = tiny_one
+    prompts = [prompt_of(n, seed=n) for n in (9, 40, 3, 70, 22)]
+    out = make(path, max_running_requests=2).generate(prompt_token_ids=prompts, **GREEDY_32)
+    assert [o.token_ids for o in out] == [hf_greedy(model, p) for p in prompts]
+
+
+def test_preemption_under_kv_pressure_recomputes_correctly(tiny_one):
+    _, model, path = tiny_one
+    # 9 pages of 16 tokens: three requests of ~40 + 32 tokens cannot all hold their KV at once
+    llm = make(path, num_tokens=144, max_running_requests=3, enable_prefix_cache=False)
+    prompts = [prompt_of(40, seed=s) for s in (21, 22, 23)]
+    out = llm.generate(prompt_token_ids=prompts, **GREEDY_32)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in out] == [hf_greedy(model, p) for p in prompts]
+    assert llm.engine.pools.kv.num_used_pages == 0 and llm.engine.pools.mamba.num_used == 0
+
+
+def test_cancel_frees_pages_and_slot_at_once(tiny_one):
+    llm = make(tiny_one[2])
+    eng = llm.engine
+    seq = eng.add_request(prompt_of(50), SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True))
+    for _ in range(5):
+        eng.step()
+    assert seq.pages and eng.pools.kv.num_used_pages == len(seq.pages) and eng.pools.mamba.num_used == 1
+    assert eng.abort(seq.request_id)
+    assert seq.finish_reason == "abort" and not eng.has_work
+    assert eng.pools.kv.num_used_pages == 0 and eng.pools.mamba.num_used == 0
+    assert not eng.abort(seq.request_id)  # already gone
+
+
+def test_prefix_cache_entries_are_evicted_for_new_work(tiny_one):
+    _, model, path = tiny_one
+    llm = make(path, mamba_cache_size=2, max_running_requests=1)
+    prompts = [prompt_of(30, seed=s) for s in range(30, 35)]
+    for p in prompts:  # each finished request leaves an entry; the pool has 2 slots
+        assert llm.generate(prompt_token_ids=[p], **GREEDY_32)[0].token_ids == hf_greedy(model, p)
+    eng = llm.engine
+    assert len(eng.prefix_cache) == 2 and eng.pools.mamba.num_used == 2
+
+
+def test_page_aligned_and_unaligned_prefix_hits(tiny_one):
+    _, model, path = tiny_one
+    for n in (31, 32, 33):  # turn 1 ends before, exactly on and after a page boundary (16)
+        llm = make(path)
+        t1 = prompt_of(n - 1, seed=n)
+        o1 = llm.generate(prompt_token_ids=[t1], max_new_tokens=2, temperature=0.0, ignore_eos=True)[0]
+        t2 = t1 + o1.token_ids + [7, 8, 9]
+        o2 = llm.generate(prompt_token_ids=[t2], **GREEDY_32)[0]
+        assert o2.num_cached_tokens == n and o2.token_ids == hf_greedy(model, t2)
+
+
+def test_two_branches_share_a_prefix(tiny_one):
+    _, model, path = tiny_one
+    llm = make(path)
+    base = prompt_of(40, seed=50)
+    o = llm.generate(prompt_token_ids=[base], max_new_tokens=1, temperature=0.0, ignore_eos=True)[0]
+    a, b = base + o.token_ids + [11, 12], base + o.token_ids + [13]
+    outs = llm.generate(prompt_token_ids=[a, b], **GREEDY_32)
+    assert all(x.num_cached_tokens == 40 for x in outs)
+    assert [x.token_ids for x in outs] == [hf_greedy(model, a), hf_greedy(model, b)]
+
+
+def test_sampling_seed_stop_and_length(tiny_one):
+    llm = make(tiny_one[2])
+    p = [prompt_of(20)]
+    sampled = dict(max_new_tokens=20, temperature=1.0, top_p=0.9, ignore_eos=True)
+    a = llm.generate(prompt_token_ids=p, seed=7, **sampled)[0]
+    b = llm.generate(prompt_token_ids=p, seed=7, **sampled)[0]
+    c = llm.generate(prompt_token_ids=p, seed=8, **sampled)[0]
+    assert a.token_ids == b.token_ids != c.token_ids
+    greedy = llm.generate(prompt_token_ids=p, **GREEDY_32)[0]
+    assert greedy.finish_reason == "length" and len(greedy.token_ids) == 32
+    stop_id = greedy.token_ids[5]
+    stopped = llm.generate(prompt_token_ids=p, stop_token_ids=[stop_id], **GREEDY_32)[0]
+    first = greedy.token_ids.index(stop_id)
+    assert stopped.finish_reason == "stop" and stopped.token_ids == greedy.token_ids[: first + 1]
+    text = greedy.text
+    needle = text[len(text) // 2 : len(text) // 2 + 2]
+    cut = llm.generate(prompt_token_ids=p, stop=[needle], **GREEDY_32)[0]
+    assert cut.finish_reason == "stop" and cut.text == text[: text.index(needle)]
