@@ -9,6 +9,8 @@ import sys
 
 # name -> (module with add_parser(subparsers), one-line help)
 COMMANDS = {
+    "serve": ("ft.serve_cmd", "serve a model over an OpenAI-compatible HTTP API"),
+    "ctl": ("ft.ctl.cli", "inspect and resize a running server's caches"),
     "generate": ("ft.generate_cmd", "generate text for one prompt"),
     "quantize": ("ft.engine.quantize", "convert a Hugging Face checkpoint to NVFP4 (ModelOpt format)"),
 }

@@ -23,6 +23,7 @@ from ft.engine.memory.budget import Geometry, MemoryBudget, UnitCosts, measure_b
 from ft.engine.memory.expert_cache import ExpertCache
 from ft.engine.memory.kv_pool import KVPool
 from ft.engine.memory.mamba_pool import MambaPool
+from ft.engine.memory.planner import Limits, Plan, plan, reachable_ranges, sizes
 from ft.engine.models.qwen3_next import CachePools, Qwen3NextModel, tensor_specs
 from ft.engine.prefix_cache import PrefixCache
 from ft.engine.sampler import sample
@@ -46,6 +47,7 @@ def resolve_model_path(model: str | None) -> Path:
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
+        t_start = time.time()
         self.config = config
         self.device = _device(config.device)
         self.dtype = DTYPES[config.dtype] if config.dtype != "auto" else (
@@ -74,6 +76,14 @@ class Engine:
             self.pools.kv, self.pools.mamba, self.prefix_cache, config.max_running_requests, config.max_prefill_length
         )
         self._requests: dict[str, Sequence] = {}
+        self.started_at = time.time()
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        # every rebuild, startup included (see ft.schemas.HistoryEntry for the fields)
+        self.history: list[dict] = [{
+            "id": 0, "time": self.started_at, "trigger": "startup", "reason": None, "from": {},
+            "to": sizes(self.geometry), "peak_bytes": self.geometry.nbytes(self.unit_costs),
+            "status": "ok", "error": None, "phases": {"total_s": round(time.time() - t_start, 3)},
+        }]
 
     # ----------------------------------------------------------------------------- loading
     def _load_model(self) -> Qwen3NextModel:
@@ -213,12 +223,16 @@ class Engine:
     def _postprocess(self, work: ScheduledWork, logits: torch.Tensor) -> list[Sequence]:
         out = []
         logits = logits.cpu()
+        self.counters["steps"] += 1
         for seq, n, row in zip(work.seqs, work.num_tokens, logits):
+            if seq.num_computed < len(seq.prompt_ids):
+                self.counters["prompt_tokens"] += min(n, len(seq.prompt_ids) - seq.num_computed)
             seq.num_computed += n
             if seq.num_computed < seq.num_tokens:
                 continue  # a chunk of a longer prompt: no token yet
             token = sample(row, seq.params, seq.generator)
             seq.output_ids.append(token)
+            self.counters["generation_tokens"] += 1
             reason = self._finish_reason(seq, token)
             if reason:
                 self.scheduler.finish(seq, reason)
@@ -251,6 +265,32 @@ class Engine:
             self.step()
             if timeout_s is not None and time.monotonic() - t0 > timeout_s:
                 raise TimeoutError("generation did not finish in time")
+
+    # ----------------------------------------------------------------------------- geometry
+    def limits(self) -> Limits:
+        """Floors and ceilings of each pool now: the expert floor, the KV pages and mamba slots
+        that running requests hold; every expert, and (KV, mamba) only the budget above."""
+        running = self.scheduler.running
+        held_pages = len({p for s in running for p in s.pages})
+        moe_floor = self.total_experts if self.config.moe_backend == "resident" else self.expert_floor
+        return Limits(
+            floor={"moe": moe_floor, "kv": max(1, held_pages) * self.config.page_size, "mamba": max(1, len(running))},
+            ceiling={"moe": self.total_experts, "kv": 2**62, "mamba": 2**31},
+        )
+
+    def reachable_ranges(self) -> dict[str, tuple[int, int]]:
+        return reachable_ranges(self.geometry, self.unit_costs, self.budget.budget_bytes, self.limits())
+
+    def plan_resize(self, moe: int | None = None, kv: int | None = None, mamba: int | None = None) -> Plan:
+        """The plan from the current geometry to the target (None keeps a pool's size)."""
+        g = self.geometry
+        page = self.config.page_size
+        target = Geometry(
+            g.moe_slots if moe is None else moe,
+            g.kv_tokens if kv is None else -(-kv // page) * page,
+            g.mamba_slots if mamba is None else mamba,
+        )
+        return plan(g, target, self.unit_costs, self.budget.budget_bytes, self.limits())
 
     # ----------------------------------------------------------------------------- reports
     def describe(self) -> dict:

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ft.kernels.nvfp4 import dequantize_nvfp4
+from ft.kernels.nvfp4 import dequantize_nvfp4_rows
 
 
 class SlotWeights(NamedTuple):
@@ -45,16 +45,17 @@ def router_topk_ref(
     return weights.to(logits.dtype), ids
 
 
-def _slot_matrices(w: SlotWeights, slot: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense (w13 [2I, H], w2 [H, I]) of one slot."""
+def dense_slots(w: SlotWeights, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense (w13 [U, 2I, H], w2 [U, H, I]) of the given slots (NVFP4 dequantized in one pass)."""
     if not w.is_nvfp4:
-        return w.w13[slot].to(dtype), w.w2[slot].to(dtype)
+        return w.w13[slots].to(dtype), w.w2[slots].to(dtype)
     i = w.w13.shape[1] // 2
-    s2 = w.scale_2[slot]
-    gate = dequantize_nvfp4(w.w13[slot, :i], w.w13_scale[slot, :i], s2[0], dtype)
-    up = dequantize_nvfp4(w.w13[slot, i:], w.w13_scale[slot, i:], s2[1], dtype)
-    down = dequantize_nvfp4(w.w2[slot], w.w2_scale[slot], s2[2], dtype)
-    return torch.cat([gate, up], dim=0), down
+    s2 = w.scale_2[slots].float()  # [U, 3]: gate, up, down
+    rows13 = torch.cat([s2[:, :1].expand(-1, i), s2[:, 1:2].expand(-1, i)], dim=1)  # [U, 2I]
+    rows2 = s2[:, 2:3].expand(-1, w.w2.shape[1])  # [U, H]
+    w13 = dequantize_nvfp4_rows(w.w13[slots], w.w13_scale[slots], rows13, dtype)
+    w2 = dequantize_nvfp4_rows(w.w2[slots], w.w2_scale[slots], rows2, dtype)
+    return w13, w2
 
 
 def moe_over_slots_ref(
@@ -73,13 +74,15 @@ def moe_over_slots_ref(
     slots, counts = torch.unique_consecutive(flat[order], return_counts=True)
     pairs = order.split(counts.tolist())
     k = topk_slots.shape[1]
-    for slot, idx in zip(slots.tolist(), pairs):
-        if slot < 0:
-            continue
+    if slots.numel() and slots[0] < 0:  # skipped pairs sort first
+        slots, pairs = slots[1:], pairs[1:]
+    if not slots.numel():
+        return out
+    w13s, w2s = dense_slots(w, slots, x.dtype)
+    for j, idx in enumerate(pairs):
         tok = idx // k
-        w13, w2 = _slot_matrices(w, slot, x.dtype)
-        gate, up = F.linear(x[tok], w13).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2)
+        gate, up = F.linear(x[tok], w13s[j]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2s[j])
         out.index_add_(0, tok, y * topk_weights.reshape(-1)[idx, None])
     return out
 

@@ -1,0 +1,162 @@
+"""Admin API schemas: one module that the server, `ft ctl` and `ft top` all import.
+
+Pydantic only (no torch). Sizes are in the units users see: moe and mamba in slots, kv in
+tokens; bytes are plain ints. Every field a client reads has a default, so an older or partial
+payload still parses.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+State = Literal["starting", "serving", "rebuilding"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class PoolState(_Model):
+    """One pool: its size, bytes, and the reachable range [min, max] with the others held fixed."""
+
+    size: int = 0
+    bytes: int = 0
+    min: int = 0
+    max: int = 0
+
+
+class MoEPoolState(PoolState):
+    policy: str = "lru"
+    backend: str = "offload"
+    total_experts: int = 0
+    resident: int = 0  # experts currently in slots
+    hit_rate: float = 0.0  # since startup
+    hits: int = 0
+    misses: int = 0
+
+
+class KVPoolState(PoolState):
+    page_size: int = 64
+    pages: int = 0
+    used: int = 0  # pages held by requests or the prefix cache
+
+
+class MambaPoolState(PoolState):
+    used: int = 0
+
+
+class Pools(_Model):
+    moe: MoEPoolState = Field(default_factory=MoEPoolState)
+    kv: KVPoolState = Field(default_factory=KVPoolState)
+    mamba: MambaPoolState = Field(default_factory=MambaPoolState)
+
+
+class LadderState(_Model):
+    enabled: bool = False
+    auto: bool = False
+    rungs: list[int] = Field(default_factory=list)
+    current: int | None = None  # index into rungs
+    step: int = 0
+    last_decision: str | None = None
+
+
+class CacheState(_Model):
+    """GET /admin/cache."""
+
+    state: State = "starting"
+    model: str = ""
+    budget_bytes: int = 0
+    allocated_bytes: int = 0
+    context_limit: int = 0
+    pools: Pools = Field(default_factory=Pools)
+    ladder: LadderState = Field(default_factory=LadderState)
+    running: int = 0
+    waiting: int = 0
+    uptime_s: float = 0.0
+
+
+class ResizeRequest(_Model):
+    """POST /admin/cache: targets (None keeps the current size), wait and dry run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    moe: int | None = Field(default=None, ge=0)
+    kv: int | None = Field(default=None, ge=0)
+    mamba: int | None = Field(default=None, ge=0)
+    wait_s: float | None = Field(default=None, ge=0, le=3600)
+    dry_run: bool = False
+
+
+class PlanStep(_Model):
+    action: str  # e.g. "shrink kv", "grow moe"
+    pool: str
+    delta_bytes: int
+    total_bytes: int  # running total after this step
+
+
+class ResizePlan(_Model):
+    """A dry run's answer: the ordered steps, the peak and whether it fits the budget."""
+
+    target: dict[str, int] = Field(default_factory=dict)
+    steps: list[PlanStep] = Field(default_factory=list)
+    peak_bytes: int = 0
+    budget_bytes: int = 0
+    fits: bool = False
+    reason: str | None = None
+
+
+class RebuildPhases(_Model):
+    quiesce_s: float = 0.0
+    free_s: float = 0.0
+    allocate_s: float = 0.0
+    fill_s: float = 0.0
+    graphs_s: float = 0.0
+    total_s: float = 0.0
+
+
+class HistoryEntry(_Model):
+    id: int = 0
+    time: float = 0.0  # unix seconds
+    trigger: Literal["startup", "manual", "ladder"] = "manual"
+    reason: str | None = None
+    from_: dict[str, int] = Field(default_factory=dict, alias="from")
+    to: dict[str, int] = Field(default_factory=dict)
+    peak_bytes: int = 0
+    status: Literal["ok", "rolled_back", "refused", "running"] = "ok"
+    error: str | None = None
+    phases: RebuildPhases = Field(default_factory=RebuildPhases)
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class History(_Model):
+    entries: list[HistoryEntry] = Field(default_factory=list)
+
+
+class LiveRates(_Model):
+    decode_tokens_per_s: float = 0.0
+    prompt_tokens_per_s: float = 0.0
+    expert_hit_rate: float = 0.0  # over the last interval
+    kv_usage: float = 0.0  # used pages / pages
+
+
+class Event(_Model):
+    """One server-sent event of GET /admin/events."""
+
+    kind: Literal["snapshot", "change", "tick", "rebuild"] = "tick"
+    cache: CacheState = Field(default_factory=CacheState)
+    rates: LiveRates = Field(default_factory=LiveRates)
+    rebuild: HistoryEntry | None = None
+
+
+class ErrorBody(_Model):
+    """Every 4xx/5xx body: {"error": {"message", "type", "code"}} (OpenAI's shape)."""
+
+    class Detail(_Model):
+        message: str
+        type: str = "invalid_request_error"
+        code: int | str | None = None
+
+    error: Detail

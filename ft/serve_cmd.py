@@ -1,0 +1,114 @@
+"""`ft serve`: the daemon. HTTP comes up at once (/health answers 503 while the engine loads);
+the engine thread then prints what it measured and the server starts serving."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ipaddress
+import logging
+import os
+import signal
+import sys
+import threading
+
+from ft.engine_args import add_engine_args, engine_config_from_args
+from ft.units import format_bytes
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Serve a model over an OpenAI-compatible HTTP API with admin routes.")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--served-model-name", default=None, help="model id in the API (default: ft-demo or the folder name)")
+    p.add_argument("--api-key", default=os.environ.get("FT_API_KEY"), help="require this bearer key on /v1 routes")
+    p.add_argument("--admin-token", default=os.environ.get("FT_ADMIN_TOKEN"), help="require this bearer token on /admin routes")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest request body accepted")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get to finish on shutdown")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost",):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def describe(engine, url: str) -> str:
+    d = engine.describe()
+    b, c, g = engine.budget, engine.unit_costs, engine.geometry
+    return "\n".join([
+        f"ft serve: {d['model']} on {d['device']} ({d['dtype']}), context {engine.context_limit} tokens",
+        f"  budget: card {format_bytes(b.card_bytes)}, weights {format_bytes(d['resident_weight_bytes'])}, "
+        f"activation reserve {format_bytes(b.reserve_bytes)} -> cache budget {format_bytes(b.budget_bytes)}",
+        f"  unit costs: expert slot {format_bytes(c.expert_slot)}, kv page {format_bytes(c.kv_page)} "
+        f"({c.page_size} tokens), mamba slot {format_bytes(c.mamba_slot)}",
+        f"  geometry: moe {g.moe_slots}/{engine.total_experts} slots ({engine.config.moe_backend}), "
+        f"kv {g.kv_tokens} tokens, mamba {g.mamba_slots} slots = {format_bytes(g.nbytes(c))}",
+        f"  serving on {url}",
+    ])
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, but SIGINT/SIGTERM end it with exit code 0 after the drain instead of
+        re-raising the signal (which would make the process die by it)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            previous = {}
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, lambda s, f: self.handle_exit(s, f))
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    _Server = _server_class()
+
+    from ft.engine.engine import Engine
+    from ft.server.app import ServerState, create_app
+    from ft.server.engine_loop import EngineLoop
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    config = engine_config_from_args(args)
+    if not _is_loopback(args.host) and not (args.api_key and args.admin_token):
+        print(f"WARNING: ft serve binds {args.host} without --api-key and --admin-token: anyone who reaches "
+              "this port can generate and resize the caches. Set both tokens.", file=sys.stderr)
+    name = args.served_model_name or ("ft-demo" if config.model in (None, "", "demo") else os.path.basename(os.path.normpath(config.model)))
+    loop = EngineLoop(lambda: Engine(config))
+    state = ServerState(loop, name, args.api_key, args.admin_token, args.max_body_bytes, args.drain_timeout)
+    app = create_app(state)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    url = f"http://{host}:{args.port}"
+
+    def announce():
+        loop.ready.wait()
+        if loop.engine is not None:
+            print(describe(loop.engine, url), file=sys.stderr, flush=True)
+        else:
+            print(f"ft serve: the engine failed to start: {loop.error}", file=sys.stderr, flush=True)
+            server.should_exit = True
+
+    server = _Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=max(1, int(args.drain_timeout)),
+    ))
+    threading.Thread(target=announce, daemon=True).start()
+    server.run()
+    return 1 if loop.error is not None else 0

@@ -1,0 +1,130 @@
+"""Admin routes: cache state, resize (dry run, validation), history, live events, ladder."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from ft.schemas import CacheState, Event, History, LiveRates, ResizePlan, ResizeRequest
+from ft.server import admin_state
+from ft.server.errors import ApiError
+
+
+def require_admin(request: Request) -> None:
+    token = request.app.state.ft.admin_token
+    if not token:
+        return
+    got = request.headers.get("authorization", "")
+    if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+        raise ApiError(401, "admin routes need the admin token: Authorization: Bearer <token>", "authentication_error")
+
+
+router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
+
+
+def _st(request: Request):
+    return request.app.state.ft
+
+
+async def _engine_call(st, fn) -> Any:
+    if st.loop.state != "serving":
+        raise ApiError(503, f"the engine is {st.loop.state}", "server_unavailable")
+    return await st.loop.acall(fn)
+
+
+@router.get("/cache", response_model=CacheState)
+async def get_cache(request: Request) -> CacheState:
+    st = _st(request)
+    if st.loop.state != "serving":
+        return CacheState(state="starting", model=st.model_name)
+    return await _engine_call(st, lambda e: admin_state.cache_state(e, st.loop.state, st.model_name))
+
+
+@router.post("/cache", response_model=CacheState | ResizePlan)
+async def post_cache(body: ResizeRequest, request: Request):
+    st = _st(request)
+
+    def examine(engine):
+        p = engine.plan_resize(body.moe, body.kv, body.mamba)
+        return p, engine.reachable_ranges(), admin_state.cache_state(engine, st.loop.state, st.model_name)
+
+    plan, ranges, state = await _engine_call(st, examine)
+    if body.dry_run:
+        return admin_state.resize_plan(plan)
+    if not plan.fits:
+        shown = ", ".join(f"{p} {lo}..{hi}" for p, (lo, hi) in ranges.items())
+        raise ApiError(422, f"{plan.reason}; reachable ranges: {shown}", "out_of_range")
+    if plan.target == plan.current:
+        return state
+    raise ApiError(
+        501,
+        "live cache rebuild is not implemented in this version; the target is reachable: restart "
+        "`ft serve` with --moe-cache-size / --num-tokens / --mamba-cache-size to use it",
+        "not_implemented",
+    )
+
+
+@router.get("/cache/history", response_model=History)
+async def get_history(request: Request) -> History:
+    st = _st(request)
+    return await _engine_call(st, admin_state.history)
+
+
+class LadderRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    auto: bool | None = None
+    rung: int | str | None = None
+
+
+@router.post("/ladder")
+async def post_ladder(body: LadderRequest, request: Request):
+    if isinstance(body.rung, str) and body.rung not in ("up", "down"):
+        raise ApiError(400, f"rung must be an index, 'up' or 'down', got {body.rung!r}")
+    raise ApiError(501, "the KV ladder is not implemented in this version (start with fixed sizes)", "not_implemented")
+
+
+@router.get("/events")
+async def events(request: Request):
+    """Server-sent events: a snapshot on connect, a `change` when the geometry or state changes,
+    and a `tick` with live rates at least once a second."""
+    st = _st(request)
+    interval = max(0.1, float(request.query_params.get("interval", 1.0)))
+
+    def sample(engine):
+        return admin_state.cache_state(engine, st.loop.state, st.model_name), dict(engine.counters), \
+            (engine.pools.experts.stats.hits, engine.pools.experts.stats.misses) if engine.pools.experts else (0, 0)
+
+    async def stream():
+        last_key, last, last_t = None, None, time.monotonic()
+        kind = "snapshot"
+        while not await request.is_disconnected():
+            if st.loop.state != "serving":
+                ev = Event(kind=kind, cache=CacheState(state="starting", model=st.model_name))
+            else:
+                cache, counters, (hits, misses) = await st.loop.acall(sample)
+                now = time.monotonic()
+                rates = LiveRates(kv_usage=cache.pools.kv.used / max(1, cache.pools.kv.pages))
+                if last is not None:
+                    dt = max(1e-6, now - last_t)
+                    rates.decode_tokens_per_s = (counters["generation_tokens"] - last[0]["generation_tokens"]) / dt
+                    rates.prompt_tokens_per_s = (counters["prompt_tokens"] - last[0]["prompt_tokens"]) / dt
+                    dh, dm = hits - last[1][0], misses - last[1][1]
+                    rates.expert_hit_rate = dh / (dh + dm) if dh + dm else cache.pools.moe.hit_rate
+                last, last_t = (counters, (hits, misses)), now
+                key = (cache.state, cache.pools.moe.size, cache.pools.kv.size, cache.pools.mamba.size)
+                if kind != "snapshot" and key != last_key:
+                    kind = "change"
+                last_key = key
+                ev = Event(kind=kind, cache=cache, rates=rates)
+            yield f"event: {ev.kind}\ndata: {json.dumps(ev.model_dump(mode='json', by_alias=True))}\n\n"
+            kind = "tick"
+            await asyncio.sleep(interval)
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

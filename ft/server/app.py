@@ -1,0 +1,82 @@
+"""The FastAPI application: OpenAI routes, admin routes, /health and /metrics around one engine loop."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from ft.server import admin_routes, errors, openai_routes
+from ft.server.engine_loop import EngineLoop
+from ft.server.errors import json_error
+from ft.server.metrics import Metrics, engine_snapshot
+
+
+@dataclass
+class ServerState:
+    loop: EngineLoop
+    model_name: str
+    api_key: str | None = None
+    admin_token: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
+    drain_s: float = 30.0
+    metrics: Metrics = field(default_factory=Metrics)
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def tokenizer(self):
+        return self.loop.engine.tokenizer
+
+    @property
+    def context_limit(self) -> int:
+        return self.loop.engine.context_limit if self.loop.engine else 0
+
+
+def create_app(state: ServerState, start_loop: bool = True) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        if start_loop:
+            state.loop.start()
+        yield
+        state.loop.stop(drain_s=state.drain_s)
+
+    app = FastAPI(title="FreeToken", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.ft = state
+    errors.install(app)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        path = request.url.path
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > state.max_body_bytes:
+            return json_error(413, f"request body is {length} bytes; the limit is {state.max_body_bytes}")
+        if path.startswith("/v1/"):
+            if state.api_key and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(), f"Bearer {state.api_key}".encode()
+            ):
+                return json_error(401, "missing or wrong API key: Authorization: Bearer <key>", "authentication_error")
+            if state.loop.state != "serving":
+                return json_error(503, f"the engine is {state.loop.state}", "server_unavailable")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if state.loop.state == "serving":
+            return {"status": "ok"}
+        body = {"status": state.loop.state}
+        if state.loop.error is not None:
+            body["error"] = str(state.loop.error)
+        return JSONResponse(body, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        snap = await state.loop.acall(engine_snapshot) if state.loop.state == "serving" else {}
+        return Response(state.metrics.render(snap), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    app.include_router(openai_routes.router)
+    app.include_router(admin_routes.router)
+    return app

@@ -1,0 +1,175 @@
+"""The engine thread: one loop that owns the engine (and so every tensor).
+
+The asyncio side talks to it only through a thread-safe command queue: `submit` a request,
+`abort` one, or `call` any function on the engine between two forward steps (admin commands,
+state snapshots). Tokens flow back per request through an asyncio queue fed with
+`call_soon_threadsafe`, so the event loop never blocks on the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+log = logging.getLogger("ft.server")
+
+
+@dataclass
+class TokenEvent:
+    """One generated token of a request (finish_reason set on its last one)."""
+
+    token_id: int
+    num_output: int
+    finish_reason: str | None
+    stop_text: str | None
+    num_cached: int
+
+
+class RequestStream:
+    """The async end of one request."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, request_id: str) -> None:
+        self.loop, self.request_id = loop, request_id
+        self.queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def push(self, item: TokenEvent | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class EngineLoop:
+    """Builds the engine in its thread (state "starting" until it is up), then serves commands."""
+
+    def __init__(self, build: Callable[[], Any]) -> None:
+        self._build = build
+        self._commands: queue.Queue[tuple[Callable[[Any], Any], concurrent.futures.Future]] = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}
+        self._stop = threading.Event()
+        self._draining = False
+        self.engine: Any = None
+        self.state = "starting"
+        self.error: BaseException | None = None
+        self.ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="ft-engine", daemon=True)
+
+    # ------------------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, drain_s: float = 0.0) -> None:
+        """Finish running requests for up to `drain_s` seconds, abort the rest, end the thread."""
+        self._draining = True
+        deadline = time.monotonic() + drain_s
+        while drain_s and self.engine is not None and time.monotonic() < deadline:
+            busy = self.call_sync(lambda e: e.has_work, timeout=5.0)
+            if not busy:
+                break
+            time.sleep(0.05)
+        if self.engine is not None and self._thread.is_alive():
+            try:
+                self.call_sync(self._abort_all, timeout=5.0)
+            except Exception:  # the thread may already be gone
+                pass
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _main(self) -> None:
+        try:
+            self.engine = self._build()
+        except BaseException as e:  # reported by /health and the serve command
+            log.exception("engine failed to start")
+            self.error = e
+            self.state = "failed"
+            self.ready.set()
+            return
+        self.state = "serving"
+        self.ready.set()
+        while not self._stop.is_set():
+            self._run_commands(block=not self.engine.has_work)
+            if self.engine.has_work:
+                self._step()
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            fn, fut = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.engine))
+                except BaseException as e:
+                    fut.set_exception(e)
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _step(self) -> None:
+        try:
+            outs = self.engine.step()
+        except BaseException as e:  # a bug: fail the requests in flight, keep the server up
+            log.exception("engine step failed")
+            for rid in list(self._streams):
+                self._streams.pop(rid).push(e)
+                self.engine.abort(rid)
+            return
+        for seq in outs:
+            stream = self._streams.get(seq.request_id)
+            if stream is None:
+                continue
+            stream.push(TokenEvent(seq.output_ids[-1], len(seq.output_ids), seq.finish_reason, seq.stop_text,
+                                   seq.num_cached))
+            if seq.finish_reason:
+                self._streams.pop(seq.request_id, None)
+
+    def _abort_all(self, engine) -> None:
+        for rid, stream in list(self._streams.items()):
+            engine.abort(rid)
+            stream.push(TokenEvent(-1, 0, "abort", None, 0))
+        self._streams.clear()
+
+    # ------------------------------------------------------------------------- commands
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run fn(engine) on the engine thread between two steps."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self.state != "serving" or self._stop.is_set():
+            fut.set_exception(RuntimeError(f"engine is {self.state}"))
+            return fut
+        self._commands.put((fn, fut))
+        return fut
+
+    def call_sync(self, fn: Callable[[Any], Any], timeout: float | None = None) -> Any:
+        return self.call(fn).result(timeout)
+
+    async def acall(self, fn: Callable[[Any], Any]) -> Any:
+        return await asyncio.wrap_future(self.call(fn))
+
+    async def submit(self, prompt_ids: list[int], params, request_id: str) -> RequestStream:
+        """Queue a request; raises the engine's RequestError when it cannot be served."""
+        if self._draining:
+            raise RuntimeError("the server is shutting down")
+        stream = RequestStream(asyncio.get_running_loop(), request_id)
+
+        def add(engine):
+            engine.add_request(prompt_ids, params, request_id=request_id)
+            self._streams[request_id] = stream
+
+        await self.acall(add)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (fire and forget): its pages and slot are freed at once."""
+
+        def drop(engine):
+            self._streams.pop(request_id, None)
+            engine.abort(request_id)
+
+        if self.state == "serving":
+            self.call(drop)

@@ -1,0 +1,51 @@
+"""HTTP errors in OpenAI's shape: {"error": {"message", "type", "code"}}, and the handlers that
+turn validation failures and unexpected exceptions into 4xx/5xx bodies (never a bare 500 page)."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("ft.server")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type_
+
+
+def json_error(status: int, message: str, type_: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "code": status}}, status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        msg = err.get("msg", "invalid")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "invalid request: " + "; ".join(parts[:5])
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError):
+        return json_error(exc.status, exc.message, exc.type)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        return json_error(400, _validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        return json_error(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404 else "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        log.exception("unexpected error")
+        return json_error(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")

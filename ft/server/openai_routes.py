@@ -1,0 +1,180 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from ft.server.errors import ApiError
+from ft.server.generation import Generation, TextStream, collect, stream_tokens
+from ft.server.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    _Sampling,
+    chat_body,
+    chat_chunk,
+    completion_body,
+    new_id,
+    usage,
+)
+
+router = APIRouter()
+
+
+def _state(request: Request):
+    return request.app.state.ft
+
+
+def sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    st = _state(request)
+    return {"object": "list", "data": [{
+        "id": st.model_name, "object": "model", "created": int(st.started_at), "owned_by": "freetoken",
+        "max_model_len": st.context_limit,
+    }]}
+
+
+def _check_common(st, body: _Sampling) -> None:
+    if body.model != st.model_name:
+        raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{st.model_name}`",
+                       "model_not_found")
+    if body.n != 1:
+        raise ApiError(400, "n must be 1: FreeToken returns one choice per request")
+    if body.logprobs not in (None, False, 0):
+        raise ApiError(400, "logprobs are not supported")
+    if body.presence_penalty or body.frequency_penalty:
+        raise ApiError(400, "presence_penalty and frequency_penalty are not supported")
+
+
+def _params(st, body: _Sampling, prompt_len: int, max_tokens: int | None):
+    from ft.engine.sampling_params import SamplingParams
+
+    limit = st.context_limit
+    if prompt_len >= limit:
+        raise ApiError(400, f"the prompt is {prompt_len} tokens; the context limit is {limit} tokens", "context_length_exceeded")
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}")
+        if prompt_len + max_tokens > limit:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion).",
+                "context_length_exceeded",
+            )
+    return SamplingParams(
+        max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        seed=body.seed, stop=body.stop_strings(), ignore_eos=body.ignore_eos,
+    )
+
+
+async def _start(st, prompt_ids: list[int], params, rid: str):
+    from ft.engine.errors import RequestError
+
+    try:
+        return await st.loop.submit(prompt_ids, params, rid)
+    except RequestError as e:
+        raise ApiError(400, str(e)) from None
+    except RuntimeError as e:
+        raise ApiError(503, str(e), "server_unavailable") from None
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    st = _state(request)
+    _check_common(st, body)
+    if body.echo:
+        raise ApiError(400, "echo is not supported")
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise ApiError(400, "send one prompt per request (a list of one string or of token ids)")
+        prompt = prompt[0]
+    ids = st.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise ApiError(400, "the prompt is empty")
+    params = _params(st, body, len(ids), body.max_tokens)
+    rid = new_id("cmpl")
+    gen = Generation(prompt_tokens=len(ids))
+    stream = await _start(st, ids, params, rid)
+    text = TextStream(st.tokenizer, params.stop)
+    st.metrics.request_started()
+    if not body.stream:
+        await collect(st.loop, stream, text, gen, request.is_disconnected, st.metrics.on_token)
+        st.metrics.request_finished(gen)
+        return completion_body(rid, st.model_name, gen.text, gen.finish_reason,
+                               usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
+
+    created = int(time.time())
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for delta in stream_tokens(st.loop, stream, text, gen, st.metrics.on_token):
+                yield sse(completion_body(rid, st.model_name, delta, None, None, created))
+            yield sse(completion_body(rid, st.model_name, "", gen.finish_reason, None, created))
+            if include_usage:
+                body_ = completion_body(rid, st.model_name, "", None, usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens), created)
+                body_["choices"] = []
+                yield sse(body_)
+            yield sse("[DONE]")
+        finally:
+            st.metrics.request_finished(gen)
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    from ft.engine.tokenizer import ChatTemplateError
+
+    st = _state(request)
+    _check_common(st, body)
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    try:
+        prompt = st.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tools=body.tools, **(body.chat_template_kwargs or {})
+        )
+    except ChatTemplateError as e:
+        raise ApiError(400, str(e)) from None
+    ids = st.tokenizer.encode(prompt)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = _params(st, body, len(ids), max_tokens)
+    rid = new_id("chatcmpl")
+    gen = Generation(prompt_tokens=len(ids))
+    stream = await _start(st, ids, params, rid)
+    text = TextStream(st.tokenizer, params.stop)
+    st.metrics.request_started()
+    if not body.stream:
+        await collect(st.loop, stream, text, gen, request.is_disconnected, st.metrics.on_token)
+        st.metrics.request_finished(gen)
+        return chat_body(rid, st.model_name, gen.text, gen.finish_reason,
+                         usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
+
+    created = int(time.time())
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            yield sse(chat_chunk(rid, st.model_name, created, {"role": "assistant", "content": ""}, None))
+            async for delta in stream_tokens(st.loop, stream, text, gen, st.metrics.on_token):
+                yield sse(chat_chunk(rid, st.model_name, created, {"content": delta}, None))
+            yield sse(chat_chunk(rid, st.model_name, created, {}, gen.finish_reason))
+            if include_usage:
+                last = chat_chunk(rid, st.model_name, created, {}, None)
+                last["choices"] = []
+                last["usage"] = usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+                yield sse(last)
+            yield sse("[DONE]")
+        finally:
+            st.metrics.request_finished(gen)
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -1,0 +1,64 @@
+"""An NVFP4 checkpoint (written by `ft quantize`) gives the same greedy tokens as transformers run
+on the dequantized weights, with the experts offloaded and resident."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from ft.engine import LLM
+from ft.engine.quantize import quantize_checkpoint
+from ft.kernels.nvfp4 import dequantize_nvfp4
+from test_oracle import GREEDY_32, hf_greedy, prompt_of, rel_err, hf_last_logits, first_step_logits
+
+
+@pytest.fixture(scope="module")
+def nvfp4_pair(tiny_one, tmp_path_factory):
+    _, model, src = tiny_one
+    dst = tmp_path_factory.mktemp("nvfp4") / "ck"
+    quantize_checkpoint(src, dst, progress=False)
+    # transformers on the dequantized weights: the oracle for the quantized checkpoint
+    from transformers import Qwen3NextForCausalLM
+
+    ref = Qwen3NextForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    params = dict(ref.named_parameters())
+    n_quantized = 0
+    with safe_open(str(dst / "model.safetensors"), "pt") as f, torch.no_grad():
+        names = set(f.keys())
+        for name in names:
+            if not name.endswith(".weight_scale"):
+                continue
+            module = name.removesuffix(".weight_scale")
+            w = dequantize_nvfp4(f.get_tensor(module + ".weight"), f.get_tensor(name), f.get_tensor(module + ".weight_scale_2"))
+            _assign(ref, params, module, w)
+            n_quantized += 1
+    assert n_quantized > 20
+    return ref, dst
+
+
+def _assign(model, params, module: str, w: torch.Tensor) -> None:
+    """Write a dequantized projection into the transformers model (experts are fused there)."""
+    if ".mlp.experts." in module:
+        prefix, rest = module.split(".mlp.experts.")
+        e, proj = rest.split(".")
+        experts = model.get_submodule(prefix + ".mlp.experts")
+        i = experts.gate_up_proj.shape[1] // 2
+        if proj == "gate_proj":
+            experts.gate_up_proj[int(e), :i] = w
+        elif proj == "up_proj":
+            experts.gate_up_proj[int(e), i:] = w
+        else:
+            experts.down_proj[int(e)] = w
+        return
+    params[module + ".weight"].copy_(w)
+
+
+@pytest.mark.parametrize("backend", ["offload", "resident"])
+def test_nvfp4_checkpoint_matches_transformers_on_dequantized_weights(nvfp4_pair, backend):
+    ref, path = nvfp4_pair
+    opts = dict(moe_cache_size=3) if backend == "offload" else {}
+    llm = LLM(model=str(path), device="cpu", dtype="float32", page_size=16, moe_backend=backend, **opts)
+    prompt = prompt_of(60, seed=9)
+    assert rel_err(first_step_logits(llm, prompt), hf_last_logits(ref, prompt)) < 1e-4
+    assert llm.generate(prompt_token_ids=[prompt], **GREEDY_32)[0].token_ids == hf_greedy(ref, prompt)
