@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ft.engine.memory.resizable import resize_rows
 from ft.kernels.moe import SlotWeights
 
 
@@ -122,3 +123,19 @@ class ExpertCache:
         self.slot_table.fill_(-1)
         self._lru.clear()
         self._free = list(range(self.num_slots - 1, -1, -1))
+
+    def resize(self, num_slots: int) -> None:
+        """Grow or shrink to `num_slots`. Experts in kept slots stay resident; those in cut slots
+        are forgotten (loaded again from the host store when next used)."""
+        if num_slots < 1:
+            raise ValueError("expert cache needs at least one slot")
+        for key, slot in list(self._lru.items()):
+            if slot >= num_slots:
+                del self._lru[key]
+                self.slot_table[key] = -1
+        old = self.num_slots
+        self.slots = SlotWeights(*(None if t is None else resize_rows(t, num_slots) for t in self.slots))
+        if num_slots < old:
+            self._free = [s for s in self._free if s < num_slots]
+        else:
+            self._free = list(range(num_slots - 1, old - 1, -1)) + self._free

@@ -11,6 +11,8 @@ from collections import deque
 
 import torch
 
+from ft.engine.memory.resizable import resize_rows
+
 
 class KVPool:
     """Pages of KV plus their allocator. Sizes are in tokens for users, pages inside."""
@@ -95,3 +97,37 @@ class KVPool:
 
     def copy_page(self, src: int, dst: int) -> None:
         self.kv[dst].copy_(self.kv[src])
+
+    # --------------------------------------------------------------------------- resizing
+    def pages_in_use_from(self, n: int) -> list[int]:
+        """Pages with an index >= n that something still references."""
+        return [p for p in range(n, self.num_pages) if self._refs[p] > 0]
+
+    def relocate_above(self, n: int) -> dict[int, int]:
+        """Copy every used page >= n into a free page < n; returns {old: new}. The caller rewrites
+        the page lists that held the old ids. Needs num_used_pages <= n."""
+        moving = self.pages_in_use_from(n)
+        low_free = [p for p in self._free if p < n]
+        if len(low_free) < len(moving):
+            raise MemoryError(f"KV pool: {len(moving)} pages to keep above {n}, {len(low_free)} free below")
+        moves = dict(zip(moving, low_free))
+        taken = set(moves.values())
+        self._free = deque(p for p in self._free if p not in taken)
+        for old, new in moves.items():
+            self.kv[new].copy_(self.kv[old])
+            self._refs[new], self._refs[old] = self._refs[old], 0
+            self._free.append(old)
+        return moves
+
+    def resize(self, num_pages: int) -> None:
+        """Grow or shrink to `num_pages`; pages >= num_pages must be free when shrinking."""
+        if self.pages_in_use_from(num_pages):
+            raise RuntimeError(f"KV pool: pages >= {num_pages} are still in use")
+        old = self.num_pages
+        self.kv = resize_rows(self.kv, num_pages)
+        if num_pages < old:
+            self._free = deque(p for p in self._free if p < num_pages)
+            del self._refs[num_pages:]
+        else:
+            self._free.extend(range(old, num_pages))
+            self._refs.extend([0] * (num_pages - old))

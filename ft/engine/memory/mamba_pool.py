@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ft.engine.memory.resizable import resize_rows
+
 
 class MambaPool:
     def __init__(
@@ -68,3 +70,33 @@ class MambaPool:
     def copy_slot(self, src: int, dst: int) -> None:
         self.conv[dst].copy_(self.conv[src])
         self.ssm[dst].copy_(self.ssm[src])
+
+    # --------------------------------------------------------------------------- resizing
+    def slots_in_use_from(self, n: int) -> list[int]:
+        free = set(self._free)
+        return [s for s in range(n, self.num_slots) if s not in free]
+
+    def relocate_above(self, n: int) -> dict[int, int]:
+        """Copy every used slot >= n into a free slot < n; returns {old: new}."""
+        moving = self.slots_in_use_from(n)
+        low_free = sorted(s for s in self._free if s < n)
+        if len(low_free) < len(moving):
+            raise MemoryError(f"mamba pool: {len(moving)} slots to keep above {n}, {len(low_free)} free below")
+        moves = dict(zip(moving, low_free))
+        taken = set(moves.values())
+        self._free = [s for s in self._free if s not in taken] + list(moves)
+        for old, new in moves.items():
+            self.copy_slot(old, new)
+        return moves
+
+    def resize(self, num_slots: int) -> None:
+        """Grow or shrink to `num_slots`; slots >= num_slots must be free when shrinking."""
+        if self.slots_in_use_from(num_slots):
+            raise RuntimeError(f"mamba pool: slots >= {num_slots} are still in use")
+        old = self.num_slots
+        self.conv = resize_rows(self.conv, num_slots)
+        self.ssm = resize_rows(self.ssm, num_slots)
+        if num_slots < old:
+            self._free = [s for s in self._free if s < num_slots]
+        else:
+            self._free = list(range(num_slots - 1, old - 1, -1)) + self._free
