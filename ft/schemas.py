@@ -123,7 +123,8 @@ class HistoryEntry(_Model):
     reason: str | None = None
     from_: dict[str, int] = Field(default_factory=dict, alias="from")
     to: dict[str, int] = Field(default_factory=dict)
-    peak_bytes: int = 0
+    peak_bytes: int = 0  # the plan's peak
+    measured_peak_bytes: int = 0  # the pools' real bytes, largest after any step
     status: Literal["ok", "rolled_back", "refused", "running"] = "ok"
     error: str | None = None
     phases: RebuildPhases = Field(default_factory=RebuildPhases)

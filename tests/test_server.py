@@ -180,12 +180,14 @@ def test_admin_cache_state_and_resize_answers(server):
     assert plan["fits"] and plan["peak_bytes"] <= plan["budget_bytes"] and plan["steps"][0]["pool"] == "kv"
     plan = httpx.post(server.url + "/admin/cache", json={"moe": 32, "kv": kv_max, "dry_run": True}).json()
     assert [s["action"] for s in plan["steps"]] == ["shrink moe", "grow kv"]
-    r = httpx.post(server.url + "/admin/cache", json={"kv": kv_max})
-    assert r.status_code == 501
-    assert httpx.post(server.url + "/admin/cache", json={"kv": st["pools"]["kv"]["size"]}).status_code == 200
+    r = httpx.post(server.url + "/admin/cache", json={"kv": kv_max, "wait_s": 30})
+    assert r.status_code == 200 and r.json()["pools"]["kv"]["size"] == kv_max
+    r = httpx.post(server.url + "/admin/cache", json={"kv": st["pools"]["kv"]["size"]})
+    assert r.status_code == 200 and r.json()["pools"]["kv"]["size"] == st["pools"]["kv"]["size"]
     assert httpx.post(server.url + "/admin/cache", json={"kv": "lots"}).status_code == 400
     hist = httpx.get(server.url + "/admin/cache/history").json()["entries"]
     assert hist[-1]["trigger"] == "startup" and hist[-1]["to"]["moe"] == 64
+    assert [h["to"]["kv"] for h in hist[:2]] == [4096, kv_max] and hist[0]["status"] == "ok"
 
 
 def test_admin_events_snapshot_then_ticks(server):
@@ -247,3 +249,32 @@ def test_ft_ctl_against_the_server(server, capsys):
     assert ctl(["history", "--json", "--url", server.url]) == 0
     assert History.model_validate_json(capsys.readouterr().out).entries[-1].trigger == "startup"
     assert ctl(["cache", "--url", "http://127.0.0.1:9"]) == 3
+
+
+def test_seed_resizes_through_the_admin_api_and_ft_ctl(capsys):
+    """The seeds' scenario on the demo model: a nearly full card; growing moe while shrinking kv
+    (and mamba) needs the shrinks to free first."""
+    from ft.ctl.cli import main as ctl
+
+    srv = ServerProcess("--num-tokens", "8192", "--mamba-cache-size", "16")
+    try:
+        st = httpx.get(srv.url + "/admin/cache").json()
+        assert st["allocated_bytes"] > 0.99 * st["budget_bytes"]
+        assert ctl(["cache", "--moe", "300", "--kv", "2048", "--wait", "60", "--url", srv.url]) == 0
+        assert "moe    300 slots" in capsys.readouterr().out
+        r = httpx.post(srv.url + "/admin/cache", json={"moe": 400, "kv": 512, "mamba": 4, "wait_s": 60})
+        assert r.status_code == 200
+        pools = r.json()["pools"]
+        assert (pools["moe"]["size"], pools["kv"]["size"], pools["mamba"]["size"]) == (400, 512, 4)
+        hi = pools["moe"]["max"]
+        r = httpx.post(srv.url + "/admin/cache", json={"moe": hi + 1})
+        assert r.status_code == 422 and f"moe {hi + 1} is outside" in r.json()["error"]["message"]
+        assert httpx.get(srv.url + "/admin/cache").json()["pools"] == pools
+        hist = httpx.get(srv.url + "/admin/cache/history").json()["entries"]
+        assert [h["status"] for h in hist] == ["ok", "ok", "ok"]
+        for h in hist[:2]:
+            assert h["measured_peak_bytes"] <= h["peak_bytes"] <= st["budget_bytes"]
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        assert chat(c, "still serving", max_tokens=4, temperature=0).usage.completion_tokens >= 1
+    finally:
+        srv.stop()

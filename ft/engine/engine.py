@@ -26,6 +26,7 @@ from ft.engine.memory.mamba_pool import MambaPool
 from ft.engine.memory.planner import Limits, Plan, plan, reachable_ranges, sizes
 from ft.engine.models.qwen3_next import CachePools, Qwen3NextModel, tensor_specs
 from ft.engine.prefix_cache import PrefixCache
+from ft.engine.rebuild import Rebuilder, RebuildFailed, geometry_of
 from ft.engine.sampler import sample
 from ft.engine.sampling_params import SamplingParams
 from ft.engine.scheduler import Scheduler, ScheduledWork
@@ -76,6 +77,7 @@ class Engine:
             self.pools.kv, self.pools.mamba, self.prefix_cache, config.max_running_requests, config.max_prefill_length
         )
         self._requests: dict[str, Sequence] = {}
+        self.rebuilder = Rebuilder(self)
         self.started_at = time.time()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         # every rebuild, startup included (see ft.schemas.HistoryEntry for the fields)
@@ -203,11 +205,26 @@ class Engine:
         """Run one forward pass. Returns the sequences that got a new token (finished ones too)."""
         work = self.scheduler.schedule()
         if work is None:
-            return []
+            return self._reject_unservable()
         batch = self._make_batch(work)
         logits = self.model.forward(batch, self.pools)
         self.last_logits = logits  # [B, V] of this step (tests and debugging read it)
         return self._postprocess(work, logits)
+
+    def _reject_unservable(self) -> list[Sequence]:
+        """Nothing runs and the first waiting request still cannot start: the pools are too small
+        for it (they were shrunk after it was queued). Finish it with an error, never spin."""
+        sched = self.scheduler
+        if sched.running or not sched.waiting:
+            return []
+        seq = sched.waiting[0]
+        seq.error = (
+            f"the request needs {seq.num_tokens + 1} tokens of KV cache; the cache now holds "
+            f"{self.pools.kv.num_tokens} (it was resized after the request was queued)"
+        )
+        sched.finish(seq, "error", cache=False)
+        self._requests.pop(seq.request_id, None)
+        return [seq]
 
     def _make_batch(self, work: ScheduledWork) -> ForwardBatch:
         ids, pos, slices = [], [], []
@@ -272,6 +289,9 @@ class Engine:
         that running requests hold; every expert, and (KV, mamba) only the budget above."""
         running = self.scheduler.running
         held_pages = len({p for s in running for p in s.pages})
+        # a queued request must still fit once it is its turn
+        waiting_pages = max((self.pools.kv.pages_for(s.num_tokens + 1) for s in self.scheduler.waiting), default=0)
+        held_pages = max(held_pages, waiting_pages)
         moe_floor = self.total_experts if self.config.moe_backend == "resident" else self.expert_floor
         return Limits(
             floor={"moe": moe_floor, "kv": max(1, held_pages) * self.config.page_size, "mamba": max(1, len(running))},
@@ -292,6 +312,37 @@ class Engine:
         )
         return plan(g, target, self.unit_costs, self.budget.budget_bytes, self.limits())
 
+    def rebuild(
+        self, moe: int | None = None, kv: int | None = None, mamba: int | None = None,
+        trigger: str = "manual", reason: str | None = None,
+    ) -> dict:
+        """Resize the pools live (None keeps a pool). Returns the history entry.
+
+        Raises RebuildRefused (nothing touched) when the target is outside the reachable ranges,
+        RebuildFailed after a rollback (the old geometry keeps serving).
+        """
+        p = self.plan_resize(moe, kv, mamba)
+        if not p.fits:
+            raise RebuildRefused(p.reason, self.reachable_ranges())
+        entry = {
+            "id": len(self.history), "time": time.time(), "trigger": trigger, "reason": reason,
+            "from": sizes(p.current), "to": sizes(p.target), "peak_bytes": p.peak_bytes,
+            "status": "ok", "error": None, "phases": {},
+        }
+        if p.target == p.current:
+            return {**entry, "phases": {"total_s": 0.0}}
+        try:
+            entry["phases"] = {k: round(v, 6) for k, v in self.rebuilder.run(p).items()}
+            entry["measured_peak_bytes"] = self.rebuilder.measured_peak_bytes
+        except RebuildFailed as e:
+            entry.update(status="rolled_back", error=str(e), measured_peak_bytes=self.rebuilder.measured_peak_bytes)
+            self.history.append(entry)
+            raise
+        self.geometry = p.target
+        assert geometry_of(self) == self.geometry, (geometry_of(self), self.geometry)
+        self.history.append(entry)
+        return entry
+
     # ----------------------------------------------------------------------------- reports
     def describe(self) -> dict:
         """What was measured and chosen at startup (printed by the CLI, served by the admin API)."""
@@ -310,6 +361,15 @@ class Engine:
         }
 
 
+class RebuildRefused(ValueError):
+    """A target outside the reachable ranges: refused before any memory is touched."""
+
+    def __init__(self, reason: str, ranges: dict[str, tuple[int, int]]) -> None:
+        shown = ", ".join(f"{p} {lo}..{hi}" for p, (lo, hi) in ranges.items())
+        super().__init__(f"{reason}; reachable ranges: {shown}")
+        self.ranges = ranges
+
+
 def _device(spec: str) -> torch.device:
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -321,4 +381,4 @@ def _device(spec: str) -> torch.device:
     return dev
 
 
-__all__ = ["Engine", "MemoryBudget", "resolve_model_path"]
+__all__ = ["Engine", "MemoryBudget", "RebuildFailed", "RebuildRefused", "resolve_model_path"]

@@ -112,6 +112,16 @@ class PrefixCache:
                 return False
         return True
 
+    def remap_pages(self, moves: dict[int, int]) -> None:
+        """Pages were relocated (a KV shrink): rewrite the entries' page lists."""
+        for e in self._entries.values():
+            e.pages = [moves.get(p, p) for p in e.pages]
+
+    def remap_slots(self, moves: dict[int, int]) -> None:
+        """Mamba slots were relocated (a mamba shrink)."""
+        for e in self._entries.values():
+            e.mamba_slot = moves.get(e.mamba_slot, e.mamba_slot)
+
     def clear(self) -> None:
         for e in list(self._entries.values()):
             self._drop(e)

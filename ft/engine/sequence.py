@@ -40,6 +40,7 @@ class Sequence:
     mamba_slot: int | None = None
     finish_reason: str | None = None
     generator: torch.Generator | None = None
+    error: str | None = None  # why it finished with finish_reason "error"
     stop_text: str | None = None  # the text cut before the stop string that ended it
 
     @property

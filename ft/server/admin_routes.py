@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from ft.schemas import CacheState, Event, History, LiveRates, ResizePlan, ResizeRequest
@@ -44,31 +44,51 @@ async def get_cache(request: Request) -> CacheState:
     st = _st(request)
     if st.loop.state != "serving":
         return CacheState(state="starting", model=st.model_name)
-    return await _engine_call(st, lambda e: admin_state.cache_state(e, st.loop.state, st.model_name))
+    return await _engine_call(st, lambda e: admin_state.cache_state(e, _state_of(st), st.model_name))
+
+
+def _state_of(st) -> str:
+    return "rebuilding" if st.rebuilding else st.loop.state
 
 
 @router.post("/cache", response_model=CacheState | ResizePlan)
 async def post_cache(body: ResizeRequest, request: Request):
+    """Resize live. 200 new state (dry run: the plan); 422 outside the reachable ranges (nothing
+    touched); 503 rolled back; 409 while another rebuild runs; 202 when wait_s ends first."""
     st = _st(request)
-
-    def examine(engine):
-        p = engine.plan_resize(body.moe, body.kv, body.mamba)
-        return p, engine.reachable_ranges(), admin_state.cache_state(engine, st.loop.state, st.model_name)
-
-    plan, ranges, state = await _engine_call(st, examine)
     if body.dry_run:
+        plan = await _engine_call(st, lambda e: e.plan_resize(body.moe, body.kv, body.mamba))
         return admin_state.resize_plan(plan)
-    if not plan.fits:
-        shown = ", ".join(f"{p} {lo}..{hi}" for p, (lo, hi) in ranges.items())
-        raise ApiError(422, f"{plan.reason}; reachable ranges: {shown}", "out_of_range")
-    if plan.target == plan.current:
-        return state
-    raise ApiError(
-        501,
-        "live cache rebuild is not implemented in this version; the target is reachable: restart "
-        "`ft serve` with --moe-cache-size / --num-tokens / --mamba-cache-size to use it",
-        "not_implemented",
-    )
+    return await run_rebuild(st, lambda e: e.rebuild(body.moe, body.kv, body.mamba, trigger="manual"), body.wait_s)
+
+
+async def run_rebuild(st, fn, wait_s: float | None):
+    """Run a rebuild on the engine thread; shared by resizes and ladder moves."""
+    from ft.engine.engine import RebuildFailed, RebuildRefused
+
+    if st.rebuilding:
+        raise ApiError(409, "another rebuild is running; retry when it ends", "conflict")
+    if st.loop.state != "serving":
+        raise ApiError(503, f"the engine is {st.loop.state}", "server_unavailable")
+    st.rebuilding = True
+
+    def execute(engine):
+        try:
+            fn(engine)
+            return admin_state.cache_state(engine, "serving", st.model_name)
+        finally:
+            st.rebuilding = False
+
+    fut = asyncio.wrap_future(st.loop.call(execute))
+    try:
+        return await asyncio.wait_for(asyncio.shield(fut), wait_s) if wait_s is not None else await fut
+    except asyncio.TimeoutError:
+        return JSONResponse({"status": "accepted", "message": f"the rebuild is still running after {wait_s} s; "
+                             "watch GET /admin/cache or /admin/cache/history"}, status_code=202)
+    except RebuildRefused as e:
+        raise ApiError(422, str(e), "out_of_range") from None
+    except RebuildFailed as e:
+        raise ApiError(503, f"rebuild failed and was rolled back: {e}", "rebuild_failed") from None
 
 
 @router.get("/cache/history", response_model=History)
@@ -98,7 +118,7 @@ async def events(request: Request):
     interval = max(0.1, float(request.query_params.get("interval", 1.0)))
 
     def sample(engine):
-        return admin_state.cache_state(engine, st.loop.state, st.model_name), dict(engine.counters), \
+        return admin_state.cache_state(engine, _state_of(st), st.model_name), dict(engine.counters), \
             (engine.pools.experts.stats.hits, engine.pools.experts.stats.misses) if engine.pools.experts else (0, 0)
 
     async def stream():

@@ -24,6 +24,7 @@ class ServerState:
     admin_token: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     drain_s: float = 30.0
+    rebuilding: bool = False  # a rebuild is queued or running on the engine thread
     metrics: Metrics = field(default_factory=Metrics)
     started_at: float = field(default_factory=time.time)
 

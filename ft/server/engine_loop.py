@@ -124,6 +124,10 @@ class EngineLoop:
             stream = self._streams.get(seq.request_id)
             if stream is None:
                 continue
+            if seq.finish_reason == "error":
+                self._streams.pop(seq.request_id, None)
+                stream.push(RuntimeError(seq.error or "the request failed"))
+                continue
             stream.push(TokenEvent(seq.output_ids[-1], len(seq.output_ids), seq.finish_reason, seq.stop_text,
                                    seq.num_cached))
             if seq.finish_reason:

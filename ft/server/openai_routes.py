@@ -76,6 +76,16 @@ def _params(st, body: _Sampling, prompt_len: int, max_tokens: int | None):
     )
 
 
+async def _collect(st, stream, text, gen, request) -> None:
+    """Run a non-streaming request to its end; an engine-side failure becomes a 503."""
+    try:
+        await collect(st.loop, stream, text, gen, request.is_disconnected, st.metrics.on_token)
+    except RuntimeError as e:
+        raise ApiError(503, f"the request failed: {e}", "server_error") from None
+    finally:
+        st.metrics.request_finished(gen)
+
+
 async def _start(st, prompt_ids: list[int], params, rid: str):
     from ft.engine.errors import RequestError
 
@@ -108,8 +118,7 @@ async def completions(body: CompletionRequest, request: Request):
     text = TextStream(st.tokenizer, params.stop)
     st.metrics.request_started()
     if not body.stream:
-        await collect(st.loop, stream, text, gen, request.is_disconnected, st.metrics.on_token)
-        st.metrics.request_finished(gen)
+        await _collect(st, stream, text, gen, request)
         return completion_body(rid, st.model_name, gen.text, gen.finish_reason,
                                usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
 
@@ -118,8 +127,13 @@ async def completions(body: CompletionRequest, request: Request):
 
     async def events() -> AsyncIterator[str]:
         try:
-            async for delta in stream_tokens(st.loop, stream, text, gen, st.metrics.on_token):
-                yield sse(completion_body(rid, st.model_name, delta, None, None, created))
+            try:
+                async for delta in stream_tokens(st.loop, stream, text, gen, st.metrics.on_token):
+                    yield sse(completion_body(rid, st.model_name, delta, None, None, created))
+            except RuntimeError as e:
+                yield sse({"error": {"message": str(e), "type": "server_error", "code": 503}})
+                yield sse("[DONE]")
+                return
             yield sse(completion_body(rid, st.model_name, "", gen.finish_reason, None, created))
             if include_usage:
                 body_ = completion_body(rid, st.model_name, "", None, usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens), created)
@@ -154,8 +168,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     text = TextStream(st.tokenizer, params.stop)
     st.metrics.request_started()
     if not body.stream:
-        await collect(st.loop, stream, text, gen, request.is_disconnected, st.metrics.on_token)
-        st.metrics.request_finished(gen)
+        await _collect(st, stream, text, gen, request)
         return chat_body(rid, st.model_name, gen.text, gen.finish_reason,
                          usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
 
@@ -165,8 +178,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     async def events() -> AsyncIterator[str]:
         try:
             yield sse(chat_chunk(rid, st.model_name, created, {"role": "assistant", "content": ""}, None))
-            async for delta in stream_tokens(st.loop, stream, text, gen, st.metrics.on_token):
-                yield sse(chat_chunk(rid, st.model_name, created, {"content": delta}, None))
+            try:
+                async for delta in stream_tokens(st.loop, stream, text, gen, st.metrics.on_token):
+                    yield sse(chat_chunk(rid, st.model_name, created, {"content": delta}, None))
+            except RuntimeError as e:
+                yield sse({"error": {"message": str(e), "type": "server_error", "code": 503}})
+                yield sse("[DONE]")
+                return
             yield sse(chat_chunk(rid, st.model_name, created, {}, gen.finish_reason))
             if include_usage:
                 last = chat_chunk(rid, st.model_name, created, {}, None)
