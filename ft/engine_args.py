@@ -21,6 +21,7 @@ HELP = {
     "max_seq_len_override": "context limit in tokens instead of the checkpoint's max_position_embeddings",
     "memory_ratio": "fraction of the free device memory the cache pools may use",
     "gpu_memory_limit": "act as if the card had this much memory (e.g. 16GiB); on CPU the emulated card (default 96MiB)",
+    "cache_budget": "cap the cache pools' budget at this size (e.g. 4.8GiB), below what the card leaves",
     "page_size": "tokens per KV page",
     "max_running_requests": "requests decoded together at most",
     "max_prefill_length": "tokens per prefill chunk",

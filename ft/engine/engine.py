@@ -23,6 +23,7 @@ from ft.engine.memory.budget import Geometry, MemoryBudget, UnitCosts, measure_b
 from ft.engine.memory.expert_cache import ExpertCache
 from ft.engine.memory.kv_pool import KVPool
 from ft.engine.memory.mamba_pool import MambaPool
+from ft.engine.memory.storage import PoolStorage
 from ft.engine.memory.planner import Limits, Plan, plan, reachable_ranges, sizes
 from ft.engine.models.qwen3_next import CachePools, Qwen3NextModel, tensor_specs
 from ft.engine.prefix_cache import PrefixCache
@@ -39,6 +40,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_model_path(model: str | None) -> Path:
+    """A checkpoint directory; for "synthetic:PATH/config.json" the config file itself."""
+    from ft.engine.synthetic import config_path, is_synthetic
+
+    if is_synthetic(model):
+        return config_path(model)
     if model in (None, "", "demo"):
         from ft.engine.demo import ensure_demo_checkpoint
 
@@ -56,7 +62,7 @@ class Engine:
         )
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_file(self.model_path)
-        self.tokenizer = Tokenizer.from_dir(self.model_path)
+        self.tokenizer = Tokenizer.from_dir(self.model_path if self.model_path.is_dir() else _stand_in_tokenizer())
         self.model = self._load_model()
         cfg = self.model_config
         self.context_limit = config.max_seq_len_override or cfg.max_position_embeddings
@@ -64,7 +70,7 @@ class Engine:
         self.unit_costs = self._measure_unit_costs()
         self.budget = measure_budget(
             self.device, self.model.resident_bytes, config.memory_ratio, config.gpu_memory_limit,
-            self._activation_reserve(),
+            self._activation_reserve(), config.cache_budget,
         )
         self.geometry = startup_geometry(
             self.budget, self.unit_costs, total_experts=self.total_experts, expert_floor=self.expert_floor,
@@ -89,11 +95,16 @@ class Engine:
 
     # ----------------------------------------------------------------------------- loading
     def _load_model(self) -> Qwen3NextModel:
-        reader = CheckpointReader(self.model_path)
+        from ft.engine.synthetic import is_synthetic, synthetic_weights
+
         specs, expert_names = tensor_specs(self.model_config)
-        weights = load_weights(
-            reader, specs, expert_names, self.dtype, self.device, torch.device("cpu"), self.config.progress
-        )
+        if is_synthetic(self.config.model):
+            weights = synthetic_weights(specs, expert_names, self.dtype, self.device, self.config.seed)
+        else:
+            reader = CheckpointReader(self.model_path)
+            weights = load_weights(
+                reader, specs, expert_names, self.dtype, self.device, torch.device("cpu"), self.config.progress
+            )
         if self.device.type == "cpu":
             # NOTE: the CPU path computes resident projections dense (the exact dequantized values);
             # routed experts stay NVFP4 in the host store and the slots.
@@ -131,27 +142,31 @@ class Engine:
         per_token = (3 * c.hidden_size + 2 * widest) * torch.finfo(self.dtype).bits // 8
         return tokens * per_token + self.config.max_running_requests * c.vocab_size * 4
 
-    def _kv_pool(self, pages: int) -> KVPool:
+    def _kv_pool(self, pages: int, storage: PoolStorage | None = None) -> KVPool:
         c = self.model_config
         return KVPool(
             pages, self.config.page_size, len(c.full_attention_layers), c.num_key_value_heads, c.head_dim,
-            self.dtype, self.device,
+            self.dtype, self.device, storage,
         )
 
-    def _mamba_pool(self, slots: int) -> MambaPool:
+    def _mamba_pool(self, slots: int, storage: PoolStorage | None = None) -> MambaPool:
         c = self.model_config
         return MambaPool(
             slots, len(c.linear_attention_layers), c.linear_conv_dim, c.linear_conv_kernel_dim,
             c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim, self.dtype, self.device,
+            storage,
         )
 
     def _build_pools(self, geo: Geometry) -> CachePools:
+        # one reserved range per pool tensor, as large as the whole budget (CUDA VMM when present)
+        self.storage = PoolStorage(self.device, self.budget.budget_bytes)
         experts = None
         if self._host_experts is not None:
-            experts = ExpertCache(self._host_experts, geo.moe_slots, self.device)
+            experts = ExpertCache(self._host_experts, geo.moe_slots, self.device, storage=self.storage)
             if self.config.moe_backend == "resident":
                 experts.preload_all()
-        return CachePools(self._kv_pool(geo.kv_tokens // self.config.page_size), self._mamba_pool(geo.mamba_slots), experts)
+        kv = self._kv_pool(geo.kv_tokens // self.config.page_size, self.storage)
+        return CachePools(kv, self._mamba_pool(geo.mamba_slots, self.storage), experts)
 
     # ----------------------------------------------------------------------------- requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
@@ -359,6 +374,16 @@ class Engine:
             "expert_floor": self.expert_floor,
             "total_experts": self.total_experts,
         }
+
+
+def _stand_in_tokenizer() -> Path:
+    """The demo's tokenizer files alone (for synthetic checkpoints, which have none)."""
+    from ft.engine.demo import default_cache_dir, write_tokenizer_files
+
+    path = default_cache_dir() / "demo-tokenizer-v1"
+    if not (path / "tokenizer.json").is_file():
+        write_tokenizer_files(path)
+    return path
 
 
 class RebuildRefused(ValueError):

@@ -21,6 +21,7 @@ class EngineConfig:
     max_seq_len_override: int | None = None  # context limit instead of max_position_embeddings
     memory_ratio: float = 0.9
     gpu_memory_limit: int | str | None = None  # bytes or "16GiB": act as if the card were this big
+    cache_budget: int | str | None = None  # cap the cache pools' budget (benchmarks emulating a card)
     page_size: int = 64
     max_running_requests: int = 8
     max_prefill_length: int = 4096  # tokens per prefill chunk
@@ -41,11 +42,12 @@ class EngineConfig:
         for name in ("page_size", "max_running_requests", "max_prefill_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.gpu_memory_limit is not None:
-            try:
-                object.__setattr__(self, "gpu_memory_limit", parse_bytes(self.gpu_memory_limit))
-            except ValueError as e:
-                raise ConfigError(f"--gpu-memory-limit: {e}") from None
+        for name in ("gpu_memory_limit", "cache_budget"):
+            if getattr(self, name) is not None:
+                try:
+                    object.__setattr__(self, name, parse_bytes(getattr(self, name)))
+                except ValueError as e:
+                    raise ConfigError(f"--{name.replace('_', '-')}: {e}") from None
 
     @property
     def mamba_slots(self) -> int:

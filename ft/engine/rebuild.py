@@ -45,6 +45,7 @@ class Rebuilder:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.fault_at: str | None = None  # tests: the step name that raises InjectedFault
+        self.observer: Callable[[str], None] | None = None  # benchmarks: called after each step
 
     # ----------------------------------------------------------------------------- steps
     def _steps(self, plan: Plan) -> list[_Step]:
@@ -112,11 +113,17 @@ class Rebuilder:
             phases[f"{step.phase}_s"] += time.perf_counter() - ts
             done.append(step)
             self.measured_peak_bytes = max(self.measured_peak_bytes, self.pool_bytes())
+            if self.observer is not None:
+                self.observer(step.name)
         phases["total_s"] = time.perf_counter() - t0
         return phases
 
     def pool_bytes(self) -> int:
-        """Bytes the three pools hold now, read from their tensors' storages."""
+        """Bytes the three pools hold now: physical chunks mapped (CUDA VMM), else the tensors'
+        storages."""
+        storage = getattr(self.engine, "storage", None)
+        if storage is not None and storage.use_vmm:
+            return storage.mapped_bytes()
         p = self.engine.pools
         tensors = [p.kv.kv, p.mamba.conv, p.mamba.ssm] + ([t for t in p.experts.slots if t is not None] if p.experts else [])
         return sum(t.untyped_storage().nbytes() for t in tensors)

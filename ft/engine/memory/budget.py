@@ -49,7 +49,8 @@ class MemoryBudget:
 
 
 def measure_budget(
-    device: torch.device, resident_bytes: int, memory_ratio: float, gpu_memory_limit: int | None, reserve_bytes: int
+    device: torch.device, resident_bytes: int, memory_ratio: float, gpu_memory_limit: int | None, reserve_bytes: int,
+    cap: int | None = None,
 ) -> MemoryBudget:
     if not 0 < memory_ratio <= 1:
         raise ConfigError(f"--memory-ratio must be in (0, 1], got {memory_ratio}")
@@ -64,6 +65,8 @@ def measure_budget(
         card = gpu_memory_limit or CPU_DEFAULT_CARD
         free = max(0, card - resident_bytes)
     budget = int(free * memory_ratio) - reserve_bytes
+    if cap is not None:
+        budget = min(budget, cap)
     if budget <= 0:
         raise ConfigError(
             f"no memory left for the cache pools: card {format_bytes(card)}, weights "

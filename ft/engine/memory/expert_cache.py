@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ft.engine.memory.resizable import resize_rows
+from ft.engine.memory.storage import PoolStorage
 from ft.kernels.moe import SlotWeights
 
 
@@ -32,14 +32,18 @@ class ExpertStats:
 class ExpertCache:
     """LRU cache of expert slots over a host store (`host`: SlotWeights with [L, E] leading dims)."""
 
-    def __init__(self, host: SlotWeights, num_slots: int, device: torch.device, policy: str = "lru") -> None:
+    def __init__(
+        self, host: SlotWeights, num_slots: int, device: torch.device, policy: str = "lru",
+        storage: PoolStorage | None = None,
+    ) -> None:
         self.host = host
         self.num_layers, self.num_experts = host.w13.shape[:2]
         if num_slots < 1:
             raise ValueError("expert cache needs at least one slot")
         self.policy = policy
+        self.storage = storage or PoolStorage(device)
         self.slots = SlotWeights(
-            *(None if t is None else torch.empty((num_slots, *t.shape[2:]), dtype=t.dtype, device=device) for t in host)
+            *(None if t is None else self.storage.empty(num_slots, tuple(t.shape[2:]), t.dtype) for t in host)
         )
         self.slot_table = torch.full((self.num_layers, self.num_experts), -1, dtype=torch.int64, device=device)
         self._lru: OrderedDict[tuple[int, int], int] = OrderedDict()
@@ -134,7 +138,7 @@ class ExpertCache:
                 del self._lru[key]
                 self.slot_table[key] = -1
         old = self.num_slots
-        self.slots = SlotWeights(*(None if t is None else resize_rows(t, num_slots) for t in self.slots))
+        self.slots = SlotWeights(*(None if t is None else self.storage.resize(t, num_slots) for t in self.slots))
         if num_slots < old:
             self._free = [s for s in self._free if s < num_slots]
         else:

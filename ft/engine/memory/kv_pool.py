@@ -11,7 +11,7 @@ from collections import deque
 
 import torch
 
-from ft.engine.memory.resizable import resize_rows
+from ft.engine.memory.storage import PoolStorage
 
 
 class KVPool:
@@ -26,11 +26,11 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        storage: PoolStorage | None = None,
     ) -> None:
         self.page_size = page_size
-        self.kv = torch.zeros(
-            num_pages, num_layers, 2, page_size, num_kv_heads, head_dim, dtype=dtype, device=device
-        )
+        self.storage = storage or PoolStorage(device)
+        self.kv = self.storage.zeros(num_pages, (num_layers, 2, page_size, num_kv_heads, head_dim), dtype)
         self._refs = [0] * num_pages
         self._free: deque[int] = deque(range(num_pages))
 
@@ -124,7 +124,7 @@ class KVPool:
         if self.pages_in_use_from(num_pages):
             raise RuntimeError(f"KV pool: pages >= {num_pages} are still in use")
         old = self.num_pages
-        self.kv = resize_rows(self.kv, num_pages)
+        self.kv = self.storage.resize(self.kv, num_pages)
         if num_pages < old:
             self._free = deque(p for p in self._free if p < num_pages)
             del self._refs[num_pages:]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ft.engine.memory.resizable import resize_rows
+from ft.engine.memory.storage import PoolStorage
 
 
 class MambaPool:
@@ -24,11 +24,11 @@ class MambaPool:
         v_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        storage: PoolStorage | None = None,
     ) -> None:
-        self.conv = torch.zeros(num_slots, num_layers, conv_dim, conv_width - 1, dtype=dtype, device=device)
-        self.ssm = torch.zeros(
-            num_slots, num_layers, num_v_heads, k_dim, v_dim, dtype=torch.float32, device=device
-        )
+        self.storage = storage or PoolStorage(device)
+        self.conv = self.storage.zeros(num_slots, (num_layers, conv_dim, conv_width - 1), dtype)
+        self.ssm = self.storage.zeros(num_slots, (num_layers, num_v_heads, k_dim, v_dim), torch.float32)
         self._free = list(range(num_slots - 1, -1, -1))
 
     @property
@@ -94,8 +94,8 @@ class MambaPool:
         if self.slots_in_use_from(num_slots):
             raise RuntimeError(f"mamba pool: slots >= {num_slots} are still in use")
         old = self.num_slots
-        self.conv = resize_rows(self.conv, num_slots)
-        self.ssm = resize_rows(self.ssm, num_slots)
+        self.conv = self.storage.resize(self.conv, num_slots)
+        self.ssm = self.storage.resize(self.ssm, num_slots)
         if num_slots < old:
             self._free = [s for s in self._free if s < num_slots]
         else:
