@@ -396,13 +396,14 @@ class RebuildRefused(ValueError):
 
 
 def _device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(spec)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        from ft.engine.errors import ConfigError
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if spec == "auto" else spec)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            from ft.engine.errors import ConfigError
 
-        raise ConfigError("--device cuda asked but no CUDA device is available")
+            raise ConfigError("--device cuda asked but no CUDA device is available")
+        if dev.index is None:  # name the device: memory queries and VMM need an index
+            dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 
