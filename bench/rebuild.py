@@ -28,6 +28,10 @@ GIB = 1024**3
 SLACK = 64 * 1024**2  # chunk rounding of 9 pool tensors (2 MiB each) + relocation temporaries
 
 
+def mib(n: int) -> str:
+    return f"{n / 1024**2:,.0f}"
+
+
 def device_used() -> int:
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
@@ -50,12 +54,12 @@ def main() -> None:
           f"costs {eng.unit_costs}", flush=True)
     c = eng.unit_costs
     boot = eng.geometry
-    targets = [
-        ("seed 1: moe 1024, kv 65536", dict(moe=1024, kv=65536)),
-        ("seed 2: moe 1400, kv 8192, mamba 4", dict(moe=1400, kv=8192, mamba=4)),
-        ("back to boot", dict(moe=boot.moe_slots, kv=boot.kv_tokens, mamba=boot.mamba_slots)),
-        ("seed 1 again (warm)", dict(moe=1024, kv=65536)),
-        ("seed 2 again (warm)", dict(moe=1400, kv=8192, mamba=4)),
+    back = dict(moe=boot.moe_slots, kv=boot.kv_tokens, mamba=boot.mamba_slots)
+    seed1, seed2 = dict(moe=1024, kv=65536), dict(moe=1400, kv=8192, mamba=4)
+    targets = [  # both of the seed's resizes start from the boot geometry, as in the seed
+        ("seed 1: moe 1024, kv 65536 (cold)", seed1), ("back to boot", back),
+        ("seed 2: moe 1400, kv 8192, mamba 4 (cold)", seed2), ("back to boot", back),
+        ("seed 1 (warm)", seed1), ("back to boot", back), ("seed 2 (warm)", seed2),
     ]
     rows = []
     for label, tgt in targets:
@@ -84,11 +88,11 @@ def main() -> None:
           f"(torch reference kernels), finite logits: {bool(torch.isfinite(eng.last_logits).all())}")
     print(f"budget {format_bytes(eng.budget.budget_bytes)}, card 16 GiB emulated on {torch.cuda.get_device_name()}, "
           f"slack {format_bytes(SLACK)}")
-    print(f"{'rebuild':<36} {'status':<6} {'ms':>7} {'plan peak':>10} {'pools peak':>10} {'device peak':>11} "
-          f"{'max(old,new)':>12} {'grow-first OOM':>14} {'within':>6}")
+    print(f"{'rebuild':<42} {'status':<6} {'ms':>6} {'plan peak':>9} {'pools peak':>10} {'device peak':>11} "
+          f"{'max(old,new)':>12} {'grow-first':>10} {'within':>6}   (MiB)")
     for r in rows:
-        print(f"{r[0]:<36} {r[1]:<6} {r[2]:>7.1f} {format_bytes(r[3]):>10} {format_bytes(r[4]):>10} "
-              f"{format_bytes(r[5]):>11} {format_bytes(r[6]):>12} {str(r[7]):>14} {str(r[8]):>6}")
+        print(f"{r[0]:<42} {r[1]:<6} {r[2]:>6.1f} {mib(r[3]):>9} {mib(r[4]):>10} {mib(r[5]):>11} {mib(r[6]):>12} "
+              f"{'OOM' if r[7] else 'fits':>10} {str(r[8]):>6}")
 
 
 if __name__ == "__main__":
