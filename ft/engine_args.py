@@ -27,6 +27,11 @@ HELP = {
     "max_prefill_length": "tokens per prefill chunk",
     "mamba_cache_size": "linear-attention state slots (default: 2 x max running requests, at least 4)",
     "enable_prefix_cache": "reuse KV and linear-attention state of earlier requests (--no-enable-prefix-cache to turn off)",
+    "enable_kv_ladder": "grow KV rung by rung when a request needs the context, trading expert slots; shrink back later",
+    "ladder_step_size": "tokens between ladder rungs (KV starts at twice this)",
+    "ladder_min_reuse": "a request that reuses less than this fraction of its prompt from the prefix cache may shrink the ladder",
+    "ladder_dwell_s": "least seconds on a rung before the ladder shrinks",
+    "ladder_grow_hold_s": "no shrink for this many seconds after a grow",
     "seed": "engine seed",
     "progress": "show loading progress",
 }

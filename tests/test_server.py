@@ -278,3 +278,33 @@ def test_seed_resizes_through_the_admin_api_and_ft_ctl(capsys):
         assert chat(c, "still serving", max_tokens=4, temperature=0).usage.completion_tokens >= 1
     finally:
         srv.stop()
+
+
+def test_ladder_through_the_server_and_ft_ctl(capsys):
+    from ft.ctl.cli import main as ctl
+
+    srv = ServerProcess("--enable-kv-ladder", "--ladder-step-size", "256", "--ladder-dwell-s", "0",
+                        "--ladder-grow-hold-s", "0")
+    try:
+        st = httpx.get(srv.url + "/admin/cache").json()
+        assert st["ladder"]["enabled"] and st["ladder"]["current"] == 0 and st["pools"]["kv"]["size"] == 512
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        c.completions.create(model=MODEL, prompt="climb", max_tokens=1500, temperature=0, stop=["e"],
+                             extra_body={"ignore_eos": True}).usage  # may need 1500 tokens: grows
+        st = httpx.get(srv.url + "/admin/cache").json()
+        assert st["pools"]["kv"]["size"] == 1536 and st["ladder"]["current"] == 4
+        assert ctl(["ladder", "--up", "--url", srv.url]) == 0
+        assert httpx.get(srv.url + "/admin/cache").json()["pools"]["kv"]["size"] == 1792
+        assert ctl(["ladder", "--rung", "1", "--url", srv.url]) == 0
+        assert ctl(["ladder", "--auto", "off", "--url", srv.url]) == 0
+        capsys.readouterr()
+        assert ctl(["cache", "--url", srv.url]) == 0
+        out = capsys.readouterr().out
+        assert "kv     768 tok" in out and "ladder auto off" in out
+        assert ctl(["ladder", "--rung", "99", "--url", srv.url]) == 1
+        assert "rung 99 is outside" in capsys.readouterr().err
+        hist = httpx.get(srv.url + "/admin/cache/history").json()["entries"]
+        assert [h["trigger"] for h in hist[:3]] == ["ladder", "ladder", "ladder"]
+        assert hist[0]["reason"] == "manual: rung 1"
+    finally:
+        srv.stop()

@@ -26,6 +26,7 @@ from ft.engine.memory.mamba_pool import MambaPool
 from ft.engine.memory.storage import PoolStorage
 from ft.engine.memory.planner import Limits, Plan, plan, reachable_ranges, sizes
 from ft.engine.models.qwen3_next import CachePools, Qwen3NextModel, tensor_specs
+from ft.engine.ladder import Ladder, LadderOptions, make_rungs
 from ft.engine.prefix_cache import PrefixCache
 from ft.engine.rebuild import Rebuilder, RebuildFailed, geometry_of
 from ft.engine.sampler import sample
@@ -72,9 +73,11 @@ class Engine:
             self.device, self.model.resident_bytes, config.memory_ratio, config.gpu_memory_limit,
             self._activation_reserve(), config.cache_budget,
         )
+        rungs = make_rungs(config.ladder_step_size, self.context_limit, config.page_size) if config.enable_kv_ladder else None
         self.geometry = startup_geometry(
             self.budget, self.unit_costs, total_experts=self.total_experts, expert_floor=self.expert_floor,
-            context_limit=self.context_limit, mamba_slots=config.mamba_slots, num_tokens=config.num_tokens,
+            context_limit=self.context_limit, mamba_slots=config.mamba_slots,
+            num_tokens=rungs[0] if rungs else config.num_tokens,
             moe_backend=config.moe_backend, moe_cache_size=config.moe_cache_size,
         )
         self.pools = self._build_pools(self.geometry)
@@ -84,6 +87,9 @@ class Engine:
         )
         self._requests: dict[str, Sequence] = {}
         self.rebuilder = Rebuilder(self)
+        self.ladder = Ladder(self, LadderOptions(
+            config.ladder_step_size, config.ladder_min_reuse, config.ladder_dwell_s, config.ladder_grow_hold_s,
+        )) if config.enable_kv_ladder else None
         self.started_at = time.time()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         # every rebuild, startup included (see ft.schemas.HistoryEntry for the fields)
@@ -218,6 +224,8 @@ class Engine:
     # ----------------------------------------------------------------------------- stepping
     def step(self) -> list[Sequence]:
         """Run one forward pass. Returns the sequences that got a new token (finished ones too)."""
+        if self.ladder is not None:
+            self.ladder.before_admission()
         work = self.scheduler.schedule()
         if work is None:
             return self._reject_unservable()

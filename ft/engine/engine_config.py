@@ -27,6 +27,11 @@ class EngineConfig:
     max_prefill_length: int = 4096  # tokens per prefill chunk
     mamba_cache_size: int | None = None  # mamba slots; None: 2 x max_running_requests (>= 4)
     enable_prefix_cache: bool = True
+    enable_kv_ladder: bool = False  # grow KV rung by rung when a request needs it, shrink back later
+    ladder_step_size: int = 32768  # tokens between rungs; the first rung is twice this
+    ladder_min_reuse: float = 0.5  # a request reusing less of its prompt from the cache may shrink KV
+    ladder_dwell_s: float = 30.0  # least seconds on a rung before shrinking
+    ladder_grow_hold_s: float = 60.0  # no shrink for this many seconds after a grow
     seed: int = 0
     progress: bool = False  # show loading progress
 
@@ -42,6 +47,9 @@ class EngineConfig:
         for name in ("page_size", "max_running_requests", "max_prefill_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.enable_kv_ladder and self.num_tokens is not None:
+            raise ConfigError("--num-tokens conflicts with --enable-kv-ladder: the ladder sets the KV size "
+                              "(use --ladder-step-size; KV starts at twice the step)")
         for name in ("gpu_memory_limit", "cache_budget"):
             if getattr(self, name) is not None:
                 try:

@@ -103,11 +103,29 @@ class LadderRequest(BaseModel):
     rung: int | str | None = None
 
 
-@router.post("/ladder")
+@router.post("/ladder", response_model=CacheState)
 async def post_ladder(body: LadderRequest, request: Request):
+    """Auto on/off and manual rung moves (a rung move is a rebuild: same 422/503/409 answers)."""
+    st = _st(request)
     if isinstance(body.rung, str) and body.rung not in ("up", "down"):
         raise ApiError(400, f"rung must be an index, 'up' or 'down', got {body.rung!r}")
-    raise ApiError(501, "the KV ladder is not implemented in this version (start with fixed sizes)", "not_implemented")
+    enabled = await _engine_call(st, lambda e: e.ladder is not None)
+    if not enabled:
+        raise ApiError(409, "the KV ladder is off: start ft serve with --enable-kv-ladder", "conflict")
+
+    def apply(engine):
+        lad = engine.ladder
+        if body.auto is not None:
+            lad.auto = body.auto
+            lad.last_decision = f"auto {'on' if body.auto else 'off'} (manual)"
+        if body.rung is not None:
+            index = lad.step_index(body.rung) if isinstance(body.rung, str) else body.rung
+            lad.go_to(index, f"manual: rung {body.rung}")
+
+    if body.rung is None:
+        await _engine_call(st, apply)
+        return await _engine_call(st, lambda e: admin_state.cache_state(e, _state_of(st), st.model_name))
+    return await run_rebuild(st, apply, None)
 
 
 @router.get("/events")

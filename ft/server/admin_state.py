@@ -39,8 +39,16 @@ def cache_state(engine, state: str, model_name: str) -> CacheState:
                 "max": ranges["mamba"][1], "used": pools.mamba.num_used,
             },
         },
-        "ladder": LadderState().model_dump(),
+        "ladder": ladder_state(engine).model_dump(),
     })
+
+
+def ladder_state(engine) -> LadderState:
+    lad = engine.ladder
+    if lad is None:
+        return LadderState()
+    return LadderState(enabled=True, auto=lad.auto, rungs=list(lad.rungs), current=lad.current,
+                       step=lad.opts.step, last_decision=lad.last_decision)
 
 
 def resize_plan(p) -> ResizePlan:

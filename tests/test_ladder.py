@@ -1,0 +1,159 @@
+"""The KV ladder on the demo model with a small step (256 tokens, rungs 512 .. 8192)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ft.engine import LLM, SamplingParams
+from ft.engine.errors import ConfigError
+
+STEP = 256
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(**opts):
+    base = dict(enable_kv_ladder=True, ladder_step_size=STEP, max_running_requests=2)
+    llm = LLM(**{**base, **opts})
+    clock = Clock()
+    llm.engine.ladder.clock = clock
+    return llm, clock
+
+
+def admit(eng, prompt, max_new):
+    """Queue a request and step until it has its first token."""
+    seq = eng.add_request(prompt, SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True))
+    while not seq.output_ids:
+        eng.step()
+    return seq
+
+
+def expected_moe(eng, kv):
+    c, g = eng.unit_costs, eng.geometry
+    left = eng.budget.budget_bytes - g.mamba_slots * c.mamba_slot - (kv // c.page_size) * c.kv_page
+    return min(eng.total_experts, left // c.expert_slot)
+
+
+def test_rungs_and_startup():
+    llm, _ = make()
+    lad = llm.engine.ladder
+    assert lad.rungs == list(range(512, 8192 + 1, 256))
+    assert llm.engine.geometry.kv_tokens == 512 and lad.current == 0
+    assert llm.engine.geometry.moe_slots == expected_moe(llm.engine, 512)
+    with pytest.raises(ConfigError, match="--num-tokens conflicts with --enable-kv-ladder"):
+        LLM(enable_kv_ladder=True, num_tokens=1024)
+
+
+def test_climbs_every_rung_to_the_context_limit():
+    llm, _ = make(max_running_requests=1)
+    eng = llm.engine
+    lad = eng.ladder
+    prompt = [65, 66, 67, 68, 69, 70, 71, 72]
+    for i in range(len(lad.rungs) - 1):
+        kv = eng.geometry.kv_tokens
+        seq = admit(eng, prompt, kv - len(prompt))  # exactly fills the rung: moves one up
+        assert eng.geometry.kv_tokens == lad.rungs[i + 1] and lad.current == i + 1
+        h = eng.history[-1]
+        assert (h["trigger"], h["status"], h["to"]["kv"]) == ("ladder", "ok", lad.rungs[i + 1])
+        assert h["to"]["moe"] == expected_moe(eng, lad.rungs[i + 1]) and "grow" in h["reason"]
+        eng.abort(seq.request_id)
+    assert eng.geometry.kv_tokens == 8192
+    seq = admit(eng, prompt, 8192 - len(prompt))  # the last rung: nowhere to go
+    assert eng.geometry.kv_tokens == 8192 and len(eng.history) == len(lad.rungs)
+
+
+def test_queue_order_is_kept_when_a_request_needs_a_rebuild():
+    llm, _ = make(max_running_requests=1)
+    eng = llm.engine
+    p = [70, 71, 72, 73]
+    a = eng.add_request(p, SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True))
+    b = eng.add_request(p + [74], SamplingParams(max_new_tokens=900, temperature=0.0, ignore_eos=True))
+    c = eng.add_request(p + [75], SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True))
+    order = []
+    while not all(s.is_finished for s in (a, b, c)):
+        for s in eng.step():
+            if s.is_finished:
+                order.append(s)
+            if s is b and len(b.output_ids) == 2:
+                eng.abort(b.request_id)
+                order.append(b)
+    assert order == [a, b, c]
+    assert eng.history[-1]["trigger"] == "ladder" and eng.history[-1]["to"]["kv"] == 1024
+
+
+def long_then_stop(llm, prompt):
+    """A request that may need 3000 more tokens (the ladder climbs) but stops after three: its
+    third greedy token, learnt first, is its stop token. Finishing leaves a prefix-cache entry."""
+    probe = llm.generate(prompt_token_ids=[prompt], max_new_tokens=3, temperature=0.0, ignore_eos=True)[0]
+    stop = probe.token_ids[2]
+    first = probe.token_ids.index(stop)
+    out = llm.generate(prompt_token_ids=[prompt], max_new_tokens=3000, temperature=0.0, ignore_eos=True,
+                       stop_token_ids=[stop])[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) == first + 1
+    return out
+
+
+def test_shrinks_for_an_unrelated_request_after_the_dwell_not_for_a_second_turn():
+    llm, clock = make(ladder_dwell_s=10, ladder_grow_hold_s=20)
+    eng = llm.engine
+    long_prompt = list(range(60, 124))
+    out = long_then_stop(llm, long_prompt)
+    top = eng.geometry
+    assert top.kv_tokens == 3072 and eng.history[-1]["trigger"] == "ladder"  # 64 + 3000 < 3072
+    # a second turn of the same conversation (it reuses its whole first turn) never shrinks
+    clock.t += 100
+    turn2 = long_prompt + out.token_ids + [33, 34]
+    seq = admit(eng, turn2, 4)
+    assert eng.geometry == top and seq.num_cached > len(long_prompt)
+    eng.run_until_done([seq])
+    # an unrelated short request right after a grow is held back by the hysteresis ...
+    llm2, clock2 = make(ladder_dwell_s=10, ladder_grow_hold_s=20)
+    e2 = llm2.engine
+    long_then_stop(llm2, long_prompt)
+    high = e2.geometry
+    clock2.t += 5
+    admit(e2, [90, 91, 92], 20)
+    assert e2.geometry == high and "held back" in e2.ladder.last_decision
+    # ... and shrinks the ladder once the dwell and the hold have passed
+    clock2.t += 30
+    s = admit(e2, [93, 94, 95], 20)
+    low = e2.geometry
+    assert low.kv_tokens == 512 and low.moe_slots > high.moe_slots  # expert slots came back
+    h = e2.history[-1]
+    assert h["trigger"] == "ladder" and h["status"] == "ok" and "shrink" in h["reason"]
+    e2.run_until_done([s])
+
+
+def test_fault_in_a_ladder_rebuild_keeps_the_old_rung():
+    llm, _ = make()
+    eng = llm.engine
+    eng.rebuilder.fault_at = "grow kv"
+    seq = admit(eng, [80, 81, 82], 700)
+    assert eng.geometry.kv_tokens == 512 and eng.ladder.current == 0
+    h = eng.history[-1]
+    assert (h["trigger"], h["status"]) == ("ladder", "rolled_back") and "grow kv" in h["error"]
+    assert "not done" in eng.ladder.last_decision
+    eng.rebuilder.fault_at = None
+    for _ in range(5):  # it is served at the old rung
+        eng.step()
+    assert len(seq.output_ids) == 6 and not seq.is_finished
+
+
+def test_auto_off_and_manual_moves():
+    llm, _ = make()
+    eng, lad = llm.engine, llm.engine.ladder
+    lad.auto = False
+    admit(eng, [1, 2, 3], 700)
+    assert eng.geometry.kv_tokens == 512
+    lad.go_to(lad.step_index("up"), "manual: up")
+    assert eng.geometry.kv_tokens == 768
+    lad.go_to(5, "manual: rung 5")
+    assert eng.geometry.kv_tokens == lad.rungs[5]
+    lad.go_to(lad.step_index("down"), "manual: down")
+    assert eng.geometry.kv_tokens == lad.rungs[4]
