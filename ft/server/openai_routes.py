@@ -112,38 +112,7 @@ async def completions(body: CompletionRequest, request: Request):
     if not ids:
         raise ApiError(400, "the prompt is empty")
     params = _params(st, body, len(ids), body.max_tokens)
-    rid = new_id("cmpl")
-    gen = Generation(prompt_tokens=len(ids))
-    stream = await _start(st, ids, params, rid)
-    text = TextStream(st.tokenizer, params.stop)
-    st.metrics.request_started()
-    if not body.stream:
-        await _collect(st, stream, text, gen, request)
-        return completion_body(rid, st.model_name, gen.text, gen.finish_reason,
-                               usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
-
-    created = int(time.time())
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    async def events() -> AsyncIterator[str]:
-        try:
-            try:
-                async for delta in stream_tokens(st.loop, stream, text, gen, st.metrics.on_token):
-                    yield sse(completion_body(rid, st.model_name, delta, None, None, created))
-            except RuntimeError as e:
-                yield sse({"error": {"message": str(e), "type": "server_error", "code": 503}})
-                yield sse("[DONE]")
-                return
-            yield sse(completion_body(rid, st.model_name, "", gen.finish_reason, None, created))
-            if include_usage:
-                body_ = completion_body(rid, st.model_name, "", None, usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens), created)
-                body_["choices"] = []
-                yield sse(body_)
-            yield sse("[DONE]")
-        finally:
-            st.metrics.request_finished(gen)
-
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return await _respond(st, request, body, ids, params, _CompletionShape(new_id("cmpl"), st.model_name))
 
 
 @router.post("/v1/chat/completions")
@@ -162,35 +131,69 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     ids = st.tokenizer.encode(prompt)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = _params(st, body, len(ids), max_tokens)
-    rid = new_id("chatcmpl")
+    return await _respond(st, request, body, ids, params, _ChatShape(new_id("chatcmpl"), st.model_name))
+
+
+class _CompletionShape:
+    """Bodies of /v1/completions: the whole answer, and the stream's chunks."""
+
+    opening = None
+
+    def __init__(self, rid: str, model: str) -> None:
+        self.rid, self.model, self.created = rid, model, int(time.time())
+
+    def full(self, gen: Generation, use: dict) -> dict:
+        return completion_body(self.rid, self.model, gen.text, gen.finish_reason, use)
+
+    def chunk(self, delta: str | None, finish: str | None, use: dict | None = None) -> dict:
+        body = completion_body(self.rid, self.model, delta or "", finish, use, self.created)
+        if use is not None:
+            body["choices"] = []
+        return body
+
+
+class _ChatShape(_CompletionShape):
+    """Bodies of /v1/chat/completions (the stream opens with the assistant role)."""
+
+    opening = {"role": "assistant", "content": ""}
+
+    def full(self, gen: Generation, use: dict) -> dict:
+        return chat_body(self.rid, self.model, gen.text, gen.finish_reason, use)
+
+    def chunk(self, delta: str | None, finish: str | None, use: dict | None = None) -> dict:
+        body = chat_chunk(self.rid, self.model, self.created, {} if delta is None else {"content": delta}, finish)
+        if use is not None:
+            body["choices"], body["usage"] = [], use
+        return body
+
+
+async def _respond(st, request: Request, body: _Sampling, ids: list[int], params, shape: _CompletionShape):
+    """Run one request and answer it whole or as server-sent events."""
     gen = Generation(prompt_tokens=len(ids))
-    stream = await _start(st, ids, params, rid)
+    stream = await _start(st, ids, params, shape.rid)
     text = TextStream(st.tokenizer, params.stop)
     st.metrics.request_started()
     if not body.stream:
         await _collect(st, stream, text, gen, request)
-        return chat_body(rid, st.model_name, gen.text, gen.finish_reason,
-                         usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
-
-    created = int(time.time())
+        return shape.full(gen, usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     async def events() -> AsyncIterator[str]:
         try:
-            yield sse(chat_chunk(rid, st.model_name, created, {"role": "assistant", "content": ""}, None))
+            if shape.opening is not None:
+                chunk = shape.chunk(None, None)
+                chunk["choices"][0]["delta"] = dict(shape.opening)
+                yield sse(chunk)
             try:
                 async for delta in stream_tokens(st.loop, stream, text, gen, st.metrics.on_token):
-                    yield sse(chat_chunk(rid, st.model_name, created, {"content": delta}, None))
+                    yield sse(shape.chunk(delta, None))
             except RuntimeError as e:
                 yield sse({"error": {"message": str(e), "type": "server_error", "code": 503}})
                 yield sse("[DONE]")
                 return
-            yield sse(chat_chunk(rid, st.model_name, created, {}, gen.finish_reason))
+            yield sse(shape.chunk(None, gen.finish_reason))
             if include_usage:
-                last = chat_chunk(rid, st.model_name, created, {}, None)
-                last["choices"] = []
-                last["usage"] = usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
-                yield sse(last)
+                yield sse(shape.chunk(None, None, usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)))
             yield sse("[DONE]")
         finally:
             st.metrics.request_finished(gen)
