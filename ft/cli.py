@@ -11,6 +11,7 @@ import sys
 COMMANDS = {
     "serve": ("ft.serve_cmd", "serve a model over an OpenAI-compatible HTTP API"),
     "ctl": ("ft.ctl.cli", "inspect and resize a running server's caches"),
+    "top": ("ft.tui.cli", "live dashboard of pools, ladder and rebuilds"),
     "generate": ("ft.generate_cmd", "generate text for one prompt"),
     "quantize": ("ft.engine.quantize", "convert a Hugging Face checkpoint to NVFP4 (ModelOpt format)"),
 }

@@ -308,3 +308,28 @@ def test_ladder_through_the_server_and_ft_ctl(capsys):
         assert hist[0]["reason"] == "manual: rung 1"
     finally:
         srv.stop()
+
+
+def test_resize_waits_for_running_requests(server):
+    """A KV target below what a running request holds: refused at once without a wait, done
+    once the request finishes when the caller waits (admission pauses meanwhile)."""
+    before = httpx.get(server.url + "/admin/cache").json()["pools"]["kv"]["size"]
+    result = {}
+
+    def long_request():
+        result["r"] = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": [40 + i % 200 for i in range(300)], "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True})
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    deadline = time.monotonic() + 10
+    while httpx.get(server.url + "/admin/cache").json()["running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    r = httpx.post(server.url + "/admin/cache", json={"kv": 64})
+    assert r.status_code == 422 and "kv 64 is outside" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/admin/cache", json={"kv": 64, "wait_s": 30}, timeout=40)
+    t.join(30)
+    assert r.status_code == 200 and r.json()["pools"]["kv"]["size"] == 64
+    assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 40
+    assert httpx.post(server.url + "/admin/cache", json={"kv": before, "wait_s": 10}).status_code == 200

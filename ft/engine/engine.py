@@ -307,13 +307,15 @@ class Engine:
                 raise TimeoutError("generation did not finish in time")
 
     # ----------------------------------------------------------------------------- geometry
-    def limits(self) -> Limits:
+    def limits(self, held: bool = True) -> Limits:
         """Floors and ceilings of each pool now: the expert floor, the KV pages and mamba slots
-        that running requests hold; every expert, and (KV, mamba) only the budget above."""
-        running = self.scheduler.running
+        that running requests hold (`held=False`: as if none ran); every expert, and (KV, mamba)
+        only the budget above."""
+        running = self.scheduler.running if held else []
         held_pages = len({p for s in running for p in s.pages})
         # a queued request must still fit once it is its turn
-        waiting_pages = max((self.pools.kv.pages_for(s.num_tokens + 1) for s in self.scheduler.waiting), default=0)
+        waiting = self.scheduler.waiting if held else []
+        waiting_pages = max((self.pools.kv.pages_for(s.num_tokens + 1) for s in waiting), default=0)
         held_pages = max(held_pages, waiting_pages)
         moe_floor = self.total_experts if self.config.moe_backend == "resident" else self.expert_floor
         return Limits(
@@ -324,8 +326,11 @@ class Engine:
     def reachable_ranges(self) -> dict[str, tuple[int, int]]:
         return reachable_ranges(self.geometry, self.unit_costs, self.budget.budget_bytes, self.limits())
 
-    def plan_resize(self, moe: int | None = None, kv: int | None = None, mamba: int | None = None) -> Plan:
-        """The plan from the current geometry to the target (None keeps a pool's size)."""
+    def plan_resize(
+        self, moe: int | None = None, kv: int | None = None, mamba: int | None = None, held: bool = True
+    ) -> Plan:
+        """The plan from the current geometry to the target (None keeps a pool's size); with
+        held=False, as if no request held pages or slots (would it fit once they finish?)."""
         g = self.geometry
         page = self.config.page_size
         target = Geometry(
@@ -333,7 +338,7 @@ class Engine:
             g.kv_tokens if kv is None else -(-kv // page) * page,
             g.mamba_slots if mamba is None else mamba,
         )
-        return plan(g, target, self.unit_costs, self.budget.budget_bytes, self.limits())
+        return plan(g, target, self.unit_costs, self.budget.budget_bytes, self.limits(held))
 
     def rebuild(
         self, moe: int | None = None, kv: int | None = None, mamba: int | None = None,

@@ -40,6 +40,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.admission_paused = False  # a rebuild waits for running requests to release memory
 
     # --------------------------------------------------------------------------- queue
     def add(self, seq: Sequence) -> None:
@@ -66,7 +67,7 @@ class Scheduler:
                     seqs.append(seq)
                     counts.append(n)
                     budget -= n
-        while budget and self.waiting and len(self.running) < self.max_running:
+        while budget and self.waiting and len(self.running) < self.max_running and not self.admission_paused:
             seq = self.waiting[0]
             if not self._admit(seq):
                 break

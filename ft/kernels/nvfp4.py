@@ -44,6 +44,8 @@ references and selected by the dispatchers (`nvfp4_linear`).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 __all__ = [
@@ -79,6 +81,8 @@ E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.
 # (bound, tie rounds up): a magnitude m moves one code up past bound b when m > b, or when
 # m >= b for the bounds whose upper neighbour has the even code (0.75, 1.75, 3.5).
 _STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _SCALE_MIN = 2.0**-9  # smallest positive float8_e4m3fn (subnormal)
 
@@ -265,12 +269,26 @@ def nvfp4_linear_ref(
     return (x.to(torch.float32) @ w.T).to(x.dtype)
 
 
+def _use_triton(x: torch.Tensor) -> bool:
+    """Triton on CUDA; on CPU only in interpreter tests (FT_TRITON_INTERPRET_TEST=1 with TRITON_INTERPRET=1)."""
+    if x.is_cuda:
+        return True
+    return os.environ.get("FT_TRITON_INTERPRET_TEST") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def nvfp4_linear(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor | float
 ) -> torch.Tensor:
     """y = x @ dequantize(W).T with x [M, K] and NVFP4 W [N, K] -> y [M, N] in x's dtype.
 
-    Dispatcher: for now every device runs `nvfp4_linear_ref`; the Triton path on CUDA comes
-    with the kernels issue and will be selected here.
+    Dispatcher: the Triton kernels (`ft.kernels.nvfp4_triton`: a GEMV for M <= 2, ``tl.dot``
+    with a 16-row tile up to M = 16 and larger tiles above) when x is on CUDA, or on CPU when
+    tests ask for the interpreter with both ``FT_TRITON_INTERPRET_TEST=1`` and
+    ``TRITON_INTERPRET=1``; `nvfp4_linear_ref` otherwise, and for block scales that are not
+    float8_e4m3fn.
     """
+    if _use_triton(x) and scale.dtype == torch.float8_e4m3fn and x.dtype in _TRITON_DTYPES:
+        from ft.kernels.nvfp4_triton import nvfp4_linear_triton  # imports triton only when used
+
+        return nvfp4_linear_triton(x, packed, scale, scale_2)
     return nvfp4_linear_ref(x, packed, scale, scale_2)

@@ -59,11 +59,19 @@ async def post_cache(body: ResizeRequest, request: Request):
     if body.dry_run:
         plan = await _engine_call(st, lambda e: e.plan_resize(body.moe, body.kv, body.mamba))
         return admin_state.resize_plan(plan)
-    return await run_rebuild(st, lambda e: e.rebuild(body.moe, body.kv, body.mamba, trigger="manual"), body.wait_s)
+    return await run_rebuild(st, lambda e: e.rebuild(body.moe, body.kv, body.mamba, trigger="manual"), body.wait_s,
+                             lambda e: e.plan_resize(body.moe, body.kv, body.mamba, held=False).fits)
 
 
-async def run_rebuild(st, fn, wait_s: float | None):
-    """Run a rebuild on the engine thread; shared by resizes and ladder moves."""
+class _WaitExpired(Exception):
+    pass
+
+
+async def run_rebuild(st, fn, wait_s: float | None, fits_when_idle=None):
+    """Run a rebuild on the engine thread; shared by resizes and ladder moves.
+
+    A target that only running requests stand in the way of (`fits_when_idle`) waits for them,
+    up to wait_s, with admission paused so that they drain; then 504 if they still hold it."""
     from ft.engine.engine import RebuildFailed, RebuildRefused
 
     if st.rebuilding:
@@ -73,18 +81,37 @@ async def run_rebuild(st, fn, wait_s: float | None):
     st.rebuilding = True
 
     def execute(engine):
+        fn(engine)
+        return admin_state.cache_state(engine, "serving", st.model_name)
+
+    async def attempt():
+        deadline = time.monotonic() + (wait_s or 0.0)
         try:
-            fn(engine)
-            return admin_state.cache_state(engine, "serving", st.model_name)
+            while True:
+                try:
+                    return await st.loop.acall(execute)
+                except RebuildRefused:
+                    idle_fit = fits_when_idle is not None and wait_s and await st.loop.acall(fits_when_idle)
+                    if not idle_fit:
+                        raise
+                    if time.monotonic() >= deadline:
+                        raise _WaitExpired() from None
+                    await st.loop.acall(lambda e: setattr(e.scheduler, "admission_paused", True))
+                    await asyncio.sleep(0.05)
         finally:
+            if st.loop.state == "serving":
+                await st.loop.acall(lambda e: setattr(e.scheduler, "admission_paused", False))
             st.rebuilding = False
 
-    fut = asyncio.wrap_future(st.loop.call(execute))
+    task = asyncio.ensure_future(attempt())
     try:
-        return await asyncio.wait_for(asyncio.shield(fut), wait_s) if wait_s is not None else await fut
+        return await asyncio.wait_for(asyncio.shield(task), wait_s + 1.0) if wait_s is not None else await task
     except asyncio.TimeoutError:
         return JSONResponse({"status": "accepted", "message": f"the rebuild is still running after {wait_s} s; "
                              "watch GET /admin/cache or /admin/cache/history"}, status_code=202)
+    except _WaitExpired:
+        raise ApiError(504, f"waited {wait_s:g} s but running or queued requests still hold what the target "
+                       "needs; retry later or with a longer wait", "timeout") from None
     except RebuildRefused as e:
         raise ApiError(422, str(e), "out_of_range") from None
     except RebuildFailed as e:

@@ -1,0 +1,201 @@
+"""Pure logic of `ft top`: budget-bar arithmetic, target range checks, rate ring buffers, and the
+pool cells shared with `ft ctl cache`. No Textual, no I/O, no clock reads.
+
+Sizes are in the units users see (moe and mamba in slots, kv in tokens); bytes are plain ints.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ft.ctl.format import POOL_ORDER, format_range
+from ft.schemas import CacheState, LiveRates, PoolState
+from ft.units import format_bytes
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of `cells` bar cells that belongs to `kind` (a pool name or "free")."""
+
+    kind: str
+    cells: int
+
+
+@dataclass(frozen=True)
+class Track:
+    """One pool's reachable range on the budget scale, in cells from the left edge:
+    [0, lo) is below the pool's minimum, [lo, cur) what it holds above that, [cur, hi) the room it
+    could still grow into with the others held fixed. 0 <= lo <= cur <= hi <= width."""
+
+    lo: int
+    cur: int
+    hi: int
+    width: int
+
+
+def pools_of(state: CacheState) -> dict[str, PoolState]:
+    p = state.pools
+    return {"moe": p.moe, "kv": p.kv, "mamba": p.mamba}
+
+
+def unit_bytes(pool: PoolState) -> float:
+    """Bytes per unit of a pool (slot or token); 0 when the pool is empty."""
+    return pool.bytes / pool.size if pool.size > 0 else 0.0
+
+
+def scale_bytes(state: CacheState) -> int:
+    """The bytes the bar's full width stands for: the budget, or what is allocated if larger."""
+    return max(state.budget_bytes, state.allocated_bytes, sum(p.bytes for p in pools_of(state).values()), 1)
+
+
+def _cells(n_bytes: float, total: int, width: int) -> int:
+    return max(0, min(width, round(n_bytes * width / total)))
+
+
+def budget_segments(state: CacheState, width: int) -> list[Segment]:
+    """The budget bar: one segment per pool (moe, kv, mamba) then "free", cells summing to
+    `width` exactly (largest remainder), and a pool with any bytes gets at least one cell when
+    there is room."""
+    if width <= 0:
+        return []
+    total = scale_bytes(state)
+    sizes = [(k, max(0, p.bytes)) for k, p in pools_of(state).items()]
+    used = sum(b for _, b in sizes)
+    sizes.append(("free", max(0, total - used)))
+    exact = [b * width / total for _, b in sizes]
+    cells = [int(x) for x in exact]
+    order = sorted(range(len(exact)), key=lambda i: exact[i] - cells[i], reverse=True)
+    for i in order[: width - sum(cells)]:
+        cells[i] += 1
+    # a visible pool never rounds away: take the cell from the largest segment
+    for i, (_, b) in enumerate(sizes[:-1]):
+        if b > 0 and cells[i] == 0 and width >= len(sizes):
+            j = max(range(len(cells)), key=lambda k: cells[k])
+            if cells[j] > 1:
+                cells[j] -= 1
+                cells[i] = 1
+    return [Segment(k, c) for (k, _), c in zip(sizes, cells)]
+
+
+def range_track(state: CacheState, name: str, width: int) -> Track:
+    """Where pool `name`'s minimum, current and maximum sizes fall on the budget scale."""
+    pool = pools_of(state)[name]
+    total, u = scale_bytes(state), unit_bytes(pool)
+    cur = _cells(pool.bytes, total, width)
+    lo = min(cur, _cells(pool.min * u, total, width))
+    hi = max(cur, _cells(pool.max * u, total, width))
+    return Track(lo, cur, hi, width)
+
+
+def check_targets(state: CacheState, targets: dict[str, int | None]) -> list[str]:
+    """Problems with resize targets (None keeps a pool), checked locally before asking the server.
+
+    A pool changed alone must stay inside its reachable range [min, max]. When several change, a
+    pool's maximum moves by the bytes the others give up or take (their unit costs): an estimate;
+    the server's dry run has the last word. An empty list means worth a dry run."""
+    pools = pools_of(state)
+    problems = []
+    for name, t in targets.items():
+        if t is not None and t < 0:
+            problems.append(f"{name} must be 0 or more, got {t}")
+    if problems:
+        return problems
+    changed = {k: t for k, t in targets.items() if t is not None and k in pools and t != pools[k].size}
+    for name, t in changed.items():
+        pool = pools[name]
+        hi = pool.max
+        others = {k: v for k, v in changed.items() if k != name}
+        u = unit_bytes(pool)
+        if others and u > 0:
+            freed = sum((pools[k].size - v) * unit_bytes(pools[k]) for k, v in others.items())
+            hi = pool.max + int(freed // u)
+        if t < pool.min or t > hi:
+            problems.append(f"{name} {t} is outside {format_range(pool.min, max(pool.min, hi))}")
+    return problems
+
+
+def parse_target(text: str) -> int | None:
+    """An input box's text: '' keeps the pool (None); '65_536' and '65,536' read as 65536.
+    Raises ValueError for anything else."""
+    text = text.strip().replace(",", "").replace("_", "")
+    if not text:
+        return None
+    n = int(text)
+    return n
+
+
+def pool_cells(state: CacheState) -> dict[str, list[str]]:
+    """Per pool: [size in its unit, bytes, reachable range], exactly as `ft ctl cache` prints
+    them (`ft.ctl.format.format_cache`)."""
+    moe, kv, mamba = state.pools.moe, state.pools.kv, state.pools.mamba
+    if moe.total_experts:
+        moe_size = f"{moe.size} slots ({moe.policy}, {100.0 * moe.size / moe.total_experts:.1f}%)"
+    else:
+        moe_size = f"{moe.size} slots ({moe.policy})"
+    sizes = {"moe": moe_size, "kv": f"{kv.size} tok ({kv.pages} x {kv.page_size})", "mamba": f"{mamba.size} slots"}
+    return {k: [sizes[k], format_bytes(p.bytes), format_range(p.min, p.max)] for k, p in pools_of(state).items()}
+
+
+def pool_usage(state: CacheState) -> dict[str, str]:
+    """What each pool holds now: moe hit rate and resident fraction, kv pages used, mamba slots used."""
+    moe, kv, mamba = state.pools.moe, state.pools.kv, state.pools.mamba
+    res = f"{100.0 * moe.resident / moe.size:.0f}%" if moe.size else "-"
+    return {
+        "moe": f"hit {100.0 * moe.hit_rate:.1f}% res {res}",
+        "kv": f"used {kv.used}/{kv.pages} ({100.0 * kv.used / kv.pages:.0f}%)" if kv.pages else "used 0",
+        "mamba": f"used {mamba.used}/{mamba.size}",
+    }
+
+
+def format_uptime(seconds: float) -> str:
+    """12 s, 5m03s, 2h07m, 3d04h."""
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+@dataclass
+class RateHistory:
+    """Ring buffers of the live rates, one sample per event: the last `capacity` samples of
+    decode tokens/s, expert hit rate (0..1) and KV usage (0..1)."""
+
+    capacity: int = 240
+    decode: deque = field(init=False)
+    hit_rate: deque = field(init=False)
+    kv_usage: deque = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1:
+            raise ValueError(f"capacity must be 1 or more, got {self.capacity}")
+        self.decode = deque(maxlen=self.capacity)
+        self.hit_rate = deque(maxlen=self.capacity)
+        self.kv_usage = deque(maxlen=self.capacity)
+
+    def push(self, rates: LiveRates) -> None:
+        self.decode.append(max(0.0, rates.decode_tokens_per_s))
+        self.hit_rate.append(min(1.0, max(0.0, rates.expert_hit_rate)))
+        self.kv_usage.append(min(1.0, max(0.0, rates.kv_usage)))
+
+    def __len__(self) -> int:
+        return len(self.decode)
+
+    def series(self) -> dict[str, list[float]]:
+        return {"decode": list(self.decode), "hit_rate": list(self.hit_rate), "kv_usage": list(self.kv_usage)}
+
+
+def backoff_delays(first: float = 0.5, factor: float = 2.0, cap: float = 10.0):
+    """Reconnect delays: 0.5, 1, 2, 4, 8, 10, 10, ... seconds."""
+    d = first
+    while True:
+        yield min(d, cap)
+        d = min(d * factor, cap)
+
+
+__all__ = ["POOL_ORDER", "Segment", "Track", "budget_segments", "range_track", "check_targets", "parse_target",
+           "pool_cells", "pool_usage", "format_uptime", "RateHistory", "backoff_delays", "unit_bytes", "pools_of"]

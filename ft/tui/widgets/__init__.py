@@ -1,0 +1,1 @@
+"""The widgets of `ft top`, one per file, grouped by screen area."""

@@ -1,0 +1,39 @@
+"""The help screen: what the dashboard shows and its keys."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+ABOUT = """\
+pools    each pool's size, bytes, usage and reachable range (min..max with the others fixed);
+         the bar is the rebuild budget: each pool's share, then the free slack; under it,
+         per pool: · below its minimum, █ what it holds, ━ the room it could grow into
+ladder   every KV rung (the current one marked), auto on/off, the last decision and why
+live     decode tokens/s, expert hit rate and KV usage over the last minutes
+history  rebuilds newest first; the selected row's phases and error below the table"""
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [
+        Binding("escape", "close", "Close", id="help.close"),
+        Binding("question_mark", "close", "Close", show=False, id="help.close2"),
+    ]
+
+    def __init__(self, keys: list[tuple[str, str]]) -> None:
+        super().__init__()
+        self.keys = keys
+
+    def compose(self) -> ComposeResult:
+        width = max((len(k) for k, _ in self.keys), default=1)
+        keys = "\n".join(f"{k:>{width}}  {d}" for k, d in self.keys)
+        with Vertical(id="help-dialog") as box:
+            box.border_title = "ft top: help"
+            yield Static(ABOUT, markup=False)
+            yield Static(keys, id="help-keys", markup=False)
+
+    def action_close(self) -> None:
+        self.dismiss(None)

@@ -1,0 +1,56 @@
+"""The ladder panel: every rung with the current one marked, auto on/off, the last decision."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.text import Text
+from textual.reactive import reactive
+from textual.widget import Widget
+
+from ft.schemas import LadderState
+
+
+def rungs_text(ladder: LadderState, width: int) -> Text:
+    """All rungs as numbers when they fit on one line ('512 [768] 1024 ...'), else one mark per rung
+    between the two ends ('512 ○●○○○○ 8192'), wrapped to `width`."""
+    rungs, cur = ladder.rungs, ladder.current
+    t = Text()
+    words = [str(r) for r in rungs]
+    if sum(len(w) + 1 for w in words) + 2 <= width:
+        for i, w in enumerate(words):
+            if i:
+                t.append(" ")
+            t.append(f"[{w}]" if i == cur else w, "bold reverse" if i == cur else "")
+        return t
+    t.append(f"{rungs[0]} ", "dim")
+    for i in range(len(rungs)):
+        t.append("●" if i == cur else "○", "bold yellow" if i == cur else "dim")
+    t.append(f" {rungs[-1]}", "dim")
+    return t
+
+
+class LadderPanel(Widget):
+    ladder: reactive[LadderState | None] = reactive(None, layout=True)
+
+    def render(self) -> Group:
+        lad = self.ladder or LadderState()
+        width = max(10, self.size.width)
+        if not lad.enabled:
+            return Group(Text("ladder off", "bold"), Text("start ft serve with --enable-kv-ladder", "dim"))
+        head = Text(no_wrap=True, overflow="ellipsis")
+        head.append("auto ")
+        head.append("on" if lad.auto else "off", "bold green" if lad.auto else "bold red")
+        if lad.step:
+            head.append(f"  step {lad.step} tok")
+        cur = lad.current
+        if lad.rungs and cur is not None and 0 <= cur < len(lad.rungs):
+            head.append(f"  rung {cur + 1}/{len(lad.rungs)} ")
+            head.append(f"{lad.rungs[cur]}", "bold")
+        lines = [head]
+        if lad.rungs:
+            lines.append(rungs_text(lad, width))
+        last = Text(no_wrap=True, overflow="ellipsis")
+        last.append("last: ", "dim")
+        last.append(" ".join((lad.last_decision or "-").split()))
+        lines.append(last)
+        return Group(*lines)

@@ -1,0 +1,77 @@
+"""The pools panel: each pool's size, bytes, usage and reachable range, and the budget bar."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.text import Text
+from textual.reactive import reactive
+from textual.widget import Widget
+
+from ft.ctl.format import POOL_ORDER
+from ft.schemas import CacheState
+from ft.tui.state import budget_segments, pool_cells, pool_usage, range_track, scale_bytes
+from ft.units import format_bytes
+
+COLORS = {"moe": "#c678dd", "kv": "#56b6c2", "mamba": "#98c379", "free": "#5c6370"}
+MIN_TRACK = 8
+
+
+def bar_text(state: CacheState, width: int) -> Text:
+    """The budget bar: each pool's share in its colour with its name when it fits, then the free
+    slack."""
+    t = Text(no_wrap=True)
+    for seg in budget_segments(state, width):
+        if not seg.cells:
+            continue
+        label = f" {seg.kind} "
+        body = label.center(seg.cells) if len(label) <= seg.cells else " " * seg.cells
+        style = f"#1e1e1e on {COLORS[seg.kind]}" if seg.kind != "free" else f"{COLORS['free']} on #2c313a"
+        t.append(body if seg.kind != "free" or len(label) <= seg.cells else "░" * seg.cells, style)
+    return t
+
+
+def track_text(state: CacheState, name: str, width: int) -> Text:
+    """A pool's reachable range on the budget scale: '·' below its minimum, '█' what it holds
+    above that, '━' the room it could grow into, then the rest of the budget blank."""
+    tr = range_track(state, name, width)
+    color = COLORS[name]
+    t = Text(no_wrap=True)
+    t.append("·" * tr.lo, "#5c6370")
+    t.append("█" * (tr.cur - tr.lo), color)
+    t.append("━" * (tr.hi - tr.cur), color)
+    t.append(" " * (width - tr.hi))
+    return t
+
+
+class PoolsPanel(Widget):
+    """Renders to its width: a summary line, the budget bar, one row per pool."""
+
+    cache: reactive[CacheState | None] = reactive(None, layout=True)
+
+    def render(self) -> Group:
+        c = self.cache or CacheState()
+        width = max(10, self.size.width)
+        free = max(0, c.budget_bytes - c.allocated_bytes)
+        head = Text(no_wrap=True, overflow="ellipsis")
+        head.append(f"budget {format_bytes(scale_bytes(c) if c.budget_bytes else 0)}  ")
+        head.append(f"allocated {format_bytes(c.allocated_bytes)}  ")
+        head.append(f"free {format_bytes(free)}", COLORS["free"] if not free else "")
+        if c.context_limit:
+            head.append(f"  context {c.context_limit} tok")
+        cells, usage = pool_cells(c), pool_usage(c)
+        rows = [[name, *cells[name][:2], cells[name][2], usage[name]] for name in POOL_ORDER]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        text_w = sum(widths) + 2 * len(widths)
+        track_w = width - text_w
+        lines = [head, bar_text(c, width)]
+        for r in rows:
+            t = Text(no_wrap=True, overflow="ellipsis")
+            t.append(r[0].ljust(widths[0]) + "  ", f"bold {COLORS[r[0]]}")
+            t.append(r[1].ljust(widths[1]) + "  ")
+            t.append(r[2].rjust(widths[2]) + "  ")
+            t.append(r[3].rjust(widths[3]) + "  ", "dim")
+            t.append(r[4].ljust(widths[4]) + "  ")
+            if track_w >= MIN_TRACK:
+                t.append_text(track_text(c, r[0], track_w))
+            lines.append(t)
+        return Group(*lines)

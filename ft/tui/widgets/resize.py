@@ -1,0 +1,145 @@
+"""The resize dialog: targets for moe / kv / mamba, the server's dry-run plan as you type
+(debounced), refusal of out-of-range targets without asking the server to resize, apply on Enter."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.timer import Timer
+from textual.widgets import Input, Label, Static
+
+from ft.ctl.client import CtlError
+from ft.ctl.format import POOL_ORDER, format_plan, format_range
+from ft.schemas import CacheState, ResizePlan
+from ft.tui.state import check_targets, parse_target, pools_of
+
+DEBOUNCE_S = 0.3
+UNITS = {"moe": "slots", "kv": "tokens", "mamba": "slots"}
+Targets = dict[str, int]
+
+
+class ResizeScreen(ModalScreen[Targets | None]):
+    """Dismisses with the changed targets (pool -> size) once the dry run says they fit, or None.
+
+    `planner(targets)` is the dry run (blocking; it runs in a thread): a `ResizePlan` or a
+    `CtlError`."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel", id="resize.cancel")]
+
+    def __init__(self, state: CacheState, planner: Callable[[Targets], ResizePlan]) -> None:
+        super().__init__()
+        self.state = state
+        self.planner = planner
+        self._timer: Timer | None = None
+        self._plan: tuple[Targets, ResizePlan] | None = None
+
+    def compose(self) -> ComposeResult:
+        pools = pools_of(self.state)
+        with Vertical(id="resize-dialog") as box:
+            box.border_title = "resize pools"
+            for name in POOL_ORDER:
+                p = pools[name]
+                with Horizontal(classes="resize-row"):
+                    yield Label(name, classes="resize-name")
+                    yield Input(str(p.size), id=f"target-{name}", classes="resize-input", restrict=r"[0-9_,]*")
+                    yield Label(f"{UNITS[name]}  range {format_range(p.min, p.max)}", classes="resize-range")
+            yield Static("", id="resize-problems", markup=False)
+            yield Static("", id="resize-plan", markup=False)
+            yield Label("Enter apply  ·  Esc cancel", id="resize-hint")
+
+    def on_mount(self) -> None:
+        self.query_one(f"#target-{POOL_ORDER[0]}", Input).focus()
+        self._refresh_local()
+
+    # -- targets ---------------------------------------------------------------------------
+
+    def targets(self) -> Targets:
+        """The changed targets (a pool left at its size, or blank, is not sent). Raises ValueError."""
+        pools = pools_of(self.state)
+        out = {}
+        for name in POOL_ORDER:
+            raw = self.query_one(f"#target-{name}", Input).value
+            try:
+                t = parse_target(raw)
+            except ValueError:
+                raise ValueError(f"{name}: not a whole number: {raw!r}") from None
+            if t is not None and t != pools[name].size:
+                out[name] = t
+        return out
+
+    def _problems(self) -> tuple[Targets | None, list[str]]:
+        try:
+            targets = self.targets()
+        except ValueError as e:
+            return None, [str(e)]
+        return targets, check_targets(self.state, targets)
+
+    def _refresh_local(self) -> list[str]:
+        targets, problems = self._problems()
+        box = self.query_one("#resize-problems", Static)
+        box.update(Text("\n".join(f"refused: {p}" for p in problems), "bold red") if problems else "")
+        if targets == {}:
+            self.query_one("#resize-plan", Static).update("no change")
+        return problems
+
+    # -- the dry run -------------------------------------------------------------------------
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        event.stop()
+        self._plan = None
+        if self._timer is not None:
+            self._timer.stop()
+        if self._refresh_local():
+            self.query_one("#resize-plan", Static).update("")
+            return
+        self._timer = self.set_timer(DEBOUNCE_S, self._plan_now)
+
+    def _plan_now(self) -> None:
+        targets, problems = self._problems()
+        if targets and not problems:
+            self.run_worker(self._fetch_plan(targets), exclusive=True, group="plan")
+
+    async def _fetch_plan(self, targets: Targets) -> ResizePlan | None:
+        try:
+            plan = await asyncio.to_thread(self.planner, targets)
+        except CtlError as e:
+            self.query_one("#resize-plan", Static).update(Text(e.message, "red"))
+            return None
+        if self._problems()[0] != targets:  # NOTE: stale: the inputs changed meanwhile
+            return None
+        self._plan = (targets, plan)
+        style = "" if plan.fits else "bold red"
+        self.query_one("#resize-plan", Static).update(Text(format_plan(plan), style))
+        return plan
+
+    # -- apply / cancel -------------------------------------------------------------------------
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        self.run_worker(self._apply(), exclusive=True, group="apply")
+
+    async def _apply(self) -> None:
+        targets, problems = self._problems()
+        if problems or targets is None:
+            self._refresh_local()
+            self.notify("; ".join(problems), title="refused", severity="error")
+            return
+        if not targets:
+            self.dismiss(None)
+            return
+        plan = self._plan[1] if self._plan and self._plan[0] == targets else await self._fetch_plan(targets)
+        if plan is None:
+            return
+        if not plan.fits:
+            self.notify(plan.reason or "the plan does not fit the budget", title="refused", severity="error")
+            return
+        self.dismiss(targets)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)

@@ -1,0 +1,93 @@
+"""Triton NVFP4 linear (GEMV and tl.dot paths) against `nvfp4_linear_ref`, under the interpreter on CPU."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (by the kernels module below)
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ft.kernels.nvfp4 import nvfp4_linear, nvfp4_linear_ref, quantize_nvfp4  # noqa: E402
+from ft.kernels.nvfp4_triton import nvfp4_linear_triton  # noqa: E402
+
+# Relative RMS tolerances: the kernels accumulate in fp32 like the reference, so what is left
+# is summation order (fp32) and the final rounding of y (fp16, bf16).
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+# (M, N, K, dtype, path); bf16 only on the GEMV path (the interpreter's bf16 tl.dot is wrong).
+CASES = [
+    (1, 64, 128, torch.float32, "gemv"),
+    (1, 40, 96, torch.bfloat16, "gemv"),
+    (3, 24, 272, torch.float16, "gemv"),
+    (8, 64, 64, torch.bfloat16, "gemv"),
+    (16, 33, 128, torch.float32, "gemv"),
+    (17, 64, 128, torch.float16, "dot"),
+    (40, 72, 160, torch.float32, "dot"),
+    (5, 16, 64, torch.float16, "dot"),
+]
+
+
+def _case_id(case) -> str:
+    m, n, k, dtype, path = case
+    return f"M{m}-N{n}-K{k}-{DTYPE_NAMES[dtype]}-{path}"
+
+
+def _rel_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "output has NaN (unwritten elements?)"
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _weight(n: int, k: int, gen: torch.Generator):
+    w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen) * 3  # rows of varied size
+    return quantize_nvfp4(w)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_nvfp4_linear_triton_matches_ref(case):
+    m, n, k, dtype, path = case
+    gen = torch.Generator().manual_seed(hash(_case_id(case)) % 2**31)
+    packed, scale, scale_2 = _weight(n, k, gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    y = nvfp4_linear_triton(x, packed, scale, scale_2, out=out, path=path)
+    assert y is out and y.shape == (m, n) and y.dtype == dtype
+    assert _rel_rms(y, nvfp4_linear_ref(x, packed, scale, scale_2)) < TOL[dtype]
+
+
+def test_nvfp4_linear_triton_strided_x_and_float_scale_2():
+    gen = torch.Generator().manual_seed(7)
+    packed, scale, scale_2 = _weight(32, 64, gen)
+    x = torch.randn(64, 4, generator=gen).T  # [4, 64], not contiguous
+    y = nvfp4_linear_triton(x, packed, scale, float(scale_2))
+    assert _rel_rms(y, nvfp4_linear_ref(x, packed, scale, scale_2)) < TOL[torch.float32]
+
+
+def test_dispatcher_uses_triton_when_asked(monkeypatch):
+    import ft.kernels.nvfp4_triton as details
+
+    calls = []
+    real = details.nvfp4_linear_triton
+    monkeypatch.setattr(details, "nvfp4_linear_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(3)
+    packed, scale, scale_2 = _weight(16, 32, gen)
+    x = torch.randn(2, 32, generator=gen)
+    monkeypatch.delenv("FT_TRITON_INTERPRET_TEST", raising=False)
+    nvfp4_linear(x, packed, scale, scale_2)
+    assert not calls  # CPU without the test flag: the reference
+    monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
+    y = nvfp4_linear(x, packed, scale, scale_2)
+    assert calls
+    assert _rel_rms(y, nvfp4_linear_ref(x, packed, scale, scale_2)) < TOL[torch.float32]
+
+
+def test_bad_shapes_raise():
+    packed, scale, scale_2 = quantize_nvfp4(torch.randn(16, 32))
+    with pytest.raises(ValueError):
+        nvfp4_linear_triton(torch.randn(2, 48), packed, scale, scale_2)
+    with pytest.raises(ValueError):
+        nvfp4_linear_triton(torch.randn(2, 32), packed, scale.float(), scale_2)
