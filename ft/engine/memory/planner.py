@@ -77,8 +77,8 @@ def plan(current: Geometry, target: Geometry, costs: UnitCosts, budget: int, lim
         steps.append(Step("shrink" if deltas[p] < 0 else "grow", p, deltas[p], total))
     reason = None
     for p in POOLS:
-        lo, hi = limits.floor[p], limits.ceiling[p]
-        if not lo <= tgt[p] <= hi:
+        if not limits.floor[p] <= tgt[p] <= limits.ceiling[p]:
+            lo, hi = reachable_ranges(current, costs, budget, limits)[p]  # what the user can pick
             reason = f"{p} {tgt[p]} is outside {lo}..{hi}"
             break
     if reason is None and peak > budget:

@@ -16,17 +16,21 @@ COLORS = {"moe": "#c678dd", "kv": "#56b6c2", "mamba": "#98c379", "free": "#5c637
 MIN_TRACK = 8
 
 
+FILL = {"moe": "█", "kv": "▓", "mamba": "▒", "free": "░"}
+
+
 def bar_text(state: CacheState, width: int) -> Text:
-    """The budget bar: each pool's share in its colour with its name when it fits, then the free
-    slack."""
+    """The budget bar: each pool's share in its colour and fill ('█' moe, '▓' kv, '▒' mamba),
+    its name first when it fits, then the free slack ('░'); readable without colour too."""
     t = Text(no_wrap=True)
     for seg in budget_segments(state, width):
         if not seg.cells:
             continue
-        label = f" {seg.kind} "
-        body = label.center(seg.cells) if len(label) <= seg.cells else " " * seg.cells
-        style = f"#1e1e1e on {COLORS[seg.kind]}" if seg.kind != "free" else f"{COLORS['free']} on #2c313a"
-        t.append(body if seg.kind != "free" or len(label) <= seg.cells else "░" * seg.cells, style)
+        label = seg.kind if len(seg.kind) + 1 <= seg.cells else ""
+        style = f"bold {COLORS[seg.kind]}"
+        if label:
+            t.append(label + " ", f"bold reverse {COLORS[seg.kind]}" if seg.kind != "free" else style)
+        t.append(FILL[seg.kind] * (seg.cells - len(label) - (1 if label else 0)), COLORS[seg.kind])
     return t
 
 
