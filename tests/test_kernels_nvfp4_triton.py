@@ -11,15 +11,15 @@ import torch
 
 pytest.importorskip("triton")
 
-from ft.kernels.nvfp4 import nvfp4_linear, nvfp4_linear_ref, quantize_nvfp4  # noqa: E402
-from ft.kernels.nvfp4_triton import nvfp4_linear_triton  # noqa: E402
+from ft.kernels.nvfp4 import nvfp4_linear, nvfp4_linear_ref, quantize_nvfp4
+from ft.kernels.nvfp4_triton import nvfp4_linear_triton
 
 # Relative RMS tolerances: the kernels accumulate in fp32 like the reference, so what is left
 # is summation order (fp32) and the final rounding of y (fp16, bf16).
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
-# (M, N, K, dtype, path); bf16 only on the GEMV path (the interpreter's bf16 tl.dot is wrong).
+# (M, N, K, dtype, path or None for the default); bf16 only on the GEMV path (the interpreter's bf16 tl.dot is wrong).
 CASES = [
     (1, 64, 128, torch.float32, "gemv"),
     (1, 40, 96, torch.bfloat16, "gemv"),
@@ -29,12 +29,13 @@ CASES = [
     (17, 64, 128, torch.float16, "dot"),
     (40, 72, 160, torch.float32, "dot"),
     (5, 16, 64, torch.float16, "dot"),
+    (12, 48, 96, torch.float16, None),  # the launcher's own choice (16-row dot tile)
 ]
 
 
 def _case_id(case) -> str:
     m, n, k, dtype, path = case
-    return f"M{m}-N{n}-K{k}-{DTYPE_NAMES[dtype]}-{path}"
+    return f"M{m}-N{n}-K{k}-{DTYPE_NAMES[dtype]}-{path or 'auto'}"
 
 
 def _rel_rms(out: torch.Tensor, ref: torch.Tensor) -> float:

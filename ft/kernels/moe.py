@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ft.kernels.nvfp4 import dequantize_nvfp4_rows
+from ft.kernels.nvfp4 import _use_triton, dequantize_nvfp4_rows
 
 
 class SlotWeights(NamedTuple):
@@ -90,5 +90,12 @@ def moe_over_slots_ref(
 def moe_over_slots(
     x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, w: SlotWeights
 ) -> torch.Tensor:
-    """Dispatcher (the reference on every device until the Triton kernel lands)."""
+    """Dispatcher: the Triton kernels (`ft.kernels.moe_triton`) for NVFP4 slot pools on CUDA (or
+    on CPU in interpreter tests: ``FT_TRITON_INTERPRET_TEST=1`` with ``TRITON_INTERPRET=1``);
+    the reference for dense pools and otherwise. Same contract as `moe_over_slots_ref`."""
+    if w.is_nvfp4 and w.w13_scale.dtype == torch.float8_e4m3fn and _use_triton(x):
+        # NOTE: imports triton only when used
+        from ft.kernels.moe_triton import moe_over_slots_triton
+
+        return moe_over_slots_triton(x, topk_slots, topk_weights, w)
     return moe_over_slots_ref(x, topk_slots, topk_weights, w)

@@ -288,7 +288,8 @@ def nvfp4_linear(
     float8_e4m3fn.
     """
     if _use_triton(x) and scale.dtype == torch.float8_e4m3fn and x.dtype in _TRITON_DTYPES:
-        from ft.kernels.nvfp4_triton import nvfp4_linear_triton  # imports triton only when used
+        # NOTE: imports triton only when used
+        from ft.kernels.nvfp4_triton import nvfp4_linear_triton
 
         return nvfp4_linear_triton(x, packed, scale, scale_2)
     return nvfp4_linear_ref(x, packed, scale, scale_2)

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["nvfp4_linear_triton", "SMALL_M"]
+__all__ = ["SMALL_M", "nvfp4_linear_triton"]
 
 SMALL_M = 2
 """Rows of x up to which the GEMV kernel runs; above it the ``tl.dot`` kernel (with a 16-row
@@ -143,17 +143,17 @@ def _gemv_config(m: int, n: int, k: int) -> dict:
     block_m = triton.next_power_of_2(max(m, 1))
     block_kb = min(256 // block_m, max(16, triton.next_power_of_2(k // 2)))
     block_n = 4 if (k <= 2048 and n >= 4096) else 8
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KB=block_kb, num_warps=4)
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_KB": block_kb, "num_warps": 4}
 
 
 def _dot_config(m: int, n: int, k: int) -> dict:
     # H200: at M = 8 a 16-row tl.dot tile beat the 3-D GEMV tile on every decode shape (up to
     # 3x); at M = 4096 on 8192x2048, 256x128x64 with 8 warps was the best of five tiles.
     if m <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
     if m <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
 
 
 def nvfp4_linear_triton(
