@@ -32,6 +32,22 @@ def main() -> None:
         graph = triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
         floor = len(torch.unique(slots)) * per_expert / 4.3e12 * 1e6
         rows.append((batch, eager, graph, floor))
+    sweep = []
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randperm(64, device="cuda")[:10][None]
+    w = torch.softmax(torch.randn(1, 10, device="cuda"), -1).to(torch.bfloat16)
+    out = torch.empty_like(x)
+    ref = moe_over_slots_triton(x, slots, w, pool)
+    for gu in [(16, 128, 4), (32, 128, 4), (32, 256, 4), (64, 128, 8), (64, 256, 8), (8, 256, 4), (16, 512, 4)]:
+        for dn in [(16, 128, 4), (32, 128, 4), (64, 128, 8), (32, 64, 4), (8, 128, 4)]:
+            fn = lambda: moe_over_slots_triton(x, slots, w, pool, out=out, gate_up_config=gu, down_config=dn)  # noqa: E731
+            fn()
+            err = float((out.float() - ref.float()).norm() / ref.float().norm())
+            sweep.append((triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3, gu, dn, err))
+    sweep.sort(key=lambda r: r[0])
+    print("\nbatch-1 sweep (graph us, gate_up config, down config, rel diff to default):")
+    for r in sweep[:8]:
+        print(f"  {r[0]:7.1f}  {r[1]}  {r[2]}  {r[3]:.1e}")
     print(f"\n{'batch':>5} {'eager us':>9} {'graph us':>9} {'bytes floor us':>14}")
     for b, e, g, f in rows:
         print(f"{b:>5} {e:>9.1f} {g:>9.1f} {f:>14.1f}")

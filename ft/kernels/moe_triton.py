@@ -97,8 +97,14 @@ def _moe_down_kernel(
     tl.store(p_out + i_t * stride_ot + o_h, acc.to(p_out.dtype.element_ty), mask=m_h)
 
 
+# (BLOCK rows, BLOCK_KB bytes, num_warps) of the gate_up and the down pass; tuned on the H200
+GATE_UP_CONFIG = (8, 256, 4)
+DOWN_CONFIG = (8, 128, 4)
+
+
 def moe_over_slots_triton(
-    x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, w, *, out: torch.Tensor | None = None
+    x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, w, *, out: torch.Tensor | None = None,
+    gate_up_config: tuple[int, int, int] | None = None, down_config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """sum_k weight_k * down(silu(gate(x)) * up(x)) with NVFP4 experts read from slots.
 
@@ -127,17 +133,18 @@ def moe_over_slots_triton(
     y = torch.empty_like(x) if out is None else out
     if t == 0:
         return y
-    block_i, block_h = 16, 16
-    kb13 = min(128, triton.next_power_of_2(hid // 2))
-    kb2 = min(128, triton.next_power_of_2(i // 2))
+    block_i, kb13, warps13 = gate_up_config or GATE_UP_CONFIG
+    block_h, kb2, warps2 = down_config or DOWN_CONFIG
+    kb13 = max(16, min(kb13, triton.next_power_of_2(hid // 2)))
+    kb2 = max(16, min(kb2, triton.next_power_of_2(i // 2)))
     _moe_gate_up_kernel[(t * k, triton.cdiv(i, block_i))](
         x, slots, w13, s13, s2, h, i, hid, k,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s2.stride(0), h.stride(0),
-        BLOCK_I=block_i, BLOCK_KB=max(16, kb13), num_warps=4,
+        BLOCK_I=block_i, BLOCK_KB=kb13, num_warps=warps13,
     )
     _moe_down_kernel[(t, triton.cdiv(hid, block_h))](
         h, slots, wts, w2, s2w, s2, y, i, hid, k,
         h.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1), s2.stride(0), y.stride(0),
-        BLOCK_H=block_h, BLOCK_KB=max(16, kb2), num_warps=4,
+        BLOCK_H=block_h, BLOCK_KB=kb2, num_warps=warps2,
     )
     return y
