@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 
 from ft.engine import LLM
-from ft.engine.quantize import quantize_checkpoint
+from ft.engine.quantize_checkpoint import quantize_checkpoint
 from ft.kernels.nvfp4 import dequantize_nvfp4
 from test_oracle import GREEDY_32, hf_greedy, prompt_of, rel_err, hf_last_logits, first_step_logits
 

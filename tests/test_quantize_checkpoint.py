@@ -14,15 +14,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ft.engine.quantize import (
-    DEFAULT_EXCLUDE,
-    QuantizeError,
-    add_parser,
-    main,
-    quantize_checkpoint,
-    quantize_state_dict,
-    write_quant_config,
-)
+from ft.engine.quantize import DEFAULT_EXCLUDE, QuantizeError, quantize_state_dict, write_quant_config
+from ft.engine.quantize_checkpoint import quantize_checkpoint
+from ft.engine.quantize_cli import add_parser, main
 from ft.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 
 N_LAYERS = 4  # linear, linear, linear, full attention
