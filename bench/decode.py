@@ -49,7 +49,7 @@ def main() -> None:
     embed = c.vocab_size * c.hidden_size * 2
     resident = eng.model.resident_bytes - embed  # one embedding row is read, not the table
     experts = len(c.moe_layers) * c.num_experts_per_tok * eng.unit_costs.expert_slot
-    state = len(c.linear_attention_layers) * eng.unit_costs.mamba_slot * 2  # read + write
+    state = eng.unit_costs.mamba_slot * 2  # every linear layer's state, read and written
     kv = eng.unit_costs.kv_page * (len(prompt) + args.tokens) // eng.unit_costs.page_size
     per_token = resident + experts + state + kv
     roof = COPY_BW / per_token
