@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -34,11 +35,16 @@ class ForwardBatch:
     def is_decode(self) -> bool:
         return all(s.length == 1 for s in self.seqs)
 
-    @property
+    @cached_property
     def last_token_index(self) -> torch.Tensor:
         """[B] flat index of each sequence's last new token."""
         ends = torch.tensor([s.length for s in self.seqs]).cumsum(0) - 1
         return ends.to(self.input_ids.device)
+
+    @cached_property
+    def mamba_slots(self) -> torch.Tensor:
+        """[B] int64 mamba slot of each sequence, on the device (built once per batch)."""
+        return torch.tensor([s.mamba_slot for s in self.seqs], device=self.input_ids.device)
 
     def split_sizes(self) -> list[int]:
         return [s.length for s in self.seqs]

@@ -65,7 +65,7 @@ class GatedDeltaNet:
         t = x.shape[0]
         mixed, z, b, a = self._project(x)
         if batch.is_decode:
-            slots = torch.tensor([s.mamba_slot for s in batch.seqs], device=x.device)
+            slots = batch.mamba_slots
             o, conv_new, ssm_new = self._mix(mixed[:, None], b[:, None], a[:, None], conv_pool[slots], ssm_pool[slots])
             conv_pool[slots], ssm_pool[slots] = conv_new, ssm_new
             o = o[:, 0]

@@ -71,6 +71,11 @@ class ExpertCache:
     def num_resident(self) -> int:
         return len(self._lru)
 
+    @property
+    def all_resident(self) -> bool:
+        """Every expert of every layer is in a slot (the resident backend, or a cache that big)."""
+        return len(self._lru) == self.total_experts
+
     def is_resident(self, layer: int, expert: int) -> bool:
         return (layer, expert) in self._lru
 
