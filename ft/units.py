@@ -30,3 +30,21 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def seconds_arg(lo: float, hi: float | None = None, above: bool = False):
+    """An argparse type for seconds in [lo, hi] (or (lo, hi] with above=True); hi None: no cap."""
+    import argparse
+
+    def parse(text: str) -> float:
+        try:
+            s = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+        if (s <= lo if above else s < lo) or (hi is not None and s > hi):
+            if hi is None:
+                raise argparse.ArgumentTypeError(f"must be more than {lo:g} seconds, got {text}")
+            raise argparse.ArgumentTypeError(f"must be between {lo:g} and {hi:g} seconds, got {text}")
+        return s
+
+    return parse

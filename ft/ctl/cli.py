@@ -19,6 +19,8 @@ import argparse
 import sys
 from typing import Any
 
+from ft.units import seconds_arg
+
 # Tests (or embedders) may set an httpx transport here, e.g. httpx.MockTransport(handler).
 TRANSPORT: Any = None
 
@@ -38,24 +40,8 @@ def _count(text: str) -> int:
     return n
 
 
-def _wait(text: str) -> float:
-    try:
-        s = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0 <= s <= 3600:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 3600 seconds, got {text}")
-    return s
-
-
-def _timeout(text: str) -> float:
-    try:
-        s = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if s <= 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
-    return s
+_wait = seconds_arg(0, 3600)
+_timeout = seconds_arg(0, above=True)
 
 
 def _common(p: argparse.ArgumentParser, suppress: bool) -> None:

@@ -5,15 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ft.units import seconds_arg
 
-def _refresh(text: str) -> float:
-    try:
-        s = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0.1 <= s <= 60:
-        raise argparse.ArgumentTypeError(f"must be between 0.1 and 60 seconds, got {text}")
-    return s
+_refresh = seconds_arg(0.1, 60)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
