@@ -1,19 +1,19 @@
-"""NVFP4 linear on the GPU: correctness against the reference, then timings (table printed last).
+"""NVFP4 kernels on the GPU: correctness against the torch references, then timings; tables last.
 
 Usage (device): ``PYTHONPATH=. python3 bench/kernels_nvfp4.py [--sweep] [--log FILE]``
 
 Shapes (N x K) from Qwen3-Next-80B-A3B: in_proj_qkvz 12288x2048, attention q 8192x2048,
 out_proj 2048x4096, expert gate_up 1024x2048, expert down 2048x512, and 32768x8192 for the
-bandwidth ceiling; decode at M = 1 and 8, prefill GEMM at M = 4096 on 8192x2048.
-Times: medians of ``triton.testing.do_bench`` (it clears L2 before each run). Effective GB/s
-counts weights + block scales + x read and y written once; the ceiling is the measured 4.3 TB/s
-device copy (shared/reference/h200-ceilings.md). Baseline: torch bf16 ``F.linear`` on a dense
-[N, K] weight.
+bandwidth ceiling; decode at M = 1 and 8, prefill GEMM at M = 4096 on 8192x2048; the fused MoE
+with 10 of 512 experts (hidden 2048, intermediate 512) at batch 1 and 8, and grouped at 1024.
 
-NOTE: ``do_bench`` times with events around one eager launch, so kernels shorter than the
-Python launch path (~25 us for these launchers with triton 3.6) read as launch-bound; the
-engine replays decode in CUDA graphs, where only the GPU time counts. Timing the decode shapes
-under ``triton.testing.do_bench_cudagraph`` (with weight copies rotated past L2) is still to do.
+Decode timings are CUDA-graph replays (`bench.gpu_timing.graph_us`) of calls that each read
+their own copy of the weights (a pass reads 4x the L2), so every call reads HBM and no Python
+launch cost is counted: what the engine's graphed decode sees. Effective GB/s counts weights +
+block scales + x read and y written once; the ceiling is the measured 4.3 TB/s copy. Baselines
+in the same run: torch bf16 ``matmul`` on dense [N, K] weights (same rotation), and the first
+version of these kernels (`bench/baselines/`), so "before -> after" is a ratio from one run.
+Prefill and grouped-MoE times are ``triton.testing.do_bench`` medians (launch cost negligible).
 """
 
 from __future__ import annotations
@@ -23,15 +23,18 @@ import sys
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from ft.kernels.nvfp4 import nvfp4_linear, nvfp4_linear_ref, quantize_nvfp4
+from bench.baselines import moe_triton_v1, nvfp4_triton_v1
+from bench.gpu_timing import COPY_CEILING_GBS, copies_for, graph_us, rel_rms
+from ft.kernels.moe import SlotWeights, moe_over_slots_ref
+from ft.kernels.moe_triton import moe_over_slots_triton
+from ft.kernels.nvfp4 import dequantize_nvfp4, nvfp4_linear, nvfp4_linear_ref
 from ft.kernels.nvfp4_triton import nvfp4_linear_triton
 
-COPY_CEILING_GBS = 4300.0
 TOL_BF16 = 1e-2  # relative RMS vs the fp32-matmul reference, y rounded to bf16
+TOL_MOE = 2e-2  # the MoE reference runs its matmuls in bf16
 
 DECODE_SHAPES = [
     ("in_proj_qkvz", 12288, 2048),
@@ -42,46 +45,242 @@ DECODE_SHAPES = [
     ("large", 32768, 8192),
 ]
 PREFILL = ("attn_q", 8192, 2048, 4096)
+MOE = (512, 2048, 512, 10)  # slots, hidden, intermediate, top-k
+MOE_GROUPED_TOKENS = (64, 1024)
 
-GEMV_SWEEP = [{"BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_KB": kb, "num_warps": w} for bn in (4, 8, 16, 32) for kb in (64, 128, 256) for w in (4,)]
-DOT_SWEEP = [
-    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
+DEV = torch.device("cuda")
+
+GEMV_SWEEP = [
+    {"BLOCK_N": bn, "BLOCK_W": bw, "num_warps": nw}
+    for bn, bw, nw in [(8, 64, 4), (16, 64, 4), (32, 32, 4), (16, 32, 4), (32, 64, 4), (64, 32, 4), (8, 128, 4),
+                       (16, 128, 4), (32, 64, 8), (64, 64, 8), (4, 128, 4), (8, 32, 2)]
 ]
+DOT_SMALL_SWEEP = [
+    {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": nw, "num_stages": st, "SWAP_AB": sw}
+    for bn, bk, nw, st, sw in [(32, 256, 4, 3, False), (64, 128, 4, 3, False), (64, 256, 4, 3, True), (64, 128, 4, 3, True),
+                               (128, 128, 4, 3, True), (64, 128, 4, 4, True), (128, 64, 4, 4, True), (64, 256, 4, 2, True)]
+]
+DOT_SWEEP = [
+    {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": nw, "num_stages": st}
+    for bm, bn, bk, nw, st in [(256, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4)]
+] + [
+    {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": nw, "num_stages": st, "SWAP_AB": True}
+    for bm, bn, bk, nw, st in [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (64, 128, 64, 4, 4),
+                               (128, 128, 64, 4, 3), (128, 128, 128, 8, 3)]
+]
+MOE_SWEEP_GATE_UP = [(8, 64, 4), (16, 64, 4), (4, 128, 4), (16, 32, 4), (32, 64, 8), (8, 128, 4)]
+MOE_SWEEP_DOWN = [(16, 32, 4), (8, 64, 4), (32, 32, 4), (16, 64, 4), (64, 16, 4), (32, 64, 8)]
+GROUPED_SWEEP = [(16, 64, 128, 4, 3), (32, 64, 128, 4, 3), (64, 64, 64, 4, 3), (32, 128, 64, 4, 3), (64, 128, 64, 8, 3)]
 
 
-def rel_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if out.isnan().any():
-        return float("nan")
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
-def make_weight(n: int, k: int):
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    packed, scale, scale_2 = quantize_nvfp4(w)
-    return w, packed, scale, scale_2
-
-
-def check(m: int, packed, scale, scale_2, **kw) -> float:
-    """Relative RMS of the Triton kernel against the reference on fresh x, output NaN-poisoned."""
-    x = torch.randn(m, packed.shape[1] * 2, device="cuda", dtype=torch.bfloat16)
-    out = torch.full((m, packed.shape[0]), float("nan"), device="cuda", dtype=torch.bfloat16)
-    y = nvfp4_linear_triton(x, packed, scale, scale_2, out=out, **kw)
-    return rel_rms(y, nvfp4_linear_ref(x, packed, scale, scale_2))
+def random_nvfp4(n: int, k: int, lead: tuple = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random NVFP4 weight bytes (every nibble valid), block scales ~ 2**U(-3, 3), scale_2 0.01."""
+    packed = torch.randint(0, 256, (*lead, n, k // 2), dtype=torch.uint8, device=DEV.type)
+    scale = torch.exp2(torch.empty(*lead, n, k // 16, device=DEV.type).uniform_(-3, 3)).to(torch.float8_e4m3fn)
+    return packed, scale, torch.tensor(0.01, device=DEV.type)
 
 
 def nbytes(m: int, n: int, k: int) -> int:
     return n * k // 2 + n * k // 16 + m * k * 2 + m * n * 2
 
 
+class Shape:
+    """One N x K weight in rotated copies (NVFP4 and dense bf16) with x and y buffers for M rows."""
+
+    def __init__(self, n: int, k: int, m: int):
+        self.n, self.k, self.m = n, k, m
+        self.q = [random_nvfp4(n, k) for _ in range(copies_for(n * k // 2))]
+        self.dense = [dequantize_nvfp4(*q, dtype=torch.bfloat16) for q in self.q[:copies_for(n * k * 2)]]
+        self.x = torch.randn(m, k, device=DEV.type, dtype=torch.bfloat16)
+        self.y = torch.empty(m, n, device=DEV.type, dtype=torch.bfloat16)
+
+    def time(self, fn, **kw) -> float:
+        return graph_us([partial(fn, self.x, *q, out=self.y, **kw) for q in self.q])
+
+    def time_torch(self) -> float:
+        return graph_us([partial(torch.matmul, self.x, w.T, out=self.y) for w in self.dense])
+
+    def check(self, fn, m: int | None = None, **kw) -> float:
+        m = m or self.m
+        x = torch.randn(m, self.k, device=DEV.type, dtype=torch.bfloat16)
+        out = torch.full((m, self.n), float("nan"), device=DEV.type, dtype=torch.bfloat16)
+        fn(x, *self.q[0], out=out, **kw)
+        return rel_rms(out, nvfp4_linear_ref(x, *self.q[0]))
+
+
+def decode_rows(args, say, failures):
+    rows, sweep_rows = [], []
+    for name, n, k in DECODE_SHAPES:
+        for m in (1, 8):
+            s = Shape(n, k, m)
+            errs = [s.check(nvfp4_linear_triton, mm) for mm in ((1, 2) if m == 1 else (3, 8, 16))]
+            x_d = torch.randn(m, k, device=DEV.type, dtype=torch.bfloat16)
+            errs.append(rel_rms(nvfp4_linear(x_d, *s.q[0]), nvfp4_linear_ref(x_d, *s.q[0])))
+            if not max(errs) < TOL_BF16:
+                failures.append((name, m, errs))
+            t_new = s.time(nvfp4_linear_triton)
+            t_old = s.time(nvfp4_triton_v1.nvfp4_linear_triton)
+            t_ref = s.time_torch()
+            best = ("default", t_new)
+            if args.sweep and not (m == 1 and args.sweep_skip_m1):
+                cands = []
+                if m == 1:
+                    cands = [("gemv", dict(c, BLOCK_M=1)) for c in GEMV_SWEEP if k // 8 >= c["BLOCK_W"]]
+                else:
+                    cands = [("dot", c) for c in DOT_SMALL_SWEEP] + [("gemv", dict(c, BLOCK_M=8)) for c in GEMV_SWEEP[:6]]
+                for path, cfg in cands:
+                    try:
+                        err = s.check(nvfp4_linear_triton, path=path, config=cfg)
+                        tc = s.time(nvfp4_linear_triton, path=path, config=cfg) if err < TOL_BF16 else float("inf")
+                    except Exception as exc:  # noqa: BLE001 (a config the compiler refuses)
+                        say(f"  sweep {name} M{m} {path} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
+                        continue
+                    say(f"  sweep {name} M{m} {path} {cfg}: {tc:.2f} us err {err:.1e}")
+                    sweep_rows.append((name, m, path, cfg, tc))
+                    if tc < best[1]:
+                        best = (f"{path} {cfg}", tc)
+            gbs = nbytes(m, n, k) / (t_new * 1e-6) / 1e9
+            rows.append((name, f"{n}x{k}", m, t_new, gbs, gbs / COPY_CEILING_GBS, t_old, t_ref, max(errs), best))
+            say(f"{name} M{m}: {t_new:.2f} us ({gbs:.0f} GB/s), v1 {t_old:.2f} us, torch bf16 {t_ref:.2f} us, err {max(errs):.1e}")
+            del s
+            torch.cuda.empty_cache()
+    return rows
+
+
+def prefill_rows(args, say, failures):
+    name, n, k, m = PREFILL
+    s = Shape(n, k, m)
+    s.q, s.dense = s.q[:1], s.dense[:1]
+    err = s.check(nvfp4_linear_triton)
+    if not err < TOL_BF16:
+        failures.append((name, m, err))
+    bench = lambda fn, **kw: do_bench(partial(fn, s.x, *s.q[0], out=s.y, **kw), return_mode="median") * 1e3  # noqa: E731
+    t_new, t_old = bench(nvfp4_linear_triton), bench(nvfp4_triton_v1.nvfp4_linear_triton)
+    t_ref = do_bench(partial(torch.matmul, s.x, s.dense[0].T, out=s.y), return_mode="median") * 1e3
+    best = ("default", t_new)
+    if args.sweep:
+        for cfg in DOT_SWEEP:
+            try:
+                e = s.check(nvfp4_linear_triton, path="dot", config=cfg)
+                tc = bench(nvfp4_linear_triton, path="dot", config=cfg)
+            except Exception as exc:  # noqa: BLE001
+                say("  sweep prefill failed:", cfg, type(exc).__name__, str(exc)[:120])
+                continue
+            say(f"  sweep prefill {cfg}: {tc:.1f} us, {2 * m * n * k / tc / 1e6:.0f} TFLOP/s, err {e:.1e}")
+            if tc < best[1] and e < TOL_BF16:
+                best = (str(cfg), tc)
+    return [(name, f"{n}x{k}", m, t_new, t_old, t_ref, 2 * m * n * k, err, best)]
+
+
+def random_pool(slots: int, hidden: int, inter: int) -> SlotWeights:
+    w13, s13, _ = random_nvfp4(2 * inter, hidden, (slots,))
+    w2, s2w, _ = random_nvfp4(hidden, inter, (slots,))
+    s2 = torch.empty(slots, 3, device=DEV.type).uniform_(0.005, 0.02)
+    return SlotWeights(w13, w2, s13, s2w, s2)
+
+
+def moe_rows(args, say, failures):
+    n_slots, hid, inter, top_k = MOE
+    pool = random_pool(n_slots, hid, inter)
+    per_expert = sum(t[0].numel() for t in (pool.w13, pool.w2, pool.w13_scale, pool.w2_scale))
+    rows = []
+    for batch in (1, 8):
+        routes = [torch.stack([torch.randperm(n_slots, device=DEV.type)[:top_k] for _ in range(batch)]) for _ in range(24)]
+        x = torch.randn(batch, hid, device=DEV.type, dtype=torch.bfloat16)
+        wts = torch.softmax(torch.randn(batch, top_k, device=DEV.type), -1).to(torch.bfloat16)
+        out = torch.empty_like(x)
+        ref = moe_over_slots_ref(x, routes[0], wts, pool)
+        poisoned = torch.full_like(x, float("nan"))
+        err = rel_rms(moe_over_slots_triton(x, routes[0], wts, pool, out=poisoned), ref)
+        err_v1 = rel_rms(moe_triton_v1.moe_over_slots_triton(x, routes[0], wts, pool), ref)
+        if not err < TOL_MOE:
+            failures.append(("moe", batch, err))
+        t_new = graph_us([partial(moe_over_slots_triton, x, r, wts, pool, out=out) for r in routes])
+        t_old = graph_us([partial(moe_triton_v1.moe_over_slots_triton, x, r, wts, pool, out=out) for r in routes])
+        t_eager = do_bench(partial(moe_over_slots_triton, x, routes[0], wts, pool, out=out), return_mode="median") * 1e3
+        best = ("default", t_new)
+        if args.sweep:
+            for gu in MOE_SWEEP_GATE_UP:
+                for dn in MOE_SWEEP_DOWN:
+                    fn = partial(moe_over_slots_triton, gate_up_config=gu, down_config=dn)
+                    e = rel_rms(fn(x, routes[0], wts, pool), ref)
+                    tc = graph_us([partial(fn, x, r, wts, pool, out=out) for r in routes]) if e < TOL_MOE else float("inf")
+                    say(f"  sweep moe b{batch} gate_up {gu} down {dn}: {tc:.2f} us err {e:.1e}")
+                    if tc < best[1]:
+                        best = (f"{gu} {dn}", tc)
+        experts = sum(len(torch.unique(r)) for r in routes) / len(routes)
+        gbs = experts * per_expert / (t_new * 1e-6) / 1e9
+        rows.append((f"per-pair, batch {batch}", experts, t_new, gbs, t_old, t_eager, err, err_v1, best))
+        say(f"moe batch {batch}: {t_new:.2f} us ({gbs:.0f} GB/s), v1 {t_old:.2f} us, eager {t_eager:.1f} us, err {err:.1e}")
+    for batch in MOE_GROUPED_TOKENS:
+        x = torch.randn(batch, hid, device=DEV.type, dtype=torch.bfloat16)
+        scores = torch.randn(batch, n_slots, device=DEV.type)
+        route = torch.topk(scores, top_k, dim=-1).indices
+        wts = torch.softmax(torch.randn(batch, top_k, device=DEV.type), -1).to(torch.bfloat16)
+        out = torch.empty_like(x)
+        ref = moe_over_slots_ref(x, route, wts, pool)
+        err = rel_rms(moe_over_slots_triton(x, route, wts, pool, out=torch.full_like(x, float("nan")), grouped=True), ref)
+        if not err < TOL_MOE:
+            failures.append(("moe grouped", batch, err))
+        t_grp = do_bench(partial(moe_over_slots_triton, x, route, wts, pool, out=out, grouped=True), return_mode="median") * 1e3
+        t_pair = do_bench(partial(moe_over_slots_triton, x, route, wts, pool, out=out, grouped=False), return_mode="median") * 1e3
+        best = ("default", t_grp)
+        if args.sweep:
+            for cfg in GROUPED_SWEEP:
+                fn = partial(moe_over_slots_triton, grouped=True, grouped_config=cfg)
+                try:
+                    e = rel_rms(fn(x, route, wts, pool), ref)
+                    tc = do_bench(partial(fn, x, route, wts, pool, out=out), return_mode="median") * 1e3
+                except Exception as exc:  # noqa: BLE001
+                    say("  sweep grouped failed:", cfg, type(exc).__name__, str(exc)[:120])
+                    continue
+                say(f"  sweep grouped T{batch} {cfg}: {tc:.1f} us err {e:.1e}")
+                if tc < best[1] and e < TOL_MOE:
+                    best = (str(cfg), tc)
+        experts = len(torch.unique(route))
+        rows.append((f"grouped, {batch} tokens", experts, t_grp, experts * per_expert / (t_grp * 1e-6) / 1e9, t_pair, None, err, None, best))
+        say(f"moe grouped T{batch}: {t_grp:.1f} us vs per-pair {t_pair:.1f} us, err {err:.1e}")
+    return rows
+
+
+def _dry_run_setup() -> None:
+    import os
+    import time
+
+    global DEV, copies_for, DECODE_SHAPES, PREFILL, MOE, GEMV_SWEEP, DOT_SMALL_SWEEP, DOT_SWEEP, graph_us, do_bench
+    global MOE_SWEEP_GATE_UP, MOE_SWEEP_DOWN, GROUPED_SWEEP, MOE_GROUPED_TOKENS
+    assert os.environ.get("TRITON_INTERPRET") == "1", "--dry-run needs TRITON_INTERPRET=1 (set before triton is imported)"
+    os.environ["FT_TRITON_INTERPRET_TEST"] = "1"
+    DEV = torch.device("cpu")
+    copies_for = lambda *a, **kw: 2  # noqa: E731
+    DECODE_SHAPES = [(nm, n // 32, k // 16) for nm, n, k in DECODE_SHAPES[::3]]
+    PREFILL = ("attn_q", 64, 64, 32)
+    MOE = (16, 64, 32, 4)
+    MOE_GROUPED_TOKENS = (24,)
+    GEMV_SWEEP, DOT_SMALL_SWEEP, DOT_SWEEP = GEMV_SWEEP[:1], DOT_SMALL_SWEEP[:1], DOT_SWEEP[:1]
+    MOE_SWEEP_GATE_UP, MOE_SWEEP_DOWN, GROUPED_SWEEP = MOE_SWEEP_GATE_UP[:1], MOE_SWEEP_DOWN[:1], GROUPED_SWEEP[:1]
+
+    def cpu_us(calls, **_):
+        t0 = time.perf_counter()
+        for fn in calls[:2]:
+            fn()
+        return (time.perf_counter() - t0) * 1e6 / min(2, len(calls))
+
+    graph_us = cpu_us
+    do_bench = lambda fn, **_: cpu_us([fn]) / 1e3  # noqa: E731
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sweep", action="store_true", help="also time a few block configurations")
+    ap.add_argument("--sweep", action="store_true", help="also time the block configurations in the *_SWEEP lists")
+    ap.add_argument("--only", default="decode,prefill,moe")
+    ap.add_argument("--sweep-skip-m1", action="store_true", help="no M = 1 GEMV sweep")
     ap.add_argument("--log", default=None)
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU, Triton interpreter, shapes / 16, one sweep entry each: checks the script, not the kernels")
     args = ap.parse_args()
+    if args.dry_run:
+        _dry_run_setup()
     log = open(args.log, "w") if args.log else None  # noqa: SIM115 (open for the whole run)
 
     def say(*a):
@@ -89,83 +288,40 @@ def main() -> None:
         if log:
             print(*a, file=log, flush=True)
 
-    say(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
-    rows, failures = [], []
-    for name, n, k in DECODE_SHAPES:
-        w, packed, scale, scale_2 = make_weight(n, k)
-        for m in (1, 8):
-            err = check(m, packed, scale, scale_2)
-            x_d = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)  # through the dispatcher
-            err_disp = rel_rms(nvfp4_linear(x_d, packed, scale, scale_2), nvfp4_linear_ref(x_d, packed, scale, scale_2))
-            if not (err < TOL_BF16 and err_disp < TOL_BF16):
-                failures.append((name, m, err, err_disp))
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            t = do_bench(partial(nvfp4_linear_triton, x, packed, scale, scale_2, out=y), return_mode="median")
-            t_ref = do_bench(partial(F.linear, x, w), return_mode="median")
-            best = ("default", t)
-            if args.sweep and m == 1:
-                for cfg in GEMV_SWEEP:
-                    if check(m, packed, scale, scale_2, config=cfg, path="gemv") >= TOL_BF16:
-                        say("sweep config wrong:", name, cfg)
-                        continue
-                    tc = do_bench(partial(nvfp4_linear_triton, x, packed, scale, scale_2, out=y, config=cfg, path="gemv"),
-                                  return_mode="median")
-                    say(f"  sweep {name} M{m} {cfg}: {tc * 1e3:.1f} us")
-                    if tc < best[1]:
-                        best = (f"bn{cfg['BLOCK_N']}-kb{cfg['BLOCK_KB']}", tc)
-            if args.sweep and m == 8:
-                cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
-                tc = do_bench(partial(nvfp4_linear_triton, x, packed, scale, scale_2, out=y, config=cfg, path="dot"),
-                              return_mode="median")
-                say(f"  sweep {name} M{m} dot16x64x128: {tc * 1e3:.1f} us")
-                if tc < best[1]:
-                    best = ("dot16", tc)
-            gbs = nbytes(m, n, k) / (t * 1e-3) / 1e9
-            rows.append((name, f"{n}x{k}", m, t * 1e3, gbs, gbs / COPY_CEILING_GBS, t_ref * 1e3, t_ref / t, err, best))
-            say(f"{name} M{m}: {t * 1e3:.1f} us, {gbs:.0f} GB/s, torch bf16 {t_ref * 1e3:.1f} us, err {err:.2e}")
-        del w, packed, scale
-        torch.cuda.empty_cache()
-
-    name, n, k, m = PREFILL
-    w, packed, scale, scale_2 = make_weight(n, k)
-    err = check(m, packed, scale, scale_2)
-    if not err < TOL_BF16:
-        failures.append((name, m, err, err))
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    t = do_bench(partial(nvfp4_linear_triton, x, packed, scale, scale_2, out=y), return_mode="median")
-    t_ref = do_bench(partial(F.linear, x, w), return_mode="median")
-    sweep = []
-    if args.sweep:
-        for cfg in DOT_SWEEP:
-            try:
-                e = check(m, packed, scale, scale_2, config=cfg, path="dot")
-                tc = do_bench(partial(nvfp4_linear_triton, x, packed, scale, scale_2, out=y, config=cfg, path="dot"),
-                              return_mode="median")
-            except Exception as exc:  # noqa: BLE001 (out of shared memory etc.)
-                say("  sweep dot failed:", cfg, type(exc).__name__, str(exc)[:200])
-                continue
-            say(f"  sweep prefill {cfg}: {tc * 1e3:.1f} us, {2 * m * n * k / tc / 1e9:.0f} TFLOP/s, err {e:.2e}")
-            sweep.append((tc, cfg))
-    flops = 2 * m * n * k
+    say(DEV, torch.cuda.get_device_name() if DEV.type == "cuda" else "", torch.__version__, triton.__version__)
+    torch.manual_seed(0)
+    failures = []
+    only = args.only.split(",")
+    dec = decode_rows(args, say, failures) if "decode" in only else []
+    pre = prefill_rows(args, say, failures) if "prefill" in only else []
+    moe = moe_rows(args, say, failures) if "moe" in only else []
 
     say("")
-    say("| shape | N x K | M | us | GB/s | of 4.3 TB/s | torch bf16 us | speedup | rel RMS | best swept (us) |")
-    say("|---|---|---|---|---|---|---|---|---|---|")
-    for name_, nk, m_, us, gbs, frac, us_ref, sp, e, best in rows:
-        say(f"| {name_} | {nk} | {m_} | {us:.1f} | {gbs:.0f} | {frac:.0%} | {us_ref:.1f} | {sp:.2f}x | {e:.1e} | {best[0]} ({best[1] * 1e3:.1f}) |")
-    say("")
-    say("| prefill GEMM | N x K | M | us | TFLOP/s | torch bf16 us | torch TFLOP/s | ratio | rel RMS | best swept |")
-    say("|---|---|---|---|---|---|---|---|---|---|")
-    best = min(sweep, key=lambda s: s[0]) if sweep else None
-    best_s = f"{best[1]['BLOCK_M']}x{best[1]['BLOCK_N']}x{best[1]['BLOCK_K']} w{best[1]['num_warps']} ({best[0] * 1e3:.1f} us)" if best else "-"
-    say(f"| {name} | {n}x{k} | {m} | {t * 1e3:.1f} | {flops / t / 1e9:.0f} | {t_ref * 1e3:.1f} | {flops / t_ref / 1e9:.0f} | "
-        f"{t_ref / t:.2f} | {err:.1e} | {best_s} |")
+    if dec:
+        say("| shape | N x K | M | us | GB/s | of 4.3 TB/s | v1 us | after/before | torch bf16 us | vs torch | rel RMS | best swept (us) |")
+        say("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for name, nk, m, us, gbs, frac, us_old, us_ref, e, best in dec:
+            say(f"| {name} | {nk} | {m} | {us:.2f} | {gbs:.0f} | {frac:.0%} | {us_old:.2f} | {us_old / us:.2f}x | {us_ref:.2f} | "
+                f"{us_ref / us:.2f}x | {e:.1e} | {best[0]} ({best[1]:.2f}) |")
+    if pre:
+        say("")
+        say("| prefill GEMM | N x K | M | us | TFLOP/s | v1 us | torch bf16 us | torch TFLOP/s | of torch | rel RMS | best swept |")
+        say("|---|---|---|---|---|---|---|---|---|---|---|")
+        for name, nk, m, us, us_old, us_ref, flops, e, best in pre:
+            say(f"| {name} | {nk} | {m} | {us:.1f} | {flops / us / 1e6:.0f} | {us_old:.1f} | {us_ref:.1f} | {flops / us_ref / 1e6:.0f} | "
+                f"{us_ref / us:.2f} | {e:.1e} | {best[0]} ({best[1]:.1f}) |")
+    if moe:
+        say("")
+        say("| fused MoE, 10 of 512 experts | distinct experts | us | GB/s | baseline us | eager us | rel RMS | v1 rel RMS | best swept (us) |")
+        say("|---|---|---|---|---|---|---|---|---|")
+        for name, ex, us, gbs, us_old, eager, e, e1, best in moe:
+            say(f"| {name} | {ex:.1f} | {us:.2f} | {gbs:.0f} | {us_old:.2f} | {'-' if eager is None else f'{eager:.1f}'} | {e:.1e} | "
+                f"{'-' if e1 is None else f'{e1:.1e}'} | {best[0]} ({best[1]:.2f}) |")
+        say("(baseline: v1 kernels in CUDA graphs for the per-pair rows; the per-pair path, eager, for the grouped rows)")
     if failures:
-        say("FAILURES (name, M, kernel err, dispatcher err):", failures)
+        say("FAILURES:", failures)
         sys.exit(1)
-    say(f"all correctness checks passed (rel RMS < {TOL_BF16:g})")
+    say(f"all correctness checks passed (rel RMS < {TOL_BF16:g} linear, < {TOL_MOE:g} MoE)")
 
 
 if __name__ == "__main__":

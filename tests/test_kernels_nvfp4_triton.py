@@ -92,3 +92,35 @@ def test_bad_shapes_raise():
         nvfp4_linear_triton(torch.randn(2, 48), packed, scale, scale_2)
     with pytest.raises(ValueError):
         nvfp4_linear_triton(torch.randn(2, 32), packed, scale.float(), scale_2)
+
+
+
+# (M, N, K, BLOCK_M, BLOCK_N, BLOCK_W): GEMV tiles that end past N and past K
+GEMV_CONFIGS = [
+    (1, 40, 256, 1, 16, 4),
+    (2, 24, 512, 2, 8, 8),
+    (5, 16, 96, 8, 16, 4),
+]
+
+
+@pytest.mark.parametrize("case", GEMV_CONFIGS, ids=lambda c: "M{}-N{}-K{}-bm{}-bn{}-bw{}".format(*c))
+def test_gemv_configs_match_ref(case):
+    m, n, k, bm, bn, bw = case
+    gen = torch.Generator().manual_seed(n * k + bw)
+    packed, scale, scale_2 = _weight(n, k, gen)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_W": bw}
+    y = nvfp4_linear_triton(x, packed, scale, scale_2, out=out, path="gemv", config=cfg)
+    assert _rel_rms(y, nvfp4_linear_ref(x, packed, scale, scale_2)) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_dot_swap_ab_matches_ref(dtype):
+    gen = torch.Generator().manual_seed(11)
+    packed, scale, scale_2 = _weight(72, 160, gen)
+    x = torch.randn(5, 160, generator=gen).to(dtype)
+    out = torch.full((5, 72), float("nan"), dtype=dtype)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "SWAP_AB": True}
+    y = nvfp4_linear_triton(x, packed, scale, scale_2, out=out, path="dot", config=cfg)
+    assert _rel_rms(y, nvfp4_linear_ref(x, packed, scale, scale_2)) < TOL[dtype]

@@ -3,27 +3,40 @@
 Weight layout: exactly as ModelOpt checkpoints store it, no load-time repack:
 ``packed`` uint8 [N, K/2] (element 2j in the low nibble of byte j), ``scale`` float8_e4m3fn
 [N, K/16] (read here as its uint8 bits), ``scale_2`` float32 scalar applied in the epilogue.
+The kernels read ``packed`` as 32-bit *words* (``packed.view(int32)`` [N, K/8]): word w of a row
+holds elements 8w .. 8w+7, byte i holding elements 8w+2i (low nibble) and 8w+2i+1 (high nibble),
+and two consecutive words share one block scale.
 
-E2M1 decoding in registers, plain Triton (runs in the interpreter): a nibble ``s e1 e0 m`` is
-moved into an E4M3 byte ``s 0 0 e1 e0 m 0 0``, whose value is exactly ``e2m1 * 2**-6`` (code 1,
-the E2M1 subnormal 0.5, lands on the E4M3 subnormal 2**-7), and converted with the fp8 cast
-(one hardware conversion on Hopper). The 2**6 is folded into the block scale, so
-``dec * (scale * 64)`` is the exact product ``e2m1 * scale`` (at most 5 significant bits, range
-2**-10 .. 2688: exact in fp32, bf16 and fp16).
+E2M1 decoding, plain Triton (it runs in the interpreter), four bytes per 32-bit operation: a
+nibble ``s e1 e0 m`` is moved into an E4M3 byte ``s 0 0 e1 e0 m 0 0``, whose value is exactly
+``e2m1 * 2**-6`` (code 1, the E2M1 subnormal 0.5, lands on the E4M3 subnormal 2**-7). Done on the
+whole word with shifts and masks (`_lo_e4m3_word`, `_hi_e4m3_word`: about one integer operation
+per element instead of four when each byte is handled alone), then each byte goes through the
+fp8 -> fp32 conversion (a packed hardware conversion on Hopper). The 2**6 is folded into the
+epilogue, so ``dec * scale`` is the exact product ``e2m1 * scale * 2**-6`` (at most 5 significant
+bits: exact in fp32, bf16 and fp16).
 
 Two kernels:
 
-* `_nvfp4_gemv_kernel` (M <= SMALL_M = 2, decode; any M <= 16 when forced): one program per
-  BLOCK_N rows walks the whole K, reads each weight byte once, decodes it once for all M rows
-  of x and keeps a [BLOCK_M, BLOCK_N, BLOCK_KB] fp32 partial-sum tile (FMA only in the loop,
-  one reduction at the end).
-* `_nvfp4_dot_kernel` (M > 2: a 16-row tile up to M = 16, larger tiles for prefill): tiles of
-  x [BLOCK_M, BLOCK_K] times the dequantized weight tile [BLOCK_N, BLOCK_K] (decoded, scaled,
-  cast to x's dtype, interleaved with ``tl.join``) through ``tl.dot`` with fp32 accumulation;
-  fp32 x uses ``input_precision="ieee"``.
+* `_nvfp4_gemv_kernel` (M <= 2): a program owns BLOCK_N rows and walks
+  K in steps of BLOCK_W words (`nvfp4_rows_dot`); per word 8 FMAs on fp32 products, then one
+  FMA with the block scale; x is read in its natural order and split into the 8 element lanes
+  of a word with ``tl.split``.
+* `_nvfp4_dot_kernel` (larger M: a 16-row tile up to M = 16, larger tiles for prefill): tiles of
+  x [BLOCK_M, BLOCK_K] times the dequantized weight tile (`dequant_tile`: byte-wise decode,
+  scaled, cast to x's dtype, even/odd elements interleaved with ``tl.join``; measured faster
+  inside ``tl.dot`` than the word-wise decode) with fp32 accumulation; fp32 x uses
+  ``input_precision="ieee"``.
 
-Measured on the H200 (bench/kernels_nvfp4.py, bench/RESULTS.md): correct on every shape; the
-M = 1 GEMV reaches ~1 TB/s on 32768x8192 (22% of the copy ceiling), short of the 70% target.
+Where the time goes (SASS of the GEMV loop, compiled for sm_90): about 6.5 instructions per
+weight element (1 FFMA, 1.1 f16->f32 conversions, 0.56 fp8x2->f16x2 conversions, about 3
+integer ops, loads) plus layout conversions through shared memory for the x lanes and the block
+scales. That issue rate, not DRAM, bounds the GEMV at about a quarter to a third of the copy
+ceiling (bench/RESULTS.md); the next step is a decode with fewer instructions per element
+(e.g. the fp8x2 conversion fed straight from the word, which Triton does not express without
+inline assembly, which the interpreter lacks).
+
+Measured on the H200: bench/kernels_nvfp4.py, figures in bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -41,7 +54,7 @@ tile for M <= 16, the small-M decode case)."""
 
 @triton.jit
 def _e2m1_lo(b):
-    """uint8 bytes -> fp32 value of the low nibble, times 2**-6."""
+    """uint8 bytes -> fp32 value of the low nibble, times 2**-6 (byte-wise; the MoE kernels' scalar path)."""
     e4m3 = ((b & 0x08) << 4) | ((b & 0x07) << 2)
     return e4m3.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
@@ -60,39 +73,135 @@ def _e4m3(b):
 
 
 @triton.jit
+def _lo_e4m3_word(w):
+    """uint32 words of 8 E2M1 nibbles -> uint32 words whose byte i is the E4M3 bits of byte i's low nibble."""
+    return ((w << 4) & 0x80808080) | ((w << 2) & 0x1C1C1C1C)
+
+
+@triton.jit
+def _hi_e4m3_word(w):
+    """uint32 words of 8 E2M1 nibbles -> uint32 words whose byte i is the E4M3 bits of byte i's high nibble."""
+    return (w & 0x80808080) | ((w >> 2) & 0x1C1C1C1C)
+
+
+@triton.jit
+def _byte_f32(e, I: tl.constexpr):
+    """Byte I of uint32 words of E4M3 bits -> fp32."""
+    return (e >> (8 * I)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _split8(t, A: tl.constexpr, B: tl.constexpr):
+    """[A, B, 8] -> its 8 lanes t[:, :, 0] .. t[:, :, 7] (each [A, B])."""
+    ev, od = tl.split(tl.reshape(t, (A, B, 4, 2)))  # ev: lanes 0 2 4 6; od: 1 3 5 7
+    ev04, ev26 = tl.split(tl.reshape(ev, (A, B, 2, 2)))
+    od15, od37 = tl.split(tl.reshape(od, (A, B, 2, 2)))
+    t0, t4 = tl.split(ev04)
+    t2, t6 = tl.split(ev26)
+    t1, t5 = tl.split(od15)
+    t3, t7 = tl.split(od37)
+    return t0, t1, t2, t3, t4, t5, t6, t7
+
+
+@triton.jit
+def _word_products(b_w, x0, x1, x2, x3, x4, x5, x6, x7):
+    """sum over a word's 8 elements of dec(W) * x: b_w uint32 [R, W] (R rows, W words) and x lanes
+    [M, W] (lane j = element 8w + j) -> fp32 [M, R, W] (times 2**-6, before the block scale)."""
+    lo = _lo_e4m3_word(b_w)
+    hi = _hi_e4m3_word(b_w)
+    acc = _byte_f32(lo, 0)[None, :, :] * x0[:, None, :]
+    acc += _byte_f32(hi, 0)[None, :, :] * x1[:, None, :]
+    acc += _byte_f32(lo, 1)[None, :, :] * x2[:, None, :]
+    acc += _byte_f32(hi, 1)[None, :, :] * x3[:, None, :]
+    acc += _byte_f32(lo, 2)[None, :, :] * x4[:, None, :]
+    acc += _byte_f32(hi, 2)[None, :, :] * x5[:, None, :]
+    acc += _byte_f32(lo, 3)[None, :, :] * x6[:, None, :]
+    acc += _byte_f32(hi, 3)[None, :, :] * x7[:, None, :]
+    return acc
+
+
+@triton.jit
+def nvfp4_rows_dot(
+    p_w, p_s, o_r, m_r, stride_wr, stride_sr,
+    p_x, o_xm, m_xm, stride_xm, w_lo, w_hi,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """sum_k x[m, k] * dequant(W)[r, k] / scale_2 over the words [w_lo, w_hi) of rows o_r -> fp32 [BLOCK_M, BLOCK_R].
+
+    p_w: int32 words of the packed rows (row r at p_w + r * stride_wr); p_s: uint8 E4M3 block
+    scales (row r at p_s + r * stride_sr, scale g covers words 2g, 2g + 1); x rows at
+    p_x + o_xm * stride_xm (element k at + k), any float dtype; masked rows (m_r, m_xm) give 0.
+    w_lo must be even (a block-scale boundary). The caller multiplies by the global scale.
+    """
+    if BLOCK_M == 1:
+        w_end = tl.where(tl.sum(m_xm.to(tl.int32), axis=0) > 0, w_hi, w_lo)  # a masked x row reads nothing
+        return _rows_dot_1(p_w, p_s, o_r, m_r, stride_wr, stride_sr, p_x + tl.sum(o_xm, axis=0) * stride_xm,
+                           w_lo, w_end, BLOCK_R, BLOCK_W)[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_R, BLOCK_W), dtype=tl.float32)
+    o_8 = tl.arange(0, 8)
+    for w0 in range(w_lo, w_hi, BLOCK_W):
+        o_w = w0 + tl.arange(0, BLOCK_W)
+        m_w = o_w < w_hi
+        m_rw = m_r[:, None] & m_w[None, :]
+        b_w = tl.load(p_w + o_r[:, None] * stride_wr + o_w[None, :], mask=m_rw, other=0).to(tl.uint32, bitcast=True)
+        b_s = _e4m3(tl.load(p_s + o_r[:, None] * stride_sr + (o_w // 2)[None, :], mask=m_rw, other=0))
+        p_xt = p_x + o_xm[:, None, None] * stride_xm + (8 * o_w)[None, :, None] + o_8[None, None, :]
+        b_x = tl.load(p_xt, mask=m_xm[:, None, None] & m_w[None, :, None], other=0.0).to(tl.float32)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(b_x, BLOCK_M, BLOCK_W)
+        acc += _word_products(b_w, x0, x1, x2, x3, x4, x5, x6, x7) * b_s[None, :, :]
+    return tl.sum(acc, axis=2) * 64.0
+
+
+@triton.jit
+def _rows_dot_1(p_w, p_s, o_r, m_r, stride_wr, stride_sr, p_xr, w_lo, w_hi,
+                BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    """`nvfp4_rows_dot` for one x row at p_xr -> fp32 [BLOCK_R].
+
+    2-D accumulator (no [M, R, W] broadcast): fewer layout conversions in the loop (bench/RESULTS.md);
+    partial sums per word pair, then one multiply by the pair's block scale."""
+    BG: tl.constexpr = BLOCK_W // 2
+    acc = tl.zeros((BLOCK_R, BG), dtype=tl.float32)
+    o_8 = tl.arange(0, 8)
+    for w0 in range(w_lo, w_hi, BLOCK_W):
+        o_w = w0 + tl.arange(0, BLOCK_W)
+        o_g = w0 // 2 + tl.arange(0, BG)
+        m_w = o_w < w_hi
+        b_w = tl.load(p_w + o_r[:, None] * stride_wr + o_w[None, :], mask=m_r[:, None] & m_w[None, :], other=0)
+        b_w = b_w.to(tl.uint32, bitcast=True)
+        m_s = m_r[:, None] & (o_g * 2 < w_hi)[None, :]
+        b_s = _e4m3(tl.load(p_s + o_r[:, None] * stride_sr + o_g[None, :], mask=m_s, other=0))
+        b_x = tl.load(p_xr + (8 * o_w)[:, None] + o_8[None, :], mask=m_w[:, None], other=0.0).to(tl.float32)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(tl.reshape(b_x, (1, BLOCK_W, 8)), 1, BLOCK_W)
+        lo = _lo_e4m3_word(b_w)
+        hi = _hi_e4m3_word(b_w)
+        part = _byte_f32(lo, 0) * tl.reshape(x0, (1, BLOCK_W))
+        part += _byte_f32(hi, 0) * tl.reshape(x1, (1, BLOCK_W))
+        part += _byte_f32(lo, 1) * tl.reshape(x2, (1, BLOCK_W))
+        part += _byte_f32(hi, 1) * tl.reshape(x3, (1, BLOCK_W))
+        part += _byte_f32(lo, 2) * tl.reshape(x4, (1, BLOCK_W))
+        part += _byte_f32(hi, 2) * tl.reshape(x5, (1, BLOCK_W))
+        part += _byte_f32(lo, 3) * tl.reshape(x6, (1, BLOCK_W))
+        part += _byte_f32(hi, 3) * tl.reshape(x7, (1, BLOCK_W))
+        acc += tl.sum(tl.reshape(part, (BLOCK_R, BG, 2)), axis=2) * b_s
+    return tl.sum(acc, axis=1) * 64.0
+
+
+@triton.jit
 def _nvfp4_gemv_kernel(
     p_x, p_w, p_s, p_s2, p_y,
     M, N, K,
     stride_xm, stride_wn, stride_sn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     i_n = tl.program_id(0)
-    G: tl.constexpr = BLOCK_KB // 8  # block scales per tile row (8 bytes = 16 elements each)
     o_m = tl.arange(0, BLOCK_M)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_m = o_m < M
     m_n = o_n < N
-    half_k = K // 2
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_KB), dtype=tl.float32)
-    for kb in range(0, half_k, BLOCK_KB):
-        o_kb = kb + tl.arange(0, BLOCK_KB)
-        o_g = kb // 8 + tl.arange(0, G)
-        m_k = o_kb < half_k
-        m_w = m_n[:, None] & m_k[None, :]
-        b_w = tl.load(p_w + o_n[:, None] * stride_wn + o_kb[None, :], mask=m_w, other=0)
-        b_sb = tl.load(p_s + o_n[:, None] * stride_sn + o_g[None, :], mask=m_n[:, None] & (o_g < K // 16)[None, :], other=0)
-        b_s = _e4m3(b_sb) * 64.0  # [BLOCK_N, G]
-        b_s = tl.reshape(tl.broadcast_to(b_s[:, :, None], (BLOCK_N, G, 8)), (BLOCK_N, BLOCK_KB))
-        b_lo = _e2m1_lo(b_w) * b_s
-        b_hi = _e2m1_hi(b_w) * b_s
-        m_x = m_m[:, None] & m_k[None, :]
-        p_xk = p_x + o_m[:, None] * stride_xm + 2 * o_kb[None, :]
-        b_xe = tl.load(p_xk, mask=m_x, other=0.0).to(tl.float32)
-        b_xo = tl.load(p_xk + 1, mask=m_x, other=0.0).to(tl.float32)
-        acc += b_lo[None, :, :] * b_xe[:, None, :] + b_hi[None, :, :] * b_xo[:, None, :]
-    b_y = tl.sum(acc, axis=2) * tl.load(p_s2)
+    b_y = nvfp4_rows_dot(p_w, p_s, o_n, m_n, stride_wn, stride_sn, p_x, o_m, m_m, stride_xm, 0, K // 8,
+                         BLOCK_M, BLOCK_N, BLOCK_W)
     p_yt = p_y + o_m[:, None] * stride_ym + o_n[None, :]
-    tl.store(p_yt, b_y.to(p_y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+    tl.store(p_yt, (b_y * tl.load(p_s2)).to(p_y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
 @triton.jit
@@ -101,7 +210,7 @@ def _nvfp4_dot_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_sn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SWAP_AB: tl.constexpr = False,
 ):
     i_pid = tl.program_id(0)
     n_m = tl.cdiv(M, BLOCK_M)
@@ -113,47 +222,80 @@ def _nvfp4_dot_kernel(
     i_m = first_m + (i_pid % (GROUP_M * n_n)) % size_m
     i_n = (i_pid % (GROUP_M * n_n)) // size_m
 
-    KB: tl.constexpr = BLOCK_K // 2
-    G: tl.constexpr = BLOCK_K // 16
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_m = o_m < M
     m_n = o_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # SWAP_AB: y^T = W x^T, the weight tile as the MMA's left operand (from registers on Hopper,
+    # no shared-memory round trip for the dequantized tile; x^T may be as narrow as 16 columns).
+    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         o_k = k + tl.arange(0, BLOCK_K)
-        o_kb = k // 2 + tl.arange(0, KB)
-        o_g = k // 16 + tl.arange(0, G)
         b_x = tl.load(p_x + o_m[:, None] * stride_xm + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0.0)
-        b_w = tl.load(p_w + o_n[:, None] * stride_wn + o_kb[None, :], mask=m_n[:, None] & (o_kb < K // 2)[None, :], other=0)
-        b_sb = tl.load(p_s + o_n[:, None] * stride_sn + o_g[None, :], mask=m_n[:, None] & (o_g < K // 16)[None, :], other=0)
-        b_s = _e4m3(b_sb) * 64.0  # [BLOCK_N, G]
-        b_s = tl.reshape(tl.broadcast_to(b_s[:, :, None], (BLOCK_N, G, 16)), (BLOCK_N, BLOCK_K))
-        b_dec = tl.reshape(tl.join(_e2m1_lo(b_w), _e2m1_hi(b_w)), (BLOCK_N, BLOCK_K))  # even, odd interleaved
-        b_wt = (b_dec * b_s).to(b_x.dtype)  # exact in bf16 / fp16
-        acc = tl.dot(b_x, tl.trans(b_wt), acc, input_precision=PRECISION)
+        b_wt = dequant_tile(p_w, p_s, o_n, m_n, stride_wn, stride_sn, k // 2, K // 2, b_x.dtype, BLOCK_N, BLOCK_K)
+        if SWAP_AB:
+            acc = tl.dot(b_wt, tl.trans(b_x), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(b_x, tl.trans(b_wt), acc, input_precision=PRECISION)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     b_y = acc * tl.load(p_s2)
     p_yt = p_y + o_m[:, None] * stride_ym + o_n[None, :]
     tl.store(p_yt, b_y.to(p_y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
+@triton.jit
+def dequant_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, kb0, half_k, dtype: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows o_r and elements [2 * kb0, 2 * kb0 + BLOCK_K) of an NVFP4 weight (uint8 packed at p_w, E4M3
+    scales at p_s; half_k = bytes per row; kb0 a multiple of 8) -> the dequantized tile
+    [BLOCK_R, BLOCK_K] / scale_2 in ``dtype``, in k order (exact: at most 5 significant bits).
+    Masked rows and bytes past half_k give 0."""
+    G: tl.constexpr = BLOCK_K // 16
+    o_kb = kb0 + tl.arange(0, BLOCK_K // 2)
+    o_g = kb0 // 8 + tl.arange(0, G)
+    b_w = tl.load(p_w + o_r[:, None] * stride_wr + o_kb[None, :], mask=m_r[:, None] & (o_kb < half_k)[None, :], other=0)
+    m_s = m_r[:, None] & (o_g < half_k // 8)[None, :]
+    b_s = _e4m3(tl.load(p_s + o_r[:, None] * stride_sr + o_g[None, :], mask=m_s, other=0)) * 64.0
+    b_s = tl.reshape(tl.broadcast_to(b_s[:, :, None], (BLOCK_R, G, 16)), (BLOCK_R, BLOCK_K))
+    b_dec = tl.reshape(tl.join(_e2m1_lo(b_w), _e2m1_hi(b_w)), (BLOCK_R, BLOCK_K))  # even, odd interleaved
+    return (b_dec * b_s).to(dtype)
+
+
+def _path(m: int, n: int) -> str:
+    # H200 (bench/RESULTS.md): the GEMV kernel up to M = 2; at M = 8 the 16-row tl.dot tile won
+    # on 5 of the 6 decode shapes.
+    return "gemv" if m <= SMALL_M else "dot"
+
+
 def _gemv_config(m: int, n: int, k: int) -> dict:
-    # H200 sweep at M = 1 (bench/kernels_nvfp4.py --sweep): 256-byte K tiles won on every shape;
-    # 4 rows per program for K <= 2048 with N >= 4096, 8 rows otherwise.
+    # H200 sweep at M = 1 (bench/kernels_nvfp4.py --sweep): 64-word steps, and as many rows per
+    # program as keep ~384+ programs in the grid (32 on 32768 and 12288 rows, 16 on 8192, 4 with
+    # 128-word steps on 2048 and 1024); the [M, N, W] accumulator of M = 2 wants 8 rows.
     block_m = triton.next_power_of_2(max(m, 1))
-    block_kb = min(256 // block_m, max(16, triton.next_power_of_2(k // 2)))
-    block_n = 4 if (k <= 2048 and n >= 4096) else 8
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_KB": block_kb, "num_warps": 4}
+    block_n = 8 if m > 1 else max(4, min(32, 1 << max(0, (n // 384).bit_length() - 1)))
+    if block_n == 4 and k // 8 < 128:
+        block_n = 8  # 2048x512: 8 rows x 64 words measured best
+    block_w = max(2, min(128 if block_n == 4 else 64, triton.next_power_of_2(k // 8)))
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_W": block_w, "num_warps": 4}
 
 
 def _dot_config(m: int, n: int, k: int) -> dict:
-    # H200: at M = 8 a 16-row tl.dot tile beat the 3-D GEMV tile on every decode shape (up to
-    # 3x); at M = 4096 on 8192x2048, 256x128x64 with 8 warps was the best of five tiles.
+    # H200: at M = 8, 16x32x256 was best or within 3% on every decode shape (the swapped-operand
+    # form was slower there); at M = 4096 on 8192x2048, 256x128x64 with 8 warps and the weight as
+    # the MMA's left operand (SWAP_AB) was the best of ten tiles (0.42 ms against 0.50 unswapped).
     if m <= 16:
-        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}
     if m <= 64:
         return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "SWAP_AB": True}
+
+
+def as_words(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 packed weights [..., K/2] -> the same bytes as int32 words [..., K/8] (a view when aligned)."""
+    if packed.stride(-1) != 1 or packed.storage_offset() % 4 or any(s % 4 for s in packed.stride()[:-1]):
+        packed = packed.contiguous()
+    return packed.view(torch.int32)
 
 
 def nvfp4_linear_triton(
@@ -193,16 +335,20 @@ def nvfp4_linear_triton(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     if m == 0 or n == 0:
         return y
-    path = path or ("gemv" if m <= SMALL_M else "dot")
-    args = (x, packed, scale_u8, s2, y, m, n, k, x.stride(0), packed.stride(0), scale_u8.stride(0), y.stride(0))
+    path = path or _path(m, n)
     if path == "gemv":
         cfg = config or _gemv_config(m, n, k)
-        _nvfp4_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](*args, **cfg)
+        if cfg["BLOCK_M"] < m:
+            raise ValueError(f"BLOCK_M {cfg['BLOCK_M']} < M {m}")
+        words = as_words(packed)
+        _nvfp4_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+            x, words, scale_u8, s2, y, m, n, k, x.stride(0), words.stride(0), scale_u8.stride(0), y.stride(0), **cfg)
     elif path == "dot":
         cfg = config or _dot_config(m, n, k)
         grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
-        _nvfp4_dot_kernel[grid](*args, PRECISION=precision, **cfg)
+        _nvfp4_dot_kernel[grid](x, packed, scale_u8, s2, y, m, n, k, x.stride(0), packed.stride(0), scale_u8.stride(0),
+                                y.stride(0), PRECISION=precision, **cfg)
     else:
         raise ValueError(f"path must be 'gemv' or 'dot', got {path!r}")
     return y
