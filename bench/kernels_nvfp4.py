@@ -52,8 +52,7 @@ DEV = torch.device("cuda")
 
 GEMV_SWEEP = [
     {"BLOCK_N": bn, "BLOCK_W": bw, "num_warps": nw}
-    for bn, bw, nw in [(8, 64, 4), (16, 64, 4), (32, 32, 4), (16, 32, 4), (32, 64, 4), (64, 32, 4), (8, 128, 4),
-                       (16, 128, 4), (32, 64, 8), (64, 64, 8), (4, 128, 4), (8, 32, 2)]
+    for bn, bw, nw in [(32, 64, 4), (16, 64, 4), (8, 64, 4), (4, 128, 4), (32, 128, 8), (16, 128, 4), (64, 32, 4), (16, 32, 4)]
 ]
 DOT_SMALL_SWEEP = [
     {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": nw, "num_stages": st, "SWAP_AB": sw}
@@ -68,8 +67,8 @@ DOT_SWEEP = [
     for bm, bn, bk, nw, st in [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (64, 128, 64, 4, 4),
                                (128, 128, 64, 4, 3), (128, 128, 128, 8, 3)]
 ]
-MOE_SWEEP_GATE_UP = [(8, 64, 4), (16, 64, 4), (4, 128, 4), (16, 32, 4), (32, 64, 8), (8, 128, 4)]
-MOE_SWEEP_DOWN = [(16, 32, 4), (8, 64, 4), (32, 32, 4), (16, 64, 4), (64, 16, 4), (32, 64, 8)]
+MOE_SWEEP_GATE_UP = [(8, 64, 4), (16, 64, 4), (4, 128, 4), (32, 64, 8), (16, 128, 8)]
+MOE_SWEEP_DOWN = [(8, 64, 4), (32, 32, 4), (16, 64, 4), (4, 64, 4), (32, 64, 8)]
 GROUPED_SWEEP = [(16, 64, 128, 4, 3), (32, 64, 128, 4, 3), (64, 64, 64, 4, 3), (32, 128, 64, 4, 3), (64, 128, 64, 8, 3)]
 
 
@@ -127,7 +126,7 @@ def decode_rows(args, say, failures):
                 if m == 1:
                     cands = [("gemv", dict(c, BLOCK_M=1)) for c in GEMV_SWEEP if k // 8 >= c["BLOCK_W"]]
                 else:
-                    cands = [("dot", c) for c in DOT_SMALL_SWEEP] + [("gemv", dict(c, BLOCK_M=8)) for c in GEMV_SWEEP[:6]]
+                    cands = [("dot", c) for c in DOT_SMALL_SWEEP] + [("gemv", dict(c, BLOCK_M=8)) for c in GEMV_SWEEP[:3]]
                 for path, cfg in cands:
                     try:
                         err = s.check(nvfp4_linear_triton, path=path, config=cfg)
@@ -202,17 +201,18 @@ def moe_rows(args, say, failures):
         if args.sweep:
             for gu in MOE_SWEEP_GATE_UP:
                 for dn in MOE_SWEEP_DOWN:
-                    fn = partial(moe_over_slots_triton, gate_up_config=gu, down_config=dn)
-                    e = rel_rms(fn(x, routes[0], wts, pool), ref)
-                    tc = graph_us([partial(fn, x, r, wts, pool, out=out) for r in routes]) if e < TOL_MOE else float("inf")
-                    say(f"  sweep moe b{batch} gate_up {gu} down {dn}: {tc:.2f} us err {e:.1e}")
-                    if tc < best[1]:
-                        best = (f"{gu} {dn}", tc)
+                    for per_pair in (True, False):
+                        fn = partial(moe_over_slots_triton, gate_up_config=gu, down_config=dn, down_per_pair=per_pair)
+                        e = rel_rms(fn(x, routes[0], wts, pool), ref)
+                        tc = graph_us([partial(fn, x, r, wts, pool, out=out) for r in routes]) if e < TOL_MOE else float("inf")
+                        say(f"  sweep moe b{batch} gate_up {gu} down {dn} per_pair {per_pair}: {tc:.2f} us err {e:.1e}")
+                        if tc < best[1]:
+                            best = (f"{gu} {dn} {'pairs' if per_pair else 'loop'}", tc)
         experts = sum(len(torch.unique(r)) for r in routes) / len(routes)
         gbs = experts * per_expert / (t_new * 1e-6) / 1e9
         rows.append((f"per-pair, batch {batch}", experts, t_new, gbs, t_old, t_eager, err, err_v1, best))
         say(f"moe batch {batch}: {t_new:.2f} us ({gbs:.0f} GB/s), v1 {t_old:.2f} us, eager {t_eager:.1f} us, err {err:.1e}")
-    for batch in MOE_GROUPED_TOKENS:
+    for batch in (MOE_GROUPED_TOKENS if "grouped" in args.only else ()):
         x = torch.randn(batch, hid, device=DEV.type, dtype=torch.bfloat16)
         scores = torch.randn(batch, n_slots, device=DEV.type)
         route = torch.topk(scores, top_k, dim=-1).indices
@@ -273,7 +273,7 @@ def _dry_run_setup() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="also time the block configurations in the *_SWEEP lists")
-    ap.add_argument("--only", default="decode,prefill,moe")
+    ap.add_argument("--only", default="decode,prefill,moe,grouped")
     ap.add_argument("--sweep-skip-m1", action="store_true", help="no M = 1 GEMV sweep")
     ap.add_argument("--log", default=None)
     ap.add_argument("--dry-run", action="store_true",

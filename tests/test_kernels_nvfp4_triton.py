@@ -98,6 +98,7 @@ def test_bad_shapes_raise():
 # (M, N, K, BLOCK_M, BLOCK_N, BLOCK_W): GEMV tiles that end past N and past K
 GEMV_CONFIGS = [
     (1, 40, 256, 1, 16, 4),
+    (1, 40, 272, 1, 4, 8),
     (2, 24, 512, 2, 8, 8),
     (5, 16, 96, 8, 16, 4),
 ]

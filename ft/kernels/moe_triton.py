@@ -3,12 +3,13 @@
 Two paths, both without host synchronization (they can be captured in CUDA graphs):
 
 * Decode (T <= GROUPED_MIN_TOKENS): every (token, k) pair reads its expert (with a few tokens
-  and hundreds of experts, pairs rarely share one). Two launches:
+  and hundreds of experts, pairs rarely share one). Two or three launches:
   1. `_moe_gate_up_kernel`, grid (pairs, I / BLOCK_I): ``h[p] = silu(x[t] @ gate^T) * (x[t] @ up^T)``
      for pair p = t * k + j of slot ``topk_slots[t, j]``; gate and up rows interleaved in one
      tile so that one pass over x reads both; fp32 workspace h [T * k, I].
-  2. `_moe_down_kernel`, grid (T, H / BLOCK_H): ``out[t] = sum_j weight[t, j] * (h[p] @ down^T)``,
-     the weighted sum per token done in registers (no atomics).
+  2. `_moe_down_pairs_kernel`, grid (T * k, H / BLOCK_H): ``yp[p] = weight_p * (h[p] @ down^T)``
+     (fp32), then `_moe_sum_pairs_kernel` sums over k per token (no atomics); or, with
+     ``down_per_pair=False``, `_moe_down_kernel`, grid (T, H / BLOCK_H), looping over k in registers.
   Both run on `ft.kernels.nvfp4_triton.nvfp4_rows_dot` (word-wise E2M1 decode, fp32 FMAs).
 * Prefill (more tokens): pairs are grouped by slot (a sort plus a few scans in torch, on the
   device) into tiles of at most BLOCK_M pairs of one slot, and each tile is a ``tl.dot`` GEMM
@@ -91,6 +92,42 @@ def _moe_down_kernel(
 
 
 @triton.jit
+def _moe_down_pairs_kernel(
+    p_h, p_slots, p_wts, p_w2, p_s2w, p_s2, p_yp,
+    I, H,
+    stride_ht, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e, stride_yp,
+    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """Grid (pairs, H / BLOCK_H): yp[p] = weight[p] * (h[p] @ down^T) in fp32, zeros for a skipped pair.
+    Every pair's expert in flight at once (the looping `_moe_down_kernel` reads them one by one)."""
+    i_p = tl.program_id(0)
+    i_h = tl.program_id(1)
+    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    slot = tl.load(p_slots + i_p)
+    on = slot >= 0
+    slot = tl.maximum(slot, 0).to(tl.int64)
+    o_p = tl.zeros((1,), dtype=tl.int32) + i_p
+    b_y = nvfp4_rows_dot(p_w2 + slot * stride_w2e, p_s2w + slot * stride_s2we, o_h, m_h, stride_w2r, stride_s2wr,
+                         p_h, o_p, o_p >= 0, stride_ht, 0, tl.where(on, I // 8, 0), 1, BLOCK_H, BLOCK_W)
+    b_wt = tl.load(p_wts + i_p).to(tl.float32) * tl.load(p_s2 + slot * stride_s2e + 2)
+    o_1 = tl.arange(0, 1)
+    tl.store(p_yp + i_p * stride_yp + o_1[:, None] + o_h[None, :], tl.where(on, b_y * b_wt, 0.0), mask=m_h[None, :])
+
+
+@triton.jit
+def _moe_sum_pairs_kernel(p_yp, p_out, H, TOPK, stride_yp, stride_ot, BLOCK: tl.constexpr):
+    """Grid (T, H / BLOCK): out[t] = sum_j yp[t * TOPK + j], cast to out's dtype."""
+    i_t = tl.program_id(0)
+    o_h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m_h = o_h < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(TOPK):
+        acc += tl.load(p_yp + (i_t * TOPK + j) * stride_yp + o_h, mask=m_h, other=0.0)
+    tl.store(p_out + i_t * stride_ot + o_h, acc.to(p_out.dtype.element_ty), mask=m_h)
+
+
+@triton.jit
 def _tile_pairs(p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M: tl.constexpr):
     """The pairs of this program's tile: (slot as int64, pair ids [BLOCK_M], mask [BLOCK_M], tokens [BLOCK_M])."""
     i_tile = tl.program_id(0)
@@ -164,7 +201,8 @@ def _moe_grouped_down_kernel(
 # (BLOCK rows, BLOCK_W words, num_warps) of the per-pair gate_up and down passes, for one token and
 # for more; the H200 sweep's best (bench/kernels_nvfp4.py --sweep, bench/RESULTS.md)
 GATE_UP_CONFIG = {1: (8, 64, 4), 2: (16, 64, 4)}
-DOWN_CONFIG = {1: (8, 64, 4), 2: (32, 32, 4)}
+DOWN_CONFIG = {1: (32, 32, 4), 2: (32, 32, 4)}
+DOWN_PER_PAIR = True
 # (BLOCK_M pairs, BLOCK_N rows, BLOCK_K, num_warps, num_stages) of the grouped passes
 GROUPED_CONFIG = (32, 64, 128, 4, 3)
 
@@ -204,6 +242,7 @@ def moe_over_slots_triton(
     x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, w, *, out: torch.Tensor | None = None,
     gate_up_config: tuple[int, int, int] | None = None, down_config: tuple[int, int, int] | None = None,
     grouped: bool | None = None, grouped_config: tuple[int, int, int, int, int] | None = None,
+    down_per_pair: bool | None = None,
 ) -> torch.Tensor:
     """sum_k weight_k * down(silu(gate(x)) * up(x)) with NVFP4 experts read from slots.
 
@@ -212,6 +251,9 @@ def moe_over_slots_triton(
         topk_weights: [T, k]; w: an NVFP4 `SlotWeights`; out: optional [T, H] in x's dtype.
         grouped: force the grouped (True) or per-pair (False) path; default by T
             (`GROUPED_MIN_TOKENS`). The *_config arguments override the tuned block sizes.
+        down_per_pair: per-pair path only: down projections one program per (pair, row block)
+            plus a sum over k (True), or one program per (token, row block) looping over k
+            (False); default `DOWN_PER_PAIR`.
     Returns: [T, H] in x's dtype.
     Raises: ValueError for dense slot pools or mismatched shapes.
     """
@@ -246,6 +288,15 @@ def moe_over_slots_triton(
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s2.stride(0), h.stride(0),
         BLOCK_I=block_i, BLOCK_W=bw13, num_warps=warps13,
     )
+    if down_per_pair if down_per_pair is not None else DOWN_PER_PAIR:
+        y_pairs = torch.empty((t * k, hid), dtype=torch.float32, device=x.device)
+        _moe_down_pairs_kernel[(t * k, triton.cdiv(hid, block_h))](
+            h, slots, wts, w2, s2w, s2, y_pairs, i, hid,
+            h.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1), s2.stride(0), y_pairs.stride(0),
+            BLOCK_H=block_h, BLOCK_W=bw2, num_warps=warps2,
+        )
+        _moe_sum_pairs_kernel[(t, triton.cdiv(hid, 1024))](y_pairs, y, hid, k, y_pairs.stride(0), y.stride(0), BLOCK=1024)
+        return y
     _moe_down_kernel[(t, triton.cdiv(hid, block_h))](
         h, slots, wts, w2, s2w, s2, y, i, hid, k,
         h.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1), s2.stride(0), y.stride(0),
