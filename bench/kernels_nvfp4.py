@@ -52,8 +52,8 @@ DEV = torch.device("cuda")
 
 GEMV_SWEEP = [
     {"BLOCK_N": bn, "BLOCK_W": bw, "num_warps": nw}
-    for bn, bw, nw in [(32, 64, 4), (16, 64, 4), (8, 64, 4), (4, 128, 4), (32, 128, 8), (16, 128, 4), (64, 32, 4), (16, 32, 4)]
-]
+    for bn, bw, nw in [(8, 64, 4), (32, 64, 4), (4, 128, 4), (16, 64, 4)]
+] + [{"BLOCK_N": bn, "BLOCK_W": 2, "num_warps": nw, "WHOLE_K": True} for bn, nw in [(4, 4), (8, 4), (16, 4), (2, 4), (8, 8), (32, 8)]]
 DOT_SMALL_SWEEP = [
     {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": nw, "num_stages": st, "SWAP_AB": sw}
     for bn, bk, nw, st, sw in [(32, 256, 4, 3, False), (64, 128, 4, 3, False), (64, 256, 4, 3, True), (64, 128, 4, 3, True),
@@ -67,8 +67,8 @@ DOT_SWEEP = [
     for bm, bn, bk, nw, st in [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (64, 128, 64, 4, 4),
                                (128, 128, 64, 4, 3), (128, 128, 128, 8, 3)]
 ]
-MOE_SWEEP_GATE_UP = [(8, 64, 4), (16, 64, 4), (4, 128, 4), (32, 64, 8), (16, 128, 8)]
-MOE_SWEEP_DOWN = [(8, 64, 4), (32, 32, 4), (16, 64, 4), (4, 64, 4), (32, 64, 8)]
+MOE_SWEEP_GATE_UP = [(8, 64, 4), (16, 64, 4), (2, 0, 4), (4, 0, 4), (8, 0, 4), (16, 0, 8)]
+MOE_SWEEP_DOWN = [(32, 32, 4), (32, 64, 4), (8, 0, 4), (16, 0, 4), (32, 0, 4)]
 GROUPED_SWEEP = [(16, 64, 128, 4, 3), (32, 64, 128, 4, 3), (64, 64, 64, 4, 3), (32, 128, 64, 4, 3), (64, 128, 64, 8, 3)]
 
 
@@ -124,9 +124,10 @@ def decode_rows(args, say, failures):
             if args.sweep and not (m == 1 and args.sweep_skip_m1):
                 cands = []
                 if m == 1:
-                    cands = [("gemv", dict(c, BLOCK_M=1)) for c in GEMV_SWEEP if k // 8 >= c["BLOCK_W"]]
+                    cands = [("gemv", dict(c, BLOCK_M=1)) for c in GEMV_SWEEP if k // 8 >= c["BLOCK_W"]
+                             and (not c.get("WHOLE_K") or c["BLOCK_N"] * k // 8 <= 8192)]
                 else:
-                    cands = [("dot", c) for c in DOT_SMALL_SWEEP] + [("gemv", dict(c, BLOCK_M=8)) for c in GEMV_SWEEP[:3]]
+                    cands = [("dot", c) for c in DOT_SMALL_SWEEP] + [("gemv", dict(c, BLOCK_M=8)) for c in GEMV_SWEEP[:2]]
                 for path, cfg in cands:
                     try:
                         err = s.check(nvfp4_linear_triton, path=path, config=cfg)
@@ -201,7 +202,7 @@ def moe_rows(args, say, failures):
         if args.sweep:
             for gu in MOE_SWEEP_GATE_UP:
                 for dn in MOE_SWEEP_DOWN:
-                    for per_pair in (True, False):
+                    for per_pair in (True,):
                         fn = partial(moe_over_slots_triton, gate_up_config=gu, down_config=dn, down_per_pair=per_pair)
                         e = rel_rms(fn(x, routes[0], wts, pool), ref)
                         tc = graph_us([partial(fn, x, r, wts, pool, out=out) for r in routes]) if e < TOL_MOE else float("inf")

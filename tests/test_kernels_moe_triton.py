@@ -81,6 +81,19 @@ def test_moe_over_slots_triton_matches_ref(case, down_per_pair):
     assert err < TOL[dtype], err
 
 
+@pytest.mark.parametrize(("gate_up", "down"), [((4, 0, 4), (16, 0, 4)), ((8, 16, 4), (8, 8, 4))], ids=["whole-k", "k-loop"])
+def test_per_pair_tiles_match_ref(gate_up, down):
+    gen = torch.Generator().manual_seed(5)
+    w = _slot_pool(5, 64, 32, gen)
+    slots, weights = _routing(3, 3, 5, 0.3, gen)
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    out = torch.full((3, 64), float("nan"), dtype=torch.bfloat16)
+    y = moe_over_slots_triton(x, slots, weights.to(torch.bfloat16), w, out=out, grouped=False,
+                              gate_up_config=gate_up, down_config=down)
+    ref = moe_over_slots_ref(x, slots, weights.to(torch.bfloat16), w)
+    assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < TOL[torch.bfloat16]
+
+
 def test_all_skipped_gives_zeros():
     gen = torch.Generator().manual_seed(1)
     w = _slot_pool(2, 32, 16, gen)

@@ -116,6 +116,17 @@ def test_gemv_configs_match_ref(case):
     assert _rel_rms(y, nvfp4_linear_ref(x, packed, scale, scale_2)) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize(("n", "k", "bn"), [(40, 256, 16), (8, 512, 4), (5, 128, 8)])
+def test_gemv_whole_k_matches_ref(n, k, bn):
+    gen = torch.Generator().manual_seed(n + k)
+    packed, scale, scale_2 = _weight(n, k, gen)
+    x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+    out = torch.full((1, n), float("nan"), dtype=torch.bfloat16)
+    cfg = {"BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_W": 2, "WHOLE_K": True}
+    y = nvfp4_linear_triton(x, packed, scale, scale_2, out=out, path="gemv", config=cfg)
+    assert _rel_rms(y, nvfp4_linear_ref(x, packed, scale, scale_2)) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_dot_swap_ab_matches_ref(dtype):
     gen = torch.Generator().manual_seed(11)

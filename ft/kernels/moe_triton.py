@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.kernels.nvfp4_triton import as_words, dequant_tile, nvfp4_rows_dot
+from ft.kernels.nvfp4_triton import as_words, dequant_tile, nvfp4_rows_dot, rows_dot_whole_k, whole_k_words
 
 __all__ = ["GROUPED_MIN_TOKENS", "moe_over_slots_triton"]
 
@@ -43,7 +43,7 @@ def _moe_gate_up_kernel(
     p_x, p_slots, p_w13, p_s13, p_s2, p_h,
     I, H, TOPK,
     stride_xt, stride_w13e, stride_w13r, stride_s13e, stride_s13r, stride_s2e, stride_ht,
-    BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr, WHOLE_K: tl.constexpr = 0,
 ):
     i_p = tl.program_id(0)
     i_i = tl.program_id(1)
@@ -54,9 +54,13 @@ def _moe_gate_up_kernel(
     o_q = tl.arange(0, 2 * BLOCK_I)
     o_i = i_i * BLOCK_I + o_q // 2
     o_r = o_i + (o_q % 2) * I
-    o_t = tl.zeros((1,), dtype=tl.int32) + i_p // TOPK
-    b_gu = nvfp4_rows_dot(p_w13 + slot * stride_w13e, p_s13 + slot * stride_s13e, o_r, o_i < I, stride_w13r, stride_s13r,
-                          p_x, o_t, o_t >= 0, stride_xt, 0, tl.where(on, H // 8, 0), 1, 2 * BLOCK_I, BLOCK_W)
+    if WHOLE_K > 0:  # H / 8 = WHOLE_K words in one tile
+        b_gu = rows_dot_whole_k(p_w13 + slot * stride_w13e, p_s13 + slot * stride_s13e, o_r, o_i < tl.where(on, I, 0),
+                                stride_w13r, stride_s13r, p_x + (i_p // TOPK) * stride_xt, WHOLE_K, 2 * BLOCK_I)
+    else:
+        o_t = tl.zeros((1,), dtype=tl.int32) + i_p // TOPK
+        b_gu = nvfp4_rows_dot(p_w13 + slot * stride_w13e, p_s13 + slot * stride_s13e, o_r, o_i < I, stride_w13r,
+                              stride_s13r, p_x, o_t, o_t >= 0, stride_xt, 0, tl.where(on, H // 8, 0), 1, 2 * BLOCK_I, BLOCK_W)
     b_g, b_u = tl.split(tl.reshape(b_gu, (BLOCK_I, 2)))
     b_g = b_g * tl.load(p_s2 + slot * stride_s2e)
     b_u = b_u * tl.load(p_s2 + slot * stride_s2e + 1)
@@ -96,7 +100,7 @@ def _moe_down_pairs_kernel(
     p_h, p_slots, p_wts, p_w2, p_s2w, p_s2, p_yp,
     I, H,
     stride_ht, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e, stride_yp,
-    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, WHOLE_K: tl.constexpr = 0,
 ):
     """Grid (pairs, H / BLOCK_H): yp[p] = weight[p] * (h[p] @ down^T) in fp32, zeros for a skipped pair.
     Every pair's expert in flight at once (the looping `_moe_down_kernel` reads them one by one)."""
@@ -107,9 +111,13 @@ def _moe_down_pairs_kernel(
     slot = tl.load(p_slots + i_p)
     on = slot >= 0
     slot = tl.maximum(slot, 0).to(tl.int64)
-    o_p = tl.zeros((1,), dtype=tl.int32) + i_p
-    b_y = nvfp4_rows_dot(p_w2 + slot * stride_w2e, p_s2w + slot * stride_s2we, o_h, m_h, stride_w2r, stride_s2wr,
-                         p_h, o_p, o_p >= 0, stride_ht, 0, tl.where(on, I // 8, 0), 1, BLOCK_H, BLOCK_W)
+    if WHOLE_K > 0:  # I / 8 = WHOLE_K words in one tile
+        b_y = rows_dot_whole_k(p_w2 + slot * stride_w2e, p_s2w + slot * stride_s2we, o_h, o_h < tl.where(on, H, 0), stride_w2r,
+                               stride_s2wr, p_h + i_p * stride_ht, WHOLE_K, BLOCK_H)[None, :]
+    else:
+        o_p = tl.zeros((1,), dtype=tl.int32) + i_p
+        b_y = nvfp4_rows_dot(p_w2 + slot * stride_w2e, p_s2w + slot * stride_s2we, o_h, m_h, stride_w2r, stride_s2wr,
+                             p_h, o_p, o_p >= 0, stride_ht, 0, tl.where(on, I // 8, 0), 1, BLOCK_H, BLOCK_W)
     b_wt = tl.load(p_wts + i_p).to(tl.float32) * tl.load(p_s2 + slot * stride_s2e + 2)
     o_1 = tl.arange(0, 1)
     tl.store(p_yp + i_p * stride_yp + o_1[:, None] + o_h[None, :], tl.where(on, b_y * b_wt, 0.0), mask=m_h[None, :])
@@ -198,10 +206,11 @@ def _moe_grouped_down_kernel(
         tl.store(p_y + pairs[:, None] * stride_yp + o_h[None, :], acc * b_wt[:, None], mask=m_p[:, None] & m_h[None, :])
 
 
-# (BLOCK rows, BLOCK_W words, num_warps) of the per-pair gate_up and down passes, for one token and
-# for more; the H200 sweep's best (bench/kernels_nvfp4.py --sweep, bench/RESULTS.md)
-GATE_UP_CONFIG = {1: (8, 64, 4), 2: (16, 64, 4)}
-DOWN_CONFIG = {1: (32, 32, 4), 2: (32, 32, 4)}
+# (BLOCK rows, BLOCK_W words or 0 for the whole K in one tile, num_warps) of the per-pair gate_up
+# and down passes, for one token and for more; the H200 sweep's best (bench/kernels_nvfp4.py
+# --sweep, bench/RESULTS.md)
+GATE_UP_CONFIG = {1: (8, 0, 4), 2: (8, 0, 4)}
+DOWN_CONFIG = {1: (32, 32, 4), 2: (32, 0, 4)}
 DOWN_PER_PAIR = True
 # (BLOCK_M pairs, BLOCK_N rows, BLOCK_K, num_warps, num_stages) of the grouped passes
 GROUPED_CONFIG = (32, 64, 128, 4, 3)
@@ -281,19 +290,22 @@ def moe_over_slots_triton(
     h = torch.empty((t * k, i), dtype=torch.float32, device=x.device)
     block_i, bw13, warps13 = gate_up_config or GATE_UP_CONFIG[min(t, 2)]
     block_h, bw2, warps2 = down_config or DOWN_CONFIG[min(t, 2)]
-    bw13 = max(2, min(bw13, triton.next_power_of_2(hid // 8)))
-    bw2 = max(2, min(bw2, triton.next_power_of_2(i // 8)))
+    # BLOCK_W 0: a row's whole K in one tile (when K / 8 is a power of two <= 1024), else 64 words
+    whole13 = whole_k_words(hid) if bw13 == 0 else 0
+    whole2 = whole_k_words(i) if bw2 == 0 else 0
+    bw13 = max(2, min(bw13 or 64, triton.next_power_of_2(hid // 8)))
+    bw2 = max(2, min(bw2 or 64, triton.next_power_of_2(i // 8)))
     _moe_gate_up_kernel[(t * k, triton.cdiv(i, block_i))](
         x, slots, w13, s13, s2, h, i, hid, k,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s2.stride(0), h.stride(0),
-        BLOCK_I=block_i, BLOCK_W=bw13, num_warps=warps13,
+        BLOCK_I=block_i, BLOCK_W=bw13, WHOLE_K=whole13, num_warps=warps13,
     )
     if down_per_pair if down_per_pair is not None else DOWN_PER_PAIR:
         y_pairs = torch.empty((t * k, hid), dtype=torch.float32, device=x.device)
         _moe_down_pairs_kernel[(t * k, triton.cdiv(hid, block_h))](
             h, slots, wts, w2, s2w, s2, y_pairs, i, hid,
             h.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1), s2.stride(0), y_pairs.stride(0),
-            BLOCK_H=block_h, BLOCK_W=bw2, num_warps=warps2,
+            BLOCK_H=block_h, BLOCK_W=bw2, WHOLE_K=whole2, num_warps=warps2,
         )
         _moe_sum_pairs_kernel[(t, triton.cdiv(hid, 1024))](y_pairs, y, hid, k, y_pairs.stride(0), y.stride(0), BLOCK=1024)
         return y

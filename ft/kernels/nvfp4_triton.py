@@ -18,10 +18,11 @@ bits: exact in fp32, bf16 and fp16).
 
 Two kernels:
 
-* `_nvfp4_gemv_kernel` (M <= 2): a program owns BLOCK_N rows and walks
-  K in steps of BLOCK_W words (`nvfp4_rows_dot`); per word 8 FMAs on fp32 products, then one
-  FMA with the block scale; x is read in its natural order and split into the 8 element lanes
-  of a word with ``tl.split``.
+* `_nvfp4_gemv_kernel` (M <= 2): a program owns BLOCK_N rows; at M = 1 with K / 8 a power of
+  two <= 1024 it takes the rows' whole K in one tile (`rows_dot_whole_k`: no loop, x read once),
+  else it walks K in steps of BLOCK_W words (`nvfp4_rows_dot`); per word 8 FMAs on fp32
+  products, then one FMA with the block scale; x is read in its natural order and split into
+  the 8 element lanes of a word with ``tl.split``.
 * `_nvfp4_dot_kernel` (larger M: a 16-row tile up to M = 16, larger tiles for prefill): tiles of
   x [BLOCK_M, BLOCK_K] times the dequantized weight tile (`dequant_tile`: byte-wise decode,
   scaled, cast to x's dtype, even/odd elements interleaved with ``tl.join``; measured faster
@@ -187,13 +188,43 @@ def _rows_dot_1(p_w, p_s, o_r, m_r, stride_wr, stride_sr, p_xr, w_lo, w_hi,
 
 
 @triton.jit
+def rows_dot_whole_k(p_w, p_s, o_r, m_r, stride_wr, stride_sr, p_xr, KW: tl.constexpr, BLOCK_R: tl.constexpr):
+    """`nvfp4_rows_dot` for one x row at p_xr when a row's K / 8 = KW words (a power of two) fit one
+    tile: no loop, x read and split once -> fp32 [BLOCK_R]. Measured faster than the K loop on the
+    decode shapes (bench/RESULTS.md)."""
+    o_w = tl.arange(0, KW)
+    o_g = tl.arange(0, KW // 2)
+    b_x = tl.load(p_xr + (8 * o_w)[:, None] + tl.arange(0, 8)[None, :]).to(tl.float32)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(tl.reshape(b_x, (1, KW, 8)), 1, KW)
+    b_w = tl.load(p_w + o_r[:, None] * stride_wr + o_w[None, :], mask=m_r[:, None], other=0).to(tl.uint32, bitcast=True)
+    b_s = _e4m3(tl.load(p_s + o_r[:, None] * stride_sr + o_g[None, :], mask=m_r[:, None], other=0))
+    lo = _lo_e4m3_word(b_w)
+    hi = _hi_e4m3_word(b_w)
+    part = _byte_f32(lo, 0) * tl.reshape(x0, (1, KW))
+    part += _byte_f32(hi, 0) * tl.reshape(x1, (1, KW))
+    part += _byte_f32(lo, 1) * tl.reshape(x2, (1, KW))
+    part += _byte_f32(hi, 1) * tl.reshape(x3, (1, KW))
+    part += _byte_f32(lo, 2) * tl.reshape(x4, (1, KW))
+    part += _byte_f32(hi, 2) * tl.reshape(x5, (1, KW))
+    part += _byte_f32(lo, 3) * tl.reshape(x6, (1, KW))
+    part += _byte_f32(hi, 3) * tl.reshape(x7, (1, KW))
+    return tl.sum(tl.sum(tl.reshape(part, (BLOCK_R, KW // 2, 2)), axis=2) * b_s, axis=1) * 64.0
+
+
+@triton.jit
 def _nvfp4_gemv_kernel(
     p_x, p_w, p_s, p_s2, p_y,
     M, N, K,
     stride_xm, stride_wn, stride_sn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, WHOLE_K: tl.constexpr = 0,
 ):
     i_n = tl.program_id(0)
+    if WHOLE_K > 0:  # M = 1, K / 8 = WHOLE_K words in one tile
+        o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_n = o_n < N
+        b_y = rows_dot_whole_k(p_w, p_s, o_n, m_n, stride_wn, stride_sn, p_x, WHOLE_K, BLOCK_N)
+        tl.store(p_y + o_n, (b_y * tl.load(p_s2)).to(p_y.dtype.element_ty), mask=m_n)
+        return
     o_m = tl.arange(0, BLOCK_M)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_m = o_m < M
@@ -268,16 +299,28 @@ def _path(m: int, n: int) -> str:
     return "gemv" if m <= SMALL_M else "dot"
 
 
+def whole_k_words(k: int) -> int:
+    """K / 8 when a row's words fit one tile of the whole-K GEMV (a power of two <= 1024), else 0."""
+    kw = k // 8
+    return kw if 0 < kw <= 1024 and kw & (kw - 1) == 0 else 0
+
+
 def _gemv_config(m: int, n: int, k: int) -> dict:
-    # H200 sweep at M = 1 (bench/kernels_nvfp4.py --sweep): 64-word steps, and as many rows per
-    # program as keep ~384+ programs in the grid (32 on 32768 and 12288 rows, 16 on 8192, 4 with
-    # 128-word steps on 2048 and 1024); the [M, N, W] accumulator of M = 2 wants 8 rows.
+    # H200 sweeps (bench/kernels_nvfp4.py --sweep, bench/RESULTS.md). M = 1: the whole K in one
+    # tile (x read and split once) beat every K loop, 4-8 rows per program (<= 4096 words);
+    # otherwise 64-word steps with rows for ~384+ programs. M = 2: 8 rows x 64 words.
     block_m = triton.next_power_of_2(max(m, 1))
-    block_n = 8 if m > 1 else max(4, min(32, 1 << max(0, (n // 384).bit_length() - 1)))
+    if m > 1:
+        return {"BLOCK_M": block_m, "BLOCK_N": 8, "BLOCK_W": max(2, min(64, triton.next_power_of_2(k // 8))), "num_warps": 4}
+    kw = whole_k_words(k)
+    if kw:
+        block_n = 8 if kw <= 64 else min(8 if n >= 12288 else 4, max(1, 4096 // kw))
+        return {"BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_W": 2, "WHOLE_K": True, "num_warps": 4}
+    block_n = max(4, min(32, 1 << max(0, (n // 384).bit_length() - 1)))
     if block_n == 4 and k // 8 < 128:
-        block_n = 8  # 2048x512: 8 rows x 64 words measured best
+        block_n = 8
     block_w = max(2, min(128 if block_n == 4 else 64, triton.next_power_of_2(k // 8)))
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_W": block_w, "num_warps": 4}
+    return {"BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_W": block_w, "num_warps": 4}
 
 
 def _dot_config(m: int, n: int, k: int) -> dict:
@@ -337,9 +380,10 @@ def nvfp4_linear_triton(
         return y
     path = path or _path(m, n)
     if path == "gemv":
-        cfg = config or _gemv_config(m, n, k)
+        cfg = dict(config or _gemv_config(m, n, k))
         if cfg["BLOCK_M"] < m:
             raise ValueError(f"BLOCK_M {cfg['BLOCK_M']} < M {m}")
+        cfg["WHOLE_K"] = whole_k_words(k) if cfg.pop("WHOLE_K", False) and m == 1 else 0
         words = as_words(packed)
         _nvfp4_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             x, words, scale_u8, s2, y, m, n, k, x.stride(0), words.stride(0), scale_u8.stride(0), y.stride(0), **cfg)
