@@ -54,6 +54,8 @@ GEMV_SWEEP = [
     {"BLOCK_N": bn, "BLOCK_W": bw, "num_warps": nw}
     for bn, bw, nw in [(8, 64, 4), (32, 64, 4), (4, 128, 4), (16, 64, 4)]
 ] + [{"BLOCK_N": bn, "BLOCK_W": 2, "num_warps": nw, "WHOLE_K": True} for bn, nw in [(4, 4), (8, 4), (16, 4), (2, 4), (8, 8), (32, 8)]]
+GEMV_M8_SWEEP = [{"BLOCK_M": 8, "BLOCK_N": bn, "BLOCK_W": 2, "WHOLE_K": True, "num_warps": nw}
+                 for bn, nw in [(1, 4), (2, 4), (4, 4), (2, 8), (4, 8), (8, 8)]]
 DOT_SMALL_SWEEP = [
     {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": nw, "num_stages": st, "SWAP_AB": sw}
     for bn, bk, nw, st, sw in [(32, 256, 4, 3, False), (64, 128, 4, 3, False), (64, 256, 4, 3, True), (64, 128, 4, 3, True),
@@ -127,7 +129,7 @@ def decode_rows(args, say, failures):
                     cands = [("gemv", dict(c, BLOCK_M=1)) for c in GEMV_SWEEP if k // 8 >= c["BLOCK_W"]
                              and (not c.get("WHOLE_K") or c["BLOCK_N"] * k // 8 <= 8192)]
                 else:
-                    cands = [("dot", c) for c in DOT_SMALL_SWEEP] + [("gemv", dict(c, BLOCK_M=8)) for c in GEMV_SWEEP[:2]]
+                    cands = [("dot", c) for c in DOT_SMALL_SWEEP[:1]] + [("gemv", c) for c in GEMV_M8_SWEEP]
                 for path, cfg in cands:
                     try:
                         err = s.check(nvfp4_linear_triton, path=path, config=cfg)
@@ -249,7 +251,7 @@ def _dry_run_setup() -> None:
     import time
 
     global DEV, copies_for, DECODE_SHAPES, PREFILL, MOE, GEMV_SWEEP, DOT_SMALL_SWEEP, DOT_SWEEP, graph_us, do_bench
-    global MOE_SWEEP_GATE_UP, MOE_SWEEP_DOWN, GROUPED_SWEEP, MOE_GROUPED_TOKENS
+    global GEMV_M8_SWEEP, MOE_SWEEP_GATE_UP, MOE_SWEEP_DOWN, GROUPED_SWEEP, MOE_GROUPED_TOKENS
     assert os.environ.get("TRITON_INTERPRET") == "1", "--dry-run needs TRITON_INTERPRET=1 (set before triton is imported)"
     os.environ["FT_TRITON_INTERPRET_TEST"] = "1"
     DEV = torch.device("cpu")
@@ -259,6 +261,7 @@ def _dry_run_setup() -> None:
     MOE = (16, 64, 32, 4)
     MOE_GROUPED_TOKENS = (24,)
     GEMV_SWEEP, DOT_SMALL_SWEEP, DOT_SWEEP = GEMV_SWEEP[:1], DOT_SMALL_SWEEP[:1], DOT_SWEEP[:1]
+    GEMV_M8_SWEEP = GEMV_M8_SWEEP[:1]
     MOE_SWEEP_GATE_UP, MOE_SWEEP_DOWN, GROUPED_SWEEP = MOE_SWEEP_GATE_UP[:1], MOE_SWEEP_DOWN[:1], GROUPED_SWEEP[:1]
 
     def cpu_us(calls, **_):

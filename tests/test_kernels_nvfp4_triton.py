@@ -30,6 +30,7 @@ CASES = [
     (40, 72, 160, torch.float32, "dot"),
     (5, 16, 64, torch.float16, "dot"),
     (12, 48, 96, torch.float16, None),  # the launcher's own choice (16-row dot tile)
+    (5, 24, 2048, torch.bfloat16, None),  # the launcher's own choice (whole-K GEMV for 5 rows)
 ]
 
 
@@ -116,13 +117,14 @@ def test_gemv_configs_match_ref(case):
     assert _rel_rms(y, nvfp4_linear_ref(x, packed, scale, scale_2)) < TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize(("n", "k", "bn"), [(40, 256, 16), (8, 512, 4), (5, 128, 8)])
-def test_gemv_whole_k_matches_ref(n, k, bn):
-    gen = torch.Generator().manual_seed(n + k)
+@pytest.mark.parametrize(("m", "n", "k", "bm", "bn"), [(1, 40, 256, 1, 16), (1, 8, 512, 1, 4), (1, 5, 128, 1, 8),
+                                                     (3, 24, 256, 4, 8), (8, 16, 128, 8, 2)])
+def test_gemv_whole_k_matches_ref(m, n, k, bm, bn):
+    gen = torch.Generator().manual_seed(n + k + m)
     packed, scale, scale_2 = _weight(n, k, gen)
-    x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
-    out = torch.full((1, n), float("nan"), dtype=torch.bfloat16)
-    cfg = {"BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_W": 2, "WHOLE_K": True}
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_W": 2, "WHOLE_K": True}
     y = nvfp4_linear_triton(x, packed, scale, scale_2, out=out, path="gemv", config=cfg)
     assert _rel_rms(y, nvfp4_linear_ref(x, packed, scale, scale_2)) < TOL[torch.bfloat16]
 

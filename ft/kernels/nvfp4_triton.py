@@ -18,8 +18,9 @@ bits: exact in fp32, bf16 and fp16).
 
 Two kernels:
 
-* `_nvfp4_gemv_kernel` (M <= 2): a program owns BLOCK_N rows; at M = 1 with K / 8 a power of
-  two <= 1024 it takes the rows' whole K in one tile (`rows_dot_whole_k`: no loop, x read once),
+* `_nvfp4_gemv_kernel` (M <= 2, and M <= 8 on the shapes where it wins, see `_path`): a program
+  owns BLOCK_N rows; with K / 8 a power of two <= 1024 it takes the rows' whole K in one tile
+  (`_whole_k_tile`, decoded once for all rows of x; no loop, each x row read once),
   else it walks K in steps of BLOCK_W words (`nvfp4_rows_dot`); per word 8 FMAs on fp32
   products, then one FMA with the block scale; x is read in its natural order and split into
   the 8 element lanes of a word with ``tl.split``.
@@ -188,27 +189,43 @@ def _rows_dot_1(p_w, p_s, o_r, m_r, stride_wr, stride_sr, p_xr, w_lo, w_hi,
 
 
 @triton.jit
-def rows_dot_whole_k(p_w, p_s, o_r, m_r, stride_wr, stride_sr, p_xr, KW: tl.constexpr, BLOCK_R: tl.constexpr):
-    """`nvfp4_rows_dot` for one x row at p_xr when a row's K / 8 = KW words (a power of two) fit one
-    tile: no loop, x read and split once -> fp32 [BLOCK_R]. Measured faster than the K loop on the
-    decode shapes (bench/RESULTS.md)."""
+def _whole_k_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, KW: tl.constexpr):
+    """Rows o_r's whole K (KW words): the 8 decoded element lanes (fp32 [R, KW], times 2**-6) and
+    the block scale of each word pair (fp32 [R, KW / 2]); masked rows give 0."""
     o_w = tl.arange(0, KW)
     o_g = tl.arange(0, KW // 2)
-    b_x = tl.load(p_xr + (8 * o_w)[:, None] + tl.arange(0, 8)[None, :]).to(tl.float32)
-    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(tl.reshape(b_x, (1, KW, 8)), 1, KW)
     b_w = tl.load(p_w + o_r[:, None] * stride_wr + o_w[None, :], mask=m_r[:, None], other=0).to(tl.uint32, bitcast=True)
     b_s = _e4m3(tl.load(p_s + o_r[:, None] * stride_sr + o_g[None, :], mask=m_r[:, None], other=0))
     lo = _lo_e4m3_word(b_w)
     hi = _hi_e4m3_word(b_w)
-    part = _byte_f32(lo, 0) * tl.reshape(x0, (1, KW))
-    part += _byte_f32(hi, 0) * tl.reshape(x1, (1, KW))
-    part += _byte_f32(lo, 1) * tl.reshape(x2, (1, KW))
-    part += _byte_f32(hi, 1) * tl.reshape(x3, (1, KW))
-    part += _byte_f32(lo, 2) * tl.reshape(x4, (1, KW))
-    part += _byte_f32(hi, 2) * tl.reshape(x5, (1, KW))
-    part += _byte_f32(lo, 3) * tl.reshape(x6, (1, KW))
-    part += _byte_f32(hi, 3) * tl.reshape(x7, (1, KW))
+    return (_byte_f32(lo, 0), _byte_f32(hi, 0), _byte_f32(lo, 1), _byte_f32(hi, 1),
+            _byte_f32(lo, 2), _byte_f32(hi, 2), _byte_f32(lo, 3), _byte_f32(hi, 3), b_s)
+
+
+@triton.jit
+def _whole_k_row(d0, d1, d2, d3, d4, d5, d6, d7, b_s, p_xr, KW: tl.constexpr, BLOCK_R: tl.constexpr):
+    """sum_k x[k] * W[r, k] / scale_2 for the decoded tile of `_whole_k_tile` and one x row at p_xr -> fp32 [R]."""
+    o_w = tl.arange(0, KW)
+    b_x = tl.load(p_xr + (8 * o_w)[:, None] + tl.arange(0, 8)[None, :]).to(tl.float32)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(tl.reshape(b_x, (1, KW, 8)), 1, KW)
+    part = d0 * tl.reshape(x0, (1, KW))
+    part += d1 * tl.reshape(x1, (1, KW))
+    part += d2 * tl.reshape(x2, (1, KW))
+    part += d3 * tl.reshape(x3, (1, KW))
+    part += d4 * tl.reshape(x4, (1, KW))
+    part += d5 * tl.reshape(x5, (1, KW))
+    part += d6 * tl.reshape(x6, (1, KW))
+    part += d7 * tl.reshape(x7, (1, KW))
     return tl.sum(tl.sum(tl.reshape(part, (BLOCK_R, KW // 2, 2)), axis=2) * b_s, axis=1) * 64.0
+
+
+@triton.jit
+def rows_dot_whole_k(p_w, p_s, o_r, m_r, stride_wr, stride_sr, p_xr, KW: tl.constexpr, BLOCK_R: tl.constexpr):
+    """`nvfp4_rows_dot` for one x row at p_xr when a row's K / 8 = KW words (a power of two) fit one
+    tile: no loop, x read and split once -> fp32 [BLOCK_R]. Measured faster than the K loop on the
+    decode shapes (bench/RESULTS.md)."""
+    d0, d1, d2, d3, d4, d5, d6, d7, b_s = _whole_k_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, KW)
+    return _whole_k_row(d0, d1, d2, d3, d4, d5, d6, d7, b_s, p_xr, KW, BLOCK_R)
 
 
 @triton.jit
@@ -219,11 +236,15 @@ def _nvfp4_gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, WHOLE_K: tl.constexpr = 0,
 ):
     i_n = tl.program_id(0)
-    if WHOLE_K > 0:  # M = 1, K / 8 = WHOLE_K words in one tile
+    if WHOLE_K > 0:  # K / 8 = WHOLE_K words in one tile, decoded once for all M rows of x
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < N
-        b_y = rows_dot_whole_k(p_w, p_s, o_n, m_n, stride_wn, stride_sn, p_x, WHOLE_K, BLOCK_N)
-        tl.store(p_y + o_n, (b_y * tl.load(p_s2)).to(p_y.dtype.element_ty), mask=m_n)
+        d0, d1, d2, d3, d4, d5, d6, d7, b_s = _whole_k_tile(p_w, p_s, o_n, m_n, stride_wn, stride_sn, WHOLE_K)
+        s2 = tl.load(p_s2)
+        for mi in tl.static_range(BLOCK_M):
+            if mi < M:
+                b_y = _whole_k_row(d0, d1, d2, d3, d4, d5, d6, d7, b_s, p_x + mi * stride_xm, WHOLE_K, BLOCK_N)
+                tl.store(p_y + mi * stride_ym + o_n, (b_y * s2).to(p_y.dtype.element_ty), mask=m_n)
         return
     o_m = tl.arange(0, BLOCK_M)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -293,10 +314,13 @@ def dequant_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, kb0, half_k, dtype: t
     return (b_dec * b_s).to(dtype)
 
 
-def _path(m: int, n: int) -> str:
-    # H200 (bench/RESULTS.md): the GEMV kernel up to M = 2; at M = 8 the 16-row tl.dot tile won
-    # on 5 of the 6 decode shapes.
-    return "gemv" if m <= SMALL_M else "dot"
+def _path(m: int, n: int, k: int) -> str:
+    # H200 (bench/RESULTS.md): the GEMV kernel up to M = 2; at M = 3..8 the whole-K GEMV where it
+    # beat the 16-row tl.dot tile (N <= 2048 with K / 8 >= 256: expert gate_up 6.7 against 10.6 us,
+    # out_proj 15.3 against 19.2 us at M = 8), tl.dot elsewhere.
+    if m <= SMALL_M:
+        return "gemv"
+    return "gemv" if m <= 8 and n <= 2048 and whole_k_words(k) >= 256 else "dot"
 
 
 def whole_k_words(k: int) -> int:
@@ -310,9 +334,11 @@ def _gemv_config(m: int, n: int, k: int) -> dict:
     # tile (x read and split once) beat every K loop, 4-8 rows per program (<= 4096 words);
     # otherwise 64-word steps with rows for ~384+ programs. M = 2: 8 rows x 64 words.
     block_m = triton.next_power_of_2(max(m, 1))
+    kw = whole_k_words(k)
+    if m > 2 and kw:  # M = 3..8 (see `_path`): the whole-K tile decoded once for all rows of x
+        return {"BLOCK_M": block_m, "BLOCK_N": 4, "BLOCK_W": 2, "WHOLE_K": True, "num_warps": 4}
     if m > 1:
         return {"BLOCK_M": block_m, "BLOCK_N": 8, "BLOCK_W": max(2, min(64, triton.next_power_of_2(k // 8))), "num_warps": 4}
-    kw = whole_k_words(k)
     if kw:
         block_n = 8 if kw <= 64 else min(8 if n >= 12288 else 4, max(1, 4096 // kw))
         return {"BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_W": 2, "WHOLE_K": True, "num_warps": 4}
@@ -378,12 +404,12 @@ def nvfp4_linear_triton(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     if m == 0 or n == 0:
         return y
-    path = path or _path(m, n)
+    path = path or _path(m, n, k)
     if path == "gemv":
         cfg = dict(config or _gemv_config(m, n, k))
         if cfg["BLOCK_M"] < m:
             raise ValueError(f"BLOCK_M {cfg['BLOCK_M']} < M {m}")
-        cfg["WHOLE_K"] = whole_k_words(k) if cfg.pop("WHOLE_K", False) and m == 1 else 0
+        cfg["WHOLE_K"] = whole_k_words(k) if cfg.pop("WHOLE_K", False) else 0
         words = as_words(packed)
         _nvfp4_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             x, words, scale_u8, s2, y, m, n, k, x.stride(0), words.stride(0), scale_u8.stride(0), y.stride(0), **cfg)
