@@ -34,6 +34,7 @@ from ft.engine.sampling_params import SamplingParams
 from ft.engine.scheduler import Scheduler, ScheduledWork
 from ft.engine.sequence import Sequence
 from ft.engine.tokenizer import Tokenizer
+from ft.kernels.nvfp4 import uses_triton
 
 log = logging.getLogger("ft.engine")
 
@@ -111,9 +112,10 @@ class Engine:
             weights = load_weights(
                 reader, specs, expert_names, self.dtype, self.device, torch.device("cpu"), self.config.progress
             )
-        if self.device.type == "cpu":
+        if not uses_triton(self.device):
             # NOTE: the CPU path computes resident projections dense (the exact dequantized values);
-            # routed experts stay NVFP4 in the host store and the slots.
+            # routed experts stay NVFP4 in the host store and the slots. (Interpreter tests keep
+            # them NVFP4 to run the Triton kernels on the CPU.)
             weights.tensors = {
                 k: (v.dequantize(self.dtype) if isinstance(v, NVFP4Weight) else v) for k, v in weights.tensors.items()
             }

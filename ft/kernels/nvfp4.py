@@ -58,6 +58,7 @@ __all__ = [
     "nvfp4_linear",
     "nvfp4_linear_ref",
     "quantize_nvfp4",
+    "uses_triton",
 ]
 
 BLOCK_SIZE = 16
@@ -269,11 +270,16 @@ def nvfp4_linear_ref(
     return (x.to(torch.float32) @ w.T).to(x.dtype)
 
 
-def _use_triton(x: torch.Tensor) -> bool:
-    """Triton on CUDA; on CPU only in interpreter tests (FT_TRITON_INTERPRET_TEST=1 with TRITON_INTERPRET=1)."""
-    if x.is_cuda:
+def uses_triton(device: torch.device) -> bool:
+    """Whether the dispatchers run Triton for tensors on `device`: on CUDA, and on CPU only in
+    interpreter tests (FT_TRITON_INTERPRET_TEST=1 with TRITON_INTERPRET=1)."""
+    if device.type == "cuda":
         return True
     return os.environ.get("FT_TRITON_INTERPRET_TEST") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return uses_triton(x.device)
 
 
 def nvfp4_linear(
