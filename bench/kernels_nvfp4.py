@@ -181,6 +181,30 @@ def random_pool(slots: int, hidden: int, inter: int) -> SlotWeights:
     return SlotWeights(w13, w2, s13, s2w, s2)
 
 
+def router_row(say, failures):
+    """The Triton router (softmax, top-k, renormalize) against its reference on flagship routing shapes."""
+    from ft.kernels.moe import router_topk_ref
+    from ft.kernels.router_triton import router_topk_triton
+
+    n_experts, top_k = MOE[0], MOE[3]
+    worst = 0.0
+    for t in (1, 8, 1024):
+        logits = torch.randn(t, n_experts, device=DEV.type, dtype=torch.bfloat16) * 2
+        w, ids = router_topk_triton(logits, top_k, True)
+        w_ref, ids_ref = router_topk_ref(logits, top_k, True)
+        probs = torch.softmax(logits.float(), -1)
+        if not torch.equal(probs.gather(1, ids), probs.gather(1, ids_ref)):  # same experts up to ties
+            failures.append(("router ids", t))
+        worst = max(worst, rel_rms(w, w_ref))
+    if not worst < TOL_BF16:
+        failures.append(("router weights", worst))
+    logits = torch.randn(1, n_experts, device=DEV.type, dtype=torch.bfloat16)
+    t_tri = graph_us([partial(router_topk_triton, logits, top_k, True)])
+    t_ref = graph_us([partial(router_topk_ref, logits, top_k, True)])
+    say(f"router {n_experts} experts top-{top_k}, batch 1: {t_tri:.2f} us (torch ops {t_ref:.2f} us), weights rel RMS {worst:.1e}")
+    return ("router", t_tri, t_ref, worst)
+
+
 def moe_rows(args, say, failures):
     n_slots, hid, inter, top_k = MOE
     pool = random_pool(n_slots, hid, inter)
@@ -299,6 +323,7 @@ def main() -> None:
     dec = decode_rows(args, say, failures) if "decode" in only else []
     pre = prefill_rows(args, say, failures) if "prefill" in only else []
     moe = moe_rows(args, say, failures) if "moe" in only else []
+    router = router_row(say, failures) if "moe" in only else None
 
     say("")
     if dec:
@@ -322,6 +347,11 @@ def main() -> None:
             say(f"| {name} | {ex:.1f} | {us:.2f} | {gbs:.0f} | {us_old:.2f} | {'-' if eager is None else f'{eager:.1f}'} | {e:.1e} | "
                 f"{'-' if e1 is None else f'{e1:.1e}'} | {best[0]} ({best[1]:.2f}) |")
         say("(baseline: v1 kernels in CUDA graphs for the per-pair rows; the per-pair path, eager, for the grouped rows)")
+    if router:
+        say("")
+        say(f"| router (softmax, top-k, renormalize), {MOE[0]} experts, top-{MOE[3]}, batch 1 | Triton us | torch ops us | weights rel RMS |")
+        say("|---|---|---|---|")
+        say(f"| one launch vs the torch reference | {router[1]:.2f} | {router[2]:.2f} | {router[3]:.1e} |")
     if failures:
         say("FAILURES:", failures)
         sys.exit(1)

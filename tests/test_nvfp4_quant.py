@@ -236,6 +236,12 @@ def test_all_zero_tensor_and_zero_blocks():
     # a global_amax of 0 for a nonzero weight is an error, not NaN
     with pytest.raises(ValueError):
         quantize_nvfp4(torch.ones(1, 16), torch.tensor(0.0))
+    # amax > 0 but scale_2 underflows float32 (found by the property test): zeros, as the reference says
+    tiny = torch.zeros(2, 16)
+    tiny[1, 15] = 1.401298464324817e-45
+    assert_matches_ref(tiny)
+    packed, _, s2 = quantize_nvfp4(tiny)
+    assert s2.item() == 0.0 and not packed.any()
 
 
 def test_packing_order_even_element_low_nibble():

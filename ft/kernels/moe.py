@@ -1,12 +1,16 @@
 """Mixture-of-experts over expert *slots*: router top-k and the expert computation.
 
 The engine keeps routed experts in a pool of slots (dense or NVFP4) and maps (layer, expert)
-to a slot; these functions only see slot indices. Torch references; the fused Triton kernel
-for CUDA comes with the kernels issue and plugs in behind `moe_over_slots`.
+to a slot; these functions only see slot indices. Torch references beside dispatchers that run
+the Triton kernels on CUDA (`ft.kernels.router_triton`, `ft.kernels.moe_triton`).
+
+Debug mode (``FT_DEBUG=1`` in the environment): `moe_over_slots` checks that every slot is -1
+or a slot of the pool and raises otherwise (a device sync per call; off by default).
 """
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -32,6 +36,28 @@ class SlotWeights(NamedTuple):
     @property
     def is_nvfp4(self) -> bool:
         return self.w13_scale is not None
+
+
+def debug_checks() -> bool:
+    """Whether ``FT_DEBUG=1``: the kernels' callers then check what the kernels assume."""
+    return os.environ.get("FT_DEBUG") == "1"
+
+
+def check_slots(topk_slots: torch.Tensor, num_slots: int) -> None:
+    """Raise ValueError unless every entry is -1 (skip) or a slot in [0, num_slots) (syncs the device)."""
+    bad = (topk_slots < -1) | (topk_slots >= num_slots)
+    if bool(bad.any()):
+        raise ValueError(f"slot {int(topk_slots[bad][0])} is not -1 or a slot of a pool of {num_slots}")
+
+
+def router_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatcher: `ft.kernels.router_triton` on CUDA (or in interpreter tests), else `router_topk_ref`."""
+    if _use_triton(logits) and logits.shape[-1] <= 8192:
+        # NOTE: imports triton only when used
+        from ft.kernels.router_triton import router_topk_triton
+
+        return router_topk_triton(logits, top_k, normalize)
+    return router_topk_ref(logits, top_k, normalize)
 
 
 def router_topk_ref(
@@ -92,7 +118,10 @@ def moe_over_slots(
 ) -> torch.Tensor:
     """Dispatcher: the Triton kernels (`ft.kernels.moe_triton`) for NVFP4 slot pools on CUDA (or
     on CPU in interpreter tests: ``FT_TRITON_INTERPRET_TEST=1`` with ``TRITON_INTERPRET=1``);
-    the reference for dense pools and otherwise. Same contract as `moe_over_slots_ref`."""
+    the reference for dense pools and otherwise. Same contract as `moe_over_slots_ref`; in debug
+    mode (`debug_checks`) the slots are checked first (`check_slots`)."""
+    if debug_checks():
+        check_slots(topk_slots, w.w13.shape[0])
     if w.is_nvfp4 and w.w13_scale.dtype == torch.float8_e4m3fn and _use_triton(x):
         # NOTE: imports triton only when used
         from ft.kernels.moe_triton import moe_over_slots_triton

@@ -36,7 +36,8 @@ result does not depend on the device it runs on (the scalar is a tensor operand 
 
 One deliberate difference: ModelOpt turns an all-zero tensor (amax 0, so scale_2 = 0) into NaN
 block scales and codes 0x7. Here an all-zero tensor gives codes 0, block scales 1.0 and
-``scale_2 = 0``, which dequantizes to exact zeros.
+``scale_2 = 0``, which dequantizes to exact zeros; so does a tensor so small that scale_2
+underflows float32 (amax below ~4e-42).
 
 This module imports nothing from ``ft.engine``; Triton kernels for CUDA are added beside these
 references and selected by the dispatchers (`nvfp4_linear`).
@@ -183,7 +184,9 @@ def quantize_nvfp4(
         scale_2 = amax / _table(_6_448, device)
 
     if scale_2 == 0:
-        if bool((w != 0).any()):
+        # amax 0 with a nonzero weight: a wrong global_amax. amax > 0 whose scale_2 underflows
+        # float32 (every |w| < ~4e-42): below what NVFP4 can represent, quantized to zeros.
+        if amax == 0 and bool((w != 0).any()):
             raise ValueError("weight_scale_2 is 0 (global_amax 0) but the weight is not all zeros")
         return (
             torch.zeros((n, k // 2), dtype=torch.uint8, device=device),

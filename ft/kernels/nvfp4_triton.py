@@ -224,8 +224,19 @@ def rows_dot_whole_k(p_w, p_s, o_r, m_r, stride_wr, stride_sr, p_xr, KW: tl.cons
     """`nvfp4_rows_dot` for one x row at p_xr when a row's K / 8 = KW words (a power of two) fit one
     tile: no loop, x read and split once -> fp32 [BLOCK_R]. Measured faster than the K loop on the
     decode shapes (bench/RESULTS.md)."""
+    o_w = tl.arange(0, KW)
+    b_x = tl.load(p_xr + (8 * o_w)[:, None] + tl.arange(0, 8)[None, :]).to(tl.float32)  # first: in flight with W
+    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(tl.reshape(b_x, (1, KW, 8)), 1, KW)
     d0, d1, d2, d3, d4, d5, d6, d7, b_s = _whole_k_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, KW)
-    return _whole_k_row(d0, d1, d2, d3, d4, d5, d6, d7, b_s, p_xr, KW, BLOCK_R)
+    part = d0 * tl.reshape(x0, (1, KW))
+    part += d1 * tl.reshape(x1, (1, KW))
+    part += d2 * tl.reshape(x2, (1, KW))
+    part += d3 * tl.reshape(x3, (1, KW))
+    part += d4 * tl.reshape(x4, (1, KW))
+    part += d5 * tl.reshape(x5, (1, KW))
+    part += d6 * tl.reshape(x6, (1, KW))
+    part += d7 * tl.reshape(x7, (1, KW))
+    return tl.sum(tl.sum(tl.reshape(part, (BLOCK_R, KW // 2, 2)), axis=2) * b_s, axis=1) * 64.0
 
 
 @triton.jit
@@ -239,12 +250,16 @@ def _nvfp4_gemv_kernel(
     if WHOLE_K > 0:  # K / 8 = WHOLE_K words in one tile, decoded once for all M rows of x
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < N
-        d0, d1, d2, d3, d4, d5, d6, d7, b_s = _whole_k_tile(p_w, p_s, o_n, m_n, stride_wn, stride_sn, WHOLE_K)
         s2 = tl.load(p_s2)
-        for mi in tl.static_range(BLOCK_M):
-            if mi < M:
-                b_y = _whole_k_row(d0, d1, d2, d3, d4, d5, d6, d7, b_s, p_x + mi * stride_xm, WHOLE_K, BLOCK_N)
-                tl.store(p_y + mi * stride_ym + o_n, (b_y * s2).to(p_y.dtype.element_ty), mask=m_n)
+        if BLOCK_M == 1:
+            b_y = rows_dot_whole_k(p_w, p_s, o_n, m_n, stride_wn, stride_sn, p_x, WHOLE_K, BLOCK_N)
+            tl.store(p_y + o_n, (b_y * s2).to(p_y.dtype.element_ty), mask=m_n)
+        else:
+            d0, d1, d2, d3, d4, d5, d6, d7, b_s = _whole_k_tile(p_w, p_s, o_n, m_n, stride_wn, stride_sn, WHOLE_K)
+            for mi in tl.static_range(BLOCK_M):
+                if mi < M:
+                    b_y = _whole_k_row(d0, d1, d2, d3, d4, d5, d6, d7, b_s, p_x + mi * stride_xm, WHOLE_K, BLOCK_N)
+                    tl.store(p_y + mi * stride_ym + o_n, (b_y * s2).to(p_y.dtype.element_ty), mask=m_n)
         return
     o_m = tl.arange(0, BLOCK_M)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ft.engine.layers.linear import Linear
 from ft.engine.memory.expert_cache import ExpertCache
-from ft.kernels.moe import moe_over_slots, router_topk_ref
+from ft.kernels.moe import debug_checks, moe_over_slots, router_topk
 
 
 class MLP:
@@ -36,21 +36,30 @@ class SparseMoE:
 
     def __call__(self, x: torch.Tensor, cache: ExpertCache) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        weights, ids = router_topk_ref(self.router(x), self.top_k, self.norm_topk_prob)
+        weights, ids = router_topk(self.router(x), self.top_k, self.norm_topk_prob)
         routed = self._routed(x, weights, ids, cache)
         shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
         return routed + shared
+
+    def _slots(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The slot of each selected expert; in debug mode, an expert without a slot (-1, which the
+        kernels would skip) is an error: the caller must have made every selected expert resident."""
+        slots = table[ids]
+        if debug_checks() and bool((slots < 0).any()):
+            missing = sorted(set(ids[slots < 0].tolist()))
+            raise RuntimeError(f"MoE layer {self.moe_index}: experts {missing[:8]} have no slot")
+        return slots
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, cache: ExpertCache) -> torch.Tensor:
         layer = self.moe_index
         table = cache.slot_table[layer]
         if cache.all_resident:  # every expert has its slot: no bookkeeping, no device sync
             cache.stats.hits += ids.numel()  # NOTE: counts (token, expert) pairs here
-            return moe_over_slots(x, table[ids], weights, cache.slots)
+            return moe_over_slots(x, self._slots(table, ids), weights, cache.slots)
         experts = torch.unique(ids).tolist()
         if len(experts) <= cache.num_slots:
             cache.ensure(layer, experts)
-            return moe_over_slots(x, table[ids], weights, cache.slots)
+            return moe_over_slots(x, self._slots(table, ids), weights, cache.slots)
         # More distinct experts than slots (a long prefill chunk on a small cache): run them in
         # groups that fit, each group's pairs with the others masked out (slot -1).
         out = torch.zeros_like(x)

@@ -1,0 +1,58 @@
+"""Triton MoE router: softmax over the experts, top-k, optional renormalization (details module of `ft.kernels.moe`).
+
+One program per token: the row of router logits [E] is read once, the softmax is taken in fp32,
+and the k largest probabilities are picked by k rounds of argmax (ties to the lowest expert id),
+each round masking its winner; k is small (10 of 512 for the flagship), E fits one tile. Same
+contract as `ft.kernels.moe.router_topk_ref`: weights in descending order, in the logits' dtype,
+expert ids int64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["router_topk_triton"]
+
+
+@triton.jit
+def _router_topk_kernel(p_logits, p_w, p_ids, E, K, stride_lt, stride_wt, stride_it,
+                        NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    i_t = tl.program_id(0)
+    o_e = tl.arange(0, BLOCK_E)
+    m_e = o_e < E
+    b_l = tl.load(p_logits + i_t * stride_lt + o_e, mask=m_e, other=float("-inf")).to(tl.float32)
+    b_p = tl.exp(b_l - tl.max(b_l, axis=0))
+    b_p = b_p / tl.sum(b_p, axis=0)
+    b_p = tl.where(m_e, b_p, -1.0)  # below every probability: never picked
+    o_k = tl.arange(0, BLOCK_K)
+    b_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    b_i = tl.zeros((BLOCK_K,), dtype=tl.int64)
+    for j in range(K):
+        best = tl.argmax(b_p, axis=0)
+        b_w = tl.where(o_k == j, tl.max(b_p, axis=0), b_w)
+        b_i = tl.where(o_k == j, best.to(tl.int64), b_i)
+        b_p = tl.where(o_e == best, -1.0, b_p)
+    if NORMALIZE:
+        b_w = b_w / tl.sum(b_w, axis=0)
+    m_k = o_k < K
+    tl.store(p_w + i_t * stride_wt + o_k, b_w.to(p_w.dtype.element_ty), mask=m_k)
+    tl.store(p_ids + i_t * stride_it + o_k, b_i, mask=m_k)
+
+
+def router_topk_triton(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights [T, k] in logits' dtype, ids [T, k] int64), as `router_topk_ref`.
+
+    Raises: ValueError for k outside 1..E or E above 8192 (one tile per token)."""
+    t, e = logits.shape
+    if not 1 <= top_k <= e or e > 8192:
+        raise ValueError(f"router top-k needs 1 <= k <= E <= 8192, got k={top_k}, E={e}")
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    w = torch.empty((t, top_k), dtype=logits.dtype, device=logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
+    if t:
+        _router_topk_kernel[(t,)](logits, w, ids, e, top_k, logits.stride(0), w.stride(0), ids.stride(0),
+                                  NORMALIZE=normalize, BLOCK_E=triton.next_power_of_2(e),
+                                  BLOCK_K=triton.next_power_of_2(top_k), num_warps=4 if e <= 1024 else 8)
+    return w, ids

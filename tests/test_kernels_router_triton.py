@@ -1,0 +1,69 @@
+"""Triton MoE router (softmax, top-k, renormalization) against `router_topk_ref`, under the interpreter;
+the debug-mode slot checks of the MoE dispatcher and layer."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (by the kernels module below)
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ft.engine.layers.moe import SparseMoE
+from ft.kernels.moe import check_slots, router_topk, router_topk_ref
+from ft.kernels.router_triton import router_topk_triton
+
+TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize(("t", "e", "k", "normalize"), [(3, 8, 2, True), (5, 20, 3, False), (2, 512, 10, True), (1, 4, 4, False)])
+def test_router_matches_ref(t, e, k, normalize, dtype):
+    gen = torch.Generator().manual_seed(t * 1000 + e * 10 + k)
+    logits = (torch.randn(t, e, generator=gen) * 2).to(dtype)
+    w, ids = router_topk_triton(logits, k, normalize)
+    w_ref, ids_ref = router_topk_ref(logits, k, normalize)
+    assert w.dtype == dtype and ids.dtype == torch.int64 and w.shape == ids.shape == (t, k)
+    probs = torch.softmax(logits.float(), dim=-1)
+    # the same experts in the same order, up to ties (bf16 logits tie often; ties go to the lowest id here)
+    assert torch.equal(probs.gather(1, ids), probs.gather(1, ids_ref))
+    assert len(set(ids.flatten().tolist())) > 0 and all(len(set(r)) == k for r in ids.tolist())
+    assert ((w.float() - w_ref.float()).abs().max() / w_ref.float().abs().max()).item() < TOL[dtype]
+
+
+def test_router_dispatcher_and_bad_k(monkeypatch):
+    logits = torch.randn(4, 16)
+    monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
+    import ft.kernels.router_triton as details
+
+    calls = []
+    real = details.router_topk_triton
+    monkeypatch.setattr(details, "router_topk_triton", lambda *a: calls.append(1) or real(*a))
+    w, ids = router_topk(logits, 3, True)
+    assert calls and torch.equal(ids, router_topk_ref(logits, 3, True)[1])
+    with pytest.raises(ValueError):
+        router_topk_triton(logits, 17, True)
+
+
+def test_check_slots():
+    check_slots(torch.tensor([[0, -1], [3, 2]]), 4)
+    with pytest.raises(ValueError, match="slot 4"):
+        check_slots(torch.tensor([[0, 4]]), 4)
+    with pytest.raises(ValueError, match="slot -2"):
+        check_slots(torch.tensor([[-2, 1]]), 4)
+
+
+def test_missing_expert_slot_is_an_error_in_debug_mode(monkeypatch):
+    layer = SparseMoE.__new__(SparseMoE)
+    layer.moe_index = 3
+    table = torch.tensor([0, -1, 1, -1])
+    ids = torch.tensor([[0, 1], [2, 0]])
+    monkeypatch.delenv("FT_DEBUG", raising=False)
+    assert layer._slots(table, ids).tolist() == [[0, -1], [1, 0]]  # not checked: the kernels would skip it
+    monkeypatch.setenv("FT_DEBUG", "1")
+    with pytest.raises(RuntimeError, match=r"MoE layer 3: experts \[1\] have no slot"):
+        layer._slots(table, ids)
+    assert layer._slots(table, torch.tensor([[0, 2]])).tolist() == [[0, 1]]
