@@ -94,6 +94,20 @@ def test_per_pair_tiles_match_ref(gate_up, down):
     assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < TOL[torch.bfloat16]
 
 
+def test_grouped_path_cuts_long_chunks(monkeypatch):
+    import ft.kernels.moe_triton as details
+
+    monkeypatch.setattr(details, "GROUPED_MAX_TOKENS", 4)  # 11 tokens: passes of 4, 4 and 3
+    gen = torch.Generator().manual_seed(8)
+    w = _slot_pool(4, 32, 16, gen)
+    slots, weights = _routing(11, 2, 4, 0.2, gen)
+    x = torch.randn(11, 32, generator=gen)
+    out = torch.full((11, 32), float("nan"))
+    y = moe_over_slots_triton(x, slots, weights, w, out=out, grouped=True, grouped_config=(4, 16, 32, 4, 1))
+    ref = moe_over_slots_ref(x, slots, weights, w)
+    assert ((y - ref).norm() / ref.norm()).item() < TOL[torch.float32]
+
+
 def test_all_skipped_gives_zeros():
     gen = torch.Generator().manual_seed(1)
     w = _slot_pool(2, 32, 16, gen)

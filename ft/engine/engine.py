@@ -34,6 +34,7 @@ from ft.engine.sampling_params import SamplingParams
 from ft.engine.scheduler import Scheduler, ScheduledWork
 from ft.engine.sequence import Sequence
 from ft.engine.tokenizer import Tokenizer
+from ft.kernels.moe import moe_workspace_bytes
 from ft.kernels.nvfp4 import uses_triton
 
 log = logging.getLogger("ft.engine")
@@ -136,8 +137,8 @@ class Engine:
     def _activation_reserve(self) -> int:
         """Bytes of activations alive at the peak of the largest forward pass (a full prefill
         chunk): the residual stream and a normalised copy, plus the widest projection output
-        twice (its input split and its product). Estimated from the config; the CUDA path will
-        replace this with a profiled figure."""
+        twice (its input split and its product), plus the Triton MoE's fp32 workspace on CUDA. Estimated
+        from the config; the CUDA path will replace this with a profiled figure."""
         c = self.model_config
         widest = max(
             2 * c.linear_key_dim + 2 * c.linear_value_dim,  # in_proj_qkvz
@@ -148,7 +149,10 @@ class Engine:
         )
         tokens = min(self.config.max_prefill_length, self.context_limit)
         per_token = (3 * c.hidden_size + 2 * widest) * torch.finfo(self.dtype).bits // 8
-        return tokens * per_token + self.config.max_running_requests * c.vocab_size * 4
+        moe = 0
+        if uses_triton(self.device):  # the Triton MoE's workspace (the CPU reference allocates per group)
+            moe = moe_workspace_bytes(tokens, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size)
+        return tokens * per_token + moe + self.config.max_running_requests * c.vocab_size * 4
 
     def _kv_pool(self, pages: int, storage: PoolStorage | None = None) -> KVPool:
         c = self.model_config

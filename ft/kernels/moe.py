@@ -38,6 +38,17 @@ class SlotWeights(NamedTuple):
         return self.w13_scale is not None
 
 
+GROUPED_MAX_TOKENS = 1024
+"""The Triton MoE's grouped path takes at most this many tokens per pass (longer chunks are cut),
+which bounds its fp32 workspace (`moe_workspace_bytes`)."""
+
+
+def moe_workspace_bytes(tokens: int, top_k: int, hidden: int, intermediate: int) -> int:
+    """Bytes the Triton MoE allocates for a forward of `tokens` tokens at most (its per-pair
+    intermediate h and per-pair outputs, fp32): the engine adds it to its activation reserve."""
+    return min(tokens, GROUPED_MAX_TOKENS) * top_k * (intermediate + hidden) * 4
+
+
 def debug_checks() -> bool:
     """Whether ``FT_DEBUG=1``: the kernels' callers then check what the kernels assume."""
     return os.environ.get("FT_DEBUG") == "1"

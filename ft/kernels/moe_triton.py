@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.kernels.moe import GROUPED_MAX_TOKENS
 from ft.kernels.nvfp4_triton import as_words, dequant_tile, nvfp4_rows_dot, rows_dot_whole_k, whole_k_words
 
 __all__ = ["GROUPED_MIN_TOKENS", "moe_over_slots_triton"]
@@ -285,7 +286,11 @@ def moe_over_slots_triton(
         return y
     if grouped if grouped is not None else t > GROUPED_MIN_TOKENS:
         w13, w2 = w.w13.contiguous(), w.w2.contiguous()
-        return _grouped(x, slots, wts, k, w13, s13, w2, s2w, s2, y, i, grouped_config or GROUPED_CONFIG)
+        for a in range(0, t, GROUPED_MAX_TOKENS):  # bounded workspace (`ft.kernels.moe.moe_workspace_bytes`)
+            b = min(t, a + GROUPED_MAX_TOKENS)
+            _grouped(x[a:b], slots[a * k : b * k], wts[a * k : b * k], k, w13, s13, w2, s2w, s2, y[a:b], i,
+                     grouped_config or GROUPED_CONFIG)
+        return y
     w13, w2 = as_words(w.w13), as_words(w.w2)
     h = torch.empty((t * k, i), dtype=torch.float32, device=x.device)
     block_i, bw13, warps13 = gate_up_config or GATE_UP_CONFIG[min(t, 2)]
