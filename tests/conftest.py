@@ -11,6 +11,17 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+# Property tests draw the same examples on every run (a CI gate must not find new ones at random);
+# HYPOTHESIS_PROFILE=explore draws fresh ones (and more where a test sets no max_examples) to hunt bugs.
+try:
+    from hypothesis import settings as _hypothesis_settings
+
+    _hypothesis_settings.register_profile("ci", derandomize=True)
+    _hypothesis_settings.register_profile("explore", max_examples=400)
+    _hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+except ImportError:  # hypothesis comes with the test extra
+    pass
+
 # Three small configurations that vary what the architecture lets vary.
 TINY_CONFIGS = {
     "interval2-gqa2-top2": dict(
