@@ -1,0 +1,121 @@
+"""Compile every Triton kernel the CUDA path launches, with its default configurations, for sm_90
+(Hopper) without a GPU: ASTSource -> cubin with the ptxas that the triton wheel carries.
+
+Run by tests/test_kernels_compile.py in a subprocess (the interpreter, which the other kernel tests
+turn on, must be off here). Catches what the interpreter does not: type errors across control flow,
+layouts or tiles the compiler rejects. Prints one line per kernel; exit status 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from ft.kernels import moe_triton as moe  # noqa: E402
+from ft.kernels import nvfp4_triton as nv  # noqa: E402
+from ft.kernels import router_triton as router  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def ints(*names: str) -> dict:
+    return {n: "i32" for n in names}
+
+
+GEMV = {"p_x": "*bf16", "p_w": "*i32", "p_s": "*u8", "p_s2": "*fp32", "p_y": "*bf16",
+        **ints("M", "N", "K", "stride_xm", "stride_wn", "stride_sn", "stride_ym")}
+DOT = {**GEMV, "p_w": "*u8"}
+GATE_UP = {"p_x": "*bf16", "p_slots": "*i32", "p_w13": "*i32", "p_s13": "*u8", "p_s2": "*fp32", "p_h": "*fp32",
+           **ints("I", "H", "TOPK", "stride_xt", "stride_w13e", "stride_w13r", "stride_s13e", "stride_s13r",
+                  "stride_s2e", "stride_ht")}
+DOWN_PAIRS = {"p_h": "*fp32", "p_slots": "*i32", "p_wts": "*bf16", "p_w2": "*i32", "p_s2w": "*u8", "p_s2": "*fp32",
+              "p_yp": "*fp32", **ints("I", "H", "stride_ht", "stride_w2e", "stride_w2r", "stride_s2we", "stride_s2wr",
+                                      "stride_s2e", "stride_yp")}
+DOWN_LOOP = {"p_h": "*fp32", "p_slots": "*i32", "p_wts": "*bf16", "p_w2": "*i32", "p_s2w": "*u8", "p_s2": "*fp32",
+             "p_out": "*bf16", **ints("I", "H", "TOPK", "stride_ht", "stride_w2e", "stride_w2r", "stride_s2we",
+                                      "stride_s2wr", "stride_s2e", "stride_ot")}
+SUM = {"p_yp": "*fp32", "p_out": "*bf16", **ints("H", "TOPK", "stride_yp", "stride_ot")}
+TILES = {"p_tile_start": "*i32", "p_tile_end": "*i32", "p_sorted": "*i32", "p_order": "*i32"}
+G_GATE_UP = {"p_x": "*bf16", **TILES, "p_w13": "*u8", "p_s13": "*u8", "p_s2": "*fp32", "p_h": "*bf16",
+             **ints("I", "H", "TOPK", "stride_xt", "stride_w13e", "stride_w13r", "stride_s13e", "stride_s13r",
+                    "stride_s2e", "stride_hp")}
+G_DOWN = {"p_h": "*bf16", **TILES, "p_wts": "*bf16", "p_w2": "*u8", "p_s2w": "*u8", "p_s2": "*fp32", "p_y": "*fp32",
+          **ints("I", "H", "TOPK", "stride_hp", "stride_w2e", "stride_w2r", "stride_s2we", "stride_s2wr",
+                 "stride_s2e", "stride_yp")}
+ROUTER = {"p_logits": "*bf16", "p_w": "*bf16", "p_ids": "*i64", **ints("E", "K", "stride_lt", "stride_wt", "stride_it")}
+
+
+def gemv_cfg(m: int, n: int, k: int) -> dict:
+    cfg = dict(nv._gemv_config(m, n, k))
+    cfg["WHOLE_K"] = nv.whole_k_words(k) if cfg.pop("WHOLE_K", False) else 0
+    return cfg
+
+
+def dot_cfg(m: int, n: int, k: int) -> dict:
+    return {"SWAP_AB": False, **nv._dot_config(m, n, k), "PRECISION": "tf32"}  # every constexpr named
+
+
+def moe_cfg(config: tuple, k_words: int, rows: str, whole: bool = True) -> dict:
+    r, w, warps = config
+    out = {rows: r, "BLOCK_W": max(2, w or 64), "num_warps": warps}
+    if whole:
+        out["WHOLE_K"] = k_words if w == 0 else 0
+    return out
+
+
+def grouped_cfg(rows: str) -> dict:
+    bm, bn, bk, warps, stages = moe.GROUPED_CONFIG
+    return {"BLOCK_M": bm, rows: bn, "BLOCK_K": bk, "PRECISION": "tf32", "num_warps": warps, "num_stages": stages}
+
+
+CASES = [  # (name, kernel, signature, constexprs and launch options); flagship shapes
+    ("gemv M=1 whole K (2048)", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(1, 12288, 2048)),
+    ("gemv M=1 whole K (8192)", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(1, 32768, 8192)),
+    ("gemv M=1 K loop (16384)", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(1, 4096, 16384)),
+    ("gemv M=2 K loop", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(2, 2048, 4096)),
+    ("gemv M=8 whole K", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(8, 1024, 2048)),
+    ("dot M=8", nv._nvfp4_dot_kernel, DOT, dot_cfg(8, 8192, 2048)),
+    ("dot M=64", nv._nvfp4_dot_kernel, DOT, dot_cfg(64, 8192, 2048)),
+    ("dot prefill (swapped operands)", nv._nvfp4_dot_kernel, DOT, dot_cfg(4096, 8192, 2048)),
+    ("moe gate_up, 1 token", moe._moe_gate_up_kernel, GATE_UP, moe_cfg(moe.GATE_UP_CONFIG[1], 256, "BLOCK_I")),
+    ("moe gate_up, more tokens", moe._moe_gate_up_kernel, GATE_UP, moe_cfg(moe.GATE_UP_CONFIG[2], 256, "BLOCK_I")),
+    ("moe gate_up, K loop", moe._moe_gate_up_kernel, GATE_UP, moe_cfg((8, 64, 4), 256, "BLOCK_I")),
+    ("moe down per pair, 1 token", moe._moe_down_pairs_kernel, DOWN_PAIRS, moe_cfg(moe.DOWN_CONFIG[1], 64, "BLOCK_H")),
+    ("moe down per pair, more", moe._moe_down_pairs_kernel, DOWN_PAIRS, moe_cfg(moe.DOWN_CONFIG[2], 64, "BLOCK_H")),
+    ("moe down, loop over k", moe._moe_down_kernel, DOWN_LOOP, moe_cfg((32, 32, 4), 64, "BLOCK_H", whole=False)),
+    ("moe sum over k", moe._moe_sum_pairs_kernel, SUM, {"BLOCK": 1024}),
+    ("moe grouped gate_up", moe._moe_grouped_gate_up_kernel, G_GATE_UP, grouped_cfg("BLOCK_I")),
+    ("moe grouped down", moe._moe_grouped_down_kernel, G_DOWN, grouped_cfg("BLOCK_H")),
+    ("router 512 experts top-10", router._router_topk_kernel, ROUTER,
+     {"NORMALIZE": True, "BLOCK_E": 512, "BLOCK_K": 16, "num_warps": 4}),
+]
+
+
+def compile_case(kernel, signature: dict, params: dict) -> None:
+    options = {k: params.pop(k) for k in ("num_warps", "num_stages") if k in params}
+    names = list(signature)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.startswith("p_") or n.startswith("stride")}
+    sig = {**signature, **{k: "constexpr" for k in params}}
+    triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=params, attrs=attrs), target=TARGET, options=options)
+
+
+def main() -> int:
+    failed = 0
+    for name, kernel, signature, params in CASES:
+        try:
+            compile_case(kernel, signature, dict(params))
+            print(f"ok      {name}", flush=True)
+        except Exception as exc:  # noqa: BLE001 (report every kernel)
+            failed += 1
+            print(f"FAILED  {name}: {type(exc).__name__}: {str(exc)[-600:]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
