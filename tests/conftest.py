@@ -9,6 +9,9 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton kernels run in the interpreter on the CPU; triton reads this once, when it is first imported,
+# so it is set here, before any test module imports it.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 # Property tests draw the same examples on every run (a CI gate must not find new ones at random);
