@@ -30,13 +30,12 @@ Two kernels:
   inside ``tl.dot`` than the word-wise decode) with fp32 accumulation; fp32 x uses
   ``input_precision="ieee"``.
 
-Where the time goes (SASS of the GEMV loop, compiled for sm_90): about 6.5 instructions per
-weight element (1 FFMA, 1.1 f16->f32 conversions, 0.56 fp8x2->f16x2 conversions, about 3
-integer ops, loads) plus layout conversions through shared memory for the x lanes and the block
-scales. That issue rate, not DRAM, bounds the GEMV at about a quarter to a third of the copy
-ceiling (bench/RESULTS.md); the next step is a decode with fewer instructions per element
-(e.g. the fp8x2 conversion fed straight from the word, which Triton does not express without
-inline assembly, which the interpreter lacks).
+Where the time goes (SASS compiled for sm_90, triton 3.6): about 6.5 instructions per weight
+element in the GEMV (1 FFMA, 1.1 f16->f32 conversions, 0.56 fp8x2->f16x2 conversions, about 3
+integer ops, loads). Layout conversions through shared memory (the x lanes, a 3-D accumulator)
+cost more than the decode: removing them from the loop (2-D accumulator, whole-K tile, x loaded
+with the weight) took the large GEMV from 24% to 48% of the copy ceiling, while an inline-PTX
+decode would add at most 1.17x (bench/gemv_decode_probe.py) and is not used.
 
 Measured on the H200: bench/kernels_nvfp4.py, figures in bench/RESULTS.md.
 """
