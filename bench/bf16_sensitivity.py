@@ -17,18 +17,10 @@ import tempfile
 import torch
 
 import ft.kernels.moe as moe_mod
+from bench.cuda_engine_check import SMALL_BF16_CONFIG
 from ft.engine import LLM
 from ft.engine.sampling_params import SamplingParams
 
-CONFIG = {
-    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 1024, "hidden_size": 512,
-    "intermediate_size": 1024, "num_hidden_layers": 4, "full_attention_interval": 2, "num_attention_heads": 8,
-    "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
-    "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "num_experts": 32,
-    "num_experts_per_tok": 4, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256,
-    "norm_topk_prob": True, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-}  # the geometry of bench/cuda_engine_check.py
 PROMPT = list(range(100, 164))
 _REF_MOE = moe_mod.moe_over_slots_ref
 
@@ -57,7 +49,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def main() -> None:
     path = pathlib.Path(tempfile.mkdtemp()) / "config.json"
-    path.write_text(json.dumps(CONFIG))
+    path.write_text(json.dumps(SMALL_BF16_CONFIG))
     f32 = last_logits(path, "float32", False)
     b16 = last_logits(path, "bfloat16", False)
     b16_moe32 = last_logits(path, "bfloat16", True)

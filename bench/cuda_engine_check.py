@@ -25,6 +25,18 @@ from ft.kernels.moe import SlotWeights, moe_over_slots, moe_over_slots_ref
 from ft.kernels.nvfp4 import quantize_nvfp4
 
 
+SMALL_BF16_CONFIG = {
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 1024, "hidden_size": 512,
+    "intermediate_size": 1024, "num_hidden_layers": 4, "full_attention_interval": 2, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
+    "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "num_experts": 32,
+    "num_experts_per_tok": 4, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256,
+    "norm_topk_prob": True, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+}
+"""A synthetic Qwen3-Next small enough to build in seconds (4 layers, 32 experts): the engine checks' model."""
+
+
 def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
@@ -61,17 +73,8 @@ def moe_rows():
 
 
 def engine_rows():
-    cfg = {
-        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 1024, "hidden_size": 512,
-        "intermediate_size": 1024, "num_hidden_layers": 4, "full_attention_interval": 2, "num_attention_heads": 8,
-        "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
-        "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "num_experts": 32,
-        "num_experts_per_tok": 4, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256,
-        "norm_topk_prob": True, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-    }
     path = Path(tempfile.mkdtemp()) / "config.json"
-    path.write_text(json.dumps(cfg))
+    path.write_text(json.dumps(SMALL_BF16_CONFIG))
     prompt = list(range(100, 164))
     out = {}
     for mode in ("triton", "reference"):
