@@ -39,7 +39,7 @@ def run(label: str, tokens: int, **opts) -> dict:
     return {
         "config": label, "prompt": len(ids) + 1, "prefill_s": t1 - t0,
         "decode_tok_s": (len(seq.output_ids) - 1) / (t2 - t1),
-        "moe_slots": eng.geometry.moe_slots, "hit_rate": st.hit_rate,
+        "moe_slots": eng.cache.geometry.moe_slots, "hit_rate": st.hit_rate,
     }
 
 

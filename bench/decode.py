@@ -34,7 +34,7 @@ def main() -> None:
     eng = Engine(EngineConfig(model=f"synthetic:{args.config}", device="cuda", dtype="bfloat16",
                               moe_backend="resident", num_tokens=8192, mamba_cache_size=2,
                               max_running_requests=1, max_prefill_length=1024))
-    print(f"engine up in {time.perf_counter() - t0:.1f} s, geometry {eng.geometry}", flush=True)
+    print(f"engine up in {time.perf_counter() - t0:.1f} s, geometry {eng.cache.geometry}", flush=True)
     c = eng.model_config
     prompt = list(range(1000, 1032))
     warm = eng.add_request(prompt, SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
@@ -50,9 +50,9 @@ def main() -> None:
     tok_s = (len(seq.output_ids) - 1) / dt
     embed = c.vocab_size * c.hidden_size * 2
     resident = eng.model.resident_bytes - embed  # one embedding row is read, not the table
-    experts = len(c.moe_layers) * c.num_experts_per_tok * eng.unit_costs.expert_slot
-    state = eng.unit_costs.mamba_slot * 2  # every linear layer's state, read and written
-    kv = eng.unit_costs.kv_page * (len(prompt) + args.tokens) // eng.unit_costs.page_size
+    experts = len(c.moe_layers) * c.num_experts_per_tok * eng.cache.layout.unit_costs().expert_slot
+    state = eng.cache.layout.unit_costs().mamba_slot * 2  # every linear layer's state, read and written
+    kv = eng.cache.layout.unit_costs().kv_page * (len(prompt) + args.tokens) // eng.cache.layout.unit_costs().page_size
     per_token = resident + experts + state + kv
     roof = COPY_BW / per_token
     if args.profile:

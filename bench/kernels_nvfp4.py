@@ -1,6 +1,6 @@
 """NVFP4 kernels on the GPU: correctness against the torch references, then timings; tables last.
 
-Usage (device): ``PYTHONPATH=. python3 bench/kernels_nvfp4.py [--sweep] [--log FILE]``
+Usage (device): ``PYTHONPATH=. python3 bench/kernels_nvfp4.py [--sweep] [--log FILE] [--baseline-rev REV]``
 
 Shapes (N x K) from Qwen3-Next-80B-A3B: in_proj_qkvz 12288x2048, attention q 8192x2048,
 out_proj 2048x4096, expert gate_up 1024x2048, expert down 2048x512, and 32768x8192 for the
@@ -11,8 +11,11 @@ Decode timings are CUDA-graph replays (`bench.gpu_timing.graph_us`) of calls tha
 their own copy of the weights (a pass reads 4x the L2), so every call reads HBM and no Python
 launch cost is counted: what the engine's graphed decode sees. Effective GB/s counts weights +
 block scales + x read and y written once; the ceiling is the measured 4.3 TB/s copy. Baselines
-in the same run: torch bf16 ``matmul`` on dense [N, K] weights (same rotation), and the first
-version of these kernels (`bench/baselines/`), so "before -> after" is a ratio from one run.
+in the same run: torch bf16 ``matmul`` on dense [N, K] weights (same rotation), and, with
+``--baseline-rev REV``, the kernels of git revision REV ("before" columns), so "before -> after"
+is a ratio from one run. The first version of the kernels (the "v1" of bench/RESULTS.md):
+``--baseline-rev 9247dbf --baseline-nvfp4 bench/baselines/nvfp4_triton_v1.py
+--baseline-moe bench/baselines/moe_triton_v1.py``.
 Prefill and grouped-MoE times are ``triton.testing.do_bench`` medians (launch cost negligible).
 """
 
@@ -21,17 +24,18 @@ from __future__ import annotations
 import argparse
 import sys
 from functools import partial
+from types import ModuleType
 
 import torch
 import triton
 from triton.testing import do_bench
 
-from bench.baselines import moe_triton_v1, nvfp4_triton_v1
+from bench.git_rev import exists_at, import_at
 from bench.gpu_timing import COPY_CEILING_GBS, copies_for, graph_us, rel_rms
 from ft.kernels.moe import SlotWeights, moe_over_slots_ref
-from ft.kernels.moe_triton import moe_over_slots_triton
+from ft.kernels.moe.kernel import moe_over_slots_triton
 from ft.kernels.nvfp4 import dequantize_nvfp4, nvfp4_linear, nvfp4_linear_ref
-from ft.kernels.nvfp4_triton import nvfp4_linear_triton
+from ft.kernels.nvfp4.kernel import nvfp4_linear_triton
 
 TOL_BF16 = 1e-2  # relative RMS vs the fp32-matmul reference, y rounded to bf16
 TOL_MOE = 2e-2  # the MoE reference runs its matmuls in bf16
@@ -73,6 +77,27 @@ MOE_SWEEP_GATE_UP = [(8, 64, 4), (16, 64, 4), (2, 0, 4), (4, 0, 4), (8, 0, 4), (
 MOE_SWEEP_DOWN = [(32, 32, 4), (32, 64, 4), (8, 0, 4), (16, 0, 4), (32, 0, 4)]
 GROUPED_SWEEP = [(16, 64, 128, 4, 3), (32, 64, 128, 4, 3), (64, 64, 64, 4, 3), (32, 128, 64, 4, 3), (64, 128, 64, 8, 3)]
 
+BASELINE_PATHS = {
+    "nvfp4": ("ft/kernels/nvfp4/kernel.py", "ft/kernels/nvfp4_triton.py"),
+    "moe": ("ft/kernels/moe/kernel.py", "ft/kernels/moe_triton.py"),
+}
+"""Where each kernel module lived, newest layout first: the default module of a --baseline-rev."""
+
+
+def load_baseline(rev: str, paths: dict[str, str | None]) -> dict[str, ModuleType]:
+    """The kernel modules of git revision `rev` ({"nvfp4": ..., "moe": ...}); `paths` names each
+    module's file there (None: the first of `BASELINE_PATHS` that exists). Each module's public
+    function must take this checkout's arguments (``out=`` included)."""
+    if not exists_at(rev, "ft"):
+        raise SystemExit(f"--baseline-rev {rev}: not a revision of this repository with an ft/ package")
+    found = {}
+    for name, path in paths.items():
+        path = path or next((p for p in BASELINE_PATHS[name] if exists_at(rev, p)), None)
+        if path is None or not exists_at(rev, path):
+            raise SystemExit(f"--baseline-rev {rev}: no {name} kernel module at {path or BASELINE_PATHS[name]}")
+        found[name] = path
+    return import_at(rev, found)
+
 
 def random_nvfp4(n: int, k: int, lead: tuple = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random NVFP4 weight bytes (every nibble valid), block scales ~ 2**U(-3, 3), scale_2 0.01."""
@@ -109,7 +134,7 @@ class Shape:
         return rel_rms(out, nvfp4_linear_ref(x, *self.q[0]))
 
 
-def decode_rows(args, say, failures):
+def decode_rows(args, base, say, failures):
     rows, sweep_rows = [], []
     for name, n, k in DECODE_SHAPES:
         for m in (1, 8):
@@ -120,7 +145,7 @@ def decode_rows(args, say, failures):
             if not max(errs) < TOL_BF16:
                 failures.append((name, m, errs))
             t_new = s.time(nvfp4_linear_triton)
-            t_old = s.time(nvfp4_triton_v1.nvfp4_linear_triton)
+            t_old = s.time(base["nvfp4"].nvfp4_linear_triton) if base else None
             t_ref = s.time_torch()
             best = ("default", t_new)
             if args.sweep and not (m == 1 and args.sweep_skip_m1):
@@ -143,13 +168,14 @@ def decode_rows(args, say, failures):
                         best = (f"{path} {cfg}", tc)
             gbs = nbytes(m, n, k) / (t_new * 1e-6) / 1e9
             rows.append((name, f"{n}x{k}", m, t_new, gbs, gbs / COPY_CEILING_GBS, t_old, t_ref, max(errs), best))
-            say(f"{name} M{m}: {t_new:.2f} us ({gbs:.0f} GB/s), v1 {t_old:.2f} us, torch bf16 {t_ref:.2f} us, err {max(errs):.1e}")
+            before = f", before {t_old:.2f} us" if base else ""
+            say(f"{name} M{m}: {t_new:.2f} us ({gbs:.0f} GB/s){before}, torch bf16 {t_ref:.2f} us, err {max(errs):.1e}")
             del s
             torch.cuda.empty_cache()
     return rows
 
 
-def prefill_rows(args, say, failures):
+def prefill_rows(args, base, say, failures):
     name, n, k, m = PREFILL
     s = Shape(n, k, m)
     s.q, s.dense = s.q[:1], s.dense[:1]
@@ -157,7 +183,8 @@ def prefill_rows(args, say, failures):
     if not err < TOL_BF16:
         failures.append((name, m, err))
     bench = lambda fn, **kw: do_bench(partial(fn, s.x, *s.q[0], out=s.y, **kw), return_mode="median") * 1e3  # noqa: E731
-    t_new, t_old = bench(nvfp4_linear_triton), bench(nvfp4_triton_v1.nvfp4_linear_triton)
+    t_new = bench(nvfp4_linear_triton)
+    t_old = bench(base["nvfp4"].nvfp4_linear_triton) if base else None
     t_ref = do_bench(partial(torch.matmul, s.x, s.dense[0].T, out=s.y), return_mode="median") * 1e3
     best = ("default", t_new)
     if args.sweep:
@@ -183,8 +210,8 @@ def random_pool(slots: int, hidden: int, inter: int) -> SlotWeights:
 
 def router_row(say, failures):
     """The Triton router (softmax, top-k, renormalize) against its reference on flagship routing shapes."""
-    from ft.kernels.moe import router_topk_ref
-    from ft.kernels.router_triton import router_topk_triton
+    from ft.kernels.router import router_topk_ref
+    from ft.kernels.router.kernel import router_topk_triton
 
     n_experts, top_k = MOE[0], MOE[3]
     worst = 0.0
@@ -205,7 +232,7 @@ def router_row(say, failures):
     return ("router", t_tri, t_ref, worst)
 
 
-def moe_rows(args, say, failures):
+def moe_rows(args, base, say, failures):
     n_slots, hid, inter, top_k = MOE
     pool = random_pool(n_slots, hid, inter)
     per_expert = sum(t[0].numel() for t in (pool.w13, pool.w2, pool.w13_scale, pool.w2_scale))
@@ -218,11 +245,12 @@ def moe_rows(args, say, failures):
         ref = moe_over_slots_ref(x, routes[0], wts, pool)
         poisoned = torch.full_like(x, float("nan"))
         err = rel_rms(moe_over_slots_triton(x, routes[0], wts, pool, out=poisoned), ref)
-        err_v1 = rel_rms(moe_triton_v1.moe_over_slots_triton(x, routes[0], wts, pool), ref)
+        old = base["moe"].moe_over_slots_triton if base else None
+        err_old = rel_rms(old(x, routes[0], wts, pool), ref) if base else None
         if not err < TOL_MOE:
             failures.append(("moe", batch, err))
         t_new = graph_us([partial(moe_over_slots_triton, x, r, wts, pool, out=out) for r in routes])
-        t_old = graph_us([partial(moe_triton_v1.moe_over_slots_triton, x, r, wts, pool, out=out) for r in routes])
+        t_old = graph_us([partial(old, x, r, wts, pool, out=out) for r in routes]) if base else None
         t_eager = do_bench(partial(moe_over_slots_triton, x, routes[0], wts, pool, out=out), return_mode="median") * 1e3
         best = ("default", t_new)
         if args.sweep:
@@ -237,8 +265,9 @@ def moe_rows(args, say, failures):
                             best = (f"{gu} {dn} {'pairs' if per_pair else 'loop'}", tc)
         experts = sum(len(torch.unique(r)) for r in routes) / len(routes)
         gbs = experts * per_expert / (t_new * 1e-6) / 1e9
-        rows.append((f"per-pair, batch {batch}", experts, t_new, gbs, t_old, t_eager, err, err_v1, best))
-        say(f"moe batch {batch}: {t_new:.2f} us ({gbs:.0f} GB/s), v1 {t_old:.2f} us, eager {t_eager:.1f} us, err {err:.1e}")
+        rows.append((f"per-pair, batch {batch}", experts, t_new, gbs, t_eager, None, err, t_old, err_old, best))
+        before = f", before {t_old:.2f} us" if base else ""
+        say(f"moe batch {batch}: {t_new:.2f} us ({gbs:.0f} GB/s){before}, eager {t_eager:.1f} us, err {err:.1e}")
     for batch in (MOE_GROUPED_TOKENS if "grouped" in args.only else ()):
         x = torch.randn(batch, hid, device=DEV.type, dtype=torch.bfloat16)
         scores = torch.randn(batch, n_slots, device=DEV.type)
@@ -265,7 +294,8 @@ def moe_rows(args, say, failures):
                 if tc < best[1] and e < TOL_MOE:
                     best = (str(cfg), tc)
         experts = len(torch.unique(route))
-        rows.append((f"grouped, {batch} tokens", experts, t_grp, experts * per_expert / (t_grp * 1e-6) / 1e9, t_pair, None, err, None, best))
+        rows.append((f"grouped, {batch} tokens", experts, t_grp, experts * per_expert / (t_grp * 1e-6) / 1e9, None, t_pair, err,
+                     None, None, best))
         say(f"moe grouped T{batch}: {t_grp:.1f} us vs per-pair {t_pair:.1f} us, err {err:.1e}")
     return rows
 
@@ -298,6 +328,47 @@ def _dry_run_setup() -> None:
     do_bench = lambda fn, **_: cpu_us([fn]) / 1e3  # noqa: E731
 
 
+def _table(say, header: list[str], rows: list[list[str]]) -> None:
+    say("")
+    say("| " + " | ".join(header) + " |")
+    say("|" + "---|" * len(header))
+    for r in rows:
+        say("| " + " | ".join(r) + " |")
+
+
+def _f(v: float | None, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def print_tables(say, before: bool, dec, pre, moe, router) -> None:
+    """Markdown tables of the rows; the "before" columns (the --baseline-rev kernels) only when `before`."""
+    if dec:
+        head = ["shape", "N x K", "M", "us", "GB/s", "of 4.3 TB/s"] + (["before us", "after/before"] if before else [])
+        rows = [[name, nk, str(m), f"{us:.2f}", f"{gbs:.0f}", f"{frac:.0%}"]
+                + ([f"{us_old:.2f}", f"{us_old / us:.2f}x"] if before else [])
+                + [f"{us_ref:.2f}", f"{us_ref / us:.2f}x", f"{e:.1e}", f"{best[0]} ({best[1]:.2f})"]
+                for name, nk, m, us, gbs, frac, us_old, us_ref, e, best in dec]
+        _table(say, head + ["torch bf16 us", "vs torch", "rel RMS", "best swept (us)"], rows)
+    if pre:
+        head = ["prefill GEMM", "N x K", "M", "us", "TFLOP/s"] + (["before us"] if before else [])
+        rows = [[name, nk, str(m), f"{us:.1f}", f"{flops / us / 1e6:.0f}"] + ([f"{us_old:.1f}"] if before else [])
+                + [f"{us_ref:.1f}", f"{flops / us_ref / 1e6:.0f}", f"{us_ref / us:.2f}", f"{e:.1e}", f"{best[0]} ({best[1]:.1f})"]
+                for name, nk, m, us, us_old, us_ref, flops, e, best in pre]
+        _table(say, head + ["torch bf16 us", "torch TFLOP/s", "of torch", "rel RMS", "best swept"], rows)
+    if moe:
+        head = [f"fused MoE, {MOE[3]} of {MOE[0]} experts", "distinct experts", "us", "GB/s", "eager us", "per-pair path us",
+                "rel RMS"] + (["before us", "before rel RMS"] if before else [])
+        rows = [[name, f"{ex:.1f}", f"{us:.2f}", f"{gbs:.0f}", _f(eager, ".1f"), _f(pair, ".1f"), f"{e:.1e}"]
+                + ([_f(us_old, ".2f"), _f(e_old, ".1e")] if before else []) + [f"{best[0]} ({best[1]:.2f})"]
+                for name, ex, us, gbs, eager, pair, e, us_old, e_old, best in moe]
+        _table(say, head + ["best swept (us)"], rows)
+        say("(per-pair rows in CUDA graphs, the before kernels too; grouped rows eager, against the per-pair path eager)")
+    if router:
+        _table(say, [f"router (softmax, top-k, renormalize), {MOE[0]} experts, top-{MOE[3]}, batch 1", "Triton us",
+                     "torch ops us", "weights rel RMS"],
+               [["one launch vs the torch reference", f"{router[1]:.2f}", f"{router[2]:.2f}", f"{router[3]:.1e}"]])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="also time the block configurations in the *_SWEEP lists")
@@ -306,9 +377,18 @@ def main() -> None:
     ap.add_argument("--log", default=None)
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU, Triton interpreter, shapes / 16, one sweep entry each: checks the script, not the kernels")
+    ap.add_argument("--baseline-rev", default=None, metavar="REV",
+                    help="git revision whose kernels fill the 'before' columns (omitted without it)")
+    ap.add_argument("--baseline-nvfp4", default=None, metavar="PATH",
+                    help=f"the NVFP4 kernel module's file in REV (default: the first of {BASELINE_PATHS['nvfp4']} there)")
+    ap.add_argument("--baseline-moe", default=None, metavar="PATH",
+                    help=f"the MoE kernel module's file in REV (default: the first of {BASELINE_PATHS['moe']} there)")
     args = ap.parse_args()
     if args.dry_run:
         _dry_run_setup()
+    base = None
+    if args.baseline_rev:
+        base = load_baseline(args.baseline_rev, {"nvfp4": args.baseline_nvfp4, "moe": args.baseline_moe})
     log = open(args.log, "w") if args.log else None  # noqa: SIM115 (open for the whole run)
 
     def say(*a):
@@ -317,41 +397,16 @@ def main() -> None:
             print(*a, file=log, flush=True)
 
     say(DEV, torch.cuda.get_device_name() if DEV.type == "cuda" else "", torch.__version__, triton.__version__)
+    if base:
+        say("before:", args.baseline_rev, {name: m.__file__ for name, m in base.items()})
     torch.manual_seed(0)
     failures = []
     only = args.only.split(",")
-    dec = decode_rows(args, say, failures) if "decode" in only else []
-    pre = prefill_rows(args, say, failures) if "prefill" in only else []
-    moe = moe_rows(args, say, failures) if "moe" in only else []
+    dec = decode_rows(args, base, say, failures) if "decode" in only else []
+    pre = prefill_rows(args, base, say, failures) if "prefill" in only else []
+    moe = moe_rows(args, base, say, failures) if "moe" in only else []
     router = router_row(say, failures) if "moe" in only else None
-
-    say("")
-    if dec:
-        say("| shape | N x K | M | us | GB/s | of 4.3 TB/s | v1 us | after/before | torch bf16 us | vs torch | rel RMS | best swept (us) |")
-        say("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for name, nk, m, us, gbs, frac, us_old, us_ref, e, best in dec:
-            say(f"| {name} | {nk} | {m} | {us:.2f} | {gbs:.0f} | {frac:.0%} | {us_old:.2f} | {us_old / us:.2f}x | {us_ref:.2f} | "
-                f"{us_ref / us:.2f}x | {e:.1e} | {best[0]} ({best[1]:.2f}) |")
-    if pre:
-        say("")
-        say("| prefill GEMM | N x K | M | us | TFLOP/s | v1 us | torch bf16 us | torch TFLOP/s | of torch | rel RMS | best swept |")
-        say("|---|---|---|---|---|---|---|---|---|---|---|")
-        for name, nk, m, us, us_old, us_ref, flops, e, best in pre:
-            say(f"| {name} | {nk} | {m} | {us:.1f} | {flops / us / 1e6:.0f} | {us_old:.1f} | {us_ref:.1f} | {flops / us_ref / 1e6:.0f} | "
-                f"{us_ref / us:.2f} | {e:.1e} | {best[0]} ({best[1]:.1f}) |")
-    if moe:
-        say("")
-        say("| fused MoE, 10 of 512 experts | distinct experts | us | GB/s | baseline us | eager us | rel RMS | v1 rel RMS | best swept (us) |")
-        say("|---|---|---|---|---|---|---|---|---|")
-        for name, ex, us, gbs, us_old, eager, e, e1, best in moe:
-            say(f"| {name} | {ex:.1f} | {us:.2f} | {gbs:.0f} | {us_old:.2f} | {'-' if eager is None else f'{eager:.1f}'} | {e:.1e} | "
-                f"{'-' if e1 is None else f'{e1:.1e}'} | {best[0]} ({best[1]:.2f}) |")
-        say("(baseline: v1 kernels in CUDA graphs for the per-pair rows; the per-pair path, eager, for the grouped rows)")
-    if router:
-        say("")
-        say(f"| router (softmax, top-k, renormalize), {MOE[0]} experts, top-{MOE[3]}, batch 1 | Triton us | torch ops us | weights rel RMS |")
-        say("|---|---|---|---|")
-        say(f"| one launch vs the torch reference | {router[1]:.2f} | {router[2]:.2f} | {router[3]:.1e} |")
+    print_tables(say, base is not None, dec, pre, moe, router)
     if failures:
         say("FAILURES:", failures)
         sys.exit(1)

@@ -13,7 +13,7 @@ COMMANDS = {
     "ctl": ("ft.ctl.cli", "inspect and resize a running server's caches"),
     "top": ("ft.tui.cli", "live dashboard of pools, ladder and rebuilds"),
     "generate": ("ft.generate_cmd", "generate text for one prompt"),
-    "quantize": ("ft.engine.quantize_cli", "convert a Hugging Face checkpoint to NVFP4 (ModelOpt format)"),
+    "quantize": ("ft.tools.quantize_cli", "convert a Hugging Face checkpoint to NVFP4 (ModelOpt format)"),
 }
 
 

@@ -32,12 +32,15 @@ HELP = {
     "ladder_min_reuse": "a request that reuses less than this fraction of its prompt from the prefix cache may shrink the ladder",
     "ladder_dwell_s": "least seconds on a rung before the ladder shrinks",
     "ladder_grow_hold_s": "no shrink for this many seconds after a grow",
+    "storage_backend": ("how the pools resize: vmm (CUDA virtual memory) or mmap (host, Linux) free before they "
+                        "allocate; realloc copies, so a resize holds old and new and the reachable ranges are narrower; "
+                        "auto picks the best available"),
     "seed": "engine seed",
     "progress": "show loading progress",
 }
 
 
-CHOICES = {"moe_backend": ["offload", "resident"], "dtype": ["auto", "float32", "bfloat16", "float16"]}
+CHOICES = {"moe_backend": ["offload", "resident"], "storage_backend": ["auto", "vmm", "mmap", "realloc"], "dtype": ["auto", "float32", "bfloat16", "float16"]}
 
 
 def _kind(f: dataclasses.Field):

@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ft.engine.engine import Engine
-    from ft.engine.errors import FreeTokenError
+    from ft.errors import FreeTokenError
     from ft.engine.sampling_params import SamplingParams
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
@@ -43,14 +43,13 @@ def run(args: argparse.Namespace) -> int:
         )
         t0 = time.perf_counter()
         seq = engine.add_request(ids, params)
-        decoder = tok.incremental_decoder()
         first = None
         while not seq.is_finished:
             for s in engine.step():
                 if first is None:
                     first = time.perf_counter()
-                if not args.json and not args.stop:  # with stop strings, print once it is cut
-                    sys.stdout.write(decoder.step(s.output_ids[-1]))
+                if not args.json and s is seq:  # the text this token releases (stop strings applied)
+                    sys.stdout.write(seq.text.delta)
                     sys.stdout.flush()
         end = time.perf_counter()
     except FreeTokenError as e:
@@ -66,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
             "decode_tokens_per_s": round(rate, 2),
         }))
     else:
-        print(engine.text_of(seq) if args.stop else decoder.finish())
+        print()
         print(f"[{n} tokens, {seq.finish_reason}; first token {(first or end) - t0:.2f} s, "
               f"decode {rate:.1f} tokens/s]", file=sys.stderr)
     return 0

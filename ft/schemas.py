@@ -62,6 +62,16 @@ class LadderState(_Model):
     last_decision: str | None = None
 
 
+class StorageState(_Model):
+    """What backs the pools. vmm / mmap map and unmap at the tail (free before allocate);
+    realloc copies, so a resize holds old and new at once and the ranges are narrower."""
+
+    backend: str = "vmm"  # vmm | mmap | realloc
+    granularity_bytes: int = 0  # each pool tensor's allocation rounds up to this
+    reallocates: bool = False
+    held_bytes: int = 0  # what the allocator holds now (measured)
+
+
 class CacheState(_Model):
     """GET /admin/cache."""
 
@@ -75,6 +85,8 @@ class CacheState(_Model):
     running: int = 0
     waiting: int = 0
     uptime_s: float = 0.0
+    storage: StorageState = Field(default_factory=StorageState)
+    degraded: str | None = None  # a rebuild's rollback could not restore everything: what is left
 
 
 class ResizeRequest(_Model):
@@ -94,6 +106,7 @@ class PlanStep(_Model):
     pool: str
     delta_bytes: int
     total_bytes: int  # running total after this step
+    peak_bytes: int = 0  # the most held during this step (a reallocating backend holds old and new)
 
 
 class ResizePlan(_Model):

@@ -42,15 +42,18 @@ def _is_loopback(host: str) -> bool:
 
 def describe(engine, url: str) -> str:
     d = engine.describe()
-    b, c, g = engine.budget, engine.unit_costs, engine.geometry
+    b, g = engine.cache.budget, engine.cache.geometry
+    c, st = engine.cache.layout.unit_costs(), d["storage"]
     return "\n".join([
         f"ft serve: {d['model']} on {d['device']} ({d['dtype']}), context {engine.context_limit} tokens",
         f"  budget: card {format_bytes(b.card_bytes)}, weights {format_bytes(d['resident_weight_bytes'])}, "
         f"activation reserve {format_bytes(b.reserve_bytes)} -> cache budget {format_bytes(b.budget_bytes)}",
         f"  unit costs: expert slot {format_bytes(c.expert_slot)}, kv page {format_bytes(c.kv_page)} "
         f"({c.page_size} tokens), mamba slot {format_bytes(c.mamba_slot)}",
-        f"  geometry: moe {g.moe_slots}/{engine.total_experts} slots ({engine.config.moe_backend}), "
-        f"kv {g.kv_tokens} tokens, mamba {g.mamba_slots} slots = {format_bytes(g.nbytes(c))}",
+        f"  geometry: moe {g.moe_slots}/{engine.cache.total_experts} slots ({engine.config.moe_backend}), "
+        f"kv {g.kv_tokens} tokens, mamba {g.mamba_slots} slots = {format_bytes(engine.cache.allocated_bytes)}",
+        f"  storage: {st['backend']} (allocations rounded to {format_bytes(st['granularity_bytes'])}"
+        + ("; a resize copies, so it holds old and new: the reachable ranges count that)" if st["reallocates"] else ")"),
         f"  serving on {url}",
     ])
 

@@ -17,9 +17,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from ft.kernels import moe_triton as moe  # noqa: E402
-from ft.kernels import nvfp4_triton as nv  # noqa: E402
-from ft.kernels import router_triton as router  # noqa: E402
+from ft.kernels.moe import kernel as moe  # noqa: E402
+from ft.kernels.nvfp4 import kernel as nv  # noqa: E402
+from ft.kernels.router import kernel as router  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 

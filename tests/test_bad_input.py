@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ft.engine import LLM, SamplingParams
-from ft.engine.errors import CheckpointError, ConfigError, RequestError, UnsupportedModelError
+from ft.errors import CheckpointError, ConfigError, RequestError, UnsupportedModelError
 
 
 def clone(src, dst, edit=None, config_edit=None, extra_files=None):

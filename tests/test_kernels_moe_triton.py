@@ -12,8 +12,8 @@ import torch
 pytest.importorskip("triton")
 
 from ft.kernels.moe import SlotWeights, moe_over_slots, moe_over_slots_ref
-from ft.kernels.moe_triton import moe_over_slots_triton
-from ft.kernels.nvfp4 import quantize_nvfp4
+from ft.kernels.moe.kernel import moe_over_slots_triton
+from ft.tools.nvfp4_quantize import quantize_nvfp4
 
 # Relative RMS: the kernels work in fp32; the reference runs its matmuls in x's dtype.
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -95,7 +95,7 @@ def test_per_pair_tiles_match_ref(gate_up, down):
 
 
 def test_grouped_path_cuts_long_chunks(monkeypatch):
-    import ft.kernels.moe_triton as details
+    import ft.kernels.moe.kernel as details
 
     monkeypatch.setattr(details, "GROUPED_MAX_TOKENS", 4)  # 11 tokens: passes of 4, 4 and 3
     gen = torch.Generator().manual_seed(8)
@@ -122,7 +122,7 @@ def test_dispatcher_uses_triton_when_asked(monkeypatch):
     slots, weights = _routing(2, 2, 3, 0.0, gen)
     x = torch.randn(2, 32, generator=gen)
     monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
-    import ft.kernels.moe_triton as details
+    import ft.kernels.moe.kernel as details
 
     calls = []
     real = details.moe_over_slots_triton

@@ -11,8 +11,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from ft.kernels.nvfp4 import nvfp4_linear, nvfp4_linear_ref, quantize_nvfp4
-from ft.kernels.nvfp4_triton import nvfp4_linear_triton
+from ft.kernels.nvfp4 import nvfp4_linear, nvfp4_linear_ref
+from ft.tools.nvfp4_quantize import quantize_nvfp4
+from ft.kernels.nvfp4.kernel import nvfp4_linear_triton
 
 # Relative RMS tolerances: the kernels accumulate in fp32 like the reference, so what is left
 # is summation order (fp32) and the final rounding of y (fp16, bf16).
@@ -70,7 +71,7 @@ def test_nvfp4_linear_triton_strided_x_and_float_scale_2():
 
 
 def test_dispatcher_uses_triton_when_asked(monkeypatch):
-    import ft.kernels.nvfp4_triton as details
+    import ft.kernels.nvfp4.kernel as details
 
     calls = []
     real = details.nvfp4_linear_triton

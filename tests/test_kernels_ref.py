@@ -9,8 +9,10 @@ import torch.nn.functional as F
 from ft.kernels.attention import paged_attention_ref, write_kv_ref
 from ft.kernels.conv1d import causal_conv1d_ref
 from ft.kernels.gated_delta import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref
-from ft.kernels.moe import SlotWeights, moe_over_slots_ref, router_topk_ref
-from ft.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+from ft.kernels.moe import SlotWeights, moe_over_slots_ref
+from ft.kernels.nvfp4 import dequantize_nvfp4
+from ft.kernels.router import router_topk_ref
+from ft.tools.nvfp4_quantize import quantize_nvfp4
 
 
 def rel(a, b):

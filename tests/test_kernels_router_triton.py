@@ -12,9 +12,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from ft.engine.layers.moe import SparseMoE
-from ft.kernels.moe import check_slots, router_topk, router_topk_ref
-from ft.kernels.router_triton import router_topk_triton
+from ft.model.layers.moe import SparseMoE
+from ft.kernels.moe import check_slots
+from ft.kernels.router import router_topk, router_topk_ref
+from ft.kernels.router.kernel import router_topk_triton
 
 TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
@@ -37,7 +38,7 @@ def test_router_matches_ref(t, e, k, normalize, dtype):
 def test_router_dispatcher_and_bad_k(monkeypatch):
     logits = torch.randn(4, 16)
     monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
-    import ft.kernels.router_triton as details
+    import ft.kernels.router.kernel as details
 
     calls = []
     real = details.router_topk_triton

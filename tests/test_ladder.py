@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 from ft.engine import LLM, SamplingParams
-from ft.engine.errors import ConfigError
+from ft.engine.cache.layout import Geometry
+from ft.errors import ConfigError
 
 STEP = 256
+LONG = [50 + i % 200 for i in range(500)]  # with 20 new tokens it needs more than the first rung (512)
 
 
 class Clock:
@@ -35,17 +37,20 @@ def admit(eng, prompt, max_new):
 
 
 def expected_moe(eng, kv):
-    c, g = eng.unit_costs, eng.geometry
-    left = eng.budget.budget_bytes - g.mamba_slots * c.mamba_slot - (kv // c.page_size) * c.kv_page
-    return min(eng.total_experts, left // c.expert_slot)
+    """The most expert slots whose geometry's allocator bytes fit the budget beside `kv` (counted down)."""
+    lay, g, budget = eng.cache.layout, eng.cache.geometry, eng.cache.budget.budget_bytes
+    moe = eng.cache.total_experts
+    while moe > 0 and lay.nbytes(Geometry(moe, kv, g.mamba_slots)) > budget:
+        moe -= 1
+    return moe
 
 
 def test_rungs_and_startup():
     llm, _ = make()
     lad = llm.engine.ladder
     assert lad.rungs == list(range(512, 8192 + 1, 256))
-    assert llm.engine.geometry.kv_tokens == 512 and lad.current == 0
-    assert llm.engine.geometry.moe_slots == expected_moe(llm.engine, 512)
+    assert llm.engine.cache.geometry.kv_tokens == 512 and lad.current(llm.engine.cache.geometry.kv_tokens) == 0
+    assert llm.engine.cache.geometry.moe_slots == expected_moe(llm.engine, 512)
     with pytest.raises(ConfigError, match="--num-tokens conflicts with --enable-kv-ladder"):
         LLM(enable_kv_ladder=True, num_tokens=1024)
 
@@ -56,16 +61,16 @@ def test_climbs_every_rung_to_the_context_limit():
     lad = eng.ladder
     prompt = [65, 66, 67, 68, 69, 70, 71, 72]
     for i in range(len(lad.rungs) - 1):
-        kv = eng.geometry.kv_tokens
+        kv = eng.cache.geometry.kv_tokens
         seq = admit(eng, prompt, kv - len(prompt))  # exactly fills the rung: moves one up
-        assert eng.geometry.kv_tokens == lad.rungs[i + 1] and lad.current == i + 1
-        h = eng.history[-1]
+        assert eng.cache.geometry.kv_tokens == lad.rungs[i + 1] and lad.current(eng.cache.geometry.kv_tokens) == i + 1
+        h = eng.cache.history[-1]
         assert (h["trigger"], h["status"], h["to"]["kv"]) == ("ladder", "ok", lad.rungs[i + 1])
         assert h["to"]["moe"] == expected_moe(eng, lad.rungs[i + 1]) and "grow" in h["reason"]
         eng.abort(seq.request_id)
-    assert eng.geometry.kv_tokens == 8192
+    assert eng.cache.geometry.kv_tokens == 8192
     seq = admit(eng, prompt, 8192 - len(prompt))  # the last rung: nowhere to go
-    assert eng.geometry.kv_tokens == 8192 and len(eng.history) == len(lad.rungs)
+    assert eng.cache.geometry.kv_tokens == 8192 and len(eng.cache.history) == len(lad.rungs)
 
 
 def test_queue_order_is_kept_when_a_request_needs_a_rebuild():
@@ -84,7 +89,7 @@ def test_queue_order_is_kept_when_a_request_needs_a_rebuild():
                 eng.abort(b.request_id)
                 order.append(b)
     assert order == [a, b, c]
-    assert eng.history[-1]["trigger"] == "ladder" and eng.history[-1]["to"]["kv"] == 1024
+    assert eng.cache.history[-1]["trigger"] == "ladder" and eng.cache.history[-1]["to"]["kv"] == 1024
 
 
 def long_then_stop(llm, prompt):
@@ -104,45 +109,75 @@ def test_shrinks_for_an_unrelated_request_after_the_dwell_not_for_a_second_turn(
     eng = llm.engine
     long_prompt = list(range(60, 124))
     out = long_then_stop(llm, long_prompt)
-    top = eng.geometry
-    assert top.kv_tokens == 3072 and eng.history[-1]["trigger"] == "ladder"  # 64 + 3000 < 3072
+    top = eng.cache.geometry
+    assert top.kv_tokens == 3072 and eng.cache.history[-1]["trigger"] == "ladder"  # 64 + 3000 < 3072
     # a second turn of the same conversation (it reuses its whole first turn) never shrinks
     clock.t += 100
     turn2 = long_prompt + out.token_ids + [33, 34]
     seq = admit(eng, turn2, 4)
-    assert eng.geometry == top and seq.num_cached > len(long_prompt)
+    assert eng.cache.geometry == top and seq.num_cached > len(long_prompt)
     eng.run_until_done([seq])
     # an unrelated short request right after a grow is held back by the hysteresis ...
     llm2, clock2 = make(ladder_dwell_s=10, ladder_grow_hold_s=20)
     e2 = llm2.engine
     long_then_stop(llm2, long_prompt)
-    high = e2.geometry
+    high = e2.cache.geometry
     clock2.t += 5
     admit(e2, [90, 91, 92], 20)
-    assert e2.geometry == high and "held back" in e2.ladder.last_decision
+    assert e2.cache.geometry == high and "held back" in e2.ladder.last_decision
     # ... and shrinks the ladder once the dwell and the hold have passed
     clock2.t += 30
     s = admit(e2, [93, 94, 95], 20)
-    low = e2.geometry
+    low = e2.cache.geometry
     assert low.kv_tokens == 512 and low.moe_slots > high.moe_slots  # expert slots came back
-    h = e2.history[-1]
+    h = e2.cache.history[-1]
     assert h["trigger"] == "ladder" and h["status"] == "ok" and "shrink" in h["reason"]
     e2.run_until_done([s])
 
 
-def test_fault_in_a_ladder_rebuild_keeps_the_old_rung():
+def test_fault_in_a_ladder_rebuild_keeps_the_old_rung_and_says_why():
     llm, _ = make()
     eng = llm.engine
-    eng.rebuilder.fault_at = "grow kv"
-    seq = admit(eng, [80, 81, 82], 700)
-    assert eng.geometry.kv_tokens == 512 and eng.ladder.current == 0
-    h = eng.history[-1]
+    eng.cache.rebuilder.fault_at = "grow kv"
+    seq = eng.add_request([80, 81, 82], SamplingParams(max_new_tokens=700, temperature=0.0, ignore_eos=True))
+    eng.step()
+    eng.cache.rebuilder.fault_at = None
+    # nothing else runs, so waiting cannot help: rejected with the reason, never admitted silently
+    assert seq.finish_reason == "error" and "could not grow" in seq.error and "grow kv" in seq.error
+    assert eng.cache.geometry.kv_tokens == 512 and eng.ladder.current(512) == 0
+    h = eng.cache.history[-1]
     assert (h["trigger"], h["status"]) == ("ladder", "rolled_back") and "grow kv" in h["error"]
     assert "not done" in eng.ladder.last_decision
-    eng.rebuilder.fault_at = None
-    for _ in range(5):  # it is served at the old rung
-        eng.step()
-    assert len(seq.output_ids) == 6 and not seq.is_finished
+    ok = admit(eng, [80, 81, 82], 100)  # a request that fits is served at the old rung
+    eng.run_until_done([ok])
+    assert len(ok.output_ids) == 100
+
+
+def test_grow_deferred_while_others_run_then_done():
+    llm, _ = make()
+    eng = llm.engine
+    first = admit(eng, [1, 2, 3], 30)
+    eng.cache.rebuilder.fault_at = "grow kv"
+    seq = eng.add_request(LONG, SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True))
+    eng.step()
+    eng.cache.rebuilder.fault_at = None
+    assert seq in eng.scheduler.waiting and not seq.is_finished  # deferred, not failed
+    eng.run_until_done([first, seq])
+    assert seq.finish_reason == "length" and eng.cache.geometry.kv_tokens >= 768
+
+
+def test_grow_is_clamped_to_the_highest_rung_that_keeps_the_expert_floor():
+    llm, _ = make(cache_budget="12MiB")
+    eng = llm.engine
+    floor, rungs = eng.cache.expert_floor, eng.ladder.rungs
+    keep = [r for r in rungs if expected_moe(eng, r) >= floor]
+    assert keep[-1] < rungs[-1]  # the card is too small for the top rungs
+    seq = admit(eng, [7, 8, 9], 8000)
+    g = eng.cache.geometry
+    assert g.kv_tokens == keep[-1] and g.moe_slots == expected_moe(eng, keep[-1]) >= floor
+    h = eng.cache.history[-1]
+    assert h["status"] == "ok" and "clamped" in h["reason"]
+    assert not seq.is_finished
 
 
 def test_auto_off_and_manual_moves():
@@ -150,10 +185,24 @@ def test_auto_off_and_manual_moves():
     eng, lad = llm.engine, llm.engine.ladder
     lad.auto = False
     admit(eng, [1, 2, 3], 700)
-    assert eng.geometry.kv_tokens == 512
-    lad.go_to(lad.step_index("up"), "manual: up")
-    assert eng.geometry.kv_tokens == 768
-    lad.go_to(5, "manual: rung 5")
-    assert eng.geometry.kv_tokens == lad.rungs[5]
-    lad.go_to(lad.step_index("down"), "manual: down")
-    assert eng.geometry.kv_tokens == lad.rungs[4]
+    assert eng.cache.geometry.kv_tokens == 512
+    eng.move_ladder("up")
+    assert eng.cache.geometry.kv_tokens == 768
+    eng.move_ladder(5)
+    assert eng.cache.geometry.kv_tokens == lad.rungs[5]
+    eng.move_ladder("down")
+    assert eng.cache.geometry.kv_tokens == lad.rungs[4]
+
+
+def test_failed_rollback_in_a_ladder_move_fails_no_running_request():
+    llm, _ = make()
+    eng = llm.engine
+    first = admit(eng, [1, 2, 3], 30)
+    eng.cache.rebuilder.fault_at, eng.cache.rebuilder.fault_in_undo = "grow kv", "shrink moe"
+    seq = eng.add_request(LONG, SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True))
+    eng.step()  # the grow fails and its rollback too: the engine says so and steps on
+    eng.cache.rebuilder.fault_at = eng.cache.rebuilder.fault_in_undo = None
+    assert eng.cache.degraded and eng.cache.history[-1]["status"] == "degraded"
+    eng.run_until_done([first, seq])
+    assert first.finish_reason == "length" and len(first.output_ids) == 30
+    assert seq.finish_reason == "length"

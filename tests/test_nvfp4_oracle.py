@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from ft.engine import LLM
-from ft.engine.quantize_checkpoint import quantize_checkpoint
+from ft.tools.quantize_checkpoint import quantize_checkpoint
 from ft.kernels.nvfp4 import dequantize_nvfp4
 from test_oracle import GREEDY_32, hf_greedy, prompt_of, rel_err, hf_last_logits, first_step_logits
 
@@ -76,8 +76,8 @@ def test_engine_on_the_triton_kernels_matches_transformers(nvfp4_pair, monkeypat
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1 set before triton was imported")
-    import ft.kernels.moe_triton as moe_triton
-    import ft.kernels.nvfp4_triton as nvfp4_triton
+    import ft.kernels.moe.kernel as moe_triton
+    import ft.kernels.nvfp4.kernel as nvfp4_triton
 
     monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
     monkeypatch.setattr(moe_triton, "GROUPED_MIN_TOKENS", 8)

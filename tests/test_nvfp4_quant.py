@@ -22,13 +22,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ft.kernels.nvfp4 import (
-    E2M1_VALUES,
-    dequantize_nvfp4,
-    nvfp4_linear,
-    nvfp4_linear_ref,
-    quantize_nvfp4,
-)
+from ft.kernels.nvfp4 import E2M1_VALUES, dequantize_nvfp4, nvfp4_linear, nvfp4_linear_ref
+from ft.tools.nvfp4_quantize import quantize_nvfp4
 
 # ---------------------------------------------------------------------------------------------
 # scalar reference, written from ModelOpt's source semantics (not from ft.kernels.nvfp4)

@@ -1,4 +1,4 @@
-"""`ft quantize`: Hugging Face checkpoint -> ModelOpt NVFP4 checkpoint (ft.engine.quantize)."""
+"""`ft quantize`: Hugging Face checkpoint -> ModelOpt NVFP4 checkpoint (ft.tools.quantize)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ft.engine.quantize import DEFAULT_EXCLUDE, QuantizeError, quantize_state_dict, write_quant_config
-from ft.engine.quantize_checkpoint import quantize_checkpoint
-from ft.engine.quantize_cli import add_parser, main
-from ft.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+from ft.tools.quantize import DEFAULT_EXCLUDE, QuantizeError, quantize_state_dict, write_quant_config
+from ft.tools.quantize_checkpoint import quantize_checkpoint
+from ft.tools.quantize_cli import add_parser, main
+from ft.kernels.nvfp4 import dequantize_nvfp4
+from ft.tools.nvfp4_quantize import quantize_nvfp4
 
 N_LAYERS = 4  # linear, linear, linear, full attention
 N_EXPERTS = 8

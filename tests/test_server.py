@@ -1,4 +1,6 @@
-"""A real `ft serve` (demo model) on a loopback port, driven by the openai client and httpx."""
+"""A real `ft serve` on a loopback port, driven by the openai client and httpx: the small checkpoint of
+server_proc.py, and the demo model where a test is about the demo (the README's `ft serve`, the seeds'
+resize scenario). Nothing here waits a fixed time: each wait polls a condition, bounded generously."""
 
 from __future__ import annotations
 
@@ -6,31 +8,55 @@ import asyncio
 import json
 import signal
 import threading
-import time
 
 import httpx
 import openai
 import pytest
+from server_proc import HTTP_TIMEOUT, SERVE_MODEL, WAIT_S, ServerProcess, wait_for
 
-from server_proc import ServerProcess
-
-MODEL = "ft-demo"
+MODEL = SERVE_MODEL
+MOE_SLOTS = 8  # of the small model's 4 x 16 experts: 12.5%
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess("--max-running-requests", "8", "--num-tokens", "4096", "--moe-cache-size", "64")
+def server(serve_checkpoint):
+    srv = ServerProcess("--model", str(serve_checkpoint), "--max-running-requests", "8", "--num-tokens", "4096",
+                        "--moe-cache-size", str(MOE_SLOTS))
     yield srv
     srv.stop()
 
 
+def openai_client(server, api_key="none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0)
+
+
 @pytest.fixture()
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    return openai_client(server)
 
 
 def healthy(server) -> bool:
-    return httpx.get(server.url + "/health").status_code == 200
+    return server.get("/health").status_code == 200
+
+
+def ctl(argv: list[str]) -> int:
+    """`ft ctl ARGV` in this process, with a plain answer's timeout far above a loaded machine's."""
+    from ft.ctl.cli import main
+
+    return main([*argv, "--timeout", str(int(WAIT_S))])
+
+
+def test_readme_serves_the_demo():
+    """The README's first command, `ft serve` with no flags: the demo model, and its curl chat."""
+    srv = ServerProcess()
+    try:
+        c = openai_client(srv)
+        assert [m.id for m in c.models.list().data] == ["ft-demo"] and healthy(srv)
+        r = c.chat.completions.create(model="ft-demo", messages=[{"role": "user", "content": "Hello"}], max_tokens=4)
+        assert 1 <= r.usage.completion_tokens <= 4 and r.choices[0].message.role == "assistant"
+    finally:
+        code = srv.stop()
+    assert code == 0
 
 
 def test_models_and_health(server, client):
@@ -53,8 +79,8 @@ def test_prompt_as_token_ids(server, client):
     assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 3
 
 
-def chat(client, content, **kw):
-    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kw)
+def chat(client, content, model=MODEL, **kw):
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}], **kw)
 
 
 def test_chat_and_streaming_agree(server, client):
@@ -90,7 +116,7 @@ def test_stop_string_cuts_text(server, client):
 def test_sixteen_concurrent_streams_match_alone(server):
     prompts = [f"Request number {i}: tell me about the number {i * 7}" for i in range(16)]
     kw = dict(max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
-    sync = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    sync = openai_client(server)
     alone = [chat(sync, p, **kw).choices[0].message.content for p in prompts]
 
     async def one(ac, p):
@@ -126,37 +152,40 @@ def test_sixteen_concurrent_streams_match_alone(server):
 )
 def test_bad_input_is_4xx_and_server_stays_healthy(server, body, status, needle):
     data = body if isinstance(body, str) else json.dumps(body)
-    r = httpx.post(server.url + "/v1/completions", content=data, headers={"content-type": "application/json"})
+    r = server.post("/v1/completions", content=data, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     assert needle in r.json()["error"]["message"]
     assert healthy(server)
 
 
 def test_body_size_limit(server):
-    r = httpx.post(server.url + "/v1/completions", content=b"x" * (9 * 1024 * 1024),
-                   headers={"content-type": "application/json"})
+    r = server.post("/v1/completions", content=b"x" * (9 * 1024 * 1024), headers={"content-type": "application/json"})
     assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
 
 
+def generated_tokens(server) -> float:
+    """ft_generation_tokens_total of /metrics."""
+    line = next(x for x in server.get("/metrics").text.splitlines() if x.startswith("ft_generation_tokens_total "))
+    return float(line.split()[1])
+
+
 def test_disconnect_cancels_and_frees(server):
-    with httpx.stream("POST", server.url + "/v1/completions", json={
+    before = generated_tokens(server)
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=HTTP_TIMEOUT, json={
         "model": MODEL, "prompt": "long", "max_tokens": 3000, "stream": True, "ignore_eos": True, "temperature": 0,
     }) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data:") for line in got)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        state = httpx.get(server.url + "/admin/cache").json()
-        if state["running"] == 0:
-            break
-        time.sleep(0.1)
-    assert state["running"] == 0 and state["pools"]["mamba"]["used"] <= state["pools"]["mamba"]["size"]
+    state = wait_for(lambda: (st := server.get("/admin/cache").json())["running"] == 0 and st,
+                     "the disconnected request to end")
+    assert state["pools"]["mamba"]["used"] <= state["pools"]["mamba"]["size"]
+    assert generated_tokens(server) - before < 3000  # cancelled, not run to its end
 
 
 def test_metrics_names(server, client):
     chat(client, "metrics please", max_tokens=3, temperature=0)
-    text = httpx.get(server.url + "/metrics").text
+    text = server.get("/metrics").text
     for name in ("ft_requests_running", "ft_requests_waiting", "ft_kv_tokens_used", "ft_kv_tokens_capacity",
                  "ft_expert_cache_hits_total", "ft_expert_cache_misses_total", 'ft_pool_bytes{pool="moe"}',
                  "ft_prompt_tokens_total", "ft_generation_tokens_total", "ft_time_to_first_token_seconds_bucket",
@@ -165,34 +194,34 @@ def test_metrics_names(server, client):
 
 
 def test_admin_cache_state_and_resize_answers(server):
-    st = httpx.get(server.url + "/admin/cache").json()
-    assert st["state"] == "serving" and st["pools"]["moe"]["size"] == 64 and st["pools"]["kv"]["size"] == 4096
+    st = server.get("/admin/cache").json()
+    assert st["state"] == "serving" and st["pools"]["moe"]["size"] == MOE_SLOTS and st["pools"]["kv"]["size"] == 4096
     assert st["pools"]["kv"]["page_size"] == 64 and st["pools"]["kv"]["pages"] == 64
     for pool in ("moe", "kv", "mamba"):
         p = st["pools"][pool]
         assert p["min"] <= p["size"] <= p["max"] and p["bytes"] > 0
     kv_max = st["pools"]["kv"]["max"]
-    r = httpx.post(server.url + "/admin/cache", json={"kv": kv_max + 64})
+    r = server.post("/admin/cache", json={"kv": kv_max + 64})
     assert r.status_code == 422 and f"kv {kv_max + 64} is outside" in r.json()["error"]["message"]
     assert "reachable ranges: moe" in r.json()["error"]["message"]
-    assert httpx.get(server.url + "/admin/cache").json()["pools"] == httpx.get(server.url + "/admin/cache").json()["pools"]
-    plan = httpx.post(server.url + "/admin/cache", json={"kv": kv_max, "dry_run": True}).json()
+    assert server.get("/admin/cache").json()["pools"] == server.get("/admin/cache").json()["pools"]
+    plan = server.post("/admin/cache", json={"kv": kv_max, "dry_run": True}).json()
     assert plan["fits"] and plan["peak_bytes"] <= plan["budget_bytes"] and plan["steps"][0]["pool"] == "kv"
-    plan = httpx.post(server.url + "/admin/cache", json={"moe": 32, "kv": kv_max, "dry_run": True}).json()
+    plan = server.post("/admin/cache", json={"moe": MOE_SLOTS // 2, "kv": kv_max, "dry_run": True}).json()
     assert [s["action"] for s in plan["steps"]] == ["shrink moe", "grow kv"]
-    r = httpx.post(server.url + "/admin/cache", json={"kv": kv_max, "wait_s": 30})
+    r = server.post("/admin/cache", json={"kv": kv_max, "wait_s": 300})
     assert r.status_code == 200 and r.json()["pools"]["kv"]["size"] == kv_max
-    r = httpx.post(server.url + "/admin/cache", json={"kv": st["pools"]["kv"]["size"]})
+    r = server.post("/admin/cache", json={"kv": st["pools"]["kv"]["size"]})
     assert r.status_code == 200 and r.json()["pools"]["kv"]["size"] == st["pools"]["kv"]["size"]
-    assert httpx.post(server.url + "/admin/cache", json={"kv": "lots"}).status_code == 400
-    hist = httpx.get(server.url + "/admin/cache/history").json()["entries"]
-    assert hist[-1]["trigger"] == "startup" and hist[-1]["to"]["moe"] == 64
+    assert server.post("/admin/cache", json={"kv": "lots"}).status_code == 400
+    hist = server.get("/admin/cache/history").json()["entries"]
+    assert hist[-1]["trigger"] == "startup" and hist[-1]["to"]["moe"] == MOE_SLOTS
     assert [h["to"]["kv"] for h in hist[:2]] == [4096, kv_max] and hist[0]["status"] == "ok"
 
 
 def test_admin_events_snapshot_then_ticks(server):
     kinds = []
-    with httpx.stream("GET", server.url + "/admin/events?interval=0.2", timeout=10) as r:
+    with httpx.stream("GET", server.url + "/admin/events?interval=0.2", timeout=HTTP_TIMEOUT) as r:
         for line in r.iter_lines():
             if line.startswith("data:"):
                 ev = json.loads(line[5:])
@@ -203,38 +232,38 @@ def test_admin_events_snapshot_then_ticks(server):
     assert kinds == ["snapshot", "tick", "tick"]
 
 
-def test_tokens_and_shutdown_drain():
-    srv = ServerProcess("--api-key", "sk-test", "--admin-token", "adm", "--num-tokens", "1024", "--drain-timeout", "20")
+def test_tokens_and_shutdown_drain(serve_checkpoint):
+    """SIGTERM while a request streams: the request still gets all its tokens, then the server exits 0.
+    The signal goes once the first token has arrived (no fixed wait); the drain bound is far above
+    what the request needs, so a slow machine only makes the test slower."""
+    srv = ServerProcess("--model", str(serve_checkpoint), "--api-key", "sk-test", "--admin-token", "adm",
+                        "--num-tokens", "1024", "--drain-timeout", "600")
     try:
-        assert httpx.get(srv.url + "/admin/cache").status_code == 401
-        assert httpx.get(srv.url + "/admin/cache", headers={"authorization": "Bearer adm"}).status_code == 200
-        assert httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 401
-        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="sk-test", max_retries=0)
-        result = {}
-
-        def long_request():
-            result["r"] = c.completions.create(model=MODEL, prompt="drain me", max_tokens=60, temperature=0,
-                                               extra_body={"ignore_eos": True})
-
-        t = threading.Thread(target=long_request)
-        t.start()
-        time.sleep(1.0)
-        code = srv.stop(signal.SIGTERM)
-        t.join(30)
-        assert code == 0
-        assert result["r"].usage.completion_tokens == 60  # the running request was allowed to finish
+        assert srv.get("/admin/cache").status_code == 401
+        assert srv.get("/admin/cache", headers={"authorization": "Bearer adm"}).status_code == 200
+        assert srv.post("/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 401
+        stream = openai_client(srv, api_key="sk-test").completions.create(
+            model=MODEL, prompt="drain me", max_tokens=100, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        chunks = []
+        for chunk in stream:
+            if not chunks:
+                srv.proc.send_signal(signal.SIGTERM)  # the request is running: it has a token out
+            chunks.append(chunk)
+        assert srv.proc.wait(timeout=WAIT_S) == 0
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].usage.completion_tokens == 100  # the running request was allowed to finish
     finally:
         srv.stop()
 
 
 def test_ft_ctl_against_the_server(server, capsys):
-    from ft.ctl.cli import main as ctl
     from ft.schemas import CacheState, History
 
     assert ctl(["cache", "--url", server.url]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("state=serving, ") and "allocated (rebuild budget" in out[0]
-    assert out[1].split()[:3] == ["moe", "64", "slots"] and "(lru, 12.5%)" in out[1]
+    assert out[1].split()[:3] == ["moe", str(MOE_SLOTS), "slots"] and "(lru, 12.5%)" in out[1]
     assert out[2].split()[:3] == ["kv", "4096", "tok"] and "(64 x 64)" in out[2]
     assert out[3].split()[0] == "mamba" and out[4].strip() == "ladder off"
     assert ctl(["cache", "--json", "--url", server.url]) == 0
@@ -254,47 +283,47 @@ def test_ft_ctl_against_the_server(server, capsys):
 def test_seed_resizes_through_the_admin_api_and_ft_ctl(capsys):
     """The seeds' scenario on the demo model: a nearly full card; growing moe while shrinking kv
     (and mamba) needs the shrinks to free first."""
-    from ft.ctl.cli import main as ctl
-
     srv = ServerProcess("--num-tokens", "8192", "--mamba-cache-size", "16")
     try:
-        st = httpx.get(srv.url + "/admin/cache").json()
+        st = srv.get("/admin/cache").json()
         assert st["allocated_bytes"] > 0.99 * st["budget_bytes"]
-        assert ctl(["cache", "--moe", "300", "--kv", "2048", "--wait", "60", "--url", srv.url]) == 0
+        assert ctl(["cache", "--moe", "300", "--kv", "2048", "--wait", "300", "--url", srv.url]) == 0
         assert "moe    300 slots" in capsys.readouterr().out
-        r = httpx.post(srv.url + "/admin/cache", json={"moe": 400, "kv": 512, "mamba": 4, "wait_s": 60})
+        r = srv.post("/admin/cache", json={"moe": 400, "kv": 512, "mamba": 4, "wait_s": 300})
         assert r.status_code == 200
         pools = r.json()["pools"]
         assert (pools["moe"]["size"], pools["kv"]["size"], pools["mamba"]["size"]) == (400, 512, 4)
         hi = pools["moe"]["max"]
-        r = httpx.post(srv.url + "/admin/cache", json={"moe": hi + 1})
+        r = srv.post("/admin/cache", json={"moe": hi + 1})
         assert r.status_code == 422 and f"moe {hi + 1} is outside" in r.json()["error"]["message"]
-        assert httpx.get(srv.url + "/admin/cache").json()["pools"] == pools
-        hist = httpx.get(srv.url + "/admin/cache/history").json()["entries"]
+        assert srv.get("/admin/cache").json()["pools"] == pools
+        hist = srv.get("/admin/cache/history").json()["entries"]
         assert [h["status"] for h in hist] == ["ok", "ok", "ok"]
         for h in hist[:2]:
             assert h["measured_peak_bytes"] <= h["peak_bytes"] <= st["budget_bytes"]
-        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
-        assert chat(c, "still serving", max_tokens=4, temperature=0).usage.completion_tokens >= 1
+        c = openai_client(srv)
+        assert chat(c, "still serving", model="ft-demo", max_tokens=4, temperature=0).usage.completion_tokens >= 1
     finally:
         srv.stop()
 
 
-def test_ladder_through_the_server_and_ft_ctl(capsys):
-    from ft.ctl.cli import main as ctl
+def test_ladder_through_the_server_and_ft_ctl(serve_checkpoint, capsys):
 
-    srv = ServerProcess("--enable-kv-ladder", "--ladder-step-size", "256", "--ladder-dwell-s", "0",
+    srv = ServerProcess("--model", str(serve_checkpoint), "--enable-kv-ladder", "--ladder-step-size", "256", "--ladder-dwell-s", "0",
                         "--ladder-grow-hold-s", "0")
     try:
-        st = httpx.get(srv.url + "/admin/cache").json()
+        st = srv.get("/admin/cache").json()
         assert st["ladder"]["enabled"] and st["ladder"]["current"] == 0 and st["pools"]["kv"]["size"] == 512
-        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
-        c.completions.create(model=MODEL, prompt="climb", max_tokens=1500, temperature=0, stop=["e"],
-                             extra_body={"ignore_eos": True}).usage  # may need 1500 tokens: grows
-        st = httpx.get(srv.url + "/admin/cache").json()
+        # a request that may need 1500 tokens grows KV before it starts; it need not run to its end
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=HTTP_TIMEOUT, json={
+            "model": MODEL, "prompt": "climb", "max_tokens": 1500, "stream": True, "ignore_eos": True,
+        }) as r:
+            assert r.status_code == 200 and next(r.iter_lines()).startswith("data:")
+        st = wait_for(lambda: (st := srv.get("/admin/cache").json())["running"] == 0 and st,
+                      "the disconnected request to end")
         assert st["pools"]["kv"]["size"] == 1536 and st["ladder"]["current"] == 4
         assert ctl(["ladder", "--up", "--url", srv.url]) == 0
-        assert httpx.get(srv.url + "/admin/cache").json()["pools"]["kv"]["size"] == 1792
+        assert srv.get("/admin/cache").json()["pools"]["kv"]["size"] == 1792
         assert ctl(["ladder", "--rung", "1", "--url", srv.url]) == 0
         assert ctl(["ladder", "--auto", "off", "--url", srv.url]) == 0
         capsys.readouterr()
@@ -303,7 +332,7 @@ def test_ladder_through_the_server_and_ft_ctl(capsys):
         assert "kv     768 tok" in out and "ladder auto off" in out
         assert ctl(["ladder", "--rung", "99", "--url", srv.url]) == 1
         assert "rung 99 is outside" in capsys.readouterr().err
-        hist = httpx.get(srv.url + "/admin/cache/history").json()["entries"]
+        hist = srv.get("/admin/cache/history").json()["entries"]
         assert [h["trigger"] for h in hist[:3]] == ["ladder", "ladder", "ladder"]
         assert hist[0]["reason"] == "manual: rung 1"
     finally:
@@ -312,24 +341,26 @@ def test_ladder_through_the_server_and_ft_ctl(capsys):
 
 def test_resize_waits_for_running_requests(server):
     """A KV target below what a running request holds: refused at once without a wait, done
-    once the request finishes when the caller waits (admission pauses meanwhile)."""
-    before = httpx.get(server.url + "/admin/cache").json()["pools"]["kv"]["size"]
-    result = {}
+    once the request finishes when the caller waits (admission pauses meanwhile). The request
+    streams, so the test knows it runs (its first token is out) without polling for it."""
+    before = server.get("/admin/cache").json()["pools"]["kv"]["size"]
+    resized = {}
 
-    def long_request():
-        result["r"] = httpx.post(server.url + "/v1/completions", timeout=60, json={
-            "model": MODEL, "prompt": [40 + i % 200 for i in range(100)], "max_tokens": 10, "temperature": 0,
-            "ignore_eos": True})
+    def resize_and_wait():
+        resized["r"] = server.post("/admin/cache", json={"kv": 64, "wait_s": WAIT_S})
 
-    t = threading.Thread(target=long_request)
-    t.start()
-    deadline = time.monotonic() + 10
-    while httpx.get(server.url + "/admin/cache", timeout=30).json()["running"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    r = httpx.post(server.url + "/admin/cache", json={"kv": 64}, timeout=30)
-    assert r.status_code == 422 and "kv 64 is outside" in r.json()["error"]["message"]
-    r = httpx.post(server.url + "/admin/cache", json={"kv": 64, "wait_s": 60}, timeout=70)
-    t.join(60)
-    assert r.status_code == 200 and r.json()["pools"]["kv"]["size"] == 64
-    assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 10
-    assert httpx.post(server.url + "/admin/cache", json={"kv": before, "wait_s": 10}, timeout=30).status_code == 200
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=HTTP_TIMEOUT, json={
+        "model": MODEL, "prompt": [40 + i % 200 for i in range(100)], "max_tokens": 200, "temperature": 0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+    }) as stream:
+        events = (json.loads(line[5:]) for line in stream.iter_lines() if line.startswith("data:") and "[DONE]" not in line)
+        first = next(events)
+        r = server.post("/admin/cache", json={"kv": 64})
+        assert r.status_code == 422 and "kv 64 is outside" in r.json()["error"]["message"]
+        t = threading.Thread(target=resize_and_wait)
+        t.start()
+        rest = list(events)
+    t.join(WAIT_S)
+    assert first["choices"] and rest[-1]["usage"]["completion_tokens"] == 200  # not cut by the resize
+    assert resized["r"].status_code == 200 and resized["r"].json()["pools"]["kv"]["size"] == 64
+    assert server.post("/admin/cache", json={"kv": before, "wait_s": WAIT_S}).status_code == 200

@@ -17,7 +17,7 @@ def test_synthetic_model_runs_from_config_alone(tmp_path):
     path.write_text(json.dumps(cfg))
     llm = LLM(model=f"synthetic:{path}", device="cpu", dtype="float32", moe_cache_size=3, page_size=16)
     e = llm.engine
-    assert e.total_experts == 4 * 8 and e.pools.experts.slots.is_nvfp4
+    assert e.cache.total_experts == 4 * 8 and e.pools.experts.slots.is_nvfp4
     out = llm.generate(prompt_token_ids=[[5, 6, 7, 8]], max_new_tokens=6, temperature=0.0, ignore_eos=True)[0]
     assert len(out.token_ids) == 6 and torch.isfinite(e.last_logits).all()
     again = LLM(model=f"synthetic:{path}", device="cpu", dtype="float32", moe_cache_size=3, page_size=16)

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import json
+import random
 import shutil
 
 import pytest
 
-from ft.engine.demo import (
+from ft.tools.demo import (
     DEMO_CHAT_TEMPLATE,
     ENDOFTEXT_ID,
     IM_END_ID,
     IM_START_ID,
     write_tokenizer_files,
 )
+from ft.engine.detokenizer import OutputText
 from ft.engine.tokenizer import ChatTemplateError, IncrementalDecoder, Tokenizer
 
 # A template in the structure of Qwen3-Next-80B-A3B-Instruct's (Qwen3 2507 "instruct" family):
@@ -367,3 +369,88 @@ def test_incremental_decoder_specials_prompt_and_truncation(tok, use_stream):
     assert "\ufffd" not in streamed
     assert streamed + dec.finish() == tok.decode(cut)
     assert dec.finish() == ""
+
+
+# ------------------------------------------------------------ the engine's output text
+def _before(tok, ids, stops):
+    """Reference: the per-token text deltas of the former code, which re-decoded everything each
+    token (the engine looked for stop strings in decode(output), the server sent the decoded text
+    minus an incomplete character and minus max(len(stop)) - 1 held characters). Returns
+    (deltas, number of tokens consumed, stop_text)."""
+    hold = max((len(s) for s in stops), default=1) - 1
+    emitted, deltas = "", []
+    for n in range(1, len(ids) + 1):
+        text = tok.decode(ids[:n])
+        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        stop_text = text[:cut] if cut >= 0 else None
+        if cut >= 0 or n == len(ids):
+            final = stop_text if stop_text is not None else text
+            deltas.append(final[len(emitted):])
+            return deltas, n, stop_text
+        full = text.rstrip("\ufffd")
+        target = full[: max(0, len(full) - hold)]
+        ok = target.startswith(emitted)
+        deltas.append(target[len(emitted):] if ok else "")
+        emitted = target if ok else emitted
+    return deltas, 0, None
+
+
+def _after(tok, ids, stops, use_stream):
+    """The same through OutputText, as the engine drives it."""
+    text = OutputText(IncrementalDecoder(tok, use_decode_stream=use_stream), stops)
+    deltas, stop_text = [], None
+    for n, i in enumerate(ids, 1):
+        text.step(i)
+        if text.stop_found:
+            stop_text = text.cut()
+        elif n == len(ids):
+            text.finish()
+        deltas.append(text.delta)
+        if stop_text is not None:
+            break
+    return deltas, len(deltas), stop_text
+
+
+def _stop_cases(tok):
+    rng = random.Random(0)
+    for text in STREAM_TEXTS + TEXTS[:-1]:
+        ids = tok.encode(text)
+        yield ids, ()
+        yield ids, ("definitely absent",)
+        yield ids, ("",)
+        for _ in range(6):
+            a = rng.randrange(len(text))
+            stop = text[a : a + rng.randint(1, 5)]
+            yield ids, (stop,)
+            yield ids, (stop, text[rng.randrange(len(text)):][:3], "zzz")
+
+
+@pytest.mark.parametrize("use_stream", [True, False], ids=["DecodeStream", "offsets"])
+def test_output_text_matches_former_decoding(tok, use_stream):
+    cases = list(_stop_cases(tok))
+    assert sum(1 for ids, stops in cases if _before(tok, ids, stops)[2]) > 50  # most cases stop
+    for ids, stops in cases:
+        assert _after(tok, ids, stops, use_stream) == _before(tok, ids, stops), (tok.decode(ids), stops)
+
+
+def test_stop_string_split_across_tokens(tok):
+    text = "héllo wörld 你好，世界 🎉 done"
+    ids = tok.encode(text)
+    for stop in ("世界", "界 🎉", "🎉", "wör", "o w"):
+        # the stop string's bytes span several tokens: the text is cut where a full decode cuts it
+        first = next(n for n in range(1, len(ids) + 1) if stop in tok.decode(ids[:n]))
+        assert len(tok.encode(stop)) > 1
+        deltas, n, stop_text = _after(tok, ids, (stop,), True)
+        assert n == first and stop_text == text[: text.index(stop)] == "".join(deltas)
+
+
+@pytest.mark.parametrize("use_stream", [True, False], ids=["DecodeStream", "offsets"])
+def test_output_text_random_byte_tokens(tok, use_stream):
+    """Random ids (invalid UTF-8 included): the released text adds up to decode(ids)."""
+    rng = random.Random(1)
+    for _ in range(200):
+        ids = [rng.randrange(0, ENDOFTEXT_ID) for _ in range(rng.randrange(1, 40))]
+        out = OutputText(IncrementalDecoder(tok, use_decode_stream=use_stream))
+        streamed = "".join(out.step(i) for i in ids)
+        assert streamed + out.finish() == out.text == tok.decode(ids)
+        assert out.finish() == "" and out.done

@@ -1,24 +1,23 @@
-"""`ft top` driven by Textual's Pilot against a real `ft serve` (demo model, ladder on, 256-token
-step): `+` moves the server one rung up, `a` toggles auto, the resize dialog refuses an
-out-of-range target without asking the server to resize and applies an in-range one. Every
-effect is checked through the admin API itself."""
+"""`ft top` driven by Textual's Pilot against a real `ft serve` (the small checkpoint of conftest.py,
+ladder on, 256-token step): `+` moves the server one rung up, `a` toggles auto, the resize dialog
+refuses an out-of-range target without asking the server to resize and applies an in-range one.
+Every effect is checked through the admin API itself; every wait polls a condition."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
-import httpx
 import pytest
-from server_proc import ServerProcess
+from server_proc import WAIT_S, ServerProcess
 
 from ft.ctl.client import AdminClient
 from ft.tui.app import make_app
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess("--enable-kv-ladder", "--ladder-step-size", "256", "--ladder-dwell-s", "0",
+def server(serve_checkpoint):
+    srv = ServerProcess("--model", str(serve_checkpoint), "--enable-kv-ladder", "--ladder-step-size", "256", "--ladder-dwell-s", "0",
                         "--ladder-grow-hold-s", "0")
     yield srv
     srv.stop()
@@ -38,14 +37,14 @@ class CountingClient(AdminClient):
 
 
 def admin(server) -> dict:
-    return httpx.get(server.url + "/admin/cache", timeout=30).json()
+    return server.get("/admin/cache").json()
 
 
 def history_len(server) -> int:
-    return len(httpx.get(server.url + "/admin/cache/history", timeout=30).json()["entries"])
+    return len(server.get("/admin/cache/history").json()["entries"])
 
 
-async def until(pilot, cond, timeout: float = 30.0) -> None:
+async def until(pilot, cond, timeout: float = WAIT_S) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, "timed out"
@@ -55,6 +54,9 @@ async def until(pilot, cond, timeout: float = 30.0) -> None:
 def test_keys_drive_the_server(server):
     client = CountingClient(server.url)
     app = make_app(server.url, None, 0.5, client=client)
+    notes: list[dict] = []
+    notify = app.notify
+    app.notify = lambda message, **kw: notes.append(kw) or notify(message, **kw)  # every widget's notify ends here
 
     async def scenario():
         async with app.run_test(size=(120, 40)) as pilot:
@@ -78,10 +80,10 @@ def test_keys_drive_the_server(server):
             # out of range: refused in the dialog, the server never asked to resize
             before = history_len(server)
             await pilot.press("r")
-            await pilot.pause(0.2)
+            await until(pilot, lambda: type(app.screen).__name__ == "ResizeScreen")
             app.screen.query_one("#target-kv").value = "999999"
             await pilot.press("enter")
-            await pilot.pause(0.5)
+            await until(pilot, lambda: any(n.get("title") == "refused" for n in notes))  # Enter was handled
             assert client.applied == [] and history_len(server) == before
             assert type(app.screen).__name__ == "ResizeScreen"  # still open, showing why
 
@@ -89,7 +91,6 @@ def test_keys_drive_the_server(server):
             kv = admin(server)["pools"]["kv"]
             target = max(kv["min"], kv["size"] - 256)
             app.screen.query_one("#target-kv").value = str(target)
-            await pilot.pause(0.5)
             await pilot.press("enter")
             await until(pilot, lambda: admin(server)["pools"]["kv"]["size"] == target)
             assert client.applied == [{"moe": None, "kv": target, "mamba": None}]

@@ -7,14 +7,14 @@ import importlib
 import pytest
 import torch
 
-from ft.engine.memory import vmm
+from ft.memory import vmm
 
 MiB = 1 << 20
 G = 2 * MiB
 
 
 def test_imports_without_cuda():
-    mod = importlib.import_module("ft.engine.memory.vmm")
+    mod = importlib.import_module("ft.memory.vmm")
     assert hasattr(mod, "VmmBuffer") and hasattr(mod, "resize_rows_vmm")
 
 

@@ -133,6 +133,11 @@ def format_cache(state: CacheState) -> str:
     ]
     lines = [head, *_table(rows)]
     lines += ["  " + line for line in format_ladder(state.ladder)]
+    if state.storage.reallocates:  # vmm and mmap free before they allocate: the seed's view as it is
+        lines.append(f"  storage {state.storage.backend}: a resize copies, so old and new are held at once; "
+                     "the ranges count it")
+    if state.degraded:
+        lines.append(f"  DEGRADED: {state.degraded}")
     return "\n".join(lines)
 
 

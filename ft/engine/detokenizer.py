@@ -13,7 +13,7 @@ except ImportError:  # older tokenizers
     _DecodeStream = None
 
 
-__all__ = ["IncrementalDecoder"]
+__all__ = ["IncrementalDecoder", "OutputText"]
 
 
 class IncrementalDecoder:
@@ -103,3 +103,73 @@ class IncrementalDecoder:
         if full.startswith(ctx):
             return full[len(ctx):]
         return full[len(os.path.commonprefix([full, ctx])):]
+
+
+class OutputText:
+    """The text of one sequence's generated tokens, decoded once per token (O(1) amortised).
+
+    Text is *released* once it is final: never half a UTF-8 character and, with stop strings, never
+    the last `max(len(stop)) - 1` characters, which a later token could still turn into the start
+    of a stop string (the request's text is cut before it). `delta` is what the last token
+    released (with `cut`/`finish`, what they released too); the released pieces concatenate to
+    the final text: `stop_text` when a stop string ended it, else `decode(ids)`.
+
+    The engine calls `step(id)` once per token, then, when the request ends, `cut()` (a stop
+    string, found by `step`) or `finish()` (any other reason, or an abort).
+    """
+
+    def __init__(self, decoder: IncrementalDecoder, stops: Sequence[str] = ()) -> None:
+        self._decoder = decoder
+        self._stops = tuple(stops)
+        self._hold = max(0, max((len(s) for s in self._stops), default=0) - 1)
+        self._parts: list[str] = []  # released text
+        self._pending = ""  # decoded, not released: the last `_hold` characters (or all, at a stop)
+        self._stop_at: int | None = None  # index in _pending of the first stop string found
+        self.delta = ""
+        self.done = False
+
+    @property
+    def text(self) -> str:
+        """The text so far (released and held; without an incomplete trailing character)."""
+        return "".join(self._parts) + self._pending
+
+    @property
+    def stop_found(self) -> bool:
+        return self._stop_at is not None
+
+    def step(self, token_id: int) -> str:
+        """Feed one generated token; returns (and sets `delta` to) the text it releases. When a stop
+        string appears, nothing more is released until `cut()` or `finish()`."""
+        self.delta = ""
+        if self.done:
+            raise RuntimeError("the text is finished")
+        buf = self._pending + self._decoder.step(token_id)
+        # NOTE: the text before _pending held no stop string at the last step, so one that
+        # appears now starts in the held tail or in the new text: searching buf is enough.
+        self._stop_at = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=None)
+        keep = len(buf) if self._stop_at is not None else min(self._hold, len(buf))
+        self._pending = buf[len(buf) - keep:]
+        return self._release(buf[: len(buf) - keep])
+
+    def cut(self) -> str:
+        """End before the first stop string `step` found; returns the whole text (stop_text)."""
+        if self._stop_at is None:
+            raise RuntimeError("no stop string was found")
+        self._release(self._pending[: self._stop_at])
+        self._pending, self.done = "", True
+        return "".join(self._parts)
+
+    def finish(self) -> str:
+        """End without a cut: release all held text, trailing bytes that never completed a
+        character decoded as `decode()` shows them. Returns what it released."""
+        if self.done:
+            return ""
+        out = self._release(self._pending + self._decoder.finish())
+        self._pending, self.done = "", True
+        return out
+
+    def _release(self, piece: str) -> str:
+        if piece:
+            self._parts.append(piece)
+            self.delta += piece
+        return piece

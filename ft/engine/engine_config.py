@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from ft.engine.errors import ConfigError
+from ft.errors import ConfigError
 from ft.units import parse_bytes
 
 
@@ -32,6 +32,7 @@ class EngineConfig:
     ladder_min_reuse: float = 0.5  # a request reusing less of its prompt from the cache may shrink KV
     ladder_dwell_s: float = 30.0  # least seconds on a rung before shrinking
     ladder_grow_hold_s: float = 60.0  # no shrink for this many seconds after a grow
+    storage_backend: str = "auto"  # auto | vmm | mmap | realloc: how pools grow and shrink (see ft.memory.storage)
     seed: int = 0
     progress: bool = False  # show loading progress
 
@@ -44,6 +45,8 @@ class EngineConfig:
             raise ConfigError("--moe-cache-auto and --moe-cache-size exclude each other")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.storage_backend not in ("auto", "vmm", "mmap", "realloc"):
+            raise ConfigError(f"--storage-backend must be auto, vmm, mmap or realloc, got {self.storage_backend!r}")
         for name in ("page_size", "max_running_requests", "max_prefill_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")

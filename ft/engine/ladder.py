@@ -1,10 +1,12 @@
-"""The KV ladder: KV grows rung by rung only when a request needs the context, and shrinks back
-(with hysteresis) when a new, unrelated request no longer needs it. Every byte KV does not use
-goes to expert slots, so short requests decode with more experts resident.
+"""The KV ladder, as a policy: KV grows rung by rung only when a request needs the context, and
+shrinks back (with hysteresis) when a new, unrelated request no longer needs it. Every byte KV
+does not use goes to expert slots, so short requests decode with more experts resident.
 
 Rungs are 2 x step, 3 x step, ... up to the context limit (the last rung is the limit itself when
-it is not a multiple). Decisions are taken on the engine thread, before a waiting request is
-admitted, so queue order is kept and a rebuild never races a forward pass.
+it is not a multiple). The ladder reads a small snapshot (`LadderSnapshot`) and answers with a
+move or nothing; it never touches the engine. The engine runs the move as a rebuild at a step
+boundary, before the first waiting request is admitted (so queue order is kept and a rebuild never
+races a forward pass), and tells the ladder how it went (`moved`, `refused`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ft.engine.errors import ConfigError
+from ft.errors import ConfigError
 
 
 def make_rungs(step: int, limit: int, page_size: int) -> list[int]:
@@ -33,101 +35,124 @@ class LadderOptions:
     grow_hold_s: float  # no shrink for this long after a grow
 
 
+@dataclass(frozen=True)
+class Head:
+    """The first waiting request, as the ladder sees it."""
+
+    request_id: str
+    prompt_tokens: int
+    possible_length: int  # prompt + its max new tokens
+    reused_tokens: int  # prompt tokens the prefix cache would give it
+
+
+@dataclass(frozen=True)
+class LadderSnapshot:
+    kv_tokens: int
+    head: Head | None
+    running_possible: int  # the running requests' possible lengths, summed
+    can_admit: bool  # a running place is free for the head
+    top_rung: int  # the highest rung whose geometry keeps every floor (-1: none)
+
+
+@dataclass(frozen=True)
+class LadderMove:
+    rung: int
+    kv_tokens: int
+    reason: str
+    grow: bool
+    request_id: str | None = None
+
+
 class Ladder:
-    def __init__(self, engine, opts: LadderOptions, clock: Callable[[], float] = time.monotonic) -> None:
-        self.engine, self.opts, self.clock = engine, opts, clock
-        self.rungs = make_rungs(opts.step, engine.context_limit, engine.config.page_size)
+    def __init__(self, rungs: list[int], opts: LadderOptions, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rungs, self.opts, self.clock = rungs, opts, clock
         self.auto = True
         self.last_decision: str | None = None
         self._since = clock()  # when the current rung was reached
         self._last_grow = float("-inf")
         self._seen: set[str] = set()  # requests already decided on
+        self._deferred: tuple[str, int] | None = None  # (request, running_possible) of a deferred grow
 
     # ----------------------------------------------------------------------------- state
-    @property
-    def current(self) -> int | None:
+    def current(self, kv_tokens: int) -> int | None:
         """Index of the rung KV is on, None when a manual resize left it between rungs."""
-        kv = self.engine.geometry.kv_tokens
-        return self.rungs.index(kv) if kv in self.rungs else None
+        return self.rungs.index(kv_tokens) if kv_tokens in self.rungs else None
 
-    def moe_for(self, kv_tokens: int) -> int:
-        """Expert slots that fit beside `kv_tokens` of KV (an explicit --moe-cache-size or the
-        resident backend keeps its own count: the ladder then only moves KV)."""
-        e = self.engine
-        if e.config.moe_backend == "resident" or e.config.moe_cache_size is not None:
-            return e.geometry.moe_slots
-        c, g = e.unit_costs, e.geometry
-        left = e.budget.budget_bytes - g.mamba_slots * c.mamba_slot - (kv_tokens // c.page_size) * c.kv_page
-        return max(0, min(e.total_experts, left // c.expert_slot)) if c.expert_slot else 0
-
-    # ----------------------------------------------------------------------------- moves
-    def go_to(self, index: int, reason: str) -> dict:
-        """Rebuild to rung `index` (raises RebuildRefused / RebuildFailed like any rebuild)."""
-        if not 0 <= index < len(self.rungs):
-            from ft.engine.engine import RebuildRefused
-
-            raise RebuildRefused(f"rung {index} is outside 0..{len(self.rungs) - 1}", self.engine.reachable_ranges())
-        kv = self.rungs[index]
-        old = self.engine.geometry.kv_tokens
-        try:
-            entry = self.engine.rebuild(moe=self.moe_for(kv), kv=kv, trigger="ladder", reason=reason)
-        except Exception as e:
-            self.last_decision = f"{reason}: not done ({e})"
-            raise
-        self.last_decision = reason
-        if entry["to"] != entry["from"]:
-            self._since = self.clock()
-            if kv > old:
-                self._last_grow = self._since
-        return entry
-
-    def step_index(self, direction: str) -> int:
-        cur = self.current
+    def step_index(self, direction: str, kv_tokens: int) -> int:
+        cur = self.current(kv_tokens)
         if cur is None:  # between rungs: up is the first rung above, down the first below
-            kv = self.engine.geometry.kv_tokens
-            above = [i for i, r in enumerate(self.rungs) if r > kv]
-            below = [i for i, r in enumerate(self.rungs) if r < kv]
+            above = [i for i, r in enumerate(self.rungs) if r > kv_tokens]
+            below = [i for i, r in enumerate(self.rungs) if r < kv_tokens]
             return (above[0] if above else len(self.rungs)) if direction == "up" else (below[-1] if below else -1)
         return cur + (1 if direction == "up" else -1)
 
-    # ----------------------------------------------------------------------------- automatic
-    def before_admission(self) -> None:
-        """Look at the first waiting request once: grow when it could reach the KV bound, shrink
-        when it reuses little of the prefix cache and nothing running needs the current rung."""
-        sched = self.engine.scheduler
-        if not self.auto or not sched.waiting:
-            return
-        seq = sched.waiting[0]
-        if seq.request_id in self._seen or len(sched.running) >= sched.max_running:
-            return
-        self._seen.add(seq.request_id)
-        need = seq.possible_length + sum(s.possible_length for s in sched.running)
-        kv = self.engine.geometry.kv_tokens
+    # ----------------------------------------------------------------------------- policy
+    def decide(self, snap: LadderSnapshot) -> LadderMove | None:
+        """Look at the first waiting request once: grow when it could reach the KV bound (to the
+        highest rung that keeps the floors at most), shrink when it reuses little of the prefix
+        cache and nothing running needs the current rung. None: stay."""
+        head = snap.head
+        if not self.auto or head is None or head.request_id in self._seen or not snap.can_admit:
+            return None
+        if self._deferred == (head.request_id, snap.running_possible):
+            return None  # deferred until the running requests change
+        need = head.possible_length + snap.running_possible
+        kv = snap.kv_tokens
         fits = [i for i, r in enumerate(self.rungs) if r > need]
         target = fits[0] if fits else len(self.rungs) - 1  # at least one rung up when it would exactly fill
         if need >= kv and self.rungs[target] > kv:
-            self._try(target, f"grow: request {seq.request_id} may need {need} tokens with the running ones")
-        elif self.rungs[target] < kv:
-            self._maybe_shrink(seq, target, need)
+            reason = f"grow: request {head.request_id} may need {need} tokens with the running ones"
+            if target > snap.top_rung:
+                top = self.rungs[snap.top_rung] if snap.top_rung >= 0 else 0
+                if top <= kv:
+                    self._seen.add(head.request_id)
+                    self.last_decision = (f"{reason}; no higher rung keeps the expert floor (the highest that "
+                                          f"does holds {top} tokens): stays at {kv}")
+                    return None
+                target = snap.top_rung
+                reason += f"; clamped to {self.rungs[target]} tokens, the highest rung that keeps the expert floor"
+            return LadderMove(target, self.rungs[target], reason, True, head.request_id)
+        if self.rungs[target] < kv:
+            return self._maybe_shrink(head, target, need)
+        self._seen.add(head.request_id)
+        return None
 
-    def _maybe_shrink(self, seq, target: int, need: int) -> None:
-        match = self.engine.prefix_cache.match(seq.token_ids)
-        reused = match.num_tokens if match else 0
-        if reused >= self.opts.min_reuse * len(seq.prompt_ids):
-            return  # the next turn of a conversation: keep its KV
+    def _maybe_shrink(self, head: Head, target: int, need: int) -> LadderMove | None:
+        if head.reused_tokens >= self.opts.min_reuse * head.prompt_tokens:
+            self._seen.add(head.request_id)
+            return None  # the next turn of a conversation: keep its KV
         now = self.clock()
         if now - self._since < self.opts.dwell_s or now - self._last_grow < self.opts.grow_hold_s:
+            self._seen.add(head.request_id)
             self.last_decision = (f"shrink to {self.rungs[target]} held back: dwell {self.opts.dwell_s:g} s, "
                                   f"hold after grow {self.opts.grow_hold_s:g} s")
-            return
-        self._try(target, f"shrink: request {seq.request_id} reuses {reused} of {len(seq.prompt_ids)} prompt "
-                          f"tokens and may need {need}")
+            return None
+        return LadderMove(target, self.rungs[target], f"shrink: request {head.request_id} reuses "
+                          f"{head.reused_tokens} of {head.prompt_tokens} prompt tokens and may need {need}",
+                          False, head.request_id)
 
-    def _try(self, index: int, reason: str) -> None:
-        from ft.engine.engine import RebuildRefused
-        from ft.engine.rebuild import RebuildFailed
+    def holds(self, snap: LadderSnapshot) -> bool:
+        """Whether the first waiting request is deferred (its grow could not run while the running
+        requests are what they are): it waits, they go on."""
+        return snap.head is not None and self._deferred == (snap.head.request_id, snap.running_possible)
 
-        try:
-            self.go_to(index, reason)
-        except (RebuildRefused, RebuildFailed):
-            pass  # recorded in last_decision (and the history for a rollback); keep serving
+    # ----------------------------------------------------------------------------- outcomes
+    def moved(self, move: LadderMove, changed: bool) -> None:
+        """The engine ran `move`."""
+        if move.request_id is not None:
+            self._seen.add(move.request_id)
+        self.last_decision = move.reason
+        if changed:
+            self._since = self.clock()
+            if move.grow:
+                self._last_grow = self._since
+
+    def refused(self, move: LadderMove, error: str, final: bool, running_possible: int = 0) -> None:
+        """The engine could not run `move`; `final`: the request will not be asked about again,
+        otherwise it is asked again once the running requests (`running_possible`) change."""
+        if move.request_id is not None:
+            if final:
+                self._seen.add(move.request_id)
+            else:
+                self._deferred = (move.request_id, running_possible)
+        self.last_decision = f"{move.reason}: not done ({error})"

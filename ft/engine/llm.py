@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ft.engine.engine import Engine
 from ft.engine.engine_config import EngineConfig
-from ft.engine.errors import RequestError
+from ft.errors import RequestError
 from ft.engine.sampling_params import SamplingParams
 
 

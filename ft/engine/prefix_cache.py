@@ -17,8 +17,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from ft.engine.memory.kv_pool import KVPool
-from ft.engine.memory.mamba_pool import MambaPool
+from ft.memory.kv_pool import KVPool
+from ft.memory.mamba_pool import MambaPool
 
 
 @dataclass

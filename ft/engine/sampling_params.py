@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ft.engine.errors import RequestError
+from ft.errors import RequestError
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from ft.engine.memory.kv_pool import KVPool
-from ft.engine.memory.mamba_pool import MambaPool
+from ft.memory.kv_pool import KVPool
+from ft.memory.mamba_pool import MambaPool
 from ft.engine.prefix_cache import PrefixCache
 from ft.engine.sequence import Sequence, Status
 
@@ -41,6 +41,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.admission_paused = False  # a rebuild waits for running requests to release memory
+        self.hold_head = False  # this step only: the first waiting request waits (a deferred ladder grow)
 
     # --------------------------------------------------------------------------- queue
     def add(self, seq: Sequence) -> None:
@@ -67,7 +68,8 @@ class Scheduler:
                     seqs.append(seq)
                     counts.append(n)
                     budget -= n
-        while budget and self.waiting and len(self.running) < self.max_running and not self.admission_paused:
+        while (budget and self.waiting and len(self.running) < self.max_running and not self.admission_paused
+               and not self.hold_head):
             seq = self.waiting[0]
             if not self._admit(seq):
                 break

@@ -6,8 +6,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-import torch
-
+from ft.engine.detokenizer import OutputText
 from ft.engine.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -39,9 +38,10 @@ class Sequence:
     pages: list[int] = field(default_factory=list)
     mamba_slot: int | None = None
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
+    seed: int = 0  # of its sampling (a random one when the request gave none); unused when greedy
     error: str | None = None  # why it finished with finish_reason "error"
     stop_text: str | None = None  # the text cut before the stop string that ended it
+    text: OutputText | None = None  # its generated text, decoded once per token (set by the engine)
 
     @property
     def token_ids(self) -> list[int]:

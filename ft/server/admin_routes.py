@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from ft.errors import RebuildFailed, RebuildRefused
 from ft.schemas import CacheState, Event, History, LiveRates, ResizePlan, ResizeRequest
 from ft.server import admin_state
 from ft.server.errors import ApiError
@@ -57,10 +58,10 @@ async def post_cache(body: ResizeRequest, request: Request):
     touched); 503 rolled back; 409 while another rebuild runs; 202 when wait_s ends first."""
     st = _st(request)
     if body.dry_run:
-        plan = await _engine_call(st, lambda e: e.plan_resize(body.moe, body.kv, body.mamba))
+        plan = await _engine_call(st, lambda e: e.cache.plan_resize(body.moe, body.kv, body.mamba))
         return admin_state.resize_plan(plan)
-    return await run_rebuild(st, lambda e: e.rebuild(body.moe, body.kv, body.mamba, trigger="manual"), body.wait_s,
-                             lambda e: e.plan_resize(body.moe, body.kv, body.mamba, held=False).fits)
+    return await run_rebuild(st, lambda e: e.cache.rebuild(body.moe, body.kv, body.mamba, trigger="manual"), body.wait_s,
+                             lambda e: e.cache.plan_resize(body.moe, body.kv, body.mamba, held=False).fits)
 
 
 class _WaitExpired(Exception):
@@ -72,8 +73,6 @@ async def run_rebuild(st, fn, wait_s: float | None, fits_when_idle=None):
 
     A target that only running requests stand in the way of (`fits_when_idle`) waits for them,
     up to wait_s, with admission paused so that they drain; then 504 if they still hold it."""
-    from ft.engine.engine import RebuildFailed, RebuildRefused
-
     if st.rebuilding:
         raise ApiError(409, "another rebuild is running; retry when it ends", "conflict")
     if st.loop.state != "serving":
@@ -146,8 +145,7 @@ async def post_ladder(body: LadderRequest, request: Request):
             lad.auto = body.auto
             lad.last_decision = f"auto {'on' if body.auto else 'off'} (manual)"
         if body.rung is not None:
-            index = lad.step_index(body.rung) if isinstance(body.rung, str) else body.rung
-            lad.go_to(index, f"manual: rung {body.rung}")
+            engine.move_ladder(body.rung)
 
     if body.rung is None:
         await _engine_call(st, apply)

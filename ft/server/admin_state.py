@@ -9,37 +9,39 @@ from ft.schemas import CacheState, History, HistoryEntry, LadderState, PlanStep,
 
 def cache_state(engine, state: str, model_name: str) -> CacheState:
     pools = engine.pools
-    g, c = engine.geometry, engine.unit_costs
-    ranges = engine.reachable_ranges()
+    g, lay = engine.cache.geometry, engine.cache.layout
+    ranges = engine.cache.reachable_ranges()
     experts = pools.experts
     st = experts.stats if experts else None
     return CacheState.model_validate({
         "state": state,
         "model": model_name,
-        "budget_bytes": engine.budget.budget_bytes,
-        "allocated_bytes": g.nbytes(c),
+        "budget_bytes": engine.cache.budget.budget_bytes,
+        "allocated_bytes": engine.cache.allocated_bytes,
         "context_limit": engine.context_limit,
         "running": len(engine.scheduler.running),
         "waiting": len(engine.scheduler.waiting),
         "uptime_s": round(time.time() - engine.started_at, 3),
         "pools": {
             "moe": {
-                "size": g.moe_slots, "bytes": g.moe_slots * c.expert_slot, "min": ranges["moe"][0],
+                "size": g.moe_slots, "bytes": lay.pool_bytes("moe", g.moe_slots), "min": ranges["moe"][0],
                 "max": ranges["moe"][1], "policy": experts.policy if experts else "none",
-                "backend": engine.config.moe_backend, "total_experts": engine.total_experts,
+                "backend": engine.config.moe_backend, "total_experts": engine.cache.total_experts,
                 "resident": experts.num_resident if experts else 0, "hit_rate": st.hit_rate if st else 0.0,
                 "hits": st.hits if st else 0, "misses": st.misses if st else 0,
             },
             "kv": {
-                "size": g.kv_tokens, "bytes": pools.kv.nbytes, "min": ranges["kv"][0], "max": ranges["kv"][1],
+                "size": g.kv_tokens, "bytes": lay.pool_bytes("kv", g.kv_tokens), "min": ranges["kv"][0], "max": ranges["kv"][1],
                 "page_size": pools.kv.page_size, "pages": pools.kv.num_pages, "used": pools.kv.num_used_pages,
             },
             "mamba": {
-                "size": g.mamba_slots, "bytes": pools.mamba.nbytes, "min": ranges["mamba"][0],
+                "size": g.mamba_slots, "bytes": lay.pool_bytes("mamba", g.mamba_slots), "min": ranges["mamba"][0],
                 "max": ranges["mamba"][1], "used": pools.mamba.num_used,
             },
         },
         "ladder": ladder_state(engine).model_dump(),
+        "storage": engine.cache.describe()["storage"],
+        "degraded": engine.cache.degraded,
     })
 
 
@@ -47,20 +49,18 @@ def ladder_state(engine) -> LadderState:
     lad = engine.ladder
     if lad is None:
         return LadderState()
-    return LadderState(enabled=True, auto=lad.auto, rungs=list(lad.rungs), current=lad.current,
+    return LadderState(enabled=True, auto=lad.auto, rungs=list(lad.rungs), current=lad.current(engine.cache.geometry.kv_tokens),
                        step=lad.opts.step, last_decision=lad.last_decision)
 
 
 def resize_plan(p) -> ResizePlan:
-    from ft.engine.memory.planner import sizes
-
     return ResizePlan(
-        target=sizes(p.target),
-        steps=[PlanStep(action=f"{s.action} {s.pool}", pool=s.pool, delta_bytes=s.delta_bytes, total_bytes=s.total_bytes)
-               for s in p.steps],
+        target=p.target.sizes(),
+        steps=[PlanStep(action=f"{s.action} {s.pool}", pool=s.pool, delta_bytes=s.delta_bytes, total_bytes=s.total_bytes,
+                        peak_bytes=s.peak_bytes) for s in p.steps],
         peak_bytes=p.peak_bytes, budget_bytes=p.budget_bytes, fits=p.fits, reason=p.reason,
     )
 
 
 def history(engine) -> History:
-    return History(entries=[HistoryEntry.model_validate(h) for h in reversed(engine.history)])
+    return History(entries=[HistoryEntry.model_validate(h) for h in reversed(engine.cache.history)])

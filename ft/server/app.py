@@ -67,7 +67,8 @@ def create_app(state: ServerState, start_loop: bool = True) -> FastAPI:
     @app.get("/health")
     async def health():
         if state.loop.state == "serving":
-            return {"status": "ok"}
+            degraded = state.loop.engine.cache.degraded  # a str set on the engine thread: read as is
+            return {"status": "degraded", "degraded": degraded} if degraded else {"status": "ok"}
         body = {"status": state.loop.state}
         if state.loop.error is not None:
             body["error"] = str(state.loop.error)

@@ -22,13 +22,15 @@ log = logging.getLogger("ft.server")
 
 @dataclass
 class TokenEvent:
-    """One generated token of a request (finish_reason set on its last one)."""
+    """One generated token of a request (finish_reason set on its last one). `text` is the text it
+    releases (the sequence's `text.delta`): safe to send, the deltas add up to the final text."""
 
     token_id: int
     num_output: int
     finish_reason: str | None
     stop_text: str | None
     num_cached: int
+    text: str = ""
 
 
 class RequestStream:
@@ -38,6 +40,7 @@ class RequestStream:
         self.loop, self.request_id = loop, request_id
         self.queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
         self.finished = False
+        self.seq: Any = None  # the engine's Sequence (touched on the engine thread only)
 
     def push(self, item: TokenEvent | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -129,14 +132,15 @@ class EngineLoop:
                 stream.push(RuntimeError(seq.error or "the request failed"))
                 continue
             stream.push(TokenEvent(seq.output_ids[-1], len(seq.output_ids), seq.finish_reason, seq.stop_text,
-                                   seq.num_cached))
+                                   seq.num_cached, seq.text.delta))
             if seq.finish_reason:
                 self._streams.pop(seq.request_id, None)
 
     def _abort_all(self, engine) -> None:
         for rid, stream in list(self._streams.items()):
+            tail = stream.seq.text.finish() if stream.seq is not None else ""  # the text held back
             engine.abort(rid)
-            stream.push(TokenEvent(-1, 0, "abort", None, 0))
+            stream.push(TokenEvent(-1, 0, "abort", None, 0, tail))
         self._streams.clear()
 
     # ------------------------------------------------------------------------- commands
@@ -162,7 +166,7 @@ class EngineLoop:
         stream = RequestStream(asyncio.get_running_loop(), request_id)
 
         def add(engine):
-            engine.add_request(prompt_ids, params, request_id=request_id)
+            stream.seq = engine.add_request(prompt_ids, params, request_id=request_id)
             self._streams[request_id] = stream
 
         await self.acall(add)

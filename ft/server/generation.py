@@ -1,8 +1,10 @@
-"""Driving one request from the asyncio side: submit, receive tokens, turn them into text deltas.
+"""Driving one request from the asyncio side: submit, receive tokens with their text deltas.
 
-`TextStream` keeps the emitted text a prefix of the final text: it holds back an incomplete
-UTF-8 character and, when stop strings are set, the last characters that could still start
-one (the engine cuts the text before a stop string when it finishes the request).
+The engine decodes each sequence's text once per token (`ft.engine.detokenizer.OutputText`) and
+each `TokenEvent` carries the text that token releases: never half a UTF-8 character and, when
+stop strings are set, never the last characters that could still start one (the text is cut
+before a stop string when it finishes the request). So the emitted text is always a prefix of
+the final text, and nothing is decoded here.
 """
 
 from __future__ import annotations
@@ -16,32 +18,21 @@ from ft.server.engine_loop import EngineLoop, RequestStream, TokenEvent
 
 
 class TextStream:
-    def __init__(self, tokenizer, stops: tuple[str, ...]) -> None:
-        self.tokenizer = tokenizer
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.ids: list[int] = []
-        self.emitted = ""
+    """The text of one request, added up from its events' deltas (the engine decodes
+    incrementally and applies the stop strings)."""
+
+    def __init__(self) -> None:
+        self._parts: list[str] = []
 
     def feed(self, ev: TokenEvent) -> str:
         """The new text that `ev` makes safe to send."""
-        if ev.token_id >= 0:
-            self.ids.append(ev.token_id)
-        if ev.finish_reason:
-            final = ev.stop_text if ev.stop_text is not None else self.tokenizer.decode(self.ids)
-            return self._advance(final, final=True)
-        full = self.tokenizer.decode(self.ids).rstrip("\ufffd")
-        return self._advance(full[: max(0, len(full) - self.hold)])
+        if ev.text:
+            self._parts.append(ev.text)
+        return ev.text
 
-    def _advance(self, text: str, final: bool = False) -> str:
-        if text.startswith(self.emitted) and len(text) >= len(self.emitted):
-            delta = text[len(self.emitted):]
-            self.emitted = text
-            return delta
-        if final:  # the decoder rewrote its tail (rare): send what follows the common part
-            delta = text[len(self.emitted):]
-            self.emitted = text
-            return delta
-        return ""
+    @property
+    def emitted(self) -> str:
+        return "".join(self._parts)
 
 
 @dataclass
@@ -76,8 +67,8 @@ async def stream_tokens(
             gen.completion_tokens = ev.num_output or gen.completion_tokens
             gen.cached_tokens = ev.num_cached
             delta = text.feed(ev)
-            gen.text = text.emitted
             if ev.finish_reason:
+                gen.text = text.emitted
                 gen.finish_reason = ev.finish_reason
                 stream.finished = True
                 if delta:
@@ -86,6 +77,7 @@ async def stream_tokens(
             if delta:
                 yield delta
     finally:
+        gen.text = text.emitted
         if not stream.finished:
             loop.abort(stream.request_id)
 

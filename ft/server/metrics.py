@@ -77,14 +77,14 @@ def engine_snapshot(engine) -> dict:
     pools = engine.pools
     st = pools.experts.stats if pools.experts else None
     rebuilds: dict[str, int] = {}
-    for h in engine.history:
+    for h in engine.cache.history:
         if h["trigger"] != "startup":
             rebuilds[h["status"]] = rebuilds.get(h["status"], 0) + 1
     return {
         "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
         "kv_used_tokens": pools.kv.num_used_pages * pools.kv.page_size, "kv_tokens": pools.kv.num_tokens,
         "mamba_used": pools.mamba.num_used, "moe_slots": pools.experts.num_slots if pools.experts else 0,
-        "budget_bytes": engine.budget.budget_bytes,
+        "budget_bytes": engine.cache.budget.budget_bytes,
         "moe_bytes": pools.experts.nbytes if pools.experts else 0, "kv_bytes": pools.kv.nbytes,
         "mamba_bytes": pools.mamba.nbytes, "hits": st.hits if st else 0, "misses": st.misses if st else 0,
         "prompt_tokens": engine.counters["prompt_tokens"], "generation_tokens": engine.counters["generation_tokens"],

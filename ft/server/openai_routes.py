@@ -87,7 +87,7 @@ async def _collect(st, stream, text, gen, request) -> None:
 
 
 async def _start(st, prompt_ids: list[int], params, rid: str):
-    from ft.engine.errors import RequestError
+    from ft.errors import RequestError
 
     try:
         return await st.loop.submit(prompt_ids, params, rid)
@@ -171,7 +171,7 @@ async def _respond(st, request: Request, body: _Sampling, ids: list[int], params
     """Run one request and answer it whole or as server-sent events."""
     gen = Generation(prompt_tokens=len(ids))
     stream = await _start(st, ids, params, shape.rid)
-    text = TextStream(st.tokenizer, params.stop)
+    text = TextStream()
     st.metrics.request_started()
     if not body.stream:
         await _collect(st, stream, text, gen, request)

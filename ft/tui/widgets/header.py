@@ -34,4 +34,6 @@ class HeaderBar(Widget):
         t.append(self.state, STATE_STYLE.get(self.state, "bold"))
         if self.state not in ("unreachable", "connecting"):
             t.append(f"  up {format_uptime(c.uptime_s)}  running {c.running}  waiting {c.waiting}")
+        if c.degraded:
+            t.append(f"  DEGRADED: {c.degraded}", "bold red")
         return t

@@ -1,0 +1,107 @@
+"""The memory budget of the cache pools and the startup geometry.
+
+Budget: after the resident weights load, `free x memory_ratio - activation reserve`, where the
+card is the real device or, with `gpu_memory_limit`, a card of that size (on CPU the limit plays
+the card, with a small default so the demo shows real trade-offs). Unit costs come from real
+tensors (`ft.engine.cache.manager`), and every byte figure comes from `layout.MemoryLayout`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ft.engine.cache.layout import Geometry, MemoryLayout
+from ft.errors import ConfigError
+from ft.units import format_bytes
+
+CPU_DEFAULT_CARD = 96 * 1024**2
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    card_bytes: int
+    free_bytes: int  # after the resident weights
+    reserve_bytes: int  # activations of the largest forward pass
+    budget_bytes: int  # what the cache pools may use together
+
+
+def measure_budget(
+    device: torch.device, resident_bytes: int, memory_ratio: float, gpu_memory_limit: int | None, reserve_bytes: int,
+    cap: int | None = None,
+) -> MemoryBudget:
+    if not 0 < memory_ratio <= 1:
+        raise ConfigError(f"--memory-ratio must be in (0, 1], got {memory_ratio}")
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        card = total
+        if gpu_memory_limit:
+            card = min(total, gpu_memory_limit)
+            free = max(0, min(free, card - (total - free)))
+            torch.cuda.set_per_process_memory_fraction(card / total, device)
+    else:
+        card = gpu_memory_limit or CPU_DEFAULT_CARD
+        free = max(0, card - resident_bytes)
+    budget = int(free * memory_ratio) - reserve_bytes
+    if cap is not None:
+        budget = min(budget, cap)
+    if budget <= 0:
+        raise ConfigError(
+            f"no memory left for the cache pools: card {format_bytes(card)}, weights "
+            f"{format_bytes(resident_bytes)}, activation reserve {format_bytes(reserve_bytes)}; "
+            "raise --gpu-memory-limit or --memory-ratio"
+        )
+    return MemoryBudget(card, free, reserve_bytes, budget)
+
+
+def startup_geometry(
+    budget: MemoryBudget,
+    layout: MemoryLayout,
+    *,
+    total_experts: int,
+    expert_floor: int,
+    context_limit: int,
+    mamba_slots: int,
+    num_tokens: int | None,
+    moe_backend: str,
+    moe_cache_size: int | None,
+) -> Geometry:
+    """Sizes at startup. KV: `num_tokens` or the whole context; MoE: resident (every expert),
+    an explicit size, or auto (what the budget leaves, at most every expert). Refuses, with the
+    figures, any combination that does not fit. Bytes are the layout's (allocator) bytes."""
+    page = layout.page_size
+    total = budget.budget_bytes
+    c = layout.unit_costs()
+    if moe_backend == "resident":
+        moe = total_experts
+    elif moe_cache_size is not None:
+        if moe_cache_size < expert_floor:
+            raise ConfigError(f"--moe-cache-size {moe_cache_size} is below the expert floor {expert_floor}")
+        moe = min(moe_cache_size, total_experts)
+    else:
+        moe = None
+    kv = layout.round_size("kv", num_tokens if num_tokens is not None else context_limit)
+    if num_tokens is None:
+        # default KV: the whole context when it fits beside the experts, else what is left
+        experts = moe if moe is not None else expert_floor
+        fit = layout.largest("kv", lambda s: layout.nbytes(Geometry(experts, s, mamba_slots)) <= total, page, kv)
+        kv = max(page, fit)
+    if moe is None:
+        moe = max(0, layout.largest("moe", lambda s: layout.nbytes(Geometry(s, kv, mamba_slots)) <= total,
+                                    0, total_experts))
+        if moe < expert_floor:
+            raise ConfigError(
+                f"the expert cache gets {moe} slots after KV ({kv} tokens) and mamba "
+                f"({mamba_slots} slots); it needs at least {expert_floor}. Budget {format_bytes(total)}: "
+                "lower --num-tokens or raise --gpu-memory-limit"
+            )
+    geo = Geometry(moe, kv, mamba_slots)
+    need = layout.nbytes(geo)
+    if need > total:
+        raise ConfigError(
+            f"cache pools need {format_bytes(need)} (moe {moe} slots x {format_bytes(c.expert_slot)}, "
+            f"kv {geo.kv_tokens} tokens, mamba {mamba_slots} slots) but the budget is {format_bytes(total)}"
+            + ("; the resident backend keeps every expert on the device: try --moe-backend offload" if moe_backend == "resident" else "")
+        )
+    return geo

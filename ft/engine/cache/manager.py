@@ -1,0 +1,255 @@
+"""The cache manager: budget, byte layout, pools, limits and ranges, plans, rebuilds, history.
+
+It owns the three pools and is the only place that turns sizes into bytes (`layout.py`). The
+geometry is never stored: it is read back from the pools, so it cannot go stale, not even after
+a rollback that failed half way (the manager then reports `degraded`). The engine gives it the
+pools' shapes and the measured budget; the scheduler and prefix cache are attached once they
+exist (they hold pages and slots that limits and relocations must respect).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ft.engine.cache.budget import MemoryBudget, startup_geometry
+from ft.engine.cache.layout import Geometry, MemoryLayout
+from ft.engine.cache.planner import Limits, Plan, plan, reachable_ranges
+from ft.engine.cache.rebuild import Rebuilder
+from ft.errors import RebuildFailed, RebuildRefused
+from ft.kernels.moe import SlotWeights
+from ft.memory.cache_pools import CachePools
+from ft.memory.expert_cache import ExpertCache
+from ft.memory.kv_pool import KVPool
+from ft.memory.mamba_pool import MambaPool
+from ft.memory.storage import PoolStorage
+
+
+@dataclass(frozen=True)
+class PoolShapes:
+    """What the pools are made of (from the model config): KV pages of every full-attention
+    layer, conv + SSM state of every linear-attention layer, routed experts from a host store."""
+
+    page_size: int
+    kv_layers: int
+    kv_heads: int
+    head_dim: int
+    mamba_layers: int
+    conv_dim: int
+    conv_width: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    host_experts: SlotWeights | None
+
+    def kv_pool(self, pages: int, storage: PoolStorage) -> KVPool:
+        return KVPool(pages, self.page_size, self.kv_layers, self.kv_heads, self.head_dim, self.dtype, self.device,
+                      storage)
+
+    def mamba_pool(self, slots: int, storage: PoolStorage) -> MambaPool:
+        return MambaPool(slots, self.mamba_layers, self.conv_dim, self.conv_width, self.v_heads, self.k_dim,
+                         self.v_dim, self.dtype, self.device, storage)
+
+    def expert_cache(self, slots: int, storage: PoolStorage) -> ExpertCache | None:
+        if self.host_experts is None:
+            return None
+        return ExpertCache(self.host_experts, slots, self.device, storage=storage)
+
+    @property
+    def total_experts(self) -> int:
+        h = self.host_experts
+        return 0 if h is None else h.w13.shape[0] * h.w13.shape[1]
+
+
+@dataclass(frozen=True)
+class SizingOptions:
+    """How the startup geometry is chosen and what bounds a resize."""
+
+    context_limit: int
+    mamba_slots: int
+    num_tokens: int | None
+    moe_backend: str  # "offload" | "resident"
+    moe_cache_size: int | None
+    storage_backend: str | None = None  # None: the best the device has (vmm, mmap, else realloc)
+
+
+def measure_layout(shapes: PoolShapes, storage: PoolStorage) -> MemoryLayout:
+    """Bytes per unit of every pool tensor, read from real one-unit pools (never guessed)."""
+    probe = PoolStorage(shapes.device, backend="realloc")
+    rows = {"kv": shapes.kv_pool(1, probe).tensors, "mamba": shapes.mamba_pool(1, probe).tensors}
+    experts = shapes.expert_cache(1, probe)
+    rows["moe"] = experts.tensors if experts else []
+    row_bytes = {p: tuple(t[0].numel() * t.element_size() for t in ts) for p, ts in rows.items()}
+    return MemoryLayout(row_bytes, shapes.page_size, storage.granularity, storage.reallocates, storage.backend)
+
+
+class CacheManager:
+    def __init__(self, shapes: PoolShapes, budget: MemoryBudget, opts: SizingOptions, expert_floor: int) -> None:
+        t0 = time.time()
+        self.shapes, self.budget, self.opts, self.expert_floor = shapes, budget, opts, expert_floor
+        self.storage = PoolStorage(shapes.device, budget.budget_bytes, opts.storage_backend)
+        self.layout = measure_layout(shapes, self.storage)
+        geo = startup_geometry(
+            budget, self.layout, total_experts=self.total_experts, expert_floor=expert_floor,
+            context_limit=opts.context_limit, mamba_slots=opts.mamba_slots, num_tokens=opts.num_tokens,
+            moe_backend=opts.moe_backend, moe_cache_size=opts.moe_cache_size,
+        )
+        self.pools = self._build(geo)
+        self.degraded: str | None = None  # what a failed rollback left behind, until a rebuild succeeds
+        self._scheduler = None  # attached: the holders of pages and slots
+        self._prefix = None
+        self.rebuilder = Rebuilder(self.pools, lambda: (self._scheduler.running, self._prefix), shapes.page_size)
+        self.history: list[dict] = [{
+            "id": 0, "time": time.time(), "trigger": "startup", "reason": None, "from": {},
+            "to": geo.sizes(), "peak_bytes": self.layout.nbytes(geo), "status": "ok", "error": None,
+            "phases": {"total_s": round(time.time() - t0, 3)},
+        }]
+
+    def _build(self, geo: Geometry) -> CachePools:
+        s, st = self.shapes, self.storage
+        experts = s.expert_cache(geo.moe_slots, st)
+        if experts is not None and self.opts.moe_backend == "resident":
+            experts.preload_all()
+        return CachePools(s.kv_pool(self.layout.units("kv", geo.kv_tokens), st), s.mamba_pool(geo.mamba_slots, st),
+                          experts, st)
+
+    def attach(self, scheduler, prefix_cache) -> None:
+        """The holders of pages and slots: limits keep what they hold, shrinks relocate it."""
+        self._scheduler, self._prefix = scheduler, prefix_cache
+
+    # ----------------------------------------------------------------------------- state
+    @property
+    def geometry(self) -> Geometry:
+        """What the pools really hold (derived, never stored)."""
+        s = self.pools.sizes()
+        return Geometry(s["moe"], s["kv"], s["mamba"])
+
+    @property
+    def total_experts(self) -> int:
+        return self.shapes.total_experts
+
+    @property
+    def allocated_bytes(self) -> int:
+        """The layout's bytes of the current geometry (what the allocator should hold)."""
+        return self.layout.nbytes(self.geometry)
+
+    def limits(self, held: bool = True) -> Limits:
+        """Floors and ceilings of each pool now: the expert floor, the KV pages and mamba slots
+        that running requests hold and the first waiting request will need (`held=False`: as if
+        none ran); every expert, the context-independent maximum for the others."""
+        sched = self._scheduler
+        running = sched.running if held and sched else []
+        waiting = sched.waiting if held and sched else []
+        held_pages = len({p for s in running for p in s.pages})
+        waiting_pages = max((self.pools.kv.pages_for(s.num_tokens + 1) for s in waiting), default=0)
+        held_pages = max(held_pages, waiting_pages)
+        moe_floor = self.total_experts if self.opts.moe_backend == "resident" else self.expert_floor
+        return Limits(
+            floor={"moe": moe_floor, "kv": max(1, held_pages) * self.shapes.page_size,
+                   "mamba": max(1, len(running))},
+            ceiling={"moe": self.total_experts, "kv": 2**62, "mamba": 2**31},
+        )
+
+    def reachable_ranges(self) -> dict[str, tuple[int, int]]:
+        return reachable_ranges(self.geometry, self.layout, self.budget.budget_bytes, self.limits())
+
+    def exchange_rates(self) -> dict[str, float]:
+        """What one expert slot is worth in the other pools' units (exact bytes per unit)."""
+        c = self.layout.unit_costs()
+        if not c.expert_slot:
+            return {}
+        return {"kv_tokens_per_expert_slot": c.expert_slot / c.kv_page * c.page_size,
+                "mamba_slots_per_expert_slot": c.expert_slot / c.mamba_slot}
+
+    def moe_beside(self, kv_tokens: int) -> int | None:
+        """Expert slots for a geometry with `kv_tokens` of KV (mamba unchanged): all the budget
+        leaves, or the fixed count of the resident backend / an explicit --moe-cache-size. None
+        when that is below the expert floor or does not fit."""
+        g, budget = self.geometry, self.budget.budget_bytes
+        def fits(moe: int) -> bool:
+            return self.layout.nbytes(Geometry(moe, kv_tokens, g.mamba_slots)) <= budget
+        if self.opts.moe_backend == "resident" or self.opts.moe_cache_size is not None:
+            return g.moe_slots if fits(g.moe_slots) else None
+        moe = self.layout.largest("moe", fits, 0, self.total_experts)
+        return moe if moe >= max(1, self.expert_floor) else None
+
+    # ----------------------------------------------------------------------------- resizing
+    def target(self, moe: int | None = None, kv: int | None = None, mamba: int | None = None) -> Geometry:
+        g = self.geometry
+        return Geometry(g.moe_slots if moe is None else moe,
+                        g.kv_tokens if kv is None else self.layout.round_size("kv", kv),
+                        g.mamba_slots if mamba is None else mamba)
+
+    def plan_resize(self, moe: int | None = None, kv: int | None = None, mamba: int | None = None,
+                    held: bool = True) -> Plan:
+        """The plan from the current geometry to the target (None keeps a pool's size); with
+        held=False, as if no request held pages or slots (would it fit once they finish?)."""
+        return plan(self.geometry, self.target(moe, kv, mamba), self.layout, self.budget.budget_bytes,
+                    self.limits(held))
+
+    def rebuild(self, moe: int | None = None, kv: int | None = None, mamba: int | None = None,
+                trigger: str = "manual", reason: str | None = None) -> dict:
+        """Resize the pools live (None keeps a pool). Returns the history entry.
+
+        Raises RebuildRefused (nothing touched, recorded in history when the ladder asked) when
+        the target is outside the reachable ranges, RebuildFailed after a rollback (the old
+        geometry keeps serving; `degraded` when the rollback could not restore everything).
+        """
+        p = self.plan_resize(moe, kv, mamba)
+        entry = self._entry(trigger, reason, p)
+        if not p.fits:
+            err = RebuildRefused(p.reason, self.reachable_ranges())
+            if trigger != "manual":  # a user's refused resize is answered to the user; the rest is history
+                self.history.append({**entry, "status": "refused", "error": str(err)})
+            raise err
+        if p.target == p.current:
+            return {**entry, "phases": {"total_s": 0.0}}
+        try:
+            entry["phases"] = {k: round(v, 6) for k, v in self.rebuilder.run(p).items()}
+        except RebuildFailed as e:
+            self.degraded = e.degraded if e.degraded or self.geometry == p.current else (
+                f"the pools hold {self.geometry.sizes()} after the rollback, not {p.current.sizes()}")
+            entry.update(status="rolled_back" if not self.degraded else "degraded", error=str(e),
+                         measured_peak_bytes=self.rebuilder.measured_peak_bytes, to=self.geometry.sizes())
+            self.history.append(entry)
+            raise
+        entry["measured_peak_bytes"] = self.rebuilder.measured_peak_bytes
+        if self.geometry != p.target:  # a bug, not a user error: say so loudly
+            raise AssertionError(f"rebuild landed on {self.geometry} instead of {p.target}")
+        if self.degraded and self.storage.held_bytes() <= self.allocated_bytes:
+            self.degraded = None  # every pool was resized as a whole again
+        self.history.append(entry)
+        return entry
+
+    def record(self, trigger: str, reason: str, status: str, error: str | None = None) -> dict:
+        """A history entry for a decision that did not resize (a ladder move refused or held)."""
+        g = self.geometry.sizes()
+        entry = {"id": len(self.history), "time": time.time(), "trigger": trigger, "reason": reason,
+                 "from": g, "to": g, "peak_bytes": self.allocated_bytes, "status": status, "error": error,
+                 "phases": {"total_s": 0.0}}
+        self.history.append(entry)
+        return entry
+
+    def _entry(self, trigger: str, reason: str | None, p: Plan) -> dict:
+        return {"id": len(self.history), "time": time.time(), "trigger": trigger, "reason": reason,
+                "from": p.current.sizes(), "to": p.target.sizes(), "peak_bytes": p.peak_bytes,
+                "status": "ok", "error": None, "phases": {}}
+
+    # ----------------------------------------------------------------------------- reports
+    def describe(self) -> dict:
+        """Budget, unit costs, layout and geometry (printed by the CLI, served by the admin API)."""
+        lay = self.layout
+        return {
+            "budget": self.budget.__dict__,
+            "unit_costs": lay.unit_costs().__dict__,
+            "storage": {"backend": lay.backend, "granularity_bytes": lay.granularity,
+                        "reallocates": lay.reallocates, "held_bytes": self.storage.held_bytes()},
+            "geometry": self.geometry.__dict__,
+            "expert_floor": self.expert_floor,
+            "total_experts": self.total_experts,
+            "degraded": self.degraded,
+        }

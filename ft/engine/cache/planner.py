@@ -1,0 +1,109 @@
+"""Rebuild plans and reachable ranges, both from one planner.
+
+A plan turns the current geometry into a target as ordered steps: every shrink (which frees
+memory) before any grow (which takes it), so the peak is the larger of the two totals, never
+their sum, plus whatever a reallocating backend holds twice while it copies. All bytes come from
+`MemoryLayout` (allocator granularity included). A target is reachable iff every pool is within
+its floor and ceiling and the plan's peak fits the budget. `reachable_ranges` asks the same
+planner (a binary search over each pool's size with the other two held where they are), so
+what the API advertises is exactly what a resize accepts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ft.engine.cache.layout import POOLS, Geometry, MemoryLayout
+from ft.units import format_bytes
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Floors and ceilings per pool in user units (moe slots, kv tokens, mamba slots)."""
+
+    floor: dict[str, int]
+    ceiling: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Step:
+    action: str  # "shrink" | "grow"
+    pool: str
+    old: int  # user units
+    new: int
+    delta_bytes: int
+    total_bytes: int  # held by all pools after the step
+    peak_bytes: int  # the most held during the step
+
+
+@dataclass(frozen=True)
+class Plan:
+    current: Geometry
+    target: Geometry
+    steps: tuple[Step, ...]
+    peak_bytes: int
+    budget_bytes: int
+    reason: str | None  # why it does not fit; None when it does
+
+    @property
+    def fits(self) -> bool:
+        return self.reason is None
+
+
+def sizes(g: Geometry) -> dict[str, int]:
+    return g.sizes()
+
+
+def _steps(current: Geometry, target: Geometry, layout: MemoryLayout) -> tuple[list[Step], int]:
+    cur, tgt = current.sizes(), target.sizes()
+    total = layout.nbytes(current)
+    peak = total
+    deltas = {p: layout.pool_bytes(p, tgt[p]) - layout.pool_bytes(p, cur[p]) for p in POOLS}
+    steps = []
+    for p in sorted(POOLS, key=lambda p: deltas[p]):  # frees first, then the smallest grows
+        if tgt[p] == cur[p]:
+            continue
+        step_peak, after = layout.resize_peak(p, cur[p], tgt[p], total)
+        peak = max(peak, step_peak)
+        steps.append(Step("shrink" if tgt[p] < cur[p] else "grow", p, cur[p], tgt[p], after - total, after, step_peak))
+        total = after
+    return steps, peak
+
+
+def plan(current: Geometry, target: Geometry, layout: MemoryLayout, budget: int, limits: Limits) -> Plan:
+    steps, peak = _steps(current, target, layout)
+    cur, tgt = current.sizes(), target.sizes()
+    reason = None
+    for p in POOLS:
+        if not limits.floor[p] <= tgt[p] <= limits.ceiling[p]:
+            lo, hi = reachable_ranges(current, layout, budget, limits)[p]  # what the user can pick
+            reason = f"{p} {tgt[p]} is outside {lo}..{hi}"
+            break
+    if reason is None and steps and peak > budget:
+        changed = [p for p in POOLS if tgt[p] != cur[p]]
+        if len(changed) == 1:  # name the range the user can act on
+            p = changed[0]
+            lo, hi = reachable_ranges(current, layout, budget, limits)[p]
+            reason = f"{p} {tgt[p]} is outside {lo}..{hi}"
+        else:
+            reason = f"peak {format_bytes(peak)} exceeds the rebuild budget {format_bytes(budget)}"
+    return Plan(current, target, tuple(steps), peak, budget, reason)
+
+
+def reachable_ranges(current: Geometry, layout: MemoryLayout, budget: int, limits: Limits) -> dict[str, tuple[int, int]]:
+    """For each pool, [min, max] of the sizes whose plan fits with the other pools held fixed
+    (hi < lo when none does). The plan's peak grows with the pool's size, so the sizes that fit
+    are [floor, largest that fits]."""
+    out = {}
+    for p in POOLS:
+        lo, hi = limits.floor[p], limits.ceiling[p]
+        if p == "kv":
+            lo = layout.round_size("kv", lo)
+
+        def fits(size: int, p: str = p) -> bool:
+            _, peak = _steps(current, current.with_size(p, size), layout)
+            return peak <= budget
+
+        top = layout.largest(p, fits, lo, hi)
+        out[p] = (lo, top) if top >= lo else (lo, lo - 1)
+    return out

@@ -1,0 +1,87 @@
+"""Loading: where a model comes from, its weights on the device, the activation reserve.
+
+`load_model` returns the model (resident weights on the device) and the routed experts' host
+store; `activation_reserve` estimates the bytes a forward pass needs beside the pools.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ft.kernels.backend import uses_triton
+from ft.kernels.moe import SlotWeights, moe_workspace_bytes
+from ft.model.checkpoint import CheckpointReader, load_weights
+from ft.model.config import ModelConfig
+from ft.model.layers.linear import NVFP4Weight
+from ft.model.qwen3_next import Qwen3NextModel, tensor_specs
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """A checkpoint directory; for "synthetic:PATH/config.json" the config file itself."""
+    from ft.tools.synthetic import config_path, is_synthetic
+
+    if is_synthetic(model):
+        return config_path(model)
+    if model in (None, "", "demo"):
+        from ft.tools.demo import ensure_demo_checkpoint
+
+        return ensure_demo_checkpoint()
+    return Path(model).expanduser()
+
+
+def tokenizer_dir(model_path: Path) -> Path:
+    """The directory with the tokenizer: the checkpoint's, or the demo's for synthetic models."""
+    if model_path.is_dir():
+        return model_path
+    from ft.tools.demo import default_cache_dir, write_tokenizer_files
+
+    path = default_cache_dir() / "demo-tokenizer-v1"
+    if not (path / "tokenizer.json").is_file():
+        write_tokenizer_files(path)
+    return path
+
+
+def load_model(
+    model: str | None, model_path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int,
+    progress: bool,
+) -> tuple[Qwen3NextModel, SlotWeights | None]:
+    """The model with its resident weights on `device`, and the routed experts' host store."""
+    from ft.tools.synthetic import is_synthetic, synthetic_weights
+
+    specs, expert_names = tensor_specs(cfg)
+    if is_synthetic(model):
+        weights = synthetic_weights(specs, expert_names, dtype, device, seed)
+    else:
+        weights = load_weights(CheckpointReader(model_path), specs, expert_names, dtype, device,
+                               torch.device("cpu"), progress)
+    if not uses_triton(device):
+        # NOTE: the CPU path computes resident projections dense (the exact dequantized values);
+        # routed experts stay NVFP4 in the host store and the slots. (Interpreter tests keep
+        # them NVFP4 to run the Triton kernels on the CPU.)
+        weights.tensors = {k: (v.dequantize(dtype) if isinstance(v, NVFP4Weight) else v)
+                           for k, v in weights.tensors.items()}
+    return Qwen3NextModel(cfg, weights, dtype, device), weights.experts
+
+
+def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, prefill_tokens: int,
+                       max_running: int) -> int:
+    """Bytes of activations alive at the peak of the largest forward pass (a full prefill chunk):
+    the residual stream and a normalised copy, plus the widest projection output twice (its input
+    split and its product), plus the Triton MoE's fp32 workspace where Triton runs, plus the
+    logits. Estimated from the config; the CUDA path will replace this with a profiled figure."""
+    widest = max(
+        2 * cfg.linear_key_dim + 2 * cfg.linear_value_dim,  # in_proj_qkvz
+        2 * cfg.num_attention_heads * cfg.head_dim,  # q with its gate
+        2 * cfg.num_experts_per_tok * cfg.moe_intermediate_size,  # routed gate/up of every pair
+        2 * max(cfg.shared_expert_intermediate_size, cfg.intermediate_size),
+        cfg.num_experts,
+    )
+    per_token = (3 * cfg.hidden_size + 2 * widest) * torch.finfo(dtype).bits // 8
+    moe = 0
+    if uses_triton(device):  # the Triton MoE's workspace (the CPU reference allocates per group)
+        moe = moe_workspace_bytes(prefill_tokens, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size)
+    return prefill_tokens * per_token + moe + max_running * cfg.vocab_size * 4

@@ -1,0 +1,194 @@
+"""The model runner: scheduled work in, one sampled token per finished sequence out.
+
+It prepares the batch for the model in persistent device buffers, runs it over the pools, and
+samples on the device. `Engine.step` only sees `run(work) -> token ids`; where the batch lives
+and how it is sampled (and later, which CUDA graph replays it) is this module's business.
+
+Buffers: every input of a step (token ids, positions, sequence lengths, last-token indices,
+mamba slots, the page table, the sampling parameters) lives in a device tensor allocated once,
+sized for the largest batch, with a host staging twin (pinned on CUDA). A step writes its values
+into the host prefix and copies that prefix to the device in one copy per buffer, so the
+addresses the model reads stay fixed from step to step (what a CUDA graph capture needs). The
+`ForwardBatch` the model gets is made of views of these buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ft.engine.sampler import SamplingBatch, sample
+from ft.engine.scheduler import ScheduledWork
+from ft.engine.sequence import Sequence
+from ft.memory.cache_pools import CachePools
+from ft.model.forward_batch import ForwardBatch, SeqSlice
+
+
+class StagedBuffer:
+    """A persistent device buffer [capacity] and its host staging twin (pinned on CUDA)."""
+
+    def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self._alloc(max(1, capacity))
+
+    def _alloc(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.device_buffer = torch.zeros(capacity, dtype=self.dtype, device=self.device)
+        self.host = torch.zeros(capacity, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        self._host_np = self.host.numpy()
+
+    def reserve(self, n: int) -> None:
+        # NOTE: the only reallocation: a batch larger than the buffer (the constructor's sizes
+        # were too small). The address changes, so a captured graph would have to be recaptured.
+        if n > self.capacity:
+            self._alloc(max(n, 2 * self.capacity))
+
+    def load(self, values) -> torch.Tensor:
+        """Copy `values` (a list of numbers) into the buffer's prefix; returns that prefix [n]."""
+        n = len(values)
+        self.reserve(n)
+        self._host_np[:n] = values
+        out = self.device_buffer[:n]
+        out.copy_(self.host[:n], non_blocking=True)
+        return out
+
+
+class PageTableBuffer:
+    """The page table [rows, cols] int64 of a batch: row i holds sequence i's KV pages.
+
+    Only the block [B, w] a batch uses travels: packed in the host staging, copied in one copy to
+    a flat device scratch, then spread into the table's rows on the device (fixed addresses)."""
+
+    def __init__(self, rows: int, cols: int, device: torch.device) -> None:
+        self.device = device
+        self._alloc(max(1, rows), max(1, cols))
+
+    def _alloc(self, rows: int, cols: int) -> None:
+        self.rows, self.cols = rows, cols
+        self.table = torch.zeros(rows, cols, dtype=torch.int64, device=self.device)
+        self._scratch = torch.zeros(rows * cols, dtype=torch.int64, device=self.device)
+        self._host = torch.zeros(rows * cols, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._host_np = self._host.numpy()
+
+    def reserve(self, rows: int, cols: int) -> None:
+        # NOTE: reallocates (new addresses) only when a batch exceeds the constructor's sizes.
+        if rows > self.rows or cols > self.cols:
+            self._alloc(max(rows, self.rows), max(cols, self.cols))
+
+    def load(self, pages: list[list[int]]) -> list[torch.Tensor]:
+        """Write each sequence's pages into its row; returns the views table[i, :len(pages[i])]."""
+        b, w = len(pages), max(1, max(map(len, pages), default=0))
+        self.reserve(b, w)
+        block = self._host_np[: b * w].reshape(b, w)
+        for i, row in enumerate(pages):
+            block[i, : len(row)] = row
+        self._scratch[: b * w].copy_(self._host[: b * w], non_blocking=True)
+        self.table[:b, :w].copy_(self._scratch[: b * w].view(b, w))
+        return [self.table[i, : len(row)] for i, row in enumerate(pages)]
+
+
+class ModelRunner:
+    """Owns the step's device buffers; `run(work)` is one forward pass and one sampling.
+
+    Sizes: up to `max_running_requests` sequences, `max(max_prefill_length, max_running_requests)`
+    tokens and `max_pages_per_seq` KV pages per sequence (ceil(context_limit / page_size)); the
+    defaults start at one and grow with the first batches.
+    """
+
+    def __init__(
+        self,
+        model,
+        pools: CachePools,
+        device: torch.device,
+        max_running_requests: int = 1,
+        max_prefill_length: int = 1,
+        max_pages_per_seq: int = 1,
+    ) -> None:
+        self.model, self.pools, self.device = model, pools, device
+        rows, tokens = max_running_requests, max(max_prefill_length, max_running_requests)
+        i64, f32 = torch.int64, torch.float32
+        self.buffers: dict[str, StagedBuffer] = {
+            name: StagedBuffer(n, dtype, device) for name, n, dtype in (
+                ("input_ids", tokens, i64), ("positions", tokens, i64),
+                ("seq_lens", rows, torch.int32), ("last_token_index", rows, i64), ("mamba_slots", rows, i64),
+                ("temperature", rows, f32), ("top_k", rows, i64), ("top_p", rows, f32), ("uniform", rows, f32),
+            )
+        }
+        self.page_table = PageTableBuffer(rows, max_pages_per_seq, device)
+        self._sampled = torch.zeros(rows, dtype=i64, pin_memory=device.type == "cuda")  # host side of token ids
+        self._event = torch.cuda.Event() if device.type == "cuda" else None
+        self.last_logits: torch.Tensor | None = None  # [B, V] of the last step (tests and debugging)
+
+    # ------------------------------------------------------------------------------- inputs
+    def prepare(self, work: ScheduledWork) -> ForwardBatch:
+        """The batch of `work` as views of the persistent buffers."""
+        ids: list[int] = []
+        pos: list[int] = []
+        seq_lens, last, slots = [], [], []
+        for seq, n in zip(work.seqs, work.num_tokens):
+            start = seq.num_computed
+            ids.extend(_tokens(seq, start, n))
+            pos.extend(range(start, start + n))
+            seq_lens.append(start + n)
+            last.append(len(ids) - 1)
+            slots.append(seq.mamba_slot)
+        buf = self.buffers
+        tables = self.page_table.load([seq.pages for seq in work.seqs])
+        slices = [SeqSlice(seq.num_computed, n, table, seq.mamba_slot)
+                  for seq, n, table in zip(work.seqs, work.num_tokens, tables)]
+        batch = ForwardBatch(buf["input_ids"].load(ids), buf["positions"].load(pos), slices)
+        buf["seq_lens"].load(seq_lens)  # for attention kernels that take lengths as a tensor
+        # NOTE: these two are cached properties of ForwardBatch: set here, they are buffer views.
+        batch.last_token_index = buf["last_token_index"].load(last)
+        batch.mamba_slots = buf["mamba_slots"].load(slots)
+        return batch
+
+    def sampling(self, seqs: list[Sequence]) -> SamplingBatch:
+        """The rows' sampling parameters in the buffers; step = tokens generated so far."""
+        rows = [SamplingBatch.row(s.params, s.seed, len(s.output_ids)) for s in seqs]
+        temp, top_k, top_p, uniform = (list(c) for c in zip(*rows))
+        buf = self.buffers
+        return SamplingBatch(
+            buf["temperature"].load(temp), buf["top_k"].load(top_k), buf["top_p"].load(top_p),
+            buf["uniform"].load(uniform), *SamplingBatch.flags([s.params for s in seqs]),
+        )
+
+    # ------------------------------------------------------------------------------- step
+    def run(self, work: ScheduledWork) -> list[int | None]:
+        """One forward pass over `work`; for each sequence the sampled token, or None when its
+        part was a chunk of a longer prompt (no token yet)."""
+        logits = self.model.forward(self.prepare(work), self.pools)  # [B, V] float32
+        self.last_logits = logits
+        done = [seq.num_computed + n >= seq.num_tokens for seq, n in zip(work.seqs, work.num_tokens)]
+        if not any(done):  # chunks of longer prompts only
+            self._wait()
+            return [None] * len(done)
+        tokens = self._to_host(sample(logits, self.sampling(work.seqs)))
+        return [t if d else None for t, d in zip(tokens, done)]
+
+    def _to_host(self, ids: torch.Tensor) -> list[int]:
+        """[B] int64 on the device -> Python ints: one small copy (pinned, then an event wait)."""
+        if self._event is None:
+            return ids.tolist()
+        b = ids.shape[0]
+        if b > self._sampled.numel():  # NOTE: grows only for a batch over the constructor's size
+            self._sampled = torch.zeros(b, dtype=torch.int64, pin_memory=True)
+        out = self._sampled[:b]
+        out.copy_(ids, non_blocking=True)
+        self._wait()
+        return out.tolist()
+
+    def _wait(self) -> None:
+        """Wait for this step's device work. NOTE: every step ends here, so the next step may
+        rewrite the host staging that this step's non-blocking copies read."""
+        if self._event is not None:
+            self._event.record()
+            self._event.synchronize()
+
+
+def _tokens(seq: Sequence, start: int, n: int) -> list[int]:
+    """seq.token_ids[start:start+n] without building the whole list."""
+    p = len(seq.prompt_ids)
+    out = seq.prompt_ids[start : start + n] if start < p else []
+    if start + n > p:
+        out += seq.output_ids[max(0, start - p) : start + n - p]
+    return out

@@ -1,0 +1,27 @@
+"""Which implementation the dispatchers run: Triton or the torch reference.
+
+Triton runs for tensors on CUDA, and on the CPU only in interpreter tests, which ask for it with
+both ``FT_TRITON_INTERPRET_TEST=1`` and ``TRITON_INTERPRET=1`` (triton reads the latter once, at
+import). Everything else runs the torch references.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Activation dtypes the Triton kernels take."""
+
+
+def uses_triton(device: torch.device) -> bool:
+    """Whether the dispatchers run Triton for tensors on `device`."""
+    if device.type == "cuda":
+        return True
+    return os.environ.get("FT_TRITON_INTERPRET_TEST") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def debug_checks() -> bool:
+    """Whether ``FT_DEBUG=1``: the kernels' callers then check what the kernels assume (device syncs)."""
+    return os.environ.get("FT_DEBUG") == "1"

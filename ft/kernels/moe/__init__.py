@@ -1,0 +1,40 @@
+"""Mixture-of-experts over expert *slots*: the expert computation of the routed experts.
+
+The engine keeps routed experts in a pool of slots (dense or NVFP4) and maps (layer, expert)
+to a slot; these functions only see slot indices. `slots.py` holds the pool's type,
+`reference.py` the torch reference, `kernel.py` the Triton kernels (per pair for decode, grouped
+by slot into ``tl.dot`` tiles for long prefill chunks), and this module the dispatcher.
+
+Debug mode (``FT_DEBUG=1`` in the environment): `moe_over_slots` checks that every slot is -1
+or a slot of the pool and raises otherwise (a device sync per call; off by default).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ft.kernels.backend import debug_checks, uses_triton
+from ft.kernels.moe.reference import dense_slots, moe_over_slots_ref
+from ft.kernels.moe.slots import GROUPED_MAX_TOKENS, SlotWeights, check_slots, moe_workspace_bytes
+
+__all__ = [
+    "GROUPED_MAX_TOKENS", "SlotWeights", "check_slots", "dense_slots", "moe_over_slots", "moe_over_slots_ref",
+    "moe_workspace_bytes",
+]
+
+
+def moe_over_slots(
+    x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, w: SlotWeights
+) -> torch.Tensor:
+    """Dispatcher: the Triton kernels (`kernel.py`) for NVFP4 slot pools on CUDA (or
+    on CPU in interpreter tests: ``FT_TRITON_INTERPRET_TEST=1`` with ``TRITON_INTERPRET=1``);
+    the reference for dense pools and otherwise. Same contract as `moe_over_slots_ref`; in debug
+    mode (`debug_checks`) the slots are checked first (`check_slots`)."""
+    if debug_checks():
+        check_slots(topk_slots, w.w13.shape[0])
+    if w.is_nvfp4 and w.w13_scale.dtype == torch.float8_e4m3fn and uses_triton(x.device):
+        # NOTE: imports triton only when used
+        from ft.kernels.moe.kernel import moe_over_slots_triton
+
+        return moe_over_slots_triton(x, topk_slots, topk_weights, w)
+    return moe_over_slots_ref(x, topk_slots, topk_weights, w)

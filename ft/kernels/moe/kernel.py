@@ -1,0 +1,347 @@
+"""Triton MoE over expert slots for NVFP4 slot pools (details module of `ft.kernels.moe`).
+
+Two paths, both without host synchronization (they can be captured in CUDA graphs):
+
+* Decode (T <= GROUPED_MIN_TOKENS): every (token, k) pair reads its expert (with a few tokens
+  and hundreds of experts, pairs rarely share one). Two or three launches:
+  1. `_moe_gate_up_kernel`, grid (pairs, I / BLOCK_I): ``h[p] = silu(x[t] @ gate^T) * (x[t] @ up^T)``
+     for pair p = t * k + j of slot ``topk_slots[t, j]``; gate and up rows interleaved in one
+     tile so that one pass over x reads both; fp32 workspace h [T * k, I].
+  2. `_moe_down_pairs_kernel`, grid (T * k, H / BLOCK_H): ``yp[p] = weight_p * (h[p] @ down^T)``
+     (fp32), then `_moe_sum_pairs_kernel` sums over k per token (no atomics); or, with
+     ``down_per_pair=False``, `_moe_down_kernel`, grid (T, H / BLOCK_H), looping over k in registers.
+  Both run on `ft.kernels.nvfp4.kernel.nvfp4_rows_dot` (word-wise E2M1 decode, fp32 FMAs).
+* Prefill (more tokens): pairs are grouped by slot (a sort plus a few scans in torch, on the
+  device) into tiles of at most BLOCK_M pairs of one slot, and each tile is a ``tl.dot`` GEMM
+  against the slot's dequantized weight tiles (`_moe_grouped_gate_up_kernel`,
+  `_moe_grouped_down_kernel`): each expert's weights are read once per tile of its tokens, not
+  once per token. Per-pair outputs (weighted) are summed per token at the end.
+
+Slot -1 means "skip this pair" (computed in another call): it reads nothing and adds nothing.
+Weights are read in the slot pool's layout (`ft.kernels.moe.SlotWeights`); per-slot global
+scales (gate, up, down) in the epilogues.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ft.kernels.moe.slots import GROUPED_MAX_TOKENS
+from ft.kernels.nvfp4.kernel import as_words, dequant_tile, nvfp4_rows_dot, rows_dot_whole_k, whole_k_words
+
+__all__ = ["GROUPED_MIN_TOKENS", "moe_over_slots_triton"]
+
+GROUPED_MIN_TOKENS = 128
+"""Above this many tokens the grouped (tl.dot) path runs; at or below, the per-pair GEMV path.
+H200, 10 of 512 experts (bench/RESULTS.md): per-pair ~9 us per token; grouped 1.0 ms at 64
+tokens, 1.5 ms at 1024."""
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    p_x, p_slots, p_w13, p_s13, p_s2, p_h,
+    I, H, TOPK,
+    stride_xt, stride_w13e, stride_w13r, stride_s13e, stride_s13r, stride_s2e, stride_ht,
+    BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr, WHOLE_K: tl.constexpr = 0,
+):
+    i_p = tl.program_id(0)
+    i_i = tl.program_id(1)
+    slot = tl.load(p_slots + i_p)
+    on = slot >= 0
+    slot = tl.maximum(slot, 0).to(tl.int64)  # a valid address; a skipped pair reads no weights
+    # tile row 2q + g: gate (g = 0) or up (g = 1) row i_i * BLOCK_I + q
+    o_q = tl.arange(0, 2 * BLOCK_I)
+    o_i = i_i * BLOCK_I + o_q // 2
+    o_r = o_i + (o_q % 2) * I
+    if WHOLE_K > 0:  # H / 8 = WHOLE_K words in one tile
+        b_gu = rows_dot_whole_k(p_w13 + slot * stride_w13e, p_s13 + slot * stride_s13e, o_r, o_i < tl.where(on, I, 0),
+                                stride_w13r, stride_s13r, p_x + (i_p // TOPK) * stride_xt, WHOLE_K, 2 * BLOCK_I)
+    else:
+        o_t = tl.zeros((1,), dtype=tl.int32) + i_p // TOPK
+        b_gu = nvfp4_rows_dot(p_w13 + slot * stride_w13e, p_s13 + slot * stride_s13e, o_r, o_i < I, stride_w13r,
+                              stride_s13r, p_x, o_t, o_t >= 0, stride_xt, 0, tl.where(on, H // 8, 0), 1, 2 * BLOCK_I, BLOCK_W)
+    b_g, b_u = tl.split(tl.reshape(b_gu, (BLOCK_I, 2)))
+    b_g = b_g * tl.load(p_s2 + slot * stride_s2e)
+    b_u = b_u * tl.load(p_s2 + slot * stride_s2e + 1)
+    b_h = b_g / (1.0 + tl.exp(-b_g)) * b_u
+    o_h = i_i * BLOCK_I + tl.arange(0, BLOCK_I)
+    tl.store(p_h + i_p * stride_ht + o_h, b_h, mask=o_h < I)
+
+
+@triton.jit
+def _moe_down_kernel(
+    p_h, p_slots, p_wts, p_w2, p_s2w, p_s2, p_out,
+    I, H, TOPK,
+    stride_ht, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e, stride_ot,
+    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    i_t = tl.program_id(0)
+    i_h = tl.program_id(1)
+    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    acc = tl.zeros((1, BLOCK_H), dtype=tl.float32)
+    for j in range(TOPK):
+        i_p = i_t * TOPK + j
+        slot = tl.load(p_slots + i_p)
+        on = slot >= 0
+        slot = tl.maximum(slot, 0).to(tl.int64)
+        o_p = tl.zeros((1,), dtype=tl.int32) + i_p
+        b_y = nvfp4_rows_dot(p_w2 + slot * stride_w2e, p_s2w + slot * stride_s2we, o_h, m_h, stride_w2r, stride_s2wr,
+                             p_h, o_p, o_p >= 0, stride_ht, 0, tl.where(on, I // 8, 0), 1, BLOCK_H, BLOCK_W)
+        b_wt = tl.load(p_wts + i_p).to(tl.float32) * tl.load(p_s2 + slot * stride_s2e + 2)
+        acc += tl.where(on, b_y * b_wt, 0.0)
+    o_1 = tl.arange(0, 1)
+    tl.store(p_out + i_t * stride_ot + o_1[:, None] + o_h[None, :], acc.to(p_out.dtype.element_ty), mask=m_h[None, :])
+
+
+@triton.jit
+def _moe_down_pairs_kernel(
+    p_h, p_slots, p_wts, p_w2, p_s2w, p_s2, p_yp,
+    I, H,
+    stride_ht, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e, stride_yp,
+    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, WHOLE_K: tl.constexpr = 0,
+):
+    """Grid (pairs, H / BLOCK_H): yp[p] = weight[p] * (h[p] @ down^T) in fp32, zeros for a skipped pair.
+    Every pair's expert in flight at once (the looping `_moe_down_kernel` reads them one by one)."""
+    i_p = tl.program_id(0)
+    i_h = tl.program_id(1)
+    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    slot = tl.load(p_slots + i_p)
+    on = slot >= 0
+    slot = tl.maximum(slot, 0).to(tl.int64)
+    if WHOLE_K > 0:  # I / 8 = WHOLE_K words in one tile
+        b_y = rows_dot_whole_k(p_w2 + slot * stride_w2e, p_s2w + slot * stride_s2we, o_h, o_h < tl.where(on, H, 0), stride_w2r,
+                               stride_s2wr, p_h + i_p * stride_ht, WHOLE_K, BLOCK_H)[None, :]
+    else:
+        o_p = tl.zeros((1,), dtype=tl.int32) + i_p
+        b_y = nvfp4_rows_dot(p_w2 + slot * stride_w2e, p_s2w + slot * stride_s2we, o_h, m_h, stride_w2r, stride_s2wr,
+                             p_h, o_p, o_p >= 0, stride_ht, 0, tl.where(on, I // 8, 0), 1, BLOCK_H, BLOCK_W)
+    b_wt = tl.load(p_wts + i_p).to(tl.float32) * tl.load(p_s2 + slot * stride_s2e + 2)
+    o_1 = tl.arange(0, 1)
+    tl.store(p_yp + i_p * stride_yp + o_1[:, None] + o_h[None, :], tl.where(on, b_y * b_wt, 0.0), mask=m_h[None, :])
+
+
+@triton.jit
+def _moe_sum_pairs_kernel(p_yp, p_out, H, TOPK, stride_yp, stride_ot, BLOCK: tl.constexpr):
+    """Grid (T, H / BLOCK): out[t] = sum_j yp[t * TOPK + j], cast to out's dtype."""
+    i_t = tl.program_id(0)
+    o_h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m_h = o_h < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(TOPK):
+        acc += tl.load(p_yp + (i_t * TOPK + j) * stride_yp + o_h, mask=m_h, other=0.0)
+    tl.store(p_out + i_t * stride_ot + o_h, acc.to(p_out.dtype.element_ty), mask=m_h)
+
+
+@triton.jit
+def _tile_pairs(p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M: tl.constexpr):
+    """The pairs of this program's tile: (slot as int64, pair ids [BLOCK_M], mask [BLOCK_M], tokens [BLOCK_M])."""
+    i_tile = tl.program_id(0)
+    start = tl.load(p_tile_start + i_tile)
+    end = tl.load(p_tile_end + i_tile)
+    o_pos = start + tl.arange(0, BLOCK_M)
+    m_pos = o_pos < end
+    pairs = tl.load(p_order + o_pos, mask=m_pos, other=0)
+    slot = tl.load(p_sorted + tl.minimum(start, end - 1), mask=end > start, other=-1)
+    return slot, pairs, m_pos, pairs // TOPK
+
+
+@triton.jit
+def _moe_grouped_gate_up_kernel(
+    p_x, p_tile_start, p_tile_end, p_sorted, p_order, p_w13, p_s13, p_s2, p_h,
+    I, H, TOPK,
+    stride_xt, stride_w13e, stride_w13r, stride_s13e, stride_s13r, stride_s2e, stride_hp,
+    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    slot, pairs, m_p, toks = _tile_pairs(p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M)
+    if slot >= 0:
+        e = slot.to(tl.int64)
+        i_i = tl.program_id(1)
+        o_i = i_i * BLOCK_I + tl.arange(0, BLOCK_I)
+        m_i = o_i < I
+        p_w = p_w13 + e * stride_w13e
+        p_s = p_s13 + e * stride_s13e
+        acc_g = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
+        for k in range(0, H, BLOCK_K):
+            o_k = k + tl.arange(0, BLOCK_K)
+            b_x = tl.load(p_x + toks[:, None] * stride_xt + o_k[None, :], mask=m_p[:, None] & (o_k < H)[None, :], other=0.0)
+            for g in tl.static_range(2):
+                b_wt = dequant_tile(p_w, p_s, o_i + g * I, m_i, stride_w13r, stride_s13r, k // 2, H // 2, b_x.dtype,
+                                    BLOCK_I, BLOCK_K)
+                if g == 0:
+                    acc_g = tl.dot(b_x, tl.trans(b_wt), acc_g, input_precision=PRECISION)
+                else:
+                    acc_u = tl.dot(b_x, tl.trans(b_wt), acc_u, input_precision=PRECISION)
+        b_g = acc_g * tl.load(p_s2 + e * stride_s2e)
+        b_u = acc_u * tl.load(p_s2 + e * stride_s2e + 1)
+        b_h = b_g / (1.0 + tl.exp(-b_g)) * b_u
+        tl.store(p_h + pairs[:, None] * stride_hp + o_i[None, :], b_h.to(p_h.dtype.element_ty), mask=m_p[:, None] & m_i[None, :])
+
+
+@triton.jit
+def _moe_grouped_down_kernel(
+    p_h, p_tile_start, p_tile_end, p_sorted, p_order, p_wts, p_w2, p_s2w, p_s2, p_y,
+    I, H, TOPK,
+    stride_hp, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e, stride_yp,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    slot, pairs, m_p, toks = _tile_pairs(p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M)
+    if slot >= 0:
+        e = slot.to(tl.int64)
+        i_h = tl.program_id(1)
+        o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        m_h = o_h < H
+        p_w = p_w2 + e * stride_w2e
+        p_s = p_s2w + e * stride_s2we
+        acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
+        for k in range(0, I, BLOCK_K):
+            o_k = k + tl.arange(0, BLOCK_K)
+            b_a = tl.load(p_h + pairs[:, None] * stride_hp + o_k[None, :], mask=m_p[:, None] & (o_k < I)[None, :], other=0.0)
+            b_wt = dequant_tile(p_w, p_s, o_h, m_h, stride_w2r, stride_s2wr, k // 2, I // 2, b_a.dtype, BLOCK_H, BLOCK_K)
+            acc = tl.dot(b_a, tl.trans(b_wt), acc, input_precision=PRECISION)
+        b_wt = tl.load(p_wts + pairs, mask=m_p, other=0.0).to(tl.float32) * tl.load(p_s2 + e * stride_s2e + 2)
+        tl.store(p_y + pairs[:, None] * stride_yp + o_h[None, :], acc * b_wt[:, None], mask=m_p[:, None] & m_h[None, :])
+
+
+# (BLOCK rows, BLOCK_W words or 0 for the whole K in one tile, num_warps) of the per-pair gate_up
+# and down passes, for one token and for more; the H200 sweep's best (bench/kernels_nvfp4.py
+# --sweep, bench/RESULTS.md)
+GATE_UP_CONFIG = {1: (8, 0, 4), 2: (8, 0, 4)}
+DOWN_CONFIG = {1: (32, 32, 4), 2: (32, 0, 4)}
+DOWN_PER_PAIR = True
+# (BLOCK_M pairs, BLOCK_N rows, BLOCK_K, num_warps, num_stages) of the grouped passes
+GROUPED_CONFIG = (32, 64, 128, 4, 3)
+
+
+def group_pairs(slots: torch.Tensor, block_m: int, num_slots: int) -> tuple[torch.Tensor, ...]:
+    """Tiles of at most block_m (token, k) pairs that share a slot, computed on slots' device without a sync.
+
+    Args: slots: int [P] (flattened topk_slots, -1 = skip); num_slots: the pool's slot count.
+    Returns: (tile_start int32 [G], tile_end int32 [G], sorted slots int32 [P], order int32 [P]):
+    tile g covers positions [tile_start[g], tile_end[g]) of ``order`` (pair ids sorted by slot);
+    G = ceil(P / block_m) + min(P, num_slots + 1) is an upper bound, unused tiles are empty.
+    """
+    p = slots.numel()
+    dev = slots.device
+    sorted_slots, order = torch.sort(slots.to(torch.int32), stable=True)
+    is_start = torch.ones(p, dtype=torch.bool, device=dev)
+    is_start[1:] = sorted_slots[1:] != sorted_slots[:-1]
+    run_id = torch.cumsum(is_start, 0) - 1  # [P], runs numbered 0..R-1
+    pos = torch.arange(p, device=dev)
+    run_start = torch.full((p,), p, dtype=torch.int64, device=dev).scatter_reduce_(0, run_id, pos, "amin")
+    run_len = torch.zeros(p, dtype=torch.int64, device=dev).scatter_add_(0, run_id, torch.ones_like(pos))
+    tiles_per_run = (run_len + block_m - 1) // block_m
+    tile_end_cum = torch.cumsum(tiles_per_run, 0)
+    g = triton.cdiv(p, block_m) + min(p, num_slots + 1)
+    tile = torch.arange(g, device=dev)
+    run = torch.searchsorted(tile_end_cum, tile, right=True).clamp_(max=p - 1)
+    first_tile = tile_end_cum[run] - tiles_per_run[run]
+    start = run_start[run] + (tile - first_tile) * block_m
+    end = torch.minimum(start + block_m, run_start[run] + run_len[run])
+    live = tile < tile_end_cum[-1]
+    start = torch.where(live, start, 0).to(torch.int32)
+    end = torch.where(live, end, 0).to(torch.int32)
+    return start, end, sorted_slots, order.to(torch.int32)
+
+
+def moe_over_slots_triton(
+    x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, w, *, out: torch.Tensor | None = None,
+    gate_up_config: tuple[int, int, int] | None = None, down_config: tuple[int, int, int] | None = None,
+    grouped: bool | None = None, grouped_config: tuple[int, int, int, int, int] | None = None,
+    down_per_pair: bool | None = None,
+) -> torch.Tensor:
+    """sum_k weight_k * down(silu(gate(x)) * up(x)) with NVFP4 experts read from slots.
+
+    Args:
+        x: [T, H] fp32/bf16/fp16; topk_slots: [T, k] integer slots, -1 = skip the pair;
+        topk_weights: [T, k]; w: an NVFP4 `SlotWeights`; out: optional [T, H] in x's dtype.
+        grouped: force the grouped (True) or per-pair (False) path; default by T
+            (`GROUPED_MIN_TOKENS`). The *_config arguments override the tuned block sizes.
+        down_per_pair: per-pair path only: down projections one program per (pair, row block)
+            plus a sum over k (True), or one program per (token, row block) looping over k
+            (False); default `DOWN_PER_PAIR`.
+    Returns: [T, H] in x's dtype.
+    Raises: ValueError for dense slot pools or mismatched shapes.
+    """
+    if not w.is_nvfp4:
+        raise ValueError("moe_over_slots_triton takes NVFP4 slot pools only")
+    t, hid = x.shape
+    i = w.w13.shape[1] // 2
+    if w.w13.shape[2] * 2 != hid or w.w2.shape[1] != hid or w.w2.shape[2] * 2 != i or i % 16 or hid % 16:
+        raise ValueError(f"slot pool shapes {tuple(w.w13.shape)}, {tuple(w.w2.shape)} do not match x {tuple(x.shape)}")
+    if topk_slots.shape != topk_weights.shape or topk_slots.shape[0] != t:
+        raise ValueError(f"topk_slots {tuple(topk_slots.shape)} and topk_weights {tuple(topk_weights.shape)} must be [T, k]")
+    k = topk_slots.shape[1]
+    x = x.contiguous()
+    slots = topk_slots.reshape(-1).to(torch.int32).contiguous()
+    wts = topk_weights.reshape(-1).contiguous()
+    s13, s2w = w.w13_scale.contiguous().view(torch.uint8), w.w2_scale.contiguous().view(torch.uint8)
+    s2 = w.scale_2.float().contiguous()
+    y = torch.empty_like(x) if out is None else out
+    if t == 0:
+        return y
+    if grouped if grouped is not None else t > GROUPED_MIN_TOKENS:
+        w13, w2 = w.w13.contiguous(), w.w2.contiguous()
+        for a in range(0, t, GROUPED_MAX_TOKENS):  # bounded workspace (`ft.kernels.moe.moe_workspace_bytes`)
+            b = min(t, a + GROUPED_MAX_TOKENS)
+            _grouped(x[a:b], slots[a * k : b * k], wts[a * k : b * k], k, w13, s13, w2, s2w, s2, y[a:b], i,
+                     grouped_config or GROUPED_CONFIG)
+        return y
+    w13, w2 = as_words(w.w13), as_words(w.w2)
+    h = torch.empty((t * k, i), dtype=torch.float32, device=x.device)
+    block_i, bw13, warps13 = gate_up_config or GATE_UP_CONFIG[min(t, 2)]
+    block_h, bw2, warps2 = down_config or DOWN_CONFIG[min(t, 2)]
+    # BLOCK_W 0: a row's whole K in one tile (when K / 8 is a power of two <= 1024), else 64 words
+    whole13 = whole_k_words(hid) if bw13 == 0 else 0
+    whole2 = whole_k_words(i) if bw2 == 0 else 0
+    bw13 = max(2, min(bw13 or 64, triton.next_power_of_2(hid // 8)))
+    bw2 = max(2, min(bw2 or 64, triton.next_power_of_2(i // 8)))
+    _moe_gate_up_kernel[(t * k, triton.cdiv(i, block_i))](
+        x, slots, w13, s13, s2, h, i, hid, k,
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s2.stride(0), h.stride(0),
+        BLOCK_I=block_i, BLOCK_W=bw13, WHOLE_K=whole13, num_warps=warps13,
+    )
+    if down_per_pair if down_per_pair is not None else DOWN_PER_PAIR:
+        y_pairs = torch.empty((t * k, hid), dtype=torch.float32, device=x.device)
+        _moe_down_pairs_kernel[(t * k, triton.cdiv(hid, block_h))](
+            h, slots, wts, w2, s2w, s2, y_pairs, i, hid,
+            h.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1), s2.stride(0), y_pairs.stride(0),
+            BLOCK_H=block_h, BLOCK_W=bw2, WHOLE_K=whole2, num_warps=warps2,
+        )
+        _moe_sum_pairs_kernel[(t, triton.cdiv(hid, 1024))](y_pairs, y, hid, k, y_pairs.stride(0), y.stride(0), BLOCK=1024)
+        return y
+    _moe_down_kernel[(t, triton.cdiv(hid, block_h))](
+        h, slots, wts, w2, s2w, s2, y, i, hid, k,
+        h.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1), s2.stride(0), y.stride(0),
+        BLOCK_H=block_h, BLOCK_W=bw2, num_warps=warps2,
+    )
+    return y
+
+
+def _grouped(x, slots, wts, k, w13, s13, w2, s2w, s2, y, i, cfg) -> torch.Tensor:
+    """The grouped path; w13, w2: the uint8 slot pools."""
+    t, hid = x.shape
+    block_m, block_n, block_k, warps, stages = cfg
+    start, end, sorted_slots, order = group_pairs(slots, block_m, w13.shape[0])
+    h = torch.empty((t * k, i), dtype=x.dtype, device=x.device)  # the down GEMM's operand: x's dtype
+    y_pairs = torch.zeros((t * k, hid), dtype=torch.float32, device=x.device)  # skipped pairs stay 0
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    g = start.numel()
+    bk13 = min(block_k, triton.next_power_of_2(hid))
+    bk2 = min(block_k, triton.next_power_of_2(i))
+    _moe_grouped_gate_up_kernel[(g, triton.cdiv(i, block_n))](
+        x, start, end, sorted_slots, order, w13, s13, s2, h, i, hid, k,
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s2.stride(0), h.stride(0),
+        BLOCK_M=block_m, BLOCK_I=block_n, BLOCK_K=bk13, PRECISION=precision, num_warps=warps, num_stages=stages,
+    )
+    _moe_grouped_down_kernel[(g, triton.cdiv(hid, block_n))](
+        h, start, end, sorted_slots, order, wts, w2, s2w, s2, y_pairs, i, hid, k,
+        h.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1), s2.stride(0), y_pairs.stride(0),
+        BLOCK_M=block_m, BLOCK_H=block_n, BLOCK_K=bk2, PRECISION=precision, num_warps=warps, num_stages=stages,
+    )
+    y.copy_(y_pairs.view(t, k, hid).sum(dim=1))  # fp32 sum over k, then x's dtype
+    return y

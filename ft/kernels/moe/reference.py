@@ -1,0 +1,51 @@
+"""Mixture-of-experts over expert slots: the torch reference."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ft.kernels.moe.slots import SlotWeights
+from ft.kernels.nvfp4.reference import dequantize_nvfp4_rows
+
+
+def dense_slots(w: SlotWeights, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense (w13 [U, 2I, H], w2 [U, H, I]) of the given slots (NVFP4 dequantized in one pass)."""
+    if not w.is_nvfp4:
+        return w.w13[slots].to(dtype), w.w2[slots].to(dtype)
+    i = w.w13.shape[1] // 2
+    s2 = w.scale_2[slots].float()  # [U, 3]: gate, up, down
+    rows13 = torch.cat([s2[:, :1].expand(-1, i), s2[:, 1:2].expand(-1, i)], dim=1)  # [U, 2I]
+    rows2 = s2[:, 2:3].expand(-1, w.w2.shape[1])  # [U, H]
+    w13 = dequantize_nvfp4_rows(w.w13[slots], w.w13_scale[slots], rows13, dtype)
+    w2 = dequantize_nvfp4_rows(w.w2[slots], w.w2_scale[slots], rows2, dtype)
+    return w13, w2
+
+
+def moe_over_slots_ref(
+    x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, w: SlotWeights
+) -> torch.Tensor:
+    """sum_k weight_k * down(silu(gate(x)) * up(x)) with the experts read from slots.
+
+    Args:
+        x: [T, H]; topk_slots: [T, k] int64 slot of each selected expert, or -1 for a pair to
+        skip (its expert is computed in another call); topk_weights: [T, k] routing weights.
+    Returns: [T, H] in x's dtype.
+    """
+    out = torch.zeros_like(x)
+    flat = topk_slots.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    slots, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    pairs = order.split(counts.tolist())
+    k = topk_slots.shape[1]
+    if slots.numel() and slots[0] < 0:  # skipped pairs sort first
+        slots, pairs = slots[1:], pairs[1:]
+    if not slots.numel():
+        return out
+    w13s, w2s = dense_slots(w, slots, x.dtype)
+    for j, idx in enumerate(pairs):
+        tok = idx // k
+        gate, up = F.linear(x[tok], w13s[j]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2s[j])
+        out.index_add_(0, tok, y * topk_weights.reshape(-1)[idx, None])
+    return out

@@ -1,0 +1,174 @@
+"""Routed experts: every expert in a host store, N device slots, an LRU map (layer, expert) -> slot.
+
+The host store holds each MoE layer's experts stacked ([L, E, ...], pinned on CUDA). The device
+keeps `num_slots` slots in the same format (`SlotWeights`), and `slot_table` [L, E] (int64, -1
+when absent) turns router expert ids into slot ids on the device. With the resident backend
+there is one slot per expert and nothing is ever evicted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from ft.memory.resizable import PoolInconsistent, narrow_to_common, resize_together
+from ft.memory.storage import PoolStorage
+from ft.kernels.moe import SlotWeights
+
+
+@dataclass
+class ExpertStats:
+    hits: int = 0
+    misses: int = 0
+    bytes_loaded: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+class ExpertCache:
+    """LRU cache of expert slots over a host store (`host`: SlotWeights with [L, E] leading dims)."""
+
+    def __init__(
+        self, host: SlotWeights, num_slots: int, device: torch.device, policy: str = "lru",
+        storage: PoolStorage | None = None,
+    ) -> None:
+        self.host = host
+        self.num_layers, self.num_experts = host.w13.shape[:2]
+        if num_slots < 1:
+            raise ValueError("expert cache needs at least one slot")
+        self.policy = policy
+        self.storage = storage or PoolStorage(device)
+        self.slots = SlotWeights(
+            *(None if t is None else self.storage.empty(num_slots, tuple(t.shape[2:]), t.dtype) for t in host)
+        )
+        self.slot_table = torch.full((self.num_layers, self.num_experts), -1, dtype=torch.int64, device=device)
+        self._lru: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.stats = ExpertStats()
+
+    # ----------------------------------------------------------------------------- geometry
+    @property
+    def num_slots(self) -> int:
+        return self.slots.w13.shape[0]
+
+    @property
+    def total_experts(self) -> int:
+        return self.num_layers * self.num_experts
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """The slot tensors, each [S, ...] (what the pool's bytes are made of)."""
+        return [t for t in self.slots if t is not None]
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.slots if t is not None)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.bytes_per_slot
+
+    @property
+    def num_resident(self) -> int:
+        return len(self._lru)
+
+    @property
+    def all_resident(self) -> bool:
+        """Every expert of every layer is in a slot (the resident backend, or a cache that big)."""
+        return len(self._lru) == self.total_experts
+
+    def is_resident(self, layer: int, expert: int) -> bool:
+        return (layer, expert) in self._lru
+
+    # ----------------------------------------------------------------------------- residency
+    def preload_all(self) -> None:
+        """Load every expert (resident backend). Needs one slot per expert."""
+        if self.num_slots < self.total_experts:
+            raise ValueError(f"preload_all needs {self.total_experts} slots, have {self.num_slots}")
+        for layer in range(self.num_layers):
+            self.ensure(layer, list(range(self.num_experts)), count=False)
+
+    def ensure(self, layer: int, experts: list[int], count: bool = True) -> None:
+        """Make the distinct `experts` of `layer` resident, evicting least recently used others.
+
+        Contract: len(experts) <= num_slots (callers split larger sets into groups).
+        """
+        if len(experts) > self.num_slots:
+            raise ValueError(f"{len(experts)} experts asked at once, cache has {self.num_slots} slots")
+        wanted = {(layer, e) for e in experts}
+        for key in wanted:
+            if key in self._lru:
+                self._lru.move_to_end(key)
+                if count:
+                    self.stats.hits += 1
+        for key in sorted(wanted):
+            if key in self._lru:
+                continue
+            slot = self._take_slot(wanted)
+            self._load(key, slot)
+            if count:
+                self.stats.misses += 1
+
+    def _take_slot(self, keep: set[tuple[int, int]]) -> int:
+        if self._free:
+            return self._free.pop()
+        for key in self._lru:  # oldest first
+            if key not in keep:
+                slot = self._lru.pop(key)
+                self.slot_table[key] = -1
+                return slot
+        raise RuntimeError("expert cache: every slot is pinned by the current call")
+
+    def _load(self, key: tuple[int, int], slot: int) -> None:
+        layer, expert = key
+        for dst, src in zip(self.slots, self.host):
+            if dst is not None:
+                dst[slot].copy_(src[layer, expert], non_blocking=True)
+                self.stats.bytes_loaded += src[layer, expert].numel() * src.element_size()
+        self._lru[key] = slot
+        self.slot_table[layer, expert] = slot
+
+    def invalidate(self) -> None:
+        """Forget every resident expert (slots keep their bytes but are free)."""
+        self.slot_table.fill_(-1)
+        self._lru.clear()
+        self._free = list(range(self.num_slots - 1, -1, -1))
+
+    def resize(self, num_slots: int) -> None:
+        """Grow or shrink to `num_slots`. Experts in kept slots stay resident; those in cut slots
+        are forgotten first (loaded again from the host store when next used). Every slot tensor
+        changes or none does (PoolInconsistent when even putting back failed: the cache then
+        narrows to the slots all of them have)."""
+        if num_slots < 1:
+            raise ValueError("expert cache needs at least one slot")
+        old = self.num_slots
+        for key, slot in list(self._lru.items()):
+            if slot >= num_slots:
+                del self._lru[key]
+                self.slot_table[key] = -1
+                self._free.append(slot)
+        names = [i for i, t in enumerate(self.slots) if t is not None]
+        ts = [self.slots[i] for i in names]
+        try:
+            resize_together(self.storage, ts, num_slots, "moe")
+        except PoolInconsistent:
+            ts = narrow_to_common(ts)
+            raise
+        finally:
+            new = list(self.slots)
+            for i, tensor in zip(names, ts):
+                new[i] = tensor
+            self.slots = SlotWeights(*new)
+            self._follow(old)
+
+    def _follow(self, old: int) -> None:
+        n = self.num_slots
+        if n < old:
+            self._free = [s for s in self._free if s < n]
+        elif n > old:
+            self._free = list(range(n - 1, old - 1, -1)) + self._free

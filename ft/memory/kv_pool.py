@@ -1,0 +1,149 @@
+"""Paged KV cache of the full-attention layers.
+
+One tensor `kv` [P, L, 2, page_size, Hkv, D] (P pages, L full-attention layers, K and V):
+pages are outermost so that the pool can grow or shrink at its tail. Pages are reference
+counted so that prefix-cache entries and running requests can share them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from ft.memory.resizable import resize_together
+from ft.memory.storage import PoolStorage
+
+
+class KVPool:
+    """Pages of KV plus their allocator. Sizes are in tokens for users, pages inside."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        storage: PoolStorage | None = None,
+    ) -> None:
+        self.page_size = page_size
+        self.storage = storage or PoolStorage(device)
+        self.kv = self.storage.zeros(num_pages, (num_layers, 2, page_size, num_kv_heads, head_dim), dtype)
+        self._refs = [0] * num_pages
+        self._free: deque[int] = deque(range(num_pages))
+
+    # --------------------------------------------------------------------------- geometry
+    @property
+    def num_pages(self) -> int:
+        return self.kv.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """The pool's tensors, each [P, ...] (what its bytes are made of)."""
+        return [self.kv]
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.kv[0].numel() * self.kv.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.bytes_per_page
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache) views [P, page_size, Hkv, D] of full-attention layer i."""
+        return self.kv[:, i, 0], self.kv[:, i, 1]
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    # --------------------------------------------------------------------------- allocation
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """n fresh pages with one reference each. Call `can_allocate` first."""
+        if n > len(self._free):
+            raise MemoryError(f"KV pool: {n} pages asked, {len(self._free)} free")
+        pages = [self._free.popleft() for _ in range(n)]
+        for p in pages:
+            self._refs[p] = 1
+        return pages
+
+    def ref(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self._refs[p] > 0, f"page {p} is free"
+            self._refs[p] += 1
+
+    def release(self, pages: list[int]) -> None:
+        """Drop one reference of each page; pages with none left return to the free list."""
+        for p in pages:
+            assert self._refs[p] > 0, f"page {p} released twice"
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
+
+    def copy_page(self, src: int, dst: int) -> None:
+        self.kv[dst].copy_(self.kv[src])
+
+    # --------------------------------------------------------------------------- resizing
+    def pages_in_use_from(self, n: int) -> list[int]:
+        """Pages with an index >= n that something still references."""
+        return [p for p in range(n, self.num_pages) if self._refs[p] > 0]
+
+    def relocate_above(self, n: int) -> dict[int, int]:
+        """Copy every used page >= n into a free page < n; returns {old: new}. The caller rewrites
+        the page lists that held the old ids. Needs num_used_pages <= n."""
+        moving = self.pages_in_use_from(n)
+        low_free = [p for p in self._free if p < n]
+        if len(low_free) < len(moving):
+            raise MemoryError(f"KV pool: {len(moving)} pages to keep above {n}, {len(low_free)} free below")
+        moves = dict(zip(moving, low_free))
+        taken = set(moves.values())
+        self._free = deque(p for p in self._free if p not in taken)
+        for old, new in moves.items():
+            self.kv[new].copy_(self.kv[old])
+            self._refs[new], self._refs[old] = self._refs[old], 0
+            self._free.append(old)
+        return moves
+
+    def resize(self, num_pages: int) -> None:
+        """Grow or shrink to `num_pages`; pages >= num_pages must be free when shrinking. All or
+        nothing: on an error the pool keeps its old size (the allocator state follows the tensor)."""
+        if self.pages_in_use_from(num_pages):
+            raise RuntimeError(f"KV pool: pages >= {num_pages} are still in use")
+        old = self.num_pages
+        ts = [self.kv]
+        try:
+            resize_together(self.storage, ts, num_pages, "kv")
+        finally:
+            self.kv = ts[0]
+            self._follow(old)
+
+    def _follow(self, old: int) -> None:
+        """Bring the free list and reference counts from `old` pages to the tensor's page count."""
+        n = self.num_pages
+        if n < old:
+            self._free = deque(p for p in self._free if p < n)
+            del self._refs[n:]
+        elif n > old:
+            self._free.extend(range(old, n))
+            self._refs.extend([0] * (n - old))

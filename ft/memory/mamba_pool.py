@@ -1,0 +1,120 @@
+"""Linear-attention ("mamba") state slots: conv and SSM state of every Gated DeltaNet layer.
+
+conv [S, L, C, W-1] (model dtype) and ssm [S, L, Hv, Dk, Dv] (float32), slot-major so the pool
+can grow or shrink at its tail. A running request owns one slot; prefix-cache entries own one
+each, holding the state at their cached boundary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ft.memory.resizable import PoolInconsistent, narrow_to_common, resize_together
+from ft.memory.storage import PoolStorage
+
+
+class MambaPool:
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        conv_dim: int,
+        conv_width: int,
+        num_v_heads: int,
+        k_dim: int,
+        v_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        storage: PoolStorage | None = None,
+    ) -> None:
+        self.storage = storage or PoolStorage(device)
+        self.conv = self.storage.zeros(num_slots, (num_layers, conv_dim, conv_width - 1), dtype)
+        self.ssm = self.storage.zeros(num_slots, (num_layers, num_v_heads, k_dim, v_dim), torch.float32)
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_slots(self) -> int:
+        return self.conv.shape[0]
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """The pool's tensors, each [S, ...] (what its bytes are made of)."""
+        return [self.conv, self.ssm]
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.conv[0].numel() * self.conv.element_size() + self.ssm[0].numel() * 4
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.bytes_per_slot
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def can_allocate(self) -> bool:
+        return bool(self._free)
+
+    def allocate(self) -> int:
+        """A slot with zeroed state (a new sequence starts from zero state)."""
+        if not self._free:
+            raise MemoryError("mamba pool: no free slot")
+        slot = self._free.pop()
+        self.conv[slot].zero_()
+        self.ssm[slot].zero_()
+        return slot
+
+    def free(self, slot: int) -> None:
+        assert slot not in self._free, f"mamba slot {slot} freed twice"
+        self._free.append(slot)
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        self.conv[dst].copy_(self.conv[src])
+        self.ssm[dst].copy_(self.ssm[src])
+
+    # --------------------------------------------------------------------------- resizing
+    def slots_in_use_from(self, n: int) -> list[int]:
+        free = set(self._free)
+        return [s for s in range(n, self.num_slots) if s not in free]
+
+    def relocate_above(self, n: int) -> dict[int, int]:
+        """Copy every used slot >= n into a free slot < n; returns {old: new}."""
+        moving = self.slots_in_use_from(n)
+        low_free = sorted(s for s in self._free if s < n)
+        if len(low_free) < len(moving):
+            raise MemoryError(f"mamba pool: {len(moving)} slots to keep above {n}, {len(low_free)} free below")
+        moves = dict(zip(moving, low_free))
+        taken = set(moves.values())
+        self._free = [s for s in self._free if s not in taken] + list(moves)
+        for old, new in moves.items():
+            self.copy_slot(old, new)
+        return moves
+
+    def resize(self, num_slots: int) -> None:
+        """Grow or shrink to `num_slots`; slots >= num_slots must be free when shrinking. conv and
+        ssm change together or not at all (PoolInconsistent when even putting back failed: the
+        pool then narrows to the slots both still have)."""
+        if self.slots_in_use_from(num_slots):
+            raise RuntimeError(f"mamba pool: slots >= {num_slots} are still in use")
+        old = self.num_slots
+        ts = [self.conv, self.ssm]
+        try:
+            resize_together(self.storage, ts, num_slots, "mamba")
+        except PoolInconsistent:
+            ts = narrow_to_common(ts)
+            raise
+        finally:
+            self.conv, self.ssm = ts
+            self._follow(old)
+
+    def _follow(self, old: int) -> None:
+        n = self.num_slots
+        if n < old:
+            self._free = [s for s in self._free if s < n]
+        elif n > old:
+            self._free = list(range(n - 1, old - 1, -1)) + self._free

@@ -1,0 +1,248 @@
+"""Reading Hugging Face checkpoints: single or sharded safetensors, bf16/fp16/fp32 or ModelOpt NVFP4.
+
+`CheckpointReader` maps tensor names to shards and reads tensors one at a time. `load_weights`
+checks every tensor against the model's specification (`TensorSpec`) and reports, by name, a
+missing tensor, an unexpected one, or a wrong shape (expected vs found).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors import safe_open
+
+from ft.errors import CheckpointError, UnsupportedModelError
+from ft.model.layers.linear import NVFP4Weight
+from ft.kernels.moe import SlotWeights
+
+# Tensors a checkpoint may carry that FreeToken does not use.
+IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", "rotary_emb.inv_freq")
+IGNORED_PREFIXES = ("mtp.",)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One logical weight. kind: 'dense' (plain tensor), 'linear' (dense or NVFP4 projection),
+    'expert' (a routed expert projection: dense or NVFP4, kept in the host store)."""
+
+    shape: tuple[int, ...]
+    kind: str = "dense"
+
+
+@dataclass
+class QuantInfo:
+    algo: str | None  # None (unquantized) or "NVFP4"
+    exclude_modules: tuple[str, ...] = ()
+
+
+class CheckpointReader:
+    """Name -> shard index of a checkpoint directory (model.safetensors or a sharded index)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"checkpoint directory not found: {self.path}")
+        index = self.path / "model.safetensors.index.json"
+        single = self.path / "model.safetensors"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+            files = {n: self.path / f for n, f in weight_map.items()}
+        elif single.is_file():
+            files = None
+        else:
+            shards = sorted(self.path.glob("*.safetensors"))
+            if not shards:
+                raise CheckpointError(f"no safetensors weights in {self.path}")
+            files = None
+        self._handles: dict[Path, object] = {}
+        self._file_of: dict[str, Path] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._dtypes: dict[str, str] = {}
+        shard_paths = sorted(set(files.values())) if files else ([single] if single.is_file() else sorted(self.path.glob("*.safetensors")))
+        for shard in shard_paths:
+            if not shard.is_file():
+                raise CheckpointError(f"shard listed in the index is missing: {shard}")
+            h = safe_open(str(shard), framework="pt")
+            self._handles[shard] = h
+            for name in h.keys():
+                sl = h.get_slice(name)
+                self._file_of[name] = shard
+                self._shapes[name] = tuple(sl.get_shape())
+                self._dtypes[name] = sl.get_dtype()
+        if files:
+            missing = sorted(set(files) - set(self._file_of))
+            if missing:
+                raise CheckpointError(f"tensor {missing[0]!r} is listed in the index but not in its shard")
+        self.quant = self._read_quant()
+
+    def _read_quant(self) -> QuantInfo:
+        hf = self.path / "hf_quant_config.json"
+        q: dict | None = None
+        if hf.is_file():
+            q = json.loads(hf.read_text()).get("quantization", {})
+        else:
+            cfg_path = self.path / "config.json"
+            cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+            q = cfg.get("quantization_config")
+        if not q:
+            return QuantInfo(None)
+        algo = q.get("quant_algo") or q.get("quant_method")
+        if str(algo).upper() != "NVFP4":
+            raise UnsupportedModelError(f"unsupported quantization {algo!r}: FreeToken reads bf16/fp16/fp32 and NVFP4 (ModelOpt)")
+        group = int(q.get("group_size", 16))
+        if group != 16:
+            raise UnsupportedModelError(f"unsupported NVFP4 group_size {group} (ModelOpt NVFP4 uses 16)")
+        return QuantInfo("NVFP4", tuple(q.get("exclude_modules") or q.get("ignore") or ()))
+
+    # ----------------------------------------------------------------------------- access
+    def names(self) -> Iterable[str]:
+        return self._file_of.keys()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def dtype(self, name: str) -> str:
+        return self._dtypes[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handles[self._file_of[name]].get_tensor(name)
+
+
+def _ignored(name: str) -> bool:
+    return name.endswith(IGNORED_SUFFIXES) or name.startswith(IGNORED_PREFIXES)
+
+
+class _Consumer:
+    """Reads tensors for specs, remembers what was used, checks shapes."""
+
+    def __init__(self, reader: CheckpointReader) -> None:
+        self.reader = reader
+        self.used: set[str] = set()
+
+    def take(self, name: str, shape: tuple[int, ...] | None) -> torch.Tensor:
+        if name not in self.reader:
+            raise CheckpointError(f"missing tensor {name!r} in {self.reader.path}")
+        found = self.reader.shape(name)
+        if shape is not None and found != tuple(shape):
+            raise CheckpointError(f"tensor {name!r}: expected shape {list(shape)}, found {list(found)}")
+        self.used.add(name)
+        return self.reader.get(name)
+
+    def is_nvfp4(self, module: str) -> bool:
+        return f"{module}.weight_scale" in self.reader
+
+    def projection(self, name: str, spec: TensorSpec) -> torch.Tensor | NVFP4Weight:
+        """A dense weight [N, K] or the NVFP4 triple of `<module>.weight`."""
+        module = name.removesuffix(".weight")
+        if not self.is_nvfp4(module):
+            if self.reader.quant.algo and name in self.reader and self.reader.dtype(name) == "U8":
+                raise CheckpointError(f"tensor {name!r} is packed NVFP4 but {module}.weight_scale is missing")
+            return self.take(name, spec.shape)
+        n, k = spec.shape
+        if k % 16:
+            raise CheckpointError(f"tensor {name!r}: NVFP4 needs K % 16 == 0, K = {k}")
+        packed = self.take(name, (n, k // 2))
+        if packed.dtype != torch.uint8:
+            raise CheckpointError(f"tensor {name!r}: NVFP4 weight must be U8, found {packed.dtype}")
+        scale = self.take(f"{module}.weight_scale", (n, k // 16))
+        if scale.dtype != torch.float8_e4m3fn:
+            raise CheckpointError(f"tensor {module}.weight_scale: must be F8_E4M3, found {scale.dtype}")
+        scale_2 = self.take(f"{module}.weight_scale_2", None).float().reshape(())
+        return NVFP4Weight(packed, scale, scale_2)
+
+
+@dataclass
+class LoadedWeights:
+    """Resident tensors by name (dense or NVFP4) and the routed experts stacked per MoE layer."""
+
+    tensors: dict[str, torch.Tensor | NVFP4Weight]
+    experts: SlotWeights | None
+
+
+def load_weights(
+    reader: CheckpointReader,
+    specs: dict[str, TensorSpec],
+    expert_groups: list[list[tuple[str, str, str]]],
+    dtype: torch.dtype,
+    device: torch.device,
+    host_device: torch.device,
+    progress: bool = False,
+) -> LoadedWeights:
+    """Read and check every tensor.
+
+    specs: name -> TensorSpec for resident weights. expert_groups[j][e] = (gate, up, down) names
+    of expert e of MoE layer j (shapes in specs). Dense weights are cast to `dtype`; NVFP4 stays
+    packed. Routed experts go to `host_device` (pinned when it is CPU and `device` is CUDA).
+    """
+    from tqdm.auto import tqdm
+
+    c = _Consumer(reader)
+    tensors: dict[str, torch.Tensor | NVFP4Weight] = {}
+    bar = tqdm(total=len(specs), desc="loading weights", unit="tensor", disable=not progress)
+    for name, spec in specs.items():
+        if spec.kind == "expert":
+            continue
+        if spec.kind == "linear":
+            w = c.projection(name, spec)
+        else:
+            w = c.take(name, spec.shape)
+        tensors[name] = _to(w, dtype, device)
+        bar.update(1)
+    experts = _load_experts(c, specs, expert_groups, dtype, host_device, device, bar) if expert_groups else None
+    bar.close()
+    unexpected = sorted(n for n in reader.names() if n not in c.used and not _ignored(n))
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise CheckpointError(f"unexpected tensor {unexpected[0]!r} in {reader.path}{more}")
+    return LoadedWeights(tensors, experts)
+
+
+def _to(w: torch.Tensor | NVFP4Weight, dtype: torch.dtype, device: torch.device):
+    if isinstance(w, NVFP4Weight):
+        return NVFP4Weight(w.packed.to(device), w.scale.to(device), w.scale_2.to(device))
+    return w.to(device=device, dtype=dtype)
+
+
+def _load_experts(c, specs, groups, dtype, host_device, device, bar) -> SlotWeights:
+    """Stack experts into SlotWeights with leading dims [L, E] on the host."""
+    first = groups[0][0]
+    nvfp4 = c.is_nvfp4(first[0].removesuffix(".weight"))
+    rows: list[list[tuple]] = []
+    for layer in groups:
+        row = []
+        for names in layer:
+            parts = [c.projection(n, specs[n]) for n in names]
+            if any(isinstance(p, NVFP4Weight) != nvfp4 for p in parts):
+                raise CheckpointError(f"expert {names[0]!r}: experts mix NVFP4 and dense weights")
+            row.append(parts)
+            bar.update(3)
+        rows.append(row)
+    pin = host_device.type == "cpu" and device.type == "cuda"
+
+    def stack(fn, dt=None):
+        t = torch.stack([torch.stack([fn(p) for p in row]) for row in rows])
+        t = t.to(dt) if dt is not None else t
+        return t.pin_memory() if pin else t
+
+    if not nvfp4:
+        return SlotWeights(
+            w13=stack(lambda p: torch.cat([p[0], p[1]], 0), dtype),
+            w2=stack(lambda p: p[2], dtype),
+        )
+    return SlotWeights(
+        w13=stack(lambda p: torch.cat([p[0].packed, p[1].packed], 0)),
+        w2=stack(lambda p: p[2].packed),
+        w13_scale=stack(lambda p: torch.cat([p[0].scale, p[1].scale], 0)),
+        w2_scale=stack(lambda p: p[2].scale),
+        scale_2=stack(lambda p: torch.stack([p[0].scale_2, p[1].scale_2, p[2].scale_2])),
+    )

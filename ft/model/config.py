@@ -1,0 +1,177 @@
+"""Model configuration parsed from a checkpoint's config.json.
+
+`ModelConfig` is frozen: everything derived from it (layer indices, projection sizes) is a
+property, so nothing is stored twice.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from ft.errors import CheckpointError, UnsupportedModelError
+
+SUPPORTED_ARCHITECTURES = ("Qwen3NextForCausalLM",)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The Qwen3-Next hyper-parameters FreeToken uses (names as in config.json)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    decoder_sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    partial_rotary_factor: float
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "bfloat16"
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    # ----------------------------------------------------------------------------- parsing
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise UnsupportedModelError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}: "
+                f"FreeToken runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"unsupported hidden_act {cfg['hidden_act']!r} (only silu)")
+        n_layers = int(cfg["num_hidden_layers"])
+        layer_types = cfg.get("layer_types")
+        if layer_types is None:
+            interval = int(cfg.get("full_attention_interval", 4))
+            layer_types = [
+                "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                for i in range(n_layers)
+            ]
+        if len(layer_types) != n_layers:
+            raise CheckpointError(
+                f"config.json: layer_types has {len(layer_types)} entries, "
+                f"num_hidden_layers is {n_layers}"
+            )
+        bad = sorted(set(layer_types) - {"full_attention", "linear_attention"})
+        if bad:
+            raise UnsupportedModelError(f"config.json: unsupported layer types {bad}")
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise UnsupportedModelError(f"unsupported rope_type {rope_type!r} (only default)")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        try:
+            return cls(
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                num_hidden_layers=n_layers,
+                layer_types=tuple(layer_types),
+                num_attention_heads=heads,
+                num_key_value_heads=int(cfg["num_key_value_heads"]),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                linear_num_key_heads=int(cfg["linear_num_key_heads"]),
+                linear_num_value_heads=int(cfg["linear_num_value_heads"]),
+                linear_key_head_dim=int(cfg["linear_key_head_dim"]),
+                linear_value_head_dim=int(cfg["linear_value_head_dim"]),
+                linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)),
+                num_experts=int(cfg.get("num_experts", 0)),
+                num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0)),
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0)),
+                shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0)),
+                intermediate_size=int(cfg.get("intermediate_size", 0)),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
+                mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+                partial_rotary_factor=float(
+                    rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+                ),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", False)),
+                eos_token_ids=eos_ids,
+                torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"),
+                raw=dict(cfg),
+            )
+        except KeyError as e:
+            raise CheckpointError(f"config.json: missing required field {e.args[0]!r}") from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise CheckpointError(f"no config.json at {path}")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path}: invalid JSON: {e}") from None
+        return cls.from_dict(cfg)
+
+    # ----------------------------------------------------------------------------- derived
+    @cached_property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        """Model layer indices of the gated full-attention layers."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @cached_property
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        """Model layer indices of the Gated DeltaNet layers."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @cached_property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Model layer indices whose MLP is the sparse MoE block."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_moe_layer(i))
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (
+            i not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (i + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the causal conv1d: q, k and v of the linear-attention layer."""
+        return 2 * self.linear_key_dim + self.linear_value_dim

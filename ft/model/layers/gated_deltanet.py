@@ -1,0 +1,85 @@
+"""Gated DeltaNet (Qwen3-Next's linear attention) over the mamba state pool."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ft.model.forward_batch import ForwardBatch
+from ft.model.layers.linear import Linear
+from ft.model.layers.norm import gated_rms_norm
+from ft.kernels.conv1d import causal_conv1d_ref
+from ft.kernels.gated_delta import gated_delta_rule
+
+
+class GatedDeltaNet:
+    def __init__(
+        self,
+        in_proj_qkvz: Linear,
+        in_proj_ba: Linear,
+        conv_weight: torch.Tensor,
+        out_proj: Linear,
+        norm_weight: torch.Tensor,
+        a_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        eps: float,
+    ) -> None:
+        self.in_proj_qkvz, self.in_proj_ba, self.out_proj = in_proj_qkvz, in_proj_ba, out_proj
+        self.conv_weight = conv_weight.reshape(conv_weight.shape[0], -1)  # [C, W]
+        self.norm_weight, self.a_log, self.dt_bias = norm_weight, a_log, dt_bias
+        self.hk, self.hv, self.dk, self.dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+        self.eps = eps
+
+    def _project(self, x: torch.Tensor):
+        """x [T, H] -> mixed qkv [T, C], z [T, Hv, Dv], b, a [T, Hv]."""
+        t, r = x.shape[0], self.hv // self.hk
+        qkvz = self.in_proj_qkvz(x).view(t, self.hk, 2 * self.dk + 2 * r * self.dv)
+        q, k, v, z = torch.split(qkvz, [self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
+        b, a = torch.split(self.in_proj_ba(x).view(t, self.hk, 2 * r), [r, r], dim=-1)
+        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        return mixed, z.reshape(t, self.hv, self.dv), b.reshape(t, self.hv), a.reshape(t, self.hv)
+
+    def _mix(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor):
+        """One group of sequences of equal length: mixed [B, L, C], b, a [B, L, Hv]; states [B, ...]."""
+        bsz, length = mixed.shape[:2]
+        y, conv_new = causal_conv1d_ref(mixed, conv, self.conv_weight)
+        kd = self.hk * self.dk
+        q, k, v = torch.split(y, [kd, kd, self.hv * self.dv], dim=-1)
+        q = q.reshape(bsz, length, self.hk, self.dk)
+        k = k.reshape(bsz, length, self.hk, self.dk)
+        v = v.reshape(bsz, length, self.hv, self.dv)
+        beta = b.sigmoid()
+        g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        o, ssm_new = gated_delta_rule(q, k, v, g, beta, ssm)
+        return o.to(mixed.dtype), conv_new, ssm_new
+
+    def __call__(
+        self, x: torch.Tensor, batch: ForwardBatch, conv_pool: torch.Tensor, ssm_pool: torch.Tensor
+    ) -> torch.Tensor:
+        """x [T, H] -> [T, H]. conv_pool [S, C, W-1], ssm_pool [S, Hv, Dk, Dv]: this layer's states,
+        read at each sequence's slot and written back."""
+        t = x.shape[0]
+        mixed, z, b, a = self._project(x)
+        if batch.is_decode:
+            slots = batch.mamba_slots
+            o, conv_new, ssm_new = self._mix(mixed[:, None], b[:, None], a[:, None], conv_pool[slots], ssm_pool[slots])
+            conv_pool[slots], ssm_pool[slots] = conv_new, ssm_new
+            o = o[:, 0]
+        else:
+            outs, offset = [], 0
+            for s in batch.seqs:
+                sl = slice(offset, offset + s.length)
+                slot = s.mamba_slot
+                oi, conv_new, ssm_new = self._mix(
+                    mixed[None, sl], b[None, sl], a[None, sl], conv_pool[slot : slot + 1], ssm_pool[slot : slot + 1]
+                )
+                conv_pool[slot], ssm_pool[slot] = conv_new[0], ssm_new[0]
+                outs.append(oi[0])
+                offset += s.length
+            o = torch.cat(outs, dim=0)
+        o = gated_rms_norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv), self.norm_weight, self.eps)
+        return self.out_proj(o.reshape(t, -1))

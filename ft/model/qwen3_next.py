@@ -1,0 +1,144 @@
+"""Qwen3-Next (`Qwen3NextForCausalLM`): Gated DeltaNet + gated attention layers, sparse MoE.
+
+The model is plain tensors and small layer objects; its caches live in the pools it is given
+(`CachePools`): the paged KV pool, the mamba state pool and the expert cache. Checked token for
+token against transformers' implementation (tests/test_oracle.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ft.model.checkpoint import LoadedWeights, TensorSpec
+from ft.model.config import ModelConfig
+from ft.errors import UnsupportedModelError
+from ft.model.forward_batch import ForwardBatch
+from ft.model.layers.attention import GatedAttention
+from ft.model.layers.gated_deltanet import GatedDeltaNet
+from ft.model.layers.linear import Linear
+from ft.model.layers.moe import MLP, SparseMoE
+from ft.model.layers.norm import rms_norm
+from ft.model.layers.rotary import Rotary
+from ft.memory.cache_pools import CachePools
+
+
+def tensor_specs(cfg: ModelConfig) -> tuple[dict[str, TensorSpec], list[list[tuple[str, str, str]]]]:
+    """Every checkpoint tensor of `cfg` (name -> spec), and the routed experts' names per MoE layer."""
+    if cfg.attention_bias:
+        raise UnsupportedModelError("attention_bias=true is not supported")
+    h, v = cfg.hidden_size, cfg.vocab_size
+    s: dict[str, TensorSpec] = {"model.embed_tokens.weight": TensorSpec((v, h))}
+    experts: list[list[tuple[str, str, str]]] = []
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}."
+        s[p + "input_layernorm.weight"] = TensorSpec((h,))
+        s[p + "post_attention_layernorm.weight"] = TensorSpec((h,))
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            hv = cfg.linear_num_value_heads
+            s[a + "in_proj_qkvz.weight"] = TensorSpec((2 * cfg.linear_key_dim + 2 * cfg.linear_value_dim, h), "linear")
+            s[a + "in_proj_ba.weight"] = TensorSpec((2 * hv, h), "linear")
+            s[a + "conv1d.weight"] = TensorSpec((cfg.linear_conv_dim, 1, cfg.linear_conv_kernel_dim))
+            s[a + "out_proj.weight"] = TensorSpec((h, cfg.linear_value_dim), "linear")
+            s[a + "norm.weight"] = TensorSpec((cfg.linear_value_head_dim,))
+            s[a + "dt_bias"] = TensorSpec((hv,))
+            s[a + "A_log"] = TensorSpec((hv,))
+        else:
+            a = p + "self_attn."
+            hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+            s[a + "q_proj.weight"] = TensorSpec((2 * hq * d, h), "linear")
+            s[a + "k_proj.weight"] = TensorSpec((hk * d, h), "linear")
+            s[a + "v_proj.weight"] = TensorSpec((hk * d, h), "linear")
+            s[a + "o_proj.weight"] = TensorSpec((h, hq * d), "linear")
+            s[a + "q_norm.weight"] = TensorSpec((d,))
+            s[a + "k_norm.weight"] = TensorSpec((d,))
+        m = p + "mlp."
+        if cfg.is_moe_layer(i):
+            e_i, sh = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+            s[m + "gate.weight"] = TensorSpec((cfg.num_experts, h), "linear")
+            s[m + "shared_expert_gate.weight"] = TensorSpec((1, h), "linear")
+            _mlp_specs(s, m + "shared_expert.", h, sh, "linear")
+            layer = []
+            for e in range(cfg.num_experts):
+                names = _mlp_specs(s, f"{m}experts.{e}.", h, e_i, "expert")
+                layer.append(names)
+            experts.append(layer)
+        else:
+            _mlp_specs(s, m, h, cfg.intermediate_size, "linear")
+    s["model.norm.weight"] = TensorSpec((h,))
+    if not cfg.tie_word_embeddings:
+        s["lm_head.weight"] = TensorSpec((v, h), "linear")
+    return s, experts
+
+
+def _mlp_specs(s: dict, prefix: str, h: int, inter: int, kind: str) -> tuple[str, str, str]:
+    names = (prefix + "gate_proj.weight", prefix + "up_proj.weight", prefix + "down_proj.weight")
+    s[names[0]] = TensorSpec((inter, h), kind)
+    s[names[1]] = TensorSpec((inter, h), kind)
+    s[names[2]] = TensorSpec((h, inter), kind)
+    return names
+
+
+class Qwen3NextModel:
+    """forward(batch, pools) -> logits [B, vocab] (float32) at each sequence's last new token."""
+
+    def __init__(self, cfg: ModelConfig, weights: LoadedWeights, dtype: torch.dtype, device: torch.device) -> None:
+        self.cfg, self.dtype, self.device = cfg, dtype, device
+        w = weights.tensors
+        # Bytes of every weight kept on the device (not the routed experts).
+        self.resident_bytes = sum(
+            t.nbytes if hasattr(t, "packed") else t.numel() * t.element_size() for t in w.values()
+        )
+        self.embed = w["model.embed_tokens.weight"]
+        self.norm = w["model.norm.weight"]
+        self.lm_head = Linear(w["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w["lm_head.weight"])
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, device)
+        self.layers = [self._build_layer(i, w) for i in range(cfg.num_hidden_layers)]
+        # pool index of each layer within its kind (KV layer / mamba layer / MoE layer)
+        self.kind_index = {i: n for kinds in (cfg.full_attention_layers, cfg.linear_attention_layers) for n, i in enumerate(kinds)}
+
+    def _build_layer(self, i: int, w: dict):
+        cfg, p = self.cfg, f"model.layers.{i}."
+        L = lambda name: Linear(w[p + name])  # noqa: E731
+        if cfg.layer_types[i] == "linear_attention":
+            a = "linear_attn."
+            mixer = GatedDeltaNet(
+                L(a + "in_proj_qkvz.weight"), L(a + "in_proj_ba.weight"), w[p + a + "conv1d.weight"],
+                L(a + "out_proj.weight"), w[p + a + "norm.weight"], w[p + a + "A_log"], w[p + a + "dt_bias"],
+                cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                cfg.linear_value_head_dim, cfg.rms_norm_eps,
+            )
+        else:
+            a = "self_attn."
+            mixer = GatedAttention(
+                L(a + "q_proj.weight"), L(a + "k_proj.weight"), L(a + "v_proj.weight"), L(a + "o_proj.weight"),
+                w[p + a + "q_norm.weight"], w[p + a + "k_norm.weight"], cfg.num_attention_heads,
+                cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps,
+            )
+        if cfg.is_moe_layer(i):
+            m = "mlp."
+            shared = MLP(L(m + "shared_expert.gate_proj.weight"), L(m + "shared_expert.up_proj.weight"),
+                         L(m + "shared_expert.down_proj.weight"))
+            mlp = SparseMoE(L(m + "gate.weight"), shared, L(m + "shared_expert_gate.weight"),
+                            cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.moe_layers.index(i))
+        else:
+            mlp = MLP(L("mlp.gate_proj.weight"), L("mlp.up_proj.weight"), L("mlp.down_proj.weight"))
+        return mixer, mlp, w[p + "input_layernorm.weight"], w[p + "post_attention_layernorm.weight"]
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, pools: CachePools) -> torch.Tensor:
+        cfg = self.cfg
+        h = self.embed[batch.input_ids]
+        cos_sin = self.rotary.cos_sin(batch.positions, self.dtype)
+        for i, (mixer, mlp, norm_in, norm_post) in enumerate(self.layers):
+            x = rms_norm(h, norm_in, cfg.rms_norm_eps)
+            j = self.kind_index[i]
+            if isinstance(mixer, GatedAttention):
+                x = mixer(x, cos_sin, batch, pools.kv.layer(j))
+            else:
+                x = mixer(x, batch, pools.mamba.conv[:, j], pools.mamba.ssm[:, j])
+            h = h + x
+            x = rms_norm(h, norm_post, cfg.rms_norm_eps)
+            h = h + (mlp(x, pools.experts) if isinstance(mlp, SparseMoE) else mlp(x))
+        h = rms_norm(h[batch.last_token_index], self.norm, cfg.rms_norm_eps)
+        return self.lm_head(h).float()

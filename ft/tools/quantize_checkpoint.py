@@ -1,0 +1,272 @@
+"""`ft quantize`'s checkpoint conversion: read a Hugging Face checkpoint shard by shard, quantize
+with `ft.tools.quantize.quantize_state_dict`, write ModelOpt's NVFP4 layout (see that module)."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ft.tools.quantize import (  # noqa: F401
+    _INDEX_NAME,
+    _NOT_COPIED,
+    _SINGLE_NAME,
+    DEFAULT_EXCLUDE,
+    DEFAULT_PRODUCER_VERSION,
+    QuantizeError,
+    QuantizeStats,
+    _amax,
+    _check_finite,
+    _check_not_quantized,
+    _plan,
+    _quantize_module,
+    _resolve_device,
+    _write_json,
+    quantize_state_dict,
+    write_quant_config,
+)
+from ft.kernels.nvfp4 import BLOCK_SIZE
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise QuantizeError(f"cannot read {path}: {e}") from e
+
+
+def _source_shards(src: Path) -> tuple[list[str], dict[str, Any] | None]:
+    """(shard file names in order, the index or None for a single model.safetensors)."""
+    index_path = src / _INDEX_NAME
+    if index_path.is_file():
+        index = _read_json(index_path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise QuantizeError(f"{index_path} has no weight_map")
+        shards = sorted(set(weight_map.values()))
+        for shard in shards:
+            if not (src / shard).is_file():
+                raise QuantizeError(f"{index_path} names shard {shard!r}, which is not in {src}")
+        return shards, index
+    if (src / _SINGLE_NAME).is_file():
+        return [_SINGLE_NAME], None
+    others = sorted(p.name for p in src.glob("*.safetensors"))
+    hint = f" (found {', '.join(others)} but no {_INDEX_NAME})" if others else ""
+    raise QuantizeError(f"no safetensors checkpoint in {src}: expected {_SINGLE_NAME} or {_INDEX_NAME}{hint}")
+
+
+class _Reader:
+    """Lazily opened safetensors shards of SRC; reads one tensor at a time."""
+
+    def __init__(self, src: Path, shards: list[str]) -> None:
+        from safetensors import safe_open
+
+        self._open = safe_open
+        self.src = src
+        self.handles: dict[str, Any] = {}
+        self.where: dict[str, str] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, str] = {}
+        self.keys: dict[str, list[str]] = {}
+        for shard in shards:
+            f = self.handle(shard)
+            names = list(f.keys())
+            self.keys[shard] = names
+            for name in names:
+                if name in self.where:
+                    raise QuantizeError(f"tensor {name!r} is in both {self.where[name]} and {shard} in {src}")
+                sl = f.get_slice(name)
+                self.where[name] = shard
+                self.shapes[name] = tuple(sl.get_shape())
+                self.dtypes[name] = sl.get_dtype()
+
+    def handle(self, shard: str) -> Any:
+        if shard not in self.handles:
+            try:
+                self.handles[shard] = self._open(str(self.src / shard), framework="pt")
+            except Exception as e:  # safetensors raises its own error types
+                raise QuantizeError(f"cannot read {self.src / shard}: {e}") from e
+        return self.handles[shard]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.handle(self.where[name]).get_tensor(name)
+
+    def metadata(self, shard: str) -> dict[str, str]:
+        metadata = dict(self.handle(shard).metadata() or {})
+        metadata.setdefault("format", "pt")
+        return metadata
+
+
+def _check_dst(src: Path, dst: Path) -> None:
+    if dst.exists():
+        if not dst.is_dir():
+            raise QuantizeError(f"destination {dst} exists and is not a directory")
+        if any(dst.iterdir()):
+            raise QuantizeError(f"destination {dst} is not empty: refusing to overwrite it")
+        if dst.resolve() == src.resolve():
+            raise QuantizeError(f"destination {dst} is the source directory")
+
+
+def _copy_other_files(src: Path, dst: Path) -> None:
+    for entry in sorted(src.iterdir()):
+        if entry.name.startswith(".") or any(fnmatch.fnmatch(entry.name, p) for p in _NOT_COPIED):
+            continue
+        if entry.is_dir():
+            shutil.copytree(entry, dst / entry.name)
+        elif entry.is_file():
+            shutil.copy2(entry, dst / entry.name)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def quantize_checkpoint(
+    src: Path,
+    dst: Path,
+    exclude: Sequence[str] = DEFAULT_EXCLUDE,
+    progress: bool = True,
+    *,
+    device: str | torch.device | None = "cpu",
+    producer_version: str = DEFAULT_PRODUCER_VERSION,
+    scale_2_division: str = "reciprocal",
+) -> QuantizeStats:
+    """Convert the Hugging Face checkpoint directory SRC to an NVFP4 checkpoint in DST.
+
+    SRC holds config.json and ``model.safetensors`` or ``model.safetensors.index.json`` with its
+    shards. Tensors are read one at a time, shard by shard (``safetensors.safe_open``), and DST
+    gets the same shard file names, an index whose weight_map names the new tensors (and whose
+    ``metadata.total_size`` is the new size), config.json with ``quantization_config``,
+    hf_quant_config.json, and a copy of every other file of SRC (tokenizer, generation config,
+    chat template, ...). See `quantize_state_dict` for what is quantized.
+
+    DST must not exist or be empty; it is written in a temporary sibling directory that is
+    renamed to DST at the end, so a failed run leaves no half-written DST.
+
+    Args:
+        device: where to compute (None / "auto": CUDA when present); results are identical.
+        scale_2_division: "reciprocal" (default: as ModelOpt computes weight_scale_2 on a GPU,
+            where NVIDIA's checkpoints are made) or "exact" (as ModelOpt computes on a CPU).
+        producer_version: ``producer.version`` written in the quantization configs (the
+            producer name is "modelopt" so that other engines recognise the format).
+
+    Returns:
+        QuantizeStats (the caller may ignore it).
+
+    Raises:
+        QuantizeError: SRC is missing, has no config.json or no safetensors, is already
+            quantized, or DST is not empty.
+    """
+    src, dst = Path(src), Path(dst)
+    if scale_2_division not in ("reciprocal", "exact"):
+        raise ValueError(f"scale_2_division must be 'reciprocal' or 'exact', got {scale_2_division!r}")
+    if not src.is_dir():
+        raise QuantizeError(f"source checkpoint {src} does not exist or is not a directory")
+    if not (src / "config.json").is_file():
+        raise QuantizeError(f"no config.json in {src}: not a Hugging Face checkpoint directory")
+    config = _read_json(src / "config.json")
+    if (src / "hf_quant_config.json").is_file() or (isinstance(config, dict) and config.get("quantization_config")):
+        raise QuantizeError(f"{src} is already quantized (it has hf_quant_config.json or a quantization_config)")
+    shards, index = _source_shards(src)
+    _check_dst(src, dst)
+
+    reader = _Reader(src, shards)
+    torch_dtypes = {n: _SAFETENSORS_DTYPES.get(d) for n, d in reader.dtypes.items()}
+    _check_not_quantized(reader.where, torch_dtypes, str(src))
+    plan = _plan(reader.shapes, torch_dtypes, tuple(exclude))
+    dev = _resolve_device(device)
+    stats = QuantizeStats(quantized=sorted(plan.quantize), excluded=list(plan.excluded))
+    if plan.skipped_k:
+        print(
+            f"warning: {len(plan.skipped_k)} projection(s) kept dense because K % {BLOCK_SIZE} != 0: "
+            + ", ".join(plan.skipped_k[:5]) + (" ..." if len(plan.skipped_k) > 5 else ""),
+            file=sys.stderr,
+        )
+
+    amaxes: dict[str, torch.Tensor] = {}
+
+    def amax_of(module: str) -> torch.Tensor:
+        if module not in amaxes:
+            name = f"{module}.weight"
+            w = reader.get(name)
+            _check_finite(name, w)
+            amaxes[module] = _amax(w.to(dev)).cpu()
+        return amaxes[module]
+
+    dst_parent = dst.resolve().parent
+    dst_parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst_parent / f".{dst.name}.partial-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
+    try:
+        from safetensors.torch import save_file
+        from tqdm import tqdm
+
+        weight_map: dict[str, str] = {}
+        total = sum(len(reader.keys[s]) for s in shards)
+        with tqdm(total=total, desc="quantize", unit="tensor", disable=not progress) as bar:
+            for shard in shards:
+                out: dict[str, torch.Tensor] = {}
+                for name in reader.keys[shard]:
+                    tensor = reader.get(name)
+                    stats.tensors_before += 1
+                    stats.bytes_before += _nbytes(tensor)
+                    module = name[: -len(".weight")] if name.endswith(".weight") else None
+                    if module is not None and module in plan.quantize:
+                        group = plan.groups[module]
+                        group_amax = torch.stack([amax_of(m) for m in group]).max() if len(group) > 1 else None
+                        _check_finite(name, tensor)
+                        out.update(_quantize_module(module, tensor, group_amax, dev, scale_2_division))
+                    else:
+                        out[name] = tensor
+                    bar.update(1)
+                for name, t in out.items():
+                    weight_map[name] = shard
+                    stats.tensors_after += 1
+                    stats.bytes_after += _nbytes(t)
+                contiguous = {k: v.contiguous() for k, v in out.items()}
+                save_file(contiguous, str(tmp / shard), metadata=reader.metadata(shard))
+                del out
+
+        if index is not None:
+            new_index = dict(index)
+            metadata = dict(index.get("metadata") or {})
+            metadata["total_size"] = stats.bytes_after
+            new_index["metadata"] = metadata
+            new_index["weight_map"] = dict(sorted(weight_map.items()))
+            _write_json(tmp / _INDEX_NAME, new_index, indent=2)
+
+        _copy_other_files(src, tmp)
+        _write_json(tmp / "config.json", config, indent=2)
+        write_quant_config(tmp, list(plan.excluded), producer_version)
+        reader.handles.clear()
+        if dst.exists():
+            dst.rmdir()  # checked empty above
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return stats
+
+
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}

@@ -1,0 +1,107 @@
+"""Synthetic checkpoints: random NVFP4 weights generated on the device from a config.json alone.
+
+`LLM(model="synthetic:PATH/config.json")` builds a model with the flagship's (or any) geometry
+for benchmarks, with nothing downloaded: projections are NVFP4 in ModelOpt's layout (except the
+modules ModelOpt leaves dense: routers, gates, lm_head, conv1d, in_proj_ba), with random codes
+and scales sized so activations stay finite; routed experts go to the host store (pinned on
+CUDA) exactly as a loaded checkpoint's would. The demo's byte-level tokenizer stands in.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+
+import torch
+
+from ft.model.checkpoint import LoadedWeights, TensorSpec
+from ft.model.layers.linear import NVFP4Weight
+from ft.kernels.moe import SlotWeights
+
+PREFIX = "synthetic:"
+DENSE_MODULES = ("lm_head", "*.mlp.gate", "*.shared_expert_gate", "*.conv1d", "*.in_proj_ba")
+WEIGHT_STD = 0.02
+_E2M1_RMS_TIMES_SCALE = 3.5  # rms of random e2m1 codes (2.93) x mean block scale (~1.2)
+
+
+def is_synthetic(model: str | None) -> bool:
+    return bool(model) and str(model).startswith(PREFIX)
+
+
+def config_path(model: str) -> Path:
+    return Path(model[len(PREFIX):]).expanduser()
+
+
+class _Gen:
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.g = torch.Generator(device=device).manual_seed(seed)
+
+    def normal(self, shape, std, dtype) -> torch.Tensor:
+        return (torch.randn(shape, generator=self.g, device=self.device) * std).to(dtype)
+
+    def uniform(self, shape, lo, hi) -> torch.Tensor:
+        return torch.rand(shape, generator=self.g, device=self.device) * (hi - lo) + lo
+
+    def nvfp4(self, n: int, k: int, lead: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        packed = torch.randint(0, 256, (*lead, n, k // 2), generator=self.g, device=self.device, dtype=torch.uint8)
+        scale = self.uniform((*lead, n, k // 16), 0.5, 2.0).to(torch.float8_e4m3fn)
+        scale_2 = torch.full(lead, WEIGHT_STD / _E2M1_RMS_TIMES_SCALE, device=self.device)
+        return packed, scale, scale_2
+
+
+def synthetic_weights(
+    specs: dict[str, TensorSpec],
+    expert_groups: list[list[tuple[str, str, str]]],
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+) -> LoadedWeights:
+    gen = _Gen(device, seed)
+    tensors: dict[str, torch.Tensor | NVFP4Weight] = {}
+    for name, spec in specs.items():
+        if spec.kind == "expert":
+            continue
+        module = name.removesuffix(".weight")
+        if spec.kind == "linear" and not any(fnmatch.fnmatch(module, p) for p in DENSE_MODULES):
+            packed, scale, scale_2 = gen.nvfp4(*spec.shape)
+            tensors[name] = NVFP4Weight(packed, scale, scale_2.reshape(()))
+        elif name.endswith("A_log"):
+            tensors[name] = gen.uniform(spec.shape, 1.0, 16.0).log().to(dtype)
+        elif name.endswith("dt_bias"):
+            tensors[name] = torch.ones(spec.shape, dtype=dtype, device=device)
+        elif name.endswith("norm.weight") and "linear_attn" in name:
+            tensors[name] = torch.ones(spec.shape, dtype=dtype, device=device)
+        elif "norm" in name:
+            tensors[name] = gen.normal(spec.shape, 0.05, dtype)
+        else:
+            std = 0.2 if name.endswith("conv1d.weight") else (0.1 if name.endswith("mlp.gate.weight") else WEIGHT_STD)
+            tensors[name] = gen.normal(spec.shape, std, dtype)
+    experts = _experts(gen, specs, expert_groups) if expert_groups else None
+    return LoadedWeights(tensors, experts)
+
+
+def _experts(gen: _Gen, specs, groups) -> SlotWeights:
+    """Stacked [L, E, ...] NVFP4 experts, generated a layer at a time on the device and copied to
+    the host store (pinned when the device is CUDA)."""
+    n_layers, n_exp = len(groups), len(groups[0])
+    inter, hidden = specs[groups[0][0][0]].shape
+    pin = gen.device.type == "cuda"
+
+    def host(shape, dtype):
+        return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+    w13 = host((n_layers, n_exp, 2 * inter, hidden // 2), torch.uint8)
+    s13 = host((n_layers, n_exp, 2 * inter, hidden // 16), torch.float8_e4m3fn)
+    w2 = host((n_layers, n_exp, hidden, inter // 2), torch.uint8)
+    s2 = host((n_layers, n_exp, hidden, inter // 16), torch.float8_e4m3fn)
+    g = host((n_layers, n_exp, 3), torch.float32)
+    for layer in range(n_layers):
+        p13, sc13, g13 = gen.nvfp4(2 * inter, hidden, (n_exp,))
+        p2, sc2, g2 = gen.nvfp4(hidden, inter, (n_exp,))
+        w13[layer].copy_(p13)
+        s13[layer].copy_(sc13)
+        w2[layer].copy_(p2)
+        s2[layer].copy_(sc2)
+        g[layer].copy_(torch.stack([g13, g13, g2], dim=-1))
+    return SlotWeights(w13, w2, s13, s2, g)

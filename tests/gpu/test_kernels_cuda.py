@@ -1,0 +1,115 @@
+"""The Triton kernels compiled for the GPU, at the flagship's shapes (Qwen3-Next-80B-A3B), against
+their torch references by relative RMS, in bf16. The interpreter tests (tests/test_kernels_*)
+cover small shapes on the CPU; bench/kernels_nvfp4.py times these shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ft.kernels.moe import SlotWeights, moe_over_slots, moe_over_slots_ref
+from ft.kernels.moe.kernel import moe_over_slots_triton
+from ft.kernels.nvfp4 import nvfp4_linear, nvfp4_linear_ref
+from ft.kernels.nvfp4.kernel import nvfp4_linear_triton
+from ft.kernels.router import router_topk, router_topk_ref
+from ft.kernels.router.kernel import router_topk_triton
+from ft.tools.nvfp4_quantize import quantize_nvfp4
+
+pytestmark = pytest.mark.gpu
+
+TOL_LINEAR = 1e-2  # y rounded to bf16 against the fp32-matmul reference (bench/kernels_nvfp4.py)
+TOL_ROUTER = 1e-2  # routing weights in bf16
+TOL_MOE = 2e-2  # the MoE reference runs its matmuls in bf16 (bench/kernels_nvfp4.py)
+
+LINEAR_CASES = [(m, n, k) for m in (1, 8, 256) for n, k in ((12288, 2048), (2048, 4096), (1024, 2048))]
+"""(M, N, K): decode, small batch and a prefill tile on in_proj_qkvz, out_proj and expert gate_up."""
+EXPERTS, TOP_K, HIDDEN, INTER = 512, 10, 2048, 512
+DEV = "cuda"
+
+
+def rel_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative RMS difference; NaN anywhere in `out` (e.g. an unwritten poisoned output) gives nan."""
+    if out.isnan().any():
+        return float("nan")
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def random_nvfp4(n: int, k: int, lead: tuple = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random NVFP4 weight [..., N, K]: any byte (every nibble valid), block scales ~ 2**U(-3, 3), scale_2 0.01."""
+    packed = torch.randint(0, 256, (*lead, n, k // 2), dtype=torch.uint8, device=DEV)
+    scale = torch.exp2(torch.empty(*lead, n, k // 16, device=DEV).uniform_(-3, 3)).to(torch.float8_e4m3fn)
+    return packed, scale, torch.tensor(0.01, device=DEV)
+
+
+@pytest.mark.parametrize("m, n, k", LINEAR_CASES, ids=[f"M{m}-{n}x{k}-bf16" for m, n, k in LINEAR_CASES])
+def test_nvfp4_linear(m, n, k):
+    torch.manual_seed(0)
+    w = random_nvfp4(n, k)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    out = torch.full((m, n), float("nan"), device=DEV, dtype=torch.bfloat16)
+    y = nvfp4_linear_triton(x, *w, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    assert rel_rms(y, nvfp4_linear_ref(x, *w)) < TOL_LINEAR
+    assert torch.equal(nvfp4_linear(x, *w), y)  # the dispatcher runs this kernel on CUDA
+
+
+ROUTER_CASES = [(t, normalize) for t in (1, 8) for normalize in (True, False)]
+
+
+@pytest.mark.parametrize("t, normalize", ROUTER_CASES,
+                         ids=[f"T{t}-E{EXPERTS}-k{TOP_K}-{'norm' if nm else 'raw'}-bf16" for t, nm in ROUTER_CASES])
+def test_router_topk(t, normalize):
+    torch.manual_seed(0)
+    logits = torch.randn(t, EXPERTS, device=DEV, dtype=torch.bfloat16) * 2
+    w, ids = router_topk_triton(logits, TOP_K, normalize)
+    w_ref, ids_ref = router_topk_ref(logits, TOP_K, normalize)
+    assert w.dtype == torch.bfloat16 and ids.dtype == torch.int64 and ids.shape == (t, TOP_K)
+    probs = torch.softmax(logits.float(), -1)
+    assert torch.equal(probs.gather(1, ids), probs.gather(1, ids_ref))  # the same experts, up to ties
+    assert rel_rms(w, w_ref) < TOL_ROUTER
+    w_disp, ids_disp = router_topk(logits, TOP_K, normalize)
+    assert torch.equal(w_disp, w) and torch.equal(ids_disp, ids)  # the dispatcher runs this kernel on CUDA
+
+
+def random_pool(slots: int) -> SlotWeights:
+    """Random NVFP4 bytes for every slot, per-slot global scales ~ U(0.005, 0.02)."""
+    w13, s13, _ = random_nvfp4(2 * INTER, HIDDEN, (slots,))
+    w2, s2w, _ = random_nvfp4(HIDDEN, INTER, (slots,))
+    return SlotWeights(w13, w2, s13, s2w, torch.empty(slots, 3, device=DEV).uniform_(0.005, 0.02))
+
+
+def quantized_pool(slots: int) -> SlotWeights:
+    """Gaussian weights (std 0.02) quantized as ModelOpt does: realistic codes and scales."""
+    w13, s13, w2, s2w, s2 = [], [], [], [], []
+    for _ in range(slots):
+        gate, up = (quantize_nvfp4(torch.randn(INTER, HIDDEN, device=DEV) * 0.02) for _ in range(2))
+        down = quantize_nvfp4(torch.randn(HIDDEN, INTER, device=DEV) * 0.02)
+        w13.append(torch.cat([gate[0], up[0]]))
+        s13.append(torch.cat([gate[1], up[1]]))
+        w2.append(down[0])
+        s2w.append(down[1])
+        s2.append(torch.stack([gate[2], up[2], down[2]]))
+    return SlotWeights(*(torch.stack(t) for t in (w13, w2, s13, s2w, s2)))
+
+
+POOLS = {f"random{EXPERTS}": lambda: random_pool(EXPERTS), "quantized64": lambda: quantized_pool(64)}
+
+
+@pytest.fixture(scope="module", params=list(POOLS))
+def pool(request) -> SlotWeights:
+    torch.manual_seed(0)
+    return POOLS[request.param]()
+
+
+@pytest.mark.parametrize("batch", [1, 8], ids=lambda b: f"B{b}-top{TOP_K}-H{HIDDEN}-I{INTER}-bf16")
+def test_moe_over_slots(pool, batch):
+    torch.manual_seed(1)
+    slots = pool.w13.shape[0]
+    x = torch.randn(batch, HIDDEN, device=DEV, dtype=torch.bfloat16)
+    topk_slots = torch.stack([torch.randperm(slots, device=DEV)[:TOP_K] for _ in range(batch)])
+    topk_weights = torch.softmax(torch.randn(batch, TOP_K, device=DEV), -1).to(torch.bfloat16)
+    out = torch.full_like(x, float("nan"))
+    y = moe_over_slots_triton(x, topk_slots, topk_weights, pool, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    assert rel_rms(y, moe_over_slots_ref(x, topk_slots, topk_weights, pool)) < TOL_MOE
+    assert torch.equal(moe_over_slots(x, topk_slots, topk_weights, pool), y)  # the dispatcher runs this kernel

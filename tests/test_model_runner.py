@@ -1,0 +1,121 @@
+"""The model runner: persistent buffers with fixed addresses, the same logits as a batch built by
+hand, seeded sampling that does not depend on the rest of the batch."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ft.engine import SamplingParams
+from ft.engine.model_runner import ModelRunner
+from ft.model.forward_batch import ForwardBatch, SeqSlice
+from test_oracle import make_llm, prompt_of
+
+
+def sized_runner(eng, **sizes) -> ModelRunner:
+    cfg = eng.config
+    opts = dict(max_running_requests=cfg.max_running_requests, max_prefill_length=cfg.max_prefill_length,
+                max_pages_per_seq=math.ceil(eng.context_limit / cfg.page_size))
+    return ModelRunner(eng.model, eng.pools, eng.device, **{**opts, **sizes})
+
+
+class HandBuiltRunner(ModelRunner):
+    """The batch as it was built before the buffers: fresh tensors from Python lists each step."""
+
+    def prepare(self, work):
+        ids, pos, slices = [], [], []
+        for seq, n in zip(work.seqs, work.num_tokens):
+            start = seq.num_computed
+            ids.extend(seq.token_ids[start : start + n])
+            pos.extend(range(start, start + n))
+            slices.append(SeqSlice(start, n, torch.tensor(seq.pages, dtype=torch.int64, device=self.device),
+                                   seq.mamba_slot))
+        return ForwardBatch(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), slices)
+
+
+def addresses(runner: ModelRunner) -> dict[str, int]:
+    out = {name: b.device_buffer.data_ptr() for name, b in runner.buffers.items()}
+    return {**out, "page_table": runner.page_table.table.data_ptr()}
+
+
+def staggered_requests(eng) -> list:
+    """Requests that join and leave at different steps: batches of 1, 2 and 3 sequences."""
+    return [
+        (0, prompt_of(40, seed=1), SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)),
+        (2, prompt_of(23, seed=2), SamplingParams(max_new_tokens=5, temperature=0.9, top_k=20, seed=7, ignore_eos=True)),
+        (3, prompt_of(9, seed=3), SamplingParams(max_new_tokens=8, temperature=1.2, top_p=0.8, ignore_eos=True, seed=3)),
+    ]
+
+
+def run_staggered(eng) -> tuple[list[torch.Tensor], list[list[int]]]:
+    logits, seqs, step = [], [], 0
+    pending = staggered_requests(eng)
+    while pending or eng.has_work:
+        while pending and pending[0][0] <= step:
+            _, prompt, params = pending.pop(0)
+            seqs.append(eng.add_request(prompt, params))
+        eng.step()
+        logits.append(eng.last_logits.clone())
+        step += 1
+    return logits, [s.output_ids for s in seqs]
+
+
+def test_buffers_keep_their_addresses(tiny_one):
+    eng = make_llm(tiny_one[2], max_prefill_length=32).engine
+    eng.runner = runner = sized_runner(eng)
+    before = addresses(runner)
+    logits, _ = run_staggered(eng)
+    assert {t.shape[0] for t in logits} == {1, 2, 3}  # batch sizes varied
+    assert addresses(runner) == before
+    # the batch the model reads is made of views of the buffers
+    seq = eng.add_request(prompt_of(5), SamplingParams(max_new_tokens=1))
+    batch = runner.prepare(eng.scheduler.schedule())
+    assert batch.input_ids.data_ptr() == runner.buffers["input_ids"].device_buffer.data_ptr()
+    assert batch.positions.data_ptr() == runner.buffers["positions"].device_buffer.data_ptr()
+    assert batch.mamba_slots.data_ptr() == runner.buffers["mamba_slots"].device_buffer.data_ptr()
+    assert batch.seqs[0].page_table.data_ptr() == runner.page_table.table.data_ptr()
+    assert batch.seqs[0].page_table.tolist() == seq.pages and batch.mamba_slots.tolist() == [seq.mamba_slot]
+
+
+def test_buffers_grow_only_when_a_batch_exceeds_them(tiny_one):
+    eng = make_llm(tiny_one[2], max_prefill_length=32).engine
+    eng.runner = runner = sized_runner(eng, max_running_requests=1, max_prefill_length=1, max_pages_per_seq=1)
+    run_staggered(eng)  # grows to the largest batch seen
+    grown = addresses(runner)
+    assert runner.buffers["input_ids"].capacity >= 32 and runner.page_table.rows >= 3
+    run_staggered(eng)
+    assert addresses(runner) == grown
+
+
+def test_runner_matches_a_hand_built_batch(tiny_one):
+    """Bitwise the same logits and tokens: with the sized buffers, with the engine's own runner
+    (grown from its constructor sizes), and with the batch built by hand each step."""
+    engines = [make_llm(tiny_one[2], max_prefill_length=32).engine for _ in range(3)]
+    engines[1].runner = sized_runner(engines[1])
+    e = engines[2]
+    e.runner = HandBuiltRunner(e.model, e.pools, e.device)
+    (la, ta), (lb, tb), (lc, tc) = (run_staggered(e) for e in engines)
+    assert ta == tb == tc and all(len(t) for t in ta)
+    assert len(la) == len(lb) == len(lc)
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(la, lb, lc))
+
+
+def test_seeded_request_same_tokens_in_any_batch(tiny_one):
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
+    prompt = prompt_of(30, seed=5)
+
+    def tokens(others: int) -> list[int]:
+        eng = make_llm(tiny_one[2]).engine
+        seq = eng.add_request(prompt, params)
+        for i in range(others):
+            eng.add_request(prompt_of(17 + 5 * i, seed=10 + i), SamplingParams(max_new_tokens=6, temperature=0.7, seed=i))
+        eng.run_until_done([seq])
+        return seq.output_ids
+
+    alone = tokens(0)
+    assert tokens(2) == alone == tokens(0)
+    other_seed = make_llm(tiny_one[2]).engine
+    seq = other_seed.add_request(prompt, SamplingParams(**{**params.__dict__, "seed": 99}))
+    other_seed.run_until_done([seq])
+    assert seq.output_ids != alone
