@@ -111,12 +111,15 @@ def test_faults_on_vmm_never_leave_a_stale_geometry(model, reference, case):
     seq = e.add_request(PROMPT, SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True))
     e.step()
     g = e.cache.geometry
+    # experts for KV: the most KV that 16 fewer expert slots make room for (2 MiB chunks included)
+    kv = next(k for k in range(g.kv_tokens + 8192, g.kv_tokens, -e.config.page_size)
+              if e.cache.plan_resize(moe=g.moe_slots - 16, kv=k).fits)
     if case == "inside moe":
         e.cache.storage.fault = _fault("moe[3]")  # NVFP4 slots: five tensors
-        target = dict(moe=g.moe_slots - 8, kv=g.kv_tokens + 1024)
+        target = dict(moe=g.moe_slots - 16, kv=kv)
     elif case == "inverse":
         e.cache.rebuilder.fault_at, e.cache.rebuilder.fault_in_undo = "grow kv", "shrink moe"
-        target = dict(moe=g.moe_slots - 8, kv=g.kv_tokens + 1024)
+        target = dict(moe=g.moe_slots - 16, kv=kv)
     else:
         e.cache.storage.fault = _fault("mamba[1]", "undo mamba[0]")
         target = dict(mamba=g.mamba_slots - 2)
