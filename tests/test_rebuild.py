@@ -4,7 +4,6 @@ flight (hypothesis), and a fault injected at each step."""
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 

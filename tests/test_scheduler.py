@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 
 from ft.engine import LLM, SamplingParams
 from test_oracle import GREEDY_32, hf_greedy, prompt_of

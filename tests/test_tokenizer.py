@@ -9,7 +9,6 @@ import shutil
 import pytest
 
 from ft.tools.demo import (
-    DEMO_CHAT_TEMPLATE,
     ENDOFTEXT_ID,
     IM_END_ID,
     IM_START_ID,

@@ -18,7 +18,8 @@ from ft.engine.cache.budget import measure_budget
 from ft.engine.cache.manager import CacheManager, PoolShapes, SizingOptions
 from ft.engine.detokenizer import OutputText
 from ft.engine.engine_config import EngineConfig
-from ft.engine.ladder import Head, Ladder, LadderMove, LadderOptions, LadderSnapshot, make_rungs
+from ft.engine.ladder import Ladder, LadderOptions, make_rungs
+from ft.engine.ladder_driver import LadderDriver
 from ft.engine.loader import DTYPES, activation_reserve, load_model, resolve_model_path, tokenizer_dir
 from ft.engine.model_runner import ModelRunner
 from ft.engine.prefix_cache import PrefixCache
@@ -26,7 +27,7 @@ from ft.engine.sampling_params import SamplingParams
 from ft.engine.scheduler import Scheduler, ScheduledWork
 from ft.engine.sequence import Sequence
 from ft.engine.tokenizer import Tokenizer
-from ft.errors import ConfigError, RebuildFailed, RebuildRefused, RequestError
+from ft.errors import ConfigError, RequestError
 from ft.memory.cache_pools import CachePools
 from ft.model.config import ModelConfig
 
@@ -73,6 +74,8 @@ class Engine:
         self.ladder = Ladder(rungs, LadderOptions(
             config.ladder_step_size, config.ladder_min_reuse, config.ladder_dwell_s, config.ladder_grow_hold_s,
         )) if rungs else None
+        self.ladder_driver = LadderDriver(self.ladder, self.cache, self.scheduler, self.prefix_cache) \
+            if self.ladder else None
         self._requests: dict[str, Sequence] = {}
         self.started_at = time.time()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
@@ -137,7 +140,7 @@ class Engine:
     def step(self) -> list[Sequence]:
         """Run one forward pass. Returns the sequences that got a new token (finished ones too)
         and those that ended with an error before running."""
-        rejected = self._ladder_step() if self.ladder is not None else []
+        rejected = self.ladder_driver.before_admission(self._fail) if self.ladder is not None else []
         work = self.scheduler.schedule()
         self.scheduler.hold_head = False
         if work is None:
@@ -210,77 +213,12 @@ class Engine:
                 raise TimeoutError("generation did not finish in time")
 
     # ----------------------------------------------------------------------------- ladder
-    def _ladder_snapshot(self) -> LadderSnapshot:
-        sched = self.scheduler
-        head = None
-        if sched.waiting:
-            seq = sched.waiting[0]
-            match = self.prefix_cache.match(seq.token_ids)
-            head = Head(seq.request_id, len(seq.prompt_ids), seq.possible_length, match.num_tokens if match else 0)
-        rungs = self.ladder.rungs
-        top = max((i for i, r in enumerate(rungs) if self.cache.moe_beside(r) is not None), default=-1)
-        return LadderSnapshot(self.cache.geometry.kv_tokens, head, sum(s.possible_length for s in sched.running),
-                              len(sched.running) < sched.max_running and not sched.admission_paused, top)
-
-    def _ladder_step(self) -> list[Sequence]:
-        """Ask the ladder; run its move before admission. A grow that cannot run defers the
-        request while others run (they may free what it needs) and rejects it, with the reason,
-        when nothing runs; the refusal is in history either way."""
-        snap = self._ladder_snapshot()
-        move = self.ladder.decide(snap)
-        if move is None:
-            self.scheduler.hold_head = self.ladder.holds(snap)
-            return self._reject_if_never_fits(snap)
-        try:
-            self._run_ladder_move(move)
-        except (RebuildRefused, RebuildFailed) as e:
-            final = not move.grow or not self.scheduler.running
-            self.ladder.refused(move, str(e), final, snap.running_possible)
-            if move.grow and not final:
-                self.scheduler.hold_head = True  # deferred: the running requests go on
-            elif move.grow:
-                seq = self.scheduler.waiting[0]
-                return [self._fail(seq, f"the KV ladder could not grow for this request: {e}")]
-        return []
-
-    def _reject_if_never_fits(self, snap: LadderSnapshot) -> list[Sequence]:
-        """A head whose prompt cannot fit even the highest rung that keeps the expert floor."""
-        if snap.head is None or snap.top_rung < 0:
-            return []
-        top = self.ladder.rungs[snap.top_rung]
-        if snap.head.prompt_tokens + 1 <= max(top, snap.kv_tokens):
-            return []
-        seq = self.scheduler.waiting[0]
-        reason = (f"the prompt is {snap.head.prompt_tokens} tokens; the highest KV rung that keeps the expert "
-                  f"floor holds {top} tokens")
-        self.cache.record("ladder", f"reject request {seq.request_id}: {reason}", "refused", reason)
-        return [self._fail(seq, reason)]
-
-    def _run_ladder_move(self, move: LadderMove) -> dict:
-        moe = self.cache.moe_beside(move.kv_tokens)
-        if moe is None:
-            raise RebuildRefused(f"rung {move.rung} ({move.kv_tokens} tokens) leaves less than the expert floor "
-                                 f"{self.cache.expert_floor}", self.cache.reachable_ranges())
-        entry = self.cache.rebuild(moe=moe, kv=move.kv_tokens, trigger="ladder", reason=move.reason)
-        self.ladder.moved(move, entry["to"] != entry["from"])
-        return entry
-
     def move_ladder(self, rung: int | str, reason: str | None = None) -> dict:
         """A manual rung move: an index, "up" or "down" (RebuildRefused / RebuildFailed like any
-        rebuild)."""
+        rebuild; ConfigError when the ladder is off)."""
         if self.ladder is None:
             raise ConfigError("the KV ladder is off: start ft serve with --enable-kv-ladder")
-        kv = self.cache.geometry.kv_tokens
-        index = self.ladder.step_index(rung, kv) if isinstance(rung, str) else rung
-        n = len(self.ladder.rungs)
-        if not 0 <= index < n:
-            raise RebuildRefused(f"rung {index} is outside 0..{n - 1}", self.cache.reachable_ranges())
-        move = LadderMove(index, self.ladder.rungs[index], reason or f"manual: rung {rung}", self.ladder.rungs[index] > kv)
-        try:
-            return self._run_ladder_move(move)
-        except (RebuildRefused, RebuildFailed) as e:
-            self.ladder.refused(move, str(e), True)
-            raise
+        return self.ladder_driver.move(rung, reason)
 
     # ----------------------------------------------------------------------------- reports
     def describe(self) -> dict:
@@ -305,4 +243,4 @@ def _device(spec: str) -> torch.device:
     return dev
 
 
-__all__ = ["Engine", "RebuildFailed", "RebuildRefused"]
+__all__ = ["Engine"]

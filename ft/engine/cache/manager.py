@@ -157,21 +157,15 @@ class CacheManager:
     def reachable_ranges(self) -> dict[str, tuple[int, int]]:
         return reachable_ranges(self.geometry, self.layout, self.budget.budget_bytes, self.limits())
 
-    def exchange_rates(self) -> dict[str, float]:
-        """What one expert slot is worth in the other pools' units (exact bytes per unit)."""
-        c = self.layout.unit_costs()
-        if not c.expert_slot:
-            return {}
-        return {"kv_tokens_per_expert_slot": c.expert_slot / c.kv_page * c.page_size,
-                "mamba_slots_per_expert_slot": c.expert_slot / c.mamba_slot}
-
     def moe_beside(self, kv_tokens: int) -> int | None:
         """Expert slots for a geometry with `kv_tokens` of KV (mamba unchanged): all the budget
         leaves, or the fixed count of the resident backend / an explicit --moe-cache-size. None
         when that is below the expert floor or does not fit."""
         g, budget = self.geometry, self.budget.budget_bytes
+
         def fits(moe: int) -> bool:
             return self.layout.nbytes(Geometry(moe, kv_tokens, g.mamba_slots)) <= budget
+
         if self.opts.moe_backend == "resident" or self.opts.moe_cache_size is not None:
             return g.moe_slots if fits(g.moe_slots) else None
         moe = self.layout.largest("moe", fits, 0, self.total_experts)

@@ -1,0 +1,90 @@
+"""Runs the ladder policy against the engine's parts: builds its snapshot, turns a move into a
+rebuild (expert slots from the cache manager's arithmetic, never below the floor), and decides
+what happens to the first waiting request when a grow cannot run (deferred while others run,
+rejected with the reason when nothing runs or its prompt can never fit)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ft.engine.cache.manager import CacheManager
+from ft.engine.ladder import Head, Ladder, LadderMove, LadderSnapshot
+from ft.engine.prefix_cache import PrefixCache
+from ft.engine.scheduler import Scheduler
+from ft.engine.sequence import Sequence
+from ft.errors import RebuildFailed, RebuildRefused
+
+
+class LadderDriver:
+    def __init__(self, ladder: Ladder, cache: CacheManager, scheduler: Scheduler, prefix_cache: PrefixCache) -> None:
+        self.ladder, self.cache, self.scheduler, self.prefix_cache = ladder, cache, scheduler, prefix_cache
+
+    def snapshot(self) -> LadderSnapshot:
+        sched = self.scheduler
+        head = None
+        if sched.waiting:
+            seq = sched.waiting[0]
+            match = self.prefix_cache.match(seq.token_ids)
+            head = Head(seq.request_id, len(seq.prompt_ids), seq.possible_length, match.num_tokens if match else 0)
+        rungs = self.ladder.rungs
+        top = max((i for i, r in enumerate(rungs) if self.cache.moe_beside(r) is not None), default=-1)
+        return LadderSnapshot(self.cache.geometry.kv_tokens, head, sum(s.possible_length for s in sched.running),
+                              len(sched.running) < sched.max_running and not sched.admission_paused, top)
+
+    def before_admission(self, fail: Callable[[Sequence, str], Sequence]) -> list[Sequence]:
+        """Ask the ladder; run its move before admission. A grow that cannot run defers the
+        request while others run (they may free what it needs) and rejects it, with the reason,
+        when nothing runs; the refusal is in history either way."""
+        snap = self.snapshot()
+        move = self.ladder.decide(snap)
+        if move is None:
+            self.scheduler.hold_head = self.ladder.holds(snap)
+            return self._reject_if_never_fits(snap, fail)
+        try:
+            self._run(move)
+        except (RebuildRefused, RebuildFailed) as e:
+            final = not move.grow or not self.scheduler.running
+            self.ladder.refused(move, str(e), final, snap.running_possible)
+            if move.grow and not final:
+                self.scheduler.hold_head = True  # deferred: the running requests go on
+            elif move.grow:
+                seq = self.scheduler.waiting[0]
+                return [fail(seq, f"the KV ladder could not grow for this request: {e}")]
+        return []
+
+    def _reject_if_never_fits(self, snap: LadderSnapshot, fail) -> list[Sequence]:
+        """A head whose prompt cannot fit even the highest rung that keeps the expert floor."""
+        if snap.head is None or snap.top_rung < 0:
+            return []
+        top = self.ladder.rungs[snap.top_rung]
+        if snap.head.prompt_tokens + 1 <= max(top, snap.kv_tokens):
+            return []
+        seq = self.scheduler.waiting[0]
+        reason = (f"the prompt is {snap.head.prompt_tokens} tokens; the highest KV rung that keeps the expert "
+                  f"floor holds {top} tokens")
+        self.cache.record("ladder", f"reject request {seq.request_id}: {reason}", "refused", reason)
+        return [fail(seq, reason)]
+
+    def _run(self, move: LadderMove) -> dict:
+        moe = self.cache.moe_beside(move.kv_tokens)
+        if moe is None:
+            raise RebuildRefused(f"rung {move.rung} ({move.kv_tokens} tokens) leaves less than the expert floor "
+                                 f"{self.cache.expert_floor}", self.cache.reachable_ranges())
+        entry = self.cache.rebuild(moe=moe, kv=move.kv_tokens, trigger="ladder", reason=move.reason)
+        self.ladder.moved(move, entry["to"] != entry["from"])
+        return entry
+
+    def move(self, rung: int | str, reason: str | None = None) -> dict:
+        """A manual rung move: an index, "up" or "down" (RebuildRefused / RebuildFailed like any
+        rebuild)."""
+        kv = self.cache.geometry.kv_tokens
+        index = self.ladder.step_index(rung, kv) if isinstance(rung, str) else rung
+        n = len(self.ladder.rungs)
+        if not 0 <= index < n:
+            raise RebuildRefused(f"rung {index} is outside 0..{n - 1}", self.cache.reachable_ranges())
+        move = LadderMove(index, self.ladder.rungs[index], reason or f"manual: rung {rung}", self.ladder.rungs[index] > kv)
+        try:
+            return self._run(move)
+        except (RebuildRefused, RebuildFailed) as e:
+            self.ladder.refused(move, str(e), True)
+            raise
