@@ -148,7 +148,8 @@ def test_sixteen_concurrent_streams_match_alone(server):
         ({"model": MODEL, "prompt": "x", "temperature": -3}, 400, "temperature"),
         ({"model": MODEL}, 400, "prompt"),
     ],
-    ids=["malformed", "unknown-model", "negative-max", "absurd-max", "long-prompt", "bad-token", "n2", "neg-temp", "no-prompt"],
+    ids=["malformed", "unknown-model", "negative-max", "absurd-max", "long-prompt", "bad-token", "n2", "neg-temp",
+         "no-prompt"],
 )
 def test_bad_input_is_4xx_and_server_stays_healthy(server, body, status, needle):
     data = body if isinstance(body, str) else json.dumps(body)
@@ -308,9 +309,8 @@ def test_seed_resizes_through_the_admin_api_and_ft_ctl(capsys):
 
 
 def test_ladder_through_the_server_and_ft_ctl(serve_checkpoint, capsys):
-
-    srv = ServerProcess("--model", str(serve_checkpoint), "--enable-kv-ladder", "--ladder-step-size", "256", "--ladder-dwell-s", "0",
-                        "--ladder-grow-hold-s", "0")
+    srv = ServerProcess("--model", str(serve_checkpoint), "--enable-kv-ladder", "--ladder-step-size", "256",
+                        "--ladder-dwell-s", "0", "--ladder-grow-hold-s", "0")
     try:
         st = srv.get("/admin/cache").json()
         assert st["ladder"]["enabled"] and st["ladder"]["current"] == 0 and st["pools"]["kv"]["size"] == 512
@@ -353,7 +353,7 @@ def test_resize_waits_for_running_requests(server):
         "model": MODEL, "prompt": [40 + i % 200 for i in range(100)], "max_tokens": 200, "temperature": 0,
         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
     }) as stream:
-        events = (json.loads(line[5:]) for line in stream.iter_lines() if line.startswith("data:") and "[DONE]" not in line)
+        events = (json.loads(x[5:]) for x in stream.iter_lines() if x.startswith("data:") and "[DONE]" not in x)
         first = next(events)
         r = server.post("/admin/cache", json={"kv": 64})
         assert r.status_code == 422 and "kv 64 is outside" in r.json()["error"]["message"]

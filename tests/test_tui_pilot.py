@@ -17,8 +17,8 @@ from ft.tui.app import make_app
 
 @pytest.fixture(scope="module")
 def server(serve_checkpoint):
-    srv = ServerProcess("--model", str(serve_checkpoint), "--enable-kv-ladder", "--ladder-step-size", "256", "--ladder-dwell-s", "0",
-                        "--ladder-grow-hold-s", "0")
+    srv = ServerProcess("--model", str(serve_checkpoint), "--enable-kv-ladder", "--ladder-step-size", "256",
+                        "--ladder-dwell-s", "0", "--ladder-grow-hold-s", "0")
     yield srv
     srv.stop()
 
@@ -52,11 +52,11 @@ async def until(pilot, cond, timeout: float = WAIT_S) -> None:
 
 
 def test_keys_drive_the_server(server):
-    client = CountingClient(server.url)
+    client = CountingClient(server.url, timeout=WAIT_S)
     app = make_app(server.url, None, 0.5, client=client)
     notes: list[dict] = []
     notify = app.notify
-    app.notify = lambda message, **kw: notes.append(kw) or notify(message, **kw)  # every widget's notify ends here
+    app.notify = lambda message, **kw: notes.append(kw) or notify(message, **kw)  # widgets' notify calls this
 
     async def scenario():
         async with app.run_test(size=(120, 40)) as pilot:

@@ -62,6 +62,8 @@ class PoolsPanel(Widget):
         head.append(f"free {format_bytes(free)}", COLORS["free"] if not free else "")
         if c.context_limit:
             head.append(f"  context {c.context_limit} tok")
+        if c.storage.reallocates:  # vmm / mmap free before they allocate; this one does not
+            head.append(f"  storage {c.storage.backend}: ranges count old + new", "bold yellow")
         cells, usage = pool_cells(c), pool_usage(c)
         rows = [[name, *cells[name][:2], cells[name][2], usage[name]] for name in POOL_ORDER]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
