@@ -32,6 +32,8 @@ HELP = {
     "ladder_min_reuse": "a request that reuses less than this fraction of its prompt from the prefix cache may shrink the ladder",
     "ladder_dwell_s": "least seconds on a rung before the ladder shrinks",
     "ladder_grow_hold_s": "no shrink for this many seconds after a grow",
+    "cuda_graph_max_bs": "decode batches up to this many requests replay one CUDA graph per batch-size bucket",
+    "disable_cuda_graph": "run every decode step eagerly, without CUDA graphs (debugging)",
     "storage_backend": ("how the pools resize: vmm (CUDA virtual memory) or mmap (host, Linux) free before they "
                         "allocate; realloc copies, so a resize holds old and new and the reachable ranges are narrower; "
                         "auto picks the best available"),

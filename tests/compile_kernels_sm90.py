@@ -13,11 +13,14 @@ import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from ft.kernels.attention import kernel as attn  # noqa: E402
 from ft.kernels.moe import kernel as moe  # noqa: E402
+from ft.kernels.norm import kernel as norm  # noqa: E402
 from ft.kernels.nvfp4 import kernel as nv  # noqa: E402
 from ft.kernels.router import kernel as router  # noqa: E402
 
@@ -49,6 +52,29 @@ G_DOWN = {"p_h": "*bf16", **TILES, "p_wts": "*bf16", "p_w2": "*u8", "p_s2w": "*u
           **ints("I", "H", "TOPK", "stride_hp", "stride_w2e", "stride_w2r", "stride_s2we", "stride_s2wr",
                  "stride_s2e", "stride_yp")}
 ROUTER = {"p_logits": "*bf16", "p_w": "*bf16", "p_ids": "*i64", **ints("E", "K", "stride_lt", "stride_wt", "stride_it")}
+WRITE_KV = {"p_k": "*bf16", "p_v": "*bf16", "p_kc": "*bf16", "p_vc": "*bf16", "p_slot": "*i64",
+            **ints("H", "D", "page_size", "stride_kb", "stride_kh", "stride_vb", "stride_vh", "stride_kcp",
+                   "stride_kcs", "stride_kch", "stride_vcp", "stride_vcs", "stride_vch")}
+DECODE_IN = {"p_q": "*bf16", "p_kc": "*bf16", "p_vc": "*bf16", "p_pt": "*i64", "p_seq": "*i32"}
+DECODE_STRIDES = ("stride_qb", "stride_qh", "stride_kcp", "stride_kcs", "stride_kch", "stride_vcp", "stride_vcs",
+                  "stride_vch", "stride_ptb")
+DECODE = {**DECODE_IN, "p_o": "*bf16", "qk_scale": "fp32", **ints("G", "D", *DECODE_STRIDES, "stride_ob", "stride_oh")}
+DECODE_SPLIT = {**DECODE_IN, "p_acc": "*fp32", "p_st": "*fp32", "qk_scale": "fp32",
+                **ints("G", "D", *DECODE_STRIDES, "stride_ar", "stride_ah", "stride_sr", "stride_sh")}
+COMBINE = {"p_acc": "*fp32", "p_st": "*fp32", "p_o": "*bf16",
+           **ints("S", "D", "stride_ar", "stride_ah", "stride_sr", "stride_sh", "stride_ob", "stride_oh")}
+RMS_NORM = {"p_x": "*bf16", "p_r": "*bf16", "p_w": "*bf16", "p_y": "*bf16", "p_h": "*bf16", "D": "i32", "eps": "fp32",
+            **ints("stride_xt", "stride_rt", "stride_yt", "stride_ht")}
+GATED_NORM = {"p_x": "*bf16", "p_g": "*bf16", "p_w": "*bf16", "p_y": "*bf16", "N": "i32", "D": "i32", "eps": "fp32",
+              **ints("stride_xt", "stride_gt", "stride_yt")}
+QK_NORM_ROPE = {"p_q": "*bf16", "p_k": "*bf16", "p_qw": "*bf16", "p_kw": "*bf16", "p_pos": "*i64", "p_inv": "*fp32",
+                "p_qo": "*bf16", "p_ko": "*bf16", "HQ": "i32", "D": "i32", "HALF": "i32", "eps": "fp32",
+                **ints("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_qot", "stride_qoh", "stride_kot",
+                       "stride_koh")}
+
+
+def decode_cfg(head_dim: int, group: int) -> dict:
+    return {"PAGE_SIZE": 64, **attn.decode_config(head_dim, group, torch.bfloat16)}  # every constexpr named
 
 
 def gemv_cfg(m: int, n: int, k: int) -> dict:
@@ -94,6 +120,21 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("moe grouped down", moe._moe_grouped_down_kernel, G_DOWN, grouped_cfg("BLOCK_H")),
     ("router 512 experts top-10", router._router_topk_kernel, ROUTER,
      {"NORMALIZE": True, "BLOCK_E": 512, "BLOCK_K": 16, "num_warps": 4}),
+    ("rms_norm hidden 2048", norm._rms_norm_kernel, RMS_NORM, {"HAS_RESIDUAL": False, "BLOCK_D": 2048, "num_warps": 8}),
+    ("add + rms_norm hidden 2048", norm._rms_norm_kernel, RMS_NORM, {"HAS_RESIDUAL": True, "BLOCK_D": 2048, "num_warps": 8}),
+    ("add + rms_norm 8192 (largest tile)", norm._rms_norm_kernel, RMS_NORM,
+     {"HAS_RESIDUAL": True, "BLOCK_D": 8192, "num_warps": 8}),
+    ("gated rms_norm Dv 128", norm._gated_rms_norm_kernel, GATED_NORM,
+     {"ROUND_WY": True, "BLOCK_R": 8, "BLOCK_D": 128, "num_warps": 4}),
+    ("q/k norm + rope 256, rotary 64", norm._qk_norm_rope_kernel, QK_NORM_ROPE,
+     {"BLOCK_D": 256, "BLOCK_HALF": 32, "num_warps": 1}),
+    ("write kv decode Hkv 2, D 256", attn._write_kv_decode_kernel, WRITE_KV,
+     {"BLOCK_H": 2, "BLOCK_D": 256, "num_warps": 4}),
+    ("decode attention G 8, D 256", attn._decode_kernel, DECODE, decode_cfg(256, 8)),
+    ("decode attention G 1, D 128", attn._decode_kernel, DECODE, decode_cfg(128, 1)),
+    ("decode attention split-K G 8, D 256", attn._decode_split_kernel, DECODE_SPLIT, decode_cfg(256, 8)),
+    ("decode attention combine 128 splits", attn._decode_combine_kernel, COMBINE,
+     {"BLOCK_S": 128, "CHUNK_S": 16, "BLOCK_D": 256, "num_warps": 4}),
 ]
 
 

@@ -119,3 +119,13 @@ def test_seeded_request_same_tokens_in_any_batch(tiny_one):
     seq = other_seed.add_request(prompt, SamplingParams(**{**params.__dict__, "seed": 99}))
     other_seed.run_until_done([seq])
     assert seq.output_ids != alone
+
+
+def test_decode_graph_buckets():
+    from ft.engine.decode_graphs import DecodeGraphs, batch_buckets
+
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    g = DecodeGraphs(40)
+    assert [g.bucket(b) for b in (1, 3, 9, 33, 40, 41)] == [1, 4, 16, 40, 40, None]

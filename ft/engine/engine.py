@@ -69,8 +69,11 @@ class Engine:
         self.scheduler = Scheduler(pools.kv, pools.mamba, self.prefix_cache, config.max_running_requests,
                                    config.max_prefill_length)
         self.cache.attach(self.scheduler, self.prefix_cache)
-        self.runner = ModelRunner(self.model, pools, self.device, config.max_running_requests,
-                                  config.max_prefill_length, -(-self.context_limit // config.page_size))
+        self.runner = ModelRunner(
+            self.model, pools, self.device, config.max_running_requests, config.max_prefill_length,
+            -(-self.context_limit // config.page_size), self.context_limit,
+            0 if config.disable_cuda_graph else config.cuda_graph_max_bs,
+        )
         self.ladder = Ladder(rungs, LadderOptions(
             config.ladder_step_size, config.ladder_min_reuse, config.ladder_dwell_s, config.ladder_grow_hold_s,
         )) if rungs else None

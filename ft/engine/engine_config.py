@@ -32,6 +32,8 @@ class EngineConfig:
     ladder_min_reuse: float = 0.5  # a request reusing less of its prompt from the cache may shrink KV
     ladder_dwell_s: float = 30.0  # least seconds on a rung before shrinking
     ladder_grow_hold_s: float = 60.0  # no shrink for this many seconds after a grow
+    cuda_graph_max_bs: int = 16  # decode batches up to this size replay CUDA graphs (on CUDA)
+    disable_cuda_graph: bool = False  # run every decode step eagerly (debugging)
     storage_backend: str = "auto"  # auto | vmm | mmap | realloc: how pools grow and shrink (see ft.memory.storage)
     seed: int = 0
     progress: bool = False  # show loading progress
@@ -47,6 +49,8 @@ class EngineConfig:
             raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.storage_backend not in ("auto", "vmm", "mmap", "realloc"):
             raise ConfigError(f"--storage-backend must be auto, vmm, mmap or realloc, got {self.storage_backend!r}")
+        if self.cuda_graph_max_bs < 0:
+            raise ConfigError(f"--cuda-graph-max-bs must be >= 0, got {self.cuda_graph_max_bs}")
         for name in ("page_size", "max_running_requests", "max_prefill_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")

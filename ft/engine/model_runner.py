@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import torch
 
+from ft.engine.decode_graphs import DecodeGraphs
 from ft.engine.sampler import SamplingBatch, sample
 from ft.engine.scheduler import ScheduledWork
 from ft.engine.sequence import Sequence
 from ft.memory.cache_pools import CachePools
-from ft.model.forward_batch import ForwardBatch, SeqSlice
+from ft.model.forward_batch import DecodeMeta, ForwardBatch, SeqSlice
 
 
 class StagedBuffer:
@@ -74,6 +75,11 @@ class PageTableBuffer:
         if rows > self.rows or cols > self.cols:
             self._alloc(max(rows, self.rows), max(cols, self.cols))
 
+    def load_rows(self, pages: list[list[int]]) -> torch.Tensor:
+        """Write each sequence's pages into its row; returns table[:B] (its full width)."""
+        self.load(pages)
+        return self.table[: len(pages)]
+
     def load(self, pages: list[list[int]]) -> list[torch.Tensor]:
         """Write each sequence's pages into its row; returns the views table[i, :len(pages[i])]."""
         b, w = len(pages), max(1, max(map(len, pages), default=0))
@@ -102,14 +108,21 @@ class ModelRunner:
         max_running_requests: int = 1,
         max_prefill_length: int = 1,
         max_pages_per_seq: int = 1,
+        max_seq_len: int = 1,
+        cuda_graph_max_bs: int = 0,
     ) -> None:
         self.model, self.pools, self.device = model, pools, device
+        self.max_seq_len = max_seq_len
+        # decode steps replay CUDA graphs on CUDA unless disabled (cuda_graph_max_bs 0)
+        bs = min(cuda_graph_max_bs, max_running_requests)
+        self.graphs = DecodeGraphs(bs) if device.type == "cuda" and bs > 0 else None
         rows, tokens = max_running_requests, max(max_prefill_length, max_running_requests)
         i64, f32 = torch.int64, torch.float32
         self.buffers: dict[str, StagedBuffer] = {
             name: StagedBuffer(n, dtype, device) for name, n, dtype in (
                 ("input_ids", tokens, i64), ("positions", tokens, i64),
-                ("seq_lens", rows, torch.int32), ("last_token_index", rows, i64), ("mamba_slots", rows, i64),
+                ("seq_lens", rows, i64), ("last_token_index", rows, i64), ("mamba_slots", rows, i64),
+                ("slot_mapping", rows, i64),
                 ("temperature", rows, f32), ("top_k", rows, i64), ("top_p", rows, f32), ("uniform", rows, f32),
             )
         }
@@ -153,17 +166,61 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------------------------- step
+    def prepare_decode(self, seqs: list[Sequence], n: int) -> ForwardBatch:
+        """A decode batch (one new token per sequence) padded to n rows with copies of the first
+        sequence, every input in the persistent buffers, `decode` set: the forward then reads
+        device tensors only (what a CUDA graph replays)."""
+        rows = list(seqs) + [seqs[0]] * (n - len(seqs))
+        page = self.pools.kv.page_size
+        pos = [s.num_computed for s in rows]
+        buf = self.buffers
+        table = self.page_table.load_rows([s.pages for s in rows])
+        slices = [SeqSlice(p, 1, table[i], s.mamba_slot) for i, (s, p) in enumerate(zip(rows, pos))]
+        batch = ForwardBatch(buf["input_ids"].load([_tokens(s, p, 1)[0] for s, p in zip(rows, pos)]),
+                             buf["positions"].load(pos), slices)
+        batch.decode = DecodeMeta(
+            buf["slot_mapping"].load([s.pages[p // page] * page + p % page for s, p in zip(rows, pos)]),
+            table, buf["seq_lens"].load([p + 1 for p in pos]), self.max_seq_len)
+        batch.last_token_index = buf["last_token_index"].load(list(range(n)))
+        batch.mamba_slots = buf["mamba_slots"].load([s.mamba_slot for s in rows])
+        return batch
+
     def run(self, work: ScheduledWork) -> list[int | None]:
         """One forward pass over `work`; for each sequence the sampled token, or None when its
         part was a chunk of a longer prompt (no token yet)."""
-        logits = self.model.forward(self.prepare(work), self.pools)  # [B, V] float32
+        if not work.is_prefill and all(n == 1 for n in work.num_tokens):
+            logits = self._decode(work.seqs)
+            done = [True] * len(work.seqs)
+        else:
+            logits = self.model.forward(self.prepare(work), self.pools)  # [B, V] float32
+            done = [seq.num_computed + n >= seq.num_tokens for seq, n in zip(work.seqs, work.num_tokens)]
+        self._count_hits(sum(work.num_tokens))
         self.last_logits = logits
-        done = [seq.num_computed + n >= seq.num_tokens for seq, n in zip(work.seqs, work.num_tokens)]
         if not any(done):  # chunks of longer prompts only
             self._wait()
             return [None] * len(done)
         tokens = self._to_host(sample(logits, self.sampling(work.seqs)))
         return [t if d else None for t, d in zip(tokens, done)]
+
+    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits [B, V] of a decode step: a graph replay where one applies, else eager."""
+        b = len(seqs)
+        experts = self.pools.experts
+        n = self.graphs.bucket(b) if self.graphs is not None else None
+        if n is None or (experts is not None and not experts.all_resident):
+            # NOTE: offloaded experts are loaded by host-side bookkeeping: no graph (the offload issue)
+            return self.model.forward(self.prepare_decode(seqs, b), self.pools)
+        batch = self.prepare_decode(seqs, n)
+        key = (tuple(self.pools.sizes().items()), self.page_table.table.data_ptr(),
+               *(buf.device_buffer.data_ptr() for buf in self.buffers.values()))
+        return self.graphs.run(n, key, lambda: self.model.forward(batch, self.pools))[:b]
+
+    def _count_hits(self, tokens: int) -> None:
+        """Resident experts: every (token, expert) pair is a hit (the MoE layer does not count
+        them, since a replayed graph runs no Python)."""
+        experts = self.pools.experts
+        if experts is not None and experts.all_resident:
+            experts.stats.hits += tokens * self.model.moe_pairs_per_token
 
     def _to_host(self, ids: torch.Tensor) -> list[int]:
         """[B] int64 on the device -> Python ints: one small copy (pinned, then an event wait)."""

@@ -24,12 +24,31 @@ class SeqSlice:
 
 
 @dataclass
+class DecodeMeta:
+    """What a decode step (one new token per sequence) needs as device tensors, so that the step
+    reads no Python value that changes from step to step (a CUDA graph replays it).
+
+    slot_mapping [B] int64: where each new token's K/V goes (page * page_size + offset).
+    page_table [B, max_pages] int64: row b lists sequence b's pages (entries past it unused).
+    seq_lens [B] int64: tokens of sequence b including the new one.
+    max_seq_len: the longest a sequence may get (the context limit), fixed for the run: kernels
+    size their split over the context from it, never from the data."""
+
+    slot_mapping: torch.Tensor
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+    max_seq_len: int
+
+
+@dataclass
 class ForwardBatch:
-    """input_ids, positions [T] for T = sum of lengths, sequences in order."""
+    """input_ids, positions [T] for T = sum of lengths, sequences in order. `decode` is set by
+    the model runner for decode steps (every length 1): layers then use its tensors only."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     seqs: list[SeqSlice]
+    decode: DecodeMeta | None = None
 
     @property
     def is_decode(self) -> bool:

@@ -12,13 +12,13 @@ import torch
 from ft.model.checkpoint import LoadedWeights, TensorSpec
 from ft.model.config import ModelConfig
 from ft.errors import UnsupportedModelError
+from ft.kernels.norm import add_rms_norm, rms_norm, rotary_inv_freq_ref
 from ft.model.forward_batch import ForwardBatch
 from ft.model.layers.attention import GatedAttention
 from ft.model.layers.gated_deltanet import GatedDeltaNet
 from ft.model.layers.linear import Linear
 from ft.model.layers.moe import MLP, SparseMoE
-from ft.model.layers.norm import rms_norm
-from ft.model.layers.rotary import Rotary
+from ft.model.layers.attention import Rope
 from ft.memory.cache_pools import CachePools
 
 
@@ -92,8 +92,9 @@ class Qwen3NextModel:
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
         self.lm_head = Linear(w["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w["lm_head.weight"])
-        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, device)
+        self.rope = Rope(cfg.rotary_dim, rotary_inv_freq_ref(cfg.rotary_dim, cfg.rope_theta, device))
         self.layers = [self._build_layer(i, w) for i in range(cfg.num_hidden_layers)]
+        self.moe_pairs_per_token = cfg.num_experts_per_tok * len(cfg.moe_layers)  # routed (token, expert) pairs
         # pool index of each layer within its kind (KV layer / mamba layer / MoE layer)
         self.kind_index = {i: n for kinds in (cfg.full_attention_layers, cfg.linear_attention_layers) for n, i in enumerate(kinds)}
 
@@ -127,18 +128,18 @@ class Qwen3NextModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pools: CachePools) -> torch.Tensor:
-        cfg = self.cfg
+        eps = self.cfg.rms_norm_eps
         h = self.embed[batch.input_ids]
-        cos_sin = self.rotary.cos_sin(batch.positions, self.dtype)
+        x = rms_norm(h, self.layers[0][2], eps)
         for i, (mixer, mlp, norm_in, norm_post) in enumerate(self.layers):
-            x = rms_norm(h, norm_in, cfg.rms_norm_eps)
+            if i:
+                x, h = add_rms_norm(y, h, norm_in, eps)  # NOTE: h = h + y, then the norm: one launch
             j = self.kind_index[i]
             if isinstance(mixer, GatedAttention):
-                x = mixer(x, cos_sin, batch, pools.kv.layer(j))
+                x = mixer(x, self.rope, batch, pools.kv.layer(j))
             else:
                 x = mixer(x, batch, pools.mamba.conv[:, j], pools.mamba.ssm[:, j])
-            h = h + x
-            x = rms_norm(h, norm_post, cfg.rms_norm_eps)
-            h = h + (mlp(x, pools.experts) if isinstance(mlp, SparseMoE) else mlp(x))
-        h = rms_norm(h[batch.last_token_index], self.norm, cfg.rms_norm_eps)
+            x, h = add_rms_norm(x, h, norm_post, eps)
+            y = mlp(x, pools.experts) if isinstance(mlp, SparseMoE) else mlp(x)
+        h = rms_norm((h + y)[batch.last_token_index], self.norm, eps)
         return self.lm_head(h).float()

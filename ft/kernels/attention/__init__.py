@@ -1,13 +1,35 @@
-"""Attention over a paged KV cache: `reference.py` (KV write, causal attention over a page table)
-and the dispatchers the model calls. No Triton kernel yet (the decode-graphs issue adds one)."""
+"""Attention over a paged KV cache: `reference.py` (KV write and causal attention per sequence for
+prefill; the batched decode step), `kernel.py` (Triton kernels of the decode step: KV write by
+slot, single-pass and split-K paged attention), `split.py` (split count and workspace, no triton)
+and the dispatchers the model calls.
+
+The decode dispatchers take only device tensors for what changes per step (slot mapping, page
+table, sequence lengths), so a decode step on CUDA is capturable in a CUDA graph; pass the
+split-K workspace (`decode_attention_workspace`) and `max_seq_len` when capturing.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from ft.kernels.attention.reference import paged_attention_ref, write_kv_ref
+from ft.kernels.attention.reference import (
+    paged_attention_ref,
+    paged_decode_attention_ref,
+    write_kv_decode_ref,
+    write_kv_ref,
+)
+from ft.kernels.attention.split import (
+    DecodeWorkspace,
+    decode_attention_splits,
+    decode_attention_workspace,
+)
+from ft.kernels.backend import TRITON_DTYPES, debug_checks, uses_triton
 
-__all__ = ["paged_attention", "paged_attention_ref", "write_kv", "write_kv_ref"]
+__all__ = [
+    "DecodeWorkspace", "decode_attention_splits", "decode_attention_workspace", "paged_attention",
+    "paged_attention_ref", "paged_decode_attention", "paged_decode_attention_ref", "write_kv", "write_kv_decode",
+    "write_kv_decode_ref", "write_kv_ref",
+]
 
 
 def write_kv(
@@ -23,3 +45,74 @@ def paged_attention(
 ) -> torch.Tensor:
     """Dispatcher of `paged_attention_ref` (same contract): the reference on every device today."""
     return paged_attention_ref(q, k_cache, v_cache, page_table, start, scale)
+
+
+def write_kv_decode(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store one new token per sequence: k, v [B, Hkv, D] into k_cache, v_cache [P, page_size, Hkv, D]
+    (views of the pool, any strides but D's) at slot_mapping [B] int64 = page * page_size + offset;
+    a negative slot (padding row) writes nothing.
+
+    Dispatcher: the Triton kernel where `uses_triton` says so, `write_kv_decode_ref` otherwise.
+    """
+    if uses_triton(k.device) and k.dtype in TRITON_DTYPES:
+        # NOTE: imports triton only when used
+        from ft.kernels.attention.kernel import write_kv_decode_triton
+
+        write_kv_decode_triton(k_cache, v_cache, k, v, slot_mapping)
+    else:
+        write_kv_decode_ref(k_cache, v_cache, k, v, slot_mapping)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int | None = None,
+    splits: int | None = None,
+    workspace: DecodeWorkspace | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention: q [B, Hq, D], one query per sequence at position seq_lens[b] - 1, over keys
+    0 .. seq_lens[b] - 1 (write the new K/V first) -> [B, Hq, D] in q's dtype, softmax in fp32.
+
+    Args:
+        k_cache, v_cache: [P, page_size, Hkv, D]; query head h reads kv head h // (Hq // Hkv); D <= 256.
+        page_table: [B, max_pages] int64; entries past a sequence's length are never read.
+        seq_lens: [B] int32/int64 device tensor, at most max_pages * page_size; 0 gives zeros (padding).
+        max_seq_len: the longest context the caller declares (default: the page table's capacity);
+            it sets the split count (`decode_attention_splits`), a speed choice only.
+        splits: force a split count (1: single pass); workspace: the split-K workspace, at least
+            B * splits rows (`decode_attention_workspace`); out: optional output. Ignored by the
+            reference except `out`.
+
+    Dispatcher: the Triton kernels (single pass, or split-K when the split count is above 1) where
+    `uses_triton` says so; `paged_decode_attention_ref` otherwise. Nothing here syncs with the
+    host unless ``FT_DEBUG=1`` (then the page ids and lengths are checked).
+    """
+    if debug_checks():
+        _check_decode_inputs(k_cache, page_table, seq_lens)
+    if uses_triton(q.device) and q.dtype in TRITON_DTYPES:
+        # NOTE: imports triton only when used
+        from ft.kernels.attention.kernel import paged_decode_attention_triton
+
+        return paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, scale,
+                                             max_seq_len=max_seq_len, splits=splits, workspace=workspace, out=out)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale)
+    return ref if out is None else out.copy_(ref)
+
+
+def _check_decode_inputs(k_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """Debug mode (syncs): lengths within the page table, the pages they use within the pool."""
+    page = k_cache.shape[1]
+    if seq_lens.numel() and not (0 <= int(seq_lens.min()) and int(seq_lens.max()) <= page_table.shape[1] * page):
+        raise ValueError(f"seq_lens {seq_lens.tolist()} outside 0 .. {page_table.shape[1] * page} (page table width)")
+    used = torch.arange(page_table.shape[1], device=page_table.device)[None, :] * page < seq_lens[:, None]
+    ids = page_table[used]
+    if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < k_cache.shape[0]):
+        raise ValueError(f"page ids outside 0 .. {k_cache.shape[0] - 1}: {sorted(set(ids.tolist()))[:8]} ...")

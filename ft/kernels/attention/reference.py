@@ -57,3 +57,48 @@ def paged_attention_ref(
     scores = scores.masked_fill(mask[None], float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     return torch.einsum("htn,nhd->thd", probs, v)
+
+
+def write_kv_decode_ref(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store one new token per sequence: k, v [B, Hkv, D] at slots slot_mapping [B] int64
+    (slot = page * page_size + offset); a negative slot (a padding row) writes nothing."""
+    page = k_cache.shape[1]
+    keep = (slot_mapping >= 0).nonzero().flatten()
+    slots = slot_mapping[keep]
+    k_cache[slots // page, slots % page] = k[keep].to(k_cache.dtype)
+    v_cache[slots // page, slots % page] = v[keep].to(v_cache.dtype)
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one query per sequence, at position seq_lens[b] - 1, over keys 0 .. seq_lens[b] - 1.
+
+    Args:
+        q: [B, Hq, D]; Hq a multiple of Hkv (query head h reads kv head h // (Hq // Hkv)).
+        k_cache, v_cache: [P, page_size, Hkv, D].
+        page_table: [B, max_pages] int64; row b lists sequence b's pages, entries past its length
+            are never read (they may hold anything).
+        seq_lens: [B] int32/int64; 0 (a padding row) gives zeros.
+    Returns: [B, Hq, D] in q's dtype (scores, softmax and sums in float32).
+    """
+    b, hq, d = q.shape
+    page, hkv = k_cache.shape[1], k_cache.shape[2]
+    longest = int(seq_lens.max()) if b else 0  # NOTE: a host sync; the Triton path has none
+    pos = torch.arange(-(-longest // page) * page, device=q.device)
+    valid = pos[None, :] < seq_lens[:, None].long()  # [B, N]
+    pages = page_table[:, pos // page].masked_fill(~valid, 0)  # NOTE: garbage entries never index
+    k = k_cache[pages, pos % page].float().masked_fill(~valid[..., None, None], 0.0)  # [B, N, Hkv, D]
+    v = v_cache[pages, pos % page].float().masked_fill(~valid[..., None, None], 0.0)
+    qg = q.float().reshape(b, hkv, hq // hkv, d)
+    scores = torch.einsum("bkgd,bnkd->bkgn", qg, k) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows of padding sequences: all -inf
+    return torch.einsum("bkgn,bnkd->bkgd", probs, v).reshape(b, hq, d).to(q.dtype)

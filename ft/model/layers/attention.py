@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ft.model.forward_batch import ForwardBatch
 from ft.model.layers.linear import Linear
-from ft.model.layers.norm import rms_norm
-from ft.model.layers.rotary import Rotary
-from ft.kernels.attention import paged_attention_ref, write_kv_ref
+from ft.kernels.norm import qk_norm_rope
+from ft.kernels.attention import paged_attention, paged_decode_attention, write_kv, write_kv_decode
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Partial rotary embedding: rotate-half over the first `rotary_dim` dims of each head, angles
+    positions x inv_freq [rotary_dim / 2] (float32)."""
+
+    rotary_dim: int
+    inv_freq: torch.Tensor
 
 
 class GatedAttention:
@@ -34,7 +44,7 @@ class GatedAttention:
     def __call__(
         self,
         x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
         batch: ForwardBatch,
         kv: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
@@ -43,18 +53,22 @@ class GatedAttention:
         qg = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim)
         q, gate = qg.chunk(2, dim=-1)
         gate = gate.reshape(t, -1)
-        q = rms_norm(q, self.q_norm, self.eps)
-        k = rms_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), self.k_norm, self.eps)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        cos, sin = cos_sin
-        q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
+        q, k = qk_norm_rope(q, k, self.q_norm, self.k_norm, batch.positions, rope.inv_freq, rope.rotary_dim, self.eps)
         k_cache, v_cache = kv
+        if batch.decode is not None:  # one token per sequence: device tensors only (graph-safe)
+            d = batch.decode
+            write_kv_decode(k_cache, v_cache, k, v, d.slot_mapping)
+            o = paged_decode_attention(q, k_cache, v_cache, d.page_table, d.seq_lens, self.scale,
+                                       max_seq_len=d.max_seq_len).reshape(t, -1)
+            return self.o_proj(o * torch.sigmoid(gate))
         outs = []
         offset = 0
         for s in batch.seqs:
             sl = slice(offset, offset + s.length)
-            write_kv_ref(k_cache, v_cache, k[sl], v[sl], s.page_table, s.start)
-            outs.append(paged_attention_ref(q[sl], k_cache, v_cache, s.page_table, s.start, self.scale))
+            write_kv(k_cache, v_cache, k[sl], v[sl], s.page_table, s.start)
+            outs.append(paged_attention(q[sl], k_cache, v_cache, s.page_table, s.start, self.scale))
             offset += s.length
         o = torch.cat(outs, dim=0).reshape(t, -1)
         return self.o_proj(o * torch.sigmoid(gate))

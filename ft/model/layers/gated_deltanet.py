@@ -7,9 +7,9 @@ import torch.nn.functional as F
 
 from ft.model.forward_batch import ForwardBatch
 from ft.model.layers.linear import Linear
-from ft.model.layers.norm import gated_rms_norm
 from ft.kernels.conv1d import causal_conv1d_ref
 from ft.kernels.gated_delta import gated_delta_rule
+from ft.kernels.norm import gated_rms_norm
 
 
 class GatedDeltaNet:

@@ -56,7 +56,8 @@ class SparseMoE:
         layer = self.moe_index
         table = cache.slot_table[layer]
         if cache.all_resident:  # every expert has its slot: no bookkeeping, no device sync
-            cache.stats.hits += ids.numel()  # NOTE: counts (token, expert) pairs here
+            # NOTE: hits are counted by the model runner here ((token, expert) pairs): this code
+            # also runs while a CUDA graph is captured, and not at all when it is replayed.
             return moe_over_slots(x, self._slots(table, ids), weights, cache.slots)
         experts = torch.unique(ids).tolist()
         if len(experts) <= cache.num_slots:

@@ -1,0 +1,73 @@
+"""CUDA graphs of decode steps: one per batch-size bucket, replayed over the model runner's
+persistent buffers.
+
+A decode step whose batch fits a bucket runs padded to that bucket (the padding rows repeat the
+first sequence: same inputs, same slot, same page, so they write the same values to the same
+places and change nothing). The first step of a bucket runs eagerly (it is the step's real
+computation, and it compiles and warms every kernel), then the graph is captured over the same
+buffers (capture records, it does not execute); later steps of that bucket replay it. All graphs
+share one memory pool; each replay's logits are copied out before another graph runs.
+
+A graph is valid while what it baked in stays put: buffer addresses and the pools' sizes (torch's
+indexing kernels bound-check against the size they were launched with). `key` carries both; when
+it changes (a rebuild that resized a pool, a buffer that had to grow) every graph is dropped and
+captured again lazily, and the capture time is counted in `capture_s`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Hashable
+
+import torch
+
+
+def batch_buckets(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to max_bs (max_bs itself included)."""
+    out = [b for b in (1, 2, 4, 8) if b <= max_bs] + list(range(16, max_bs + 1, 16))
+    if max_bs not in out:
+        out.append(max_bs)
+    return sorted(set(out))
+
+
+class DecodeGraphs:
+    def __init__(self, max_bs: int) -> None:
+        self.buckets = batch_buckets(max_bs)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self._key: Hashable = None
+        self.captures = 0  # graphs captured so far (tests and reports)
+        self.replays = 0
+        self.capture_s = 0.0
+
+    def bucket(self, b: int) -> int | None:
+        """The smallest bucket holding b rows, None when b is over the largest."""
+        return next((n for n in self.buckets if n >= b), None)
+
+    def invalidate(self) -> None:
+        self._graphs.clear()
+
+    def run(self, n: int, key: Hashable, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The logits [n, V] of this step: replayed from bucket n's graph, or computed eagerly
+        and captured for the next steps. `forward` reads only the persistent buffers."""
+        if key != self._key:
+            self.invalidate()
+            self._key = key
+        entry = self._graphs.get(n)
+        if entry is not None:
+            graph, out = entry
+            graph.replay()
+            self.replays += 1
+            return out.clone()  # NOTE: another bucket's replay may reuse the shared pool's memory
+        logits = forward()  # this step, eagerly: also the warm-up the capture needs
+        t0 = time.perf_counter()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = forward()
+        if self._pool is None:
+            self._pool = graph.pool()
+        self._graphs[n] = (graph, out)
+        self.captures += 1
+        self.capture_s += time.perf_counter() - t0
+        return logits

@@ -1,0 +1,301 @@
+"""Triton kernels of the decode step over the paged KV cache (details module of `ft.kernels.attention`).
+
+Everything a launch reads that changes from step to step is a device tensor (slot mapping, page
+table, sequence lengths, q); grids and block sizes depend on shapes only; nothing syncs with the
+host; the split-K workspace comes from the caller. So a decode step is capturable in a CUDA graph.
+
+* `_write_kv_decode_kernel`: one program per sequence stores its new token's K and V [Hkv, D] at
+  its slot (page * page_size + offset); a negative slot (padding row) writes nothing.
+* `_decode_kernel` (single pass): one program per (sequence, kv head) takes all G = Hq / Hkv query
+  heads of the group at once, as a [BLOCK_G, D] tile (BLOCK_G >= 16 for ``tl.dot``), so K and V
+  are read once per group. It walks the sequence in blocks of BLOCK_N tokens (a token's page id
+  is gathered from the page table, so any page size works) with an online softmax in fp32
+  (log2 units, the scale folded into the scores), masking tokens at or past seq_lens[b]: page
+  table entries and KV slots past a sequence's length are never read.
+* `_decode_split_kernel` + `_decode_combine_kernel` (split-K, long contexts): programs over
+  (sequence, kv head, split); split s of S takes tokens [s * c, (s + 1) * c) with
+  c = cdiv(cdiv(seq_len, S), BLOCK_N) * BLOCK_N from the actual length, and writes its partial
+  (max, sum, unnormalized acc) to the workspace; the combine kernel, one program per
+  (sequence, query head), rescales the S partials to their common max and normalizes.
+  S comes from the caller (`split.decode_attention_splits`, from the declared maximum context).
+
+A sequence of length 0 (a padding row) gives zeros. Block sizes are not tuned on a GPU yet.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ft.kernels.attention.split import (
+    DecodeWorkspace,
+    decode_attention_splits,
+    decode_attention_workspace,
+)
+
+__all__ = ["paged_decode_attention_triton", "write_kv_decode_triton"]
+
+LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 256
+
+
+@triton.jit
+def _write_kv_decode_kernel(
+    p_k, p_v, p_kc, p_vc, p_slot, H, D, page_size,
+    stride_kb, stride_kh, stride_vb, stride_vh,
+    stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    i_b = tl.program_id(0)
+    slot = tl.load(p_slot + i_b).to(tl.int64)
+    i_p = tl.maximum(slot, 0) // page_size
+    i_s = tl.maximum(slot, 0) % page_size
+    o_h = tl.arange(0, BLOCK_H)
+    o_d = tl.arange(0, BLOCK_D)
+    d_end = tl.where(slot >= 0, D, 0)  # NOTE: a scalar bool in a mask fails in the interpreter
+    m_hd = (o_h < H)[:, None] & (o_d < d_end)[None, :]
+    b_k = tl.load(p_k + i_b * stride_kb + o_h[:, None] * stride_kh + o_d[None, :], mask=m_hd)
+    b_v = tl.load(p_v + i_b * stride_vb + o_h[:, None] * stride_vh + o_d[None, :], mask=m_hd)
+    p_kt = p_kc + i_p * stride_kcp + i_s * stride_kcs + o_h[:, None] * stride_kch + o_d[None, :]
+    p_vt = p_vc + i_p * stride_vcp + i_s * stride_vcs + o_h[:, None] * stride_vch + o_d[None, :]
+    tl.store(p_kt, b_k.to(p_kc.dtype.element_ty), mask=m_hd)
+    tl.store(p_vt, b_v.to(p_vc.dtype.element_ty), mask=m_hd)
+
+
+@triton.jit
+def _load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The query heads of kv head i_kv's group for sequence i_b -> [BLOCK_G, BLOCK_D] (padding rows 0)."""
+    o_g = tl.arange(0, BLOCK_G)
+    o_d = tl.arange(0, BLOCK_D)
+    m_gd = (o_g < G)[:, None] & (o_d < D)[None, :]
+    return tl.load(p_q + i_b * stride_qb + (i_kv * G + o_g)[:, None] * stride_qh + o_d[None, :], mask=m_gd, other=0.0)
+
+
+@triton.jit
+def _attend(b_q, p_k, p_v, p_pt, lo, hi, D, qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
+            PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            PRECISION: tl.constexpr):
+    """Online softmax of the group's queries b_q over tokens [lo, hi) of one sequence -> (max [BLOCK_G]
+    in log2 units, sum [BLOCK_G], unnormalized acc [BLOCK_G, BLOCK_D]), fp32.
+
+    p_k, p_v: the kv head's K/V cache (token (page, slot) at + page * stride_*p + slot * stride_*s);
+    p_pt: the sequence's page-table row. Only tokens in [lo, hi) are loaded, their page ids included."""
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    b_m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    b_acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        m_n = o_n < hi
+        m_nd = m_n[:, None] & m_d[None, :]
+        b_page = tl.load(p_pt + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
+        o_slot = o_n % PAGE_SIZE
+        b_k = tl.load(p_k + (b_page * stride_kp + o_slot * stride_ks)[:, None] + o_d[None, :], mask=m_nd, other=0.0)
+        b_s = tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+        b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+        # NOTE: every block holds a token below hi, so b_m_new is finite and the padding rows stay finite
+        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+        b_alpha = tl.exp2(b_m - b_m_new)
+        b_p = tl.exp2(b_s - b_m_new[:, None])
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        b_v = tl.load(p_v + (b_page * stride_vp + o_slot * stride_vs)[:, None] + o_d[None, :], mask=m_nd, other=0.0)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v.to(b_q.dtype), input_precision=PRECISION)
+        b_m = b_m_new
+    return b_m, b_l, b_acc
+
+
+@triton.jit
+def _decode_kernel(
+    p_q, p_kc, p_vc, p_pt, p_seq, p_o, qk_scale, G, D,
+    stride_qb, stride_qh, stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
+    stride_ptb, stride_ob, stride_oh,
+    PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    i_b = tl.program_id(0)
+    i_kv = tl.program_id(1)
+    seq_len = tl.load(p_seq + i_b).to(tl.int32)
+    b_q = _load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G, BLOCK_D)
+    _, b_l, b_acc = _attend(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
+                            0, seq_len, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
+                            PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION)
+    b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]  # seq_len 0: zeros
+    o_g = tl.arange(0, BLOCK_G)
+    o_d = tl.arange(0, BLOCK_D)
+    m_gd = (o_g < G)[:, None] & (o_d < D)[None, :]
+    p_ot = p_o + i_b * stride_ob + (i_kv * G + o_g)[:, None] * stride_oh + o_d[None, :]
+    tl.store(p_ot, b_o.to(p_o.dtype.element_ty), mask=m_gd)
+
+
+@triton.jit
+def _decode_split_kernel(
+    p_q, p_kc, p_vc, p_pt, p_seq, p_acc, p_st, qk_scale, G, D,
+    stride_qb, stride_qh, stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
+    stride_ptb, stride_ar, stride_ah, stride_sr, stride_sh,
+    PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    i_b = tl.program_id(0)
+    i_kv = tl.program_id(1)
+    i_s = tl.program_id(2)
+    n_s = tl.num_programs(2)
+    seq_len = tl.load(p_seq + i_b).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(seq_len, n_s), BLOCK_N) * BLOCK_N
+    lo = i_s * chunk
+    hi = tl.minimum(lo + chunk, seq_len)  # lo >= hi: an empty split (max -inf, sum 0, acc 0)
+    b_q = _load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G, BLOCK_D)
+    b_m, b_l, b_acc = _attend(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
+                              lo, hi, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
+                              PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION)
+    o_g = tl.arange(0, BLOCK_G)
+    o_d = tl.arange(0, BLOCK_D)
+    m_g = o_g < G
+    o_h = i_kv * G + o_g
+    i_r = i_b * n_s + i_s
+    tl.store(p_acc + i_r * stride_ar + o_h[:, None] * stride_ah + o_d[None, :], b_acc,
+             mask=m_g[:, None] & (o_d < D)[None, :])
+    tl.store(p_st + i_r * stride_sr + o_h * stride_sh, b_m, mask=m_g)
+    tl.store(p_st + i_r * stride_sr + o_h * stride_sh + 1, b_l, mask=m_g)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    p_acc, p_st, p_o, S, D, stride_ar, stride_ah, stride_sr, stride_sh, stride_ob, stride_oh,
+    BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    i_b = tl.program_id(0)
+    i_h = tl.program_id(1)
+    p_sb = p_st + i_b * S * stride_sr + i_h * stride_sh
+    p_ab = p_acc + i_b * S * stride_ar + i_h * stride_ah
+    o_s = tl.arange(0, BLOCK_S)
+    b_max = tl.max(tl.load(p_sb + o_s * stride_sr, mask=o_s < S, other=float("-inf")), axis=0)
+    b_max = tl.where(b_max == float("-inf"), 0.0, b_max)  # seq_len 0: every split empty
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    b_sum = tl.zeros((CHUNK_S,), dtype=tl.float32)
+    b_o = tl.zeros((CHUNK_S, BLOCK_D), dtype=tl.float32)
+    for s0 in range(0, S, CHUNK_S):  # CHUNK_S rows of acc at a time: few registers for any split count
+        o_c = s0 + tl.arange(0, CHUNK_S)
+        m_c = o_c < S
+        b_w = tl.exp2(tl.load(p_sb + o_c * stride_sr, mask=m_c, other=float("-inf")) - b_max)  # empty splits: 0
+        b_sum += b_w * tl.load(p_sb + o_c * stride_sr + 1, mask=m_c, other=0.0)
+        b_acc = tl.load(p_ab + o_c[:, None] * stride_ar + o_d[None, :], mask=m_c[:, None] & m_d[None, :], other=0.0)
+        b_o += b_w[:, None] * b_acc
+    b_l = tl.sum(b_sum, axis=0)
+    b_out = tl.sum(b_o, axis=0) / tl.where(b_l > 0, b_l, 1.0)  # seq_len 0: zeros
+    tl.store(p_o + i_b * stride_ob + i_h * stride_oh + o_d, b_out.to(p_o.dtype.element_ty), mask=m_d)
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache, v_cache must be [P, page_size, Hkv, D] alike, got {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache, v_cache must be contiguous along D")
+
+
+def write_kv_decode_triton(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """`write_kv_decode_ref` on Triton: k, v [B, Hkv, D] into k_cache, v_cache [P, page_size, Hkv, D]
+    (any strides but D's) at slot_mapping [B] int64; negative slots write nothing.
+
+    Raises: ValueError on shapes that do not match."""
+    _check_cache(k_cache, v_cache)
+    b, h, d = k.shape
+    if v.shape != k.shape or tuple(k_cache.shape[2:]) != (h, d) or tuple(slot_mapping.shape) != (b,):
+        raise ValueError(f"shapes do not match: k {tuple(k.shape)}, v {tuple(v.shape)}, cache {tuple(k_cache.shape)}, "
+                         f"slot_mapping {tuple(slot_mapping.shape)}")
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    if b:
+        _write_kv_decode_kernel[(b,)](
+            k, v, k_cache, v_cache, slot_mapping, h, d, k_cache.shape[1],
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+            v_cache.stride(2),
+            BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d), num_warps=4,
+        )
+
+
+def decode_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
+    """Block sizes and launch options of the decode kernels (untuned: K and V tiles of 16 KiB in bf16)."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    return {"BLOCK_G": max(16, triton.next_power_of_2(group)), "BLOCK_N": 32 if block_d > 128 else 64,
+            "BLOCK_D": block_d, "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "num_warps": 4,
+            "num_stages": 2}
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int | None = None,
+    splits: int | None = None,
+    workspace: DecodeWorkspace | None = None,
+    out: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """`paged_decode_attention_ref` on Triton: q [B, Hq, D] -> [B, Hq, D] in q's dtype.
+
+    Args:
+        max_seq_len: the longest context the caller declares (default: the page table's capacity,
+            max_pages * page_size); picks the split count (`decode_attention_splits`).
+        splits: force a split count (1: the single-pass kernel).
+        workspace: the split-K workspace (`decode_attention_workspace`), at least B * splits rows;
+            allocated here when missing. Pass one allocated up front when capturing a CUDA graph.
+        out: optional [B, Hq, D] output in q's dtype (written entirely).
+        config: block sizes and launch options overriding `decode_config` (tests, benchmarks).
+    Raises:
+        ValueError: on shapes, dtypes or layouts the kernels do not take, or a workspace too small.
+    """
+    _check_cache(k_cache, v_cache)
+    b, hq, d = q.shape
+    page, hkv = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.shape[3] != d or hq % hkv or d > MAX_HEAD_DIM:
+        raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)} (Hq a multiple of Hkv, "
+                         f"D <= {MAX_HEAD_DIM})")
+    if page_table.dim() != 2 or page_table.shape[0] != b or tuple(seq_lens.shape) != (b,):
+        raise ValueError(f"page_table must be [B, max_pages] and seq_lens [B] with B={b}, got "
+                         f"{tuple(page_table.shape)}, {tuple(seq_lens.shape)}")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"q must be fp32/bf16/fp16, got {q.dtype}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    page_table = page_table if page_table.stride(-1) == 1 else page_table.contiguous()
+    if splits is None:
+        splits = decode_attention_splits(b, hkv, max_seq_len or page_table.shape[1] * page)
+    out = torch.empty_like(q) if out is None else out
+    if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} contiguous along D, got {tuple(out.shape)} "
+                         f"{out.dtype}")
+    if b == 0:
+        return out
+    cfg = {**decode_config(d, hq // hkv, q.dtype), **(config or {})}
+    common = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0))
+    scale2 = scale * LOG2E
+    if splits == 1:
+        _decode_kernel[(b, hkv)](q, k_cache, v_cache, page_table, seq_lens, out, scale2, hq // hkv, d, *common,
+                                 out.stride(0), out.stride(1), PAGE_SIZE=page, **cfg)
+        return out
+    if workspace is None:
+        workspace = decode_attention_workspace(b, hq, d, splits, q.device)
+    if workspace.rows < b * splits or tuple(workspace.acc.shape[1:]) != (hq, d) or workspace.acc.stride(-1) != 1 \
+            or workspace.stats.stride(-1) != 1:
+        raise ValueError(f"workspace {tuple(workspace.acc.shape)} is too small for B={b} x {splits} splits, "
+                         f"Hq={hq}, D={d}")
+    acc, st = workspace.acc, workspace.stats
+    _decode_split_kernel[(b, hkv, splits)](q, k_cache, v_cache, page_table, seq_lens, acc, st, scale2, hq // hkv, d,
+                                           *common, acc.stride(0), acc.stride(1), st.stride(0), st.stride(1),
+                                           PAGE_SIZE=page, **cfg)
+    _decode_combine_kernel[(b, hq)](acc, st, out, splits, d, acc.stride(0), acc.stride(1), st.stride(0), st.stride(1),
+                                    out.stride(0), out.stride(1), BLOCK_S=triton.next_power_of_2(splits),
+                                    CHUNK_S=min(16, triton.next_power_of_2(splits)), BLOCK_D=cfg["BLOCK_D"],
+                                    num_warps=4)
+    return out

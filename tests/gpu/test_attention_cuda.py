@@ -1,0 +1,149 @@
+"""The decode attention kernels compiled for the GPU at the flagship's attention shapes (Hq 16, Hkv 2,
+D 256, bf16, pages of 64 tokens in a two-layer pool), against the torch reference by relative RMS;
+and a decode step (KV write + attention) captured in a CUDA graph, replayed with new inputs, equal
+to eager bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ft.kernels.attention import (
+    decode_attention_splits,
+    decode_attention_workspace,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    write_kv_decode,
+    write_kv_decode_ref,
+)
+from ft.kernels.attention.kernel import paged_decode_attention_triton
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+DTYPE = torch.bfloat16
+HQ, HKV, D, PAGE, LAYERS = 16, 2, 256, 64, 2
+SCALE = D ** -0.5
+TOL = 1e-2  # bf16 probabilities and output against the fp32 reference
+CASES = [(b, ctx) for b in (1, 8) for ctx in (64, 4096, 65536)]
+
+
+def rel_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative RMS difference; NaN anywhere in `out` (an unwritten poisoned output, a leak) gives nan."""
+    if out.isnan().any():
+        return float("nan")
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def layer_views(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 1 of the pool [P, L, 2, page, Hkv, D]: non-contiguous [P, page, Hkv, D] views."""
+    return kv[:, 1, 0], kv[:, 1, 1]
+
+
+def make_batch(batch: int, ctx: int):
+    """Sequences of lengths up to ctx (the first exactly ctx, the last 1 when batch > 1) on shuffled pages
+    of a NaN pool; only their tokens hold K/V, and page-table entries past their pages point at spare
+    (NaN) pages. -> (kv, page_table [B, ctx / PAGE + 1] int64, seq_lens [B] int32)."""
+    lens = [ctx - (b * 997) % (ctx // 2) for b in range(batch)]
+    if batch > 1:
+        lens[-1] = 1
+    width = ctx // PAGE + 1
+    need = [-(-n // PAGE) for n in lens]
+    spare = 4
+    pages = torch.randperm(sum(need) + spare, device=DEV)
+    kv = torch.full((len(pages), LAYERS, 2, PAGE, HKV, D), float("nan"), dtype=DTYPE, device=DEV)
+    table = pages[sum(need):][torch.randint(spare, (batch, width), device=DEV)]
+    first = 0
+    for b, (n, k) in enumerate(zip(lens, need)):
+        table[b, :k] = pages[first:first + k]
+        first += k
+        pos = torch.arange(n, device=DEV)
+        kv[table[b, pos // PAGE], :, :, pos % PAGE] = torch.randn(n, LAYERS, 2, HKV, D, device=DEV, dtype=DTYPE)
+    return kv, table, torch.tensor(lens, dtype=torch.int32, device=DEV)
+
+
+@pytest.mark.parametrize("batch, ctx", CASES, ids=[f"B{b}-ctx{c}-Hq{HQ}-Hkv{HKV}-D{D}-bf16" for b, c in CASES])
+def test_paged_decode_attention(batch, ctx):
+    torch.manual_seed(0)
+    kv, table, lens = make_batch(batch, ctx)
+    k_cache, v_cache = layer_views(kv)
+    q = torch.randn(batch, HQ, D, device=DEV, dtype=DTYPE)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, SCALE)
+    splits = decode_attention_splits(batch, HKV, ctx)
+    for forced in (None, 1):  # the dispatcher's rule (split-K at 4096 tokens and up), the single pass
+        out = torch.full_like(q, float("nan"))
+        y = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx, splits=forced,
+                                          out=out)
+        assert y.data_ptr() == out.data_ptr()
+        assert rel_rms(y, ref) < TOL, f"splits={forced or splits}"
+    y_rule = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx)
+    assert torch.equal(paged_decode_attention(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx), y_rule)
+
+
+def test_write_kv_decode():
+    torch.manual_seed(0)
+    kv, table, lens = make_batch(8, 4096)
+    k, v = (torch.randn(8, HKV, D, device=DEV, dtype=DTYPE) for _ in range(2))
+    pos = lens.long()  # the next token of each sequence
+    slots = table.gather(1, (pos // PAGE)[:, None])[:, 0] * PAGE + pos % PAGE
+    slots[3] = -1  # a padding row
+    expected = kv.clone()
+    write_kv_decode_ref(*layer_views(expected), k, v, slots)
+    write_kv_decode(*layer_views(kv), k, v, slots)
+    torch.testing.assert_close(kv, expected, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("path", ["single", "split"])
+def test_decode_step_in_cuda_graph(path):
+    """Persistent inputs, one capture; each replay with new q, K/V, page tables and lengths equals eager."""
+    torch.manual_seed(0)
+    batch, ctx = 8, 4096
+    width = ctx // PAGE
+    num_pages = batch * width + 8
+    kv = torch.randn(num_pages, LAYERS, 2, PAGE, HKV, D, device=DEV, dtype=DTYPE)
+    k_cache, v_cache = layer_views(kv)
+    splits = 1 if path == "single" else decode_attention_splits(batch, HKV, ctx)
+    assert (splits > 1) == (path == "split")
+    ws = decode_attention_workspace(batch, HQ, D, splits, DEV)
+    q = torch.empty(batch, HQ, D, device=DEV, dtype=DTYPE)
+    k_new, v_new = (torch.empty(batch, HKV, D, device=DEV, dtype=DTYPE) for _ in range(2))
+    table = torch.empty(batch, width, dtype=torch.int64, device=DEV)
+    lens = torch.empty(batch, dtype=torch.int32, device=DEV)
+    slots = torch.empty(batch, dtype=torch.int64, device=DEV)
+    out = torch.empty(batch, HQ, D, device=DEV, dtype=DTYPE)
+
+    def step() -> None:
+        write_kv_decode(k_cache, v_cache, k_new, v_new, slots)
+        paged_decode_attention(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx, splits=splits,
+                               workspace=ws, out=out)
+
+    def fill() -> None:
+        q.copy_(torch.randn_like(q))
+        k_new.copy_(torch.randn_like(k_new))
+        v_new.copy_(torch.randn_like(v_new))
+        table.copy_(torch.randperm(num_pages, device=DEV)[:batch * width].view(batch, width))
+        lens.copy_(torch.randint(1, ctx + 1, (batch,), device=DEV, dtype=torch.int32))
+        last = lens.long() - 1  # the new token's position
+        slots.copy_(table.gather(1, (last // PAGE)[:, None])[:, 0] * PAGE + last % PAGE)
+
+    fill()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles the kernels) outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        fill()
+        graph.replay()
+        torch.cuda.synchronize()
+        got = out.clone()
+        last = lens.long() - 1
+        pages = table.gather(1, (last // PAGE)[:, None])[:, 0]
+        assert torch.equal(k_cache[pages, last % PAGE], k_new) and torch.equal(v_cache[pages, last % PAGE], v_new)
+        eager = paged_decode_attention(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx, splits=splits,
+                                       workspace=decode_attention_workspace(batch, HQ, D, splits, DEV))
+        assert torch.equal(got, eager)
+        assert rel_rms(got, paged_decode_attention_ref(q, k_cache, v_cache, table, lens, SCALE)) < TOL

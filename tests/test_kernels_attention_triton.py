@@ -1,0 +1,220 @@
+"""Paged decode attention and the decode KV write: the batched references against the per-sequence
+prefill references, and the Triton kernels (single pass, split-K) against the references under the
+interpreter. The pool is NaN everywhere but the sequences' tokens, and page-table entries past a
+sequence's length point at NaN pages: nothing outside a sequence may reach its result."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (by the kernels module below)
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ft.kernels.attention import (
+    decode_attention_splits,
+    decode_attention_workspace,
+    paged_attention_ref,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    write_kv_decode,
+    write_kv_decode_ref,
+    write_kv_ref,
+)
+from ft.kernels.attention.kernel import (
+    paged_decode_attention_triton,
+    write_kv_decode_triton,
+)
+
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3}
+"""Relative RMS: fp32 up to summation order; fp16 probabilities and products rounded as the reference rounds them."""
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+LAYERS, LAYER = 2, 1  # k_cache, v_cache are views of layer 1 of a two-layer pool: not contiguous
+
+# (seq_lens, Hq, Hkv, D, page_size): lengths 1, page boundaries and one past; GQA ratios 1, 2, 8
+CASES = [
+    ((1, 8, 9, 24), 4, 4, 32, 8),
+    ((16, 5, 4, 17), 4, 2, 64, 4),
+    ((33, 1, 16), 16, 2, 64, 16),
+    ((0, 12), 8, 1, 48, 8),  # a padding row (length 0) and a head dim that is not a power of two
+    ((21,), 2, 1, 128, 8),
+    ((19,), 16, 2, 256, 16),  # the flagship's heads, tiny context
+]
+CASE_IDS = [f"B{len(s)}-Hq{hq}-Hkv{hkv}-D{d}-page{p}" for s, hq, hkv, d, p in CASES]
+
+
+def rel_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative RMS difference; NaN anywhere in `out` (an unwritten poisoned output, a leak) gives nan."""
+    if out.isnan().any():
+        return float("nan")
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def make_batch(seq_lens, hkv, d, page, dtype, seed=0, spare=3):
+    """A NaN pool [P, L, 2, page, Hkv, D] with random K/V at the sequences' tokens, on shuffled pages;
+    page-table entries past each sequence's pages point at NaN pages (spare pages, page 0 among them).
+    -> (kv, page_table [B, max_pages] int64, seq_lens [B] int32)."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-n // page) for n in seq_lens]
+    width = max(need) + 1
+    pages = torch.randperm(sum(need) + spare - 1, generator=gen) + 1
+    pages = torch.cat([pages[:sum(need)], torch.tensor([0]), pages[sum(need):]])  # page 0 a NaN page: a masked
+    # load that falls back to page 0 would read NaN
+    kv = torch.full((len(pages), LAYERS, 2, page, hkv, d), float("nan"), dtype=dtype)
+    table = torch.empty((len(seq_lens), width), dtype=torch.int64)
+    first = 0
+    for b, (n, k) in enumerate(zip(seq_lens, need)):
+        table[b, :k] = pages[first:first + k]
+        table[b, k:] = pages[sum(need):][torch.randint(spare, (width - k,), generator=gen)]  # garbage: NaN pages
+        first += k
+        pos = torch.arange(n)
+        for layer in range(LAYERS):
+            kv[table[b, pos // page], layer, :, pos % page] = torch.randn(n, 2, hkv, d, generator=gen).to(dtype)
+    return kv, table, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def layer_views(kv: torch.Tensor):
+    return kv[:, LAYER, 0], kv[:, LAYER, 1]
+
+
+def random_q(b, hq, d, dtype, seed=1):
+    return torch.randn(b, hq, d, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize(("seq_lens", "hq", "hkv", "d", "page"), CASES, ids=CASE_IDS)
+def test_decode_ref_matches_per_sequence_ref(seq_lens, hq, hkv, d, page, dtype):
+    kv, table, lens = make_batch(seq_lens, hkv, d, page, dtype)
+    k_cache, v_cache = layer_views(kv)
+    q = random_q(len(seq_lens), hq, d, dtype)
+    scale = d ** -0.5
+    out = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    for b, n in enumerate(seq_lens):
+        if n == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b]))
+            continue
+        pages = table[b, :-(-n // page)]
+        ref = paged_attention_ref(q[b:b + 1], k_cache, v_cache, pages, n - 1, scale)[0]
+        assert rel_rms(out[b], ref) < TOL[dtype]
+
+
+def decode_tokens(table, lens, page):
+    """The slots of each sequence's next token (at position seq_lens[b]) -> slot_mapping [B] int64."""
+    pos = lens.long()
+    return table.gather(1, (pos // page)[:, None])[:, 0] * page + pos % page
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_write_kv_decode_ref_matches_write_kv_ref(dtype):
+    page, hkv, d = 4, 2, 16
+    kv, table, lens = make_batch((3, 4, 8, 1), hkv, d, page, dtype)
+    gen = torch.Generator().manual_seed(2)
+    k, v = (torch.randn(4, hkv, d, generator=gen).to(dtype) for _ in range(2))
+    slots = decode_tokens(table, lens, page)
+    slots[2] = -1  # a padding row: writes nothing
+    expected = kv.clone()
+    for b in (0, 1, 3):
+        write_kv_ref(*layer_views(expected), k[b:b + 1], v[b:b + 1], table[b], int(lens[b]))
+    write_kv_decode_ref(*layer_views(kv), k, v, slots)
+    torch.testing.assert_close(kv, expected, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize(("hkv", "d", "page"), [(2, 16, 4), (1, 48, 8), (2, 256, 16)], ids=["Hkv2-D16-page4",
+                                                                                          "Hkv1-D48-page8",
+                                                                                          "Hkv2-D256-page16"])
+def test_write_kv_decode_triton(hkv, d, page, dtype):
+    kv, table, lens = make_batch((3, page - 1, 2 * page, 1), hkv, d, page, dtype)
+    gen = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(4, hkv, d, generator=gen).to(dtype) for _ in range(2))
+    slots = decode_tokens(table, lens, page)
+    slots[1] = -1
+    expected = kv.clone()
+    write_kv_decode_ref(*layer_views(expected), k, v, slots)
+    write_kv_decode_triton(*layer_views(kv), k, v, slots)
+    torch.testing.assert_close(kv, expected, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("path", ["single", "split3", "split8"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize(("seq_lens", "hq", "hkv", "d", "page"), CASES, ids=CASE_IDS)
+def test_decode_attention_triton(seq_lens, hq, hkv, d, page, dtype, path):
+    kv, table, lens = make_batch(seq_lens, hkv, d, page, dtype)
+    k_cache, v_cache = layer_views(kv)
+    b = len(seq_lens)
+    q = random_q(b, hq, d, dtype)
+    scale = d ** -0.5
+    splits = 1 if path == "single" else int(path.removeprefix("split"))
+    ws = decode_attention_workspace(b + 1, hq, d, splits, "cpu")  # larger than needed: a bucket's prefix
+    ws.acc.fill_(float("nan"))
+    ws.stats.fill_(float("nan"))
+    out = torch.full_like(q, float("nan"))
+    # NOTE: 16-token blocks: several blocks per sequence, blocks that straddle pages and split ends
+    y = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, scale, splits=splits, workspace=ws, out=out,
+                                      config={"BLOCK_N": 16})
+    assert y.data_ptr() == out.data_ptr()
+    assert rel_rms(y, paged_decode_attention_ref(q, k_cache, v_cache, table, lens, scale)) < TOL[dtype]
+
+
+def test_decode_attention_default_blocks():
+    """The default configuration (64-token blocks) and workspace allocation of the split path."""
+    kv, table, lens = make_batch((70, 3), 2, 32, 16, torch.float32)
+    q = random_q(2, 4, 32, torch.float32)
+    ref = paged_decode_attention_ref(q, *layer_views(kv), table, lens, 0.2)
+    for splits in (1, 2):
+        y = paged_decode_attention_triton(q, *layer_views(kv), table, lens, 0.2, splits=splits)
+        assert rel_rms(y, ref) < TOL[torch.float32]
+
+
+def test_split_rule():
+    assert decode_attention_splits(1, 2, 64) == 1  # short contexts: single pass
+    assert decode_attention_splits(1, 2, 4096) == 16
+    assert decode_attention_splits(8, 2, 4096) == 16
+    assert decode_attention_splits(1, 2, 65536) == 128
+    assert decode_attention_splits(8, 2, 65536) == 17  # ~264 programs
+    assert decode_attention_splits(64, 2, 262144) == 3
+    ws = decode_attention_workspace(8, 16, 256, 17, "cpu")
+    assert ws.rows == 136 and ws.acc.shape == (136, 16, 256) and ws.stats.shape == (136, 16, 2)
+
+
+def test_dispatchers(monkeypatch):
+    kv, table, lens = make_batch((5, 9), 2, 32, 4, torch.float32)
+    q = random_q(2, 4, 32, torch.float32)
+    ref = paged_decode_attention_ref(q, *layer_views(kv), table, lens, 0.3)
+    monkeypatch.delenv("FT_TRITON_INTERPRET_TEST", raising=False)
+    assert torch.equal(paged_decode_attention(q, *layer_views(kv), table, lens, 0.3), ref)  # the reference
+    import ft.kernels.attention.kernel as details
+
+    calls = []
+    real_attn, real_write = details.paged_decode_attention_triton, details.write_kv_decode_triton
+    monkeypatch.setattr(details, "paged_decode_attention_triton",
+                        lambda *a, **kw: calls.append(kw) or real_attn(*a, **kw))
+    monkeypatch.setattr(details, "write_kv_decode_triton", lambda *a: calls.append("write") or real_write(*a))
+    monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
+    assert rel_rms(paged_decode_attention(q, *layer_views(kv), table, lens, 0.3, max_seq_len=4096), ref) < 1e-5
+    assert calls[-1]["max_seq_len"] == 4096
+    k = torch.randn(2, 2, 32)
+    write_kv_decode(*layer_views(kv), k, k, decode_tokens(table, lens, 4))
+    assert calls[-1] == "write" and torch.equal(layer_views(kv)[0][table[1, 2], 1], k[1])
+    with pytest.raises(ValueError, match="page_table"):
+        paged_decode_attention_triton(q, *layer_views(kv), table[:1], lens, 0.3)
+    with pytest.raises(ValueError, match="workspace"):
+        paged_decode_attention_triton(q, *layer_views(kv), table, lens, 0.3, splits=4,
+                                      workspace=decode_attention_workspace(2, 4, 32, 3, "cpu"))
+
+
+def test_debug_checks(monkeypatch):
+    kv, table, lens = make_batch((5, 9), 2, 32, 4, torch.float32)
+    q = random_q(2, 4, 32, torch.float32)
+    monkeypatch.setenv("FT_DEBUG", "1")
+    paged_decode_attention(q, *layer_views(kv), table, lens, 0.3)
+    bad = table.clone()
+    bad[1, 0] = kv.shape[0]
+    with pytest.raises(ValueError, match="page ids"):
+        paged_decode_attention(q, *layer_views(kv), bad, lens, 0.3)
+    with pytest.raises(ValueError, match="seq_lens"):
+        paged_decode_attention(q, *layer_views(kv), table, lens + 100, 0.3)
