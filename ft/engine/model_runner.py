@@ -18,6 +18,7 @@ import torch
 
 from ft.engine.decode_graphs import DecodeGraphs
 from ft.engine.sampler import SamplingBatch, sample
+from ft.kernels.moe import runs_triton
 from ft.engine.scheduler import ScheduledWork
 from ft.engine.sequence import Sequence
 from ft.memory.cache_pools import CachePools
@@ -207,8 +208,9 @@ class ModelRunner:
         b = len(seqs)
         experts = self.pools.experts
         n = self.graphs.bucket(b) if self.graphs is not None else None
-        if n is None or (experts is not None and not experts.all_resident):
-            # NOTE: offloaded experts are loaded by host-side bookkeeping: no graph (the offload issue)
+        if n is None or (experts is not None and not (experts.all_resident and runs_triton(experts.slots, self.device))):
+            # NOTE: offloaded experts are loaded by host-side bookkeeping (the offload issue), and the
+            # reference MoE (dense slots) groups pairs on the host: neither can be captured
             return self.model.forward(self.prepare_decode(seqs, b), self.pools)
         batch = self.prepare_decode(seqs, n)
         key = (tuple(self.pools.sizes().items()), self.page_table.table.data_ptr(),

@@ -19,8 +19,15 @@ from ft.kernels.moe.slots import GROUPED_MAX_TOKENS, SlotWeights, check_slots, m
 
 __all__ = [
     "GROUPED_MAX_TOKENS", "SlotWeights", "check_slots", "dense_slots", "moe_over_slots", "moe_over_slots_ref",
-    "moe_workspace_bytes",
+    "moe_workspace_bytes", "runs_triton",
 ]
+
+
+def runs_triton(w: SlotWeights, device: torch.device) -> bool:
+    """Whether `moe_over_slots` runs the Triton kernels for this pool on `device` (NVFP4 slots with
+    e4m3 block scales where Triton runs). Only that path is free of host syncs, so only it can be
+    captured in a CUDA graph (the reference groups pairs with a host-side unique)."""
+    return w.is_nvfp4 and w.w13_scale.dtype == torch.float8_e4m3fn and uses_triton(device)
 
 
 def moe_over_slots(
@@ -32,7 +39,7 @@ def moe_over_slots(
     mode (`debug_checks`) the slots are checked first (`check_slots`)."""
     if debug_checks():
         check_slots(topk_slots, w.w13.shape[0])
-    if w.is_nvfp4 and w.w13_scale.dtype == torch.float8_e4m3fn and uses_triton(x.device):
+    if runs_triton(w, x.device):
         # NOTE: imports triton only when used
         from ft.kernels.moe.kernel import moe_over_slots_triton
 
