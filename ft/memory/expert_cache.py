@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ft.memory.resizable import PoolInconsistent, narrow_to_common, resize_together
+from ft.memory.resizable import PoolInconsistent, follow_free_slots, narrow_to_common, resize_together
 from ft.memory.storage import PoolStorage
 from ft.kernels.moe import SlotWeights
 
@@ -167,8 +167,4 @@ class ExpertCache:
             self._follow(old)
 
     def _follow(self, old: int) -> None:
-        n = self.num_slots
-        if n < old:
-            self._free = [s for s in self._free if s < n]
-        elif n > old:
-            self._free = list(range(n - 1, old - 1, -1)) + self._free
+        self._free = follow_free_slots(self._free, old, self.num_slots)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ft.memory.resizable import PoolInconsistent, narrow_to_common, resize_together
+from ft.memory.resizable import PoolInconsistent, follow_free_slots, narrow_to_common, resize_together
 from ft.memory.storage import PoolStorage
 
 
@@ -113,8 +113,4 @@ class MambaPool:
             self._follow(old)
 
     def _follow(self, old: int) -> None:
-        n = self.num_slots
-        if n < old:
-            self._free = [s for s in self._free if s < n]
-        elif n > old:
-            self._free = list(range(n - 1, old - 1, -1)) + self._free
+        self._free = follow_free_slots(self._free, old, self.num_slots)

@@ -59,3 +59,11 @@ def narrow_to_common(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Views of the rows every tensor has (after a PoolInconsistent)."""
     rows = min(t.shape[0] for t in tensors)
     return [t[:rows] for t in tensors]
+
+
+def follow_free_slots(free: list[int], old: int, new: int) -> list[int]:
+    """A slot pool's free list (popped from its end) after its size went from `old` to `new`:
+    slots past a smaller size dropped, a larger size's new slots handed out lowest first."""
+    if new < old:
+        return [s for s in free if s < new]
+    return list(range(new - 1, old - 1, -1)) + free
