@@ -18,6 +18,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from ft.kernels.activation import kernel as act  # noqa: E402
 from ft.kernels.attention import kernel as attn  # noqa: E402
 from ft.kernels.moe import kernel as moe  # noqa: E402
 from ft.kernels.norm import kernel as norm  # noqa: E402
@@ -135,6 +136,12 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("decode attention split-K G 8, D 256", attn._decode_split_kernel, DECODE_SPLIT, decode_cfg(256, 8)),
     ("decode attention combine 128 splits", attn._decode_combine_kernel, COMBINE,
      {"BLOCK_S": 128, "CHUNK_S": 16, "BLOCK_D": 256, "num_warps": 4}),
+    ("silu * up, shared expert 512", act._silu_mul_kernel,
+     {"p_g": "*bf16", "p_u": "*bf16", "p_o": "*bf16", **ints("N", "stride_g", "stride_u", "stride_o")},
+     {"BLOCK_N": act.BLOCK}),
+    ("routed + shared expert combine 2048", act._expert_combine_kernel,
+     {"p_r": "*bf16", "p_s": "*bf16", "p_gl": "*bf16", "p_o": "*bf16",
+      **ints("N", "stride_r", "stride_s", "stride_gl", "stride_o")}, {"BLOCK_N": act.BLOCK}),
 ]
 
 

@@ -4,10 +4,10 @@ and the dense MLP used by shared experts and `mlp_only_layers`."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ft.model.layers.linear import Linear
 from ft.memory.expert_cache import ExpertCache
+from ft.kernels.activation import expert_combine, silu_mul
 from ft.kernels.backend import debug_checks
 from ft.kernels.moe import moe_over_slots
 from ft.kernels.router import router_topk
@@ -18,7 +18,7 @@ class MLP:
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class SparseMoE:
@@ -40,8 +40,7 @@ class SparseMoE:
         """x [T, H] -> [T, H]."""
         weights, ids = router_topk(self.router(x), self.top_k, self.norm_topk_prob)
         routed = self._routed(x, weights, ids, cache)
-        shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
-        return routed + shared
+        return expert_combine(routed, self.shared_expert(x), self.shared_expert_gate(x))
 
     def _slots(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The slot of each selected expert; in debug mode, an expert without a slot (-1, which the
