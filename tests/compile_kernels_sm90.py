@@ -20,6 +20,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from ft.kernels.activation import kernel as act  # noqa: E402
 from ft.kernels.attention import kernel as attn  # noqa: E402
+from ft.kernels.gated_delta import kernel as gd  # noqa: E402
 from ft.kernels.moe import kernel as moe  # noqa: E402
 from ft.kernels.norm import kernel as norm  # noqa: E402
 from ft.kernels.nvfp4 import kernel as nv  # noqa: E402
@@ -72,6 +73,13 @@ QK_NORM_ROPE = {"p_q": "*bf16", "p_k": "*bf16", "p_qw": "*bf16", "p_kw": "*bf16"
                 "p_qo": "*bf16", "p_ko": "*bf16", "HQ": "i32", "D": "i32", "HALF": "i32", "eps": "fp32",
                 **ints("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_qot", "stride_qoh", "stride_kot",
                        "stride_koh")}
+
+GD_CONV = {"p_x": "*bf16", "p_w": "*bf16", "p_cs": "*bf16", "p_slots": "*i64", "p_y": "*bf16", "C": "i32",
+           **ints("stride_xb", "stride_wc", "stride_css", "stride_csc", "stride_csw", "stride_yb")}
+GD_DELTA = {"p_y": "*bf16", "p_b": "*bf16", "p_a": "*bf16", "p_alog": "*bf16", "p_dt": "*bf16", "p_ss": "*fp32",
+            "p_slots": "*i64", "p_o": "*bf16", **ints("HK", "GROUP", "DK", "DV"), "scale": "fp32",
+            **ints("stride_yb", "stride_bb", "stride_ab", "stride_sss", "stride_ssh", "stride_ssk", "stride_ssv",
+                   "stride_ob", "stride_oh")}
 
 
 def decode_cfg(head_dim: int, group: int) -> dict:
@@ -142,6 +150,9 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("routed + shared expert combine 2048", act._expert_combine_kernel,
      {"p_r": "*bf16", "p_s": "*bf16", "p_gl": "*bf16", "p_o": "*bf16",
       **ints("N", "stride_r", "stride_s", "stride_gl", "stride_o")}, {"BLOCK_N": act.BLOCK}),
+    ("gated delta decode conv C 8192, W 4", gd._conv_decode_kernel, GD_CONV, gd.conv_config(8192, 4)),
+    ("gated delta decode step B 1 (BLOCK_V 16)", gd._delta_decode_kernel, GD_DELTA, gd.delta_config(1, 32, 128, 128)),
+    ("gated delta decode step B 8 (BLOCK_V 64)", gd._delta_decode_kernel, GD_DELTA, gd.delta_config(8, 32, 128, 128)),
 ]
 
 

@@ -8,10 +8,11 @@ computation, and it compiles and warms every kernel), then the graph is captured
 buffers (capture records, it does not execute); later steps of that bucket replay it. All graphs
 share one memory pool; each replay's logits are copied out before another graph runs.
 
-A graph is valid while what it baked in stays put: buffer addresses and the pools' sizes (torch's
-indexing kernels bound-check against the size they were launched with). `key` carries both; when
-it changes (a rebuild that resized a pool, a buffer that had to grow) every graph is dropped and
-captured again lazily, and the capture time is counted in `capture_s`.
+A graph is valid while what it baked in stays put: the addresses of the buffers and of the pools
+(the decode step reads the pools through Triton kernels only: pointers and strides, no bounds).
+`key` carries them; a VMM or mmap rebuild keeps every address, so graphs survive it. When the key
+changes (a reallocating rebuild, a buffer that had to grow) every graph is dropped and captured
+again lazily, and the capture time is counted in `capture_s`.
 """
 
 from __future__ import annotations

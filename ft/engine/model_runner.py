@@ -171,7 +171,8 @@ class ModelRunner:
         """A decode batch (one new token per sequence) padded to n rows with copies of the first
         sequence, every input in the persistent buffers, `decode` set: the forward then reads
         device tensors only (what a CUDA graph replays)."""
-        rows = list(seqs) + [seqs[0]] * (n - len(seqs))
+        real = len(seqs)
+        rows = list(seqs) + [seqs[0]] * (n - real)
         page = self.pools.kv.page_size
         pos = [s.num_computed for s in rows]
         buf = self.buffers
@@ -179,11 +180,13 @@ class ModelRunner:
         slices = [SeqSlice(p, 1, table[i], s.mamba_slot) for i, (s, p) in enumerate(zip(rows, pos))]
         batch = ForwardBatch(buf["input_ids"].load([_tokens(s, p, 1)[0] for s, p in zip(rows, pos)]),
                              buf["positions"].load(pos), slices)
-        batch.decode = DecodeMeta(
-            buf["slot_mapping"].load([s.pages[p // page] * page + p % page for s, p in zip(rows, pos)]),
-            table, buf["seq_lens"].load([p + 1 for p in pos]), self.max_seq_len)
+        # NOTE: padding rows read like the first sequence but write nowhere (slot -1): the fused
+        # kernels update states in place, so two rows must never share a slot they write
+        kv_slots = [s.pages[p // page] * page + p % page for s, p in zip(seqs, pos)]
+        batch.decode = DecodeMeta(buf["slot_mapping"].load(kv_slots + [-1] * (n - real)), table,
+                                  buf["seq_lens"].load([p + 1 for p in pos]), self.max_seq_len)
         batch.last_token_index = buf["last_token_index"].load(list(range(n)))
-        batch.mamba_slots = buf["mamba_slots"].load([s.mamba_slot for s in rows])
+        batch.mamba_slots = buf["mamba_slots"].load([s.mamba_slot for s in seqs] + [-1] * (n - real))
         return batch
 
     def run(self, work: ScheduledWork) -> list[int | None]:
@@ -213,8 +216,10 @@ class ModelRunner:
             # reference MoE (dense slots) groups pairs on the host: neither can be captured
             return self.model.forward(self.prepare_decode(seqs, b), self.pools)
         batch = self.prepare_decode(seqs, n)
-        key = (tuple(self.pools.sizes().items()), self.page_table.table.data_ptr(),
-               *(buf.device_buffer.data_ptr() for buf in self.buffers.values()))
+        # NOTE: the decode step reads the pools through Triton kernels only (pointers and strides, no
+        # bound baked in), so a graph stays valid while the addresses stay: a VMM rebuild keeps them
+        key = (*(t.data_ptr() for t in self.pools.kv.tensors + self.pools.mamba.tensors),
+               self.page_table.table.data_ptr(), *(buf.device_buffer.data_ptr() for buf in self.buffers.values()))
         return self.graphs.run(n, key, lambda: self.model.forward(batch, self.pools))[:b]
 
     def _count_hits(self, tokens: int) -> None:

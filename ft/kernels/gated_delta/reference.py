@@ -8,12 +8,16 @@ Recurrence per value head (state S is [Dk, Dv], float32):
 with q and k L2-normalised and q scaled by Dk**-0.5 (done here, as in the reference models).
 The chunked form computes the same thing with matrix products over chunks of `chunk_size`
 tokens (the UT transform of the delta rule), which is what prefill uses.
+`gated_delta_decode_ref` is the model's whole decode step over the mamba pool's slots (the conv with
+its rolling state, the gates, one recurrent step), composed from these references.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ft.kernels.conv1d.reference import causal_conv1d_ref
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -107,3 +111,52 @@ def chunk_gated_delta_rule_ref(
         s = s * end_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ u
     out = out.reshape(b, hv, -1, dv)[:, :, :t].transpose(1, 2)
     return out.contiguous(), s
+
+
+def gated_delta_decode_ref(
+    mixed: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    weight: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """One decode step of Gated DeltaNet's token mixer (one new token per sequence), the model's math.
+
+    Composed from `causal_conv1d_ref` and `recurrent_gated_delta_rule_ref` exactly as
+    `GatedDeltaNet._mix` composes them (bitwise the same). Updates the states at the slots in place.
+
+    Args:
+        mixed: [B, C] the new tokens' q, k, v channels before the conv, C = 2 * Hk * Dk + Hv * Dv
+            (q of every key head, then k, then v; each head contiguous).
+        b, a: [B, Hv] the beta and decay projections.
+        conv_state: [S, C, W-1] (any strides) and ssm_state: [S, Hv, Dk, Dv] float32 (any strides):
+            the layer's views of the mamba pool, read and written at slots.
+        weight: [C, W] the conv weight; a_log, dt_bias: [Hv].
+        slots: [B] int64, distinct; a negative slot (padding row) reads and writes no state and gives zeros.
+    Returns:
+        o [B, Hv, Dv] in mixed's dtype.
+    """
+    bsz = mixed.shape[0]
+    hv, dk, dv = ssm_state.shape[1:]
+    kd = (mixed.shape[1] - hv * dv) // 2
+    valid = slots >= 0
+    if not bool(valid.all()):  # padding rows (syncs: the reference is not for CUDA graphs)
+        o = torch.zeros(bsz, hv, dv, dtype=mixed.dtype, device=mixed.device)
+        keep = valid.nonzero()[:, 0]
+        o[keep] = gated_delta_decode_ref(mixed[keep], b[keep], a[keep], conv_state, ssm_state, weight, a_log,
+                                         dt_bias, slots[keep])
+        return o
+    y, conv_new = causal_conv1d_ref(mixed[:, None], conv_state[slots], weight)  # y [B, 1, C]
+    q, k, v = torch.split(y, [kd, kd, hv * dv], dim=-1)
+    q = q.reshape(bsz, 1, kd // dk, dk)
+    k = k.reshape(bsz, 1, kd // dk, dk)
+    v = v.reshape(bsz, 1, hv, dv)
+    beta = b[:, None].sigmoid()
+    g = -a_log.float().exp() * F.softplus(a[:, None].float() + dt_bias)
+    o, ssm_new = recurrent_gated_delta_rule_ref(q, k, v, g, beta, ssm_state[slots])
+    conv_state[slots], ssm_state[slots] = conv_new, ssm_new
+    return o[:, 0].to(mixed.dtype)

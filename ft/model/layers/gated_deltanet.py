@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from ft.model.forward_batch import ForwardBatch
 from ft.model.layers.linear import Linear
 from ft.kernels.conv1d import causal_conv1d_ref
-from ft.kernels.gated_delta import gated_delta_rule
+from ft.kernels.gated_delta import gated_delta_decode, gated_delta_rule
 from ft.kernels.norm import gated_rms_norm
 
 
@@ -64,11 +64,9 @@ class GatedDeltaNet:
         read at each sequence's slot and written back."""
         t = x.shape[0]
         mixed, z, b, a = self._project(x)
-        if batch.is_decode:
-            slots = batch.mamba_slots
-            o, conv_new, ssm_new = self._mix(mixed[:, None], b[:, None], a[:, None], conv_pool[slots], ssm_pool[slots])
-            conv_pool[slots], ssm_pool[slots] = conv_new, ssm_new
-            o = o[:, 0]
+        if batch.is_decode:  # one launch pair per layer, slots indexed in the kernels (graph-safe)
+            o = gated_delta_decode(mixed, b, a, conv_pool, ssm_pool, self.conv_weight, self.a_log, self.dt_bias,
+                                   batch.mamba_slots)
         else:
             outs, offset = [], 0
             for s in batch.seqs:
