@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 from ft.kernels.gated_delta import gated_delta_decode, gated_delta_decode_ref
 from ft.kernels.gated_delta import kernel as details
 from ft.model.layers.gated_deltanet import GatedDeltaNet
+from ft.model.layers.linear import Linear
 
 TOL_O = {torch.float32: 1e-6, torch.float16: 2e-4}
 """Relative RMS of o: fp32 up to summation order; fp16 where the conv output y rounds the other way
@@ -86,7 +87,9 @@ def run(fn, args, conv, ssm, **kw):
 def test_reference_is_the_model_decode_math(dtype):
     bsz, hk, hv, dk, dv, width = 3, 2, 4, 16, 32, 4
     args, conv, ssm, _ = make_step(bsz, hk, hv, dk, dv, width, 0, dtype, seed=1)
-    layer = GatedDeltaNet(None, None, args["weight"][:, None, :], None, torch.ones(dv, dtype=dtype), args["a_log"],
+    # the projections do not take part in `_mix` (the conv, gates and delta rule): any shapes that fit
+    qkvz, ba = Linear(torch.zeros(2 * hk * dk + 2 * hv * dv, 8, dtype=dtype)), Linear(torch.zeros(2 * hv, 8, dtype=dtype))
+    layer = GatedDeltaNet(qkvz, ba, args["weight"][:, None, :], None, torch.ones(dv, dtype=dtype), args["a_log"],
                           args["dt_bias"], hk, hv, dk, dv, 1e-6)
     slots, conv_m, ssm_m = args["slots"], conv.clone(), ssm.clone()
     conv_pool, ssm_pool = conv_m[:, LAYER], ssm_m[:, LAYER]

@@ -33,15 +33,20 @@ class GatedDeltaNet:
         self.norm_weight, self.a_log, self.dt_bias = norm_weight, a_log, dt_bias
         self.hk, self.hv, self.dk, self.dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
         self.eps = eps
+        # NOTE: the checkpoint interleaves the projections per key head ([q k v z] of head 0, then of
+        # head 1, ...; [b a] likewise). Their rows are reordered once here to [q of every head | k | v
+        # | z] and [b | a], so that mixed qkv, z, b and a are column slices of the outputs: no copy.
+        r = num_v_heads // num_k_heads
+        self.in_proj_qkvz = in_proj_qkvz.with_rows(_grouped_rows(num_k_heads, [head_k_dim, head_k_dim, r * head_v_dim,
+                                                                                r * head_v_dim]))
+        self.in_proj_ba = in_proj_ba.with_rows(_grouped_rows(num_k_heads, [r, r]))
 
     def _project(self, x: torch.Tensor):
-        """x [T, H] -> mixed qkv [T, C], z [T, Hv, Dv], b, a [T, Hv]."""
-        t, r = x.shape[0], self.hv // self.hk
-        qkvz = self.in_proj_qkvz(x).view(t, self.hk, 2 * self.dk + 2 * r * self.dv)
-        q, k, v, z = torch.split(qkvz, [self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
-        b, a = torch.split(self.in_proj_ba(x).view(t, self.hk, 2 * r), [r, r], dim=-1)
-        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
-        return mixed, z.reshape(t, self.hv, self.dv), b.reshape(t, self.hv), a.reshape(t, self.hv)
+        """x [T, H] -> mixed qkv [T, C], z [T, Hv, Dv], b, a [T, Hv]: views of the two projections'
+        outputs (rows grouped at load time, see __init__)."""
+        t, c = x.shape[0], 2 * self.hk * self.dk + self.hv * self.dv
+        qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
+        return qkvz[:, :c], qkvz[:, c:].view(t, self.hv, self.dv), ba[:, : self.hv], ba[:, self.hv :]
 
     def _mix(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor):
         """One group of sequences of equal length: mixed [B, L, C], b, a [B, L, Hv]; states [B, ...]."""
@@ -81,3 +86,15 @@ class GatedDeltaNet:
             o = torch.cat(outs, dim=0)
         o = gated_rms_norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv), self.norm_weight, self.eps)
         return self.out_proj(o.reshape(t, -1))
+
+
+def _grouped_rows(groups: int, parts: list[int]) -> torch.Tensor:
+    """Row order that turns rows laid out per group ([part 0, part 1, ...] of group 0, then group
+    1, ...) into rows per part (part 0 of every group, then part 1, ...)."""
+    width = sum(parts)
+    order, offset = [], 0
+    for size in parts:
+        for g in range(groups):
+            order.extend(range(g * width + offset, g * width + offset + size))
+        offset += size
+    return torch.tensor(order, dtype=torch.int64)

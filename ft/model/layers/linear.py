@@ -41,6 +41,14 @@ class Linear:
         w = self.weight
         return w.nbytes if isinstance(w, NVFP4Weight) else w.numel() * w.element_size()
 
+    def with_rows(self, order: torch.Tensor) -> "Linear":
+        """The same projection with its output rows reordered: y'[..., i] = y[..., order[i]]
+        (each output is the same dot product, so the values are the same)."""
+        w = self.weight
+        if isinstance(w, NVFP4Weight):  # rows carry their block scales; the global scale is shared
+            return Linear(NVFP4Weight(w.packed[order].contiguous(), w.scale[order].contiguous(), w.scale_2))
+        return Linear(w[order].contiguous())
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if isinstance(w, NVFP4Weight):
