@@ -18,6 +18,7 @@ import torch
 
 from ft.engine.decode_graphs import DecodeGraphs
 from ft.engine.sampler import SamplingBatch, sample
+from ft.kernels.backend import debug_checks
 from ft.kernels.moe import runs_triton
 from ft.engine.scheduler import ScheduledWork
 from ft.engine.sequence import Sequence
@@ -116,7 +117,8 @@ class ModelRunner:
         self.max_seq_len = max_seq_len
         # decode steps replay CUDA graphs on CUDA unless disabled (cuda_graph_max_bs 0)
         bs = min(cuda_graph_max_bs, max_running_requests)
-        self.graphs = DecodeGraphs(bs) if device.type == "cuda" and bs > 0 else None
+        # NOTE: FT_DEBUG's checks read device values on the host, which a graph capture forbids
+        self.graphs = DecodeGraphs(bs) if device.type == "cuda" and bs > 0 and not debug_checks() else None
         rows, tokens = max_running_requests, max(max_prefill_length, max_running_requests)
         i64, f32 = torch.int64, torch.float32
         self.buffers: dict[str, StagedBuffer] = {
