@@ -139,12 +139,11 @@ class ModelRunner:
         """The batch of `work` as views of the persistent buffers."""
         ids: list[int] = []
         pos: list[int] = []
-        seq_lens, last, slots = [], [], []
+        last, slots = [], []
         for seq, n in zip(work.seqs, work.num_tokens):
             start = seq.num_computed
             ids.extend(_tokens(seq, start, n))
             pos.extend(range(start, start + n))
-            seq_lens.append(start + n)
             last.append(len(ids) - 1)
             slots.append(seq.mamba_slot)
         buf = self.buffers
@@ -152,7 +151,6 @@ class ModelRunner:
         slices = [SeqSlice(seq.num_computed, n, table, seq.mamba_slot)
                   for seq, n, table in zip(work.seqs, work.num_tokens, tables)]
         batch = ForwardBatch(buf["input_ids"].load(ids), buf["positions"].load(pos), slices)
-        buf["seq_lens"].load(seq_lens)  # for attention kernels that take lengths as a tensor
         # NOTE: these two are cached properties of ForwardBatch: set here, they are buffer views.
         batch.last_token_index = buf["last_token_index"].load(last)
         batch.mamba_slots = buf["mamba_slots"].load(slots)

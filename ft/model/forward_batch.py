@@ -64,6 +64,3 @@ class ForwardBatch:
     def mamba_slots(self) -> torch.Tensor:
         """[B] int64 mamba slot of each sequence, on the device (built once per batch)."""
         return torch.tensor([s.mamba_slot for s in self.seqs], device=self.input_ids.device)
-
-    def split_sizes(self) -> list[int]:
-        return [s.length for s in self.seqs]

@@ -50,10 +50,6 @@ class Plan:
         return self.reason is None
 
 
-def sizes(g: Geometry) -> dict[str, int]:
-    return g.sizes()
-
-
 def _steps(current: Geometry, target: Geometry, layout: MemoryLayout) -> tuple[list[Step], int]:
     cur, tgt = current.sizes(), target.sizes()
     total = layout.nbytes(current)
