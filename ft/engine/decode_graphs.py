@@ -17,10 +17,13 @@ again lazily, and the capture time is counted in `capture_s`.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable, Hashable
 
 import torch
+
+log = logging.getLogger("ft.engine")
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -40,6 +43,7 @@ class DecodeGraphs:
         self.captures = 0  # graphs captured so far (tests and reports)
         self.replays = 0
         self.capture_s = 0.0
+        self.disabled: str | None = None  # why graphs were turned off (a capture that failed)
 
     def bucket(self, b: int) -> int | None:
         """The smallest bucket holding b rows, None when b is over the largest."""
@@ -63,9 +67,16 @@ class DecodeGraphs:
         logits = forward()  # this step, eagerly: also the warm-up the capture needs
         t0 = time.perf_counter()
         torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = forward()
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = forward()
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory for the graph's pool
+            # NOTE: this step's logits are already computed (eagerly): decoding goes on without graphs
+            self.disabled = f"capturing the batch-{n} decode graph failed: {type(e).__name__}: {e}"
+            log.warning("%s; decode steps run eagerly from now on", self.disabled)
+            self.invalidate()
+            return logits
         if self._pool is None:
             self._pool = graph.pool()
         self._graphs[n] = (graph, out)

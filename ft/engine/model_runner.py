@@ -210,7 +210,7 @@ class ModelRunner:
         """Logits [B, V] of a decode step: a graph replay where one applies, else eager."""
         b = len(seqs)
         experts = self.pools.experts
-        n = self.graphs.bucket(b) if self.graphs is not None else None
+        n = self.graphs.bucket(b) if self.graphs is not None and not self.graphs.disabled else None
         if n is None or (experts is not None and not (experts.all_resident and runs_triton(experts.slots, self.device))):
             # NOTE: offloaded experts are loaded by host-side bookkeeping (the offload issue), and the
             # reference MoE (dense slots) groups pairs on the host: neither can be captured

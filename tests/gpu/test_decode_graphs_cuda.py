@@ -64,3 +64,19 @@ def test_rebuild_between_replays_keeps_tokens(model):
     assert g.replays > 0 and g.captures == 1  # one bucket (3 rows -> 4), never recaptured: VMM kept the addresses
     # and an engine started at the new geometry gives the same tokens
     assert generate(make(model, num_tokens=8192, mamba_cache_size=e.cache.geometry.mamba_slots)) == ref
+
+
+def test_a_failed_capture_falls_back_to_eager(model, monkeypatch):
+    """A capture that fails (say, no memory left for the graph's pool) costs no request: the step's
+    logits came from its eager run, and later steps run eagerly."""
+    ref = generate(make(model, disable_cuda_graph=True))
+    llm = make(model)
+
+    class Broken:
+        def __init__(self, *a, **kw):
+            raise torch.OutOfMemoryError("no memory for the graph pool (injected)")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Broken)
+    assert generate(llm) == ref
+    g = llm.engine.runner.graphs
+    assert g.disabled and "injected" in g.disabled and g.captures == 0
