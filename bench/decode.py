@@ -50,7 +50,8 @@ def main() -> None:
             print(f"{mode} batch {b}: {tok_s:.1f} tok/s", flush=True)
     eng.runner.graphs = graphs
     if args.profile:
-        profile_steps(eng, prompt, args.profile)
+        for b in batches:
+            profile_steps(eng, prompt, args.profile, b)
     print(f"\ngraphs captured {graphs.captures} ({graphs.capture_s:.2f} s), replayed {graphs.replays}")
     print(f"\n{'model':<26} {'mode':<7} {'batch':>5} {'tok/s':>9} {'ms/step':>8} {'roofline tok/s':>14} {'ratio':>7}")
     for mode, b, tok_s, step_ms, roof in rows:
@@ -90,12 +91,13 @@ def bytes_per_step(eng, batch: int, context: int) -> int:
     return resident + experts + state + kv
 
 
-def profile_steps(eng, prompt, steps: int) -> None:
-    """Where a decode step's time goes: host time per op, GPU kernel time, launches per step."""
+def profile_steps(eng, prompt, steps: int, batch: int = 1) -> None:
+    """Where a decode step's time goes at `batch` sequences: host time per op, GPU kernel time, launches per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    seq = eng.add_request(prompt, SamplingParams(max_new_tokens=steps + 2, temperature=0.0, ignore_eos=True))
-    while len(seq.output_ids) < 2:
+    seqs = [eng.add_request([t + i for t in prompt], SamplingParams(max_new_tokens=steps + 4, temperature=0.0,
+                                                                    ignore_eos=True)) for i in range(batch)]
+    while any(len(s.output_ids) < 2 for s in seqs):
         eng.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -105,11 +107,11 @@ def profile_steps(eng, prompt, steps: int) -> None:
     events = prof.key_averages()
     kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    print(f"\nprofile: {steps} decode steps, {kernels / steps:.0f} GPU kernels per step, "
+    print(f"\nprofile at batch {batch}: {steps} decode steps, {kernels / steps:.0f} GPU kernels per step, "
           f"{gpu_us / steps / 1e3:.2f} ms GPU time per step")
-    print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
-    print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
-    eng.run_until_done([seq])
+    print(events.table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=60))
+    print(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60))
+    eng.run_until_done(seqs)
 
 
 if __name__ == "__main__":

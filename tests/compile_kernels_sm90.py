@@ -20,6 +20,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from ft.kernels.activation import kernel as act  # noqa: E402
 from ft.kernels.attention import kernel as attn  # noqa: E402
+from ft.kernels.dense import kernel as dense  # noqa: E402
 from ft.kernels.gated_delta import kernel as gd  # noqa: E402
 from ft.kernels.moe import kernel as moe  # noqa: E402
 from ft.kernels.norm import kernel as norm  # noqa: E402
@@ -53,22 +54,37 @@ G_GATE_UP = {"p_x": "*bf16", **TILES, "p_w13": "*u8", "p_s13": "*u8", "p_s2": "*
 G_DOWN = {"p_h": "*bf16", **TILES, "p_wts": "*bf16", "p_w2": "*u8", "p_s2w": "*u8", "p_s2": "*fp32", "p_y": "*fp32",
           **ints("I", "H", "TOPK", "stride_hp", "stride_w2e", "stride_w2r", "stride_s2we", "stride_s2wr",
                  "stride_s2e", "stride_yp")}
-ROUTER = {"p_logits": "*bf16", "p_w": "*bf16", "p_ids": "*i64", **ints("E", "K", "stride_lt", "stride_wt", "stride_it")}
+ROUTER = {"p_logits": "*bf16", "p_w": "*bf16", "p_ids": "*i64", "p_table": "*i64", "p_slots": "*i32",
+          **ints("E", "K", "stride_lt", "stride_wt", "stride_it", "stride_st")}
+MOE_DECODE_GATE_UP = {"p_x": "*bf16", "p_slots": "*i32", "p_w13": "*i32", "p_s13": "*u8", "p_s2": "*fp32",
+                      "p_sw13": "*i32", "p_ss13": "*u8", "p_ss2": "*fp32", "p_h": "*fp32",
+                      **ints("I", "H", "stride_xt", "stride_st", "stride_w13e", "stride_w13r", "stride_s13e",
+                             "stride_s13r", "stride_s2e", "stride_ht")}
+MOE_DECODE_DOWN_PAIRS = {"p_h": "*fp32", "p_slots": "*i32", "p_wts": "*bf16", "p_w2": "*i32", "p_s2w": "*u8",
+                         "p_s2": "*fp32", "p_sw2": "*i32", "p_ss2w": "*u8", "p_ss2": "*fp32", "p_yp": "*fp32",
+                         **ints("I", "H", "stride_ht", "stride_st", "stride_wt", "stride_w2e", "stride_w2r",
+                                "stride_s2we", "stride_s2wr", "stride_s2e", "stride_yp")}
+MOE_DECODE_DOWN = {"p_h": "*fp32", "p_slots": "*i32", "p_wts": "*bf16", "p_w2": "*i32", "p_s2w": "*u8", "p_s2": "*fp32",
+                   "p_sw2": "*i32", "p_ss2w": "*u8", "p_ss2": "*fp32", "p_out": "*bf16",
+                   **ints("I", "H", "stride_ht", "stride_st", "stride_wt", "stride_w2e", "stride_w2r", "stride_s2we",
+                          "stride_s2wr", "stride_s2e", "stride_ot")}
 WRITE_KV = {"p_k": "*bf16", "p_v": "*bf16", "p_kc": "*bf16", "p_vc": "*bf16", "p_slot": "*i64",
             **ints("H", "D", "page_size", "stride_kb", "stride_kh", "stride_vb", "stride_vh", "stride_kcp",
                    "stride_kcs", "stride_kch", "stride_vcp", "stride_vcs", "stride_vch")}
 DECODE_IN = {"p_q": "*bf16", "p_kc": "*bf16", "p_vc": "*bf16", "p_pt": "*i64", "p_seq": "*i32"}
 DECODE_STRIDES = ("stride_qb", "stride_qh", "stride_kcp", "stride_kcs", "stride_kch", "stride_vcp", "stride_vcs",
                   "stride_vch", "stride_ptb")
-DECODE = {**DECODE_IN, "p_o": "*bf16", "qk_scale": "fp32", **ints("G", "D", *DECODE_STRIDES, "stride_ob", "stride_oh")}
+DECODE = {**DECODE_IN, "p_g": "*bf16", "p_o": "*bf16", "qk_scale": "fp32",
+          **ints("G", "D", *DECODE_STRIDES, "stride_gb", "stride_gh", "stride_ob", "stride_oh")}
 DECODE_SPLIT = {**DECODE_IN, "p_acc": "*fp32", "p_st": "*fp32", "qk_scale": "fp32",
                 **ints("G", "D", *DECODE_STRIDES, "stride_ar", "stride_ah", "stride_sr", "stride_sh")}
-COMBINE = {"p_acc": "*fp32", "p_st": "*fp32", "p_o": "*bf16",
-           **ints("S", "D", "stride_ar", "stride_ah", "stride_sr", "stride_sh", "stride_ob", "stride_oh")}
+COMBINE = {"p_acc": "*fp32", "p_st": "*fp32", "p_g": "*bf16", "p_o": "*bf16",
+           **ints("S", "D", "stride_ar", "stride_ah", "stride_sr", "stride_sh", "stride_gb", "stride_gh", "stride_ob",
+                  "stride_oh")}
 RMS_NORM = {"p_x": "*bf16", "p_r": "*bf16", "p_w": "*bf16", "p_y": "*bf16", "p_h": "*bf16", "D": "i32", "eps": "fp32",
             **ints("stride_xt", "stride_rt", "stride_yt", "stride_ht")}
 GATED_NORM = {"p_x": "*bf16", "p_g": "*bf16", "p_w": "*bf16", "p_y": "*bf16", "N": "i32", "D": "i32", "eps": "fp32",
-              **ints("stride_xt", "stride_gt", "stride_yt")}
+              **ints("stride_xt", "stride_gt", "stride_yt", "G_ROWS", "stride_gg")}
 QK_NORM_ROPE = {"p_q": "*bf16", "p_k": "*bf16", "p_qw": "*bf16", "p_kw": "*bf16", "p_pos": "*i64", "p_inv": "*fp32",
                 "p_qo": "*bf16", "p_ko": "*bf16", "HQ": "i32", "D": "i32", "HALF": "i32", "eps": "fp32",
                 **ints("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_qot", "stride_qoh", "stride_kot",
@@ -80,8 +96,6 @@ GD_DELTA = {"p_y": "*bf16", "p_b": "*bf16", "p_a": "*bf16", "p_alog": "*bf16", "
             "p_slots": "*i64", "p_o": "*bf16", **ints("HK", "GROUP", "DK", "DV"), "scale": "fp32",
             **ints("stride_yb", "stride_bb", "stride_ab", "stride_sss", "stride_ssh", "stride_ssk", "stride_ssv",
                    "stride_ob", "stride_oh")}
-
-
 def decode_cfg(head_dim: int, group: int) -> dict:
     return {"PAGE_SIZE": 64, **attn.decode_config(head_dim, group, torch.bfloat16)}  # every constexpr named
 
@@ -109,6 +123,14 @@ def grouped_cfg(rows: str) -> dict:
     return {"BLOCK_M": bm, rows: bn, "BLOCK_K": bk, "PRECISION": "tf32", "num_warps": warps, "num_stages": stages}
 
 
+DENSE = {"p_x": "*bf16", "p_w": "*bf16", "p_y": "*bf16", **ints("M", "N", "K", "stride_xm", "stride_wn", "stride_ym")}
+
+
+def dense_cfg(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    cfg = dense.default_config(m, n, k, dtype)
+    return {**cfg, **dense.k_tiling(k, cfg["BLOCK_K"])}
+
+
 CASES = [  # (name, kernel, signature, constexprs and launch options); flagship shapes
     ("gemv M=1 whole K (2048)", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(1, 12288, 2048)),
     ("gemv M=1 whole K (8192)", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(1, 32768, 8192)),
@@ -127,8 +149,31 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("moe sum over k", moe._moe_sum_pairs_kernel, SUM, {"BLOCK": 1024}),
     ("moe grouped gate_up", moe._moe_grouped_gate_up_kernel, G_GATE_UP, grouped_cfg("BLOCK_I")),
     ("moe grouped down", moe._moe_grouped_down_kernel, G_DOWN, grouped_cfg("BLOCK_H")),
+    ("moe decode gate_up + shared, 1 token", moe._moe_decode_gate_up_kernel, MOE_DECODE_GATE_UP,
+     {"TOPK": 10, "HAS_SHARED": True, **moe_cfg(moe.DECODE_GATE_UP_CONFIG[1], 256, "BLOCK_I")}),
+    ("moe decode gate_up + shared, more tokens", moe._moe_decode_gate_up_kernel, MOE_DECODE_GATE_UP,
+     {"TOPK": 10, "HAS_SHARED": True, **moe_cfg(moe.DECODE_GATE_UP_CONFIG[2], 256, "BLOCK_I")}),
+    ("moe decode gate_up, K loop", moe._moe_decode_gate_up_kernel, MOE_DECODE_GATE_UP,
+     {"TOPK": 10, "HAS_SHARED": False, **moe_cfg((8, 64, 4), 256, "BLOCK_I")}),
+    ("moe decode down + sum + shared", moe._moe_decode_down_kernel, MOE_DECODE_DOWN,
+     {"TOPK": 10, "HAS_SHARED": True, **moe_cfg(moe.DECODE_DOWN_CONFIG[1], 64, "BLOCK_H")}),
+    ("moe decode down + sum + shared, more tokens", moe._moe_decode_down_kernel, MOE_DECODE_DOWN,
+     {"TOPK": 10, "HAS_SHARED": True, **moe_cfg(moe.DECODE_DOWN_CONFIG[2], 64, "BLOCK_H")}),
+    ("moe decode down per pair + shared", moe._moe_decode_down_pairs_kernel, MOE_DECODE_DOWN_PAIRS,
+     {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe.DECODE_DOWN_PAIRS_CONFIG[0], "WHOLE_K": 64,
+      "num_warps": moe.DECODE_DOWN_PAIRS_CONFIG[2]}),
+    ("moe decode down, K loop", moe._moe_decode_down_kernel, MOE_DECODE_DOWN,
+     {"TOPK": 10, "HAS_SHARED": False, **moe_cfg((32, 32, 4), 64, "BLOCK_H")}),
     ("router 512 experts top-10", router._router_topk_kernel, ROUTER,
-     {"NORMALIZE": True, "BLOCK_E": 512, "BLOCK_K": 16, "num_warps": 4}),
+     {"NORMALIZE": True, "BLOCK_E": 512, "BLOCK_K": 16, "SHARED_GATE": False, "HAS_TABLE": False, "num_warps": 4}),
+    ("router top-10 + shared gate + slot table", router._router_topk_kernel, ROUTER,
+     {"NORMALIZE": True, "BLOCK_E": 512, "BLOCK_K": 16, "SHARED_GATE": True, "HAS_TABLE": True, "num_warps": 4}),
+    ("dense M=1 router 512x2048 (one K tile)", dense._dense_gemv_kernel, DENSE, dense_cfg(1, 512, 2048)),
+    ("dense M=8 router 512x2048", dense._dense_gemv_kernel, DENSE, dense_cfg(8, 512, 2048)),
+    ("dense M=16 in_proj_ba 64x2048", dense._dense_gemv_kernel, DENSE, dense_cfg(16, 64, 2048)),
+    ("dense M=4 K loop, last tile masked (2064)", dense._dense_gemv_kernel, DENSE, dense_cfg(4, 2048, 2064)),
+    ("dense M=8 fp32 K loop", dense._dense_gemv_kernel, {**DENSE, "p_x": "*fp32", "p_w": "*fp32", "p_y": "*fp32"},
+     dense_cfg(8, 512, 2048, torch.float32)),
     ("rms_norm hidden 2048", norm._rms_norm_kernel, RMS_NORM, {"HAS_RESIDUAL": False, "BLOCK_D": 2048, "num_warps": 8}),
     ("add + rms_norm hidden 2048", norm._rms_norm_kernel, RMS_NORM, {"HAS_RESIDUAL": True, "BLOCK_D": 2048, "num_warps": 8}),
     ("add + rms_norm 8192 (largest tile)", norm._rms_norm_kernel, RMS_NORM,
@@ -139,11 +184,14 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
      {"BLOCK_D": 256, "BLOCK_HALF": 32, "num_warps": 1}),
     ("write kv decode Hkv 2, D 256", attn._write_kv_decode_kernel, WRITE_KV,
      {"BLOCK_H": 2, "BLOCK_D": 256, "num_warps": 4}),
-    ("decode attention G 8, D 256", attn._decode_kernel, DECODE, decode_cfg(256, 8)),
-    ("decode attention G 1, D 128", attn._decode_kernel, DECODE, decode_cfg(128, 1)),
+    ("decode attention G 8, D 256", attn._decode_kernel, DECODE, {**decode_cfg(256, 8), "HAS_GATE": False}),
+    ("decode attention G 8, D 256, output gate", attn._decode_kernel, DECODE, {**decode_cfg(256, 8), "HAS_GATE": True}),
+    ("decode attention G 1, D 128", attn._decode_kernel, DECODE, {**decode_cfg(128, 1), "HAS_GATE": False}),
     ("decode attention split-K G 8, D 256", attn._decode_split_kernel, DECODE_SPLIT, decode_cfg(256, 8)),
     ("decode attention combine 128 splits", attn._decode_combine_kernel, COMBINE,
-     {"BLOCK_S": 128, "CHUNK_S": 16, "BLOCK_D": 256, "num_warps": 4}),
+     {"BLOCK_S": 128, "CHUNK_S": 16, "BLOCK_D": 256, "HAS_GATE": False, "num_warps": 4}),
+    ("decode attention combine 16 splits, output gate", attn._decode_combine_kernel, COMBINE,
+     {"BLOCK_S": 16, "CHUNK_S": 16, "BLOCK_D": 256, "HAS_GATE": True, "num_warps": 4}),
     ("silu * up, shared expert 512", act._silu_mul_kernel,
      {"p_g": "*bf16", "p_u": "*bf16", "p_o": "*bf16", **ints("N", "stride_g", "stride_u", "stride_o")},
      {"BLOCK_N": act.BLOCK}),

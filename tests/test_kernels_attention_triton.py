@@ -1,7 +1,9 @@
 """Paged decode attention and the decode KV write: the batched references against the per-sequence
 prefill references, and the Triton kernels (single pass, split-K) against the references under the
 interpreter. The pool is NaN everywhere but the sequences' tokens, and page-table entries past a
-sequence's length point at NaN pages: nothing outside a sequence may reach its result."""
+sequence's length point at NaN pages: nothing outside a sequence may reach its result. The output
+gate is a strided view of a q-projection-like tensor whose q halves are NaN: a read outside the
+gate's columns shows."""
 
 from __future__ import annotations
 
@@ -84,6 +86,14 @@ def random_q(b, hq, d, dtype, seed=1):
     return torch.randn(b, hq, d, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
+def random_gate(b, hq, d, dtype, seed=4):
+    """The output gate as the model passes it: gate half of a q projection [B, Hq, 2D] (q, gate
+    interleaved per head) -> a [B, Hq, D] view with strides (2 Hq D, 2D, 1); the q halves are NaN."""
+    qg = torch.full((b, hq, 2 * d), float("nan"), dtype=dtype)
+    qg[..., d:] = (2 * torch.randn(b, hq, d, generator=torch.Generator().manual_seed(seed))).to(dtype)
+    return qg[..., d:]
+
+
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize(("seq_lens", "hq", "hkv", "d", "page"), CASES, ids=CASE_IDS)
 def test_decode_ref_matches_per_sequence_ref(seq_lens, hq, hkv, d, page, dtype):
@@ -100,6 +110,28 @@ def test_decode_ref_matches_per_sequence_ref(seq_lens, hq, hkv, d, page, dtype):
         pages = table[b, :-(-n // page)]
         ref = paged_attention_ref(q[b:b + 1], k_cache, v_cache, pages, n - 1, scale)[0]
         assert rel_rms(out[b], ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize(("seq_lens", "hq", "hkv", "d", "page"), CASES, ids=CASE_IDS)
+def test_decode_ref_gate(seq_lens, hq, hkv, d, page, dtype):
+    """The gated reference is the fp32 attention output times sigmoid(gate) in fp32, rounded once:
+    bit for bit. Its fp32 output is the reference's on q.float() (the same fp32 ops on the same values)."""
+    kv, table, lens = make_batch(seq_lens, hkv, d, page, dtype)
+    k_cache, v_cache = layer_views(kv)
+    q = random_q(len(seq_lens), hq, d, dtype)
+    gate = random_gate(len(seq_lens), hq, d, dtype)
+    scale = d ** -0.5
+    out = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, scale, gate=gate)
+    o32 = paged_decode_attention_ref(q.float(), k_cache, v_cache, table, lens, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert torch.equal(out, (o32 * torch.sigmoid(gate.float())).to(dtype))
+    if dtype == torch.float32:  # nothing to round: the ungated output times the gate
+        ungated = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, scale)
+        assert torch.equal(out, ungated * torch.sigmoid(gate))
+    for b, n in enumerate(seq_lens):
+        if n == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b]))
 
 
 def decode_tokens(table, lens, page):
@@ -139,14 +171,16 @@ def test_write_kv_decode_triton(hkv, d, page, dtype):
     torch.testing.assert_close(kv, expected, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["nogate", "gate"])
 @pytest.mark.parametrize("path", ["single", "split3", "split8"])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize(("seq_lens", "hq", "hkv", "d", "page"), CASES, ids=CASE_IDS)
-def test_decode_attention_triton(seq_lens, hq, hkv, d, page, dtype, path):
+def test_decode_attention_triton(seq_lens, hq, hkv, d, page, dtype, path, gated):
     kv, table, lens = make_batch(seq_lens, hkv, d, page, dtype)
     k_cache, v_cache = layer_views(kv)
     b = len(seq_lens)
     q = random_q(b, hq, d, dtype)
+    gate = random_gate(b, hq, d, dtype) if gated else None
     scale = d ** -0.5
     splits = 1 if path == "single" else int(path.removeprefix("split"))
     ws = decode_attention_workspace(b + 1, hq, d, splits, "cpu")  # larger than needed: a bucket's prefix
@@ -155,9 +189,25 @@ def test_decode_attention_triton(seq_lens, hq, hkv, d, page, dtype, path):
     out = torch.full_like(q, float("nan"))
     # NOTE: 16-token blocks: several blocks per sequence, blocks that straddle pages and split ends
     y = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, scale, splits=splits, workspace=ws, out=out,
-                                      config={"BLOCK_N": 16})
+                                      gate=gate, config={"BLOCK_N": 16})
     assert y.data_ptr() == out.data_ptr()
-    assert rel_rms(y, paged_decode_attention_ref(q, k_cache, v_cache, table, lens, scale)) < TOL[dtype]
+    assert rel_rms(y, paged_decode_attention_ref(q, k_cache, v_cache, table, lens, scale, gate=gate)) < TOL[dtype]
+    for i, n in enumerate(seq_lens):
+        if n == 0:  # a padding row: zeros, gated or not
+            assert torch.equal(y[i], torch.zeros_like(y[i]))
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_attention_gate_is_the_product(splits):
+    """fp32: the gated kernels give the ungated kernels' output times sigmoid(gate), up to the
+    sigmoid's last bits (the same attention, the same order of sums)."""
+    kv, table, lens = make_batch((37, 0, 5), 2, 64, 8, torch.float32)
+    q = random_q(3, 8, 64, torch.float32)
+    gate = random_gate(3, 8, 64, torch.float32)
+    args = (q, *layer_views(kv), table, lens, 0.125)
+    y = paged_decode_attention_triton(*args, splits=splits, gate=gate, config={"BLOCK_N": 16})
+    ungated = paged_decode_attention_triton(*args, splits=splits, config={"BLOCK_N": 16})
+    torch.testing.assert_close(y, ungated * torch.sigmoid(gate), rtol=1e-6, atol=1e-7)
 
 
 def test_decode_attention_default_blocks():
@@ -196,7 +246,22 @@ def test_dispatchers(monkeypatch):
     monkeypatch.setattr(details, "write_kv_decode_triton", lambda *a: calls.append("write") or real_write(*a))
     monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
     assert rel_rms(paged_decode_attention(q, *layer_views(kv), table, lens, 0.3, max_seq_len=4096), ref) < 1e-5
-    assert calls[-1]["max_seq_len"] == 4096
+    assert calls[-1]["max_seq_len"] == 4096 and calls[-1]["gate"] is None
+    gate = random_gate(2, 4, 32, torch.float32)
+    gated_ref = paged_decode_attention_ref(q, *layer_views(kv), table, lens, 0.3, gate=gate)
+    y = paged_decode_attention(q, *layer_views(kv), table, lens, 0.3, gate=gate)
+    assert calls[-1]["gate"] is gate and rel_rms(y, gated_ref) < 1e-5
+    gate_t = gate.transpose(0, 2).contiguous().transpose(0, 2)  # D's stride not 1: the kernels take a copy
+    assert rel_rms(paged_decode_attention_triton(q, *layer_views(kv), table, lens, 0.3, gate=gate_t), gated_ref) < 1e-5
+    with pytest.raises(ValueError, match="gate"):
+        paged_decode_attention_triton(q, *layer_views(kv), table, lens, 0.3, gate=gate[:, :2])
+    with pytest.raises(ValueError, match="gate"):
+        paged_decode_attention_triton(q, *layer_views(kv), table, lens, 0.3, gate=gate.half())
+    monkeypatch.delenv("FT_TRITON_INTERPRET_TEST")
+    out = torch.full_like(q, float("nan"))
+    y = paged_decode_attention(q, *layer_views(kv), table, lens, 0.3, gate=gate, out=out)  # the reference
+    assert y.data_ptr() == out.data_ptr() and torch.equal(y, gated_ref)
+    monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
     k = torch.randn(2, 2, 32)
     write_kv_decode(*layer_views(kv), k, k, decode_tokens(table, lens, 4))
     assert calls[-1] == "write" and torch.equal(layer_views(kv)[0][table[1, 2], 1], k[1])

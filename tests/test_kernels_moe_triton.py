@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from ft.kernels.moe import SlotWeights, moe_over_slots, moe_over_slots_ref
-from ft.kernels.moe.kernel import moe_over_slots_triton
+from ft.kernels.moe import SlotWeights, dense_slots, moe_decode, moe_decode_ref, moe_over_slots, moe_over_slots_ref
+from ft.kernels.moe.kernel import moe_decode_triton, moe_over_slots_triton
 from ft.tools.nvfp4_quantize import quantize_nvfp4
 
 # Relative RMS: the kernels work in fp32; the reference runs its matmuls in x's dtype.
@@ -130,3 +130,73 @@ def test_dispatcher_uses_triton_when_asked(monkeypatch):
     y = moe_over_slots(x, slots, weights, w)
     ref = moe_over_slots_ref(x, slots, weights, w)
     assert calls and ((y - ref).norm() / ref.norm()).item() < TOL[torch.float32]
+
+
+# (T, k, S slots, H, I, dtype, skipped fraction, shared expert): H = 64 takes the whole-K tiles,
+# H = 48 (6 words per row) the K loop
+DECODE_CASES = [
+    (1, 3, 5, 64, 32, torch.float32, 0.0, True),
+    (4, 2, 6, 64, 32, torch.float16, 0.3, True),
+    (3, 3, 4, 48, 16, torch.float32, 0.2, True),
+    (5, 2, 3, 64, 48, torch.bfloat16, 0.2, False),
+    (2, 2, 3, 32, 16, torch.float32, 1.0, True),  # only the shared expert runs
+]
+
+
+@pytest.mark.parametrize("per_pair", [False, True], ids=["down-loop", "down-pairs"])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[str(c) for c in DECODE_CASES])
+def test_moe_decode_triton_matches_ref(case, per_pair):
+    t, k, s, h, i, dtype, skip, with_shared = case
+    gen = torch.Generator().manual_seed(t * 100 + h + i)
+    w = _slot_pool(s, h, i, gen)
+    shared = _slot_pool(1, h, i, gen) if with_shared else None
+    slots, weights = _routing(t, k, s, skip, gen)
+    if with_shared:
+        weights = torch.cat([weights, torch.rand(t, 1, generator=gen)], dim=1)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    y = moe_decode_triton(x, slots, weights.to(dtype), w, shared, out=torch.full((t, h), float("nan"), dtype=dtype),
+                          down_per_pair=per_pair)
+    ref = moe_decode_ref(x, slots, weights.to(dtype), w, shared)
+    assert not y.isnan().any()
+    err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < TOL[dtype], err
+    # a token's result does not depend on where its experts sit: the same experts in other slots
+    perm = torch.randperm(s, generator=gen)
+    moved = SlotWeights(*(t_[perm] for t_ in w))
+    where = torch.argsort(perm)  # slot of old slot q in the moved pool
+    moved_slots = torch.where(slots >= 0, where[slots.clamp(min=0)], slots)
+    assert torch.equal(moe_decode_triton(x, moved_slots, weights.to(dtype), moved, shared, down_per_pair=per_pair), y)
+
+
+def test_moe_decode_ref_is_the_unfused_block():
+    """The fused reference equals the model's unfused ops (routed MoE + shared MLP + gated combine) in fp32."""
+    gen = torch.Generator().manual_seed(11)
+    w, shared = _slot_pool(6, 32, 16, gen), _slot_pool(1, 32, 16, gen)
+    slots, weights = _routing(4, 3, 6, 0.25, gen)
+    gate = torch.randn(4, 1, generator=gen)
+    x = torch.randn(4, 32, generator=gen)
+    routed = moe_over_slots_ref(x, slots, weights, w)
+    w13, w2 = dense_slots(shared, torch.zeros(1, dtype=torch.long), torch.float32)
+    g, u = (x @ w13[0].T).chunk(2, dim=-1)
+    unfused = routed + torch.sigmoid(gate) * ((torch.nn.functional.silu(g) * u) @ w2[0].T)
+    fused = moe_decode_ref(x, slots, torch.cat([weights, torch.sigmoid(gate)], dim=1), w, shared)
+    assert torch.allclose(fused, unfused, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_decode_dispatcher_and_limits(monkeypatch):
+    gen = torch.Generator().manual_seed(3)
+    w = _slot_pool(3, 32, 16, gen)
+    slots, weights = _routing(2, 2, 3, 0.0, gen)
+    x = torch.randn(2, 32, generator=gen)
+    monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
+    import ft.kernels.moe.kernel as details
+
+    calls = []
+    real = details.moe_decode_triton
+    monkeypatch.setattr(details, "moe_decode_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    y = moe_decode(x, slots, weights, w)
+    assert calls and ((y - moe_decode_ref(x, slots, weights, w)).norm() / y.norm()).item() < TOL[torch.float32]
+    with pytest.raises(ValueError, match="k \\+ 1"):
+        moe_decode_triton(x, slots, weights, w, _slot_pool(1, 32, 16, gen))  # the shared weight is missing
+    with pytest.raises(ValueError, match="at most"):
+        moe_decode(torch.zeros(129, 32), torch.zeros(129, 2, dtype=torch.long), torch.ones(129, 2), w)

@@ -163,3 +163,19 @@ def test_bad_input():
         qk_norm_rope_ref(q, k, qw, kw, positions, inv_freq, 6, EPS)
     with pytest.raises(ValueError, match="positions"):
         details.qk_norm_rope_triton(q, k, qw, kw, positions[:1], inv_freq, 8, EPS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_gated_rms_norm_reads_a_strided_gate_in_place(dtype):
+    """The gate as the model passes it: [T, H, D] columns of a wider projection output (no copy)."""
+    gen = torch.Generator().manual_seed(4)
+    t, h, d = 3, 4, 32
+    proj = torch.randn(t, 5 * h * d, generator=gen).to(dtype)  # [mixed | z] as in_proj_qkvz gives them
+    z = proj[:, 4 * h * d:].view(t, h, d)
+    assert not z.is_contiguous()
+    x = torch.randn(t, h, d, generator=gen).to(dtype)
+    w = torch.randn(d, generator=gen).to(dtype)
+    out = details.gated_rms_norm_triton(x, z, w, EPS, out=nan_like(x))
+    ref = gated_rms_norm_ref(x, z.contiguous(), w, EPS)
+    assert rel_rms(out, ref) < TOL[dtype]
+    assert torch.equal(out, details.gated_rms_norm_triton(x, z.contiguous(), w, EPS))

@@ -68,3 +68,30 @@ def test_missing_expert_slot_is_an_error_in_debug_mode(monkeypatch):
     with pytest.raises(RuntimeError, match=r"MoE layer 3: experts \[1\] have no slot"):
         layer._slots(table, ids)
     assert layer._slots(table, torch.tensor([[0, 2]])).tolist() == [[0, 1]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("shared_gate", "with_table"), [(True, True), (True, False), (False, True)])
+def test_route_matches_ref(dtype, shared_gate, with_table):
+    from ft.kernels.router import route_ref
+    from ft.kernels.router.kernel import route_triton
+
+    gen = torch.Generator().manual_seed(7)
+    t, e, k = 5, 64, 6
+    logits = (torch.randn(t, e + shared_gate, generator=gen) * 2).to(dtype)
+    table = torch.randperm(e, generator=gen) if with_table else None
+    if table is not None:
+        table[::5] = -1  # experts without a slot
+    w, ids, slots = route_triton(logits, k, True, shared_gate=shared_gate, slot_table=table)
+    w_ref, ids_ref, slots_ref = route_ref(logits, k, True, shared_gate=shared_gate, slot_table=table)
+    assert w.shape == (t, k + shared_gate) and w.dtype == dtype
+    probs = torch.softmax(logits[:, :e].float(), dim=-1)  # the same experts up to ties (bf16 ties often)
+    assert torch.equal(probs.gather(1, ids), probs.gather(1, ids_ref))
+    assert ((w.float() - w_ref.float()).abs().max()).item() < TOL[dtype]
+    if shared_gate:  # the shared weight is the sigmoid of the last column, not part of the softmax
+        assert torch.allclose(w[:, k].float(), torch.sigmoid(logits[:, e].float()), atol=TOL[dtype])
+        assert torch.allclose(w[:, :k].float().sum(dim=1), torch.ones(t), atol=TOL[dtype] * k)
+    if with_table:
+        assert slots.dtype == torch.int32 and slots_ref.dtype == torch.int32 and (slots == table[ids]).all()
+    else:
+        assert slots is None and slots_ref is None

@@ -19,7 +19,21 @@ from test_oracle import GREEDY_32, hf_greedy, prompt_of, rel_err, hf_last_logits
 
 @pytest.fixture(scope="module")
 def nvfp4_pair(tiny_one, tmp_path_factory):
-    _, model, src = tiny_one
+    return _quantized_pair(tiny_one[2], tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def nvfp4_pair_shared_fused(tmp_path_factory):
+    """The first tiny config with the shared expert in the routed experts' shapes (as the flagship):
+    the decode MoE then runs the shared expert as one more pair (`moe_decode_triton`)."""
+    from conftest import TINY_CONFIGS, make_hf_model, save_checkpoint
+
+    overrides = {**next(iter(TINY_CONFIGS.values())), "shared_expert_intermediate_size": 32}
+    src = save_checkpoint(make_hf_model(overrides), tmp_path_factory.mktemp("shared-fused"))
+    return _quantized_pair(src, tmp_path_factory)
+
+
+def _quantized_pair(src, tmp_path_factory):
     dst = tmp_path_factory.mktemp("nvfp4") / "ck"
     quantize_checkpoint(src, dst, progress=False)
     # transformers on the dequantized weights: the oracle for the quantized checkpoint
@@ -68,11 +82,13 @@ def test_nvfp4_checkpoint_matches_transformers_on_dequantized_weights(nvfp4_pair
     assert llm.generate(prompt_token_ids=[prompt], **GREEDY_32)[0].token_ids == hf_greedy(ref, prompt)
 
 
-def test_engine_on_the_triton_kernels_matches_transformers(nvfp4_pair, monkeypatch):
+@pytest.mark.parametrize("pair", ["nvfp4_pair", "nvfp4_pair_shared_fused"])
+def test_engine_on_the_triton_kernels_matches_transformers(pair, request, monkeypatch):
     """The engine's CUDA path (the Triton NVFP4 linear and MoE kernels behind the dispatchers), run
     here under the Triton interpreter in float32: prefill through the tl.dot tiles and the MoE's
     grouped path (its threshold lowered to 8 tokens), decode through the whole-K GEMV and the MoE's
-    per-pair path, offloaded experts (3 slots) with -1 skips."""
+    per-pair path, offloaded experts (3 slots) with -1 skips; with the shared expert in the routed
+    experts' shapes, the decode MoE with the shared expert as one more pair (`moe_decode_triton`)."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1 set before triton was imported")
@@ -81,7 +97,7 @@ def test_engine_on_the_triton_kernels_matches_transformers(nvfp4_pair, monkeypat
 
     monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
     monkeypatch.setattr(moe_triton, "GROUPED_MIN_TOKENS", 8)
-    calls = {"linear": 0, "moe": 0, "grouped": 0}
+    calls = {"linear": 0, "moe": 0, "grouped": 0, "decode": 0}
     real_linear, real_moe = nvfp4_triton.nvfp4_linear_triton, moe_triton.moe_over_slots_triton
 
     def count(name, fn):
@@ -93,10 +109,12 @@ def test_engine_on_the_triton_kernels_matches_transformers(nvfp4_pair, monkeypat
     monkeypatch.setattr(nvfp4_triton, "nvfp4_linear_triton", count("linear", real_linear))
     monkeypatch.setattr(moe_triton, "moe_over_slots_triton", count("moe", real_moe))
     monkeypatch.setattr(moe_triton, "_grouped", count("grouped", moe_triton._grouped))
-    ref, path = nvfp4_pair
+    monkeypatch.setattr(moe_triton, "moe_decode_triton", count("decode", moe_triton.moe_decode_triton))
+    ref, path = request.getfixturevalue(pair)
     llm = LLM(model=str(path), device="cpu", dtype="float32", page_size=16, moe_cache_size=3)
     prompt = prompt_of(24, seed=10)
     assert rel_err(first_step_logits(llm, prompt), hf_last_logits(ref, prompt)) < 1e-4
     got = llm.generate(prompt_token_ids=[prompt], max_new_tokens=3, temperature=0.0, ignore_eos=True)[0].token_ids
     assert got == hf_greedy(ref, prompt, 3)
-    assert calls["linear"] > 0 and calls["moe"] > calls["grouped"] > 0
+    assert calls["linear"] > 0 and calls["moe"] >= calls["grouped"] > 0
+    assert (calls["decode"] > 0) == (pair == "nvfp4_pair_shared_fused")

@@ -1,7 +1,8 @@
 """The decode attention kernels compiled for the GPU at the flagship's attention shapes (Hq 16, Hkv 2,
-D 256, bf16, pages of 64 tokens in a two-layer pool), against the torch reference by relative RMS;
-and a decode step (KV write + attention) captured in a CUDA graph, replayed with new inputs, equal
-to eager bit for bit."""
+D 256, bf16, pages of 64 tokens in a two-layer pool), against the torch reference by relative RMS,
+with and without the output gate (a strided view of a q projection, as the model passes it); and a
+decode step (KV write + attention) captured in a CUDA graph, replayed with new inputs, equal to eager
+bit for bit."""
 
 from __future__ import annotations
 
@@ -62,22 +63,51 @@ def make_batch(batch: int, ctx: int):
     return kv, table, torch.tensor(lens, dtype=torch.int32, device=DEV)
 
 
+def q_and_gate(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, Hq, D] and the output gate as the model slices it from its q projection [B, Hq, 2D]
+    (q and gate interleaved per head): a view with strides (2 Hq D, 2D, 1); the q halves are NaN,
+    so a gate read outside the gate's columns shows."""
+    qg = torch.full((batch, HQ, 2 * D), float("nan"), device=DEV, dtype=DTYPE)
+    qg[..., D:] = 2 * torch.randn(batch, HQ, D, device=DEV, dtype=DTYPE)
+    return torch.randn(batch, HQ, D, device=DEV, dtype=DTYPE), qg[..., D:]
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["nogate", "gate"])
 @pytest.mark.parametrize("batch, ctx", CASES, ids=[f"B{b}-ctx{c}-Hq{HQ}-Hkv{HKV}-D{D}-bf16" for b, c in CASES])
-def test_paged_decode_attention(batch, ctx):
+def test_paged_decode_attention(batch, ctx, gated):
     torch.manual_seed(0)
     kv, table, lens = make_batch(batch, ctx)
     k_cache, v_cache = layer_views(kv)
-    q = torch.randn(batch, HQ, D, device=DEV, dtype=DTYPE)
-    ref = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, SCALE)
+    q, gate = q_and_gate(batch)
+    gate = gate if gated else None
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, SCALE, gate=gate)
     splits = decode_attention_splits(batch, HKV, ctx)
     for forced in (None, 1):  # the dispatcher's rule (split-K at 4096 tokens and up), the single pass
         out = torch.full_like(q, float("nan"))
         y = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx, splits=forced,
-                                          out=out)
+                                          out=out, gate=gate)
         assert y.data_ptr() == out.data_ptr()
         assert rel_rms(y, ref) < TOL, f"splits={forced or splits}"
-    y_rule = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx)
-    assert torch.equal(paged_decode_attention(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx), y_rule)
+    y_rule = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx, gate=gate)
+    assert torch.equal(paged_decode_attention(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx, gate=gate),
+                       y_rule)
+
+
+@pytest.mark.parametrize("splits", [1, 16])
+def test_gated_decode_attention_padding_row(splits):
+    """A padding row (length 0) gives zeros with the gate too; the gated output is the ungated
+    kernels' fp32 result times sigmoid(gate) rounded once, so within two bf16 roundings of the
+    rounded ungated output times the gate."""
+    torch.manual_seed(0)
+    kv, table, lens = make_batch(8, 4096)
+    lens[2] = 0
+    k_cache, v_cache = layer_views(kv)
+    q, gate = q_and_gate(8)
+    y = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, SCALE, splits=splits, gate=gate)
+    assert torch.equal(y[2], torch.zeros_like(y[2]))
+    assert rel_rms(y, paged_decode_attention_ref(q, k_cache, v_cache, table, lens, SCALE, gate=gate)) < TOL
+    ungated = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, SCALE, splits=splits)
+    torch.testing.assert_close(y.float(), ungated.float() * torch.sigmoid(gate.float()), rtol=2 ** -6, atol=1e-5)
 
 
 def test_write_kv_decode():
@@ -93,9 +123,10 @@ def test_write_kv_decode():
     torch.testing.assert_close(kv, expected, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["nogate", "gate"])
 @pytest.mark.parametrize("path", ["single", "split"])
-def test_decode_step_in_cuda_graph(path):
-    """Persistent inputs, one capture; each replay with new q, K/V, page tables and lengths equals eager."""
+def test_decode_step_in_cuda_graph(path, gated):
+    """Persistent inputs, one capture; each replay with new q, K/V, gate, page tables and lengths equals eager."""
     torch.manual_seed(0)
     batch, ctx = 8, 4096
     width = ctx // PAGE
@@ -106,6 +137,8 @@ def test_decode_step_in_cuda_graph(path):
     assert (splits > 1) == (path == "split")
     ws = decode_attention_workspace(batch, HQ, D, splits, DEV)
     q = torch.empty(batch, HQ, D, device=DEV, dtype=DTYPE)
+    qg = torch.empty(batch, HQ, 2 * D, device=DEV, dtype=DTYPE)  # the gate: a view of a q projection
+    gate = qg[..., D:] if gated else None
     k_new, v_new = (torch.empty(batch, HKV, D, device=DEV, dtype=DTYPE) for _ in range(2))
     table = torch.empty(batch, width, dtype=torch.int64, device=DEV)
     lens = torch.empty(batch, dtype=torch.int32, device=DEV)
@@ -115,10 +148,11 @@ def test_decode_step_in_cuda_graph(path):
     def step() -> None:
         write_kv_decode(k_cache, v_cache, k_new, v_new, slots)
         paged_decode_attention(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx, splits=splits,
-                               workspace=ws, out=out)
+                               workspace=ws, out=out, gate=gate)
 
     def fill() -> None:
         q.copy_(torch.randn_like(q))
+        qg.copy_(2 * torch.randn_like(qg))
         k_new.copy_(torch.randn_like(k_new))
         v_new.copy_(torch.randn_like(v_new))
         table.copy_(torch.randperm(num_pages, device=DEV)[:batch * width].view(batch, width))
@@ -144,6 +178,6 @@ def test_decode_step_in_cuda_graph(path):
         pages = table.gather(1, (last // PAGE)[:, None])[:, 0]
         assert torch.equal(k_cache[pages, last % PAGE], k_new) and torch.equal(v_cache[pages, last % PAGE], v_new)
         eager = paged_decode_attention(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx, splits=splits,
-                                       workspace=decode_attention_workspace(batch, HQ, D, splits, DEV))
+                                       workspace=decode_attention_workspace(batch, HQ, D, splits, DEV), gate=gate)
         assert torch.equal(got, eager)
-        assert rel_rms(got, paged_decode_attention_ref(q, k_cache, v_cache, table, lens, SCALE)) < TOL
+        assert rel_rms(got, paged_decode_attention_ref(q, k_cache, v_cache, table, lens, SCALE, gate=gate)) < TOL

@@ -77,9 +77,11 @@ def paged_decode_attention(
     splits: int | None = None,
     workspace: DecodeWorkspace | None = None,
     out: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention: q [B, Hq, D], one query per sequence at position seq_lens[b] - 1, over keys
-    0 .. seq_lens[b] - 1 (write the new K/V first) -> [B, Hq, D] in q's dtype, softmax in fp32.
+    0 .. seq_lens[b] - 1 (write the new K/V first) -> [B, Hq, D] in q's dtype, softmax in fp32;
+    with `gate`, o * sigmoid(gate) instead.
 
     Args:
         k_cache, v_cache: [P, page_size, Hkv, D]; query head h reads kv head h // (Hq // Hkv); D <= 256.
@@ -90,6 +92,10 @@ def paged_decode_attention(
         splits: force a split count (1: single pass); workspace: the split-K workspace, at least
             B * splits rows (`decode_attention_workspace`); out: optional output. Ignored by the
             reference except `out`.
+        gate: optional output gate [B, Hq, D] in q's dtype, any strides (D's 1, else the kernels take a
+            copy): Qwen3-Next's gated attention passes its view of the q projection. The output is
+            then o * sigmoid(gate), in fp32 rounded to q's dtype once, written by the kernel that
+            writes the output (no elementwise launches in the model).
 
     Dispatcher: the Triton kernels (single pass, or split-K when the split count is above 1) where
     `uses_triton` says so; `paged_decode_attention_ref` otherwise. Nothing here syncs with the
@@ -102,8 +108,9 @@ def paged_decode_attention(
         from ft.kernels.attention.kernel import paged_decode_attention_triton
 
         return paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, scale,
-                                             max_seq_len=max_seq_len, splits=splits, workspace=workspace, out=out)
-    ref = paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale)
+                                             max_seq_len=max_seq_len, splits=splits, workspace=workspace, out=out,
+                                             gate=gate)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale, gate=gate)
     return ref if out is None else out.copy_(ref)
 
 

@@ -19,6 +19,10 @@ host; the split-K workspace comes from the caller. So a decode step is capturabl
   (sequence, query head), rescales the S partials to their common max and normalizes.
   S comes from the caller (`split.decode_attention_splits`, from the declared maximum context).
 
+The optional output gate (HAS_GATE; Qwen3-Next's gated attention) is applied by the kernel that
+writes the output, the single-pass or the combine kernel: o * sigmoid(gate) in fp32, rounded to the
+output dtype once, which saves the model two elementwise launches per layer.
+
 A sequence of length 0 (a padding row) gives zeros. Block sizes are not tuned on a GPU yet.
 """
 
@@ -108,11 +112,11 @@ def _attend(b_q, p_k, p_v, p_pt, lo, hi, D, qk_scale, stride_kp, stride_ks, stri
 
 @triton.jit
 def _decode_kernel(
-    p_q, p_kc, p_vc, p_pt, p_seq, p_o, qk_scale, G, D,
+    p_q, p_kc, p_vc, p_pt, p_seq, p_g, p_o, qk_scale, G, D,
     stride_qb, stride_qh, stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
-    stride_ptb, stride_ob, stride_oh,
+    stride_ptb, stride_gb, stride_gh, stride_ob, stride_oh,
     PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_GATE: tl.constexpr,
 ):
     i_b = tl.program_id(0)
     i_kv = tl.program_id(1)
@@ -125,6 +129,10 @@ def _decode_kernel(
     o_g = tl.arange(0, BLOCK_G)
     o_d = tl.arange(0, BLOCK_D)
     m_gd = (o_g < G)[:, None] & (o_d < D)[None, :]
+    if HAS_GATE:
+        b_g = tl.load(p_g + i_b * stride_gb + (i_kv * G + o_g)[:, None] * stride_gh + o_d[None, :], mask=m_gd,
+                      other=0.0)
+        b_o = b_o * tl.sigmoid(b_g.to(tl.float32))
     p_ot = p_o + i_b * stride_ob + (i_kv * G + o_g)[:, None] * stride_oh + o_d[None, :]
     tl.store(p_ot, b_o.to(p_o.dtype.element_ty), mask=m_gd)
 
@@ -162,8 +170,8 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_combine_kernel(
-    p_acc, p_st, p_o, S, D, stride_ar, stride_ah, stride_sr, stride_sh, stride_ob, stride_oh,
-    BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    p_acc, p_st, p_g, p_o, S, D, stride_ar, stride_ah, stride_sr, stride_sh, stride_gb, stride_gh, stride_ob,
+    stride_oh, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
 ):
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -185,6 +193,9 @@ def _decode_combine_kernel(
         b_o += b_w[:, None] * b_acc
     b_l = tl.sum(b_sum, axis=0)
     b_out = tl.sum(b_o, axis=0) / tl.where(b_l > 0, b_l, 1.0)  # seq_len 0: zeros
+    if HAS_GATE:
+        b_g = tl.load(p_g + i_b * stride_gb + i_h * stride_gh + o_d, mask=m_d, other=0.0)
+        b_out = b_out * tl.sigmoid(b_g.to(tl.float32))
     tl.store(p_o + i_b * stride_ob + i_h * stride_oh + o_d, b_out.to(p_o.dtype.element_ty), mask=m_d)
 
 
@@ -240,6 +251,7 @@ def paged_decode_attention_triton(
     splits: int | None = None,
     workspace: DecodeWorkspace | None = None,
     out: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
     """`paged_decode_attention_ref` on Triton: q [B, Hq, D] -> [B, Hq, D] in q's dtype.
@@ -251,6 +263,9 @@ def paged_decode_attention_triton(
         workspace: the split-K workspace (`decode_attention_workspace`), at least B * splits rows;
             allocated here when missing. Pass one allocated up front when capturing a CUDA graph.
         out: optional [B, Hq, D] output in q's dtype (written entirely).
+        gate: optional output gate [B, Hq, D] in q's dtype, any strides (a view of the q projection
+            reads in place; copied only when D's stride is not 1): the output is o * sigmoid(gate) in
+            fp32, rounded once, by the single-pass or the combine kernel.
         config: block sizes and launch options overriding `decode_config` (tests, benchmarks).
     Raises:
         ValueError: on shapes, dtypes or layouts the kernels do not take, or a workspace too small.
@@ -274,6 +289,12 @@ def paged_decode_attention_triton(
     if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} contiguous along D, got {tuple(out.shape)} "
                          f"{out.dtype}")
+    if gate is not None:
+        if gate.shape != q.shape or gate.dtype != q.dtype:
+            raise ValueError(f"gate must be {tuple(q.shape)} {q.dtype}, got {tuple(gate.shape)} {gate.dtype}")
+        gate = gate if gate.stride(-1) == 1 else gate.contiguous()
+    # NOTE: no gate: out stands in for its pointer, never read (HAS_GATE prunes the load)
+    g, g_strides = (gate, (gate.stride(0), gate.stride(1))) if gate is not None else (out, (0, 0))
     if b == 0:
         return out
     cfg = {**decode_config(d, hq // hkv, q.dtype), **(config or {})}
@@ -281,8 +302,9 @@ def paged_decode_attention_triton(
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0))
     scale2 = scale * LOG2E
     if splits == 1:
-        _decode_kernel[(b, hkv)](q, k_cache, v_cache, page_table, seq_lens, out, scale2, hq // hkv, d, *common,
-                                 out.stride(0), out.stride(1), PAGE_SIZE=page, **cfg)
+        _decode_kernel[(b, hkv)](q, k_cache, v_cache, page_table, seq_lens, g, out, scale2, hq // hkv, d, *common,
+                                 *g_strides, out.stride(0), out.stride(1), PAGE_SIZE=page, HAS_GATE=gate is not None,
+                                 **cfg)
         return out
     if workspace is None:
         workspace = decode_attention_workspace(b, hq, d, splits, q.device)
@@ -294,8 +316,9 @@ def paged_decode_attention_triton(
     _decode_split_kernel[(b, hkv, splits)](q, k_cache, v_cache, page_table, seq_lens, acc, st, scale2, hq // hkv, d,
                                            *common, acc.stride(0), acc.stride(1), st.stride(0), st.stride(1),
                                            PAGE_SIZE=page, **cfg)
-    _decode_combine_kernel[(b, hq)](acc, st, out, splits, d, acc.stride(0), acc.stride(1), st.stride(0), st.stride(1),
-                                    out.stride(0), out.stride(1), BLOCK_S=triton.next_power_of_2(splits),
+    _decode_combine_kernel[(b, hq)](acc, st, g, out, splits, d, acc.stride(0), acc.stride(1), st.stride(0),
+                                    st.stride(1), *g_strides, out.stride(0), out.stride(1),
+                                    BLOCK_S=triton.next_power_of_2(splits),
                                     CHUNK_S=min(16, triton.next_power_of_2(splits)), BLOCK_D=cfg["BLOCK_D"],
-                                    num_warps=4)
+                                    HAS_GATE=gate is not None, num_warps=4)
     return out

@@ -78,6 +78,8 @@ def paged_decode_attention_ref(
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence, at position seq_lens[b] - 1, over keys 0 .. seq_lens[b] - 1.
 
@@ -86,7 +88,9 @@ def paged_decode_attention_ref(
         k_cache, v_cache: [P, page_size, Hkv, D].
         page_table: [B, max_pages] int64; row b lists sequence b's pages, entries past its length
             are never read (they may hold anything).
-        seq_lens: [B] int32/int64; 0 (a padding row) gives zeros.
+        seq_lens: [B] int32/int64; 0 (a padding row) gives zeros (times the gate: zeros for a finite gate).
+        gate: optional output gate [B, Hq, D] (any strides), e.g. Qwen3-Next's gated attention: the
+            result is then o * sigmoid(gate), both in float32, cast to q's dtype once.
     Returns: [B, Hq, D] in q's dtype (scores, softmax and sums in float32).
     """
     b, hq, d = q.shape
@@ -101,4 +105,7 @@ def paged_decode_attention_ref(
     scores = torch.einsum("bkgd,bnkd->bkgn", qg, k) * scale
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows of padding sequences: all -inf
-    return torch.einsum("bkgn,bnkd->bkgd", probs, v).reshape(b, hq, d).to(q.dtype)
+    o = torch.einsum("bkgn,bnkd->bkgd", probs, v).reshape(b, hq, d)
+    if gate is not None:  # NOTE: on the float32 output, so the gated result is rounded once, as the kernels round it
+        o = o * torch.sigmoid(gate.float())
+    return o.to(q.dtype)

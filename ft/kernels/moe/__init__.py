@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 
 from ft.kernels.backend import debug_checks, uses_triton
-from ft.kernels.moe.reference import dense_slots, moe_over_slots_ref
+from ft.kernels.moe.reference import dense_slots, moe_decode_ref, moe_over_slots_ref
 from ft.kernels.moe.slots import GROUPED_MAX_TOKENS, SlotWeights, check_slots, moe_workspace_bytes
 
 __all__ = [
-    "GROUPED_MAX_TOKENS", "SlotWeights", "check_slots", "dense_slots", "moe_over_slots", "moe_over_slots_ref",
-    "moe_workspace_bytes", "runs_triton",
+    "DECODE_MAX_TOKENS", "GROUPED_MAX_TOKENS", "SlotWeights", "check_slots", "dense_slots", "moe_decode",
+    "moe_decode_ref", "moe_over_slots", "moe_over_slots_ref", "moe_workspace_bytes", "runs_triton",
 ]
 
 
@@ -45,3 +45,29 @@ def moe_over_slots(
 
         return moe_over_slots_triton(x, topk_slots, topk_weights, w)
     return moe_over_slots_ref(x, topk_slots, topk_weights, w)
+
+
+DECODE_MAX_TOKENS = 128
+"""`moe_decode` takes at most this many tokens (the per-pair kernels' range: longer chunks read
+each expert once per tile of its tokens in `moe_over_slots`'s grouped path)."""
+
+
+def moe_decode(
+    x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, w: SlotWeights,
+    shared: SlotWeights | None = None,
+) -> torch.Tensor:
+    """The decode MoE block, routed pairs and the shared expert in one sum (`moe_decode_ref`'s contract).
+
+    Dispatcher: two Triton launches (`kernel.moe_decode_triton`) where `runs_triton` says so for
+    the pool and the shared expert, else the reference. In debug mode the slots are checked first.
+    Raises: ValueError for more than DECODE_MAX_TOKENS tokens.
+    """
+    if x.shape[0] > DECODE_MAX_TOKENS:
+        raise ValueError(f"moe_decode takes at most {DECODE_MAX_TOKENS} tokens, got {x.shape[0]}")
+    if debug_checks():
+        check_slots(topk_slots, w.w13.shape[0])
+    if runs_triton(w, x.device) and (shared is None or runs_triton(shared, x.device)):
+        from ft.kernels.moe.kernel import moe_decode_triton  # NOTE: imports triton only when used
+
+        return moe_decode_triton(x, topk_slots, topk_weights, w, shared)
+    return moe_decode_ref(x, topk_slots, topk_weights, w, shared)

@@ -49,3 +49,40 @@ def moe_over_slots_ref(
         y = F.linear(F.silu(gate) * up, w2s[j])
         out.index_add_(0, tok, y * topk_weights.reshape(-1)[idx, None])
     return out
+
+
+def moe_decode_ref(
+    x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, w: SlotWeights,
+    shared: SlotWeights | None = None,
+) -> torch.Tensor:
+    """The decode MoE block: sum_j weight_j * expert_j(x) over the routed pairs in order, then the
+    shared expert (one more pair, slot 0 of `shared`) when given; everything in fp32, cast once.
+
+    Args:
+        x: [T, H]; topk_slots: [T, k] slots, -1 = skip; topk_weights: [T, k + S], S = 1 with
+        `shared` (its weight last: the sigmoid of the shared expert's gate).
+    Returns: [T, H] in x's dtype.
+    """
+    t, k = topk_slots.shape
+    xs = x.float()
+    wts = topk_weights.float()
+    parts = torch.zeros((t, k + (shared is not None), x.shape[1]), dtype=torch.float32, device=x.device)
+    flat = topk_slots.reshape(-1)
+    live = flat >= 0
+    if bool(live.any()):
+        pair = torch.arange(flat.numel(), device=x.device)[live]
+        slots, inverse = torch.unique(flat[live], return_inverse=True)
+        w13s, w2s = dense_slots(w, slots, torch.float32)
+        for u in range(slots.numel()):
+            p = pair[inverse == u]
+            tok, j = p // k, p % k
+            gate, up = F.linear(xs[tok], w13s[u]).chunk(2, dim=-1)
+            parts[tok, j] = F.linear(F.silu(gate) * up, w2s[u]) * wts[tok, j, None]
+    if shared is not None:
+        w13, w2 = dense_slots(shared, torch.zeros(1, dtype=torch.long, device=x.device), torch.float32)
+        gate, up = F.linear(xs, w13[0]).chunk(2, dim=-1)
+        parts[:, k] = F.linear(F.silu(gate) * up, w2[0]) * wts[:, k, None]
+    out = parts[:, 0]
+    for j in range(1, parts.shape[1]):  # in pair order, as the kernel sums
+        out = out + parts[:, j]
+    return out.to(x.dtype)

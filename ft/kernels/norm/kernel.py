@@ -60,8 +60,10 @@ def _rms_norm_kernel(p_x, p_r, p_w, p_y, p_h, D, eps, stride_xt, stride_rt, stri
 
 
 @triton.jit(do_not_specialize=["N", "D"])
-def _gated_rms_norm_kernel(p_x, p_g, p_w, p_y, N, D, eps, stride_xt, stride_gt, stride_yt,
+def _gated_rms_norm_kernel(p_x, p_g, p_w, p_y, N, D, eps, stride_xt, stride_gt, stride_yt, G_ROWS, stride_gg,
                            ROUND_WY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows of x, y at stride_xt, stride_yt; gate row r at (r // G_ROWS) * stride_gg + (r % G_ROWS) *
+    stride_gt, so that a strided [T, H, D] gate (a view of a wider projection) needs no copy."""
     i_r = tl.program_id(0).to(tl.int64)
     o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
     o_d = tl.arange(0, BLOCK_D)
@@ -77,7 +79,8 @@ def _gated_rms_norm_kernel(p_x, p_g, p_w, p_y, N, D, eps, stride_xt, stride_gt, 
     b_wy = b_w[None, :] * b_y
     if ROUND_WY:
         b_wy = b_wy.to(p_y.dtype.element_ty).to(tl.float32)
-    b_g = tl.load(p_g + o_r[:, None] * stride_gt + o_d[None, :], mask=m_rd, other=0.0).to(tl.float32)
+    o_g = (o_r // G_ROWS) * stride_gg + (o_r % G_ROWS) * stride_gt
+    b_g = tl.load(p_g + o_g[:, None] + o_d[None, :], mask=m_rd, other=0.0).to(tl.float32)
     b_silu = b_g / (1.0 + tl.exp(-b_g))
     tl.debug_barrier()  # NOTE: every load before any store, so the output may alias the inputs
     tl.store(p_y + o_r[:, None] * stride_yt + o_d[None, :], (b_wy * b_silu).to(p_y.dtype.element_ty), mask=m_rd)
@@ -223,15 +226,20 @@ def gated_rms_norm_triton(
     d = _check(x, weight, "gated_rms_norm")
     if gate.shape != x.shape:
         raise ValueError(f"gated_rms_norm: gate {tuple(gate.shape)} unlike x {tuple(x.shape)}")
-    rows, g = _rows(x, d), _rows(gate, d)
+    rows = _rows(x, d)
+    if gate.dim() == 3 and gate.stride(-1) == 1:  # [T, H, D], any strides: rows in groups of H, no copy
+        g, g_rows, stride_g, stride_gg = gate, gate.shape[1], gate.stride(1), gate.stride(0)
+    else:
+        g = _rows(gate, d)
+        g_rows, stride_g, stride_gg = max(1, g.shape[0]), g.stride(0), 0
     out, y = _out_rows(out, x, "out")
     n = rows.shape[0]
     if n:
         block = triton.next_power_of_2(d)
         block_r = max(1, min(triton.next_power_of_2(n), 1024 // block))
         round_wy = torch.promote_types(weight.dtype, x.dtype) == x.dtype
-        _gated_rms_norm_kernel[(triton.cdiv(n, block_r),)](rows, g, weight, y, n, d, eps, rows.stride(0), g.stride(0),
-                                                            y.stride(0), ROUND_WY=round_wy, BLOCK_R=block_r,
+        _gated_rms_norm_kernel[(triton.cdiv(n, block_r),)](rows, g, weight, y, n, d, eps, rows.stride(0), stride_g,
+                                                            y.stride(0), g_rows, stride_gg, ROUND_WY=round_wy, BLOCK_R=block_r,
                                                             BLOCK_D=block, num_warps=_warps(block_r * block))
     return out
 

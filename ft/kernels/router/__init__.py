@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from ft.kernels.backend import uses_triton
-from ft.kernels.router.reference import router_topk_ref
+from ft.kernels.router.reference import route_ref, router_topk_ref
 
-__all__ = ["router_topk", "router_topk_ref"]
+__all__ = ["route", "route_ref", "router_topk", "router_topk_ref"]
 
 
 def router_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -19,3 +19,16 @@ def router_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torc
 
         return router_topk_triton(logits, top_k, normalize)
     return router_topk_ref(logits, top_k, normalize)
+
+
+def route(
+    logits: torch.Tensor, top_k: int, normalize: bool, *, shared_gate: bool = False,
+    slot_table: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The MoE block's routing (`route_ref`'s contract): top-k weights and ids, the shared expert's
+    gate weight and the experts' slots, in one Triton launch on CUDA (or in interpreter tests)."""
+    if uses_triton(logits.device) and logits.shape[-1] - int(shared_gate) <= 8192:
+        from ft.kernels.router.kernel import route_triton  # NOTE: imports triton only when used
+
+        return route_triton(logits, top_k, normalize, shared_gate=shared_gate, slot_table=slot_table)
+    return route_ref(logits, top_k, normalize, shared_gate=shared_gate, slot_table=slot_table)

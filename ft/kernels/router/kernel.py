@@ -13,12 +13,20 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["router_topk_triton"]
+__all__ = ["route_triton", "router_topk_triton"]
+
+
+def router_warps(e: int) -> int:
+    """Warps per token: one up to 1024 experts (the k argmax rounds reduce within a warp, no
+    shared-memory barriers: 4.2 against 5.1 us with 4 warps at 512 experts on the H200,
+    bench/moe_decode.py), else 8."""
+    return 1 if e <= 1024 else 8
 
 
 @triton.jit
-def _router_topk_kernel(p_logits, p_w, p_ids, E, K, stride_lt, stride_wt, stride_it,
-                        NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+def _router_topk_kernel(p_logits, p_w, p_ids, p_table, p_slots, E, K, stride_lt, stride_wt, stride_it, stride_st,
+                        NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SHARED_GATE: tl.constexpr = False, HAS_TABLE: tl.constexpr = False):
     i_t = tl.program_id(0)
     o_e = tl.arange(0, BLOCK_E)
     m_e = o_e < E
@@ -36,23 +44,44 @@ def _router_topk_kernel(p_logits, p_w, p_ids, E, K, stride_lt, stride_wt, stride
         b_p = tl.where(o_e == best, -1.0, b_p)
     if NORMALIZE:
         b_w = b_w / tl.sum(b_w, axis=0)
+    if SHARED_GATE:  # column E: the shared expert's gate logit; its weight goes after the k routed ones
+        gate = tl.load(p_logits + i_t * stride_lt + E).to(tl.float32)
+        b_w = tl.where(o_k == K, 1.0 / (1.0 + tl.exp(-gate)), b_w)
     m_k = o_k < K
-    tl.store(p_w + i_t * stride_wt + o_k, b_w.to(p_w.dtype.element_ty), mask=m_k)
+    tl.store(p_w + i_t * stride_wt + o_k, b_w.to(p_w.dtype.element_ty), mask=o_k < K + SHARED_GATE)
     tl.store(p_ids + i_t * stride_it + o_k, b_i, mask=m_k)
+    if HAS_TABLE:  # each expert's slot, looked up here rather than by a gather launch
+        tl.store(p_slots + i_t * stride_st + o_k, tl.load(p_table + b_i, mask=m_k, other=-1).to(tl.int32), mask=m_k)
 
 
 def router_topk_triton(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (weights [T, k] in logits' dtype, ids [T, k] int64), as `router_topk_ref`.
 
     Raises: ValueError for k outside 1..E or E above 8192 (one tile per token)."""
-    t, e = logits.shape
+    r = route_triton(logits, top_k, normalize)
+    return r[0], r[1]
+
+
+def route_triton(logits: torch.Tensor, top_k: int, normalize: bool, *, shared_gate: bool = False,
+                 slot_table: torch.Tensor | None = None, num_warps: int | None = None):
+    """`ft.kernels.router.route` in one launch: (weights [T, k + S], ids [T, k] int64, slots [T, k]
+    int32 or None); S = 1 with `shared_gate` (logits' last column is then the shared gate's).
+
+    Raises: ValueError for k outside 1..E or E above 8192 (one tile per token)."""
+    t, e = logits.shape[0], logits.shape[1] - int(shared_gate)
     if not 1 <= top_k <= e or e > 8192:
         raise ValueError(f"router top-k needs 1 <= k <= E <= 8192, got k={top_k}, E={e}")
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    w = torch.empty((t, top_k), dtype=logits.dtype, device=logits.device)
-    ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
+    dev = logits.device
+    w = torch.empty((t, top_k + int(shared_gate)), dtype=logits.dtype, device=dev)
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=dev)
+    slots = None if slot_table is None else torch.empty((t, top_k), dtype=torch.int32, device=dev)
     if t:
-        _router_topk_kernel[(t,)](logits, w, ids, e, top_k, logits.stride(0), w.stride(0), ids.stride(0),
-                                  NORMALIZE=normalize, BLOCK_E=triton.next_power_of_2(e),
-                                  BLOCK_K=triton.next_power_of_2(top_k), num_warps=4 if e <= 1024 else 8)
-    return w, ids
+        table = ids if slot_table is None else slot_table  # any pointer when there is no table (never read)
+        out_slots = ids if slots is None else slots
+        _router_topk_kernel[(t,)](logits, w, ids, table, out_slots, e, top_k, logits.stride(0), w.stride(0),
+                                  ids.stride(0), out_slots.stride(0), NORMALIZE=normalize,
+                                  BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k + 1),
+                                  SHARED_GATE=shared_gate, HAS_TABLE=slot_table is not None,
+                                  num_warps=num_warps or router_warps(e))
+    return w, ids, slots

@@ -52,7 +52,6 @@ class GatedAttention:
         t = x.shape[0]
         qg = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim)
         q, gate = qg.chunk(2, dim=-1)
-        gate = gate.reshape(t, -1)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q, k = qk_norm_rope(q, k, self.q_norm, self.k_norm, batch.positions, rope.inv_freq, rope.rotary_dim, self.eps)
@@ -60,9 +59,11 @@ class GatedAttention:
         if batch.decode is not None:  # one token per sequence: device tensors only (graph-safe)
             d = batch.decode
             write_kv_decode(k_cache, v_cache, k, v, d.slot_mapping)
+            # the output gate is applied by the kernel that writes o (a strided view of q_proj's output)
             o = paged_decode_attention(q, k_cache, v_cache, d.page_table, d.seq_lens, self.scale,
-                                       max_seq_len=d.max_seq_len).reshape(t, -1)
-            return self.o_proj(o * torch.sigmoid(gate))
+                                       max_seq_len=d.max_seq_len, gate=gate)
+            return self.o_proj(o.reshape(t, -1))
+        gate = gate.reshape(t, -1)
         outs = []
         offset = 0
         for s in batch.seqs:

@@ -70,6 +70,9 @@ class GatedDeltaNet:
         t = x.shape[0]
         mixed, z, b, a = self._project(x)
         if batch.is_decode:  # one launch pair per layer, slots indexed in the kernels (graph-safe)
+            # NOTE: the gated RMSNorm stays a launch of its own: folded into this step (one program per
+            # value head, to own a whole Dv row) it measured slower on the H200 (10.4 against 6.9 us per
+            # layer at batch 1, 21.9 against 16.5 at batch 8; bench/RESULTS.md)
             o = gated_delta_decode(mixed, b, a, conv_pool, ssm_pool, self.conv_weight, self.a_log, self.dt_bias,
                                    batch.mamba_slots)
         else:
@@ -84,7 +87,8 @@ class GatedDeltaNet:
                 outs.append(oi[0])
                 offset += s.length
             o = torch.cat(outs, dim=0)
-        o = gated_rms_norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv), self.norm_weight, self.eps)
+        # z stays a strided view of in_proj_qkvz's output: the norm kernel reads it in place
+        o = gated_rms_norm(o.reshape(t, self.hv, self.dv), z, self.norm_weight, self.eps)
         return self.out_proj(o.reshape(t, -1))
 
 

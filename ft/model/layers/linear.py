@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from ft.kernels.dense import dense_linear
 from ft.kernels.nvfp4 import dequantize_nvfp4, nvfp4_linear
 
 
@@ -55,4 +55,5 @@ class Linear:
             shape = x.shape
             y = nvfp4_linear(x.reshape(-1, shape[-1]), w.packed, w.scale, w.scale_2)
             return y.reshape(*shape[:-1], -1)
-        return F.linear(x, w)
+        shape = x.shape
+        return dense_linear(x.reshape(-1, shape[-1]), w).reshape(*shape[:-1], -1)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from ft.model.layers.linear import Linear
+from ft.model.layers.linear import Linear, NVFP4Weight
 from ft.memory.expert_cache import ExpertCache
 from ft.kernels.activation import expert_combine, silu_mul
 from ft.kernels.backend import debug_checks
-from ft.kernels.moe import moe_over_slots
-from ft.kernels.router import router_topk
+from ft.kernels.moe import DECODE_MAX_TOKENS, SlotWeights, moe_decode, moe_over_slots, runs_triton
+from ft.kernels.router import route, router_topk
 
 
 class MLP:
@@ -35,12 +35,57 @@ class SparseMoE:
     ) -> None:
         self.router, self.shared_expert, self.shared_expert_gate = router, shared_expert, shared_expert_gate
         self.top_k, self.norm_topk_prob, self.moe_index = top_k, norm_topk_prob, moe_index
+        self.num_experts = router.weight.shape[0]
+        # NOTE: the decode path's fused forms, built once, sharing storage with the unfused ones
+        # (no weight is held twice): the router's rows and the shared gate's row as one matrix,
+        # so that one GEMV gives every logit; the shared expert as a one-slot pool, so that the
+        # MoE kernels run it as one more pair of each token and sum everything in one pass.
+        self.gate_logits = _stack_rows(router, shared_expert_gate)
+        if self.gate_logits is not None:
+            e = self.num_experts
+            self.router = Linear(self.gate_logits.weight[:e])
+            self.shared_expert_gate = Linear(self.gate_logits.weight[e:])
+        self.shared_slot = _as_slot(shared_expert)
 
     def __call__(self, x: torch.Tensor, cache: ExpertCache) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
+        if self._fused(x, cache):
+            return self._decode(x, cache)
         weights, ids = router_topk(self.router(x), self.top_k, self.norm_topk_prob)
         routed = self._routed(x, weights, ids, cache)
         return expert_combine(routed, self.shared_expert(x), self.shared_expert_gate(x))
+
+    def _fused(self, x: torch.Tensor, cache: ExpertCache) -> bool:
+        """Whether this call takes the decode path: few tokens, the Triton MoE on this pool, the
+        shared expert in the pool's shapes."""
+        sh = self.shared_slot
+        return (sh is not None and x.shape[0] <= DECODE_MAX_TOKENS and runs_triton(cache.slots, x.device)
+                and runs_triton(sh, x.device) and sh.w13.shape[1:] == cache.slots.w13.shape[1:]
+                and sh.w2.shape[1:] == cache.slots.w2.shape[1:])
+
+    def _decode(self, x: torch.Tensor, cache: ExpertCache) -> torch.Tensor:
+        """Four launches: the logits (router and shared gate), the routing (top-k, the shared gate's
+        sigmoid, the slots), gate/up of every pair with the shared expert, down with the sum."""
+        layer = self.moe_index
+        table = cache.slot_table[layer]
+        if self.gate_logits is not None:
+            logits = self.gate_logits(x)
+        else:
+            logits = torch.cat([self.router(x), self.shared_expert_gate(x)], dim=1)
+        resident = cache.all_resident
+        weights, ids, slots = route(logits, self.top_k, self.norm_topk_prob, shared_gate=True,
+                                    slot_table=table if resident else None)
+        if resident:
+            if debug_checks():
+                self._slots(table, ids)
+        else:
+            experts = torch.unique(ids).tolist()
+            if len(experts) > cache.num_slots:  # more experts than slots: the grouped unfused path
+                routed = self._routed(x, weights[:, : self.top_k], ids, cache)
+                return expert_combine(routed, self.shared_expert(x), self.shared_expert_gate(x))
+            cache.ensure(layer, experts)
+            slots = self._slots(table, ids)
+        return moe_decode(x, slots, weights, cache.slots, self.shared_slot)
 
     def _slots(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The slot of each selected expert; in debug mode, an expert without a slot (-1, which the
@@ -73,3 +118,32 @@ class SparseMoE:
             slots = torch.where(in_group, table[ids], torch.full_like(ids, -1))
             out += moe_over_slots(x, slots, weights, cache.slots)
         return out
+
+
+def _stack_rows(router: Linear, gate: Linear) -> Linear | None:
+    """The router's rows and the shared gate's row as one dense matrix [E + 1, H], or None when
+    either is not dense or their dtypes differ."""
+    r, g = router.weight, gate.weight
+    if isinstance(r, NVFP4Weight) or isinstance(g, NVFP4Weight) or r.dtype != g.dtype or r.shape[1] != g.shape[1]:
+        return None
+    return Linear(torch.cat([r, g.reshape(1, -1)]))
+
+
+def _as_slot(mlp: MLP) -> SlotWeights | None:
+    """The shared expert as a one-slot NVFP4 pool (gate rows then up rows; down), or None when its
+    projections are not NVFP4. The MLP's projections become views of the pool's tensors."""
+    ws = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    if not all(isinstance(w, NVFP4Weight) for w in ws):
+        return None
+    gate, up, down = ws
+    i = gate.packed.shape[0]
+    if up.packed.shape != gate.packed.shape:
+        return None
+    w13 = torch.cat([gate.packed, up.packed])[None]
+    s13 = torch.cat([gate.scale, up.scale])[None]
+    s2 = torch.stack([torch.as_tensor(w.scale_2, dtype=torch.float32, device=w13.device).reshape(()) for w in ws])
+    slot = SlotWeights(w13, down.packed.contiguous()[None], s13, down.scale.contiguous()[None], s2[None])
+    mlp.gate_proj = Linear(NVFP4Weight(w13[0, :i], s13[0, :i], gate.scale_2))
+    mlp.up_proj = Linear(NVFP4Weight(w13[0, i:], s13[0, i:], up.scale_2))
+    mlp.down_proj = Linear(NVFP4Weight(slot.w2[0], slot.w2_scale[0], down.scale_2))
+    return slot

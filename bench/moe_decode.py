@@ -1,0 +1,95 @@
+"""The decode MoE block on the H200: routed experts + shared expert, unfused (today's launches) vs
+fused (`moe_decode_triton`: two launches, the shared expert as one more pair, one sum). Not a test.
+
+    PYTHONPATH=. python3 bench/moe_decode.py [--sweep]
+
+Flagship shapes (512 slots, H 2048, I 512, top-10, shared expert of the same shapes), bf16, every
+call inside a CUDA graph over 24 routings (`bench.gpu_timing.graph_us`; the pool is 850 MB, past
+L2). Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+import torch
+
+from bench.gpu_timing import graph_us, rel_rms
+from bench.kernels_nvfp4 import MOE, random_pool
+from ft.kernels.activation import expert_combine, silu_mul
+from ft.kernels.moe import SlotWeights, moe_decode_ref
+from ft.kernels.moe.kernel import (DECODE_DOWN_PAIRS_CONFIG, DECODE_GATE_UP_CONFIG, moe_decode_triton,
+                                   moe_over_slots_triton)
+from ft.kernels.nvfp4 import nvfp4_linear
+from ft.kernels.router.kernel import route_triton
+
+DEV = torch.device("cuda")
+TOL = 1e-2
+
+
+def unfused(x, slots, wts_routed, pool, shared, gate_logit, out):
+    """The launches the model ran before: routed MoE (gate_up, down, sum), the shared MLP (gate, up,
+    SiLU, down) and the gated combine."""
+    routed = moe_over_slots_triton(x, slots, wts_routed, pool, out=out)
+    i = shared.w13.shape[1] // 2
+    g = nvfp4_linear(x, shared.w13[0, :i], shared.w13_scale[0, :i], shared.scale_2[0, 0])
+    u = nvfp4_linear(x, shared.w13[0, i:], shared.w13_scale[0, i:], shared.scale_2[0, 1])
+    s = nvfp4_linear(silu_mul(g, u), shared.w2[0], shared.w2_scale[0], shared.scale_2[0, 2])
+    return expert_combine(routed, s, gate_logit)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true", help="also time other block sizes of the fused kernels")
+    args = ap.parse_args()
+    n_slots, hid, inter, top_k = MOE
+    torch.manual_seed(0)
+    pool = random_pool(n_slots, hid, inter)
+    shared = SlotWeights(*(t[:1].clone() for t in pool))
+    rows = []
+    for batch in (1, 8):
+        routes = [torch.stack([torch.randperm(n_slots, device=DEV)[:top_k] for _ in range(batch)]) for _ in range(24)]
+        x = torch.randn(batch, hid, device=DEV, dtype=torch.bfloat16)
+        gate_logit = torch.randn(batch, 1, device=DEV, dtype=torch.bfloat16)
+        wts = torch.cat([torch.softmax(torch.randn(batch, top_k, device=DEV), -1), torch.sigmoid(gate_logit.float())],
+                        dim=1).to(torch.bfloat16)
+        out = torch.empty_like(x)
+        ref = moe_decode_ref(x, routes[0], wts, pool, shared)
+        wr = wts[:, :-1].contiguous()
+        err_u = rel_rms(unfused(x, routes[0], wr, pool, shared, gate_logit, out), ref)
+        err_f = rel_rms(moe_decode_triton(x, routes[0], wts, pool, shared), ref)
+        t_u = graph_us([partial(unfused, x, r, wr, pool, shared, gate_logit, out) for r in routes])
+        t_f = graph_us([partial(moe_decode_triton, x, r, wts, pool, shared, out=out) for r in routes])
+        best = (f"default: {DECODE_GATE_UP_CONFIG[min(batch, 2)]} {DECODE_DOWN_PAIRS_CONFIG} pairs", t_f)
+        if args.sweep:
+            for gu in [(8, 0, 4), (4, 0, 4), (16, 0, 4)]:
+                for dn, pairs in [(d, False) for d in [(8, 0, 4), (16, 0, 4), (8, 0, 2)]] + \
+                                 [(d, True) for d in [(16, 0, 4), (32, 0, 4), (64, 0, 4), (32, 0, 8)]]:
+                    fn = partial(moe_decode_triton, gate_up_config=gu, down_config=dn, down_per_pair=pairs)
+                    e = rel_rms(fn(x, routes[0], wts, pool, shared), ref)
+                    tc = graph_us([partial(fn, x, r, wts, pool, shared, out=out) for r in routes]) if e < TOL else float("inf")
+                    print(f"  sweep b{batch} gate_up {gu} down {dn} {'pairs' if pairs else 'loop'}: {tc:.2f} us err {e:.1e}",
+                          flush=True)
+                    if tc < best[1]:
+                        best = (f"{gu} {dn} {'pairs' if pairs else 'loop'}", tc)
+        rows.append((batch, t_u, t_f, err_u, err_f, best))
+        print(f"batch {batch}: unfused {t_u:.2f} us, fused {t_f:.2f} us", flush=True)
+    route_rows = []
+    table = torch.randperm(n_slots, device=DEV)
+    for batch in (1, 8):
+        logits = [torch.randn(batch, n_slots + 1, device=DEV, dtype=torch.bfloat16) for _ in range(24)]
+        for warps in (1, 2, 4, 8):
+            t_r = graph_us([partial(route_triton, lg, top_k, True, shared_gate=True, slot_table=table, num_warps=warps)
+                            for lg in logits])
+            route_rows.append((batch, warps, t_r))
+    print(f"\n{'batch':>5} {'warps':>5} {'route us':>9}")
+    for batch, warps, t_r in route_rows:
+        print(f"{batch:>5} {warps:>5} {t_r:>9.2f}")
+    print(f"\n{'batch':>5} {'unfused us':>11} {'fused us':>9} {'speedup':>8} {'err unfused':>12} {'err fused':>10}  best config")
+    for batch, t_u, t_f, err_u, err_f, best in rows:
+        print(f"{batch:>5} {t_u:>11.2f} {t_f:>9.2f} {t_u / t_f:>7.2f}x {err_u:>12.1e} {err_f:>10.1e}  {best[0]} {best[1]:.2f} us")
+
+
+if __name__ == "__main__":
+    main()
