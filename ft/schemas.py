@@ -72,8 +72,18 @@ class StorageState(_Model):
     held_bytes: int = 0  # what the allocator holds now (measured)
 
 
+class Exchange(_Model):
+    """What one expert slot trades for, from the measured unit costs (bytes per slot, per KV token,
+    per mamba slot): the ladder's and a resize's exchange rate."""
+
+    kv_tokens_per_expert_slot: float = 0.0
+    mamba_slots_per_expert_slot: float = 0.0
+
+
 class CacheState(_Model):
-    """GET /admin/cache."""
+    """GET /admin/cache. Each pool's [min, max] is its reachable range with the other pools held
+    at their current sizes (`ranges_hold_others`); a target that changes several pools is checked
+    as a whole (a dry run answers it)."""
 
     state: State = "starting"
     model: str = ""
@@ -87,6 +97,9 @@ class CacheState(_Model):
     uptime_s: float = 0.0
     storage: StorageState = Field(default_factory=StorageState)
     degraded: str | None = None  # a rebuild's rollback could not restore everything: what is left
+    exchange: Exchange = Field(default_factory=Exchange)
+    ranges_hold_others: bool = True  # each range holds the other pools at their current sizes
+    notes: list[str] = Field(default_factory=list)  # about the request answered (e.g. KV rounded to pages)
 
 
 class ResizeRequest(_Model):
@@ -118,6 +131,7 @@ class ResizePlan(_Model):
     budget_bytes: int = 0
     fits: bool = False
     reason: str | None = None
+    notes: list[str] = Field(default_factory=list)  # e.g. KV rounded up to whole pages
 
 
 class RebuildPhases(_Model):

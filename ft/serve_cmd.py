@@ -54,8 +54,21 @@ def describe(engine, url: str) -> str:
         f"kv {g.kv_tokens} tokens, mamba {g.mamba_slots} slots = {format_bytes(engine.cache.allocated_bytes)}",
         f"  storage: {st['backend']} (allocations rounded to {format_bytes(st['granularity_bytes'])}"
         + ("; a resize copies, so it holds old and new: the reachable ranges count that)" if st["reallocates"] else ")"),
+        *_ladder_lines(engine),
         f"  serving on {url}",
     ])
+
+
+def _ladder_lines(engine) -> list[str]:
+    """The ladder's line of the banner: off, or its step and rungs (numbered from 1, as `ft ctl`
+    and `ft top` number them) with the current one in brackets."""
+    lad = engine.ladder
+    if lad is None:
+        return ["  ladder: off (--enable-kv-ladder trades expert slots for KV when a request needs the context)"]
+    cur = lad.current(engine.cache.geometry.kv_tokens)
+    rungs = " ".join(f"[{r}]" if i == cur else str(r) for i, r in enumerate(lad.rungs))
+    return [f"  ladder: auto {'on' if lad.auto else 'off'}, step {lad.opts.step} tokens, {len(lad.rungs)} rungs "
+            f"(kv tokens, 1..{len(lad.rungs)}): {rungs}"]
 
 
 def _server_class():

@@ -226,3 +226,61 @@ def test_degraded_state_is_reported_by_health_admin_and_ctl(tiny_one):
         assert state.pools.kv.size == 256  # what the pools hold, not the geometry before the rebuild
         r = client.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def _suggestions(reason: str) -> list[dict[str, int]]:
+    """The targets a joint refusal suggests: 'reachable instead: moe 416 with kv 64, or kv 128 with moe 450'."""
+    import re
+
+    if "reachable instead: " not in reason:
+        return []
+    text = reason.split("reachable instead: ")[1].split(" (the ranges")[0]
+    out = []
+    for part in text.split(", or "):
+        out.append({p: int(n) for p, n in re.findall(r"(moe|kv|mamba) (\d+)", part)})
+    return out
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frac_moe=st.floats(0, 1), frac_kv=st.floats(0, 1), frac_mamba=st.floats(0, 1))
+def test_joint_targets_reachable_or_refused_with_the_constraint(backend_llm, frac_moe, frac_kv, frac_mamba):
+    """Targets that move several pools, each inside its advertised range (which holds the others at
+    their current sizes): the dry run decides; a refused one names the joint budget with numbers
+    and suggests targets that really fit; a refused rebuild touches nothing."""
+    llm, _ = backend_llm
+    e = llm.engine
+    g, ranges, lay = e.cache.geometry, e.cache.reachable_ranges(), e.cache.layout
+    want = {}
+    for p, f in (("moe", frac_moe), ("kv", frac_kv), ("mamba", frac_mamba)):
+        lo, hi = ranges[p]
+        want[p] = lay.round_size(p, lo + int(f * (hi - lo))) if hi >= lo else g.sizes()[p]
+    plan = e.cache.plan_resize(**want)
+    if plan.fits:
+        e.cache.rebuild(**want)
+        assert e.cache.geometry.sizes() == want
+        e.cache.rebuild(**g.sizes())  # back, for the next example
+        return
+    assert "together need a peak of" in plan.reason and "the rebuild budget is" in plan.reason
+    held = e.cache.storage.held_bytes()
+    with pytest.raises(RebuildRefused):
+        e.cache.rebuild(**want)
+    assert e.cache.geometry == g and e.cache.storage.held_bytes() == held
+    for target in _suggestions(plan.reason):
+        assert e.cache.plan_resize(**{**want, **target}).fits, (plan.reason, target)
+
+
+def test_rebuilds_and_refusals_are_logged(tiny_one, caplog):
+    """One line per rebuild in the server log, with the change, the status and the peak; a ladder
+    refusal as a warning."""
+    import logging
+
+    _, _, path = tiny_one
+    e = _llm(path, "mmap").engine
+    with caplog.at_level(logging.INFO, logger="ft.cache"):
+        e.cache.rebuild(kv=256)
+        e.cache.record("ladder", "grow to rung 3 for request r1", "refused", "rung 3 leaves less than the expert floor 4")
+    lines = [r.getMessage() for r in caplog.records if r.name == "ft.cache"]
+    assert lines[0].startswith("rebuild #1 (manual): kv 512->256: ok in ") and "peak" in lines[0]
+    assert lines[1] == ("rebuild #2 (ladder: grow to rung 3 for request r1): no change: refused: rung 3 leaves less "
+                        "than the expert floor 4")
+    assert [r.levelno for r in caplog.records if r.name == "ft.cache"] == [logging.INFO, logging.WARNING]

@@ -276,27 +276,28 @@ def test_dry_run(capsys):
     srv.routes[("POST", "/admin/cache")] = (200, {**PLAN, "fits": False, "reason": "peak over budget"})
     rc, out, err = run_ctl(capsys, srv, "cache", "--kv", "65536", "--moe", "1024", "--dry-run")
     assert rc == 1 and "does not fit" in out
-    assert one_line(err) == "ft ctl: the plan does not fit the rebuild budget: peak over budget; pick smaller sizes"
+    assert one_line(err) == ("ft ctl: the plan does not fit: peak over budget; the sizes together exceed the budget: "
+                             "shrink another pool in the same call, or pick smaller sizes")
+    srv.routes[("POST", "/admin/cache")] = (200, {**PLAN, "fits": False, "reason": "moe 2 is below the expert floor 4"})
+    rc, out, err = run_ctl(capsys, srv, "cache", "--moe", "2", "--dry-run")
+    assert rc == 1 and "pick smaller" not in err and "at or above it" in one_line(err)
     rc, out, _ = run_ctl(capsys, srv, "cache", "--kv", "65536", "--dry-run", "--json")
     assert rc == 1 and ResizePlan.model_validate_json(out).fits is False
 
 
 @pytest.mark.parametrize("status,body,expected", [
     (422, err_body("kv 9000000 is outside 64..648194"),
-     "ft ctl: refused (422): kv 9000000 is outside 64..648194; pick a size inside the range"),
+     "ft ctl: refused (422): kv 9000000 is outside 64..648194; pick a size inside the range `ft ctl cache` shows"),
     (422, {"detail": [{"type": "greater_than_equal", "loc": ["body", "kv"],
                        "msg": "Input should be greater than or equal to 0", "input": -1}]},
-     "ft ctl: refused (422): kv: Input should be greater than or equal to 0; pick a size inside the range"),
-    (409, err_body("a rebuild is already running", "conflict", 409),
-     ("ft ctl: refused (409): a rebuild is already running; another rebuild is running: wait for it "
-      "(`ft ctl history`) and retry")),
+     "ft ctl: refused (422): kv: Input should be greater than or equal to 0; pick a size inside the range `ft ctl cache` shows"),
+    (409, err_body("another rebuild is running; retry when it ends", "conflict", 409),
+     "ft ctl: refused (409): another rebuild is running; retry when it ends (follow it with `ft ctl history`)"),
     (501, err_body("live resize is not implemented", "not_implemented", 501), None),
-    (503, err_body("rebuild failed and was rolled back: OutOfMemoryError('CUDA out of memory.\n"
-                   "Tried to allocate 800.00 MiB.')", "server_error", 503),
-     ("ft ctl: rolled back (503): rebuild failed and was rolled back: OutOfMemoryError('CUDA out of memory. "
-      "Tried to allocate 800.00 MiB.'); the server kept serving at the old sizes "
-      "(`ft ctl history` has the details)")),
-    (504, err_body("rebuild still running after 5 s", "timeout", 504), None),
+    (504, err_body("waited 5 s but running or queued requests still hold what the target needs; retry later "
+                   "or with a longer wait", "timeout", 504),
+     ("ft ctl: not done (504): waited 5 s but running or queued requests still hold what the target needs; retry "
+      "later or with a longer wait; nothing was changed")),
     (202, err_body("rebuild still running after 5 s", "accepted", 202), None),
     (500, {"detail": "boom"}, "ft ctl: server error (500): boom; see the `ft serve` log"),
 ])
@@ -308,10 +309,31 @@ def test_resize_failures_exit_1_with_one_line(capsys, status, body, expected):
     if expected is not None:
         assert line == expected
     assert line.startswith("ft ctl: ")
-    if status in (202, 504):
+    if status == 202:
         assert "--wait 5 s" in line and "ft ctl history" in line
     if status == 501:
         assert "restart `ft serve`" in line
+
+
+def test_rollback_prints_the_seed_line(capsys):
+    """Scripts written for the seed match `HTTP 503: rebuild failed and was rolled back: <error>`: that
+    line comes first, as it was; what to do follows on its own line."""
+    body = err_body("rebuild failed and was rolled back: OutOfMemoryError('CUDA out of memory. Tried to allocate "
+                    "800.00 MiB.')", "rebuild_failed", 503)
+    srv = FakeServer({("POST", "/admin/cache"): (503, body)})
+    rc, out, err = run_ctl(capsys, srv, "cache", "--moe", "1024", "--kv", "65536", "--wait", "300")
+    assert rc == 1 and out == ""
+    lines = err.splitlines()
+    assert lines[0] == ("HTTP 503: rebuild failed and was rolled back: OutOfMemoryError('CUDA out of memory. "
+                        "Tried to allocate 800.00 MiB.')")
+    assert lines[1] == "ft ctl: the server kept serving at the old sizes (`ft ctl history` has the details)"
+
+
+def test_ladder_off_409_does_not_blame_another_rebuild(capsys):
+    srv = FakeServer({("POST", "/admin/ladder"): (409, err_body(
+        "the KV ladder is off: start ft serve with --enable-kv-ladder", "conflict", 409))})
+    rc, _, err = run_ctl(capsys, srv, "ladder", "--up")
+    assert rc == 1 and one_line(err) == "ft ctl: refused (409): the KV ladder is off: start ft serve with --enable-kv-ladder"
 
 
 def test_accepted_with_a_state_body(capsys):
@@ -373,12 +395,16 @@ def test_ladder(capsys):
     assert rc == 0 and srv.body() == {"auto": True, "rung": "up"}
     assert "  ladder auto off: 65536 98304 [131072] (step 32768)" in out.splitlines()
     assert run_ctl(capsys, srv, "ladder", "--down")[0] == 0 and srv.body() == {"rung": "down"}
-    assert run_ctl(capsys, srv, "ladder", "--rung", "0", "--json")[0] == 0 and srv.body() == {"rung": 0}
+    # rungs are counted from 1 on the command line (as `ft top` and the banner count them); the API takes an index
+    assert run_ctl(capsys, srv, "ladder", "--rung", "1", "--json")[0] == 0 and srv.body() == {"rung": 0}
+    rc, _, err = run_ctl(capsys, srv, "ladder", "--rung", "0")
+    assert rc == 2 and "counted from 1" in err
     assert run_ctl(capsys, srv, "ladder", "--auto", "off")[0] == 0 and srv.body() == {"auto": False}
     assert run_ctl(capsys, srv, "ladder")[0] == 0 and srv.requests[-1].method == "GET"
-    srv.routes[("POST", "/admin/ladder")] = (422, err_body("rung 9 is outside 0..2"))
+    srv.routes[("POST", "/admin/ladder")] = (422, err_body("rung 9 is outside 1..3"))
     rc, _, err = run_ctl(capsys, srv, "ladder", "--rung", "9")
-    assert rc == 1 and one_line(err).startswith("ft ctl: refused (422): rung 9 is outside 0..2; pick a rung")
+    assert rc == 1 and srv.body() == {"rung": 8}
+    assert one_line(err).startswith("ft ctl: refused (422): rung 9 is outside 1..3; pick a rung")
 
 
 @pytest.mark.parametrize("argv", [
@@ -439,3 +465,16 @@ def test_never_imports_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["3", "False"]
+
+
+def test_cache_says_how_ranges_read_and_notes_rounding(capsys):
+    state = json.loads(json.dumps(SEED))
+    state["exchange"] = {"kv_tokens_per_expert_slot": 27.4, "mamba_slots_per_expert_slot": 0.13}
+    srv = FakeServer({("GET", "/admin/cache"): (200, state)})
+    rc, out, _ = run_ctl(capsys, srv, "cache")
+    assert rc == 0 and out.splitlines()[-1] == ("  ranges: each with the other pools at their current sizes; "
+                                                "1 expert slot = 27 kv tokens = 0.13 mamba slots")
+    resized = {**state, "notes": ["kv 100 rounded up to 128 tokens (whole pages of 64)"]}
+    srv = FakeServer({("POST", "/admin/cache"): (200, resized)})
+    rc, out, _ = run_ctl(capsys, srv, "cache", "--kv", "100")
+    assert rc == 0 and out.splitlines()[-1] == "note: kv 100 rounded up to 128 tokens (whole pages of 64)"

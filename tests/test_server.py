@@ -141,7 +141,7 @@ def test_sixteen_concurrent_streams_match_alone(server):
         ("{not json", 400, "invalid request"),
         ({"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
         ({"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
-        ({"model": MODEL, "prompt": "x", "max_tokens": 10**9}, 400, "maximum context length is 8192"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 10**9}, 400, "maximum context length is 4096 tokens"),
         ({"model": MODEL, "prompt": "a" * 9000}, 400, "context limit is 8192"),
         ({"model": MODEL, "prompt": [1, 2, 99999]}, 400, "outside the vocabulary"),
         ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n must be 1"),
@@ -218,6 +218,31 @@ def test_admin_cache_state_and_resize_answers(server):
     hist = server.get("/admin/cache/history").json()["entries"]
     assert hist[-1]["trigger"] == "startup" and hist[-1]["to"]["moe"] == MOE_SLOTS
     assert [h["to"]["kv"] for h in hist[:2]] == [4096, kv_max] and hist[0]["status"] == "ok"
+
+
+def test_ranges_exchange_rounding_and_the_context_a_request_gets(server):
+    """The state says how its ranges read and what an expert slot trades for; a KV size that is not
+    whole pages is rounded up and the answer says so; after a KV shrink /v1/models reports the
+    context a request gets now, and a request that cannot fit is refused up front with the reason."""
+    st = server.get("/admin/cache").json()
+    kv0, ctx = st["pools"]["kv"]["size"], st["context_limit"]
+    ex = st["exchange"]
+    assert st["ranges_hold_others"] and ex["kv_tokens_per_expert_slot"] > 0 and ex["mamba_slots_per_expert_slot"] > 0
+    assert server.get("/v1/models").json()["data"][0]["max_model_len"] == min(ctx, kv0)
+    plan = server.post("/admin/cache", json={"kv": 2000, "dry_run": True}).json()
+    assert plan["target"]["kv"] == 2048 and plan["notes"] == ["kv 2000 rounded up to 2048 tokens (whole pages of 64)"]
+    try:
+        r = server.post("/admin/cache", json={"kv": 2000, "wait_s": 60})
+        assert r.status_code == 200 and r.json()["pools"]["kv"]["size"] == 2048
+        assert r.json()["notes"] == ["kv 2000 rounded up to 2048 tokens (whole pages of 64)"]
+        assert server.get("/v1/models").json()["data"][0]["max_model_len"] == 2048
+        r = server.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3000})
+        assert r.status_code == 400 and "maximum context length is 2048 tokens" in r.json()["error"]["message"]
+        assert "the KV cache holds 2048 tokens" in r.json()["error"]["message"]
+        r = server.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4})
+        assert r.status_code == 200
+    finally:
+        assert server.post("/admin/cache", json={"kv": kv0, "wait_s": 60}).status_code == 200
 
 
 def test_admin_events_snapshot_then_ticks(server):
@@ -324,7 +349,7 @@ def test_ladder_through_the_server_and_ft_ctl(serve_checkpoint, capsys):
         assert st["pools"]["kv"]["size"] == 1536 and st["ladder"]["current"] == 4
         assert ctl(["ladder", "--up", "--url", srv.url]) == 0
         assert srv.get("/admin/cache").json()["pools"]["kv"]["size"] == 1792
-        assert ctl(["ladder", "--rung", "1", "--url", srv.url]) == 0
+        assert ctl(["ladder", "--rung", "2", "--url", srv.url]) == 0  # rungs counted from 1: 512, 768, ...
         assert ctl(["ladder", "--auto", "off", "--url", srv.url]) == 0
         capsys.readouterr()
         assert ctl(["cache", "--url", srv.url]) == 0
@@ -334,7 +359,7 @@ def test_ladder_through_the_server_and_ft_ctl(serve_checkpoint, capsys):
         assert "rung 99 is outside" in capsys.readouterr().err
         hist = srv.get("/admin/cache/history").json()["entries"]
         assert [h["trigger"] for h in hist[:3]] == ["ladder", "ladder", "ladder"]
-        assert hist[0]["reason"] == "manual: rung 1"
+        assert hist[0]["reason"] == "manual: rung 2"
     finally:
         srv.stop()
 

@@ -44,6 +44,14 @@ _wait = seconds_arg(0, 3600)
 _timeout = seconds_arg(0, above=True)
 
 
+def _rung_number(text: str) -> int:
+    """A rung as users count it (1 = the first) -> the admin API's 0-based index."""
+    n = _count(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"rungs are counted from 1, got {n}")
+    return n - 1
+
+
 def _common(p: argparse.ArgumentParser, suppress: bool) -> None:
     """--url/--token/--timeout, accepted before and after the sub-command: the copies after it
     default to SUPPRESS so they do not overwrite the values given before it."""
@@ -95,8 +103,9 @@ def add_parser(sub) -> None:
     move = lad.add_mutually_exclusive_group()
     move.add_argument("--up", action="store_const", const="up", dest="rung", help="one rung up (more KV)")
     move.add_argument("--down", action="store_const", const="down", dest="rung", help="one rung down (more MoE)")
-    move.add_argument("--rung", type=_count, metavar="N", dest="rung",
-                      help="go to rung N (0 is the first rung `ft ctl cache` lists)")
+    move.add_argument("--rung", type=_rung_number, metavar="N", dest="rung",
+                      help="go to rung N, counted from 1 (the first rung `ft ctl cache` lists), as `ft top` "
+                           "and the `ft serve` banner count them")
     lad.add_argument("--json", action="store_true", help="print the server's JSON")
     _common(lad, suppress=True)
     lad.set_defaults(ctl_func=_cmd_ladder)
@@ -135,7 +144,9 @@ def _run(args: argparse.Namespace, transport: Any) -> int:
                          timeout=args.timeout or 10.0, transport=transport) as client:
             return args.ctl_func(client, args)
     except CtlError as e:
-        print(f"ft ctl: {e.message}", file=sys.stderr)
+        print(e.message if e.seed_line else f"ft ctl: {e.message}", file=sys.stderr)
+        for line in e.detail:
+            print(line, file=sys.stderr)
         return e.exit_code
 
 
@@ -164,11 +175,13 @@ def _cmd_cache(client, args) -> int:
     if args.dry_run:
         _print(client, args.json, lambda: fmt.format_plan(result))
         if not result.fits:
-            why = f": {' '.join(result.reason.split())}" if result.reason else ""
-            print(f"ft ctl: the plan does not fit the rebuild budget{why}; pick smaller sizes", file=sys.stderr)
+            from ft.ctl.client import resize_hint
+
+            reason = " ".join(result.reason.split()) if result.reason else "its peak exceeds the rebuild budget"
+            print(f"ft ctl: the plan does not fit: {reason}; {resize_hint(reason)}", file=sys.stderr)
             return 1
         return 0
-    _print(client, args.json, lambda: fmt.format_cache(result))
+    _print(client, args.json, lambda: "\n".join([fmt.format_cache(result), *fmt.format_notes(result.notes)]))
     return 0
 
 

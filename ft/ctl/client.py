@@ -30,13 +30,20 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class CtlError(Exception):
-    """A failure to report in one line, with the process exit code that goes with it."""
+    """A failure to report in one line, with the process exit code that goes with it.
 
-    def __init__(self, message: str, exit_code: int = EXIT_REFUSED, status: int | None = None):
+    `seed_line`: print the message as is, without the "ft ctl: " prefix (lines that scripts written
+    for the seed match, such as ``HTTP 503: rebuild failed and was rolled back: ...``); `detail`:
+    more lines printed after it."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_REFUSED, status: int | None = None, *,
+                 seed_line: bool = False, detail: tuple[str, ...] = ()):
         super().__init__(message)
         self.message = message
         self.exit_code = exit_code
         self.status = status  # the HTTP status, when there was an answer
+        self.seed_line = seed_line
+        self.detail = detail
 
 
 def default_url() -> str:
@@ -221,21 +228,23 @@ class AdminClient:
             else:
                 what = "the server needs an admin token"
             return CtlError(f"unauthorized ({code}): {what}; pass --token or set FT_ADMIN_TOKEN", EXIT_REFUSED, code)
-        if code in (202, 504):
+        if code == 202:
             waited = f" within --wait {wait_s:g} s" if wait_s is not None else ""
             return CtlError(f"not finished ({code}): the rebuild did not end{waited}: {msg}; it goes on in the "
                             f"server: follow it with `ft ctl history` or `ft ctl cache`", EXIT_REFUSED, code)
+        if code == 504:  # the server stopped waiting for running requests: nothing was rebuilt
+            return CtlError(f"not done (504): {msg}; nothing was changed", EXIT_REFUSED, code)
         if code == 404:
             return CtlError(f"not found (404): {self.url} has no {path} ({msg}); is --url pointing at `ft serve` "
                             f"of this version?", EXIT_REFUSED, code)
         if code == 409:
-            return CtlError(f"refused (409): {msg}; another rebuild is running: wait for it "
-                            f"(`ft ctl history`) and retry", EXIT_REFUSED, code)
+            hint = " (follow it with `ft ctl history`)" if "another rebuild" in msg else ""
+            return CtlError(f"refused (409): {msg}{hint}", EXIT_REFUSED, code)
         if code in (400, 422):
             if action == "ladder":
                 hint = "pick a rung of the ladder (`ft ctl cache` lists them)"
             elif action == "resize":
-                hint = "pick a size inside the range"
+                hint = resize_hint(msg)
             else:
                 hint = "check the request"
             return CtlError(f"refused ({code}): {msg}; {hint}", EXIT_REFUSED, code)
@@ -244,13 +253,26 @@ class AdminClient:
             return CtlError(f"not supported (501): {msg}; this server does not implement {what} yet: restart "
                             f"`ft serve` with the sizes you want", EXIT_REFUSED, code)
         if code == 503 and (action or "rolled back" in msg):
-            return CtlError(f"rolled back (503): {msg}; the server kept serving at the old sizes "
-                            f"(`ft ctl history` has the details)", EXIT_REFUSED, code)
+            # the seed's line, which scripts match, then what to do
+            return CtlError(f"HTTP 503: {msg}", EXIT_REFUSED, code, seed_line=True,
+                            detail=("ft ctl: the server kept serving at the old sizes (`ft ctl history` has the "
+                                    "details)",))
         if code == 503:
             return CtlError(f"unavailable (503): {msg}; the server is not ready: retry shortly", EXIT_REFUSED, code)
         if 400 <= code < 500:
             return CtlError(f"refused ({code}): {msg}", EXIT_REFUSED, code)
         return CtlError(f"server error ({code}): {msg}; see the `ft serve` log", EXIT_REFUSED, code)
+
+
+def resize_hint(reason: str) -> str:
+    """What to do about a refused resize, from the constraint its reason names."""
+    if "expert floor" in reason or "below" in reason:
+        return "the floor is what the server needs to keep serving: pick a size at or above it"
+    if "held by" in reason or "running" in reason:
+        return "running requests hold that much: retry with --wait, or when they end"
+    if "budget" in reason:
+        return "the sizes together exceed the budget: shrink another pool in the same call, or pick smaller sizes"
+    return "pick a size inside the range `ft ctl cache` shows"
 
 
 def dumps(data: Any) -> str:

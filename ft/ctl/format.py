@@ -133,12 +133,26 @@ def format_cache(state: CacheState) -> str:
     ]
     lines = [head, *_table(rows)]
     lines += ["  " + line for line in format_ladder(state.ladder)]
+    ex = state.exchange
+    if ex.kv_tokens_per_expert_slot:  # (servers before this field sent none)
+        lines.append(f"  ranges: each with the other pools at their current sizes; 1 expert slot = "
+                     f"{_rate(ex.kv_tokens_per_expert_slot)} kv tokens = {_rate(ex.mamba_slots_per_expert_slot)} mamba slots")
     if state.storage.reallocates:  # vmm and mmap free before they allocate: the seed's view as it is
         lines.append(f"  storage {state.storage.backend}: a resize copies, so old and new are held at once; "
                      "the ranges count it")
     if state.degraded:
         lines.append(f"  DEGRADED: {state.degraded}")
     return "\n".join(lines)
+
+
+def _rate(x: float) -> str:
+    """An exchange rate readable at a glance: 27, 0.13, 1.5."""
+    return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
+
+
+def format_notes(notes: list[str]) -> list[str]:
+    """'note: ...' lines (a KV size rounded to pages, ...)."""
+    return [f"note: {n}" for n in notes]
 
 
 def format_plan(plan: ResizePlan) -> str:
@@ -161,6 +175,7 @@ def format_plan(plan: ResizePlan) -> str:
     if plan.reason:
         tail += f" ({_one_line(plan.reason)})"
     lines.append(tail)
+    lines += format_notes(plan.notes)
     return "\n".join(lines)
 
 

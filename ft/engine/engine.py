@@ -102,17 +102,11 @@ class Engine:
         bad = next((t for t in prompt_ids if not 0 <= int(t) < vocab), None)
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        if n >= self.context_limit:
-            raise RequestError(
-                f"the prompt is {n} tokens; the context limit is {self.context_limit} tokens "
-                "(the prompt plus at least one new token must fit)"
-            )
-        if n + 1 > self.pools.kv.num_tokens and self.ladder is None:
-            raise RequestError(
-                f"the prompt is {n} tokens; the KV cache holds {self.pools.kv.num_tokens} tokens "
-                "(raise --num-tokens)"
-            )
-        room = self.context_limit - n
+        limit = self.servable_context
+        if n >= limit:
+            raise RequestError(f"the prompt is {n} tokens; {self.context_reason(limit)} "
+                               "(the prompt plus at least one new token must fit)")
+        room = limit - n
         max_new = room if params.max_new_tokens is None else min(params.max_new_tokens, room)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -126,6 +120,26 @@ class Engine:
         self._requests[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    @property
+    def servable_context(self) -> int:
+        """Tokens a request admitted now can reach: the context limit, capped by the KV cache's
+        capacity, or with the ladder by its highest rung that keeps the expert floor (the ladder
+        can grow to it)."""
+        kv = self.pools.kv.num_tokens
+        if self.ladder is not None:
+            kv = max([kv] + [r for r in self.ladder.rungs if self.cache.moe_beside(r) is not None])
+        return min(self.context_limit, kv)
+
+    def context_reason(self, limit: int) -> str:
+        """What caps `servable_context` at `limit`, in words."""
+        if limit >= self.context_limit:
+            return f"the context limit is {self.context_limit} tokens"
+        if self.ladder is not None:
+            return (f"the highest KV ladder rung that keeps the expert floor holds {limit} tokens "
+                    f"(context limit {self.context_limit})")
+        return (f"the KV cache holds {limit} tokens (the context limit is {self.context_limit}: grow the "
+                "cache with `ft ctl cache --kv`, or start with a larger --num-tokens)")
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request: its pages and its mamba slot are freed at once."""
@@ -158,9 +172,17 @@ class Engine:
         if sched.running or not sched.waiting or sched.admission_paused:
             return []
         seq = sched.waiting[0]
-        return [self._fail(seq, (
-            f"the request needs {seq.num_tokens + 1} tokens of KV cache; the cache now holds "
-            f"{self.pools.kv.num_tokens} (it was resized after the request was queued)"))]
+        kv = self.pools.kv
+        need = kv.pages_for(seq.num_tokens + 1) * kv.page_size
+        if need <= kv.num_tokens:  # the pages exist but others hold them (the prefix cache, a leak)
+            why = f"{kv.num_free_pages} of {kv.num_pages} KV pages are free, {need // kv.page_size} needed"
+        else:
+            why = f"the KV cache holds {kv.num_tokens} tokens"
+            resized = [h for h in self.cache.history if h["trigger"] != "startup" and h["status"] == "ok"
+                       and h["time"] >= seq.queued_at]
+            if resized:
+                why += " (it was resized after the request was queued)"
+        return [self._fail(seq, f"the request needs {need} tokens of KV cache; {why}")]
 
     def _fail(self, seq: Sequence, error: str) -> Sequence:
         seq.error = error

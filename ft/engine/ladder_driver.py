@@ -68,7 +68,7 @@ class LadderDriver:
     def _run(self, move: LadderMove) -> dict:
         moe = self.cache.moe_beside(move.kv_tokens)
         if moe is None:
-            raise RebuildRefused(f"rung {move.rung} ({move.kv_tokens} tokens) leaves less than the expert floor "
+            raise RebuildRefused(f"rung {move.rung + 1} ({move.kv_tokens} tokens) leaves less than the expert floor "
                                  f"{self.cache.expert_floor}", self.cache.reachable_ranges())
         entry = self.cache.rebuild(moe=moe, kv=move.kv_tokens, trigger="ladder", reason=move.reason)
         self.ladder.moved(move, entry["to"] != entry["from"])
@@ -80,9 +80,11 @@ class LadderDriver:
         kv = self.cache.geometry.kv_tokens
         index = self.ladder.step_index(rung, kv) if isinstance(rung, str) else rung
         n = len(self.ladder.rungs)
+        # NOTE: users count rungs from 1 (`ft ctl ladder --rung`, `ft top`, the banner); the API takes indices
         if not 0 <= index < n:
-            raise RebuildRefused(f"rung {index} is outside 0..{n - 1}", self.cache.reachable_ranges())
-        move = LadderMove(index, self.ladder.rungs[index], reason or f"manual: rung {rung}", self.ladder.rungs[index] > kv)
+            raise RebuildRefused(f"rung {index + 1} is outside 1..{n}", self.cache.reachable_ranges())
+        said = rung if isinstance(rung, str) else index + 1
+        move = LadderMove(index, self.ladder.rungs[index], reason or f"manual: rung {said}", self.ladder.rungs[index] > kv)
         try:
             return self._run(move)
         except (RebuildRefused, RebuildFailed) as e:

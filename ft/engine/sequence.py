@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from ft.engine.detokenizer import OutputText
@@ -42,6 +43,7 @@ class Sequence:
     error: str | None = None  # why it finished with finish_reason "error"
     stop_text: str | None = None  # the text cut before the stop string that ended it
     text: OutputText | None = None  # its generated text, decoded once per token (set by the engine)
+    queued_at: float = field(default_factory=time.time)  # unix seconds (compared with rebuild times)
 
     @property
     def token_ids(self) -> list[int]:

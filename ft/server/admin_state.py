@@ -42,7 +42,27 @@ def cache_state(engine, state: str, model_name: str) -> CacheState:
         "ladder": ladder_state(engine).model_dump(),
         "storage": engine.cache.describe()["storage"],
         "degraded": engine.cache.degraded,
+        "exchange": exchange(engine),
     })
+
+
+def exchange(engine) -> dict:
+    """One expert slot in KV tokens and in mamba slots (measured unit costs)."""
+    c = engine.cache.layout.unit_costs()
+    per_token = c.kv_page / c.page_size
+    return {"kv_tokens_per_expert_slot": c.expert_slot / per_token if per_token else 0.0,
+            "mamba_slots_per_expert_slot": c.expert_slot / c.mamba_slot if c.mamba_slot else 0.0}
+
+
+def rounding_notes(engine, kv: int | None) -> list[str]:
+    """A KV target that is not whole pages is rounded up: say so, never silently."""
+    if kv is None:
+        return []
+    rounded = engine.cache.layout.round_size("kv", kv)
+    if rounded == kv:
+        return []
+    page = engine.pools.kv.page_size
+    return [f"kv {kv} rounded up to {rounded} tokens (whole pages of {page})"]
 
 
 def ladder_state(engine) -> LadderState:
@@ -53,8 +73,8 @@ def ladder_state(engine) -> LadderState:
                        step=lad.opts.step, last_decision=lad.last_decision)
 
 
-def resize_plan(p) -> ResizePlan:
-    return ResizePlan(
+def resize_plan(p, notes: list[str] | None = None) -> ResizePlan:
+    return ResizePlan(notes=notes or [],
         target=p.target.sizes(),
         steps=[PlanStep(action=f"{s.action} {s.pool}", pool=s.pool, delta_bytes=s.delta_bytes, total_bytes=s.total_bytes,
                         peak_bytes=s.peak_bytes) for s in p.steps],

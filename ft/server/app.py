@@ -36,6 +36,15 @@ class ServerState:
     def context_limit(self) -> int:
         return self.loop.engine.context_limit if self.loop.engine else 0
 
+    @property
+    def servable_context(self) -> int:
+        """Tokens a request admitted now can reach (`Engine.servable_context`; read-only arithmetic
+        on the pools' sizes, safe off the engine thread)."""
+        return self.loop.engine.servable_context if self.loop.engine else 0
+
+    def context_reason(self, limit: int) -> str:
+        return self.loop.engine.context_reason(limit) if self.loop.engine else "the engine is not ready"
+
 
 def create_app(state: ServerState, start_loop: bool = True) -> FastAPI:
     @asynccontextmanager

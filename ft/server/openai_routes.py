@@ -38,7 +38,7 @@ async def models(request: Request) -> dict:
     st = _state(request)
     return {"object": "list", "data": [{
         "id": st.model_name, "object": "model", "created": int(st.started_at), "owned_by": "freetoken",
-        "max_model_len": st.context_limit,
+        "max_model_len": st.servable_context,  # what a request sent now can reach (after KV shrinks too)
     }]}
 
 
@@ -57,17 +57,18 @@ def _check_common(st, body: _Sampling) -> None:
 def _params(st, body: _Sampling, prompt_len: int, max_tokens: int | None):
     from ft.engine.sampling_params import SamplingParams
 
-    limit = st.context_limit
+    limit = st.servable_context
     if prompt_len >= limit:
-        raise ApiError(400, f"the prompt is {prompt_len} tokens; the context limit is {limit} tokens", "context_length_exceeded")
+        raise ApiError(400, f"the prompt is {prompt_len} tokens; {st.context_reason(limit)}", "context_length_exceeded")
     if max_tokens is not None:
         if max_tokens < 1:
             raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}")
         if prompt_len + max_tokens > limit:
+            why = "" if limit >= st.context_limit else f" Now: {st.context_reason(limit)}."
             raise ApiError(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion).",
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion).{why}",
                 "context_length_exceeded",
             )
     return SamplingParams(

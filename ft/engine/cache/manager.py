@@ -9,6 +9,7 @@ exist (they hold pages and slots that limits and relocations must respect).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ import torch
 
 from ft.engine.cache.budget import MemoryBudget, startup_geometry
 from ft.engine.cache.layout import Geometry, MemoryLayout
+from ft.engine.cache.log_line import history_line
 from ft.engine.cache.planner import Limits, Plan, plan, reachable_ranges
 from ft.engine.cache.rebuild import Rebuilder
 from ft.errors import RebuildFailed, RebuildRefused
@@ -25,6 +27,8 @@ from ft.memory.expert_cache import ExpertCache
 from ft.memory.kv_pool import KVPool
 from ft.memory.mamba_pool import MambaPool
 from ft.memory.storage import PoolStorage
+
+log = logging.getLogger("ft.cache")
 
 
 @dataclass(frozen=True)
@@ -198,7 +202,7 @@ class CacheManager:
         if not p.fits:
             err = RebuildRefused(p.reason, self.reachable_ranges())
             if trigger != "manual":  # a user's refused resize is answered to the user; the rest is history
-                self.history.append({**entry, "status": "refused", "error": str(err)})
+                self._append({**entry, "status": "refused", "error": str(err)})
             raise err
         if p.target == p.current:
             return {**entry, "phases": {"total_s": 0.0}}
@@ -209,14 +213,14 @@ class CacheManager:
                 f"the pools hold {self.geometry.sizes()} after the rollback, not {p.current.sizes()}")
             entry.update(status="rolled_back" if not self.degraded else "degraded", error=str(e),
                          measured_peak_bytes=self.rebuilder.measured_peak_bytes, to=self.geometry.sizes())
-            self.history.append(entry)
+            self._append(entry)
             raise
         entry["measured_peak_bytes"] = self.rebuilder.measured_peak_bytes
         if self.geometry != p.target:  # a bug, not a user error: say so loudly
             raise AssertionError(f"rebuild landed on {self.geometry} instead of {p.target}")
         if self.degraded and self.storage.held_bytes() <= self.allocated_bytes:
             self.degraded = None  # every pool was resized as a whole again
-        self.history.append(entry)
+        self._append(entry)
         return entry
 
     def record(self, trigger: str, reason: str, status: str, error: str | None = None) -> dict:
@@ -225,8 +229,13 @@ class CacheManager:
         entry = {"id": len(self.history), "time": time.time(), "trigger": trigger, "reason": reason,
                  "from": g, "to": g, "peak_bytes": self.allocated_bytes, "status": status, "error": error,
                  "phases": {"total_s": 0.0}}
-        self.history.append(entry)
+        self._append(entry)
         return entry
+
+    def _append(self, entry: dict) -> None:
+        """Into the history, and one line into the server log (a refusal or rollback as a warning)."""
+        self.history.append(entry)
+        log.log(logging.INFO if entry["status"] == "ok" else logging.WARNING, "%s", history_line(entry))
 
     def _entry(self, trigger: str, reason: str | None, p: Plan) -> dict:
         return {"id": len(self.history), "time": time.time(), "trigger": trigger, "reason": reason,

@@ -82,8 +82,31 @@ def plan(current: Geometry, target: Geometry, layout: MemoryLayout, budget: int,
             lo, hi = reachable_ranges(current, layout, budget, limits)[p]
             reason = f"{p} {tgt[p]} is outside {lo}..{hi}"
         else:
-            reason = f"peak {format_bytes(peak)} exceeds the rebuild budget {format_bytes(budget)}"
+            reason = joint_reason(current, target, layout, budget, limits, changed, peak)
     return Plan(current, target, tuple(steps), peak, budget, reason)
+
+
+def joint_reason(current: Geometry, target: Geometry, layout: MemoryLayout, budget: int, limits: Limits,
+                 changed: list[str], peak: int) -> str:
+    """Why a target that changes several pools does not fit, with numbers, and the nearest targets
+    that do: for each pool the target grows, its largest size with the other pools at their target sizes."""
+    tgt, cur = target.sizes(), current.sizes()
+    sizes = " + ".join(f"{p} {tgt[p]}" for p in changed)
+    nearest = []
+    for p in (q for q in changed if tgt[q] > cur[q]):
+        lo = layout.round_size("kv", limits.floor[p]) if p == "kv" else limits.floor[p]
+
+        def fits(size: int, p: str = p) -> bool:
+            return _steps(current, target.with_size(p, size), layout)[1] <= budget
+
+        top = layout.largest(p, fits, lo, tgt[p])
+        if top >= lo:
+            others = " ".join(f"{q} {tgt[q]}" for q in changed if q != p)
+            nearest.append(f"{p} {top} with {others}")
+    tail = f"; reachable instead: {', or '.join(nearest)}" if nearest else "; no size of one pool alone makes it fit"
+    return (f"{sizes} together need a peak of {format_bytes(peak)} and the rebuild budget is "
+            f"{format_bytes(budget)}{tail} (the ranges `ft ctl cache` shows hold the other pools at their current "
+            f"sizes)")
 
 
 def reachable_ranges(current: Geometry, layout: MemoryLayout, budget: int, limits: Limits) -> dict[str, tuple[int, int]]:
