@@ -132,6 +132,8 @@ class ResizePlan(_Model):
     fits: bool = False
     reason: str | None = None
     notes: list[str] = Field(default_factory=list)  # e.g. KV rounded up to whole pages
+    # each pool's reachable [min, max] with the other pools at this target's sizes
+    ranges: dict[str, list[int]] = Field(default_factory=dict)
 
 
 class RebuildPhases(_Model):

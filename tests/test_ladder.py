@@ -206,3 +206,36 @@ def test_failed_rollback_in_a_ladder_move_fails_no_running_request():
     eng.run_until_done([first, seq])
     assert first.finish_reason == "length" and len(first.output_ids) == 30
     assert seq.finish_reason == "length"
+
+
+def test_open_ended_request_is_admitted_at_the_rung_and_grows_while_it_decodes():
+    """A request without max_tokens does not jump to the top rung: it starts on the current one and the
+    ladder climbs as its KV fills, before a page would be missing; it reaches the context limit,
+    and its tokens equal those of an engine started with the whole context (and no ladder)."""
+    prompt = [65 + i % 50 for i in range(40)]
+    # a budget where experts and KV compete (not every expert fits)
+    llm, _ = make(ladder_step_size=64, max_seq_len_override=256, max_running_requests=1, cache_budget="20MiB")
+    eng = llm.engine
+    assert eng.ladder.rungs == [128, 192, 256] and eng.cache.geometry.kv_tokens == 128
+    moe_start = eng.cache.geometry.moe_slots
+    seq = eng.add_request(prompt, SamplingParams(max_new_tokens=None, temperature=0.0, ignore_eos=True))
+    while not seq.output_ids:
+        eng.step()
+    assert eng.cache.geometry.kv_tokens == 128  # admitted at the current rung: no grow up front
+    eng.run_until_done([seq], timeout_s=300)
+    assert seq.finish_reason == "length" and seq.num_tokens == 256 and seq.error is None
+    grows = [h for h in eng.cache.history if h["trigger"] == "ladder"]
+    assert [(h["status"], h["to"]["kv"]) for h in grows] == [("ok", 192), ("ok", 256)]
+    assert all("grow while decoding" in h["reason"] for h in grows)
+    assert eng.cache.geometry.moe_slots < moe_start  # paid for with expert slots, as the ladder does
+    ref = LLM(max_seq_len_override=256, num_tokens=256, max_running_requests=1).generate(
+        prompt_token_ids=[prompt], max_new_tokens=len(seq.output_ids), temperature=0.0, ignore_eos=True)[0]
+    assert seq.output_ids == ref.token_ids
+
+
+def test_declared_max_tokens_still_grows_up_front():
+    llm, _ = make(ladder_step_size=64, max_seq_len_override=256, max_running_requests=1)
+    eng = llm.engine
+    admit(eng, [65] * 40, 150)  # 190 tokens declared: the 192 rung before it starts
+    assert eng.cache.geometry.kv_tokens == 192
+    assert eng.cache.history[-1]["trigger"] == "ladder" and "grow: request" in eng.cache.history[-1]["reason"]

@@ -231,6 +231,10 @@ def test_ranges_exchange_rounding_and_the_context_a_request_gets(server):
     assert server.get("/v1/models").json()["data"][0]["max_model_len"] == min(ctx, kv0)
     plan = server.post("/admin/cache", json={"kv": 2000, "dry_run": True}).json()
     assert plan["target"]["kv"] == 2048 and plan["notes"] == ["kv 2000 rounded up to 2048 tokens (whole pages of 64)"]
+    # the plan's ranges hold the other pools at the target: less KV leaves room for more mamba slots
+    # (every expert already fits this server's budget, so moe's range cannot move)
+    assert plan["ranges"]["kv"] == [st["pools"]["kv"]["min"], st["pools"]["kv"]["max"]]
+    assert plan["ranges"]["mamba"][1] > st["pools"]["mamba"]["max"]
     try:
         r = server.post("/admin/cache", json={"kv": 2000, "wait_s": 60})
         assert r.status_code == 200 and r.json()["pools"]["kv"]["size"] == 2048

@@ -87,6 +87,15 @@ def test_keys_drive_the_server(server):
             assert client.applied == [] and history_len(server) == before
             assert type(app.screen).__name__ == "ResizeScreen"  # still open, showing why
 
+            # the ranges follow the other fields: with KV at its minimum, mamba's range reaches further
+            st = admin(server)
+            app.screen.query_one("#target-kv").value = str(st["pools"]["kv"]["min"])
+
+            def range_hi(name: str) -> int:
+                return int(str(app.screen.query_one(f"#range-{name}").render()).split("..")[-1])
+
+            await until(pilot, lambda: range_hi("mamba") > st["pools"]["mamba"]["max"])
+
             # in range: applied on Enter
             kv = admin(server)["pools"]["kv"]
             target = max(kv["min"], kv["size"] - 256)

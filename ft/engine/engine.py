@@ -111,7 +111,8 @@ class Engine:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
-        seq = Sequence(list(map(int, prompt_ids)), params, max_new, frozenset(stop_ids))
+        seq = Sequence(list(map(int, prompt_ids)), params, max_new, frozenset(stop_ids),
+                       open_ended=params.max_new_tokens is None)
         if request_id:
             seq.request_id = request_id
         if not params.greedy:
@@ -157,7 +158,10 @@ class Engine:
     def step(self) -> list[Sequence]:
         """Run one forward pass. Returns the sequences that got a new token (finished ones too)
         and those that ended with an error before running."""
-        rejected = self.ladder_driver.before_admission(self._fail) if self.ladder is not None else []
+        rejected = []
+        if self.ladder is not None:
+            rejected = self.ladder_driver.before_admission(self._fail)
+            self.ladder_driver.before_decode()
         work = self.scheduler.schedule()
         self.scheduler.hold_head = False
         if work is None:

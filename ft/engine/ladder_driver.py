@@ -18,6 +18,7 @@ from ft.errors import RebuildFailed, RebuildRefused
 class LadderDriver:
     def __init__(self, ladder: Ladder, cache: CacheManager, scheduler: Scheduler, prefix_cache: PrefixCache) -> None:
         self.ladder, self.cache, self.scheduler, self.prefix_cache = ladder, cache, scheduler, prefix_cache
+        self._refused_at: int | None = None  # the KV size at which a grow while decoding was refused
 
     def snapshot(self) -> LadderSnapshot:
         sched = self.scheduler
@@ -25,11 +26,42 @@ class LadderDriver:
         if sched.waiting:
             seq = sched.waiting[0]
             match = self.prefix_cache.match(seq.token_ids)
-            head = Head(seq.request_id, len(seq.prompt_ids), seq.possible_length, match.num_tokens if match else 0)
-        rungs = self.ladder.rungs
-        top = max((i for i, r in enumerate(rungs) if self.cache.moe_beside(r) is not None), default=-1)
-        return LadderSnapshot(self.cache.geometry.kv_tokens, head, sum(s.possible_length for s in sched.running),
-                              len(sched.running) < sched.max_running and not sched.admission_paused, top)
+            head = Head(seq.request_id, len(seq.prompt_ids), seq.planned_length, match.num_tokens if match else 0)
+        return LadderSnapshot(self.cache.geometry.kv_tokens, head, sum(s.planned_length for s in sched.running),
+                              len(sched.running) < sched.max_running and not sched.admission_paused, self.top_rung())
+
+    def top_rung(self) -> int:
+        """The highest rung whose geometry keeps the expert floor (-1: none)."""
+        return max((i for i, r in enumerate(self.ladder.rungs) if self.cache.moe_beside(r) is not None), default=-1)
+
+    def before_decode(self) -> None:
+        """Grow while requests decode: when the running requests' next tokens need more KV pages than
+        are free (after evicting prefix-cache entries), move one rung up, at most to the highest rung
+        that keeps the expert floor. Open-ended requests are admitted at the current rung and reach
+        the context they use this way. A refused or failed grow is recorded once per geometry; the
+        scheduler then preempts as it would without a ladder."""
+        sched, kv = self.scheduler, self.cache.pools.kv
+        if not self.ladder.auto or not sched.running:
+            return
+        need = sum(max(0, kv.pages_for(s.num_computed + 1) - len(s.pages)) for s in sched.running
+                   if s.num_uncomputed == 1)
+        if need == 0 or self.prefix_cache.evict_for(pages=need):
+            return
+        cur = self.cache.geometry.kv_tokens
+        if self._refused_at == cur:
+            return
+        top = self.top_rung()
+        above = [i for i, r in enumerate(self.ladder.rungs) if r > cur and i <= top]
+        if not above:
+            return
+        target = above[0]
+        move = LadderMove(target, self.ladder.rungs[target], f"grow while decoding: the running requests need "
+                          f"{need} more KV pages than are free", True)
+        try:
+            self._run(move)
+        except (RebuildRefused, RebuildFailed) as e:
+            self._refused_at = cur  # (in the history already: `_run` and the rebuild record refusals)
+            self.ladder.refused(move, str(e), True)
 
     def before_admission(self, fail: Callable[[Sequence, str], Sequence]) -> list[Sequence]:
         """Ask the ladder; run its move before admission. A grow that cannot run defers the
@@ -68,8 +100,9 @@ class LadderDriver:
     def _run(self, move: LadderMove) -> dict:
         moe = self.cache.moe_beside(move.kv_tokens)
         if moe is None:
-            raise RebuildRefused(f"rung {move.rung + 1} ({move.kv_tokens} tokens) leaves less than the expert floor "
-                                 f"{self.cache.expert_floor}", self.cache.reachable_ranges())
+            why = f"rung {move.rung + 1} ({move.kv_tokens} tokens) leaves less than the expert floor {self.cache.expert_floor}"
+            self.cache.record("ladder", move.reason, "refused", why)
+            raise RebuildRefused(why, self.cache.reachable_ranges())
         entry = self.cache.rebuild(moe=moe, kv=move.kv_tokens, trigger="ladder", reason=move.reason)
         self.ladder.moved(move, entry["to"] != entry["from"])
         return entry

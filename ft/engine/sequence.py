@@ -44,6 +44,7 @@ class Sequence:
     stop_text: str | None = None  # the text cut before the stop string that ended it
     text: OutputText | None = None  # its generated text, decoded once per token (set by the engine)
     queued_at: float = field(default_factory=time.time)  # unix seconds (compared with rebuild times)
+    open_ended: bool = False  # sent without max_tokens: its KV need is known only as it decodes
 
     @property
     def token_ids(self) -> list[int]:
@@ -65,3 +66,10 @@ class Sequence:
     def possible_length(self) -> int:
         """Tokens this request may occupy at most: prompt + its max new tokens."""
         return len(self.prompt_ids) + self.max_new_tokens
+
+    @property
+    def planned_length(self) -> int:
+        """Tokens the KV ladder plans for: the possible length of a request that declared its
+        max_tokens; for an open-ended one, what it holds now plus the next token (the ladder grows
+        as it decodes instead of jumping to the whole context up front)."""
+        return self.num_tokens + 1 if self.open_ended else self.possible_length

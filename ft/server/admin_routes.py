@@ -58,8 +58,9 @@ async def post_cache(body: ResizeRequest, request: Request):
     touched); 503 rolled back; 409 while another rebuild runs; 202 when wait_s ends first."""
     st = _st(request)
     if body.dry_run:
-        return await _engine_call(st, lambda e: admin_state.resize_plan(e.cache.plan_resize(body.moe, body.kv, body.mamba),
-                                                                       admin_state.rounding_notes(e, body.kv)))
+        return await _engine_call(st, lambda e: admin_state.resize_plan(
+            e.cache.plan_resize(body.moe, body.kv, body.mamba), admin_state.rounding_notes(e, body.kv),
+            e.cache.ranges_around(body.moe, body.kv, body.mamba)))
     state = await run_rebuild(st, lambda e: e.cache.rebuild(body.moe, body.kv, body.mamba, trigger="manual"), body.wait_s,
                               lambda e: e.cache.plan_resize(body.moe, body.kv, body.mamba, held=False).fits)
     if isinstance(state, CacheState):

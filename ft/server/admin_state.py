@@ -73,8 +73,8 @@ def ladder_state(engine) -> LadderState:
                        step=lad.opts.step, last_decision=lad.last_decision)
 
 
-def resize_plan(p, notes: list[str] | None = None) -> ResizePlan:
-    return ResizePlan(notes=notes or [],
+def resize_plan(p, notes: list[str] | None = None, ranges: dict | None = None) -> ResizePlan:
+    return ResizePlan(notes=notes or [], ranges={k: list(v) for k, v in (ranges or {}).items()},
         target=p.target.sizes(),
         steps=[PlanStep(action=f"{s.action} {s.pool}", pool=s.pool, delta_bytes=s.delta_bytes, total_bytes=s.total_bytes,
                         peak_bytes=s.peak_bytes) for s in p.steps],

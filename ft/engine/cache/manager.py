@@ -18,7 +18,7 @@ import torch
 from ft.engine.cache.budget import MemoryBudget, startup_geometry
 from ft.engine.cache.layout import Geometry, MemoryLayout
 from ft.engine.cache.log_line import history_line
-from ft.engine.cache.planner import Limits, Plan, plan, reachable_ranges
+from ft.engine.cache.planner import Limits, Plan, plan, ranges_around, reachable_ranges
 from ft.engine.cache.rebuild import Rebuilder
 from ft.errors import RebuildFailed, RebuildRefused
 from ft.kernels.moe import SlotWeights
@@ -160,6 +160,12 @@ class CacheManager:
 
     def reachable_ranges(self) -> dict[str, tuple[int, int]]:
         return reachable_ranges(self.geometry, self.layout, self.budget.budget_bytes, self.limits())
+
+    def ranges_around(self, moe: int | None = None, kv: int | None = None, mamba: int | None = None
+                      ) -> dict[str, tuple[int, int]]:
+        """Each pool's reachable range with the other pools at these targets (None: current size)."""
+        return ranges_around(self.geometry, self.target(moe, kv, mamba), self.layout, self.budget.budget_bytes,
+                             self.limits())
 
     def moe_beside(self, kv_tokens: int) -> int | None:
         """Expert slots for a geometry with `kv_tokens` of KV (mamba unchanged): all the budget

@@ -113,6 +113,13 @@ def reachable_ranges(current: Geometry, layout: MemoryLayout, budget: int, limit
     """For each pool, [min, max] of the sizes whose plan fits with the other pools held fixed
     (hi < lo when none does). The plan's peak grows with the pool's size, so the sizes that fit
     are [floor, largest that fits]."""
+    return ranges_around(current, current, layout, budget, limits)
+
+
+def ranges_around(current: Geometry, around: Geometry, layout: MemoryLayout, budget: int,
+                  limits: Limits) -> dict[str, tuple[int, int]]:
+    """For each pool, [min, max] of its sizes whose plan from `current` fits when the other pools
+    go to their sizes in `around` (a target being typed: the ranges follow the other fields)."""
     out = {}
     for p in POOLS:
         lo, hi = limits.floor[p], limits.ceiling[p]
@@ -120,7 +127,7 @@ def reachable_ranges(current: Geometry, layout: MemoryLayout, budget: int, limit
             lo = layout.round_size("kv", lo)
 
         def fits(size: int, p: str = p) -> bool:
-            _, peak = _steps(current, current.with_size(p, size), layout)
+            _, peak = _steps(current, around.with_size(p, size), layout)
             return peak <= budget
 
         top = layout.largest(p, fits, lo, hi)

@@ -30,24 +30,29 @@ def moe_over_slots_ref(
     Args:
         x: [T, H]; topk_slots: [T, k] int64 slot of each selected expert, or -1 for a pair to
         skip (its expert is computed in another call); topk_weights: [T, k] routing weights.
-    Returns: [T, H] in x's dtype.
+    Returns: [T, H] in x's dtype. Each pair's weighted output is kept apart and a token's pairs are
+    summed in routing order, so the result does not depend on which slot holds which expert
+    (offloaded and resident experts give the same bits).
     """
-    out = torch.zeros_like(x)
+    t, k = topk_slots.shape
     flat = topk_slots.reshape(-1)
     order = torch.argsort(flat, stable=True)
     slots, counts = torch.unique_consecutive(flat[order], return_counts=True)
     pairs = order.split(counts.tolist())
-    k = topk_slots.shape[1]
     if slots.numel() and slots[0] < 0:  # skipped pairs sort first
         slots, pairs = slots[1:], pairs[1:]
     if not slots.numel():
-        return out
+        return torch.zeros_like(x)
+    parts = torch.zeros((t * k, x.shape[1]), dtype=x.dtype, device=x.device)  # skipped pairs add 0
     w13s, w2s = dense_slots(w, slots, x.dtype)
     for j, idx in enumerate(pairs):
         tok = idx // k
         gate, up = F.linear(x[tok], w13s[j]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2s[j])
-        out.index_add_(0, tok, y * topk_weights.reshape(-1)[idx, None])
+        parts[idx] = F.linear(F.silu(gate) * up, w2s[j]) * topk_weights.reshape(-1)[idx, None]
+    parts = parts.view(t, k, -1)
+    out = parts[:, 0].clone()
+    for j in range(1, k):  # in routing order
+        out += parts[:, j]
     return out
 
 

@@ -48,7 +48,8 @@ class ResizeScreen(ModalScreen[Targets | None]):
                 with Horizontal(classes="resize-row"):
                     yield Label(name, classes="resize-name")
                     yield Input(str(p.size), id=f"target-{name}", classes="resize-input", restrict=r"[0-9_,]*")
-                    yield Label(f"{UNITS[name]}  range {format_range(p.min, p.max)}", classes="resize-range")
+                    yield Label(f"{UNITS[name]}  range {format_range(p.min, p.max)}", id=f"range-{name}",
+                                classes="resize-range")
             yield Static("", id="resize-problems", markup=False)
             yield Static("", id="resize-plan", markup=False)
             yield Label("Enter apply  ·  Esc cancel", id="resize-hint")
@@ -114,6 +115,9 @@ class ResizeScreen(ModalScreen[Targets | None]):
         if self._problems()[0] != targets:  # NOTE: stale: the inputs changed meanwhile
             return None
         self._plan = (targets, plan)
+        for name, (lo, hi) in plan.ranges.items():  # each range with the other pools as typed
+            if name in UNITS:
+                self.query_one(f"#range-{name}", Label).update(f"{UNITS[name]}  range {format_range(lo, hi)}")
         style = "" if plan.fits else "bold red"
         self.query_one("#resize-plan", Static).update(Text(format_plan(plan), style))
         return plan
