@@ -47,8 +47,10 @@ CHOICES = {"moe_backend": ["offload", "resident"], "storage_backend": ["auto", "
 
 def _kind(f: dataclasses.Field):
     """The argparse type of a field from its annotation ("int | None" -> int; byte sizes -> str)."""
-    first = str(f.type).split("|")[0].strip()
-    return {"bool": bool, "int": int, "float": float}.get(first, str)
+    kinds = [k.strip() for k in str(f.type).split("|")]
+    if "str" in kinds:  # byte sizes ("16GiB", "4.8GiB", "512MiB" or plain bytes): EngineConfig parses them
+        return str
+    return {"bool": bool, "int": int, "float": float}.get(kinds[0], str)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -57,7 +57,7 @@ class LadderState(_Model):
     enabled: bool = False
     auto: bool = False
     rungs: list[int] = Field(default_factory=list)
-    current: int | None = None  # index into rungs
+    current: int | None = None  # index into rungs, from 0 (ft ctl, ft top and the banner count rungs from 1)
     step: int = 0
     last_decision: str | None = None
 

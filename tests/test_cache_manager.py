@@ -258,7 +258,8 @@ def test_joint_targets_reachable_or_refused_with_the_constraint(backend_llm, fra
     if plan.fits:
         e.cache.rebuild(**want)
         assert e.cache.geometry.sizes() == want
-        e.cache.rebuild(**g.sizes())  # back, for the next example
+        if e.cache.plan_resize(**g.sizes()).fits:  # back for the next example (realloc may not reach it)
+            e.cache.rebuild(**g.sizes())
         return
     assert "together need a peak of" in plan.reason and "the rebuild budget is" in plan.reason
     held = e.cache.storage.held_bytes()

@@ -40,3 +40,18 @@ def test_unknown_command_is_a_usage_error():
     with pytest.raises(SystemExit) as e:
         main(["frobnicate"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("text,expected", [("16GiB", 16 * 2**30), ("4.8GiB", int(4.8 * 2**30)), ("512MiB", 512 * 2**20),
+                                           ("1000000", 1000000)])
+def test_byte_size_flags_take_the_forms_help_shows(text, expected):
+    """`--gpu-memory-limit 16GiB` and `--cache-budget 4.8GiB`, as `--help` and the README write them."""
+    import argparse
+
+    from ft.engine_args import add_engine_args, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    cfg = engine_config_from_args(p.parse_args(["--gpu-memory-limit", text, "--cache-budget", text]))
+    assert cfg.gpu_memory_limit == cfg.cache_budget == expected
+    assert p.parse_args(["--num-tokens", "4096"]).num_tokens == 4096  # plain ints stay ints

@@ -266,10 +266,12 @@ class AdminClient:
 
 def resize_hint(reason: str) -> str:
     """What to do about a refused resize, from the constraint its reason names."""
-    if "expert floor" in reason or "below" in reason:
+    if "running" in reason:
+        return "requests hold that much now: retry with --wait, or when they end"
+    if "floor" in reason or "below" in reason:
         return "the floor is what the server needs to keep serving: pick a size at or above it"
-    if "held by" in reason or "running" in reason:
-        return "running requests hold that much: retry with --wait, or when they end"
+    if "above the experts" in reason:
+        return "the model has no more experts than that"
     if "budget" in reason:
         return "the sizes together exceed the budget: shrink another pool in the same call, or pick smaller sizes"
     return "pick a size inside the range `ft ctl cache` shows"

@@ -151,11 +151,16 @@ class CacheManager:
         held_pages = len({p for s in running for p in s.pages})
         waiting_pages = max((self.pools.kv.pages_for(s.num_tokens + 1) for s in waiting), default=0)
         held_pages = max(held_pages, waiting_pages)
-        moe_floor = self.total_experts if self.opts.moe_backend == "resident" else self.expert_floor
+        resident = self.opts.moe_backend == "resident"
+        moe_floor = self.total_experts if resident else self.expert_floor
         return Limits(
             floor={"moe": moe_floor, "kv": max(1, held_pages) * self.shapes.page_size,
                    "mamba": max(1, len(running))},
             ceiling={"moe": self.total_experts, "kv": 2**62, "mamba": 2**31},
+            floor_why={"moe": "every expert, which the resident backend keeps" if resident else "the expert floor",
+                       "kv": "the KV that running and next waiting requests hold" if held_pages else "one page",
+                       "mamba": "the slots running requests hold" if running else "one slot"},
+            ceiling_why={"moe": "the experts the model has"},
         )
 
     def reachable_ranges(self) -> dict[str, tuple[int, int]]:

@@ -11,7 +11,7 @@ what the API advertises is exactly what a resize accepts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ft.engine.cache.layout import POOLS, Geometry, MemoryLayout
 from ft.units import format_bytes
@@ -23,6 +23,8 @@ class Limits:
 
     floor: dict[str, int]
     ceiling: dict[str, int]
+    floor_why: dict[str, str] = field(default_factory=dict)  # what each floor is, in words
+    ceiling_why: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -73,14 +75,20 @@ def plan(current: Geometry, target: Geometry, layout: MemoryLayout, budget: int,
     for p in POOLS:
         if not limits.floor[p] <= tgt[p] <= limits.ceiling[p]:
             lo, hi = reachable_ranges(current, layout, budget, limits)[p]  # what the user can pick
-            reason = f"{p} {tgt[p]} is outside {lo}..{hi}"
+            if tgt[p] < limits.floor[p]:
+                why = f"below {limits.floor_why.get(p, 'its floor')} ({limits.floor[p]})"
+            else:
+                why = f"above {limits.ceiling_why.get(p, 'its ceiling')} ({limits.ceiling[p]})"
+            reason = f"{p} {tgt[p]} is outside {lo}..{hi}: {why}"
             break
     if reason is None and steps and peak > budget:
         changed = [p for p in POOLS if tgt[p] != cur[p]]
         if len(changed) == 1:  # name the range the user can act on
             p = changed[0]
             lo, hi = reachable_ranges(current, layout, budget, limits)[p]
-            reason = f"{p} {tgt[p]} is outside {lo}..{hi}"
+            need, has = _two_sizes(peak, budget)
+            reason = (f"{p} {tgt[p]} is outside {lo}..{hi}: with the other pools where they are it needs a peak of "
+                      f"{need} and the rebuild budget is {has}")
         else:
             reason = joint_reason(current, target, layout, budget, limits, changed, peak)
     return Plan(current, target, tuple(steps), peak, budget, reason)
@@ -104,9 +112,15 @@ def joint_reason(current: Geometry, target: Geometry, layout: MemoryLayout, budg
             others = " ".join(f"{q} {tgt[q]}" for q in changed if q != p)
             nearest.append(f"{p} {top} with {others}")
     tail = f"; reachable instead: {', or '.join(nearest)}" if nearest else "; no size of one pool alone makes it fit"
-    return (f"{sizes} together need a peak of {format_bytes(peak)} and the rebuild budget is "
-            f"{format_bytes(budget)}{tail} (the ranges `ft ctl cache` shows hold the other pools at their current "
-            f"sizes)")
+    need, has = _two_sizes(peak, budget)
+    return (f"{sizes} together need a peak of {need} and the rebuild budget is {has}{tail} (the ranges "
+            f"`ft ctl cache` shows hold the other pools at their current sizes)")
+
+
+def _two_sizes(a: int, b: int) -> tuple[str, str]:
+    """Two byte counts as users read them, exact when the rounded forms would read the same."""
+    fa, fb = format_bytes(a), format_bytes(b)
+    return (f"{a:,} bytes", f"{b:,} bytes") if fa == fb and a != b else (fa, fb)
 
 
 def reachable_ranges(current: Geometry, layout: MemoryLayout, budget: int, limits: Limits) -> dict[str, tuple[int, int]]:

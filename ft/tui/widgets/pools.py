@@ -70,6 +70,12 @@ class PoolsPanel(Widget):
         text_w = sum(widths) + 2 * len(widths)
         track_w = width - text_w
         lines = [head, bar_text(c, width)]
+        ex = c.exchange
+        if ex.kv_tokens_per_expert_slot:  # how the ranges read, and what a slot trades for
+            note = Text(no_wrap=True, overflow="ellipsis", style="dim")
+            note.append(f"ranges hold the other pools where they are; 1 expert slot = "
+                        f"{ex.kv_tokens_per_expert_slot:.0f} kv tok = {ex.mamba_slots_per_expert_slot:.2g} mamba slots")
+            lines.append(note)
         for r in rows:
             t = Text(no_wrap=True, overflow="ellipsis")
             t.append(r[0].ljust(widths[0]) + "  ", f"bold {COLORS[r[0]]}")
