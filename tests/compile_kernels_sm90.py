@@ -64,6 +64,8 @@ MOE_DECODE_DOWN_PAIRS = {"p_h": "*fp32", "p_slots": "*i32", "p_wts": "*bf16", "p
                          "p_s2": "*fp32", "p_sw2": "*i32", "p_ss2w": "*u8", "p_ss2": "*fp32", "p_yp": "*fp32",
                          **ints("I", "H", "stride_ht", "stride_st", "stride_wt", "stride_w2e", "stride_w2r",
                                 "stride_s2we", "stride_s2wr", "stride_s2e", "stride_yp")}
+MOE_SUM_NORM = {"p_yp": "*fp32", "p_r": "*bf16", "p_w": "*bf16", "p_x": "*bf16", "p_h": "*bf16", "H": "i32",
+                "eps": "fp32", **ints("stride_yp", "stride_rt", "stride_xt", "stride_ht")}
 MOE_DECODE_DOWN = {"p_h": "*fp32", "p_slots": "*i32", "p_wts": "*bf16", "p_w2": "*i32", "p_s2w": "*u8", "p_s2": "*fp32",
                    "p_sw2": "*i32", "p_ss2w": "*u8", "p_ss2": "*fp32", "p_out": "*bf16",
                    **ints("I", "H", "stride_ht", "stride_st", "stride_wt", "stride_w2e", "stride_w2r", "stride_s2we",
@@ -162,6 +164,8 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("moe decode down per pair + shared", moe._moe_decode_down_pairs_kernel, MOE_DECODE_DOWN_PAIRS,
      {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe.DECODE_DOWN_PAIRS_CONFIG[0], "WHOLE_K": 64,
       "num_warps": moe.DECODE_DOWN_PAIRS_CONFIG[2]}),
+    ("moe decode sum + residual + next norm, H 2048", moe._moe_sum_add_norm_kernel, MOE_SUM_NORM,
+     {"KS": 11, "BLOCK_D": 2048, "num_warps": 8}),
     ("moe decode down, K loop", moe._moe_decode_down_kernel, MOE_DECODE_DOWN,
      {"TOPK": 10, "HAS_SHARED": False, **moe_cfg((32, 32, 4), 64, "BLOCK_H")}),
     ("router 512 experts top-10", router._router_topk_kernel, ROUTER,

@@ -200,3 +200,26 @@ def test_moe_decode_dispatcher_and_limits(monkeypatch):
         moe_decode_triton(x, slots, weights, w, _slot_pool(1, 32, 16, gen))  # the shared weight is missing
     with pytest.raises(ValueError, match="at most"):
         moe_decode(torch.zeros(129, 32), torch.zeros(129, 2, dtype=torch.long), torch.ones(129, 2), w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_moe_decode_with_the_next_norm_is_the_two_launches_bitwise(dtype):
+    """The sum with the next layer's input norm (one launch) equals the sum, then add_rms_norm."""
+    from ft.kernels.norm.kernel import add_rms_norm_triton
+
+    gen = torch.Generator().manual_seed(13)
+    t, k, s, h, i = 3, 3, 5, 64, 32
+    w, shared = _slot_pool(s, h, i, gen), _slot_pool(1, h, i, gen)
+    slots, weights = _routing(t, k, s, 0.2, gen)
+    weights = torch.cat([weights, torch.rand(t, 1, generator=gen)], dim=1).to(dtype)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    residual = torch.randn(t, h, generator=gen).to(dtype)
+    norm_w = (torch.randn(h, generator=gen) * 0.1).to(dtype)
+    x_next, h_next = moe_decode_triton(x, slots, weights, w, shared, residual=residual, norm_weight=norm_w, eps=1e-6)
+    y = moe_decode_triton(x, slots, weights, w, shared)
+    want_x, want_h = add_rms_norm_triton(y, residual, norm_w, 1e-6)
+    assert torch.equal(h_next, want_h) and torch.equal(x_next, want_x)
+    # the loop path (no fused sum) gives the pair through add_rms_norm too
+    got = moe_decode_triton(x, slots, weights, w, shared, residual=residual, norm_weight=norm_w, eps=1e-6,
+                            down_per_pair=False)
+    assert isinstance(got, tuple) and got[0].shape == x.shape

@@ -132,6 +132,7 @@ class Qwen3NextModel:
         h = self.embed[batch.input_ids]
         x = rms_norm(h, self.layers[0][2], eps)
         y = None  # the previous layer's MLP output, added to h with the next norm
+        n = len(self.layers)
         for i, (mixer, mlp, norm_in, norm_post) in enumerate(self.layers):
             if y is not None:
                 x, h = add_rms_norm(y, h, norm_in, eps)  # NOTE: h = h + y, then the norm: one launch
@@ -141,6 +142,13 @@ class Qwen3NextModel:
             else:
                 x = mixer(x, batch, pools.mamba.conv[:, j], pools.mamba.ssm[:, j])
             x, h = add_rms_norm(x, h, norm_post, eps)
-            y = mlp(x, pools.experts) if isinstance(mlp, SparseMoE) else mlp(x)
-        h = rms_norm((h + y)[batch.last_token_index], self.norm, eps)
+            if isinstance(mlp, SparseMoE):
+                # the decode MoE may apply the next layer's input norm itself (with its sum)
+                nxt = self.layers[i + 1][2] if i + 1 < n else None
+                y = mlp(x, pools.experts, h, nxt, eps)
+                if isinstance(y, tuple):
+                    (x, h), y = y, None
+            else:
+                y = mlp(x)
+        h = rms_norm((h + y)[batch.last_token_index], self.norm, eps)  # (the last layer's MoE never fuses: y is set)
         return self.lm_head(h).float()

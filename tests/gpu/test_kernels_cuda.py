@@ -137,3 +137,24 @@ def test_moe_decode_with_shared_expert(pool, batch):
     moved = SlotWeights(*(t[perm] for t in pool))
     where = torch.argsort(perm)
     assert torch.equal(moe_decode_triton(x, where[topk_slots], weights, moved, shared), y)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_moe_decode_with_next_norm_equals_two_launches(pool, batch):
+    """Flagship shapes, bf16: the sum fused with the residual add and the next input norm equals the
+    sum kernel followed by add_rms_norm, bit for bit."""
+    from ft.kernels.moe.kernel import moe_decode_triton
+    from ft.kernels.norm.kernel import add_rms_norm_triton
+
+    torch.manual_seed(3)
+    slots = pool.w13.shape[0]
+    shared = SlotWeights(*(t[:1].clone() for t in pool))
+    x = torch.randn(batch, HIDDEN, device=DEV, dtype=torch.bfloat16)
+    residual = torch.randn(batch, HIDDEN, device=DEV, dtype=torch.bfloat16) * 4
+    norm_w = torch.randn(HIDDEN, device=DEV, dtype=torch.bfloat16) * 0.1
+    topk_slots = torch.stack([torch.randperm(slots, device=DEV)[:TOP_K] for _ in range(batch)])
+    weights = torch.cat([torch.softmax(torch.randn(batch, TOP_K, device=DEV), -1),
+                         torch.rand(batch, 1, device=DEV)], dim=1).to(torch.bfloat16)
+    got = moe_decode_triton(x, topk_slots, weights, pool, shared, residual=residual, norm_weight=norm_w, eps=1e-6)
+    want = add_rms_norm_triton(moe_decode_triton(x, topk_slots, weights, pool, shared), residual, norm_w, 1e-6)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

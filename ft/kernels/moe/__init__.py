@@ -54,12 +54,16 @@ each expert once per tile of its tokens in `moe_over_slots`'s grouped path)."""
 
 def moe_decode(
     x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, w: SlotWeights,
-    shared: SlotWeights | None = None,
-) -> torch.Tensor:
-    """The decode MoE block, routed pairs and the shared expert in one sum (`moe_decode_ref`'s contract).
+    shared: SlotWeights | None = None, *, residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+):
+    """The decode MoE block, routed pairs and the shared expert in one sum (`moe_decode_ref`'s contract);
+    with `residual` and `norm_weight`, followed by the next layer's input norm: returns
+    `add_rms_norm(y, residual, norm_weight, eps)` = (normed, residual + y) instead of y.
 
-    Dispatcher: two Triton launches (`kernel.moe_decode_triton`) where `runs_triton` says so for
-    the pool and the shared expert, else the reference. In debug mode the slots are checked first.
+    Dispatcher: three Triton launches (`kernel.moe_decode_triton`; the norm rides on the sum)
+    where `runs_triton` says so for the pool and the shared expert, else the references. In debug
+    mode the slots are checked first.
     Raises: ValueError for more than DECODE_MAX_TOKENS tokens.
     """
     if x.shape[0] > DECODE_MAX_TOKENS:
@@ -69,5 +73,11 @@ def moe_decode(
     if runs_triton(w, x.device) and (shared is None or runs_triton(shared, x.device)):
         from ft.kernels.moe.kernel import moe_decode_triton  # NOTE: imports triton only when used
 
-        return moe_decode_triton(x, topk_slots, topk_weights, w, shared)
-    return moe_decode_ref(x, topk_slots, topk_weights, w, shared)
+        return moe_decode_triton(x, topk_slots, topk_weights, w, shared, residual=residual, norm_weight=norm_weight,
+                                 eps=eps)
+    y = moe_decode_ref(x, topk_slots, topk_weights, w, shared)
+    if residual is not None and norm_weight is not None:
+        from ft.kernels.norm import add_rms_norm
+
+        return add_rms_norm(y, residual, norm_weight, eps)
+    return y

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from ft.kernels.moe.slots import GROUPED_MAX_TOKENS
+from ft.kernels.norm.kernel import _rstd, _warps, add_rms_norm_triton
 from ft.kernels.nvfp4.kernel import as_words, dequant_tile, nvfp4_rows_dot, rows_dot_whole_k, whole_k_words
 
 __all__ = ["GROUPED_MIN_TOKENS", "moe_decode_triton", "moe_over_slots_triton"]
@@ -258,6 +259,30 @@ def _moe_decode_down_pairs_kernel(
     tl.store(p_yp + i_p * stride_yp + o_h, tl.where(on, b_y * b_wt, 0.0), mask=o_h < H)
 
 
+@triton.jit(do_not_specialize=["H"])
+def _moe_sum_add_norm_kernel(p_yp, p_r, p_w, p_x, p_h, H, eps, stride_yp, stride_rt, stride_xt, stride_ht,
+                             KS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (T,): y = sum_j yp[t * KS + j] (fp32, in order, cast to the activation dtype), then the
+    next layer's input norm with the residual, as `ft.kernels.norm`'s `_rms_norm_kernel` does it:
+    h = residual + y (in the activation dtype), x = rmsnorm(h) * (1 + w). Bit for bit the sum kernel
+    followed by that kernel, in one launch."""
+    i_t = tl.program_id(0).to(tl.int64)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < H
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in tl.static_range(KS):  # unrolled: every pair's row in flight at once (one program per token)
+        acc += tl.load(p_yp + (i_t * KS + j) * stride_yp + o_d, mask=m_d, other=0.0)
+    b_y = acc.to(p_h.dtype.element_ty)
+    b_r = tl.load(p_r + i_t * stride_rt + o_d, mask=m_d, other=0.0)
+    b_h = (b_r.to(tl.float32) + b_y.to(tl.float32)).to(p_h.dtype.element_ty)
+    b_f = b_h.to(tl.float32)
+    b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_x = (b_f * _rstd(b_f, H, eps)) * (1.0 + b_w)
+    tl.debug_barrier()  # NOTE: every load before any store, so h may be the residual itself
+    tl.store(p_h + i_t * stride_ht + o_d, b_h, mask=m_d)
+    tl.store(p_x + i_t * stride_xt + o_d, b_x.to(p_x.dtype.element_ty), mask=m_d)
+
+
 @triton.jit
 def _tile_pairs(p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M: tl.constexpr):
     """The pairs of this program's tile: (slot as int64, pair ids [BLOCK_M], mask [BLOCK_M], tokens [BLOCK_M])."""
@@ -459,7 +484,8 @@ def moe_decode_triton(
     x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, w, shared=None, *,
     out: torch.Tensor | None = None, gate_up_config: tuple[int, int, int] | None = None,
     down_config: tuple[int, int, int] | None = None, down_per_pair: bool | None = None,
-) -> torch.Tensor:
+    residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+):
     """The decode MoE block in two or three launches: sum_j weight_j * expert_j(x) over the routed pairs and,
     with `shared`, the shared expert as one more pair.
 
@@ -472,7 +498,10 @@ def moe_decode_triton(
         out: optional [T, H] in x's dtype.
         down_per_pair: down per pair plus a sum (True) or looping over a token's pairs (False);
             default by T (`DECODE_DOWN_PAIRS_MIN_TOKENS`). *_config override the tuned block sizes.
-    Returns: [T, H] in x's dtype: one fp32 sum over the pairs in order, cast once.
+        residual, norm_weight: with both, the next layer's input norm follows in the same launch as
+            the sum (`_moe_sum_add_norm_kernel`): returns (rms_norm(residual + y), residual + y)
+            like `ft.kernels.norm.add_rms_norm` (`eps` its epsilon).
+    Returns: y [T, H] in x's dtype: one fp32 sum over the pairs in order, cast once; or the pair above.
     Raises: ValueError on shapes the kernels do not take.
     """
     if not w.is_nvfp4 or (shared is not None and not shared.is_nvfp4):
@@ -490,7 +519,7 @@ def moe_decode_triton(
                          f"[T, k] and [T, k + {has_shared}]")
     y = torch.empty_like(x) if out is None else out
     if t == 0:
-        return y
+        return (y, torch.empty_like(x)) if residual is not None and norm_weight is not None else y
     x = x if x.stride(-1) == 1 else x.contiguous()
     slots = topk_slots if topk_slots.stride(-1) == 1 else topk_slots.contiguous()
     wts = topk_weights if topk_weights.stride(-1) == 1 else topk_weights.contiguous()
@@ -517,6 +546,7 @@ def moe_decode_triton(
         h.stride(0), TOPK=k, HAS_SHARED=has_shared, BLOCK_I=block_i, BLOCK_W=bw13, WHOLE_K=whole13,
         num_warps=warps13,
     )
+    fuse_norm = residual is not None and norm_weight is not None
     if per_pair and whole2:  # (a row's K in one tile; other shapes take the loop)
         y_pairs = torch.empty((t * ks, hid), dtype=torch.float32, device=x.device)
         _moe_decode_down_pairs_kernel[(t * ks, triton.cdiv(hid, block_h))](
@@ -525,15 +555,23 @@ def moe_decode_triton(
             s2.stride(0), y_pairs.stride(0), TOPK=k, HAS_SHARED=has_shared, BLOCK_H=block_h, WHOLE_K=whole2,
             num_warps=warps2,
         )
+        if fuse_norm and hid <= 8192 and residual.shape == x.shape and residual.dtype == x.dtype \
+                and residual.stride(-1) == 1:
+            h_out = torch.empty_like(x)
+            block = triton.next_power_of_2(hid)
+            _moe_sum_add_norm_kernel[(t,)](y_pairs, residual, norm_weight, y, h_out, hid, eps, y_pairs.stride(0),
+                                           residual.stride(0), y.stride(0), h_out.stride(0), KS=ks, BLOCK_D=block,
+                                           num_warps=_warps(block))
+            return y, h_out
         _moe_sum_pairs_kernel[(t, triton.cdiv(hid, 1024))](y_pairs, y, hid, ks, y_pairs.stride(0), y.stride(0), BLOCK=1024)
-        return y
+        return add_rms_norm_triton(y, residual, norm_weight, eps) if fuse_norm else y
     _moe_decode_down_kernel[(t, triton.cdiv(hid, block_h))](
         h, slots, wts, w2, s2w, s2, sw2, ss2w, ss2, y, i, hid,
         h.stride(0), slots.stride(0), wts.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1),
         s2.stride(0), y.stride(0), TOPK=k, HAS_SHARED=has_shared, BLOCK_H=block_h, BLOCK_W=bw2, WHOLE_K=whole2,
         num_warps=warps2,
     )
-    return y
+    return add_rms_norm_triton(y, residual, norm_weight, eps) if fuse_norm else y
 
 
 def _grouped(x, slots, wts, k, w13, s13, w2, s2w, s2, y, i, cfg) -> torch.Tensor:

@@ -30,9 +30,9 @@ def moe_over_slots_ref(
     Args:
         x: [T, H]; topk_slots: [T, k] int64 slot of each selected expert, or -1 for a pair to
         skip (its expert is computed in another call); topk_weights: [T, k] routing weights.
-    Returns: [T, H] in x's dtype. Each pair's weighted output is kept apart and a token's pairs are
-    summed in routing order, so the result does not depend on which slot holds which expert
-    (offloaded and resident experts give the same bits).
+    Returns: [T, H] in x's dtype. Each pair's weighted output is kept apart (fp32) and a token's
+    pairs are summed in routing order, so the result does not depend on which slot holds which
+    expert (offloaded and resident experts give the same bits).
     """
     t, k = topk_slots.shape
     flat = topk_slots.reshape(-1)
@@ -43,17 +43,20 @@ def moe_over_slots_ref(
         slots, pairs = slots[1:], pairs[1:]
     if not slots.numel():
         return torch.zeros_like(x)
-    parts = torch.zeros((t * k, x.shape[1]), dtype=x.dtype, device=x.device)  # skipped pairs add 0
+    # each pair's weighted output in fp32 (skipped pairs add 0), summed in fp32 and cast once, as
+    # the Triton kernels sum
+    parts = torch.zeros((t * k, x.shape[1]), dtype=torch.float32, device=x.device)
     w13s, w2s = dense_slots(w, slots, x.dtype)
+    wts = topk_weights.reshape(-1).float()
     for j, idx in enumerate(pairs):
         tok = idx // k
         gate, up = F.linear(x[tok], w13s[j]).chunk(2, dim=-1)
-        parts[idx] = F.linear(F.silu(gate) * up, w2s[j]) * topk_weights.reshape(-1)[idx, None]
+        parts[idx] = F.linear(F.silu(gate) * up, w2s[j]).float() * wts[idx, None]
     parts = parts.view(t, k, -1)
     out = parts[:, 0].clone()
     for j in range(1, k):  # in routing order
         out += parts[:, j]
-    return out
+    return out.to(x.dtype)
 
 
 def moe_decode_ref(

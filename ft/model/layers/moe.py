@@ -47,10 +47,13 @@ class SparseMoE:
             self.shared_expert_gate = Linear(self.gate_logits.weight[e:])
         self.shared_slot = _as_slot(shared_expert)
 
-    def __call__(self, x: torch.Tensor, cache: ExpertCache) -> torch.Tensor:
-        """x [T, H] -> [T, H]."""
+    def __call__(self, x: torch.Tensor, cache: ExpertCache, residual: torch.Tensor | None = None,
+                 next_norm: torch.Tensor | None = None, eps: float = 1e-6):
+        """x [T, H] -> y [T, H]. With `residual` and `next_norm` (the next layer's input norm
+        weight) the decode path may also apply that norm (one launch less): it then returns
+        (rms_norm(residual + y), residual + y) instead of y; callers check for a tuple."""
         if self._fused(x, cache):
-            return self._decode(x, cache)
+            return self._decode(x, cache, residual, next_norm, eps)
         weights, ids = router_topk(self.router(x), self.top_k, self.norm_topk_prob)
         routed = self._routed(x, weights, ids, cache)
         return expert_combine(routed, self.shared_expert(x), self.shared_expert_gate(x))
@@ -63,7 +66,8 @@ class SparseMoE:
                 and runs_triton(sh, x.device) and sh.w13.shape[1:] == cache.slots.w13.shape[1:]
                 and sh.w2.shape[1:] == cache.slots.w2.shape[1:])
 
-    def _decode(self, x: torch.Tensor, cache: ExpertCache) -> torch.Tensor:
+    def _decode(self, x: torch.Tensor, cache: ExpertCache, residual: torch.Tensor | None = None,
+                next_norm: torch.Tensor | None = None, eps: float = 1e-6):
         """Four launches: the logits (router and shared gate), the routing (top-k, the shared gate's
         sigmoid, the slots), gate/up of every pair with the shared expert, down with the sum."""
         layer = self.moe_index
@@ -85,7 +89,8 @@ class SparseMoE:
                 return expert_combine(routed, self.shared_expert(x), self.shared_expert_gate(x))
             cache.ensure(layer, experts)
             slots = self._slots(table, ids)
-        return moe_decode(x, slots, weights, cache.slots, self.shared_slot)
+        return moe_decode(x, slots, weights, cache.slots, self.shared_slot, residual=residual, norm_weight=next_norm,
+                          eps=eps)
 
     def _slots(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The slot of each selected expert; in debug mode, an expert without a slot (-1, which the
