@@ -239,3 +239,25 @@ def test_declared_max_tokens_still_grows_up_front():
     admit(eng, [65] * 40, 150)  # 190 tokens declared: the 192 rung before it starts
     assert eng.cache.geometry.kv_tokens == 192
     assert eng.cache.history[-1]["trigger"] == "ladder" and "grow: request" in eng.cache.history[-1]["reason"]
+
+
+def test_a_request_that_can_never_fit_is_refused_at_admission_with_the_reason():
+    """Without the ladder the KV cache caps what a request can reach; with it, the highest rung that
+    keeps the expert floor does. Past either, the request is refused before it runs (RequestError,
+    a 400 in the server), with the cap named."""
+    from ft.errors import RequestError
+
+    plain = LLM(max_seq_len_override=1024, num_tokens=256, max_running_requests=1).engine
+    assert plain.servable_context == 256
+    with pytest.raises(RequestError, match="the KV cache holds 256 tokens"):
+        plain.add_request([65] * 300, SamplingParams(max_new_tokens=4))
+    seq = plain.add_request([65] * 200, SamplingParams(max_new_tokens=None, temperature=0.0, ignore_eos=True))
+    assert seq.max_new_tokens == 56  # an open-ended request stops where the KV ends, never fails there
+    # with the ladder, on a budget where the top rungs would leave less than the expert floor
+    llm, _ = make(ladder_step_size=64, max_seq_len_override=4096, max_running_requests=1, cache_budget="3MiB")
+    eng = llm.engine
+    top = eng.servable_context
+    assert eng.cache.geometry.kv_tokens <= top < 4096 and top in eng.ladder.rungs
+    assert eng.cache.moe_beside(top) is not None and eng.cache.moe_beside(top + 64) is None
+    with pytest.raises(RequestError, match=f"the highest KV ladder rung that keeps the expert floor holds {top}"):
+        eng.add_request([65] * top, SamplingParams(max_new_tokens=4))
