@@ -23,3 +23,48 @@ def test_synthetic_model_runs_from_config_alone(tmp_path):
     again = LLM(model=f"synthetic:{path}", device="cpu", dtype="float32", moe_cache_size=3, page_size=16)
     assert again.generate(prompt_token_ids=[[5, 6, 7, 8]], max_new_tokens=6, temperature=0.0,
                           ignore_eos=True)[0].token_ids == out.token_ids  # seeded: the same weights
+
+
+def _synthetic(tmp_path, **extra) -> str:
+    cfg = {**BASE, **TINY_CONFIGS["interval2-gqa2-top2"], "architectures": ["Qwen3NextForCausalLM"],
+           "model_type": "qwen3_next", "num_experts": 64, "num_experts_per_tok": 4, **extra}
+    path = tmp_path / f"config-{len(extra)}.json"
+    path.write_text(json.dumps(cfg))
+    return f"synthetic:{path}"
+
+
+def test_routing_trace_mode_skews_routing_like_a_trained_model(tmp_path):
+    """"routing_trace" in a synthetic config: experts come from per-request traces (Zipf popularity,
+    reuse), so an LRU cache of a quarter of the experts hits far more often than with the random
+    router's near-uniform routing; the same seed gives the same tokens."""
+    import pytest
+
+    from ft.engine import LLM
+    from ft.errors import ConfigError
+
+    def run(model):  # one request at a time, a cache of a quarter of the 4 x 64 experts
+        llm = LLM(model=model, device="cpu", dtype="float32", moe_cache_size=64, page_size=16, seed=3)
+        out = [llm.generate(prompt_token_ids=[[10 + i, 20 + i, 30 + i, 40 + i]], max_new_tokens=40, temperature=0.0,
+                            ignore_eos=True)[0].token_ids for i in range(3)]
+        return llm.engine.pools.experts.stats.hit_rate, out
+
+    uniform_hits, _ = run(_synthetic(tmp_path))
+    traced = _synthetic(tmp_path, routing_trace=True)
+    trace_hits, tokens = run(traced)
+    assert trace_hits > uniform_hits + 0.15, (trace_hits, uniform_hits)
+    assert run(traced)[1] == tokens
+    with pytest.raises(ConfigError, match="routing_trace"):
+        LLM(model=_synthetic(tmp_path, routing_trace={"zipf": 1}), device="cpu", dtype="float32")
+
+
+def test_forced_routing_weights_are_the_routers_softmax_at_the_given_experts():
+    import torch
+
+    from ft.kernels.router import route_forced_ref
+
+    logits = torch.randn(3, 9)  # 8 experts and the shared gate's column
+    ids = torch.tensor([[1, 5], [7, 0], [2, 3]])
+    w, got_ids, slots = route_forced_ref(logits, ids, True, shared_gate=True, slot_table=torch.arange(8) * 2)
+    probs = torch.softmax(logits[:, :8], dim=-1).gather(1, ids)
+    assert torch.allclose(w[:, :2], probs / probs.sum(1, keepdim=True)) and torch.equal(got_ids, ids)
+    assert torch.allclose(w[:, 2], torch.sigmoid(logits[:, 8])) and torch.equal(slots, (ids * 2).to(torch.int32))

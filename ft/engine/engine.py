@@ -9,6 +9,7 @@ LLM API, the server's engine thread) only add requests, step, abort, and resize.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -23,6 +24,7 @@ from ft.engine.ladder_driver import LadderDriver
 from ft.engine.loader import DTYPES, activation_reserve, load_model, resolve_model_path, tokenizer_dir
 from ft.engine.model_runner import ModelRunner
 from ft.engine.prefix_cache import PrefixCache
+from ft.engine.routing_override import TraceRouting, trace_params
 from ft.engine.sampling_params import SamplingParams
 from ft.engine.scheduler import Scheduler, ScheduledWork
 from ft.engine.sequence import Sequence
@@ -74,6 +76,7 @@ class Engine:
             -(-self.context_limit // config.page_size), self.context_limit,
             0 if config.disable_cuda_graph else config.cuda_graph_max_bs,
         )
+        self.runner.routing = self._trace_routing(config, cfg)
         self.ladder = Ladder(rungs, LadderOptions(
             config.ladder_step_size, config.ladder_min_reuse, config.ladder_dwell_s, config.ladder_grow_hold_s,
         )) if rungs else None
@@ -82,6 +85,18 @@ class Engine:
         self._requests: dict[str, Sequence] = {}
         self.started_at = time.time()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+
+    def _trace_routing(self, config: EngineConfig, cfg) -> TraceRouting | None:
+        """Synthetic models whose config has "routing_trace": experts from per-request traces."""
+        from ft.tools.synthetic import config_path, is_synthetic
+
+        if not is_synthetic(config.model) or not cfg.moe_layers:
+            return None
+        params = trace_params(json.loads(config_path(config.model).read_text()).get("routing_trace"))
+        if params is None:
+            return None
+        return TraceRouting(params, len(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok, config.seed,
+                            keep=4 * config.max_running_requests)
 
     @property
     def pools(self) -> CachePools:

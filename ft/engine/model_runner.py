@@ -130,6 +130,7 @@ class ModelRunner:
             )
         }
         self.page_table = PageTableBuffer(rows, max_pages_per_seq, device)
+        self.routing = None  # a `routing_override.TraceRouting` (synthetic traces): set by the engine
         self._sampled = torch.zeros(rows, dtype=i64, pin_memory=device.type == "cuda")  # host side of token ids
         self._event = torch.cuda.Event() if device.type == "cuda" else None
         self.last_logits: torch.Tensor | None = None  # [B, V] of the last step (tests and debugging)
@@ -154,7 +155,23 @@ class ModelRunner:
         # NOTE: these two are cached properties of ForwardBatch: set here, they are buffer views.
         batch.last_token_index = buf["last_token_index"].load(last)
         batch.mamba_slots = buf["mamba_slots"].load(slots)
+        batch.forced_experts = self._forced([s.request_id for s in work.seqs], list(work.num_tokens))
         return batch
+
+    def _forced(self, request_ids: list[str], counts: list[int], pad: int = 0) -> torch.Tensor | None:
+        """The traced experts of the step's tokens, [T + pad, layers, k] in a persistent buffer
+        (padding rows repeat the first token's); None without a trace."""
+        r = self.routing
+        if r is None:
+            return None
+        per_token = r.num_layers * r.top_k
+        values = r.draw(request_ids, counts)
+        values += values[:per_token] * pad
+        buf = self.buffers.get("forced_experts")
+        if buf is None:
+            buf = self.buffers["forced_experts"] = StagedBuffer(self.buffers["input_ids"].capacity * per_token,
+                                                                torch.int64, self.device)
+        return buf.load(values).view(-1, r.num_layers, r.top_k)
 
     def sampling(self, seqs: list[Sequence]) -> SamplingBatch:
         """The rows' sampling parameters in the buffers; step = tokens generated so far."""
@@ -187,6 +204,7 @@ class ModelRunner:
                                   buf["seq_lens"].load([p + 1 for p in pos]), self.max_seq_len)
         batch.last_token_index = buf["last_token_index"].load(list(range(n)))
         batch.mamba_slots = buf["mamba_slots"].load([s.mamba_slot for s in seqs] + [-1] * (n - real))
+        batch.forced_experts = self._forced([s.request_id for s in seqs], [1] * real, pad=n - real)
         return batch
 
     def run(self, work: ScheduledWork) -> list[int | None]:

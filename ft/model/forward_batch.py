@@ -49,6 +49,9 @@ class ForwardBatch:
     positions: torch.Tensor
     seqs: list[SeqSlice]
     decode: DecodeMeta | None = None
+    # [T, num_moe_layers, top_k] int64: experts chosen for each token instead of the router's top-k
+    # (synthetic routing traces for benchmarks, `ft.engine.routing_override`); None: the router's
+    forced_experts: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:

@@ -145,7 +145,8 @@ class Qwen3NextModel:
             if isinstance(mlp, SparseMoE):
                 # the decode MoE may apply the next layer's input norm itself (with its sum)
                 nxt = self.layers[i + 1][2] if i + 1 < n else None
-                y = mlp(x, pools.experts, h, nxt, eps)
+                forced = None if batch.forced_experts is None else batch.forced_experts[:, mlp.moe_index]
+                y = mlp(x, pools.experts, h, nxt, eps, forced)
                 if isinstance(y, tuple):
                     (x, h), y = y, None
             else:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from ft.kernels.backend import uses_triton
-from ft.kernels.router.reference import route_ref, router_topk_ref
+from ft.kernels.router.reference import route_forced_ref, route_ref, router_topk_ref
 
-__all__ = ["route", "route_ref", "router_topk", "router_topk_ref"]
+__all__ = ["route", "route_forced_ref", "route_ref", "router_topk", "router_topk_ref"]
 
 
 def router_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,3 +32,21 @@ def route_ref(
         weights = torch.cat([weights, torch.sigmoid(logits[:, e:].float()).to(logits.dtype)], dim=1)
     slots = None if slot_table is None else slot_table[ids].to(torch.int32)
     return weights, ids, slots
+
+
+def route_forced_ref(
+    logits: torch.Tensor, ids: torch.Tensor, normalize: bool, *, shared_gate: bool = False,
+    slot_table: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`route_ref` with the experts given: ids [T, k] chosen elsewhere (a synthetic trace); the
+    weights are the router's softmax at them (renormalised with `normalize`), in logits' dtype.
+    Torch ops only, no host sync (a CUDA graph may capture it)."""
+    e = logits.shape[-1] - int(shared_gate)
+    probs = torch.softmax(logits[:, :e].float(), dim=-1).gather(1, ids)
+    if normalize:
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    weights = probs.to(logits.dtype)
+    if shared_gate:
+        weights = torch.cat([weights, torch.sigmoid(logits[:, e:].float()).to(logits.dtype)], dim=1)
+    slots = None if slot_table is None else slot_table[ids].to(torch.int32)
+    return weights, ids, slots

@@ -10,7 +10,7 @@ from ft.memory.expert_cache import ExpertCache
 from ft.kernels.activation import expert_combine, silu_mul
 from ft.kernels.backend import debug_checks
 from ft.kernels.moe import DECODE_MAX_TOKENS, SlotWeights, moe_decode, moe_over_slots, runs_triton
-from ft.kernels.router import route, router_topk
+from ft.kernels.router import route, route_forced_ref, router_topk
 
 
 class MLP:
@@ -48,13 +48,17 @@ class SparseMoE:
         self.shared_slot = _as_slot(shared_expert)
 
     def __call__(self, x: torch.Tensor, cache: ExpertCache, residual: torch.Tensor | None = None,
-                 next_norm: torch.Tensor | None = None, eps: float = 1e-6):
+                 next_norm: torch.Tensor | None = None, eps: float = 1e-6, forced: torch.Tensor | None = None):
         """x [T, H] -> y [T, H]. With `residual` and `next_norm` (the next layer's input norm
         weight) the decode path may also apply that norm (one launch less): it then returns
-        (rms_norm(residual + y), residual + y) instead of y; callers check for a tuple."""
+        (rms_norm(residual + y), residual + y) instead of y; callers check for a tuple.
+        `forced` [T, k]: the experts to use instead of the router's top-k (synthetic traces)."""
         if self._fused(x, cache):
-            return self._decode(x, cache, residual, next_norm, eps)
-        weights, ids = router_topk(self.router(x), self.top_k, self.norm_topk_prob)
+            return self._decode(x, cache, residual, next_norm, eps, forced)
+        if forced is not None:
+            weights, ids, _ = route_forced_ref(self.router(x), forced, self.norm_topk_prob)
+        else:
+            weights, ids = router_topk(self.router(x), self.top_k, self.norm_topk_prob)
         routed = self._routed(x, weights, ids, cache)
         return expert_combine(routed, self.shared_expert(x), self.shared_expert_gate(x))
 
@@ -67,7 +71,7 @@ class SparseMoE:
                 and sh.w2.shape[1:] == cache.slots.w2.shape[1:])
 
     def _decode(self, x: torch.Tensor, cache: ExpertCache, residual: torch.Tensor | None = None,
-                next_norm: torch.Tensor | None = None, eps: float = 1e-6):
+                next_norm: torch.Tensor | None = None, eps: float = 1e-6, forced: torch.Tensor | None = None):
         """Four launches: the logits (router and shared gate), the routing (top-k, the shared gate's
         sigmoid, the slots), gate/up of every pair with the shared expert, down with the sum."""
         layer = self.moe_index
@@ -77,8 +81,12 @@ class SparseMoE:
         else:
             logits = torch.cat([self.router(x), self.shared_expert_gate(x)], dim=1)
         resident = cache.all_resident
-        weights, ids, slots = route(logits, self.top_k, self.norm_topk_prob, shared_gate=True,
-                                    slot_table=table if resident else None)
+        if forced is not None:
+            weights, ids, slots = route_forced_ref(logits, forced, self.norm_topk_prob, shared_gate=True,
+                                                   slot_table=table if resident else None)
+        else:
+            weights, ids, slots = route(logits, self.top_k, self.norm_topk_prob, shared_gate=True,
+                                        slot_table=table if resident else None)
         if resident:
             if debug_checks():
                 self._slots(table, ids)

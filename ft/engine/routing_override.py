@@ -1,0 +1,65 @@
+"""Routing taken from a synthetic trace instead of the router's top-k: for benchmarks on synthetic
+models, whose random router weights route every expert equally often (no trained model does).
+
+A synthetic config may carry ``"routing_trace": {"zipf_s": 1.1, "reuse_p": 0.2, "seed": 0}`` (or
+``true`` for `ft.tools.routing_trace.CALIBRATED`). Each request then draws its experts from its
+own `RoutingTrace` (per layer a Zipf popularity over a fixed permutation, reuse of the previous
+token's experts), seeded by the engine seed and the request's arrival order; the routing weights
+stay the router's softmax at those experts. The draws are made on the host for the tokens of a
+step and travel in a persistent buffer (`ForwardBatch.forced_experts`), so a decode step stays a
+CUDA graph. A preempted request that is recomputed draws again (benchmarks only).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+
+from ft.errors import ConfigError
+from ft.tools.routing_trace import CALIBRATED, RoutingParams, RoutingTrace
+
+
+def trace_params(spec) -> RoutingParams | None:
+    """The config's "routing_trace" value -> parameters (None: off). Raises ConfigError."""
+    if spec in (None, False):
+        return None
+    if spec is True:
+        return CALIBRATED
+    if not isinstance(spec, dict) or set(spec) - {"zipf_s", "reuse_p", "seed"}:
+        raise ConfigError(f"routing_trace must be true or {{zipf_s, reuse_p, seed}}, got {spec!r}")
+    try:
+        return RoutingParams(float(spec.get("zipf_s", CALIBRATED.zipf_s)), float(spec.get("reuse_p", CALIBRATED.reuse_p)))
+    except (TypeError, ValueError):
+        raise ConfigError(f"routing_trace values must be numbers, got {spec!r}") from None
+
+
+class TraceRouting:
+    """Per-request traces; `draw(request_ids, counts)` -> flat expert ids, token-major:
+    [sum(counts)][num_layers][top_k] flattened."""
+
+    def __init__(self, params: RoutingParams, num_layers: int, num_experts: int, top_k: int, seed: int,
+                 keep: int) -> None:
+        self.params, self.num_layers, self.num_experts, self.top_k = params, num_layers, num_experts, top_k
+        self.seed, self.keep = seed, max(1, keep)
+        self._order = itertools.count()
+        self._traces: OrderedDict[str, RoutingTrace] = OrderedDict()
+
+    def _trace(self, request_id: str) -> RoutingTrace:
+        t = self._traces.get(request_id)
+        if t is None:
+            t = RoutingTrace(self.num_layers, self.num_experts, self.top_k, self.params,
+                             seed=self.seed * 1_000_003 + next(self._order))
+            self._traces[request_id] = t
+            while len(self._traces) > self.keep:  # finished requests fall out (least recently drawn)
+                self._traces.popitem(last=False)
+        self._traces.move_to_end(request_id)
+        return t
+
+    def draw(self, request_ids: list[str], counts: list[int]) -> list[int]:
+        out: list[int] = []
+        for rid, n in zip(request_ids, counts):
+            trace = self._trace(rid)
+            for _ in range(n):
+                for layer in trace.next_token():
+                    out.extend(layer)
+        return out
