@@ -19,8 +19,8 @@ from bench.gpu_timing import graph_us, rel_rms
 from bench.kernels_nvfp4 import MOE, random_pool
 from ft.kernels.activation import expert_combine, silu_mul
 from ft.kernels.moe import SlotWeights, moe_decode_ref
-from ft.kernels.moe.kernel import (DECODE_DOWN_PAIRS_CONFIG, DECODE_GATE_UP_CONFIG, moe_decode_triton,
-                                   moe_over_slots_triton)
+from ft.kernels.moe.decode_kernel import DECODE_DOWN_PAIRS_CONFIG, DECODE_GATE_UP_CONFIG, moe_decode_triton
+from ft.kernels.moe.kernel import moe_over_slots_triton
 from ft.kernels.nvfp4 import nvfp4_linear
 from ft.kernels.router.kernel import route_triton
 

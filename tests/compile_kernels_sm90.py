@@ -22,6 +22,7 @@ from ft.kernels.activation import kernel as act  # noqa: E402
 from ft.kernels.attention import kernel as attn  # noqa: E402
 from ft.kernels.dense import kernel as dense  # noqa: E402
 from ft.kernels.gated_delta import kernel as gd  # noqa: E402
+from ft.kernels.moe import decode_kernel as moe_dec  # noqa: E402
 from ft.kernels.moe import kernel as moe  # noqa: E402
 from ft.kernels.norm import kernel as norm  # noqa: E402
 from ft.kernels.nvfp4 import kernel as nv  # noqa: E402
@@ -151,22 +152,22 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("moe sum over k", moe._moe_sum_pairs_kernel, SUM, {"BLOCK": 1024}),
     ("moe grouped gate_up", moe._moe_grouped_gate_up_kernel, G_GATE_UP, grouped_cfg("BLOCK_I")),
     ("moe grouped down", moe._moe_grouped_down_kernel, G_DOWN, grouped_cfg("BLOCK_H")),
-    ("moe decode gate_up + shared, 1 token", moe._moe_decode_gate_up_kernel, MOE_DECODE_GATE_UP,
-     {"TOPK": 10, "HAS_SHARED": True, **moe_cfg(moe.DECODE_GATE_UP_CONFIG[1], 256, "BLOCK_I")}),
-    ("moe decode gate_up + shared, more tokens", moe._moe_decode_gate_up_kernel, MOE_DECODE_GATE_UP,
-     {"TOPK": 10, "HAS_SHARED": True, **moe_cfg(moe.DECODE_GATE_UP_CONFIG[2], 256, "BLOCK_I")}),
-    ("moe decode gate_up, K loop", moe._moe_decode_gate_up_kernel, MOE_DECODE_GATE_UP,
+    ("moe decode gate_up + shared, 1 token", moe_dec._moe_decode_gate_up_kernel, MOE_DECODE_GATE_UP,
+     {"TOPK": 10, "HAS_SHARED": True, **moe_cfg(moe_dec.DECODE_GATE_UP_CONFIG[1], 256, "BLOCK_I")}),
+    ("moe decode gate_up + shared, more tokens", moe_dec._moe_decode_gate_up_kernel, MOE_DECODE_GATE_UP,
+     {"TOPK": 10, "HAS_SHARED": True, **moe_cfg(moe_dec.DECODE_GATE_UP_CONFIG[2], 256, "BLOCK_I")}),
+    ("moe decode gate_up, K loop", moe_dec._moe_decode_gate_up_kernel, MOE_DECODE_GATE_UP,
      {"TOPK": 10, "HAS_SHARED": False, **moe_cfg((8, 64, 4), 256, "BLOCK_I")}),
-    ("moe decode down + sum + shared", moe._moe_decode_down_kernel, MOE_DECODE_DOWN,
-     {"TOPK": 10, "HAS_SHARED": True, **moe_cfg(moe.DECODE_DOWN_CONFIG[1], 64, "BLOCK_H")}),
-    ("moe decode down + sum + shared, more tokens", moe._moe_decode_down_kernel, MOE_DECODE_DOWN,
-     {"TOPK": 10, "HAS_SHARED": True, **moe_cfg(moe.DECODE_DOWN_CONFIG[2], 64, "BLOCK_H")}),
-    ("moe decode down per pair + shared", moe._moe_decode_down_pairs_kernel, MOE_DECODE_DOWN_PAIRS,
-     {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe.DECODE_DOWN_PAIRS_CONFIG[0], "WHOLE_K": 64,
-      "num_warps": moe.DECODE_DOWN_PAIRS_CONFIG[2]}),
-    ("moe decode sum + residual + next norm, H 2048", moe._moe_sum_add_norm_kernel, MOE_SUM_NORM,
+    ("moe decode down + sum + shared", moe_dec._moe_decode_down_kernel, MOE_DECODE_DOWN,
+     {"TOPK": 10, "HAS_SHARED": True, **moe_cfg(moe_dec.DECODE_DOWN_CONFIG[1], 64, "BLOCK_H")}),
+    ("moe decode down + sum + shared, more tokens", moe_dec._moe_decode_down_kernel, MOE_DECODE_DOWN,
+     {"TOPK": 10, "HAS_SHARED": True, **moe_cfg(moe_dec.DECODE_DOWN_CONFIG[2], 64, "BLOCK_H")}),
+    ("moe decode down per pair + shared", moe_dec._moe_decode_down_pairs_kernel, MOE_DECODE_DOWN_PAIRS,
+     {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe_dec.DECODE_DOWN_PAIRS_CONFIG[0], "WHOLE_K": 64,
+      "num_warps": moe_dec.DECODE_DOWN_PAIRS_CONFIG[2]}),
+    ("moe decode sum + residual + next norm, H 2048", moe_dec._moe_sum_add_norm_kernel, MOE_SUM_NORM,
      {"KS": 11, "BLOCK_D": 2048, "num_warps": 8}),
-    ("moe decode down, K loop", moe._moe_decode_down_kernel, MOE_DECODE_DOWN,
+    ("moe decode down, K loop", moe_dec._moe_decode_down_kernel, MOE_DECODE_DOWN,
      {"TOPK": 10, "HAS_SHARED": False, **moe_cfg((32, 32, 4), 64, "BLOCK_H")}),
     ("router 512 experts top-10", router._router_topk_kernel, ROUTER,
      {"NORMALIZE": True, "BLOCK_E": 512, "BLOCK_K": 16, "SHARED_GATE": False, "HAS_TABLE": False, "num_warps": 4}),

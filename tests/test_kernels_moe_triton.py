@@ -12,7 +12,8 @@ import torch
 pytest.importorskip("triton")
 
 from ft.kernels.moe import SlotWeights, dense_slots, moe_decode, moe_decode_ref, moe_over_slots, moe_over_slots_ref
-from ft.kernels.moe.kernel import moe_decode_triton, moe_over_slots_triton
+from ft.kernels.moe.decode_kernel import moe_decode_triton
+from ft.kernels.moe.kernel import moe_over_slots_triton
 from ft.tools.nvfp4_quantize import quantize_nvfp4
 
 # Relative RMS: the kernels work in fp32; the reference runs its matmuls in x's dtype.
@@ -189,7 +190,7 @@ def test_moe_decode_dispatcher_and_limits(monkeypatch):
     slots, weights = _routing(2, 2, 3, 0.0, gen)
     x = torch.randn(2, 32, generator=gen)
     monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
-    import ft.kernels.moe.kernel as details
+    import ft.kernels.moe.decode_kernel as details
 
     calls = []
     real = details.moe_decode_triton

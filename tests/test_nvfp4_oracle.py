@@ -109,7 +109,9 @@ def test_engine_on_the_triton_kernels_matches_transformers(pair, request, monkey
     monkeypatch.setattr(nvfp4_triton, "nvfp4_linear_triton", count("linear", real_linear))
     monkeypatch.setattr(moe_triton, "moe_over_slots_triton", count("moe", real_moe))
     monkeypatch.setattr(moe_triton, "_grouped", count("grouped", moe_triton._grouped))
-    monkeypatch.setattr(moe_triton, "moe_decode_triton", count("decode", moe_triton.moe_decode_triton))
+    import ft.kernels.moe.decode_kernel as moe_decode
+
+    monkeypatch.setattr(moe_decode, "moe_decode_triton", count("decode", moe_decode.moe_decode_triton))
     ref, path = request.getfixturevalue(pair)
     llm = LLM(model=str(path), device="cpu", dtype="float32", page_size=16, moe_cache_size=3)
     prompt = prompt_of(24, seed=10)

@@ -121,7 +121,7 @@ def test_moe_decode_with_shared_expert(pool, batch):
     result is the same alone and in a batch of others with the same kernel configuration, and the
     same wherever its experts sit."""
     from ft.kernels.moe import moe_decode, moe_decode_ref
-    from ft.kernels.moe.kernel import moe_decode_triton
+    from ft.kernels.moe.decode_kernel import moe_decode_triton
 
     torch.manual_seed(2)
     slots = pool.w13.shape[0]
@@ -143,7 +143,7 @@ def test_moe_decode_with_shared_expert(pool, batch):
 def test_moe_decode_with_next_norm_equals_two_launches(pool, batch):
     """Flagship shapes, bf16: the sum fused with the residual add and the next input norm equals the
     sum kernel followed by add_rms_norm, bit for bit."""
-    from ft.kernels.moe.kernel import moe_decode_triton
+    from ft.kernels.moe.decode_kernel import moe_decode_triton
     from ft.kernels.norm.kernel import add_rms_norm_triton
 
     torch.manual_seed(3)

@@ -61,7 +61,7 @@ def moe_decode(
     with `residual` and `norm_weight`, followed by the next layer's input norm: returns
     `add_rms_norm(y, residual, norm_weight, eps)` = (normed, residual + y) instead of y.
 
-    Dispatcher: three Triton launches (`kernel.moe_decode_triton`; the norm rides on the sum)
+    Dispatcher: three Triton launches (`decode_kernel.moe_decode_triton`; the norm rides on the sum)
     where `runs_triton` says so for the pool and the shared expert, else the references. In debug
     mode the slots are checked first.
     Raises: ValueError for more than DECODE_MAX_TOKENS tokens.
@@ -71,7 +71,7 @@ def moe_decode(
     if debug_checks():
         check_slots(topk_slots, w.w13.shape[0])
     if runs_triton(w, x.device) and (shared is None or runs_triton(shared, x.device)):
-        from ft.kernels.moe.kernel import moe_decode_triton  # NOTE: imports triton only when used
+        from ft.kernels.moe.decode_kernel import moe_decode_triton  # NOTE: imports triton only when used
 
         return moe_decode_triton(x, topk_slots, topk_weights, w, shared, residual=residual, norm_weight=norm_weight,
                                  eps=eps)

@@ -1,0 +1,267 @@
+"""Triton kernels of the decode MoE block (details module of `ft.kernels.moe`): routed pairs and
+the layer's shared expert in one ordered fp32 sum, optionally followed by the next layer's input
+norm; what `ft.model.layers.moe.SparseMoE` runs for up to `DECODE_MAX_TOKENS` tokens.
+
+Three launches: `_moe_decode_gate_up_kernel` (per pair, the shared expert as pair k of each token,
+chosen by pointer), `_moe_decode_down_pairs_kernel` (per pair, weighted; `_moe_decode_down_kernel`
+loops over a token's pairs instead) and the sum (`kernel._moe_sum_pairs_kernel`, or
+`_moe_sum_add_norm_kernel` with the residual add and the next input norm). Weights are read in
+the slot pool's layout with `ft.kernels.nvfp4.kernel`'s row dot products; no host sync anywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ft.kernels.moe.kernel import _moe_sum_pairs_kernel
+from ft.kernels.norm.kernel import _rstd, _warps, add_rms_norm_triton
+from ft.kernels.nvfp4.kernel import as_words, nvfp4_rows_dot, rows_dot_whole_k, whole_k_words
+
+__all__ = ["moe_decode_triton"]
+
+# (rows, BLOCK_W words or 0 for the whole K, num_warps) of the decode MoE's passes (`moe_decode_triton`:
+# gate/up per pair; down looping over a token's pairs and summing them), for one token and for
+# more; the H200 sweep's best (bench/moe_decode.py --sweep, bench/RESULTS.md)
+DECODE_GATE_UP_CONFIG = {1: (4, 0, 4), 2: (8, 0, 4)}
+# Down per pair (`_moe_decode_down_pairs_kernel`: BLOCK_H rows, whole K, num_warps) plus an ordered
+# sum over each token's pairs: the best of the sweep at batch 1 and 8 (17.5 and 74.6 us for the
+# block against 20.2 and 75.9 for one program per token looping over its pairs, which
+# `DECODE_DOWN_CONFIG` configures and `down_per_pair=False` or a K that is not one tile selects).
+DECODE_DOWN_PAIRS_CONFIG = (64, 0, 4)
+DECODE_DOWN_CONFIG = {1: (8, 0, 4), 2: (8, 0, 2)}
+DECODE_DOWN_PAIRS_MIN_TOKENS = 1
+
+
+@triton.jit
+def _moe_decode_gate_up_kernel(
+    p_x, p_slots, p_w13, p_s13, p_s2, p_sw13, p_ss13, p_ss2, p_h,
+    I, H,
+    stride_xt, stride_st, stride_w13e, stride_w13r, stride_s13e, stride_s13r, stride_s2e, stride_ht,
+    TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr,
+    WHOLE_K: tl.constexpr = 0,
+):
+    """Grid (T * KS, I / BLOCK_I), KS = TOPK + HAS_SHARED: h[t * KS + j] = silu(x[t] @ gate^T) * (x[t] @ up^T)
+    (fp32) of pair j of token t: the expert in slot topk_slots[t, j] for j < TOPK, the shared expert
+    (its own one-slot pool at p_sw13, p_ss13, p_ss2; same row strides) for j = TOPK. A skipped pair
+    (slot -1) reads no weights and stores zeros."""
+    KS: tl.constexpr = TOPK + HAS_SHARED
+    i_p = tl.program_id(0)
+    i_i = tl.program_id(1)
+    i_t = i_p // KS
+    j = i_p % KS
+    is_shared = j >= TOPK
+    slot = tl.load(p_slots + i_t * stride_st + j, mask=j < TOPK, other=0)
+    on = (slot >= 0) | is_shared
+    slot = tl.maximum(slot, 0).to(tl.int64)
+    # NOTE: the shared expert is a pointer choice, not a branch: one code path, one set of registers
+    p_w = tl.where(is_shared, p_sw13, p_w13 + slot * stride_w13e)
+    p_s = tl.where(is_shared, p_ss13, p_s13 + slot * stride_s13e)
+    p_g = tl.where(is_shared, p_ss2, p_s2 + slot * stride_s2e)
+    o_q = tl.arange(0, 2 * BLOCK_I)  # tile row 2q + g: gate (g = 0) or up (g = 1) row i_i * BLOCK_I + q
+    o_i = i_i * BLOCK_I + o_q // 2
+    o_r = o_i + (o_q % 2) * I
+    if WHOLE_K > 0:  # H / 8 = WHOLE_K words in one tile
+        b_gu = rows_dot_whole_k(p_w, p_s, o_r, o_i < tl.where(on, I, 0), stride_w13r, stride_s13r,
+                                p_x + i_t * stride_xt, WHOLE_K, 2 * BLOCK_I)
+    else:
+        o_t = tl.zeros((1,), dtype=tl.int32) + i_t
+        b_gu = nvfp4_rows_dot(p_w, p_s, o_r, o_i < I, stride_w13r, stride_s13r, p_x, o_t, o_t >= 0, stride_xt, 0,
+                              tl.where(on, H // 8, 0), 1, 2 * BLOCK_I, BLOCK_W)
+    b_g, b_u = tl.split(tl.reshape(b_gu, (BLOCK_I, 2)))
+    b_g = b_g * tl.load(p_g)
+    b_u = b_u * tl.load(p_g + 1)
+    b_h = b_g / (1.0 + tl.exp(-b_g)) * b_u
+    o_h = i_i * BLOCK_I + tl.arange(0, BLOCK_I)
+    tl.store(p_h + i_p * stride_ht + o_h, tl.where(on, b_h, 0.0), mask=o_h < I)
+
+
+@triton.jit
+def _moe_decode_down_kernel(
+    p_h, p_slots, p_wts, p_w2, p_s2w, p_s2, p_sw2, p_ss2w, p_ss2, p_out,
+    I, H,
+    stride_ht, stride_st, stride_wt, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e, stride_ot,
+    TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
+    WHOLE_K: tl.constexpr = 0,
+):
+    """Grid (T, H / BLOCK_H): out[t] = sum_j wts[t, j] * (h[t * KS + j] @ down_j^T), j = 0 .. KS - 1 in
+    order (fp32, cast once): the routed pairs, then the shared expert (j = TOPK, its weight the
+    gate's sigmoid). The pairs are unrolled, so all their weight loads are in flight together; the
+    fixed order makes the sum independent of slots and of the batch's other tokens."""
+    KS: tl.constexpr = TOPK + HAS_SHARED
+    i_t = tl.program_id(0)
+    o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(KS):
+        i_p = i_t * KS + j
+        if j < TOPK:
+            slot = tl.load(p_slots + i_t * stride_st + j)
+            on = slot >= 0
+            slot = tl.maximum(slot, 0).to(tl.int64)
+            p_w = p_w2 + slot * stride_w2e
+            p_s = p_s2w + slot * stride_s2we
+            p_g = p_s2 + slot * stride_s2e + 2
+        else:
+            on = i_t >= 0
+            p_w = p_sw2
+            p_s = p_ss2w
+            p_g = p_ss2 + 2
+        if WHOLE_K > 0:  # I / 8 = WHOLE_K words in one tile
+            b_y = rows_dot_whole_k(p_w, p_s, o_h, o_h < tl.where(on, H, 0), stride_w2r, stride_s2wr,
+                                   p_h + i_p * stride_ht, WHOLE_K, BLOCK_H)
+        else:
+            o_p = tl.zeros((1,), dtype=tl.int32) + i_p
+            b_y = tl.sum(nvfp4_rows_dot(p_w, p_s, o_h, m_h, stride_w2r, stride_s2wr, p_h, o_p, o_p >= 0, stride_ht, 0,
+                                        tl.where(on, I // 8, 0), 1, BLOCK_H, BLOCK_W), axis=0)
+        b_wt = tl.load(p_wts + i_t * stride_wt + j).to(tl.float32) * tl.load(p_g)
+        acc += tl.where(on, b_y * b_wt, 0.0)
+    tl.store(p_out + i_t * stride_ot + o_h, acc.to(p_out.dtype.element_ty), mask=m_h)
+
+
+@triton.jit
+def _moe_decode_down_pairs_kernel(
+    p_h, p_slots, p_wts, p_w2, p_s2w, p_s2, p_sw2, p_ss2w, p_ss2, p_yp,
+    I, H,
+    stride_ht, stride_st, stride_wt, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e, stride_yp,
+    TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, WHOLE_K: tl.constexpr,
+):
+    """Grid (T * KS, H / BLOCK_H): yp[p] = wts[t, j] * (h[p] @ down_j^T) (fp32) for pair p = t * KS + j,
+    zeros for a skipped pair; `_moe_sum_pairs_kernel` then sums each token's KS pairs in order.
+    With several tokens every pair's expert is in flight at once (`_moe_decode_down_kernel` reads
+    a token's pairs in one program)."""
+    KS: tl.constexpr = TOPK + HAS_SHARED
+    i_p = tl.program_id(0)
+    o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    i_t = i_p // KS
+    j = i_p % KS
+    is_shared = j >= TOPK
+    slot = tl.load(p_slots + i_t * stride_st + j, mask=j < TOPK, other=0)
+    on = (slot >= 0) | is_shared
+    slot = tl.maximum(slot, 0).to(tl.int64)
+    p_w = tl.where(is_shared, p_sw2, p_w2 + slot * stride_w2e)
+    p_s = tl.where(is_shared, p_ss2w, p_s2w + slot * stride_s2we)
+    p_g = tl.where(is_shared, p_ss2, p_s2 + slot * stride_s2e)
+    b_y = rows_dot_whole_k(p_w, p_s, o_h, o_h < tl.where(on, H, 0), stride_w2r, stride_s2wr, p_h + i_p * stride_ht,
+                           WHOLE_K, BLOCK_H)
+    b_wt = tl.load(p_wts + i_t * stride_wt + j).to(tl.float32) * tl.load(p_g + 2)
+    tl.store(p_yp + i_p * stride_yp + o_h, tl.where(on, b_y * b_wt, 0.0), mask=o_h < H)
+
+
+@triton.jit(do_not_specialize=["H"])
+def _moe_sum_add_norm_kernel(p_yp, p_r, p_w, p_x, p_h, H, eps, stride_yp, stride_rt, stride_xt, stride_ht,
+                             KS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (T,): y = sum_j yp[t * KS + j] (fp32, in order, cast to the activation dtype), then the
+    next layer's input norm with the residual, as `ft.kernels.norm`'s `_rms_norm_kernel` does it:
+    h = residual + y (in the activation dtype), x = rmsnorm(h) * (1 + w). Bit for bit the sum kernel
+    followed by that kernel, in one launch."""
+    i_t = tl.program_id(0).to(tl.int64)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < H
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in tl.static_range(KS):  # unrolled: every pair's row in flight at once (one program per token)
+        acc += tl.load(p_yp + (i_t * KS + j) * stride_yp + o_d, mask=m_d, other=0.0)
+    b_y = acc.to(p_h.dtype.element_ty)
+    b_r = tl.load(p_r + i_t * stride_rt + o_d, mask=m_d, other=0.0)
+    b_h = (b_r.to(tl.float32) + b_y.to(tl.float32)).to(p_h.dtype.element_ty)
+    b_f = b_h.to(tl.float32)
+    b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_x = (b_f * _rstd(b_f, H, eps)) * (1.0 + b_w)
+    tl.debug_barrier()  # NOTE: every load before any store, so h may be the residual itself
+    tl.store(p_h + i_t * stride_ht + o_d, b_h, mask=m_d)
+    tl.store(p_x + i_t * stride_xt + o_d, b_x.to(p_x.dtype.element_ty), mask=m_d)
+
+
+def moe_decode_triton(
+    x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, w, shared=None, *,
+    out: torch.Tensor | None = None, gate_up_config: tuple[int, int, int] | None = None,
+    down_config: tuple[int, int, int] | None = None, down_per_pair: bool | None = None,
+    residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+):
+    """The decode MoE block in two or three launches: sum_j weight_j * expert_j(x) over the routed pairs and,
+    with `shared`, the shared expert as one more pair.
+
+    Args:
+        x: [T, H]; topk_slots: [T, k] integer slots (-1 = skip), any row stride; w: the NVFP4 slot pool.
+        topk_weights: [T, k + S] (S = 1 with `shared`): the routing weights, then the shared
+            expert's weight (sigmoid of its gate), any row stride.
+        shared: None or a one-slot NVFP4 `SlotWeights` with the pool's expert shapes (the shared
+            expert of this layer: gate rows, up rows; down).
+        out: optional [T, H] in x's dtype.
+        down_per_pair: down per pair plus a sum (True) or looping over a token's pairs (False);
+            default by T (`DECODE_DOWN_PAIRS_MIN_TOKENS`). *_config override the tuned block sizes.
+        residual, norm_weight: with both, the next layer's input norm follows in the same launch as
+            the sum (`_moe_sum_add_norm_kernel`): returns (rms_norm(residual + y), residual + y)
+            like `ft.kernels.norm.add_rms_norm` (`eps` its epsilon).
+    Returns: y [T, H] in x's dtype: one fp32 sum over the pairs in order, cast once; or the pair above.
+    Raises: ValueError on shapes the kernels do not take.
+    """
+    if not w.is_nvfp4 or (shared is not None and not shared.is_nvfp4):
+        raise ValueError("moe_decode_triton takes NVFP4 slot pools only")
+    t, hid = x.shape
+    i = w.w13.shape[1] // 2
+    if w.w13.shape[2] * 2 != hid or w.w2.shape[1] != hid or w.w2.shape[2] * 2 != i or i % 16 or hid % 16:
+        raise ValueError(f"slot pool shapes {tuple(w.w13.shape)}, {tuple(w.w2.shape)} do not match x {tuple(x.shape)}")
+    has_shared = int(shared is not None)
+    if has_shared and (shared.w13.shape[1:] != w.w13.shape[1:] or shared.w2.shape[1:] != w.w2.shape[1:]):
+        raise ValueError(f"shared expert {tuple(shared.w13.shape)}, {tuple(shared.w2.shape)} does not match the pool's experts")
+    k = topk_slots.shape[1]
+    if topk_slots.shape[0] != t or tuple(topk_weights.shape) != (t, k + has_shared):
+        raise ValueError(f"topk_slots {tuple(topk_slots.shape)} and topk_weights {tuple(topk_weights.shape)} must be "
+                         f"[T, k] and [T, k + {has_shared}]")
+    y = torch.empty_like(x) if out is None else out
+    if t == 0:
+        return (y, torch.empty_like(x)) if residual is not None and norm_weight is not None else y
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    slots = topk_slots if topk_slots.stride(-1) == 1 else topk_slots.contiguous()
+    wts = topk_weights if topk_weights.stride(-1) == 1 else topk_weights.contiguous()
+    w13, w2 = as_words(w.w13), as_words(w.w2)
+    s13, s2w, s2 = w.w13_scale.view(torch.uint8), w.w2_scale.view(torch.uint8), w.scale_2.float()
+    sh = shared if has_shared else w  # any valid pointers when there is no shared expert (never read)
+    sw13, sw2 = as_words(sh.w13), as_words(sh.w2)
+    ss13, ss2w, ss2 = sh.w13_scale.view(torch.uint8), sh.w2_scale.view(torch.uint8), sh.scale_2.float()
+    if has_shared and (sw13.stride(1) != w13.stride(1) or ss13.stride(1) != s13.stride(1) or
+                       sw2.stride(1) != w2.stride(1) or ss2w.stride(1) != s2w.stride(1)):
+        raise ValueError("the shared expert's rows must have the slot pool's strides")
+    ks = k + has_shared
+    h = torch.empty((t * ks, i), dtype=torch.float32, device=x.device)
+    block_i, bw13, warps13 = gate_up_config or DECODE_GATE_UP_CONFIG[min(t, 2)]
+    per_pair = down_per_pair if down_per_pair is not None else t >= DECODE_DOWN_PAIRS_MIN_TOKENS
+    block_h, bw2, warps2 = down_config or (DECODE_DOWN_PAIRS_CONFIG if per_pair else DECODE_DOWN_CONFIG[min(t, 2)])
+    whole13 = whole_k_words(hid) if bw13 == 0 else 0
+    whole2 = whole_k_words(i) if bw2 == 0 else 0
+    bw13 = max(2, min(bw13 or 64, triton.next_power_of_2(hid // 8)))
+    bw2 = max(2, min(bw2 or 64, triton.next_power_of_2(i // 8)))
+    _moe_decode_gate_up_kernel[(t * ks, triton.cdiv(i, block_i))](
+        x, slots, w13, s13, s2, sw13, ss13, ss2, h, i, hid,
+        x.stride(0), slots.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s2.stride(0),
+        h.stride(0), TOPK=k, HAS_SHARED=has_shared, BLOCK_I=block_i, BLOCK_W=bw13, WHOLE_K=whole13,
+        num_warps=warps13,
+    )
+    fuse_norm = residual is not None and norm_weight is not None
+    if per_pair and whole2:  # (a row's K in one tile; other shapes take the loop)
+        y_pairs = torch.empty((t * ks, hid), dtype=torch.float32, device=x.device)
+        _moe_decode_down_pairs_kernel[(t * ks, triton.cdiv(hid, block_h))](
+            h, slots, wts, w2, s2w, s2, sw2, ss2w, ss2, y_pairs, i, hid,
+            h.stride(0), slots.stride(0), wts.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1),
+            s2.stride(0), y_pairs.stride(0), TOPK=k, HAS_SHARED=has_shared, BLOCK_H=block_h, WHOLE_K=whole2,
+            num_warps=warps2,
+        )
+        if fuse_norm and hid <= 8192 and residual.shape == x.shape and residual.dtype == x.dtype \
+                and residual.stride(-1) == 1:
+            h_out = torch.empty_like(x)
+            block = triton.next_power_of_2(hid)
+            _moe_sum_add_norm_kernel[(t,)](y_pairs, residual, norm_weight, y, h_out, hid, eps, y_pairs.stride(0),
+                                           residual.stride(0), y.stride(0), h_out.stride(0), KS=ks, BLOCK_D=block,
+                                           num_warps=_warps(block))
+            return y, h_out
+        _moe_sum_pairs_kernel[(t, triton.cdiv(hid, 1024))](y_pairs, y, hid, ks, y_pairs.stride(0), y.stride(0), BLOCK=1024)
+        return add_rms_norm_triton(y, residual, norm_weight, eps) if fuse_norm else y
+    _moe_decode_down_kernel[(t, triton.cdiv(hid, block_h))](
+        h, slots, wts, w2, s2w, s2, sw2, ss2w, ss2, y, i, hid,
+        h.stride(0), slots.stride(0), wts.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1),
+        s2.stride(0), y.stride(0), TOPK=k, HAS_SHARED=has_shared, BLOCK_H=block_h, BLOCK_W=bw2, WHOLE_K=whole2,
+        num_warps=warps2,
+    )
+    return add_rms_norm_triton(y, residual, norm_weight, eps) if fuse_norm else y
