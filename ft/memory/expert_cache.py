@@ -96,17 +96,21 @@ class ExpertCache:
     def ensure(self, layer: int, experts: list[int], count: bool = True) -> None:
         """Make the distinct `experts` of `layer` resident, evicting least recently used others.
 
+        The policy, exactly (`ft.tools.routing_trace.lru_hit_rate` replays it): the residents among
+        `experts` become the most recent, in the order given; then each missing one, in the order
+        given, takes a free slot or the least recently used slot that this call does not use.
         Contract: len(experts) <= num_slots (callers split larger sets into groups).
         """
         if len(experts) > self.num_slots:
             raise ValueError(f"{len(experts)} experts asked at once, cache has {self.num_slots} slots")
-        wanted = {(layer, e) for e in experts}
-        for key in wanted:
+        keys = list(dict.fromkeys((layer, e) for e in experts))  # distinct, in the order given
+        wanted = set(keys)
+        for key in keys:
             if key in self._lru:
                 self._lru.move_to_end(key)
                 if count:
                     self.stats.hits += 1
-        for key in sorted(wanted):
+        for key in keys:
             if key in self._lru:
                 continue
             slot = self._take_slot(wanted)

@@ -79,23 +79,26 @@ class RoutingTrace:
 
 def lru_hit_rate(trace: list[list[list[int]]], capacity: int, warmup: int = 0) -> float:
     """Hits / accesses of one global LRU cache of `capacity` (layer, expert) slots over `trace`
-    ([token][layer][k]), counting after the first `warmup` tokens. A token's experts of a layer are
-    looked up together: a miss loads into the least recently used slot (never one this layer of
-    this token uses, which LRU order guarantees when capacity >= k)."""
+    ([token][layer][k]), counting after the first `warmup` tokens. Each (token, layer) is one call
+    of the expert cache's policy (`ft.memory.expert_cache.ExpertCache.ensure`): its residents
+    become the most recent in order, then each missing expert in order evicts the least recently
+    used slot that the call does not use (capacity >= k)."""
     cache: OrderedDict[tuple[int, int], None] = OrderedDict()
     hits = total = 0
     for t, layers in enumerate(trace):
         for layer, experts in enumerate(layers):
-            for e in experts:
-                key = (layer, e)
-                hit = key in cache
-                if hit:
-                    cache.move_to_end(key)
-                else:
-                    cache[key] = None
-                    if len(cache) > capacity:
-                        cache.popitem(last=False)
-                if t >= warmup:
-                    hits += hit
-                    total += 1
+            keys = list(dict.fromkeys((layer, e) for e in experts))
+            present = [k for k in keys if k in cache]
+            for key in present:
+                cache.move_to_end(key)
+            for key in keys:
+                if key in cache:
+                    continue
+                if len(cache) >= capacity:
+                    victim = next(k for k in cache if k not in keys)
+                    del cache[victim]
+                cache[key] = None
+            if t >= warmup:
+                hits += len(present)
+                total += len(keys)
     return hits / total if total else 0.0
