@@ -224,3 +224,34 @@ def test_moe_decode_with_the_next_norm_is_the_two_launches_bitwise(dtype):
     got = moe_decode_triton(x, slots, weights, w, shared, residual=residual, norm_weight=norm_w, eps=1e-6,
                             down_per_pair=False)
     assert isinstance(got, tuple) and got[0].shape == x.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_moe_decode_reads_slotless_experts_from_the_host_store(dtype):
+    """Experts without a slot are read from the host store in place (no copy first): the result is
+    bit for bit the one with every expert in a slot, and matches the slot-or-host reference."""
+    gen = torch.Generator().manual_seed(21)
+    layers, experts, t, k, h, i = 2, 6, 3, 3, 64, 32
+    per_layer = [_slot_pool(experts, h, i, gen) for _ in range(layers)]
+    host = SlotWeights(*(torch.stack(parts) for parts in zip(*per_layer)))  # [L, E, ...]
+    shared = _slot_pool(1, h, i, gen)
+    layer = 1
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(t)])
+    # only experts 1 and 4 of this layer have slots (0 and 1)
+    table = torch.full((experts,), -1, dtype=torch.long)
+    table[1], table[4] = 0, 1
+    pool = SlotWeights(*(torch.stack([t_[layer][e] for e in (1, 4)]) for t_ in host))
+    ids[0, 0], ids[1, 0] = 1, 4  # some pairs hit a slot ...
+    ids[0, 1], ids[1, 1] = (2 if ids[0, 0] != 2 else 3), (5 if ids[1, 0] != 5 else 0)  # ... and some miss
+    slots = table[ids]
+    assert (slots < 0).any() and (slots >= 0).any()
+    weights = torch.cat([torch.softmax(torch.randn(t, k, generator=gen), -1), torch.rand(t, 1, generator=gen)], 1)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    weights = weights.to(dtype)
+    got = moe_decode_triton(x, slots, weights, pool, shared, host=host, topk_ids=ids, layer=layer)
+    every = SlotWeights(*(p[layer] for p in host))  # every expert in slot = its id
+    assert torch.equal(got, moe_decode_triton(x, ids, weights, every, shared))
+    ref = moe_decode_ref(x, slots, weights, pool, shared, host=host, topk_ids=ids, layer=layer)
+    assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < TOL[dtype]
+    with pytest.raises(ValueError, match="topk_ids"):
+        moe_decode_triton(x, slots, weights, pool, shared, host=host)

@@ -158,3 +158,33 @@ def test_moe_decode_with_next_norm_equals_two_launches(pool, batch):
     got = moe_decode_triton(x, topk_slots, weights, pool, shared, residual=residual, norm_weight=norm_w, eps=1e-6)
     want = add_rms_norm_triton(moe_decode_triton(x, topk_slots, weights, pool, shared), residual, norm_w, 1e-6)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_moe_decode_reads_slotless_experts_from_pinned_host_memory(pool):
+    """Flagship shapes: experts without a slot are read in place from a pinned host store (UVA),
+    inside a CUDA graph replayed with new routings; bit for bit the all-resident result."""
+    from ft.kernels.moe.decode_kernel import moe_decode_triton
+
+    torch.manual_seed(4)
+    n = min(64, pool.w13.shape[0])
+    host = SlotWeights(*(t[:n].unsqueeze(0).cpu().pin_memory() for t in pool))  # [1 layer, n experts, ...]
+    every = SlotWeights(*(t[:n] for t in pool))
+    few = SlotWeights(*(t[:8] for t in pool))  # experts 0..7 have slots 0..7
+    shared = SlotWeights(*(t[:1].clone() for t in pool))
+    x = torch.randn(8, HIDDEN, device=DEV, dtype=torch.bfloat16)
+    weights = torch.cat([torch.softmax(torch.randn(8, TOP_K, device=DEV), -1),
+                         torch.rand(8, 1, device=DEV)], dim=1).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(n, device=DEV)[:TOP_K] for _ in range(8)])
+    slots = torch.where(ids < 8, ids, -1)
+    out = torch.empty_like(x)
+    graph = torch.cuda.CUDAGraph()
+    moe_decode_triton(x, slots, weights, few, shared, host=host, topk_ids=ids, out=out)  # compile
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        moe_decode_triton(x, slots, weights, few, shared, host=host, topk_ids=ids, out=out)
+    for _ in range(3):
+        ids.copy_(torch.stack([torch.randperm(n, device=DEV)[:TOP_K] for _ in range(8)]))
+        slots.copy_(torch.where(ids < 8, ids, -1))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, moe_decode_triton(x, ids, weights, every, shared))

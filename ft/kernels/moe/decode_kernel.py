@@ -36,16 +36,19 @@ DECODE_DOWN_PAIRS_MIN_TOKENS = 1
 
 @triton.jit
 def _moe_decode_gate_up_kernel(
-    p_x, p_slots, p_w13, p_s13, p_s2, p_sw13, p_ss13, p_ss2, p_h,
+    p_x, p_slots, p_ids, p_w13, p_s13, p_s2, p_sw13, p_ss13, p_ss2, p_hw13, p_hs13, p_hs2, p_h,
     I, H,
-    stride_xt, stride_st, stride_w13e, stride_w13r, stride_s13e, stride_s13r, stride_s2e, stride_ht,
+    stride_xt, stride_st, stride_it, stride_w13e, stride_w13r, stride_s13e, stride_s13r, stride_s2e,
+    stride_hw13e, stride_hs13e, stride_hs2e, stride_ht,
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr,
-    WHOLE_K: tl.constexpr = 0,
+    WHOLE_K: tl.constexpr = 0, HAS_HOST: tl.constexpr = False,
 ):
     """Grid (T * KS, I / BLOCK_I), KS = TOPK + HAS_SHARED: h[t * KS + j] = silu(x[t] @ gate^T) * (x[t] @ up^T)
     (fp32) of pair j of token t: the expert in slot topk_slots[t, j] for j < TOPK, the shared expert
-    (its own one-slot pool at p_sw13, p_ss13, p_ss2; same row strides) for j = TOPK. A skipped pair
-    (slot -1) reads no weights and stores zeros."""
+    (its own one-slot pool at p_sw13, p_ss13, p_ss2; same row strides) for j = TOPK. A pair without
+    a slot (-1) reads its expert topk_ids[t, j] from the layer's host store (p_hw13, ...: pinned
+    memory that the GPU reads directly, same row strides) with HAS_HOST, else it is skipped: it
+    reads no weights and stores zeros."""
     KS: tl.constexpr = TOPK + HAS_SHARED
     i_p = tl.program_id(0)
     i_i = tl.program_id(1)
@@ -53,12 +56,15 @@ def _moe_decode_gate_up_kernel(
     j = i_p % KS
     is_shared = j >= TOPK
     slot = tl.load(p_slots + i_t * stride_st + j, mask=j < TOPK, other=0)
-    on = (slot >= 0) | is_shared
+    eid = tl.load(p_ids + i_t * stride_it + j, mask=HAS_HOST & (j < TOPK), other=-1)  # ids: only with a host store
+    from_host = (slot < 0) & (eid >= 0)
+    on = (slot >= 0) | is_shared | from_host
     slot = tl.maximum(slot, 0).to(tl.int64)
-    # NOTE: the shared expert is a pointer choice, not a branch: one code path, one set of registers
-    p_w = tl.where(is_shared, p_sw13, p_w13 + slot * stride_w13e)
-    p_s = tl.where(is_shared, p_ss13, p_s13 + slot * stride_s13e)
-    p_g = tl.where(is_shared, p_ss2, p_s2 + slot * stride_s2e)
+    eid = tl.maximum(eid, 0).to(tl.int64)
+    # NOTE: the shared expert and the host store are pointer choices, not branches: one code path
+    p_w = tl.where(is_shared, p_sw13, tl.where(from_host, p_hw13 + eid * stride_hw13e, p_w13 + slot * stride_w13e))
+    p_s = tl.where(is_shared, p_ss13, tl.where(from_host, p_hs13 + eid * stride_hs13e, p_s13 + slot * stride_s13e))
+    p_g = tl.where(is_shared, p_ss2, tl.where(from_host, p_hs2 + eid * stride_hs2e, p_s2 + slot * stride_s2e))
     o_q = tl.arange(0, 2 * BLOCK_I)  # tile row 2q + g: gate (g = 0) or up (g = 1) row i_i * BLOCK_I + q
     o_i = i_i * BLOCK_I + o_q // 2
     o_r = o_i + (o_q % 2) * I
@@ -122,15 +128,18 @@ def _moe_decode_down_kernel(
 
 @triton.jit
 def _moe_decode_down_pairs_kernel(
-    p_h, p_slots, p_wts, p_w2, p_s2w, p_s2, p_sw2, p_ss2w, p_ss2, p_yp,
+    p_h, p_slots, p_ids, p_wts, p_w2, p_s2w, p_s2, p_sw2, p_ss2w, p_ss2, p_hw2, p_hs2w, p_hs2, p_yp,
     I, H,
-    stride_ht, stride_st, stride_wt, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e, stride_yp,
+    stride_ht, stride_st, stride_it, stride_wt, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e,
+    stride_hw2e, stride_hs2we, stride_hs2e, stride_yp,
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, WHOLE_K: tl.constexpr,
+    HAS_HOST: tl.constexpr = False,
 ):
     """Grid (T * KS, H / BLOCK_H): yp[p] = wts[t, j] * (h[p] @ down_j^T) (fp32) for pair p = t * KS + j,
     zeros for a skipped pair; `_moe_sum_pairs_kernel` then sums each token's KS pairs in order.
     With several tokens every pair's expert is in flight at once (`_moe_decode_down_kernel` reads
-    a token's pairs in one program)."""
+    a token's pairs in one program). HAS_HOST: a pair without a slot reads the host store, as in
+    `_moe_decode_gate_up_kernel`."""
     KS: tl.constexpr = TOPK + HAS_SHARED
     i_p = tl.program_id(0)
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -138,11 +147,14 @@ def _moe_decode_down_pairs_kernel(
     j = i_p % KS
     is_shared = j >= TOPK
     slot = tl.load(p_slots + i_t * stride_st + j, mask=j < TOPK, other=0)
-    on = (slot >= 0) | is_shared
+    eid = tl.load(p_ids + i_t * stride_it + j, mask=HAS_HOST & (j < TOPK), other=-1)
+    from_host = (slot < 0) & (eid >= 0)
+    on = (slot >= 0) | is_shared | from_host
     slot = tl.maximum(slot, 0).to(tl.int64)
-    p_w = tl.where(is_shared, p_sw2, p_w2 + slot * stride_w2e)
-    p_s = tl.where(is_shared, p_ss2w, p_s2w + slot * stride_s2we)
-    p_g = tl.where(is_shared, p_ss2, p_s2 + slot * stride_s2e)
+    eid = tl.maximum(eid, 0).to(tl.int64)
+    p_w = tl.where(is_shared, p_sw2, tl.where(from_host, p_hw2 + eid * stride_hw2e, p_w2 + slot * stride_w2e))
+    p_s = tl.where(is_shared, p_ss2w, tl.where(from_host, p_hs2w + eid * stride_hs2we, p_s2w + slot * stride_s2we))
+    p_g = tl.where(is_shared, p_ss2, tl.where(from_host, p_hs2 + eid * stride_hs2e, p_s2 + slot * stride_s2e))
     b_y = rows_dot_whole_k(p_w, p_s, o_h, o_h < tl.where(on, H, 0), stride_w2r, stride_s2wr, p_h + i_p * stride_ht,
                            WHOLE_K, BLOCK_H)
     b_wt = tl.load(p_wts + i_t * stride_wt + j).to(tl.float32) * tl.load(p_g + 2)
@@ -178,6 +190,7 @@ def moe_decode_triton(
     out: torch.Tensor | None = None, gate_up_config: tuple[int, int, int] | None = None,
     down_config: tuple[int, int, int] | None = None, down_per_pair: bool | None = None,
     residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+    host=None, topk_ids: torch.Tensor | None = None, layer: int = 0,
 ):
     """The decode MoE block in two or three launches: sum_j weight_j * expert_j(x) over the routed pairs and,
     with `shared`, the shared expert as one more pair.
@@ -194,6 +207,10 @@ def moe_decode_triton(
         residual, norm_weight: with both, the next layer's input norm follows in the same launch as
             the sum (`_moe_sum_add_norm_kernel`): returns (rms_norm(residual + y), residual + y)
             like `ft.kernels.norm.add_rms_norm` (`eps` its epsilon).
+        host, topk_ids, layer: the expert cache's host store (`SlotWeights` [L, E, ...], pinned on
+            CUDA, where the GPU reads it in place), the routed experts' ids [T, k] and the MoE
+            layer: a pair without a slot (-1) then reads its expert from host[layer, id] instead
+            of being skipped (no copy before the step; down runs per pair).
     Returns: y [T, H] in x's dtype: one fp32 sum over the pairs in order, cast once; or the pair above.
     Raises: ValueError on shapes the kernels do not take.
     """
@@ -224,6 +241,21 @@ def moe_decode_triton(
     if has_shared and (sw13.stride(1) != w13.stride(1) or ss13.stride(1) != s13.stride(1) or
                        sw2.stride(1) != w2.stride(1) or ss2w.stride(1) != s2w.stride(1)):
         raise ValueError("the shared expert's rows must have the slot pool's strides")
+    has_host = host is not None
+    if has_host:
+        if topk_ids is None or tuple(topk_ids.shape) != (t, k):
+            raise ValueError(f"a host store needs topk_ids [T, k] = [{t}, {k}]")
+        if host.w13.shape[2:] != w.w13.shape[1:] or host.w2.shape[2:] != w.w2.shape[1:] or not host.is_nvfp4:
+            raise ValueError("the host store's experts must have the slot pool's shapes (NVFP4)")
+        hw13, hw2 = as_words(host.w13[layer]), as_words(host.w2[layer])
+        hs13, hs2w, hs2 = host.w13_scale[layer].view(torch.uint8), host.w2_scale[layer].view(torch.uint8), \
+            host.scale_2[layer].float()
+        if hw13.stride(1) != w13.stride(1) or hs13.stride(1) != s13.stride(1) or hw2.stride(1) != w2.stride(1) \
+                or hs2w.stride(1) != s2w.stride(1):
+            raise ValueError("the host store's rows must have the slot pool's strides")
+        ids = topk_ids if topk_ids.stride(-1) == 1 else topk_ids.contiguous()
+    else:  # any valid pointers (never read: HAS_HOST is off)
+        hw13, hw2, hs13, hs2w, hs2, ids = w13, w2, s13, s2w, s2, slots
     ks = k + has_shared
     h = torch.empty((t * ks, i), dtype=torch.float32, device=x.device)
     block_i, bw13, warps13 = gate_up_config or DECODE_GATE_UP_CONFIG[min(t, 2)]
@@ -234,19 +266,21 @@ def moe_decode_triton(
     bw13 = max(2, min(bw13 or 64, triton.next_power_of_2(hid // 8)))
     bw2 = max(2, min(bw2 or 64, triton.next_power_of_2(i // 8)))
     _moe_decode_gate_up_kernel[(t * ks, triton.cdiv(i, block_i))](
-        x, slots, w13, s13, s2, sw13, ss13, ss2, h, i, hid,
-        x.stride(0), slots.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s2.stride(0),
-        h.stride(0), TOPK=k, HAS_SHARED=has_shared, BLOCK_I=block_i, BLOCK_W=bw13, WHOLE_K=whole13,
-        num_warps=warps13,
+        x, slots, ids, w13, s13, s2, sw13, ss13, ss2, hw13, hs13, hs2, h, i, hid,
+        x.stride(0), slots.stride(0), ids.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
+        s2.stride(0), hw13.stride(0), hs13.stride(0), hs2.stride(0), h.stride(0), TOPK=k, HAS_SHARED=has_shared,
+        BLOCK_I=block_i, BLOCK_W=bw13, WHOLE_K=whole13, HAS_HOST=has_host, num_warps=warps13,
     )
     fuse_norm = residual is not None and norm_weight is not None
+    if has_host and not (per_pair and whole2):
+        raise ValueError("a host store needs the per-pair down pass over a whole-K tile (down_per_pair, I / 8 <= 1024)")
     if per_pair and whole2:  # (a row's K in one tile; other shapes take the loop)
         y_pairs = torch.empty((t * ks, hid), dtype=torch.float32, device=x.device)
         _moe_decode_down_pairs_kernel[(t * ks, triton.cdiv(hid, block_h))](
-            h, slots, wts, w2, s2w, s2, sw2, ss2w, ss2, y_pairs, i, hid,
-            h.stride(0), slots.stride(0), wts.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1),
-            s2.stride(0), y_pairs.stride(0), TOPK=k, HAS_SHARED=has_shared, BLOCK_H=block_h, WHOLE_K=whole2,
-            num_warps=warps2,
+            h, slots, ids, wts, w2, s2w, s2, sw2, ss2w, ss2, hw2, hs2w, hs2, y_pairs, i, hid,
+            h.stride(0), slots.stride(0), ids.stride(0), wts.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0),
+            s2w.stride(1), s2.stride(0), hw2.stride(0), hs2w.stride(0), hs2.stride(0), y_pairs.stride(0), TOPK=k,
+            HAS_SHARED=has_shared, BLOCK_H=block_h, WHOLE_K=whole2, HAS_HOST=has_host, num_warps=warps2,
         )
         if fuse_norm and hid <= 8192 and residual.shape == x.shape and residual.dtype == x.dtype \
                 and residual.stride(-1) == 1:

@@ -61,7 +61,8 @@ def moe_over_slots_ref(
 
 def moe_decode_ref(
     x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, w: SlotWeights,
-    shared: SlotWeights | None = None,
+    shared: SlotWeights | None = None, host: SlotWeights | None = None, topk_ids: torch.Tensor | None = None,
+    layer: int = 0,
 ) -> torch.Tensor:
     """The decode MoE block: sum_j weight_j * expert_j(x) over the routed pairs in order, then the
     shared expert (one more pair, slot 0 of `shared`) when given; everything in fp32, cast once.
@@ -69,6 +70,8 @@ def moe_decode_ref(
     Args:
         x: [T, H]; topk_slots: [T, k] slots, -1 = skip; topk_weights: [T, k + S], S = 1 with
         `shared` (its weight last: the sigmoid of the shared expert's gate).
+        host, topk_ids, layer: with a host store ([L, E, ...]) a pair without a slot reads expert
+        topk_ids[t, j] of `layer` from it instead of being skipped (the slot-or-host gather).
     Returns: [T, H] in x's dtype.
     """
     t, k = topk_slots.shape
@@ -86,6 +89,16 @@ def moe_decode_ref(
             tok, j = p // k, p % k
             gate, up = F.linear(xs[tok], w13s[u]).chunk(2, dim=-1)
             parts[tok, j] = F.linear(F.silu(gate) * up, w2s[u]) * wts[tok, j, None]
+    if host is not None:  # the slotless pairs, from the host store
+        miss = (flat < 0).nonzero().flatten()
+        if miss.numel():
+            layer_store = SlotWeights(*(t_[layer] for t_ in host))
+            ids = topk_ids.reshape(-1)[miss]
+            w13s, w2s = dense_slots(layer_store, ids.to(layer_store.w13.device), torch.float32)
+            for u, p in enumerate(miss.tolist()):
+                tok, j = p // k, p % k
+                gate, up = F.linear(xs[tok : tok + 1], w13s[u].to(x.device)).chunk(2, dim=-1)
+                parts[tok, j] = (F.linear(F.silu(gate) * up, w2s[u].to(x.device)) * wts[tok, j])[0]
     if shared is not None:
         w13, w2 = dense_slots(shared, torch.zeros(1, dtype=torch.long, device=x.device), torch.float32)
         gate, up = F.linear(xs, w13[0]).chunk(2, dim=-1)
