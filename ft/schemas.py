@@ -103,9 +103,10 @@ class CacheState(_Model):
 
 
 class ResizeRequest(_Model):
-    """POST /admin/cache: targets (None keeps the current size), wait and dry run."""
+    """POST /admin/cache: targets (None keeps the current size), wait and dry run. Strict: `{"kv": true}`
+    is refused, not read as a KV size of 1."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     moe: int | None = Field(default=None, ge=0)
     kv: int | None = Field(default=None, ge=0)

@@ -147,9 +147,13 @@ def test_sixteen_concurrent_streams_match_alone(server):
         ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n must be 1"),
         ({"model": MODEL, "prompt": "x", "temperature": -3}, 400, "temperature"),
         ({"model": MODEL}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "a\ud800b"}, 400, "not valid Unicode"),
+        ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": "8"}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": True}, 400, "max_tokens"),
     ],
     ids=["malformed", "unknown-model", "negative-max", "absurd-max", "long-prompt", "bad-token", "n2", "neg-temp",
-         "no-prompt"],
+         "no-prompt", "lone-surrogate", "string-bool", "string-int", "bool-int"],
 )
 def test_bad_input_is_4xx_and_server_stays_healthy(server, body, status, needle):
     data = body if isinstance(body, str) else json.dumps(body)
@@ -393,3 +397,25 @@ def test_resize_waits_for_running_requests(server):
     assert first["choices"] and rest[-1]["usage"]["completion_tokens"] == 200  # not cut by the resize
     assert resized["r"].status_code == 200 and resized["r"].json()["pools"]["kv"]["size"] == 64
     assert server.post("/admin/cache", json={"kv": before, "wait_s": WAIT_S}).status_code == 200
+
+
+def test_more_bad_input_is_4xx_not_500(server):
+    """Inputs that used to end in a 500: chat_template_kwargs repeating the template's own arguments,
+    a non-number events interval, a bool where a size belongs, a lone surrogate in a chat message."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = server.post("/v1/chat/completions", json={**chat, "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert r.status_code == 200, r.text  # an override, taken once
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    r = server.post("/v1/chat/completions", json={**chat, "tools": tools, "chat_template_kwargs": {"tools": tools}})
+    assert r.status_code == 400 and "tools given twice" in r.json()["error"]["message"]
+    r = server.post("/v1/chat/completions", content=json.dumps({**chat, "messages": [{"role": "user", "content": "\ud800"}]}),
+                    headers={"content-type": "application/json"})  # (json.dumps escapes the surrogate; httpx cannot)
+    assert r.status_code == 400 and "not valid Unicode" in r.json()["error"]["message"]
+    r = server.get("/admin/events?interval=abc")
+    assert r.status_code == 400 and "interval" in r.json()["error"]["message"]
+    kv = server.get("/admin/cache").json()["pools"]["kv"]["size"]
+    for body in ({"kv": True}, {"kv": "4096"}, {"dry_run": "yes", "kv": 4096}):
+        r = server.post("/admin/cache", json=body)
+        assert r.status_code == 400, (body, r.text)
+    assert server.get("/admin/cache").json()["pools"]["kv"]["size"] == kv
+    assert healthy(server)

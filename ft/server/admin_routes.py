@@ -128,7 +128,7 @@ async def get_history(request: Request) -> History:
 
 
 class LadderRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # `{"rung": true}` is not rung 1
     auto: bool | None = None
     rung: int | str | None = None
 
@@ -162,7 +162,11 @@ async def events(request: Request):
     """Server-sent events: a snapshot on connect, a `change` when the geometry or state changes,
     and a `tick` with live rates at least once a second."""
     st = _st(request)
-    interval = max(0.1, float(request.query_params.get("interval", 1.0)))
+    try:
+        interval = max(0.1, float(request.query_params.get("interval", 1.0)))
+    except ValueError:
+        raise ApiError(400, f"interval must be a number of seconds, got {request.query_params.get('interval')!r}") \
+            from None
 
     def sample(engine):
         return admin_state.cache_state(engine, _state_of(st), st.model_name), dict(engine.counters), \

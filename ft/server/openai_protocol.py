@@ -9,13 +9,20 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
+# NOTE: strict types: "8" is not a number and true is not 1 (a bool or a numeric string sent where a
+# number or a bool belongs is a client bug: 400, never a silent conversion); JSON ints are floats.
+STRICT = ConfigDict(strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
     # Unknown fields are ignored (OpenAI clients send extras such as `user`).
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)
@@ -44,7 +51,7 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None

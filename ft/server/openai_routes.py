@@ -109,7 +109,7 @@ async def completions(body: CompletionRequest, request: Request):
         if len(prompt) != 1:
             raise ApiError(400, "send one prompt per request (a list of one string or of token ids)")
         prompt = prompt[0]
-    ids = st.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    ids = _encode(st, prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise ApiError(400, "the prompt is empty")
     params = _params(st, body, len(ids), body.max_tokens)
@@ -123,16 +123,30 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     st = _state(request)
     _check_common(st, body)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    kwargs = dict(body.chat_template_kwargs or {})
+    # the template's own arguments may come in chat_template_kwargs (as vLLM takes them), once
+    add_generation_prompt = kwargs.pop("add_generation_prompt", True)
+    if "tools" in kwargs and body.tools is not None:
+        raise ApiError(400, "tools given twice: in the request and in chat_template_kwargs")
+    tools = kwargs.pop("tools", body.tools)
     try:
-        prompt = st.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tools=body.tools, **(body.chat_template_kwargs or {})
-        )
+        prompt = st.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                                  **kwargs)
     except ChatTemplateError as e:
         raise ApiError(400, str(e)) from None
-    ids = st.tokenizer.encode(prompt)
+    ids = _encode(st, prompt)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = _params(st, body, len(ids), max_tokens)
     return await _respond(st, request, body, ids, params, _ChatShape(new_id("chatcmpl"), st.model_name))
+
+
+def _encode(st, text: str) -> list[int]:
+    """Token ids of a prompt; text that is not valid Unicode (a lone surrogate) is a 400."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"the prompt is not valid Unicode: {e.reason} at character {e.start}") from None
+    return st.tokenizer.encode(text)
 
 
 class _CompletionShape:
