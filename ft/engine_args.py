@@ -17,6 +17,11 @@ HELP = {
     "moe_backend": "offload: experts in host memory, an LRU cache of device slots; resident: every expert on the device",
     "moe_cache_size": "expert slots on the device (offload backend)",
     "moe_cache_auto": "expert slots fill what the budget leaves after KV and mamba (the default without --moe-cache-size)",
+    "expert_policy": ("offload: which resident experts make room for misses: lru (least recently used) or lfu "
+                      "(least frequently used, with aging)"),
+    "expert_read_through": ("offload: decode reads a missing expert from host memory inside the step (CUDA graph, no "
+                            "sync) and caches it in a reserved slot; --no-expert-read-through loads misses before each "
+                            "MoE layer instead (host bookkeeping, no graphs)"),
     "num_tokens": "KV cache capacity in tokens (default: the whole context when it fits)",
     "max_seq_len_override": "context limit in tokens instead of the checkpoint's max_position_embeddings",
     "memory_ratio": "fraction of the free device memory the cache pools may use",
@@ -42,7 +47,7 @@ HELP = {
 }
 
 
-CHOICES = {"moe_backend": ["offload", "resident"], "storage_backend": ["auto", "vmm", "mmap", "realloc"], "dtype": ["auto", "float32", "bfloat16", "float16"]}
+CHOICES = {"moe_backend": ["offload", "resident"], "expert_policy": ["lru", "lfu"], "storage_backend": ["auto", "vmm", "mmap", "realloc"], "dtype": ["auto", "float32", "bfloat16", "float16"]}
 
 
 def _kind(f: dataclasses.Field):

@@ -255,3 +255,116 @@ def test_moe_decode_reads_slotless_experts_from_the_host_store(dtype):
     assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < TOL[dtype]
     with pytest.raises(ValueError, match="topk_ids"):
         moe_decode_triton(x, slots, weights, pool, shared, host=host)
+
+
+def _landing_case(dtype, dst_dtype, gen: torch.Generator):
+    """A host store [2 layers, 6 experts], a pool of 6 slots (experts 1 and 4 of layer 1 in slots 0
+    and 1, slots 2..5 free, holding other bytes), a routing with missed pairs and topk_dst naming a
+    distinct free slot for each distinct missed expert but one (its pairs land nowhere), in a wider
+    tensor (a row stride that is not k). A pair with a slot names slot 5: it must land nothing."""
+    layers, experts, t, k, h, i = 2, 6, 4, 3, 64, 32
+    host = SlotWeights(*(torch.stack(parts) for parts in zip(*[_slot_pool(experts, h, i, gen) for _ in range(layers)])))
+    layer = 1
+    free = _slot_pool(4, h, i, gen)
+    pool = SlotWeights(*(torch.cat([torch.stack([t_[layer][e] for e in (1, 4)]), f]) for t_, f in zip(host, free)))
+    table = torch.full((experts,), -1, dtype=torch.long)
+    table[1], table[4] = 0, 1
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(t)])
+    ids[0] = torch.tensor([1, 0, 5])  # a hit and misses at least
+    slots = table[ids]
+    missed = sorted(set(ids[slots < 0].tolist()))
+    assert len(missed) >= 2
+    land = dict(zip(missed, (4, 2, 3)))  # a distinct free slot per missed expert ...
+    if len(missed) <= 3:
+        land.pop(missed[-1])  # ... but one, whose pairs land nowhere
+    wide = torch.full((t, k + 2), -1, dtype=dst_dtype)
+    dst = wide[:, 1 : k + 1]  # a row stride of k + 2
+    for p in (slots < 0).nonzero().tolist():  # one pair per landed expert names its slot; the others -1
+        e = int(ids[p[0], p[1]])
+        if e in land and not (dst == land[e]).any():
+            dst[p[0], p[1]] = land[e]
+    dst[0, 0] = 5  # a hit (expert 1 in slot 0): only pairs read from the host store land
+    assert dst.stride(0) == k + 2 and (dst >= 0).any() and ((dst < 0) & (slots < 0)).any()
+    weights = torch.cat([torch.softmax(torch.randn(t, k, generator=gen), -1), torch.rand(t, 1, generator=gen)], 1)
+    shared = _slot_pool(1, h, i, gen)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    return x, slots, weights.to(dtype), pool, shared, host, ids, layer, dst
+
+
+def _bytes(w: SlotWeights, s) -> list[torch.Tensor]:
+    """The five tensors of slot s of a pool ([S, ...]) or of a host layer, as raw bytes."""
+    return [t_[s].contiguous().view(torch.uint8) for t_ in w]
+
+
+def _check_landed(pool: SlotWeights, before: SlotWeights, host: SlotWeights, ids, slots, dst, layer: int) -> None:
+    """Each named dst slot holds exactly the host expert's bytes; every other slot is unchanged."""
+    landed = {}
+    for t_, j in ((slots < 0) & (dst >= 0)).nonzero().tolist():
+        landed[int(dst[t_, j])] = int(ids[t_, j])
+    assert landed
+    layer_store = SlotWeights(*(t_[layer] for t_ in host))
+    for s in range(pool.w13.shape[0]):
+        want = _bytes(layer_store, landed[s]) if s in landed else _bytes(before, s)
+        for got_t, want_t in zip(_bytes(pool, s), want):
+            assert torch.equal(got_t, want_t), s
+
+
+@pytest.mark.parametrize(("dtype", "dst_dtype", "down_config"),
+                         [(torch.float32, torch.int64, None), (torch.float16, torch.int32, (16, 0, 4))],
+                         ids=["fp32-int64", "fp16-int32-down16"])
+def test_moe_decode_lands_host_experts_in_dst_slots(dtype, dst_dtype, down_config):
+    """The read-through landing store: pairs read from the host store with a dst slot also write the
+    bytes they read there. The output is bit for bit the one without it, each dst slot then holds
+    the host expert exactly (all five tensors), and no other slot changes."""
+    gen = torch.Generator().manual_seed(31)
+    x, slots, weights, pool, shared, host, ids, layer, dst = _landing_case(dtype, dst_dtype, gen)
+    before = SlotWeights(*(t_.clone() for t_ in pool))
+    want = moe_decode_triton(x, slots, weights, before, shared, host=host, topk_ids=ids, layer=layer,
+                             down_config=down_config)
+    got = moe_decode_triton(x, slots, weights, pool, shared, host=host, topk_ids=ids, layer=layer, topk_dst=dst,
+                            down_config=down_config)
+    assert torch.equal(got, want)
+    _check_landed(pool, before, host, ids, slots, dst, layer)
+    with pytest.raises(ValueError, match="host"):
+        moe_decode_triton(x, slots, weights, pool, shared, topk_ids=ids, layer=layer, topk_dst=dst)
+    with pytest.raises(ValueError, match="whole-K"):  # the K loop of gate/up cannot land rows
+        moe_decode_triton(x, slots, weights, pool, shared, host=host, topk_ids=ids, layer=layer, topk_dst=dst,
+                          gate_up_config=(8, 16, 4))
+
+
+def test_moe_decode_ref_lands_host_experts_in_dst_slots():
+    gen = torch.Generator().manual_seed(32)
+    x, slots, weights, pool, shared, host, ids, layer, dst = _landing_case(torch.float32, torch.int64, gen)
+    before = SlotWeights(*(t_.clone() for t_ in pool))
+    want = moe_decode_ref(x, slots, weights, before, shared, host=host, topk_ids=ids, layer=layer)
+    got = moe_decode_ref(x, slots, weights, pool, shared, host=host, topk_ids=ids, layer=layer, topk_dst=dst)
+    assert torch.equal(got, want)
+    _check_landed(pool, before, host, ids, slots, dst, layer)
+    with pytest.raises(ValueError, match="host"):
+        moe_decode_ref(x, slots, weights, pool, shared, topk_ids=ids, layer=layer, topk_dst=dst)
+
+
+@pytest.mark.parametrize("triton_path", [True, False], ids=["triton", "ref"])
+def test_moe_decode_dispatcher_passes_the_host_store_and_dst(monkeypatch, triton_path):
+    gen = torch.Generator().manual_seed(33)
+    x, slots, weights, pool, shared, host, ids, layer, dst = _landing_case(torch.float32, torch.int64, gen)
+    before = SlotWeights(*(t_.clone() for t_ in pool))
+    if triton_path:
+        monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
+    else:
+        monkeypatch.delenv("FT_TRITON_INTERPRET_TEST", raising=False)
+    import ft.kernels.moe.decode_kernel as details
+
+    calls = []
+    real = details.moe_decode_triton
+    monkeypatch.setattr(details, "moe_decode_triton", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    got = moe_decode(x, slots, weights, pool, shared, host=host, topk_ids=ids, layer=layer, topk_dst=dst)
+    assert bool(calls) == triton_path
+    ref = moe_decode_ref(x, slots, weights, before, shared, host=host, topk_ids=ids, layer=layer)
+    if triton_path:
+        assert calls[0]["topk_dst"] is dst and calls[0]["host"] is host
+        assert torch.equal(got, real(x, slots, weights, before, shared, host=host, topk_ids=ids, layer=layer))
+    assert ((got - ref).norm() / ref.norm()).item() < TOL[torch.float32]
+    _check_landed(pool, before, host, ids, slots, dst, layer)
+    with pytest.raises(ValueError, match="host"):
+        moe_decode(x, slots, weights, pool, shared, topk_ids=ids, layer=layer, topk_dst=dst)

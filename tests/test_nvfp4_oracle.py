@@ -87,7 +87,7 @@ def test_engine_on_the_triton_kernels_matches_transformers(pair, request, monkey
     """The engine's CUDA path (the Triton NVFP4 linear and MoE kernels behind the dispatchers), run
     here under the Triton interpreter in float32: prefill through the tl.dot tiles and the MoE's
     grouped path (its threshold lowered to 8 tokens), decode through the whole-K GEMV and the MoE's
-    per-pair path, offloaded experts (3 slots) with -1 skips; with the shared expert in the routed
+    per-pair path, offloaded experts (3 slots) read from the host store and landed; with the shared expert in the routed
     experts' shapes, the decode MoE with the shared expert as one more pair (`moe_decode_triton`)."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -97,7 +97,7 @@ def test_engine_on_the_triton_kernels_matches_transformers(pair, request, monkey
 
     monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
     monkeypatch.setattr(moe_triton, "GROUPED_MIN_TOKENS", 8)
-    calls = {"linear": 0, "moe": 0, "grouped": 0, "decode": 0}
+    calls = {"linear": 0, "moe": 0, "grouped": 0, "decode": 0, "fused": 0}
     real_linear, real_moe = nvfp4_triton.nvfp4_linear_triton, moe_triton.moe_over_slots_triton
 
     def count(name, fn):
@@ -111,7 +111,15 @@ def test_engine_on_the_triton_kernels_matches_transformers(pair, request, monkey
     monkeypatch.setattr(moe_triton, "_grouped", count("grouped", moe_triton._grouped))
     import ft.kernels.moe.decode_kernel as moe_decode
 
-    monkeypatch.setattr(moe_decode, "moe_decode_triton", count("decode", moe_decode.moe_decode_triton))
+    real_decode = moe_decode.moe_decode_triton
+
+    def decode(x, slots, weights, w, shared=None, **kw):
+        calls["decode"] += 1
+        calls["fused"] += shared is not None
+        assert kw.get("host") is not None and kw.get("topk_dst") is not None  # read-through decode
+        return real_decode(x, slots, weights, w, shared, **kw)
+
+    monkeypatch.setattr(moe_decode, "moe_decode_triton", decode)
     ref, path = request.getfixturevalue(pair)
     llm = LLM(model=str(path), device="cpu", dtype="float32", page_size=16, moe_cache_size=3)
     prompt = prompt_of(24, seed=10)
@@ -119,4 +127,6 @@ def test_engine_on_the_triton_kernels_matches_transformers(pair, request, monkey
     got = llm.generate(prompt_token_ids=[prompt], max_new_tokens=3, temperature=0.0, ignore_eos=True)[0].token_ids
     assert got == hf_greedy(ref, prompt, 3)
     assert calls["linear"] > 0 and calls["moe"] >= calls["grouped"] > 0
-    assert (calls["decode"] > 0) == (pair == "nvfp4_pair_shared_fused")
+    # decode reads misses from the host store (read-through), fused with the shared expert where shapes allow
+    assert calls["decode"] > 0 and (calls["fused"] > 0) == (pair == "nvfp4_pair_shared_fused")
+    assert llm.engine.pools.experts.read_through.landed_total > 0

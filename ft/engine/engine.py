@@ -67,6 +67,10 @@ class Engine:
             config.moe_cache_size, None if config.storage_backend == "auto" else config.storage_backend,
         ), floor)
         pools = self.cache.pools
+        if pools.experts is not None:
+            pools.experts.policy = config.expert_policy
+            if config.moe_backend == "offload" and config.expert_read_through:
+                pools.experts.enable_read_through(cfg.num_experts_per_tok * config.max_running_requests)
         self.prefix_cache = PrefixCache(pools.kv, pools.mamba, config.enable_prefix_cache)
         self.scheduler = Scheduler(pools.kv, pools.mamba, self.prefix_cache, config.max_running_requests,
                                    config.max_prefill_length)

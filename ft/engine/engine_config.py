@@ -17,6 +17,8 @@ class EngineConfig:
     moe_backend: str = "offload"  # offload | resident
     moe_cache_size: int | None = None  # expert slots; None: auto
     moe_cache_auto: bool = False  # slots fill what the budget leaves after KV and mamba
+    expert_policy: str = "lru"  # lru | lfu: which resident experts make room for misses (offload)
+    expert_read_through: bool = True  # offloaded decode reads misses from host memory inside the step
     num_tokens: int | None = None  # KV capacity in tokens; None: the whole context if it fits
     max_seq_len_override: int | None = None  # context limit instead of max_position_embeddings
     memory_ratio: float = 0.9
@@ -45,6 +47,10 @@ class EngineConfig:
             raise ConfigError("--moe-cache-size applies to --moe-backend offload (resident keeps every expert)")
         if self.moe_cache_auto and self.moe_cache_size is not None:
             raise ConfigError("--moe-cache-auto and --moe-cache-size exclude each other")
+        if self.expert_policy not in ("lru", "lfu"):
+            raise ConfigError(f"--expert-policy must be lru or lfu, got {self.expert_policy!r}")
+        if self.expert_policy != "lru" and not self.expert_read_through:
+            raise ConfigError("--expert-policy lfu needs read-through decode (loads before each layer are LRU)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.storage_backend not in ("auto", "vmm", "mmap", "realloc"):

@@ -210,6 +210,9 @@ class ModelRunner:
     def run(self, work: ScheduledWork) -> list[int | None]:
         """One forward pass over `work`; for each sequence the sampled token, or None when its
         part was a chunk of a longer prompt (no token yet)."""
+        experts = self.pools.experts
+        if experts is not None:
+            experts.collect()  # NOTE: the last offloaded decode step's landings, before anything reads the cache
         if not work.is_prefill and all(n == 1 for n in work.num_tokens):
             logits = self._decode(work.seqs)
             done = [True] * len(work.seqs)
@@ -225,19 +228,37 @@ class ModelRunner:
         return [t if d else None for t, d in zip(tokens, done)]
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Logits [B, V] of a decode step: a graph replay where one applies, else eager."""
+        """Logits [B, V] of a decode step: a graph replay where one applies, else eager. Offloaded
+        experts in read-through mode are bracketed by the cache's begin_step / end_step."""
         b = len(seqs)
         experts = self.pools.experts
+        rt = experts.read_through if experts is not None else None
+        if rt is not None:
+            rt.begin_step(b, self.model.top_k)
+        try:
+            return self._decode_forward(seqs, b, experts, rt)
+        finally:
+            if rt is not None:
+                rt.end_step()
+
+    def _decode_forward(self, seqs: list[Sequence], b: int, experts, rt) -> torch.Tensor:
         n = self.graphs.bucket(b) if self.graphs is not None and not self.graphs.disabled else None
-        if n is None or (experts is not None and not (experts.all_resident and runs_triton(experts.slots, self.device))):
-            # NOTE: offloaded experts are loaded by host-side bookkeeping (the offload issue), and the
+        capturable = experts is None or (runs_triton(experts.slots, self.device)
+                                         and (experts.all_resident or rt is not None))
+        if n is None or not capturable:
+            # NOTE: offloaded experts without read-through are loaded by host-side bookkeeping, and the
             # reference MoE (dense slots) groups pairs on the host: neither can be captured
             return self.model.forward(self.prepare_decode(seqs, b), self.pools)
         batch = self.prepare_decode(seqs, n)
         # NOTE: the decode step reads the pools through Triton kernels only (pointers and strides, no
         # bound baked in), so a graph stays valid while the addresses stay: a VMM rebuild keeps them
-        key = (*(t.data_ptr() for t in self.pools.kv.tensors + self.pools.mamba.tensors),
-               self.page_table.table.data_ptr(), *(buf.device_buffer.data_ptr() for buf in self.buffers.values()))
+        pools = self.pools.kv.tensors + self.pools.mamba.tensors
+        if experts is not None:
+            pools = pools + experts.tensors + [experts.slot_table]
+            if rt is not None:
+                pools = pools + list(rt.book) + [t for t in experts.host if t is not None]
+        key = (*(t.data_ptr() for t in pools), self.page_table.table.data_ptr(),
+               *(buf.device_buffer.data_ptr() for buf in self.buffers.values()))
         return self.graphs.run(n, key, lambda: self.model.forward(batch, self.pools))[:b]
 
     def _count_hits(self, tokens: int) -> None:

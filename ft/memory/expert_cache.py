@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ft.memory.resizable import PoolInconsistent, follow_free_slots, narrow_to_common, resize_together
@@ -47,9 +48,11 @@ class ExpertCache:
             *(None if t is None else self.storage.empty(num_slots, tuple(t.shape[2:]), t.dtype) for t in host)
         )
         self.slot_table = torch.full((self.num_layers, self.num_experts), -1, dtype=torch.int64, device=device)
+        self.table_np = np.full((self.num_layers, self.num_experts), -1, dtype=np.int64)  # host twin of slot_table
         self._lru: OrderedDict[tuple[int, int], int] = OrderedDict()
         self._free = list(range(num_slots - 1, -1, -1))
         self.stats = ExpertStats()
+        self.read_through = None  # a `ReadThrough` (offloaded decode inside the graph), see `enable_read_through`
 
     # ----------------------------------------------------------------------------- geometry
     @property
@@ -85,6 +88,21 @@ class ExpertCache:
     def is_resident(self, layer: int, expert: int) -> bool:
         return (layer, expert) in self._lru
 
+    def enable_read_through(self, landing_capacity: int, policy: str | None = None) -> None:
+        """Offloaded decode without host syncs (`ft.memory.read_through.ReadThrough`): misses read
+        the host store in place and land in reserved slots, bookkeeping on the device between
+        steps. `landing_capacity`: at most this many landing slots per layer per step."""
+        from ft.memory.read_through import ReadThrough  # NOTE: a part of the cache, in its own file
+
+        self.read_through = ReadThrough(self, landing_capacity, policy or self.policy)
+
+    def collect(self) -> None:
+        """Take in what the last offloaded decode step did on the device (landed experts, uses,
+        hit counts); a no-op without read-through or when nothing is outstanding. Callers run it
+        before anything else uses the cache in a step."""
+        if self.read_through is not None:
+            self.read_through.collect()
+
     # ----------------------------------------------------------------------------- residency
     def preload_all(self) -> None:
         """Load every expert (resident backend). Needs one slot per expert."""
@@ -119,13 +137,15 @@ class ExpertCache:
                 self.stats.misses += 1
 
     def _take_slot(self, keep: set[tuple[int, int]]) -> int:
+        if not self._free and self.read_through is not None:
+            # NOTE: landing reserves are free slots set aside for the next decode step, which
+            # reserves again before it runs: a load between steps may have them first
+            self._free.extend(self.read_through.release_landing())
         if self._free:
             return self._free.pop()
         for key in self._lru:  # oldest first
             if key not in keep:
-                slot = self._lru.pop(key)
-                self.slot_table[key] = -1
-                return slot
+                return self.unmap(key)
         raise RuntimeError("expert cache: every slot is pinned by the current call")
 
     def _load(self, key: tuple[int, int], slot: int) -> None:
@@ -134,14 +154,32 @@ class ExpertCache:
             if dst is not None:
                 dst[slot].copy_(src[layer, expert], non_blocking=True)
                 self.stats.bytes_loaded += src[layer, expert].numel() * src.element_size()
-        self._lru[key] = slot
+        self.map(key, slot)
         self.slot_table[layer, expert] = slot
+
+    def map(self, key: tuple[int, int], slot: int) -> None:
+        """Host side of making `key` resident in `slot` (the most recent); the caller writes slot_table."""
+        self._lru[key] = slot
+        self.table_np[key] = slot
+
+    def unmap(self, key: tuple[int, int], device: bool = True) -> int:
+        """Forget resident `key`; returns its slot. With `device`, slot_table's entry is cleared now
+        (one small launch), else the caller clears it (in a batch of updates)."""
+        slot = self._lru.pop(key)
+        self.table_np[key] = -1
+        if device:
+            self.slot_table[key] = -1
+        return slot
 
     def invalidate(self) -> None:
         """Forget every resident expert (slots keep their bytes but are free)."""
+        self.collect()
         self.slot_table.fill_(-1)
+        self.table_np.fill(-1)
         self._lru.clear()
         self._free = list(range(self.num_slots - 1, -1, -1))
+        if self.read_through is not None:
+            self.read_through.reset()
 
     def resize(self, num_slots: int) -> None:
         """Grow or shrink to `num_slots`. Experts in kept slots stay resident; those in cut slots
@@ -151,10 +189,12 @@ class ExpertCache:
         if num_slots < 1:
             raise ValueError("expert cache needs at least one slot")
         old = self.num_slots
+        self.collect()
+        if self.read_through is not None:  # landing reservations go back to the free slots
+            self._free.extend(self.read_through.release_landing())
         for key, slot in list(self._lru.items()):
             if slot >= num_slots:
-                del self._lru[key]
-                self.slot_table[key] = -1
+                self.unmap(key)
                 self._free.append(slot)
         names = [i for i, t in enumerate(self.slots) if t is not None]
         ts = [self.slots[i] for i in names]

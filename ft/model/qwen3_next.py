@@ -95,6 +95,7 @@ class Qwen3NextModel:
         self.rope = Rope(cfg.rotary_dim, rotary_inv_freq_ref(cfg.rotary_dim, cfg.rope_theta, device))
         self.layers = [self._build_layer(i, w) for i in range(cfg.num_hidden_layers)]
         self.moe_pairs_per_token = cfg.num_experts_per_tok * len(cfg.moe_layers)  # routed (token, expert) pairs
+        self.top_k = cfg.num_experts_per_tok
         # pool index of each layer within its kind (KV layer / mamba layer / MoE layer)
         self.kind_index = {i: n for kinds in (cfg.full_attention_layers, cfg.linear_attention_layers) for n, i in enumerate(kinds)}
 

@@ -93,3 +93,43 @@ def test_offload_equals_resident_bitwise(model):
     assert generate(offload) == generate(resident)
     assert torch.equal(offload.engine.last_logits, resident.engine.last_logits)
     assert offload.engine.pools.experts.stats.misses > 48  # more loads than slots: experts were evicted and moved
+
+
+def test_read_through_offload_replays_graphs_and_equals_resident_bitwise(model):
+    """Offloaded decode in read-through mode (the default): misses read from pinned host memory
+    inside the replayed graph and land in reserved slots; tokens and logits are the resident
+    engine's bit for bit, with 40 slots for 4 x 32 experts (misses every step) and with a live MoE
+    resize between replays (VMM keeps the addresses: no recapture). Every size keeps a layer's 32
+    experts in the slots, so that no prefill chunk takes the grouped path (docs/architecture.md)."""
+    resident = make(model)
+    want = generate(resident)
+    llm = make(model, moe_backend="offload", moe_cache_size=40)
+    cache = llm.engine.pools.experts
+    assert cache.read_through is not None
+    assert generate(llm) == want
+    assert torch.equal(llm.engine.last_logits, resident.engine.last_logits)
+    g = llm.engine.runner.graphs
+    assert g.replays > 0 and g.captures >= 1
+    cache.collect()
+    assert cache.read_through.landed_total > 0 and cache.stats.hits > 0 and cache.stats.misses > 0
+    captures = g.captures
+    assert generate(llm, rebuild_after=8, target=dict(moe=56)) == want  # grows while decoding
+    assert generate(llm, rebuild_after=6, target=dict(moe=34)) == want  # and shrinks
+    assert g.captures == captures and cache.num_slots == 34
+
+
+def test_read_through_decode_step_has_no_host_sync(model):
+    """After its graph is captured, an offloaded decode step makes no synchronizing torch call
+    (torch's sync debug mode raises on one): the policy's copies are pinned and asynchronous."""
+    llm = make(model, moe_backend="offload", moe_cache_size=24, max_running_requests=1)
+    e = llm.engine
+    seq = e.add_request(PROMPTS[0], SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
+    for _ in range(6):  # prefill, then the first decode steps (eager, capture)
+        e.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            e.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert e.runner.graphs.replays >= 4 and not seq.is_finished

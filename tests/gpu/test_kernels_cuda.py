@@ -188,3 +188,66 @@ def test_moe_decode_reads_slotless_experts_from_pinned_host_memory(pool):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, moe_decode_triton(x, ids, weights, every, shared))
+
+
+def random_bytes_like(t: torch.Tensor) -> torch.Tensor:
+    """Random bytes in t's shape and dtype (garbage for a free slot; any bit pattern, NaNs included)."""
+    size = t.element_size()
+    return torch.randint(0, 256, (*t.shape[:-1], t.shape[-1] * size), dtype=torch.uint8, device=t.device).view(t.dtype)
+
+
+def test_moe_decode_lands_host_experts_in_free_slots_inside_a_cuda_graph(pool):
+    """Flagship shapes: the read-through landing store. Pairs without a slot read their expert in
+    place from a pinned host store and, with topk_dst, also write the bytes they read into a free
+    slot (one per distinct missed expert), inside a CUDA graph replayed with new routings and
+    destinations: each replay's output is bit for bit the all-resident result, every dst slot then
+    holds the host expert's bytes exactly (all five tensors) and the resident slots are unchanged."""
+    from ft.kernels.moe.decode_kernel import moe_decode_triton
+
+    torch.manual_seed(5)
+    n, resident, batch = min(64, pool.w13.shape[0]), 8, 8
+    host = SlotWeights(*(t[:n].unsqueeze(0).cpu().pin_memory() for t in pool))  # [1 layer, n experts, ...]
+    every = SlotWeights(*(t[:n] for t in pool))
+    # experts 0..7 in slots 0..7; slots 8..n-1 free (garbage), enough for every distinct missed expert
+    few = SlotWeights(*(torch.cat([t[:resident], random_bytes_like(t[resident:n])]) for t in pool))
+    kept = SlotWeights(*(t[:resident].clone() for t in few))
+    shared = SlotWeights(*(t[:1].clone() for t in pool))
+    x = torch.randn(batch, HIDDEN, device=DEV, dtype=torch.bfloat16)
+    weights = torch.cat([torch.softmax(torch.randn(batch, TOP_K, device=DEV), -1),
+                         torch.rand(batch, 1, device=DEV)], dim=1).to(torch.bfloat16)
+
+    def routing() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ids = torch.stack([torch.randperm(n, device=DEV)[:TOP_K] for _ in range(batch)])
+        slots = torch.where(ids < resident, ids, -1)
+        flat = ids.flatten()
+        pos = torch.arange(flat.numel(), device=DEV)
+        first = torch.full((n,), flat.numel(), device=DEV).scatter_reduce(0, flat, pos, "amin")[flat] == pos
+        free_of = torch.full((n,), -1, device=DEV, dtype=torch.long)
+        free_of[resident:] = resident + torch.randperm(n - resident, device=DEV)  # a distinct free slot per expert
+        dst = torch.where((slots.flatten() < 0) & first, free_of[flat], -1).view(batch, TOP_K).to(torch.int32)
+        return ids, slots, dst
+
+    ids, slots, dst = routing()
+    out = torch.empty_like(x)
+    graph = torch.cuda.CUDAGraph()
+    moe_decode_triton(x, slots, weights, few, shared, host=host, topk_ids=ids, topk_dst=dst, out=out)  # compile
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        moe_decode_triton(x, slots, weights, few, shared, host=host, topk_ids=ids, topk_dst=dst, out=out)
+    for _ in range(3):
+        new_ids, new_slots, new_dst = routing()
+        ids.copy_(new_ids)
+        slots.copy_(new_slots)
+        dst.copy_(new_dst)
+        for t in few:  # fresh garbage in the free slots: what lands must be written by this replay
+            t[resident:].copy_(random_bytes_like(t[resident:]))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, moe_decode_triton(x, ids, weights, every, shared))
+        landed = [(int(dst[t, j]), int(ids[t, j])) for t, j in (dst >= 0).nonzero().tolist()]
+        assert landed and len({d for d, _ in landed}) == len(landed)
+        for d, e in landed:
+            for got, want in zip(few, host):
+                assert torch.equal(got[d].cpu().view(torch.uint8), want[0, e].view(torch.uint8)), (d, e)
+        for got, want in zip(few, kept):
+            assert torch.equal(got[:resident].view(torch.uint8), want.view(torch.uint8))

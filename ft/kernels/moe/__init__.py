@@ -55,16 +55,20 @@ each expert once per tile of its tokens in `moe_over_slots`'s grouped path)."""
 def moe_decode(
     x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, w: SlotWeights,
     shared: SlotWeights | None = None, *, residual: torch.Tensor | None = None,
-    norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+    norm_weight: torch.Tensor | None = None, eps: float = 1e-6, host: SlotWeights | None = None,
+    topk_ids: torch.Tensor | None = None, layer: int = 0, topk_dst: torch.Tensor | None = None,
 ):
     """The decode MoE block, routed pairs and the shared expert in one sum (`moe_decode_ref`'s contract);
     with `residual` and `norm_weight`, followed by the next layer's input norm: returns
     `add_rms_norm(y, residual, norm_weight, eps)` = (normed, residual + y) instead of y.
+    With `host`, `topk_ids` and `layer`, a pair without a slot reads its expert from the host store
+    ([L, E, ...]); with `topk_dst` too, such a pair also lands the expert in pool slot topk_dst[t, j]
+    (`moe_decode_triton`'s read-through landing store and its contract).
 
     Dispatcher: three Triton launches (`decode_kernel.moe_decode_triton`; the norm rides on the sum)
     where `runs_triton` says so for the pool and the shared expert, else the references. In debug
     mode the slots are checked first.
-    Raises: ValueError for more than DECODE_MAX_TOKENS tokens.
+    Raises: ValueError for more than DECODE_MAX_TOKENS tokens, or topk_dst without `host`.
     """
     if x.shape[0] > DECODE_MAX_TOKENS:
         raise ValueError(f"moe_decode takes at most {DECODE_MAX_TOKENS} tokens, got {x.shape[0]}")
@@ -74,8 +78,9 @@ def moe_decode(
         from ft.kernels.moe.decode_kernel import moe_decode_triton  # NOTE: imports triton only when used
 
         return moe_decode_triton(x, topk_slots, topk_weights, w, shared, residual=residual, norm_weight=norm_weight,
-                                 eps=eps)
-    y = moe_decode_ref(x, topk_slots, topk_weights, w, shared)
+                                 eps=eps, host=host, topk_ids=topk_ids, layer=layer, topk_dst=topk_dst)
+    y = moe_decode_ref(x, topk_slots, topk_weights, w, shared, host=host, topk_ids=topk_ids, layer=layer,
+                       topk_dst=topk_dst)
     if residual is not None and norm_weight is not None:
         from ft.kernels.norm import add_rms_norm
 

@@ -7,6 +7,8 @@ chosen by pointer), `_moe_decode_down_pairs_kernel` (per pair, weighted; `_moe_d
 loops over a token's pairs instead) and the sum (`kernel._moe_sum_pairs_kernel`, or
 `_moe_sum_add_norm_kernel` with the residual add and the next input norm). Weights are read in
 the slot pool's layout with `ft.kernels.nvfp4.kernel`'s row dot products; no host sync anywhere.
+Pairs without a slot may read their expert from the host store in place and, with `topk_dst`, land
+the bytes they read in a free slot of the pool as they go (the read-through landing store).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import triton.language as tl
 
 from ft.kernels.moe.kernel import _moe_sum_pairs_kernel
 from ft.kernels.norm.kernel import _rstd, _warps, add_rms_norm_triton
-from ft.kernels.nvfp4.kernel import as_words, nvfp4_rows_dot, rows_dot_whole_k, whole_k_words
+from ft.kernels.nvfp4.kernel import (_decode_whole_k, _dot_lanes, _load_whole_k, _x_lanes, as_words,
+                                     nvfp4_rows_dot, rows_dot_whole_k, whole_k_words)
 
 __all__ = ["moe_decode_triton"]
 
@@ -36,19 +39,24 @@ DECODE_DOWN_PAIRS_MIN_TOKENS = 1
 
 @triton.jit
 def _moe_decode_gate_up_kernel(
-    p_x, p_slots, p_ids, p_w13, p_s13, p_s2, p_sw13, p_ss13, p_ss2, p_hw13, p_hs13, p_hs2, p_h,
+    p_x, p_slots, p_ids, p_dst, p_w13, p_s13, p_s2, p_sw13, p_ss13, p_ss2, p_hw13, p_hs13, p_hs2, p_h,
     I, H,
-    stride_xt, stride_st, stride_it, stride_w13e, stride_w13r, stride_s13e, stride_s13r, stride_s2e,
+    stride_xt, stride_st, stride_it, stride_dt, stride_w13e, stride_w13r, stride_s13e, stride_s13r, stride_s2e,
     stride_hw13e, stride_hs13e, stride_hs2e, stride_ht,
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr,
-    WHOLE_K: tl.constexpr = 0, HAS_HOST: tl.constexpr = False,
+    WHOLE_K: tl.constexpr = 0, HAS_HOST: tl.constexpr = False, HAS_DST: tl.constexpr = False,
 ):
     """Grid (T * KS, I / BLOCK_I), KS = TOPK + HAS_SHARED: h[t * KS + j] = silu(x[t] @ gate^T) * (x[t] @ up^T)
     (fp32) of pair j of token t: the expert in slot topk_slots[t, j] for j < TOPK, the shared expert
     (its own one-slot pool at p_sw13, p_ss13, p_ss2; same row strides) for j = TOPK. A pair without
     a slot (-1) reads its expert topk_ids[t, j] from the layer's host store (p_hw13, ...: pinned
     memory that the GPU reads directly, same row strides) with HAS_HOST, else it is skipped: it
-    reads no weights and stores zeros."""
+    reads no weights and stores zeros.
+    HAS_DST (with HAS_HOST and WHOLE_K): a pair read from the host store with d = topk_dst[t, j] >= 0
+    also stores the raw bytes it loaded into slot d of the pool (its w13 rows and their block
+    scales; the program with i_i = 0 the expert's 3 global scales), so the whole grid lands the
+    expert's w13, w13_scale and scale_2 in slot d. No pair of the call reads slot d (the caller's
+    contract), so the stores race with no load."""
     KS: tl.constexpr = TOPK + HAS_SHARED
     i_p = tl.program_id(0)
     i_i = tl.program_id(1)
@@ -61,6 +69,10 @@ def _moe_decode_gate_up_kernel(
     on = (slot >= 0) | is_shared | from_host
     slot = tl.maximum(slot, 0).to(tl.int64)
     eid = tl.maximum(eid, 0).to(tl.int64)
+    if HAS_DST:  # (a constexpr branch: the path without it compiles as before)
+        dst = tl.load(p_dst + i_t * stride_dt + j, mask=j < TOPK, other=-1)
+        land = from_host & (dst >= 0)
+        dst = tl.maximum(dst, 0).to(tl.int64)
     # NOTE: the shared expert and the host store are pointer choices, not branches: one code path
     p_w = tl.where(is_shared, p_sw13, tl.where(from_host, p_hw13 + eid * stride_hw13e, p_w13 + slot * stride_w13e))
     p_s = tl.where(is_shared, p_ss13, tl.where(from_host, p_hs13 + eid * stride_hs13e, p_s13 + slot * stride_s13e))
@@ -69,9 +81,26 @@ def _moe_decode_gate_up_kernel(
     o_i = i_i * BLOCK_I + o_q // 2
     o_r = o_i + (o_q % 2) * I
     if WHOLE_K > 0:  # H / 8 = WHOLE_K words in one tile
-        b_gu = rows_dot_whole_k(p_w, p_s, o_r, o_i < tl.where(on, I, 0), stride_w13r, stride_s13r,
-                                p_x + i_t * stride_xt, WHOLE_K, 2 * BLOCK_I)
+        # `rows_dot_whole_k` in its parts (x first: x and the weights in flight together), the raw
+        # words in between for the landing store
+        m_r = o_i < tl.where(on, I, 0)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_lanes(p_x + i_t * stride_xt, WHOLE_K)
+        b_w, b_sb = _load_whole_k(p_w, p_s, o_r, m_r, stride_w13r, stride_s13r, WHOLE_K)
+        if HAS_DST:
+            m_d = (o_i < tl.where(land, I, 0))[:, None]  # (m_r for a landing pair: land implies on)
+            o_w = tl.arange(0, WHOLE_K)
+            o_g = tl.arange(0, WHOLE_K // 2)
+            tl.store(p_w13 + dst * stride_w13e + o_r[:, None] * stride_w13r + o_w[None, :],
+                     b_w.to(tl.int32, bitcast=True), mask=m_d)
+            tl.store(p_s13 + dst * stride_s13e + o_r[:, None] * stride_s13r + o_g[None, :], b_sb, mask=m_d)
+            # the expert's global scales (gate, up, down), once per landed expert
+            o_3 = tl.arange(0, 4)
+            m_3 = o_3 < tl.where(land & (i_i == 0), 3, 0)
+            tl.store(p_s2 + dst * stride_s2e + o_3, tl.load(p_g + o_3, mask=m_3, other=0.0), mask=m_3)
+        d0, d1, d2, d3, d4, d5, d6, d7, b_s = _decode_whole_k(b_w, b_sb)
+        b_gu = _dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, 2 * BLOCK_I)
     else:
+        tl.static_assert(not HAS_DST, "the landing store takes the whole-K tile")
         o_t = tl.zeros((1,), dtype=tl.int32) + i_t
         b_gu = nvfp4_rows_dot(p_w, p_s, o_r, o_i < I, stride_w13r, stride_s13r, p_x, o_t, o_t >= 0, stride_xt, 0,
                               tl.where(on, H // 8, 0), 1, 2 * BLOCK_I, BLOCK_W)
@@ -128,18 +157,19 @@ def _moe_decode_down_kernel(
 
 @triton.jit
 def _moe_decode_down_pairs_kernel(
-    p_h, p_slots, p_ids, p_wts, p_w2, p_s2w, p_s2, p_sw2, p_ss2w, p_ss2, p_hw2, p_hs2w, p_hs2, p_yp,
+    p_h, p_slots, p_ids, p_dst, p_wts, p_w2, p_s2w, p_s2, p_sw2, p_ss2w, p_ss2, p_hw2, p_hs2w, p_hs2, p_yp,
     I, H,
-    stride_ht, stride_st, stride_it, stride_wt, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e,
-    stride_hw2e, stride_hs2we, stride_hs2e, stride_yp,
+    stride_ht, stride_st, stride_it, stride_dt, stride_wt, stride_w2e, stride_w2r, stride_s2we, stride_s2wr,
+    stride_s2e, stride_hw2e, stride_hs2we, stride_hs2e, stride_yp,
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, WHOLE_K: tl.constexpr,
-    HAS_HOST: tl.constexpr = False,
+    HAS_HOST: tl.constexpr = False, HAS_DST: tl.constexpr = False,
 ):
     """Grid (T * KS, H / BLOCK_H): yp[p] = wts[t, j] * (h[p] @ down_j^T) (fp32) for pair p = t * KS + j,
     zeros for a skipped pair; `_moe_sum_pairs_kernel` then sums each token's KS pairs in order.
     With several tokens every pair's expert is in flight at once (`_moe_decode_down_kernel` reads
     a token's pairs in one program). HAS_HOST: a pair without a slot reads the host store, as in
-    `_moe_decode_gate_up_kernel`."""
+    `_moe_decode_gate_up_kernel`; HAS_DST: such a pair with topk_dst[t, j] = d >= 0 also stores the
+    raw w2 rows and block scales it loaded into slot d (the gate/up kernel lands the rest)."""
     KS: tl.constexpr = TOPK + HAS_SHARED
     i_p = tl.program_id(0)
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -152,11 +182,27 @@ def _moe_decode_down_pairs_kernel(
     on = (slot >= 0) | is_shared | from_host
     slot = tl.maximum(slot, 0).to(tl.int64)
     eid = tl.maximum(eid, 0).to(tl.int64)
+    if HAS_DST:  # (a constexpr branch: the path without it compiles as before)
+        dst = tl.load(p_dst + i_t * stride_dt + j, mask=j < TOPK, other=-1)
+        land = from_host & (dst >= 0)
+        dst = tl.maximum(dst, 0).to(tl.int64)
     p_w = tl.where(is_shared, p_sw2, tl.where(from_host, p_hw2 + eid * stride_hw2e, p_w2 + slot * stride_w2e))
     p_s = tl.where(is_shared, p_ss2w, tl.where(from_host, p_hs2w + eid * stride_hs2we, p_s2w + slot * stride_s2we))
     p_g = tl.where(is_shared, p_ss2, tl.where(from_host, p_hs2 + eid * stride_hs2e, p_s2 + slot * stride_s2e))
-    b_y = rows_dot_whole_k(p_w, p_s, o_h, o_h < tl.where(on, H, 0), stride_w2r, stride_s2wr, p_h + i_p * stride_ht,
-                           WHOLE_K, BLOCK_H)
+    # `rows_dot_whole_k` in its parts (h first: h and the weights in flight together), the raw words
+    # in between for the landing store
+    m_r = o_h < tl.where(on, H, 0)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x_lanes(p_h + i_p * stride_ht, WHOLE_K)
+    b_w, b_sb = _load_whole_k(p_w, p_s, o_h, m_r, stride_w2r, stride_s2wr, WHOLE_K)
+    if HAS_DST:
+        m_d = (o_h < tl.where(land, H, 0))[:, None]  # (m_r for a landing pair: land implies on)
+        o_w = tl.arange(0, WHOLE_K)
+        o_g = tl.arange(0, WHOLE_K // 2)
+        tl.store(p_w2 + dst * stride_w2e + o_h[:, None] * stride_w2r + o_w[None, :], b_w.to(tl.int32, bitcast=True),
+                 mask=m_d)
+        tl.store(p_s2w + dst * stride_s2we + o_h[:, None] * stride_s2wr + o_g[None, :], b_sb, mask=m_d)
+    d0, d1, d2, d3, d4, d5, d6, d7, b_s = _decode_whole_k(b_w, b_sb)
+    b_y = _dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, BLOCK_H)
     b_wt = tl.load(p_wts + i_t * stride_wt + j).to(tl.float32) * tl.load(p_g + 2)
     tl.store(p_yp + i_p * stride_yp + o_h, tl.where(on, b_y * b_wt, 0.0), mask=o_h < H)
 
@@ -190,7 +236,7 @@ def moe_decode_triton(
     out: torch.Tensor | None = None, gate_up_config: tuple[int, int, int] | None = None,
     down_config: tuple[int, int, int] | None = None, down_per_pair: bool | None = None,
     residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-    host=None, topk_ids: torch.Tensor | None = None, layer: int = 0,
+    host=None, topk_ids: torch.Tensor | None = None, layer: int = 0, topk_dst: torch.Tensor | None = None,
 ):
     """The decode MoE block in two or three launches: sum_j weight_j * expert_j(x) over the routed pairs and,
     with `shared`, the shared expert as one more pair.
@@ -211,8 +257,17 @@ def moe_decode_triton(
             CUDA, where the GPU reads it in place), the routed experts' ids [T, k] and the MoE
             layer: a pair without a slot (-1) then reads its expert from host[layer, id] instead
             of being skipped (no copy before the step; down runs per pair).
+        topk_dst: optional [T, k] integer slots (int32 or int64, any row stride, -1 = none), with
+            `host` only: the read-through landing store. A pair read from the host store (slot -1,
+            id >= 0) with topk_dst[t, j] = d >= 0 also writes the bytes it reads into slot d of `w`,
+            so after the call slot d holds exactly host[layer, id] (w13, w2, w13_scale, w2_scale,
+            scale_2): the expert is cached without a second read over PCIe. y is bit for bit the
+            same as without it. Contract (the caller's, not checked: no host sync): each slot d
+            appears at most once in topk_dst, and no pair of the call reads slot d (it is not in
+            the slot table while it is being filled). Needs the whole-K tiles of both passes and a
+            float32 scale_2 in the pool (written in place).
     Returns: y [T, H] in x's dtype: one fp32 sum over the pairs in order, cast once; or the pair above.
-    Raises: ValueError on shapes the kernels do not take.
+    Raises: ValueError on shapes the kernels do not take, or topk_dst without `host`.
     """
     if not w.is_nvfp4 or (shared is not None and not shared.is_nvfp4):
         raise ValueError("moe_decode_triton takes NVFP4 slot pools only")
@@ -224,6 +279,12 @@ def moe_decode_triton(
     if has_shared and (shared.w13.shape[1:] != w.w13.shape[1:] or shared.w2.shape[1:] != w.w2.shape[1:]):
         raise ValueError(f"shared expert {tuple(shared.w13.shape)}, {tuple(shared.w2.shape)} does not match the pool's experts")
     k = topk_slots.shape[1]
+    has_dst = topk_dst is not None
+    if has_dst and host is None:
+        raise ValueError("topk_dst (the landing store) needs the host store: pass host=, topk_ids= and layer=")
+    if has_dst and (tuple(topk_dst.shape) != (t, k) or topk_dst.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"topk_dst must be int32/int64 [T, k] = [{t}, {k}], got {topk_dst.dtype} "
+                         f"{tuple(topk_dst.shape)}")
     if topk_slots.shape[0] != t or tuple(topk_weights.shape) != (t, k + has_shared):
         raise ValueError(f"topk_slots {tuple(topk_slots.shape)} and topk_weights {tuple(topk_weights.shape)} must be "
                          f"[T, k] and [T, k + {has_shared}]")
@@ -256,6 +317,14 @@ def moe_decode_triton(
         ids = topk_ids if topk_ids.stride(-1) == 1 else topk_ids.contiguous()
     else:  # any valid pointers (never read: HAS_HOST is off)
         hw13, hw2, hs13, hs2w, hs2, ids = w13, w2, s13, s2w, s2, slots
+    if has_dst:
+        # the kernels write the pool in place: its tensors, not copies
+        if w13.data_ptr() != w.w13.data_ptr() or w2.data_ptr() != w.w2.data_ptr() or s2.data_ptr() != \
+                w.scale_2.data_ptr() or w.scale_2.dtype != torch.float32:
+            raise ValueError("the landing store needs the pool's packed weights word-aligned and scale_2 float32")
+        dst = topk_dst if topk_dst.stride(-1) == 1 else topk_dst.contiguous()
+    else:  # any valid pointer (never read: HAS_DST is off)
+        dst = slots
     ks = k + has_shared
     h = torch.empty((t * ks, i), dtype=torch.float32, device=x.device)
     block_i, bw13, warps13 = gate_up_config or DECODE_GATE_UP_CONFIG[min(t, 2)]
@@ -265,22 +334,27 @@ def moe_decode_triton(
     whole2 = whole_k_words(i) if bw2 == 0 else 0
     bw13 = max(2, min(bw13 or 64, triton.next_power_of_2(hid // 8)))
     bw2 = max(2, min(bw2 or 64, triton.next_power_of_2(i // 8)))
-    _moe_decode_gate_up_kernel[(t * ks, triton.cdiv(i, block_i))](
-        x, slots, ids, w13, s13, s2, sw13, ss13, ss2, hw13, hs13, hs2, h, i, hid,
-        x.stride(0), slots.stride(0), ids.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
-        s2.stride(0), hw13.stride(0), hs13.stride(0), hs2.stride(0), h.stride(0), TOPK=k, HAS_SHARED=has_shared,
-        BLOCK_I=block_i, BLOCK_W=bw13, WHOLE_K=whole13, HAS_HOST=has_host, num_warps=warps13,
-    )
-    fuse_norm = residual is not None and norm_weight is not None
+    # (checked before any launch: a landing store must not stop half way)
     if has_host and not (per_pair and whole2):
         raise ValueError("a host store needs the per-pair down pass over a whole-K tile (down_per_pair, I / 8 <= 1024)")
+    if has_dst and not whole13:
+        raise ValueError("topk_dst needs the gate/up pass over a whole-K tile (BLOCK_W 0, H / 8 a power of 2 <= 1024)")
+    _moe_decode_gate_up_kernel[(t * ks, triton.cdiv(i, block_i))](
+        x, slots, ids, dst, w13, s13, s2, sw13, ss13, ss2, hw13, hs13, hs2, h, i, hid,
+        x.stride(0), slots.stride(0), ids.stride(0), dst.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
+        s13.stride(1), s2.stride(0), hw13.stride(0), hs13.stride(0), hs2.stride(0), h.stride(0), TOPK=k,
+        HAS_SHARED=has_shared, BLOCK_I=block_i, BLOCK_W=bw13, WHOLE_K=whole13, HAS_HOST=has_host, HAS_DST=has_dst,
+        num_warps=warps13,
+    )
+    fuse_norm = residual is not None and norm_weight is not None
     if per_pair and whole2:  # (a row's K in one tile; other shapes take the loop)
         y_pairs = torch.empty((t * ks, hid), dtype=torch.float32, device=x.device)
         _moe_decode_down_pairs_kernel[(t * ks, triton.cdiv(hid, block_h))](
-            h, slots, ids, wts, w2, s2w, s2, sw2, ss2w, ss2, hw2, hs2w, hs2, y_pairs, i, hid,
-            h.stride(0), slots.stride(0), ids.stride(0), wts.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0),
-            s2w.stride(1), s2.stride(0), hw2.stride(0), hs2w.stride(0), hs2.stride(0), y_pairs.stride(0), TOPK=k,
-            HAS_SHARED=has_shared, BLOCK_H=block_h, WHOLE_K=whole2, HAS_HOST=has_host, num_warps=warps2,
+            h, slots, ids, dst, wts, w2, s2w, s2, sw2, ss2w, ss2, hw2, hs2w, hs2, y_pairs, i, hid,
+            h.stride(0), slots.stride(0), ids.stride(0), dst.stride(0), wts.stride(0), w2.stride(0), w2.stride(1),
+            s2w.stride(0), s2w.stride(1), s2.stride(0), hw2.stride(0), hs2w.stride(0), hs2.stride(0), y_pairs.stride(0),
+            TOPK=k, HAS_SHARED=has_shared, BLOCK_H=block_h, WHOLE_K=whole2, HAS_HOST=has_host, HAS_DST=has_dst,
+            num_warps=warps2,
         )
         if fuse_norm and hid <= 8192 and residual.shape == x.shape and residual.dtype == x.dtype \
                 and residual.stride(-1) == 1:

@@ -62,7 +62,7 @@ def moe_over_slots_ref(
 def moe_decode_ref(
     x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, w: SlotWeights,
     shared: SlotWeights | None = None, host: SlotWeights | None = None, topk_ids: torch.Tensor | None = None,
-    layer: int = 0,
+    layer: int = 0, topk_dst: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The decode MoE block: sum_j weight_j * expert_j(x) over the routed pairs in order, then the
     shared expert (one more pair, slot 0 of `shared`) when given; everything in fp32, cast once.
@@ -72,8 +72,15 @@ def moe_decode_ref(
         `shared` (its weight last: the sigmoid of the shared expert's gate).
         host, topk_ids, layer: with a host store ([L, E, ...]) a pair without a slot reads expert
         topk_ids[t, j] of `layer` from it instead of being skipped (the slot-or-host gather).
+        topk_dst: [T, k] slots, -1 = none (with `host` only): after computing, each pair with
+        slot -1, an id >= 0 and d = topk_dst[t, j] >= 0 copies host[layer, id] into slot d of `w`
+        (all five tensors), as the kernels' landing store does; each d at most once, and no pair
+        reads slot d (the caller's contract, as in `moe_decode_triton`).
     Returns: [T, H] in x's dtype.
+    Raises: ValueError for topk_dst without `host`.
     """
+    if topk_dst is not None and host is None:
+        raise ValueError("topk_dst (the landing store) needs the host store: pass host=, topk_ids= and layer=")
     t, k = topk_slots.shape
     xs = x.float()
     wts = topk_weights.float()
@@ -92,7 +99,7 @@ def moe_decode_ref(
     if host is not None:  # the slotless pairs, from the host store
         miss = (flat < 0).nonzero().flatten()
         if miss.numel():
-            layer_store = SlotWeights(*(t_[layer] for t_ in host))
+            layer_store = SlotWeights(*(None if t_ is None else t_[layer] for t_ in host))
             ids = topk_ids.reshape(-1)[miss]
             w13s, w2s = dense_slots(layer_store, ids.to(layer_store.w13.device), torch.float32)
             for u, p in enumerate(miss.tolist()):
@@ -106,4 +113,11 @@ def moe_decode_ref(
     out = parts[:, 0]
     for j in range(1, parts.shape[1]):  # in pair order, as the kernel sums
         out = out + parts[:, j]
+    if topk_dst is not None:  # the landing store: after computing, so no pair reads what lands
+        ids, dst = topk_ids.reshape(-1).tolist(), topk_dst.reshape(-1).tolist()
+        for p in (flat < 0).nonzero().flatten().tolist():
+            if ids[p] >= 0 and dst[p] >= 0:
+                for pool_t, host_t in zip(w, host):
+                    if pool_t is not None:
+                        pool_t[dst[p]].copy_(host_t[layer, ids[p]])
     return out.to(x.dtype)

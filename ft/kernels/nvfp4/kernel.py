@@ -188,17 +188,35 @@ def _rows_dot_1(p_w, p_s, o_r, m_r, stride_wr, stride_sr, p_xr, w_lo, w_hi,
 
 
 @triton.jit
-def _whole_k_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, KW: tl.constexpr):
-    """Rows o_r's whole K (KW words): the 8 decoded element lanes (fp32 [R, KW], times 2**-6) and
-    the block scale of each word pair (fp32 [R, KW / 2]); masked rows give 0."""
+def _load_whole_k(p_w, p_s, o_r, m_r, stride_wr, stride_sr, KW: tl.constexpr):
+    """Rows o_r's whole K (KW words), as stored: the packed words (uint32 [R, KW]) and the E4M3
+    block scale bytes (uint8 [R, KW / 2]); masked rows give 0. Apart from `_decode_whole_k` so
+    that a caller can also store the raw bytes (the MoE's read-through landing store)."""
     o_w = tl.arange(0, KW)
     o_g = tl.arange(0, KW // 2)
     b_w = tl.load(p_w + o_r[:, None] * stride_wr + o_w[None, :], mask=m_r[:, None], other=0).to(tl.uint32, bitcast=True)
-    b_s = _e4m3(tl.load(p_s + o_r[:, None] * stride_sr + o_g[None, :], mask=m_r[:, None], other=0))
+    b_s = tl.load(p_s + o_r[:, None] * stride_sr + o_g[None, :], mask=m_r[:, None], other=0)
+    return b_w, b_s
+
+
+@triton.jit
+def _decode_whole_k(b_w, b_s):
+    """`_load_whole_k`'s words and scale bytes -> the 8 decoded element lanes (fp32 [R, KW], times
+    2**-6) and the block scale of each word pair (fp32 [R, KW / 2])."""
+    b_s = _e4m3(b_s)
     lo = _lo_e4m3_word(b_w)
     hi = _hi_e4m3_word(b_w)
     return (_byte_f32(lo, 0), _byte_f32(hi, 0), _byte_f32(lo, 1), _byte_f32(hi, 1),
             _byte_f32(lo, 2), _byte_f32(hi, 2), _byte_f32(lo, 3), _byte_f32(hi, 3), b_s)
+
+
+@triton.jit
+def _whole_k_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, KW: tl.constexpr):
+    """Rows o_r's whole K (KW words): the 8 decoded element lanes (fp32 [R, KW], times 2**-6) and
+    the block scale of each word pair (fp32 [R, KW / 2]); masked rows give 0.
+    `_load_whole_k` then `_decode_whole_k`."""
+    b_w, b_s = _load_whole_k(p_w, p_s, o_r, m_r, stride_wr, stride_sr, KW)
+    return _decode_whole_k(b_w, b_s)
 
 
 @triton.jit

@@ -9,6 +9,7 @@ from ft.model.layers.linear import Linear, NVFP4Weight
 from ft.memory.expert_cache import ExpertCache
 from ft.kernels.activation import expert_combine, silu_mul
 from ft.kernels.backend import debug_checks
+from ft.kernels.expert_lookup import expert_lookup
 from ft.kernels.moe import DECODE_MAX_TOKENS, SlotWeights, moe_decode, moe_over_slots, runs_triton
 from ft.kernels.router import route, route_forced_ref, router_topk
 
@@ -52,7 +53,12 @@ class SparseMoE:
         """x [T, H] -> y [T, H]. With `residual` and `next_norm` (the next layer's input norm
         weight) the decode path may also apply that norm (one launch less): it then returns
         (rms_norm(residual + y), residual + y) instead of y; callers check for a tuple.
-        `forced` [T, k]: the experts to use instead of the router's top-k (synthetic traces)."""
+        `forced` [T, k]: the experts to use instead of the router's top-k (synthetic traces).
+        While the cache's read-through step is active (an offloaded decode step), misses are read
+        from the host store inside the step (`_read_through`)."""
+        rt = cache.read_through
+        if rt is not None and rt.active:
+            return self._read_through(x, cache, residual, next_norm, eps, forced)
         if self._fused(x, cache):
             return self._decode(x, cache, residual, next_norm, eps, forced)
         if forced is not None:
@@ -99,6 +105,32 @@ class SparseMoE:
             slots = self._slots(table, ids)
         return moe_decode(x, slots, weights, cache.slots, self.shared_slot, residual=residual, norm_weight=next_norm,
                           eps=eps)
+
+    def _read_through(self, x: torch.Tensor, cache: ExpertCache, residual: torch.Tensor | None,
+                      next_norm: torch.Tensor | None, eps: float, forced: torch.Tensor | None):
+        """An offloaded decode step without host syncs: routing, then the lookup kernel (slots, the
+        book's bookkeeping, landing slots for first misses), then the MoE reading each miss from
+        the host store and landing it (`ft.memory.read_through`). Fused (one sum with the shared
+        expert) where the Triton kernels run, else the references and the unfused combine."""
+        layer = self.moe_index
+        fused = self._fused(x, cache)
+        if self.gate_logits is not None and fused:
+            logits = self.gate_logits(x)
+        elif fused:
+            logits = torch.cat([self.router(x), self.shared_expert_gate(x)], dim=1)
+        else:
+            logits = self.router(x)
+        if forced is not None:
+            weights, ids, _ = route_forced_ref(logits, forced, self.norm_topk_prob, shared_gate=fused)
+        else:
+            weights, ids, _ = route(logits, self.top_k, self.norm_topk_prob, shared_gate=fused)
+        slots, dst = expert_lookup(ids, cache.slot_table[layer], cache.read_through.book, layer)
+        if fused:
+            return moe_decode(x, slots, weights, cache.slots, self.shared_slot, residual=residual,
+                              norm_weight=next_norm, eps=eps, host=cache.host, topk_ids=ids, layer=layer,
+                              topk_dst=dst)
+        routed = moe_decode(x, slots, weights, cache.slots, host=cache.host, topk_ids=ids, layer=layer, topk_dst=dst)
+        return expert_combine(routed, self.shared_expert(x), self.shared_expert_gate(x))
 
     def _slots(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The slot of each selected expert; in debug mode, an expert without a slot (-1, which the

@@ -1,0 +1,158 @@
+"""The seed's ladder table on this machine: offloaded decode speed at each KV rung of an emulated card.
+
+    PYTHONPATH=. python3 bench/ladder.py [--cards 32GiB,16GiB] [--rungs 65536,131072,262144]
+                                         [--tokens 128,1024,4096] [--policy lru]
+
+Synthetic NVFP4 Qwen3-Next-80B-A3B (`bench/configs/qwen3-next-80b-a3b.json` with its routing drawn
+from the calibrated trace, `ft.tools.routing_trace.CALIBRATED`: ~68% / 79% LRU hits at 12.5% /
+25% of the experts cached), the offload backend in read-through mode (misses read from pinned
+host memory inside the CUDA graph), bf16 KV, the KV ladder on with automatic moves off. For each
+emulated card (`--gpu-memory-limit`) one engine; for each rung a manual ladder move (a live
+rebuild: the expert slots fill what KV leaves), then one greedy request decodes max(--tokens)
+tokens after a 32-token prompt; tok/s is reported over the first 128, 1,024 and 4,096 generated
+tokens of that request (each window includes the cold start of its cache: a new request routes
+by a new trace). Per rung: expert slots, hit rate and the bytes read from host memory per token
+over the whole request, and the ratio of tok/s to this machine's bound for that traffic:
+max(HBM bytes / 4.3 TB/s, host bytes / 50 GB/s) per token. The ladder's gain is each rung's
+tok/s over the 256K rung's (the fixed 256K geometry of the seed: KV fixed at 256K tokens, slots
+filling the rest, is exactly that rung's geometry). Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ft.engine.engine import Engine
+from ft.engine.engine_config import EngineConfig
+from ft.engine.sampling_params import SamplingParams
+
+HBM_BW = 4.3e12
+HOST_BW = 50e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="bench/configs/qwen3-next-80b-a3b.json")
+    ap.add_argument("--cards", default="32GiB,16GiB")
+    ap.add_argument("--rungs", default="65536,131072,262144", help="KV tokens of the rungs to measure")
+    ap.add_argument("--tokens", default="128,1024,4096", help="windows of generated tokens (the largest is decoded)")
+    ap.add_argument("--policy", default="lru", choices=["lru", "lfu"])
+    ap.add_argument("--step", type=int, default=32768, help="the ladder's step size")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="after each card's rows, profile this many decode steps at its last rung")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script on a small config")
+    args = ap.parse_args()
+    cfg = json.loads(Path(args.config).read_text())
+    cfg["routing_trace"] = True
+    tmp = Path(tempfile.mkdtemp()) / "traced.json"
+    tmp.write_text(json.dumps(cfg))
+    windows = sorted(int(t) for t in args.tokens.split(","))
+    rungs = [int(r) for r in args.rungs.split(",")]
+    rows = []
+    for card in args.cards.split(","):
+        t0 = time.perf_counter()
+        eng = Engine(EngineConfig(model=f"synthetic:{tmp}", device=args.device, dtype="bfloat16", moe_backend="offload",
+                                  gpu_memory_limit=card, enable_kv_ladder=True, ladder_step_size=args.step,
+                                  max_running_requests=1, max_prefill_length=1024, cuda_graph_max_bs=1,
+                                  expert_policy=args.policy))
+        eng.ladder.auto = False
+        measure(eng, [16])  # NOTE: compiles the kernels and captures the graph outside the timed rows
+        print(f"{card}: engine up in {time.perf_counter() - t0:.1f} s, rungs {eng.ladder.rungs}", flush=True)
+        for kv in rungs:
+            if kv not in eng.ladder.rungs:
+                print(f"{card}: no rung at {kv} tokens (rungs {eng.ladder.rungs})", flush=True)
+                continue
+            try:
+                eng.move_ladder(eng.ladder.rungs.index(kv), "bench")
+            except Exception as e:  # noqa: BLE001 - a rung this card cannot reach is a row, not a crash
+                print(f"{card} rung {kv}: {type(e).__name__}: {e}", flush=True)
+                rows.append((card, kv, None))
+                continue
+            r = measure(eng, windows)
+            r["slots"] = eng.pools.experts.num_slots
+            rows.append((card, kv, r))
+            print(f"{card} kv {kv}: {r}", flush=True)
+        if args.profile:
+            from bench.decode import profile_steps
+
+            profile_steps(eng, [(1000 + i) % eng.model_config.vocab_size for i in range(32)], args.profile)
+        del eng
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    table(rows, windows)
+
+
+def measure(eng, windows: list[int]) -> dict:
+    """One request decoding max(windows) tokens: tok/s over each window of generated tokens (after
+    the first, which the prefill makes), and the whole request's hit rate and host bytes per token."""
+    experts = eng.pools.experts
+    n = max(windows)
+    vocab = eng.model_config.vocab_size
+    seq = eng.add_request([(1000 + i) % vocab for i in range(32)], SamplingParams(max_new_tokens=n + 1, temperature=0.0,
+                                                                  ignore_eos=True))
+    while not seq.output_ids:
+        eng.step()
+    experts.collect()
+    h0, m0, b0 = experts.stats.hits, experts.stats.misses, experts.stats.bytes_loaded
+    rt = experts.read_through
+    p0 = rt.host_s if rt else 0.0
+    _sync()
+    t0 = time.perf_counter()
+    marks = {}
+    while not seq.is_finished:
+        eng.step()
+        done = len(seq.output_ids) - 1
+        if done in windows and done not in marks:
+            _sync()
+            marks[done] = done / (time.perf_counter() - t0)
+    elapsed = time.perf_counter() - t0
+    experts.collect()
+    policy_ms = ((rt.host_s if rt else 0.0) - p0) / n * 1e3
+    hits, misses = experts.stats.hits - h0, experts.stats.misses - m0
+    host_bytes = (experts.stats.bytes_loaded - b0) / n
+    hbm = hbm_bytes_per_token(eng)
+    bound = 1.0 / max(hbm / HBM_BW, host_bytes / HOST_BW)
+    return {"tok_s": {w: round(marks.get(w, 0.0), 2) for w in windows}, "hit_rate": hits / max(1, hits + misses),
+            "host_mb_per_token": host_bytes / 1e6, "bound_tok_s": bound, "ms_per_token": elapsed / n * 1e3,
+            "policy_ms_per_token": policy_ms}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def hbm_bytes_per_token(eng) -> float:
+    """Bytes a batch-1 decode step reads from device memory: the resident weights, the routed
+    experts' bytes (hits from slots; a miss's bytes are counted once more as its landing write) and
+    the shared expert, approximated by the dense weights plus top_k experts per MoE layer."""
+    experts = eng.pools.experts
+    per_expert = experts.bytes_per_slot
+    return eng.model.resident_bytes + eng.model.moe_pairs_per_token * per_expert
+
+
+def table(rows, windows: list[int]) -> None:
+    base = {card: r["tok_s"][max(windows)] for card, kv, r in rows if r and kv == max(k for _, k, _ in rows)}
+    head = " | ".join(f"tok/s @{w}" for w in windows)
+    print(f"\n| card | KV rung | slots | hit rate | host MB/token | {head} | bound tok/s | of bound | gain vs top rung "
+          f"| policy ms/token |")
+    print("|---|---|---|---|---|" + "---|" * len(windows) + "---|---|---|---|")
+    for card, kv, r in rows:
+        if r is None:
+            print(f"| {card} | {kv // 1024}K | refused |" + " |" * (len(windows) + 6))
+            continue
+        last = r["tok_s"][max(windows)]
+        cells = " | ".join(f"{r['tok_s'][w]:.1f}" for w in windows)
+        gain = f"{last / base[card] - 1:+.1%}" if base.get(card) else "-"
+        print(f"| {card} | {kv // 1024}K | {r['slots']:,} | {r['hit_rate']:.1%} | {r['host_mb_per_token']:.0f} | "
+              f"{cells} | {r['bound_tok_s']:.0f} | {last / r['bound_tok_s']:.0%} | {gain} | {r['policy_ms_per_token']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Expert lookup for an offloaded expert cache, inside the decode step: each routed expert's slot
+(-1: read it from the host store), the device-side use bookkeeping the host policy reads between
+steps, and read-through landing slots for this step's misses. No host sync: a CUDA graph captures it.
+
+`reference.py` is the torch reference, `kernel.py` the Triton kernel (one launch per MoE layer),
+this module the type of the bookkeeping tensors and the dispatcher.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ft.kernels.backend import uses_triton
+from ft.kernels.expert_lookup.reference import expert_lookup_ref
+
+__all__ = ["ExpertBook", "expert_lookup", "expert_lookup_ref", "new_book"]
+
+
+class ExpertBook(NamedTuple):
+    """Device-side bookkeeping of an offloaded expert cache: L MoE layers, E experts each, up to R
+    landing slots per layer per step. Persistent tensors (a captured graph bakes their addresses).
+
+    step: int32 [2]: the step number (>= 0, rising) and the batch's real rows (padding rows after
+        them are looked up but not counted and claim nothing).
+    last_use: int32 [L, E]: the last step each expert was routed to by a real row (-1: never).
+    use_count: int32 [L, E]: routings by real rows, cumulative (the host diffs it).
+    claim: int32 [L, E]: the last step a miss of the expert claimed a landing slot (-1: never).
+    landing: int32 [L, R]: free slots the host reserved for this step's misses, in order (-1: none).
+    landing_used: int32 [L]: landing slots claimed this step (may pass R: the extra misses land
+        nowhere); the host zeroes it before each step.
+    landed: int32 [L, R]: landed[l, i] = the expert written into landing[l, i] this step (valid
+        for i < min(landing_used[l], R) where landing[l, i] >= 0).
+    counters: int64 [L, 2]: hits and misses of real rows' pairs, cumulative.
+    """
+
+    step: torch.Tensor
+    last_use: torch.Tensor
+    use_count: torch.Tensor
+    claim: torch.Tensor
+    landing: torch.Tensor
+    landing_used: torch.Tensor
+    landed: torch.Tensor
+    counters: torch.Tensor
+
+    @property
+    def landing_capacity(self) -> int:
+        return self.landing.shape[1]
+
+
+def new_book(num_layers: int, num_experts: int, landing_capacity: int, device: torch.device) -> ExpertBook:
+    """A fresh book: nothing used, claimed or reserved, step 0 with no rows."""
+    i32 = dict(dtype=torch.int32, device=device)
+    r = max(1, landing_capacity)
+    return ExpertBook(
+        step=torch.zeros(2, **i32),
+        last_use=torch.full((num_layers, num_experts), -1, **i32),
+        use_count=torch.zeros((num_layers, num_experts), **i32),
+        claim=torch.full((num_layers, num_experts), -1, **i32),
+        landing=torch.full((num_layers, r), -1, **i32),
+        landing_used=torch.zeros(num_layers, **i32),
+        landed=torch.full((num_layers, r), -1, **i32),
+        counters=torch.zeros((num_layers, 2), dtype=torch.int64, device=device),
+    )
+
+
+def expert_lookup(ids: torch.Tensor, slot_table: torch.Tensor, book: ExpertBook, layer: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatcher (`expert_lookup_ref`'s contract): the Triton kernel on CUDA (or in interpreter
+    tests), else the reference."""
+    if uses_triton(ids.device):
+        from ft.kernels.expert_lookup.kernel import expert_lookup_triton  # NOTE: imports triton only when used
+
+        return expert_lookup_triton(ids, slot_table, book, layer)
+    return expert_lookup_ref(ids, slot_table, book, layer)

@@ -1,0 +1,286 @@
+"""Offloaded decode inside the CUDA graph: the expert cache's host side of read-through caching.
+
+During a decode step nothing waits for the host. Each MoE layer's lookup kernel
+(`ft.kernels.expert_lookup`) turns routed experts into slots from the device slot table; a pair
+whose expert has no slot reads it straight from the pinned host store (the MoE kernels' zero-copy
+path), and the first such pair of each expert in the step also writes the bytes it read into a
+*landing slot* that the host reserved for that layer before the step. So a miss costs one PCIe
+read, not a read and a later copy, and it is cached for the next steps like an LRU cache's miss.
+
+Between two steps (`collect`, then `begin_step`), on the one stream the graphs run on:
+1. collect: read back what the step recorded (a small device-to-host copy queued right after it):
+   the experts each layer used (last-use stamps), which expert landed in which landing slot, the
+   hit and miss counts. Landed experts become residents (the slot table gets their slots, before
+   the next step); the used residents become the most recent in the LRU order.
+2. begin_step: top up each layer's landing reserve (its misses of the last step plus a margin,
+   at most `top_k x rows`): free slots first, then victims chosen by the policy among the
+   residents that the last step did not use, never taking a layer below its floor. A victim is
+   unmapped (slot table -1) before the next step is queued, so no kernel of that step reads the
+   slot it may overwrite; the previous step, which may have read it, is already done (stream
+   order). Then the landing table, the step number and the zeroed claim counters are uploaded.
+
+Why not copy promoted experts on a side stream (the issue's first sketch)? With a hit rate of
+70-80% the misses already cross PCIe once, in the step, at the bus's speed; a promotion copy would
+move the same bytes a second time, halving what the bus gives the critical path. Landing the bytes
+the kernel already holds costs an HBM write instead.
+
+Policies: "lru" (the default: least recently used by step, ties in the order they were last
+touched) and "lfu" (least frequently used with aging: a score halved every `LFU_HALF_LIFE` steps
+plus one per step an expert is used; ties by recency). bench/offload_policy.py compares them on
+calibrated traces. The floor (`floor` residents per layer) keeps one layer's burst of misses from
+emptying the others (the global LRU's cliff when the cache is smaller than a step's working set).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from ft.kernels.expert_lookup import ExpertBook, new_book
+
+POLICIES = ("lru", "lfu")
+LFU_HALF_LIFE = 16.0
+LANDING_MARGIN = 2
+"""Landing slots kept per layer beyond its misses of the last step."""
+
+
+class ReadThrough:
+    """The host policy and the device book of an `ExpertCache` in read-through mode.
+
+    Contract with the model runner: `collect()` before anything else of a step uses the cache
+    (the engine calls it at the start of every step and before a rebuild); `begin_step(rows,
+    top_k)` just before a decode step is queued (eagerly or as a graph replay); `end_step()` just
+    after it, before the step's end-of-step synchronization (which the next `collect` relies on).
+    """
+
+    def __init__(self, cache, landing_capacity: int, policy: str = "lru", floor: int | None = None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"expert policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.cache, self.policy = cache, policy
+        layers, experts = cache.num_layers, cache.num_experts
+        device = cache.slot_table.device
+        self.book: ExpertBook = new_book(layers, experts, landing_capacity, device)
+        self.capacity = self.book.landing_capacity
+        self.floor = floor if floor is not None else max(1, min(16, cache.num_slots // (4 * layers)))
+        pin = device.type == "cuda"
+        i32 = torch.int32
+
+        def host(shape, dtype=i32, fill=0):
+            return torch.full(shape, fill, dtype=dtype, pin_memory=pin)
+
+        # readback targets (pinned): filled by end_step's copies, read by collect
+        self._last = host((layers, experts), fill=-1)
+        self._used = host((layers,))
+        self._landed = host((layers, self.capacity), fill=-1)
+        self._counters = host((layers, 2), torch.int64)
+        # upload staging (pinned): the landing table and the step
+        self._landing_up = host((layers, self.capacity), fill=-1)
+        self._step_up = host((2,))
+        self._updates = _Staging(device)
+        self._event = torch.cuda.Event() if device.type == "cuda" else None
+        self.landing: list[list[int]] = [[] for _ in range(layers)]  # reserved slots per layer, in upload order
+        self.step = 0  # the next step's number
+        self._in_flight: int | None = None  # the step whose readback collect has not taken yet
+        self._seen = np.zeros((layers, 2), dtype=np.int64)  # counters already counted
+        self.misses_last = np.zeros(layers, dtype=np.int64)
+        self.used_last = np.zeros((layers, experts), dtype=bool)
+        self.score = np.zeros((layers, experts), dtype=np.float64)  # "lfu": aged use counts
+        self.landed_total = 0
+        self.active = False  # between begin_step and end_step: the MoE layers take the read-through path
+        self.host_s = 0.0  # seconds spent in begin_step and end_step (the policy's share of a step's host time)
+
+    # ------------------------------------------------------------------------------ the step
+    def begin_step(self, rows: int, top_k: int) -> None:
+        """Reserve landing slots and upload the book's inputs for the decode step about to be
+        queued (`rows` real rows of `top_k` experts per layer)."""
+        t0 = time.perf_counter()
+        table: list[tuple[int, int, int]] = []
+        self._collect(table)
+        self._provision(min(self.capacity, top_k * rows), table)
+        self._apply(table)  # NOTE: one upload per step: the staging is reused only after the step's sync
+        up = self._landing_up.numpy()
+        up.fill(-1)
+        for layer, slots in enumerate(self.landing):
+            up[layer, : len(slots)] = slots
+        self.book.landing.copy_(self._landing_up, non_blocking=True)
+        self.book.landing_used.zero_()
+        self._step_up[0], self._step_up[1] = self.step, rows
+        self.book.step.copy_(self._step_up, non_blocking=True)
+        self.active = True
+        self.host_s += time.perf_counter() - t0
+
+    def end_step(self) -> None:
+        """Queue the readback of what the step just queued records (collected at the next step)."""
+        t0 = time.perf_counter()
+        b = self.book
+        for dst, src in ((self._last, b.last_use), (self._used, b.landing_used), (self._landed, b.landed),
+                         (self._counters, b.counters)):
+            dst.copy_(src, non_blocking=True)
+        if self._event is not None:
+            self._event.record()
+        self.active = False
+        self._in_flight = self.step
+        self.step += 1
+        self.host_s += time.perf_counter() - t0
+
+    def collect(self) -> None:
+        """Take in the last step's readback: land, touch, count (see the module docstring)."""
+        table: list[tuple[int, int, int]] = []
+        self._collect(table)
+        self._apply(table)
+
+    def _collect(self, table: list[tuple[int, int, int]]) -> None:
+        """`collect`, its slot-table updates appended to `table` instead of applied."""
+        if self._in_flight is None:
+            return
+        step, self._in_flight = self._in_flight, None
+        if self._event is not None:
+            self._event.synchronize()  # NOTE: normally done already: the runner waits for each step's end
+        cache = self.cache
+        used = self._last.numpy() == step
+        self.used_last = used
+        layers, experts = np.nonzero(used)
+        lru = cache._lru
+        for key in zip(layers.tolist(), experts.tolist()):
+            if key in lru:
+                lru.move_to_end(key)
+        if self.policy == "lfu":
+            self.score *= 0.5 ** (1.0 / LFU_HALF_LIFE)
+            self.score[used] += 1.0
+        n_before = len(table)
+        claimed = self._used.numpy()
+        landed = self._landed.numpy()
+        for layer, slots in enumerate(self.landing):
+            n = min(int(claimed[layer]), len(slots))
+            for i in range(n):
+                key, slot = (layer, int(landed[layer, i])), slots[i]
+                if key in lru:  # NOTE: cannot happen (a resident is no miss); kept safe
+                    cache._free.append(slot)
+                    continue
+                cache.map(key, slot)
+                table.append((layer, key[1], slot))
+            del slots[:n]
+        self.landed_total += len(table) - n_before
+        counters = self._counters.numpy()
+        delta = counters - self._seen
+        self._seen = counters.copy()
+        self.misses_last = delta[:, 1].copy()
+        cache.stats.hits += int(delta[:, 0].sum())
+        cache.stats.misses += int(delta[:, 1].sum())
+        cache.stats.bytes_loaded += int(delta[:, 1].sum()) * cache.bytes_per_slot  # read over PCIe
+
+    # ------------------------------------------------------------------------------ policy
+    def _provision(self, most: int, table: list[tuple[int, int, int]]) -> None:
+        """Top each layer's landing reserve up to min(most, misses last step + margin); surplus
+        reserved slots go back to the free list."""
+        cache = self.cache
+        want = np.minimum(most, self.misses_last + LANDING_MARGIN)
+        short = 0
+        for layer, slots in enumerate(self.landing):
+            w = int(want[layer])
+            while len(slots) > w:
+                cache._free.append(slots.pop())
+            short += w - len(slots)
+        if short <= 0:
+            return
+        free = cache._free
+        victims = self._victims(max(0, short - len(free)))
+        for layer, slots in enumerate(self.landing):
+            for _ in range(int(want[layer]) - len(slots)):
+                if free:
+                    slots.append(free.pop())
+                elif victims:
+                    key = victims.pop()
+                    slots.append(cache.unmap(key, device=False))
+                    table.append((key[0], key[1], -1))
+                else:
+                    return
+
+    def _victims(self, n: int) -> list[tuple[int, int]]:
+        """Up to n residents to evict, the best victim last: not used by the last step, never
+        taking a layer below the floor; by recency ("lru") or by aged use count ("lfu")."""
+        if n <= 0:
+            return []
+        cache = self.cache
+        count = (cache.table_np >= 0).sum(axis=1)
+        used = self.used_last
+        out: list[tuple[int, int]] = []
+        if self.policy == "lru":
+            for key in cache._lru:  # oldest first
+                if len(out) >= n:
+                    break
+                layer = key[0]
+                if used[key] or count[layer] <= self.floor:
+                    continue
+                count[layer] -= 1
+                out.append(key)
+        else:
+            keys = list(cache._lru)  # recency order breaks ties (a stable sort)
+            ls = np.fromiter((k[0] for k in keys), dtype=np.int64, count=len(keys))
+            es = np.fromiter((k[1] for k in keys), dtype=np.int64, count=len(keys))
+            for i in np.argsort(self.score[ls, es], kind="stable").tolist():
+                if len(out) >= n:
+                    break
+                layer, expert = int(ls[i]), int(es[i])
+                if used[layer, expert] or count[layer] <= self.floor:
+                    continue
+                count[layer] -= 1
+                out.append((layer, expert))
+        out.reverse()
+        return out
+
+    # ------------------------------------------------------------------------------ device
+    def _apply(self, table: list[tuple[int, int, int]]) -> None:
+        """slot_table[layer, expert] = slot for each update, in one launch (queued on the stream)."""
+        if table:
+            e = self.cache.num_experts
+            flat = [layer * e + expert for layer, expert, _ in table]
+            values = [slot for _, _, slot in table]
+            idx, val = self._updates.load(flat, values)
+            self.cache.slot_table.view(-1).index_put_((idx,), val)
+
+    def release_landing(self) -> list[int]:
+        """Empty every landing reserve (a resize or an invalidation); returns the slots."""
+        self.collect()
+        out = [s for slots in self.landing for s in slots]
+        for slots in self.landing:
+            slots.clear()
+        return out
+
+    def reset(self) -> None:
+        """After the cache forgot every expert (`invalidate`): no reserves, nothing outstanding."""
+        self._in_flight = None
+        for slots in self.landing:
+            slots.clear()
+        self.used_last[:] = False
+        self.misses_last[:] = 0
+
+
+class _Staging:
+    """Pinned host staging for (index, value) int64 pairs, grown as needed; one copy each to the device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._alloc(256)
+
+    def _alloc(self, n: int) -> None:
+        pin = self.device.type == "cuda"
+        self.host = torch.zeros((2, n), dtype=torch.int64, pin_memory=pin)
+        self.dev = torch.zeros((2, n), dtype=torch.int64, device=self.device)
+        self._copied = torch.cuda.Event() if pin else None
+
+    def load(self, idx: list[int], val: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(idx)
+        if n > self.host.shape[1]:
+            self._alloc(2 * n)
+        if self._copied is not None:  # the previous load's copy must have read the staging (between
+            self._copied.synchronize()  # steps the stream is idle, so this returns at once)
+        h = self.host.numpy()
+        h[0, :n], h[1, :n] = idx, val
+        d = self.dev[:, :n]
+        d.copy_(self.host[:, :n], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        return d[0], d[1]

@@ -1,0 +1,58 @@
+"""Replays a routing trace through the expert cache's read-through mode on the CPU: the real
+`ExpertCache` and `ReadThrough` policy, the lookup kernel's torch reference, no weights (the
+landing writes the MoE kernels would do are left out: they change bytes, not the bookkeeping).
+
+`read_through_hit_rate` is what an offloaded decode at batch 1 would hit with a given number of
+slots, to set beside the exact LRU (`routing_trace.lru_hit_rate`), whose misses are cached before
+the step that needs them: read-through caches a miss after its step, reserves landing slots, and
+never evicts what the previous step used, so it hits a little less.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ft.kernels.expert_lookup import expert_lookup_ref
+from ft.kernels.moe import SlotWeights
+from ft.memory.expert_cache import ExpertCache
+
+
+def read_through_cache(num_layers: int, num_experts: int, num_slots: int, top_k: int, policy: str = "lru",
+                       rows: int = 1) -> ExpertCache:
+    """An expert cache of one byte per expert (the weights are not looked at) in read-through mode."""
+    host = SlotWeights(torch.zeros(num_layers, num_experts, 1), torch.zeros(num_layers, num_experts, 1))
+    cache = ExpertCache(host, num_slots, torch.device("cpu"))
+    cache.enable_read_through(top_k * rows, policy)
+    return cache
+
+
+def replay_step(cache: ExpertCache, routed: list[list[list[int]]]) -> None:
+    """One decode step of len(routed) rows: routed[row][layer] = that row's k experts."""
+    rt = cache.read_through
+    k = len(routed[0][0])
+    rt.begin_step(len(routed), k)
+    for layer in range(cache.num_layers):
+        ids = torch.tensor([row[layer] for row in routed], dtype=torch.int64)
+        expert_lookup_ref(ids, cache.slot_table[layer], rt.book, layer)
+    rt.end_step()
+
+
+def read_through_hit_rate(trace: list[list[list[int]]], num_slots: int, warmup: int = 0, policy: str = "lru",
+                          prefill: int = 0) -> float:
+    """Hits / pairs of batch-1 decode over `trace` ([token][layer][k]) counting after `warmup`
+    tokens. The first `prefill` tokens go through `ensure` (a prompt's prefill loads its experts)."""
+    layers, k = len(trace[0]), len(trace[0][0])
+    experts = 1 + max(e for tok in trace for layer in tok for e in layer)
+    cache = read_through_cache(layers, experts, num_slots, k, policy)
+    for tok in trace[:prefill]:
+        for layer, ids in enumerate(tok):
+            cache.ensure(layer, ids, count=False)
+    hits = misses = 0
+    for t, tok in enumerate(trace[prefill:], start=prefill):
+        if t == warmup:
+            cache.collect()
+            hits, misses = cache.stats.hits, cache.stats.misses
+        replay_step(cache, [tok])
+    cache.collect()
+    total = cache.stats.hits + cache.stats.misses - hits - misses
+    return (cache.stats.hits - hits) / total if total else 0.0

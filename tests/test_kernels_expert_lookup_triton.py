@@ -1,0 +1,87 @@
+"""The expert lookup of offloaded decode (slots, use bookkeeping, landing claims): the Triton
+kernel under the interpreter against the reference, and the reference's contract."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (by the kernels module below)
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ft.kernels.expert_lookup import expert_lookup, expert_lookup_ref, new_book
+from ft.kernels.expert_lookup.kernel import expert_lookup_triton
+
+
+def _setup(layers=3, experts=16, cap=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.full((layers, experts), -1, dtype=torch.int64)
+    for layer in range(layers):  # a few residents per layer
+        table[layer, torch.randperm(experts, generator=gen)[:5]] = torch.arange(5) + 5 * layer
+    book = new_book(layers, experts, cap, torch.device("cpu"))
+    book.landing[1, :3] = torch.tensor([40, 41, 42], dtype=torch.int32)  # layer 1: three landing slots
+    return gen, table, book
+
+
+def _ids(gen, t, k, experts):
+    return torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(t)])
+
+
+def test_reference_contract():
+    gen, table, book = _setup()
+    ids = torch.tensor([[0, 1, 2], [2, 3, 0], [1, 2, 4]])  # rows 0..1 real, row 2 padding
+    table[1] = -1
+    table[1, 1] = 7
+    book.step[0], book.step[1] = 5, 2
+    slots, dst = expert_lookup_ref(ids, table[1], book, 1)
+    assert slots.tolist() == [[-1, 7, -1], [-1, -1, -1], [7, -1, -1]]
+    # misses claim in row order: 0 -> 40, 2 -> 41 (row 0); 3 -> 42 (row 1); the rest got nothing
+    assert dst.tolist() == [[40, -1, 41], [-1, 42, -1], [-1, -1, -1]]
+    assert book.landed[1, :3].tolist() == [0, 2, 3] and int(book.landing_used[1]) == 3
+    assert book.last_use[1, :5].tolist() == [5, 5, 5, 5, -1]  # row 2 (padding) is not counted
+    assert book.use_count[1, :5].tolist() == [2, 1, 2, 1, 0]
+    assert book.counters[1].tolist() == [1, 5]
+    assert book.claim[1, :5].tolist() == [5, -1, 5, 5, -1]
+    # a second step: the claims are new again; landing slots beyond those reserved land nowhere
+    book.step[0] = 6
+    book.landing_used.zero_()
+    book.landing[1] = -1
+    book.landing[1, 0] = 43
+    slots, dst = expert_lookup_ref(ids, table[1], book, 1)
+    assert dst.tolist() == [[43, -1, -1], [-1, -1, -1], [-1, -1, -1]] and int(book.landing_used[1]) == 3
+
+
+@pytest.mark.parametrize(("t", "k", "real"), [(1, 4, 1), (4, 3, 4), (8, 5, 6), (3, 16, 3)])
+def test_kernel_matches_reference(t, k, real):
+    gen, table, book = _setup(experts=32, cap=6, seed=t * 10 + k)
+    book.landing[1, :5] = torch.tensor([50, 51, -1, 53, 54], dtype=torch.int32)  # a hole: that claim lands nowhere
+    ref_book = type(book)(*(x.clone() for x in book))
+    for step in range(3):
+        ids = _ids(gen, t, k, 32)
+        for b in (book, ref_book):
+            b.step[0], b.step[1] = step, real
+            b.landing_used.zero_()
+        got = expert_lookup_triton(ids, table[1], book, 1)
+        want = expert_lookup_ref(ids, table[1], ref_book, 1)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        for name, a, b in zip(book._fields, book, ref_book):
+            assert torch.equal(a, b), name
+    # only layer 1's rows changed
+    fresh = new_book(3, 32, 6, torch.device("cpu"))
+    assert torch.equal(book.last_use[0], fresh.last_use[0]) and torch.equal(book.counters[2], fresh.counters[2])
+
+
+def test_dispatcher_runs_the_kernel_in_interpreter_tests(monkeypatch):
+    gen, table, book = _setup()
+    monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
+    import ft.kernels.expert_lookup.kernel as details
+
+    calls = []
+    real = details.expert_lookup_triton
+    monkeypatch.setattr(details, "expert_lookup_triton", lambda *a: calls.append(1) or real(*a))
+    book.step[1] = 2
+    slots, dst = expert_lookup(_ids(gen, 2, 3, 16), table[0], book, 0)
+    assert calls and slots.dtype == dst.dtype == torch.int32

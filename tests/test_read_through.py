@@ -1,0 +1,187 @@
+"""The expert cache's read-through mode (offloaded decode inside the graph), on the CPU: the host
+policy against the lookup reference, replayed on routing traces."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ft.kernels.expert_lookup import expert_lookup_ref
+from ft.memory.read_through import LANDING_MARGIN
+from ft.tools.offload_sim import read_through_cache, read_through_hit_rate, replay_step
+from ft.tools.routing_trace import RoutingTrace, lru_hit_rate
+
+
+def _check_consistent(cache):
+    """slot_table, its host twin, the LRU map, the free list and the landing reserves agree, and no
+    slot is in two places."""
+    table = cache.slot_table.numpy()
+    assert np.array_equal(table, cache.table_np)
+    mapped = {(int(l_), int(e)): int(table[l_, e]) for l_, e in zip(*np.nonzero(table >= 0))}
+    assert mapped == dict(cache._lru)
+    landing = [s for slots in cache.read_through.landing for s in slots]
+    owners = list(mapped.values()) + list(cache._free) + landing
+    assert len(owners) == len(set(owners)) and set(owners) <= set(range(cache.num_slots))
+    assert len(owners) == cache.num_slots
+
+
+def test_a_miss_lands_in_a_reserved_slot_and_hits_from_the_next_step_on():
+    cache = read_through_cache(2, 8, 6, 2)
+    rt = cache.read_through
+    replay_step(cache, [[[0, 1], [2, 3]]])  # cold: every pair misses; landing reserves were 2 per layer
+    cache.collect()
+    assert cache.stats.misses == 4 and cache.stats.hits == 0
+    assert all(cache.is_resident(layer, e) for layer, e in [(0, 0), (0, 1), (1, 2), (1, 3)])
+    _check_consistent(cache)
+    replay_step(cache, [[[0, 1], [2, 3]]])
+    cache.collect()
+    assert cache.stats.hits == 4 and cache.stats.misses == 4
+    assert rt.landed_total == 4 and cache.stats.bytes_loaded == 4 * cache.bytes_per_slot
+    _check_consistent(cache)
+
+
+def test_victims_are_never_used_by_the_last_step_and_layers_keep_their_floor():
+    cache = read_through_cache(2, 64, 10, 3)
+    rt = cache.read_through
+    rt.floor = 2
+    trace = RoutingTrace(2, 64, 3, seed=3).tokens(60)
+    evictions = 0
+    for tok in trace:
+        before = {k for k in cache._lru}
+        counts_before = (cache.table_np >= 0).sum(axis=1)
+        used_last = rt.used_last.copy()
+        replay_step(cache, [tok])  # begin_step evicts; the landed experts are mapped by the collect below
+        evicted = before - set(cache._lru)
+        assert all(not used_last[key] for key in evicted)
+        counts = (cache.table_np >= 0).sum(axis=1)
+        assert all(c >= min(rt.floor, c0) for c, c0 in zip(counts.tolist(), counts_before.tolist()))
+        evictions += len(evicted)
+        cache.collect()
+        _check_consistent(cache)
+        assert all(len(slots) <= min(rt.capacity, 3) for slots in rt.landing)
+    assert cache.stats.hits > 0 and evictions > 20
+
+
+def test_more_misses_than_landing_slots_are_computed_but_not_cached():
+    cache = read_through_cache(1, 32, 4, 4)
+    rt = cache.read_through
+    replay_step(cache, [[[0, 1, 2, 3]], [[4, 5, 6, 7]]])  # 2 rows: 8 misses, at most 4 landing slots
+    cache.collect()
+    assert cache.stats.misses == 8 and rt.landed_total <= 4 and cache.num_resident == rt.landed_total
+    _check_consistent(cache)
+
+
+def test_reserve_follows_the_last_steps_misses():
+    cache = read_through_cache(1, 32, 16, 4)
+    rt = cache.read_through
+    replay_step(cache, [[[0, 1, 2, 3]]])
+    cache.collect()
+    assert rt.misses_last.tolist() == [4]
+    rt.begin_step(1, 4)
+    assert len(rt.landing[0]) == min(4, 4 + LANDING_MARGIN)
+    rt.end_step()
+    cache.collect()  # a step without lookups: nothing used, nothing missed
+    rt.begin_step(1, 4)
+    assert len(rt.landing[0]) == LANDING_MARGIN
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_hit_rate_near_the_exact_lru_on_a_calibrated_trace(policy):
+    """Read-through caches a miss one step later than the exact LRU and keeps landing slots aside:
+    on a calibrated trace it stays within a few points of it (bench/offload_policy.py measures
+    48 layers)."""
+    layers, experts, k = 4, 128, 4
+    trace = RoutingTrace(layers, experts, k, seed=7).tokens(300)
+    slots = layers * experts // 4
+    exact = lru_hit_rate(trace, slots, warmup=100)
+    got = read_through_hit_rate(trace, slots, warmup=100, policy=policy)
+    assert 0.5 < exact and exact - 0.06 < got <= exact + 0.06
+
+
+def test_resize_and_invalidate_release_landing_slots():
+    cache = read_through_cache(2, 16, 12, 2)
+    rt = cache.read_through
+    replay_step(cache, [[[0, 1], [2, 3]]])
+    rt.begin_step(1, 2)  # reserves landing slots; the step is not run
+    assert any(rt.landing)
+    cache.resize(6)
+    assert not any(rt.landing) and cache.num_slots == 6
+    _check_consistent(cache)
+    cache.invalidate()
+    assert cache.num_resident == 0 and len(cache._free) == 6
+    _check_consistent(cache)
+
+
+def test_ensure_and_read_through_share_the_cache():
+    """A prefill's ensure between decode steps: landed experts are collected first, nothing is
+    mapped twice."""
+    cache = read_through_cache(1, 16, 8, 2)
+    replay_step(cache, [[[0, 1]]])
+    cache.collect()
+    cache.ensure(0, [1, 2, 3])
+    _check_consistent(cache)
+    replay_step(cache, [[[2, 5]]])
+    cache.collect()
+    _check_consistent(cache)
+    assert cache.is_resident(0, 5)
+
+
+def test_bad_policy():
+    with pytest.raises(ValueError, match="lru, lfu"):
+        read_through_cache(1, 4, 2, 1, policy="mru")
+
+
+def test_lookup_reads_the_table_that_begin_step_wrote():
+    """Victims are unmapped on the device before the step: the lookup sees -1 for them."""
+    cache = read_through_cache(1, 8, 3, 1)
+    for e in (0, 1, 2):  # fill the cache: 3 residents, no free slot
+        replay_step(cache, [[[e]]])
+    cache.collect()
+    rt = cache.read_through
+    rt.begin_step(1, 1)
+    victims = [e for e in range(8) if cache.table_np[0, e] < 0]
+    slots, _ = expert_lookup_ref(torch.tensor([[victims[0]]]), cache.slot_table[0], rt.book, 0)
+    assert int(slots[0, 0]) == -1
+
+
+# ------------------------------------------------------------------------------- the engine
+
+
+def test_engine_read_through_decode_matches_resident_and_loads_before_each_layer(tiny_one):
+    """Offloaded decode in read-through mode (the default): the same greedy tokens as the resident
+    backend and as loading misses before each layer; misses land and later steps hit."""
+    from tests.test_oracle import GREEDY_32, hf_greedy, make_llm, prompt_of
+
+    _, model, path = tiny_one
+    k = model.config.num_experts_per_tok
+    prompts = [prompt_of(40, seed=71), prompt_of(9, seed=72)]
+    resident = make_llm(path, moe_backend="resident").generate(prompt_token_ids=prompts, **GREEDY_32)
+    slots = 3 * k
+    through = make_llm(path, moe_backend="offload", moe_cache_size=slots)
+    loads = make_llm(path, moe_backend="offload", moe_cache_size=slots, expert_read_through=False)
+    assert through.engine.pools.experts.read_through is not None
+    assert loads.engine.pools.experts.read_through is None
+    got, want = (llm.generate(prompt_token_ids=prompts, **GREEDY_32) for llm in (through, loads))
+    for r, a, b, p in zip(resident, got, want, prompts):
+        assert a.token_ids == b.token_ids == r.token_ids == hf_greedy(model, p)
+    cache = through.engine.pools.experts
+    cache.collect()
+    rt = cache.read_through
+    assert rt.landed_total > 0 and cache.stats.hits > 0 and cache.stats.misses > 0
+    assert rt.step > 0 and not rt.active
+
+
+def test_lfu_policy_and_flags(tiny_one):
+    from ft.errors import ConfigError
+    from tests.test_oracle import GREEDY_32, make_llm, prompt_of
+
+    _, model, path = tiny_one
+    llm = make_llm(path, moe_backend="offload", moe_cache_size=2 * model.config.num_experts_per_tok,
+                   expert_policy="lfu")
+    assert llm.engine.pools.experts.read_through.policy == "lfu"
+    llm.generate(prompt_token_ids=[prompt_of(12, seed=3)], **GREEDY_32)
+    with pytest.raises(ConfigError, match="lfu"):
+        make_llm(path, expert_policy="lfu", expert_read_through=False)
+    with pytest.raises(ConfigError, match="lru or lfu"):
+        make_llm(path, expert_policy="fifo")
