@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--step", type=int, default=32768, help="the ladder's step size")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="after each card's rows, profile this many decode steps at its last rung")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
+                    help="after each card's rows, the host time of this many decode steps by function (cProfile)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script on a small config")
     args = ap.parse_args()
     cfg = json.loads(Path(args.config).read_text())
@@ -78,6 +80,8 @@ def main() -> None:
             r["slots"] = eng.pools.experts.num_slots
             rows.append((card, kv, r))
             print(f"{card} kv {kv}: {r}", flush=True)
+        if args.cprofile:
+            host_profile(eng, args.cprofile)
         if args.profile:
             from bench.decode import profile_steps
 
@@ -102,6 +106,8 @@ def measure(eng, windows: list[int]) -> dict:
     h0, m0, b0 = experts.stats.hits, experts.stats.misses, experts.stats.bytes_loaded
     rt = experts.read_through
     p0 = rt.host_s if rt else 0.0
+    graphs = eng.runner.graphs
+    g0 = graphs.replay_s if graphs else 0.0
     _sync()
     t0 = time.perf_counter()
     marks = {}
@@ -114,13 +120,36 @@ def measure(eng, windows: list[int]) -> dict:
     elapsed = time.perf_counter() - t0
     experts.collect()
     policy_ms = ((rt.host_s if rt else 0.0) - p0) / n * 1e3
+    launch_ms = ((graphs.replay_s if graphs else 0.0) - g0) / n * 1e3
     hits, misses = experts.stats.hits - h0, experts.stats.misses - m0
     host_bytes = (experts.stats.bytes_loaded - b0) / n
     hbm = hbm_bytes_per_token(eng)
     bound = 1.0 / max(hbm / HBM_BW, host_bytes / HOST_BW)
     return {"tok_s": {w: round(marks.get(w, 0.0), 2) for w in windows}, "hit_rate": hits / max(1, hits + misses),
             "host_mb_per_token": host_bytes / 1e6, "bound_tok_s": bound, "ms_per_token": elapsed / n * 1e3,
-            "policy_ms_per_token": policy_ms}
+            "policy_ms_per_token": policy_ms, "launch_ms_per_token": launch_ms}
+
+
+def host_profile(eng, steps: int) -> None:
+    """Where the host time of `steps` decode steps goes (cProfile, top functions by own time)."""
+    import cProfile
+    import pstats
+
+    vocab = eng.model_config.vocab_size
+    seq = eng.add_request([(2000 + i) % vocab for i in range(32)], SamplingParams(max_new_tokens=steps + 8,
+                                                                               temperature=0.0, ignore_eos=True))
+    for _ in range(6):
+        eng.step()
+    _sync()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        eng.step()
+    prof.disable()
+    print(f"\nhost profile: {steps} decode steps, {(time.perf_counter() - t0) / steps * 1e3:.2f} ms per step (profiled)")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+    eng.run_until_done([seq])
 
 
 def _sync() -> None:
@@ -141,17 +170,18 @@ def table(rows, windows: list[int]) -> None:
     base = {card: r["tok_s"][max(windows)] for card, kv, r in rows if r and kv == max(k for _, k, _ in rows)}
     head = " | ".join(f"tok/s @{w}" for w in windows)
     print(f"\n| card | KV rung | slots | hit rate | host MB/token | {head} | bound tok/s | of bound | gain vs top rung "
-          f"| policy ms/token |")
-    print("|---|---|---|---|---|" + "---|" * len(windows) + "---|---|---|---|")
+          f"| policy ms/token | graph launch ms/token |")
+    print("|---|---|---|---|---|" + "---|" * len(windows) + "---|---|---|---|---|")
     for card, kv, r in rows:
         if r is None:
-            print(f"| {card} | {kv // 1024}K | refused |" + " |" * (len(windows) + 6))
+            print(f"| {card} | {kv // 1024}K | refused |" + " |" * (len(windows) + 7))
             continue
         last = r["tok_s"][max(windows)]
         cells = " | ".join(f"{r['tok_s'][w]:.1f}" for w in windows)
         gain = f"{last / base[card] - 1:+.1%}" if base.get(card) else "-"
         print(f"| {card} | {kv // 1024}K | {r['slots']:,} | {r['hit_rate']:.1%} | {r['host_mb_per_token']:.0f} | "
-              f"{cells} | {r['bound_tok_s']:.0f} | {last / r['bound_tok_s']:.0%} | {gain} | {r['policy_ms_per_token']:.2f} |")
+              f"{cells} | {r['bound_tok_s']:.0f} | {last / r['bound_tok_s']:.0%} | {gain} | {r['policy_ms_per_token']:.2f} | "
+              f"{r['launch_ms_per_token']:.2f} |")
 
 
 if __name__ == "__main__":

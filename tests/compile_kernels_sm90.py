@@ -27,6 +27,7 @@ from ft.kernels.moe import kernel as moe  # noqa: E402
 from ft.kernels.norm import kernel as norm  # noqa: E402
 from ft.kernels.nvfp4 import kernel as nv  # noqa: E402
 from ft.kernels.router import kernel as router  # noqa: E402
+from ft.kernels.expert_lookup import kernel as lookup  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -55,6 +56,9 @@ G_GATE_UP = {"p_x": "*bf16", **TILES, "p_w13": "*u8", "p_s13": "*u8", "p_s2": "*
 G_DOWN = {"p_h": "*bf16", **TILES, "p_wts": "*bf16", "p_w2": "*u8", "p_s2w": "*u8", "p_s2": "*fp32", "p_y": "*fp32",
           **ints("I", "H", "TOPK", "stride_hp", "stride_w2e", "stride_w2r", "stride_s2we", "stride_s2wr",
                  "stride_s2e", "stride_yp")}
+LOOKUP = {"p_ids": "*i64", "p_table": "*i64", "p_step": "*i32", "p_last": "*i32", "p_claim": "*i32",
+          "p_landing": "*i32", "p_used": "*i32", "p_landed": "*i32", "p_counters": "*i64", "p_slots": "*i32",
+          "p_dst": "*i32", "K": "i32", "R": "i32", "stride_it": "i32", "stride_st": "i32", "stride_dt": "i32"}
 ROUTER = {"p_logits": "*bf16", "p_w": "*bf16", "p_ids": "*i64", "p_table": "*i64", "p_slots": "*i32",
           **ints("E", "K", "stride_lt", "stride_wt", "stride_it", "stride_st")}
 MOE_DECODE_GATE_UP = {"p_x": "*bf16", "p_slots": "*i32", "p_ids": "*i64", "p_dst": "*i32", "p_w13": "*i32",
@@ -190,9 +194,15 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("moe decode down, K loop", moe_dec._moe_decode_down_kernel, MOE_DECODE_DOWN,
      {"TOPK": 10, "HAS_SHARED": False, **moe_cfg((32, 32, 4), 64, "BLOCK_H")}),
     ("router 512 experts top-10", router._router_topk_kernel, ROUTER,
-     {"NORMALIZE": True, "BLOCK_E": 512, "BLOCK_K": 16, "SHARED_GATE": False, "HAS_TABLE": False, "num_warps": 4}),
+     {"NORMALIZE": True, "BLOCK_E": 512, "BLOCK_K": 16, "SHARED_GATE": False, "HAS_TABLE": False, "FORCED": False,
+      "num_warps": 4}),
     ("router top-10 + shared gate + slot table", router._router_topk_kernel, ROUTER,
-     {"NORMALIZE": True, "BLOCK_E": 512, "BLOCK_K": 16, "SHARED_GATE": True, "HAS_TABLE": True, "num_warps": 4}),
+     {"NORMALIZE": True, "BLOCK_E": 512, "BLOCK_K": 16, "SHARED_GATE": True, "HAS_TABLE": True, "FORCED": False,
+      "num_warps": 4}),
+    ("router, forced experts (traces) + shared gate", router._router_topk_kernel, ROUTER,
+     {"NORMALIZE": True, "BLOCK_E": 512, "BLOCK_K": 16, "SHARED_GATE": True, "HAS_TABLE": False, "FORCED": True,
+      "num_warps": 1}),
+    ("expert lookup, top-10", lookup._expert_lookup_kernel, LOOKUP, {"BLOCK_K": 16, "num_warps": 1}),
     ("dense M=1 router 512x2048 (one K tile)", dense._dense_gemv_kernel, DENSE, dense_cfg(1, 512, 2048)),
     ("dense M=8 router 512x2048", dense._dense_gemv_kernel, DENSE, dense_cfg(8, 512, 2048)),
     ("dense M=16 in_proj_ba 64x2048", dense._dense_gemv_kernel, DENSE, dense_cfg(16, 64, 2048)),

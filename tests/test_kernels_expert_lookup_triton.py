@@ -42,7 +42,6 @@ def test_reference_contract():
     assert dst.tolist() == [[40, -1, 41], [-1, 42, -1], [-1, -1, -1]]
     assert book.landed[1, :3].tolist() == [0, 2, 3] and int(book.landing_used[1]) == 3
     assert book.last_use[1, :5].tolist() == [5, 5, 5, 5, -1]  # row 2 (padding) is not counted
-    assert book.use_count[1, :5].tolist() == [2, 1, 2, 1, 0]
     assert book.counters[1].tolist() == [1, 5]
     assert book.claim[1, :5].tolist() == [5, -1, 5, 5, -1]
     # a second step: the claims are new again; landing slots beyond those reserved land nowhere

@@ -95,3 +95,25 @@ def test_route_matches_ref(dtype, shared_gate, with_table):
         assert slots.dtype == torch.int32 and slots_ref.dtype == torch.int32 and (slots == table[ids]).all()
     else:
         assert slots is None and slots_ref is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_forced_route_matches_the_reference(dtype, normalize):
+    """Experts given (synthetic traces): the kernel's weights are the softmax at them, as the
+    reference's; the ids are the given ones, the shared gate's weight and the slots follow."""
+    from ft.kernels.router import route_forced_ref
+    from ft.kernels.router.kernel import route_triton
+
+    gen = torch.Generator().manual_seed(5)
+    t, e, k = 3, 40, 4
+    logits = (torch.randn(t, e + 1, generator=gen) * 2).to(dtype)
+    forced = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    layers = torch.stack([forced, forced.flip(1)], dim=1)  # [T, layers, k]: the engine passes a strided view
+    table = torch.randint(-1, 16, (e,), generator=gen)
+    w, ids, slots = route_triton(logits, k, normalize, shared_gate=True, slot_table=table, forced=layers[:, 0])
+    w_ref, ids_ref, slots_ref = route_forced_ref(logits, forced, normalize, shared_gate=True, slot_table=table)
+    assert torch.equal(ids, forced) and torch.equal(slots, slots_ref)
+    assert ((w.float() - w_ref.float()).abs().max() / w_ref.float().abs().max()).item() < TOL[dtype]
+    with pytest.raises(ValueError, match="forced"):
+        route_triton(logits, k + 1, normalize, shared_gate=True, forced=forced)

@@ -68,3 +68,20 @@ def test_forced_routing_weights_are_the_routers_softmax_at_the_given_experts():
     probs = torch.softmax(logits[:, :8], dim=-1).gather(1, ids)
     assert torch.allclose(w[:, :2], probs / probs.sum(1, keepdim=True)) and torch.equal(got_ids, ids)
     assert torch.allclose(w[:, 2], torch.sigmoid(logits[:, 8])) and torch.equal(slots, (ids * 2).to(torch.int32))
+
+
+def test_trace_prefetch_draws_the_same_tokens():
+    """Drawing a request's next token ahead (while the device runs) changes no draw."""
+    from ft.engine.routing_override import TraceRouting
+    from ft.tools.routing_trace import CALIBRATED
+
+    plain, ahead = (TraceRouting(CALIBRATED, 3, 32, 4, seed=2, keep=4) for _ in range(2))
+    want = [plain.draw(["a", "b"], [3, 1])] + [plain.draw(["a", "b"], [1, 1]) for _ in range(3)] + \
+        [plain.draw(["a"], [2])]
+    got = [ahead.draw(["a", "b"], [3, 1])]
+    for _ in range(3):
+        ahead.prefetch(["a", "b"])
+        got.append(ahead.draw(["a", "b"], [1, 1]))
+    ahead.prefetch(["a"])
+    got.append(ahead.draw(["a"], [2]))
+    assert got == want

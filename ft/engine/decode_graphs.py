@@ -42,6 +42,7 @@ class DecodeGraphs:
         self._key: Hashable = None
         self.captures = 0  # graphs captured so far (tests and reports)
         self.replays = 0
+        self.replay_s = 0.0  # host seconds inside graph.replay() (the launch, benchmarks)
         self.capture_s = 0.0
         self.disabled: str | None = None  # why graphs were turned off (a capture that failed)
 
@@ -61,7 +62,9 @@ class DecodeGraphs:
         entry = self._graphs.get(n)
         if entry is not None:
             graph, out = entry
+            t0 = time.perf_counter()
             graph.replay()
+            self.replay_s += time.perf_counter() - t0
             self.replays += 1
             return out.clone()  # NOTE: another bucket's replay may reuse the shared pool's memory
         logits = forward()  # this step, eagerly: also the warm-up the capture needs

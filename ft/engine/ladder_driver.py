@@ -19,6 +19,7 @@ class LadderDriver:
     def __init__(self, ladder: Ladder, cache: CacheManager, scheduler: Scheduler, prefix_cache: PrefixCache) -> None:
         self.ladder, self.cache, self.scheduler, self.prefix_cache = ladder, cache, scheduler, prefix_cache
         self._refused_at: int | None = None  # the KV size at which a grow while decoding was refused
+        self._top: tuple | None = None  # (geometry, budget, rungs) -> top rung, see `top_rung`
 
     def snapshot(self) -> LadderSnapshot:
         sched = self.scheduler
@@ -31,8 +32,14 @@ class LadderDriver:
                               len(sched.running) < sched.max_running and not sched.admission_paused, self.top_rung())
 
     def top_rung(self) -> int:
-        """The highest rung whose geometry keeps the expert floor (-1: none)."""
-        return max((i for i, r in enumerate(self.ladder.rungs) if self.cache.moe_beside(r) is not None), default=-1)
+        """The highest rung whose geometry keeps the expert floor (-1: none). Memoized per geometry
+        and budget (each rung is a binary search over slot counts: ~100 layout sums; every step
+        asks, through the admission snapshot)."""
+        key = (self.cache.geometry, self.cache.budget.budget_bytes, tuple(self.ladder.rungs))
+        if self._top is None or self._top[0] != key:
+            top = max((i for i, r in enumerate(self.ladder.rungs) if self.cache.moe_beside(r) is not None), default=-1)
+            self._top = (key, top)
+        return self._top[1]
 
     def before_decode(self) -> None:
         """Grow while requests decode: when the running requests' next tokens need more KV pages than

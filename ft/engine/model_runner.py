@@ -224,7 +224,10 @@ class ModelRunner:
         if not any(done):  # chunks of longer prompts only
             self._wait()
             return [None] * len(done)
-        tokens = self._to_host(sample(logits, self.sampling(work.seqs)))
+        sampled = sample(logits, self.sampling(work.seqs))
+        if self.routing is not None:  # NOTE: while the device works: the next step's traced experts
+            self.routing.prefetch([s.request_id for s, d in zip(work.seqs, done) if d])
+        tokens = self._to_host(sampled)
         return [t if d else None for t, d in zip(tokens, done)]
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:

@@ -43,6 +43,7 @@ class TraceRouting:
         self.seed, self.keep = seed, max(1, keep)
         self._order = itertools.count()
         self._traces: OrderedDict[str, RoutingTrace] = OrderedDict()
+        self._ahead: dict[str, list[int]] = {}  # a token drawn ahead per request (`prefetch`)
 
     def _trace(self, request_id: str) -> RoutingTrace:
         t = self._traces.get(request_id)
@@ -58,8 +59,25 @@ class TraceRouting:
     def draw(self, request_ids: list[str], counts: list[int]) -> list[int]:
         out: list[int] = []
         for rid, n in zip(request_ids, counts):
+            ahead = self._ahead.pop(rid, None)
+            if ahead is not None and n > 0:  # drawn ahead: the request's next token in its trace
+                out.extend(ahead)
+                n -= 1
             trace = self._trace(rid)
             for _ in range(n):
                 for layer in trace.next_token():
                     out.extend(layer)
         return out
+
+    def prefetch(self, request_ids: list[str]) -> None:
+        """Draw each request's next token now (while the device runs a step); the next `draw` for
+        the request starts with it: the same tokens in the same order, off the step's critical path
+        (a trace draw is ~0.6 ms of Python per token for the flagship)."""
+        for rid in request_ids:
+            if rid not in self._ahead:
+                flat: list[int] = []
+                for layer in self._trace(rid).next_token():
+                    flat.extend(layer)
+                self._ahead[rid] = flat
+        while len(self._ahead) > self.keep:  # requests that finished keep nothing
+            self._ahead.pop(next(iter(self._ahead)))

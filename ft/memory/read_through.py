@@ -141,11 +141,10 @@ class ReadThrough:
         cache = self.cache
         used = self._last.numpy() == step
         self.used_last = used
-        layers, experts = np.nonzero(used)
+        resident = used & (cache.table_np >= 0)  # the step's hits: they become the most recent
         lru = cache._lru
-        for key in zip(layers.tolist(), experts.tolist()):
-            if key in lru:
-                lru.move_to_end(key)
+        for key in zip(*(a.tolist() for a in np.nonzero(resident))):
+            lru.move_to_end(key)
         if self.policy == "lfu":
             self.score *= 0.5 ** (1.0 / LFU_HALF_LIFE)
             self.score[used] += 1.0

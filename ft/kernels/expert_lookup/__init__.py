@@ -25,7 +25,6 @@ class ExpertBook(NamedTuple):
     step: int32 [2]: the step number (>= 0, rising) and the batch's real rows (padding rows after
         them are looked up but not counted and claim nothing).
     last_use: int32 [L, E]: the last step each expert was routed to by a real row (-1: never).
-    use_count: int32 [L, E]: routings by real rows, cumulative (the host diffs it).
     claim: int32 [L, E]: the last step a miss of the expert claimed a landing slot (-1: never).
     landing: int32 [L, R]: free slots the host reserved for this step's misses, in order (-1: none).
     landing_used: int32 [L]: landing slots claimed this step (may pass R: the extra misses land
@@ -37,7 +36,6 @@ class ExpertBook(NamedTuple):
 
     step: torch.Tensor
     last_use: torch.Tensor
-    use_count: torch.Tensor
     claim: torch.Tensor
     landing: torch.Tensor
     landing_used: torch.Tensor
@@ -56,7 +54,6 @@ def new_book(num_layers: int, num_experts: int, landing_capacity: int, device: t
     return ExpertBook(
         step=torch.zeros(2, **i32),
         last_use=torch.full((num_layers, num_experts), -1, **i32),
-        use_count=torch.zeros((num_layers, num_experts), **i32),
         claim=torch.full((num_layers, num_experts), -1, **i32),
         landing=torch.full((num_layers, r), -1, **i32),
         landing_used=torch.zeros(num_layers, **i32),

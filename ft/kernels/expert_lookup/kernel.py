@@ -1,6 +1,6 @@
 """Triton expert lookup (details module of `ft.kernels.expert_lookup`): one program per token.
 
-A program reads its row's k expert ids, looks up their slots, stamps last_use and use_count, and
+A program reads its row's k expert ids, looks up their slots, stamps last_use, counts hits and misses, and
 lets each miss claim its expert for this step with an atomic max on claim[e] (the one program that
 sees an older step wins, so an expert is claimed once per step however many rows route to it);
 the winners of a program take consecutive landing slots with one atomic add on landing_used.
@@ -18,7 +18,7 @@ __all__ = ["expert_lookup_triton"]
 
 
 @triton.jit
-def _expert_lookup_kernel(p_ids, p_table, p_step, p_last, p_count, p_claim, p_landing, p_used, p_landed, p_counters,
+def _expert_lookup_kernel(p_ids, p_table, p_step, p_last, p_claim, p_landing, p_used, p_landed, p_counters,
                           p_slots, p_dst, K, R, stride_it, stride_st, stride_dt, BLOCK_K: tl.constexpr):
     i_t = tl.program_id(0)
     o_k = tl.arange(0, BLOCK_K)
@@ -29,7 +29,6 @@ def _expert_lookup_kernel(p_ids, p_table, p_step, p_last, p_count, p_claim, p_la
     b_s = tl.load(p_table + b_e, mask=m_k, other=-1).to(tl.int32)
     m_real = m_k & ((o_k * 0 + i_t) < n_real)  # NOTE: a vector compare (a scalar one is no mask here)
     tl.store(p_last + b_e, tl.zeros((BLOCK_K,), dtype=tl.int32) + step, mask=m_real)
-    tl.atomic_add(p_count + b_e, tl.full((BLOCK_K,), 1, dtype=tl.int32), mask=m_real)
     miss = m_real & (b_s < 0)
     n_miss = tl.sum(miss.to(tl.int64), axis=0)
     tl.atomic_add(p_counters, tl.sum(m_real.to(tl.int64), axis=0) - n_miss)
@@ -56,7 +55,7 @@ def expert_lookup_triton(ids: torch.Tensor, slot_table: torch.Tensor, book, laye
     dst = torch.empty((t, k), dtype=torch.int32, device=ids.device)
     if t:
         _expert_lookup_kernel[(t,)](
-            ids, slot_table, book.step, book.last_use[layer], book.use_count[layer], book.claim[layer],
+            ids, slot_table, book.step, book.last_use[layer], book.claim[layer],
             book.landing[layer], book.landing_used[layer:], book.landed[layer], book.counters[layer], slots, dst,
             k, book.landing.shape[1], ids.stride(0), slots.stride(0), dst.stride(0),
             BLOCK_K=triton.next_power_of_2(k), num_warps=1,

@@ -16,8 +16,8 @@ def expert_lookup_ref(ids: torch.Tensor, slot_table: torch.Tensor, book, layer: 
         read from the host store), and for the first miss of each expert this step (rows in
         order) the landing slot its bytes are to be written to (the next free one of
         book.landing[layer], -1 when none is left); -1 for every other pair.
-    Book updates, real rows only (t < step[1]): last_use[layer, e] = step; use_count += 1 per
-        pair; counters[layer] += (hits, misses); per claimed miss: claim[layer, e] = step,
+    Book updates, real rows only (t < step[1]): last_use[layer, e] = step; counters[layer] +=
+        (hits, misses); per claimed miss: claim[layer, e] = step,
         landing_used[layer] += 1, landed[layer, i] = e for the landing slot i it got.
     """
     step, real = int(book.step[0]), int(book.step[1])
@@ -27,7 +27,6 @@ def expert_lookup_ref(ids: torch.Tensor, slot_table: torch.Tensor, book, layer: 
     for t in range(min(real, ids.shape[0])):
         row = ids[t]
         book.last_use[layer, row] = step
-        book.use_count[layer, row] += 1
         miss = slots[t] < 0
         book.counters[layer, 0] += int((~miss).sum())
         book.counters[layer, 1] += int(miss.sum())

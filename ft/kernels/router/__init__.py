@@ -23,12 +23,15 @@ def router_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torc
 
 def route(
     logits: torch.Tensor, top_k: int, normalize: bool, *, shared_gate: bool = False,
-    slot_table: torch.Tensor | None = None,
+    slot_table: torch.Tensor | None = None, forced: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The MoE block's routing (`route_ref`'s contract): top-k weights and ids, the shared expert's
-    gate weight and the experts' slots, in one Triton launch on CUDA (or in interpreter tests)."""
+    gate weight and the experts' slots, in one Triton launch on CUDA (or in interpreter tests).
+    With `forced` [T, k] the experts are given (`route_forced_ref`'s contract)."""
     if uses_triton(logits.device) and logits.shape[-1] - int(shared_gate) <= 8192:
         from ft.kernels.router.kernel import route_triton  # NOTE: imports triton only when used
 
-        return route_triton(logits, top_k, normalize, shared_gate=shared_gate, slot_table=slot_table)
+        return route_triton(logits, top_k, normalize, shared_gate=shared_gate, slot_table=slot_table, forced=forced)
+    if forced is not None:
+        return route_forced_ref(logits, forced, normalize, shared_gate=shared_gate, slot_table=slot_table)
     return route_ref(logits, top_k, normalize, shared_gate=shared_gate, slot_table=slot_table)

@@ -26,22 +26,30 @@ def router_warps(e: int) -> int:
 @triton.jit
 def _router_topk_kernel(p_logits, p_w, p_ids, p_table, p_slots, E, K, stride_lt, stride_wt, stride_it, stride_st,
                         NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SHARED_GATE: tl.constexpr = False, HAS_TABLE: tl.constexpr = False):
+                        SHARED_GATE: tl.constexpr = False, HAS_TABLE: tl.constexpr = False,
+                        FORCED: tl.constexpr = False):
     i_t = tl.program_id(0)
     o_e = tl.arange(0, BLOCK_E)
     m_e = o_e < E
     b_l = tl.load(p_logits + i_t * stride_lt + o_e, mask=m_e, other=float("-inf")).to(tl.float32)
-    b_p = tl.exp(b_l - tl.max(b_l, axis=0))
-    b_p = b_p / tl.sum(b_p, axis=0)
-    b_p = tl.where(m_e, b_p, -1.0)  # below every probability: never picked
+    mx = tl.max(b_l, axis=0)
+    b_p = tl.exp(b_l - mx)
+    denom = tl.sum(b_p, axis=0)
     o_k = tl.arange(0, BLOCK_K)
-    b_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    b_i = tl.zeros((BLOCK_K,), dtype=tl.int64)
-    for j in range(K):
-        best = tl.argmax(b_p, axis=0)
-        b_w = tl.where(o_k == j, tl.max(b_p, axis=0), b_w)
-        b_i = tl.where(o_k == j, best.to(tl.int64), b_i)
-        b_p = tl.where(o_e == best, -1.0, b_p)
+    if FORCED:  # the experts are given (p_ids holds them: a synthetic trace); weights = softmax at them
+        b_i = tl.load(p_ids + i_t * stride_it + o_k, mask=o_k < K, other=0)
+        b_f = tl.load(p_logits + i_t * stride_lt + b_i, mask=o_k < K, other=float("-inf")).to(tl.float32)
+        b_w = tl.where(o_k < K, tl.exp(b_f - mx) / denom, 0.0)
+    else:
+        b_p = b_p / denom
+        b_p = tl.where(m_e, b_p, -1.0)  # below every probability: never picked
+        b_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        b_i = tl.zeros((BLOCK_K,), dtype=tl.int64)
+        for j in range(K):
+            best = tl.argmax(b_p, axis=0)
+            b_w = tl.where(o_k == j, tl.max(b_p, axis=0), b_w)
+            b_i = tl.where(o_k == j, best.to(tl.int64), b_i)
+            b_p = tl.where(o_e == best, -1.0, b_p)
     if NORMALIZE:
         b_w = b_w / tl.sum(b_w, axis=0)
     if SHARED_GATE:  # column E: the shared expert's gate logit; its weight goes after the k routed ones
@@ -49,7 +57,8 @@ def _router_topk_kernel(p_logits, p_w, p_ids, p_table, p_slots, E, K, stride_lt,
         b_w = tl.where(o_k == K, 1.0 / (1.0 + tl.exp(-gate)), b_w)
     m_k = o_k < K
     tl.store(p_w + i_t * stride_wt + o_k, b_w.to(p_w.dtype.element_ty), mask=o_k < K + SHARED_GATE)
-    tl.store(p_ids + i_t * stride_it + o_k, b_i, mask=m_k)
+    if not FORCED:
+        tl.store(p_ids + i_t * stride_it + o_k, b_i, mask=m_k)
     if HAS_TABLE:  # each expert's slot, looked up here rather than by a gather launch
         tl.store(p_slots + i_t * stride_st + o_k, tl.load(p_table + b_i, mask=m_k, other=-1).to(tl.int32), mask=m_k)
 
@@ -63,9 +72,12 @@ def router_topk_triton(logits: torch.Tensor, top_k: int, normalize: bool) -> tup
 
 
 def route_triton(logits: torch.Tensor, top_k: int, normalize: bool, *, shared_gate: bool = False,
-                 slot_table: torch.Tensor | None = None, num_warps: int | None = None):
+                 slot_table: torch.Tensor | None = None, num_warps: int | None = None,
+                 forced: torch.Tensor | None = None):
     """`ft.kernels.router.route` in one launch: (weights [T, k + S], ids [T, k] int64, slots [T, k]
     int32 or None); S = 1 with `shared_gate` (logits' last column is then the shared gate's).
+    With `forced` [T, k] (int64 expert ids) those are the experts (returned as ids, not copied)
+    and the weights are the softmax at them, as `route_forced_ref`.
 
     Raises: ValueError for k outside 1..E or E above 8192 (one tile per token)."""
     t, e = logits.shape[0], logits.shape[1] - int(shared_gate)
@@ -74,7 +86,12 @@ def route_triton(logits: torch.Tensor, top_k: int, normalize: bool, *, shared_ga
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     dev = logits.device
     w = torch.empty((t, top_k + int(shared_gate)), dtype=logits.dtype, device=dev)
-    ids = torch.empty((t, top_k), dtype=torch.int64, device=dev)
+    if forced is not None:
+        if tuple(forced.shape) != (t, top_k) or forced.dtype != torch.int64:
+            raise ValueError(f"forced experts must be int64 [{t}, {top_k}], got {forced.dtype} {tuple(forced.shape)}")
+        ids = forced if forced.stride(-1) == 1 else forced.contiguous()
+    else:
+        ids = torch.empty((t, top_k), dtype=torch.int64, device=dev)
     slots = None if slot_table is None else torch.empty((t, top_k), dtype=torch.int32, device=dev)
     if t:
         table = ids if slot_table is None else slot_table  # any pointer when there is no table (never read)
@@ -82,6 +99,6 @@ def route_triton(logits: torch.Tensor, top_k: int, normalize: bool, *, shared_ga
         _router_topk_kernel[(t,)](logits, w, ids, table, out_slots, e, top_k, logits.stride(0), w.stride(0),
                                   ids.stride(0), out_slots.stride(0), NORMALIZE=normalize,
                                   BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k + 1),
-                                  SHARED_GATE=shared_gate, HAS_TABLE=slot_table is not None,
+                                  SHARED_GATE=shared_gate, HAS_TABLE=slot_table is not None, FORCED=forced is not None,
                                   num_warps=num_warps or router_warps(e))
     return w, ids, slots

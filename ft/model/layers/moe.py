@@ -87,12 +87,8 @@ class SparseMoE:
         else:
             logits = torch.cat([self.router(x), self.shared_expert_gate(x)], dim=1)
         resident = cache.all_resident
-        if forced is not None:
-            weights, ids, slots = route_forced_ref(logits, forced, self.norm_topk_prob, shared_gate=True,
-                                                   slot_table=table if resident else None)
-        else:
-            weights, ids, slots = route(logits, self.top_k, self.norm_topk_prob, shared_gate=True,
-                                        slot_table=table if resident else None)
+        weights, ids, slots = route(logits, self.top_k, self.norm_topk_prob, shared_gate=True,
+                                    slot_table=table if resident else None, forced=forced)
         if resident:
             if debug_checks():
                 self._slots(table, ids)
@@ -120,10 +116,7 @@ class SparseMoE:
             logits = torch.cat([self.router(x), self.shared_expert_gate(x)], dim=1)
         else:
             logits = self.router(x)
-        if forced is not None:
-            weights, ids, _ = route_forced_ref(logits, forced, self.norm_topk_prob, shared_gate=fused)
-        else:
-            weights, ids, _ = route(logits, self.top_k, self.norm_topk_prob, shared_gate=fused)
+        weights, ids, _ = route(logits, self.top_k, self.norm_topk_prob, shared_gate=fused, forced=forced)
         slots, dst = expert_lookup(ids, cache.slot_table[layer], cache.read_through.book, layer)
         if fused:
             return moe_decode(x, slots, weights, cache.slots, self.shared_slot, residual=residual,
