@@ -14,13 +14,14 @@ from ft.tools.routing_trace import RoutingTrace, lru_hit_rate
 
 
 def _check_consistent(cache):
-    """slot_table, its host twin, the LRU map, the free list and the landing reserves agree, and no
-    slot is in two places."""
+    """slot_table, its host twin, the LRU map, the free list, the landing reserves and the spares
+    agree, and no slot is in two places."""
     table = cache.slot_table.numpy()
     assert np.array_equal(table, cache.table_np)
     mapped = {(int(l_), int(e)): int(table[l_, e]) for l_, e in zip(*np.nonzero(table >= 0))}
     assert mapped == dict(cache._lru)
-    landing = [s for slots in cache.read_through.landing for s in slots]
+    rt = cache.read_through
+    landing = [s for slots in rt.landing + rt.spare for s in slots]
     owners = list(mapped.values()) + list(cache._free) + landing
     assert len(owners) == len(set(owners)) and set(owners) <= set(range(cache.num_slots))
     assert len(owners) == cache.num_slots

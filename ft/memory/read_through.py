@@ -7,17 +7,20 @@ path), and the first such pair of each expert in the step also writes the bytes 
 *landing slot* that the host reserved for that layer before the step. So a miss costs one PCIe
 read, not a read and a later copy, and it is cached for the next steps like an LRU cache's miss.
 
-Between two steps (`collect`, then `begin_step`), on the one stream the graphs run on:
+Around each step, on the one stream the graphs run on:
 1. collect: read back what the step recorded (a small device-to-host copy queued right after it):
    the experts each layer used (last-use stamps), which expert landed in which landing slot, the
    hit and miss counts. Landed experts become residents (the slot table gets their slots, before
    the next step); the used residents become the most recent in the LRU order.
-2. begin_step: top up each layer's landing reserve (its misses of the last step plus a margin,
-   at most `top_k x rows`): free slots first, then victims chosen by the policy among the
-   residents that the last step did not use, never taking a layer below its floor. A victim is
-   unmapped (slot table -1) before the next step is queued, so no kernel of that step reads the
-   slot it may overwrite; the previous step, which may have read it, is already done (stream
-   order). Then the landing table, the step number and the zeroed claim counters are uploaded.
+2. begin_step: each layer's landing reserve is what the last step left of it plus the spares
+   chosen while that step ran, trimmed to its misses of the last step plus a margin (at most
+   `top_k x rows`); then the landing table, the step number and the zeroed claim counters are
+   uploaded.
+3. end_step, right after the step is queued (so while the device runs it): the readback is queued,
+   and the next step's spares are chosen: free slots first, then victims chosen by the policy
+   among the residents that the last collected step did not use, never taking a layer below its
+   floor. A victim is unmapped (slot table -1) by an update queued after the running step, which
+   may still read it; the step after, which may write into it, never sees it mapped (stream order).
 
 Why not copy promoted experts on a side stream (the issue's first sketch)? With a hit rate of
 70-80% the misses already cross PCIe once, in the step, at the bus's speed; a promotion copy would
@@ -81,6 +84,8 @@ class ReadThrough:
         self._updates = _Staging(device)
         self._event = torch.cuda.Event() if device.type == "cuda" else None
         self.landing: list[list[int]] = [[] for _ in range(layers)]  # reserved slots per layer, in upload order
+        self.spare: list[list[int]] = [[] for _ in range(layers)]  # chosen for the next step's reserve
+        self._rows = self._top_k = 1
         self.step = 0  # the next step's number
         self._in_flight: int | None = None  # the step whose readback collect has not taken yet
         self._seen = np.zeros((layers, 2), dtype=np.int64)  # counters already counted
@@ -98,8 +103,11 @@ class ReadThrough:
         t0 = time.perf_counter()
         table: list[tuple[int, int, int]] = []
         self._collect(table)
-        self._provision(min(self.capacity, top_k * rows), table)
-        self._apply(table)  # NOTE: one upload per step: the staging is reused only after the step's sync
+        for landing, spare in zip(self.landing, self.spare):  # the spares chosen while the last step ran
+            landing.extend(spare)
+            spare.clear()
+        self._provision(min(self.capacity, top_k * rows), table, self.landing)  # normally only trims
+        self._apply(table)
         up = self._landing_up.numpy()
         up.fill(-1)
         for layer, slots in enumerate(self.landing):
@@ -107,6 +115,7 @@ class ReadThrough:
         self.book.landing.copy_(self._landing_up, non_blocking=True)
         self.book.landing_used.zero_()
         self._step_up[0], self._step_up[1] = self.step, rows
+        self._rows, self._top_k = rows, top_k
         self.book.step.copy_(self._step_up, non_blocking=True)
         self.active = True
         self.host_s += time.perf_counter() - t0
@@ -123,6 +132,12 @@ class ReadThrough:
         self.active = False
         self._in_flight = self.step
         self.step += 1
+        # NOTE: the next step's spares are chosen now, while the device runs this step (the host
+        # would otherwise do it between steps, on the critical path). Victims are unmapped by an
+        # update queued after this step, so this step may still read them; the next one lands in them.
+        table: list[tuple[int, int, int]] = []
+        self._provision(min(self.capacity, self._top_k * self._rows), table, self.spare)
+        self._apply(table)
         self.host_s += time.perf_counter() - t0
 
     def collect(self) -> None:
@@ -171,13 +186,14 @@ class ReadThrough:
         cache.stats.bytes_loaded += int(delta[:, 1].sum()) * cache.bytes_per_slot  # read over PCIe
 
     # ------------------------------------------------------------------------------ policy
-    def _provision(self, most: int, table: list[tuple[int, int, int]]) -> None:
-        """Top each layer's landing reserve up to min(most, misses last step + margin); surplus
-        reserved slots go back to the free list."""
+    def _provision(self, most: int, table: list[tuple[int, int, int]], lists: list[list[int]]) -> None:
+        """Top each layer's list (the landing reserves, or the spares for the next step) up to
+        min(most, misses last step + margin) slots: free slots first, then victims (unmapped: their
+        updates go to `table`); surplus slots go back to the free list."""
         cache = self.cache
         want = np.minimum(most, self.misses_last + LANDING_MARGIN)
         short = 0
-        for layer, slots in enumerate(self.landing):
+        for layer, slots in enumerate(lists):
             w = int(want[layer])
             while len(slots) > w:
                 cache._free.append(slots.pop())
@@ -186,7 +202,7 @@ class ReadThrough:
             return
         free = cache._free
         victims = self._victims(max(0, short - len(free)))
-        for layer, slots in enumerate(self.landing):
+        for layer, slots in enumerate(lists):
             for _ in range(int(want[layer]) - len(slots)):
                 if free:
                     slots.append(free.pop())
@@ -243,15 +259,15 @@ class ReadThrough:
     def release_landing(self) -> list[int]:
         """Empty every landing reserve (a resize or an invalidation); returns the slots."""
         self.collect()
-        out = [s for slots in self.landing for s in slots]
-        for slots in self.landing:
+        out = [s for slots in self.landing + self.spare for s in slots]
+        for slots in self.landing + self.spare:
             slots.clear()
         return out
 
     def reset(self) -> None:
         """After the cache forgot every expert (`invalidate`): no reserves, nothing outstanding."""
         self._in_flight = None
-        for slots in self.landing:
+        for slots in self.landing + self.spare:
             slots.clear()
         self.used_last[:] = False
         self.misses_last[:] = 0

@@ -1,0 +1,49 @@
+"""Which residents make room for misses: the read-through policies against the exact LRU, on
+calibrated routing traces. CPU only.
+
+    PYTHONPATH=. python3 bench/offload_policy.py [--tokens 600] [--seed 3]
+
+Flagship routing (48 MoE layers x 512 experts, top-10, `routing_trace.CALIBRATED`), batch-1
+decode replayed through the expert cache in read-through mode (`ft.tools.offload_sim`: the real
+cache and policy, the lookup kernel's reference) at the slot counts the H200 runs measured for
+the emulated 32 GiB and 16 GiB cards (bench/RESULTS.md), and through the exact global LRU
+(`lru_hit_rate`: misses loaded before the call that needs them). Hit rates after a warm-up of a
+third of the tokens. Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from ft.tools.offload_sim import read_through_hit_rate
+from ft.tools.routing_trace import RoutingTrace, lru_hit_rate
+
+LAYERS, EXPERTS, TOP_K = 48, 512, 10
+SLOTS = [("32GiB, 64K rung", 13260), ("32GiB, 256K rung", 10528), ("16GiB, 64K rung", 4432),
+         ("16GiB, 128K rung", 3520), ("16GiB, 256K rung", 1700)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=600)
+    ap.add_argument("--seed", type=int, default=3)
+    args = ap.parse_args()
+    trace = RoutingTrace(LAYERS, EXPERTS, TOP_K, seed=args.seed).tokens(args.tokens)
+    warm = args.tokens // 3
+    rows = []
+    for name, slots in SLOTS:
+        t0 = time.perf_counter()
+        exact = lru_hit_rate(trace, slots, warmup=warm)
+        lru = read_through_hit_rate(trace, slots, warmup=warm, policy="lru")
+        lfu = read_through_hit_rate(trace, slots, warmup=warm, policy="lfu")
+        rows.append((name, slots, exact, lru, lfu))
+        print(f"{name}: {time.perf_counter() - t0:.1f} s", flush=True)
+    print("\n| card, rung | slots | of all experts | exact LRU | read-through LRU | read-through LFU (aging) |")
+    print("|---|---|---|---|---|---|")
+    for name, slots, exact, lru, lfu in rows:
+        print(f"| {name} | {slots:,} | {slots / (LAYERS * EXPERTS):.1%} | {exact:.1%} | {lru:.1%} | {lfu:.1%} |")
+
+
+if __name__ == "__main__":
+    main()
