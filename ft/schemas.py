@@ -94,6 +94,7 @@ class CacheState(_Model):
     ladder: LadderState = Field(default_factory=LadderState)
     running: int = 0
     waiting: int = 0
+    admission: str = "open"  # "open", or "paused" while a resize waits for running requests (queued ones wait)
     uptime_s: float = 0.0
     storage: StorageState = Field(default_factory=StorageState)
     degraded: str | None = None  # a rebuild's rollback could not restore everything: what is left

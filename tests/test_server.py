@@ -419,3 +419,40 @@ def test_more_bad_input_is_4xx_not_500(server):
         assert r.status_code == 400, (body, r.text)
     assert server.get("/admin/cache").json()["pools"]["kv"]["size"] == kv
     assert healthy(server)
+
+
+def test_requests_queued_behind_a_waiting_resize_are_served(server):
+    """A resize that waits for a running request pauses admission; requests that arrive meanwhile
+    wait in the queue and are served at the new geometry (they fit it), none fails."""
+    before = server.get("/admin/cache").json()["pools"]["kv"]["size"]
+    resized, results = {}, []
+
+    def resize_and_wait():
+        resized["r"] = server.post("/admin/cache", json={"kv": 64, "wait_s": WAIT_S})
+
+    def small(i):
+        results.append(server.post("/v1/completions", json={
+            "model": MODEL, "prompt": [50 + i, 60 + i, 70 + i], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}))
+
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=HTTP_TIMEOUT, json={
+        "model": MODEL, "prompt": [40 + i % 200 for i in range(100)], "max_tokens": 120, "temperature": 0,
+        "ignore_eos": True, "stream": True,
+    }) as stream:
+        lines = stream.iter_lines()
+        next(x for x in lines if x.startswith("data:"))  # it runs
+        t = threading.Thread(target=resize_and_wait)
+        t.start()
+        wait_for(lambda: server.get("/admin/cache").json().get("admission") == "paused" or resized,
+                 "admission to pause")
+        workers = [threading.Thread(target=small, args=(i,)) for i in range(8)]
+        for w in workers:
+            w.start()
+        list(lines)
+    t.join(WAIT_S)
+    for w in workers:
+        w.join(WAIT_S)
+    assert resized["r"].status_code == 200
+    assert [r.status_code for r in results] == [200] * 8, [r.text for r in results if r.status_code != 200]
+    assert all(r.json()["usage"]["completion_tokens"] == 8 for r in results)
+    assert server.post("/admin/cache", json={"kv": before, "wait_s": WAIT_S}).status_code == 200

@@ -21,6 +21,7 @@ def cache_state(engine, state: str, model_name: str) -> CacheState:
         "context_limit": engine.context_limit,
         "running": len(engine.scheduler.running),
         "waiting": len(engine.scheduler.waiting),
+        "admission": "paused" if engine.scheduler.admission_paused else "open",
         "uptime_s": round(time.time() - engine.started_at, 3),
         "pools": {
             "moe": {
