@@ -39,7 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    from ft.errors import FreeTokenError
+
+    try:
+        return int(args.func(args) or 0)
+    except FreeTokenError as e:  # a user error is one line, not a traceback
+        print(f"ft {command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

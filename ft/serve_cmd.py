@@ -22,13 +22,43 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: ft-demo or the folder name)")
-    p.add_argument("--api-key", default=os.environ.get("FT_API_KEY"), help="require this bearer key on /v1 routes")
-    p.add_argument("--admin-token", default=os.environ.get("FT_ADMIN_TOKEN"), help="require this bearer token on /admin routes")
+    p.add_argument("--api-key", default=None, help="require this bearer key on /v1 routes (visible in ps: prefer "
+                   "$FT_API_KEY or --api-key-file)")
+    p.add_argument("--api-key-file", default=None, help="read the /v1 bearer key from this file (first line)")
+    p.add_argument("--admin-token", default=None, help="require this bearer token on /admin routes (visible in ps: "
+                   "prefer $FT_ADMIN_TOKEN or --admin-token-file)")
+    p.add_argument("--admin-token-file", default=None, help="read the /admin bearer token from this file (first line)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest request body accepted")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get to finish on shutdown")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request body may stall before the request is refused (408)")
+    p.add_argument("--allow-client-chat-template", action="store_true",
+                   help="let requests bring their own chat template (chat_template_kwargs.chat_template; sandboxed "
+                        "Jinja, but it runs their code)")
     add_engine_args(p)
     p.set_defaults(func=run)
+
+
+def secret(flag: str | None, path: str | None, env: str, name: str) -> str | None:
+    """A token from its flag (warned about: `ps` shows it), its file (first line), or the environment."""
+    from ft.errors import ConfigError
+
+    if flag is not None and path is not None:
+        raise ConfigError(f"{name} and {name}-file exclude each other")
+    if path is not None:
+        try:
+            value = open(path, encoding="utf-8").readline().strip()
+        except OSError as e:
+            raise ConfigError(f"{name}-file: cannot read {path}: {e.strerror}") from None
+        if not value:
+            raise ConfigError(f"{name}-file: {path} is empty")
+        return value
+    if flag is not None:
+        print(f"WARNING: {name} on the command line is visible to every local user (ps); "
+              f"use ${env} or {name}-file", file=sys.stderr)
+        return flag
+    return os.environ.get(env) or None
 
 
 def _is_loopback(host: str) -> bool:
@@ -102,13 +132,16 @@ def run(args: argparse.Namespace) -> int:
     from ft.server.engine_loop import EngineLoop
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    args.api_key = secret(args.api_key, args.api_key_file, "FT_API_KEY", "--api-key")
+    args.admin_token = secret(args.admin_token, args.admin_token_file, "FT_ADMIN_TOKEN", "--admin-token")
     config = engine_config_from_args(args)
     if not _is_loopback(args.host) and not (args.api_key and args.admin_token):
         print(f"WARNING: ft serve binds {args.host} without --api-key and --admin-token: anyone who reaches "
               "this port can generate and resize the caches. Set both tokens.", file=sys.stderr)
     name = args.served_model_name or ("ft-demo" if config.model in (None, "", "demo") else os.path.basename(os.path.normpath(config.model)))
     loop = EngineLoop(lambda: Engine(config))
-    state = ServerState(loop, name, args.api_key, args.admin_token, args.max_body_bytes, args.drain_timeout)
+    state = ServerState(loop, name, args.api_key, args.admin_token, args.max_body_bytes, args.drain_timeout,
+                        args.body_timeout, args.allow_client_chat_template)
     app = create_app(state)
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{args.port}"

@@ -456,3 +456,127 @@ def test_requests_queued_behind_a_waiting_resize_are_served(server):
     assert [r.status_code for r in results] == [200] * 8, [r.text for r in results if r.status_code != 200]
     assert all(r.json()["usage"]["completion_tokens"] == 8 for r in results)
     assert server.post("/admin/cache", json={"kv": before, "wait_s": WAIT_S}).status_code == 200
+
+
+def test_non_streaming_disconnect_cancels_within_a_second(server):
+    """A non-streaming request whose client goes away is aborted (the front door is plain ASGI, so
+    the route sees the disconnect): it frees its KV instead of decoding to max_tokens for nobody."""
+    import socket
+    import time
+
+    before = generated_tokens(server)
+    body = json.dumps({"model": MODEL, "prompt": "long", "max_tokens": 3000, "ignore_eos": True,
+                       "temperature": 0}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    wait_for(lambda: server.get("/admin/cache").json()["running"] == 1, "the request to run")
+    sock.close()
+    t0 = time.monotonic()
+    wait_for(lambda: server.get("/admin/cache").json()["running"] == 0, "the disconnected request to end")
+    assert time.monotonic() - t0 < 5.0  # polled every 0.5 s by the route; generous for a loaded machine
+    assert generated_tokens(server) - before < 3000
+    metrics = server.get("/metrics").text
+    assert 'ft_requests_finished_total{finish_reason="cancelled"}' in metrics
+
+
+def _raw(port: int, head: bytes, chunks: list[bytes], pause: float = 0.0) -> bytes:
+    """Send a raw HTTP/1.1 request (head, then chunks with a pause between), return the raw answer."""
+    import socket
+    import time
+
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(head)
+        for c in chunks:
+            try:
+                sock.sendall(c)
+            except OSError:  # the server answered and closed: what was sent is enough
+                break
+            time.sleep(pause)
+        out = b""
+        while b"\r\n\r\n" not in out or not out.rstrip().endswith(b"}"):
+            part = sock.recv(65536)
+            if not part:
+                break
+            out += part
+        return out
+
+
+def test_chunked_body_over_the_limit_is_413_and_stalled_body_is_408(serve_checkpoint):
+    """The body limit counts bytes as they arrive (a chunked body has no Content-Length), and a body
+    that stops arriving is refused after --body-timeout; the server stays healthy."""
+    srv = ServerProcess("--model", str(serve_checkpoint), "--num-tokens", "1024", "--max-body-bytes", "100000",
+                        "--body-timeout", "1")
+    try:
+        piece = b"x" * 30000
+        chunks = [b"%x\r\n%s\r\n" % (len(piece), piece) for _ in range(8)] + [b"0\r\n\r\n"]
+        out = _raw(srv.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Transfer-Encoding: chunked\r\n\r\n", chunks)
+        assert out.startswith(b"HTTP/1.1 413") and b"over the limit of 100000 bytes" in out, out[:300]
+        out = _raw(srv.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 100\r\n\r\n", [b'{"model": '])
+        assert out.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in out, out[:300]
+        assert srv.get("/health").json() == {"status": "ok"}
+        r = srv.post("/v1/models", json={})
+        assert r.status_code == 405 and r.headers.get("allow") == "GET" and r.json()["error"]["code"] == 405
+    finally:
+        srv.stop()
+
+
+def test_tokens_from_files_and_the_environment(serve_checkpoint, tmp_path):
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    srv = ServerProcess("--model", str(serve_checkpoint), "--num-tokens", "1024", "--api-key-file", str(key))
+    try:
+        assert srv.get("/v1/models").status_code == 401
+        r = httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200
+    finally:
+        srv.stop()
+    from ft.errors import ConfigError
+    from ft.serve_cmd import secret
+
+    with pytest.raises(ConfigError, match="exclude each other"):
+        secret("a", str(key), "FT_API_KEY", "--api-key")
+    (tmp_path / "empty").write_text("")
+    with pytest.raises(ConfigError, match="is empty"):
+        secret(None, str(tmp_path / "empty"), "FT_API_KEY", "--api-key")
+
+
+def test_client_chat_templates_are_off_by_default_and_template_errors_are_400(server, serve_checkpoint):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = server.post("/v1/chat/completions", json={**chat, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}})
+    assert r.status_code == 400 and "--allow-client-chat-template" in r.json()["error"]["message"]
+    srv = ServerProcess("--model", str(serve_checkpoint), "--num-tokens", "1024", "--allow-client-chat-template")
+    try:
+        for source, what in (("{{ 1/0 }}", "ZeroDivisionError"), ("{% for i in range(10**9) %}{% endfor %}", "range")):
+            r = srv.post("/v1/chat/completions", json={**chat, "chat_template_kwargs": {"chat_template": source}})
+            assert r.status_code == 400 and "chat template error" in r.json()["error"]["message"], r.text
+            assert what in r.json()["error"]["message"]
+        r = srv.post("/v1/chat/completions", json={**chat, "chat_template_kwargs": {"chat_template": "say {{ 'hi' }}"}})
+        assert r.status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_health_answers_while_a_long_prompt_is_tokenized(server):
+    """Tokenization runs in a worker thread: /health answers while a ~6 MB prompt is prepared."""
+    import time
+
+    done = {}
+
+    def big():
+        done["r"] = server.post("/v1/completions", json={"model": MODEL, "prompt": "word " * 1_200_000, "max_tokens": 1})
+
+    t = threading.Thread(target=big)
+    t.start()
+    time.sleep(0.3)  # the body is sent and being tokenized
+    worst = 0.0
+    while t.is_alive():
+        t0 = time.monotonic()
+        assert server.get("/health").status_code == 200
+        worst = max(worst, time.monotonic() - t0)
+        time.sleep(0.05)
+    t.join()
+    assert done["r"].status_code == 400  # far over the context: refused after tokenization, not a 500
+    assert worst < 2.0, worst

@@ -453,3 +453,16 @@ def test_output_text_random_byte_tokens(tok, use_stream):
         streamed = "".join(out.step(i) for i in ids)
         assert streamed + out.finish() == out.text == tok.decode(ids)
         assert out.finish() == "" and out.done
+
+
+def test_long_texts_encode_like_short_ones():
+    """Texts over 16K characters take encode_batch (it releases the GIL): the same ids."""
+    from ft.engine.tokenizer import Tokenizer
+    from ft.tools.demo import write_tokenizer_files
+
+    import tempfile
+    from pathlib import Path
+
+    tok = Tokenizer.from_dir(write_tokenizer_files(Path(tempfile.mkdtemp()) / "t"))
+    text = "Hello, <|im_start|>world! " * 2000
+    assert len(text) > 16384 and tok.encode(text) == tok.backend.encode(text).ids

@@ -318,7 +318,11 @@ class Tokenizer:
         return self._tok
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`. Special tokens written in the text (`<|im_start|>`) map to their ids."""
+        """Token ids of `text`. Special tokens written in the text (`<|im_start|>`) map to their ids.
+        A long text goes through `encode_batch`, which releases the GIL while it works (`encode`
+        holds it: a server thread tokenizing a megabyte prompt would stall the event loop)."""
+        if len(text) > 16384:
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
@@ -452,6 +456,8 @@ class Tokenizer:
             return template.render(**context)
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError(f"chat template error: {e}") from None
+        except Exception as e:  # noqa: BLE001 - a template's own runtime error (1/0, range(10**9)): the template's fault
+            raise ChatTemplateError(f"chat template error: {type(e).__name__}: {e}") from None
 
     def encode_chat(
         self,

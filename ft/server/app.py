@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import hmac
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from ft.server import admin_routes, errors, openai_routes
 from ft.server.engine_loop import EngineLoop
-from ft.server.errors import json_error
+from ft.server.guard import Guard
 from ft.server.metrics import Metrics, engine_snapshot
 
 
@@ -24,6 +23,9 @@ class ServerState:
     admin_token: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     drain_s: float = 30.0
+    body_timeout_s: float = 30.0  # a request body that stops arriving for this long gets a 408
+    allow_client_chat_template: bool = False  # chat_template_kwargs.chat_template from clients (runs their Jinja)
+    prompt_timeout_s: float = 30.0  # chat template + tokenization of one request, in a worker thread
     rebuilding: bool = False  # a rebuild is queued or running on the engine thread
     metrics: Metrics = field(default_factory=Metrics)
     started_at: float = field(default_factory=time.time)
@@ -58,20 +60,7 @@ def create_app(state: ServerState, start_loop: bool = True) -> FastAPI:
     app.state.ft = state
     errors.install(app)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        path = request.url.path
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > state.max_body_bytes:
-            return json_error(413, f"request body is {length} bytes; the limit is {state.max_body_bytes}")
-        if path.startswith("/v1/"):
-            if state.api_key and not hmac.compare_digest(
-                request.headers.get("authorization", "").encode(), f"Bearer {state.api_key}".encode()
-            ):
-                return json_error(401, "missing or wrong API key: Authorization: Bearer <key>", "authentication_error")
-            if state.loop.state != "serving":
-                return json_error(503, f"the engine is {state.loop.state}", "server_unavailable")
-        return await call_next(request)
+    app.add_middleware(Guard, state=state, body_timeout_s=state.body_timeout_s)
 
     @app.get("/health")
     async def health():

@@ -4,6 +4,7 @@ turn validation failures and unexpected exceptions into 4xx/5xx bodies (never a 
 from __future__ import annotations
 
 import logging
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,8 +20,9 @@ class ApiError(Exception):
         self.status, self.message, self.type = status, message, type_
 
 
-def json_error(status: int, message: str, type_: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "code": status}}, status_code=status)
+def json_error(status: int, message: str, type_: str = "invalid_request_error", headers=None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "code": status}}, status_code=status,
+                        headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -43,9 +45,14 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
-        return json_error(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404 else "invalid_request_error")
+        # NOTE: exc.headers carries `Allow` on a 405 (HTTP requires it)
+        return json_error(exc.status_code, str(exc.detail),
+                          "not_found_error" if exc.status_code == 404 else "invalid_request_error",
+                          headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):
-        log.exception("unexpected error")
-        return json_error(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
+        # NOTE: the body says nothing about the code (no exception type, no paths); the log has it all
+        ref = uuid.uuid4().hex[:12]
+        log.exception("unexpected error (ref %s)", ref)
+        return json_error(500, f"internal error (ref {ref}: the server log has the details)", "internal_error")

@@ -78,7 +78,8 @@ async def stream_tokens(
                 yield delta
     finally:
         gen.text = text.emitted
-        if not stream.finished:
+        if not stream.finished:  # the consumer went away (a disconnect): counted as cancelled
+            gen.finish_reason = gen.finish_reason or "cancelled"
             loop.abort(stream.request_id)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 import time
 from typing import AsyncIterator
@@ -109,7 +111,7 @@ async def completions(body: CompletionRequest, request: Request):
         if len(prompt) != 1:
             raise ApiError(400, "send one prompt per request (a list of one string or of token ids)")
         prompt = prompt[0]
-    ids = _encode(st, prompt) if isinstance(prompt, str) else list(prompt)
+    ids = await _off_loop(st, _encode, st, prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise ApiError(400, "the prompt is empty")
     params = _params(st, body, len(ids), body.max_tokens)
@@ -129,15 +131,33 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if "tools" in kwargs and body.tools is not None:
         raise ApiError(400, "tools given twice: in the request and in chat_template_kwargs")
     tools = kwargs.pop("tools", body.tools)
-    try:
+    if "chat_template" in kwargs and not st.allow_client_chat_template:
+        raise ApiError(400, "chat_template_kwargs.chat_template: client chat templates are off on this server "
+                       "(ft serve --allow-client-chat-template turns them on)")
+
+    def render_and_encode() -> list[int]:
         prompt = st.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                                   **kwargs)
+        return _encode(st, prompt)
+
+    try:
+        ids = await _off_loop(st, render_and_encode)
     except ChatTemplateError as e:
         raise ApiError(400, str(e)) from None
-    ids = _encode(st, prompt)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = _params(st, body, len(ids), max_tokens)
     return await _respond(st, request, body, ids, params, _ChatShape(new_id("chatcmpl"), st.model_name))
+
+
+async def _off_loop(st, fn, *args):
+    """fn(*args) in a worker thread, so that the event loop keeps answering (/health, streams) while a
+    long prompt is tokenized or a chat template renders; 400 after `st.prompt_timeout_s` (the thread
+    cannot be stopped: it finishes in the background, its result unused)."""
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(fn, *args), st.prompt_timeout_s)
+    except asyncio.TimeoutError:
+        raise ApiError(400, f"preparing the prompt (chat template, tokenization) took over {st.prompt_timeout_s:g} s; "
+                       "send a shorter prompt") from None
 
 
 def _encode(st, text: str) -> list[int]:
