@@ -87,6 +87,7 @@ class Engine:
         self.ladder_driver = LadderDriver(self.ladder, self.cache, self.scheduler, self.prefix_cache) \
             if self.ladder else None
         self._requests: dict[str, Sequence] = {}
+        self.current_work: ScheduledWork | None = None  # the work of a step in progress (None between steps)
         self.started_at = time.time()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
 
@@ -185,7 +186,9 @@ class Engine:
         self.scheduler.hold_head = False
         if work is None:
             return rejected + self._reject_unservable()
+        self.current_work = work  # NOTE: what a step that raises was running (the server fails only those)
         tokens = self.runner.run(work)
+        self.current_work = None
         return rejected + self._postprocess(work, tokens)
 
     def _reject_unservable(self) -> list[Sequence]:

@@ -60,7 +60,9 @@ class SamplingBatch:
         """(temperature, top_k, top_p, uniform) of one row; greedy rows get temperature 0."""
         if params.greedy:
             return 0.0, 0, 1.0, 0.5
-        return params.temperature, params.top_k, params.top_p, row_uniform(seed, step)
+        # NOTE: clamped into float32 / int64 here (an infinite temperature samples like a huge one;
+        # a top_p below float32's range keeps only the best token, as the sampler treats 0)
+        return min(params.temperature, 3e38), min(params.top_k, 2**62), params.top_p, row_uniform(seed, step)
 
     @staticmethod
     def flags(params: list[SamplingParams]) -> tuple[bool, bool]:

@@ -117,10 +117,18 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             outs = self.engine.step()
-        except BaseException as e:  # a bug: fail the requests in flight, keep the server up
+        except BaseException as e:  # a bug: fail the requests of the failed step, keep the server up
             log.exception("engine step failed")
-            for rid in list(self._streams):
-                self._streams.pop(rid).push(e)
+            work = self.engine.current_work
+            self.engine.current_work = None
+            # NOTE: only the step's own requests can have half-updated state (KV, linear-attention
+            # state); requests waiting outside it go on. Without a known batch, everything fails.
+            rids = [s.request_id for s in work.seqs] if work is not None else list(self._streams)
+            for rid in rids:
+                stream = self._streams.pop(rid, None)
+                if stream is not None:
+                    stream.push(RuntimeError(f"the request failed in an engine step ({type(e).__name__}; "
+                                             "the server log has the details)"))
                 self.engine.abort(rid)
             return
         for seq in outs:
