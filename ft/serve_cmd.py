@@ -108,6 +108,14 @@ def _server_class():
         """uvicorn's server, but SIGINT/SIGTERM end it with exit code 0 after the drain instead of
         re-raising the signal (which would make the process die by it)."""
 
+        on_exit = None  # called once, on the first SIGINT/SIGTERM (the engine loop's drain)
+
+        def handle_exit(self, sig, frame):
+            if self.on_exit is not None:
+                fn, self.on_exit = self.on_exit, None
+                fn()
+            super().handle_exit(sig, frame)
+
         @contextlib.contextmanager
         def capture_signals(self):
             previous = {}
@@ -156,8 +164,11 @@ def run(args: argparse.Namespace) -> int:
 
     server = _Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
-        timeout_graceful_shutdown=max(1, int(args.drain_timeout)),
+        # NOTE: the engine loop aborts what still runs at the drain deadline, each response ending
+        # properly; uvicorn's own cut (which would leave streams without [DONE]) comes only after
+        timeout_graceful_shutdown=int(args.drain_timeout) + 10,
     ))
+    server.on_exit = lambda: loop.begin_drain(args.drain_timeout)
     threading.Thread(target=announce, daemon=True).start()
     server.run()
     return 1 if loop.error is not None else 0

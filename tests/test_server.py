@@ -580,3 +580,37 @@ def test_health_answers_while_a_long_prompt_is_tokenized(server):
     t.join()
     assert done["r"].status_code == 400  # far over the context: refused after tokenization, not a 500
     assert worst < 2.0, worst
+
+
+def test_shutdown_past_the_drain_ends_streams_properly(serve_checkpoint):
+    """SIGTERM with a short drain while a long request streams: at the deadline the stream gets a
+    final chunk with finish_reason "abort" and [DONE] (not a cut connection), a request arriving
+    meanwhile on an open connection gets a 503 with Retry-After, the server exits 0 without a traceback."""
+    import time
+
+    srv = ServerProcess("--model", str(serve_checkpoint), "--num-tokens", "4096", "--drain-timeout", "2")
+    try:
+        with httpx.Client(base_url=srv.url, timeout=HTTP_TIMEOUT) as other:
+            assert other.get("/health").status_code == 200  # an open keep-alive connection
+            with httpx.stream("POST", srv.url + "/v1/completions", timeout=HTTP_TIMEOUT, json={
+                "model": MODEL, "prompt": "long", "max_tokens": 4000, "ignore_eos": True, "temperature": 0,
+                "stream": True,
+            }) as r:
+                lines = r.iter_lines()
+                next(x for x in lines if x.startswith("data:"))
+                t0 = time.monotonic()
+                srv.proc.send_signal(signal.SIGTERM)
+                time.sleep(0.3)
+                try:
+                    late = other.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+                    assert late.status_code == 503 and late.headers.get("retry-after")
+                except httpx.TransportError:
+                    pass  # uvicorn closed the idle connection first: refused either way
+                rest = [x for x in lines if x.startswith("data:")]
+        assert rest[-1] == "data: [DONE]"
+        finals = [json.loads(x[5:])["choices"][0]["finish_reason"] for x in rest[:-1]]
+        assert finals[-1] == "abort" and time.monotonic() - t0 < 30
+        assert srv.proc.wait(timeout=WAIT_S) == 0
+        assert "Traceback" not in srv.output()
+    finally:
+        srv.stop()

@@ -65,6 +65,31 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
+    def begin_drain(self, drain_s: float) -> None:
+        """Shutdown, first part (the signal handler's): no new requests from now on; the running ones
+        get `drain_s` seconds, then each ends with an `abort` event (a final chunk and [DONE] for a
+        stream, finish_reason "abort" for a whole answer), so that no response is cut mid-way."""
+        if self._draining:
+            return
+        self._draining = True
+
+        def watch() -> None:
+            deadline = time.monotonic() + drain_s
+            while self.engine is not None and self._thread.is_alive() and time.monotonic() < deadline:
+                try:
+                    if not self.call_sync(lambda e: e.has_work, timeout=5.0):
+                        return
+                except Exception:  # noqa: BLE001 - the engine thread is gone: nothing to drain
+                    return
+                time.sleep(0.05)
+            if self.engine is not None and self._thread.is_alive():
+                try:
+                    self.call_sync(self._abort_all, timeout=5.0)
+                except Exception:  # noqa: BLE001
+                    pass
+
+        threading.Thread(target=watch, name="ft-drain", daemon=True).start()
+
     def stop(self, drain_s: float = 0.0) -> None:
         """Finish running requests for up to `drain_s` seconds, abort the rest, end the thread."""
         self._draining = True

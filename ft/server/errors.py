@@ -15,9 +15,10 @@ log = logging.getLogger("ft.server")
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error") -> None:
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 headers: dict | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.type = status, message, type_
+        self.status, self.message, self.type, self.headers = status, message, type_, headers
 
 
 def json_error(status: int, message: str, type_: str = "invalid_request_error", headers=None) -> JSONResponse:
@@ -37,7 +38,7 @@ def _validation_message(exc: RequestValidationError) -> str:
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError):
-        return json_error(exc.status, exc.message, exc.type)
+        return json_error(exc.status, exc.message, exc.type, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):

@@ -97,7 +97,7 @@ async def _start(st, prompt_ids: list[int], params, rid: str):
     except RequestError as e:
         raise ApiError(400, str(e)) from None
     except RuntimeError as e:
-        raise ApiError(503, str(e), "server_unavailable") from None
+        raise ApiError(503, str(e), "server_unavailable", headers={"Retry-After": "5"}) from None
 
 
 @router.post("/v1/completions")
