@@ -79,4 +79,35 @@ def create_app(state: ServerState, start_loop: bool = True) -> FastAPI:
 
     app.include_router(openai_routes.router)
     app.include_router(admin_routes.router)
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+ERROR_SCHEMA = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"}, "code": {"type": "integer"}}}},
+}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """The OpenAPI document as the server answers: a body that does not validate is a 400 with the
+    error shape (FastAPI would document a 422 with its own shape, which this server never sends)."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    for path in schema.get("paths", {}).values():
+        for op in path.values():
+            responses = op.setdefault("responses", {})
+            if responses.pop("422", None) is not None:
+                responses["400"] = {"description": "Invalid request (malformed JSON, wrong types, values out of "
+                                                   "range)", **error}
+    comps = schema.setdefault("components", {}).setdefault("schemas", {})
+    comps.pop("HTTPValidationError", None)
+    comps.pop("ValidationError", None)
+    comps["Error"] = ERROR_SCHEMA
+    app.openapi_schema = schema
+    return schema

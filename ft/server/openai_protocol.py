@@ -50,11 +50,20 @@ class CompletionRequest(_Sampling):
     echo: bool = False
 
 
+class TextPart(BaseModel):
+    """A part of a message's content: FreeToken's models read text only."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
 
 
 class ChatCompletionRequest(_Sampling):
