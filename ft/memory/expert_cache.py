@@ -121,6 +121,8 @@ class ExpertCache:
         """
         if len(experts) > self.num_slots:
             raise ValueError(f"{len(experts)} experts asked at once, cache has {self.num_slots} slots")
+        if self.read_through is not None:
+            self.read_through.touch()  # the last decode step's uses, before this call reorders
         keys = list(dict.fromkeys((layer, e) for e in experts))  # distinct, in the order given
         wanted = set(keys)
         for key in keys:

@@ -29,7 +29,7 @@ the kernel already holds costs an HBM write instead.
 
 Policies: "lru" (the default: least recently used by step, ties in the order they were last
 touched) and "lfu" (least frequently used with aging: a score halved every `LFU_HALF_LIFE` steps
-plus one per step an expert is used; ties by recency). bench/offload_policy.py compares them on
+plus one per step an expert is used; ties by layer, then expert). bench/offload_policy.py compares them on
 calibrated traces. The floor (`floor` residents per layer) keeps one layer's burst of misses from
 emptying the others (the global LRU's cliff when the cache is smaller than a step's working set).
 """
@@ -93,6 +93,7 @@ class ReadThrough:
         self.used_last = np.zeros((layers, experts), dtype=bool)
         self.score = np.zeros((layers, experts), dtype=np.float64)  # "lfu": aged use counts
         self.landed_total = 0
+        self._untouched: tuple | None = None  # the last collected step's (uses, hits), not yet applied (`touch`)
         self.active = False  # between begin_step and end_step: the MoE layers take the read-through path
         self.host_s = 0.0  # seconds spent in begin_step and end_step (the policy's share of a step's host time)
 
@@ -156,13 +157,10 @@ class ReadThrough:
         cache = self.cache
         used = self._last.numpy() == step
         self.used_last = used
-        resident = used & (cache.table_np >= 0)  # the step's hits: they become the most recent
+        # NOTE: recency and scores are updated by `touch`, off the critical path; the hits are the
+        # residents among the uses, taken before the landed experts below join them
+        self._untouched = (used, used & (cache.table_np >= 0))
         lru = cache._lru
-        for key in zip(*(a.tolist() for a in np.nonzero(resident))):
-            lru.move_to_end(key)
-        if self.policy == "lfu":
-            self.score *= 0.5 ** (1.0 / LFU_HALF_LIFE)
-            self.score[used] += 1.0
         n_before = len(table)
         claimed = self._used.numpy()
         landed = self._landed.numpy()
@@ -186,6 +184,22 @@ class ReadThrough:
         cache.stats.bytes_loaded += int(delta[:, 1].sum()) * cache.bytes_per_slot  # read over PCIe
 
     # ------------------------------------------------------------------------------ policy
+    def touch(self) -> None:
+        """Apply the last collected step's uses to the policy's order: its hits become the most
+        recent (in layer, expert order), and "lfu" ages every score and adds one per use. Deferred
+        from `collect` to the next choice of victims (normally in `end_step`, while the device runs)
+        or the next load (`ExpertCache.ensure`), which are the only readers of that order."""
+        pending, self._untouched = self._untouched, None
+        if pending is None:
+            return
+        used, hits = pending
+        lru = self.cache._lru
+        for key in zip(*(a.tolist() for a in np.nonzero(hits & (self.cache.table_np >= 0)))):  # still resident
+            lru.move_to_end(key)
+        if self.policy == "lfu":
+            self.score *= 0.5 ** (1.0 / LFU_HALF_LIFE)
+            self.score[used] += 1.0
+
     def _provision(self, most: int, table: list[tuple[int, int, int]], lists: list[list[int]]) -> None:
         """Top each layer's list (the landing reserves, or the spares for the next step) up to
         min(most, misses last step + margin) slots: free slots first, then victims (unmapped: their
@@ -218,6 +232,7 @@ class ReadThrough:
         taking a layer below the floor; by recency ("lru") or by aged use count ("lfu")."""
         if n <= 0:
             return []
+        self.touch()
         cache = self.cache
         count = (cache.table_np >= 0).sum(axis=1)
         used = self.used_last
@@ -232,17 +247,24 @@ class ReadThrough:
                 count[layer] -= 1
                 out.append(key)
         else:
-            keys = list(cache._lru)  # recency order breaks ties (a stable sort)
-            ls = np.fromiter((k[0] for k in keys), dtype=np.int64, count=len(keys))
-            es = np.fromiter((k[1] for k in keys), dtype=np.int64, count=len(keys))
-            for i in np.argsort(self.score[ls, es], kind="stable").tolist():
+            # the lowest aged scores among residents the last step did not use (ties: layer, then
+            # expert); a partial sort of a few times n candidates, all of them if the floor skips many
+            ls, es = np.nonzero((cache.table_np >= 0) & ~used)
+            scores = self.score[ls, es]
+            for m in (min(len(scores), 4 * n + 64), len(scores)):
+                part = np.argpartition(scores, m - 1)[:m] if 0 < m < len(scores) else np.arange(len(scores))
+                out.clear()
+                counts = count.copy()
+                for i in part[np.lexsort((part, scores[part]))].tolist():
+                    if len(out) >= n:
+                        break
+                    layer = int(ls[i])
+                    if counts[layer] <= self.floor:
+                        continue
+                    counts[layer] -= 1
+                    out.append((layer, int(es[i])))
                 if len(out) >= n:
                     break
-                layer, expert = int(ls[i]), int(es[i])
-                if used[layer, expert] or count[layer] <= self.floor:
-                    continue
-                count[layer] -= 1
-                out.append((layer, expert))
         out.reverse()
         return out
 
@@ -267,6 +289,7 @@ class ReadThrough:
     def reset(self) -> None:
         """After the cache forgot every expert (`invalidate`): no reserves, nothing outstanding."""
         self._in_flight = None
+        self._untouched = None
         for slots in self.landing + self.spare:
             slots.clear()
         self.used_last[:] = False
