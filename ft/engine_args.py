@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ft.engine.engine_config import EngineConfig
+from ft.engine.engine_config import KV_CACHE_DTYPES, EngineConfig
 
 HELP = {
     "model": "checkpoint directory (Hugging Face layout); 'demo' or nothing: the built-in demo model",
@@ -23,6 +23,8 @@ HELP = {
                             "sync) and caches it in a reserved slot; --no-expert-read-through loads misses before each "
                             "MoE layer instead (host bookkeeping, no graphs)"),
     "num_tokens": "KV cache capacity in tokens (default: the whole context when it fits)",
+    "kv_cache_dtype": ("KV cache dtype: auto (the compute dtype), bf16, or fp8 (e4m3 with a per-layer K and V scale: "
+                       "half of bf16's bytes per token, so twice the context per byte)"),
     "max_seq_len_override": "context limit in tokens instead of the checkpoint's max_position_embeddings",
     "memory_ratio": "fraction of the free device memory the cache pools may use",
     "gpu_memory_limit": "act as if the card had this much memory (e.g. 16GiB); on CPU the emulated card (default 96MiB)",
@@ -47,7 +49,7 @@ HELP = {
 }
 
 
-CHOICES = {"moe_backend": ["offload", "resident"], "expert_policy": ["lru", "lfu"], "storage_backend": ["auto", "vmm", "mmap", "realloc"], "dtype": ["auto", "float32", "bfloat16", "float16"]}
+CHOICES = {"moe_backend": ["offload", "resident"], "expert_policy": ["lru", "lfu"], "kv_cache_dtype": list(KV_CACHE_DTYPES), "storage_backend": ["auto", "vmm", "mmap", "realloc"], "dtype": ["auto", "float32", "bfloat16", "float16"]}
 
 
 def _kind(f: dataclasses.Field):

@@ -35,12 +35,16 @@ class MoEPoolState(PoolState):
     hit_rate: float = 0.0  # since startup
     hits: int = 0
     misses: int = 0
+    read_through: bool = False  # decode reads misses from host memory inside the step and lands them
+    landed: int = 0  # experts cached by read-through landings since startup
+    host_bytes: int = 0  # expert bytes read from host memory since startup (loads and in-place reads)
 
 
 class KVPoolState(PoolState):
     page_size: int = 64
     pages: int = 0
     used: int = 0  # pages held by requests or the prefix cache
+    dtype: str = ""  # the cache's dtype (--kv-cache-dtype)
 
 
 class MambaPoolState(PoolState):

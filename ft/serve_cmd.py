@@ -81,7 +81,8 @@ def describe(engine, url: str) -> str:
         f"  unit costs: expert slot {format_bytes(c.expert_slot)}, kv page {format_bytes(c.kv_page)} "
         f"({c.page_size} tokens), mamba slot {format_bytes(c.mamba_slot)}",
         f"  geometry: moe {g.moe_slots}/{engine.cache.total_experts} slots ({engine.config.moe_backend}), "
-        f"kv {g.kv_tokens} tokens, mamba {g.mamba_slots} slots = {format_bytes(engine.cache.allocated_bytes)}",
+        f"kv {g.kv_tokens} tokens ({str(engine.pools.kv.kv.dtype).removeprefix('torch.')}), mamba {g.mamba_slots} "
+        f"slots = {format_bytes(engine.cache.allocated_bytes)}",
         f"  storage: {st['backend']} (allocations rounded to {format_bytes(st['granularity_bytes'])}"
         + ("; a resize copies, so it holds old and new: the reachable ranges count that)" if st["reallocates"] else ")"),
         *_ladder_lines(engine),

@@ -79,15 +79,15 @@ MOE_DECODE_DOWN = {"p_h": "*fp32", "p_slots": "*i32", "p_wts": "*bf16", "p_w2": 
                    "p_sw2": "*i32", "p_ss2w": "*u8", "p_ss2": "*fp32", "p_out": "*bf16",
                    **ints("I", "H", "stride_ht", "stride_st", "stride_wt", "stride_w2e", "stride_w2r", "stride_s2we",
                           "stride_s2wr", "stride_s2e", "stride_ot")}
-WRITE_KV = {"p_k": "*bf16", "p_v": "*bf16", "p_kc": "*bf16", "p_vc": "*bf16", "p_slot": "*i64",
+WRITE_KV = {"p_k": "*bf16", "p_v": "*bf16", "p_kc": "*bf16", "p_vc": "*bf16", "p_slot": "*i64", "p_kvs": "*fp32",
             **ints("H", "D", "page_size", "stride_kb", "stride_kh", "stride_vb", "stride_vh", "stride_kcp",
                    "stride_kcs", "stride_kch", "stride_vcp", "stride_vcs", "stride_vch")}
 DECODE_IN = {"p_q": "*bf16", "p_kc": "*bf16", "p_vc": "*bf16", "p_pt": "*i64", "p_seq": "*i32"}
 DECODE_STRIDES = ("stride_qb", "stride_qh", "stride_kcp", "stride_kcs", "stride_kch", "stride_vcp", "stride_vcs",
                   "stride_vch", "stride_ptb")
-DECODE = {**DECODE_IN, "p_g": "*bf16", "p_o": "*bf16", "qk_scale": "fp32",
+DECODE = {**DECODE_IN, "p_g": "*bf16", "p_o": "*bf16", "p_kvs": "*fp32", "qk_scale": "fp32",
           **ints("G", "D", *DECODE_STRIDES, "stride_gb", "stride_gh", "stride_ob", "stride_oh")}
-DECODE_SPLIT = {**DECODE_IN, "p_acc": "*fp32", "p_st": "*fp32", "qk_scale": "fp32",
+DECODE_SPLIT = {**DECODE_IN, "p_acc": "*fp32", "p_st": "*fp32", "p_kvs": "*fp32", "qk_scale": "fp32",
                 **ints("G", "D", *DECODE_STRIDES, "stride_ar", "stride_ah", "stride_sr", "stride_sh")}
 COMBINE = {"p_acc": "*fp32", "p_st": "*fp32", "p_g": "*bf16", "p_o": "*bf16",
            **ints("S", "D", "stride_ar", "stride_ah", "stride_sr", "stride_sh", "stride_gb", "stride_gh", "stride_ob",
@@ -107,8 +107,9 @@ GD_DELTA = {"p_y": "*bf16", "p_b": "*bf16", "p_a": "*bf16", "p_alog": "*bf16", "
             "p_slots": "*i64", "p_o": "*bf16", **ints("HK", "GROUP", "DK", "DV"), "scale": "fp32",
             **ints("stride_yb", "stride_bb", "stride_ab", "stride_sss", "stride_ssh", "stride_ssk", "stride_ssv",
                    "stride_ob", "stride_oh")}
-def decode_cfg(head_dim: int, group: int) -> dict:
-    return {"PAGE_SIZE": 64, **attn.decode_config(head_dim, group, torch.bfloat16)}  # every constexpr named
+def decode_cfg(head_dim: int, group: int, fp8: bool = False) -> dict:
+    # every constexpr named
+    return {"PAGE_SIZE": 64, **attn.decode_config(head_dim, group, torch.bfloat16), "KV_FP8": fp8}
 
 
 def gemv_cfg(m: int, n: int, k: int) -> dict:
@@ -218,11 +219,17 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("q/k norm + rope 256, rotary 64", norm._qk_norm_rope_kernel, QK_NORM_ROPE,
      {"BLOCK_D": 256, "BLOCK_HALF": 32, "num_warps": 1}),
     ("write kv decode Hkv 2, D 256", attn._write_kv_decode_kernel, WRITE_KV,
-     {"BLOCK_H": 2, "BLOCK_D": 256, "num_warps": 4}),
+     {"BLOCK_H": 2, "BLOCK_D": 256, "KV_FP8": False, "num_warps": 4}),
+    ("write kv decode Hkv 2, D 256, fp8 cache", attn._write_kv_decode_kernel, {**WRITE_KV, "p_kc": "*u8", "p_vc": "*u8"},
+     {"BLOCK_H": 2, "BLOCK_D": 256, "KV_FP8": True, "num_warps": 4}),
     ("decode attention G 8, D 256", attn._decode_kernel, DECODE, {**decode_cfg(256, 8), "HAS_GATE": False}),
     ("decode attention G 8, D 256, output gate", attn._decode_kernel, DECODE, {**decode_cfg(256, 8), "HAS_GATE": True}),
     ("decode attention G 1, D 128", attn._decode_kernel, DECODE, {**decode_cfg(128, 1), "HAS_GATE": False}),
     ("decode attention split-K G 8, D 256", attn._decode_split_kernel, DECODE_SPLIT, decode_cfg(256, 8)),
+    ("decode attention G 8, D 256, fp8 cache, output gate", attn._decode_kernel,
+     {**DECODE, "p_kc": "*u8", "p_vc": "*u8"}, {**decode_cfg(256, 8, fp8=True), "HAS_GATE": True}),
+    ("decode attention split-K G 8, D 256, fp8 cache", attn._decode_split_kernel,
+     {**DECODE_SPLIT, "p_kc": "*u8", "p_vc": "*u8"}, decode_cfg(256, 8, fp8=True)),
     ("decode attention combine 128 splits", attn._decode_combine_kernel, COMBINE,
      {"BLOCK_S": 128, "CHUNK_S": 16, "BLOCK_D": 256, "HAS_GATE": False, "num_warps": 4}),
     ("decode attention combine 16 splits, output gate", attn._decode_combine_kernel, COMBINE,

@@ -30,6 +30,7 @@ from ft.kernels.attention.kernel import (
     paged_decode_attention_triton,
     write_kv_decode_triton,
 )
+from ft.kernels.attention.reference import dequantize_kv, quantize_kv
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3}
 """Relative RMS: fp32 up to summation order; fp16 probabilities and products rounded as the reference rounds them."""
@@ -283,3 +284,69 @@ def test_debug_checks(monkeypatch):
         paged_decode_attention(q, *layer_views(kv), bad, lens, 0.3)
     with pytest.raises(ValueError, match="seq_lens"):
         paged_decode_attention(q, *layer_views(kv), table, lens + 100, 0.3)
+
+
+# ------------------------------------------------------------------------------- fp8 KV cache
+
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_batch(seq_lens, hkv, d, page, seed=0):
+    """make_batch's layout with an fp8 pool (NaN where no token is: fp8's NaN bits), its K/V written
+    through the reference quantizer with per-layer scales -> (kv fp8, table, lens, kv_scale [2], dequantized copy fp32)."""
+    kv32, table, lens = make_batch(seq_lens, hkv, d, page, torch.float32, seed)
+    kv32 = kv32 * 3.0  # values past 448 / scale would clamp: the scale must cover them
+    scale = torch.tensor([0.05, 0.03], dtype=torch.float32)
+    kv8 = torch.empty(kv32.shape, dtype=FP8)
+    kv8[:, :, 0] = quantize_kv(kv32[:, :, 0], scale[0], FP8)
+    kv8[:, :, 1] = quantize_kv(kv32[:, :, 1], scale[1], FP8)
+    return kv8, table, lens, scale
+
+
+def test_fp8_reference_round_trip_and_clamp():
+    x = torch.tensor([0.0, 1.0, -3.3, 1e6, -1e6, 7e-4])
+    s = torch.tensor(0.01)
+    q = quantize_kv(x, s, FP8)
+    back = dequantize_kv(q, s, torch.float32)
+    assert torch.equal(back[3:5], torch.tensor([4.48, -4.48]))  # clamped to 448 * scale, never NaN
+    assert (back[:3] - x[:3]).abs().max() <= 0.0625 * x[:3].abs().max()  # e4m3: 3 mantissa bits
+    assert not back.isnan().any()
+
+
+@pytest.mark.parametrize("path", ["single", "split3"])
+@pytest.mark.parametrize(("seq_lens", "hq", "hkv", "d", "page"), CASES[:4], ids=CASE_IDS[:4])
+def test_decode_attention_fp8_cache(seq_lens, hq, hkv, d, page, path):
+    """An fp8 cache: the kernels (fp32 and fp16 queries) against the reference, which dequantizes."""
+    kv8, table, lens, scale = fp8_batch(seq_lens, hkv, d, page)
+    k_cache, v_cache = layer_views(kv8)
+    b = len(seq_lens)
+    splits = 1 if path == "single" else 3
+    for dtype in (torch.float32, torch.float16):
+        q = random_q(b, hq, d, dtype)
+        ref = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, d ** -0.5, kv_scale=scale)
+        y = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, d ** -0.5, splits=splits,
+                                          config={"BLOCK_N": 16}, kv_scale=scale)
+        assert rel_rms(y, ref) < TOL[dtype], dtype
+    # the dequantized values through the unquantized reference: the same attention
+    deq = kv8.float()
+    deq[:, :, 0] *= scale[0]
+    deq[:, :, 1] *= scale[1]
+    q = random_q(b, hq, d, torch.float32)
+    plain = paged_decode_attention_ref(q, *layer_views(deq), table, lens, d ** -0.5)
+    assert rel_rms(paged_decode_attention_ref(q, k_cache, v_cache, table, lens, d ** -0.5, kv_scale=scale),
+                   plain) < 1e-6
+    with pytest.raises(ValueError, match="kv_scale"):
+        paged_decode_attention_triton(q, k_cache, v_cache, table, lens, d ** -0.5)
+
+
+def test_write_kv_decode_fp8_matches_reference():
+    kv8, table, lens, scale = fp8_batch((3, 7, 16, 1), 2, 32, 8)
+    gen = torch.Generator().manual_seed(3)
+    k, v = ((torch.randn(4, 2, 32, generator=gen) * 5).to(torch.float16) for _ in range(2))
+    k[0, 0, 0] = 1e4  # clamps
+    slots = decode_tokens(table, lens, 8)
+    slots[1] = -1
+    expected = kv8.clone()
+    write_kv_decode_ref(*layer_views(expected), k, v, slots, kv_scale=scale)
+    write_kv_decode_triton(*layer_views(kv8), k, v, slots, kv_scale=scale)
+    assert torch.equal(kv8.view(torch.uint8), expected.view(torch.uint8))

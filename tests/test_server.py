@@ -194,7 +194,8 @@ def test_metrics_names(server, client):
     for name in ("ft_requests_running", "ft_requests_waiting", "ft_kv_tokens_used", "ft_kv_tokens_capacity",
                  "ft_expert_cache_hits_total", "ft_expert_cache_misses_total", 'ft_pool_bytes{pool="moe"}',
                  "ft_prompt_tokens_total", "ft_generation_tokens_total", "ft_time_to_first_token_seconds_bucket",
-                 "ft_inter_token_latency_seconds_bucket", "ft_cache_budget_bytes"):
+                 "ft_inter_token_latency_seconds_bucket", "ft_cache_budget_bytes", "ft_expert_host_bytes_total",
+                 "ft_expert_landed_total"):
         assert name in text, name
 
 
@@ -202,6 +203,8 @@ def test_admin_cache_state_and_resize_answers(server):
     st = server.get("/admin/cache").json()
     assert st["state"] == "serving" and st["pools"]["moe"]["size"] == MOE_SLOTS and st["pools"]["kv"]["size"] == 4096
     assert st["pools"]["kv"]["page_size"] == 64 and st["pools"]["kv"]["pages"] == 64
+    assert st["pools"]["kv"]["dtype"] == "float32" and st["pools"]["moe"]["read_through"] is True
+    assert st["pools"]["moe"]["host_bytes"] >= 0 and st["pools"]["moe"]["landed"] >= 0
     for pool in ("moe", "kv", "mamba"):
         p = st["pools"][pool]
         assert p["min"] <= p["size"] <= p["max"] and p["bytes"] > 0

@@ -53,7 +53,7 @@ class Engine:
             config.page_size, len(cfg.full_attention_layers), cfg.num_key_value_heads, cfg.head_dim,
             len(cfg.linear_attention_layers), cfg.linear_conv_dim, cfg.linear_conv_kernel_dim,
             cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, self.dtype, self.device,
-            host_experts,
+            host_experts, KV_DTYPES.get(config.kv_cache_dtype, self.dtype),
         )
         reserve = activation_reserve(cfg, self.dtype, self.device, min(config.max_prefill_length, self.context_limit),
                                      config.max_running_requests)
@@ -282,6 +282,10 @@ class Engine:
             "context_limit": self.context_limit,
             **self.cache.describe(),
         }
+
+
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+"""--kv-cache-dtype -> the KV pool's dtype ("auto": the compute dtype)."""
 
 
 def _device(spec: str) -> torch.device:

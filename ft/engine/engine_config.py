@@ -9,6 +9,10 @@ from ft.errors import ConfigError
 from ft.units import parse_bytes
 
 
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
+"""--kv-cache-dtype values (nvfp4 is the long-context issue's next step)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # checkpoint directory; None or "demo": the built-in demo model
@@ -20,6 +24,7 @@ class EngineConfig:
     expert_policy: str = "lru"  # lru | lfu: which resident experts make room for misses (offload)
     expert_read_through: bool = True  # offloaded decode reads misses from host memory inside the step
     num_tokens: int | None = None  # KV capacity in tokens; None: the whole context if it fits
+    kv_cache_dtype: str = "auto"  # auto (the compute dtype) | bf16 | fp8 (e4m3, per-layer K and V scales)
     max_seq_len_override: int | None = None  # context limit instead of max_position_embeddings
     memory_ratio: float = 0.9
     gpu_memory_limit: int | str | None = None  # bytes or "16GiB": act as if the card were this big
@@ -51,6 +56,8 @@ class EngineConfig:
             raise ConfigError(f"--expert-policy must be lru or lfu, got {self.expert_policy!r}")
         if self.expert_policy != "lru" and not self.expert_read_through:
             raise ConfigError("--expert-policy lfu needs read-through decode (loads before each layer are LRU)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype must be {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.storage_backend not in ("auto", "vmm", "mmap", "realloc"):

@@ -3,6 +3,10 @@
 One tensor `kv` [P, L, 2, page_size, Hkv, D] (P pages, L full-attention layers, K and V):
 pages are outermost so that the pool can grow or shrink at its tail. Pages are reference
 counted so that prefix-cache entries and running requests can share them.
+
+A quantized pool (float8_e4m3fn) stores x / scale with one scale per layer for K and one for V
+(`scales` [L, 2] float32 on the device, 1.0 until a checkpoint provides its own); the attention
+kernels quantize on write and dequantize on read (`ft.kernels.attention`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ import torch
 
 from ft.memory.resizable import resize_together
 from ft.memory.storage import PoolStorage
+
+QUANTIZED_KV = (torch.float8_e4m3fn,)
+"""KV dtypes stored as x / scale (per layer, K and V)."""
 
 
 class KVPool:
@@ -32,6 +39,9 @@ class KVPool:
         self.page_size = page_size
         self.storage = storage or PoolStorage(device)
         self.kv = self.storage.zeros(num_pages, (num_layers, 2, page_size, num_kv_heads, head_dim), dtype)
+        # NOTE: not a pool tensor (no per-page rows): fixed size, never resized, stable address
+        self.scales = torch.ones((num_layers, 2), dtype=torch.float32, device=device) \
+            if dtype in QUANTIZED_KV else None
         self._refs = [0] * num_pages
         self._free: deque[int] = deque(range(num_pages))
 
@@ -65,9 +75,10 @@ class KVPool:
     def num_used_pages(self) -> int:
         return self.num_pages - len(self._free)
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k_cache, v_cache) views [P, page_size, Hkv, D] of full-attention layer i."""
-        return self.kv[:, i, 0], self.kv[:, i, 1]
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(k_cache, v_cache, kv_scale) of full-attention layer i: views [P, page_size, Hkv, D] and,
+        for a quantized pool, its (K, V) scales float32 [2] (None otherwise)."""
+        return self.kv[:, i, 0], self.kv[:, i, 1], None if self.scales is None else self.scales[i]
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

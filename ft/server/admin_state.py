@@ -30,10 +30,14 @@ def cache_state(engine, state: str, model_name: str) -> CacheState:
                 "backend": engine.config.moe_backend, "total_experts": engine.cache.total_experts,
                 "resident": experts.num_resident if experts else 0, "hit_rate": st.hit_rate if st else 0.0,
                 "hits": st.hits if st else 0, "misses": st.misses if st else 0,
+                "read_through": bool(experts and experts.read_through),
+                "landed": experts.read_through.landed_total if experts and experts.read_through else 0,
+                "host_bytes": st.bytes_loaded if st else 0,
             },
             "kv": {
                 "size": g.kv_tokens, "bytes": lay.pool_bytes("kv", g.kv_tokens), "min": ranges["kv"][0], "max": ranges["kv"][1],
                 "page_size": pools.kv.page_size, "pages": pools.kv.num_pages, "used": pools.kv.num_used_pages,
+                "dtype": str(pools.kv.kv.dtype).removeprefix("torch."),
             },
             "mamba": {
                 "size": g.mamba_slots, "bytes": lay.pool_bytes("mamba", g.mamba_slots), "min": ranges["mamba"][0],

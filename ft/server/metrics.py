@@ -35,6 +35,8 @@ class _EngineCollector:
         c = lambda name, doc, value: CounterMetricFamily(name, doc, value=value)  # noqa: E731
         yield c("ft_expert_cache_hits", "Expert lookups served by a resident slot", s["hits"])
         yield c("ft_expert_cache_misses", "Expert lookups that loaded from the host store", s["misses"])
+        yield c("ft_expert_host_bytes", "Expert bytes read from host memory (loads and in-place reads)", s["host_bytes"])
+        yield c("ft_expert_landed", "Experts cached by read-through landings during decode", s["landed"])
         yield c("ft_prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded)", s["prompt_tokens"])
         yield c("ft_generation_tokens", "Tokens generated", s["generation_tokens"])
         rebuilds = CounterMetricFamily("ft_rebuilds", "Cache rebuilds by status", labels=["status"])
@@ -87,6 +89,8 @@ def engine_snapshot(engine) -> dict:
         "budget_bytes": engine.cache.budget.budget_bytes,
         "moe_bytes": pools.experts.nbytes if pools.experts else 0, "kv_bytes": pools.kv.nbytes,
         "mamba_bytes": pools.mamba.nbytes, "hits": st.hits if st else 0, "misses": st.misses if st else 0,
+        "host_bytes": st.bytes_loaded if st else 0,
+        "landed": pools.experts.read_through.landed_total if pools.experts and pools.experts.read_through else 0,
         "prompt_tokens": engine.counters["prompt_tokens"], "generation_tokens": engine.counters["generation_tokens"],
         "rebuilds": rebuilds,
     }

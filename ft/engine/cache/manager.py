@@ -49,10 +49,11 @@ class PoolShapes:
     dtype: torch.dtype
     device: torch.device
     host_experts: SlotWeights | None
+    kv_dtype: torch.dtype | None = None  # the KV cache's dtype (None: the compute dtype)
 
     def kv_pool(self, pages: int, storage: PoolStorage) -> KVPool:
-        return KVPool(pages, self.page_size, self.kv_layers, self.kv_heads, self.head_dim, self.dtype, self.device,
-                      storage)
+        return KVPool(pages, self.page_size, self.kv_layers, self.kv_heads, self.head_dim, self.kv_dtype or self.dtype,
+                      self.device, storage)
 
     def mamba_pool(self, slots: int, storage: PoolStorage) -> MambaPool:
         return MambaPool(slots, self.mamba_layers, self.conv_dim, self.conv_width, self.v_heads, self.k_dim,

@@ -34,25 +34,28 @@ __all__ = [
 
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_table: torch.Tensor,
-    start: int,
+    start: int, kv_scale: torch.Tensor | None = None,
 ) -> None:
     """Dispatcher of `write_kv_ref` (same contract): the reference on every device today."""
-    write_kv_ref(k_cache, v_cache, k, v, page_table, start)
+    write_kv_ref(k_cache, v_cache, k, v, page_table, start, kv_scale)
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, start: int, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, start: int, scale: float,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dispatcher of `paged_attention_ref` (same contract): the reference on every device today."""
-    return paged_attention_ref(q, k_cache, v_cache, page_table, start, scale)
+    return paged_attention_ref(q, k_cache, v_cache, page_table, start, scale, kv_scale)
 
 
 def write_kv_decode(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     """Store one new token per sequence: k, v [B, Hkv, D] into k_cache, v_cache [P, page_size, Hkv, D]
     (views of the pool, any strides but D's) at slot_mapping [B] int64 = page * page_size + offset;
-    a negative slot (padding row) writes nothing.
+    a negative slot (padding row) writes nothing; a quantized cache (`kv_scale`, float32 [2]: the
+    layer's K and V scales; fp8 e4m3) stores x / scale (see `reference.py`).
 
     Dispatcher: the Triton kernel where `uses_triton` says so, `write_kv_decode_ref` otherwise.
     """
@@ -60,9 +63,9 @@ def write_kv_decode(
         # NOTE: imports triton only when used
         from ft.kernels.attention.kernel import write_kv_decode_triton
 
-        write_kv_decode_triton(k_cache, v_cache, k, v, slot_mapping)
+        write_kv_decode_triton(k_cache, v_cache, k, v, slot_mapping, kv_scale)
     else:
-        write_kv_decode_ref(k_cache, v_cache, k, v, slot_mapping)
+        write_kv_decode_ref(k_cache, v_cache, k, v, slot_mapping, kv_scale)
 
 
 def paged_decode_attention(
@@ -78,6 +81,7 @@ def paged_decode_attention(
     workspace: DecodeWorkspace | None = None,
     out: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention: q [B, Hq, D], one query per sequence at position seq_lens[b] - 1, over keys
     0 .. seq_lens[b] - 1 (write the new K/V first) -> [B, Hq, D] in q's dtype, softmax in fp32;
@@ -96,6 +100,7 @@ def paged_decode_attention(
             copy): Qwen3-Next's gated attention passes its view of the q projection. The output is
             then o * sigmoid(gate), in fp32 rounded to q's dtype once, written by the kernel that
             writes the output (no elementwise launches in the model).
+        kv_scale: float32 [2], the layer's K and V scales of a quantized (fp8) cache.
 
     Dispatcher: the Triton kernels (single pass, or split-K when the split count is above 1) where
     `uses_triton` says so; `paged_decode_attention_ref` otherwise. Nothing here syncs with the
@@ -109,8 +114,8 @@ def paged_decode_attention(
 
         return paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, scale,
                                              max_seq_len=max_seq_len, splits=splits, workspace=workspace, out=out,
-                                             gate=gate)
-    ref = paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale, gate=gate)
+                                             gate=gate, kv_scale=kv_scale)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale, gate=gate, kv_scale=kv_scale)
     return ref if out is None else out.copy_(ref)
 
 

@@ -45,12 +45,29 @@ MAX_HEAD_DIM = 256
 
 
 @triton.jit
+def _round_e4m3(x):
+    """fp32 x in [-448, 448] -> the nearest float8_e4m3fn value (ties to even), still fp32, so that
+    the conversion that follows is exact. Done by hand: the interpreter's fp32 -> fp8 conversion
+    drops the carry of a round-up (31.5 -> 16) and rounds ties up; the add-and-subtract of
+    1.5 * 2**23 ulps rounds to the format's spacing in fp32 arithmetic (round to nearest even)."""
+    ax = tl.abs(x)
+    e = ((ax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # binade of |x| (-127 for 0)
+    e = tl.maximum(e, -6)  # below 2**-6: the subnormals' fixed spacing 2**-9
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2**(e - 3): 3 mantissa bits
+    magic = step * 12582912.0  # 1.5 * 2**23 * step: its ulp is step
+    r = (ax + magic) - magic
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
 def _write_kv_decode_kernel(
-    p_k, p_v, p_kc, p_vc, p_slot, H, D, page_size,
+    p_k, p_v, p_kc, p_vc, p_slot, p_kvs, H, D, page_size,
     stride_kb, stride_kh, stride_vb, stride_vh,
     stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr = False,
 ):
+    """KV_FP8: the cache is float8_e4m3fn (passed as its uint8 bits) holding x / scale, rounded to
+    nearest even after clamping to +-448; p_kvs holds the layer's (K, V) scales."""
     i_b = tl.program_id(0)
     slot = tl.load(p_slot + i_b).to(tl.int64)
     i_p = tl.maximum(slot, 0) // page_size
@@ -63,8 +80,15 @@ def _write_kv_decode_kernel(
     b_v = tl.load(p_v + i_b * stride_vb + o_h[:, None] * stride_vh + o_d[None, :], mask=m_hd)
     p_kt = p_kc + i_p * stride_kcp + i_s * stride_kcs + o_h[:, None] * stride_kch + o_d[None, :]
     p_vt = p_vc + i_p * stride_vcp + i_s * stride_vcs + o_h[:, None] * stride_vch + o_d[None, :]
-    tl.store(p_kt, b_k.to(p_kc.dtype.element_ty), mask=m_hd)
-    tl.store(p_vt, b_v.to(p_vc.dtype.element_ty), mask=m_hd)
+    if KV_FP8:
+        # NOTE: div_rn: the IEEE quotient (as torch divides), not the fast approximate one
+        b_k = tl.minimum(tl.maximum(tl.math.div_rn(b_k.to(tl.float32), tl.load(p_kvs)), -448.0), 448.0)
+        b_v = tl.minimum(tl.maximum(tl.math.div_rn(b_v.to(tl.float32), tl.load(p_kvs + 1)), -448.0), 448.0)
+        tl.store(p_kt, _round_e4m3(b_k).to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m_hd)
+        tl.store(p_vt, _round_e4m3(b_v).to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m_hd)
+    else:
+        tl.store(p_kt, b_k.to(p_kc.dtype.element_ty), mask=m_hd)
+        tl.store(p_vt, b_v.to(p_vc.dtype.element_ty), mask=m_hd)
 
 
 @triton.jit
@@ -79,12 +103,14 @@ def _load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G: tl.constexpr, B
 @triton.jit
 def _attend(b_q, p_k, p_v, p_pt, lo, hi, D, qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
             PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            PRECISION: tl.constexpr):
+            PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False):
     """Online softmax of the group's queries b_q over tokens [lo, hi) of one sequence -> (max [BLOCK_G]
     in log2 units, sum [BLOCK_G], unnormalized acc [BLOCK_G, BLOCK_D]), fp32.
 
     p_k, p_v: the kv head's K/V cache (token (page, slot) at + page * stride_*p + slot * stride_*s);
-    p_pt: the sequence's page-table row. Only tokens in [lo, hi) are loaded, their page ids included."""
+    p_pt: the sequence's page-table row. Only tokens in [lo, hi) are loaded, their page ids included.
+    KV_FP8: the caches are float8_e4m3fn bits (uint8); the caller folds the K scale into qk_scale
+    and applies the V scale to the result (the fp8 -> q dtype conversion is exact)."""
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
     b_m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
@@ -96,7 +122,9 @@ def _attend(b_q, p_k, p_v, p_pt, lo, hi, D, qk_scale, stride_kp, stride_ks, stri
         m_nd = m_n[:, None] & m_d[None, :]
         b_page = tl.load(p_pt + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
         o_slot = o_n % PAGE_SIZE
-        b_k = tl.load(p_k + (b_page * stride_kp + o_slot * stride_ks)[:, None] + o_d[None, :], mask=m_nd, other=0.0)
+        b_k = tl.load(p_k + (b_page * stride_kp + o_slot * stride_ks)[:, None] + o_d[None, :], mask=m_nd, other=0)
+        if KV_FP8:
+            b_k = b_k.to(tl.float8e4nv, bitcast=True)
         b_s = tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
         b_s = tl.where(m_n[None, :], b_s, float("-inf"))
         # NOTE: every block holds a token below hi, so b_m_new is finite and the padding rows stay finite
@@ -104,7 +132,9 @@ def _attend(b_q, p_k, p_v, p_pt, lo, hi, D, qk_scale, stride_kp, stride_ks, stri
         b_alpha = tl.exp2(b_m - b_m_new)
         b_p = tl.exp2(b_s - b_m_new[:, None])
         b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        b_v = tl.load(p_v + (b_page * stride_vp + o_slot * stride_vs)[:, None] + o_d[None, :], mask=m_nd, other=0.0)
+        b_v = tl.load(p_v + (b_page * stride_vp + o_slot * stride_vs)[:, None] + o_d[None, :], mask=m_nd, other=0)
+        if KV_FP8:
+            b_v = b_v.to(tl.float8e4nv, bitcast=True)
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v.to(b_q.dtype), input_precision=PRECISION)
         b_m = b_m_new
     return b_m, b_l, b_acc
@@ -112,20 +142,24 @@ def _attend(b_q, p_k, p_v, p_pt, lo, hi, D, qk_scale, stride_kp, stride_ks, stri
 
 @triton.jit
 def _decode_kernel(
-    p_q, p_kc, p_vc, p_pt, p_seq, p_g, p_o, qk_scale, G, D,
+    p_q, p_kc, p_vc, p_pt, p_seq, p_g, p_o, p_kvs, qk_scale, G, D,
     stride_qb, stride_qh, stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
     stride_ptb, stride_gb, stride_gh, stride_ob, stride_oh,
     PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_GATE: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_GATE: tl.constexpr, KV_FP8: tl.constexpr = False,
 ):
     i_b = tl.program_id(0)
     i_kv = tl.program_id(1)
     seq_len = tl.load(p_seq + i_b).to(tl.int32)
     b_q = _load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G, BLOCK_D)
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(p_kvs)
     _, b_l, b_acc = _attend(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
                             0, seq_len, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
-                            PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION)
+                            PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, KV_FP8)
     b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]  # seq_len 0: zeros
+    if KV_FP8:
+        b_o = b_o * tl.load(p_kvs + 1)
     o_g = tl.arange(0, BLOCK_G)
     o_d = tl.arange(0, BLOCK_D)
     m_gd = (o_g < G)[:, None] & (o_d < D)[None, :]
@@ -139,11 +173,11 @@ def _decode_kernel(
 
 @triton.jit
 def _decode_split_kernel(
-    p_q, p_kc, p_vc, p_pt, p_seq, p_acc, p_st, qk_scale, G, D,
+    p_q, p_kc, p_vc, p_pt, p_seq, p_acc, p_st, p_kvs, qk_scale, G, D,
     stride_qb, stride_qh, stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
     stride_ptb, stride_ar, stride_ah, stride_sr, stride_sh,
     PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False,
 ):
     i_b = tl.program_id(0)
     i_kv = tl.program_id(1)
@@ -154,9 +188,13 @@ def _decode_split_kernel(
     lo = i_s * chunk
     hi = tl.minimum(lo + chunk, seq_len)  # lo >= hi: an empty split (max -inf, sum 0, acc 0)
     b_q = _load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G, BLOCK_D)
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(p_kvs)
     b_m, b_l, b_acc = _attend(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
                               lo, hi, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
-                              PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION)
+                              PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, KV_FP8)
+    if KV_FP8:
+        b_acc = b_acc * tl.load(p_kvs + 1)
     o_g = tl.arange(0, BLOCK_G)
     o_d = tl.arange(0, BLOCK_D)
     m_g = o_g < G
@@ -207,13 +245,25 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("k_cache, v_cache must be contiguous along D")
 
 
+def _kv_args(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scale: torch.Tensor | None, any_ptr: torch.Tensor):
+    """(k_cache, v_cache, scales, KV_FP8) as the kernels take them: an fp8 cache as its uint8 bits
+    with its float32 [2] (K, V) scales; any other cache as is (scales: any pointer, never read)."""
+    if k_cache.dtype != torch.float8_e4m3fn:
+        return k_cache, v_cache, any_ptr, False
+    if kv_scale is None or kv_scale.numel() != 2 or kv_scale.dtype != torch.float32 or kv_scale.stride(-1) != 1:
+        raise ValueError("an fp8 KV cache needs kv_scale: float32 [2] (the layer's K and V scales)")
+    return k_cache.view(torch.uint8), v_cache.view(torch.uint8), kv_scale, True
+
+
 def write_kv_decode_triton(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     """`write_kv_decode_ref` on Triton: k, v [B, Hkv, D] into k_cache, v_cache [P, page_size, Hkv, D]
-    (any strides but D's) at slot_mapping [B] int64; negative slots write nothing.
+    (any strides but D's) at slot_mapping [B] int64; negative slots write nothing; an fp8 cache
+    takes x / kv_scale (float32 [2]: K, V), as `write_kv_decode_ref`.
 
-    Raises: ValueError on shapes that do not match."""
+    Raises: ValueError on shapes that do not match, or an fp8 cache without kv_scale."""
     _check_cache(k_cache, v_cache)
     b, h, d = k.shape
     if v.shape != k.shape or tuple(k_cache.shape[2:]) != (h, d) or tuple(slot_mapping.shape) != (b,):
@@ -221,13 +271,14 @@ def write_kv_decode_triton(
                          f"slot_mapping {tuple(slot_mapping.shape)}")
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
+    k_cache, v_cache, kvs, fp8 = _kv_args(k_cache, v_cache, kv_scale, k)
     if b:
         _write_kv_decode_kernel[(b,)](
-            k, v, k_cache, v_cache, slot_mapping, h, d, k_cache.shape[1],
+            k, v, k_cache, v_cache, slot_mapping, kvs, h, d, k_cache.shape[1],
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
             v_cache.stride(2),
-            BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d), num_warps=4,
+            BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d), KV_FP8=fp8, num_warps=4,
         )
 
 
@@ -253,6 +304,7 @@ def paged_decode_attention_triton(
     out: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
     config: dict | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_decode_attention_ref` on Triton: q [B, Hq, D] -> [B, Hq, D] in q's dtype.
 
@@ -267,6 +319,8 @@ def paged_decode_attention_triton(
             reads in place; copied only when D's stride is not 1): the output is o * sigmoid(gate) in
             fp32, rounded once, by the single-pass or the combine kernel.
         config: block sizes and launch options overriding `decode_config` (tests, benchmarks).
+        kv_scale: float32 [2] (K, V) scales of an fp8 cache (required then): K's is folded into the
+            softmax scale, V's applied to the output.
     Raises:
         ValueError: on shapes, dtypes or layouts the kernels do not take, or a workspace too small.
     """
@@ -297,14 +351,15 @@ def paged_decode_attention_triton(
     g, g_strides = (gate, (gate.stride(0), gate.stride(1))) if gate is not None else (out, (0, 0))
     if b == 0:
         return out
+    k_cache, v_cache, kvs, fp8 = _kv_args(k_cache, v_cache, kv_scale, q)
     cfg = {**decode_config(d, hq // hkv, q.dtype), **(config or {})}
     common = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0))
     scale2 = scale * LOG2E
     if splits == 1:
-        _decode_kernel[(b, hkv)](q, k_cache, v_cache, page_table, seq_lens, g, out, scale2, hq // hkv, d, *common,
-                                 *g_strides, out.stride(0), out.stride(1), PAGE_SIZE=page, HAS_GATE=gate is not None,
-                                 **cfg)
+        _decode_kernel[(b, hkv)](q, k_cache, v_cache, page_table, seq_lens, g, out, kvs, scale2, hq // hkv, d,
+                                 *common, *g_strides, out.stride(0), out.stride(1), PAGE_SIZE=page,
+                                 HAS_GATE=gate is not None, KV_FP8=fp8, **cfg)
         return out
     if workspace is None:
         workspace = decode_attention_workspace(b, hq, d, splits, q.device)
@@ -313,9 +368,9 @@ def paged_decode_attention_triton(
         raise ValueError(f"workspace {tuple(workspace.acc.shape)} is too small for B={b} x {splits} splits, "
                          f"Hq={hq}, D={d}")
     acc, st = workspace.acc, workspace.stats
-    _decode_split_kernel[(b, hkv, splits)](q, k_cache, v_cache, page_table, seq_lens, acc, st, scale2, hq // hkv, d,
-                                           *common, acc.stride(0), acc.stride(1), st.stride(0), st.stride(1),
-                                           PAGE_SIZE=page, **cfg)
+    _decode_split_kernel[(b, hkv, splits)](q, k_cache, v_cache, page_table, seq_lens, acc, st, kvs, scale2,
+                                           hq // hkv, d, *common, acc.stride(0), acc.stride(1), st.stride(0),
+                                           st.stride(1), PAGE_SIZE=page, KV_FP8=fp8, **cfg)
     _decode_combine_kernel[(b, hq)](acc, st, g, out, splits, d, acc.stride(0), acc.stride(1), st.stride(0),
                                     st.stride(1), *g_strides, out.stride(0), out.stride(1),
                                     BLOCK_S=triton.next_power_of_2(splits),

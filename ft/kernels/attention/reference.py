@@ -3,11 +3,31 @@
 KV layout (one full-attention layer): k_cache, v_cache [P, page_size, Hkv, D]; a sequence's
 page table lists its pages in order, so token position p lives at
 (page_table[p // page_size], p % page_size).
+
+Quantized KV (`kv_scale` given: float32 [2], the layer's K and V scales): the cache holds
+x / scale in its dtype (float8_e4m3fn: rounded to nearest even after clamping to +-448, the
+format's largest finite value); a read gives cache * scale. Without `kv_scale` the cache holds x
+in its dtype.
 """
 
 from __future__ import annotations
 
 import torch
+
+FP8_MAX = 448.0
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """x -> what the cache stores: x / scale clamped into the format's range, in `dtype`; x in
+    `dtype` when scale is None."""
+    if scale is None:
+        return x.to(dtype)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+
+
+def dequantize_kv(c: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """What the cache stores -> values in `dtype` (cache * scale, computed in float32)."""
+    return c.to(dtype) if scale is None else (c.float() * scale).to(dtype)
 
 
 def write_kv_ref(
@@ -17,13 +37,16 @@ def write_kv_ref(
     v: torch.Tensor,
     page_table: torch.Tensor,
     start: int,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store k, v [T, Hkv, D] of positions start .. start+T-1 into the pages."""
+    """Store k, v [T, Hkv, D] of positions start .. start+T-1 into the pages (quantized with
+    `kv_scale` when given, see the module docstring)."""
     page = k_cache.shape[1]
     pos = torch.arange(start, start + k.shape[0], device=k.device)
     pages = page_table[pos // page]
-    k_cache[pages, pos % page] = k.to(k_cache.dtype)
-    v_cache[pages, pos % page] = v.to(v_cache.dtype)
+    ks, vs = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
+    k_cache[pages, pos % page] = quantize_kv(k, ks, k_cache.dtype)
+    v_cache[pages, pos % page] = quantize_kv(v, vs, v_cache.dtype)
 
 
 def paged_attention_ref(
@@ -33,8 +56,10 @@ def paged_attention_ref(
     page_table: torch.Tensor,
     start: int,
     scale: float,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of queries at positions start .. start+T-1 over keys 0 .. start+T-1.
+    """Causal attention of queries at positions start .. start+T-1 over keys 0 .. start+T-1
+    (`kv_scale`: the cache is quantized, see the module docstring).
 
     Args:
         q: [T, Hq, D]; Hq a multiple of Hkv (query head h reads kv head h // (Hq // Hkv)).
@@ -49,8 +74,9 @@ def paged_attention_ref(
     k = k_cache[pages, pos % page]  # [N, Hkv, D]
     v = v_cache[pages, pos % page]
     rep = hq // k.shape[1]
-    k = k.repeat_interleave(rep, dim=1).to(q.dtype)
-    v = v.repeat_interleave(rep, dim=1).to(q.dtype)
+    ks, vs = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
+    k = dequantize_kv(k.repeat_interleave(rep, dim=1), ks, q.dtype)
+    v = dequantize_kv(v.repeat_interleave(rep, dim=1), vs, q.dtype)
     scores = torch.einsum("thd,nhd->htn", q, k) * scale
     q_pos = torch.arange(start, n_ctx, device=q.device)
     mask = pos[None, :] > q_pos[:, None]  # [T, N]: future keys
@@ -60,15 +86,17 @@ def paged_attention_ref(
 
 
 def write_kv_decode_ref(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     """Store one new token per sequence: k, v [B, Hkv, D] at slots slot_mapping [B] int64
     (slot = page * page_size + offset); a negative slot (a padding row) writes nothing."""
     page = k_cache.shape[1]
     keep = (slot_mapping >= 0).nonzero().flatten()
     slots = slot_mapping[keep]
-    k_cache[slots // page, slots % page] = k[keep].to(k_cache.dtype)
-    v_cache[slots // page, slots % page] = v[keep].to(v_cache.dtype)
+    ks, vs = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
+    k_cache[slots // page, slots % page] = quantize_kv(k[keep], ks, k_cache.dtype)
+    v_cache[slots // page, slots % page] = quantize_kv(v[keep], vs, v_cache.dtype)
 
 
 def paged_decode_attention_ref(
@@ -80,8 +108,10 @@ def paged_decode_attention_ref(
     scale: float,
     *,
     gate: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of one query per sequence, at position seq_lens[b] - 1, over keys 0 .. seq_lens[b] - 1.
+    """Attention of one query per sequence, at position seq_lens[b] - 1, over keys 0 .. seq_lens[b] - 1
+    (`kv_scale`: the cache is quantized, see the module docstring).
 
     Args:
         q: [B, Hq, D]; Hq a multiple of Hkv (query head h reads kv head h // (Hq // Hkv)).
@@ -99,8 +129,9 @@ def paged_decode_attention_ref(
     pos = torch.arange(-(-longest // page) * page, device=q.device)
     valid = pos[None, :] < seq_lens[:, None].long()  # [B, N]
     pages = page_table[:, pos // page].masked_fill(~valid, 0)  # NOTE: garbage entries never index
-    k = k_cache[pages, pos % page].float().masked_fill(~valid[..., None, None], 0.0)  # [B, N, Hkv, D]
-    v = v_cache[pages, pos % page].float().masked_fill(~valid[..., None, None], 0.0)
+    ks, vs = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
+    k = dequantize_kv(k_cache[pages, pos % page], ks, torch.float32).masked_fill(~valid[..., None, None], 0.0)
+    v = dequantize_kv(v_cache[pages, pos % page], vs, torch.float32).masked_fill(~valid[..., None, None], 0.0)
     qg = q.float().reshape(b, hkv, hq // hkv, d)
     scores = torch.einsum("bkgd,bnkd->bkgn", qg, k) * scale
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
