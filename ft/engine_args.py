@@ -23,8 +23,8 @@ HELP = {
                             "sync) and caches it in a reserved slot; --no-expert-read-through loads misses before each "
                             "MoE layer instead (host bookkeeping, no graphs)"),
     "num_tokens": "KV cache capacity in tokens (default: the whole context when it fits)",
-    "kv_cache_dtype": ("KV cache dtype: auto (the compute dtype), bf16, or fp8 (e4m3 with a per-layer K and V scale: "
-                       "half of bf16's bytes per token, so twice the context per byte)"),
+    "kv_cache_dtype": ("KV cache dtype: auto (fp8 when the checkpoint carries FP8 KV scales, else the compute dtype), "
+                       "bf16, or fp8 (e4m3 with a per-layer K and V scale: half of bf16's bytes per token)"),
     "max_seq_len_override": "context limit in tokens instead of the checkpoint's max_position_embeddings",
     "memory_ratio": "fraction of the free device memory the cache pools may use",
     "gpu_memory_limit": "act as if the card had this much memory (e.g. 16GiB); on CPU the emulated card (default 96MiB)",

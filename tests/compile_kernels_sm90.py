@@ -20,6 +20,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from ft.kernels.activation import kernel as act  # noqa: E402
 from ft.kernels.attention import kernel as attn  # noqa: E402
+from ft.kernels.attention import prefill_kernel as attn_pf  # noqa: E402
 from ft.kernels.dense import kernel as dense  # noqa: E402
 from ft.kernels.gated_delta import kernel as gd  # noqa: E402
 from ft.kernels.moe import decode_kernel as moe_dec  # noqa: E402
@@ -89,6 +90,10 @@ DECODE = {**DECODE_IN, "p_g": "*bf16", "p_o": "*bf16", "p_kvs": "*fp32", "qk_sca
           **ints("G", "D", *DECODE_STRIDES, "stride_gb", "stride_gh", "stride_ob", "stride_oh")}
 DECODE_SPLIT = {**DECODE_IN, "p_acc": "*fp32", "p_st": "*fp32", "p_kvs": "*fp32", "qk_scale": "fp32",
                 **ints("G", "D", *DECODE_STRIDES, "stride_ar", "stride_ah", "stride_sr", "stride_sh")}
+PREFILL = {"p_q": "*bf16", "p_kc": "*bf16", "p_vc": "*bf16", "p_pt": "*i64", "p_o": "*bf16", "p_kvs": "*fp32",
+           **ints("start", "T", "G", "D"), "qk_scale": "fp32",
+           **ints("stride_qt", "stride_qh", "stride_kcp", "stride_kcs", "stride_kch", "stride_vcp", "stride_vcs",
+                  "stride_vch", "stride_ot", "stride_oh")}
 COMBINE = {"p_acc": "*fp32", "p_st": "*fp32", "p_g": "*bf16", "p_o": "*bf16",
            **ints("S", "D", "stride_ar", "stride_ah", "stride_sr", "stride_sh", "stride_gb", "stride_gh", "stride_ob",
                   "stride_oh")}
@@ -107,6 +112,10 @@ GD_DELTA = {"p_y": "*bf16", "p_b": "*bf16", "p_a": "*bf16", "p_alog": "*bf16", "
             "p_slots": "*i64", "p_o": "*bf16", **ints("HK", "GROUP", "DK", "DV"), "scale": "fp32",
             **ints("stride_yb", "stride_bb", "stride_ab", "stride_sss", "stride_ssh", "stride_ssk", "stride_ssv",
                    "stride_ob", "stride_oh")}
+def prefill_cfg(head_dim: int, group: int) -> dict:
+    return {"PAGE_SIZE": 64, **attn_pf.prefill_config(head_dim, group, torch.bfloat16)}
+
+
 def decode_cfg(head_dim: int, group: int, fp8: bool = False) -> dict:
     # every constexpr named
     return {"PAGE_SIZE": 64, **attn.decode_config(head_dim, group, torch.bfloat16), "KV_FP8": fp8}
@@ -230,6 +239,9 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
      {**DECODE, "p_kc": "*u8", "p_vc": "*u8"}, {**decode_cfg(256, 8, fp8=True), "HAS_GATE": True}),
     ("decode attention split-K G 8, D 256, fp8 cache", attn._decode_split_kernel,
      {**DECODE_SPLIT, "p_kc": "*u8", "p_vc": "*u8"}, decode_cfg(256, 8, fp8=True)),
+    ("prefill attention G 8, D 256", attn_pf._prefill_kernel, PREFILL, {**prefill_cfg(256, 8), "KV_FP8": False}),
+    ("prefill attention G 8, D 256, fp8 cache", attn_pf._prefill_kernel, {**PREFILL, "p_kc": "*u8", "p_vc": "*u8"},
+     {**prefill_cfg(256, 8), "KV_FP8": True}),
     ("decode attention combine 128 splits", attn._decode_combine_kernel, COMBINE,
      {"BLOCK_S": 128, "CHUNK_S": 16, "BLOCK_D": 256, "HAS_GATE": False, "num_warps": 4}),
     ("decode attention combine 16 splits, output gate", attn._decode_combine_kernel, COMBINE,

@@ -47,3 +47,53 @@ def test_fp8_kv_decodes_close_to_full_precision(tiny_one):
         if first == len(a):  # same tokens throughout: the last logits are comparable
             assert rel_err(lb, la) < 0.05
     assert agree / total > 0.5, (agree, total)
+
+
+def _with_kv_scales(tiny_one, tmp_path, scales=(0.02, 0.01), drop=None):
+    """The tiny checkpoint with ModelOpt's FP8 KV scales on every full-attention layer."""
+    import torch as _t
+
+    from tests.test_bad_input import clone
+
+    cfg = tiny_one[1].config
+    layers = [i for i, kind in enumerate(cfg.layer_types) if kind == "full_attention"]
+
+    def edit(state):
+        for i in layers:
+            state[f"model.layers.{i}.self_attn.k_proj.k_scale"] = _t.tensor(scales[0])
+            state[f"model.layers.{i}.self_attn.v_proj.v_scale"] = _t.tensor(scales[1] * (i + 1))
+        if drop is not None:
+            state.pop(f"model.layers.{layers[drop]}.self_attn.k_proj.k_scale")
+
+    quant = {"quantization": {"quant_algo": None, "kv_cache_quant_algo": "FP8"}}
+    return clone(tiny_one[2], tmp_path / "ck", edit=edit, extra_files={"hf_quant_config.json": quant}), layers
+
+
+def test_checkpoint_fp8_kv_scales(tiny_one, tmp_path):
+    """A checkpoint with ModelOpt's kv_cache_quant_algo FP8 and its per-layer k_scale / v_scale: auto
+    gives an fp8 pool holding those scales; bf16 leaves them; a layer without its scale is an error."""
+    from ft.errors import CheckpointError
+
+    path, layers = _with_kv_scales(tiny_one, tmp_path)
+    e = _llm(path).engine
+    kv = e.pools.kv
+    assert kv.kv.dtype == torch.float8_e4m3fn
+    want = torch.tensor([[0.02, 0.01 * (i + 1)] for i in layers])
+    assert torch.allclose(kv.scales, want)
+    out = _llm(path).generate(prompt_token_ids=[prompt_of(20, seed=5)], max_new_tokens=4, temperature=0.0,
+                              ignore_eos=True)[0].token_ids
+    assert len(out) == 4
+    assert _llm(path, kv_cache_dtype="bf16").engine.pools.kv.scales is None
+    bad, _ = _with_kv_scales(tiny_one, tmp_path / "bad", drop=0)
+    with pytest.raises(CheckpointError, match="k_scale"):
+        _llm(bad)
+
+
+def test_unsupported_kv_quantization_is_named(tiny_one, tmp_path):
+    from ft.errors import UnsupportedModelError
+    from tests.test_bad_input import clone
+
+    quant = {"quantization": {"quant_algo": None, "kv_cache_quant_algo": "INT8"}}
+    path = clone(tiny_one[2], tmp_path / "ck", extra_files={"hf_quant_config.json": quant})
+    with pytest.raises(UnsupportedModelError, match="KV cache quantization 'INT8'"):
+        _llm(path)

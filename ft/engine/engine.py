@@ -53,7 +53,7 @@ class Engine:
             config.page_size, len(cfg.full_attention_layers), cfg.num_key_value_heads, cfg.head_dim,
             len(cfg.linear_attention_layers), cfg.linear_conv_dim, cfg.linear_conv_kernel_dim,
             cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, self.dtype, self.device,
-            host_experts, KV_DTYPES.get(config.kv_cache_dtype, self.dtype),
+            host_experts, self._kv_dtype(config),
         )
         reserve = activation_reserve(cfg, self.dtype, self.device, min(config.max_prefill_length, self.context_limit),
                                      config.max_running_requests)
@@ -67,6 +67,8 @@ class Engine:
             config.moe_cache_size, None if config.storage_backend == "auto" else config.storage_backend,
         ), floor)
         pools = self.cache.pools
+        if pools.kv.scales is not None and self.model.kv_scales is not None:  # the checkpoint's FP8 KV scales
+            pools.kv.scales.copy_(self.model.kv_scales)
         if pools.experts is not None:
             pools.experts.policy = config.expert_policy
             if config.moe_backend == "offload" and config.expert_read_through:
@@ -90,6 +92,17 @@ class Engine:
         self.current_work: ScheduledWork | None = None  # the work of a step in progress (None between steps)
         self.started_at = time.time()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+
+    def _kv_dtype(self, config: EngineConfig) -> torch.dtype:
+        """The KV pool's dtype: the flag's; "auto" is fp8 when the checkpoint carries FP8 KV scales
+        (ModelOpt's kv_cache_quant_algo), else the compute dtype. bf16 ignores such scales (they only
+        describe an fp8 cache), and says so."""
+        scaled = self.model.kv_scales is not None
+        if config.kv_cache_dtype == "auto":
+            return torch.float8_e4m3fn if scaled else self.dtype
+        if scaled and config.kv_cache_dtype != "fp8":
+            log.info("the checkpoint's FP8 KV scales are not used: --kv-cache-dtype %s", config.kv_cache_dtype)
+        return KV_DTYPES[config.kv_cache_dtype]
 
     def _trace_routing(self, config: EngineConfig, cfg) -> TraceRouting | None:
         """Synthetic models whose config has "routing_trace": experts from per-request traces."""

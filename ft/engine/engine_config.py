@@ -24,7 +24,7 @@ class EngineConfig:
     expert_policy: str = "lru"  # lru | lfu: which resident experts make room for misses (offload)
     expert_read_through: bool = True  # offloaded decode reads misses from host memory inside the step
     num_tokens: int | None = None  # KV capacity in tokens; None: the whole context if it fits
-    kv_cache_dtype: str = "auto"  # auto (the compute dtype) | bf16 | fp8 (e4m3, per-layer K and V scales)
+    kv_cache_dtype: str = "auto"  # auto (fp8 with a checkpoint's FP8 KV scales, else the compute dtype) | bf16 | fp8
     max_seq_len_override: int | None = None  # context limit instead of max_position_embeddings
     memory_ratio: float = 0.9
     gpu_memory_limit: int | str | None = None  # bytes or "16GiB": act as if the card were this big

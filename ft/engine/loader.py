@@ -64,7 +64,9 @@ def load_model(
         # them NVFP4 to run the Triton kernels on the CPU.)
         weights.tensors = {k: (v.dequantize(dtype) if isinstance(v, NVFP4Weight) else v)
                            for k, v in weights.tensors.items()}
-    return Qwen3NextModel(cfg, weights, dtype, device), weights.experts
+    m = Qwen3NextModel(cfg, weights, dtype, device)
+    m.kv_scales = weights.kv_scales  # NOTE: the KV pool takes them (ft.engine.engine), the model does not
+    return m, weights.experts
 
 
 def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, prefill_tokens: int,

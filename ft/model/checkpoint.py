@@ -37,6 +37,7 @@ class TensorSpec:
 class QuantInfo:
     algo: str | None  # None (unquantized) or "NVFP4"
     exclude_modules: tuple[str, ...] = ()
+    kv_algo: str | None = None  # None or "FP8": the checkpoint carries per-layer KV scales (k_scale, v_scale)
 
 
 class CheckpointReader:
@@ -93,13 +94,19 @@ class CheckpointReader:
             q = cfg.get("quantization_config")
         if not q:
             return QuantInfo(None)
+        kv = q.get("kv_cache_quant_algo")
+        if kv is not None and str(kv).upper() != "FP8":
+            raise UnsupportedModelError(f"unsupported KV cache quantization {kv!r}: FreeToken reads FP8 KV scales")
+        kv = None if kv is None else "FP8"
         algo = q.get("quant_algo") or q.get("quant_method")
+        if algo is None and kv:
+            return QuantInfo(None, kv_algo=kv)
         if str(algo).upper() != "NVFP4":
             raise UnsupportedModelError(f"unsupported quantization {algo!r}: FreeToken reads bf16/fp16/fp32 and NVFP4 (ModelOpt)")
         group = int(q.get("group_size", 16))
         if group != 16:
             raise UnsupportedModelError(f"unsupported NVFP4 group_size {group} (ModelOpt NVFP4 uses 16)")
-        return QuantInfo("NVFP4", tuple(q.get("exclude_modules") or q.get("ignore") or ()))
+        return QuantInfo("NVFP4", tuple(q.get("exclude_modules") or q.get("ignore") or ()), kv)
 
     # ----------------------------------------------------------------------------- access
     def names(self) -> Iterable[str]:
@@ -167,6 +174,7 @@ class LoadedWeights:
 
     tensors: dict[str, torch.Tensor | NVFP4Weight]
     experts: SlotWeights | None
+    kv_scales: torch.Tensor | None = None  # [full-attention layers, 2] float32 (K, V): ModelOpt's FP8 KV scales
 
 
 def load_weights(
@@ -200,11 +208,32 @@ def load_weights(
         bar.update(1)
     experts = _load_experts(c, specs, expert_groups, dtype, host_device, device, bar) if expert_groups else None
     bar.close()
+    kv_scales = _kv_scales(c, specs)
     unexpected = sorted(n for n in reader.names() if n not in c.used and not _ignored(n))
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise CheckpointError(f"unexpected tensor {unexpected[0]!r} in {reader.path}{more}")
-    return LoadedWeights(tensors, experts)
+    return LoadedWeights(tensors, experts, kv_scales)
+
+
+def _kv_scales(c: _Consumer, specs: dict[str, TensorSpec]) -> torch.Tensor | None:
+    """ModelOpt's FP8 KV-cache scales (`model.layers.N.self_attn.k_proj.k_scale`, `v_proj.v_scale`,
+    scalars: the cache holds x / scale) of every full-attention layer, in layer order -> [L, 2]
+    float32; None when the checkpoint has none. Some layers with and some without is an error."""
+    attn = [n.removesuffix("k_proj.weight") for n in specs if n.endswith("self_attn.k_proj.weight")]
+    found = [(p + "k_proj.k_scale") in c.reader for p in attn]
+    if not any(found):
+        return None
+    if not all(found):
+        missing = attn[found.index(False)] + "k_proj.k_scale"
+        raise CheckpointError(f"missing tensor {missing!r} in {c.reader.path} (the other layers have KV scales)")
+    rows = []
+    for p in attn:
+        k, v = (c.take(p + name, None).float().reshape(-1) for name in ("k_proj.k_scale", "v_proj.v_scale"))
+        if k.numel() != 1 or v.numel() != 1 or not (k > 0).all() or not (v > 0).all():
+            raise CheckpointError(f"{p}k_proj.k_scale / v_proj.v_scale must be positive scalars")
+        rows.append(torch.cat([k, v]))
+    return torch.stack(rows)
 
 
 def _to(w: torch.Tensor | NVFP4Weight, dtype: torch.dtype, device: torch.device):

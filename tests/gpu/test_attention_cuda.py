@@ -181,3 +181,29 @@ def test_decode_step_in_cuda_graph(path, gated):
                                        workspace=decode_attention_workspace(batch, HQ, D, splits, DEV), gate=gate)
         assert torch.equal(got, eager)
         assert rel_rms(got, paged_decode_attention_ref(q, k_cache, v_cache, table, lens, SCALE, gate=gate)) < TOL
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize(("start", "t"), [(0, 512), (1000, 300), (4096, 1)])
+def test_prefill_attention_triton_matches_reference(start, t, kv):
+    """The Triton prefill attention at the flagship's heads (16 q, 2 kv, D 256, pages of 64) against
+    the reference, over a cached prefix: what PREFILL_TRITON_ON_CUDA waits for."""
+    from ft.kernels.attention.prefill_kernel import paged_prefill_attention_triton
+    from ft.kernels.attention.reference import paged_attention_ref, quantize_kv
+
+    torch.manual_seed(0)
+    page, hq, hkv, d = 64, 16, 2, 256
+    n = start + t
+    pages = torch.randperm(-(-n // page) + 4, device="cuda")[: -(-n // page)]
+    shape = (pages.numel() + 4, page, hkv, d)
+    k = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    scale = None
+    if kv == "fp8":
+        scale = torch.tensor([0.02, 0.01], device="cuda")
+        k, v = quantize_kv(k, scale[0], torch.float8_e4m3fn), quantize_kv(v, scale[1], torch.float8_e4m3fn)
+    q = torch.randn(t, hq, 2 * d, device="cuda", dtype=torch.bfloat16)[..., :d]  # a strided view, as the model's
+    got = paged_prefill_attention_triton(q, k, v, pages, start, d ** -0.5, scale)
+    ref = paged_attention_ref(q, k, v, pages, start, d ** -0.5, scale)
+    err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < 1e-2, err

@@ -32,6 +32,11 @@ __all__ = [
 ]
 
 
+PREFILL_TRITON_ON_CUDA = False
+"""The Triton prefill attention is checked against the reference under the interpreter and compiles for
+sm_90; CUDA prefill keeps the reference until tests/gpu has run it on the device (the long-context issue)."""
+
+
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_table: torch.Tensor,
     start: int, kv_scale: torch.Tensor | None = None,
@@ -44,7 +49,13 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, start: int, scale: float,
     kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dispatcher of `paged_attention_ref` (same contract): the reference on every device today."""
+    """Causal prefill attention (`paged_attention_ref`'s contract). Dispatcher: the Triton kernel
+    (`prefill_kernel.py`) in interpreter tests, and on CUDA once `PREFILL_TRITON_ON_CUDA`; the
+    reference otherwise."""
+    if uses_triton(q.device) and q.dtype in TRITON_DTYPES and (q.device.type != "cuda" or PREFILL_TRITON_ON_CUDA):
+        from ft.kernels.attention.prefill_kernel import paged_prefill_attention_triton  # NOTE: imports triton when used
+
+        return paged_prefill_attention_triton(q, k_cache, v_cache, page_table, start, scale, kv_scale)
     return paged_attention_ref(q, k_cache, v_cache, page_table, start, scale, kv_scale)
 
 

@@ -1,0 +1,119 @@
+"""Triton paged prefill attention (details module of `ft.kernels.attention`): causal attention of a
+chunk of one sequence's queries over its paged KV (the cached prefix and the chunk itself), flash
+style: one program per block of BLOCK_M query tokens and one kv head, the group's query heads as
+rows of one tile (token-major: row r is token r // BLOCK_G, head r % BLOCK_G), K/V tiles gathered
+through the page table, online softmax in fp32 (base 2). Same contract as `paged_attention_ref`,
+fp8 caches included (the K scale folded into the softmax scale, the V scale into the output).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ft.kernels.attention.kernel import LOG2E, MAX_HEAD_DIM, _check_cache, _kv_args
+
+__all__ = ["paged_prefill_attention_triton"]
+
+
+@triton.jit
+def _prefill_kernel(
+    p_q, p_kc, p_vc, p_pt, p_o, p_kvs, start, T, G, D, qk_scale,
+    stride_qt, stride_qh, stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
+    stride_ot, stride_oh,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+):
+    i_m = tl.program_id(0)
+    i_kv = tl.program_id(1)
+    R: tl.constexpr = BLOCK_M * BLOCK_G
+    o_r = tl.arange(0, R)
+    o_t = i_m * BLOCK_M + o_r // BLOCK_G  # query token within the chunk
+    o_h = i_kv * G + o_r % BLOCK_G  # query head
+    m_r = (o_t < T) & (o_r % BLOCK_G < G)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    b_q = tl.load(p_q + o_t[:, None] * stride_qt + o_h[:, None] * stride_qh + o_d[None, :],
+                  mask=m_r[:, None] & m_d[None, :], other=0.0)
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(p_kvs)
+    q_pos = start + o_t  # absolute positions; key n is visible to row r when n <= q_pos[r]
+    hi = tl.minimum(start + i_m * BLOCK_M + BLOCK_M, start + T)  # past the block's last query: masked anyway
+    p_k = p_kc + i_kv * stride_kch
+    p_v = p_vc + i_kv * stride_vch
+    b_m = tl.full((R,), float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros((R,), dtype=tl.float32)
+    b_acc = tl.zeros((R, BLOCK_D), dtype=tl.float32)
+    for n0 in range(0, hi, BLOCK_N):
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        m_n = o_n < hi
+        m_nd = m_n[:, None] & m_d[None, :]
+        b_page = tl.load(p_pt + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
+        o_slot = o_n % PAGE_SIZE
+        b_k = tl.load(p_k + (b_page * stride_kcp + o_slot * stride_kcs)[:, None] + o_d[None, :], mask=m_nd, other=0)
+        if KV_FP8:
+            b_k = b_k.to(tl.float8e4nv, bitcast=True)
+        b_s = tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)), input_precision=PRECISION) * qk_scale  # [R, BLOCK_N]
+        visible = (o_n[None, :] <= q_pos[:, None]) & m_n[None, :]
+        b_s = tl.where(visible, b_s, float("-inf"))
+        # NOTE: key 0 is visible to every row, so the first block leaves every row's max finite
+        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+        b_alpha = tl.exp2(b_m - b_m_new)
+        b_p = tl.exp2(b_s - b_m_new[:, None])
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        b_v = tl.load(p_v + (b_page * stride_vcp + o_slot * stride_vcs)[:, None] + o_d[None, :], mask=m_nd, other=0)
+        if KV_FP8:
+            b_v = b_v.to(tl.float8e4nv, bitcast=True)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v.to(b_q.dtype), input_precision=PRECISION)
+        b_m = b_m_new
+    b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
+    if KV_FP8:
+        b_o = b_o * tl.load(p_kvs + 1)
+    tl.store(p_o + o_t[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :], b_o.to(p_o.dtype.element_ty),
+             mask=m_r[:, None] & m_d[None, :])
+
+
+def prefill_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
+    """Block sizes (untuned): 128 query rows (tokens x the group's heads), 32 keys per step at D 256."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_g = triton.next_power_of_2(max(1, group))
+    return {"BLOCK_G": block_g, "BLOCK_M": max(1, 128 // block_g) if block_g <= 128 else 1,
+            "BLOCK_N": 32 if block_d > 128 else 64, "BLOCK_D": block_d,
+            "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "num_warps": 4, "num_stages": 2}
+
+
+def paged_prefill_attention_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, start: int,
+    scale: float, kv_scale: torch.Tensor | None = None, *, config: dict | None = None,
+) -> torch.Tensor:
+    """`paged_attention_ref` on Triton: q [T, Hq, D] at positions start .. start+T-1 (any strides but
+    D's) -> [T, Hq, D] in q's dtype, over k_cache, v_cache [P, page_size, Hkv, D] through page_table
+    [n] int64 (covering start+T positions); kv_scale: float32 [2] of an fp8 cache.
+
+    Raises: ValueError on shapes or dtypes the kernel does not take."""
+    _check_cache(k_cache, v_cache)
+    t, hq, d = q.shape
+    page, hkv = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.shape[3] != d or hq % hkv or d > MAX_HEAD_DIM:
+        raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"q must be fp32/bf16/fp16, got {q.dtype}")
+    if page_table.dim() != 1 or page_table.numel() * page < start + t:
+        raise ValueError(f"page_table [{page_table.numel()}] pages of {page} do not cover {start + t} positions")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    page_table = page_table if page_table.stride(-1) == 1 else page_table.contiguous()
+    out = torch.empty_like(q)
+    if t == 0:
+        return out
+    k_cache, v_cache, kvs, fp8 = _kv_args(k_cache, v_cache, kv_scale, q)
+    g = hq // hkv
+    cfg = {**prefill_config(d, g, q.dtype), **(config or {})}
+    grid = (triton.cdiv(t, cfg["BLOCK_M"]), hkv)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, page_table, out, kvs, start, t, g, d, scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        PAGE_SIZE=page, KV_FP8=fp8, **cfg,
+    )
+    return out

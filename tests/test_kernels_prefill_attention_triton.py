@@ -1,0 +1,84 @@
+"""Triton paged prefill attention against `paged_attention_ref` under the interpreter: chunks at
+several offsets into a cached prefix, GQA ratios, head dims, page sizes, fp8 caches. The pool is NaN
+wherever no token of the sequence is (a read outside shows)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (by the kernels module below)
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ft.kernels.attention import paged_attention, paged_attention_ref
+from ft.kernels.attention.prefill_kernel import paged_prefill_attention_triton
+from ft.kernels.attention.reference import quantize_kv
+
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3}
+
+# (start, T, Hq, Hkv, D, page): a first chunk, chunks after a prefix (page-aligned or not), GQA 1/2/8
+CASES = [(0, 13, 4, 4, 32, 8), (16, 9, 4, 2, 64, 16), (21, 30, 16, 2, 64, 8), (5, 1, 8, 1, 48, 4),
+         (40, 24, 16, 2, 256, 16)]
+
+
+def _pool(n_ctx, hkv, d, page, dtype, seed=0):
+    """A NaN pool [P, page, Hkv, D] x 2 with random K/V at positions 0 .. n_ctx-1 on shuffled pages."""
+    gen = torch.Generator().manual_seed(seed)
+    need = -(-n_ctx // page)
+    total = need + 3
+    pages = torch.randperm(total, generator=gen)[:need]
+    k = torch.full((total, page, hkv, d), float("nan"))
+    v = torch.full((total, page, hkv, d), float("nan"))
+    pos = torch.arange(n_ctx)
+    k[pages[pos // page], pos % page] = torch.randn(n_ctx, hkv, d, generator=gen)
+    v[pages[pos // page], pos % page] = torch.randn(n_ctx, hkv, d, generator=gen)
+    return k.to(dtype), v.to(dtype), pages
+
+
+def rel_rms(out, ref):
+    if out.isnan().any():
+        return float("nan")
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(("start", "t", "hq", "hkv", "d", "page"), CASES,
+                         ids=[f"s{s}-T{t}-Hq{hq}-Hkv{hkv}-D{d}-p{p}" for s, t, hq, hkv, d, p in CASES])
+def test_prefill_matches_reference(start, t, hq, hkv, d, page, dtype):
+    k, v, pages = _pool(start + t, hkv, d, page, dtype)
+    q = torch.randn(t, hq, d, generator=torch.Generator().manual_seed(1)).to(dtype)
+    got = paged_prefill_attention_triton(q, k, v, pages, start, d ** -0.5, config={"BLOCK_N": 16})
+    ref = paged_attention_ref(q, k, v, pages, start, d ** -0.5)
+    assert rel_rms(got, ref) < TOL[dtype]
+
+
+def test_prefill_fp8_cache_and_strided_q():
+    start, t, hq, hkv, d, page = 12, 10, 8, 2, 64, 8
+    k32, v32, pages = _pool(start + t, hkv, d, page, torch.float32)
+    scale = torch.tensor([0.02, 0.01])
+    k8, v8 = quantize_kv(k32, scale[0], torch.float8_e4m3fn), quantize_kv(v32, scale[1], torch.float8_e4m3fn)
+    qg = torch.randn(t, hq, 2 * d, generator=torch.Generator().manual_seed(2))  # q is a strided view, as the model's
+    q = qg[..., :d]
+    got = paged_prefill_attention_triton(q, k8, v8, pages, start, d ** -0.5, scale, config={"BLOCK_N": 16})
+    ref = paged_attention_ref(q, k8, v8, pages, start, d ** -0.5, scale)
+    assert rel_rms(got, ref) < 1e-5
+    with pytest.raises(ValueError, match="kv_scale"):
+        paged_prefill_attention_triton(q, k8, v8, pages, start, d ** -0.5)
+    with pytest.raises(ValueError, match="cover"):
+        paged_prefill_attention_triton(q, k8, v8, pages[:1], start, d ** -0.5, scale)
+
+
+def test_dispatcher_runs_the_kernel_in_interpreter_tests(monkeypatch):
+    monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
+    import ft.kernels.attention.prefill_kernel as details
+
+    calls = []
+    real = details.paged_prefill_attention_triton
+    monkeypatch.setattr(details, "paged_prefill_attention_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    k, v, pages = _pool(9, 2, 32, 4, torch.float32)
+    q = torch.randn(9, 4, 32)
+    out = paged_attention(q, k, v, pages, 0, 32 ** -0.5)
+    assert calls and rel_rms(out, paged_attention_ref(q, k, v, pages, 0, 32 ** -0.5)) < 1e-5
