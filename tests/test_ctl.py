@@ -478,3 +478,14 @@ def test_cache_says_how_ranges_read_and_notes_rounding(capsys):
     srv = FakeServer({("POST", "/admin/cache"): (200, resized)})
     rc, out, _ = run_ctl(capsys, srv, "cache", "--kv", "100")
     assert rc == 0 and out.splitlines()[-1] == "note: kv 100 rounded up to 128 tokens (whole pages of 64)"
+
+
+def test_format_cache_says_the_kv_dtype_and_read_through():
+    s = json.loads(json.dumps(SEED))
+    s["pools"]["kv"]["dtype"] = "float8_e4m3fn"
+    s["pools"]["moe"].update(read_through=True, landed=1234, host_bytes=3 * 2**30)
+    text = format_cache(CacheState.model_validate(s))
+    assert "kv cache float8_e4m3fn: x / scale" in text
+    assert "read-through); 1234 landed, 3.0 GiB read from host" in text
+    seed = format_cache(CacheState.model_validate(SEED)).splitlines()
+    assert text.splitlines()[: len(seed)] == seed  # the seed's lines stay, in the seed's order

@@ -133,6 +133,11 @@ def format_cache(state: CacheState) -> str:
     ]
     lines = [head, *_table(rows)]
     lines += ["  " + line for line in format_ladder(state.ladder)]
+    if kv.dtype.startswith("float8"):  # (servers before this field sent none)
+        lines.append(f"  kv cache {kv.dtype}: x / scale, one scale per layer for K and V")
+    if moe.read_through:
+        lines.append(f"  experts: decode reads misses from host memory in the step (read-through); "
+                     f"{moe.landed} landed, {format_bytes(moe.host_bytes)} read from host")
     ex = state.exchange
     if ex.kv_tokens_per_expert_slot:  # (servers before this field sent none)
         lines.append(f"  ranges: each with the other pools at their current sizes; 1 expert slot = "
