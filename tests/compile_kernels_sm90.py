@@ -24,6 +24,7 @@ from ft.kernels.attention import prefill_kernel as attn_pf  # noqa: E402
 from ft.kernels.dense import kernel as dense  # noqa: E402
 from ft.kernels.gated_delta import kernel as gd  # noqa: E402
 from ft.kernels.moe import decode_kernel as moe_dec  # noqa: E402
+from ft.kernels.moe import grouped_kernel as moe_grp  # noqa: E402
 from ft.kernels.moe import kernel as moe  # noqa: E402
 from ft.kernels.norm import kernel as norm  # noqa: E402
 from ft.kernels.nvfp4 import kernel as nv  # noqa: E402
@@ -54,7 +55,7 @@ TILES = {"p_tile_start": "*i32", "p_tile_end": "*i32", "p_sorted": "*i32", "p_or
 G_GATE_UP = {"p_x": "*bf16", **TILES, "p_w13": "*u8", "p_s13": "*u8", "p_s2": "*fp32", "p_h": "*bf16",
              **ints("I", "H", "TOPK", "stride_xt", "stride_w13e", "stride_w13r", "stride_s13e", "stride_s13r",
                     "stride_s2e", "stride_hp")}
-G_DOWN = {"p_h": "*bf16", **TILES, "p_wts": "*bf16", "p_w2": "*u8", "p_s2w": "*u8", "p_s2": "*fp32", "p_y": "*fp32",
+G_DOWN = {"p_h": "*bf16", **TILES, "p_wts": "*bf16", "p_w2": "*u8", "p_s2w": "*u8", "p_s2": "*fp32", "p_y": "*bf16",
           **ints("I", "H", "TOPK", "stride_hp", "stride_w2e", "stride_w2r", "stride_s2we", "stride_s2wr",
                  "stride_s2e", "stride_yp")}
 LOOKUP = {"p_ids": "*i64", "p_table": "*i64", "p_step": "*i32", "p_last": "*i32", "p_claim": "*i32",
@@ -139,9 +140,9 @@ def moe_cfg(config: tuple, k_words: int, rows: str, whole: bool = True) -> dict:
     return out
 
 
-def grouped_cfg(rows: str) -> dict:
-    bm, bn, bk, warps, stages = moe.GROUPED_CONFIG
-    return {"BLOCK_M": bm, rows: bn, "BLOCK_K": bk, "PRECISION": "tf32", "num_warps": warps, "num_stages": stages}
+def grouped_cfg() -> dict:
+    bm, bn, bk, warps, stages = moe_grp.GROUPED_CONFIG
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PRECISION": "tf32", "num_warps": warps, "num_stages": stages}
 
 
 DENSE = {"p_x": "*bf16", "p_w": "*bf16", "p_y": "*bf16", **ints("M", "N", "K", "stride_xm", "stride_wn", "stride_ym")}
@@ -168,8 +169,8 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("moe down per pair, more", moe._moe_down_pairs_kernel, DOWN_PAIRS, moe_cfg(moe.DOWN_CONFIG[2], 64, "BLOCK_H")),
     ("moe down, loop over k", moe._moe_down_kernel, DOWN_LOOP, moe_cfg((32, 32, 4), 64, "BLOCK_H", whole=False)),
     ("moe sum over k", moe._moe_sum_pairs_kernel, SUM, {"BLOCK": 1024}),
-    ("moe grouped gate_up", moe._moe_grouped_gate_up_kernel, G_GATE_UP, grouped_cfg("BLOCK_I")),
-    ("moe grouped down", moe._moe_grouped_down_kernel, G_DOWN, grouped_cfg("BLOCK_H")),
+    ("moe grouped gate_up", moe_grp._grouped_gate_up_kernel, G_GATE_UP, grouped_cfg()),
+    ("moe grouped down", moe_grp._grouped_down_kernel, G_DOWN, grouped_cfg()),
     ("moe decode gate_up + shared, 1 token", moe_dec._moe_decode_gate_up_kernel, MOE_DECODE_GATE_UP,
      {"TOPK": 10, "HAS_SHARED": True, "HAS_HOST": False, "HAS_DST": False,
       **moe_cfg(moe_dec.DECODE_GATE_UP_CONFIG[1], 256, "BLOCK_I")}),

@@ -108,7 +108,7 @@ def test_engine_on_the_triton_kernels_matches_transformers(pair, request, monkey
 
     monkeypatch.setattr(nvfp4_triton, "nvfp4_linear_triton", count("linear", real_linear))
     monkeypatch.setattr(moe_triton, "moe_over_slots_triton", count("moe", real_moe))
-    monkeypatch.setattr(moe_triton, "_grouped", count("grouped", moe_triton._grouped))
+    monkeypatch.setattr(moe_triton, "grouped_moe", count("grouped", moe_triton.grouped_moe))
     import ft.kernels.moe.decode_kernel as moe_decode
 
     real_decode = moe_decode.moe_decode_triton

@@ -73,7 +73,7 @@ def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
                        max_running: int) -> int:
     """Bytes of activations alive at the peak of the largest forward pass (a full prefill chunk):
     the residual stream and a normalised copy, plus the widest projection output twice (its input
-    split and its product), plus the Triton MoE's fp32 workspace where Triton runs, plus the
+    split and its product), plus the Triton MoE's workspace where Triton runs, plus the
     logits. Estimated from the config; the CUDA path will replace this with a profiled figure."""
     widest = max(
         2 * cfg.linear_key_dim + 2 * cfg.linear_value_dim,  # in_proj_qkvz
@@ -85,5 +85,6 @@ def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
     per_token = (3 * cfg.hidden_size + 2 * widest) * torch.finfo(dtype).bits // 8
     moe = 0
     if uses_triton(device):  # the Triton MoE's workspace (the CPU reference allocates per group)
-        moe = moe_workspace_bytes(prefill_tokens, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size)
+        moe = moe_workspace_bytes(prefill_tokens, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
+                                  torch.finfo(dtype).bits // 8)
     return prefill_tokens * per_token + moe + max_running * cfg.vocab_size * 4

@@ -45,23 +45,43 @@ def model(tmp_path_factory) -> str:
     return f"synthetic:{path}"
 
 
-def run(model: str) -> tuple[torch.Tensor, list[int]]:
-    """(the last logits [V] after prefilling PROMPT, NEW_TOKENS greedy tokens) of a fresh engine."""
-    llm = LLM(model=model, device="cuda", dtype="bfloat16", moe_cache_size=24, num_tokens=1024)
+def prefill_logits(llm, prompt: list[int]) -> torch.Tensor:
+    """The last logits [V] after prefilling `prompt` in `llm`'s engine."""
     eng = llm.engine
-    seq = eng.add_request(PROMPT, SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+    seq = eng.add_request(prompt, SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
     while not seq.output_ids:
         eng.step()
-    logits = eng.last_logits[0].clone()
+    return eng.last_logits[0].clone()
+
+
+def run(model: str) -> tuple[torch.Tensor, list[int], LLM]:
+    """(the last logits [V] after prefilling PROMPT, NEW_TOKENS greedy tokens, the engine) of a fresh engine."""
+    llm = LLM(model=model, device="cuda", dtype="bfloat16", moe_cache_size=24, num_tokens=1024,
+              enable_prefix_cache=False)
+    logits = prefill_logits(llm, PROMPT)
     tokens = llm.generate(prompt_token_ids=[PROMPT], max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    return logits, tokens[0].token_ids
+    return logits, tokens[0].token_ids, llm
+
+
+def assert_same_or_near_tie(llm_ref, tokens: list[int], ref_tokens: list[int]) -> None:
+    """Greedy tokens of two numerically different bf16 paths are equal, or they part at a near-tie:
+    at the first difference the reference path's logits (teacher-forced on its own tokens) rank the
+    two candidates within TOL_LOGITS x the logits' RMS of each other, the noise the two paths'
+    logits are allowed (a random model's flat logits make such ties common)."""
+    if tokens == ref_tokens:
+        return
+    i = next(j for j, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b)
+    logits = prefill_logits(llm_ref, PROMPT + ref_tokens[:i]).float()
+    gap = (logits[ref_tokens[i]] - logits[tokens[i]]).item()
+    rms = logits.pow(2).mean().sqrt().item()
+    assert 0 <= gap <= TOL_LOGITS * rms, (i, gap, rms, tokens, ref_tokens)
 
 
 def test_triton_path_matches_reference_path(model, monkeypatch):
-    logits, tokens = run(model)
+    logits, tokens, _ = run(model)
     for dispatcher in (ft.kernels.nvfp4, ft.kernels.moe, ft.kernels.router):
         monkeypatch.setattr(dispatcher, "uses_triton", lambda device: False)
-    ref_logits, ref_tokens = run(model)
+    ref_logits, ref_tokens, llm_ref = run(model)
     assert len(tokens) == NEW_TOKENS
-    assert tokens == ref_tokens
+    assert_same_or_near_tie(llm_ref, tokens, ref_tokens)
     assert rel_rms(logits, ref_logits) < TOL_LOGITS

@@ -32,9 +32,10 @@ __all__ = [
 ]
 
 
-PREFILL_TRITON_ON_CUDA = False
-"""The Triton prefill attention is checked against the reference under the interpreter and compiles for
-sm_90; CUDA prefill keeps the reference until tests/gpu has run it on the device (the long-context issue)."""
+PREFILL_TRITON_ON_CUDA = True
+"""CUDA prefill runs the Triton kernel (checked against the reference under the interpreter and, at
+flagship shapes, by tests/gpu on the H200, 2026-11-30). False sends CUDA prefill to the reference:
+bench/prefill.py flips it to time both in one run."""
 
 
 def write_kv(

@@ -11,11 +11,9 @@ Two paths, both without host synchronization (they can be captured in CUDA graph
      (fp32), then `_moe_sum_pairs_kernel` sums over k per token (no atomics); or, with
      ``down_per_pair=False``, `_moe_down_kernel`, grid (T, H / BLOCK_H), looping over k in registers.
   Both run on `ft.kernels.nvfp4.kernel.nvfp4_rows_dot` (word-wise E2M1 decode, fp32 FMAs).
-* Prefill (more tokens): pairs are grouped by slot (a sort plus a few scans in torch, on the
-  device) into tiles of at most BLOCK_M pairs of one slot, and each tile is a ``tl.dot`` GEMM
-  against the slot's dequantized weight tiles (`_moe_grouped_gate_up_kernel`,
-  `_moe_grouped_down_kernel`): each expert's weights are read once per tile of its tokens, not
-  once per token. Per-pair outputs (weighted) are summed per token at the end.
+* Prefill (more tokens): pairs are grouped by slot into tiles of one slot, each a ``tl.dot`` GEMM
+  against the slot's dequantized weight tiles (`grouped_kernel.py`): each expert's weights are
+  read once per tile of its tokens, not once per token.
 
 * The decode MoE block (`decode_kernel.moe_decode_triton`, what the model runs for up to 128 tokens): the same
   per-pair gate/up with the layer's shared expert as one more pair of each token (its own one-slot
@@ -36,7 +34,8 @@ import triton
 import triton.language as tl
 
 from ft.kernels.moe.slots import GROUPED_MAX_TOKENS
-from ft.kernels.nvfp4.kernel import as_words, dequant_tile, nvfp4_rows_dot, rows_dot_whole_k, whole_k_words
+from ft.kernels.moe.grouped_kernel import GROUPED_CONFIG, grouped_moe
+from ft.kernels.nvfp4.kernel import as_words, nvfp4_rows_dot, rows_dot_whole_k, whole_k_words
 
 __all__ = ["GROUPED_MIN_TOKENS", "moe_over_slots_triton"]
 
@@ -143,116 +142,12 @@ def _moe_sum_pairs_kernel(p_yp, p_out, H, TOPK, stride_yp, stride_ot, BLOCK: tl.
     tl.store(p_out + i_t * stride_ot + o_h, acc.to(p_out.dtype.element_ty), mask=m_h)
 
 
-@triton.jit
-def _tile_pairs(p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M: tl.constexpr):
-    """The pairs of this program's tile: (slot as int64, pair ids [BLOCK_M], mask [BLOCK_M], tokens [BLOCK_M])."""
-    i_tile = tl.program_id(0)
-    start = tl.load(p_tile_start + i_tile)
-    end = tl.load(p_tile_end + i_tile)
-    o_pos = start + tl.arange(0, BLOCK_M)
-    m_pos = o_pos < end
-    pairs = tl.load(p_order + o_pos, mask=m_pos, other=0)
-    slot = tl.load(p_sorted + tl.minimum(start, end - 1), mask=end > start, other=-1)
-    return slot, pairs, m_pos, pairs // TOPK
-
-
-@triton.jit
-def _moe_grouped_gate_up_kernel(
-    p_x, p_tile_start, p_tile_end, p_sorted, p_order, p_w13, p_s13, p_s2, p_h,
-    I, H, TOPK,
-    stride_xt, stride_w13e, stride_w13r, stride_s13e, stride_s13r, stride_s2e, stride_hp,
-    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-):
-    slot, pairs, m_p, toks = _tile_pairs(p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M)
-    if slot >= 0:
-        e = slot.to(tl.int64)
-        i_i = tl.program_id(1)
-        o_i = i_i * BLOCK_I + tl.arange(0, BLOCK_I)
-        m_i = o_i < I
-        p_w = p_w13 + e * stride_w13e
-        p_s = p_s13 + e * stride_s13e
-        acc_g = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
-        for k in range(0, H, BLOCK_K):
-            o_k = k + tl.arange(0, BLOCK_K)
-            b_x = tl.load(p_x + toks[:, None] * stride_xt + o_k[None, :], mask=m_p[:, None] & (o_k < H)[None, :], other=0.0)
-            for g in tl.static_range(2):
-                b_wt = dequant_tile(p_w, p_s, o_i + g * I, m_i, stride_w13r, stride_s13r, k // 2, H // 2, b_x.dtype,
-                                    BLOCK_I, BLOCK_K)
-                if g == 0:
-                    acc_g = tl.dot(b_x, tl.trans(b_wt), acc_g, input_precision=PRECISION)
-                else:
-                    acc_u = tl.dot(b_x, tl.trans(b_wt), acc_u, input_precision=PRECISION)
-        b_g = acc_g * tl.load(p_s2 + e * stride_s2e)
-        b_u = acc_u * tl.load(p_s2 + e * stride_s2e + 1)
-        b_h = b_g / (1.0 + tl.exp(-b_g)) * b_u
-        tl.store(p_h + pairs[:, None] * stride_hp + o_i[None, :], b_h.to(p_h.dtype.element_ty), mask=m_p[:, None] & m_i[None, :])
-
-
-@triton.jit
-def _moe_grouped_down_kernel(
-    p_h, p_tile_start, p_tile_end, p_sorted, p_order, p_wts, p_w2, p_s2w, p_s2, p_y,
-    I, H, TOPK,
-    stride_hp, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e, stride_yp,
-    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-):
-    slot, pairs, m_p, toks = _tile_pairs(p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M)
-    if slot >= 0:
-        e = slot.to(tl.int64)
-        i_h = tl.program_id(1)
-        o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
-        m_h = o_h < H
-        p_w = p_w2 + e * stride_w2e
-        p_s = p_s2w + e * stride_s2we
-        acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
-        for k in range(0, I, BLOCK_K):
-            o_k = k + tl.arange(0, BLOCK_K)
-            b_a = tl.load(p_h + pairs[:, None] * stride_hp + o_k[None, :], mask=m_p[:, None] & (o_k < I)[None, :], other=0.0)
-            b_wt = dequant_tile(p_w, p_s, o_h, m_h, stride_w2r, stride_s2wr, k // 2, I // 2, b_a.dtype, BLOCK_H, BLOCK_K)
-            acc = tl.dot(b_a, tl.trans(b_wt), acc, input_precision=PRECISION)
-        b_wt = tl.load(p_wts + pairs, mask=m_p, other=0.0).to(tl.float32) * tl.load(p_s2 + e * stride_s2e + 2)
-        tl.store(p_y + pairs[:, None] * stride_yp + o_h[None, :], acc * b_wt[:, None], mask=m_p[:, None] & m_h[None, :])
-
-
 # (BLOCK rows, BLOCK_W words or 0 for the whole K in one tile, num_warps) of the per-pair gate_up
 # and down passes, for one token and for more; the H200 sweep's best (bench/kernels_nvfp4.py
 # --sweep, bench/RESULTS.md)
 GATE_UP_CONFIG = {1: (8, 0, 4), 2: (8, 0, 4)}
 DOWN_CONFIG = {1: (32, 32, 4), 2: (32, 0, 4)}
 DOWN_PER_PAIR = True
-# (BLOCK_M pairs, BLOCK_N rows, BLOCK_K, num_warps, num_stages) of the grouped passes
-GROUPED_CONFIG = (32, 64, 128, 4, 3)
-
-
-def group_pairs(slots: torch.Tensor, block_m: int, num_slots: int) -> tuple[torch.Tensor, ...]:
-    """Tiles of at most block_m (token, k) pairs that share a slot, computed on slots' device without a sync.
-
-    Args: slots: int [P] (flattened topk_slots, -1 = skip); num_slots: the pool's slot count.
-    Returns: (tile_start int32 [G], tile_end int32 [G], sorted slots int32 [P], order int32 [P]):
-    tile g covers positions [tile_start[g], tile_end[g]) of ``order`` (pair ids sorted by slot);
-    G = ceil(P / block_m) + min(P, num_slots + 1) is an upper bound, unused tiles are empty.
-    """
-    p = slots.numel()
-    dev = slots.device
-    sorted_slots, order = torch.sort(slots.to(torch.int32), stable=True)
-    is_start = torch.ones(p, dtype=torch.bool, device=dev)
-    is_start[1:] = sorted_slots[1:] != sorted_slots[:-1]
-    run_id = torch.cumsum(is_start, 0) - 1  # [P], runs numbered 0..R-1
-    pos = torch.arange(p, device=dev)
-    run_start = torch.full((p,), p, dtype=torch.int64, device=dev).scatter_reduce_(0, run_id, pos, "amin")
-    run_len = torch.zeros(p, dtype=torch.int64, device=dev).scatter_add_(0, run_id, torch.ones_like(pos))
-    tiles_per_run = (run_len + block_m - 1) // block_m
-    tile_end_cum = torch.cumsum(tiles_per_run, 0)
-    g = triton.cdiv(p, block_m) + min(p, num_slots + 1)
-    tile = torch.arange(g, device=dev)
-    run = torch.searchsorted(tile_end_cum, tile, right=True).clamp_(max=p - 1)
-    first_tile = tile_end_cum[run] - tiles_per_run[run]
-    start = run_start[run] + (tile - first_tile) * block_m
-    end = torch.minimum(start + block_m, run_start[run] + run_len[run])
-    live = tile < tile_end_cum[-1]
-    start = torch.where(live, start, 0).to(torch.int32)
-    end = torch.where(live, end, 0).to(torch.int32)
-    return start, end, sorted_slots, order.to(torch.int32)
 
 
 def moe_over_slots_triton(
@@ -295,8 +190,8 @@ def moe_over_slots_triton(
         w13, w2 = w.w13.contiguous(), w.w2.contiguous()
         for a in range(0, t, GROUPED_MAX_TOKENS):  # bounded workspace (`ft.kernels.moe.moe_workspace_bytes`)
             b = min(t, a + GROUPED_MAX_TOKENS)
-            _grouped(x[a:b], slots[a * k : b * k], wts[a * k : b * k], k, w13, s13, w2, s2w, s2, y[a:b], i,
-                     grouped_config or GROUPED_CONFIG)
+            grouped_moe(x[a:b], slots[a * k : b * k], wts[a * k : b * k], k, w13, s13, w2, s2w, s2, y[a:b], i,
+                        grouped_config or GROUPED_CONFIG)
         return y
     w13, w2 = as_words(w.w13), as_words(w.w2)
     h = torch.empty((t * k, i), dtype=torch.float32, device=x.device)
@@ -326,29 +221,4 @@ def moe_over_slots_triton(
         h.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1), s2.stride(0), y.stride(0),
         BLOCK_H=block_h, BLOCK_W=bw2, num_warps=warps2,
     )
-    return y
-
-
-def _grouped(x, slots, wts, k, w13, s13, w2, s2w, s2, y, i, cfg) -> torch.Tensor:
-    """The grouped path; w13, w2: the uint8 slot pools."""
-    t, hid = x.shape
-    block_m, block_n, block_k, warps, stages = cfg
-    start, end, sorted_slots, order = group_pairs(slots, block_m, w13.shape[0])
-    h = torch.empty((t * k, i), dtype=x.dtype, device=x.device)  # the down GEMM's operand: x's dtype
-    y_pairs = torch.zeros((t * k, hid), dtype=torch.float32, device=x.device)  # skipped pairs stay 0
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    g = start.numel()
-    bk13 = min(block_k, triton.next_power_of_2(hid))
-    bk2 = min(block_k, triton.next_power_of_2(i))
-    _moe_grouped_gate_up_kernel[(g, triton.cdiv(i, block_n))](
-        x, start, end, sorted_slots, order, w13, s13, s2, h, i, hid, k,
-        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s2.stride(0), h.stride(0),
-        BLOCK_M=block_m, BLOCK_I=block_n, BLOCK_K=bk13, PRECISION=precision, num_warps=warps, num_stages=stages,
-    )
-    _moe_grouped_down_kernel[(g, triton.cdiv(hid, block_n))](
-        h, start, end, sorted_slots, order, wts, w2, s2w, s2, y_pairs, i, hid, k,
-        h.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1), s2.stride(0), y_pairs.stride(0),
-        BLOCK_M=block_m, BLOCK_H=block_n, BLOCK_K=bk2, PRECISION=precision, num_warps=warps, num_stages=stages,
-    )
-    y.copy_(y_pairs.view(t, k, hid).sum(dim=1))  # fp32 sum over k, then x's dtype
     return y

@@ -1,0 +1,119 @@
+"""The MoE block of a prefill chunk (routed experts only), NVFP4 slots against torch bf16. Not a test.
+
+    PYTHONPATH=. python3 bench/moe_prefill.py [--tokens 1024,4096,8192] [--sweep]
+
+Flagship shapes: 512 experts (all resident), hidden 2048, intermediate 512, top-10, random routing
+(every expert gets ~T * 10 / 512 pairs). Rows:
+
+* before: the grouped path's former tiling (32 x 64 x 128 tiles, passes of 1,024 tokens; the
+  per-pair outputs were fp32 then, they are in x's dtype now);
+* after: `moe_over_slots_triton` as it is now (`GROUPED_CONFIG`, passes of `GROUPED_MAX_TOKENS`);
+* torch bf16: the same experts dequantized to bf16, tokens sorted by expert, `torch._grouped_mm`
+  for gate_up and down (cuBLAS grouped GEMM) plus the torch glue: the "GEMM speed" the issue
+  compares against.
+
+Times are `triton.testing.do_bench` medians; TFLOP/s counts 2 * pairs * 3 * H * I. `--sweep` also
+times the block configurations in SWEEP. Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+import torch
+import triton
+from triton.testing import do_bench
+
+import ft.kernels.moe.grouped_kernel as grp
+import ft.kernels.moe.kernel as moe_kernel
+from ft.kernels.moe import SlotWeights, moe_over_slots_ref
+from ft.kernels.moe.kernel import moe_over_slots_triton
+from ft.kernels.nvfp4.reference import dequantize_nvfp4
+
+E, H, I, K = 512, 2048, 512, 10
+SWEEP = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+    (32, 64, 128, 4, 3), (16, 64, 128, 4, 3), (64, 64, 128, 4, 3), (32, 128, 128, 4, 3), (64, 128, 128, 4, 3),
+    (128, 64, 128, 8, 3), (64, 64, 64, 4, 4), (32, 64, 256, 4, 2), (64, 64, 128, 8, 3),
+]
+
+
+def random_pool() -> SlotWeights:
+    """Random NVFP4 experts: every nibble valid, block scales ~ 2**U(-3, 3), global scales ~ 0.01."""
+    def part(n: int, k: int):
+        packed = torch.randint(0, 256, (E, n, k // 2), dtype=torch.uint8, device="cuda")
+        return packed, torch.exp2(torch.empty(E, n, k // 16, device="cuda").uniform_(-3, 3)).to(torch.float8_e4m3fn)
+
+    (w13, s13), (w2, s2w) = part(2 * I, H), part(H, I)
+    return SlotWeights(w13, w2, s13, s2w, torch.empty(E, 3, device="cuda").uniform_(0.005, 0.02))
+
+
+def torch_grouped(x, ids, wts, w13, w2):
+    """bf16 reference at GEMM speed: sort pairs by expert, grouped GEMMs, weighted scatter-add."""
+    t = x.shape[0]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    xs = x[order // K]
+    gu = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
+    h = torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+    y = y * wts.reshape(-1)[order, None]
+    return torch.zeros(t, H, device=x.device, dtype=torch.float32).index_add_(0, order // K, y.float()).to(x.dtype)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="1024,4096,8192")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--passes", default="1024,4096", help="tokens per grouped pass to sweep (--sweep)")
+    args = ap.parse_args()
+    pool = random_pool()
+    w13 = torch.stack([torch.cat([dequantize_nvfp4(pool.w13[e, :I], pool.w13_scale[e, :I], pool.scale_2[e, 0]),
+                                  dequantize_nvfp4(pool.w13[e, I:], pool.w13_scale[e, I:], pool.scale_2[e, 1])])
+                       for e in range(E)]).to(torch.bfloat16)
+    w2 = torch.stack([dequantize_nvfp4(pool.w2[e], pool.w2_scale[e], pool.scale_2[e, 2]) for e in range(E)]).to(torch.bfloat16)
+    rows = []
+    for t in (int(v) for v in args.tokens.split(",")):
+        x = torch.randn(t, H, device="cuda", dtype=torch.bfloat16)
+        ids = torch.topk(torch.randn(t, E, device="cuda"), K, dim=-1).indices
+        wts = torch.softmax(torch.randn(t, K, device="cuda"), -1).to(torch.bfloat16)
+        ref = moe_over_slots_ref(x[:256], ids[:256], wts[:256], pool).float()
+        flops = 2 * t * K * 3 * H * I
+
+        def run(label, fn):
+            err = ((fn()[:256].float() - ref).norm() / ref.norm()).item()
+            ms = do_bench(fn, return_mode="median")
+            rows.append((t, label, ms, flops / ms / 1e9, err))
+            print(f"T{t} {label}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s err {err:.1e}", flush=True)
+            return ms
+
+        saved = moe_kernel.GROUPED_MAX_TOKENS
+        moe_kernel.GROUPED_MAX_TOKENS = 1024
+        run("before", partial(moe_over_slots_triton, x, ids, wts, pool, grouped=True, grouped_config=(32, 64, 128, 4, 3)))
+        moe_kernel.GROUPED_MAX_TOKENS = saved
+        run("after", partial(moe_over_slots_triton, x, ids, wts, pool, grouped=True))
+        if args.sweep:
+            for passes in (int(v) for v in args.passes.split(",")):
+                moe_kernel.GROUPED_MAX_TOKENS = passes
+                for cfg in SWEEP:
+                    try:
+                        run(f"pass {passes} {cfg}",
+                            partial(moe_over_slots_triton, x, ids, wts, pool, grouped=True, grouped_config=cfg))
+                    except Exception as exc:  # noqa: BLE001
+                        print(f"  {cfg} failed: {type(exc).__name__} {str(exc)[:100]}")
+            moe_kernel.GROUPED_MAX_TOKENS = saved
+        try:
+            run("torch bf16 grouped_mm", partial(torch_grouped, x, ids, wts, w13, w2))
+        except Exception as exc:  # noqa: BLE001
+            print(f"torch grouped_mm unavailable: {type(exc).__name__} {str(exc)[:120]}")
+    print(f"\nGROUPED_MAX_TOKENS {moe_kernel.GROUPED_MAX_TOKENS}, GROUPED_CONFIG {grp.GROUPED_CONFIG}, "
+          f"{triton.__version__=}, {torch.__version__=}")
+    print(f"{'tokens':>6}  {'variant':<44} {'ms':>8} {'TFLOP/s':>8} {'rel err':>8}")
+    for t, label, ms, tf, err in rows:
+        print(f"{t:>6}  {label:<44} {ms:>8.3f} {tf:>8.0f} {err:>8.1e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Flagship prefill speed and time to first token, all experts resident. Not a test.
+
+    PYTHONPATH=. python3 bench/prefill.py [--lengths 1024,4096,16384] [--chunk 4096]
+                                          [--profile 4096] [--attention both|triton|reference]
+
+Synthetic NVFP4 Qwen3-Next-80B-A3B on the GPU (`bench/configs/qwen3-next-80b-a3b.json`), the
+resident MoE backend, one request at a time with a prompt of each length (distinct token ids per
+run, so the prefix cache never helps) and `max_new_tokens=1`: the time from `add_request` to the
+first token is the time to first token (TTFT), and length / TTFT the prefill throughput. Each
+length runs once to warm (Triton compiles, allocator), then `--repeat` timed runs (the median).
+
+`--attention both` times every length with the reference prefill attention and with the Triton
+kernel in the same run (before / after). `--profile LEN` profiles one prefill of LEN tokens
+(torch.profiler) and prints GPU time per kernel family. Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+import ft.kernels.attention as attention
+from ft.engine.engine import Engine
+from ft.engine.engine_config import EngineConfig
+from ft.engine.sampling_params import SamplingParams
+
+# kernel-name fragments -> family, first match wins (names of Triton kernels and torch's ATen kernels)
+FAMILIES = [
+    ("moe", ("moe", "expert", "grouped", "slot")), ("attention", ("attn", "attention", "flash")),
+    ("gated delta", ("delta", "gdn", "chunk")), ("conv1d", ("conv",)),
+    ("gemm / gemv", ("gemm", "gemv", "nvfp4", "dense", "matmul", "mm_", "cutlass", "sm90_xmma", "nvjet")),
+    ("norm / rope", ("norm", "rope", "rms")), ("copies / casts", ("copy", "cast", "fill", "cat", "index")),
+    ("elementwise", ("elementwise", "vectorized", "reduce", "softmax", "exp", "mul", "add")),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="bench/configs/qwen3-next-80b-a3b.json")
+    ap.add_argument("--lengths", default="1024,4096,16384", help="prompt lengths to time")
+    ap.add_argument("--chunk", type=int, default=4096, help="tokens per prefill chunk (--max-prefill-length)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--attention", default="both", choices=["both", "triton", "reference"])
+    ap.add_argument("--profile", type=int, default=0, metavar="LEN", help="profile one prefill of LEN tokens")
+    ap.add_argument("--kv-cache-dtype", default="bf16")
+    args = ap.parse_args()
+    lengths = [int(n) for n in args.lengths.split(",")]
+    t0 = time.perf_counter()
+    eng = Engine(EngineConfig(model=f"synthetic:{args.config}", device="cuda", dtype="bfloat16",
+                              moe_backend="resident", num_tokens=max(lengths + [args.profile]) + 1024,
+                              mamba_cache_size=4, max_running_requests=1, max_prefill_length=args.chunk,
+                              enable_prefix_cache=False, kv_cache_dtype=args.kv_cache_dtype))
+    print(f"engine up in {time.perf_counter() - t0:.1f} s, geometry {eng.cache.geometry}", flush=True)
+    modes = ["reference", "triton"] if args.attention == "both" else [args.attention]
+    rows, base = [], [0]
+    for mode in modes:
+        attention.PREFILL_TRITON_ON_CUDA = mode == "triton"
+        for n in lengths:
+            ttft(eng, n, base)  # warm
+            times = [ttft(eng, n, base) for _ in range(args.repeat)]
+            t = statistics.median(times)
+            rows.append((mode, n, t, n / t))
+            print(f"{mode} {n}: TTFT {t * 1e3:.1f} ms, {n / t:,.0f} tok/s", flush=True)
+    if args.profile:
+        attention.PREFILL_TRITON_ON_CUDA = modes[-1] == "triton"
+        profile_prefill(eng, args.profile, base)
+    print(f"\nchunk {args.chunk} tokens, kv {args.kv_cache_dtype}, median of {args.repeat}")
+    print(f"{'attention':<10} {'prompt':>7} {'TTFT ms':>9} {'prefill tok/s':>14}")
+    for mode, n, t, tps in rows:
+        print(f"{mode:<10} {n:>7} {t * 1e3:>9.1f} {tps:>14,.0f}")
+
+
+def ttft(eng, n: int, base: list[int]) -> float:
+    """Seconds from add_request to the first token of a fresh n-token prompt."""
+    start = 1000 + base[0] % 50000
+    base[0] += 7919
+    prompt = [(start + i * 31) % 150000 + 10 for i in range(n)]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    seq = eng.add_request(prompt, SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+    while not seq.output_ids:
+        eng.step()
+    t = time.perf_counter() - t0
+    eng.run_until_done([seq])
+    return t
+
+
+def profile_prefill(eng, n: int, base: list[int]) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    ttft(eng, n, base)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = ttft(eng, n, base)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    cuda = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in cuda)
+    fam: dict[str, float] = defaultdict(float)
+    for e in cuda:
+        name = e.key.lower()
+        fam[next((f for f, keys in FAMILIES if any(k in name for k in keys)), "other")] += e.self_device_time_total
+    print(f"\nprofile of one {n}-token prefill: wall {t * 1e3:.1f} ms, GPU {total / 1e3:.1f} ms, "
+          f"{sum(e.count for e in cuda)} kernels")
+    for f, us in sorted(fam.items(), key=lambda kv: -kv[1]):
+        print(f"  {f:<16} {us / 1e3:>9.2f} ms {us / max(total, 1):>7.1%}")
+    print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=10, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""The grouped (prefill) path of the Triton MoE over NVFP4 slots (details module of `ft.kernels.moe`).
+
+A prefill chunk's (token, k) pairs are grouped by slot (a stable sort and a few scans in torch, on
+the device, no host sync: `group_pairs`) into tiles of at most BLOCK_M pairs of one slot. Each
+tile is a GEMM against its slot's weights, dequantized tile by tile in registers:
+
+1. `_grouped_gate_up_kernel`, grid (tiles, I / BLOCK_N): h[p] = silu(x[t] @ gate^T * s_g) *
+   (x[t] @ up^T * s_u), h in x's dtype (the down GEMM's operand).
+2. `_grouped_down_kernel`, grid (tiles, H / BLOCK_N): y_pairs[p] = w_p * s_d * (h[p] @ down^T) in
+   fp32, then one fp32 sum over k per token (ordered: no atomics, so a token's result never depends
+   on the timing of other tiles).
+
+An expert's weights are read and dequantized once per tile of its pairs, so the cost per token
+falls with the pairs per expert: the caller passes whole prefill chunks (up to
+`GROUPED_MAX_TOKENS` tokens per pass, a bound on the workspace), not slices of them.
+
+Dequantized tiles are exact in any dot dtype (an E2M1 value, 2 significant bits, times an E4M3
+scale, 4 bits); the per-slot global scales are applied in the epilogues. Measured and dropped
+(H200, bench/RESULTS.md): two dots per K step over the even and the odd elements, which avoids
+interleaving the low and high nibbles in registers, ran 1.5-2x slower than one interleaved tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ft.kernels.nvfp4.kernel import dequant_tile
+
+__all__ = ["GROUPED_CONFIG", "group_pairs", "grouped_moe"]
+
+GROUPED_CONFIG = (64, 64, 64, 4, 4)
+"""(BLOCK_M pairs, BLOCK_N rows, BLOCK_K, num_warps, num_stages) of both grouped passes: the H200
+sweep's best at 4,096 tokens in one pass (bench/moe_prefill.py, bench/RESULTS.md)."""
+
+
+@triton.jit
+def _tile_pairs(p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M: tl.constexpr):
+    """The pairs of this program's tile: (slot, pair ids [BLOCK_M], mask [BLOCK_M], tokens [BLOCK_M])."""
+    i_tile = tl.program_id(0)
+    start = tl.load(p_tile_start + i_tile)
+    end = tl.load(p_tile_end + i_tile)
+    o_pos = start + tl.arange(0, BLOCK_M)
+    m_pos = o_pos < end
+    pairs = tl.load(p_order + o_pos, mask=m_pos, other=0)
+    slot = tl.load(p_sorted + tl.minimum(start, end - 1), mask=end > start, other=-1)
+    return slot, pairs, m_pos, pairs // TOPK
+
+
+@triton.jit
+def _tile_dot(acc, p_a, o_a, m_a, k, K, p_w, p_s, o_r, m_r, stride_wr, stride_sr, dtype: tl.constexpr,
+              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """acc [M, BLOCK_R] += A[:, k:k+BLOCK_K] @ W[o_r, k:k+BLOCK_K]^T; A's rows at p_a + o_a (element
+    offsets of each row, contiguous along K), W NVFP4 (uint8 at p_w, E4M3 block scales at p_s)."""
+    o_k = k + tl.arange(0, BLOCK_K)
+    b_a = tl.load(p_a + o_a[:, None] + o_k[None, :], mask=m_a[:, None] & (o_k < K)[None, :], other=0.0)
+    b_w = dequant_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, k // 2, K // 2, dtype, BLOCK_R, BLOCK_K)
+    return tl.dot(b_a, tl.trans(b_w), acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _grouped_gate_up_kernel(
+    p_x, p_tile_start, p_tile_end, p_sorted, p_order, p_w13, p_s13, p_s2, p_h,
+    I, H, TOPK,
+    stride_xt, stride_w13e, stride_w13r, stride_s13e, stride_s13r, stride_s2e, stride_hp,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    slot, pairs, m_p, toks = _tile_pairs(p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M)
+    if slot >= 0:
+        e = slot.to(tl.int64)
+        o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_n = o_n < I
+        p_w = p_w13 + e * stride_w13e
+        p_s = p_s13 + e * stride_s13e
+        o_x = toks.to(tl.int64) * stride_xt
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, H, BLOCK_K):
+            acc_g = _tile_dot(acc_g, p_x, o_x, m_p, k, H, p_w, p_s, o_n, m_n, stride_w13r, stride_s13r,
+                              p_x.dtype.element_ty, BLOCK_N, BLOCK_K, PRECISION)
+            acc_u = _tile_dot(acc_u, p_x, o_x, m_p, k, H, p_w, p_s, o_n + I, m_n, stride_w13r, stride_s13r,
+                              p_x.dtype.element_ty, BLOCK_N, BLOCK_K, PRECISION)
+        b_g = acc_g * tl.load(p_s2 + e * stride_s2e)
+        b_u = acc_u * tl.load(p_s2 + e * stride_s2e + 1)
+        b_h = b_g / (1.0 + tl.exp(-b_g)) * b_u
+        tl.store(p_h + pairs[:, None] * stride_hp + o_n[None, :], b_h.to(p_h.dtype.element_ty),
+                 mask=m_p[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _grouped_down_kernel(
+    p_h, p_tile_start, p_tile_end, p_sorted, p_order, p_wts, p_w2, p_s2w, p_s2, p_y,
+    I, H, TOPK,
+    stride_hp, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e, stride_yp,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    slot, pairs, m_p, toks = _tile_pairs(p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M)
+    if slot >= 0:
+        e = slot.to(tl.int64)
+        o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_n = o_n < H
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        o_a = pairs.to(tl.int64) * stride_hp
+        for k in range(0, I, BLOCK_K):
+            acc = _tile_dot(acc, p_h, o_a, m_p, k, I, p_w2 + e * stride_w2e, p_s2w + e * stride_s2we, o_n, m_n,
+                            stride_w2r, stride_s2wr, p_h.dtype.element_ty, BLOCK_N, BLOCK_K, PRECISION)
+        b_wt = tl.load(p_wts + pairs, mask=m_p, other=0.0).to(tl.float32) * tl.load(p_s2 + e * stride_s2e + 2)
+        tl.store(p_y + pairs[:, None] * stride_yp + o_n[None, :], (acc * b_wt[:, None]).to(p_y.dtype.element_ty),
+                 mask=m_p[:, None] & m_n[None, :])
+
+
+def group_pairs(slots: torch.Tensor, block_m: int, num_slots: int) -> tuple[torch.Tensor, ...]:
+    """Tiles of at most block_m (token, k) pairs that share a slot, computed on slots' device without a sync.
+
+    Args: slots: int [P] (flattened topk_slots, -1 = skip); num_slots: the pool's slot count.
+    Returns: (tile_start int32 [G], tile_end int32 [G], sorted slots int32 [P], order int32 [P]):
+    tile g covers positions [tile_start[g], tile_end[g]) of ``order`` (pair ids sorted by slot);
+    G = ceil(P / block_m) + min(P, num_slots + 1) is an upper bound, unused tiles are empty.
+    """
+    p = slots.numel()
+    dev = slots.device
+    sorted_slots, order = torch.sort(slots.to(torch.int32), stable=True)
+    is_start = torch.ones(p, dtype=torch.bool, device=dev)
+    is_start[1:] = sorted_slots[1:] != sorted_slots[:-1]
+    run_id = torch.cumsum(is_start, 0) - 1  # [P], runs numbered 0..R-1
+    pos = torch.arange(p, device=dev)
+    run_start = torch.full((p,), p, dtype=torch.int64, device=dev).scatter_reduce_(0, run_id, pos, "amin")
+    run_len = torch.zeros(p, dtype=torch.int64, device=dev).scatter_add_(0, run_id, torch.ones_like(pos))
+    tiles_per_run = (run_len + block_m - 1) // block_m
+    tile_end_cum = torch.cumsum(tiles_per_run, 0)
+    g = triton.cdiv(p, block_m) + min(p, num_slots + 1)
+    tile = torch.arange(g, device=dev)
+    run = torch.searchsorted(tile_end_cum, tile, right=True).clamp_(max=p - 1)
+    first_tile = tile_end_cum[run] - tiles_per_run[run]
+    start = run_start[run] + (tile - first_tile) * block_m
+    end = torch.minimum(start + block_m, run_start[run] + run_len[run])
+    live = tile < tile_end_cum[-1]
+    start = torch.where(live, start, 0).to(torch.int32)
+    end = torch.where(live, end, 0).to(torch.int32)
+    return start, end, sorted_slots, order.to(torch.int32)
+
+
+def grouped_moe(x, slots, wts, k, w13, s13, w2, s2w, s2, y, i, cfg) -> torch.Tensor:
+    """One grouped pass: y [T, H] = sum over k of the pairs' weighted expert outputs.
+
+    x [T, H]; slots [T * k] int32 (-1: skip), wts [T * k]; w13, w2 the uint8 slot pools, s13, s2w their
+    E4M3 block scales as uint8, s2 float32 [S, 3]; i the intermediate size; cfg a `GROUPED_CONFIG`
+    tuple. Allocates h [T * k, I] and y_pairs [T * k, H] in x's dtype (`moe_workspace_bytes`).
+    """
+    t, hid = x.shape
+    block_m, block_n, block_k, warps, stages = cfg
+    start, end, sorted_slots, order = group_pairs(slots, block_m, w13.shape[0])
+    h = torch.empty((t * k, i), dtype=x.dtype, device=x.device)
+    y_pairs = torch.zeros((t * k, hid), dtype=x.dtype, device=x.device)  # skipped pairs stay 0
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    g = start.numel()
+    bk13 = min(block_k, triton.next_power_of_2(hid))
+    bk2 = min(block_k, triton.next_power_of_2(i))
+    _grouped_gate_up_kernel[(g, triton.cdiv(i, min(block_n, triton.next_power_of_2(i))))](
+        x, start, end, sorted_slots, order, w13, s13, s2, h, i, hid, k,
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s2.stride(0), h.stride(0),
+        BLOCK_M=block_m, BLOCK_N=min(block_n, triton.next_power_of_2(i)), BLOCK_K=bk13, PRECISION=precision,
+        num_warps=warps, num_stages=stages,
+    )
+    _grouped_down_kernel[(g, triton.cdiv(hid, block_n))](
+        h, start, end, sorted_slots, order, wts, w2, s2w, s2, y_pairs, i, hid, k,
+        h.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1), s2.stride(0), y_pairs.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk2, PRECISION=precision, num_warps=warps, num_stages=stages,
+    )
+    y.copy_(y_pairs.view(t, k, hid).sum(dim=1, dtype=torch.float32))  # fp32 sum over k, then x's dtype
+    return y
