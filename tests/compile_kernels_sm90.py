@@ -23,6 +23,8 @@ from ft.kernels.attention import kernel as attn  # noqa: E402
 from ft.kernels.attention import prefill_kernel as attn_pf  # noqa: E402
 from ft.kernels.dense import kernel as dense  # noqa: E402
 from ft.kernels.gated_delta import kernel as gd  # noqa: E402
+from ft.kernels.gated_delta import chunk_kernel as gd_chunk  # noqa: E402
+from ft.kernels.conv1d import kernel as conv  # noqa: E402
 from ft.kernels.moe import decode_kernel as moe_dec  # noqa: E402
 from ft.kernels.moe import grouped_kernel as moe_grp  # noqa: E402
 from ft.kernels.moe import kernel as moe  # noqa: E402
@@ -113,6 +115,21 @@ GD_DELTA = {"p_y": "*bf16", "p_b": "*bf16", "p_a": "*bf16", "p_alog": "*bf16", "
             "p_slots": "*i64", "p_o": "*bf16", **ints("HK", "GROUP", "DK", "DV"), "scale": "fp32",
             **ints("stride_yb", "stride_bb", "stride_ab", "stride_sss", "stride_ssh", "stride_ssk", "stride_ssv",
                    "stride_ob", "stride_oh")}
+CONV_VARLEN = {"p_x": "*bf16", "p_w": "*bf16", "p_cs": "*bf16", "p_cu": "*i32", "p_slots": "*i64", "p_y": "*bf16",
+               **ints("B", "C", "n_iters", "stride_xt", "stride_wc", "stride_css", "stride_csc", "stride_csw",
+                      "stride_yt")}
+GD_CHUNK_PREP = {"p_q": "*bf16", "p_k": "*bf16", "p_v": "*bf16", "p_g": "*fp32", "p_beta": "*bf16", "p_cu": "*i32",
+                 "p_w": "*bf16", "p_u": "*bf16", "p_gc": "*fp32", "p_a": "*bf16", **ints("B", "n_iters", "GROUP", "DK", "DV"),
+                 "scale": "fp32", **ints("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
+                                         "stride_gt", "stride_bt", "stride_wt", "stride_wh", "stride_ut", "stride_uh",
+                                         "stride_gct", "stride_at", "stride_ah")}
+GD_CHUNK_STATE = {"p_q": "*bf16", "p_k": "*bf16", "p_w": "*bf16", "p_u": "*bf16", "p_gc": "*fp32", "p_a": "*bf16",
+                  "p_ss": "*fp32", "p_cu": "*i32", "p_slots": "*i64", "p_o": "*bf16", **ints("GROUP", "DK", "DV"),
+                  "scale": "fp32", **ints("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_wt", "stride_wh",
+                                          "stride_ut", "stride_uh", "stride_gct", "stride_at", "stride_ah", "stride_sss",
+                                          "stride_ssh", "stride_ssk", "stride_ssv", "stride_ot", "stride_oh")}
+
+
 def prefill_cfg(head_dim: int, group: int) -> dict:
     return {"PAGE_SIZE": 64, **attn_pf.prefill_config(head_dim, group, torch.bfloat16)}
 
@@ -256,6 +273,13 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("gated delta decode conv C 8192, W 4", gd._conv_decode_kernel, GD_CONV, gd.conv_config(8192, 4)),
     ("gated delta decode step B 1 (BLOCK_V 16)", gd._delta_decode_kernel, GD_DELTA, gd.delta_config(1, 32, 128, 128)),
     ("gated delta decode step B 8 (BLOCK_V 64)", gd._delta_decode_kernel, GD_DELTA, gd.delta_config(8, 32, 128, 128)),
+    ("conv1d varlen prefill C 8192, W 4", conv._conv_varlen_kernel, CONV_VARLEN, conv.conv_varlen_config(8192, 4)),
+    ("gated delta chunk prep (UT transform) Dk 128, Dv 128", gd_chunk._chunk_prep_kernel, GD_CHUNK_PREP,
+     gd_chunk.prep_config(128, 128, torch.bfloat16)),
+    ("gated delta chunk state pass B 1 (BLOCK_V 32)", gd_chunk._chunk_state_kernel, GD_CHUNK_STATE,
+     gd_chunk.state_config(1, 32, 128, 128, torch.bfloat16)),
+    ("gated delta chunk state pass B 3 (BLOCK_V 64)", gd_chunk._chunk_state_kernel, GD_CHUNK_STATE,
+     gd_chunk.state_config(3, 32, 128, 128, torch.bfloat16)),
 ]
 
 

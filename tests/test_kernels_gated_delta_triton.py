@@ -1,7 +1,9 @@
 """Gated DeltaNet's decode step: the reference against the model's decode math (bitwise), and the
-Triton kernels against the reference under the interpreter (fp32, fp16; small shapes). The states
-are layer 1 of a three-layer pool (strided views) that is NaN everywhere but the batch's slots, in
-random order: nothing else may be read or written."""
+Triton kernels against the reference under the interpreter (fp32, fp16; small shapes). Its prefill:
+the chunked kernels over packed sequences against the recurrent reference per sequence, the packed
+reference, the dispatchers and the layer's prefill branch. The states are layer 1 of a three-layer
+pool (strided views) that is NaN everywhere but the batch's slots, in random order: nothing else may
+be read or written."""
 
 from __future__ import annotations
 
@@ -14,7 +16,16 @@ import torch
 
 pytest.importorskip("triton")
 
-from ft.kernels.gated_delta import gated_delta_decode, gated_delta_decode_ref
+from ft.kernels.gated_delta import (
+    chunk_gated_delta_rule_ref,
+    chunk_gated_delta_rule_varlen,
+    chunk_gated_delta_rule_varlen_ref,
+    gated_delta_decode,
+    gated_delta_decode_ref,
+    gated_delta_rule,
+    recurrent_gated_delta_rule_ref,
+)
+from ft.kernels.gated_delta import chunk_kernel as chunk_details
 from ft.kernels.gated_delta import kernel as details
 from ft.model.layers.gated_deltanet import GatedDeltaNet
 from ft.model.layers.linear import Linear
@@ -137,3 +148,190 @@ def test_dispatcher_and_checks(monkeypatch):
         run(real, {**args, "slots": args["slots"].float()}, conv, ssm)
     with pytest.raises(ValueError, match="out"):
         run(real, args, conv, ssm, out=torch.empty(2, 2, 8))
+
+
+# --- prefill: the chunked delta rule over packed sequences (chunk_kernel) ---------------------------
+
+TOL_CHUNK = {torch.float32: 1e-5, torch.float16: 2e-3}
+"""Relative RMS of o and of the final states against the recurrent reference (fp32). fp32: summation
+order only (measured ~1e-6; the chunked form reassociates the recurrence). fp16: the kernels store w,
+u and A in fp16 and round their dot operands (normalised q and k, T, the state) to it, each a relative
+2**-11 per element, a few in sequence, and o itself rounds to fp16 (measured ~5e-4)."""
+PACKED = (1, 5, 63, 64, 65, 130)
+"""Lengths of one packed batch: one token, shorter than a chunk, one less than a chunk, exactly one,
+one more, two chunks and a bit (each sequence's chunks start at its own first token)."""
+
+# (Hk, Hv, Dk, Dv): GQA groups of 2 (1 -> 2, 2 -> 4 key to value heads) and none, dims that are not
+# powers of two, Dk > Dv and Dk < Dv
+CHUNK_CASES = [(1, 2, 16, 32), (2, 4, 24, 40), (2, 2, 32, 16)]
+CHUNK_IDS = [f"Hk{hk}-Hv{hv}-Dk{dk}-Dv{dv}" for hk, hv, dk, dv in CHUNK_CASES]
+
+
+def make_prefill(lengths, hk, hv, dk, dv, dtype, seed=0):
+    """Inputs of one packed prefill: (q, k [T, Hk, Dk], v [T, Hv, Dv] as strided views of one [T, C]
+    tensor, as the model's conv output; g [T, Hv] fp32 over two decades of decay rate across the heads;
+    beta [T, Hv] in dtype; cu_seqlens [B+1] int32; slots [B] int64 scattered; ssm pool
+    [S, L, Hv, Dk, Dv] NaN but at (slots, LAYER), where the states are random; region [S, L] bool)."""
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(lengths)
+    kd = hk * dk
+    y = torch.nn.functional.silu(torch.randn(t, 2 * kd + hv * dv, generator=gen) * 2).to(dtype)
+    q, k, v = y[:, :kd].view(t, hk, dk), y[:, kd:2 * kd].view(t, hk, dk), y[:, 2 * kd:].view(t, hv, dv)
+    g = -torch.nn.functional.softplus(torch.randn(t, hv, generator=gen)) * torch.logspace(-2, 0, hv)
+    beta = torch.rand(t, hv, generator=gen).to(dtype)
+    cu = torch.tensor((0, *lengths)).cumsum(0).to(torch.int32)
+    slots = torch.randperm(SLOTS, generator=gen)[: len(lengths)]
+    ssm = torch.full((SLOTS, LAYERS, hv, dk, dv), float("nan"))
+    ssm[slots, LAYER] = torch.randn(len(lengths), hv, dk, dv, generator=gen) * 0.3
+    region = torch.zeros(SLOTS, LAYERS, dtype=torch.bool)
+    region[slots, LAYER] = True
+    return (q, k, v, g, beta), cu, slots, ssm, region
+
+
+def recurrent_per_sequence(args, cu, slots, ssm):
+    """The recurrent reference on each sequence from its slot's state -> (o [T, Hv, Dv] fp32, the pool
+    with the final states written)."""
+    ssm = ssm.clone()
+    o = torch.zeros(args[2].shape)
+    for b, slot in enumerate(slots.tolist()):
+        sl = slice(int(cu[b]), int(cu[b + 1]))
+        if sl.stop > sl.start:
+            o_b, ssm[slot, LAYER] = recurrent_gated_delta_rule_ref(*(a[None, sl] for a in args),
+                                                                   ssm[slot:slot + 1, LAYER])
+            o[sl] = o_b[0]
+    return o, ssm
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize(("hk", "hv", "dk", "dv"), CHUNK_CASES, ids=CHUNK_IDS)
+def test_chunked_prefill_matches_recurrent(hk, hv, dk, dv, dtype):
+    args, cu, slots, ssm, region = make_prefill(PACKED, hk, hv, dk, dv, dtype, seed=dk + dv)
+    o_ref, ssm_ref = recurrent_per_sequence(args, cu, slots, ssm)
+    out = torch.full(args[2].shape, float("nan"), dtype=dtype)
+    ssm_t = ssm.clone()
+    o = chunk_details.chunk_gated_delta_rule_varlen_triton(*args, ssm_t[:, LAYER], cu, slots, out=out)
+    assert o is out and o.dtype == dtype
+    for b in range(len(PACKED)):  # each sequence on its own: a wrong offset or slot shows in one
+        sl = slice(int(cu[b]), int(cu[b + 1]))
+        assert rel_rms(o[sl], o_ref[sl]) < TOL_CHUNK[dtype], f"sequence {b} ({PACKED[b]} tokens)"
+        slot = int(slots[b])
+        assert rel_rms(ssm_t[slot, LAYER], ssm_ref[slot, LAYER]) < TOL_CHUNK[dtype], f"state of sequence {b}"
+    assert ssm_t[~region].isnan().all()  # other slots and layers neither read nor written
+
+
+def test_chunked_prefill_odd_batches():
+    """A sequence of 0 tokens keeps its state; int64 offsets and int32 slots; one sequence alone."""
+    args, cu, slots, ssm, region = make_prefill((3, 0, 70), 1, 2, 16, 16, torch.float32, seed=7)
+    o_ref, ssm_ref = recurrent_per_sequence(args, cu, slots, ssm)
+    ssm_t = ssm.clone()
+    o = chunk_details.chunk_gated_delta_rule_varlen_triton(*args, ssm_t[:, LAYER], cu.long(), slots.int())
+    assert rel_rms(o, o_ref) < TOL_CHUNK[torch.float32]
+    assert rel_rms(ssm_t[region], ssm_ref[region]) < TOL_CHUNK[torch.float32]
+    assert torch.equal(ssm_t[slots[1], LAYER], ssm[slots[1], LAYER])
+    args, cu, slots, ssm, _ = make_prefill((129,), 2, 4, 16, 16, torch.float32, seed=8)
+    o_ref, ssm_ref = recurrent_per_sequence(args, cu, slots, ssm)
+    o = chunk_details.chunk_gated_delta_rule_varlen_triton(*args, ssm[:, LAYER], cu, slots)
+    assert rel_rms(o, o_ref) < TOL_CHUNK[torch.float32]
+    assert rel_rms(ssm[slots[0], LAYER], ssm_ref[slots[0], LAYER]) < TOL_CHUNK[torch.float32]
+
+
+def test_varlen_reference_and_dispatchers(monkeypatch):
+    """The packed reference is the per-sequence rule (recurrent for one token, chunked for more: what the
+    model ran), bitwise; the dispatchers take the references on the CPU without the test switch, the
+    kernels with it; `gated_delta_rule` ([B, T] batches) through the kernels returns fresh states."""
+    args, cu, slots, ssm, region = make_prefill((1, 9, 70), 2, 4, 16, 16, torch.float32, seed=9)
+    ssm_ref = ssm.clone()
+    o_ref = chunk_gated_delta_rule_varlen_ref(*args, ssm_ref[:, LAYER], cu, slots)
+    for b, slot in enumerate(slots.tolist()):
+        sl = slice(int(cu[b]), int(cu[b + 1]))
+        rule = recurrent_gated_delta_rule_ref if sl.stop - sl.start == 1 else chunk_gated_delta_rule_ref
+        o_b, s_b = rule(*(a[None, sl] for a in args), ssm[slot:slot + 1, LAYER])
+        assert torch.equal(o_ref[sl], o_b[0]) and torch.equal(ssm_ref[slot, LAYER], s_b[0])
+    calls = []
+    real = chunk_details.chunk_gated_delta_rule_varlen_triton
+    monkeypatch.setattr(chunk_details, "chunk_gated_delta_rule_varlen_triton",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.delenv("FT_TRITON_INTERPRET_TEST", raising=False)
+    ssm_d = ssm.clone()
+    o = chunk_gated_delta_rule_varlen(*args, ssm_d[:, LAYER], cu, slots)
+    assert not calls and torch.equal(o, o_ref) and torch.equal(ssm_d.nan_to_num(), ssm_ref.nan_to_num())
+    monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
+    ssm_d = ssm.clone()
+    o = chunk_gated_delta_rule_varlen(*args, ssm_d[:, LAYER], cu, slots)
+    assert calls == [1] and rel_rms(o, o_ref) < TOL_CHUNK[torch.float32]
+    assert rel_rms(ssm_d[region], ssm_ref[region]) < TOL_CHUNK[torch.float32]
+    # [B, T] batches: two sequences of 70 tokens
+    q, k, v, g, beta = (a.reshape(2, 70, *a.shape[1:]) for a in make_prefill((140,), 2, 4, 16, 16, torch.float32)[0])
+    state = torch.randn(2, 4, 16, 16)
+    state0 = state.clone()
+    o_r, s_r = recurrent_gated_delta_rule_ref(q, k, v, g, beta, state)
+    o_t, s_t = gated_delta_rule(q, k, v, g, beta, state)
+    assert calls == [1, 1] and torch.equal(state, state0)  # the kernels' path leaves the state alone
+    assert rel_rms(o_t, o_r) < TOL_CHUNK[torch.float32] and rel_rms(s_t, s_r) < TOL_CHUNK[torch.float32]
+    with pytest.raises(ValueError, match="Hk"):
+        real(args[0][:, :, :8].reshape(-1, 4, 4), args[1][:, :, :8].reshape(-1, 4, 4)[:, :3], *args[2:],
+             ssm[:, LAYER], cu, slots)
+    with pytest.raises(ValueError, match="ssm_state"):
+        real(*args, ssm[:, LAYER, :, :8], cu, slots)
+    with pytest.raises(ValueError, match="g and beta"):
+        real(*args[:3], args[3][:, :2], args[4], ssm[:, LAYER], cu, slots)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        real(*args, ssm[:, LAYER], cu[None], slots)
+
+
+def make_layer(hk, hv, dk, dv, width, dtype, gen):
+    """A GatedDeltaNet with random weights (hidden 32; in the checkpoint's per-key-head row order)."""
+    hidden = 32
+    c = 2 * hk * dk + hv * dv
+    lin = lambda rows, cols, s: Linear((torch.randn(rows, cols, generator=gen) * s).to(dtype))  # noqa: E731
+    return GatedDeltaNet(
+        lin(c + hv * dv, hidden, 0.3), lin(2 * hv, hidden, 0.3), (torch.randn(c, 1, width, generator=gen) * 0.4).to(dtype),
+        lin(hidden, hv * dv, 0.1), (1 + 0.1 * torch.randn(dv, generator=gen)).to(dtype),
+        (torch.rand(hv, generator=gen) * 15 + 1).log().to(dtype), (torch.randn(hv, generator=gen) * 0.5).to(dtype),
+        hk, hv, dk, dv, 1e-6)
+
+
+def test_layer_prefill(monkeypatch):
+    """The layer's prefill branch: on the references' path the same as the per-sequence `_mix` it ran
+    before (bitwise); on the kernels' path (one packed conv, the chunked rule) close to it."""
+    from ft.model.forward_batch import ForwardBatch, SeqSlice
+
+    hk, hv, dk, dv, width = 2, 4, 16, 16, 4
+    gen = torch.Generator().manual_seed(11)
+    layer = make_layer(hk, hv, dk, dv, width, torch.float32, gen)
+    lengths, slots = (2, 66, 7), (5, 0, 3)
+    t = sum(lengths)
+    x = torch.randn(t, 32, generator=gen)
+    c = 2 * hk * dk + hv * dv
+    conv = torch.randn(SLOTS, LAYERS, c, width - 1, generator=gen)
+    ssm = torch.randn(SLOTS, LAYERS, hv, dk, dv, generator=gen) * 0.3
+    batch = ForwardBatch(input_ids=torch.zeros(t, dtype=torch.long), positions=torch.zeros(t, dtype=torch.long),
+                         seqs=[SeqSlice(0, n, torch.zeros(1, dtype=torch.long), s) for n, s in zip(lengths, slots)])
+    assert batch.cu_seqlens.tolist() == [0, 2, 68, 75] and batch.cu_seqlens.dtype == torch.int32
+
+    def forward(conv_pool, ssm_pool):
+        return layer(x, batch, conv_pool[:, LAYER], ssm_pool[:, LAYER])
+
+    # before: the loop over sequences, each through `_mix` (what the prefill branch ran)
+    conv_b, ssm_b = conv.clone(), ssm.clone()
+    mixed, z, b, a = layer._project(x)
+    outs, offset = [], 0
+    for n, s in zip(lengths, slots):
+        sl = slice(offset, offset + n)
+        o_i, conv_b[s, LAYER], ssm_b[s, LAYER] = (r[0] for r in layer._mix(
+            mixed[None, sl], b[None, sl], a[None, sl], conv_b[s:s + 1, LAYER], ssm_b[s:s + 1, LAYER]))
+        outs.append(o_i)
+        offset += n
+    from ft.kernels.norm import gated_rms_norm
+
+    o = gated_rms_norm(torch.cat(outs).reshape(t, hv, dv), z, layer.norm_weight, layer.eps)
+    y_before = layer.out_proj(o.reshape(t, -1))
+    monkeypatch.delenv("FT_TRITON_INTERPRET_TEST", raising=False)
+    conv_r, ssm_r = conv.clone(), ssm.clone()
+    y_ref = forward(conv_r, ssm_r)
+    assert torch.equal(y_ref, y_before) and torch.equal(conv_r, conv_b) and torch.equal(ssm_r, ssm_b)
+    monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
+    conv_t, ssm_t = conv.clone(), ssm.clone()
+    y = forward(conv_t, ssm_t)
+    assert rel_rms(y, y_ref) < 1e-5 and rel_rms(ssm_t, ssm_r) < 1e-5
+    assert torch.equal(conv_t, conv_r)

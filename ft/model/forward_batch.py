@@ -64,6 +64,13 @@ class ForwardBatch:
         return ends.to(self.input_ids.device)
 
     @cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        """[B+1] int32 offsets of the sequences' new tokens (sequence b is tokens cu[b]:cu[b+1]), on the
+        device (built once per batch)."""
+        lengths = torch.tensor([0] + [s.length for s in self.seqs], dtype=torch.int32)
+        return lengths.cumsum(0, dtype=torch.int32).to(self.input_ids.device)
+
+    @cached_property
     def mamba_slots(self) -> torch.Tensor:
         """[B] int64 mamba slot of each sequence, on the device (built once per batch)."""
         return torch.tensor([s.mamba_slot for s in self.seqs], device=self.input_ids.device)

@@ -1,14 +1,24 @@
-"""The Gated DeltaNet decode kernels compiled for the GPU at the flagship's shapes (Qwen3-Next-80B-A3B:
+"""The Gated DeltaNet kernels compiled for the GPU at the flagship's shapes (Qwen3-Next-80B-A3B:
 16 key heads and 32 value heads of 128, conv width 4, C = 8192, bf16; states as layer 1 of a
-three-layer mamba pool), against the torch reference on the GPU; and the step captured in a CUDA
-graph, replayed with new inputs and slots, equal to eager bit for bit."""
+three-layer mamba pool), against the torch references on the GPU: the decode step, and the step
+captured in a CUDA graph, replayed with new inputs and slots, equal to eager bit for bit; the
+prefill's packed conv and chunked delta rule over 4,096 tokens in 3 sequences."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from ft.kernels.gated_delta import gated_delta_decode, gated_delta_decode_ref
+from ft.kernels.conv1d import causal_conv1d_varlen, causal_conv1d_varlen_ref
+from ft.kernels.conv1d.kernel import causal_conv1d_varlen_triton
+from ft.kernels.gated_delta import (
+    chunk_gated_delta_rule_ref,
+    chunk_gated_delta_rule_varlen,
+    gated_delta_decode,
+    gated_delta_decode_ref,
+)
+from ft.kernels.gated_delta.chunk_kernel import chunk_gated_delta_rule_varlen_triton
 from ft.kernels.gated_delta.kernel import gated_delta_decode_triton
 
 pytestmark = pytest.mark.gpu
@@ -100,3 +110,86 @@ def test_decode_step_in_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, o_e) and torch.equal(conv, conv_e) and torch.equal(ssm, ssm_e)
+
+
+PREFILL_LENGTHS = (2, 1535, 2559)
+"""4,096 tokens in 3 sequences: one shorter than W-1 (its new conv state keeps old columns), the others
+neither multiples of 64 (the delta rule's chunk) nor of 32 (the conv's token tile)."""
+TOL_Y = 4e-3
+"""Relative RMS of the packed conv's y: it rounds where the reference does (the sum to the weight's
+dtype, SiLU, x's dtype), so only a bf16 rounding of an fp32 sum taken in another order differs."""
+TOL_O_PREFILL = 1e-2
+"""Relative RMS of the chunked delta rule's o against the fp32 reference on the same bf16 inputs (o
+before its rounding to bf16): the kernels round to bf16 what they store (w, u, A) and their dot
+operands (normalised q and k, T, the state), each a relative 2**-9 per element, a few in sequence;
+printed by the test (-s) as measured."""
+TOL_SSM_PREFILL = 1e-2
+"""Relative RMS of the final fp32 states (same sources)."""
+
+
+def packed_batch(lengths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cu_seqlens [B+1] int32, slots [B] int64, distinct, at random) on the GPU."""
+    cu = torch.tensor((0, *lengths), device=DEV).cumsum(0).to(torch.int32)
+    return cu, torch.randperm(SLOTS, device=DEV)[: len(lengths)]
+
+
+def test_conv_varlen_prefill():
+    torch.manual_seed(3)
+    cu, slots = packed_batch(PREFILL_LENGTHS)
+    t = sum(PREFILL_LENGTHS)
+    conv, _ = make_pools()
+    weight = make_params()["weight"]
+    x = (torch.randn(t, C + 512, device=DEV) * 2).to(DTYPE)[:, :C]  # a strided view, as the model's
+    conv0, conv_ref = conv.clone(), conv.clone()
+    y_ref = causal_conv1d_varlen_ref(x, conv_ref[:, LAYER], weight, cu, slots)
+    out = torch.full((t, C), float("nan"), device=DEV, dtype=DTYPE)
+    y = causal_conv1d_varlen_triton(x, conv[:, LAYER], weight, cu, slots, out=out)
+    print({"y": rel_rms(y, y_ref)})
+    assert y is out and rel_rms(y, y_ref) < TOL_Y
+    assert not torch.equal(conv_ref, conv0)  # the reference did write new states
+    assert torch.equal(conv, conv_ref)  # they are copies: bit-exact; other slots and layers untouched
+    conv_d = conv0.clone()  # the dispatcher takes this kernel on CUDA
+    assert torch.equal(causal_conv1d_varlen(x, conv_d[:, LAYER], weight, cu, slots), y) and torch.equal(conv_d, conv)
+
+
+def prefill_inputs(t: int, seed: int) -> dict:
+    """q, k, v as views of a conv output [T, C] (bf16, after SiLU), g over three decades of decay rate
+    across the heads (the slow heads carry the state across many chunks), beta = sigmoid(b) in bf16."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    y = F.silu(torch.randn(t, C, device=DEV, generator=gen) * 2).to(DTYPE)
+    kd = HK * DK
+    rate = torch.logspace(-3, 0, HV, device=DEV)  # per value head
+    g = -F.softplus(torch.randn(t, HV, device=DEV, generator=gen)) * rate
+    b = torch.randn(t, HV, device=DEV, generator=gen).to(DTYPE)
+    return {"q": y[:, :kd].view(t, HK, DK), "k": y[:, kd:2 * kd].view(t, HK, DK),
+            "v": y[:, 2 * kd:].view(t, HV, DV), "g": g, "beta": b.sigmoid()}
+
+
+def test_chunked_delta_rule_prefill():
+    torch.manual_seed(4)
+    cu, slots = packed_batch(PREFILL_LENGTHS)
+    t = sum(PREFILL_LENGTHS)
+    x = prefill_inputs(t, seed=5)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    _, ssm = make_pools()
+    ssm0, ssm_ref = ssm.clone(), ssm.clone()
+    o_ref = torch.empty(t, HV, DV, device=DEV)  # fp32: the reference's o before any rounding to bf16
+    for i, slot in enumerate(slots.tolist()):
+        sl = slice(int(cu[i]), int(cu[i + 1]))
+        o_i, ssm_ref[slot, LAYER] = chunk_gated_delta_rule_ref(*(a[None, sl] for a in args),
+                                                                ssm_ref[slot:slot + 1, LAYER])
+        o_ref[sl] = o_i[0]
+    out = torch.full((t, HV, DV), float("nan"), device=DEV, dtype=DTYPE)
+    o = chunk_gated_delta_rule_varlen_triton(*args, ssm[:, LAYER], cu, slots, out=out)
+    region = torch.zeros(SLOTS, LAYERS, dtype=torch.bool, device=DEV)
+    region[slots, LAYER] = True
+    errors = {"o": rel_rms(o, o_ref), "ssm": rel_rms(ssm[region], ssm_ref[region]),
+              "o per sequence": [rel_rms(o[cu[i]:cu[i + 1]], o_ref[cu[i]:cu[i + 1]]) for i in range(len(slots))]}
+    print(errors)
+    assert o is out and errors["o"] < TOL_O_PREFILL and errors["ssm"] < TOL_SSM_PREFILL
+    assert max(errors["o per sequence"]) < TOL_O_PREFILL  # a wrong offset or slot shows in one sequence
+    assert torch.equal(ssm[~region], ssm0[~region])  # other slots and layers untouched
+    # the dispatcher takes the same two launches on CUDA: bit-equal (and so the kernels are deterministic)
+    ssm_d = ssm0.clone()
+    assert torch.equal(chunk_gated_delta_rule_varlen(*args, ssm_d[:, LAYER], cu, slots), o)
+    assert torch.equal(ssm_d, ssm)

@@ -24,3 +24,26 @@ def causal_conv1d_ref(
     y = F.conv1d(xx.to(weight.dtype), weight.unsqueeze(1), groups=weight.shape[0])  # [B, C, T]
     new_state = xx[..., -(width - 1):].to(state.dtype)
     return F.silu(y).transpose(1, 2).to(x.dtype)[:, :t], new_state
+
+
+def causal_conv1d_varlen_ref(
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """`causal_conv1d_ref` over sequences packed along T, with their states in a pool (a loop over them).
+
+    Args:
+        x: [T, C]; sequence b is x[cu_seqlens[b]:cu_seqlens[b+1]].
+        conv_state: [S, C, W-1]: sequence b's state at slots[b], read and replaced in place.
+        weight: [C, W]; cu_seqlens: [B+1]; slots: [B] distinct (both read on the host: syncs on a GPU).
+    Returns:
+        y [T, C] in x's dtype (a sequence of length 0 gives no rows and keeps its state).
+    """
+    cu, slot_list = cu_seqlens.tolist(), slots.tolist()
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    for b, slot in enumerate(slot_list):
+        if cu[b + 1] == cu[b]:  # NOTE: conv1d rejects an input shorter than the kernel
+            continue
+        yb, new_state = causal_conv1d_ref(x[None, cu[b]:cu[b + 1]], conv_state[slot:slot + 1], weight)
+        y[cu[b]:cu[b + 1]] = yb[0]
+        conv_state[slot] = new_state[0]
+    return y

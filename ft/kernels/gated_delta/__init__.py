@@ -1,6 +1,7 @@
 """The gated delta rule (Gated DeltaNet's linear attention): recurrent and chunked torch references
-and the whole decode step in `reference.py`, the decode step's Triton kernels in `kernel.py` (two
-launches per layer and batch), and the dispatchers.
+(also over packed sequences) and the whole decode step in `reference.py`, the decode step's Triton
+kernels in `kernel.py` (two launches per layer and batch), the chunked prefill's over packed
+sequences in `chunk_kernel.py` (two launches per layer and batch), and the dispatchers.
 
 The decode dispatcher takes the sequences' state slots as a device tensor and allocates by shape
 only, so a decode step on CUDA is capturable in a CUDA graph."""
@@ -12,14 +13,24 @@ import torch
 from ft.kernels.backend import TRITON_DTYPES, uses_triton
 from ft.kernels.gated_delta.reference import (
     chunk_gated_delta_rule_ref,
+    chunk_gated_delta_rule_varlen_ref,
     gated_delta_decode_ref,
     recurrent_gated_delta_rule_ref,
 )
 
 __all__ = [
-    "chunk_gated_delta_rule_ref", "gated_delta_decode", "gated_delta_decode_ref", "gated_delta_rule",
-    "recurrent_gated_delta_rule_ref",
+    "chunk_gated_delta_rule_ref", "chunk_gated_delta_rule_varlen", "chunk_gated_delta_rule_varlen_ref",
+    "gated_delta_decode", "gated_delta_decode_ref", "gated_delta_rule", "recurrent_gated_delta_rule_ref",
 ]
+
+
+def _chunk_triton_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the chunked Triton kernels run for these tensors (else the references)."""
+    if not (uses_triton(q.device) and q.dtype in TRITON_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype):
+        return False
+    from ft.kernels.gated_delta import chunk_kernel  # NOTE: imports triton only when used
+
+    return q.shape[-1] <= chunk_kernel.MAX_DK and v.shape[-1] <= chunk_kernel.MAX_DK
 
 
 def gated_delta_rule(
@@ -30,10 +41,61 @@ def gated_delta_rule(
     beta: torch.Tensor,
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatcher: one token per sequence runs the recurrent form, longer runs the chunked form."""
+    """The gated delta rule over a batch of sequences of equal length; the contract of
+    `recurrent_gated_delta_rule_ref` (q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], g, beta [B, T, Hv], state
+    [B, Hv, Dk, Dv] float32, not modified -> (o [B, T, Hv, Dv], new state [B, Hv, Dk, Dv] float32)),
+    o in v's dtype on the Triton path, fp32 on the references'.
+
+    Dispatcher: the chunked Triton kernels (`chunk_kernel`, on the batch packed along T with the state
+    copied) where `uses_triton` says so; else one token per sequence runs the recurrent reference,
+    longer runs the chunked reference.
+    """
+    if _chunk_triton_takes(q, k, v):
+        from ft.kernels.gated_delta import chunk_kernel
+
+        bsz, t = q.shape[:2]
+        new_state = state.float().clone()
+        cu = torch.arange(0, (bsz + 1) * t, t, dtype=torch.int32, device=q.device)
+        slots = torch.arange(bsz, dtype=torch.int32, device=q.device)
+        o = chunk_kernel.chunk_gated_delta_rule_varlen_triton(
+            q.reshape(bsz * t, *q.shape[2:]), k.reshape(bsz * t, *k.shape[2:]), v.reshape(bsz * t, *v.shape[2:]),
+            g.reshape(bsz * t, -1), beta.reshape(bsz * t, -1), new_state, cu, slots)
+        return o.view(v.shape), new_state
     if q.shape[1] == 1:
         return recurrent_gated_delta_rule_ref(q, k, v, g, beta, state)
     return chunk_gated_delta_rule_ref(q, k, v, g, beta, state)
+
+
+def chunk_gated_delta_rule_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """The gated delta rule over sequences packed along T (prefill), states in a pool at slots.
+
+    Args:
+        q, k: [T, Hk, Dk]; v: [T, Hv, Dv] (one dtype); g (log decay), beta: [T, Hv].
+        ssm_state: [S, Hv, Dk, Dv] float32 (any strides): sequence b's state at slots[b], read as the
+            state before its first token and replaced in place by the state after its last.
+        cu_seqlens: [B+1] int32/int64 on q's device (sequence b is tokens cu[b]:cu[b+1]); slots: [B]
+            int32/int64 on q's device, distinct.
+    Returns:
+        o [T, Hv, Dv] in v's dtype.
+
+    Dispatcher: `chunk_kernel.chunk_gated_delta_rule_varlen_triton` (two launches, no host sync) where
+    `uses_triton` says so and the head dims are at most its MAX_DK, else
+    `chunk_gated_delta_rule_varlen_ref` (a loop over the sequences).
+    """
+    if _chunk_triton_takes(q, k, v):
+        from ft.kernels.gated_delta import chunk_kernel
+
+        return chunk_kernel.chunk_gated_delta_rule_varlen_triton(q, k, v, g, beta, ssm_state, cu_seqlens, slots)
+    return chunk_gated_delta_rule_varlen_ref(q, k, v, g, beta, ssm_state, cu_seqlens, slots)
 
 
 def gated_delta_decode(

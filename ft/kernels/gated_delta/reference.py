@@ -113,6 +113,42 @@ def chunk_gated_delta_rule_ref(
     return out.contiguous(), s
 
 
+def chunk_gated_delta_rule_varlen_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """The gated delta rule over sequences packed along T, states in a pool (a loop over the sequences).
+
+    Per sequence exactly what the model's per-sequence prefill did: `recurrent_gated_delta_rule_ref`
+    for one token, `chunk_gated_delta_rule_ref` for more, its o rounded to v's dtype.
+
+    Args:
+        q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv]; sequence b is tokens cu_seqlens[b]:cu_seqlens[b+1].
+        ssm_state: [S, Hv, Dk, Dv] float32: sequence b's state at slots[b], read and replaced in place.
+        cu_seqlens: [B+1]; slots: [B] distinct (both read on the host: syncs on a GPU).
+    Returns:
+        o [T, Hv, Dv] in v's dtype (a sequence of length 0 gives no rows and keeps its state).
+    """
+    cu, slot_list = cu_seqlens.tolist(), slots.tolist()
+    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    for b, slot in enumerate(slot_list):
+        sl = slice(cu[b], cu[b + 1])
+        if sl.stop == sl.start:
+            continue
+        rule = recurrent_gated_delta_rule_ref if sl.stop - sl.start == 1 else chunk_gated_delta_rule_ref
+        ob, new_state = rule(q[None, sl], k[None, sl], v[None, sl], g[None, sl], beta[None, sl],
+                             ssm_state[slot:slot + 1])
+        o[sl] = ob[0].to(v.dtype)
+        ssm_state[slot] = new_state[0]
+    return o
+
+
 def gated_delta_decode_ref(
     mixed: torch.Tensor,
     b: torch.Tensor,

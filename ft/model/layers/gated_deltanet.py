@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 from ft.model.forward_batch import ForwardBatch
 from ft.model.layers.linear import Linear
-from ft.kernels.conv1d import causal_conv1d_ref
-from ft.kernels.gated_delta import gated_delta_decode, gated_delta_rule
+from ft.kernels.conv1d import causal_conv1d_ref, causal_conv1d_varlen
+from ft.kernels.gated_delta import chunk_gated_delta_rule_varlen, gated_delta_decode, gated_delta_rule
 from ft.kernels.norm import gated_rms_norm
 
 
@@ -75,18 +75,16 @@ class GatedDeltaNet:
             # layer at batch 1, 21.9 against 16.5 at batch 8; bench/RESULTS.md)
             o = gated_delta_decode(mixed, b, a, conv_pool, ssm_pool, self.conv_weight, self.a_log, self.dt_bias,
                                    batch.mamba_slots)
-        else:
-            outs, offset = [], 0
-            for s in batch.seqs:
-                sl = slice(offset, offset + s.length)
-                slot = s.mamba_slot
-                oi, conv_new, ssm_new = self._mix(
-                    mixed[None, sl], b[None, sl], a[None, sl], conv_pool[slot : slot + 1], ssm_pool[slot : slot + 1]
-                )
-                conv_pool[slot], ssm_pool[slot] = conv_new[0], ssm_new[0]
-                outs.append(oi[0])
-                offset += s.length
-            o = torch.cat(outs, dim=0)
+        else:  # prefill: the packed batch, no loop over sequences on the Triton path (the references loop)
+            cu, slots = batch.cu_seqlens, batch.mamba_slots
+            y = causal_conv1d_varlen(mixed, conv_pool, self.conv_weight, cu, slots)  # one launch
+            kd = self.hk * self.dk
+            q = y[:, :kd].view(t, self.hk, self.dk)
+            k = y[:, kd : 2 * kd].view(t, self.hk, self.dk)
+            v = y[:, 2 * kd :].view(t, self.hv, self.dv)
+            beta = b.sigmoid()
+            g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+            o = chunk_gated_delta_rule_varlen(q, k, v, g, beta, ssm_pool, cu, slots)  # two launches
         # z stays a strided view of in_proj_qkvz's output: the norm kernel reads it in place
         o = gated_rms_norm(o.reshape(t, self.hv, self.dv), z, self.norm_weight, self.eps)
         return self.out_proj(o.reshape(t, -1))

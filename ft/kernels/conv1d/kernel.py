@@ -1,0 +1,185 @@
+"""Triton causal depthwise conv1d over a packed batch of sequences (details module of `ft.kernels.conv1d`).
+
+`causal_conv1d_varlen_triton` is one launch, whatever the batch: programs over (tile of BLOCK_T tokens
+of one sequence, block of BLOCK_C channels). A sequence's tiles start at its own first token, so no
+tile straddles two sequences; tile j of sequence b is program `cu[b] // BLOCK_T + b + j` of the first
+grid axis (each sequence owns `cu[b+1] // BLOCK_T - cu[b] // BLOCK_T + 1 >= ceil(len / BLOCK_T)`
+program ids; the spare ones exit at once), found from the program id by a binary search over
+cu_seqlens. The grid is `T // BLOCK_T + B` by `C / BLOCK_C`: shapes only, no host sync.
+
+Each tap w of the window reads the input `W - 1 - w` tokens back: inside the sequence from x, before
+its start from the sequence's conv state (its last W-1 inputs before this batch). Only tile 0 of a
+sequence can reach before the start (BLOCK_T >= W-1), so tile 0 alone reads the old state, and tile 0
+alone writes the new one (the last W-1 inputs of [old state, x]: from x, or partly from the old state
+for a sequence shorter than W-1), after all of its own loads (a barrier): no other program touches
+that slot, so one launch needs no grid-wide ordering.
+
+Casts follow `causal_conv1d_ref` (and the decode kernel): the window in x's dtype, the products summed
+in fp32 and rounded to the weight's dtype, SiLU in fp32 rounded to the weight's dtype, then to x's.
+The fp32 sum runs over the taps in order (torch's conv may sum in another order): 16-bit outputs can
+differ by an occasional last-place rounding. The new state is a copy: bit-exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ft.kernels.backend import TRITON_DTYPES
+
+__all__ = ["conv_varlen_config", "causal_conv1d_varlen_triton"]
+
+
+@triton.jit
+def _find_seq(p_cu, i_prog, n_seqs, n_iters, BLOCK: tl.constexpr):
+    """The sequence b that program id `i_prog` belongs to: the largest b < n_seqs with
+    cu[b] // BLOCK + b <= i_prog (that key strictly increases with b). A binary search of n_iters
+    scalar loads (n_iters >= bit length of n_seqs)."""
+    lo = i_prog * 0
+    hi = lo + n_seqs - 1
+    for _ in range(n_iters):
+        mid = (lo + hi + 1) // 2
+        key = tl.load(p_cu + mid) // BLOCK + mid
+        ok = key <= i_prog
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _conv_varlen_kernel(
+    p_x, p_w, p_cs, p_cu, p_slots, p_y, B, C, n_iters,
+    stride_xt, stride_wc, stride_css, stride_csc, stride_csw, stride_yt,
+    W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    i_p = tl.program_id(0)
+    i_c = tl.program_id(1)
+    dtype = p_x.dtype.element_ty
+    w_dtype = p_w.dtype.element_ty
+    i_b = _find_seq(p_cu, i_p, B, n_iters, BLOCK_T)
+    start = tl.load(p_cu + i_b)
+    length = tl.load(p_cu + i_b + 1) - start
+    i_tile = i_p - (start // BLOCK_T + i_b)
+    t_lo = i_tile * BLOCK_T  # the tile's first token, relative to the sequence's start
+    # NOTE: a spare program (past its sequence's last tile) does nothing; a 0-length sequence's tile 0
+    # rewrites the old state as it was. Limits through tl.where, not a scalar bool in a mask (the
+    # interpreter rejects those).
+    c_end = tl.where((t_lo < length) | (i_tile == 0), C, 0)
+    slot = tl.load(p_slots + i_b).to(tl.int64)
+    start = start.to(tl.int64)
+    o_t = t_lo + tl.arange(0, BLOCK_T)
+    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    m_c = o_c < c_end
+    m_t = o_t < length
+    p_state = p_cs + slot * stride_css + o_c[None, :] * stride_csc  # [1, BLOCK_C]
+    b_acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for w in tl.static_range(W):
+        o_src = o_t - (W - 1) + w  # the input this tap reads, relative to the sequence's start
+        m_x = (m_t & (o_src >= 0))[:, None] & m_c[None, :]
+        m_s = (m_t & (o_src < 0))[:, None] & m_c[None, :]
+        b_x = tl.load(p_x + (start + o_src)[:, None] * stride_xt + o_c[None, :], mask=m_x, other=0.0)
+        b_s = tl.load(p_state + (W - 1 + o_src)[:, None] * stride_csw, mask=m_s, other=0.0).to(dtype)
+        b_win = tl.where(m_x, b_x, b_s)  # in x's dtype, as the reference's concatenation
+        b_wt = tl.load(p_w + o_c * stride_wc + w, mask=m_c, other=0.0)
+        b_acc += b_win.to(w_dtype).to(tl.float32) * b_wt.to(tl.float32)[None, :]
+    b_y = b_acc.to(w_dtype).to(tl.float32)
+    b_y = (b_y / (1.0 + tl.exp(-b_y))).to(w_dtype).to(dtype)
+    # the new state (tile 0 only): column j is [old state, x] at index length + j
+    o_w = tl.arange(0, BLOCK_W)
+    m_new = (o_c < tl.where(i_tile == 0, c_end, 0))[:, None] & (o_w < W - 1)[None, :]
+    o_cat = length + o_w  # index into [old state (W-1), x (length)]
+    m_from_x = m_new & (o_cat >= W - 1)[None, :]
+    m_from_s = m_new & (o_cat < W - 1)[None, :]
+    b_nx = tl.load(p_x + (start + o_cat - (W - 1))[None, :] * stride_xt + o_c[:, None], mask=m_from_x, other=0.0)
+    b_ns = tl.load(p_cs + slot * stride_css + o_c[:, None] * stride_csc + o_cat[None, :] * stride_csw,
+                   mask=m_from_s, other=0.0)
+    b_new = tl.where(m_from_x, b_nx.to(dtype), b_ns.to(dtype))
+    tl.debug_barrier()  # NOTE: every load of the old state before the stores that overwrite it
+    tl.store(p_y + (start + o_t)[:, None] * stride_yt + o_c[None, :], b_y, mask=m_t[:, None] & m_c[None, :])
+    tl.store(p_cs + slot * stride_css + o_c[:, None] * stride_csc + o_w[None, :] * stride_csw,
+             b_new.to(p_cs.dtype.element_ty), mask=m_new)
+
+
+def conv_varlen_config(channels: int, width: int) -> dict:
+    """Constexprs and warps of `_conv_varlen_kernel`: tiles of 16 tokens by 64 channels, 4 warps.
+    Measured on the H200 (C = 8192, W = 4, bf16; bench/gated_delta_prefill.py): 0.18 ms per 4,096
+    tokens, 0.63 per 16,384 in one sequence; 32 x 128 with 8 warps 0.24 and 0.86. Still far from
+    the copy bandwidth (~0.03 ms per 4,096 tokens): latency-bound at low occupancy (a tile's loads
+    take ~100 registers a thread); not tuned further yet."""
+    block_c = min(64, triton.next_power_of_2(channels))
+    block_t = max(16, triton.next_power_of_2(width - 1))  # NOTE: >= W-1: only tile 0 reads the state
+    return {"W": width, "BLOCK_T": block_t, "BLOCK_C": block_c, "BLOCK_W": triton.next_power_of_2(width),
+            "num_warps": 4}
+
+
+def search_iters(n_seqs: int) -> int:
+    """Steps of `_find_seq`'s binary search over n_seqs sequences (the range halves each step)."""
+    return max(1, int(n_seqs).bit_length())
+
+
+def _check_varlen(x, cu_seqlens, slots) -> int:
+    """-> B; ValueError on cu_seqlens or slots the kernels do not take."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64) \
+            or cu_seqlens.device != x.device:
+        raise ValueError(f"cu_seqlens must be [B+1] int32/int64 on {x.device}, got {tuple(cu_seqlens.shape)} "
+                         f"{cu_seqlens.dtype} on {cu_seqlens.device}")
+    bsz = cu_seqlens.numel() - 1
+    if slots.shape != (bsz,) or slots.dtype not in (torch.int32, torch.int64) or slots.device != x.device:
+        raise ValueError(f"slots must be [B] = ({bsz},) int32/int64 on {x.device}, got {tuple(slots.shape)} "
+                         f"{slots.dtype} on {slots.device}")
+    return bsz
+
+
+def causal_conv1d_varlen_triton(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    slots: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal depthwise conv1d + SiLU over sequences packed along T, in one launch; the same math as
+    `causal_conv1d_ref` per sequence.
+
+    Args:
+        x: [T, C] the sequences' new inputs, back to back (unit stride along C; any row stride).
+        conv_state: [S, C, W-1] (any strides, x's dtype or another): sequence b's state at slots[b]
+            (its last W-1 inputs before x; zeros for a new sequence) is read as the left context and
+            replaced by the last W-1 inputs of [state, x] (old state columns for a sequence shorter than W-1).
+        weight: [C, W] (unit stride along W).
+        cu_seqlens: [B+1] int32/int64 on x's device: sequence b is x[cu[b]:cu[b+1]]; cu[0] = 0, cu[B] = T,
+            nondecreasing (not checked: that would sync).
+        slots: [B] int32/int64 on x's device, distinct, in range (not checked).
+        out: optional y [T, C] in x's dtype with unit stride along C.
+    Returns:
+        y [T, C] in x's dtype.
+    Raises:
+        ValueError on shapes or dtypes the kernel does not take.
+    """
+    if x.dim() != 2 or x.dtype not in TRITON_DTYPES:
+        raise ValueError(f"x must be [T, C] in one of {TRITON_DTYPES}, got {tuple(x.shape)} {x.dtype}")
+    t, c = x.shape
+    if weight.dim() != 2 or weight.shape[0] != c or weight.shape[1] < 2:
+        raise ValueError(f"weight must be [C, W] = [{c}, >= 2], got {tuple(weight.shape)}")
+    width = weight.shape[1]
+    if conv_state.dim() != 3 or conv_state.shape[1:] != (c, width - 1):
+        raise ValueError(f"conv_state must be [S, C, W-1] = [S, {c}, {width - 1}], got {tuple(conv_state.shape)}")
+    bsz = _check_varlen(x, cu_seqlens, slots)
+    if out is None:
+        out = torch.empty(t, c, dtype=x.dtype, device=x.device)
+    elif out.shape != (t, c) or out.dtype != x.dtype or (out.numel() and out.stride(-1) != 1):
+        raise ValueError(f"out must be [T, C] = {(t, c)} {x.dtype} with unit stride along C, "
+                         f"got {tuple(out.shape)} {out.dtype}")
+    if bsz == 0 or c == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    cfg = conv_varlen_config(c, width)
+    grid = (t // cfg["BLOCK_T"] + bsz, triton.cdiv(c, cfg["BLOCK_C"]))
+    _conv_varlen_kernel[grid](
+        x, weight, conv_state, cu_seqlens, slots, out, bsz, c, search_iters(bsz),
+        x.stride(0), weight.stride(0), *conv_state.stride(), out.stride(0), **cfg)
+    return out
