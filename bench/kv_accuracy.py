@@ -3,10 +3,12 @@
     PYTHONPATH=. python3 bench/kv_accuracy.py [--model demo] [--prompts 6] [--tokens 32]
 
 For each prompt, the same engine settings with `--kv-cache-dtype` auto (float32 on the CPU: the
-reference), bf16 and fp8 (e4m3, scales 1.0): relative RMS of the logits after the prompt's prefill
-and after each of the first 8 decode steps (teacher-forced on the reference's tokens, so that
-every dtype sees the same context), and how many greedy tokens agree with the reference before
-the first difference. Prints a table last.
+reference), bf16, fp8 (e4m3, scales 1.0) and nvfp4 (E2M1 with an e4m3 scale per 16 values, layer
+scales 1.0): relative RMS of the logits after the prompt's prefill and after each of the first 8
+decode steps (teacher-forced on the reference's tokens, so that every dtype sees the same
+context), and how many greedy tokens agree before the first difference with the reference's and
+with the bf16 cache's tokens. Bytes per token are the pool's (every full-attention layer, K and V).
+Prints a table last.
 """
 
 from __future__ import annotations
@@ -24,30 +26,40 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=32)
     args = ap.parse_args()
+    kinds = ("bf16", "fp8", "nvfp4")
     engines = {d: LLM(model=args.model, device="cpu", dtype="float32", num_tokens=4096, kv_cache_dtype=d).engine
-               for d in ("auto", "bf16", "fp8")}
+               for d in ("auto", *kinds)}
     vocab = engines["auto"].model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, min(vocab, 5000), (64 + 48 * i,), generator=gen).tolist() for i in range(args.prompts)]
-    rows = {d: {"err": [], "agree": 0, "total": 0} for d in ("bf16", "fp8")}
+    rows = {d: {"err": [], "agree": 0, "agree_bf16": 0, "total": 0} for d in kinds}
     for p in prompts:
         want = run(engines["auto"], p, args.tokens)
-        forced = [run(e, p, 8, teacher=want["tokens"][:8]) for e in (engines["bf16"], engines["fp8"])]
-        free = [run(e, p, args.tokens) for e in (engines["bf16"], engines["fp8"])]
-        for d, f, g in zip(("bf16", "fp8"), forced, free):
-            rows[d]["err"] += [rel(a, b) for a, b in zip(f["logits"], want["logits"])]
-            same = next((i for i, (x, y) in enumerate(zip(g["tokens"], want["tokens"])) if x != y), args.tokens)
-            rows[d]["agree"] += same
+        free = {d: run(engines[d], p, args.tokens) for d in kinds}
+        for d in kinds:
+            forced = run(engines[d], p, 8, teacher=want["tokens"][:8])
+            rows[d]["err"] += [rel(a, b) for a, b in zip(forced["logits"], want["logits"])]
+            rows[d]["agree"] += first_difference(free[d]["tokens"], want["tokens"])
+            rows[d]["agree_bf16"] += first_difference(free[d]["tokens"], free["bf16"]["tokens"])
             rows[d]["total"] += args.tokens
     print(f"\n{args.model}, {args.prompts} prompts of 64-{64 + 48 * (args.prompts - 1)} tokens, {args.tokens} greedy tokens")
-    print("| KV dtype | bytes per token (vs fp32) | logits rel RMS, median / max | greedy tokens agreeing before the first difference |")
-    print("|---|---|---|---|")
-    base = engines["auto"].pools.kv.bytes_per_page
-    for d in ("bf16", "fp8"):
-        err = sorted(rows[d]["err"])
-        frac = engines[d].pools.kv.bytes_per_page / base
-        print(f"| {d} | {frac:.2f}x | {err[len(err) // 2]:.2e} / {err[-1]:.2e} | "
-              f"{rows[d]['agree']} of {rows[d]['total']} ({rows[d]['agree'] / rows[d]['total']:.0%}) |")
+    print("| KV dtype | bytes per token (vs bf16) | logits rel RMS vs fp32 KV, median / max | greedy tokens agreeing "
+          "before the first difference, vs fp32 KV | vs bf16 KV |")
+    print("|---|---|---|---|---|")
+    bf16 = engines["bf16"].pools.kv
+    for d in kinds:
+        kv, r = engines[d].pools.kv, rows[d]
+        err = sorted(r["err"])
+        per_token = kv.bytes_per_page // kv.page_size
+        print(f"| {d} | {per_token:,} ({kv.bytes_per_page / bf16.bytes_per_page:.3f}x) | {err[len(err) // 2]:.2e} / "
+              f"{err[-1]:.2e} | {r['agree']} of {r['total']} ({r['agree'] / r['total']:.0%}) | "
+              + ("-" if d == "bf16" else f"{r['agree_bf16']} of {r['total']} ({r['agree_bf16'] / r['total']:.0%})")
+              + " |")
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    """How many tokens agree before the first difference."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def run(engine, prompt: list[int], n: int, teacher: list[int] | None = None) -> dict:

@@ -7,6 +7,8 @@ import argparse
 import importlib
 import sys
 
+from ft.argparser import Parser
+
 # name -> (module with add_parser(subparsers), one-line help)
 COMMANDS = {
     "serve": ("ft.serve_cmd", "serve a model over an OpenAI-compatible HTTP API"),
@@ -18,9 +20,12 @@ COMMANDS = {
 
 
 def build_parser(command: str | None) -> argparse.ArgumentParser:
+    """The `ft` parser with `command`'s subparser complete (the others are names and help only)."""
     from ft import __version__
 
-    parser = argparse.ArgumentParser(prog="ft", description="FreeToken: serve large MoE models on small GPUs")
+    # Parser: no abbreviations, defaults in every --help, a bad flag reported by its subcommand
+    # (with "did you mean"); the subcommands' parsers inherit the class
+    parser = Parser(prog="ft", description="FreeToken: serve large MoE models on small GPUs")
     parser.add_argument("--version", action="version", version=f"ft {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():

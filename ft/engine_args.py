@@ -11,29 +11,47 @@ import dataclasses
 from ft.engine.engine_config import KV_CACHE_DTYPES, EngineConfig
 
 HELP = {
-    "model": "checkpoint directory (Hugging Face layout); 'demo' or nothing: the built-in demo model",
+    "model": "checkpoint directory (Hugging Face layout), 'demo' (the built-in demo model, generated on first use) "
+             "or synthetic:CONFIG.json (random weights from a config alone) (default: demo)",
+    "tokenizer": ("directory to load tokenizer.json and tokenizer_config.json from instead of the checkpoint "
+                  "(the EOS ids still come from the checkpoint's generation_config.json) (default: the checkpoint)"),
+    "chat_template": ("a Jinja chat template: a file's path, or the template text itself; replaces the tokenizer's "
+                      "templates (default: the tokenizer's own)"),
     "device": "auto | cpu | cuda | cuda:N",
     "dtype": "compute dtype: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16",
     "moe_backend": "offload: experts in host memory, an LRU cache of device slots; resident: every expert on the device",
-    "moe_cache_size": "expert slots on the device (offload backend)",
-    "moe_cache_auto": "expert slots fill what the budget leaves after KV and mamba (the default without --moe-cache-size)",
+    "moe_cache_size": ("expert slots on the device (offload backend) "
+                       "(default: what the budget leaves after KV and mamba)"),
+    "moe_cache_auto": ("size the expert slots from what the budget leaves after KV and mamba (what happens anyway "
+                       "without --moe-cache-size)"),
     "expert_policy": ("offload: which resident experts make room for misses: lru (least recently used) or lfu "
                       "(least frequently used, with aging)"),
     "expert_read_through": ("offload: decode reads a missing expert from host memory inside the step (CUDA graph, no "
                             "sync) and caches it in a reserved slot; --no-expert-read-through loads misses before each "
                             "MoE layer instead (host bookkeeping, no graphs)"),
     "num_tokens": "KV cache capacity in tokens (default: the whole context when it fits)",
-    "kv_cache_dtype": ("KV cache dtype: auto (fp8 when the checkpoint carries FP8 KV scales, else the compute dtype), "
-                       "bf16, or fp8 (e4m3 with a per-layer K and V scale: half of bf16's bytes per token)"),
-    "max_seq_len_override": "context limit in tokens instead of the checkpoint's max_position_embeddings",
-    "memory_ratio": "fraction of the free device memory the cache pools may use",
-    "gpu_memory_limit": "act as if the card had this much memory (e.g. 16GiB); on CPU the emulated card (default 96MiB)",
-    "cache_budget": "cap the cache pools' budget at this size (e.g. 4.8GiB), below what the card leaves",
+    "kv_cache_dtype": ("KV cache dtype: auto (the checkpoint's KV format when it carries KV scales, FP8 or NVFP4, "
+                       "else the compute dtype), bf16, fp8 (e4m3 with a per-layer K and V scale: half of bf16's bytes "
+                       "per token) or nvfp4 (E2M1 values with an e4m3 scale per 16 and the per-layer scales: "
+                       "9/32 of bf16's bytes, e.g. 6,912 instead of 24,576 per token for 12 layers x 2 kv heads "
+                       "x D 256)"),
+    "max_seq_len_override": ("context limit in tokens (vLLM's --max-model-len, SGLang's --context-length) "
+                             "(default: the checkpoint's max_position_embeddings)"),
+    "memory_ratio": ("fraction of the device memory still FREE once the weights are loaded that the cache pools and "
+                     "the activation reserve may use (budget = free x ratio - reserve). --gpu-memory-utilization "
+                     "(vLLM) and --mem-fraction-static (SGLang) set this same value, but there it is a fraction of the "
+                     "card's TOTAL memory, weights included: 0.9 here leaves a tenth of what is free, not a tenth of "
+                     "the card"),
+    "gpu_memory_limit": ("act as if the card had this much memory (e.g. 16GiB) "
+                         "(default: the real card; on CPU an emulated 96MiB card)"),
+    "cache_budget": ("cap the cache pools' budget at this size (e.g. 4.8GiB), below what the card leaves "
+                     "(default: no cap)"),
     "page_size": "tokens per KV page",
-    "max_running_requests": "requests decoded together at most",
+    "max_running_requests": "requests decoded together at most (vLLM's --max-num-seqs)",
     "max_prefill_length": "tokens per prefill chunk",
     "mamba_cache_size": "linear-attention state slots (default: 2 x max running requests, at least 4)",
-    "enable_prefix_cache": "reuse KV and linear-attention state of earlier requests (--no-enable-prefix-cache to turn off)",
+    "enable_prefix_cache": ("reuse KV and linear-attention state of earlier requests (--no-enable-prefix-cache or "
+                            "vLLM's --no-enable-prefix-caching to turn off)"),
     "enable_kv_ladder": "grow KV rung by rung when a request needs the context, trading expert slots; shrink back later",
     "ladder_step_size": "tokens between ladder rungs (KV starts at twice this)",
     "ladder_min_reuse": "a request that reuses less than this fraction of its prompt from the prefix cache may shrink the ladder",
@@ -45,7 +63,8 @@ HELP = {
                         "allocate; realloc copies, so a resize holds old and new and the reachable ranges are narrower; "
                         "auto picks the best available"),
     "seed": "engine seed",
-    "progress": "show loading progress",
+    "progress": ("loading progress: a bar on a terminal, one line per phase otherwise; --progress forces the bar, "
+                 "--no-progress shows neither (default: auto)"),
 }
 
 
@@ -60,16 +79,67 @@ def _kind(f: dataclasses.Field):
     return {"bool": bool, "int": int, "float": float}.get(kinds[0], str)
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+ALIASES = {
+    "max_seq_len_override": ["--max-model-len", "--context-length"],  # vLLM, SGLang
+    "max_running_requests": ["--max-num-seqs"],  # vLLM (SGLang's --max-running-requests is ours)
+    "enable_prefix_cache": ["--enable-prefix-caching"],  # vLLM; BooleanOptionalAction adds --no-enable-prefix-caching
+    "memory_ratio": ["--gpu-memory-utilization", "--mem-fraction-static"],  # vLLM, SGLang (a different base: see HELP)
+}
+"""Other engines' spellings of our flags: field -> extra option strings of the same argument."""
+
+METAVARS = {"model": "PATH", "tokenizer": "DIR", "chat_template": "FILE_OR_TEXT", "device": "DEVICE",
+            "gpu_memory_limit": "SIZE", "cache_budget": "SIZE"}
+"""Value names in --help (others: N for integers, X for fractions and seconds, the choices)."""
+
+AUTO_DEFAULTS = {"progress": None}
+"""Fields whose command-line default differs from EngineConfig's: None = decided at startup
+(`progress`: on when stderr is a terminal), resolved by `engine_config_from_args`."""
+
+
+def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> None:
+    """The engine's flags (one per EngineConfig field, plus ALIASES), -tp/-pp (only 1 is accepted,
+    checked by `engine_config_from_args`), and an optional positional MODEL (`ft serve PATH`)."""
     g = parser.add_argument_group("engine")
+    if positional_model:
+        g.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
+                       help="the checkpoint, as --model takes it (default: --model's value)")
     for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *ALIASES.get(f.name, [])]
         kind = _kind(f)
+        default = AUTO_DEFAULTS.get(f.name, f.default)
         if kind is bool:
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=HELP.get(f.name))
+            g.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=HELP.get(f.name))
         else:
-            g.add_argument(flag, type=kind, default=f.default, choices=CHOICES.get(f.name), help=HELP.get(f.name))
+            metavar = None if f.name in CHOICES else METAVARS.get(f.name, {int: "N", float: "X"}.get(kind))
+            g.add_argument(*flags, type=kind, default=default, choices=CHOICES.get(f.name), metavar=metavar,
+                           help=HELP.get(f.name))
+    for flags, what in ((("--tensor-parallel-size", "-tp"), "tensor"),
+                        (("--pipeline-parallel-size", "-pp"), "pipeline")):
+        g.add_argument(*flags, type=int, default=1, metavar="N",
+                       help=f"GPUs for {what} parallelism: accepted for vLLM/SGLang command lines, but FreeToken "
+                            "runs on one GPU, so only 1 is allowed")
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+def engine_config_from_args(args: argparse.Namespace, stream=None) -> EngineConfig:
+    """The EngineConfig of parsed flags. Raises ConfigError (one line) for -tp/-pp other than 1 and
+    for a positional MODEL that contradicts --model. An auto --progress is on when `stream`
+    (default: stderr) is a terminal."""
+    import os
+    import sys
+
+    from ft.errors import ConfigError
+
+    for flag, name in (("--tensor-parallel-size", "tensor_parallel_size"), ("--pipeline-parallel-size",
+                                                                            "pipeline_parallel_size")):
+        n = getattr(args, name, 1)
+        if n != 1:
+            raise ConfigError(f"{flag} {n}: FreeToken serves on one GPU for now (multi-GPU is planned); use 1")
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    positional = getattr(args, "model_positional", None)
+    if positional is not None:
+        if values["model"] is not None and os.path.normpath(values["model"]) != os.path.normpath(positional):
+            raise ConfigError(f"two models given: {positional} (positional) and --model {values['model']}; give one")
+        values["model"] = positional
+    if values["progress"] is None:
+        values["progress"] = (stream or sys.stderr).isatty()
+    return EngineConfig(**values)

@@ -11,29 +11,37 @@ from ft.engine_args import add_engine_args, engine_config_from_args
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate text for one prompt", description="Generate text for one prompt.")
+    p = sub.add_parser("generate", help="generate text for one prompt", description="Generate text for one prompt.",
+                       usage="%(prog)s [MODEL] --prompt TEXT [options]")
     p.add_argument("--prompt", required=True, help="the prompt text ('-' reads standard input)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--sample-seed", type=int, default=None, help="seed of this request's sampling")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling: the smallest set of "
+                   "tokens whose probabilities add up to P (1: all)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K likeliest tokens (0: all)")
+    p.add_argument("--sample-seed", type=int, default=None, metavar="N",
+                   help="seed of this request's sampling (default: a random one)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_engine_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ft.engine.engine import Engine
-    from ft.errors import FreeTokenError
     from ft.engine.sampling_params import SamplingParams
+    from ft.errors import FreeTokenError
+    from ft.preflight import build_engine, check_model
+
+    def say(line: str) -> None:  # a startup phase begins (unless --no-progress)
+        print(f"ft generate: {line}", file=sys.stderr, flush=True)
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     try:
-        engine = Engine(engine_config_from_args(args))
+        config = engine_config_from_args(args)
+        check_model(config)  # one line for a user error, before anything loads
+        engine = build_engine(config, say if args.progress is not False else None)
         tok = engine.tokenizer
         text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
         ids = tok.encode(text)

@@ -99,7 +99,8 @@ class CacheState(_Model):
     running: int = 0
     waiting: int = 0
     admission: str = "open"  # "open", or "paused" while a resize waits for running requests (queued ones wait)
-    uptime_s: float = 0.0
+    uptime_s: float = 0.0  # monotonic within one server process: orders answers (ft top drops older ones)
+    started_at: float = 0.0  # unix seconds the server process started (0: not serving yet); a new one is a restart
     storage: StorageState = Field(default_factory=StorageState)
     degraded: str | None = None  # a rebuild's rollback could not restore everything: what is left
     exchange: Exchange = Field(default_factory=Exchange)
@@ -185,6 +186,29 @@ class Event(_Model):
     cache: CacheState = Field(default_factory=CacheState)
     rates: LiveRates = Field(default_factory=LiveRates)
     rebuild: HistoryEntry | None = None
+
+
+class RequestInfo(_Model):
+    """One request of GET /admin/requests."""
+
+    id: str = ""
+    state: Literal["waiting", "prefill", "decode"] = "waiting"
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    kv_pages: int = 0  # KV pages it holds now (pages shared with the prefix cache included)
+    age_s: float = 0.0  # since it was queued
+
+
+class RequestList(_Model):
+    """GET /admin/requests: the running requests (batch order), then the waiting ones (queue order),
+    at most `limit` of them; `running` and `waiting` count them all."""
+
+    requests: list[RequestInfo] = Field(default_factory=list)
+    running: int = 0
+    waiting: int = 0
+    truncated: bool = False  # more requests than the limit: the list is cut
+    uptime_s: float = 0.0
+    started_at: float = 0.0
 
 
 class ErrorBody(_Model):

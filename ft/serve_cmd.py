@@ -1,5 +1,11 @@
-"""`ft serve`: the daemon. HTTP comes up at once (/health answers 503 while the engine loads);
-the engine thread then prints what it measured and the server starts serving."""
+"""`ft serve`: the daemon.
+
+Startup, in order: the flags and what they name are checked (model directory, config.json's
+architecture, tokenizer, chat template) and the port is bound, so that a user error is one line
+and a non-zero exit before anything loads or listens; then HTTP comes up (/health answers 503
+while the engine loads on its thread) and, once the engine is up and /health answers 200, the
+banner ends with "ready on http://HOST:PORT".
+"""
 
 from __future__ import annotations
 
@@ -9,26 +15,41 @@ import ipaddress
 import logging
 import os
 import signal
-import sys
 import threading
+import time
 
 from ft.engine_args import add_engine_args, engine_config_from_args
 from ft.units import format_bytes
 
+log = logging.getLogger("ft.serve")
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                       description="Serve a model over an OpenAI-compatible HTTP API with admin routes.")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=30000)
+                       usage="%(prog)s [MODEL] [options]",
+                       description="Serve a model over an OpenAI-compatible HTTP API with admin routes. "
+                                   "vLLM's and SGLang's names of the common flags work too (--max-model-len, "
+                                   "--max-num-seqs, --gpu-memory-utilization, ...: see each flag).")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind: 127.0.0.1 is this machine only; "
+                   "0.0.0.0 is every interface (set --api-key and --admin-token first)")
+    p.add_argument("--port", type=int, default=30000, help="TCP port to listen on (0: any free port)")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: ft-demo or the folder name)")
     p.add_argument("--api-key", default=None, help="require this bearer key on /v1 routes (visible in ps: prefer "
-                   "$FT_API_KEY or --api-key-file)")
+                   "$FT_API_KEY or --api-key-file) (default: $FT_API_KEY, else no key)")
     p.add_argument("--api-key-file", default=None, help="read the /v1 bearer key from this file (first line)")
     p.add_argument("--admin-token", default=None, help="require this bearer token on /admin routes (visible in ps: "
-                   "prefer $FT_ADMIN_TOKEN or --admin-token-file)")
+                   "prefer $FT_ADMIN_TOKEN or --admin-token-file) (default: $FT_ADMIN_TOKEN, else no token)")
     p.add_argument("--admin-token-file", default=None, help="read the /admin bearer token from this file (first line)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="least level of the log lines, FreeToken's (ft.*) and uvicorn's alike")
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="text lines, or one JSON object per line (time, level, logger, message)")
+    p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="S",
+                   help="seconds between stats lines (running and waiting requests, prompt and generation tokens/s, "
+                        "KV usage, expert hit rate, ladder rung), written while there is activity; 0: none")
+    p.add_argument("--access-log-admin", action="store_true",
+                   help="also log GET /health, /metrics and /admin/... in the access log (left out: monitors and "
+                        "`ft top` poll them)")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest request body accepted")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get to finish on shutdown")
     p.add_argument("--body-timeout", type=float, default=30.0,
@@ -55,8 +76,7 @@ def secret(flag: str | None, path: str | None, env: str, name: str) -> str | Non
             raise ConfigError(f"{name}-file: {path} is empty")
         return value
     if flag is not None:
-        print(f"WARNING: {name} on the command line is visible to every local user (ps); "
-              f"use ${env} or {name}-file", file=sys.stderr)
+        log.warning("%s on the command line is visible to every local user (ps); use $%s or %s-file", name, env, name)
         return flag
     return os.environ.get(env) or None
 
@@ -70,7 +90,8 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def describe(engine, url: str) -> str:
+def describe(engine, url: str, started_s: float | None = None) -> str:
+    """The startup banner: what was measured and chosen; its last line is "ready on URL"."""
     d = engine.describe()
     b, g = engine.cache.budget, engine.cache.geometry
     c, st = engine.cache.layout.unit_costs(), d["storage"]
@@ -81,12 +102,12 @@ def describe(engine, url: str) -> str:
         f"  unit costs: expert slot {format_bytes(c.expert_slot)}, kv page {format_bytes(c.kv_page)} "
         f"({c.page_size} tokens), mamba slot {format_bytes(c.mamba_slot)}",
         f"  geometry: moe {g.moe_slots}/{engine.cache.total_experts} slots ({engine.config.moe_backend}), "
-        f"kv {g.kv_tokens} tokens ({str(engine.pools.kv.kv.dtype).removeprefix('torch.')}), mamba {g.mamba_slots} "
+        f"kv {g.kv_tokens} tokens ({engine.pools.kv.dtype_name}), mamba {g.mamba_slots} "
         f"slots = {format_bytes(engine.cache.allocated_bytes)}",
         f"  storage: {st['backend']} (allocations rounded to {format_bytes(st['granularity_bytes'])}"
         + ("; a resize copies, so it holds old and new: the reachable ranges count that)" if st["reallocates"] else ")"),
         *_ladder_lines(engine),
-        f"  serving on {url}",
+        f"  ready on {url}" + (f" (started in {started_s:.1f} s)" if started_s is not None else ""),
     ])
 
 
@@ -132,44 +153,76 @@ def _server_class():
 
 
 def run(args: argparse.Namespace) -> int:
+    """Check, bind, then serve (see the module docstring). User errors raise FreeTokenError before
+    anything is bound (the command line prints them as one line)."""
+    from ft.errors import ConfigError
+    from ft.preflight import bind_port, check_model
+    from ft.server import logs
+
+    t0 = time.monotonic()
+    if args.log_stats_interval < 0:
+        raise ConfigError(f"--log-stats-interval must be >= 0 (0: no stats lines), got {args.log_stats_interval:g}")
+    config = engine_config_from_args(args)
+    check_model(config)
+    logs.configure(args.log_level, args.log_format, args.access_log_admin)  # process-wide: after the checks
+    args.api_key = secret(args.api_key, args.api_key_file, "FT_API_KEY", "--api-key")
+    args.admin_token = secret(args.admin_token, args.admin_token_file, "FT_ADMIN_TOKEN", "--admin-token")
+    sock = bind_port(args.host, args.port)
+    try:
+        return _serve(args, config, sock, t0)
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, config, sock, t0: float) -> int:
     import uvicorn
 
-    _Server = _server_class()
-
-    from ft.engine.engine import Engine
+    from ft.preflight import build_engine
     from ft.server.app import ServerState, create_app
     from ft.server.engine_loop import EngineLoop
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    args.api_key = secret(args.api_key, args.api_key_file, "FT_API_KEY", "--api-key")
-    args.admin_token = secret(args.admin_token, args.admin_token_file, "FT_ADMIN_TOKEN", "--admin-token")
-    config = engine_config_from_args(args)
+    _Server = _server_class()
     if not _is_loopback(args.host) and not (args.api_key and args.admin_token):
-        print(f"WARNING: ft serve binds {args.host} without --api-key and --admin-token: anyone who reaches "
-              "this port can generate and resize the caches. Set both tokens.", file=sys.stderr)
-    name = args.served_model_name or ("ft-demo" if config.model in (None, "", "demo") else os.path.basename(os.path.normpath(config.model)))
-    loop = EngineLoop(lambda: Engine(config))
+        log.warning("ft serve binds %s without --api-key and --admin-token: anyone who reaches this port can "
+                    "generate and resize the caches. Set both tokens.", args.host)
+    name = args.served_model_name or (
+        "ft-demo" if config.model in (None, "", "demo") else os.path.basename(os.path.normpath(config.model)))
+
+    def say(line: str) -> None:  # a console line (plain in text logs), as a startup phase begins
+        log.info("ft serve: %s", line, extra={"plain": True})
+
+    # phase lines unless --no-progress; the weights' bar only where config.progress says (a terminal)
+    loop = EngineLoop(lambda: build_engine(config, say if args.progress is not False else None),
+                      stats_interval_s=args.log_stats_interval)
     state = ServerState(loop, name, args.api_key, args.admin_token, args.max_body_bytes, args.drain_timeout,
                         args.body_timeout, args.allow_client_chat_template)
     app = create_app(state)
     host = f"[{args.host}]" if ":" in args.host else args.host
-    url = f"http://{host}:{args.port}"
+    url = f"http://{host}:{sock.getsockname()[1]}"
 
     def announce():
+        # NOTE: uvicorn listens once its startup (which starts the engine thread) is done; "ready"
+        # waits for both, so that /health answers 200 to whoever reads the line
+        while not server.started and not server.should_exit:
+            time.sleep(0.02)
+        if server.should_exit:
+            return
+        if not loop.ready.is_set():
+            say(f"listening on {url}; /health answers 503 until the engine is ready")
         loop.ready.wait()
         if loop.engine is not None:
-            print(describe(loop.engine, url), file=sys.stderr, flush=True)
+            log.info("%s", describe(loop.engine, url, time.monotonic() - t0), extra={"plain": True})
         else:
-            print(f"ft serve: the engine failed to start: {loop.error}", file=sys.stderr, flush=True)
+            log.error("ft serve: the engine failed to start: %s", loop.error, extra={"plain": True})
             server.should_exit = True
 
     server = _Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level,
+        app, log_level=args.log_level, log_config=None,  # logging: ft.server.logs.configure (run)
         # NOTE: the engine loop aborts what still runs at the drain deadline, each response ending
         # properly; uvicorn's own cut (which would leave streams without [DONE]) comes only after
         timeout_graceful_shutdown=int(args.drain_timeout) + 10,
     ))
     server.on_exit = lambda: loop.begin_drain(args.drain_timeout)
-    threading.Thread(target=announce, daemon=True).start()
-    server.run()
+    threading.Thread(target=announce, name="ft-announce", daemon=True).start()
+    server.run(sockets=[sock])  # the socket bound by run(): the port was checked before the engine loaded
     return 1 if loop.error is not None else 0

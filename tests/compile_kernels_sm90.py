@@ -134,9 +134,9 @@ def prefill_cfg(head_dim: int, group: int) -> dict:
     return {"PAGE_SIZE": 64, **attn_pf.prefill_config(head_dim, group, torch.bfloat16)}
 
 
-def decode_cfg(head_dim: int, group: int, fp8: bool = False) -> dict:
+def decode_cfg(head_dim: int, group: int, fp8: bool = False, nvfp4: bool = False) -> dict:
     # every constexpr named
-    return {"PAGE_SIZE": 64, **attn.decode_config(head_dim, group, torch.bfloat16), "KV_FP8": fp8}
+    return {"PAGE_SIZE": 64, **attn.decode_config(head_dim, group, torch.bfloat16), "KV_FP8": fp8, "KV_NVFP4": nvfp4}
 
 
 def gemv_cfg(m: int, n: int, k: int) -> dict:
@@ -246,9 +246,12 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("q/k norm + rope 256, rotary 64", norm._qk_norm_rope_kernel, QK_NORM_ROPE,
      {"BLOCK_D": 256, "BLOCK_HALF": 32, "num_warps": 1}),
     ("write kv decode Hkv 2, D 256", attn._write_kv_decode_kernel, WRITE_KV,
-     {"BLOCK_H": 2, "BLOCK_D": 256, "KV_FP8": False, "num_warps": 4}),
+     {"BLOCK_H": 2, "BLOCK_D": 256, "KV_FP8": False, "KV_NVFP4": False, "num_warps": 4}),
     ("write kv decode Hkv 2, D 256, fp8 cache", attn._write_kv_decode_kernel, {**WRITE_KV, "p_kc": "*u8", "p_vc": "*u8"},
-     {"BLOCK_H": 2, "BLOCK_D": 256, "KV_FP8": True, "num_warps": 4}),
+     {"BLOCK_H": 2, "BLOCK_D": 256, "KV_FP8": True, "KV_NVFP4": False, "num_warps": 4}),
+    ("write kv decode Hkv 2, D 256, nvfp4 cache", attn._write_kv_decode_kernel,
+     {**WRITE_KV, "p_kc": "*u8", "p_vc": "*u8"}, {"BLOCK_H": 2, "BLOCK_D": 256, "KV_FP8": False, "KV_NVFP4": True,
+                                                 "num_warps": 4}),
     ("decode attention G 8, D 256", attn._decode_kernel, DECODE, {**decode_cfg(256, 8), "HAS_GATE": False}),
     ("decode attention G 8, D 256, output gate", attn._decode_kernel, DECODE, {**decode_cfg(256, 8), "HAS_GATE": True}),
     ("decode attention G 1, D 128", attn._decode_kernel, DECODE, {**decode_cfg(128, 1), "HAS_GATE": False}),
@@ -257,9 +260,16 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
      {**DECODE, "p_kc": "*u8", "p_vc": "*u8"}, {**decode_cfg(256, 8, fp8=True), "HAS_GATE": True}),
     ("decode attention split-K G 8, D 256, fp8 cache", attn._decode_split_kernel,
      {**DECODE_SPLIT, "p_kc": "*u8", "p_vc": "*u8"}, decode_cfg(256, 8, fp8=True)),
-    ("prefill attention G 8, D 256", attn_pf._prefill_kernel, PREFILL, {**prefill_cfg(256, 8), "KV_FP8": False}),
+    ("decode attention G 8, D 256, nvfp4 cache, output gate", attn._decode_kernel,
+     {**DECODE, "p_kc": "*u8", "p_vc": "*u8"}, {**decode_cfg(256, 8, nvfp4=True), "HAS_GATE": True}),
+    ("decode attention split-K G 8, D 256, nvfp4 cache", attn._decode_split_kernel,
+     {**DECODE_SPLIT, "p_kc": "*u8", "p_vc": "*u8"}, decode_cfg(256, 8, nvfp4=True)),
+    ("prefill attention G 8, D 256", attn_pf._prefill_kernel, PREFILL,
+     {**prefill_cfg(256, 8), "KV_FP8": False, "KV_NVFP4": False}),
     ("prefill attention G 8, D 256, fp8 cache", attn_pf._prefill_kernel, {**PREFILL, "p_kc": "*u8", "p_vc": "*u8"},
-     {**prefill_cfg(256, 8), "KV_FP8": True}),
+     {**prefill_cfg(256, 8), "KV_FP8": True, "KV_NVFP4": False}),
+    ("prefill attention G 8, D 256, nvfp4 cache", attn_pf._prefill_kernel, {**PREFILL, "p_kc": "*u8", "p_vc": "*u8"},
+     {**prefill_cfg(256, 8), "KV_FP8": False, "KV_NVFP4": True}),
     ("decode attention combine 128 splits", attn._decode_combine_kernel, COMBINE,
      {"BLOCK_S": 128, "CHUNK_S": 16, "BLOCK_D": 256, "HAS_GATE": False, "num_warps": 4}),
     ("decode attention combine 16 splits, output gate", attn._decode_combine_kernel, COMBINE,

@@ -117,3 +117,19 @@ def test_bad_engine_options(tiny_one):
         load(tiny_one[2], num_tokens=500_000, moe_cache_size=4)
     with pytest.raises(ConfigError, match=r"the expert cache gets 0 slots after KV \(500032 tokens\)"):
         load(tiny_one[2], num_tokens=500_000)
+
+
+def test_bad_sampling_extras_are_named(tiny_one):
+    for bad, needle in ((dict(min_p=1.5), "min_p"), (dict(repetition_penalty=0.0), "repetition_penalty"),
+                        (dict(presence_penalty=float("inf")), "presence_penalty"),
+                        (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+                        (dict(logit_bias={3: 101.0}), "logit_bias"), (dict(logprobs=21), "logprobs"),
+                        (dict(prompt_logprobs=-1), "prompt_logprobs")):
+        with pytest.raises(RequestError, match=needle):
+            SamplingParams(**bad)
+    llm = load(tiny_one[2])
+    with pytest.raises(RequestError, match=r"logit_bias: token id 320 is outside the vocabulary \(0..319\)"):
+        llm.generate(prompt_token_ids=[[1, 2]], logit_bias={320: 1.0})
+    with pytest.raises(RequestError, match="stop_token_ids: token id -1 is outside the vocabulary"):
+        llm.generate(prompt_token_ids=[[1, 2]], stop_token_ids=[-1])
+    assert not llm.engine.has_work  # nothing was queued

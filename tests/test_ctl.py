@@ -489,3 +489,36 @@ def test_format_cache_says_the_kv_dtype_and_read_through():
     assert "read-through); 1234 landed, 3.0 GiB read from host" in text
     seed = format_cache(CacheState.model_validate(SEED)).splitlines()
     assert text.splitlines()[: len(seed)] == seed  # the seed's lines stay, in the seed's order
+
+
+REQUESTS = {
+    "requests": [
+        {"id": "cmpl-a", "state": "decode", "prompt_tokens": 812, "generated_tokens": 40, "kv_pages": 14, "age_s": 3.2},
+        {"id": "cmpl-b", "state": "waiting", "prompt_tokens": 120, "generated_tokens": 0, "kv_pages": 0, "age_s": 0.4},
+    ],
+    "running": 1, "waiting": 3, "truncated": True, "uptime_s": 10.0, "started_at": 1.0,
+}
+
+
+def test_requests_lists_running_then_waiting(capsys):
+    srv = FakeServer({("GET", "/admin/requests"): (200, REQUESTS)})
+    rc, out, err = run_ctl(capsys, srv, "requests", "--limit", "2")
+    assert rc == 0 and err == ""
+    assert srv.requests[-1].url.params["limit"] == "2"
+    lines = out.splitlines()
+    assert lines[0].split() == ["id", "state", "prompt", "generated", "kv", "pages", "age"]
+    assert lines[1].split() == ["cmpl-a", "decode", "812", "40", "14", "3.2", "s"]
+    assert lines[2].split()[:2] == ["cmpl-b", "waiting"]
+    assert lines[3] == "1 running, 3 waiting (first 2 shown)"
+    rc, out, _ = run_ctl(capsys, srv, "requests", "--json")
+    assert rc == 0 and json.loads(out) == REQUESTS
+    assert srv.requests[-1].url.params["limit"] == "200"  # the flag's default
+
+
+def test_requests_empty_and_bad_limit(capsys):
+    empty = {"requests": [], "running": 0, "waiting": 0, "truncated": False, "uptime_s": 1.0, "started_at": 1.0}
+    srv = FakeServer({("GET", "/admin/requests"): (200, empty)})
+    rc, out, _ = run_ctl(capsys, srv, "requests")
+    assert rc == 0 and out == "0 running, 0 waiting\n"
+    rc, _, err = run_ctl(capsys, srv, "requests", "--limit", "0")
+    assert rc == 2 and "--limit" in one_line(err)

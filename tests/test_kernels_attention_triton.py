@@ -350,3 +350,131 @@ def test_write_kv_decode_fp8_matches_reference():
     write_kv_decode_ref(*layer_views(expected), k, v, slots, kv_scale=scale)
     write_kv_decode_triton(*layer_views(kv8), k, v, slots, kv_scale=scale)
     assert torch.equal(kv8.view(torch.uint8), expected.view(torch.uint8))
+
+
+# ------------------------------------------------------------------------------- NVFP4 KV cache
+
+NVFP4 = torch.uint8  # an NVFP4 cache: rows of D/2 E2M1 code bytes then D/16 e4m3 block-scale bytes
+
+
+def nvfp4_batch(seq_lens, hkv, d, page, seed=0):
+    """make_batch's layout as an NVFP4 pool [P, L, 2, page, Hkv, D/2 + D/16] uint8: the sequences' K/V
+    through the reference quantizer with per-layer scales, every other row 0xFF (codes -6 with NaN
+    block scales: a read outside the sequences gives NaN) -> (kv uint8, table, lens, kv_scale [2])."""
+    kv32, table, lens = make_batch(seq_lens, hkv, d, page, torch.float32, seed)
+    kv32 = kv32 * 3.0
+    scale = torch.tensor([0.05, 0.03], dtype=torch.float32)
+    kv4 = torch.stack([quantize_kv(kv32[:, :, i], scale[i], NVFP4) for i in (0, 1)], dim=2)
+    kv4[kv32[..., 0].isnan()] = 0xFF
+    return kv4, table, lens, scale
+
+
+def nvfp4_special_values(n: int, d: int, gen: torch.Generator) -> torch.Tensor:
+    """[n, d] test data for the quantizer (d % 16 == 0): Gaussian blocks of magnitudes 1e-4 .. 1e3
+    (block scales from e4m3 subnormals to the 448 clamp, where values saturate at 6), an all-zero
+    block (scale 1.0), and, at layer scale 0.5, a block of amax 6 (block scale 2, so x / (b * s) = x)
+    holding every E2M1 rounding tie, both signs, a negative zero and a value rounding to -0."""
+    x = torch.randn(n, d, generator=gen) * torch.logspace(-4, 3, n * d // 16).reshape(n, d // 16, 1) \
+        .repeat_interleave(16, -1).reshape(n, d)
+    x[0, :16] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5,
+                              -0.0, -0.1])
+    if d > 16:
+        x[0, 16:32] = 0.0
+    return x
+
+
+def test_nvfp4_reference_is_the_checkpoint_quantizers_rounding():
+    """quantize_kv's NVFP4 rows are ModelOpt's NVFP4 (ft.tools.nvfp4_quantize, bit for bit there)
+    with the layer scale as scale_2: the same codes and block scales, byte for byte; dequantize_kv
+    gives ft.kernels.nvfp4's dequantized values. (scale_2 = global_amax / 2688 exactly for these.)"""
+    from ft.kernels.nvfp4.reference import dequantize_nvfp4
+    from ft.tools.nvfp4_quantize import quantize_nvfp4
+
+    x = nvfp4_special_values(24, 64, torch.Generator().manual_seed(0))
+    for s in (0.5, 0.125, 1.0, 2.0**-10, 3.0):
+        packed, blocks, s2 = quantize_nvfp4(x, global_amax=2688.0 * s, scale_2_division="exact")
+        assert s2.item() == s
+        rows = quantize_kv(x, torch.tensor(s), NVFP4)
+        assert rows.dtype == torch.uint8 and rows.shape == (24, 64 // 2 + 64 // 16)
+        assert torch.equal(rows[:, :32], packed) and torch.equal(rows[:, 32:], blocks.view(torch.uint8))
+        assert torch.equal(dequantize_kv(rows, torch.tensor(s), torch.float32), dequantize_nvfp4(packed, blocks, s2))
+    rows = quantize_kv(x, torch.tensor(0.5), NVFP4)
+    codes = torch.stack([rows[0, :8] & 0xF, rows[0, :8] >> 4], -1).flatten().tolist()
+    assert codes == [7, 0, 2, 2, 4, 4, 6, 6, 8, 10, 10, 12, 12, 14, 0, 8]  # ties to even, -0.0 -> 0, -0.1 -> 8
+    assert rows[0, 32] == 0x40 and rows[0, 33] == 0x38  # block scales 2.0 and 1.0 (the zero block) as e4m3 bits
+    gauss = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
+    back = dequantize_kv(quantize_kv(gauss, torch.tensor(1.0), NVFP4), torch.tensor(1.0), torch.float32)
+    assert 0.05 < rel_rms(back, gauss) < 0.12  # E2M1 with a scale per 16: ~10% relative RMS on Gaussian data
+    with pytest.raises(ValueError, match="kv_scale"):
+        quantize_kv(x, None, NVFP4)
+    with pytest.raises(ValueError, match="multiple of 9"):
+        dequantize_kv(torch.zeros(2, 10, dtype=torch.uint8), torch.tensor(1.0), torch.float32)
+
+
+@pytest.mark.parametrize(("hkv", "d", "page", "dtype"), [(2, 16, 4, torch.float32), (1, 48, 8, torch.float16),
+                                                         (2, 256, 16, torch.bfloat16), (3, 64, 4, torch.float32)],
+                         ids=["Hkv2-D16-fp32", "Hkv1-D48-fp16", "Hkv2-D256-bf16", "Hkv3-D64-fp32"])
+def test_write_kv_decode_nvfp4_matches_reference(hkv, d, page, dtype):
+    """The Triton decode write quantizes to NVFP4 exactly as the reference (bit for bit: block amax,
+    e4m3 block scale rounded by hand, IEEE divisions, E2M1 ties to even, saturation, signs, packing),
+    padding rows write nothing, other rows keep their bytes; k and v strided views."""
+    kv4, table, lens, scale = nvfp4_batch((3, page - 1, 2 * page, 1), hkv, d, page)
+    gen = torch.Generator().manual_seed(3)
+    kvx = torch.stack([nvfp4_special_values(4 * hkv, d, gen).reshape(4, hkv, d) for _ in range(2)], dim=2)
+    k, v = kvx[:, :, 0].to(dtype), kvx[:, :, 1].to(dtype)  # strided views [4, Hkv, D]
+    slots = decode_tokens(table, lens, page)
+    slots[1] = -1
+    for s in (scale, torch.tensor([0.5, 0.125])):  # 0.5: block 0 of k holds every tie exactly
+        expected = kv4.clone()
+        got = kv4.clone()
+        write_kv_decode_ref(*layer_views(expected), k, v, slots, kv_scale=s)
+        write_kv_decode_triton(*layer_views(got), k, v, slots, kv_scale=s)
+        assert torch.equal(got, expected)
+        assert not torch.equal(expected, kv4)  # something was written
+    with pytest.raises(ValueError, match="kv_scale"):
+        write_kv_decode_triton(*layer_views(got), k, v, slots)
+
+
+def test_write_kv_nvfp4_prefill_and_decode_references_agree():
+    """The prefill write (a chunk of tokens) stores what the decode write stores token by token."""
+    kv4, table, lens, scale = nvfp4_batch((3, 4, 8, 1), 2, 32, 4)
+    gen = torch.Generator().manual_seed(2)
+    k, v = (torch.randn(4, 2, 32, generator=gen) for _ in range(2))
+    slots = decode_tokens(table, lens, 4)
+    slots[2] = -1
+    expected = kv4.clone()
+    for b in (0, 1, 3):
+        write_kv_ref(*layer_views(expected), k[b:b + 1], v[b:b + 1], table[b], int(lens[b]), kv_scale=scale)
+    write_kv_decode_ref(*layer_views(kv4), k, v, slots, kv_scale=scale)
+    assert torch.equal(kv4, expected)
+
+
+@pytest.mark.parametrize("path", ["single", "split3"])
+@pytest.mark.parametrize(("seq_lens", "hq", "hkv", "d", "page"), CASES, ids=CASE_IDS)
+def test_decode_attention_nvfp4_cache(seq_lens, hq, hkv, d, page, path):
+    """An NVFP4 cache: the kernels (fp32 and fp16 queries; gated fp16) against the reference, which
+    dequantizes; the reference equals the unquantized reference on the dequantized values."""
+    kv4, table, lens, scale = nvfp4_batch(seq_lens, hkv, d, page)
+    k_cache, v_cache = layer_views(kv4)
+    b = len(seq_lens)
+    splits = 1 if path == "single" else 3
+    for dtype, gated in ((torch.float32, False), (torch.float16, False), (torch.float16, True)):
+        q = random_q(b, hq, d, dtype)
+        gate = random_gate(b, hq, d, dtype) if gated else None
+        ref = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, d ** -0.5, gate=gate, kv_scale=scale)
+        out = torch.full_like(q, float("nan"))
+        y = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, d ** -0.5, splits=splits, out=out,
+                                          gate=gate, config={"BLOCK_N": 16}, kv_scale=scale)
+        assert rel_rms(y, ref) < TOL[dtype], (dtype, gated)
+        for i, n in enumerate(seq_lens):
+            if n == 0:
+                assert torch.equal(y[i], torch.zeros_like(y[i]))
+    deq = torch.stack([dequantize_kv(kv4[:, :, i], scale[i], torch.float32) for i in (0, 1)], dim=2)
+    q = random_q(b, hq, d, torch.float32)
+    plain = paged_decode_attention_ref(q, *layer_views(deq), table, lens, d ** -0.5)
+    assert rel_rms(paged_decode_attention_ref(q, k_cache, v_cache, table, lens, d ** -0.5, kv_scale=scale),
+                   plain) < 1e-6
+    with pytest.raises(ValueError, match="kv_scale"):
+        paged_decode_attention_triton(q, k_cache, v_cache, table, lens, d ** -0.5)
+    with pytest.raises(ValueError, match="does not fit"):
+        paged_decode_attention_triton(q[..., :16], k_cache, v_cache, table, lens, d ** -0.5, kv_scale=scale)

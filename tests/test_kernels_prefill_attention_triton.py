@@ -1,5 +1,5 @@
 """Triton paged prefill attention against `paged_attention_ref` under the interpreter: chunks at
-several offsets into a cached prefix, GQA ratios, head dims, page sizes, fp8 caches. The pool is NaN
+several offsets into a cached prefix, GQA ratios, head dims, page sizes, fp8 and NVFP4 caches. The pool is NaN
 wherever no token of the sequence is (a read outside shows)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 from ft.kernels.attention import paged_attention, paged_attention_ref
 from ft.kernels.attention.prefill_kernel import paged_prefill_attention_triton
-from ft.kernels.attention.reference import quantize_kv
+from ft.kernels.attention.reference import dequantize_kv, quantize_kv
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3}
 
@@ -69,6 +69,29 @@ def test_prefill_fp8_cache_and_strided_q():
         paged_prefill_attention_triton(q, k8, v8, pages, start, d ** -0.5)
     with pytest.raises(ValueError, match="cover"):
         paged_prefill_attention_triton(q, k8, v8, pages[:1], start, d ** -0.5, scale)
+
+
+@pytest.mark.parametrize(("start", "t", "hq", "hkv", "d", "page"), CASES,
+                         ids=[f"s{s}-T{t}-Hq{hq}-Hkv{hkv}-D{d}-p{p}" for s, t, hq, hkv, d, p in CASES])
+def test_prefill_nvfp4_cache(start, t, hq, hkv, d, page):
+    """NVFP4 caches (uint8 rows: D/2 code bytes, D/16 e4m3 block scales; layer scales 0.02 and 0.01):
+    the kernel (fp32 and fp16 queries, q a strided view) against the reference, which dequantizes.
+    Rows of no token quantize NaN to NaN block scales: a read outside the sequence shows."""
+    k32, v32, pages = _pool(start + t, hkv, d, page, torch.float32)
+    scale = torch.tensor([0.02, 0.01])
+    k4, v4 = quantize_kv(k32 * 0.1, scale[0], torch.uint8), quantize_kv(v32 * 0.1, scale[1], torch.uint8)
+    assert k4.shape[-1] == d // 2 + d // 16
+    assert dequantize_kv(k4, scale[0], torch.float32)[k32.isnan()].isnan().all()  # the poison survives
+    qg = torch.randn(t, hq, 2 * d, generator=torch.Generator().manual_seed(2))
+    for dtype in (torch.float32, torch.float16):
+        q = qg.to(dtype)[..., d:]
+        got = paged_prefill_attention_triton(q, k4, v4, pages, start, d ** -0.5, scale, config={"BLOCK_N": 16})
+        ref = paged_attention_ref(q, k4, v4, pages, start, d ** -0.5, scale)
+        assert rel_rms(got, ref) < TOL[dtype], dtype
+    with pytest.raises(ValueError, match="kv_scale"):
+        paged_prefill_attention_triton(q, k4, v4, pages, start, d ** -0.5)
+    with pytest.raises(ValueError, match="does not fit"):
+        paged_prefill_attention_triton(q[..., :16], k4, v4, pages, start, d ** -0.5, scale)
 
 
 def test_dispatcher_runs_the_kernel_in_interpreter_tests(monkeypatch):

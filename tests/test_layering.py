@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "ft"
 
 RANK = {"errors": 0, "units": 0, "schemas": 0, "kernels": 1, "memory": 2, "model": 3, "tools": 4, "engine": 5,
-        "server": 6, "cli": 7, "serve_cmd": 7, "generate_cmd": 7, "engine_args": 7}
+        "server": 6, "cli": 7, "serve_cmd": 7, "generate_cmd": 7, "engine_args": 7, "preflight": 7, "argparser": 0}
 CLIENTS = {"ctl", "tui"}
 
 
@@ -66,7 +66,7 @@ def test_layers_point_one_way():
         for dst in dsts:
             b = _layer(dst)
             if a in CLIENTS:
-                ok = b in CLIENTS | {"schemas", "units"}
+                ok = b in CLIENTS | {"schemas", "units", "argparser"}  # argparser: stdlib only
             elif b in CLIENTS:
                 ok = a in ("cli",)
             else:

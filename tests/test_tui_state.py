@@ -1,4 +1,5 @@
-"""`ft top`'s pure logic: budget-bar arithmetic, range checks, ring buffers, lenient parsing, and
+"""`ft top`'s pure logic: budget-bar arithmetic, range checks, ring buffers, lenient parsing, the
+figures' age and the order of answers, rung labels, plot scales and rows, and
 that its pool cells read exactly as `ft ctl cache` prints them. No UI here."""
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ import sys
 import pytest
 
 from ft.ctl.format import format_cache
-from ft.schemas import CacheState, Event, LiveRates
+from ft.schemas import CacheState, Event, LadderState, LiveRates, RequestList
 from ft.tui.source import lenient, rates_between
-from ft.tui.state import (RateHistory, backoff_delays, budget_segments, check_targets, format_uptime, parse_target,
-                          pool_cells, range_track)
+from ft.tui.state import (RateHistory, backoff_delays, bucket_max, budget_segments, check_targets, format_age,
+                          format_scale, format_uptime, is_newer, is_stale, nice_ceiling, parse_target, plot_rows,
+                          pool_cells, range_track, rung_label)
 
 
 def state(**over) -> CacheState:
@@ -126,3 +128,53 @@ def test_import_hygiene_no_torch():
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'ft.engine', 'ft.server'))]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_age_and_staleness():
+    assert [format_age(s) for s in (0, 0.44, 9.95, 12, 303)] == ["0.0 s", "0.4 s", "9.9 s", "12 s", "5m03s"]
+    assert not is_stale(2.9, 1.0) and is_stale(3.1, 1.0)
+    assert not is_stale(0.9, 0.1) and is_stale(1.1, 0.1)  # never under a second
+    assert not is_stale(14, 5.0) and is_stale(16, 5.0)
+
+
+def test_newer_answers_only():
+    shown = state(uptime_s=100.0, started_at=5.0)
+    assert is_newer(shown, None)
+    assert is_newer(state(uptime_s=100.5, started_at=5.0), shown)
+    assert is_newer(state(uptime_s=100.0, started_at=5.0), shown)  # the same moment: harmless
+    assert not is_newer(state(uptime_s=99.9, started_at=5.0), shown)  # out of order
+    assert is_newer(state(uptime_s=1.0, started_at=900.0), shown)  # a restart
+    assert is_newer(CacheState(state="starting"), shown)  # not serving yet: no stamp
+    assert not is_newer(RequestList(uptime_s=99.0, started_at=5.0), RequestList(uptime_s=99.5, started_at=5.0))
+
+
+def test_rung_label_counts_from_one():
+    lad = LadderState(enabled=True, rungs=[512, 768, 1024], current=1)
+    assert [rung_label(lad, kv) for kv in (512, 768, 1024, 600, 256, 2048)] == [
+        "rung 1/3", "rung 2/3", "rung 3/3", "between rungs 1 and 2 of 3", "below rung 1 of 3", "above rung 3 of 3"]
+    assert rung_label(LadderState(), 512) == ""
+
+
+def test_plot_scale_and_rows():
+    assert [nice_ceiling(x) for x in (0, 0.3, 1, 1.2, 2.2, 3, 9.5, 95, 101)] == [1, 0.5, 1, 2, 2.5, 5, 10, 100, 200]
+    assert bucket_max([1, 5, 2, 2, 9, 0], 3) == [5, 2, 9] and bucket_max([1, 2], 5) == [1, 2]
+    assert plot_rows([0, 4, 8], 0, 8, 5, 1) == ["  ▁▄█"]  # newest right, blank left, 0 keeps a baseline
+    assert plot_rows([0, 8, 16, 24], 0, 24, 4, 3) == ["   █", "  ██", "▁███"]
+    assert plot_rows([50], 0, 10, 2, 1) == [" █"]  # clamped to the top
+    assert [format_scale(1.0, "%"), format_scale(0.0, "%"), format_scale(100.0, "tok/s"), format_scale(2.5, "")] \
+        == ["100%", "0%", "100 tok/s", "2.5"]
+    h = RateHistory(3)
+    for t in (10.0, 11.0, 12.5, 14.0):
+        h.push(LiveRates(), t)
+    assert h.span() == 4.0 - 1.0 and len(h) == 3
+
+
+def test_top_takes_admin_token_flag():
+    import argparse
+
+    from ft.tui.cli import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["top", "--admin-token", "a"]).token == "a"
+    assert parser.parse_args(["top", "--token", "b"]).token == "b"

@@ -4,6 +4,7 @@
     ft ctl cache --moe 1024 --kv 65536 --wait 300
     ft ctl cache --kv 131072 --dry-run         the plan: steps, peak, fits or not
     ft ctl history                             past rebuilds, newest first
+    ft ctl requests                            running and waiting requests
     ft ctl ladder --auto on | --up | --down | --rung N
 
 Exit codes: 0 done, 1 refused / rolled back / not finished in time, 2 usage error, 3 server
@@ -19,6 +20,7 @@ import argparse
 import sys
 from typing import Any
 
+from ft.argparser import Parser, RawHelpFormatter
 from ft.units import seconds_arg
 
 # Tests (or embedders) may set an httpx transport here, e.g. httpx.MockTransport(handler).
@@ -64,24 +66,25 @@ def _common(p: argparse.ArgumentParser, suppress: bool) -> None:
 
 def add_parser(sub) -> None:
     """Register `ctl` on the top-level `ft` subparsers."""
-    fmt = argparse.RawDescriptionHelpFormatter
+    fmt = RawHelpFormatter  # the descriptions' line breaks kept; defaults shown
     p = sub.add_parser("ctl", help="inspect and resize a running server's caches",
                        description="Inspect and resize a running `ft serve`'s caches through its admin API.",
                        epilog=EPILOG, formatter_class=fmt)
     _common(p, suppress=False)
     p.set_defaults(func=run, ctl_func=None, ctl_usage=p.format_usage)
-    cmds = p.add_subparsers(dest="ctl_command", metavar="{cache,history,ladder}")
+    cmds = p.add_subparsers(dest="ctl_command", metavar="{cache,history,requests,ladder}")
 
     c = cmds.add_parser(
         "cache", help="show the cache pools, or resize them", epilog=EPILOG, formatter_class=fmt,
         description="Without targets: show the pools (size, bytes, reachable range).\n"
                     "With targets: rebuild the caches at those sizes (pools not named keep\n"
                     "their size), then show the new state.")
-    c.add_argument("--moe", type=_count, metavar="SLOTS", help="MoE expert cache size in slots")
-    c.add_argument("--kv", type=_count, metavar="TOKENS", help="KV cache size in tokens")
-    c.add_argument("--mamba", type=_count, metavar="SLOTS", help="mamba state cache size in slots")
+    c.add_argument("--moe", type=_count, metavar="SLOTS", help="MoE expert cache size in slots (default: unchanged)")
+    c.add_argument("--kv", type=_count, metavar="TOKENS", help="KV cache size in tokens (default: unchanged)")
+    c.add_argument("--mamba", type=_count, metavar="SLOTS", help="mamba state cache size in slots (default: unchanged)")
     c.add_argument("--wait", type=_wait, metavar="S",
-                   help="seconds the server waits for running requests and the rebuild (0..3600)")
+                   help="seconds the server waits for running requests and the rebuild (0..3600) "
+                        "(default: none: refused at once if running requests hold what it needs)")
     c.add_argument("--dry-run", action="store_true",
                    help="only plan: print the steps and the peak against the budget (exit 1 if it does not fit)")
     c.add_argument("--json", action="store_true", help="print the server's JSON")
@@ -94,18 +97,26 @@ def add_parser(sub) -> None:
     _common(h, suppress=True)
     h.set_defaults(ctl_func=_cmd_history)
 
+    rq = cmds.add_parser("requests", help="running and waiting requests", epilog=EPILOG, formatter_class=fmt,
+                         description="The running requests (batch order), then the waiting ones (queue order):\n"
+                                     "id, state, prompt and generated tokens, KV pages held, age.")
+    rq.add_argument("--limit", type=int, default=200, help="list at most this many requests")
+    rq.add_argument("--json", action="store_true", help="print the server's JSON")
+    _common(rq, suppress=True)
+    rq.set_defaults(ctl_func=_cmd_requests)
+
     lad = cmds.add_parser(
         "ladder", help="show or steer the KV/MoE ladder", epilog=EPILOG, formatter_class=fmt,
         description="Without options: show the caches and the ladder. --auto turns automatic\n"
                     "laddering on or off; --up / --down / --rung move the KV cache to another\n"
                     "rung now (trading MoE slots for KV tokens or back).")
-    lad.add_argument("--auto", choices=("on", "off"), help="automatic laddering on or off")
+    lad.add_argument("--auto", choices=("on", "off"), help="automatic laddering on or off (default: unchanged)")
     move = lad.add_mutually_exclusive_group()
     move.add_argument("--up", action="store_const", const="up", dest="rung", help="one rung up (more KV)")
     move.add_argument("--down", action="store_const", const="down", dest="rung", help="one rung down (more MoE)")
     move.add_argument("--rung", type=_rung_number, metavar="N", dest="rung",
                       help="go to rung N, counted from 1 (the first rung `ft ctl cache` lists), as `ft top` "
-                           "and the `ft serve` banner count them")
+                           "and the `ft serve` banner count them (default: stay)")
     lad.add_argument("--json", action="store_true", help="print the server's JSON")
     _common(lad, suppress=True)
     lad.set_defaults(ctl_func=_cmd_ladder)
@@ -122,7 +133,7 @@ def main(argv: list[str] | None = None, transport: Any = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] != "ctl":
         argv = ["ctl", *argv]
-    parser = argparse.ArgumentParser(prog="ft")
+    parser = Parser(prog="ft")
     add_parser(parser.add_subparsers(dest="command"))
     try:
         args = parser.parse_args(argv)
@@ -134,7 +145,7 @@ def main(argv: list[str] | None = None, transport: Any = None) -> int:
 def _run(args: argparse.Namespace, transport: Any) -> int:
     if args.ctl_func is None:
         sys.stderr.write(args.ctl_usage())
-        print("ft ctl: choose a command: cache, history or ladder (see `ft ctl --help`)", file=sys.stderr)
+        print("ft ctl: choose a command: cache, history, requests or ladder (see `ft ctl --help`)", file=sys.stderr)
         return 2
     from ft.ctl.client import AdminClient, CtlError, default_token, default_url
 
@@ -190,6 +201,18 @@ def _cmd_history(client, args) -> int:
 
     hist = client.history()
     _print(client, args.json, lambda: fmt.format_history(hist))
+    return 0
+
+
+def _cmd_requests(client, args) -> int:
+    from ft.ctl import format as fmt
+
+    if args.limit < 1:
+        from ft.ctl.client import EXIT_USAGE, CtlError
+
+        raise CtlError(f"--limit must be at least 1, got {args.limit}", EXIT_USAGE)
+    listing = client.requests(limit=args.limit)
+    _print(client, args.json, lambda: fmt.format_requests(listing))
     return 0
 
 

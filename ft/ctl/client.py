@@ -14,7 +14,7 @@ from typing import Any, Self, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from ft.schemas import CacheState, History, ResizePlan, ResizeRequest
+from ft.schemas import CacheState, History, RequestList, ResizePlan, ResizeRequest
 
 DEFAULT_URL = "http://127.0.0.1:30000"
 DEFAULT_TIMEOUT_S = 10.0
@@ -154,6 +154,11 @@ class AdminClient:
     def history(self) -> History:
         """GET /admin/cache/history."""
         return self._call("GET", "/admin/cache/history", History)
+
+    def requests(self, limit: int | None = None) -> RequestList:
+        """GET /admin/requests: the running and waiting requests (at most `limit`, else the server's default)."""
+        path = "/admin/requests" if limit is None else f"/admin/requests?limit={int(limit)}"
+        return self._call("GET", path, RequestList)
 
     def ladder(self, auto: bool | None = None, rung: int | str | None = None) -> CacheState:
         """POST /admin/ladder: turn the automatic ladder on or off and/or move to a rung

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from ft.schemas import CacheState, History, HistoryEntry, LadderState, ResizePlan
+from ft.schemas import CacheState, History, HistoryEntry, LadderState, RequestList, ResizePlan
 from ft.units import format_bytes
 
 POOL_ORDER = ("moe", "kv", "mamba")
@@ -219,6 +219,25 @@ def format_history(history: History) -> str:
         if e.error:
             lines.append(f"{pad}error: {_one_line(e.error)}")
     return "\n".join(lines)
+
+
+def format_requests(listing: RequestList) -> str:
+    """The running requests, then the waiting ones, one row each, and a count line.
+
+     id          state    prompt  generated  kv pages    age
+     cmpl-3f2a…  decode      812         40        14  3.2 s
+     cmpl-9b1c…  waiting     120          0         0  0.4 s
+    2 running, 1 waiting
+    """
+    counts = f"{listing.running} running, {listing.waiting} waiting"
+    if not listing.requests:
+        return counts
+    header = ["id", "state", "prompt", "generated", "kv pages", "age"]
+    rows = [[r.id, r.state, str(r.prompt_tokens), str(r.generated_tokens), str(r.kv_pages), format_duration(r.age_s)]
+            for r in listing.requests]
+    lines = _table([header] + rows, indent=" ", right=frozenset({2, 3, 4, 5}))
+    shown = f" (first {len(listing.requests)} shown)" if listing.truncated else ""
+    return "\n".join([*lines, counts + shown])
 
 
 def _one_line(text: str) -> str:

@@ -31,6 +31,7 @@ from ft.engine.sequence import Sequence
 from ft.engine.tokenizer import Tokenizer
 from ft.errors import ConfigError, RequestError
 from ft.memory.cache_pools import CachePools
+from ft.memory.kv_pool import NVFP4_KV
 from ft.model.config import ModelConfig
 
 log = logging.getLogger("ft.engine")
@@ -45,7 +46,9 @@ class Engine:
         )
         self.model_path = resolve_model_path(config.model)
         cfg = self.model_config = ModelConfig.from_file(self.model_path)
-        self.tokenizer = Tokenizer.from_dir(tokenizer_dir(self.model_path))
+        self.tokenizer = Tokenizer.from_dir(  # --tokenizer / --chat-template replace the checkpoint's
+            config.tokenizer or tokenizer_dir(self.model_path), chat_template=config.chat_template,
+            model_dir=self.model_path if config.tokenizer and self.model_path.is_dir() else None)
         self.model, host_experts = load_model(config.model, self.model_path, cfg, self.dtype, self.device,
                                               config.seed, config.progress)
         self.context_limit = config.max_seq_len_override or cfg.max_position_embeddings
@@ -67,7 +70,7 @@ class Engine:
             config.moe_cache_size, None if config.storage_backend == "auto" else config.storage_backend,
         ), floor)
         pools = self.cache.pools
-        if pools.kv.scales is not None and self.model.kv_scales is not None:  # the checkpoint's FP8 KV scales
+        if pools.kv.scales is not None and pools.kv.kv.dtype == self._checkpoint_kv_dtype():  # its KV scales
             pools.kv.scales.copy_(self.model.kv_scales)
         if pools.experts is not None:
             pools.experts.policy = config.expert_policy
@@ -91,18 +94,29 @@ class Engine:
         self._requests: dict[str, Sequence] = {}
         self.current_work: ScheduledWork | None = None  # the work of a step in progress (None between steps)
         self.started_at = time.time()
+        self.started_monotonic = time.monotonic()  # the admin API's uptime never goes backwards
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
 
+    def _checkpoint_kv_dtype(self) -> torch.dtype | None:
+        """The KV dtype the checkpoint's KV scales describe: fp8, or NVFP4 when its ModelOpt
+        kv_cache_quant_algo says NVFP4; None when it carries no KV scales."""
+        if self.model.kv_scales is None:
+            return None
+        return KV_ALGO_DTYPES[getattr(self.model, "kv_cache_quant_algo", None) or "FP8"]
+
     def _kv_dtype(self, config: EngineConfig) -> torch.dtype:
-        """The KV pool's dtype: the flag's; "auto" is fp8 when the checkpoint carries FP8 KV scales
-        (ModelOpt's kv_cache_quant_algo), else the compute dtype. bf16 ignores such scales (they only
-        describe an fp8 cache), and says so."""
-        scaled = self.model.kv_scales is not None
+        """The KV pool's dtype: the flag's; "auto" is the checkpoint's KV format when it carries KV
+        scales (ModelOpt's kv_cache_quant_algo: FP8 -> fp8, NVFP4 -> nvfp4), else the compute dtype.
+        Another dtype ignores such scales (they only describe the checkpoint's format: the pool's
+        scales stay 1.0), and says so."""
+        ckpt = self._checkpoint_kv_dtype()
         if config.kv_cache_dtype == "auto":
-            return torch.float8_e4m3fn if scaled else self.dtype
-        if scaled and config.kv_cache_dtype != "fp8":
-            log.info("the checkpoint's FP8 KV scales are not used: --kv-cache-dtype %s", config.kv_cache_dtype)
-        return KV_DTYPES[config.kv_cache_dtype]
+            return ckpt or self.dtype
+        want = KV_DTYPES[config.kv_cache_dtype]
+        if ckpt is not None and want != ckpt:
+            log.info("the checkpoint's %s KV scales are not used: --kv-cache-dtype %s",
+                     "NVFP4" if ckpt == NVFP4_KV else "FP8", config.kv_cache_dtype)
+        return want
 
     def _trace_routing(self, config: EngineConfig, cfg) -> TraceRouting | None:
         """Synthetic models whose config has "routing_trace": experts from per-request traces."""
@@ -135,6 +149,10 @@ class Engine:
         bad = next((t for t in prompt_ids if not 0 <= int(t) < vocab), None)
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        for what, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestError(f"{what}: token id {bad} is outside the vocabulary (0..{vocab - 1})")
         limit = self.servable_context
         if n >= limit:
             raise RequestError(f"the prompt is {n} tokens; {self.context_reason(limit)} "
@@ -148,12 +166,29 @@ class Engine:
                        open_ended=params.max_new_tokens is None)
         if request_id:
             seq.request_id = request_id
+        if params.logprobs is not None:
+            seq.logprobs = []
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None] * n
         if not params.greedy:
             seq.seed = int(params.seed) if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
+        if params.grammar is not None:  # structured output: a matcher of its own (RequestError: a bad grammar)
+            seq.grammar = self._grammar_compiler().matcher(params.grammar)
         seq.text = OutputText(self.tokenizer.incremental_decoder(), params.stop)
         self._requests[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def _grammar_compiler(self):
+        """The grammar compiler over this model's tokenizer (built on first use: its token trie)."""
+        compiler = getattr(self, "_grammars", None)
+        if compiler is None:
+            from ft.engine.grammar import GrammarCompiler
+
+            eos = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+            compiler = self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
+                                                        eos)
+        return compiler
 
     @property
     def servable_context(self) -> int:
@@ -181,6 +216,7 @@ class Engine:
         if seq is None or seq.is_finished:
             return False
         self.scheduler.finish(seq, "abort", cache=False)
+        seq.grammar = None
         return True
 
     @property
@@ -200,6 +236,7 @@ class Engine:
         if work is None:
             return rejected + self._reject_unservable()
         self.current_work = work  # NOTE: what a step that raises was running (the server fails only those)
+        self.runner.last_logprobs, self.runner.last_prompt_logprobs = [], []  # (a stand-in runner may leave them)
         tokens = self.runner.run(work)
         self.current_work = None
         return rejected + self._postprocess(work, tokens)
@@ -227,23 +264,36 @@ class Engine:
         seq.error = error
         self.scheduler.finish(seq, "error", cache=False)
         self._requests.pop(seq.request_id, None)
+        seq.grammar = None
         return seq
 
     def _postprocess(self, work: ScheduledWork, tokens: list[int | None]) -> list[Sequence]:
         out = []
         self.counters["steps"] += 1
-        for seq, n, token in zip(work.seqs, work.num_tokens, tokens):
+        for seq, first, entries in self.runner.last_prompt_logprobs:
+            seq.prompt_logprobs[first : first + len(entries)] = entries
+        logprobs = self.runner.last_logprobs if len(self.runner.last_logprobs) == len(tokens) else [None] * len(tokens)
+        for seq, n, token, lp in zip(work.seqs, work.num_tokens, tokens, logprobs):
             if seq.num_computed < len(seq.prompt_ids):
                 self.counters["prompt_tokens"] += min(n, len(seq.prompt_ids) - seq.num_computed)
             seq.num_computed += n
             if token is None:
                 continue  # a chunk of a longer prompt: no token yet
             seq.output_ids.append(token)
+            if seq.logprobs is not None:
+                seq.logprobs.append(lp)
+            if seq.first_token_at is None:
+                seq.first_token_at = time.monotonic()
             self.counters["generation_tokens"] += 1
+            if seq.grammar is not None and not seq.grammar.accept(token):
+                seq.text.step(token)  # NOTE: the mask forbids this; a matcher failure ends the request
+                out.append(self._fail(seq, f"structured output: {seq.grammar.error or 'token not allowed'}"))
+                continue
             reason = self._finish_reason(seq, token)
             if reason:
                 self.scheduler.finish(seq, reason)
                 self._requests.pop(seq.request_id, None)
+                seq.grammar = None  # its matcher is freed with it
             out.append(seq)
         return out
 
@@ -255,6 +305,9 @@ class Engine:
             return "stop"
         if seq.text.stop_found:
             seq.stop_text = seq.text.cut()
+            return "stop"
+        if seq.grammar is not None and seq.grammar.done:  # the grammar is complete: nothing else may follow
+            seq.text.finish()
             return "stop"
         if len(seq.output_ids) >= seq.max_new_tokens or seq.num_tokens >= self.context_limit:
             seq.text.finish()
@@ -297,8 +350,11 @@ class Engine:
         }
 
 
-KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
-"""--kv-cache-dtype -> the KV pool's dtype ("auto": the compute dtype)."""
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "nvfp4": NVFP4_KV}
+"""--kv-cache-dtype -> the KV pool's dtype ("auto": `Engine._kv_dtype`; nvfp4: `ft.memory.kv_pool.NVFP4_KV`)."""
+
+KV_ALGO_DTYPES = {"FP8": torch.float8_e4m3fn, "NVFP4": NVFP4_KV}
+"""A checkpoint's kv_cache_quant_algo (ModelOpt) -> the KV dtype its KV scales describe."""
 
 
 def _device(spec: str) -> torch.device:

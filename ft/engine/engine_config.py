@@ -9,13 +9,15 @@ from ft.errors import ConfigError
 from ft.units import parse_bytes
 
 
-KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
-"""--kv-cache-dtype values (nvfp4 is the long-context issue's next step)."""
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8", "nvfp4")
+"""--kv-cache-dtype values (the engine maps them to the pool's dtype: `ft.engine.engine.KV_DTYPES`)."""
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # checkpoint directory; None or "demo": the built-in demo model
+    tokenizer: str | None = None  # directory with tokenizer.json (+ tokenizer_config.json); None: the checkpoint's
+    chat_template: str | None = None  # a Jinja file's path or the template text; None: the tokenizer's own
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16
     moe_backend: str = "offload"  # offload | resident
@@ -24,7 +26,7 @@ class EngineConfig:
     expert_policy: str = "lru"  # lru | lfu: which resident experts make room for misses (offload)
     expert_read_through: bool = True  # offloaded decode reads misses from host memory inside the step
     num_tokens: int | None = None  # KV capacity in tokens; None: the whole context if it fits
-    kv_cache_dtype: str = "auto"  # auto (fp8 with a checkpoint's FP8 KV scales, else the compute dtype) | bf16 | fp8
+    kv_cache_dtype: str = "auto"  # auto (a checkpoint's KV format with its scales, else compute) | bf16 | fp8 | nvfp4
     max_seq_len_override: int | None = None  # context limit instead of max_position_embeddings
     memory_ratio: float = 0.9
     gpu_memory_limit: int | str | None = None  # bytes or "16GiB": act as if the card were this big

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ft.engine.engine import Engine
 from ft.engine.engine_config import EngineConfig
 from ft.errors import RequestError
-from ft.engine.sampling_params import SamplingParams
+from ft.engine.sampling_params import SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -23,6 +23,10 @@ class GenerationResult:
     text: str
     finish_reason: str  # "stop" | "length"
     num_cached_tokens: int  # prompt tokens served from the prefix cache
+    # with SamplingParams.logprobs: one per generated token (raw logprobs, see SamplingParams)
+    logprobs: list[TokenLogprob] | None = None
+    # with SamplingParams.prompt_logprobs: one per prompt token, the first None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:
@@ -41,8 +45,9 @@ class LLM:
     ) -> list[GenerationResult]:
         """Generate for each prompt (text or token ids); results in prompt order.
 
-        `sampling` are SamplingParams fields (max_new_tokens, temperature, top_k, top_p, seed,
-        stop, stop_token_ids, ignore_eos) used when `sampling_params` is not given.
+        `sampling` are SamplingParams fields (max_new_tokens, temperature, top_k, top_p, min_p, seed,
+        stop, stop_token_ids, ignore_eos, repetition_penalty, presence_penalty, frequency_penalty,
+        logit_bias, logprobs, prompt_logprobs) used when `sampling_params` is not given.
         """
         if (prompts is None) == (prompt_token_ids is None):
             raise RequestError("give exactly one of prompts and prompt_token_ids")
@@ -58,7 +63,8 @@ class LLM:
         seqs = [self.engine.add_request(ids, sampling_params) for ids in prompt_token_ids]
         self.engine.run_until_done(seqs)
         return [
-            GenerationResult(s.prompt_ids, list(s.output_ids), self.engine.text_of(s), s.finish_reason, s.num_cached)
+            GenerationResult(s.prompt_ids, list(s.output_ids), self.engine.text_of(s), s.finish_reason, s.num_cached,
+                             s.logprobs, s.prompt_logprobs)
             for s in seqs
         ]
 

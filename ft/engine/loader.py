@@ -66,6 +66,7 @@ def load_model(
                            for k, v in weights.tensors.items()}
     m = Qwen3NextModel(cfg, weights, dtype, device)
     m.kv_scales = weights.kv_scales  # NOTE: the KV pool takes them (ft.engine.engine), the model does not
+    m.kv_cache_quant_algo = weights.kv_algo  # what the scales describe: "FP8" | "NVFP4" (None: no KV algo named)
     return m, weights.experts
 
 

@@ -10,6 +10,11 @@ sized for the largest batch, with a host staging twin (pinned on CUDA). A step w
 into the host prefix and copies that prefix to the device in one copy per buffer, so the
 addresses the model reads stay fixed from step to step (what a CUDA graph capture needs). The
 `ForwardBatch` the model gets is made of views of these buffers.
+
+Sampling extras (min-p, penalties, logit bias, logprobs, prompt logprobs) have buffers of their own
+(`sample_buffers`), loaded only on the steps that use them: the decode graphs never read them, so
+they stay out of the graphs' key and may grow without a recapture. Logprobs come back to the host
+in the same single copy as the sampled tokens (`_to_host`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from __future__ import annotations
 import torch
 
 from ft.engine.decode_graphs import DecodeGraphs
-from ft.engine.sampler import SamplingBatch, sample
+from ft.engine.grammar import GrammarMaskBuffer
+from ft.engine.sampler import GrammarMask, LogitBias, Penalties, SamplingBatch, logprobs_of, sample
+from ft.engine.sampling_params import TokenLogprob
 from ft.kernels.backend import debug_checks
 from ft.kernels.moe import runs_triton
 from ft.engine.scheduler import ScheduledWork
@@ -129,9 +136,29 @@ class ModelRunner:
                 ("temperature", rows, f32), ("top_k", rows, i64), ("top_p", rows, f32), ("uniform", rows, f32),
             )
         }
+        # NOTE: not read by the forward's decode graphs (only the prefill reads logit_index): kept out of
+        # `self.buffers`, whose addresses key the graphs, so that growing one recaptures nothing
+        self.sample_buffers: dict[str, StagedBuffer] = {
+            name: StagedBuffer(n, dtype, device) for name, n, dtype in (
+                ("min_p", rows, f32), ("pen_rows", rows, i64), ("pen_rep", rows, f32), ("pen_pres", rows, f32),
+                ("pen_freq", rows, f32), ("bias_rows", rows, i64), ("bias_tokens", rows, i64),
+                ("bias_values", rows, f32), ("lp_rows", rows, i64), ("logit_index", tokens, i64),
+                ("sample_rows", rows, i64), ("prompt_rows", tokens, i64), ("prompt_targets", tokens, i64),
+                ("grammar_rows", rows, i64),
+            )
+        }
+        self.grammar_masks = GrammarMaskBuffer(device)  # the bitmasks of the rows with a grammar
+        self.penalties = PenaltyState(device, rows)
+        self._pen_slots: torch.Tensor | None = None  # this step's penalty slots (set by `sampling`)
+        self._plan: _LogitPlan | None = None  # set by `prepare` when prompt positions need logits
+        # of the last step, per sequence of its work: the sampled token's logprobs (None where not
+        # asked or no token) and the prompt logprobs computed (sequence, first position, entries)
+        self.last_logprobs: list[TokenLogprob | None] = []
+        self.last_prompt_logprobs: list[tuple[Sequence, int, list[TokenLogprob]]] = []
         self.page_table = PageTableBuffer(rows, max_pages_per_seq, device)
         self.routing = None  # a `routing_override.TraceRouting` (synthetic traces): set by the engine
         self._sampled = torch.zeros(rows, dtype=i64, pin_memory=device.type == "cuda")  # host side of token ids
+        self._packed = torch.zeros(rows, dtype=torch.float64, pin_memory=device.type == "cuda")  # ids + logprobs
         self._event = torch.cuda.Event() if device.type == "cuda" else None
         self.last_logits: torch.Tensor | None = None  # [B, V] of the last step (tests and debugging)
 
@@ -141,19 +168,39 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         last, slots = [], []
+        # prompt logprobs: the logits of every position of a chunk whose next tokens are prompt tokens
+        index, sample_rows, prompt_rows, targets, spans = [], [], [], [], []
         for seq, n in zip(work.seqs, work.num_tokens):
             start = seq.num_computed
+            base = len(ids)
             ids.extend(_tokens(seq, start, n))
             pos.extend(range(start, start + n))
             last.append(len(ids) - 1)
             slots.append(seq.mamba_slot)
+            # positions start..start+m-1 predict prompt tokens start+1..start+m
+            m = min(start + n, len(seq.prompt_ids) - 1) - start if seq.needs_prompt_logits else 0
+            if m > 0:
+                first = len(index)
+                index.extend(range(base, base + n))
+                prompt_rows.extend(range(first, first + m))
+                targets.extend(seq.prompt_ids[start + 1 : start + 1 + m])
+                spans.append((seq, start + 1, m))
+            else:
+                index.append(base + n - 1)
+            sample_rows.append(len(index) - 1)
         buf = self.buffers
         tables = self.page_table.load([seq.pages for seq in work.seqs])
         slices = [SeqSlice(seq.num_computed, n, table, seq.mamba_slot)
                   for seq, n, table in zip(work.seqs, work.num_tokens, tables)]
         batch = ForwardBatch(buf["input_ids"].load(ids), buf["positions"].load(pos), slices)
         # NOTE: these two are cached properties of ForwardBatch: set here, they are buffer views.
-        batch.last_token_index = buf["last_token_index"].load(last)
+        if spans:  # the model returns the logits of `index` (every position of those chunks)
+            sb = self.sample_buffers
+            batch.last_token_index = sb["logit_index"].load(index)
+            self._plan = _LogitPlan(sb["sample_rows"].load(sample_rows), sb["prompt_rows"].load(prompt_rows),
+                                    sb["prompt_targets"].load(targets), spans)
+        else:
+            batch.last_token_index = buf["last_token_index"].load(last)
         batch.mamba_slots = buf["mamba_slots"].load(slots)
         batch.forced_experts = self._forced([s.request_id for s in work.seqs], list(work.num_tokens))
         return batch
@@ -173,15 +220,45 @@ class ModelRunner:
                                                                 torch.int64, self.device)
         return buf.load(values).view(-1, r.num_layers, r.top_k)
 
-    def sampling(self, seqs: list[Sequence]) -> SamplingBatch:
-        """The rows' sampling parameters in the buffers; step = tokens generated so far."""
-        rows = [SamplingBatch.row(s.params, s.seed, len(s.output_ids)) for s in seqs]
-        temp, top_k, top_p, uniform = (list(c) for c in zip(*rows))
-        buf = self.buffers
-        return SamplingBatch(
+    def sampling(self, seqs: list[Sequence], done: list[bool] | None = None, vocab: int | None = None) -> SamplingBatch:
+        """The rows' sampling parameters in the buffers; step = tokens generated so far. Penalties,
+        logit biases and grammar bitmasks are loaded for the rows in `done` only (the others'
+        tokens are discarded: their counts must not change); `vocab` (V) sizes the penalty state."""
+        done = [True] * len(seqs) if done is None else done
+        params = [s.params for s in seqs]
+        rows = [SamplingBatch.row(p, s.seed, len(s.output_ids)) for p, s in zip(params, seqs)]
+        temp, top_k, top_p, min_p, uniform = (list(c) for c in zip(*rows))
+        all_greedy, any_filter, any_min_p = SamplingBatch.flags(params)
+        buf, sb = self.buffers, self.sample_buffers
+        batch = SamplingBatch(
             buf["temperature"].load(temp), buf["top_k"].load(top_k), buf["top_p"].load(top_p),
-            buf["uniform"].load(uniform), *SamplingBatch.flags([s.params for s in seqs]),
+            buf["uniform"].load(uniform), all_greedy, any_filter, sb["min_p"].load(min_p) if any_min_p else None,
         )
+        self._pen_slots = None
+        pen = [i for i, (p, d) in enumerate(zip(params, done)) if d and p.has_penalties]
+        if pen:
+            pp = [params[i] for i in pen]
+            state = self.penalties
+            self._pen_slots = slots = state.slots([seqs[i] for i in pen], vocab)
+            any_rep = any(p.repetition_penalty != 1.0 for p in pp)
+            batch.penalties = Penalties(
+                sb["pen_rows"].load(pen), state.counts.index_select(0, slots),
+                state.in_prompt.index_select(0, slots) if any_rep else None,
+                sb["pen_rep"].load([p.repetition_penalty for p in pp]),
+                sb["pen_pres"].load([p.presence_penalty for p in pp]),
+                sb["pen_freq"].load([p.frequency_penalty for p in pp]),
+            )
+        bias = [(i, t, v) for i, (p, d) in enumerate(zip(params, done)) if d for t, v in p.logit_bias]
+        if bias:
+            r, t, v = zip(*bias)
+            batch.bias = LogitBias(sb["bias_rows"].load(r), sb["bias_tokens"].load(t), sb["bias_values"].load(v))
+        # structured output: the host-side matchers fill their rows' bitmasks, one non-blocking copy
+        gram = [i for i, (s, d) in enumerate(zip(seqs, done)) if d and s.grammar is not None]
+        if gram:
+            matchers = [seqs[i].grammar for i in gram]
+            batch.grammar = GrammarMask(sb["grammar_rows"].load(gram),
+                                        self.grammar_masks.load(matchers, matchers[0].words))
+        return batch
 
     # ------------------------------------------------------------------------------- step
     def prepare_decode(self, seqs: list[Sequence], n: int) -> ForwardBatch:
@@ -209,25 +286,64 @@ class ModelRunner:
 
     def run(self, work: ScheduledWork) -> list[int | None]:
         """One forward pass over `work`; for each sequence the sampled token, or None when its
-        part was a chunk of a longer prompt (no token yet)."""
+        part was a chunk of a longer prompt (no token yet). The logprobs that sequences asked for
+        are left in `last_logprobs` and `last_prompt_logprobs`."""
         experts = self.pools.experts
         if experts is not None:
             experts.collect()  # NOTE: the last offloaded decode step's landings, before anything reads the cache
+        self._plan = None
         if not work.is_prefill and all(n == 1 for n in work.num_tokens):
             logits = self._decode(work.seqs)
             done = [True] * len(work.seqs)
         else:
-            logits = self.model.forward(self.prepare(work), self.pools)  # [B, V] float32
+            logits = self.model.forward(self.prepare(work), self.pools)  # [B, V] float32 ([N, V] with a plan)
             done = [seq.num_computed + n >= seq.num_tokens for seq, n in zip(work.seqs, work.num_tokens)]
+        plan, self._plan = self._plan, None
+        every = logits
+        if plan is not None:  # the sequences' last positions, among every position computed
+            logits = every.index_select(0, plan.sample_rows)
         self._count_hits(sum(work.num_tokens))
         self.last_logits = logits
-        if not any(done):  # chunks of longer prompts only
+        self.last_logprobs = [None] * len(done)
+        self.last_prompt_logprobs = []
+        if not any(done) and plan is None:  # chunks of longer prompts only
             self._wait()
             return [None] * len(done)
-        sampled = sample(logits, self.sampling(work.seqs))
+        sampled, lp_rows, k = None, [], 0
+        extras: list[torch.Tensor] = []  # device tensors that travel with the tokens
+        if any(done):
+            batch = self.sampling(work.seqs, done, logits.shape[-1])
+            sampled = sample(logits, batch)
+            if batch.penalties is not None:  # the penalty state counts the new tokens
+                self.penalties.record(self._pen_slots, sampled.index_select(0, batch.penalties.rows))
+            lp_rows = [i for i, (s, d) in enumerate(zip(work.seqs, done)) if d and s.params.logprobs is not None]
+            if lp_rows:
+                k = max(work.seqs[i].params.logprobs for i in lp_rows)
+                rows = None if len(lp_rows) == len(done) else self.sample_buffers["lp_rows"].load(lp_rows)
+                sel = logits if rows is None else logits.index_select(0, rows)
+                extras += logprobs_of(sel, sampled if rows is None else sampled.index_select(0, rows), k)
+        if plan is not None:
+            kp = max(seq.params.prompt_logprobs for seq, _, _ in plan.spans)
+            extras += logprobs_of(every.index_select(0, plan.prompt_rows), plan.prompt_targets, kp)
         if self.routing is not None:  # NOTE: while the device works: the next step's traced experts
             self.routing.prefetch([s.request_id for s, d in zip(work.seqs, done) if d])
-        tokens = self._to_host(sampled)
+        tokens, values = self._to_host(sampled, extras)
+        if lp_rows:
+            own, top_v, top_i = values[:3]
+            values = values[3:]
+            for j, i in enumerate(lp_rows):
+                kk = work.seqs[i].params.logprobs
+                self.last_logprobs[i] = _entry(tokens[i], own, top_v, top_i, j, k, kk)
+        if plan is not None:
+            own, top_v, top_i = values
+            j = 0
+            for seq, first, m in plan.spans:
+                kk = seq.params.prompt_logprobs
+                entries = [_entry(seq.prompt_ids[first + q], own, top_v, top_i, j + q, kp, kk) for q in range(m)]
+                self.last_prompt_logprobs.append((seq, first, entries))
+                j += m
+        if sampled is None:
+            return [None] * len(done)
         return [t if d else None for t, d in zip(tokens, done)]
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -271,17 +387,43 @@ class ModelRunner:
         if experts is not None and experts.all_resident:
             experts.stats.hits += tokens * self.model.moe_pairs_per_token
 
-    def _to_host(self, ids: torch.Tensor) -> list[int]:
-        """[B] int64 on the device -> Python ints: one small copy (pinned, then an event wait)."""
+    def _to_host(self, ids: torch.Tensor | None, extras: list[torch.Tensor] = ()) -> tuple[list[int], list[list[float]]]:
+        """[B] int64 on the device -> Python ints, and each extra tensor (logprobs, their ids) -> a
+        flat list of floats: one small copy (pinned, then an event wait). With extras, everything is
+        packed into one float64 tensor first (token ids < 2**53 and float32 values are exact)."""
+        if not extras:
+            if ids is None:
+                self._wait()
+                return [], []
+            if self._event is None:
+                return ids.tolist(), []
+            b = ids.shape[0]
+            if b > self._sampled.numel():  # NOTE: grows only for a batch over the constructor's size
+                self._sampled = torch.zeros(b, dtype=torch.int64, pin_memory=True)
+            out = self._sampled[:b]
+            out.copy_(ids, non_blocking=True)
+            self._wait()
+            return out.tolist(), []
+        parts = ([] if ids is None else [ids]) + list(extras)
+        sizes = [t.numel() for t in parts]
+        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in parts])
         if self._event is None:
-            return ids.tolist()
-        b = ids.shape[0]
-        if b > self._sampled.numel():  # NOTE: grows only for a batch over the constructor's size
-            self._sampled = torch.zeros(b, dtype=torch.int64, pin_memory=True)
-        out = self._sampled[:b]
-        out.copy_(ids, non_blocking=True)
-        self._wait()
-        return out.tolist()
+            values = flat.tolist()
+        else:
+            if flat.numel() > self._packed.numel():
+                self._packed = torch.zeros(max(flat.numel(), 2 * self._packed.numel()), dtype=torch.float64,
+                                           pin_memory=True)
+            out = self._packed[: flat.numel()]
+            out.copy_(flat, non_blocking=True)
+            self._wait()
+            values = out.tolist()
+        lists, at = [], 0
+        for n in sizes:
+            lists.append(values[at : at + n])
+            at += n
+        if ids is None:
+            return [], lists
+        return [int(t) for t in lists[0]], lists[1:]
 
     def _wait(self) -> None:
         """Wait for this step's device work. NOTE: every step ends here, so the next step may
@@ -298,3 +440,118 @@ def _tokens(seq: Sequence, start: int, n: int) -> list[int]:
     if start + n > p:
         out += seq.output_ids[max(0, start - p) : start + n - p]
     return out
+
+
+class _LogitPlan:
+    """A prefill step whose model output holds more rows than sequences (prompt logprobs): the row
+    of each sequence's last position (sampling), the rows whose next token is a prompt token and
+    those tokens, and per sequence (sequence, first prompt position predicted, how many)."""
+
+    def __init__(self, sample_rows: torch.Tensor, prompt_rows: torch.Tensor, prompt_targets: torch.Tensor,
+                 spans: list[tuple[Sequence, int, int]]) -> None:
+        self.sample_rows, self.prompt_rows, self.prompt_targets, self.spans = sample_rows, prompt_rows, prompt_targets, spans
+
+
+def _entry(token: int, own: list[float], top_v: list[float], top_i: list[float], j: int, k: int, kk: int) -> TokenLogprob:
+    """Row j of the host copies (top lists flat with k per row) as a TokenLogprob with kk alternatives."""
+    top = tuple((int(top_i[j * k + q]), top_v[j * k + q]) for q in range(kk))
+    return TokenLogprob(int(token), own[j], top)
+
+
+class PenaltyState:
+    """Token counts of the sequences that sample with penalties, kept on the device from step to
+    step: counts [S, V] int32 (each token's count among the generated tokens) and in_prompt [S, V]
+    bool (the prompt's tokens, filled for a repetition penalty only), one slot per sequence. A slot
+    is taken at the sequence's first penalised step (filled from its ids then, once) and freed
+    lazily once the sequence has finished; a preempted sequence keeps its slot (its generated
+    tokens stay). A step gathers its penalised rows (one index_select) and adds the tokens it
+    sampled (one index_put): no host work that grows with the sequences' lengths.
+
+    Why a table rather than scattering counts from the token ids at every step: the table costs
+    the same whatever the lengths, while rebuilding sends and scatters every generated token of
+    every penalised row at every step (quadratic over a generation). Measured on one CPU thread,
+    V = 151936, 8 rows: 0.13 ms per step with the table; rebuilding from the ids took 0.3 / 3.9 /
+    33 ms at 100 / 2000 / 16000 tokens per row. Memory: 5 bytes x V per slot (0.76 MB at V =
+    151936), for max_running_requests slots, allocated at the first penalised request only (more
+    when preempted sequences keep theirs while others run).
+    """
+
+    def __init__(self, device: torch.device, capacity: int) -> None:
+        self.device, self.capacity = device, max(1, capacity)
+        self.counts: torch.Tensor | None = None
+        self.in_prompt: torch.Tensor | None = None
+        self._holders: list[Sequence | None] = []
+        self._slot: dict[int, int] = {}  # id(sequence) -> slot (the holder list keeps it alive)
+        self._bufs = {name: StagedBuffer(self.capacity, torch.int64, device)
+                      for name in ("slots", "new", "prompt_slot", "prompt_ids", "out_slot", "out_ids")}
+
+    def slots(self, seqs: list[Sequence], vocab: int) -> torch.Tensor:
+        """The slots of `seqs` [R] int64 on the device; new ones are taken and filled."""
+        if self.counts is None or self.counts.shape[1] != vocab:
+            self._resize(self.capacity, vocab, keep=False)
+        new = [s for s in seqs if id(s) not in self._slot]
+        if new:
+            free = self._free()
+            if len(free) < len(new):
+                self._resize(len(self._holders) + len(new) - len(free), vocab, keep=True)
+                free = self._free()
+            for seq, slot in zip(new, free):
+                old = self._holders[slot]
+                if old is not None:
+                    del self._slot[id(old)]
+                self._holders[slot] = seq
+                self._slot[id(seq)] = slot
+            self._fill(new)
+        return self._bufs["slots"].load([self._slot[id(s)] for s in seqs])
+
+    def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count one more occurrence of tokens[r] in slot slots[r]."""
+        self.counts.index_put_((slots, tokens), self._one.expand(slots.shape[0]), accumulate=True)
+
+    def slot_of(self, seq: Sequence) -> int | None:
+        """The slot `seq` holds, if any (tests)."""
+        return self._slot.get(id(seq))
+
+    @property
+    def num_held(self) -> int:
+        """Slots held by sequences that have not finished (tests)."""
+        return sum(1 for h in self._holders if h is not None and not h.is_finished)
+
+    def _free(self) -> list[int]:
+        return [i for i, h in enumerate(self._holders) if h is None or h.is_finished]
+
+    def _resize(self, slots: int, vocab: int, keep: bool) -> None:
+        n = max(slots, 2 * len(self._holders)) if keep else slots
+        counts = torch.zeros(n, vocab, dtype=torch.int32, device=self.device)
+        in_prompt = torch.zeros(n, vocab, dtype=torch.bool, device=self.device)
+        if keep:
+            old = len(self._holders)
+            counts[:old], in_prompt[:old] = self.counts, self.in_prompt
+            self._holders += [None] * (n - old)
+        else:
+            self._holders, self._slot = [None] * n, {}
+        self.counts, self.in_prompt = counts, in_prompt
+        self._one = torch.ones(1, dtype=torch.int32, device=self.device)
+        self._true = torch.ones(1, dtype=torch.bool, device=self.device)
+
+    def _fill(self, seqs: list[Sequence]) -> None:
+        """Counts of the sequences' generated tokens so far, their prompt tokens (a repetition
+        penalty only): each staging buffer loaded once (a later load would overwrite the host
+        staging before the device has read it)."""
+        slots = [self._slot[id(s)] for s in seqs]
+        new = self._bufs["new"].load(slots)
+        self.counts.index_fill_(0, new, 0)
+        self.in_prompt.index_fill_(0, new, False)
+        ps, pi, os_, oi = [], [], [], []
+        for seq, slot in zip(seqs, slots):
+            if seq.params.repetition_penalty != 1.0:
+                ps += [slot] * len(seq.prompt_ids)
+                pi += seq.prompt_ids
+            os_ += [slot] * len(seq.output_ids)
+            oi += seq.output_ids
+        b = self._bufs
+        if pi:
+            self.in_prompt.index_put_((b["prompt_slot"].load(ps), b["prompt_ids"].load(pi)), self._true.expand(len(pi)))
+        if oi:
+            self.counts.index_put_((b["out_slot"].load(os_), b["out_ids"].load(oi)), self._one.expand(len(oi)),
+                                   accumulate=True)

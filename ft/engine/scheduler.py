@@ -7,6 +7,7 @@ that cannot get a page preempts the newest request (it is recomputed later, pref
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -81,6 +82,8 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(seq)
             seq.status = Status.RUNNING
+            if seq.scheduled_at is None:
+                seq.scheduled_at = time.monotonic()
             seqs.append(seq)
             counts.append(n)
             budget -= n
@@ -106,7 +109,9 @@ class Scheduler:
     # --------------------------------------------------------------------------- resources
     def _admit(self, seq: Sequence) -> bool:
         """Give `seq` a mamba slot and, when the prefix cache has its start, that prefix."""
-        match = self.prefix.match(seq.token_ids)
+        # NOTE: a request that wants its prompt's logprobs bypasses the prefix cache's read: a hit would
+        # skip computing the cached positions, whose logits it needs
+        match = None if seq.needs_prompt_logits else self.prefix.match(seq.token_ids)
         entry = match.entry if match else None
         cow = 1 if match and match.num_tokens % self.kv.page_size else 0
         if not self.prefix.evict_for(pages=cow, slots=1, protect=entry):
@@ -148,7 +153,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str, cache: bool = True) -> None:
         """Mark `seq` finished and hand its pages and state to the prefix cache (or free them)."""
-        seq.status, seq.finish_reason = Status.FINISHED, reason
+        seq.status, seq.finish_reason, seq.finished_at = Status.FINISHED, reason, time.monotonic()
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.waiting:

@@ -6,9 +6,10 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ft.engine.detokenizer import OutputText
-from ft.engine.sampling_params import SamplingParams
+from ft.engine.sampling_params import SamplingParams, TokenLogprob
 
 _ids = itertools.count()
 
@@ -45,10 +46,29 @@ class Sequence:
     text: OutputText | None = None  # its generated text, decoded once per token (set by the engine)
     queued_at: float = field(default_factory=time.time)  # unix seconds (compared with rebuild times)
     open_ended: bool = False  # sent without max_tokens: its KV need is known only as it decodes
+    # per generated token when params.logprobs is set (else None), filled by the engine
+    logprobs: list[TokenLogprob] | None = None
+    # per prompt token when params.prompt_logprobs is set (else None): the first stays None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    # its grammar's matcher (ft.engine.grammar.GrammarMatcher) when params.grammar is set: created
+    # when the request is added, advanced by each sampled token, dropped when it finishes
+    grammar: Any = None
+    # Its life in time.monotonic() seconds (per-request latency metrics): queued; first admitted to
+    # run (a preemption does not reset it); first token; finished (any reason). None: not yet.
+    arrived_at: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """The prompt's logprobs are still to compute: its prefill returns the logits of every
+        prompt position (and it must not start from the prefix cache, which skips positions)."""
+        return self.prompt_logprobs is not None and not self.output_ids
 
     @property
     def num_tokens(self) -> int:

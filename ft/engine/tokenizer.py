@@ -36,7 +36,7 @@ try:  # tokenizers >= 0.21
 except ImportError:  # pragma: no cover - depends on the installed version
     _DecodeStream = None
 
-__all__ = ["Tokenizer", "IncrementalDecoder", "ChatTemplateError"]
+__all__ = ["Tokenizer", "IncrementalDecoder", "ChatTemplateError", "resolve_chat_template"]
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -200,6 +200,33 @@ def _normalize_messages(messages: Iterable[Any]) -> list[dict[str, Any]]:
     return out
 
 
+def resolve_chat_template(value: str) -> str:
+    """`--chat-template`'s value -> the template's text: the contents of the file it names, else
+    the value itself when it reads as Jinja (it has "{{" or "{%"). The text is compiled, so a
+    template that does not compile fails here. Raises ChatTemplateError, one line, for that and for
+    anything else (a missing or unreadable file, a directory)."""
+    if os.path.isfile(value):  # never raises, even for template text too long to be a file name
+        try:
+            text = Path(value).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            why = getattr(e, "strerror", None) or e
+            raise ChatTemplateError(f"--chat-template: cannot read {value}: {why}") from None
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        text = None
+    if text is not None:
+        try:
+            _compile_chat_template(text)
+        except ChatTemplateError as e:
+            raise ChatTemplateError(f"--chat-template: {e}") from None
+        return text
+    if os.path.isdir(value):
+        raise ChatTemplateError(f"--chat-template: {value} is a directory, not a template file")
+    raise ChatTemplateError(f"--chat-template: no file {value} (and the value is not template text: it has no "
+                            "{{ or {%)")
+
+
 # ----------------------------------------------------------------------------------- tokenizer
 class Tokenizer:
     """A checkpoint's tokenizer: encode/decode, special tokens, EOS ids and its chat template."""
@@ -246,8 +273,21 @@ class Tokenizer:
 
     # ------------------------------------------------------------------------------- loading
     @classmethod
-    def from_dir(cls, path: str | os.PathLike[str]) -> "Tokenizer":
-        """Load the tokenizer files of a checkpoint directory (see the module docstring)."""
+    def from_dir(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        chat_template: str | None = None,
+        model_dir: str | os.PathLike[str] | None = None,
+    ) -> "Tokenizer":
+        """Load the tokenizer files of a checkpoint directory (see the module docstring).
+
+        `chat_template` (`--chat-template`): a template file's path or the template text
+        (`resolve_chat_template`); it replaces every template the directory has, and is compiled
+        here, so a bad one fails at load. `model_dir` (when the tokenizer comes from another
+        directory than the checkpoint, `--tokenizer`): where generation_config.json / config.json,
+        and so the EOS ids, are read; default `path`.
+        """
         root = Path(path)
         if not root.is_dir():
             raise FileNotFoundError(f"tokenizer directory {root} does not exist")
@@ -275,15 +315,20 @@ class Tokenizer:
             for f in sorted(extra_dir.glob("*.jinja")):
                 templates[f.stem] = f.read_text(encoding="utf-8")
 
+        if chat_template is not None:
+            templates = {"default": resolve_chat_template(chat_template)}
+
         # generation_config.json is what generation stops on; HF derives it from config.json
-        # when the file is absent, so fall back to config.json's eos_token_id then.
+        # when the file is absent, so fall back to config.json's eos_token_id then. Both describe
+        # the model, so they are read from the checkpoint even when the tokenizer is elsewhere.
         eos_ids: list[int] = []
-        gen = _read_json(root / GENERATION_CONFIG_FILE, required=False)
+        gen_root = Path(model_dir) if model_dir is not None else root
+        gen = _read_json(gen_root / GENERATION_CONFIG_FILE, required=False)
         if isinstance(gen, dict) and "eos_token_id" in gen:
             eos_ids = _as_id_list(gen.get("eos_token_id"))
         elif gen is None:
             try:
-                model_cfg = _read_json(root / MODEL_CONFIG_FILE, required=False)
+                model_cfg = _read_json(gen_root / MODEL_CONFIG_FILE, required=False)
             except ValueError:
                 model_cfg = None  # config.json errors are the model loader's to report
             if isinstance(model_cfg, dict):
@@ -411,7 +456,7 @@ class Tokenizer:
             raise ChatTemplateError(
                 f"the tokenizer at {self._source} has no chat template: neither "
                 f"{TOKENIZER_CONFIG_FILE} ('chat_template') nor {CHAT_TEMPLATE_FILE} provides one; "
-                "send a plain prompt instead of chat messages"
+                "send a plain prompt instead of chat messages, or give the server one (--chat-template)"
             )
         if tools and "tool_use" in self._chat_templates:
             return self._chat_templates["tool_use"]

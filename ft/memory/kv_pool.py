@@ -1,12 +1,25 @@
 """Paged KV cache of the full-attention layers.
 
-One tensor `kv` [P, L, 2, page_size, Hkv, D] (P pages, L full-attention layers, K and V):
-pages are outermost so that the pool can grow or shrink at its tail. Pages are reference
-counted so that prefix-cache entries and running requests can share them.
+One tensor `kv` [P, L, 2, page_size, Hkv, R] (P pages, L full-attention layers, K and V, R
+elements per token and kv head: R = D, the head dim, except for NVFP4): pages are outermost so
+that the pool can grow or shrink at its tail. Pages are reference counted so that prefix-cache
+entries and running requests can share them.
 
-A quantized pool (float8_e4m3fn) stores x / scale with one scale per layer for K and one for V
-(`scales` [L, 2] float32 on the device, 1.0 until a checkpoint provides its own); the attention
-kernels quantize on write and dequantize on read (`ft.kernels.attention`).
+A quantized pool stores x / scale with one scale per layer for K and one for V (`scales` [L, 2]
+float32 on the device, 1.0 until a checkpoint provides its own); the attention kernels quantize
+on write and dequantize on read (`ft.kernels.attention`, whose `reference.py` states the exact
+rounding). Quantized dtypes:
+
+* float8_e4m3fn: R = D, one e4m3 per element (x / scale, clamped to +-448).
+* NVFP4 (asked for with `NVFP4_KV`, i.e. torch.uint8): R = D/2 + D/16 bytes (D % 16 == 0), one
+  row per token and kv head: bytes [0, D/2) hold the E2M1 codes of x / (block scale * scale),
+  two per byte (element 2j in the low nibble of byte j, as the NVFP4 weights), and bytes
+  [D/2, D/2 + D/16) the float8_e4m3fn block scales (bits), one per 16 consecutive elements of D.
+  Head dim 256: 128 + 16 = 144 bytes per token, head and K or V, against bf16's 512 (the
+  flagship, 12 layers x 2 kv heads: 6,912 bytes per token against 24,576). Values and scales
+  of a token sit together so that the pool stays one tensor whose bytes per page follow from
+  its shape (what `ft.engine.cache.layout` measures), and pages copy, relocate and resize as
+  plain rows, on every storage backend.
 """
 
 from __future__ import annotations
@@ -18,8 +31,23 @@ import torch
 from ft.memory.resizable import resize_together
 from ft.memory.storage import PoolStorage
 
-QUANTIZED_KV = (torch.float8_e4m3fn,)
+NVFP4_KV = torch.uint8
+"""The dtype that asks `KVPool` for an NVFP4 pool (and the dtype of its tensor): a uint8 cache is
+NVFP4 everywhere (`ft.kernels.attention`)."""
+
+QUANTIZED_KV = (torch.float8_e4m3fn, NVFP4_KV)
 """KV dtypes stored as x / scale (per layer, K and V)."""
+
+
+def kv_row_size(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of `dtype` per token and kv head: D, or D/2 + D/16 bytes for NVFP4.
+
+    Raises: ValueError for NVFP4 with a head dim that is not a multiple of 16."""
+    if dtype != NVFP4_KV:
+        return head_dim
+    if head_dim % 16:
+        raise ValueError(f"an NVFP4 KV cache needs a head dim multiple of 16, got {head_dim}")
+    return head_dim // 2 + head_dim // 16
 
 
 class KVPool:
@@ -37,8 +65,10 @@ class KVPool:
         storage: PoolStorage | None = None,
     ) -> None:
         self.page_size = page_size
+        self.head_dim = head_dim
         self.storage = storage or PoolStorage(device)
-        self.kv = self.storage.zeros(num_pages, (num_layers, 2, page_size, num_kv_heads, head_dim), dtype)
+        row = kv_row_size(head_dim, dtype)
+        self.kv = self.storage.zeros(num_pages, (num_layers, 2, page_size, num_kv_heads, row), dtype)
         # NOTE: not a pool tensor (no per-page rows): fixed size, never resized, stable address
         self.scales = torch.ones((num_layers, 2), dtype=torch.float32, device=device) \
             if dtype in QUANTIZED_KV else None
@@ -53,6 +83,11 @@ class KVPool:
     @property
     def num_tokens(self) -> int:
         return self.num_pages * self.page_size
+
+    @property
+    def dtype_name(self) -> str:
+        """The cache's format for people: "nvfp4", else the torch dtype's name ("bfloat16", "float8_e4m3fn")."""
+        return "nvfp4" if self.kv.dtype == NVFP4_KV else str(self.kv.dtype).removeprefix("torch.")
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -76,8 +111,9 @@ class KVPool:
         return self.num_pages - len(self._free)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(k_cache, v_cache, kv_scale) of full-attention layer i: views [P, page_size, Hkv, D] and,
-        for a quantized pool, its (K, V) scales float32 [2] (None otherwise)."""
+        """(k_cache, v_cache, kv_scale) of full-attention layer i: views [P, page_size, Hkv, R] (R = D,
+        or D/2 + D/16 uint8 for NVFP4, see the module docstring) and, for a quantized pool, its (K, V)
+        scales float32 [2] (None otherwise)."""
         return self.kv[:, i, 0], self.kv[:, i, 1], None if self.scales is None else self.scales[i]
 
     def pages_for(self, num_tokens: int) -> int:

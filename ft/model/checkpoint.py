@@ -37,7 +37,7 @@ class TensorSpec:
 class QuantInfo:
     algo: str | None  # None (unquantized) or "NVFP4"
     exclude_modules: tuple[str, ...] = ()
-    kv_algo: str | None = None  # None or "FP8": the checkpoint carries per-layer KV scales (k_scale, v_scale)
+    kv_algo: str | None = None  # None, "FP8" or "NVFP4": the format its per-layer KV scales (k_scale, v_scale) describe
 
 
 class CheckpointReader:
@@ -95,9 +95,10 @@ class CheckpointReader:
         if not q:
             return QuantInfo(None)
         kv = q.get("kv_cache_quant_algo")
-        if kv is not None and str(kv).upper() != "FP8":
-            raise UnsupportedModelError(f"unsupported KV cache quantization {kv!r}: FreeToken reads FP8 KV scales")
-        kv = None if kv is None else "FP8"
+        if kv is not None and str(kv).upper() not in ("FP8", "NVFP4"):
+            raise UnsupportedModelError(f"unsupported KV cache quantization {kv!r}: FreeToken reads FP8 and NVFP4 "
+                                        "KV scales")
+        kv = None if kv is None else str(kv).upper()
         algo = q.get("quant_algo") or q.get("quant_method")
         if algo is None and kv:
             return QuantInfo(None, kv_algo=kv)
@@ -174,7 +175,8 @@ class LoadedWeights:
 
     tensors: dict[str, torch.Tensor | NVFP4Weight]
     experts: SlotWeights | None
-    kv_scales: torch.Tensor | None = None  # [full-attention layers, 2] float32 (K, V): ModelOpt's FP8 KV scales
+    kv_scales: torch.Tensor | None = None  # [full-attention layers, 2] float32 (K, V): ModelOpt's KV scales
+    kv_algo: str | None = None  # what kv_scales describe (kv_cache_quant_algo): "FP8" | "NVFP4" | None
 
 
 def load_weights(
@@ -213,13 +215,14 @@ def load_weights(
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise CheckpointError(f"unexpected tensor {unexpected[0]!r} in {reader.path}{more}")
-    return LoadedWeights(tensors, experts, kv_scales)
+    return LoadedWeights(tensors, experts, kv_scales, reader.quant.kv_algo)
 
 
 def _kv_scales(c: _Consumer, specs: dict[str, TensorSpec]) -> torch.Tensor | None:
-    """ModelOpt's FP8 KV-cache scales (`model.layers.N.self_attn.k_proj.k_scale`, `v_proj.v_scale`,
-    scalars: the cache holds x / scale) of every full-attention layer, in layer order -> [L, 2]
-    float32; None when the checkpoint has none. Some layers with and some without is an error."""
+    """ModelOpt's KV-cache scales, FP8 or NVFP4 (`model.layers.N.self_attn.k_proj.k_scale`,
+    `v_proj.v_scale`, scalars: the cache holds x / scale; for NVFP4 the second-level scale) of every
+    full-attention layer, in layer order -> [L, 2] float32; None when the checkpoint has none. Some
+    layers with and some without is an error."""
     attn = [n.removesuffix("k_proj.weight") for n in specs if n.endswith("self_attn.k_proj.weight")]
     found = [(p + "k_proj.k_scale") in c.reader for p in attn]
     if not any(found):

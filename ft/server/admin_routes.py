@@ -1,4 +1,4 @@
-"""Admin routes: cache state, resize (dry run, validation), history, live events, ladder."""
+"""Admin routes: cache state, resize (dry run, validation), history, live events, ladder, requests."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import json
 import time
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from ft.errors import RebuildFailed, RebuildRefused
-from ft.schemas import CacheState, Event, History, LiveRates, ResizePlan, ResizeRequest
+from ft.schemas import CacheState, Event, History, LiveRates, RequestList, ResizePlan, ResizeRequest
 from ft.server import admin_state
 from ft.server.errors import ApiError
 
@@ -125,6 +125,16 @@ async def run_rebuild(st, fn, wait_s: float | None, fits_when_idle=None):
 async def get_history(request: Request) -> History:
     st = _st(request)
     return await _engine_call(st, admin_state.history)
+
+
+@router.get("/requests", response_model=RequestList)
+async def get_requests(request: Request, limit: int = Query(200, ge=1, le=10000)) -> RequestList:
+    """The running requests (batch order), then the waiting ones (queue order): id, state (waiting,
+    prefill, decode), prompt and generated tokens, KV pages held and age; none before serving."""
+    st = _st(request)
+    if st.loop.state != "serving":
+        return RequestList()
+    return await _engine_call(st, lambda e: admin_state.requests(e, limit))
 
 
 class LadderRequest(BaseModel):

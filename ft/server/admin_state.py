@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from ft.schemas import CacheState, History, HistoryEntry, LadderState, PlanStep, ResizePlan
+from ft.schemas import (CacheState, History, HistoryEntry, LadderState, PlanStep, RequestInfo, RequestList,
+                        ResizePlan)
 
 
 def cache_state(engine, state: str, model_name: str) -> CacheState:
@@ -22,7 +23,7 @@ def cache_state(engine, state: str, model_name: str) -> CacheState:
         "running": len(engine.scheduler.running),
         "waiting": len(engine.scheduler.waiting),
         "admission": "paused" if engine.scheduler.admission_paused else "open",
-        "uptime_s": round(time.time() - engine.started_at, 3),
+        **stamp(engine),
         "pools": {
             "moe": {
                 "size": g.moe_slots, "bytes": lay.pool_bytes("moe", g.moe_slots), "min": ranges["moe"][0],
@@ -37,7 +38,7 @@ def cache_state(engine, state: str, model_name: str) -> CacheState:
             "kv": {
                 "size": g.kv_tokens, "bytes": lay.pool_bytes("kv", g.kv_tokens), "min": ranges["kv"][0], "max": ranges["kv"][1],
                 "page_size": pools.kv.page_size, "pages": pools.kv.num_pages, "used": pools.kv.num_used_pages,
-                "dtype": str(pools.kv.kv.dtype).removeprefix("torch."),
+                "dtype": pools.kv.dtype_name,
             },
             "mamba": {
                 "size": g.mamba_slots, "bytes": lay.pool_bytes("mamba", g.mamba_slots), "min": ranges["mamba"][0],
@@ -49,6 +50,35 @@ def cache_state(engine, state: str, model_name: str) -> CacheState:
         "degraded": engine.cache.degraded,
         "exchange": exchange(engine),
     })
+
+
+def stamp(engine) -> dict:
+    """When an answer was computed: uptime on the monotonic clock (it never goes backwards, so a
+    client can drop an answer older than one it has shown) and the process's start, which tells a
+    restart apart."""
+    mono = getattr(engine, "started_monotonic", None)
+    uptime = time.monotonic() - mono if mono is not None else time.time() - engine.started_at
+    return {"uptime_s": round(uptime, 3), "started_at": round(engine.started_at, 3)}
+
+
+def running_state(seq) -> str:
+    """A running request's phase: prefill until its first token is out (or while it recomputes
+    after a preemption), then decode."""
+    return "prefill" if not seq.output_ids or seq.num_uncomputed > 1 else "decode"
+
+
+def requests(engine, limit: int = 200) -> RequestList:
+    """The running requests in batch order, then the waiting ones (queued, or preempted and queued
+    again) in queue order, `limit` at most."""
+    sched = engine.scheduler
+    running, waiting = list(sched.running), list(sched.waiting)
+    now = time.time()
+    rows = [(seq, running_state(seq)) for seq in running] + [(seq, "waiting") for seq in waiting]
+    return RequestList(
+        requests=[RequestInfo(id=seq.request_id, state=state, prompt_tokens=len(seq.prompt_ids),
+                              generated_tokens=len(seq.output_ids), kv_pages=len(seq.pages),
+                              age_s=round(max(0.0, now - seq.queued_at), 3)) for seq, state in rows[:limit]],
+        running=len(running), waiting=len(waiting), truncated=len(rows) > limit, **stamp(engine))
 
 
 def exchange(engine) -> dict:

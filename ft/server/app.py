@@ -1,4 +1,5 @@
-"""The FastAPI application: OpenAI routes, admin routes, /health and /metrics around one engine loop."""
+"""The FastAPI application: OpenAI routes, admin routes, utility routes (/tokenize, /detokenize,
+/version, /v1/models/{id}), /health and /metrics around one engine loop."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from ft.server import admin_routes, errors, openai_routes
+from ft.server import admin_routes, errors, openai_routes, util_routes
 from ft.server.engine_loop import EngineLoop
 from ft.server.guard import Guard
 from ft.server.metrics import Metrics, engine_snapshot
@@ -27,8 +28,12 @@ class ServerState:
     allow_client_chat_template: bool = False  # chat_template_kwargs.chat_template from clients (runs their Jinja)
     prompt_timeout_s: float = 30.0  # chat template + tokenization of one request, in a worker thread
     rebuilding: bool = False  # a rebuild is queued or running on the engine thread
-    metrics: Metrics = field(default_factory=Metrics)
+    metrics: Metrics | None = None  # None: a registry whose series carry model_name (built here)
     started_at: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        if self.metrics is None:
+            self.metrics = Metrics(self.model_name, util_routes.build_info())
 
     @property
     def tokenizer(self):
@@ -78,6 +83,7 @@ def create_app(state: ServerState, start_loop: bool = True) -> FastAPI:
         return Response(state.metrics.render(snap), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.include_router(openai_routes.router)
+    app.include_router(util_routes.router)
     app.include_router(admin_routes.router)
     app.openapi = lambda: _openapi(app)
     return app

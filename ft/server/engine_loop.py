@@ -17,6 +17,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ft.errors import FreeTokenError
+from ft.server.stats_log import StatsLogger
+
 log = logging.getLogger("ft.server")
 
 
@@ -31,6 +34,8 @@ class TokenEvent:
     stop_text: str | None
     num_cached: int
     text: str = ""
+    logprob: Any = None  # its TokenLogprob when the request asked for logprobs
+    prompt_logprobs: Any = None  # on the first token, the prompt's (a list, the first None) when asked
 
 
 class RequestStream:
@@ -49,8 +54,10 @@ class RequestStream:
 class EngineLoop:
     """Builds the engine in its thread (state "starting" until it is up), then serves commands."""
 
-    def __init__(self, build: Callable[[], Any]) -> None:
+    def __init__(self, build: Callable[[], Any], stats_interval_s: float = 0.0) -> None:
+        """`stats_interval_s` > 0: a stats line (ft.server.stats_log) every that many seconds of activity."""
         self._build = build
+        self._stats = StatsLogger(stats_interval_s) if stats_interval_s > 0 else None
         self._commands: queue.Queue[tuple[Callable[[Any], Any], concurrent.futures.Future]] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._stop = threading.Event()
@@ -111,17 +118,29 @@ class EngineLoop:
         try:
             self.engine = self._build()
         except BaseException as e:  # reported by /health and the serve command
-            log.exception("engine failed to start")
+            if not isinstance(e, FreeTokenError):  # a user error is one line (ft serve's); a bug, a traceback
+                log.exception("engine failed to start")
             self.error = e
             self.state = "failed"
             self.ready.set()
             return
         self.state = "serving"
+        if self._stats is not None:
+            self._log_stats()  # the baseline: the first interval starts when the engine is up
         self.ready.set()
         while not self._stop.is_set():
             self._run_commands(block=not self.engine.has_work)
             if self.engine.has_work:
                 self._step()
+            if self._stats is not None:
+                self._log_stats()
+
+    def _log_stats(self) -> None:
+        try:
+            self._stats.tick(self.engine)
+        except Exception:  # noqa: BLE001 - a broken stats line must not stop serving: report it once, stop it
+            log.exception("the stats line failed; no more stats lines")
+            self._stats = None
 
     def _run_commands(self, block: bool) -> None:
         try:
@@ -165,7 +184,8 @@ class EngineLoop:
                 stream.push(RuntimeError(seq.error or "the request failed"))
                 continue
             stream.push(TokenEvent(seq.output_ids[-1], len(seq.output_ids), seq.finish_reason, seq.stop_text,
-                                   seq.num_cached, seq.text.delta))
+                                   seq.num_cached, seq.text.delta, seq.logprobs[-1] if seq.logprobs else None,
+                                   seq.prompt_logprobs if len(seq.output_ids) == 1 else None))
             if seq.finish_reason:
                 self._streams.pop(seq.request_id, None)
 

@@ -47,12 +47,15 @@ class Generation:
     finish_reason: str | None = None
     first_token_at: float | None = None
     token_times: list[float] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # a TokenLogprob per token, when the request asked
+    prompt_logprobs: list | None = None  # the prompt's (the first None), when the request asked
 
 
 async def stream_tokens(
     loop: EngineLoop, stream: RequestStream, text: TextStream, gen: Generation, on_token=None
 ) -> AsyncIterator[str]:
-    """Yield text deltas until the request finishes; aborts it if the consumer goes away."""
+    """Yield text deltas until the request finishes; aborts it if the consumer goes away. With
+    logprobs, every token yields (its delta may be ''): its logprob is the last of gen.logprobs."""
     try:
         while True:
             ev = await stream.queue.get()
@@ -67,14 +70,18 @@ async def stream_tokens(
             gen.completion_tokens = ev.num_output or gen.completion_tokens
             gen.cached_tokens = ev.num_cached
             delta = text.feed(ev)
+            if ev.logprob is not None:
+                gen.logprobs.append(ev.logprob)
+            if ev.prompt_logprobs is not None:
+                gen.prompt_logprobs = ev.prompt_logprobs
             if ev.finish_reason:
                 gen.text = text.emitted
                 gen.finish_reason = ev.finish_reason
                 stream.finished = True
-                if delta:
+                if delta or ev.logprob is not None:
                     yield delta
                 return
-            if delta:
+            if delta or ev.logprob is not None:  # a token with logprobs is reported even without text yet
                 yield delta
     finally:
         gen.text = text.emitted

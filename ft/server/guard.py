@@ -15,6 +15,8 @@ import asyncio
 import hmac
 import json
 
+from ft.server.util_routes import API_KEY_PATHS
+
 
 class Guard:
     def __init__(self, app, state, body_timeout_s: float = 30.0) -> None:
@@ -29,7 +31,7 @@ class Guard:
         if length.isdigit() and int(length) > st.max_body_bytes:
             return await _error(send, 413, f"request body is {length} bytes; the limit is {st.max_body_bytes}")
         path = scope.get("path", "")
-        if path.startswith("/v1/"):
+        if path.startswith("/v1/") or path in API_KEY_PATHS:
             if st.api_key and not hmac.compare_digest(headers.get("authorization", "").encode(),
                                                       f"Bearer {st.api_key}".encode()):
                 return await _error(send, 401, "missing or wrong API key: Authorization: Bearer <key>",

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ft.argparser import Parser
 from ft.tools.quantize import (  # noqa: F401
     DEFAULT_EXCLUDE,
     QuantizeError,
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     Returns the exit code: 0 on success, 1 on a conversion error (message on stderr), 2 on bad
     arguments.
     """
-    parser = argparse.ArgumentParser(prog="ft quantize", description=_DESCRIPTION)
+    parser = Parser(prog="ft quantize", description=_DESCRIPTION)  # no abbreviations, defaults in --help
     _add_arguments(parser)
     try:
         args = parser.parse_args(argv)

@@ -2,9 +2,12 @@
 GET /admin/cache when the stream is not there (an older server, or a client without a URL).
 
 `EventSource.run` never returns: it reports each state as an `Update` and each change of the
-connection as a `Status`, and reconnects with backoff (0.5 s doubling to 10 s). A 401 asks for
---token. Payloads parse leniently: a field of the wrong type is dropped (its default is used),
-so an old or partial server never crashes the dashboard. No Textual here, no torch.
+connection as a `Status`, and reconnects with backoff (0.5 s doubling to 10 s). A 401 / 403 is not
+a connection problem: it says which token to set and waits long (60 s doubling to 10 min) before
+asking again; `retry_now()` (the dashboard's R key) cuts any wait short. The running and waiting
+requests (GET /admin/requests) come with the updates, at most once a refresh interval. Payloads
+parse leniently: a field of the wrong type is dropped (its default is used), so an old or partial
+server never crashes the dashboard. No Textual here, no torch.
 """
 
 from __future__ import annotations
@@ -18,17 +21,30 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from ft.ctl.client import EXIT_UNREACHABLE, CtlError
-from ft.schemas import CacheState, Event, History, LiveRates
+from ft.schemas import CacheState, Event, History, LiveRates, RequestList
 from ft.tui.state import backoff_delays
 
 M = TypeVar("M", bound=BaseModel)
 HISTORY_EVERY_S = 5.0  # history is also fetched on every snapshot / change / rebuild event
+UNAUTHORIZED = "unauthorized (set --admin-token / $FT_ADMIN_TOKEN)"
+
+
+def unauthorized_delays():
+    """Waits after a 401 / 403: a wrong token does not fix itself, so ask again rarely."""
+    return backoff_delays(60.0, 2.0, 600.0)
+
+
+def unauthorized_message(status: int | None, token: str | None) -> str:
+    why = "the server rejected the admin token" if token else "the server needs an admin token"
+    return f"{UNAUTHORIZED}: {why}" + (f" (HTTP {status})" if status else "")
 
 
 @dataclass
 class Update:
     event: Event
     history: History | None = None  # None: unchanged since the last update
+    # the running and waiting requests; None: not fetched this time; a str: why there is no list
+    requests: RequestList | str | None = None
 
 
 @dataclass
@@ -77,7 +93,9 @@ def _prune(data: Any, loc: tuple) -> bool:
 
 
 class Unauthorized(Exception):
-    pass
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
 
 
 class EventSource:
@@ -93,10 +111,19 @@ class EventSource:
         self.token = token
         self.transport = transport
         self._last_history_t = -1e9
+        self._last_requests_t = -1e9
+        self._requests_gone: str | None = None  # why this server has no request list (an older one)
         self._loop_time: Callable[[], float] = lambda: asyncio.get_running_loop().time()
+        self._wake: asyncio.Event | None = None
+
+    def retry_now(self) -> None:
+        """End the wait before the next attempt (the user asked)."""
+        if self._wake is not None:
+            self._wake.set()
 
     async def run(self, on_update: Callable[[Update], None], on_status: Callable[[Status], None]) -> None:
-        delays = backoff_delays()
+        self._wake = asyncio.Event()
+        delays, auth_delays = backoff_delays(), unauthorized_delays()
         while True:
             ok = [False]
 
@@ -104,6 +131,7 @@ class EventSource:
                 ok[0] = True
                 on_status(status_ok)
 
+            self._wake.clear()
             try:
                 if self.stream:
                     await self._run_stream(on_update, connected)
@@ -111,19 +139,22 @@ class EventSource:
                     await self._run_poll(on_update, connected)
                 message = f"the event stream from {self.url} ended"
                 unauthorized = False
-            except Unauthorized:
-                message, unauthorized = "unauthorized (401): the server needs an admin token; pass --token " \
-                                        "or set FT_ADMIN_TOKEN", True
+            except Unauthorized as e:
+                message, unauthorized = unauthorized_message(e.status, self.token), True
             except CtlError as e:
-                message, unauthorized = e.message, e.status in (401, 403)
+                unauthorized = e.status in (401, 403)
+                message = unauthorized_message(e.status, self.token) if unauthorized else e.message
             except (httpx.HTTPError, OSError, ValueError) as e:
                 reason = " ".join(str(e).split()) or type(e).__name__
                 message, unauthorized = f"cannot reach the server at {self.url} ({reason})", False
             if ok[0]:
-                delays = backoff_delays()
-            delay = next(delays)
+                delays, auth_delays = backoff_delays(), unauthorized_delays()
+            delay = next(auth_delays if unauthorized else delays)
             on_status(Status(False, message, delay, unauthorized))
-            await asyncio.sleep(delay)
+            try:
+                await asyncio.wait_for(self._wake.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
 
     async def _history_due(self, kind: str) -> History | None:
         now = self._loop_time()
@@ -135,6 +166,27 @@ class EventSource:
         except CtlError:
             return None
 
+    async def _requests_due(self) -> RequestList | str | None:
+        """The request list, at most once a refresh interval; a str says why there is none."""
+        if self._requests_gone is not None or not hasattr(self.client, "requests"):
+            return None
+        now = self._loop_time()
+        if now - self._last_requests_t < self.refresh * 0.9:
+            return None
+        self._last_requests_t = now
+        try:
+            return await asyncio.to_thread(self.client.requests)
+        except CtlError as e:
+            if e.status in (404, 405):
+                self._requests_gone = "this server has no request list (GET /admin/requests): an older ft serve"
+                return self._requests_gone
+            return e.message
+
+    async def _update(self, on_update, event: Event) -> None:
+        history = await self._history_due(event.kind)
+        requests = await self._requests_due()
+        on_update(Update(event, history, requests))
+
     async def _run_stream(self, on_update, connected) -> None:
         headers = {"Accept": "text/event-stream", "User-Agent": "ft-top"}
         if self.token:
@@ -144,7 +196,7 @@ class EventSource:
                                      transport=self.transport) as http:
             async with http.stream("GET", "/admin/events", params={"interval": self.refresh}) as r:
                 if r.status_code in (401, 403):
-                    raise Unauthorized()
+                    raise Unauthorized(r.status_code)
                 if r.status_code in (404, 405):
                     self.stream = False  # an older server: poll instead
                     return
@@ -163,9 +215,7 @@ class EventSource:
                         data_lines = []
                         if payload is None:
                             continue
-                        event = lenient(Event, payload)
-                        history = await self._history_due(event.kind)
-                        on_update(Update(event, history))
+                        await self._update(on_update, lenient(Event, payload))
 
     async def _run_poll(self, on_update, connected) -> None:
         prev: CacheState | None = None
@@ -175,9 +225,7 @@ class EventSource:
             if first:
                 connected(Status(True, "polling"))
             kind = "snapshot" if first else ("change" if prev is not None and _key(prev) != _key(cache) else "tick")
-            event = Event(kind=kind, cache=cache, rates=rates_between(prev, cache))
-            history = await self._history_due(kind)
-            on_update(Update(event, history))
+            await self._update(on_update, Event(kind=kind, cache=cache, rates=rates_between(prev, cache)))
             prev, first = cache, False
             await asyncio.sleep(self.refresh)
 

@@ -6,11 +6,12 @@ Sizes are in the units users see (moe and mamba in slots, kv in tokens); bytes a
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
 from ft.ctl.format import POOL_ORDER, format_range
-from ft.schemas import CacheState, LiveRates, PoolState
+from ft.schemas import CacheState, LadderState, LiveRates, PoolState
 from ft.units import format_bytes
 
 
@@ -160,15 +161,60 @@ def format_uptime(seconds: float) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
+def format_age(seconds: float) -> str:
+    """How long ago: 0.4 s, 12 s, 5m03s, 2h07m."""
+    s = max(0.0, seconds)
+    return f"{s:.1f} s" if s < 10 else format_uptime(s)
+
+
+STALE_POLLS = 3  # an update older than this many refresh intervals is marked stale
+
+
+def is_stale(age: float, refresh: float) -> bool:
+    """Whether figures last updated `age` s ago are stale: more than STALE_POLLS refresh intervals
+    (at least 1 s, so that a fast refresh does not flicker)."""
+    return age > max(1.0, STALE_POLLS * refresh)
+
+
+def is_newer(new, shown) -> bool:
+    """Whether the answer `new` may replace `shown` (a `CacheState` or a `RequestList`): one server
+    process's answers are ordered by their uptime (a monotonic clock), so one older than what is
+    shown (an out-of-order answer) is dropped. An answer from another process (a restart: another
+    `started_at`), or without the stamp (a server not serving yet, or an older one), starts over."""
+    if shown is None or not new.started_at or new.started_at != shown.started_at:
+        return True
+    return new.uptime_s >= shown.uptime_s
+
+
+def rung_label(ladder: LadderState, kv_tokens: int) -> str:
+    """Where `kv_tokens` sits on the ladder, rungs counted from 1 as `ft ctl` and the serve banner
+    count them: 'rung 2/7', 'between rungs 2 and 3 of 7', 'below rung 1 of 7', 'above rung 7 of 7';
+    '' without rungs."""
+    rungs = ladder.rungs
+    n = len(rungs)
+    if not n:
+        return ""
+    if kv_tokens in rungs:
+        return f"rung {rungs.index(kv_tokens) + 1}/{n}"
+    below = sum(1 for r in rungs if r < kv_tokens)
+    if below == 0:
+        return f"below rung 1 of {n}"
+    if below == n:
+        return f"above rung {n} of {n}"
+    return f"between rungs {below} and {below + 1} of {n}"
+
+
 @dataclass
 class RateHistory:
     """Ring buffers of the live rates, one sample per event: the last `capacity` samples of
-    decode tokens/s, expert hit rate (0..1) and KV usage (0..1)."""
+    decode tokens/s, expert hit rate (0..1) and KV usage (0..1), and when each came (the caller's
+    clock, seconds) for the plots' time span."""
 
     capacity: int = 240
     decode: deque = field(init=False)
     hit_rate: deque = field(init=False)
     kv_usage: deque = field(init=False)
+    times: deque = field(init=False)
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
@@ -176,17 +222,73 @@ class RateHistory:
         self.decode = deque(maxlen=self.capacity)
         self.hit_rate = deque(maxlen=self.capacity)
         self.kv_usage = deque(maxlen=self.capacity)
+        self.times = deque(maxlen=self.capacity)
 
-    def push(self, rates: LiveRates) -> None:
+    def push(self, rates: LiveRates, t: float = 0.0) -> None:
         self.decode.append(max(0.0, rates.decode_tokens_per_s))
         self.hit_rate.append(min(1.0, max(0.0, rates.expert_hit_rate)))
         self.kv_usage.append(min(1.0, max(0.0, rates.kv_usage)))
+        self.times.append(t)
 
     def __len__(self) -> int:
         return len(self.decode)
 
+    def span(self) -> float:
+        """Seconds between the oldest and the newest sample."""
+        return self.times[-1] - self.times[0] if len(self.times) > 1 else 0.0
+
     def series(self) -> dict[str, list[float]]:
         return {"decode": list(self.decode), "hit_rate": list(self.hit_rate), "kv_usage": list(self.kv_usage)}
+
+
+def nice_ceiling(x: float) -> float:
+    """The smallest of 1, 2, 2.5, 5 times a power of ten that is >= x (1 for x <= 0): a plot's top."""
+    if x <= 0:
+        return 1.0
+    exp = math.floor(math.log10(x))
+    for m in (1.0, 2.0, 2.5, 5.0, 10.0):
+        top = m * 10.0**exp
+        if top >= x * (1 - 1e-9):
+            return top
+    return 10.0 ** (exp + 1)
+
+
+BLOCKS = " ▁▂▃▄▅▆▇█"
+
+
+def bucket_max(values: list[float], width: int) -> list[float]:
+    """`values` squeezed into at most `width` columns, each the largest of its run (a peak is never
+    averaged away); fewer values than columns stay as they are."""
+    n = len(values)
+    if n <= width or width <= 0:
+        return list(values) if width > 0 else []
+    return [max(values[i * n // width:(i + 1) * n // width]) for i in range(width)]
+
+
+def plot_rows(values: list[float], lo: float, hi: float, width: int, height: int) -> list[str]:
+    """A bar plot `height` rows of `width` cells (top row first), eighth blocks on the scale
+    lo..hi, the newest value in the rightmost column and blanks left of the oldest. A value at or
+    below `lo` keeps a one-eighth baseline so that an idle series still shows."""
+    if width <= 0 or height <= 0:
+        return [""] * max(0, height)
+    cols = bucket_max(values, width)
+    pad = width - len(cols)
+    rows = [[" "] * width for _ in range(height)]
+    span = hi - lo if hi > lo else 1.0
+    for i, v in enumerate(cols):
+        f = min(1.0, max(0.0, (v - lo) / span))
+        eighths = max(1, round(f * height * 8))
+        for r in range(height):  # r = 0 is the bottom row
+            cell = min(8, max(0, eighths - 8 * r))
+            rows[height - 1 - r][pad + i] = BLOCKS[cell]
+    return ["".join(r) for r in rows]
+
+
+def format_scale(v: float, unit: str) -> str:
+    """An axis label: '100%' for a fraction (unit '%'), '95 tok/s' / '2.5 tok/s' otherwise."""
+    if unit == "%":
+        return f"{100.0 * v:.0f}%"
+    return f"{v:g} {unit}" if unit else f"{v:g}"
 
 
 def backoff_delays(first: float = 0.5, factor: float = 2.0, cap: float = 10.0):
@@ -198,4 +300,6 @@ def backoff_delays(first: float = 0.5, factor: float = 2.0, cap: float = 10.0):
 
 
 __all__ = ["POOL_ORDER", "Segment", "Track", "budget_segments", "range_track", "check_targets", "parse_target",
-           "pool_cells", "pool_usage", "format_uptime", "RateHistory", "backoff_delays", "unit_bytes", "pools_of"]
+           "pool_cells", "pool_usage", "format_uptime", "format_age", "is_stale", "is_newer", "rung_label",
+           "RateHistory", "nice_ceiling", "bucket_max", "plot_rows", "format_scale", "backoff_delays",
+           "unit_bytes", "pools_of"]

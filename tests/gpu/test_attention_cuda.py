@@ -2,7 +2,10 @@
 D 256, bf16, pages of 64 tokens in a two-layer pool), against the torch reference by relative RMS,
 with and without the output gate (a strided view of a q projection, as the model passes it); and a
 decode step (KV write + attention) captured in a CUDA graph, replayed with new inputs, equal to eager
-bit for bit."""
+bit for bit. The same for NVFP4 caches (uint8 rows of D/2 E2M1 code bytes and D/16 e4m3 block
+scales, per-layer K and V scales): the write kernel bit for bit against the reference on the device
+and on the CPU, decode (single pass and split-K) and prefill attention against the reference, and
+the decode step in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -183,7 +186,7 @@ def test_decode_step_in_cuda_graph(path, gated):
         assert rel_rms(got, paged_decode_attention_ref(q, k_cache, v_cache, table, lens, SCALE, gate=gate)) < TOL
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "nvfp4"])
 @pytest.mark.parametrize(("start", "t"), [(0, 512), (1000, 300), (4096, 1)])
 def test_prefill_attention_triton_matches_reference(start, t, kv):
     """The Triton prefill attention at the flagship's heads (16 q, 2 kv, D 256, pages of 64) against
@@ -202,8 +205,148 @@ def test_prefill_attention_triton_matches_reference(start, t, kv):
     if kv == "fp8":
         scale = torch.tensor([0.02, 0.01], device="cuda")
         k, v = quantize_kv(k, scale[0], torch.float8_e4m3fn), quantize_kv(v, scale[1], torch.float8_e4m3fn)
+    if kv == "nvfp4":
+        scale = torch.tensor([0.004, 0.002], device="cuda")
+        k, v = quantize_kv(k, scale[0], torch.uint8), quantize_kv(v, scale[1], torch.uint8)
+        assert k.shape[-1] == d // 2 + d // 16
     q = torch.randn(t, hq, 2 * d, device="cuda", dtype=torch.bfloat16)[..., :d]  # a strided view, as the model's
     got = paged_prefill_attention_triton(q, k, v, pages, start, d ** -0.5, scale)
     ref = paged_attention_ref(q, k, v, pages, start, d ** -0.5, scale)
     err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
     assert err < 1e-2, err
+
+
+# ------------------------------------------------------------------------------------------ NVFP4 KV cache
+
+NVFP4_SCALE = (0.004, 0.002)
+"""Layer scales (K, V) of the NVFP4 tests: randn K/V (|x| <= ~5) get block scales ~ 200, in e4m3's range."""
+
+
+def nvfp4_batch(batch: int, ctx: int):
+    """make_batch's pool quantized to NVFP4 (uint8 [P, L, 2, page, Hkv, D/2 + D/16]) on the device by
+    the reference: rows of no token (NaN) get NaN block scales, so a read outside a sequence shows.
+    -> (kv uint8, page_table, seq_lens, kv_scale [2] float32)."""
+    from ft.kernels.attention.reference import quantize_kv
+
+    kv, table, lens = make_batch(batch, ctx)
+    scale = torch.tensor(NVFP4_SCALE, device=DEV)
+    kv4 = torch.stack([quantize_kv(kv[:, :, i], scale[i], torch.uint8) for i in (0, 1)], dim=2)
+    del kv
+    return kv4, table, lens, scale
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["nogate", "gate"])
+@pytest.mark.parametrize("batch, ctx", CASES, ids=[f"B{b}-ctx{c}-Hq{HQ}-Hkv{HKV}-D{D}-nvfp4" for b, c in CASES])
+def test_paged_decode_attention_nvfp4(batch, ctx, gated):
+    """Decode attention over an NVFP4 cache at the flagship's shapes: the split rule's path and the
+    single pass against the reference (which dequantizes in fp32), and the dispatcher."""
+    torch.manual_seed(0)
+    kv4, table, lens, scale = nvfp4_batch(batch, ctx)
+    k_cache, v_cache = layer_views(kv4)
+    q, gate = q_and_gate(batch)
+    gate = gate if gated else None
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, SCALE, gate=gate, kv_scale=scale)
+    splits = decode_attention_splits(batch, HKV, ctx)
+    for forced in (None, 1):
+        out = torch.full_like(q, float("nan"))
+        y = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx, splits=forced,
+                                          out=out, gate=gate, kv_scale=scale)
+        assert rel_rms(y, ref) < TOL, f"splits={forced or splits}"
+    y_rule = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx, gate=gate,
+                                           kv_scale=scale)
+    assert torch.equal(paged_decode_attention(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx, gate=gate,
+                                              kv_scale=scale), y_rule)
+
+
+def test_write_kv_decode_nvfp4_bitwise():
+    """The NVFP4 decode write on the device: bit for bit the reference on the device and on the CPU
+    (IEEE divisions, e4m3 rounding, E2M1 ties), including values that saturate and blocks whose
+    scale is an e4m3 subnormal; a padding row writes nothing."""
+    from ft.kernels.attention.kernel import write_kv_decode_triton
+
+    torch.manual_seed(0)
+    kv4, table, lens, scale = nvfp4_batch(8, 4096)
+    mag = torch.logspace(-5, 2, 8 * HKV * D // 16, device=DEV).reshape(8, HKV, D // 16, 1)
+    k, v = ((torch.randn(8, HKV, D // 16, 16, device=DEV) * mag).reshape(8, HKV, D).to(DTYPE) for _ in range(2))
+    k[0, 0, :16] = torch.tensor([1e4] + [0.5] * 15, device=DEV, dtype=DTYPE)  # block scale clamps: 6s saturate
+    pos = lens.long()
+    slots = table.gather(1, (pos // PAGE)[:, None])[:, 0] * PAGE + pos % PAGE
+    slots[3] = -1
+    expected = kv4.clone()
+    write_kv_decode_ref(*layer_views(expected), k, v, slots, kv_scale=scale)
+    write_kv_decode_triton(*layer_views(kv4), k, v, slots, scale)
+    assert torch.equal(kv4, expected)
+    from ft.kernels.attention.reference import quantize_kv
+
+    keep = slots >= 0
+    rows = slots[keep]
+    for i, (cache, x) in enumerate(zip(layer_views(kv4), (k, v))):  # the device's bytes are the CPU reference's
+        want = quantize_kv(x[keep].cpu(), scale[i].cpu(), torch.uint8)
+        assert torch.equal(cache[rows // PAGE, rows % PAGE].cpu(), want)
+
+
+@pytest.mark.parametrize("path", ["single", "split"])
+def test_decode_step_in_cuda_graph_nvfp4(path):
+    """An NVFP4 cache: one capture of write + gated attention; each replay with new inputs writes the
+    reference's bytes and gives eager's output bit for bit."""
+    from ft.kernels.attention.reference import quantize_kv
+
+    torch.manual_seed(0)
+    batch, ctx = 8, 4096
+    width = ctx // PAGE
+    num_pages = batch * width + 8
+    row = D // 2 + D // 16
+    kv = torch.randint(0, 256, (num_pages, LAYERS, 2, PAGE, HKV, row), device=DEV, dtype=torch.uint8)
+    kv[..., D // 2:] = torch.randint(0x20, 0x50, kv[..., D // 2:].shape, device=DEV, dtype=torch.uint8)  # finite
+    k_cache, v_cache = layer_views(kv)
+    scale = torch.tensor(NVFP4_SCALE, device=DEV)
+    splits = 1 if path == "single" else decode_attention_splits(batch, HKV, ctx)
+    ws = decode_attention_workspace(batch, HQ, D, splits, DEV)
+    q = torch.empty(batch, HQ, D, device=DEV, dtype=DTYPE)
+    qg = torch.empty(batch, HQ, 2 * D, device=DEV, dtype=DTYPE)
+    gate = qg[..., D:]
+    k_new, v_new = (torch.empty(batch, HKV, D, device=DEV, dtype=DTYPE) for _ in range(2))
+    table = torch.empty(batch, width, dtype=torch.int64, device=DEV)
+    lens = torch.empty(batch, dtype=torch.int32, device=DEV)
+    slots = torch.empty(batch, dtype=torch.int64, device=DEV)
+    out = torch.empty(batch, HQ, D, device=DEV, dtype=DTYPE)
+
+    def step() -> None:
+        write_kv_decode(k_cache, v_cache, k_new, v_new, slots, scale)
+        paged_decode_attention(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx, splits=splits,
+                               workspace=ws, out=out, gate=gate, kv_scale=scale)
+
+    def fill() -> None:
+        q.copy_(torch.randn_like(q))
+        qg.copy_(2 * torch.randn_like(qg))
+        k_new.copy_(torch.randn_like(k_new))
+        v_new.copy_(torch.randn_like(v_new))
+        table.copy_(torch.randperm(num_pages, device=DEV)[:batch * width].view(batch, width))
+        lens.copy_(torch.randint(1, ctx + 1, (batch,), device=DEV, dtype=torch.int32))
+        last = lens.long() - 1
+        slots.copy_(table.gather(1, (last // PAGE)[:, None])[:, 0] * PAGE + last % PAGE)
+
+    fill()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        fill()
+        graph.replay()
+        torch.cuda.synchronize()
+        got = out.clone()
+        last = lens.long() - 1
+        pages = table.gather(1, (last // PAGE)[:, None])[:, 0]
+        assert torch.equal(k_cache[pages, last % PAGE], quantize_kv(k_new, scale[0], torch.uint8))
+        assert torch.equal(v_cache[pages, last % PAGE], quantize_kv(v_new, scale[1], torch.uint8))
+        eager = paged_decode_attention(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx, splits=splits,
+                                       workspace=decode_attention_workspace(batch, HQ, D, splits, DEV), gate=gate,
+                                       kv_scale=scale)
+        assert torch.equal(got, eager)
+        ref = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, SCALE, gate=gate, kv_scale=scale)
+        assert rel_rms(got, ref) < TOL

@@ -135,18 +135,41 @@ def test_read_through_decode_step_has_no_host_sync(model):
     assert e.runner.graphs.replays >= 4 and not seq.is_finished
 
 
+def prefill_logits_error(llm: LLM, ref: LLM, prompts) -> float:
+    """The largest relative RMS, over `prompts`, between the last logits `llm` and `ref` give after
+    prefilling the same tokens (teacher forced: no free-running divergence). The prefill attention
+    reads the new tokens' K/V back from the cache, so a quantized cache's error is in them."""
+    worst = 0.0
+    for p in prompts:
+        out = []
+        for engine in (llm.engine, ref.engine):
+            seq = engine.add_request(p, SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+            engine.run_until_done([seq])
+            out.append(engine.last_logits[0].float())
+        worst = max(worst, ((out[0] - out[1]).norm() / out[1].norm()).item())
+    return worst
+
+
+KV_LOGITS_TOL = {"fp8": 0.06, "nvfp4": 0.2}
+"""Teacher-forced last-logits relative RMS against a bf16 cache (prompt + bf16's own greedy tokens),
+about twice what the H200 measured on this model (fp8 0.028, nvfp4 0.104; bench/RESULTS.md). Not
+free-running greedy agreement: this random model's nearly flat logits make that a coin toss after a
+few tokens (it moved from 24+ to 18 of 72 for fp8 when the prefill kernels changed)."""
+
+
 def test_fp8_kv_cache_graph_equals_eager_and_stays_close_to_bf16(model):
     """--kv-cache-dtype fp8 on the Triton kernels (quantize on write, dequantize in the attention
-    kernels): graph replay equals eager bitwise; the tokens stay close to a bf16 cache's."""
-    graphs = make(model, kv_cache_dtype="fp8")
-    eager = make(model, kv_cache_dtype="fp8", disable_cuda_graph=True)
+    kernels): graph replay equals eager bitwise; teacher-forced logits stay close to a bf16 cache's."""
+    graphs = make(model, kv_cache_dtype="fp8", enable_prefix_cache=False)
+    eager = make(model, kv_cache_dtype="fp8", disable_cuda_graph=True, enable_prefix_cache=False)
     assert graphs.engine.pools.kv.kv.dtype == torch.float8_e4m3fn
     got = generate(graphs)
     assert got == generate(eager)
     assert torch.equal(graphs.engine.last_logits, eager.engine.last_logits)
-    want = generate(make(model))
-    agree = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(got, want))
-    assert agree >= NEW  # at least a third of the greedy tokens agree before the first difference
+    ref = make(model, enable_prefix_cache=False)
+    want = generate(ref)
+    err = prefill_logits_error(graphs, ref, [p + w for p, w in zip(PROMPTS, want)])
+    assert err < KV_LOGITS_TOL["fp8"], err
 
 
 def test_fp8_kv_write_kernel_matches_the_reference_bitwise():
@@ -166,3 +189,44 @@ def test_fp8_kv_write_kernel_matches_the_reference_bitwise():
     write_kv_decode_triton(kc, vc, k, v, slots, scale)
     write_kv_decode_ref(kr, vr, k, v, slots, scale)
     assert torch.equal(kc.view(torch.uint8), kr.view(torch.uint8)) and torch.equal(vc.view(torch.uint8), vr.view(torch.uint8))
+
+
+def test_nvfp4_kv_cache_graph_equals_eager_and_stays_close_to_bf16(model):
+    """--kv-cache-dtype nvfp4 on the Triton kernels (quantize on write, dequantize in the decode and
+    prefill attention kernels): graph replay equals eager bitwise; teacher-forced logits stay close to
+    a bf16 cache's (`KV_LOGITS_TOL`; NVFP4's per-element error, ~10% relative, is about 3x fp8's)."""
+    graphs = make(model, kv_cache_dtype="nvfp4", enable_prefix_cache=False)
+    eager = make(model, kv_cache_dtype="nvfp4", disable_cuda_graph=True, enable_prefix_cache=False)
+    kv = graphs.engine.pools.kv
+    assert kv.kv.dtype == torch.uint8 and kv.dtype_name == "nvfp4"
+    cfg = graphs.engine.model_config
+    assert kv.bytes_per_page == len(cfg.full_attention_layers) * 2 * kv.page_size * cfg.num_key_value_heads * (
+        cfg.head_dim // 2 + cfg.head_dim // 16)
+    got = generate(graphs)
+    assert got == generate(eager)
+    assert torch.equal(graphs.engine.last_logits, eager.engine.last_logits)
+    assert graphs.engine.runner.graphs.replays > 0
+    ref = make(model, enable_prefix_cache=False)
+    want = generate(ref)
+    err = prefill_logits_error(graphs, ref, [p + w for p, w in zip(PROMPTS, want)])
+    assert err < KV_LOGITS_TOL["nvfp4"], err
+
+
+def test_nvfp4_kv_write_kernel_matches_the_reference_bitwise():
+    """The NVFP4 decode KV write on the device quantizes exactly as the reference (block amax, e4m3
+    block scale, IEEE divisions, E2M1 ties to even), at the flagship's head dim."""
+    from ft.kernels.attention.kernel import write_kv_decode_triton
+    from ft.kernels.attention.reference import write_kv_decode_ref
+
+    torch.manual_seed(0)
+    cache = torch.zeros(8, 16, 2, 256 // 2 + 256 // 16, device="cuda", dtype=torch.uint8)
+    k = (torch.randn(4, 2, 256, device="cuda") * 20).to(torch.bfloat16)
+    v = (torch.randn(4, 2, 256, device="cuda") * 3).to(torch.bfloat16)
+    slots = torch.tensor([3, 17, -1, 100], device="cuda")
+    scale = torch.tensor([0.07, 0.011], device="cuda")
+    kc, vc = cache.clone(), cache.clone()
+    kr, vr = cache.clone(), cache.clone()
+    write_kv_decode_triton(kc, vc, k, v, slots, scale)
+    write_kv_decode_ref(kr, vr, k, v, slots, scale)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+    assert kc.any() and vc.any()

@@ -64,10 +64,11 @@ def write_kv_decode(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
     kv_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store one new token per sequence: k, v [B, Hkv, D] into k_cache, v_cache [P, page_size, Hkv, D]
-    (views of the pool, any strides but D's) at slot_mapping [B] int64 = page * page_size + offset;
-    a negative slot (padding row) writes nothing; a quantized cache (`kv_scale`, float32 [2]: the
-    layer's K and V scales; fp8 e4m3) stores x / scale (see `reference.py`).
+    """Store one new token per sequence: k, v [B, Hkv, D] into k_cache, v_cache [P, page_size, Hkv, R]
+    (views of the pool, any strides but the last; R = D, or D/2 + D/16 uint8 for NVFP4) at
+    slot_mapping [B] int64 = page * page_size + offset; a negative slot (padding row) writes
+    nothing; a quantized cache (`kv_scale`, float32 [2]: the layer's K and V scales; fp8 e4m3 or
+    NVFP4) stores x / scale (see `reference.py`).
 
     Dispatcher: the Triton kernel where `uses_triton` says so, `write_kv_decode_ref` otherwise.
     """
@@ -100,7 +101,8 @@ def paged_decode_attention(
     with `gate`, o * sigmoid(gate) instead.
 
     Args:
-        k_cache, v_cache: [P, page_size, Hkv, D]; query head h reads kv head h // (Hq // Hkv); D <= 256.
+        k_cache, v_cache: [P, page_size, Hkv, R] (R = D, or D/2 + D/16 uint8 for NVFP4); query head h
+            reads kv head h // (Hq // Hkv); D <= 256.
         page_table: [B, max_pages] int64; entries past a sequence's length are never read.
         seq_lens: [B] int32/int64 device tensor, at most max_pages * page_size; 0 gives zeros (padding).
         max_seq_len: the longest context the caller declares (default: the page table's capacity);
@@ -112,7 +114,7 @@ def paged_decode_attention(
             copy): Qwen3-Next's gated attention passes its view of the q projection. The output is
             then o * sigmoid(gate), in fp32 rounded to q's dtype once, written by the kernel that
             writes the output (no elementwise launches in the model).
-        kv_scale: float32 [2], the layer's K and V scales of a quantized (fp8) cache.
+        kv_scale: float32 [2], the layer's K and V scales of a quantized (fp8 or NVFP4) cache.
 
     Dispatcher: the Triton kernels (single pass, or split-K when the split count is above 1) where
     `uses_triton` says so; `paged_decode_attention_ref` otherwise. Nothing here syncs with the

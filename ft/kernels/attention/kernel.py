@@ -5,7 +5,8 @@ table, sequence lengths, q); grids and block sizes depend on shapes only; nothin
 host; the split-K workspace comes from the caller. So a decode step is capturable in a CUDA graph.
 
 * `_write_kv_decode_kernel`: one program per sequence stores its new token's K and V [Hkv, D] at
-  its slot (page * page_size + offset); a negative slot (padding row) writes nothing.
+  its slot (page * page_size + offset), quantized for an fp8 or NVFP4 cache; a negative slot
+  (padding row) writes nothing.
 * `_decode_kernel` (single pass): one program per (sequence, kv head) takes all G = Hq / Hkv query
   heads of the group at once, as a [BLOCK_G, D] tile (BLOCK_G >= 16 for ``tl.dot``), so K and V
   are read once per group. It walks the sequence in blocks of BLOCK_N tokens (a token's page id
@@ -23,6 +24,15 @@ The optional output gate (HAS_GATE; Qwen3-Next's gated attention) is applied by 
 writes the output, the single-pass or the combine kernel: o * sigmoid(gate) in fp32, rounded to the
 output dtype once, which saves the model two elementwise launches per layer.
 
+Quantized caches (formats and rounding: `reference.py`), a constexpr each, pointers as uint8:
+KV_FP8 (float8_e4m3fn bits) and KV_NVFP4 (rows of D/2 bytes of E2M1 codes then D/16 e4m3 block
+scales). The write kernel quantizes as the reference does, bit for bit for finite inputs (the e4m3
+rounding done by hand, `_round_e4m3`, since the interpreter's fp32 -> fp8 conversion is wrong;
+IEEE divisions); the attention kernels turn each K/V tile into q's dtype (`load_kv_tile`; exact:
+an fp8 value has 4 significant bits, an E2M1 value times an e4m3 block scale at most 6, within
+bf16's and fp16's range; NVFP4 tiles through `ft.kernels.nvfp4.kernel.dequant_tile`), fold the
+layer's K scale into the softmax scale and apply its V scale to the output.
+
 A sequence of length 0 (a padding row) gives zeros. Block sizes are not tuned on a GPU yet.
 """
 
@@ -32,11 +42,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.kernels.attention.reference import NVFP4_CACHE, cache_head_dim
 from ft.kernels.attention.split import (
     DecodeWorkspace,
     decode_attention_splits,
     decode_attention_workspace,
 )
+from ft.kernels.nvfp4.kernel import dequant_tile
 
 __all__ = ["paged_decode_attention_triton", "write_kv_decode_triton"]
 
@@ -60,14 +72,53 @@ def _round_e4m3(x):
 
 
 @triton.jit
+def _e2m1_code(y):
+    """fp32 y (already divided by its scales) -> int32 E2M1 codes 0..15: the nearest E2M1 magnitude,
+    ties to the even code, saturating above 5; sign bit (8) iff y < 0 (`reference._e2m1_codes`)."""
+    a = tl.abs(y)
+    c = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
+    c += (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
+    return c | tl.where(y < 0, 8, 0)
+
+
+@triton.jit
+def _write_nvfp4_heads(p_x, stride_xh, p_c, stride_ch, ls, o_h, m_h, D, d_end, BLOCK_H: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+    """Quantize heads o_h of one token (x at p_x + h * stride_xh + d, D elements) to NVFP4 rows at
+    p_c + h * stride_ch (uint8: D/2 code bytes, then D/16 e4m3 block-scale bytes), layer scale ls
+    (fp32); elements at or past d_end (D, or 0 for a padding row) are neither read nor written.
+    The float32 operations and their order are `reference.quantize_nvfp4_kv`'s."""
+    NB: tl.constexpr = BLOCK_D // 16
+    o_b = tl.arange(0, NB)
+    o_e = tl.arange(0, 8)
+    o_x = (o_b * 16)[None, :, None] + 2 * o_e[None, None, :]  # [1, NB, 8]: element 2e of block b
+    m = m_h[:, None, None] & (o_x < d_end)
+    p_xt = p_x + o_h[:, None, None] * stride_xh + o_x
+    b_xe = tl.load(p_xt, mask=m, other=0.0).to(tl.float32)  # even elements (low nibbles)
+    b_xo = tl.load(p_xt + 1, mask=m, other=0.0).to(tl.float32)  # odd elements (high nibbles)
+    b_amax = tl.maximum(tl.max(tl.abs(b_xe), axis=2), tl.max(tl.abs(b_xo), axis=2))  # [BLOCK_H, NB]
+    b_s = tl.math.div_rn(b_amax, ls * 6.0)
+    b_s = tl.where(b_s == 0, 1.0, b_s)
+    b_s = _round_e4m3(tl.minimum(tl.maximum(b_s, 0.001953125), 448.0))  # clamped to [2**-9, 448]
+    b_div = (b_s * ls)[:, :, None]
+    b_code = _e2m1_code(tl.math.div_rn(b_xe, b_div)) | (_e2m1_code(tl.math.div_rn(b_xo, b_div)) << 4)
+    p_ct = p_c + o_h[:, None, None] * stride_ch
+    tl.store(p_ct + (o_b * 8)[None, :, None] + o_e[None, None, :], b_code.to(tl.uint8), mask=m)
+    m_s = m_h[:, None] & (o_b * 16 < d_end)[None, :]
+    tl.store(p_c + o_h[:, None] * stride_ch + D // 2 + o_b[None, :],
+             b_s.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m_s)
+
+
+@triton.jit
 def _write_kv_decode_kernel(
     p_k, p_v, p_kc, p_vc, p_slot, p_kvs, H, D, page_size,
     stride_kb, stride_kh, stride_vb, stride_vh,
     stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr = False,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
 ):
     """KV_FP8: the cache is float8_e4m3fn (passed as its uint8 bits) holding x / scale, rounded to
-    nearest even after clamping to +-448; p_kvs holds the layer's (K, V) scales."""
+    nearest even after clamping to +-448; p_kvs holds the layer's (K, V) scales. KV_NVFP4: the
+    cache rows are NVFP4 (uint8, D/2 + D/16 bytes; D is the head dim), see `reference.py`."""
     i_b = tl.program_id(0)
     slot = tl.load(p_slot + i_b).to(tl.int64)
     i_p = tl.maximum(slot, 0) // page_size
@@ -75,20 +126,27 @@ def _write_kv_decode_kernel(
     o_h = tl.arange(0, BLOCK_H)
     o_d = tl.arange(0, BLOCK_D)
     d_end = tl.where(slot >= 0, D, 0)  # NOTE: a scalar bool in a mask fails in the interpreter
-    m_hd = (o_h < H)[:, None] & (o_d < d_end)[None, :]
-    b_k = tl.load(p_k + i_b * stride_kb + o_h[:, None] * stride_kh + o_d[None, :], mask=m_hd)
-    b_v = tl.load(p_v + i_b * stride_vb + o_h[:, None] * stride_vh + o_d[None, :], mask=m_hd)
-    p_kt = p_kc + i_p * stride_kcp + i_s * stride_kcs + o_h[:, None] * stride_kch + o_d[None, :]
-    p_vt = p_vc + i_p * stride_vcp + i_s * stride_vcs + o_h[:, None] * stride_vch + o_d[None, :]
-    if KV_FP8:
-        # NOTE: div_rn: the IEEE quotient (as torch divides), not the fast approximate one
-        b_k = tl.minimum(tl.maximum(tl.math.div_rn(b_k.to(tl.float32), tl.load(p_kvs)), -448.0), 448.0)
-        b_v = tl.minimum(tl.maximum(tl.math.div_rn(b_v.to(tl.float32), tl.load(p_kvs + 1)), -448.0), 448.0)
-        tl.store(p_kt, _round_e4m3(b_k).to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m_hd)
-        tl.store(p_vt, _round_e4m3(b_v).to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m_hd)
+    if KV_NVFP4:
+        m_h = o_h < H
+        _write_nvfp4_heads(p_k + i_b * stride_kb, stride_kh, p_kc + i_p * stride_kcp + i_s * stride_kcs, stride_kch,
+                           tl.load(p_kvs), o_h, m_h, D, d_end, BLOCK_H, BLOCK_D)
+        _write_nvfp4_heads(p_v + i_b * stride_vb, stride_vh, p_vc + i_p * stride_vcp + i_s * stride_vcs, stride_vch,
+                           tl.load(p_kvs + 1), o_h, m_h, D, d_end, BLOCK_H, BLOCK_D)
     else:
-        tl.store(p_kt, b_k.to(p_kc.dtype.element_ty), mask=m_hd)
-        tl.store(p_vt, b_v.to(p_vc.dtype.element_ty), mask=m_hd)
+        m_hd = (o_h < H)[:, None] & (o_d < d_end)[None, :]
+        b_k = tl.load(p_k + i_b * stride_kb + o_h[:, None] * stride_kh + o_d[None, :], mask=m_hd)
+        b_v = tl.load(p_v + i_b * stride_vb + o_h[:, None] * stride_vh + o_d[None, :], mask=m_hd)
+        p_kt = p_kc + i_p * stride_kcp + i_s * stride_kcs + o_h[:, None] * stride_kch + o_d[None, :]
+        p_vt = p_vc + i_p * stride_vcp + i_s * stride_vcs + o_h[:, None] * stride_vch + o_d[None, :]
+        if KV_FP8:
+            # NOTE: div_rn: the IEEE quotient (as torch divides), not the fast approximate one
+            b_k = tl.minimum(tl.maximum(tl.math.div_rn(b_k.to(tl.float32), tl.load(p_kvs)), -448.0), 448.0)
+            b_v = tl.minimum(tl.maximum(tl.math.div_rn(b_v.to(tl.float32), tl.load(p_kvs + 1)), -448.0), 448.0)
+            tl.store(p_kt, _round_e4m3(b_k).to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m_hd)
+            tl.store(p_vt, _round_e4m3(b_v).to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m_hd)
+        else:
+            tl.store(p_kt, b_k.to(p_kc.dtype.element_ty), mask=m_hd)
+            tl.store(p_vt, b_v.to(p_vc.dtype.element_ty), mask=m_hd)
 
 
 @triton.jit
@@ -101,41 +159,56 @@ def _load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G: tl.constexpr, B
 
 
 @triton.jit
+def load_kv_tile(p, o_row, m_n, D, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 KV_FP8: tl.constexpr, KV_NVFP4: tl.constexpr):
+    """The K or V rows of BLOCK_N tokens of one kv head -> [BLOCK_N, BLOCK_D] in `dtype`, without the
+    layer scale (exact for quantized caches); masked tokens (m_n false) and columns >= D give 0.
+
+    p: the kv head's cache (uint8 for KV_FP8 / KV_NVFP4); o_row [BLOCK_N] int64: each token's row
+    offset from p in elements (page * stride_p + slot * stride_s); D: the head dim. KV_NVFP4: a row
+    is D/2 code bytes then D/16 e4m3 block scales (`reference.py`)."""
+    if KV_NVFP4:
+        b_t = dequant_tile(p, p + D // 2, o_row, m_n, 1, 1, 0, D // 2, dtype, BLOCK_N, BLOCK_D)
+    else:
+        o_d = tl.arange(0, BLOCK_D)
+        b_t = tl.load(p + o_row[:, None] + o_d[None, :], mask=m_n[:, None] & (o_d < D)[None, :], other=0)
+        if KV_FP8:
+            b_t = b_t.to(tl.float8e4nv, bitcast=True)
+        b_t = b_t.to(dtype)
+    return b_t
+
+
+@triton.jit
 def _attend(b_q, p_k, p_v, p_pt, lo, hi, D, qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
             PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False):
+            PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False, KV_NVFP4: tl.constexpr = False):
     """Online softmax of the group's queries b_q over tokens [lo, hi) of one sequence -> (max [BLOCK_G]
     in log2 units, sum [BLOCK_G], unnormalized acc [BLOCK_G, BLOCK_D]), fp32.
 
     p_k, p_v: the kv head's K/V cache (token (page, slot) at + page * stride_*p + slot * stride_*s);
     p_pt: the sequence's page-table row. Only tokens in [lo, hi) are loaded, their page ids included.
-    KV_FP8: the caches are float8_e4m3fn bits (uint8); the caller folds the K scale into qk_scale
-    and applies the V scale to the result (the fp8 -> q dtype conversion is exact)."""
-    o_d = tl.arange(0, BLOCK_D)
-    m_d = o_d < D
+    KV_FP8 / KV_NVFP4: quantized caches (uint8, `load_kv_tile`); the caller folds the K scale into
+    qk_scale and applies the V scale to the result (the tiles in q's dtype are exact)."""
     b_m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     b_l = tl.zeros((BLOCK_G,), dtype=tl.float32)
     b_acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         o_n = n0 + tl.arange(0, BLOCK_N)
         m_n = o_n < hi
-        m_nd = m_n[:, None] & m_d[None, :]
         b_page = tl.load(p_pt + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
         o_slot = o_n % PAGE_SIZE
-        b_k = tl.load(p_k + (b_page * stride_kp + o_slot * stride_ks)[:, None] + o_d[None, :], mask=m_nd, other=0)
-        if KV_FP8:
-            b_k = b_k.to(tl.float8e4nv, bitcast=True)
-        b_s = tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+        b_k = load_kv_tile(p_k, b_page * stride_kp + o_slot * stride_ks, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D, KV_FP8,
+                           KV_NVFP4)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
         b_s = tl.where(m_n[None, :], b_s, float("-inf"))
         # NOTE: every block holds a token below hi, so b_m_new is finite and the padding rows stay finite
         b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
         b_alpha = tl.exp2(b_m - b_m_new)
         b_p = tl.exp2(b_s - b_m_new[:, None])
         b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        b_v = tl.load(p_v + (b_page * stride_vp + o_slot * stride_vs)[:, None] + o_d[None, :], mask=m_nd, other=0)
-        if KV_FP8:
-            b_v = b_v.to(tl.float8e4nv, bitcast=True)
-        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v.to(b_q.dtype), input_precision=PRECISION)
+        b_v = load_kv_tile(p_v, b_page * stride_vp + o_slot * stride_vs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D, KV_FP8,
+                           KV_NVFP4)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v, input_precision=PRECISION)
         b_m = b_m_new
     return b_m, b_l, b_acc
 
@@ -146,19 +219,19 @@ def _decode_kernel(
     stride_qb, stride_qh, stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
     stride_ptb, stride_gb, stride_gh, stride_ob, stride_oh,
     PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_GATE: tl.constexpr, KV_FP8: tl.constexpr = False,
+    PRECISION: tl.constexpr, HAS_GATE: tl.constexpr, KV_FP8: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
 ):
     i_b = tl.program_id(0)
     i_kv = tl.program_id(1)
     seq_len = tl.load(p_seq + i_b).to(tl.int32)
     b_q = _load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G, BLOCK_D)
-    if KV_FP8:
+    if KV_FP8 or KV_NVFP4:
         qk_scale = qk_scale * tl.load(p_kvs)
     _, b_l, b_acc = _attend(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
                             0, seq_len, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
-                            PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, KV_FP8)
+                            PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, KV_FP8, KV_NVFP4)
     b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]  # seq_len 0: zeros
-    if KV_FP8:
+    if KV_FP8 or KV_NVFP4:
         b_o = b_o * tl.load(p_kvs + 1)
     o_g = tl.arange(0, BLOCK_G)
     o_d = tl.arange(0, BLOCK_D)
@@ -177,7 +250,7 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
     stride_ptb, stride_ar, stride_ah, stride_sr, stride_sh,
     PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False,
+    PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
 ):
     i_b = tl.program_id(0)
     i_kv = tl.program_id(1)
@@ -188,12 +261,12 @@ def _decode_split_kernel(
     lo = i_s * chunk
     hi = tl.minimum(lo + chunk, seq_len)  # lo >= hi: an empty split (max -inf, sum 0, acc 0)
     b_q = _load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G, BLOCK_D)
-    if KV_FP8:
+    if KV_FP8 or KV_NVFP4:
         qk_scale = qk_scale * tl.load(p_kvs)
     b_m, b_l, b_acc = _attend(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
                               lo, hi, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
-                              PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, KV_FP8)
-    if KV_FP8:
+                              PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, KV_FP8, KV_NVFP4)
+    if KV_FP8 or KV_NVFP4:
         b_acc = b_acc * tl.load(p_kvs + 1)
     o_g = tl.arange(0, BLOCK_G)
     o_d = tl.arange(0, BLOCK_D)
@@ -237,48 +310,54 @@ def _decode_combine_kernel(
     tl.store(p_o + i_b * stride_ob + i_h * stride_oh + o_d, b_out.to(p_o.dtype.element_ty), mask=m_d)
 
 
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache, v_cache must be [P, page_size, Hkv, D] alike, got {tuple(k_cache.shape)}, "
-                         f"{tuple(v_cache.shape)}")
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """Checks the caches' shapes and layout -> the head dim D (`reference.cache_head_dim`)."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache, v_cache must be [P, page_size, Hkv, D] alike, got {tuple(k_cache.shape)} "
+                         f"{k_cache.dtype}, {tuple(v_cache.shape)} {v_cache.dtype}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache, v_cache must be contiguous along D")
+    return cache_head_dim(k_cache)
 
 
 def _kv_args(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scale: torch.Tensor | None, any_ptr: torch.Tensor):
-    """(k_cache, v_cache, scales, KV_FP8) as the kernels take them: an fp8 cache as its uint8 bits
-    with its float32 [2] (K, V) scales; any other cache as is (scales: any pointer, never read)."""
-    if k_cache.dtype != torch.float8_e4m3fn:
-        return k_cache, v_cache, any_ptr, False
+    """(k_cache, v_cache, scales, {"KV_FP8": .., "KV_NVFP4": ..}) as the kernels take them: an fp8
+    cache as its uint8 bits, an NVFP4 cache (uint8) as is, either with its float32 [2] (K, V)
+    scales; any other cache as is (scales: any pointer, never read)."""
+    fp8, nvfp4 = k_cache.dtype == torch.float8_e4m3fn, k_cache.dtype == NVFP4_CACHE
+    if not (fp8 or nvfp4):
+        return k_cache, v_cache, any_ptr, {"KV_FP8": False, "KV_NVFP4": False}
     if kv_scale is None or kv_scale.numel() != 2 or kv_scale.dtype != torch.float32 or kv_scale.stride(-1) != 1:
-        raise ValueError("an fp8 KV cache needs kv_scale: float32 [2] (the layer's K and V scales)")
-    return k_cache.view(torch.uint8), v_cache.view(torch.uint8), kv_scale, True
+        raise ValueError(f"an {'fp8' if fp8 else 'NVFP4'} KV cache needs kv_scale: float32 [2] (the layer's K and "
+                         "V scales)")
+    return k_cache.view(torch.uint8), v_cache.view(torch.uint8), kv_scale, {"KV_FP8": fp8, "KV_NVFP4": nvfp4}
 
 
 def write_kv_decode_triton(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
     kv_scale: torch.Tensor | None = None,
 ) -> None:
-    """`write_kv_decode_ref` on Triton: k, v [B, Hkv, D] into k_cache, v_cache [P, page_size, Hkv, D]
-    (any strides but D's) at slot_mapping [B] int64; negative slots write nothing; an fp8 cache
-    takes x / kv_scale (float32 [2]: K, V), as `write_kv_decode_ref`.
+    """`write_kv_decode_ref` on Triton: k, v [B, Hkv, D] into k_cache, v_cache [P, page_size, Hkv, R]
+    (R = D, or D/2 + D/16 for an NVFP4 cache; any strides but the last) at slot_mapping [B] int64;
+    negative slots write nothing; an fp8 or NVFP4 cache quantizes with kv_scale (float32 [2]: K,
+    V) exactly as `write_kv_decode_ref` (bit for bit).
 
-    Raises: ValueError on shapes that do not match, or an fp8 cache without kv_scale."""
-    _check_cache(k_cache, v_cache)
+    Raises: ValueError on shapes that do not match, or a quantized cache without kv_scale."""
+    cache_d = _check_cache(k_cache, v_cache)
     b, h, d = k.shape
-    if v.shape != k.shape or tuple(k_cache.shape[2:]) != (h, d) or tuple(slot_mapping.shape) != (b,):
+    if v.shape != k.shape or (k_cache.shape[2], cache_d) != (h, d) or tuple(slot_mapping.shape) != (b,):
         raise ValueError(f"shapes do not match: k {tuple(k.shape)}, v {tuple(v.shape)}, cache {tuple(k_cache.shape)}, "
                          f"slot_mapping {tuple(slot_mapping.shape)}")
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    k_cache, v_cache, kvs, fp8 = _kv_args(k_cache, v_cache, kv_scale, k)
+    k_cache, v_cache, kvs, kv_flags = _kv_args(k_cache, v_cache, kv_scale, k)
     if b:
         _write_kv_decode_kernel[(b,)](
             k, v, k_cache, v_cache, slot_mapping, kvs, h, d, k_cache.shape[1],
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
             v_cache.stride(2),
-            BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d), KV_FP8=fp8, num_warps=4,
+            BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d), **kv_flags, num_warps=4,
         )
 
 
@@ -319,15 +398,16 @@ def paged_decode_attention_triton(
             reads in place; copied only when D's stride is not 1): the output is o * sigmoid(gate) in
             fp32, rounded once, by the single-pass or the combine kernel.
         config: block sizes and launch options overriding `decode_config` (tests, benchmarks).
-        kv_scale: float32 [2] (K, V) scales of an fp8 cache (required then): K's is folded into the
-            softmax scale, V's applied to the output.
+        kv_scale: float32 [2] (K, V) scales of an fp8 or NVFP4 cache (required then; k_cache, v_cache
+            [P, page_size, Hkv, D/2 + D/16] uint8 for NVFP4): K's is folded into the softmax scale,
+            V's applied to the output.
     Raises:
         ValueError: on shapes, dtypes or layouts the kernels do not take, or a workspace too small.
     """
-    _check_cache(k_cache, v_cache)
+    cache_d = _check_cache(k_cache, v_cache)
     b, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
-    if k_cache.shape[3] != d or hq % hkv or d > MAX_HEAD_DIM:
+    if cache_d != d or hq % hkv or d > MAX_HEAD_DIM:
         raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)} (Hq a multiple of Hkv, "
                          f"D <= {MAX_HEAD_DIM})")
     if page_table.dim() != 2 or page_table.shape[0] != b or tuple(seq_lens.shape) != (b,):
@@ -351,7 +431,7 @@ def paged_decode_attention_triton(
     g, g_strides = (gate, (gate.stride(0), gate.stride(1))) if gate is not None else (out, (0, 0))
     if b == 0:
         return out
-    k_cache, v_cache, kvs, fp8 = _kv_args(k_cache, v_cache, kv_scale, q)
+    k_cache, v_cache, kvs, kv_flags = _kv_args(k_cache, v_cache, kv_scale, q)
     cfg = {**decode_config(d, hq // hkv, q.dtype), **(config or {})}
     common = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0))
@@ -359,7 +439,7 @@ def paged_decode_attention_triton(
     if splits == 1:
         _decode_kernel[(b, hkv)](q, k_cache, v_cache, page_table, seq_lens, g, out, kvs, scale2, hq // hkv, d,
                                  *common, *g_strides, out.stride(0), out.stride(1), PAGE_SIZE=page,
-                                 HAS_GATE=gate is not None, KV_FP8=fp8, **cfg)
+                                 HAS_GATE=gate is not None, **kv_flags, **cfg)
         return out
     if workspace is None:
         workspace = decode_attention_workspace(b, hq, d, splits, q.device)
@@ -370,7 +450,7 @@ def paged_decode_attention_triton(
     acc, st = workspace.acc, workspace.stats
     _decode_split_kernel[(b, hkv, splits)](q, k_cache, v_cache, page_table, seq_lens, acc, st, kvs, scale2,
                                            hq // hkv, d, *common, acc.stride(0), acc.stride(1), st.stride(0),
-                                           st.stride(1), PAGE_SIZE=page, KV_FP8=fp8, **cfg)
+                                           st.stride(1), PAGE_SIZE=page, **kv_flags, **cfg)
     _decode_combine_kernel[(b, hq)](acc, st, g, out, splits, d, acc.stride(0), acc.stride(1), st.stride(0),
                                     st.stride(1), *g_strides, out.stride(0), out.stride(1),
                                     BLOCK_S=triton.next_power_of_2(splits),

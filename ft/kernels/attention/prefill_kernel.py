@@ -3,7 +3,8 @@ chunk of one sequence's queries over its paged KV (the cached prefix and the chu
 style: one program per block of BLOCK_M query tokens and one kv head, the group's query heads as
 rows of one tile (token-major: row r is token r // BLOCK_G, head r % BLOCK_G), K/V tiles gathered
 through the page table, online softmax in fp32 (base 2). Same contract as `paged_attention_ref`,
-fp8 caches included (the K scale folded into the softmax scale, the V scale into the output).
+fp8 and NVFP4 caches included (tiles dequantized by `kernel.load_kv_tile`, the K scale folded into
+the softmax scale, the V scale into the output).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.kernels.attention.kernel import LOG2E, MAX_HEAD_DIM, _check_cache, _kv_args
+from ft.kernels.attention.kernel import LOG2E, MAX_HEAD_DIM, _check_cache, _kv_args, load_kv_tile
 
 __all__ = ["paged_prefill_attention_triton"]
 
@@ -23,7 +24,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
     stride_ot, stride_oh,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KV_NVFP4: tl.constexpr = False,
 ):
     i_m = tl.program_id(0)
     i_kv = tl.program_id(1)
@@ -36,7 +37,7 @@ def _prefill_kernel(
     m_d = o_d < D
     b_q = tl.load(p_q + o_t[:, None] * stride_qt + o_h[:, None] * stride_qh + o_d[None, :],
                   mask=m_r[:, None] & m_d[None, :], other=0.0)
-    if KV_FP8:
+    if KV_FP8 or KV_NVFP4:
         qk_scale = qk_scale * tl.load(p_kvs)
     q_pos = start + o_t  # absolute positions; key n is visible to row r when n <= q_pos[r]
     hi = tl.minimum(start + i_m * BLOCK_M + BLOCK_M, start + T)  # past the block's last query: masked anyway
@@ -48,13 +49,11 @@ def _prefill_kernel(
     for n0 in range(0, hi, BLOCK_N):
         o_n = n0 + tl.arange(0, BLOCK_N)
         m_n = o_n < hi
-        m_nd = m_n[:, None] & m_d[None, :]
         b_page = tl.load(p_pt + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
         o_slot = o_n % PAGE_SIZE
-        b_k = tl.load(p_k + (b_page * stride_kcp + o_slot * stride_kcs)[:, None] + o_d[None, :], mask=m_nd, other=0)
-        if KV_FP8:
-            b_k = b_k.to(tl.float8e4nv, bitcast=True)
-        b_s = tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)), input_precision=PRECISION) * qk_scale  # [R, BLOCK_N]
+        b_k = load_kv_tile(p_k, b_page * stride_kcp + o_slot * stride_kcs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D, KV_FP8,
+                           KV_NVFP4)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [R, BLOCK_N]
         visible = (o_n[None, :] <= q_pos[:, None]) & m_n[None, :]
         b_s = tl.where(visible, b_s, float("-inf"))
         # NOTE: key 0 is visible to every row, so the first block leaves every row's max finite
@@ -62,13 +61,12 @@ def _prefill_kernel(
         b_alpha = tl.exp2(b_m - b_m_new)
         b_p = tl.exp2(b_s - b_m_new[:, None])
         b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        b_v = tl.load(p_v + (b_page * stride_vcp + o_slot * stride_vcs)[:, None] + o_d[None, :], mask=m_nd, other=0)
-        if KV_FP8:
-            b_v = b_v.to(tl.float8e4nv, bitcast=True)
-        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v.to(b_q.dtype), input_precision=PRECISION)
+        b_v = load_kv_tile(p_v, b_page * stride_vcp + o_slot * stride_vcs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D, KV_FP8,
+                           KV_NVFP4)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v, input_precision=PRECISION)
         b_m = b_m_new
     b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
-    if KV_FP8:
+    if KV_FP8 or KV_NVFP4:
         b_o = b_o * tl.load(p_kvs + 1)
     tl.store(p_o + o_t[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :], b_o.to(p_o.dtype.element_ty),
              mask=m_r[:, None] & m_d[None, :])
@@ -88,14 +86,15 @@ def paged_prefill_attention_triton(
     scale: float, kv_scale: torch.Tensor | None = None, *, config: dict | None = None,
 ) -> torch.Tensor:
     """`paged_attention_ref` on Triton: q [T, Hq, D] at positions start .. start+T-1 (any strides but
-    D's) -> [T, Hq, D] in q's dtype, over k_cache, v_cache [P, page_size, Hkv, D] through page_table
-    [n] int64 (covering start+T positions); kv_scale: float32 [2] of an fp8 cache.
+    D's) -> [T, Hq, D] in q's dtype, over k_cache, v_cache [P, page_size, Hkv, R] (R = D, or
+    D/2 + D/16 uint8 for NVFP4) through page_table [n] int64 (covering start+T positions);
+    kv_scale: float32 [2] of an fp8 or NVFP4 cache (required then).
 
     Raises: ValueError on shapes or dtypes the kernel does not take."""
-    _check_cache(k_cache, v_cache)
+    cache_d = _check_cache(k_cache, v_cache)
     t, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
-    if k_cache.shape[3] != d or hq % hkv or d > MAX_HEAD_DIM:
+    if cache_d != d or hq % hkv or d > MAX_HEAD_DIM:
         raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}")
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"q must be fp32/bf16/fp16, got {q.dtype}")
@@ -106,7 +105,7 @@ def paged_prefill_attention_triton(
     out = torch.empty_like(q)
     if t == 0:
         return out
-    k_cache, v_cache, kvs, fp8 = _kv_args(k_cache, v_cache, kv_scale, q)
+    k_cache, v_cache, kvs, kv_flags = _kv_args(k_cache, v_cache, kv_scale, q)
     g = hq // hkv
     cfg = {**prefill_config(d, g, q.dtype), **(config or {})}
     grid = (triton.cdiv(t, cfg["BLOCK_M"]), hkv)
@@ -114,6 +113,6 @@ def paged_prefill_attention_triton(
         q, k_cache, v_cache, page_table, out, kvs, start, t, g, d, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        PAGE_SIZE=page, KV_FP8=fp8, **cfg,
+        PAGE_SIZE=page, **kv_flags, **cfg,
     )
     return out

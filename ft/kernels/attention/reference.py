@@ -1,32 +1,118 @@
 """Attention over a paged KV cache: torch reference.
 
-KV layout (one full-attention layer): k_cache, v_cache [P, page_size, Hkv, D]; a sequence's
-page table lists its pages in order, so token position p lives at
-(page_table[p // page_size], p % page_size).
+KV layout (one full-attention layer): k_cache, v_cache [P, page_size, Hkv, R] with R = D (the
+head dim) except for NVFP4; a sequence's page table lists its pages in order, so token position
+p lives at (page_table[p // page_size], p % page_size).
 
-Quantized KV (`kv_scale` given: float32 [2], the layer's K and V scales): the cache holds
-x / scale in its dtype (float8_e4m3fn: rounded to nearest even after clamping to +-448, the
-format's largest finite value); a read gives cache * scale. Without `kv_scale` the cache holds x
-in its dtype.
+Quantized KV (`kv_scale` given: float32 [2], the layer's K and V scales, s below):
+
+* float8_e4m3fn cache: holds x / s rounded to nearest even after clamping to +-448 (the format's
+  largest finite value); a read gives cache * s.
+* NVFP4 cache (dtype uint8, R = D/2 + D/16, D % 16 == 0): a row holds the E2M1 codes of D values
+  in bytes [0, D/2) (element 2j in the low nibble of byte j; code bit 3 the sign, bits 0..2 the
+  magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6) and D/16 float8_e4m3fn block scales (as bits) in bytes
+  [D/2, D/2 + D/16), one per 16 consecutive elements. ModelOpt's NVFP4 rounding (as
+  `ft.tools.nvfp4_quantize`, with s in the role of its ``scale_2``), all in float32:
+  ``b = amax(|x_block|) / (6 * s)``; ``b = 1`` where it is 0; ``b`` clamped to [2**-9, 448] and
+  rounded to e4m3 (nearest, ties to even); ``y = x / (b * s)`` (the product rounded first);
+  the code of y is the nearest E2M1 value, ties to the even code (|y| = 0.25, 0.75, 1.25, 1.75,
+  2.5, 3.5, 5 go to 0, 1, 1, 2, 2, 4, 4), above 5 gives 6 (saturates), the sign bit set iff
+  y < 0. A read gives e2m1(code) * (b * s) (the scales' product rounded to float32 first).
+
+Without `kv_scale` the cache holds x in its dtype (an NVFP4 cache always needs it).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ft.kernels.nvfp4.reference import BLOCK_SIZE, E2M1_MAX, E4M3_MAX, dequantize_nvfp4_rows
+
 FP8_MAX = 448.0
+
+NVFP4_CACHE = torch.uint8
+"""The dtype of an NVFP4 cache (`ft.memory.kv_pool.NVFP4_KV`)."""
+
+_E4M3_MIN = 2.0**-9  # smallest positive float8_e4m3fn (subnormal): the least block scale
+# (bound, tie rounds up): |y| passes bound b when |y| > b, or |y| >= b where the value above b has the even code
+_E2M1_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def nvfp4_row_size(head_dim: int) -> int:
+    """Bytes per token and kv head of an NVFP4 cache: D/2 codes + D/16 block scales (D % 16 == 0)."""
+    if head_dim % BLOCK_SIZE:
+        raise ValueError(f"an NVFP4 KV cache needs a head dim multiple of {BLOCK_SIZE}, got {head_dim}")
+    return head_dim // 2 + head_dim // BLOCK_SIZE
+
+
+def cache_head_dim(cache: torch.Tensor) -> int:
+    """The head dim D of a cache [..., R]: R, or R * 16 / 9 for an NVFP4 (uint8) cache.
+
+    Raises: ValueError for a uint8 row that is no NVFP4 row (R not a multiple of 9)."""
+    r = cache.shape[-1]
+    if cache.dtype != NVFP4_CACHE:
+        return r
+    if r % 9:
+        raise ValueError(f"a uint8 (NVFP4) KV cache row has D/2 + D/16 bytes (a multiple of 9), got {r}")
+    return r // 9 * 16
+
+
+def _e2m1_codes(y: torch.Tensor) -> torch.Tensor:
+    """float32 y (already divided by its scales) -> uint8 E2M1 codes 0..15 (module docstring's rule;
+    NaN gives 0, as in the Triton write kernel)."""
+    mag = y.abs()
+    codes = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)
+    for bound, tie_up in _E2M1_STEPS:
+        codes += ((mag >= bound) if tie_up else (mag > bound)).to(torch.uint8)
+    return codes | ((y < 0).to(torch.uint8) << 3)
+
+
+def quantize_nvfp4_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., D] (any float dtype, D % 16 == 0) and the layer scale (float32, one element) -> the
+    NVFP4 rows uint8 [..., D/2 + D/16] (module docstring: codes, then the e4m3 block scales' bits)."""
+    *lead, d = x.shape
+    nvfp4_row_size(d)
+    s = scale.float().reshape(())
+    blocks = x.float().reshape(*lead, d // BLOCK_SIZE, BLOCK_SIZE)
+    b = blocks.abs().amax(dim=-1) / (E2M1_MAX * s)
+    b = torch.where(b == 0, torch.ones_like(b), b).clamp(_E4M3_MIN, E4M3_MAX).to(torch.float8_e4m3fn)
+    y = blocks / (b.float() * s).unsqueeze(-1)  # the product rounded to float32 before the division
+    codes = _e2m1_codes(y).reshape(*lead, d)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return torch.cat([packed, b.view(torch.uint8)], dim=-1)
+
+
+def dequantize_nvfp4_kv(c: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """NVFP4 rows uint8 [..., D/2 + D/16] and the layer scale -> values [..., D] in `dtype`
+    (e2m1 * (block scale * scale) in float32, then cast)."""
+    d = cache_head_dim(c)
+    lead = c.shape[:-1]
+    packed = c[..., : d // 2].reshape(-1, 1, d // 2)
+    blocks = c[..., d // 2:].reshape(-1, 1, d // BLOCK_SIZE).view(torch.float8_e4m3fn)
+    rows = scale.float().reshape(1, 1).expand(packed.shape[0], 1)
+    return dequantize_nvfp4_rows(packed, blocks, rows, dtype).reshape(*lead, d)
 
 
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """x -> what the cache stores: x / scale clamped into the format's range, in `dtype`; x in
-    `dtype` when scale is None."""
+    """x [..., D] -> what a cache of `dtype` stores (module docstring): x / scale clamped into the
+    format's range, in `dtype`; NVFP4 rows [..., D/2 + D/16] for uint8; x in `dtype` when scale is
+    None (not for NVFP4: ValueError)."""
+    if dtype == NVFP4_CACHE:
+        if scale is None:
+            raise ValueError("an NVFP4 KV cache needs kv_scale (the layer's K and V scales)")
+        return quantize_nvfp4_kv(x, scale)
     if scale is None:
         return x.to(dtype)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(dtype)
 
 
 def dequantize_kv(c: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """What the cache stores -> values in `dtype` (cache * scale, computed in float32)."""
+    """What the cache stores -> values in `dtype` (cache * scale, computed in float32; NVFP4 rows
+    [..., D/2 + D/16] -> [..., D], which needs the scale)."""
+    if c.dtype == NVFP4_CACHE:
+        if scale is None:
+            raise ValueError("an NVFP4 KV cache needs kv_scale (the layer's K and V scales)")
+        return dequantize_nvfp4_kv(c, scale, dtype)
     return c.to(dtype) if scale is None else (c.float() * scale).to(dtype)
 
 

@@ -9,12 +9,19 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 ABOUT = """\
-pools    each pool's size, bytes, usage and reachable range (min..max with the others fixed);
-         the bar is the rebuild budget: each pool's share, then the free slack; under it,
-         per pool: · below its minimum, █ what it holds, ━ the room it could grow into
-ladder   every KV rung (the current one marked), auto on/off, the last decision and why
-live     decode tokens/s, expert hit rate and KV usage over the last minutes
-history  rebuilds newest first; the selected row's phases and error below the table"""
+header    the state, and how old the figures are ("updated 0.4 s ago", marked stale after three
+          refresh intervals without an update); an answer older than the one shown is dropped
+pools     each pool's size, bytes, usage and reachable range (min..max with the others fixed);
+          the bar is the rebuild budget: each pool's share, then the free slack; under it,
+          per pool: · below its minimum, █ what it holds, ━ the room it could grow into
+ladder    every KV rung (the current one marked), auto on/off, the last decision in full; rungs
+          count from 1 ("rung 2/7"), as `ft ctl ladder --rung N` and the serve banner count them
+live      decode tokens/s, expert hit rate and KV usage, newest at the right: each axis's bottom
+          and top with its unit; the time the plots span in the bottom border
+requests  running, then waiting requests: state (waiting / prefill / decode), prompt and
+          generated tokens, KV pages held, age
+history   rebuilds newest first; the selected row's phases and error below the table
+          (a short terminal shows the requests or the history: l and h switch)"""
 
 
 class HelpScreen(ModalScreen[None]):

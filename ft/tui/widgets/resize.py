@@ -1,5 +1,8 @@
 """The resize dialog: targets for moe / kv / mamba, the server's dry-run plan as you type
-(debounced), refusal of out-of-range targets without asking the server to resize, apply on Enter."""
+(debounced), refusal of out-of-range targets without asking the server to resize, apply on Enter.
+No keystroke typed fast is lost: `r` opens the dialog as the app reads it (a priority binding),
+the app awaits the dialog's mount before it reads the next key, the first box has the focus from
+the moment the dialog is composed, and Tab moves the focus as the app reads it (priority too)."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from textual.widgets import Input, Label, Static
 from ft.ctl.client import CtlError
 from ft.ctl.format import POOL_ORDER, format_plan, format_range
 from ft.schemas import CacheState, ResizePlan
-from ft.tui.state import check_targets, parse_target, pools_of
+from ft.tui.state import check_targets, parse_target, pools_of, rung_label
 
 DEBOUNCE_S = 0.3
 UNITS = {"moe": "slots", "kv": "tokens", "mamba": "slots"}
@@ -30,7 +33,15 @@ class ResizeScreen(ModalScreen[Targets | None]):
     `planner(targets)` is the dry run (blocking; it runs in a thread): a `ResizePlan` or a
     `CtlError`."""
 
-    BINDINGS = [Binding("escape", "cancel", "Cancel", id="resize.cancel")]
+    BINDINGS = [
+        Binding("escape", "cancel", "Cancel", id="resize.cancel"),
+        # priority: Tab moves the focus as the app reads it, so the digits typed after it go to the
+        # next box (a plain binding runs only after the key comes back from the focused box, when
+        # the digits behind it have already gone to the box Tab was leaving)
+        Binding("tab", "app.focus_next", show=False, priority=True, id="resize.next"),
+        Binding("shift+tab", "app.focus_previous", show=False, priority=True, id="resize.previous"),
+    ]
+    AUTO_FOCUS = ".resize-input"  # focused while the screen composes, before any key reaches it
 
     def __init__(self, state: CacheState, planner: Callable[[Targets], ResizePlan]) -> None:
         super().__init__()
@@ -48,15 +59,23 @@ class ResizeScreen(ModalScreen[Targets | None]):
                 with Horizontal(classes="resize-row"):
                     yield Label(name, classes="resize-name")
                     yield Input(str(p.size), id=f"target-{name}", classes="resize-input", restrict=r"[0-9_,]*")
-                    yield Label(f"{UNITS[name]}  range {format_range(p.min, p.max)}", id=f"range-{name}",
+                    yield Label(self._range_text(name, p.min, p.max, p.size), id=f"range-{name}",
                                 classes="resize-range")
             yield Static("", id="resize-problems", markup=False)
             yield Static("", id="resize-plan", markup=False)
             yield Label("Enter apply  ·  Esc cancel", id="resize-hint")
 
     def on_mount(self) -> None:
-        self.query_one(f"#target-{POOL_ORDER[0]}", Input).focus()
         self._refresh_local()
+
+    def _range_text(self, name: str, lo: int, hi: int, target: int | None) -> str:
+        """'tokens  range 4096..262144', and for kv where the target sits on the ladder (rungs
+        count from 1, as everywhere)."""
+        text = f"{UNITS[name]}  range {format_range(lo, hi)}"
+        if name == "kv" and target is not None and self.state.ladder.enabled:
+            where = rung_label(self.state.ladder, target)
+            text += f"  {where}" if where else ""
+        return text
 
     # -- targets ---------------------------------------------------------------------------
 
@@ -94,6 +113,13 @@ class ResizeScreen(ModalScreen[Targets | None]):
     def on_input_changed(self, event: Input.Changed) -> None:
         event.stop()
         self._plan = None
+        if event.input.id == "target-kv":
+            kv = self.state.pools.kv
+            try:
+                target = parse_target(event.value)
+            except ValueError:
+                target = None
+            self.query_one("#range-kv", Label).update(self._range_text("kv", kv.min, kv.max, target))
         if self._timer is not None:
             self._timer.stop()
         if self._refresh_local():
@@ -117,7 +143,8 @@ class ResizeScreen(ModalScreen[Targets | None]):
         self._plan = (targets, plan)
         for name, (lo, hi) in plan.ranges.items():  # each range with the other pools as typed
             if name in UNITS:
-                self.query_one(f"#range-{name}", Label).update(f"{UNITS[name]}  range {format_range(lo, hi)}")
+                self.query_one(f"#range-{name}", Label).update(self._range_text(name, lo, hi, targets.get(
+                    name, pools_of(self.state)[name].size)))
         style = "" if plan.fits else "bold red"
         self.query_one("#resize-plan", Static).update(Text(format_plan(plan), style))
         return plan

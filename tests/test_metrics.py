@@ -1,0 +1,253 @@
+"""/metrics on the demo model, in process: every ft_ series carries model_name, the per-request
+histograms observe what the requests did, engine counters (prefix cache, preemptions, rebuilds)
+are exported, errors are counted apart from aborts, and the Grafana dashboard graphs only series
+that /metrics exports."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from pathlib import Path
+
+import pytest
+from inproc_server import AUTH, DEMO, complete, demo_app, samples, value
+from server_proc import WAIT_S, wait_for
+
+import ft
+from ft.server.util_routes import build_info
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana-dashboard.json"
+
+NEW_SERIES = (
+    "ft_build_info", "ft_kv_cache_usage_ratio", "ft_prefix_cache_queried_tokens_total",
+    "ft_prefix_cache_hit_tokens_total", "ft_num_preemptions_total",
+    "ft_e2e_request_latency_seconds_bucket", "ft_request_queue_time_seconds_bucket",
+    "ft_request_prefill_time_seconds_bucket", "ft_request_decode_time_seconds_bucket",
+    "ft_request_prompt_tokens_bucket", "ft_request_generation_tokens_bucket",
+)
+OLD_SERIES = (
+    "ft_requests_running", "ft_requests_waiting", "ft_kv_tokens_used", "ft_kv_tokens_capacity", "ft_mamba_slots_used",
+    "ft_expert_slots", "ft_cache_budget_bytes", "ft_pool_bytes", "ft_expert_cache_hits_total",
+    "ft_expert_cache_misses_total", "ft_expert_host_bytes_total", "ft_expert_landed_total", "ft_prompt_tokens_total",
+    "ft_generation_tokens_total", "ft_time_to_first_token_seconds_bucket", "ft_inter_token_latency_seconds_bucket",
+    "ft_requests_finished_total",
+)
+SPANS = ("ft_request_queue_time_seconds", "ft_request_prefill_time_seconds", "ft_request_decode_time_seconds")
+
+
+@pytest.fixture(scope="module")
+def app():
+    with demo_app() as (client, state):
+        yield client, state
+
+
+def finished(client) -> dict[str, float]:
+    return {s.labels["finish_reason"]: s.value for s in samples(client) if s.name == "ft_requests_finished_total"}
+
+
+def test_every_series_has_model_name_and_the_new_ones_exist(app):
+    client, _ = app
+    assert complete(client, "metrics please", 3).status_code == 200
+    r = client.post("/v1/chat/completions", headers=AUTH, json={
+        "model": DEMO, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True})
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    got = samples(client)
+    ft_samples = [s for s in got if s.name.startswith("ft_")]
+    assert ft_samples and all(s.labels.get("model_name") == DEMO for s in ft_samples), \
+        [s for s in ft_samples if s.labels.get("model_name") != DEMO][:3]
+    names = {s.name for s in ft_samples}
+    for name in NEW_SERIES + OLD_SERIES:
+        assert name in names, name
+    pools = {s.labels["pool"] for s in ft_samples if s.name == "ft_pool_bytes"}
+    assert pools == {"moe", "kv", "mamba"}
+    for name in ("ft_e2e_request_latency_seconds", "ft_request_prompt_tokens", "ft_request_generation_tokens",
+                 *SPANS):
+        assert value(client, name + "_count") >= 2, name
+
+
+def test_build_info(app):
+    client, _ = app
+    info = [s for s in samples(client) if s.name == "ft_build_info"]
+    assert len(info) == 1 and info[0].value == 1
+    assert info[0].labels["version"] == ft.__version__
+    assert info[0].labels["git_rev"] == (build_info()["git_rev"] or "")
+
+
+def test_request_histograms_observe_each_request(app):
+    """One request moves each per-request histogram by one observation: its lengths exactly, its
+    engine-side spans (queue, prefill, decode) within its end-to-end latency."""
+    client, _ = app
+    names = ("ft_e2e_request_latency_seconds", "ft_request_prompt_tokens", "ft_request_generation_tokens", *SPANS)
+    before = {n: (value(client, n + "_count"), value(client, n + "_sum")) for n in names}
+    r = complete(client, [5, 6, 7, 8, 9, 10, 11], 6)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+    after = {n: (value(client, n + "_count"), value(client, n + "_sum")) for n in names}
+    delta = {n: (after[n][0] - before[n][0], after[n][1] - before[n][1]) for n in names}
+    assert all(d[0] == 1 for d in delta.values()), delta
+    assert delta["ft_request_prompt_tokens"][1] == 7 and delta["ft_request_generation_tokens"][1] == 6
+    spans = [delta[n][1] for n in SPANS]
+    assert all(s >= 0 for s in spans) and delta["ft_request_decode_time_seconds"][1] > 0
+    assert sum(spans) <= delta["ft_e2e_request_latency_seconds"][1] + 1e-3  # the engine's part of the request
+
+
+def test_length_buckets_count_per_request(app):
+    client, _ = app
+    before = value(client, "ft_request_generation_tokens_bucket", le="5.0")
+    before_inf = value(client, "ft_request_generation_tokens_bucket", le="+Inf")
+    complete(client, "abc", 4)
+    complete(client, "abc", 7)
+    assert value(client, "ft_request_generation_tokens_bucket", le="5.0") - before == 1  # the 4, not the 7
+    assert value(client, "ft_request_generation_tokens_bucket", le="+Inf") - before_inf == 2
+
+
+def test_kv_usage_ratio_is_used_over_capacity(app):
+    client, _ = app
+    complete(client, "leaves its pages in the prefix cache", 2)
+    got = {s.name: s.value for s in samples(client)}
+    ratio = got["ft_kv_cache_usage_ratio"]
+    assert 0 < ratio <= 1  # the prefix cache holds the earlier requests' pages
+    assert ratio == pytest.approx(got["ft_kv_tokens_used"] / got["ft_kv_tokens_capacity"])
+
+
+def test_prefix_cache_tokens(app):
+    """A prompt whose first 80 tokens a finished request left in the prefix cache: 80 hit tokens,
+    and both prompts' lengths queried."""
+    client, _ = app
+    prompt = [(7 * i) % 300 + 10 for i in range(80)]
+    q0, h0 = value(client, "ft_prefix_cache_queried_tokens_total"), value(client, "ft_prefix_cache_hit_tokens_total")
+    assert complete(client, prompt, 1).status_code == 200  # its 80 computed tokens go to the prefix cache
+    assert value(client, "ft_prefix_cache_hit_tokens_total") == h0
+    r = complete(client, prompt + [42, 43], 1)
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 80
+    assert value(client, "ft_prefix_cache_hit_tokens_total") - h0 == 80
+    assert value(client, "ft_prefix_cache_queried_tokens_total") - q0 == 80 + 82
+
+
+def test_preemptions_are_the_schedulers_count(app):
+    client, state = app
+    before = value(client, "ft_num_preemptions_total")
+    assert before == state.loop.call_sync(lambda e: e.scheduler.num_preemptions, timeout=WAIT_S)
+
+    def preempted(e):  # what Scheduler._preempt counts
+        e.scheduler.num_preemptions += 2
+
+    state.loop.call_sync(preempted, timeout=WAIT_S)
+    assert value(client, "ft_num_preemptions_total") - before == 2
+
+
+def test_rebuild_durations_and_counts(app):
+    """A resize through the admin API: one more ok rebuild and one more duration observation
+    (trigger manual); a refusal the ladder records is counted but has no duration."""
+    client, state = app
+    base = {s.name + repr(sorted(s.labels.items())): s.value for s in samples(client)}
+    kv = state.loop.call_sync(lambda e: e.pools.kv.num_tokens, timeout=WAIT_S)
+    r = client.post("/admin/cache", json={"kv": kv // 2, "wait_s": WAIT_S})
+    assert r.status_code == 200, r.text
+    state.loop.call_sync(lambda e: e.cache.record("ladder", "a test refusal", "refused", "no room"), timeout=WAIT_S)
+    try:
+        ok_before = base.get("ft_rebuilds_total" + repr(sorted({"model_name": DEMO, "status": "ok"}.items())), 0)
+        assert value(client, "ft_rebuilds_total", status="ok") - ok_before == 1
+        refused_before = base.get(
+            "ft_rebuilds_total" + repr(sorted({"model_name": DEMO, "status": "refused"}.items())), 0)
+        assert value(client, "ft_rebuilds_total", status="refused") - refused_before == 1
+        count_key = "ft_rebuild_duration_seconds_count" + repr(sorted({"model_name": DEMO, "trigger": "manual"}.items()))
+        assert value(client, "ft_rebuild_duration_seconds_count", trigger="manual") - base.get(count_key, 0) == 1
+        assert value(client, "ft_rebuild_duration_seconds_sum", trigger="manual") > 0
+        assert value(client, "ft_rebuild_duration_seconds_bucket", trigger="manual", le="+Inf") == \
+            value(client, "ft_rebuild_duration_seconds_count", trigger="manual")
+        assert not [s for s in samples(client) if s.name.startswith("ft_rebuild_duration")
+                    and s.labels.get("trigger") == "ladder"]  # the refusal ran nothing
+    finally:
+        assert client.post("/admin/cache", json={"kv": kv, "wait_s": WAIT_S}).status_code == 200
+
+
+def _fail_next_step(e) -> None:
+    """The engine's next forward step raises (once): its requests fail, the server goes on."""
+    def boom(work):
+        del e.runner.run  # back to the class's method
+        raise RuntimeError("an injected fault")
+
+    e.runner.run = boom
+
+
+def test_errors_and_aborts_are_counted_apart(app):
+    client, state = app
+    before = finished(client)
+
+    state.loop.call_sync(_fail_next_step, timeout=WAIT_S)
+    r = complete(client, "this one fails", 4)
+    assert r.status_code == 503 and "the request failed" in r.json()["error"]["message"]
+    state.loop.call_sync(_fail_next_step, timeout=WAIT_S)
+    r = complete(client, "this stream fails", 4, stream=True)
+    assert r.status_code == 200 and '"code": 503' in r.text
+    after_errors = finished(client)
+    assert after_errors["error"] - before["error"] == 2
+    assert after_errors["abort"] == before["abort"] and after_errors["cancelled"] == before["cancelled"]
+
+    # a request still running when the server stops (the drain's end): abort, not error
+    answers = []
+    t = threading.Thread(target=lambda: answers.append(complete(client, "a long one", 3000)))
+    t.start()
+    wait_for(lambda: state.loop.call_sync(lambda e: len(e.scheduler.running), timeout=WAIT_S) == 1,
+             "the long request to run")
+    state.loop.call_sync(state.loop._abort_all, timeout=WAIT_S)
+    t.join(WAIT_S)
+    assert answers and answers[0].json()["choices"][0]["finish_reason"] == "abort"
+    after = finished(client)
+    assert after["abort"] - before["abort"] == 1 and after["error"] == after_errors["error"]
+    assert after["cancelled"] == before["cancelled"]
+    assert complete(client, "still serving", 2).status_code == 200
+
+
+# --------------------------------------------------------------------------- the Grafana dashboard
+def _exprs(dashboard: dict) -> list[str]:
+    """Every PromQL expression of the dashboard's panels (rows' nested panels included)."""
+    out = []
+    for panel in dashboard["panels"]:
+        for p in [panel, *panel.get("panels", [])]:
+            out += [t["expr"] for t in p.get("targets", []) if t.get("expr")]
+    return out
+
+
+def test_dashboard_is_a_grafana_dashboard():
+    d = json.loads(DASHBOARD.read_text())
+    assert 36 <= d["schemaVersion"] <= 41 and d["title"] and d["uid"]
+    assert [i["name"] for i in d["__inputs"]] == ["DS_PROMETHEUS"] and d["__inputs"][0]["pluginId"] == "prometheus"
+    panels = [p for panel in d["panels"] for p in [panel, *panel.get("panels", [])]]
+    assert len({p["id"] for p in panels}) == len(panels)
+    for p in panels:
+        if p["type"] == "row":
+            continue
+        assert p["datasource"]["uid"] == "${DS_PROMETHEUS}", p["title"]
+        assert p["targets"] and all(t["datasource"]["uid"] == "${DS_PROMETHEUS}" for t in p["targets"]), p["title"]
+        assert {"h", "w", "x", "y"} <= set(p["gridPos"])
+        for t in p["targets"]:
+            assert "model_name=~\"$model_name\"" in t["expr"], (p["title"], t["expr"])
+    titles = " | ".join(p["title"] for p in panels).lower()
+    for word in ("tokens/s", "ttft", "inter-token", "end-to-end", "queue", "running", "kv", "expert hit", "pool",
+                 "rebuild", "preemption"):
+        assert word in titles, word
+
+
+def test_dashboard_graphs_only_exported_series(app):
+    """Every ft_ name in the dashboard's expressions is a sample name /metrics exports on the demo
+    engine once it has served requests and rebuilt (so that a renamed series fails here)."""
+    client, state = app
+    complete(client, "for the dashboard", 3)
+    kv = state.loop.call_sync(lambda e: e.pools.kv.num_tokens, timeout=WAIT_S)
+    assert client.post("/admin/cache", json={"kv": kv // 2, "wait_s": WAIT_S}).status_code == 200
+    assert client.post("/admin/cache", json={"kv": kv, "wait_s": WAIT_S}).status_code == 200
+    exported = {s.name for s in samples(client)}
+    d = json.loads(DASHBOARD.read_text())
+    used = {m for e in _exprs(d) for m in re.findall(r"\bft_[a-z0-9_]+", e)}
+    for v in d.get("templating", {}).get("list", []):
+        used |= set(re.findall(r"\bft_[a-z0-9_]+", json.dumps(v.get("query", ""))))
+    assert used, "the dashboard graphs nothing"
+    assert sorted(used - exported) == []
+    for name in ("ft_generation_tokens_total", "ft_prompt_tokens_total", "ft_time_to_first_token_seconds_bucket",
+                 "ft_inter_token_latency_seconds_bucket", "ft_e2e_request_latency_seconds_bucket",
+                 "ft_request_queue_time_seconds_bucket", "ft_requests_running", "ft_requests_waiting",
+                 "ft_kv_cache_usage_ratio", "ft_expert_cache_hits_total", "ft_pool_bytes", "ft_rebuilds_total",
+                 "ft_num_preemptions_total"):
+        assert name in used, f"the dashboard has no panel on {name}"
