@@ -229,18 +229,19 @@ def test_lm_eval_chat_completions(server, tmp_path):
     assert any(s["resps"] != [[""]] for s in samples["ft_gen"])
 
 
-def test_lm_eval_batched_completions(server, serve_checkpoint, tmp_path):
+def test_lm_eval_batched_completions(server, serve_checkpoint, tokenizer, tmp_path):
     """lm-eval's batch_size 2: a list of two token-id prompts in one /v1/completions request (the
     legacy OpenAI API takes a batch of prompts; vLLM does)."""
-    try:
-        results, _ = run_lm_eval(tmp_path, "local-completions", {
-            "model": SERVE_MODEL, "base_url": server.url + "/v1/completions", "tokenizer": serve_checkpoint,
-            "tokenizer_backend": "huggingface", "max_retries": 1, "timeout": 300,
-        }, ["ft_mc"], "--batch_size", "2", "--limit", "1")
-    except LmEvalFailed as e:
-        if "send one prompt per request" in e.stderr:  # only this known refusal; anything else fails
-            pytest.xfail("known gap: POST /v1/completions answers 400 'send one prompt per request' to a list "
-                         "of several prompts (ft/server/openai_routes.py, completions()); lm-eval's "
-                         "local-completions batches prompts that way when batch_size > 1")
-        raise
+    results, samples = run_lm_eval(tmp_path, "local-completions", {
+        "model": SERVE_MODEL, "base_url": server.url + "/v1/completions", "tokenizer": serve_checkpoint,
+        "tokenizer_backend": "huggingface", "max_retries": 1, "timeout": 300,
+    }, ["ft_mc"], "--batch_size", "2", "--limit", "1")
     assert 0.0 <= results["results"]["ft_mc"]["acc,none"] <= 1.0
+    # each choice's summed logprob, sent two prompts per request, is the server's own for that prompt alone
+    (s,), doc = samples["ft_mc"], MC_DOCS[0]
+    context = render(MC_PROMPT, doc)
+    ctxlen = len(tokenizer.encode(context, add_special_tokens=False).ids)
+    for choice, resp in zip(doc["choices"], s["resps"]):
+        ids = tokenizer.encode(context + " " + choice, add_special_tokens=False).ids
+        (got, _), = resp
+        assert float(got) == pytest.approx(sum(echo_logprobs(server, ids)[0][ctxlen:]), abs=1e-4), choice

@@ -155,6 +155,48 @@ def test_n_choices(server, client):
     assert client.completions.create(**kw, n=2, best_of=2).choices[1].text == r.choices[1].text
 
 
+def test_a_list_of_prompts(server, client):
+    """Several prompts in one /v1/completions request (the legacy API's batch; lm-eval sends token-id
+    lists this way): choice index = prompt index * n + j, each choice equal to that prompt alone;
+    usage counts each prompt once; echo and prompt logprobs follow each choice's own prompt."""
+    kw = dict(model=MODEL, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    prompts = ["Once upon a time", "The quick brown fox", "Hi"]
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+    r = client.completions.create(prompt=prompts, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone) and r.usage.completion_tokens == 12
+    # n per prompt: index p * n + j; sampled with a seed, choice j of each prompt draws with seed + j
+    sk = dict(model=MODEL, max_tokens=4, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    r2 = client.completions.create(prompt=prompts[:2], n=2, **sk)
+    assert [c.index for c in r2.choices] == [0, 1, 2, 3]
+    for i, c in enumerate(r2.choices):
+        one = client.completions.create(prompt=prompts[i // 2], **{**sk, "seed": 3 + i % 2}).choices[0]
+        assert c.text == one.text, i
+    # token-id prompts with echo + logprobs: each choice echoes its own prompt
+    ids = [server.post("/tokenize", json={"prompt": p}).json()["tokens"] for p in prompts[:2]]
+    raw = server.post("/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 0, "echo": True,
+                                               "logprobs": 1})
+    assert raw.status_code == 200, raw.text
+    got = raw.json()["choices"]
+    assert [c["text"] for c in got] == prompts[:2]
+    for c, p in zip(got, ids):
+        assert len(c["logprobs"]["tokens"]) == len(p) and c["logprobs"]["token_logprobs"][0] is None
+    # streamed: the chunks carry each prompt's index
+    chunks = events(server, "/v1/completions", {"model": MODEL, "prompt": prompts, "max_tokens": 4, "temperature": 0,
+                                                "ignore_eos": True})
+    texts = {0: "", 1: "", 2: ""}
+    for ch in chunks:
+        for c in ch["choices"]:
+            texts[c["index"]] += c["text"]
+    assert texts == {i: a.choices[0].text for i, a in enumerate(alone)}
+    # an empty prompt in the list is named; too many choices refused
+    bad = server.post("/v1/completions", json={"model": MODEL, "prompt": ["a", ""], "max_tokens": 1})
+    assert bad.status_code == 400 and "prompt 1" in bad.json()["error"]["message"]
+    many = server.post("/v1/completions", json={"model": MODEL, "prompt": ["a"] * 65, "n": 2, "max_tokens": 1})
+    assert many.status_code == 400 and "choices" in many.json()["error"]["message"]
+
+
 def test_logit_bias_and_stop_token_ids(server, client):
     forced = server.post("/detokenize", json={"tokens": [42]}).json()["prompt"]
     r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logprobs=0,

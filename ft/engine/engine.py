@@ -142,6 +142,51 @@ class Engine:
     # ----------------------------------------------------------------------------- requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
         """Queue a request after checking it can ever be served (RequestError otherwise)."""
+        seq = self._new_sequence(prompt_ids, params, request_id)
+        self._requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def add_request_group(self, prompt_ids: list[int], params_list: list[SamplingParams],
+                          request_ids: list[str | None] | None = None) -> list[Sequence]:
+        """n requests of one prompt (an API call with n > 1: choice i gets params_list[i]) that share
+        one prompt prefill. Every one is checked first (RequestError: none is queued).
+
+        The first is the parent, queued as usual. The others are siblings: they wait outside the
+        scheduler, holding nothing, until the step that computes the parent's last prompt token
+        (the one that samples its first token). In that step's postprocess each sibling forks
+        (`Scheduler.fork`: its own mamba slot with the parent's state, the full prompt pages shared,
+        the partial last page copied), samples its first token from the parent's last-position
+        logits with its own parameters and seed (`ModelRunner.sample_logits`: what an independent
+        request would draw from the same row), and joins the running batch as a decode sequence.
+
+        Fallbacks, correct but slower (each then prefills the prompt itself, an ordinary
+        admission): a sibling whose fork cannot get its resources (no mamba slot or page, the
+        running batch full, a rebuild pending) is queued first in line; so are the waiting siblings
+        when the parent ends before its prefill completes (aborted, failed); and a group with
+        prompt logprobs (echo) or a grammar is queued as independent requests from the start.
+        A sibling that forked owns its state: aborting the parent later does not touch it. Each
+        request can be aborted by its id, a waiting sibling too. A preempted parent's siblings
+        keep waiting for its recomputed prefill."""
+        request_ids = list(request_ids) if request_ids is not None else [None] * len(params_list)
+        if len(request_ids) != len(params_list) or not params_list:
+            raise ValueError("add_request_group: one request id per SamplingParams, at least one")
+        seqs = [self._new_sequence(prompt_ids, p, rid) for p, rid in zip(params_list, request_ids)]
+        share = all(s.prompt_logprobs is None and s.grammar is None for s in seqs)
+        parent = seqs[0]
+        for seq in seqs:
+            self._requests[seq.request_id] = seq
+        self.scheduler.add(parent)
+        for seq in seqs[1:]:
+            if share:
+                seq.fork_parent = parent
+                parent.fork_waiting.append(seq)
+            else:
+                self.scheduler.add(seq)
+        return seqs
+
+    def _new_sequence(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> Sequence:
+        """A request's Sequence after checking it can ever be served (RequestError otherwise)."""
         n = len(prompt_ids)
         if n == 0:
             raise RequestError("the prompt is empty")
@@ -175,8 +220,6 @@ class Engine:
         if params.grammar is not None:  # structured output: a matcher of its own (RequestError: a bad grammar)
             seq.grammar = self._grammar_compiler().matcher(params.grammar)
         seq.text = OutputText(self.tokenizer.incremental_decoder(), params.stop)
-        self._requests[seq.request_id] = seq
-        self.scheduler.add(seq)
         return seq
 
     def _grammar_compiler(self):
@@ -215,9 +258,40 @@ class Engine:
         seq = self._requests.pop(request_id, None)
         if seq is None or seq.is_finished:
             return False
+        if seq.fork_parent is not None:  # a sibling still waiting for its parent's prefill: it holds nothing
+            seq.fork_parent.fork_waiting.remove(seq)
+            seq.fork_parent = None
         self.scheduler.finish(seq, "abort", cache=False)
         seq.grammar = None
+        self._unfork(seq)
         return True
+
+    def _unfork(self, parent: Sequence) -> None:
+        """`parent` ended before its prompt prefill completed: its waiting siblings (aborted with it
+        only when their own ids are aborted) are queued first in line, each to prefill itself."""
+        sibs, parent.fork_waiting = parent.fork_waiting, []
+        for sib in sibs:
+            sib.fork_parent = None
+        self.scheduler.requeue_first(sibs)
+
+    def _fork_siblings(self, parent: Sequence, row: int) -> list[tuple[Sequence, int, object]]:
+        """The fork point of `parent` (its prompt was just computed, its first token sampled from
+        logits row `row` of this step): each waiting sibling forks and samples its first token from
+        that row, or, without the resources, is queued to prefill itself. Returns (sibling, token,
+        logprob) of those forked."""
+        sibs, parent.fork_waiting = parent.fork_waiting, []
+        logits = self.runner.last_logits
+        forked, fallback = [], []
+        for sib in sibs:
+            sib.fork_parent = None
+            ok = logits is not None and self.scheduler.fork(parent, sib)
+            (forked if ok else fallback).append(sib)
+        self.scheduler.requeue_first(fallback)
+        if not forked:
+            return []
+        rows = logits[row : row + 1].expand(len(forked), -1)
+        tokens, logprobs = self.runner.sample_logits(rows, forked)
+        return list(zip(forked, tokens, logprobs))
 
     @property
     def has_work(self) -> bool:
@@ -265,6 +339,7 @@ class Engine:
         self.scheduler.finish(seq, "error", cache=False)
         self._requests.pop(seq.request_id, None)
         seq.grammar = None
+        self._unfork(seq)
         return seq
 
     def _postprocess(self, work: ScheduledWork, tokens: list[int | None]) -> list[Sequence]:
@@ -273,29 +348,38 @@ class Engine:
         for seq, first, entries in self.runner.last_prompt_logprobs:
             seq.prompt_logprobs[first : first + len(entries)] = entries
         logprobs = self.runner.last_logprobs if len(self.runner.last_logprobs) == len(tokens) else [None] * len(tokens)
-        for seq, n, token, lp in zip(work.seqs, work.num_tokens, tokens, logprobs):
+        for row, (seq, n, token, lp) in enumerate(zip(work.seqs, work.num_tokens, tokens, logprobs)):
             if seq.num_computed < len(seq.prompt_ids):
                 self.counters["prompt_tokens"] += min(n, len(seq.prompt_ids) - seq.num_computed)
             seq.num_computed += n
             if token is None:
                 continue  # a chunk of a longer prompt: no token yet
-            seq.output_ids.append(token)
-            if seq.logprobs is not None:
-                seq.logprobs.append(lp)
-            if seq.first_token_at is None:
-                seq.first_token_at = time.monotonic()
-            self.counters["generation_tokens"] += 1
-            if seq.grammar is not None and not seq.grammar.accept(token):
-                seq.text.step(token)  # NOTE: the mask forbids this; a matcher failure ends the request
-                out.append(self._fail(seq, f"structured output: {seq.grammar.error or 'token not allowed'}"))
-                continue
-            reason = self._finish_reason(seq, token)
-            if reason:
-                self.scheduler.finish(seq, reason)
-                self._requests.pop(seq.request_id, None)
-                seq.grammar = None  # its matcher is freed with it
-            out.append(seq)
+            # NOTE: the fork point of n > 1 siblings: before the parent can finish (its pages and
+            # slot would go) and before any later forward changes its state and its last page
+            forks = self._fork_siblings(seq, row) if seq.fork_waiting else []
+            self._take_token(seq, token, lp, out)
+            for sib, sib_token, sib_lp in forks:
+                self._take_token(sib, sib_token, sib_lp, out)
         return out
+
+    def _take_token(self, seq: Sequence, token: int, lp, out: list[Sequence]) -> None:
+        """A sampled token joins `seq` (ending it when it should); `seq` goes into `out`."""
+        seq.output_ids.append(token)
+        if seq.logprobs is not None:
+            seq.logprobs.append(lp)
+        if seq.first_token_at is None:
+            seq.first_token_at = time.monotonic()
+        self.counters["generation_tokens"] += 1
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            seq.text.step(token)  # NOTE: the mask forbids this; a matcher failure ends the request
+            out.append(self._fail(seq, f"structured output: {seq.grammar.error or 'token not allowed'}"))
+            return
+        reason = self._finish_reason(seq, token)
+        if reason:
+            self.scheduler.finish(seq, reason)
+            self._requests.pop(seq.request_id, None)
+            seq.grammar = None  # its matcher is freed with it
+        out.append(seq)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         """Feed `token` to the sequence's text; the reason it ends now, if it does."""

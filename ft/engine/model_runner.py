@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import torch
 
+from ft.engine.buffers import PageTableBuffer, StagedBuffer
 from ft.engine.decode_graphs import DecodeGraphs
 from ft.engine.grammar import GrammarMaskBuffer
+from ft.engine.penalty_state import PenaltyState
 from ft.engine.sampler import GrammarMask, LogitBias, Penalties, SamplingBatch, logprobs_of, sample
 from ft.engine.sampling_params import TokenLogprob
 from ft.kernels.backend import debug_checks
@@ -31,74 +33,6 @@ from ft.engine.scheduler import ScheduledWork
 from ft.engine.sequence import Sequence
 from ft.memory.cache_pools import CachePools
 from ft.model.forward_batch import DecodeMeta, ForwardBatch, SeqSlice
-
-
-class StagedBuffer:
-    """A persistent device buffer [capacity] and its host staging twin (pinned on CUDA)."""
-
-    def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.dtype, self.device = dtype, device
-        self._alloc(max(1, capacity))
-
-    def _alloc(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.device_buffer = torch.zeros(capacity, dtype=self.dtype, device=self.device)
-        self.host = torch.zeros(capacity, dtype=self.dtype, pin_memory=self.device.type == "cuda")
-        self._host_np = self.host.numpy()
-
-    def reserve(self, n: int) -> None:
-        # NOTE: the only reallocation: a batch larger than the buffer (the constructor's sizes
-        # were too small). The address changes, so a captured graph would have to be recaptured.
-        if n > self.capacity:
-            self._alloc(max(n, 2 * self.capacity))
-
-    def load(self, values) -> torch.Tensor:
-        """Copy `values` (a list of numbers) into the buffer's prefix; returns that prefix [n]."""
-        n = len(values)
-        self.reserve(n)
-        self._host_np[:n] = values
-        out = self.device_buffer[:n]
-        out.copy_(self.host[:n], non_blocking=True)
-        return out
-
-
-class PageTableBuffer:
-    """The page table [rows, cols] int64 of a batch: row i holds sequence i's KV pages.
-
-    Only the block [B, w] a batch uses travels: packed in the host staging, copied in one copy to
-    a flat device scratch, then spread into the table's rows on the device (fixed addresses)."""
-
-    def __init__(self, rows: int, cols: int, device: torch.device) -> None:
-        self.device = device
-        self._alloc(max(1, rows), max(1, cols))
-
-    def _alloc(self, rows: int, cols: int) -> None:
-        self.rows, self.cols = rows, cols
-        self.table = torch.zeros(rows, cols, dtype=torch.int64, device=self.device)
-        self._scratch = torch.zeros(rows * cols, dtype=torch.int64, device=self.device)
-        self._host = torch.zeros(rows * cols, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        self._host_np = self._host.numpy()
-
-    def reserve(self, rows: int, cols: int) -> None:
-        # NOTE: reallocates (new addresses) only when a batch exceeds the constructor's sizes.
-        if rows > self.rows or cols > self.cols:
-            self._alloc(max(rows, self.rows), max(cols, self.cols))
-
-    def load_rows(self, pages: list[list[int]]) -> torch.Tensor:
-        """Write each sequence's pages into its row; returns table[:B] (its full width)."""
-        self.load(pages)
-        return self.table[: len(pages)]
-
-    def load(self, pages: list[list[int]]) -> list[torch.Tensor]:
-        """Write each sequence's pages into its row; returns the views table[i, :len(pages[i])]."""
-        b, w = len(pages), max(1, max(map(len, pages), default=0))
-        self.reserve(b, w)
-        block = self._host_np[: b * w].reshape(b, w)
-        for i, row in enumerate(pages):
-            block[i, : len(row)] = row
-        self._scratch[: b * w].copy_(self._host[: b * w], non_blocking=True)
-        self.table[:b, :w].copy_(self._scratch[: b * w].view(b, w))
-        return [self.table[i, : len(row)] for i, row in enumerate(pages)]
 
 
 class ModelRunner:
@@ -312,16 +246,7 @@ class ModelRunner:
         sampled, lp_rows, k = None, [], 0
         extras: list[torch.Tensor] = []  # device tensors that travel with the tokens
         if any(done):
-            batch = self.sampling(work.seqs, done, logits.shape[-1])
-            sampled = sample(logits, batch)
-            if batch.penalties is not None:  # the penalty state counts the new tokens
-                self.penalties.record(self._pen_slots, sampled.index_select(0, batch.penalties.rows))
-            lp_rows = [i for i, (s, d) in enumerate(zip(work.seqs, done)) if d and s.params.logprobs is not None]
-            if lp_rows:
-                k = max(work.seqs[i].params.logprobs for i in lp_rows)
-                rows = None if len(lp_rows) == len(done) else self.sample_buffers["lp_rows"].load(lp_rows)
-                sel = logits if rows is None else logits.index_select(0, rows)
-                extras += logprobs_of(sel, sampled if rows is None else sampled.index_select(0, rows), k)
+            sampled, lp_rows, k, extras = self._sample(logits, work.seqs, done)
         if plan is not None:
             kp = max(seq.params.prompt_logprobs for seq, _, _ in plan.spans)
             extras += logprobs_of(every.index_select(0, plan.prompt_rows), plan.prompt_targets, kp)
@@ -345,6 +270,39 @@ class ModelRunner:
         if sampled is None:
             return [None] * len(done)
         return [t if d else None for t, d in zip(tokens, done)]
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], done: list[bool]
+                ) -> tuple[torch.Tensor, list[int], int, list[torch.Tensor]]:
+        """Sample every row of `logits` [B, V] (row i: seqs[i]; rows not `done` are discarded) and
+        queue the logprobs asked for: (sampled [B] on the device, the rows with logprobs, their
+        largest k, the logprob tensors that travel with the tokens to the host)."""
+        batch = self.sampling(seqs, done, logits.shape[-1])
+        sampled = sample(logits, batch)
+        if batch.penalties is not None:  # the penalty state counts the new tokens
+            self.penalties.record(self._pen_slots, sampled.index_select(0, batch.penalties.rows))
+        lp_rows = [i for i, (s, d) in enumerate(zip(seqs, done)) if d and s.params.logprobs is not None]
+        k, extras = 0, []
+        if lp_rows:
+            k = max(seqs[i].params.logprobs for i in lp_rows)
+            rows = None if len(lp_rows) == len(done) else self.sample_buffers["lp_rows"].load(lp_rows)
+            sel = logits if rows is None else logits.index_select(0, rows)
+            extras = list(logprobs_of(sel, sampled if rows is None else sampled.index_select(0, rows), k))
+        return sampled, lp_rows, k, extras
+
+    def sample_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """One token per sequence from given logits rows (row i for seqs[i]), sampled exactly as `run`
+        samples a step's rows (parameters, seed and step, penalties, logprobs): the first tokens of
+        the n > 1 siblings that fork from their parent's prompt prefill (`Engine.add_request_group`),
+        from the parent's last-position row. Returns the tokens and their logprobs (None where not
+        asked). Call it between steps (after `run`): it reuses the step's staging buffers."""
+        sampled, lp_rows, k, extras = self._sample(logits, seqs, [True] * len(seqs))
+        tokens, values = self._to_host(sampled, extras)
+        out: list[TokenLogprob | None] = [None] * len(seqs)
+        if lp_rows:
+            own, top_v, top_i = values[:3]
+            for j, i in enumerate(lp_rows):
+                out[i] = _entry(tokens[i], own, top_v, top_i, j, k, seqs[i].params.logprobs)
+        return tokens, out
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Logits [B, V] of a decode step: a graph replay where one applies, else eager. Offloaded
@@ -456,102 +414,3 @@ def _entry(token: int, own: list[float], top_v: list[float], top_i: list[float],
     """Row j of the host copies (top lists flat with k per row) as a TokenLogprob with kk alternatives."""
     top = tuple((int(top_i[j * k + q]), top_v[j * k + q]) for q in range(kk))
     return TokenLogprob(int(token), own[j], top)
-
-
-class PenaltyState:
-    """Token counts of the sequences that sample with penalties, kept on the device from step to
-    step: counts [S, V] int32 (each token's count among the generated tokens) and in_prompt [S, V]
-    bool (the prompt's tokens, filled for a repetition penalty only), one slot per sequence. A slot
-    is taken at the sequence's first penalised step (filled from its ids then, once) and freed
-    lazily once the sequence has finished; a preempted sequence keeps its slot (its generated
-    tokens stay). A step gathers its penalised rows (one index_select) and adds the tokens it
-    sampled (one index_put): no host work that grows with the sequences' lengths.
-
-    Why a table rather than scattering counts from the token ids at every step: the table costs
-    the same whatever the lengths, while rebuilding sends and scatters every generated token of
-    every penalised row at every step (quadratic over a generation). Measured on one CPU thread,
-    V = 151936, 8 rows: 0.13 ms per step with the table; rebuilding from the ids took 0.3 / 3.9 /
-    33 ms at 100 / 2000 / 16000 tokens per row. Memory: 5 bytes x V per slot (0.76 MB at V =
-    151936), for max_running_requests slots, allocated at the first penalised request only (more
-    when preempted sequences keep theirs while others run).
-    """
-
-    def __init__(self, device: torch.device, capacity: int) -> None:
-        self.device, self.capacity = device, max(1, capacity)
-        self.counts: torch.Tensor | None = None
-        self.in_prompt: torch.Tensor | None = None
-        self._holders: list[Sequence | None] = []
-        self._slot: dict[int, int] = {}  # id(sequence) -> slot (the holder list keeps it alive)
-        self._bufs = {name: StagedBuffer(self.capacity, torch.int64, device)
-                      for name in ("slots", "new", "prompt_slot", "prompt_ids", "out_slot", "out_ids")}
-
-    def slots(self, seqs: list[Sequence], vocab: int) -> torch.Tensor:
-        """The slots of `seqs` [R] int64 on the device; new ones are taken and filled."""
-        if self.counts is None or self.counts.shape[1] != vocab:
-            self._resize(self.capacity, vocab, keep=False)
-        new = [s for s in seqs if id(s) not in self._slot]
-        if new:
-            free = self._free()
-            if len(free) < len(new):
-                self._resize(len(self._holders) + len(new) - len(free), vocab, keep=True)
-                free = self._free()
-            for seq, slot in zip(new, free):
-                old = self._holders[slot]
-                if old is not None:
-                    del self._slot[id(old)]
-                self._holders[slot] = seq
-                self._slot[id(seq)] = slot
-            self._fill(new)
-        return self._bufs["slots"].load([self._slot[id(s)] for s in seqs])
-
-    def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Count one more occurrence of tokens[r] in slot slots[r]."""
-        self.counts.index_put_((slots, tokens), self._one.expand(slots.shape[0]), accumulate=True)
-
-    def slot_of(self, seq: Sequence) -> int | None:
-        """The slot `seq` holds, if any (tests)."""
-        return self._slot.get(id(seq))
-
-    @property
-    def num_held(self) -> int:
-        """Slots held by sequences that have not finished (tests)."""
-        return sum(1 for h in self._holders if h is not None and not h.is_finished)
-
-    def _free(self) -> list[int]:
-        return [i for i, h in enumerate(self._holders) if h is None or h.is_finished]
-
-    def _resize(self, slots: int, vocab: int, keep: bool) -> None:
-        n = max(slots, 2 * len(self._holders)) if keep else slots
-        counts = torch.zeros(n, vocab, dtype=torch.int32, device=self.device)
-        in_prompt = torch.zeros(n, vocab, dtype=torch.bool, device=self.device)
-        if keep:
-            old = len(self._holders)
-            counts[:old], in_prompt[:old] = self.counts, self.in_prompt
-            self._holders += [None] * (n - old)
-        else:
-            self._holders, self._slot = [None] * n, {}
-        self.counts, self.in_prompt = counts, in_prompt
-        self._one = torch.ones(1, dtype=torch.int32, device=self.device)
-        self._true = torch.ones(1, dtype=torch.bool, device=self.device)
-
-    def _fill(self, seqs: list[Sequence]) -> None:
-        """Counts of the sequences' generated tokens so far, their prompt tokens (a repetition
-        penalty only): each staging buffer loaded once (a later load would overwrite the host
-        staging before the device has read it)."""
-        slots = [self._slot[id(s)] for s in seqs]
-        new = self._bufs["new"].load(slots)
-        self.counts.index_fill_(0, new, 0)
-        self.in_prompt.index_fill_(0, new, False)
-        ps, pi, os_, oi = [], [], [], []
-        for seq, slot in zip(seqs, slots):
-            if seq.params.repetition_penalty != 1.0:
-                ps += [slot] * len(seq.prompt_ids)
-                pi += seq.prompt_ids
-            os_ += [slot] * len(seq.output_ids)
-            oi += seq.output_ids
-        b = self._bufs
-        if pi:
-            self.in_prompt.index_put_((b["prompt_slot"].load(ps), b["prompt_ids"].load(pi)), self._true.expand(len(pi)))
-        if oi:
-            self.counts.index_put_((b["out_slot"].load(os_), b["out_ids"].load(oi)), self._one.expand(len(oi)),
-                                   accumulate=True)

@@ -123,6 +123,42 @@ class Scheduler:
         self.prefix.query_tokens += seq.num_tokens
         return True
 
+    def fork(self, parent: Sequence, seq: Sequence) -> bool:
+        """Start `seq` (same prompt, holding nothing) from `parent`'s just-completed prompt prefill,
+        as the prefix cache starts a hit: a mamba slot of its own with the parent's state copied,
+        the parent's full prompt pages shared (one more reference each), the partial last page
+        copied into a page of its own (both will write into it); `seq` joins the running batch with
+        its prompt computed. Call it after the step that computed the prompt's last token and
+        before any later forward (the parent's next decode changes its state and its last page).
+        False, holding nothing, when a slot or page cannot be had (prefix-cache entries are evicted
+        first), the running batch is full, or admission is paused (a rebuild waits for memory)."""
+        n = len(parent.prompt_ids)
+        assert parent.num_computed == n and parent.mamba_slot is not None and not seq.pages, "not a fork point"
+        if self.admission_paused or len(self.running) >= self.max_running:
+            return False
+        full, partial = divmod(n, self.kv.page_size)
+        if not self.prefix.evict_for(pages=1 if partial else 0, slots=1):
+            return False
+        seq.mamba_slot = self.mamba.allocate()
+        self.mamba.copy_slot(parent.mamba_slot, seq.mamba_slot)
+        pages = list(parent.pages[:full])
+        self.kv.ref(pages)
+        if partial:
+            (own,) = self.kv.allocate(1)
+            self.kv.copy_page(parent.pages[full], own)
+            pages.append(own)
+        seq.pages = pages
+        seq.num_computed, seq.num_cached = n, parent.num_cached
+        seq.status = Status.RUNNING
+        if seq.scheduled_at is None:
+            seq.scheduled_at = time.monotonic()
+        self.running.append(seq)
+        return True
+
+    def requeue_first(self, seqs: list[Sequence]) -> None:
+        """Queue `seqs` (holding nothing) at the front, in their order: next in line to be admitted."""
+        self.waiting.extendleft(reversed(seqs))
+
     def _grow_for(self, seq: Sequence, n: int) -> int:
         """Pages so `seq` can compute n more tokens; returns n, or 0 when no page can be had."""
         need = self.kv.pages_for(seq.num_computed + n) - len(seq.pages)

@@ -55,6 +55,11 @@ class Sequence:
     grammar: Any = None
     # Its life in time.monotonic() seconds (per-request latency metrics): queued; first admitted to
     # run (a preemption does not reset it); first token; finished (any reason). None: not yet.
+    # n > 1 sharing one prefill (`Engine.add_request_group`): on a sibling that waits for its parent's
+    # prompt prefill, that parent (None once forked or fallen back to an admission of its own); on the
+    # parent, its siblings still waiting (emptied at the fork, or when it ends without forking)
+    fork_parent: Any = field(default=None, repr=False, compare=False)
+    fork_waiting: list = field(default_factory=list, repr=False, compare=False)
     arrived_at: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None
     first_token_at: float | None = None

@@ -225,6 +225,23 @@ class EngineLoop:
         await self.acall(add)
         return stream
 
+    async def submit_group(self, prompt_ids: list[int], params_list: list, request_ids: list[str]) -> list[RequestStream]:
+        """Queue the n choices of one prompt (`Engine.add_request_group`: one prompt prefill shared
+        by all); one stream per choice, in order. Raises the engine's RequestError (none queued)."""
+        if self._draining:
+            raise RuntimeError("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(loop, rid) for rid in request_ids]
+
+        def add(engine):
+            seqs = engine.add_request_group(prompt_ids, params_list, request_ids=request_ids)
+            for stream, seq in zip(streams, seqs):
+                stream.seq = seq
+                self._streams[stream.request_id] = stream
+
+        await self.acall(add)
+        return streams
+
     def abort(self, request_id: str) -> None:
         """Cancel a request (fire and forget): its pages and slot are freed at once."""
 

@@ -120,7 +120,7 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]  # a list: of one prompt (lm-eval sends [[ids]])
+    prompt: str | list[int] | list[str] | list[list[int]]  # a string or ids: one prompt; a list of them: several
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)

@@ -33,6 +33,10 @@ from ft.server.openai_protocol import (
 
 router = APIRouter()
 
+MAX_CHOICES = 128
+"""Choices (prompts x n) one request may ask for: each is an engine sequence, admitted like a request
+of its own."""
+
 
 def _state(request: Request):
     return request.app.state.ft
@@ -132,24 +136,28 @@ async def completions(body: CompletionRequest, request: Request):
     st = _state(request)
     _check_common(st, body)
     prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise ApiError(400, "send one prompt per request (a list of one string or of token ids)")
-        prompt = prompt[0]
-    ids = await _off_loop(st, _encode, st, prompt) if isinstance(prompt, str) else list(prompt)
-    if not ids:
-        raise ApiError(400, "the prompt is empty")
+    # a list of prompts (strings or token-id lists): choice index = prompt index * n + j, as vLLM does
+    prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise ApiError(400, f"{len(prompts)} prompts x n={body.n} = {len(prompts) * body.n} choices; at most "
+                       f"{MAX_CHOICES} per request")
     echo = body.echo
-    # echo + logprobs: the prompt's logprobs too (its prefill computes every position's logits)
-    params = _params(st, body, len(ids), body.max_tokens, logprobs=body.logprobs,
-                     prompt_logprobs=body.logprobs if echo else None, allow_zero=echo)
-    echo_text = None
-    if echo:
-        echo_text = prompt if isinstance(prompt, str) else await _off_loop(
-            st, lambda: st.tokenizer.decode(ids, skip_special_tokens=False))
-    shape = _CompletionShape(new_id("cmpl"), st.model_name, _texts(st.tokenizer), body.logprobs, echo_text, ids,
-                             drop_output=body.max_tokens == 0)
-    return await _respond(st, request, body, ids, params, shape)
+    groups, echoes = [], []
+    for i, p in enumerate(prompts):
+        ids = await _off_loop(st, _encode, st, p) if isinstance(p, str) else list(p)
+        if not ids:
+            raise ApiError(400, "the prompt is empty" if len(prompts) == 1 else f"prompt {i} is empty")
+        # echo + logprobs: the prompt's logprobs too (its prefill computes every position's logits)
+        groups.append((ids, _params(st, body, len(ids), body.max_tokens, logprobs=body.logprobs,
+                                    prompt_logprobs=body.logprobs if echo else None, allow_zero=echo)))
+        if echo:
+            echoes.append(p if isinstance(p, str) else await _off_loop(
+                st, lambda ids=ids: st.tokenizer.decode(ids, skip_special_tokens=False)))
+        else:
+            echoes.append(None)
+    shape = _CompletionShape(new_id("cmpl"), st.model_name, _texts(st.tokenizer), body.logprobs, echoes,
+                             [ids for ids, _ in groups], drop_output=body.max_tokens == 0, n=body.n)
+    return await _respond(st, request, body, groups, shape)
 
 
 @router.post("/v1/chat/completions")
@@ -188,7 +196,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = _params(st, body, len(ids), max_tokens, logprobs=top, grammar=grammar)
-    return await _respond(st, request, body, ids, params, _ChatShape(new_id("chatcmpl"), st.model_name,
+    return await _respond(st, request, body, [(ids, params)], _ChatShape(new_id("chatcmpl"), st.model_name,
                                                                         _texts(st.tokenizer), top, parse_tools=parse_tools))
 
 
@@ -244,14 +252,20 @@ class _CompletionShape:
 
     eager_opening = False
 
-    def __init__(self, rid: str, model: str, texts: TokenTexts, logprobs: int | None, echo_text: str | None = None,
-                 prompt_ids: list[int] = (), drop_output: bool = False) -> None:
+    def __init__(self, rid: str, model: str, texts: TokenTexts, logprobs: int | None,
+                 echo_texts: list[str | None] = (), prompts: list[list[int]] = (), drop_output: bool = False,
+                 n: int = 1) -> None:
         self.rid, self.model, self.created = rid, model, int(time.time())
-        self.texts, self.logprobs, self.echo_text, self.prompt_ids = texts, logprobs, echo_text, prompt_ids
-        self.drop = drop_output
+        self.texts, self.logprobs, self.echo_texts, self.prompts = texts, logprobs, list(echo_texts), list(prompts)
+        self.drop, self.n = drop_output, n
 
-    def _prompt_entries(self, gen: Generation) -> list:
-        return prompt_entries(self.prompt_ids, gen.prompt_logprobs or [None] * len(self.prompt_ids))
+    def _echo(self, c: _Choice) -> str | None:
+        """The echoed prompt text of choice c (prompt c.index // n), or None without echo."""
+        return self.echo_texts[c.index // self.n] if self.echo_texts else None
+
+    def _prompt_entries(self, c: _Choice) -> list:
+        ids = self.prompts[c.index // self.n]
+        return prompt_entries(ids, c.gen.prompt_logprobs or [None] * len(ids))
 
     def _finish(self, gen: Generation) -> str | None:
         return "length" if self.drop and gen.finish_reason in ("stop", "length") else gen.finish_reason
@@ -263,9 +277,10 @@ class _CompletionShape:
         out = []
         for c in choices:
             text, entries = ("", []) if self.drop else (c.gen.text, list(c.gen.logprobs))
-            if self.echo_text is not None:
-                text = self.echo_text + text
-                entries = self._prompt_entries(c.gen) + entries if self.logprobs is not None else entries
+            echo = self._echo(c)
+            if echo is not None:
+                text = echo + text
+                entries = self._prompt_entries(c) + entries if self.logprobs is not None else entries
             lp = completion_logprobs(entries, self.texts) if self.logprobs is not None else None
             out.append(completion_choice(c.index, text, self._finish(c.gen), lp))
         return completion_body(self.rid, self.model, out, use)
@@ -279,9 +294,10 @@ class _CompletionShape:
         return completion_logprobs(entries, self.texts, c.offsets)
 
     def opening(self, c: _Choice) -> dict | None:
-        if self.echo_text is None:
+        echo = self._echo(c)
+        if echo is None:
             return None
-        return self._chunk(completion_choice(c.index, self.echo_text, None, self._legacy(c, self._prompt_entries(c.gen))))
+        return self._chunk(completion_choice(c.index, echo, None, self._legacy(c, self._prompt_entries(c))))
 
     def delta(self, c: _Choice, delta: str, entries: list) -> dict | None:
         if self.drop:
@@ -357,16 +373,32 @@ class _ChatShape(_CompletionShape):
         return self._chunk({}, use)
 
 
-async def _respond(st, request: Request, body: _Sampling, ids: list[int], params: list, shape: _CompletionShape):
-    """Run a request's choices (one engine sequence each, `params[i]` for choice i) and answer
-    them whole or as server-sent events (the choices' chunks interleaved, each with its index)."""
+async def _respond(st, request: Request, body: _Sampling, groups: list[tuple[list[int], list]],
+                   shape: _CompletionShape):
+    """Run a request's choices and answer them whole or as server-sent events (the choices' chunks
+    interleaved, each with its index). groups: per prompt, (its token ids, the SamplingParams of its
+    n choices); choice index = prompt index * n + j, one engine sequence each."""
     choices: list[_Choice] = []
+    total = sum(len(params) for _, params in groups)
     try:
-        for i, p in enumerate(params):
-            rid = shape.rid if len(params) == 1 else f"{shape.rid}-{i}"
-            gen = Generation(prompt_tokens=len(ids))  # before the submit: TTFT and e2e count the engine's queue
-            choices.append(_Choice(i, await _start(st, ids, p, rid), gen))
-            st.metrics.request_started()
+        for ids, params in groups:
+            first = len(choices)
+            rids = [shape.rid if total == 1 else f"{shape.rid}-{first + j}" for j in range(len(params))]
+            gens = [Generation(prompt_tokens=len(ids)) for _ in params]  # before the submit: TTFT and e2e count the engine's queue
+            if len(params) == 1:
+                streams = [await _start(st, ids, params[0], rids[0])]
+            else:  # n choices of one prompt: one shared prompt prefill (Engine.add_request_group)
+                from ft.errors import RequestError
+
+                try:
+                    streams = await st.loop.submit_group(ids, list(params), rids)
+                except RequestError as e:
+                    raise ApiError(400, str(e)) from None
+                except RuntimeError as e:
+                    raise ApiError(503, str(e), "server_unavailable", headers={"Retry-After": "5"}) from None
+            for j, (stream, gen) in enumerate(zip(streams, gens)):
+                choices.append(_Choice(first + j, stream, gen))
+                st.metrics.request_started()
     except BaseException:
         for c in choices:  # the choices already submitted end with the request
             st.loop.abort(c.stream.request_id)
@@ -374,8 +406,12 @@ async def _respond(st, request: Request, body: _Sampling, ids: list[int], params
             st.metrics.request_finished(c.gen, c.stream.seq)
         raise
 
+    firsts = [choices[sum(len(p) for _, p in groups[:g])] for g in range(len(groups))]  # each prompt's first choice
+
     def use() -> dict:
-        return usage(len(ids), sum(shape.completion_tokens(c.gen) for c in choices), choices[0].gen.cached_tokens)
+        # each prompt counted once, whatever n (as vLLM reports it)
+        return usage(sum(len(ids) for ids, _ in groups), sum(shape.completion_tokens(c.gen) for c in choices),
+                     sum(c.gen.cached_tokens for c in firsts))
 
     if not body.stream:
         tasks = [asyncio.ensure_future(_collect(st, c.stream, c.text, c.gen, request)) for c in choices]
