@@ -3,8 +3,10 @@
     PYTHONPATH=. python3 bench/kv_accuracy.py [--model demo] [--prompts 6] [--tokens 32]
 
 For each prompt, the same engine settings with `--kv-cache-dtype` auto (float32 on the CPU: the
-reference), bf16, fp8 (e4m3, scales 1.0) and nvfp4 (E2M1 with an e4m3 scale per 16 values, layer
-scales 1.0): relative RMS of the logits after the prompt's prefill and after each of the first 8
+reference), bf16, fp8 (e4m3) and nvfp4 (E2M1 with an e4m3 scale per 16 values), the last two with
+their per-layer scales at 1.0 (the default) and set from each engine's first prefill
+(`--kv-scale-calibration`; the first prompt's, so later prompts are measured with scales they did
+not set): relative RMS of the logits after the prompt's prefill and after each of the first 8
 decode steps (teacher-forced on the reference's tokens, so that every dtype sees the same
 context), and how many greedy tokens agree before the first difference with the reference's and
 with the bf16 cache's tokens. Bytes per token are the pool's (every full-attention layer, K and V).
@@ -26,9 +28,15 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=32)
     args = ap.parse_args()
-    kinds = ("bf16", "fp8", "nvfp4")
-    engines = {d: LLM(model=args.model, device="cpu", dtype="float32", num_tokens=4096, kv_cache_dtype=d).engine
-               for d in ("auto", *kinds)}
+    # "x": scales 1.0 (the default); "x, calibrated": --kv-scale-calibration (set from the first prefill)
+    kinds = ("bf16", "fp8", "fp8, calibrated", "nvfp4", "nvfp4, calibrated")
+
+    def engine(kind: str):
+        dtype, _, calibrated = kind.partition(", ")
+        return LLM(model=args.model, device="cpu", dtype="float32", num_tokens=4096, kv_cache_dtype=dtype,
+                   kv_scale_calibration=bool(calibrated)).engine
+
+    engines = {d: engine(d) for d in ("auto", *kinds)}
     vocab = engines["auto"].model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, min(vocab, 5000), (64 + 48 * i,), generator=gen).tolist() for i in range(args.prompts)]

@@ -35,6 +35,10 @@ HELP = {
                        "per token) or nvfp4 (E2M1 values with an e4m3 scale per 16 and the per-layer scales: "
                        "9/32 of bf16's bytes, e.g. 6,912 instead of 24,576 per token for 12 layers x 2 kv heads "
                        "x D 256)"),
+    "kv_scale_calibration": ("fp8 / nvfp4 KV without the checkpoint's KV scales: set each full-attention layer's K "
+                             "and V scales from the first prefill's largest |K| and |V| (2x headroom) instead of "
+                             "1.0; for models whose K or V leave e4m3's range at 1.0 (|x| > 448 or < 2**-6); larger "
+                             "values in later requests are clamped (bench/RESULTS.md)"),
     "max_seq_len_override": ("context limit in tokens (vLLM's --max-model-len, SGLang's --context-length) "
                              "(default: the checkpoint's max_position_embeddings)"),
     "memory_ratio": ("fraction of the device memory still FREE once the weights are loaded that the cache pools and "

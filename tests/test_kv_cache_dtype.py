@@ -192,3 +192,55 @@ def test_unsupported_kv_quantization_is_named(tiny_one, tmp_path):
     path = clone(tiny_one[2], tmp_path / "ck", extra_files={"hf_quant_config.json": quant})
     with pytest.raises(UnsupportedModelError, match="KV cache quantization 'INT8'"):
         _llm(path)
+
+
+@pytest.mark.parametrize(("cache_dtype", "qmax"), [(torch.float8_e4m3fn, 448.0), (torch.uint8, 6 * 448.0)])
+def test_calibrated_scale_puts_the_largest_value_at_half_the_range(cache_dtype, qmax):
+    from ft.kernels.attention import KV_SCALE_HEADROOM, calibrate_kv_scale
+
+    k, v = torch.randn(7, 2, 32) * 30, torch.randn(7, 2, 32) * 0.01
+    k[3, 1, 5] = -123.0  # the largest |K|, negative
+    scale = torch.ones(2)
+    calibrate_kv_scale(k, v, torch.empty(1, dtype=cache_dtype), scale)
+    assert KV_SCALE_HEADROOM == 2.0
+    assert scale[0].item() == pytest.approx(123.0 * 2 / qmax, rel=1e-6)
+    assert scale[1].item() == pytest.approx(v.abs().max().item() * 2 / qmax, rel=1e-6)
+    calibrate_kv_scale(torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), torch.empty(1, dtype=cache_dtype), scale)
+    assert (scale > 0).all() and (scale < 1e-20).all()  # an all-zero layer keeps a positive scale
+
+
+@pytest.mark.parametrize("kind", ["fp8", "nvfp4"])
+def test_first_prefill_sets_the_scales_once(tiny_one, kind):
+    """--kv-scale-calibration without checkpoint scales: the first prefill sets every layer's K and
+    V scales from its own K and V (through the attention layers), later prefills leave them; by
+    default they stay 1.0. Teacher-forced logits with calibrated scales stay close to bf16's on the
+    calibrating prompt (on later prompts larger values may clamp: bench/RESULTS.md)."""
+    _, _, path = tiny_one
+    p = prompt_of(40, seed=1)
+    default = _llm(path, kv_cache_dtype=kind)
+    assert not default.engine.pools.kv.calibrate_next_prefill
+    default.generate(prompt_token_ids=[p], max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    assert torch.equal(default.engine.pools.kv.scales, torch.ones_like(default.engine.pools.kv.scales))
+    llm = _llm(path, kv_cache_dtype=kind, kv_scale_calibration=True)
+    kv = llm.engine.pools.kv
+    assert kv.calibrate_next_prefill and torch.equal(kv.scales, torch.ones_like(kv.scales))
+    llm.generate(prompt_token_ids=[p], max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    first = kv.scales.clone()
+    assert not kv.calibrate_next_prefill and (first > 0).all() and not torch.equal(first, torch.ones_like(first))
+    assert len(set(first.flatten().tolist())) > 2  # per layer, K and V apart
+    llm.generate(prompt_token_ids=[prompt_of(50, seed=2)], max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    assert torch.equal(kv.scales, first)
+    bf16 = _llm(path, kv_cache_dtype="bf16")
+    want = bf16.generate(prompt_token_ids=[p], max_new_tokens=8, temperature=0.0, ignore_eos=True)[0].token_ids
+    errs = [rel_err(g, r) for g, r in zip(_teacher_forced(llm.engine, p, want), _teacher_forced(bf16.engine, p, want))]
+    assert max(errs) < (0.05 if kind == "fp8" else 0.15), errs
+
+
+def test_checkpoint_scales_are_not_recalibrated(tiny_one, tmp_path):
+    path, layers = _with_kv_scales(tiny_one, tmp_path)
+    llm = _llm(path, kv_scale_calibration=True)
+    kv = llm.engine.pools.kv
+    assert not kv.calibrate_next_prefill
+    before = kv.scales.clone()
+    llm.generate(prompt_token_ids=[prompt_of(20, seed=5)], max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    assert torch.equal(kv.scales, before)

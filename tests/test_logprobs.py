@@ -122,3 +122,37 @@ def test_one_host_copy_per_step(tiny_one):
     llm.generate(prompt_token_ids=[prompt_of(40), prompt_of(7, seed=2)], max_new_tokens=4, temperature=0.0,
                  ignore_eos=True, logprobs=5, prompt_logprobs=5)
     assert calls["run"] >= 5 and calls["copy"] == calls["run"]
+
+
+def test_prompt_logprob_chunks_stay_under_their_cap(tiny_one):
+    """A request with prompt logprobs gets chunks (and a step's sum of them) of at most the
+    scheduler's prompt-logit cap (each such position returns a vocabulary-wide row), while a plain
+    request beside it keeps the full prefill budget; the logprobs are still transformers'."""
+    _, model, path = tiny_one
+    llm = make_llm(path, max_prefill_length=32)
+    eng = llm.engine
+    from ft.engine.engine import PROMPT_LOGIT_BYTES, PROMPT_LOGITS_MIN_TOKENS
+
+    held = eng.cache.budget.reserve_bytes // (eng.model_config.vocab_size * PROMPT_LOGIT_BYTES)
+    assert eng.scheduler.max_prompt_logits == min(32, max(PROMPT_LOGITS_MIN_TOKENS, held))
+    eng.scheduler.max_prompt_logits = 8
+    prompt, other = prompt_of(40, seed=3), prompt_of(30, seed=4)
+    greedy = dict(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    asked = eng.add_request(prompt, SamplingParams(logprobs=1, prompt_logprobs=1, **greedy))
+    plain = eng.add_request(other, SamplingParams(**greedy))
+    sizes, schedule = [], eng.scheduler.schedule
+
+    def recorded():
+        work = schedule()
+        if work is not None and work.is_prefill:
+            sizes.append({s.request_id: n for s, n in zip(work.seqs, work.num_tokens)})
+        return work
+
+    eng.scheduler.schedule = recorded
+    eng.run_until_done([asked, plain])
+    asked_sizes = [d[asked.request_id] for d in sizes if asked.request_id in d]
+    assert max(asked_sizes) <= 8 and sum(asked_sizes) == 40
+    assert max(d.get(plain.request_id, 0) for d in sizes) > 8  # the plain request is not capped
+    ref = hf_logprobs(model, prompt + asked.output_ids)
+    for i in range(1, 40):
+        check_against(ref[i - 1], asked.prompt_logprobs[i], prompt[i], 1)

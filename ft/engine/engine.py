@@ -37,6 +37,12 @@ from ft.model.config import ModelConfig
 log = logging.getLogger("ft.engine")
 
 
+PROMPT_LOGIT_BYTES = 12
+"""Bytes per vocabulary entry of one prompt position's logits while prompt logprobs are computed (the
+float32 logits, their log-softmax and the gathers' temporaries)."""
+PROMPT_LOGITS_MIN_TOKENS = 16
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -72,13 +78,18 @@ class Engine:
         pools = self.cache.pools
         if pools.kv.scales is not None and pools.kv.kv.dtype == self._checkpoint_kv_dtype():  # its KV scales
             pools.kv.scales.copy_(self.model.kv_scales)
+        elif pools.kv.scales is not None:  # a quantized cache without scales: the first prefill sets them
+            pools.kv.calibrate_next_prefill = config.kv_scale_calibration
         if pools.experts is not None:
             pools.experts.policy = config.expert_policy
             if config.moe_backend == "offload" and config.expert_read_through:
                 pools.experts.enable_read_through(cfg.num_experts_per_tok * config.max_running_requests)
         self.prefix_cache = PrefixCache(pools.kv, pools.mamba, config.enable_prefix_cache)
+        # prompt logprobs return a float32 row of logits (plus its log-softmax) per prompt position: as many
+        # positions per step as the activation reserve holds, which it holds at the end of the forward
+        prompt_logit_tokens = max(PROMPT_LOGITS_MIN_TOKENS, reserve // (cfg.vocab_size * PROMPT_LOGIT_BYTES))
         self.scheduler = Scheduler(pools.kv, pools.mamba, self.prefix_cache, config.max_running_requests,
-                                   config.max_prefill_length)
+                                   config.max_prefill_length, min(config.max_prefill_length, prompt_logit_tokens))
         self.cache.attach(self.scheduler, self.prefix_cache)
         self.runner = ModelRunner(
             self.model, pools, self.device, config.max_running_requests, config.max_prefill_length,

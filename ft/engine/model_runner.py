@@ -19,6 +19,8 @@ in the same single copy as the sampled tokens (`_to_host`).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ft.engine.buffers import PageTableBuffer, StagedBuffer
@@ -33,6 +35,8 @@ from ft.engine.scheduler import ScheduledWork
 from ft.engine.sequence import Sequence
 from ft.memory.cache_pools import CachePools
 from ft.model.forward_batch import DecodeMeta, ForwardBatch, SeqSlice
+
+_log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -230,7 +234,14 @@ class ModelRunner:
             logits = self._decode(work.seqs)
             done = [True] * len(work.seqs)
         else:
-            logits = self.model.forward(self.prepare(work), self.pools)  # [B, V] float32 ([N, V] with a plan)
+            batch = self.prepare(work)
+            kv = self.pools.kv
+            batch.calibrate_kv = kv.calibrate_next_prefill
+            logits = self.model.forward(batch, self.pools)  # [B, V] float32 ([N, V] with a plan)
+            if batch.calibrate_kv:
+                kv.calibrate_next_prefill = False
+                _log.info("KV scales set from the first prefill (K, V per full-attention layer): %s",
+                          [tuple(round(v, 6) for v in row) for row in kv.scales.tolist()])
             done = [seq.num_computed + n >= seq.num_tokens for seq, n in zip(work.seqs, work.num_tokens)]
         plan, self._plan = self._plan, None
         every = logits

@@ -34,10 +34,15 @@ class Scheduler:
         prefix_cache: PrefixCache,
         max_running_requests: int,
         max_prefill_length: int,
+        max_prompt_logit_tokens: int | None = None,
     ) -> None:
         self.kv, self.mamba, self.prefix = kv, mamba, prefix_cache
         self.max_running = max_running_requests
         self.max_prefill = max_prefill_length
+        # NOTE: a request with prompt logprobs (echo) makes the model return the logits of every
+        # position of its chunk (a vocabulary-wide row each): its chunks and a step's sum of them stay
+        # under this many tokens, so those logits fit the activation reserve (`Engine`)
+        self.max_prompt_logits = max_prompt_logit_tokens or max_prefill_length
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -61,20 +66,28 @@ class Scheduler:
 
     def _schedule_prefill(self) -> ScheduledWork:
         budget = self.max_prefill
+        logit_budget = self.max_prompt_logits  # prompt positions whose logits this step returns
         seqs, counts = [], []
+
+        def room(seq: Sequence) -> int:
+            return min(seq.num_uncomputed, budget, logit_budget if seq.needs_prompt_logits else budget)
+
         for seq in self.running:  # requests in the middle of a chunked prefill
-            if budget and seq.num_uncomputed > 1:
-                n = self._grow_for(seq, min(seq.num_uncomputed, budget))
+            if budget and seq.num_uncomputed > 1 and room(seq):
+                n = self._grow_for(seq, room(seq))
                 if n:
                     seqs.append(seq)
                     counts.append(n)
                     budget -= n
+                    logit_budget -= n if seq.needs_prompt_logits else 0
         while (budget and self.waiting and len(self.running) < self.max_running and not self.admission_paused
                and not self.hold_head):
             seq = self.waiting[0]
+            if seq.needs_prompt_logits and not logit_budget:
+                break
             if not self._admit(seq):
                 break
-            n = self._grow_for(seq, min(seq.num_uncomputed, budget))
+            n = self._grow_for(seq, room(seq))
             if not n:  # not even one chunk's pages: stay first in line
                 self._release(seq)
                 seq.num_computed = seq.num_cached = 0
@@ -87,6 +100,7 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
+            logit_budget -= n if seq.needs_prompt_logits else 0
         return ScheduledWork(seqs, counts, True)
 
     def _schedule_decode(self) -> ScheduledWork | None:

@@ -72,6 +72,9 @@ class KVPool:
         # NOTE: not a pool tensor (no per-page rows): fixed size, never resized, stable address
         self.scales = torch.ones((num_layers, 2), dtype=torch.float32, device=device) \
             if dtype in QUANTIZED_KV else None
+        # the next prefill sets `scales` from its K and V (the engine asks for it when no checkpoint
+        # gave scales; `ft.model.forward_batch.ForwardBatch.calibrate_kv`)
+        self.calibrate_next_prefill = False
         self._refs = [0] * num_pages
         self._free: deque[int] = deque(range(num_pages))
 

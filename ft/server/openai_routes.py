@@ -471,6 +471,9 @@ async def _respond(st, request: Request, body: _Sampling, groups: list[tuple[lis
             for t in tasks:  # NOTE: a disconnect or an error: the choices still running are aborted
                 t.cancel()
             for c in choices:
+                if not c.stream.finished:  # NOTE: the client left, maybe before any pump ran (during the openings)
+                    st.loop.abort(c.stream.request_id)
+                    c.gen.finish_reason = c.gen.finish_reason or "cancelled"
                 st.metrics.request_finished(c.gen, c.stream.seq)
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from ft.kernels.nvfp4.reference import E2M1_MAX, E4M3_MAX
 from ft.kernels.attention.reference import (
+    FP8_MAX,
     paged_attention_ref,
     paged_decode_attention_ref,
     write_kv_decode_ref,
@@ -26,7 +28,7 @@ from ft.kernels.attention.split import (
 from ft.kernels.backend import TRITON_DTYPES, debug_checks, uses_triton
 
 __all__ = [
-    "DecodeWorkspace", "decode_attention_splits", "decode_attention_workspace", "paged_attention",
+    "KV_SCALE_HEADROOM", "calibrate_kv_scale", "DecodeWorkspace", "decode_attention_splits", "decode_attention_workspace", "paged_attention",
     "paged_attention_ref", "paged_decode_attention", "paged_decode_attention_ref", "write_kv", "write_kv_decode",
     "write_kv_decode_ref", "write_kv_ref",
 ]
@@ -36,6 +38,21 @@ PREFILL_TRITON_ON_CUDA = True
 """CUDA prefill runs the Triton kernel (checked against the reference under the interpreter and, at
 flagship shapes, by tests/gpu on the H200, 2026-11-30). False sends CUDA prefill to the reference:
 bench/prefill.py flips it to time both in one run."""
+
+
+KV_SCALE_HEADROOM = 2.0
+"""Calibrated layer scales put the calibrating batch's largest |K| (|V|) at 1/KV_SCALE_HEADROOM of the
+format's largest value: later tokens up to twice as large are still represented, not clamped."""
+
+
+def calibrate_kv_scale(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, kv_scale: torch.Tensor) -> None:
+    """Set a quantized layer's (K, V) scales (`kv_scale`, float32 [2], in place, on the device: no host
+    sync) from the largest |K| and |V| of k, v [T, Hkv, D]: scale = amax * KV_SCALE_HEADROOM / qmax,
+    qmax the largest value the cache holds (fp8 e4m3: 448; NVFP4: 6 x 448, an E2M1 value under its
+    largest block scale). A zero amax keeps a tiny positive scale (the cache then holds zeros)."""
+    qmax = FP8_MAX if k_cache.dtype == torch.float8_e4m3fn else E2M1_MAX * E4M3_MAX
+    amax = torch.stack([k.detach().abs().amax(), v.detach().abs().amax()]).float()
+    kv_scale.copy_(amax.clamp(min=1e-30) * (KV_SCALE_HEADROOM / qmax))
 
 
 def write_kv(

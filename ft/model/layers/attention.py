@@ -9,7 +9,7 @@ import torch
 from ft.model.forward_batch import ForwardBatch
 from ft.model.layers.linear import Linear
 from ft.kernels.norm import qk_norm_rope
-from ft.kernels.attention import paged_attention, paged_decode_attention, write_kv, write_kv_decode
+from ft.kernels.attention import calibrate_kv_scale, paged_attention, paged_decode_attention, write_kv, write_kv_decode
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,8 @@ class GatedAttention:
             o = paged_decode_attention(q, k_cache, v_cache, d.page_table, d.seq_lens, self.scale,
                                        max_seq_len=d.max_seq_len, gate=gate, kv_scale=kv_scale)
             return self.o_proj(o.reshape(t, -1))
+        if batch.calibrate_kv and kv_scale is not None:  # the first prefill of a cache without scales
+            calibrate_kv_scale(k, v, k_cache, kv_scale)
         gate = gate.reshape(t, -1)
         outs = []
         offset = 0
