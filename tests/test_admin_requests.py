@@ -35,7 +35,7 @@ def seq(prompt: int, out: int = 0, computed: int = 0, pages: int = 0, status=Sta
 
 def fake_engine(running, waiting):
     return SimpleNamespace(scheduler=SimpleNamespace(running=running, waiting=waiting), started_at=time.time() - 50,
-                           started_monotonic=time.monotonic() - 50)
+                           started_monotonic=time.monotonic() - 50, waiting_requests=lambda: list(waiting))
 
 
 def test_states_from_the_scheduler_lists():

@@ -45,6 +45,7 @@ class _FakeEngine:
         stats = SimpleNamespace(hits=0, misses=0)
         self.pools = SimpleNamespace(kv=kv, experts=SimpleNamespace(stats=stats))
         self.scheduler = SimpleNamespace(running=[], waiting=[])
+        self.waiting_requests = lambda: list(self.scheduler.waiting)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0}
         self.ladder = None
         self.cache = SimpleNamespace(geometry=SimpleNamespace(kv_tokens=1024), degraded=None)

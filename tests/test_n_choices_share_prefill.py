@@ -60,10 +60,11 @@ def test_greedy_choices_equal_one_request_and_prefill_once(path, reference):
     seqs = e.add_request_group(PROMPT, [greedy()] * 3, ["g-0", "g-1", "g-2"])
     assert [s.request_id for s in seqs] == ["g-0", "g-1", "g-2"]
     assert len(e.scheduler.waiting) == 1  # the siblings wait outside the scheduler, holding nothing
+    assert e.waiting_requests() == seqs  # ... and are counted as waiting (metrics, admin, stats line)
     assert all(s.pages == [] and s.mamba_slot is None for s in seqs[1:])
     out = e.step()  # the whole prompt in one chunk: the fork point
     assert sorted(map(id, out)) == sorted(map(id, seqs)) and all(len(s.output_ids) == 1 for s in seqs)
-    assert len(e.scheduler.running) == 3
+    assert len(e.scheduler.running) == 3 and e.waiting_requests() == []
     full = seqs[0].pages[0]
     assert e.pools.kv.refcount(full) == 3  # the full prompt page is shared
     assert len({s.pages[1] for s in seqs}) == 3  # the partial page is each one's own

@@ -158,6 +158,12 @@ class Engine:
         self.scheduler.add(seq)
         return seq
 
+    def waiting_requests(self) -> list[Sequence]:
+        """Requests not yet running: the scheduler's queue, then the n-choice siblings that wait for
+        their parent's prompt prefill (outside the scheduler, holding nothing: `add_request_group`)."""
+        siblings = [s for s in self._requests.values() if s.fork_parent is not None]
+        return list(self.scheduler.waiting) + siblings
+
     def add_request_group(self, prompt_ids: list[int], params_list: list[SamplingParams],
                           request_ids: list[str | None] | None = None) -> list[Sequence]:
         """n requests of one prompt (an API call with n > 1: choice i gets params_list[i]) that share

@@ -21,7 +21,7 @@ def cache_state(engine, state: str, model_name: str) -> CacheState:
         "allocated_bytes": engine.cache.allocated_bytes,
         "context_limit": engine.context_limit,
         "running": len(engine.scheduler.running),
-        "waiting": len(engine.scheduler.waiting),
+        "waiting": len(engine.waiting_requests()),
         "admission": "paused" if engine.scheduler.admission_paused else "open",
         **stamp(engine),
         "pools": {
@@ -71,7 +71,7 @@ def requests(engine, limit: int = 200) -> RequestList:
     """The running requests in batch order, then the waiting ones (queued, or preempted and queued
     again) in queue order, `limit` at most."""
     sched = engine.scheduler
-    running, waiting = list(sched.running), list(sched.waiting)
+    running, waiting = list(sched.running), engine.waiting_requests()
     now = time.time()
     rows = [(seq, running_state(seq)) for seq in running] + [(seq, "waiting") for seq in waiting]
     return RequestList(

@@ -221,7 +221,7 @@ def engine_snapshot(engine) -> dict:
         if took is not None and h["status"] != "refused":  # a refusal recorded by the ladder ran nothing
             durations.append((h["trigger"], float(took)))
     return {
-        "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
+        "running": len(engine.scheduler.running), "waiting": len(engine.waiting_requests()),
         "kv_used_tokens": pools.kv.num_used_pages * pools.kv.page_size, "kv_tokens": pools.kv.num_tokens,
         "mamba_used": pools.mamba.num_used, "moe_slots": pools.experts.num_slots if pools.experts else 0,
         "budget_bytes": engine.cache.budget.budget_bytes,

@@ -42,7 +42,7 @@ def sample(engine: Any, at: float) -> StatsSample:
     lad = engine.ladder
     kv_tokens = pools.kv.num_tokens
     return StatsSample(
-        at, len(engine.scheduler.running), len(engine.scheduler.waiting),
+        at, len(engine.scheduler.running), len(engine.waiting_requests()),
         engine.counters["prompt_tokens"], engine.counters["generation_tokens"],
         pools.kv.num_used_pages * pools.kv.page_size, kv_tokens,
         st.hits if st is not None else None, st.misses if st is not None else None,
