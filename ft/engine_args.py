@@ -61,6 +61,9 @@ HELP = {
     "ladder_min_reuse": "a request that reuses less than this fraction of its prompt from the prefix cache may shrink the ladder",
     "ladder_dwell_s": "least seconds on a rung before the ladder shrinks",
     "ladder_grow_hold_s": "no shrink for this many seconds after a grow",
+    "tensor_parallel_size": "GPUs that share the model, one process each (attention and linear-attention heads, "
+                            "expert and MLP channels split; every rank caches its part of every expert, so the "
+                            "expert cache covers N times the fraction of the model); GPU r is rank r",
     "cuda_graph_max_bs": "decode batches up to this many requests replay one CUDA graph per batch-size bucket",
     "disable_cuda_graph": "run every decode step eagerly, without CUDA graphs (debugging)",
     "storage_backend": ("how the pools resize: vmm (CUDA virtual memory) or mmap (host, Linux) free before they "
@@ -88,6 +91,7 @@ ALIASES = {
     "max_running_requests": ["--max-num-seqs"],  # vLLM (SGLang's --max-running-requests is ours)
     "enable_prefix_cache": ["--enable-prefix-caching"],  # vLLM; BooleanOptionalAction adds --no-enable-prefix-caching
     "memory_ratio": ["--gpu-memory-utilization", "--mem-fraction-static"],  # vLLM, SGLang (a different base: see HELP)
+    "tensor_parallel_size": ["-tp", "--tp-size"],  # vLLM, SGLang
 }
 """Other engines' spellings of our flags: field -> extra option strings of the same argument."""
 
@@ -101,7 +105,7 @@ AUTO_DEFAULTS = {"progress": None}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> None:
-    """The engine's flags (one per EngineConfig field, plus ALIASES), -tp/-pp (only 1 is accepted,
+    """The engine's flags (one per EngineConfig field, plus ALIASES), -pp (only 1 is accepted,
     checked by `engine_config_from_args`), and an optional positional MODEL (`ft serve PATH`)."""
     g = parser.add_argument_group("engine")
     if positional_model:
@@ -117,15 +121,13 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
             metavar = None if f.name in CHOICES else METAVARS.get(f.name, {int: "N", float: "X"}.get(kind))
             g.add_argument(*flags, type=kind, default=default, choices=CHOICES.get(f.name), metavar=metavar,
                            help=HELP.get(f.name))
-    for flags, what in ((("--tensor-parallel-size", "-tp"), "tensor"),
-                        (("--pipeline-parallel-size", "-pp"), "pipeline")):
-        g.add_argument(*flags, type=int, default=1, metavar="N",
-                       help=f"GPUs for {what} parallelism: accepted for vLLM/SGLang command lines, but FreeToken "
-                            "runs on one GPU, so only 1 is allowed")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
+                   help="GPUs for pipeline parallelism: accepted for vLLM/SGLang command lines, but FreeToken splits "
+                        "a model over GPUs by tensor parallelism (--tensor-parallel-size), so only 1 is allowed")
 
 
 def engine_config_from_args(args: argparse.Namespace, stream=None) -> EngineConfig:
-    """The EngineConfig of parsed flags. Raises ConfigError (one line) for -tp/-pp other than 1 and
+    """The EngineConfig of parsed flags. Raises ConfigError (one line) for -pp other than 1 and
     for a positional MODEL that contradicts --model. An auto --progress is on when `stream`
     (default: stderr) is a terminal."""
     import os
@@ -133,11 +135,10 @@ def engine_config_from_args(args: argparse.Namespace, stream=None) -> EngineConf
 
     from ft.errors import ConfigError
 
-    for flag, name in (("--tensor-parallel-size", "tensor_parallel_size"), ("--pipeline-parallel-size",
-                                                                            "pipeline_parallel_size")):
-        n = getattr(args, name, 1)
-        if n != 1:
-            raise ConfigError(f"{flag} {n}: FreeToken serves on one GPU for now (multi-GPU is planned); use 1")
+    n = getattr(args, "pipeline_parallel_size", 1)
+    if n != 1:
+        raise ConfigError(f"--pipeline-parallel-size {n}: FreeToken splits a model over GPUs by tensor parallelism; "
+                          f"use --tensor-parallel-size {n}")
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
     positional = getattr(args, "model_positional", None)
     if positional is not None:

@@ -37,16 +37,26 @@ def check_model(config) -> None:
                 path = config_path(model)
                 if not path.is_file():
                     raise ConfigError(f"synthetic model config {path} does not exist")
-                ModelConfig.from_file(path)
+                _check_split(config, ModelConfig.from_file(path))
                 path = None
         if path is not None:
             if not path.exists():
                 raise ConfigError(f"model directory {model} does not exist")
             if not path.is_dir():
                 raise ConfigError(f"model {model} is not a directory (a Hugging Face checkpoint folder)")
-            ModelConfig.from_file(path)  # config.json: present, valid JSON, a supported architecture
+            # config.json: present, valid JSON, a supported architecture; splits over the GPUs asked
+            _check_split(config, ModelConfig.from_file(path))
             model_dir = path
     _check_tokenizer(config, model_dir)
+
+
+def _check_split(config, cfg) -> None:
+    """--tensor-parallel-size N: every rank's share of heads and channels exists (one line if not)."""
+    from ft.model.tp_split import local_config
+
+    world = getattr(config, "tensor_parallel_size", 1)
+    for rank in range(world if world > 1 else 0):
+        local_config(cfg, rank, world)
 
 
 def _check_tokenizer(config, model_dir: Path | None) -> None:

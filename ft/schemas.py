@@ -84,6 +84,19 @@ class Exchange(_Model):
     mamba_slots_per_expert_slot: float = 0.0
 
 
+class RankCache(_Model):
+    """One GPU of a tensor-parallel server: its own budget and pools (KV and mamba sizes are the
+    same on every rank; expert slots follow each rank's budget). Workers' figures are as of their
+    last report (startup, each rebuild)."""
+
+    rank: int = 0
+    budget_bytes: int = 0
+    held_bytes: int = 0
+    moe_slots: int = 0
+    kv_tokens: int = 0
+    mamba_slots: int = 0
+
+
 class CacheState(_Model):
     """GET /admin/cache. Each pool's [min, max] is its reachable range with the other pools held
     at their current sizes (`ranges_hold_others`); a target that changes several pools is checked
@@ -106,6 +119,7 @@ class CacheState(_Model):
     exchange: Exchange = Field(default_factory=Exchange)
     ranges_hold_others: bool = True  # each range holds the other pools at their current sizes
     notes: list[str] = Field(default_factory=list)  # about the request answered (e.g. KV rounded to pages)
+    ranks: list[RankCache] = Field(default_factory=list)  # tensor parallelism: every GPU's pools (empty on one GPU)
 
 
 class ResizeRequest(_Model):

@@ -115,12 +115,12 @@ def _run_cli(*argv: str) -> tuple[int, str, bool]:
     return p.returncode, p.stderr, p.stdout.strip().endswith("True")
 
 
-@pytest.mark.parametrize("flag", ["-tp", "--tensor-parallel-size", "-pp", "--pipeline-parallel-size"])
-def test_parallelism_other_than_one_is_refused_in_one_line_before_loading(flag):
+@pytest.mark.parametrize("flag", ["-pp", "--pipeline-parallel-size"])
+def test_pipeline_parallelism_is_refused_in_one_line_before_loading(flag):
     rc, err, torch_loaded = _run_cli("serve", flag, "2", "--port", "0")
     lines = err.strip().splitlines()
     assert rc != 0 and len(lines) == 1, err
-    assert "serves on one GPU" in lines[0] and lines[0].startswith("ft serve: error: --")
+    assert "use --tensor-parallel-size 2" in lines[0] and lines[0].startswith("ft serve: error: --")
     assert not torch_loaded
 
 

@@ -1,6 +1,6 @@
 """The package layers point one way and no modules import each other in a circle.
 
-kernels <- memory <- model <- tools <- engine <- server <- commands; `errors`, `units` and
+kernels, parallel <- memory <- model <- tools <- engine <- server <- commands; `errors`, `units` and
 `schemas` sit below everything and import nothing of ft (schemas: pydantic only); `ft.ctl` and
 `ft.tui` import only each other, `schemas` and `units` (no torch: they run on a laptop). Every
 import counts, function-level ones included.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "ft"
 
-RANK = {"errors": 0, "units": 0, "schemas": 0, "kernels": 1, "memory": 2, "model": 3, "tools": 4, "engine": 5,
+RANK = {"errors": 0, "units": 0, "schemas": 0, "kernels": 1, "parallel": 1, "memory": 2, "model": 3, "tools": 4, "engine": 5,
         "server": 6, "cli": 7, "serve_cmd": 7, "generate_cmd": 7, "engine_args": 7, "preflight": 7, "argparser": 0}
 CLIENTS = {"ctl", "tui"}
 

@@ -53,7 +53,7 @@ class DecodeGraphs:
     def invalidate(self) -> None:
         self._graphs.clear()
 
-    def run(self, n: int, key: Hashable, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def run(self, n: int, key: Hashable, forward: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
         """The logits [n, V] of this step: replayed from bucket n's graph, or computed eagerly
         and captured for the next steps. `forward` reads only the persistent buffers."""
         if key != self._key:
@@ -66,7 +66,9 @@ class DecodeGraphs:
             graph.replay()
             self.replay_s += time.perf_counter() - t0
             self.replays += 1
-            return out.clone()  # NOTE: another bucket's replay may reuse the shared pool's memory
+            # NOTE: another bucket's replay may reuse the shared pool's memory (a worker rank of a
+            # tensor-parallel engine computes no logits: None)
+            return None if out is None else out.clone()
         logits = forward()  # this step, eagerly: also the warm-up the capture needs
         t0 = time.perf_counter()
         torch.cuda.synchronize()

@@ -9,30 +9,26 @@ LLM API, the server's engine thread) only add requests, step, abort, and resize.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 
 import torch
 
-from ft.engine.cache.budget import measure_budget
-from ft.engine.cache.manager import CacheManager, PoolShapes, SizingOptions
 from ft.engine.detokenizer import OutputText
 from ft.engine.engine_config import EngineConfig
-from ft.engine.ladder import Ladder, LadderOptions, make_rungs
+from ft.engine.ladder import Ladder, LadderOptions
 from ft.engine.ladder_driver import LadderDriver
-from ft.engine.loader import DTYPES, activation_reserve, load_model, resolve_model_path, tokenizer_dir
-from ft.engine.model_runner import ModelRunner
+from ft.engine.loader import tokenizer_dir
 from ft.engine.prefix_cache import PrefixCache
-from ft.engine.routing_override import TraceRouting, trace_params
+from ft.engine.rank_state import KV_ALGO_DTYPES, KV_DTYPES, RankState
 from ft.engine.sampling_params import SamplingParams
 from ft.engine.scheduler import Scheduler, ScheduledWork
 from ft.engine.sequence import Sequence
 from ft.engine.tokenizer import Tokenizer
+from ft.engine.cache.tp_rebuild import TPPeers
+from ft.engine.tp_worker import join_group, start_workers, stop_workers
 from ft.errors import ConfigError, RequestError
 from ft.memory.cache_pools import CachePools
-from ft.memory.kv_pool import NVFP4_KV
-from ft.model.config import ModelConfig
 
 log = logging.getLogger("ft.engine")
 
@@ -43,60 +39,30 @@ float32 logits, their log-softmax and the gathers' temporaries)."""
 PROMPT_LOGITS_MIN_TOKENS = 16
 
 
-class Engine:
+class Engine(RankState):
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.device = _device(config.device)
-        self.dtype = DTYPES[config.dtype] if config.dtype != "auto" else (
-            torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        )
-        self.model_path = resolve_model_path(config.model)
-        cfg = self.model_config = ModelConfig.from_file(self.model_path)
+        self._workers = start_workers(config)  # tensor parallelism: ranks 1.. in processes of their own
+        try:
+            tp = join_group(config, 0, self._workers)
+            super().__init__(config, tp)
+            if tp is not None:
+                self._join_workers()
+        except BaseException:
+            stop_workers(self._workers)
+            raise
+        cfg = self.model_config
         self.tokenizer = Tokenizer.from_dir(  # --tokenizer / --chat-template replace the checkpoint's
             config.tokenizer or tokenizer_dir(self.model_path), chat_template=config.chat_template,
             model_dir=self.model_path if config.tokenizer and self.model_path.is_dir() else None)
-        self.model, host_experts = load_model(config.model, self.model_path, cfg, self.dtype, self.device,
-                                              config.seed, config.progress)
-        self.context_limit = config.max_seq_len_override or cfg.max_position_embeddings
-        shapes = PoolShapes(
-            config.page_size, len(cfg.full_attention_layers), cfg.num_key_value_heads, cfg.head_dim,
-            len(cfg.linear_attention_layers), cfg.linear_conv_dim, cfg.linear_conv_kernel_dim,
-            cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, self.dtype, self.device,
-            host_experts, self._kv_dtype(config),
-        )
-        reserve = activation_reserve(cfg, self.dtype, self.device, min(config.max_prefill_length, self.context_limit),
-                                     config.max_running_requests)
-        budget = measure_budget(self.device, self.model.resident_bytes, config.memory_ratio, config.gpu_memory_limit,
-                                reserve, config.cache_budget)
-        rungs = make_rungs(config.ladder_step_size, self.context_limit, config.page_size) \
-            if config.enable_kv_ladder else None
-        floor = min(cfg.num_experts_per_tok, shapes.total_experts) if shapes.total_experts else 0
-        self.cache = CacheManager(shapes, budget, SizingOptions(
-            self.context_limit, config.mamba_slots, rungs[0] if rungs else config.num_tokens, config.moe_backend,
-            config.moe_cache_size, None if config.storage_backend == "auto" else config.storage_backend,
-        ), floor)
         pools = self.cache.pools
-        if pools.kv.scales is not None and pools.kv.kv.dtype == self._checkpoint_kv_dtype():  # its KV scales
-            pools.kv.scales.copy_(self.model.kv_scales)
-        elif pools.kv.scales is not None:  # a quantized cache without scales: the first prefill sets them
-            pools.kv.calibrate_next_prefill = config.kv_scale_calibration
-        if pools.experts is not None:
-            pools.experts.policy = config.expert_policy
-            if config.moe_backend == "offload" and config.expert_read_through:
-                pools.experts.enable_read_through(cfg.num_experts_per_tok * config.max_running_requests)
         self.prefix_cache = PrefixCache(pools.kv, pools.mamba, config.enable_prefix_cache)
         # prompt logprobs return a float32 row of logits (plus its log-softmax) per prompt position: as many
         # positions per step as the activation reserve holds, which it holds at the end of the forward
-        prompt_logit_tokens = max(PROMPT_LOGITS_MIN_TOKENS, reserve // (cfg.vocab_size * PROMPT_LOGIT_BYTES))
+        prompt_logit_tokens = max(PROMPT_LOGITS_MIN_TOKENS, self.reserve // (cfg.vocab_size * PROMPT_LOGIT_BYTES))
         self.scheduler = Scheduler(pools.kv, pools.mamba, self.prefix_cache, config.max_running_requests,
                                    config.max_prefill_length, min(config.max_prefill_length, prompt_logit_tokens))
         self.cache.attach(self.scheduler, self.prefix_cache)
-        self.runner = ModelRunner(
-            self.model, pools, self.device, config.max_running_requests, config.max_prefill_length,
-            -(-self.context_limit // config.page_size), self.context_limit,
-            0 if config.disable_cuda_graph else config.cuda_graph_max_bs,
-        )
-        self.runner.routing = self._trace_routing(config, cfg)
+        rungs = self.rungs
         self.ladder = Ladder(rungs, LadderOptions(
             config.ladder_step_size, config.ladder_min_reuse, config.ladder_dwell_s, config.ladder_grow_hold_s,
         )) if rungs else None
@@ -108,38 +74,34 @@ class Engine:
         self.started_monotonic = time.monotonic()  # the admin API's uptime never goes backwards
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
 
-    def _checkpoint_kv_dtype(self) -> torch.dtype | None:
-        """The KV dtype the checkpoint's KV scales describe: fp8, or NVFP4 when its ModelOpt
-        kv_cache_quant_algo says NVFP4; None when it carries no KV scales."""
-        if self.model.kv_scales is None:
-            return None
-        return KV_ALGO_DTYPES[getattr(self.model, "kv_cache_quant_algo", None) or "FP8"]
+    def _join_workers(self) -> None:
+        """The startup gather: every worker rank is built (or says why not, raised here as one
+        line); their KV and mamba sizes must equal rank 0's (page tables and slots are shared)."""
+        answers = self.tp.gather(self.cache.describe())
+        errors = [a["error"] for a in answers if "error" in a]
+        if errors:
+            raise ConfigError(f"a tensor-parallel rank failed to start: {errors[0]}")
+        mine = self.cache.geometry
+        for rank, a in enumerate(answers[1:], start=1):
+            g = a["geometry"]
+            if (g["kv_tokens"], g["mamba_slots"]) != (mine.kv_tokens, mine.mamba_slots):
+                raise ConfigError(f"tensor-parallel rank {rank} sized its caches to {g['kv_tokens']} KV tokens and "
+                                  f"{g['mamba_slots']} mamba slots, rank 0 to {mine.kv_tokens} and {mine.mamba_slots}: "
+                                  "give --num-tokens and --mamba-slots explicitly")
+        self.cache.peers = TPPeers(self.tp, answers[1:])
 
-    def _kv_dtype(self, config: EngineConfig) -> torch.dtype:
-        """The KV pool's dtype: the flag's; "auto" is the checkpoint's KV format when it carries KV
-        scales (ModelOpt's kv_cache_quant_algo: FP8 -> fp8, NVFP4 -> nvfp4), else the compute dtype.
-        Another dtype ignores such scales (they only describe the checkpoint's format: the pool's
-        scales stay 1.0), and says so."""
-        ckpt = self._checkpoint_kv_dtype()
-        if config.kv_cache_dtype == "auto":
-            return ckpt or self.dtype
-        want = KV_DTYPES[config.kv_cache_dtype]
-        if ckpt is not None and want != ckpt:
-            log.info("the checkpoint's %s KV scales are not used: --kv-cache-dtype %s",
-                     "NVFP4" if ckpt == NVFP4_KV else "FP8", config.kv_cache_dtype)
-        return want
-
-    def _trace_routing(self, config: EngineConfig, cfg) -> TraceRouting | None:
-        """Synthetic models whose config has "routing_trace": experts from per-request traces."""
-        from ft.tools.synthetic import config_path, is_synthetic
-
-        if not is_synthetic(config.model) or not cfg.moe_layers:
-            return None
-        params = trace_params(json.loads(config_path(config.model).read_text()).get("routing_trace"))
-        if params is None:
-            return None
-        return TraceRouting(params, len(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok, config.seed,
-                            keep=4 * config.max_running_requests)
+    def close(self) -> None:
+        """Stop the tensor-parallel worker ranks (nothing to do on one GPU). Idempotent."""
+        if self.tp is not None and self._workers:
+            try:
+                self.tp.broadcast(("stop", None))
+            except Exception:  # noqa: BLE001 - a worker that died already: its process is reaped below
+                pass
+        stop_workers(self._workers)
+        self._workers = []
+        if self.tp is not None:
+            self.tp.destroy()
+            self.tp = None
 
     @property
     def pools(self) -> CachePools:
@@ -447,25 +409,9 @@ class Engine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "resident_weight_bytes": self.model.resident_bytes,
             "context_limit": self.context_limit,
+            "tensor_parallel_size": self.tp.world if self.tp is not None else 1,
             **self.cache.describe(),
         }
 
 
-KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "nvfp4": NVFP4_KV}
-"""--kv-cache-dtype -> the KV pool's dtype ("auto": `Engine._kv_dtype`; nvfp4: `ft.memory.kv_pool.NVFP4_KV`)."""
-
-KV_ALGO_DTYPES = {"FP8": torch.float8_e4m3fn, "NVFP4": NVFP4_KV}
-"""A checkpoint's kv_cache_quant_algo (ModelOpt) -> the KV dtype its KV scales describe."""
-
-
-def _device(spec: str) -> torch.device:
-    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if spec == "auto" else spec)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("--device cuda asked but no CUDA device is available")
-        if dev.index is None:  # name the device: memory queries and VMM need an index
-            dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
-
-
-__all__ = ["Engine"]
+__all__ = ["Engine", "KV_ALGO_DTYPES", "KV_DTYPES"]

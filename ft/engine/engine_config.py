@@ -47,6 +47,7 @@ class EngineConfig:
     storage_backend: str = "auto"  # auto | vmm | mmap | realloc: how pools grow and shrink (see ft.memory.storage)
     seed: int = 0
     progress: bool = False  # show loading progress
+    tensor_parallel_size: int = 1  # GPUs sharing the model (heads and expert channels split, one process each)
 
     def __post_init__(self) -> None:
         if self.moe_backend not in ("offload", "resident"):
@@ -65,6 +66,8 @@ class EngineConfig:
             raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.storage_backend not in ("auto", "vmm", "mmap", "realloc"):
             raise ConfigError(f"--storage-backend must be auto, vmm, mmap or realloc, got {self.storage_backend!r}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.cuda_graph_max_bs < 0:
             raise ConfigError(f"--cuda-graph-max-bs must be >= 0, got {self.cuda_graph_max_bs}")
         for name in ("page_size", "max_running_requests", "max_prefill_length"):

@@ -36,6 +36,16 @@ class LLM:
         self.engine = Engine(EngineConfig.from_options(model=model, **opts))
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel worker processes (nothing to do on one GPU)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: list[str] | str | None = None,

@@ -16,6 +16,8 @@ from ft.model.checkpoint import CheckpointReader, load_weights
 from ft.model.config import ModelConfig
 from ft.model.layers.linear import NVFP4Weight
 from ft.model.qwen3_next import Qwen3NextModel, tensor_specs
+from ft.model.tp_shard import shard_expert_store, shard_tensors
+from ft.model.tp_split import local_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,24 +49,31 @@ def tokenizer_dir(model_path: Path) -> Path:
 
 def load_model(
     model: str | None, model_path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int,
-    progress: bool,
+    progress: bool, tp=None,
 ) -> tuple[Qwen3NextModel, SlotWeights | None]:
-    """The model with its resident weights on `device`, and the routed experts' host store."""
+    """The model with its resident weights on `device`, and the routed experts' host store. With
+    tensor parallelism (`tp`, a `ft.parallel.TPGroup`) this rank's shard of both
+    (`ft.model.tp_shard`): the whole checkpoint is read, each tensor cut as it arrives."""
     from ft.tools.synthetic import is_synthetic, synthetic_weights
 
     specs, expert_names = tensor_specs(cfg)
+    rank, world = (tp.rank, tp.world) if tp is not None else (0, 1)
     if is_synthetic(model):
-        weights = synthetic_weights(specs, expert_names, dtype, device, seed)
+        weights = synthetic_weights(specs, expert_names, dtype, device, seed, shard=(rank, world))
     else:
         weights = load_weights(CheckpointReader(model_path), specs, expert_names, dtype, device,
                                torch.device("cpu"), progress)
+        weights.experts = None if weights.experts is None else shard_expert_store(weights.experts, rank, world)
     if not uses_triton(device):
         # NOTE: the CPU path computes resident projections dense (the exact dequantized values);
         # routed experts stay NVFP4 in the host store and the slots. (Interpreter tests keep
         # them NVFP4 to run the Triton kernels on the CPU.)
         weights.tensors = {k: (v.dequantize(dtype) if isinstance(v, NVFP4Weight) else v)
                            for k, v in weights.tensors.items()}
-    m = Qwen3NextModel(cfg, weights, dtype, device)
+    if world > 1:  # NOTE: after the CPU path's dequantization: dense columns cut anywhere, NVFP4 per block
+        weights.tensors = shard_tensors(weights.tensors, cfg, rank, world)
+        cfg = local_config(cfg, rank, world)
+    m = Qwen3NextModel(cfg, weights, dtype, device, tp)
     m.kv_scales = weights.kv_scales  # NOTE: the KV pool takes them (ft.engine.engine), the model does not
     m.kv_cache_quant_algo = weights.kv_algo  # what the scales describe: "FP8" | "NVFP4" (None: no KV algo named)
     return m, weights.experts

@@ -32,6 +32,7 @@ from ft.engine.sampling_params import TokenLogprob
 from ft.kernels.backend import debug_checks
 from ft.kernels.moe import runs_triton
 from ft.engine.scheduler import ScheduledWork
+from ft.engine.step_inputs import PoolJournal, StepInputs, replay_pool_ops
 from ft.engine.sequence import Sequence
 from ft.memory.cache_pools import CachePools
 from ft.model.forward_batch import DecodeMeta, ForwardBatch, SeqSlice
@@ -99,13 +100,30 @@ class ModelRunner:
         self._packed = torch.zeros(rows, dtype=torch.float64, pin_memory=device.type == "cuda")  # ids + logprobs
         self._event = torch.cuda.Event() if device.type == "cuda" else None
         self.last_logits: torch.Tensor | None = None  # [B, V] of the last step (tests and debugging)
+        # tensor parallelism (`ft.parallel.TPGroup`): rank 0 sends each step's inputs with the
+        # journal of its pools' content operations (`attach_tp`)
+        self.tp = None
+        self.journal: PoolJournal | None = None
+
+    def attach_tp(self, tp) -> None:
+        """Run as a rank of tensor-parallel group `tp`: rank 0 records its pools' content operations
+        and sends them with each step; the others receive (`ft.engine.tp_worker`)."""
+        self.tp = tp
+        if tp.is_leader:
+            self.journal = PoolJournal()
+            self.pools.kv.journal = self.pools.mamba.journal = self.journal
 
     # ------------------------------------------------------------------------------- inputs
     def prepare(self, work: ScheduledWork) -> ForwardBatch:
         """The batch of `work` as views of the persistent buffers."""
+        return self.load(self._prefill_inputs(work))
+
+    def _prefill_inputs(self, work: ScheduledWork) -> StepInputs:
+        """`work` as plain values; when prompt positions need logits, also the sampling plan
+        (`self._plan`, rank 0's business only)."""
         ids: list[int] = []
         pos: list[int] = []
-        last, slots = [], []
+        last = []
         # prompt logprobs: the logits of every position of a chunk whose next tokens are prompt tokens
         index, sample_rows, prompt_rows, targets, spans = [], [], [], [], []
         for seq, n in zip(work.seqs, work.num_tokens):
@@ -114,7 +132,6 @@ class ModelRunner:
             ids.extend(_tokens(seq, start, n))
             pos.extend(range(start, start + n))
             last.append(len(ids) - 1)
-            slots.append(seq.mamba_slot)
             # positions start..start+m-1 predict prompt tokens start+1..start+m
             m = min(start + n, len(seq.prompt_ids) - 1) - start if seq.needs_prompt_logits else 0
             if m > 0:
@@ -126,32 +143,57 @@ class ModelRunner:
             else:
                 index.append(base + n - 1)
             sample_rows.append(len(index) - 1)
-        buf = self.buffers
-        tables = self.page_table.load([seq.pages for seq in work.seqs])
-        slices = [SeqSlice(seq.num_computed, n, table, seq.mamba_slot)
-                  for seq, n, table in zip(work.seqs, work.num_tokens, tables)]
-        batch = ForwardBatch(buf["input_ids"].load(ids), buf["positions"].load(pos), slices)
-        # NOTE: these two are cached properties of ForwardBatch: set here, they are buffer views.
         if spans:  # the model returns the logits of `index` (every position of those chunks)
             sb = self.sample_buffers
-            batch.last_token_index = sb["logit_index"].load(index)
             self._plan = _LogitPlan(sb["sample_rows"].load(sample_rows), sb["prompt_rows"].load(prompt_rows),
                                     sb["prompt_targets"].load(targets), spans)
+        return StepInputs(
+            "prefill", ids, pos, [(seq.num_computed, n, seq.pages, seq.mamba_slot)
+                                  for seq, n in zip(work.seqs, work.num_tokens)],
+            index if spans else last, [seq.mamba_slot for seq in work.seqs],
+            forced=self._forced_values([s.request_id for s in work.seqs], list(work.num_tokens)),
+        )
+
+    def load(self, inp: StepInputs) -> ForwardBatch:
+        """`inp` in the persistent buffers, as the `ForwardBatch` the model reads."""
+        buf = self.buffers
+        if inp.kind == "decode":
+            table = self.page_table.load_rows([pages for _, _, pages, _ in inp.seqs])
+            slices = [SeqSlice(start, 1, table[i], slot) for i, (start, _, _, slot) in enumerate(inp.seqs)]
         else:
-            batch.last_token_index = buf["last_token_index"].load(last)
-        batch.mamba_slots = buf["mamba_slots"].load(slots)
-        batch.forced_experts = self._forced([s.request_id for s in work.seqs], list(work.num_tokens))
+            tables = self.page_table.load([pages for _, _, pages, _ in inp.seqs])
+            slices = [SeqSlice(start, n, t, slot) for (start, n, _, slot), t in zip(inp.seqs, tables)]
+        batch = ForwardBatch(buf["input_ids"].load(inp.ids), buf["positions"].load(inp.pos), slices)
+        # NOTE: these are cached properties of ForwardBatch: set here, they are buffer views.
+        if inp.kind == "decode":
+            batch.decode = DecodeMeta(buf["slot_mapping"].load(inp.kv_slots), table, buf["seq_lens"].load(inp.seq_lens),
+                                      self.max_seq_len)
+        if len(inp.logit_index) == len(inp.seqs):
+            batch.last_token_index = buf["last_token_index"].load(inp.logit_index)
+        else:  # every position of some chunks (prompt logprobs)
+            batch.last_token_index = self.sample_buffers["logit_index"].load(inp.logit_index)
+        batch.mamba_slots = buf["mamba_slots"].load(inp.mamba_slots)
+        batch.forced_experts = self._load_forced(inp.forced)
+        batch.calibrate_kv = inp.calibrate_kv
         return batch
 
-    def _forced(self, request_ids: list[str], counts: list[int], pad: int = 0) -> torch.Tensor | None:
-        """The traced experts of the step's tokens, [T + pad, layers, k] in a persistent buffer
-        (padding rows repeat the first token's); None without a trace."""
+    def _forced_values(self, request_ids: list[str], counts: list[int], pad: int = 0) -> list[int] | None:
+        """The traced experts of the step's tokens, flat [T + pad, layers, k] (padding rows repeat
+        the first token's); None without a trace."""
         r = self.routing
         if r is None:
             return None
         per_token = r.num_layers * r.top_k
         values = r.draw(request_ids, counts)
         values += values[:per_token] * pad
+        return values
+
+    def _load_forced(self, values: list[int] | None) -> torch.Tensor | None:
+        """`_forced_values` in a persistent buffer, [T, layers, k]."""
+        r = self.routing
+        if values is None or r is None:
+            return None
+        per_token = r.num_layers * r.top_k
         buf = self.buffers.get("forced_experts")
         if buf is None:
             buf = self.buffers["forced_experts"] = StagedBuffer(self.buffers["input_ids"].capacity * per_token,
@@ -203,46 +245,43 @@ class ModelRunner:
         """A decode batch (one new token per sequence) padded to n rows with copies of the first
         sequence, every input in the persistent buffers, `decode` set: the forward then reads
         device tensors only (what a CUDA graph replays)."""
+        return self.load(self._decode_inputs(seqs, n))
+
+    def _decode_inputs(self, seqs: list[Sequence], n: int, graph_rows: int | None = None) -> StepInputs:
         real = len(seqs)
         rows = list(seqs) + [seqs[0]] * (n - real)
         page = self.pools.kv.page_size
         pos = [s.num_computed for s in rows]
-        buf = self.buffers
-        table = self.page_table.load_rows([s.pages for s in rows])
-        slices = [SeqSlice(p, 1, table[i], s.mamba_slot) for i, (s, p) in enumerate(zip(rows, pos))]
-        batch = ForwardBatch(buf["input_ids"].load([_tokens(s, p, 1)[0] for s, p in zip(rows, pos)]),
-                             buf["positions"].load(pos), slices)
         # NOTE: padding rows read like the first sequence but write nowhere (slot -1): the fused
         # kernels update states in place, so two rows must never share a slot they write
         kv_slots = [s.pages[p // page] * page + p % page for s, p in zip(seqs, pos)]
-        batch.decode = DecodeMeta(buf["slot_mapping"].load(kv_slots + [-1] * (n - real)), table,
-                                  buf["seq_lens"].load([p + 1 for p in pos]), self.max_seq_len)
-        batch.last_token_index = buf["last_token_index"].load(list(range(n)))
-        batch.mamba_slots = buf["mamba_slots"].load([s.mamba_slot for s in seqs] + [-1] * (n - real))
-        batch.forced_experts = self._forced([s.request_id for s in seqs], [1] * real, pad=n - real)
-        return batch
+        return StepInputs(
+            "decode", [_tokens(s, p, 1)[0] for s, p in zip(rows, pos)], pos,
+            [(p, 1, s.pages, s.mamba_slot) for s, p in zip(rows, pos)], list(range(n)),
+            [s.mamba_slot for s in seqs] + [-1] * (n - real), kv_slots + [-1] * (n - real), [p + 1 for p in pos],
+            self._forced_values([s.request_id for s in seqs], [1] * real, pad=n - real), graph_rows=graph_rows,
+            real=real,
+        )
 
     def run(self, work: ScheduledWork) -> list[int | None]:
         """One forward pass over `work`; for each sequence the sampled token, or None when its
         part was a chunk of a longer prompt (no token yet). The logprobs that sequences asked for
         are left in `last_logprobs` and `last_prompt_logprobs`."""
-        experts = self.pools.experts
-        if experts is not None:
-            experts.collect()  # NOTE: the last offloaded decode step's landings, before anything reads the cache
         self._plan = None
+        kv = self.pools.kv
         if not work.is_prefill and all(n == 1 for n in work.num_tokens):
-            logits = self._decode(work.seqs)
+            n = self._graph_rows(len(work.seqs))
+            inp = self._decode_inputs(work.seqs, n or len(work.seqs), n)
             done = [True] * len(work.seqs)
         else:
-            batch = self.prepare(work)
-            kv = self.pools.kv
-            batch.calibrate_kv = kv.calibrate_next_prefill
-            logits = self.model.forward(batch, self.pools)  # [B, V] float32 ([N, V] with a plan)
-            if batch.calibrate_kv:
-                kv.calibrate_next_prefill = False
-                _log.info("KV scales set from the first prefill (K, V per full-attention layer): %s",
-                          [tuple(round(v, 6) for v in row) for row in kv.scales.tolist()])
+            inp = self._prefill_inputs(work)
+            inp.calibrate_kv = kv.calibrate_next_prefill
             done = [seq.num_computed + n >= seq.num_tokens for seq, n in zip(work.seqs, work.num_tokens)]
+        logits = self.execute(inp)  # [B, V] float32 ([N, V] with a plan)
+        if inp.calibrate_kv:
+            kv.calibrate_next_prefill = False
+            _log.info("KV scales set from the first prefill (K, V per full-attention layer): %s",
+                      [tuple(round(v, 6) for v in row) for row in kv.scales.tolist()])
         plan, self._plan = self._plan, None
         every = logits
         if plan is not None:  # the sequences' last positions, among every position computed
@@ -315,29 +354,52 @@ class ModelRunner:
                 out[i] = _entry(tokens[i], own, top_v, top_i, j, k, seqs[i].params.logprobs)
         return tokens, out
 
-    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Logits [B, V] of a decode step: a graph replay where one applies, else eager. Offloaded
-        experts in read-through mode are bracketed by the cache's begin_step / end_step."""
-        b = len(seqs)
+    def execute(self, inp: StepInputs) -> torch.Tensor | None:
+        """The forward pass of `inp` on this rank: logits [rows, V] float32 (decode: the real rows),
+        None on a tensor-parallel worker. Rank 0 of a tensor-parallel engine first sends `inp`,
+        with its pools' content operations since the last step, to the workers; a worker replays
+        those operations before its forward."""
+        tp = self.tp
+        if tp is not None and tp.is_leader:
+            inp.ops = self.journal.take()
+            tp.broadcast(("step", inp))
+        elif inp.ops:
+            replay_pool_ops(inp.ops, self.pools.kv, self.pools.mamba)
         experts = self.pools.experts
+        if experts is not None:
+            experts.collect()  # NOTE: the last offloaded decode step's landings, before anything reads the cache
+        if inp.kind != "decode":
+            return self.model.forward(self.load(inp), self.pools)
+        # decode: a graph replay where one applies, else eager; offloaded experts in read-through
+        # mode are bracketed by the cache's begin_step / end_step
         rt = experts.read_through if experts is not None else None
         if rt is not None:
-            rt.begin_step(b, self.model.top_k)
+            rt.begin_step(inp.real, self.model.top_k)
         try:
-            return self._decode_forward(seqs, b, experts, rt)
+            batch = self.load(inp)
+            if inp.graph_rows is None or self.graphs is None or self.graphs.disabled:
+                logits = self.model.forward(batch, self.pools)
+            else:
+                logits = self.graphs.run(inp.graph_rows, self._graph_key(experts, rt),
+                                         lambda: self.model.forward(batch, self.pools))
+            return None if logits is None else logits[: inp.real]
         finally:
             if rt is not None:
                 rt.end_step()
 
-    def _decode_forward(self, seqs: list[Sequence], b: int, experts, rt) -> torch.Tensor:
-        n = self.graphs.bucket(b) if self.graphs is not None and not self.graphs.disabled else None
+    def _graph_rows(self, b: int) -> int | None:
+        """The rows of the CUDA graph bucket that a decode step of b sequences replays, or None
+        (eager: no graphs, b over the largest bucket, or a MoE that cannot be captured)."""
+        if self.graphs is None or self.graphs.disabled:
+            return None
+        experts = self.pools.experts
         capturable = experts is None or (runs_triton(experts.slots, self.device)
-                                         and (experts.all_resident or rt is not None))
-        if n is None or not capturable:
-            # NOTE: offloaded experts without read-through are loaded by host-side bookkeeping, and the
-            # reference MoE (dense slots) groups pairs on the host: neither can be captured
-            return self.model.forward(self.prepare_decode(seqs, b), self.pools)
-        batch = self.prepare_decode(seqs, n)
+                                         and (experts.all_resident or experts.read_through is not None))
+        # NOTE: offloaded experts without read-through are loaded by host-side bookkeeping, and the
+        # reference MoE (dense slots) groups pairs on the host: neither can be captured
+        return self.graphs.bucket(b) if capturable else None
+
+    def _graph_key(self, experts, rt) -> tuple:
         # NOTE: the decode step reads the pools through Triton kernels only (pointers and strides, no
         # bound baked in), so a graph stays valid while the addresses stay: a VMM rebuild keeps them
         pools = self.pools.kv.tensors + self.pools.mamba.tensors
@@ -345,9 +407,8 @@ class ModelRunner:
             pools = pools + experts.tensors + [experts.slot_table]
             if rt is not None:
                 pools = pools + list(rt.book) + [t for t in experts.host if t is not None]
-        key = (*(t.data_ptr() for t in pools), self.page_table.table.data_ptr(),
-               *(buf.device_buffer.data_ptr() for buf in self.buffers.values()))
-        return self.graphs.run(n, key, lambda: self.model.forward(batch, self.pools))[:b]
+        return (*(t.data_ptr() for t in pools), self.page_table.table.data_ptr(),
+                *(buf.device_buffer.data_ptr() for buf in self.buffers.values()))
 
     def _count_hits(self, tokens: int) -> None:
         """Resident experts: every (token, expert) pair is a hit (the MoE layer does not count

@@ -75,6 +75,7 @@ class KVPool:
         # the next prefill sets `scales` from its K and V (the engine asks for it when no checkpoint
         # gave scales; `ft.model.forward_batch.ForwardBatch.calibrate_kv`)
         self.calibrate_next_prefill = False
+        self.journal = None  # a `ft.engine.step_inputs.PoolJournal` recording content copies (tensor parallelism)
         self._refs = [0] * num_pages
         self._free: deque[int] = deque(range(num_pages))
 
@@ -153,6 +154,8 @@ class KVPool:
 
     def copy_page(self, src: int, dst: int) -> None:
         self.kv[dst].copy_(self.kv[src])
+        if self.journal is not None:
+            self.journal.ops.append(("kv_copy", src, dst))
 
     # --------------------------------------------------------------------------- resizing
     def pages_in_use_from(self, n: int) -> list[int]:
@@ -171,6 +174,8 @@ class KVPool:
         self._free = deque(p for p in self._free if p not in taken)
         for old, new in moves.items():
             self.kv[new].copy_(self.kv[old])
+            if self.journal is not None:
+                self.journal.ops.append(("kv_copy", old, new))
             self._refs[new], self._refs[old] = self._refs[old], 0
             self._free.append(old)
         return moves

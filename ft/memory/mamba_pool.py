@@ -31,6 +31,7 @@ class MambaPool:
         self.conv = self.storage.zeros(num_slots, (num_layers, conv_dim, conv_width - 1), dtype)
         self.ssm = self.storage.zeros(num_slots, (num_layers, num_v_heads, k_dim, v_dim), torch.float32)
         self._free = list(range(num_slots - 1, -1, -1))
+        self.journal = None  # a `ft.engine.step_inputs.PoolJournal` recording content writes (tensor parallelism)
 
     @property
     def num_slots(self) -> int:
@@ -67,6 +68,8 @@ class MambaPool:
         slot = self._free.pop()
         self.conv[slot].zero_()
         self.ssm[slot].zero_()
+        if self.journal is not None:
+            self.journal.ops.append(("mamba_zero", slot))
         return slot
 
     def free(self, slot: int) -> None:
@@ -76,6 +79,8 @@ class MambaPool:
     def copy_slot(self, src: int, dst: int) -> None:
         self.conv[dst].copy_(self.conv[src])
         self.ssm[dst].copy_(self.ssm[src])
+        if self.journal is not None:
+            self.journal.ops.append(("mamba_copy", src, dst))
 
     # --------------------------------------------------------------------------- resizing
     def slots_in_use_from(self, n: int) -> list[int]:

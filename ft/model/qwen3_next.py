@@ -82,8 +82,11 @@ def _mlp_specs(s: dict, prefix: str, h: int, inter: int, kind: str) -> tuple[str
 class Qwen3NextModel:
     """forward(batch, pools) -> logits [B, vocab] (float32) at each sequence's last new token."""
 
-    def __init__(self, cfg: ModelConfig, weights: LoadedWeights, dtype: torch.dtype, device: torch.device) -> None:
-        self.cfg, self.dtype, self.device = cfg, dtype, device
+    def __init__(self, cfg: ModelConfig, weights: LoadedWeights, dtype: torch.dtype, device: torch.device,
+                 tp=None) -> None:
+        # with tensor parallelism (`tp`, a `ft.parallel.TPGroup`): cfg is this rank's shard's config
+        # (`ft.model.tp_shard.local_config`), the weights its shard; partial sums are all-reduced
+        self.cfg, self.dtype, self.device, self.tp = cfg, dtype, device, tp
         w = weights.tensors
         # Bytes of every weight kept on the device (not the routed experts).
         self.resident_bytes = sum(
@@ -91,7 +94,8 @@ class Qwen3NextModel:
         )
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
-        self.lm_head = Linear(w["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w["lm_head.weight"])
+        head = w["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w.get("lm_head.weight")
+        self.lm_head = Linear(head) if head is not None else None  # None: a worker rank (rank 0 has the logits)
         self.rope = Rope(cfg.rotary_dim, rotary_inv_freq_ref(cfg.rotary_dim, cfg.rope_theta, device))
         self.layers = [self._build_layer(i, w) for i in range(cfg.num_hidden_layers)]
         self.moe_pairs_per_token = cfg.num_experts_per_tok * len(cfg.moe_layers)  # routed (token, expert) pairs
@@ -128,8 +132,10 @@ class Qwen3NextModel:
         return mixer, mlp, w[p + "input_layernorm.weight"], w[p + "post_attention_layernorm.weight"]
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, pools: CachePools) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, pools: CachePools) -> torch.Tensor | None:
+        """Logits [B, V] float32; None on a tensor-parallel worker rank (no lm_head)."""
         eps = self.cfg.rms_norm_eps
+        tp = self.tp
         h = self.embed[batch.input_ids]
         x = rms_norm(h, self.layers[0][2], eps)
         y = None  # the previous layer's MLP output, added to h with the next norm
@@ -142,15 +148,22 @@ class Qwen3NextModel:
                 x = mixer(x, self.rope, batch, pools.kv.layer(j))
             else:
                 x = mixer(x, batch, pools.mamba.conv[:, j], pools.mamba.ssm[:, j])
+            if tp is not None:
+                tp.all_reduce(x)  # the row-parallel output projection's partial sums
             x, h = add_rms_norm(x, h, norm_post, eps)
             if isinstance(mlp, SparseMoE):
                 # the decode MoE may apply the next layer's input norm itself (with its sum)
-                nxt = self.layers[i + 1][2] if i + 1 < n else None
+                # (not under tensor parallelism: the sum must be all-reduced before the residual add)
+                nxt = self.layers[i + 1][2] if i + 1 < n and tp is None else None
                 forced = None if batch.forced_experts is None else batch.forced_experts[:, mlp.moe_index]
                 y = mlp(x, pools.experts, h, nxt, eps, forced)
                 if isinstance(y, tuple):
                     (x, h), y = y, None
             else:
                 y = mlp(x)
+            if tp is not None:
+                tp.all_reduce(y)
+        if self.lm_head is None:
+            return None
         h = rms_norm((h + y)[batch.last_token_index], self.norm, eps)  # (the last layer's MoE never fuses: y is set)
         return self.lm_head(h).float()

@@ -49,7 +49,22 @@ def cache_state(engine, state: str, model_name: str) -> CacheState:
         "storage": engine.cache.describe()["storage"],
         "degraded": engine.cache.degraded,
         "exchange": exchange(engine),
+        "ranks": rank_caches(engine),
     })
+
+
+def rank_caches(engine) -> list[dict]:
+    """Each GPU's budget and pools under tensor parallelism (rank 0 now, the workers as last
+    reported); empty on one GPU."""
+    peers = engine.cache.peers
+    if peers is None:
+        return []
+    out = []
+    for rank, d in enumerate([engine.cache.describe(), *peers.describes]):
+        g = d["geometry"]
+        out.append({"rank": rank, "budget_bytes": d["budget"]["budget_bytes"], "held_bytes": d["storage"]["held_bytes"],
+                    "moe_slots": g["moe_slots"], "kv_tokens": g["kv_tokens"], "mamba_slots": g["mamba_slots"]})
+    return out
 
 
 def stamp(engine) -> dict:

@@ -134,6 +134,9 @@ class EngineLoop:
                 self._step()
             if self._stats is not None:
                 self._log_stats()
+        close = getattr(self.engine, "close", None)  # tensor parallelism: the worker ranks leave
+        if close is not None:
+            close()
 
     def _log_stats(self) -> None:
         try:

@@ -56,7 +56,11 @@ def synthetic_weights(
     dtype: torch.dtype,
     device: torch.device,
     seed: int = 0,
+    shard: tuple[int, int] = (0, 1),
 ) -> LoadedWeights:
+    """Random weights for `specs`; the routed experts of tensor-parallel rank shard[0] of shard[1]
+    (`ft.model.tp_shard.shard_expert_layer`: cut a layer at a time, so the host never holds
+    the whole store); the resident tensors whole (the caller cuts them)."""
     gen = _Gen(device, seed)
     tensors: dict[str, torch.Tensor | NVFP4Weight] = {}
     for name, spec in specs.items():
@@ -77,15 +81,19 @@ def synthetic_weights(
         else:
             std = 0.2 if name.endswith("conv1d.weight") else (0.1 if name.endswith("mlp.gate.weight") else WEIGHT_STD)
             tensors[name] = gen.normal(spec.shape, std, dtype)
-    experts = _experts(gen, specs, expert_groups) if expert_groups else None
+    experts = _experts(gen, specs, expert_groups, shard) if expert_groups else None
     return LoadedWeights(tensors, experts)
 
 
-def _experts(gen: _Gen, specs, groups) -> SlotWeights:
+def _experts(gen: _Gen, specs, groups, shard: tuple[int, int] = (0, 1)) -> SlotWeights:
     """Stacked [L, E, ...] NVFP4 experts, generated a layer at a time on the device and copied to
-    the host store (pinned when the device is CUDA)."""
+    the host store (pinned when the device is CUDA); with a tensor-parallel shard, its part."""
+    from ft.model.tp_shard import shard_expert_layer
+
     n_layers, n_exp = len(groups), len(groups[0])
-    inter, hidden = specs[groups[0][0][0]].shape
+    full, hidden = specs[groups[0][0][0]].shape
+    rank, world = shard
+    inter = full // world
     pin = gen.device.type == "cuda"
 
     def host(shape, dtype):
@@ -97,8 +105,10 @@ def _experts(gen: _Gen, specs, groups) -> SlotWeights:
     s2 = host((n_layers, n_exp, hidden, inter // 16), torch.float8_e4m3fn)
     g = host((n_layers, n_exp, 3), torch.float32)
     for layer in range(n_layers):
-        p13, sc13, g13 = gen.nvfp4(2 * inter, hidden, (n_exp,))
-        p2, sc2, g2 = gen.nvfp4(hidden, inter, (n_exp,))
+        p13, sc13, g13 = gen.nvfp4(2 * full, hidden, (n_exp,))
+        p2, sc2, g2 = gen.nvfp4(hidden, full, (n_exp,))
+        if world > 1:
+            p13, sc13, p2, sc2 = shard_expert_layer(p13, sc13, p2, sc2, rank, world)
         w13[layer].copy_(p13)
         s13[layer].copy_(sc13)
         w2[layer].copy_(p2)

@@ -105,6 +105,7 @@ class CacheManager:
         )
         self.pools = self._build(geo)
         self.degraded: str | None = None  # what a failed rollback left behind, until a rebuild succeeds
+        self.peers = None  # tensor parallelism, rank 0: the worker ranks' `TPPeers` (every rebuild is joint)
         self._scheduler = None  # attached: the holders of pages and slots
         self._prefix = None
         self.rebuilder = Rebuilder(self.pools, lambda: (self._scheduler.running, self._prefix), shapes.page_size)
@@ -165,7 +166,8 @@ class CacheManager:
         )
 
     def reachable_ranges(self) -> dict[str, tuple[int, int]]:
-        return reachable_ranges(self.geometry, self.layout, self.budget.budget_bytes, self.limits())
+        ranges = reachable_ranges(self.geometry, self.layout, self.budget.budget_bytes, self.limits())
+        return ranges if self.peers is None else self.peers.joint_ranges(ranges)
 
     def ranges_around(self, moe: int | None = None, kv: int | None = None, mamba: int | None = None
                       ) -> dict[str, tuple[int, int]]:
@@ -185,6 +187,8 @@ class CacheManager:
         if self.opts.moe_backend == "resident" or self.opts.moe_cache_size is not None:
             return g.moe_slots if fits(g.moe_slots) else None
         moe = self.layout.largest("moe", fits, 0, self.total_experts)
+        if self.peers is not None and not self.peers.fits_rung(kv_tokens):
+            return None  # a worker rank could not keep its expert floor there
         return moe if moe >= max(1, self.expert_floor) else None
 
     # ----------------------------------------------------------------------------- resizing
@@ -225,15 +229,46 @@ class CacheManager:
                 f"the pools hold {self.geometry.sizes()} after the rollback, not {p.current.sizes()}")
             entry.update(status="rolled_back" if not self.degraded else "degraded", error=str(e),
                          measured_peak_bytes=self.rebuilder.measured_peak_bytes, to=self.geometry.sizes())
+            if self.peers is not None:  # the workers move the contents this rank moved, and resize nothing
+                self.peers.sync_ops(self.pools.kv.journal.take())
             self._append(entry)
             raise
         entry["measured_peak_bytes"] = self.rebuilder.measured_peak_bytes
+        if self.peers is not None:
+            self._rebuild_peers(p, moe, entry)
         if self.geometry != p.target:  # a bug, not a user error: say so loudly
             raise AssertionError(f"rebuild landed on {self.geometry} instead of {p.target}")
         if self.degraded and self.storage.held_bytes() <= self.allocated_bytes:
             self.degraded = None  # every pool was resized as a whole again
         self._append(entry)
         return entry
+
+    def _rebuild_peers(self, p: Plan, moe: int | None, entry: dict) -> None:
+        """The workers' part of a rebuild this rank made (`ft.engine.cache.tp_rebuild`): all commit,
+        or every rank goes back to its geometry before it and RebuildFailed names the ranks' errors."""
+        fill = moe is not None and self.opts.moe_backend != "resident" and moe == self.moe_beside(p.target.kv_tokens)
+        answers = self.peers.resize(self.pools.kv.journal.take(), p.target.kv_tokens, p.target.mamba_slots,
+                                    "fill" if fill else moe)
+        entry["ranks"] = [{"rank": 0, "peak_bytes": entry["measured_peak_bytes"], "to": p.target.sizes()}] + [
+            {"rank": a["rank"], "peak_bytes": a["peak_bytes"], "to": a["geometry"], "error": a["error"]}
+            for a in answers]
+        failed = [a for a in answers if not a["ok"]]
+        if not failed:
+            return
+        errors = "; ".join(a["error"] for a in failed)
+        restored = self.peers.restore()
+        back = plan(self.geometry, p.current, self.layout, self.budget.budget_bytes, self.limits())
+        try:
+            self.rebuilder.run(back)
+        except RebuildFailed as e:
+            self.degraded = e.degraded or f"rank 0 could not go back to {p.current.sizes()}: {e}"
+        bad = [a["error"] for a in restored if not a["ok"]]
+        if bad:
+            self.degraded = (self.degraded + "; " if self.degraded else "") + "; ".join(bad)
+        entry.update(status="rolled_back" if not self.degraded else "degraded", error=errors,
+                     to=self.geometry.sizes())
+        self._append(entry)
+        raise RebuildFailed("the worker ranks' resize", RuntimeError(errors), self.degraded)
 
     def record(self, trigger: str, reason: str, status: str, error: str | None = None) -> dict:
         """A history entry for a decision that did not resize (a ladder move refused or held)."""

@@ -86,4 +86,9 @@ class PoolsPanel(Widget):
             if track_w >= MIN_TRACK:
                 t.append_text(track_text(c, r[0], track_w))
             lines.append(t)
+        for r in c.ranks:  # tensor parallelism: every GPU's own pools (the ranges above are joint)
+            t = Text(no_wrap=True, overflow="ellipsis", style="dim")
+            t.append(f"gpu {r.rank}: moe {r.moe_slots} slots  kv {r.kv_tokens} tok  mamba {r.mamba_slots}  "
+                     f"{format_bytes(r.held_bytes)} of {format_bytes(r.budget_bytes)}")
+            lines.append(t)
         return Group(*lines)

@@ -1,0 +1,138 @@
+"""What every rank of an engine builds: the model (its shard), the pools, the model runner.
+
+`Engine` (rank 0: scheduler, sampler, ladder, tokenizer) and `TPWorker` (tensor-parallel ranks
+1..: they only run the forward passes and rebuilds rank 0 sends) share this construction, so
+that each rank measures its own budget and unit costs and sizes its pools the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+
+from ft.engine.cache.budget import measure_budget
+from ft.engine.cache.manager import CacheManager, PoolShapes, SizingOptions
+from ft.engine.engine_config import EngineConfig
+from ft.engine.ladder import make_rungs
+from ft.engine.loader import DTYPES, activation_reserve, load_model, resolve_model_path
+from ft.engine.model_runner import ModelRunner
+from ft.engine.routing_override import TraceRouting, trace_params
+from ft.errors import ConfigError
+from ft.memory.kv_pool import NVFP4_KV
+from ft.model.config import ModelConfig
+
+log = logging.getLogger("ft.engine")
+
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "nvfp4": NVFP4_KV}
+"""--kv-cache-dtype -> the KV pool's dtype ("auto": `RankState._kv_dtype`; nvfp4: `ft.memory.kv_pool.NVFP4_KV`)."""
+
+KV_ALGO_DTYPES = {"FP8": torch.float8_e4m3fn, "NVFP4": NVFP4_KV}
+"""A checkpoint's kv_cache_quant_algo (ModelOpt) -> the KV dtype its KV scales describe."""
+
+
+class RankState:
+    """config, device, dtype, model_path, model_config (the whole model's), model (this rank's
+    shard; its `cfg` is the shard's config), cache (the cache manager), reserve (activation
+    bytes), rungs (the KV ladder's, or None), runner; tp: the tensor-parallel group or None."""
+
+    def __init__(self, config: EngineConfig, tp=None) -> None:
+        self.config, self.tp = config, tp
+        self.device = rank_device(config.device, tp.rank if tp is not None else None)
+        self.dtype = DTYPES[config.dtype] if config.dtype != "auto" else (
+            torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        )
+        self.model_path = resolve_model_path(config.model)
+        self.model_config = ModelConfig.from_file(self.model_path)
+        self.model, host_experts = load_model(config.model, self.model_path, self.model_config, self.dtype,
+                                              self.device, config.seed, config.progress and (tp is None or tp.is_leader),
+                                              tp)
+        cfg = self.model.cfg  # this rank's heads and intermediate sizes (the whole model's on one GPU)
+        self.context_limit = config.max_seq_len_override or cfg.max_position_embeddings
+        shapes = PoolShapes(
+            config.page_size, len(cfg.full_attention_layers), cfg.num_key_value_heads, cfg.head_dim,
+            len(cfg.linear_attention_layers), cfg.linear_conv_dim, cfg.linear_conv_kernel_dim,
+            cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, self.dtype, self.device,
+            host_experts, self._kv_dtype(config),
+        )
+        self.reserve = activation_reserve(cfg, self.dtype, self.device,
+                                          min(config.max_prefill_length, self.context_limit),
+                                          config.max_running_requests)
+        budget = measure_budget(self.device, self.model.resident_bytes, config.memory_ratio, config.gpu_memory_limit,
+                                self.reserve, config.cache_budget)
+        self.rungs = make_rungs(config.ladder_step_size, self.context_limit, config.page_size) \
+            if config.enable_kv_ladder else None
+        floor = min(cfg.num_experts_per_tok, shapes.total_experts) if shapes.total_experts else 0
+        rungs = self.rungs
+        self.cache = CacheManager(shapes, budget, SizingOptions(
+            self.context_limit, config.mamba_slots, rungs[0] if rungs else config.num_tokens, config.moe_backend,
+            config.moe_cache_size, None if config.storage_backend == "auto" else config.storage_backend,
+        ), floor)
+        pools = self.cache.pools
+        if pools.kv.scales is not None and pools.kv.kv.dtype == self._checkpoint_kv_dtype():  # its KV scales
+            pools.kv.scales.copy_(self.model.kv_scales)
+        elif pools.kv.scales is not None:  # a quantized cache without scales: the first prefill sets them
+            pools.kv.calibrate_next_prefill = config.kv_scale_calibration
+        if pools.experts is not None:
+            pools.experts.policy = config.expert_policy
+            if config.moe_backend == "offload" and config.expert_read_through:
+                pools.experts.enable_read_through(cfg.num_experts_per_tok * config.max_running_requests)
+        self.runner = ModelRunner(
+            self.model, pools, self.device, config.max_running_requests, config.max_prefill_length,
+            -(-self.context_limit // config.page_size), self.context_limit,
+            0 if config.disable_cuda_graph else config.cuda_graph_max_bs,
+        )
+        self.runner.routing = self._trace_routing(config, cfg)
+        if tp is not None:
+            self.runner.attach_tp(tp)
+
+    def _checkpoint_kv_dtype(self) -> torch.dtype | None:
+        """The KV dtype the checkpoint's KV scales describe: fp8, or NVFP4 when its ModelOpt
+        kv_cache_quant_algo says NVFP4; None when it carries no KV scales."""
+        if self.model.kv_scales is None:
+            return None
+        return KV_ALGO_DTYPES[getattr(self.model, "kv_cache_quant_algo", None) or "FP8"]
+
+    def _kv_dtype(self, config: EngineConfig) -> torch.dtype:
+        """The KV pool's dtype: the flag's; "auto" is the checkpoint's KV format when it carries KV
+        scales (ModelOpt's kv_cache_quant_algo: FP8 -> fp8, NVFP4 -> nvfp4), else the compute dtype.
+        Another dtype ignores such scales (they only describe the checkpoint's format: the pool's
+        scales stay 1.0), and says so."""
+        ckpt = self._checkpoint_kv_dtype()
+        if config.kv_cache_dtype == "auto":
+            return ckpt or self.dtype
+        want = KV_DTYPES[config.kv_cache_dtype]
+        if ckpt is not None and want != ckpt:
+            log.info("the checkpoint's %s KV scales are not used: --kv-cache-dtype %s",
+                     "NVFP4" if ckpt == NVFP4_KV else "FP8", config.kv_cache_dtype)
+        return want
+
+    def _trace_routing(self, config: EngineConfig, cfg) -> TraceRouting | None:
+        """Synthetic models whose config has "routing_trace": experts from per-request traces."""
+        from ft.tools.synthetic import config_path, is_synthetic
+
+        if not is_synthetic(config.model) or not cfg.moe_layers:
+            return None
+        params = trace_params(json.loads(config_path(config.model).read_text()).get("routing_trace"))
+        if params is None:
+            return None
+        return TraceRouting(params, len(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok, config.seed,
+                            keep=4 * config.max_running_requests)
+
+
+def rank_device(spec: str, rank: int | None = None) -> torch.device:
+    """The device of `spec` ("auto", "cpu", "cuda", "cuda:N"); a tensor-parallel rank r on CUDA
+    takes GPU r (CUDA_VISIBLE_DEVICES chooses which GPUs those are)."""
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if spec == "auto" else spec)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda asked but no CUDA device is available")
+        if rank is not None:
+            if rank >= torch.cuda.device_count():
+                raise ConfigError(f"--tensor-parallel-size needs a GPU per rank: {torch.cuda.device_count()} visible")
+            dev = torch.device("cuda", rank)
+            torch.cuda.set_device(dev)
+        elif dev.index is None:  # name the device: memory queries and VMM need an index
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return dev

@@ -1,0 +1,138 @@
+"""Tensor-parallel worker ranks: processes that run rank 0's forward passes and rebuilds on their shard.
+
+`ft serve --tensor-parallel-size N` (and `Engine(EngineConfig(tensor_parallel_size=N))`) starts
+ranks 1..N-1 here, one process per GPU (spawned, torchrun-style but hidden), before rank 0 builds
+its own parts; all ranks meet in `ft.parallel.init_group`. A worker builds the same `RankState`
+(its shard, its pools sized from its own measured budget) and then serves rank 0's messages:
+
+* ("step", StepInputs): replay the pools' content operations, run the forward (eager or the CUDA
+  graph of the bucket rank 0 chose), keep nothing but the pools' new state;
+* ("rebuild", order): resize its pools to the order's KV and mamba sizes and its own expert
+  slots (`TPRebuild`), answer ok or the error;
+* ("describe", None): answer its budget, unit costs and geometry;
+* ("stop", None): leave the group and exit.
+
+A worker that fails to start reports its error to rank 0 (the first message of the gather that
+ends startup), so that `ft serve` fails with one line instead of waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from dataclasses import dataclass
+
+from ft.engine.engine_config import EngineConfig
+from ft.parallel import TPGroup, free_port, init_group
+
+log = logging.getLogger("ft.engine")
+
+
+@dataclass
+class Workers:
+    """The worker processes of a tensor-parallel engine and the port the ranks meet on."""
+
+    procs: list
+    port: int
+
+
+def start_workers(config: EngineConfig) -> Workers | None:
+    """Spawn ranks 1..tensor_parallel_size-1 (None on one GPU)."""
+    world = config.tensor_parallel_size
+    if world <= 1:
+        return None
+    import torch
+    import torch.multiprocessing as mp
+
+    from ft.errors import ConfigError
+
+    if config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available()):
+        if torch.cuda.device_count() < world:
+            raise ConfigError(f"--tensor-parallel-size {world} needs {world} GPUs; {torch.cuda.device_count()} visible")
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = []
+    for rank in range(1, world):
+        p = ctx.Process(target=worker_main, args=(rank, config, port), name=f"ft-tp-rank{rank}", daemon=True)
+        p.start()
+        procs.append(p)
+    return Workers(procs, port)
+
+
+def join_group(config: EngineConfig, rank: int, workers: Workers | None) -> TPGroup | None:
+    """Rank 0 joins its workers' group (None on one GPU)."""
+    if workers is None:
+        return None
+    from ft.engine.rank_state import rank_device
+
+    return init_group(rank, config.tensor_parallel_size, workers.port, rank_device(config.device, rank))
+
+
+def stop_workers(workers: Workers | None, timeout_s: float = 30.0) -> None:
+    """Wait for the worker processes to leave (after a "stop" message), then kill what is left."""
+    if not workers:
+        return
+    for p in workers.procs:
+        p.join(timeout=timeout_s)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+def worker_main(rank: int, config: EngineConfig, port: int) -> None:
+    """A worker process: join the group, build this rank, serve rank 0's messages until "stop"."""
+    logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(levelname)s %(name)s: %(message)s")
+    tp = None
+    try:
+        from ft.engine.rank_state import rank_device
+
+        tp = init_group(rank, config.tensor_parallel_size, port, rank_device(config.device, rank))
+        worker = TPWorker(config, tp)
+    except BaseException as e:  # noqa: BLE001 - told to rank 0 at the startup gather
+        traceback.print_exc()
+        if tp is not None:
+            tp.gather({"rank": rank, "error": f"{type(e).__name__}: {e}"})
+        os._exit(1)
+    try:
+        worker.serve()
+    except BaseException:  # noqa: BLE001 - rank 0 sees its collectives fail or time out
+        traceback.print_exc()
+        os._exit(1)
+    tp.destroy()
+
+
+class TPWorker:
+    """Rank r > 0: a `RankState` driven by rank 0's messages."""
+
+    def __init__(self, config: EngineConfig, tp: TPGroup) -> None:
+        from ft.engine.rank_state import RankState
+
+        self.tp = tp
+        from ft.engine.cache.tp_rebuild import rank_report
+
+        self.state = RankState(config, tp)
+        if getattr(self.state.cache, "_scheduler", None) is None:
+            from ft.engine.cache.tp_rebuild import NoHolders
+
+            holders = NoHolders()
+            self.state.cache.attach(holders, holders)
+        tp.gather(rank_report(self.state.cache, self.state.rungs))  # the startup gather: up (or says why not)
+
+    def serve(self) -> None:
+        from ft.engine.cache.tp_rebuild import rank_report, worker_rebuild
+
+        tp, state = self.tp, self.state
+        while True:
+            kind, payload = tp.broadcast(None)
+            if kind == "step":
+                state.runner.execute(payload)
+            elif kind == "rebuild":
+                tp.gather(worker_rebuild(state.cache, payload, tp.rank, state.rungs))
+            elif kind == "describe":
+                tp.gather(rank_report(state.cache, state.rungs))
+            elif kind == "stop":
+                return
+            else:
+                raise RuntimeError(f"rank {tp.rank}: unknown message {kind!r}")

@@ -1,0 +1,179 @@
+"""Tensor parallelism on the CPU: two ranks (two processes, gloo) give the one-process engine's tokens,
+and a rebuild is joint (all ranks commit or all roll back)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY_CONFIGS
+from ft.engine.engine import Engine
+from ft.engine.engine_config import EngineConfig
+from ft.engine.sampling_params import SamplingParams
+from ft.errors import ConfigError, RebuildFailed
+from ft.model.config import ModelConfig
+from ft.model.layers.linear import NVFP4Weight
+from ft.model.tp_shard import shard_tensors
+from ft.model.tp_split import local_config
+
+GREEDY = dict(max_new_tokens=10, temperature=0.0)
+
+
+def _engine(path, tp: int, **kw) -> Engine:
+    opts = dict(model=str(path), device="cpu", dtype="float32", num_tokens=1024, max_running_requests=4,
+                tensor_parallel_size=tp)
+    return Engine(EngineConfig(**{**opts, **kw}))
+
+
+def _prompts(n: int = 3) -> list[list[int]]:
+    return [list(range(3 + i, 30 + 9 * i)) for i in range(n)]
+
+
+def _generate(eng: Engine, prompts, params=None, n: int = 1) -> list[list[int]]:
+    params = params or SamplingParams(**GREEDY)
+    seqs = []
+    for p in prompts:
+        seqs += eng.add_request_group(p, [params] * n) if n > 1 else [eng.add_request(p, params)]
+    eng.run_until_done(seqs, timeout_s=120)
+    return [s.output_ids for s in seqs]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """The one-process engine's greedy tokens for the tiny model (name, path, tokens)."""
+    name, _, path = tiny
+    eng = _engine(path, 1)
+    return name, path, _generate(eng, _prompts())
+
+
+def test_two_ranks_give_the_one_process_tokens(reference):
+    name, path, want = reference
+    eng = _engine(path, 2)
+    try:
+        assert eng.tp is not None and eng.tp.world == 2
+        assert _generate(eng, _prompts()) == want, name
+    finally:
+        eng.close()
+
+
+def test_two_ranks_offloaded_chunked_prefix_cached_and_forked_match_one_process(tiny_one):
+    """Few expert slots (misses every step), prompts in chunks, a prefix-cache hit (copied
+    pages and state on rank 0, replayed on rank 1 from the journal) and n > 1 siblings forking."""
+    _, model, path = tiny_one
+    kw = dict(moe_backend="offload", moe_cache_size=2 * model.config.num_experts_per_tok, max_prefill_length=16)
+    shared = list(range(5, 60))
+    prompts = [shared + [7, 8, 9], shared + [11, 12]]
+    sampled = SamplingParams(max_new_tokens=8, temperature=0.8, seed=3)
+    one = _engine(path, 1, **kw)
+    want = _generate(one, prompts) + _generate(one, prompts[:1], sampled, n=3)
+    eng = _engine(path, 2, **kw)
+    try:
+        got = _generate(eng, prompts) + _generate(eng, prompts[:1], sampled, n=3)
+    finally:
+        eng.close()
+    assert got == want
+
+
+def test_logits_match_one_process_closely(tiny_one):
+    _, _, path = tiny_one
+    rows = []
+    for tp in (1, 2):
+        eng = _engine(path, tp)
+        try:
+            eng.add_request(_prompts(1)[0], SamplingParams(max_new_tokens=1, temperature=0.0))
+            eng.step()
+            rows.append(eng.last_logits.clone())
+        finally:
+            eng.close()
+    torch.testing.assert_close(rows[1], rows[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_rebuild_is_joint_and_a_fault_on_one_rank_rolls_back_both(tiny_one):
+    _, model, path = tiny_one
+    kw = dict(moe_backend="offload", moe_cache_size=2 * model.config.num_experts_per_tok)
+    want = _generate(_engine(path, 1, **kw), _prompts())
+    eng = _engine(path, 2, **kw)
+    try:
+        before = eng.cache.geometry
+        entry = eng.cache.rebuild(kv=2048)  # grow: both ranks
+        assert entry["status"] == "ok" and [r["rank"] for r in entry["ranks"]] == [0, 1]
+        assert eng.cache.peers.describes[0]["geometry"]["kv_tokens"] == 2048 == eng.cache.geometry.kv_tokens
+        eng.cache.peers.fault_rank = 1  # rank 1 fails its next resize: rank 0 had already resized
+        with pytest.raises(RebuildFailed, match="rank 1"):
+            eng.cache.rebuild(kv=before.kv_tokens)
+        assert eng.cache.geometry.kv_tokens == 2048
+        assert eng.cache.history[-1]["status"] == "rolled_back"
+        assert eng.cache.peers.describe()[0]["geometry"]["kv_tokens"] == 2048
+        assert eng.cache.degraded is None
+        assert _generate(eng, _prompts()) == want  # both ranks serve on, in step
+        eng.cache.rebuild(kv=before.kv_tokens)  # and a shrink goes through on both
+        assert eng.cache.peers.describe()[0]["geometry"]["kv_tokens"] == before.kv_tokens
+        assert _generate(eng, _prompts()) == want
+    finally:
+        eng.close()
+
+
+def test_a_model_that_does_not_split_is_refused_in_one_line():
+    cfg = ModelConfig.from_dict({**_BASE_CONFIG, **TINY_CONFIGS["interval2-gqa2-top2"]})
+    with pytest.raises(ConfigError, match="does not divide the model's 4 attention heads"):
+        local_config(cfg, 0, 3)
+    small = local_config(cfg, 1, 2)
+    assert (small.num_attention_heads, small.num_key_value_heads, small.moe_intermediate_size) == (2, 1, 16)
+
+
+def test_an_nvfp4_column_cut_inside_a_block_is_refused():
+    cfg = ModelConfig.from_dict({**_BASE_CONFIG, **TINY_CONFIGS["interval2-gqa2-top2"],
+                                 "shared_expert_intermediate_size": 48})
+    name = "model.layers.0.mlp.shared_expert.down_proj.weight"
+    w = NVFP4Weight(torch.zeros(64, 24, dtype=torch.uint8), torch.zeros(64, 3, dtype=torch.float8_e4m3fn),
+                    torch.tensor(1.0))
+    tensors = {n: torch.zeros(1) for n in ()}
+    tensors[name] = w
+    with pytest.raises(ConfigError, match="splits an NVFP4 block"):
+        shard_tensors(_dense_rest(cfg, tensors), cfg, 0, 2)
+
+
+_BASE_CONFIG = dict(
+    architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", vocab_size=320, hidden_size=64,
+    intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+    max_position_embeddings=512, linear_conv_kernel_dim=4, rms_norm_eps=1e-6, tie_word_embeddings=False,
+)
+
+
+def _dense_rest(cfg: ModelConfig, tensors: dict) -> dict:
+    """Every tensor of `cfg` as a dense stand-in of its shape, except those given."""
+    from ft.model.qwen3_next import tensor_specs
+
+    specs, _ = tensor_specs(cfg)
+    out = {n: torch.zeros(s.shape) for n, s in specs.items() if s.kind != "expert"}
+    out.update(tensors)
+    return out
+
+
+def test_admin_cache_and_ctl_show_every_gpu(tiny_one):
+    from ft.ctl.format import format_cache
+    from ft.server.admin_state import cache_state
+
+    _, _, path = tiny_one
+    eng = _engine(path, 2)
+    try:
+        state = cache_state(eng, "serving", "tiny")
+        assert [r.rank for r in state.ranks] == [0, 1]
+        assert all(r.kv_tokens == eng.cache.geometry.kv_tokens for r in state.ranks)
+        text = format_cache(state)
+        assert "gpu 0: moe" in text and "gpu 1: moe" in text
+    finally:
+        eng.close()
+    one = _engine(path, 1)
+    assert cache_state(one, "serving", "tiny").ranks == []
+
+
+def test_serve_refuses_a_split_the_model_does_not_allow_before_loading(tiny_one):
+    from test_cli import _run_cli
+
+    _, _, path = tiny_one
+    rc, err, torch_loaded = _run_cli("serve", str(path), "--tensor-parallel-size", "3", "--port", "0")
+    lines = err.strip().splitlines()
+    assert rc != 0 and len(lines) == 1, err
+    assert "--tensor-parallel-size 3 does not divide the model's 4 attention heads" in lines[0]
+    assert not torch_loaded
