@@ -177,3 +177,63 @@ def test_serve_refuses_a_split_the_model_does_not_allow_before_loading(tiny_one)
     assert rc != 0 and len(lines) == 1, err
     assert "--tensor-parallel-size 3 does not divide the model's 4 attention heads" in lines[0]
     assert not torch_loaded
+
+
+def test_a_worker_that_dies_fails_the_next_step_in_one_line_instead_of_hanging(tiny_one):
+    _, _, path = tiny_one
+    eng = _engine(path, 2)
+    try:
+        proc = eng._workers.procs[0]
+        proc.kill()
+        proc.join(10)
+        eng.add_request(_prompts(1)[0], SamplingParams(**GREEDY))
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):
+            eng.step()
+        assert "restart ft serve" in eng.tp_failure
+    finally:
+        eng.close()  # bounded: the dead rank is not waited for
+
+
+def test_the_kv_ladder_moves_every_rank(tiny_one):
+    _, model, path = tiny_one
+    kw = dict(moe_backend="offload", num_tokens=None, enable_kv_ladder=True, ladder_step_size=128,
+              max_prefill_length=64)
+    long_prompt = [list(range(3, 300))]
+    want = _generate(_engine(path, 1, **kw), long_prompt)
+    eng = _engine(path, 2, **kw)
+    try:
+        start = eng.cache.geometry.kv_tokens
+        got = _generate(eng, long_prompt)
+        grown = [h for h in eng.cache.history if h["trigger"] == "ladder" and h["status"] == "ok"]
+        assert grown and eng.cache.geometry.kv_tokens > start
+        assert [r["rank"] for r in grown[0]["ranks"]] == [0, 1]
+        assert eng.cache.peers.describe()[0]["geometry"]["kv_tokens"] == eng.cache.geometry.kv_tokens
+    finally:
+        eng.close()
+    assert got == want
+
+
+def test_the_server_with_two_ranks_answers_as_with_one_and_stops_them(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from ft.server.app import ServerState, create_app
+    from ft.server.engine_loop import EngineLoop
+    from server_proc import WAIT_S
+
+    texts, procs = [], []
+    for tp in (1, 2):
+        loop = EngineLoop(lambda: Engine(EngineConfig(device="cpu", tensor_parallel_size=tp)))
+        state = ServerState(loop, "ft-demo", drain_s=0.0)
+        with TestClient(create_app(state)) as client:
+            assert loop.ready.wait(WAIT_S) and loop.state == "serving", loop.error
+            r = client.post("/v1/completions", json={"model": "ft-demo", "prompt": "The cache", "max_tokens": 12,
+                                                     "temperature": 0})
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+            ranks = client.get("/admin/cache").json()["ranks"]
+            assert len(ranks) == (2 if tp == 2 else 0)
+            assert client.get("/health").json()["status"] == "ok"
+            if tp == 2:
+                procs = list(loop.engine._workers.procs)
+        assert all(not p.is_alive() for p in procs)  # the server's shutdown stopped the worker rank
+    assert texts[0] == texts[1]

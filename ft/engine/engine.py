@@ -42,6 +42,7 @@ PROMPT_LOGITS_MIN_TOKENS = 16
 class Engine(RankState):
     def __init__(self, config: EngineConfig) -> None:
         self._workers = start_workers(config)  # tensor parallelism: ranks 1.. in processes of their own
+        self.tp_failure: str | None = None  # a worker rank that exited: the engine cannot step
         try:
             tp = join_group(config, 0, self._workers)
             super().__init__(config, tp)
@@ -91,17 +92,32 @@ class Engine(RankState):
         self.cache.peers = TPPeers(self.tp, answers[1:])
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker ranks (nothing to do on one GPU). Idempotent."""
-        if self.tp is not None and self._workers:
-            try:
-                self.tp.broadcast(("stop", None))
-            except Exception:  # noqa: BLE001 - a worker that died already: its process is reaped below
-                pass
-        stop_workers(self._workers)
-        self._workers = []
-        if self.tp is not None:
-            self.tp.destroy()
-            self.tp = None
+        """Stop the tensor-parallel worker ranks (nothing to do on one GPU). Idempotent.
+
+        NOTE: every rank leaves the process group at the same time (NCCL's teardown waits for
+        its peers: a worker that left while rank 0 waited for its exit hung both on the H200),
+        each step bounded in time so that a dead worker cannot hold the caller."""
+        tp, workers = self.tp, self._workers
+        self.tp, self._workers = None, None
+        if tp is not None:
+            if workers and all(p.is_alive() for p in workers.procs):
+                _bounded(lambda: tp.broadcast(("stop", None)), 10.0)
+            _bounded(tp.destroy, 30.0)
+        stop_workers(workers)
+
+    def _check_workers(self) -> None:
+        """Before a step: every worker rank's process still runs. One that exited (killed, out of
+        memory, a crash) cannot be replaced live: the engine stops stepping and says which
+        (`tp_failure`, reported by /health), instead of waiting in a collective for a dead peer."""
+        if self.tp_failure is None and self._workers:
+            for rank, p in enumerate(self._workers.procs, start=1):
+                if not p.is_alive():
+                    self.tp_failure = (f"tensor-parallel rank {rank} exited (exit code {p.exitcode}); "
+                                       "the engine cannot run without it: restart ft serve")
+                    log.error("%s", self.tp_failure)
+                    break
+        if self.tp_failure is not None:
+            raise RuntimeError(self.tp_failure)
 
     @property
     def pools(self) -> CachePools:
@@ -280,6 +296,8 @@ class Engine(RankState):
     def step(self) -> list[Sequence]:
         """Run one forward pass. Returns the sequences that got a new token (finished ones too)
         and those that ended with an error before running."""
+        if self._workers:
+            self._check_workers()
         rejected = []
         if self.ladder is not None:
             rejected = self.ladder_driver.before_admission(self._fail)
@@ -412,6 +430,21 @@ class Engine(RankState):
             "tensor_parallel_size": self.tp.world if self.tp is not None else 1,
             **self.cache.describe(),
         }
+
+
+def _bounded(fn, timeout_s: float) -> bool:
+    """Run fn in a daemon thread for at most timeout_s; whether it finished (a peer that died
+    leaves a collective waiting: the caller goes on, the thread stays behind)."""
+    import threading
+
+    t = threading.Thread(target=fn, name="ft-tp-close", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        log.warning("tensor parallelism: %s did not finish in %.0f s (a worker rank is gone?)",
+                    getattr(fn, "__name__", "a step"), timeout_s)
+        return False
+    return True
 
 
 __all__ = ["Engine", "KV_ALGO_DTYPES", "KV_DTYPES"]

@@ -100,7 +100,8 @@ def worker_main(rank: int, config: EngineConfig, port: int) -> None:
     except BaseException:  # noqa: BLE001 - rank 0 sees its collectives fail or time out
         traceback.print_exc()
         os._exit(1)
-    tp.destroy()
+    tp.destroy()  # NOTE: while rank 0 leaves too (`Engine.close`): NCCL's teardown waits for its peers
+    os._exit(0)
 
 
 class TPWorker:

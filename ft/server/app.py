@@ -70,6 +70,9 @@ def create_app(state: ServerState, start_loop: bool = True) -> FastAPI:
     @app.get("/health")
     async def health():
         if state.loop.state == "serving":
+            failure = getattr(state.loop.engine, "tp_failure", None)  # a tensor-parallel rank exited
+            if failure:
+                return JSONResponse({"status": "failed", "error": failure}, status_code=503)
             degraded = state.loop.engine.cache.degraded  # a str set on the engine thread: read as is
             return {"status": "degraded", "degraded": degraded} if degraded else {"status": "ok"}
         body = {"status": state.loop.state}

@@ -41,16 +41,17 @@ def generate(model: str, tp: int, prompts=PROMPTS, rebuild_after: int | None = N
             steps += 1
             if steps == rebuild_after:
                 eng.cache.rebuild(kv=8192)
-        if eng.runner.graphs is not None and not kw.get("disable_cuda_graph"):
-            assert eng.runner.graphs.replays > 0
+        if kw.get("dtype", "bfloat16") == "bfloat16" and not kw.get("disable_cuda_graph"):
+            assert eng.runner.graphs.replays > 0  # (dense fp32 experts run the reference MoE: eager)
         return [s.output_ids for s in seqs]
     finally:
         eng.close()
 
 
 def test_two_gpus_give_the_one_gpu_greedy_tokens_in_fp32(tiny_one):
-    _, _, path = tiny_one
-    kw = dict(dtype="float32", moe_backend="offload")
+    _, model, path = tiny_one
+    prompts = [[t % model.config.vocab_size for t in p] for p in PROMPTS]
+    kw = dict(dtype="float32", moe_backend="offload", prompts=prompts)
     assert generate(str(path), 2, **kw) == generate(str(path), 1, **kw)
 
 
