@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"ft generate: {line}", file=sys.stderr, flush=True)
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    engine = None
     try:
         config = engine_config_from_args(args)
         check_model(config)  # one line for a user error, before anything loads
@@ -63,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
     except FreeTokenError as e:
         print(f"ft generate: {e}", file=sys.stderr)
         return 1
+    finally:
+        if engine is not None:
+            engine.close()  # tensor parallelism: the worker ranks leave with this one
     n = len(seq.output_ids)
     decode_s = end - (first or end)
     rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0

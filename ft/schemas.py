@@ -86,8 +86,8 @@ class Exchange(_Model):
 
 class RankCache(_Model):
     """One GPU of a tensor-parallel server: its own budget and pools (KV and mamba sizes are the
-    same on every rank; expert slots follow each rank's budget). Workers' figures are as of their
-    last report (startup, each rebuild)."""
+    same on every rank; expert slots follow each rank's budget), asked of every rank when the
+    answer is built."""
 
     rank: int = 0
     budget_bytes: int = 0
@@ -95,6 +95,8 @@ class RankCache(_Model):
     moe_slots: int = 0
     kv_tokens: int = 0
     mamba_slots: int = 0
+    hits: int = 0  # this rank's expert cache (each rank caches its own part of every expert)
+    misses: int = 0
 
 
 class CacheState(_Model):

@@ -154,14 +154,18 @@ def test_admin_cache_and_ctl_show_every_gpu(tiny_one):
     from ft.ctl.format import format_cache
     from ft.server.admin_state import cache_state
 
-    _, _, path = tiny_one
-    eng = _engine(path, 2)
+    _, model, path = tiny_one
+    eng = _engine(path, 2, moe_backend="offload", moe_cache_size=2 * model.config.num_experts_per_tok)
     try:
+        _generate(eng, _prompts(1))
         state = cache_state(eng, "serving", "tiny")
         assert [r.rank for r in state.ranks] == [0, 1]
+        # every rank routes alike and caches alike: the same counters (rank 0's are the engine's)
+        assert state.ranks[1].hits == state.ranks[0].hits == eng.pools.experts.stats.hits > 0
+        assert state.ranks[1].misses == state.ranks[0].misses > 0
         assert all(r.kv_tokens == eng.cache.geometry.kv_tokens for r in state.ranks)
         text = format_cache(state)
-        assert "gpu 0: moe" in text and "gpu 1: moe" in text
+        assert "gpu 0: moe" in text and "gpu 1: moe" in text and "% hits" in text
     finally:
         eng.close()
     one = _engine(path, 1)
@@ -237,3 +241,52 @@ def test_the_server_with_two_ranks_answers_as_with_one_and_stops_them(tmp_path):
                 procs = list(loop.engine._workers.procs)
         assert all(not p.is_alive() for p in procs)  # the server's shutdown stopped the worker rank
     assert texts[0] == texts[1]
+
+
+def _echo_rank(rank: int, port: int, objs: list, out) -> None:
+    from ft.parallel import init_group
+
+    tp = init_group(rank, 2, port, torch.device("cpu"))
+    got = [tp.broadcast(o if rank == 0 else None) for o in objs]
+    if rank == 1:
+        out.put(got)
+    tp.destroy()
+
+
+def test_control_messages_arrive_whole_short_and_long():
+    """One broadcast for a message that fits the buffer, two for a longer one; both arrive equal."""
+    import torch.multiprocessing as mp
+
+    from ft.parallel import free_port
+    from ft.parallel.group import MESSAGE_BYTES
+
+    objs = [("step", [1, 2, 3]), ("rebuild", list(range(4 * MESSAGE_BYTES))), None, ("stop", "x" * (MESSAGE_BYTES - 30))]
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_echo_rank, args=(r, port, objs, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = out.get(timeout=120)
+    for p in procs:
+        p.join(30)
+    assert got == objs
+
+
+def test_prompt_logprobs_and_sampled_logprobs_match_one_process(tiny_one):
+    """Prompt logprobs need the logits of every prompt position (the step's logit index list,
+    which the workers receive and ignore); sampled tokens' logprobs come from rank 0's logits."""
+    _, _, path = tiny_one
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, logprobs=2, prompt_logprobs=1)
+    got = []
+    for tp in (1, 2):
+        eng = _engine(path, tp, max_prefill_length=16)
+        try:
+            seq = eng.add_request(_prompts(1)[0], params)
+            eng.run_until_done([seq], timeout_s=120)
+            got.append((seq.output_ids, [e.logprob for e in seq.prompt_logprobs[1:]],
+                        [e.logprob for e in seq.logprobs]))
+        finally:
+            eng.close()
+    assert got[1][0] == got[0][0]
+    # fp32, summed in another order (each rank's partial sums, then the all-reduce)
+    assert got[1][1] == pytest.approx(got[0][1], abs=1e-4) and got[1][2] == pytest.approx(got[0][2], abs=1e-4)

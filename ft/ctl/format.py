@@ -146,7 +146,8 @@ def format_cache(state: CacheState) -> str:
         lines.append(f"  storage {state.storage.backend}: a resize copies, so old and new are held at once; "
                      "the ranges count it")
     for r in state.ranks:  # tensor parallelism: ranges above are the joint ones (every GPU reaches them)
-        lines.append(f"  gpu {r.rank}: moe {r.moe_slots} slots, kv {r.kv_tokens} tok, mamba {r.mamba_slots} slots, "
+        hits = f", {100.0 * r.hits / (r.hits + r.misses):.1f}% hits" if r.hits + r.misses else ""
+        lines.append(f"  gpu {r.rank}: moe {r.moe_slots} slots{hits}, kv {r.kv_tokens} tok, mamba {r.mamba_slots} slots, "
                      f"{format_bytes(r.held_bytes)} held of {format_bytes(r.budget_bytes)} budget")
     if state.degraded:
         lines.append(f"  DEGRADED: {state.degraded}")

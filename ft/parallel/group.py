@@ -3,18 +3,26 @@
 Two groups over the same ranks: the *device* group sums activations (NCCL on CUDA, so that the
 all-reduces run inside CUDA graphs; gloo on the CPU) and the *control* group (gloo, CPU) carries
 Python objects from rank 0 to the workers: each step's inputs, pool operations, rebuild orders,
-and the workers' answers. Messages are pickled (`broadcast_object_list`); they are small (token
-ids, page lists) next to a step's work.
+and the workers' answers. A message is pickled into a preallocated buffer of `MESSAGE_BYTES` and
+sent in one broadcast (a longer one takes a second broadcast for the rest): a batch-1 decode
+step's message with 1,024 pages took 413-440 us against 615-667 us with torch's
+`broadcast_object_list`, which sends the size and the bytes in two collectives (a loaded 2-core
+CPU machine, medians of 20 x 100 messages, two runs; not yet measured on the H200's host).
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+MESSAGE_BYTES = 8192
+"""The control buffer: a decode step's message (ids, positions, page lists, slots) fits at batch 1
+up to ~1,500 pages per sequence; a larger one costs a second broadcast."""
 
 CONTROL_TIMEOUT_S = 600
 """How long a rank waits in a control message or a collective before it gives up (a dead peer)."""
@@ -33,6 +41,7 @@ class TPGroup:
     def __init__(self, rank: int, world: int, device: torch.device, device_group, control_group) -> None:
         self.rank, self.world, self.device = rank, world, device
         self._device_group, self._control_group = device_group, control_group
+        self._message = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
 
     @property
     def is_leader(self) -> bool:
@@ -50,10 +59,28 @@ class TPGroup:
         return x
 
     def broadcast(self, obj=None):
-        """Rank 0 sends `obj` to every rank; every rank returns it."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self._control_group)
-        return box[0]
+        """Rank 0 sends `obj` (picklable) to every rank; every rank returns it (rank 0: itself).
+        The first 8 bytes of the buffer hold the pickle's length."""
+        buf, head = self._message, MESSAGE_BYTES - 8
+        data = b""
+        if self.rank == 0:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            first = data[:head]
+            buf[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+            buf[8 : 8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+        dist.broadcast(buf, src=0, group=self._control_group)
+        n = int.from_bytes(buf[:8].numpy().tobytes(), "little")
+        rest = None
+        if n > head:  # the rest in a second broadcast
+            rest = torch.frombuffer(bytearray(data[head:]), dtype=torch.uint8) if self.rank == 0 \
+                else torch.empty(n - head, dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self._control_group)
+        if self.rank == 0:
+            return obj
+        body = buf[8 : 8 + min(n, head)].numpy().tobytes()
+        if rest is not None:
+            body += rest.numpy().tobytes()
+        return pickle.loads(body)
 
     def gather(self, obj) -> list:
         """Every rank's `obj`, in rank order, on every rank."""

@@ -54,16 +54,20 @@ def cache_state(engine, state: str, model_name: str) -> CacheState:
 
 
 def rank_caches(engine) -> list[dict]:
-    """Each GPU's budget and pools under tensor parallelism (rank 0 now, the workers as last
-    reported); empty on one GPU."""
+    """Each GPU's budget, pools and expert counters under tensor parallelism, asked of every rank
+    now (a control message: this runs on the engine thread); empty on one GPU."""
     peers = engine.cache.peers
     if peers is None:
         return []
+    st = engine.pools.experts.stats if engine.pools.experts is not None else None
+    mine = {**engine.cache.describe(),
+            "experts": {"hits": st.hits, "misses": st.misses} if st else None}
     out = []
-    for rank, d in enumerate([engine.cache.describe(), *peers.describes]):
-        g = d["geometry"]
+    for rank, d in enumerate([mine, *peers.describe()]):
+        g, ex = d["geometry"], d.get("experts") or {}
         out.append({"rank": rank, "budget_bytes": d["budget"]["budget_bytes"], "held_bytes": d["storage"]["held_bytes"],
-                    "moe_slots": g["moe_slots"], "kv_tokens": g["kv_tokens"], "mamba_slots": g["mamba_slots"]})
+                    "moe_slots": g["moe_slots"], "kv_tokens": g["kv_tokens"], "mamba_slots": g["mamba_slots"],
+                    "hits": ex.get("hits", 0), "misses": ex.get("misses", 0)})
     return out
 
 

@@ -93,10 +93,14 @@ class NoHolders:
 
 
 def rank_report(cache, rungs: list[int] | None) -> dict:
-    """What a worker tells rank 0 about its caches: `describe()`, its reachable ranges and the
-    expert slots it keeps beside each KV ladder rung (None: below its expert floor)."""
+    """What a worker tells rank 0 about its caches: `describe()`, its reachable ranges, the
+    expert slots it keeps beside each KV ladder rung (None: below its expert floor) and its expert
+    cache's counters."""
+    experts = cache.pools.experts
+    st = experts.stats if experts is not None else None
     return {**cache.describe(), "ranges": {k: list(v) for k, v in cache.reachable_ranges().items()},
-            "moe_beside": {r: cache.moe_beside(r) for r in rungs or []}}
+            "moe_beside": {r: cache.moe_beside(r) for r in rungs or []},
+            "experts": {"hits": st.hits, "misses": st.misses, "host_bytes": st.bytes_loaded} if st else None}
 
 
 def worker_rebuild(cache, order: dict, rank: int, rungs: list[int] | None = None) -> dict:

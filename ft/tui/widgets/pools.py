@@ -88,7 +88,8 @@ class PoolsPanel(Widget):
             lines.append(t)
         for r in c.ranks:  # tensor parallelism: every GPU's own pools (the ranges above are joint)
             t = Text(no_wrap=True, overflow="ellipsis", style="dim")
-            t.append(f"gpu {r.rank}: moe {r.moe_slots} slots  kv {r.kv_tokens} tok  mamba {r.mamba_slots}  "
+            hits = f" ({100.0 * r.hits / (r.hits + r.misses):.0f}% hits)" if r.hits + r.misses else ""
+            t.append(f"gpu {r.rank}: moe {r.moe_slots} slots{hits}  kv {r.kv_tokens} tok  mamba {r.mamba_slots}  "
                      f"{format_bytes(r.held_bytes)} of {format_bytes(r.budget_bytes)}")
             lines.append(t)
         return Group(*lines)
