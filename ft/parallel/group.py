@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import time
 from datetime import timedelta
 
 import torch
@@ -42,6 +43,8 @@ class TPGroup:
         self.rank, self.world, self.device = rank, world, device
         self._device_group, self._control_group = device_group, control_group
         self._message = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
+        self.broadcast_s = 0.0  # host seconds spent in control broadcasts (benchmarks: the per-step cost)
+        self.broadcasts = 0
 
     @property
     def is_leader(self) -> bool:
@@ -61,6 +64,14 @@ class TPGroup:
     def broadcast(self, obj=None):
         """Rank 0 sends `obj` (picklable) to every rank; every rank returns it (rank 0: itself).
         The first 8 bytes of the buffer hold the pickle's length."""
+        t0 = time.perf_counter()
+        try:
+            return self._broadcast(obj)
+        finally:
+            self.broadcast_s += time.perf_counter() - t0
+            self.broadcasts += 1
+
+    def _broadcast(self, obj):
         buf, head = self._message, MESSAGE_BYTES - 8
         data = b""
         if self.rank == 0:
