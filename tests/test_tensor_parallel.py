@@ -51,6 +51,8 @@ def test_two_ranks_give_the_one_process_tokens(reference):
     eng = _engine(path, 2)
     try:
         assert eng.tp is not None and eng.tp.world == 2
+        vocab = eng.model_config.vocab_size
+        assert eng.model.embed.shape[0] == vocab // 2 and eng.model.vocab_lo == 0  # the vocabulary is split
         assert _generate(eng, _prompts()) == want, name
     finally:
         eng.close()
@@ -290,3 +292,15 @@ def test_prompt_logprobs_and_sampled_logprobs_match_one_process(tiny_one):
     assert got[1][0] == got[0][0]
     # fp32, summed in another order (each rank's partial sums, then the all-reduce)
     assert got[1][1] == pytest.approx(got[0][1], abs=1e-4) and got[1][2] == pytest.approx(got[0][2], abs=1e-4)
+
+
+def test_a_vocabulary_the_ranks_cannot_split_stays_whole_with_the_logits_on_rank_0():
+    cfg = ModelConfig.from_dict({**_BASE_CONFIG, **TINY_CONFIGS["interval2-gqa2-top2"], "vocab_size": 321})
+    whole = _dense_rest(cfg, {})
+    for rank in (0, 1):
+        got = shard_tensors(whole, cfg, rank, 2)
+        assert got["model.embed_tokens.weight"].shape[0] == 321
+        assert ("lm_head.weight" in got) == (rank == 0)
+    even = ModelConfig.from_dict({**_BASE_CONFIG, **TINY_CONFIGS["interval2-gqa2-top2"]})
+    got = shard_tensors(_dense_rest(even, {}), even, 1, 2)
+    assert got["model.embed_tokens.weight"].shape[0] == got["lm_head.weight"].shape[0] == 160

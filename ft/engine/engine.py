@@ -59,7 +59,9 @@ class Engine(RankState):
         self.prefix_cache = PrefixCache(pools.kv, pools.mamba, config.enable_prefix_cache)
         # prompt logprobs return a float32 row of logits (plus its log-softmax) per prompt position: as many
         # positions per step as the activation reserve holds, which it holds at the end of the forward
-        prompt_logit_tokens = max(PROMPT_LOGITS_MIN_TOKENS, self.reserve // (cfg.vocab_size * PROMPT_LOGIT_BYTES))
+        # (a vocabulary split over tensor-parallel ranks gathers the rows: 8 bytes more per entry on rank 0)
+        per_entry = PROMPT_LOGIT_BYTES + (8 if self.model.vocab_lo is not None else 0)
+        prompt_logit_tokens = max(PROMPT_LOGITS_MIN_TOKENS, self.reserve // (cfg.vocab_size * per_entry))
         self.scheduler = Scheduler(pools.kv, pools.mamba, self.prefix_cache, config.max_running_requests,
                                    config.max_prefill_length, min(config.max_prefill_length, prompt_logit_tokens))
         self.cache.attach(self.scheduler, self.prefix_cache)

@@ -93,6 +93,9 @@ class Qwen3NextModel:
             t.nbytes if hasattr(t, "packed") else t.numel() * t.element_size() for t in w.values()
         )
         self.embed = w["model.embed_tokens.weight"]
+        # tensor parallelism with the vocabulary split (`ft.model.tp_shard`): this rank's first token id
+        self.vocab_lo = tp.rank * self.embed.shape[0] if tp is not None and self.embed.shape[0] != cfg.vocab_size \
+            else None
         self.norm = w["model.norm.weight"]
         head = w["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w.get("lm_head.weight")
         self.lm_head = Linear(head) if head is not None else None  # None: a worker rank (rank 0 has the logits)
@@ -136,7 +139,7 @@ class Qwen3NextModel:
         """Logits [B, V] float32; None on a tensor-parallel worker rank (no lm_head)."""
         eps = self.cfg.rms_norm_eps
         tp = self.tp
-        h = self.embed[batch.input_ids]
+        h = self._embed(batch.input_ids)
         x = rms_norm(h, self.layers[0][2], eps)
         y = None  # the previous layer's MLP output, added to h with the next norm
         n = len(self.layers)
@@ -166,4 +169,20 @@ class Qwen3NextModel:
         if self.lm_head is None:
             return None
         h = rms_norm((h + y)[batch.last_token_index], self.norm, eps)  # (the last layer's MoE never fuses: y is set)
-        return self.lm_head(h).float()
+        logits = self.lm_head(h).float()
+        if self.vocab_lo is not None:  # every rank's slice of the vocabulary, on rank 0
+            logits = tp.gather_columns(logits)
+            return logits if tp.is_leader else None
+        return logits
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """[T] token ids -> [T, H] embeddings; with the vocabulary split, each rank looks up its
+        slice (zeros for the other ids) and an all-reduce sums them: exactly the whole table's rows."""
+        if self.vocab_lo is None:
+            return self.embed[ids]
+        n = self.embed.shape[0]
+        local = ids - self.vocab_lo
+        inside = (local >= 0) & (local < n)
+        h = self.embed[local.clamp(0, n - 1)]
+        h = torch.where(inside[:, None], h, torch.zeros((), dtype=h.dtype, device=h.device))
+        return self.tp.all_reduce(h)

@@ -6,7 +6,11 @@ intermediate channels; the row-parallel ones (o_proj, out_proj, every down_proj)
 columns, so that each rank's output is a partial sum and one all-reduce after the mixer and one
 after the MLP restore the full activation. What is per head stays per head (q/k norms, the gated
 norm, A_log, dt_bias of the rank's value heads); routers, norms and embeddings are whole on every
-rank (the router's top-k must be the same everywhere), and only rank 0 keeps the lm_head.
+rank (the router's top-k must be the same everywhere).
+
+The vocabulary is split too when the size divides it: each rank embeds the token ids in its slice
+(zeros elsewhere, summed by an all-reduce) and computes the logits of its slice (gathered on rank
+0): every logit is the same dot product as on one GPU.
 
 Heads: rank r owns query heads [r Hq/w, (r+1) Hq/w) and the KV heads those use (KV heads are
 split when w divides them, else each is repeated on the ranks whose query heads read it, as
@@ -58,8 +62,9 @@ def _ranges(*spans: tuple[int, int]) -> list[int]:
 
 def shard_tensors(tensors: dict, cfg: ModelConfig, rank: int, world: int) -> dict:
     """The resident tensors of rank `rank` (names unchanged, shapes those of `local_config`).
-    Tensors not named here (norms, routers, embeddings, conv biases) are whole on every rank;
-    rank > 0 drops the lm_head (rank 0 computes the logits)."""
+    Tensors not named here (norms, routers) are whole on every rank; the embedding and the lm_head
+    keep the rank's vocabulary rows when `world` divides the vocabulary, else the embedding is
+    whole and only rank 0 keeps the lm_head."""
     if world == 1:
         return tensors
     out = dict(tensors)
@@ -101,7 +106,13 @@ def shard_tensors(tensors: dict, cfg: ModelConfig, rank: int, world: int) -> dic
             _shard_mlp(out, tensors, m + "shared_expert.", cfg.shared_expert_intermediate_size, rank, world)
         else:
             _shard_mlp(out, tensors, m, cfg.intermediate_size, rank, world)
-    if rank != 0:
+    v = cfg.vocab_size
+    if v % world == 0:  # vocab-parallel: each rank embeds and projects its slice of the vocabulary
+        lo, hi = rank * v // world, (rank + 1) * v // world
+        out["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"][lo:hi].contiguous()
+        if "lm_head.weight" in tensors:
+            out["lm_head.weight"] = _rows(tensors["lm_head.weight"], _ranges((lo, hi)))
+    elif rank != 0:  # whole on every rank; the logits on rank 0 only
         out.pop("lm_head.weight", None)
     return out
 

@@ -61,6 +61,18 @@ class TPGroup:
         dist.all_reduce(x, group=self._device_group)
         return x
 
+    def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, n] on every rank -> [B, world * n]: rank r's columns at r * n (every rank gets it)."""
+        x = x.contiguous()
+        if x.device.type == "cuda":  # one collective into one tensor (capturable in a CUDA graph)
+            out = torch.empty((self.world, *x.shape), dtype=x.dtype, device=x.device)
+            dist.all_gather_into_tensor(out, x, group=self._device_group)
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.world)]
+            dist.all_gather(parts, x, group=self._device_group)
+            out = torch.stack(parts)
+        return out.permute(1, 0, 2).reshape(x.shape[0], -1)
+
     def broadcast(self, obj=None):
         """Rank 0 sends `obj` (picklable) to every rank; every rank returns it (rank 0: itself).
         The first 8 bytes of the buffer hold the pickle's length."""
