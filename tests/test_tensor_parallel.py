@@ -304,3 +304,24 @@ def test_a_vocabulary_the_ranks_cannot_split_stays_whole_with_the_logits_on_rank
     even = ModelConfig.from_dict({**_BASE_CONFIG, **TINY_CONFIGS["interval2-gqa2-top2"]})
     got = shard_tensors(_dense_rest(even, {}), even, 1, 2)
     assert got["model.embed_tokens.weight"].shape[0] == got["lm_head.weight"].shape[0] == 160
+
+
+def test_ft_generate_with_two_ranks_prints_the_one_rank_tokens_and_exits_clean(tiny_one):
+    """The command line end to end, in a fresh interpreter: the spawned rank starts from `ft`'s
+    entry point, leaves with it, and leaves nothing behind to warn about."""
+    import json
+    import subprocess
+    import sys
+
+    _, _, path = tiny_one
+    outs = []
+    for tp in ("1", "2"):
+        code = ("import sys; from ft.cli import main\n"
+                "if __name__ == '__main__':\n    sys.exit(main(sys.argv[1:]))")
+        p = subprocess.run([sys.executable, "-c", code, "generate", "--model", str(path), "--device", "cpu", "-tp", tp,
+                            "--prompt", "hello", "--max-new-tokens", "6", "--temperature", "0", "--ignore-eos",
+                            "--json"], capture_output=True, text=True, timeout=180, check=False)
+        assert p.returncode == 0, p.stderr
+        assert "leaked" not in p.stderr and "Traceback" not in p.stderr, p.stderr
+        outs.append(json.loads(p.stdout)["token_ids"])
+    assert outs[0] == outs[1] and len(outs[0]) == 6

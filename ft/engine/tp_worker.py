@@ -101,6 +101,12 @@ def worker_main(rank: int, config: EngineConfig, port: int) -> None:
         traceback.print_exc()
         os._exit(1)
     tp.destroy()  # NOTE: while rank 0 leaves too (`Engine.close`): NCCL's teardown waits for its peers
+    # NOTE: no interpreter shutdown (library atexit work after the group is gone), but what a normal
+    # exit of a multiprocessing child runs: its finalizers (semaphores a library created, e.g.
+    # tqdm's lock, are unregistered; else the parent warns of leaked semaphores at exit)
+    import multiprocessing.util
+
+    multiprocessing.util._exit_function()
     os._exit(0)
 
 
