@@ -168,6 +168,15 @@ class RebuildPhases(_Model):
     total_s: float = 0.0
 
 
+class RankRebuild(_Model):
+    """One GPU's part of a tensor-parallel rebuild: its pools' measured peak and where it landed."""
+
+    rank: int = 0
+    peak_bytes: int | None = None
+    to: dict[str, int] = Field(default_factory=dict)
+    error: str | None = None
+
+
 class HistoryEntry(_Model):
     id: int = 0
     time: float = 0.0  # unix seconds
@@ -180,6 +189,7 @@ class HistoryEntry(_Model):
     status: Literal["ok", "rolled_back", "refused", "running"] = "ok"
     error: str | None = None
     phases: RebuildPhases = Field(default_factory=RebuildPhases)
+    ranks: list[RankRebuild] = Field(default_factory=list)  # tensor parallelism: every GPU's part
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 

@@ -99,6 +99,10 @@ def test_a_rebuild_is_joint_and_a_fault_on_one_rank_rolls_back_both(tiny_one):
         before = eng.cache.geometry
         entry = eng.cache.rebuild(kv=2048)  # grow: both ranks
         assert entry["status"] == "ok" and [r["rank"] for r in entry["ranks"]] == [0, 1]
+        from ft.ctl.format import format_history
+        from ft.server.admin_state import history
+
+        assert "peaks: gpu 0 " in format_history(history(eng)) and ", gpu 1 " in format_history(history(eng))
         assert eng.cache.peers.describes[0]["geometry"]["kv_tokens"] == 2048 == eng.cache.geometry.kv_tokens
         eng.cache.peers.fault_rank = 1  # rank 1 fails its next resize: rank 0 had already resized
         with pytest.raises(RebuildFailed, match="rank 1"):

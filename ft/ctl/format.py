@@ -222,6 +222,9 @@ def format_history(history: History) -> str:
             lines.append(f"{pad}reason: {_one_line(e.reason)}")
         if e.error:
             lines.append(f"{pad}error: {_one_line(e.error)}")
+        if e.ranks:  # tensor parallelism: each GPU's measured peak
+            peaks = ", ".join(f"gpu {r.rank} {format_bytes(r.peak_bytes) if r.peak_bytes else '-'}" for r in e.ranks)
+            lines.append(f"{pad}peaks: {peaks}")
     return "\n".join(lines)
 
 
