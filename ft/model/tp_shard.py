@@ -71,7 +71,7 @@ def shard_tensors(tensors: dict, cfg: ModelConfig, rank: int, world: int) -> dic
     a = _heads(cfg.num_attention_heads, cfg.num_key_value_heads, rank, world, "attention")
     lin = _heads(cfg.linear_num_value_heads, cfg.linear_num_key_heads, rank, world, "linear-attention value")
     d, dk, dv = cfg.head_dim, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    kd, hv_all = cfg.linear_key_dim, cfg.linear_num_value_heads
+    kd = cfg.linear_key_dim
     for i, kind in enumerate(cfg.layer_types):
         p = f"model.layers.{i}."
         if kind == "full_attention":
@@ -100,7 +100,6 @@ def shard_tensors(tensors: dict, cfg: ModelConfig, rank: int, world: int) -> dic
             out[s + "out_proj.weight"] = _cols(tensors[s + "out_proj.weight"], dv * lin.lo, dv * lin.hi, s + "out_proj")
             for n in ("A_log", "dt_bias"):
                 out[s + n] = tensors[s + n][lin.lo : lin.hi].contiguous()
-            assert hv_all % world == 0
         m = p + "mlp."
         if cfg.is_moe_layer(i):
             _shard_mlp(out, tensors, m + "shared_expert.", cfg.shared_expert_intermediate_size, rank, world)
