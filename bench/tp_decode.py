@@ -10,12 +10,24 @@ at each batch size, that many greedy requests decode --tokens tokens after a 32-
 host time rank 0 spends per step sending the workers their step inputs (gloo). `--profile STEPS`
 then profiles that many decode steps on rank 0 (torch.profiler: its host ops and GPU kernels, the
 all-reduces among them). Prints a table last, with two cards' speed over one card's.
+
+`--live TOKENS`: then, for the largest tensor-parallel size, an engine with the KV ladder on
+(automatic moves off) at the 64K rung: max(--batches) greedy requests decode TOKENS tokens
+undisturbed, then the same requests again while, under load, the engine moves the ladder one rung
+up, resizes the expert slots by hand (-256, or a quarter) and moves back down to 64K. Each rebuild's time, status
+and every rank's measured peak, the decode speed of both runs, and whether the tokens are equal
+(they must: offload reads the same weights whatever the geometry) print as a second table.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import itertools
 import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,8 +46,12 @@ def main() -> None:
     ap.add_argument("--kv", type=int, default=65536)
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--tp", default="1,2", help="tensor-parallel sizes to run")
+    ap.add_argument("--tp", default="1,2",
+                    help="tensor-parallel sizes to run, each in a fresh process; 2:one-shot takes torch's one-shot all-reduce")
+    ap.add_argument("--rows-json", default=None, help=argparse.SUPPRESS)  # a child's rows (one --tp)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (give a small --config)")
+    ap.add_argument("--live", type=int, default=0, metavar="TOKENS",
+                    help="then a ladder move and a resize under load with the largest --tp (see above)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="after each engine's rows, profile this many batch-1 decode steps on rank 0")
     args = ap.parse_args()
@@ -44,8 +60,26 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp()) / "traced.json"
     tmp.write_text(json.dumps(cfg))
     batches = [int(b) for b in args.batches.split(",")]
+    specs = args.tp.split(",")
+    if args.rows_json is None:
+        # NOTE: every engine in its own process: one closed in this process leaves some device
+        # memory behind (fewer expert slots for the next), and torch's one-shot setup works once
+        rows = []
+        for spec in specs:
+            out = Path(tempfile.mkdtemp()) / "rows.json"
+            argv = [a for a in sys.argv[1:]]
+            subprocess.run([sys.executable, sys.argv[0], *argv, "--tp", spec, "--live", "0", "--rows-json", str(out)],
+                           check=True)
+            rows += [tuple(r) for r in json.loads(out.read_text())]
+        table(rows)
+        if args.live:
+            live(args, tmp, max(int(t.partition(":")[0]) for t in specs), max(batches))
+        return
     rows = []
-    for tp in (int(t) for t in args.tp.split(",")):
+    for spec in specs:
+        tp, _, path = spec.partition(":")  # "2:one-shot": torch's one-shot all-reduce instead of NCCL's
+        tp = int(tp)
+        os.environ["FT_TP_ALL_REDUCE"] = path or "nccl"  # the worker ranks inherit it
         t0 = time.perf_counter()
         eng = Engine(EngineConfig(model=f"synthetic:{tmp}", device=args.device,
                                   dtype="bfloat16" if args.device == "cuda" else "float32", moe_backend="offload",
@@ -55,13 +89,15 @@ def main() -> None:
             slots = [eng.pools.experts.num_slots]
             if eng.cache.peers is not None:
                 slots += [d["geometry"]["moe_slots"] for d in eng.cache.peers.describes]
-            print(f"tp {tp}: engine up in {time.perf_counter() - t0:.1f} s, slots per rank {slots}", flush=True)
+            path = eng.tp.all_reduce_path if eng.tp else "-"
+            print(f"tp {tp}: engine up in {time.perf_counter() - t0:.1f} s, slots per rank {slots}, all-reduce "
+                  f"{path}", flush=True)
             for b in batches:
                 decode(eng, b, 8)  # compiles the kernels and captures this bucket's graph outside the timed rows
                 c0, n0 = (eng.tp.broadcast_s, eng.tp.broadcasts) if eng.tp else (0.0, 0)
                 tok_s, hit = decode(eng, b, args.tokens)
                 control_ms = (eng.tp.broadcast_s - c0) / max(1, eng.tp.broadcasts - n0) * 1e3 if eng.tp else 0.0
-                rows.append((tp, b, slots, hit, tok_s, control_ms))
+                rows.append((tp, path, b, slots, hit, tok_s, control_ms))
                 print(f"tp {tp} batch {b}: {tok_s:.1f} tok/s, hit rate {hit:.1%}, control {control_ms:.3f} ms per "
                       "message", flush=True)
             if args.profile:
@@ -71,15 +107,94 @@ def main() -> None:
         finally:
             eng.close()
             del eng
+            gc.collect()  # NOTE: the engine's objects hold each other: freed only by the cycle collector
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    one = {b: t for tp, b, _, _, t, _ in rows if tp == 1}
-    print("\n| GPUs | batch | expert slots per rank | hit rate (rank 0) | tok/s (total) | vs one GPU | control ms/message |")
-    print("|---|---|---|---|---|---|---|")
-    for tp, b, slots, hit, tok_s, control_ms in rows:
-        ratio = f"{tok_s / one[b]:.2f}x" if one.get(b) else "-"
-        print(f"| {tp} | {b} | {', '.join(f'{s:,}' for s in slots)} | {hit:.1%} | {tok_s:.1f} | {ratio} | "
+    Path(args.rows_json).write_text(json.dumps(rows))
+
+
+def table(rows) -> None:
+    one = {b: t for tp, _, b, _, _, t, _ in rows if tp == 1}
+    print("\n| GPUs | all-reduce | batch | expert slots per rank | hit rate (rank 0) | tok/s (total) | vs one GPU | "
+          "control ms/message |")
+    print("|---|---|---|---|---|---|---|---|")
+    for tp, path, b, slots, hit, tok_s, control_ms in rows:
+        ratio = f"{tok_s / one[b]:.3f}x" if one.get(b) else "-"
+        print(f"| {tp} | {path} | {b} | {', '.join(f'{s:,}' for s in slots)} | {hit:.1%} | {tok_s:.1f} | {ratio} | "
               f"{control_ms:.3f} |")
+
+
+def live(args, model_json: Path, tp: int, batch: int) -> None:
+    """A ladder move up, a manual expert resize and a move back down while `batch` requests decode."""
+    eng = Engine(EngineConfig(model=f"synthetic:{model_json}", device=args.device,
+                              dtype="bfloat16" if args.device == "cuda" else "float32", moe_backend="offload",
+                              gpu_memory_limit=args.card, enable_kv_ladder=True, ladder_step_size=args.kv // 2,
+                              max_running_requests=batch, max_prefill_length=1024, cuda_graph_max_bs=batch,
+                              tensor_parallel_size=tp, enable_prefix_cache=False))  # both runs prefill alike
+    rows, ok = [], True
+    try:
+        eng.ladder.auto = False
+        home = eng.ladder.rungs.index(args.kv)
+        eng.move_ladder(home, "bench: the live run's home rung")
+        run_live(eng, batch, 8, {}, {})  # compiles and captures outside the timed runs
+        calm, calm_s = run_live(eng, batch, args.live, {}, {})
+        moe = eng.pools.experts.num_slots
+        at = args.live // 4
+        cut = min(256, moe // 4)
+        moves = {at: ("ladder up", lambda: eng.move_ladder("up", "bench: under load")),
+                 2 * at: (f"resize moe -{cut}", lambda: eng.cache.rebuild(moe=eng.pools.experts.num_slots - cut,
+                                                                          reason="bench: under load")),
+                 3 * at: ("ladder down", lambda: eng.move_ladder(home, "bench: under load"))}
+        done: dict = {}
+        busy, busy_s = run_live(eng, batch, args.live, moves, done)
+        for name, entry, seconds in done.values():
+            peaks = ", ".join(f"{r['peak_bytes'] / 2**30:.2f}" for r in entry.get("ranks", [])) or \
+                f"{entry.get('measured_peak_bytes', 0) / 2**30:.2f}"
+            rows.append((name, entry["status"], entry["from"], entry["to"], seconds * 1e3, peaks))
+        equal = calm == busy
+        ok = equal and all(r[1] == "ok" for r in rows) and len(rows) == len(moves)
+        n = batch * args.live
+        print(f"\nlive: tp {tp} ({eng.tp.all_reduce_path if eng.tp else '-'} all-reduce), batch {batch}, {args.live} tokens each, expert slots {moe:,} at the "
+              f"{args.kv:,} rung; undisturbed {n / calm_s:.1f} tok/s, with the rebuilds {n / busy_s:.1f} tok/s; "
+              f"tokens equal: {equal}")
+    finally:
+        eng.close()
+    print("\n| under load | status | from (moe, kv, mamba) | to | ms (rank 0, whole rebuild) | measured peak per rank GiB |")
+    print("|---|---|---|---|---|---|")
+    for name, status, frm, to, ms, peaks in rows:
+        print(f"| {name} | {status} | {_sizes(frm)} | {_sizes(to)} | {ms:.0f} | {peaks} |")
+    if not ok:
+        raise SystemExit("live: a rebuild failed or the tokens differ")
+
+
+def _sizes(g: dict) -> str:
+    return f"{g['moe']:,}, {g['kv']:,}, {g['mamba']}"
+
+
+def run_live(eng: Engine, batch: int, tokens: int, moves: dict, done: dict):
+    """`batch` greedy requests of `tokens` tokens; moves[k] = (name, fn) runs when the first request has k
+    tokens (its entry and wall time into done[k]). Returns (each request's tokens, seconds)."""
+    vocab = eng.model_config.vocab_size
+    if eng.runner.routing is not None:  # the same traces for the same requests: a trace is seeded by arrival order
+        eng.runner.routing._order = itertools.count(10_000)
+    seqs = [eng.add_request([(2000 + 41 * r + i) % vocab for i in range(32)],
+                            SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True))
+            for r in range(batch)]
+    _sync()
+    t0 = time.perf_counter()
+    while not all(s.is_finished for s in seqs):
+        k = len(seqs[0].output_ids)
+        if k in moves and k not in done:
+            name, fn = moves[k]
+            r0 = time.perf_counter()
+            entry = fn()
+            done[k] = (name, entry, time.perf_counter() - r0)
+        eng.step()
+    _sync()
+    failed = [s.error for s in seqs if getattr(s, "error", None)]
+    if failed:
+        raise SystemExit(f"live: a request failed: {failed[0]}")
+    return [list(s.output_ids) for s in seqs], time.perf_counter() - t0
 
 
 def decode(eng: Engine, batch: int, tokens: int) -> tuple[float, float]:

@@ -3,6 +3,8 @@ and a rebuild is joint (all ranks commit or all roll back)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from ft.model.config import ModelConfig
 from ft.model.layers.linear import NVFP4Weight
 from ft.model.tp_shard import shard_tensors
 from ft.model.tp_split import local_config
+from ft.parallel.control_channel import supported as channel_supported
 
 GREEDY = dict(max_new_tokens=10, temperature=0.0)
 
@@ -253,15 +256,20 @@ def _echo_rank(rank: int, port: int, objs: list, out) -> None:
     from ft.parallel import init_group
 
     tp = init_group(rank, 2, port, torch.device("cpu"))
+    assert (tp.channel is not None) == (os.environ["FT_TP_CONTROL"] == "shm" and channel_supported())
     got = [tp.broadcast(o if rank == 0 else None) for o in objs]
     if rank == 1:
         out.put(got)
     tp.destroy()
 
 
-def test_control_messages_arrive_whole_short_and_long():
-    """One broadcast for a message that fits the buffer, two for a longer one; both arrive equal."""
+@pytest.mark.parametrize("control", ["shm", "gloo"])
+def test_control_messages_arrive_whole_short_and_long(control, monkeypatch):
+    """Through the shared-memory channel, and through gloo: one broadcast for a message that fits
+    the buffer, two for a longer one; all arrive equal."""
     import torch.multiprocessing as mp
+
+    monkeypatch.setenv("FT_TP_CONTROL", control)  # the spawned ranks inherit it
 
     from ft.parallel import free_port
     from ft.parallel.group import MESSAGE_BYTES

@@ -53,6 +53,14 @@ class DecodeGraphs:
     def invalidate(self) -> None:
         self._graphs.clear()
 
+    def release(self) -> None:
+        """Drop every graph and the graphs' memory pool (before a tensor-parallel rank leaves its
+        process group: NCCL's teardown waits until no graph holds its collectives). Captures again
+        on the next decode step."""
+        self.invalidate()
+        self._pool, self._key = None, None
+        torch.cuda.synchronize()
+
     def run(self, n: int, key: Hashable, forward: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
         """The logits [n, V] of this step: replayed from bucket n's graph, or computed eagerly
         and captured for the next steps. `forward` reads only the persistent buffers."""

@@ -104,7 +104,10 @@ class Engine(RankState):
         if tp is not None:
             if workers and all(p.is_alive() for p in workers.procs):
                 _bounded(lambda: tp.broadcast(("stop", None)), 10.0)
-            _bounded(tp.destroy, 30.0)
+            if self.runner.graphs is not None:
+                self.runner.graphs.release()
+            if not _bounded(tp.destroy, 30.0):
+                _bounded(tp.abort, 10.0)  # the group is gone either way: a new engine can start in this process
         stop_workers(workers)
 
     def _check_workers(self) -> None:

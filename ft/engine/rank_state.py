@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import torch
 
@@ -49,6 +50,10 @@ class RankState:
                                               self.device, config.seed, config.progress and (tp is None or tp.is_leader),
                                               tp)
         cfg = self.model.cfg  # this rank's heads and intermediate sizes (the whole model's on one GPU)
+        if tp is not None:  # before the budget is measured: its buffers are device memory too
+            why = tp.enable_one_shot(self.dtype)
+            if why is not None and os.environ.get("FT_TP_ALL_REDUCE") == "one-shot" and tp.is_leader:
+                log.warning("tensor parallelism: all-reduces stay on NCCL (one-shot path off: %s)", why)
         self.context_limit = config.max_seq_len_override or cfg.max_position_embeddings
         shapes = PoolShapes(
             config.page_size, len(cfg.full_attention_layers), cfg.num_key_value_heads, cfg.head_dim,

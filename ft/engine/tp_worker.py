@@ -100,6 +100,8 @@ def worker_main(rank: int, config: EngineConfig, port: int) -> None:
     except BaseException:  # noqa: BLE001 - rank 0 sees its collectives fail or time out
         traceback.print_exc()
         os._exit(1)
+    if worker.state.runner.graphs is not None:
+        worker.state.runner.graphs.release()
     tp.destroy()  # NOTE: while rank 0 leaves too (`Engine.close`): NCCL's teardown waits for its peers
     # NOTE: no interpreter shutdown (library atexit work after the group is gone), but what a normal
     # exit of a multiprocessing child runs: its finalizers (semaphores a library created, e.g.

@@ -1,13 +1,12 @@
 """The process group of a tensor-parallel engine: collectives on the activations, control messages.
 
-Two groups over the same ranks: the *device* group sums activations (NCCL on CUDA, so that the
-all-reduces run inside CUDA graphs; gloo on the CPU) and the *control* group (gloo, CPU) carries
-Python objects from rank 0 to the workers: each step's inputs, pool operations, rebuild orders,
-and the workers' answers. A message is pickled into a preallocated buffer of `MESSAGE_BYTES` and
-sent in one broadcast (a longer one takes a second broadcast for the rest): a batch-1 decode
-step's message with 1,024 pages took 413-440 us against 615-667 us with torch's
-`broadcast_object_list`, which sends the size and the bytes in two collectives (a loaded 2-core
-CPU machine, medians of 20 x 100 messages, two runs; not yet measured on the H200's host).
+Two groups over the same ranks: the *device* group sums activations (NCCL on CUDA, inside the
+CUDA graphs; optionally torch's symmetric-memory one-shot kernel, `enable_one_shot`; gloo on the
+CPU) and the *control* group (gloo, CPU) gathers the workers' answers. Rank
+0's messages to the workers (each step's inputs, pool operations, rebuild orders) go through a
+shared-memory `ControlChannel` on x86-64 hosts; elsewhere (or with FT_TP_CONTROL=gloo) through a
+gloo broadcast of a preallocated buffer of `MESSAGE_BYTES` (a longer message takes a second
+broadcast for the rest): there a batch-1 decode step's message took 0.30-0.34 ms on the H200 host.
 """
 
 from __future__ import annotations
@@ -21,12 +20,21 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ft.parallel.control_channel import ControlChannel, channel_path
+from ft.parallel.control_channel import supported as channel_supported
+
 MESSAGE_BYTES = 8192
 """The control buffer: a decode step's message (ids, positions, page lists, slots) fits at batch 1
 up to ~1,500 pages per sequence; a larger one costs a second broadcast."""
 
 CONTROL_TIMEOUT_S = 600
 """How long a rank waits in a control message or a collective before it gives up (a dead peer)."""
+
+_SYMMETRIC_RENDEZVOUS = False  # whether this process has set up the one-shot path once (`enable_one_shot`)
+
+ONE_SHOT_BYTES = 512 * 1024
+"""The largest all-reduce that takes the one-shot path when it is on (a decode step's hidden states
+up to 128 rows of 2,048 bf16); larger ones (prefill chunks) go to NCCL, whose ring moves less."""
 
 
 def free_port() -> int:
@@ -39,10 +47,15 @@ def free_port() -> int:
 class TPGroup:
     """rank, world and the two process groups of one tensor-parallel engine."""
 
-    def __init__(self, rank: int, world: int, device: torch.device, device_group, control_group) -> None:
+    def __init__(self, rank: int, world: int, device: torch.device, device_group, control_group,
+                 channel: ControlChannel | None = None) -> None:
         self.rank, self.world, self.device = rank, world, device
         self._device_group, self._control_group = device_group, control_group
+        self.channel = channel  # rank 0's messages through shared memory (else gloo broadcasts)
         self._message = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
+        self._one_shot: dict[torch.dtype, list[torch.Tensor]] = {}  # dtype -> two symmetric buffers
+        self._one_shot_turn = 0
+        self.all_reduce_path = "nccl" if device.type == "cuda" else "gloo"
         self.broadcast_s = 0.0  # host seconds spent in control broadcasts (benchmarks: the per-step cost)
         self.broadcasts = 0
 
@@ -50,8 +63,69 @@ class TPGroup:
     def is_leader(self) -> bool:
         return self.rank == 0
 
+    def enable_one_shot(self, dtype: torch.dtype) -> str | None:
+        """With FT_TP_ALL_REDUCE=one-shot on CUDA: all-reduces of `dtype` up to `ONE_SHOT_BYTES` take
+        torch's symmetric-memory one-shot kernel (every rank reads its peers' buffers over NVLink and
+        sums: no ring). A collective: every rank calls it at the same point; the path is used only
+        when every rank set it up. Returns None, or why not (NCCL stays).
+
+        Off by default, by measurement: on two H200s (NV18) a batch-1 decode step took 6.66 ms with
+        it against 5.69 ms with NCCL's LL ring (bench/RESULTS.md): its kernel took 6.4 us against
+        NCCL's 5.3 us once the ranks arrive together, and it needs a copy into its buffer first.
+        Kept for topologies where NCCL's small all-reduces are slower (measure there).
+
+        NOTE: two buffers used in turn: a rank that already left all-reduce k cannot overwrite the
+        buffer its peer may still read, since it writes the other one in k + 1 and the one after
+        only once the peer has reached k + 1."""
+        global _SYMMETRIC_RENDEZVOUS
+        why = None
+        if self.device.type != "cuda":
+            why = "not on CUDA"
+        elif os.environ.get("FT_TP_ALL_REDUCE", "nccl") != "one-shot":
+            why = "off unless FT_TP_ALL_REDUCE=one-shot (NCCL measured faster on two H200s)"
+        elif _SYMMETRIC_RENDEZVOUS:
+            # NOTE: torch numbers the store exchanges of its symmetric-memory rendezvous per process:
+            # rank 0's count goes on from an earlier engine in this process, a new worker's starts at
+            # 0, and the two would wait for each other's keys forever (a hang seen on the H200s)
+            why = "an earlier tensor-parallel engine in this process set it up (torch counts its rendezvous per process)"
+        why = next((w for w in self.gather(why) if w is not None), None)  # every rank takes the same path
+        bufs: list[torch.Tensor] = []
+        if why is None:
+            _SYMMETRIC_RENDEZVOUS = True
+            try:
+                import torch.distributed._symmetric_memory as symm_mem
+
+                name = self._device_group.group_name
+                for _ in range(2):
+                    b = symm_mem.empty(ONE_SHOT_BYTES // dtype.itemsize, dtype=dtype, device=self.device)
+                    symm_mem.rendezvous(b, name)
+                    bufs.append(b)
+                probe = torch.full((64,), float(self.rank + 1), dtype=dtype, device=self.device)
+                self._sum_one_shot(probe, bufs[0])
+                if probe.float().sub_(self.world * (self.world + 1) / 2).abs_().max().item() != 0:
+                    why = "its probe summed wrong"
+            except Exception as e:  # noqa: BLE001 - any failure keeps NCCL, said in the log
+                why = f"{type(e).__name__}: {e}"
+        answers = self.gather(why)
+        why = next((w for w in answers if w is not None), None)
+        if why is None:
+            self._one_shot[dtype] = bufs
+            self.all_reduce_path = "one-shot"
+        return why
+
+    def _sum_one_shot(self, x: torch.Tensor, buf: torch.Tensor) -> None:
+        flat = x.view(-1)
+        n = flat.numel()
+        buf[:n].copy_(flat)
+        torch.ops.symm_mem.one_shot_all_reduce_out(buf[:n], "sum", self._device_group.group_name, flat)
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place (every rank gets the same values); returns x."""
+        bufs = self._one_shot.get(x.dtype)
+        if bufs is not None and x.is_contiguous() and x.numel() <= bufs[0].numel():
+            self._one_shot_turn ^= 1
+            self._sum_one_shot(x, bufs[self._one_shot_turn])
+            return x
         if x.dtype == torch.bfloat16 and x.device.type == "cpu":
             # NOTE: gloo sums bf16 through a float32 copy here (its own bf16 support varies by build)
             y = x.float()
@@ -75,15 +149,22 @@ class TPGroup:
 
     def broadcast(self, obj=None):
         """Rank 0 sends `obj` (picklable) to every rank; every rank returns it (rank 0: itself).
-        The first 8 bytes of the buffer hold the pickle's length."""
+        Through the shared-memory channel when there is one (rank 0 returns once the message is
+        written: a worker may still be reading it), else through gloo."""
         t0 = time.perf_counter()
         try:
-            return self._broadcast(obj)
+            if self.channel is None:
+                return self._broadcast(obj)
+            if self.rank == 0:
+                self.channel.send(obj)
+                return obj
+            return self.channel.recv()
         finally:
             self.broadcast_s += time.perf_counter() - t0
             self.broadcasts += 1
 
     def _broadcast(self, obj):
+        """gloo: the first 8 bytes of the buffer hold the pickle's length."""
         buf, head = self._message, MESSAGE_BYTES - 8
         data = b""
         if self.rank == 0:
@@ -112,8 +193,20 @@ class TPGroup:
         return out
 
     def destroy(self) -> None:
+        """Leave the group (every rank at once). The caller has released its CUDA graphs first:
+        NCCL's teardown waits until no captured graph holds its collectives."""
+        self._one_shot.clear()
+        if self.channel is not None:
+            self.channel.close()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def abort(self) -> None:
+        """Leave the group without waiting for anything (a destroy that did not finish)."""
+        if dist.is_initialized():
+            dist.distributed_c10d._abort_process_group()
 
 
 def init_group(rank: int, world: int, port: int, device: torch.device) -> TPGroup:
@@ -126,9 +219,23 @@ def init_group(rank: int, world: int, port: int, device: torch.device) -> TPGrou
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     timeout = timedelta(seconds=CONTROL_TIMEOUT_S)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    # the control channel: shared memory on hosts that order stores as it needs, else gloo (also
+    # with FT_TP_CONTROL=gloo); the environment and the host are the same for every rank
+    use_channel = channel_supported() and os.environ.get("FT_TP_CONTROL", "shm") != "gloo"
+    path, channel0 = channel_path(port), None
+    if use_channel and rank == 0:  # before the group forms: the workers map it once it has
+        if os.path.exists(path):  # left by a process that died with the same port
+            os.unlink(path)
+        channel0 = ControlChannel(path, 0, world - 1, True, CONTROL_TIMEOUT_S)
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timeout, **kwargs)
     device_group = dist.group.WORLD
     control_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else device_group
-    return TPGroup(rank, world, device, device_group, control_group)
+    channel = None
+    if use_channel:
+        channel = ControlChannel(path, rank, world - 1, False, CONTROL_TIMEOUT_S) if rank else channel0
+        dist.barrier(group=control_group)  # every rank mapped it: the file can go
+        if rank == 0:
+            channel.unlink()
+    return TPGroup(rank, world, device, device_group, control_group, channel)
