@@ -52,3 +52,28 @@ def test_a_stale_file_is_refused_by_a_second_writer(tmp_path):
     ControlChannel(path, 0, 1, True, 1.0, size=PAYLOAD_OFFSET + 64)
     with pytest.raises(FileExistsError):
         ControlChannel(path, 0, 1, True, 1.0, size=PAYLOAD_OFFSET + 64)
+
+
+def test_a_reader_past_its_polling_time_still_takes_the_message(tmp_path):
+    """A worker of an idle server backs off to sleeps and waits as long as rank 0 lives (no
+    timeout: a gloo broadcast would fail after its timeout)."""
+    import time
+
+    from ft.parallel import control_channel
+
+    w, (r,) = _open(str(tmp_path / "ch"), 1, PAYLOAD_OFFSET + 64)
+    got = []
+    t = threading.Thread(target=lambda: got.append(r.recv()))
+    t.start()
+    time.sleep(control_channel.SPIN_S + 0.3)
+    w.send(("step", 1))
+    t.join(10)
+    assert got == [("step", 1)]
+
+
+def test_writer_stops_waiting_for_a_reader_whose_process_exited(tmp_path):
+    w, rs = _open(str(tmp_path / "ch"), 1, PAYLOAD_OFFSET + 64, timeout_s=60.0)
+    w.readers_alive = lambda: False
+    w.send("first")
+    with pytest.raises(RuntimeError, match="exited before it took a control message"):
+        w.send("second")  # well before the 60 s timeout

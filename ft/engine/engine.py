@@ -92,6 +92,9 @@ class Engine(RankState):
                                   f"{g['mamba_slots']} mamba slots, rank 0 to {mine.kv_tokens} and {mine.mamba_slots}: "
                                   "give --num-tokens and --mamba-slots explicitly")
         self.cache.peers = TPPeers(self.tp, answers[1:])
+        if self.tp.channel is not None and self._workers is not None:
+            procs = self._workers.procs
+            self.tp.channel.readers_alive = lambda: all(p.is_alive() for p in procs)
 
     def close(self) -> None:
         """Stop the tensor-parallel worker ranks (nothing to do on one GPU). Idempotent.

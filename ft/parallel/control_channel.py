@@ -26,6 +26,7 @@ import platform
 import struct
 import tempfile
 import time
+from collections.abc import Callable
 
 PAYLOAD_OFFSET = 4096
 CHANNEL_BYTES = 4 * 1024 * 1024 + PAYLOAD_OFFSET
@@ -70,6 +71,7 @@ class ControlChannel:
         self.capacity = size - PAYLOAD_OFFSET
         self._seq = 0  # the writer's last part / the reader's last part read
         self._parent = os.getppid()
+        self.readers_alive: Callable[[], bool] | None = None  # the writer's check of its readers' processes
 
     def unlink(self) -> None:
         """Remove the file (every rank has mapped it): nothing is left behind if a rank dies."""
@@ -99,17 +101,22 @@ class ControlChannel:
     def _wait_acks(self) -> None:
         """Until every reader copied the part now in the buffer."""
         m, want = self._map, self._seq
-        deadline = None
+        deadline = checked = None
         while True:
             acks = struct.unpack_from(f"<{self.readers}Q", m, 64 + 8)
             if min(acks) >= want:
                 return
+            now = time.monotonic()
             if deadline is None:
-                deadline = time.monotonic() + self.timeout_s
-            elif time.monotonic() > deadline:
+                deadline, checked = now + self.timeout_s, now
+            elif now > deadline:
                 slow = [r + 1 for r, a in enumerate(acks) if a < want]
                 raise RuntimeError(f"tensor-parallel rank(s) {slow} did not take a control message in "
                                    f"{self.timeout_s:.0f} s")
+            elif now - checked > 1.0 and self.readers_alive is not None:
+                checked = now
+                if not self.readers_alive():  # a dead reader never acknowledges: no need to wait it out
+                    raise RuntimeError("a tensor-parallel worker rank exited before it took a control message")
             time.sleep(0)
 
     # ------------------------------------------------------------------ readers
