@@ -116,31 +116,24 @@ class TPWorker:
     """Rank r > 0: a `RankState` driven by rank 0's messages."""
 
     def __init__(self, config: EngineConfig, tp: TPGroup) -> None:
+        from ft.engine.cache.tp_rebuild import WorkerCache
         from ft.engine.rank_state import RankState
 
         self.tp = tp
-        from ft.engine.cache.tp_rebuild import rank_report
-
         self.state = RankState(config, tp)
-        if getattr(self.state.cache, "_scheduler", None) is None:
-            from ft.engine.cache.tp_rebuild import NoHolders
-
-            holders = NoHolders()
-            self.state.cache.attach(holders, holders)
-        tp.gather(rank_report(self.state.cache, self.state.rungs))  # the startup gather: up (or says why not)
+        self.cache = WorkerCache(self.state.cache, tp.rank, self.state.rungs)
+        tp.gather(self.cache.report())  # the startup gather: up (or says why not)
 
     def serve(self) -> None:
-        from ft.engine.cache.tp_rebuild import rank_report, worker_rebuild
-
         tp, state = self.tp, self.state
         while True:
             kind, payload = tp.broadcast(None)
             if kind == "step":
                 state.runner.execute(payload)
             elif kind == "rebuild":
-                tp.gather(worker_rebuild(state.cache, payload, tp.rank, state.rungs))
+                tp.gather(self.cache.apply(payload))
             elif kind == "describe":
-                tp.gather(rank_report(state.cache, state.rungs))
+                tp.gather(self.cache.report())
             elif kind == "stop":
                 return
             else:

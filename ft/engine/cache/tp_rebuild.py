@@ -92,6 +92,63 @@ class NoHolders:
         pass
 
 
+class WorkerCache:
+    """A worker rank's cache manager as rank 0's orders see it: `report()` (what rank 0 needs to
+    know of it) and `apply(order)` (its part of a rebuild; see the module docstring). The pools'
+    holders are rank 0's (`NoHolders` here)."""
+
+    def __init__(self, cache, rank: int, rungs: list[int] | None) -> None:
+        self.cache, self.rank, self.rungs = cache, rank, rungs
+        holders = NoHolders()
+        cache.attach(holders, holders)
+        self.before = None  # the geometry before the last resize order (what "restore" goes back to)
+
+    def report(self) -> dict:
+        return rank_report(self.cache, self.rungs)
+
+    def apply(self, order: dict) -> dict:
+        """Replay the order's pool operations, then resize or restore; returns the answer
+        ({"rank", "ok", "error", "peak_bytes", "geometry", "describe"})."""
+        from ft.engine.step_inputs import replay_pool_ops
+
+        cache, rank = self.cache, self.rank
+        pools = cache.pools
+        answer = {"rank": rank, "ok": True, "error": None, "peak_bytes": None}
+        try:
+            replay_pool_ops(order["ops"], pools.kv, pools.mamba)
+            if order["restore"]:
+                before, self.before = self.before, None
+                if before is not None and before != cache.geometry:
+                    entry = cache.rebuild(moe=before.moe_slots, kv=before.kv_tokens, mamba=before.mamba_slots,
+                                          trigger="tp", reason="rank 0 rolled the rebuild back")
+                    answer["peak_bytes"] = entry.get("measured_peak_bytes")
+            elif order["kv"] is not None:
+                self.before = cache.geometry
+                answer["peak_bytes"] = self._resize(order)
+        except (RebuildFailed, RebuildRefused, MemoryError, RuntimeError) as e:
+            answer.update(ok=False, error=f"rank {rank}: {e}")
+        answer["geometry"] = cache.geometry.sizes()
+        answer["describe"] = self.report()
+        return answer
+
+    def _resize(self, order: dict) -> int | None:
+        cache, rank = self.cache, self.rank
+        moe = order["moe"]
+        if moe == "fill":
+            moe = cache.moe_beside(order["kv"])
+            if moe is None:
+                raise RebuildRefused(f"rank {rank}: {order['kv']} KV tokens leave no room for the expert floor",
+                                     cache.reachable_ranges())
+        if order.get("fault_rank") == rank:
+            cache.rebuilder.fault_at = "grow kv" if order["kv"] > cache.geometry.kv_tokens else "shrink kv"
+        try:
+            entry = cache.rebuild(moe=moe, kv=order["kv"], mamba=order["mamba"], trigger="tp",
+                                  reason="ordered by rank 0")
+        finally:
+            cache.rebuilder.fault_at = None
+        return entry.get("measured_peak_bytes")
+
+
 def rank_report(cache, rungs: list[int] | None) -> dict:
     """What a worker tells rank 0 about its caches: `describe()`, its reachable ranges, the
     expert slots it keeps beside each KV ladder rung (None: below its expert floor) and its expert
@@ -101,41 +158,3 @@ def rank_report(cache, rungs: list[int] | None) -> dict:
     return {**cache.describe(), "ranges": {k: list(v) for k, v in cache.reachable_ranges().items()},
             "moe_beside": {r: cache.moe_beside(r) for r in rungs or []},
             "experts": {"hits": st.hits, "misses": st.misses, "host_bytes": st.bytes_loaded} if st else None}
-
-
-def worker_rebuild(cache, order: dict, rank: int, rungs: list[int] | None = None) -> dict:
-    """Worker `rank`'s part of a rebuild order (see the module docstring); returns its answer."""
-    from ft.engine.step_inputs import replay_pool_ops
-
-    pools = cache.pools
-    answer = {"rank": rank, "ok": True, "error": None, "peak_bytes": None}
-    try:
-        replay_pool_ops(order["ops"], pools.kv, pools.mamba)
-        if order["restore"]:
-            before = getattr(cache, "_before_order", None)
-            cache._before_order = None
-            if before is not None and before != cache.geometry:
-                entry = cache.rebuild(moe=before.moe_slots, kv=before.kv_tokens, mamba=before.mamba_slots,
-                                      trigger="tp", reason="rank 0 rolled the rebuild back")
-                answer["peak_bytes"] = entry.get("measured_peak_bytes")
-        elif order["kv"] is not None:
-            cache._before_order = cache.geometry
-            moe = order["moe"]
-            if moe == "fill":
-                moe = cache.moe_beside(order["kv"])
-                if moe is None:
-                    raise RebuildRefused(f"rank {rank}: {order['kv']} KV tokens leave no room for the expert floor",
-                                         cache.reachable_ranges())
-            if order.get("fault_rank") == rank:
-                cache.rebuilder.fault_at = "grow kv" if order["kv"] > cache.geometry.kv_tokens else "shrink kv"
-            try:
-                entry = cache.rebuild(moe=moe, kv=order["kv"], mamba=order["mamba"], trigger="tp",
-                                      reason="ordered by rank 0")
-            finally:
-                cache.rebuilder.fault_at = None
-            answer["peak_bytes"] = entry.get("measured_peak_bytes")
-    except (RebuildFailed, RebuildRefused, MemoryError, RuntimeError) as e:
-        answer.update(ok=False, error=f"rank {rank}: {e}")
-    answer["geometry"] = cache.geometry.sizes()
-    answer["describe"] = rank_report(cache, rungs)
-    return answer
