@@ -285,3 +285,24 @@ def test_rebuilds_and_refusals_are_logged(tiny_one, caplog):
     assert lines[1] == ("rebuild #2 (ladder: grow to rung 3 for request r1): no change: refused: rung 3 leaves less "
                         "than the expert floor 4")
     assert [r.levelno for r in caplog.records if r.name == "ft.cache"] == [logging.INFO, logging.WARNING]
+
+
+def test_closed_engine_frees_its_pools_without_waiting_for_the_cycle_collector(tiny_one):
+    """An engine dropped by its caller takes its pools with it at once (no reference cycle through
+    the cache manager): a second engine made right after in the same process measures its budget
+    with that memory free (on a GPU, a pool kept until a gc pass left a later engine 15 GB short)."""
+    import gc
+    import weakref
+
+    _, _, path = tiny_one
+    gc.collect()
+    gc.disable()
+    try:
+        llm = _llm(path, "realloc")
+        llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_new_tokens=2, temperature=0.0))
+        pools = weakref.ref(llm.engine.pools)
+        llm.close()
+        del llm
+        assert pools() is None
+    finally:
+        gc.enable()

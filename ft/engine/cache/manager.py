@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -108,7 +109,8 @@ class CacheManager:
         self.peers = None  # tensor parallelism, rank 0: the worker ranks' `TPPeers` (every rebuild is joint)
         self._scheduler = None  # attached: the holders of pages and slots
         self._prefix = None
-        self.rebuilder = Rebuilder(self.pools, lambda: (self._scheduler.running, self._prefix), shapes.page_size)
+        me = weakref.ref(self)  # NOTE: no reference cycle: the pools go as soon as the engine does (not at a gc pass)
+        self.rebuilder = Rebuilder(self.pools, lambda: (me()._scheduler.running, me()._prefix), shapes.page_size)
         self.history: list[dict] = [{
             "id": 0, "time": time.time(), "trigger": "startup", "reason": None, "from": {},
             "to": geo.sizes(), "peak_bytes": self.layout.nbytes(geo), "status": "ok", "error": None,
