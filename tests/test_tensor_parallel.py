@@ -256,20 +256,24 @@ def _echo_rank(rank: int, port: int, objs: list, out) -> None:
     from ft.parallel import init_group
 
     tp = init_group(rank, 2, port, torch.device("cpu"))
-    assert (tp.channel is not None) == (os.environ["FT_TP_CONTROL"] == "shm" and channel_supported())
+    shm = os.environ["FT_TP_CONTROL"] == "shm" and "FT_TP_CONTROL_DIR" not in os.environ
+    assert (tp.channel is not None) == (shm and channel_supported())
     got = [tp.broadcast(o if rank == 0 else None) for o in objs]
     if rank == 1:
         out.put(got)
     tp.destroy()
 
 
-@pytest.mark.parametrize("control", ["shm", "gloo"])
-def test_control_messages_arrive_whole_short_and_long(control, monkeypatch):
-    """Through the shared-memory channel, and through gloo: one broadcast for a message that fits
-    the buffer, two for a longer one; all arrive equal."""
+@pytest.mark.parametrize("control", ["shm", "gloo", "shm-unwritable"])
+def test_control_messages_arrive_whole_short_and_long(control, monkeypatch, tmp_path):
+    """Through the shared-memory channel, through gloo, and through gloo when rank 0 cannot create
+    the channel's file (every rank then agrees on gloo): one broadcast for a message that fits the
+    buffer, two for a longer one; all arrive equal."""
     import torch.multiprocessing as mp
 
-    monkeypatch.setenv("FT_TP_CONTROL", control)  # the spawned ranks inherit it
+    monkeypatch.setenv("FT_TP_CONTROL", control.split("-")[0])  # the spawned ranks inherit it
+    if control == "shm-unwritable":
+        monkeypatch.setenv("FT_TP_CONTROL_DIR", str(tmp_path / "missing"))
 
     from ft.parallel import free_port
     from ft.parallel.group import MESSAGE_BYTES

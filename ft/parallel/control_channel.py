@@ -45,8 +45,9 @@ def supported() -> bool:
 
 
 def channel_path(port: int) -> str:
-    """The file every rank of the group meeting at `port` maps (rank 0 creates it)."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    """The file every rank of the group meeting at `port` maps (rank 0 creates it): in
+    $FT_TP_CONTROL_DIR, else /dev/shm, else the temporary directory."""
+    base = os.environ.get("FT_TP_CONTROL_DIR") or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     return os.path.join(base, f"ft-tp-control-{os.getuid()}-{port}")
 
 

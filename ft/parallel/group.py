@@ -11,6 +11,7 @@ broadcast for the rest): there a batch-1 decode step's message took 0.30-0.34 ms
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import socket
@@ -22,6 +23,8 @@ import torch.distributed as dist
 
 from ft.parallel.control_channel import ControlChannel, channel_path
 from ft.parallel.control_channel import supported as channel_supported
+
+log = logging.getLogger("ft.parallel")
 
 MESSAGE_BYTES = 8192
 """The control buffer: a decode step's message (ids, positions, page lists, slots) fits at batch 1
@@ -220,22 +223,38 @@ def init_group(rank: int, world: int, port: int, device: torch.device) -> TPGrou
     timeout = timedelta(seconds=CONTROL_TIMEOUT_S)
     backend = "nccl" if device.type == "cuda" else "gloo"
     # the control channel: shared memory on hosts that order stores as it needs, else gloo (also
-    # with FT_TP_CONTROL=gloo); the environment and the host are the same for every rank
-    use_channel = channel_supported() and os.environ.get("FT_TP_CONTROL", "shm") != "gloo"
-    path, channel0 = channel_path(port), None
-    if use_channel and rank == 0:  # before the group forms: the workers map it once it has
-        if os.path.exists(path):  # left by a process that died with the same port
-            os.unlink(path)
-        channel0 = ControlChannel(path, 0, world - 1, True, CONTROL_TIMEOUT_S)
+    # with FT_TP_CONTROL=gloo, the same environment on every rank)
+    wanted = channel_supported() and os.environ.get("FT_TP_CONTROL", "shm") != "gloo"
+    path, channel, why = channel_path(port), None, None
+    if wanted and rank == 0:  # before the group forms: the workers map it once it has
+        try:
+            if os.path.exists(path):  # left by a process that died with the same port
+                os.unlink(path)
+            channel = ControlChannel(path, 0, world - 1, True, CONTROL_TIMEOUT_S)
+        except OSError as e:  # e.g. /dev/shm full or read-only: gloo carries the messages
+            why = f"{type(e).__name__}: {e}"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timeout, **kwargs)
     device_group = dist.group.WORLD
     control_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else device_group
-    channel = None
-    if use_channel:
-        channel = ControlChannel(path, rank, world - 1, False, CONTROL_TIMEOUT_S) if rank else channel0
-        dist.barrier(group=control_group)  # every rank mapped it: the file can go
-        if rank == 0:
+    if wanted:
+        if rank and os.path.exists(path):  # rank 0 made it (it unlinks it only after the gather below)
+            try:
+                channel = ControlChannel(path, rank, world - 1, False, CONTROL_TIMEOUT_S)
+            except OSError as e:
+                why = f"{type(e).__name__}: {e}"
+        elif rank:
+            why = "rank 0 could not create it"
+        answers = [None] * world
+        dist.all_gather_object(answers, why, group=control_group)  # every rank mapped it, or none uses it
+        if rank == 0 and channel is not None:
             channel.unlink()
+        failed = next((a for a in answers if a is not None), None)
+        if failed is not None:
+            if channel is not None:
+                channel.close()
+            channel = None
+            if rank == 0:
+                log.warning("tensor parallelism: control messages go through gloo (shared memory: %s)", failed)
     return TPGroup(rank, world, device, device_group, control_group, channel)
