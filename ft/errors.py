@@ -48,3 +48,8 @@ class RebuildFailed(FreeTokenError, RuntimeError):
 
 class InjectedFault(RuntimeError):
     """Raised on purpose by tests at a named rebuild step, inside its inverse, or in one tensor's resize."""
+
+
+class RanksOutOfStep(RuntimeError):
+    """Rank 0 of a tensor-parallel engine failed a step after the workers started it: they wait
+    in a collective rank 0 will not join, and the group cannot be trusted again."""

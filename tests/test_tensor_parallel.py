@@ -12,7 +12,7 @@ from conftest import TINY_CONFIGS
 from ft.engine.engine import Engine
 from ft.engine.engine_config import EngineConfig
 from ft.engine.sampling_params import SamplingParams
-from ft.errors import ConfigError, RebuildFailed
+from ft.errors import ConfigError, RanksOutOfStep, RebuildFailed
 from ft.model.config import ModelConfig
 from ft.model.layers.linear import NVFP4Weight
 from ft.model.tp_shard import shard_tensors
@@ -205,6 +205,33 @@ def test_a_worker_that_dies_fails_the_next_step_in_one_line_instead_of_hanging(t
         assert "restart ft serve" in eng.tp_failure
     finally:
         eng.close()  # bounded: the dead rank is not waited for
+
+
+def test_rank_0_failing_a_started_step_stops_the_engine_in_one_line(tiny_one):
+    """The workers run a step rank 0 then fails (here its forward raises): they wait in a
+    collective that will never come, so the engine refuses every later step and says why
+    (`tp_failure`, /health failed) instead of pairing the next step's collectives with theirs."""
+    _, _, path = tiny_one
+    eng = _engine(path, 2)
+    try:
+        eng.add_request(_prompts(1)[0], SamplingParams(**GREEDY))
+        forward = eng.model.forward
+
+        def broken(*a, **kw):
+            raise torch.cuda.OutOfMemoryError("injected on rank 0")
+
+        eng.model.forward = broken
+        with pytest.raises(RanksOutOfStep, match="out of step: restart ft serve"):
+            eng.step()
+        eng.model.forward = forward
+        with pytest.raises(RuntimeError, match="injected on rank 0"):
+            eng.step()  # refused before anything is sent
+        assert "OutOfMemoryError" in eng.tp_failure
+    finally:
+        for proc in eng._workers.procs:  # it waits in a collective: what a restart of ft serve does
+            proc.kill()
+            proc.join(10)
+        eng.close()
 
 
 def test_the_kv_ladder_moves_every_rank(tiny_one):

@@ -27,7 +27,7 @@ from ft.engine.sequence import Sequence
 from ft.engine.tokenizer import Tokenizer
 from ft.engine.cache.tp_rebuild import TPPeers
 from ft.engine.tp_worker import join_group, start_workers, stop_workers
-from ft.errors import ConfigError, RequestError
+from ft.errors import ConfigError, RanksOutOfStep, RequestError
 from ft.memory.cache_pools import CachePools
 
 log = logging.getLogger("ft.engine")
@@ -316,7 +316,12 @@ class Engine(RankState):
             return rejected + self._reject_unservable()
         self.current_work = work  # NOTE: what a step that raises was running (the server fails only those)
         self.runner.last_logprobs, self.runner.last_prompt_logprobs = [], []  # (a stand-in runner may leave them)
-        tokens = self.runner.run(work)
+        try:
+            tokens = self.runner.run(work)
+        except RanksOutOfStep as e:  # no later step can run: said by /health, as a dead worker is
+            self.tp_failure = str(e)
+            log.error("%s", self.tp_failure)
+            raise
         self.current_work = None
         return rejected + self._postprocess(work, tokens)
 

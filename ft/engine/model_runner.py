@@ -36,6 +36,7 @@ from ft.engine.step_inputs import PoolJournal, StepInputs, replay_pool_ops
 from ft.engine.sequence import Sequence
 from ft.memory.cache_pools import CachePools
 from ft.model.forward_batch import DecodeMeta, ForwardBatch, SeqSlice
+from ft.errors import RanksOutOfStep
 
 _log = logging.getLogger(__name__)
 
@@ -363,8 +364,16 @@ class ModelRunner:
         if tp is not None and tp.is_leader:
             inp.ops = self.journal.take()
             tp.broadcast(("step", inp))
-        elif inp.ops:
+            try:
+                return self._execute(inp)
+            except Exception as e:
+                raise RanksOutOfStep(f"rank 0 failed a step the workers had started ({type(e).__name__}: {e}); "
+                                     "the ranks are out of step: restart ft serve") from e
+        if inp.ops:
             replay_pool_ops(inp.ops, self.pools.kv, self.pools.mamba)
+        return self._execute(inp)
+
+    def _execute(self, inp: StepInputs) -> torch.Tensor | None:
         experts = self.pools.experts
         if experts is not None:
             experts.collect()  # NOTE: the last offloaded decode step's landings, before anything reads the cache
