@@ -5,6 +5,7 @@ Run them on the device machine in their own pytest process: ``python -m pytest -
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -38,3 +39,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.gpu)
         if reason is not None:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session")
+def model(tmp_path_factory) -> str:
+    """`gpu.small_model.SMALL_BF16_CONFIG` as a synthetic model name (weights made on the device)."""
+    from gpu.small_model import SMALL_BF16_CONFIG
+
+    path = tmp_path_factory.mktemp("synthetic") / "config.json"
+    path.write_text(json.dumps(SMALL_BF16_CONFIG))
+    return f"synthetic:{path}"

@@ -5,7 +5,6 @@ request in flight keeps producing the tokens it produces undisturbed."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from hypothesis import strategies as st
 
 from ft.engine import LLM, SamplingParams
 from ft.errors import InjectedFault, RebuildFailed, RebuildRefused
-from gpu.test_engine_cuda import SMALL_BF16_CONFIG
+from gpu.small_model import SMALL_BF16_CONFIG
 
 pytestmark = pytest.mark.gpu
 
@@ -23,12 +22,6 @@ PROMPT = list(range(200, 260))
 NEW = 24
 MIB = 1024**2
 
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("synthetic-vmm") / "config.json"
-    path.write_text(json.dumps(SMALL_BF16_CONFIG))
-    return f"synthetic:{path}"
 
 
 def make(model: str) -> LLM:

@@ -3,25 +3,17 @@ buckets' graphs, and a live rebuild between replays keeps every token."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 
 from ft.engine import LLM, SamplingParams
-from gpu.test_engine_cuda import SMALL_BF16_CONFIG
 
 pytestmark = pytest.mark.gpu
 
 PROMPTS = [list(range(100, 140)), list(range(300, 317)), list(range(500, 590))]
 NEW = 24
 
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("synthetic-graphs") / "config.json"
-    path.write_text(json.dumps(SMALL_BF16_CONFIG))
-    return f"synthetic:{path}"
 
 
 def make(model: str, **kw) -> LLM:

@@ -5,7 +5,6 @@ plain neighbour's tokens unchanged, and prompt logprobs agreeing with the sampli
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -13,18 +12,11 @@ import torch
 import ft.engine.model_runner as model_runner
 from ft.engine import LLM, SamplingParams
 from ft.engine.sampler import processed_logits_ref
-from gpu.test_engine_cuda import SMALL_BF16_CONFIG
 
 pytestmark = pytest.mark.gpu
 
 NEW = 12
 
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("synthetic-sampling") / "config.json"
-    path.write_text(json.dumps(SMALL_BF16_CONFIG))
-    return f"synthetic:{path}"
 
 
 def make(model: str, **kw) -> LLM:

@@ -5,7 +5,6 @@ one closed. Skipped with fewer than two GPUs (device kind nvidia-h200-x2)."""
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import queue
 
@@ -15,7 +14,7 @@ import torch
 from ft.engine.engine import Engine
 from ft.engine.engine_config import EngineConfig
 from ft.engine.sampling_params import SamplingParams
-from gpu.test_engine_cuda import SMALL_BF16_CONFIG
+from gpu.small_model import SMALL_BF16_CONFIG
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two GPUs")]
@@ -23,12 +22,6 @@ pytestmark = [pytest.mark.gpu,
 PROMPTS = [list(range(100, 140)), list(range(300, 317)), list(range(500, 590))]
 NEW = 24
 
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("synthetic-tp") / "config.json"
-    path.write_text(json.dumps(SMALL_BF16_CONFIG))
-    return f"synthetic:{path}"
 
 
 def generate(model: str, tp: int, prompts=PROMPTS, rebuild_after: int | None = None, engines: int = 1,
