@@ -9,7 +9,9 @@ at each batch size, that many greedy requests decode --tokens tokens after a 32-
 (total tok/s over the decode), rank 0's expert slots and hit rate, each rank's slots, and the
 host time rank 0 spends per step sending the workers their step inputs (gloo). `--profile STEPS`
 then profiles that many decode steps on rank 0 (torch.profiler: its host ops and GPU kernels, the
-all-reduces among them). Prints a table last, with two cards' speed over one card's.
+all-reduces among them); `--host-breakdown STEPS` times rank 0's phases of that many batch-1
+steps (schedule, step inputs, send, load, launch, wait, postprocess). Prints a table last, with
+two cards' speed over one card's.
 
 `--live TOKENS`: then, for the largest tensor-parallel size, an engine with the KV ladder on
 (automatic moves off) at the 64K rung: max(--batches) greedy requests decode TOKENS tokens
@@ -52,6 +54,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (give a small --config)")
     ap.add_argument("--live", type=int, default=0, metavar="TOKENS",
                     help="then a ladder move and a resize under load with the largest --tp (see above)")
+    ap.add_argument("--host-breakdown", type=int, default=0, metavar="STEPS",
+                    help="after each engine's rows, rank 0's host time per batch-1 decode step by phase")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="after each engine's rows, profile this many batch-1 decode steps on rank 0")
     args = ap.parse_args()
@@ -100,6 +104,8 @@ def main() -> None:
                 rows.append((tp, path, b, slots, hit, tok_s, control_ms))
                 print(f"tp {tp} batch {b}: {tok_s:.1f} tok/s, hit rate {hit:.1%}, control {control_ms:.3f} ms per "
                       "message", flush=True)
+            if args.host_breakdown:
+                host_breakdown(eng, args.host_breakdown)
             if args.profile:
                 from bench.decode import profile_steps
 
@@ -111,6 +117,67 @@ def main() -> None:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     Path(args.rows_json).write_text(json.dumps(rows))
+
+
+PHASES = [  # (label, owner attribute path, method): rank 0's work in one decode step, in order
+    ("schedule", "scheduler", "schedule"),
+    ("step inputs", "runner", "_decode_inputs"),
+    ("send to workers", "tp", "broadcast"),
+    ("load buffers", "runner", "load"),
+    ("graph launch", "runner.graphs", "run"),
+    ("eager forward", "runner.model", "forward"),
+    ("wait for the token", "runner", "_to_host"),
+    ("postprocess", "", "_postprocess"),
+]
+
+
+def host_breakdown(eng: Engine, steps: int) -> None:
+    """One greedy request decodes `steps` steps with rank 0's phases timed (wrapping the engine's
+    methods on this instance only): ms per step by phase; "other" is the step's rest (sampling's
+    launches, pool bookkeeping). "eager forward" is a forward outside a graph (no graphs, on the CPU:
+    the whole computation); "wait for the token" is the device's time not hidden behind the host's."""
+    spent = {label: 0.0 for label, _, _ in PHASES}
+    undo = []
+    for label, path, name in PHASES:
+        owner = eng
+        for attr in filter(None, path.split(".")):
+            owner = getattr(owner, attr, None)
+        if owner is None:
+            continue
+        fn = getattr(owner, name)
+
+        def timed(*a, _fn=fn, _label=label, **kw):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                spent[_label] += time.perf_counter() - t0
+
+        setattr(owner, name, timed)
+        undo.append((owner, name))
+    vocab = eng.model_config.vocab_size
+    seq = eng.add_request([(3000 + i) % vocab for i in range(32)],
+                          SamplingParams(max_new_tokens=steps + 9, temperature=0.0, ignore_eos=True))
+    while len(seq.output_ids) < 8:  # prefill and the graph's capture, untimed
+        eng.step()
+    for k in spent:
+        spent[k] = 0.0
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    _sync()
+    total = time.perf_counter() - t0
+    for owner, name in undo:
+        delattr(owner, name)  # the class's method again
+    while not seq.is_finished:
+        eng.step()
+    print(f"\nrank 0's host time per batch-1 decode step ({steps} steps, ms):")
+    print("| phase | ms/step |\n|---|---|")
+    for label, v in spent.items():
+        print(f"| {label} | {v / steps * 1e3:.3f} |")
+    print(f"| other | {(total - sum(spent.values())) / steps * 1e3:.3f} |")
+    print(f"| **step** | **{total / steps * 1e3:.3f}** |")
 
 
 def table(rows) -> None:
