@@ -149,10 +149,6 @@ def dot_cfg(m: int, n: int, k: int) -> dict:
     return {"SWAP_AB": False, **nv._dot_config(m, n, k), "PRECISION": "tf32"}  # every constexpr named
 
 
-def mma_cfg(m: int, n: int, k: int) -> dict:
-    return {**nv.mma_config(m, n, k), "BLOCK_M": nv.MMA_BLOCK_M}
-
-
 def moe_cfg(config: tuple, k_words: int, rows: str, whole: bool = True) -> dict:
     r, w, warps = config
     out = {rows: r, "BLOCK_W": max(2, w or 64), "num_warps": warps}
@@ -183,8 +179,6 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("dot M=8", nv._nvfp4_dot_kernel, DOT, dot_cfg(8, 8192, 2048)),
     ("dot M=64", nv._nvfp4_dot_kernel, DOT, dot_cfg(64, 8192, 2048)),
     ("dot prefill (swapped operands)", nv._nvfp4_dot_kernel, DOT, dot_cfg(4096, 8192, 2048)),
-    ("mma M=8 (bf16 operands)", nv._nvfp4_mma_kernel, DOT, mma_cfg(8, 12288, 2048)),
-    ("mma M=8 (fp16 operands)", nv._nvfp4_mma_kernel, DOT, {**mma_cfg(8, 2048, 4096), "OPERAND": "f16"}),
     ("moe gate_up, 1 token", moe._moe_gate_up_kernel, GATE_UP, moe_cfg(moe.GATE_UP_CONFIG[1], 256, "BLOCK_I")),
     ("moe gate_up, more tokens", moe._moe_gate_up_kernel, GATE_UP, moe_cfg(moe.GATE_UP_CONFIG[2], 256, "BLOCK_I")),
     ("moe gate_up, K loop", moe._moe_gate_up_kernel, GATE_UP, moe_cfg((8, 64, 4), 256, "BLOCK_I")),

@@ -32,9 +32,6 @@ CASES = [
     (5, 16, 64, torch.float16, "dot"),
     (12, 48, 96, torch.float16, None),  # the launcher's own choice (16-row dot tile)
     (5, 24, 2048, torch.bfloat16, None),  # the launcher's own choice (whole-K GEMV for 5 rows)
-    (8, 64, 128, torch.float32, "mma"),  # the tensor-core kernel for a few rows (fp32: ieee dots)
-    (3, 40, 96, torch.float16, "mma"),  # K not a multiple of the step (masked bytes)
-    (16, 33, 256, torch.float16, "mma"),  # all 16 rows, N not a multiple of the block
 ]
 
 
@@ -142,22 +139,3 @@ def test_dot_swap_ab_matches_ref(dtype):
     cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "SWAP_AB": True}
     y = nvfp4_linear_triton(x, packed, scale, scale_2, out=out, path="dot", config=cfg)
     assert _rel_rms(y, nvfp4_linear_ref(x, packed, scale, scale_2)) < TOL[dtype]
-
-
-@pytest.mark.parametrize("operand", ["x", "f16"])
-@pytest.mark.parametrize("block_n,block_kb", [(16, 8), (32, 64)])
-def test_mma_configs_match_ref(operand, block_n, block_kb):
-    """The small-M tensor-core kernel with both operand dtypes (fp16 x converted exactly) and tile sizes."""
-    gen = torch.Generator().manual_seed(block_n * 7 + block_kb)
-    packed, scale, scale_2 = _weight(48, 160, gen)
-    x = torch.randn(7, 160, generator=gen).half()
-    cfg = {"BLOCK_N": block_n, "BLOCK_KB": block_kb, "OPERAND": operand, "num_warps": 4}
-    y = nvfp4_linear_triton(x, packed, scale, scale_2, path="mma", config=cfg)
-    assert _rel_rms(y, nvfp4_linear_ref(x, packed, scale, scale_2)) < TOL[torch.float16]
-
-
-def test_mma_path_refuses_more_than_16_rows():
-    gen = torch.Generator().manual_seed(5)
-    packed, scale, scale_2 = _weight(16, 32, gen)
-    with pytest.raises(ValueError, match="M <= 16"):
-        nvfp4_linear_triton(torch.randn(17, 32, generator=gen), packed, scale, scale_2, path="mma")

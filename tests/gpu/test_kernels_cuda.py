@@ -11,7 +11,6 @@ from ft.kernels.moe import SlotWeights, moe_over_slots, moe_over_slots_ref
 from ft.kernels.moe.kernel import moe_over_slots_triton
 from ft.kernels.nvfp4 import nvfp4_linear, nvfp4_linear_ref
 from ft.kernels.nvfp4.kernel import nvfp4_linear_triton
-from ft.kernels.nvfp4.mma_kernel import mma_config
 from ft.kernels.router import router_topk, router_topk_ref
 from ft.kernels.router.kernel import router_topk_triton
 from ft.tools.nvfp4_quantize import quantize_nvfp4
@@ -52,24 +51,6 @@ def test_nvfp4_linear(m, n, k):
     assert y.data_ptr() == out.data_ptr()
     assert rel_rms(y, nvfp4_linear_ref(x, *w)) < TOL_LINEAR
     assert torch.equal(nvfp4_linear(x, *w), y)  # the dispatcher runs this kernel on CUDA
-
-
-MMA_CASES = [(m, n, k, op) for m in (3, 8, 16) for n, k in ((12288, 2048), (2048, 4096), (512, 2048))
-             for op in ("x", "f16")]
-
-
-@pytest.mark.parametrize("m, n, k, operand", MMA_CASES, ids=[f"M{m}-{n}x{k}-{op}" for m, n, k, op in MMA_CASES])
-def test_nvfp4_linear_mma(m, n, k, operand):
-    """The small-M tensor-core kernel (bf16 or fp16 operands) at the decode projections' shapes."""
-    torch.manual_seed(1)
-    w = random_nvfp4(n, k)
-    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-    out = torch.full((m, n), float("nan"), device=DEV, dtype=torch.bfloat16)
-    cfg = {**mma_config(m, n, k), "OPERAND": operand}
-    y = nvfp4_linear_triton(x, *w, out=out, path="mma", config=cfg)
-    assert rel_rms(y, nvfp4_linear_ref(x, *w)) < TOL_LINEAR
-    # each row alone gives the same bits (a row's result does not depend on the batch's other rows)
-    assert torch.equal(nvfp4_linear_triton(x[1:2].repeat(m, 1), *w, path="mma", config=cfg)[0], y[1])
 
 
 ROUTER_CASES = [(t, normalize) for t in (1, 8) for normalize in (True, False)]

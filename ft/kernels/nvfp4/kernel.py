@@ -46,8 +46,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.kernels.nvfp4.mma_kernel import MMA_BLOCK_M, _nvfp4_mma_kernel, mma_config
-
 __all__ = ["SMALL_M", "nvfp4_linear_triton"]
 
 SMALL_M = 2
@@ -354,19 +352,12 @@ def dequant_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, kb0, half_k, dtype: t
     return (b_dec * b_s).to(dtype)
 
 
-MMA_SMALL_M = False
-"""Whether M = 3..16 runs the tensor-core kernel (`mma_kernel`); False: the whole-K GEMV or the
-16-row tl.dot tile as below (`bench/decode.py --small-m` switches it to compare)."""
-
-
 def _path(m: int, n: int, k: int) -> str:
     # H200 (bench/RESULTS.md): the GEMV kernel up to M = 2; at M = 3..8 the whole-K GEMV where it
     # beat the 16-row tl.dot tile (N <= 2048 with K / 8 >= 256: expert gate_up 6.7 against 10.6 us,
     # out_proj 15.3 against 19.2 us at M = 8), tl.dot elsewhere.
     if m <= SMALL_M:
         return "gemv"
-    if MMA_SMALL_M and m <= MMA_BLOCK_M:
-        return "mma"
     return "gemv" if m <= 8 and n <= 2048 and whole_k_words(k) >= 256 else "dot"
 
 
@@ -430,7 +421,7 @@ def nvfp4_linear_triton(
         packed: uint8 [N, K/2]; scale: float8_e4m3fn [N, K/16]; scale_2: scalar (tensor or float).
         out: optional [M, N] output in x's dtype (written entirely).
         config: block sizes and launch options overriding the heuristics (benchmarks).
-        path: "gemv", "dot" or "mma" (`mma_kernel`, M <= 16) to force a kernel; default by shape (`_path`).
+        path: "gemv" or "dot" to force a kernel; default: gemv for M <= SMALL_M, dot above.
     Raises:
         ValueError: on shapes or dtypes the kernels do not take.
     """
@@ -466,13 +457,6 @@ def nvfp4_linear_triton(
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
         _nvfp4_dot_kernel[grid](x, packed, scale_u8, s2, y, m, n, k, x.stride(0), packed.stride(0), scale_u8.stride(0),
                                 y.stride(0), PRECISION=precision, **cfg)
-    elif path == "mma":
-        if m > MMA_BLOCK_M:
-            raise ValueError(f"the mma path takes M <= {MMA_BLOCK_M}, got {m}")
-        cfg = dict(config or mma_config(m, n, k))
-        cfg["UNROLL_KB"] = k // 2 if cfg.pop("UNROLL", False) else 0
-        _nvfp4_mma_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-            x, packed, scale_u8, s2, y, m, n, k, x.stride(0), packed.stride(0), scale_u8.stride(0), y.stride(0), **cfg)
     else:
-        raise ValueError(f"path must be 'gemv', 'dot' or 'mma', got {path!r}")
+        raise ValueError(f"path must be 'gemv' or 'dot', got {path!r}")
     return y
