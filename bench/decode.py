@@ -1,12 +1,15 @@
 """Flagship decode speed, all experts resident, eager and under CUDA graphs. Not a test.
 
     PYTHONPATH=. python3 bench/decode.py [--tokens 64] [--batches 1,8] [--profile STEPS]
+                                         [--context 32,131072] [--kv-cache-dtype nvfp4] [--modes graphs]
 
 Synthetic NVFP4 Qwen3-Next-80B-A3B on the GPU (`bench/configs/qwen3-next-80b-a3b.json`), the
 resident MoE backend (every expert in a device slot: no host traffic), greedy decode at each
 batch size after a short prompt, first eagerly then replaying CUDA graphs (same engine, same
 run). Reports tokens/s and the ratio to the roofline: the bytes one step must read
-(`bytes_per_step`) at 4.3 TB/s. Prints a table last.
+(`bytes_per_step`) at 4.3 TB/s. `--context` sets the prompt lengths (decode after a long prefill:
+each step reads the whole KV of its sequence), `--kv-cache-dtype` the KV cache's dtype. Prints a
+table last.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 
 import torch
 
+import ft.kernels.attention.split as attention_split
 from ft.engine.engine import Engine
 from ft.engine.engine_config import EngineConfig
 from ft.engine.sampling_params import SamplingParams
@@ -30,32 +34,51 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8", help="decode batch sizes to time")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="after the timed runs, profile this many decode steps (torch.profiler) and print the top ops")
+    ap.add_argument("--context", default="32", help="prompt lengths (tokens before decode starts)")
+    ap.add_argument("--kv-cache-dtype", default="bf16", choices=("bf16", "fp8", "nvfp4"))
+    ap.add_argument("--modes", default="eager,graphs", help="eager, graphs or both")
+    ap.add_argument("--attention-programs", type=int, default=0, metavar="N",
+                    help="split-K decode attention: aim at N programs (SPLIT_TARGET_PROGRAMS; MAX_SPLITS raised to "
+                         "match) instead of the library default")
     args = ap.parse_args()
+    if args.attention_programs:
+        attention_split.SPLIT_TARGET_PROGRAMS = args.attention_programs
+        attention_split.MAX_SPLITS = max(attention_split.MAX_SPLITS, args.attention_programs // 2)
     batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.context.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    if not contexts or min(contexts) < 1 or not set(modes) <= {"eager", "graphs"} or not modes:
+        raise SystemExit("--context takes positive lengths, --modes eager and/or graphs")
     t0 = time.perf_counter()
     eng = Engine(EngineConfig(model=f"synthetic:{args.config}", device="cuda", dtype="bfloat16",
-                              moe_backend="resident", num_tokens=16384, mamba_cache_size=2 * max(batches),
-                              max_running_requests=max(batches), max_prefill_length=1024,
-                              cuda_graph_max_bs=max(batches)))
+                              moe_backend="resident",
+                              num_tokens=max(16384, (max(contexts) + args.tokens + 64) * max(batches)),
+                              mamba_cache_size=2 * max(batches), max_running_requests=max(batches),
+                              max_prefill_length=4096 if max(contexts) > 1024 else 1024,
+                              cuda_graph_max_bs=max(batches), kv_cache_dtype=args.kv_cache_dtype))
     print(f"engine up in {time.perf_counter() - t0:.1f} s, geometry {eng.cache.geometry}", flush=True)
     graphs = eng.runner.graphs
-    prompt = list(range(1000, 1032))
     rows = []
-    for mode in ("eager", "graphs"):
-        eng.runner.graphs = graphs if mode == "graphs" else None
-        for b in batches:
-            tok_s, step_ms = timed_decode(eng, prompt, b, args.tokens)
-            roof = COPY_BW / bytes_per_step(eng, b, len(prompt) + args.tokens) * b
-            rows.append((mode, b, tok_s, step_ms, roof))
-            print(f"{mode} batch {b}: {tok_s:.1f} tok/s", flush=True)
+    for ctx in contexts:
+        prompt = [1000 + j % 150000 for j in range(ctx)]
+        for mode in modes:
+            eng.runner.graphs = graphs if mode == "graphs" else None
+            for b in batches:
+                tok_s, step_ms = timed_decode(eng, prompt, b, args.tokens)
+                roof = COPY_BW / bytes_per_step(eng, b, len(prompt) + args.tokens) * b
+                rows.append((ctx, mode, b, tok_s, step_ms, roof))
+                print(f"context {ctx} {mode} batch {b}: {tok_s:.1f} tok/s", flush=True)
     eng.runner.graphs = graphs
     if args.profile:
         for b in batches:
-            profile_steps(eng, prompt, args.profile, b)
+            profile_steps(eng, list(range(1000, 1032)), args.profile, b)
     print(f"\ngraphs captured {graphs.captures} ({graphs.capture_s:.2f} s), replayed {graphs.replays}")
-    print(f"\n{'model':<26} {'mode':<7} {'batch':>5} {'tok/s':>9} {'ms/step':>8} {'roofline tok/s':>14} {'ratio':>7}")
-    for mode, b, tok_s, step_ms, roof in rows:
-        print(f"{'qwen3-next-80b-a3b (syn.)':<26} {mode:<7} {b:>5} {tok_s:>9.2f} {step_ms:>8.2f} {roof:>14.0f} "
+    print(f"kv cache dtype: {args.kv_cache_dtype}; split-K decode attention aims at "
+          f"{attention_split.SPLIT_TARGET_PROGRAMS} programs, at most {attention_split.MAX_SPLITS} splits")
+    print(f"\n{'model':<26} {'context':>8} {'mode':<7} {'batch':>5} {'tok/s':>9} {'ms/step':>8} {'roofline tok/s':>14} "
+          f"{'ratio':>7}")
+    for ctx, mode, b, tok_s, step_ms, roof in rows:
+        print(f"{'qwen3-next-80b-a3b (syn.)':<26} {ctx:>8} {mode:<7} {b:>5} {tok_s:>9.2f} {step_ms:>8.2f} {roof:>14.0f} "
               f"{tok_s / roof:>7.2%}")
 
 

@@ -7,7 +7,9 @@ Synthetic NVFP4 Qwen3-Next-80B-A3B on the GPU (`bench/configs/qwen3-next-80b-a3b
 resident MoE backend, one request at a time with a prompt of each length (distinct token ids per
 run, so the prefix cache never helps) and `max_new_tokens=1`: the time from `add_request` to the
 first token is the time to first token (TTFT), and length / TTFT the prefill throughput. Each
-length runs once to warm (Triton compiles, allocator), then `--repeat` timed runs (the median).
+length runs once to warm (Triton compiles, allocator), then `--repeat` timed runs (the median);
+with `--warm LEN` one LEN-token prompt warms instead (for 256K prompts, whose warm run would
+double the bench).
 
 `--attention both` times every length with the reference prefill attention and with the Triton
 kernel in the same run (before / after). `--profile LEN` profiles one prefill of LEN tokens
@@ -47,6 +49,8 @@ def main() -> None:
     ap.add_argument("--attention", default="both", choices=["both", "triton", "reference"])
     ap.add_argument("--profile", type=int, default=0, metavar="LEN", help="profile one prefill of LEN tokens")
     ap.add_argument("--kv-cache-dtype", default="bf16")
+    ap.add_argument("--warm", type=int, default=0, metavar="LEN",
+                    help="warm once with a LEN-token prompt before all lengths (default: each length warms itself)")
     args = ap.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
     t0 = time.perf_counter()
@@ -59,8 +63,11 @@ def main() -> None:
     rows, base = [], [0]
     for mode in modes:
         attention.PREFILL_TRITON_ON_CUDA = mode == "triton"
+        if args.warm:
+            ttft(eng, args.warm, base)
         for n in lengths:
-            ttft(eng, n, base)  # warm
+            if not args.warm:
+                ttft(eng, n, base)  # warm
             times = [ttft(eng, n, base) for _ in range(args.repeat)]
             t = statistics.median(times)
             rows.append((mode, n, t, n / t))
@@ -68,7 +75,8 @@ def main() -> None:
     if args.profile:
         attention.PREFILL_TRITON_ON_CUDA = modes[-1] == "triton"
         profile_prefill(eng, args.profile, base)
-    print(f"\nchunk {args.chunk} tokens, kv {args.kv_cache_dtype}, median of {args.repeat}")
+    warm = f"warmed with {args.warm} tokens" if args.warm else "each length warmed once"
+    print(f"\nchunk {args.chunk} tokens, kv {args.kv_cache_dtype}, median of {args.repeat}, {warm}")
     print(f"{'attention':<10} {'prompt':>7} {'TTFT ms':>9} {'prefill tok/s':>14}")
     for mode, n, t, tps in rows:
         print(f"{mode:<10} {n:>7} {t * 1e3:>9.1f} {tps:>14,.0f}")
