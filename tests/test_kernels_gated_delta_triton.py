@@ -293,7 +293,11 @@ def make_layer(hk, hv, dk, dv, width, dtype, gen):
 
 def test_layer_prefill(monkeypatch):
     """The layer's prefill branch: on the references' path the same as the per-sequence `_mix` it ran
-    before (bitwise); on the kernels' path (one packed conv, the chunked rule) close to it."""
+    before (the conv states bitwise, as they are copies of inputs; y and the recurrent states to
+    fp32 rounding: torch's vectorized exp / sigmoid / softplus round an element differently in a
+    vector body and in a loop's scalar tail, so a packed batch and its slices can differ in the last
+    bit, and did on an AVX-512 machine); on the kernels' path (one packed conv, the chunked rule)
+    close to it."""
     from ft.model.forward_batch import ForwardBatch, SeqSlice
 
     hk, hv, dk, dv, width = 2, 4, 16, 16, 4
@@ -329,7 +333,8 @@ def test_layer_prefill(monkeypatch):
     monkeypatch.delenv("FT_TRITON_INTERPRET_TEST", raising=False)
     conv_r, ssm_r = conv.clone(), ssm.clone()
     y_ref = forward(conv_r, ssm_r)
-    assert torch.equal(y_ref, y_before) and torch.equal(conv_r, conv_b) and torch.equal(ssm_r, ssm_b)
+    assert torch.equal(conv_r, conv_b)
+    assert rel_rms(y_ref, y_before) < 1e-6 and rel_rms(ssm_r, ssm_b) < 1e-6
     monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
     conv_t, ssm_t = conv.clone(), ssm.clone()
     y = forward(conv_t, ssm_t)
