@@ -56,6 +56,8 @@ def main() -> None:
                     help="then a ladder move and a resize under load with the largest --tp (see above)")
     ap.add_argument("--host-breakdown", type=int, default=0, metavar="STEPS",
                     help="after each engine's rows, rank 0's host time per batch-1 decode step by phase")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="with --host-breakdown: also rank 0's host functions by own time (cProfile)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="after each engine's rows, profile this many batch-1 decode steps on rank 0")
     args = ap.parse_args()
@@ -99,13 +101,16 @@ def main() -> None:
             for b in batches:
                 decode(eng, b, 8)  # compiles the kernels and captures this bucket's graph outside the timed rows
                 c0, n0 = (eng.tp.broadcast_s, eng.tp.broadcasts) if eng.tp else (0.0, 0)
+                rt = eng.pools.experts.read_through
+                e0 = getattr(rt, "early_collects", 0)
                 tok_s, hit = decode(eng, b, args.tokens)
+                early = getattr(rt, "early_collects", 0) - e0
                 control_ms = (eng.tp.broadcast_s - c0) / max(1, eng.tp.broadcasts - n0) * 1e3 if eng.tp else 0.0
                 rows.append((tp, path, b, slots, hit, tok_s, control_ms))
                 print(f"tp {tp} batch {b}: {tok_s:.1f} tok/s, hit rate {hit:.1%}, control {control_ms:.3f} ms per "
-                      "message", flush=True)
+                      f"message, {early} of {args.tokens} steps collected before the step (short of spares)", flush=True)
             if args.host_breakdown:
-                host_breakdown(eng, args.host_breakdown)
+                host_breakdown(eng, args.host_breakdown, args.cprofile)
             if args.profile:
                 from bench.decode import profile_steps
 
@@ -120,18 +125,27 @@ def main() -> None:
 
 
 PHASES = [  # (label, owner attribute path, method): rank 0's work in one decode step, in order
+    ("check workers", "", "_check_workers"),
     ("schedule", "scheduler", "schedule"),
     ("step inputs", "runner", "_decode_inputs"),
     ("send to workers", "tp", "broadcast"),
+    ("collect (offload)", "runner.pools.experts", "collect"),
+    ("begin step (offload)", "runner.pools.experts.read_through", "begin_step"),
     ("load buffers", "runner", "load"),
+    ("graph key", "runner", "_graph_key"),
     ("graph launch", "runner.graphs", "run"),
     ("eager forward", "runner.model", "forward"),
+    ("end step (offload)", "runner.pools.experts.read_through", "end_step"),
+    ("sample", "runner", "_sample"),
+    ("routing trace draw", "runner.routing", "prefetch"),
     ("wait for the token", "runner", "_to_host"),
     ("postprocess", "", "_postprocess"),
 ]
+"""Before "graph launch" the device idles (the last step's token was waited for); from the launch to
+"wait for the token" the host works while the device runs."""
 
 
-def host_breakdown(eng: Engine, steps: int) -> None:
+def host_breakdown(eng: Engine, steps: int, cprofile: bool = False) -> None:
     """One greedy request decodes `steps` steps with rank 0's phases timed (wrapping the engine's
     methods on this instance only): ms per step by phase; "other" is the step's rest (sampling's
     launches, pool bookkeeping). "eager forward" is a forward outside a graph (no graphs, on the CPU:
@@ -163,9 +177,18 @@ def host_breakdown(eng: Engine, steps: int) -> None:
     for k in spent:
         spent[k] = 0.0
     _sync()
+    prof = None
+    if cprofile:  # the host's functions by own time, printed after the table
+        import cProfile
+
+        prof = cProfile.Profile()
     t0 = time.perf_counter()
+    if prof is not None:
+        prof.enable()
     for _ in range(steps):
         eng.step()
+    if prof is not None:
+        prof.disable()
     _sync()
     total = time.perf_counter() - t0
     for owner, name in undo:
@@ -178,6 +201,15 @@ def host_breakdown(eng: Engine, steps: int) -> None:
         print(f"| {label} | {v / steps * 1e3:.3f} |")
     print(f"| other | {(total - sum(spent.values())) / steps * 1e3:.3f} |")
     print(f"| **step** | **{total / steps * 1e3:.3f}** |")
+    rt = eng.pools.experts.read_through if eng.pools.experts is not None else None
+    if rt is not None and hasattr(rt, "early_collects"):
+        print(f"(read-through steps that collected the step before first, short of spares: {rt.early_collects} "
+              "since the engine started)")
+    if prof is not None:
+        import pstats
+
+        print(f"\nrank 0's host functions over those {steps} steps (cProfile: inflated, read the order):")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
 
 def table(rows) -> None:

@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from ft.kernels.expert_lookup import expert_lookup, expert_lookup_ref, new_book
-from ft.kernels.expert_lookup.kernel import expert_lookup_triton
+from ft.kernels.expert_lookup import commit_landed, commit_landed_ref, expert_lookup, expert_lookup_ref, new_book
+from ft.kernels.expert_lookup.kernel import commit_landed_triton, expert_lookup_triton
 
 
 def _setup(layers=3, experts=16, cap=4, seed=0):
@@ -84,3 +84,40 @@ def test_dispatcher_runs_the_kernel_in_interpreter_tests(monkeypatch):
     book.step[1] = 2
     slots, dst = expert_lookup(_ids(gen, 2, 3, 16), table[0], book, 0)
     assert calls and slots.dtype == dst.dtype == torch.int32
+
+
+def test_commit_maps_what_the_step_landed():
+    """After a step's lookups: each claimed, reserved landing slot holds its expert in the table;
+    the claim that found a hole and the claims past the reserve map nothing; other layers untouched."""
+    gen, table, book = _setup(experts=16, cap=4)
+    table[1] = -1
+    book.landing[1] = torch.tensor([40, -1, 42, 43], dtype=torch.int32)
+    book.step[0], book.step[1] = 1, 2
+    ids = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    expert_lookup_ref(ids, table[1], book, 1)  # 6 misses claim in order: 0->40, 1->hole, 2->42, 3->43, 4, 5 past R
+    assert int(book.landing_used[1]) == 6
+    before = table.clone()
+    commit_landed_ref(table, book)
+    want = torch.full((16,), -1, dtype=torch.int64)
+    want[0], want[2], want[3] = 40, 42, 43
+    assert torch.equal(table[1], want)
+    assert torch.equal(table[0], before[0]) and torch.equal(table[2], before[2])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_commit_kernel_matches_reference(seed):
+    gen = torch.Generator().manual_seed(seed)
+    layers, experts, cap = 5, 64, 8
+    book = new_book(layers, experts, cap, torch.device("cpu"))
+    book.landing.copy_(torch.randint(-1, 200, (layers, cap), generator=gen, dtype=torch.int32))
+    book.landing_used.copy_(torch.randint(0, cap + 3, (layers,), generator=gen, dtype=torch.int32))
+    book.landed.copy_(torch.stack([torch.randperm(experts, generator=gen)[:cap] for _ in range(layers)]).int())
+    table = torch.randint(-1, 300, (layers, experts), generator=gen)
+    want = table.clone()
+    commit_landed_ref(want, book)
+    got = table.clone()
+    commit_landed_triton(got, book)
+    assert torch.equal(got, want) and not torch.equal(want, table)
+    got2 = table.clone()
+    commit_landed(got2, book)  # the dispatcher (the reference here, without FT_TRITON_INTERPRET_TEST)
+    assert torch.equal(got2, want)

@@ -36,6 +36,7 @@ class HandBuiltRunner(ModelRunner):
 
 def addresses(runner: ModelRunner) -> dict[str, int]:
     out = {name: b.device_buffer.data_ptr() for name, b in runner.buffers.items()}
+    out |= {"decode " + name: b.device_buffer.data_ptr() for name, b in runner.decode_buffers.items()}
     return {**out, "page_table": runner.page_table.table.data_ptr()}
 
 
@@ -76,6 +77,47 @@ def test_buffers_keep_their_addresses(tiny_one):
     assert batch.mamba_slots.data_ptr() == runner.buffers["mamba_slots"].device_buffer.data_ptr()
     assert batch.seqs[0].page_table.data_ptr() == runner.page_table.table.data_ptr()
     assert batch.seqs[0].page_table.tolist() == seq.pages and batch.mamba_slots.tolist() == [seq.mamba_slot]
+
+
+def test_a_decode_step_loads_its_inputs_in_one_copy(tiny_one):
+    """A decode step's inputs (ids, positions, KV slots, lengths, logit rows, mamba slots, the page
+    table's rows) are regions of one arena: one flush per decode step, none for a prefill, and the
+    batch reads its views, holding the step's values."""
+    eng = make_llm(tiny_one[2], max_prefill_length=32).engine
+    eng.runner = runner = sized_runner(eng)
+    arena = runner.decode_arena
+    seen = []  # (kind, flushes after the load, the batch, the inputs)
+    load = runner.load
+
+    def recording_load(inp):
+        batch = load(inp)
+        seen.append((inp.kind, arena.flushes, batch, inp))
+        return batch
+
+    runner.load = recording_load
+    for n in (7, 12):
+        eng.add_request(prompt_of(n, seed=n), SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
+    while eng.has_work:
+        eng.step()
+    kinds = [k for k, _, _, _ in seen]
+    assert "prefill" in kinds and kinds.count("decode") >= 4
+    flushes = 0
+    block = arena.device_block
+    lo, hi = block.data_ptr(), block.data_ptr() + block.numel()
+    for kind, after, batch, inp in seen:
+        flushes += kind == "decode"
+        assert after == flushes
+        if kind != "decode":
+            continue
+        for t in (batch.input_ids, batch.positions, batch.mamba_slots, batch.last_token_index, batch.decode.seq_lens,
+                  batch.decode.slot_mapping):
+            assert lo <= t.data_ptr() < hi
+        if batch is seen[-1][2]:  # the views hold the last step's values (earlier ones were overwritten)
+            assert batch.input_ids.tolist() == inp.ids and batch.positions.tolist() == inp.pos
+            assert batch.decode.seq_lens.tolist() == inp.seq_lens and batch.decode.slot_mapping.tolist() == inp.kv_slots
+            assert batch.mamba_slots.tolist() == inp.mamba_slots
+            for i, (_, _, pages, _) in enumerate(inp.seqs):
+                assert batch.seqs[i].page_table[: len(pages)].tolist() == pages
 
 
 def test_buffers_grow_only_when_a_batch_exceeds_them(tiny_one):

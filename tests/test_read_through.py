@@ -186,3 +186,34 @@ def test_lfu_policy_and_flags(tiny_one):
         make_llm(path, expert_policy="lfu", expert_read_through=False)
     with pytest.raises(ConfigError, match="lru or lfu"):
         make_llm(path, expert_policy="fifo")
+
+
+def test_without_collects_between_steps_victims_avoid_the_step_before():
+    """As the engine runs decode (no `collect` between steps; each `end_step` takes in the step
+    before): a victim is never an expert the step just before used, also when a cache under
+    pressure has too few spares and `begin_step` tops up (it collects that step first)."""
+    cache = read_through_cache(2, 32, 14, 3, rows=2)
+    rt = cache.read_through
+    rt.floor = 1
+    trace = RoutingTrace(2, 32, 3, seed=11).tokens(120)
+    used_before: set = set()
+    topped_up = 0
+    for t in range(0, len(trace) - 1, 2):
+        rows = [trace[t], trace[t + 1]]
+        short = any(len(s) < 1 for s in rt.spare)
+        before = set(cache._lru)
+        rt.begin_step(2, 3)
+        evicted = before - set(cache._lru)
+        assert not evicted & used_before, (t, evicted & used_before)
+        topped_up += short and bool(evicted)
+        for layer in range(cache.num_layers):
+            ids = torch.tensor([row[layer] for row in rows], dtype=torch.int64)
+            expert_lookup_ref(ids, cache.slot_table[layer], rt.book, layer)
+        before = set(cache._lru)
+        used_now = {(layer, e) for row in rows for layer, ids in enumerate(row) for e in ids}
+        rt.end_step()  # collects the step before, then picks victims: never the step before's experts
+        assert not (before - set(cache._lru)) & used_before
+        used_before = used_now
+    cache.collect()
+    _check_consistent(cache)
+    assert topped_up > 0 and cache.stats.hits > 0

@@ -1,21 +1,87 @@
 """The model runner's persistent device buffers: a buffer loaded from a host staging twin each step
 (`StagedBuffer`) and the batch's page table (`PageTableBuffer`). Fixed addresses from step to step,
-what a CUDA graph capture needs."""
+what a CUDA graph capture needs. Buffers carved from one `StagingArena` reach the device in one copy
+per step (a decode step's inputs: one host-to-device copy instead of one per input)."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+
+_ALIGN = 64  # bytes between the regions of an arena (any dtype's alignment)
+
+
+class StagingArena:
+    """One pinned host block and one device block, cut into regions that buffers use as their
+    host twin and device buffer. Loads that defer (`StagedBuffer.load(values, defer=True)`) only
+    write the host block; `flush()` queues one copy of the span they wrote, then the follow-ups
+    queued with `then` (the page table's spread into its rows). Contract: flush before anything
+    reads the deferred buffers on the device; as with every staging here, the host block is
+    rewritten only after the step that read it ended (the runner waits for each step)."""
+
+    def __init__(self, region_bytes: list[int], device: torch.device) -> None:
+        self._offsets, at = [], 0
+        for n in region_bytes:
+            self._offsets.append(at)
+            at += -(-max(1, n) // _ALIGN) * _ALIGN
+        self._sizes = list(region_bytes)
+        self.host = torch.zeros(max(1, at), dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.device_block = torch.zeros(max(1, at), dtype=torch.uint8, device=device)
+        self._lo: int | None = None
+        self._hi = 0
+        self._then: list[Callable[[], None]] = []
+        self.flushes = 0  # copies queued by `flush` (tests)
+
+    def region(self, i: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Region i as (host view, device view) of `dtype`."""
+        lo = self._offsets[i]
+        n = self._sizes[i] // torch.empty((), dtype=dtype).element_size()
+        hi = lo + n * torch.empty((), dtype=dtype).element_size()
+        return self.host[lo:hi].view(dtype), self.device_block[lo:hi].view(dtype)
+
+    def mark(self, host_view: torch.Tensor, nbytes: int) -> None:
+        """`nbytes` from the start of `host_view` (a view of this arena's host block) were written."""
+        lo = host_view.data_ptr() - self.host.data_ptr()
+        self._lo = lo if self._lo is None else min(self._lo, lo)
+        self._hi = max(self._hi, lo + nbytes)
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Queue `fn` (device work reading a deferred region) right after the next flush's copy."""
+        self._then.append(fn)
+
+    def flush(self) -> None:
+        """One copy of the written span to the device, then the follow-ups, in stream order."""
+        if self._lo is not None:
+            lo, hi = self._lo, self._hi
+            self.device_block[lo:hi].copy_(self.host[lo:hi], non_blocking=True)
+            self.flushes += 1
+        self._lo, self._hi = None, 0
+        then, self._then = self._then, []
+        for fn in then:
+            fn()
 
 
 class StagedBuffer:
-    """A persistent device buffer [capacity] and its host staging twin (pinned on CUDA)."""
+    """A persistent device buffer [capacity] and its host staging twin (pinned on CUDA); in a region
+    of a `StagingArena` when given one (`arena`, region index), where loads may defer their copy."""
 
-    def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device,
+                 arena: tuple[StagingArena, int] | None = None) -> None:
         self.dtype, self.device = dtype, device
+        self._arena: StagingArena | None = None
+        if arena is not None:
+            a, i = arena
+            self.host, self.device_buffer = a.region(i, dtype)
+            if self.host.numel() >= max(1, capacity):
+                self._arena, self.capacity = a, self.host.numel()
+                self._host_np = self.host.numpy()
+                return
         self._alloc(max(1, capacity))
 
     def _alloc(self, capacity: int) -> None:
         self.capacity = capacity
+        self._arena = None  # NOTE: a grown buffer leaves its arena: its loads copy at once
         self.device_buffer = torch.zeros(capacity, dtype=self.dtype, device=self.device)
         self.host = torch.zeros(capacity, dtype=self.dtype, pin_memory=self.device.type == "cuda")
         self._host_np = self.host.numpy()
@@ -26,13 +92,17 @@ class StagedBuffer:
         if n > self.capacity:
             self._alloc(max(n, 2 * self.capacity))
 
-    def load(self, values) -> torch.Tensor:
-        """Copy `values` (a list of numbers) into the buffer's prefix; returns that prefix [n]."""
+    def load(self, values, defer: bool = False) -> torch.Tensor:
+        """Copy `values` (a list of numbers) into the buffer's prefix; returns that prefix [n].
+        With `defer` and an arena, the copy waits for the arena's `flush`."""
         n = len(values)
         self.reserve(n)
         self._host_np[:n] = values
         out = self.device_buffer[:n]
-        out.copy_(self.host[:n], non_blocking=True)
+        if defer and self._arena is not None:
+            self._arena.mark(self.host, n * self.host.element_size())
+        else:
+            out.copy_(self.host[:n], non_blocking=True)
         return out
 
 
@@ -40,17 +110,34 @@ class PageTableBuffer:
     """The page table [rows, cols] int64 of a batch: row i holds sequence i's KV pages.
 
     Only the block [B, w] a batch uses travels: packed in the host staging, copied in one copy to
-    a flat device scratch, then spread into the table's rows on the device (fixed addresses)."""
+    a flat device scratch, then spread into the table's rows on the device (fixed addresses). With
+    an arena (`arena`, region index) the staging and the scratch are its region, and a deferred
+    load's copy and spread wait for the arena's `flush`."""
 
-    def __init__(self, rows: int, cols: int, device: torch.device) -> None:
+    def __init__(self, rows: int, cols: int, device: torch.device,
+                 arena: tuple[StagingArena, int] | None = None) -> None:
         self.device = device
+        self._arena_region = arena
         self._alloc(max(1, rows), max(1, cols))
+
+    @staticmethod
+    def arena_bytes(rows: int, cols: int) -> int:
+        """The arena region a table of rows x cols needs (its staging and scratch)."""
+        return max(1, rows) * max(1, cols) * 8
 
     def _alloc(self, rows: int, cols: int) -> None:
         self.rows, self.cols = rows, cols
         self.table = torch.zeros(rows, cols, dtype=torch.int64, device=self.device)
-        self._scratch = torch.zeros(rows * cols, dtype=torch.int64, device=self.device)
-        self._host = torch.zeros(rows * cols, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._arena = None
+        if self._arena_region is not None:
+            a, i = self._arena_region
+            host, scratch = a.region(i, torch.int64)
+            if host.numel() >= rows * cols:
+                self._arena, self._host, self._scratch = a, host, scratch
+        if self._arena is None:  # NOTE: no arena, or grown past its region: copies at once
+            self._arena_region = None
+            self._scratch = torch.zeros(rows * cols, dtype=torch.int64, device=self.device)
+            self._host = torch.zeros(rows * cols, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._host_np = self._host.numpy()
 
     def reserve(self, rows: int, cols: int) -> None:
@@ -58,18 +145,26 @@ class PageTableBuffer:
         if rows > self.rows or cols > self.cols:
             self._alloc(max(rows, self.rows), max(cols, self.cols))
 
-    def load_rows(self, pages: list[list[int]]) -> torch.Tensor:
+    def load_rows(self, pages: list[list[int]], defer: bool = False) -> torch.Tensor:
         """Write each sequence's pages into its row; returns table[:B] (its full width)."""
-        self.load(pages)
+        self.load(pages, defer)
         return self.table[: len(pages)]
 
-    def load(self, pages: list[list[int]]) -> list[torch.Tensor]:
+    def load(self, pages: list[list[int]], defer: bool = False) -> list[torch.Tensor]:
         """Write each sequence's pages into its row; returns the views table[i, :len(pages[i])]."""
         b, w = len(pages), max(1, max(map(len, pages), default=0))
         self.reserve(b, w)
         block = self._host_np[: b * w].reshape(b, w)
         for i, row in enumerate(pages):
             block[i, : len(row)] = row
-        self._scratch[: b * w].copy_(self._host[: b * w], non_blocking=True)
-        self.table[:b, :w].copy_(self._scratch[: b * w].view(b, w))
+
+        def spread() -> None:
+            self.table[:b, :w].copy_(self._scratch[: b * w].view(b, w))
+
+        if defer and self._arena is not None:
+            self._arena.mark(self._host, b * w * 8)
+            self._arena.then(spread)
+        else:
+            self._scratch[: b * w].copy_(self._host[: b * w], non_blocking=True)
+            spread()
         return [self.table[i, : len(row)] for i, row in enumerate(pages)]

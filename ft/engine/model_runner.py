@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from ft.engine.buffers import PageTableBuffer, StagedBuffer
+from ft.engine.buffers import PageTableBuffer, StagedBuffer, StagingArena
 from ft.engine.decode_graphs import DecodeGraphs
 from ft.engine.grammar import GrammarMaskBuffer
 from ft.engine.penalty_state import PenaltyState
@@ -71,13 +71,12 @@ class ModelRunner:
         self.buffers: dict[str, StagedBuffer] = {
             name: StagedBuffer(n, dtype, device) for name, n, dtype in (
                 ("input_ids", tokens, i64), ("positions", tokens, i64),
-                ("seq_lens", rows, i64), ("last_token_index", rows, i64), ("mamba_slots", rows, i64),
-                ("slot_mapping", rows, i64),
+                ("last_token_index", rows, i64), ("mamba_slots", rows, i64),
                 ("temperature", rows, f32), ("top_k", rows, i64), ("top_p", rows, f32), ("uniform", rows, f32),
             )
         }
-        # NOTE: not read by the forward's decode graphs (only the prefill reads logit_index): kept out of
-        # `self.buffers`, whose addresses key the graphs, so that growing one recaptures nothing
+        # NOTE: sampling's and prompt logprobs' inputs, never read by the decode graphs (which read the
+        # decode buffers below, the page table and `forced_experts`: the addresses that key them)
         self.sample_buffers: dict[str, StagedBuffer] = {
             name: StagedBuffer(n, dtype, device) for name, n, dtype in (
                 ("min_p", rows, f32), ("pen_rows", rows, i64), ("pen_rep", rows, f32), ("pen_pres", rows, f32),
@@ -95,7 +94,17 @@ class ModelRunner:
         # asked or no token) and the prompt logprobs computed (sequence, first position, entries)
         self.last_logprobs: list[TokenLogprob | None] = []
         self.last_prompt_logprobs: list[tuple[Sequence, int, list[TokenLogprob]]] = []
-        self.page_table = PageTableBuffer(rows, max_pages_per_seq, device)
+        # a decode step's inputs (one token per sequence) reach the device in one copy: its buffers
+        # and the page table's staging are regions of one arena (prefill uses `self.buffers`)
+        decode_specs = [(name, rows, i64) for name in ("input_ids", "positions", "seq_lens", "last_token_index",
+                                                       "mamba_slots", "slot_mapping")]
+        self.decode_arena = StagingArena([n * 8 for _, n, _ in decode_specs]
+                                         + [PageTableBuffer.arena_bytes(rows, max_pages_per_seq)], device)
+        self.decode_buffers: dict[str, StagedBuffer] = {
+            name: StagedBuffer(n, dtype, device, arena=(self.decode_arena, i))
+            for i, (name, n, dtype) in enumerate(decode_specs)
+        }
+        self.page_table = PageTableBuffer(rows, max_pages_per_seq, device, arena=(self.decode_arena, len(decode_specs)))
         self.routing = None  # a `routing_override.TraceRouting` (synthetic traces): set by the engine
         self._sampled = torch.zeros(rows, dtype=i64, pin_memory=device.type == "cuda")  # host side of token ids
         self._packed = torch.zeros(rows, dtype=torch.float64, pin_memory=device.type == "cuda")  # ids + logprobs
@@ -156,26 +165,30 @@ class ModelRunner:
         )
 
     def load(self, inp: StepInputs) -> ForwardBatch:
-        """`inp` in the persistent buffers, as the `ForwardBatch` the model reads."""
-        buf = self.buffers
-        if inp.kind == "decode":
-            table = self.page_table.load_rows([pages for _, _, pages, _ in inp.seqs])
+        """`inp` in the persistent buffers, as the `ForwardBatch` the model reads. A decode step's
+        inputs travel in one copy (the decode arena's flush, queued last)."""
+        d = inp.kind == "decode"
+        buf = self.decode_buffers if d else self.buffers
+        if d:
+            table = self.page_table.load_rows([pages for _, _, pages, _ in inp.seqs], defer=True)
             slices = [SeqSlice(start, 1, table[i], slot) for i, (start, _, _, slot) in enumerate(inp.seqs)]
         else:
             tables = self.page_table.load([pages for _, _, pages, _ in inp.seqs])
             slices = [SeqSlice(start, n, t, slot) for (start, n, _, slot), t in zip(inp.seqs, tables)]
-        batch = ForwardBatch(buf["input_ids"].load(inp.ids), buf["positions"].load(inp.pos), slices)
+        batch = ForwardBatch(buf["input_ids"].load(inp.ids, d), buf["positions"].load(inp.pos, d), slices)
         # NOTE: these are cached properties of ForwardBatch: set here, they are buffer views.
-        if inp.kind == "decode":
-            batch.decode = DecodeMeta(buf["slot_mapping"].load(inp.kv_slots), table, buf["seq_lens"].load(inp.seq_lens),
-                                      self.max_seq_len)
+        if d:
+            batch.decode = DecodeMeta(buf["slot_mapping"].load(inp.kv_slots, d), table,
+                                      buf["seq_lens"].load(inp.seq_lens, d), self.max_seq_len)
         if len(inp.logit_index) == len(inp.seqs):
-            batch.last_token_index = buf["last_token_index"].load(inp.logit_index)
+            batch.last_token_index = buf["last_token_index"].load(inp.logit_index, d)
         else:  # every position of some chunks (prompt logprobs)
             batch.last_token_index = self.sample_buffers["logit_index"].load(inp.logit_index)
-        batch.mamba_slots = buf["mamba_slots"].load(inp.mamba_slots)
+        batch.mamba_slots = buf["mamba_slots"].load(inp.mamba_slots, d)
         batch.forced_experts = self._load_forced(inp.forced)
         batch.calibrate_kv = inp.calibrate_kv
+        if d:
+            self.decode_arena.flush()
         return batch
 
     def _forced_values(self, request_ids: list[str], counts: list[int], pad: int = 0) -> list[int] | None:
@@ -375,13 +388,16 @@ class ModelRunner:
 
     def _execute(self, inp: StepInputs) -> torch.Tensor | None:
         experts = self.pools.experts
-        if experts is not None:
-            experts.collect()  # NOTE: the last offloaded decode step's landings, before anything reads the cache
+        rt = experts.read_through if experts is not None else None
+        if experts is not None and (inp.kind != "decode" or rt is None):
+            # NOTE: the last offloaded decode step's record, before anything reads the cache; a
+            # read-through decode step needs none of it (the device mapped what that step landed):
+            # its end_step takes it in while this step runs, off the critical path
+            experts.collect()
         if inp.kind != "decode":
             return self.model.forward(self.load(inp), self.pools)
         # decode: a graph replay where one applies, else eager; offloaded experts in read-through
         # mode are bracketed by the cache's begin_step / end_step
-        rt = experts.read_through if experts is not None else None
         if rt is not None:
             rt.begin_step(inp.real, self.model.top_k)
         try:
@@ -416,8 +432,10 @@ class ModelRunner:
             pools = pools + experts.tensors + [experts.slot_table]
             if rt is not None:
                 pools = pools + list(rt.book) + [t for t in experts.host if t is not None]
+        forced = self.buffers.get("forced_experts")  # (synthetic routing traces only)
         return (*(t.data_ptr() for t in pools), self.page_table.table.data_ptr(),
-                *(buf.device_buffer.data_ptr() for buf in self.buffers.values()))
+                *(buf.device_buffer.data_ptr() for buf in self.decode_buffers.values()),
+                forced.device_buffer.data_ptr() if forced is not None else 0)
 
     def _count_hits(self, tokens: int) -> None:
         """Resident experts: every (token, expert) pair is a hit (the MoE layer does not count

@@ -8,19 +8,28 @@ path), and the first such pair of each expert in the step also writes the bytes 
 read, not a read and a later copy, and it is cached for the next steps like an LRU cache's miss.
 
 Around each step, on the one stream the graphs run on:
-1. collect: read back what the step recorded (a small device-to-host copy queued right after it):
-   the experts each layer used (last-use stamps), which expert landed in which landing slot, the
-   hit and miss counts. Landed experts become residents (the slot table gets their slots, before
-   the next step); the used residents become the most recent in the LRU order.
-2. begin_step: each layer's landing reserve is what the last step left of it plus the spares
-   chosen while that step ran, trimmed to its misses of the last step plus a margin (at most
-   `top_k x rows`); then the landing table, the step number and the zeroed claim counters are
-   uploaded.
-3. end_step, right after the step is queued (so while the device runs it): the readback is queued,
-   and the next step's spares are chosen: free slots first, then victims chosen by the policy
-   among the residents that the last collected step did not use, never taking a layer below its
-   floor. A victim is unmapped (slot table -1) by an update queued after the running step, which
-   may still read it; the step after, which may write into it, never sees it mapped (stream order).
+1. begin_step (just before the step is queued; the device is idle, so it is kept short): the
+   spares chosen while the last step ran become this step's landing reserve, trimmed to the
+   layer's misses of the last collected step plus a margin (at most `top_k x rows`); when short
+   (the first step, or a cache under pressure whose last step left too few victims) the last step
+   is collected first and the reserve topped up; then the landing table, the step number and the
+   zeroed claim counters are uploaded.
+2. end_step (right after the step is queued, while the device runs it):
+   a. `commit_landed` is queued: on the device, after the step, every landed expert gets its
+      landing slot in the slot table, so the next step hits it without waiting for the host;
+   b. the previous step is collected (its readback arrived when the host waited for that step's
+      token): the experts each layer used (last-use stamps), which expert landed where (the host
+      mirrors the device's commit: the LRU map and the host twin of the table), the hit and miss
+      counts; its unclaimed landing slots go back to the free list;
+   c. this step's readback is queued (a small device-to-host copy after it);
+   d. the next step's spares are chosen: free slots first, then victims chosen by the policy
+      among the residents that the last collected step did not use, never taking a layer below
+      its floor. A victim is unmapped (slot table -1) by an update queued after the running step,
+      which may still read it; the step after, which may write into it, never sees it mapped.
+So between two decode steps the host only uploads a reserve; what the policy learns from a step it
+learns while the next one runs (one step later than the device, which commits at once).
+`collect()` takes in the step in flight at once: before a prefill's `ensure`, a resize, an
+invalidation, or a read of the statistics.
 
 Why not copy promoted experts on a side stream (the issue's first sketch)? With a hit rate of
 70-80% the misses already cross PCIe once, in the step, at the bus's speed; a promotion copy would
@@ -41,7 +50,7 @@ import time
 import numpy as np
 import torch
 
-from ft.kernels.expert_lookup import ExpertBook, new_book
+from ft.kernels.expert_lookup import ExpertBook, commit_landed, new_book
 
 POLICIES = ("lru", "lfu")
 LFU_HALF_LIFE = 16.0
@@ -52,10 +61,12 @@ LANDING_MARGIN = 2
 class ReadThrough:
     """The host policy and the device book of an `ExpertCache` in read-through mode.
 
-    Contract with the model runner: `collect()` before anything else of a step uses the cache
-    (the engine calls it at the start of every step and before a rebuild); `begin_step(rows,
-    top_k)` just before a decode step is queued (eagerly or as a graph replay); `end_step()` just
-    after it, before the step's end-of-step synchronization (which the next `collect` relies on).
+    Contract with the model runner: `begin_step(rows, top_k)` just before a decode step is queued
+    (eagerly or as a graph replay); `end_step()` just after it, before the step's end-of-step
+    synchronization (which the next step's `end_step` or `collect` relies on); `collect()` before
+    anything other than a read-through decode step uses the cache (a prefill, a rebuild). Slots are
+    in exactly one place: resident (`cache._lru`), free (`cache._free`), this step's landing
+    reserve (`landing`), the step in flight's reserve (`pending`) or the next step's spares (`spare`).
     """
 
     def __init__(self, cache, landing_capacity: int, policy: str = "lru", floor: int | None = None) -> None:
@@ -84,6 +95,7 @@ class ReadThrough:
         self._updates = _Staging(device)
         self._event = torch.cuda.Event() if device.type == "cuda" else None
         self.landing: list[list[int]] = [[] for _ in range(layers)]  # reserved slots per layer, in upload order
+        self.pending: list[list[int]] = [[] for _ in range(layers)]  # the step in flight's reserve, until collected
         self.spare: list[list[int]] = [[] for _ in range(layers)]  # chosen for the next step's reserve
         self._rows = self._top_k = 1
         self.step = 0  # the next step's number
@@ -93,6 +105,7 @@ class ReadThrough:
         self.used_last = np.zeros((layers, experts), dtype=bool)
         self.score = np.zeros((layers, experts), dtype=np.float64)  # "lfu": aged use counts
         self.landed_total = 0
+        self.early_collects = 0  # begin_steps that collected the step before (short of spares)
         self._untouched: tuple | None = None  # the last collected step's (uses, hits), not yet applied (`touch`)
         self.active = False  # between begin_step and end_step: the MoE layers take the read-through path
         self.host_s = 0.0  # seconds spent in begin_step and end_step (the policy's share of a step's host time)
@@ -100,14 +113,25 @@ class ReadThrough:
     # ------------------------------------------------------------------------------ the step
     def begin_step(self, rows: int, top_k: int) -> None:
         """Reserve landing slots and upload the book's inputs for the decode step about to be
-        queued (`rows` real rows of `top_k` experts per layer)."""
+        queued (`rows` real rows of `top_k` experts per layer). Does not collect the step before
+        (its record is taken in at `end_step`, while this step runs)."""
         t0 = time.perf_counter()
         table: list[tuple[int, int, int]] = []
-        self._collect(table)
-        for landing, spare in zip(self.landing, self.spare):  # the spares chosen while the last step ran
-            landing.extend(spare)
-            spare.clear()
-        self._provision(min(self.capacity, top_k * rows), table, self.landing)  # normally only trims
+        self.landing, self.spare = self.spare, self.landing  # the spares chosen while the last step ran
+        for slots in self.spare:
+            self.cache._free.extend(slots)  # NOTE: empty unless a step was reserved for and never ended
+            slots.clear()
+        most = min(self.capacity, top_k * rows)
+        want = np.minimum(most, self.misses_last + LANDING_MARGIN)
+        if self._in_flight is not None and any(len(s) < w for s, w in zip(self.landing, want.tolist())):
+            # NOTE: short of spares (a cache under pressure: the running step's uses left too few
+            # victims): take in the last step first, so that the victims topped up here avoid what
+            # it used and its unclaimed reserve is free again (what every step did before the
+            # collect moved off the critical path; at batch 8 on one 16 GiB card skipping it cost
+            # 4 points of hit rate)
+            self.collect()
+            self.early_collects += 1
+        self._provision(most, table, self.landing)  # normally only trims
         self._apply(table)
         up = self._landing_up.numpy()
         up.fill(-1)
@@ -122,9 +146,12 @@ class ReadThrough:
         self.host_s += time.perf_counter() - t0
 
     def end_step(self) -> None:
-        """Queue the readback of what the step just queued records (collected at the next step)."""
+        """After the step is queued: its landed experts mapped on the device, the step before it
+        collected, its readback queued, the next step's spares chosen (the module docstring)."""
         t0 = time.perf_counter()
         b = self.book
+        commit_landed(self.cache.slot_table, b)
+        self.collect()  # NOTE: the step before this one: its readback is in (its token was waited for)
         for dst, src in ((self._last, b.last_use), (self._used, b.landing_used), (self._landed, b.landed),
                          (self._counters, b.counters)):
             dst.copy_(src, non_blocking=True)
@@ -132,6 +159,7 @@ class ReadThrough:
             self._event.record()
         self.active = False
         self._in_flight = self.step
+        self.pending, self.landing = self.landing, self.pending  # (pending was emptied by the collect)
         self.step += 1
         # NOTE: the next step's spares are chosen now, while the device runs this step (the host
         # would otherwise do it between steps, on the critical path). Victims are unmapped by an
@@ -142,13 +170,8 @@ class ReadThrough:
         self.host_s += time.perf_counter() - t0
 
     def collect(self) -> None:
-        """Take in the last step's readback: land, touch, count (see the module docstring)."""
-        table: list[tuple[int, int, int]] = []
-        self._collect(table)
-        self._apply(table)
-
-    def _collect(self, table: list[tuple[int, int, int]]) -> None:
-        """`collect`, its slot-table updates appended to `table` instead of applied."""
+        """Take in the step in flight's readback, if any: mirror its landings (already mapped on the
+        device), note its uses for the policy, count; its unclaimed landing slots become free."""
         if self._in_flight is None:
             return
         step, self._in_flight = self._in_flight, None
@@ -161,20 +184,21 @@ class ReadThrough:
         # residents among the uses, taken before the landed experts below join them
         self._untouched = (used, used & (cache.table_np >= 0))
         lru = cache._lru
-        n_before = len(table)
         claimed = self._used.numpy()
         landed = self._landed.numpy()
-        for layer, slots in enumerate(self.landing):
+        n_landed = 0
+        for layer, slots in enumerate(self.pending):
             n = min(int(claimed[layer]), len(slots))
             for i in range(n):
                 key, slot = (layer, int(landed[layer, i])), slots[i]
-                if key in lru:  # NOTE: cannot happen (a resident is no miss); kept safe
-                    cache._free.append(slot)
-                    continue
+                old = lru.get(key)
+                if old is not None:  # NOTE: cannot happen (a resident is no miss); the device's mapping wins
+                    cache._free.append(old)
                 cache.map(key, slot)
-                table.append((layer, key[1], slot))
-            del slots[:n]
-        self.landed_total += len(table) - n_before
+                n_landed += 1
+            cache._free.extend(slots[n:])
+            slots.clear()
+        self.landed_total += n_landed
         counters = self._counters.numpy()
         delta = counters - self._seen
         self._seen = counters.copy()
@@ -290,7 +314,7 @@ class ReadThrough:
         """After the cache forgot every expert (`invalidate`): no reserves, nothing outstanding."""
         self._in_flight = None
         self._untouched = None
-        for slots in self.landing + self.spare:
+        for slots in self.landing + self.pending + self.spare:
             slots.clear()
         self.used_last[:] = False
         self.misses_last[:] = 0

@@ -59,6 +59,8 @@ def rank_caches(engine) -> list[dict]:
     peers = engine.cache.peers
     if peers is None:
         return []
+    if engine.pools.experts is not None:
+        engine.pools.experts.collect()  # NOTE: the last decode step's counters, as every worker does (rank_report)
     st = engine.pools.experts.stats if engine.pools.experts is not None else None
     mine = {**engine.cache.describe(),
             "experts": {"hits": st.hits, "misses": st.misses} if st else None}

@@ -251,3 +251,36 @@ def test_moe_decode_lands_host_experts_in_free_slots_inside_a_cuda_graph(pool):
                 assert torch.equal(got[d].cpu().view(torch.uint8), want[0, e].view(torch.uint8)), (d, e)
         for got, want in zip(few, kept):
             assert torch.equal(got[:resident].view(torch.uint8), want.view(torch.uint8))
+
+
+def test_expert_lookup_and_commit_at_the_flagship_shape():
+    """48 MoE layers of 512 experts, 8 rows of top-10: the lookup kernel then the commit kernel
+    against their references (same slots, same book, same table after the commit). The order of
+    claims among rows may differ from the reference's (atomics), so the comparison is by set."""
+    from ft.kernels.expert_lookup import commit_landed_ref, expert_lookup_ref, new_book
+    from ft.kernels.expert_lookup.kernel import commit_landed_triton, expert_lookup_triton
+
+    layers, cap, rows = 48, 80, 8
+    gen = torch.Generator().manual_seed(5)
+    table = torch.full((layers, EXPERTS), -1, dtype=torch.int64)
+    for layer in range(layers):
+        table[layer, torch.randperm(EXPERTS, generator=gen)[:200]] = torch.arange(200) + 200 * layer
+    book = new_book(layers, EXPERTS, cap, torch.device("cpu"))
+    book.landing.copy_(torch.arange(layers * cap, dtype=torch.int32).view(layers, cap) + 20_000)
+    book.step[0], book.step[1] = 3, rows
+    ids = [torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(rows)]) for _ in range(layers)]
+    ref_table, ref_book = table.clone(), type(book)(*(t.clone() for t in book))
+    dev_table, dev_book = table.to(DEV), type(book)(*(t.to(DEV) for t in book))
+    for layer in range(layers):
+        s_ref, _ = expert_lookup_ref(ids[layer], ref_table[layer], ref_book, layer)
+        s_dev, _ = expert_lookup_triton(ids[layer].to(DEV), dev_table[layer], dev_book, layer)
+        assert torch.equal(s_dev.cpu(), s_ref)
+    commit_landed_ref(ref_table, ref_book)
+    commit_landed_triton(dev_table, dev_book)
+    torch.cuda.synchronize()
+    assert torch.equal(dev_book.landing_used.cpu(), ref_book.landing_used)
+    # the same experts landed, each in a distinct reserved slot, and the tables map the same sets
+    for layer in range(layers):
+        assert set(dev_table[layer].cpu().tolist()) == set(ref_table[layer].tolist())
+        assert torch.equal(dev_table[layer].cpu() >= 0, ref_table[layer] >= 0)
+    assert int((ref_table >= 20_000).sum()) > 0

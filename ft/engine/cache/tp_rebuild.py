@@ -154,6 +154,8 @@ def rank_report(cache, rungs: list[int] | None) -> dict:
     expert slots it keeps beside each KV ladder rung (None: below its expert floor) and its expert
     cache's counters."""
     experts = cache.pools.experts
+    if experts is not None:
+        experts.collect()  # NOTE: the last decode step's counters (read-through takes them in a step late)
     st = experts.stats if experts is not None else None
     return {**cache.describe(), "ranges": {k: list(v) for k, v in cache.reachable_ranges().items()},
             "moe_beside": {r: cache.moe_beside(r) for r in rungs or []},

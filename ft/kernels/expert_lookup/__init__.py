@@ -1,9 +1,12 @@
 """Expert lookup for an offloaded expert cache, inside the decode step: each routed expert's slot
 (-1: read it from the host store), the device-side use bookkeeping the host policy reads between
 steps, and read-through landing slots for this step's misses. No host sync: a CUDA graph captures it.
+After the step, `commit_landed` maps the experts it landed in the slot table, on the device, so that
+the next step hits them before the host has read the step's record.
 
-`reference.py` is the torch reference, `kernel.py` the Triton kernel (one launch per MoE layer),
-this module the type of the bookkeeping tensors and the dispatcher.
+`reference.py` holds the torch references, `kernel.py` the Triton kernels (the lookup: one launch per
+MoE layer; the commit: one per step), this module the type of the bookkeeping tensors and the
+dispatchers.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ from typing import NamedTuple
 import torch
 
 from ft.kernels.backend import uses_triton
-from ft.kernels.expert_lookup.reference import expert_lookup_ref
+from ft.kernels.expert_lookup.reference import commit_landed_ref, expert_lookup_ref
 
-__all__ = ["ExpertBook", "expert_lookup", "expert_lookup_ref", "new_book"]
+__all__ = ["ExpertBook", "commit_landed", "commit_landed_ref", "expert_lookup", "expert_lookup_ref", "new_book"]
 
 
 class ExpertBook(NamedTuple):
@@ -71,3 +74,14 @@ def expert_lookup(ids: torch.Tensor, slot_table: torch.Tensor, book: ExpertBook,
 
         return expert_lookup_triton(ids, slot_table, book, layer)
     return expert_lookup_ref(ids, slot_table, book, layer)
+
+
+def commit_landed(slot_table: torch.Tensor, book: ExpertBook) -> None:
+    """Dispatcher (`commit_landed_ref`'s contract): the step's landed experts mapped in `slot_table`
+    [L, E] on the device, queued right after the step; the Triton kernel on CUDA, else the reference."""
+    if uses_triton(slot_table.device):
+        from ft.kernels.expert_lookup.kernel import commit_landed_triton  # NOTE: imports triton only when used
+
+        commit_landed_triton(slot_table, book)
+    else:
+        commit_landed_ref(slot_table, book)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["expert_lookup_triton"]
+__all__ = ["commit_landed_triton", "expert_lookup_triton"]
 
 
 @triton.jit
@@ -61,3 +61,24 @@ def expert_lookup_triton(ids: torch.Tensor, slot_table: torch.Tensor, book, laye
             BLOCK_K=triton.next_power_of_2(k), num_warps=1,
         )
     return slots, dst
+
+
+@triton.jit
+def _commit_landed_kernel(p_table, p_landing, p_used, p_landed, stride_tl, stride_ll, R, BLOCK_R: tl.constexpr):
+    i_l = tl.program_id(0)
+    o_r = tl.arange(0, BLOCK_R)
+    n = tl.load(p_used + i_l)
+    b_s = tl.load(p_landing + i_l * stride_ll + o_r, mask=o_r < R, other=-1)
+    ok = (o_r < n) & (b_s >= 0)
+    b_e = tl.load(p_landed + i_l * stride_ll + o_r, mask=ok, other=0)
+    tl.store(p_table + i_l * stride_tl + b_e, b_s.to(p_table.dtype.element_ty), mask=ok)
+
+
+def commit_landed_triton(slot_table: torch.Tensor, book) -> None:
+    """`ft.kernels.expert_lookup.commit_landed_ref` in one launch (a program per layer)."""
+    layers, r = book.landing.shape
+    assert book.landed.stride() == book.landing.stride() and slot_table.stride(1) == 1
+    _commit_landed_kernel[(layers,)](
+        slot_table, book.landing, book.landing_used, book.landed, slot_table.stride(0), book.landing.stride(0), r,
+        BLOCK_R=triton.next_power_of_2(r), num_warps=1,
+    )

@@ -41,3 +41,18 @@ def expert_lookup_ref(ids: torch.Tensor, slot_table: torch.Tensor, book, layer: 
                 dst[t, j] = book.landing[layer, i]
                 book.landed[layer, i] = e
     return slots, dst
+
+
+def commit_landed_ref(slot_table: torch.Tensor, book) -> None:
+    """Map the experts a step landed, on the device, right after the step (before the host hears of it).
+
+    Args:
+        slot_table: [L, E] integer slot of each expert (-1: none), written in place; book: the
+            `ExpertBook` the step's lookups filled.
+    Effect: slot_table[l, landed[l, i]] = landing[l, i] for every landing slot i the step claimed
+        (i < min(landing_used[l], R)) that was reserved (landing[l, i] >= 0): the next step hits them.
+    """
+    r = book.landing.shape[1]
+    claimed = torch.arange(r, device=book.landing.device)[None, :] < book.landing_used[:, None]
+    layer, i = torch.nonzero(claimed & (book.landing >= 0), as_tuple=True)
+    slot_table[layer, book.landed[layer, i].long()] = book.landing[layer, i].to(slot_table.dtype)
