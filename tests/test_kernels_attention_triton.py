@@ -449,11 +449,15 @@ def test_write_kv_nvfp4_prefill_and_decode_references_agree():
     assert torch.equal(kv4, expected)
 
 
+@pytest.mark.parametrize("loop", ["tiles", "halves", "fma"])
 @pytest.mark.parametrize("path", ["single", "split3"])
 @pytest.mark.parametrize(("seq_lens", "hq", "hkv", "d", "page"), CASES, ids=CASE_IDS)
-def test_decode_attention_nvfp4_cache(seq_lens, hq, hkv, d, page, path):
+def test_decode_attention_nvfp4_cache(seq_lens, hq, hkv, d, page, path, loop):
     """An NVFP4 cache: the kernels (fp32 and fp16 queries; gated fp16) against the reference, which
-    dequantizes; the reference equals the unquantized reference on the dequantized values."""
+    dequantizes; the reference equals the unquantized reference on the dequantized values. Both
+    inner loops: whole dequantized tiles, q's even and odd columns against the low and high
+    nibbles (`NVFP4_HALVES`, the default; it takes D >= 32, smaller heads run the tiles), and
+    the CUDA-core loop over 32-bit words (`NVFP4_FMA`; D % 64 == 0, else the halves)."""
     kv4, table, lens, scale = nvfp4_batch(seq_lens, hkv, d, page)
     k_cache, v_cache = layer_views(kv4)
     b = len(seq_lens)
@@ -464,7 +468,8 @@ def test_decode_attention_nvfp4_cache(seq_lens, hq, hkv, d, page, path):
         ref = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, d ** -0.5, gate=gate, kv_scale=scale)
         out = torch.full_like(q, float("nan"))
         y = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, d ** -0.5, splits=splits, out=out,
-                                          gate=gate, config={"BLOCK_N": 16}, kv_scale=scale)
+                                          gate=gate, config={"BLOCK_N": 16, "NVFP4_HALVES": loop == "halves",
+                                                                  "NVFP4_FMA": loop == "fma"}, kv_scale=scale)
         assert rel_rms(y, ref) < TOL[dtype], (dtype, gated)
         for i, n in enumerate(seq_lens):
             if n == 0:

@@ -1,0 +1,111 @@
+"""The paged decode attention kernel alone, at long contexts: bf16 against NVFP4 KV caches. Not a test.
+
+    PYTHONPATH=. python3 bench/decode_attention.py [--contexts 4096,32768,131072] [--batch 1]
+
+The flagship's full-attention layer (16 query heads, 2 KV heads, head dim 256, the engine's page
+of 64 tokens, pages in a shuffled order): one decode step's attention of one layer, the split
+count the engine uses for that context (`decode_attention_splits`), timed as CUDA-graph replays
+over enough layer copies that every call reads HBM (`bench/gpu_timing.py`). Variants: the bf16
+cache; the NVFP4 cache with whole dequantized tiles (`tiles`) and with q's even and odd columns
+against the low and high nibbles (`halves`, the default), each at a few block sizes; `--extra`
+adds variants (any `decode_config` key, and "splits" to override the split count); `fma` is the
+CUDA-core loop over 32-bit words (`NVFP4_FMA`, off by default until measured). Prints us per call, the
+KV bytes read per second, and each NVFP4 variant's difference from the reference. Table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.gpu_timing import copies_for, graph_us, rel_rms  # noqa: E402
+from ft.kernels.attention import paged_decode_attention_ref  # noqa: E402
+from ft.kernels.attention.kernel import paged_decode_attention_triton  # noqa: E402
+from ft.kernels.attention.reference import NVFP4_CACHE, quantize_kv  # noqa: E402
+from ft.kernels.attention.split import decode_attention_splits, decode_attention_workspace  # noqa: E402
+
+VARIANTS = [  # (label, cache, config overrides)
+    ("bf16", "bf16", {}),
+    ("nvfp4 tiles", "nvfp4", {"NVFP4_HALVES": False}),
+    ("nvfp4 tiles N64", "nvfp4", {"NVFP4_HALVES": False, "BLOCK_N": 64}),
+    ("nvfp4 halves", "nvfp4", {"NVFP4_HALVES": True}),
+    ("nvfp4 halves N64", "nvfp4", {"NVFP4_HALVES": True, "BLOCK_N": 64}),
+    # the CUDA-core loop (not measured yet): warps and the split count decide whether it keeps up
+    ("nvfp4 fma w1 s512", "nvfp4", {"NVFP4_FMA": True, "BLOCK_N": 16, "num_warps": 1, "splits": 512}),
+    ("nvfp4 fma w2 s256", "nvfp4", {"NVFP4_FMA": True, "BLOCK_N": 16, "num_warps": 2, "splits": 256}),
+    ("nvfp4 fma w4", "nvfp4", {"NVFP4_FMA": True, "BLOCK_N": 16, "num_warps": 4}),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", default="4096,32768,131072")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--hq", type=int, default=16)
+    ap.add_argument("--hkv", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=256)
+    ap.add_argument("--page", type=int, default=64)
+    ap.add_argument("--variants", default=None, help="comma-separated labels (default: all)")
+    ap.add_argument("--extra", action="append", default=[], metavar="LABEL=KIND:JSON",
+                    help='another variant, e.g. \'halves w8=nvfp4:{"NVFP4_HALVES": true, "num_warps": 8}\'')
+    args = ap.parse_args()
+    for spec in args.extra:
+        label, _, rest = spec.partition("=")
+        kind, _, cfg = rest.partition(":")
+        VARIANTS.append((label, kind, json.loads(cfg or "{}")))
+    dev = torch.device("cuda")
+    b, hq, hkv, d, page = args.batch, args.hq, args.hkv, args.head_dim, args.page
+    wanted = set(args.variants.split(",")) | {s.partition("=")[0] for s in args.extra} if args.variants else None
+    rows = []
+    for ctx in (int(c) for c in args.contexts.split(",")):
+        gen = torch.Generator(device=dev).manual_seed(ctx)
+        pages_per_seq = -(-ctx // page)
+        n_pages = b * pages_per_seq
+        table = torch.randperm(n_pages, device=dev, generator=gen).view(b, pages_per_seq)
+        lens = torch.full((b,), ctx, dtype=torch.int64, device=dev)
+        q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16, generator=gen)
+        kv = torch.randn(n_pages, 2, page, hkv, d, device=dev, dtype=torch.bfloat16, generator=gen)
+        scale = torch.tensor([0.02, 0.02], device=dev)  # K and V layer scales: amax 6 * 448 * 0.02 covers randn
+        kv4 = torch.stack([quantize_kv(kv[:, i].float(), scale[i], NVFP4_CACHE) for i in (0, 1)], dim=1)
+        caches = {"bf16": kv, "nvfp4": kv4}
+        ref = paged_decode_attention_ref(q.float(), kv4[:, 0], kv4[:, 1], table, lens, d ** -0.5, kv_scale=scale)
+        for label, kind, cfg in VARIANTS:
+            if wanted and label not in wanted:
+                continue
+            cfg = dict(cfg)
+            splits = cfg.pop("splits", None) or decode_attention_splits(b, hkv, ctx)  # "splits": an override
+            ws = decode_attention_workspace(b, hq, d, splits, dev)
+            cache = caches[kind]
+            nbytes = cache.numel() * cache.element_size()
+            copies = [cache] + [cache.clone() for _ in range(copies_for(nbytes) - 1)]
+            out = torch.empty_like(q)
+            kvs = scale if kind == "nvfp4" else None
+
+            def call(c, _cfg=cfg, _kvs=kvs, _out=out, _splits=splits, _ws=ws):
+                return lambda: paged_decode_attention_triton(q, c[:, 0], c[:, 1], table, lens, d ** -0.5,
+                                                             splits=_splits, workspace=_ws, out=_out, config=_cfg,
+                                                             kv_scale=_kvs)
+
+            us = graph_us([call(c) for c in copies])
+            call(cache)()
+            err = rel_rms(out.float(), ref) if kind == "nvfp4" else float("nan")
+            rows.append((ctx, label, splits, us, nbytes / us / 1e3, err))
+            print(f"context {ctx}: {label}: {us:.1f} us, {nbytes / us / 1e3:.0f} GB/s, rel rms {err:.2e}", flush=True)
+            del copies
+        del kv, kv4, caches
+        torch.cuda.empty_cache()
+    print(f"\nbatch {b}, {hq} q heads, {hkv} kv heads, head dim {d}, page {page}: one layer's decode attention")
+    print("| context | variant | splits | us | KV GB/s | rel RMS vs reference |")
+    print("|---|---|---|---|---|---|")
+    for ctx, label, splits, us, gbs, err in rows:
+        print(f"| {ctx:,} | {label} | {splits} | {us:.1f} | {gbs:.0f} | {err:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
