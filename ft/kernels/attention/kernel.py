@@ -188,6 +188,26 @@ def load_kv_tile(p, o_row, m_n, D, dtype: tl.constexpr, BLOCK_N: tl.constexpr, B
 
 
 @triton.jit
+def _block_tokens(p_pt, n0, hi, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tokens [n0, n0 + BLOCK_N) of a sequence whose page-table row is p_pt: (in range [BLOCK_N],
+    page id int64 [BLOCK_N], slot in the page [BLOCK_N]); tokens at or past hi read no page id."""
+    o_n = n0 + tl.arange(0, BLOCK_N)
+    m_n = o_n < hi
+    return m_n, tl.load(p_pt + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64), o_n % PAGE_SIZE
+
+
+@triton.jit
+def _softmax_block(b_s, m_n, b_m):
+    """One block of the online softmax: scores b_s [G, N] (log2 units, scale included; tokens
+    outside m_n become -inf) against the running max b_m [G] -> (new max, the factor that rescales
+    what was summed before, exp2 of the block's scores [G, N]). Every block holds a token below hi,
+    so the new max is finite and the padding rows stay finite."""
+    b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+    b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+    return b_m_new, tl.exp2(b_m - b_m_new), tl.exp2(b_s - b_m_new[:, None])
+
+
+@triton.jit
 def _attend(b_q, p_k, p_v, p_pt, lo, hi, D, qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
             PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
             PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False, KV_NVFP4: tl.constexpr = False):
@@ -202,18 +222,11 @@ def _attend(b_q, p_k, p_v, p_pt, lo, hi, D, qk_scale, stride_kp, stride_ks, stri
     b_l = tl.zeros((BLOCK_G,), dtype=tl.float32)
     b_acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
-        o_n = n0 + tl.arange(0, BLOCK_N)
-        m_n = o_n < hi
-        b_page = tl.load(p_pt + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
-        o_slot = o_n % PAGE_SIZE
+        m_n, b_page, o_slot = _block_tokens(p_pt, n0, hi, PAGE_SIZE, BLOCK_N)
         b_k = load_kv_tile(p_k, b_page * stride_kp + o_slot * stride_ks, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D, KV_FP8,
                            KV_NVFP4)
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
-        b_s = tl.where(m_n[None, :], b_s, float("-inf"))
-        # NOTE: every block holds a token below hi, so b_m_new is finite and the padding rows stay finite
-        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
-        b_alpha = tl.exp2(b_m - b_m_new)
-        b_p = tl.exp2(b_s - b_m_new[:, None])
+        b_m_new, b_alpha, b_p = _softmax_block(b_s, m_n, b_m)
         b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
         b_v = load_kv_tile(p_v, b_page * stride_vp + o_slot * stride_vs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D, KV_FP8,
                            KV_NVFP4)
@@ -256,17 +269,11 @@ def _attend_nvfp4(b_q, p_k, p_v, p_pt, lo, hi, D, qk_scale, stride_kp, stride_ks
     b_acc_e = tl.zeros((BLOCK_G, HALF), dtype=tl.float32)
     b_acc_o = tl.zeros((BLOCK_G, HALF), dtype=tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
-        o_n = n0 + tl.arange(0, BLOCK_N)
-        m_n = o_n < hi
-        b_page = tl.load(p_pt + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
-        o_slot = o_n % PAGE_SIZE
+        m_n, b_page, o_slot = _block_tokens(p_pt, n0, hi, PAGE_SIZE, BLOCK_N)
         b_ke, b_ko = _nvfp4_halves(p_k, b_page * stride_kp + o_slot * stride_ks, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D)
         b_s = tl.dot(b_qe, tl.trans(b_ke), input_precision=PRECISION)
         b_s = tl.dot(b_qo, tl.trans(b_ko), b_s, input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
-        b_s = tl.where(m_n[None, :], b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
-        b_alpha = tl.exp2(b_m - b_m_new)
-        b_p = tl.exp2(b_s - b_m_new[:, None])
+        b_m_new, b_alpha, b_p = _softmax_block(b_s, m_n, b_m)
         b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
         b_ve, b_vo = _nvfp4_halves(p_v, b_page * stride_vp + o_slot * stride_vs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D)
         b_pq = b_p.to(b_q.dtype)
