@@ -217,3 +217,28 @@ def test_without_collects_between_steps_victims_avoid_the_step_before():
     cache.collect()
     _check_consistent(cache)
     assert topped_up > 0 and cache.stats.hits > 0
+
+
+def test_begin_step_uploads_what_end_step_staged():
+    """The book's step, claim counters and landing table are views of one tensor, uploaded by
+    begin_step in one copy; end_step stages the next table (double-buffered), begin_step restages
+    only when it changed the reserve. After each begin_step the book holds exactly this step's."""
+    cache = read_through_cache(3, 32, 20, 2, rows=2)
+    rt = cache.read_through
+    base = rt._inputs.data_ptr()
+    assert {rt.book.step.data_ptr(), rt.book.landing_used.data_ptr(), rt.book.landing.data_ptr()} <= set(
+        range(base, base + rt._inputs.numel() * 4))
+    trace = RoutingTrace(3, 32, 2, seed=5).tokens(40)
+    for t in range(0, 40, 2):
+        rows = [trace[t], trace[t + 1]]
+        rt.begin_step(2, 2)
+        assert rt.book.step.tolist() == [rt.step, 2] and rt.book.landing_used.tolist() == [0, 0, 0]
+        for layer, slots in enumerate(rt.landing):
+            row = rt.book.landing[layer].tolist()
+            assert row[: len(slots)] == slots and all(v == -1 for v in row[len(slots):])
+        for layer in range(cache.num_layers):
+            ids = torch.tensor([row[layer] for row in rows], dtype=torch.int64)
+            expert_lookup_ref(ids, cache.slot_table[layer], rt.book, layer)
+        rt.end_step()
+    cache.collect()
+    _check_consistent(cache)

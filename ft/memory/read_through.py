@@ -13,7 +13,8 @@ Around each step, on the one stream the graphs run on:
    layer's misses of the last collected step plus a margin (at most `top_k x rows`); when short
    (the first step, or a cache under pressure whose last step left too few victims) the last step
    is collected first and the reserve topped up; then the landing table, the step number and the
-   zeroed claim counters are uploaded.
+   zeroed claim counters are uploaded, in one copy (`end_step` staged the table; views of one
+   device tensor in the book).
 2. end_step (right after the step is queued, while the device runs it):
    a. `commit_landed` is queued: on the device, after the step, every landed expert gets its
       landing slot in the slot table, so the next step hits it without waiting for the host;
@@ -89,9 +90,18 @@ class ReadThrough:
         self._used = host((layers,))
         self._landed = host((layers, self.capacity), fill=-1)
         self._counters = host((layers, 2), torch.int64)
-        # upload staging (pinned): the landing table and the step
-        self._landing_up = host((layers, self.capacity), fill=-1)
-        self._step_up = host((2,))
+        # the book's inputs (step and rows, claim counters, landing table) as views of one device
+        # tensor, so that begin_step uploads them in one copy; its pinned staging is double-buffered:
+        # end_step writes the next step's landing table into the buffer the step before read
+        lr = layers * self.capacity
+        self._inputs = torch.zeros(2 + layers + lr, dtype=i32, device=device)
+        self._inputs[2 + layers:] = -1
+        self.book = self.book._replace(step=self._inputs[:2], landing_used=self._inputs[2:2 + layers],
+                                       landing=self._inputs[2 + layers:].view(layers, self.capacity))
+        self._up = [host((2 + layers + lr,)) for _ in range(2)]
+        self._up_np = [t.numpy() for t in self._up]
+        self._up_next = 0  # the buffer the next begin_step uploads
+        self._staged = False  # whether that buffer holds the spares' landing table (end_step wrote it)
         self._updates = _Staging(device)
         self._event = torch.cuda.Event() if device.type == "cuda" else None
         self.landing: list[list[int]] = [[] for _ in range(layers)]  # reserved slots per layer, in upload order
@@ -131,17 +141,16 @@ class ReadThrough:
             # 4 points of hit rate)
             self.collect()
             self.early_collects += 1
-        self._provision(most, table, self.landing)  # normally only trims
+        changed = self._provision(most, table, self.landing)  # normally nothing to do
         self._apply(table)
-        up = self._landing_up.numpy()
-        up.fill(-1)
-        for layer, slots in enumerate(self.landing):
-            up[layer, : len(slots)] = slots
-        self.book.landing.copy_(self._landing_up, non_blocking=True)
-        self.book.landing_used.zero_()
-        self._step_up[0], self._step_up[1] = self.step, rows
+        if changed or not self._staged:
+            self._stage(self.landing)
+        up = self._up_np[self._up_next]
+        up[0], up[1] = self.step, rows
+        self._inputs.copy_(self._up[self._up_next], non_blocking=True)  # step, zeroed claims, landing table
+        self._up_next ^= 1
+        self._staged = False
         self._rows, self._top_k = rows, top_k
-        self.book.step.copy_(self._step_up, non_blocking=True)
         self.active = True
         self.host_s += time.perf_counter() - t0
 
@@ -167,7 +176,21 @@ class ReadThrough:
         table: list[tuple[int, int, int]] = []
         self._provision(min(self.capacity, self._top_k * self._rows), table, self.spare)
         self._apply(table)
+        self._stage(self.spare)  # NOTE: into the buffer the step before this one uploaded (it has run)
         self.host_s += time.perf_counter() - t0
+
+    def _stage(self, lists: list[list[int]]) -> None:
+        """The next upload's claim counters (zero) and landing table (`lists`, -1 past each) in the
+        staging buffer begin_step copies next; its step and rows are written there."""
+        up = self._up_np[self._up_next]
+        layers = len(lists)
+        up[2:2 + layers] = 0
+        table = up[2 + layers:].reshape(layers, self.capacity)
+        table.fill(-1)
+        for layer, slots in enumerate(lists):
+            if slots:
+                table[layer, : len(slots)] = slots
+        self._staged = True
 
     def collect(self) -> None:
         """Take in the step in flight's readback, if any: mirror its landings (already mapped on the
@@ -224,20 +247,21 @@ class ReadThrough:
             self.score *= 0.5 ** (1.0 / LFU_HALF_LIFE)
             self.score[used] += 1.0
 
-    def _provision(self, most: int, table: list[tuple[int, int, int]], lists: list[list[int]]) -> None:
+    def _provision(self, most: int, table: list[tuple[int, int, int]], lists: list[list[int]]) -> bool:
         """Top each layer's list (the landing reserves, or the spares for the next step) up to
         min(most, misses last step + margin) slots: free slots first, then victims (unmapped: their
-        updates go to `table`); surplus slots go back to the free list."""
+        updates go to `table`); surplus slots go back to the free list. Returns whether a list changed."""
         cache = self.cache
         want = np.minimum(most, self.misses_last + LANDING_MARGIN)
-        short = 0
+        short, changed = 0, False
         for layer, slots in enumerate(lists):
             w = int(want[layer])
             while len(slots) > w:
                 cache._free.append(slots.pop())
+                changed = True
             short += w - len(slots)
         if short <= 0:
-            return
+            return changed
         free = cache._free
         victims = self._victims(max(0, short - len(free)))
         for layer, slots in enumerate(lists):
@@ -249,7 +273,9 @@ class ReadThrough:
                     slots.append(cache.unmap(key, device=False))
                     table.append((key[0], key[1], -1))
                 else:
-                    return
+                    return True
+                changed = True
+        return changed
 
     def _victims(self, n: int) -> list[tuple[int, int]]:
         """Up to n residents to evict, the best victim last: not used by the last step, never
@@ -308,6 +334,7 @@ class ReadThrough:
         out = [s for slots in self.landing + self.spare for s in slots]
         for slots in self.landing + self.spare:
             slots.clear()
+        self._staged = False
         return out
 
     def reset(self) -> None:
@@ -316,6 +343,7 @@ class ReadThrough:
         self._untouched = None
         for slots in self.landing + self.pending + self.spare:
             slots.clear()
+        self._staged = False
         self.used_last[:] = False
         self.misses_last[:] = 0
 
