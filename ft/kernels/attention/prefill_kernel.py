@@ -3,7 +3,7 @@ chunk of one sequence's queries over its paged KV (the cached prefix and the chu
 style: one program per block of BLOCK_M query tokens and one kv head, the group's query heads as
 rows of one tile (token-major: row r is token r // BLOCK_G, head r % BLOCK_G), K/V tiles gathered
 through the page table, online softmax in fp32 (base 2). Same contract as `paged_attention_ref`,
-fp8 and NVFP4 caches included (tiles dequantized by `kernel.load_kv_tile`, the K scale folded into
+fp8 and NVFP4 caches included (tiles dequantized by `decode_loops.load_kv_tile`, the K scale folded into
 the softmax scale, the V scale into the output).
 """
 
@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.kernels.attention.kernel import LOG2E, MAX_HEAD_DIM, _check_cache, _kv_args, load_kv_tile
+from ft.kernels.attention.decode_loops import load_kv_tile
+from ft.kernels.attention.kernel import LOG2E, MAX_HEAD_DIM, _check_cache, _kv_args
 
 __all__ = ["paged_prefill_attention_triton"]
 
