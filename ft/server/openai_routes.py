@@ -10,7 +10,7 @@ import time
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from ft.server.closing_stream import ClosingStreamingResponse
 
 from ft.server.errors import ApiError
 from ft.server.generation import Generation, TextStream, collect, stream_tokens
@@ -476,7 +476,7 @@ async def _respond(st, request: Request, body: _Sampling, groups: list[tuple[lis
                     c.gen.finish_reason = c.gen.finish_reason or "cancelled"
                 st.metrics.request_finished(c.gen, c.stream.seq)
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return ClosingStreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 def _chunks(out) -> list[dict]:
