@@ -131,12 +131,14 @@ GD_CHUNK_STATE = {"p_q": "*bf16", "p_k": "*bf16", "p_w": "*bf16", "p_u": "*bf16"
 
 
 def prefill_cfg(head_dim: int, group: int) -> dict:
-    return {"PAGE_SIZE": 64, **attn_pf.prefill_config(head_dim, group, torch.bfloat16)}
+    cfg = {"PAGE_SIZE": 64, **attn_pf.prefill_config(head_dim, group, torch.bfloat16)}
+    return {**cfg, "EVEN_D": head_dim == cfg["BLOCK_D"]}  # as the wrapper sets it
 
 
 def decode_cfg(head_dim: int, group: int, fp8: bool = False, nvfp4: bool = False) -> dict:
     # every constexpr named
-    return {"PAGE_SIZE": 64, **attn.decode_config(head_dim, group, torch.bfloat16), "KV_FP8": fp8, "KV_NVFP4": nvfp4}
+    cfg = {"PAGE_SIZE": 64, **attn.decode_config(head_dim, group, torch.bfloat16), "KV_FP8": fp8, "KV_NVFP4": nvfp4}
+    return {**cfg, "EVEN_D": head_dim == cfg["BLOCK_D"]}  # as the wrapper sets it
 
 
 def gemv_cfg(m: int, n: int, k: int) -> dict:
@@ -146,7 +148,8 @@ def gemv_cfg(m: int, n: int, k: int) -> dict:
 
 
 def dot_cfg(m: int, n: int, k: int) -> dict:
-    return {"SWAP_AB": False, **nv._dot_config(m, n, k), "PRECISION": "tf32"}  # every constexpr named
+    cfg = {"SWAP_AB": False, **nv._dot_config(m, n, k), "PRECISION": "tf32"}  # every constexpr named
+    return {**cfg, "EVEN_K": k % cfg["BLOCK_K"] == 0}  # as the wrapper sets it
 
 
 def moe_cfg(config: tuple, k_words: int, rows: str, whole: bool = True) -> dict:
@@ -159,7 +162,8 @@ def moe_cfg(config: tuple, k_words: int, rows: str, whole: bool = True) -> dict:
 
 def grouped_cfg() -> dict:
     bm, bn, bk, warps, stages = moe_grp.GROUPED_CONFIG
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PRECISION": "tf32", "num_warps": warps, "num_stages": stages}
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PRECISION": "tf32", "EVEN_K": True,  # H 2048, I 512
+            "num_warps": warps, "num_stages": stages}
 
 
 DENSE = {"p_x": "*bf16", "p_w": "*bf16", "p_y": "*bf16", **ints("M", "N", "K", "stride_xm", "stride_wn", "stride_ym")}

@@ -21,32 +21,46 @@ from ft.kernels.nvfp4.kernel import (
     _byte_f32, _e2m1_hi, _e2m1_lo, _e4m3, _hi_e4m3_word, _lo_e4m3_word, _split8, dequant_tile,
 )
 
-__all__ = ["_attend", "_attend_nvfp4", "_attend_nvfp4_fma", "_load_q", "load_kv_tile"]
+__all__ = ["_attend", "_attend_nvfp4", "_attend_nvfp4_fma", "_d_mask", "_load_q", "load_kv_tile"]
 
 
 @triton.jit
-def _load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The query heads of kv head i_kv's group for sequence i_b -> [BLOCK_G, BLOCK_D] (padding rows 0)."""
+def _load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+            EVEN_D: tl.constexpr = False):
+    """The query heads of kv head i_kv's group for sequence i_b -> [BLOCK_G, BLOCK_D] (padding rows 0).
+    EVEN_D: D == BLOCK_D (`_d_mask`)."""
     o_g = tl.arange(0, BLOCK_G)
     o_d = tl.arange(0, BLOCK_D)
-    m_gd = (o_g < G)[:, None] & (o_d < D)[None, :]
+    m_gd = _d_mask(o_g < G, o_d, D, EVEN_D)
     return tl.load(p_q + i_b * stride_qb + (i_kv * G + o_g)[:, None] * stride_qh + o_d[None, :], mask=m_gd, other=0.0)
 
 
 @triton.jit
+def _d_mask(m_rows, o_d, D, EVEN_D: tl.constexpr):
+    """The mask of a [rows, BLOCK_D] tile whose rows are m_rows and columns o_d < D. EVEN_D (the
+    caller knows D == BLOCK_D): the rows alone, broadcast along D, so that the compiler vectorizes
+    the row's loads and stores (16 bytes per thread); a mask against the runtime D makes every
+    element a load of its own."""
+    if EVEN_D:
+        return m_rows[:, None]
+    else:
+        return m_rows[:, None] & (o_d < D)[None, :]
+
+
+@triton.jit
 def load_kv_tile(p, o_row, m_n, D, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 KV_FP8: tl.constexpr, KV_NVFP4: tl.constexpr):
+                 KV_FP8: tl.constexpr, KV_NVFP4: tl.constexpr, EVEN_D: tl.constexpr = False):
     """The K or V rows of BLOCK_N tokens of one kv head -> [BLOCK_N, BLOCK_D] in `dtype`, without the
     layer scale (exact for quantized caches); masked tokens (m_n false) and columns >= D give 0.
 
     p: the kv head's cache (uint8 for KV_FP8 / KV_NVFP4); o_row [BLOCK_N] int64: each token's row
     offset from p in elements (page * stride_p + slot * stride_s); D: the head dim. KV_NVFP4: a row
-    is D/2 code bytes then D/16 e4m3 block scales (`reference.py`)."""
+    is D/2 code bytes then D/16 e4m3 block scales (`reference.py`). EVEN_D: D == BLOCK_D (`_d_mask`)."""
     if KV_NVFP4:
-        b_t = dequant_tile(p, p + D // 2, o_row, m_n, 1, 1, 0, D // 2, dtype, BLOCK_N, BLOCK_D)
+        b_t = dequant_tile(p, p + D // 2, o_row, m_n, 1, 1, 0, D // 2, dtype, BLOCK_N, BLOCK_D, EVEN_D)
     else:
         o_d = tl.arange(0, BLOCK_D)
-        b_t = tl.load(p + o_row[:, None] + o_d[None, :], mask=m_n[:, None] & (o_d < D)[None, :], other=0)
+        b_t = tl.load(p + o_row[:, None] + o_d[None, :], mask=_d_mask(m_n, o_d, D, EVEN_D), other=0)
         if KV_FP8:
             b_t = b_t.to(tl.float8e4nv, bitcast=True)
         b_t = b_t.to(dtype)
@@ -76,7 +90,8 @@ def _softmax_block(b_s, m_n, b_m):
 @triton.jit
 def _attend(b_q, p_k, p_v, p_pt, lo, hi, D, qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
             PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False, KV_NVFP4: tl.constexpr = False):
+            PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
+            EVEN_D: tl.constexpr = False):
     """Online softmax of the group's queries b_q over tokens [lo, hi) of one sequence -> (max [BLOCK_G]
     in log2 units, sum [BLOCK_G], unnormalized acc [BLOCK_G, BLOCK_D]), fp32.
 
@@ -90,30 +105,31 @@ def _attend(b_q, p_k, p_v, p_pt, lo, hi, D, qk_scale, stride_kp, stride_ks, stri
     for n0 in range(lo, hi, BLOCK_N):
         m_n, b_page, o_slot = _block_tokens(p_pt, n0, hi, PAGE_SIZE, BLOCK_N)
         b_k = load_kv_tile(p_k, b_page * stride_kp + o_slot * stride_ks, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D, KV_FP8,
-                           KV_NVFP4)
+                           KV_NVFP4, EVEN_D)
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
         b_m_new, b_alpha, b_p = _softmax_block(b_s, m_n, b_m)
         b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
         b_v = load_kv_tile(p_v, b_page * stride_vp + o_slot * stride_vs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D, KV_FP8,
-                           KV_NVFP4)
+                           KV_NVFP4, EVEN_D)
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v, input_precision=PRECISION)
         b_m = b_m_new
     return b_m, b_l, b_acc
 
 
 @triton.jit
-def _nvfp4_halves(p, o_row, m_n, D, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _nvfp4_halves(p, o_row, m_n, D, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  EVEN_D: tl.constexpr = False):
     """The K or V rows of BLOCK_N tokens of an NVFP4 cache -> (even, odd) [BLOCK_N, BLOCK_D // 2] in
     `dtype`: elements 2j and 2j + 1 of each row (the low and the high nibble of code byte j) times
     their block's e4m3 scale, without the layer scale (exact, as `load_kv_tile`); masked tokens and
     columns >= D give 0. No interleaving: the caller splits q (and its output) into even and odd
-    columns instead, once per program rather than once per tile."""
+    columns instead, once per program rather than once per tile. EVEN_D: D == BLOCK_D (`_d_mask`)."""
     HALF: tl.constexpr = BLOCK_D // 2
     GROUPS: tl.constexpr = BLOCK_D // 16
     o_b = tl.arange(0, HALF)
-    b_w = tl.load(p + o_row[:, None] + o_b[None, :], mask=m_n[:, None] & (o_b < D // 2)[None, :], other=0)
+    b_w = tl.load(p + o_row[:, None] + o_b[None, :], mask=_d_mask(m_n, o_b, D // 2, EVEN_D), other=0)
     o_s = tl.arange(0, GROUPS)
-    b_s = _e4m3(tl.load(p + o_row[:, None] + D // 2 + o_s[None, :], mask=m_n[:, None] & (o_s < D // 16)[None, :],
+    b_s = _e4m3(tl.load(p + o_row[:, None] + D // 2 + o_s[None, :], mask=_d_mask(m_n, o_s, D // 16, EVEN_D),
                         other=0)) * 64.0  # (the nibble decode gives values times 2**-6)
     b_lo = tl.reshape(_e2m1_lo(b_w), (BLOCK_N, GROUPS, 8)) * b_s[:, :, None]  # 8 bytes = one 16-element block
     b_hi = tl.reshape(_e2m1_hi(b_w), (BLOCK_N, GROUPS, 8)) * b_s[:, :, None]
@@ -123,7 +139,7 @@ def _nvfp4_halves(p, o_row, m_n, D, dtype: tl.constexpr, BLOCK_N: tl.constexpr, 
 @triton.jit
 def _attend_nvfp4(b_q, p_k, p_v, p_pt, lo, hi, D, qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
                   PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  PRECISION: tl.constexpr, EVEN_D: tl.constexpr = False):
     """`_attend` over an NVFP4 cache with q split into its even and odd columns: q.k is the sum of
     two dots (even columns against the low nibbles, odd against the high), p.V fills an even and an
     odd accumulator, joined once at the end. Same contract and results as `_attend` (the same
@@ -136,12 +152,14 @@ def _attend_nvfp4(b_q, p_k, p_v, p_pt, lo, hi, D, qk_scale, stride_kp, stride_ks
     b_acc_o = tl.zeros((BLOCK_G, HALF), dtype=tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         m_n, b_page, o_slot = _block_tokens(p_pt, n0, hi, PAGE_SIZE, BLOCK_N)
-        b_ke, b_ko = _nvfp4_halves(p_k, b_page * stride_kp + o_slot * stride_ks, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D)
+        b_ke, b_ko = _nvfp4_halves(p_k, b_page * stride_kp + o_slot * stride_ks, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D,
+                                   EVEN_D)
         b_s = tl.dot(b_qe, tl.trans(b_ke), input_precision=PRECISION)
         b_s = tl.dot(b_qo, tl.trans(b_ko), b_s, input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
         b_m_new, b_alpha, b_p = _softmax_block(b_s, m_n, b_m)
         b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        b_ve, b_vo = _nvfp4_halves(p_v, b_page * stride_vp + o_slot * stride_vs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D)
+        b_ve, b_vo = _nvfp4_halves(p_v, b_page * stride_vp + o_slot * stride_vs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D,
+                                   EVEN_D)
         b_pq = b_p.to(b_q.dtype)
         b_acc_e = tl.dot(b_pq, b_ve, b_acc_e * b_alpha[:, None], input_precision=PRECISION)
         b_acc_o = tl.dot(b_pq, b_vo, b_acc_o * b_alpha[:, None], input_precision=PRECISION)

@@ -35,10 +35,13 @@ bf16's and fp16's range), fold the layer's K scale into the softmax scale and ap
 to the output. An NVFP4 cache is read in halves by default (`NVFP4_HALVES`, `_attend_nvfp4`): q's
 even and odd columns against the low and high nibbles of each code byte, two dots where a whole
 tile would first be interleaved (`ft.kernels.nvfp4.kernel.dequant_tile`, still used for head dims
-under 32); on the H200 11-14% faster (bench/decode_attention.py, bench/RESULTS.md). Both read the
-codes one byte per load instruction (the compiled code's `ld.global.b8`): the bound of this kernel
-at long contexts, where it is slower than the bf16 cache despite reading 3.6x fewer bytes. A
-CUDA-core loop over 32-bit words (`NVFP4_FMA`) is there, off until measured.
+under 32); on the H200 11-14% faster (bench/decode_attention.py, bench/RESULTS.md). With EVEN_D
+(D == BLOCK_D, set by the launchers) the tiles' masks have no column term, so their loads
+vectorize (16-byte `cp.async`; with a mask against the runtime D every byte was a load of its
+own): measured, this changed little at decode (128K NVFP4 127 -> 121 us per layer), where the
+NVFP4 cache is still slower than bf16 despite reading 3.6x fewer bytes: the tile decode, not the
+loads, is the bound. A CUDA-core loop over 32-bit words (`NVFP4_FMA`) is there, off: its first
+device run did not finish within a minute (compile or run; not diagnosed).
 
 A sequence of length 0 (a padding row) gives zeros. Block sizes: BLOCK_N 32, 4 warps, 2 stages
 measured best for the NVFP4 halves at 4K and 128K tokens (against 16/64 tokens, 2/8 warps, 1/3
@@ -57,7 +60,7 @@ from ft.kernels.attention.split import (
     decode_attention_splits,
     decode_attention_workspace,
 )
-from ft.kernels.attention.decode_loops import _attend, _attend_nvfp4, _attend_nvfp4_fma, _load_q
+from ft.kernels.attention.decode_loops import _attend, _attend_nvfp4, _attend_nvfp4_fma, _d_mask, _load_q
 
 __all__ = ["paged_decode_attention_triton", "write_kv_decode_triton"]
 
@@ -165,12 +168,12 @@ def _decode_kernel(
     stride_ptb, stride_gb, stride_gh, stride_ob, stride_oh,
     PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, HAS_GATE: tl.constexpr, KV_FP8: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
-    NVFP4_HALVES: tl.constexpr = False, NVFP4_FMA: tl.constexpr = False,
+    NVFP4_HALVES: tl.constexpr = False, NVFP4_FMA: tl.constexpr = False, EVEN_D: tl.constexpr = False,
 ):
     i_b = tl.program_id(0)
     i_kv = tl.program_id(1)
     seq_len = tl.load(p_seq + i_b).to(tl.int32)
-    b_q = _load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G, BLOCK_D)
+    b_q = _load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G, BLOCK_D, EVEN_D)
     if KV_FP8 or KV_NVFP4:
         qk_scale = qk_scale * tl.load(p_kvs)
     if KV_NVFP4 and NVFP4_FMA:
@@ -180,17 +183,17 @@ def _decode_kernel(
     elif KV_NVFP4 and NVFP4_HALVES:
         _, b_l, b_acc = _attend_nvfp4(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
                                       0, seq_len, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
-                                      PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION)
+                                      PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, EVEN_D)
     else:
         _, b_l, b_acc = _attend(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
                                 0, seq_len, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
-                                PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, KV_FP8, KV_NVFP4)
+                                PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, KV_FP8, KV_NVFP4, EVEN_D)
     b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]  # seq_len 0: zeros
     if KV_FP8 or KV_NVFP4:
         b_o = b_o * tl.load(p_kvs + 1)
     o_g = tl.arange(0, BLOCK_G)
     o_d = tl.arange(0, BLOCK_D)
-    m_gd = (o_g < G)[:, None] & (o_d < D)[None, :]
+    m_gd = _d_mask(o_g < G, o_d, D, EVEN_D)
     if HAS_GATE:
         b_g = tl.load(p_g + i_b * stride_gb + (i_kv * G + o_g)[:, None] * stride_gh + o_d[None, :], mask=m_gd,
                       other=0.0)
@@ -206,7 +209,7 @@ def _decode_split_kernel(
     stride_ptb, stride_ar, stride_ah, stride_sr, stride_sh,
     PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
-    NVFP4_HALVES: tl.constexpr = False, NVFP4_FMA: tl.constexpr = False,
+    NVFP4_HALVES: tl.constexpr = False, NVFP4_FMA: tl.constexpr = False, EVEN_D: tl.constexpr = False,
 ):
     i_b = tl.program_id(0)
     i_kv = tl.program_id(1)
@@ -216,7 +219,7 @@ def _decode_split_kernel(
     chunk = tl.cdiv(tl.cdiv(seq_len, n_s), BLOCK_N) * BLOCK_N
     lo = i_s * chunk
     hi = tl.minimum(lo + chunk, seq_len)  # lo >= hi: an empty split (max -inf, sum 0, acc 0)
-    b_q = _load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G, BLOCK_D)
+    b_q = _load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G, BLOCK_D, EVEN_D)
     if KV_FP8 or KV_NVFP4:
         qk_scale = qk_scale * tl.load(p_kvs)
     if KV_NVFP4 and NVFP4_FMA:
@@ -226,11 +229,11 @@ def _decode_split_kernel(
     elif KV_NVFP4 and NVFP4_HALVES:
         b_m, b_l, b_acc = _attend_nvfp4(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch,
                                         p_pt + i_b * stride_ptb, lo, hi, D, qk_scale, stride_kcp, stride_kcs,
-                                        stride_vcp, stride_vcs, PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION)
+                                        stride_vcp, stride_vcs, PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, EVEN_D)
     else:
         b_m, b_l, b_acc = _attend(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
                                   lo, hi, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
-                                  PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, KV_FP8, KV_NVFP4)
+                                  PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, KV_FP8, KV_NVFP4, EVEN_D)
     if KV_FP8 or KV_NVFP4:
         b_acc = b_acc * tl.load(p_kvs + 1)
     o_g = tl.arange(0, BLOCK_G)
@@ -238,8 +241,7 @@ def _decode_split_kernel(
     m_g = o_g < G
     o_h = i_kv * G + o_g
     i_r = i_b * n_s + i_s
-    tl.store(p_acc + i_r * stride_ar + o_h[:, None] * stride_ah + o_d[None, :], b_acc,
-             mask=m_g[:, None] & (o_d < D)[None, :])
+    tl.store(p_acc + i_r * stride_ar + o_h[:, None] * stride_ah + o_d[None, :], b_acc, mask=_d_mask(m_g, o_d, D, EVEN_D))
     tl.store(p_st + i_r * stride_sr + o_h * stride_sh, b_m, mask=m_g)
     tl.store(p_st + i_r * stride_sr + o_h * stride_sh + 1, b_l, mask=m_g)
 
@@ -402,6 +404,7 @@ def paged_decode_attention_triton(
     cfg["NVFP4_FMA"] = bool(cfg["NVFP4_FMA"]) and kv_flags["KV_NVFP4"] and d % 64 == 0 and cfg["BLOCK_D"] == d
     if cfg["NVFP4_FMA"] and not (config or {}).get("BLOCK_G"):
         cfg["BLOCK_G"] = triton.next_power_of_2(hq // hkv)  # no tensor-core tile: no padding rows
+    cfg["EVEN_D"] = d == cfg["BLOCK_D"]  # no mask along D: vectorized K/V loads
     common = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0))
     scale2 = scale * LOG2E

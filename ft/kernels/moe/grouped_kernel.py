@@ -50,12 +50,17 @@ def _tile_pairs(p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M: tl.c
 
 @triton.jit
 def _tile_dot(acc, p_a, o_a, m_a, k, K, p_w, p_s, o_r, m_r, stride_wr, stride_sr, dtype: tl.constexpr,
-              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr = False):
     """acc [M, BLOCK_R] += A[:, k:k+BLOCK_K] @ W[o_r, k:k+BLOCK_K]^T; A's rows at p_a + o_a (element
-    offsets of each row, contiguous along K), W NVFP4 (uint8 at p_w, E4M3 block scales at p_s)."""
+    offsets of each row, contiguous along K), W NVFP4 (uint8 at p_w, E4M3 block scales at p_s).
+    EVEN_K: K % BLOCK_K == 0: no mask along K, so that the loads vectorize (`dequant_tile`'s EVEN)."""
     o_k = k + tl.arange(0, BLOCK_K)
-    b_a = tl.load(p_a + o_a[:, None] + o_k[None, :], mask=m_a[:, None] & (o_k < K)[None, :], other=0.0)
-    b_w = dequant_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, k // 2, K // 2, dtype, BLOCK_R, BLOCK_K)
+    if EVEN_K:
+        m_ak = m_a[:, None]
+    else:
+        m_ak = m_a[:, None] & (o_k < K)[None, :]
+    b_a = tl.load(p_a + o_a[:, None] + o_k[None, :], mask=m_ak, other=0.0)
+    b_w = dequant_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, k // 2, K // 2, dtype, BLOCK_R, BLOCK_K, EVEN_K)
     return tl.dot(b_a, tl.trans(b_w), acc, input_precision=PRECISION)
 
 
@@ -65,6 +70,7 @@ def _grouped_gate_up_kernel(
     I, H, TOPK,
     stride_xt, stride_w13e, stride_w13r, stride_s13e, stride_s13r, stride_s2e, stride_hp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr = False,
 ):
     slot, pairs, m_p, toks = _tile_pairs(p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M)
     if slot >= 0:
@@ -78,9 +84,9 @@ def _grouped_gate_up_kernel(
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, H, BLOCK_K):
             acc_g = _tile_dot(acc_g, p_x, o_x, m_p, k, H, p_w, p_s, o_n, m_n, stride_w13r, stride_s13r,
-                              p_x.dtype.element_ty, BLOCK_N, BLOCK_K, PRECISION)
+                              p_x.dtype.element_ty, BLOCK_N, BLOCK_K, PRECISION, EVEN_K)
             acc_u = _tile_dot(acc_u, p_x, o_x, m_p, k, H, p_w, p_s, o_n + I, m_n, stride_w13r, stride_s13r,
-                              p_x.dtype.element_ty, BLOCK_N, BLOCK_K, PRECISION)
+                              p_x.dtype.element_ty, BLOCK_N, BLOCK_K, PRECISION, EVEN_K)
         b_g = acc_g * tl.load(p_s2 + e * stride_s2e)
         b_u = acc_u * tl.load(p_s2 + e * stride_s2e + 1)
         b_h = b_g / (1.0 + tl.exp(-b_g)) * b_u
@@ -94,6 +100,7 @@ def _grouped_down_kernel(
     I, H, TOPK,
     stride_hp, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e, stride_yp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr = False,
 ):
     slot, pairs, m_p, toks = _tile_pairs(p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M)
     if slot >= 0:
@@ -104,7 +111,7 @@ def _grouped_down_kernel(
         o_a = pairs.to(tl.int64) * stride_hp
         for k in range(0, I, BLOCK_K):
             acc = _tile_dot(acc, p_h, o_a, m_p, k, I, p_w2 + e * stride_w2e, p_s2w + e * stride_s2we, o_n, m_n,
-                            stride_w2r, stride_s2wr, p_h.dtype.element_ty, BLOCK_N, BLOCK_K, PRECISION)
+                            stride_w2r, stride_s2wr, p_h.dtype.element_ty, BLOCK_N, BLOCK_K, PRECISION, EVEN_K)
         b_wt = tl.load(p_wts + pairs, mask=m_p, other=0.0).to(tl.float32) * tl.load(p_s2 + e * stride_s2e + 2)
         tl.store(p_y + pairs[:, None] * stride_yp + o_n[None, :], (acc * b_wt[:, None]).to(p_y.dtype.element_ty),
                  mask=m_p[:, None] & m_n[None, :])
@@ -161,12 +168,13 @@ def grouped_moe(x, slots, wts, k, w13, s13, w2, s2w, s2, y, i, cfg) -> torch.Ten
         x, start, end, sorted_slots, order, w13, s13, s2, h, i, hid, k,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s2.stride(0), h.stride(0),
         BLOCK_M=block_m, BLOCK_N=min(block_n, triton.next_power_of_2(i)), BLOCK_K=bk13, PRECISION=precision,
-        num_warps=warps, num_stages=stages,
+        EVEN_K=hid % bk13 == 0, num_warps=warps, num_stages=stages,
     )
     _grouped_down_kernel[(g, triton.cdiv(hid, block_n))](
         h, start, end, sorted_slots, order, wts, w2, s2w, s2, y_pairs, i, hid, k,
         h.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1), s2.stride(0), y_pairs.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk2, PRECISION=precision, num_warps=warps, num_stages=stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk2, PRECISION=precision, EVEN_K=i % bk2 == 0, num_warps=warps,
+        num_stages=stages,
     )
     y.copy_(y_pairs.view(t, k, hid).sum(dim=1, dtype=torch.float32))  # fp32 sum over k, then x's dtype
     return y

@@ -300,8 +300,9 @@ def _nvfp4_dot_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_sn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PRECISION: tl.constexpr, SWAP_AB: tl.constexpr = False,
+    PRECISION: tl.constexpr, SWAP_AB: tl.constexpr = False, EVEN_K: tl.constexpr = False,
 ):
+    # EVEN_K: K % BLOCK_K == 0, no mask along K (the loads vectorize; `dequant_tile`'s EVEN)
     i_pid = tl.program_id(0)
     n_m = tl.cdiv(M, BLOCK_M)
     n_n = tl.cdiv(N, BLOCK_N)
@@ -321,8 +322,13 @@ def _nvfp4_dot_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         o_k = k + tl.arange(0, BLOCK_K)
-        b_x = tl.load(p_x + o_m[:, None] * stride_xm + o_k[None, :], mask=m_m[:, None] & (o_k < K)[None, :], other=0.0)
-        b_wt = dequant_tile(p_w, p_s, o_n, m_n, stride_wn, stride_sn, k // 2, K // 2, b_x.dtype, BLOCK_N, BLOCK_K)
+        if EVEN_K:
+            m_xk = m_m[:, None]
+        else:
+            m_xk = m_m[:, None] & (o_k < K)[None, :]
+        b_x = tl.load(p_x + o_m[:, None] * stride_xm + o_k[None, :], mask=m_xk, other=0.0)
+        b_wt = dequant_tile(p_w, p_s, o_n, m_n, stride_wn, stride_sn, k // 2, K // 2, b_x.dtype, BLOCK_N, BLOCK_K,
+                            EVEN_K)
         if SWAP_AB:
             acc = tl.dot(b_wt, tl.trans(b_x), acc, input_precision=PRECISION)
         else:
@@ -336,16 +342,23 @@ def _nvfp4_dot_kernel(
 
 @triton.jit
 def dequant_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, kb0, half_k, dtype: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr = False):
     """Rows o_r and elements [2 * kb0, 2 * kb0 + BLOCK_K) of an NVFP4 weight (uint8 packed at p_w, E4M3
     scales at p_s; half_k = bytes per row; kb0 a multiple of 8) -> the dequantized tile
     [BLOCK_R, BLOCK_K] / scale_2 in ``dtype``, in k order (exact: at most 5 significant bits).
-    Masked rows and bytes past half_k give 0."""
+    Masked rows and bytes past half_k give 0. EVEN: the caller knows that the tile lies inside the
+    row (kb0 + BLOCK_K / 2 <= half_k): no mask along k, so that the loads vectorize (a mask
+    against a runtime half_k makes every byte a load of its own)."""
     G: tl.constexpr = BLOCK_K // 16
     o_kb = kb0 + tl.arange(0, BLOCK_K // 2)
     o_g = kb0 // 8 + tl.arange(0, G)
-    b_w = tl.load(p_w + o_r[:, None] * stride_wr + o_kb[None, :], mask=m_r[:, None] & (o_kb < half_k)[None, :], other=0)
-    m_s = m_r[:, None] & (o_g < half_k // 8)[None, :]
+    if EVEN:
+        m_w = m_r[:, None]
+        m_s = m_r[:, None]
+    else:
+        m_w = m_r[:, None] & (o_kb < half_k)[None, :]
+        m_s = m_r[:, None] & (o_g < half_k // 8)[None, :]
+    b_w = tl.load(p_w + o_r[:, None] * stride_wr + o_kb[None, :], mask=m_w, other=0)
     b_s = _e4m3(tl.load(p_s + o_r[:, None] * stride_sr + o_g[None, :], mask=m_s, other=0)) * 64.0
     b_s = tl.reshape(tl.broadcast_to(b_s[:, :, None], (BLOCK_R, G, 16)), (BLOCK_R, BLOCK_K))
     b_dec = tl.reshape(tl.join(_e2m1_lo(b_w), _e2m1_hi(b_w)), (BLOCK_R, BLOCK_K))  # even, odd interleaved
@@ -452,7 +465,8 @@ def nvfp4_linear_triton(
         _nvfp4_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             x, words, scale_u8, s2, y, m, n, k, x.stride(0), words.stride(0), scale_u8.stride(0), y.stride(0), **cfg)
     elif path == "dot":
-        cfg = config or _dot_config(m, n, k)
+        cfg = dict(config or _dot_config(m, n, k))
+        cfg["EVEN_K"] = k % cfg["BLOCK_K"] == 0
         grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
         _nvfp4_dot_kernel[grid](x, packed, scale_u8, s2, y, m, n, k, x.stride(0), packed.stride(0), scale_u8.stride(0),
