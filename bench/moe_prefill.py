@@ -7,7 +7,7 @@ Flagship shapes: 512 experts (all resident), hidden 2048, intermediate 512, top-
 
 * before: the grouped path's former tiling (32 x 64 x 128 tiles, passes of 1,024 tokens; the
   per-pair outputs were fp32 then, they are in x's dtype now);
-* after: `moe_over_slots_triton` as it is now (`GROUPED_CONFIG`, passes of `GROUPED_MAX_TOKENS`);
+* after: `moe_over_slots_triton` as it is now (`grouped_config_for` the pass, passes of `GROUPED_MAX_TOKENS`);
 * torch bf16: the same experts dequantized to bf16, tokens sorted by expert, `torch._grouped_mm`
   for gate_up and down (cuBLAS grouped GEMM) plus the torch glue: the "GEMM speed" the issue
   compares against.
@@ -32,9 +32,10 @@ from ft.kernels.moe.kernel import moe_over_slots_triton
 from ft.kernels.nvfp4.reference import dequantize_nvfp4
 
 E, H, I, K = 512, 2048, 512, 10
-SWEEP = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
-    (32, 64, 128, 4, 3), (16, 64, 128, 4, 3), (64, 64, 128, 4, 3), (32, 128, 128, 4, 3), (64, 128, 128, 4, 3),
-    (128, 64, 128, 8, 3), (64, 64, 64, 4, 4), (32, 64, 256, 4, 2), (64, 64, 128, 8, 3),
+SWEEP = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, SWAP_AB]); session 9 swept the unswapped tiles
+    (64, 64, 64, 4, 4), (32, 64, 128, 4, 3), (64, 64, 64, 4, 4, True), (32, 64, 128, 4, 3, True),
+    (16, 64, 128, 4, 3, True), (32, 64, 64, 4, 4, True), (128, 64, 64, 4, 4, True), (64, 128, 64, 4, 4, True),
+    (32, 128, 128, 4, 3, True),
 ]
 
 
@@ -109,6 +110,7 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001
             print(f"torch grouped_mm unavailable: {type(exc).__name__} {str(exc)[:120]}")
     print(f"\nGROUPED_MAX_TOKENS {moe_kernel.GROUPED_MAX_TOKENS}, GROUPED_CONFIG {grp.GROUPED_CONFIG}, "
+          f"GROUPED_CONFIG_SHORT {grp.GROUPED_CONFIG_SHORT} up to {grp.GROUPED_SHORT_TOKENS} tokens, "
           f"{triton.__version__=}, {torch.__version__=}")
     print(f"{'tokens':>6}  {'variant':<44} {'ms':>8} {'TFLOP/s':>8} {'rel err':>8}")
     for t, label, ms, tf, err in rows:

@@ -26,6 +26,7 @@ from collections import defaultdict
 import torch
 
 import ft.kernels.attention as attention
+import ft.kernels.moe.kernel as moe_kernel
 from ft.engine.engine import Engine
 from ft.engine.engine_config import EngineConfig
 from ft.engine.sampling_params import SamplingParams
@@ -51,8 +52,13 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="bf16")
     ap.add_argument("--warm", type=int, default=0, metavar="LEN",
                     help="warm once with a LEN-token prompt before all lengths (default: each length warms itself)")
+    ap.add_argument("--grouped-configs", default="", metavar="CFG;CFG",
+                    help="time the lengths once per grouped-MoE tile, e.g. '64,64,64,4,4;32,64,128,4,3,1' (BLOCK_M, "
+                         "BLOCK_N, BLOCK_K, warps, stages[, SWAP_AB]) for every pass; default: the library's choice by pass "
+                         "length (grouped_config_for)")
     args = ap.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
+    grouped = [tuple(int(v) for v in c.split(",")) for c in args.grouped_configs.split(";") if c.strip()] or [None]
     t0 = time.perf_counter()
     eng = Engine(EngineConfig(model=f"synthetic:{args.config}", device="cuda", dtype="bfloat16",
                               moe_backend="resident", num_tokens=max(lengths + [args.profile]) + 1024,
@@ -61,8 +67,11 @@ def main() -> None:
     print(f"engine up in {time.perf_counter() - t0:.1f} s, geometry {eng.cache.geometry}", flush=True)
     modes = ["reference", "triton"] if args.attention == "both" else [args.attention]
     rows, base = [], [0]
-    for mode in modes:
+    library_choice = moe_kernel.grouped_config_for
+    for mode, cfg in ((m, c) for m in modes for c in grouped):
         attention.PREFILL_TRITON_ON_CUDA = mode == "triton"
+        moe_kernel.grouped_config_for = (lambda _t, _c=cfg: _c) if cfg else library_choice  # looked up per call
+        label = mode if cfg is None else f"{mode} {cfg}"
         if args.warm:
             ttft(eng, args.warm, base)
         for n in lengths:
@@ -70,16 +79,17 @@ def main() -> None:
                 ttft(eng, n, base)  # warm
             times = [ttft(eng, n, base) for _ in range(args.repeat)]
             t = statistics.median(times)
-            rows.append((mode, n, t, n / t))
-            print(f"{mode} {n}: TTFT {t * 1e3:.1f} ms, {n / t:,.0f} tok/s", flush=True)
+            rows.append((label, n, t, n / t))
+            print(f"{label} {n}: TTFT {t * 1e3:.1f} ms, {n / t:,.0f} tok/s", flush=True)
+    moe_kernel.grouped_config_for = library_choice
     if args.profile:
         attention.PREFILL_TRITON_ON_CUDA = modes[-1] == "triton"
         profile_prefill(eng, args.profile, base)
     warm = f"warmed with {args.warm} tokens" if args.warm else "each length warmed once"
     print(f"\nchunk {args.chunk} tokens, kv {args.kv_cache_dtype}, median of {args.repeat}, {warm}")
-    print(f"{'attention':<10} {'prompt':>7} {'TTFT ms':>9} {'prefill tok/s':>14}")
+    print(f"{'attention [grouped MoE tile]':<40} {'prompt':>7} {'TTFT ms':>9} {'prefill tok/s':>14}")
     for mode, n, t, tps in rows:
-        print(f"{mode:<10} {n:>7} {t * 1e3:>9.1f} {tps:>14,.0f}")
+        print(f"{mode:<40} {n:>7} {t * 1e3:>9.1f} {tps:>14,.0f}")
 
 
 def ttft(eng, n: int, base: list[int]) -> float:

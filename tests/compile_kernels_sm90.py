@@ -30,6 +30,7 @@ from ft.kernels.moe import grouped_kernel as moe_grp  # noqa: E402
 from ft.kernels.moe import kernel as moe  # noqa: E402
 from ft.kernels.norm import kernel as norm  # noqa: E402
 from ft.kernels.nvfp4 import kernel as nv  # noqa: E402
+from ft.kernels.nvfp4 import dequant_kernel as nv_dq  # noqa: E402
 from ft.kernels.router import kernel as router  # noqa: E402
 from ft.kernels.expert_lookup import kernel as lookup  # noqa: E402
 
@@ -160,9 +161,15 @@ def moe_cfg(config: tuple, k_words: int, rows: str, whole: bool = True) -> dict:
     return out
 
 
+def short_grouped_cfg() -> dict:
+    bm, bn, bk, warps, stages, swap = moe_grp.GROUPED_CONFIG_SHORT
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PRECISION": "tf32", "EVEN_K": True, "SWAP_AB": swap,
+            "num_warps": warps, "num_stages": stages}
+
+
 def grouped_cfg() -> dict:
-    bm, bn, bk, warps, stages = moe_grp.GROUPED_CONFIG
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PRECISION": "tf32", "EVEN_K": True,  # H 2048, I 512
+    bm, bn, bk, warps, stages, swap = moe_grp.GROUPED_CONFIG
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PRECISION": "tf32", "EVEN_K": True, "SWAP_AB": swap,
             "num_warps": warps, "num_stages": stages}
 
 
@@ -192,6 +199,13 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("moe sum over k", moe._moe_sum_pairs_kernel, SUM, {"BLOCK": 1024}),
     ("moe grouped gate_up", moe_grp._grouped_gate_up_kernel, G_GATE_UP, grouped_cfg()),
     ("moe grouped down", moe_grp._grouped_down_kernel, G_DOWN, grouped_cfg()),
+    ("moe grouped gate_up, short passes", moe_grp._grouped_gate_up_kernel, G_GATE_UP, short_grouped_cfg()),
+    ("moe grouped down, short passes", moe_grp._grouped_down_kernel, G_DOWN, short_grouped_cfg()),
+    ("moe grouped gate_up, unswapped tile", moe_grp._grouped_gate_up_kernel, G_GATE_UP,
+     {**grouped_cfg(), "BLOCK_M": 64, "SWAP_AB": False}),
+    ("nvfp4 decode pass (prefill linear)", nv_dq._dequant_kernel,
+     {"p_w": "*u8", "p_s": "*u8", "p_y": "*bf16", **ints("N", "K", "stride_wn", "stride_sn", "stride_yn")},
+     {"BLOCK_R": nv_dq.DEQUANT_BLOCK[0], "BLOCK_K": nv_dq.DEQUANT_BLOCK[1], "EVEN_K": True, "num_warps": 4}),
     ("moe decode gate_up + shared, 1 token", moe_dec._moe_decode_gate_up_kernel, MOE_DECODE_GATE_UP,
      {"TOPK": 10, "HAS_SHARED": True, "HAS_HOST": False, "HAS_DST": False,
       **moe_cfg(moe_dec.DECODE_GATE_UP_CONFIG[1], 256, "BLOCK_I")}),

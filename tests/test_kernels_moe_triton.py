@@ -82,6 +82,20 @@ def test_moe_over_slots_triton_matches_ref(case, down_per_pair):
     assert err < TOL[dtype], err
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[-1] and c[6] < 1.0], ids=_case_id)
+def test_grouped_swapped_operands_match_ref(case):
+    """The grouped path with the weight tile as the MMA's left operand (SWAP_AB, a sixth config element)."""
+    t, k, s, h, i, dtype, skip, _ = case
+    gen = torch.Generator().manual_seed(7)
+    w = _slot_pool(s, h, i, gen)
+    slots, weights = _routing(t, k, s, skip, gen)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    y = moe_over_slots_triton(x, slots, weights.to(dtype), w, grouped=True, grouped_config=(4, 16, 32, 4, 1, True))
+    ref = moe_over_slots_ref(x, slots, weights.to(dtype), w)
+    err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < TOL[dtype], err
+
+
 @pytest.mark.parametrize(("gate_up", "down"), [((4, 0, 4), (16, 0, 4)), ((8, 16, 4), (8, 8, 4))], ids=["whole-k", "k-loop"])
 def test_per_pair_tiles_match_ref(gate_up, down):
     gen = torch.Generator().manual_seed(5)

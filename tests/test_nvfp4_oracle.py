@@ -8,12 +8,9 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the Triton test below runs on CPU
 
 import pytest
-import torch
-from safetensors import safe_open
 
-from ft.engine import LLM
-from ft.tools.quantize_checkpoint import quantize_checkpoint
-from ft.kernels.nvfp4 import dequantize_nvfp4
+from ft.engine import LLM, SamplingParams
+from nvfp4_pair import quantized_pair as _quantized_pair
 from test_oracle import GREEDY_32, hf_greedy, prompt_of, rel_err, hf_last_logits, first_step_logits
 
 
@@ -31,45 +28,6 @@ def nvfp4_pair_shared_fused(tmp_path_factory):
     overrides = {**next(iter(TINY_CONFIGS.values())), "shared_expert_intermediate_size": 32}
     src = save_checkpoint(make_hf_model(overrides), tmp_path_factory.mktemp("shared-fused"))
     return _quantized_pair(src, tmp_path_factory)
-
-
-def _quantized_pair(src, tmp_path_factory):
-    dst = tmp_path_factory.mktemp("nvfp4") / "ck"
-    quantize_checkpoint(src, dst, progress=False)
-    # transformers on the dequantized weights: the oracle for the quantized checkpoint
-    from transformers import Qwen3NextForCausalLM
-
-    ref = Qwen3NextForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    params = dict(ref.named_parameters())
-    n_quantized = 0
-    with safe_open(str(dst / "model.safetensors"), "pt") as f, torch.no_grad():
-        names = set(f.keys())
-        for name in names:
-            if not name.endswith(".weight_scale"):
-                continue
-            module = name.removesuffix(".weight_scale")
-            w = dequantize_nvfp4(f.get_tensor(module + ".weight"), f.get_tensor(name), f.get_tensor(module + ".weight_scale_2"))
-            _assign(ref, params, module, w)
-            n_quantized += 1
-    assert n_quantized > 20
-    return ref, dst
-
-
-def _assign(model, params, module: str, w: torch.Tensor) -> None:
-    """Write a dequantized projection into the transformers model (experts are fused there)."""
-    if ".mlp.experts." in module:
-        prefix, rest = module.split(".mlp.experts.")
-        e, proj = rest.split(".")
-        experts = model.get_submodule(prefix + ".mlp.experts")
-        i = experts.gate_up_proj.shape[1] // 2
-        if proj == "gate_proj":
-            experts.gate_up_proj[int(e), :i] = w
-        elif proj == "up_proj":
-            experts.gate_up_proj[int(e), i:] = w
-        else:
-            experts.down_proj[int(e)] = w
-        return
-    params[module + ".weight"].copy_(w)
 
 
 @pytest.mark.parametrize("backend", ["offload", "resident"])
@@ -123,9 +81,15 @@ def test_engine_on_the_triton_kernels_matches_transformers(pair, request, monkey
     ref, path = request.getfixturevalue(pair)
     llm = LLM(model=str(path), device="cpu", dtype="float32", page_size=16, moe_cache_size=3)
     prompt = prompt_of(24, seed=10)
-    assert rel_err(first_step_logits(llm, prompt), hf_last_logits(ref, prompt)) < 1e-4
-    got = llm.generate(prompt_token_ids=[prompt], max_new_tokens=3, temperature=0.0, ignore_eos=True)[0].token_ids
-    assert got == hf_greedy(ref, prompt, 3)
+    # one request (the interpreter makes every prefill cost seconds): the prefill step's logits, then
+    # its three greedy tokens
+    eng = llm.engine
+    seq = eng.add_request(prompt, SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True))
+    while not seq.output_ids:
+        eng.step()
+    assert rel_err(eng.last_logits[0], hf_last_logits(ref, prompt)) < 1e-4
+    eng.run_until_done([seq])
+    assert seq.output_ids == hf_greedy(ref, prompt, 3)
     assert calls["linear"] > 0 and calls["moe"] >= calls["grouped"] > 0
     # decode reads misses from the host store (read-through), fused with the shared expert where shapes allow
     assert calls["decode"] > 0 and (calls["fused"] > 0) == (pair == "nvfp4_pair_shared_fused")

@@ -53,6 +53,27 @@ def test_nvfp4_linear(m, n, k):
     assert torch.equal(nvfp4_linear(x, *w), y)  # the dispatcher runs this kernel on CUDA
 
 
+PREFILL_LINEAR_CASES = [(m, n, k) for m in (256, 4096) for n, k in ((8192, 2048), (2048, 4096))]
+
+
+@pytest.mark.parametrize("m, n, k", PREFILL_LINEAR_CASES, ids=[f"M{m}-{n}x{k}-bf16" for m, n, k in PREFILL_LINEAR_CASES])
+def test_nvfp4_prefill_linear_through_cublas(m, n, k):
+    """The prefill form (one decode pass of the weight, then cuBLAS with alpha = scale_2): the
+    decode pass is the reference bit for bit, the linear within the linear tolerance, and the
+    dispatcher takes it from DEQUANT_MM_MIN_M rows on when given the host scale."""
+    from ft.kernels.nvfp4 import DEQUANT_MM_MIN_M, dequantize_nvfp4
+    from ft.kernels.nvfp4.dequant_kernel import dequantize_nvfp4_triton, nvfp4_linear_dequant_mm
+
+    torch.manual_seed(0)
+    packed, scale, s2 = random_nvfp4(n, k)
+    assert torch.equal(dequantize_nvfp4_triton(packed, scale, torch.bfloat16),
+                       dequantize_nvfp4(packed, scale, 1.0, torch.bfloat16))
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    y = nvfp4_linear_dequant_mm(x, packed, scale, float(s2))
+    assert rel_rms(y, nvfp4_linear_ref(x, packed, scale, s2)) < TOL_LINEAR
+    assert m >= DEQUANT_MM_MIN_M and torch.equal(nvfp4_linear(x, packed, scale, s2, float(s2)), y)
+
+
 ROUTER_CASES = [(t, normalize) for t in (1, 8) for normalize in (True, False)]
 
 
@@ -113,6 +134,23 @@ def test_moe_over_slots(pool, batch):
     assert y.data_ptr() == out.data_ptr()
     assert rel_rms(y, moe_over_slots_ref(x, topk_slots, topk_weights, pool)) < TOL_MOE
     assert torch.equal(moe_over_slots(x, topk_slots, topk_weights, pool), y)  # the dispatcher runs this kernel
+
+
+@pytest.mark.parametrize("config", ["short", "long"])
+def test_moe_grouped_prefill(pool, config):
+    """The grouped (prefill) path over 1,024 tokens at the flagship's shapes with both library tiles
+    (GROUPED_CONFIG_SHORT, this pass's own, and GROUPED_CONFIG, forced), each with the weight tile
+    as the MMA's left operand."""
+    from ft.kernels.moe.grouped_kernel import GROUPED_CONFIG, GROUPED_CONFIG_SHORT
+
+    config = GROUPED_CONFIG_SHORT if config == "short" else GROUPED_CONFIG
+    torch.manual_seed(2)
+    t, slots = 1024, pool.w13.shape[0]
+    x = torch.randn(t, HIDDEN, device=DEV, dtype=torch.bfloat16)
+    topk_slots = torch.stack([torch.randperm(slots, device=DEV)[:TOP_K] for _ in range(t)])
+    topk_weights = torch.softmax(torch.randn(t, TOP_K, device=DEV), -1).to(torch.bfloat16)
+    y = moe_over_slots_triton(x, topk_slots, topk_weights, pool, grouped=True, grouped_config=config)
+    assert rel_rms(y, moe_over_slots_ref(x, topk_slots, topk_weights, pool)) < TOL_MOE
 
 
 @pytest.mark.parametrize("batch", [1, 8, 16], ids=lambda b: f"B{b}-top{TOP_K}+shared-H{HIDDEN}-I{INTER}-bf16")

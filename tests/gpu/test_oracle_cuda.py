@@ -37,3 +37,21 @@ def test_cuda_engine_tokens_survive_live_resizes(tiny):
         e.cache.rebuild(**target)
     e.run_until_done([seq])
     assert seq.output_ids == hf_greedy(model, prompt)
+
+
+def test_cuda_nvfp4_engine_long_prefill_matches_transformers(tiny_one, tmp_path_factory, monkeypatch):
+    """An NVFP4 checkpoint on CUDA with a prompt past DEQUANT_MM_MIN_M tokens, so that the prefill's
+    dense projections run as one weight decode plus cuBLAS: the last prefill logits against
+    transformers on the dequantized weights (float32)."""
+    import ft.kernels.nvfp4.dequant_kernel as details
+    from ft.kernels.nvfp4 import DEQUANT_MM_MIN_M
+    from nvfp4_pair import quantized_pair
+
+    calls = []
+    real = details.nvfp4_linear_dequant_mm
+    monkeypatch.setattr(details, "nvfp4_linear_dequant_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    ref, path = quantized_pair(tiny_one[2], tmp_path_factory)
+    llm = LLM(model=str(path), device="cuda", dtype="float32", page_size=16)
+    prompt = prompt_of(DEQUANT_MM_MIN_M + 44, seed=13)
+    assert rel_err(first_step_logits(llm, prompt).cpu(), hf_last_logits(ref, prompt)) < 1e-4
+    assert calls

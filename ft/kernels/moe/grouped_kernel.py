@@ -28,11 +28,26 @@ import triton.language as tl
 
 from ft.kernels.nvfp4.kernel import dequant_tile
 
-__all__ = ["GROUPED_CONFIG", "group_pairs", "grouped_moe"]
+__all__ = ["GROUPED_CONFIG", "GROUPED_CONFIG_SHORT", "GROUPED_SHORT_TOKENS", "group_pairs", "grouped_config_for",
+           "grouped_moe"]
 
-GROUPED_CONFIG = (64, 64, 64, 4, 4)
-"""(BLOCK_M pairs, BLOCK_N rows, BLOCK_K, num_warps, num_stages) of both grouped passes: the H200
-sweep's best at 4,096 tokens in one pass (bench/moe_prefill.py, bench/RESULTS.md)."""
+GROUPED_CONFIG = (128, 64, 64, 4, 4, True)
+"""(BLOCK_M pairs, BLOCK_N rows, BLOCK_K, num_warps, num_stages, SWAP_AB) of both grouped passes
+over more than GROUPED_SHORT_TOKENS tokens: the H200 sweep's best at 4,096 tokens (one layer, 512
+experts, top-10: 2.094 ms against 2.439 for the former (64, 64, 64, 4, 4); bench/moe_prefill.py
+--sweep, bench/RESULTS.md, 2026-12-01): ~80 pairs per expert fill one 128-pair tile, so each
+expert's weights are decoded once, and the decoded tile feeds the MMA from registers."""
+GROUPED_CONFIG_SHORT = (32, 64, 128, 4, 3, True)
+"""The tile of shorter passes: at 1,024 tokens (~20 pairs per expert) 1.187 ms against 1.325 for
+(64, 64, 64, 4, 4) and 1.833 for GROUPED_CONFIG (a 128-pair tile mostly empty)."""
+GROUPED_SHORT_TOKENS = 2048
+"""Passes of at most this many tokens take GROUPED_CONFIG_SHORT. Measured at 1,024 and 4,096 tokens
+only; the switch between them is not measured."""
+
+
+def grouped_config_for(tokens: int) -> tuple:
+    """The grouped tile of a pass over `tokens` tokens (GROUPED_CONFIG or GROUPED_CONFIG_SHORT)."""
+    return GROUPED_CONFIG_SHORT if tokens <= GROUPED_SHORT_TOKENS else GROUPED_CONFIG
 
 
 @triton.jit
@@ -50,10 +65,13 @@ def _tile_pairs(p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M: tl.c
 
 @triton.jit
 def _tile_dot(acc, p_a, o_a, m_a, k, K, p_w, p_s, o_r, m_r, stride_wr, stride_sr, dtype: tl.constexpr,
-              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr = False):
+              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr = False,
+              SWAP_AB: tl.constexpr = False):
     """acc [M, BLOCK_R] += A[:, k:k+BLOCK_K] @ W[o_r, k:k+BLOCK_K]^T; A's rows at p_a + o_a (element
     offsets of each row, contiguous along K), W NVFP4 (uint8 at p_w, E4M3 block scales at p_s).
-    EVEN_K: K % BLOCK_K == 0: no mask along K, so that the loads vectorize (`dequant_tile`'s EVEN)."""
+    EVEN_K: K % BLOCK_K == 0: no mask along K, so that the loads vectorize (`dequant_tile`'s EVEN).
+    SWAP_AB: acc is [BLOCK_R, M] += W A^T instead: the dequantized weight tile is the MMA's left
+    operand (from registers on Hopper, no shared-memory round trip) and the pairs its narrow side."""
     o_k = k + tl.arange(0, BLOCK_K)
     if EVEN_K:
         m_ak = m_a[:, None]
@@ -61,7 +79,11 @@ def _tile_dot(acc, p_a, o_a, m_a, k, K, p_w, p_s, o_r, m_r, stride_wr, stride_sr
         m_ak = m_a[:, None] & (o_k < K)[None, :]
     b_a = tl.load(p_a + o_a[:, None] + o_k[None, :], mask=m_ak, other=0.0)
     b_w = dequant_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, k // 2, K // 2, dtype, BLOCK_R, BLOCK_K, EVEN_K)
-    return tl.dot(b_a, tl.trans(b_w), acc, input_precision=PRECISION)
+    if SWAP_AB:
+        acc = tl.dot(b_w, tl.trans(b_a), acc, input_precision=PRECISION)
+    else:
+        acc = tl.dot(b_a, tl.trans(b_w), acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
@@ -70,7 +92,7 @@ def _grouped_gate_up_kernel(
     I, H, TOPK,
     stride_xt, stride_w13e, stride_w13r, stride_s13e, stride_s13r, stride_s2e, stride_hp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    EVEN_K: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
 ):
     slot, pairs, m_p, toks = _tile_pairs(p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M)
     if slot >= 0:
@@ -80,13 +102,16 @@ def _grouped_gate_up_kernel(
         p_w = p_w13 + e * stride_w13e
         p_s = p_s13 + e * stride_s13e
         o_x = toks.to(tl.int64) * stride_xt
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, H, BLOCK_K):
             acc_g = _tile_dot(acc_g, p_x, o_x, m_p, k, H, p_w, p_s, o_n, m_n, stride_w13r, stride_s13r,
-                              p_x.dtype.element_ty, BLOCK_N, BLOCK_K, PRECISION, EVEN_K)
+                              p_x.dtype.element_ty, BLOCK_N, BLOCK_K, PRECISION, EVEN_K, SWAP_AB)
             acc_u = _tile_dot(acc_u, p_x, o_x, m_p, k, H, p_w, p_s, o_n + I, m_n, stride_w13r, stride_s13r,
-                              p_x.dtype.element_ty, BLOCK_N, BLOCK_K, PRECISION, EVEN_K)
+                              p_x.dtype.element_ty, BLOCK_N, BLOCK_K, PRECISION, EVEN_K, SWAP_AB)
+        if SWAP_AB:
+            acc_g = tl.trans(acc_g)
+            acc_u = tl.trans(acc_u)
         b_g = acc_g * tl.load(p_s2 + e * stride_s2e)
         b_u = acc_u * tl.load(p_s2 + e * stride_s2e + 1)
         b_h = b_g / (1.0 + tl.exp(-b_g)) * b_u
@@ -100,18 +125,21 @@ def _grouped_down_kernel(
     I, H, TOPK,
     stride_hp, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e, stride_yp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    EVEN_K: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
 ):
     slot, pairs, m_p, toks = _tile_pairs(p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M)
     if slot >= 0:
         e = slot.to(tl.int64)
         o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < H
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
         o_a = pairs.to(tl.int64) * stride_hp
         for k in range(0, I, BLOCK_K):
             acc = _tile_dot(acc, p_h, o_a, m_p, k, I, p_w2 + e * stride_w2e, p_s2w + e * stride_s2we, o_n, m_n,
-                            stride_w2r, stride_s2wr, p_h.dtype.element_ty, BLOCK_N, BLOCK_K, PRECISION, EVEN_K)
+                            stride_w2r, stride_s2wr, p_h.dtype.element_ty, BLOCK_N, BLOCK_K, PRECISION, EVEN_K,
+                            SWAP_AB)
+        if SWAP_AB:
+            acc = tl.trans(acc)
         b_wt = tl.load(p_wts + pairs, mask=m_p, other=0.0).to(tl.float32) * tl.load(p_s2 + e * stride_s2e + 2)
         tl.store(p_y + pairs[:, None] * stride_yp + o_n[None, :], (acc * b_wt[:, None]).to(p_y.dtype.element_ty),
                  mask=m_p[:, None] & m_n[None, :])
@@ -153,10 +181,11 @@ def grouped_moe(x, slots, wts, k, w13, s13, w2, s2w, s2, y, i, cfg) -> torch.Ten
 
     x [T, H]; slots [T * k] int32 (-1: skip), wts [T * k]; w13, w2 the uint8 slot pools, s13, s2w their
     E4M3 block scales as uint8, s2 float32 [S, 3]; i the intermediate size; cfg a `GROUPED_CONFIG`
-    tuple. Allocates h [T * k, I] and y_pairs [T * k, H] in x's dtype (`moe_workspace_bytes`).
+    tuple (a sixth element, true: SWAP_AB). Allocates h [T * k, I] and y_pairs [T * k, H] in x's dtype (`moe_workspace_bytes`).
     """
     t, hid = x.shape
-    block_m, block_n, block_k, warps, stages = cfg
+    block_m, block_n, block_k, warps, stages, *rest = cfg
+    swap_ab = bool(rest and rest[0])
     start, end, sorted_slots, order = group_pairs(slots, block_m, w13.shape[0])
     h = torch.empty((t * k, i), dtype=x.dtype, device=x.device)
     y_pairs = torch.zeros((t * k, hid), dtype=x.dtype, device=x.device)  # skipped pairs stay 0
@@ -168,13 +197,13 @@ def grouped_moe(x, slots, wts, k, w13, s13, w2, s2w, s2, y, i, cfg) -> torch.Ten
         x, start, end, sorted_slots, order, w13, s13, s2, h, i, hid, k,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s2.stride(0), h.stride(0),
         BLOCK_M=block_m, BLOCK_N=min(block_n, triton.next_power_of_2(i)), BLOCK_K=bk13, PRECISION=precision,
-        EVEN_K=hid % bk13 == 0, num_warps=warps, num_stages=stages,
+        EVEN_K=hid % bk13 == 0, SWAP_AB=swap_ab, num_warps=warps, num_stages=stages,
     )
     _grouped_down_kernel[(g, triton.cdiv(hid, block_n))](
         h, start, end, sorted_slots, order, wts, w2, s2w, s2, y_pairs, i, hid, k,
         h.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1), s2.stride(0), y_pairs.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk2, PRECISION=precision, EVEN_K=i % bk2 == 0, num_warps=warps,
-        num_stages=stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk2, PRECISION=precision, EVEN_K=i % bk2 == 0, SWAP_AB=swap_ab,
+        num_warps=warps, num_stages=stages,
     )
     y.copy_(y_pairs.view(t, k, hid).sum(dim=1, dtype=torch.float32))  # fp32 sum over k, then x's dtype
     return y

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ft.kernels.moe.slots import GROUPED_MAX_TOKENS
-from ft.kernels.moe.grouped_kernel import GROUPED_CONFIG, grouped_moe
+from ft.kernels.moe.grouped_kernel import grouped_config_for, grouped_moe
 from ft.kernels.nvfp4.kernel import as_words, nvfp4_rows_dot, rows_dot_whole_k, whole_k_words
 
 __all__ = ["GROUPED_MIN_TOKENS", "moe_over_slots_triton"]
@@ -191,7 +191,7 @@ def moe_over_slots_triton(
         for a in range(0, t, GROUPED_MAX_TOKENS):  # bounded workspace (`ft.kernels.moe.moe_workspace_bytes`)
             b = min(t, a + GROUPED_MAX_TOKENS)
             grouped_moe(x[a:b], slots[a * k : b * k], wts[a * k : b * k], k, w13, s13, w2, s2w, s2, y[a:b], i,
-                        grouped_config or GROUPED_CONFIG)
+                        grouped_config or grouped_config_for(b - a))
         return y
     w13, w2 = as_words(w.w13), as_words(w.w2)
     h = torch.empty((t * k, i), dtype=torch.float32, device=x.device)

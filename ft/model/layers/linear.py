@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -12,11 +12,19 @@ from ft.kernels.nvfp4 import dequantize_nvfp4, nvfp4_linear
 
 @dataclass
 class NVFP4Weight:
-    """packed uint8 [N, K/2] (even element in the low nibble), scale e4m3 [N, K/16], scale_2 f32 []."""
+    """packed uint8 [N, K/2] (even element in the low nibble), scale e4m3 [N, K/16], scale_2 f32 [].
+
+    scale_2_host: scale_2's value as a float, read once when the weight is made (a sync if scale_2
+    is on a GPU: weights are made while a model loads, never inside a step); the prefill linear
+    passes it to cuBLAS (`ft.kernels.nvfp4.DEQUANT_MM_MIN_M`)."""
 
     packed: torch.Tensor
     scale: torch.Tensor
     scale_2: torch.Tensor
+    scale_2_host: float = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.scale_2_host = float(self.scale_2)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -53,7 +61,7 @@ class Linear:
         w = self.weight
         if isinstance(w, NVFP4Weight):
             shape = x.shape
-            y = nvfp4_linear(x.reshape(-1, shape[-1]), w.packed, w.scale, w.scale_2)
+            y = nvfp4_linear(x.reshape(-1, shape[-1]), w.packed, w.scale, w.scale_2, w.scale_2_host)
             return y.reshape(*shape[:-1], -1)
         shape = x.shape
         return dense_linear(x.reshape(-1, shape[-1]), w).reshape(*shape[:-1], -1)
