@@ -4,12 +4,16 @@
 Run by tests/test_kernels_compile.py in a subprocess (the interpreter, which the other kernel tests
 turn on, must be off here). Catches what the interpreter does not: type errors across control flow,
 layouts or tiles the compiler rejects. Prints one line per kernel; exit status 1 if any failed.
+`--loads` adds each kernel's global load instructions by kind (`load_counts`: scalar loads where
+16-byte ones were meant show a mask the compiler could not see through).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
+from collections import Counter
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -316,20 +320,31 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
 ]
 
 
-def compile_case(kernel, signature: dict, params: dict) -> None:
+def compile_case(kernel, signature: dict, params: dict):
     options = {k: params.pop(k) for k in ("num_warps", "num_stages") if k in params}
     names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.startswith("p_") or n.startswith("stride")}
     sig = {**signature, **{k: "constexpr" for k in params}}
-    triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=params, attrs=attrs), target=TARGET, options=options)
+    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=params, attrs=attrs), target=TARGET,
+                          options=options)
+
+
+def load_counts(compiled) -> str:
+    """The global-memory load instructions of a compiled kernel's PTX, by kind ("b16 x 384" is one
+    2-byte load per element: a tile mask against a runtime bound keeps the compiler from
+    vectorizing; "v4.b32" and "cp.async" are 16-byte loads, the latter software-pipelined)."""
+    kinds = Counter(re.findall(r"(ld\.global[\w.]*|cp\.async\.c[ag]\.shared\.global)", compiled.asm["ptx"]))
+    return ", ".join(f"{k.replace('ld.global.', '').replace('.shared.global', '')} x {n}" for k, n in sorted(kinds.items()))
 
 
 def main() -> int:
+    """Compile every case; with --loads, also print each kernel's load instructions (`load_counts`)."""
+    loads = "--loads" in sys.argv[1:]
     failed = 0
     for name, kernel, signature, params in CASES:
         try:
-            compile_case(kernel, signature, dict(params))
-            print(f"ok      {name}", flush=True)
+            compiled = compile_case(kernel, signature, dict(params))
+            print(f"ok      {name}" + (f"  [{load_counts(compiled)}]" if loads else ""), flush=True)
         except Exception as exc:  # noqa: BLE001 (report every kernel)
             failed += 1
             print(f"FAILED  {name}: {type(exc).__name__}: {str(exc)[-600:]}", flush=True)

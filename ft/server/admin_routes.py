@@ -9,12 +9,13 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from ft.errors import RebuildFailed, RebuildRefused
 from ft.schemas import CacheState, Event, History, LiveRates, RequestList, ResizePlan, ResizeRequest
 from ft.server import admin_state
+from ft.server.closing_stream import ClosingStreamingResponse
 from ft.server.errors import ApiError
 
 
@@ -208,4 +209,5 @@ async def events(request: Request):
             kind = "tick"
             await asyncio.sleep(interval)
 
-    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    # closed as soon as the client leaves (as the generation streams), not when the collector finds it
+    return ClosingStreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
