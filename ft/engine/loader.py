@@ -12,6 +12,7 @@ import torch
 
 from ft.kernels.backend import uses_triton
 from ft.kernels.moe import SlotWeights, moe_workspace_bytes
+from ft.kernels.nvfp4 import DEQUANT_MM_MIN_M
 from ft.model.checkpoint import CheckpointReader, load_weights
 from ft.model.config import ModelConfig
 from ft.model.layers.linear import NVFP4Weight
@@ -84,7 +85,9 @@ def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
     """Bytes of activations alive at the peak of the largest forward pass (a full prefill chunk):
     the residual stream and a normalised copy, plus the widest projection output twice (its input
     split and its product), plus the Triton MoE's workspace where Triton runs, plus the
-    logits. Estimated from the config; the CUDA path will replace this with a profiled figure."""
+    logits, plus one NVFP4 projection decoded to `dtype` for a prefill chunk's cuBLAS GEMM
+    (`ft.kernels.nvfp4.DEQUANT_MM_MIN_M`). Estimated from the config; the CUDA path will replace this
+    with a profiled figure."""
     widest = max(
         2 * cfg.linear_key_dim + 2 * cfg.linear_value_dim,  # in_proj_qkvz
         2 * cfg.num_attention_heads * cfg.head_dim,  # q with its gate
@@ -93,8 +96,14 @@ def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
         cfg.num_experts,
     )
     per_token = (3 * cfg.hidden_size + 2 * widest) * torch.finfo(dtype).bits // 8
-    moe = 0
+    moe = decoded = 0
     if uses_triton(device):  # the Triton MoE's workspace (the CPU reference allocates per group)
         moe = moe_workspace_bytes(prefill_tokens, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
                                   torch.finfo(dtype).bits // 8)
-    return prefill_tokens * per_token + moe + max_running * cfg.vocab_size * 4
+        if prefill_tokens >= DEQUANT_MM_MIN_M:  # an NVFP4 projection decoded for cuBLAS (the largest one; a
+            # bf16 checkpoint never allocates it: counted anyway, tens of MB)
+            dense_out = max(2 * cfg.linear_key_dim + 2 * cfg.linear_value_dim, 2 * cfg.num_attention_heads * cfg.head_dim,
+                            2 * cfg.shared_expert_intermediate_size)
+            dense_in = max(cfg.linear_value_dim, cfg.num_attention_heads * cfg.head_dim, cfg.shared_expert_intermediate_size)
+            decoded = max(dense_out, dense_in) * cfg.hidden_size * torch.finfo(dtype).bits // 8
+    return prefill_tokens * per_token + moe + decoded + max_running * cfg.vocab_size * 4
