@@ -14,7 +14,7 @@ addresses the model reads stay fixed from step to step (what a CUDA graph captur
 Sampling extras (min-p, penalties, logit bias, logprobs, prompt logprobs) have buffers of their own
 (`sample_buffers`), loaded only on the steps that use them: the decode graphs never read them, so
 they stay out of the graphs' key and may grow without a recapture. Logprobs come back to the host
-in the same single copy as the sampled tokens (`_to_host`).
+in the same single copy as the sampled tokens (`result_copy.ResultCopy`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from ft.engine.buffers import PageTableBuffer, StagedBuffer, StagingArena
 from ft.engine.decode_graphs import DecodeGraphs
 from ft.engine.grammar import GrammarMaskBuffer
 from ft.engine.penalty_state import PenaltyState
+from ft.engine.result_copy import ResultCopy
 from ft.engine.sampler import GrammarMask, LogitBias, Penalties, SamplingBatch, logprobs_of, sample
 from ft.engine.sampling_params import TokenLogprob
 from ft.kernels.backend import debug_checks
@@ -106,9 +107,7 @@ class ModelRunner:
         }
         self.page_table = PageTableBuffer(rows, max_pages_per_seq, device, arena=(self.decode_arena, len(decode_specs)))
         self.routing = None  # a `routing_override.TraceRouting` (synthetic traces): set by the engine
-        self._sampled = torch.zeros(rows, dtype=i64, pin_memory=device.type == "cuda")  # host side of token ids
-        self._packed = torch.zeros(rows, dtype=torch.float64, pin_memory=device.type == "cuda")  # ids + logprobs
-        self._event = torch.cuda.Event() if device.type == "cuda" else None
+        self.results = ResultCopy(rows, device)  # the sampled ids (and logprobs) to the host, one copy a step
         self.last_logits: torch.Tensor | None = None  # [B, V] of the last step (tests and debugging)
         # tensor parallelism (`ft.parallel.TPGroup`): rank 0 sends each step's inputs with the
         # journal of its pools' content operations (`attach_tp`)
@@ -445,49 +444,12 @@ class ModelRunner:
             experts.stats.hits += tokens * self.model.moe_pairs_per_token
 
     def _to_host(self, ids: torch.Tensor | None, extras: list[torch.Tensor] = ()) -> tuple[list[int], list[list[float]]]:
-        """[B] int64 on the device -> Python ints, and each extra tensor (logprobs, their ids) -> a
-        flat list of floats: one small copy (pinned, then an event wait). With extras, everything is
-        packed into one float64 tensor first (token ids < 2**53 and float32 values are exact)."""
-        if not extras:
-            if ids is None:
-                self._wait()
-                return [], []
-            if self._event is None:
-                return ids.tolist(), []
-            b = ids.shape[0]
-            if b > self._sampled.numel():  # NOTE: grows only for a batch over the constructor's size
-                self._sampled = torch.zeros(b, dtype=torch.int64, pin_memory=True)
-            out = self._sampled[:b]
-            out.copy_(ids, non_blocking=True)
-            self._wait()
-            return out.tolist(), []
-        parts = ([] if ids is None else [ids]) + list(extras)
-        sizes = [t.numel() for t in parts]
-        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in parts])
-        if self._event is None:
-            values = flat.tolist()
-        else:
-            if flat.numel() > self._packed.numel():
-                self._packed = torch.zeros(max(flat.numel(), 2 * self._packed.numel()), dtype=torch.float64,
-                                           pin_memory=True)
-            out = self._packed[: flat.numel()]
-            out.copy_(flat, non_blocking=True)
-            self._wait()
-            values = out.tolist()
-        lists, at = [], 0
-        for n in sizes:
-            lists.append(values[at : at + n])
-            at += n
-        if ids is None:
-            return [], lists
-        return [int(t) for t in lists[0]], lists[1:]
+        """The step's sampled ids and extra tensors on the host (`ResultCopy.to_host`)."""
+        return self.results.to_host(ids, extras)
 
     def _wait(self) -> None:
-        """Wait for this step's device work. NOTE: every step ends here, so the next step may
-        rewrite the host staging that this step's non-blocking copies read."""
-        if self._event is not None:
-            self._event.record()
-            self._event.synchronize()
+        """Wait for this step's device work (`ResultCopy.wait`)."""
+        self.results.wait()
 
 
 def _tokens(seq: Sequence, start: int, n: int) -> list[int]:
