@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("--label", default="", help="a prefix for every row (e.g. before / after)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1 at small shapes")
     args = ap.parse_args()
+    if args.ft_root and not (Path(args.ft_root) / "ft").is_dir():  # else `import ft` would find this checkout's
+        ap.error(f"--ft-root {args.ft_root}: no ft package there (on the device: name it in carry)")
     sys.path.insert(0, str(Path(args.ft_root).resolve() if args.ft_root else Path(__file__).resolve().parent.parent))
     import torch
 
