@@ -60,7 +60,8 @@ def main() -> None:
     graphs = eng.runner.graphs
     rows = []
     for ctx in contexts:
-        prompt = [1000 + j % 150000 for j in range(ctx)]
+        vocab = eng.model_config.vocab_size
+        prompt = [(1000 + j) % vocab for j in range(ctx)]  # any config's vocabulary (the flagship's: the same ids)
         for mode in modes:
             eng.runner.graphs = graphs if mode == "graphs" else None
             for b in batches:

@@ -104,7 +104,8 @@ def ttft(eng, n: int, base: list[int]) -> float:
     """Seconds from add_request to the first token of a fresh n-token prompt."""
     start = 1000 + base[0] % 50000
     base[0] += 7919
-    prompt = [(start + i * 31) % 150000 + 10 for i in range(n)]
+    vocab = eng.model_config.vocab_size
+    prompt = [(start + i * 31) % min(150000, vocab - 10) + 10 for i in range(n)]  # the flagship's ids as before
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     seq = eng.add_request(prompt, SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
