@@ -123,6 +123,44 @@ def test_grouped_path_cuts_long_chunks(monkeypatch):
     assert ((y - ref).norm() / ref.norm()).item() < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("block_m", [1, 3, 8])
+def test_group_pairs_tiles_cover_every_pair_once_within_the_expert_bound(block_m):
+    """With the bound a layer gives (its expert count + 1), the tiles still cover every pair of a
+    pool-wide slot numbering exactly once, one slot per tile, at most block_m pairs each."""
+    from ft.kernels.moe.grouped_kernel import group_pairs
+
+    gen = torch.Generator().manual_seed(block_m)
+    for _ in range(20):
+        experts = int(torch.randint(1, 9, (1,), generator=gen))
+        table = torch.randperm(1000, generator=gen)[:experts]  # the layer's slots in a large pool
+        table[torch.rand(experts, generator=gen) < 0.25] = -1  # experts without a slot
+        p = int(torch.randint(1, 60, (1,), generator=gen))
+        slots = table[torch.randint(0, experts, (p,), generator=gen)]
+        start, end, sorted_slots, order = group_pairs(slots, block_m, experts + 1)
+        assert start.numel() == -(-p // block_m) + min(p, experts + 1)
+        seen = []
+        for a, b in zip(start.tolist(), end.tolist()):
+            assert 0 <= b - a <= block_m
+            tile = order[a:b]
+            assert len(set(slots[tile].tolist())) <= 1
+            seen += tile.tolist()
+        assert sorted(seen) == list(range(p))
+
+
+def test_grouped_path_in_a_pool_larger_than_the_layer_matches_ref():
+    """A layer's 3 experts live in slots of a 9-slot pool; `experts=3` sizes the grid by the layer."""
+    gen = torch.Generator().manual_seed(11)
+    w = _slot_pool(9, 32, 16, gen)
+    table = torch.tensor([7, 2, 5])
+    ids = torch.stack([torch.randperm(3, generator=gen)[:2] for _ in range(13)])
+    slots = table[ids]
+    weights = torch.softmax(torch.randn(13, 2, generator=gen), dim=-1)
+    x = torch.randn(13, 32, generator=gen)
+    y = moe_over_slots_triton(x, slots, weights, w, grouped=True, grouped_config=(4, 16, 32, 4, 1), distinct_slots=4)
+    ref = moe_over_slots_ref(x, slots, weights, w)
+    assert ((y - ref).norm() / ref.norm()).item() < TOL[torch.float32]
+
+
 def test_all_skipped_gives_zeros():
     gen = torch.Generator().manual_seed(1)
     w = _slot_pool(2, 32, 16, gen)

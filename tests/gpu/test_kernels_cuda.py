@@ -60,7 +60,7 @@ PREFILL_LINEAR_CASES = [(m, n, k) for m in (256, 4096) for n, k in ((8192, 2048)
 def test_nvfp4_prefill_linear_through_cublas(m, n, k):
     """The prefill form (one decode pass of the weight, then cuBLAS with alpha = scale_2): the
     decode pass is the reference bit for bit, the linear within the linear tolerance, and the
-    dispatcher takes it from DEQUANT_MM_MIN_M rows on when given the host scale."""
+    dispatcher takes it from DEQUANT_MM_MIN_M rows on when given the host scale (not below)."""
     from ft.kernels.nvfp4 import DEQUANT_MM_MIN_M, dequantize_nvfp4
     from ft.kernels.nvfp4.dequant_kernel import dequantize_nvfp4_triton, nvfp4_linear_dequant_mm
 
@@ -71,7 +71,13 @@ def test_nvfp4_prefill_linear_through_cublas(m, n, k):
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     y = nvfp4_linear_dequant_mm(x, packed, scale, float(s2))
     assert rel_rms(y, nvfp4_linear_ref(x, packed, scale, s2)) < TOL_LINEAR
-    assert m >= DEQUANT_MM_MIN_M and torch.equal(nvfp4_linear(x, packed, scale, s2, float(s2)), y)
+    dispatched = nvfp4_linear(x, packed, scale, s2, float(s2))
+    if m >= DEQUANT_MM_MIN_M:  # the dispatcher takes this path from DEQUANT_MM_MIN_M rows on
+        assert torch.equal(dispatched, y)
+    else:  # and the Triton kernel below it
+        from ft.kernels.nvfp4.kernel import nvfp4_linear_triton
+
+        assert torch.equal(dispatched, nvfp4_linear_triton(x, packed, scale, s2))
 
 
 ROUTER_CASES = [(t, normalize) for t in (1, 8) for normalize in (True, False)]

@@ -42,11 +42,14 @@ def test_cuda_engine_tokens_survive_live_resizes(tiny):
 def test_cuda_nvfp4_engine_long_prefill_matches_transformers(tiny_one, tmp_path_factory, monkeypatch):
     """An NVFP4 checkpoint on CUDA with a prompt past DEQUANT_MM_MIN_M tokens, so that the prefill's
     dense projections run as one weight decode plus cuBLAS: the last prefill logits against
-    transformers on the dequantized weights (float32)."""
+    transformers on the dequantized weights (float32). The threshold is lowered to 256 rows (the
+    library's 1,024 is past the tiny model's 512-token context); the dispatcher reads it per call."""
+    import ft.kernels.nvfp4 as nvfp4
     import ft.kernels.nvfp4.dequant_kernel as details
-    from ft.kernels.nvfp4 import DEQUANT_MM_MIN_M
     from nvfp4_pair import quantized_pair
 
+    monkeypatch.setattr(nvfp4, "DEQUANT_MM_MIN_M", 256)
+    DEQUANT_MM_MIN_M = nvfp4.DEQUANT_MM_MIN_M
     calls = []
     real = details.nvfp4_linear_dequant_mm
     monkeypatch.setattr(details, "nvfp4_linear_dequant_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))

@@ -31,19 +31,28 @@ def runs_triton(w: SlotWeights, device: torch.device) -> bool:
 
 
 def moe_over_slots(
-    x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, w: SlotWeights
+    x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, w: SlotWeights,
+    *, experts: int | None = None,
 ) -> torch.Tensor:
     """Dispatcher: the Triton kernels (`kernel.py`) for NVFP4 slot pools on CUDA (or
     on CPU in interpreter tests: ``FT_TRITON_INTERPRET_TEST=1`` with ``TRITON_INTERPRET=1``);
     the reference for dense pools and otherwise. Same contract as `moe_over_slots_ref`; in debug
-    mode (`debug_checks`) the slots are checked first (`check_slots`)."""
+    mode (`debug_checks`) the slots are checked first (`check_slots`), and so is `experts`.
+
+    experts: when topk_slots are one layer's expert -> slot lookups (or -1), the layer's expert
+    count: at most experts + 1 distinct values, so the grouped path sizes its grid by the layer,
+    not by the pool (a pool of 48 layers' slots made ~12x more empty tiles than live ones).
+    """
     if debug_checks():
         check_slots(topk_slots, w.w13.shape[0])
+        if experts is not None and (n := int(torch.unique(topk_slots).numel())) > experts + 1:
+            raise ValueError(f"topk_slots hold {n} distinct values, more than experts + 1 = {experts + 1}")
     if runs_triton(w, x.device):
         # NOTE: imports triton only when used
         from ft.kernels.moe.kernel import moe_over_slots_triton
 
-        return moe_over_slots_triton(x, topk_slots, topk_weights, w)
+        return moe_over_slots_triton(x, topk_slots, topk_weights, w,
+                                     distinct_slots=None if experts is None else experts + 1)
     return moe_over_slots_ref(x, topk_slots, topk_weights, w)
 
 

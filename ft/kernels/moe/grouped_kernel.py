@@ -145,13 +145,16 @@ def _grouped_down_kernel(
                  mask=m_p[:, None] & m_n[None, :])
 
 
-def group_pairs(slots: torch.Tensor, block_m: int, num_slots: int) -> tuple[torch.Tensor, ...]:
+def group_pairs(slots: torch.Tensor, block_m: int, distinct: int) -> tuple[torch.Tensor, ...]:
     """Tiles of at most block_m (token, k) pairs that share a slot, computed on slots' device without a sync.
 
-    Args: slots: int [P] (flattened topk_slots, -1 = skip); num_slots: the pool's slot count.
+    Args: slots: int [P] (flattened topk_slots, -1 = skip); distinct: an upper bound on the
+    distinct values in slots, -1 included (a layer's expert count + 1: each expert has at most
+    one slot). A bound too small drops pairs; one too large launches empty programs.
     Returns: (tile_start int32 [G], tile_end int32 [G], sorted slots int32 [P], order int32 [P]):
     tile g covers positions [tile_start[g], tile_end[g]) of ``order`` (pair ids sorted by slot);
-    G = ceil(P / block_m) + min(P, num_slots + 1) is an upper bound, unused tiles are empty.
+    G = ceil(P / block_m) + min(P, distinct) is an upper bound (runs of r pairs take at most
+    r / block_m + 1 tiles each), unused tiles are empty.
     """
     p = slots.numel()
     dev = slots.device
@@ -164,7 +167,7 @@ def group_pairs(slots: torch.Tensor, block_m: int, num_slots: int) -> tuple[torc
     run_len = torch.zeros(p, dtype=torch.int64, device=dev).scatter_add_(0, run_id, torch.ones_like(pos))
     tiles_per_run = (run_len + block_m - 1) // block_m
     tile_end_cum = torch.cumsum(tiles_per_run, 0)
-    g = triton.cdiv(p, block_m) + min(p, num_slots + 1)
+    g = triton.cdiv(p, block_m) + min(p, distinct)
     tile = torch.arange(g, device=dev)
     run = torch.searchsorted(tile_end_cum, tile, right=True).clamp_(max=p - 1)
     first_tile = tile_end_cum[run] - tiles_per_run[run]
@@ -176,17 +179,18 @@ def group_pairs(slots: torch.Tensor, block_m: int, num_slots: int) -> tuple[torc
     return start, end, sorted_slots, order.to(torch.int32)
 
 
-def grouped_moe(x, slots, wts, k, w13, s13, w2, s2w, s2, y, i, cfg) -> torch.Tensor:
+def grouped_moe(x, slots, wts, k, w13, s13, w2, s2w, s2, y, i, cfg, distinct: int | None = None) -> torch.Tensor:
     """One grouped pass: y [T, H] = sum over k of the pairs' weighted expert outputs.
 
     x [T, H]; slots [T * k] int32 (-1: skip), wts [T * k]; w13, w2 the uint8 slot pools, s13, s2w their
     E4M3 block scales as uint8, s2 float32 [S, 3]; i the intermediate size; cfg a `GROUPED_CONFIG`
-    tuple (a sixth element, true: SWAP_AB). Allocates h [T * k, I] and y_pairs [T * k, H] in x's dtype (`moe_workspace_bytes`).
+    tuple (a sixth element, true: SWAP_AB); distinct: `group_pairs`'s bound (default: the pool's
+    slot count + 1, always safe; a layer's expert count + 1 launches far fewer empty tiles). Allocates h [T * k, I] and y_pairs [T * k, H] in x's dtype (`moe_workspace_bytes`).
     """
     t, hid = x.shape
     block_m, block_n, block_k, warps, stages, *rest = cfg
     swap_ab = bool(rest and rest[0])
-    start, end, sorted_slots, order = group_pairs(slots, block_m, w13.shape[0])
+    start, end, sorted_slots, order = group_pairs(slots, block_m, distinct or w13.shape[0] + 1)
     h = torch.empty((t * k, i), dtype=x.dtype, device=x.device)
     y_pairs = torch.zeros((t * k, hid), dtype=x.dtype, device=x.device)  # skipped pairs stay 0
     precision = "ieee" if x.dtype == torch.float32 else "tf32"

@@ -154,7 +154,7 @@ def moe_over_slots_triton(
     x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, w, *, out: torch.Tensor | None = None,
     gate_up_config: tuple[int, int, int] | None = None, down_config: tuple[int, int, int] | None = None,
     grouped: bool | None = None, grouped_config: tuple[int, int, int, int, int] | None = None,
-    down_per_pair: bool | None = None,
+    down_per_pair: bool | None = None, distinct_slots: int | None = None,
 ) -> torch.Tensor:
     """sum_k weight_k * down(silu(gate(x)) * up(x)) with NVFP4 experts read from slots.
 
@@ -166,6 +166,8 @@ def moe_over_slots_triton(
         down_per_pair: per-pair path only: down projections one program per (pair, row block)
             plus a sum over k (True), or one program per (token, row block) looping over k
             (False); default `DOWN_PER_PAIR`.
+        distinct_slots: grouped path only: an upper bound on the distinct values in topk_slots,
+            -1 included (`group_pairs`); default the pool's slot count + 1.
     Returns: [T, H] in x's dtype.
     Raises: ValueError for dense slot pools or mismatched shapes.
     """
@@ -191,7 +193,7 @@ def moe_over_slots_triton(
         for a in range(0, t, GROUPED_MAX_TOKENS):  # bounded workspace (`ft.kernels.moe.moe_workspace_bytes`)
             b = min(t, a + GROUPED_MAX_TOKENS)
             grouped_moe(x[a:b], slots[a * k : b * k], wts[a * k : b * k], k, w13, s13, w2, s2w, s2, y[a:b], i,
-                        grouped_config or grouped_config_for(b - a))
+                        grouped_config or grouped_config_for(b - a), distinct_slots)
         return y
     w13, w2 = as_words(w.w13), as_words(w.w2)
     h = torch.empty((t * k, i), dtype=torch.float32, device=x.device)

@@ -140,11 +140,11 @@ class SparseMoE:
         if cache.all_resident:  # every expert has its slot: no bookkeeping, no device sync
             # NOTE: hits are counted by the model runner here ((token, expert) pairs): this code
             # also runs while a CUDA graph is captured, and not at all when it is replayed.
-            return moe_over_slots(x, self._slots(table, ids), weights, cache.slots)
+            return moe_over_slots(x, self._slots(table, ids), weights, cache.slots, experts=table.shape[0])
         experts = torch.unique(ids).tolist()
         if len(experts) <= cache.num_slots:
             cache.ensure(layer, experts)
-            return moe_over_slots(x, self._slots(table, ids), weights, cache.slots)
+            return moe_over_slots(x, self._slots(table, ids), weights, cache.slots, experts=table.shape[0])
         # More distinct experts than slots (a long prefill chunk on a small cache): run them in
         # groups that fit, each group's pairs with the others masked out (slot -1).
         out = torch.zeros_like(x)
@@ -154,7 +154,7 @@ class SparseMoE:
             cache.ensure(layer, group)
             in_group = torch.isin(ids, torch.tensor(group, device=ids.device))
             slots = torch.where(in_group, table[ids], torch.full_like(ids, -1))
-            out += moe_over_slots(x, slots, weights, cache.slots)
+            out += moe_over_slots(x, slots, weights, cache.slots, experts=table.shape[0])
         return out
 
 
