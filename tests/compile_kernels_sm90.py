@@ -32,6 +32,7 @@ from ft.kernels.conv1d import kernel as conv  # noqa: E402
 from ft.kernels.moe import decode_kernel as moe_dec  # noqa: E402
 from ft.kernels.moe import grouped_kernel as moe_grp  # noqa: E402
 from ft.kernels.moe import kernel as moe  # noqa: E402
+from ft.kernels.moe import pair_tiles as moe_tiles  # noqa: E402
 from ft.kernels.norm import kernel as norm  # noqa: E402
 from ft.kernels.nvfp4 import kernel as nv  # noqa: E402
 from ft.kernels.nvfp4 import dequant_kernel as nv_dq  # noqa: E402
@@ -207,6 +208,12 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("moe grouped down, short passes", moe_grp._grouped_down_kernel, G_DOWN, short_grouped_cfg()),
     ("moe grouped gate_up, unswapped tile", moe_grp._grouped_gate_up_kernel, G_GATE_UP,
      {**grouped_cfg(), "BLOCK_M": 64, "SWAP_AB": False}),
+    ("moe grouped pair tiles (one program)", moe_tiles._pair_tiles_kernel,
+     {"p_sorted": "*i32", "p_start": "*i32", "p_end": "*i32", **ints("P", "G")},
+     {"BLOCK_M": moe_grp.GROUPED_CONFIG[0], "BLOCK": moe_tiles.TILES_BLOCK, "num_warps": 8}),
+    ("moe grouped sum over live pairs", moe_grp._sum_live_pairs_kernel,
+     {"p_yp": "*bf16", "p_slots": "*i32", "p_out": "*bf16", **ints("H", "TOPK", "stride_yp", "stride_ot")},
+     {"BLOCK": 1024}),
     ("nvfp4 decode pass (prefill linear)", nv_dq._dequant_kernel,
      {"p_w": "*u8", "p_s": "*u8", "p_y": "*bf16", **ints("N", "K", "stride_wn", "stride_sn", "stride_yn")},
      {"BLOCK_R": nv_dq.DEQUANT_BLOCK[0], "BLOCK_K": nv_dq.DEQUANT_BLOCK[1], "EVEN_K": True, "num_warps": 4}),

@@ -124,19 +124,25 @@ def test_grouped_path_cuts_long_chunks(monkeypatch):
 
 
 @pytest.mark.parametrize("block_m", [1, 3, 8])
-def test_group_pairs_tiles_cover_every_pair_once_within_the_expert_bound(block_m):
-    """With the bound a layer gives (its expert count + 1), the tiles still cover every pair of a
-    pool-wide slot numbering exactly once, one slot per tile, at most block_m pairs each."""
-    from ft.kernels.moe.grouped_kernel import group_pairs
+def test_pair_tiles_kernel_equals_the_reference_and_covers_every_pair_once(block_m, monkeypatch):
+    """The tile kernel's list equals the torch scans' exactly; with the bound a layer gives (its
+    expert count + 1) the tiles cover every pair of a pool-wide slot numbering exactly once, one
+    slot per tile, at most block_m pairs each. A small scan block, so that runs and tiles cross
+    the kernel's block boundaries."""
+    import ft.kernels.moe.pair_tiles as tiles
 
+    monkeypatch.setattr(tiles, "TILES_BLOCK", 16)
     gen = torch.Generator().manual_seed(block_m)
-    for _ in range(20):
+    for trial in range(12):
         experts = int(torch.randint(1, 9, (1,), generator=gen))
         table = torch.randperm(1000, generator=gen)[:experts]  # the layer's slots in a large pool
         table[torch.rand(experts, generator=gen) < 0.25] = -1  # experts without a slot
-        p = int(torch.randint(1, 60, (1,), generator=gen))
+        p = 1 if trial == 0 else int(torch.randint(1, 60, (1,), generator=gen))
         slots = table[torch.randint(0, experts, (p,), generator=gen)]
-        start, end, sorted_slots, order = group_pairs(slots, block_m, experts + 1)
+        start, end, sorted_slots, order = tiles.group_pairs(slots, block_m, experts + 1)
+        ref = tiles.group_pairs_ref(slots, block_m, experts + 1)
+        for got, want in zip((start, end, sorted_slots, order), ref):
+            assert torch.equal(got, want)
         assert start.numel() == -(-p // block_m) + min(p, experts + 1)
         seen = []
         for a, b in zip(start.tolist(), end.tolist()):

@@ -1,14 +1,15 @@
 """The grouped (prefill) path of the Triton MoE over NVFP4 slots (details module of `ft.kernels.moe`).
 
-A prefill chunk's (token, k) pairs are grouped by slot (a stable sort and a few scans in torch, on
-the device, no host sync: `group_pairs`) into tiles of at most BLOCK_M pairs of one slot. Each
-tile is a GEMM against its slot's weights, dequantized tile by tile in registers:
+A prefill chunk's (token, k) pairs are grouped by slot (a stable sort and one scan kernel, on the
+device, no host sync: `pair_tiles.group_pairs`) into tiles of at most BLOCK_M pairs of one slot.
+Each tile is a GEMM against its slot's weights, dequantized tile by tile in registers:
 
 1. `_grouped_gate_up_kernel`, grid (tiles, I / BLOCK_N): h[p] = silu(x[t] @ gate^T * s_g) *
    (x[t] @ up^T * s_u), h in x's dtype (the down GEMM's operand).
 2. `_grouped_down_kernel`, grid (tiles, H / BLOCK_N): y_pairs[p] = w_p * s_d * (h[p] @ down^T) in
-   fp32, then one fp32 sum over k per token (ordered: no atomics, so a token's result never depends
-   on the timing of other tiles).
+   fp32, stored in x's dtype; then `_sum_live_pairs_kernel`: one fp32 sum over k per token, in k
+   order, of the pairs that have a slot (ordered: no atomics, so a token's result never depends on
+   the timing of other tiles; skipped pairs are never written, so the workspace needs no zeroing).
 
 An expert's weights are read and dequantized once per tile of its pairs, so the cost per token
 falls with the pairs per expert: the caller passes whole prefill chunks (up to
@@ -26,10 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.kernels.moe.pair_tiles import group_pairs
 from ft.kernels.nvfp4.kernel import dequant_tile
 
-__all__ = ["GROUPED_CONFIG", "GROUPED_CONFIG_SHORT", "GROUPED_SHORT_TOKENS", "group_pairs", "grouped_config_for",
-           "grouped_moe"]
+__all__ = ["GROUPED_CONFIG", "GROUPED_CONFIG_SHORT", "GROUPED_SHORT_TOKENS", "grouped_config_for", "grouped_moe"]
 
 GROUPED_CONFIG = (128, 64, 64, 4, 4, True)
 """(BLOCK_M pairs, BLOCK_N rows, BLOCK_K, num_warps, num_stages, SWAP_AB) of both grouped passes
@@ -145,38 +146,19 @@ def _grouped_down_kernel(
                  mask=m_p[:, None] & m_n[None, :])
 
 
-def group_pairs(slots: torch.Tensor, block_m: int, distinct: int) -> tuple[torch.Tensor, ...]:
-    """Tiles of at most block_m (token, k) pairs that share a slot, computed on slots' device without a sync.
-
-    Args: slots: int [P] (flattened topk_slots, -1 = skip); distinct: an upper bound on the
-    distinct values in slots, -1 included (a layer's expert count + 1: each expert has at most
-    one slot). A bound too small drops pairs; one too large launches empty programs.
-    Returns: (tile_start int32 [G], tile_end int32 [G], sorted slots int32 [P], order int32 [P]):
-    tile g covers positions [tile_start[g], tile_end[g]) of ``order`` (pair ids sorted by slot);
-    G = ceil(P / block_m) + min(P, distinct) is an upper bound (runs of r pairs take at most
-    r / block_m + 1 tiles each), unused tiles are empty.
-    """
-    p = slots.numel()
-    dev = slots.device
-    sorted_slots, order = torch.sort(slots.to(torch.int32), stable=True)
-    is_start = torch.ones(p, dtype=torch.bool, device=dev)
-    is_start[1:] = sorted_slots[1:] != sorted_slots[:-1]
-    run_id = torch.cumsum(is_start, 0) - 1  # [P], runs numbered 0..R-1
-    pos = torch.arange(p, device=dev)
-    run_start = torch.full((p,), p, dtype=torch.int64, device=dev).scatter_reduce_(0, run_id, pos, "amin")
-    run_len = torch.zeros(p, dtype=torch.int64, device=dev).scatter_add_(0, run_id, torch.ones_like(pos))
-    tiles_per_run = (run_len + block_m - 1) // block_m
-    tile_end_cum = torch.cumsum(tiles_per_run, 0)
-    g = triton.cdiv(p, block_m) + min(p, distinct)
-    tile = torch.arange(g, device=dev)
-    run = torch.searchsorted(tile_end_cum, tile, right=True).clamp_(max=p - 1)
-    first_tile = tile_end_cum[run] - tiles_per_run[run]
-    start = run_start[run] + (tile - first_tile) * block_m
-    end = torch.minimum(start + block_m, run_start[run] + run_len[run])
-    live = tile < tile_end_cum[-1]
-    start = torch.where(live, start, 0).to(torch.int32)
-    end = torch.where(live, end, 0).to(torch.int32)
-    return start, end, sorted_slots, order.to(torch.int32)
+@triton.jit
+def _sum_live_pairs_kernel(p_yp, p_slots, p_out, H, TOPK, stride_yp, stride_ot, BLOCK: tl.constexpr):
+    """Grid (T, H / BLOCK): out[t] = sum over j in order of yp[t * TOPK + j] where slots[t * TOPK + j]
+    >= 0 (the rows of skipped pairs are never read), in fp32, cast to out's dtype."""
+    i_t = tl.program_id(0)
+    o_h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m_h = o_h < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(TOPK):
+        pair = i_t * TOPK + j
+        if tl.load(p_slots + pair) >= 0:
+            acc += tl.load(p_yp + pair.to(tl.int64) * stride_yp + o_h, mask=m_h, other=0.0).to(tl.float32)
+    tl.store(p_out + i_t * stride_ot + o_h, acc.to(p_out.dtype.element_ty), mask=m_h)
 
 
 def grouped_moe(x, slots, wts, k, w13, s13, w2, s2w, s2, y, i, cfg, distinct: int | None = None) -> torch.Tensor:
@@ -192,7 +174,7 @@ def grouped_moe(x, slots, wts, k, w13, s13, w2, s2w, s2, y, i, cfg, distinct: in
     swap_ab = bool(rest and rest[0])
     start, end, sorted_slots, order = group_pairs(slots, block_m, distinct or w13.shape[0] + 1)
     h = torch.empty((t * k, i), dtype=x.dtype, device=x.device)
-    y_pairs = torch.zeros((t * k, hid), dtype=x.dtype, device=x.device)  # skipped pairs stay 0
+    y_pairs = torch.empty((t * k, hid), dtype=x.dtype, device=x.device)  # skipped pairs' rows: never read
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     g = start.numel()
     bk13 = min(block_k, triton.next_power_of_2(hid))
@@ -209,5 +191,6 @@ def grouped_moe(x, slots, wts, k, w13, s13, w2, s2w, s2, y, i, cfg, distinct: in
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk2, PRECISION=precision, EVEN_K=i % bk2 == 0, SWAP_AB=swap_ab,
         num_warps=warps, num_stages=stages,
     )
-    y.copy_(y_pairs.view(t, k, hid).sum(dim=1, dtype=torch.float32))  # fp32 sum over k, then x's dtype
+    _sum_live_pairs_kernel[(t, triton.cdiv(hid, 1024))](y_pairs, slots, y, hid, k, y_pairs.stride(0), y.stride(0),
+                                                         BLOCK=1024)
     return y
