@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 
 from ft.kernels.conv1d import causal_conv1d_ref, causal_conv1d_varlen, causal_conv1d_varlen_ref
 from ft.kernels.conv1d import kernel as details
+from triton_flags import spy_launches
 
 TOL_Y = {torch.float32: 1e-6, torch.float16: 2e-4}
 """Relative RMS of y: fp32 up to summation order; fp16 where an fp32 sum taken in another order than
@@ -88,6 +89,33 @@ def test_triton_matches_reference(c, width, lengths, dtype):
     assert torch.equal(conv_t[region], conv_ref[region])  # the new states are copies: bit-exact
     assert conv_t[~region].isnan().all()  # other slots and layers neither read (NaN would spread) nor written
     assert not torch.equal(conv_ref[region], conv[region])  # the states did change (the check above can fail)
+
+
+EVEN_CASES = [(128, 4, (1, 2, 17, 0, 40)), (40, 3, (5, 18, 1))]
+"""C a multiple of BLOCK_C (64: two channel blocks, EVEN_C) and not (one partial block)."""
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize(("c", "width", "lengths"), EVEN_CASES, ids=[f"C{c}-W{w}" for c, w, _ in EVEN_CASES])
+def test_even_c_flag(monkeypatch, c, width, lengths, dtype):
+    """The wrapper sets EVEN_C = (C % BLOCK_C == 0); the kernel with EVEN_C forced off (masks against C)
+    gives the same y and states bitwise, and both match the reference."""
+    x, weight, cu, slots, conv, region = make_batch(c, width, lengths, dtype, seed=c)
+    conv_ref = conv.clone()
+    y_ref = causal_conv1d_varlen_ref(x, conv_ref[:, LAYER], weight, cu, slots)
+    results = []
+    for overrides in ({}, {"EVEN_C": False}):
+        with monkeypatch.context() as m:
+            calls = spy_launches(m, details, "_conv_varlen_kernel", **overrides)
+            conv_t = conv.clone()
+            out = torch.full((sum(lengths), c), float("nan"), dtype=dtype)
+            y = details.causal_conv1d_varlen_triton(x, conv_t[:, LAYER], weight, cu, slots, out=out)
+            results.append((y, conv_t))
+        assert [call["EVEN_C"] for call in calls] == [c % 64 == 0]
+    (y, conv_t), (y_masked, conv_masked) = results
+    assert rel_rms(y, y_ref) < TOL_Y[dtype] and torch.equal(conv_t[region], conv_ref[region])
+    assert conv_t[~region].isnan().all()
+    assert torch.equal(y, y_masked) and torch.equal(conv_t.nan_to_num(), conv_masked.nan_to_num())
 
 
 def test_dispatcher_and_checks(monkeypatch):

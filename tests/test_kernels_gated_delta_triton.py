@@ -29,6 +29,7 @@ from ft.kernels.gated_delta import chunk_kernel as chunk_details
 from ft.kernels.gated_delta import kernel as details
 from ft.model.layers.gated_deltanet import GatedDeltaNet
 from ft.model.layers.linear import Linear
+from triton_flags import spy_launches
 
 TOL_O = {torch.float32: 1e-6, torch.float16: 2e-4}
 """Relative RMS of o: fp32 up to summation order; fp16 where the conv output y rounds the other way
@@ -217,6 +218,34 @@ def test_chunked_prefill_matches_recurrent(hk, hv, dk, dv, dtype):
         slot = int(slots[b])
         assert rel_rms(ssm_t[slot, LAYER], ssm_ref[slot, LAYER]) < TOL_CHUNK[dtype], f"state of sequence {b}"
     assert ssm_t[~region].isnan().all()  # other slots and layers neither read nor written
+
+
+EVEN_CASES = [(1, 2, 16, 32, True, True), (1, 2, 24, 32, False, True), (2, 2, 32, 40, True, False)]
+"""(Hk, Hv, Dk, Dv, EVEN_K, EVEN_V): Dk == BLOCK_K or not, Dv a multiple of BLOCK_V (32 in the prep
+kernel, 16 in the state pass of this small grid) or not (40: BLOCK_V 64 and 16)."""
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize(("hk", "hv", "dk", "dv", "even_k", "even_v"), EVEN_CASES,
+                         ids=[f"Dk{c[2]}-Dv{c[3]}" for c in EVEN_CASES])
+def test_chunked_prefill_even_flags(monkeypatch, hk, hv, dk, dv, even_k, even_v, dtype):
+    """Both chunk kernels get EVEN_K and EVEN_V from their configs; with both forced off (masks against
+    Dk and Dv) o and the states are the same bitwise, and both match the recurrent reference."""
+    args, cu, slots, ssm, region = make_prefill(PACKED, hk, hv, dk, dv, dtype, seed=dk + dv + 1)
+    o_ref, ssm_ref = recurrent_per_sequence(args, cu, slots, ssm)
+    results = []
+    for overrides in ({}, {"EVEN_K": False, "EVEN_V": False}):
+        with monkeypatch.context() as m:
+            calls = [spy_launches(m, chunk_details, name, **overrides)
+                     for name in ("_chunk_prep_kernel", "_chunk_state_kernel")]
+            ssm_t = ssm.clone()
+            results.append((chunk_details.chunk_gated_delta_rule_varlen_triton(*args, ssm_t[:, LAYER], cu, slots),
+                            ssm_t))
+        assert [(c["EVEN_K"], c["EVEN_V"]) for c in calls[0] + calls[1]] == [(even_k, even_v)] * 2
+    (o, ssm_t), (o_masked, ssm_masked) = results
+    assert rel_rms(o, o_ref) < TOL_CHUNK[dtype] and rel_rms(ssm_t[region], ssm_ref[region]) < TOL_CHUNK[dtype]
+    assert ssm_t[~region].isnan().all()
+    assert torch.equal(o, o_masked) and torch.equal(ssm_t.nan_to_num(), ssm_masked.nan_to_num())
 
 
 def test_chunked_prefill_odd_batches():

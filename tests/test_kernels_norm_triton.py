@@ -24,6 +24,7 @@ from ft.kernels.norm import (
     rotary_inv_freq_ref,
 )
 from ft.kernels.norm import kernel as details
+from triton_flags import spy_launches
 
 TOL = {torch.float32: 1e-6, torch.float16: 1e-3}
 """Relative RMS, Triton against the reference: fp32 differs only in the order of the sum of squares;
@@ -116,6 +117,44 @@ def test_qk_norm_rope(t, hq, hk, d, r, dtype):
     q_in, k_in = torch.cat([q, q], dim=-1)[..., :d], k.clone()  # q strided; both written in place
     q2, k2 = details.qk_norm_rope_triton(q_in, k_in, qw, kw, positions.int(), inv_freq, r, EPS, q_out=q_in, k_out=k_in)
     assert q2 is q_in and k2 is k_in and torch.equal(q_in, q_out) and torch.equal(k_in, k_out)
+
+
+EVEN = [64, 40]
+"""Row lengths: D == BLOCK_D (the wrappers set EVEN_D: no mask along D) and D < BLOCK_D (masked)."""
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES.values(), ids=KERNEL_DTYPES.keys())
+@pytest.mark.parametrize("d", EVEN, ids=[f"D{d}" for d in EVEN])
+def test_even_d_flag(monkeypatch, d, dtype):
+    """Each wrapper sets EVEN_D = (D == BLOCK_D); the kernels with EVEN_D forced off (masks against D)
+    give the same results bitwise, and both match the references."""
+    even = d == 64
+    x, res, gate = (randn(5, 2, d, dtype=dtype, seed=d + i, scale=2.0) for i in range(3))
+    w = randn(d, dtype=dtype, seed=d + 3, scale=0.1)
+    q, k, qw, kw, positions, inv_freq = qk_inputs(3, 2, 1, d, 16, dtype, seed=d)
+    runs = {
+        "rms_norm": (lambda: details.rms_norm_triton(x, w, EPS, out=nan_like(x)), lambda: rms_norm_ref(x, w, EPS)),
+        "add_rms_norm": (lambda: details.add_rms_norm_triton(x, res, w, EPS, out=nan_like(x), residual_out=nan_like(x)),
+                         lambda: add_rms_norm_ref(x, res, w, EPS)),
+        "gated_rms_norm": (lambda: details.gated_rms_norm_triton(x, gate, w + 1, EPS, out=nan_like(x)),
+                           lambda: gated_rms_norm_ref(x, gate, w + 1, EPS)),
+        "qk_norm_rope": (lambda: details.qk_norm_rope_triton(q, k, qw, kw, positions, inv_freq, 16, EPS,
+                                                             q_out=nan_like(q), k_out=nan_like(k)),
+                         lambda: qk_norm_rope_ref(q, k, qw, kw, positions, inv_freq, 16, EPS)),
+    }
+    kernels = ("_rms_norm_kernel", "_gated_rms_norm_kernel", "_qk_norm_rope_kernel")
+    with monkeypatch.context() as m:
+        calls = [spy_launches(m, details, name) for name in kernels]
+        outs = {name: run() for name, (run, _) in runs.items()}
+    assert [c["EVEN_D"] for c in calls[0] + calls[1] + calls[2]] == [even] * 4
+    with monkeypatch.context() as m:
+        for name in kernels:
+            spy_launches(m, details, name, EVEN_D=False)
+        masked = {name: run() for name, (run, _) in runs.items()}
+    for name, (_, ref) in runs.items():
+        got, want, forced = (v if isinstance(v, tuple) else (v,) for v in (outs[name], ref(), masked[name]))
+        assert all(rel_rms(a, b) < TOL[dtype] for a, b in zip(got, want, strict=True)), name
+        assert all(torch.equal(a, b) for a, b in zip(got, forced, strict=True)), name
 
 
 def test_dispatchers(monkeypatch):

@@ -14,6 +14,10 @@ alone writes the new one (the last W-1 inputs of [old state, x]: from x, or part
 for a sequence shorter than W-1), after all of its own loads (a barrier): no other program touches
 that slot, so one launch needs no grid-wide ordering.
 
+EVEN_C (C a multiple of BLOCK_C, set by `conv_varlen_config`): the [BLOCK_T, BLOCK_C] tiles of x and
+y are masked by their tokens alone, so that their loads and stores vectorize (16 bytes per thread);
+a mask against the runtime C makes every element a load of its own. Same values either way.
+
 Casts follow `causal_conv1d_ref` (and the decode kernel): the window in x's dtype, the products summed
 in fp32 and rounded to the weight's dtype, SiLU in fp32 rounded to the weight's dtype, then to x's.
 The fp32 sum runs over the taps in order (torch's conv may sum in another order): 16-bit outputs can
@@ -52,7 +56,12 @@ def _conv_varlen_kernel(
     p_x, p_w, p_cs, p_cu, p_slots, p_y, B, C, n_iters,
     stride_xt, stride_wc, stride_css, stride_csc, stride_csw, stride_yt,
     W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
+    EVEN_C: tl.constexpr = False,
 ):
+    """One tile of BLOCK_T tokens of one sequence by BLOCK_C channels (the module's docstring). EVEN_C:
+    C % BLOCK_C == 0, so every channel of the block exists: the x, old state and y tiles are masked by
+    their tokens alone (a spare program's tokens are all masked: t_lo >= length); the weights and the
+    new state keep their channel masks (strided, and tile 0's alone)."""
     i_p = tl.program_id(0)
     i_c = tl.program_id(1)
     dtype = p_x.dtype.element_ty
@@ -72,12 +81,16 @@ def _conv_varlen_kernel(
     o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     m_c = o_c < c_end
     m_t = o_t < length
+    if EVEN_C:
+        m_tc = m_t[:, None]
+    else:
+        m_tc = m_t[:, None] & m_c[None, :]
     p_state = p_cs + slot * stride_css + o_c[None, :] * stride_csc  # [1, BLOCK_C]
     b_acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     for w in tl.static_range(W):
         o_src = o_t - (W - 1) + w  # the input this tap reads, relative to the sequence's start
-        m_x = (m_t & (o_src >= 0))[:, None] & m_c[None, :]
-        m_s = (m_t & (o_src < 0))[:, None] & m_c[None, :]
+        m_x = m_tc & (o_src >= 0)[:, None]
+        m_s = m_tc & (o_src < 0)[:, None]
         b_x = tl.load(p_x + (start + o_src)[:, None] * stride_xt + o_c[None, :], mask=m_x, other=0.0)
         b_s = tl.load(p_state + (W - 1 + o_src)[:, None] * stride_csw, mask=m_s, other=0.0).to(dtype)
         b_win = tl.where(m_x, b_x, b_s)  # in x's dtype, as the reference's concatenation
@@ -96,7 +109,7 @@ def _conv_varlen_kernel(
                    mask=m_from_s, other=0.0)
     b_new = tl.where(m_from_x, b_nx.to(dtype), b_ns.to(dtype))
     tl.debug_barrier()  # NOTE: every load of the old state before the stores that overwrite it
-    tl.store(p_y + (start + o_t)[:, None] * stride_yt + o_c[None, :], b_y, mask=m_t[:, None] & m_c[None, :])
+    tl.store(p_y + (start + o_t)[:, None] * stride_yt + o_c[None, :], b_y, mask=m_tc)
     tl.store(p_cs + slot * stride_css + o_c[:, None] * stride_csc + o_w[None, :] * stride_csw,
              b_new.to(p_cs.dtype.element_ty), mask=m_new)
 
@@ -106,11 +119,12 @@ def conv_varlen_config(channels: int, width: int) -> dict:
     Measured on the H200 (C = 8192, W = 4, bf16; bench/gated_delta_prefill.py): 0.18 ms per 4,096
     tokens, 0.63 per 16,384 in one sequence; 32 x 128 with 8 warps 0.24 and 0.86. Still far from
     the copy bandwidth (~0.03 ms per 4,096 tokens): latency-bound at low occupancy (a tile's loads
-    take ~100 registers a thread); not tuned further yet."""
+    take ~100 registers a thread); not tuned further yet. EVEN_C: C % BLOCK_C == 0 (no channel masks
+    on the x and y tiles)."""
     block_c = min(64, triton.next_power_of_2(channels))
     block_t = max(16, triton.next_power_of_2(width - 1))  # NOTE: >= W-1: only tile 0 reads the state
     return {"W": width, "BLOCK_T": block_t, "BLOCK_C": block_c, "BLOCK_W": triton.next_power_of_2(width),
-            "num_warps": 4}
+            "EVEN_C": channels % block_c == 0, "num_warps": 4}
 
 
 def search_iters(n_seqs: int) -> int:

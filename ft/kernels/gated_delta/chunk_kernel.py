@@ -22,6 +22,12 @@ Two launches, whatever the batch:
       S <- S e^(g_n) + (K e^(g_n - gc))^T U
   and S written back to the slot (in place: each program owns its tile of its slot).
 
+Both kernels take EVEN_K (Dk == BLOCK_K) and EVEN_V (Dv a multiple of BLOCK_V: Dv == BLOCK_V in the
+first kernel, whose BLOCK_V is the whole head dim), set by `prep_config` and `state_config` from the
+shapes: then the [rows, Dk] and [rows, BLOCK_V] tiles are masked by their rows alone (`_tile_mask`),
+so that their loads and stores vectorize (16 bytes per thread); a mask against the runtime Dk or Dv
+makes every element a load of its own. Same values either way (no column is cut off when the flag is set).
+
 Chunks per sequence: the first kernel's grid has `T // 64 + B` programs along its first axis;
 sequence b owns ids from `cu[b] // 64 + b` on (one more than it can need: the spare ids exit at once),
 found from the id by a binary search over cu_seqlens. No host sync, grids from shapes only.
@@ -67,6 +73,17 @@ at 0.25 ms for the prep kernel against 0.64 and 5.0."""
 
 
 @triton.jit
+def _tile_mask(m_rows, o_cols, n_cols, EVEN: tl.constexpr):
+    """The mask of a [rows, BLOCK] tile: rows where m_rows, columns o_cols < n_cols. EVEN (the caller
+    knows that every o_cols < n_cols): the rows alone, broadcast along the columns, so that the
+    compiler can vectorize the tile's loads and stores."""
+    if EVEN:
+        return m_rows[:, None]
+    else:
+        return m_rows[:, None] & (o_cols < n_cols)[None, :]
+
+
+@triton.jit
 def _l2norm_rows(b_x):
     """Rows of an fp32 tile [R, BLOCK] (masked lanes 0) times 1 / sqrt(sum(x^2) + 1e-6), as the reference
     (correctly rounded 1 / sqrt, as torch on the CPU)."""
@@ -98,8 +115,11 @@ def _chunk_prep_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
     stride_wt, stride_wh, stride_ut, stride_uh, stride_gct, stride_at, stride_ah,
     CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    PRECISION: tl.constexpr, SOLVE_PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SOLVE_PRECISION: tl.constexpr, EVEN_K: tl.constexpr = False,
+    EVEN_V: tl.constexpr = False,
 ):
+    """One chunk of one value head (the module's docstring). EVEN_K: DK == BLOCK_K, EVEN_V: DV == BLOCK_V
+    (no mask along the head dims: `_tile_mask`)."""
     i_p = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = _find_seq(p_cu, i_p, B, n_iters, CHUNK)
@@ -115,8 +135,8 @@ def _chunk_prep_kernel(
     m_r = rows < end
     o_k = tl.arange(0, BLOCK_K)
     o_v = tl.arange(0, BLOCK_V)
-    m_rk = m_r[:, None] & (o_k < DK)[None, :]
-    m_rv = m_r[:, None] & (o_v < DV)[None, :]
+    m_rk = _tile_mask(m_r, o_k, DK, EVEN_K)
+    m_rv = _tile_mask(m_r, o_v, DV, EVEN_V)
     b_g = tl.load(p_g + rows * stride_gt + i_h, mask=m_r, other=0.0).to(tl.float32)
     b_beta = tl.load(p_beta + rows * stride_bt + i_h, mask=m_r, other=0.0).to(tl.float32)
     b_gc = tl.cumsum(b_g, axis=0)
@@ -150,7 +170,11 @@ def _chunk_state_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_wt, stride_wh, stride_ut, stride_uh, stride_gct,
     stride_at, stride_ah, stride_sss, stride_ssh, stride_ssk, stride_ssv, stride_ot, stride_oh,
     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr = False, EVEN_V: tl.constexpr = False,
 ):
+    """One sequence's chunks in order for one value head and BLOCK_V value dims (the module's
+    docstring). EVEN_K: DK == BLOCK_K, EVEN_V: DV % BLOCK_V == 0 (no mask along the head dims:
+    `_tile_mask`)."""
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -163,15 +187,15 @@ def _chunk_state_kernel(
     o_k = tl.arange(0, BLOCK_K)
     o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     m_k = o_k < DK
-    m_v = o_v < DV
+    m_kv = _tile_mask(m_k, o_v, DV, EVEN_V)  # the state tile's rows are Dk
     p_s = (p_ss + slot * stride_sss + i_h * stride_ssh + o_k[:, None] * stride_ssk + o_v[None, :] * stride_ssv)
-    b_s = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BLOCK_K, BLOCK_V] fp32
+    b_s = tl.load(p_s, mask=m_kv, other=0.0)  # [BLOCK_K, BLOCK_V] fp32
     for i_c in range(0, tl.cdiv(end - start, CHUNK)):
         t0 = start + i_c * CHUNK
         rows = t0.to(tl.int64) + o_r
         m_r = rows < end
-        m_rk = m_r[:, None] & m_k[None, :]
-        m_rv = m_r[:, None] & m_v[None, :]
+        m_rk = _tile_mask(m_r, o_k, DK, EVEN_K)
+        m_rv = _tile_mask(m_r, o_v, DV, EVEN_V)
         t_last = tl.minimum(t0 + CHUNK, end) - 1
         b_gc = tl.load(p_gc + rows * stride_gct + i_h, mask=m_r, other=0.0)
         b_gn = tl.load(p_gc + t_last.to(tl.int64) * stride_gct + i_h)
@@ -192,7 +216,7 @@ def _chunk_state_kernel(
         b_s = b_s * tl.exp(b_gn)
         b_s = tl.dot(tl.trans(b_k.to(dt)), b_und, acc=b_s, input_precision=PRECISION)
     tl.debug_barrier()  # NOTE: the state's load before its store in every thread (a small tile replicates elements)
-    tl.store(p_s, b_s, mask=m_k[:, None] & m_v[None, :])
+    tl.store(p_s, b_s, mask=m_kv)
 
 
 def _precisions(dtype: torch.dtype) -> tuple[str, str]:
@@ -204,10 +228,12 @@ def _precisions(dtype: torch.dtype) -> tuple[str, str]:
 def prep_config(dk: int, dv: int, dtype: torch.dtype) -> dict:
     """Constexprs and launch options of `_chunk_prep_kernel`. 4 warps, 2 stages: measured on the H200
     (Dk = Dv = 128, bf16) 0.135 ms per 4,096 tokens against 0.245 with 8 warps, though 4 spill a few
-    registers and 8 do not (bench/gated_delta_prefill.py)."""
+    registers and 8 do not (bench/gated_delta_prefill.py). EVEN_K, EVEN_V: the head dims fill their
+    blocks (no column masks)."""
     precision, solve = _precisions(dtype)
-    return {"CHUNK": CHUNK, "LOG2_CHUNK": LOG2_CHUNK, "BLOCK_K": max(16, triton.next_power_of_2(dk)),
-            "BLOCK_V": max(16, triton.next_power_of_2(dv)), "PRECISION": precision, "SOLVE_PRECISION": solve,
+    block_k, block_v = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
+    return {"CHUNK": CHUNK, "LOG2_CHUNK": LOG2_CHUNK, "BLOCK_K": block_k, "BLOCK_V": block_v,
+            "PRECISION": precision, "SOLVE_PRECISION": solve, "EVEN_K": dk == block_k, "EVEN_V": dv == block_v,
             "num_warps": 4, "num_stages": 2}
 
 
@@ -216,12 +242,15 @@ def state_config(batch: int, hv: int, dk: int, dv: int, dtype: torch.dtype) -> d
     (32: 3 stages; 16) while the grid has fewer than TARGET_PROGRAMS programs. Measured on the H200
     (Hv 32, Dk = Dv = 128, bf16; bench/gated_delta_prefill.py): 4,096 tokens in 3 sequences 0.22 ms
     at BLOCK_V 64 (0.32 at 32); 16,384 in 16 0.68 (1.0 at 32); 16,384 in one 0.95 at 32 (1.24 at 64:
-    64 programs leave half the SMs idle; 1.35 at 16)."""
+    64 programs leave half the SMs idle; 1.35 at 16). EVEN_K: Dk == BLOCK_K, EVEN_V: Dv % BLOCK_V == 0
+    (no column masks)."""
     block_v = min(64, max(16, triton.next_power_of_2(dv)))
     while block_v > 16 and batch * hv * triton.cdiv(dv, block_v) < TARGET_PROGRAMS:
         block_v //= 2
-    return {"CHUNK": CHUNK, "BLOCK_K": max(16, triton.next_power_of_2(dk)), "BLOCK_V": block_v,
-            "PRECISION": _precisions(dtype)[0], "num_warps": 8, "num_stages": 2 if block_v == 64 else 3}
+    block_k = max(16, triton.next_power_of_2(dk))
+    return {"CHUNK": CHUNK, "BLOCK_K": block_k, "BLOCK_V": block_v, "PRECISION": _precisions(dtype)[0],
+            "EVEN_K": dk == block_k, "EVEN_V": dv % block_v == 0, "num_warps": 8,
+            "num_stages": 2 if block_v == 64 else 3}
 
 
 def _unit_last(x: torch.Tensor) -> torch.Tensor:

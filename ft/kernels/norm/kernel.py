@@ -14,6 +14,11 @@ bf16/fp16 to an occasional last-place rounding.
   The two rotary halves are re-read as [HALF] tiles (cache hits) and normalised again with the same
   ops, so each half meets its partner elementwise.
 
+Each kernel takes EVEN_D (D == BLOCK_D, set by its wrapper): no mask against D (`_load_row`,
+`_store_row`; a [rows, BLOCK_D] tile keeps its row mask), so that the row's loads and stores
+vectorize (16 bytes per thread); a mask against the runtime D makes every element a load of its own.
+Same values either way.
+
 Outputs may be the inputs (in place): a row belongs to one program, which loads all it reads,
 then passes a barrier (tiles smaller than the program replicate elements across warps), then stores.
 """
@@ -33,6 +38,25 @@ MAX_D = 8192
 
 
 @triton.jit
+def _load_row(p, o_d, D, EVEN_D: tl.constexpr):
+    """p[o_d] for a row tile o_d = 0..BLOCK_D-1: elements o_d >= D are 0 (not read), unless EVEN_D (the
+    caller knows D == BLOCK_D), which loads without a mask so that the compiler vectorizes the loads."""
+    if EVEN_D:
+        return tl.load(p + o_d)
+    else:
+        return tl.load(p + o_d, mask=o_d < D, other=0.0)
+
+
+@triton.jit
+def _store_row(p, o_d, b_y, D, EVEN_D: tl.constexpr):
+    """p[o_d] = b_y for o_d < D (`_load_row`'s EVEN_D: every o_d, no mask)."""
+    if EVEN_D:
+        tl.store(p + o_d, b_y)
+    else:
+        tl.store(p + o_d, b_y, mask=o_d < D)
+
+
+@triton.jit
 def _rstd(b_x, D, eps):
     """1 / sqrt(mean(x^2) + eps) of a row tile [BLOCK_D] (masked lanes 0), rounded as torch on the CPU."""
     b_ms = tl.math.div_rn(tl.sum(b_x * b_x, axis=0), D.to(tl.float32))
@@ -41,41 +65,46 @@ def _rstd(b_x, D, eps):
 
 @triton.jit(do_not_specialize=["D"])
 def _rms_norm_kernel(p_x, p_r, p_w, p_y, p_h, D, eps, stride_xt, stride_rt, stride_yt, stride_ht,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr = False):
+    """One row per program. EVEN_D: D == BLOCK_D (no mask along D: `_load_row`)."""
     i_t = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
-    m_d = o_d < D
-    b_x = tl.load(p_x + i_t * stride_xt + o_d, mask=m_d, other=0.0)
+    b_x = _load_row(p_x + i_t * stride_xt, o_d, D, EVEN_D)
     if HAS_RESIDUAL:
-        b_r = tl.load(p_r + i_t * stride_rt + o_d, mask=m_d, other=0.0)
+        b_r = _load_row(p_r + i_t * stride_rt, o_d, D, EVEN_D)
         b_x = (b_r.to(tl.float32) + b_x.to(tl.float32)).to(p_h.dtype.element_ty)  # residual + x in x's dtype
     b_h = b_x
     b_x = b_x.to(tl.float32)
-    b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_w = _load_row(p_w, o_d, D, EVEN_D).to(tl.float32)
     b_y = (b_x * _rstd(b_x, D, eps)) * (1.0 + b_w)
     tl.debug_barrier()  # NOTE: every load before any store, so the outputs may alias the inputs
     if HAS_RESIDUAL:
-        tl.store(p_h + i_t * stride_ht + o_d, b_h, mask=m_d)
-    tl.store(p_y + i_t * stride_yt + o_d, b_y.to(p_y.dtype.element_ty), mask=m_d)
+        _store_row(p_h + i_t * stride_ht, o_d, b_h, D, EVEN_D)
+    _store_row(p_y + i_t * stride_yt, o_d, b_y.to(p_y.dtype.element_ty), D, EVEN_D)
 
 
 @triton.jit(do_not_specialize=["N", "D"])
 def _gated_rms_norm_kernel(p_x, p_g, p_w, p_y, N, D, eps, stride_xt, stride_gt, stride_yt, G_ROWS, stride_gg,
-                           ROUND_WY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                           ROUND_WY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                           EVEN_D: tl.constexpr = False):
     """Rows of x, y at stride_xt, stride_yt; gate row r at (r // G_ROWS) * stride_gg + (r % G_ROWS) *
-    stride_gt, so that a strided [T, H, D] gate (a view of a wider projection) needs no copy."""
+    stride_gt, so that a strided [T, H, D] gate (a view of a wider projection) needs no copy.
+    EVEN_D: D == BLOCK_D (the [BLOCK_R, BLOCK_D] tiles masked by their rows alone, the weight row not
+    at all: `_load_row`)."""
     i_r = tl.program_id(0).to(tl.int64)
     o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
     o_d = tl.arange(0, BLOCK_D)
     m_r = o_r < N
-    m_d = o_d < D
-    m_rd = m_r[:, None] & m_d[None, :]
+    if EVEN_D:
+        m_rd = m_r[:, None]
+    else:
+        m_rd = m_r[:, None] & (o_d < D)[None, :]
     b_x = tl.load(p_x + o_r[:, None] * stride_xt + o_d[None, :], mask=m_rd, other=0.0).to(tl.float32)
     b_ms = tl.math.div_rn(tl.sum(b_x * b_x, axis=1), D.to(tl.float32))
     b_rstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(b_ms + eps))
     # NOTE: the reference's roundings: y in x's dtype, weight * y in promote(weight, x), the rest fp32
     b_y = (b_x * b_rstd[:, None]).to(p_y.dtype.element_ty).to(tl.float32)
-    b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_w = _load_row(p_w, o_d, D, EVEN_D).to(tl.float32)
     b_wy = b_w[None, :] * b_y
     if ROUND_WY:
         b_wy = b_wy.to(p_y.dtype.element_ty).to(tl.float32)
@@ -95,14 +124,15 @@ def _norm_half(p_x, p_w, o_h, m_h, b_rstd, dtype: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_head(p_x, p_w, p_y, p_inv, b_pos, D, HALF, eps, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """One head: RMSNorm over D, rotate-half over the first 2 * HALF dims; p_x, p_y at the head's row."""
+def _norm_rope_head(p_x, p_w, p_y, p_inv, b_pos, D, HALF, eps, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                    EVEN_D: tl.constexpr):
+    """One head: RMSNorm over D, rotate-half over the first 2 * HALF dims; p_x, p_y at the head's row.
+    EVEN_D: D == BLOCK_D (the whole row's loads without a mask: `_load_row`)."""
     dtype = p_y.dtype.element_ty
     o_d = tl.arange(0, BLOCK_D)
-    m_d = o_d < D
-    b_x = tl.load(p_x + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_x = _load_row(p_x, o_d, D, EVEN_D).to(tl.float32)
     b_rstd = _rstd(b_x, D, eps)
-    b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_w = _load_row(p_w, o_d, D, EVEN_D).to(tl.float32)
     b_y = (b_x * b_rstd) * (1.0 + b_w)
     o_h = tl.arange(0, BLOCK_HALF)
     m_h = o_h < HALF
@@ -115,7 +145,10 @@ def _norm_rope_head(p_x, p_w, p_y, p_inv, b_pos, D, HALF, eps, BLOCK_D: tl.const
     b_o1 = (b_x1 * b_cos).to(dtype).to(tl.float32) + (-(b_x2 * b_sin)).to(dtype).to(tl.float32)
     b_o2 = (b_x2 * b_cos).to(dtype).to(tl.float32) + (b_x1 * b_sin).to(dtype).to(tl.float32)
     tl.debug_barrier()  # NOTE: every load before any store, so the outputs may alias the inputs
-    tl.store(p_y + o_d, b_y.to(dtype), mask=m_d & (o_d >= 2 * HALF))
+    m_rest = o_d >= 2 * HALF  # past the rotary dims: the norm alone
+    if not EVEN_D:
+        m_rest = m_rest & (o_d < D)
+    tl.store(p_y + o_d, b_y.to(dtype), mask=m_rest)
     tl.store(p_y + o_h, b_o1.to(dtype), mask=m_h)
     tl.store(p_y + HALF + o_h, b_o2.to(dtype), mask=m_h)
 
@@ -123,17 +156,18 @@ def _norm_rope_head(p_x, p_w, p_y, p_inv, b_pos, D, HALF, eps, BLOCK_D: tl.const
 @triton.jit(do_not_specialize=["D", "HALF"])
 def _qk_norm_rope_kernel(p_q, p_k, p_qw, p_kw, p_pos, p_inv, p_qo, p_ko, HQ, D, HALF, eps,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
-                         BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                         BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, EVEN_D: tl.constexpr = False):
+    """One (token, head) per program, q's heads then k's. EVEN_D: D == BLOCK_D (`_norm_rope_head`)."""
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     b_pos = tl.load(p_pos + i_t).to(tl.float32)
     if i_h < HQ:
         _norm_rope_head(p_q + i_t * stride_qt + i_h * stride_qh, p_qw, p_qo + i_t * stride_qot + i_h * stride_qoh,
-                        p_inv, b_pos, D, HALF, eps, BLOCK_D, BLOCK_HALF)
+                        p_inv, b_pos, D, HALF, eps, BLOCK_D, BLOCK_HALF, EVEN_D)
     else:
         i_k = i_h - HQ
         _norm_rope_head(p_k + i_t * stride_kt + i_k * stride_kh, p_kw, p_ko + i_t * stride_kot + i_k * stride_koh,
-                        p_inv, b_pos, D, HALF, eps, BLOCK_D, BLOCK_HALF)
+                        p_inv, b_pos, D, HALF, eps, BLOCK_D, BLOCK_HALF, EVEN_D)
 
 
 def _warps(block: int) -> int:
@@ -186,7 +220,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torc
         block = triton.next_power_of_2(d)
         _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, y, y, d, eps, rows.stride(0), rows.stride(0),
                                            y.stride(0), y.stride(0), HAS_RESIDUAL=False, BLOCK_D=block,
-                                           num_warps=_warps(block))
+                                           EVEN_D=d == block, num_warps=_warps(block))
     return out
 
 
@@ -212,7 +246,8 @@ def add_rms_norm_triton(
     if rows.shape[0]:
         block = triton.next_power_of_2(d)
         _rms_norm_kernel[(rows.shape[0],)](rows, r, weight, y, h, d, eps, rows.stride(0), r.stride(0), y.stride(0),
-                                           h.stride(0), HAS_RESIDUAL=True, BLOCK_D=block, num_warps=_warps(block))
+                                           h.stride(0), HAS_RESIDUAL=True, BLOCK_D=block, EVEN_D=d == block,
+                                           num_warps=_warps(block))
     return out, residual_out
 
 
@@ -240,7 +275,8 @@ def gated_rms_norm_triton(
         round_wy = torch.promote_types(weight.dtype, x.dtype) == x.dtype
         _gated_rms_norm_kernel[(triton.cdiv(n, block_r),)](rows, g, weight, y, n, d, eps, rows.stride(0), stride_g,
                                                             y.stride(0), g_rows, stride_gg, ROUND_WY=round_wy, BLOCK_R=block_r,
-                                                            BLOCK_D=block, num_warps=_warps(block_r * block))
+                                                            BLOCK_D=block, EVEN_D=d == block,
+                                                            num_warps=_warps(block_r * block))
     return out
 
 
@@ -284,5 +320,5 @@ def qk_norm_rope_triton(
             q, k, q_weight, k_weight, positions, inv_freq.float(), q_out, k_out, hq, d, half, eps,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
             k_out.stride(0), k_out.stride(1), BLOCK_D=block, BLOCK_HALF=triton.next_power_of_2(half),
-            num_warps=_warps(block))
+            EVEN_D=d == block, num_warps=_warps(block))
     return q_out, k_out
