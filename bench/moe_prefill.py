@@ -1,6 +1,6 @@
 """The MoE block of a prefill chunk (routed experts only), NVFP4 slots against torch bf16. Not a test.
 
-    PYTHONPATH=. python3 bench/moe_prefill.py [--tokens 1024,4096,8192] [--sweep]
+    PYTHONPATH=. python3 bench/moe_prefill.py [--tokens 1024,4096,8192] [--sweep] [--split]
 
 Flagship shapes: 512 experts (all resident), hidden 2048, intermediate 512, top-10, random routing
 (every expert gets ~T * 10 / 512 pairs). Rows:
@@ -37,6 +37,11 @@ SWEEP = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, SWAP_AB]); session 9 sw
     (16, 64, 128, 4, 3, True), (32, 64, 64, 4, 4, True), (128, 64, 64, 4, 4, True), (64, 128, 64, 4, 4, True),
     (32, 128, 128, 4, 3, True),
 ]
+BASE_4K = (128, 64, 64, 4, 4, True)
+SPLIT_TILES = [  # --split: each tile for one of the two passes at a time, the other kept at BASE_4K
+    (128, 128, 64, 8, 3, True), (128, 128, 64, 8, 4, True), (128, 64, 128, 4, 3, True), (128, 64, 128, 8, 3, True),
+    (128, 128, 128, 8, 2, True), (128, 64, 64, 8, 4, True), (128, 64, 64, 4, 3, True), (128, 64, 64, 4, 5, True),
+]
 
 
 def random_pool() -> SlotWeights:
@@ -69,6 +74,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="1024,4096,8192")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--passes", default="1024,4096", help="tokens per grouped pass to sweep (--sweep)")
+    ap.add_argument("--split", action="store_true",
+                    help="4,096-token passes: SPLIT_TILES for gate_up alone, then for down alone (the other: BASE_4K)")
     args = ap.parse_args()
     pool = random_pool()
     w13 = torch.stack([torch.cat([dequantize_nvfp4(pool.w13[e, :I], pool.w13_scale[e, :I], pool.scale_2[e, 0]),
@@ -104,6 +111,17 @@ def main() -> None:
                             partial(moe_over_slots_triton, x, ids, wts, pool, grouped=True, grouped_config=cfg))
                     except Exception as exc:  # noqa: BLE001
                         print(f"  {cfg} failed: {type(exc).__name__} {str(exc)[:100]}")
+            moe_kernel.GROUPED_MAX_TOKENS = saved
+        if args.split:
+            moe_kernel.GROUPED_MAX_TOKENS = 4096
+            for which in ("gate_up", "down"):
+                for tile in [BASE_4K] + SPLIT_TILES if which == "gate_up" else SPLIT_TILES:
+                    cfg = (tile, BASE_4K) if which == "gate_up" else (BASE_4K, tile)
+                    try:
+                        run(f"{which} {tile}", partial(moe_over_slots_triton, x, ids, wts, pool, grouped=True,
+                                                       grouped_config=cfg))
+                    except Exception as exc:  # noqa: BLE001
+                        print(f"  {which} {tile} failed: {type(exc).__name__} {str(exc)[:100]}")
             moe_kernel.GROUPED_MAX_TOKENS = saved
         try:
             run("torch bf16 grouped_mm", partial(torch_grouped, x, ids, wts, w13, w2))

@@ -172,8 +172,9 @@ def short_grouped_cfg() -> dict:
             "num_warps": warps, "num_stages": stages}
 
 
-def grouped_cfg() -> dict:
-    bm, bn, bk, warps, stages, swap = moe_grp.GROUPED_CONFIG
+def grouped_cfg(which: int = 0) -> dict:
+    """GROUPED_CONFIG's tile of the gate_up (0) or the down (1) pass."""
+    bm, bn, bk, warps, stages, swap = moe_grp.GROUPED_CONFIG[which]
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PRECISION": "tf32", "EVEN_K": True, "SWAP_AB": swap,
             "num_warps": warps, "num_stages": stages}
 
@@ -203,14 +204,14 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("moe down, loop over k", moe._moe_down_kernel, DOWN_LOOP, moe_cfg((32, 32, 4), 64, "BLOCK_H", whole=False)),
     ("moe sum over k", moe._moe_sum_pairs_kernel, SUM, {"BLOCK": 1024}),
     ("moe grouped gate_up", moe_grp._grouped_gate_up_kernel, G_GATE_UP, grouped_cfg()),
-    ("moe grouped down", moe_grp._grouped_down_kernel, G_DOWN, grouped_cfg()),
+    ("moe grouped down", moe_grp._grouped_down_kernel, G_DOWN, grouped_cfg(1)),
     ("moe grouped gate_up, short passes", moe_grp._grouped_gate_up_kernel, G_GATE_UP, short_grouped_cfg()),
     ("moe grouped down, short passes", moe_grp._grouped_down_kernel, G_DOWN, short_grouped_cfg()),
     ("moe grouped gate_up, unswapped tile", moe_grp._grouped_gate_up_kernel, G_GATE_UP,
      {**grouped_cfg(), "BLOCK_M": 64, "SWAP_AB": False}),
     ("moe grouped pair tiles (one program)", moe_tiles._pair_tiles_kernel,
      {"p_sorted": "*i32", "p_start": "*i32", "p_end": "*i32", **ints("P", "G")},
-     {"BLOCK_M": moe_grp.GROUPED_CONFIG[0], "BLOCK": moe_tiles.TILES_BLOCK, "num_warps": 8}),
+     {"BLOCK_M": moe_grp.GROUPED_CONFIG[0][0], "BLOCK": moe_tiles.TILES_BLOCK, "num_warps": 8}),
     ("moe grouped sum over live pairs", moe_grp._sum_live_pairs_kernel,
      {"p_yp": "*bf16", "p_slots": "*i32", "p_out": "*bf16", **ints("H", "TOPK", "stride_yp", "stride_ot")},
      {"BLOCK": 1024}),

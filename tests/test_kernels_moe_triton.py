@@ -153,6 +153,20 @@ def test_pair_tiles_kernel_equals_the_reference_and_covers_every_pair_once(block
         assert sorted(seen) == list(range(p))
 
 
+def test_grouped_path_takes_one_tile_per_pass():
+    """A pair of configurations: gate_up's and down's tiles apart, one BLOCK_M (one tile list)."""
+    gen = torch.Generator().manual_seed(12)
+    w = _slot_pool(5, 64, 32, gen)
+    slots, weights = _routing(9, 3, 5, 0.2, gen)
+    x = torch.randn(9, 64, generator=gen)
+    cfg = ((4, 16, 32, 4, 1, True), (4, 32, 16, 4, 1))
+    y = moe_over_slots_triton(x, slots, weights, w, grouped=True, grouped_config=cfg)
+    ref = moe_over_slots_ref(x, slots, weights, w)
+    assert ((y - ref).norm() / ref.norm()).item() < TOL[torch.float32]
+    with pytest.raises(ValueError, match="share BLOCK_M"):
+        moe_over_slots_triton(x, slots, weights, w, grouped=True, grouped_config=((4, 16, 32, 4, 1), (8, 16, 32, 4, 1)))
+
+
 def test_grouped_path_in_a_pool_larger_than_the_layer_matches_ref():
     """A layer's 3 experts live in slots of a 9-slot pool; `experts=3` sizes the grid by the layer."""
     gen = torch.Generator().manual_seed(11)

@@ -32,12 +32,14 @@ from ft.kernels.nvfp4.kernel import dequant_tile
 
 __all__ = ["GROUPED_CONFIG", "GROUPED_CONFIG_SHORT", "GROUPED_SHORT_TOKENS", "grouped_config_for", "grouped_moe"]
 
-GROUPED_CONFIG = (128, 64, 64, 4, 4, True)
-"""(BLOCK_M pairs, BLOCK_N rows, BLOCK_K, num_warps, num_stages, SWAP_AB) of both grouped passes
-over more than GROUPED_SHORT_TOKENS tokens: the H200 sweep's best at 4,096 tokens (one layer, 512
-experts, top-10: 2.094 ms against 2.439 for the former (64, 64, 64, 4, 4); bench/moe_prefill.py
---sweep, bench/RESULTS.md, 2026-12-01): ~80 pairs per expert fill one 128-pair tile, so each
-expert's weights are decoded once, and the decoded tile feeds the MMA from registers."""
+GROUPED_CONFIG = ((128, 64, 64, 4, 4, True), (128, 64, 128, 4, 3, True))
+"""(gate_up's tile, down's tile), each (BLOCK_M pairs, BLOCK_N rows, BLOCK_K, num_warps, num_stages,
+SWAP_AB), of the grouped passes over more than GROUPED_SHORT_TOKENS tokens. gate_up: the H200 sweep's
+best at 4,096 tokens (one layer, 512 experts, top-10: 2.094 ms for both passes against 2.439 for the
+former (64, 64, 64, 4, 4); bench/moe_prefill.py --sweep, bench/RESULTS.md, 2026-12-01): ~80 pairs per
+expert fill one 128-pair tile, so each expert's weights are decoded once, and the decoded tile feeds
+the MMA from registers. down (K = 512): BLOCK_K 128 in 3 stages, 2.003 -> 1.963 ms for both passes
+(`--split`, session 12); every other tile measured for either pass was slower."""
 GROUPED_CONFIG_SHORT = (32, 64, 128, 4, 3, True)
 """The tile of shorter passes: at 1,024 tokens (~20 pairs per expert) 1.187 ms against 1.325 for
 (64, 64, 64, 4, 4) and 1.833 for GROUPED_CONFIG (a 128-pair tile mostly empty)."""
@@ -166,30 +168,34 @@ def grouped_moe(x, slots, wts, k, w13, s13, w2, s2w, s2, y, i, cfg, distinct: in
 
     x [T, H]; slots [T * k] int32 (-1: skip), wts [T * k]; w13, w2 the uint8 slot pools, s13, s2w their
     E4M3 block scales as uint8, s2 float32 [S, 3]; i the intermediate size; cfg a `GROUPED_CONFIG`
-    tuple (a sixth element, true: SWAP_AB); distinct: `group_pairs`'s bound (default: the pool's
+    tuple (a sixth element, true: SWAP_AB), or a pair of them (gate_up's, down's) with one BLOCK_M; distinct: `group_pairs`'s bound (default: the pool's
     slot count + 1, always safe; a layer's expert count + 1 launches far fewer empty tiles). Allocates h [T * k, I] and y_pairs [T * k, H] in x's dtype (`moe_workspace_bytes`).
     """
     t, hid = x.shape
-    block_m, block_n, block_k, warps, stages, *rest = cfg
-    swap_ab = bool(rest and rest[0])
+    cfg13, cfg2 = cfg if isinstance(cfg[0], tuple) else (cfg, cfg)
+    if cfg13[0] != cfg2[0]:
+        raise ValueError(f"the gate_up and down tiles share BLOCK_M (one tile list): {cfg13}, {cfg2}")
+    block_m = cfg13[0]
     start, end, sorted_slots, order = group_pairs(slots, block_m, distinct or w13.shape[0] + 1)
     h = torch.empty((t * k, i), dtype=x.dtype, device=x.device)
     y_pairs = torch.empty((t * k, hid), dtype=x.dtype, device=x.device)  # skipped pairs' rows: never read
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     g = start.numel()
-    bk13 = min(block_k, triton.next_power_of_2(hid))
-    bk2 = min(block_k, triton.next_power_of_2(i))
-    _grouped_gate_up_kernel[(g, triton.cdiv(i, min(block_n, triton.next_power_of_2(i))))](
+    _, bn13, bk13, warps13, stages13, *rest13 = cfg13
+    bn13, bk13 = min(bn13, triton.next_power_of_2(i)), min(bk13, triton.next_power_of_2(hid))
+    _grouped_gate_up_kernel[(g, triton.cdiv(i, bn13))](
         x, start, end, sorted_slots, order, w13, s13, s2, h, i, hid, k,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s2.stride(0), h.stride(0),
-        BLOCK_M=block_m, BLOCK_N=min(block_n, triton.next_power_of_2(i)), BLOCK_K=bk13, PRECISION=precision,
-        EVEN_K=hid % bk13 == 0, SWAP_AB=swap_ab, num_warps=warps, num_stages=stages,
+        BLOCK_M=block_m, BLOCK_N=bn13, BLOCK_K=bk13, PRECISION=precision,
+        EVEN_K=hid % bk13 == 0, SWAP_AB=bool(rest13 and rest13[0]), num_warps=warps13, num_stages=stages13,
     )
-    _grouped_down_kernel[(g, triton.cdiv(hid, block_n))](
+    _, bn2, bk2, warps2, stages2, *rest2 = cfg2
+    bk2 = min(bk2, triton.next_power_of_2(i))
+    _grouped_down_kernel[(g, triton.cdiv(hid, bn2))](
         h, start, end, sorted_slots, order, wts, w2, s2w, s2, y_pairs, i, hid, k,
         h.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1), s2.stride(0), y_pairs.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk2, PRECISION=precision, EVEN_K=i % bk2 == 0, SWAP_AB=swap_ab,
-        num_warps=warps, num_stages=stages,
+        BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=bk2, PRECISION=precision, EVEN_K=i % bk2 == 0,
+        SWAP_AB=bool(rest2 and rest2[0]), num_warps=warps2, num_stages=stages2,
     )
     _sum_live_pairs_kernel[(t, triton.cdiv(hid, 1024))](y_pairs, slots, y, hid, k, y_pairs.stride(0), y.stride(0),
                                                          BLOCK=1024)

@@ -153,7 +153,7 @@ DOWN_PER_PAIR = True
 def moe_over_slots_triton(
     x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, w, *, out: torch.Tensor | None = None,
     gate_up_config: tuple[int, int, int] | None = None, down_config: tuple[int, int, int] | None = None,
-    grouped: bool | None = None, grouped_config: tuple[int, int, int, int, int] | None = None,
+    grouped: bool | None = None, grouped_config: tuple | None = None,
     down_per_pair: bool | None = None, distinct_slots: int | None = None,
 ) -> torch.Tensor:
     """sum_k weight_k * down(silu(gate(x)) * up(x)) with NVFP4 experts read from slots.
