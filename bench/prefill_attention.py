@@ -33,6 +33,8 @@ VARIANTS = [  # (label, cache kind, config overrides)
     ("w4 M8 N64", "bf16", {"num_warps": 4, "BLOCK_M": 8, "BLOCK_N": 64}),
     ("nvfp4 default", "nvfp4", {}),
     ("nvfp4 w8", "nvfp4", {"num_warps": 8}),
+    ("causal split", "bf16", {"CAUSAL_SPLIT": True}),  # session 12, not yet run on the device
+    ("nvfp4 causal split", "nvfp4", {"CAUSAL_SPLIT": True}),
 ]
 
 

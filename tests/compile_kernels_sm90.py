@@ -4,7 +4,7 @@
 Run by tests/test_kernels_compile.py in a subprocess (the interpreter, which the other kernel tests
 turn on, must be off here). Catches what the interpreter does not: type errors across control flow,
 layouts or tiles the compiler rejects. Prints one line per kernel; exit status 1 if any failed.
-`--loads` adds each kernel's global load instructions by kind (`load_counts`: scalar loads where
+`--regs` adds registers, stack (spills) and shared memory; `--loads` adds each kernel's global load instructions by kind (`load_counts`: scalar loads where
 16-byte ones were meant show a mask the compiler could not see through).
 """
 
@@ -314,6 +314,11 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
      {**prefill_cfg(256, 8), "KV_FP8": True, "KV_NVFP4": False}),
     ("prefill attention G 8, D 256, nvfp4 cache", attn_pf._prefill_kernel, {**PREFILL, "p_kc": "*u8", "p_vc": "*u8"},
      {**prefill_cfg(256, 8), "KV_FP8": False, "KV_NVFP4": True}),
+    ("prefill attention G 8, D 256, causal split", attn_pf._prefill_kernel, PREFILL,
+     {**prefill_cfg(256, 8), "KV_FP8": False, "KV_NVFP4": False, "CAUSAL_SPLIT": True}),
+    ("prefill attention G 8, D 256, nvfp4 cache, causal split", attn_pf._prefill_kernel,
+     {**PREFILL, "p_kc": "*u8", "p_vc": "*u8"},
+     {**prefill_cfg(256, 8), "KV_FP8": False, "KV_NVFP4": True, "CAUSAL_SPLIT": True}),
     ("decode attention combine 128 splits", attn._decode_combine_kernel, COMBINE,
      {"BLOCK_S": 128, "CHUNK_S": 16, "BLOCK_D": 256, "HAS_GATE": False, "num_warps": 4}),
     ("decode attention combine 16 splits, output gate", attn._decode_combine_kernel, COMBINE,
@@ -361,14 +366,33 @@ def load_counts(compiled) -> str:
     return ", ".join(f"{k.replace('ld.global.', '').replace('.shared.global', '')} x {n}" for k, n in sorted(kinds.items()))
 
 
+def resource_usage(compiled) -> str:
+    """Registers per thread, stack bytes (spills show here) and shared memory of the cubin, from the
+    cuobjdump that the triton wheel carries (`cuobjdump -res-usage`)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", out)
+    return f"REG {m[1]} STACK {m[2]} SHARED {m[3]} (+{compiled.metadata.shared} dynamic)" if m else out.strip()[-200:]
+
+
 def main() -> int:
-    """Compile every case; with --loads, also print each kernel's load instructions (`load_counts`)."""
+    """Compile every case; with --loads, also print each kernel's load instructions (`load_counts`);
+    with --regs, its registers, stack (spills) and shared memory (`resource_usage`)."""
     loads = "--loads" in sys.argv[1:]
+    regs = "--regs" in sys.argv[1:]
     failed = 0
     for name, kernel, signature, params in CASES:
         try:
             compiled = compile_case(kernel, signature, dict(params))
-            print(f"ok      {name}" + (f"  [{load_counts(compiled)}]" if loads else ""), flush=True)
+            print(f"ok      {name}" + (f"  [{load_counts(compiled)}]" if loads else "")
+                  + (f"  [{resource_usage(compiled)}]" if regs else ""), flush=True)
         except Exception as exc:  # noqa: BLE001 (report every kernel)
             failed += 1
             print(f"FAILED  {name}: {type(exc).__name__}: {str(exc)[-600:]}", flush=True)

@@ -44,13 +44,16 @@ def rel_rms(out, ref):
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-loop", "causal-split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize(("start", "t", "hq", "hkv", "d", "page"), CASES,
                          ids=[f"s{s}-T{t}-Hq{hq}-Hkv{hkv}-D{d}-p{p}" for s, t, hq, hkv, d, p in CASES])
-def test_prefill_matches_reference(start, t, hq, hkv, d, page, dtype):
+def test_prefill_matches_reference(start, t, hq, hkv, d, page, dtype, split):
+    """Both key-loop forms (CAUSAL_SPLIT: unmasked blocks, then the diagonal's; with 16 keys a block
+    and prefixes of 16-40 tokens the unmasked loop runs for every case with a prefix)."""
     k, v, pages = _pool(start + t, hkv, d, page, dtype)
     q = torch.randn(t, hq, d, generator=torch.Generator().manual_seed(1)).to(dtype)
-    got = paged_prefill_attention_triton(q, k, v, pages, start, d ** -0.5, config={"BLOCK_N": 16})
+    got = paged_prefill_attention_triton(q, k, v, pages, start, d ** -0.5, config={"BLOCK_N": 16, "CAUSAL_SPLIT": split})
     ref = paged_attention_ref(q, k, v, pages, start, d ** -0.5)
     assert rel_rms(got, ref) < TOL[dtype]
 
@@ -85,9 +88,11 @@ def test_prefill_nvfp4_cache(start, t, hq, hkv, d, page):
     qg = torch.randn(t, hq, 2 * d, generator=torch.Generator().manual_seed(2))
     for dtype in (torch.float32, torch.float16):
         q = qg.to(dtype)[..., d:]
-        got = paged_prefill_attention_triton(q, k4, v4, pages, start, d ** -0.5, scale, config={"BLOCK_N": 16})
         ref = paged_attention_ref(q, k4, v4, pages, start, d ** -0.5, scale)
-        assert rel_rms(got, ref) < TOL[dtype], dtype
+        for split in (False, True):
+            got = paged_prefill_attention_triton(q, k4, v4, pages, start, d ** -0.5, scale,
+                                                 config={"BLOCK_N": 16, "CAUSAL_SPLIT": split})
+            assert rel_rms(got, ref) < TOL[dtype], (dtype, split)
     with pytest.raises(ValueError, match="kv_scale"):
         paged_prefill_attention_triton(q, k4, v4, pages, start, d ** -0.5)
     with pytest.raises(ValueError, match="does not fit"):

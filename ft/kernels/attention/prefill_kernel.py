@@ -16,7 +16,40 @@ import triton.language as tl
 from ft.kernels.attention.decode_loops import _d_mask, load_kv_tile
 from ft.kernels.attention.kernel import LOG2E, MAX_HEAD_DIM, _check_cache, _kv_args
 
-__all__ = ["paged_prefill_attention_triton"]
+__all__ = ["CAUSAL_SPLIT", "paged_prefill_attention_triton"]
+
+CAUSAL_SPLIT = False
+"""`_prefill_kernel`'s two-loop form (unmasked blocks, then the diagonal's) with the scale inside
+exp2's FMA. Off until measured on the device (written in session 12 without device time left;
+`bench/prefill_attention.py --extra 'split=bf16:{"CAUSAL_SPLIT": true}'`)."""
+
+
+@triton.jit
+def _attend_block(b_q, b_m, b_l, b_acc, p_k, p_v, p_pt, n0, bound, q_pos, qk_scale, stride_kcp, stride_kcs,
+                  stride_vcp, stride_vcs, D, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KV_NVFP4: tl.constexpr, EVEN_D: tl.constexpr,
+                  CAUSAL: tl.constexpr):
+    """One step of `_prefill_kernel`'s CAUSAL_SPLIT loops over keys n0 .. n0+BLOCK_N-1 (those < bound):
+    the online softmax's (max m in scaled units, sum l, accumulator) updated. CAUSAL: mask key n from
+    row r unless n <= q_pos[r] and n < bound; else every key of the block is visible to every row."""
+    o_n = n0 + tl.arange(0, BLOCK_N)
+    m_n = o_n < bound
+    b_page = tl.load(p_pt + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
+    o_slot = o_n % PAGE_SIZE
+    b_k = load_kv_tile(p_k, b_page * stride_kcp + o_slot * stride_kcs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D, KV_FP8,
+                       KV_NVFP4, EVEN_D)
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)  # [R, BLOCK_N], unscaled
+    if CAUSAL:
+        b_s = tl.where((o_n[None, :] <= q_pos[:, None]) & m_n[None, :], b_s, float("-inf"))
+    # NOTE: key 0 is visible to every row, so the first block leaves every row's max finite
+    b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1) * qk_scale)
+    b_alpha = tl.exp2(b_m - b_m_new)
+    b_p = tl.exp2(b_s * qk_scale - b_m_new[:, None])
+    b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+    b_v = load_kv_tile(p_v, b_page * stride_vcp + o_slot * stride_vcs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D, KV_FP8,
+                       KV_NVFP4, EVEN_D)
+    b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v, input_precision=PRECISION)
+    return b_m_new, b_l, b_acc
 
 
 @triton.jit
@@ -26,8 +59,12 @@ def _prefill_kernel(
     stride_ot, stride_oh,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KV_NVFP4: tl.constexpr = False,
-    EVEN_D: tl.constexpr = False,
+    EVEN_D: tl.constexpr = False, CAUSAL_SPLIT: tl.constexpr = False,
 ):
+    """Grid (T / BLOCK_M, Hkv). CAUSAL_SPLIT: two key loops, the blocks every row of the program sees
+    whole (no causal mask, no bound check) and then the blocks across the diagonal (masked); and the
+    softmax scale applied inside exp2's argument (one FMA per score: exp2(s * scale - m), m kept in
+    scaled units). Without it: one masked loop, scores scaled as they leave the dot."""
     i_m = tl.program_id(0)
     i_kv = tl.program_id(1)
     R: tl.constexpr = BLOCK_M * BLOCK_G
@@ -47,25 +84,37 @@ def _prefill_kernel(
     b_m = tl.full((R,), float("-inf"), dtype=tl.float32)
     b_l = tl.zeros((R,), dtype=tl.float32)
     b_acc = tl.zeros((R, BLOCK_D), dtype=tl.float32)
-    for n0 in range(0, hi, BLOCK_N):
-        o_n = n0 + tl.arange(0, BLOCK_N)
-        m_n = o_n < hi
-        b_page = tl.load(p_pt + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
-        o_slot = o_n % PAGE_SIZE
-        b_k = load_kv_tile(p_k, b_page * stride_kcp + o_slot * stride_kcs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D, KV_FP8,
-                           KV_NVFP4, EVEN_D)
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [R, BLOCK_N]
-        visible = (o_n[None, :] <= q_pos[:, None]) & m_n[None, :]
-        b_s = tl.where(visible, b_s, float("-inf"))
-        # NOTE: key 0 is visible to every row, so the first block leaves every row's max finite
-        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
-        b_alpha = tl.exp2(b_m - b_m_new)
-        b_p = tl.exp2(b_s - b_m_new[:, None])
-        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        b_v = load_kv_tile(p_v, b_page * stride_vcp + o_slot * stride_vcs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D, KV_FP8,
-                           KV_NVFP4, EVEN_D)
-        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v, input_precision=PRECISION)
-        b_m = b_m_new
+    if CAUSAL_SPLIT:
+        # keys [0, lo): visible to every row of the block (n <= its first query's position)
+        lo = (start + i_m * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+        for n0 in range(0, lo, BLOCK_N):
+            b_m, b_l, b_acc = _attend_block(b_q, b_m, b_l, b_acc, p_k, p_v, p_pt, n0, lo, q_pos, qk_scale, stride_kcp,
+                                            stride_kcs, stride_vcp, stride_vcs, D, PAGE_SIZE, BLOCK_N, BLOCK_D,
+                                            PRECISION, KV_FP8, KV_NVFP4, EVEN_D, False)
+        for n0 in tl.range(lo, hi, BLOCK_N, num_stages=1):  # 1-2 blocks: not worth a pipeline's registers
+            b_m, b_l, b_acc = _attend_block(b_q, b_m, b_l, b_acc, p_k, p_v, p_pt, n0, hi, q_pos, qk_scale, stride_kcp,
+                                            stride_kcs, stride_vcp, stride_vcs, D, PAGE_SIZE, BLOCK_N, BLOCK_D,
+                                            PRECISION, KV_FP8, KV_NVFP4, EVEN_D, True)
+    else:
+        for n0 in range(0, hi, BLOCK_N):
+            o_n = n0 + tl.arange(0, BLOCK_N)
+            m_n = o_n < hi
+            b_page = tl.load(p_pt + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
+            o_slot = o_n % PAGE_SIZE
+            b_k = load_kv_tile(p_k, b_page * stride_kcp + o_slot * stride_kcs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D,
+                               KV_FP8, KV_NVFP4, EVEN_D)
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [R, BLOCK_N]
+            visible = (o_n[None, :] <= q_pos[:, None]) & m_n[None, :]
+            b_s = tl.where(visible, b_s, float("-inf"))
+            # NOTE: key 0 is visible to every row, so the first block leaves every row's max finite
+            b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+            b_alpha = tl.exp2(b_m - b_m_new)
+            b_p = tl.exp2(b_s - b_m_new[:, None])
+            b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+            b_v = load_kv_tile(p_v, b_page * stride_vcp + o_slot * stride_vcs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D,
+                               KV_FP8, KV_NVFP4, EVEN_D)
+            b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v, input_precision=PRECISION)
+            b_m = b_m_new
     b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
     if KV_FP8 or KV_NVFP4:
         b_o = b_o * tl.load(p_kvs + 1)
@@ -82,7 +131,7 @@ def prefill_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
     block_g = triton.next_power_of_2(max(1, group))
     return {"BLOCK_G": block_g, "BLOCK_M": max(1, 128 // block_g) if block_g <= 128 else 1, "BLOCK_N": 64,
             "BLOCK_D": block_d, "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "num_warps": 8,
-            "num_stages": 2}
+            "num_stages": 2, "CAUSAL_SPLIT": CAUSAL_SPLIT}
 
 
 def paged_prefill_attention_triton(
