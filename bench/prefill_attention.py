@@ -35,6 +35,8 @@ VARIANTS = [  # (label, cache kind, config overrides)
     ("nvfp4 w8", "nvfp4", {"num_warps": 8}),
     ("causal split", "bf16", {"CAUSAL_SPLIT": True}),  # session 12, not yet run on the device
     ("nvfp4 causal split", "nvfp4", {"CAUSAL_SPLIT": True}),
+    ("causal split lazy", "bf16", {"CAUSAL_SPLIT": True, "LAZY_RESCALE": True}),
+    ("nvfp4 causal split lazy", "nvfp4", {"CAUSAL_SPLIT": True, "LAZY_RESCALE": True}),
 ]
 
 

@@ -4,7 +4,7 @@
 Run by tests/test_kernels_compile.py in a subprocess (the interpreter, which the other kernel tests
 turn on, must be off here). Catches what the interpreter does not: type errors across control flow,
 layouts or tiles the compiler rejects. Prints one line per kernel; exit status 1 if any failed.
-`--regs` adds registers, stack (spills) and shared memory; `--loads` adds each kernel's global load instructions by kind (`load_counts`: scalar loads where
+`--regs` adds registers, stack (spills) and shared memory; `--loops` each loop's SASS instruction mix; `--only S` the cases named with S; `--loads` adds each kernel's global load instructions by kind (`load_counts`: scalar loads where
 16-byte ones were meant show a mask the compiler could not see through).
 """
 
@@ -316,6 +316,8 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
      {**prefill_cfg(256, 8), "KV_FP8": False, "KV_NVFP4": True}),
     ("prefill attention G 8, D 256, causal split", attn_pf._prefill_kernel, PREFILL,
      {**prefill_cfg(256, 8), "KV_FP8": False, "KV_NVFP4": False, "CAUSAL_SPLIT": True}),
+    ("prefill attention G 8, D 256, causal split, lazy rescale", attn_pf._prefill_kernel, PREFILL,
+     {**prefill_cfg(256, 8), "KV_FP8": False, "KV_NVFP4": False, "CAUSAL_SPLIT": True, "LAZY_RESCALE": True}),
     ("prefill attention G 8, D 256, nvfp4 cache, causal split", attn_pf._prefill_kernel,
      {**PREFILL, "p_kc": "*u8", "p_vc": "*u8"},
      {**prefill_cfg(256, 8), "KV_FP8": False, "KV_NVFP4": True, "CAUSAL_SPLIT": True}),
@@ -371,28 +373,68 @@ def resource_usage(compiled) -> str:
     cuobjdump that the triton wheel carries (`cuobjdump -res-usage`)."""
     import subprocess
     import tempfile
-    from pathlib import Path
 
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+        out = subprocess.run([_bin_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", out)
     return f"REG {m[1]} STACK {m[2]} SHARED {m[3]} (+{compiled.metadata.shared} dynamic)" if m else out.strip()[-200:]
 
 
+def _bin_tool(name: str) -> str:
+    from pathlib import Path
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def loop_bodies(compiled) -> list[str]:
+    """Each loop of the kernel's SASS (a backward branch to a label): its instruction count and the
+    opcodes that fill it. A static view of the hot loop without a GPU (what the device runs is
+    triton 3.6's code: the counts here are this wheel's compiler's); a body holds the branches that
+    are skipped at run time too."""
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([_bin_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
+    ins, labels, pending = [], {}, []
+    for line in out.splitlines():
+        if m := re.match(r"\s*(\.L_x_\d+):", line):
+            pending.append(m[1])
+        elif m := re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", line):
+            labels.update((p, len(ins)) for p in pending)
+            pending = []
+            ins.append((m[1].split(".")[0], m[2]))
+    loops = []
+    for i, (op, rest) in enumerate(ins):
+        target = re.search(r"(\.L_x_\d+)", rest) if op == "BRA" else None
+        if target and labels.get(target[1], i + 1) < i:
+            body = Counter(o for o, _ in ins[labels[target[1]] : i + 1])
+            top = ", ".join(f"{o} {n}" for o, n in body.most_common(10))
+            loops.append(f"loop of {sum(body.values())} instructions: {top}")
+    return loops
+
+
 def main() -> int:
     """Compile every case; with --loads, also print each kernel's load instructions (`load_counts`);
-    with --regs, its registers, stack (spills) and shared memory (`resource_usage`)."""
-    loads = "--loads" in sys.argv[1:]
-    regs = "--regs" in sys.argv[1:]
+    with --regs, its registers, stack (spills) and shared memory (`resource_usage`); with --loops,
+    its loops' instruction mix (`loop_bodies`); --only SUBSTRING picks cases by name."""
+    args = sys.argv[1:]
+    loads, regs, loops = "--loads" in args, "--regs" in args, "--loops" in args
+    only = args[args.index("--only") + 1] if "--only" in args else ""
     failed = 0
     for name, kernel, signature, params in CASES:
+        if only not in name:
+            continue
         try:
             compiled = compile_case(kernel, signature, dict(params))
             print(f"ok      {name}" + (f"  [{load_counts(compiled)}]" if loads else "")
                   + (f"  [{resource_usage(compiled)}]" if regs else ""), flush=True)
+            for line in loop_bodies(compiled) if loops else []:
+                print(f"          {line}")
         except Exception as exc:  # noqa: BLE001 (report every kernel)
             failed += 1
             print(f"FAILED  {name}: {type(exc).__name__}: {str(exc)[-600:]}", flush=True)

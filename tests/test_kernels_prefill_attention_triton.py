@@ -44,18 +44,35 @@ def rel_rms(out, ref):
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["one-loop", "causal-split"])
+@pytest.mark.parametrize("split", [False, True, "lazy"], ids=["one-loop", "causal-split", "lazy-rescale"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize(("start", "t", "hq", "hkv", "d", "page"), CASES,
                          ids=[f"s{s}-T{t}-Hq{hq}-Hkv{hkv}-D{d}-p{p}" for s, t, hq, hkv, d, p in CASES])
 def test_prefill_matches_reference(start, t, hq, hkv, d, page, dtype, split):
     """Both key-loop forms (CAUSAL_SPLIT: unmasked blocks, then the diagonal's; with 16 keys a block
-    and prefixes of 16-40 tokens the unmasked loop runs for every case with a prefix)."""
+    and prefixes of 16-40 tokens the unmasked loop runs for every case with a prefix), and the
+    split form's lazy maxima (LAZY_RESCALE)."""
     k, v, pages = _pool(start + t, hkv, d, page, dtype)
     q = torch.randn(t, hq, d, generator=torch.Generator().manual_seed(1)).to(dtype)
-    got = paged_prefill_attention_triton(q, k, v, pages, start, d ** -0.5, config={"BLOCK_N": 16, "CAUSAL_SPLIT": split})
+    cfg = {"BLOCK_N": 16, "CAUSAL_SPLIT": bool(split), "LAZY_RESCALE": split == "lazy"}
+    got = paged_prefill_attention_triton(q, k, v, pages, start, d ** -0.5, config=cfg)
     ref = paged_attention_ref(q, k, v, pages, start, d ** -0.5)
     assert rel_rms(got, ref) < TOL[dtype]
+
+
+def test_lazy_rescale_when_a_later_block_raises_the_maxima():
+    """Keys of the third 16-key block scaled by 400: their scores pass the first blocks' maxima by
+    hundreds (log2 units), past fp32's range, so the lazy form must rescale mid-way (without it,
+    exp2 overflows); against the reference."""
+    start, t, hq, hkv, d, page = 56, 6, 4, 2, 32, 8
+    k, v, pages = _pool(start + t, hkv, d, page, torch.float32, seed=3)
+    pos = torch.arange(32, 48)
+    k[pages[pos // page], pos % page] *= 400.0
+    q = torch.randn(t, hq, d, generator=torch.Generator().manual_seed(4)) * 2.0
+    ref = paged_attention_ref(q, k, v, pages, start, d ** -0.5)
+    for cfg in ({"CAUSAL_SPLIT": True, "LAZY_RESCALE": True}, {"CAUSAL_SPLIT": True}, {}):
+        got = paged_prefill_attention_triton(q, k, v, pages, start, d ** -0.5, config={"BLOCK_N": 16, **cfg})
+        assert rel_rms(got, ref) < TOL[torch.float32], cfg
 
 
 def test_prefill_fp8_cache_and_strided_q():

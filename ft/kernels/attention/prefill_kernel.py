@@ -28,10 +28,11 @@ exp2's FMA. Off until measured on the device (written in session 12 without devi
 def _attend_block(b_q, b_m, b_l, b_acc, p_k, p_v, p_pt, n0, bound, q_pos, qk_scale, stride_kcp, stride_kcs,
                   stride_vcp, stride_vcs, D, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KV_NVFP4: tl.constexpr, EVEN_D: tl.constexpr,
-                  CAUSAL: tl.constexpr):
+                  CAUSAL: tl.constexpr, LAZY_RESCALE: tl.constexpr = False):
     """One step of `_prefill_kernel`'s CAUSAL_SPLIT loops over keys n0 .. n0+BLOCK_N-1 (those < bound):
     the online softmax's (max m in scaled units, sum l, accumulator) updated. CAUSAL: mask key n from
-    row r unless n <= q_pos[r] and n < bound; else every key of the block is visible to every row."""
+    row r unless n <= q_pos[r] and n < bound; else every key of the block is visible to every row.
+    LAZY_RESCALE: the maxima move (and the accumulator is rescaled) only when one grows by more than 8."""
     o_n = n0 + tl.arange(0, BLOCK_N)
     m_n = o_n < bound
     b_page = tl.load(p_pt + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
@@ -43,6 +44,21 @@ def _attend_block(b_q, b_m, b_l, b_acc, p_k, p_v, p_pt, n0, bound, q_pos, qk_sca
         b_s = tl.where((o_n[None, :] <= q_pos[:, None]) & m_n[None, :], b_s, float("-inf"))
     # NOTE: key 0 is visible to every row, so the first block leaves every row's max finite
     b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1) * qk_scale)
+    if LAZY_RESCALE:
+        # keep the old maxima (and skip the accumulator's rescale) unless some row's grew by more
+        # than 8 (log2 units): the reference of m, l and acc stays one, so the result is the same
+        # softmax, its terms bounded by 2**8 (fp32 l and acc, bf16 p: no overflow, same precision)
+        if tl.max(b_m_new - b_m, axis=0) > 8.0:
+            b_alpha = tl.exp2(b_m - b_m_new)
+            b_l = b_l * b_alpha
+            b_acc = b_acc * b_alpha[:, None]
+            b_m = b_m_new
+        b_p = tl.exp2(b_s * qk_scale - b_m[:, None])
+        b_l = b_l + tl.sum(b_p, axis=1)
+        b_v = load_kv_tile(p_v, b_page * stride_vcp + o_slot * stride_vcs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D,
+                           KV_FP8, KV_NVFP4, EVEN_D)
+        b_acc = b_acc + tl.dot(b_p.to(b_q.dtype), b_v, input_precision=PRECISION)
+        return b_m, b_l, b_acc
     b_alpha = tl.exp2(b_m - b_m_new)
     b_p = tl.exp2(b_s * qk_scale - b_m_new[:, None])
     b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
@@ -59,12 +75,13 @@ def _prefill_kernel(
     stride_ot, stride_oh,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KV_NVFP4: tl.constexpr = False,
-    EVEN_D: tl.constexpr = False, CAUSAL_SPLIT: tl.constexpr = False,
+    EVEN_D: tl.constexpr = False, CAUSAL_SPLIT: tl.constexpr = False, LAZY_RESCALE: tl.constexpr = False,
 ):
     """Grid (T / BLOCK_M, Hkv). CAUSAL_SPLIT: two key loops, the blocks every row of the program sees
     whole (no causal mask, no bound check) and then the blocks across the diagonal (masked); and the
     softmax scale applied inside exp2's argument (one FMA per score: exp2(s * scale - m), m kept in
-    scaled units). Without it: one masked loop, scores scaled as they leave the dot."""
+    scaled units). Without it: one masked loop, scores scaled as they leave the dot.
+    LAZY_RESCALE (with CAUSAL_SPLIT, its unmasked loop): `_attend_block`'s lazy maxima."""
     i_m = tl.program_id(0)
     i_kv = tl.program_id(1)
     R: tl.constexpr = BLOCK_M * BLOCK_G
@@ -90,7 +107,7 @@ def _prefill_kernel(
         for n0 in range(0, lo, BLOCK_N):
             b_m, b_l, b_acc = _attend_block(b_q, b_m, b_l, b_acc, p_k, p_v, p_pt, n0, lo, q_pos, qk_scale, stride_kcp,
                                             stride_kcs, stride_vcp, stride_vcs, D, PAGE_SIZE, BLOCK_N, BLOCK_D,
-                                            PRECISION, KV_FP8, KV_NVFP4, EVEN_D, False)
+                                            PRECISION, KV_FP8, KV_NVFP4, EVEN_D, False, LAZY_RESCALE)
         for n0 in tl.range(lo, hi, BLOCK_N, num_stages=1):  # 1-2 blocks: not worth a pipeline's registers
             b_m, b_l, b_acc = _attend_block(b_q, b_m, b_l, b_acc, p_k, p_v, p_pt, n0, hi, q_pos, qk_scale, stride_kcp,
                                             stride_kcs, stride_vcp, stride_vcs, D, PAGE_SIZE, BLOCK_N, BLOCK_D,
@@ -131,7 +148,7 @@ def prefill_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
     block_g = triton.next_power_of_2(max(1, group))
     return {"BLOCK_G": block_g, "BLOCK_M": max(1, 128 // block_g) if block_g <= 128 else 1, "BLOCK_N": 64,
             "BLOCK_D": block_d, "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "num_warps": 8,
-            "num_stages": 2, "CAUSAL_SPLIT": CAUSAL_SPLIT}
+            "num_stages": 2, "CAUSAL_SPLIT": CAUSAL_SPLIT, "LAZY_RESCALE": False}
 
 
 def paged_prefill_attention_triton(
