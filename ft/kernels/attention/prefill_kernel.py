@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.kernels.attention.decode_loops import _d_mask, load_kv_tile
+from ft.kernels.attention.decode_loops import _d_mask, load_kv_tile, nvfp4_tile_f16
 from ft.kernels.attention.kernel import LOG2E, MAX_HEAD_DIM, _check_cache, _kv_args
 
 __all__ = ["CAUSAL_SPLIT", "paged_prefill_attention_triton"]
@@ -28,17 +28,23 @@ exp2's FMA. Off until measured on the device (written in session 12 without devi
 def _attend_block(b_q, b_m, b_l, b_acc, p_k, p_v, p_pt, n0, bound, q_pos, qk_scale, stride_kcp, stride_kcs,
                   stride_vcp, stride_vcs, D, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KV_NVFP4: tl.constexpr, EVEN_D: tl.constexpr,
-                  CAUSAL: tl.constexpr, LAZY_RESCALE: tl.constexpr = False):
+                  CAUSAL: tl.constexpr, LAZY_RESCALE: tl.constexpr = False, NVFP4_F16: tl.constexpr = False,
+                  NVFP4_WORDS: tl.constexpr = False):
     """One step of `_prefill_kernel`'s CAUSAL_SPLIT loops over keys n0 .. n0+BLOCK_N-1 (those < bound):
     the online softmax's (max m in scaled units, sum l, accumulator) updated. CAUSAL: mask key n from
     row r unless n <= q_pos[r] and n < bound; else every key of the block is visible to every row.
-    LAZY_RESCALE: the maxima move (and the accumulator is rescaled) only when one grows by more than 8."""
+    LAZY_RESCALE: the maxima move (and the accumulator is rescaled) only when one grows by more than 8.
+    NVFP4_F16: b_q is fp16 and the NVFP4 tiles are decoded in fp16 (`nvfp4_tile_f16`), p too."""
     o_n = n0 + tl.arange(0, BLOCK_N)
     m_n = o_n < bound
     b_page = tl.load(p_pt + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
     o_slot = o_n % PAGE_SIZE
-    b_k = load_kv_tile(p_k, b_page * stride_kcp + o_slot * stride_kcs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D, KV_FP8,
-                       KV_NVFP4, EVEN_D)
+    if NVFP4_F16:
+        b_k = nvfp4_tile_f16(p_k, b_page * stride_kcp + o_slot * stride_kcs, m_n, D, BLOCK_N, BLOCK_D, EVEN_D,
+                             NVFP4_WORDS)
+    else:
+        b_k = load_kv_tile(p_k, b_page * stride_kcp + o_slot * stride_kcs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D,
+                           KV_FP8, KV_NVFP4, EVEN_D)
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)  # [R, BLOCK_N], unscaled
     if CAUSAL:
         b_s = tl.where((o_n[None, :] <= q_pos[:, None]) & m_n[None, :], b_s, float("-inf"))
@@ -55,17 +61,27 @@ def _attend_block(b_q, b_m, b_l, b_acc, p_k, p_v, p_pt, n0, bound, q_pos, qk_sca
             b_m = b_m_new
         b_p = tl.exp2(b_s * qk_scale - b_m[:, None])
         b_l = b_l + tl.sum(b_p, axis=1)
-        b_v = load_kv_tile(p_v, b_page * stride_vcp + o_slot * stride_vcs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D,
-                           KV_FP8, KV_NVFP4, EVEN_D)
+        b_v = _v_tile(p_v, b_page * stride_vcp + o_slot * stride_vcs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D, KV_FP8,
+                      KV_NVFP4, EVEN_D, NVFP4_F16, NVFP4_WORDS)
         b_acc = b_acc + tl.dot(b_p.to(b_q.dtype), b_v, input_precision=PRECISION)
         return b_m, b_l, b_acc
     b_alpha = tl.exp2(b_m - b_m_new)
     b_p = tl.exp2(b_s * qk_scale - b_m_new[:, None])
     b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-    b_v = load_kv_tile(p_v, b_page * stride_vcp + o_slot * stride_vcs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D, KV_FP8,
-                       KV_NVFP4, EVEN_D)
+    b_v = _v_tile(p_v, b_page * stride_vcp + o_slot * stride_vcs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D, KV_FP8, KV_NVFP4,
+                  EVEN_D, NVFP4_F16, NVFP4_WORDS)
     b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v, input_precision=PRECISION)
     return b_m_new, b_l, b_acc
+
+
+@triton.jit
+def _v_tile(p, o_row, m_n, D, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            KV_FP8: tl.constexpr, KV_NVFP4: tl.constexpr, EVEN_D: tl.constexpr, NVFP4_F16: tl.constexpr,
+            NVFP4_WORDS: tl.constexpr = False):
+    """`load_kv_tile`, or `nvfp4_tile_f16` with NVFP4_F16 (NVFP4_WORDS: its WORDS)."""
+    if NVFP4_F16:
+        return nvfp4_tile_f16(p, o_row, m_n, D, BLOCK_N, BLOCK_D, EVEN_D, NVFP4_WORDS)
+    return load_kv_tile(p, o_row, m_n, D, dtype, BLOCK_N, BLOCK_D, KV_FP8, KV_NVFP4, EVEN_D)
 
 
 @triton.jit
@@ -76,12 +92,18 @@ def _prefill_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KV_NVFP4: tl.constexpr = False,
     EVEN_D: tl.constexpr = False, CAUSAL_SPLIT: tl.constexpr = False, LAZY_RESCALE: tl.constexpr = False,
+    NVFP4_F16: tl.constexpr = False, NVFP4_WORDS: tl.constexpr = False,
 ):
     """Grid (T / BLOCK_M, Hkv). CAUSAL_SPLIT: two key loops, the blocks every row of the program sees
     whole (no causal mask, no bound check) and then the blocks across the diagonal (masked); and the
     softmax scale applied inside exp2's argument (one FMA per score: exp2(s * scale - m), m kept in
     scaled units). Without it: one masked loop, scores scaled as they leave the dot.
-    LAZY_RESCALE (with CAUSAL_SPLIT, its unmasked loop): `_attend_block`'s lazy maxima."""
+    LAZY_RESCALE (with CAUSAL_SPLIT, its unmasked loop): `_attend_block`'s lazy maxima.
+    NVFP4_F16 (with CAUSAL_SPLIT and KV_NVFP4): both dots in fp16 (q rounded to fp16 once, the tiles
+    decoded exactly in fp16, p in fp16), fp32 accumulation: no per-element fp32 round trip in the
+    decode. q must lie inside fp16's range (|q| < 65,504: normalized queries do); p's 11 bits are
+    finer than bf16's 8. NVFP4_WORDS (set by the launcher when D == BLOCK_D and D % 64 == 0): the
+    fp16 tiles decoded a word at a time (`nvfp4_tile_f16_words`)."""
     i_m = tl.program_id(0)
     i_kv = tl.program_id(1)
     R: tl.constexpr = BLOCK_M * BLOCK_G
@@ -102,16 +124,20 @@ def _prefill_kernel(
     b_l = tl.zeros((R,), dtype=tl.float32)
     b_acc = tl.zeros((R, BLOCK_D), dtype=tl.float32)
     if CAUSAL_SPLIT:
+        F16: tl.constexpr = NVFP4_F16 and KV_NVFP4
+        if F16:
+            b_q = b_q.to(tl.float16)
         # keys [0, lo): visible to every row of the block (n <= its first query's position)
         lo = (start + i_m * BLOCK_M + 1) // BLOCK_N * BLOCK_N
         for n0 in range(0, lo, BLOCK_N):
             b_m, b_l, b_acc = _attend_block(b_q, b_m, b_l, b_acc, p_k, p_v, p_pt, n0, lo, q_pos, qk_scale, stride_kcp,
                                             stride_kcs, stride_vcp, stride_vcs, D, PAGE_SIZE, BLOCK_N, BLOCK_D,
-                                            PRECISION, KV_FP8, KV_NVFP4, EVEN_D, False, LAZY_RESCALE)
+                                            PRECISION, KV_FP8, KV_NVFP4, EVEN_D, False, LAZY_RESCALE, F16,
+                                            NVFP4_WORDS)
         for n0 in tl.range(lo, hi, BLOCK_N, num_stages=1):  # 1-2 blocks: not worth a pipeline's registers
             b_m, b_l, b_acc = _attend_block(b_q, b_m, b_l, b_acc, p_k, p_v, p_pt, n0, hi, q_pos, qk_scale, stride_kcp,
                                             stride_kcs, stride_vcp, stride_vcs, D, PAGE_SIZE, BLOCK_N, BLOCK_D,
-                                            PRECISION, KV_FP8, KV_NVFP4, EVEN_D, True)
+                                            PRECISION, KV_FP8, KV_NVFP4, EVEN_D, True, False, F16, NVFP4_WORDS)
     else:
         for n0 in range(0, hi, BLOCK_N):
             o_n = n0 + tl.arange(0, BLOCK_N)
@@ -148,7 +174,8 @@ def prefill_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
     block_g = triton.next_power_of_2(max(1, group))
     return {"BLOCK_G": block_g, "BLOCK_M": max(1, 128 // block_g) if block_g <= 128 else 1, "BLOCK_N": 64,
             "BLOCK_D": block_d, "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "num_warps": 8,
-            "num_stages": 2, "CAUSAL_SPLIT": CAUSAL_SPLIT, "LAZY_RESCALE": False}
+            "num_stages": 2, "CAUSAL_SPLIT": CAUSAL_SPLIT, "LAZY_RESCALE": False, "NVFP4_F16": False,
+            "NVFP4_WORDS": False}
 
 
 def paged_prefill_attention_triton(
@@ -179,6 +206,7 @@ def paged_prefill_attention_triton(
     g = hq // hkv
     cfg = {**prefill_config(d, g, q.dtype), **(config or {})}
     cfg["EVEN_D"] = d == cfg["BLOCK_D"]  # no mask along D: vectorized loads
+    cfg["NVFP4_WORDS"] = cfg["EVEN_D"] and d % 64 == 0  # (used with NVFP4_F16 only)
     grid = (triton.cdiv(t, cfg["BLOCK_M"]), hkv)
     _prefill_kernel[grid](
         q, k_cache, v_cache, page_table, out, kvs, start, t, g, d, scale * LOG2E,
