@@ -36,6 +36,10 @@ VARIANTS = [  # (label, cache, config overrides)
     ("nvfp4 tiles N64", "nvfp4", {"NVFP4_HALVES": False, "BLOCK_N": 64}),
     ("nvfp4 halves", "nvfp4", {"NVFP4_HALVES": True}),
     ("nvfp4 halves N64", "nvfp4", {"NVFP4_HALVES": True, "BLOCK_N": 64}),
+    # fp16 dots over tiles decoded in fp16 a word at a time (session 12; static SASS: the loop 1,765 -> 1,025
+    # instructions per 32 tokens against the halves; not measured yet)
+    ("nvfp4 f16", "nvfp4", {"NVFP4_F16": True}),
+    ("nvfp4 f16 N64", "nvfp4", {"NVFP4_F16": True, "BLOCK_N": 64}),
     # the CUDA-core loop (not measured yet): warps and the split count decide whether it keeps up
     ("nvfp4 fma w1 s512", "nvfp4", {"NVFP4_FMA": True, "BLOCK_N": 16, "num_warps": 1, "splits": 512}),
     ("nvfp4 fma w2 s256", "nvfp4", {"NVFP4_FMA": True, "BLOCK_N": 16, "num_warps": 2, "splits": 256}),

@@ -449,7 +449,7 @@ def test_write_kv_nvfp4_prefill_and_decode_references_agree():
     assert torch.equal(kv4, expected)
 
 
-@pytest.mark.parametrize("loop", ["tiles", "halves", "fma"])
+@pytest.mark.parametrize("loop", ["tiles", "halves", "fma", "f16"])
 @pytest.mark.parametrize("path", ["single", "split3"])
 @pytest.mark.parametrize(("seq_lens", "hq", "hkv", "d", "page"), CASES, ids=CASE_IDS)
 def test_decode_attention_nvfp4_cache(seq_lens, hq, hkv, d, page, path, loop):
@@ -457,7 +457,9 @@ def test_decode_attention_nvfp4_cache(seq_lens, hq, hkv, d, page, path, loop):
     dequantizes; the reference equals the unquantized reference on the dequantized values. Both
     inner loops: whole dequantized tiles, q's even and odd columns against the low and high
     nibbles (`NVFP4_HALVES`, the default; it takes D >= 32, smaller heads run the tiles), and
-    the CUDA-core loop over 32-bit words (`NVFP4_FMA`; D % 64 == 0, else the halves)."""
+    the CUDA-core loop over 32-bit words (`NVFP4_FMA`; D % 64 == 0, else the halves), and fp16 dots
+    over tiles decoded in fp16 (`NVFP4_F16`; a word at a time where D % 64 == 0 and D == BLOCK_D;
+    fp32 queries rounded to fp16: within fp16's tolerance)."""
     kv4, table, lens, scale = nvfp4_batch(seq_lens, hkv, d, page)
     k_cache, v_cache = layer_views(kv4)
     b = len(seq_lens)
@@ -469,8 +471,9 @@ def test_decode_attention_nvfp4_cache(seq_lens, hq, hkv, d, page, path, loop):
         out = torch.full_like(q, float("nan"))
         y = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, d ** -0.5, splits=splits, out=out,
                                           gate=gate, config={"BLOCK_N": 16, "NVFP4_HALVES": loop == "halves",
-                                                                  "NVFP4_FMA": loop == "fma"}, kv_scale=scale)
-        assert rel_rms(y, ref) < TOL[dtype], (dtype, gated)
+                                                                  "NVFP4_FMA": loop == "fma",
+                                                                  "NVFP4_F16": loop == "f16"}, kv_scale=scale)
+        assert rel_rms(y, ref) < TOL[torch.float16 if loop == "f16" else dtype], (dtype, gated)
         for i, n in enumerate(seq_lens):
             if n == 0:
                 assert torch.equal(y[i], torch.zeros_like(y[i]))

@@ -210,10 +210,14 @@ def test_prefill_attention_triton_matches_reference(start, t, kv):
         k, v = quantize_kv(k, scale[0], torch.uint8), quantize_kv(v, scale[1], torch.uint8)
         assert k.shape[-1] == d // 2 + d // 16
     q = torch.randn(t, hq, 2 * d, device="cuda", dtype=torch.bfloat16)[..., :d]  # a strided view, as the model's
-    got = paged_prefill_attention_triton(q, k, v, pages, start, d ** -0.5, scale)
     ref = paged_attention_ref(q, k, v, pages, start, d ** -0.5, scale)
-    err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-    assert err < 1e-2, err
+    variants = [{}, {"CAUSAL_SPLIT": True}, {"CAUSAL_SPLIT": True, "LAZY_RESCALE": True}]  # the last two: off by default
+    if kv == "nvfp4":
+        variants += [{"CAUSAL_SPLIT": True, "NVFP4_F16": True}, {"CAUSAL_SPLIT": True, "NVFP4_F16": True, "BLOCK_N": 32}]
+    for cfg in variants:
+        got = paged_prefill_attention_triton(q, k, v, pages, start, d ** -0.5, scale, config=cfg)
+        err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert err < 1e-2, (cfg, err)
 
 
 # ------------------------------------------------------------------------------------------ NVFP4 KV cache
@@ -252,6 +256,9 @@ def test_paged_decode_attention_nvfp4(batch, ctx, gated):
         y = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx, splits=forced,
                                           out=out, gate=gate, kv_scale=scale)
         assert rel_rms(y, ref) < TOL, f"splits={forced or splits}"
+        y16 = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx, splits=forced,
+                                            gate=gate, kv_scale=scale, config={"NVFP4_F16": True})  # off by default
+        assert rel_rms(y16, ref) < TOL, f"NVFP4_F16, splits={forced or splits}"
     y_rule = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx, gate=gate,
                                            kv_scale=scale)
     assert torch.equal(paged_decode_attention(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx, gate=gate,

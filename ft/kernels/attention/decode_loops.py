@@ -102,14 +102,18 @@ def nvfp4_tile_f16_words(p, o_row, m_n, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.co
 
 @triton.jit
 def load_kv_tile(p, o_row, m_n, D, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 KV_FP8: tl.constexpr, KV_NVFP4: tl.constexpr, EVEN_D: tl.constexpr = False):
+                 KV_FP8: tl.constexpr, KV_NVFP4: tl.constexpr, EVEN_D: tl.constexpr = False,
+                 NVFP4_F16: tl.constexpr = False, NVFP4_WORDS: tl.constexpr = False):
     """The K or V rows of BLOCK_N tokens of one kv head -> [BLOCK_N, BLOCK_D] in `dtype`, without the
     layer scale (exact for quantized caches); masked tokens (m_n false) and columns >= D give 0.
+    KV_NVFP4 with NVFP4_F16: in float16 whatever `dtype` (`nvfp4_tile_f16`, NVFP4_WORDS its WORDS).
 
     p: the kv head's cache (uint8 for KV_FP8 / KV_NVFP4); o_row [BLOCK_N] int64: each token's row
     offset from p in elements (page * stride_p + slot * stride_s); D: the head dim. KV_NVFP4: a row
     is D/2 code bytes then D/16 e4m3 block scales (`reference.py`). EVEN_D: D == BLOCK_D (`_d_mask`)."""
-    if KV_NVFP4:
+    if KV_NVFP4 and NVFP4_F16:
+        b_t = nvfp4_tile_f16(p, o_row, m_n, D, BLOCK_N, BLOCK_D, EVEN_D, NVFP4_WORDS)
+    elif KV_NVFP4:
         b_t = dequant_tile(p, p + D // 2, o_row, m_n, 1, 1, 0, D // 2, dtype, BLOCK_N, BLOCK_D, EVEN_D)
     else:
         o_d = tl.arange(0, BLOCK_D)
@@ -144,26 +148,30 @@ def _softmax_block(b_s, m_n, b_m):
 def _attend(b_q, p_k, p_v, p_pt, lo, hi, D, qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
             PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
             PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
-            EVEN_D: tl.constexpr = False):
+            EVEN_D: tl.constexpr = False, NVFP4_F16: tl.constexpr = False, NVFP4_WORDS: tl.constexpr = False):
     """Online softmax of the group's queries b_q over tokens [lo, hi) of one sequence -> (max [BLOCK_G]
     in log2 units, sum [BLOCK_G], unnormalized acc [BLOCK_G, BLOCK_D]), fp32.
 
     p_k, p_v: the kv head's K/V cache (token (page, slot) at + page * stride_*p + slot * stride_*s);
     p_pt: the sequence's page-table row. Only tokens in [lo, hi) are loaded, their page ids included.
     KV_FP8 / KV_NVFP4: quantized caches (uint8, `load_kv_tile`); the caller folds the K scale into
-    qk_scale and applies the V scale to the result (the tiles in q's dtype are exact)."""
+    qk_scale and applies the V scale to the result (the tiles in q's dtype are exact).
+    NVFP4_F16 (KV_NVFP4): q rounded to fp16 once and both dots in fp16 over tiles decoded in fp16
+    (`load_kv_tile`'s NVFP4_F16; fp32 accumulation; |q| must lie inside fp16's range)."""
+    if KV_NVFP4 and NVFP4_F16:
+        b_q = b_q.to(tl.float16)
     b_m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     b_l = tl.zeros((BLOCK_G,), dtype=tl.float32)
     b_acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         m_n, b_page, o_slot = _block_tokens(p_pt, n0, hi, PAGE_SIZE, BLOCK_N)
         b_k = load_kv_tile(p_k, b_page * stride_kp + o_slot * stride_ks, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D, KV_FP8,
-                           KV_NVFP4, EVEN_D)
+                           KV_NVFP4, EVEN_D, NVFP4_F16, NVFP4_WORDS)
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
         b_m_new, b_alpha, b_p = _softmax_block(b_s, m_n, b_m)
         b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
         b_v = load_kv_tile(p_v, b_page * stride_vp + o_slot * stride_vs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D, KV_FP8,
-                           KV_NVFP4, EVEN_D)
+                           KV_NVFP4, EVEN_D, NVFP4_F16, NVFP4_WORDS)
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v, input_precision=PRECISION)
         b_m = b_m_new
     return b_m, b_l, b_acc

@@ -41,7 +41,11 @@ vectorize (16-byte `cp.async`; with a mask against the runtime D every byte was 
 own): measured, this changed little at decode (128K NVFP4 127 -> 121 us per layer), where the
 NVFP4 cache is still slower than bf16 despite reading 3.6x fewer bytes: the tile decode, not the
 loads, is the bound. A CUDA-core loop over 32-bit words (`NVFP4_FMA`) is there, off: its first
-device run did not finish within a minute (compile or run; not diagnosed).
+device run did not finish within a minute (compile or run; not diagnosed). `NVFP4_F16` (off until
+measured) takes both dots in fp16 over tiles decoded exactly in fp16, a 32-bit word of codes at a
+time (`decode_loops.nvfp4_tile_f16`): Triton runs uint8 arithmetic a byte per instruction, and the
+fp32 decode's fp16 -> fp32 -> bf16 round trip costs three more per element; statically (sm_90 SASS,
+`tests/compile_kernels_sm90.py --loops`) the decode loop halves.
 
 A sequence of length 0 (a padding row) gives zeros. Block sizes: BLOCK_N 32, 4 warps, 2 stages
 measured best for the NVFP4 halves at 4K and 128K tokens (against 16/64 tokens, 2/8 warps, 1/3
@@ -169,6 +173,7 @@ def _decode_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, HAS_GATE: tl.constexpr, KV_FP8: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
     NVFP4_HALVES: tl.constexpr = False, NVFP4_FMA: tl.constexpr = False, EVEN_D: tl.constexpr = False,
+    NVFP4_F16: tl.constexpr = False, NVFP4_WORDS: tl.constexpr = False,
 ):
     i_b = tl.program_id(0)
     i_kv = tl.program_id(1)
@@ -180,6 +185,11 @@ def _decode_kernel(
         _, b_l, b_acc = _attend_nvfp4_fma(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch,
                                           p_pt + i_b * stride_ptb, 0, seq_len, D, qk_scale, stride_kcp, stride_kcs,
                                           stride_vcp, stride_vcs, PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D)
+    elif KV_NVFP4 and NVFP4_F16:
+        _, b_l, b_acc = _attend(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
+                                0, seq_len, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
+                                PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, KV_FP8, KV_NVFP4, EVEN_D, True,
+                                NVFP4_WORDS)
     elif KV_NVFP4 and NVFP4_HALVES:
         _, b_l, b_acc = _attend_nvfp4(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
                                       0, seq_len, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
@@ -210,6 +220,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
     NVFP4_HALVES: tl.constexpr = False, NVFP4_FMA: tl.constexpr = False, EVEN_D: tl.constexpr = False,
+    NVFP4_F16: tl.constexpr = False, NVFP4_WORDS: tl.constexpr = False,
 ):
     i_b = tl.program_id(0)
     i_kv = tl.program_id(1)
@@ -226,6 +237,11 @@ def _decode_split_kernel(
         b_m, b_l, b_acc = _attend_nvfp4_fma(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch,
                                             p_pt + i_b * stride_ptb, lo, hi, D, qk_scale, stride_kcp, stride_kcs,
                                             stride_vcp, stride_vcs, PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D)
+    elif KV_NVFP4 and NVFP4_F16:
+        b_m, b_l, b_acc = _attend(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
+                                  lo, hi, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
+                                  PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, KV_FP8, KV_NVFP4, EVEN_D, True,
+                                  NVFP4_WORDS)
     elif KV_NVFP4 and NVFP4_HALVES:
         b_m, b_l, b_acc = _attend_nvfp4(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch,
                                         p_pt + i_b * stride_ptb, lo, hi, D, qk_scale, stride_kcp, stride_kcs,
@@ -333,7 +349,7 @@ def decode_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
     block_d = max(16, triton.next_power_of_2(head_dim))
     return {"BLOCK_G": max(16, triton.next_power_of_2(group)), "BLOCK_N": 32 if block_d > 128 else 64,
             "BLOCK_D": block_d, "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "num_warps": 4,
-            "num_stages": 2, "NVFP4_HALVES": True, "NVFP4_FMA": False}
+            "num_stages": 2, "NVFP4_HALVES": True, "NVFP4_FMA": False, "NVFP4_F16": False, "NVFP4_WORDS": False}
 
 
 def paged_decode_attention_triton(
@@ -405,6 +421,8 @@ def paged_decode_attention_triton(
     if cfg["NVFP4_FMA"] and not (config or {}).get("BLOCK_G"):
         cfg["BLOCK_G"] = triton.next_power_of_2(hq // hkv)  # no tensor-core tile: no padding rows
     cfg["EVEN_D"] = d == cfg["BLOCK_D"]  # no mask along D: vectorized K/V loads
+    cfg["NVFP4_F16"] = bool(cfg["NVFP4_F16"]) and kv_flags["KV_NVFP4"]
+    cfg["NVFP4_WORDS"] = cfg["EVEN_D"] and d % 64 == 0  # (with NVFP4_F16 only)
     common = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0))
     scale2 = scale * LOG2E

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.kernels.attention.decode_loops import _d_mask, load_kv_tile, nvfp4_tile_f16
+from ft.kernels.attention.decode_loops import _d_mask, load_kv_tile
 from ft.kernels.attention.kernel import LOG2E, MAX_HEAD_DIM, _check_cache, _kv_args
 
 __all__ = ["CAUSAL_SPLIT", "paged_prefill_attention_triton"]
@@ -39,12 +39,8 @@ def _attend_block(b_q, b_m, b_l, b_acc, p_k, p_v, p_pt, n0, bound, q_pos, qk_sca
     m_n = o_n < bound
     b_page = tl.load(p_pt + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
     o_slot = o_n % PAGE_SIZE
-    if NVFP4_F16:
-        b_k = nvfp4_tile_f16(p_k, b_page * stride_kcp + o_slot * stride_kcs, m_n, D, BLOCK_N, BLOCK_D, EVEN_D,
-                             NVFP4_WORDS)
-    else:
-        b_k = load_kv_tile(p_k, b_page * stride_kcp + o_slot * stride_kcs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D,
-                           KV_FP8, KV_NVFP4, EVEN_D)
+    b_k = load_kv_tile(p_k, b_page * stride_kcp + o_slot * stride_kcs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D, KV_FP8,
+                       KV_NVFP4, EVEN_D, NVFP4_F16, NVFP4_WORDS)
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)  # [R, BLOCK_N], unscaled
     if CAUSAL:
         b_s = tl.where((o_n[None, :] <= q_pos[:, None]) & m_n[None, :], b_s, float("-inf"))
@@ -61,27 +57,17 @@ def _attend_block(b_q, b_m, b_l, b_acc, p_k, p_v, p_pt, n0, bound, q_pos, qk_sca
             b_m = b_m_new
         b_p = tl.exp2(b_s * qk_scale - b_m[:, None])
         b_l = b_l + tl.sum(b_p, axis=1)
-        b_v = _v_tile(p_v, b_page * stride_vcp + o_slot * stride_vcs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D, KV_FP8,
-                      KV_NVFP4, EVEN_D, NVFP4_F16, NVFP4_WORDS)
+        b_v = load_kv_tile(p_v, b_page * stride_vcp + o_slot * stride_vcs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D,
+                           KV_FP8, KV_NVFP4, EVEN_D, NVFP4_F16, NVFP4_WORDS)
         b_acc = b_acc + tl.dot(b_p.to(b_q.dtype), b_v, input_precision=PRECISION)
         return b_m, b_l, b_acc
     b_alpha = tl.exp2(b_m - b_m_new)
     b_p = tl.exp2(b_s * qk_scale - b_m_new[:, None])
     b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-    b_v = _v_tile(p_v, b_page * stride_vcp + o_slot * stride_vcs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D, KV_FP8, KV_NVFP4,
-                  EVEN_D, NVFP4_F16, NVFP4_WORDS)
+    b_v = load_kv_tile(p_v, b_page * stride_vcp + o_slot * stride_vcs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D, KV_FP8,
+                       KV_NVFP4, EVEN_D, NVFP4_F16, NVFP4_WORDS)
     b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v, input_precision=PRECISION)
     return b_m_new, b_l, b_acc
-
-
-@triton.jit
-def _v_tile(p, o_row, m_n, D, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            KV_FP8: tl.constexpr, KV_NVFP4: tl.constexpr, EVEN_D: tl.constexpr, NVFP4_F16: tl.constexpr,
-            NVFP4_WORDS: tl.constexpr = False):
-    """`load_kv_tile`, or `nvfp4_tile_f16` with NVFP4_F16 (NVFP4_WORDS: its WORDS)."""
-    if NVFP4_F16:
-        return nvfp4_tile_f16(p, o_row, m_n, D, BLOCK_N, BLOCK_D, EVEN_D, NVFP4_WORDS)
-    return load_kv_tile(p, o_row, m_n, D, dtype, BLOCK_N, BLOCK_D, KV_FP8, KV_NVFP4, EVEN_D)
 
 
 @triton.jit
