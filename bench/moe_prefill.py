@@ -1,6 +1,6 @@
 """The MoE block of a prefill chunk (routed experts only), NVFP4 slots against torch bf16. Not a test.
 
-    PYTHONPATH=. python3 bench/moe_prefill.py [--tokens 1024,4096,8192] [--sweep] [--split]
+    PYTHONPATH=. python3 bench/moe_prefill.py [--tokens 1024,4096,8192] [--sweep] [--split] [--words]
 
 Flagship shapes: 512 experts (all resident), hidden 2048, intermediate 512, top-10, random routing
 (every expert gets ~T * 10 / 512 pairs). Rows:
@@ -74,6 +74,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="1024,4096,8192")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--passes", default="1024,4096", help="tokens per grouped pass to sweep (--sweep)")
+    ap.add_argument("--words", action="store_true",
+                    help="also time the library's tiles with GROUPED_WORDS (word-wise fp16 weight decode)")
     ap.add_argument("--split", action="store_true",
                     help="4,096-token passes: SPLIT_TILES for gate_up alone, then for down alone (the other: BASE_4K)")
     args = ap.parse_args()
@@ -102,6 +104,10 @@ def main() -> None:
         run("before", partial(moe_over_slots_triton, x, ids, wts, pool, grouped=True, grouped_config=(32, 64, 128, 4, 3)))
         moe_kernel.GROUPED_MAX_TOKENS = saved
         run("after", partial(moe_over_slots_triton, x, ids, wts, pool, grouped=True))
+        if args.words:
+            grp.GROUPED_WORDS = True
+            run("after, word decode", partial(moe_over_slots_triton, x, ids, wts, pool, grouped=True))
+            grp.GROUPED_WORDS = False
         if args.sweep:
             for passes in (int(v) for v in args.passes.split(",")):
                 moe_kernel.GROUPED_MAX_TOKENS = passes

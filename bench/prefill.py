@@ -56,10 +56,16 @@ def main() -> None:
                     help="time the lengths once per grouped-MoE tile, e.g. '64,64,64,4,4;32,64,128,4,3,1' (BLOCK_M, "
                          "BLOCK_N, BLOCK_K, warps, stages[, SWAP_AB]) for every pass; default: the library's choice by pass "
                          "length (grouped_config_for)")
+    ap.add_argument("--moe-words", action="store_true",
+                    help="the grouped MoE's word-wise fp16 weight decode (GROUPED_WORDS; off by default until measured)")
     ap.add_argument("--spin-up", type=float, default=3.0, metavar="S",
                     help="seconds of prefills before anything is timed (default 3)")
     args = ap.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
+    if args.moe_words:
+        import ft.kernels.moe.grouped_kernel as grouped
+
+        grouped.GROUPED_WORDS = True
     grouped = [tuple(int(v) for v in c.split(",")) for c in args.grouped_configs.split(";") if c.strip()] or [None]
     t0 = time.perf_counter()
     eng = Engine(EngineConfig(model=f"synthetic:{args.config}", device="cuda", dtype="bfloat16",

@@ -96,6 +96,25 @@ def test_grouped_swapped_operands_match_ref(case):
     assert err < TOL[dtype], err
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[-1] and c[6] < 1.0], ids=_case_id)
+def test_grouped_word_decode_matches_the_byte_decode(case, monkeypatch):
+    """GROUPED_WORDS (the weight tiles decoded a 32-bit word at a time, in fp16): the same tiles, so
+    bitwise the byte-wise decode's result in fp32, and the reference's within tolerance."""
+    import ft.kernels.moe.grouped_kernel as grp
+
+    t, k, s, h, i, dtype, skip, _ = case
+    gen = torch.Generator().manual_seed(9)
+    w = _slot_pool(s, h, i, gen)
+    slots, weights = _routing(t, k, s, skip, gen)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    bytes_ = moe_over_slots_triton(x, slots, weights.to(dtype), w, grouped=True, grouped_config=(4, 16, 32, 4, 1, True))
+    monkeypatch.setattr(grp, "GROUPED_WORDS", True)
+    words = moe_over_slots_triton(x, slots, weights.to(dtype), w, grouped=True, grouped_config=(4, 16, 32, 4, 1, True))
+    assert torch.equal(words, bytes_)
+    ref = moe_over_slots_ref(x, slots, weights.to(dtype), w)
+    assert ((words.float() - ref.float()).norm() / ref.float().norm()).item() < TOL[dtype]
+
+
 @pytest.mark.parametrize(("gate_up", "down"), [((4, 0, 4), (16, 0, 4)), ((8, 16, 4), (8, 8, 4))], ids=["whole-k", "k-loop"])
 def test_per_pair_tiles_match_ref(gate_up, down):
     gen = torch.Generator().manual_seed(5)

@@ -146,7 +146,7 @@ def test_moe_over_slots(pool, batch):
 def test_moe_grouped_prefill(pool, config):
     """The grouped (prefill) path over 1,024 tokens at the flagship's shapes with both library tiles
     (GROUPED_CONFIG_SHORT, this pass's own, and GROUPED_CONFIG, forced), each with the weight tile
-    as the MMA's left operand."""
+    as the MMA's left operand; the word-wise weight decode (GROUPED_WORDS) gives the same bits."""
     from ft.kernels.moe.grouped_kernel import GROUPED_CONFIG, GROUPED_CONFIG_SHORT
 
     config = GROUPED_CONFIG_SHORT if config == "short" else GROUPED_CONFIG
@@ -157,6 +157,14 @@ def test_moe_grouped_prefill(pool, config):
     topk_weights = torch.softmax(torch.randn(t, TOP_K, device=DEV), -1).to(torch.bfloat16)
     y = moe_over_slots_triton(x, topk_slots, topk_weights, pool, grouped=True, grouped_config=config)
     assert rel_rms(y, moe_over_slots_ref(x, topk_slots, topk_weights, pool)) < TOL_MOE
+    import ft.kernels.moe.grouped_kernel as grp  # the word-wise decode (off by default): the same tiles, bitwise
+
+    saved, grp.GROUPED_WORDS = grp.GROUPED_WORDS, True
+    try:
+        assert torch.equal(moe_over_slots_triton(x, topk_slots, topk_weights, pool, grouped=True,
+                                                 grouped_config=config), y)
+    finally:
+        grp.GROUPED_WORDS = saved
 
 
 @pytest.mark.parametrize("batch", [1, 8, 16], ids=lambda b: f"B{b}-top{TOP_K}+shared-H{HIDDEN}-I{INTER}-bf16")

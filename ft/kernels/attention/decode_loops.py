@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ft.kernels.nvfp4.kernel import (
-    _byte_f32, _e2m1_hi, _e2m1_lo, _e4m3, _hi_e4m3_word, _lo_e4m3_word, _split8, dequant_tile,
+    _byte_f32, _e2m1_hi, _e2m1_lo, _e4m3, _hi_e4m3_word, _join8, _lo_e4m3_word, _split8, dequant_tile, words_tile_f16,
 )
 
 __all__ = ["_attend", "_attend_nvfp4", "_attend_nvfp4_fma", "_d_mask", "_load_q", "load_kv_tile", "nvfp4_tile_f16",
@@ -74,30 +74,12 @@ def nvfp4_tile_f16(p, o_row, m_n, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexp
 
 
 @triton.jit
-def _lane_f16(e, I: tl.constexpr, b_sc):
-    """Byte I of uint32 words of E4M3 bits -> fp16, times b_sc (fp16, same shape)."""
-    return (e >> (8 * I)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16) * b_sc
-
-
-@triton.jit
 def nvfp4_tile_f16_words(p, o_row, m_n, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """`nvfp4_tile_f16` with the codes read and turned into E4M3 bits a 32-bit word (8 codes) at a
-    time rather than a byte at a time (Triton runs uint8 arithmetic one byte per instruction).
-    Needs D == BLOCK_D and D % 64 == 0 (a row of D/2 + D/16 bytes is then whole words, and o_row a
-    multiple of 4 bytes)."""
-    W: tl.constexpr = BLOCK_D // 8
-    GROUPS: tl.constexpr = BLOCK_D // 16
-    o_w = tl.arange(0, W)
-    b_w = tl.load(p.to(tl.pointer_type(tl.uint32)) + (o_row // 4)[:, None] + o_w[None, :], mask=m_n[:, None], other=0)
-    o_s = tl.arange(0, GROUPS)
-    b_s = tl.load(p + o_row[:, None] + D // 2 + o_s[None, :], mask=m_n[:, None], other=0)
-    b_s = b_s.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 64.0
-    b_sc = tl.reshape(tl.broadcast_to(b_s[:, :, None], (BLOCK_N, GROUPS, 2)), (BLOCK_N, W))  # word w: scale w // 2
-    lo = _lo_e4m3_word(b_w)
-    hi = _hi_e4m3_word(b_w)
-    return _join8(_lane_f16(lo, 0, b_sc), _lane_f16(hi, 0, b_sc), _lane_f16(lo, 1, b_sc), _lane_f16(hi, 1, b_sc),
-                  _lane_f16(lo, 2, b_sc), _lane_f16(hi, 2, b_sc), _lane_f16(lo, 3, b_sc), _lane_f16(hi, 3, b_sc),
-                  BLOCK_N, W)
+    time (`ft.kernels.nvfp4.kernel.words_tile_f16`; Triton runs uint8 arithmetic one byte per
+    instruction). Needs D == BLOCK_D and D % 64 == 0 (a row of D/2 + D/16 bytes is then whole
+    words, and o_row a multiple of 4 bytes)."""
+    return words_tile_f16(p, p + D // 2, o_row, o_row, m_n, 0, BLOCK_N, BLOCK_D)
 
 
 @triton.jit
@@ -226,14 +208,6 @@ def _attend_nvfp4(b_q, p_k, p_v, p_pt, lo, hi, D, qk_scale, stride_kp, stride_ks
         b_acc_o = tl.dot(b_pq, b_vo, b_acc_o * b_alpha[:, None], input_precision=PRECISION)
         b_m = b_m_new
     return b_m, b_l, tl.reshape(tl.join(b_acc_e, b_acc_o), (BLOCK_G, BLOCK_D))
-
-
-@triton.jit
-def _join8(t0, t1, t2, t3, t4, t5, t6, t7, A: tl.constexpr, B: tl.constexpr):
-    """8 lanes [A, B] -> [A, 8 * B] with element 8w + j = lane j's column w (`_split8` undone)."""
-    ev = tl.reshape(tl.join(tl.join(t0, t4), tl.join(t2, t6)), (A, B, 4))  # lanes 0 2 4 6
-    od = tl.reshape(tl.join(tl.join(t1, t5), tl.join(t3, t7)), (A, B, 4))  # lanes 1 3 5 7
-    return tl.reshape(tl.join(ev, od), (A, 8 * B))
 
 
 @triton.jit

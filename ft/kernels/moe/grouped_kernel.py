@@ -28,9 +28,17 @@ import triton
 import triton.language as tl
 
 from ft.kernels.moe.pair_tiles import group_pairs
-from ft.kernels.nvfp4.kernel import dequant_tile
+from ft.kernels.nvfp4.kernel import dequant_tile, words_tile_f16
 
-__all__ = ["GROUPED_CONFIG", "GROUPED_CONFIG_SHORT", "GROUPED_SHORT_TOKENS", "grouped_config_for", "grouped_moe"]
+__all__ = ["GROUPED_CONFIG", "GROUPED_CONFIG_SHORT", "GROUPED_SHORT_TOKENS", "GROUPED_WORDS", "grouped_config_for",
+           "grouped_moe"]
+
+GROUPED_WORDS = False
+"""Decode the weight tiles a 32-bit word of codes at a time in fp16 (`_tile_dot`'s WORDS), where the
+pool's rows allow. Statically (sm_90 SASS, tests/compile_kernels_sm90.py --loops, session 12) the
+gate_up loop goes from 802 to 520 instructions a step (down 833 -> 554, the short tile 1,453 ->
+884): Triton runs the byte-wise decode's uint8 arithmetic one byte per instruction. Off until
+measured on the device (`bench/moe_prefill.py --words`)."""
 
 GROUPED_CONFIG = ((128, 64, 64, 4, 4, True), (128, 64, 128, 4, 3, True))
 """(gate_up's tile, down's tile), each (BLOCK_M pairs, BLOCK_N rows, BLOCK_K, num_warps, num_stages,
@@ -69,19 +77,24 @@ def _tile_pairs(p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M: tl.c
 @triton.jit
 def _tile_dot(acc, p_a, o_a, m_a, k, K, p_w, p_s, o_r, m_r, stride_wr, stride_sr, dtype: tl.constexpr,
               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr = False,
-              SWAP_AB: tl.constexpr = False):
+              SWAP_AB: tl.constexpr = False, WORDS: tl.constexpr = False):
     """acc [M, BLOCK_R] += A[:, k:k+BLOCK_K] @ W[o_r, k:k+BLOCK_K]^T; A's rows at p_a + o_a (element
     offsets of each row, contiguous along K), W NVFP4 (uint8 at p_w, E4M3 block scales at p_s).
     EVEN_K: K % BLOCK_K == 0: no mask along K, so that the loads vectorize (`dequant_tile`'s EVEN).
     SWAP_AB: acc is [BLOCK_R, M] += W A^T instead: the dequantized weight tile is the MMA's left
-    operand (from registers on Hopper, no shared-memory round trip) and the pairs its narrow side."""
+    operand (from registers on Hopper, no shared-memory round trip) and the pairs its narrow side.
+    WORDS (with EVEN_K; row strides and k multiples of 4 bytes): the weight tile decoded a 32-bit word
+    of codes at a time, in fp16, then cast to dtype (`words_tile_f16`; exact either way)."""
     o_k = k + tl.arange(0, BLOCK_K)
     if EVEN_K:
         m_ak = m_a[:, None]
     else:
         m_ak = m_a[:, None] & (o_k < K)[None, :]
     b_a = tl.load(p_a + o_a[:, None] + o_k[None, :], mask=m_ak, other=0.0)
-    b_w = dequant_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, k // 2, K // 2, dtype, BLOCK_R, BLOCK_K, EVEN_K)
+    if WORDS and EVEN_K:
+        b_w = words_tile_f16(p_w, p_s, o_r * stride_wr, o_r * stride_sr, m_r, k // 2, BLOCK_R, BLOCK_K).to(dtype)
+    else:
+        b_w = dequant_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, k // 2, K // 2, dtype, BLOCK_R, BLOCK_K, EVEN_K)
     if SWAP_AB:
         acc = tl.dot(b_w, tl.trans(b_a), acc, input_precision=PRECISION)
     else:
@@ -95,7 +108,7 @@ def _grouped_gate_up_kernel(
     I, H, TOPK,
     stride_xt, stride_w13e, stride_w13r, stride_s13e, stride_s13r, stride_s2e, stride_hp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    EVEN_K: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False, SWAP_AB: tl.constexpr = False, WORDS: tl.constexpr = False,
 ):
     slot, pairs, m_p, toks = _tile_pairs(p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M)
     if slot >= 0:
@@ -109,9 +122,9 @@ def _grouped_gate_up_kernel(
         acc_u = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, H, BLOCK_K):
             acc_g = _tile_dot(acc_g, p_x, o_x, m_p, k, H, p_w, p_s, o_n, m_n, stride_w13r, stride_s13r,
-                              p_x.dtype.element_ty, BLOCK_N, BLOCK_K, PRECISION, EVEN_K, SWAP_AB)
+                              p_x.dtype.element_ty, BLOCK_N, BLOCK_K, PRECISION, EVEN_K, SWAP_AB, WORDS)
             acc_u = _tile_dot(acc_u, p_x, o_x, m_p, k, H, p_w, p_s, o_n + I, m_n, stride_w13r, stride_s13r,
-                              p_x.dtype.element_ty, BLOCK_N, BLOCK_K, PRECISION, EVEN_K, SWAP_AB)
+                              p_x.dtype.element_ty, BLOCK_N, BLOCK_K, PRECISION, EVEN_K, SWAP_AB, WORDS)
         if SWAP_AB:
             acc_g = tl.trans(acc_g)
             acc_u = tl.trans(acc_u)
@@ -128,7 +141,7 @@ def _grouped_down_kernel(
     I, H, TOPK,
     stride_hp, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e, stride_yp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    EVEN_K: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False, SWAP_AB: tl.constexpr = False, WORDS: tl.constexpr = False,
 ):
     slot, pairs, m_p, toks = _tile_pairs(p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M)
     if slot >= 0:
@@ -140,7 +153,7 @@ def _grouped_down_kernel(
         for k in range(0, I, BLOCK_K):
             acc = _tile_dot(acc, p_h, o_a, m_p, k, I, p_w2 + e * stride_w2e, p_s2w + e * stride_s2we, o_n, m_n,
                             stride_w2r, stride_s2wr, p_h.dtype.element_ty, BLOCK_N, BLOCK_K, PRECISION, EVEN_K,
-                            SWAP_AB)
+                            SWAP_AB, WORDS)
         if SWAP_AB:
             acc = tl.trans(acc)
         b_wt = tl.load(p_wts + pairs, mask=m_p, other=0.0).to(tl.float32) * tl.load(p_s2 + e * stride_s2e + 2)
@@ -181,13 +194,17 @@ def grouped_moe(x, slots, wts, k, w13, s13, w2, s2w, s2, y, i, cfg, distinct: in
     y_pairs = torch.empty((t * k, hid), dtype=x.dtype, device=x.device)  # skipped pairs' rows: never read
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     g = start.numel()
+    # word loads need 4-byte aligned rows and k steps (BLOCK_K / 2 bytes)
+    words = GROUPED_WORDS and all(t.stride(1) % 4 == 0 for t in (w13, w2)) and w13.data_ptr() % 16 == 0 \
+        and w2.data_ptr() % 16 == 0
     _, bn13, bk13, warps13, stages13, *rest13 = cfg13
     bn13, bk13 = min(bn13, triton.next_power_of_2(i)), min(bk13, triton.next_power_of_2(hid))
     _grouped_gate_up_kernel[(g, triton.cdiv(i, bn13))](
         x, start, end, sorted_slots, order, w13, s13, s2, h, i, hid, k,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s2.stride(0), h.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn13, BLOCK_K=bk13, PRECISION=precision,
-        EVEN_K=hid % bk13 == 0, SWAP_AB=bool(rest13 and rest13[0]), num_warps=warps13, num_stages=stages13,
+        EVEN_K=hid % bk13 == 0, SWAP_AB=bool(rest13 and rest13[0]), WORDS=words and bk13 % 16 == 0,
+        num_warps=warps13, num_stages=stages13,
     )
     _, bn2, bk2, warps2, stages2, *rest2 = cfg2
     bk2 = min(bk2, triton.next_power_of_2(i))
@@ -195,7 +212,7 @@ def grouped_moe(x, slots, wts, k, w13, s13, w2, s2w, s2, y, i, cfg, distinct: in
         h, start, end, sorted_slots, order, wts, w2, s2w, s2, y_pairs, i, hid, k,
         h.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1), s2.stride(0), y_pairs.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=bk2, PRECISION=precision, EVEN_K=i % bk2 == 0,
-        SWAP_AB=bool(rest2 and rest2[0]), num_warps=warps2, num_stages=stages2,
+        SWAP_AB=bool(rest2 and rest2[0]), WORDS=words and bk2 % 16 == 0, num_warps=warps2, num_stages=stages2,
     )
     _sum_live_pairs_kernel[(t, triton.cdiv(hid, 1024))](y_pairs, slots, y, hid, k, y_pairs.stride(0), y.stride(0),
                                                          BLOCK=1024)

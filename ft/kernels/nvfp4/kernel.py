@@ -341,6 +341,45 @@ def _nvfp4_dot_kernel(
 
 
 @triton.jit
+def _join8(t0, t1, t2, t3, t4, t5, t6, t7, A: tl.constexpr, B: tl.constexpr):
+    """8 lanes [A, B] -> [A, 8 * B] with element 8w + j = lane j's column w (`_split8` undone)."""
+    ev = tl.reshape(tl.join(tl.join(t0, t4), tl.join(t2, t6)), (A, B, 4))  # lanes 0 2 4 6
+    od = tl.reshape(tl.join(tl.join(t1, t5), tl.join(t3, t7)), (A, B, 4))  # lanes 1 3 5 7
+    return tl.reshape(tl.join(ev, od), (A, 8 * B))
+
+
+@triton.jit
+def _lane_f16(e, I: tl.constexpr, b_sc):
+    """Byte I of uint32 words of E4M3 bits -> fp16, times b_sc (fp16, same shape)."""
+    return (e >> (8 * I)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16) * b_sc
+
+
+@triton.jit
+def words_tile_f16(p_w, p_s, o_row, o_srow, m_r, kb0, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Elements [2 * kb0, 2 * kb0 + BLOCK_K) of BLOCK_R NVFP4 rows -> [BLOCK_R, BLOCK_K] float16, in k
+    order, exact, without the global scale: the codes read as 32-bit words (8 codes) and turned into
+    E4M3 bits a word at a time (`_lo_e4m3_word`), each byte converted to fp16 and multiplied by its
+    block's scale (times 64, the E4M3 placement's 2**-6) in fp16: a code (2 significant bits) times
+    an E4M3 scale (4) is exact in fp16 and lies in [2**-10, 2,688] or is 0. Row r's codes start at
+    byte p_w + o_row[r], its E4M3 scale bytes at p_s + o_srow[r]; p_w, o_row and kb0 multiples of 4
+    (the word loads' alignment), the tile inside the row (no mask along k); masked rows give 0."""
+    W: tl.constexpr = BLOCK_K // 8
+    G: tl.constexpr = BLOCK_K // 16
+    o_w = kb0 // 4 + tl.arange(0, W)
+    b_w = tl.load(p_w.to(tl.pointer_type(tl.uint32)) + (o_row // 4)[:, None] + o_w[None, :], mask=m_r[:, None],
+                  other=0)
+    o_g = kb0 // 8 + tl.arange(0, G)
+    b_s = tl.load(p_s + o_srow[:, None] + o_g[None, :], mask=m_r[:, None], other=0)
+    b_s = b_s.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 64.0
+    b_sc = tl.reshape(tl.broadcast_to(b_s[:, :, None], (BLOCK_R, G, 2)), (BLOCK_R, W))  # word w: scale w // 2
+    lo = _lo_e4m3_word(b_w)
+    hi = _hi_e4m3_word(b_w)
+    return _join8(_lane_f16(lo, 0, b_sc), _lane_f16(hi, 0, b_sc), _lane_f16(lo, 1, b_sc), _lane_f16(hi, 1, b_sc),
+                  _lane_f16(lo, 2, b_sc), _lane_f16(hi, 2, b_sc), _lane_f16(lo, 3, b_sc), _lane_f16(hi, 3, b_sc),
+                  BLOCK_R, W)
+
+
+@triton.jit
 def dequant_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, kb0, half_k, dtype: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr = False):
     """Rows o_r and elements [2 * kb0, 2 * kb0 + BLOCK_K) of an NVFP4 weight (uint8 packed at p_w, E4M3
