@@ -40,7 +40,16 @@ def main() -> None:
     ap.add_argument("--attention-programs", type=int, default=0, metavar="N",
                     help="split-K decode attention: aim at N programs (SPLIT_TARGET_PROGRAMS; MAX_SPLITS raised to "
                          "match) instead of the library default")
+    ap.add_argument("--words", action="store_true",
+                    help="the tl.dot projections' word-wise fp16 weight decode (DOT_WORDS) and the NVFP4 decode "
+                         "attention's fp16 dots (NVFP4_F16); both off by default until measured")
     args = ap.parse_args()
+    if args.words:
+        import ft.kernels.attention.kernel as attention_kernel
+        import ft.kernels.nvfp4.kernel as nvfp4_kernel
+
+        nvfp4_kernel.DOT_WORDS = True
+        attention_kernel.NVFP4_F16_DEFAULT = True
     if args.attention_programs:
         attention_split.SPLIT_TARGET_PROGRAMS = args.attention_programs
         attention_split.MAX_SPLITS = max(attention_split.MAX_SPLITS, args.attention_programs // 2)

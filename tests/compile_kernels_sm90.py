@@ -155,7 +155,7 @@ def gemv_cfg(m: int, n: int, k: int) -> dict:
 
 def dot_cfg(m: int, n: int, k: int) -> dict:
     cfg = {"SWAP_AB": False, **nv._dot_config(m, n, k), "PRECISION": "tf32"}  # every constexpr named
-    return {**cfg, "EVEN_K": k % cfg["BLOCK_K"] == 0}  # as the wrapper sets it
+    return {**cfg, "EVEN_K": k % cfg["BLOCK_K"] == 0, "WORDS": nv.DOT_WORDS}  # as the wrapper sets it
 
 
 def moe_cfg(config: tuple, k_words: int, rows: str, whole: bool = True) -> dict:
@@ -196,6 +196,7 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("dot M=8", nv._nvfp4_dot_kernel, DOT, dot_cfg(8, 8192, 2048)),
     ("dot M=64", nv._nvfp4_dot_kernel, DOT, dot_cfg(64, 8192, 2048)),
     ("dot prefill (swapped operands)", nv._nvfp4_dot_kernel, DOT, dot_cfg(4096, 8192, 2048)),
+    ("dot M=8, word decode", nv._nvfp4_dot_kernel, DOT, {**dot_cfg(8, 8192, 2048), "WORDS": True}),
     ("moe gate_up, 1 token", moe._moe_gate_up_kernel, GATE_UP, moe_cfg(moe.GATE_UP_CONFIG[1], 256, "BLOCK_I")),
     ("moe gate_up, more tokens", moe._moe_gate_up_kernel, GATE_UP, moe_cfg(moe.GATE_UP_CONFIG[2], 256, "BLOCK_I")),
     ("moe gate_up, K loop", moe._moe_gate_up_kernel, GATE_UP, moe_cfg((8, 64, 4), 256, "BLOCK_I")),

@@ -51,6 +51,15 @@ def test_nvfp4_linear(m, n, k):
     assert y.data_ptr() == out.data_ptr()
     assert rel_rms(y, nvfp4_linear_ref(x, *w)) < TOL_LINEAR
     assert torch.equal(nvfp4_linear(x, *w), y)  # the dispatcher runs this kernel on CUDA
+    if m > 2:  # the tl.dot path: its word-wise weight decode (DOT_WORDS, off by default) gives the same bits
+        import ft.kernels.nvfp4.kernel as details
+
+        by_bytes = nvfp4_linear_triton(x, *w, path="dot")
+        saved, details.DOT_WORDS = details.DOT_WORDS, True
+        try:
+            assert torch.equal(nvfp4_linear_triton(x, *w, path="dot"), by_bytes)
+        finally:
+            details.DOT_WORDS = saved
 
 
 PREFILL_LINEAR_CASES = [(m, n, k) for m in (256, 4096) for n, k in ((8192, 2048), (2048, 4096))]

@@ -344,12 +344,18 @@ def write_kv_decode_triton(
         )
 
 
+NVFP4_F16_DEFAULT = False
+"""`decode_config`'s NVFP4_F16: the NVFP4 decode attention's fp16 dots over word-decoded fp16 tiles.
+Off until measured on the device (session 12: static SASS only, the loop 1,765 -> 1,025 instructions)."""
+
+
 def decode_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
     """Block sizes and launch options of the decode kernels (untuned: K and V tiles of 16 KiB in bf16)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     return {"BLOCK_G": max(16, triton.next_power_of_2(group)), "BLOCK_N": 32 if block_d > 128 else 64,
             "BLOCK_D": block_d, "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "num_warps": 4,
-            "num_stages": 2, "NVFP4_HALVES": True, "NVFP4_FMA": False, "NVFP4_F16": False, "NVFP4_WORDS": False}
+            "num_stages": 2, "NVFP4_HALVES": True, "NVFP4_FMA": False, "NVFP4_F16": NVFP4_F16_DEFAULT,
+            "NVFP4_WORDS": False}
 
 
 def paged_decode_attention_triton(

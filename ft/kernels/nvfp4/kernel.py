@@ -46,11 +46,14 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["SMALL_M", "nvfp4_linear_triton"]
+__all__ = ["DOT_WORDS", "SMALL_M", "nvfp4_linear_triton"]
 
 SMALL_M = 2
 """Rows of x up to which the GEMV kernel runs; above it the ``tl.dot`` kernel (with a 16-row
 tile for M <= 16, the small-M decode case)."""
+DOT_WORDS = False
+"""The ``tl.dot`` kernel's weight tiles decoded a 32-bit word at a time in fp16 (its WORDS; the
+grouped MoE's GROUPED_WORDS). Off until measured on the device (session 12: static SASS only)."""
 
 
 @triton.jit
@@ -301,8 +304,11 @@ def _nvfp4_dot_kernel(
     stride_xm, stride_wn, stride_sn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, SWAP_AB: tl.constexpr = False, EVEN_K: tl.constexpr = False,
+    WORDS: tl.constexpr = False,
 ):
     # EVEN_K: K % BLOCK_K == 0, no mask along K (the loads vectorize; `dequant_tile`'s EVEN)
+    # WORDS (with EVEN_K, rows of a multiple of 4 bytes): the weight tile decoded a 32-bit word at a
+    # time in fp16 (`words_tile_f16`), then cast to x's dtype: the same tile
     i_pid = tl.program_id(0)
     n_m = tl.cdiv(M, BLOCK_M)
     n_n = tl.cdiv(N, BLOCK_N)
@@ -327,8 +333,12 @@ def _nvfp4_dot_kernel(
         else:
             m_xk = m_m[:, None] & (o_k < K)[None, :]
         b_x = tl.load(p_x + o_m[:, None] * stride_xm + o_k[None, :], mask=m_xk, other=0.0)
-        b_wt = dequant_tile(p_w, p_s, o_n, m_n, stride_wn, stride_sn, k // 2, K // 2, b_x.dtype, BLOCK_N, BLOCK_K,
-                            EVEN_K)
+        if WORDS and EVEN_K:
+            b_wt = words_tile_f16(p_w, p_s, o_n * stride_wn, o_n * stride_sn, m_n, k // 2, BLOCK_N, BLOCK_K)
+            b_wt = b_wt.to(b_x.dtype)
+        else:
+            b_wt = dequant_tile(p_w, p_s, o_n, m_n, stride_wn, stride_sn, k // 2, K // 2, b_x.dtype, BLOCK_N, BLOCK_K,
+                                EVEN_K)
         if SWAP_AB:
             acc = tl.dot(b_wt, tl.trans(b_x), acc, input_precision=PRECISION)
         else:
@@ -506,6 +516,8 @@ def nvfp4_linear_triton(
     elif path == "dot":
         cfg = dict(config or _dot_config(m, n, k))
         cfg["EVEN_K"] = k % cfg["BLOCK_K"] == 0
+        cfg["WORDS"] = bool(cfg.get("WORDS", DOT_WORDS)) and cfg["EVEN_K"] and packed.stride(0) % 4 == 0 \
+            and packed.data_ptr() % 16 == 0 and cfg["BLOCK_K"] % 16 == 0
         grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
         _nvfp4_dot_kernel[grid](x, packed, scale_u8, s2, y, m, n, k, x.stride(0), packed.stride(0), scale_u8.stride(0),
