@@ -344,6 +344,12 @@ def write_kv_decode_triton(
         )
 
 
+def _word_aligned(*caches: torch.Tensor) -> bool:
+    """Whether every row of these caches starts on a 4-byte boundary (base and strides): the
+    NVFP4 tiles' 32-bit word loads (`decode_loops.nvfp4_tile_f16_words`) need it."""
+    return all(c.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in c.stride()[:-1]) for c in caches)
+
+
 NVFP4_F16_DEFAULT = False
 """`decode_config`'s NVFP4_F16: the NVFP4 decode attention's fp16 dots over word-decoded fp16 tiles.
 Off until measured on the device (session 12: static SASS only, the loop 1,765 -> 1,025 instructions)."""
@@ -428,7 +434,7 @@ def paged_decode_attention_triton(
         cfg["BLOCK_G"] = triton.next_power_of_2(hq // hkv)  # no tensor-core tile: no padding rows
     cfg["EVEN_D"] = d == cfg["BLOCK_D"]  # no mask along D: vectorized K/V loads
     cfg["NVFP4_F16"] = bool(cfg["NVFP4_F16"]) and kv_flags["KV_NVFP4"]
-    cfg["NVFP4_WORDS"] = cfg["EVEN_D"] and d % 64 == 0  # (with NVFP4_F16 only)
+    cfg["NVFP4_WORDS"] = cfg["EVEN_D"] and d % 64 == 0 and _word_aligned(k_cache, v_cache)  # with NVFP4_F16
     common = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0))
     scale2 = scale * LOG2E

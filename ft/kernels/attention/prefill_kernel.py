@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ft.kernels.attention.decode_loops import _d_mask, load_kv_tile
-from ft.kernels.attention.kernel import LOG2E, MAX_HEAD_DIM, _check_cache, _kv_args
+from ft.kernels.attention.kernel import LOG2E, MAX_HEAD_DIM, _check_cache, _kv_args, _word_aligned
 
 __all__ = ["CAUSAL_SPLIT", "paged_prefill_attention_triton"]
 
@@ -192,7 +192,7 @@ def paged_prefill_attention_triton(
     g = hq // hkv
     cfg = {**prefill_config(d, g, q.dtype), **(config or {})}
     cfg["EVEN_D"] = d == cfg["BLOCK_D"]  # no mask along D: vectorized loads
-    cfg["NVFP4_WORDS"] = cfg["EVEN_D"] and d % 64 == 0  # (used with NVFP4_F16 only)
+    cfg["NVFP4_WORDS"] = cfg["EVEN_D"] and d % 64 == 0 and _word_aligned(k_cache, v_cache)  # with NVFP4_F16
     grid = (triton.cdiv(t, cfg["BLOCK_M"]), hkv)
     _prefill_kernel[grid](
         q, k_cache, v_cache, page_table, out, kvs, start, t, g, d, scale * LOG2E,
