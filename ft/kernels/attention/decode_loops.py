@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ft.kernels.nvfp4.kernel import (
+from ft.kernels.nvfp4.decode import (
     _byte_f32, _e2m1_hi, _e2m1_lo, _e4m3, _hi_e4m3_word, _join8, _lo_e4m3_word, _split8, dequant_tile, words_tile_f16,
 )
 
@@ -76,7 +76,7 @@ def nvfp4_tile_f16(p, o_row, m_n, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexp
 @triton.jit
 def nvfp4_tile_f16_words(p, o_row, m_n, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """`nvfp4_tile_f16` with the codes read and turned into E4M3 bits a 32-bit word (8 codes) at a
-    time (`ft.kernels.nvfp4.kernel.words_tile_f16`; Triton runs uint8 arithmetic one byte per
+    time (`ft.kernels.nvfp4.decode.words_tile_f16`; Triton runs uint8 arithmetic one byte per
     instruction). Needs D == BLOCK_D and D % 64 == 0 (a row of D/2 + D/16 bytes is then whole
     words, and o_row a multiple of 4 bytes)."""
     return words_tile_f16(p, p + D // 2, o_row, o_row, m_n, 0, BLOCK_N, BLOCK_D)

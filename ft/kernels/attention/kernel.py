@@ -34,7 +34,7 @@ an fp8 value has 4 significant bits, an E2M1 value times an e4m3 block scale at 
 bf16's and fp16's range), fold the layer's K scale into the softmax scale and apply its V scale
 to the output. An NVFP4 cache is read in halves by default (`NVFP4_HALVES`, `_attend_nvfp4`): q's
 even and odd columns against the low and high nibbles of each code byte, two dots where a whole
-tile would first be interleaved (`ft.kernels.nvfp4.kernel.dequant_tile`, still used for head dims
+tile would first be interleaved (`ft.kernels.nvfp4.decode.dequant_tile`, still used for head dims
 under 32); on the H200 11-14% faster (bench/decode_attention.py, bench/RESULTS.md). With EVEN_D
 (D == BLOCK_D, set by the launchers) the tiles' masks have no column term, so their loads
 vectorize (16-byte `cp.async`; with a mask against the runtime D every byte was a load of its

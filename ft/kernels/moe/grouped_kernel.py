@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ft.kernels.moe.pair_tiles import group_pairs
-from ft.kernels.nvfp4.kernel import dequant_tile, words_tile_f16
+from ft.kernels.nvfp4.decode import dequant_tile, words_tile_f16
 
 __all__ = ["GROUPED_CONFIG", "GROUPED_CONFIG_SHORT", "GROUPED_SHORT_TOKENS", "GROUPED_WORDS", "grouped_config_for",
            "grouped_moe"]

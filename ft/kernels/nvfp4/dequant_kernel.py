@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.kernels.nvfp4.kernel import dequant_tile
+from ft.kernels.nvfp4.decode import dequant_tile
 
 __all__ = ["dequantize_nvfp4_triton", "nvfp4_linear_dequant_mm"]
 
