@@ -41,8 +41,8 @@ def main() -> None:
                     help="split-K decode attention: aim at N programs (SPLIT_TARGET_PROGRAMS; MAX_SPLITS raised to "
                          "match) instead of the library default")
     ap.add_argument("--words", action="store_true",
-                    help="the tl.dot projections' word-wise fp16 weight decode (DOT_WORDS) and the NVFP4 decode "
-                         "attention's fp16 dots (NVFP4_F16); both off by default until measured")
+                    help="the tl.dot projections' word-wise fp16 weight decode (DOT_WORDS; off by default until "
+                         "measured) and the NVFP4 decode attention's fp16 dots (NVFP4_F16, the default already)")
     args = ap.parse_args()
     if args.words:
         import ft.kernels.attention.kernel as attention_kernel

@@ -7,9 +7,10 @@ of 64 tokens, pages in a shuffled order): one decode step's attention of one lay
 count the engine uses for that context (`decode_attention_splits`), timed as CUDA-graph replays
 over enough layer copies that every call reads HBM (`bench/gpu_timing.py`). Variants: the bf16
 cache; the NVFP4 cache with whole dequantized tiles (`tiles`) and with q's even and odd columns
-against the low and high nibbles (`halves`, the default), each at a few block sizes; `--extra`
-adds variants (any `decode_config` key, and "splits" to override the split count); `fma` is the
-CUDA-core loop over 32-bit words (`NVFP4_FMA`, off by default until measured). Prints us per call, the
+against the low and high nibbles (`halves`), fp16 dots over tiles decoded in fp16 a word at a time
+(`f16`, the default since 2026-12-01 at 64 keys a step), each at a few block sizes; `--extra` adds
+variants (any `decode_config` key, and "splits" to override the split count); `fma` is the CUDA-core
+loop over 32-bit words (`NVFP4_FMA`, off; its spills are 2 KB and its first run did not finish). Prints us per call, the
 KV bytes read per second, and each NVFP4 variant's difference from the reference. Table last.
 """
 
@@ -32,13 +33,14 @@ from ft.kernels.attention.split import decode_attention_splits, decode_attention
 
 VARIANTS = [  # (label, cache, config overrides)
     ("bf16", "bf16", {}),
-    ("nvfp4 tiles", "nvfp4", {"NVFP4_HALVES": False}),
-    ("nvfp4 tiles N64", "nvfp4", {"NVFP4_HALVES": False, "BLOCK_N": 64}),
-    ("nvfp4 halves", "nvfp4", {"NVFP4_HALVES": True}),
-    ("nvfp4 halves N64", "nvfp4", {"NVFP4_HALVES": True, "BLOCK_N": 64}),
+    ("nvfp4 default", "nvfp4", {}),  # since 2026-12-01: fp16 dots, 64 keys a step
+    ("nvfp4 tiles", "nvfp4", {"NVFP4_HALVES": False, "NVFP4_F16": False}),
+    ("nvfp4 tiles N64", "nvfp4", {"NVFP4_HALVES": False, "NVFP4_F16": False, "BLOCK_N": 64}),
+    ("nvfp4 halves", "nvfp4", {"NVFP4_HALVES": True, "NVFP4_F16": False}),
+    ("nvfp4 halves N64", "nvfp4", {"NVFP4_HALVES": True, "NVFP4_F16": False, "BLOCK_N": 64}),
     # fp16 dots over tiles decoded in fp16 a word at a time (session 12; static SASS: the loop 1,765 -> 1,025
     # instructions per 32 tokens against the halves; not measured yet)
-    ("nvfp4 f16", "nvfp4", {"NVFP4_F16": True}),
+    ("nvfp4 f16", "nvfp4", {"NVFP4_F16": True, "BLOCK_N": 32}),
     ("nvfp4 f16 N64", "nvfp4", {"NVFP4_F16": True, "BLOCK_N": 64}),
     # the CUDA-core loop (not measured yet): warps and the split count decide whether it keeps up
     ("nvfp4 fma w1 s512", "nvfp4", {"NVFP4_FMA": True, "BLOCK_N": 16, "num_warps": 1, "splits": 512}),

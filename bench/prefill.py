@@ -58,6 +58,8 @@ def main() -> None:
                          "length (grouped_config_for)")
     ap.add_argument("--moe-words", action="store_true",
                     help="the grouped MoE's word-wise fp16 weight decode (GROUPED_WORDS; off by default until measured)")
+    ap.add_argument("--library", default="on", choices=["on", "off", "both"],
+                    help="long-prefix chunks on cuDNN (ft.kernels.attention.LIBRARY_PREFILL_ON_CUDA); both: off, then on")
     ap.add_argument("--spin-up", type=float, default=3.0, metavar="S",
                     help="seconds of prefills before anything is timed (default 3)")
     args = ap.parse_args()
@@ -82,10 +84,13 @@ def main() -> None:
     t_busy = time.perf_counter()
     while time.perf_counter() - t_busy < args.spin_up:
         ttft(eng, min(lengths), base)
-    for mode, cfg in ((m, c) for m in modes for c in grouped):
+    libs = {"on": [True], "off": [False], "both": [False, True]}[args.library]
+    for mode, cfg, lib in ((m, c, b) for m in modes for c in grouped for b in libs):
         attention.PREFILL_TRITON_ON_CUDA = mode == "triton"
+        attention.LIBRARY_PREFILL_ON_CUDA = lib
         moe_kernel.grouped_config_for = (lambda _t, _c=cfg: _c) if cfg else library_choice  # looked up per call
-        label = mode if cfg is None else f"{mode} {cfg}"
+        label = (mode if cfg is None else f"{mode} {cfg}") + ("" if args.library != "both" else
+                                                              " +cudnn prefix" if lib else " triton only")
         if args.warm:
             ttft(eng, args.warm, base)
         for n in lengths:
@@ -103,7 +108,9 @@ def main() -> None:
         attention.PREFILL_TRITON_ON_CUDA = modes[-1] == "triton"
         profile_prefill(eng, args.profile, base)
     warm = f"warmed with {args.warm} tokens" if args.warm else "each length warmed once"
-    print(f"\nchunk {args.chunk} tokens, kv {args.kv_cache_dtype}, median of {args.repeat}, {warm}")
+    print(f"\nchunk {args.chunk} tokens, kv {args.kv_cache_dtype}, median of {args.repeat}, {warm}, cuDNN prefix "
+          f"path {args.library} (from {attention.LIBRARY_PREFIX_MIN} cached positions; refused: "
+          f"{attention._library_refused[:1] or 'no'})")
     print(f"{'attention [grouped MoE tile]':<40} {'prompt':>7} {'TTFT ms':>9} {'prefill tok/s':>14}")
     for mode, n, t, tps in rows:
         print(f"{mode:<40} {n:>7} {t * 1e3:>9.1f} {tps:>14,.0f}")

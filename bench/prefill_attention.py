@@ -25,23 +25,29 @@ import time
 from pathlib import Path
 
 VARIANTS = [  # (label, cache kind, config overrides)
-    ("default", "bf16", {}),
-    ("w8", "bf16", {"num_warps": 8}),
-    ("w8 s3", "bf16", {"num_warps": 8, "num_stages": 3}),
-    ("w8 N64", "bf16", {"num_warps": 8, "BLOCK_N": 64}),
-    ("w8 M8 N64", "bf16", {"num_warps": 8, "BLOCK_M": 8, "BLOCK_N": 64}),
-    ("w4 M8 N64", "bf16", {"num_warps": 4, "BLOCK_M": 8, "BLOCK_N": 64}),
-    ("nvfp4 default", "nvfp4", {}),
-    ("nvfp4 w8", "nvfp4", {"num_warps": 8}),
-    ("causal split", "bf16", {"CAUSAL_SPLIT": True}),  # session 12, not yet run on the device
-    ("nvfp4 causal split", "nvfp4", {"CAUSAL_SPLIT": True}),
+    ("default", "bf16", {}),  # the library's choice (since 2026-12-01: causal split + lazy maxima)
+    ("one loop", "bf16", {"CAUSAL_SPLIT": False, "LAZY_RESCALE": False, "NVFP4_F16": False}),
+    ("one loop w4 M8 N64", "bf16", {"CAUSAL_SPLIT": False, "LAZY_RESCALE": False, "num_warps": 4, "BLOCK_M": 8,
+                                    "BLOCK_N": 64}),
+    ("nvfp4 default", "nvfp4", {}),  # causal split + fp16 dots
+    ("nvfp4 one loop", "nvfp4", {"CAUSAL_SPLIT": False, "LAZY_RESCALE": False, "NVFP4_F16": False}),
+    ("causal split", "bf16", {"CAUSAL_SPLIT": True, "LAZY_RESCALE": False, "NVFP4_F16": False}),
+    ("nvfp4 causal split", "nvfp4", {"CAUSAL_SPLIT": True, "LAZY_RESCALE": False, "NVFP4_F16": False}),
     ("causal split lazy", "bf16", {"CAUSAL_SPLIT": True, "LAZY_RESCALE": True}),
-    ("nvfp4 causal split lazy", "nvfp4", {"CAUSAL_SPLIT": True, "LAZY_RESCALE": True}),
+    ("causal split lazy N32", "bf16", {"CAUSAL_SPLIT": True, "LAZY_RESCALE": True, "BLOCK_N": 32}),
+    ("causal split lazy s3", "bf16", {"CAUSAL_SPLIT": True, "LAZY_RESCALE": True, "num_stages": 3}),
+    ("nvfp4 causal split lazy", "nvfp4", {"CAUSAL_SPLIT": True, "LAZY_RESCALE": True, "NVFP4_F16": False}),
     # fp16 dots over tiles decoded in fp16 a word at a time (session 12, static SASS only: the main loop
     # 1,754 -> 1,118 instructions per 64 keys, 88 bytes of spills; 681 per 32 keys and no spill at N 32)
-    ("nvfp4 split f16", "nvfp4", {"CAUSAL_SPLIT": True, "NVFP4_F16": True}),
-    ("nvfp4 split f16 N32", "nvfp4", {"CAUSAL_SPLIT": True, "NVFP4_F16": True, "BLOCK_N": 32}),
+    ("nvfp4 split f16", "nvfp4", {"CAUSAL_SPLIT": True, "NVFP4_F16": True, "LAZY_RESCALE": False}),
+    ("nvfp4 split f16 lazy", "nvfp4", {"CAUSAL_SPLIT": True, "NVFP4_F16": True, "LAZY_RESCALE": True}),
+    ("nvfp4 split f16 N32", "nvfp4", {"CAUSAL_SPLIT": True, "NVFP4_F16": True, "BLOCK_N": 32, "LAZY_RESCALE": False}),
     ("nvfp4 split f16 N32 lazy", "nvfp4", {"CAUSAL_SPLIT": True, "NVFP4_F16": True, "BLOCK_N": 32, "LAZY_RESCALE": True}),
+    # ft.kernels.attention.library_prefill: cuDNN over the prefix in segments (keys), merged by log-sum-exp
+    ("cudnn prefix", "library", {}),  # the dispatcher's segment (LIBRARY_SEGMENT_BYTES)
+    ("cudnn prefix seg 16K", "library", {"segment_keys": 16384}),
+    ("cudnn prefix seg 64K", "library", {"segment_keys": 65536}),
+    ("cudnn prefix one segment", "library", {"segment_keys": 1 << 30}),
 ]
 
 
@@ -80,13 +86,18 @@ def main() -> None:
     t, hq, hkv, d, page = args.chunk, args.hq, args.hkv, args.head_dim, args.page
     scale = d ** -0.5
 
+    first_ms: list[float] = []
+
     def time_ms(fn) -> float:
         if dev.type != "cuda":  # smoke run: one call, wall clock
             t0 = time.perf_counter()
             fn()
             return (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         fn()
         torch.cuda.synchronize()
+        first_ms.append((time.perf_counter() - t0) * 1e3)  # a new shape's first call (compile, library plans)
         times = []
         for _ in range(args.repeat):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -106,7 +117,7 @@ def main() -> None:
         kv = torch.randn(pages, 2, page, hkv, d, device=dev, dtype=torch.bfloat16, generator=gen)
         q = torch.randn(t, hq, d, device=dev, dtype=torch.bfloat16, generator=gen)
         kv_scale = torch.tensor([0.02, 0.02], device=dev)
-        caches = {"bf16": kv}
+        caches = {"bf16": kv, "library": kv}
         if any(kind == "nvfp4" for _, kind, _ in variants):
             caches["nvfp4"] = torch.stack([quantize_kv(kv[:, i].float(), kv_scale[i], NVFP4_CACHE) for i in (0, 1)], 1)
         pairs = t * start + t * (t + 1) // 2
@@ -116,7 +127,13 @@ def main() -> None:
             cache = caches[kind]
             kvs = kv_scale if kind == "nvfp4" else None
 
-            def call(_c=cache, _cfg=cfg, _kvs=kvs):
+            def call(_c=cache, _cfg=cfg, _kvs=kvs, _kind=kind):
+                if _kind == "library":
+                    from ft.kernels.attention import library_segment_keys
+                    from ft.kernels.attention.library_prefill import library_prefill_attention
+
+                    seg = _cfg.get("segment_keys") or library_segment_keys(_c[:, 0])
+                    return library_prefill_attention(q, _c[:, 0], _c[:, 1], table, start, scale, segment_keys=seg)
                 return paged_prefill_attention_triton(q, _c[:, 0], _c[:, 1], table, start, scale, _kvs, config=_cfg)
 
             try:
@@ -125,10 +142,11 @@ def main() -> None:
                 print(f"start {start}: {label}: failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                 continue
             out = call().float()
-            ref = first.setdefault(kind, out)
+            ref = first.setdefault("bf16" if kind == "library" else kind, out)
             err = ((out - ref).norm() / ref.norm()).item()
             rows.append((start, label, ms, flops / ms / 1e9, err))
-            print(f"start {start}: {label}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s, vs first {err:.1e}", flush=True)
+            print(f"start {start}: {label}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s, vs first {err:.1e} "
+                  f"(first call {first_ms[-1] if first_ms else float('nan'):.1f} ms)", flush=True)
         if start == 0 and dev.type == "cuda":
             qs = q.transpose(0, 1)[None]  # [1, Hq, T, D]
             # contiguous K/V in position order: gather each position's row from its page

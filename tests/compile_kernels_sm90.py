@@ -138,7 +138,8 @@ GD_CHUNK_STATE = {"p_q": "*bf16", "p_k": "*bf16", "p_w": "*bf16", "p_u": "*bf16"
 
 def prefill_cfg(head_dim: int, group: int) -> dict:
     cfg = {"PAGE_SIZE": 64, **attn_pf.prefill_config(head_dim, group, torch.bfloat16)}
-    return {**cfg, "EVEN_D": head_dim == cfg["BLOCK_D"]}  # as the wrapper sets it
+    # the wrapper's choices; a case names its own LAZY_RESCALE / NVFP4_F16 where it wants them on
+    return {**cfg, "EVEN_D": head_dim == cfg["BLOCK_D"], "LAZY_RESCALE": False, "NVFP4_F16": False}
 
 
 def decode_cfg(head_dim: int, group: int, fp8: bool = False, nvfp4: bool = False) -> dict:
@@ -317,11 +318,11 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("decode attention split-K G 8, D 256, nvfp4 cache, whole tiles", attn._decode_split_kernel,
      {**DECODE_SPLIT, "p_kc": "*u8", "p_vc": "*u8"}, {**decode_cfg(256, 8, nvfp4=True), "NVFP4_HALVES": False}),
     ("prefill attention G 8, D 256", attn_pf._prefill_kernel, PREFILL,
-     {**prefill_cfg(256, 8), "KV_FP8": False, "KV_NVFP4": False}),
+     {**prefill_cfg(256, 8), "KV_FP8": False, "KV_NVFP4": False, "CAUSAL_SPLIT": False}),
     ("prefill attention G 8, D 256, fp8 cache", attn_pf._prefill_kernel, {**PREFILL, "p_kc": "*u8", "p_vc": "*u8"},
-     {**prefill_cfg(256, 8), "KV_FP8": True, "KV_NVFP4": False}),
+     {**prefill_cfg(256, 8), "KV_FP8": True, "KV_NVFP4": False, "CAUSAL_SPLIT": False}),
     ("prefill attention G 8, D 256, nvfp4 cache", attn_pf._prefill_kernel, {**PREFILL, "p_kc": "*u8", "p_vc": "*u8"},
-     {**prefill_cfg(256, 8), "KV_FP8": False, "KV_NVFP4": True}),
+     {**prefill_cfg(256, 8), "KV_FP8": False, "KV_NVFP4": True, "CAUSAL_SPLIT": False}),
     ("prefill attention G 8, D 256, causal split", attn_pf._prefill_kernel, PREFILL,
      {**prefill_cfg(256, 8), "KV_FP8": False, "KV_NVFP4": False, "CAUSAL_SPLIT": True}),
     ("prefill attention G 8, D 256, causal split, lazy rescale", attn_pf._prefill_kernel, PREFILL,

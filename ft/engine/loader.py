@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ft.kernels import attention
 from ft.kernels.backend import uses_triton
 from ft.kernels.moe import SlotWeights, moe_workspace_bytes
 from ft.kernels.nvfp4 import DEQUANT_MM_MIN_M
@@ -81,13 +82,15 @@ def load_model(
 
 
 def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, prefill_tokens: int,
-                       max_running: int) -> int:
+                       max_running: int, kv_dtype: torch.dtype | None = None, context_limit: int = 0) -> int:
     """Bytes of activations alive at the peak of the largest forward pass (a full prefill chunk):
     the residual stream and a normalised copy, plus the widest projection output twice (its input
     split and its product), plus the Triton MoE's workspace where Triton runs, plus the
     logits, plus one NVFP4 projection decoded to `dtype` for a prefill chunk's cuBLAS GEMM
-    (`ft.kernels.nvfp4.DEQUANT_MM_MIN_M`). Estimated from the config; the CUDA path will replace this
-    with a profiled figure."""
+    (`ft.kernels.nvfp4.DEQUANT_MM_MIN_M`), plus the library prefill attention's transients on CUDA
+    where a context of `context_limit` positions on a `kv_dtype` (None: `dtype`) cache can reach it
+    (`ft.kernels.attention.use_library_prefill`). Estimated from the config; the CUDA path will
+    replace this with a profiled figure."""
     widest = max(
         2 * cfg.linear_key_dim + 2 * cfg.linear_value_dim,  # in_proj_qkvz
         2 * cfg.num_attention_heads * cfg.head_dim,  # q with its gate
@@ -106,4 +109,9 @@ def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
                             2 * cfg.shared_expert_intermediate_size)
             dense_in = max(cfg.linear_value_dim, cfg.num_attention_heads * cfg.head_dim, cfg.shared_expert_intermediate_size)
             decoded = max(dense_out, dense_in) * cfg.hidden_size * torch.finfo(dtype).bits // 8
-    return prefill_tokens * per_token + moe + decoded + max_running * cfg.vocab_size * 4
+    library = 0
+    if device.type == "cuda" and (kv_dtype or dtype) == dtype and dtype != torch.float32 \
+            and context_limit > attention.LIBRARY_PREFIX_MIN and attention.LIBRARY_PREFILL_ON_CUDA:
+        library = attention.library_prefill_reserve(prefill_tokens, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                    cfg.head_dim, torch.finfo(dtype).bits // 8)
+    return prefill_tokens * per_token + moe + decoded + library + max_running * cfg.vocab_size * 4

@@ -63,7 +63,7 @@ class RankState:
         )
         self.reserve = activation_reserve(cfg, self.dtype, self.device,
                                           min(config.max_prefill_length, self.context_limit),
-                                          config.max_running_requests)
+                                          config.max_running_requests, shapes.kv_dtype, self.context_limit)
         budget = measure_budget(self.device, self.model.resident_bytes, config.memory_ratio, config.gpu_memory_limit,
                                 self.reserve, config.cache_budget)
         self.rungs = make_rungs(config.ladder_step_size, self.context_limit, config.page_size) \

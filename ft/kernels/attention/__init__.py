@@ -1,7 +1,8 @@
 """Attention over a paged KV cache: `reference.py` (KV write and causal attention per sequence for
 prefill; the batched decode step), `kernel.py` (Triton kernels of the decode step: KV write by
-slot, single-pass and split-K paged attention), `split.py` (split count and workspace, no triton)
-and the dispatchers the model calls.
+slot, single-pass and split-K paged attention), `prefill_kernel.py` (Triton prefill),
+`library_prefill.py` (long-prefix prefill chunks on cuDNN, merged by log-sum-exp), `split.py`
+(split count and workspace, no triton) and the dispatchers the model calls.
 
 The decode dispatchers take only device tensors for what changes per step (slot mapping, page
 table, sequence lengths), so a decode step on CUDA is capturable in a CUDA graph; pass the
@@ -9,6 +10,8 @@ split-K workspace (`decode_attention_workspace`) and `max_seq_len` when capturin
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -25,14 +28,30 @@ from ft.kernels.attention.split import (
     decode_attention_splits,
     decode_attention_workspace,
 )
+from ft.kernels.attention.library_prefill import library_prefill_attention
 from ft.kernels.backend import TRITON_DTYPES, debug_checks, uses_triton
 
+log = logging.getLogger(__name__)
+
 __all__ = [
-    "KV_SCALE_HEADROOM", "calibrate_kv_scale", "DecodeWorkspace", "decode_attention_splits", "decode_attention_workspace", "paged_attention",
+    "KV_SCALE_HEADROOM", "calibrate_kv_scale", "library_prefill_reserve", "use_library_prefill", "DecodeWorkspace", "decode_attention_splits", "decode_attention_workspace", "paged_attention",
     "paged_attention_ref", "paged_decode_attention", "paged_decode_attention_ref", "write_kv", "write_kv_decode",
     "write_kv_decode_ref", "write_kv_ref",
 ]
 
+
+LIBRARY_PREFILL_ON_CUDA = False
+"""(Off until verified on the device.) CUDA prefill chunks after a long cached prefix (at least `LIBRARY_PREFIX_MIN` positions) on an
+unquantized cache run `library_prefill.py` (cuDNN's fused attention over the prefix in segments,
+merged by log-sum-exp); False keeps every chunk on the Triton kernel (bench/prefill.py flips it)."""
+
+LIBRARY_PREFIX_MIN = 16384
+"""Cached prefix length (positions) from which the library path runs (see LIBRARY_PREFILL_ON_CUDA)."""
+
+LIBRARY_SEGMENT_BYTES = 64 << 20
+"""Bytes of one prefix segment's gathered K and V in the library path (its transient)."""
+
+_library_refused: list[str] = []  # why cuDNN refused once (then every chunk stays on Triton)
 
 PREFILL_TRITON_ON_CUDA = True
 """CUDA prefill runs the Triton kernel (checked against the reference under the interpreter and, at
@@ -70,11 +89,42 @@ def paged_attention(
     """Causal prefill attention (`paged_attention_ref`'s contract). Dispatcher: the Triton kernel
     (`prefill_kernel.py`) in interpreter tests, and on CUDA once `PREFILL_TRITON_ON_CUDA`; the
     reference otherwise."""
+    if use_library_prefill(q, k_cache, start, kv_scale):
+        try:
+            return library_prefill_attention(q, k_cache, v_cache, page_table, start, scale,
+                                             segment_keys=library_segment_keys(k_cache))
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as exc:  # cuDNN refused (a torch or cuDNN version without the op): Triton from now on
+            _library_refused.append(f"{type(exc).__name__}: {exc}")
+            log.warning("cuDNN attention refused a long-prefix prefill chunk, the Triton kernel runs instead: %s",
+                        str(exc).splitlines()[0][:200])
     if uses_triton(q.device) and q.dtype in TRITON_DTYPES and (q.device.type != "cuda" or PREFILL_TRITON_ON_CUDA):
         from ft.kernels.attention.prefill_kernel import paged_prefill_attention_triton  # NOTE: imports triton when used
 
         return paged_prefill_attention_triton(q, k_cache, v_cache, page_table, start, scale, kv_scale)
     return paged_attention_ref(q, k_cache, v_cache, page_table, start, scale, kv_scale)
+
+
+def use_library_prefill(q: torch.Tensor, k_cache: torch.Tensor, start: int, kv_scale: torch.Tensor | None) -> bool:
+    """Whether `paged_attention` sends this chunk to the library path (LIBRARY_PREFILL_ON_CUDA)."""
+    return (LIBRARY_PREFILL_ON_CUDA and not _library_refused and q.device.type == "cuda" and start >= LIBRARY_PREFIX_MIN
+            and kv_scale is None and q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == q.dtype)
+
+
+def library_segment_keys(k_cache: torch.Tensor) -> int:
+    """Keys per prefix segment of the library path: LIBRARY_SEGMENT_BYTES of gathered K and V."""
+    per_key = 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
+    return max(k_cache.shape[1], LIBRARY_SEGMENT_BYTES // per_key)
+
+
+def library_prefill_reserve(tokens: int, hq: int, hkv: int, head_dim: int, elem: int) -> int:
+    """Bytes the library path holds beside its output for a chunk of `tokens` queries (elem: bytes
+    per value): the queries' head-major copy, the fp32 accumulator, one part's output, and the
+    larger of the diagonal's K/V repeated to Hq heads and a prefix segment's K and V."""
+    per_head_row = tokens * hq * head_dim
+    segment = LIBRARY_SEGMENT_BYTES // (2 * hkv * head_dim * elem) * 2 * hkv * head_dim * elem
+    return per_head_row * (2 * elem + 4) + max(2 * per_head_row * elem, segment) + 6 * tokens * hq * 4
 
 
 def write_kv_decode(

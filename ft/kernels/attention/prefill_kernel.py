@@ -18,10 +18,13 @@ from ft.kernels.attention.kernel import LOG2E, MAX_HEAD_DIM, _check_cache, _kv_a
 
 __all__ = ["CAUSAL_SPLIT", "paged_prefill_attention_triton"]
 
-CAUSAL_SPLIT = False
+CAUSAL_SPLIT = True
 """`_prefill_kernel`'s two-loop form (unmasked blocks, then the diagonal's) with the scale inside
-exp2's FMA. Off until measured on the device (written in session 12 without device time left;
-`bench/prefill_attention.py --extra 'split=bf16:{"CAUSAL_SPLIT": true}'`)."""
+exp2's FMA; with it, by default, the lazy maxima on bf16 / fp8 caches and the fp16 dots on NVFP4
+ones (not with an fp32 q). H200 (bench/prefill_attention.py, a 4,096-token chunk after a 258,048-token
+prefix, 16/2 heads, D 256, 2026-12-01): bf16 46.3 ms (the one-loop kernel) -> 41.7 (split) -> 34.3
+(split + lazy), 377 -> 509 TFLOP/s; NVFP4 94.1 -> 86.2 (split) -> 80.9 ms (split + fp16 dots; with
+the lazy maxima no better, 86.3). The one-loop kernel stays for CAUSAL_SPLIT=False (tests, benches)."""
 
 
 @triton.jit
@@ -160,7 +163,7 @@ def prefill_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
     block_g = triton.next_power_of_2(max(1, group))
     return {"BLOCK_G": block_g, "BLOCK_M": max(1, 128 // block_g) if block_g <= 128 else 1, "BLOCK_N": 64,
             "BLOCK_D": block_d, "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "num_warps": 8,
-            "num_stages": 2, "CAUSAL_SPLIT": CAUSAL_SPLIT, "LAZY_RESCALE": False, "NVFP4_F16": False,
+            "num_stages": 2, "CAUSAL_SPLIT": CAUSAL_SPLIT, "LAZY_RESCALE": None, "NVFP4_F16": None,
             "NVFP4_WORDS": False}
 
 
@@ -192,6 +195,11 @@ def paged_prefill_attention_triton(
     g = hq // hkv
     cfg = {**prefill_config(d, g, q.dtype), **(config or {})}
     cfg["EVEN_D"] = d == cfg["BLOCK_D"]  # no mask along D: vectorized loads
+    nvfp4 = kv_flags["KV_NVFP4"]
+    if cfg["LAZY_RESCALE"] is None:  # measured: lazy maxima win on bf16 (1.22x at a 258K prefix), not on NVFP4
+        cfg["LAZY_RESCALE"] = not nvfp4
+    if cfg["NVFP4_F16"] is None:  # measured: fp16 dots win on NVFP4 (1.07x over split alone); exact path for fp32
+        cfg["NVFP4_F16"] = nvfp4 and q.dtype != torch.float32
     cfg["NVFP4_WORDS"] = cfg["EVEN_D"] and d % 64 == 0 and _word_aligned(k_cache, v_cache)  # with NVFP4_F16
     grid = (triton.cdiv(t, cfg["BLOCK_M"]), hkv)
     _prefill_kernel[grid](

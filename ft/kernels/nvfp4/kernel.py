@@ -57,7 +57,9 @@ SMALL_M = 2
 tile for M <= 16, the small-M decode case)."""
 DOT_WORDS = False
 """The ``tl.dot`` kernel's weight tiles decoded a 32-bit word at a time in fp16 (its WORDS; the
-grouped MoE's GROUPED_WORDS). Off until measured on the device (session 12: static SASS only)."""
+grouped MoE's GROUPED_WORDS). Off: measured slower in the whole decode step (session 13, H200,
+bench/decode.py graphs, ctx 32: batch 1 335.5 -> 325.1 tok/s, batch 8 1,089 -> 1,069 tok/s), while
+the grouped prefill MoE gains from words (GROUPED_WORDS) because its tiles are large in M."""
 
 
 @triton.jit
