@@ -120,9 +120,9 @@ def test_the_path_runs_only_on_cuda_unquantized_long_prefixes():
     assert not attention.use_library_prefill(meta_q, k, long, None)
 
 
-def test_activation_reserve_counts_the_library_transients():
+def test_activation_reserve_counts_the_library_transients(monkeypatch):
     """On CUDA, with an unquantized cache and contexts past the threshold, the reserve grows by the
-    path's transients (no device is touched: the reserve is arithmetic)."""
+    path's transients (no device is touched: the reserve is arithmetic); not with the path off."""
     from ft.engine.loader import activation_reserve
     from ft.model.config import ModelConfig
     from ft.tools.demo import DEMO_CONFIG
@@ -130,7 +130,11 @@ def test_activation_reserve_counts_the_library_transients():
     cfg = ModelConfig.from_dict(DEMO_CONFIG)
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
     long, short = 4 * attention.LIBRARY_PREFIX_MIN, attention.LIBRARY_PREFIX_MIN // 2
+    monkeypatch.setattr(attention, "LIBRARY_PREFILL_ON_CUDA", False)
+    off = activation_reserve(cfg, bf16, cuda, 256, 1, None, long)
+    monkeypatch.setattr(attention, "LIBRARY_PREFILL_ON_CUDA", True)
     base = activation_reserve(cfg, bf16, cuda, 256, 1, None, short)
+    assert off == base
     grown = activation_reserve(cfg, bf16, cuda, 256, 1, None, long)
     assert grown - base == library_prefill_reserve(256, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, 2)
     assert activation_reserve(cfg, bf16, cuda, 256, 1, torch.uint8, long) == base  # NVFP4 KV stays on Triton

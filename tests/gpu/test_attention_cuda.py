@@ -360,7 +360,7 @@ def test_decode_step_in_cuda_graph_nvfp4(path):
 
 
 @pytest.mark.parametrize(("start", "t", "segment"), [(20000, 1000, 8192), (16384, 4096, 1 << 30), (70001, 64, 30000)])
-def test_library_prefill_on_cudnn_matches_reference(start, t, segment):
+def test_library_prefill_on_cudnn_matches_reference(start, t, segment, monkeypatch):
     """Long-prefix chunks on cuDNN (the prefix in segments, the diagonal causal, merged by log-sum-exp)
     against the reference at the flagship's heads, a start off the page grid included; and the
     dispatcher sends such chunks there (what LIBRARY_PREFILL_ON_CUDA promises) without refusal."""
@@ -379,6 +379,7 @@ def test_library_prefill_on_cudnn_matches_reference(start, t, segment):
     ref = paged_attention_ref(q, k, v, pages, start, d ** -0.5)
     got = library_prefill_attention(q, k, v, pages, start, d ** -0.5, segment_keys=segment)
     assert rel_rms(got, ref) < 1e-2
+    monkeypatch.setattr(attention, "LIBRARY_PREFILL_ON_CUDA", True)
     assert attention.use_library_prefill(q, k, start, None)
     via = attention.paged_attention(q, k, v, pages, start, d ** -0.5)
     assert not attention._library_refused
