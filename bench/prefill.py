@@ -109,7 +109,7 @@ def main() -> None:
         profile_prefill(eng, args.profile, base)
     warm = f"warmed with {args.warm} tokens" if args.warm else "each length warmed once"
     print(f"\nchunk {args.chunk} tokens, kv {args.kv_cache_dtype}, median of {args.repeat}, {warm}, cuDNN prefix "
-          f"path {args.library} (from {attention.LIBRARY_PREFIX_MIN} cached positions; refused: "
+          f"path {args.library} (from {attention.LIBRARY_GRANULE_KEYS} cached positions; refused: "
           f"{attention._library_refused[:1] or 'no'})")
     print(f"{'attention [grouped MoE tile]':<40} {'prompt':>7} {'TTFT ms':>9} {'prefill tok/s':>14}")
     for mode, n, t, tps in rows:

@@ -44,10 +44,11 @@ VARIANTS = [  # (label, cache kind, config overrides)
     ("nvfp4 split f16 N32", "nvfp4", {"CAUSAL_SPLIT": True, "NVFP4_F16": True, "BLOCK_N": 32, "LAZY_RESCALE": False}),
     ("nvfp4 split f16 N32 lazy", "nvfp4", {"CAUSAL_SPLIT": True, "NVFP4_F16": True, "BLOCK_N": 32, "LAZY_RESCALE": True}),
     # ft.kernels.attention.library_prefill: cuDNN over the prefix in segments (keys), merged by log-sum-exp
-    ("cudnn prefix", "library", {}),  # the dispatcher's segment (LIBRARY_SEGMENT_BYTES)
-    ("cudnn prefix seg 16K", "library", {"segment_keys": 16384}),
-    ("cudnn prefix seg 64K", "library", {"segment_keys": 65536}),
+    ("cudnn prefix", "library", {}),  # the dispatcher's granule and segment (LIBRARY_*)
+    ("cudnn prefix seg 32K", "library", {"segment_keys": 32768}),
+    ("cudnn prefix seg 128K", "library", {"segment_keys": 131072}),
     ("cudnn prefix one segment", "library", {"segment_keys": 1 << 30}),
+    ("cudnn prefix granule 8K", "library", {"granule": 8192}),
 ]
 
 
@@ -129,11 +130,12 @@ def main() -> None:
 
             def call(_c=cache, _cfg=cfg, _kvs=kvs, _kind=kind):
                 if _kind == "library":
-                    from ft.kernels.attention import library_segment_keys
+                    from ft.kernels.attention import LIBRARY_GRANULE_KEYS, library_segment_keys
                     from ft.kernels.attention.library_prefill import library_prefill_attention
 
                     seg = _cfg.get("segment_keys") or library_segment_keys(_c[:, 0])
-                    return library_prefill_attention(q, _c[:, 0], _c[:, 1], table, start, scale, segment_keys=seg)
+                    return library_prefill_attention(q, _c[:, 0], _c[:, 1], table, start, scale, segment_keys=seg,
+                                                     granule=_cfg.get("granule", LIBRARY_GRANULE_KEYS))
                 return paged_prefill_attention_triton(q, _c[:, 0], _c[:, 1], table, start, scale, _kvs, config=_cfg)
 
             try:

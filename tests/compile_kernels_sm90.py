@@ -100,6 +100,7 @@ DECODE = {**DECODE_IN, "p_g": "*bf16", "p_o": "*bf16", "p_kvs": "*fp32", "qk_sca
 DECODE_SPLIT = {**DECODE_IN, "p_acc": "*fp32", "p_st": "*fp32", "p_kvs": "*fp32", "qk_scale": "fp32",
                 **ints("G", "D", *DECODE_STRIDES, "stride_ar", "stride_ah", "stride_sr", "stride_sh")}
 PREFILL = {"p_q": "*bf16", "p_kc": "*bf16", "p_vc": "*bf16", "p_pt": "*i64", "p_o": "*bf16", "p_kvs": "*fp32",
+           "p_lse": "*fp32",
            **ints("start", "T", "G", "D"), "qk_scale": "fp32",
            **ints("stride_qt", "stride_qh", "stride_kcp", "stride_kcs", "stride_kch", "stride_vcp", "stride_vcs",
                   "stride_vch", "stride_ot", "stride_oh")}
@@ -139,7 +140,7 @@ GD_CHUNK_STATE = {"p_q": "*bf16", "p_k": "*bf16", "p_w": "*bf16", "p_u": "*bf16"
 def prefill_cfg(head_dim: int, group: int) -> dict:
     cfg = {"PAGE_SIZE": 64, **attn_pf.prefill_config(head_dim, group, torch.bfloat16)}
     # the wrapper's choices; a case names its own LAZY_RESCALE / NVFP4_F16 where it wants them on
-    return {**cfg, "EVEN_D": head_dim == cfg["BLOCK_D"], "LAZY_RESCALE": False, "NVFP4_F16": False}
+    return {**cfg, "EVEN_D": head_dim == cfg["BLOCK_D"], "LAZY_RESCALE": False, "NVFP4_F16": False, "HAS_LSE": False}
 
 
 def decode_cfg(head_dim: int, group: int, fp8: bool = False, nvfp4: bool = False) -> dict:
@@ -327,6 +328,9 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
      {**prefill_cfg(256, 8), "KV_FP8": False, "KV_NVFP4": False, "CAUSAL_SPLIT": True}),
     ("prefill attention G 8, D 256, causal split, lazy rescale", attn_pf._prefill_kernel, PREFILL,
      {**prefill_cfg(256, 8), "KV_FP8": False, "KV_NVFP4": False, "CAUSAL_SPLIT": True, "LAZY_RESCALE": True}),
+    ("prefill attention G 8, D 256, causal split, lazy rescale, log-sum-exp out", attn_pf._prefill_kernel, PREFILL,
+     {**prefill_cfg(256, 8), "KV_FP8": False, "KV_NVFP4": False, "CAUSAL_SPLIT": True, "LAZY_RESCALE": True,
+      "EVEN_D": True, "HAS_LSE": True}),
     ("prefill attention G 8, D 256, nvfp4 cache, causal split, fp16 dots", attn_pf._prefill_kernel,
      {**PREFILL, "p_kc": "*u8", "p_vc": "*u8"},
      {**prefill_cfg(256, 8), "KV_FP8": False, "KV_NVFP4": True, "CAUSAL_SPLIT": True, "NVFP4_F16": True,

@@ -130,3 +130,27 @@ def test_dispatcher_runs_the_kernel_in_interpreter_tests(monkeypatch):
     q = torch.randn(9, 4, 32)
     out = paged_attention(q, k, v, pages, 0, 32 ** -0.5)
     assert calls and rel_rms(out, paged_attention_ref(q, k, v, pages, 0, 32 ** -0.5)) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["plain", "nvfp4"])
+@pytest.mark.parametrize("split", [False, True, "lazy"], ids=["one-loop", "causal-split", "lazy-rescale"])
+@pytest.mark.parametrize("start, t, hq, hkv, d, page", [(0, 13, 4, 4, 32, 8), (21, 30, 16, 2, 64, 8)])
+def test_log_sum_exp_output_matches_reference(start, t, hq, hkv, d, page, split, kind):
+    """The kernel's log-sum-exp output (HAS_LSE: what the library path merges with) against
+    `paged_attention_lse_ref`, in every loop form; the output itself is unchanged by it."""
+    from ft.kernels.attention.reference import paged_attention_lse_ref
+
+    k, v, pages = _pool(start + t, hkv, d, page, torch.float32)
+    scale = None
+    if kind == "nvfp4":
+        scale = torch.tensor([0.01, 0.005])
+        k, v = quantize_kv(torch.nan_to_num(k), scale[0], torch.uint8), quantize_kv(torch.nan_to_num(v), scale[1], torch.uint8)
+    q = torch.randn(t, hq, d)
+    cfg = {"CAUSAL_SPLIT": bool(split), "LAZY_RESCALE": split == "lazy", "NVFP4_F16": False}
+    lse = torch.full((hq, t), float("nan"))
+    out = paged_prefill_attention_triton(q, k, v, pages, start, d ** -0.5, scale, config=cfg, lse=lse)
+    torch.testing.assert_close(lse, paged_attention_lse_ref(q, k, v, pages, start, d ** -0.5, scale), rtol=0, atol=1e-4)
+    torch.testing.assert_close(out, paged_prefill_attention_triton(q, k, v, pages, start, d ** -0.5, scale, config=cfg),
+                               rtol=0, atol=0)
+    with pytest.raises(ValueError, match="lse"):
+        paged_prefill_attention_triton(q, k, v, pages, start, d ** -0.5, scale, config=cfg, lse=lse.t())

@@ -1,7 +1,9 @@
-"""The long-prefix prefill path (`ft.kernels.attention.library_prefill`) on the CPU with the torch
-stand-in for the library call (`attend_ref`): segments, the GQA-as-MHA layout of the queries, the
-diagonal and the log-sum-exp merge against `paged_attention_ref`; the dispatcher's fallback when
-the library refuses; the activation reserve that counts the path's transients."""
+"""The long-prefix prefill path (`ft.kernels.attention.library_prefill`) on the CPU with torch
+stand-ins for the library call and the rest (`attend_ref`, `rest_ref`): segments, padded query
+rows, the GQA-as-MHA layout of the queries and the log-sum-exp merge against
+`paged_attention_ref`; the dispatcher's fallback when the library refuses; the activation reserve
+that counts the path's transients. The Triton kernel's log-sum-exp output is tested beside the
+kernel (tests/test_kernels_prefill_attention_triton.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +12,20 @@ import torch
 
 from ft.kernels import attention
 from ft.kernels.attention import library_prefill_reserve, paged_attention, paged_attention_ref
-from ft.kernels.attention.library_prefill import attend_ref, library_prefill_attention, segment_bounds
+from ft.kernels.attention.library_prefill import (
+    attend_ref,
+    library_prefill_attention,
+    padded_rows,
+    rest_ref,
+    segment_bounds,
+)
+from ft.kernels.attention.reference import paged_attention_lse_ref
 
-# (start, T, Hq, Hkv, D, page, segment keys): no prefix, a prefix in one segment, uneven segments and
-# a start off the page grid, GQA 1 / 4 / 8, one query
-CASES = [(0, 9, 4, 2, 16, 8, 64), (24, 7, 4, 4, 32, 8, 64), (37, 11, 8, 2, 16, 4, 10), (53, 1, 16, 2, 32, 16, 7),
-         (100, 20, 8, 1, 16, 8, 33)]
+# (start, T, Hq, Hkv, D, page, granule, segment keys): under one granule (all on the rest), one
+# segment, segments of several lengths with a start off the grid, GQA 1 / 4 / 8, one query, T not a
+# power of two (padded rows)
+CASES = [(7, 9, 4, 2, 16, 8, 16, 64), (24, 7, 4, 4, 32, 8, 16, 64), (37, 11, 8, 2, 16, 4, 8, 16),
+         (53, 1, 16, 2, 32, 16, 16, 16), (100, 20, 8, 1, 16, 8, 8, 32), (112, 5, 4, 2, 16, 8, 16, 1 << 20)]
 
 
 def _pool(n_ctx: int, hkv: int, d: int, page: int, dtype: torch.dtype, seed: int = 0):
@@ -33,52 +43,79 @@ def _pool(n_ctx: int, hkv: int, d: int, page: int, dtype: torch.dtype, seed: int
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("start, t, hq, hkv, d, page, seg", CASES)
-def test_library_path_equals_the_reference(start, t, hq, hkv, d, page, seg, dtype):
+@pytest.mark.parametrize("start, t, hq, hkv, d, page, granule, seg", CASES)
+def test_library_path_equals_the_reference(start, t, hq, hkv, d, page, granule, seg, dtype):
     k, v, pages = _pool(start + t, hkv, d, page, dtype)
     q = torch.randn(t, hq, 2 * d, dtype=dtype)[..., :d]  # a strided view, as the model passes it
     ref = paged_attention_ref(q, k, v, pages, start, d ** -0.5)
-    got = library_prefill_attention(q, k, v, pages, start, d ** -0.5, segment_keys=seg, attend=attend_ref)
+    got = library_prefill_attention(q, k, v, pages, start, d ** -0.5, granule=granule, segment_keys=seg,
+                                    attend=attend_ref, rest=rest_ref)
     assert got.dtype == dtype and got.shape == ref.shape and not got.isnan().any()
     err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
 
 
-def test_a_wrong_merge_would_show():
-    """The merge weighs parts by their log-sum-exp: dropping a segment's part changes the output."""
+def test_every_part_is_weighed():
+    """The merge weighs parts by their log-sum-exp, and the segments see the keys they should: a
+    segment's part made to weigh ~nothing changes the output; the library sees only padded rows."""
     start, t, hq, hkv, d, page = 40, 6, 4, 2, 16, 8
     k, v, pages = _pool(start + t, hkv, d, page, torch.float32)
     q = torch.randn(t, hq, d)
     ref = paged_attention_ref(q, k, v, pages, start, d ** -0.5)
-    calls = []
+    shapes = []
 
-    def lossy(q_, k_, v_, causal, scale):
-        o, lse = attend_ref(q_, k_, v_, causal, scale)
-        calls.append(causal)
-        return (o, lse) if len(calls) != 2 else (o, lse - 30.0)  # the first prefix segment weighs ~nothing
+    def lossy(q_, k_, v_, scale):
+        o, lse = attend_ref(q_, k_, v_, scale)
+        shapes.append((tuple(q_.shape), k_.shape[2]))
+        return (o, lse) if len(shapes) != 2 else (o, lse - 30.0)
 
-    got = library_prefill_attention(q, k, v, pages, start, d ** -0.5, segment_keys=16, attend=lossy)
-    assert calls == [True, False, False, False]
+    got = library_prefill_attention(q, k, v, pages, start, d ** -0.5, granule=8, segment_keys=16, attend=lossy,
+                                    rest=rest_ref)
+    assert shapes == [((1, hkv, 2 * padded_rows(t), d), 16), ((1, hkv, 2 * padded_rows(t), d), 16),
+                      ((1, hkv, 2 * padded_rows(t), d), 8)]
     assert ((got - ref).norm() / ref.norm()).item() > 1e-2
 
 
-@pytest.mark.parametrize("n, keys", [(1, 1), (10, 3), (258048, 32768), (100, 100), (101, 100), (7, 50)])
-def test_segment_bounds_cover_once_and_stay_bounded(n, keys):
-    bounds = segment_bounds(n, keys)
+@pytest.mark.parametrize("n, granule, keys", [(16, 16, 16), (48, 16, 64), (245760, 16384, 65536), (112, 16, 1 << 20),
+                                              (96, 32, 40)])
+def test_segment_bounds_cover_once_with_few_lengths(n, granule, keys):
+    bounds = segment_bounds(n, granule, keys)
     assert bounds[0][0] == 0 and bounds[-1][1] == n
-    assert all(a < b <= a + keys for a, b in bounds)
     assert all(b == a2 for (_, b), (a2, _) in zip(bounds, bounds[1:]))
-    assert len(bounds) == -(-n // keys)
     lengths = [b - a for a, b in bounds]
-    assert max(lengths) - min(lengths) <= len(bounds)  # near-equal
-    assert segment_bounds(0, keys) == []
+    assert lengths == sorted(lengths, reverse=True)
+    for n_ in lengths:  # granule * 2**k, within the budget (or the granule itself)
+        assert n_ % granule == 0 and (n_ // granule) & (n_ // granule - 1) == 0
+        assert n_ <= max(keys, granule)
+    assert len(set(lengths)) <= (n // granule).bit_length()
+    with pytest.raises(ValueError, match="granule"):
+        segment_bounds(n + 1, granule, keys)
 
 
-def test_quantized_cache_is_refused():
+def test_padded_rows():
+    assert [padded_rows(t) for t in (1, 16, 17, 4095, 4096, 4097)] == [16, 16, 32, 4096, 4096, 8192]
+
+
+def test_reference_log_sum_exp_is_the_softmax_normalizer():
+    k, v, pages = _pool(30, 2, 16, 8, torch.float32)
+    q = torch.randn(6, 4, 16)
+    lse = paged_attention_lse_ref(q, k, v, pages, 24, 0.25)
+    assert lse.shape == (4, 6)
+    # the last query sees all 30 keys: exp(score - lse) sums to 1
+    keys = k[pages[torch.arange(30) // 8], torch.arange(30) % 8].repeat_interleave(2, dim=1)  # [30, 4, 16]
+    s = torch.einsum("hd,nhd->hn", q[-1], keys) * 0.25
+    torch.testing.assert_close(torch.exp(s - lse[:, -1:]).sum(-1), torch.ones(4))
+
+
+def test_quantized_cache_or_off_grid_granule_is_refused():
     k = torch.zeros(4, 8, 2, 16, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="unquantized"):
-        library_prefill_attention(torch.zeros(3, 4, 16), k, k, torch.arange(4), 5, 0.25, segment_keys=8,
-                                  attend=attend_ref)
+        library_prefill_attention(torch.zeros(3, 4, 16), k, k, torch.arange(4), 5, 0.25, granule=8, segment_keys=8,
+                                  attend=attend_ref, rest=rest_ref)
+    k = torch.zeros(4, 8, 2, 16)
+    with pytest.raises(ValueError, match="page size"):
+        library_prefill_attention(torch.zeros(3, 4, 16), k, k, torch.arange(4), 20, 0.25, granule=12, segment_keys=12,
+                                  attend=attend_ref, rest=rest_ref)
 
 
 def test_dispatcher_falls_back_when_the_library_refuses(monkeypatch, caplog):
@@ -111,17 +148,15 @@ def test_dispatcher_falls_back_when_the_library_refuses(monkeypatch, caplog):
         paged_attention(q, k, v, pages, 24, 0.25)
 
 
-def test_the_path_runs_only_on_cuda_unquantized_long_prefixes():
+def test_the_path_runs_only_on_cuda(monkeypatch):
+    monkeypatch.setattr(attention, "LIBRARY_PREFILL_ON_CUDA", True)
     q = torch.zeros(4, 16, 256, dtype=torch.bfloat16)
     k = torch.zeros(2, 64, 2, 256, dtype=torch.bfloat16)
-    long = attention.LIBRARY_PREFIX_MIN
-    assert not attention.use_library_prefill(q, k, long, None)  # CPU
-    meta_q = torch.empty(4, 16, 256, dtype=torch.bfloat16, device="meta")
-    assert not attention.use_library_prefill(meta_q, k, long, None)
+    assert not attention.use_library_prefill(q, k, attention.LIBRARY_GRANULE_KEYS, None)  # CPU
 
 
 def test_activation_reserve_counts_the_library_transients(monkeypatch):
-    """On CUDA, with an unquantized cache and contexts past the threshold, the reserve grows by the
+    """On CUDA, with an unquantized cache and contexts past the granule, the reserve grows by the
     path's transients (no device is touched: the reserve is arithmetic); not with the path off."""
     from ft.engine.loader import activation_reserve
     from ft.model.config import ModelConfig
@@ -129,7 +164,7 @@ def test_activation_reserve_counts_the_library_transients(monkeypatch):
 
     cfg = ModelConfig.from_dict(DEMO_CONFIG)
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
-    long, short = 4 * attention.LIBRARY_PREFIX_MIN, attention.LIBRARY_PREFIX_MIN // 2
+    long, short = 4 * attention.LIBRARY_GRANULE_KEYS, attention.LIBRARY_GRANULE_KEYS // 2
     monkeypatch.setattr(attention, "LIBRARY_PREFILL_ON_CUDA", False)
     off = activation_reserve(cfg, bf16, cuda, 256, 1, None, long)
     monkeypatch.setattr(attention, "LIBRARY_PREFILL_ON_CUDA", True)
@@ -138,6 +173,18 @@ def test_activation_reserve_counts_the_library_transients(monkeypatch):
     grown = activation_reserve(cfg, bf16, cuda, 256, 1, None, long)
     assert grown - base == library_prefill_reserve(256, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, 2)
     assert activation_reserve(cfg, bf16, cuda, 256, 1, torch.uint8, long) == base  # NVFP4 KV stays on Triton
-    assert activation_reserve(cfg, bf16, torch.device("cpu"), 256, 1, None, long) < base  # no Triton MoE workspace either
-    # the segment's K and V or the diagonal's repeated K/V, whichever is larger, plus per-query buffers
     assert library_prefill_reserve(4096, 16, 2, 256, 2) >= attention.LIBRARY_SEGMENT_BYTES
+
+
+@pytest.mark.parametrize("card_gib, limit_gib, chunk", [(16, None, 4096), (48, None, 8192), (141, None, 16384),
+                                                        (141, 32, 4096), (141, 80, 16384), (80, 200, 16384)])
+def test_default_prefill_chunk_follows_the_card(monkeypatch, card_gib, limit_gib, chunk):
+    """--max-prefill-length's default: by the card the budget sees (the limit when smaller); 4,096 on the CPU."""
+    from types import SimpleNamespace
+
+    from ft.engine.cache.budget import default_prefill_length
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=card_gib << 30))
+    limit = limit_gib << 30 if limit_gib else None
+    assert default_prefill_length(torch.device("cuda"), limit) == chunk
+    assert default_prefill_length(torch.device("cpu"), limit) == 4096

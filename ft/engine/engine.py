@@ -46,6 +46,7 @@ class Engine(RankState):
         try:
             tp = join_group(config, 0, self._workers)
             super().__init__(config, tp)
+            config = self.config  # with the defaults decided at startup (the prefill chunk)
             if tp is not None:
                 self._join_workers()
         except BaseException:

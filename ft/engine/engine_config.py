@@ -34,7 +34,7 @@ class EngineConfig:
     cache_budget: int | str | None = None  # cap the cache pools' budget (benchmarks emulating a card)
     page_size: int = 64
     max_running_requests: int = 8
-    max_prefill_length: int = 4096  # tokens per prefill chunk
+    max_prefill_length: int | None = None  # tokens per prefill chunk (None: by the card, default_prefill_length)
     mamba_cache_size: int | None = None  # mamba slots; None: 2 x max_running_requests (>= 4)
     enable_prefix_cache: bool = True
     enable_kv_ladder: bool = False  # grow KV rung by rung when a request needs it, shrink back later
@@ -71,7 +71,7 @@ class EngineConfig:
         if self.cuda_graph_max_bs < 0:
             raise ConfigError(f"--cuda-graph-max-bs must be >= 0, got {self.cuda_graph_max_bs}")
         for name in ("page_size", "max_running_requests", "max_prefill_length"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
         if self.enable_kv_ladder and self.num_tokens is not None:
             raise ConfigError("--num-tokens conflicts with --enable-kv-ladder: the ladder sets the KV size "

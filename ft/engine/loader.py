@@ -111,7 +111,7 @@ def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
             decoded = max(dense_out, dense_in) * cfg.hidden_size * torch.finfo(dtype).bits // 8
     library = 0
     if device.type == "cuda" and (kv_dtype or dtype) == dtype and dtype != torch.float32 \
-            and context_limit > attention.LIBRARY_PREFIX_MIN and attention.LIBRARY_PREFILL_ON_CUDA:
+            and context_limit > attention.LIBRARY_GRANULE_KEYS and attention.LIBRARY_PREFILL_ON_CUDA:
         library = attention.library_prefill_reserve(prefill_tokens, cfg.num_attention_heads, cfg.num_key_value_heads,
                                                     cfg.head_dim, torch.finfo(dtype).bits // 8)
     return prefill_tokens * per_token + moe + decoded + library + max_running * cfg.vocab_size * 4

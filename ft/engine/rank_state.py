@@ -7,13 +7,15 @@ that each rank measures its own budget and unit costs and sizes its pools the sa
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import logging
 import os
 
 import torch
 
-from ft.engine.cache.budget import measure_budget
+from ft.engine.cache.budget import default_prefill_length, measure_budget
 from ft.engine.cache.manager import CacheManager, PoolShapes, SizingOptions
 from ft.engine.engine_config import EngineConfig
 from ft.engine.ladder import make_rungs
@@ -41,6 +43,9 @@ class RankState:
     def __init__(self, config: EngineConfig, tp=None) -> None:
         self.config, self.tp = config, tp
         self.device = rank_device(config.device, tp.rank if tp is not None else None)
+        if config.max_prefill_length is None:  # by the card (every rank sees the same size)
+            config = self.config = dataclasses.replace(
+                config, max_prefill_length=default_prefill_length(self.device, config.gpu_memory_limit))
         self.dtype = DTYPES[config.dtype] if config.dtype != "auto" else (
             torch.bfloat16 if self.device.type == "cuda" else torch.float32
         )

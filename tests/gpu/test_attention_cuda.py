@@ -359,11 +359,13 @@ def test_decode_step_in_cuda_graph_nvfp4(path):
         assert rel_rms(got, ref) < TOL
 
 
-@pytest.mark.parametrize(("start", "t", "segment"), [(20000, 1000, 8192), (16384, 4096, 1 << 30), (70001, 64, 30000)])
+@pytest.mark.parametrize(("start", "t", "segment"), [(20000, 1000, 8192), (16384, 4096, 1 << 30), (70001, 77, 30000),
+                                                     (65636, 2047, 65536)])
 def test_library_prefill_on_cudnn_matches_reference(start, t, segment, monkeypatch):
-    """Long-prefix chunks on cuDNN (the prefix in segments, the diagonal causal, merged by log-sum-exp)
-    against the reference at the flagship's heads, a start off the page grid included; and the
-    dispatcher sends such chunks there (what LIBRARY_PREFILL_ON_CUDA promises) without refusal."""
+    """Long-prefix chunks on cuDNN (the prefix in segments, the rest on Triton with its log-sum-exp,
+    merged) against the reference at the flagship's heads, starts off the page grid and padded query
+    rows included; and the dispatcher sends such chunks there (what LIBRARY_PREFILL_ON_CUDA promises)
+    without refusal."""
     from ft.kernels import attention
     from ft.kernels.attention.library_prefill import library_prefill_attention
     from ft.kernels.attention.reference import paged_attention_ref
@@ -377,10 +379,37 @@ def test_library_prefill_on_cudnn_matches_reference(start, t, segment, monkeypat
     v = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(t, hq, 2 * d, device="cuda", dtype=torch.bfloat16)[..., :d]
     ref = paged_attention_ref(q, k, v, pages, start, d ** -0.5)
-    got = library_prefill_attention(q, k, v, pages, start, d ** -0.5, segment_keys=segment)
+    got = library_prefill_attention(q, k, v, pages, start, d ** -0.5, granule=8192, segment_keys=segment)
     assert rel_rms(got, ref) < 1e-2
     monkeypatch.setattr(attention, "LIBRARY_PREFILL_ON_CUDA", True)
     assert attention.use_library_prefill(q, k, start, None)
     via = attention.paged_attention(q, k, v, pages, start, d ** -0.5)
     assert not attention._library_refused
     assert rel_rms(via, ref) < 1e-2
+
+
+@pytest.mark.parametrize("kv", ["bf16", "nvfp4"])
+@pytest.mark.parametrize(("start", "t"), [(0, 512), (1000, 300), (20000, 77)])
+def test_prefill_attention_triton_log_sum_exp(start, t, kv):
+    """The Triton prefill kernel's log-sum-exp output (what the library path merges with) against
+    `paged_attention_lse_ref`, on the default configuration and the one-loop form."""
+    from ft.kernels.attention.prefill_kernel import paged_prefill_attention_triton
+    from ft.kernels.attention.reference import paged_attention_lse_ref, quantize_kv
+
+    torch.manual_seed(2)
+    page, hq, hkv, d = 64, 16, 2, 256
+    n = start + t
+    pages = torch.randperm(-(-n // page) + 4, device="cuda")[: -(-n // page)]
+    shape = (pages.numel() + 4, page, hkv, d)
+    k = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    scale = None
+    if kv == "nvfp4":
+        scale = torch.tensor([0.004, 0.002], device="cuda")
+        k, v = quantize_kv(k, scale[0], torch.uint8), quantize_kv(v, scale[1], torch.uint8)
+    q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)
+    ref = paged_attention_lse_ref(q, k, v, pages, start, d ** -0.5, scale)
+    for cfg in ({}, {"CAUSAL_SPLIT": False, "LAZY_RESCALE": False, "NVFP4_F16": False}):
+        lse = torch.full((hq, t), float("nan"), device="cuda")
+        paged_prefill_attention_triton(q, k, v, pages, start, d ** -0.5, scale, config=cfg, lse=lse)
+        torch.testing.assert_close(lse, ref, rtol=0, atol=2e-2, msg=str(cfg))

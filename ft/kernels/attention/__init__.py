@@ -40,16 +40,22 @@ __all__ = [
 ]
 
 
-LIBRARY_PREFILL_ON_CUDA = False
-"""(Off until verified on the device.) CUDA prefill chunks after a long cached prefix (at least `LIBRARY_PREFIX_MIN` positions) on an
+LIBRARY_PREFILL_ON_CUDA = True
+"""CUDA prefill chunks after a long cached prefix (at least `LIBRARY_GRANULE_KEYS` positions) on an
 unquantized cache run `library_prefill.py` (cuDNN's fused attention over the prefix in segments,
-merged by log-sum-exp); False keeps every chunk on the Triton kernel (bench/prefill.py flips it)."""
+the Triton kernel over the rest, merged by log-sum-exp); False keeps every chunk on the Triton
+kernel (bench/prefill.py --library flips it). H200, flagship, one layer's 4,096-token chunk
+(bench/prefill_attention.py, 2026-12-01): 61,440 cached positions 8.44 -> 7.35 ms, 131,072
+17.83 -> 13.86, 258,048 34.66 -> 29.23; a 256K prompt (bench/prefill.py) 21.96 -> 20.08 s.
+Checked against the reference by tests/gpu/test_attention_cuda.py."""
 
-LIBRARY_PREFIX_MIN = 16384
-"""Cached prefix length (positions) from which the library path runs (see LIBRARY_PREFILL_ON_CUDA)."""
+LIBRARY_GRANULE_KEYS = 16384
+"""The library path's granule: it takes the prefix's first floor(start / granule) * granule keys,
+in segments of granule * 2**k keys; 16K keys: where cuDNN begins to win (H200, 2026-12-01)."""
 
-LIBRARY_SEGMENT_BYTES = 64 << 20
-"""Bytes of one prefix segment's gathered K and V in the library path (its transient)."""
+LIBRARY_SEGMENT_BYTES = 128 << 20
+"""Bytes of one prefix segment's gathered K and V in the library path at most (its transient):
+65,536 keys of the flagship (2 kv heads, D 256, bf16); 64K-key segments measured 1.02x 32K ones."""
 
 _library_refused: list[str] = []  # why cuDNN refused once (then every chunk stays on Triton)
 
@@ -92,7 +98,7 @@ def paged_attention(
     if use_library_prefill(q, k_cache, start, kv_scale):
         try:
             return library_prefill_attention(q, k_cache, v_cache, page_table, start, scale,
-                                             segment_keys=library_segment_keys(k_cache))
+                                             granule=LIBRARY_GRANULE_KEYS, segment_keys=library_segment_keys(k_cache))
         except torch.OutOfMemoryError:
             raise
         except RuntimeError as exc:  # cuDNN refused (a torch or cuDNN version without the op): Triton from now on
@@ -108,23 +114,26 @@ def paged_attention(
 
 def use_library_prefill(q: torch.Tensor, k_cache: torch.Tensor, start: int, kv_scale: torch.Tensor | None) -> bool:
     """Whether `paged_attention` sends this chunk to the library path (LIBRARY_PREFILL_ON_CUDA)."""
-    return (LIBRARY_PREFILL_ON_CUDA and not _library_refused and q.device.type == "cuda" and start >= LIBRARY_PREFIX_MIN
-            and kv_scale is None and q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == q.dtype)
+    return (LIBRARY_PREFILL_ON_CUDA and not _library_refused and q.device.type == "cuda"
+            and start >= LIBRARY_GRANULE_KEYS and kv_scale is None and q.dtype in (torch.bfloat16, torch.float16)
+            and k_cache.dtype == q.dtype and LIBRARY_GRANULE_KEYS % k_cache.shape[1] == 0)
 
 
 def library_segment_keys(k_cache: torch.Tensor) -> int:
-    """Keys per prefix segment of the library path: LIBRARY_SEGMENT_BYTES of gathered K and V."""
+    """Keys per prefix segment of the library path at most: LIBRARY_SEGMENT_BYTES of gathered K and V."""
     per_key = 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
-    return max(k_cache.shape[1], LIBRARY_SEGMENT_BYTES // per_key)
+    return max(LIBRARY_GRANULE_KEYS, LIBRARY_SEGMENT_BYTES // per_key)
 
 
 def library_prefill_reserve(tokens: int, hq: int, hkv: int, head_dim: int, elem: int) -> int:
     """Bytes the library path holds beside its output for a chunk of `tokens` queries (elem: bytes
-    per value): the queries' head-major copy, the fp32 accumulator, one part's output, and the
-    larger of the diagonal's K/V repeated to Hq heads and a prefix segment's K and V."""
+    per value), an upper bound: the padded head-major queries and one segment's output (up to 2T
+    rows each), the rest's output and the fp32 accumulator, a segment's gathered K and V, and
+    [Hq, T] float32 log-sum-exps and merge weights."""
     per_head_row = tokens * hq * head_dim
-    segment = LIBRARY_SEGMENT_BYTES // (2 * hkv * head_dim * elem) * 2 * hkv * head_dim * elem
-    return per_head_row * (2 * elem + 4) + max(2 * per_head_row * elem, segment) + 6 * tokens * hq * 4
+    per_key = 2 * hkv * head_dim * elem
+    segment = max(LIBRARY_GRANULE_KEYS, LIBRARY_SEGMENT_BYTES // per_key) * per_key
+    return per_head_row * (5 * elem + 4) + segment + 8 * tokens * hq * 4
 
 
 def write_kv_decode(

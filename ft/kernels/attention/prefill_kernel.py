@@ -75,13 +75,13 @@ def _attend_block(b_q, b_m, b_l, b_acc, p_k, p_v, p_pt, n0, bound, q_pos, qk_sca
 
 @triton.jit
 def _prefill_kernel(
-    p_q, p_kc, p_vc, p_pt, p_o, p_kvs, start, T, G, D, qk_scale,
+    p_q, p_kc, p_vc, p_pt, p_o, p_kvs, p_lse, start, T, G, D, qk_scale,
     stride_qt, stride_qh, stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
     stride_ot, stride_oh,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KV_NVFP4: tl.constexpr = False,
     EVEN_D: tl.constexpr = False, CAUSAL_SPLIT: tl.constexpr = False, LAZY_RESCALE: tl.constexpr = False,
-    NVFP4_F16: tl.constexpr = False, NVFP4_WORDS: tl.constexpr = False,
+    NVFP4_F16: tl.constexpr = False, NVFP4_WORDS: tl.constexpr = False, HAS_LSE: tl.constexpr = False,
 ):
     """Grid (T / BLOCK_M, Hkv). CAUSAL_SPLIT: two key loops, the blocks every row of the program sees
     whole (no causal mask, no bound check) and then the blocks across the diagonal (masked); and the
@@ -92,7 +92,8 @@ def _prefill_kernel(
     decoded exactly in fp16, p in fp16), fp32 accumulation: no per-element fp32 round trip in the
     decode. q must lie inside fp16's range (|q| < 65,504: normalized queries do); p's 11 bits are
     finer than bf16's 8. NVFP4_WORDS (set by the launcher when D == BLOCK_D and D % 64 == 0): the
-    fp16 tiles decoded a word at a time (`nvfp4_tile_f16_words`)."""
+    fp16 tiles decoded a word at a time (`nvfp4_tile_f16_words`). HAS_LSE: also each row's log-sum-exp
+    of its scaled scores (natural log, float32 [Hq, T] at p_lse), for a merge with other keys' parts."""
     i_m = tl.program_id(0)
     i_kv = tl.program_id(1)
     R: tl.constexpr = BLOCK_M * BLOCK_G
@@ -148,6 +149,8 @@ def _prefill_kernel(
             b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v, input_precision=PRECISION)
             b_m = b_m_new
     b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
+    if HAS_LSE:  # m is in log2 units with the scale in (both loop forms): log2-sum-exp = m + log2(l)
+        tl.store(p_lse + o_h * T + o_t, (b_m + tl.log2(b_l)) * 0.6931471805599453, mask=m_r)  # x ln 2
     if KV_FP8 or KV_NVFP4:
         b_o = b_o * tl.load(p_kvs + 1)
     tl.store(p_o + o_t[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :], b_o.to(p_o.dtype.element_ty),
@@ -170,11 +173,13 @@ def prefill_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
 def paged_prefill_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, start: int,
     scale: float, kv_scale: torch.Tensor | None = None, *, config: dict | None = None,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention_ref` on Triton: q [T, Hq, D] at positions start .. start+T-1 (any strides but
     D's) -> [T, Hq, D] in q's dtype, over k_cache, v_cache [P, page_size, Hkv, R] (R = D, or
     D/2 + D/16 uint8 for NVFP4) through page_table [n] int64 (covering start+T positions);
-    kv_scale: float32 [2] of an fp8 or NVFP4 cache (required then).
+    kv_scale: float32 [2] of an fp8 or NVFP4 cache (required then); lse: a contiguous float32 [Hq, T]
+    that receives each query's log-sum-exp (`paged_attention_lse_ref`).
 
     Raises: ValueError on shapes or dtypes the kernel does not take."""
     cache_d = _check_cache(k_cache, v_cache)
@@ -188,6 +193,8 @@ def paged_prefill_attention_triton(
         raise ValueError(f"page_table [{page_table.numel()}] pages of {page} do not cover {start + t} positions")
     q = q if q.stride(-1) == 1 else q.contiguous()
     page_table = page_table if page_table.stride(-1) == 1 else page_table.contiguous()
+    if lse is not None and (lse.dtype != torch.float32 or lse.shape != (hq, t) or not lse.is_contiguous()):
+        raise ValueError(f"lse must be a contiguous float32 [{hq}, {t}], got {lse.dtype} {tuple(lse.shape)}")
     out = torch.empty_like(q)
     if t == 0:
         return out
@@ -203,9 +210,9 @@ def paged_prefill_attention_triton(
     cfg["NVFP4_WORDS"] = cfg["EVEN_D"] and d % 64 == 0 and _word_aligned(k_cache, v_cache)  # with NVFP4_F16
     grid = (triton.cdiv(t, cfg["BLOCK_M"]), hkv)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, page_table, out, kvs, start, t, g, d, scale * LOG2E,
+        q, k_cache, v_cache, page_table, out, kvs, out if lse is None else lse, start, t, g, d, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        PAGE_SIZE=page, **kv_flags, **cfg,
+        PAGE_SIZE=page, HAS_LSE=lse is not None, **kv_flags, **cfg,
     )
     return out

@@ -171,6 +171,25 @@ def paged_attention_ref(
     return torch.einsum("htn,nhd->thd", probs, v)
 
 
+def paged_attention_lse_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, start: int, scale: float,
+    kv_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The log-sum-exp (natural log) over visible keys of each query's scaled scores in
+    `paged_attention_ref`'s causal attention (same arguments): float32 [Hq, T], computed in float32
+    from the dequantized cache. What a part of an attention split over keys carries to its merge."""
+    t, hq, _ = q.shape
+    n_ctx = start + t
+    page = k_cache.shape[1]
+    pos = torch.arange(n_ctx, device=q.device)
+    k = k_cache[page_table[pos // page], pos % page]
+    k = dequantize_kv(k.repeat_interleave(hq // k.shape[1], dim=1), None if kv_scale is None else kv_scale[0],
+                      torch.float32)
+    scores = torch.einsum("thd,nhd->htn", q.float(), k) * scale
+    future = pos[None, :] > torch.arange(start, n_ctx, device=q.device)[:, None]
+    return torch.logsumexp(scores.masked_fill(future[None], float("-inf")), dim=-1)
+
+
 def write_kv_decode_ref(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
     kv_scale: torch.Tensor | None = None,
