@@ -43,7 +43,14 @@ def main() -> None:
     ap.add_argument("--words", action="store_true",
                     help="the tl.dot projections' word-wise fp16 weight decode (DOT_WORDS; off by default until "
                          "measured) and the NVFP4 decode attention's fp16 dots (NVFP4_F16, the default already)")
+    ap.add_argument("--combine-block-d", type=int, default=0, metavar="N",
+                    help="the split-K decode attention's combine: N columns per program (COMBINE_BLOCK_D; default "
+                         "the library's)")
     args = ap.parse_args()
+    if args.combine_block_d:
+        import ft.kernels.attention.kernel as attention_kernel
+
+        attention_kernel.COMBINE_BLOCK_D = args.combine_block_d
     if args.words:
         import ft.kernels.attention.kernel as attention_kernel
         import ft.kernels.nvfp4.kernel as nvfp4_kernel

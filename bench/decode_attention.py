@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gpu_timing import copies_for, graph_us, rel_rms  # noqa: E402
+from bench.gpu_timing import copies_for, graph_us, kernel_us, rel_rms  # noqa: E402
 from ft.kernels.attention import paged_decode_attention_ref  # noqa: E402
 from ft.kernels.attention.kernel import paged_decode_attention_triton  # noqa: E402
 from ft.kernels.attention.reference import NVFP4_CACHE, quantize_kv  # noqa: E402
@@ -34,6 +34,9 @@ from ft.kernels.attention.split import decode_attention_splits, decode_attention
 VARIANTS = [  # (label, cache, config overrides)
     ("bf16", "bf16", {}),
     ("nvfp4 default", "nvfp4", {}),  # since 2026-12-01: fp16 dots, 64 keys a step
+    # the split-K combine with one program per head (before session 14: the combine's columns apart)
+    ("bf16 combine whole head", "bf16", {"COMBINE_BLOCK_D": 256}),
+    ("nvfp4 combine whole head", "nvfp4", {"COMBINE_BLOCK_D": 256}),
     ("nvfp4 tiles", "nvfp4", {"NVFP4_HALVES": False, "NVFP4_F16": False}),
     ("nvfp4 tiles N64", "nvfp4", {"NVFP4_HALVES": False, "NVFP4_F16": False, "BLOCK_N": 64}),
     ("nvfp4 halves", "nvfp4", {"NVFP4_HALVES": True, "NVFP4_F16": False}),
@@ -60,6 +63,8 @@ def main() -> None:
     ap.add_argument("--variants", default=None, help="comma-separated labels (default: all)")
     ap.add_argument("--extra", action="append", default=[], metavar="LABEL=KIND:JSON",
                     help='another variant, e.g. \'halves w8=nvfp4:{"NVFP4_HALVES": true, "num_warps": 8}\'')
+    ap.add_argument("--profile", action="store_true",
+                    help="also each variant's GPU time per kernel (torch.profiler over graph replays)")
     args = ap.parse_args()
     for spec in args.extra:
         label, _, rest = spec.partition("=")
@@ -99,6 +104,8 @@ def main() -> None:
                                                              kv_scale=_kvs)
 
             us = graph_us([call(c) for c in copies])
+            if args.profile:
+                print(f"context {ctx}: {label}: {kernel_us([call(c) for c in copies])}", flush=True)
             call(cache)()
             err = rel_rms(out.float(), ref) if kind == "nvfp4" else float("nan")
             rows.append((ctx, label, splits, us, nbytes / us / 1e3, err))

@@ -22,9 +22,9 @@ def copies_for(nbytes: int, target: int = 4 * L2_BYTES, most: int = 512) -> int:
     return max(1, min(most, -(-target // max(nbytes, 1))))
 
 
-def graph_us(calls: list, replays: int = 20, trials: int = 5) -> float:
-    """Median microseconds per call of `calls` (zero-argument callables, each one GPU op sequence),
-    captured once into a CUDA graph in order and replayed `replays` times per trial."""
+def captured(calls: list) -> torch.cuda.CUDAGraph:
+    """`calls` (zero-argument callables, each one GPU op sequence) run once on a side stream (compile,
+    allocate), then captured in order into one CUDA graph, replayed once."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -38,6 +38,13 @@ def graph_us(calls: list, replays: int = 20, trials: int = 5) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def graph_us(calls: list, replays: int = 20, trials: int = 5) -> float:
+    """Median microseconds per call of `calls` (zero-argument callables, each one GPU op sequence),
+    captured once into a CUDA graph in order and replayed `replays` times per trial."""
+    graph = captured(calls)
     times = []
     for _ in range(trials):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -49,6 +56,23 @@ def graph_us(calls: list, replays: int = 20, trials: int = 5) -> float:
         times.append(start.elapsed_time(end) * 1e3 / (replays * len(calls)))
     del graph
     return statistics.median(times)
+
+
+def kernel_us(calls: list, replays: int = 5) -> str:
+    """Mean GPU microseconds per call of each kernel that `calls` launch (their graph replayed under
+    torch.profiler), as "name us; name us"."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = captured(calls)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    n = replays * len(calls)
+    parts = [f"{e.key[:40]} {e.self_device_time_total / n:.1f} us" for e in prof.key_averages()
+             if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
+    del graph
+    return "; ".join(parts)
 
 
 def rel_rms(out: torch.Tensor, ref: torch.Tensor) -> float:

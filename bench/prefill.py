@@ -60,6 +60,10 @@ def main() -> None:
                     help="the grouped MoE's word-wise fp16 weight decode (GROUPED_WORDS; off by default until measured)")
     ap.add_argument("--library", default="on", choices=["on", "off", "both"],
                     help="long-prefix chunks on cuDNN (ft.kernels.attention.LIBRARY_PREFILL_ON_CUDA); both: off, then on")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="LEN",
+                    help="cProfile one prefill of LEN tokens (the host's side: where the Python time goes)")
+    ap.add_argument("--prefill-graph-max-tokens", type=int, default=None, metavar="N",
+                    help="one-request prefills up to N tokens replay CUDA graphs (0: off; default: the engine's)")
     ap.add_argument("--spin-up", type=float, default=3.0, metavar="S",
                     help="seconds of prefills before anything is timed (default 3)")
     args = ap.parse_args()
@@ -73,7 +77,9 @@ def main() -> None:
     eng = Engine(EngineConfig(model=f"synthetic:{args.config}", device="cuda", dtype="bfloat16",
                               moe_backend="resident", num_tokens=max(lengths + [args.profile]) + 1024,
                               mamba_cache_size=4, max_running_requests=1, max_prefill_length=args.chunk,
-                              enable_prefix_cache=False, kv_cache_dtype=args.kv_cache_dtype))
+                              enable_prefix_cache=False, kv_cache_dtype=args.kv_cache_dtype,
+                              **({} if args.prefill_graph_max_tokens is None else
+                                 {"prefill_graph_max_tokens": args.prefill_graph_max_tokens})))
     print(f"engine up in {time.perf_counter() - t0:.1f} s, geometry {eng.cache.geometry}", flush=True)
     modes = ["reference", "triton"] if args.attention == "both" else [args.attention]
     rows, base = [], [0]
@@ -104,10 +110,17 @@ def main() -> None:
             print(f"{label} {n}: TTFT {t * 1e3:.1f} ms, {n / t:,.0f} tok/s (each run wall/process CPU ms: {each})",
                   flush=True)
     moe_kernel.grouped_config_for = library_choice
+    if args.host_profile:
+        attention.PREFILL_TRITON_ON_CUDA = modes[-1] == "triton"
+        host_profile_prefill(eng, args.host_profile, base)
     if args.profile:
         attention.PREFILL_TRITON_ON_CUDA = modes[-1] == "triton"
         profile_prefill(eng, args.profile, base)
     warm = f"warmed with {args.warm} tokens" if args.warm else "each length warmed once"
+    pg = eng.runner.prefill_graphs
+    print("\nprefill graphs: " + ("off" if pg is None else f"buckets up to {pg.buckets[-1]} tokens, {pg.captures} "
+                                   f"captured in {pg.capture_s:.2f} s, {pg.replays} replays"
+                                   + (f", DISABLED: {pg.disabled}" if pg.disabled else "")))
     print(f"\nchunk {args.chunk} tokens, kv {args.kv_cache_dtype}, median of {args.repeat}, {warm}, cuDNN prefix "
           f"path {args.library} (from {attention.LIBRARY_GRANULE_KEYS} cached positions; refused: "
           f"{attention._library_refused[:1] or 'no'})")
@@ -135,6 +148,26 @@ def ttft(eng, n: int, base: list[int], cpu: list[float] | None = None) -> float:
         cpu.append(time.process_time() - c0)
     eng.run_until_done([seq])
     return t
+
+
+def host_profile_prefill(eng, n: int, base: list[int]) -> None:
+    """cProfile of one n-token prefill (after a warm one): the Python functions by own time and by
+    cumulative time, so that a host-bound prefill shows which launches and which code cost it."""
+    import cProfile
+    import io
+    import pstats
+
+    ttft(eng, n, base)
+    prof = cProfile.Profile()
+    prof.enable()
+    t = ttft(eng, n, base)
+    prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(45)
+    print(f"\nhost profile of one {n}-token prefill (wall {t * 1e3:.1f} ms under cProfile)")
+    print(out.getvalue())
 
 
 def profile_prefill(eng, n: int, base: list[int]) -> None:

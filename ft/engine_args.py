@@ -66,7 +66,10 @@ HELP = {
                             "expert and MLP channels split; every rank caches its part of every expert, so the "
                             "expert cache covers N times the fraction of the model); GPU r is rank r",
     "cuda_graph_max_bs": "decode batches up to this many requests replay one CUDA graph per batch-size bucket",
-    "disable_cuda_graph": "run every decode step eagerly, without CUDA graphs (debugging)",
+    "disable_cuda_graph": "run every decode step and prefill eagerly, without CUDA graphs (debugging)",
+    "prefill_graph_max_tokens": ("one-request prefill chunks of up to this many tokens replay CUDA graphs, padded to "
+                                 "a token bucket, with the attention cores run between them (short prompts' time to "
+                                 "first token is otherwise the host's launch time); 0 turns them off"),
     "storage_backend": ("how the pools resize: vmm (CUDA virtual memory) or mmap (host, Linux) free before they "
                         "allocate; realloc copies, so a resize holds old and new and the reachable ranges are narrower; "
                         "auto picks the best available"),

@@ -10,6 +10,7 @@ layouts or tiles the compiler rejects. Prints one line per kernel; exit status 1
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import sys
@@ -342,9 +343,9 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
      {**PREFILL, "p_kc": "*u8", "p_vc": "*u8"},
      {**prefill_cfg(256, 8), "KV_FP8": False, "KV_NVFP4": True, "CAUSAL_SPLIT": True}),
     ("decode attention combine 128 splits", attn._decode_combine_kernel, COMBINE,
-     {"BLOCK_S": 128, "CHUNK_S": 16, "BLOCK_D": 256, "HAS_GATE": False, "num_warps": 4}),
+     {"BLOCK_S": 128, "CHUNK_S": 16, "BLOCK_D": 64, "HAS_GATE": False, "num_warps": 4}),
     ("decode attention combine 16 splits, output gate", attn._decode_combine_kernel, COMBINE,
-     {"BLOCK_S": 16, "CHUNK_S": 16, "BLOCK_D": 256, "HAS_GATE": True, "num_warps": 4}),
+     {"BLOCK_S": 16, "CHUNK_S": 16, "BLOCK_D": 64, "HAS_GATE": True, "num_warps": 4}),
     ("silu * up, shared expert 512", act._silu_mul_kernel,
      {"p_g": "*bf16", "p_u": "*bf16", "p_o": "*bf16", **ints("N", "stride_g", "stride_u", "stride_o")},
      {"BLOCK_N": act.BLOCK}),
@@ -373,6 +374,10 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
 
 def compile_case(kernel, signature: dict, params: dict):
     options = {k: params.pop(k) for k in ("num_warps", "num_stages") if k in params}
+    for p in kernel.params:  # constexprs a case leaves out take their defaults (else triton fails obscurely)
+        default = getattr(p, "default", inspect.Parameter.empty)
+        if p.is_constexpr and p.name not in params and p.name not in signature and default is not inspect.Parameter.empty:
+            params[p.name] = default
     names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.startswith("p_") or n.startswith("stride")}
     sig = {**signature, **{k: "constexpr" for k in params}}

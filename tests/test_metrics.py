@@ -25,6 +25,7 @@ NEW_SERIES = (
     "ft_e2e_request_latency_seconds_bucket", "ft_request_queue_time_seconds_bucket",
     "ft_request_prefill_time_seconds_bucket", "ft_request_decode_time_seconds_bucket",
     "ft_request_prompt_tokens_bucket", "ft_request_generation_tokens_bucket",
+    "ft_cuda_graph_replays_total", "ft_cuda_graph_captures_total",
 )
 OLD_SERIES = (
     "ft_requests_running", "ft_requests_waiting", "ft_kv_tokens_used", "ft_kv_tokens_capacity", "ft_mamba_slots_used",
@@ -40,6 +41,16 @@ SPANS = ("ft_request_queue_time_seconds", "ft_request_prefill_time_seconds", "ft
 def app():
     with demo_app() as (client, state):
         yield client, state
+
+
+def test_cuda_graph_series_by_kind(app):
+    """Replays and captures of the decode and prefill CUDA graphs, one series per kind (zero on the
+    CPU, where no graph runs)."""
+    client, _ = app
+    got = {(s.name, s.labels.get("kind")): s.value for s in samples(client)
+           if s.name in ("ft_cuda_graph_replays_total", "ft_cuda_graph_captures_total")}
+    assert got == {(n, k): 0.0 for n in ("ft_cuda_graph_replays_total", "ft_cuda_graph_captures_total")
+                   for k in ("decode", "prefill")}
 
 
 def finished(client) -> dict[str, float]:

@@ -43,7 +43,8 @@ class EngineConfig:
     ladder_dwell_s: float = 30.0  # least seconds on a rung before shrinking
     ladder_grow_hold_s: float = 60.0  # no shrink for this many seconds after a grow
     cuda_graph_max_bs: int = 16  # decode batches up to this size replay CUDA graphs (on CUDA)
-    disable_cuda_graph: bool = False  # run every decode step eagerly (debugging)
+    disable_cuda_graph: bool = False  # run every decode step and prefill eagerly (debugging)
+    prefill_graph_max_tokens: int = 2048  # one-sequence prefills up to this many tokens replay CUDA graphs
     storage_backend: str = "auto"  # auto | vmm | mmap | realloc: how pools grow and shrink (see ft.memory.storage)
     seed: int = 0
     progress: bool = False  # show loading progress
@@ -70,6 +71,8 @@ class EngineConfig:
             raise ConfigError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.cuda_graph_max_bs < 0:
             raise ConfigError(f"--cuda-graph-max-bs must be >= 0, got {self.cuda_graph_max_bs}")
+        if self.prefill_graph_max_tokens < 0:
+            raise ConfigError(f"--prefill-graph-max-tokens must be >= 0, got {self.prefill_graph_max_tokens}")
         for name in ("page_size", "max_running_requests", "max_prefill_length"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")

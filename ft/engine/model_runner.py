@@ -25,6 +25,7 @@ import torch
 
 from ft.engine.buffers import PageTableBuffer, StagedBuffer, StagingArena
 from ft.engine.decode_graphs import DecodeGraphs
+from ft.engine.prefill_graphs import PrefillGraphs
 from ft.engine.grammar import GrammarMaskBuffer
 from ft.engine.penalty_state import PenaltyState
 from ft.engine.result_copy import ResultCopy
@@ -60,6 +61,7 @@ class ModelRunner:
         max_pages_per_seq: int = 1,
         max_seq_len: int = 1,
         cuda_graph_max_bs: int = 0,
+        prefill_graph_max_tokens: int = 0,
     ) -> None:
         self.model, self.pools, self.device = model, pools, device
         self.max_seq_len = max_seq_len
@@ -68,10 +70,16 @@ class ModelRunner:
         # NOTE: FT_DEBUG's checks read device values on the host, which a graph capture forbids
         self.graphs = DecodeGraphs(bs) if device.type == "cuda" and bs > 0 and not debug_checks() else None
         rows, tokens = max_running_requests, max(max_prefill_length, max_running_requests)
+        # one-sequence prefills of up to this many tokens replay CUDA graphs padded to a bucket
+        pg = min(prefill_graph_max_tokens, max_prefill_length)
+        cfg = getattr(model, "cfg", None)
+        self.prefill_graphs = PrefillGraphs(pg, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                            model.dtype, device) \
+            if device.type == "cuda" and pg > 0 and cfg is not None and not debug_checks() else None
         i64, f32 = torch.int64, torch.float32
         self.buffers: dict[str, StagedBuffer] = {
             name: StagedBuffer(n, dtype, device) for name, n, dtype in (
-                ("input_ids", tokens, i64), ("positions", tokens, i64),
+                ("input_ids", tokens, i64), ("positions", tokens, i64), ("cu_seqlens", rows + 1, torch.int32),
                 ("last_token_index", rows, i64), ("mamba_slots", rows, i64),
                 ("temperature", rows, f32), ("top_k", rows, i64), ("top_p", rows, f32), ("uniform", rows, f32),
             )
@@ -184,6 +192,11 @@ class ModelRunner:
         else:  # every position of some chunks (prompt logprobs)
             batch.last_token_index = self.sample_buffers["logit_index"].load(inp.logit_index)
         batch.mamba_slots = buf["mamba_slots"].load(inp.mamba_slots, d)
+        if not d:  # NOTE: a persistent buffer, not the batch's own tensor: the prefill graphs read it
+            cu = [0]
+            for _, n, _, _ in inp.seqs:
+                cu.append(cu[-1] + n)
+            batch.cu_seqlens = buf["cu_seqlens"].load(cu)
         batch.forced_experts = self._load_forced(inp.forced)
         batch.calibrate_kv = inp.calibrate_kv
         if d:
@@ -394,7 +407,12 @@ class ModelRunner:
             # its end_step takes it in while this step runs, off the critical path
             experts.collect()
         if inp.kind != "decode":
-            return self.model.forward(self.load(inp), self.pools)
+            rows = self._prefill_graph_rows(inp)
+            if rows is None:
+                return self.model.forward(self.load(inp), self.pools)
+            batch = self.load(_padded(inp, rows))
+            return self.prefill_graphs.run(rows, self._graph_key(experts, None, kv=False), batch,
+                                           lambda: self.model.forward(batch, self.pools))
         # decode: a graph replay where one applies, else eager; offloaded experts in read-through
         # mode are bracketed by the cache's begin_step / end_step
         if rt is not None:
@@ -423,14 +441,32 @@ class ModelRunner:
         # reference MoE (dense slots) groups pairs on the host: neither can be captured
         return self.graphs.bucket(b) if capturable else None
 
-    def _graph_key(self, experts, rt) -> tuple:
+    def _prefill_graph_rows(self, inp: StepInputs) -> int | None:
+        """The token bucket whose prefill graphs this prefill replays, or None (eager): one sequence of
+        two tokens or more, its last position's logits only, resident experts on Triton, one GPU, no KV calibration and
+        no routing trace (their inputs are not in the graphs' buffers)."""
+        g = self.prefill_graphs
+        # NOTE: a one-token prefill (a prompt after a full prefix hit) stays eager: unpadded, its Gated
+        # DeltaNet layers take the recurrent decode step, padded the chunked form (other bf16 roundings)
+        if g is None or g.disabled or self.tp is not None or len(inp.seqs) != 1 or len(inp.logit_index) != 1 \
+                or len(inp.ids) < 2 or inp.calibrate_kv or inp.forced is not None:
+            return None
+        experts = self.pools.experts
+        if experts is not None and not (runs_triton(experts.slots, self.device) and experts.all_resident):
+            return None
+        return g.bucket(len(inp.ids))
+
+    def _graph_key(self, experts, rt, kv: bool = True) -> tuple:
         # NOTE: the decode step reads the pools through Triton kernels only (pointers and strides, no
-        # bound baked in), so a graph stays valid while the addresses stay: a VMM rebuild keeps them
-        pools = self.pools.kv.tensors + self.pools.mamba.tensors
+        # bound baked in), so a graph stays valid while the addresses stay: a VMM rebuild keeps them.
+        # A prefill graph leaves the KV pool and the page table to its eager attention cores (kv=False).
+        pools = (self.pools.kv.tensors if kv else []) + self.pools.mamba.tensors
         if experts is not None:
             pools = pools + experts.tensors + [experts.slot_table]
             if rt is not None:
                 pools = pools + list(rt.book) + [t for t in experts.host if t is not None]
+        if not kv:
+            return (*(t.data_ptr() for t in pools), *(buf.device_buffer.data_ptr() for buf in self.buffers.values()))
         forced = self.buffers.get("forced_experts")  # (synthetic routing traces only)
         return (*(t.data_ptr() for t in pools), self.page_table.table.data_ptr(),
                 *(buf.device_buffer.data_ptr() for buf in self.decode_buffers.values()),
@@ -450,6 +486,16 @@ class ModelRunner:
     def _wait(self) -> None:
         """Wait for this step's device work (`ResultCopy.wait`)."""
         self.results.wait()
+
+
+def _padded(inp: StepInputs, rows: int) -> StepInputs:
+    """A one-sequence prefill's inputs padded to `rows` tokens for its prefill graph: token id 0 at
+    the positions after the chunk's; the sequence keeps its real length (the attention cores and the
+    delta rule read only its tokens)."""
+    pad = rows - len(inp.ids)
+    last = inp.pos[-1] if inp.pos else -1
+    return StepInputs(inp.kind, inp.ids + [0] * pad, inp.pos + list(range(last + 1, last + 1 + pad)), inp.seqs,
+                      inp.logit_index, inp.mamba_slots, forced=inp.forced, calibrate_kv=inp.calibrate_kv)
 
 
 def _tokens(seq: Sequence, start: int, n: int) -> list[int]:

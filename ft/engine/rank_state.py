@@ -21,6 +21,7 @@ from ft.engine.engine_config import EngineConfig
 from ft.engine.ladder import make_rungs
 from ft.engine.loader import DTYPES, activation_reserve, load_model, resolve_model_path
 from ft.engine.model_runner import ModelRunner
+from ft.engine.prefill_graphs import CoreBuffers
 from ft.engine.routing_override import TraceRouting, trace_params
 from ft.errors import ConfigError
 from ft.memory.kv_pool import NVFP4_KV
@@ -69,6 +70,15 @@ class RankState:
         self.reserve = activation_reserve(cfg, self.dtype, self.device,
                                           min(config.max_prefill_length, self.context_limit),
                                           config.max_running_requests, shapes.kv_dtype, self.context_limit)
+        # one-request prefills up to this many tokens replay CUDA graphs (`ft.engine.prefill_graphs`),
+        # whose memory pool (the largest bucket's activations) and core buffers stay allocated
+        self.prefill_graph_tokens = 0 if self.device.type != "cuda" or config.disable_cuda_graph or tp is not None \
+            else min(config.prefill_graph_max_tokens, config.max_prefill_length, self.context_limit)
+        if self.prefill_graph_tokens:
+            self.reserve += activation_reserve(cfg, self.dtype, self.device, self.prefill_graph_tokens, 1,
+                                               shapes.kv_dtype, 0)
+            self.reserve += CoreBuffers.nbytes(self.prefill_graph_tokens, cfg.num_attention_heads,
+                                               cfg.num_key_value_heads, cfg.head_dim, self.dtype)
         budget = measure_budget(self.device, self.model.resident_bytes, config.memory_ratio, config.gpu_memory_limit,
                                 self.reserve, config.cache_budget)
         self.rungs = make_rungs(config.ladder_step_size, self.context_limit, config.page_size) \
@@ -92,6 +102,7 @@ class RankState:
             self.model, pools, self.device, config.max_running_requests, config.max_prefill_length,
             -(-self.context_limit // config.page_size), self.context_limit,
             0 if config.disable_cuda_graph else config.cuda_graph_max_bs,
+            self.prefill_graph_tokens,
         )
         self.runner.routing = self._trace_routing(config, cfg)
         if tp is not None:

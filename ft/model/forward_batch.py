@@ -55,10 +55,14 @@ class ForwardBatch:
     # a prefill that sets each quantized KV layer's scales from its own K and V before writing them
     # (`ft.kernels.attention.calibrate_kv_scale`): the first prefill of a cache without scales
     calibrate_kv: bool = False
+    # a prefill CUDA graph's capture (`ft.engine.prefill_graphs`): the attention layers hand their
+    # cores to it (`pieces.core(...)`) instead of running them; None: eager
+    pieces: object | None = None
 
     @property
     def is_decode(self) -> bool:
-        return all(s.length == 1 for s in self.seqs)
+        """One token per sequence and no other rows (a padded prefill graph's rows are not decode)."""
+        return all(s.length == 1 for s in self.seqs) and self.input_ids.shape[0] == len(self.seqs)
 
     @cached_property
     def last_token_index(self) -> torch.Tensor:

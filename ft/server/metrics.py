@@ -113,6 +113,15 @@ class _EngineCollector:
                 s["prefix_hit_tokens"])
         yield c("ft_num_preemptions", "Requests preempted (their KV freed, recomputed later) for lack of KV pages",
                 s["preemptions"])
+        for name, doc, key in (("ft_cuda_graph_replays", "Steps replayed from CUDA graphs, by kind (decode: a batch-size "
+                                "bucket's graph; prefill: a short prompt's graphs around its attention cores)",
+                                "graph_replays"),
+                               ("ft_cuda_graph_captures", "CUDA graphs captured (a bucket's first step, again after "
+                                "the addresses they read changed), by kind", "graph_captures")):
+            fam = self._family(CounterMetricFamily, name, doc, labels=("kind",))
+            for kind in ("decode", "prefill"):
+                fam.add_metric([m, kind], s[key][kind])
+            yield fam
         rebuilds = self._family(CounterMetricFamily, "ft_rebuilds", "Cache rebuilds by status", labels=("status",))
         for status, n in s["rebuilds"].items():
             rebuilds.add_metric([m, status], n)
@@ -220,7 +229,11 @@ def engine_snapshot(engine) -> dict:
         took = (h.get("phases") or {}).get("total_s")
         if took is not None and h["status"] != "refused":  # a refusal recorded by the ladder ran nothing
             durations.append((h["trigger"], float(took)))
+    runner = engine.runner
+    graphs = {"decode": runner.graphs, "prefill": runner.prefill_graphs}
     return {
+        "graph_replays": {k: g.replays if g is not None else 0 for k, g in graphs.items()},
+        "graph_captures": {k: g.captures if g is not None else 0 for k, g in graphs.items()},
         "running": len(engine.scheduler.running), "waiting": len(engine.waiting_requests()),
         "kv_used_tokens": pools.kv.num_used_pages * pools.kv.page_size, "kv_tokens": pools.kv.num_tokens,
         "mamba_used": pools.mamba.num_used, "moe_slots": pools.experts.num_slots if pools.experts else 0,

@@ -267,6 +267,8 @@ def _decode_combine_kernel(
     p_acc, p_st, p_g, p_o, S, D, stride_ar, stride_ah, stride_sr, stride_sh, stride_gb, stride_gh, stride_ob,
     stride_oh, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
 ):
+    # grid (B, Hq, cdiv(D, BLOCK_D)): columns apart, so that a long context's many splits are read by
+    # enough programs (`COMBINE_BLOCK_D`); every column's sum is the same whatever the block
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
     p_sb = p_st + i_b * S * stride_sr + i_h * stride_sh
@@ -274,7 +276,7 @@ def _decode_combine_kernel(
     o_s = tl.arange(0, BLOCK_S)
     b_max = tl.max(tl.load(p_sb + o_s * stride_sr, mask=o_s < S, other=float("-inf")), axis=0)
     b_max = tl.where(b_max == float("-inf"), 0.0, b_max)  # seq_len 0: every split empty
-    o_d = tl.arange(0, BLOCK_D)
+    o_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = o_d < D
     b_sum = tl.zeros((CHUNK_S,), dtype=tl.float32)
     b_o = tl.zeros((CHUNK_S, BLOCK_D), dtype=tl.float32)
@@ -357,6 +359,12 @@ NVFP4_F16_DEFAULT = True
 for the halves (1.30x), 19.7 against 24.8 at 4K; rel RMS against the reference 1.7e-3 (halves 2.2e-3)."""
 
 
+COMBINE_BLOCK_D = 64
+"""Columns of the head dim per program of the split-K combine (the whole head when smaller). H200,
+flagship heads, batch 1 (bench/decode_attention.py --profile, 2026-12-01): 128 splits (128K) 9.3 ->
+4.4 us against one program per head, 16 splits (4K) 2.2 -> 1.8 us."""
+
+
 def decode_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
     """Block sizes and launch options of the decode kernels (untuned: K and V tiles of 16 KiB in bf16)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -394,7 +402,8 @@ def paged_decode_attention_triton(
         gate: optional output gate [B, Hq, D] in q's dtype, any strides (a view of the q projection
             reads in place; copied only when D's stride is not 1): the output is o * sigmoid(gate) in
             fp32, rounded once, by the single-pass or the combine kernel.
-        config: block sizes and launch options overriding `decode_config` (tests, benchmarks).
+        config: block sizes and launch options overriding `decode_config` (tests, benchmarks), and
+            COMBINE_BLOCK_D, the combine's columns per program.
         kv_scale: float32 [2] (K, V) scales of an fp8 or NVFP4 cache (required then; k_cache, v_cache
             [P, page_size, Hkv, D/2 + D/16] uint8 for NVFP4): K's is folded into the softmax scale,
             V's applied to the output.
@@ -430,6 +439,7 @@ def paged_decode_attention_triton(
         return out
     k_cache, v_cache, kvs, kv_flags = _kv_args(k_cache, v_cache, kv_scale, q)
     cfg = {**decode_config(d, hq // hkv, q.dtype), **(config or {})}
+    block_dc = min(cfg["BLOCK_D"], cfg.pop("COMBINE_BLOCK_D", COMBINE_BLOCK_D))  # (the combine's, not the split's)
     cfg["NVFP4_HALVES"] = bool(cfg["NVFP4_HALVES"]) and kv_flags["KV_NVFP4"] and cfg["BLOCK_D"] >= 32  # halves: dot K >= 16
     cfg["NVFP4_FMA"] = bool(cfg["NVFP4_FMA"]) and kv_flags["KV_NVFP4"] and d % 64 == 0 and cfg["BLOCK_D"] == d
     if cfg["NVFP4_FMA"] and not (config or {}).get("BLOCK_G"):
@@ -457,9 +467,8 @@ def paged_decode_attention_triton(
     _decode_split_kernel[(b, hkv, splits)](q, k_cache, v_cache, page_table, seq_lens, acc, st, kvs, scale2,
                                            hq // hkv, d, *common, acc.stride(0), acc.stride(1), st.stride(0),
                                            st.stride(1), PAGE_SIZE=page, **kv_flags, **cfg)
-    _decode_combine_kernel[(b, hq)](acc, st, g, out, splits, d, acc.stride(0), acc.stride(1), st.stride(0),
-                                    st.stride(1), *g_strides, out.stride(0), out.stride(1),
-                                    BLOCK_S=triton.next_power_of_2(splits),
-                                    CHUNK_S=min(16, triton.next_power_of_2(splits)), BLOCK_D=cfg["BLOCK_D"],
-                                    HAS_GATE=gate is not None, num_warps=4)
+    _decode_combine_kernel[(b, hq, triton.cdiv(d, block_dc))](
+        acc, st, g, out, splits, d, acc.stride(0), acc.stride(1), st.stride(0), st.stride(1), *g_strides,
+        out.stride(0), out.stride(1), BLOCK_S=triton.next_power_of_2(splits),
+        CHUNK_S=min(16, triton.next_power_of_2(splits)), BLOCK_D=block_dc, HAS_GATE=gate is not None, num_warps=4)
     return out

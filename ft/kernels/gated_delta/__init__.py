@@ -75,6 +75,7 @@ def chunk_gated_delta_rule_varlen(
     ssm_state: torch.Tensor,
     cu_seqlens: torch.Tensor,
     slots: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The gated delta rule over sequences packed along T (prefill), states in a pool at slots.
 
@@ -84,6 +85,8 @@ def chunk_gated_delta_rule_varlen(
             state before its first token and replaced in place by the state after its last.
         cu_seqlens: [B+1] int32/int64 on q's device (sequence b is tokens cu[b]:cu[b+1]); slots: [B]
             int32/int64 on q's device, distinct.
+        out: optional o [T, Hv, Dv] in v's dtype, unit stride along Dv; rows past cu_seqlens[-1] are
+            left as they are (a padded batch).
     Returns:
         o [T, Hv, Dv] in v's dtype.
 
@@ -94,8 +97,8 @@ def chunk_gated_delta_rule_varlen(
     if _chunk_triton_takes(q, k, v):
         from ft.kernels.gated_delta import chunk_kernel
 
-        return chunk_kernel.chunk_gated_delta_rule_varlen_triton(q, k, v, g, beta, ssm_state, cu_seqlens, slots)
-    return chunk_gated_delta_rule_varlen_ref(q, k, v, g, beta, ssm_state, cu_seqlens, slots)
+        return chunk_kernel.chunk_gated_delta_rule_varlen_triton(q, k, v, g, beta, ssm_state, cu_seqlens, slots, out)
+    return chunk_gated_delta_rule_varlen_ref(q, k, v, g, beta, ssm_state, cu_seqlens, slots, out)
 
 
 def gated_delta_decode(

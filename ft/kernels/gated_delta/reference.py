@@ -122,6 +122,7 @@ def chunk_gated_delta_rule_varlen_ref(
     ssm_state: torch.Tensor,
     cu_seqlens: torch.Tensor,
     slots: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The gated delta rule over sequences packed along T, states in a pool (a loop over the sequences).
 
@@ -132,11 +133,12 @@ def chunk_gated_delta_rule_varlen_ref(
         q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv]; sequence b is tokens cu_seqlens[b]:cu_seqlens[b+1].
         ssm_state: [S, Hv, Dk, Dv] float32: sequence b's state at slots[b], read and replaced in place.
         cu_seqlens: [B+1]; slots: [B] distinct (both read on the host: syncs on a GPU).
+        out: optional o [T, Hv, Dv] in v's dtype (rows past cu_seqlens[-1] left as they are).
     Returns:
         o [T, Hv, Dv] in v's dtype (a sequence of length 0 gives no rows and keeps its state).
     """
     cu, slot_list = cu_seqlens.tolist(), slots.tolist()
-    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    o = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
     for b, slot in enumerate(slot_list):
         sl = slice(cu[b], cu[b + 1])
         if sl.stop == sl.start:

@@ -64,9 +64,23 @@ class GatedAttention:
             o = paged_decode_attention(q, k_cache, v_cache, d.page_table, d.seq_lens, self.scale,
                                        max_seq_len=d.max_seq_len, gate=gate, kv_scale=kv_scale)
             return self.o_proj(o.reshape(t, -1))
-        if batch.calibrate_kv and kv_scale is not None:  # the first prefill of a cache without scales
-            calibrate_kv_scale(k, v, k_cache, kv_scale)
         gate = gate.reshape(t, -1)
+        if batch.pieces is not None:  # a prefill graph (`ft.engine.prefill_graphs`): the core runs between its pieces
+            return self.o_proj(batch.pieces.core(self._prefill_core, kv, q, k, v, gate))
+        return self.o_proj(self._prefill_core(batch, kv, q, k, v, gate))
+
+    def _prefill_core(self, batch: ForwardBatch, kv: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The part of a prefill that depends on where the chunk sits: its K/V written into its pages,
+        attention over the cached prefix and itself, the output gate. q [T, Hq, D], k, v [T, Hkv, D],
+        gate [T, Hq * D] -> [T, Hq * D] = attention * sigmoid(gate). Only the batch's N real tokens
+        are read: T > N rows are a padded prefill graph's (their output rows are zeros in a new
+        tensor and left as they are in `out`, [T, Hq * D], which takes the N real rows)."""
+        k_cache, v_cache, kv_scale = kv
+        t = q.shape[0]
+        n = sum(s.length for s in batch.seqs)
+        if batch.calibrate_kv and kv_scale is not None:  # the first prefill of a cache without scales
+            calibrate_kv_scale(k[:n], v[:n], k_cache, kv_scale)
         outs = []
         offset = 0
         for s in batch.seqs:
@@ -74,5 +88,10 @@ class GatedAttention:
             write_kv(k_cache, v_cache, k[sl], v[sl], s.page_table, s.start, kv_scale)
             outs.append(paged_attention(q[sl], k_cache, v_cache, s.page_table, s.start, self.scale, kv_scale))
             offset += s.length
-        o = torch.cat(outs, dim=0).reshape(t, -1)
-        return self.o_proj(o * torch.sigmoid(gate))
+        o = (torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]).reshape(n, -1)
+        if out is None and n == t:
+            return o * torch.sigmoid(gate)
+        if out is None:
+            out = torch.zeros(t, o.shape[1], dtype=o.dtype, device=o.device)
+        torch.mul(o, torch.sigmoid(gate[:n]), out=out[:n])
+        return out

@@ -84,7 +84,11 @@ class GatedDeltaNet:
             v = y[:, 2 * kd :].view(t, self.hv, self.dv)
             beta = b.sigmoid()
             g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-            o = chunk_gated_delta_rule_varlen(q, k, v, g, beta, ssm_pool, cu, slots)  # two launches
+            # rows past the sequences' tokens (a padded prefill graph, `ft.engine.prefill_graphs`) are
+            # skipped by both kernels: their output starts at zero so that what follows stays finite
+            pad = t > sum(s.length for s in batch.seqs)
+            o = chunk_gated_delta_rule_varlen(q, k, v, g, beta, ssm_pool, cu, slots,  # two launches
+                                              out=v.new_zeros(t, self.hv, self.dv) if pad else None)
         # z stays a strided view of in_proj_qkvz's output: the norm kernel reads it in place
         o = gated_rms_norm(o.reshape(t, self.hv, self.dv), z, self.norm_weight, self.eps)
         return self.out_proj(o.reshape(t, -1))

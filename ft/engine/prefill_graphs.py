@@ -1,0 +1,189 @@
+"""CUDA graphs of short prefills: the whole forward of a one-sequence prefill of up to
+`--prefill-graph-max-tokens` tokens, padded to a token bucket, replayed in pieces around the
+attention layers' cores.
+
+Why: a 1K-token prefill of the flagship is ~2,500 kernel launches whose host work (~28 us each on
+a fast vCPU, ~55 on a slow one) outlasts its 58 ms of GPU work, so its time to first token was the
+host's (70-150 ms by process; bench/RESULTS.md). A replay launches a graph per piece instead.
+
+What is in the graphs and what is not. Everything a prefill computes row by row (embedding,
+norms, projections, rotary, the MoE, the lm_head on the last token) and the Gated DeltaNet layers
+(their conv1d and chunked delta rule read the sequence bounds from device tensors and skip the
+padding tokens, past cu_seqlens[-1]) run inside the graphs over the bucket's padded rows. The
+attention layers' cores (writing the chunk's K/V into its pages, attention over the cached
+prefix and the chunk, the output gate) depend on the chunk's start and page list, host values
+that change from prompt to prompt: they run eagerly between the pieces, on the real rows, reading
+the static buffers the previous piece wrote (q, k, v, gate) and writing one the next piece reads
+(so the graph of piece i + 1 starts where the core of layer i left its output). A bucket with L
+attention layers is L + 1 graphs and L eager cores (~6 launches each).
+
+Padding rows repeat nothing: their token id 0 and positions after the chunk's go through the
+row-wise layers (finite values, discarded); the cores and the delta rule never see them, their
+attention output rows are zero. So a padded prefill computes the real rows exactly as an unpadded
+prefill of the same row count would; against an unpadded prefill of n rows, results may differ in
+the last bits where a kernel picks its tiles by the row count (tokens are checked on the device).
+
+Capture: the first prefill of a bucket runs eagerly, padded (its real result, and the warm-up that
+compiles every kernel at the bucket's shapes), then the pieces are captured (recorded, not run);
+later prefills of that bucket replay them. All buckets share one memory pool (they never run
+concurrently) and one set of core buffers sized for the largest bucket. Graphs are keyed on the
+addresses they read (model runner buffers, mamba and expert pools); a change drops them all. A
+capture that fails turns prefill graphs off with a warning (the step's result is already computed).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Hashable
+
+import torch
+
+log = logging.getLogger("ft.engine")
+
+BUCKETS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+"""Token buckets a prefill pads to (those up to the engine's limit)."""
+
+
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """The buckets up to max_tokens, max_tokens itself the last one (empty when max_tokens < 1)."""
+    if max_tokens < 1:
+        return []
+    out = [b for b in BUCKETS if b < max_tokens]
+    return out + [max_tokens]
+
+
+class CoreBuffers:
+    """The static tensors an attention core reads and writes between two pieces, for up to `rows`
+    tokens: q [rows, Hq, D], k and v [rows, Hkv, D], gate and out [rows, Hq * D] (out starts zero:
+    its padding rows are never written). Shared by every attention layer and every bucket: a
+    replay runs piece, core, piece, ... in order, so one layer's core is done with them before the
+    next layer's piece writes them."""
+
+    def __init__(self, rows: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.rows = rows
+        self.q = torch.empty(rows, heads, head_dim, dtype=dtype, device=device)
+        self.k = torch.empty(rows, kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty(rows, kv_heads, head_dim, dtype=dtype, device=device)
+        self.gate = torch.empty(rows, heads * head_dim, dtype=dtype, device=device)
+        self.out = torch.zeros(rows, heads * head_dim, dtype=dtype, device=device)
+
+    @staticmethod
+    def nbytes(rows: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return rows * head_dim * (3 * heads + 2 * kv_heads) * torch.finfo(dtype).bits // 8
+
+    def views(self, t: int) -> tuple[torch.Tensor, ...]:
+        return self.q[:t], self.k[:t], self.v[:t], self.gate[:t], self.out[:t]
+
+
+class _Capture:
+    """`ForwardBatch.pieces` while a bucket is captured: each attention core ends the current graph
+    (after copying its inputs into the core buffers, inside the graph) and starts the next; the
+    core itself is recorded, not run."""
+
+    def __init__(self, buffers: CoreBuffers, pool, rows: int) -> None:
+        self.buffers, self.pool, self.rows = buffers, pool, rows
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.cores: list[tuple[Callable, tuple]] = []
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.graph.capture_begin(pool=self.pool)
+
+    def end(self) -> None:
+        graph, self.graph = self.graph, None
+        graph.capture_end()
+        self.graphs.append(graph)
+
+    def core(self, fn: Callable, kv: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             gate: torch.Tensor) -> torch.Tensor:
+        bq, bk, bv, bg, out = self.buffers.views(self.rows)
+        for dst, src in ((bq, q), (bk, k), (bv, v), (bg, gate)):
+            dst.copy_(src)
+        self.end()
+        self.cores.append((fn, (kv, bq, bk, bv, bg)))
+        self.begin()
+        return out
+
+
+class PrefillGraphs:
+    def __init__(self, max_tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.buckets = prefill_buckets(max_tokens)
+        self._dims = (heads, kv_heads, head_dim, dtype, device)
+        self._buffers: CoreBuffers | None = None
+        self._graphs: dict[int, tuple[list[torch.cuda.CUDAGraph], list[tuple[Callable, tuple]], torch.Tensor]] = {}
+        self._pool = None
+        self._key: Hashable = None
+        self.captures = 0
+        self.replays = 0
+        self.capture_s = 0.0
+        self.disabled: str | None = None  # why prefill graphs were turned off (a capture that failed)
+
+    def bucket(self, n: int) -> int | None:
+        """The smallest bucket of at least n tokens, None when n is over the largest."""
+        return next((b for b in self.buckets if b >= n), None)
+
+    def invalidate(self) -> None:
+        self._graphs.clear()
+
+    def release(self) -> None:
+        """Drop every graph, the shared pool and the core buffers (captured again when needed)."""
+        self.invalidate()
+        self._pool, self._key, self._buffers = None, None, None
+        torch.cuda.synchronize()
+
+    def run(self, rows: int, key: Hashable, batch, forward: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+        """The logits of this prefill: replayed from bucket `rows`' graphs, or computed eagerly (padded
+        to `rows`) and captured for the next prefills of that bucket. `batch` is this step's
+        `ForwardBatch` over the runner's persistent buffers (padded to `rows`); `forward()` runs
+        the model on it and reads `batch.pieces` (None: eager)."""
+        if key != self._key:
+            self.invalidate()
+            self._key = key
+        entry = self._graphs.get(rows)
+        if entry is not None:
+            graphs, cores, out = entry
+            for i, graph in enumerate(graphs):
+                graph.replay()
+                if i < len(cores):
+                    fn, args = cores[i]
+                    kv, q, k, v, gate = args
+                    fn(batch, kv, q, k, v, gate, out=self._buffers.out[:rows])
+            self.replays += 1
+            return None if out is None else out.clone()
+        batch.pieces = None
+        logits = forward()  # this step, eagerly and padded: also the warm-up the capture needs
+        t0 = time.perf_counter()
+        if self._buffers is None:
+            heads, kv_heads, head_dim, dtype, device = self._dims
+            self._buffers = CoreBuffers(self.buckets[-1], heads, kv_heads, head_dim, dtype, device)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        capture = _Capture(self._buffers, self._pool, rows)
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(stream):
+                capture.begin()
+                try:
+                    batch.pieces = capture
+                    out = forward()
+                finally:
+                    batch.pieces = None
+                    if capture.graph is not None:
+                        capture.end()
+        except Exception as e:  # noqa: BLE001 - e.g. a host sync inside the forward, out of memory
+            self.disabled = f"capturing the {rows}-token prefill graphs failed: {type(e).__name__}: {e}"
+            log.warning("%s; prefills run eagerly from now on", self.disabled)
+            self.invalidate()
+            torch.cuda.current_stream().wait_stream(stream)
+            return logits
+        torch.cuda.current_stream().wait_stream(stream)
+        self._graphs[rows] = (capture.graphs, capture.cores, out)
+        self.captures += 1
+        self.capture_s += time.perf_counter() - t0
+        return logits

@@ -1,0 +1,132 @@
+"""Prefill graphs (`ft.engine.prefill_graphs`) without the graphs, on the CPU: what a replay computes
+is a one-sequence prefill padded to a token bucket, with each attention layer's core run on the
+real rows between the pieces, reading and writing the static core buffers. Here the padded
+prefill runs eagerly through the same path (`_Pieces` below stands in for the capture: it copies
+the core's inputs into the buffers and runs the core at once), so these tests check the padding
+and the plumbing; the capture and replay themselves are checked on the device
+(tests/gpu/test_prefill_graphs_cuda.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ft.engine import SamplingParams
+from ft.engine.prefill_graphs import CoreBuffers, prefill_buckets
+from test_oracle import make_llm, prompt_of
+
+GREEDY = dict(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+class _Pieces:
+    """`ForwardBatch.pieces` as a replay runs the cores: inputs into the static buffers, the core
+    writing the static output's real rows."""
+
+    def __init__(self, batch, buffers: CoreBuffers, rows: int) -> None:
+        self.batch, self.buffers, self.rows = batch, buffers, rows
+        self.cores = 0
+
+    def core(self, fn, kv, q, k, v, gate):
+        bq, bk, bv, bg, out = self.buffers.views(self.rows)
+        for dst, src in ((bq, q), (bk, k), (bv, v), (bg, gate)):
+            dst.copy_(src)
+        fn(self.batch, kv, bq, bk, bv, bg, out=out)
+        self.cores += 1
+        return out
+
+
+class _EagerPrefillGraphs:
+    """`PrefillGraphs.run`'s contract, eagerly: the padded batch through `_Pieces` (pieces=True) or
+    through the plain padded forward (pieces=False)."""
+
+    def __init__(self, cfg, dtype, max_tokens: int, pieces: bool) -> None:
+        self.buckets = prefill_buckets(max_tokens)
+        self.buffers = CoreBuffers(self.buckets[-1], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                   dtype, torch.device("cpu"))
+        self.pieces, self.disabled, self.rows_seen, self.cores = pieces, None, [], 0
+
+    def bucket(self, n: int):
+        return next((b for b in self.buckets if b >= n), None)
+
+    def run(self, rows, key, batch, forward):
+        self.rows_seen.append((rows, int(batch.input_ids.shape[0])))
+        if self.pieces:
+            batch.pieces = _Pieces(batch, self.buffers, rows)
+        try:
+            return forward()
+        finally:
+            if batch.pieces is not None:
+                self.cores += batch.pieces.cores
+            batch.pieces = None
+
+
+def padded_engine(path, pieces: bool, max_tokens: int = 64, **opts):
+    llm = make_llm(path, **opts)
+    runner = llm.engine.runner
+    graphs = _EagerPrefillGraphs(llm.engine.model.cfg, llm.engine.model.dtype, max_tokens, pieces)
+    runner.prefill_graphs = graphs
+
+    def rows(inp):  # the runner's rule, less the CUDA-only conditions (Triton, resident experts)
+        if len(inp.seqs) != 1 or len(inp.logit_index) != 1 or len(inp.ids) < 2 or inp.calibrate_kv \
+                or inp.forced is not None:
+            return None
+        return graphs.bucket(len(inp.ids))
+
+    runner._prefill_graph_rows = rows
+    return llm, graphs
+
+
+def first_logits_and_tokens(llm, prompt):
+    eng = llm.engine
+    seq = eng.add_request(prompt, SamplingParams(**GREEDY))
+    while not seq.output_ids:
+        eng.step()
+    logits = eng.last_logits[0].clone()
+    eng.run_until_done([seq])
+    return logits, list(seq.output_ids)
+
+
+@pytest.mark.parametrize("n", [2, 13, 64, 100])
+def test_padded_prefill_matches_unpadded(tiny_one, n):
+    """A prompt of n tokens prefilled padded to its bucket (64: 13 -> 64 rows; 100 tokens: two
+    chunks of 64 and 36 with max_prefill_length 64, the second at start 64) gives the unpadded
+    engine's first logits (fp32, within rounding: the row count changes the CPU GEMMs' blocking)
+    and its greedy tokens; through the pieces' buffers exactly what the padded forward gives."""
+    _, _, path = tiny_one
+    prompt = prompt_of(n, seed=n)
+    plain = make_llm(path, max_prefill_length=64)
+    want_logits, want_tokens = first_logits_and_tokens(plain, prompt)
+    got = {}
+    for pieces in (False, True):
+        llm, graphs = padded_engine(path, pieces, max_prefill_length=64)
+        got[pieces] = first_logits_and_tokens(llm, prompt)
+        assert graphs.rows_seen and all(rows >= 64 and t == rows for rows, t in graphs.rows_seen), graphs.rows_seen
+        if pieces:
+            assert graphs.cores == len(llm.engine.model.cfg.full_attention_layers) * len(graphs.rows_seen)
+    for logits, tokens in got.values():
+        assert torch.allclose(logits, want_logits, rtol=1e-4, atol=1e-4), (logits - want_logits).abs().max()
+        assert tokens == want_tokens
+    assert torch.equal(got[False][0], got[True][0])
+
+
+def test_padded_prefill_after_prefix_hit(tiny_one):
+    """A prefill that starts after a cached prefix (start > 0, the core reads the cached pages) pads
+    like a fresh one and matches the unpadded engine."""
+    _, _, path = tiny_one
+    shared = prompt_of(48, seed=5)
+    prompts = [shared + prompt_of(9, seed=6), shared + prompt_of(20, seed=7)]
+    plain = make_llm(path, enable_prefix_cache=True, page_size=16)
+    llm, graphs = padded_engine(path, True, enable_prefix_cache=True, page_size=16)
+    for p in prompts:
+        want = first_logits_and_tokens(plain, p)
+        got = first_logits_and_tokens(llm, p)
+        assert torch.allclose(got[0], want[0], rtol=1e-4, atol=1e-4)
+        assert got[1] == want[1]
+    assert any(t < 64 for t in (len(p) - 48 for p in prompts))
+
+
+def test_prefill_buckets():
+    assert prefill_buckets(0) == []
+    assert prefill_buckets(64) == [64]
+    assert prefill_buckets(1000) == [64, 128, 256, 512, 768, 1000]
+    assert prefill_buckets(2048)[-3:] == [1024, 1536, 2048]
