@@ -119,7 +119,9 @@ def main() -> None:
     warm = f"warmed with {args.warm} tokens" if args.warm else "each length warmed once"
     pg = eng.runner.prefill_graphs
     print("\nprefill graphs: " + ("off" if pg is None else f"buckets up to {pg.buckets[-1]} tokens, {pg.captures} "
-                                   f"captured in {pg.capture_s:.2f} s, {pg.replays} replays"
+                                   f"captured in {pg.capture_s:.2f} s, {pg.replays} replays, "
+                                   f"{pg.reserved_bytes / 2**20:.0f} MiB reserved by the captures against "
+                                   f"{eng.prefill_graph_reserve / 2**20:.0f} MiB set aside for them"
                                    + (f", DISABLED: {pg.disabled}" if pg.disabled else "")))
     print(f"\nchunk {args.chunk} tokens, kv {args.kv_cache_dtype}, median of {args.repeat}, {warm}, cuDNN prefix "
           f"path {args.library} (from {attention.LIBRARY_GRANULE_KEYS} cached positions; refused: "

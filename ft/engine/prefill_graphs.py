@@ -120,6 +120,7 @@ class PrefillGraphs:
         self.captures = 0
         self.replays = 0
         self.capture_s = 0.0
+        self.reserved_bytes = 0  # growth of the allocator's reserved memory over the captures (their pool)
         self.disabled: str | None = None  # why prefill graphs were turned off (a capture that failed)
 
     def bucket(self, n: int) -> int | None:
@@ -164,6 +165,7 @@ class PrefillGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         capture = _Capture(self._buffers, self._pool, rows)
         torch.cuda.synchronize()
+        reserved = torch.cuda.memory_reserved()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         try:
@@ -186,4 +188,7 @@ class PrefillGraphs:
         self._graphs[rows] = (capture.graphs, capture.cores, out)
         self.captures += 1
         self.capture_s += time.perf_counter() - t0
+        self.reserved_bytes += max(0, torch.cuda.memory_reserved() - reserved)
+        log.info("prefill graphs: the %d-token bucket captured (%d graphs) in %.2f s; %.0f MiB reserved by all "
+                 "captures so far", rows, len(capture.graphs), time.perf_counter() - t0, self.reserved_bytes / 2**20)
         return logits

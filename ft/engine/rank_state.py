@@ -74,13 +74,13 @@ class RankState:
         # whose memory pool (the largest bucket's activations) and core buffers stay allocated
         self.prefill_graph_tokens = 0 if self.device.type != "cuda" or config.disable_cuda_graph or tp is not None \
             else min(config.prefill_graph_max_tokens, config.max_prefill_length, self.context_limit)
-        if self.prefill_graph_tokens:
-            self.reserve += activation_reserve(cfg, self.dtype, self.device, self.prefill_graph_tokens, 1,
-                                               shapes.kv_dtype, 0)
-            self.reserve += CoreBuffers.nbytes(self.prefill_graph_tokens, cfg.num_attention_heads,
-                                               cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+        # (apart from `reserve`, which the eager forward's transients may use: this memory stays held)
+        self.prefill_graph_reserve = 0 if not self.prefill_graph_tokens else \
+            activation_reserve(cfg, self.dtype, self.device, self.prefill_graph_tokens, 1, shapes.kv_dtype, 0) \
+            + CoreBuffers.nbytes(self.prefill_graph_tokens, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                 cfg.head_dim, self.dtype)
         budget = measure_budget(self.device, self.model.resident_bytes, config.memory_ratio, config.gpu_memory_limit,
-                                self.reserve, config.cache_budget)
+                                self.reserve + self.prefill_graph_reserve, config.cache_budget)
         self.rungs = make_rungs(config.ladder_step_size, self.context_limit, config.page_size) \
             if config.enable_kv_ladder else None
         floor = min(cfg.num_experts_per_tok, shapes.total_experts) if shapes.total_experts else 0
