@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ft.engine import SamplingParams
-from ft.engine.prefill_graphs import CoreBuffers, prefill_buckets
+from ft.engine.prefill_graphs import CoreBuffers, PrefillGraphs, prefill_buckets
 from test_oracle import make_llm, prompt_of
 
 GREEDY = dict(max_new_tokens=12, temperature=0.0, ignore_eos=True)
@@ -45,8 +45,8 @@ class _EagerPrefillGraphs:
                                    dtype, torch.device("cpu"))
         self.pieces, self.disabled, self.rows_seen, self.cores = pieces, None, [], 0
 
-    def bucket(self, n: int):
-        return next((b for b in self.buckets if b >= n), None)
+    bucket = PrefillGraphs.bucket
+    rows_for = PrefillGraphs.rows_for
 
     def run(self, rows, key, batch, forward):
         self.rows_seen.append((rows, int(batch.input_ids.shape[0])))
@@ -65,14 +65,7 @@ def padded_engine(path, pieces: bool, max_tokens: int = 64, **opts):
     runner = llm.engine.runner
     graphs = _EagerPrefillGraphs(llm.engine.model.cfg, llm.engine.model.dtype, max_tokens, pieces)
     runner.prefill_graphs = graphs
-
-    def rows(inp):  # the runner's rule, less the CUDA-only conditions (Triton, resident experts)
-        if len(inp.seqs) != 1 or len(inp.logit_index) != 1 or len(inp.ids) < 2 or inp.calibrate_kv \
-                or inp.forced is not None:
-            return None
-        return graphs.bucket(len(inp.ids))
-
-    runner._prefill_graph_rows = rows
+    runner._prefill_graph_rows = graphs.rows_for  # the graphs' rule, less the runner's CUDA-only conditions
     return llm, graphs
 
 

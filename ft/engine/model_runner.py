@@ -25,8 +25,9 @@ import torch
 
 from ft.engine.buffers import PageTableBuffer, StagedBuffer, StagingArena
 from ft.engine.decode_graphs import DecodeGraphs
-from ft.engine.prefill_graphs import PrefillGraphs
+from ft.engine.prefill_graphs import PrefillGraphs, padded_inputs
 from ft.engine.grammar import GrammarMaskBuffer
+from ft.engine.logit_plan import LogitPlan, logprob_entry
 from ft.engine.penalty_state import PenaltyState
 from ft.engine.result_copy import ResultCopy
 from ft.engine.sampler import GrammarMask, LogitBias, Penalties, SamplingBatch, logprobs_of, sample
@@ -98,7 +99,7 @@ class ModelRunner:
         self.grammar_masks = GrammarMaskBuffer(device)  # the bitmasks of the rows with a grammar
         self.penalties = PenaltyState(device, rows)
         self._pen_slots: torch.Tensor | None = None  # this step's penalty slots (set by `sampling`)
-        self._plan: _LogitPlan | None = None  # set by `prepare` when prompt positions need logits
+        self._plan: LogitPlan | None = None  # set by `prepare` when prompt positions need logits
         # of the last step, per sequence of its work: the sampled token's logprobs (None where not
         # asked or no token) and the prompt logprobs computed (sequence, first position, entries)
         self.last_logprobs: list[TokenLogprob | None] = []
@@ -162,7 +163,7 @@ class ModelRunner:
             sample_rows.append(len(index) - 1)
         if spans:  # the model returns the logits of `index` (every position of those chunks)
             sb = self.sample_buffers
-            self._plan = _LogitPlan(sb["sample_rows"].load(sample_rows), sb["prompt_rows"].load(prompt_rows),
+            self._plan = LogitPlan(sb["sample_rows"].load(sample_rows), sb["prompt_rows"].load(prompt_rows),
                                     sb["prompt_targets"].load(targets), spans)
         return StepInputs(
             "prefill", ids, pos, [(seq.num_computed, n, seq.pages, seq.mamba_slot)
@@ -334,13 +335,13 @@ class ModelRunner:
             values = values[3:]
             for j, i in enumerate(lp_rows):
                 kk = work.seqs[i].params.logprobs
-                self.last_logprobs[i] = _entry(tokens[i], own, top_v, top_i, j, k, kk)
+                self.last_logprobs[i] = logprob_entry(tokens[i], own, top_v, top_i, j, k, kk)
         if plan is not None:
             own, top_v, top_i = values
             j = 0
             for seq, first, m in plan.spans:
                 kk = seq.params.prompt_logprobs
-                entries = [_entry(seq.prompt_ids[first + q], own, top_v, top_i, j + q, kp, kk) for q in range(m)]
+                entries = [logprob_entry(seq.prompt_ids[first + q], own, top_v, top_i, j + q, kp, kk) for q in range(m)]
                 self.last_prompt_logprobs.append((seq, first, entries))
                 j += m
         if sampled is None:
@@ -377,7 +378,7 @@ class ModelRunner:
         if lp_rows:
             own, top_v, top_i = values[:3]
             for j, i in enumerate(lp_rows):
-                out[i] = _entry(tokens[i], own, top_v, top_i, j, k, seqs[i].params.logprobs)
+                out[i] = logprob_entry(tokens[i], own, top_v, top_i, j, k, seqs[i].params.logprobs)
         return tokens, out
 
     def execute(self, inp: StepInputs) -> torch.Tensor | None:
@@ -410,7 +411,7 @@ class ModelRunner:
             rows = self._prefill_graph_rows(inp)
             if rows is None:
                 return self.model.forward(self.load(inp), self.pools)
-            batch = self.load(_padded(inp, rows))
+            batch = self.load(padded_inputs(inp, rows))
             return self.prefill_graphs.run(rows, self._graph_key(experts, None, kv=False), batch,
                                            lambda: self.model.forward(batch, self.pools))
         # decode: a graph replay where one applies, else eager; offloaded experts in read-through
@@ -442,19 +443,13 @@ class ModelRunner:
         return self.graphs.bucket(b) if capturable else None
 
     def _prefill_graph_rows(self, inp: StepInputs) -> int | None:
-        """The token bucket whose prefill graphs this prefill replays, or None (eager): one sequence of
-        two tokens or more, its last position's logits only, resident experts on Triton, one GPU, no KV calibration and
-        no routing trace (their inputs are not in the graphs' buffers)."""
-        g = self.prefill_graphs
-        # NOTE: a one-token prefill (a prompt after a full prefix hit) stays eager: unpadded, its Gated
-        # DeltaNet layers take the recurrent decode step, padded the chunked form (other bf16 roundings)
-        if g is None or g.disabled or self.tp is not None or len(inp.seqs) != 1 or len(inp.logit_index) != 1 \
-                or len(inp.ids) < 2 or inp.calibrate_kv or inp.forced is not None:
+        """The token bucket whose prefill graphs this prefill replays (`PrefillGraphs.rows_for`), or
+        None (eager); also eager on several GPUs and unless every expert is resident on Triton."""
+        g, experts = self.prefill_graphs, self.pools.experts
+        if g is None or self.tp is not None or (experts is not None and not (
+                runs_triton(experts.slots, self.device) and experts.all_resident)):
             return None
-        experts = self.pools.experts
-        if experts is not None and not (runs_triton(experts.slots, self.device) and experts.all_resident):
-            return None
-        return g.bucket(len(inp.ids))
+        return g.rows_for(inp)
 
     def _graph_key(self, experts, rt, kv: bool = True) -> tuple:
         # NOTE: the decode step reads the pools through Triton kernels only (pointers and strides, no
@@ -488,16 +483,6 @@ class ModelRunner:
         self.results.wait()
 
 
-def _padded(inp: StepInputs, rows: int) -> StepInputs:
-    """A one-sequence prefill's inputs padded to `rows` tokens for its prefill graph: token id 0 at
-    the positions after the chunk's; the sequence keeps its real length (the attention cores and the
-    delta rule read only its tokens)."""
-    pad = rows - len(inp.ids)
-    last = inp.pos[-1] if inp.pos else -1
-    return StepInputs(inp.kind, inp.ids + [0] * pad, inp.pos + list(range(last + 1, last + 1 + pad)), inp.seqs,
-                      inp.logit_index, inp.mamba_slots, forced=inp.forced, calibrate_kv=inp.calibrate_kv)
-
-
 def _tokens(seq: Sequence, start: int, n: int) -> list[int]:
     """seq.token_ids[start:start+n] without building the whole list."""
     p = len(seq.prompt_ids)
@@ -505,19 +490,3 @@ def _tokens(seq: Sequence, start: int, n: int) -> list[int]:
     if start + n > p:
         out += seq.output_ids[max(0, start - p) : start + n - p]
     return out
-
-
-class _LogitPlan:
-    """A prefill step whose model output holds more rows than sequences (prompt logprobs): the row
-    of each sequence's last position (sampling), the rows whose next token is a prompt token and
-    those tokens, and per sequence (sequence, first prompt position predicted, how many)."""
-
-    def __init__(self, sample_rows: torch.Tensor, prompt_rows: torch.Tensor, prompt_targets: torch.Tensor,
-                 spans: list[tuple[Sequence, int, int]]) -> None:
-        self.sample_rows, self.prompt_rows, self.prompt_targets, self.spans = sample_rows, prompt_rows, prompt_targets, spans
-
-
-def _entry(token: int, own: list[float], top_v: list[float], top_i: list[float], j: int, k: int, kk: int) -> TokenLogprob:
-    """Row j of the host copies (top lists flat with k per row) as a TokenLogprob with kk alternatives."""
-    top = tuple((int(top_i[j * k + q]), top_v[j * k + q]) for q in range(kk))
-    return TokenLogprob(int(token), own[j], top)

@@ -39,6 +39,8 @@ from typing import Callable, Hashable
 
 import torch
 
+from ft.engine.step_inputs import StepInputs
+
 log = logging.getLogger("ft.engine")
 
 BUCKETS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
@@ -51,6 +53,16 @@ def prefill_buckets(max_tokens: int) -> list[int]:
         return []
     out = [b for b in BUCKETS if b < max_tokens]
     return out + [max_tokens]
+
+
+def padded_inputs(inp: StepInputs, rows: int) -> StepInputs:
+    """A one-sequence prefill's inputs padded to `rows` tokens for its prefill graphs: token id 0 at
+    the positions after the chunk's; the sequence keeps its real length (the attention cores and the
+    delta rule read only its tokens)."""
+    pad = rows - len(inp.ids)
+    last = inp.pos[-1] if inp.pos else -1
+    return StepInputs(inp.kind, inp.ids + [0] * pad, inp.pos + list(range(last + 1, last + 1 + pad)), inp.seqs,
+                      inp.logit_index, inp.mamba_slots, forced=inp.forced, calibrate_kv=inp.calibrate_kv)
 
 
 class CoreBuffers:
@@ -126,6 +138,17 @@ class PrefillGraphs:
     def bucket(self, n: int) -> int | None:
         """The smallest bucket of at least n tokens, None when n is over the largest."""
         return next((b for b in self.buckets if b >= n), None)
+
+    def rows_for(self, inp: StepInputs) -> int | None:
+        """The bucket a prefill's inputs replay, or None (eager): one sequence of two tokens or more,
+        its last position's logits only, no KV calibration and no routing trace (their inputs are not
+        in the graphs' buffers). A one-token prefill (a prompt after a full prefix hit) stays eager:
+        unpadded, its Gated DeltaNet layers take the recurrent decode step, padded the chunked form
+        (other bf16 roundings, other greedy tokens on a test model)."""
+        if self.disabled or len(inp.seqs) != 1 or len(inp.logit_index) != 1 or len(inp.ids) < 2 \
+                or inp.calibrate_kv or inp.forced is not None:
+            return None
+        return self.bucket(len(inp.ids))
 
     def invalidate(self) -> None:
         self._graphs.clear()
