@@ -67,8 +67,8 @@ def padded_inputs(inp: StepInputs, rows: int) -> StepInputs:
 
 class CoreBuffers:
     """The static tensors an attention core reads and writes between two pieces, for up to `rows`
-    tokens: q [rows, Hq, D], k and v [rows, Hkv, D], gate and out [rows, Hq * D] (out starts zero:
-    its padding rows are never written). Shared by every attention layer and every bucket: a
+    tokens: q [rows, Hq, D], k and v [rows, Hkv, D], gate and out [rows, Hq * D] (out starts at zero;
+    a core writes its prefill's real rows only, so the padding rows keep finite values). Shared by every attention layer and every bucket: a
     replay runs piece, core, piece, ... in order, so one layer's core is done with them before the
     next layer's piece writes them."""
 
