@@ -252,6 +252,8 @@ def test_moe_decode_triton_matches_ref(case, per_pair):
     assert not y.isnan().any()
     err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
     assert err < TOL[dtype], err
+    if not per_pair:  # (once per case: the interpreter's time)
+        return
     # a token's result does not depend on where its experts sit: the same experts in other slots
     perm = torch.randperm(s, generator=gen)
     moved = SlotWeights(*(t_[perm] for t_ in w))
