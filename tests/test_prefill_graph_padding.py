@@ -39,17 +39,18 @@ class _EagerPrefillGraphs:
     """`PrefillGraphs.run`'s contract, eagerly: the padded batch through `_Pieces` (pieces=True) or
     through the plain padded forward (pieces=False)."""
 
-    def __init__(self, cfg, dtype, max_tokens: int, pieces: bool) -> None:
-        self.buckets = prefill_buckets(max_tokens)
+    def __init__(self, cfg, dtype, max_tokens: int, pieces: bool, max_seqs: int = 1) -> None:
+        self.buckets, self.max_seqs = prefill_buckets(max_tokens), max_seqs
         self.buffers = CoreBuffers(self.buckets[-1], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                    dtype, torch.device("cpu"))
-        self.pieces, self.disabled, self.rows_seen, self.cores = pieces, None, [], 0
+        self.pieces, self.disabled, self.rows_seen, self.seqs_seen, self.cores = pieces, None, [], [], 0
 
     bucket = PrefillGraphs.bucket
     rows_for = PrefillGraphs.rows_for
 
     def run(self, rows, key, batch, forward):
         self.rows_seen.append((rows, int(batch.input_ids.shape[0])))
+        self.seqs_seen.append(len(batch.seqs))
         if self.pieces:
             batch.pieces = _Pieces(batch, self.buffers, rows)
         try:
@@ -60,10 +61,10 @@ class _EagerPrefillGraphs:
             batch.pieces = None
 
 
-def padded_engine(path, pieces: bool, max_tokens: int = 64, **opts):
+def padded_engine(path, pieces: bool, max_tokens: int = 64, max_seqs: int = 1, **opts):
     llm = make_llm(path, **opts)
     runner = llm.engine.runner
-    graphs = _EagerPrefillGraphs(llm.engine.model.cfg, llm.engine.model.dtype, max_tokens, pieces)
+    graphs = _EagerPrefillGraphs(llm.engine.model.cfg, llm.engine.model.dtype, max_tokens, pieces, max_seqs)
     runner.prefill_graphs = graphs
     runner._prefill_graph_rows = graphs.rows_for  # the graphs' rule, less the runner's CUDA-only conditions
     return llm, graphs
@@ -116,6 +117,55 @@ def test_padded_prefill_after_prefix_hit(tiny_one):
         assert torch.allclose(got[0], want[0], rtol=1e-4, atol=1e-4)
         assert got[1] == want[1]
     assert any(t < 64 for t in (len(p) - 48 for p in prompts))
+
+
+def test_padded_prefill_of_several_sequences(tiny_one):
+    """Prefills of several sequences in one step (`max_seqs` above 1, as `MAX_SEQS` would allow once
+    verified on the device): padded after the last one, each sequence's logits and greedy tokens as
+    the unpadded engine's; a step of one token per sequence stays eager."""
+    _, _, path = tiny_one
+    prompts = [prompt_of(n, seed=20 + n) for n in (9, 23, 30)]
+    params = SamplingParams(**GREEDY)
+
+    def run(llm):
+        eng = llm.engine
+        seqs = [eng.add_request(p, params) for p in prompts]
+        eng.step()  # one prefill step for all three (64 tokens fit one chunk budget)
+        first = eng.last_logits.clone()
+        eng.run_until_done(seqs)
+        return first, [list(q.output_ids) for q in seqs]
+
+    want = run(make_llm(path, max_prefill_length=64))
+    llm, graphs = padded_engine(path, True, max_seqs=4, max_prefill_length=64)
+    got = run(llm)
+    assert graphs.seqs_seen and graphs.seqs_seen[0] == 3 and graphs.rows_seen[0] == (64, 64)
+    assert torch.allclose(got[0], want[0], rtol=1e-4, atol=1e-4)
+    assert got[1] == want[1]
+
+
+def test_which_prefills_replay():
+    """`PrefillGraphs.rows_for`: the bucket of the tokens for up to max_seqs sequences with their last
+    logits only; eager (None) for one token per sequence, prompt logprobs (more logit rows), KV
+    calibration, a routing trace, too many sequences or tokens, and after a failed capture."""
+    from ft.engine.step_inputs import StepInputs
+
+    g = PrefillGraphs(256, 4, 2, 8, torch.float32, torch.device("cpu"), max_seqs=2)
+
+    def inp(lengths, **kw):
+        ids = [5] * sum(lengths)
+        seqs = [(0, n, [0], i) for i, n in enumerate(lengths)]
+        logit_index = kw.pop("logit_index", [sum(lengths[: i + 1]) - 1 for i in range(len(lengths))])
+        return StepInputs("prefill", ids, list(range(len(ids))), seqs, logit_index, list(range(len(lengths))), **kw)
+
+    assert g.rows_for(inp([2])) == 64 and g.rows_for(inp([40, 30])) == 128 and g.rows_for(inp([256])) == 256
+    assert g.rows_for(inp([1])) is None and g.rows_for(inp([1, 1])) is None and g.rows_for(inp([1, 2])) == 64
+    assert g.rows_for(inp([3, 3, 3])) is None  # over max_seqs
+    assert g.rows_for(inp([257])) is None  # over the largest bucket
+    assert g.rows_for(inp([5], logit_index=[0, 1, 2, 3, 4])) is None  # prompt logprobs
+    assert g.rows_for(inp([5], calibrate_kv=True)) is None
+    assert g.rows_for(inp([5], forced=[0] * 5)) is None
+    g.disabled = "a capture failed"
+    assert g.rows_for(inp([5])) is None
 
 
 def test_prefill_buckets():

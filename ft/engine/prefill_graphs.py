@@ -1,5 +1,5 @@
-"""CUDA graphs of short prefills: the whole forward of a one-sequence prefill of up to
-`--prefill-graph-max-tokens` tokens, padded to a token bucket, replayed in pieces around the
+"""CUDA graphs of short prefills: the whole forward of a prefill of up to `--prefill-graph-max-tokens`
+tokens (one sequence; up to `MAX_SEQS`), padded to a token bucket, replayed in pieces around the
 attention layers' cores.
 
 Why: a 1K-token prefill of the flagship is ~2,500 kernel launches whose host work (~28 us each on
@@ -45,6 +45,10 @@ log = logging.getLogger("ft.engine")
 
 BUCKETS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 """Token buckets a prefill pads to (those up to the engine's limit)."""
+MAX_SEQS = 1
+"""Sequences a graphed prefill may hold (a batch of several: graphs per (bucket, sequence count), the
+Gated DeltaNet kernels' grids depend on the count). 1 until several are verified on the device
+(the CPU tests run up to 4 through the same padding and cores)."""
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:
@@ -56,9 +60,9 @@ def prefill_buckets(max_tokens: int) -> list[int]:
 
 
 def padded_inputs(inp: StepInputs, rows: int) -> StepInputs:
-    """A one-sequence prefill's inputs padded to `rows` tokens for its prefill graphs: token id 0 at
-    the positions after the chunk's; the sequence keeps its real length (the attention cores and the
-    delta rule read only its tokens)."""
+    """A prefill's inputs padded to `rows` tokens for its prefill graphs: token id 0 at the positions
+    after the last chunk's; the sequences keep their real lengths (the attention cores and the
+    delta rule read only their tokens)."""
     pad = rows - len(inp.ids)
     last = inp.pos[-1] if inp.pos else -1
     return StepInputs(inp.kind, inp.ids + [0] * pad, inp.pos + list(range(last + 1, last + 1 + pad)), inp.seqs,
@@ -122,11 +126,14 @@ class _Capture:
 
 class PrefillGraphs:
     def __init__(self, max_tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, max_seqs: int = MAX_SEQS) -> None:
         self.buckets = prefill_buckets(max_tokens)
+        self.max_seqs = max_seqs
         self._dims = (heads, kv_heads, head_dim, dtype, device)
         self._buffers: CoreBuffers | None = None
-        self._graphs: dict[int, tuple[list[torch.cuda.CUDAGraph], list[tuple[Callable, tuple]], torch.Tensor]] = {}
+        # (bucket, sequences) -> the pieces' graphs, the cores between them, the logits
+        self._graphs: dict[tuple[int, int], tuple[list[torch.cuda.CUDAGraph], list[tuple[Callable, tuple]],
+                                                  torch.Tensor]] = {}
         self._pool = None
         self._key: Hashable = None
         self.captures = 0
@@ -140,12 +147,13 @@ class PrefillGraphs:
         return next((b for b in self.buckets if b >= n), None)
 
     def rows_for(self, inp: StepInputs) -> int | None:
-        """The bucket a prefill's inputs replay, or None (eager): one sequence of two tokens or more,
-        its last position's logits only, no KV calibration and no routing trace (their inputs are not
-        in the graphs' buffers). A one-token prefill (a prompt after a full prefix hit) stays eager:
-        unpadded, its Gated DeltaNet layers take the recurrent decode step, padded the chunked form
-        (other bf16 roundings, other greedy tokens on a test model)."""
-        if self.disabled or len(inp.seqs) != 1 or len(inp.logit_index) != 1 or len(inp.ids) < 2 \
+        """The bucket a prefill's inputs replay, or None (eager): up to `max_seqs` sequences, their last
+        positions' logits only, no KV calibration and no routing trace (their inputs are not in the
+        graphs' buffers), and not one token per sequence (a prompt after a full prefix hit): such a
+        batch, unpadded, takes the recurrent decode step in its Gated DeltaNet layers, padded the
+        chunked form (other bf16 roundings, other greedy tokens on a test model)."""
+        n = len(inp.seqs)
+        if self.disabled or not 1 <= n <= self.max_seqs or len(inp.logit_index) != n or len(inp.ids) <= n \
                 or inp.calibrate_kv or inp.forced is not None:
             return None
         return self.bucket(len(inp.ids))
@@ -167,7 +175,7 @@ class PrefillGraphs:
         if key != self._key:
             self.invalidate()
             self._key = key
-        entry = self._graphs.get(rows)
+        entry = self._graphs.get((rows, len(batch.seqs)))
         if entry is not None:
             graphs, cores, out = entry
             for i, graph in enumerate(graphs):
@@ -208,7 +216,7 @@ class PrefillGraphs:
             torch.cuda.current_stream().wait_stream(stream)
             return logits
         torch.cuda.current_stream().wait_stream(stream)
-        self._graphs[rows] = (capture.graphs, capture.cores, out)
+        self._graphs[(rows, len(batch.seqs))] = (capture.graphs, capture.cores, out)
         self.captures += 1
         self.capture_s += time.perf_counter() - t0
         self.reserved_bytes += max(0, torch.cuda.memory_reserved() - reserved)
