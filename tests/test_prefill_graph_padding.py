@@ -48,7 +48,7 @@ class _EagerPrefillGraphs:
     bucket = PrefillGraphs.bucket
     rows_for = PrefillGraphs.rows_for
 
-    def run(self, rows, key, batch, forward):
+    def run(self, rows, key, batch, forward, kv_layer):
         self.rows_seen.append((rows, int(batch.input_ids.shape[0])))
         self.seqs_seen.append(len(batch.seqs))
         if self.pieces:

@@ -413,7 +413,7 @@ class ModelRunner:
                 return self.model.forward(self.load(inp), self.pools)
             batch = self.load(padded_inputs(inp, rows))
             return self.prefill_graphs.run(rows, self._graph_key(experts, None, kv=False), batch,
-                                           lambda: self.model.forward(batch, self.pools))
+                                           lambda: self.model.forward(batch, self.pools), self.pools.kv.layer)
         # decode: a graph replay where one applies, else eager; offloaded experts in read-through
         # mode are bracketed by the cache's begin_step / end_step
         if rt is not None:

@@ -167,11 +167,15 @@ class PrefillGraphs:
         self._pool, self._key, self._buffers = None, None, None
         torch.cuda.synchronize()
 
-    def run(self, rows: int, key: Hashable, batch, forward: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+    def run(self, rows: int, key: Hashable, batch, forward: Callable[[], torch.Tensor | None],
+            kv_layer: Callable[[int], tuple]) -> torch.Tensor | None:
         """The logits of this prefill: replayed from bucket `rows`' graphs, or computed eagerly (padded
         to `rows`) and captured for the next prefills of that bucket. `batch` is this step's
         `ForwardBatch` over the runner's persistent buffers (padded to `rows`); `forward()` runs
-        the model on it and reads `batch.pieces` (None: eager)."""
+        the model on it and reads `batch.pieces` (None: eager). `kv_layer(i)` is the KV pool's
+        attention layer i now (`KVPool.layer`): a replay hands each core the pool's current tensors,
+        not the ones of the capture (a rebuild may have resized or moved them; the graphs never
+        read the KV pool, so they stay valid)."""
         if key != self._key:
             self.invalidate()
             self._key = key
@@ -181,9 +185,8 @@ class PrefillGraphs:
             for i, graph in enumerate(graphs):
                 graph.replay()
                 if i < len(cores):
-                    fn, args = cores[i]
-                    kv, q, k, v, gate = args
-                    fn(batch, kv, q, k, v, gate, out=self._buffers.out[:rows])
+                    fn, (_, q, k, v, gate) = cores[i]
+                    fn(batch, kv_layer(i), q, k, v, gate, out=self._buffers.out[:rows])
             self.replays += 1
             return None if out is None else out.clone()
         batch.pieces = None
@@ -216,6 +219,13 @@ class PrefillGraphs:
             torch.cuda.current_stream().wait_stream(stream)
             return logits
         torch.cuda.current_stream().wait_stream(stream)
+        # the cores come in the KV pool's layer order (a replay looks each one's KV up by its index)
+        for i, (_, (kv, *_)) in enumerate(capture.cores):
+            if [t.data_ptr() for t in kv if t is not None] != [t.data_ptr() for t in kv_layer(i) if t is not None]:
+                self.disabled = f"prefill graphs: attention core {i} does not read KV layer {i}"
+                log.warning("%s; prefills run eagerly from now on", self.disabled)
+                self.invalidate()
+                return logits
         self._graphs[(rows, len(batch.seqs))] = (capture.graphs, capture.cores, out)
         self.captures += 1
         self.capture_s += time.perf_counter() - t0
