@@ -22,15 +22,18 @@ class _Pieces:
     """`ForwardBatch.pieces` as a replay runs the cores: inputs into the static buffers, the core
     writing the static output's real rows."""
 
-    def __init__(self, batch, buffers: CoreBuffers, rows: int) -> None:
-        self.batch, self.buffers, self.rows = batch, buffers, rows
+    def __init__(self, batch, buffers: CoreBuffers, rows: int, kv_layer) -> None:
+        self.batch, self.buffers, self.rows, self.kv_layer = batch, buffers, rows, kv_layer
         self.cores = 0
 
     def core(self, fn, kv, q, k, v, gate):
+        # a replay hands core i the pool's KV layer i: the cores come in the pool's layer order
+        assert [t.data_ptr() for t in kv if t is not None] == \
+            [t.data_ptr() for t in self.kv_layer(self.cores) if t is not None]
         bq, bk, bv, bg, out = self.buffers.views(self.rows)
         for dst, src in ((bq, q), (bk, k), (bv, v), (bg, gate)):
             dst.copy_(src)
-        fn(self.batch, kv, bq, bk, bv, bg, out=out)
+        fn(self.batch, self.kv_layer(self.cores), bq, bk, bv, bg, out=out)
         self.cores += 1
         return out
 
@@ -52,7 +55,7 @@ class _EagerPrefillGraphs:
         self.rows_seen.append((rows, int(batch.input_ids.shape[0])))
         self.seqs_seen.append(len(batch.seqs))
         if self.pieces:
-            batch.pieces = _Pieces(batch, self.buffers, rows)
+            batch.pieces = _Pieces(batch, self.buffers, rows, kv_layer)
         try:
             return forward()
         finally:
