@@ -46,7 +46,25 @@ def main() -> None:
     ap.add_argument("--combine-block-d", type=int, default=0, metavar="N",
                     help="the split-K decode attention's combine: N columns per program (COMBINE_BLOCK_D; default "
                          "the library's)")
+    ap.add_argument("--prmt", type=int, default=0, metavar="BLOCK_N",
+                    help="the NVFP4 decode attention's byte-permute halves (NVFP4_PRMT, the default) at BLOCK_N keys a "
+                         "step instead of the library's")
+    ap.add_argument("--no-prmt", action="store_true",
+                    help="the NVFP4 decode attention without the byte-permute halves (NVFP4_F16, the default before)")
+    ap.add_argument("--profile-context", type=int, default=32, metavar="N",
+                    help="--profile's prompt length (the decode steps profiled attend to N tokens)")
+    ap.add_argument("--prmt-stages", type=int, default=0, metavar="S",
+                    help="the byte-permute halves' pipeline stages (NVFP4_PRMT_STAGES) instead of the library's")
     args = ap.parse_args()
+    if args.prmt_stages:
+        import ft.kernels.attention.kernel as attention_kernel
+
+        attention_kernel.NVFP4_PRMT_STAGES = args.prmt_stages
+    if args.prmt or args.no_prmt:
+        import ft.kernels.attention.kernel as attention_kernel
+
+        attention_kernel.NVFP4_PRMT_DEFAULT = not args.no_prmt
+        attention_kernel.NVFP4_PRMT_BLOCK_N = args.prmt or attention_kernel.NVFP4_PRMT_BLOCK_N
     if args.combine_block_d:
         import ft.kernels.attention.kernel as attention_kernel
 
@@ -88,7 +106,8 @@ def main() -> None:
     eng.runner.graphs = graphs
     if args.profile:
         for b in batches:
-            profile_steps(eng, list(range(1000, 1032)), args.profile, b)
+            profile_steps(eng, [(1000 + j) % eng.model_config.vocab_size for j in range(args.profile_context)],
+                          args.profile, b)
     print(f"\ngraphs captured {graphs.captures} ({graphs.capture_s:.2f} s), replayed {graphs.replays}")
     print(f"kv cache dtype: {args.kv_cache_dtype}; split-K decode attention aims at "
           f"{attention_split.SPLIT_TARGET_PROGRAMS} programs, at most {attention_split.MAX_SPLITS} splits")

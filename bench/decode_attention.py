@@ -8,7 +8,8 @@ count the engine uses for that context (`decode_attention_splits`), timed as CUD
 over enough layer copies that every call reads HBM (`bench/gpu_timing.py`). Variants: the bf16
 cache; the NVFP4 cache with whole dequantized tiles (`tiles`) and with q's even and odd columns
 against the low and high nibbles (`halves`), fp16 dots over tiles decoded in fp16 a word at a time
-(`f16`, the default since 2026-12-01 at 64 keys a step), each at a few block sizes; `--extra` adds
+(`f16`, the default 2026-12-01), the halves decoded straight to fp16 by byte permutes in inline
+PTX (`prmt`, the default since 2026-12-02), each at a few block sizes; `--extra` adds
 variants (any `decode_config` key, and "splits" to override the split count); `fma` is the CUDA-core
 loop over 32-bit words (`NVFP4_FMA`, off; its spills are 2 KB and its first run did not finish). Prints us per call, the
 KV bytes read per second, and each NVFP4 variant's difference from the reference. Table last.
@@ -33,22 +34,25 @@ from ft.kernels.attention.split import decode_attention_splits, decode_attention
 
 VARIANTS = [  # (label, cache, config overrides)
     ("bf16", "bf16", {}),
-    ("nvfp4 default", "nvfp4", {}),  # since 2026-12-01: fp16 dots, 64 keys a step
+    ("nvfp4 default", "nvfp4", {}),  # since 2026-12-02: the halves decoded by byte permutes (NVFP4_PRMT), 64 keys, 3 stages
     # the split-K combine with one program per head (before session 14: the combine's columns apart)
     ("bf16 combine whole head", "bf16", {"COMBINE_BLOCK_D": 256}),
     ("nvfp4 combine whole head", "nvfp4", {"COMBINE_BLOCK_D": 256}),
-    ("nvfp4 tiles", "nvfp4", {"NVFP4_HALVES": False, "NVFP4_F16": False}),
-    ("nvfp4 tiles N64", "nvfp4", {"NVFP4_HALVES": False, "NVFP4_F16": False, "BLOCK_N": 64}),
-    ("nvfp4 halves", "nvfp4", {"NVFP4_HALVES": True, "NVFP4_F16": False}),
-    ("nvfp4 halves N64", "nvfp4", {"NVFP4_HALVES": True, "NVFP4_F16": False, "BLOCK_N": 64}),
+    ("nvfp4 tiles", "nvfp4", {"NVFP4_PRMT": False, "NVFP4_HALVES": False, "NVFP4_F16": False}),
+    ("nvfp4 tiles N64", "nvfp4", {"NVFP4_PRMT": False, "NVFP4_HALVES": False, "NVFP4_F16": False, "BLOCK_N": 64}),
+    ("nvfp4 halves", "nvfp4", {"NVFP4_PRMT": False, "NVFP4_HALVES": True, "NVFP4_F16": False}),
+    ("nvfp4 halves N64", "nvfp4", {"NVFP4_PRMT": False, "NVFP4_HALVES": True, "NVFP4_F16": False, "BLOCK_N": 64}),
     # fp16 dots over tiles decoded in fp16 a word at a time (session 12; static SASS: the loop 1,765 -> 1,025
     # instructions per 32 tokens against the halves; not measured yet)
-    ("nvfp4 f16", "nvfp4", {"NVFP4_F16": True, "BLOCK_N": 32}),
-    ("nvfp4 f16 N64", "nvfp4", {"NVFP4_F16": True, "BLOCK_N": 64}),
+    ("nvfp4 f16", "nvfp4", {"NVFP4_PRMT": False, "NVFP4_F16": True, "BLOCK_N": 32}),
+    ("nvfp4 f16 N64", "nvfp4", {"NVFP4_PRMT": False, "NVFP4_F16": True, "BLOCK_N": 64}),
+    # the halves decoded straight to fp16 by byte permutes in inline PTX (session 15)
+    ("nvfp4 prmt N32", "nvfp4", {"NVFP4_PRMT": True, "BLOCK_N": 32}),
+    ("nvfp4 prmt N64", "nvfp4", {"NVFP4_PRMT": True, "BLOCK_N": 64}),
     # the CUDA-core loop (not measured yet): warps and the split count decide whether it keeps up
-    ("nvfp4 fma w1 s512", "nvfp4", {"NVFP4_FMA": True, "BLOCK_N": 16, "num_warps": 1, "splits": 512}),
-    ("nvfp4 fma w2 s256", "nvfp4", {"NVFP4_FMA": True, "BLOCK_N": 16, "num_warps": 2, "splits": 256}),
-    ("nvfp4 fma w4", "nvfp4", {"NVFP4_FMA": True, "BLOCK_N": 16, "num_warps": 4}),
+    ("nvfp4 fma w1 s512", "nvfp4", {"NVFP4_PRMT": False, "NVFP4_FMA": True, "BLOCK_N": 16, "num_warps": 1, "splits": 512}),
+    ("nvfp4 fma w2 s256", "nvfp4", {"NVFP4_PRMT": False, "NVFP4_FMA": True, "BLOCK_N": 16, "num_warps": 2, "splits": 256}),
+    ("nvfp4 fma w4", "nvfp4", {"NVFP4_PRMT": False, "NVFP4_FMA": True, "BLOCK_N": 16, "num_warps": 4}),
 ]
 
 

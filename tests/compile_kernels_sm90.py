@@ -147,7 +147,9 @@ def prefill_cfg(head_dim: int, group: int) -> dict:
 def decode_cfg(head_dim: int, group: int, fp8: bool = False, nvfp4: bool = False) -> dict:
     # every constexpr named
     cfg = {"PAGE_SIZE": 64, **attn.decode_config(head_dim, group, torch.bfloat16), "KV_FP8": fp8, "KV_NVFP4": nvfp4}
-    return {**cfg, "EVEN_D": head_dim == cfg["BLOCK_D"]}  # as the wrapper sets it
+    # the byte-permute halves (NVFP4_PRMT, the NVFP4 default) only where a case names them, with the wrapper's
+    # block size, stages and the PTX on (as on a GPU)
+    return {**cfg, "EVEN_D": head_dim == cfg["BLOCK_D"], "NVFP4_PRMT": False}  # EVEN_D as the wrapper sets it
 
 
 def gemv_cfg(m: int, n: int, k: int) -> dict:
@@ -317,6 +319,9 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("decode attention split-K G 8, D 256, nvfp4 cache, fp16 dots over word-decoded tiles", attn._decode_split_kernel,
      {**DECODE_SPLIT, "p_kc": "*u8", "p_vc": "*u8"},
      {**decode_cfg(256, 8, nvfp4=True), "NVFP4_F16": True, "EVEN_D": True, "NVFP4_WORDS": True}),
+    ("decode attention split-K G 8, D 256, nvfp4 cache, halves decoded by byte permutes (PTX)",
+     attn._decode_split_kernel, {**DECODE_SPLIT, "p_kc": "*u8", "p_vc": "*u8", "p_q": "*fp16"},
+     {**decode_cfg(256, 8, nvfp4=True), "NVFP4_PRMT": True, "NVFP4_ASM": True, "BLOCK_N": 64}),
     ("decode attention split-K G 8, D 256, nvfp4 cache, whole tiles", attn._decode_split_kernel,
      {**DECODE_SPLIT, "p_kc": "*u8", "p_vc": "*u8"}, {**decode_cfg(256, 8, nvfp4=True), "NVFP4_HALVES": False}),
     ("prefill attention G 8, D 256", attn_pf._prefill_kernel, PREFILL,

@@ -452,7 +452,8 @@ def test_write_kv_nvfp4_prefill_and_decode_references_agree():
 # the default loops (halves, f16) on every case; the variants that are off by default (whole tiles,
 # the CUDA-core loop, which needs D % 64 == 0) on two cases each, to keep the interpreter's time bounded
 NVFP4_LOOP_CASES = [(loop, c, i) for loop in ("halves", "f16") for c, i in zip(CASES, CASE_IDS)] + \
-    [("tiles", CASES[k], CASE_IDS[k]) for k in (0, 5)] + [("fma", CASES[k], CASE_IDS[k]) for k in (2, 5)]
+    [("tiles", CASES[k], CASE_IDS[k]) for k in (0, 5)] + [("fma", CASES[k], CASE_IDS[k]) for k in (2, 5)] + \
+    [("prmt", CASES[k], CASE_IDS[k]) for k in (2, 5)]
 
 
 @pytest.mark.parametrize("path", ["single", "split3"])
@@ -465,7 +466,8 @@ def test_decode_attention_nvfp4_cache(loop, case, path):
     nibbles (`NVFP4_HALVES`, the default; it takes D >= 32, smaller heads run the tiles), and
     the CUDA-core loop over 32-bit words (`NVFP4_FMA`; D % 64 == 0, else the halves), and fp16 dots
     over tiles decoded in fp16 (`NVFP4_F16`; a word at a time where D % 64 == 0 and D == BLOCK_D;
-    fp32 queries rounded to fp16: within fp16's tolerance)."""
+    fp32 queries rounded to fp16: within fp16's tolerance), and the halves decoded straight to fp16
+    (`NVFP4_PRMT`: D % 64 == 0; on CPU its byte-wise stand-in for the PTX, fp32 queries keep the halves)."""
     seq_lens, hq, hkv, d, page = case
     kv4, table, lens, scale = nvfp4_batch(seq_lens, hkv, d, page)
     k_cache, v_cache = layer_views(kv4)
@@ -479,8 +481,9 @@ def test_decode_attention_nvfp4_cache(loop, case, path):
         y = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, d ** -0.5, splits=splits, out=out,
                                           gate=gate, config={"BLOCK_N": 16, "NVFP4_HALVES": loop == "halves",
                                                                   "NVFP4_FMA": loop == "fma",
-                                                                  "NVFP4_F16": loop == "f16"}, kv_scale=scale)
-        assert rel_rms(y, ref) < TOL[torch.float16 if loop == "f16" else dtype], (dtype, gated)
+                                                                  "NVFP4_F16": loop == "f16",
+                                                                  "NVFP4_PRMT": loop == "prmt"}, kv_scale=scale)
+        assert rel_rms(y, ref) < TOL[torch.float16 if loop in ("f16", "prmt") else dtype], (dtype, gated)
         for i, n in enumerate(seq_lens):
             if n == 0:
                 assert torch.equal(y[i], torch.zeros_like(y[i]))

@@ -256,9 +256,15 @@ def test_paged_decode_attention_nvfp4(batch, ctx, gated):
         y = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx, splits=forced,
                                           out=out, gate=gate, kv_scale=scale)
         assert rel_rms(y, ref) < TOL, f"splits={forced or splits}"
-        y16 = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx, splits=forced,
-                                            gate=gate, kv_scale=scale, config={"NVFP4_F16": False})  # the halves
-        assert rel_rms(y16, ref) < TOL, f"NVFP4_HALVES, splits={forced or splits}"
+        for name, cfg in (("NVFP4_F16", {"NVFP4_PRMT": False}), ("NVFP4_HALVES", {"NVFP4_PRMT": False, "NVFP4_F16": False}),
+                          ("NVFP4_PRMT 32 keys", {"NVFP4_PRMT": True, "BLOCK_N": 32})):
+            yv = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx, splits=forced,
+                                               gate=gate, kv_scale=scale, config=cfg)
+            assert rel_rms(yv, ref) < TOL, f"{name}, splits={forced or splits}"
+        # the default (NVFP4_PRMT: the PTX byte-permute decode) against its byte-wise stand-in: the same fp16 tiles
+        yb = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx, splits=forced,
+                                           gate=gate, kv_scale=scale, config={"NVFP4_ASM": False})
+        assert torch.equal(y, yb), "the PTX decode and the byte-wise one give other fp16 values"
     y_rule = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx, gate=gate,
                                            kv_scale=scale)
     assert torch.equal(paged_decode_attention(q, k_cache, v_cache, table, lens, SCALE, max_seq_len=ctx, gate=gate,

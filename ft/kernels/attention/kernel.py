@@ -54,6 +54,8 @@ stages); the rest is untuned.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -173,7 +175,8 @@ def _decode_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, HAS_GATE: tl.constexpr, KV_FP8: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
     NVFP4_HALVES: tl.constexpr = False, NVFP4_FMA: tl.constexpr = False, EVEN_D: tl.constexpr = False,
-    NVFP4_F16: tl.constexpr = False, NVFP4_WORDS: tl.constexpr = False,
+    NVFP4_F16: tl.constexpr = False, NVFP4_WORDS: tl.constexpr = False, NVFP4_PRMT: tl.constexpr = False,
+    NVFP4_ASM: tl.constexpr = False,
 ):
     i_b = tl.program_id(0)
     i_kv = tl.program_id(1)
@@ -185,6 +188,10 @@ def _decode_kernel(
         _, b_l, b_acc = _attend_nvfp4_fma(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch,
                                           p_pt + i_b * stride_ptb, 0, seq_len, D, qk_scale, stride_kcp, stride_kcs,
                                           stride_vcp, stride_vcs, PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D)
+    elif KV_NVFP4 and NVFP4_PRMT:
+        _, b_l, b_acc = _attend_nvfp4(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
+                                      0, seq_len, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
+                                      PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, EVEN_D, True, NVFP4_ASM)
     elif KV_NVFP4 and NVFP4_F16:
         _, b_l, b_acc = _attend(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
                                 0, seq_len, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
@@ -220,7 +227,8 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
     NVFP4_HALVES: tl.constexpr = False, NVFP4_FMA: tl.constexpr = False, EVEN_D: tl.constexpr = False,
-    NVFP4_F16: tl.constexpr = False, NVFP4_WORDS: tl.constexpr = False,
+    NVFP4_F16: tl.constexpr = False, NVFP4_WORDS: tl.constexpr = False, NVFP4_PRMT: tl.constexpr = False,
+    NVFP4_ASM: tl.constexpr = False,
 ):
     i_b = tl.program_id(0)
     i_kv = tl.program_id(1)
@@ -237,6 +245,11 @@ def _decode_split_kernel(
         b_m, b_l, b_acc = _attend_nvfp4_fma(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch,
                                             p_pt + i_b * stride_ptb, lo, hi, D, qk_scale, stride_kcp, stride_kcs,
                                             stride_vcp, stride_vcs, PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D)
+    elif KV_NVFP4 and NVFP4_PRMT:
+        b_m, b_l, b_acc = _attend_nvfp4(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch,
+                                        p_pt + i_b * stride_ptb, lo, hi, D, qk_scale, stride_kcp, stride_kcs,
+                                        stride_vcp, stride_vcs, PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, EVEN_D,
+                                        True, NVFP4_ASM)
     elif KV_NVFP4 and NVFP4_F16:
         b_m, b_l, b_acc = _attend(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
                                   lo, hi, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
@@ -359,10 +372,28 @@ NVFP4_F16_DEFAULT = True
 for the halves (1.30x), 19.7 against 24.8 at 4K; rel RMS against the reference 1.7e-3 (halves 2.2e-3)."""
 
 
+NVFP4_PRMT_DEFAULT = True
+"""`decode_config`'s NVFP4_PRMT: the NVFP4 halves decoded straight to fp16 by byte permutes in inline
+PTX (`ft.kernels.nvfp4.decode.e2m1_halves_f16`, ~3 instructions an element), fp16 dots,
+NVFP4_PRMT_BLOCK_N keys a step, NVFP4_PRMT_STAGES pipeline stages. H200 (bench/decode_attention.py,
+16/2 heads, D 256, 2026-12-02, one run): 128K context 87.5 us for NVFP4_F16 (the default before) ->
+71.2 us (64 keys, 3 stages; 78.1 with 2 stages, 73.3 at 128 keys, 82.5 at 32, 97.6 in 8 warps),
+4K 19.4 -> 17.1 us. Statically (sm_90 SASS per 32 keys, 2 stages) the loop is no shorter than
+NVFP4_F16's (1,082 against 1,009 instructions: q's fragments reloaded per tile and the scale
+bytes' packing take what the decode saves) but it issues fewer conversions (F2FP 34 against 72)."""
+NVFP4_PRMT_BLOCK_N = 64
+NVFP4_PRMT_STAGES = 3
+
+
 COMBINE_BLOCK_D = 64
 """Columns of the head dim per program of the split-K combine (the whole head when smaller). H200,
 flagship heads, batch 1 (bench/decode_attention.py --profile, 2026-12-01): 128 splits (128K) 9.3 ->
 4.4 us against one program per head, 16 splits (4K) 2.2 -> 1.8 us."""
+
+
+def _interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1), where inline PTX cannot run."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def decode_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
@@ -371,7 +402,7 @@ def decode_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
     return {"BLOCK_G": max(16, triton.next_power_of_2(group)), "BLOCK_N": 32 if block_d > 128 else 64,
             "BLOCK_D": block_d, "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "num_warps": 4,
             "num_stages": 2, "NVFP4_HALVES": True, "NVFP4_FMA": False, "NVFP4_F16": NVFP4_F16_DEFAULT,
-            "NVFP4_WORDS": False}
+            "NVFP4_WORDS": False, "NVFP4_PRMT": NVFP4_PRMT_DEFAULT}
 
 
 def paged_decode_attention_triton(
@@ -449,6 +480,14 @@ def paged_decode_attention_triton(
     if cfg["NVFP4_F16"] and not (config or {}).get("BLOCK_N"):
         cfg["BLOCK_N"] = 64  # measured: 64 keys a step beat 32 with the fp16 tiles (92 against 107 us at 128K)
     cfg["NVFP4_WORDS"] = cfg["EVEN_D"] and d % 64 == 0 and _word_aligned(k_cache, v_cache)  # with NVFP4_F16
+    # the halves decoded to fp16 by byte permutes: four bytes per PTX instance (whole rows, D % 64 == 0)
+    cfg["NVFP4_PRMT"] = (bool(cfg.get("NVFP4_PRMT", False)) and kv_flags["KV_NVFP4"] and q.dtype != torch.float32
+                         and cfg["EVEN_D"] and d % 64 == 0)
+    cfg["NVFP4_ASM"] = cfg["NVFP4_PRMT"] and bool(cfg.get("NVFP4_ASM", True)) and q.is_cuda and not _interpreting()
+    if cfg["NVFP4_PRMT"] and not (config or {}).get("BLOCK_N"):
+        cfg["BLOCK_N"] = NVFP4_PRMT_BLOCK_N
+    if cfg["NVFP4_PRMT"] and not (config or {}).get("num_stages"):
+        cfg["num_stages"] = NVFP4_PRMT_STAGES
     common = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0))
     scale2 = scale * LOG2E

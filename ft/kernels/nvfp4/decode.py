@@ -7,7 +7,10 @@ inlined into the linear (`kernel.py`), MoE and attention kernels. Details module
 * word-wise: `_lo_e4m3_word` / `_hi_e4m3_word` (four nibbles' E4M3 bits in one 32-bit operation),
   `_byte_f32` (one of them to fp32), `_split8` / `_join8` (a word's 8 element lanes apart and back)
   and `words_tile_f16` (a scaled [rows, k] fp16 tile, a word at a time: Triton runs uint8
-  arithmetic one byte per instruction, so this is ~2x fewer instructions than `dequant_tile`).
+  arithmetic one byte per instruction, so this is ~2x fewer instructions than `dequant_tile`);
+* `e2m1_halves_f16`: code bytes and their scale bytes -> the scaled low and high nibbles in fp16,
+  on the GPU by inline PTX (byte permutes from a table, ~3 instructions per element; Hopper has
+  no E2M1 conversion), elsewhere (the interpreter) by the byte-wise helpers, to the same values.
 """
 
 from __future__ import annotations
@@ -15,7 +18,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["dequant_tile", "words_tile_f16"]
+__all__ = ["dequant_tile", "e2m1_halves_f16", "words_tile_f16"]
+
+E2M1_F16_TABLE = (0x3E3C3800, 0x46444240)
+"""The high bytes of the fp16 values of the E2M1 magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 (the low
+bytes are 0), byte i of the pair = magnitude code i: `prmt`'s 8-byte table."""
 
 
 @triton.jit
@@ -131,3 +138,66 @@ def dequant_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, kb0, half_k, dtype: t
     b_s = tl.reshape(tl.broadcast_to(b_s[:, :, None], (BLOCK_R, G, 16)), (BLOCK_R, BLOCK_K))
     b_dec = tl.reshape(tl.join(_e2m1_lo(b_w), _e2m1_hi(b_w)), (BLOCK_R, BLOCK_K))  # even, odd interleaved
     return (b_dec * b_s).to(dtype)
+
+
+_E2M1_HALVES_PTX = tl.constexpr("""
+{
+.reg .b32 t0, t1, z, m, w4, s, v, g, c01, c23;
+.reg .b16 sa, sb;
+mov.b32 t0, %d;
+mov.b32 t1, %d;
+mov.b32 z, 0;
+mov.b32 m, 0x80008000;
+mov.b32 {sa, sb}, $5;
+cvt.rn.f16x2.e4m3x2 c01, sa;
+cvt.rn.f16x2.e4m3x2 c23, sb;
+shl.b32 w4, $4, 4;
+and.b32 s, w4, 0x7070;
+prmt.b32 v, t0, t1, s;
+prmt.b32 g, w4, z, 0x9484;
+lop3.b32 v, v, g, m, 0xF8;
+mul.rn.f16x2 $0, v, c01;
+shr.b32 s, $4, 12;
+and.b32 s, s, 0x7070;
+prmt.b32 v, t0, t1, s;
+prmt.b32 g, w4, z, 0xB4A4;
+lop3.b32 v, v, g, m, 0xF8;
+mul.rn.f16x2 $1, v, c23;
+and.b32 s, $4, 0x7070;
+prmt.b32 v, t0, t1, s;
+prmt.b32 g, $4, z, 0x9484;
+lop3.b32 v, v, g, m, 0xF8;
+mul.rn.f16x2 $2, v, c01;
+shr.b32 s, $4, 16;
+and.b32 s, s, 0x7070;
+prmt.b32 v, t0, t1, s;
+prmt.b32 g, $4, z, 0xB4A4;
+lop3.b32 v, v, g, m, 0xF8;
+mul.rn.f16x2 $3, v, c23;
+}
+""" % E2M1_F16_TABLE)
+"""Four code bytes ($4) and their four E4M3 scale bytes ($5) -> the low nibbles' values ($0: bytes 0
+and 1, $1: bytes 2 and 3, fp16 pairs) and the high nibbles' ($2, $3), each times its byte's scale.
+A pair's magnitudes: `prmt` over the table with the two 3-bit codes as the selectors of the high
+bytes (selector 0 picks the table's 0 for the low bytes); its signs: `prmt` in sign-replicate
+mode (a selector's bit 3) copies each code's sign bit, moved to its byte's top bit (the low
+nibbles shifted by 4 first), over the high byte, and `lop3` keeps bit 15 of each half (a | (b & c),
+LUT 0xF8); then one `mul.f16x2` by the scales, exact (a code times an E4M3 scale has at most 6
+significant bits and lies in [2**-10, 2,688]). Each pair takes its own two scale bytes, so the
+result does not depend on which four elements Triton packs together."""
+
+
+@triton.jit
+def e2m1_halves_f16(b_w, b_s, ASM: tl.constexpr):
+    """uint8 code bytes b_w and uint8 E4M3 scale bytes b_s (same shape: each byte's block scale) ->
+    (low nibble x scale, high nibble x scale) as float16, exact, without the global scale.
+    ASM (a CUDA device, not the interpreter): `_E2M1_HALVES_PTX`, four bytes per instance;
+    otherwise the byte-wise decode (`_e2m1_lo` / `_e2m1_hi`, times 2**-6) to the same values."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(_E2M1_HALVES_PTX, "=r,=r,=r,=r,r,r", [b_w, b_s],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        sc = _e4m3(b_s) * 64.0  # (the nibble decode gives values times 2**-6)
+        lo = (_e2m1_lo(b_w) * sc).to(tl.float16)
+        hi = (_e2m1_hi(b_w) * sc).to(tl.float16)
+    return lo, hi
