@@ -51,11 +51,18 @@ def main() -> None:
                          "step instead of the library's")
     ap.add_argument("--no-prmt", action="store_true",
                     help="the NVFP4 decode attention without the byte-permute halves (NVFP4_F16, the default before)")
+    ap.add_argument("--no-halves", action="store_true",
+                    help="the small-M NVFP4 tl.dot tile without the byte-permute halves (DOT_HALVES off, the default "
+                         "before)")
     ap.add_argument("--profile-context", type=int, default=32, metavar="N",
                     help="--profile's prompt length (the decode steps profiled attend to N tokens)")
     ap.add_argument("--prmt-stages", type=int, default=0, metavar="S",
                     help="the byte-permute halves' pipeline stages (NVFP4_PRMT_STAGES) instead of the library's")
     args = ap.parse_args()
+    if args.no_halves:
+        import ft.kernels.nvfp4.kernel as nvfp4_kernel
+
+        nvfp4_kernel.DOT_HALVES = False
     if args.prmt_stages:
         import ft.kernels.attention.kernel as attention_kernel
 

@@ -146,6 +146,10 @@ def decode_rows(args, base, say, failures):
                 failures.append((name, m, errs))
             t_new = s.time(nvfp4_linear_triton)
             t_old = s.time(base["nvfp4"].nvfp4_linear_triton) if base else None
+            if args.interleaved and m > 2 and not base:  # "before": the 16-row tile without the halves
+                from ft.kernels.nvfp4.kernel import _dot_config
+
+                t_old = s.time(nvfp4_linear_triton, path="dot", config={**_dot_config(m, n, k), "HALVES": False})
             t_ref = s.time_torch()
             best = ("default", t_new)
             if args.sweep and not (m == 1 and args.sweep_skip_m1):
@@ -168,7 +172,7 @@ def decode_rows(args, base, say, failures):
                         best = (f"{path} {cfg}", tc)
             gbs = nbytes(m, n, k) / (t_new * 1e-6) / 1e9
             rows.append((name, f"{n}x{k}", m, t_new, gbs, gbs / COPY_CEILING_GBS, t_old, t_ref, max(errs), best))
-            before = f", before {t_old:.2f} us" if base else ""
+            before = f", before {t_old:.2f} us" if t_old is not None else ""
             say(f"{name} M{m}: {t_new:.2f} us ({gbs:.0f} GB/s){before}, torch bf16 {t_ref:.2f} us, err {max(errs):.1e}")
             del s
             torch.cuda.empty_cache()
@@ -345,13 +349,13 @@ def print_tables(say, before: bool, dec, pre, moe, router) -> None:
     if dec:
         head = ["shape", "N x K", "M", "us", "GB/s", "of 4.3 TB/s"] + (["before us", "after/before"] if before else [])
         rows = [[name, nk, str(m), f"{us:.2f}", f"{gbs:.0f}", f"{frac:.0%}"]
-                + ([f"{us_old:.2f}", f"{us_old / us:.2f}x"] if before else [])
+                + ([_f(us_old, ".2f"), "-" if us_old is None else f"{us_old / us:.2f}x"] if before else [])
                 + [f"{us_ref:.2f}", f"{us_ref / us:.2f}x", f"{e:.1e}", f"{best[0]} ({best[1]:.2f})"]
                 for name, nk, m, us, gbs, frac, us_old, us_ref, e, best in dec]
         _table(say, head + ["torch bf16 us", "vs torch", "rel RMS", "best swept (us)"], rows)
     if pre:
         head = ["prefill GEMM", "N x K", "M", "us", "TFLOP/s"] + (["before us"] if before else [])
-        rows = [[name, nk, str(m), f"{us:.1f}", f"{flops / us / 1e6:.0f}"] + ([f"{us_old:.1f}"] if before else [])
+        rows = [[name, nk, str(m), f"{us:.1f}", f"{flops / us / 1e6:.0f}"] + ([_f(us_old, ".1f")] if before else [])
                 + [f"{us_ref:.1f}", f"{flops / us_ref / 1e6:.0f}", f"{us_ref / us:.2f}", f"{e:.1e}", f"{best[0]} ({best[1]:.1f})"]
                 for name, nk, m, us, us_old, us_ref, flops, e, best in pre]
         _table(say, head + ["torch bf16 us", "torch TFLOP/s", "of torch", "rel RMS", "best swept"], rows)
@@ -375,6 +379,8 @@ def main() -> None:
     ap.add_argument("--only", default="decode,prefill,moe,grouped")
     ap.add_argument("--sweep-skip-m1", action="store_true", help="no M = 1 GEMV sweep")
     ap.add_argument("--log", default=None)
+    ap.add_argument("--interleaved", action="store_true",
+                    help="M = 8: the 'before' column is the 16-row tl.dot tile without the halves (HALVES off)")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU, Triton interpreter, shapes / 16, one sweep entry each: checks the script, not the kernels")
     ap.add_argument("--baseline-rev", default=None, metavar="REV",
@@ -406,7 +412,7 @@ def main() -> None:
     pre = prefill_rows(args, base, say, failures) if "prefill" in only else []
     moe = moe_rows(args, base, say, failures) if "moe" in only else []
     router = router_row(say, failures) if "moe" in only else None
-    print_tables(say, base is not None, dec, pre, moe, router)
+    print_tables(say, base is not None or args.interleaved, dec, pre, moe, router)
     if failures:
         say("FAILURES:", failures)
         sys.exit(1)

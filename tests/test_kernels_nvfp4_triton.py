@@ -154,3 +154,45 @@ def test_dot_word_decode_is_the_byte_decode(dtype, swap):
     by_words = nvfp4_linear_triton(x, packed, scale, scale_2, path="dot", config={**cfg, "WORDS": True})
     assert torch.equal(by_words, by_bytes)
     assert _rel_rms(by_words, nvfp4_linear_ref(x, packed, scale, scale_2)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_e2m1_halves_stand_in_is_exact(dtype):
+    """The halves decode's plain-Triton stand-in (what the interpreter runs in place of the inline PTX;
+    tests/gpu checks the PTX against the same reference): every code byte under scales from E4M3
+    subnormals to 448, exactly the reference's dequantized values."""
+    from e2m1_halves_probe import run_probe
+
+    got, ref = run_probe(torch.device("cpu"), dtype, asm=False)
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("m", [3, 8])
+def test_dot_halves_match_ref(m):
+    """The small-M tile's halves form (x's even / odd columns against the low / high nibbles,
+    `DOT_HALVES`, the default at M <= 16 for fp16 and bf16 x when K is whole tiles) against the
+    reference and against the interleaved tile, in fp16 (the interpreter's bf16 dot is wrong)."""
+    gen = torch.Generator().manual_seed(31 + m)
+    packed, scale, scale_2 = _weight(40, 512, gen)
+    x = torch.randn(m, 512, generator=gen).to(torch.float16)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1}
+    halves = nvfp4_linear_triton(x, packed, scale, scale_2, path="dot", config={**cfg, "HALVES": True})
+    whole = nvfp4_linear_triton(x, packed, scale, scale_2, path="dot", config={**cfg, "HALVES": False})
+    ref = nvfp4_linear_ref(x, packed, scale, scale_2)
+    assert _rel_rms(halves, ref) < TOL[torch.float16] and _rel_rms(whole, ref) < TOL[torch.float16]
+
+
+def test_dot_launch_config_takes_the_halves_where_it_can():
+    """Which small-M tiles run the halves form: fp16/bf16 x with whole 64-column tiles at M <= 16, not
+    fp32 x, a K that is not whole tiles, an odd row stride or M > 16; never the PTX on the CPU."""
+    from ft.kernels.nvfp4.kernel import dot_launch_config
+
+    packed = torch.zeros(64, 256, dtype=torch.uint8)
+    x = torch.zeros(8, 512, dtype=torch.bfloat16)
+    assert dot_launch_config(x, packed)["HALVES"] and not dot_launch_config(x, packed)["ASM"]
+    assert dot_launch_config(x.half(), packed)["HALVES"]
+    assert not dot_launch_config(x.float(), packed)["HALVES"]
+    assert not dot_launch_config(torch.zeros(40, 512, dtype=torch.bfloat16), packed)["HALVES"]
+    assert not dot_launch_config(torch.zeros(8, 513, dtype=torch.bfloat16)[:, :512], packed)["HALVES"]  # stride 513
+    odd_k = torch.zeros(8, 96, dtype=torch.bfloat16)
+    assert not dot_launch_config(odd_k, torch.zeros(64, 48, dtype=torch.uint8))["HALVES"]

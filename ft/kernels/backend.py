@@ -22,6 +22,13 @@ def uses_triton(device: torch.device) -> bool:
     return os.environ.get("FT_TRITON_INTERPRET_TEST") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def inline_ptx(device: torch.device) -> bool:
+    """Whether kernels launched for `device` may run inline PTX (`tl.inline_asm_elementwise`): on a
+    CUDA device, not in Triton's interpreter (which cannot run it; the kernels then take a plain
+    Triton stand-in computing the same values)."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
 def debug_checks() -> bool:
     """Whether ``FT_DEBUG=1``: the kernels' callers then check what the kernels assume (device syncs)."""
     return os.environ.get("FT_DEBUG") == "1"

@@ -51,15 +51,27 @@ def test_nvfp4_linear(m, n, k):
     assert y.data_ptr() == out.data_ptr()
     assert rel_rms(y, nvfp4_linear_ref(x, *w)) < TOL_LINEAR
     assert torch.equal(nvfp4_linear(x, *w), y)  # the dispatcher runs this kernel on CUDA
-    if m > 2:  # the tl.dot path: its word-wise weight decode (DOT_WORDS, off by default) gives the same bits
-        import ft.kernels.nvfp4.kernel as details
+    if m > 2:  # the tl.dot path: its weight decodes (interleaved tiles byte- or word-wise, halves by PTX)
+        from ft.kernels.nvfp4.kernel import _dot_config
 
-        by_bytes = nvfp4_linear_triton(x, *w, path="dot")
-        saved, details.DOT_WORDS = details.DOT_WORDS, True
-        try:
-            assert torch.equal(nvfp4_linear_triton(x, *w, path="dot"), by_bytes)
-        finally:
-            details.DOT_WORDS = saved
+        cfg = {**_dot_config(m, n, k), "HALVES": False}
+        by_bytes = nvfp4_linear_triton(x, *w, path="dot", config=cfg)
+        assert torch.equal(nvfp4_linear_triton(x, *w, path="dot", config={**cfg, "WORDS": True}), by_bytes)
+        if m <= 16:  # the halves (DOT_HALVES): the PTX decode gives its stand-in's tiles, so the same bits
+            halves = nvfp4_linear_triton(x, *w, path="dot", config={**cfg, "HALVES": True})
+            assert rel_rms(halves, nvfp4_linear_ref(x, *w)) < TOL_LINEAR
+            assert torch.equal(nvfp4_linear_triton(x, *w, path="dot", config={**cfg, "HALVES": True, "ASM": False}),
+                               halves)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_e2m1_halves_ptx_is_exact(dtype):
+    """The inline-PTX halves decode (byte permutes): every code byte under scales from E4M3 subnormals
+    to 448, exactly the reference's dequantized values (the interpreter checks its stand-in alike)."""
+    from e2m1_halves_probe import run_probe
+
+    got, ref = run_probe(torch.device(DEV), dtype, asm=True)
+    assert torch.equal(got, ref)
 
 
 PREFILL_LINEAR_CASES = [(m, n, k) for m in (256, 4096) for n, k in ((8192, 2048), (2048, 4096))]

@@ -45,7 +45,10 @@ device run did not finish within a minute (compile or run; not diagnosed). `NVFP
 measured) takes both dots in fp16 over tiles decoded exactly in fp16, a 32-bit word of codes at a
 time (`decode_loops.nvfp4_tile_f16`): Triton runs uint8 arithmetic a byte per instruction, and the
 fp32 decode's fp16 -> fp32 -> bf16 round trip costs three more per element; statically (sm_90 SASS,
-`tests/compile_kernels_sm90.py --loops`) the decode loop halves.
+`tests/compile_kernels_sm90.py --loops`) the decode loop halves. `NVFP4_PRMT` (the default since
+2026-12-02, above NVFP4_F16 when both are on) takes the halves with each nibble decoded straight to
+fp16 by byte permutes in inline PTX (`ft.kernels.nvfp4.decode.e2m1_halves_f16`; NVFP4_ASM, set on
+CUDA only: the interpreter runs its plain-Triton stand-in, the same values).
 
 A sequence of length 0 (a padding row) gives zeros. Block sizes: BLOCK_N 32, 4 warps, 2 stages
 measured best for the NVFP4 halves at 4K and 128K tokens (against 16/64 tokens, 2/8 warps, 1/3
@@ -54,13 +57,12 @@ stages); the rest is untuned.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from ft.kernels.attention.reference import NVFP4_CACHE, cache_head_dim
+from ft.kernels.backend import inline_ptx
 from ft.kernels.attention.split import (
     DecodeWorkspace,
     decode_attention_splits,
@@ -391,11 +393,6 @@ flagship heads, batch 1 (bench/decode_attention.py --profile, 2026-12-01): 128 s
 4.4 us against one program per head, 16 splits (4K) 2.2 -> 1.8 us."""
 
 
-def _interpreting() -> bool:
-    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1), where inline PTX cannot run."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def decode_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
     """Block sizes and launch options of the decode kernels (untuned: K and V tiles of 16 KiB in bf16)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -483,7 +480,7 @@ def paged_decode_attention_triton(
     # the halves decoded to fp16 by byte permutes: four bytes per PTX instance (whole rows, D % 64 == 0)
     cfg["NVFP4_PRMT"] = (bool(cfg.get("NVFP4_PRMT", False)) and kv_flags["KV_NVFP4"] and q.dtype != torch.float32
                          and cfg["EVEN_D"] and d % 64 == 0)
-    cfg["NVFP4_ASM"] = cfg["NVFP4_PRMT"] and bool(cfg.get("NVFP4_ASM", True)) and q.is_cuda and not _interpreting()
+    cfg["NVFP4_ASM"] = cfg["NVFP4_PRMT"] and bool(cfg.get("NVFP4_ASM", True)) and inline_ptx(q.device)
     if cfg["NVFP4_PRMT"] and not (config or {}).get("BLOCK_N"):
         cfg["BLOCK_N"] = NVFP4_PRMT_BLOCK_N
     if cfg["NVFP4_PRMT"] and not (config or {}).get("num_stages"):

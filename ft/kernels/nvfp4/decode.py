@@ -10,7 +10,9 @@ inlined into the linear (`kernel.py`), MoE and attention kernels. Details module
   arithmetic one byte per instruction, so this is ~2x fewer instructions than `dequant_tile`);
 * `e2m1_halves_f16`: code bytes and their scale bytes -> the scaled low and high nibbles in fp16,
   on the GPU by inline PTX (byte permutes from a table, ~3 instructions per element; Hopper has
-  no E2M1 conversion), elsewhere (the interpreter) by the byte-wise helpers, to the same values.
+  no E2M1 conversion), elsewhere (the interpreter) by the byte-wise helpers, to the same values;
+  `e2m1_halves_bf16` the same in bf16 (two tables: a bf16 value's high and low bytes), against
+  bf16 block scales.
 """
 
 from __future__ import annotations
@@ -18,11 +20,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["dequant_tile", "e2m1_halves_f16", "words_tile_f16"]
+__all__ = ["dequant_tile", "e2m1_halves_bf16", "e2m1_halves_f16", "words_tile_f16"]
 
 E2M1_F16_TABLE = (0x3E3C3800, 0x46444240)
 """The high bytes of the fp16 values of the E2M1 magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 (the low
 bytes are 0), byte i of the pair = magnitude code i: `prmt`'s 8-byte table."""
+E2M1_BF16_HIGH = (0x3F3F3F00, 0x40404040)
+E2M1_BF16_LOW = (0xC0800000, 0xC0804000)
+"""The high and the low bytes of the bf16 values of the E2M1 magnitudes (0x0000, 0x3F00, 0x3F80,
+0x3FC0 | 0x4000, 0x4040, 0x4080, 0x40C0), `prmt` tables as `E2M1_F16_TABLE`."""
 
 
 @triton.jit
@@ -200,4 +206,75 @@ def e2m1_halves_f16(b_w, b_s, ASM: tl.constexpr):
         sc = _e4m3(b_s) * 64.0  # (the nibble decode gives values times 2**-6)
         lo = (_e2m1_lo(b_w) * sc).to(tl.float16)
         hi = (_e2m1_hi(b_w) * sc).to(tl.float16)
+    return lo, hi
+
+
+_E2M1_HALVES_BF16_PTX = tl.constexpr("""
+{
+.reg .b32 h0, h1, l0, l1, z, m, w4, s, t, v, g;
+mov.b32 h0, %d;
+mov.b32 h1, %d;
+mov.b32 l0, %d;
+mov.b32 l1, %d;
+mov.b32 z, 0;
+mov.b32 m, 0x80008000;
+shl.b32 w4, $4, 4;
+and.b32 s, w4, 0x7070;
+prmt.b32 v, h0, h1, s;
+and.b32 s, $4, 0x0707;
+prmt.b32 t, l0, l1, s;
+prmt.b32 g, w4, z, 0x9484;
+or.b32 v, v, t;
+lop3.b32 v, v, g, m, 0xF8;
+mul.rn.bf16x2 $0, v, $5;
+shr.b32 s, $4, 12;
+and.b32 s, s, 0x7070;
+prmt.b32 v, h0, h1, s;
+shr.b32 s, $4, 16;
+and.b32 s, s, 0x0707;
+prmt.b32 t, l0, l1, s;
+prmt.b32 g, w4, z, 0xB4A4;
+or.b32 v, v, t;
+lop3.b32 v, v, g, m, 0xF8;
+mul.rn.bf16x2 $1, v, $6;
+and.b32 s, $4, 0x7070;
+prmt.b32 v, h0, h1, s;
+shr.b32 s, $4, 4;
+and.b32 s, s, 0x0707;
+prmt.b32 t, l0, l1, s;
+prmt.b32 g, $4, z, 0x9484;
+or.b32 v, v, t;
+lop3.b32 v, v, g, m, 0xF8;
+mul.rn.bf16x2 $2, v, $5;
+shr.b32 s, $4, 16;
+and.b32 s, s, 0x7070;
+prmt.b32 v, h0, h1, s;
+shr.b32 s, $4, 20;
+and.b32 s, s, 0x0707;
+prmt.b32 t, l0, l1, s;
+prmt.b32 g, $4, z, 0xB4A4;
+or.b32 v, v, t;
+lop3.b32 v, v, g, m, 0xF8;
+mul.rn.bf16x2 $3, v, $6;
+}
+""" % (E2M1_BF16_HIGH + E2M1_BF16_LOW))
+"""`_E2M1_HALVES_PTX` in bf16: four code bytes ($4) and the bf16 block scales of their elements ($5:
+bytes 0 and 1, $6: bytes 2 and 3) -> the low nibbles' values ($0, $1) and the high nibbles' ($2,
+$3), bf16 pairs. A pair's high bytes come from one `prmt` (the codes as the selectors of bytes 1
+and 3), its low bytes from another (selectors of bytes 0 and 2), the signs as in the fp16 form;
+then `mul.bf16x2` by the scales, exact (at most 6 significant bits, within bf16's 8)."""
+
+
+@triton.jit
+def e2m1_halves_bf16(b_w, b_sc, ASM: tl.constexpr):
+    """uint8 code bytes b_w and bf16 block scales b_sc (same shape: each byte's block scale, an E4M3
+    value, exact in bf16) -> (low nibble x scale, high nibble x scale) as bfloat16, exact, without
+    the global scale. ASM: `_E2M1_HALVES_BF16_PTX`; otherwise the byte-wise decode to the same values."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(_E2M1_HALVES_BF16_PTX, "=r,=r,=r,=r,r,r,r", [b_w, b_sc],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        sc = b_sc.to(tl.float32) * 64.0  # (the nibble decode gives values times 2**-6)
+        lo = (_e2m1_lo(b_w) * sc).to(tl.bfloat16)
+        hi = (_e2m1_hi(b_w) * sc).to(tl.bfloat16)
     return lo, hi

@@ -28,7 +28,9 @@ Two kernels:
   x [BLOCK_M, BLOCK_K] times the dequantized weight tile (`dequant_tile`: byte-wise decode,
   scaled, cast to x's dtype, even/odd elements interleaved with ``tl.join``; measured faster
   inside ``tl.dot`` than the word-wise decode) with fp32 accumulation; fp32 x uses
-  ``input_precision="ieee"``.
+  ``input_precision="ieee"``. The 16-row tile (bf16/fp16 x) takes the halves instead
+  (`DOT_HALVES`, `_halves_step`): x's even and odd columns against the low and high nibbles,
+  decoded by byte permutes in inline PTX (1.06-1.10x on the H200 at M = 8).
 
 Where the time goes (SASS compiled for sm_90, triton 3.6): about 6.5 instructions per weight
 element in the GEMV (1 FFMA, 1.1 f16->f32 conversions, 0.56 fp8x2->f16x2 conversions, about 3
@@ -46,11 +48,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.kernels.backend import inline_ptx
 from ft.kernels.nvfp4.decode import (
-    _byte_f32, _e4m3, _hi_e4m3_word, _lo_e4m3_word, _split8, dequant_tile, words_tile_f16,
+    _byte_f32, _e4m3, _hi_e4m3_word, _lo_e4m3_word, _split8, dequant_tile, e2m1_halves_bf16, e2m1_halves_f16,
+    words_tile_f16,
 )
 
-__all__ = ["DOT_WORDS", "SMALL_M", "nvfp4_linear_triton"]
+__all__ = ["DOT_HALVES", "DOT_WORDS", "SMALL_M", "nvfp4_linear_triton"]
 
 SMALL_M = 2
 """Rows of x up to which the GEMV kernel runs; above it the ``tl.dot`` kernel (with a 16-row
@@ -60,6 +64,12 @@ DOT_WORDS = False
 grouped MoE's GROUPED_WORDS). Off: measured slower in the whole decode step (session 13, H200,
 bench/decode.py graphs, ctx 32: batch 1 335.5 -> 325.1 tok/s, batch 8 1,089 -> 1,069 tok/s), while
 the grouped prefill MoE gains from words (GROUPED_WORDS) because its tiles are large in M."""
+DOT_HALVES = True
+"""The small-M ``tl.dot`` tile (M <= 16, bf16 or fp16 x) takes x's even and odd columns against the
+weight's low and high nibbles, each decoded straight to x's dtype by byte permutes in inline PTX
+(`e2m1_halves_bf16` / `_f16`): two dots per K step, no interleave (`_halves_step`). Statically
+(sm_90 SASS, M = 8, 32 x 256 tile) the K step takes 561 instructions against 799 for the
+interleaved byte-wise decode (`dequant_tile`)."""
 
 
 @triton.jit
@@ -253,17 +263,71 @@ def _nvfp4_gemv_kernel(
 
 
 @triton.jit
+def _interleaved_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, stride_sn, k, K,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SWAP_AB: tl.constexpr,
+                      EVEN_K: tl.constexpr, WORDS: tl.constexpr):
+    """One K step of `_nvfp4_dot_kernel` over the whole dequantized weight tile (elements in k order)."""
+    o_k = k + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        m_xk = m_m[:, None]
+    else:
+        m_xk = m_m[:, None] & (o_k < K)[None, :]
+    b_x = tl.load(p_x + o_m[:, None] * stride_xm + o_k[None, :], mask=m_xk, other=0.0)
+    if WORDS and EVEN_K:
+        b_wt = words_tile_f16(p_w, p_s, o_n * stride_wn, o_n * stride_sn, m_n, k // 2, BLOCK_N, BLOCK_K)
+        b_wt = b_wt.to(b_x.dtype)
+    else:
+        b_wt = dequant_tile(p_w, p_s, o_n, m_n, stride_wn, stride_sn, k // 2, K // 2, b_x.dtype, BLOCK_N, BLOCK_K,
+                            EVEN_K)
+    if SWAP_AB:
+        acc = tl.dot(b_wt, tl.trans(b_x), acc, input_precision=PRECISION)
+    else:
+        acc = tl.dot(b_x, tl.trans(b_wt), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _halves_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, stride_sn, k, BLOCK_K: tl.constexpr,
+                 PRECISION: tl.constexpr, ASM: tl.constexpr):
+    """One K step of `_nvfp4_dot_kernel`'s HALVES form: acc [BLOCK_M, BLOCK_N] fp32 plus x[:, k:k+BLOCK_K]
+    times the weight rows o_n's elements there, as x's even columns against the low nibbles and its
+    odd columns against the high nibbles, decoded straight to x's dtype (`e2m1_halves_bf16` /
+    `e2m1_halves_f16`: exact tiles, no interleave). x (bf16 or fp16, rows 4-byte aligned, stride_xm
+    even) is read as 32-bit words, each an (even, odd) pair."""
+    HK: tl.constexpr = BLOCK_K // 2
+    G: tl.constexpr = BLOCK_K // 16
+    R: tl.constexpr = o_n.shape[0]
+    dt: tl.constexpr = p_x.dtype.element_ty
+    o_j = k // 2 + tl.arange(0, HK)
+    b_xp = tl.load(p_x.to(tl.pointer_type(tl.int32)) + (o_m * (stride_xm // 2))[:, None] + o_j[None, :],
+                   mask=m_m[:, None], other=0)
+    x_e = (b_xp & 0xFFFF).to(tl.uint16).to(dt, bitcast=True)
+    x_o = ((b_xp >> 16) & 0xFFFF).to(tl.uint16).to(dt, bitcast=True)
+    b_w = tl.load(p_w + o_n[:, None] * stride_wn + o_j[None, :], mask=m_n[:, None], other=0)
+    o_g = k // 16 + tl.arange(0, G)
+    b_sb = tl.load(p_s + o_n[:, None] * stride_sn + o_g[None, :], mask=m_n[:, None], other=0)
+    if dt == tl.bfloat16:
+        b_sc = tl.reshape(tl.broadcast_to(_e4m3(b_sb).to(tl.bfloat16)[:, :, None], (R, G, 8)), (R, HK))  # byte j: j // 8
+        lo, hi = e2m1_halves_bf16(b_w, b_sc, ASM)
+    else:
+        lo, hi = e2m1_halves_f16(b_w, tl.reshape(tl.broadcast_to(b_sb[:, :, None], (R, G, 8)), (R, HK)), ASM)
+    acc = tl.dot(x_e, tl.trans(lo), acc, input_precision=PRECISION)
+    return tl.dot(x_o, tl.trans(hi), acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _nvfp4_dot_kernel(
     p_x, p_w, p_s, p_s2, p_y,
     M, N, K,
     stride_xm, stride_wn, stride_sn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, SWAP_AB: tl.constexpr = False, EVEN_K: tl.constexpr = False,
-    WORDS: tl.constexpr = False,
+    WORDS: tl.constexpr = False, HALVES: tl.constexpr = False, ASM: tl.constexpr = False,
 ):
     # EVEN_K: K % BLOCK_K == 0, no mask along K (the loads vectorize; `dequant_tile`'s EVEN)
     # WORDS (with EVEN_K, rows of a multiple of 4 bytes): the weight tile decoded a 32-bit word at a
     # time in fp16 (`words_tile_f16`), then cast to x's dtype: the same tile
+    # HALVES (with EVEN_K, bf16 x whose rows start on 4-byte boundaries, not SWAP_AB): `_halves_step`
     i_pid = tl.program_id(0)
     n_m = tl.cdiv(M, BLOCK_M)
     n_n = tl.cdiv(N, BLOCK_N)
@@ -282,22 +346,12 @@ def _nvfp4_dot_kernel(
     # no shared-memory round trip for the dequantized tile; x^T may be as narrow as 16 columns).
     acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        o_k = k + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            m_xk = m_m[:, None]
+        if HALVES:
+            acc = _halves_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, stride_sn, k, BLOCK_K,
+                               PRECISION, ASM)
         else:
-            m_xk = m_m[:, None] & (o_k < K)[None, :]
-        b_x = tl.load(p_x + o_m[:, None] * stride_xm + o_k[None, :], mask=m_xk, other=0.0)
-        if WORDS and EVEN_K:
-            b_wt = words_tile_f16(p_w, p_s, o_n * stride_wn, o_n * stride_sn, m_n, k // 2, BLOCK_N, BLOCK_K)
-            b_wt = b_wt.to(b_x.dtype)
-        else:
-            b_wt = dequant_tile(p_w, p_s, o_n, m_n, stride_wn, stride_sn, k // 2, K // 2, b_x.dtype, BLOCK_N, BLOCK_K,
-                                EVEN_K)
-        if SWAP_AB:
-            acc = tl.dot(b_wt, tl.trans(b_x), acc, input_precision=PRECISION)
-        else:
-            acc = tl.dot(b_x, tl.trans(b_wt), acc, input_precision=PRECISION)
+            acc = _interleaved_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, stride_sn, k, K,
+                                    BLOCK_N, BLOCK_K, PRECISION, SWAP_AB, EVEN_K, WORDS)
     if SWAP_AB:
         acc = tl.trans(acc)
     b_y = acc * tl.load(p_s2)
@@ -349,6 +403,22 @@ def _dot_config(m: int, n: int, k: int) -> dict:
     if m <= 64:
         return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "SWAP_AB": True}
+
+
+def dot_launch_config(x: torch.Tensor, packed: torch.Tensor, config: dict | None = None) -> dict:
+    """`_nvfp4_dot_kernel`'s constexprs and launch options for x [M, K] and packed [N, K/2]: `config`
+    (whole, benchmarks and tests) or `_dot_config`'s, with what the tensors allow: EVEN_K, WORDS
+    (DOT_WORDS), HALVES (DOT_HALVES at M <= 16, fp16/bf16 x, whole 64-column tiles, x rows on 4-byte
+    boundaries) and ASM (the halves' inline PTX, off in the interpreter or by config)."""
+    (m, k), n = x.shape, packed.shape[0]
+    cfg = dict(config or _dot_config(m, n, k))
+    cfg["EVEN_K"] = k % cfg["BLOCK_K"] == 0
+    cfg["WORDS"] = bool(cfg.get("WORDS", DOT_WORDS)) and cfg["EVEN_K"] and packed.stride(0) % 4 == 0 \
+        and packed.data_ptr() % 16 == 0 and cfg["BLOCK_K"] % 16 == 0
+    cfg["HALVES"] = bool(cfg.get("HALVES", DOT_HALVES and m <= 16)) and cfg["EVEN_K"] and x.dtype != torch.float32 \
+        and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and cfg["BLOCK_K"] % 64 == 0 and not cfg.get("SWAP_AB")
+    cfg["ASM"] = cfg["HALVES"] and bool(cfg.get("ASM", True)) and inline_ptx(x.device)
+    return cfg
 
 
 def as_words(packed: torch.Tensor) -> torch.Tensor:
@@ -405,10 +475,7 @@ def nvfp4_linear_triton(
         _nvfp4_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             x, words, scale_u8, s2, y, m, n, k, x.stride(0), words.stride(0), scale_u8.stride(0), y.stride(0), **cfg)
     elif path == "dot":
-        cfg = dict(config or _dot_config(m, n, k))
-        cfg["EVEN_K"] = k % cfg["BLOCK_K"] == 0
-        cfg["WORDS"] = bool(cfg.get("WORDS", DOT_WORDS)) and cfg["EVEN_K"] and packed.stride(0) % 4 == 0 \
-            and packed.data_ptr() % 16 == 0 and cfg["BLOCK_K"] % 16 == 0
+        cfg = dot_launch_config(x, packed, config)
         grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
         _nvfp4_dot_kernel[grid](x, packed, scale_u8, s2, y, m, n, k, x.stride(0), packed.stride(0), scale_u8.stride(0),
