@@ -54,11 +54,17 @@ def main() -> None:
     ap.add_argument("--no-halves", action="store_true",
                     help="the small-M NVFP4 tl.dot tile without the byte-permute halves (DOT_HALVES off, the default "
                          "before)")
-    ap.add_argument("--profile-context", type=int, default=32, metavar="N",
-                    help="--profile's prompt length (the decode steps profiled attend to N tokens)")
+    ap.add_argument("--profile-context", default="32", metavar="N[,N...]",
+                    help="--profile's prompt lengths (the decode steps profiled attend to N tokens), one profile each")
+    ap.add_argument("--no-small-m-gemv", action="store_true",
+                    help="M = 3..8 projections on the 16-row tl.dot tile everywhere (SMALL_M_WHOLE_K off)")
     ap.add_argument("--prmt-stages", type=int, default=0, metavar="S",
                     help="the byte-permute halves' pipeline stages (NVFP4_PRMT_STAGES) instead of the library's")
     args = ap.parse_args()
+    if args.no_small_m_gemv:
+        import ft.kernels.nvfp4.kernel as nvfp4_kernel
+
+        nvfp4_kernel.SMALL_M_WHOLE_K = False
     if args.no_halves:
         import ft.kernels.nvfp4.kernel as nvfp4_kernel
 
@@ -112,9 +118,10 @@ def main() -> None:
                 print(f"context {ctx} {mode} batch {b}: {tok_s:.1f} tok/s", flush=True)
     eng.runner.graphs = graphs
     if args.profile:
-        for b in batches:
-            profile_steps(eng, [(1000 + j) % eng.model_config.vocab_size for j in range(args.profile_context)],
-                          args.profile, b)
+        for n in (int(c) for c in args.profile_context.split(",")):
+            for b in batches:
+                print(f"\n== profile: context {n}, batch {b}")
+                profile_steps(eng, [(1000 + j) % eng.model_config.vocab_size for j in range(n)], args.profile, b)
     print(f"\ngraphs captured {graphs.captures} ({graphs.capture_s:.2f} s), replayed {graphs.replays}")
     print(f"kv cache dtype: {args.kv_cache_dtype}; split-K decode attention aims at "
           f"{attention_split.SPLIT_TARGET_PROGRAMS} programs, at most {attention_split.MAX_SPLITS} splits")
@@ -175,6 +182,9 @@ def profile_steps(eng, prompt, steps: int, batch: int = 1) -> None:
     gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     print(f"\nprofile at batch {batch}: {steps} decode steps, {kernels / steps:.0f} GPU kernels per step, "
           f"{gpu_us / steps / 1e3:.2f} ms GPU time per step")
+    gpu = sorted(((e.self_device_time_total / steps, e.key) for e in events
+                  if e.device_type == torch.autograd.DeviceType.CUDA), reverse=True)
+    print("GPU us per step by kernel: " + ", ".join(f"{name[:40]} {us:.1f}" for us, name in gpu[:14]))
     print(events.table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=60))
     print(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60))
     eng.run_until_done(seqs)

@@ -59,6 +59,9 @@ __all__ = ["DOT_HALVES", "DOT_WORDS", "SMALL_M", "nvfp4_linear_triton"]
 SMALL_M = 2
 """Rows of x up to which the GEMV kernel runs; above it the ``tl.dot`` kernel (with a 16-row
 tile for M <= 16, the small-M decode case)."""
+SMALL_M_WHOLE_K = True
+"""`_path`'s whole-K GEMV at M = 3..8 on the shapes where it beat the 16-row tile (out_proj, the
+experts' gate_up); off: those take the tile too (bench/decode.py --no-small-m-gemv)."""
 DOT_WORDS = False
 """The ``tl.dot`` kernel's weight tiles decoded a 32-bit word at a time in fp16 (its WORDS; the
 grouped MoE's GROUPED_WORDS). Off: measured slower in the whole decode step (session 13, H200,
@@ -361,11 +364,13 @@ def _nvfp4_dot_kernel(
 
 def _path(m: int, n: int, k: int) -> str:
     # H200 (bench/RESULTS.md): the GEMV kernel up to M = 2; at M = 3..8 the whole-K GEMV where it
-    # beat the 16-row tl.dot tile (N <= 2048 with K / 8 >= 256: expert gate_up 6.7 against 10.6 us,
-    # out_proj 15.3 against 19.2 us at M = 8), tl.dot elsewhere.
+    # beats the 16-row tl.dot tile: N <= 2048 with K / 8 = 256 (expert gate_up 1024x2048 at M = 8:
+    # 6.7 against 7.6 us for the tile's halves form). Session 15: out_proj / o_proj (2048x4096)
+    # moved to the tile, whose halves take 12.9 us against the GEMV's 15.3 (before the halves the
+    # tile took 19.2, then 14.7). tl.dot elsewhere.
     if m <= SMALL_M:
         return "gemv"
-    return "gemv" if m <= 8 and n <= 2048 and whole_k_words(k) >= 256 else "dot"
+    return "gemv" if SMALL_M_WHOLE_K and m <= 8 and n <= 2048 and whole_k_words(k) == 256 else "dot"
 
 
 def whole_k_words(k: int) -> int:
