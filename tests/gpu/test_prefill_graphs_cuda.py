@@ -70,3 +70,27 @@ def test_prefix_hits_chunks_and_rebuild(model):
     assert [first(graphs, p)[1] for p in prompts] == want
     g = e.runner.prefill_graphs
     assert g.replays > 0 and g.captures == captures and g.disabled is None
+
+
+def test_concurrent_prompts_share_one_graph_batch(model):
+    """Several prompts prefilled in one step (max_seqs raised on the instance: `MAX_SEQS` stays 1 until
+    this passes on the device) capture and replay graphs keyed by (bucket, sequences), and keep the
+    tokens of an eager engine given the same prompts at once. Written in session 15, not yet run."""
+    prompts = [prompt(n, 10 + n) for n in (30, 200, 77)]
+    eager, graphs = make(model, prefill_graph_max_tokens=0), make(model)
+    g = graphs.engine.runner.prefill_graphs
+    g.max_seqs = 3
+
+    def together(llm: LLM) -> list[list[int]]:
+        e = llm.engine
+        seqs = [e.add_request(p, SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True))
+                for p in prompts]
+        e.run_until_done(seqs)
+        return [list(s.output_ids) for s in seqs]
+
+    want = together(eager)
+    assert together(graphs) == want  # the batch's bucket: eager (padded), then captured
+    replays = g.replays
+    assert together(graphs) == want  # replayed
+    assert g.replays > replays and g.disabled is None
+    assert any(seqs == 3 for _, seqs in g._graphs), "the three prompts did not share one prefill step"
