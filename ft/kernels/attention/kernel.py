@@ -32,27 +32,17 @@ IEEE divisions); the attention kernels' inner loops (`decode_loops.py`) turn eac
 q's dtype (`load_kv_tile`; exact:
 an fp8 value has 4 significant bits, an E2M1 value times an e4m3 block scale at most 6, within
 bf16's and fp16's range), fold the layer's K scale into the softmax scale and apply its V scale
-to the output. An NVFP4 cache is read in halves by default (`NVFP4_HALVES`, `_attend_nvfp4`): q's
-even and odd columns against the low and high nibbles of each code byte, two dots where a whole
-tile would first be interleaved (`ft.kernels.nvfp4.decode.dequant_tile`, still used for head dims
-under 32); on the H200 11-14% faster (bench/decode_attention.py, bench/RESULTS.md). With EVEN_D
-(D == BLOCK_D, set by the launchers) the tiles' masks have no column term, so their loads
-vectorize (16-byte `cp.async`; with a mask against the runtime D every byte was a load of its
-own): measured, this changed little at decode (128K NVFP4 127 -> 121 us per layer), where the
-NVFP4 cache is still slower than bf16 despite reading 3.6x fewer bytes: the tile decode, not the
-loads, is the bound. A CUDA-core loop over 32-bit words (`NVFP4_FMA`) is there, off: its first
-device run did not finish within a minute (compile or run; not diagnosed). `NVFP4_F16` (off until
-measured) takes both dots in fp16 over tiles decoded exactly in fp16, a 32-bit word of codes at a
-time (`decode_loops.nvfp4_tile_f16`): Triton runs uint8 arithmetic a byte per instruction, and the
-fp32 decode's fp16 -> fp32 -> bf16 round trip costs three more per element; statically (sm_90 SASS,
-`tests/compile_kernels_sm90.py --loops`) the decode loop halves. `NVFP4_PRMT` (the default since
-2026-12-02, above NVFP4_F16 when both are on) takes the halves with each nibble decoded straight to
-fp16 by byte permutes in inline PTX (`ft.kernels.nvfp4.decode.e2m1_halves_f16`; NVFP4_ASM, set on
-CUDA only: the interpreter runs its plain-Triton stand-in, the same values).
-
-A sequence of length 0 (a padding row) gives zeros. Block sizes: BLOCK_N 32, 4 warps, 2 stages
-measured best for the NVFP4 halves at 4K and 128K tokens (against 16/64 tokens, 2/8 warps, 1/3
-stages); the rest is untuned.
+to the output. EVEN_D (D == BLOCK_D, set by the launchers) drops the tiles' column mask, so their
+loads vectorize. An NVFP4 cache has four inner loops, a constexpr each, the first that is on wins:
+`NVFP4_FMA` (CUDA cores over 32-bit words; off, never measured to the end), `NVFP4_PRMT` (the
+default: q's even and odd columns against the low and high nibbles, each decoded straight to fp16
+by byte permutes in inline PTX, `ft.kernels.nvfp4.decode.e2m1_halves_f16`; NVFP4_ASM is set on CUDA
+only, the interpreter runs its plain-Triton stand-in to the same values), `NVFP4_F16` (fp16 dots
+over whole tiles decoded a 32-bit word at a time) and `NVFP4_HALVES` (the halves decoded byte-wise
+in fp32); whole byte-wise tiles (`dequant_tile`) below head dim 32. The decode, not the loads, bounds
+them: Triton runs uint8 arithmetic a byte per instruction. Measurements and block sizes:
+bench/decode_attention.py, bench/RESULTS.md (sessions 10-15). A sequence of length 0 (a padding row)
+gives zeros.
 """
 
 from __future__ import annotations
