@@ -330,7 +330,7 @@ def _nvfp4_dot_kernel(
     # EVEN_K: K % BLOCK_K == 0, no mask along K (the loads vectorize; `dequant_tile`'s EVEN)
     # WORDS (with EVEN_K, rows of a multiple of 4 bytes): the weight tile decoded a 32-bit word at a
     # time in fp16 (`words_tile_f16`), then cast to x's dtype: the same tile
-    # HALVES (with EVEN_K, bf16 x whose rows start on 4-byte boundaries, not SWAP_AB): `_halves_step`
+    # HALVES (with EVEN_K, bf16/fp16 x whose rows start on 4-byte boundaries, not SWAP_AB): `_halves_step`
     i_pid = tl.program_id(0)
     n_m = tl.cdiv(M, BLOCK_M)
     n_n = tl.cdiv(N, BLOCK_N)
