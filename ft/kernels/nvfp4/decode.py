@@ -146,42 +146,46 @@ def dequant_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, kb0, half_k, dtype: t
     return (b_dec * b_s).to(dtype)
 
 
-_E2M1_HALVES_PTX = tl.constexpr("""
-{
-.reg .b32 t0, t1, z, m, w4, s, v, g, c01, c23;
-.reg .b16 sa, sb;
-mov.b32 t0, %d;
-mov.b32 t1, %d;
-mov.b32 z, 0;
-mov.b32 m, 0x80008000;
-mov.b32 {sa, sb}, $5;
-cvt.rn.f16x2.e4m3x2 c01, sa;
-cvt.rn.f16x2.e4m3x2 c23, sb;
-shl.b32 w4, $4, 4;
-and.b32 s, w4, 0x7070;
-prmt.b32 v, t0, t1, s;
-prmt.b32 g, w4, z, 0x9484;
-lop3.b32 v, v, g, m, 0xF8;
-mul.rn.f16x2 $0, v, c01;
-shr.b32 s, $4, 12;
-and.b32 s, s, 0x7070;
-prmt.b32 v, t0, t1, s;
-prmt.b32 g, w4, z, 0xB4A4;
-lop3.b32 v, v, g, m, 0xF8;
-mul.rn.f16x2 $1, v, c23;
-and.b32 s, $4, 0x7070;
-prmt.b32 v, t0, t1, s;
-prmt.b32 g, $4, z, 0x9484;
-lop3.b32 v, v, g, m, 0xF8;
-mul.rn.f16x2 $2, v, c01;
-shr.b32 s, $4, 16;
-and.b32 s, s, 0x7070;
-prmt.b32 v, t0, t1, s;
-prmt.b32 g, $4, z, 0xB4A4;
-lop3.b32 v, v, g, m, 0xF8;
-mul.rn.f16x2 $3, v, c23;
-}
-""" % E2M1_F16_TABLE)
+def _select(shift: int, mask: str) -> str:
+    """PTX: s = (the code bytes >> shift) & mask (`shift` 0: the bytes as they are; -4: w4)."""
+    if shift == -4:
+        return f"and.b32 s, w4, {mask};\n"
+    if shift == 0:
+        return f"and.b32 s, $4, {mask};\n"
+    return f"shr.b32 s, $4, {shift};\nand.b32 s, s, {mask};\n"
+
+
+# per output pair ($0 .. $3): the high-byte selector's shift (-4: the bytes shifted left by 4), the
+# low-byte selector's shift (bf16), the register whose byte tops hold the signs, their selector
+_PAIRS = ((-4, 0, "w4", "0x9484"), (12, 16, "w4", "0xB4A4"), (0, 4, "$4", "0x9484"), (16, 20, "$4", "0xB4A4"))
+
+
+def _halves_ptx(bf16: bool) -> str:
+    """The PTX of `e2m1_halves_f16` (bf16 False) or `e2m1_halves_bf16` (True): see their constants' notes."""
+    if bf16:
+        head = (".reg .b32 h0, h1, l0, l1, z, m, w4, s, t, v, g;\n"
+                + "".join(f"mov.b32 {r}, {v};\n" for r, v in zip(("h0", "h1", "l0", "l1"), E2M1_BF16_HIGH + E2M1_BF16_LOW))
+                + "mov.b32 z, 0;\nmov.b32 m, 0x80008000;\n")
+        table, scales = "h0, h1", ("$5", "$6", "$5", "$6")
+    else:
+        head = (".reg .b32 t0, t1, z, m, w4, s, v, g, c01, c23;\n.reg .b16 sa, sb;\n"
+                + "".join(f"mov.b32 {r}, {v};\n" for r, v in zip(("t0", "t1"), E2M1_F16_TABLE))
+                + "mov.b32 z, 0;\nmov.b32 m, 0x80008000;\nmov.b32 {sa, sb}, $5;\n"
+                + "cvt.rn.f16x2.e4m3x2 c01, sa;\ncvt.rn.f16x2.e4m3x2 c23, sb;\n")
+        table, scales = "t0, t1", ("c01", "c23", "c01", "c23")
+    body = "shl.b32 w4, $4, 4;\n"
+    for i, ((hi, lo, sign, sel), sc) in enumerate(zip(_PAIRS, scales)):
+        body += _select(hi, "0x7070") + f"prmt.b32 v, {table}, s;\n"
+        if bf16:
+            body += _select(lo, "0x0707") + "prmt.b32 t, l0, l1, s;\n"
+        body += f"prmt.b32 g, {sign}, z, {sel};\n"
+        if bf16:
+            body += "or.b32 v, v, t;\n"
+        body += f"lop3.b32 v, v, g, m, 0xF8;\nmul.rn.{'bf16x2' if bf16 else 'f16x2'} ${i}, v, {sc};\n"
+    return "\n{\n" + head + body + "}\n"
+
+
+_E2M1_HALVES_PTX = tl.constexpr(_halves_ptx(bf16=False))
 """Four code bytes ($4) and their four E4M3 scale bytes ($5) -> the low nibbles' values ($0: bytes 0
 and 1, $1: bytes 2 and 3, fp16 pairs) and the high nibbles' ($2, $3), each times its byte's scale.
 A pair's magnitudes: `prmt` over the table with the two 3-bit codes as the selectors of the high
@@ -209,55 +213,7 @@ def e2m1_halves_f16(b_w, b_s, ASM: tl.constexpr):
     return lo, hi
 
 
-_E2M1_HALVES_BF16_PTX = tl.constexpr("""
-{
-.reg .b32 h0, h1, l0, l1, z, m, w4, s, t, v, g;
-mov.b32 h0, %d;
-mov.b32 h1, %d;
-mov.b32 l0, %d;
-mov.b32 l1, %d;
-mov.b32 z, 0;
-mov.b32 m, 0x80008000;
-shl.b32 w4, $4, 4;
-and.b32 s, w4, 0x7070;
-prmt.b32 v, h0, h1, s;
-and.b32 s, $4, 0x0707;
-prmt.b32 t, l0, l1, s;
-prmt.b32 g, w4, z, 0x9484;
-or.b32 v, v, t;
-lop3.b32 v, v, g, m, 0xF8;
-mul.rn.bf16x2 $0, v, $5;
-shr.b32 s, $4, 12;
-and.b32 s, s, 0x7070;
-prmt.b32 v, h0, h1, s;
-shr.b32 s, $4, 16;
-and.b32 s, s, 0x0707;
-prmt.b32 t, l0, l1, s;
-prmt.b32 g, w4, z, 0xB4A4;
-or.b32 v, v, t;
-lop3.b32 v, v, g, m, 0xF8;
-mul.rn.bf16x2 $1, v, $6;
-and.b32 s, $4, 0x7070;
-prmt.b32 v, h0, h1, s;
-shr.b32 s, $4, 4;
-and.b32 s, s, 0x0707;
-prmt.b32 t, l0, l1, s;
-prmt.b32 g, $4, z, 0x9484;
-or.b32 v, v, t;
-lop3.b32 v, v, g, m, 0xF8;
-mul.rn.bf16x2 $2, v, $5;
-shr.b32 s, $4, 16;
-and.b32 s, s, 0x7070;
-prmt.b32 v, h0, h1, s;
-shr.b32 s, $4, 20;
-and.b32 s, s, 0x0707;
-prmt.b32 t, l0, l1, s;
-prmt.b32 g, $4, z, 0xB4A4;
-or.b32 v, v, t;
-lop3.b32 v, v, g, m, 0xF8;
-mul.rn.bf16x2 $3, v, $6;
-}
-""" % (E2M1_BF16_HIGH + E2M1_BF16_LOW))
+_E2M1_HALVES_BF16_PTX = tl.constexpr(_halves_ptx(bf16=True))
 """`_E2M1_HALVES_PTX` in bf16: four code bytes ($4) and the bf16 block scales of their elements ($5:
 bytes 0 and 1, $6: bytes 2 and 3) -> the low nibbles' values ($0, $1) and the high nibbles' ($2,
 $3), bf16 pairs. A pair's high bytes come from one `prmt` (the codes as the selectors of bytes 1
