@@ -58,6 +58,20 @@ def main() -> None:
                     help="--profile's prompt lengths (the decode steps profiled attend to N tokens), one profile each")
     ap.add_argument("--no-small-m-gemv", action="store_true",
                     help="M = 3..8 projections on the 16-row tl.dot tile everywhere (SMALL_M_WHOLE_K off)")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
+                    help="after the timed runs, run this many decode steps under cProfile at each --profile-context "
+                         "length and print the host functions by own time (what a step's host work grows with)")
+    ap.add_argument("--prmt-form", type=int, default=-1, metavar="F",
+                    help="the NVFP4 decode attention's decode form (NVFP4_PRMT_FORM: 0 byte permutes, 1 bits placed, "
+                         "2 E4M3 bytes converted) instead of the library's")
+    ap.add_argument("--prmt-maxnreg", type=int, default=-1, metavar="R",
+                    help="hold the NVFP4 split-K decode attention to R registers a thread when its grid holds more "
+                         "than two programs an SM (NVFP4_PRMT_MAXNREG; 0 off); pair it with --attention-programs")
+    ap.add_argument("--prmt-programs-per-sm", type=int, default=-1, metavar="P",
+                    help="the NVFP4 decode attention's split count aims at P programs an SM (NVFP4_PRMT_PROGRAMS_PER_SM; "
+                         "0: the split rule's own target)")
+    ap.add_argument("--prmt-warps", type=int, default=0, metavar="W",
+                    help="warps per program of the NVFP4 decode attention (NVFP4_PRMT_WARPS) instead of the library's")
     ap.add_argument("--prmt-stages", type=int, default=0, metavar="S",
                     help="the byte-permute halves' pipeline stages (NVFP4_PRMT_STAGES) instead of the library's")
     args = ap.parse_args()
@@ -69,6 +83,17 @@ def main() -> None:
         import ft.kernels.nvfp4.kernel as nvfp4_kernel
 
         nvfp4_kernel.DOT_HALVES = False
+    if args.prmt_form >= 0 or args.prmt_maxnreg >= 0 or args.prmt_warps or args.prmt_programs_per_sm >= 0:
+        import ft.kernels.attention.kernel as attention_kernel
+
+        if args.prmt_programs_per_sm >= 0:
+            attention_kernel.NVFP4_PRMT_PROGRAMS_PER_SM = args.prmt_programs_per_sm
+        if args.prmt_warps:
+            attention_kernel.NVFP4_PRMT_WARPS = args.prmt_warps
+        if args.prmt_form >= 0:
+            attention_kernel.NVFP4_PRMT_FORM = args.prmt_form
+        if args.prmt_maxnreg >= 0:
+            attention_kernel.NVFP4_PRMT_MAXNREG = args.prmt_maxnreg
     if args.prmt_stages:
         import ft.kernels.attention.kernel as attention_kernel
 
@@ -122,6 +147,11 @@ def main() -> None:
             for b in batches:
                 print(f"\n== profile: context {n}, batch {b}")
                 profile_steps(eng, [(1000 + j) % eng.model_config.vocab_size for j in range(n)], args.profile, b)
+    if args.cprofile:
+        for n in (int(c) for c in args.profile_context.split(",")):
+            print(f"\n== cProfile: context {n}, batch {batches[0]}")
+            host_profile_steps(eng, [(1000 + j) % eng.model_config.vocab_size for j in range(n)], args.cprofile,
+                               batches[0])
     print(f"\ngraphs captured {graphs.captures} ({graphs.capture_s:.2f} s), replayed {graphs.replays}")
     print(f"kv cache dtype: {args.kv_cache_dtype}; split-K decode attention aims at "
           f"{attention_split.SPLIT_TARGET_PROGRAMS} programs, at most {attention_split.MAX_SPLITS} splits")
@@ -187,6 +217,39 @@ def profile_steps(eng, prompt, steps: int, batch: int = 1) -> None:
     print("GPU us per step by kernel: " + ", ".join(f"{name[:40]} {us:.1f}" for us, name in gpu[:14]))
     print(events.table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=60))
     print(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60))
+    eng.run_until_done(seqs)
+
+
+def host_profile_steps(eng, prompt, steps: int, batch: int = 1) -> None:
+    """The host side of `steps` decode steps under cProfile: the 16 functions with the most own time
+    (per step, us), and the steps' wall time with and without the profiler's overhead."""
+    import cProfile
+    import pstats
+
+    seqs = [eng.add_request([t + i for t in prompt], SamplingParams(max_new_tokens=2 * steps + 8, temperature=0.0,
+                                                                    ignore_eos=True)) for i in range(batch)]
+    while any(len(s.output_ids) < 4 for s in seqs):
+        eng.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    plain = (time.perf_counter() - t0) / steps * 1e3
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    profiled = (time.perf_counter() - t0) / steps * 1e3
+    print(f"{steps} steps: {plain:.3f} ms a step, {profiled:.3f} ms under cProfile")
+    stats = pstats.Stats(prof)
+    rows = sorted(((tt, nc, f"{fn[0].rsplit('/', 1)[-1]}:{fn[1]}:{fn[2]}") for fn, (_, nc, tt, _, _) in
+                   stats.stats.items()), reverse=True)[:16]
+    for tt, nc, name in rows:
+        print(f"  {tt / steps * 1e6:9.1f} us/step {nc / steps:7.1f} calls/step  {name}")
     eng.run_until_done(seqs)
 
 

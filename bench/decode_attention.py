@@ -4,7 +4,7 @@
 
 The flagship's full-attention layer (16 query heads, 2 KV heads, head dim 256, the engine's page
 of 64 tokens, pages in a shuffled order): one decode step's attention of one layer, the split
-count the engine uses for that context (`decode_attention_splits`), timed as CUDA-graph replays
+count the engine uses for that context (`decode_split_count`), timed as CUDA-graph replays
 over enough layer copies that every call reads HBM (`bench/gpu_timing.py`). Variants: the bf16
 cache; the NVFP4 cache with whole dequantized tiles (`tiles`) and with q's even and odd columns
 against the low and high nibbles (`halves`), fp16 dots over tiles decoded in fp16 a word at a time
@@ -28,9 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_timing import copies_for, graph_us, kernel_us, rel_rms  # noqa: E402
 from ft.kernels.attention import paged_decode_attention_ref  # noqa: E402
-from ft.kernels.attention.kernel import paged_decode_attention_triton  # noqa: E402
+from ft.kernels.attention.kernel import decode_split_count, paged_decode_attention_triton  # noqa: E402
+import ft.kernels.attention.kernel as attention_kernel  # noqa: E402
 from ft.kernels.attention.reference import NVFP4_CACHE, quantize_kv  # noqa: E402
-from ft.kernels.attention.split import decode_attention_splits, decode_attention_workspace  # noqa: E402
+from ft.kernels.attention.split import decode_attention_workspace  # noqa: E402
 
 VARIANTS = [  # (label, cache, config overrides)
     ("bf16", "bf16", {}),
@@ -94,7 +95,8 @@ def main() -> None:
             if wanted and label not in wanted:
                 continue
             cfg = dict(cfg)
-            splits = cfg.pop("splits", None) or decode_attention_splits(b, hkv, ctx)  # "splits": an override
+            prmt = kind == "nvfp4" and cfg.get("NVFP4_PRMT", attention_kernel.NVFP4_PRMT_DEFAULT)
+            splits = cfg.pop("splits", None) or decode_split_count(b, hkv, ctx, dev, prmt)  # "splits": an override
             ws = decode_attention_workspace(b, hq, d, splits, dev)
             cache = caches[kind]
             nbytes = cache.numel() * cache.element_size()

@@ -324,9 +324,10 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("decode attention split-K G 8, D 256, nvfp4 cache, fp16 dots over word-decoded tiles", attn._decode_split_kernel,
      {**DECODE_SPLIT, "p_kc": "*u8", "p_vc": "*u8"},
      {**decode_cfg(256, 8, nvfp4=True), "NVFP4_F16": True, "EVEN_D": True, "NVFP4_WORDS": True}),
-    ("decode attention split-K G 8, D 256, nvfp4 cache, halves decoded by byte permutes (PTX)",
+    ("decode attention split-K G 8, D 256, nvfp4 cache, halves decoded by E4M3 conversions (PTX), 168 registers",
      attn._decode_split_kernel, {**DECODE_SPLIT, "p_kc": "*u8", "p_vc": "*u8", "p_q": "*fp16"},
-     {**decode_cfg(256, 8, nvfp4=True), "NVFP4_PRMT": True, "NVFP4_ASM": True, "BLOCK_N": 64}),
+     {**decode_cfg(256, 8, nvfp4=True), "NVFP4_PRMT": True, "NVFP4_ASM": True, "BLOCK_N": 64,
+      "NVFP4_FORM": attn.NVFP4_PRMT_FORM, "num_stages": attn.NVFP4_PRMT_STAGES, "maxnreg": attn.NVFP4_PRMT_MAXNREG}),
     ("decode attention split-K G 8, D 256, nvfp4 cache, whole tiles", attn._decode_split_kernel,
      {**DECODE_SPLIT, "p_kc": "*u8", "p_vc": "*u8"}, {**decode_cfg(256, 8, nvfp4=True), "NVFP4_HALVES": False}),
     ("prefill attention G 8, D 256", attn_pf._prefill_kernel, PREFILL,
@@ -383,7 +384,7 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
 
 
 def compile_case(kernel, signature: dict, params: dict):
-    options = {k: params.pop(k) for k in ("num_warps", "num_stages") if k in params}
+    options = {k: params.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in params}
     for p in kernel.params:  # constexprs a case leaves out take their defaults (else triton fails obscurely)
         default = getattr(p, "default", inspect.Parameter.empty)
         if p.is_constexpr and p.name not in params and p.name not in signature and default is not inspect.Parameter.empty:

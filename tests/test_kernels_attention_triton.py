@@ -230,6 +230,24 @@ def test_split_rule():
     assert decode_attention_splits(64, 2, 262144) == 3
     ws = decode_attention_workspace(8, 16, 256, 17, "cpu")
     assert ws.rows == 136 and ws.acc.shape == (136, 16, 256) and ws.stats.shape == (136, 16, 2)
+    assert decode_attention_splits(1, 2, 131072, target_programs=396, max_splits=256) == 198
+
+
+def test_prmt_split_count_aims_at_its_own_occupancy(monkeypatch):
+    """The NVFP4_PRMT kernel's split count (`decode_split_count`): NVFP4_PRMT_PROGRAMS_PER_SM programs
+    an SM on a device with SMs (three on a 132-SM H200 at 168 registers), the library rule
+    elsewhere and for other kernels."""
+    import ft.kernels.attention.kernel as attention_kernel
+
+    monkeypatch.setattr(attention_kernel, "sm_count", lambda device: 132)
+    monkeypatch.setattr(attention_kernel, "NVFP4_PRMT_PROGRAMS_PER_SM", 3)
+    dev = torch.device("cpu")
+    assert attention_kernel.decode_split_count(1, 2, 131072, dev, prmt=True) == 198
+    assert attention_kernel.decode_split_count(8, 2, 131072, dev, prmt=True) == 25
+    assert attention_kernel.decode_split_count(1, 2, 4096, dev, prmt=True) == 16  # by length
+    assert attention_kernel.decode_split_count(1, 2, 131072, dev, prmt=False) == 128  # the library rule
+    monkeypatch.setattr(attention_kernel, "NVFP4_PRMT_PROGRAMS_PER_SM", 0)
+    assert attention_kernel.decode_split_count(1, 2, 131072, dev, prmt=True) == 128
 
 
 def test_dispatchers(monkeypatch):
@@ -454,6 +472,21 @@ def test_write_kv_nvfp4_prefill_and_decode_references_agree():
 NVFP4_LOOP_CASES = [(loop, c, i) for loop in ("halves", "f16") for c, i in zip(CASES, CASE_IDS)] + \
     [("tiles", CASES[k], CASE_IDS[k]) for k in (0, 5)] + [("fma", CASES[k], CASE_IDS[k]) for k in (2, 5)] + \
     [("prmt", CASES[k], CASE_IDS[k]) for k in (2, 5)]
+
+
+@pytest.mark.parametrize("form", [1, 2], ids=["bits", "cvt"])
+def test_decode_attention_nvfp4_decode_forms_give_the_same_bits(form):
+    """`NVFP4_FORM` (the PRMT loop's other decode forms, halves times a power of two that the kernel
+    undoes in fp32): the same output bits as the byte-permute form, gated fp16, split-K."""
+    seq_lens, hq, hkv, d, page = NVFP4_LOOP_CASES[-1][1]
+    kv4, table, lens, scale = nvfp4_batch(seq_lens, hkv, d, page)
+    k_cache, v_cache = layer_views(kv4)
+    q = random_q(len(seq_lens), hq, d, torch.float16)
+    gate = random_gate(len(seq_lens), hq, d, torch.float16)
+    cfg = {"BLOCK_N": 16, "NVFP4_PRMT": True}
+    y0, yf = (paged_decode_attention_triton(q, k_cache, v_cache, table, lens, d ** -0.5, splits=3, gate=gate,
+                                            config={**cfg, "NVFP4_FORM": f}, kv_scale=scale) for f in (0, form))
+    assert torch.equal(y0, yf)
 
 
 @pytest.mark.parametrize("path", ["single", "split3"])

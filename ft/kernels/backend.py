@@ -7,6 +7,7 @@ import). Everything else runs the torch references.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -27,6 +28,18 @@ def inline_ptx(device: torch.device) -> bool:
     CUDA device, not in Triton's interpreter (which cannot run it; the kernels then take a plain
     Triton stand-in computing the same values)."""
     return device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA `device` (cached; 0 off CUDA: no occupancy to size for)."""
+    if device.type != "cuda":
+        return 0
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def debug_checks() -> bool:

@@ -36,12 +36,15 @@ to the output. EVEN_D (D == BLOCK_D, set by the launchers) drops the tiles' colu
 loads vectorize. An NVFP4 cache has four inner loops, a constexpr each, the first that is on wins:
 `NVFP4_FMA` (CUDA cores over 32-bit words; off, never measured to the end), `NVFP4_PRMT` (the
 default: q's even and odd columns against the low and high nibbles, each decoded straight to fp16
-by byte permutes in inline PTX, `ft.kernels.nvfp4.decode.e2m1_halves_f16`; NVFP4_ASM is set on CUDA
-only, the interpreter runs its plain-Triton stand-in to the same values), `NVFP4_F16` (fp16 dots
+in inline PTX, `ft.kernels.nvfp4.decode.e2m1_halves_f16_scaled`, in the form NVFP4_FORM picks (by
+byte permutes, or as E4M3 bytes converted two at a time, the default: values times 2**-6, undone in
+fp32); NVFP4_ASM is set on CUDA only, the interpreter runs a plain-Triton stand-in to the same
+values; its split count aims at NVFP4_PRMT_PROGRAMS_PER_SM programs an SM, held to
+NVFP4_PRMT_MAXNREG registers when over two), `NVFP4_F16` (fp16 dots
 over whole tiles decoded a 32-bit word at a time) and `NVFP4_HALVES` (the halves decoded byte-wise
 in fp32); whole byte-wise tiles (`dequant_tile`) below head dim 32. The decode, not the loads, bounds
 them: Triton runs uint8 arithmetic a byte per instruction. Measurements and block sizes:
-bench/decode_attention.py, bench/RESULTS.md (sessions 10-15). A sequence of length 0 (a padding row)
+bench/decode_attention.py, bench/RESULTS.md (sessions 10-16). A sequence of length 0 (a padding row)
 gives zeros.
 """
 
@@ -52,7 +55,7 @@ import triton
 import triton.language as tl
 
 from ft.kernels.attention.reference import NVFP4_CACHE, cache_head_dim
-from ft.kernels.backend import inline_ptx
+from ft.kernels.backend import inline_ptx, sm_count
 from ft.kernels.attention.split import (
     DecodeWorkspace,
     decode_attention_splits,
@@ -60,7 +63,7 @@ from ft.kernels.attention.split import (
 )
 from ft.kernels.attention.decode_loops import _attend, _attend_nvfp4, _attend_nvfp4_fma, _d_mask, _load_q
 
-__all__ = ["paged_decode_attention_triton", "write_kv_decode_triton"]
+__all__ = ["decode_split_count", "paged_decode_attention_triton", "write_kv_decode_triton"]
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -168,7 +171,7 @@ def _decode_kernel(
     PRECISION: tl.constexpr, HAS_GATE: tl.constexpr, KV_FP8: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
     NVFP4_HALVES: tl.constexpr = False, NVFP4_FMA: tl.constexpr = False, EVEN_D: tl.constexpr = False,
     NVFP4_F16: tl.constexpr = False, NVFP4_WORDS: tl.constexpr = False, NVFP4_PRMT: tl.constexpr = False,
-    NVFP4_ASM: tl.constexpr = False,
+    NVFP4_ASM: tl.constexpr = False, NVFP4_FORM: tl.constexpr = 0,
 ):
     i_b = tl.program_id(0)
     i_kv = tl.program_id(1)
@@ -183,7 +186,8 @@ def _decode_kernel(
     elif KV_NVFP4 and NVFP4_PRMT:
         _, b_l, b_acc = _attend_nvfp4(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
                                       0, seq_len, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
-                                      PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, EVEN_D, True, NVFP4_ASM)
+                                      PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, EVEN_D, True, NVFP4_ASM,
+                                      NVFP4_FORM)
     elif KV_NVFP4 and NVFP4_F16:
         _, b_l, b_acc = _attend(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
                                 0, seq_len, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
@@ -220,7 +224,7 @@ def _decode_split_kernel(
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
     NVFP4_HALVES: tl.constexpr = False, NVFP4_FMA: tl.constexpr = False, EVEN_D: tl.constexpr = False,
     NVFP4_F16: tl.constexpr = False, NVFP4_WORDS: tl.constexpr = False, NVFP4_PRMT: tl.constexpr = False,
-    NVFP4_ASM: tl.constexpr = False,
+    NVFP4_ASM: tl.constexpr = False, NVFP4_FORM: tl.constexpr = 0,
 ):
     i_b = tl.program_id(0)
     i_kv = tl.program_id(1)
@@ -241,7 +245,7 @@ def _decode_split_kernel(
         b_m, b_l, b_acc = _attend_nvfp4(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch,
                                         p_pt + i_b * stride_ptb, lo, hi, D, qk_scale, stride_kcp, stride_kcs,
                                         stride_vcp, stride_vcs, PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, EVEN_D,
-                                        True, NVFP4_ASM)
+                                        True, NVFP4_ASM, NVFP4_FORM)
     elif KV_NVFP4 and NVFP4_F16:
         b_m, b_l, b_acc = _attend(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
                                   lo, hi, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
@@ -375,12 +379,43 @@ NVFP4_F16's (1,082 against 1,009 instructions: q's fragments reloaded per tile a
 bytes' packing take what the decode saves) but it issues fewer conversions (F2FP 34 against 72)."""
 NVFP4_PRMT_BLOCK_N = 64
 NVFP4_PRMT_STAGES = 3
+NVFP4_PRMT_FORM = 2
+"""The NVFP4_PRMT loop's decode form (`ft.kernels.nvfp4.decode.e2m1_halves_f16_scaled`'s FORM:
+HALVES_PRMT 0, HALVES_BITS 1, HALVES_CVT 2); every form gives the same output bits (the GPU tests
+check it). H200, one layer (bench/decode_attention.py, 16/2 heads, D 256, 2026-12-02, two calls):
+128K 70.9 / 71.1 us (byte permutes) -> 68.3 / 68.5 (E4M3 bytes converted two at a time), 72.3
+with the bits placed; 4K 17.1 -> 16.6-16.8. With NVFP4_PRMT_MAXNREG and three programs an SM:
+65.2 / 65.9 / 65.8 us at 128K (three calls), the bits form 66.3, byte permutes 71.1. Statically
+(sm_90, 64 keys, 3 stages) 2,155 -> 1,756 instructions a step (F2FP 68 -> 196), 233 -> 220 registers."""
+NVFP4_PRMT_MAXNREG = 168
+"""Registers per thread the NVFP4_PRMT split kernel is held to (ptxas `maxnreg`; 0: the compiler's
+choice) when its grid holds more than two programs an SM: the loop is latency-bound at two programs
+(8 warps) an SM, and 168 registers make room for three, at the cost of some spills (128 bytes of
+stack; the loop 1,756 -> 1,816 instructions). Measured slower: 8 warps at 128 registers (two
+programs of 8 warps: 72.0 us at 128K), 4 warps at 128 (four programs, 264 splits: 69.2)."""
+NVFP4_PRMT_PROGRAMS_PER_SM = 3
+"""Programs an SM that the NVFP4_PRMT kernel's split count aims at (`decode_split_count`: this times
+the SM count, at most NVFP4_PRMT_MAX_SPLITS splits; 0: `decode_attention_splits`' own rule, two an
+SM of an H200); 3 goes with NVFP4_PRMT_MAXNREG 168."""
+NVFP4_PRMT_MAX_SPLITS = 256
+NVFP4_PRMT_WARPS = 4
+"""Warps per program of the NVFP4_PRMT kernels."""
 
 
 COMBINE_BLOCK_D = 64
 """Columns of the head dim per program of the split-K combine (the whole head when smaller). H200,
 flagship heads, batch 1 (bench/decode_attention.py --profile, 2026-12-01): 128 splits (128K) 9.3 ->
 4.4 us against one program per head, 16 splits (4K) 2.2 -> 1.8 us."""
+
+
+def decode_split_count(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device, prmt: bool) -> int:
+    """The split count the launcher takes when none is given: `decode_attention_splits`, aimed at
+    NVFP4_PRMT_PROGRAMS_PER_SM programs an SM for the NVFP4_PRMT kernel (`prmt`) where that is set."""
+    target = NVFP4_PRMT_PROGRAMS_PER_SM * sm_count(device) if prmt else 0
+    if not target:
+        return decode_attention_splits(batch, num_kv_heads, max_seq_len)
+    return decode_attention_splits(batch, num_kv_heads, max_seq_len, target_programs=target,
+                                   max_splits=NVFP4_PRMT_MAX_SPLITS)
 
 
 def decode_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
@@ -441,8 +476,6 @@ def paged_decode_attention_triton(
         raise ValueError(f"q must be fp32/bf16/fp16, got {q.dtype}")
     q = q if q.stride(-1) == 1 else q.contiguous()
     page_table = page_table if page_table.stride(-1) == 1 else page_table.contiguous()
-    if splits is None:
-        splits = decode_attention_splits(b, hkv, max_seq_len or page_table.shape[1] * page)
     out = torch.empty_like(q) if out is None else out
     if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} contiguous along D, got {tuple(out.shape)} "
@@ -475,6 +508,14 @@ def paged_decode_attention_triton(
         cfg["BLOCK_N"] = NVFP4_PRMT_BLOCK_N
     if cfg["NVFP4_PRMT"] and not (config or {}).get("num_stages"):
         cfg["num_stages"] = NVFP4_PRMT_STAGES
+    cfg["NVFP4_FORM"] = int(cfg.get("NVFP4_FORM", NVFP4_PRMT_FORM)) if cfg["NVFP4_PRMT"] else 0
+    if cfg["NVFP4_PRMT"] and not (config or {}).get("num_warps"):
+        cfg["num_warps"] = NVFP4_PRMT_WARPS
+    if splits is None:
+        splits = decode_split_count(b, hkv, max_seq_len or page_table.shape[1] * page, q.device, cfg["NVFP4_PRMT"])
+    if (cfg["NVFP4_PRMT"] and NVFP4_PRMT_MAXNREG and "maxnreg" not in cfg and splits > 1
+            and b * hkv * splits > 2 * sm_count(q.device)):
+        cfg["maxnreg"] = NVFP4_PRMT_MAXNREG
     common = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0))
     scale2 = scale * LOG2E

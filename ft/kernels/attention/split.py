@@ -18,18 +18,20 @@ MAX_SPLITS = 128
 """Upper bound of the split count (workspace rows per sequence)."""
 
 
-def decode_attention_splits(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
+def decode_attention_splits(batch: int, num_kv_heads: int, max_seq_len: int, *, target_programs: int | None = None,
+                            max_splits: int | None = None) -> int:
     """Split count of `paged_decode_attention` for a batch whose contexts are at most `max_seq_len` tokens.
 
-    min(cdiv(max_seq_len, SPLIT_MIN_TOKENS), cdiv(SPLIT_TARGET_PROGRAMS, batch * num_kv_heads),
-    MAX_SPLITS), at least 1; 1 means the single-pass kernel. It depends on declared sizes only, so
+    min(cdiv(max_seq_len, SPLIT_MIN_TOKENS), cdiv(target_programs, batch * num_kv_heads), max_splits),
+    at least 1 (defaults SPLIT_TARGET_PROGRAMS and MAX_SPLITS; a kernel that fits more programs an
+    SM passes its own); 1 means the single-pass kernel. It depends on declared sizes only, so
     a CUDA graph captured with it stays right for every step. The count changes speed, never the
     result's meaning: each program splits its sequence's actual length into that many chunks, so
     a sequence longer than `max_seq_len` is still attended in full.
     """
     by_len = -(-max(max_seq_len, 1) // SPLIT_MIN_TOKENS)
-    by_programs = -(-SPLIT_TARGET_PROGRAMS // max(batch * num_kv_heads, 1))
-    return max(1, min(by_len, by_programs, MAX_SPLITS))
+    by_programs = -(-(target_programs or SPLIT_TARGET_PROGRAMS) // max(batch * num_kv_heads, 1))
+    return max(1, min(by_len, by_programs, max_splits or MAX_SPLITS))
 
 
 @dataclass(frozen=True)
