@@ -243,7 +243,8 @@ def test_prmt_split_count_aims_at_its_own_occupancy(monkeypatch):
     monkeypatch.setattr(attention_kernel, "NVFP4_PRMT_PROGRAMS_PER_SM", 3)
     dev = torch.device("cpu")
     assert attention_kernel.decode_split_count(1, 2, 131072, dev, prmt=True) == 198
-    assert attention_kernel.decode_split_count(8, 2, 131072, dev, prmt=True) == 25
+    assert attention_kernel.decode_split_count(8, 2, 131072, dev, prmt=True) == 24  # 384 programs: one wave
+    assert attention_kernel.decode_split_count(256, 2, 131072, dev, prmt=True) == 1
     assert attention_kernel.decode_split_count(1, 2, 4096, dev, prmt=True) == 16  # by length
     assert attention_kernel.decode_split_count(1, 2, 131072, dev, prmt=False) == 128  # the library rule
     monkeypatch.setattr(attention_kernel, "NVFP4_PRMT_PROGRAMS_PER_SM", 0)

@@ -410,11 +410,14 @@ flagship heads, batch 1 (bench/decode_attention.py --profile, 2026-12-01): 128 s
 
 def decode_split_count(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device, prmt: bool) -> int:
     """The split count the launcher takes when none is given: `decode_attention_splits`, aimed at
-    NVFP4_PRMT_PROGRAMS_PER_SM programs an SM for the NVFP4_PRMT kernel (`prmt`) where that is set."""
+    NVFP4_PRMT_PROGRAMS_PER_SM programs an SM for the NVFP4_PRMT kernel (`prmt`) where that is set,
+    rounded down so that the grid is one wave (every program does the same work: a few programs
+    over the SMs' room would double the time)."""
     target = NVFP4_PRMT_PROGRAMS_PER_SM * sm_count(device) if prmt else 0
     if not target:
         return decode_attention_splits(batch, num_kv_heads, max_seq_len)
-    return decode_attention_splits(batch, num_kv_heads, max_seq_len, target_programs=target,
+    rows = max(batch * num_kv_heads, 1)
+    return decode_attention_splits(batch, num_kv_heads, max_seq_len, target_programs=max(1, target // rows) * rows,
                                    max_splits=NVFP4_PRMT_MAX_SPLITS)
 
 
