@@ -84,7 +84,7 @@ def main() -> None:
 
         nvfp4_kernel.DOT_HALVES = False
     if args.prmt_form >= 0 or args.prmt_maxnreg >= 0 or args.prmt_warps or args.prmt_programs_per_sm >= 0:
-        import ft.kernels.attention.kernel as attention_kernel
+        import ft.kernels.attention.decode_tuning as attention_kernel
 
         if args.prmt_programs_per_sm >= 0:
             attention_kernel.NVFP4_PRMT_PROGRAMS_PER_SM = args.prmt_programs_per_sm
@@ -95,20 +95,20 @@ def main() -> None:
         if args.prmt_maxnreg >= 0:
             attention_kernel.NVFP4_PRMT_MAXNREG = args.prmt_maxnreg
     if args.prmt_stages:
-        import ft.kernels.attention.kernel as attention_kernel
+        import ft.kernels.attention.decode_tuning as attention_kernel
 
         attention_kernel.NVFP4_PRMT_STAGES = args.prmt_stages
     if args.prmt or args.no_prmt:
-        import ft.kernels.attention.kernel as attention_kernel
+        import ft.kernels.attention.decode_tuning as attention_kernel
 
         attention_kernel.NVFP4_PRMT_DEFAULT = not args.no_prmt
         attention_kernel.NVFP4_PRMT_BLOCK_N = args.prmt or attention_kernel.NVFP4_PRMT_BLOCK_N
     if args.combine_block_d:
-        import ft.kernels.attention.kernel as attention_kernel
+        import ft.kernels.attention.decode_tuning as attention_kernel
 
         attention_kernel.COMBINE_BLOCK_D = args.combine_block_d
     if args.words:
-        import ft.kernels.attention.kernel as attention_kernel
+        import ft.kernels.attention.decode_tuning as attention_kernel
         import ft.kernels.nvfp4.kernel as nvfp4_kernel
 
         nvfp4_kernel.DOT_WORDS = True

@@ -25,6 +25,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from ft.kernels.activation import kernel as act  # noqa: E402
 from ft.kernels.attention import kernel as attn  # noqa: E402
+from ft.kernels.attention import decode_tuning as attn_tuning  # noqa: E402
 from ft.kernels.attention import prefill_kernel as attn_pf  # noqa: E402
 from ft.kernels.dense import kernel as dense  # noqa: E402
 from ft.kernels.gated_delta import kernel as gd  # noqa: E402
@@ -146,7 +147,7 @@ def prefill_cfg(head_dim: int, group: int) -> dict:
 
 def decode_cfg(head_dim: int, group: int, fp8: bool = False, nvfp4: bool = False) -> dict:
     # every constexpr named
-    cfg = {"PAGE_SIZE": 64, **attn.decode_config(head_dim, group, torch.bfloat16), "KV_FP8": fp8, "KV_NVFP4": nvfp4}
+    cfg = {"PAGE_SIZE": 64, **attn_tuning.decode_config(head_dim, group, torch.bfloat16), "KV_FP8": fp8, "KV_NVFP4": nvfp4}
     # the byte-permute halves (NVFP4_PRMT, the NVFP4 default) only where a case names them, with the wrapper's
     # block size, stages and the PTX on (as on a GPU)
     return {**cfg, "EVEN_D": head_dim == cfg["BLOCK_D"], "NVFP4_PRMT": False}  # EVEN_D as the wrapper sets it
@@ -327,7 +328,8 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("decode attention split-K G 8, D 256, nvfp4 cache, halves decoded by E4M3 conversions (PTX), 168 registers",
      attn._decode_split_kernel, {**DECODE_SPLIT, "p_kc": "*u8", "p_vc": "*u8", "p_q": "*fp16"},
      {**decode_cfg(256, 8, nvfp4=True), "NVFP4_PRMT": True, "NVFP4_ASM": True, "BLOCK_N": 64,
-      "NVFP4_FORM": attn.NVFP4_PRMT_FORM, "num_stages": attn.NVFP4_PRMT_STAGES, "maxnreg": attn.NVFP4_PRMT_MAXNREG}),
+      "NVFP4_FORM": attn_tuning.NVFP4_PRMT_FORM, "num_stages": attn_tuning.NVFP4_PRMT_STAGES,
+      "maxnreg": attn_tuning.NVFP4_PRMT_MAXNREG}),
     ("decode attention split-K G 8, D 256, nvfp4 cache, whole tiles", attn._decode_split_kernel,
      {**DECODE_SPLIT, "p_kc": "*u8", "p_vc": "*u8"}, {**decode_cfg(256, 8, nvfp4=True), "NVFP4_HALVES": False}),
     ("prefill attention G 8, D 256", attn_pf._prefill_kernel, PREFILL,

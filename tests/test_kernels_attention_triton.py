@@ -237,7 +237,7 @@ def test_prmt_split_count_aims_at_its_own_occupancy(monkeypatch):
     """The NVFP4_PRMT kernel's split count (`decode_split_count`): NVFP4_PRMT_PROGRAMS_PER_SM programs
     an SM on a device with SMs (three on a 132-SM H200 at 168 registers), the library rule
     elsewhere and for other kernels."""
-    import ft.kernels.attention.kernel as attention_kernel
+    import ft.kernels.attention.decode_tuning as attention_kernel
 
     monkeypatch.setattr(attention_kernel, "sm_count", lambda device: 132)
     monkeypatch.setattr(attention_kernel, "NVFP4_PRMT_PROGRAMS_PER_SM", 3)

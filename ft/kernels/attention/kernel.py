@@ -18,7 +18,7 @@ host; the split-K workspace comes from the caller. So a decode step is capturabl
   c = cdiv(cdiv(seq_len, S), BLOCK_N) * BLOCK_N from the actual length, and writes its partial
   (max, sum, unnormalized acc) to the workspace; the combine kernel, one program per
   (sequence, query head), rescales the S partials to their common max and normalizes.
-  S comes from the caller (`split.decode_attention_splits`, from the declared maximum context).
+  S comes from the caller or from the declared maximum context (`decode_tuning.decode_split_count`).
 
 The optional output gate (HAS_GATE; Qwen3-Next's gated attention) is applied by the kernel that
 writes the output, the single-pass or the combine kernel: o * sigmoid(gate) in fp32, rounded to the
@@ -44,7 +44,8 @@ NVFP4_PRMT_MAXNREG registers when over two), `NVFP4_F16` (fp16 dots
 over whole tiles decoded a 32-bit word at a time) and `NVFP4_HALVES` (the halves decoded byte-wise
 in fp32); whole byte-wise tiles (`dequant_tile`) below head dim 32. The decode, not the loads, bounds
 them: Triton runs uint8 arithmetic a byte per instruction. Measurements and block sizes:
-bench/decode_attention.py, bench/RESULTS.md (sessions 10-16). A sequence of length 0 (a padding row)
+bench/decode_attention.py, bench/RESULTS.md (sessions 10-16); the constants that pick them:
+`decode_tuning.py`. A sequence of length 0 (a padding row)
 gives zeros.
 """
 
@@ -55,15 +56,12 @@ import triton
 import triton.language as tl
 
 from ft.kernels.attention.reference import NVFP4_CACHE, cache_head_dim
+import ft.kernels.attention.decode_tuning as tuning
 from ft.kernels.backend import inline_ptx, sm_count
-from ft.kernels.attention.split import (
-    DecodeWorkspace,
-    decode_attention_splits,
-    decode_attention_workspace,
-)
+from ft.kernels.attention.split import DecodeWorkspace, decode_attention_workspace
 from ft.kernels.attention.decode_loops import _attend, _attend_nvfp4, _attend_nvfp4_fma, _d_mask, _load_q
 
-__all__ = ["decode_split_count", "paged_decode_attention_triton", "write_kv_decode_triton"]
+__all__ = ["paged_decode_attention_triton", "write_kv_decode_triton"]
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -361,75 +359,6 @@ def _word_aligned(*caches: torch.Tensor) -> bool:
     return all(c.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in c.stride()[:-1]) for c in caches)
 
 
-NVFP4_F16_DEFAULT = True
-"""`decode_config`'s NVFP4_F16: the NVFP4 decode attention's fp16 dots over word-decoded fp16 tiles
-(q rounded to fp16 once; an fp32 q keeps the exact path), 64 keys a step. H200
-(bench/decode_attention.py, 16/2 heads, D 256, 2026-12-01): 92.2 us at a 128K context against 120.3
-for the halves (1.30x), 19.7 against 24.8 at 4K; rel RMS against the reference 1.7e-3 (halves 2.2e-3)."""
-
-
-NVFP4_PRMT_DEFAULT = True
-"""`decode_config`'s NVFP4_PRMT: the NVFP4 halves decoded straight to fp16 by byte permutes in inline
-PTX (`ft.kernels.nvfp4.decode.e2m1_halves_f16`, ~3 instructions an element), fp16 dots,
-NVFP4_PRMT_BLOCK_N keys a step, NVFP4_PRMT_STAGES pipeline stages. H200 (bench/decode_attention.py,
-16/2 heads, D 256, 2026-12-02, one run): 128K context 87.5 us for NVFP4_F16 (the default before) ->
-71.2 us (64 keys, 3 stages; 78.1 with 2 stages, 73.3 at 128 keys, 82.5 at 32, 97.6 in 8 warps),
-4K 19.4 -> 17.1 us. Statically (sm_90 SASS per 32 keys, 2 stages) the loop is no shorter than
-NVFP4_F16's (1,082 against 1,009 instructions: q's fragments reloaded per tile and the scale
-bytes' packing take what the decode saves) but it issues fewer conversions (F2FP 34 against 72)."""
-NVFP4_PRMT_BLOCK_N = 64
-NVFP4_PRMT_STAGES = 3
-NVFP4_PRMT_FORM = 2
-"""The NVFP4_PRMT loop's decode form (`ft.kernels.nvfp4.decode.e2m1_halves_f16_scaled`'s FORM:
-HALVES_PRMT 0, HALVES_BITS 1, HALVES_CVT 2); every form gives the same output bits (the GPU tests
-check it). H200, one layer (bench/decode_attention.py, 16/2 heads, D 256, 2026-12-02, two calls):
-128K 70.9 / 71.1 us (byte permutes) -> 68.3 / 68.5 (E4M3 bytes converted two at a time), 72.3
-with the bits placed; 4K 17.1 -> 16.6-16.8. With NVFP4_PRMT_MAXNREG and three programs an SM:
-65.2 / 65.9 / 65.8 us at 128K (three calls), the bits form 66.3, byte permutes 71.1. Statically
-(sm_90, 64 keys, 3 stages) 2,155 -> 1,756 instructions a step (F2FP 68 -> 196), 233 -> 220 registers."""
-NVFP4_PRMT_MAXNREG = 168
-"""Registers per thread the NVFP4_PRMT split kernel is held to (ptxas `maxnreg`; 0: the compiler's
-choice) when its grid holds more than two programs an SM: the loop is latency-bound at two programs
-(8 warps) an SM, and 168 registers make room for three, at the cost of some spills (128 bytes of
-stack; the loop 1,756 -> 1,816 instructions). Measured slower: 8 warps at 128 registers (two
-programs of 8 warps: 72.0 us at 128K), 4 warps at 128 (four programs, 264 splits: 69.2)."""
-NVFP4_PRMT_PROGRAMS_PER_SM = 3
-"""Programs an SM that the NVFP4_PRMT kernel's split count aims at (`decode_split_count`: this times
-the SM count, at most NVFP4_PRMT_MAX_SPLITS splits; 0: `decode_attention_splits`' own rule, two an
-SM of an H200); 3 goes with NVFP4_PRMT_MAXNREG 168."""
-NVFP4_PRMT_MAX_SPLITS = 256
-NVFP4_PRMT_WARPS = 4
-"""Warps per program of the NVFP4_PRMT kernels."""
-
-
-COMBINE_BLOCK_D = 64
-"""Columns of the head dim per program of the split-K combine (the whole head when smaller). H200,
-flagship heads, batch 1 (bench/decode_attention.py --profile, 2026-12-01): 128 splits (128K) 9.3 ->
-4.4 us against one program per head, 16 splits (4K) 2.2 -> 1.8 us."""
-
-
-def decode_split_count(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device, prmt: bool) -> int:
-    """The split count the launcher takes when none is given: `decode_attention_splits`, aimed at
-    NVFP4_PRMT_PROGRAMS_PER_SM programs an SM for the NVFP4_PRMT kernel (`prmt`) where that is set,
-    rounded down so that the grid is one wave (every program does the same work: a few programs
-    over the SMs' room would double the time)."""
-    target = NVFP4_PRMT_PROGRAMS_PER_SM * sm_count(device) if prmt else 0
-    if not target:
-        return decode_attention_splits(batch, num_kv_heads, max_seq_len)
-    rows = max(batch * num_kv_heads, 1)
-    return decode_attention_splits(batch, num_kv_heads, max_seq_len, target_programs=max(1, target // rows) * rows,
-                                   max_splits=NVFP4_PRMT_MAX_SPLITS)
-
-
-def decode_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
-    """Block sizes and launch options of the decode kernels (untuned: K and V tiles of 16 KiB in bf16)."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    return {"BLOCK_G": max(16, triton.next_power_of_2(group)), "BLOCK_N": 32 if block_d > 128 else 64,
-            "BLOCK_D": block_d, "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "num_warps": 4,
-            "num_stages": 2, "NVFP4_HALVES": True, "NVFP4_FMA": False, "NVFP4_F16": NVFP4_F16_DEFAULT,
-            "NVFP4_WORDS": False, "NVFP4_PRMT": NVFP4_PRMT_DEFAULT}
-
-
 def paged_decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -450,7 +379,7 @@ def paged_decode_attention_triton(
 
     Args:
         max_seq_len: the longest context the caller declares (default: the page table's capacity,
-            max_pages * page_size); picks the split count (`decode_attention_splits`).
+            max_pages * page_size); picks the split count (`decode_tuning.decode_split_count`).
         splits: force a split count (1: the single-pass kernel).
         workspace: the split-K workspace (`decode_attention_workspace`), at least B * splits rows;
             allocated here when missing. Pass one allocated up front when capturing a CUDA graph.
@@ -458,7 +387,7 @@ def paged_decode_attention_triton(
         gate: optional output gate [B, Hq, D] in q's dtype, any strides (a view of the q projection
             reads in place; copied only when D's stride is not 1): the output is o * sigmoid(gate) in
             fp32, rounded once, by the single-pass or the combine kernel.
-        config: block sizes and launch options overriding `decode_config` (tests, benchmarks), and
+        config: block sizes and launch options overriding `decode_tuning.decode_config` (tests, benchmarks), and
             COMBINE_BLOCK_D, the combine's columns per program.
         kv_scale: float32 [2] (K, V) scales of an fp8 or NVFP4 cache (required then; k_cache, v_cache
             [P, page_size, Hkv, D/2 + D/16] uint8 for NVFP4): K's is folded into the softmax scale,
@@ -492,8 +421,8 @@ def paged_decode_attention_triton(
     if b == 0:
         return out
     k_cache, v_cache, kvs, kv_flags = _kv_args(k_cache, v_cache, kv_scale, q)
-    cfg = {**decode_config(d, hq // hkv, q.dtype), **(config or {})}
-    block_dc = min(cfg["BLOCK_D"], cfg.pop("COMBINE_BLOCK_D", COMBINE_BLOCK_D))  # (the combine's, not the split's)
+    cfg = {**tuning.decode_config(d, hq // hkv, q.dtype), **(config or {})}
+    block_dc = min(cfg["BLOCK_D"], cfg.pop("COMBINE_BLOCK_D", tuning.COMBINE_BLOCK_D))  # (the combine's, not the split's)
     cfg["NVFP4_HALVES"] = bool(cfg["NVFP4_HALVES"]) and kv_flags["KV_NVFP4"] and cfg["BLOCK_D"] >= 32  # halves: dot K >= 16
     cfg["NVFP4_FMA"] = bool(cfg["NVFP4_FMA"]) and kv_flags["KV_NVFP4"] and d % 64 == 0 and cfg["BLOCK_D"] == d
     if cfg["NVFP4_FMA"] and not (config or {}).get("BLOCK_G"):
@@ -508,17 +437,17 @@ def paged_decode_attention_triton(
                          and cfg["EVEN_D"] and d % 64 == 0)
     cfg["NVFP4_ASM"] = cfg["NVFP4_PRMT"] and bool(cfg.get("NVFP4_ASM", True)) and inline_ptx(q.device)
     if cfg["NVFP4_PRMT"] and not (config or {}).get("BLOCK_N"):
-        cfg["BLOCK_N"] = NVFP4_PRMT_BLOCK_N
+        cfg["BLOCK_N"] = tuning.NVFP4_PRMT_BLOCK_N
     if cfg["NVFP4_PRMT"] and not (config or {}).get("num_stages"):
-        cfg["num_stages"] = NVFP4_PRMT_STAGES
-    cfg["NVFP4_FORM"] = int(cfg.get("NVFP4_FORM", NVFP4_PRMT_FORM)) if cfg["NVFP4_PRMT"] else 0
+        cfg["num_stages"] = tuning.NVFP4_PRMT_STAGES
+    cfg["NVFP4_FORM"] = int(cfg.get("NVFP4_FORM", tuning.NVFP4_PRMT_FORM)) if cfg["NVFP4_PRMT"] else 0
     if cfg["NVFP4_PRMT"] and not (config or {}).get("num_warps"):
-        cfg["num_warps"] = NVFP4_PRMT_WARPS
+        cfg["num_warps"] = tuning.NVFP4_PRMT_WARPS
     if splits is None:
-        splits = decode_split_count(b, hkv, max_seq_len or page_table.shape[1] * page, q.device, cfg["NVFP4_PRMT"])
-    if (cfg["NVFP4_PRMT"] and NVFP4_PRMT_MAXNREG and "maxnreg" not in cfg and splits > 1
+        splits = tuning.decode_split_count(b, hkv, max_seq_len or page_table.shape[1] * page, q.device, cfg["NVFP4_PRMT"])
+    if (cfg["NVFP4_PRMT"] and tuning.NVFP4_PRMT_MAXNREG and "maxnreg" not in cfg and splits > 1
             and b * hkv * splits > 2 * sm_count(q.device)):
-        cfg["maxnreg"] = NVFP4_PRMT_MAXNREG
+        cfg["maxnreg"] = tuning.NVFP4_PRMT_MAXNREG
     common = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0))
     scale2 = scale * LOG2E
