@@ -58,6 +58,8 @@ def main() -> None:
                     help="--profile's prompt lengths (the decode steps profiled attend to N tokens), one profile each")
     ap.add_argument("--no-small-m-gemv", action="store_true",
                     help="M = 3..8 projections on the 16-row tl.dot tile everywhere (SMALL_M_WHOLE_K off)")
+    ap.add_argument("--overlap-decode", action="store_true",
+                    help="queue each decode step before reading the last one's tokens (EngineConfig.overlap_decode)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
                     help="after the timed runs, run this many decode steps under cProfile at each --profile-context "
                          "length and print the host functions by own time (what a step's host work grows with)")
@@ -127,7 +129,8 @@ def main() -> None:
                               num_tokens=max(16384, (max(contexts) + args.tokens + 64) * max(batches)),
                               mamba_cache_size=2 * max(batches), max_running_requests=max(batches),
                               max_prefill_length=4096 if max(contexts) > 1024 else 1024,
-                              cuda_graph_max_bs=max(batches), kv_cache_dtype=args.kv_cache_dtype))
+                              cuda_graph_max_bs=max(batches), kv_cache_dtype=args.kv_cache_dtype,
+                              overlap_decode=args.overlap_decode))
     print(f"engine up in {time.perf_counter() - t0:.1f} s, geometry {eng.cache.geometry}", flush=True)
     graphs = eng.runner.graphs
     rows = []
@@ -152,7 +155,8 @@ def main() -> None:
             print(f"\n== cProfile: context {n}, batch {batches[0]}")
             host_profile_steps(eng, [(1000 + j) % eng.model_config.vocab_size for j in range(n)], args.cprofile,
                                batches[0])
-    print(f"\ngraphs captured {graphs.captures} ({graphs.capture_s:.2f} s), replayed {graphs.replays}")
+    print(f"\ngraphs captured {graphs.captures} ({graphs.capture_s:.2f} s), replayed {graphs.replays}; "
+          f"overlapped decode steps {eng.overlapped_steps}")
     print(f"kv cache dtype: {args.kv_cache_dtype}; split-K decode attention aims at "
           f"{attention_split.SPLIT_TARGET_PROGRAMS} programs, at most {attention_split.MAX_SPLITS} splits")
     print(f"\n{'model':<26} {'context':>8} {'mode':<7} {'batch':>5} {'tok/s':>9} {'ms/step':>8} {'roofline tok/s':>14} "

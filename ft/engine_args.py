@@ -70,6 +70,10 @@ HELP = {
     "prefill_graph_max_tokens": ("one-request prefill chunks of up to this many tokens replay CUDA graphs, padded to "
                                  "a token bucket, with the attention cores run between them (short prompts' time to "
                                  "first token is otherwise the host's launch time); 0 turns them off"),
+    "overlap_decode": ("queue each decode step before the host reads the last one's tokens, so that the host's "
+                       "work per step (reading tokens, text, the next step's inputs) runs while the device computes; "
+                       "plain decode batches only (no grammar, logprobs, penalties or stop strings; one GPU; resident "
+                       "experts; no KV ladder), the others step as before. Not yet measured: off by default"),
     "storage_backend": ("how the pools resize: vmm (CUDA virtual memory) or mmap (host, Linux) free before they "
                         "allocate; realloc copies, so a resize holds old and new and the reachable ranges are narrower; "
                         "auto picks the best available"),

@@ -20,6 +20,7 @@ in the same single copy as the sampled tokens (`result_copy.ResultCopy`).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -42,6 +43,16 @@ from ft.model.forward_batch import DecodeMeta, ForwardBatch, SeqSlice
 from ft.errors import RanksOutOfStep
 
 _log = logging.getLogger(__name__)
+
+
+@dataclass
+class LaunchedDecode:
+    """A decode step queued by `ModelRunner.launch_decode`: its rows' sequences, the sampled ids
+    [rows] on the device, and their copy to the host (`ResultCopy.start`)."""
+
+    seqs: list[Sequence]
+    sampled: torch.Tensor
+    copy: tuple
 
 
 class ModelRunner:
@@ -93,7 +104,7 @@ class ModelRunner:
                 ("pen_freq", rows, f32), ("bias_rows", rows, i64), ("bias_tokens", rows, i64),
                 ("bias_values", rows, f32), ("lp_rows", rows, i64), ("logit_index", tokens, i64),
                 ("sample_rows", rows, i64), ("prompt_rows", tokens, i64), ("prompt_targets", tokens, i64),
-                ("grammar_rows", rows, i64),
+                ("grammar_rows", rows, i64), ("feed_rows", rows, i64), ("feed_stops", rows, i64),
             )
         }
         self.grammar_masks = GrammarMaskBuffer(device)  # the bitmasks of the rows with a grammar
@@ -117,6 +128,9 @@ class ModelRunner:
         self.page_table = PageTableBuffer(rows, max_pages_per_seq, device, arena=(self.decode_arena, len(decode_specs)))
         self.routing = None  # a `routing_override.TraceRouting` (synthetic traces): set by the engine
         self.results = ResultCopy(rows, device)  # the sampled ids (and logprobs) to the host, one copy a step
+        # overlapped decode (`launch_decode`): recorded after a launch's host-to-device copies; the
+        # next launch waits for it before it rewrites the host staging those copies read
+        self._staged: torch.cuda.Event | None = None
         self.last_logits: torch.Tensor | None = None  # [B, V] of the last step (tests and debugging)
         # tensor parallelism (`ft.parallel.TPGroup`): rank 0 sends each step's inputs with the
         # journal of its pools' content operations (`attach_tp`)
@@ -227,13 +241,15 @@ class ModelRunner:
                                                                 torch.int64, self.device)
         return buf.load(values).view(-1, r.num_layers, r.top_k)
 
-    def sampling(self, seqs: list[Sequence], done: list[bool] | None = None, vocab: int | None = None) -> SamplingBatch:
-        """The rows' sampling parameters in the buffers; step = tokens generated so far. Penalties,
-        logit biases and grammar bitmasks are loaded for the rows in `done` only (the others'
-        tokens are discarded: their counts must not change); `vocab` (V) sizes the penalty state."""
+    def sampling(self, seqs: list[Sequence], done: list[bool] | None = None, vocab: int | None = None,
+                 ahead: int = 0) -> SamplingBatch:
+        """The rows' sampling parameters in the buffers; step = tokens generated so far (plus `ahead`:
+        tokens sampled by steps still in flight). Penalties, logit biases and grammar bitmasks are
+        loaded for the rows in `done` only (the others' tokens are discarded: their counts must not
+        change); `vocab` (V) sizes the penalty state."""
         done = [True] * len(seqs) if done is None else done
         params = [s.params for s in seqs]
-        rows = [SamplingBatch.row(p, s.seed, len(s.output_ids)) for p, s in zip(params, seqs)]
+        rows = [SamplingBatch.row(p, s.seed, len(s.output_ids) + ahead) for p, s in zip(params, seqs)]
         temp, top_k, top_p, min_p, uniform = (list(c) for c in zip(*rows))
         all_greedy, any_filter, any_min_p = SamplingBatch.flags(params)
         buf, sb = self.buffers, self.sample_buffers
@@ -274,7 +290,11 @@ class ModelRunner:
         device tensors only (what a CUDA graph replays)."""
         return self.load(self._decode_inputs(seqs, n))
 
-    def _decode_inputs(self, seqs: list[Sequence], n: int, graph_rows: int | None = None) -> StepInputs:
+    def _decode_inputs(self, seqs: list[Sequence], n: int, graph_rows: int | None = None,
+                       ids_on_device: bool = False) -> StepInputs:
+        """ids_on_device: the token ids are not known on the host yet (overlapped decode: zeros here,
+        gathered on the device from the step in flight, `launch_decode`); the positions are each
+        sequence's num_computed, which counts the steps launched."""
         real = len(seqs)
         rows = list(seqs) + [seqs[0]] * (n - real)
         page = self.pools.kv.page_size
@@ -282,8 +302,9 @@ class ModelRunner:
         # NOTE: padding rows read like the first sequence but write nowhere (slot -1): the fused
         # kernels update states in place, so two rows must never share a slot they write
         kv_slots = [s.pages[p // page] * page + p % page for s, p in zip(seqs, pos)]
+        ids = [0] * n if ids_on_device else [_tokens(s, p, 1)[0] for s, p in zip(rows, pos)]
         return StepInputs(
-            "decode", [_tokens(s, p, 1)[0] for s, p in zip(rows, pos)], pos,
+            "decode", ids, pos,
             [(p, 1, s.pages, s.mamba_slot) for s, p in zip(rows, pos)], list(range(n)),
             [s.mamba_slot for s in seqs] + [-1] * (n - real), kv_slots + [-1] * (n - real), [p + 1 for p in pos],
             self._forced_values([s.request_id for s in seqs], [1] * real, pad=n - real), graph_rows=graph_rows,
@@ -295,6 +316,7 @@ class ModelRunner:
         part was a chunk of a longer prompt (no token yet). The logprobs that sequences asked for
         are left in `last_logprobs` and `last_prompt_logprobs`."""
         self._plan = None
+        self._wait_staged()
         kv = self.pools.kv
         if not work.is_prefill and all(n == 1 for n in work.num_tokens):
             n = self._graph_rows(len(work.seqs))
@@ -399,7 +421,7 @@ class ModelRunner:
             replay_pool_ops(inp.ops, self.pools.kv, self.pools.mamba)
         return self._execute(inp)
 
-    def _execute(self, inp: StepInputs) -> torch.Tensor | None:
+    def _execute(self, inp: StepInputs, before_forward=None) -> torch.Tensor | None:
         experts = self.pools.experts
         rt = experts.read_through if experts is not None else None
         if experts is not None and (inp.kind != "decode" or rt is None):
@@ -420,6 +442,8 @@ class ModelRunner:
             rt.begin_step(inp.real, self.model.top_k)
         try:
             batch = self.load(inp)
+            if before_forward is not None:  # (overlapped decode: the ids fed on the device)
+                before_forward(batch)
             if inp.graph_rows is None or self.graphs is None or self.graphs.disabled:
                 logits = self.model.forward(batch, self.pools)
             else:
@@ -429,6 +453,67 @@ class ModelRunner:
         finally:
             if rt is not None:
                 rt.end_step()
+
+    # ------------------------------------------------------------------- overlapped decode
+    def launch_decode(self, seqs: list[Sequence], after: "LaunchedDecode | None") -> "LaunchedDecode":
+        """Queue a decode step of `seqs` (one token each, greedy or sampled, no penalties, logprobs
+        or grammar) and return without waiting for it: `finish_decode` reads its tokens.
+
+        `after`: the step still in flight whose sampled tokens are these rows' inputs (each of
+        `seqs` was one of its rows): they are gathered on the device, never read by the host first;
+        a row whose input is one of its sequence's stop tokens (that sequence ended) computes
+        without writing anything (KV slot and state slot -1, as padding rows), so that its cache
+        stays the state after its last token. Every sequence's num_computed must count this step
+        already (the caller advances it at launch). Single process only (no tensor parallelism)."""
+        self._wait_staged()
+        self._plan = None
+        n = self._graph_rows(len(seqs))
+        inp = self._decode_inputs(seqs, n or len(seqs), n, ids_on_device=after is not None)
+        batch_s = self.sampling(seqs, ahead=1 if after is not None else 0)  # staged before the forward
+        feed = self._feed(seqs, after, len(inp.ids)) if after is not None else None
+        cuda = self.device.type == "cuda"
+
+        def before_forward(batch: ForwardBatch) -> None:
+            if feed is not None:
+                rows, stops, width = feed
+                ids = after.sampled.index_select(0, rows)
+                batch.input_ids.copy_(ids)
+                real = len(seqs)
+                dead = (ids[:real, None] == stops.view(real, width)).any(dim=1)
+                batch.decode.slot_mapping[:real].masked_fill_(dead, -1)
+                batch.mamba_slots[:real].masked_fill_(dead, -1)
+            if cuda:
+                self._staged = torch.cuda.Event()
+                self._staged.record()
+
+        logits = self._execute(inp, before_forward)
+        sampled = sample(logits, batch_s)
+        self._count_hits(len(seqs))
+        self.last_logits = logits
+        self.last_logprobs, self.last_prompt_logprobs = [None] * len(seqs), []
+        return LaunchedDecode(list(seqs), sampled, self.results.start(sampled))
+
+    def finish_decode(self, launched: "LaunchedDecode") -> list[int]:
+        """The tokens of a `launch_decode` step, one per sequence (waits for that step)."""
+        return self.results.take(launched.copy)
+
+    def _feed(self, seqs: list[Sequence], after: "LaunchedDecode", rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(each row's row in `after` [rows] (padding rows: the first's), the real rows' stop token
+        ids [real * width] (-1 pads: no token), width) in the sample buffers."""
+        at = {id(s): j for j, s in enumerate(after.seqs)}
+        index = [at[id(s)] for s in seqs]
+        index += [index[0]] * (rows - len(seqs))
+        width = max(1, max(len(s.stop_token_ids) for s in seqs))
+        stops = [t for s in seqs for t in (sorted(s.stop_token_ids) + [-1] * (width - len(s.stop_token_ids)))]
+        sb = self.sample_buffers
+        sb["feed_stops"].reserve(len(stops))
+        return sb["feed_rows"].load(index), sb["feed_stops"].load(stops), width
+
+    def _wait_staged(self) -> None:
+        """The last launch's host-to-device copies have read their staging (overlapped decode)."""
+        if self._staged is not None:
+            self._staged.synchronize()
+            self._staged = None
 
     def _graph_rows(self, b: int) -> int | None:
         """The rows of the CUDA graph bucket that a decode step of b sequences replays, or None

@@ -19,6 +19,31 @@ class ResultCopy:
         self._sampled = torch.zeros(rows, dtype=torch.int64, pin_memory=pin)  # host side of token ids
         self._packed = torch.zeros(rows, dtype=torch.float64, pin_memory=pin)  # ids + logprobs
         self._event = torch.cuda.Event() if pin else None
+        # overlapped decode: two pinned id buffers and their events, used in turn (`start`)
+        self._pair = [torch.zeros(rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._pair_events = [torch.cuda.Event() for _ in range(2)] if pin else None
+        self._turn = 0
+
+    def start(self, ids: torch.Tensor) -> tuple:
+        """Queue the copy of [B] int64 ids to the host without waiting; `take` waits and reads them.
+        At most two started copies may be untaken at a time (their buffers alternate)."""
+        if self._pair_events is None:
+            return (ids, None)
+        i, self._turn = self._turn, 1 - self._turn
+        b = ids.shape[0]
+        if b > self._pair[i].numel():
+            self._pair[i] = torch.zeros(b, dtype=torch.int64, pin_memory=True)
+        out = self._pair[i][:b]
+        out.copy_(ids, non_blocking=True)
+        self._pair_events[i].record()
+        return (out, self._pair_events[i])
+
+    def take(self, handle: tuple) -> list[int]:
+        """The ids of a `start`ed copy, once it has landed (waits for it and for all before it)."""
+        out, event = handle
+        if event is not None:
+            event.synchronize()
+        return out.tolist()
 
     def to_host(self, ids: torch.Tensor | None, extras: list[torch.Tensor] = ()) -> tuple[list[int], list[list[float]]]:
         """[B] int64 on the device -> Python ints, and each extra tensor (logprobs, their ids) -> a

@@ -173,6 +173,12 @@ class Scheduler:
         """Queue `seqs` (holding nothing) at the front, in their order: next in line to be admitted."""
         self.waiting.extendleft(reversed(seqs))
 
+    def grow_for(self, seq: Sequence, n: int) -> int:
+        """Pages so `seq` can compute n more tokens past num_computed (evicting prefix-cache entries
+        if needed); n, or 0 when they cannot be had. The engine's overlapped decode queues a step
+        before the scheduler sees the last one's tokens."""
+        return self._grow_for(seq, n)
+
     def _grow_for(self, seq: Sequence, n: int) -> int:
         """Pages so `seq` can compute n more tokens; returns n, or 0 when no page can be had."""
         need = self.kv.pages_for(seq.num_computed + n) - len(seq.pages)

@@ -150,6 +150,12 @@ class EngineLoop:
             fn, fut = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
         except queue.Empty:
             return
+        drain = getattr(self.engine, "drain", None)  # overlapped decode: the step in flight lands first
+        if drain is not None:
+            try:
+                self._publish(drain())
+            except BaseException as e:  # noqa: BLE001 - as a failed step: fail its requests, keep serving
+                self._fail_step(e)
         while True:
             if fut.set_running_or_notify_cancel():
                 try:
@@ -165,19 +171,27 @@ class EngineLoop:
         try:
             outs = self.engine.step()
         except BaseException as e:  # a bug: fail the requests of the failed step, keep the server up
-            log.exception("engine step failed")
-            work = self.engine.current_work
-            self.engine.current_work = None
-            # NOTE: only the step's own requests can have half-updated state (KV, linear-attention
-            # state); requests waiting outside it go on. Without a known batch, everything fails.
-            rids = [s.request_id for s in work.seqs] if work is not None else list(self._streams)
-            for rid in rids:
-                stream = self._streams.pop(rid, None)
-                if stream is not None:
-                    stream.push(RuntimeError(f"the request failed in an engine step ({type(e).__name__}; "
-                                             "the server log has the details)"))
-                self.engine.abort(rid)
+            self._fail_step(e)
             return
+        self._publish(outs)
+
+    def _fail_step(self, e: BaseException) -> None:
+        """A step raised: fail the requests it was running (their state may be half-updated)."""
+        log.exception("engine step failed")
+        work = self.engine.current_work
+        self.engine.current_work = None
+        # NOTE: only the step's own requests can have half-updated state (KV, linear-attention
+        # state); requests waiting outside it go on. Without a known batch, everything fails.
+        rids = [s.request_id for s in work.seqs] if work is not None else list(self._streams)
+        for rid in rids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.push(RuntimeError(f"the request failed in an engine step ({type(e).__name__}; "
+                                         "the server log has the details)"))
+            self.engine.abort(rid)
+
+    def _publish(self, outs: list) -> None:
+        """Each sequence's new token (and its end) to its request's stream."""
         for seq in outs:
             stream = self._streams.get(seq.request_id)
             if stream is None:

@@ -222,3 +222,30 @@ def test_nvfp4_kv_write_kernel_matches_the_reference_bitwise():
     write_kv_decode_ref(kr, vr, k, v, slots, scale)
     assert torch.equal(kc, kr) and torch.equal(vc, vr)
     assert kc.any() and vc.any()
+
+
+def test_overlapped_decode_equals_plain_steps_bitwise(model):
+    """Overlapped decode on the device (`overlap_decode`: each graph replay queued before the host
+    reads the last step's tokens, the ids gathered on the device): the same tokens as plain steps,
+    bf16 with graphs; a request that a stop token ends mid-decode (the step queued behind it writes
+    nothing for it) leaves a prefix-cache entry that a longer prompt decodes from as an engine
+    without a prefix cache does. Written in session 16, not yet run on the device."""
+    plain, over = make(model), make(model, overlap_decode=True)
+    ref = generate(plain)
+    assert generate(over) == ref and over.engine.overlapped_steps > 0
+    stop = ref[0][6]
+    p = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,))
+    outs = []
+    for llm in (plain, over):
+        seq = llm.engine.add_request(PROMPTS[0], p)
+        llm.engine.run_until_done([seq])
+        outs.append((seq.output_ids, seq.finish_reason))
+    assert outs[0] == outs[1] and outs[0][1] == "stop"
+    follow = PROMPTS[0] + outs[0][0] + list(range(700, 705))
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    seq = over.engine.add_request(follow, greedy)
+    over.engine.run_until_done([seq])
+    alone = make(model, enable_prefix_cache=False).engine
+    ref_seq = alone.add_request(follow, greedy)
+    alone.run_until_done([ref_seq])
+    assert seq.num_cached > 0 and seq.output_ids == ref_seq.output_ids
