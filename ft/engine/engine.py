@@ -23,8 +23,8 @@ from ft.engine.prefix_cache import PrefixCache
 from ft.engine.rank_state import KV_ALGO_DTYPES, KV_DTYPES, RankState
 from ft.engine.sampling_params import SamplingParams
 from ft.engine.scheduler import Scheduler, ScheduledWork
-from ft.engine.sequence import Sequence, Status
-from ft.engine.model_runner import LaunchedDecode
+from ft.engine.overlap import OverlappedDecode
+from ft.engine.sequence import Sequence
 from ft.engine.tokenizer import Tokenizer
 from ft.engine.cache.tp_rebuild import TPPeers
 from ft.engine.tp_worker import join_group, start_workers, stop_workers
@@ -75,10 +75,7 @@ class Engine(RankState):
             if self.ladder else None
         self._requests: dict[str, Sequence] = {}
         self.current_work: ScheduledWork | None = None  # the work of a step in progress (None between steps)
-        # overlapped decode (`--overlap-decode`): the decode step queued on the device whose tokens the
-        # next `step` (or `drain`) reads
-        self._inflight: LaunchedDecode | None = None
-        self.overlapped_steps = 0  # decode steps queued behind one in flight (tests, benchmarks)
+        self.overlap = OverlappedDecode(self)  # `--overlap-decode`: the decode step in flight, if any
         self.started_at = time.time()
         self.started_monotonic = time.monotonic()  # the admin API's uptime never goes backwards
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
@@ -304,22 +301,22 @@ class Engine(RankState):
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self._inflight is not None
+        return self.scheduler.has_work or self.overlap.inflight is not None
 
     # ----------------------------------------------------------------------------- stepping
     def step(self) -> list[Sequence]:
         """Run one forward pass. Returns the sequences that got a new token (finished ones too)
         and those that ended with an error before running.
 
-        Overlapped decode (`EngineConfig.overlap_decode`): a plain decode batch (`_overlap_ok`) is
-        queued on the device and the step returns the tokens of the one queued before it, after
+        Overlapped decode (`EngineConfig.overlap_decode`, `ft.engine.overlap`): a plain decode batch
+        is queued on the device and the step returns the tokens of the one queued before it, after
         queuing the next: the host reads tokens and prepares the next step while the device
-        computes, one step behind. Anything else (a request waiting, a prefill) first takes the
-        tokens in flight, then steps as usual."""
+        computes. Anything else (a request waiting, a prefill) first takes the tokens in flight,
+        then steps as usual."""
         if self._workers:
             self._check_workers()
-        if self._inflight is not None:
-            return self._overlapped_step()
+        if self.overlap.inflight is not None:
+            return self.overlap.step()
         return self._step()
 
     def _step(self) -> list[Sequence]:
@@ -333,11 +330,8 @@ class Engine(RankState):
             return rejected + self._reject_unservable()
         self.current_work = work  # NOTE: what a step that raises was running (the server fails only those)
         self.runner.last_logprobs, self.runner.last_prompt_logprobs = [], []  # (a stand-in runner may leave them)
-        if not work.is_prefill and self._overlap_ok(work.seqs):
-            self._inflight = self.runner.launch_decode(work.seqs, None)
-            for seq in work.seqs:
-                seq.num_computed += 1
-            return rejected + self._overlapped_step()
+        if not work.is_prefill and self.overlap.ok(work.seqs):
+            return rejected + self.overlap.start(work.seqs)
         try:
             tokens = self.runner.run(work)
         except RanksOutOfStep as e:  # no later step can run: said by /health, as a dead worker is
@@ -353,73 +347,12 @@ class Engine(RankState):
         every sequence are as after a plain step: call it before anything outside `step` works on
         them (a rebuild, a ladder move; the server's commands do). Returns the sequences that got
         a token, as `step` does ([] when nothing is in flight)."""
-        if self._inflight is None:
-            return []
-        cur, self._inflight = self._inflight, None
-        self.current_work = ScheduledWork(list(cur.seqs), [1] * len(cur.seqs), False)
-        tokens = self.runner.finish_decode(cur)
-        self.current_work = None
-        return self._take_launched(cur, tokens, [])
+        return self.overlap.drain()
 
-    def _overlap_ok(self, seqs: list[Sequence]) -> bool:
-        """Whether a decode step of `seqs` may run overlapped: the option is on, one process, no KV
-        ladder (its moves come between steps), experts resident (or none), and every sequence plain:
-        no grammar, logprobs, penalties or stop strings, no n > 1 siblings waiting (their tokens or
-        their end need the host before the next step)."""
-        experts = self.pools.experts
-        if not self.config.overlap_decode or self.runner.tp is not None or self.ladder is not None or (
-                experts is not None and not experts.all_resident):
-            return False
-        return all(s.grammar is None and s.logprobs is None and s.prompt_logprobs is None and not s.fork_waiting
-                   and not s.params.has_penalties and not s.params.stop for s in seqs)
-
-    def _next_overlapped(self, cur: LaunchedDecode) -> list[Sequence]:
-        """The sequences of the decode step to queue behind `cur` before reading its tokens: cur's
-        running sequences whose token from cur cannot end them by length, when nothing else asks
-        for the next step (a waiting request, a sequence that joined) and each gets its page; []
-        when the next step must wait for cur's tokens."""
-        sched = self.scheduler
-        live = [s for s in cur.seqs if s.status is Status.RUNNING]
-        if sched.waiting or not live or {id(s) for s in live} != {id(s) for s in sched.running} \
-                or not self._overlap_ok(live):
-            return []
-        nxt = [s for s in live if len(s.output_ids) + 1 < s.max_new_tokens and s.num_tokens + 1 < self.context_limit]
-        for s in nxt:
-            if not sched.grow_for(s, 1):
-                return []
-        return nxt
-
-    def _overlapped_step(self) -> list[Sequence]:
-        """Queue the next decode step behind the one in flight (when it may), then take the
-        tokens of the one in flight."""
-        cur = self._inflight
-        nxt_seqs = self._next_overlapped(cur)
-        self.current_work = ScheduledWork(list(cur.seqs), [1] * len(cur.seqs), False)
-        nxt = None
-        if nxt_seqs:
-            nxt = self.runner.launch_decode(nxt_seqs, cur)
-            self.overlapped_steps += 1
-            for seq in nxt_seqs:
-                seq.num_computed += 1
-        self._inflight = nxt
-        tokens = self.runner.finish_decode(cur)
-        self.current_work = None
-        return self._take_launched(cur, tokens, nxt_seqs)
-
-    def _take_launched(self, cur: LaunchedDecode, tokens: list[int], queued: list[Sequence]) -> list[Sequence]:
-        """`cur`'s tokens join its sequences (those that ended since it was queued discard theirs).
-        A sequence that its token ends by a stop token while a step behind is queued for it: that
-        step writes nothing for it (`launch_decode`), so its num_computed goes back by one."""
-        out: list[Sequence] = []
-        self.counters["steps"] += 1
-        behind = {id(s) for s in queued}
-        for seq, token in zip(cur.seqs, tokens):
-            if seq.status is not Status.RUNNING:
-                continue  # ended (stop token, abort) after this step was queued: the token is not its
-            if id(seq) in behind and token in seq.stop_token_ids:
-                seq.num_computed -= 1
-            self._take_token(seq, token, None, out)
-        return out
+    @property
+    def overlapped_steps(self) -> int:
+        """Decode steps queued behind one in flight (tests, benchmarks)."""
+        return self.overlap.steps
 
     def _reject_unservable(self) -> list[Sequence]:
         """Nothing runs and the first waiting request still cannot start: the pools are too small

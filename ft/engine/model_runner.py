@@ -20,12 +20,12 @@ in the same single copy as the sampled tokens (`result_copy.ResultCopy`).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from ft.engine.buffers import PageTableBuffer, StagedBuffer, StagingArena
 from ft.engine.decode_graphs import DecodeGraphs
+from ft.engine.decode_launch import DecodeLauncher
 from ft.engine.prefill_graphs import PrefillGraphs, padded_inputs
 from ft.engine.grammar import GrammarMaskBuffer
 from ft.engine.logit_plan import LogitPlan, logprob_entry
@@ -43,16 +43,6 @@ from ft.model.forward_batch import DecodeMeta, ForwardBatch, SeqSlice
 from ft.errors import RanksOutOfStep
 
 _log = logging.getLogger(__name__)
-
-
-@dataclass
-class LaunchedDecode:
-    """A decode step queued by `ModelRunner.launch_decode`: its rows' sequences, the sampled ids
-    [rows] on the device, and their copy to the host (`ResultCopy.start`)."""
-
-    seqs: list[Sequence]
-    sampled: torch.Tensor
-    copy: tuple
 
 
 class ModelRunner:
@@ -128,9 +118,7 @@ class ModelRunner:
         self.page_table = PageTableBuffer(rows, max_pages_per_seq, device, arena=(self.decode_arena, len(decode_specs)))
         self.routing = None  # a `routing_override.TraceRouting` (synthetic traces): set by the engine
         self.results = ResultCopy(rows, device)  # the sampled ids (and logprobs) to the host, one copy a step
-        # overlapped decode (`launch_decode`): recorded after a launch's host-to-device copies; the
-        # next launch waits for it before it rewrites the host staging those copies read
-        self._staged: torch.cuda.Event | None = None
+        self.launcher = DecodeLauncher(self)  # overlapped decode's steps (`ft.engine.decode_launch`)
         self.last_logits: torch.Tensor | None = None  # [B, V] of the last step (tests and debugging)
         # tensor parallelism (`ft.parallel.TPGroup`): rank 0 sends each step's inputs with the
         # journal of its pools' content operations (`attach_tp`)
@@ -293,8 +281,8 @@ class ModelRunner:
     def _decode_inputs(self, seqs: list[Sequence], n: int, graph_rows: int | None = None,
                        ids_on_device: bool = False) -> StepInputs:
         """ids_on_device: the token ids are not known on the host yet (overlapped decode: zeros here,
-        gathered on the device from the step in flight, `launch_decode`); the positions are each
-        sequence's num_computed, which counts the steps launched."""
+        gathered on the device from the step in flight, `ft.engine.decode_launch`); the positions
+        are each sequence's num_computed, which counts the steps launched."""
         real = len(seqs)
         rows = list(seqs) + [seqs[0]] * (n - real)
         page = self.pools.kv.page_size
@@ -316,7 +304,7 @@ class ModelRunner:
         part was a chunk of a longer prompt (no token yet). The logprobs that sequences asked for
         are left in `last_logprobs` and `last_prompt_logprobs`."""
         self._plan = None
-        self._wait_staged()
+        self.launcher.wait_staged()  # (an overlapped launch's staging, before this step rewrites it)
         kv = self.pools.kv
         if not work.is_prefill and all(n == 1 for n in work.num_tokens):
             n = self._graph_rows(len(work.seqs))
@@ -453,67 +441,6 @@ class ModelRunner:
         finally:
             if rt is not None:
                 rt.end_step()
-
-    # ------------------------------------------------------------------- overlapped decode
-    def launch_decode(self, seqs: list[Sequence], after: "LaunchedDecode | None") -> "LaunchedDecode":
-        """Queue a decode step of `seqs` (one token each, greedy or sampled, no penalties, logprobs
-        or grammar) and return without waiting for it: `finish_decode` reads its tokens.
-
-        `after`: the step still in flight whose sampled tokens are these rows' inputs (each of
-        `seqs` was one of its rows): they are gathered on the device, never read by the host first;
-        a row whose input is one of its sequence's stop tokens (that sequence ended) computes
-        without writing anything (KV slot and state slot -1, as padding rows), so that its cache
-        stays the state after its last token. Every sequence's num_computed must count this step
-        already (the caller advances it at launch). Single process only (no tensor parallelism)."""
-        self._wait_staged()
-        self._plan = None
-        n = self._graph_rows(len(seqs))
-        inp = self._decode_inputs(seqs, n or len(seqs), n, ids_on_device=after is not None)
-        batch_s = self.sampling(seqs, ahead=1 if after is not None else 0)  # staged before the forward
-        feed = self._feed(seqs, after, len(inp.ids)) if after is not None else None
-        cuda = self.device.type == "cuda"
-
-        def before_forward(batch: ForwardBatch) -> None:
-            if feed is not None:
-                rows, stops, width = feed
-                ids = after.sampled.index_select(0, rows)
-                batch.input_ids.copy_(ids)
-                real = len(seqs)
-                dead = (ids[:real, None] == stops.view(real, width)).any(dim=1)
-                batch.decode.slot_mapping[:real].masked_fill_(dead, -1)
-                batch.mamba_slots[:real].masked_fill_(dead, -1)
-            if cuda:
-                self._staged = torch.cuda.Event()
-                self._staged.record()
-
-        logits = self._execute(inp, before_forward)
-        sampled = sample(logits, batch_s)
-        self._count_hits(len(seqs))
-        self.last_logits = logits
-        self.last_logprobs, self.last_prompt_logprobs = [None] * len(seqs), []
-        return LaunchedDecode(list(seqs), sampled, self.results.start(sampled))
-
-    def finish_decode(self, launched: "LaunchedDecode") -> list[int]:
-        """The tokens of a `launch_decode` step, one per sequence (waits for that step)."""
-        return self.results.take(launched.copy)
-
-    def _feed(self, seqs: list[Sequence], after: "LaunchedDecode", rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(each row's row in `after` [rows] (padding rows: the first's), the real rows' stop token
-        ids [real * width] (-1 pads: no token), width) in the sample buffers."""
-        at = {id(s): j for j, s in enumerate(after.seqs)}
-        index = [at[id(s)] for s in seqs]
-        index += [index[0]] * (rows - len(seqs))
-        width = max(1, max(len(s.stop_token_ids) for s in seqs))
-        stops = [t for s in seqs for t in (sorted(s.stop_token_ids) + [-1] * (width - len(s.stop_token_ids)))]
-        sb = self.sample_buffers
-        sb["feed_stops"].reserve(len(stops))
-        return sb["feed_rows"].load(index), sb["feed_stops"].load(stops), width
-
-    def _wait_staged(self) -> None:
-        """The last launch's host-to-device copies have read their staging (overlapped decode)."""
-        if self._staged is not None:
-            self._staged.synchronize()
-            self._staged = None
 
     def _graph_rows(self, b: int) -> int | None:
         """The rows of the CUDA graph bucket that a decode step of b sequences replays, or None

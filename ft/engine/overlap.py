@@ -1,0 +1,110 @@
+"""Overlapped decode (`EngineConfig.overlap_decode`): the engine queues decode step N+1 before it
+reads step N's tokens, so that the host's work of a step (reading tokens, their text, the next
+step's inputs and launch) runs while the device computes step N+1.
+
+N+1's token ids are gathered on the device from N's sampled ids (`ft.engine.decode_launch`). A
+sequence's token from N may end it: by length (known on the host in advance: it is left out of
+N+1) or by a stop token (known only once read: N+1 computes that row but writes no KV and no
+linear-attention state for it, and its num_computed goes back by one, so that the prefix cache
+keeps the state after its last computed token). Plain decode batches only: no grammar (its mask
+needs the token), logprobs, penalties or stop strings (ends the host finds in the text), no n > 1
+siblings waiting, one process, resident experts (offloaded experts' bookkeeping runs between
+steps), no KV ladder (its moves too). Everything else lands the step in flight first and steps as
+before; so does a request arriving (its prefill is the next step).
+
+num_computed counts the steps launched: a sequence's KV and state reach it once the device has run
+them, which every later use of the pools follows in stream order.
+"""
+
+from __future__ import annotations
+
+from ft.engine.decode_launch import LaunchedDecode
+from ft.engine.scheduler import ScheduledWork
+from ft.engine.sequence import Sequence, Status
+
+
+class OverlappedDecode:
+    """The engine's decode step in flight (`inflight`) and how the next is queued behind it."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.inflight: LaunchedDecode | None = None
+        self.steps = 0  # decode steps queued behind one in flight
+
+    def ok(self, seqs: list[Sequence]) -> bool:
+        """Whether a decode step of `seqs` may be queued without reading the tokens before it."""
+        e = self.engine
+        experts = e.pools.experts
+        if not e.config.overlap_decode or e.runner.tp is not None or e.ladder is not None or (
+                experts is not None and not experts.all_resident):
+            return False
+        return all(s.grammar is None and s.logprobs is None and s.prompt_logprobs is None and not s.fork_waiting
+                   and not s.params.has_penalties and not s.params.stop for s in seqs)
+
+    def start(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Queue a scheduled decode step of `seqs` (its pages are held), then step (`step`)."""
+        self.inflight = self.engine.runner.launcher.launch(seqs, None)
+        for seq in seqs:
+            seq.num_computed += 1
+        return self.step()
+
+    def step(self) -> list[Sequence]:
+        """Queue the next decode step behind the one in flight (when it may), then take the
+        tokens of the one in flight: the sequences that got one, as `Engine.step` returns."""
+        e = self.engine
+        cur = self.inflight
+        queued = self._next(cur)
+        e.current_work = ScheduledWork(list(cur.seqs), [1] * len(cur.seqs), False)
+        nxt = None
+        if queued:
+            nxt = e.runner.launcher.launch(queued, cur)
+            self.steps += 1
+            for seq in queued:
+                seq.num_computed += 1
+        self.inflight = nxt
+        tokens = e.runner.launcher.finish(cur)
+        e.current_work = None
+        return self._take(cur, tokens, queued)
+
+    def drain(self) -> list[Sequence]:
+        """Take the tokens of the step in flight without queuing another ([] when none)."""
+        if self.inflight is None:
+            return []
+        e = self.engine
+        cur, self.inflight = self.inflight, None
+        e.current_work = ScheduledWork(list(cur.seqs), [1] * len(cur.seqs), False)
+        tokens = e.runner.launcher.finish(cur)
+        e.current_work = None
+        return self._take(cur, tokens, [])
+
+    def _next(self, cur: LaunchedDecode) -> list[Sequence]:
+        """The sequences of the step to queue behind `cur` before reading its tokens: cur's running
+        sequences whose token from cur cannot end them by length, when nothing else asks for the
+        next step (a waiting request, a sequence that joined) and each gets its page; [] when the
+        next step must wait for cur's tokens."""
+        e = self.engine
+        sched = e.scheduler
+        live = [s for s in cur.seqs if s.status is Status.RUNNING]
+        if sched.waiting or not live or {id(s) for s in live} != {id(s) for s in sched.running} or not self.ok(live):
+            return []
+        nxt = [s for s in live if len(s.output_ids) + 1 < s.max_new_tokens and s.num_tokens + 1 < e.context_limit]
+        for s in nxt:
+            if not sched.grow_for(s, 1):
+                return []
+        return nxt
+
+    def _take(self, cur: LaunchedDecode, tokens: list[int], queued: list[Sequence]) -> list[Sequence]:
+        """`cur`'s tokens join its sequences (those that ended since it was queued discard theirs).
+        A sequence that its token ends by a stop token while a step behind is queued for it: that
+        step writes nothing for it, so its num_computed goes back by one."""
+        e = self.engine
+        out: list[Sequence] = []
+        e.counters["steps"] += 1
+        behind = {id(s) for s in queued}
+        for seq, token in zip(cur.seqs, tokens):
+            if seq.status is not Status.RUNNING:
+                continue  # ended (stop token, abort) after this step was queued: the token is not its
+            if id(seq) in behind and token in seq.stop_token_ids:
+                seq.num_computed -= 1
+            e._take_token(seq, token, None, out)
+        return out
