@@ -11,6 +11,7 @@ have long run (they precede the forward), so the wait is short.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +36,8 @@ class DecodeLauncher:
     inputs, runs their forward and samples as for a plain step)."""
 
     def __init__(self, runner) -> None:
-        self.runner = runner
+        # NOTE: a weak reference: no cycle through the runner, whose pools go with it when dropped
+        self.runner = weakref.proxy(runner)
         self._staged: torch.cuda.Event | None = None  # after the last launch's host-to-device copies
 
     def wait_staged(self) -> None:

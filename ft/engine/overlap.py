@@ -18,6 +18,8 @@ them, which every later use of the pools follows in stream order.
 
 from __future__ import annotations
 
+import weakref
+
 from ft.engine.decode_launch import LaunchedDecode
 from ft.engine.scheduler import ScheduledWork
 from ft.engine.sequence import Sequence, Status
@@ -27,7 +29,8 @@ class OverlappedDecode:
     """The engine's decode step in flight (`inflight`) and how the next is queued behind it."""
 
     def __init__(self, engine) -> None:
-        self.engine = engine
+        # NOTE: a weak reference: no cycle through the engine, which frees its pools when dropped
+        self.engine = weakref.proxy(engine)
         self.inflight: LaunchedDecode | None = None
         self.steps = 0  # decode steps queued behind one in flight
 
