@@ -15,6 +15,7 @@ table last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -36,7 +37,7 @@ def main() -> None:
                     help="after the timed runs, profile this many decode steps (torch.profiler) and print the top ops")
     ap.add_argument("--context", default="32", help="prompt lengths (tokens before decode starts)")
     ap.add_argument("--kv-cache-dtype", default="bf16", choices=("bf16", "fp8", "nvfp4"))
-    ap.add_argument("--modes", default="eager,graphs", help="eager, graphs or both")
+    ap.add_argument("--modes", default="eager,graphs", help="eager, graphs, overlap (graphs with overlapped decode, switched on this engine); a list, repeats allowed (A/B in one process)")
     ap.add_argument("--attention-programs", type=int, default=0, metavar="N",
                     help="split-K decode attention: aim at N programs (SPLIT_TARGET_PROGRAMS; MAX_SPLITS raised to "
                          "match) instead of the library default")
@@ -58,6 +59,8 @@ def main() -> None:
                     help="--profile's prompt lengths (the decode steps profiled attend to N tokens), one profile each")
     ap.add_argument("--no-small-m-gemv", action="store_true",
                     help="M = 3..8 projections on the 16-row tl.dot tile everywhere (SMALL_M_WHOLE_K off)")
+    ap.add_argument("--no-lanes-ptx", action="store_true",
+                    help="the whole-K GEMV / decode MoE tiles decode words in Triton, not inline PTX (LANES_PTX)")
     ap.add_argument("--overlap-decode", action="store_true",
                     help="queue each decode step before reading the last one's tokens (EngineConfig.overlap_decode)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
@@ -81,6 +84,10 @@ def main() -> None:
         import ft.kernels.nvfp4.kernel as nvfp4_kernel
 
         nvfp4_kernel.SMALL_M_WHOLE_K = False
+    if args.no_lanes_ptx:
+        import ft.kernels.nvfp4.kernel as nvfp4_kernel
+
+        nvfp4_kernel.LANES_PTX = False
     if args.no_halves:
         import ft.kernels.nvfp4.kernel as nvfp4_kernel
 
@@ -121,8 +128,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.context.split(",")]
     modes = [m for m in args.modes.split(",") if m]
-    if not contexts or min(contexts) < 1 or not set(modes) <= {"eager", "graphs"} or not modes:
-        raise SystemExit("--context takes positive lengths, --modes eager and/or graphs")
+    if not contexts or min(contexts) < 1 or not set(modes) <= {"eager", "graphs", "overlap"} or not modes:
+        raise SystemExit("--context takes positive lengths, --modes eager, graphs and/or overlap (repeats allowed)")
     t0 = time.perf_counter()
     eng = Engine(EngineConfig(model=f"synthetic:{args.config}", device="cuda", dtype="bfloat16",
                               moe_backend="resident",
@@ -138,13 +145,16 @@ def main() -> None:
         vocab = eng.model_config.vocab_size
         prompt = [(1000 + j) % vocab for j in range(ctx)]  # any config's vocabulary (the flagship's: the same ids)
         for mode in modes:
-            eng.runner.graphs = graphs if mode == "graphs" else None
+            # "overlap": graphs with overlapped decode, switched on this engine (an A/B in one process)
+            eng.runner.graphs = graphs if mode in ("graphs", "overlap") else None
+            eng.config = dataclasses.replace(eng.config, overlap_decode=args.overlap_decode or mode == "overlap")
             for b in batches:
                 tok_s, step_ms = timed_decode(eng, prompt, b, args.tokens)
                 roof = COPY_BW / bytes_per_step(eng, b, len(prompt) + args.tokens) * b
                 rows.append((ctx, mode, b, tok_s, step_ms, roof))
                 print(f"context {ctx} {mode} batch {b}: {tok_s:.1f} tok/s", flush=True)
     eng.runner.graphs = graphs
+    eng.config = dataclasses.replace(eng.config, overlap_decode=args.overlap_decode)
     if args.profile:
         for n in (int(c) for c in args.profile_context.split(",")):
             for b in batches:

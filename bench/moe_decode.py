@@ -1,5 +1,6 @@
 """The decode MoE block on the H200: routed experts + shared expert, unfused (today's launches) vs
-fused (`moe_decode_triton`: two launches, the shared expert as one more pair, one sum). Not a test.
+fused (`moe_decode_triton`: two launches, the shared expert as one more pair, one sum), and the
+fused block with its whole-K word decode in Triton against inline PTX (`LANES_PTX`). Not a test.
 
     PYTHONPATH=. python3 bench/moe_decode.py [--sweep]
 
@@ -21,6 +22,7 @@ from ft.kernels.activation import expert_combine, silu_mul
 from ft.kernels.moe import SlotWeights, moe_decode_ref
 from ft.kernels.moe.decode_kernel import DECODE_DOWN_PAIRS_CONFIG, DECODE_GATE_UP_CONFIG, moe_decode_triton
 from ft.kernels.moe.kernel import moe_over_slots_triton
+import ft.kernels.nvfp4.kernel as nvk
 from ft.kernels.nvfp4 import nvfp4_linear
 from ft.kernels.router.kernel import route_triton
 
@@ -61,6 +63,13 @@ def main() -> None:
         err_f = rel_rms(moe_decode_triton(x, routes[0], wts, pool, shared), ref)
         t_u = graph_us([partial(unfused, x, r, wr, pool, shared, gate_logit, out) for r in routes])
         t_f = graph_us([partial(moe_decode_triton, x, r, wts, pool, shared, out=out) for r in routes])
+        y_p = moe_decode_triton(x, routes[0], wts, pool, shared)
+        nvk.LANES_PTX = False  # the whole-K tiles' word decode in Triton (before 2026-12-02): the same bits
+        y_t = moe_decode_triton(x, routes[0], wts, pool, shared)
+        t_t = graph_us([partial(moe_decode_triton, x, r, wts, pool, shared, out=out) for r in routes])
+        nvk.LANES_PTX = True
+        same = torch.equal(y_p, y_t)
+        t_f = min(t_f, graph_us([partial(moe_decode_triton, x, r, wts, pool, shared, out=out) for r in routes]))
         best = (f"default: {DECODE_GATE_UP_CONFIG[min(batch, 2)]} {DECODE_DOWN_PAIRS_CONFIG} pairs", t_f)
         if args.sweep:
             for gu in [(8, 0, 4), (4, 0, 4), (16, 0, 4)]:
@@ -73,7 +82,7 @@ def main() -> None:
                           flush=True)
                     if tc < best[1]:
                         best = (f"{gu} {dn} {'pairs' if pairs else 'loop'}", tc)
-        rows.append((batch, t_u, t_f, err_u, err_f, best))
+        rows.append((batch, t_u, t_t, t_f, err_u, err_f, same, best))
         print(f"batch {batch}: unfused {t_u:.2f} us, fused {t_f:.2f} us", flush=True)
     route_rows = []
     table = torch.randperm(n_slots, device=DEV)
@@ -86,9 +95,11 @@ def main() -> None:
     print(f"\n{'batch':>5} {'warps':>5} {'route us':>9}")
     for batch, warps, t_r in route_rows:
         print(f"{batch:>5} {warps:>5} {t_r:>9.2f}")
-    print(f"\n{'batch':>5} {'unfused us':>11} {'fused us':>9} {'speedup':>8} {'err unfused':>12} {'err fused':>10}  best config")
-    for batch, t_u, t_f, err_u, err_f, best in rows:
-        print(f"{batch:>5} {t_u:>11.2f} {t_f:>9.2f} {t_u / t_f:>7.2f}x {err_u:>12.1e} {err_f:>10.1e}  {best[0]} {best[1]:.2f} us")
+    print(f"\n{'batch':>5} {'unfused us':>11} {'fused, Triton lanes us':>23} {'fused us':>9} {'PTX lanes':>10} "
+          f"{'err unfused':>12} {'err fused':>10} {'same bits':>9}  best config")
+    for batch, t_u, t_t, t_f, err_u, err_f, same, best in rows:
+        print(f"{batch:>5} {t_u:>11.2f} {t_t:>23.2f} {t_f:>9.2f} {t_t / t_f:>9.2f}x {err_u:>12.1e} {err_f:>10.1e} "
+              f"{str(same):>9}  {best[0]} {best[1]:.2f} us")
 
 
 if __name__ == "__main__":

@@ -156,6 +156,7 @@ def decode_cfg(head_dim: int, group: int, fp8: bool = False, nvfp4: bool = False
 def gemv_cfg(m: int, n: int, k: int) -> dict:
     cfg = dict(nv._gemv_config(m, n, k))
     cfg["WHOLE_K"] = nv.whole_k_words(k) if cfg.pop("WHOLE_K", False) else 0
+    cfg["ASM"] = nv.LANES_PTX and cfg["WHOLE_K"] > 0  # as the wrapper sets it on a CUDA device
     return cfg
 
 
@@ -171,6 +172,7 @@ def moe_cfg(config: tuple, k_words: int, rows: str, whole: bool = True) -> dict:
     out = {rows: r, "BLOCK_W": max(2, w or 64), "num_warps": warps}
     if whole:
         out["WHOLE_K"] = k_words if w == 0 else 0
+        out["ASM"] = nv.LANES_PTX and out["WHOLE_K"] > 0  # as `moe_decode_triton` sets it on a CUDA device
     return out
 
 
@@ -254,14 +256,14 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
      {"TOPK": 10, "HAS_SHARED": True, **moe_cfg(moe_dec.DECODE_DOWN_CONFIG[2], 64, "BLOCK_H")}),
     ("moe decode down per pair + shared", moe_dec._moe_decode_down_pairs_kernel, MOE_DECODE_DOWN_PAIRS,
      {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe_dec.DECODE_DOWN_PAIRS_CONFIG[0], "WHOLE_K": 64,
-      "HAS_HOST": False, "HAS_DST": False, "num_warps": moe_dec.DECODE_DOWN_PAIRS_CONFIG[2]}),
+      "HAS_HOST": False, "HAS_DST": False, "ASM": nv.LANES_PTX, "num_warps": moe_dec.DECODE_DOWN_PAIRS_CONFIG[2]}),
     ("moe decode down per pair + shared, slotless pairs from the host store", moe_dec._moe_decode_down_pairs_kernel,
      MOE_DECODE_DOWN_PAIRS, {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe_dec.DECODE_DOWN_PAIRS_CONFIG[0],
-                             "WHOLE_K": 64, "HAS_HOST": True, "HAS_DST": False,
+                             "WHOLE_K": 64, "HAS_HOST": True, "HAS_DST": False, "ASM": nv.LANES_PTX,
                              "num_warps": moe_dec.DECODE_DOWN_PAIRS_CONFIG[2]}),
     ("moe decode down per pair + shared, host store + landing store", moe_dec._moe_decode_down_pairs_kernel,
      MOE_DECODE_DOWN_PAIRS, {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe_dec.DECODE_DOWN_PAIRS_CONFIG[0],
-                             "WHOLE_K": 64, "HAS_HOST": True, "HAS_DST": True,
+                             "WHOLE_K": 64, "HAS_HOST": True, "HAS_DST": True, "ASM": nv.LANES_PTX,
                              "num_warps": moe_dec.DECODE_DOWN_PAIRS_CONFIG[2]}),
     ("moe decode sum + residual + next norm, H 2048", moe_dec._moe_sum_add_norm_kernel, MOE_SUM_NORM,
      {"KS": 11, "BLOCK_D": 2048, "num_warps": 8}),

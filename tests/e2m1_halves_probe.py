@@ -1,5 +1,5 @@
 """A probe kernel around `ft.kernels.nvfp4.decode.e2m1_halves_f16` / `e2m1_halves_bf16` /
-`e2m1_halves_f16_scaled` (shared by the interpreter test, which runs their byte-wise stand-in, and
+`e2m1_halves_f16_scaled` and `e2m1_word_lanes_f32` (shared by the interpreter test, which runs their byte-wise stand-in, and
 tests/gpu, which runs the inline PTX): every code byte against every E4M3 scale of a set, decoded
 to (low, high) and compared exactly with the dequantization by the torch reference (times the
 form's power of two)."""
@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.kernels.nvfp4.decode import HALVES_PRMT, e2m1_halves_bf16, e2m1_halves_f16_scaled, halves_exponent
+from ft.kernels.nvfp4.decode import (HALVES_PRMT, e2m1_halves_bf16, e2m1_halves_f16_scaled, e2m1_word_lanes_f32,
+                                     halves_exponent)
 from ft.kernels.nvfp4.reference import dequantize_nvfp4
 
 ROWS, COLS = 64, 256
@@ -51,3 +52,36 @@ def run_probe(device, dtype: torch.dtype, asm: bool, form: int = HALVES_PRMT) ->
     ref = dequantize_nvfp4(codes.cpu(), scales.cpu()[:, ::8].view(torch.float8_e4m3fn), 1.0)  # [ROWS, 2 * COLS]
     ref = ref * 2.0 ** -halves_exponent(form)  # exact: a power of two, inside fp32's normal range
     return torch.stack([lo.float().cpu(), hi.float().cpu()]), torch.stack([ref[:, 0::2], ref[:, 1::2]])
+
+
+WORDS = 4096
+"""The word-lanes probe: word n's byte i = (n * (2i + 1) + 61 i) % 256, every byte value at every
+position (an odd multiplier is a bijection mod 256)."""
+
+
+@triton.jit
+def _lanes_probe_kernel(p_w, p_out, ASM: tl.constexpr, N: tl.constexpr):
+    o = tl.arange(0, N)
+    d0, d1, d2, d3, d4, d5, d6, d7 = e2m1_word_lanes_f32(tl.load(p_w + o).to(tl.uint32, bitcast=True), ASM)
+    tl.store(p_out + o * 8, d0)
+    tl.store(p_out + o * 8 + 1, d1)
+    tl.store(p_out + o * 8 + 2, d2)
+    tl.store(p_out + o * 8 + 3, d3)
+    tl.store(p_out + o * 8 + 4, d4)
+    tl.store(p_out + o * 8 + 5, d5)
+    tl.store(p_out + o * 8 + 6, d6)
+    tl.store(p_out + o * 8 + 7, d7)
+
+
+def run_lanes_probe(device, asm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`e2m1_word_lanes_f32`'s elements of the probe words, fp32 [WORDS * 8], element 8n + j = lane j
+    of word n; the reference's dequantized values times 2**-6), both on the CPU."""
+    n = torch.arange(WORDS, dtype=torch.int64)[:, None]
+    i = torch.arange(4, dtype=torch.int64)[None, :]
+    codes = ((n * (2 * i + 1) + 61 * i) % 256).to(torch.uint8)  # [WORDS, 4]: the words' bytes in memory order
+    words = codes.reshape(-1).view(torch.int32).to(device)
+    out = torch.empty(WORDS * 8, dtype=torch.float32, device=device)
+    _lanes_probe_kernel[(1,)](words, out, ASM=asm, N=WORDS)
+    ones = torch.full((1, WORDS * 8 // 16), 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn)  # E4M3 1.0
+    ref = dequantize_nvfp4(codes.reshape(1, -1), ones, 1.0).reshape(-1) * 2.0 ** -6
+    return out.cpu(), ref

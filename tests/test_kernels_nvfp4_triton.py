@@ -178,6 +178,16 @@ def test_e2m1_halves_scaled_forms_stand_in_is_exact(form):
     assert torch.equal(got, ref)
 
 
+def test_e2m1_word_lanes_stand_in_is_exact():
+    """The whole-K tiles' word decode (`e2m1_word_lanes_f32`) in its plain-Triton form: every byte
+    value at every byte position of a word, each of its 8 lanes exactly the reference times 2**-6
+    (tests/gpu checks the inline PTX against the same reference)."""
+    from e2m1_halves_probe import run_lanes_probe
+
+    got, ref = run_lanes_probe(torch.device("cpu"), asm=False)
+    assert torch.equal(got, ref) and ref.abs().max() == 6.0 * 2.0 ** -6 and (ref < 0).any()
+
+
 @pytest.mark.parametrize("m", [3, 8])
 def test_dot_halves_match_ref(m):
     """The small-M tile's halves form (x's even / odd columns against the low / high nibbles,

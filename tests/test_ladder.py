@@ -212,7 +212,7 @@ def test_open_ended_request_is_admitted_at_the_rung_and_grows_while_it_decodes()
     """A request without max_tokens does not jump to the top rung: it starts on the current one and the
     ladder climbs as its KV fills, before a page would be missing; it reaches the context limit,
     and its tokens equal those of an engine started with the whole context (and no ladder)."""
-    prompt = [65 + i % 50 for i in range(40)]
+    prompt = [65 + i % 50 for i in range(100)]  # 156 decode steps cross both rungs
     # a budget where experts and KV compete (not every expert fits)
     llm, _ = make(ladder_step_size=64, max_seq_len_override=256, max_running_requests=1, cache_budget="20MiB")
     eng = llm.engine

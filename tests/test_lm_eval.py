@@ -97,28 +97,72 @@ class LmEvalFailed(AssertionError):
         self.stderr = stderr
 
 
-def run_lm_eval(tmp: Path, model: str, model_args: dict, tasks: list[str], *extra: str) -> tuple[dict, dict]:
-    """`lm-eval run` offline; (its results JSON, {task: its logged samples}) or a failure with its output."""
-    out = tmp / "out"
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_HOME": str(tmp / "hf"), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "OPENAI_API_KEY": "none"}
-    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", model,
-           "--model_args", ",".join(f"{k}={v}" for k, v in model_args.items()),
-           "--tasks", ",".join(tasks), "--include_path", str(write_tasks(tmp)), "--batch_size", "1",
-           "--output_path", str(out), "--log_samples", *extra]
-    p = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=LM_EVAL_TIMEOUT_S)
-    if p.returncode != 0:
-        raise LmEvalFailed(f"lm-eval exited {p.returncode}:\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}", p.stderr)
-    results = [json.loads(f.read_text()) for f in out.rglob("results_*.json")]
-    assert len(results) == 1, f"{sorted(out.rglob('*'))}\n{p.stderr[-4000:]}"
-    samples = {}
-    for task in tasks:
-        files = list(out.rglob(f"samples_{task}_*.jsonl"))
-        assert len(files) == 1, sorted(out.rglob("*"))
-        samples[task] = sorted((json.loads(line) for line in files[0].read_text().splitlines()),
-                               key=lambda s: s["doc_id"])
-    return results[0], samples
+class LmEvalRun:
+    """`lm-eval run` offline in a subprocess, started at once (the three runs of this module overlap:
+    most of each run is its interpreter's start-up); `result()` waits for it."""
+
+    def __init__(self, tmp: Path, model: str, model_args: dict, tasks: list[str], *extra: str) -> None:
+        self.out, self.tasks = tmp / "out", tasks
+        env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "HF_HOME": str(tmp / "hf"), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+               "OPENAI_API_KEY": "none"}
+        cmd = [sys.executable, "-m", "lm_eval", "run", "--model", model,
+               "--model_args", ",".join(f"{k}={v}" for k, v in model_args.items()),
+               "--tasks", ",".join(tasks), "--include_path", str(write_tasks(tmp)), "--batch_size", "1",
+               "--output_path", str(self.out), "--log_samples", *extra]
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def result(self) -> tuple[dict, dict]:
+        """(its results JSON, {task: its logged samples}), or a failure with its output."""
+        try:
+            stdout, stderr = self.proc.communicate(timeout=LM_EVAL_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            stdout, stderr = self.proc.communicate()
+            raise LmEvalFailed(f"lm-eval ran past {LM_EVAL_TIMEOUT_S} s:\n{stdout[-4000:]}\n{stderr[-8000:]}", stderr)
+        if self.proc.returncode != 0:
+            raise LmEvalFailed(f"lm-eval exited {self.proc.returncode}:\n{stdout[-4000:]}\n{stderr[-8000:]}", stderr)
+        out = self.out
+        results = [json.loads(f.read_text()) for f in out.rglob("results_*.json")]
+        assert len(results) == 1, f"{sorted(out.rglob('*'))}\n{stderr[-4000:]}"
+        samples = {}
+        for task in self.tasks:
+            files = list(out.rglob(f"samples_{task}_*.jsonl"))
+            assert len(files) == 1, sorted(out.rglob("*"))
+            samples[task] = sorted((json.loads(line) for line in files[0].read_text().splitlines()),
+                                   key=lambda s: s["doc_id"])
+        return results[0], samples
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+def run_tag(run: str) -> str:
+    """The query string that tells one run's requests from another's in the access log (the server
+    routes on the path; uvicorn logs the query too)."""
+    return f"?lm_eval={run}"
+
+
+@pytest.fixture(scope="module")
+def lm_eval_runs(server, serve_checkpoint, tmp_path_factory):
+    """The module's three lm-eval runs against one server, started together."""
+    tok = {"tokenizer": serve_checkpoint, "tokenizer_backend": "huggingface"}
+    runs = {
+        "completions": LmEvalRun(tmp_path_factory.mktemp("lm-eval-completions"), "local-completions", {
+            "model": SERVE_MODEL, "base_url": server.url + "/v1/completions" + run_tag("completions"), **tok,
+            "max_gen_toks": MAX_GEN_TOKS, "max_retries": 1, "timeout": 300}, ["ft_mc", "ft_gen"]),
+        "chat": LmEvalRun(tmp_path_factory.mktemp("lm-eval-chat"), "local-chat-completions", {
+            "model": SERVE_MODEL, "base_url": server.url + "/v1/chat/completions" + run_tag("chat"),
+            "max_gen_toks": MAX_GEN_TOKS, "max_retries": 1, "timeout": 300}, ["ft_gen"], "--apply_chat_template"),
+        "batched": LmEvalRun(tmp_path_factory.mktemp("lm-eval-batched"), "local-completions", {
+            "model": SERVE_MODEL, "base_url": server.url + "/v1/completions" + run_tag("batched"), **tok,
+            "max_retries": 1, "timeout": 300}, ["ft_mc"], "--batch_size", "2", "--limit", "1"),
+    }
+    yield runs
+    for run in runs.values():
+        run.stop()
 
 
 def access_log(server: ServerProcess, route: str) -> list[int]:
@@ -140,14 +184,10 @@ def render(template: str, doc: dict) -> str:
     return template.replace("{{question}}", doc["question"])
 
 
-def test_lm_eval_completions(server, serve_checkpoint, tokenizer, tmp_path):
+def test_lm_eval_completions(server, tokenizer, lm_eval_runs):
     """Loglikelihood (multiple choice) and generate-until through local-completions, in one run."""
-    before = len(access_log(server, "/v1/completions"))
-    results, samples = run_lm_eval(tmp_path, "local-completions", {
-        "model": SERVE_MODEL, "base_url": server.url + "/v1/completions", "tokenizer": serve_checkpoint,
-        "tokenizer_backend": "huggingface", "max_gen_toks": MAX_GEN_TOKS, "max_retries": 1, "timeout": 300,
-    }, ["ft_mc", "ft_gen"])
-    statuses = access_log(server, "/v1/completions")[before:]
+    results, samples = lm_eval_runs["completions"].result()
+    statuses = access_log(server, "/v1/completions" + run_tag("completions"))
     n_choices = sum(len(d["choices"]) for d in MC_DOCS)
     # every request lm-eval sent got a 200 (it would have retried, or failed, otherwise)
     assert statuses == [200] * (n_choices + len(GEN_DOCS)), statuses
@@ -210,14 +250,10 @@ def test_lm_eval_completions(server, serve_checkpoint, tokenizer, tmp_path):
     assert any(s["resps"] != [[""]] for s in samples["ft_gen"])  # the text came through (a fixed model)
 
 
-def test_lm_eval_chat_completions(server, tmp_path):
+def test_lm_eval_chat_completions(server, lm_eval_runs):
     """generate-until through local-chat-completions, the prompts rendered by the served chat template."""
-    before = len(access_log(server, "/v1/chat/completions"))
-    results, samples = run_lm_eval(tmp_path, "local-chat-completions", {
-        "model": SERVE_MODEL, "base_url": server.url + "/v1/chat/completions", "max_gen_toks": MAX_GEN_TOKS,
-        "max_retries": 1, "timeout": 300,
-    }, ["ft_gen"], "--apply_chat_template")
-    assert access_log(server, "/v1/chat/completions")[before:] == [200] * len(GEN_DOCS)
+    results, samples = lm_eval_runs["chat"].result()
+    assert access_log(server, "/v1/chat/completions" + run_tag("chat")) == [200] * len(GEN_DOCS)
     assert 0.0 <= results["results"]["ft_gen"]["exact_match,none"] <= 1.0
     for s, doc in zip(samples["ft_gen"], GEN_DOCS):
         r = server.post("/v1/chat/completions", json={
@@ -229,13 +265,11 @@ def test_lm_eval_chat_completions(server, tmp_path):
     assert any(s["resps"] != [[""]] for s in samples["ft_gen"])
 
 
-def test_lm_eval_batched_completions(server, serve_checkpoint, tokenizer, tmp_path):
+def test_lm_eval_batched_completions(server, tokenizer, lm_eval_runs):
     """lm-eval's batch_size 2: a list of two token-id prompts in one /v1/completions request (the
     legacy OpenAI API takes a batch of prompts; vLLM does)."""
-    results, samples = run_lm_eval(tmp_path, "local-completions", {
-        "model": SERVE_MODEL, "base_url": server.url + "/v1/completions", "tokenizer": serve_checkpoint,
-        "tokenizer_backend": "huggingface", "max_retries": 1, "timeout": 300,
-    }, ["ft_mc"], "--batch_size", "2", "--limit", "1")
+    results, samples = lm_eval_runs["batched"].result()
+    assert access_log(server, "/v1/completions" + run_tag("batched")) == [200] * 2  # 3 choices, 2 a request
     assert 0.0 <= results["results"]["ft_mc"]["acc,none"] <= 1.0
     # each choice's summed logprob, sent two prompts per request, is the server's own for that prompt alone
     (s,), doc = samples["ft_mc"], MC_DOCS[0]

@@ -12,7 +12,7 @@ from ft.engine.sampling_params import SamplingParams
 from test_oracle import prompt_of
 
 
-def _engine(path, overlap: bool, prefix: bool = True) -> Engine:
+def _engine(path, overlap: bool | None, prefix: bool = True) -> Engine:
     return Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", page_size=16, max_running_requests=4, moe_backend="resident",
                                overlap_decode=overlap, enable_prefix_cache=prefix))
 
@@ -50,6 +50,24 @@ def test_overlapped_decode_gives_plain_steps_tokens(tiny_one):
     assert seq.num_cached >= len(prompts[0]) + len(want[0][0]) - 1 - 16  # the stopped request's entry
     fresh = _engine(path, False, prefix=False)
     assert seq.output_ids == _run(fresh, [(follow, greedy)])[0][0]
+
+
+def test_overlap_is_on_by_default_only_where_the_device_runs_asynchronously(tiny_one):
+    """`overlap_decode` None (the default): on for CUDA, off on the CPU, where every op runs at once
+    and nothing can overlap; the CLI's --overlap-decode / --no-overlap-decode decide either way."""
+    import argparse
+
+    from ft.engine_args import add_engine_args, engine_config_from_args
+
+    _, _, path = tiny_one
+    assert EngineConfig().overlap_decode is None
+    auto = _engine(path, None)
+    _run(auto, [(prompt_of(20, seed=3), SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))])
+    assert auto.overlapped_steps == 0
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for argv, want in (([], None), (["--overlap-decode"], True), (["--no-overlap-decode"], False)):
+        assert engine_config_from_args(parser.parse_args(argv)).overlap_decode is want
 
 
 def test_overlap_steps_as_before_for_what_needs_the_host(tiny_one):

@@ -279,42 +279,45 @@ def test_the_server_with_two_ranks_answers_as_with_one_and_stops_them(tmp_path):
     assert texts[0] == texts[1]
 
 
-def _echo_rank(rank: int, port: int, objs: list, out) -> None:
+def _echo_rank(rank: int, ports: list[int], objs: list, out, missing_dir: str) -> None:
     from ft.parallel import init_group
 
-    tp = init_group(rank, 2, port, torch.device("cpu"))
-    shm = os.environ["FT_TP_CONTROL"] == "shm" and "FT_TP_CONTROL_DIR" not in os.environ
-    assert (tp.channel is not None) == (shm and channel_supported())
-    got = [tp.broadcast(o if rank == 0 else None) for o in objs]
-    if rank == 1:
-        out.put(got)
-    tp.destroy()
+    for control, port in zip(CONTROLS, ports):
+        os.environ["FT_TP_CONTROL"] = control.split("-")[0]
+        if control == "shm-unwritable":
+            os.environ["FT_TP_CONTROL_DIR"] = missing_dir
+        tp = init_group(rank, 2, port, torch.device("cpu"))
+        shm = control == "shm"
+        assert (tp.channel is not None) == (shm and channel_supported()), control
+        got = [tp.broadcast(o if rank == 0 else None) for o in objs]
+        if rank == 1:
+            out.put((control, got))
+        tp.destroy()
 
 
-@pytest.mark.parametrize("control", ["shm", "gloo", "shm-unwritable"])
-def test_control_messages_arrive_whole_short_and_long(control, monkeypatch, tmp_path):
+CONTROLS = ("shm", "gloo", "shm-unwritable")
+
+
+def test_control_messages_arrive_whole_short_and_long(tmp_path):
     """Through the shared-memory channel, through gloo, and through gloo when rank 0 cannot create
     the channel's file (every rank then agrees on gloo): one broadcast for a message that fits the
-    buffer, two for a longer one; all arrive equal."""
+    buffer, two for a longer one; all arrive equal. One pair of processes runs the three in turn
+    (a group each, its environment set before the group starts, as a spawned rank inherits it)."""
     import torch.multiprocessing as mp
-
-    monkeypatch.setenv("FT_TP_CONTROL", control.split("-")[0])  # the spawned ranks inherit it
-    if control == "shm-unwritable":
-        monkeypatch.setenv("FT_TP_CONTROL_DIR", str(tmp_path / "missing"))
 
     from ft.parallel import free_port
     from ft.parallel.group import MESSAGE_BYTES
 
     objs = [("step", [1, 2, 3]), ("rebuild", list(range(4 * MESSAGE_BYTES))), None, ("stop", "x" * (MESSAGE_BYTES - 30))]
     ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_echo_rank, args=(r, port, objs, out)) for r in range(2)]
+    out, ports = ctx.Queue(), [free_port() for _ in CONTROLS]
+    procs = [ctx.Process(target=_echo_rank, args=(r, ports, objs, out, str(tmp_path / "missing"))) for r in range(2)]
     for p in procs:
         p.start()
-    got = out.get(timeout=120)
+    got = [out.get(timeout=120) for _ in CONTROLS]
     for p in procs:
         p.join(30)
-    assert got == objs
+    assert got == [(control, objs) for control in CONTROLS]
 
 
 def test_prompt_logprobs_and_sampled_logprobs_match_one_process(tiny_one):

@@ -45,7 +45,7 @@ class EngineConfig:
     cuda_graph_max_bs: int = 16  # decode batches up to this size replay CUDA graphs (on CUDA)
     disable_cuda_graph: bool = False  # run every decode step and prefill eagerly (debugging)
     prefill_graph_max_tokens: int = 2048  # one-sequence prefills up to this many tokens replay CUDA graphs
-    overlap_decode: bool = False  # queue the next decode step before reading this one's tokens (not yet measured)
+    overlap_decode: bool | None = None  # queue the next decode step before reading this one's tokens; None: on CUDA
     storage_backend: str = "auto"  # auto | vmm | mmap | realloc: how pools grow and shrink (see ft.memory.storage)
     seed: int = 0
     progress: bool = False  # show loading progress

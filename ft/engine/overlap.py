@@ -38,7 +38,8 @@ class OverlappedDecode:
         """Whether a decode step of `seqs` may be queued without reading the tokens before it."""
         e = self.engine
         experts = e.pools.experts
-        if not e.config.overlap_decode or e.runner.tp is not None or e.ladder is not None or (
+        on = e.config.overlap_decode
+        if not (on if on is not None else e.device.type == "cuda") or e.runner.tp is not None or e.ladder is not None or (
                 experts is not None and not experts.all_resident):
             return False
         return all(s.grammar is None and s.logprobs is None and s.prompt_logprobs is None and not s.fork_waiting

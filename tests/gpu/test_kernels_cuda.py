@@ -51,6 +51,11 @@ def test_nvfp4_linear(m, n, k):
     assert y.data_ptr() == out.data_ptr()
     assert rel_rms(y, nvfp4_linear_ref(x, *w)) < TOL_LINEAR
     assert torch.equal(nvfp4_linear(x, *w), y)  # the dispatcher runs this kernel on CUDA
+    if m <= 8:  # the GEMV's whole-K word decode in PTX (the default) or in Triton: the same bits
+        from ft.kernels.nvfp4.kernel import _gemv_config
+
+        gemv = nvfp4_linear_triton(x, *w, path="gemv")
+        assert torch.equal(nvfp4_linear_triton(x, *w, path="gemv", config={**_gemv_config(m, n, k), "ASM": False}), gemv)
     if m > 2:  # the tl.dot path: its weight decodes (interleaved tiles byte- or word-wise, halves by PTX)
         from ft.kernels.nvfp4.kernel import _dot_config
 
@@ -81,6 +86,15 @@ def test_e2m1_halves_scaled_forms_ptx_is_exact(form):
     from e2m1_halves_probe import run_probe
 
     got, ref = run_probe(torch.device(DEV), torch.float16, asm=True, form=form)
+    assert torch.equal(got, ref)
+
+
+def test_e2m1_word_lanes_ptx_is_exact():
+    """The whole-K tiles' word decode in inline PTX (`e2m1_word_lanes_f32`, the GEMV and decode MoE
+    default): every byte value at every byte position, exactly the reference times 2**-6."""
+    from e2m1_halves_probe import run_lanes_probe
+
+    got, ref = run_lanes_probe(torch.device(DEV), asm=True)
     assert torch.equal(got, ref)
 
 
@@ -220,6 +234,15 @@ def test_moe_decode_with_shared_expert(pool, batch):
     moved = SlotWeights(*(t[perm] for t in pool))
     where = torch.argsort(perm)
     assert torch.equal(moe_decode_triton(x, where[topk_slots], weights, moved, shared), y)
+    import ft.kernels.nvfp4.kernel as nvk  # the word decode in PTX (the default) or in Triton: the same bits
+
+    routed = moe_over_slots_triton(x, topk_slots, weights[:, :TOP_K], pool)
+    saved, nvk.LANES_PTX = nvk.LANES_PTX, not nvk.LANES_PTX
+    try:
+        assert torch.equal(moe_decode_triton(x, topk_slots, weights, pool, shared), y)
+        assert torch.equal(moe_over_slots_triton(x, topk_slots, weights[:, :TOP_K], pool), routed)
+    finally:
+        nvk.LANES_PTX = saved
 
 
 @pytest.mark.parametrize("batch", [1, 8])

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+import ft.kernels.nvfp4.kernel as nvfp4_kernel
+from ft.kernels.backend import inline_ptx
 from ft.kernels.moe.kernel import _moe_sum_pairs_kernel
 from ft.kernels.norm.kernel import _rstd, _warps, add_rms_norm_triton
 from ft.kernels.nvfp4.kernel import (_decode_whole_k, _dot_lanes, _load_whole_k, _x_lanes, as_words,
@@ -45,6 +47,7 @@ def _moe_decode_gate_up_kernel(
     stride_hw13e, stride_hs13e, stride_hs2e, stride_ht,
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr,
     WHOLE_K: tl.constexpr = 0, HAS_HOST: tl.constexpr = False, HAS_DST: tl.constexpr = False,
+    ASM: tl.constexpr = False,
 ):
     """Grid (T * KS, I / BLOCK_I), KS = TOPK + HAS_SHARED: h[t * KS + j] = silu(x[t] @ gate^T) * (x[t] @ up^T)
     (fp32) of pair j of token t: the expert in slot topk_slots[t, j] for j < TOPK, the shared expert
@@ -97,7 +100,7 @@ def _moe_decode_gate_up_kernel(
             o_3 = tl.arange(0, 4)
             m_3 = o_3 < tl.where(land & (i_i == 0), 3, 0)
             tl.store(p_s2 + dst * stride_s2e + o_3, tl.load(p_g + o_3, mask=m_3, other=0.0), mask=m_3)
-        d0, d1, d2, d3, d4, d5, d6, d7, b_s = _decode_whole_k(b_w, b_sb)
+        d0, d1, d2, d3, d4, d5, d6, d7, b_s = _decode_whole_k(b_w, b_sb, ASM)
         b_gu = _dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, 2 * BLOCK_I)
     else:
         tl.static_assert(not HAS_DST, "the landing store takes the whole-K tile")
@@ -118,7 +121,7 @@ def _moe_decode_down_kernel(
     I, H,
     stride_ht, stride_st, stride_wt, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e, stride_ot,
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
-    WHOLE_K: tl.constexpr = 0,
+    WHOLE_K: tl.constexpr = 0, ASM: tl.constexpr = False,
 ):
     """Grid (T, H / BLOCK_H): out[t] = sum_j wts[t, j] * (h[t * KS + j] @ down_j^T), j = 0 .. KS - 1 in
     order (fp32, cast once): the routed pairs, then the shared expert (j = TOPK, its weight the
@@ -145,7 +148,7 @@ def _moe_decode_down_kernel(
             p_g = p_ss2 + 2
         if WHOLE_K > 0:  # I / 8 = WHOLE_K words in one tile
             b_y = rows_dot_whole_k(p_w, p_s, o_h, o_h < tl.where(on, H, 0), stride_w2r, stride_s2wr,
-                                   p_h + i_p * stride_ht, WHOLE_K, BLOCK_H)
+                                   p_h + i_p * stride_ht, WHOLE_K, BLOCK_H, ASM)
         else:
             o_p = tl.zeros((1,), dtype=tl.int32) + i_p
             b_y = tl.sum(nvfp4_rows_dot(p_w, p_s, o_h, m_h, stride_w2r, stride_s2wr, p_h, o_p, o_p >= 0, stride_ht, 0,
@@ -162,7 +165,7 @@ def _moe_decode_down_pairs_kernel(
     stride_ht, stride_st, stride_it, stride_dt, stride_wt, stride_w2e, stride_w2r, stride_s2we, stride_s2wr,
     stride_s2e, stride_hw2e, stride_hs2we, stride_hs2e, stride_yp,
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, WHOLE_K: tl.constexpr,
-    HAS_HOST: tl.constexpr = False, HAS_DST: tl.constexpr = False,
+    HAS_HOST: tl.constexpr = False, HAS_DST: tl.constexpr = False, ASM: tl.constexpr = False,
 ):
     """Grid (T * KS, H / BLOCK_H): yp[p] = wts[t, j] * (h[p] @ down_j^T) (fp32) for pair p = t * KS + j,
     zeros for a skipped pair; `_moe_sum_pairs_kernel` then sums each token's KS pairs in order.
@@ -201,7 +204,7 @@ def _moe_decode_down_pairs_kernel(
         tl.store(p_w2 + dst * stride_w2e + o_h[:, None] * stride_w2r + o_w[None, :], b_w.to(tl.int32, bitcast=True),
                  mask=m_d)
         tl.store(p_s2w + dst * stride_s2we + o_h[:, None] * stride_s2wr + o_g[None, :], b_sb, mask=m_d)
-    d0, d1, d2, d3, d4, d5, d6, d7, b_s = _decode_whole_k(b_w, b_sb)
+    d0, d1, d2, d3, d4, d5, d6, d7, b_s = _decode_whole_k(b_w, b_sb, ASM)
     b_y = _dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, BLOCK_H)
     b_wt = tl.load(p_wts + i_t * stride_wt + j).to(tl.float32) * tl.load(p_g + 2)
     tl.store(p_yp + i_p * stride_yp + o_h, tl.where(on, b_y * b_wt, 0.0), mask=o_h < H)
@@ -339,12 +342,13 @@ def moe_decode_triton(
         raise ValueError("a host store needs the per-pair down pass over a whole-K tile (down_per_pair, I / 8 <= 1024)")
     if has_dst and not whole13:
         raise ValueError("topk_dst needs the gate/up pass over a whole-K tile (BLOCK_W 0, H / 8 a power of 2 <= 1024)")
+    asm = nvfp4_kernel.LANES_PTX and inline_ptx(x.device)  # the whole-K tiles' word decode in PTX
     _moe_decode_gate_up_kernel[(t * ks, triton.cdiv(i, block_i))](
         x, slots, ids, dst, w13, s13, s2, sw13, ss13, ss2, hw13, hs13, hs2, h, i, hid,
         x.stride(0), slots.stride(0), ids.stride(0), dst.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
         s13.stride(1), s2.stride(0), hw13.stride(0), hs13.stride(0), hs2.stride(0), h.stride(0), TOPK=k,
         HAS_SHARED=has_shared, BLOCK_I=block_i, BLOCK_W=bw13, WHOLE_K=whole13, HAS_HOST=has_host, HAS_DST=has_dst,
-        num_warps=warps13,
+        ASM=asm and whole13 > 0, num_warps=warps13,
     )
     fuse_norm = residual is not None and norm_weight is not None
     if per_pair and whole2:  # (a row's K in one tile; other shapes take the loop)
@@ -354,7 +358,7 @@ def moe_decode_triton(
             h.stride(0), slots.stride(0), ids.stride(0), dst.stride(0), wts.stride(0), w2.stride(0), w2.stride(1),
             s2w.stride(0), s2w.stride(1), s2.stride(0), hw2.stride(0), hs2w.stride(0), hs2.stride(0), y_pairs.stride(0),
             TOPK=k, HAS_SHARED=has_shared, BLOCK_H=block_h, WHOLE_K=whole2, HAS_HOST=has_host, HAS_DST=has_dst,
-            num_warps=warps2,
+            ASM=asm, num_warps=warps2,
         )
         if fuse_norm and hid <= 8192 and residual.shape == x.shape and residual.dtype == x.dtype \
                 and residual.stride(-1) == 1:
@@ -370,6 +374,6 @@ def moe_decode_triton(
         h, slots, wts, w2, s2w, s2, sw2, ss2w, ss2, y, i, hid,
         h.stride(0), slots.stride(0), wts.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1),
         s2.stride(0), y.stride(0), TOPK=k, HAS_SHARED=has_shared, BLOCK_H=block_h, BLOCK_W=bw2, WHOLE_K=whole2,
-        num_warps=warps2,
+        ASM=asm and whole2 > 0, num_warps=warps2,
     )
     return add_rms_norm_triton(y, residual, norm_weight, eps) if fuse_norm else y

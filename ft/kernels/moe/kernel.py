@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+import ft.kernels.nvfp4.kernel as nvfp4_kernel
+from ft.kernels.backend import inline_ptx
 from ft.kernels.moe.slots import GROUPED_MAX_TOKENS
 from ft.kernels.moe.grouped_kernel import grouped_config_for, grouped_moe
 from ft.kernels.nvfp4.kernel import as_words, nvfp4_rows_dot, rows_dot_whole_k, whole_k_words
@@ -50,7 +52,7 @@ def _moe_gate_up_kernel(
     p_x, p_slots, p_w13, p_s13, p_s2, p_h,
     I, H, TOPK,
     stride_xt, stride_w13e, stride_w13r, stride_s13e, stride_s13r, stride_s2e, stride_ht,
-    BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr, WHOLE_K: tl.constexpr = 0,
+    BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr, WHOLE_K: tl.constexpr = 0, ASM: tl.constexpr = False,
 ):
     i_p = tl.program_id(0)
     i_i = tl.program_id(1)
@@ -63,7 +65,7 @@ def _moe_gate_up_kernel(
     o_r = o_i + (o_q % 2) * I
     if WHOLE_K > 0:  # H / 8 = WHOLE_K words in one tile
         b_gu = rows_dot_whole_k(p_w13 + slot * stride_w13e, p_s13 + slot * stride_s13e, o_r, o_i < tl.where(on, I, 0),
-                                stride_w13r, stride_s13r, p_x + (i_p // TOPK) * stride_xt, WHOLE_K, 2 * BLOCK_I)
+                                stride_w13r, stride_s13r, p_x + (i_p // TOPK) * stride_xt, WHOLE_K, 2 * BLOCK_I, ASM)
     else:
         o_t = tl.zeros((1,), dtype=tl.int32) + i_p // TOPK
         b_gu = nvfp4_rows_dot(p_w13 + slot * stride_w13e, p_s13 + slot * stride_s13e, o_r, o_i < I, stride_w13r,
@@ -107,7 +109,7 @@ def _moe_down_pairs_kernel(
     p_h, p_slots, p_wts, p_w2, p_s2w, p_s2, p_yp,
     I, H,
     stride_ht, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e, stride_yp,
-    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, WHOLE_K: tl.constexpr = 0,
+    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, WHOLE_K: tl.constexpr = 0, ASM: tl.constexpr = False,
 ):
     """Grid (pairs, H / BLOCK_H): yp[p] = weight[p] * (h[p] @ down^T) in fp32, zeros for a skipped pair.
     Every pair's expert in flight at once (the looping `_moe_down_kernel` reads them one by one)."""
@@ -120,7 +122,7 @@ def _moe_down_pairs_kernel(
     slot = tl.maximum(slot, 0).to(tl.int64)
     if WHOLE_K > 0:  # I / 8 = WHOLE_K words in one tile
         b_y = rows_dot_whole_k(p_w2 + slot * stride_w2e, p_s2w + slot * stride_s2we, o_h, o_h < tl.where(on, H, 0), stride_w2r,
-                               stride_s2wr, p_h + i_p * stride_ht, WHOLE_K, BLOCK_H)[None, :]
+                               stride_s2wr, p_h + i_p * stride_ht, WHOLE_K, BLOCK_H, ASM)[None, :]
     else:
         o_p = tl.zeros((1,), dtype=tl.int32) + i_p
         b_y = nvfp4_rows_dot(p_w2 + slot * stride_w2e, p_s2w + slot * stride_s2we, o_h, m_h, stride_w2r, stride_s2wr,
@@ -204,17 +206,18 @@ def moe_over_slots_triton(
     whole2 = whole_k_words(i) if bw2 == 0 else 0
     bw13 = max(2, min(bw13 or 64, triton.next_power_of_2(hid // 8)))
     bw2 = max(2, min(bw2 or 64, triton.next_power_of_2(i // 8)))
+    asm = nvfp4_kernel.LANES_PTX and inline_ptx(x.device)  # the whole-K tiles' word decode in PTX
     _moe_gate_up_kernel[(t * k, triton.cdiv(i, block_i))](
         x, slots, w13, s13, s2, h, i, hid, k,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s2.stride(0), h.stride(0),
-        BLOCK_I=block_i, BLOCK_W=bw13, WHOLE_K=whole13, num_warps=warps13,
+        BLOCK_I=block_i, BLOCK_W=bw13, WHOLE_K=whole13, ASM=asm and whole13 > 0, num_warps=warps13,
     )
     if down_per_pair if down_per_pair is not None else DOWN_PER_PAIR:
         y_pairs = torch.empty((t * k, hid), dtype=torch.float32, device=x.device)
         _moe_down_pairs_kernel[(t * k, triton.cdiv(hid, block_h))](
             h, slots, wts, w2, s2w, s2, y_pairs, i, hid,
             h.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1), s2.stride(0), y_pairs.stride(0),
-            BLOCK_H=block_h, BLOCK_W=bw2, WHOLE_K=whole2, num_warps=warps2,
+            BLOCK_H=block_h, BLOCK_W=bw2, WHOLE_K=whole2, ASM=asm and whole2 > 0, num_warps=warps2,
         )
         _moe_sum_pairs_kernel[(t, triton.cdiv(hid, 1024))](y_pairs, y, hid, k, y_pairs.stride(0), y.stride(0), BLOCK=1024)
         return y

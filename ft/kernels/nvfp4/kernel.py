@@ -51,7 +51,7 @@ import triton.language as tl
 from ft.kernels.backend import inline_ptx
 from ft.kernels.nvfp4.decode import (
     _byte_f32, _e4m3, _hi_e4m3_word, _lo_e4m3_word, _split8, dequant_tile, e2m1_halves_bf16, e2m1_halves_f16,
-    words_tile_f16,
+    e2m1_word_lanes_f32, words_tile_f16,
 )
 
 __all__ = ["DOT_HALVES", "DOT_WORDS", "SMALL_M", "nvfp4_linear_triton"]
@@ -73,6 +73,11 @@ weight's low and high nibbles, each decoded straight to x's dtype by byte permut
 (`e2m1_halves_bf16` / `_f16`): two dots per K step, no interleave (`_halves_step`). Statically
 (sm_90 SASS, M = 8, 32 x 256 tile) the K step takes 561 instructions against 799 for the
 interleaved byte-wise decode (`dequant_tile`)."""
+
+LANES_PTX = True
+"""The whole-K tiles (the M <= 8 GEMV here, the decode MoE kernels) decode a word's 8 elements to
+fp32 by `e2m1_word_lanes_f32`'s inline PTX on a CUDA device (the same values as the Triton form,
+fewer instructions); off: the Triton form (benchmarks' A/B)."""
 
 
 @triton.jit
@@ -171,23 +176,21 @@ def _load_whole_k(p_w, p_s, o_r, m_r, stride_wr, stride_sr, KW: tl.constexpr):
 
 
 @triton.jit
-def _decode_whole_k(b_w, b_s):
+def _decode_whole_k(b_w, b_s, ASM: tl.constexpr = False):
     """`_load_whole_k`'s words and scale bytes -> the 8 decoded element lanes (fp32 [R, KW], times
-    2**-6) and the block scale of each word pair (fp32 [R, KW / 2])."""
-    b_s = _e4m3(b_s)
-    lo = _lo_e4m3_word(b_w)
-    hi = _hi_e4m3_word(b_w)
-    return (_byte_f32(lo, 0), _byte_f32(hi, 0), _byte_f32(lo, 1), _byte_f32(hi, 1),
-            _byte_f32(lo, 2), _byte_f32(hi, 2), _byte_f32(lo, 3), _byte_f32(hi, 3), b_s)
+    2**-6) and the block scale of each word pair (fp32 [R, KW / 2]). ASM: the lanes by
+    `e2m1_word_lanes_f32`'s PTX (the same values)."""
+    d0, d1, d2, d3, d4, d5, d6, d7 = e2m1_word_lanes_f32(b_w, ASM)
+    return d0, d1, d2, d3, d4, d5, d6, d7, _e4m3(b_s)
 
 
 @triton.jit
-def _whole_k_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, KW: tl.constexpr):
+def _whole_k_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, KW: tl.constexpr, ASM: tl.constexpr = False):
     """Rows o_r's whole K (KW words): the 8 decoded element lanes (fp32 [R, KW], times 2**-6) and
     the block scale of each word pair (fp32 [R, KW / 2]); masked rows give 0.
     `_load_whole_k` then `_decode_whole_k`."""
     b_w, b_s = _load_whole_k(p_w, p_s, o_r, m_r, stride_wr, stride_sr, KW)
-    return _decode_whole_k(b_w, b_s)
+    return _decode_whole_k(b_w, b_s, ASM)
 
 
 @triton.jit
@@ -223,13 +226,14 @@ def _whole_k_row(d0, d1, d2, d3, d4, d5, d6, d7, b_s, p_xr, KW: tl.constexpr, BL
 
 
 @triton.jit
-def rows_dot_whole_k(p_w, p_s, o_r, m_r, stride_wr, stride_sr, p_xr, KW: tl.constexpr, BLOCK_R: tl.constexpr):
+def rows_dot_whole_k(p_w, p_s, o_r, m_r, stride_wr, stride_sr, p_xr, KW: tl.constexpr, BLOCK_R: tl.constexpr,
+                     ASM: tl.constexpr = False):
     """`nvfp4_rows_dot` for one x row at p_xr when a row's K / 8 = KW words (a power of two) fit one
     tile: no loop, x read and split once -> fp32 [BLOCK_R]. Measured faster than the K loop on the
     decode shapes (bench/RESULTS.md). x is loaded before the weights so that both are in flight
     together (loading it after the decode, as `_whole_k_row` does, measured 1.4-1.7x slower here)."""
     x0, x1, x2, x3, x4, x5, x6, x7 = _x_lanes(p_xr, KW)
-    d0, d1, d2, d3, d4, d5, d6, d7, b_s = _whole_k_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, KW)
+    d0, d1, d2, d3, d4, d5, d6, d7, b_s = _whole_k_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, KW, ASM)
     return _dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, KW, BLOCK_R)
 
 
@@ -239,6 +243,7 @@ def _nvfp4_gemv_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_sn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, WHOLE_K: tl.constexpr = 0,
+    ASM: tl.constexpr = False,
 ):
     i_n = tl.program_id(0)
     if WHOLE_K > 0:  # K / 8 = WHOLE_K words in one tile, decoded once for all M rows of x
@@ -246,10 +251,10 @@ def _nvfp4_gemv_kernel(
         m_n = o_n < N
         s2 = tl.load(p_s2)
         if BLOCK_M == 1:
-            b_y = rows_dot_whole_k(p_w, p_s, o_n, m_n, stride_wn, stride_sn, p_x, WHOLE_K, BLOCK_N)
+            b_y = rows_dot_whole_k(p_w, p_s, o_n, m_n, stride_wn, stride_sn, p_x, WHOLE_K, BLOCK_N, ASM)
             tl.store(p_y + o_n, (b_y * s2).to(p_y.dtype.element_ty), mask=m_n)
         else:
-            d0, d1, d2, d3, d4, d5, d6, d7, b_s = _whole_k_tile(p_w, p_s, o_n, m_n, stride_wn, stride_sn, WHOLE_K)
+            d0, d1, d2, d3, d4, d5, d6, d7, b_s = _whole_k_tile(p_w, p_s, o_n, m_n, stride_wn, stride_sn, WHOLE_K, ASM)
             for mi in tl.static_range(BLOCK_M):
                 if mi < M:
                     b_y = _whole_k_row(d0, d1, d2, d3, d4, d5, d6, d7, b_s, p_x + mi * stride_xm, WHOLE_K, BLOCK_N)
@@ -476,6 +481,7 @@ def nvfp4_linear_triton(
         if cfg["BLOCK_M"] < m:
             raise ValueError(f"BLOCK_M {cfg['BLOCK_M']} < M {m}")
         cfg["WHOLE_K"] = whole_k_words(k) if cfg.pop("WHOLE_K", False) else 0
+        cfg["ASM"] = bool(cfg.get("ASM", LANES_PTX)) and cfg["WHOLE_K"] > 0 and inline_ptx(x.device)
         words = as_words(packed)
         _nvfp4_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             x, words, scale_u8, s2, y, m, n, k, x.stride(0), words.stride(0), scale_u8.stride(0), y.stride(0), **cfg)
