@@ -37,7 +37,8 @@ def main() -> None:
                     help="after the timed runs, profile this many decode steps (torch.profiler) and print the top ops")
     ap.add_argument("--context", default="32", help="prompt lengths (tokens before decode starts)")
     ap.add_argument("--kv-cache-dtype", default="bf16", choices=("bf16", "fp8", "nvfp4"))
-    ap.add_argument("--modes", default="eager,graphs", help="eager, graphs, overlap (graphs with overlapped decode, switched on this engine); a list, repeats allowed (A/B in one process)")
+    ap.add_argument("--modes", default="eager,graphs", help="eager, graphs (both with overlapped decode off), overlap (graphs with overlapped decode, the "
+                         "default on CUDA); a list, repeats allowed (an A/B in one process)")
     ap.add_argument("--attention-programs", type=int, default=0, metavar="N",
                     help="split-K decode attention: aim at N programs (SPLIT_TARGET_PROGRAMS; MAX_SPLITS raised to "
                          "match) instead of the library default")
@@ -61,8 +62,9 @@ def main() -> None:
                     help="M = 3..8 projections on the 16-row tl.dot tile everywhere (SMALL_M_WHOLE_K off)")
     ap.add_argument("--no-lanes-ptx", action="store_true",
                     help="the whole-K GEMV / decode MoE tiles decode words in Triton, not inline PTX (LANES_PTX)")
-    ap.add_argument("--overlap-decode", action="store_true",
-                    help="queue each decode step before reading the last one's tokens (EngineConfig.overlap_decode)")
+    ap.add_argument("--overlap-decode", action=argparse.BooleanOptionalAction, default=True,
+                    help="the profiles (--profile, --cprofile) with overlapped decode (EngineConfig.overlap_decode); "
+                         "default on, as the engine's default on CUDA")
     ap.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
                     help="after the timed runs, run this many decode steps under cProfile at each --profile-context "
                          "length and print the host functions by own time (what a step's host work grows with)")
@@ -147,7 +149,7 @@ def main() -> None:
         for mode in modes:
             # "overlap": graphs with overlapped decode, switched on this engine (an A/B in one process)
             eng.runner.graphs = graphs if mode in ("graphs", "overlap") else None
-            eng.config = dataclasses.replace(eng.config, overlap_decode=args.overlap_decode or mode == "overlap")
+            eng.config = dataclasses.replace(eng.config, overlap_decode=mode == "overlap")
             for b in batches:
                 tok_s, step_ms = timed_decode(eng, prompt, b, args.tokens)
                 roof = COPY_BW / bytes_per_step(eng, b, len(prompt) + args.tokens) * b
@@ -229,9 +231,35 @@ def profile_steps(eng, prompt, steps: int, batch: int = 1) -> None:
     gpu = sorted(((e.self_device_time_total / steps, e.key) for e in events
                   if e.device_type == torch.autograd.DeviceType.CUDA), reverse=True)
     print("GPU us per step by kernel: " + ", ".join(f"{name[:40]} {us:.1f}" for us, name in gpu[:14]))
+    span, busy, exposed = gpu_timeline(prof)
+    print(f"GPU timeline: {span / steps / 1e3:.3f} ms a step, kernels busy {busy / steps / 1e3:.3f}, idle "
+          f"{(span - busy) / steps / 1e3:.3f} ms, of which in gaps over {IDLE_GAP_US} us (nothing queued: the "
+          f"host's time on the critical path) {exposed / steps / 1e3:.3f} ms")
     print(events.table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=60))
     print(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60))
     eng.run_until_done(seqs)
+
+
+IDLE_GAP_US = 5.0
+"""Gaps between kernels longer than this (us) count as the device waiting on the host; inside a
+graph replay consecutive kernels start ~1-2 us apart."""
+
+
+def gpu_timeline(prof) -> tuple[float, float, float]:
+    """(span, busy, exposed) in us over a profile's CUDA kernels: first start to last end, the union
+    of the kernels' intervals, and the sum of the idle gaps longer than `IDLE_GAP_US`."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not spans:
+        return 0.0, 0.0, 0.0
+    busy = exposed = 0.0
+    end = spans[0][0]
+    for a, b in spans:
+        if a - end > IDLE_GAP_US:
+            exposed += a - end
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return end - spans[0][0], busy, exposed
 
 
 def host_profile_steps(eng, prompt, steps: int, batch: int = 1) -> None:
