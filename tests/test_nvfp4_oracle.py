@@ -19,15 +19,27 @@ def nvfp4_pair(tiny_one, tmp_path_factory):
     return _quantized_pair(tiny_one[2], tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
-def nvfp4_pair_shared_fused(tmp_path_factory):
-    """The first tiny config with the shared expert in the routed experts' shapes (as the flagship):
-    the decode MoE then runs the shared expert as one more pair (`moe_decode_triton`)."""
+def _two_layer_pair(tmp_path_factory, name: str, **extra):
+    """The first tiny config cut to two layers (a Gated DeltaNet layer, then an attention layer,
+    each with its MoE), quantized: every kernel kind of the step, half the launches (the Triton
+    interpreter's time is per launched program)."""
     from conftest import TINY_CONFIGS, make_hf_model, save_checkpoint
 
-    overrides = {**next(iter(TINY_CONFIGS.values())), "shared_expert_intermediate_size": 32}
-    src = save_checkpoint(make_hf_model(overrides), tmp_path_factory.mktemp("shared-fused"))
+    overrides = {**next(iter(TINY_CONFIGS.values())), "num_hidden_layers": 2, **extra}
+    src = save_checkpoint(make_hf_model(overrides), tmp_path_factory.mktemp(name))
     return _quantized_pair(src, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def nvfp4_pair_2l(tmp_path_factory):
+    return _two_layer_pair(tmp_path_factory, "two-layers")
+
+
+@pytest.fixture(scope="module")
+def nvfp4_pair_shared_fused(tmp_path_factory):
+    """With the shared expert in the routed experts' shapes (as the flagship): the decode MoE then
+    runs the shared expert as one more pair (`moe_decode_triton`)."""
+    return _two_layer_pair(tmp_path_factory, "shared-fused", shared_expert_intermediate_size=32)
 
 
 @pytest.mark.parametrize("backend", ["offload", "resident"])
@@ -40,7 +52,7 @@ def test_nvfp4_checkpoint_matches_transformers_on_dequantized_weights(nvfp4_pair
     assert llm.generate(prompt_token_ids=[prompt], **GREEDY_32)[0].token_ids == hf_greedy(ref, prompt)
 
 
-@pytest.mark.parametrize("pair", ["nvfp4_pair", "nvfp4_pair_shared_fused"])
+@pytest.mark.parametrize("pair", ["nvfp4_pair_2l", "nvfp4_pair_shared_fused"])
 def test_engine_on_the_triton_kernels_matches_transformers(pair, request, monkeypatch):
     """The engine's CUDA path (the Triton NVFP4 linear and MoE kernels behind the dispatchers), run
     here under the Triton interpreter in float32: prefill through the tl.dot tiles and the MoE's
