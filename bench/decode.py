@@ -60,6 +60,8 @@ def main() -> None:
                     help="--profile's prompt lengths (the decode steps profiled attend to N tokens), one profile each")
     ap.add_argument("--no-small-m-gemv", action="store_true",
                     help="M = 3..8 projections on the 16-row tl.dot tile everywhere (SMALL_M_WHOLE_K off)")
+    ap.add_argument("--pdl", action="store_true",
+                    help="launch the decode kernels with programmatic dependent launch (ft.kernels.pdl.PDL)")
     ap.add_argument("--no-lanes-ptx", action="store_true",
                     help="the whole-K GEMV / decode MoE tiles decode words in Triton, not inline PTX (LANES_PTX)")
     ap.add_argument("--overlap-decode", action=argparse.BooleanOptionalAction, default=True,
@@ -86,6 +88,10 @@ def main() -> None:
         import ft.kernels.nvfp4.kernel as nvfp4_kernel
 
         nvfp4_kernel.SMALL_M_WHOLE_K = False
+    if args.pdl:
+        import ft.kernels.pdl as pdl
+
+        pdl.PDL = True
     if args.no_lanes_ptx:
         import ft.kernels.nvfp4.kernel as nvfp4_kernel
 

@@ -387,8 +387,27 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
 ]
 
 
+
+def _pdl_cases() -> list:
+    """Cases again with PDL on (the constexpr and the launch option, `ft.kernels.pdl`): every NVFP4
+    GEMV case (its paths place the wait differently: after the whole-K weights, or first), the
+    dense GEMV (after its first weight tile), and one of each kernel whose wait comes first (the
+    same two lines in every such kernel). Each must compile with the wait in its PTX."""
+    picked = {nv._nvfp4_gemv_kernel: 99, dense._dense_gemv_kernel: 1, nv._nvfp4_dot_kernel: 1, norm._rms_norm_kernel: 1,
+              moe_dec._moe_decode_gate_up_kernel: 1, attn._decode_split_kernel: 1}
+    out = []
+    for name, kernel, signature, params in CASES:
+        if picked.get(kernel, 0) > 0:
+            picked[kernel] -= 1
+            out.append((f"{name} [PDL]", kernel, signature, {**params, "PDL": True, "launch_pdl": True}))
+    return out
+
+
+CASES += _pdl_cases()
+
+
 def compile_case(kernel, signature: dict, params: dict):
-    options = {k: params.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in params}
+    options = {k: params.pop(k) for k in ("num_warps", "num_stages", "maxnreg", "launch_pdl") if k in params}
     for p in kernel.params:  # constexprs a case leaves out take their defaults (else triton fails obscurely)
         default = getattr(p, "default", inspect.Parameter.empty)
         if p.is_constexpr and p.name not in params and p.name not in signature and default is not inspect.Parameter.empty:
@@ -471,6 +490,8 @@ def main() -> int:
             continue
         try:
             compiled = compile_case(kernel, signature, dict(params))
+            if params.get("PDL") and "griddepcontrol.wait" not in compiled.asm["ptx"]:
+                raise AssertionError("launched with PDL but its PTX has no griddepcontrol.wait")
             print(f"ok      {name}" + (f"  [{load_counts(compiled)}]" if loads else "")
                   + (f"  [{resource_usage(compiled)}]" if regs else ""), flush=True)
             for line in loop_bodies(compiled) if loops else []:

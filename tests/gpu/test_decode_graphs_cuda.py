@@ -229,8 +229,9 @@ def test_overlapped_decode_equals_plain_steps_bitwise(model):
     reads the last step's tokens, the ids gathered on the device): the same tokens as plain steps,
     bf16 with graphs; a request that a stop token ends mid-decode (the step queued behind it writes
     nothing for it) leaves a prefix-cache entry that a longer prompt decodes from as an engine
-    without a prefix cache does. Written in session 16, not yet run on the device."""
-    plain, over = make(model), make(model, overlap_decode=True)
+    without a prefix cache does. (Overlapped decode is the default on CUDA since session 17: the
+    plain engine turns it off.)"""
+    plain, over = make(model, overlap_decode=False), make(model, overlap_decode=True)
     ref = generate(plain)
     assert generate(over) == ref and over.engine.overlapped_steps > 0
     stop = ref[0][6]
@@ -249,3 +250,23 @@ def test_overlapped_decode_equals_plain_steps_bitwise(model):
     ref_seq = alone.add_request(follow, greedy)
     alone.run_until_done([ref_seq])
     assert seq.num_cached > 0 and seq.output_ids == ref_seq.output_ids
+
+
+def test_pdl_launches_give_the_plain_launches_bits(model, monkeypatch):
+    """Programmatic dependent launch (`ft.kernels.pdl.PDL`: each decode kernel may start while the
+    one before it runs and waits for it before it touches the step's data; the NVFP4 and dense GEMVs
+    load their weights before the wait): the same tokens and last logits bit for bit as plain
+    launches, under graphs and eager, with resident experts and offloaded ones read through
+    (misses every step). Written in session 17, not yet run on the device."""
+    import ft.kernels.pdl as pdl
+
+    plain = make(model)
+    want = generate(plain)
+    logits = plain.engine.last_logits.clone()
+    offload_plain = make(model, moe_backend="offload", moe_cache_size=40)
+    assert generate(offload_plain) == want
+    monkeypatch.setattr(pdl, "PDL", True)
+    assert pdl.pdl_on(torch.device("cuda"))
+    for llm in (make(model), make(model, disable_cuda_graph=True), make(model, moe_backend="offload", moe_cache_size=40)):
+        assert generate(llm) == want
+        assert torch.equal(llm.engine.last_logits, logits)

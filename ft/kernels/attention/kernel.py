@@ -60,6 +60,7 @@ import ft.kernels.attention.decode_tuning as tuning
 from ft.kernels.backend import inline_ptx, sm_count
 from ft.kernels.attention.split import DecodeWorkspace, decode_attention_workspace
 from ft.kernels.attention.decode_loops import _attend, _attend_nvfp4, _attend_nvfp4_fma, _d_mask, _load_q
+from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
 __all__ = ["paged_decode_attention_triton", "write_kv_decode_triton"]
 
@@ -126,10 +127,13 @@ def _write_kv_decode_kernel(
     stride_kb, stride_kh, stride_vb, stride_vh,
     stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """KV_FP8: the cache is float8_e4m3fn (passed as its uint8 bits) holding x / scale, rounded to
     nearest even after clamping to +-448; p_kvs holds the layer's (K, V) scales. KV_NVFP4: the
     cache rows are NVFP4 (uint8, D/2 + D/16 bytes; D is the head dim), see `reference.py`."""
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_b = tl.program_id(0)
     slot = tl.load(p_slot + i_b).to(tl.int64)
     i_p = tl.maximum(slot, 0) // page_size
@@ -170,7 +174,10 @@ def _decode_kernel(
     NVFP4_HALVES: tl.constexpr = False, NVFP4_FMA: tl.constexpr = False, EVEN_D: tl.constexpr = False,
     NVFP4_F16: tl.constexpr = False, NVFP4_WORDS: tl.constexpr = False, NVFP4_PRMT: tl.constexpr = False,
     NVFP4_ASM: tl.constexpr = False, NVFP4_FORM: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_b = tl.program_id(0)
     i_kv = tl.program_id(1)
     seq_len = tl.load(p_seq + i_b).to(tl.int32)
@@ -223,7 +230,10 @@ def _decode_split_kernel(
     NVFP4_HALVES: tl.constexpr = False, NVFP4_FMA: tl.constexpr = False, EVEN_D: tl.constexpr = False,
     NVFP4_F16: tl.constexpr = False, NVFP4_WORDS: tl.constexpr = False, NVFP4_PRMT: tl.constexpr = False,
     NVFP4_ASM: tl.constexpr = False, NVFP4_FORM: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_b = tl.program_id(0)
     i_kv = tl.program_id(1)
     i_s = tl.program_id(2)
@@ -273,7 +283,10 @@ def _decode_split_kernel(
 def _decode_combine_kernel(
     p_acc, p_st, p_g, p_o, S, D, stride_ar, stride_ah, stride_sr, stride_sh, stride_gb, stride_gh, stride_ob,
     stride_oh, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     # grid (B, Hq, cdiv(D, BLOCK_D)): columns apart, so that a long context's many splits are read by
     # enough programs (`COMBINE_BLOCK_D`); every column's sum is the same whatever the block
     i_b = tl.program_id(0)
@@ -350,7 +363,7 @@ def write_kv_decode_triton(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
             v_cache.stride(2),
             BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d), **kv_flags, num_warps=4,
-        )
+            **pdl_args(k.device))
 
 
 def _word_aligned(*caches: torch.Tensor) -> bool:
@@ -454,7 +467,7 @@ def paged_decode_attention_triton(
     if splits == 1:
         _decode_kernel[(b, hkv)](q, k_cache, v_cache, page_table, seq_lens, g, out, kvs, scale2, hq // hkv, d,
                                  *common, *g_strides, out.stride(0), out.stride(1), PAGE_SIZE=page,
-                                 HAS_GATE=gate is not None, **kv_flags, **cfg)
+                                 HAS_GATE=gate is not None, **kv_flags, **cfg, **pdl_args(q.device))
         return out
     if workspace is None:
         workspace = decode_attention_workspace(b, hq, d, splits, q.device)
@@ -465,9 +478,10 @@ def paged_decode_attention_triton(
     acc, st = workspace.acc, workspace.stats
     _decode_split_kernel[(b, hkv, splits)](q, k_cache, v_cache, page_table, seq_lens, acc, st, kvs, scale2,
                                            hq // hkv, d, *common, acc.stride(0), acc.stride(1), st.stride(0),
-                                           st.stride(1), PAGE_SIZE=page, **kv_flags, **cfg)
+                                           st.stride(1), PAGE_SIZE=page, **kv_flags, **cfg, **pdl_args(q.device))
     _decode_combine_kernel[(b, hq, triton.cdiv(d, block_dc))](
         acc, st, g, out, splits, d, acc.stride(0), acc.stride(1), st.stride(0), st.stride(1), *g_strides,
         out.stride(0), out.stride(1), BLOCK_S=triton.next_power_of_2(splits),
-        CHUNK_S=min(16, triton.next_power_of_2(splits)), BLOCK_D=block_dc, HAS_GATE=gate is not None, num_warps=4)
+        CHUNK_S=min(16, triton.next_power_of_2(splits)), BLOCK_D=block_dc, HAS_GATE=gate is not None, num_warps=4,
+        **pdl_args(q.device))
     return out

@@ -56,6 +56,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
+
 __all__ = ["MAX_M", "default_config", "dense_linear_triton", "k_tiling"]
 
 MAX_M = 16
@@ -88,8 +90,10 @@ def _dense_gemv_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, ONE_TILE: tl.constexpr,
+    EVEN_K: tl.constexpr, ONE_TILE: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    # PDL (`ft.kernels.pdl`): the first weight tile is loaded before the wait (W is a layer's
+    # weight: no kernel of the step writes it), x after it
     i_n = tl.program_id(0)
     i_m = tl.program_id(1)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -100,6 +104,8 @@ def _dense_gemv_kernel(
     p_xt = p_x + tl.minimum(o_m, M - 1).to(tl.int64)[:, None, None] * stride_xm + o_k[None, None, :]
     p_wt = p_w + tl.minimum(o_n, N - 1).to(tl.int64)[None, :, None] * stride_wn + o_k[None, None, :]
     b_w = _load_k(p_wt, 0, o_k, K, EVEN_K)
+    pdl_wait(PDL)
+    pdl_release(PDL)
     if ONE_TILE:  # K <= BLOCK_K: W and x tiles in flight together, one reduction
         acc = _tile_sum(_load_k(p_xt, 0, o_k, K, EVEN_K), b_w)
     else:
@@ -144,6 +150,8 @@ def dense_linear_triton(
     x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, config: dict | None = None
 ) -> torch.Tensor:
     """y = x @ w.T on Triton: x [M, K], w [N, K], both fp32, bf16 or fp16 (the same) -> y [M, N] in x's dtype.
+    w must be a weight that no kernel before this one in the stream writes (with PDL it is read
+    before the launch waits for that kernel).
 
     fp32 products and sums, one rounding to x's dtype. Any M, N, K >= 0 (meant for M <= `MAX_M`);
     x and w are made contiguous along K if they are not (a copy); any row strides.
@@ -176,5 +184,5 @@ def dense_linear_triton(
     cfg = dict(config or default_config(m, n, k, x.dtype))
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
     _dense_gemv_kernel[grid](x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-                             **k_tiling(k, cfg["BLOCK_K"]), **cfg)
+                             **k_tiling(k, cfg["BLOCK_K"]), **cfg, **pdl_args(x.device))
     return out

@@ -14,12 +14,17 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
+
 __all__ = ["commit_landed_triton", "expert_lookup_triton"]
 
 
 @triton.jit
 def _expert_lookup_kernel(p_ids, p_table, p_step, p_last, p_claim, p_landing, p_used, p_landed, p_counters,
-                          p_slots, p_dst, K, R, stride_it, stride_st, stride_dt, BLOCK_K: tl.constexpr):
+                          p_slots, p_dst, K, R, stride_it, stride_st, stride_dt, BLOCK_K: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_t = tl.program_id(0)
     o_k = tl.arange(0, BLOCK_K)
     m_k = o_k < K
@@ -58,13 +63,15 @@ def expert_lookup_triton(ids: torch.Tensor, slot_table: torch.Tensor, book, laye
             ids, slot_table, book.step, book.last_use[layer], book.claim[layer],
             book.landing[layer], book.landing_used[layer:], book.landed[layer], book.counters[layer], slots, dst,
             k, book.landing.shape[1], ids.stride(0), slots.stride(0), dst.stride(0),
-            BLOCK_K=triton.next_power_of_2(k), num_warps=1,
-        )
+            BLOCK_K=triton.next_power_of_2(k), num_warps=1, **pdl_args(ids.device))
     return slots, dst
 
 
 @triton.jit
-def _commit_landed_kernel(p_table, p_landing, p_used, p_landed, stride_tl, stride_ll, R, BLOCK_R: tl.constexpr):
+def _commit_landed_kernel(p_table, p_landing, p_used, p_landed, stride_tl, stride_ll, R, BLOCK_R: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_l = tl.program_id(0)
     o_r = tl.arange(0, BLOCK_R)
     n = tl.load(p_used + i_l)
@@ -80,5 +87,4 @@ def commit_landed_triton(slot_table: torch.Tensor, book) -> None:
     assert book.landed.stride() == book.landing.stride() and slot_table.stride(1) == 1
     _commit_landed_kernel[(layers,)](
         slot_table, book.landing, book.landing_used, book.landed, slot_table.stride(0), book.landing.stride(0), r,
-        BLOCK_R=triton.next_power_of_2(r), num_warps=1,
-    )
+        BLOCK_R=triton.next_power_of_2(r), num_warps=1, **pdl_args(slot_table.device))

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from ft.kernels.backend import TRITON_DTYPES
+from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
 __all__ = ["MAX_DK", "conv_config", "delta_config", "gated_delta_decode_triton"]
 
@@ -52,7 +53,10 @@ def _conv_decode_kernel(
     p_x, p_w, p_cs, p_slots, p_y, C,
     stride_xb, stride_wc, stride_css, stride_csc, stride_csw, stride_yb,
     W: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_b = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1)
     dtype = p_x.dtype.element_ty
@@ -96,7 +100,10 @@ def _delta_decode_kernel(
     p_y, p_b, p_a, p_alog, p_dt, p_ss, p_slots, p_o, HK, GROUP, DK, DV, scale,
     stride_yb, stride_bb, stride_ab, stride_sss, stride_ssh, stride_ssk, stride_ssv, stride_ob, stride_oh,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -217,9 +224,10 @@ def gated_delta_decode_triton(
     cfg = conv_config(c, width)
     _conv_decode_kernel[(bsz, triton.cdiv(c, cfg["BLOCK_C"]))](
         mixed, weight, conv_state, slots, y, c, mixed.stride(0), weight.stride(0), *conv_state.stride(), y.stride(0),
-        **cfg)
+        **cfg, **pdl_args(mixed.device))
     cfg = delta_config(bsz, hv, dk, dv)
     _delta_decode_kernel[(bsz, hv, triton.cdiv(dv, cfg["BLOCK_V"]))](
         y, b, a, a_log, dt_bias, ssm_state, slots, out, hk, hv // hk, dk, dv, dk ** -0.5,
-        y.stride(0), b.stride(0), a.stride(0), *ssm_state.stride(), out.stride(0), out.stride(1), **cfg)
+        y.stride(0), b.stride(0), a.stride(0), *ssm_state.stride(), out.stride(0), out.stride(1), **cfg,
+        **pdl_args(mixed.device))
     return out

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
+
 import ft.kernels.nvfp4.kernel as nvfp4_kernel
 from ft.kernels.backend import inline_ptx
 from ft.kernels.moe.kernel import _moe_sum_pairs_kernel
@@ -48,6 +50,7 @@ def _moe_decode_gate_up_kernel(
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr,
     WHOLE_K: tl.constexpr = 0, HAS_HOST: tl.constexpr = False, HAS_DST: tl.constexpr = False,
     ASM: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Grid (T * KS, I / BLOCK_I), KS = TOPK + HAS_SHARED: h[t * KS + j] = silu(x[t] @ gate^T) * (x[t] @ up^T)
     (fp32) of pair j of token t: the expert in slot topk_slots[t, j] for j < TOPK, the shared expert
@@ -60,6 +63,8 @@ def _moe_decode_gate_up_kernel(
     scales; the program with i_i = 0 the expert's 3 global scales), so the whole grid lands the
     expert's w13, w13_scale and scale_2 in slot d. No pair of the call reads slot d (the caller's
     contract), so the stores race with no load."""
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     KS: tl.constexpr = TOPK + HAS_SHARED
     i_p = tl.program_id(0)
     i_i = tl.program_id(1)
@@ -122,11 +127,14 @@ def _moe_decode_down_kernel(
     stride_ht, stride_st, stride_wt, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e, stride_ot,
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
     WHOLE_K: tl.constexpr = 0, ASM: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Grid (T, H / BLOCK_H): out[t] = sum_j wts[t, j] * (h[t * KS + j] @ down_j^T), j = 0 .. KS - 1 in
     order (fp32, cast once): the routed pairs, then the shared expert (j = TOPK, its weight the
     gate's sigmoid). The pairs are unrolled, so all their weight loads are in flight together; the
     fixed order makes the sum independent of slots and of the batch's other tokens."""
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     KS: tl.constexpr = TOPK + HAS_SHARED
     i_t = tl.program_id(0)
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -166,6 +174,7 @@ def _moe_decode_down_pairs_kernel(
     stride_s2e, stride_hw2e, stride_hs2we, stride_hs2e, stride_yp,
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, WHOLE_K: tl.constexpr,
     HAS_HOST: tl.constexpr = False, HAS_DST: tl.constexpr = False, ASM: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Grid (T * KS, H / BLOCK_H): yp[p] = wts[t, j] * (h[p] @ down_j^T) (fp32) for pair p = t * KS + j,
     zeros for a skipped pair; `_moe_sum_pairs_kernel` then sums each token's KS pairs in order.
@@ -173,6 +182,8 @@ def _moe_decode_down_pairs_kernel(
     a token's pairs in one program). HAS_HOST: a pair without a slot reads the host store, as in
     `_moe_decode_gate_up_kernel`; HAS_DST: such a pair with topk_dst[t, j] = d >= 0 also stores the
     raw w2 rows and block scales it loaded into slot d (the gate/up kernel lands the rest)."""
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     KS: tl.constexpr = TOPK + HAS_SHARED
     i_p = tl.program_id(0)
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -212,11 +223,13 @@ def _moe_decode_down_pairs_kernel(
 
 @triton.jit(do_not_specialize=["H"])
 def _moe_sum_add_norm_kernel(p_yp, p_r, p_w, p_x, p_h, H, eps, stride_yp, stride_rt, stride_xt, stride_ht,
-                             KS: tl.constexpr, BLOCK_D: tl.constexpr):
+                             KS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (T,): y = sum_j yp[t * KS + j] (fp32, in order, cast to the activation dtype), then the
     next layer's input norm with the residual, as `ft.kernels.norm`'s `_rms_norm_kernel` does it:
     h = residual + y (in the activation dtype), x = rmsnorm(h) * (1 + w). Bit for bit the sum kernel
     followed by that kernel, in one launch."""
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < H
@@ -348,8 +361,7 @@ def moe_decode_triton(
         x.stride(0), slots.stride(0), ids.stride(0), dst.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
         s13.stride(1), s2.stride(0), hw13.stride(0), hs13.stride(0), hs2.stride(0), h.stride(0), TOPK=k,
         HAS_SHARED=has_shared, BLOCK_I=block_i, BLOCK_W=bw13, WHOLE_K=whole13, HAS_HOST=has_host, HAS_DST=has_dst,
-        ASM=asm and whole13 > 0, num_warps=warps13,
-    )
+        ASM=asm and whole13 > 0, num_warps=warps13, **pdl_args(x.device))
     fuse_norm = residual is not None and norm_weight is not None
     if per_pair and whole2:  # (a row's K in one tile; other shapes take the loop)
         y_pairs = torch.empty((t * ks, hid), dtype=torch.float32, device=x.device)
@@ -358,22 +370,21 @@ def moe_decode_triton(
             h.stride(0), slots.stride(0), ids.stride(0), dst.stride(0), wts.stride(0), w2.stride(0), w2.stride(1),
             s2w.stride(0), s2w.stride(1), s2.stride(0), hw2.stride(0), hs2w.stride(0), hs2.stride(0), y_pairs.stride(0),
             TOPK=k, HAS_SHARED=has_shared, BLOCK_H=block_h, WHOLE_K=whole2, HAS_HOST=has_host, HAS_DST=has_dst,
-            ASM=asm, num_warps=warps2,
-        )
+            ASM=asm, num_warps=warps2, **pdl_args(x.device))
         if fuse_norm and hid <= 8192 and residual.shape == x.shape and residual.dtype == x.dtype \
                 and residual.stride(-1) == 1:
             h_out = torch.empty_like(x)
             block = triton.next_power_of_2(hid)
             _moe_sum_add_norm_kernel[(t,)](y_pairs, residual, norm_weight, y, h_out, hid, eps, y_pairs.stride(0),
                                            residual.stride(0), y.stride(0), h_out.stride(0), KS=ks, BLOCK_D=block,
-                                           num_warps=_warps(block))
+                                           num_warps=_warps(block), **pdl_args(x.device))
             return y, h_out
-        _moe_sum_pairs_kernel[(t, triton.cdiv(hid, 1024))](y_pairs, y, hid, ks, y_pairs.stride(0), y.stride(0), BLOCK=1024)
+        _moe_sum_pairs_kernel[(t, triton.cdiv(hid, 1024))](y_pairs, y, hid, ks, y_pairs.stride(0), y.stride(0), BLOCK=1024,
+                                                           **pdl_args(x.device))
         return add_rms_norm_triton(y, residual, norm_weight, eps) if fuse_norm else y
     _moe_decode_down_kernel[(t, triton.cdiv(hid, block_h))](
         h, slots, wts, w2, s2w, s2, sw2, ss2w, ss2, y, i, hid,
         h.stride(0), slots.stride(0), wts.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1),
         s2.stride(0), y.stride(0), TOPK=k, HAS_SHARED=has_shared, BLOCK_H=block_h, BLOCK_W=bw2, WHOLE_K=whole2,
-        ASM=asm and whole2 > 0, num_warps=warps2,
-    )
+        ASM=asm and whole2 > 0, num_warps=warps2, **pdl_args(x.device))
     return add_rms_norm_triton(y, residual, norm_weight, eps) if fuse_norm else y

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
+
 import ft.kernels.nvfp4.kernel as nvfp4_kernel
 from ft.kernels.backend import inline_ptx
 from ft.kernels.moe.slots import GROUPED_MAX_TOKENS
@@ -53,7 +55,10 @@ def _moe_gate_up_kernel(
     I, H, TOPK,
     stride_xt, stride_w13e, stride_w13r, stride_s13e, stride_s13r, stride_s2e, stride_ht,
     BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr, WHOLE_K: tl.constexpr = 0, ASM: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_p = tl.program_id(0)
     i_i = tl.program_id(1)
     slot = tl.load(p_slots + i_p)
@@ -84,7 +89,10 @@ def _moe_down_kernel(
     I, H, TOPK,
     stride_ht, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e, stride_ot,
     BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_t = tl.program_id(0)
     i_h = tl.program_id(1)
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -110,9 +118,12 @@ def _moe_down_pairs_kernel(
     I, H,
     stride_ht, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e, stride_yp,
     BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, WHOLE_K: tl.constexpr = 0, ASM: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Grid (pairs, H / BLOCK_H): yp[p] = weight[p] * (h[p] @ down^T) in fp32, zeros for a skipped pair.
     Every pair's expert in flight at once (the looping `_moe_down_kernel` reads them one by one)."""
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_p = tl.program_id(0)
     i_h = tl.program_id(1)
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -133,8 +144,10 @@ def _moe_down_pairs_kernel(
 
 
 @triton.jit
-def _moe_sum_pairs_kernel(p_yp, p_out, H, TOPK, stride_yp, stride_ot, BLOCK: tl.constexpr):
+def _moe_sum_pairs_kernel(p_yp, p_out, H, TOPK, stride_yp, stride_ot, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (T, H / BLOCK): out[t] = sum_j yp[t * TOPK + j], cast to out's dtype."""
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_t = tl.program_id(0)
     o_h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m_h = o_h < H
@@ -211,19 +224,19 @@ def moe_over_slots_triton(
         x, slots, w13, s13, s2, h, i, hid, k,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s2.stride(0), h.stride(0),
         BLOCK_I=block_i, BLOCK_W=bw13, WHOLE_K=whole13, ASM=asm and whole13 > 0, num_warps=warps13,
-    )
+        **pdl_args(x.device))
     if down_per_pair if down_per_pair is not None else DOWN_PER_PAIR:
         y_pairs = torch.empty((t * k, hid), dtype=torch.float32, device=x.device)
         _moe_down_pairs_kernel[(t * k, triton.cdiv(hid, block_h))](
             h, slots, wts, w2, s2w, s2, y_pairs, i, hid,
             h.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1), s2.stride(0), y_pairs.stride(0),
             BLOCK_H=block_h, BLOCK_W=bw2, WHOLE_K=whole2, ASM=asm and whole2 > 0, num_warps=warps2,
-        )
-        _moe_sum_pairs_kernel[(t, triton.cdiv(hid, 1024))](y_pairs, y, hid, k, y_pairs.stride(0), y.stride(0), BLOCK=1024)
+            **pdl_args(x.device))
+        _moe_sum_pairs_kernel[(t, triton.cdiv(hid, 1024))](y_pairs, y, hid, k, y_pairs.stride(0), y.stride(0), BLOCK=1024,
+                                                           **pdl_args(x.device))
         return y
     _moe_down_kernel[(t, triton.cdiv(hid, block_h))](
         h, slots, wts, w2, s2w, s2, y, i, hid, k,
         h.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1), s2.stride(0), y.stride(0),
-        BLOCK_H=block_h, BLOCK_W=bw2, num_warps=warps2,
-    )
+        BLOCK_H=block_h, BLOCK_W=bw2, num_warps=warps2, **pdl_args(x.device))
     return y

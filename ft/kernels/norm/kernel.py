@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ft.kernels.backend import TRITON_DTYPES
+from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
 __all__ = ["MAX_D", "add_rms_norm_triton", "gated_rms_norm_triton", "qk_norm_rope_triton", "rms_norm_triton"]
 
@@ -65,8 +66,11 @@ def _rstd(b_x, D, eps):
 
 @triton.jit(do_not_specialize=["D"])
 def _rms_norm_kernel(p_x, p_r, p_w, p_y, p_h, D, eps, stride_xt, stride_rt, stride_yt, stride_ht,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr = False):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
     """One row per program. EVEN_D: D == BLOCK_D (no mask along D: `_load_row`)."""
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
     b_x = _load_row(p_x + i_t * stride_xt, o_d, D, EVEN_D)
@@ -86,11 +90,13 @@ def _rms_norm_kernel(p_x, p_r, p_w, p_y, p_h, D, eps, stride_xt, stride_rt, stri
 @triton.jit(do_not_specialize=["N", "D"])
 def _gated_rms_norm_kernel(p_x, p_g, p_w, p_y, N, D, eps, stride_xt, stride_gt, stride_yt, G_ROWS, stride_gg,
                            ROUND_WY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                           EVEN_D: tl.constexpr = False):
+                           EVEN_D: tl.constexpr = False, PDL: tl.constexpr = False):
     """Rows of x, y at stride_xt, stride_yt; gate row r at (r // G_ROWS) * stride_gg + (r % G_ROWS) *
     stride_gt, so that a strided [T, H, D] gate (a view of a wider projection) needs no copy.
     EVEN_D: D == BLOCK_D (the [BLOCK_R, BLOCK_D] tiles masked by their rows alone, the weight row not
     at all: `_load_row`)."""
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
     o_d = tl.arange(0, BLOCK_D)
@@ -156,8 +162,11 @@ def _norm_rope_head(p_x, p_w, p_y, p_inv, b_pos, D, HALF, eps, BLOCK_D: tl.const
 @triton.jit(do_not_specialize=["D", "HALF"])
 def _qk_norm_rope_kernel(p_q, p_k, p_qw, p_kw, p_pos, p_inv, p_qo, p_ko, HQ, D, HALF, eps,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
-                         BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, EVEN_D: tl.constexpr = False):
+                         BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, EVEN_D: tl.constexpr = False,
+                         PDL: tl.constexpr = False):
     """One (token, head) per program, q's heads then k's. EVEN_D: D == BLOCK_D (`_norm_rope_head`)."""
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     b_pos = tl.load(p_pos + i_t).to(tl.float32)
@@ -220,7 +229,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torc
         block = triton.next_power_of_2(d)
         _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, y, y, d, eps, rows.stride(0), rows.stride(0),
                                            y.stride(0), y.stride(0), HAS_RESIDUAL=False, BLOCK_D=block,
-                                           EVEN_D=d == block, num_warps=_warps(block))
+                                           EVEN_D=d == block, num_warps=_warps(block), **pdl_args(x.device))
     return out
 
 
@@ -247,7 +256,7 @@ def add_rms_norm_triton(
         block = triton.next_power_of_2(d)
         _rms_norm_kernel[(rows.shape[0],)](rows, r, weight, y, h, d, eps, rows.stride(0), r.stride(0), y.stride(0),
                                            h.stride(0), HAS_RESIDUAL=True, BLOCK_D=block, EVEN_D=d == block,
-                                           num_warps=_warps(block))
+                                           num_warps=_warps(block), **pdl_args(x.device))
     return out, residual_out
 
 
@@ -276,7 +285,7 @@ def gated_rms_norm_triton(
         _gated_rms_norm_kernel[(triton.cdiv(n, block_r),)](rows, g, weight, y, n, d, eps, rows.stride(0), stride_g,
                                                             y.stride(0), g_rows, stride_gg, ROUND_WY=round_wy, BLOCK_R=block_r,
                                                             BLOCK_D=block, EVEN_D=d == block,
-                                                            num_warps=_warps(block_r * block))
+                                                            num_warps=_warps(block_r * block), **pdl_args(x.device))
     return out
 
 
@@ -320,5 +329,5 @@ def qk_norm_rope_triton(
             q, k, q_weight, k_weight, positions, inv_freq.float(), q_out, k_out, hq, d, half, eps,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
             k_out.stride(0), k_out.stride(1), BLOCK_D=block, BLOCK_HALF=triton.next_power_of_2(half),
-            EVEN_D=d == block, num_warps=_warps(block))
+            EVEN_D=d == block, num_warps=_warps(block), **pdl_args(q.device))
     return q_out, k_out

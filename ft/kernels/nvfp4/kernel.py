@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from ft.kernels.backend import inline_ptx
+from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 from ft.kernels.nvfp4.decode import (
     _byte_f32, _e4m3, _hi_e4m3_word, _lo_e4m3_word, _split8, dequant_tile, e2m1_halves_bf16, e2m1_halves_f16,
     e2m1_word_lanes_f32, words_tile_f16,
@@ -243,23 +244,37 @@ def _nvfp4_gemv_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_sn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, WHOLE_K: tl.constexpr = 0,
-    ASM: tl.constexpr = False,
+    ASM: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    # PDL (`ft.kernels.pdl`): the whole-K tile's weights are loaded before the wait (no kernel of
+    # the step writes them), x after it; the K loop waits first
     i_n = tl.program_id(0)
     if WHOLE_K > 0:  # K / 8 = WHOLE_K words in one tile, decoded once for all M rows of x
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < N
         s2 = tl.load(p_s2)
-        if BLOCK_M == 1:
+        if BLOCK_M == 1 and not PDL:
             b_y = rows_dot_whole_k(p_w, p_s, o_n, m_n, stride_wn, stride_sn, p_x, WHOLE_K, BLOCK_N, ASM)
+            tl.store(p_y + o_n, (b_y * s2).to(p_y.dtype.element_ty), mask=m_n)
+        elif BLOCK_M == 1:  # `rows_dot_whole_k` with the weights first
+            b_w, b_sb = _load_whole_k(p_w, p_s, o_n, m_n, stride_wn, stride_sn, WHOLE_K)
+            pdl_wait(PDL)
+            pdl_release(PDL)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_lanes(p_x, WHOLE_K)
+            d0, d1, d2, d3, d4, d5, d6, d7, b_s = _decode_whole_k(b_w, b_sb, ASM)
+            b_y = _dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, BLOCK_N)
             tl.store(p_y + o_n, (b_y * s2).to(p_y.dtype.element_ty), mask=m_n)
         else:
             d0, d1, d2, d3, d4, d5, d6, d7, b_s = _whole_k_tile(p_w, p_s, o_n, m_n, stride_wn, stride_sn, WHOLE_K, ASM)
+            pdl_wait(PDL)
+            pdl_release(PDL)
             for mi in tl.static_range(BLOCK_M):
                 if mi < M:
                     b_y = _whole_k_row(d0, d1, d2, d3, d4, d5, d6, d7, b_s, p_x + mi * stride_xm, WHOLE_K, BLOCK_N)
                     tl.store(p_y + mi * stride_ym + o_n, (b_y * s2).to(p_y.dtype.element_ty), mask=m_n)
         return
+    pdl_wait(PDL)
+    pdl_release(PDL)
     o_m = tl.arange(0, BLOCK_M)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_m = o_m < M
@@ -330,8 +345,10 @@ def _nvfp4_dot_kernel(
     stride_xm, stride_wn, stride_sn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, SWAP_AB: tl.constexpr = False, EVEN_K: tl.constexpr = False,
-    WORDS: tl.constexpr = False, HALVES: tl.constexpr = False, ASM: tl.constexpr = False,
+    WORDS: tl.constexpr = False, HALVES: tl.constexpr = False, ASM: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: before any load; the K loop streams weights and x together)
+    pdl_release(PDL)
     # EVEN_K: K % BLOCK_K == 0, no mask along K (the loads vectorize; `dequant_tile`'s EVEN)
     # WORDS (with EVEN_K, rows of a multiple of 4 bytes): the weight tile decoded a 32-bit word at a
     # time in fp16 (`words_tile_f16`), then cast to x's dtype: the same tile
@@ -484,13 +501,14 @@ def nvfp4_linear_triton(
         cfg["ASM"] = bool(cfg.get("ASM", LANES_PTX)) and cfg["WHOLE_K"] > 0 and inline_ptx(x.device)
         words = as_words(packed)
         _nvfp4_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-            x, words, scale_u8, s2, y, m, n, k, x.stride(0), words.stride(0), scale_u8.stride(0), y.stride(0), **cfg)
+            x, words, scale_u8, s2, y, m, n, k, x.stride(0), words.stride(0), scale_u8.stride(0), y.stride(0), **cfg,
+            **pdl_args(x.device))
     elif path == "dot":
         cfg = dot_launch_config(x, packed, config)
         grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
         _nvfp4_dot_kernel[grid](x, packed, scale_u8, s2, y, m, n, k, x.stride(0), packed.stride(0), scale_u8.stride(0),
-                                y.stride(0), PRECISION=precision, **cfg)
+                                y.stride(0), PRECISION=precision, **cfg, **pdl_args(x.device))
     else:
         raise ValueError(f"path must be 'gemv' or 'dot', got {path!r}")
     return y

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
+
 __all__ = ["route_triton", "router_topk_triton"]
 
 
@@ -27,7 +29,9 @@ def router_warps(e: int) -> int:
 def _router_topk_kernel(p_logits, p_w, p_ids, p_table, p_slots, E, K, stride_lt, stride_wt, stride_it, stride_st,
                         NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                         SHARED_GATE: tl.constexpr = False, HAS_TABLE: tl.constexpr = False,
-                        FORCED: tl.constexpr = False):
+                        FORCED: tl.constexpr = False, PDL: tl.constexpr = False):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_t = tl.program_id(0)
     o_e = tl.arange(0, BLOCK_E)
     m_e = o_e < E
@@ -100,5 +104,5 @@ def route_triton(logits: torch.Tensor, top_k: int, normalize: bool, *, shared_ga
                                   ids.stride(0), out_slots.stride(0), NORMALIZE=normalize,
                                   BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k + 1),
                                   SHARED_GATE=shared_gate, HAS_TABLE=slot_table is not None, FORCED=forced is not None,
-                                  num_warps=num_warps or router_warps(e))
+                                  num_warps=num_warps or router_warps(e), **pdl_args(dev))
     return w, ids, slots

@@ -1,0 +1,72 @@
+"""Programmatic dependent launch (PDL, Hopper and later): a kernel launched with it may start while
+the kernel before it in the stream is still running, and waits (`pdl_wait`, PTX
+``griddepcontrol.wait``) for that kernel's completion and its memory before it touches anything
+that kernel, or any earlier one, may write. A kernel lets the next one start early with
+`pdl_release` (``griddepcontrol.launch_dependents``; without it, the next one starts when it ends).
+Inside a CUDA graph the launches keep their programmatic edges.
+
+What it buys in a decode step of ~600 small kernels: the next kernel's launch and its programs'
+start overlap the tail of the one before, and the work a kernel does before its wait (the NVFP4
+GEMV loads its weights there: they depend on no kernel of the step) overlaps it too.
+
+The contract every kernel launched with PDL keeps (`launch_options(True)`): every program runs
+`pdl_wait` before its first load of data a kernel of the step writes and before its first store,
+with no early return before it. Then a kernel's completion implies its predecessor's, so a kernel
+launched without PDL after it sees everything before it, as with plain launches.
+
+Off until measured on the device (`PDL`; `bench/decode.py --pdl`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ft.kernels.backend import inline_ptx
+
+try:  # triton >= 3.4 (the device's 3.6 has it)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older triton: PDL stays off (`pdl_on`)
+    gdc_launch_dependents = gdc_wait = None
+
+__all__ = ["PDL", "launch_options", "pdl_args", "pdl_on", "pdl_release", "pdl_wait"]
+
+PDL = False
+"""Launch the decode path's kernels with programmatic dependent launch on a CUDA device of
+compute capability 9.0 or later. Off: not yet measured on the device; the kernels take the same
+paths either way and give the same bits (the waits only order them)."""
+
+
+def pdl_on(device: torch.device) -> bool:
+    """Whether kernels for `device` launch with PDL: `PDL` set, a CUDA device (not the
+    interpreter) of compute capability >= 9.0, and a Triton that has the instructions."""
+    return (PDL and gdc_wait is not None and inline_ptx(device)
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def launch_options(on: bool) -> dict:
+    """The launch keyword that asks for PDL (none when off: the interpreter takes no such option)."""
+    return {"launch_pdl": True} if on else {}
+
+
+def pdl_args(device: torch.device) -> dict:
+    """A launch's keywords for a kernel that takes a ``PDL`` constexpr (default off): with PDL on for
+    `device`, the constexpr and the launch option; else none."""
+    return {"PDL": True, "launch_pdl": True} if pdl_on(device) else {}
+
+
+@triton.jit
+def pdl_wait(ON: tl.constexpr):
+    """With ON (the kernel was launched with PDL): wait for the kernel before it to complete, its
+    stores visible. Every program of such a kernel runs it before touching the step's data."""
+    if ON:
+        gdc_wait()
+
+
+@triton.jit
+def pdl_release(ON: tl.constexpr):
+    """With ON: the next kernel (launched with PDL) may start once every program of this one ran
+    this (it still waits for this kernel's end before it reads what this kernel writes)."""
+    if ON:
+        gdc_launch_dependents()
