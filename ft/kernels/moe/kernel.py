@@ -39,7 +39,8 @@ import ft.kernels.nvfp4.kernel as nvfp4_kernel
 from ft.kernels.backend import inline_ptx
 from ft.kernels.moe.slots import GROUPED_MAX_TOKENS
 from ft.kernels.moe.grouped_kernel import grouped_config_for, grouped_moe
-from ft.kernels.nvfp4.kernel import as_words, nvfp4_rows_dot, rows_dot_whole_k, whole_k_words
+from ft.kernels.nvfp4.kernel import as_words, whole_k_words
+from ft.kernels.nvfp4.rows import nvfp4_rows_dot, rows_dot_whole_k
 
 __all__ = ["GROUPED_MIN_TOKENS", "moe_over_slots_triton"]
 
