@@ -9,7 +9,7 @@ What it buys in a decode step of ~600 small kernels: the next kernel's launch an
 start overlap the tail of the one before, and the work a kernel does before its wait (the NVFP4
 GEMV loads its weights there: they depend on no kernel of the step) overlaps it too.
 
-The contract every kernel launched with PDL keeps (`launch_options(True)`): every program runs
+The contract every kernel launched with PDL keeps (`pdl_args`): every program runs
 `pdl_wait` before its first load of data a kernel of the step writes and before its first store,
 with no early return before it. Then a kernel's completion implies its predecessor's, so a kernel
 launched without PDL after it sees everything before it, as with plain launches.
@@ -30,7 +30,7 @@ try:  # triton >= 3.4 (the device's 3.6 has it)
 except ImportError:  # pragma: no cover - older triton: PDL stays off (`pdl_on`)
     gdc_launch_dependents = gdc_wait = None
 
-__all__ = ["PDL", "launch_options", "pdl_args", "pdl_on", "pdl_release", "pdl_wait"]
+__all__ = ["PDL", "pdl_args", "pdl_on", "pdl_release", "pdl_wait"]
 
 PDL = False
 """Launch the decode path's kernels with programmatic dependent launch on a CUDA device of
@@ -45,14 +45,9 @@ def pdl_on(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-def launch_options(on: bool) -> dict:
-    """The launch keyword that asks for PDL (none when off: the interpreter takes no such option)."""
-    return {"launch_pdl": True} if on else {}
-
-
 def pdl_args(device: torch.device) -> dict:
     """A launch's keywords for a kernel that takes a ``PDL`` constexpr (default off): with PDL on for
-    `device`, the constexpr and the launch option; else none."""
+    `device`, the constexpr and the launch option; else none (the interpreter takes no such option)."""
     return {"PDL": True, "launch_pdl": True} if pdl_on(device) else {}
 
 
