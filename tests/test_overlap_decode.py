@@ -136,3 +136,33 @@ def test_server_commands_take_the_step_in_flight_first(tiny_one):
     finally:
         loop.stop()
     assert got == want and snapshots > 3 and overlapped > 0
+
+
+def test_read_through_offload_overlaps_with_the_plain_steps_tokens_and_traffic(tiny_one):
+    """Offloaded experts in read-through mode (12 slots for 4 layers x 8 experts: misses every
+    step): overlapped steps give the plain steps' tokens and the same hits, misses and landings
+    (the policy's timing is unchanged: each step's end collects the step before it). Asked for
+    explicitly: the default takes overlap on CUDA with resident experts only (where measured)."""
+    _, _, path = tiny_one
+
+    def engine(overlap: bool | None) -> Engine:
+        return Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", page_size=16, max_running_requests=4,
+                                   moe_backend="offload", moe_cache_size=12, overlap_decode=overlap))
+
+    def reqs():
+        return [(prompt_of(18 + 9 * i, seed=60 + i), SamplingParams(max_new_tokens=8 + 3 * i, temperature=0.0,
+                                                                     ignore_eos=True)) for i in range(3)]
+
+    plain, over = engine(False), engine(True)
+    assert plain.pools.experts.read_through is not None and not plain.pools.experts.all_resident
+    want, got = _run(plain, reqs()), _run(over, reqs())
+    assert got == want and over.overlapped_steps > 5
+    traffic = []
+    for eng in (plain, over):
+        cache = eng.pools.experts
+        cache.collect()
+        traffic.append((cache.stats.hits, cache.stats.misses, cache.read_through.landed_total))
+    assert traffic[0] == traffic[1] and traffic[0][1] > 0 and traffic[0][2] > 0
+    auto = engine(None)
+    _run(auto, reqs()[:1])
+    assert auto.overlapped_steps == 0  # the CPU: off by default

@@ -8,9 +8,16 @@ N+1) or by a stop token (known only once read: N+1 computes that row but writes 
 linear-attention state for it, and its num_computed goes back by one, so that the prefix cache
 keeps the state after its last computed token). Plain decode batches only: no grammar (its mask
 needs the token), logprobs, penalties or stop strings (ends the host finds in the text), no n > 1
-siblings waiting, one process, resident experts (offloaded experts' bookkeeping runs between
-steps), no KV ladder (its moves too). Everything else lands the step in flight first and steps as
-before; so does a request arriving (its prefill is the next step).
+siblings waiting, one process, no KV ladder (its moves run between steps), experts resident or
+offloaded in read-through mode (the classic offload path loads misses on the host inside the step).
+Everything else lands the step in flight first and steps as before; so does a request arriving (its
+prefill is the next step).
+
+Read-through offload keeps its policy's timing: step N+1's `begin_step` takes the spares chosen in
+N's `end_step`, and N+1's `end_step` collects N (waiting for N's readback, while N+1 is queued
+behind it), as in plain steps, so hits, misses and landings are the same. The default (None) turns
+overlap on where it was measured on the device: CUDA with every expert resident; read-through
+offload takes it when asked (`--overlap-decode`) until measured there too.
 
 num_computed counts the steps launched: a sequence's KV and state reach it once the device has run
 them, which every later use of the pools follows in stream order.
@@ -38,9 +45,12 @@ class OverlappedDecode:
         """Whether a decode step of `seqs` may be queued without reading the tokens before it."""
         e = self.engine
         experts = e.pools.experts
+        resident = experts is None or experts.all_resident
         on = e.config.overlap_decode
-        if not (on if on is not None else e.device.type == "cuda") or e.runner.tp is not None or e.ladder is not None or (
-                experts is not None and not experts.all_resident):
+        if on is None:  # the default: where measured (module docstring)
+            on = e.device.type == "cuda" and resident
+        if not on or e.runner.tp is not None or e.ladder is not None or (
+                not resident and experts.read_through is None):
             return False
         return all(s.grammar is None and s.logprobs is None and s.prompt_logprobs is None and not s.fork_waiting
                    and not s.params.has_penalties and not s.params.stop for s in seqs)
