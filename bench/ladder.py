@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
                     help="after each card's rows, the host time of this many decode steps by function (cProfile)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script on a small config")
+    ap.add_argument("--overlap-decode", action="store_true",
+                    help="overlapped decode over the read-through offload (off by default for offload)")
     args = ap.parse_args()
     cfg = json.loads(Path(args.config).read_text())
     cfg["routing_trace"] = True
@@ -62,7 +64,7 @@ def main() -> None:
         eng = Engine(EngineConfig(model=f"synthetic:{tmp}", device=args.device, dtype="bfloat16", moe_backend="offload",
                                   gpu_memory_limit=card, enable_kv_ladder=True, ladder_step_size=args.step,
                                   max_running_requests=1, max_prefill_length=1024, cuda_graph_max_bs=1,
-                                  expert_policy=args.policy))
+                                  expert_policy=args.policy, overlap_decode=True if args.overlap_decode else None))
         eng.ladder.auto = False
         measure(eng, [16])  # NOTE: compiles the kernels and captures the graph outside the timed rows
         print(f"{card}: engine up in {time.perf_counter() - t0:.1f} s, rungs {eng.ladder.rungs}", flush=True)

@@ -72,9 +72,10 @@ HELP = {
                                  "first token is otherwise the host's launch time); 0 turns them off"),
     "overlap_decode": ("queue each decode step before the host reads the last one's tokens, so that the host's "
                        "work per step (reading tokens, text, the next step's inputs) runs while the device computes; "
-                       "plain decode batches only (no grammar, logprobs, penalties or stop strings; one GPU; resident "
-                       "experts; no KV ladder), the others step as before. Default: on for a CUDA device (H200, flagship: +6-10%% "
-                       "tokens/s at batch 1, +6%% at batch 8), off on the CPU (nothing runs asynchronously there)"),
+                       "plain decode batches only (no grammar, logprobs, penalties or stop strings; one GPU; experts resident "
+                       "or offloaded in read-through mode; no KV ladder), the others step as before. Default: on for a CUDA "
+                       "device with every expert resident (H200, flagship: +6-10%% tokens/s at batch 1, +6%% at batch 8), "
+                       "off for offloaded experts until measured there and on the CPU (nothing runs asynchronously there)"),
     "storage_backend": ("how the pools resize: vmm (CUDA virtual memory) or mmap (host, Linux) free before they "
                         "allocate; realloc copies, so a resize holds old and new and the reachable ranges are narrower; "
                         "auto picks the best available"),
