@@ -171,7 +171,7 @@ class ModelRunner:
             "prefill", ids, pos, [(seq.num_computed, n, seq.pages, seq.mamba_slot)
                                   for seq, n in zip(work.seqs, work.num_tokens)],
             index if spans else last, [seq.mamba_slot for seq in work.seqs],
-            forced=self._forced_values([s.request_id for s in work.seqs], list(work.num_tokens)),
+            forced=self.routing and self.routing.step_values([s.request_id for s in work.seqs], list(work.num_tokens)),
         )
 
     def load(self, inp: StepInputs) -> ForwardBatch:
@@ -206,19 +206,8 @@ class ModelRunner:
             self.decode_arena.flush()
         return batch
 
-    def _forced_values(self, request_ids: list[str], counts: list[int], pad: int = 0) -> list[int] | None:
-        """The traced experts of the step's tokens, flat [T + pad, layers, k] (padding rows repeat
-        the first token's); None without a trace."""
-        r = self.routing
-        if r is None:
-            return None
-        per_token = r.num_layers * r.top_k
-        values = r.draw(request_ids, counts)
-        values += values[:per_token] * pad
-        return values
-
     def _load_forced(self, values: list[int] | None) -> torch.Tensor | None:
-        """`_forced_values` in a persistent buffer, [T, layers, k]."""
+        """A step's traced experts (`TraceRouting.step_values`) in a persistent buffer, [T, layers, k]."""
         r = self.routing
         if values is None or r is None:
             return None
@@ -295,7 +284,8 @@ class ModelRunner:
             "decode", ids, pos,
             [(p, 1, s.pages, s.mamba_slot) for s, p in zip(rows, pos)], list(range(n)),
             [s.mamba_slot for s in seqs] + [-1] * (n - real), kv_slots + [-1] * (n - real), [p + 1 for p in pos],
-            self._forced_values([s.request_id for s in seqs], [1] * real, pad=n - real), graph_rows=graph_rows,
+            self.routing and self.routing.step_values([s.request_id for s in seqs], [1] * real, pad=n - real),
+            graph_rows=graph_rows,
             real=real,
         )
 

@@ -69,6 +69,13 @@ class TraceRouting:
                     out.extend(layer)
         return out
 
+    def step_values(self, request_ids: list[str], counts: list[int], pad: int = 0) -> list[int]:
+        """`draw` for a step's rows, then `pad` padding rows that repeat the first token's experts
+        (flat [sum(counts) + pad][num_layers][top_k])."""
+        values = self.draw(request_ids, counts)
+        values += values[: self.num_layers * self.top_k] * pad
+        return values
+
     def prefetch(self, request_ids: list[str]) -> None:
         """Draw each request's next token now (while the device runs a step); the next `draw` for
         the request starts with it: the same tokens in the same order, off the step's critical path
