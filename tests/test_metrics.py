@@ -25,7 +25,7 @@ NEW_SERIES = (
     "ft_e2e_request_latency_seconds_bucket", "ft_request_queue_time_seconds_bucket",
     "ft_request_prefill_time_seconds_bucket", "ft_request_decode_time_seconds_bucket",
     "ft_request_prompt_tokens_bucket", "ft_request_generation_tokens_bucket",
-    "ft_cuda_graph_replays_total", "ft_cuda_graph_captures_total",
+    "ft_cuda_graph_replays_total", "ft_cuda_graph_captures_total", "ft_decode_steps_overlapped_total",
 )
 OLD_SERIES = (
     "ft_requests_running", "ft_requests_waiting", "ft_kv_tokens_used", "ft_kv_tokens_capacity", "ft_mamba_slots_used",
@@ -145,6 +145,20 @@ def test_preemptions_are_the_schedulers_count(app):
 
     state.loop.call_sync(preempted, timeout=WAIT_S)
     assert value(client, "ft_num_preemptions_total") - before == 2
+
+
+def test_overlapped_decode_steps_are_the_engines_count(app):
+    """Zero for the demo on the CPU (overlapped decode is off there by default), and what the engine
+    counts."""
+    client, state = app
+    before = value(client, "ft_decode_steps_overlapped_total")
+    assert before == state.loop.call_sync(lambda e: e.overlapped_steps, timeout=WAIT_S) == 0
+
+    def overlapped(e):  # what OverlappedDecode.step counts
+        e.overlap.steps += 3
+
+    state.loop.call_sync(overlapped, timeout=WAIT_S)
+    assert value(client, "ft_decode_steps_overlapped_total") - before == 3
 
 
 def test_rebuild_durations_and_counts(app):

@@ -113,6 +113,8 @@ class _EngineCollector:
                 s["prefix_hit_tokens"])
         yield c("ft_num_preemptions", "Requests preempted (their KV freed, recomputed later) for lack of KV pages",
                 s["preemptions"])
+        yield c("ft_decode_steps_overlapped", "Decode steps queued behind the step in flight before the host read "
+                "its tokens (overlapped decode, --overlap-decode)", s["overlapped_steps"])
         for name, doc, key in (("ft_cuda_graph_replays", "Steps replayed from CUDA graphs, by kind (decode: a batch-size "
                                 "bucket's graph; prefill: a short prompt's graphs around its attention cores)",
                                 "graph_replays"),
@@ -244,6 +246,6 @@ def engine_snapshot(engine) -> dict:
         "landed": pools.experts.read_through.landed_total if pools.experts and pools.experts.read_through else 0,
         "prompt_tokens": engine.counters["prompt_tokens"], "generation_tokens": engine.counters["generation_tokens"],
         "prefix_queried_tokens": engine.prefix_cache.query_tokens, "prefix_hit_tokens": engine.prefix_cache.hit_tokens,
-        "preemptions": engine.scheduler.num_preemptions,
+        "preemptions": engine.scheduler.num_preemptions, "overlapped_steps": engine.overlapped_steps,
         "rebuilds": rebuilds, "rebuild_durations": durations,
     }
