@@ -38,7 +38,8 @@ def main() -> None:
     ap.add_argument("--context", default="32", help="prompt lengths (tokens before decode starts)")
     ap.add_argument("--kv-cache-dtype", default="bf16", choices=("bf16", "fp8", "nvfp4"))
     ap.add_argument("--modes", default="eager,graphs", help="eager, graphs (both with overlapped decode off), overlap (graphs with overlapped decode, the "
-                         "default on CUDA); a list, repeats allowed (an A/B in one process)")
+                         "default on CUDA), pdl (overlap with programmatic dependent launch, the graphs captured "
+                         "again: on the H200 that capture failed in session 18, see ft.kernels.pdl); a list, repeats allowed (an A/B in one process)")
     ap.add_argument("--attention-programs", type=int, default=0, metavar="N",
                     help="split-K decode attention: aim at N programs (SPLIT_TARGET_PROGRAMS; MAX_SPLITS raised to "
                          "match) instead of the library default")
@@ -136,8 +137,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.context.split(",")]
     modes = [m for m in args.modes.split(",") if m]
-    if not contexts or min(contexts) < 1 or not set(modes) <= {"eager", "graphs", "overlap"} or not modes:
-        raise SystemExit("--context takes positive lengths, --modes eager, graphs and/or overlap (repeats allowed)")
+    if not contexts or min(contexts) < 1 or not set(modes) <= {"eager", "graphs", "overlap", "pdl"} or not modes:
+        raise SystemExit("--context takes positive lengths, --modes eager, graphs, overlap and/or pdl (repeats allowed)")
     t0 = time.perf_counter()
     eng = Engine(EngineConfig(model=f"synthetic:{args.config}", device="cuda", dtype="bfloat16",
                               moe_backend="resident",
@@ -153,14 +154,17 @@ def main() -> None:
         vocab = eng.model_config.vocab_size
         prompt = [(1000 + j) % vocab for j in range(ctx)]  # any config's vocabulary (the flagship's: the same ids)
         for mode in modes:
-            # "overlap": graphs with overlapped decode, switched on this engine (an A/B in one process)
-            eng.runner.graphs = graphs if mode in ("graphs", "overlap") else None
-            eng.config = dataclasses.replace(eng.config, overlap_decode=mode == "overlap")
+            # "overlap": graphs with overlapped decode, switched on this engine (an A/B in one process);
+            # "pdl": overlap with programmatic dependent launch switched on (the graphs captured again)
+            set_pdl(graphs, mode == "pdl" or args.pdl)
+            eng.runner.graphs = graphs if mode in ("graphs", "overlap", "pdl") else None
+            eng.config = dataclasses.replace(eng.config, overlap_decode=mode in ("overlap", "pdl"))
             for b in batches:
                 tok_s, step_ms = timed_decode(eng, prompt, b, args.tokens)
                 roof = COPY_BW / bytes_per_step(eng, b, len(prompt) + args.tokens) * b
                 rows.append((ctx, mode, b, tok_s, step_ms, roof))
                 print(f"context {ctx} {mode} batch {b}: {tok_s:.1f} tok/s", flush=True)
+    set_pdl(graphs, args.pdl)
     eng.runner.graphs = graphs
     eng.config = dataclasses.replace(eng.config, overlap_decode=args.overlap_decode)
     if args.profile:
@@ -175,6 +179,8 @@ def main() -> None:
                                batches[0])
     print(f"\ngraphs captured {graphs.captures} ({graphs.capture_s:.2f} s), replayed {graphs.replays}; "
           f"overlapped decode steps {eng.overlapped_steps}")
+    if graphs is not None and graphs.disabled:
+        print(f"decode graphs were turned off: {graphs.disabled}")
     print(f"kv cache dtype: {args.kv_cache_dtype}; split-K decode attention aims at "
           f"{attention_split.SPLIT_TARGET_PROGRAMS} programs, at most {attention_split.MAX_SPLITS} splits")
     print(f"\n{'model':<26} {'context':>8} {'mode':<7} {'batch':>5} {'tok/s':>9} {'ms/step':>8} {'roofline tok/s':>14} "
@@ -182,6 +188,17 @@ def main() -> None:
     for ctx, mode, b, tok_s, step_ms, roof in rows:
         print(f"{'qwen3-next-80b-a3b (syn.)':<26} {ctx:>8} {mode:<7} {b:>5} {tok_s:>9.2f} {step_ms:>8.2f} {roof:>14.0f} "
               f"{tok_s / roof:>7.2%}")
+
+
+def set_pdl(graphs, on: bool) -> None:
+    """Switch programmatic dependent launch (`ft.kernels.pdl.PDL`) for the next launches; the decode
+    graphs are captured again when it changes (a graph keeps the launches it captured)."""
+    import ft.kernels.pdl as pdl
+
+    if pdl.PDL != on:
+        pdl.PDL = on
+        if graphs is not None:
+            graphs.invalidate()
 
 
 def timed_decode(eng, prompt: list[int], batch: int, tokens: int) -> tuple[float, float]:

@@ -21,6 +21,7 @@ filling the rest, is exactly that rung's geometry). Prints a table last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
 import time
@@ -49,9 +50,17 @@ def main() -> None:
     ap.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
                     help="after each card's rows, the host time of this many decode steps by function (cProfile)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script on a small config")
+    ap.add_argument("--pdl", action="store_true",
+                    help="launch the decode kernels with programmatic dependent launch (ft.kernels.pdl.PDL)")
+    ap.add_argument("--overlap-ab", action="store_true",
+                    help="each rung twice on the same engine, overlapped decode off then on (an A/B in one process)")
     ap.add_argument("--overlap-decode", action="store_true",
                     help="overlapped decode over the read-through offload (off by default for offload)")
     args = ap.parse_args()
+    if args.pdl:
+        import ft.kernels.pdl as pdl
+
+        pdl.PDL = True
     cfg = json.loads(Path(args.config).read_text())
     cfg["routing_trace"] = True
     tmp = Path(tempfile.mkdtemp()) / "traced.json"
@@ -78,10 +87,14 @@ def main() -> None:
                 print(f"{card} rung {kv}: {type(e).__name__}: {e}", flush=True)
                 rows.append((card, kv, None))
                 continue
-            r = measure(eng, windows)
-            r["slots"] = eng.pools.experts.num_slots
-            rows.append((card, kv, r))
-            print(f"{card} kv {kv}: {r}", flush=True)
+            for overlap in (False, True) if args.overlap_ab else (eng.config.overlap_decode,):
+                eng.config = dataclasses.replace(eng.config, overlap_decode=overlap)
+                label = card + (" overlap" if overlap else " plain") * args.overlap_ab
+                r = measure(eng, windows)
+                r["slots"] = eng.pools.experts.num_slots
+                r["overlapped_steps"] = eng.overlapped_steps
+                rows.append((label, kv, r))
+                print(f"{label} kv {kv}: {r}", flush=True)
         if args.cprofile:
             host_profile(eng, args.cprofile)
         if args.profile:

@@ -208,13 +208,17 @@ def test_failed_rollback_in_a_ladder_move_fails_no_running_request():
     assert seq.finish_reason == "length"
 
 
-def test_open_ended_request_is_admitted_at_the_rung_and_grows_while_it_decodes():
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_open_ended_request_is_admitted_at_the_rung_and_grows_while_it_decodes(overlap):
     """A request without max_tokens does not jump to the top rung: it starts on the current one and the
     ladder climbs as its KV fills, before a page would be missing; it reaches the context limit,
-    and its tokens equal those of an engine started with the whole context (and no ladder)."""
+    and its tokens equal those of an engine started with the whole context (and no ladder). With
+    overlapped decode (offloaded experts read through) the same: a step short of a page is not
+    queued behind the one in flight, so each grow runs with no step in flight."""
     prompt = [65 + i % 50 for i in range(100)]  # 156 decode steps cross both rungs
     # a budget where experts and KV compete (not every expert fits)
-    llm, _ = make(ladder_step_size=64, max_seq_len_override=256, max_running_requests=1, cache_budget="20MiB")
+    llm, _ = make(ladder_step_size=64, max_seq_len_override=256, max_running_requests=1, cache_budget="20MiB",
+                  overlap_decode=overlap)
     eng = llm.engine
     assert eng.ladder.rungs == [128, 192, 256] and eng.cache.geometry.kv_tokens == 128
     moe_start = eng.cache.geometry.moe_slots
@@ -228,6 +232,7 @@ def test_open_ended_request_is_admitted_at_the_rung_and_grows_while_it_decodes()
     assert [(h["status"], h["to"]["kv"]) for h in grows] == [("ok", 192), ("ok", 256)]
     assert all("grow while decoding" in h["reason"] for h in grows)
     assert eng.cache.geometry.moe_slots < moe_start  # paid for with expert slots, as the ladder does
+    assert (eng.overlapped_steps > 100) == overlap and eng.pools.experts.read_through is not None
     ref = LLM(max_seq_len_override=256, num_tokens=256, max_running_requests=1).generate(
         prompt_token_ids=[prompt], max_new_tokens=len(seq.output_ids), temperature=0.0, ignore_eos=True)[0]
     assert seq.output_ids == ref.token_ids

@@ -242,3 +242,25 @@ def test_begin_step_uploads_what_end_step_staged():
         rt.end_step()
     cache.collect()
     _check_consistent(cache)
+
+
+def test_staging_ring_keeps_each_load_and_grows():
+    """The victims' staging (`_Staging`): each load's pairs reach the device as given, while the
+    host writes the next loads into other buffers of the ring (RING loads before one is reused, so
+    the host never waits for a copy queued after the step in flight); a load larger than the
+    buffers grows them."""
+    import torch
+
+    from ft.memory.read_through import _Staging
+
+    st = _Staging(torch.device("cpu"))
+    outs = []
+    for k in range(2 * _Staging.RING + 1):
+        idx, val = st.load([k, k + 1, k + 2], [10 * k, 10 * k + 1, 10 * k + 2])
+        outs.append((idx.tolist(), val.tolist()))
+        assert st._next == (k + 1) % _Staging.RING
+    assert outs[-1] == ([8, 9, 10], [80, 81, 82])
+    big = list(range(300))
+    idx, val = st.load(big, [-v for v in big])
+    assert idx.tolist() == big and val.tolist() == [-v for v in big] and st.dev.shape[1] >= 300
+    assert len(st.host) == _Staging.RING and all(h.shape == st.dev.shape for h in st.host)

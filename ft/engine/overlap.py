@@ -8,16 +8,20 @@ N+1) or by a stop token (known only once read: N+1 computes that row but writes 
 linear-attention state for it, and its num_computed goes back by one, so that the prefix cache
 keeps the state after its last computed token). Plain decode batches only: no grammar (its mask
 needs the token), logprobs, penalties or stop strings (ends the host finds in the text), no n > 1
-siblings waiting, one process, no KV ladder (its moves run between steps), experts resident or
-offloaded in read-through mode (the classic offload path loads misses on the host inside the step).
-Everything else lands the step in flight first and steps as before; so does a request arriving (its
-prefill is the next step).
+siblings waiting, one process, experts resident or offloaded in read-through mode (the classic
+offload path loads misses on the host inside the step). Everything else lands the step in flight
+first and steps as before; so does a request arriving (its prefill is the next step) and a sequence
+short of a KV page, so that the KV ladder, which moves only between steps, never has one in flight.
 
 Read-through offload keeps its policy's timing: step N+1's `begin_step` takes the spares chosen in
 N's `end_step`, and N+1's `end_step` collects N (waiting for N's readback, while N+1 is queued
-behind it), as in plain steps, so hits, misses and landings are the same. The default (None) turns
-overlap on where it was measured on the device: CUDA with every expert resident; read-through
-offload takes it when asked (`--overlap-decode`) until measured there too.
+behind it), as in plain steps, so hits, misses and landings are the same on the CPU (on CUDA, when
+a layer's landing reserve is shorter than its misses, which ones land follows the order the
+programs claim slots, in plain steps too). Nothing the policy stages for the device makes the host
+wait for the step in flight (the staging buffers are rings: `ft.memory.read_through`). The default
+(None) turns overlap on where it was measured on the device: CUDA with every expert resident;
+read-through offload takes it when asked (`--overlap-decode`) until measured there too (session
+18's attempt ran with the KV ladder, which overlap then excluded: no step was overlapped).
 
 num_computed counts the steps launched: a sequence's KV and state reach it once the device has run
 them, which every later use of the pools follows in stream order.
@@ -49,7 +53,9 @@ class OverlappedDecode:
         on = e.config.overlap_decode
         if on is None:  # the default: where measured (module docstring)
             on = e.device.type == "cuda" and resident
-        if not on or e.runner.tp is not None or e.ladder is not None or (
+        # NOTE: the KV ladder moves only in `Engine._step`, which runs with no step in flight: a request
+        # waiting or a sequence short of a page (`_next`) drains the step in flight first
+        if not on or e.runner.tp is not None or (
                 not resident and experts.read_through is None):
             return False
         return all(s.grammar is None and s.logprobs is None and s.prompt_logprobs is None and not s.fork_waiting

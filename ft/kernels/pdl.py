@@ -14,7 +14,13 @@ The contract every kernel launched with PDL keeps (`pdl_args`): every program ru
 with no early return before it. Then a kernel's completion implies its predecessor's, so a kernel
 launched without PDL after it sees everything before it, as with plain launches.
 
-Off until measured on the device (`PDL`; `bench/decode.py --pdl`).
+Off: on the device (session 18) the small test model's graphs capture and replay with it, bitwise
+equal to plain launches (`tests/gpu/test_decode_graphs_cuda.py`), and a flagship process with it
+alone reported no failed capture (its speed was not recorded); switching it on in a process whose
+graphs were captured without it (`bench/decode.py --modes overlap,pdl`: the graphs dropped and
+captured again in their pool) failed the capture inside torch's caching allocator
+(``it->second->use_count > 0 INTERNAL ASSERT FAILED``, CUDACachingAllocator.cpp:2799) and the engine
+fell back to eager steps. Not yet understood; measure `--pdl` in its own process first.
 """
 
 from __future__ import annotations
@@ -34,8 +40,8 @@ __all__ = ["PDL", "pdl_args", "pdl_on", "pdl_release", "pdl_wait"]
 
 PDL = False
 """Launch the decode path's kernels with programmatic dependent launch on a CUDA device of
-compute capability 9.0 or later. Off: not yet measured on the device; the kernels take the same
-paths either way and give the same bits (the waits only order them)."""
+compute capability 9.0 or later. Off: not yet measured on the flagship (module docstring); the kernels take the same paths either way and give the same bits (the waits
+only order them)."""
 
 
 def pdl_on(device: torch.device) -> bool:

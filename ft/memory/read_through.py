@@ -91,14 +91,15 @@ class ReadThrough:
         self._landed = host((layers, self.capacity), fill=-1)
         self._counters = host((layers, 2), torch.int64)
         # the book's inputs (step and rows, claim counters, landing table) as views of one device
-        # tensor, so that begin_step uploads them in one copy; its pinned staging is double-buffered:
-        # end_step writes the next step's landing table into the buffer the step before read
+        # tensor, so that begin_step uploads them in one copy; its pinned staging is a ring of three:
+        # end_step of step N writes step N+1's landing table into the buffer step N-2 read, whose
+        # upload has run (under overlapped decode step N-1 may not have started yet)
         lr = layers * self.capacity
         self._inputs = torch.zeros(2 + layers + lr, dtype=i32, device=device)
         self._inputs[2 + layers:] = -1
         self.book = self.book._replace(step=self._inputs[:2], landing_used=self._inputs[2:2 + layers],
                                        landing=self._inputs[2 + layers:].view(layers, self.capacity))
-        self._up = [host((2 + layers + lr,)) for _ in range(2)]
+        self._up = [host((2 + layers + lr,)) for _ in range(3)]
         self._up_np = [t.numpy() for t in self._up]
         self._up_next = 0  # the buffer the next begin_step uploads
         self._staged = False  # whether that buffer holds the spares' landing table (end_step wrote it)
@@ -148,7 +149,7 @@ class ReadThrough:
         up = self._up_np[self._up_next]
         up[0], up[1] = self.step, rows
         self._inputs.copy_(self._up[self._up_next], non_blocking=True)  # step, zeroed claims, landing table
-        self._up_next ^= 1
+        self._up_next = (self._up_next + 1) % len(self._up)
         self._staged = False
         self._rows, self._top_k = rows, top_k
         self.active = True
@@ -176,7 +177,7 @@ class ReadThrough:
         table: list[tuple[int, int, int]] = []
         self._provision(min(self.capacity, self._top_k * self._rows), table, self.spare)
         self._apply(table)
-        self._stage(self.spare)  # NOTE: into the buffer the step before this one uploaded (it has run)
+        self._stage(self.spare)  # NOTE: into the buffer two steps before this one uploaded (it has run)
         self.host_s += time.perf_counter() - t0
 
     def _stage(self, lists: list[list[int]]) -> None:
@@ -349,28 +350,44 @@ class ReadThrough:
 
 
 class _Staging:
-    """Pinned host staging for (index, value) int64 pairs, grown as needed; one copy each to the device."""
+    """Pinned host staging for (index, value) int64 pairs, grown as needed; one copy each to the device.
+
+    The host side is a ring of `RING` buffers, each with the event of its last copy: a load writes
+    the buffer whose copy was queued `RING` loads ago, which has run, so the host never waits for a
+    step in flight. (One buffer made every load wait for the last one's copy, queued after the step
+    before: harmless when the host waits for each step's token anyway, but under overlapped decode
+    it held the next step's launch until the step in flight had ended.) The device side needs one
+    buffer: its readers are queued on the same stream, before the next copy into it."""
+
+    RING = 4
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._next = 0
         self._alloc(256)
 
     def _alloc(self, n: int) -> None:
         pin = self.device.type == "cuda"
-        self.host = torch.zeros((2, n), dtype=torch.int64, pin_memory=pin)
+        for event in getattr(self, "_copied", []):  # NOTE: the old buffers are freed: no copy may still read them
+            if event is not None:
+                event.synchronize()
+        self.host = [torch.zeros((2, n), dtype=torch.int64, pin_memory=pin) for _ in range(self.RING)]
         self.dev = torch.zeros((2, n), dtype=torch.int64, device=self.device)
-        self._copied = torch.cuda.Event() if pin else None
+        self._copied = [torch.cuda.Event() if pin else None for _ in range(self.RING)]
 
     def load(self, idx: list[int], val: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(idx)
-        if n > self.host.shape[1]:
+        if n > self.dev.shape[1]:
             self._alloc(2 * n)
-        if self._copied is not None:  # the previous load's copy must have read the staging (between
-            self._copied.synchronize()  # steps the stream is idle, so this returns at once)
-        h = self.host.numpy()
+        i = self._next
+        self._next = (i + 1) % self.RING
+        host, copied = self.host[i], self._copied[i]
+        if copied is not None:  # NOTE: its copy was queued RING loads ago (normally done: returns at once)
+            copied.synchronize()
+        h = host.numpy()
         h[0, :n], h[1, :n] = idx, val
         d = self.dev[:, :n]
-        d.copy_(self.host[:, :n], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        d.copy_(host[:, :n], non_blocking=True)
+        if copied is not None:
+            copied.record()
         return d[0], d[1]

@@ -270,12 +270,19 @@ def test_pdl_launches_give_the_plain_launches_bits(model, monkeypatch):
     for llm in (make(model), make(model, disable_cuda_graph=True), make(model, moe_backend="offload", moe_cache_size=40)):
         assert generate(llm) == want
         assert torch.equal(llm.engine.last_logits, logits)
+        graphs = llm.engine.runner.graphs
+        if graphs is not None:  # the PDL launches were captured and replayed, not run eagerly after a failed capture
+            assert graphs.disabled is None and graphs.replays > 0, graphs.disabled
 
 
 def test_read_through_offload_overlapped_equals_plain_steps(model):
     """Overlapped decode over read-through offload (asked for: the default takes it with resident
-    experts only): the plain steps' tokens and last logits bit for bit, the same hits, misses and
-    landings, inside replayed graphs with misses every step. Written in session 17, not yet run."""
+    experts only): the plain steps' tokens and last logits bit for bit, inside replayed graphs with
+    misses every step, and about the same hits. Not exactly the same: with 40 slots a layer's
+    landing reserve is often shorter than its misses, and which misses land then depends on the
+    order the device's programs claim the slots, so the counts vary by a few between two plain runs
+    too (session 18 on the H200: 217 hits, 1,015 misses, 293 / 294 landings in two plain runs; 217 /
+    221 hits overlapped). The CPU test (`tests/test_overlap_decode.py`) checks the counts exactly."""
     traffic, outs = [], []
     for overlap in (False, True):
         llm = make(model, moe_backend="offload", moe_cache_size=40, overlap_decode=overlap)
@@ -283,6 +290,9 @@ def test_read_through_offload_overlapped_equals_plain_steps(model):
         cache = llm.engine.pools.experts
         cache.collect()
         traffic.append((cache.stats.hits, cache.stats.misses, cache.read_through.landed_total))
-        assert (llm.engine.overlapped_steps > 0) == overlap
-    assert outs[0][0] == outs[1][0] and torch.equal(outs[0][1], outs[1][1])
-    assert traffic[0] == traffic[1] and traffic[0][1] > 0
+        assert (llm.engine.overlapped_steps > 0) == overlap, (overlap, llm.engine.overlapped_steps)
+        assert llm.engine.runner.graphs.disabled is None and llm.engine.runner.graphs.replays > 0
+    assert outs[0][0] == outs[1][0], outs
+    assert torch.equal(outs[0][1], outs[1][1]), (outs[0][1] - outs[1][1]).abs().max()
+    (h0, m0, _), (h1, m1, _) = traffic
+    assert m0 > 0 and h0 + m0 == h1 + m1 and abs(h0 - h1) <= 0.02 * (h0 + m0), traffic
