@@ -51,7 +51,12 @@ class DecodeGraphs:
         return next((n for n in self.buckets if n >= b), None)
 
     def invalidate(self) -> None:
+        """Drop every graph; the next capture takes a new memory pool. (torch counts a pool's graphs:
+        once none is left while blocks allocated in it are still held, capturing into it again fails
+        an allocator assertion, ``it->second->use_count > 0``: seen on the H200 in session 18 when
+        the decode graphs were dropped and captured again in one process.)"""
         self._graphs.clear()
+        self._pool = None
 
     def release(self) -> None:
         """Drop every graph and the graphs' memory pool (before a tensor-parallel rank leaves its

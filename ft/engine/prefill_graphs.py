@@ -159,7 +159,10 @@ class PrefillGraphs:
         return self.bucket(len(inp.ids))
 
     def invalidate(self) -> None:
+        """Drop every graph; the next capture takes a new memory pool (as `DecodeGraphs.invalidate`
+        says why: torch may refuse a capture into a pool whose graphs are all gone)."""
         self._graphs.clear()
+        self._pool = None
 
     def release(self) -> None:
         """Drop every graph, the shared pool and the core buffers (captured again when needed)."""

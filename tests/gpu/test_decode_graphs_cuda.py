@@ -58,6 +58,26 @@ def test_rebuild_between_replays_keeps_tokens(model):
     assert generate(make(model, num_tokens=8192, mamba_cache_size=e.cache.geometry.mamba_slots)) == ref
 
 
+def test_graphs_dropped_mid_decode_are_captured_again(model):
+    """Graphs dropped while decoding (a changed key does it: the pools or buffers moved) are captured
+    again, in a new pool, and the tokens stay those of plain replays. Capturing again into the pool
+    of the dropped graphs failed a torch allocator assertion on the H200 in session 18 (the engine
+    then decoded eagerly from that step on). Written in session 18, not yet run on the device."""
+    ref = generate(make(model))
+    llm = make(model)
+    e, g = llm.engine, llm.engine.runner.graphs
+    for after in (3, 9):  # twice: the second capture's pool is dropped too
+        seqs = [e.add_request(p, SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)) for p in PROMPTS]
+        steps = 0
+        while any(not s.is_finished for s in seqs):
+            e.step()
+            steps += 1
+            if steps == after:
+                g.invalidate()
+        assert [s.output_ids for s in seqs] == ref
+    assert g.disabled is None and g.captures == 3 and g.replays > 0, g.disabled
+
+
 def test_a_failed_capture_falls_back_to_eager(model, monkeypatch):
     """A capture that fails (say, no memory left for the graph's pool) costs no request: the step's
     logits came from its eager run, and later steps run eagerly."""
