@@ -480,13 +480,15 @@ def loop_bodies(compiled) -> list[str]:
 def main() -> int:
     """Compile every case; with --loads, also print each kernel's load instructions (`load_counts`);
     with --regs, its registers, stack (spills) and shared memory (`resource_usage`); with --loops,
-    its loops' instruction mix (`loop_bodies`); --only SUBSTRING picks cases by name."""
+    its loops' instruction mix (`loop_bodies`); --only SUBSTRING picks cases by name; --shard I/N
+    compiles every N-th case from the I-th (the test runs the shards in parallel processes)."""
     args = sys.argv[1:]
     loads, regs, loops = "--loads" in args, "--regs" in args, "--loops" in args
     only = args[args.index("--only") + 1] if "--only" in args else ""
+    shard, shards = map(int, args[args.index("--shard") + 1].split("/")) if "--shard" in args else (0, 1)
     failed = 0
-    for name, kernel, signature, params in CASES:
-        if only not in name:
+    for i, (name, kernel, signature, params) in enumerate(CASES):
+        if only not in name or i % shards != shard:
             continue
         try:
             compiled = compile_case(kernel, signature, dict(params))

@@ -21,8 +21,15 @@ def test_kernels_compile_for_sm90():
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, str(root / "tests" / "compile_kernels_sm90.py")], env=env,
-                          capture_output=True, text=True, timeout=600)
-    report = proc.stdout + proc.stderr[-2000:]
-    assert proc.returncode == 0, report
-    assert report.count("ok ") >= 18, report
+    # NOTE: the cases in one process per core (ptxas is most of the time; CI has two cores)
+    n = max(1, min(4, os.cpu_count() or 1))
+    script = str(root / "tests" / "compile_kernels_sm90.py")
+    procs = [subprocess.Popen([sys.executable, script, "--shard", f"{i}/{n}"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(n)]
+    reports = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        reports.append((proc.returncode, out + err[-2000:]))
+    report = "".join(r for _, r in reports)
+    assert all(code == 0 for code, _ in reports), report
+    assert report.count("ok ") >= 18 and "FAILED" not in report, report

@@ -208,34 +208,36 @@ def test_failed_rollback_in_a_ladder_move_fails_no_running_request():
     assert seq.finish_reason == "length"
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
-def test_open_ended_request_is_admitted_at_the_rung_and_grows_while_it_decodes(overlap):
+def test_open_ended_request_is_admitted_at_the_rung_and_grows_while_it_decodes():
     """A request without max_tokens does not jump to the top rung: it starts on the current one and the
     ladder climbs as its KV fills, before a page would be missing; it reaches the context limit,
     and its tokens equal those of an engine started with the whole context (and no ladder). With
     overlapped decode (offloaded experts read through) the same: a step short of a page is not
     queued behind the one in flight, so each grow runs with no step in flight."""
     prompt = [65 + i % 50 for i in range(100)]  # 156 decode steps cross both rungs
-    # a budget where experts and KV compete (not every expert fits)
-    llm, _ = make(ladder_step_size=64, max_seq_len_override=256, max_running_requests=1, cache_budget="20MiB",
-                  overlap_decode=overlap)
-    eng = llm.engine
-    assert eng.ladder.rungs == [128, 192, 256] and eng.cache.geometry.kv_tokens == 128
-    moe_start = eng.cache.geometry.moe_slots
-    seq = eng.add_request(prompt, SamplingParams(max_new_tokens=None, temperature=0.0, ignore_eos=True))
-    while not seq.output_ids:
-        eng.step()
-    assert eng.cache.geometry.kv_tokens == 128  # admitted at the current rung: no grow up front
-    eng.run_until_done([seq], timeout_s=300)
-    assert seq.finish_reason == "length" and seq.num_tokens == 256 and seq.error is None
-    grows = [h for h in eng.cache.history if h["trigger"] == "ladder"]
-    assert [(h["status"], h["to"]["kv"]) for h in grows] == [("ok", 192), ("ok", 256)]
-    assert all("grow while decoding" in h["reason"] for h in grows)
-    assert eng.cache.geometry.moe_slots < moe_start  # paid for with expert slots, as the ladder does
-    assert (eng.overlapped_steps > 100) == overlap and eng.pools.experts.read_through is not None
+    outs = []
+    for overlap in (False, True):
+        # a budget where experts and KV compete (not every expert fits)
+        llm, _ = make(ladder_step_size=64, max_seq_len_override=256, max_running_requests=1, cache_budget="20MiB",
+                      overlap_decode=overlap)
+        eng = llm.engine
+        assert eng.ladder.rungs == [128, 192, 256] and eng.cache.geometry.kv_tokens == 128
+        moe_start = eng.cache.geometry.moe_slots
+        seq = eng.add_request(prompt, SamplingParams(max_new_tokens=None, temperature=0.0, ignore_eos=True))
+        while not seq.output_ids:
+            eng.step()
+        assert eng.cache.geometry.kv_tokens == 128  # admitted at the current rung: no grow up front
+        eng.run_until_done([seq], timeout_s=300)
+        assert seq.finish_reason == "length" and seq.num_tokens == 256 and seq.error is None
+        grows = [h for h in eng.cache.history if h["trigger"] == "ladder"]
+        assert [(h["status"], h["to"]["kv"]) for h in grows] == [("ok", 192), ("ok", 256)], overlap
+        assert all("grow while decoding" in h["reason"] for h in grows)
+        assert eng.cache.geometry.moe_slots < moe_start  # paid for with expert slots, as the ladder does
+        assert (eng.overlapped_steps > 100) == overlap and eng.pools.experts.read_through is not None
+        outs.append(seq.output_ids)
     ref = LLM(max_seq_len_override=256, num_tokens=256, max_running_requests=1).generate(
-        prompt_token_ids=[prompt], max_new_tokens=len(seq.output_ids), temperature=0.0, ignore_eos=True)[0]
-    assert seq.output_ids == ref.token_ids
+        prompt_token_ids=[prompt], max_new_tokens=len(outs[0]), temperature=0.0, ignore_eos=True)[0]
+    assert outs[0] == ref.token_ids and outs[1] == ref.token_ids
 
 
 def test_declared_max_tokens_still_grows_up_front():
