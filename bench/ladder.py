@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--policy", default="lru", choices=["lru", "lfu"])
     ap.add_argument("--step", type=int, default=32768, help="the ladder's step size")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                    help="after each card's rows, profile this many decode steps at its last rung")
+                    help="after each rung's row, profile this many decode steps there (GPU kernels and timeline)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
                     help="after each card's rows, the host time of this many decode steps by function (cProfile)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script on a small config")
@@ -95,12 +95,13 @@ def main() -> None:
                 r["overlapped_steps"] = eng.overlapped_steps
                 rows.append((label, kv, r))
                 print(f"{label} kv {kv}: {r}", flush=True)
+                if args.profile:
+                    from bench.decode import profile_steps
+
+                    print(f"\n== profile: {label}, KV rung {kv}")
+                    profile_steps(eng, [(1000 + i) % eng.model_config.vocab_size for i in range(32)], args.profile)
         if args.cprofile:
             host_profile(eng, args.cprofile)
-        if args.profile:
-            from bench.decode import profile_steps
-
-            profile_steps(eng, [(1000 + i) % eng.model_config.vocab_size for i in range(32)], args.profile)
         del eng
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
