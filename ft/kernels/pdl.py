@@ -20,7 +20,9 @@ alone reported no failed capture (its speed was not recorded); switching it on i
 graphs were captured without it (`bench/decode.py --modes overlap,pdl`: the graphs dropped and
 captured again in their pool) failed the capture inside torch's caching allocator
 (``it->second->use_count > 0 INTERNAL ASSERT FAILED``, CUDACachingAllocator.cpp:2799) and the engine
-fell back to eager steps. Not yet understood; measure `--pdl` in its own process first.
+fell back to eager steps. Most likely the pool, not PDL: that assertion is torch refusing a capture
+into a pool whose graphs were all dropped; `DecodeGraphs.invalidate` now starts a new pool (not yet
+confirmed on the device). To measure next: `bench/decode.py --modes overlap,pdl,overlap,pdl`.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ __all__ = ["PDL", "pdl_args", "pdl_on", "pdl_release", "pdl_wait"]
 
 PDL = False
 """Launch the decode path's kernels with programmatic dependent launch on a CUDA device of
-compute capability 9.0 or later. Off: not yet measured on the flagship (module docstring); the kernels take the same paths either way and give the same bits (the waits
-only order them)."""
+compute capability 9.0 or later. Off: not yet measured on the flagship (module docstring); the
+kernels take the same paths either way and give the same bits (the waits only order them)."""
 
 
 def pdl_on(device: torch.device) -> bool:
