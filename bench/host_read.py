@@ -1,6 +1,6 @@
 """Misses read from pinned host memory inside the decode MoE kernels: what they cost. Not a test.
 
-    PYTHONPATH=. python3 bench/host_read.py [--store-gib 8]
+    PYTHONPATH=. python3 bench/host_read.py [--store-gib 8] [--layers 48]
 
 Flagship shapes (H 2048, I 512, top-10 + the shared expert), batch 1, bf16. A pinned host store of
 512 experts (906 MB) and 64 device slots; each call routes 10 experts of which `misses` have no
@@ -10,6 +10,11 @@ host bytes' effective bandwidth, for the tuned block sizes and others (the host 
 other tiles than the all-device path); then the host-side cost of launching a graph whose kernels
 read a large pinned allocation (`--store-gib` extra pinned GiB allocated beside the store, as the
 engine's 43 GB store is) against one that does not. Prints tables last.
+
+`--layers N`: a store of N layers of 512 experts (48: the engine's 43.5 GB), each call reading a
+random layer's experts, with the tuned tiles only: whether the store's size (the GPU's translation
+of host addresses, NUMA placement) is what reads the misses at ~37 GB/s inside the engine against
+48-55 GB/s here (session 18's profile).
 """
 
 from __future__ import annotations
@@ -30,11 +35,12 @@ DEV = torch.device("cuda")
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--store-gib", type=float, default=8.0)
+    ap.add_argument("--layers", type=int, default=1, help="layers of 512 experts in the host store (48: the engine's)")
     args = ap.parse_args()
     _, hid, inter, top_k = MOE
     torch.manual_seed(0)
     store = random_pool(512, hid, inter)
-    host = SlotWeights(*(t.unsqueeze(0).cpu().pin_memory() for t in store))
+    host = SlotWeights(*(_layers(t.cpu(), args.layers) for t in store))
     slots = SlotWeights(*(t[:64].clone() for t in store))
     shared = SlotWeights(*(t[:1].clone() for t in store))
     expert_bytes = sum(t[0, 0].numel() * t.element_size() for t in host)
@@ -44,7 +50,7 @@ def main() -> None:
     wts = wts.to(torch.bfloat16)
     out = torch.empty_like(x)
     configs = [(DECODE_GATE_UP_CONFIG[1], DECODE_DOWN_PAIRS_CONFIG), ((2, 0, 4), (32, 0, 4)), ((1, 0, 2), (16, 0, 2)),
-               ((8, 0, 4), (128, 0, 4)), ((2, 0, 2), (64, 0, 2))]
+               ((8, 0, 4), (128, 0, 4)), ((2, 0, 2), (64, 0, 2))][: 1 if args.layers > 1 else None]
     rows = []
     for gu, dn in configs:
         base = None
@@ -55,19 +61,28 @@ def main() -> None:
                 # the first top_k - misses pairs hit slots c*8 .. (distinct per call), the rest miss
                 s = torch.tensor([[(c * 2 + j) % 64 if j < top_k - misses else -1 for j in range(top_k)]],
                                  device=DEV, dtype=torch.int32)
-                calls.append(lambda ids=ids, s=s: moe_decode_triton(x, s, wts, slots, shared, out=out, host=host,
-                                                                      topk_ids=ids, gate_up_config=gu,
-                                                                      down_config=dn, down_per_pair=True))
+                layer = int(torch.randint(args.layers, ()))
+                calls.append(lambda ids=ids, s=s, layer=layer: moe_decode_triton(
+                    x, s, wts, slots, shared, out=out, host=host, topk_ids=ids, layer=layer, gate_up_config=gu,
+                    down_config=dn, down_per_pair=True))
             us = graph_us(calls)
             base = us if misses == 0 else base
             gbs = misses * expert_bytes / ((us - base) * 1e-6) / 1e9 if misses else float("nan")
             rows.append((gu, dn, misses, us, gbs))
             print(f"gate/up {gu} down {dn} misses {misses}: {us:.1f} us", flush=True)
+    print(f"\nhost store: {args.layers} layer(s) of 512 experts, {args.layers * 512 * expert_bytes / 1e9:.1f} GB")
     print("\n| gate/up (rows, -, warps) | down (rows, -, warps) | misses | us per block | host GB/s (over 0 misses) |")
     print("|---|---|---|---|---|")
     for gu, dn, misses, us, gbs in rows:
         print(f"| {gu} | {dn} | {misses} | {us:.1f} | {gbs:.1f} |")
     launch_cost(x, wts, slots, shared, host, out, args.store_gib)
+
+
+def _layers(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[n, *t.shape] pinned: t in every layer (the bytes' values do not change what a read costs)."""
+    out = torch.empty((n, *t.shape), dtype=t.dtype, pin_memory=True)
+    out.copy_(t.unsqueeze(0).expand_as(out))
+    return out
 
 
 def launch_cost(x, wts, slots, shared, host, out, store_gib: float) -> None:
