@@ -50,6 +50,23 @@ def pytest_sessionstart(session: pytest.Session) -> None:
                     returncode=pytest.ExitCode.USAGE_ERROR)
 
 
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    """The sm_90 compile check, when collected, starts now in the background on the cores the suite
+    leaves idle (`test_kernels_compile.start_compile_jobs`); its test collects the report."""
+    cores = os.cpu_count() or 1
+    for item in items:
+        if item.name == "test_kernels_compile_for_sm90":
+            # NOTE: a core left to the rest of the suite, unless there is little else to run
+            item.module.start_compile_jobs(max(1, min(4, cores - 1 if len(items) > 20 else cores)))
+            return
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    module = sys.modules.get("test_kernels_compile")
+    if module is not None:
+        module.stop_compile_jobs()
+
+
 # Three small configurations that vary what the architecture lets vary.
 TINY_CONFIGS = {
     "interval2-gqa2-top2": dict(
