@@ -21,14 +21,17 @@ def make(model: str, **kw) -> LLM:
     return LLM(model=model, **{**opts, **kw})
 
 
-def generate(llm: LLM, prompts=PROMPTS, rebuild_after: int | None = None, target: dict | None = None):
+def generate(llm: LLM, prompts=PROMPTS, rebuild_after: int | None = None, target: dict | None = None, then=None):
+    """Greedy tokens of `prompts`; after step `rebuild_after`, a rebuild to `target` (or `then()`)."""
     e = llm.engine
     seqs = [e.add_request(p, SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)) for p in prompts]
     steps = 0
     while any(not s.is_finished for s in seqs):
         e.step()
         steps += 1
-        if steps == rebuild_after:
+        if steps == rebuild_after and then is not None:
+            then()
+        elif steps == rebuild_after:
             e.cache.rebuild(**target)
     return [s.output_ids for s in seqs]
 
@@ -65,16 +68,9 @@ def test_graphs_dropped_mid_decode_are_captured_again(model):
     then decoded eagerly from that step on). Written in session 18, not yet run on the device."""
     ref = generate(make(model))
     llm = make(model)
-    e, g = llm.engine, llm.engine.runner.graphs
+    g = llm.engine.runner.graphs
     for after in (3, 9):  # twice: the second capture's pool is dropped too
-        seqs = [e.add_request(p, SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)) for p in PROMPTS]
-        steps = 0
-        while any(not s.is_finished for s in seqs):
-            e.step()
-            steps += 1
-            if steps == after:
-                g.invalidate()
-        assert [s.output_ids for s in seqs] == ref
+        assert generate(llm, rebuild_after=after, then=g.invalidate) == ref
     assert g.disabled is None and g.captures == 3 and g.replays > 0, g.disabled
 
 
