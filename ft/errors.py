@@ -53,3 +53,13 @@ class InjectedFault(RuntimeError):
 class RanksOutOfStep(RuntimeError):
     """Rank 0 of a tensor-parallel engine failed a step after the workers started it: they wait
     in a collective rank 0 will not join, and the group cannot be trusted again."""
+
+
+class DeviceFailed(FreeTokenError, RuntimeError):
+    """The GPU failed in an engine step with an error that loses its CUDA context (an illegal memory
+    access, a device-side assert): no later step can run, so the server fails every request and exits
+    non-zero for a supervisor to restart it. `reason` is the CUDA error, one line."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"the GPU failed in an engine step and cannot run another: {reason}")
+        self.reason = reason

@@ -223,6 +223,7 @@ def _serve(args: argparse.Namespace, config, sock, t0: float) -> int:
         timeout_graceful_shutdown=int(args.drain_timeout) + 10,
     ))
     server.on_exit = lambda: loop.begin_drain(args.drain_timeout)
+    loop.on_failure = lambda: setattr(server, "should_exit", True)  # the device is lost: exit non-zero
     threading.Thread(target=announce, name="ft-announce", daemon=True).start()
     server.run(sockets=[sock])  # the socket bound by run(): the port was checked before the engine loaded
     return 1 if loop.error is not None else 0

@@ -62,10 +62,13 @@ class ServerProcess:
     """`ft serve ARGS` on a free port, healthy on return. One torch thread, like the tests (conftest.py);
     the output goes to a file (a pipe nobody reads would block the server once full)."""
 
-    def __init__(self, *args: str, timeout: float = WAIT_S) -> None:
+    def __init__(self, *args: str, timeout: float = WAIT_S, launcher: list[str] | None = None) -> None:
+        """`launcher`: the command that takes ft's arguments (default `python -m ft.cli`; a test's
+        wrapper script that patches something first)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "ft.cli", "serve", "--port", str(self.port), "--log-level", "warning", *args]
+        cmd = [*(launcher or [sys.executable, "-m", "ft.cli"]), "serve", "--port", str(self.port),
+               "--log-level", "warning", *args]
         env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
         self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env)

@@ -14,7 +14,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (by 
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from ft.kernels.gated_delta import (
     chunk_gated_delta_rule_ref,
@@ -163,8 +163,8 @@ PACKED = (1, 5, 63, 64, 65, 130)
 one more, two chunks and a bit (each sequence's chunks start at its own first token)."""
 
 # (Hk, Hv, Dk, Dv): GQA groups of 2 (1 -> 2, 2 -> 4 key to value heads) and none, dims that are not
-# powers of two, Dk > Dv and Dk < Dv
-CHUNK_CASES = [(1, 2, 16, 32), (2, 4, 24, 40), (2, 2, 32, 16)]
+# powers of two, Dk > Dv and Dk < Dv, and 32/32 (issue 37: a model of these dims crashed on the H200)
+CHUNK_CASES = [(1, 2, 16, 32), (2, 4, 24, 40), (2, 2, 32, 16), (2, 4, 32, 32)]
 CHUNK_IDS = [f"Hk{hk}-Hv{hv}-Dk{dk}-Dv{dv}" for hk, hv, dk, dv in CHUNK_CASES]
 
 
@@ -220,15 +220,17 @@ def test_chunked_prefill_matches_recurrent(hk, hv, dk, dv, dtype):
     assert ssm_t[~region].isnan().all()  # other slots and layers neither read nor written
 
 
-EVEN_CASES = [(1, 2, 16, 32, True, True), (1, 2, 24, 32, False, True), (2, 2, 32, 40, True, False)]
-"""(Hk, Hv, Dk, Dv, EVEN_K, EVEN_V): Dk == BLOCK_K or not, Dv a multiple of BLOCK_V (32 in the prep
-kernel, 16 in the state pass of this small grid) or not (40: BLOCK_V 64 and 16)."""
+EVEN_CASES = [(1, 2, 64, 64, (True, True), (True, True)), (1, 2, 24, 32, (False, False), (False, True)),
+              (2, 2, 32, 40, (False, False), (True, False))]
+"""(Hk, Hv, Dk, Dv, the prep kernel's (EVEN_K, EVEN_V), the state pass's): the prep kernel's blocks are
+at least PREP_MIN_BLOCK (64) wide, so only head dims of 64 and up fill them; the state pass's BLOCK_K is
+Dk's power of two and its BLOCK_V narrows to 16 on this small grid (Dv 40: not a multiple)."""
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize(("hk", "hv", "dk", "dv", "even_k", "even_v"), EVEN_CASES,
+@pytest.mark.parametrize(("hk", "hv", "dk", "dv", "prep_even", "state_even"), EVEN_CASES,
                          ids=[f"Dk{c[2]}-Dv{c[3]}" for c in EVEN_CASES])
-def test_chunked_prefill_even_flags(monkeypatch, hk, hv, dk, dv, even_k, even_v, dtype):
+def test_chunked_prefill_even_flags(monkeypatch, hk, hv, dk, dv, prep_even, state_even, dtype):
     """Both chunk kernels get EVEN_K and EVEN_V from their configs; with both forced off (masks against
     Dk and Dv) o and the states are the same bitwise, and both match the recurrent reference."""
     args, cu, slots, ssm, region = make_prefill(PACKED, hk, hv, dk, dv, dtype, seed=dk + dv + 1)
@@ -241,11 +243,21 @@ def test_chunked_prefill_even_flags(monkeypatch, hk, hv, dk, dv, even_k, even_v,
             ssm_t = ssm.clone()
             results.append((chunk_details.chunk_gated_delta_rule_varlen_triton(*args, ssm_t[:, LAYER], cu, slots),
                             ssm_t))
-        assert [(c["EVEN_K"], c["EVEN_V"]) for c in calls[0] + calls[1]] == [(even_k, even_v)] * 2
+        assert [(c["EVEN_K"], c["EVEN_V"]) for c in calls[0] + calls[1]] == [prep_even, state_even]
     (o, ssm_t), (o_masked, ssm_masked) = results
     assert rel_rms(o, o_ref) < TOL_CHUNK[dtype] and rel_rms(ssm_t[region], ssm_ref[region]) < TOL_CHUNK[dtype]
     assert ssm_t[~region].isnan().all()
     assert torch.equal(o, o_masked) and torch.equal(ssm_t.nan_to_num(), ssm_masked.nan_to_num())
+
+
+def test_prep_blocks_are_at_least_64_wide():
+    """Head dims under PREP_MIN_BLOCK take 64-wide masked blocks in the prep kernel (narrower ones
+    miscompiled on the H200: an out-of-range shared address; the device shape matrix runs them)."""
+    for dk, dv in ((16, 16), (32, 32), (32, 64), (64, 32), (48, 96), (128, 128), (256, 256)):
+        cfg = chunk_details.prep_config(dk, dv, torch.bfloat16)
+        assert cfg["BLOCK_K"] == max(64, triton.next_power_of_2(dk)), (dk, dv)
+        assert cfg["BLOCK_V"] == max(64, triton.next_power_of_2(dv)), (dk, dv)
+        assert (cfg["EVEN_K"], cfg["EVEN_V"]) == (dk == cfg["BLOCK_K"], dv == cfg["BLOCK_V"])
 
 
 def test_chunked_prefill_odd_batches():

@@ -224,6 +224,32 @@ def test_dispatcher_uses_triton_when_asked(monkeypatch):
     assert calls and ((y - ref).norm() / ref.norm()).item() < TOL[torch.float32]
 
 
+
+def test_reference_kernels_block_sends_dispatchers_to_the_references(monkeypatch):
+    """Inside `backend.reference_kernels()` (nested too) the dispatcher runs the reference where it
+    would run Triton; after the block, Triton again."""
+    from ft.kernels.backend import reference_kernels, reference_kernels_forced, uses_triton
+
+    gen = torch.Generator().manual_seed(3)
+    w = _slot_pool(3, 32, 16, gen)
+    slots, weights = _routing(2, 2, 3, 0.0, gen)
+    x = torch.randn(2, 32, generator=gen)
+    monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
+    import ft.kernels.moe.kernel as details
+
+    calls = []
+    real = details.moe_over_slots_triton
+    monkeypatch.setattr(details, "moe_over_slots_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with reference_kernels():
+        with reference_kernels():
+            assert reference_kernels_forced() and not uses_triton(torch.device("cuda"))
+        assert not uses_triton(x.device)
+        y = moe_over_slots(x, slots, weights, w)
+    assert not calls and torch.equal(y, moe_over_slots_ref(x, slots, weights, w))
+    assert not reference_kernels_forced() and uses_triton(x.device)
+    moe_over_slots(x, slots, weights, w)
+    assert calls
+
 # (T, k, S slots, H, I, dtype, skipped fraction, shared expert): H = 64 takes the whole-K tiles,
 # H = 48 (6 words per row) the K loop
 DECODE_CASES = [

@@ -2,13 +2,16 @@
 
 Triton runs for tensors on CUDA, and on the CPU only in interpreter tests, which ask for it with
 both ``FT_TRITON_INTERPRET_TEST=1`` and ``TRITON_INTERPRET=1`` (triton reads the latter once, at
-import). Everything else runs the torch references.
+import). Everything else runs the torch references; inside `reference_kernels()` everything does,
+CUDA included (the other side of an end-to-end check of the kernels).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -16,8 +19,33 @@ TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Activation dtypes the Triton kernels take."""
 
 
+_reference_depth = 0
+"""How many `reference_kernels()` blocks are open (nested blocks stack)."""
+
+
+@contextlib.contextmanager
+def reference_kernels() -> Iterator[None]:
+    """Inside: every dispatcher runs its torch reference, on CUDA too (no Triton kernel, no library
+    attention path). For checks of the kernels end to end: an engine built and run inside computes with
+    the references alone; build it with CUDA graphs off (the references may read values on the host).
+    Not thread-aware: the engine must run in the thread that opened the block."""
+    global _reference_depth
+    _reference_depth += 1
+    try:
+        yield
+    finally:
+        _reference_depth -= 1
+
+
+def reference_kernels_forced() -> bool:
+    """Whether a `reference_kernels()` block is open."""
+    return _reference_depth > 0
+
+
 def uses_triton(device: torch.device) -> bool:
-    """Whether the dispatchers run Triton for tensors on `device`."""
+    """Whether the dispatchers run Triton for tensors on `device` (never inside `reference_kernels()`)."""
+    if _reference_depth:
+        return False
     if device.type == "cuda":
         return True
     return os.environ.get("FT_TRITON_INTERPRET_TEST") == "1" and os.environ.get("TRITON_INTERPRET") == "1"

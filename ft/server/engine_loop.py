@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ft.errors import FreeTokenError
+from ft.engine.device_fault import device_fault
+from ft.errors import DeviceFailed, FreeTokenError
 from ft.server.stats_log import StatsLogger
 
 log = logging.getLogger("ft.server")
@@ -63,9 +64,10 @@ class EngineLoop:
         self._stop = threading.Event()
         self._draining = False
         self.engine: Any = None
-        self.state = "starting"
+        self.state = "starting"  # -> "serving" -> "failed" when the device is lost (or "failed" at start)
         self.error: BaseException | None = None
         self.ready = threading.Event()
+        self.on_failure: Callable[[], None] | None = None  # called once, on this thread, when the device is lost
         self._thread = threading.Thread(target=self._main, name="ft-engine", daemon=True)
 
     # ------------------------------------------------------------------------- lifecycle
@@ -101,12 +103,12 @@ class EngineLoop:
         """Finish running requests for up to `drain_s` seconds, abort the rest, end the thread."""
         self._draining = True
         deadline = time.monotonic() + drain_s
-        while drain_s and self.engine is not None and time.monotonic() < deadline:
+        while drain_s and self.engine is not None and self.state == "serving" and time.monotonic() < deadline:
             busy = self.call_sync(lambda e: e.has_work, timeout=5.0)
             if not busy:
                 break
             time.sleep(0.05)
-        if self.engine is not None and self._thread.is_alive():
+        if self.engine is not None and self.state == "serving" and self._thread.is_alive():
             try:
                 self.call_sync(self._abort_all, timeout=5.0)
             except Exception:  # the thread may already be gone
@@ -136,7 +138,10 @@ class EngineLoop:
                 self._log_stats()
         close = getattr(self.engine, "close", None)  # tensor parallelism: the worker ranks leave
         if close is not None:
-            close()
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - after a device failure the ranks may be gone already
+                log.exception("closing the engine failed")
 
     def _log_stats(self) -> None:
         try:
@@ -156,6 +161,9 @@ class EngineLoop:
                 self._publish(drain())
             except BaseException as e:  # noqa: BLE001 - as a failed step: fail its requests, keep serving
                 self._fail_step(e)
+                if self.state == "failed" and fut.set_running_or_notify_cancel():  # the device is lost
+                    fut.set_exception(RuntimeError(f"engine is failed: {self.error}"))
+                    return
         while True:
             if fut.set_running_or_notify_cancel():
                 try:
@@ -176,7 +184,12 @@ class EngineLoop:
         self._publish(outs)
 
     def _fail_step(self, e: BaseException) -> None:
-        """A step raised: fail the requests it was running (their state may be half-updated)."""
+        """A step raised: fail the requests it was running (their state may be half-updated); when the
+        error lost the device (`device_fault`), fail everything and stop (`_device_lost`)."""
+        reason = device_fault(e)
+        if reason is not None:
+            self._device_lost(e, reason)
+            return
         log.exception("engine step failed")
         work = self.engine.current_work
         self.engine.current_work = None
@@ -189,6 +202,28 @@ class EngineLoop:
                 stream.push(RuntimeError(f"the request failed in an engine step ({type(e).__name__}; "
                                          "the server log has the details)"))
             self.engine.abort(rid)
+
+    def _device_lost(self, e: BaseException, reason: str) -> None:
+        """The CUDA context is lost: every request fails now (none can run another step), queued
+        commands fail, /health answers 503 with the reason (state "failed"), the loop ends and
+        `on_failure` tells `ft serve` to exit non-zero. The engine is not touched again."""
+        log.error("the GPU failed in an engine step (%s): failing every request; ft serve exits non-zero so "
+                  "that a supervisor restarts it", reason, exc_info=e)
+        self.error = DeviceFailed(reason)
+        self.state = "failed"
+        self._stop.set()
+        for stream in self._streams.values():
+            stream.push(RuntimeError(f"{self.error}; retry once the server has restarted"))
+        self._streams.clear()
+        while True:
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError(f"engine is failed: {reason}"))
+        if self.on_failure is not None:
+            self.on_failure()
 
     def _publish(self, outs: list) -> None:
         """Each sequence's new token (and its end) to its request's stream."""

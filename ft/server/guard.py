@@ -36,8 +36,9 @@ class Guard:
                                                       f"Bearer {st.api_key}".encode()):
                 return await _error(send, 401, "missing or wrong API key: Authorization: Bearer <key>",
                                     "authentication_error")
-            if st.loop.state != "serving":
-                return await _error(send, 503, f"the engine is {st.loop.state}", "server_unavailable")
+            if st.loop.state != "serving":  # loading, or failed (the reason said: a supervisor restarts it)
+                reason = f"the engine is {st.loop.state}" + (f": {st.loop.error}" if st.loop.error is not None else "")
+                return await _error(send, 503, reason, "server_unavailable", retry_after_s=5)
         if scope.get("method") in ("GET", "HEAD", "OPTIONS", "DELETE") and not length:
             return await self.app(scope, receive, send)
         body, problem = await self._read_body(receive)
@@ -79,8 +80,11 @@ def _replay(body: bytes, receive):
     return replay
 
 
-async def _error(send, status: int, message: str, type_: str = "invalid_request_error") -> None:
+async def _error(send, status: int, message: str, type_: str = "invalid_request_error",
+                 retry_after_s: int | None = None) -> None:
     payload = json.dumps({"error": {"message": message, "type": type_, "code": status}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    if retry_after_s is not None:
+        headers.append((b"retry-after", str(retry_after_s).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})

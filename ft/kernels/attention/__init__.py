@@ -113,8 +113,9 @@ def paged_attention(
 
 
 def use_library_prefill(q: torch.Tensor, k_cache: torch.Tensor, start: int, kv_scale: torch.Tensor | None) -> bool:
-    """Whether `paged_attention` sends this chunk to the library path (LIBRARY_PREFILL_ON_CUDA)."""
-    return (LIBRARY_PREFILL_ON_CUDA and not _library_refused and q.device.type == "cuda"
+    """Whether `paged_attention` sends this chunk to the library path (LIBRARY_PREFILL_ON_CUDA; never
+    inside `backend.reference_kernels()`)."""
+    return (LIBRARY_PREFILL_ON_CUDA and not _library_refused and q.device.type == "cuda" and uses_triton(q.device)
             and start >= LIBRARY_GRANULE_KEYS and kv_scale is None and q.dtype in (torch.bfloat16, torch.float16)
             and k_cache.dtype == q.dtype and LIBRARY_GRANULE_KEYS % k_cache.shape[1] == 0)
 

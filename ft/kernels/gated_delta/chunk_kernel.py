@@ -57,7 +57,7 @@ import triton.language as tl
 from ft.kernels.backend import TRITON_DTYPES
 from ft.kernels.conv1d.kernel import _check_varlen, _find_seq, search_iters
 
-__all__ = ["CHUNK", "MAX_DK", "chunk_gated_delta_rule_varlen_triton", "prep_config", "state_config"]
+__all__ = ["CHUNK", "MAX_DK", "PREP_MIN_BLOCK", "chunk_gated_delta_rule_varlen_triton", "prep_config", "state_config"]
 
 CHUNK = 64
 """Tokens per chunk (the reference's chunk_size)."""
@@ -70,6 +70,14 @@ SOLVE_PRECISION = "tf32"
 """Dot precision of the triangular solve's fp32 products on the GPU for 16-bit activations. Measured on
 the H200 at 4,096 tokens: the same error of o as "tf32x3" and "ieee" (4.17e-3, bf16 storage dominates)
 at 0.25 ms for the prep kernel against 0.64 and 5.0."""
+
+PREP_MIN_BLOCK = 64
+"""The prep kernel's smallest head-dim block. Narrower tiles miscompile: with Dv = 32 or 16 (BLOCK_V of
+the same width, bf16, 4 warps) Triton 3.6 on the H200 emitted an out-of-range shared-memory address at
+the u = T (beta V) product (compute-sanitizer memcheck: "Out-of-range shared or local address" in
+`_chunk_prep_kernel`; the launch then fails with an illegal memory access and the CUDA context is
+lost). Dv = 64 ran clean at the same Dk, so narrower head dims are padded to 64 columns and masked
+(issue 37; bench/RESULTS.md, session 19)."""
 
 
 @triton.jit
@@ -228,10 +236,11 @@ def _precisions(dtype: torch.dtype) -> tuple[str, str]:
 def prep_config(dk: int, dv: int, dtype: torch.dtype) -> dict:
     """Constexprs and launch options of `_chunk_prep_kernel`. 4 warps, 2 stages: measured on the H200
     (Dk = Dv = 128, bf16) 0.135 ms per 4,096 tokens against 0.245 with 8 warps, though 4 spill a few
-    registers and 8 do not (bench/gated_delta_prefill.py). EVEN_K, EVEN_V: the head dims fill their
-    blocks (no column masks)."""
+    registers and 8 do not (bench/gated_delta_prefill.py). Blocks at least PREP_MIN_BLOCK wide (a head
+    dim below it is masked). EVEN_K, EVEN_V: the head dims fill their blocks (no column masks)."""
     precision, solve = _precisions(dtype)
-    block_k, block_v = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
+    block_k = max(PREP_MIN_BLOCK, triton.next_power_of_2(dk))
+    block_v = max(PREP_MIN_BLOCK, triton.next_power_of_2(dv))
     return {"CHUNK": CHUNK, "LOG2_CHUNK": LOG2_CHUNK, "BLOCK_K": block_k, "BLOCK_V": block_v,
             "PRECISION": precision, "SOLVE_PRECISION": solve, "EVEN_K": dk == block_k, "EVEN_V": dv == block_v,
             "num_warps": 4, "num_stages": 2}
