@@ -2,9 +2,10 @@
 
 A big model takes minutes to load, and `ft serve` loads it behind an HTTP server that already
 answers (503 on /health). What a user can get wrong is checked first, in well under a second and
-without torch (but for `synthetic:` models) (`check_model`, `bind_port`): the model directory, its config.json (the
-architecture included), the tokenizer files, the chat template, the port. Each failure is one
-line (a FreeTokenError). `build_engine` then loads, saying each phase first.
+without torch (but for `synthetic:` models) (`check_model`, `bind_port`): the model directory, its
+config.json (the architecture and the shapes the kernels take included), the tokenizer files, the chat
+template, the port. Each failure is one line (a FreeTokenError). `build_engine` then loads, saying
+each phase first.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import socket
 from pathlib import Path
 from typing import Callable
 
-from ft.errors import ConfigError
+from ft.errors import ConfigError, FreeTokenError
 
 _DEMO = (None, "", "demo")
 
@@ -37,15 +38,20 @@ def check_model(config) -> None:
                 path = config_path(model)
                 if not path.is_file():
                     raise ConfigError(f"synthetic model config {path} does not exist")
-                _check_split(config, ModelConfig.from_file(path))
+                cfg = ModelConfig.from_file(path)
+                _check_split(config, cfg)
+                _check_kernels(config, cfg, None)
                 path = None
         if path is not None:
             if not path.exists():
                 raise ConfigError(f"model directory {model} does not exist")
             if not path.is_dir():
                 raise ConfigError(f"model {model} is not a directory (a Hugging Face checkpoint folder)")
-            # config.json: present, valid JSON, a supported architecture; splits over the GPUs asked
-            _check_split(config, ModelConfig.from_file(path))
+            # config.json: present, valid JSON, a supported architecture; splits over the GPUs asked;
+            # shapes the kernels run (or take a reference path for)
+            cfg = ModelConfig.from_file(path)
+            _check_split(config, cfg)
+            _check_kernels(config, cfg, path)
             model_dir = path
     _check_tokenizer(config, model_dir)
 
@@ -57,6 +63,43 @@ def _check_split(config, cfg) -> None:
     world = getattr(config, "tensor_parallel_size", 1)
     for rank in range(world if world > 1 else 0):
         local_config(cfg, rank, world)
+
+
+def _check_kernels(config, cfg, model_dir: Path | None) -> None:
+    """The model's shapes against the kernels' limits on the device it will run on
+    (`ft.model.kernel_support.check_kernel_shapes`), its heads against its weights' rows
+    (`check_weight_rows`; model_dir None: a synthetic model, NVFP4, no files) and --expert-policy lfu
+    against read-through decode. Torch is imported only when --device auto meets a model refused on
+    CUDA alone: then whether CUDA is there decides."""
+    from ft.model.config import read_quantization
+    from ft.model.kernel_support import check_kernel_shapes, check_weight_rows, nvfp4_formats, read_through_refusal
+
+    nvfp4, kv_nvfp4 = (True, False) if model_dir is None else nvfp4_formats(read_quantization(model_dir))
+    kv_nvfp4 = config.kv_cache_dtype == "nvfp4" or (config.kv_cache_dtype == "auto" and kv_nvfp4)
+
+    def check(device_type: str) -> None:
+        check_kernel_shapes(cfg, device_type=device_type, quantized=nvfp4, kv_nvfp4=kv_nvfp4)
+
+    device = str(config.device).split(":")[0]
+    check("cpu" if device == "auto" else device)
+    if device == "auto":
+        try:
+            check("cuda")
+        except FreeTokenError:
+            if _cuda_available():
+                raise
+    if model_dir is not None:
+        check_weight_rows(cfg, model_dir)
+    why = read_through_refusal(cfg, quantized=nvfp4)
+    if (why and config.expert_policy == "lfu" and config.moe_backend == "offload"
+            and (device == "cuda" or device == "auto" and _cuda_available())):
+        raise ConfigError(f"--expert-policy lfu needs read-through decode, which this model cannot take: {why}")
+
+
+def _cuda_available() -> bool:
+    import torch  # NOTE: only for a model whose check depends on the device --device auto picks
+
+    return torch.cuda.is_available()
 
 
 def _check_tokenizer(config, model_dir: Path | None) -> None:

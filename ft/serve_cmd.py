@@ -1,8 +1,8 @@
 """`ft serve`: the daemon.
 
 Startup, in order: the flags and what they name are checked (model directory, config.json's
-architecture, tokenizer, chat template) and the port is bound, so that a user error is one line
-and a non-zero exit before anything loads or listens; then HTTP comes up (/health answers 503
+architecture and shapes, tokenizer, chat template) and the port is bound, so that a user error is one
+line and a non-zero exit before anything loads or listens; then HTTP comes up (/health answers 503
 while the engine loads on its thread) and, once the engine is up and /health answers 200, the
 banner ends with "ready on http://HOST:PORT".
 """
@@ -106,6 +106,7 @@ def describe(engine, url: str, started_s: float | None = None) -> str:
         f"slots = {format_bytes(engine.cache.allocated_bytes)}",
         f"  storage: {st['backend']} (allocations rounded to {format_bytes(st['granularity_bytes'])}"
         + ("; a resize copies, so it holds old and new: the reachable ranges count that)" if st["reallocates"] else ")"),
+        *(f"  kernels: {line}" for line in engine.kernel_fallbacks),  # shapes that take a reference path
         *_ladder_lines(engine),
         f"  ready on {url}" + (f" (started in {started_s:.1f} s)" if started_s is not None else ""),
     ])

@@ -25,7 +25,9 @@ from ft.engine.prefill_graphs import CoreBuffers
 from ft.engine.routing_override import TraceRouting, trace_params
 from ft.errors import ConfigError
 from ft.memory.kv_pool import NVFP4_KV
-from ft.model.config import ModelConfig
+from ft.kernels.backend import uses_triton
+from ft.model.config import ModelConfig, read_quantization
+from ft.model.kernel_support import check_kernel_shapes, nvfp4_formats, read_through_refusal
 
 log = logging.getLogger("ft.engine")
 
@@ -52,6 +54,7 @@ class RankState:
         )
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_file(self.model_path)
+        read_through = self._check_kernels(config)  # before the weights load: a refusal is at once
         self.model, host_experts = load_model(config.model, self.model_path, self.model_config, self.dtype,
                                               self.device, config.seed, config.progress and (tp is None or tp.is_leader),
                                               tp)
@@ -96,7 +99,7 @@ class RankState:
             pools.kv.calibrate_next_prefill = config.kv_scale_calibration
         if pools.experts is not None:
             pools.experts.policy = config.expert_policy
-            if config.moe_backend == "offload" and config.expert_read_through:
+            if config.moe_backend == "offload" and config.expert_read_through and read_through:
                 pools.experts.enable_read_through(cfg.num_experts_per_tok * config.max_running_requests)
         self.runner = ModelRunner(
             self.model, pools, self.device, config.max_running_requests, config.max_prefill_length,
@@ -107,6 +110,24 @@ class RankState:
         self.runner.routing = self._trace_routing(config, cfg)
         if tp is not None:
             self.runner.attach_tp(tp)
+
+    def _check_kernels(self, config: EngineConfig) -> bool:
+        """The checkpoint's shapes against the kernels (`ft.model.kernel_support`): a shape no path runs
+        raises (one line); `kernel_fallbacks` holds the lines of the slower paths it takes (ft serve's
+        startup summary shows them). Returns whether offloaded decode may read missing experts through."""
+        from ft.tools.synthetic import is_synthetic
+
+        synthetic = is_synthetic(config.model)  # (NVFP4 weights made from config.json alone)
+        nvfp4, kv_nvfp4 = (True, False) if synthetic else nvfp4_formats(read_quantization(self.model_path))
+        kv_nvfp4 = config.kv_cache_dtype == "nvfp4" or (config.kv_cache_dtype == "auto" and kv_nvfp4)
+        triton = uses_triton(self.device)
+        offload_rt = config.moe_backend == "offload" and config.expert_read_through
+        self.kernel_fallbacks = check_kernel_shapes(self.model_config, device_type="cuda" if triton else "cpu",
+                                                    quantized=nvfp4, kv_nvfp4=kv_nvfp4, read_through=offload_rt)
+        why = read_through_refusal(self.model_config, quantized=nvfp4) if triton else None
+        if why and offload_rt and config.expert_policy == "lfu":
+            raise ConfigError(f"--expert-policy lfu needs read-through decode, which this model cannot take: {why}")
+        return why is None
 
     def _checkpoint_kv_dtype(self) -> torch.dtype | None:
         """The KV dtype the checkpoint's KV scales describe: fp8, or NVFP4 when its ModelOpt

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from ft.errors import CheckpointError, UnsupportedModelError
+from ft.model.config import read_quantization
 from ft.model.layers.linear import NVFP4Weight
 from ft.kernels.moe import SlotWeights
 
@@ -84,14 +85,7 @@ class CheckpointReader:
         self.quant = self._read_quant()
 
     def _read_quant(self) -> QuantInfo:
-        hf = self.path / "hf_quant_config.json"
-        q: dict | None = None
-        if hf.is_file():
-            q = json.loads(hf.read_text()).get("quantization", {})
-        else:
-            cfg_path = self.path / "config.json"
-            cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-            q = cfg.get("quantization_config")
+        q = read_quantization(self.path)
         if not q:
             return QuantInfo(None)
         kv = q.get("kv_cache_quant_algo")

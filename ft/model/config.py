@@ -66,6 +66,8 @@ class ModelConfig:
         layer_types = cfg.get("layer_types")
         if layer_types is None:
             interval = int(cfg.get("full_attention_interval", 4))
+            if interval < 1:
+                raise CheckpointError(f"config.json: full_attention_interval {interval} must be at least 1")
             layer_types = [
                 "full_attention" if (i + 1) % interval == 0 else "linear_attention"
                 for i in range(n_layers)
@@ -94,7 +96,7 @@ class ModelConfig:
                 layer_types=tuple(layer_types),
                 num_attention_heads=heads,
                 num_key_value_heads=int(cfg["num_key_value_heads"]),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                head_dim=int(cfg.get("head_dim") or (hidden // heads if heads > 0 else 0)),
                 linear_num_key_heads=int(cfg["linear_num_key_heads"]),
                 linear_num_value_heads=int(cfg["linear_num_value_heads"]),
                 linear_key_head_dim=int(cfg["linear_key_head_dim"]),
@@ -175,3 +177,17 @@ class ModelConfig:
     def linear_conv_dim(self) -> int:
         """Channels of the causal conv1d: q, k and v of the linear-attention layer."""
         return 2 * self.linear_key_dim + self.linear_value_dim
+
+
+def read_quantization(model_dir: str | Path) -> dict[str, Any]:
+    """A checkpoint folder's quantization settings, without torch: hf_quant_config.json's
+    "quantization" (ModelOpt), else config.json's "quantization_config"; {} when it has none."""
+    path = Path(model_dir)
+    try:
+        if (path / "hf_quant_config.json").is_file():
+            return json.loads((path / "hf_quant_config.json").read_text()).get("quantization") or {}
+        if (path / "config.json").is_file():
+            return json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: invalid JSON in its quantization settings: {e}") from None
+    return {}
