@@ -4,6 +4,8 @@
 # tl.dot kernels: the gated-delta chunked prefill, prefill attention, the grouped MoE). Each tool's
 # last lines say "ERROR SUMMARY: N errors"; the script exits non-zero when any tool reports one or a
 # test fails. Run on the device from the repository root: bash tests/gpu/sanitize.sh [memcheck|racecheck|all]
+# Extra pytest arguments (say `-n 4` to spread the tests over pytest-xdist workers, each one under the
+# tool) come from $SANITIZE_PYTEST_ARGS.
 # API errors are not reported: the VMM probe (ft.memory.vmm) asks for features the driver may refuse.
 set -uo pipefail
 what=${1:-all}
@@ -12,7 +14,7 @@ run() {  # run TOOL PYTEST-ARGS...: one pytest process under the tool
   local tool=$1; shift
   echo "== compute-sanitizer --tool $tool: pytest $*"
   compute-sanitizer --tool "$tool" --report-api-errors no --print-limit 20 --error-exitcode 86 \
-    python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | grep -v "^=========     Host Frame\|^=========         Host Frame" | tail -40
+    python3 -m pytest -q -p no:cacheprovider ${SANITIZE_PYTEST_ARGS:-} "$@" 2>&1 | grep -v "^=========     Host Frame\|^=========         Host Frame" | tail -40
   local rc=${PIPESTATUS[0]}
   echo "== exit $rc"
   [ "$rc" -eq 0 ] || status=1
