@@ -15,8 +15,9 @@ import triton.language as tl
 
 from ft.kernels.attention.decode_loops import _d_mask, load_kv_tile
 from ft.kernels.attention.kernel import LOG2E, MAX_HEAD_DIM, _check_cache, _kv_args, _word_aligned
+from ft.kernels.fit import fallback_stages, launch_fitting
 
-__all__ = ["CAUSAL_SPLIT", "paged_prefill_attention_triton"]
+__all__ = ["CAUSAL_SPLIT", "paged_prefill_attention_triton", "prefill_config", "prefill_configs"]
 
 CAUSAL_SPLIT = True
 """`_prefill_kernel`'s two-loop form (unmasked blocks, then the diagonal's) with the scale inside
@@ -208,11 +209,24 @@ def paged_prefill_attention_triton(
     if cfg["NVFP4_F16"] is None:  # measured: fp16 dots win on NVFP4 (1.07x over split alone); exact path for fp32
         cfg["NVFP4_F16"] = nvfp4 and q.dtype != torch.float32
     cfg["NVFP4_WORDS"] = cfg["EVEN_D"] and d % 64 == 0 and _word_aligned(k_cache, v_cache)  # with NVFP4_F16
-    grid = (triton.cdiv(t, cfg["BLOCK_M"]), hkv)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, page_table, out, kvs, out if lse is None else lse, start, t, g, d, scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        PAGE_SIZE=page, HAS_LSE=lse is not None, **kv_flags, **cfg,
-    )
+    flags = {"PAGE_SIZE": page, "HAS_LSE": lse is not None, **kv_flags}
+    configs = prefill_configs(cfg)
+    launch_fitting(
+        _prefill_kernel, lambda c: (triton.cdiv(t, c["BLOCK_M"]), hkv),
+        (q, k_cache, v_cache, page_table, out, kvs, out if lse is None else lse, start, t, g, d, scale * LOG2E,
+         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1)),
+        configs, key=("prefill_attention", q.dtype, k_cache.dtype, *sorted(flags.items()), *sorted(cfg.items())),
+        **flags)
     return out
+
+
+def prefill_configs(config: dict) -> list[dict]:
+    """`config`, then what to fall back to where it needs more shared memory than a block may have
+    (`ft.kernels.fit`): fewer stages, then 32 keys a step, then half the query rows (while a tile keeps
+    16 rows, `tl.dot`'s least). Measured offline (sm_90, triton 3.9, equal to the H200's report): D 256,
+    G 1, fp32 at 2 stages 288 KiB."""
+    narrower = [{"BLOCK_N": 32}]
+    if config["BLOCK_M"] * config["BLOCK_G"] >= 32:
+        narrower.append({"BLOCK_N": 32, "BLOCK_M": config["BLOCK_M"] // 2})
+    return fallback_stages(config, *narrower)

@@ -56,8 +56,10 @@ import triton.language as tl
 
 from ft.kernels.backend import TRITON_DTYPES
 from ft.kernels.conv1d.kernel import _check_varlen, _find_seq, search_iters
+from ft.kernels.fit import fallback_stages, launch_fitting
 
-__all__ = ["CHUNK", "MAX_DK", "PREP_MIN_BLOCK", "chunk_gated_delta_rule_varlen_triton", "prep_config", "state_config"]
+__all__ = ["CHUNK", "MAX_DK", "PREP_MIN_BLOCK", "chunk_gated_delta_rule_varlen_triton", "prep_config", "state_config",
+           "state_configs"]
 
 CHUNK = 64
 """Tokens per chunk (the reference's chunk_size)."""
@@ -70,6 +72,12 @@ SOLVE_PRECISION = "tf32"
 """Dot precision of the triangular solve's fp32 products on the GPU for 16-bit activations. Measured on
 the H200 at 4,096 tokens: the same error of o as "tf32x3" and "ieee" (4.17e-3, bf16 storage dominates)
 at 0.25 ms for the prep kernel against 0.64 and 5.0."""
+
+FP32_PREP_WARPS = 16
+"""The prep kernel's warps for fp32 activations. Its exact ("ieee") fp32 products spill: per thread at
+Dk = Dv = 128 (sm_90 cubin, offline) 58,984 bytes of stack at 4 warps, 26,160 at 8, 10,608 at 16. The
+driver reserves stack for every thread an SM can hold, so 4 warps asked for ~16 GB of local memory and
+the launch failed with out-of-memory on a busy H200 (issue 37); 16 warps ask for ~2.9 GB."""
 
 PREP_MIN_BLOCK = 64
 """The prep kernel's smallest head-dim block. Narrower tiles miscompile: with Dv = 32 or 16 (BLOCK_V of
@@ -243,7 +251,21 @@ def prep_config(dk: int, dv: int, dtype: torch.dtype) -> dict:
     block_v = max(PREP_MIN_BLOCK, triton.next_power_of_2(dv))
     return {"CHUNK": CHUNK, "LOG2_CHUNK": LOG2_CHUNK, "BLOCK_K": block_k, "BLOCK_V": block_v,
             "PRECISION": precision, "SOLVE_PRECISION": solve, "EVEN_K": dk == block_k, "EVEN_V": dv == block_v,
-            "num_warps": 4, "num_stages": 2}
+            "num_warps": FP32_PREP_WARPS if dtype == torch.float32 else 4, "num_stages": 2}
+
+
+def state_configs(batch: int, hv: int, dk: int, dv: int, dtype: torch.dtype) -> list[dict]:
+    """`state_config`, then the configurations to fall back to where it needs more shared memory than
+    a block may have (`ft.kernels.fit`): fewer stages, then BLOCK_V halved down to 16 with one stage.
+    Measured offline (sm_90 cubins of triton 3.9, equal to what the H200's triton 3.6 reported): B 1,
+    Hv 32, Dk 256, Dv 128, bf16 (BLOCK_V 32) 309 KiB at 3 stages, 200 at 2, 60 at 1; fp32 Dk = Dv = 128
+    281 KiB at 3 stages, 56 at 1; the flagship's bf16 Dk = Dv = 128 fits at its preferred stages."""
+    cfg = state_config(batch, hv, dk, dv, dtype)
+    narrower, block_v = [], cfg["BLOCK_V"] // 2
+    while block_v >= 16:
+        narrower.append({"BLOCK_V": block_v, "EVEN_V": dv % block_v == 0})
+        block_v //= 2
+    return fallback_stages(cfg, *narrower)
 
 
 def state_config(batch: int, hv: int, dk: int, dv: int, dtype: torch.dtype) -> dict:
@@ -328,14 +350,18 @@ def chunk_gated_delta_rule_varlen_triton(
     gc = torch.empty(t, hv, dtype=torch.float32, device=dev)
     a = torch.empty(t, hv, CHUNK, dtype=dt, device=dev)
     group, scale = hv // hk, dk ** -0.5
-    _chunk_prep_kernel[(t // CHUNK + bsz, hv)](
-        q, k, v, g, beta, cu_seqlens, w, u, gc, a, bsz, search_iters(bsz), group, dk, dv, scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        w.stride(0), w.stride(1), u.stride(0), u.stride(1), gc.stride(0), a.stride(0), a.stride(1),
-        **prep_config(dk, dv, dt))
-    cfg = state_config(bsz, hv, dk, dv, dt)
-    _chunk_state_kernel[(bsz, hv, triton.cdiv(dv, cfg["BLOCK_V"]))](
-        q, k, w, u, gc, a, ssm_state, cu_seqlens, slots, out, group, dk, dv, scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
-        gc.stride(0), a.stride(0), a.stride(1), *ssm_state.stride(), out.stride(0), out.stride(1), **cfg)
+    prep = prep_config(dk, dv, dt)
+    launch_fitting(
+        _chunk_prep_kernel, lambda cfg: (t // CHUNK + bsz, hv),
+        (q, k, v, g, beta, cu_seqlens, w, u, gc, a, bsz, search_iters(bsz), group, dk, dv, scale,
+         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+         w.stride(0), w.stride(1), u.stride(0), u.stride(1), gc.stride(0), a.stride(0), a.stride(1)),
+        fallback_stages(prep), key=("gated_delta_prep", dt, g.dtype, beta.dtype, *sorted(prep.items())))
+    states = state_configs(bsz, hv, dk, dv, dt)
+    launch_fitting(
+        _chunk_state_kernel, lambda cfg: (bsz, hv, triton.cdiv(dv, cfg["BLOCK_V"])),
+        (q, k, w, u, gc, a, ssm_state, cu_seqlens, slots, out, group, dk, dv, scale,
+         q.stride(0), q.stride(1), k.stride(0), k.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
+         gc.stride(0), a.stride(0), a.stride(1), *ssm_state.stride(), out.stride(0), out.stride(1)),
+        states, key=("gated_delta_state", dt, *sorted(states[0].items())))
     return out
