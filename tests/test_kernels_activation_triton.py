@@ -58,3 +58,18 @@ def test_bad_shapes_are_refused():
         expert_combine_triton(torch.ones(2, 8), torch.ones(2, 8), torch.ones(2, 8))
     with pytest.raises(ValueError, match="unit column stride"):
         silu_mul_triton(torch.ones(8, 2).T, torch.ones(2, 8))
+
+
+def test_a_wrong_out_or_mismatched_operand_is_refused_before_any_launch():
+    gate, up = torch.zeros(4, 32), torch.zeros(4, 32)
+    for bad in (torch.zeros(4, 16), torch.zeros(4, 32, dtype=torch.float16), torch.zeros(32, 4).t()):
+        with pytest.raises(ValueError, match="out must be"):
+            silu_mul_triton(gate, up, out=bad)
+        with pytest.raises(ValueError, match="out must be"):
+            expert_combine_triton(gate, up, torch.zeros(4, 1), out=bad)
+    with pytest.raises(ValueError, match="one shape"):
+        silu_mul_triton(gate, torch.zeros(4, 16))
+    with pytest.raises(ValueError, match="one shape"):
+        expert_combine_triton(gate, torch.zeros(3, 32), torch.zeros(4, 1))
+    out = torch.empty(4, 32)
+    assert silu_mul_triton(gate, up, out=out) is out

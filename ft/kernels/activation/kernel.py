@@ -46,11 +46,24 @@ def _rows(*ts: torch.Tensor) -> None:
             raise ValueError(f"expected [T, N] tensors with unit column stride, got {tuple(t.shape)} {t.stride()}")
 
 
+def _output(out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """`out`, checked to be [T, N] in like's dtype and device with unit column stride, or a new one."""
+    if out is None:
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    if (out.shape != like.shape or out.dtype != like.dtype or out.device != like.device
+            or (out.numel() and out.stride(-1) != 1)):
+        raise ValueError(f"out must be {tuple(like.shape)} {like.dtype} on {like.device} with unit column stride, "
+                         f"got {tuple(out.shape)} {out.dtype} on {out.device} {out.stride()}")
+    return out
+
+
 def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up for gate, up [T, I] (rows may be strided) -> [T, I] in gate's dtype."""
     _rows(gate, up)
     t, n = gate.shape
-    out = torch.empty((t, n), dtype=gate.dtype, device=gate.device) if out is None else out
+    if up.shape != gate.shape:
+        raise ValueError(f"gate and up must have one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    out = _output(out, gate)
     if t and n:
         grid = (t, triton.cdiv(n, BLOCK))
         _silu_mul_kernel[grid](gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), BLOCK_N=BLOCK)
@@ -64,7 +77,9 @@ def expert_combine_triton(routed: torch.Tensor, shared: torch.Tensor, gate_logit
     t, n = routed.shape
     if gate_logit.shape != (t, 1):
         raise ValueError(f"gate_logit must be [T, 1] = [{t}, 1], got {tuple(gate_logit.shape)}")
-    out = torch.empty((t, n), dtype=routed.dtype, device=routed.device) if out is None else out
+    if shared.shape != routed.shape:
+        raise ValueError(f"routed and shared must have one shape, got {tuple(routed.shape)} and {tuple(shared.shape)}")
+    out = _output(out, routed)
     if t and n:
         grid = (t, triton.cdiv(n, BLOCK))
         _expert_combine_kernel[grid](routed, shared, gate_logit, out, n, routed.stride(0), shared.stride(0),
