@@ -1,0 +1,192 @@
+"""Qwen3.8-Flash-Next's Engram n-gram embedding (the checkpoint's "PLE" layer), torch reference.
+
+The model adds, before one decoder layer's first HyperConnection read (0-based layer 1 in the
+released checkpoint), a delta computed from the raw token ids alone: each position's 2- and 3-grams
+are hashed into a table of ~320M rows x 160 (51.2B parameters, ~102 GB in bf16: it lives in host
+memory, and a step reads only the rows its tokens hash to), the 16 rows are concatenated, gated
+against the HyperConnection streams, and smoothed by a dilated causal convolution.
+docs/qwen3.8-flash-next/qsa-engram.md (sections 6-9) is the specification, with its sources.
+
+This module is the math, in torch, for sequences and for one decode step with carried state:
+
+- `EngramHashing`: the table geometry (per-head prime sizes and offsets) and `rows(...)`, the 16
+  table rows of every position (int64). The n-gram context resets after the EOS id; missing context
+  is the EOS id.
+- `ple_delta(...)`: the delta added to every HyperConnection stream, given the gathered rows and
+  the streams; its convolution history is `PLEState.conv` per sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["DEFAULT_MULTIPLIERS", "EngramHashing", "PLEWeights", "grouped_rms_norm", "next_primes", "ple_delta"]
+
+DEFAULT_MULTIPLIERS = (23703573157769, 20109073645365, 8052911324071)
+"""The hash's odd int64 multipliers: index 0 multiplies the current token, 1 the previous, 2 the one
+before. Fixed constants of the released checkpoint (its `layer_multipliers` buffer), not derived."""
+
+
+def next_primes(base: int, count: int) -> list[int]:
+    """The `count` smallest primes greater than `base`, ascending (trial division: bases ~2e7 are cheap)."""
+    out, n = [], base + 1
+    while len(out) < count:
+        if n > 1 and all(n % p for p in range(2, math.isqrt(n) + 1)):
+            out.append(n)
+        n += 1
+    return out
+
+
+@dataclass(frozen=True)
+class EngramHashing:
+    """Where the n-grams of raw token ids land in the table.
+
+    Orders 2 .. ngram_size each have `heads_per_ngram` heads (order 2's heads first); head k's rows are
+    [offsets[k], offsets[k] + sizes[k]) with sizes the smallest primes above `vocab_size_base`, in head
+    order; the table has `padded_rows` rows (the sum rounded up to `divisible_by`)."""
+
+    ngram_size: int = 3
+    heads_per_ngram: int = 8
+    vocab_size_base: int = 20_000_000
+    divisible_by: int = 128
+    eos_token_id: int = 248044
+    multipliers: tuple[int, ...] = DEFAULT_MULTIPLIERS
+    sizes: tuple[int, ...] = field(init=False)
+    offsets: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.ngram_size < 2 or self.heads_per_ngram < 1:
+            raise ValueError(f"ngram_size {self.ngram_size} must be >= 2 and heads_per_ngram {self.heads_per_ngram} >= 1")
+        if len(self.multipliers) < self.ngram_size:
+            raise ValueError(f"{len(self.multipliers)} hash multipliers for n-grams of {self.ngram_size}")
+        sizes = next_primes(self.vocab_size_base, (self.ngram_size - 1) * self.heads_per_ngram)
+        offsets = [0]
+        for s in sizes[:-1]:
+            offsets.append(offsets[-1] + s)
+        object.__setattr__(self, "sizes", tuple(sizes))
+        object.__setattr__(self, "offsets", tuple(offsets))
+
+    @property
+    def num_heads(self) -> int:
+        return (self.ngram_size - 1) * self.heads_per_ngram
+
+    @property
+    def context_len(self) -> int:
+        """Previous token ids a sequence carries between steps."""
+        return self.ngram_size - 1
+
+    @property
+    def padded_rows(self) -> int:
+        total = sum(self.sizes)
+        return -(-total // self.divisible_by) * self.divisible_by
+
+    def empty_context(self) -> list[int]:
+        """The context of a sequence before its first token (the EOS id: "no context")."""
+        return [self.eos_token_id] * self.context_len
+
+    def rows(self, ids: torch.Tensor, context: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+        """Table rows of one sequence's tokens.
+
+        Args:
+            ids: [T] int token ids (any integer dtype, any device).
+            context: the `context_len` ids before ids[0] (`empty_context()` at the sequence's start).
+        Returns:
+            (rows [T, num_heads] int64 on ids' device, the context after ids[-1]).
+
+        Position t's shift-s token is ids[t - s] if no EOS lies strictly between t - s and t, else
+        the EOS id; with the context prepended (EOS where there is none) that one rule covers the
+        sequence's start and chunk boundaries alike."""
+        context = self.empty_context() if context is None else list(context)
+        if len(context) != self.context_len:
+            raise ValueError(f"context must hold {self.context_len} ids, got {len(context)}")
+        n, c = ids.numel(), self.context_len
+        ext = torch.cat([torch.tensor(context, dtype=torch.int64, device=ids.device), ids.reshape(-1).to(torch.int64)])
+        eos = torch.full_like(ext[:n], self.eos_token_id)
+        mixes, mix, cut = [], None, torch.zeros(n, dtype=torch.bool, device=ids.device)
+        for s in range(self.ngram_size):
+            token = ext[c - s: c - s + n]
+            if s >= 2:  # an EOS at t - s + 1 (strictly between t - s and t) ends the context
+                cut = cut | (ext[c - s + 1: c - s + 1 + n] == self.eos_token_id)
+            token = torch.where(cut, eos, token) if s >= 2 else token
+            term = token * self.multipliers[s]  # int64, wrapping
+            mix = term if mix is None else mix ^ term
+            if s >= 1:
+                mixes.append(mix)  # order s + 1
+        sizes = torch.tensor(self.sizes, dtype=torch.int64, device=ids.device)
+        offsets = torch.tensor(self.offsets, dtype=torch.int64, device=ids.device)
+        per_head = torch.stack([m for m in mixes for _ in range(self.heads_per_ngram)], dim=1)  # [T, heads]
+        rows = torch.remainder(per_head, sizes) + offsets
+        return rows, ext[-c:].tolist()
+
+
+@dataclass(frozen=True)
+class PLEWeights:
+    """The PLE layer's tensors (checkpoint names under `...layers.{i}.ple.`), for C streams of width D
+    and an embedding of width E (the 16 rows of 160 concatenated: 2,560).
+
+    key_proj [C*D, E], value_proj [D, E]; norm_key, norm_query, norm_conv [C*D] (grouped RMSNorm
+    weights, applied as 1 + w); conv [C*D, K] (the depthwise kernel, `conv1d.weight` [C*D, 1, K]
+    squeezed), dilation `dilation` (the n-gram size); eps of the norms."""
+
+    key_proj: torch.Tensor
+    value_proj: torch.Tensor
+    norm_key: torch.Tensor
+    norm_query: torch.Tensor
+    norm_conv: torch.Tensor
+    conv: torch.Tensor
+    streams: int
+    dilation: int = 3
+    eps: float = 1e-6
+
+    @property
+    def history(self) -> int:
+        """Conv inputs a sequence carries: (K - 1) x dilation (9 for the released checkpoint)."""
+        return (self.conv.shape[-1] - 1) * self.dilation
+
+
+def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
+    """x [..., groups * D] normalised per group of D in fp32, times (1 + weight), in x's dtype."""
+    shape = x.shape
+    xf = x.float().reshape(*shape[:-1], groups, shape[-1] // groups)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf.reshape(shape) * (1.0 + weight.float())).to(x.dtype)
+
+
+def ple_delta(embedding: torch.Tensor, streams: torch.Tensor, w: PLEWeights,
+              conv_history: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta one sequence's tokens add to every HyperConnection stream.
+
+    Args:
+        embedding: [T, E] the concatenated table rows of each token (the model's dtype).
+        streams: [T, C, D] the HyperConnection state entering the PLE layer's decoder layer.
+        conv_history: [history, C*D] the conv inputs of the sequence's previous `history` tokens
+            (oldest first; zeros before its start, the default).
+    Returns:
+        (delta [T, C*D] to add to the streams flattened stream-major, the new conv history).
+
+    Per token and stream h: a scalar gate sigmoid(ssqrt(<norm_key(key_proj e)_h, norm_query(H)_h> / sqrt(D)))
+    (ssqrt: the signed square root of |g| floored at 1e-6) scales one shared value v = value_proj e;
+    u = the gated values, u_hat = norm_conv(u), and delta = u + silu(conv(u_hat)) with the conv causal,
+    depthwise, dilated. Arithmetic in the inputs' dtype where the reference keeps it (norms in fp32)."""
+    t, c, d = streams.shape
+    if c != w.streams:
+        raise ValueError(f"{c} streams, the PLE weights are for {w.streams}")
+    key = grouped_rms_norm(F.linear(embedding, w.key_proj), w.norm_key, c, w.eps).reshape(t, c, d)
+    query = grouped_rms_norm(streams.reshape(t, c * d), w.norm_query, c, w.eps).reshape(t, c, d)
+    value = F.linear(embedding, w.value_proj)  # [T, D]
+    g = (key * query).sum(-1) / math.sqrt(d)  # [T, C]
+    g = torch.sign(g) * torch.sqrt(torch.clamp(g.abs(), min=1e-6))
+    u = (torch.sigmoid(g)[:, :, None] * value[:, None, :]).reshape(t, c * d)
+    u_hat = grouped_rms_norm(u, w.norm_conv, c, w.eps)
+    hist = w.history
+    if conv_history is None:
+        conv_history = torch.zeros(hist, c * d, dtype=u_hat.dtype, device=u_hat.device)
+    seq = torch.cat([conv_history.to(u_hat.dtype), u_hat])  # [hist + T, C*D]: row hist + t is token t
+    k = w.conv.shape[-1]
+    conv = sum(seq[j * w.dilation: j * w.dilation + t].float() * w.conv[:, j].float() for j in range(k))
+    delta = u + F.silu(conv.to(u.dtype))
+    return delta, seq[-hist:].clone()

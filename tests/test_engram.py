@@ -1,0 +1,150 @@
+"""Qwen3.8-Flash-Next's Engram n-gram embedding (ft/model/layers/engram.py): the table geometry and the
+hashed rows against the released checkpoint's fixture (docs/qwen3.8-flash-next/qsa-engram.md, 7.2),
+the context's reset after EOS, chunked = whole, and the PLE delta's causality and carried conv state."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ft.model.layers.engram import EngramHashing, PLEWeights, grouped_rms_norm, next_primes, ple_delta
+
+EOS = 248044
+
+# The reference's hash fixture: ids [10, 11, EOS, 12, 13], the 16 rows of positions 0 and 3.
+FIXTURE_IDS = [10, 11, EOS, 12, 13]
+FIXTURE_ROWS = {
+    0: [6826666, 27775725, 51991156, 74082527, 82622748, 119600976, 135816374, 152166807, 174244281, 190221032,
+        211723794, 232787707, 243645790, 275729718, 280030017, 303574322],
+    3: [10272144, 38375960, 56169038, 77269436, 82103390, 104512879, 128875317, 156088582, 166704986, 181067027,
+        214019790, 236371812, 246423428, 277700973, 295065937, 303933063],
+}
+
+
+def test_table_geometry_of_the_released_checkpoint():
+    h = EngramHashing()
+    assert h.sizes[:3] == (20000003, 20000023, 20000033) and len(h.sizes) == 16
+    assert h.offsets[1] == 20000003 and h.offsets[-1] == 300001275
+    assert sum(h.sizes) == 320001446 and h.padded_rows == 320001536
+    assert h.padded_rows * 160 == 51_200_245_760  # the "51.2B parameters"
+
+
+def test_next_primes_are_primes_in_order():
+    ps = next_primes(100, 5)
+    assert ps == [101, 103, 107, 109, 113]
+
+
+def test_rows_equal_the_checkpoint_fixture():
+    rows, context = EngramHashing().rows(torch.tensor(FIXTURE_IDS))
+    for pos, want in FIXTURE_ROWS.items():
+        assert rows[pos].tolist() == want
+    assert context == [12, 13]
+
+
+def test_rows_stay_in_each_heads_range():
+    h = EngramHashing()
+    rows, _ = h.rows(torch.randint(0, 248320, (300,), generator=torch.Generator().manual_seed(0)))
+    lo, size = torch.tensor(h.offsets), torch.tensor(h.sizes)
+    assert bool(((rows >= lo) & (rows < lo + size)).all())
+
+
+def test_context_resets_after_eos_and_at_the_start():
+    h = EngramHashing()
+    # token 12 after EOS hashes as if the sequence started at the EOS: same rows as [EOS, 12] from scratch
+    after_eos, _ = h.rows(torch.tensor([5, 6, EOS, 12]))
+    fresh, _ = h.rows(torch.tensor([EOS, 12]))
+    assert torch.equal(after_eos[3], fresh[1])
+    # the first token of a sequence sees EOS as its whole context: equal to a token right after an EOS
+    first, _ = h.rows(torch.tensor([12]))
+    assert torch.equal(first[0], fresh[1])
+    # a bigram ignores the token two back, a trigram does not
+    a, _ = h.rows(torch.tensor([1, 2, 3]))
+    b, _ = h.rows(torch.tensor([7, 2, 3]))
+    assert torch.equal(a[2, :8], b[2, :8]) and not torch.equal(a[2, 8:], b[2, 8:])
+
+
+@pytest.mark.parametrize("cut", [1, 2, 5, 9])
+def test_chunks_with_carried_context_equal_the_whole(cut):
+    h = EngramHashing()
+    ids = torch.tensor([3, 4, EOS, 5, 6, 7, EOS, EOS, 8, 9, 10])
+    whole, ctx_whole = h.rows(ids)
+    first, ctx = h.rows(ids[:cut])
+    parts = [first]
+    for i in range(cut, len(ids)):  # then token by token, as decode
+        r, ctx = h.rows(ids[i:i + 1], ctx)
+        parts.append(r)
+    assert torch.equal(torch.cat(parts), whole) and ctx == ctx_whole
+
+
+def _weights(c=2, d=8, e=12, k=4, dilation=3, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: (torch.randn(*s, generator=g) * 0.3).to(dtype)  # noqa: E731
+    return PLEWeights(key_proj=r(c * d, e), value_proj=r(d, e), norm_key=r(c * d), norm_query=r(c * d),
+                      norm_conv=r(c * d), conv=r(c * d, k), streams=c, dilation=dilation)
+
+
+def _naive_delta(emb, streams, w):
+    """Token by token, straight from the specification's formulas."""
+    t, c, d = streams.shape
+    u_hats, out = [], []
+    for i in range(t):
+        key = grouped_rms_norm(w.key_proj @ emb[i], w.norm_key, c, w.eps).reshape(c, d)
+        query = grouped_rms_norm(streams[i].reshape(-1), w.norm_query, c, w.eps).reshape(c, d)
+        v = w.value_proj @ emb[i]
+        u = []
+        for h in range(c):
+            g = float((key[h] * query[h]).sum()) / math.sqrt(d)
+            g = math.copysign(math.sqrt(max(abs(g), 1e-6)), g) if g != 0 else 0.0
+            u.append(v / (1 + math.exp(-g)))
+        u = torch.cat(u)
+        u_hats.append(grouped_rms_norm(u, w.norm_conv, c, w.eps))
+        conv = torch.zeros(c * d)
+        for j in range(w.conv.shape[1]):
+            back = (w.conv.shape[1] - 1 - j) * w.dilation
+            if i - back >= 0:
+                conv += w.conv[:, j] * u_hats[i - back]
+        out.append(u + torch.nn.functional.silu(conv))
+    return torch.stack(out)
+
+
+def test_ple_delta_equals_the_formulas_token_by_token():
+    w = _weights()
+    g = torch.Generator().manual_seed(1)
+    emb, streams = torch.randn(14, 12, generator=g), torch.randn(14, 2, 8, generator=g)
+    delta, history = ple_delta(emb, streams, w)
+    torch.testing.assert_close(delta, _naive_delta(emb, streams, w), rtol=1e-5, atol=1e-5)
+    assert history.shape == (9, 16)
+
+
+@pytest.mark.parametrize("cut", [1, 4, 9, 11])
+def test_ple_delta_in_chunks_with_the_carried_history_equals_the_whole(cut):
+    w = _weights()
+    g = torch.Generator().manual_seed(2)
+    emb, streams = torch.randn(13, 12, generator=g), torch.randn(13, 2, 8, generator=g)
+    whole, hist_whole = ple_delta(emb, streams, w)
+    first, hist = ple_delta(emb[:cut], streams[:cut], w)
+    parts = [first]
+    for i in range(cut, 13):  # decode: one token at a time
+        d, hist = ple_delta(emb[i:i + 1], streams[i:i + 1], w, hist)
+        parts.append(d)
+    # equal up to the summation order of a matmul over T rows against one row
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hist, hist_whole, rtol=1e-5, atol=1e-6)
+
+
+def test_ple_delta_is_causal():
+    w = _weights()
+    g = torch.Generator().manual_seed(3)
+    emb, streams = torch.randn(10, 12, generator=g), torch.randn(10, 2, 8, generator=g)
+    base, _ = ple_delta(emb, streams, w)
+    emb2 = emb.clone()
+    emb2[-1] += 1.0
+    changed, _ = ple_delta(emb2, streams, w)
+    assert torch.equal(changed[:-1], base[:-1]) and not torch.equal(changed[-1], base[-1])
+
+
+def test_ple_delta_refuses_a_stream_count_it_was_not_built_for():
+    with pytest.raises(ValueError, match="streams"):
+        ple_delta(torch.zeros(2, 12), torch.zeros(2, 3, 8), _weights())
