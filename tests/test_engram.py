@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from ft.model.layers.engram import EngramHashing, PLEWeights, grouped_rms_norm, next_primes, ple_delta
+from ft.model.layers.engram import EngramHashing, PLEWeights, next_primes, ple_delta
+from ft.model.layers.hyper_connection import grouped_rms_norm
 
 EOS = 248044
 

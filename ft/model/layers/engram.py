@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DEFAULT_MULTIPLIERS", "EngramHashing", "PLEWeights", "grouped_rms_norm", "next_primes", "ple_delta"]
+from ft.model.layers.hyper_connection import grouped_rms_norm
+
+__all__ = ["DEFAULT_MULTIPLIERS", "EngramHashing", "PLEWeights", "next_primes", "ple_delta"]
 
 DEFAULT_MULTIPLIERS = (23703573157769, 20109073645365, 8052911324071)
 """The hash's odd int64 multipliers: index 0 multiplies the current token, 1 the previous, 2 the one
@@ -60,7 +62,8 @@ class EngramHashing:
 
     def __post_init__(self) -> None:
         if self.ngram_size < 2 or self.heads_per_ngram < 1:
-            raise ValueError(f"ngram_size {self.ngram_size} must be >= 2 and heads_per_ngram {self.heads_per_ngram} >= 1")
+            raise ValueError(f"ngram_size {self.ngram_size} must be >= 2 and heads_per_ngram "
+                             f"{self.heads_per_ngram} >= 1")
         if len(self.multipliers) < self.ngram_size:
             raise ValueError(f"{len(self.multipliers)} hash multipliers for n-grams of {self.ngram_size}")
         sizes = next_primes(self.vocab_size_base, (self.ngram_size - 1) * self.heads_per_ngram)
@@ -146,14 +149,6 @@ class PLEWeights:
     def history(self) -> int:
         """Conv inputs a sequence carries: (K - 1) x dilation (9 for the released checkpoint)."""
         return (self.conv.shape[-1] - 1) * self.dilation
-
-
-def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
-    """x [..., groups * D] normalised per group of D in fp32, times (1 + weight), in x's dtype."""
-    shape = x.shape
-    xf = x.float().reshape(*shape[:-1], groups, shape[-1] // groups)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf.reshape(shape) * (1.0 + weight.float())).to(x.dtype)
 
 
 def ple_delta(embedding: torch.Tensor, streams: torch.Tensor, w: PLEWeights,
