@@ -1,0 +1,210 @@
+"""Qwen3.8-Flash-Next's language model as one whole-sequence forward in torch: the specification
+(docs/qwen3.8-flash-next/) made executable, checked against the public reference implementation
+(scratch oracle for now: issue 38), before the engine's model runs it over the paged pools.
+
+No cache, no batching, no kernels: one sequence's logits from its token ids, every layer written out
+from its formula. The weights are a dict under the Hugging Face checkpoint's names
+(`model.language_model.*`, `lm_head.weight`); `config` is the checkpoint's text config (its field
+names and defaults: `TextConfig.from_dict`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ft.model.layers.engram import EngramHashing, PLEWeights, ple_delta
+from ft.model.layers.hyper_connection import HyperConnection, expand_streams
+from ft.model.layers.qsa import compress_keys, select_tokens, sparse_attention
+
+__all__ = ["TextConfig", "forward_logits"]
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    """The text config fields the forward reads (names as in the checkpoint's `text_config`)."""
+
+    vocab_size: int = 248320
+    hidden_size: int = 2560
+    num_hidden_layers: int = 48
+    layer_types: tuple[str, ...] = ()
+    full_attention_interval: int = 4
+    num_attention_heads: int = 24
+    num_key_value_heads: int = 2
+    head_dim: int = 256
+    partial_rotary_factor: float = 0.25
+    rope_theta: float = 10000.0
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 48
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    num_experts: int = 512
+    num_experts_per_tok: int = 10
+    norm_topk_prob: bool = True
+    hc_count: int = 4
+    indexer_n_heads: int = 4
+    indexer_head_dim: int = 128
+    indexer_budget: int = 2048
+    indexer_compress_ratio: int = 4
+    ple_layer_ids: tuple[int, ...] = ()
+    ngram_size: int = 3
+    heads_per_ngram: int = 8
+    eos_token_id: int = 248044
+    rms_norm_eps: float = 1e-6
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TextConfig:
+        fields = {k: d[k] for k in cls.__dataclass_fields__ if k in d and d[k] is not None}
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if "rope_theta" not in fields and "rope_theta" in rope:
+            fields["rope_theta"] = rope["rope_theta"]
+        if "partial_rotary_factor" not in fields and "partial_rotary_factor" in rope:
+            fields["partial_rotary_factor"] = rope["partial_rotary_factor"]
+        if rope.get("rope_type", "default") != "default":
+            raise NotImplementedError(f"rope_type {rope['rope_type']!r}: only 'default' RoPE so far")
+        for k in ("layer_types", "ple_layer_ids"):
+            if k in fields:
+                fields[k] = tuple(fields[k])
+        return cls(**fields)
+
+    def is_attention(self, i: int) -> bool:
+        if self.layer_types:
+            return self.layer_types[i] == "full_attention"
+        return (i + 1) % self.full_attention_interval == 0
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 1.0) -> torch.Tensor:
+    """RMSNorm over the last dim in fp32, times (offset + weight), in x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight.float())).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, rot: int, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE on the first `rot` features of x [T, H, D] at positions [T]; the rest pass."""
+    half = rot // 2
+    inv = theta ** (-torch.arange(half, dtype=torch.float32) * 2 / rot)
+    ang = positions.float()[:, None] * inv[None, :]
+    cos, sin = ang.cos()[:, None, :].to(x.dtype), ang.sin()[:, None, :].to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:rot]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rot:]], dim=-1)
+
+
+def _hc(w: dict, prefix: str, c: int, eps: float, write: bool = True) -> HyperConnection:
+    return HyperConnection(norm=w[f"{prefix}.hc_norm.weight"], down=w[f"{prefix}.input_mix_weight_down.weight"],
+                           up=w[f"{prefix}.input_mix_weight_up.weight"],
+                           inject=w[f"{prefix}.block_inject_weight.weight"] if write else None, streams=c, eps=eps)
+
+
+def _gated_deltanet(x: torch.Tensor, w: dict, p: str, cfg: TextConfig) -> torch.Tensor:
+    """x [T, H] -> [T, H]: split projections, causal conv + SiLU, the gated delta rule token by token
+    (fp32 state), the fp32 gated norm with a sigmoid gate."""
+    t = x.shape[0]
+    hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    qkv = F.linear(x, w[f"{p}.in_proj_qkv.weight"])  # [T, 2 hk dk + hv dv]
+    kern = w[f"{p}.conv1d.weight"]  # [C, 1, K]
+    qkv = F.silu(F.conv1d(F.pad(qkv.T[None], (kern.shape[-1] - 1, 0)), kern, groups=qkv.shape[1])[0].T)
+    q, k, v = torch.split(qkv, [hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.reshape(t, hk, dk).float(), k.reshape(t, hk, dk).float(), v.reshape(t, hv, dv).float()
+    z = F.linear(x, w[f"{p}.in_proj_z.weight"]).reshape(t, hv, dv)
+    beta = torch.sigmoid(F.linear(x, w[f"{p}.in_proj_b.weight"])).float()
+    a = F.linear(x, w[f"{p}.in_proj_a.weight"]).float()
+    g = -torch.exp(w[f"{p}.A_log"].float()) * F.softplus(a + w[f"{p}.dt_bias"].float())  # [T, hv]
+    q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6) / math.sqrt(dk)
+    k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
+    q, k = q.repeat_interleave(hv // hk, dim=1), k.repeat_interleave(hv // hk, dim=1)
+    state = torch.zeros(hv, dk, dv)
+    out = torch.empty(t, hv, dv)
+    for i in range(t):
+        state = state * torch.exp(g[i])[:, None, None]
+        delta = beta[i][:, None] * (v[i] - torch.einsum("hkv,hk->hv", state, k[i]))
+        state = state + k[i][:, :, None] * delta[:, None, :]
+        out[i] = torch.einsum("hkv,hk->hv", state, q[i])
+    normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    normed = normed * w[f"{p}.norm.weight"].float() * torch.sigmoid(z.float())
+    return F.linear(normed.to(x.dtype).reshape(t, hv * dv), w[f"{p}.out_proj.weight"])
+
+
+def _qsa_attention(x: torch.Tensor, w: dict, p: str, cfg: TextConfig) -> torch.Tensor:
+    """x [T, H] -> [T, H]: gated attention over the tokens the indexer selects per query."""
+    t = x.shape[0]
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    rot = int(d * cfg.partial_rotary_factor)
+    pos = torch.arange(t)
+    qg = F.linear(x, w[f"{p}.q_proj.weight"]).reshape(t, hq, 2 * d)
+    q, gate = qg[..., :d], qg[..., d:].reshape(t, hq * d)
+    k = F.linear(x, w[f"{p}.k_proj.weight"]).reshape(t, hkv, d)
+    v = F.linear(x, w[f"{p}.v_proj.weight"]).reshape(t, hkv, d)
+    q = _rope(_rms(q, w[f"{p}.q_norm.weight"], cfg.rms_norm_eps), pos, rot, cfg.rope_theta)
+    k = _rope(_rms(k, w[f"{p}.k_norm.weight"], cfg.rms_norm_eps), pos, rot, cfg.rope_theta)
+    hi, di, ratio = cfg.indexer_n_heads, cfg.indexer_head_dim, cfg.indexer_compress_ratio
+    iqk = F.linear(x, w[f"{p}.indexer.index_qk_proj.weight"])
+    iq = _rope(_rms(iqk[:, : hi * di].reshape(t, hi, di), w[f"{p}.indexer.q_layernorm.weight"], cfg.rms_norm_eps),
+               pos, rot, cfg.rope_theta)
+    kc = compress_keys(iqk[:, hi * di:], ratio)  # [P, di]
+    kc = _rope(_rms(kc, w[f"{p}.indexer.k_layernorm.weight"], cfg.rms_norm_eps)[:, None, :],
+               torch.arange(kc.shape[0]) * ratio, rot, cfg.rope_theta)[:, 0]
+    tokens = select_tokens(iq, kc, pos, cfg.indexer_budget // ratio, ratio)
+    o = sparse_attention(q, k, v, tokens, d ** -0.5).reshape(t, hq * d)
+    return F.linear(o * torch.sigmoid(gate), w[f"{p}.o_proj.weight"])
+
+
+def _moe(x: torch.Tensor, w: dict, p: str, cfg: TextConfig) -> torch.Tensor:
+    """x [T, H] -> [T, H]: softmax (fp32) over every expert, top-k, renormalised; SwiGLU experts
+    (gate_up [E, 2I, H]: gate rows first), the router weight before down; the sigmoid-gated shared expert."""
+    probs = torch.softmax(F.linear(x, w[f"{p}.gate.weight"]).float(), dim=-1)
+    top, idx = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
+    if cfg.norm_topk_prob:
+        top = top / (top.sum(-1, keepdim=True) + 1e-20)
+    gate_up, down = w[f"{p}.experts.gate_up_proj"], w[f"{p}.experts.down_proj"]
+    inter = down.shape[-1]
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for i in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[i, j])
+            h = gate_up[e] @ x[i]
+            act = F.silu(h[:inter]) * h[inter:] * top[i, j].to(x.dtype)
+            out[i] += (down[e] @ act).float()
+    shared = F.linear(F.silu(F.linear(x, w[f"{p}.shared_expert.gate_proj.weight"]))
+                      * F.linear(x, w[f"{p}.shared_expert.up_proj.weight"]), w[f"{p}.shared_expert.down_proj.weight"])
+    shared = shared * torch.sigmoid(F.linear(x, w[f"{p}.shared_expert_gate.weight"]))
+    return out.to(x.dtype) + shared
+
+
+def forward_logits(ids: torch.Tensor, weights: dict[str, torch.Tensor], cfg: TextConfig,
+                   hashing: EngramHashing | None = None) -> torch.Tensor:
+    """ids [T] of one sequence -> logits [T, vocab] (float32), every position.
+
+    `hashing` is required when the config has a PLE layer (its table under
+    `...layers.{i}.ple.ple_embedding.ngram_embedding.weight`, rows as `EngramHashing` addresses them)."""
+    root = "model.language_model"
+    c, eps = cfg.hc_count, cfg.rms_norm_eps
+    x = expand_streams(F.embedding(ids, weights[f"{root}.embed_tokens.weight"]), c)
+    for i in range(cfg.num_hidden_layers):
+        p = f"{root}.layers.{i}"
+        if (i + 1) in cfg.ple_layer_ids:
+            if hashing is None:
+                raise ValueError(f"layer {i} has a PLE layer: pass its EngramHashing")
+            rows, _ = hashing.rows(ids)
+            emb = F.embedding(rows, weights[f"{p}.ple.ple_embedding.ngram_embedding.weight"]).reshape(ids.shape[0], -1)
+            ple = {k: weights[f"{p}.ple.{k}.weight"]
+                   for k in ("key_proj", "value_proj", "norm_key", "norm_query", "norm_conv", "conv1d")}
+            pw = PLEWeights(key_proj=ple["key_proj"], value_proj=ple["value_proj"], norm_key=ple["norm_key"],
+                            norm_query=ple["norm_query"], norm_conv=ple["norm_conv"], conv=ple["conv1d"][:, 0],
+                            streams=c, dilation=cfg.ngram_size, eps=eps)
+            delta, _ = ple_delta(emb.to(x.dtype), x.reshape(x.shape[0], c, -1), pw)
+            x = x + delta
+        hc = _hc(weights, f"{p}.attn_hyper_connection", c, eps)
+        u, n = hc.read(x)
+        y = (_qsa_attention(u, weights, f"{p}.self_attn", cfg) if cfg.is_attention(i)
+             else _gated_deltanet(u, weights, f"{p}.linear_attn", cfg))
+        x = hc.write(y, x, n)
+        hc = _hc(weights, f"{p}.mlp_hyper_connection", c, eps)
+        u, n = hc.read(x)
+        x = hc.write(_moe(u, weights, f"{p}.mlp", cfg), x, n)
+    h, _ = _hc(weights, f"{root}.hyper_connection_mixer", c, eps, write=False).read(x)
+    return F.linear(h, weights["lm_head.weight"]).float()
