@@ -11,8 +11,10 @@ fails under CI, which must run it.
 
 Cases: 4 layers, 2 streams, QSA sparse from position 11 (a budget of 2 blocks), GQA 2:1; 8 layers,
 4 streams, two QSA layers, 8 experts top-3, 3 indexer heads; a budget longer than the prompt (dense
-QSA), unequal GDN head dims, EOS ids in the prompt; and the Engram PLE layer over the released
-table's full row space (320,001,536 rows of width 1) with EOS resets."""
+QSA), unequal GDN head dims, EOS ids in the prompt; YaRN RoPE (factor 2 over an original context
+of 32, run past it, with the released config's interleaved mRoPE sections, which text reads as plain
+RoPE); the Engram PLE layer over the released table's full row space (320,001,536 rows of width 1)
+with EOS resets."""
 
 from __future__ import annotations
 
@@ -43,6 +45,13 @@ CASES = {
     "dense-qsa-eos": ({"indexer_budget": 64, "linear_num_value_heads": 6, "linear_num_key_heads": 2,
                        "linear_value_head_dim": 4, "head_dim": 16, "hidden_size": 24, "vocab_size": 80}, 50,
                       [10, 11, 30]),
+    # dense QSA (a budget past the prompt): this case is about RoPE. Sparse, its 16-wide indexer
+    # left blocks tied at score 0, and the reference's torch.topk took the higher block where we take
+    # the lower: the tie order is undefined (docs/qwen3.8-flash-next/qsa-engram.md, 5)
+    "yarn-mrope": ({"head_dim": 32, "indexer_head_dim": 16, "indexer_budget": 128, "max_position_embeddings": 256,
+                    "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32,
+                                        "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [3, 3, 2],
+                                        "mrope_interleaved": True}}, 72, []),
     "ple-full-rows": ({"ple_layer_ids": [2], "ple_embed_dim": 16, "eos_token_id": 63, "bos_token_id": 63}, 36,
                       [5, 20, 21]),
 }

@@ -5,7 +5,8 @@
 No cache, no batching, no kernels: one sequence's logits from its token ids, every layer written out
 from its formula. The weights are a dict under the Hugging Face checkpoint's names
 (`model.language_model.*`, `lm_head.weight`); `config` is the checkpoint's text config (its field
-names and defaults: `TextConfig.from_dict`).
+names and defaults: `TextConfig.from_dict`; RoPE "default" or "yarn": the released config's mRoPE
+sections change nothing for text, whose three position axes are equal).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ft.model.layers.engram import EngramHashing, PLEWeights, ple_delta
 from ft.model.layers.hyper_connection import HyperConnection, expand_streams
 from ft.model.layers.qsa import compress_keys, select_tokens, sparse_attention
 
-__all__ = ["TextConfig", "forward_logits"]
+__all__ = ["TextConfig", "forward_logits", "rope_frequencies"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,11 @@ class TextConfig:
     heads_per_ngram: int = 8
     eos_token_id: int = 248044
     rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 262144
+    rope_type: str = "default"
+    rope_scaling: tuple[tuple[str, float], ...] = ()
+    """The YaRN fields of `rope_parameters` (factor, original_max_position_embeddings, beta_fast,
+    beta_slow, attention_factor, mscale, mscale_all_dim, truncate) as sorted (name, value) pairs."""
 
     @classmethod
     def from_dict(cls, d: dict) -> TextConfig:
@@ -64,8 +70,12 @@ class TextConfig:
             fields["rope_theta"] = rope["rope_theta"]
         if "partial_rotary_factor" not in fields and "partial_rotary_factor" in rope:
             fields["partial_rotary_factor"] = rope["partial_rotary_factor"]
-        if rope.get("rope_type", "default") != "default":
-            raise NotImplementedError(f"rope_type {rope['rope_type']!r}: only 'default' RoPE so far")
+        fields["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+        if fields["rope_type"] not in ("default", "yarn"):
+            raise NotImplementedError(f"rope_type {fields['rope_type']!r}: 'default' and 'yarn' are taken")
+        yarn_keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
+                     "mscale", "mscale_all_dim", "truncate")
+        fields["rope_scaling"] = tuple(sorted((k, rope[k]) for k in yarn_keys if rope.get(k) is not None))
         for k in ("layer_types", "ple_layer_ids"):
             if k in fields:
                 fields[k] = tuple(fields[k])
@@ -83,12 +93,49 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 1.0)
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight.float())).to(x.dtype)
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, rot: int, theta: float) -> torch.Tensor:
+def rope_frequencies(cfg: TextConfig, rot: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rot / 2] float32, the factor cos and sin are scaled by) of the config's RoPE.
+
+    YaRN (arXiv 2309.00071, as transformers computes it): each frequency blends the original
+    (extrapolation) and the one divided by `factor` (interpolation) by a linear ramp over the
+    dimensions whose wavelength fits between beta_fast and beta_slow rotations in the original context;
+    cos and sin are scaled by 0.1 ln(factor) + 1 unless the config names the factor."""
+    theta = cfg.rope_theta
+    base = theta ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot)
+    if cfg.rope_type == "default":
+        return 1.0 / base, 1.0
+    y = dict(cfg.rope_scaling)
+    original = y.get("original_max_position_embeddings", cfg.max_position_embeddings)
+    factor = y.get("factor") or cfg.max_position_embeddings / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = y.get("attention_factor")
+    if attention is None:
+        attention = (mscale(factor, y["mscale"]) / mscale(factor, y["mscale_all_dim"])
+                     if y.get("mscale") and y.get("mscale_all_dim") else mscale(factor))
+
+    def dim_of(rotations: float) -> float:  # the dimension whose wavelength makes `rotations` turns
+        return rot * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(y.get("beta_fast") or 32), dim_of(y.get("beta_slow") or 1)
+    if y.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(rot // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1: the original frequency, 0: the interpolated one
+    return (1.0 / (factor * base)) * (1 - keep) + (1.0 / base) * keep, float(attention)
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, rot: int, cfg: TextConfig) -> torch.Tensor:
     """Rotate-half RoPE on the first `rot` features of x [T, H, D] at positions [T]; the rest pass."""
     half = rot // 2
-    inv = theta ** (-torch.arange(half, dtype=torch.float32) * 2 / rot)
+    inv, scale = rope_frequencies(cfg, rot)
     ang = positions.float()[:, None] * inv[None, :]
-    cos, sin = ang.cos()[:, None, :].to(x.dtype), ang.sin()[:, None, :].to(x.dtype)
+    cos, sin = (ang.cos() * scale)[:, None, :].to(x.dtype), (ang.sin() * scale)[:, None, :].to(x.dtype)
     x1, x2 = x[..., :half], x[..., half:rot]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rot:]], dim=-1)
 
@@ -139,15 +186,15 @@ def _qsa_attention(x: torch.Tensor, w: dict, p: str, cfg: TextConfig) -> torch.T
     q, gate = qg[..., :d], qg[..., d:].reshape(t, hq * d)
     k = F.linear(x, w[f"{p}.k_proj.weight"]).reshape(t, hkv, d)
     v = F.linear(x, w[f"{p}.v_proj.weight"]).reshape(t, hkv, d)
-    q = _rope(_rms(q, w[f"{p}.q_norm.weight"], cfg.rms_norm_eps), pos, rot, cfg.rope_theta)
-    k = _rope(_rms(k, w[f"{p}.k_norm.weight"], cfg.rms_norm_eps), pos, rot, cfg.rope_theta)
+    q = _rope(_rms(q, w[f"{p}.q_norm.weight"], cfg.rms_norm_eps), pos, rot, cfg)
+    k = _rope(_rms(k, w[f"{p}.k_norm.weight"], cfg.rms_norm_eps), pos, rot, cfg)
     hi, di, ratio = cfg.indexer_n_heads, cfg.indexer_head_dim, cfg.indexer_compress_ratio
     iqk = F.linear(x, w[f"{p}.indexer.index_qk_proj.weight"])
     iq = _rope(_rms(iqk[:, : hi * di].reshape(t, hi, di), w[f"{p}.indexer.q_layernorm.weight"], cfg.rms_norm_eps),
-               pos, rot, cfg.rope_theta)
+               pos, rot, cfg)
     kc = compress_keys(iqk[:, hi * di:], ratio)  # [P, di]
     kc = _rope(_rms(kc, w[f"{p}.indexer.k_layernorm.weight"], cfg.rms_norm_eps)[:, None, :],
-               torch.arange(kc.shape[0]) * ratio, rot, cfg.rope_theta)[:, 0]
+               torch.arange(kc.shape[0]) * ratio, rot, cfg)[:, 0]
     tokens = select_tokens(iq, kc, pos, cfg.indexer_budget // ratio, ratio)
     o = sparse_attention(q, k, v, tokens, d ** -0.5).reshape(t, hq * d)
     return F.linear(o * torch.sigmoid(gate), w[f"{p}.o_proj.weight"])

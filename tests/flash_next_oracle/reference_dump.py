@@ -40,7 +40,12 @@ FULL_ROWS = 320001536
 def dump(case: dict) -> None:
     cfg_dict = {**BASE, **case["config"]}
     text = Qwen3_8_FlashNextTextConfig(**cfg_dict)
-    cfg = Qwen3_8_FlashNextConfig(text_config=text, language_model_only=True)
+    # the wrapper validates a copy of the text config's RoPE, which for YaRN reads a
+    # max_position_embeddings it does not have: give it plain RoPE (the text model reads the text config's)
+    rope = cfg_dict["rope_parameters"]
+    wrapper_rope = (None if rope["rope_type"] == "default"
+                    else {"rope_type": "default", "rope_theta": rope["rope_theta"]})
+    cfg = Qwen3_8_FlashNextConfig(text_config=text, language_model_only=True, rope_parameters=wrapper_rope)
     backend = BackendConfig(linear="torch", attn="sdpa", rms_norm="torch", experts="torch", dispatcher="torch",
                             enable_hf_state_dict_adapter=False)
     table = (Qwen3_8_FlashNextEngramTableConfig(num_embeddings=FULL_ROWS, embedding_dim=cfg_dict["ple_embed_dim"] // 16)
