@@ -34,6 +34,8 @@ from ft.model.qwen3_8_flash_next_reference import TextConfig, forward_logits
 ROOT = Path(__file__).resolve().parents[1]
 DUMP = ROOT / "tests" / "flash_next_oracle" / "reference_dump.py"
 TOL = 1e-4
+GREEDY_TOKENS = 8
+GREEDY_CASES = ("4l-2hc-sparse", "8l-4hc-2qsa", "dense-qsa-eos")
 
 CASES = {
     "4l-2hc-sparse": ({}, 40, []),
@@ -77,7 +79,8 @@ def dumps(tmp_path_factory) -> dict[str, Path]:
     cases = []
     for name, (config, length, eos_at) in CASES.items():
         (root / name).mkdir()
-        cases.append({"dir": str(root / name), "config": config, "length": length, "eos_at": eos_at})
+        cases.append({"dir": str(root / name), "config": config, "length": length, "eos_at": eos_at,
+                      "greedy": GREEDY_TOKENS if name in GREEDY_CASES else 0})
     (root / "cases.json").write_text(json.dumps(cases))
     run = subprocess.run([python, str(DUMP), str(root / "cases.json")], capture_output=True, text=True, timeout=600,
                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
@@ -120,3 +123,18 @@ def test_logits_equal_the_reference(dumps, name):
     err = (got - want).abs().max().item()
     assert err < TOL * max(1.0, want.abs().max().item()), f"max |logit error| {err:.3g}"
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("name", GREEDY_CASES)
+def test_greedy_tokens_equal_the_reference(dumps, name):
+    """GREEDY_TOKENS tokens generated greedily after the prompt, each step re-running the whole prefix
+    on both sides (neither forward has a cache), are the reference's."""
+    folder = dumps[name]
+    cfg = TextConfig.from_dict(json.loads((folder / "config.json").read_text()))
+    weights = native_to_checkpoint_names(load_file(str(folder / "weights.safetensors")))
+    io = load_file(str(folder / "io.safetensors"))
+    seq = io["ids"]
+    with torch.no_grad():
+        for _ in range(GREEDY_TOKENS):
+            seq = torch.cat([seq, forward_logits(seq, weights, cfg)[-1].argmax().view(1)])
+    assert seq[len(io["ids"]):].tolist() == io["greedy"].tolist()

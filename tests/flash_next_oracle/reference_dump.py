@@ -6,7 +6,7 @@ subprocess: the reference pins its own transformers and installs import hooks, s
 our test process.
 
 argv: cases.json, a list of {"dir", "config" (text-config overrides), "length", "eos_at" (positions
-set to the EOS id)}."""
+set to the EOS id), "greedy" (tokens to generate greedily after the prompt)}."""
 
 import json
 import sys
@@ -63,9 +63,16 @@ def dump(case: dict) -> None:
         ids[0, pos] = cfg_dict["eos_token_id"]
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0].float()
+        # greedy continuation: the reference has no cache, so every step re-runs the whole prefix
+        seq = ids
+        for _ in range(case.get("greedy", 0)):
+            nxt = model(input_ids=seq).logits[0, -1].argmax()
+            seq = torch.cat([seq, nxt.view(1, 1)], dim=1)
+        greedy = seq[0, ids.shape[1]:]
     out = case["dir"]
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, f"{out}/weights.safetensors")
-    save_file({"ids": ids[0].contiguous(), "logits": logits.contiguous()}, f"{out}/io.safetensors")
+    save_file({"ids": ids[0].contiguous(), "logits": logits.contiguous(), "greedy": greedy.contiguous()},
+              f"{out}/io.safetensors")
     with open(f"{out}/config.json", "w") as f:
         json.dump(cfg_dict, f)
 
