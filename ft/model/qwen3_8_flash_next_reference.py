@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ft.kernels.norm import rms_norm_ref
 from ft.model.layers.engram import EngramHashing, PLEWeights, ple_delta
 from ft.model.layers.hyper_connection import HyperConnection, expand_streams
 from ft.model.layers.qsa import compress_keys, select_tokens, sparse_attention
@@ -85,12 +86,6 @@ class TextConfig:
         if self.layer_types:
             return self.layer_types[i] == "full_attention"
         return (i + 1) % self.full_attention_interval == 0
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 1.0) -> torch.Tensor:
-    """RMSNorm over the last dim in fp32, times (offset + weight), in x's dtype."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight.float())).to(x.dtype)
 
 
 def rope_frequencies(cfg: TextConfig, rot: int) -> tuple[torch.Tensor, float]:
@@ -186,14 +181,14 @@ def _qsa_attention(x: torch.Tensor, w: dict, p: str, cfg: TextConfig) -> torch.T
     q, gate = qg[..., :d], qg[..., d:].reshape(t, hq * d)
     k = F.linear(x, w[f"{p}.k_proj.weight"]).reshape(t, hkv, d)
     v = F.linear(x, w[f"{p}.v_proj.weight"]).reshape(t, hkv, d)
-    q = _rope(_rms(q, w[f"{p}.q_norm.weight"], cfg.rms_norm_eps), pos, rot, cfg)
-    k = _rope(_rms(k, w[f"{p}.k_norm.weight"], cfg.rms_norm_eps), pos, rot, cfg)
+    q = _rope(rms_norm_ref(q, w[f"{p}.q_norm.weight"], cfg.rms_norm_eps), pos, rot, cfg)
+    k = _rope(rms_norm_ref(k, w[f"{p}.k_norm.weight"], cfg.rms_norm_eps), pos, rot, cfg)
     hi, di, ratio = cfg.indexer_n_heads, cfg.indexer_head_dim, cfg.indexer_compress_ratio
     iqk = F.linear(x, w[f"{p}.indexer.index_qk_proj.weight"])
-    iq = _rope(_rms(iqk[:, : hi * di].reshape(t, hi, di), w[f"{p}.indexer.q_layernorm.weight"], cfg.rms_norm_eps),
+    iq = _rope(rms_norm_ref(iqk[:, : hi * di].reshape(t, hi, di), w[f"{p}.indexer.q_layernorm.weight"], cfg.rms_norm_eps),
                pos, rot, cfg)
     kc = compress_keys(iqk[:, hi * di:], ratio)  # [P, di]
-    kc = _rope(_rms(kc, w[f"{p}.indexer.k_layernorm.weight"], cfg.rms_norm_eps)[:, None, :],
+    kc = _rope(rms_norm_ref(kc, w[f"{p}.indexer.k_layernorm.weight"], cfg.rms_norm_eps)[:, None, :],
                torch.arange(kc.shape[0]) * ratio, rot, cfg)[:, 0]
     tokens = select_tokens(iq, kc, pos, cfg.indexer_budget // ratio, ratio)
     o = sparse_attention(q, k, v, tokens, d ** -0.5).reshape(t, hq * d)

@@ -20,15 +20,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ft.kernels.norm import rms_norm_ref
+
 __all__ = ["HyperConnection", "expand_streams", "grouped_rms_norm"]
 
 
 def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
-    """x [..., groups * D] normalised per group of D in fp32, times (1 + weight [groups * D]), in x's dtype."""
+    """x [..., groups * D] normalised per group of D in fp32, times (1 + weight [groups * D]), in x's dtype:
+    Qwen3-Next's zero-centred RMSNorm (`rms_norm_ref`) with a weight row per group."""
     shape = x.shape
-    xf = x.float().reshape(*shape[:-1], groups, shape[-1] // groups)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf.reshape(shape) * (1.0 + weight.float())).to(x.dtype)
+    d = shape[-1] // groups
+    return rms_norm_ref(x.reshape(*shape[:-1], groups, d), weight.reshape(groups, d), eps).reshape(shape)
 
 
 def expand_streams(embedding: torch.Tensor, streams: int) -> torch.Tensor:
