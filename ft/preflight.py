@@ -16,7 +16,7 @@ import socket
 from pathlib import Path
 from typing import Callable
 
-from ft.errors import ConfigError, FreeTokenError
+from ft.errors import ConfigError, UnsupportedModelError, FreeTokenError
 
 _DEMO = (None, "", "demo")
 
@@ -39,7 +39,7 @@ def check_model(config) -> None:
                 if not path.is_file():
                     raise ConfigError(f"synthetic model config {path} does not exist")
                 cfg = ModelConfig.from_file(path)
-                _check_split(config, cfg)
+                check_split(config, cfg)
                 _check_kernels(config, cfg, None)
                 path = None
         if path is not None:
@@ -50,17 +50,20 @@ def check_model(config) -> None:
             # config.json: present, valid JSON, a supported architecture; splits over the GPUs asked;
             # shapes the kernels run (or take a reference path for)
             cfg = ModelConfig.from_file(path)
-            _check_split(config, cfg)
+            check_split(config, cfg)
             _check_kernels(config, cfg, path)
             model_dir = path
     _check_tokenizer(config, model_dir)
 
 
-def _check_split(config, cfg) -> None:
+def check_split(config, cfg) -> None:
     """--tensor-parallel-size N: every rank's share of heads and channels exists (one line if not)."""
     from ft.model.tp_split import local_config
 
     world = getattr(config, "tensor_parallel_size", 1)
+    if world > 1 and cfg.is_flash_next:
+        raise UnsupportedModelError("Qwen3.8-Flash-Next does not run under tensor parallelism yet "
+                                    "(--tensor-parallel-size 1)")
     for rank in range(world if world > 1 else 0):
         local_config(cfg, rank, world)
 

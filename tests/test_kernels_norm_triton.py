@@ -100,6 +100,23 @@ def test_gated_rms_norm(t, h, d, dtype, weight_fp32):
     assert out.shape == x.shape and rel_rms(out, gated_rms_norm_ref(x, gate, w, EPS)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES.values(), ids=KERNEL_DTYPES.keys())
+def test_gated_rms_norm_sigmoid_gate(dtype):
+    """Qwen3.8-Flash-Next's GDN output gate: weight * rmsnorm(x) * sigmoid(z), against the reference
+    (and the reference against its formula, so that the two cannot agree on the wrong gate)."""
+    x, gate = randn(3, 2, 96, dtype=dtype, seed=5, scale=3.0), randn(3, 2, 96, dtype=dtype, seed=6, scale=2.0)
+    w = randn(96, dtype=dtype, seed=7, scale=0.1) + 1
+    want = gated_rms_norm_ref(x, gate, w, EPS, "sigmoid")
+    xf = x.float()
+    formula = w.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS) * torch.sigmoid(gate.float())
+    assert rel_rms(want, formula) < TOL[dtype]
+    assert rel_rms(want, gated_rms_norm_ref(x, gate, w, EPS)) > 0.1  # the silu gate differs
+    out = details.gated_rms_norm_triton(x, gate, w, EPS, out=nan_like(x), activation="sigmoid")
+    assert rel_rms(out, want) < TOL[dtype]
+    with pytest.raises(ValueError, match="activation"):
+        details.gated_rms_norm_triton(x, gate, w, EPS, activation="tanh")
+
+
 QK = [(1, 4, 2, 64, 16), (3, 4, 1, 96, 24), (2, 2, 2, 40, 40), (6, 2, 1, 256, 64)]
 """(T, Hq, Hk, D, rotary_dim): partial and full rotary, D and half the rotary dims not powers of 2."""
 

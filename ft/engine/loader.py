@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ft.errors import UnsupportedModelError
 from ft.kernels import attention
 from ft.kernels.backend import uses_triton
 from ft.kernels.moe import SlotWeights, moe_workspace_bytes
@@ -17,7 +18,8 @@ from ft.kernels.nvfp4 import DEQUANT_MM_MIN_M
 from ft.model.checkpoint import CheckpointReader, load_weights
 from ft.model.config import ModelConfig
 from ft.model.layers.linear import NVFP4Weight
-from ft.model.qwen3_next import Qwen3NextModel, tensor_specs
+from ft.model import qwen3_8_flash_next, qwen3_next
+from ft.model.qwen3_next import Qwen3NextModel
 from ft.model.tp_shard import shard_expert_store, shard_tensors
 from ft.model.tp_split import local_config
 
@@ -52,13 +54,17 @@ def tokenizer_dir(model_path: Path) -> Path:
 def load_model(
     model: str | None, model_path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int,
     progress: bool, tp=None,
-) -> tuple[Qwen3NextModel, SlotWeights | None]:
+) -> tuple[Qwen3NextModel | qwen3_8_flash_next.FlashNextModel, SlotWeights | None]:
     """The model with its resident weights on `device`, and the routed experts' host store. With
     tensor parallelism (`tp`, a `ft.parallel.TPGroup`) this rank's shard of both
     (`ft.model.tp_shard`): the whole checkpoint is read, each tensor cut as it arrives."""
     from ft.tools.synthetic import is_synthetic, synthetic_weights
 
-    specs, expert_names = tensor_specs(cfg)
+    arch = qwen3_8_flash_next if cfg.is_flash_next else qwen3_next
+    if cfg.is_flash_next and (tp is not None or is_synthetic(model)):
+        raise UnsupportedModelError("Qwen3.8-Flash-Next runs from a bf16/fp32 checkpoint on one GPU for now: "
+                                    "synthetic weights and tensor parallelism come with its NVFP4 layout (issue 38)")
+    specs, expert_names = arch.tensor_specs(cfg)
     rank, world = (tp.rank, tp.world) if tp is not None else (0, 1)
     if is_synthetic(model):
         weights = synthetic_weights(specs, expert_names, dtype, device, seed, shard=(rank, world))
@@ -75,7 +81,7 @@ def load_model(
     if world > 1:  # NOTE: after the CPU path's dequantization: dense columns cut anywhere, NVFP4 per block
         weights.tensors = shard_tensors(weights.tensors, cfg, rank, world)
         cfg = local_config(cfg, rank, world)
-    m = Qwen3NextModel(cfg, weights, dtype, device, tp)
+    m = (qwen3_8_flash_next.FlashNextModel if cfg.is_flash_next else Qwen3NextModel)(cfg, weights, dtype, device, tp)
     m.kv_scales = weights.kv_scales  # NOTE: the KV pool takes them (ft.engine.engine), the model does not
     m.kv_cache_quant_algo = weights.kv_algo  # what the scales describe: "FP8" | "NVFP4" (None: no KV algo named)
     return m, weights.experts
@@ -98,7 +104,9 @@ def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
         2 * max(cfg.shared_expert_intermediate_size, cfg.intermediate_size),
         cfg.num_experts,
     )
-    per_token = (3 * cfg.hidden_size + 2 * widest) * torch.finfo(dtype).bits // 8
+    streams = cfg.flash_next.hc_count if cfg.is_flash_next else 1  # HyperConnections: a residual of C streams,
+    # its normalised copy, the read's gate and the write's result (4 tensors of C x hidden)
+    per_token = (3 * cfg.hidden_size + 4 * (streams - 1) * cfg.hidden_size + 2 * widest) * torch.finfo(dtype).bits // 8
     moe = decoded = 0
     if uses_triton(device):  # the Triton MoE's workspace (the CPU reference allocates per group)
         moe = moe_workspace_bytes(prefill_tokens, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,

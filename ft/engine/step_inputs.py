@@ -64,8 +64,7 @@ def replay_pool_ops(ops: list[tuple], kv, mamba) -> None:
         if kind == "kv_copy":
             kv.kv[op[2]].copy_(kv.kv[op[1]])
         elif kind == "mamba_zero":
-            mamba.conv[op[1]].zero_()
-            mamba.ssm[op[1]].zero_()
+            mamba.zero_slot(op[1])
         elif kind == "mamba_copy":
             mamba.copy_slot(op[1], op[2])
         else:

@@ -42,6 +42,11 @@ def start_workers(config: EngineConfig) -> Workers | None:
     world = config.tensor_parallel_size
     if world <= 1:
         return None
+    from ft.engine.loader import resolve_model_path
+    from ft.model.config import ModelConfig
+    from ft.preflight import check_split
+
+    check_split(config, ModelConfig.from_file(resolve_model_path(config.model)))  # before any worker starts
     import torch
     import torch.multiprocessing as mp
 

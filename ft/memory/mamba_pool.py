@@ -1,16 +1,29 @@
 """Linear-attention ("mamba") state slots: conv and SSM state of every Gated DeltaNet layer.
 
 conv [S, L, C, W-1] (model dtype) and ssm [S, L, Hv, Dk, Dv] (float32), slot-major so the pool
-can grow or shrink at its tail. A running request owns one slot; prefix-cache entries own one
-each, holding the state at their cached boundary.
+can grow or shrink at its tail, and any other state a model carries per sequence (`SlotState`:
+Qwen3.8-Flash-Next's n-gram context and PLE conv history), in `extra[name]` [S, ...]. A running
+request owns one slot; prefix-cache entries own one each, holding the state at their cached
+boundary. Every state of a slot is zeroed, copied and resized together.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ft.memory.resizable import PoolInconsistent, follow_free_slots, narrow_to_common, resize_together
 from ft.memory.storage import PoolStorage
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """One more per-sequence state: `extra[name]` is [S, *shape] of `dtype`, zero for a new sequence."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 class MambaPool:
@@ -26,10 +39,13 @@ class MambaPool:
         dtype: torch.dtype,
         device: torch.device,
         storage: PoolStorage | None = None,
+        slot_states: tuple[SlotState, ...] = (),
     ) -> None:
         self.storage = storage or PoolStorage(device)
         self.conv = self.storage.zeros(num_slots, (num_layers, conv_dim, conv_width - 1), dtype)
         self.ssm = self.storage.zeros(num_slots, (num_layers, num_v_heads, k_dim, v_dim), torch.float32)
+        self.extra: dict[str, torch.Tensor] = {
+            st.name: self.storage.zeros(num_slots, st.shape, st.dtype) for st in slot_states}
         self._free = list(range(num_slots - 1, -1, -1))
         self.journal = None  # a `ft.engine.step_inputs.PoolJournal` recording content writes (tensor parallelism)
 
@@ -40,11 +56,11 @@ class MambaPool:
     @property
     def tensors(self) -> list[torch.Tensor]:
         """The pool's tensors, each [S, ...] (what its bytes are made of)."""
-        return [self.conv, self.ssm]
+        return [self.conv, self.ssm, *self.extra.values()]
 
     @property
     def bytes_per_slot(self) -> int:
-        return self.conv[0].numel() * self.conv.element_size() + self.ssm[0].numel() * 4
+        return sum(t[0].numel() * t.element_size() for t in self.tensors)
 
     @property
     def nbytes(self) -> int:
@@ -66,8 +82,7 @@ class MambaPool:
         if not self._free:
             raise MemoryError("mamba pool: no free slot")
         slot = self._free.pop()
-        self.conv[slot].zero_()
-        self.ssm[slot].zero_()
+        self.zero_slot(slot)
         if self.journal is not None:
             self.journal.ops.append(("mamba_zero", slot))
         return slot
@@ -76,9 +91,13 @@ class MambaPool:
         assert slot not in self._free, f"mamba slot {slot} freed twice"
         self._free.append(slot)
 
+    def zero_slot(self, slot: int) -> None:
+        for t in self.tensors:
+            t[slot].zero_()
+
     def copy_slot(self, src: int, dst: int) -> None:
-        self.conv[dst].copy_(self.conv[src])
-        self.ssm[dst].copy_(self.ssm[src])
+        for t in self.tensors:
+            t[dst].copy_(t[src])
         if self.journal is not None:
             self.journal.ops.append(("mamba_copy", src, dst))
 
@@ -101,20 +120,21 @@ class MambaPool:
         return moves
 
     def resize(self, num_slots: int) -> None:
-        """Grow or shrink to `num_slots`; slots >= num_slots must be free when shrinking. conv and
-        ssm change together or not at all (PoolInconsistent when even putting back failed: the
+        """Grow or shrink to `num_slots`; slots >= num_slots must be free when shrinking. conv, ssm
+        and the extra states change together or not at all (PoolInconsistent when even putting back failed: the
         pool then narrows to the slots both still have)."""
         if self.slots_in_use_from(num_slots):
             raise RuntimeError(f"mamba pool: slots >= {num_slots} are still in use")
         old = self.num_slots
-        ts = [self.conv, self.ssm]
+        ts = self.tensors
         try:
             resize_together(self.storage, ts, num_slots, "mamba")
         except PoolInconsistent:
             ts = narrow_to_common(ts)
             raise
         finally:
-            self.conv, self.ssm = ts
+            self.conv, self.ssm = ts[:2]
+            self.extra = dict(zip(self.extra, ts[2:]))
             self._follow(old)
 
     def _follow(self, old: int) -> None:

@@ -22,16 +22,28 @@ from ft.kernels.moe import SlotWeights
 
 # Tensors a checkpoint may carry that FreeToken does not use.
 IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", "rotary_emb.inv_freq")
-IGNORED_PREFIXES = ("mtp.",)
+IGNORED_PREFIXES = ("mtp.", "model.visual.")  # the MTP head; Qwen3.8-Flash-Next's vision tower (text only)
 
 
 @dataclass(frozen=True)
 class TensorSpec:
     """One logical weight. kind: 'dense' (plain tensor), 'linear' (dense or NVFP4 projection),
-    'expert' (a routed expert projection: dense or NVFP4, kept in the host store)."""
+    'expert' (a routed expert projection, or one MoE layer's experts grouped: dense or NVFP4, kept in
+    the host store), 'host' (kept in host memory in the checkpoint's dtype, pinned beside a GPU; it may
+    be stored as row-contiguous parts `<stem>.shard_{i}.weight`), 'optional' (read and kept where
+    the checkpoint has it)."""
 
     shape: tuple[int, ...]
     kind: str = "dense"
+
+
+@dataclass(frozen=True)
+class GroupedExperts:
+    """One MoE layer's routed experts stored grouped: gate_up [E, 2I, H] (each expert's gate rows,
+    then its up rows) and down [E, H, I]."""
+
+    gate_up: str
+    down: str
 
 
 @dataclass
@@ -140,6 +152,33 @@ class _Consumer:
         self.used.add(name)
         return self.reader.get(name)
 
+    def host_rows(self, name: str, shape: tuple[int, ...], pin: bool) -> torch.Tensor:
+        """A [rows, width] table kept on the host: `name`, or its row-contiguous parts
+        `<stem>.shard_{i}.weight` (i = 0, 1, ...) copied in turn into one (pinned) tensor."""
+        if name in self.reader:
+            t = self.take(name, shape)
+            return t.pin_memory() if pin else t
+        stem = name.removesuffix(".weight")
+        parts = []
+        while f"{stem}.shard_{len(parts)}.weight" in self.reader:
+            parts.append(f"{stem}.shard_{len(parts)}.weight")
+        if not parts:
+            raise CheckpointError(f"missing tensor {name!r} (or its parts {stem}.shard_0.weight, ...) in {self.reader.path}")
+        shapes = [self.reader.shape(p) for p in parts]
+        if any(len(sh) != 2 or sh[1] != shape[1] for sh in shapes) or sum(sh[0] for sh in shapes) != shape[0]:
+            raise CheckpointError(f"tensor {name!r}: {len(parts)} parts of {shapes[0]}... make "
+                                  f"[{sum(sh[0] for sh in shapes)}, {shapes[0][1] if shapes[0] else '?'}], expected {list(shape)}")
+        first = self.take(parts[0], None)
+        out = torch.empty(shape, dtype=first.dtype, pin_memory=pin)
+        row = 0
+        for p in parts:
+            t = first if p == parts[0] else self.take(p, None)
+            if t.dtype != first.dtype:
+                raise CheckpointError(f"tensor {p!r}: {t.dtype}, its first part is {first.dtype}")
+            out[row: row + t.shape[0]].copy_(t)
+            row += t.shape[0]
+        return out
+
     def is_nvfp4(self, module: str) -> bool:
         return f"{module}.weight_scale" in self.reader
 
@@ -193,16 +232,26 @@ def load_weights(
     c = _Consumer(reader)
     tensors: dict[str, torch.Tensor | NVFP4Weight] = {}
     bar = tqdm(total=len(specs), desc="loading weights", unit="tensor", disable=not progress)
+    pin = host_device.type == "cpu" and device.type == "cuda"
     for name, spec in specs.items():
         if spec.kind == "expert":
+            continue
+        if spec.kind == "host":
+            tensors[name] = c.host_rows(name, spec.shape, pin)
+            bar.update(1)
+            continue
+        if spec.kind == "optional" and name not in reader:
             continue
         if spec.kind == "linear":
             w = c.projection(name, spec)
         else:
             w = c.take(name, spec.shape)
-        tensors[name] = _to(w, dtype, device)
+        tensors[name] = w if spec.kind == "optional" else _to(w, dtype, device)
         bar.update(1)
-    experts = _load_experts(c, specs, expert_groups, dtype, host_device, device, bar) if expert_groups else None
+    if expert_groups and isinstance(expert_groups[0], GroupedExperts):
+        experts = _load_grouped_experts(c, specs, expert_groups, dtype, host_device, device, bar)
+    else:
+        experts = _load_experts(c, specs, expert_groups, dtype, host_device, device, bar) if expert_groups else None
     bar.close()
     kv_scales = _kv_scales(c, specs)
     unexpected = sorted(n for n in reader.names() if n not in c.used and not _ignored(n))
@@ -237,6 +286,22 @@ def _to(w: torch.Tensor | NVFP4Weight, dtype: torch.dtype, device: torch.device)
     if isinstance(w, NVFP4Weight):
         return NVFP4Weight(w.packed.to(device), w.scale.to(device), w.scale_2.to(device))
     return w.to(device=device, dtype=dtype)
+
+
+def _load_grouped_experts(c, specs, groups: list[GroupedExperts], dtype, host_device, device, bar) -> SlotWeights:
+    """Grouped dense experts -> SlotWeights [L, E, ...] on the host (w13 = gate_up as stored: gate
+    rows then up rows, as `_load_experts` concatenates them)."""
+    if any(c.is_nvfp4(g.gate_up) or c.reader.quant.algo for g in groups):
+        raise UnsupportedModelError("NVFP4 grouped experts (the published Qwen3.8-Flash-Next layout) are not "
+                                    "read yet: load a bf16/fp32 checkpoint")
+    pin = host_device.type == "cpu" and device.type == "cuda"
+
+    def stack(names: list[str]) -> torch.Tensor:
+        t = torch.stack([c.take(n, specs[n].shape).to(dtype) for n in names])
+        bar.update(len(names))
+        return t.pin_memory() if pin else t
+
+    return SlotWeights(w13=stack([g.gate_up for g in groups]), w2=stack([g.down for g in groups]))
 
 
 def _load_experts(c, specs, groups, dtype, host_device, device, bar) -> SlotWeights:

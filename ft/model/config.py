@@ -13,13 +13,22 @@ from pathlib import Path
 from typing import Any
 
 from ft.errors import CheckpointError, UnsupportedModelError
+from ft.model.flash_next_config import FLASH_NEXT_ARCHITECTURES, TextConfig, is_flash_next, text_config_dict
 
-SUPPORTED_ARCHITECTURES = ("Qwen3NextForCausalLM",)
+QWEN3_NEXT = "Qwen3NextForCausalLM"
+FLASH_NEXT = FLASH_NEXT_ARCHITECTURES[0]
+SUPPORTED_ARCHITECTURES = (QWEN3_NEXT, *FLASH_NEXT_ARCHITECTURES)
+# Qwen3.8-Flash-Next's defaults for the fields a config.json may leave out (backbone.md, section 1)
+FLASH_NEXT_DEFAULTS = {
+    **{k: v for k, v in TextConfig().__dict__.items() if not isinstance(v, tuple) and k != "rope_type"},
+    "moe_intermediate_size": 640, "shared_expert_intermediate_size": 640, "tie_word_embeddings": False,
+}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The Qwen3-Next hyper-parameters FreeToken uses (names as in config.json)."""
+    """The hyper-parameters FreeToken uses (names as in config.json), of Qwen3-Next or of
+    Qwen3.8-Flash-Next's language model (`architecture`; the latter's own fields: `flash_next`)."""
 
     vocab_size: int
     hidden_size: int
@@ -49,13 +58,19 @@ class ModelConfig:
     attention_bias: bool = False
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "bfloat16"
+    architecture: str = QWEN3_NEXT
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ----------------------------------------------------------------------------- parsing
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or []
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        flash_next = is_flash_next(cfg)
+        whole = cfg
+        if flash_next:  # the language model's fields, under text_config, over the model's defaults;
+            # every layer is MoE (decoder_sparse_step and mlp_only_layers are stored but not read)
+            cfg = {**FLASH_NEXT_DEFAULTS, **text_config_dict(cfg), "decoder_sparse_step": 1, "mlp_only_layers": []}
+        elif not any(a in SUPPORTED_ARCHITECTURES for a in archs):
             raise UnsupportedModelError(
                 f"unsupported architecture {archs or cfg.get('model_type')!r}: "
                 f"FreeToken runs {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -82,8 +97,9 @@ class ModelConfig:
             raise UnsupportedModelError(f"config.json: unsupported layer types {bad}")
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise UnsupportedModelError(f"unsupported rope_type {rope_type!r} (only default)")
+        if rope_type != "default" and not (flash_next and rope_type == "yarn"):
+            raise UnsupportedModelError(f"unsupported rope_type {rope_type!r} (only default"
+                                        f"{', and yarn for Qwen3.8-Flash-Next' if flash_next else ''})")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         hidden = int(cfg["hidden_size"])
@@ -119,8 +135,10 @@ class ModelConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", False)),
                 eos_token_ids=eos_ids,
-                torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"),
-                raw=dict(cfg),
+                torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or whole.get("dtype")
+                                or whole.get("torch_dtype") or "bfloat16"),
+                architecture=FLASH_NEXT if flash_next else QWEN3_NEXT,
+                raw=dict(whole),
             )
         except KeyError as e:
             raise CheckpointError(f"config.json: missing required field {e.args[0]!r}") from None
@@ -139,6 +157,28 @@ class ModelConfig:
         return cls.from_dict(cfg)
 
     # ----------------------------------------------------------------------------- derived
+    @property
+    def is_flash_next(self) -> bool:
+        return self.architecture == FLASH_NEXT
+
+    @cached_property
+    def flash_next(self) -> TextConfig:
+        """Qwen3.8-Flash-Next's text config (HyperConnections, QSA, the Engram PLE layer)."""
+        if not self.is_flash_next:
+            raise AttributeError(f"{self.architecture} has no Qwen3.8-Flash-Next fields")
+        try:
+            return TextConfig.from_dict(text_config_dict(self.raw))
+        except (NotImplementedError, TypeError) as e:
+            raise UnsupportedModelError(f"config.json: {e}") from None
+
+    @property
+    def context_limit(self) -> int:
+        """The longest context the engine serves: max_position_embeddings; for Qwen3.8-Flash-Next the
+        span QSA attends to whole (its sparse selection is not in the engine yet: issue 38)."""
+        if self.is_flash_next:
+            return min(self.max_position_embeddings, self.flash_next.dense_context_limit)
+        return self.max_position_embeddings
+
     @cached_property
     def full_attention_layers(self) -> tuple[int, ...]:
         """Model layer indices of the gated full-attention layers."""

@@ -12,80 +12,16 @@ sections change nothing for text, whose three position axes are equal).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from ft.kernels.norm import rms_norm_ref
+from ft.model.flash_next_config import TextConfig
 from ft.model.layers.engram import EngramHashing, PLEWeights, ple_delta
 from ft.model.layers.hyper_connection import HyperConnection, expand_streams
 from ft.model.layers.qsa import compress_keys, select_tokens, sparse_attention
 
 __all__ = ["TextConfig", "forward_logits", "rope_frequencies"]
-
-
-@dataclass(frozen=True)
-class TextConfig:
-    """The text config fields the forward reads (names as in the checkpoint's `text_config`)."""
-
-    vocab_size: int = 248320
-    hidden_size: int = 2560
-    num_hidden_layers: int = 48
-    layer_types: tuple[str, ...] = ()
-    full_attention_interval: int = 4
-    num_attention_heads: int = 24
-    num_key_value_heads: int = 2
-    head_dim: int = 256
-    partial_rotary_factor: float = 0.25
-    rope_theta: float = 10000.0
-    linear_num_key_heads: int = 16
-    linear_num_value_heads: int = 48
-    linear_key_head_dim: int = 128
-    linear_value_head_dim: int = 128
-    linear_conv_kernel_dim: int = 4
-    num_experts: int = 512
-    num_experts_per_tok: int = 10
-    norm_topk_prob: bool = True
-    hc_count: int = 4
-    indexer_n_heads: int = 4
-    indexer_head_dim: int = 128
-    indexer_budget: int = 2048
-    indexer_compress_ratio: int = 4
-    ple_layer_ids: tuple[int, ...] = ()
-    ngram_size: int = 3
-    heads_per_ngram: int = 8
-    eos_token_id: int = 248044
-    rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 262144
-    rope_type: str = "default"
-    rope_scaling: tuple[tuple[str, float], ...] = ()
-    """The YaRN fields of `rope_parameters` (factor, original_max_position_embeddings, beta_fast,
-    beta_slow, attention_factor, mscale, mscale_all_dim, truncate) as sorted (name, value) pairs."""
-
-    @classmethod
-    def from_dict(cls, d: dict) -> TextConfig:
-        fields = {k: d[k] for k in cls.__dataclass_fields__ if k in d and d[k] is not None}
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if "rope_theta" not in fields and "rope_theta" in rope:
-            fields["rope_theta"] = rope["rope_theta"]
-        if "partial_rotary_factor" not in fields and "partial_rotary_factor" in rope:
-            fields["partial_rotary_factor"] = rope["partial_rotary_factor"]
-        fields["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
-        if fields["rope_type"] not in ("default", "yarn"):
-            raise NotImplementedError(f"rope_type {fields['rope_type']!r}: 'default' and 'yarn' are taken")
-        yarn_keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
-                     "mscale", "mscale_all_dim", "truncate")
-        fields["rope_scaling"] = tuple(sorted((k, rope[k]) for k in yarn_keys if rope.get(k) is not None))
-        for k in ("layer_types", "ple_layer_ids"):
-            if k in fields:
-                fields[k] = tuple(fields[k])
-        return cls(**fields)
-
-    def is_attention(self, i: int) -> bool:
-        if self.layer_types:
-            return self.layer_types[i] == "full_attention"
-        return (i + 1) % self.full_attention_interval == 0
 
 
 def rope_frequencies(cfg: TextConfig, rot: int) -> tuple[torch.Tensor, float]:

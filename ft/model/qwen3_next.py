@@ -82,6 +82,10 @@ def _mlp_specs(s: dict, prefix: str, h: int, inter: int, kind: str) -> tuple[str
 class Qwen3NextModel:
     """forward(batch, pools) -> logits [B, vocab] (float32) at each sequence's last new token."""
 
+    graph_safe = True  # a decode step may be captured in a CUDA graph
+    slot_states = ()  # no per-sequence state beside the GDN layers' (`MambaPool.extra`)
+    host_bytes = 0  # no weights kept in host memory beside the routed experts
+
     def __init__(self, cfg: ModelConfig, weights: LoadedWeights, dtype: torch.dtype, device: torch.device,
                  tp=None) -> None:
         # with tensor parallelism (`tp`, a `ft.parallel.TPGroup`): cfg is this rank's shard's config

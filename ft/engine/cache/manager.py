@@ -26,7 +26,7 @@ from ft.kernels.moe import SlotWeights
 from ft.memory.cache_pools import CachePools
 from ft.memory.expert_cache import ExpertCache
 from ft.memory.kv_pool import KVPool
-from ft.memory.mamba_pool import MambaPool
+from ft.memory.mamba_pool import MambaPool, SlotState
 from ft.memory.storage import PoolStorage
 
 log = logging.getLogger("ft.cache")
@@ -51,6 +51,7 @@ class PoolShapes:
     device: torch.device
     host_experts: SlotWeights | None
     kv_dtype: torch.dtype | None = None  # the KV cache's dtype (None: the compute dtype)
+    slot_states: tuple[SlotState, ...] = ()  # the model's other per-sequence states (in the mamba pool)
 
     def kv_pool(self, pages: int, storage: PoolStorage) -> KVPool:
         return KVPool(pages, self.page_size, self.kv_layers, self.kv_heads, self.head_dim, self.kv_dtype or self.dtype,
@@ -58,7 +59,7 @@ class PoolShapes:
 
     def mamba_pool(self, slots: int, storage: PoolStorage) -> MambaPool:
         return MambaPool(slots, self.mamba_layers, self.conv_dim, self.conv_width, self.v_heads, self.k_dim,
-                         self.v_dim, self.dtype, self.device, storage)
+                         self.v_dim, self.dtype, self.device, storage, self.slot_states)
 
     def expert_cache(self, slots: int, storage: PoolStorage) -> ExpertCache | None:
         if self.host_experts is None:

@@ -47,11 +47,13 @@ def add_rms_norm(
     return add_rms_norm_ref(x, residual, weight, eps)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Dispatcher for weight * rmsnorm(x) * silu(gate): the Triton kernel, else `gated_rms_norm_ref`. x, gate [..., D]."""
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   activation: str = "silu") -> torch.Tensor:
+    """Dispatcher for weight * rmsnorm(x) * act(gate) (act "silu" or "sigmoid"): the Triton kernel, else
+    `gated_rms_norm_ref`. x, gate [..., D]."""
     if (kernels := _kernels(x)) is not None:
-        return kernels.gated_rms_norm_triton(x, gate, weight, eps)
-    return gated_rms_norm_ref(x, gate, weight, eps)
+        return kernels.gated_rms_norm_triton(x, gate, weight, eps, activation=activation)
+    return gated_rms_norm_ref(x, gate, weight, eps, activation)
 
 
 def qk_norm_rope(

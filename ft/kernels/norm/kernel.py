@@ -90,11 +90,11 @@ def _rms_norm_kernel(p_x, p_r, p_w, p_y, p_h, D, eps, stride_xt, stride_rt, stri
 @triton.jit(do_not_specialize=["N", "D"])
 def _gated_rms_norm_kernel(p_x, p_g, p_w, p_y, N, D, eps, stride_xt, stride_gt, stride_yt, G_ROWS, stride_gg,
                            ROUND_WY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                           EVEN_D: tl.constexpr = False, PDL: tl.constexpr = False):
+                           EVEN_D: tl.constexpr = False, PDL: tl.constexpr = False, SIGMOID: tl.constexpr = False):
     """Rows of x, y at stride_xt, stride_yt; gate row r at (r // G_ROWS) * stride_gg + (r % G_ROWS) *
     stride_gt, so that a strided [T, H, D] gate (a view of a wider projection) needs no copy.
     EVEN_D: D == BLOCK_D (the [BLOCK_R, BLOCK_D] tiles masked by their rows alone, the weight row not
-    at all: `_load_row`)."""
+    at all: `_load_row`). SIGMOID: the gate is sigmoid(g), else silu(g)."""
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
     pdl_release(PDL)
     i_r = tl.program_id(0).to(tl.int64)
@@ -116,9 +116,12 @@ def _gated_rms_norm_kernel(p_x, p_g, p_w, p_y, N, D, eps, stride_xt, stride_gt, 
         b_wy = b_wy.to(p_y.dtype.element_ty).to(tl.float32)
     o_g = (o_r // G_ROWS) * stride_gg + (o_r % G_ROWS) * stride_gt
     b_g = tl.load(p_g + o_g[:, None] + o_d[None, :], mask=m_rd, other=0.0).to(tl.float32)
-    b_silu = b_g / (1.0 + tl.exp(-b_g))
+    if SIGMOID:
+        b_act = 1.0 / (1.0 + tl.exp(-b_g))
+    else:
+        b_act = b_g / (1.0 + tl.exp(-b_g))
     tl.debug_barrier()  # NOTE: every load before any store, so the output may alias the inputs
-    tl.store(p_y + o_r[:, None] * stride_yt + o_d[None, :], (b_wy * b_silu).to(p_y.dtype.element_ty), mask=m_rd)
+    tl.store(p_y + o_r[:, None] * stride_yt + o_d[None, :], (b_wy * b_act).to(p_y.dtype.element_ty), mask=m_rd)
 
 
 @triton.jit
@@ -261,12 +264,16 @@ def add_rms_norm_triton(
 
 
 def gated_rms_norm_triton(
-    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
-    """x, gate [..., D], weight [D] -> weight * rmsnorm(x) * silu(gate) in x's dtype, as `gated_rms_norm_ref`.
+    """x, gate [..., D], weight [D] -> weight * rmsnorm(x) * act(gate) in x's dtype, as `gated_rms_norm_ref`
+    (act: "silu" or "sigmoid").
 
     out: optional output like x (may be x). Raises: ValueError as `rms_norm_triton`, or for a gate
-    of another shape."""
+    of another shape or an activation of another name."""
+    if activation not in ("silu", "sigmoid"):
+        raise ValueError(f"gated_rms_norm: activation {activation!r}, not one of ('silu', 'sigmoid')")
     d = _check(x, weight, "gated_rms_norm")
     if gate.shape != x.shape:
         raise ValueError(f"gated_rms_norm: gate {tuple(gate.shape)} unlike x {tuple(x.shape)}")
@@ -285,6 +292,7 @@ def gated_rms_norm_triton(
         _gated_rms_norm_kernel[(triton.cdiv(n, block_r),)](rows, g, weight, y, n, d, eps, rows.stride(0), stride_g,
                                                             y.stride(0), g_rows, stride_gg, ROUND_WY=round_wy, BLOCK_R=block_r,
                                                             BLOCK_D=block, EVEN_D=d == block,
+                                                            SIGMOID=activation == "sigmoid",
                                                             num_warps=_warps(block_r * block), **pdl_args(x.device))
     return out
 

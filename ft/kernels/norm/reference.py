@@ -26,13 +26,21 @@ def add_rms_norm_ref(
     return rms_norm_ref(h, weight, eps), h
 
 
-def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * rmsnorm(x) * silu(gate), normalised before gating, in x's dtype. x, gate [..., D], weight [D]."""
+GATE_ACTIVATIONS = ("silu", "sigmoid")
+
+
+def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                       activation: str = "silu") -> torch.Tensor:
+    """weight * rmsnorm(x) * act(gate), normalised before gating, in x's dtype. x, gate [..., D], weight [D].
+    act: "silu" (Qwen3-Next) or "sigmoid" (Qwen3.8-Flash-Next's GDN output gate)."""
+    if activation not in GATE_ACTIVATIONS:
+        raise ValueError(f"gated_rms_norm: activation {activation!r}, not one of {GATE_ACTIVATIONS}")
     dtype = x.dtype
     xf = x.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
     # NOTE: the product order and casts follow the reference so bf16 rounds the same way.
-    return ((weight * y) * F.silu(gate.float())).to(dtype)
+    g = gate.float()
+    return ((weight * y) * (F.silu(g) if activation == "silu" else torch.sigmoid(g))).to(dtype)
 
 
 def rotary_inv_freq_ref(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:

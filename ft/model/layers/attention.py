@@ -15,10 +15,12 @@ from ft.kernels.attention import calibrate_kv_scale, paged_attention, paged_deco
 @dataclass(frozen=True)
 class Rope:
     """Partial rotary embedding: rotate-half over the first `rotary_dim` dims of each head, angles
-    positions x inv_freq [rotary_dim / 2] (float32)."""
+    positions x inv_freq [rotary_dim / 2] (float32); cos and sin times `scale` (YaRN's attention
+    factor; 1 for plain RoPE)."""
 
     rotary_dim: int
     inv_freq: torch.Tensor
+    scale: float = 1.0
 
 
 class GatedAttention:
@@ -56,6 +58,9 @@ class GatedAttention:
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q, k = qk_norm_rope(q, k, self.q_norm, self.k_norm, batch.positions, rope.inv_freq, rope.rotary_dim, self.eps)
+        if rope.scale != 1.0:  # YaRN: the rotated features scaled as cos and sin are (the kernel has no factor)
+            q[..., : rope.rotary_dim] *= rope.scale
+            k[..., : rope.rotary_dim] *= rope.scale
         k_cache, v_cache, kv_scale = kv
         if batch.decode is not None:  # one token per sequence: device tensors only (graph-safe)
             d = batch.decode

@@ -1,4 +1,4 @@
-"""Gated DeltaNet (Qwen3-Next's linear attention) over the mamba state pool."""
+"""Gated DeltaNet (the linear attention of Qwen3-Next and of Qwen3.8-Flash-Next) over the mamba state pool."""
 
 from __future__ import annotations
 
@@ -27,8 +27,14 @@ class GatedDeltaNet:
         head_k_dim: int,
         head_v_dim: int,
         eps: float,
+        rows_per_head: bool = True,
+        output_gate: str = "silu",
     ) -> None:
+        """rows_per_head: the projections' rows interleaved per key head (Qwen3-Next's fused
+        in_proj_qkvz / in_proj_ba), else already [q | k | v | z] and [b | a] (Qwen3.8-Flash-Next's
+        split projections, stacked). output_gate: the gated norm's activation, "silu" or "sigmoid"."""
         self.in_proj_qkvz, self.in_proj_ba, self.out_proj = in_proj_qkvz, in_proj_ba, out_proj
+        self.output_gate = output_gate
         self.conv_weight = conv_weight.reshape(conv_weight.shape[0], -1)  # [C, W]
         self.norm_weight, self.a_log, self.dt_bias = norm_weight, a_log, dt_bias
         self.hk, self.hv, self.dk, self.dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
@@ -37,6 +43,8 @@ class GatedDeltaNet:
         # head 1, ...; [b a] likewise). Their rows are reordered once here to [q of every head | k | v
         # | z] and [b | a], so that mixed qkv, z, b and a are column slices of the outputs: no copy.
         r = num_v_heads // num_k_heads
+        if not rows_per_head:
+            return
         self.in_proj_qkvz = in_proj_qkvz.with_rows(_grouped_rows(num_k_heads, [head_k_dim, head_k_dim, r * head_v_dim,
                                                                                 r * head_v_dim]))
         self.in_proj_ba = in_proj_ba.with_rows(_grouped_rows(num_k_heads, [r, r]))
@@ -90,7 +98,7 @@ class GatedDeltaNet:
             o = chunk_gated_delta_rule_varlen(q, k, v, g, beta, ssm_pool, cu, slots,  # two launches
                                               out=v.new_zeros(t, self.hv, self.dv) if pad else None)
         # z stays a strided view of in_proj_qkvz's output: the norm kernel reads it in place
-        o = gated_rms_norm(o.reshape(t, self.hv, self.dv), z, self.norm_weight, self.eps)
+        o = gated_rms_norm(o.reshape(t, self.hv, self.dv), z, self.norm_weight, self.eps, self.output_gate)
         return self.out_proj(o.reshape(t, -1))
 
 

@@ -1,0 +1,280 @@
+"""Qwen3.8-Flash-Next's language model over the engine's pools: HyperConnections around Gated DeltaNet
+and QSA attention layers, a sparse MoE in every layer, the Engram PLE layer.
+
+What runs where (issue 38; docs/qwen3.8-flash-next/README.md is the plan):
+- Gated DeltaNet: the Qwen3-Next layer (`GatedDeltaNet`) over the mamba pool, its split projections
+  stacked into the fused ones and the gated norm's activation a sigmoid.
+- QSA attention: the gated attention layer over the paged KV cache. The engine serves contexts up to
+  `TextConfig.dense_context_limit` (2,051 tokens), where QSA's indexer selects every token, so dense
+  attention is QSA exactly; the indexer's compressed keys and the sparse kernels come next (its
+  weights are loaded and kept for them).
+- MoE: `SparseMoE` over the expert cache (softmax, top-k, renormalised), the routed experts read from
+  the checkpoint's grouped tensors into the host store.
+- HyperConnections and the PLE layer: torch (`ft.model.layers.hyper_connection`, `.engram`). The
+  n-gram table stays in host memory (pinned beside a GPU) in the checkpoint's dtype; a step gathers
+  the rows its tokens hash to. Each sequence's n-gram context and PLE conv history are states of its
+  mamba slot (`MambaPool.extra`), so chunked prefill, the prefix cache and rebuilds carry them.
+
+Not yet (said at load, not hidden): CUDA graphs (the PLE hashing reads host values: `graph_safe`),
+tensor parallelism, NVFP4 checkpoints, synthetic weights. Checked token for token against the
+whole-sequence reference (`ft.model.qwen3_8_flash_next_reference`, itself checked against the public
+implementation): tests/test_flash_next_engine.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ft.errors import UnsupportedModelError
+from ft.model.checkpoint import GroupedExperts, LoadedWeights, TensorSpec
+from ft.model.config import ModelConfig
+from ft.model.forward_batch import ForwardBatch
+from ft.model.layers.attention import GatedAttention, Rope
+from ft.model.layers.engram import EngramHashing, PLEWeights, ple_delta
+from ft.model.layers.gated_deltanet import GatedDeltaNet
+from ft.model.layers.hyper_connection import HyperConnection, expand_streams
+from ft.model.layers.linear import Linear
+from ft.model.layers.moe import MLP, SparseMoE
+from ft.model.qwen3_8_flash_next_reference import rope_frequencies
+from ft.memory.cache_pools import CachePools
+from ft.memory.mamba_pool import SlotState
+
+ROOT = "model.language_model."
+ENGRAM_BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
+"""The PLE embedding's int64 buffers a checkpoint may store: checked against `EngramHashing`."""
+
+
+def hashing_of(cfg: ModelConfig) -> EngramHashing:
+    t = cfg.flash_next
+    return EngramHashing(ngram_size=t.ngram_size, heads_per_ngram=t.heads_per_ngram,
+                         vocab_size_base=t.ngram_vocab_size_base, divisible_by=t.make_ngram_vocab_size_divisible_by,
+                         eos_token_id=t.eos_token_id)
+
+
+def _hc_specs(s: dict, prefix: str, width: int, streams: int, rank: int, write: bool = True) -> None:
+    s[prefix + "hc_norm.weight"] = TensorSpec((width,))
+    s[prefix + "input_mix_weight_down.weight"] = TensorSpec((rank, width))
+    s[prefix + "input_mix_weight_up.weight"] = TensorSpec((width, rank))
+    if write:
+        s[prefix + "block_inject_weight.weight"] = TensorSpec((streams, width))
+
+
+def tensor_specs(cfg: ModelConfig) -> tuple[dict[str, TensorSpec], list[GroupedExperts]]:
+    """Every checkpoint tensor of `cfg` (Hugging Face names -> spec) and each MoE layer's grouped
+    experts. The n-gram table is kind "host" (kept in host memory); the Engram's hash buffers are
+    "optional" (checked where present)."""
+    t = cfg.flash_next
+    h, v, c, hc_rank = cfg.hidden_size, cfg.vocab_size, t.hc_count, t.hc_lowrank
+    width = c * h
+    s: dict[str, TensorSpec] = {ROOT + "embed_tokens.weight": TensorSpec((v, h)), "lm_head.weight": TensorSpec((v, h), "linear")}
+    experts = []
+    for i in range(cfg.num_hidden_layers):
+        p = f"{ROOT}layers.{i}."
+        _hc_specs(s, p + "attn_hyper_connection.", width, c, hc_rank)
+        _hc_specs(s, p + "mlp_hyper_connection.", width, c, hc_rank)
+        if i in t.ple_layers:
+            hashing = hashing_of(cfg)
+            e = p + "ple."
+            embed = t.ple_embed_dim or h  # a token's rows concatenated
+            if embed % hashing.num_heads:
+                raise UnsupportedModelError(f"config.json: ple_embed_dim {embed} is not a multiple of the "
+                                            f"{hashing.num_heads} n-gram heads")
+            s[e + "ple_embedding.ngram_embedding.weight"] = TensorSpec((hashing.padded_rows, embed // hashing.num_heads),
+                                                                      "host")
+            for name, n in zip(ENGRAM_BUFFERS, (t.ngram_size, hashing.num_heads, hashing.num_heads)):
+                s[e + "ple_embedding." + name] = TensorSpec((n,), "optional")
+            s[e + "key_proj.weight"] = TensorSpec((width, embed))
+            s[e + "value_proj.weight"] = TensorSpec((h, embed))
+            for name in ("norm_key", "norm_query", "norm_conv"):
+                s[e + name + ".weight"] = TensorSpec((width,))
+            s[e + "conv1d.weight"] = TensorSpec((width, 1, t.ple_conv_kernel_size))
+        if cfg.layer_types[i] == "linear_attention":
+            a = p + "linear_attn."
+            hv = cfg.linear_num_value_heads
+            s[a + "in_proj_qkv.weight"] = TensorSpec((2 * cfg.linear_key_dim + cfg.linear_value_dim, h), "linear")
+            s[a + "in_proj_z.weight"] = TensorSpec((cfg.linear_value_dim, h), "linear")
+            s[a + "in_proj_b.weight"] = TensorSpec((hv, h), "linear")
+            s[a + "in_proj_a.weight"] = TensorSpec((hv, h), "linear")
+            s[a + "conv1d.weight"] = TensorSpec((cfg.linear_conv_dim, 1, cfg.linear_conv_kernel_dim))
+            s[a + "out_proj.weight"] = TensorSpec((h, cfg.linear_value_dim), "linear")
+            s[a + "norm.weight"] = TensorSpec((cfg.linear_value_head_dim,))
+            s[a + "dt_bias"] = TensorSpec((hv,))
+            s[a + "A_log"] = TensorSpec((hv,))
+        else:
+            a = p + "self_attn."
+            hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+            s[a + "q_proj.weight"] = TensorSpec((2 * hq * d, h), "linear")
+            s[a + "k_proj.weight"] = TensorSpec((hk * d, h), "linear")
+            s[a + "v_proj.weight"] = TensorSpec((hk * d, h), "linear")
+            s[a + "o_proj.weight"] = TensorSpec((h, hq * d), "linear")
+            s[a + "q_norm.weight"] = TensorSpec((d,))
+            s[a + "k_norm.weight"] = TensorSpec((d,))
+            hi, di = t.indexer_n_heads, t.indexer_head_dim
+            s[a + "indexer.index_qk_proj.weight"] = TensorSpec(((hi + 1) * di, h), "linear")
+            s[a + "indexer.q_layernorm.weight"] = TensorSpec((di,))
+            s[a + "indexer.k_layernorm.weight"] = TensorSpec((di,))
+        m = p + "mlp."
+        e_i, sh, n_e = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.num_experts
+        s[m + "gate.weight"] = TensorSpec((n_e, h), "linear")
+        s[m + "shared_expert_gate.weight"] = TensorSpec((1, h), "linear")
+        for name, shape in (("gate_proj", (sh, h)), ("up_proj", (sh, h)), ("down_proj", (h, sh))):
+            s[f"{m}shared_expert.{name}.weight"] = TensorSpec(shape, "linear")
+        group = GroupedExperts(m + "experts.gate_up_proj", m + "experts.down_proj")
+        s[group.gate_up] = TensorSpec((n_e, 2 * e_i, h), "expert")
+        s[group.down] = TensorSpec((n_e, h, e_i), "expert")
+        experts.append(group)
+    _hc_specs(s, ROOT + "hyper_connection_mixer.", width, c, hc_rank, write=False)
+    return s, experts
+
+
+@dataclass
+class _PLE:
+    table: torch.Tensor  # [rows, width] in host memory, the checkpoint's dtype
+    weights: PLEWeights
+
+
+@dataclass
+class _Layer:
+    ple: _PLE | None
+    attn_hc: HyperConnection
+    mixer: GatedAttention | GatedDeltaNet
+    mlp_hc: HyperConnection
+    moe: SparseMoE
+
+
+class FlashNextModel:
+    """forward(batch, pools) -> logits [B, vocab] (float32) at each sequence's last new token."""
+
+    graph_safe = False
+    """Whether a decode step may be captured in a CUDA graph: not yet (the PLE hashes each sequence's
+    ids on the host; HyperConnections run as torch ops). The engine runs this model eagerly."""
+
+    def __init__(self, cfg: ModelConfig, weights: LoadedWeights, dtype: torch.dtype, device: torch.device,
+                 tp=None) -> None:
+        if tp is not None:
+            raise UnsupportedModelError("Qwen3.8-Flash-Next does not run under tensor parallelism yet "
+                                        "(--tensor-parallel-size 1)")
+        self.cfg, self.text, self.dtype, self.device, self.tp = cfg, cfg.flash_next, dtype, device, None
+        t, w = self.text, weights.tensors
+        host = {n for n, x in w.items() if isinstance(x, torch.Tensor) and x.device != device}
+        self.resident_bytes = sum(x.nbytes if hasattr(x, "packed") else x.numel() * x.element_size()
+                                  for n, x in w.items() if n not in host)
+        self.host_bytes = sum(w[n].numel() * w[n].element_size() for n in host)  # the Engram table
+        self.vocab_lo = None
+        self.streams, self.eps = t.hc_count, cfg.rms_norm_eps
+        self.embed = w[ROOT + "embed_tokens.weight"]
+        self.lm_head = Linear(w["lm_head.weight"])
+        self.final_read = self._hc(w, ROOT + "hyper_connection_mixer.", write=False)
+        inv_freq, scale = rope_frequencies(t, cfg.rotary_dim)
+        self.rope = Rope(cfg.rotary_dim, inv_freq.to(device), scale)
+        self.hashing = hashing_of(cfg) if t.ple_layers else None
+        if self.hashing is not None:
+            self._check_hash_buffers(w)
+        self.layers = [self._build_layer(i, w) for i in range(cfg.num_hidden_layers)]
+        self.top_k = cfg.num_experts_per_tok
+        self.moe_pairs_per_token = self.top_k * cfg.num_hidden_layers
+        self.kind_index = {i: n for kinds in (cfg.full_attention_layers, cfg.linear_attention_layers)
+                           for n, i in enumerate(kinds)}
+        width = self.streams * cfg.hidden_size
+        # each sequence's n-gram context (the ids + 1 of its last ngram_size - 1 tokens, 0: none, read as
+        # the EOS id: a zeroed slot is a sequence's start) and the PLE conv's input history
+        self.slot_states = () if self.hashing is None else (
+            SlotState("ngram_context", (self.hashing.context_len,), torch.int64),
+            SlotState("ple_conv", (self.layers[t.ple_layers[0]].ple.weights.history, width), dtype),
+        )
+
+    def _hc(self, w: dict, prefix: str, write: bool = True) -> HyperConnection:
+        return HyperConnection(norm=w[prefix + "hc_norm.weight"], down=w[prefix + "input_mix_weight_down.weight"],
+                               up=w[prefix + "input_mix_weight_up.weight"],
+                               inject=w[prefix + "block_inject_weight.weight"] if write else None,
+                               streams=self.streams, eps=self.eps)
+
+    def _check_hash_buffers(self, w: dict) -> None:
+        """The Engram's stored hash constants, where the checkpoint has them, are the ones we hash with."""
+        from ft.errors import CheckpointError
+
+        hs = self.hashing
+        want = {"layer_multipliers": list(hs.multipliers[: hs.ngram_size]), "ngram_heads_vocab_sizes": list(hs.sizes),
+                "ngram_heads_offsets": list(hs.offsets)}
+        for name, value in w.items():
+            buf = name.rsplit(".", 1)[-1]
+            if buf in want and value.tolist() != want[buf]:
+                raise CheckpointError(f"{name}: {value.tolist()[:4]}... differs from the n-gram hash this config "
+                                      f"gives ({want[buf][:4]}...): its ngram_* fields do not match the table")
+
+    def _build_layer(self, i: int, w: dict) -> _Layer:
+        cfg, t, p = self.cfg, self.text, f"{ROOT}layers.{i}."
+        L = lambda name: Linear(w[p + name])  # noqa: E731
+        ple = None
+        if i in t.ple_layers:
+            e = p + "ple."
+            ple = _PLE(w[e + "ple_embedding.ngram_embedding.weight"], PLEWeights(
+                key_proj=w[e + "key_proj.weight"], value_proj=w[e + "value_proj.weight"],
+                norm_key=w[e + "norm_key.weight"], norm_query=w[e + "norm_query.weight"],
+                norm_conv=w[e + "norm_conv.weight"], conv=w[e + "conv1d.weight"][:, 0], streams=self.streams,
+                dilation=t.ngram_size, eps=self.eps))
+        if cfg.layer_types[i] == "linear_attention":
+            a = p + "linear_attn."
+            stacked = lambda *names: Linear(torch.cat([w[a + n + ".weight"] for n in names]))  # noqa: E731
+            mixer = GatedDeltaNet(
+                stacked("in_proj_qkv", "in_proj_z"), stacked("in_proj_b", "in_proj_a"), w[a + "conv1d.weight"],
+                Linear(w[a + "out_proj.weight"]), w[a + "norm.weight"], w[a + "A_log"], w[a + "dt_bias"],
+                cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                cfg.linear_value_head_dim, cfg.rms_norm_eps, rows_per_head=False, output_gate="sigmoid",
+            )
+        else:
+            a = "self_attn."
+            mixer = GatedAttention(
+                L(a + "q_proj.weight"), L(a + "k_proj.weight"), L(a + "v_proj.weight"), L(a + "o_proj.weight"),
+                w[p + a + "q_norm.weight"], w[p + a + "k_norm.weight"], cfg.num_attention_heads,
+                cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps,
+            )
+        m = "mlp."
+        shared = MLP(L(m + "shared_expert.gate_proj.weight"), L(m + "shared_expert.up_proj.weight"),
+                     L(m + "shared_expert.down_proj.weight"))
+        moe = SparseMoE(L(m + "gate.weight"), shared, L(m + "shared_expert_gate.weight"), cfg.num_experts_per_tok,
+                        cfg.norm_topk_prob, cfg.moe_layers.index(i))
+        return _Layer(ple, self._hc(w, p + "attn_hyper_connection."), mixer, self._hc(w, p + "mlp_hyper_connection."), moe)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, pools: CachePools) -> torch.Tensor:
+        """Logits [B, V] float32 of each sequence's last new token."""
+        x = expand_streams(self.embed[batch.input_ids], self.streams)  # [T, C*H]
+        for i, layer in enumerate(self.layers):
+            if layer.ple is not None:
+                x = x + self._ple_delta(layer.ple, x, batch, pools)
+            u, n = layer.attn_hc.read(x)
+            j = self.kind_index[i]
+            if isinstance(layer.mixer, GatedAttention):
+                y = layer.mixer(u, self.rope, batch, pools.kv.layer(j))
+            else:
+                y = layer.mixer(u, batch, pools.mamba.conv[:, j], pools.mamba.ssm[:, j])
+            x = layer.attn_hc.write(y, x, n)
+            u, n = layer.mlp_hc.read(x)
+            forced = None if batch.forced_experts is None else batch.forced_experts[:, layer.moe.moe_index]
+            x = layer.mlp_hc.write(layer.moe(u, pools.experts, forced=forced), x, n)
+        u, _ = self.final_read.read(x[batch.last_token_index])  # (no final norm: the read is the model's end)
+        return self.lm_head(u).float()
+
+    def _ple_delta(self, ple: _PLE, x: torch.Tensor, batch: ForwardBatch, pools: CachePools) -> torch.Tensor:
+        """[T, C*H]: each sequence's PLE delta, from its ids' table rows, its n-gram context and conv
+        history (read from its mamba slot and written back)."""
+        hs, eos = self.hashing, self.text.eos_token_id
+        contexts, histories = pools.mamba.extra["ngram_context"], pools.mamba.extra["ple_conv"]
+        out = torch.zeros_like(x)
+        t0 = 0
+        for s in batch.seqs:
+            rows_of = slice(t0, t0 + s.length)
+            t0 += s.length
+            context = [v - 1 if v else eos for v in contexts[s.mamba_slot].tolist()]
+            rows, context = hs.rows(batch.input_ids[rows_of], context)
+            # the table stays on the host: only these rows travel
+            emb = ple.table[rows.cpu()].reshape(s.length, -1).to(x.device, x.dtype, non_blocking=True)
+            delta, history = ple_delta(emb, x[rows_of].reshape(s.length, self.streams, -1), ple.weights,
+                                       histories[s.mamba_slot])
+            out[rows_of] = delta
+            contexts[s.mamba_slot] = torch.tensor([v + 1 for v in context], dtype=torch.int64)
+            histories[s.mamba_slot] = history
+        return out

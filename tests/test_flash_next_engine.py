@@ -1,0 +1,178 @@
+"""Qwen3.8-Flash-Next through the engine (`ft.model.qwen3_8_flash_next` over the pools, loaded from a
+checkpoint on disk) against the whole-sequence reference forward (`forward_logits`, itself equal to the
+public implementation: tests/test_flash_next_oracle.py), on tiny random fp32 checkpoints under the
+released names (grouped experts, split GDN projections, the n-gram table in parts): greedy tokens
+identical, through one prefill and through chunked prefill (the GDN states, the n-gram context and
+the PLE conv history carried across chunks), two requests batched, a prefix-cache hit, YaRN RoPE.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ft.engine import LLM
+from ft.errors import ConfigError, UnsupportedModelError
+from ft.model.config import ModelConfig
+from ft.model.qwen3_8_flash_next import hashing_of, tensor_specs
+from ft.model.qwen3_8_flash_next_reference import forward_logits
+
+GREEDY = 8
+TEXT = dict(
+    vocab_size=320, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+    num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+    hc_count=2, hc_lowrank=8, indexer_n_heads=2, indexer_head_dim=16, indexer_budget=64, indexer_compress_ratio=4,
+    ple_layer_ids=[2], ple_embed_dim=32, ngram_size=3, heads_per_ngram=4, ngram_vocab_size_base=40,
+    make_ngram_vocab_size_divisible_by=8, eos_token_id=2, rms_norm_eps=1e-6, max_position_embeddings=4096,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)
+CASES = {
+    "ple-hc2": {},
+    "hc4-yarn-nople": dict(hc_count=4, ple_layer_ids=[], num_hidden_layers=8, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "factor": 4.0,
+        "original_max_position_embeddings": 16}),
+}
+
+
+def write_checkpoint(path: Path, text: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random fp32 checkpoint (config.json, the table in 3 parts, the demo tokenizer); returns its
+    weights under the names the reference forward reads (the table whole)."""
+    from ft.tools.demo import write_tokenizer_files
+
+    config = {"architectures": ["Qwen3_8_FlashNextForConditionalGeneration"], "model_type": "qwen3_8_flash_next",
+              "text_config": {**text, "dtype": "float32"}, "tie_word_embeddings": False}
+    cfg = ModelConfig.from_dict(config)
+    specs, _ = tensor_specs(cfg)
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, spec in specs.items():
+        if spec.kind == "optional":
+            continue
+        shape = spec.shape
+        if name.endswith("A_log"):
+            w = torch.rand(shape, generator=g) * 2
+        elif name.endswith("dt_bias") or "norm" in name:
+            w = torch.randn(shape, generator=g) * 0.1
+        elif name.endswith("conv1d.weight"):
+            w = torch.randn(shape, generator=g) * 0.3
+        elif "embed" in name or "lm_head" in name or name.endswith("mlp.gate.weight"):
+            w = torch.randn(shape, generator=g) * 0.5
+        else:
+            w = torch.randn(shape, generator=g) * (0.3 / shape[-1] ** 0.5 * 4)
+        weights[name] = w.contiguous()
+    stored = dict(weights)
+    table = next((n for n in stored if n.endswith("ngram_embedding.weight")), None)
+    if table is not None:  # stored in row-contiguous parts, as the released checkpoint stores it
+        stem = table.removesuffix(".weight")
+        for i, part in enumerate(stored.pop(table).tensor_split(3)):
+            stored[f"{stem}.shard_{i}.weight"] = part.contiguous()
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(stored, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+    write_tokenizer_files(path)
+    return weights
+
+
+def reference_greedy(weights: dict, path: Path, prompt: list[int], n: int = GREEDY) -> list[int]:
+    cfg = ModelConfig.from_file(path)
+    hashing = hashing_of(cfg) if cfg.flash_next.ple_layers else None
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(forward_logits(torch.tensor(ids), weights, cfg.flash_next, hashing)[-1].argmax()))
+    return ids[len(prompt):]
+
+
+def prompt_of(n: int, seed: int, eos_at: tuple[int, ...] = ()) -> list[int]:
+    ids = torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    for i in eos_at:
+        ids[i] = 2
+    return ids
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    weights = write_checkpoint(path, {**TEXT, **CASES[request.param]})
+    return request.param, path, weights
+
+
+def make_llm(path: Path, **opts) -> LLM:
+    # KV for 512 tokens: the pool holds both turns' prefixes (sized by the 67-token context limit
+    # alone it would evict the first request's entry to run the second)
+    base = dict(device="cpu", dtype="float32", page_size=16, max_running_requests=4, num_tokens=512)
+    return LLM(model=str(path), **{**base, **opts})
+
+
+GREEDY_OPTS = dict(max_new_tokens=GREEDY, temperature=0.0, ignore_eos=True)
+
+
+def test_greedy_tokens_equal_the_reference(checkpoint):
+    """One prefill and chunked prefill (chunks of 16: the n-gram context and the conv history cross
+    them), two prompts at once (EOS ids inside one: the hash resets there), a second turn that hits
+    the prefix cache."""
+    name, path, weights = checkpoint
+    a, b = prompt_of(40, 1, eos_at=(17, 30)), prompt_of(29, 2)
+    want_a, want_b = reference_greedy(weights, path, a), reference_greedy(weights, path, b)
+    assert want_a != want_b
+    with make_llm(path) as llm:
+        got = llm.generate(prompt_token_ids=[a, b], **GREEDY_OPTS)
+        assert [r.token_ids for r in got] == [want_a, want_b], name
+        turn2 = a + want_a + prompt_of(5, 3)
+        out2 = llm.generate(prompt_token_ids=[turn2], **GREEDY_OPTS)[0]
+        # everything the first turn fed through the model came from the cache (its mamba slot's states)
+        assert out2.num_cached_tokens == len(a) + GREEDY - 1
+        assert out2.token_ids == reference_greedy(weights, path, turn2), name
+    with make_llm(path, max_prefill_length=16) as llm:
+        model, chunks = llm.engine.model, []
+        forward = model.forward
+        model.forward = lambda batch, pools: (chunks.append(batch.input_ids.shape[0]), forward(batch, pools))[1]
+        assert llm.generate(prompt_token_ids=[a], **GREEDY_OPTS)[0].token_ids == want_a, name
+        assert chunks[:3] == [16, 16, 8]  # the prompt in three chunks
+
+
+def test_the_ple_and_the_yarn_factor_are_seen(checkpoint):
+    """Negative controls: the reference without the PLE's table rows (or with plain RoPE for YaRN)
+    gives other tokens, so the equality above depends on them."""
+    name, path, weights = checkpoint
+    prompt = prompt_of(40, 1, eos_at=(17, 30))
+    cfg = ModelConfig.from_file(path)
+    want = reference_greedy(weights, path, prompt)
+    if cfg.flash_next.ple_layers:
+        table = next(n for n in weights if n.endswith("ngram_embedding.weight"))
+        broken = {**weights, table: torch.roll(weights[table], 1, dims=0)}
+        assert reference_greedy(broken, path, prompt) != want
+    else:
+        import dataclasses
+
+        plain = dataclasses.replace(cfg.flash_next, rope_type="default", rope_scaling=())
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(GREEDY):
+                ids.append(int(forward_logits(torch.tensor(ids), weights, plain)[-1].argmax()))
+        assert ids[len(prompt):] != want
+
+
+def test_context_limit_is_the_dense_qsa_span(tmp_path):
+    """Until QSA's sparse selection is in the engine, the context stops where QSA attends to every
+    token (budget + ratio - 1), and a longer --max-model-len is a one-line error."""
+    path = tmp_path / "m"
+    write_checkpoint(path, {**TEXT, "ple_layer_ids": []})
+    cfg = ModelConfig.from_file(path)
+    assert cfg.context_limit == 64 + 4 - 1
+    with pytest.raises(ConfigError, match="serves contexts up to 67 tokens"):
+        make_llm(path, max_seq_len_override=100)
+    with make_llm(path) as llm:
+        assert llm.engine.context_limit == 67
+
+
+def test_refusals_name_what_is_missing(tmp_path):
+    path = tmp_path / "m"
+    write_checkpoint(path, {**TEXT, "ple_layer_ids": []})
+    with pytest.raises(UnsupportedModelError, match="tensor parallelism|synthetic"):
+        make_llm(path, tensor_parallel_size=2)
