@@ -1,0 +1,77 @@
+"""Qwen3.8-Flash-Next through the engine on CUDA (Triton kernels: the sigmoid-gated norm, the GDN
+kernels on its split projections, attention with YaRN's factor, the MoE over the expert cache) against
+the whole-sequence reference forward on the CPU in fp32 (issue 38).
+
+- fp32: the greedy tokens of two prompts (one with EOS ids, which reset the n-gram hash), batched,
+  identical to the reference's; and again with prefill in chunks of 32 and offloaded experts with
+  fewer slots than a token needs.
+- bf16: the logits of the step that finishes the prompt within TOL_BF16 (relative RMS) of the fp32
+  reference's.
+
+Configurations: the CPU test's two tiny ones, and one at the seeds' model's head shapes (GDN 16 key over
+48 value heads of 128, attention 24 heads over 2 KV heads of 256, 4 streams, the PLE's 16 heads of 160).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ft.engine import LLM, SamplingParams
+from test_flash_next_engine import CASES, GREEDY, TEXT, prompt_of, reference_greedy, write_checkpoint
+
+pytestmark = pytest.mark.gpu
+
+FLAGSHIP_HEADS = dict(
+    hidden_size=256, num_hidden_layers=4, num_attention_heads=24, num_key_value_heads=2, head_dim=256,
+    linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+    num_experts=64, num_experts_per_tok=10, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+    hc_count=4, hc_lowrank=32, indexer_n_heads=4, indexer_head_dim=128, ple_layer_ids=[2], ple_embed_dim=2560,
+    heads_per_ngram=8, rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+)
+CONFIGS = {**CASES, "flagship-heads": FLAGSHIP_HEADS}
+TOL_BF16 = 0.1
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, path, write_checkpoint(path, {**TEXT, **CONFIGS[request.param]})
+
+
+def engine(path, dtype: str, **opts) -> LLM:
+    return LLM(model=str(path), device="cuda", dtype=dtype, page_size=16, max_running_requests=4, num_tokens=512,
+               **opts)
+
+
+def test_fp32_tokens_equal_the_reference(checkpoint):
+    name, path, weights = checkpoint
+    prompts = [prompt_of(50, 1, eos_at=(17, 30)), prompt_of(41, 2)]
+    want = [reference_greedy(weights, path, p) for p in prompts]
+    opts = dict(max_new_tokens=GREEDY, temperature=0.0, ignore_eos=True)
+    with engine(path, "float32") as llm:
+        assert [r.token_ids for r in llm.generate(prompt_token_ids=prompts, **opts)] == want, name
+    with engine(path, "float32", max_prefill_length=32, moe_backend="offload", moe_cache_size=12) as llm:
+        assert [r.token_ids for r in llm.generate(prompt_token_ids=prompts, **opts)] == want, name
+        assert llm.engine.pools.experts.stats.misses > 12, name  # experts were evicted and read again
+
+
+def test_bf16_logits_near_the_reference(checkpoint):
+    from ft.model.config import ModelConfig
+    from ft.model.qwen3_8_flash_next import hashing_of
+    from ft.model.qwen3_8_flash_next_reference import forward_logits
+
+    name, path, weights = checkpoint
+    prompt = prompt_of(50, 1, eos_at=(17, 30))
+    cfg = ModelConfig.from_file(path)
+    with torch.no_grad():
+        want = forward_logits(torch.tensor(prompt), weights, cfg.flash_next,
+                              hashing_of(cfg) if cfg.flash_next.ple_layers else None)[-1]
+    with engine(path, "bfloat16") as llm:
+        eng = llm.engine
+        seq = eng.add_request(prompt, SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+        while not seq.output_ids:
+            eng.step()
+        got = eng.last_logits[0].float().cpu()
+    err = float((got - want).norm() / want.norm())
+    assert err < TOL_BF16, f"{name}: relative RMS {err:.3g}"
