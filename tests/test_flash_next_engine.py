@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from ft.engine import LLM
-from ft.errors import ConfigError, UnsupportedModelError
+from ft.errors import UnsupportedModelError
 from ft.model.config import ModelConfig
 from ft.model.qwen3_8_flash_next import hashing_of, tensor_specs
 from ft.model.qwen3_8_flash_next_reference import forward_logits
@@ -158,17 +158,37 @@ def test_the_ple_and_the_yarn_factor_are_seen(checkpoint):
         assert ids[len(prompt):] != want
 
 
-def test_context_limit_is_the_dense_qsa_span(tmp_path):
-    """Until QSA's sparse selection is in the engine, the context stops where QSA attends to every
-    token (budget + ratio - 1), and a longer --max-model-len is a one-line error."""
+def test_qsa_past_its_dense_span_equals_the_reference(tmp_path):
+    """Past budget + ratio - 1 tokens (67 here) QSA selects: prompts of 150 and 90 tokens (prefill in
+    chunks of 64 that start past the span, then decode) attend to their chosen blocks, as the
+    reference's, batched with a prompt still inside the span; the KV cache holds each token's raw
+    indexer key (the pool's bytes per page count it)."""
     path = tmp_path / "m"
-    write_checkpoint(path, {**TEXT, "ple_layer_ids": []})
+    weights = write_checkpoint(path, {**TEXT, "indexer_budget": 32})
+    prompts = [prompt_of(150, 4, eos_at=(70,)), prompt_of(90, 5), prompt_of(20, 6)]
+    want = [reference_greedy(weights, path, p) for p in prompts]
+    with make_llm(path, max_prefill_length=64, num_tokens=1024) as llm:
+        kv = llm.engine.pools.kv
+        assert kv.index_keys is not None and kv.index_keys.shape[-1] == TEXT["indexer_head_dim"]
+        assert kv.bytes_per_page == kv.kv[0].numel() * 4 + kv.index_keys[0].numel() * 4
+        assert [r.token_ids for r in llm.generate(prompt_token_ids=prompts, **GREEDY_OPTS)] == want
+
+
+def test_qsa_selection_is_seen(tmp_path):
+    """Negative control: the reference with a budget covering the whole prompt (dense attention)
+    gives other tokens for the 150-token prompt, so the equality above depends on the selection."""
+    import dataclasses
+
+    path = tmp_path / "m"
+    weights = write_checkpoint(path, {**TEXT, "indexer_budget": 32})
+    prompt = prompt_of(150, 4, eos_at=(70,))
     cfg = ModelConfig.from_file(path)
-    assert cfg.context_limit == 64 + 4 - 1
-    with pytest.raises(ConfigError, match="serves contexts up to 67 tokens"):
-        make_llm(path, max_seq_len_override=100)
-    with make_llm(path) as llm:
-        assert llm.engine.context_limit == 67
+    dense = dataclasses.replace(cfg.flash_next, indexer_budget=4096)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(GREEDY):
+            ids.append(int(forward_logits(torch.tensor(ids), weights, dense, hashing_of(cfg))[-1].argmax()))
+    assert ids[len(prompt):] != reference_greedy(weights, path, prompt)
 
 
 def test_refusals_name_what_is_missing(tmp_path):

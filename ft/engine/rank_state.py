@@ -66,15 +66,12 @@ class RankState:
         if not self.model.graph_safe and not config.disable_cuda_graph:  # (Qwen3.8-Flash-Next for now)
             config = self.config = dataclasses.replace(config, disable_cuda_graph=True)
             log.info("%s runs eagerly: its steps are not captured in CUDA graphs yet", cfg.architecture)
-        if config.max_seq_len_override and config.max_seq_len_override > cfg.context_limit < cfg.max_position_embeddings:
-            raise ConfigError(f"--max-model-len {config.max_seq_len_override}: {cfg.architecture} serves contexts up "
-                              f"to {cfg.context_limit} tokens here (QSA's sparse selection is not in the engine yet)")
-        self.context_limit = config.max_seq_len_override or cfg.context_limit
+        self.context_limit = config.max_seq_len_override or cfg.max_position_embeddings
         shapes = PoolShapes(
             config.page_size, len(cfg.full_attention_layers), cfg.num_key_value_heads, cfg.head_dim,
             len(cfg.linear_attention_layers), cfg.linear_conv_dim, cfg.linear_conv_kernel_dim,
             cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, self.dtype, self.device,
-            host_experts, self._kv_dtype(config), self.model.slot_states,
+            host_experts, self._kv_dtype(config), self.model.slot_states, self.model.index_key_dim,
         )
         self.reserve = activation_reserve(cfg, self.dtype, self.device,
                                           min(config.max_prefill_length, self.context_limit),

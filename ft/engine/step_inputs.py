@@ -62,7 +62,8 @@ def replay_pool_ops(ops: list[tuple], kv, mamba) -> None:
     for op in ops:
         kind = op[0]
         if kind == "kv_copy":
-            kv.kv[op[2]].copy_(kv.kv[op[1]])
+            for t in kv.tensors:
+                t[op[2]].copy_(t[op[1]])
         elif kind == "mamba_zero":
             mamba.zero_slot(op[1])
         elif kind == "mamba_copy":

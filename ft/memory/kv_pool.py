@@ -20,6 +20,12 @@ rounding). Quantized dtypes:
   of a token sit together so that the pool stays one tensor whose bytes per page follow from
   its shape (what `ft.engine.cache.layout` measures), and pages copy, relocate and resize as
   plain rows, on every storage backend.
+
+A model with QSA attention (Qwen3.8-Flash-Next) also keeps each token's raw indexer key beside its
+K and V: `index_keys` [P, L, page_size, Di] in the compute dtype (`index_key_dim` Di; None without
+QSA), paged, copied and resized with `kv`. Raw keys, not the compressed blocks: a block's key is the
+mean of its tokens' raw keys, so the tokens of an incomplete block must stay; compressing at read
+costs a pass over them (the torch path; the Triton path will keep compressed blocks, 4x fewer bytes).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from collections import deque
 
 import torch
 
-from ft.memory.resizable import resize_together
+from ft.memory.resizable import PoolInconsistent, narrow_to_common, resize_together
 from ft.memory.storage import PoolStorage
 
 NVFP4_KV = torch.uint8
@@ -63,12 +69,16 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
         storage: PoolStorage | None = None,
+        index_key_dim: int = 0,
+        index_dtype: torch.dtype | None = None,
     ) -> None:
         self.page_size = page_size
         self.head_dim = head_dim
         self.storage = storage or PoolStorage(device)
         row = kv_row_size(head_dim, dtype)
         self.kv = self.storage.zeros(num_pages, (num_layers, 2, page_size, num_kv_heads, row), dtype)
+        self.index_keys = self.storage.zeros(num_pages, (num_layers, page_size, index_key_dim), index_dtype or dtype) \
+            if index_key_dim else None
         # NOTE: not a pool tensor (no per-page rows): fixed size, never resized, stable address
         self.scales = torch.ones((num_layers, 2), dtype=torch.float32, device=device) \
             if dtype in QUANTIZED_KV else None
@@ -96,11 +106,11 @@ class KVPool:
     @property
     def tensors(self) -> list[torch.Tensor]:
         """The pool's tensors, each [P, ...] (what its bytes are made of)."""
-        return [self.kv]
+        return [self.kv] if self.index_keys is None else [self.kv, self.index_keys]
 
     @property
     def bytes_per_page(self) -> int:
-        return self.kv[0].numel() * self.kv.element_size()
+        return sum(t[0].numel() * t.element_size() for t in self.tensors)
 
     @property
     def nbytes(self) -> int:
@@ -119,6 +129,10 @@ class KVPool:
         or D/2 + D/16 uint8 for NVFP4, see the module docstring) and, for a quantized pool, its (K, V)
         scales float32 [2] (None otherwise)."""
         return self.kv[:, i, 0], self.kv[:, i, 1], None if self.scales is None else self.scales[i]
+
+    def index_layer(self, i: int) -> torch.Tensor | None:
+        """Full-attention layer i's raw indexer keys [P, page_size, Di] (None without QSA)."""
+        return None if self.index_keys is None else self.index_keys[:, i]
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -153,7 +167,8 @@ class KVPool:
         return self._refs[page]
 
     def copy_page(self, src: int, dst: int) -> None:
-        self.kv[dst].copy_(self.kv[src])
+        for t in self.tensors:
+            t[dst].copy_(t[src])
         if self.journal is not None:
             self.journal.ops.append(("kv_copy", src, dst))
 
@@ -173,7 +188,8 @@ class KVPool:
         taken = set(moves.values())
         self._free = deque(p for p in self._free if p not in taken)
         for old, new in moves.items():
-            self.kv[new].copy_(self.kv[old])
+            for t in self.tensors:
+                t[new].copy_(t[old])
             if self.journal is not None:
                 self.journal.ops.append(("kv_copy", old, new))
             self._refs[new], self._refs[old] = self._refs[old], 0
@@ -186,11 +202,15 @@ class KVPool:
         if self.pages_in_use_from(num_pages):
             raise RuntimeError(f"KV pool: pages >= {num_pages} are still in use")
         old = self.num_pages
-        ts = [self.kv]
+        ts = self.tensors
         try:
             resize_together(self.storage, ts, num_pages, "kv")
+        except PoolInconsistent:
+            ts = narrow_to_common(ts)
+            raise
         finally:
             self.kv = ts[0]
+            self.index_keys = ts[1] if len(ts) > 1 else None
             self._follow(old)
 
     def _follow(self, old: int) -> None:

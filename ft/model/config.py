@@ -171,14 +171,6 @@ class ModelConfig:
         except (NotImplementedError, TypeError) as e:
             raise UnsupportedModelError(f"config.json: {e}") from None
 
-    @property
-    def context_limit(self) -> int:
-        """The longest context the engine serves: max_position_embeddings; for Qwen3.8-Flash-Next the
-        span QSA attends to whole (its sparse selection is not in the engine yet: issue 38)."""
-        if self.is_flash_next:
-            return min(self.max_position_embeddings, self.flash_next.dense_context_limit)
-        return self.max_position_embeddings
-
     @cached_property
     def full_attention_layers(self) -> tuple[int, ...]:
         """Model layer indices of the gated full-attention layers."""

@@ -4,10 +4,10 @@ and QSA attention layers, a sparse MoE in every layer, the Engram PLE layer.
 What runs where (issue 38; docs/qwen3.8-flash-next/README.md is the plan):
 - Gated DeltaNet: the Qwen3-Next layer (`GatedDeltaNet`) over the mamba pool, its split projections
   stacked into the fused ones and the gated norm's activation a sigmoid.
-- QSA attention: the gated attention layer over the paged KV cache. The engine serves contexts up to
-  `TextConfig.dense_context_limit` (2,051 tokens), where QSA's indexer selects every token, so dense
-  attention is QSA exactly; the indexer's compressed keys and the sparse kernels come next (its
-  weights are loaded and kept for them).
+- QSA attention (`QSAAttention`): the gated attention layer over the paged KV cache, each token's raw
+  indexer key stored beside its K and V (`KVPool.index_keys`). Up to 2,051 tokens of context the
+  indexer selects every token and the dense kernels run; past it the selection and the sparse
+  attention run in torch (correct at any length; their Triton kernels come next).
 - MoE: `SparseMoE` over the expert cache (softmax, top-k, renormalised), the routed experts read from
   the checkpoint's grouped tensors into the host store.
 - HyperConnections and the PLE layer: torch (`ft.model.layers.hyper_connection`, `.engram`). The
@@ -31,7 +31,8 @@ from ft.errors import UnsupportedModelError
 from ft.model.checkpoint import GroupedExperts, LoadedWeights, TensorSpec
 from ft.model.config import ModelConfig
 from ft.model.forward_batch import ForwardBatch
-from ft.model.layers.attention import GatedAttention, Rope
+from ft.model.layers.attention import Rope
+from ft.model.layers.qsa_attention import QSAAttention
 from ft.model.layers.engram import EngramHashing, PLEWeights, ple_delta
 from ft.model.layers.gated_deltanet import GatedDeltaNet
 from ft.model.layers.hyper_connection import HyperConnection, expand_streams
@@ -139,7 +140,7 @@ class _PLE:
 class _Layer:
     ple: _PLE | None
     attn_hc: HyperConnection
-    mixer: GatedAttention | GatedDeltaNet
+    mixer: QSAAttention | GatedDeltaNet
     mlp_hc: HyperConnection
     moe: SparseMoE
 
@@ -169,6 +170,7 @@ class FlashNextModel:
         self.final_read = self._hc(w, ROOT + "hyper_connection_mixer.", write=False)
         inv_freq, scale = rope_frequencies(t, cfg.rotary_dim)
         self.rope = Rope(cfg.rotary_dim, inv_freq.to(device), scale)
+        self.index_key_dim = t.indexer_head_dim  # QSA's raw indexer key per token and attention layer
         self.hashing = hashing_of(cfg) if t.ple_layers else None
         if self.hashing is not None:
             self._check_hash_buffers(w)
@@ -226,10 +228,12 @@ class FlashNextModel:
             )
         else:
             a = "self_attn."
-            mixer = GatedAttention(
+            mixer = QSAAttention(
                 L(a + "q_proj.weight"), L(a + "k_proj.weight"), L(a + "v_proj.weight"), L(a + "o_proj.weight"),
                 w[p + a + "q_norm.weight"], w[p + a + "k_norm.weight"], cfg.num_attention_heads,
-                cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps,
+                cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, L(a + "indexer.index_qk_proj.weight"),
+                w[p + a + "indexer.q_layernorm.weight"], w[p + a + "indexer.k_layernorm.weight"], t.indexer_n_heads,
+                t.indexer_head_dim, t.indexer_budget, t.indexer_compress_ratio,
             )
         m = "mlp."
         shared = MLP(L(m + "shared_expert.gate_proj.weight"), L(m + "shared_expert.up_proj.weight"),
@@ -247,8 +251,8 @@ class FlashNextModel:
                 x = x + self._ple_delta(layer.ple, x, batch, pools)
             u, n = layer.attn_hc.read(x)
             j = self.kind_index[i]
-            if isinstance(layer.mixer, GatedAttention):
-                y = layer.mixer(u, self.rope, batch, pools.kv.layer(j))
+            if isinstance(layer.mixer, QSAAttention):
+                y = layer.mixer(u, self.rope, batch, pools.kv.layer(j), pools.kv.index_layer(j))
             else:
                 y = layer.mixer(u, batch, pools.mamba.conv[:, j], pools.mamba.ssm[:, j])
             x = layer.attn_hc.write(y, x, n)

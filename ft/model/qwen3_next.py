@@ -85,6 +85,7 @@ class Qwen3NextModel:
     graph_safe = True  # a decode step may be captured in a CUDA graph
     slot_states = ()  # no per-sequence state beside the GDN layers' (`MambaPool.extra`)
     host_bytes = 0  # no weights kept in host memory beside the routed experts
+    index_key_dim = 0  # no QSA indexer keys in the KV pool
 
     def __init__(self, cfg: ModelConfig, weights: LoadedWeights, dtype: torch.dtype, device: torch.device,
                  tp=None) -> None:

@@ -52,10 +52,11 @@ class PoolShapes:
     host_experts: SlotWeights | None
     kv_dtype: torch.dtype | None = None  # the KV cache's dtype (None: the compute dtype)
     slot_states: tuple[SlotState, ...] = ()  # the model's other per-sequence states (in the mamba pool)
+    index_key_dim: int = 0  # QSA's raw indexer key per token and attention layer (in the KV pool), 0: none
 
     def kv_pool(self, pages: int, storage: PoolStorage) -> KVPool:
         return KVPool(pages, self.page_size, self.kv_layers, self.kv_heads, self.head_dim, self.kv_dtype or self.dtype,
-                      self.device, storage)
+                      self.device, storage, self.index_key_dim, self.dtype)
 
     def mamba_pool(self, slots: int, storage: PoolStorage) -> MambaPool:
         return MambaPool(slots, self.mamba_layers, self.conv_dim, self.conv_width, self.v_heads, self.k_dim,

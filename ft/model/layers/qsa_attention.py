@@ -1,0 +1,129 @@
+"""QSA attention (Qwen3.8-Flash-Next) over the paged KV cache: gated attention whose queries attend only
+to the tokens the indexer selects (`ft.model.layers.qsa` is the math and its specification).
+
+Every step stores each new token's K, V and raw indexer key in its page. A sequence whose context fits
+`dense_limit` (budget + ratio - 1 tokens: the indexer then selects every token) runs the gated
+attention kernels unchanged: there dense attention is QSA exactly. A longer one runs the selection
+in torch: its raw keys gathered from the pages and compressed, each query's blocks chosen, attention
+over the chosen tokens (K and V gathered, dequantized where the cache is quantized), in blocks of
+queries that bound the gathered tensors. The Triton kernels for the long case come next (issue 38):
+this path is correct at any length but reads the whole context per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ft.kernels.attention import paged_attention, write_kv, write_kv_decode
+from ft.kernels.attention.reference import dequantize_kv
+from ft.kernels.norm import qk_norm_rope, rms_norm
+from ft.model.forward_batch import ForwardBatch
+from ft.model.layers.attention import GatedAttention, Rope
+from ft.model.layers.linear import Linear
+from ft.model.layers.qsa import compress_keys, select_tokens, sparse_attention
+
+__all__ = ["QSAAttention", "rotate"]
+
+GATHER_BYTES = 256 << 20
+"""Bound on the fp32 K and V a block of queries gathers (its selected tokens' rows)."""
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """Rotate-half RoPE of x [T, H, D] at positions [T] on its first rope.rotary_dim features (the rest
+    pass), cos and sin in x's dtype times rope.scale: the reference forward's rotation."""
+    half, rot = rope.rotary_dim // 2, rope.rotary_dim
+    ang = positions.float()[:, None] * rope.inv_freq[None, :].to(positions.device)
+    cos = (ang.cos() * rope.scale)[:, None, :].to(x.dtype)
+    sin = (ang.sin() * rope.scale)[:, None, :].to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:rot]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rot:]], dim=-1)
+
+
+class QSAAttention(GatedAttention):
+    def __init__(self, q_proj: Linear, k_proj: Linear, v_proj: Linear, o_proj: Linear, q_norm: torch.Tensor,
+                 k_norm: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                 index_qk: Linear, index_q_norm: torch.Tensor, index_k_norm: torch.Tensor, index_heads: int,
+                 index_dim: int, budget: int, ratio: int) -> None:
+        """The gated attention's tensors, then the indexer's: index_qk [(Hi + 1) * Di, H] (Hi query heads,
+        then the one key head), its q and k RMSNorm weights [Di]; budget tokens chosen in blocks of
+        `ratio`."""
+        super().__init__(q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, num_heads, num_kv_heads, head_dim, eps)
+        self.index_qk, self.index_q_norm, self.index_k_norm = index_qk, index_q_norm, index_k_norm
+        self.index_heads, self.index_dim = index_heads, index_dim
+        self.budget_blocks, self.ratio = budget // ratio, ratio
+        self.dense_limit = budget + ratio - 1
+
+    def __call__(self, x: torch.Tensor, rope: Rope, batch: ForwardBatch, kv: tuple,  # type: ignore[override]
+                 index_keys: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]; writes the new tokens' K/V into `kv` (`KVPool.layer`) and their raw
+        indexer keys into `index_keys` [P, page_size, Di] (`KVPool.index_layer`)."""
+        t, hi, di = x.shape[0], self.index_heads, self.index_dim
+        iqk = self.index_qk(x)
+        self._write_index_keys(index_keys, iqk[:, hi * di:], batch)
+        if max(s.start + s.length for s in batch.seqs) <= self.dense_limit:
+            return super().__call__(x, rope, batch, kv)  # every token selected: dense attention is QSA
+        qg = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim)
+        q, gate = qg.chunk(2, dim=-1)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = qk_norm_rope(q, k, self.q_norm, self.k_norm, batch.positions, rope.inv_freq, rope.rotary_dim, self.eps)
+        if rope.scale != 1.0:
+            q[..., : rope.rotary_dim] *= rope.scale
+            k[..., : rope.rotary_dim] *= rope.scale
+        iq = rotate(rms_norm(iqk[:, : hi * di].reshape(t, hi, di), self.index_q_norm, self.eps), batch.positions, rope)
+        k_cache, v_cache, kv_scale = kv
+        if batch.decode is not None:
+            write_kv_decode(k_cache, v_cache, k, v, batch.decode.slot_mapping, kv_scale)
+        else:
+            offset = 0
+            for s in batch.seqs:
+                write_kv(k_cache, v_cache, k[offset: offset + s.length], v[offset: offset + s.length], s.page_table,
+                         s.start, kv_scale)
+                offset += s.length
+        outs, offset = [], 0
+        for s in batch.seqs:
+            rows = slice(offset, offset + s.length)
+            offset += s.length
+            if s.start + s.length <= self.dense_limit:
+                outs.append(paged_attention(q[rows], k_cache, v_cache, s.page_table, s.start, self.scale, kv_scale))
+            else:
+                outs.append(self._sparse(q[rows], iq[rows], s.start, s.page_table, kv, index_keys, rope))
+        o = torch.cat(outs).reshape(offset, -1)
+        if offset < t:  # (padded rows: none on this eager path, kept finite)
+            o = torch.cat([o, o.new_zeros(t - offset, o.shape[1])])
+        return self.o_proj(o * torch.sigmoid(gate.reshape(t, -1)))
+
+    def _write_index_keys(self, index_keys: torch.Tensor, raw: torch.Tensor, batch: ForwardBatch) -> None:
+        page = index_keys.shape[1]
+        if batch.decode is not None:
+            slots = batch.decode.slot_mapping
+            index_keys[slots // page, slots % page] = raw.to(index_keys.dtype)
+            return
+        offset = 0
+        for s in batch.seqs:
+            pos = torch.arange(s.start, s.start + s.length, device=raw.device)
+            index_keys[s.page_table[pos // page], pos % page] = raw[offset: offset + s.length].to(index_keys.dtype)
+            offset += s.length
+
+    def _sparse(self, q: torch.Tensor, iq: torch.Tensor, start: int, page_table: torch.Tensor, kv: tuple,
+                index_keys: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """One sequence's queries q [n, Hq, D] at positions start.. (indexer queries iq [n, Hi, Di]) over
+        the tokens each selects, its context 0 .. start + n - 1 read from the pages -> [n, Hq, D]."""
+        k_cache, v_cache, kv_scale = kv
+        n, total, page = q.shape[0], start + q.shape[0], k_cache.shape[1]
+        pos = torch.arange(total, device=q.device)
+        pages, within = page_table[pos // page], pos % page
+        blocks = compress_keys(index_keys[pages, within], self.ratio)  # [V, Di]: the complete blocks
+        blocks = rms_norm(blocks, self.index_k_norm, self.eps)[:, None, :]
+        blocks = rotate(blocks, torch.arange(blocks.shape[0], device=q.device) * self.ratio, rope)[:, 0]
+        ks, vs = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
+        keys = dequantize_kv(k_cache[pages, within], ks, q.dtype)  # [total, Hkv, D]
+        values = dequantize_kv(v_cache[pages, within], vs, q.dtype)
+        width = self.budget_blocks * self.ratio + self.ratio - 1
+        step = max(1, GATHER_BYTES // (2 * 4 * width * self.num_kv_heads * self.head_dim))
+        out = []
+        for a in range(0, n, step):
+            qpos = torch.arange(start + a, start + min(n, a + step), device=q.device)
+            tokens = select_tokens(iq[a: a + step], blocks, qpos, self.budget_blocks, self.ratio)
+            out.append(sparse_attention(q[a: a + step], keys, values, tokens, self.scale))
+        return torch.cat(out)
