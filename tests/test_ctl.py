@@ -114,6 +114,8 @@ def test_format_cache_ladder_and_states():
     assert lines[4:] == ["  ladder auto on: 65536 [98304] 131072 ... 262144 (step 32768)",
                          "    last: request needs 90000 tokens: grew kv to 98304"]
     assert format_cache(CacheState()).splitlines()[0] == "state=starting, 0 B allocated"
+    assert not any("n-gram" in line for line in format_cache(CacheState()).splitlines())
+    assert "  host: n-gram table 95.4 GiB in host memory" in format_cache(CacheState(host_table_bytes=int(95.4 * 2**30)))
 
 
 @pytest.mark.parametrize("rungs,current,expected", [

@@ -171,6 +171,9 @@ def test_qsa_past_its_dense_span_equals_the_reference(tmp_path):
         kv = llm.engine.pools.kv
         assert kv.index_keys is not None and kv.index_keys.shape[-1] == TEXT["indexer_head_dim"]
         assert kv.bytes_per_page == kv.kv[0].numel() * 4 + kv.index_keys[0].numel() * 4
+        table = next(w for n, w in weights.items() if n.endswith("ngram_embedding.weight"))
+        # the table stays on the host, outside the device weights and the cache budget, and is reported
+        assert llm.engine.describe()["host_table_bytes"] == table.numel() * 4 == llm.engine.model.host_bytes
         assert [r.token_ids for r in llm.generate(prompt_token_ids=prompts, **GREEDY_OPTS)] == want
 
 

@@ -138,6 +138,9 @@ def format_cache(state: CacheState) -> str:
     if moe.read_through:
         lines.append(f"  experts: decode reads misses from host memory in the step (read-through); "
                      f"{moe.landed} landed, {format_bytes(moe.host_bytes)} read from host")
+    if state.host_table_bytes:
+        lines.append(f"  host: n-gram table {format_bytes(state.host_table_bytes)} in host memory (rows gathered per "
+                     "step; outside the budget, not traded by the ladder)")
     ex = state.exchange
     if ex.kv_tokens_per_expert_slot:  # (servers before this field sent none)
         lines.append(f"  ranges: each with the other pools at their current sizes; 1 expert slot = "

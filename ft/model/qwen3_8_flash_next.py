@@ -43,6 +43,7 @@ from ft.memory.cache_pools import CachePools
 from ft.memory.mamba_pool import SlotState
 
 ROOT = "model.language_model."
+TABLE_SUFFIX = "ple.ple_embedding.ngram_embedding.weight"
 ENGRAM_BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
 """The PLE embedding's int64 buffers a checkpoint may store: checked against `EngramHashing`."""
 
@@ -82,7 +83,7 @@ def tensor_specs(cfg: ModelConfig) -> tuple[dict[str, TensorSpec], list[GroupedE
             if embed % hashing.num_heads:
                 raise UnsupportedModelError(f"config.json: ple_embed_dim {embed} is not a multiple of the "
                                             f"{hashing.num_heads} n-gram heads")
-            s[e + "ple_embedding.ngram_embedding.weight"] = TensorSpec((hashing.padded_rows, embed // hashing.num_heads),
+            s[p + TABLE_SUFFIX] = TensorSpec((hashing.padded_rows, embed // hashing.num_heads),
                                                                       "host")
             for name, n in zip(ENGRAM_BUFFERS, (t.ngram_size, hashing.num_heads, hashing.num_heads)):
                 s[e + "ple_embedding." + name] = TensorSpec((n,), "optional")
@@ -159,7 +160,7 @@ class FlashNextModel:
                                         "(--tensor-parallel-size 1)")
         self.cfg, self.text, self.dtype, self.device, self.tp = cfg, cfg.flash_next, dtype, device, None
         t, w = self.text, weights.tensors
-        host = {n for n, x in w.items() if isinstance(x, torch.Tensor) and x.device != device}
+        host = {n for n in w if n.endswith(TABLE_SUFFIX)}  # (kind "host": in host memory on every device)
         self.resident_bytes = sum(x.nbytes if hasattr(x, "packed") else x.numel() * x.element_size()
                                   for n, x in w.items() if n not in host)
         self.host_bytes = sum(w[n].numel() * w[n].element_size() for n in host)  # the Engram table
@@ -212,7 +213,7 @@ class FlashNextModel:
         ple = None
         if i in t.ple_layers:
             e = p + "ple."
-            ple = _PLE(w[e + "ple_embedding.ngram_embedding.weight"], PLEWeights(
+            ple = _PLE(w[p + TABLE_SUFFIX], PLEWeights(
                 key_proj=w[e + "key_proj.weight"], value_proj=w[e + "value_proj.weight"],
                 norm_key=w[e + "norm_key.weight"], norm_query=w[e + "norm_query.weight"],
                 norm_conv=w[e + "norm_conv.weight"], conv=w[e + "conv1d.weight"][:, 0], streams=self.streams,
