@@ -39,9 +39,10 @@ CASES = {
 }
 
 
-def write_checkpoint(path: Path, text: dict, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A random fp32 checkpoint (config.json, the table in 3 parts, the demo tokenizer); returns its
-    weights under the names the reference forward reads (the table whole)."""
+def write_checkpoint(path: Path, text: dict, seed: int = 0, split_experts: bool = False) -> dict[str, torch.Tensor]:
+    """A random fp32 checkpoint (config.json, the table in 3 parts, the demo tokenizer; experts
+    grouped per layer, or one tensor per expert and projection with `split_experts`); returns its
+    weights under the names the reference forward reads (the table whole, experts grouped)."""
     from ft.tools.demo import write_tokenizer_files
 
     config = {"architectures": ["Qwen3_8_FlashNextForConditionalGeneration"], "model_type": "qwen3_8_flash_next",
@@ -71,6 +72,13 @@ def write_checkpoint(path: Path, text: dict, seed: int = 0) -> dict[str, torch.T
         stem = table.removesuffix(".weight")
         for i, part in enumerate(stored.pop(table).tensor_split(3)):
             stored[f"{stem}.shard_{i}.weight"] = part.contiguous()
+    for name in [n for n in stored if n.endswith("experts.gate_up_proj")] if split_experts else []:
+        prefix, gate_up = name.removesuffix("gate_up_proj"), stored.pop(name)
+        down, inter = stored.pop(prefix + "down_proj"), gate_up.shape[1] // 2
+        for e in range(gate_up.shape[0]):
+            stored[f"{prefix}{e}.gate_proj.weight"] = gate_up[e, :inter].contiguous()
+            stored[f"{prefix}{e}.up_proj.weight"] = gate_up[e, inter:].contiguous()
+            stored[f"{prefix}{e}.down_proj.weight"] = down[e].contiguous()
     path.mkdir(parents=True, exist_ok=True)
     save_file(stored, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(config))
@@ -194,8 +202,53 @@ def test_qsa_selection_is_seen(tmp_path):
     assert ids[len(prompt):] != reference_greedy(weights, path, prompt)
 
 
+def test_experts_stored_one_tensor_each_load_alike(tmp_path):
+    """The layout ModelOpt writes MoE experts in (`experts.{e}.{gate,up,down}_proj.weight`) loads into
+    the same host store: the same tokens as the reference."""
+    path = tmp_path / "m"
+    weights = write_checkpoint(path, {**TEXT, "ple_layer_ids": []}, split_experts=True)
+    prompt = prompt_of(30, 7)
+    with make_llm(path) as llm:
+        assert llm.generate(prompt_token_ids=[prompt], **GREEDY_OPTS)[0].token_ids == \
+            reference_greedy(weights, path, prompt)
+
+
+def test_synthetic_flash_next_serves(tmp_path):
+    """`synthetic:config.json` (random NVFP4 projections, the split GDN ones stacked, grouped experts in
+    the host store, the n-gram table made on the host): it loads and generates from its config alone."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"architectures": ["Qwen3_8_FlashNextForConditionalGeneration"],
+                               "text_config": {**TEXT, "shared_expert_intermediate_size": 32, "dtype": "bfloat16"}}))
+    with make_llm(f"synthetic:{cfg}", num_tokens=256) as llm:
+        model = llm.engine.model
+        assert model.host_bytes == model.layers[1].ple.table.numel() * 4 > 0
+        out = llm.generate(prompt_token_ids=[prompt_of(20, 8)], **GREEDY_OPTS)[0]
+        assert len(out.token_ids) == GREEDY and torch.isfinite(llm.engine.last_logits).all()
+
+
 def test_refusals_name_what_is_missing(tmp_path):
     path = tmp_path / "m"
     write_checkpoint(path, {**TEXT, "ple_layer_ids": []})
     with pytest.raises(UnsupportedModelError, match="tensor parallelism|synthetic"):
         make_llm(path, tensor_parallel_size=2)
+
+
+def test_stacked_nvfp4_projections_are_exact():
+    """Linear.stacked: NVFP4 projections sharing their global scale become one whose output is their
+    outputs side by side, exactly; different global scales are refused, not rounded."""
+    from ft.model.layers.linear import Linear, NVFP4Weight
+
+    g = torch.Generator().manual_seed(0)
+
+    def weight(n: int, scale_2: float) -> NVFP4Weight:
+        return NVFP4Weight(torch.randint(0, 256, (n, 16), generator=g, dtype=torch.uint8),
+                           (torch.rand(n, 2, generator=g) + 0.5).to(torch.float8_e4m3fn), torch.tensor(scale_2))
+
+    a, b = weight(24, 0.01), weight(8, 0.01)
+    x = torch.randn(5, 32, generator=g)
+    stacked = Linear.stacked([a, b])
+    assert torch.equal(stacked.weight.dequantize(torch.float32),  # the very same values
+                       torch.cat([a.dequantize(torch.float32), b.dequantize(torch.float32)]))
+    torch.testing.assert_close(stacked(x), torch.cat([Linear(a)(x), Linear(b)(x)], dim=-1), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="different global scales"):
+        Linear.stacked([a, weight(8, 0.02)])

@@ -61,16 +61,18 @@ def load_model(
     from ft.tools.synthetic import is_synthetic, synthetic_weights
 
     arch = qwen3_8_flash_next if cfg.is_flash_next else qwen3_next
-    if cfg.is_flash_next and (tp is not None or is_synthetic(model)):
-        raise UnsupportedModelError("Qwen3.8-Flash-Next runs from a bf16/fp32 checkpoint on one GPU for now: "
-                                    "synthetic weights and tensor parallelism come with its NVFP4 layout (issue 38)")
+    if cfg.is_flash_next and tp is not None:
+        raise UnsupportedModelError("Qwen3.8-Flash-Next does not run under tensor parallelism yet "
+                                    "(--tensor-parallel-size 1)")
     specs, expert_names = arch.tensor_specs(cfg)
     rank, world = (tp.rank, tp.world) if tp is not None else (0, 1)
     if is_synthetic(model):
         weights = synthetic_weights(specs, expert_names, dtype, device, seed, shard=(rank, world))
     else:
-        weights = load_weights(CheckpointReader(model_path), specs, expert_names, dtype, device,
-                               torch.device("cpu"), progress)
+        reader = CheckpointReader(model_path)
+        if cfg.is_flash_next:  # its experts grouped per layer, or one tensor per expert (as ModelOpt writes them)
+            specs, expert_names = qwen3_8_flash_next.expert_layout(specs, expert_names, reader)
+        weights = load_weights(reader, specs, expert_names, dtype, device, torch.device("cpu"), progress)
         weights.experts = None if weights.experts is None else shard_expert_store(weights.experts, rank, world)
     if not uses_triton(device):
         # NOTE: the CPU path computes resident projections dense (the exact dequantized values);

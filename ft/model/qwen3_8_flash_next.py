@@ -16,7 +16,8 @@ What runs where (issue 38; docs/qwen3.8-flash-next/README.md is the plan):
   mamba slot (`MambaPool.extra`), so chunked prefill, the prefix cache and rebuilds carry them.
 
 Not yet (said at load, not hidden): CUDA graphs (the PLE hashing reads host values: `graph_safe`),
-tensor parallelism, NVFP4 checkpoints, synthetic weights. Checked token for token against the
+tensor parallelism, NVFP4 experts stored grouped (per-expert NVFP4 tensors load), NVFP4 split GDN
+projections of different global scales. Checked token for token against the
 whole-sequence reference (`ft.model.qwen3_8_flash_next_reference`, itself checked against the public
 implementation): tests/test_flash_next_engine.py.
 """
@@ -131,6 +132,28 @@ def tensor_specs(cfg: ModelConfig) -> tuple[dict[str, TensorSpec], list[GroupedE
     return s, experts
 
 
+def expert_layout(specs: dict[str, TensorSpec], groups: list[GroupedExperts], reader) -> tuple[dict, list]:
+    """The experts as `reader`'s checkpoint stores them: grouped per layer (the released bf16 layout:
+    `specs` and `groups` unchanged), or one tensor per expert and projection
+    (`...experts.{e}.{gate,up,down}_proj.weight`, dense or NVFP4 as ModelOpt writes MoE experts): then
+    the specs of those and, per layer, each expert's (gate, up, down) names."""
+    if not groups or groups[0].gate_up in reader:
+        return specs, groups
+    out = {n: s for n, s in specs.items() if n not in {x for g in groups for x in (g.gate_up, g.down)}}
+    per_layer = []
+    for g in groups:
+        n_e, two_i, h = specs[g.gate_up].shape
+        prefix = g.gate_up.removesuffix("gate_up_proj")
+        layer = []
+        for e in range(n_e):
+            names = tuple(f"{prefix}{e}.{p}_proj.weight" for p in ("gate", "up", "down"))
+            out[names[0]] = out[names[1]] = TensorSpec((two_i // 2, h), "expert")
+            out[names[2]] = TensorSpec((h, two_i // 2), "expert")
+            layer.append(names)
+        per_layer.append(layer)
+    return out, per_layer
+
+
 @dataclass
 class _PLE:
     table: torch.Tensor  # [rows, width] in host memory, the checkpoint's dtype
@@ -220,7 +243,12 @@ class FlashNextModel:
                 dilation=t.ngram_size, eps=self.eps))
         if cfg.layer_types[i] == "linear_attention":
             a = p + "linear_attn."
-            stacked = lambda *names: Linear(torch.cat([w[a + n + ".weight"] for n in names]))  # noqa: E731
+            def stacked(*names: str) -> Linear:  # the split projections as the fused layer reads them
+                try:
+                    return Linear.stacked([w[a + n + ".weight"] for n in names])
+                except ValueError as e:
+                    raise UnsupportedModelError(f"{a}{{{','.join(names)}}}: {e}") from None
+
             mixer = GatedDeltaNet(
                 stacked("in_proj_qkv", "in_proj_z"), stacked("in_proj_b", "in_proj_a"), w[a + "conv1d.weight"],
                 Linear(w[a + "out_proj.weight"]), w[a + "norm.weight"], w[a + "A_log"], w[a + "dt_bias"],

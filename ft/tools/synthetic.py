@@ -14,12 +14,13 @@ from pathlib import Path
 
 import torch
 
-from ft.model.checkpoint import LoadedWeights, TensorSpec
+from ft.model.checkpoint import GroupedExperts, LoadedWeights, TensorSpec
 from ft.model.layers.linear import NVFP4Weight
 from ft.kernels.moe import SlotWeights
 
 PREFIX = "synthetic:"
-DENSE_MODULES = ("lm_head", "*.mlp.gate", "*.shared_expert_gate", "*.conv1d", "*.in_proj_ba")
+DENSE_MODULES = ("lm_head", "*.mlp.gate", "*.shared_expert_gate", "*.conv1d", "*.in_proj_ba", "*.in_proj_b",
+                 "*.in_proj_a")
 WEIGHT_STD = 0.02
 _E2M1_RMS_TIMES_SCALE = 3.5  # rms of random e2m1 codes (2.93) x mean block scale (~1.2)
 
@@ -64,7 +65,10 @@ def synthetic_weights(
     gen = _Gen(device, seed)
     tensors: dict[str, torch.Tensor | NVFP4Weight] = {}
     for name, spec in specs.items():
-        if spec.kind == "expert":
+        if spec.kind in ("expert", "optional"):
+            continue
+        if spec.kind == "host":  # (Qwen3.8-Flash-Next's n-gram table) made on the host, in row blocks
+            tensors[name] = _host_table(spec.shape, dtype, seed, pin=device.type == "cuda")
             continue
         module = name.removesuffix(".weight")
         if spec.kind == "linear" and not any(fnmatch.fnmatch(module, p) for p in DENSE_MODULES):
@@ -85,13 +89,28 @@ def synthetic_weights(
     return LoadedWeights(tensors, experts)
 
 
+def _host_table(shape: tuple[int, int], dtype: torch.dtype, seed: int, pin: bool) -> torch.Tensor:
+    """A [rows, width] table of N(0, WEIGHT_STD) values in host memory, drawn a block of rows at a time."""
+    out = torch.empty(shape, dtype=dtype, pin_memory=pin)
+    g = torch.Generator().manual_seed(seed + 1)
+    block = max(1, (64 << 20) // max(1, shape[1]))
+    for a in range(0, shape[0], block):
+        rows = out[a: a + block]
+        rows.copy_(torch.randn(rows.shape, generator=g) * WEIGHT_STD)
+    return out
+
+
 def _experts(gen: _Gen, specs, groups, shard: tuple[int, int] = (0, 1)) -> SlotWeights:
     """Stacked [L, E, ...] NVFP4 experts, generated a layer at a time on the device and copied to
     the host store (pinned when the device is CUDA); with a tensor-parallel shard, its part."""
     from ft.model.tp_shard import shard_expert_layer
 
-    n_layers, n_exp = len(groups), len(groups[0])
-    full, hidden = specs[groups[0][0][0]].shape
+    if isinstance(groups[0], GroupedExperts):  # one [E, 2I, H] tensor per layer
+        n_layers, (n_exp, two_full, hidden) = len(groups), specs[groups[0].gate_up].shape
+        full = two_full // 2
+    else:
+        n_layers, n_exp = len(groups), len(groups[0])
+        full, hidden = specs[groups[0][0][0]].shape
     rank, world = shard
     inter = full // world
     pin = gen.device.type == "cuda"

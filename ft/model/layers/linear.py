@@ -49,6 +49,22 @@ class Linear:
         w = self.weight
         return w.nbytes if isinstance(w, NVFP4Weight) else w.numel() * w.element_size()
 
+    @staticmethod
+    def stacked(weights: list[torch.Tensor | NVFP4Weight]) -> "Linear":
+        """One projection whose output rows are those of `weights` in order (y = [x W_0^T | x W_1^T ...]):
+        dense weights concatenated; NVFP4 ones too when they share their global scale (scale_2), which
+        keeps every value exact. NVFP4 weights of different global scales raise ValueError (folding
+        the ratio into the e4m3 block scales would round them)."""
+        if not any(isinstance(w, NVFP4Weight) for w in weights):
+            return Linear(torch.cat(weights))
+        if not all(isinstance(w, NVFP4Weight) for w in weights):
+            raise ValueError("cannot stack NVFP4 and dense projections into one")
+        if len({w.scale_2_host for w in weights}) > 1:
+            raise ValueError(f"cannot stack NVFP4 projections of different global scales "
+                             f"{sorted({w.scale_2_host for w in weights})}")
+        return Linear(NVFP4Weight(torch.cat([w.packed for w in weights]), torch.cat([w.scale for w in weights]),
+                                  weights[0].scale_2))
+
     def with_rows(self, order: torch.Tensor) -> "Linear":
         """The same projection with its output rows reordered: y'[..., i] = y[..., order[i]]
         (each output is the same dot product, so the values are the same)."""
