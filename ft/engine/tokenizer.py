@@ -3,6 +3,8 @@
 `Tokenizer.from_dir(path)` reads a checkpoint directory the way Hugging Face tools lay it out:
 
 * `tokenizer.json` (required): the fast-tokenizer pipeline, loaded with the `tokenizers` library;
+  a folder with a tiktoken vocabulary instead (`*.tiktoken` and `special_tokens_and_pattern.json`,
+  as the Qwen3.5 family publishes it) is converted once (`ft.tools.tiktoken_vocab`);
 * `tokenizer_config.json` (optional): special tokens (`eos_token`, `bos_token`, `pad_token`,
   `unk_token`, `added_tokens_decoder`) and `chat_template` (a string, or a list of
   `{"name", "template"}` entries);
@@ -292,6 +294,11 @@ class Tokenizer:
         if not root.is_dir():
             raise FileNotFoundError(f"tokenizer directory {root} does not exist")
         tok_path = root / TOKENIZER_FILE
+        if not tok_path.is_file():
+            from ft.tools.tiktoken_vocab import ensure_tokenizer_json, find_tiktoken_files
+
+            if find_tiktoken_files(root) is not None:  # a tiktoken vocabulary: converted once, cached
+                return cls.from_dir(ensure_tokenizer_json(root), chat_template=chat_template, model_dir=model_dir)
         if not tok_path.is_file():
             raise FileNotFoundError(
                 f"{TOKENIZER_FILE} not found in {root}: FreeToken needs a Hugging Face fast-tokenizer "
