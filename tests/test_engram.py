@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from ft.model.layers.engram import EngramHashing, PLEWeights, next_primes, ple_delta
+from ft.model.layers.engram import EngramHashing, PLEWeights, next_primes, ple_delta, ple_delta_batched
 from ft.model.layers.hyper_connection import grouped_rms_norm
 
 EOS = 248044
@@ -149,3 +149,42 @@ def test_ple_delta_is_causal():
 def test_ple_delta_refuses_a_stream_count_it_was_not_built_for():
     with pytest.raises(ValueError, match="streams"):
         ple_delta(torch.zeros(2, 12), torch.zeros(2, 3, 8), _weights())
+
+
+LENGTHS = [1, 5, 2, 12, 1]
+"""A batch's sequence lengths: shorter and longer than the n-gram context and the conv history."""
+
+
+def test_batched_windows_equal_each_sequence_hashed_alone():
+    """EngramHashing.windows + rows_of_windows over a packed batch (carried contexts, EOS ids inside
+    and in the contexts, sequences shorter than the context) = `rows` per sequence."""
+    h = EngramHashing()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 1000, (sum(LENGTHS),), generator=g)
+    ids[[2, 9, 14]] = EOS
+    contexts = torch.tensor([[EOS, EOS], [7, EOS], [EOS, 8], [11, 12], [13, 14]])
+    cu = torch.tensor([0] + LENGTHS).cumsum(0)
+    windows, after = h.windows(ids, contexts, cu)
+    got = h.rows_of_windows(windows)
+    for b in range(len(LENGTHS)):
+        want, ctx = h.rows(ids[cu[b]:cu[b + 1]], contexts[b].tolist())
+        assert torch.equal(got[cu[b]:cu[b + 1]], want), b
+        assert after[b].tolist() == ctx, b
+
+
+def test_batched_ple_delta_equals_each_sequence_alone():
+    """ple_delta_batched over a packed batch with carried histories = ple_delta per sequence (deltas and
+    new histories), sequences shorter and longer than the 9-token history."""
+    w = _weights()
+    c, d, e = 2, 8, 12
+    g = torch.Generator().manual_seed(4)
+    t = sum(LENGTHS)
+    emb, streams = torch.randn(t, e, generator=g), torch.randn(t, c, d, generator=g)
+    histories = torch.randn(len(LENGTHS), w.history, c * d, generator=g)
+    cu = torch.tensor([0] + LENGTHS).cumsum(0)
+    delta, new = ple_delta_batched(emb, streams, w, histories, cu)
+    for b in range(len(LENGTHS)):
+        sl = slice(int(cu[b]), int(cu[b + 1]))
+        want, hist = ple_delta(emb[sl], streams[sl], w, histories[b])
+        torch.testing.assert_close(delta[sl], want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(new[b], hist, rtol=1e-6, atol=1e-6)  # (batched GEMMs: last-bit differences)

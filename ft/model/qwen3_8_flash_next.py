@@ -13,9 +13,12 @@ What runs where (issue 38; docs/qwen3.8-flash-next/README.md is the plan):
 - HyperConnections and the PLE layer: torch (`ft.model.layers.hyper_connection`, `.engram`). The
   n-gram table stays in host memory (pinned beside a GPU) in the checkpoint's dtype; a step gathers
   the rows its tokens hash to. Each sequence's n-gram context and PLE conv history are states of its
-  mamba slot (`MambaPool.extra`), so chunked prefill, the prefix cache and rebuilds carry them.
+  mamba slot (`MambaPool.extra`), so chunked prefill, the prefix cache and rebuilds carry them; the
+  hashing, the gather (`ft.kernels.host_gather`) and the conv run over the packed batch on the
+  device, with no host read.
 
-Not yet (said at load, not hidden): CUDA graphs (the PLE hashing reads host values: `graph_safe`),
+Not yet (said at load, not hidden): CUDA graphs (`graph_safe`: QSA past its dense span chooses its
+path by the sequences' lengths on the host, and the capture is untested),
 tensor parallelism, NVFP4 experts stored grouped (per-expert NVFP4 tensors load), NVFP4 split GDN
 projections of different global scales. Checked token for token against the
 whole-sequence reference (`ft.model.qwen3_8_flash_next_reference`, itself checked against the public
@@ -34,7 +37,8 @@ from ft.model.config import ModelConfig
 from ft.model.forward_batch import ForwardBatch
 from ft.model.layers.attention import Rope
 from ft.model.layers.qsa_attention import QSAAttention
-from ft.model.layers.engram import EngramHashing, PLEWeights, ple_delta
+from ft.kernels.host_gather import gather_rows
+from ft.model.layers.engram import EngramHashing, PLEWeights, ple_delta_batched
 from ft.model.layers.gated_deltanet import GatedDeltaNet
 from ft.model.layers.hyper_connection import HyperConnection, expand_streams
 from ft.model.layers.linear import Linear
@@ -173,8 +177,9 @@ class FlashNextModel:
     """forward(batch, pools) -> logits [B, vocab] (float32) at each sequence's last new token."""
 
     graph_safe = False
-    """Whether a decode step may be captured in a CUDA graph: not yet (the PLE hashes each sequence's
-    ids on the host; HyperConnections run as torch ops). The engine runs this model eagerly."""
+    """Whether a decode step may be captured in a CUDA graph: not yet (QSA picks its dense or sparse
+    path by the sequences' lengths on the host; the PLE and HyperConnections are device ops, but no
+    capture has run on a GPU). The engine runs this model eagerly."""
 
     def __init__(self, cfg: ModelConfig, weights: LoadedWeights, dtype: torch.dtype, device: torch.device,
                  tp=None) -> None:
@@ -292,22 +297,18 @@ class FlashNextModel:
         return self.lm_head(u).float()
 
     def _ple_delta(self, ple: _PLE, x: torch.Tensor, batch: ForwardBatch, pools: CachePools) -> torch.Tensor:
-        """[T, C*H]: each sequence's PLE delta, from its ids' table rows, its n-gram context and conv
-        history (read from its mamba slot and written back)."""
+        """[T, C*H]: the PLE delta of every new token, from its ids' table rows, its sequence's n-gram
+        context and conv history (read from its mamba slot and written back). Device ops only, no
+        host read: the hashing and the conv run over the packed batch, the table rows are read from
+        host memory by the device (`gather_rows`)."""
         hs, eos = self.hashing, self.text.eos_token_id
+        slots, cu = batch.mamba_slots, batch.cu_seqlens
         contexts, histories = pools.mamba.extra["ngram_context"], pools.mamba.extra["ple_conv"]
-        out = torch.zeros_like(x)
-        t0 = 0
-        for s in batch.seqs:
-            rows_of = slice(t0, t0 + s.length)
-            t0 += s.length
-            context = [v - 1 if v else eos for v in contexts[s.mamba_slot].tolist()]
-            rows, context = hs.rows(batch.input_ids[rows_of], context)
-            # the table stays on the host: only these rows travel
-            emb = ple.table[rows.cpu()].reshape(s.length, -1).to(x.device, x.dtype, non_blocking=True)
-            delta, history = ple_delta(emb, x[rows_of].reshape(s.length, self.streams, -1), ple.weights,
-                                       histories[s.mamba_slot])
-            out[rows_of] = delta
-            contexts[s.mamba_slot] = torch.tensor([v + 1 for v in context], dtype=torch.int64)
-            histories[s.mamba_slot] = history
-        return out
+        stored = contexts[slots]  # ids + 1, 0: none (the EOS id)
+        windows, after = hs.windows(batch.input_ids, torch.where(stored == 0, eos, stored - 1), cu)
+        emb = gather_rows(ple.table, hs.rows_of_windows(windows), x.dtype)
+        delta, history = ple_delta_batched(emb, x.reshape(x.shape[0], self.streams, -1), ple.weights, histories[slots],
+                                           cu)
+        contexts[slots] = after + 1
+        histories[slots] = history
+        return delta

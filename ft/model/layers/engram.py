@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ft.model.layers.hyper_connection import grouped_rms_norm
 
-__all__ = ["DEFAULT_MULTIPLIERS", "EngramHashing", "PLEWeights", "next_primes", "ple_delta"]
+__all__ = ["DEFAULT_MULTIPLIERS", "EngramHashing", "PLEWeights", "next_primes", "ple_delta", "ple_delta_batched"]
 
 DEFAULT_MULTIPLIERS = (23703573157769, 20109073645365, 8052911324071)
 """The hash's odd int64 multipliers: index 0 multiplies the current token, 1 the previous, 2 the one
@@ -108,22 +108,53 @@ class EngramHashing:
             raise ValueError(f"context must hold {self.context_len} ids, got {len(context)}")
         n, c = ids.numel(), self.context_len
         ext = torch.cat([torch.tensor(context, dtype=torch.int64, device=ids.device), ids.reshape(-1).to(torch.int64)])
-        eos = torch.full_like(ext[:n], self.eos_token_id)
-        mixes, mix, cut = [], None, torch.zeros(n, dtype=torch.bool, device=ids.device)
+        windows = torch.stack([ext[c - s: c - s + n] for s in range(self.ngram_size)], dim=1)
+        return self.rows_of_windows(windows), ext[-c:].tolist()
+
+    def rows_of_windows(self, windows: torch.Tensor) -> torch.Tensor:
+        """[T, ngram_size] int64: each position's token (column 0) and the ones before it (column s:
+        s back; the EOS id where the sequence had none) -> its table rows [T, num_heads] int64.
+
+        The shift-s token becomes the EOS id when an EOS lies strictly between it and the position
+        (columns 1 .. s-1), so the context never reaches past an EOS."""
+        eos = torch.full_like(windows[:, 0], self.eos_token_id)
+        mixes, mix, cut = [], None, torch.zeros_like(windows[:, 0], dtype=torch.bool)
         for s in range(self.ngram_size):
-            token = ext[c - s: c - s + n]
-            if s >= 2:  # an EOS at t - s + 1 (strictly between t - s and t) ends the context
-                cut = cut | (ext[c - s + 1: c - s + 1 + n] == self.eos_token_id)
-            token = torch.where(cut, eos, token) if s >= 2 else token
+            token = windows[:, s]
+            if s >= 2:  # an EOS at shift s - 1 (strictly between t - s and t) ends the context
+                cut = cut | (windows[:, s - 1] == self.eos_token_id)
+                token = torch.where(cut, eos, token)
             term = token * self.multipliers[s]  # int64, wrapping
             mix = term if mix is None else mix ^ term
             if s >= 1:
                 mixes.append(mix)  # order s + 1
-        sizes = torch.tensor(self.sizes, dtype=torch.int64, device=ids.device)
-        offsets = torch.tensor(self.offsets, dtype=torch.int64, device=ids.device)
+        sizes = torch.tensor(self.sizes, dtype=torch.int64, device=windows.device)
+        offsets = torch.tensor(self.offsets, dtype=torch.int64, device=windows.device)
         per_head = torch.stack([m for m in mixes for _ in range(self.heads_per_ngram)], dim=1)  # [T, heads]
-        rows = torch.remainder(per_head, sizes) + offsets
-        return rows, ext[-c:].tolist()
+        return torch.remainder(per_head, sizes) + offsets
+
+    def windows(self, ids: torch.Tensor, contexts: torch.Tensor, cu_seqlens: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch's n-gram windows, on the device and without a host read (a CUDA graph may hold it).
+
+        Args:
+            ids: [T] int64 the new tokens of B sequences, flattened in order.
+            contexts: [B, context_len] int64 each sequence's previous ids, oldest first (the EOS id for none).
+            cu_seqlens: [B + 1] the sequences' offsets in ids (every length >= 1).
+        Returns:
+            (windows [T, ngram_size] for `rows_of_windows`, the contexts after each sequence's last token)."""
+        t, c = ids.shape[0], self.context_len
+        seq = torch.searchsorted(cu_seqlens[1:].to(torch.int64), torch.arange(t, device=ids.device), right=True)
+        local = torch.arange(t, device=ids.device) - cu_seqlens.to(torch.int64)[seq]
+        cols = [ids.to(torch.int64)]
+        for s in range(1, self.ngram_size):
+            inside = local >= s
+            from_ids = ids.to(torch.int64)[torch.clamp(torch.arange(t, device=ids.device) - s, min=0)]
+            from_context = contexts[seq, torch.clamp(c - s + local, min=0, max=c - 1)]
+            cols.append(torch.where(inside, from_ids, from_context))
+        windows = torch.stack(cols, dim=1)
+        last = windows[cu_seqlens[1:].to(torch.int64) - 1]  # [B, n]: each sequence's last window
+        return windows, last[:, :c].flip(1)  # (the new context, oldest first: shifts c - 1 .. 0)
 
 
 @dataclass(frozen=True)
@@ -185,3 +216,46 @@ def ple_delta(embedding: torch.Tensor, streams: torch.Tensor, w: PLEWeights,
     conv = sum(seq[j * w.dilation: j * w.dilation + t].float() * w.conv[:, j].float() for j in range(k))
     delta = u + F.silu(conv.to(u.dtype))
     return delta, seq[-hist:].clone()
+
+
+def ple_delta_batched(embedding: torch.Tensor, streams: torch.Tensor, w: PLEWeights, histories: torch.Tensor,
+                      cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ple_delta` for B sequences at once, on the device and without a host read.
+
+    Args:
+        embedding: [T, E], streams: [T, C, D] the new tokens of B sequences, flattened in order.
+        histories: [B, history, C*D] each sequence's conv history (as `ple_delta`'s conv_history).
+        cu_seqlens: [B + 1] the sequences' offsets (every length >= 1).
+    Returns:
+        (delta [T, C*D], the new histories [B, history, C*D]): per sequence what `ple_delta` returns."""
+    t, c, d = streams.shape
+    if c != w.streams:
+        raise ValueError(f"{c} streams, the PLE weights are for {w.streams}")
+    key = grouped_rms_norm(F.linear(embedding, w.key_proj), w.norm_key, c, w.eps).reshape(t, c, d)
+    query = grouped_rms_norm(streams.reshape(t, c * d), w.norm_query, c, w.eps).reshape(t, c, d)
+    value = F.linear(embedding, w.value_proj)
+    g = (key * query).sum(-1) / math.sqrt(d)
+    g = torch.sign(g) * torch.sqrt(torch.clamp(g.abs(), min=1e-6))
+    u = (torch.sigmoid(g)[:, :, None] * value[:, None, :]).reshape(t, c * d)
+    u_hat = grouped_rms_norm(u, w.norm_conv, c, w.eps)
+    b, hist = histories.shape[0], w.history
+    # every row a tap may read: the B histories (row b * hist + j), then this batch's u_hat (row B * hist + t)
+    rows = torch.cat([histories.to(u_hat.dtype).reshape(b * hist, c * d), u_hat])
+    cu = cu_seqlens.to(torch.int64)
+    seq = torch.searchsorted(cu[1:], torch.arange(t, device=u.device), right=True)
+    local = torch.arange(t, device=u.device) - cu[seq]
+
+    def source(back: torch.Tensor | int, at: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+        """The row of position `at - back` of sequence `owner` (at: its local index): in this batch or
+        in its history."""
+        p = at - back
+        return torch.where(p >= 0, b * hist + cu[owner] + p, owner * hist + hist + p)
+
+    k = w.conv.shape[-1]
+    conv = sum(rows[source((k - 1 - j) * w.dilation, local, seq)].float() * w.conv[:, j].float() for j in range(k))
+    delta = u + F.silu(conv.to(u.dtype))
+    lengths = cu[1:] - cu[:-1]  # [B]
+    keep = torch.arange(hist, device=u.device)[None, :] - hist  # the last `hist` positions, oldest first
+    owner = torch.arange(b, device=u.device)[:, None].expand(b, hist)
+    new = rows[source(0, lengths[:, None] + keep, owner)]  # [B, hist, C*D]
+    return delta, new.to(histories.dtype)

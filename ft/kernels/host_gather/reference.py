@@ -1,0 +1,13 @@
+"""Torch reference of the host-table gather (`ft.kernels.host_gather`)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_rows_ref(table: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """table [R, W], rows [T, H] int64 -> [T, H * W] in `dtype` on rows' device (the ids go to the
+    table's device, the rows come back: a host read when they differ)."""
+    t, h = rows.shape
+    out = table[rows.to(table.device)].reshape(t, h * table.shape[1])
+    return out.to(device=rows.device, dtype=dtype)
