@@ -182,6 +182,9 @@ def test_qsa_past_its_dense_span_equals_the_reference(tmp_path):
         table = next(w for n, w in weights.items() if n.endswith("ngram_embedding.weight"))
         # the table stays on the host, outside the device weights and the cache budget, and is reported
         assert llm.engine.describe()["host_table_bytes"] == table.numel() * 4 == llm.engine.model.host_bytes
+        from ft.serve_cmd import describe
+
+        assert "  host: n-gram table 7.0 KiB in host memory" in describe(llm.engine, "http://x")  # the banner
         assert [r.token_ids for r in llm.generate(prompt_token_ids=prompts, **GREEDY_OPTS)] == want
 
 
@@ -252,3 +255,27 @@ def test_stacked_nvfp4_projections_are_exact():
     torch.testing.assert_close(stacked(x), torch.cat([Linear(a)(x), Linear(b)(x)], dim=-1), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="different global scales"):
         Linear.stacked([a, weight(8, 0.02)])
+
+
+def test_ft_serve_answers_with_it(tmp_path):
+    """`ft serve` on a Qwen3.8-Flash-Next checkpoint, with a real HTTP client: a completion answers, an
+    image part is a 400 that says why, GET /admin/cache reports the n-gram table's host bytes."""
+    from server_proc import ServerProcess
+
+    path = tmp_path / "flash-next-tiny"
+    write_checkpoint(path, TEXT)
+    srv = ServerProcess("--model", str(path), "--device", "cpu", "--num-tokens", "512", "--max-running-requests", "2")
+    try:
+        model = srv.get("/v1/models").json()["data"][0]["id"]
+        r = srv.post("/v1/completions", json={"model": model, "prompt": "hello there", "max_tokens": 6,
+                                              "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 6
+        r = srv.post("/v1/chat/completions", json={"model": model, "max_tokens": 4, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+                                         {"type": "text", "text": "what is this?"}]}]})
+        assert r.status_code == 400 and "only text parts" in r.text
+        cache = srv.get("/admin/cache").json()
+        assert cache["host_table_bytes"] > 0
+    finally:
+        assert srv.stop() == 0, srv.output()
