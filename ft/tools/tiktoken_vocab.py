@@ -107,14 +107,17 @@ def find_tiktoken_files(folder: str | Path) -> tuple[Path, Path] | None:
 
 def ensure_tokenizer_json(folder: str | Path, cache_root: str | Path | None = None) -> Path:
     """A folder with tokenizer.json (and tokenizer_config.json: ChatML, `<|im_end|>` the end of a turn)
-    converted from `folder`'s tiktoken files, made once per content in the cache (FT_CACHE_DIR, else
-    ~/.cache/ft) and reused. Raises FileNotFoundError when `folder` has no tiktoken pair."""
+    converted from `folder`'s tiktoken files, made once per content in the cache (`cache_root`, else
+    `ft.tools.demo.default_cache_dir()`: $FT_CACHE_DIR or ~/.cache/freetoken) and reused. Raises
+    FileNotFoundError when `folder` has no tiktoken pair."""
     found = find_tiktoken_files(folder)
     if found is None:
         raise FileNotFoundError(f"{folder}: no tokenizer.json, nor a *.tiktoken file with {SPECIAL_FILE}")
     ranks_path, special_path = found
     digest = hashlib.sha256(ranks_path.read_bytes() + special_path.read_bytes()).hexdigest()[:16]
-    root = Path(cache_root or os.environ.get("FT_CACHE_DIR") or Path.home() / ".cache" / "ft")
+    from ft.tools.demo import default_cache_dir
+
+    root = Path(cache_root) if cache_root else default_cache_dir()
     out = root / f"tiktoken-{digest}"
     if (out / "tokenizer.json").is_file():
         return out
