@@ -16,7 +16,7 @@ import socket
 from pathlib import Path
 from typing import Callable
 
-from ft.errors import ConfigError, UnsupportedModelError, FreeTokenError
+from ft.errors import ConfigError, FreeTokenError
 
 _DEMO = (None, "", "demo")
 
@@ -58,14 +58,9 @@ def check_model(config) -> None:
 
 def check_split(config, cfg) -> None:
     """--tensor-parallel-size N: every rank's share of heads and channels exists (one line if not)."""
-    from ft.model.tp_split import local_config
+    from ft.model.tp_split import check_split as check
 
-    world = getattr(config, "tensor_parallel_size", 1)
-    if world > 1 and cfg.is_flash_next:
-        raise UnsupportedModelError("Qwen3.8-Flash-Next does not run under tensor parallelism yet "
-                                    "(--tensor-parallel-size 1)")
-    for rank in range(world if world > 1 else 0):
-        local_config(cfg, rank, world)
+    check(cfg, getattr(config, "tensor_parallel_size", 1))
 
 
 def _check_kernels(config, cfg, model_dir: Path | None) -> None:

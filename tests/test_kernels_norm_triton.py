@@ -190,7 +190,8 @@ def test_dispatchers(monkeypatch):
     calls = []
     for name in args:
         real = getattr(details, f"{name}_triton")
-        monkeypatch.setattr(details, f"{name}_triton", lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+        monkeypatch.setattr(details, f"{name}_triton",
+                            lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
     monkeypatch.delenv("FT_TRITON_INTERPRET_TEST", raising=False)
     for name, a in args.items():  # the CPU without the test switch: the references, bitwise
         out, ref = dispatchers[name](*a), refs[name](*a)

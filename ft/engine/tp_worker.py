@@ -44,9 +44,9 @@ def start_workers(config: EngineConfig) -> Workers | None:
         return None
     from ft.engine.loader import resolve_model_path
     from ft.model.config import ModelConfig
-    from ft.preflight import check_split
+    from ft.model.tp_split import check_split
 
-    check_split(config, ModelConfig.from_file(resolve_model_path(config.model)))  # before any worker starts
+    check_split(ModelConfig.from_file(resolve_model_path(config.model)), world)  # before any worker starts
     import torch
     import torch.multiprocessing as mp
 

@@ -6,8 +6,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from ft.errors import ConfigError
+from ft.errors import ConfigError, UnsupportedModelError
 from ft.model.config import ModelConfig
+
+
+def check_split(cfg: ModelConfig, world: int) -> None:
+    """Refuse, in one line, a split over `world` ranks that cannot run: Qwen3.8-Flash-Next (not split
+    yet), or heads and channels that do not share out (`local_config`'s ConfigError)."""
+    if world > 1 and cfg.is_flash_next:
+        raise UnsupportedModelError("Qwen3.8-Flash-Next does not run under tensor parallelism yet "
+                                    "(--tensor-parallel-size 1)")
+    for rank in range(world if world > 1 else 0):
+        local_config(cfg, rank, world)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,7 @@ from ft.kernels.attention.reference import (
     FP8_MAX,
     paged_attention_ref,
     paged_decode_attention_ref,
+    sparse_decode_attention_ref,
     write_kv_decode_ref,
     write_kv_ref,
 )
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "KV_SCALE_HEADROOM", "calibrate_kv_scale", "library_prefill_reserve", "use_library_prefill", "DecodeWorkspace", "decode_attention_splits", "decode_attention_workspace", "paged_attention",
     "paged_attention_ref", "paged_decode_attention", "paged_decode_attention_ref", "write_kv", "write_kv_decode",
-    "write_kv_decode_ref", "write_kv_ref",
+    "write_kv_decode_ref", "write_kv_ref", "sparse_decode_attention", "sparse_decode_attention_ref",
 ]
 
 
@@ -219,3 +220,15 @@ def _check_decode_inputs(k_cache: torch.Tensor, page_table: torch.Tensor, seq_le
     ids = page_table[used]
     if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < k_cache.shape[0]):
         raise ValueError(f"page ids outside 0 .. {k_cache.shape[0] - 1}: {sorted(set(ids.tolist()))[:8]} ...")
+
+
+def sparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                            tokens: torch.Tensor, scale: float, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """QSA's decode attention: one query per sequence over its selected positions (`tokens` [B, W], -1
+    unused) -> [B, Hq, D] (`sparse_decode_attention_ref`'s contract). The Triton kernel where Triton
+    runs (`sparse_decode.py`: split-K over the list, fixed shapes), else the reference."""
+    if uses_triton(q.device) and q.dtype in TRITON_DTYPES:
+        from ft.kernels.attention.sparse_decode import sparse_decode_attention_triton  # NOTE: imports triton when used
+
+        return sparse_decode_attention_triton(q, k_cache, v_cache, page_table, tokens, scale, kv_scale)
+    return sparse_decode_attention_ref(q, k_cache, v_cache, page_table, tokens, scale, kv_scale)

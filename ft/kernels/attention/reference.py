@@ -245,3 +245,36 @@ def paged_decode_attention_ref(
     if gate is not None:  # NOTE: on the float32 output, so the gated result is rounded once, as the kernels round it
         o = o * torch.sigmoid(gate.float())
     return o.to(q.dtype)
+
+
+def sparse_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    tokens: torch.Tensor,
+    scale: float,
+    kv_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query per sequence over a list of its positions (QSA's selected tokens).
+
+    Args:
+        q: [B, Hq, D]; Hq a multiple of Hkv (query head h reads kv head h // (Hq // Hkv)).
+        k_cache, v_cache: [P, page_size, Hkv, R] (see the module docstring; `kv_scale` for a quantized one).
+        page_table: [B, max_pages] int64: row b lists sequence b's pages.
+        tokens: [B, W] int64 positions into sequence b (-1: unused), in any order.
+    Returns: [B, Hq, D] in q's dtype (scores, softmax and sums in float32); a row with no position gives zeros.
+    """
+    b, hq, d = q.shape
+    page, hkv = k_cache.shape[1], k_cache.shape[2]
+    valid = tokens >= 0
+    pos = tokens.clamp(min=0)
+    pages = page_table.gather(1, pos // page)  # [B, W]
+    ks, vs = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
+    k = dequantize_kv(k_cache[pages, pos % page], ks, torch.float32)  # [B, W, Hkv, D]
+    v = dequantize_kv(v_cache[pages, pos % page], vs, torch.float32)
+    qg = q.float().reshape(b, hkv, hq // hkv, d)
+    scores = torch.einsum("bgrd,bwgd->bgrw", qg, k) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)  # a row with no position: zeros
+    return torch.einsum("bgrw,bwgd->bgrd", probs, v).reshape(b, hq, d).to(q.dtype)

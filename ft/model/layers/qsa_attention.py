@@ -4,17 +4,19 @@ to the tokens the indexer selects (`ft.model.layers.qsa` is the math and its spe
 Every step stores each new token's K, V and raw indexer key in its page. A sequence whose context fits
 `dense_limit` (budget + ratio - 1 tokens: the indexer then selects every token) runs the gated
 attention kernels unchanged: there dense attention is QSA exactly. A longer one runs the selection
-in torch: its raw keys gathered from the pages and compressed, each query's blocks chosen, attention
-over the chosen tokens (K and V gathered, dequantized where the cache is quantized), in blocks of
-queries that bound the gathered tensors. The Triton kernels for the long case come next (issue 38):
-this path is correct at any length but reads the whole context per step.
+in torch: its raw keys gathered from the pages and compressed, each query's blocks chosen; a decode
+batch then attends to its sequences' lists in one `sparse_decode_attention` launch (Triton: split-K
+over the lists, fixed shapes; sequences inside the span list all their positions), a prefill over the
+chosen tokens in torch (K and V gathered, dequantized where the cache is quantized), in blocks of
+queries that bound the gathered tensors. The selection reads the whole context per step: the
+compressed-key cache and a score kernel come next (issue 38).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ft.kernels.attention import paged_attention, write_kv, write_kv_decode
+from ft.kernels.attention import paged_attention, sparse_decode_attention, write_kv, write_kv_decode
 from ft.kernels.attention.reference import dequantize_kv
 from ft.kernels.norm import qk_norm_rope, rms_norm
 from ft.model.forward_batch import ForwardBatch
@@ -80,6 +82,9 @@ class QSAAttention(GatedAttention):
                 write_kv(k_cache, v_cache, k[offset: offset + s.length], v[offset: offset + s.length], s.page_table,
                          s.start, kv_scale)
                 offset += s.length
+        if batch.decode is not None:  # one list of positions per sequence, one launch for the batch
+            o = self._decode(q, iq, batch, kv, index_keys, rope)
+            return self.o_proj(o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))
         outs, offset = [], 0
         for s in batch.seqs:
             rows = slice(offset, offset + s.length)
@@ -105,6 +110,34 @@ class QSAAttention(GatedAttention):
             index_keys[s.page_table[pos // page], pos % page] = raw[offset: offset + s.length].to(index_keys.dtype)
             offset += s.length
 
+    def _blocks(self, total: int, page_table: torch.Tensor, index_keys: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """A sequence's compressed indexer keys [V, Di] (normed, rotated at each block's first position)
+        from the raw keys of its positions 0 .. total - 1 in the pages."""
+        page = index_keys.shape[1]
+        pos = torch.arange(total, device=page_table.device)
+        blocks = compress_keys(index_keys[page_table[pos // page], pos % page], self.ratio)
+        blocks = rms_norm(blocks, self.index_k_norm, self.eps)[:, None, :]
+        return rotate(blocks, torch.arange(blocks.shape[0], device=blocks.device) * self.ratio, rope)[:, 0]
+
+    def _decode(self, q: torch.Tensor, iq: torch.Tensor, batch: ForwardBatch, kv: tuple, index_keys: torch.Tensor,
+                rope: Rope) -> torch.Tensor:
+        """A decode batch: each sequence's list of positions (all of them inside the dense span, else
+        the indexer's choice), then `sparse_decode_attention` over the batch -> [B, Hq, D]."""
+        width = self.budget_blocks * self.ratio + self.ratio - 1
+        lists = []
+        for i, s in enumerate(batch.seqs):
+            total = s.start + 1
+            if total <= self.dense_limit:
+                every = torch.arange(width, device=q.device)
+                lists.append(torch.where(every < total, every, -1))
+            else:
+                blocks = self._blocks(total, s.page_table, index_keys, rope)
+                lists.append(select_tokens(iq[i: i + 1], blocks, torch.tensor([s.start], device=q.device),
+                                           self.budget_blocks, self.ratio)[0])
+        k_cache, v_cache, kv_scale = kv
+        return sparse_decode_attention(q, k_cache, v_cache, batch.decode.page_table, torch.stack(lists), self.scale,
+                                       kv_scale)
+
     def _sparse(self, q: torch.Tensor, iq: torch.Tensor, start: int, page_table: torch.Tensor, kv: tuple,
                 index_keys: torch.Tensor, rope: Rope) -> torch.Tensor:
         """One sequence's queries q [n, Hq, D] at positions start.. (indexer queries iq [n, Hi, Di]) over
@@ -113,9 +146,7 @@ class QSAAttention(GatedAttention):
         n, total, page = q.shape[0], start + q.shape[0], k_cache.shape[1]
         pos = torch.arange(total, device=q.device)
         pages, within = page_table[pos // page], pos % page
-        blocks = compress_keys(index_keys[pages, within], self.ratio)  # [V, Di]: the complete blocks
-        blocks = rms_norm(blocks, self.index_k_norm, self.eps)[:, None, :]
-        blocks = rotate(blocks, torch.arange(blocks.shape[0], device=q.device) * self.ratio, rope)[:, 0]
+        blocks = self._blocks(total, page_table, index_keys, rope)  # [V, Di]: the complete blocks
         ks, vs = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
         keys = dequantize_kv(k_cache[pages, within], ks, q.dtype)  # [total, Hkv, D]
         values = dequantize_kv(v_cache[pages, within], vs, q.dtype)

@@ -1,0 +1,96 @@
+"""QSA's sparse decode attention (`ft.kernels.attention.sparse_decode`): the Triton kernel against
+`sparse_decode_attention_ref` under the interpreter (fp32 and fp16 queries; caches as stored, fp8 and
+NVFP4), and the reference against the torch sparse attention of `ft.model.layers.qsa` on QSA's own
+token lists. Lists with unused (-1) entries, out of order, a sequence without any position, positions
+on several pages; split-K forced to 1 and left to the kernel. The output is NaN-poisoned nowhere: the
+kernel allocates it; the test checks it is finite."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (by the kernels module below)
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ft.kernels.attention import sparse_decode as details
+from ft.kernels.attention.reference import sparse_decode_attention_ref, write_kv_ref
+from ft.memory.kv_pool import NVFP4_KV, kv_row_size
+from ft.model.layers.qsa import select_tokens, sparse_attention
+
+PAGE = 8
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
+CASES = [(4, 2, 32), (6, 2, 64), (2, 1, 16)]  # (Hq, Hkv, D)
+KV = {"as-stored": None, "fp8": torch.float8_e4m3fn, "nvfp4": NVFP4_KV}
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt().clamp_min(1e-30))
+
+
+def make_cache(hkv: int, d: int, lengths: list[int], dtype: torch.dtype, kv: torch.dtype | None, seed: int):
+    """Caches holding each sequence's random K/V in shuffled pages, its page table and the (K, V) scales."""
+    g = torch.Generator().manual_seed(seed)
+    pages_each = [-(-n // PAGE) for n in lengths]
+    order = torch.randperm(sum(pages_each) + 3, generator=g)
+    cache_dtype = kv or dtype
+    row = kv_row_size(d, cache_dtype)
+    k_cache = torch.zeros(len(order), PAGE, hkv, row, dtype=cache_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    scale = None if kv is None else torch.tensor([0.05, 0.04])
+    table = torch.zeros(len(lengths), max(pages_each), dtype=torch.int64)
+    used = 0
+    for b, n in enumerate(lengths):
+        table[b, : pages_each[b]] = order[used: used + pages_each[b]]
+        used += pages_each[b]
+        k, v = torch.randn(n, hkv, d, generator=g).to(dtype), torch.randn(n, hkv, d, generator=g).to(dtype)
+        write_kv_ref(k_cache, v_cache, k, v, table[b], 0, scale)
+    return k_cache, v_cache, table, scale
+
+
+@pytest.mark.parametrize("kv", list(KV), ids=list(KV))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(("hq", "hkv", "d", "splits"), [(*c, None) for c in CASES] + [(4, 2, 32, 1)],
+                         ids=[f"Hq{a}-Hkv{b}-D{c}" for a, b, c in CASES] + ["Hq4-Hkv2-D32-one-split"])
+def test_kernel_equals_the_reference(hq, hkv, d, dtype, kv, splits):
+    lengths = [70, 5, 33]
+    k_cache, v_cache, table, scale = make_cache(hkv, d, lengths, dtype, KV[kv], seed=d + hq)
+    g = torch.Generator().manual_seed(1)
+    w = 45
+    tokens = torch.full((len(lengths), w), -1, dtype=torch.int64)
+    tokens[0, :40] = torch.randperm(70, generator=g)[:40]  # out of order, across pages
+    tokens[0, 41] = 69
+    tokens[2, 3:36:2] = torch.arange(17) * 2  # holes
+    # sequence 1 has no position: zeros
+    q = torch.randn(len(lengths), hq, d, generator=g).to(dtype)
+    want = sparse_decode_attention_ref(q, k_cache, v_cache, table, tokens, d ** -0.5, scale)
+    got = details.sparse_decode_attention_triton(q, k_cache, v_cache, table, tokens, d ** -0.5, scale, splits=splits)
+    assert got.shape == want.shape and got.dtype == dtype and torch.isfinite(got).all()
+    assert torch.equal(want[1], torch.zeros_like(want[1])) and torch.equal(got[1], torch.zeros_like(got[1]))
+    for b in (0, 2):
+        assert rel_rms(got[b], want[b]) < TOL[dtype], b
+
+
+def test_the_reference_is_qsa_attention_on_qsa_lists():
+    """On the lists QSA's selection makes (`select_tokens`), the reference over the paged cache gives what
+    `sparse_attention` gives over the sequence's whole K and V."""
+    hq, hkv, d, n = 4, 2, 16, 53
+    g = torch.Generator().manual_seed(7)
+    k, v = torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)
+    k_cache = torch.zeros(8, PAGE, hkv, d)
+    v_cache = torch.zeros_like(k_cache)
+    table = torch.randperm(8, generator=g)[None, :]
+    write_kv_ref(k_cache, v_cache, k, v, table[0], 0)
+    index_q, keys = torch.randn(1, 2, 8, generator=g), torch.randn(n // 4, 8, generator=g)
+    tokens = select_tokens(index_q, keys, torch.tensor([n - 1]), budget_blocks=5, ratio=4)
+    assert (tokens >= 0).sum() == 5 * 4 + 1  # 5 blocks of 4, and position 52, which starts a block of its own
+    q = torch.randn(1, hq, d, generator=g)
+    want = sparse_attention(q, k, v, tokens, d ** -0.5)
+    got = sparse_decode_attention_ref(q, k_cache, v_cache, table, tokens, d ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    fewer = tokens.clone()
+    fewer[0, 0] = -1  # one selected token less: another result (the lists matter)
+    assert not torch.allclose(sparse_decode_attention_ref(q, k_cache, v_cache, table, fewer, d ** -0.5), want)
