@@ -1,0 +1,72 @@
+"""Qwen3.8-Flash-Next's new kernels compiled for the GPU at its real shapes, against their torch
+references: the host-table gather (a pinned table of width 160, 16 heads, 1 and 64 tokens: exact),
+QSA's sparse decode attention (24 query heads over 2 KV heads of 256, lists of 2,051 positions: 512
+blocks of 4 and a partial block, bf16 / fp8 / NVFP4 caches, batch 1 and 8), and the sigmoid-gated
+RMSNorm (48 value heads of 128)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ft.kernels.attention.reference import sparse_decode_attention_ref, write_kv_ref
+from ft.kernels.attention.sparse_decode import sparse_decode_attention_triton
+from ft.kernels.host_gather import gather_rows
+from ft.kernels.host_gather.reference import gather_rows_ref
+from ft.kernels.norm import gated_rms_norm
+from ft.kernels.norm.reference import gated_rms_norm_ref
+from ft.memory.kv_pool import NVFP4_KV, kv_row_size
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+TOL = {"bf16": 1e-2, "fp8": 1e-2, "nvfp4": 1e-2}
+"""Relative RMS of the sparse attention against the fp32 reference on the same (quantized) cache: bf16
+queries and tiles, fp32 softmax and sums."""
+
+
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_host_gather_reads_the_pinned_table_exactly(tokens):
+    g = torch.Generator().manual_seed(tokens)
+    table = torch.randn(100_003, 160, generator=g).to(torch.bfloat16).pin_memory()
+    rows = torch.randint(0, table.shape[0], (tokens, 16), generator=g).to(DEV)
+    got = gather_rows(table, rows, torch.bfloat16)
+    assert got.is_cuda and torch.equal(got.cpu(), gather_rows_ref(table, rows.cpu(), torch.bfloat16))
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "nvfp4"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_sparse_decode_attention_at_the_flagship_shape(batch, kv):
+    hq, hkv, d, page, ratio, budget = 24, 2, 256, 64, 4, 2048
+    g = torch.Generator(device=DEV).manual_seed(batch)
+    context = 4096
+    cache_dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "nvfp4": NVFP4_KV}[kv]
+    pages = batch * context // page
+    k_cache = torch.zeros(pages, page, hkv, kv_row_size(d, cache_dtype), dtype=cache_dtype, device=DEV)
+    v_cache = torch.zeros_like(k_cache)
+    scale = None if kv == "bf16" else torch.tensor([0.05, 0.04], device=DEV)
+    table = torch.randperm(pages, generator=g, device=DEV).reshape(batch, context // page)
+    lists = []
+    for b in range(batch):
+        k = torch.randn(context, hkv, d, generator=g, device=DEV).to(torch.bfloat16)
+        v = torch.randn(context, hkv, d, generator=g, device=DEV).to(torch.bfloat16)
+        write_kv_ref(k_cache, v_cache, k, v, table[b], 0, scale)
+        blocks = torch.randperm(context // ratio - 1, generator=g, device=DEV)[: budget // ratio]
+        chosen = (blocks[:, None] * ratio + torch.arange(ratio, device=DEV)).reshape(-1)
+        tail = torch.tensor([context - 4, context - 3, -1], device=DEV)  # the query's incomplete block
+        lists.append(torch.cat([chosen, tail]))
+    tokens = torch.stack(lists)
+    q = torch.randn(batch, hq, d, generator=g, device=DEV).to(torch.bfloat16)
+    want = sparse_decode_attention_ref(q.float(), k_cache, v_cache, table, tokens, d ** -0.5, scale)
+    got = sparse_decode_attention_triton(q, k_cache, v_cache, table, tokens, d ** -0.5, scale)
+    err = float((got.float() - want).norm() / want.norm())
+    assert torch.isfinite(got).all() and err < TOL[kv], f"relative RMS {err:.3g}"
+
+
+def test_sigmoid_gated_norm_at_the_flagship_shape():
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x = torch.randn(64, 48, 128, generator=g, device=DEV).to(torch.bfloat16)
+    z = torch.randn(64, 48, 128, generator=g, device=DEV).to(torch.bfloat16)
+    w = (torch.randn(128, generator=g, device=DEV) * 0.1 + 1).to(torch.bfloat16)
+    got = gated_rms_norm(x, z, w, 1e-6, "sigmoid")
+    want = gated_rms_norm_ref(x, z, w, 1e-6, "sigmoid")
+    assert float((got.float() - want.float()).norm() / want.float().norm()) < 4e-3
