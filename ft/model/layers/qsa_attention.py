@@ -4,12 +4,14 @@ to the tokens the indexer selects (`ft.model.layers.qsa` is the math and its spe
 Every step stores each new token's K, V and raw indexer key in its page. A sequence whose context fits
 `dense_limit` (budget + ratio - 1 tokens: the indexer then selects every token) runs the gated
 attention kernels unchanged: there dense attention is QSA exactly. A longer one runs the selection
-in torch: its raw keys gathered from the pages and compressed, each query's blocks chosen; a decode
-batch then attends to its sequences' lists in one `sparse_decode_attention` launch (Triton: split-K
-over the lists, fixed shapes; sequences inside the span list all their positions), a prefill over the
-chosen tokens in torch (K and V gathered, dequantized where the cache is quantized), in blocks of
-queries that bound the gathered tensors. The selection reads the whole context per step: the
-compressed-key cache and a score kernel come next (issue 38).
+a decode batch in fixed shapes (a CUDA graph may hold them): `ft.kernels.qsa.block_scores` (Triton:
+each block's raw keys read through the page table, meaned, normed, rotated, scored; bounded by each
+sequence's length), `select_decode_tokens` (top-k with ties to the lower block), one
+`sparse_decode_attention` launch (split-K over the lists). A prefill past the span runs in torch: its
+raw keys gathered from the pages and compressed, each query's blocks chosen, attention over the
+chosen tokens (K and V gathered, dequantized where the cache is quantized), in blocks of queries that
+bound the gathered tensors. The score kernel re-reads every raw key each step (4x a compressed cache's
+bytes): a compressed-key cache is the next step (issue 38).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from ft.kernels.norm import qk_norm_rope, rms_norm
 from ft.model.forward_batch import ForwardBatch
 from ft.model.layers.attention import GatedAttention, Rope
 from ft.model.layers.linear import Linear
-from ft.model.layers.qsa import compress_keys, select_tokens, sparse_attention
+from ft.kernels.qsa import block_scores
+from ft.model.layers.qsa import compress_keys, select_decode_tokens, select_tokens, sparse_attention
 
 __all__ = ["QSAAttention", "rotate"]
 
@@ -121,22 +124,15 @@ class QSAAttention(GatedAttention):
 
     def _decode(self, q: torch.Tensor, iq: torch.Tensor, batch: ForwardBatch, kv: tuple, index_keys: torch.Tensor,
                 rope: Rope) -> torch.Tensor:
-        """A decode batch: each sequence's list of positions (all of them inside the dense span, else
-        the indexer's choice), then `sparse_decode_attention` over the batch -> [B, Hq, D]."""
-        width = self.budget_blocks * self.ratio + self.ratio - 1
-        lists = []
-        for i, s in enumerate(batch.seqs):
-            total = s.start + 1
-            if total <= self.dense_limit:
-                every = torch.arange(width, device=q.device)
-                lists.append(torch.where(every < total, every, -1))
-            else:
-                blocks = self._blocks(total, s.page_table, index_keys, rope)
-                lists.append(select_tokens(iq[i: i + 1], blocks, torch.tensor([s.start], device=q.device),
-                                           self.budget_blocks, self.ratio)[0])
+        """A decode batch in fixed shapes and device ops only: every sequence's block scores
+        (`block_scores`, bounded by its length), its positions (`select_decode_tokens`: all of them
+        inside the dense span), then `sparse_decode_attention` over the batch -> [B, Hq, D]."""
+        d = batch.decode
         k_cache, v_cache, kv_scale = kv
-        return sparse_decode_attention(q, k_cache, v_cache, batch.decode.page_table, torch.stack(lists), self.scale,
-                                       kv_scale)
+        scores = block_scores(iq, index_keys, d.page_table, d.seq_lens, self.index_k_norm, self.eps, rope.inv_freq,
+                              rope.scale, self.ratio, -(-d.max_seq_len // self.ratio))
+        tokens = select_decode_tokens(scores, d.seq_lens, self.budget_blocks, self.ratio)
+        return sparse_decode_attention(q, k_cache, v_cache, d.page_table, tokens, self.scale, kv_scale)
 
     def _sparse(self, q: torch.Tensor, iq: torch.Tensor, start: int, page_table: torch.Tensor, kv: tuple,
                 index_keys: torch.Tensor, rope: Rope) -> torch.Tensor:

@@ -1,0 +1,28 @@
+"""QSA (Qwen3.8-Flash-Next's sparse attention): the indexer's block scores of each decode query over
+its sequence's complete blocks, read from the raw indexer keys in the paged cache: `reference.py`, the
+Triton kernel in `kernel.py`, and this dispatcher. The selection on top (top-k with ties to the lower
+block) is `ft.model.layers.qsa.select_decode_tokens`; attention over the chosen positions is
+`ft.kernels.attention.sparse_decode_attention`."""
+
+from __future__ import annotations
+
+import torch
+
+from ft.kernels.backend import uses_triton
+from ft.kernels.qsa.reference import block_scores_ref
+
+__all__ = ["block_scores", "block_scores_ref"]
+
+
+def block_scores(index_q: torch.Tensor, index_keys: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
+                 k_norm: torch.Tensor, eps: float, inv_freq: torch.Tensor, rope_scale: float, ratio: int,
+                 max_blocks: int) -> torch.Tensor:
+    """[B, max_blocks] float32 block scores (`block_scores_ref`'s contract): the Triton kernel where
+    Triton runs, else the reference."""
+    if uses_triton(index_q.device):
+        from ft.kernels.qsa.kernel import block_scores_triton  # NOTE: imports triton only when used
+
+        return block_scores_triton(index_q, index_keys, page_table, seq_lens, k_norm, eps, inv_freq, rope_scale,
+                                   ratio, max_blocks)
+    return block_scores_ref(index_q, index_keys, page_table, seq_lens, k_norm, eps, inv_freq, rope_scale, ratio,
+                            max_blocks)
