@@ -7,10 +7,9 @@ attention kernels unchanged: there dense attention is QSA exactly. A longer one 
 a decode batch in fixed shapes (a CUDA graph may hold them): `ft.kernels.qsa.block_scores` (Triton:
 each block's raw keys read through the page table, meaned, normed, rotated, scored; bounded by each
 sequence's length), `select_decode_tokens` (top-k with ties to the lower block), one
-`sparse_decode_attention` launch (split-K over the lists). A prefill past the span runs in torch: its
-raw keys gathered from the pages and compressed, each query's blocks chosen, attention over the
-chosen tokens (K and V gathered, dequantized where the cache is quantized), in blocks of queries that
-bound the gathered tensors. The score kernel re-reads every raw key each step (4x a compressed cache's
+`sparse_decode_attention` launch (split-K over the lists). A prefill past the span selects in torch (its
+raw keys gathered from the pages and compressed, each query's blocks chosen, in blocks of queries)
+and attends with the same kernel, each query a row with its own list. The score kernel re-reads every raw key each step (4x a compressed cache's
 bytes): a compressed-key cache is the next step (issue 38).
 """
 
@@ -19,18 +18,18 @@ from __future__ import annotations
 import torch
 
 from ft.kernels.attention import paged_attention, sparse_decode_attention, write_kv, write_kv_decode
-from ft.kernels.attention.reference import dequantize_kv
+from ft.kernels.backend import uses_triton
 from ft.kernels.norm import qk_norm_rope, rms_norm
 from ft.model.forward_batch import ForwardBatch
 from ft.model.layers.attention import GatedAttention, Rope
 from ft.model.layers.linear import Linear
 from ft.kernels.qsa import block_scores
-from ft.model.layers.qsa import compress_keys, select_decode_tokens, select_tokens, sparse_attention
+from ft.model.layers.qsa import compress_keys, select_decode_tokens, select_tokens
 
 __all__ = ["QSAAttention", "rotate"]
 
-GATHER_BYTES = 256 << 20
-"""Bound on the fp32 K and V a block of queries gathers (its selected tokens' rows)."""
+SCORE_BYTES = 256 << 20
+"""Bound on the fp32 block scores a block of prefill queries holds while it selects."""
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
@@ -137,20 +136,21 @@ class QSAAttention(GatedAttention):
     def _sparse(self, q: torch.Tensor, iq: torch.Tensor, start: int, page_table: torch.Tensor, kv: tuple,
                 index_keys: torch.Tensor, rope: Rope) -> torch.Tensor:
         """One sequence's queries q [n, Hq, D] at positions start.. (indexer queries iq [n, Hi, Di]) over
-        the tokens each selects, its context 0 .. start + n - 1 read from the pages -> [n, Hq, D]."""
+        the tokens each selects, its context 0 .. start + n - 1 read from the pages -> [n, Hq, D]: each
+        query a row of `sparse_decode_attention` (its list, the sequence's page table), in blocks of
+        queries that bound the selection's scores ([n, Hi, blocks] fp32)."""
         k_cache, v_cache, kv_scale = kv
-        n, total, page = q.shape[0], start + q.shape[0], k_cache.shape[1]
-        pos = torch.arange(total, device=q.device)
-        pages, within = page_table[pos // page], pos % page
+        n, total = q.shape[0], start + q.shape[0]
         blocks = self._blocks(total, page_table, index_keys, rope)  # [V, Di]: the complete blocks
-        ks, vs = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
-        keys = dequantize_kv(k_cache[pages, within], ks, q.dtype)  # [total, Hkv, D]
-        values = dequantize_kv(v_cache[pages, within], vs, q.dtype)
-        width = self.budget_blocks * self.ratio + self.ratio - 1
-        step = max(1, GATHER_BYTES // (2 * 4 * width * self.num_kv_heads * self.head_dim))
+        step = max(1, SCORE_BYTES // (4 * self.index_heads * max(1, blocks.shape[0])))
+        if not uses_triton(q.device):  # the reference gathers each row's K and V (fp32): bound those too
+            width = self.budget_blocks * self.ratio + self.ratio - 1
+            step = min(step, max(1, SCORE_BYTES // (2 * 4 * width * self.num_kv_heads * self.head_dim)))
         out = []
         for a in range(0, n, step):
-            qpos = torch.arange(start + a, start + min(n, a + step), device=q.device)
-            tokens = select_tokens(iq[a: a + step], blocks, qpos, self.budget_blocks, self.ratio)
-            out.append(sparse_attention(q[a: a + step], keys, values, tokens, self.scale))
+            rows = min(n, a + step) - a
+            qpos = torch.arange(start + a, start + a + rows, device=q.device)
+            tokens = select_tokens(iq[a: a + rows], blocks, qpos, self.budget_blocks, self.ratio)
+            out.append(sparse_decode_attention(q[a: a + rows], k_cache, v_cache, page_table[None].expand(rows, -1),
+                                               tokens, self.scale, kv_scale))
         return torch.cat(out)
