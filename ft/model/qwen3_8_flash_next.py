@@ -177,9 +177,11 @@ class FlashNextModel:
     """forward(batch, pools) -> logits [B, vocab] (float32) at each sequence's last new token."""
 
     graph_safe = False
-    """Whether a decode step may be captured in a CUDA graph: not yet (QSA picks its dense or sparse
-    path by the sequences' lengths on the host; the PLE and HyperConnections are device ops, but no
-    capture has run on a GPU). The engine runs this model eagerly."""
+    """Whether a decode step may be captured in a CUDA graph: not yet. QSA still picks its dense or
+    sparse path by the sequences' lengths on the host (its sparse decode path itself is fixed-shape
+    device ops); the PLE (whose writes a graph's padding rows, repeating the first sequence, leave
+    unchanged) and HyperConnections are device ops; no capture has run on a GPU. The engine runs this
+    model eagerly."""
 
     def __init__(self, cfg: ModelConfig, weights: LoadedWeights, dtype: torch.dtype, device: torch.device,
                  tp=None) -> None:
@@ -302,7 +304,9 @@ class FlashNextModel:
         host read: the hashing and the conv run over the packed batch, the table rows are read from
         host memory by the device (`gather_rows`)."""
         hs, eos = self.hashing, self.text.eos_token_id
-        slots, cu = batch.mamba_slots, batch.cu_seqlens
+        slots = batch.mamba_slots
+        # a decode step (one token a row, a graph's padding rows included): its offsets need no copy
+        cu = torch.arange(x.shape[0] + 1, device=x.device) if batch.decode is not None else batch.cu_seqlens
         contexts, histories = pools.mamba.extra["ngram_context"], pools.mamba.extra["ple_conv"]
         stored = contexts[slots]  # ids + 1, 0: none (the EOS id)
         windows, after = hs.windows(batch.input_ids, torch.where(stored == 0, eos, stored - 1), cu)
