@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from ft.engine import LLM
-from ft.errors import UnsupportedModelError
+from ft.errors import ConfigError, UnsupportedModelError
 from ft.model.config import ModelConfig
 from ft.model.qwen3_8_flash_next import hashing_of, tensor_specs
 from ft.model.qwen3_8_flash_next_reference import forward_logits
@@ -232,8 +232,23 @@ def test_synthetic_flash_next_serves(tmp_path):
 def test_refusals_name_what_is_missing(tmp_path):
     path = tmp_path / "m"
     write_checkpoint(path, {**TEXT, "ple_layer_ids": []})
-    with pytest.raises(UnsupportedModelError, match="tensor parallelism|synthetic"):
+    with pytest.raises(UnsupportedModelError, match="tensor parallelism"):
         make_llm(path, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="--page-size 6: QSA's blocks of 4"):
+        make_llm(path, page_size=6)
+
+
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("indexer_kv_heads", 2, "one key head"), ("indexer_head_dim", 4, "rotates its first 8 features"),
+    ("ple_layer_ids", [2, 3], "one PLE layer"), ("indexer_budget", 2, "at least one block"),
+])
+def test_configs_it_cannot_run_are_refused_in_one_line(tmp_path, field, value, says):
+    from ft.model.kernel_support import check_kernel_shapes
+
+    cfg = ModelConfig.from_dict({"architectures": ["Qwen3_8_FlashNextForConditionalGeneration"],
+                                 "text_config": {**TEXT, field: value}})
+    with pytest.raises(UnsupportedModelError, match=says):
+        check_kernel_shapes(cfg, device_type="cpu", quantized=False)
 
 
 def test_stacked_nvfp4_projections_are_exact():

@@ -67,6 +67,9 @@ class RankState:
             config = self.config = dataclasses.replace(config, disable_cuda_graph=True)
             log.info("%s runs eagerly: its steps are not captured in CUDA graphs yet", cfg.architecture)
         self.context_limit = config.max_seq_len_override or cfg.max_position_embeddings
+        if cfg.is_flash_next and config.page_size % cfg.flash_next.indexer_compress_ratio:
+            raise ConfigError(f"--page-size {config.page_size}: QSA's blocks of {cfg.flash_next.indexer_compress_ratio} "
+                              "tokens must not straddle pages (a multiple of it)")
         shapes = PoolShapes(
             config.page_size, len(cfg.full_attention_layers), cfg.num_key_value_heads, cfg.head_dim,
             len(cfg.linear_attention_layers), cfg.linear_conv_dim, cfg.linear_conv_kernel_dim,

@@ -58,6 +58,7 @@ class TextConfig:
     hc_count: int = 4
     hc_lowrank: int = 320
     indexer_n_heads: int = 4
+    indexer_kv_heads: int = 1
     indexer_head_dim: int = 128
     indexer_budget: int = 2048
     indexer_compress_ratio: int = 4
@@ -116,5 +117,29 @@ class TextConfig:
     @property
     def dense_context_limit(self) -> int:
         """The longest context QSA attends to whole: a query at position t sees every token while its
-        complete blocks (t + 1) // ratio fit the budget's blocks, so up to t = budget + ratio - 2."""
-        return self.indexer_budget + self.indexer_compress_ratio - 1
+        complete blocks (t + 1) // ratio fit the budget's blocks, so up to t = budget + ratio - 2
+        (the budget in whole blocks)."""
+        ratio = self.indexer_compress_ratio
+        return self.indexer_budget // ratio * ratio + ratio - 1
+
+    def unsupported(self, rotary_dim: int) -> list[str]:
+        """What of this config the model cannot run (one line each; empty: all of it). rotary_dim: the
+        attention's (the indexer rotates the same number of its features)."""
+        out = []
+        if self.hc_count < 1 or self.hc_lowrank < 1:
+            out.append(f"hc_count {self.hc_count} and hc_lowrank {self.hc_lowrank} must be at least 1")
+        if self.indexer_kv_heads != 1:
+            out.append(f"indexer_kv_heads {self.indexer_kv_heads}: QSA's indexer has one key head")
+        if self.indexer_compress_ratio < 1 or self.indexer_budget < self.indexer_compress_ratio:
+            out.append(f"indexer_budget {self.indexer_budget} and indexer_compress_ratio {self.indexer_compress_ratio}: "
+                       "the budget must hold at least one block")
+        if self.indexer_n_heads < 1 or not rotary_dim <= self.indexer_head_dim:
+            out.append(f"indexer_head_dim {self.indexer_head_dim} with {self.indexer_n_heads} heads: the indexer "
+                       f"rotates its first {rotary_dim} features (the attention's rotary dim)")
+        if self.ple_layer_ids:
+            if len(self.ple_layer_ids) != 1 or not 1 <= self.ple_layer_ids[0] <= self.num_hidden_layers:
+                out.append(f"ple_layer_ids {list(self.ple_layer_ids)}: one PLE layer, 1-based, is supported")
+            if self.ngram_size < 2 or self.heads_per_ngram < 1 or self.ple_conv_kernel_size < 1:
+                out.append(f"ngram_size {self.ngram_size}, heads_per_ngram {self.heads_per_ngram}, ple_conv_kernel_size "
+                           f"{self.ple_conv_kernel_size}: n-grams of at least 2 tokens, one head and one tap")
+        return out

@@ -163,6 +163,8 @@ def _invalid(cfg: ModelConfig) -> Iterator[str]:
 
 
 def _unsupported(cfg: ModelConfig, triton: bool, quantized: bool, kv_nvfp4: bool) -> Iterator[str]:
+    if cfg.is_flash_next:  # (Qwen3.8-Flash-Next's own fields: HyperConnections, QSA, the PLE layer)
+        yield from cfg.flash_next.unsupported(cfg.rotary_dim)
     d = cfg.head_dim
     if cfg.full_attention_layers:
         r, lo = cfg.rotary_dim, 2 if triton else 0
