@@ -294,3 +294,48 @@ def test_ft_serve_answers_with_it(tmp_path):
         assert cache["host_table_bytes"] > 0
     finally:
         assert srv.stop() == 0, srv.output()
+
+
+def test_ft_quantize_writes_a_checkpoint_it_loads(tmp_path):
+    """`ft quantize` on a Qwen3.8-Flash-Next checkpoint: its grouped experts written one NVFP4 module per
+    expert and projection, the split GDN projections quantized with a shared global scale (so that
+    they stack), the HyperConnections, the PLE layer and its n-gram table left dense; the engine loads
+    it and its greedy tokens equal the reference's on the dequantized weights."""
+    from safetensors.torch import load_file
+
+    from ft.model.layers.linear import NVFP4Weight
+    from ft.tools.quantize_checkpoint import quantize_checkpoint
+
+    src, dst = tmp_path / "src", tmp_path / "nvfp4"
+    text = {**TEXT, "shared_expert_intermediate_size": 32}
+    write_checkpoint(src, text)
+    quantize_checkpoint(src, dst, progress=False)
+    stored = load_file(str(dst / "model.safetensors"))
+    assert not any(n.endswith("gate_up_proj") for n in stored)
+    assert stored["model.language_model.layers.0.mlp.experts.7.down_proj.weight"].dtype == torch.uint8
+    qkv, z = (stored[f"model.language_model.layers.0.linear_attn.{p}.weight_scale_2"] for p in ("in_proj_qkv", "in_proj_z"))
+    assert torch.equal(qkv, z)
+    assert all(stored[n].dtype == torch.float32 for n in stored if "hyper_connection" in n or ".ple." in n)
+    # the reference reads dense weights under the released names: dequantize, regroup the experts
+    dense, parts = {}, {}
+    for name, t in stored.items():
+        if name.endswith((".weight_scale", ".weight_scale_2", ".input_scale")):
+            continue
+        module = name.removesuffix(".weight")
+        if t.dtype == torch.uint8:
+            t = NVFP4Weight(t, stored[module + ".weight_scale"], stored[module + ".weight_scale_2"]).dequantize(torch.float32)
+        if ".ngram_embedding.shard_" in name:
+            parts[int(name.split(".shard_")[1].split(".")[0])] = (name.split(".shard_")[0] + ".weight", t)
+            continue
+        dense[name] = t
+    table = parts[0][0]
+    dense[table] = torch.cat([parts[i][1] for i in sorted(parts)])
+    for layer in range(text["num_hidden_layers"]):
+        m = f"model.language_model.layers.{layer}.mlp.experts."
+        experts = range(text["num_experts"])
+        dense[m + "gate_up_proj"] = torch.stack([torch.cat([dense.pop(f"{m}{e}.gate_proj.weight"),
+                                                            dense.pop(f"{m}{e}.up_proj.weight")]) for e in experts])
+        dense[m + "down_proj"] = torch.stack([dense.pop(f"{m}{e}.down_proj.weight") for e in experts])
+    prompt = prompt_of(30, 9, eos_at=(11,))
+    with make_llm(dst) as llm:
+        assert llm.generate(prompt_token_ids=[prompt], **GREEDY_OPTS)[0].token_ids == reference_greedy(dense, dst, prompt)

@@ -24,8 +24,11 @@ converter does no activation calibration (FreeToken computes with bf16 activatio
 ``input_scale``), so it writes 1.0 for every quantized module, which keeps the files in the shape
 the NVFP4 loaders of other engines expect.
 
-Everything else (embeddings, norms, excluded modules, 1-D/3-D tensors) is copied unchanged, in
-its own dtype. ``hf_quant_config.json`` and ``config.json``'s ``quantization_config`` are written
+Experts stored grouped (``<m>.experts.gate_up_proj`` [E, 2I, H], ``<m>.experts.down_proj`` [E, H, I]:
+Qwen3.8-Flash-Next's, the Qwen3.5-MoE layout) are written one module per expert and projection
+(``<m>.experts.{e}.{gate,up,down}_proj``), as ModelOpt writes MoE experts, and quantized like them
+(`quantize_checkpoint`). Everything else (embeddings, norms, excluded modules, 1-D/3-D tensors) is
+copied unchanged, in its own dtype. ``hf_quant_config.json`` and ``config.json``'s ``quantization_config`` are written
 as ModelOpt writes them; ``exclude_modules`` lists every module whose >=2-D weight stays dense
 (embeddings included, as ModelOpt 0.47 lists ``model.embed_tokens``), so that loaders do not
 look for NVFP4 tensors there.
@@ -62,17 +65,23 @@ DEFAULT_EXCLUDE: tuple[str, ...] = (
     "*.shared_expert_gate",
     "*.conv1d",
     "*.in_proj_ba",
+    "*.in_proj_b",
+    "*.in_proj_a",
 )
 """fnmatch patterns over module names (tensor name less ``.weight``) kept in high precision."""
 
-NEVER_QUANTIZE: tuple[str, ...] = ("*embed_tokens", "*embeddings", "*.wte", "*.wpe")
-"""Embedding tables (looked up by index, not multiplied): never quantized, whatever `exclude`
-says; listed in ``exclude_modules`` like ModelOpt lists ``model.embed_tokens``."""
+NEVER_QUANTIZE: tuple[str, ...] = ("*embed_tokens", "*embeddings", "*.wte", "*.wpe", "*hyper_connection*", "*.ple.*")
+"""Embedding tables (looked up by index, not multiplied) and what FreeToken reads only dense
+(Qwen3.8-Flash-Next's HyperConnections and its PLE layer, the n-gram table among it): never
+quantized, whatever `exclude` says; listed in ``exclude_modules`` like ModelOpt lists
+``model.embed_tokens``."""
 
 FUSED_SIBLINGS: tuple[tuple[str, ...], ...] = (
     ("q_proj", "k_proj", "v_proj"),
     ("gate_proj", "up_proj"),
     ("in_proj_qkvz", "in_proj_ba"),
+    ("in_proj_qkv", "in_proj_z"),
+    ("in_proj_b", "in_proj_a"),
 )
 """Leaf names of projections that read the same input and so share ``weight_scale_2``."""
 

@@ -63,8 +63,16 @@ def _source_shards(src: Path) -> tuple[list[str], dict[str, Any] | None]:
     raise QuantizeError(f"no safetensors checkpoint in {src}: expected {_SINGLE_NAME} or {_INDEX_NAME}{hint}")
 
 
+GROUPED = {"gate_up_proj": (("gate_proj", 0), ("up_proj", 1)), "down_proj": (("down_proj", None),)}
+"""A grouped expert tensor's leaf -> the per-expert projections it holds (gate_up: the first and the
+second half of each expert's rows)."""
+
+
 class _Reader:
-    """Lazily opened safetensors shards of SRC; reads one tensor at a time."""
+    """Lazily opened safetensors shards of SRC; reads one tensor at a time. Grouped experts
+    (`<m>.experts.gate_up_proj` [E, 2I, H], `<m>.experts.down_proj` [E, H, I]) are listed as their
+    per-expert 2-D projections (`<m>.experts.{e}.gate_proj.weight`, ...), cut from the grouped tensor
+    when read (the last grouped tensor read is kept, so an expert's siblings cost one read)."""
 
     def __init__(self, src: Path, shards: list[str]) -> None:
         from safetensors import safe_open
@@ -87,6 +95,28 @@ class _Reader:
                 self.where[name] = shard
                 self.shapes[name] = tuple(sl.get_shape())
                 self.dtypes[name] = sl.get_dtype()
+        self.parts: dict[str, tuple[str, int, int | None]] = {}  # per-expert name -> (grouped name, expert, half)
+        self._last: tuple[str, torch.Tensor] | None = None
+        for shard in shards:
+            self.keys[shard] = [v for name in self.keys[shard] for v in self._expand(name)]
+
+    def _expand(self, name: str) -> list[str]:
+        """[name], or the per-expert names a grouped expert tensor stands for (registered)."""
+        prefix, _, leaf = name.rpartition(".experts.")
+        shape = self.shapes[name]
+        if not prefix or leaf not in GROUPED or len(shape) != 3 or (leaf == "gate_up_proj" and shape[1] % 2):
+            return [name]
+        shard, dtype = self.where.pop(name), self.dtypes.pop(name)
+        del self.shapes[name]
+        rows = shape[1] // 2 if leaf == "gate_up_proj" else shape[1]
+        out = []
+        for e in range(shape[0]):
+            for part, half in GROUPED[leaf]:
+                v = f"{prefix}.experts.{e}.{part}.weight"
+                self.where[v], self.shapes[v], self.dtypes[v] = shard, (rows, shape[2]), dtype
+                self.parts[v] = (name, e, half)
+                out.append(v)
+        return out
 
     def handle(self, shard: str) -> Any:
         if shard not in self.handles:
@@ -97,7 +127,16 @@ class _Reader:
         return self.handles[shard]
 
     def get(self, name: str) -> torch.Tensor:
-        return self.handle(self.where[name]).get_tensor(name)
+        if name not in self.parts:
+            return self.handle(self.where[name]).get_tensor(name)
+        grouped, e, half = self.parts[name]
+        if self._last is None or self._last[0] != grouped:
+            self._last = (grouped, self.handle(self.where[name]).get_tensor(grouped))
+        t = self._last[1][e]
+        if half is not None:
+            rows = t.shape[0] // 2
+            t = t[half * rows: (half + 1) * rows]
+        return t.contiguous()
 
     def metadata(self, shard: str) -> dict[str, str]:
         metadata = dict(self.handle(shard).metadata() or {})
