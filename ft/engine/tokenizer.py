@@ -48,6 +48,11 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 MODEL_CONFIG_FILE = "config.json"
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+RESERVED_TEMPLATE_VARIABLES = {
+    "messages": "the conversation is the request's `messages`; it cannot also come as a template variable",
+    "self": "`self` is Jinja's name for the template itself and cannot be a template variable",
+}
+"""Template variables a caller's extras may not set (`apply_chat_template`), and why."""
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
@@ -479,6 +484,7 @@ class Tokenizer:
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
+        /,
         add_generation_prompt: bool = True,
         **extra: Any,
     ) -> str:
@@ -486,8 +492,14 @@ class Tokenizer:
 
         Extra keyword arguments reach the template as variables (`tools`, `documents`,
         `enable_thinking`, ...); `chat_template=` picks a named template or passes a template source.
+        ChatTemplateError for an extra named like a variable the rendering sets itself (`messages`)
+        or that Jinja reserves (`self`): it would be dropped or break the render, not reach the template.
         """
         import jinja2
+
+        for name in RESERVED_TEMPLATE_VARIABLES:
+            if name in extra:
+                raise ChatTemplateError(f"chat_template_kwargs.{name}: {RESERVED_TEMPLATE_VARIABLES[name]}")
 
         chat_template = extra.pop("chat_template", None)
         tools = extra.pop("tools", None)
