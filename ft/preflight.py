@@ -25,7 +25,8 @@ def check_model(config) -> None:
     """Raise a one-line FreeTokenError when `config` (an EngineConfig) names a model directory
     that does not exist, a config.json that is missing or malformed or of an architecture we do not
     run, a tokenizer directory without tokenizer.json, or a chat template that is missing or does
-    not compile. The demo model is generated later, on the engine thread; it is not checked."""
+    not compile, a checkpoint without weights, or `--device cuda[:N]` where there is no such GPU. The demo
+    model is generated later, on the engine thread; it is not checked."""
     from ft.model.config import ModelConfig
 
     model, model_dir = config.model, None
@@ -54,6 +55,9 @@ def check_model(config) -> None:
             _check_kernels(config, cfg, path)
             model_dir = path
     _check_tokenizer(config, model_dir)
+    if model_dir is not None:
+        _check_weights(model_dir)
+    _check_device(config)  # last: a model refused on CUDA says so even where no GPU is
 
 
 def check_split(config, cfg) -> None:
@@ -92,6 +96,30 @@ def _check_kernels(config, cfg, model_dir: Path | None) -> None:
     if (why and config.expert_policy == "lfu" and config.moe_backend == "offload"
             and (device == "cuda" or device == "auto" and _cuda_available())):
         raise ConfigError(f"--expert-policy lfu needs read-through decode, which this model cannot take: {why}")
+
+
+def _check_device(config) -> None:
+    """--device cuda or cuda:N names a GPU this machine has (torch is imported only then)."""
+    device = str(getattr(config, "device", "auto"))
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.split(":")[1]) if ":" in device and device.split(":")[1].isdigit() else 0
+    world = max(1, getattr(config, "tensor_parallel_size", 1))
+    if count == 0:
+        raise ConfigError(f"--device {device}: no CUDA GPU is available here (--device cpu runs on the CPU)")
+    if index + world > count:
+        raise ConfigError(f"--device {device}: this machine has {count} CUDA GPU(s)"
+                          + (f", {world} needed from index {index}" if world > 1 else ""))
+
+
+def _check_weights(path: Path) -> None:
+    """A checkpoint folder holds safetensors weights (the loader's own test, before the port is bound)."""
+    if not ((path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+            or any(path.glob("*.safetensors"))):
+        raise ConfigError(f"no safetensors weights in {path} (model.safetensors, a sharded index, or *.safetensors)")
 
 
 def _cuda_available() -> bool:

@@ -83,7 +83,20 @@ def _user_error_cases(tmp: Path, ckpt: Path) -> dict[str, tuple[list[str], str]]
     no_tok = tmp / "no-tokenizer"
     no_tok.mkdir()
     (no_tok / "config.json").write_text((ckpt / "config.json").read_text())
+    for f in ckpt.glob("*.safetensors"):
+        (no_tok / f.name).symlink_to(f)
+    no_weights = tmp / "no-weights"
+    no_weights.mkdir()
+    for f in ckpt.iterdir():
+        if not f.name.endswith(".safetensors"):
+            (no_weights / f.name).write_bytes(f.read_bytes())
+    import torch
+
+    gpu = {} if torch.cuda.is_available() else {
+        "--device cuda without a GPU": ([str(ckpt), "--device", "cuda"], "--device cuda: no CUDA GPU is available")}
     return {
+        **gpu,
+        "no weights": ([str(no_weights)], f"no safetensors weights in {no_weights}"),
         "missing model directory": ([str(tmp / "nope")], f"model directory {tmp / 'nope'} does not exist"),
         "unsupported architecture": ([str(llama)], "unsupported architecture ['LlamaForCausalLM']"),
         "bad --chat-template path": ([str(ckpt), "--chat-template", str(tmp / "t.jinja")], "--chat-template: no file"),
