@@ -470,6 +470,7 @@ def test_non_streaming_disconnect_cancels_within_a_second(server):
     import time
 
     before = generated_tokens(server)
+    logged = len(server.output())
     body = json.dumps({"model": MODEL, "prompt": "long", "max_tokens": 3000, "ignore_eos": True,
                        "temperature": 0}).encode()
     sock = socket.create_connection(("127.0.0.1", server.port))
@@ -483,6 +484,8 @@ def test_non_streaming_disconnect_cancels_within_a_second(server):
     assert generated_tokens(server) - before < 3000
     cancelled = f'ft_requests_finished_total{{finish_reason="cancelled",model_name="{MODEL}"}} '
     assert any(x.startswith(cancelled) and float(x.split()[-1]) >= 1 for x in server.get("/metrics").text.splitlines())
+    new = server.output()[logged:]  # (the server logs warnings and up: no error, no traceback for a client leaving)
+    assert "Traceback" not in new and "CancelledError" not in new and "ERROR" not in new, new
 
 
 def _raw(port: int, head: bytes, chunks: list[bytes], pause: float = 0.0) -> bytes:

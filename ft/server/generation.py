@@ -90,8 +90,14 @@ async def stream_tokens(
             loop.abort(stream.request_id)
 
 
+class ClientDisconnected(Exception):
+    """The client of a non-streaming request went away before its answer (`collect` aborted it)."""
+
+
 async def collect(loop: EngineLoop, stream: RequestStream, text: TextStream, gen: Generation, is_disconnected, on_token=None) -> Generation:
-    """Run a request to the end; abort it when the client disconnects."""
+    """Run a request to the end; abort it and raise ClientDisconnected when the client disconnects
+    (an exception, not a cancellation: the route answers it, so the server logs one access line
+    instead of an error with a traceback)."""
 
     async def drain():
         async for _ in stream_tokens(loop, stream, text, gen, on_token):
@@ -106,7 +112,7 @@ async def collect(loop: EngineLoop, stream: RequestStream, text: TextStream, gen
                 return gen
             if await is_disconnected():
                 task.cancel()
-                raise asyncio.CancelledError("client disconnected")
+                raise ClientDisconnected("client disconnected")
     finally:
         if not task.done():
             task.cancel()

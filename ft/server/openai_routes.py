@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from ft.server.closing_stream import ClosingStreamingResponse
 
 from ft.server.errors import ApiError
-from ft.server.generation import Generation, TextStream, collect, stream_tokens
+from ft.server.generation import ClientDisconnected, Generation, TextStream, collect, stream_tokens
 from ft.server.logprobs import TextOffsets, TokenTexts, chat_logprobs, completion_logprobs, prompt_entries
 from ft.server.tool_calls import ToolCallStream, parse_tool_calls, tool_call_grammar
 from ft.server.openai_protocol import (
@@ -109,10 +109,18 @@ def _params(st, body: _Sampling, prompt_len: int, max_tokens: int | None, logpro
     return [dataclasses.replace(params, seed=body.seed + i) for i in range(body.n)]
 
 
+CLIENT_CLOSED = 499
+"""The status a non-streaming request gets when its client left first (nginx's convention)."""
+
+
 async def _collect(st, stream, text, gen, request) -> None:
     """Run a non-streaming request to its end; an engine-side failure becomes a 503."""
     try:
         await collect(st.loop, stream, text, gen, request.is_disconnected, st.metrics.on_token)
+    except ClientDisconnected:
+        gen.finish_reason = "cancelled"
+        # nginx's "client closed request": nobody reads it, but the access log gets its line
+        raise ApiError(CLIENT_CLOSED, "the client closed the connection before the answer", "client_closed") from None
     except RuntimeError as e:
         gen.finish_reason = "error"  # counted apart from aborts and cancels in /metrics
         raise ApiError(503, f"the request failed: {e}", "server_error") from None
