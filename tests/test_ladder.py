@@ -268,3 +268,26 @@ def test_a_request_that_can_never_fit_is_refused_at_admission_with_the_reason():
     assert eng.cache.moe_beside(top) is not None and eng.cache.moe_beside(top + 64) is None
     with pytest.raises(RequestError, match=f"the highest KV ladder rung that keeps the expert floor holds {top}"):
         eng.add_request([65] * top, SamplingParams(max_new_tokens=4))
+
+
+def test_with_auto_off_the_kv_cache_caps_what_is_admitted():
+    """Auto off, nothing grows by itself: a request is refused up front or capped to the KV cache (it
+    ends with `length`), never admitted for a rung that will not come and failed after it ran (issue
+    41, item 2). Auto on again, the rungs count again."""
+    from ft.errors import RequestError
+
+    llm, _ = make()
+    eng, lad = llm.engine, llm.engine.ladder
+    kv = eng.cache.geometry.kv_tokens
+    assert eng.servable_context > kv  # auto on: a rung above
+    lad.auto = False
+    assert eng.servable_context == kv
+    with pytest.raises(RequestError, match="the KV ladder's auto is off"):
+        eng.add_request([65] * kv, SamplingParams(max_new_tokens=4))
+    seq = eng.add_request([65] * 10, SamplingParams(max_new_tokens=3 * kv, temperature=0.0, ignore_eos=True))
+    while not seq.is_finished:
+        eng.step()
+    assert seq.error is None and seq.finish_reason == "length" and len(seq.output_ids) == kv - 10
+    assert eng.cache.geometry.kv_tokens == kv
+    lad.auto = True
+    assert eng.servable_context > kv

@@ -242,10 +242,12 @@ class Engine(RankState):
     @property
     def servable_context(self) -> int:
         """Tokens a request admitted now can reach: the context limit, capped by the KV cache's
-        capacity, or with the ladder by its highest rung that keeps the expert floor (the ladder
-        can grow to it)."""
+        capacity, or with the ladder on auto by its highest rung that keeps the expert floor (the
+        ladder grows to it for the request). With the ladder's auto off nothing grows by itself: the
+        KV cache caps it, as without a ladder (a request is refused up front or ends with `length`,
+        never fails after it ran)."""
         kv = self.pools.kv.num_tokens
-        if self.ladder is not None:
+        if self.ladder is not None and self.ladder.auto:
             kv = max([kv] + [r for r in self.ladder.rungs if self.cache.moe_beside(r) is not None])
         return min(self.context_limit, kv)
 
@@ -253,9 +255,12 @@ class Engine(RankState):
         """What caps `servable_context` at `limit`, in words."""
         if limit >= self.context_limit:
             return f"the context limit is {self.context_limit} tokens"
-        if self.ladder is not None:
+        if self.ladder is not None and self.ladder.auto:
             return (f"the highest KV ladder rung that keeps the expert floor holds {limit} tokens "
                     f"(context limit {self.context_limit})")
+        if self.ladder is not None:
+            return (f"the KV cache holds {limit} tokens and the KV ladder's auto is off (turn it on with "
+                    "`ft ctl ladder --auto on`, or move a rung up with `ft ctl ladder --up`)")
         return (f"the KV cache holds {limit} tokens (the context limit is {self.context_limit}: grow the "
                 "cache with `ft ctl cache --kv`, or start with a larger --num-tokens)")
 
