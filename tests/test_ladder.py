@@ -291,3 +291,19 @@ def test_with_auto_off_the_kv_cache_caps_what_is_admitted():
     assert eng.cache.geometry.kv_tokens == kv
     lad.auto = True
     assert eng.servable_context > kv
+
+
+def test_concurrent_requests_grow_the_ladder_instead_of_failing():
+    """Issue 41, item 1: three requests at once (prompts of ~625, ~1,225 and ~1,825 tokens, 60 new each)
+    on a ladder of 256-token steps. A grow for the first waiting request must also hold what the queue
+    behind it holds (the rebuild's floor), else it is refused and a request fails; every one finishes."""
+    llm, _ = make(ladder_step_size=256, max_running_requests=4)
+    eng = llm.engine
+    seqs = [eng.add_request([65 + i] * n, SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True))
+            for i, n in enumerate((625, 1225, 1825))]
+    for _ in range(2000):
+        if all(s.is_finished for s in seqs):
+            break
+        eng.step()
+    assert [(s.error, s.finish_reason, len(s.output_ids)) for s in seqs] == [(None, "length", 60)] * 3
+    assert eng.cache.geometry.kv_tokens >= 1825 + 60

@@ -52,6 +52,7 @@ class LadderSnapshot:
     running_possible: int  # the running requests' possible lengths, summed
     can_admit: bool  # a running place is free for the head
     top_rung: int  # the highest rung whose geometry keeps every floor (-1: none)
+    kv_floor: int = 0  # the KV a rebuild must keep: what running requests hold and each queued one needs
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,9 @@ class Ladder:
             return None
         if self._deferred == (head.request_id, snap.running_possible):
             return None  # deferred until the running requests change
-        need = head.possible_length + snap.running_possible
+        # the head with the running ones, and never below what the queue behind it holds: a rebuild below
+        # that floor is refused (the cache keeps every queued request servable), and the head would fail
+        need = max(head.possible_length + snap.running_possible, snap.kv_floor - 1)
         kv = snap.kv_tokens
         fits = [i for i, r in enumerate(self.rungs) if r > need]
         target = fits[0] if fits else len(self.rungs) - 1  # at least one rung up when it would exactly fill

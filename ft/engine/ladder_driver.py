@@ -29,7 +29,8 @@ class LadderDriver:
             match = self.prefix_cache.match(seq.token_ids)
             head = Head(seq.request_id, len(seq.prompt_ids), seq.planned_length, match.num_tokens if match else 0)
         return LadderSnapshot(self.cache.geometry.kv_tokens, head, sum(s.planned_length for s in sched.running),
-                              len(sched.running) < sched.max_running and not sched.admission_paused, self.top_rung())
+                              len(sched.running) < sched.max_running and not sched.admission_paused, self.top_rung(),
+                              self.cache.limits().floor["kv"] if head is not None else 0)
 
     def top_rung(self) -> int:
         """The highest rung whose geometry keeps the expert floor (-1: none). Memoized per geometry
