@@ -622,3 +622,37 @@ def test_shutdown_past_the_drain_ends_streams_properly(serve_checkpoint):
         assert "Traceback" not in srv.output()
     finally:
         srv.stop()
+
+
+def test_shutdown_with_a_dashboard_attached_exits_clean_within_the_drain(serve_checkpoint):
+    """Ctrl-C while an `/admin/events` client (what `ft top` reads) is attached: the events stream ends
+    when the drain begins, so the server exits 0 well inside the drain (not drain + 10 s of uvicorn's
+    grace, then a cancellation traceback) (issue 41, item 3)."""
+    import threading
+    import time
+
+    srv = ServerProcess("--model", str(serve_checkpoint), "--drain-timeout", "20")
+    try:
+        got, ended = [], threading.Event()
+
+        def watch():
+            try:
+                with httpx.stream("GET", srv.url + "/admin/events?interval=0.5", timeout=HTTP_TIMEOUT) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("event:"):
+                            got.append(line)
+            except httpx.TransportError:
+                pass
+            ended.set()
+
+        threading.Thread(target=watch, daemon=True).start()
+        wait_for(lambda: len(got) >= 2, "two events")
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.proc.wait(timeout=WAIT_S) == 0
+        assert time.monotonic() - t0 < 10  # the drain has nothing to wait for; the stream ended at its start
+        assert ended.wait(5)
+        out = srv.output()
+        assert "Traceback" not in out and "CancelledError" not in out and "graceful shutdown exceeded" not in out, out
+    finally:
+        srv.stop()

@@ -186,7 +186,8 @@ async def events(request: Request):
     async def stream():
         last_key, last, last_t = None, None, time.monotonic()
         kind = "snapshot"
-        while not await request.is_disconnected():
+        # it ends when the server begins to shut down: an open dashboard must not hold the exit back
+        while not st.loop.draining and not await request.is_disconnected():
             if st.loop.state != "serving":
                 ev = Event(kind=kind, cache=CacheState(state="starting", model=st.model_name))
             else:
@@ -207,7 +208,10 @@ async def events(request: Request):
                 ev = Event(kind=kind, cache=cache, rates=rates)
             yield f"event: {ev.kind}\ndata: {json.dumps(ev.model_dump(mode='json', by_alias=True))}\n\n"
             kind = "tick"
-            await asyncio.sleep(interval)
+            for _ in range(max(1, round(interval / 0.1))):  # (a drain that begins meanwhile ends it within 0.1 s)
+                if st.loop.draining:
+                    break
+                await asyncio.sleep(interval / max(1, round(interval / 0.1)))
 
     # closed as soon as the client leaves (as the generation streams), not when the collector finds it
     return ClosingStreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

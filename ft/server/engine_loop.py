@@ -74,6 +74,11 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def draining(self) -> bool:
+        """Shutdown has begun: no new requests; long-lived streams (`/admin/events`) end."""
+        return self._draining
+
     def begin_drain(self, drain_s: float) -> None:
         """Shutdown, first part (the signal handler's): no new requests from now on; the running ones
         get `drain_s` seconds, then each ends with an `abort` event (a final chunk and [DONE] for a
