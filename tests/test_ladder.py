@@ -192,6 +192,12 @@ def test_auto_off_and_manual_moves():
     assert eng.cache.geometry.kv_tokens == lad.rungs[5]
     eng.move_ladder("down")
     assert eng.cache.geometry.kv_tokens == lad.rungs[4]
+    from ft.errors import RebuildRefused
+
+    n = len(lad.rungs)  # the API counts from 0, people from 1: the refusal says both
+    with pytest.raises(RebuildRefused, match=rf"rung {n + 1} is outside 1..{n} \(the API's `rung` is the index {n}, "
+                                             rf"outside 0..{n - 1}\)"):
+        eng.move_ladder(n)
 
 
 def test_failed_rollback_in_a_ladder_move_fails_no_running_request():

@@ -93,6 +93,8 @@ def test_detokenize_names_ids_outside_the_vocabulary(app):
     ("/v1/chat/completions", {"model": DEMO, "messages": [{"role": "user", "content": "b"}],
                               "chat_template_kwargs": {"messages": [{"role": "user", "content": "x"}]}}, 400,
      "request's `messages`"),
+    ("/v1/completions", {"model": DEMO, "prompt": ""}, 400, "prompt: Value error, the prompt is empty"),
+    ("/v1/completions", {"model": DEMO, "prompt": ["a", ""]}, 400, "prompt 1 is empty"),
     ("/detokenize", {"tokens": ["1"]}, 400, "tokens"),
     ("/detokenize", {"tokens": [True]}, 400, "tokens"),
     ("/detokenize", {"tokens": 5}, 400, "tokens"),
@@ -102,6 +104,14 @@ def test_detokenize_names_ids_outside_the_vocabulary(app):
 def test_bad_bodies_are_4xx(app, path, body, status, needle):
     client, _ = app
     assert needle in error_of(client.post(path, json=body, headers=AUTH), status)
+
+
+def test_the_openapi_schema_refuses_empty_prompts_as_validation_does(app):
+    """Issue 41, item 8: the schema allowed what validation refuses (an empty prompt)."""
+    client, _ = app
+    prompt = client.get("/openapi.json").json()["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
+    alternatives = prompt["anyOf"]
+    assert all(a.get("minLength") == 1 or a.get("minItems") == 1 for a in alternatives), alternatives
 
 
 def test_malformed_json_is_400(app):

@@ -123,7 +123,8 @@ class LadderDriver:
         n = len(self.ladder.rungs)
         # NOTE: users count rungs from 1 (`ft ctl ladder --rung`, `ft top`, the banner); the API takes indices
         if not 0 <= index < n:
-            raise RebuildRefused(f"rung {index + 1} is outside 1..{n}", self.cache.reachable_ranges())
+            raise RebuildRefused(f"rung {index + 1} is outside 1..{n} (the API's `rung` is the index {index}, "
+                                 f"outside 0..{n - 1})", self.cache.reachable_ranges())
         said = rung if isinstance(rung, str) else index + 1
         move = LadderMove(index, self.ladder.rungs[index], reason or f"manual: rung {said}", self.ladder.rungs[index] > kv)
         try:

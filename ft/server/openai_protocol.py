@@ -119,8 +119,27 @@ class _Sampling(BaseModel):
         return tuple(pairs)
 
 
+NonEmptyText = Annotated[str, Field(min_length=1)]
+NonEmptyIds = Annotated[list[int], Field(min_length=1)]
+
+
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]  # a string or ids: one prompt; a list of them: several
+    # a string or ids: one prompt; a list of them: several. None may be empty (the schema says so, as
+    # validation does: an empty prompt has no token to start from)
+    prompt: NonEmptyText | NonEmptyIds | Annotated[list[NonEmptyText], Field(min_length=1)] \
+        | Annotated[list[NonEmptyIds], Field(min_length=1)]
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _not_empty(cls, prompt):
+        """One message for every empty form (the schema's four alternatives would each say theirs)."""
+        if prompt == "" or prompt == []:
+            raise ValueError("the prompt is empty")
+        if isinstance(prompt, list):
+            for i, p in enumerate(prompt):
+                if p == "" or p == []:
+                    raise ValueError(f"prompt {i} is empty")
+        return prompt
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
