@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from ft.engine.sampling_params import MAX_LOGPROBS
 
@@ -119,7 +119,9 @@ class _Sampling(BaseModel):
         return tuple(pairs)
 
 
-NonEmptyText = Annotated[str, Field(min_length=1)]
+# (a plain str to validation, whose before-validator refuses "" with one message: a constrained str
+# would also refuse a lone surrogate before the route can say it is not valid Unicode)
+NonEmptyText = Annotated[str, WithJsonSchema({"type": "string", "minLength": 1})]
 NonEmptyIds = Annotated[list[int], Field(min_length=1)]
 
 
