@@ -248,3 +248,13 @@ def test_git_rev_follows_a_worktree_and_is_none_without_a_checkout(tmp_path):
     assert git_rev(tmp_path / "garbage") is None
     _git(tmp_path / "dangling", "ref: refs/heads/gone")
     assert git_rev(tmp_path / "dangling") is None
+
+
+def test_a_wrong_method_names_every_method_of_the_path(app):
+    """Issue 41, item 8: 405's Allow lists what every route of the path takes (GET and POST /admin/cache),
+    not the first route's alone."""
+    client, _ = app
+    r = client.request("OPTIONS", "/admin/cache", headers=AUTH)
+    assert r.status_code == 405 and r.headers["allow"] == "GET, POST" and r.json()["error"]["code"] == 405
+    r = client.request("DELETE", "/v1/models", headers=AUTH)
+    assert r.status_code == 405 and r.headers["allow"] == "GET"

@@ -35,6 +35,25 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "invalid request: " + "; ".join(parts[:5])
 
 
+def _allowed_methods(request: Request) -> list[str]:
+    """The methods every route of the request's path takes (Starlette's partial matches)."""
+    from starlette.routing import Match
+
+    def walk(routes) -> set[str]:
+        found: set[str] = set()
+        for route in routes:
+            inner = getattr(route, "original_router", None)  # an included router (FastAPI's wrapper)
+            if inner is not None:
+                found |= walk(inner.routes)
+                continue
+            match, _ = route.matches(request.scope)
+            if match in (Match.FULL, Match.PARTIAL):
+                found |= set(getattr(route, "methods", None) or ())
+        return found
+
+    return sorted(walk(request.app.router.routes))
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError):
@@ -45,11 +64,17 @@ def install(app: FastAPI) -> None:
         return json_error(400, _validation_message(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
-        # NOTE: exc.headers carries `Allow` on a 405 (HTTP requires it)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        # NOTE: exc.headers carries `Allow` on a 405 (HTTP requires it): Starlette names the first route
+        # of the path alone; every route of the path is asked here (GET and POST /admin/cache)
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:
+            methods = _allowed_methods(request)
+            if methods:
+                headers["Allow"] = ", ".join(methods)
         return json_error(exc.status_code, str(exc.detail),
                           "not_found_error" if exc.status_code == 404 else "invalid_request_error",
-                          headers=getattr(exc, "headers", None))
+                          headers=headers or None)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):
