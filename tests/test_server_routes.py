@@ -258,3 +258,11 @@ def test_a_wrong_method_names_every_method_of_the_path(app):
     assert r.status_code == 405 and r.headers["allow"] == "GET, POST" and r.json()["error"]["code"] == 405
     r = client.request("DELETE", "/v1/models", headers=AUTH)
     assert r.status_code == 405 and r.headers["allow"] == "GET"
+
+
+def test_the_ladder_schema_names_the_steps_validation_takes(app):
+    """Issue 41, item 8: `{"rung": ""}` was allowed by the schema (any string) and refused by validation."""
+    client, _ = app
+    rung = client.get("/openapi.json").json()["components"]["schemas"]["LadderRequest"]["properties"]["rung"]
+    assert {"type": "string", "enum": ["up", "down"]} in rung["anyOf"], rung
+    assert "'up' or 'down'" in error_of(client.post("/admin/ladder", json={"rung": ""}, headers=AUTH), 400)

@@ -6,11 +6,11 @@ import asyncio
 import hmac
 import json
 import time
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, WithJsonSchema
 
 from ft.errors import RebuildFailed, RebuildRefused
 from ft.schemas import CacheState, Event, History, LiveRates, RequestList, ResizePlan, ResizeRequest
@@ -141,7 +141,8 @@ async def get_requests(request: Request, limit: int = Query(200, ge=1, le=10000)
 class LadderRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # `{"rung": true}` is not rung 1
     auto: bool | None = None
-    rung: int | str | None = None
+    # an index from 0, or a step; the schema's enum says what validation takes (`""` is neither)
+    rung: int | Annotated[str, WithJsonSchema({"type": "string", "enum": ["up", "down"]})] | None = None
 
 
 @router.post("/ladder", response_model=CacheState)
