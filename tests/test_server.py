@@ -214,6 +214,9 @@ def test_admin_cache_state_and_resize_answers(server):
     r = server.post("/admin/cache", json={"kv": kv_max + 64})
     assert r.status_code == 422 and f"kv {kv_max + 64} is outside" in r.json()["error"]["message"]
     assert "reachable ranges: moe" in r.json()["error"]["message"]
+    r = server.post("/admin/cache", json={"kv": kv_max + 1})  # not whole pages: the refusal says it rounded
+    assert r.status_code == 422 and f"(kv {kv_max + 1} rounded up to {kv_max + 64} tokens (whole pages of 64))" \
+        in r.json()["error"]["message"], r.text
     assert server.get("/admin/cache").json()["pools"] == server.get("/admin/cache").json()["pools"]
     plan = server.post("/admin/cache", json={"kv": kv_max, "dry_run": True}).json()
     assert plan["fits"] and plan["peak_bytes"] <= plan["budget_bytes"] and plan["steps"][0]["pool"] == "kv"

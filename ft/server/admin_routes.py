@@ -62,8 +62,15 @@ async def post_cache(body: ResizeRequest, request: Request):
         return await _engine_call(st, lambda e: admin_state.resize_plan(
             e.cache.plan_resize(body.moe, body.kv, body.mamba), admin_state.rounding_notes(e, body.kv),
             e.cache.ranges_around(body.moe, body.kv, body.mamba)))
-    state = await run_rebuild(st, lambda e: e.cache.rebuild(body.moe, body.kv, body.mamba, trigger="manual"), body.wait_s,
-                              lambda e: e.cache.plan_resize(body.moe, body.kv, body.mamba, held=False).fits)
+    try:
+        state = await run_rebuild(st, lambda e: e.cache.rebuild(body.moe, body.kv, body.mamba, trigger="manual"),
+                                  body.wait_s, lambda e: e.cache.plan_resize(body.moe, body.kv, body.mamba, held=False).fits)
+    except ApiError as refused:
+        if refused.status == 422:  # the refusal names the rounded size: say where it came from
+            notes = await _engine_call(st, lambda e: admin_state.rounding_notes(e, body.kv))
+            if notes:
+                refused.message += f" ({'; '.join(notes)})"
+        raise
     if isinstance(state, CacheState):
         state.notes = await _engine_call(st, lambda e: admin_state.rounding_notes(e, body.kv))
     return state
