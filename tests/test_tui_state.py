@@ -178,3 +178,16 @@ def test_top_takes_admin_token_flag():
     add_parser(parser.add_subparsers(dest="command"))
     assert parser.parse_args(["top", "--admin-token", "a"]).token == "a"
     assert parser.parse_args(["top", "--token", "b"]).token == "b"
+
+
+def test_the_help_explains_every_abbreviation_the_pools_show():
+    """Issue 41, item 9: `res 74%` was explained nowhere, and the two hit rates looked alike."""
+    from ft.tui.state import pool_usage
+    from ft.tui.widgets.help import ABOUT
+
+    usage = pool_usage(CacheState())
+    words = {w.strip('"').rstrip(":") for line in usage.values() for w in line.split() if w.isalpha()}
+    assert words >= {"hit", "res", "used"}
+    for word in ("hit", "res", "used"):
+        assert f'"{word}"' in ABOUT, word
+    assert "lifetime" in ABOUT and "recent" in ABOUT and "cached prefixes" in ABOUT

@@ -13,7 +13,12 @@ header    the state, and how old the figures are ("updated 0.4 s ago", marked st
           refresh intervals without an update); an answer older than the one shown is dropped
 pools     each pool's size, bytes, usage and reachable range (min..max with the others fixed);
           the bar is the rebuild budget: each pool's share, then the free slack; under it,
-          per pool: · below its minimum, █ what it holds, ━ the room it could grow into
+          per pool: · below its minimum, █ what it holds, ━ the room it could grow into.
+          moe "hit": the expert hit rate since the server started (lifetime; the live plot's is
+          the recent one); "res": the share of expert slots that hold an expert. kv "used": pages
+          held, by running requests and by cached prefixes (kept after requests end, reused by
+          a next turn, given back when a request needs them); the host n-gram table, if any,
+          is host memory outside the budget
 ladder    every KV rung (the current one marked), auto on/off, the last decision in full; rungs
           count from 1 ("rung 2/7"), as `ft ctl ladder --rung N` and the serve banner count them
 live      decode tokens/s, expert hit rate and KV usage, newest at the right: each axis's bottom
