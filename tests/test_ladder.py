@@ -290,10 +290,10 @@ def test_with_auto_off_the_kv_cache_caps_what_is_admitted():
     assert eng.servable_context == kv
     with pytest.raises(RequestError, match="the KV ladder's auto is off"):
         eng.add_request([65] * kv, SamplingParams(max_new_tokens=4))
-    seq = eng.add_request([65] * 10, SamplingParams(max_new_tokens=3 * kv, temperature=0.0, ignore_eos=True))
+    seq = eng.add_request([65] * (kv - 12), SamplingParams(max_new_tokens=3 * kv, temperature=0.0, ignore_eos=True))
     while not seq.is_finished:
         eng.step()
-    assert seq.error is None and seq.finish_reason == "length" and len(seq.output_ids) == kv - 10
+    assert seq.error is None and seq.finish_reason == "length" and len(seq.output_ids) == 12
     assert eng.cache.geometry.kv_tokens == kv
     lad.auto = True
     assert eng.servable_context > kv
