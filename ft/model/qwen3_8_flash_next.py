@@ -43,7 +43,8 @@ from ft.model.layers.gated_deltanet import GatedDeltaNet
 from ft.model.layers.hyper_connection import HyperConnection, expand_streams
 from ft.model.layers.linear import Linear
 from ft.model.layers.moe import MLP, SparseMoE
-from ft.model.qwen3_8_flash_next_reference import rope_frequencies
+from ft.model.layers.rotary import rope_frequencies
+from ft.model.qwen3_next import gated_attention_specs, gated_deltanet_specs
 from ft.memory.cache_pools import CachePools
 from ft.memory.mamba_pool import SlotState
 
@@ -104,20 +105,10 @@ def tensor_specs(cfg: ModelConfig) -> tuple[dict[str, TensorSpec], list[GroupedE
             s[a + "in_proj_z.weight"] = TensorSpec((cfg.linear_value_dim, h), "linear")
             s[a + "in_proj_b.weight"] = TensorSpec((hv, h), "linear")
             s[a + "in_proj_a.weight"] = TensorSpec((hv, h), "linear")
-            s[a + "conv1d.weight"] = TensorSpec((cfg.linear_conv_dim, 1, cfg.linear_conv_kernel_dim))
-            s[a + "out_proj.weight"] = TensorSpec((h, cfg.linear_value_dim), "linear")
-            s[a + "norm.weight"] = TensorSpec((cfg.linear_value_head_dim,))
-            s[a + "dt_bias"] = TensorSpec((hv,))
-            s[a + "A_log"] = TensorSpec((hv,))
+            gated_deltanet_specs(s, a, cfg)
         else:
             a = p + "self_attn."
-            hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-            s[a + "q_proj.weight"] = TensorSpec((2 * hq * d, h), "linear")
-            s[a + "k_proj.weight"] = TensorSpec((hk * d, h), "linear")
-            s[a + "v_proj.weight"] = TensorSpec((hk * d, h), "linear")
-            s[a + "o_proj.weight"] = TensorSpec((h, hq * d), "linear")
-            s[a + "q_norm.weight"] = TensorSpec((d,))
-            s[a + "k_norm.weight"] = TensorSpec((d,))
+            gated_attention_specs(s, a, cfg)
             hi, di = t.indexer_n_heads, t.indexer_head_dim
             s[a + "indexer.index_qk_proj.weight"] = TensorSpec(((hi + 1) * di, h), "linear")
             s[a + "indexer.q_layernorm.weight"] = TensorSpec((di,))

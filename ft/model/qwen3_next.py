@@ -38,20 +38,9 @@ def tensor_specs(cfg: ModelConfig) -> tuple[dict[str, TensorSpec], list[list[tup
             hv = cfg.linear_num_value_heads
             s[a + "in_proj_qkvz.weight"] = TensorSpec((2 * cfg.linear_key_dim + 2 * cfg.linear_value_dim, h), "linear")
             s[a + "in_proj_ba.weight"] = TensorSpec((2 * hv, h), "linear")
-            s[a + "conv1d.weight"] = TensorSpec((cfg.linear_conv_dim, 1, cfg.linear_conv_kernel_dim))
-            s[a + "out_proj.weight"] = TensorSpec((h, cfg.linear_value_dim), "linear")
-            s[a + "norm.weight"] = TensorSpec((cfg.linear_value_head_dim,))
-            s[a + "dt_bias"] = TensorSpec((hv,))
-            s[a + "A_log"] = TensorSpec((hv,))
+            gated_deltanet_specs(s, a, cfg)
         else:
-            a = p + "self_attn."
-            hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-            s[a + "q_proj.weight"] = TensorSpec((2 * hq * d, h), "linear")
-            s[a + "k_proj.weight"] = TensorSpec((hk * d, h), "linear")
-            s[a + "v_proj.weight"] = TensorSpec((hk * d, h), "linear")
-            s[a + "o_proj.weight"] = TensorSpec((h, hq * d), "linear")
-            s[a + "q_norm.weight"] = TensorSpec((d,))
-            s[a + "k_norm.weight"] = TensorSpec((d,))
+            gated_attention_specs(s, p + "self_attn.", cfg)
         m = p + "mlp."
         if cfg.is_moe_layer(i):
             e_i, sh = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
@@ -69,6 +58,28 @@ def tensor_specs(cfg: ModelConfig) -> tuple[dict[str, TensorSpec], list[list[tup
     if not cfg.tie_word_embeddings:
         s["lm_head.weight"] = TensorSpec((v, h), "linear")
     return s, experts
+
+
+def gated_deltanet_specs(s: dict[str, TensorSpec], a: str, cfg: ModelConfig) -> None:
+    """A Gated DeltaNet layer's tensors under prefix `a` beside its input projections (which the
+    models lay out differently): the conv, the output projection, the gated norm, the decay."""
+    h, hv = cfg.hidden_size, cfg.linear_num_value_heads
+    s[a + "conv1d.weight"] = TensorSpec((cfg.linear_conv_dim, 1, cfg.linear_conv_kernel_dim))
+    s[a + "out_proj.weight"] = TensorSpec((h, cfg.linear_value_dim), "linear")
+    s[a + "norm.weight"] = TensorSpec((cfg.linear_value_head_dim,))
+    s[a + "dt_bias"] = TensorSpec((hv,))
+    s[a + "A_log"] = TensorSpec((hv,))
+
+
+def gated_attention_specs(s: dict[str, TensorSpec], a: str, cfg: ModelConfig) -> None:
+    """A gated attention layer's tensors under prefix `a`: q with its gate, k, v, o, the q/k norms."""
+    h, hq, hk, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    s[a + "q_proj.weight"] = TensorSpec((2 * hq * d, h), "linear")
+    s[a + "k_proj.weight"] = TensorSpec((hk * d, h), "linear")
+    s[a + "v_proj.weight"] = TensorSpec((hk * d, h), "linear")
+    s[a + "o_proj.weight"] = TensorSpec((h, hq * d), "linear")
+    s[a + "q_norm.weight"] = TensorSpec((d,))
+    s[a + "k_norm.weight"] = TensorSpec((d,))
 
 
 def _mlp_specs(s: dict, prefix: str, h: int, inter: int, kind: str) -> tuple[str, str, str]:

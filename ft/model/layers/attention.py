@@ -53,14 +53,7 @@ class GatedAttention:
         """x [T, H] -> [T, H]; writes this layer's K/V of the new tokens into `kv` pages
         (`KVPool.layer`: the K and V caches and the scales of a quantized pool, else None)."""
         t = x.shape[0]
-        qg = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim)
-        q, gate = qg.chunk(2, dim=-1)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = qk_norm_rope(q, k, self.q_norm, self.k_norm, batch.positions, rope.inv_freq, rope.rotary_dim, self.eps)
-        if rope.scale != 1.0:  # YaRN: the rotated features scaled as cos and sin are (the kernel has no factor)
-            q[..., : rope.rotary_dim] *= rope.scale
-            k[..., : rope.rotary_dim] *= rope.scale
+        q, gate, k, v = self.project(x, rope, batch)
         k_cache, v_cache, kv_scale = kv
         if batch.decode is not None:  # one token per sequence: device tensors only (graph-safe)
             d = batch.decode
@@ -73,6 +66,19 @@ class GatedAttention:
         if batch.pieces is not None:  # a prefill graph (`ft.engine.prefill_graphs`): the core runs between its pieces
             return self.o_proj(batch.pieces.core(self._prefill_core, kv, q, k, v, gate))
         return self.o_proj(self._prefill_core(batch, kv, q, k, v, gate))
+
+    def project(self, x: torch.Tensor, rope: Rope, batch: ForwardBatch):
+        """x [T, H] -> (q [T, Hq, D] normed and rotated, its output gate [T, Hq, D] (a view of q_proj's
+        output), k [T, Hkv, D] normed and rotated, v [T, Hkv, D])."""
+        t = x.shape[0]
+        q, gate = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = qk_norm_rope(q, k, self.q_norm, self.k_norm, batch.positions, rope.inv_freq, rope.rotary_dim, self.eps)
+        if rope.scale != 1.0:  # YaRN: the rotated features scaled as cos and sin are (the kernel has no factor)
+            q[..., : rope.rotary_dim] *= rope.scale
+            k[..., : rope.rotary_dim] *= rope.scale
+        return q, gate, k, v
 
     def _prefill_core(self, batch: ForwardBatch, kv: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 
 from ft.kernels.attention import paged_attention, sparse_decode_attention, write_kv, write_kv_decode
 from ft.kernels.backend import uses_triton
-from ft.kernels.norm import qk_norm_rope, rms_norm
+from ft.kernels.norm import rms_norm
 from ft.model.forward_batch import ForwardBatch
 from ft.model.layers.attention import GatedAttention, Rope
 from ft.model.layers.linear import Linear
@@ -66,14 +66,7 @@ class QSAAttention(GatedAttention):
         self._write_index_keys(index_keys, iqk[:, hi * di:], batch)
         if max(s.start + s.length for s in batch.seqs) <= self.dense_limit:
             return super().__call__(x, rope, batch, kv)  # every token selected: dense attention is QSA
-        qg = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim)
-        q, gate = qg.chunk(2, dim=-1)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = qk_norm_rope(q, k, self.q_norm, self.k_norm, batch.positions, rope.inv_freq, rope.rotary_dim, self.eps)
-        if rope.scale != 1.0:
-            q[..., : rope.rotary_dim] *= rope.scale
-            k[..., : rope.rotary_dim] *= rope.scale
+        q, gate, k, v = self.project(x, rope, batch)
         iq = rotate(rms_norm(iqk[:, : hi * di].reshape(t, hi, di), self.index_q_norm, self.eps), batch.positions, rope)
         k_cache, v_cache, kv_scale = kv
         if batch.decode is not None:
