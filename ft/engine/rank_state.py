@@ -63,9 +63,10 @@ class RankState:
             why = tp.enable_one_shot(self.dtype)
             if why is not None and os.environ.get("FT_TP_ALL_REDUCE") == "one-shot" and tp.is_leader:
                 log.warning("tensor parallelism: all-reduces stay on NCCL (one-shot path off: %s)", why)
-        if not self.model.graph_safe and not config.disable_cuda_graph:  # (Qwen3.8-Flash-Next for now)
+        if not self.model.graph_safe and not config.disable_cuda_graph:
             config = self.config = dataclasses.replace(config, disable_cuda_graph=True)
             log.info("%s runs eagerly: its steps are not captured in CUDA graphs yet", cfg.architecture)
+        prefill_graphs = not config.disable_cuda_graph and self.model.prefill_graph_safe
         self.context_limit = config.max_seq_len_override or cfg.max_position_embeddings
         if cfg.is_flash_next and config.page_size % cfg.flash_next.indexer_compress_ratio:
             raise ConfigError(f"--page-size {config.page_size}: QSA's blocks of {cfg.flash_next.indexer_compress_ratio} "
@@ -81,7 +82,7 @@ class RankState:
                                           config.max_running_requests, shapes.kv_dtype, self.context_limit)
         # one-request prefills up to this many tokens replay CUDA graphs (`ft.engine.prefill_graphs`),
         # whose memory pool (the largest bucket's activations) and core buffers stay allocated
-        self.prefill_graph_tokens = 0 if self.device.type != "cuda" or config.disable_cuda_graph or tp is not None \
+        self.prefill_graph_tokens = 0 if self.device.type != "cuda" or not prefill_graphs or tp is not None \
             else min(config.prefill_graph_max_tokens, config.max_prefill_length, self.context_limit)
         # (apart from `reserve`, which the eager forward's transients may use: this memory stays held)
         self.prefill_graph_reserve = 0 if not self.prefill_graph_tokens else \

@@ -6,8 +6,8 @@ What runs where (issue 38; docs/qwen3.8-flash-next/README.md is the plan):
   stacked into the fused ones and the gated norm's activation a sigmoid.
 - QSA attention (`QSAAttention`): the gated attention layer over the paged KV cache, each token's raw
   indexer key stored beside its K and V (`KVPool.index_keys`). Up to 2,051 tokens of context the
-  indexer selects every token and the dense kernels run; past it the selection and the sparse
-  attention run in torch (correct at any length; their Triton kernels come next).
+  indexer selects every token and a prefill runs the dense kernels; a decode step, and a prefill past
+  the span, select and attend sparsely (`ft.kernels.qsa`, `sparse_decode_attention`).
 - MoE: `SparseMoE` over the expert cache (softmax, top-k, renormalised), the routed experts read from
   the checkpoint's grouped tensors into the host store.
 - HyperConnections and the PLE layer: torch (`ft.model.layers.hyper_connection`, `.engram`). The
@@ -17,9 +17,8 @@ What runs where (issue 38; docs/qwen3.8-flash-next/README.md is the plan):
   hashing, the gather (`ft.kernels.host_gather`) and the conv run over the packed batch on the
   device, with no host read.
 
-Not yet (said at load, not hidden): CUDA graphs (`graph_safe`: QSA past its dense span chooses its
-path by the sequences' lengths on the host, and the capture is untested),
-tensor parallelism, NVFP4 experts stored grouped (per-expert NVFP4 tensors load), NVFP4 split GDN
+Not yet (said at load, not hidden): prefill CUDA graphs (decode steps are captured), tensor
+parallelism, NVFP4 experts stored grouped (per-expert NVFP4 tensors load), NVFP4 split GDN
 projections of different global scales. Checked token for token against the
 whole-sequence reference (`ft.model.qwen3_8_flash_next_reference`, itself checked against the public
 implementation): tests/test_flash_next_engine.py.
@@ -167,12 +166,15 @@ class _Layer:
 class FlashNextModel:
     """forward(batch, pools) -> logits [B, vocab] (float32) at each sequence's last new token."""
 
-    graph_safe = False
-    """Whether a decode step may be captured in a CUDA graph: not yet. QSA still picks its dense or
-    sparse path by the sequences' lengths on the host (its sparse decode path itself is fixed-shape
-    device ops); the PLE (whose writes a graph's padding rows, repeating the first sequence, leave
-    unchanged) and HyperConnections are device ops; no capture has run on a GPU. The engine runs this
-    model eagerly."""
+    graph_safe = True
+    """A decode step may be captured in a CUDA graph: QSA decodes in fixed shapes at every length (block
+    scores over the context limit's blocks, a top-k, one sparse attention launch), the PLE's writes are
+    indexed by the step's slots (a graph's padding rows repeat the first sequence and change nothing),
+    HyperConnections and the MoE are device ops. tests/gpu/test_flash_next_cuda.py checks graph
+    replays against eager steps."""
+    prefill_graph_safe = False
+    """Prefill graphs (`ft.engine.prefill_graphs`) stay off: QSA past its dense span selects per
+    sequence on the host, and its attention does not hand its cores to a capture (`batch.pieces`)."""
 
     def __init__(self, cfg: ModelConfig, weights: LoadedWeights, dtype: torch.dtype, device: torch.device,
                  tp=None) -> None:

@@ -94,6 +94,7 @@ class Qwen3NextModel:
     """forward(batch, pools) -> logits [B, vocab] (float32) at each sequence's last new token."""
 
     graph_safe = True  # a decode step may be captured in a CUDA graph
+    prefill_graph_safe = True  # its attention hands its cores to a prefill graph's capture (`batch.pieces`)
     slot_states = ()  # no per-sequence state beside the GDN layers' (`MambaPool.extra`)
     host_bytes = 0  # no weights kept in host memory beside the routed experts
     index_key_dim = 0  # no QSA indexer keys in the KV pool

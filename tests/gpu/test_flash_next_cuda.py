@@ -3,8 +3,10 @@ kernels on its split projections, attention with YaRN's factor, the MoE over the
 the whole-sequence reference forward on the CPU in fp32 (issue 38).
 
 - fp32: the greedy tokens of two prompts (one with EOS ids, which reset the n-gram hash), batched,
-  identical to the reference's; and again with prefill in chunks of 32 and offloaded experts with
-  fewer slots than a token needs.
+  identical to the reference's, decode steps replayed from CUDA graphs; and again with prefill in
+  chunks of 32 and offloaded experts with fewer slots than a token needs; and past QSA's dense span
+  (prompts longer than budget + ratio - 1: the graphs hold the selection).
+- bf16: CUDA-graph decode gives the eager engine's tokens and last logits bit for bit.
 - bf16: the logits of the step that finishes the prompt within TOL_BF16 (relative RMS) of the fp32
   reference's.
 
@@ -18,7 +20,7 @@ import pytest
 import torch
 
 from ft.engine import LLM, SamplingParams
-from test_flash_next_engine import CASES, GREEDY, TEXT, prompt_of, reference_greedy, write_checkpoint
+from test_flash_next_engine import CASES, GREEDY, GREEDY_OPTS, TEXT, prompt_of, reference_greedy, write_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -51,6 +53,7 @@ def test_fp32_tokens_equal_the_reference(checkpoint):
     opts = dict(max_new_tokens=GREEDY, temperature=0.0, ignore_eos=True)
     with engine(path, "float32") as llm:
         assert [r.token_ids for r in llm.generate(prompt_token_ids=prompts, **opts)] == want, name
+        assert llm.engine.runner.graphs.replays > 0, name  # the decode steps came from graphs
     with engine(path, "float32", max_prefill_length=32, moe_backend="offload", moe_cache_size=12) as llm:
         assert [r.token_ids for r in llm.generate(prompt_token_ids=prompts, **opts)] == want, name
         assert llm.engine.pools.experts.stats.misses > 12, name  # experts were evicted and read again
@@ -75,3 +78,32 @@ def test_bf16_logits_near_the_reference(checkpoint):
         got = eng.last_logits[0].float().cpu()
     err = float((got - want).norm() / want.norm())
     assert err < TOL_BF16, f"{name}: relative RMS {err:.3g}"
+
+
+def test_qsa_past_its_span_in_graphs_equals_the_reference(tmp_path):
+    """Prompts of 150 and 90 tokens past the span of a 32-token budget (35), batched with one inside
+    it: prefill in chunks of 64 selects in torch, decode replays graphs that select on the device."""
+    path = tmp_path / "m"
+    weights = write_checkpoint(path, {**TEXT, "indexer_budget": 32})
+    prompts = [prompt_of(150, 4, eos_at=(70,)), prompt_of(90, 5), prompt_of(20, 6)]
+    want = [reference_greedy(weights, path, p) for p in prompts]
+    with engine(path, "float32", max_prefill_length=64, num_tokens=1024) as llm:
+        assert [r.token_ids for r in llm.generate(prompt_token_ids=prompts, **GREEDY_OPTS)] == want
+        assert llm.engine.runner.graphs.replays > 0
+
+
+def test_graph_decode_equals_eager_bitwise(tmp_path):
+    """bf16 at the seeds' head shapes: the same requests through decode graphs and eagerly give the
+    same tokens, and the last step's logits bit for bit."""
+    path = tmp_path / "m"
+    write_checkpoint(path, {**TEXT, **FLAGSHIP_HEADS})
+    prompts = [prompt_of(50, 1, eos_at=(17, 30)), prompt_of(41, 2), prompt_of(9, 3)]
+    runs = []
+    for opts in ({}, {"disable_cuda_graph": True}):
+        with engine(path, "bfloat16", **opts) as llm:
+            tokens = [r.token_ids for r in llm.generate(prompt_token_ids=prompts, **GREEDY_OPTS)]
+            graphs = llm.engine.runner.graphs
+            runs.append((tokens, llm.engine.last_logits.clone(), graphs.replays if graphs else 0))
+    (got, got_logits, replays), (want, want_logits, _) = runs
+    assert replays > 0 and got == want
+    assert torch.equal(got_logits, want_logits)

@@ -1,10 +1,10 @@
 """QSA attention (Qwen3.8-Flash-Next) over the paged KV cache: gated attention whose queries attend only
 to the tokens the indexer selects (`ft.model.layers.qsa` is the math and its specification).
 
-Every step stores each new token's K, V and raw indexer key in its page. A sequence whose context fits
+Every step stores each new token's K, V and raw indexer key in its page. A prefill whose context fits
 `dense_limit` (budget + ratio - 1 tokens: the indexer then selects every token) runs the gated
-attention kernels unchanged: there dense attention is QSA exactly. A longer one runs the selection
-a decode batch in fixed shapes (a CUDA graph may hold them): `ft.kernels.qsa.block_scores` (Triton:
+attention kernels unchanged: there dense attention is QSA exactly. A decode step, at any length,
+runs the selection in fixed shapes (a CUDA graph holds them): `ft.kernels.qsa.block_scores` (Triton:
 each block's raw keys read through the page table, meaned, normed, rotated, scored; bounded by each
 sequence's length), `select_decode_tokens` (top-k with ties to the lower block), one
 `sparse_decode_attention` launch (split-K over the lists). A prefill past the span selects in torch (its
@@ -64,7 +64,9 @@ class QSAAttention(GatedAttention):
         t, hi, di = x.shape[0], self.index_heads, self.index_dim
         iqk = self.index_qk(x)
         self._write_index_keys(index_keys, iqk[:, hi * di:], batch)
-        if max(s.start + s.length for s in batch.seqs) <= self.dense_limit:
+        # a decode step always takes the fixed-shape path (inside the dense span it selects every token):
+        # no host branch on the lengths, so a CUDA graph may hold it
+        if batch.decode is None and max(s.start + s.length for s in batch.seqs) <= self.dense_limit:
             return super().__call__(x, rope, batch, kv)  # every token selected: dense attention is QSA
         q, gate, k, v = self.project(x, rope, batch)
         iq = rotate(rms_norm(iqk[:, : hi * di].reshape(t, hi, di), self.index_q_norm, self.eps), batch.positions, rope)
