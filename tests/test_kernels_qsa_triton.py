@@ -1,8 +1,9 @@
-"""QSA's block scores over the paged cache (`ft.kernels.qsa`) and the fixed-shape decode selection
-(`select_decode_tokens`): the Triton kernel against `block_scores_ref` under the interpreter (fp32,
-fp16 keys), and the two together against the sequence-level reference (`compress_keys`, the norm, the
-rotation, `select_tokens`) on raw keys written into shuffled pages: equal token lists, ties included
-(an indexer query of zeros scores every block 0: the lowest blocks win)."""
+"""QSA's block scores over the paged cache and the fixed-shape decode selection (`ft.kernels.qsa`):
+each Triton kernel against its reference under the interpreter (scores: fp32 and fp16 keys; the
+selection: distinct scores, ties, short sequences, several passes), and the two references together
+against the sequence-level reference (`compress_keys`, the norm, the rotation, `select_tokens`) on
+raw keys written into shuffled pages: the same tokens, ties included (an indexer query of zeros
+scores every block 0: the lowest blocks win)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ import torch
 pytest.importorskip("triton")
 
 from ft.kernels.norm.reference import rms_norm_ref
-from ft.kernels.qsa import block_scores_ref
+from ft.kernels.qsa import block_scores_ref, select_decode_tokens_ref
 from ft.kernels.qsa import kernel as details
-from ft.model.layers.qsa import compress_keys, select_decode_tokens, select_tokens
+from ft.model.layers.qsa import compress_keys, select_tokens
 
 PAGE, RATIO, HI, DI, ROT = 8, 4, 2, 24, 8
 LENGTHS = [41, 3, 17, 64]
@@ -72,10 +73,31 @@ def test_decode_selection_equals_select_tokens(zeros):
     w, inv = torch.randn(DI, generator=g) * 0.1, 1.0 / 100.0 ** (torch.arange(0, ROT, 2).float() / ROT)
     lens = torch.tensor(LENGTHS)
     scores = block_scores_ref(q, cache, table, lens, w, 1e-6, inv, 1.0, RATIO, 16)
-    got = select_decode_tokens(scores, lens, 3, RATIO)
+    got = select_decode_tokens_ref(scores, lens, 3, RATIO)
+    assert torch.equal(details.select_decode_tokens_triton(scores, lens, 3, RATIO), got)
     for b, n in enumerate(LENGTHS):
         blocks = rotate(rms_norm_ref(compress_keys(raw[b], RATIO), w, 1e-6), torch.arange(n // RATIO) * RATIO, inv, 1.0)
         want = select_tokens(q[b: b + 1], blocks, torch.tensor([n - 1]), 3, RATIO)
-        assert torch.equal(got[b: b + 1], want), b
+        # the same tokens (the decode path lists its blocks in order, select_tokens best first), the same tail
+        assert sorted(got[b, :12].tolist()) == sorted(want[0, :12].tolist()), b
+        assert torch.equal(got[b, 12:], want[0, 12:]), b
     if zeros:  # every block ties at 0: the three lowest
         assert got[0, :12].tolist() == list(range(12))
+
+
+@pytest.mark.parametrize("case", ["distinct", "ties", "few-blocks", "tiles"])
+def test_selection_kernel_equals_the_reference(case):
+    """`_select_kernel` against `select_decode_tokens_ref`, entry for entry: random scores, scores drawn
+    from three values (ties at the threshold: the lower blocks win), sequences with fewer complete
+    blocks than the budget (every block, then -1), and more blocks than one pass reads (2,500 > 1,024)."""
+    g = torch.Generator().manual_seed(7)
+    lengths = {"distinct": [41, 3, 17, 64, 4, 7], "ties": [41, 64, 60, 33], "few-blocks": [1, 2, 5, 11, 13],
+               "tiles": [10_000, 4_101, 9_999]}[case]
+    budget, j = (40, 2_560) if case == "tiles" else (5, 20)
+    lens = torch.tensor(lengths)
+    scores = torch.rand(len(lengths), j, generator=g)
+    if case == "ties":
+        scores = torch.tensor([0.0, 0.5, 1.0])[torch.randint(0, 3, scores.shape, generator=g)]
+    scores = scores.masked_fill(torch.arange(j)[None, :] >= (lens // RATIO)[:, None], float("-inf"))
+    want = select_decode_tokens_ref(scores, lens, budget, RATIO)
+    assert torch.equal(details.select_decode_tokens_triton(scores, lens, budget, RATIO), want)

@@ -1,4 +1,5 @@
-"""Torch reference of QSA's block scores over the paged cache (`ft.kernels.qsa`)."""
+"""Torch references of QSA's decode kernels (`ft.kernels.qsa`): the block scores over the paged cache and
+the selection of each query's tokens from them."""
 
 from __future__ import annotations
 
@@ -41,3 +42,37 @@ def block_scores_ref(index_q: torch.Tensor, index_keys: torch.Tensor, page_table
     keys = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, normed[..., rot:]], dim=-1)
     scores = torch.relu(torch.einsum("bhd,bjd->bhj", index_q.float(), keys)).sum(1) / math.sqrt(di)
     return scores.masked_fill(~valid, float("-inf"))
+
+
+def select_decode_tokens_ref(scores: torch.Tensor, seq_lens: torch.Tensor, budget_blocks: int,
+                             ratio: int) -> torch.Tensor:
+    """The tokens one decode query per sequence attends to, from its block scores.
+
+    Args:
+        scores: [B, J] float32 (`block_scores_ref`: >= 0 for complete blocks, -inf past them).
+        seq_lens: [B] tokens of each sequence, its query (at seq_lens - 1) included.
+    Returns:
+        [B, budget_blocks * ratio + ratio - 1] int64: the tokens of the `budget_blocks` best complete
+        blocks (every complete block while they fit; among equal scores the lower block wins) in
+        ascending order, -1 after them up to budget_blocks * ratio entries, then the tokens of the
+        query's incomplete block (-1 where it has fewer than ratio - 1). The same set as
+        `ft.model.layers.qsa.select_tokens` gives that query (which orders it best first).
+
+    The top-k runs on int64 keys (the score's bits, then the block's distance from the last block), so
+    that among equal scores the lower block wins whatever order torch.topk keeps."""
+    b, j_count = scores.shape
+    dev = scores.device
+    blocks = torch.arange(j_count, device=dev)
+    bits = (scores.float() + 0.0).contiguous().view(torch.int32).to(torch.int64)  # (+ 0.0: no -0.0) >= 0 and rising
+    keys = torch.where(torch.isfinite(scores), (bits << 32) | (j_count - 1 - blocks), -1)
+    k = min(budget_blocks, j_count)
+    top = torch.topk(keys, k, dim=1).values  # [B, k], best first
+    chosen = torch.where(top >= 0, j_count - 1 - (top & 0xFFFFFFFF), j_count)
+    chosen = torch.sort(chosen, dim=1).values  # ascending, the unused (j_count) last
+    if k < budget_blocks:
+        chosen = torch.cat([chosen, chosen.new_full((b, budget_blocks - k), j_count)], dim=1)
+    tokens = chosen[:, :, None] * ratio + torch.arange(ratio, device=dev)
+    tokens = torch.where((chosen < j_count)[:, :, None], tokens, -1).reshape(b, budget_blocks * ratio)
+    last = seq_lens.to(torch.int64) - 1
+    tail = torch.div(last + 1, ratio, rounding_mode="floor")[:, None] * ratio + torch.arange(ratio - 1, device=dev)
+    return torch.cat([tokens, torch.where(tail <= last[:, None], tail, -1)], dim=1)

@@ -18,6 +18,7 @@ This module is the math, in torch, for sequences and for one decode step with ca
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -41,6 +42,15 @@ def next_primes(base: int, count: int) -> list[int]:
             out.append(n)
         n += 1
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _head_constants(sizes: tuple[int, ...], offsets: tuple[int, ...], device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The heads' sizes and offsets as int64 tensors on `device`, made once: a CUDA graph's capture
+    cannot copy from pageable host memory, and its eager first step makes them before it."""
+    return (torch.tensor(sizes, dtype=torch.int64, device=device),
+            torch.tensor(offsets, dtype=torch.int64, device=device))
 
 
 @dataclass(frozen=True)
@@ -128,8 +138,7 @@ class EngramHashing:
             mix = term if mix is None else mix ^ term
             if s >= 1:
                 mixes.append(mix)  # order s + 1
-        sizes = torch.tensor(self.sizes, dtype=torch.int64, device=windows.device)
-        offsets = torch.tensor(self.offsets, dtype=torch.int64, device=windows.device)
+        sizes, offsets = _head_constants(self.sizes, self.offsets, windows.device)
         per_head = torch.stack([m for m in mixes for _ in range(self.heads_per_ngram)], dim=1)  # [T, heads]
         return torch.remainder(per_head, sizes) + offsets
 

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-__all__ = ["compress_keys", "select_decode_tokens", "select_tokens", "sparse_attention"]
+__all__ = ["compress_keys", "select_tokens", "sparse_attention"]
 
 
 def compress_keys(raw_keys: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -64,35 +64,6 @@ def select_tokens(index_q: torch.Tensor, block_keys: torch.Tensor, positions: to
     tail = visible[:, None] * ratio + torch.arange(ratio - 1, device=dev)[None, :]
     tail = torch.where(tail <= positions[:, None], tail, torch.full_like(tail, -1))
     return torch.cat([chosen, tail], dim=1)
-
-
-def select_decode_tokens(scores: torch.Tensor, seq_lens: torch.Tensor, budget_blocks: int, ratio: int) -> torch.Tensor:
-    """`select_tokens` for one decode query per sequence from its block scores, in fixed shapes (no host
-    read: a CUDA graph may hold it).
-
-    Args:
-        scores: [B, J] float32 (`ft.kernels.qsa.block_scores`: >= 0 for complete blocks, -inf past them).
-        seq_lens: [B] tokens of each sequence, its query (at seq_lens - 1) included.
-    Returns:
-        [B, budget_blocks * ratio + ratio - 1] int64, as `select_tokens` gives for that query: the best
-        blocks' tokens (ties to the lower block), then the query's incomplete block's tokens, -1 unused.
-
-    The top-k runs on int64 keys (the score's bits, then the block's distance from the last block), so
-    that among equal scores the lower block wins whatever order torch.topk keeps."""
-    b, j_count = scores.shape
-    dev = scores.device
-    blocks = torch.arange(j_count, device=dev)
-    bits = (scores.float() + 0.0).contiguous().view(torch.int32).to(torch.int64)  # (+ 0.0: no -0.0) >= 0 and rising
-    keys = torch.where(torch.isfinite(scores), (bits << 32) | (j_count - 1 - blocks), -1)
-    k = min(budget_blocks, j_count)
-    top = torch.topk(keys, k, dim=1).values  # [B, k], best first
-    chosen = (j_count - 1 - (top & 0xFFFFFFFF))[:, :, None] * ratio + torch.arange(ratio, device=dev)
-    chosen = torch.where((top >= 0)[:, :, None], chosen, -1).reshape(b, k * ratio)
-    if k < budget_blocks:
-        chosen = torch.cat([chosen, chosen.new_full((b, (budget_blocks - k) * ratio), -1)], dim=1)
-    last = seq_lens.to(torch.int64) - 1
-    tail = torch.div(last + 1, ratio, rounding_mode="floor")[:, None] * ratio + torch.arange(ratio - 1, device=dev)
-    return torch.cat([chosen, torch.where(tail <= last[:, None], tail, -1)], dim=1)
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor,

@@ -6,7 +6,7 @@ Every step stores each new token's K, V and raw indexer key in its page. A prefi
 attention kernels unchanged: there dense attention is QSA exactly. A decode step, at any length,
 runs the selection in fixed shapes (a CUDA graph holds them): `ft.kernels.qsa.block_scores` (Triton:
 each block's raw keys read through the page table, meaned, normed, rotated, scored; bounded by each
-sequence's length), `select_decode_tokens` (top-k with ties to the lower block), one
+sequence's length), `select_decode_tokens` (Triton: the best blocks, ties to the lower block), one
 `sparse_decode_attention` launch (split-K over the lists). A prefill past the span selects in torch (its
 raw keys gathered from the pages and compressed, each query's blocks chosen, in blocks of queries)
 and attends with the same kernel, each query a row with its own list. The score kernel re-reads every raw key each step (4x a compressed cache's
@@ -23,8 +23,8 @@ from ft.kernels.norm import rms_norm
 from ft.model.forward_batch import ForwardBatch
 from ft.model.layers.attention import GatedAttention, Rope
 from ft.model.layers.linear import Linear
-from ft.kernels.qsa import block_scores
-from ft.model.layers.qsa import compress_keys, select_decode_tokens, select_tokens
+from ft.kernels.qsa import block_scores, select_decode_tokens
+from ft.model.layers.qsa import compress_keys, select_tokens
 
 __all__ = ["QSAAttention", "rotate"]
 
