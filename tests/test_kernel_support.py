@@ -46,7 +46,7 @@ def test_the_limits_are_the_kernels_own():
     from ft.kernels.gated_delta import chunk_kernel, kernel
     from ft.kernels.norm.kernel import MAX_D
     from ft.kernels.nvfp4 import BLOCK_SIZE
-    from ft.kernels.nvfp4.kernel import whole_k_words
+    from ft.kernels.nvfp4.kernel import whole_k_pieces
     from ft.kernels.router.kernel import route_triton
     from ft.model.kernel_support import _pow2, _whole_k
 
@@ -56,7 +56,7 @@ def test_the_limits_are_the_kernels_own():
     with pytest.raises(ValueError, match=f"E <= {limits.ROUTER_MAX_EXPERTS}"):
         route_triton(torch.zeros(1, limits.ROUTER_MAX_EXPERTS + 1), 2, True)
     for k in range(16, 20000, 16):
-        assert _whole_k(k) == (whole_k_words(k) > 0), k
+        assert _whole_k(k) == (whole_k_pieces(k) != (0, 0)), k
     for group in range(1, 300):  # the prefill tile's rows: the rule's formula is the launcher's
         cfg = prefill_config(256, group, torch.bfloat16)
         assert cfg["BLOCK_M"] * cfg["BLOCK_G"] == max(128, _pow2(group)), group
@@ -70,15 +70,18 @@ def test_flagship_and_seed_shapes_are_accepted_without_lines(name, config):
             assert check_kernel_shapes(cfg, device_type=device_type, quantized=quantized, kv_nvfp4=True) == []
 
 
-def test_read_through_is_refused_for_the_seeds_widths_and_loads_before_each_step():
-    """`moe_decode_triton` reads the host store only over whole-K tiles (K / 8 a power of two): the
-    seeds' 2560 and 640 are not, so read-through decode would raise in the first decode step."""
+def test_read_through_takes_the_seeds_widths_in_two_tiles():
+    """`moe_decode_triton` reads the host store over whole-K tiles: K / 8 = 2^a or 2^a + 2^b. The
+    seeds' 2,560 (256 + 64 words) and 640 (64 + 16) are; 112 (8 + 6) and 2^a above 1,024 are not."""
     cfg = ModelConfig.from_dict(SEEDS)
-    assert check_kernel_shapes(cfg, device_type="cuda", quantized=True, read_through=True) == [
-        "hidden_size 2560 and moe_intermediate_size 640: read-through decode takes powers of two from 16 to 8192; "
-        "offloaded decode loads missing experts before each step instead (--no-expert-read-through)"]
-    assert check_kernel_shapes(cfg, device_type="cuda", quantized=False, read_through=True) == []  # the reference MoE
+    assert check_kernel_shapes(cfg, device_type="cuda", quantized=True, read_through=True) == []
     assert read_through_refusal(ModelConfig.from_dict(FLAGSHIP), quantized=True) is None
+    assert read_through_refusal(ModelConfig.from_dict({**FLAGSHIP, "hidden_size": 112}), quantized=True) == (
+        "hidden_size 112: read-through decode takes K / 8 = 2^a or 2^a + 2^b (2 <= 2^b < 2^a <= 1024: 2,560 and 640 "
+        "are)")
+    assert read_through_refusal(ModelConfig.from_dict({**FLAGSHIP, "moe_intermediate_size": 16384}), quantized=True)
+    assert check_kernel_shapes(ModelConfig.from_dict({**FLAGSHIP, "hidden_size": 112}), device_type="cuda",
+                               quantized=False, read_through=True) == []  # the reference MoE
 
 
 REFUSED = {
@@ -239,16 +242,16 @@ def test_an_engine_whose_widths_read_through_cannot_take_loads_misses_before_eac
     from ft.engine import LLM
 
     _as_on_cuda(monkeypatch)
-    model = _synthetic(tmp_path, hidden_size=80)  # 80 / 8 = 10 words a row: no whole-K tile
+    model = _synthetic(tmp_path, hidden_size=112)  # 112 / 8 = 14 words a row (8 + 6): no whole-K tiles
     llm = LLM(model=model, device="cpu", dtype="float32", moe_cache_size=3, page_size=16)
     assert llm.engine.kernel_fallbacks == [
-        "hidden_size 80: read-through decode takes powers of two from 16 to 8192; offloaded decode loads missing "
-        "experts before each step instead (--no-expert-read-through)"]
+        "hidden_size 112: read-through decode takes K / 8 = 2^a or 2^a + 2^b (2 <= 2^b < 2^a <= 1024: 2,560 and 640 "
+        "are); offloaded decode loads missing experts before each step instead (--no-expert-read-through)"]
     assert llm.engine.pools.experts.read_through is None
     out = llm.generate(prompt_token_ids=[[5, 6, 7, 8]], max_new_tokens=3, temperature=0.0, ignore_eos=True)[0]
     assert len(out.token_ids) == 3
     with pytest.raises(ConfigError, match="--expert-policy lfu needs read-through decode, which this model cannot "
-                                          "take: hidden_size 80"):
+                                          "take: hidden_size 112"):
         LLM(model=model, device="cpu", dtype="float32", moe_cache_size=3, page_size=16, expert_policy="lfu")
 
 

@@ -250,12 +250,15 @@ def test_reference_kernels_block_sends_dispatchers_to_the_references(monkeypatch
     moe_over_slots(x, slots, weights, w)
     assert calls
 
-# (T, k, S slots, H, I, dtype, skipped fraction, shared expert): H = 64 takes the whole-K tiles,
-# H = 48 (6 words per row) the K loop
+# (T, k, S slots, H, I, dtype, skipped fraction, shared expert): H = 64 takes one whole-K tile, H = 48
+# (6 words a row: 4 + 2) and 80 (8 + 2) two tiles (`whole_k_pieces`: as 2,560 and 640 do), H = 112
+# (14 words: 8 + 6) the K loop
 DECODE_CASES = [
     (1, 3, 5, 64, 32, torch.float32, 0.0, True),
     (4, 2, 6, 64, 32, torch.float16, 0.3, True),
     (3, 3, 4, 48, 16, torch.float32, 0.2, True),
+    (2, 3, 4, 80, 48, torch.float32, 0.2, True),
+    (2, 2, 4, 112, 48, torch.float16, 0.0, True),
     (5, 2, 3, 64, 48, torch.bfloat16, 0.2, False),
     (2, 2, 3, 32, 16, torch.float32, 1.0, True),  # only the shared expert runs
 ]
@@ -376,12 +379,12 @@ def test_moe_decode_reads_slotless_experts_from_the_host_store(dtype):
         moe_decode_triton(x, slots, weights, pool, shared, host=host)
 
 
-def _landing_case(dtype, dst_dtype, gen: torch.Generator):
+def _landing_case(dtype, dst_dtype, gen: torch.Generator, h: int = 64, i: int = 32):
     """A host store [2 layers, 6 experts], a pool of 6 slots (experts 1 and 4 of layer 1 in slots 0
     and 1, slots 2..5 free, holding other bytes), a routing with missed pairs and topk_dst naming a
     distinct free slot for each distinct missed expert but one (its pairs land nowhere), in a wider
     tensor (a row stride that is not k). A pair with a slot names slot 5: it must land nothing."""
-    layers, experts, t, k, h, i = 2, 6, 4, 3, 64, 32
+    layers, experts, t, k = 2, 6, 4, 3
     host = SlotWeights(*(torch.stack(parts) for parts in zip(*[_slot_pool(experts, h, i, gen) for _ in range(layers)])))
     layer = 1
     free = _slot_pool(4, h, i, gen)
@@ -428,15 +431,17 @@ def _check_landed(pool: SlotWeights, before: SlotWeights, host: SlotWeights, ids
             assert torch.equal(got_t, want_t), s
 
 
-@pytest.mark.parametrize(("dtype", "dst_dtype", "down_config"),
-                         [(torch.float32, torch.int64, None), (torch.float16, torch.int32, (16, 0, 4))],
-                         ids=["fp32-int64", "fp16-int32-down16"])
-def test_moe_decode_lands_host_experts_in_dst_slots(dtype, dst_dtype, down_config):
+@pytest.mark.parametrize(("dtype", "dst_dtype", "down_config", "h", "i"),
+                         [(torch.float32, torch.int64, None, 64, 32), (torch.float16, torch.int32, (16, 0, 4), 64, 32),
+                          (torch.float32, torch.int64, None, 80, 48)],
+                         ids=["fp32-int64", "fp16-int32-down16", "fp32-two-tiles"])
+def test_moe_decode_lands_host_experts_in_dst_slots(dtype, dst_dtype, down_config, h, i):
     """The read-through landing store: pairs read from the host store with a dst slot also write the
     bytes they read there. The output is bit for bit the one without it, each dst slot then holds
-    the host expert exactly (all five tensors), and no other slot changes."""
+    the host expert exactly (all five tensors), and no other slot changes; also where a row's K is
+    two whole-K tiles (H 80: 8 + 2 words, I 48: 4 + 2)."""
     gen = torch.Generator().manual_seed(31)
-    x, slots, weights, pool, shared, host, ids, layer, dst = _landing_case(dtype, dst_dtype, gen)
+    x, slots, weights, pool, shared, host, ids, layer, dst = _landing_case(dtype, dst_dtype, gen, h, i)
     before = SlotWeights(*(t_.clone() for t_ in pool))
     want = moe_decode_triton(x, slots, weights, before, shared, host=host, topk_ids=ids, layer=layer,
                              down_config=down_config)

@@ -27,7 +27,8 @@ dim) is a multiple of it."""
 
 WHOLE_K_MAX_WORDS = 1024
 """`nvfp4.kernel.whole_k_words`: a row of K / 8 words is one tile when K / 8 is a power of two up to
-this; `moe.decode_kernel.moe_decode_triton` with the host store (read-through) raises otherwise."""
+this (`whole_k_pieces`: or two tiles, this and a smaller power of two);
+`moe.decode_kernel.moe_decode_triton` with the host store (read-through) raises otherwise."""
 
 CONV_MIN_WIDTH = 2
 """`conv1d.kernel.causal_conv1d_varlen_triton` and `gated_delta.kernel` take conv weights [C, W >= 2]

@@ -86,8 +86,8 @@ def check_kernel_shapes(cfg: ModelConfig, *, device_type: str, quantized: bool, 
 
 def read_through_refusal(cfg: ModelConfig, *, quantized: bool) -> str | None:
     """Why read-through offloaded decode cannot run this model on CUDA (None: it can): the NVFP4 decode
-    MoE kernels read an expert from the host store only with a row's whole K in one tile
-    (`nvfp4.kernel.whole_k_words`), for hidden_size (gate/up) and moe_intermediate_size (down)."""
+    MoE kernels read an expert from the host store only with a row's whole K in one or two tiles
+    (`nvfp4.kernel.whole_k_pieces`), for hidden_size (gate/up) and moe_intermediate_size (down)."""
     if not (quantized and cfg.moe_layers):
         return None
     bad = [f"{name} {k}" for name, k in (("hidden_size", cfg.hidden_size), ("moe_intermediate_size",
@@ -95,7 +95,8 @@ def read_through_refusal(cfg: ModelConfig, *, quantized: bool) -> str | None:
            if not _whole_k(k)]
     if not bad:
         return None
-    return f"{' and '.join(bad)}: read-through decode takes powers of two from 16 to {8 * WHOLE_K_MAX_WORDS}"
+    return (f"{' and '.join(bad)}: read-through decode takes K / 8 = 2^a or 2^a + 2^b "
+            f"(2 <= 2^b < 2^a <= {WHOLE_K_MAX_WORDS}: 2,560 and 640 are)")
 
 
 def nvfp4_formats(quantization: dict) -> tuple[bool, bool]:
@@ -248,9 +249,14 @@ def _pow2(n: int) -> int:
 
 
 def _whole_k(k: int) -> bool:
-    """`nvfp4.kernel.whole_k_words(k) > 0` for a K that NVFP4 takes (a multiple of 16)."""
+    """`nvfp4.kernel.whole_k_pieces(k) != (0, 0)` for a K that NVFP4 takes (a multiple of 16): K / 8
+    words = 2^a or 2^a + 2^b, 2^a <= WHOLE_K_MAX_WORDS, 2^b >= 2."""
     words = k // 8
-    return k % NVFP4_BLOCK == 0 and 0 < words <= WHOLE_K_MAX_WORDS and words & (words - 1) == 0
+    if k % NVFP4_BLOCK or words <= 0:
+        return False
+    first = 1 << (words.bit_length() - 1)
+    second = words - first
+    return first <= WHOLE_K_MAX_WORDS and (second == 0 or (second >= 2 and second & (second - 1) == 0))
 
 
 def _header_shapes(model_dir: Path, names: list[str]) -> dict[str, list[int]]:

@@ -1,8 +1,9 @@
 """Qwen3.8-Flash-Next's new kernels compiled for the GPU at its real shapes, against their torch
 references: the host-table gather (a pinned table of width 160, 16 heads, 1 and 64 tokens: exact),
 QSA's sparse decode attention (24 query heads over 2 KV heads of 256, lists of 2,051 positions: 512
-blocks of 4 and a partial block, bf16 / fp8 / NVFP4 caches, batch 1 and 8), and the sigmoid-gated
-RMSNorm (48 value heads of 128)."""
+blocks of 4 and a partial block, bf16 / fp8 / NVFP4 caches, batch 1 and 8), QSA's block scores and
+decode selection (4 indexer heads of 128, contexts to 70K tokens of a 256K limit), and the
+sigmoid-gated RMSNorm (48 value heads of 128)."""
 
 from __future__ import annotations
 
@@ -70,3 +71,36 @@ def test_sigmoid_gated_norm_at_the_flagship_shape():
     got = gated_rms_norm(x, z, w, 1e-6, "sigmoid")
     want = gated_rms_norm_ref(x, z, w, 1e-6, "sigmoid")
     assert float((got.float() - want.float()).norm() / want.float().norm()) < 4e-3
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_block_scores_and_selection_at_the_flagship_shape(batch):
+    """QSA's decode selection at the seeds' indexer (4 heads of 128, blocks of 4, a budget of 512
+    blocks) over a 262,144-token context limit (65,536 blocks a row): sequences of 9 to 70,001 tokens
+    (inside the dense span and far past it) in bf16 raw keys on shuffled pages of 64. The scores
+    within 1e-4 of the fp32 reference (-inf past each sequence's blocks), and the selection
+    (`_select_kernel`) entry for entry the reference's on the same scores."""
+    from ft.kernels.qsa import block_scores_ref, select_decode_tokens_ref
+    from ft.kernels.qsa.kernel import block_scores_triton, select_decode_tokens_triton
+
+    hi, di, rot, ratio, page, limit, budget = 4, 128, 64, 4, 64, 262_144, 512
+    g = torch.Generator(device=DEV).manual_seed(batch)
+    lens = torch.tensor([9, 2_051, 2_052, 4_096, 9_999, 70_001, 33_333, 512][:batch], device=DEV)
+    pages_each = (lens + page - 1) // page
+    order = torch.randperm(int(pages_each.sum()) + 3, generator=g, device=DEV)
+    table = torch.zeros(batch, limit // page, dtype=torch.int64, device=DEV)
+    used = 0
+    for b, n in enumerate(pages_each.tolist()):
+        table[b, :n] = order[used: used + n]
+        used += n
+    keys = torch.randn(len(order), page, di, generator=g, device=DEV).to(torch.bfloat16)
+    q = torch.randn(batch, hi, di, generator=g, device=DEV).to(torch.bfloat16)
+    w = torch.randn(di, generator=g, device=DEV) * 0.1
+    inv = 1.0 / 1e7 ** (torch.arange(0, rot, 2, device=DEV).float() / rot)
+    got = block_scores_triton(q, keys, table, lens, w, 1e-6, inv, 1.0, ratio, limit // ratio)
+    want = block_scores_ref(q, keys, table, lens, w, 1e-6, inv, 1.0, ratio, limit // ratio)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(got[fin], want[fin], rtol=1e-4, atol=1e-4)
+    tokens = select_decode_tokens_triton(got, lens, budget // ratio, ratio)
+    assert torch.equal(tokens, select_decode_tokens_ref(got, lens, budget // ratio, ratio))

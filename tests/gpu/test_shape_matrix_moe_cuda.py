@@ -15,13 +15,15 @@ How the subset was picked (not the Cartesian product: every distinct constexpr s
   decode pass + cuBLAS), activations bf16 and fp32, weights NVFP4 and bf16.
 * Risky pairs together: hidden 128 with width 64 (the smallest tiles; K below a block); the seeds'
   model (hidden 2560, width 640, 512 experts, top-10) on every kernel, since 2560 / 8 and 640 / 8
-  words are not powers of two (no whole-K tile: the K loops, masked K steps); 4096 with 768 at 512
+  words are not powers of two (two whole-K tiles in the decode MoE, `whole_k_pieces`: 256 + 64 and
+  64 + 16; the K loops and masked K steps elsewhere); 4096 with 768 at 512
   experts (the largest pool, 2.7 GB in NVFP4); top-1 and top-10 on every kernel family; the
   grouped path with runs of pairs per slot at BLOCK_M - 1, BLOCK_M, BLOCK_M + 1 for both tiles.
 * The rest fill in the per-kernel shape flags (t = 1 vs more configs, whole-K vs K loop, EVEN_K,
   HALVES, SWAP_AB) once each. bf16 weights exist only as dense slot pools, where the dispatchers
   run the references (`runs_triton` is False): those cases check that fallback. Shapes a launcher
-  refuses (the host store without whole-K tiles, more than DECODE_MAX_TOKENS decode tokens) are
+  refuses (the host store where a row is not one or two whole-K tiles, more than DECODE_MAX_TOKENS
+  decode tokens) are
   checked to raise ValueError.
 * fp32 activations take the short grouped tile only (in fp32 the long tile spills and compiles for
   ~20 s). In all, about 70 distinct kernel configurations (sm_90 compiles of them: ~50 s on 2 cores).
@@ -215,8 +217,8 @@ DECODE = [
 
 @pytest.mark.parametrize("c", DECODE, ids=str)
 def test_moe_decode(c: Moe):
-    """moe_decode_triton (down per pair over whole-K tiles, or the K loop where I / 8 is not a power
-    of two) against the fp32 reference, with the next norm against add_rms_norm of the fp32
+    """moe_decode_triton (down per pair over one or two whole-K tiles, or the K loop for other widths)
+    against the fp32 reference, with the next norm against add_rms_norm of the fp32
     reference; the dispatcher gives the same bits."""
     seed(c)
     w, shared = nvfp4_pool(c.e, c.h, c.i), nvfp4_pool(1, c.h, c.i)
@@ -256,7 +258,8 @@ def random_bytes_like(t: torch.Tensor) -> torch.Tensor:
 
 
 HOST = [(Moe(2048, 512, 64, 10, 8, BF16), True), (Moe(128, 64, 8, 1, 1, FP32), True),
-        (Moe(2560, 640, 64, 10, 8, BF16), False), (Moe(4096, 768, 8, 2, 2, BF16), False)]
+        (Moe(2560, 640, 64, 10, 8, BF16), True), (Moe(4096, 768, 8, 2, 2, BF16), True),
+        (Moe(1792, 448, 8, 2, 2, BF16), False)]  # (1792 / 8 = 128 + 96 words, 448 / 8 = 32 + 24: refused)
 
 
 @pytest.mark.parametrize(("c", "supported"), HOST, ids=[f"{c}-{'host' if ok else 'refused'}" for c, ok in HOST])
@@ -264,7 +267,7 @@ def test_moe_decode_host_store_and_landing(c: Moe, supported: bool):
     """Experts 0 .. E/4 - 1 resident (slot = id), the rest read from the host store, each missed
     expert's first pair landing it in a distinct free slot. Where both passes take whole-K tiles:
     bit for bit the all-resident result, within tolerance of the fp32 slot-or-host reference, and
-    each landing slot then holds the host expert's bytes. Elsewhere (I / 8 not a power of two) the
+    each landing slot then holds the host expert's bytes. Elsewhere (K / 8 not 2^a or 2^a + 2^b) the
     dispatcher raises ValueError before any launch, with or without the landing store."""
     seed(c)
     every = nvfp4_pool(c.e, c.h, c.i)  # every expert in the slot of its id

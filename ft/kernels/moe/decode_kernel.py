@@ -23,8 +23,9 @@ import ft.kernels.nvfp4.kernel as nvfp4_kernel
 from ft.kernels.backend import inline_ptx
 from ft.kernels.moe.kernel import _moe_sum_pairs_kernel
 from ft.kernels.norm.kernel import _rstd, _warps, add_rms_norm_triton
-from ft.kernels.nvfp4.kernel import as_words, whole_k_words
-from ft.kernels.nvfp4.rows import _decode_whole_k, _dot_lanes, _load_whole_k, _x_lanes, nvfp4_rows_dot, rows_dot_whole_k
+from ft.kernels.nvfp4.kernel import as_words, whole_k_pieces
+from ft.kernels.nvfp4.rows import (_decode_whole_k, _dot_lanes, _load_whole_k, _store_whole_k, _x_lanes, nvfp4_rows_dot,
+                                  rows_dot_whole_k)
 
 __all__ = ["moe_decode_triton"]
 
@@ -50,7 +51,7 @@ def _moe_decode_gate_up_kernel(
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr,
     WHOLE_K: tl.constexpr = 0, HAS_HOST: tl.constexpr = False, HAS_DST: tl.constexpr = False,
     ASM: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0,
 ):
     """Grid (T * KS, I / BLOCK_I), KS = TOPK + HAS_SHARED: h[t * KS + j] = silu(x[t] @ gate^T) * (x[t] @ up^T)
     (fp32) of pair j of token t: the expert in slot topk_slots[t, j] for j < TOPK, the shared expert
@@ -88,25 +89,32 @@ def _moe_decode_gate_up_kernel(
     o_q = tl.arange(0, 2 * BLOCK_I)  # tile row 2q + g: gate (g = 0) or up (g = 1) row i_i * BLOCK_I + q
     o_i = i_i * BLOCK_I + o_q // 2
     o_r = o_i + (o_q % 2) * I
-    if WHOLE_K > 0:  # H / 8 = WHOLE_K words in one tile
+    if WHOLE_K > 0:  # H / 8 = WHOLE_K (+ WHOLE_K2) words in one (two) tiles
         # `rows_dot_whole_k` in its parts (x first: x and the weights in flight together), the raw
         # words in between for the landing store
         m_r = o_i < tl.where(on, I, 0)
         x0, x1, x2, x3, x4, x5, x6, x7 = _x_lanes(p_x + i_t * stride_xt, WHOLE_K)
         b_w, b_sb = _load_whole_k(p_w, p_s, o_r, m_r, stride_w13r, stride_s13r, WHOLE_K)
+        if WHOLE_K2 > 0:  # the second tile: words WHOLE_K.., their scale bytes WHOLE_K / 2..
+            y0, y1, y2, y3, y4, y5, y6, y7 = _x_lanes(p_x + i_t * stride_xt + 8 * WHOLE_K, WHOLE_K2)
+            c_w, c_sb = _load_whole_k(p_w + WHOLE_K, p_s + WHOLE_K // 2, o_r, m_r, stride_w13r, stride_s13r, WHOLE_K2)
         if HAS_DST:
-            m_d = (o_i < tl.where(land, I, 0))[:, None]  # (m_r for a landing pair: land implies on)
-            o_w = tl.arange(0, WHOLE_K)
-            o_g = tl.arange(0, WHOLE_K // 2)
-            tl.store(p_w13 + dst * stride_w13e + o_r[:, None] * stride_w13r + o_w[None, :],
-                     b_w.to(tl.int32, bitcast=True), mask=m_d)
-            tl.store(p_s13 + dst * stride_s13e + o_r[:, None] * stride_s13r + o_g[None, :], b_sb, mask=m_d)
+            m_d = o_i < tl.where(land, I, 0)  # (m_r for a landing pair: land implies on)
+            p_dw, p_ds = p_w13 + dst * stride_w13e, p_s13 + dst * stride_s13e
+            _store_whole_k(p_dw, p_ds, o_r, m_d, stride_w13r, stride_s13r, b_w, b_sb, WHOLE_K)
+            if WHOLE_K2 > 0:
+                _store_whole_k(p_dw + WHOLE_K, p_ds + WHOLE_K // 2, o_r, m_d, stride_w13r, stride_s13r, c_w, c_sb,
+                               WHOLE_K2)
             # the expert's global scales (gate, up, down), once per landed expert
             o_3 = tl.arange(0, 4)
             m_3 = o_3 < tl.where(land & (i_i == 0), 3, 0)
             tl.store(p_s2 + dst * stride_s2e + o_3, tl.load(p_g + o_3, mask=m_3, other=0.0), mask=m_3)
         d0, d1, d2, d3, d4, d5, d6, d7, b_s = _decode_whole_k(b_w, b_sb, ASM)
         b_gu = _dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, 2 * BLOCK_I)
+        if WHOLE_K2 > 0:
+            e0, e1, e2, e3, e4, e5, e6, e7, c_s = _decode_whole_k(c_w, c_sb, ASM)
+            b_gu += _dot_lanes(e0, e1, e2, e3, e4, e5, e6, e7, c_s, y0, y1, y2, y3, y4, y5, y6, y7, WHOLE_K2,
+                               2 * BLOCK_I)
     else:
         tl.static_assert(not HAS_DST, "the landing store takes the whole-K tile")
         o_t = tl.zeros((1,), dtype=tl.int32) + i_t
@@ -127,7 +135,7 @@ def _moe_decode_down_kernel(
     stride_ht, stride_st, stride_wt, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e, stride_ot,
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
     WHOLE_K: tl.constexpr = 0, ASM: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0,
 ):
     """Grid (T, H / BLOCK_H): out[t] = sum_j wts[t, j] * (h[t * KS + j] @ down_j^T), j = 0 .. KS - 1 in
     order (fp32, cast once): the routed pairs, then the shared expert (j = TOPK, its weight the
@@ -154,9 +162,12 @@ def _moe_decode_down_kernel(
             p_w = p_sw2
             p_s = p_ss2w
             p_g = p_ss2 + 2
-        if WHOLE_K > 0:  # I / 8 = WHOLE_K words in one tile
+        if WHOLE_K > 0:  # I / 8 = WHOLE_K (+ WHOLE_K2) words in one (two) tiles
             b_y = rows_dot_whole_k(p_w, p_s, o_h, o_h < tl.where(on, H, 0), stride_w2r, stride_s2wr,
                                    p_h + i_p * stride_ht, WHOLE_K, BLOCK_H, ASM)
+            if WHOLE_K2 > 0:
+                b_y += rows_dot_whole_k(p_w + WHOLE_K, p_s + WHOLE_K // 2, o_h, o_h < tl.where(on, H, 0), stride_w2r,
+                                        stride_s2wr, p_h + i_p * stride_ht + 8 * WHOLE_K, WHOLE_K2, BLOCK_H, ASM)
         else:
             o_p = tl.zeros((1,), dtype=tl.int32) + i_p
             b_y = tl.sum(nvfp4_rows_dot(p_w, p_s, o_h, m_h, stride_w2r, stride_s2wr, p_h, o_p, o_p >= 0, stride_ht, 0,
@@ -174,7 +185,7 @@ def _moe_decode_down_pairs_kernel(
     stride_s2e, stride_hw2e, stride_hs2we, stride_hs2e, stride_yp,
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, WHOLE_K: tl.constexpr,
     HAS_HOST: tl.constexpr = False, HAS_DST: tl.constexpr = False, ASM: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0,
 ):
     """Grid (T * KS, H / BLOCK_H): yp[p] = wts[t, j] * (h[p] @ down_j^T) (fp32) for pair p = t * KS + j,
     zeros for a skipped pair; `_moe_sum_pairs_kernel` then sums each token's KS pairs in order.
@@ -208,15 +219,20 @@ def _moe_decode_down_pairs_kernel(
     m_r = o_h < tl.where(on, H, 0)
     x0, x1, x2, x3, x4, x5, x6, x7 = _x_lanes(p_h + i_p * stride_ht, WHOLE_K)
     b_w, b_sb = _load_whole_k(p_w, p_s, o_h, m_r, stride_w2r, stride_s2wr, WHOLE_K)
+    if WHOLE_K2 > 0:  # the second tile: words WHOLE_K.., their scale bytes WHOLE_K / 2..
+        y0, y1, y2, y3, y4, y5, y6, y7 = _x_lanes(p_h + i_p * stride_ht + 8 * WHOLE_K, WHOLE_K2)
+        c_w, c_sb = _load_whole_k(p_w + WHOLE_K, p_s + WHOLE_K // 2, o_h, m_r, stride_w2r, stride_s2wr, WHOLE_K2)
     if HAS_DST:
-        m_d = (o_h < tl.where(land, H, 0))[:, None]  # (m_r for a landing pair: land implies on)
-        o_w = tl.arange(0, WHOLE_K)
-        o_g = tl.arange(0, WHOLE_K // 2)
-        tl.store(p_w2 + dst * stride_w2e + o_h[:, None] * stride_w2r + o_w[None, :], b_w.to(tl.int32, bitcast=True),
-                 mask=m_d)
-        tl.store(p_s2w + dst * stride_s2we + o_h[:, None] * stride_s2wr + o_g[None, :], b_sb, mask=m_d)
+        m_d = o_h < tl.where(land, H, 0)  # (m_r for a landing pair: land implies on)
+        p_dw, p_ds = p_w2 + dst * stride_w2e, p_s2w + dst * stride_s2we
+        _store_whole_k(p_dw, p_ds, o_h, m_d, stride_w2r, stride_s2wr, b_w, b_sb, WHOLE_K)
+        if WHOLE_K2 > 0:
+            _store_whole_k(p_dw + WHOLE_K, p_ds + WHOLE_K // 2, o_h, m_d, stride_w2r, stride_s2wr, c_w, c_sb, WHOLE_K2)
     d0, d1, d2, d3, d4, d5, d6, d7, b_s = _decode_whole_k(b_w, b_sb, ASM)
     b_y = _dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, BLOCK_H)
+    if WHOLE_K2 > 0:
+        e0, e1, e2, e3, e4, e5, e6, e7, c_s = _decode_whole_k(c_w, c_sb, ASM)
+        b_y += _dot_lanes(e0, e1, e2, e3, e4, e5, e6, e7, c_s, y0, y1, y2, y3, y4, y5, y6, y7, WHOLE_K2, BLOCK_H)
     b_wt = tl.load(p_wts + i_t * stride_wt + j).to(tl.float32) * tl.load(p_g + 2)
     tl.store(p_yp + i_p * stride_yp + o_h, tl.where(on, b_y * b_wt, 0.0), mask=o_h < H)
 
@@ -346,22 +362,25 @@ def moe_decode_triton(
     block_i, bw13, warps13 = gate_up_config or DECODE_GATE_UP_CONFIG[min(t, 2)]
     per_pair = down_per_pair if down_per_pair is not None else t >= DECODE_DOWN_PAIRS_MIN_TOKENS
     block_h, bw2, warps2 = down_config or (DECODE_DOWN_PAIRS_CONFIG if per_pair else DECODE_DOWN_CONFIG[min(t, 2)])
-    whole13 = whole_k_words(hid) if bw13 == 0 else 0
-    whole2 = whole_k_words(i) if bw2 == 0 else 0
+    # a row's K in one or two whole-K tiles (`whole_k_pieces`), or the K loop (bw > 0, other K)
+    whole13, whole13b = whole_k_pieces(hid) if bw13 == 0 else (0, 0)
+    whole2, whole2b = whole_k_pieces(i) if bw2 == 0 else (0, 0)
     bw13 = max(2, min(bw13 or 64, triton.next_power_of_2(hid // 8)))
     bw2 = max(2, min(bw2 or 64, triton.next_power_of_2(i // 8)))
     # (checked before any launch: a landing store must not stop half way)
     if has_host and not (per_pair and whole2):
-        raise ValueError("a host store needs the per-pair down pass over a whole-K tile (down_per_pair, I / 8 <= 1024)")
+        raise ValueError("a host store needs the per-pair down pass over whole-K tiles (down_per_pair, I / 8 = 2^a "
+                         "or 2^a + 2^b, 2^a <= 1024)")
     if has_dst and not whole13:
-        raise ValueError("topk_dst needs the gate/up pass over a whole-K tile (BLOCK_W 0, H / 8 a power of 2 <= 1024)")
+        raise ValueError("topk_dst needs the gate/up pass over whole-K tiles (BLOCK_W 0, H / 8 = 2^a or 2^a + 2^b, "
+                         "2^a <= 1024)")
     asm = nvfp4_kernel.LANES_PTX and inline_ptx(x.device)  # the whole-K tiles' word decode in PTX
     _moe_decode_gate_up_kernel[(t * ks, triton.cdiv(i, block_i))](
         x, slots, ids, dst, w13, s13, s2, sw13, ss13, ss2, hw13, hs13, hs2, h, i, hid,
         x.stride(0), slots.stride(0), ids.stride(0), dst.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
         s13.stride(1), s2.stride(0), hw13.stride(0), hs13.stride(0), hs2.stride(0), h.stride(0), TOPK=k,
         HAS_SHARED=has_shared, BLOCK_I=block_i, BLOCK_W=bw13, WHOLE_K=whole13, HAS_HOST=has_host, HAS_DST=has_dst,
-        ASM=asm and whole13 > 0, num_warps=warps13, **pdl_args(x.device))
+        ASM=asm and whole13 > 0, WHOLE_K2=whole13b, num_warps=warps13, **pdl_args(x.device))
     fuse_norm = residual is not None and norm_weight is not None
     if per_pair and whole2:  # (a row's K in one tile; other shapes take the loop)
         y_pairs = torch.empty((t * ks, hid), dtype=torch.float32, device=x.device)
@@ -370,7 +389,7 @@ def moe_decode_triton(
             h.stride(0), slots.stride(0), ids.stride(0), dst.stride(0), wts.stride(0), w2.stride(0), w2.stride(1),
             s2w.stride(0), s2w.stride(1), s2.stride(0), hw2.stride(0), hs2w.stride(0), hs2.stride(0), y_pairs.stride(0),
             TOPK=k, HAS_SHARED=has_shared, BLOCK_H=block_h, WHOLE_K=whole2, HAS_HOST=has_host, HAS_DST=has_dst,
-            ASM=asm, num_warps=warps2, **pdl_args(x.device))
+            ASM=asm, WHOLE_K2=whole2b, num_warps=warps2, **pdl_args(x.device))
         if fuse_norm and hid <= 8192 and residual.shape == x.shape and residual.dtype == x.dtype \
                 and residual.stride(-1) == 1:
             h_out = torch.empty_like(x)
@@ -386,5 +405,5 @@ def moe_decode_triton(
         h, slots, wts, w2, s2w, s2, sw2, ss2w, ss2, y, i, hid,
         h.stride(0), slots.stride(0), wts.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1),
         s2.stride(0), y.stride(0), TOPK=k, HAS_SHARED=has_shared, BLOCK_H=block_h, BLOCK_W=bw2, WHOLE_K=whole2,
-        ASM=asm and whole2 > 0, num_warps=warps2, **pdl_args(x.device))
+        ASM=asm and whole2 > 0, WHOLE_K2=whole2b, num_warps=warps2, **pdl_args(x.device))
     return add_rms_norm_triton(y, residual, norm_weight, eps) if fuse_norm else y

@@ -5,7 +5,9 @@ E2M1 codes, E4M3 block scales per 16 elements (two words), the global scale left
 
 `nvfp4_rows_dot` walks K in steps of BLOCK_W words; `rows_dot_whole_k` takes a row's whole K in
 one tile (K / 8 a power of two <= 1024), in parts (`_load_whole_k`, `_decode_whole_k`, `_x_lanes`,
-`_dot_lanes`) for kernels that place other work in between (the MoE's landing store, a PDL wait).
+`_dot_lanes`, `_store_whole_k`) for kernels that place other work in between (the MoE's landing
+store, a PDL wait) or take K in two such tiles (`kernel.whole_k_pieces`: the decode MoE at 2,560 and
+640).
 """
 
 from __future__ import annotations
@@ -111,6 +113,16 @@ def _load_whole_k(p_w, p_s, o_r, m_r, stride_wr, stride_sr, KW: tl.constexpr):
     b_w = tl.load(p_w + o_r[:, None] * stride_wr + o_w[None, :], mask=m_r[:, None], other=0).to(tl.uint32, bitcast=True)
     b_s = tl.load(p_s + o_r[:, None] * stride_sr + o_g[None, :], mask=m_r[:, None], other=0)
     return b_w, b_s
+
+
+@triton.jit
+def _store_whole_k(p_w, p_s, o_r, m_r, stride_wr, stride_sr, b_w, b_s, KW: tl.constexpr):
+    """`_load_whole_k`'s words and scale bytes stored as loaded into rows o_r at p_w (int32 words) and
+    p_s (bytes), rows where m_r is off skipped: the MoE's read-through landing store."""
+    o_w = tl.arange(0, KW)
+    o_g = tl.arange(0, KW // 2)
+    tl.store(p_w + o_r[:, None] * stride_wr + o_w[None, :], b_w.to(tl.int32, bitcast=True), mask=m_r[:, None])
+    tl.store(p_s + o_r[:, None] * stride_sr + o_g[None, :], b_s, mask=m_r[:, None])
 
 
 @triton.jit
