@@ -10,7 +10,9 @@ What runs where (issue 38; docs/qwen3.8-flash-next/README.md is the plan):
   the span, select and attend sparsely (`ft.kernels.qsa`, `sparse_decode_attention`).
 - MoE: `SparseMoE` over the expert cache (softmax, top-k, renormalised), the routed experts read from
   the checkpoint's grouped tensors into the host store.
-- HyperConnections and the PLE layer: torch (`ft.model.layers.hyper_connection`, `.engram`). The
+- HyperConnections: `ft.model.layers.hyper_connection` over `ft.kernels.hyper_connection` (each
+  write and the next read's norm in one launch, the low-rank projections cuBLAS GEMMs).
+- The PLE layer: torch (`ft.model.layers.engram`). The
   n-gram table stays in host memory (pinned beside a GPU) in the checkpoint's dtype; a step gathers
   the rows its tokens hash to. Each sequence's n-gram context and PLE conv history are states of its
   mamba slot (`MambaPool.extra`), so chunked prefill, the prefix cache and rebuilds carry them; the
@@ -275,19 +277,26 @@ class FlashNextModel:
     def forward(self, batch: ForwardBatch, pools: CachePools) -> torch.Tensor:
         """Logits [B, V] float32 of each sequence's last new token."""
         x = expand_streams(self.embed[batch.input_ids], self.streams)  # [T, C*H]
+        n = None  # the next read's normalised streams, when the write before it computed them
         for i, layer in enumerate(self.layers):
             if layer.ple is not None:
                 x = x + self._ple_delta(layer.ple, x, batch, pools)
-            u, n = layer.attn_hc.read(x)
+                n = None
+            u, n = layer.attn_hc.read(x, n)
             j = self.kind_index[i]
             if isinstance(layer.mixer, QSAAttention):
                 y = layer.mixer(u, self.rope, batch, pools.kv.layer(j), pools.kv.index_layer(j))
             else:
                 y = layer.mixer(u, batch, pools.mamba.conv[:, j], pools.mamba.ssm[:, j])
-            x = layer.attn_hc.write(y, x, n)
-            u, n = layer.mlp_hc.read(x)
+            x, n = layer.attn_hc.write(y, x, n, next_hc=layer.mlp_hc)  # (the write and the next norm: one launch)
+            u, n = layer.mlp_hc.read(x, n)
             forced = None if batch.forced_experts is None else batch.forced_experts[:, layer.moe.moe_index]
-            x = layer.mlp_hc.write(layer.moe(u, pools.experts, forced=forced), x, n)
+            y = layer.moe(u, pools.experts, forced=forced)
+            after = self.layers[i + 1] if i + 1 < len(self.layers) else None
+            if after is not None and after.ple is None:
+                x, n = layer.mlp_hc.write(y, x, n, next_hc=after.attn_hc)
+            else:  # (the PLE delta comes before the next read; the final read takes the last rows only)
+                x, n = layer.mlp_hc.write(y, x, n), None
         u, _ = self.final_read.read(x[batch.last_token_index])  # (no final norm: the read is the model's end)
         return self.lm_head(u).float()
 

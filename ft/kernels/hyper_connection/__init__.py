@@ -1,0 +1,51 @@
+"""Qwen3.8-Flash-Next's HyperConnections on the hot path: the grouped RMSNorm of the C streams, the
+read's gated mean (`hc_mix`) and the write's gated add fused with the next read's norm (`hc_write`).
+`reference.py` holds the torch references (the model's math), `kernel.py` the Triton kernels; these
+dispatch (Triton where it runs for the activation's dtype, else the reference). The read's two
+low-rank projections stay cuBLAS GEMMs (`ft.model.layers.hyper_connection`)."""
+
+from __future__ import annotations
+
+import torch
+
+from ft.kernels.backend import TRITON_DTYPES, uses_triton
+from ft.kernels.hyper_connection.reference import grouped_rms_norm_ref, hc_mix_ref, hc_write_ref
+
+__all__ = ["grouped_rms_norm", "grouped_rms_norm_ref", "hc_mix", "hc_mix_ref", "hc_write", "hc_write_ref"]
+
+MAX_STREAM_WIDTH = 8192
+"""Widest stream (D) the Triton kernels take in one tile; wider ones run the references."""
+
+
+def _triton(x: torch.Tensor, width: int) -> bool:
+    return uses_triton(x.device) and x.dtype in TRITON_DTYPES and x.dim() == 2 and 1 <= width <= MAX_STREAM_WIDTH
+
+
+def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
+    """x [..., groups * D] normalised per group (`grouped_rms_norm_ref`'s contract)."""
+    if _triton(x, x.shape[-1] // groups):
+        from ft.kernels.hyper_connection.kernel import grouped_rms_norm_triton  # NOTE: imports triton when used
+
+        return grouped_rms_norm_triton(x, weight, groups, eps)
+    return grouped_rms_norm_ref(x, weight, groups, eps)
+
+
+def hc_mix(g: torch.Tensor, n: torch.Tensor, streams: int) -> torch.Tensor:
+    """u [T, D] = mean over the streams of sigmoid(g_k) * n_k (`hc_mix_ref`'s contract)."""
+    if _triton(n, n.shape[-1] // streams) and g.dtype in TRITON_DTYPES:
+        from ft.kernels.hyper_connection.kernel import hc_mix_triton
+
+        return hc_mix_triton(g, n, streams)
+    return hc_mix_ref(g, n, streams)
+
+
+def hc_write(x: torch.Tensor, y: torch.Tensor, n: torch.Tensor, inject: torch.Tensor, streams: int,
+             next_norm: torch.Tensor | None = None, eps: float = 1e-6
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x' = x_k + a_k y (and, with next_norm, the next read's normalised streams): `hc_write_ref`'s
+    contract, one launch on Triton."""
+    if _triton(x, x.shape[-1] // streams) and inject.dtype in TRITON_DTYPES:
+        from ft.kernels.hyper_connection.kernel import hc_write_triton
+
+        return hc_write_triton(x, y, n, inject, streams, next_norm, eps)
+    return hc_write_ref(x, y, n, inject, streams, next_norm, eps)

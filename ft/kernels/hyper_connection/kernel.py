@@ -1,0 +1,134 @@
+"""The HyperConnection kernels in Triton, one launch each (`reference.py` is the contract of each):
+
+- `_grouped_norm_kernel`, grid (T, C): stream k of row t normalised (fp32, rounded as the Qwen3-Next
+  norm kernel rounds), times 1 + its weight row.
+- `_mix_kernel`, grid (T, D / BLOCK_D): u = mean over the C streams of sigmoid(g_k) * n_k.
+- `_write_kernel`, grid (T,): a = 2 sigmoid(inject n / C) (C dots over the row's C*D), then every
+  stream x_k + a_k y, and optionally the next read's grouped norm of the result: the write and the
+  next read's norm in one pass over the row (what was ~8 torch launches).
+
+Each rounds where the reference's torch ops round (to the activation or weight dtype between steps),
+so that bf16 results stay the reference's but for the order of fp32 sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ft.kernels.norm.kernel import _rstd
+
+__all__ = ["grouped_rms_norm_triton", "hc_mix_triton", "hc_write_triton"]
+
+
+@triton.jit
+def _norm_stream(b_x, p_w, o_d, m_d, D, eps):
+    """A stream's values b_x (fp32 [BLOCK_D], masked lanes 0) normalised times 1 + w (p_w its weight row)."""
+    b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)
+    return (b_x * _rstd(b_x, D, eps)) * (1.0 + b_w)
+
+
+@triton.jit(do_not_specialize=["D"])
+def _grouped_norm_kernel(p_x, p_w, p_y, D, eps, stride_xt, stride_yt, BLOCK_D: tl.constexpr):
+    i_t, i_k = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    b_x = tl.load(p_x + i_t * stride_xt + i_k * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_y = _norm_stream(b_x, p_w + i_k * D, o_d, m_d, D, eps)
+    tl.store(p_y + i_t * stride_yt + i_k * D + o_d, b_y.to(p_y.dtype.element_ty), mask=m_d)
+
+
+@triton.jit(do_not_specialize=["D"])
+def _mix_kernel(p_g, p_n, p_u, D, stride_gt, stride_nt, stride_ut, C: tl.constexpr, BLOCK_D: tl.constexpr):
+    i_t = tl.program_id(0).to(tl.int64)
+    o_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for k in tl.static_range(C):
+        b_g = tl.load(p_g + i_t * stride_gt + k * D + o_d, mask=m_d, other=0.0)
+        b_n = tl.load(p_n + i_t * stride_nt + k * D + o_d, mask=m_d, other=0.0)
+        b_s = tl.sigmoid(b_g.to(tl.float32)).to(p_g.dtype.element_ty)  # sigmoid in g's dtype
+        acc += (b_s.to(tl.float32) * b_n.to(tl.float32)).to(p_u.dtype.element_ty).to(tl.float32)
+    tl.store(p_u + i_t * stride_ut + o_d, (acc / C).to(p_u.dtype.element_ty), mask=m_d)
+
+
+@triton.jit(do_not_specialize=["D"])
+def _write_kernel(p_x, p_y, p_n, p_inj, p_wn, p_out, p_nn, D, eps, stride_xt, stride_yt, stride_nt, stride_ij,
+                  stride_ot, stride_nnt, C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                  NEXT_NORM: tl.constexpr):
+    i_t = tl.program_id(0).to(tl.int64)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    o_c = tl.arange(0, BLOCK_C)
+    m_c = o_c < C
+    # a = 2 sigmoid(inject n / C): C dots over the whole row, the linear's result in inject's dtype
+    dots = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for j in tl.static_range(C):
+        b_n = tl.load(p_n + i_t * stride_nt + j * D + o_d, mask=m_d, other=0.0)
+        b_n = b_n.to(p_inj.dtype.element_ty).to(tl.float32)
+        b_w = tl.load(p_inj + o_c[:, None] * stride_ij + j * D + o_d[None, :], mask=m_c[:, None] & m_d[None, :],
+                      other=0.0).to(tl.float32)
+        dots += tl.sum(b_w * b_n[None, :], axis=1)
+    dots = (dots.to(p_inj.dtype.element_ty).to(tl.float32) / C).to(p_inj.dtype.element_ty).to(tl.float32)
+    gate = (2.0 * tl.sigmoid(dots).to(p_inj.dtype.element_ty).to(tl.float32)).to(p_inj.dtype.element_ty)
+    gate = gate.to(p_out.dtype.element_ty).to(tl.float32)
+    b_y = tl.load(p_y + i_t * stride_yt + o_d, mask=m_d, other=0.0).to(tl.float32)
+    for k in tl.static_range(C):
+        a_k = tl.sum(tl.where(o_c == k, gate, 0.0), axis=0)
+        b_x = tl.load(p_x + i_t * stride_xt + k * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+        add = (a_k * b_y).to(p_out.dtype.element_ty).to(tl.float32)
+        b_o = (b_x + add).to(p_out.dtype.element_ty)
+        tl.store(p_out + i_t * stride_ot + k * D + o_d, b_o, mask=m_d)
+        if NEXT_NORM:
+            b_nn = _norm_stream(tl.where(m_d, b_o.to(tl.float32), 0.0), p_wn + k * D, o_d, m_d, D, eps)
+            tl.store(p_nn + i_t * stride_nnt + k * D + o_d, b_nn.to(p_nn.dtype.element_ty), mask=m_d)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, W] with unit column stride (any row stride)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def grouped_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
+    """As `grouped_rms_norm_ref` for x [T, groups * D]."""
+    t, width = x.shape
+    d = width // groups
+    x = _rows(x)
+    out = torch.empty((t, width), dtype=x.dtype, device=x.device)
+    if t:
+        _grouped_norm_kernel[(t, groups)](x, weight.contiguous(), out, d, eps, x.stride(0), out.stride(0),
+                                          BLOCK_D=triton.next_power_of_2(d), num_warps=4)
+    return out
+
+
+def hc_mix_triton(g: torch.Tensor, n: torch.Tensor, streams: int) -> torch.Tensor:
+    """As `hc_mix_ref`: g, n [T, C*D] -> u [T, D] in the dtype g * n promotes to."""
+    t, width = n.shape
+    d = width // streams
+    g, n = _rows(g), _rows(n)
+    u = torch.empty((t, d), dtype=torch.promote_types(g.dtype, n.dtype), device=n.device)
+    block = min(1024, triton.next_power_of_2(d))
+    if t:
+        _mix_kernel[(t, triton.cdiv(d, block))](g, n, u, d, g.stride(0), n.stride(0), u.stride(0), C=streams,
+                                                BLOCK_D=block, num_warps=4)
+    return u
+
+
+def hc_write_triton(x: torch.Tensor, y: torch.Tensor, n: torch.Tensor, inject: torch.Tensor, streams: int,
+                    next_norm: torch.Tensor | None = None, eps: float = 1e-6
+                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """As `hc_write_ref`: x, n [T, C*D], y [T, D], inject [C, C*D]; with next_norm also the next read's
+    normalised streams."""
+    t, width = x.shape
+    d = width // streams
+    x, y, n, inject = _rows(x), _rows(y), _rows(n), inject.contiguous()
+    out = torch.empty((t, width), dtype=x.dtype, device=x.device)
+    nn = torch.empty_like(out) if next_norm is not None else out
+    block_d = triton.next_power_of_2(d)
+    if t:
+        _write_kernel[(t,)](x, y, n, inject, next_norm.contiguous() if next_norm is not None else inject, out, nn, d,
+                            eps, x.stride(0), y.stride(0), n.stride(0), inject.stride(0), out.stride(0), nn.stride(0),
+                            C=streams, BLOCK_C=max(2, triton.next_power_of_2(streams)), BLOCK_D=block_d,
+                            NEXT_NORM=next_norm is not None, num_warps=8 if block_d >= 2048 else 4)
+    return out if next_norm is None else (out, nn)

@@ -1,0 +1,46 @@
+"""Torch references of the HyperConnection kernels (`ft.kernels.hyper_connection`): Qwen3.8-Flash-Next's
+residual of C streams of width D (a [T, C*D] state, stream k at columns [k*D, (k+1)*D)), its grouped
+RMSNorm, the read's gated mean over the streams and the write's gated add. These are the model's math
+(`ft.model.layers.hyper_connection` composes them; docs/qwen3.8-flash-next/backbone.md, sections
+2.1-2.6, is the specification); each rounds where the model's torch ops round.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ft.kernels.norm.reference import rms_norm_ref
+
+
+def grouped_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
+    """x [..., groups * D] normalised per group of D in fp32, times (1 + weight [groups * D]), in x's dtype:
+    Qwen3-Next's zero-centred RMSNorm (`rms_norm_ref`) with a weight row per group."""
+    shape = x.shape
+    d = shape[-1] // groups
+    return rms_norm_ref(x.reshape(*shape[:-1], groups, d), weight.reshape(groups, d), eps).reshape(shape)
+
+
+def hc_mix_ref(g: torch.Tensor, n: torch.Tensor, streams: int) -> torch.Tensor:
+    """The read's block input u [T, D] = mean over k of sigmoid(g_k) * n_k, from the gate's logits
+    g [T, C*D] (the up projection's output) and the normalised streams n [T, C*D]: the sigmoid in g's
+    dtype, the product in the promoted dtype, the mean accumulated in fp32."""
+    t, width = n.shape
+    return (torch.sigmoid(g) * n).reshape(t, streams, width // streams).mean(dim=1)
+
+
+def hc_write_ref(x: torch.Tensor, y: torch.Tensor, n: torch.Tensor, inject: torch.Tensor, streams: int,
+                 next_norm: torch.Tensor | None = None, eps: float = 1e-6
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The write: the block's output y [T, D] added to every stream of the state x [T, C*D], stream k
+    scaled by a_k = 2 sigmoid(inject n / C) (inject [C, C*D], n [T, C*D] the normalised streams of the
+    read before the block; the product in inject's dtype) -> x' [T, C*D] in x's dtype. With next_norm
+    ([C*D], the next read's norm weight): (x', grouped_rms_norm_ref(x', next_norm, C, eps)), the next
+    read's first step."""
+    t, width = x.shape
+    c = streams
+    a = 2.0 * torch.sigmoid(F.linear(n.to(inject.dtype), inject) / c)  # [T, C]
+    out = (x.reshape(t, c, width // c) + a[:, :, None].to(x.dtype) * y[:, None, :]).reshape(t, width)
+    if next_norm is None:
+        return out
+    return out, grouped_rms_norm_ref(out, next_norm, c, eps)

@@ -1,0 +1,96 @@
+"""The HyperConnection kernels (`ft.kernels.hyper_connection`) against their torch references under the
+interpreter (fp32, fp16; small shapes: 2 and 4 streams, stream widths 16 and 40, which is not a power
+of two, 1 and 5 tokens, a row stride wider than the row), and a HyperConnection's read and write
+through the kernels against the same module's torch path, the write's fused next norm included."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (by the kernels module below)
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ft.kernels.hyper_connection import grouped_rms_norm_ref, hc_mix_ref, hc_write_ref
+from ft.kernels.hyper_connection import kernel as details
+from ft.model.layers.hyper_connection import HyperConnection
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+"""Relative RMS against the reference: fp32 differs in the order of the sums only; fp16 also where a
+sum's fp32 order moves a rounding."""
+SHAPES = [(1, 2, 16), (5, 4, 40), (3, 4, 16)]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
+
+
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """t [T, W] as a view with a row stride of W + 3 (the kernels take any row stride)."""
+    out = torch.full((t.shape[0], t.shape[1] + 3), float("nan"), dtype=t.dtype)
+    out[:, : t.shape[1]] = t
+    return out[:, : t.shape[1]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("t,c,d", SHAPES, ids=[f"T{t}-C{c}-D{d}" for t, c, d in SHAPES])
+def test_kernels_equal_the_references(t, c, d, dtype):
+    g = torch.Generator().manual_seed(t * 100 + c * 10 + d)
+    r = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).to(dtype)  # noqa: E731
+    x, w = wide(r(t, c * d)), r(c * d, scale=0.1)
+    x[:, :d] *= 30.0  # one stream far larger: the norm is per stream
+    got = details.grouped_rms_norm_triton(x, w, c, 1e-6)
+    assert rel(got, grouped_rms_norm_ref(x, w, c, 1e-6)) < TOL[dtype]
+
+    logits, n = wide(r(t, c * d, scale=2.0)), r(t, c * d)
+    u = details.hc_mix_triton(logits, n, c)
+    assert u.shape == (t, d) and rel(u, hc_mix_ref(logits, n, c)) < TOL[dtype]
+
+    y, inject, next_w = r(t, d), r(c, c * d, scale=0.2), r(c * d, scale=0.1)
+    out = details.hc_write_triton(x, y, n, inject, c)
+    assert rel(out, hc_write_ref(x, y, n, inject, c)) < TOL[dtype]
+    out2, n2 = details.hc_write_triton(x, y, n, inject, c, next_w, 1e-6)
+    want2, want_n2 = hc_write_ref(x, y, n, inject, c, next_w, 1e-6)
+    assert torch.equal(out2, out) and rel(out2, want2) < TOL[dtype] and rel(n2, want_n2) < TOL[dtype]
+
+
+def test_the_write_gates_each_stream_by_its_own_inject_row():
+    """A write whose inject rows differ per stream: with n of ones, stream k adds 2 sigmoid(sum of row k
+    / C) y; a kernel that mixed up the rows or the streams fails."""
+    c, d = 4, 16
+    inject = torch.stack([torch.full((c * d,), v) for v in (-0.05, 0.0, 0.02, 0.08)])
+    x, y, n = torch.zeros(1, c * d), torch.ones(1, d), torch.ones(1, c * d)
+    out = details.hc_write_triton(x, y, n, inject, c).reshape(c, d)
+    want = 2.0 * torch.sigmoid(inject.sum(1) / c)
+    torch.testing.assert_close(out[:, 0], want)
+    assert len(set(out[:, 0].tolist())) == c
+
+
+def test_a_read_and_fused_write_through_the_kernels_equal_the_torch_path(monkeypatch):
+    """`HyperConnection.read` / `write(next_hc=...)` with the Triton kernels (dispatched as on a GPU) against
+    the same calls on the references: the state, the block input and the next read's input."""
+    import ft.kernels.hyper_connection as hcmod
+
+    c, d, r_ = 4, 40, 6
+    g = torch.Generator().manual_seed(3)
+    r = lambda *s, scale=1.0: torch.randn(*s, generator=g) * scale  # noqa: E731
+    first = HyperConnection(r(c * d, scale=0.1), r(r_, c * d, scale=0.3), r(c * d, r_, scale=0.3),
+                            r(c, c * d, scale=0.3), c)
+    second = HyperConnection(r(c * d, scale=0.1), r(r_, c * d, scale=0.3), r(c * d, r_, scale=0.3),
+                             r(c, c * d, scale=0.3), c)
+    x, y = r(5, c * d), r(5, d)
+
+    def run():
+        u, n = first.read(x)
+        x2, n2 = first.write(y, x, n, next_hc=second)
+        return u, x2, second.read(x2, n2)[0]
+
+    monkeypatch.setattr(hcmod, "uses_triton", lambda device: False)
+    want = run()
+    monkeypatch.setattr(hcmod, "uses_triton", lambda device: True)
+    got = run()
+    for a, b in zip(got, want):
+        assert rel(a, b) < TOL[torch.float32]
