@@ -7,11 +7,24 @@ payload still parses.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 State = Literal["starting", "serving", "rebuilding"]
+
+
+def _integral(value: Any) -> Any:
+    """45342.0 -> 45342: JSON has one number type, and JSON Schema's "integer" admits a number whose
+    fraction is zero, so a request body may send it. Anything else passes unchanged to the (strict)
+    int validation: true, "8" and 1.5 are still refused."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+JsonInt = Annotated[int, BeforeValidator(_integral)]
+"""An int field of a strict request body: what its OpenAPI schema ("type": "integer") admits."""
 
 
 class _Model(BaseModel):
@@ -133,9 +146,9 @@ class ResizeRequest(_Model):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    moe: int | None = Field(default=None, ge=0)
-    kv: int | None = Field(default=None, ge=0)
-    mamba: int | None = Field(default=None, ge=0)
+    moe: JsonInt | None = Field(default=None, ge=0)
+    kv: JsonInt | None = Field(default=None, ge=0)
+    mamba: JsonInt | None = Field(default=None, ge=0)
     wait_s: float | None = Field(default=None, ge=0, le=3600)
     dry_run: bool = False
 

@@ -219,8 +219,11 @@ def _serve(args: argparse.Namespace, config, sock, t0: float) -> int:
             log.error("ft serve: the engine failed to start: %s", loop.error, extra={"plain": True})
             server.should_exit = True
 
+    from ft.server.http_protocol import JsonErrorH11Protocol
+
     server = _Server(uvicorn.Config(
         app, log_level=args.log_level, log_config=None,  # logging: ft.server.logs.configure (run)
+        http=JsonErrorH11Protocol,  # (h11, with the API's error shape for requests it cannot parse)
         # NOTE: the engine loop aborts what still runs at the drain deadline, each response ending
         # properly; uvicorn's own cut (which would leave streams without [DONE]) comes only after
         timeout_graceful_shutdown=int(args.drain_timeout) + 10,

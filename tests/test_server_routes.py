@@ -114,6 +114,39 @@ def test_the_openapi_schema_refuses_empty_prompts_as_validation_does(app):
     assert all(a.get("minLength") == 1 or a.get("minItems") == 1 for a in alternatives), alternatives
 
 
+def test_the_openapi_document_lists_the_errors_the_routes_answer(app):
+    """Issue 41, item 8: each error the server answers below is documented for its operation with the
+    error shape; FastAPI's 422 validation shape appears nowhere; /metrics is Prometheus text and the
+    event stream text/event-stream."""
+    client, _ = app
+    doc = client.get("/openapi.json").json()
+    answered = [
+        ("post", "/v1/completions", client.post("/v1/completions", json={"model": DEMO, "prompt": ""}, headers=AUTH)),
+        ("post", "/v1/completions", client.post("/v1/completions", json={"model": "x", "prompt": "a"}, headers=AUTH)),
+        ("post", "/v1/completions", client.post("/v1/completions", json={"model": DEMO, "prompt": "a"})),
+        ("post", "/tokenize", client.post("/tokenize", json={"model": "gpt-4", "prompt": "a"}, headers=AUTH)),
+        ("get", "/v1/models/{model_id}", client.get("/v1/models/nope", headers=AUTH)),
+        ("post", "/admin/cache", client.post("/admin/cache", json={"kv": -1})),
+        ("post", "/admin/cache", client.post("/admin/cache", json={"kv": 10**12})),
+        ("get", "/admin/requests", client.get("/admin/requests?limit=0")),
+        ("get", "/admin/events", client.get("/admin/events?interval=x")),
+    ]
+    for method, path, r in answered:
+        assert r.status_code >= 400, (path, r.status_code)
+        documented = doc["paths"][path][method]["responses"]
+        assert str(r.status_code) in documented, (method, path, r.status_code, sorted(documented))
+        assert documented[str(r.status_code)]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/Error"}
+    assert {r.status_code for _, _, r in answered} >= {400, 401, 404, 422}
+    assert "422" not in doc["paths"]["/v1/completions"]["post"]["responses"]
+    assert "HTTPValidationError" not in doc["components"]["schemas"]
+    assert {"401", "503"} <= set(doc["paths"]["/v1/chat/completions"]["post"]["responses"])
+    assert set(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {
+        "text/plain; version=0.0.4; charset=utf-8"}
+    assert "text/event-stream" in doc["paths"]["/admin/events"]["get"]["responses"]["200"]["content"]
+    assert "503" in doc["paths"]["/health"]["get"]["responses"]
+
+
 def test_malformed_json_is_400(app):
     client, _ = app
     r = client.post("/tokenize", content=b"{not json", headers={**AUTH, "content-type": "application/json"})

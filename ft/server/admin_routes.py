@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, WithJsonSchema
 
 from ft.errors import RebuildFailed, RebuildRefused
-from ft.schemas import CacheState, Event, History, LiveRates, RequestList, ResizePlan, ResizeRequest
+from ft.schemas import CacheState, Event, History, JsonInt, LiveRates, RequestList, ResizePlan, ResizeRequest
 from ft.server import admin_state
 from ft.server.closing_stream import ClosingStreamingResponse
 from ft.server.errors import ApiError
@@ -149,7 +149,7 @@ class LadderRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # `{"rung": true}` is not rung 1
     auto: bool | None = None
     # an index from 0, or a step; the schema's enum says what validation takes (`""` is neither)
-    rung: int | Annotated[str, WithJsonSchema({"type": "string", "enum": ["up", "down"]})] | None = None
+    rung: JsonInt | Annotated[str, WithJsonSchema({"type": "string", "enum": ["up", "down"]})] | None = None
 
 
 @router.post("/ladder", response_model=CacheState)

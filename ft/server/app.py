@@ -99,24 +99,87 @@ ERROR_SCHEMA = {
 }
 
 
+ERROR_DESCRIPTIONS = {
+    400: "Invalid request (malformed JSON, wrong types, values out of range, a field FreeToken refuses)",
+    401: "Missing or wrong API key (/v1, /tokenize, /detokenize) or admin token (/admin)",
+    404: "The model named is not this server's",
+    408: "The request body did not arrive in time",
+    409: "Another rebuild is running, or the KV ladder is off",
+    413: "The request body is over the limit",
+    422: "The target is outside the reachable ranges (nothing was touched)",
+    503: "The engine is not serving (loading, draining or failed), or the request or rebuild failed "
+         "(a rebuild is rolled back)",
+    504: "Running or queued requests still held what the resize needs when wait_s ended",
+}
+"""Every error status the server answers with the error shape, and when."""
+
+ROUTE_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
+    ("post", "/v1/completions"): (404,), ("post", "/v1/chat/completions"): (404,),
+    ("post", "/tokenize"): (404,), ("post", "/detokenize"): (404,), ("get", "/v1/models/{model_id}"): (404,),
+    ("post", "/admin/cache"): (409, 422, 503, 504), ("post", "/admin/ladder"): (409, 422, 503),
+    ("get", "/admin/cache/history"): (503,), ("get", "/admin/requests"): (400, 503), ("get", "/admin/events"): (400,),
+}
+"""Statuses a route answers beyond those of its kind (`_error_codes`)."""
+
+STREAMS = ("/v1/completions", "/v1/chat/completions", "/admin/events")
+"""Routes that answer server-sent events (the completions when the body asks for `stream`)."""
+
+
+def _error_codes(method: str, path: str) -> set[int]:
+    """The error statuses of one operation: a body's limits and validation, the API key and the engine's
+    state on /v1 and the tokenizer routes (`ft.server.guard`), the admin token, then ROUTE_ERRORS."""
+    from ft.server.util_routes import API_KEY_PATHS
+
+    codes = {400, 408, 413} if method in ("post", "put", "patch") else set()
+    if path.startswith("/v1/") or path in API_KEY_PATHS:
+        codes |= {401, 503}
+    if path.startswith("/admin/"):
+        codes.add(401)
+    return codes | set(ROUTE_ERRORS.get((method, path), ()))
+
+
 def _openapi(app: FastAPI) -> dict:
-    """The OpenAPI document as the server answers: a body that does not validate is a 400 with the
-    error shape (FastAPI would document a 422 with its own shape, which this server never sends)."""
+    """The OpenAPI document as the server answers: every error status an operation can answer, with
+    the error shape (a body that does not validate is a 400: FastAPI would document a 422 with its own
+    shape, which this server never sends), /metrics as Prometheus text, server-sent events as
+    text/event-stream, /health's 503 with its own body, POST /admin/cache's 202."""
     if app.openapi_schema:
         return app.openapi_schema
     from fastapi.openapi.utils import get_openapi
 
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
     error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
-    for path in schema.get("paths", {}).values():
-        for op in path.values():
+    for path, item in schema.get("paths", {}).items():
+        for method, op in item.items():
             responses = op.setdefault("responses", {})
-            if responses.pop("422", None) is not None:
-                responses["400"] = {"description": "Invalid request (malformed JSON, wrong types, values out of "
-                                                   "range)", **error}
+            responses.pop("422", None)  # FastAPI's validation shape: never sent
+            for code in sorted(_error_codes(method, path)):
+                responses[str(code)] = {"description": ERROR_DESCRIPTIONS[code], **error}
+            ok = responses.setdefault("200", {"description": "Successful Response"})
+            if path in STREAMS:
+                ok.setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string"}}
+    paths = schema.get("paths", {})
+    if "/metrics" in paths:
+        paths["/metrics"]["get"]["responses"]["200"]["content"] = {
+            "text/plain; version=0.0.4; charset=utf-8": {"schema": {"type": "string"}}}
+    if "/health" in paths:
+        paths["/health"]["get"]["responses"]["503"] = {
+            "description": "Not serving: loading, draining or failed (with the reason)",
+            "content": {"application/json": {"schema": HEALTH_SCHEMA}}}
+        paths["/health"]["get"]["responses"]["200"]["content"] = {"application/json": {"schema": HEALTH_SCHEMA}}
+    if "/admin/cache" in paths:
+        paths["/admin/cache"]["post"]["responses"]["202"] = {
+            "description": "The rebuild still runs after wait_s (watch GET /admin/cache)",
+            "content": {"application/json": {"schema": ACCEPTED_SCHEMA}}}
     comps = schema.setdefault("components", {}).setdefault("schemas", {})
     comps.pop("HTTPValidationError", None)
     comps.pop("ValidationError", None)
     comps["Error"] = ERROR_SCHEMA
     app.openapi_schema = schema
     return schema
+
+
+HEALTH_SCHEMA = {"type": "object", "required": ["status"], "properties": {
+    "status": {"type": "string"}, "error": {"type": "string"}, "degraded": {"type": "string"}}}
+ACCEPTED_SCHEMA = {"type": "object", "required": ["status", "message"], "properties": {
+    "status": {"type": "string", "enum": ["accepted"]}, "message": {"type": "string"}}}

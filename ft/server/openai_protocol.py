@@ -16,9 +16,11 @@ from typing import Annotated, Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from ft.engine.sampling_params import MAX_LOGPROBS
+from ft.schemas import JsonInt
 
 # NOTE: strict types: "8" is not a number and true is not 1 (a bool or a numeric string sent where a
-# number or a bool belongs is a client bug: 400, never a silent conversion); JSON ints are floats.
+# number or a bool belongs is a client bug: 400, never a silent conversion); JSON ints are floats, and
+# a float with no fraction is an int (`JsonInt`: JSON Schema's "integer" admits 16.0).
 STRICT = ConfigDict(strict=True)
 
 HARMLESS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
@@ -56,14 +58,14 @@ class _Sampling(BaseModel):
     model: str
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)  # an extension (vLLM and SGLang accept it too)
+    top_k: JsonInt = Field(default=0, ge=0)  # an extension (vLLM and SGLang accept it too)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # an extension (vLLM)
-    n: int = Field(default=1, ge=1, le=128)
+    n: JsonInt = Field(default=1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # an extension (vLLM)
-    seed: int | None = None
+    stop_token_ids: list[JsonInt] | None = None  # an extension (vLLM)
+    seed: JsonInt | None = None
     ignore_eos: bool = False  # an extension
     presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
@@ -122,7 +124,7 @@ class _Sampling(BaseModel):
 # (a plain str to validation, whose before-validator refuses "" with one message: a constrained str
 # would also refuse a lone surrogate before the route can say it is not valid Unicode)
 NonEmptyText = Annotated[str, WithJsonSchema({"type": "string", "minLength": 1})]
-NonEmptyIds = Annotated[list[int], Field(min_length=1)]
+NonEmptyIds = Annotated[list[JsonInt], Field(min_length=1)]
 
 
 class CompletionRequest(_Sampling):
@@ -142,10 +144,10 @@ class CompletionRequest(_Sampling):
                 if p == "" or p == []:
                     raise ValueError(f"prompt {i} is empty")
         return prompt
-    max_tokens: int | None = 16
+    max_tokens: JsonInt | None = 16
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    best_of: int | None = Field(default=None, ge=1)
+    logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: JsonInt | None = Field(default=None, ge=1)
 
 
 class TextPart(BaseModel):
@@ -209,10 +211,10 @@ class NamedToolChoice(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: JsonInt | None = None
+    max_completion_tokens: JsonInt | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

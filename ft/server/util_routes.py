@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import ft
 from ft.server import openai_routes
+from ft.schemas import JsonInt
 from ft.server.errors import ApiError
 from ft.server.openai_protocol import ChatMessage
 
@@ -48,7 +49,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[JsonInt]
 
 
 def _state(request: Request):

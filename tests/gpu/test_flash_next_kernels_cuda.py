@@ -2,8 +2,8 @@
 references: the host-table gather (a pinned table of width 160, 16 heads, 1 and 64 tokens: exact),
 QSA's sparse decode attention (24 query heads over 2 KV heads of 256, lists of 2,051 positions: 512
 blocks of 4 and a partial block, bf16 / fp8 / NVFP4 caches, batch 1 and 8), QSA's block scores and
-decode selection (4 indexer heads of 128, contexts to 70K tokens of a 256K limit), and the
-sigmoid-gated RMSNorm (48 value heads of 128)."""
+decode selection (4 indexer heads of 128, contexts to 70K tokens of a 256K limit), the
+HyperConnection kernels (4 streams of 2,560), and the sigmoid-gated RMSNorm (48 value heads of 128)."""
 
 from __future__ import annotations
 
@@ -104,3 +104,31 @@ def test_block_scores_and_selection_at_the_flagship_shape(batch):
     torch.testing.assert_close(got[fin], want[fin], rtol=1e-4, atol=1e-4)
     tokens = select_decode_tokens_triton(got, lens, budget // ratio, ratio)
     assert torch.equal(tokens, select_decode_tokens_ref(got, lens, budget // ratio, ratio))
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 300])
+def test_hyper_connection_kernels_at_the_flagship_shape(tokens):
+    """The HyperConnection kernels at the seeds' 4 streams of 2,560 (bf16) against their references
+    computed in fp32 from the same bf16 inputs: the grouped norm, the read's gated mean, the write
+    with and without the next read's norm."""
+    from ft.kernels.hyper_connection import grouped_rms_norm_ref, hc_mix_ref, hc_write_ref
+    from ft.kernels.hyper_connection.kernel import grouped_rms_norm_triton, hc_mix_triton, hc_write_triton
+
+    c, d = 4, 2560
+    g = torch.Generator(device=DEV).manual_seed(tokens)
+    r = lambda *s, scale=1.0: (torch.randn(*s, generator=g, device=DEV) * scale).to(torch.bfloat16)  # noqa: E731
+    x, w, logits, n, y = r(tokens, c * d), r(c * d, scale=0.1), r(tokens, c * d, scale=2.0), r(tokens, c * d), \
+        r(tokens, d)
+    inject, next_w = r(c, c * d, scale=0.02), r(c * d, scale=0.1)
+
+    def close(got, want, what):
+        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        assert err < 1e-2, f"{what}: relative RMS {err:.3g}"
+
+    close(grouped_rms_norm_triton(x, w, c, 1e-6), grouped_rms_norm_ref(x.float(), w.float(), c, 1e-6), "norm")
+    close(hc_mix_triton(logits, n, c), hc_mix_ref(logits.float(), n.float(), c), "mix")
+    out, nn = hc_write_triton(x, y, n, inject, c, next_w, 1e-6)
+    want, want_nn = hc_write_ref(x.float(), y.float(), n.float(), inject.float(), c, next_w.float(), 1e-6)
+    close(out, want, "write")
+    close(nn, want_nn, "next norm")
+    assert torch.equal(hc_write_triton(x, y, n, inject, c), out)
