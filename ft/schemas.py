@@ -57,6 +57,7 @@ class KVPoolState(PoolState):
     page_size: int = 64
     pages: int = 0
     used: int = 0  # pages held by requests or the prefix cache
+    cached: int = 0  # of `used`, pages only the prefix cache holds (given back when a request needs them)
     dtype: str = ""  # the cache's dtype (--kv-cache-dtype)
 
 

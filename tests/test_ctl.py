@@ -277,14 +277,16 @@ def test_dry_run(capsys):
     assert out.startswith("dry run: moe 1024 kv 65536\n") and out.endswith("budget: fits\n")
     srv.routes[("POST", "/admin/cache")] = (200, {**PLAN, "fits": False, "reason": "peak over budget"})
     rc, out, err = run_ctl(capsys, srv, "cache", "--kv", "65536", "--moe", "1024", "--dry-run")
-    assert rc == 1 and "does not fit" in out
-    assert one_line(err) == ("ft ctl: the plan does not fit: peak over budget; the sizes together exceed the budget: "
+    assert rc == 1 and out.splitlines()[-1].endswith("does not fit (peak over budget)")
+    # the reason once (the plan's last line), then what to do (issue 41, item 9)
+    assert one_line(err) == ("ft ctl: the plan does not fit; the sizes together exceed the budget: "
                              "shrink another pool in the same call, or pick smaller sizes")
     srv.routes[("POST", "/admin/cache")] = (200, {**PLAN, "fits": False, "reason": "moe 2 is below the expert floor 4"})
     rc, out, err = run_ctl(capsys, srv, "cache", "--moe", "2", "--dry-run")
     assert rc == 1 and "pick smaller" not in err and "at or above it" in one_line(err)
-    rc, out, _ = run_ctl(capsys, srv, "cache", "--kv", "65536", "--dry-run", "--json")
+    rc, out, err = run_ctl(capsys, srv, "cache", "--kv", "65536", "--dry-run", "--json")
     assert rc == 1 and ResizePlan.model_validate_json(out).fits is False
+    assert "does not fit: moe 2 is below the expert floor 4;" in one_line(err)  # (no plan text: the reason here)
 
 
 @pytest.mark.parametrize("status,body,expected", [

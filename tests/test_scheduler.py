@@ -92,3 +92,25 @@ def test_sampling_seed_stop_and_length(tiny_one):
     needle = text[len(text) // 2 : len(text) // 2 + 2]
     cut = llm.generate(prompt_token_ids=p, stop=[needle], **GREEDY_32)[0]
     assert cut.finish_reason == "stop" and cut.text == text[: text.index(needle)]
+
+
+def test_pages_only_the_prefix_cache_holds_are_counted_apart(tiny_one):
+    """`PrefixCache.cached_only_pages` (the dashboards' kv "cached"): every used page after the requests
+    end; while a next turn runs on the entry, the pages it shares are the request's too, not the cache's
+    alone; a second entry sharing the first one's full pages counts them once."""
+    llm = make(tiny_one[2])
+    eng = llm.engine
+    assert eng.prefix_cache.cached_only_pages() == 0
+    t1 = prompt_of(40, seed=61)
+    o1 = llm.generate(prompt_token_ids=[t1], max_new_tokens=2, temperature=0.0, ignore_eos=True)[0]
+    used = eng.pools.kv.num_used_pages
+    assert used > 0 and eng.prefix_cache.cached_only_pages() == used
+    seq = eng.add_request(t1 + o1.token_ids + [7, 8], SamplingParams(max_new_tokens=20, temperature=0.0,
+                                                                     ignore_eos=True))
+    eng.step()
+    assert seq.num_cached == 41  # (the entry's 40 prompt tokens and the first generated one)
+    shared = 41 // 16  # its full pages, now held by the request too
+    assert eng.prefix_cache.cached_only_pages() == used - shared
+    while not seq.is_finished:
+        eng.step()
+    assert len(eng.prefix_cache) == 2 and eng.prefix_cache.cached_only_pages() == eng.pools.kv.num_used_pages

@@ -453,3 +453,88 @@ def test_ladder_reason_wrapped_in_full(size):
             await pilot.press("q")
 
     asyncio.run(scenario())
+
+
+def test_the_history_details_follow_the_newest_entry_until_a_row_is_picked():
+    """Issue 41, item 9: the details stayed on the entry that was newest when `ft top` started. They
+    follow the newest rebuild while the cursor is on the top row; a row the user picked stays picked."""
+    from textual.app import App
+    from tui_fakes import HISTORY
+
+    from ft.schemas import History
+    from ft.tui.widgets.history import HistoryPanel
+
+    def history(n: int) -> History:
+        base = HISTORY["entries"][-1]
+        return History.model_validate({"entries": [{**base, "id": i, "time": base["time"] + i} for i in range(n)]})
+
+    class One(App):
+        def compose(self):
+            yield HistoryPanel(id="history")
+
+    async def scenario():
+        app = One()
+        async with app.run_test(size=(120, 30)) as pilot:
+            panel = app.query_one(HistoryPanel)
+            details = app.query_one("#history-details")
+            panel.set_history(history(2))
+            await pilot.pause()
+            assert str(details.render()).startswith("#1 ")
+            panel.set_history(history(3))  # a new rebuild: the details move to it
+            await pilot.pause()
+            assert str(details.render()).startswith("#2 ")
+            panel.focus_table()
+            await pilot.press("down")  # the user picks the second row (#1) ...
+            await pilot.pause()
+            assert str(details.render()).startswith("#1 ")
+            panel.set_history(history(4))  # ... which stays picked as #3 arrives
+            await pilot.pause()
+            assert str(details.render()).startswith("#1 ")
+
+    asyncio.run(scenario())
+
+
+def test_the_resize_dialog_shows_the_range_its_refusal_names():
+    """Issue 41, item 9: the kv range (others fixed) disagreed with the refusal under it (others as
+    typed). With moe shrunk in the dialog, kv's label shows the range the refusal checks against."""
+    app = make_app("http://127.0.0.1:30000", None, 1.0, client=FakeClient(), source=IdleSource(), clock=Clock())
+
+    async def scenario():
+        async with app.run_test(size=(160, 48)) as pilot:
+            app.on_source_update(update(100.0))
+            await until(pilot, lambda: app.cache is not None, 30)
+            await pilot.press("r")
+            await until(pilot, lambda: box(app, "kv") is not None, 30)
+            screen = app.screen
+            screen.query_one("#target-moe").value = "64"  # frees expert slots: kv may grow past 262144
+            screen.query_one("#target-kv").value = "99999999"
+            await pilot.pause(0.1)
+            refusal = str(screen.query_one("#resize-problems").render())
+            label = str(screen.query_one("#range-kv").render())
+            shown = label.split("range ")[1].split()[0]
+            assert f"kv 99999999 is outside {shown}" in refusal, (refusal, label)
+            assert shown != "4096..262144"  # not the range with moe at its size
+            await pilot.press("escape")
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("width", [40, 61, 80, 97])
+def test_the_connection_banner_wraps_between_words(width):
+    """Issue 41, item 9 (the unreachable banner wrapped mid-word): at any width the banner's lines hold
+    whole words of the message (a word longer than a line is the only one to break)."""
+    message = ("cannot reach the server at http://127.0.0.1:30000 (All connection attempts failed); check the URL "
+               "(--url / FT_URL) and that `ft serve` runs there")
+    app = make_app("http://127.0.0.1:30000", None, 1.0, client=FakeClient(),
+                   source=FixedSource([], Status(False, message, retry_in=4.0)), clock=Clock())
+
+    async def scenario():
+        async with app.run_test(size=(width, 24)) as pilot:
+            banner = app.query_one("#banner")
+            await until(pilot, lambda: banner.has_class("-shown"), 30)
+            await pilot.pause(0.1)
+            lines = [strip.text.strip() for strip in banner.render_lines(banner.region.reset_offset)]
+            words = (message + " (next try in 4.0 s; R tries now)").split()
+            assert [w for line in lines for w in line.split()] == words, lines
+
+    asyncio.run(scenario())

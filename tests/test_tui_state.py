@@ -185,9 +185,14 @@ def test_the_help_explains_every_abbreviation_the_pools_show():
     from ft.tui.state import pool_usage
     from ft.tui.widgets.help import ABOUT
 
-    usage = pool_usage(CacheState())
+    state = CacheState()
+    state.pools.kv.pages, state.pools.kv.used, state.pools.kv.cached = 100, 98, 90
+    usage = pool_usage(state)
     words = {w.strip('"').rstrip(":") for line in usage.values() for w in line.split() if w.isalpha()}
-    assert words >= {"hit", "res", "used"}
-    for word in ("hit", "res", "used"):
+    assert words >= {"hit", "res", "used", "cached"}
+    for word in ("hit", "res", "used", "cached"):
         assert f'"{word}"' in ABOUT, word
-    assert "lifetime" in ABOUT and "recent" in ABOUT and "cached prefixes" in ABOUT
+    assert "lifetime" in ABOUT and "recent hits" in ABOUT and "cached prefixes" in ABOUT
+    # KV after the requests ended: 8 pages held by requests, 90 by cached prefixes, shown apart
+    assert usage["kv"] == "used 8/100 (8%) +90 cached"
+    assert usage["moe"] == "hit 0.0% res -"

@@ -189,7 +189,9 @@ def _cmd_cache(client, args) -> int:
             from ft.ctl.client import resize_hint
 
             reason = " ".join(result.reason.split()) if result.reason else "its peak exceeds the rebuild budget"
-            print(f"ft ctl: the plan does not fit: {reason}; {resize_hint(reason)}", file=sys.stderr)
+            # the printed plan already ends with the reason: the error line then only adds what to do
+            said = "" if not args.json and result.reason else f": {reason}"
+            print(f"ft ctl: the plan does not fit{said}; {resize_hint(reason)}", file=sys.stderr)
             return 1
         return 0
     _print(client, args.json, lambda: "\n".join([fmt.format_cache(result), *fmt.format_notes(result.notes)]))

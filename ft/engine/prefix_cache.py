@@ -15,6 +15,7 @@ conversation, always extends the previous turn's whole sequence.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ft.memory.kv_pool import KVPool
@@ -53,6 +54,13 @@ class PrefixCache:
     @property
     def num_slots(self) -> int:
         return len(self._entries)
+
+    def cached_only_pages(self) -> int:
+        """KV pages that only the cache holds (no running request shares them): what it gives back
+        when a request needs the room. A page may sit in several entries (a turn's entry shares the
+        previous turn's full pages): it is the cache's alone when its references are all entries'."""
+        held = Counter(p for e in self._entries.values() for p in e.pages)
+        return sum(1 for p, n in held.items() if self.kv.refcount(p) == n)
 
     def match(self, prompt: list[int]) -> PrefixMatch | None:
         """The longest entry that is a proper prefix of `prompt` (one token must stay to compute)."""

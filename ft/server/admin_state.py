@@ -38,7 +38,7 @@ def cache_state(engine, state: str, model_name: str) -> CacheState:
             "kv": {
                 "size": g.kv_tokens, "bytes": lay.pool_bytes("kv", g.kv_tokens), "min": ranges["kv"][0], "max": ranges["kv"][1],
                 "page_size": pools.kv.page_size, "pages": pools.kv.num_pages, "used": pools.kv.num_used_pages,
-                "dtype": pools.kv.dtype_name,
+                "cached": engine.prefix_cache.cached_only_pages(), "dtype": pools.kv.dtype_name,
             },
             "mamba": {
                 "size": g.mamba_slots, "bytes": lay.pool_bytes("mamba", g.mamba_slots), "min": ranges["mamba"][0],

@@ -89,12 +89,30 @@ def range_track(state: CacheState, name: str, width: int) -> Track:
     return Track(lo, cur, hi, width)
 
 
+def target_ranges(state: CacheState, targets: dict[str, int | None]) -> dict[str, tuple[int, int]]:
+    """Each pool's reachable range [min, max] with the other pools at their targets (None or absent:
+    kept). A pool's maximum moves by the bytes the others give up or take (their unit costs): an
+    estimate, which the server's dry run replaces (`ResizePlan.ranges`)."""
+    pools = pools_of(state)
+    changed = {k: t for k, t in targets.items() if t is not None and k in pools and t != pools[k].size}
+    out = {}
+    for name, pool in pools.items():
+        hi = pool.max
+        others = {k: v for k, v in changed.items() if k != name}
+        u = unit_bytes(pool)
+        if others and u > 0:
+            freed = sum((pools[k].size - v) * unit_bytes(pools[k]) for k, v in others.items())
+            hi = pool.max + int(freed // u)
+        out[name] = (pool.min, max(pool.min, hi))
+    return out
+
+
 def check_targets(state: CacheState, targets: dict[str, int | None]) -> list[str]:
     """Problems with resize targets (None keeps a pool), checked locally before asking the server.
 
-    A pool changed alone must stay inside its reachable range [min, max]. When several change, a
-    pool's maximum moves by the bytes the others give up or take (their unit costs): an estimate;
-    the server's dry run has the last word. An empty list means worth a dry run."""
+    A pool changed alone must stay inside its reachable range [min, max]; when several change, inside
+    `target_ranges` (the others as typed: an estimate; the server's dry run has the last word). An
+    empty list means worth a dry run."""
     pools = pools_of(state)
     problems = []
     for name, t in targets.items():
@@ -102,17 +120,13 @@ def check_targets(state: CacheState, targets: dict[str, int | None]) -> list[str
             problems.append(f"{name} must be 0 or more, got {t}")
     if problems:
         return problems
-    changed = {k: t for k, t in targets.items() if t is not None and k in pools and t != pools[k].size}
-    for name, t in changed.items():
-        pool = pools[name]
-        hi = pool.max
-        others = {k: v for k, v in changed.items() if k != name}
-        u = unit_bytes(pool)
-        if others and u > 0:
-            freed = sum((pools[k].size - v) * unit_bytes(pools[k]) for k, v in others.items())
-            hi = pool.max + int(freed // u)
-        if t < pool.min or t > hi:
-            problems.append(f"{name} {t} is outside {format_range(pool.min, max(pool.min, hi))}")
+    ranges = target_ranges(state, targets)
+    for name, t in targets.items():
+        if t is None or name not in pools or t == pools[name].size:
+            continue
+        lo, hi = ranges[name]
+        if t < lo or t > hi:
+            problems.append(f"{name} {t} is outside {format_range(lo, hi)}")
     return problems
 
 
@@ -139,12 +153,15 @@ def pool_cells(state: CacheState) -> dict[str, list[str]]:
 
 
 def pool_usage(state: CacheState) -> dict[str, str]:
-    """What each pool holds now: moe hit rate and resident fraction, kv pages used, mamba slots used."""
+    """What each pool holds now: moe hit rate (since startup) and resident fraction, kv pages held by
+    requests and by cached prefixes apart, mamba slots used."""
     moe, kv, mamba = state.pools.moe, state.pools.kv, state.pools.mamba
     res = f"{100.0 * moe.resident / moe.size:.0f}%" if moe.size else "-"
+    live = kv.used - kv.cached
+    cached = f" +{kv.cached} cached" if kv.cached else ""
     return {
-        "moe": f"hit {100.0 * moe.hit_rate:.1f}% res {res}",
-        "kv": f"used {kv.used}/{kv.pages} ({100.0 * kv.used / kv.pages:.0f}%)" if kv.pages else "used 0",
+        "moe": f"hit {100.0 * moe.hit_rate:.1f}% res {res}",  # (since startup: the live plot's is "recent")
+        "kv": f"used {live}/{kv.pages} ({100.0 * live / kv.pages:.0f}%){cached}" if kv.pages else "used 0",
         "mamba": f"used {mamba.used}/{mamba.size}",
     }
 

@@ -14,15 +14,17 @@ header    the state, and how old the figures are ("updated 0.4 s ago", marked st
 pools     each pool's size, bytes, usage and reachable range (min..max with the others fixed);
           the bar is the rebuild budget: each pool's share, then the free slack; under it,
           per pool: · below its minimum, █ what it holds, ━ the room it could grow into.
-          moe "hit": the expert hit rate since the server started (lifetime; the live plot's is
-          the recent one); "res": the share of expert slots that hold an expert. kv "used": pages
-          held, by running requests and by cached prefixes (kept after requests end, reused by
-          a next turn, given back when a request needs them); the host n-gram table, if any,
-          is host memory outside the budget
+          moe "hit": the expert hit rate since the server started (lifetime; the live plot's
+          "recent hits", "recent" when narrow, is the rate over each refresh interval); "res":
+          the share of expert slots that hold an expert. kv "used": pages running requests
+          hold; "cached": pages only cached prefixes hold (kept after requests end, reused by a
+          next turn, given back when a request needs them); the host n-gram table, if any, is
+          host memory outside the budget
 ladder    every KV rung (the current one marked), auto on/off, the last decision in full; rungs
           count from 1 ("rung 2/7"), as `ft ctl ladder --rung N` and the serve banner count them
-live      decode tokens/s, expert hit rate and KV usage, newest at the right: each axis's bottom
-          and top with its unit; the time the plots span in the bottom border
+live      decode tokens/s, expert hit rate and KV usage (pages held, cached prefixes included) per
+          refresh interval, newest at the right: each axis's bottom and top with its unit; the time
+          the plots span in the bottom border
 requests  running, then waiting requests: state (waiting / prefill / decode), prompt and
           generated tokens, KV pages held, age
 history   rebuilds newest first; the selected row's phases and error below the table

@@ -1,5 +1,6 @@
 """Rebuild history: a table (time, trigger, from -> to, status, duration, peak), newest first, and
-the selected row's details (phases, reason, error) below it."""
+the selected row's details (phases, reason, error) below it. The selection follows the newest entry
+until the user moves it to another row; a row picked stays picked as new entries arrive."""
 
 from __future__ import annotations
 
@@ -51,9 +52,10 @@ class HistoryPanel(Vertical):
             return
         self._shown = key
         table = self.query_one("#history-table", DataTable)
-        selected = None
+        selected, follow = None, True  # (on the newest row, the selection follows the newest entry)
         if table.row_count and 0 <= table.cursor_row < table.row_count:
             selected = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
+            follow = table.cursor_row == 0
         table.clear()
         self._entries = {}
         for e in entries:
@@ -64,8 +66,10 @@ class HistoryPanel(Vertical):
             table.add_row(format_time(e.time), e.trigger, format_change(e.from_, e.to),
                           Text(e.status, STATUS_STYLE.get(e.status, "")), Text(took, justify="right"),
                           Text(peak, justify="right"), key=k)
-        if selected in self._entries:
+        if selected in self._entries and not follow:  # a row the user picked stays picked
             table.move_cursor(row=table.get_row_index(selected))
+        elif table.row_count:
+            table.move_cursor(row=0)
         self._show_details()
 
     def _show_details(self) -> None:

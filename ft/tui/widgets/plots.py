@@ -15,7 +15,7 @@ from ft.tui.state import RateHistory, format_age, format_scale, nice_ceiling, pl
 # key, name, short name (narrow rows), unit ('%': a fraction 0..1), the window's extreme shown
 # under the value (decode: its peak; hit rate: its worst; KV usage: its peak), colour
 PLOTS = (("decode", "decode", "decode", "tok/s", "max", "#e5c07b"),
-         ("hit_rate", "expert hits", "hits", "%", "min", "#c678dd"),
+         ("hit_rate", "recent hits", "recent", "%", "min", "#c678dd"),  # (the pools panel's "hit" is lifetime)
          ("kv_usage", "kv usage", "kv", "%", "max", "#56b6c2"))
 MIN_BARS = 6
 GUTTER = 13  # the name / value / extreme column of a tall plot

@@ -20,7 +20,7 @@ from textual.widgets import Input, Label, Static
 from ft.ctl.client import CtlError
 from ft.ctl.format import POOL_ORDER, format_plan, format_range
 from ft.schemas import CacheState, ResizePlan
-from ft.tui.state import check_targets, parse_target, pools_of, rung_label
+from ft.tui.state import check_targets, parse_target, pools_of, rung_label, target_ranges
 
 DEBOUNCE_S = 0.3
 UNITS = {"moe": "slots", "kv": "tokens", "mamba": "slots"}
@@ -110,16 +110,30 @@ class ResizeScreen(ModalScreen[Targets | None]):
 
     # -- the dry run -------------------------------------------------------------------------
 
+    def _typed(self) -> dict[str, int | None]:
+        """Each box's target as typed (None: blank or not a number: the pool kept)."""
+        out = {}
+        for name in POOL_ORDER:
+            try:
+                out[name] = parse_target(self.query_one(f"#target-{name}", Input).value)
+            except ValueError:
+                out[name] = None
+        return out
+
+    def _show_ranges(self, ranges: dict[str, tuple[int, int]]) -> None:
+        """Each pool's range with the others as typed: the ranges the refusals and the server check."""
+        typed, pools = self._typed(), pools_of(self.state)
+        for name, (lo, hi) in ranges.items():
+            if name in UNITS:
+                target = typed.get(name)
+                self.query_one(f"#range-{name}", Label).update(
+                    self._range_text(name, lo, hi, pools[name].size if target is None else target))
+
     def on_input_changed(self, event: Input.Changed) -> None:
         event.stop()
         self._plan = None
-        if event.input.id == "target-kv":
-            kv = self.state.pools.kv
-            try:
-                target = parse_target(event.value)
-            except ValueError:
-                target = None
-            self.query_one("#range-kv", Label).update(self._range_text("kv", kv.min, kv.max, target))
+        # the local estimate at once (what `check_targets` refuses against), the dry run's when it comes
+        self._show_ranges(target_ranges(self.state, self._typed()))
         if self._timer is not None:
             self._timer.stop()
         if self._refresh_local():
@@ -141,10 +155,7 @@ class ResizeScreen(ModalScreen[Targets | None]):
         if self._problems()[0] != targets:  # NOTE: stale: the inputs changed meanwhile
             return None
         self._plan = (targets, plan)
-        for name, (lo, hi) in plan.ranges.items():  # each range with the other pools as typed
-            if name in UNITS:
-                self.query_one(f"#range-{name}", Label).update(self._range_text(name, lo, hi, targets.get(
-                    name, pools_of(self.state)[name].size)))
+        self._show_ranges({k: tuple(v) for k, v in plan.ranges.items()})  # (each with the other pools as typed)
         style = "" if plan.fits else "bold red"
         self.query_one("#resize-plan", Static).update(Text(format_plan(plan), style))
         return plan
