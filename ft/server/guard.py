@@ -7,6 +7,7 @@ A request body is read here, in full, before the route sees it: counted as it ar
 body has no Content-Length to check up front), refused with 413 once it passes the limit, and with
 408 when the client stops sending for `body_timeout_s`. The route then reads the buffered body;
 after it, `receive` is the client's again, so `request.is_disconnected()` sees the disconnect.
+After a request with a large body the freed heap goes back to the system (`ft.server.heap`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 import hmac
 import json
 
+from ft.server.heap import LARGE_BODY_BYTES, release_freed_memory
 from ft.server.util_routes import API_KEY_PATHS
 
 
@@ -44,7 +46,11 @@ class Guard:
         body, problem = await self._read_body(receive)
         if problem is not None:
             return await _error(send, *problem)
-        return await self.app(scope, _replay(body, receive), send)
+        try:
+            return await self.app(scope, _replay(body, receive), send)
+        finally:
+            if len(body) >= LARGE_BODY_BYTES:  # its tokens are freed now: give the heap back (off the loop)
+                asyncio.get_running_loop().run_in_executor(None, release_freed_memory)
 
     async def _read_body(self, receive) -> tuple[bytes, tuple | None]:
         """The whole body, or an error (status, message, type) to answer instead."""
