@@ -40,9 +40,10 @@ def test_read_of_saturated_gates_is_the_mean_of_the_normalised_streams():
     hc = _hc()
     hc = HyperConnection(norm=hc.norm, down=hc.down, up=torch.zeros_like(hc.up), inject=hc.inject, streams=C)
     x = torch.randn(5, C * D)
-    u, n = hc.read(x)  # W_up = 0: every gate is sigmoid(0) = 1/2
-    torch.testing.assert_close(n, grouped_rms_norm(x, hc.norm, C, hc.eps))
+    u, gates = hc.read(x)  # W_up = 0: every gate is sigmoid(0) = 1/2
+    n = grouped_rms_norm(x, hc.norm, C, hc.eps)
     torch.testing.assert_close(u, 0.5 * n.reshape(5, C, D).mean(1))
+    torch.testing.assert_close(gates, n @ hc.inject.T / C)  # the write's gate logits, from the same GEMM
 
 
 def test_read_of_equal_streams_with_equal_gates_is_one_normalised_stream():
@@ -57,29 +58,31 @@ def test_read_of_equal_streams_with_equal_gates_is_one_normalised_stream():
 def test_write_adds_the_output_to_every_stream_through_its_own_gate():
     hc = _hc()
     x, y = torch.randn(6, C * D), torch.randn(6, D)
-    _, n = hc.read(x)
-    out = hc.write(y, x, n).reshape(6, C, D)
+    _, gates = hc.read(x)
+    out = hc.write(y, x, gates).reshape(6, C, D)
+    n = grouped_rms_norm(x, hc.norm, C, hc.eps)
     a = 2 * torch.sigmoid(n @ hc.inject.T / C)
     for k in range(C):
         torch.testing.assert_close(out[:, k], x.reshape(6, C, D)[:, k] + a[:, k:k + 1] * y)
     zero = HyperConnection(norm=hc.norm, down=hc.down, up=hc.up, inject=torch.zeros_like(hc.inject), streams=C)
-    torch.testing.assert_close(zero.write(y, x, n), x + y.repeat(1, C))  # 2 sigmoid(0) = 1
+    torch.testing.assert_close(zero.write(y, x, zero.read(x)[1]), x + y.repeat(1, C))  # 2 sigmoid(0) = 1
 
 
 def test_rows_are_independent_tokens():
     hc = _hc(up_scale=1.0)
     x, y = torch.randn(7, C * D), torch.randn(7, D)
-    u, n = hc.read(x)
-    u3, n3 = hc.read(x[3:4])
+    u, gates = hc.read(x)
+    u3, gates3 = hc.read(x[3:4])
     torch.testing.assert_close(u[3:4], u3)
-    torch.testing.assert_close(hc.write(y, x, n)[3:4], hc.write(y[3:4], x[3:4], n3))
+    torch.testing.assert_close(hc.write(y, x, gates)[3:4], hc.write(y[3:4], x[3:4], gates3))
 
 
 def test_the_final_read_has_no_write_and_widths_are_checked():
     hc = _hc(inject=False)
     x = torch.randn(2, C * D)
-    u, n = hc.read(x)
+    u, gates = hc.read(x)
+    assert gates is None
     with pytest.raises(ValueError, match="no write"):
-        hc.write(u, x, n)
+        hc.write(u, x, torch.zeros(2, C))
     with pytest.raises(ValueError, match="wide"):
         hc.read(torch.randn(2, C * D + 4))

@@ -49,24 +49,23 @@ def test_kernels_equal_the_references(t, c, d, dtype):
     u = details.hc_mix_triton(logits, n, c)
     assert u.shape == (t, d) and rel(u, hc_mix_ref(logits, n, c)) < TOL[dtype]
 
-    y, inject, next_w = r(t, d), r(c, c * d, scale=0.2), r(c * d, scale=0.1)
-    out = details.hc_write_triton(x, y, n, inject, c)
-    assert rel(out, hc_write_ref(x, y, n, inject, c)) < TOL[dtype]
-    out2, n2 = details.hc_write_triton(x, y, n, inject, c, next_w, 1e-6)
-    want2, want_n2 = hc_write_ref(x, y, n, inject, c, next_w, 1e-6)
+    y, gates, next_w = r(t, d), wide(r(t, c, scale=2.0)), r(c * d, scale=0.1)
+    out = details.hc_write_triton(x, y, gates, c)
+    assert rel(out, hc_write_ref(x, y, gates, c)) < TOL[dtype]
+    out2, n2 = details.hc_write_triton(x, y, gates, c, next_w, 1e-6)
+    want2, want_n2 = hc_write_ref(x, y, gates, c, next_w, 1e-6)
     assert torch.equal(out2, out) and rel(out2, want2) < TOL[dtype] and rel(n2, want_n2) < TOL[dtype]
 
 
-def test_the_write_gates_each_stream_by_its_own_inject_row():
-    """A write whose inject rows differ per stream: with n of ones, stream k adds 2 sigmoid(sum of row k
-    / C) y; a kernel that mixed up the rows or the streams fails."""
+def test_the_write_gates_each_stream_by_its_own_logit():
+    """A write whose gate logits differ per stream: stream k adds 2 sigmoid(logit_k) y; a kernel that
+    mixed up the streams or the rows fails."""
     c, d = 4, 16
-    inject = torch.stack([torch.full((c * d,), v) for v in (-0.05, 0.0, 0.02, 0.08)])
-    x, y, n = torch.zeros(1, c * d), torch.ones(1, d), torch.ones(1, c * d)
-    out = details.hc_write_triton(x, y, n, inject, c).reshape(c, d)
-    want = 2.0 * torch.sigmoid(inject.sum(1) / c)
-    torch.testing.assert_close(out[:, 0], want)
-    assert len(set(out[:, 0].tolist())) == c
+    logits = torch.tensor([[-0.4, 0.0, 0.3, 1.2], [0.5, -1.0, 0.0, 2.0]])
+    x, y = torch.zeros(2, c * d), torch.ones(2, d)
+    out = details.hc_write_triton(x, y, logits, c).reshape(2, c, d)
+    torch.testing.assert_close(out[:, :, 0], 2.0 * torch.sigmoid(logits))
+    assert len(set(out[0, :, 0].tolist())) == c
 
 
 def test_a_read_and_fused_write_through_the_kernels_equal_the_torch_path(monkeypatch):
@@ -84,8 +83,8 @@ def test_a_read_and_fused_write_through_the_kernels_equal_the_torch_path(monkeyp
     x, y = r(5, c * d), r(5, d)
 
     def run():
-        u, n = first.read(x)
-        x2, n2 = first.write(y, x, n, next_hc=second)
+        u, gates = first.read(x)
+        x2, n2 = first.write(y, x, gates, next_hc=second)
         return u, x2, second.read(x2, n2)[0]
 
     monkeypatch.setattr(hcmod, "uses_triton", lambda device: False)

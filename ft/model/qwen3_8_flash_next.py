@@ -214,9 +214,11 @@ class FlashNextModel:
         )
 
     def _hc(self, w: dict, prefix: str, write: bool = True) -> HyperConnection:
-        return HyperConnection(norm=w[prefix + "hc_norm.weight"], down=w[prefix + "input_mix_weight_down.weight"],
+        # (down and inject are popped: the module stacks them into one tensor, and the originals are
+        # freed as it goes instead of all at the end of the load)
+        return HyperConnection(norm=w[prefix + "hc_norm.weight"], down=w.pop(prefix + "input_mix_weight_down.weight"),
                                up=w[prefix + "input_mix_weight_up.weight"],
-                               inject=w[prefix + "block_inject_weight.weight"] if write else None,
+                               inject=w.pop(prefix + "block_inject_weight.weight") if write else None,
                                streams=self.streams, eps=self.eps)
 
     def _check_hash_buffers(self, w: dict) -> None:
@@ -282,21 +284,21 @@ class FlashNextModel:
             if layer.ple is not None:
                 x = x + self._ple_delta(layer.ple, x, batch, pools)
                 n = None
-            u, n = layer.attn_hc.read(x, n)
+            u, gates = layer.attn_hc.read(x, n)
             j = self.kind_index[i]
             if isinstance(layer.mixer, QSAAttention):
                 y = layer.mixer(u, self.rope, batch, pools.kv.layer(j), pools.kv.index_layer(j))
             else:
                 y = layer.mixer(u, batch, pools.mamba.conv[:, j], pools.mamba.ssm[:, j])
-            x, n = layer.attn_hc.write(y, x, n, next_hc=layer.mlp_hc)  # (the write and the next norm: one launch)
-            u, n = layer.mlp_hc.read(x, n)
+            x, n = layer.attn_hc.write(y, x, gates, next_hc=layer.mlp_hc)  # (the write and the next norm: one launch)
+            u, gates = layer.mlp_hc.read(x, n)
             forced = None if batch.forced_experts is None else batch.forced_experts[:, layer.moe.moe_index]
             y = layer.moe(u, pools.experts, forced=forced)
             after = self.layers[i + 1] if i + 1 < len(self.layers) else None
             if after is not None and after.ple is None:
-                x, n = layer.mlp_hc.write(y, x, n, next_hc=after.attn_hc)
+                x, n = layer.mlp_hc.write(y, x, gates, next_hc=after.attn_hc)
             else:  # (the PLE delta comes before the next read; the final read takes the last rows only)
-                x, n = layer.mlp_hc.write(y, x, n), None
+                x, n = layer.mlp_hc.write(y, x, gates), None
         u, _ = self.final_read.read(x[batch.last_token_index])  # (no final norm: the read is the model's end)
         return self.lm_head(u).float()
 

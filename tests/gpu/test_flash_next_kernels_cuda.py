@@ -119,7 +119,7 @@ def test_hyper_connection_kernels_at_the_flagship_shape(tokens):
     r = lambda *s, scale=1.0: (torch.randn(*s, generator=g, device=DEV) * scale).to(torch.bfloat16)  # noqa: E731
     x, w, logits, n, y = r(tokens, c * d), r(c * d, scale=0.1), r(tokens, c * d, scale=2.0), r(tokens, c * d), \
         r(tokens, d)
-    inject, next_w = r(c, c * d, scale=0.02), r(c * d, scale=0.1)
+    gates, next_w = r(tokens, c, scale=2.0), r(c * d, scale=0.1)
 
     def close(got, want, what):
         err = ((got.float() - want.float()).norm() / want.float().norm()).item()
@@ -127,8 +127,8 @@ def test_hyper_connection_kernels_at_the_flagship_shape(tokens):
 
     close(grouped_rms_norm_triton(x, w, c, 1e-6), grouped_rms_norm_ref(x.float(), w.float(), c, 1e-6), "norm")
     close(hc_mix_triton(logits, n, c), hc_mix_ref(logits.float(), n.float(), c), "mix")
-    out, nn = hc_write_triton(x, y, n, inject, c, next_w, 1e-6)
-    want, want_nn = hc_write_ref(x.float(), y.float(), n.float(), inject.float(), c, next_w.float(), 1e-6)
+    out, nn = hc_write_triton(x, y, gates, c, next_w, 1e-6)
+    want, want_nn = hc_write_ref(x.float(), y.float(), gates.float(), c, next_w.float(), 1e-6)
     close(out, want, "write")
     close(nn, want_nn, "next norm")
-    assert torch.equal(hc_write_triton(x, y, n, inject, c), out)
+    assert torch.equal(hc_write_triton(x, y, gates, c), out)

@@ -1,5 +1,6 @@
 """Qwen3.8-Flash-Next's HyperConnections on the hot path: the grouped RMSNorm of the C streams, the
-read's gated mean (`hc_mix`) and the write's gated add fused with the next read's norm (`hc_write`).
+read's gated mean (`hc_mix`) and the write's gated add fused with the next read's norm (`hc_write`,
+its gates' logits from the read's GEMM).
 `reference.py` holds the torch references (the model's math), `kernel.py` the Triton kernels; these
 dispatch (Triton where it runs for the activation's dtype, else the reference). The read's two
 low-rank projections stay cuBLAS GEMMs (`ft.model.layers.hyper_connection`)."""
@@ -39,13 +40,13 @@ def hc_mix(g: torch.Tensor, n: torch.Tensor, streams: int) -> torch.Tensor:
     return hc_mix_ref(g, n, streams)
 
 
-def hc_write(x: torch.Tensor, y: torch.Tensor, n: torch.Tensor, inject: torch.Tensor, streams: int,
+def hc_write(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Tensor, streams: int,
              next_norm: torch.Tensor | None = None, eps: float = 1e-6
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """x' = x_k + a_k y (and, with next_norm, the next read's normalised streams): `hc_write_ref`'s
-    contract, one launch on Triton."""
-    if _triton(x, x.shape[-1] // streams) and inject.dtype in TRITON_DTYPES:
+    """x' = x_k + 2 sigmoid(gate_logits_k) y (and, with next_norm, the next read's normalised streams):
+    `hc_write_ref`'s contract, one launch on Triton."""
+    if _triton(x, x.shape[-1] // streams) and gate_logits.dtype in TRITON_DTYPES:
         from ft.kernels.hyper_connection.kernel import hc_write_triton
 
-        return hc_write_triton(x, y, n, inject, streams, next_norm, eps)
-    return hc_write_ref(x, y, n, inject, streams, next_norm, eps)
+        return hc_write_triton(x, y, gate_logits, streams, next_norm, eps)
+    return hc_write_ref(x, y, gate_logits, streams, next_norm, eps)

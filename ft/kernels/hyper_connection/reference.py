@@ -8,7 +8,6 @@ RMSNorm, the read's gated mean over the streams and the write's gated add. These
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ft.kernels.norm.reference import rms_norm_ref
 
@@ -29,17 +28,17 @@ def hc_mix_ref(g: torch.Tensor, n: torch.Tensor, streams: int) -> torch.Tensor:
     return (torch.sigmoid(g) * n).reshape(t, streams, width // streams).mean(dim=1)
 
 
-def hc_write_ref(x: torch.Tensor, y: torch.Tensor, n: torch.Tensor, inject: torch.Tensor, streams: int,
+def hc_write_ref(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Tensor, streams: int,
                  next_norm: torch.Tensor | None = None, eps: float = 1e-6
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The write: the block's output y [T, D] added to every stream of the state x [T, C*D], stream k
-    scaled by a_k = 2 sigmoid(inject n / C) (inject [C, C*D], n [T, C*D] the normalised streams of the
-    read before the block; the product in inject's dtype) -> x' [T, C*D] in x's dtype. With next_norm
-    ([C*D], the next read's norm weight): (x', grouped_rms_norm_ref(x', next_norm, C, eps)), the next
-    read's first step."""
+    scaled by a_k = 2 sigmoid(gate_logits[:, k]) (gate_logits [T, C] = inject N / C, from the read
+    before the block, in the weights' dtype; a in that dtype) -> x' [T, C*D] in x's dtype. With
+    next_norm ([C*D], the next read's norm weight): (x', grouped_rms_norm_ref(x', next_norm, C, eps)),
+    the next read's first step."""
     t, width = x.shape
     c = streams
-    a = 2.0 * torch.sigmoid(F.linear(n.to(inject.dtype), inject) / c)  # [T, C]
+    a = 2.0 * torch.sigmoid(gate_logits)  # [T, C]
     out = (x.reshape(t, c, width // c) + a[:, :, None].to(x.dtype) * y[:, None, :]).reshape(t, width)
     if next_norm is None:
         return out

@@ -17,7 +17,7 @@ The elementwise steps are `ft.kernels.hyper_connection` (its references are this
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -40,8 +40,10 @@ class HyperConnection:
     None for the final read, which has no write.
 
     On the hot path (`ft.kernels.hyper_connection`) a read is its norm (or the one the previous write
-    computed), the two low-rank GEMMs (the 1 / C in the first one's alpha) with a SiLU between, and
-    one launch for the gated mean; a write is one launch that also computes the next read's norm."""
+    computed), one GEMM of the normalised streams by down and inject together (`mix_in`, their rows
+    stacked once at construction; down and inject become views of it; the 1 / C in the GEMM's alpha),
+    a SiLU, the up GEMM and one launch for the gated mean; the write is one launch that also computes
+    the next read's norm, from the inject logits its read computed."""
 
     norm: torch.Tensor
     down: torch.Tensor
@@ -49,29 +51,42 @@ class HyperConnection:
     inject: torch.Tensor | None
     streams: int
     eps: float = 1e-6
+    mix_in: torch.Tensor = field(init=False, repr=False)
 
-    def read(self, x: torch.Tensor, n: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, C*D] -> (u [T, D] the block's input, N [T, C*D] the normalised streams for `write`);
-        n: N when the previous write computed it (`write(..., next_hc=self)`)."""
+    def __post_init__(self) -> None:
+        parts = [self.down] if self.inject is None else [self.down, self.inject.to(self.down.dtype)]
+        mix_in = torch.cat(parts) if len(parts) > 1 else self.down
+        rank = self.down.shape[0]
+        object.__setattr__(self, "mix_in", mix_in)
+        object.__setattr__(self, "down", mix_in[:rank])
+        if self.inject is not None:
+            object.__setattr__(self, "inject", mix_in[rank:])
+
+    def read(self, x: torch.Tensor, n: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [T, C*D] -> (u [T, D] the block's input, the write's gate logits [T, C] = inject N / C, or
+        None for the final read); n: the normalised streams N when the previous write computed them
+        (`write(..., next_hc=self)`)."""
         t, width = x.shape
         c = self.streams
         if width != self.norm.shape[0]:
             raise ValueError(f"the state is {width} wide, this HyperConnection {self.norm.shape[0]}")
         if n is None:
             n = grouped_rms_norm(x, self.norm, c, self.eps)
-        nw = n.to(self.down.dtype)
+        nw = n.to(self.mix_in.dtype)
+        rows = self.mix_in.shape[0]
         if c & (c - 1) == 0:  # 1 / C in the GEMM's alpha: exact for a power of two, one launch fewer
-            z = torch.addmm(nw.new_empty(()).expand(t, self.down.shape[0]), nw, self.down.t(), beta=0, alpha=1.0 / c)
+            z = torch.addmm(nw.new_empty(()).expand(t, rows), nw, self.mix_in.t(), beta=0, alpha=1.0 / c)
         else:
-            z = F.linear(nw, self.down) / c
-        g = F.linear(F.silu(z), self.up)
-        return hc_mix(g, n, c), n
+            z = F.linear(nw, self.mix_in) / c
+        rank = self.down.shape[0]
+        g = F.linear(F.silu(z[:, :rank]), self.up)
+        return hc_mix(g, n, c), (z[:, rank:] if self.inject is not None else None)
 
-    def write(self, y: torch.Tensor, x: torch.Tensor, n: torch.Tensor, next_hc: HyperConnection | None = None
+    def write(self, y: torch.Tensor, x: torch.Tensor, gate_logits: torch.Tensor, next_hc: HyperConnection | None = None
               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The block's output y [T, D] added to every stream of x [T, C*D] (the state before the read
-        that gave n), stream k scaled by 2 sigmoid(W_inject n / C)_k; returns [T, C*D], or with next_hc
-        (the next read) also its normalised streams, for `next_hc.read(x, n)`."""
+        """The block's output y [T, D] added to every stream of x [T, C*D] (the state before the read),
+        stream k scaled by 2 sigmoid(gate_logits[:, k]) (`read`'s second result: inject N / C); returns
+        [T, C*D], or with next_hc (the next read) also its normalised streams, for `next_hc.read(x, n)`."""
         if self.inject is None:
             raise ValueError("the final HyperConnection has no write")
-        return hc_write(x, y, n, self.inject, self.streams, None if next_hc is None else next_hc.norm, self.eps)
+        return hc_write(x, y, gate_logits, self.streams, None if next_hc is None else next_hc.norm, self.eps)
