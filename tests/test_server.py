@@ -275,6 +275,15 @@ def test_admin_events_snapshot_then_ticks(server):
     assert kinds == ["snapshot", "tick", "tick"]
 
 
+def refused(srv) -> bool:
+    """Whether a new connection to the server is refused."""
+    try:
+        httpx.get(srv.url + "/health", timeout=2)
+    except httpx.ConnectError:
+        return True
+    return False
+
+
 def test_tokens_and_shutdown_drain(serve_checkpoint):
     """SIGTERM while a request streams: the request still gets all its tokens, then the server exits 0.
     The signal goes once the first token has arrived (no fixed wait); the drain bound is far above
@@ -292,6 +301,10 @@ def test_tokens_and_shutdown_drain(serve_checkpoint):
         for chunk in stream:
             if not chunks:
                 srv.proc.send_signal(signal.SIGTERM)  # the request is running: it has a token out
+                # the drain as the README says: the listening socket closes at once (a new connection is
+                # refused) while the running request goes on
+                wait_for(lambda: refused(srv), "new connections refused", timeout=10)
+                assert srv.proc.poll() is None
             chunks.append(chunk)
         assert srv.proc.wait(timeout=WAIT_S) == 0
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
