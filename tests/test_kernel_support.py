@@ -46,7 +46,6 @@ def test_the_limits_are_the_kernels_own():
     from ft.kernels.gated_delta import chunk_kernel, kernel
     from ft.kernels.norm.kernel import MAX_D
     from ft.kernels.nvfp4 import BLOCK_SIZE
-    from ft.kernels.nvfp4.kernel import whole_k_pieces
     from ft.kernels.router.kernel import route_triton
     from ft.model.kernel_support import _pow2, _whole_k
 
@@ -56,7 +55,10 @@ def test_the_limits_are_the_kernels_own():
     with pytest.raises(ValueError, match=f"E <= {limits.ROUTER_MAX_EXPERTS}"):
         route_triton(torch.zeros(1, limits.ROUTER_MAX_EXPERTS + 1), 2, True)
     for k in range(16, 20000, 16):
-        assert _whole_k(k) == (whole_k_pieces(k) != (0, 0)), k
+        words = k // 8  # one power of two, or two distinct ones (the smaller at least 2), the larger <= 1024
+        sums = {a for a in (1 << e for e in range(1, 11))} | {a + b for a in (1 << e for e in range(2, 11))
+                                                            for b in (1 << e for e in range(1, 10)) if b < a}
+        assert _whole_k(k) == (words in sums), k
     for group in range(1, 300):  # the prefill tile's rows: the rule's formula is the launcher's
         cfg = prefill_config(256, group, torch.bfloat16)
         assert cfg["BLOCK_M"] * cfg["BLOCK_G"] == max(128, _pow2(group)), group

@@ -30,6 +30,21 @@ WHOLE_K_MAX_WORDS = 1024
 this (`whole_k_pieces`: or two tiles, this and a smaller power of two);
 `moe.decode_kernel.moe_decode_triton` with the host store (read-through) raises otherwise."""
 
+
+def whole_k_pieces(k: int) -> tuple[int, int]:
+    """A row's K / 8 words as at most two whole-K tiles, (first, second) words, each a power of two
+    (the first <= WHOLE_K_MAX_WORDS, the second >= 2 or 0: one tile): K / 8 = 2^a or 2^a + 2^b.
+    (0, 0) for any other K. The decode MoE takes K this way (Qwen3.8-Flash-Next's hidden 2,560 is
+    256 + 64 words, its expert width 640 is 64 + 16); `ft.model.kernel_support` checks with it."""
+    kw = k // 8
+    if k % 16 or kw <= 0:
+        return 0, 0
+    first = 1 << (kw.bit_length() - 1)
+    second = kw - first
+    if first > WHOLE_K_MAX_WORDS or (second and (second < 2 or second & (second - 1))):
+        return 0, 0
+    return first, second
+
 CONV_MIN_WIDTH = 2
 """`conv1d.kernel.causal_conv1d_varlen_triton` and `gated_delta.kernel` take conv weights [C, W >= 2]
 (the rolling state holds W - 1 inputs)."""

@@ -60,7 +60,7 @@ from pathlib import Path
 from ft.errors import CheckpointError, UnsupportedModelError
 from ft.kernels.limits import (
     ATTENTION_MAX_HEAD_DIM, CONV_MIN_WIDTH, GATED_DELTA_MAX_DK, NORM_MAX_D, NVFP4_BLOCK, PREFILL_MAX_TILE,
-    ROUTER_MAX_EXPERTS, WHOLE_K_MAX_WORDS,
+    ROUTER_MAX_EXPERTS, WHOLE_K_MAX_WORDS, whole_k_pieces,
 )
 from ft.model.config import ModelConfig
 
@@ -87,7 +87,7 @@ def check_kernel_shapes(cfg: ModelConfig, *, device_type: str, quantized: bool, 
 def read_through_refusal(cfg: ModelConfig, *, quantized: bool) -> str | None:
     """Why read-through offloaded decode cannot run this model on CUDA (None: it can): the NVFP4 decode
     MoE kernels read an expert from the host store only with a row's whole K in one or two tiles
-    (`nvfp4.kernel.whole_k_pieces`), for hidden_size (gate/up) and moe_intermediate_size (down)."""
+    (`limits.whole_k_pieces`), for hidden_size (gate/up) and moe_intermediate_size (down)."""
     if not (quantized and cfg.moe_layers):
         return None
     bad = [f"{name} {k}" for name, k in (("hidden_size", cfg.hidden_size), ("moe_intermediate_size",
@@ -249,14 +249,8 @@ def _pow2(n: int) -> int:
 
 
 def _whole_k(k: int) -> bool:
-    """`nvfp4.kernel.whole_k_pieces(k) != (0, 0)` for a K that NVFP4 takes (a multiple of 16): K / 8
-    words = 2^a or 2^a + 2^b, 2^a <= WHOLE_K_MAX_WORDS, 2^b >= 2."""
-    words = k // 8
-    if k % NVFP4_BLOCK or words <= 0:
-        return False
-    first = 1 << (words.bit_length() - 1)
-    second = words - first
-    return first <= WHOLE_K_MAX_WORDS and (second == 0 or (second >= 2 and second & (second - 1) == 0))
+    """Whether the decode MoE takes K in one or two whole-K tiles (`limits.whole_k_pieces`)."""
+    return whole_k_pieces(k) != (0, 0)
 
 
 def _header_shapes(model_dir: Path, names: list[str]) -> dict[str, list[int]]:

@@ -23,7 +23,8 @@ import ft.kernels.nvfp4.kernel as nvfp4_kernel
 from ft.kernels.backend import inline_ptx
 from ft.kernels.moe.kernel import _moe_sum_pairs_kernel
 from ft.kernels.norm.kernel import _rstd, _warps, add_rms_norm_triton
-from ft.kernels.nvfp4.kernel import as_words, whole_k_pieces
+from ft.kernels.limits import whole_k_pieces
+from ft.kernels.nvfp4.kernel import as_words
 from ft.kernels.nvfp4.rows import (_decode_whole_k, _dot_lanes, _load_whole_k, _store_whole_k, _x_lanes, nvfp4_rows_dot,
                                   rows_dot_whole_k)
 

@@ -243,21 +243,6 @@ def whole_k_words(k: int) -> int:
     return kw if 0 < kw <= 1024 and kw & (kw - 1) == 0 else 0
 
 
-def whole_k_pieces(k: int) -> tuple[int, int]:
-    """A row's K / 8 words as at most two whole-K tiles, (first, second) words, each a power of two
-    (the first <= 1024, the second >= 2 or 0: one tile): K / 8 = 2^a or 2^a + 2^b. (0, 0) for any
-    other K. The decode MoE takes K this way: Qwen3.8-Flash-Next's hidden 2,560 is 256 + 64 words,
-    its expert width 640 is 64 + 16."""
-    kw = k // 8
-    if k % 16 or kw <= 0:
-        return 0, 0
-    first = 1 << (kw.bit_length() - 1)
-    second = kw - first
-    if first > 1024 or (second and (second < 2 or second & (second - 1))):
-        return 0, 0
-    return first, second
-
-
 def _gemv_config(m: int, n: int, k: int) -> dict:
     # H200 sweeps (bench/kernels_nvfp4.py --sweep, bench/RESULTS.md). M = 1: the whole K in one
     # tile (x read and split once) beat every K loop, 4-8 rows per program (<= 4096 words);

@@ -6,7 +6,7 @@ E2M1 codes, E4M3 block scales per 16 elements (two words), the global scale left
 `nvfp4_rows_dot` walks K in steps of BLOCK_W words; `rows_dot_whole_k` takes a row's whole K in
 one tile (K / 8 a power of two <= 1024), in parts (`_load_whole_k`, `_decode_whole_k`, `_x_lanes`,
 `_dot_lanes`, `_store_whole_k`) for kernels that place other work in between (the MoE's landing
-store, a PDL wait) or take K in two such tiles (`kernel.whole_k_pieces`: the decode MoE at 2,560 and
+store, a PDL wait) or take K in two such tiles (`limits.whole_k_pieces`: the decode MoE at 2,560 and
 640).
 """
 
