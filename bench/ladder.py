@@ -5,12 +5,14 @@
 
 Synthetic NVFP4 Qwen3-Next-80B-A3B (`bench/configs/qwen3-next-80b-a3b.json` with its routing drawn
 from the calibrated trace, `ft.tools.routing_trace.CALIBRATED`: ~68% / 79% LRU hits at 12.5% /
-25% of the experts cached), the offload backend in read-through mode (misses read from pinned
-host memory inside the CUDA graph), bf16 KV, the KV ladder on with automatic moves off. For each
-emulated card (`--gpu-memory-limit`) one engine; for each rung a manual ladder move (a live
-rebuild: the expert slots fill what KV leaves), then one greedy request decodes max(--tokens)
-tokens after a 32-token prompt; tok/s is reported over the first 128, 1,024 and 4,096 generated
-tokens of that request (each window includes the cold start of its cache: a new request routes
+25% of the experts cached), or another model (`--config`; the seeds' Qwen3.8-Flash-Next:
+`bench/configs/qwen3.8-flash-next-small-table.json`, its n-gram table cut to 1M rows a head so that
+host memory holds it beside the experts), the offload backend in read-through mode (misses read from
+pinned host memory inside the CUDA graph), bf16 KV (`--kv-cache-dtype`; the seed's table ran NVFP4),
+the KV ladder on with automatic moves off. For each emulated card (`--gpu-memory-limit`) one engine;
+for each rung a manual ladder move (a live rebuild: the expert slots fill what KV leaves), then one
+greedy request decodes max(--tokens) tokens after a 32-token prompt; tok/s is reported over the first
+128, 1,024 and 4,096 generated tokens of that request (each window includes the cold start of its cache: a new request routes
 by a new trace). Per rung: expert slots, hit rate and the bytes read from host memory per token
 over the whole request, and the ratio of tok/s to this machine's bound for that traffic:
 max(HBM bytes / 4.3 TB/s, host bytes / 50 GB/s) per token. The ladder's gain is each rung's
@@ -44,6 +46,8 @@ def main() -> None:
     ap.add_argument("--rungs", default="65536,131072,262144", help="KV tokens of the rungs to measure")
     ap.add_argument("--tokens", default="128,1024,4096", help="windows of generated tokens (the largest is decoded)")
     ap.add_argument("--policy", default="lru", choices=["lru", "lfu"])
+    ap.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8", "nvfp4"],
+                    help="the KV cache's dtype (the seed's table: nvfp4 for Qwen3.8-Flash-Next)")
     ap.add_argument("--step", type=int, default=32768, help="the ladder's step size")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="after each rung's row, profile this many decode steps there (GPU kernels and timeline)")
@@ -73,7 +77,8 @@ def main() -> None:
         eng = Engine(EngineConfig(model=f"synthetic:{tmp}", device=args.device, dtype="bfloat16", moe_backend="offload",
                                   gpu_memory_limit=card, enable_kv_ladder=True, ladder_step_size=args.step,
                                   max_running_requests=1, max_prefill_length=1024, cuda_graph_max_bs=1,
-                                  expert_policy=args.policy, overlap_decode=True if args.overlap_decode else None))
+                                  expert_policy=args.policy, kv_cache_dtype=args.kv_cache_dtype,
+                                  overlap_decode=True if args.overlap_decode else None))
         eng.ladder.auto = False
         measure(eng, [16])  # NOTE: compiles the kernels and captures the graph outside the timed rows
         print(f"{card}: engine up in {time.perf_counter() - t0:.1f} s, rungs {eng.ladder.rungs}", flush=True)

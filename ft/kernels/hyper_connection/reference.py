@@ -43,3 +43,29 @@ def hc_write_ref(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Tensor, st
     if next_norm is None:
         return out
     return out, grouped_rms_norm_ref(out, next_norm, c, eps)
+
+
+def hc_read_lowrank_ref(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int, streams: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The read's two low-rank projections, as the model's torch ops round: z = N mix_in^T / C in the
+    weights' dtype (one rounding when C is a power of two: 1 / C is the GEMM's alpha; else the GEMM's
+    and the division's), g = silu(z[:, :rank]) up^T. n [T, C*D] the normalised streams (cast to the
+    weights' dtype), mix_in [rank + extra, C*D] (down's rows, then inject's: extra = C, or 0 for the
+    final read), up [C*D, rank] -> (g [T, C*D], z[:, rank:] [T, extra]: the write's gate logits)."""
+    t = n.shape[0]
+    c = streams
+    nw = n.to(mix_in.dtype)
+    if c & (c - 1) == 0:
+        z = torch.addmm(nw.new_empty(()).expand(t, mix_in.shape[0]), nw, mix_in.t(), beta=0, alpha=1.0 / c)
+    else:
+        z = torch.nn.functional.linear(nw, mix_in) / c
+    g = torch.nn.functional.linear(torch.nn.functional.silu(z[:, :rank]), up)
+    return g, z[:, rank:]
+
+
+def hc_read_ref(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int, streams: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A HyperConnection's read after its norm: (u [T, D] the block's input, the write's gate logits
+    [T, extra]) = `hc_read_lowrank_ref` then `hc_mix_ref` (arguments as there)."""
+    g, gate_logits = hc_read_lowrank_ref(n, mix_in, up, rank, streams)
+    return hc_mix_ref(g, n, streams), gate_logits

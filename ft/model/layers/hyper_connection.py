@@ -20,9 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from ft.kernels.hyper_connection import grouped_rms_norm, hc_mix, hc_write
+from ft.kernels.hyper_connection import grouped_rms_norm, hc_read, hc_write
 
 __all__ = ["HyperConnection", "expand_streams", "grouped_rms_norm"]
 
@@ -40,10 +39,10 @@ class HyperConnection:
     None for the final read, which has no write.
 
     On the hot path (`ft.kernels.hyper_connection`) a read is its norm (or the one the previous write
-    computed), one GEMM of the normalised streams by down and inject together (`mix_in`, their rows
-    stacked once at construction; down and inject become views of it; the 1 / C in the GEMM's alpha),
-    a SiLU, the up GEMM and one launch for the gated mean; the write is one launch that also computes
-    the next read's norm, from the inject logits its read computed."""
+    computed), then `hc_read`: the normalised streams by down and inject together (`mix_in`, their rows
+    stacked once at construction; down and inject become views of it), a SiLU, up and the gated mean,
+    in two launches at a few tokens (cuBLAS GEMMs and the mix kernel at more); the write is one launch
+    that also computes the next read's norm, from the inject logits its read computed."""
 
     norm: torch.Tensor
     down: torch.Tensor
@@ -66,21 +65,13 @@ class HyperConnection:
         """x [T, C*D] -> (u [T, D] the block's input, the write's gate logits [T, C] = inject N / C, or
         None for the final read); n: the normalised streams N when the previous write computed them
         (`write(..., next_hc=self)`)."""
-        t, width = x.shape
+        width = x.shape[1]
         c = self.streams
         if width != self.norm.shape[0]:
             raise ValueError(f"the state is {width} wide, this HyperConnection {self.norm.shape[0]}")
         if n is None:
             n = grouped_rms_norm(x, self.norm, c, self.eps)
-        nw = n.to(self.mix_in.dtype)
-        rows = self.mix_in.shape[0]
-        if c & (c - 1) == 0:  # 1 / C in the GEMM's alpha: exact for a power of two, one launch fewer
-            z = torch.addmm(nw.new_empty(()).expand(t, rows), nw, self.mix_in.t(), beta=0, alpha=1.0 / c)
-        else:
-            z = F.linear(nw, self.mix_in) / c
-        rank = self.down.shape[0]
-        g = F.linear(F.silu(z[:, :rank]), self.up)
-        return hc_mix(g, n, c), (z[:, rank:] if self.inject is not None else None)
+        return hc_read(n, self.mix_in, self.up, self.down.shape[0], c)
 
     def write(self, y: torch.Tensor, x: torch.Tensor, gate_logits: torch.Tensor, next_hc: HyperConnection | None = None
               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
