@@ -28,7 +28,6 @@ from ft.kernels.attention import kernel as attn  # noqa: E402
 from ft.kernels.attention import decode_tuning as attn_tuning  # noqa: E402
 from ft.kernels.attention import prefill_kernel as attn_pf  # noqa: E402
 from ft.kernels.dense import kernel as dense  # noqa: E402
-from ft.kernels.limits import whole_k_pieces  # noqa: E402
 from ft.kernels.gated_delta import kernel as gd  # noqa: E402
 from ft.kernels.gated_delta import chunk_kernel as gd_chunk  # noqa: E402
 from ft.kernels.conv1d import kernel as conv  # noqa: E402
@@ -156,7 +155,7 @@ def decode_cfg(head_dim: int, group: int, fp8: bool = False, nvfp4: bool = False
 
 def gemv_cfg(m: int, n: int, k: int) -> dict:
     cfg = dict(nv._gemv_config(m, n, k))
-    cfg["WHOLE_K"], cfg["WHOLE_K2"] = whole_k_pieces(k) if cfg.pop("WHOLE_K", False) else (0, 0)
+    cfg["WHOLE_K"] = nv.whole_k_words(k) if cfg.pop("WHOLE_K", False) else 0
     cfg["ASM"] = nv.LANES_PTX and cfg["WHOLE_K"] > 0  # as the wrapper sets it on a CUDA device
     return cfg
 
@@ -202,7 +201,6 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("gemv M=1 whole K (2048)", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(1, 12288, 2048)),
     ("gemv M=1 whole K (8192)", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(1, 32768, 8192)),
     ("gemv M=1 K loop (16384)", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(1, 4096, 16384)),
-    ("gemv M=1 two whole-K tiles (2560)", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(1, 16384, 2560)),
     ("gemv M=2 K loop", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(2, 2048, 4096)),
     ("gemv M=8 whole K", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(8, 1024, 2048)),
     ("dot M=8", nv._nvfp4_dot_kernel, DOT, dot_cfg(8, 8192, 2048)),

@@ -5,7 +5,6 @@ through the kernels against the same module's torch path, the write's fused next
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (by the kernels module below)
@@ -15,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from ft.kernels.hyper_connection import grouped_rms_norm_ref, hc_mix_ref, hc_read_ref, hc_write_ref
+from ft.kernels.hyper_connection import grouped_rms_norm_ref, hc_mix_ref, hc_write_ref
 from ft.kernels.hyper_connection import kernel as details
 from ft.model.layers.hyper_connection import HyperConnection
 
@@ -56,49 +55,6 @@ def test_kernels_equal_the_references(t, c, d, dtype):
     out2, n2 = details.hc_write_triton(x, y, gates, c, next_w, 1e-6)
     want2, want_n2 = hc_write_ref(x, y, gates, c, next_w, 1e-6)
     assert torch.equal(out2, out) and rel(out2, want2) < TOL[dtype] and rel(n2, want_n2) < TOL[dtype]
-
-
-def read_form(name: str) -> details.ReadForm:
-    """A `READ_FORMS` entry by name; "-one-split": the same with one program per row tile (no K split:
-    a loop over every column, 64 at a time in the dot form)."""
-    base, _, one = name.partition("-")
-    form = details.READ_FORMS[base]
-    return dataclasses.replace(form, programs=1, in_k=64 if form.dot else form.in_k) if one else form
-
-
-READ_SHAPES = [(1, 4, 40, 6, True), (5, 4, 16, 12, True), (16, 2, 24, 5, False), (3, 3, 16, 6, True),
-               (2, 4, 300, 6, True), (3, 2, 16, 150, True)]
-"""(T, C, D, rank, with inject rows): a stream width and ranks that are not powers of two, the most
-tokens the read kernels take, the final read (no inject), C = 3 (the division after the GEMM) and
-1,200 columns (K splits, the last one partial) and a rank of 150 (three steps over the rank)."""
-
-
-@pytest.mark.parametrize("form", ["dot", "fma", "dot-one-split", "fma-one-split"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("t,c,d,rank,inject", READ_SHAPES, ids=[f"T{s[0]}-C{s[1]}-D{s[2]}-r{s[3]}-{s[4]}"
-                                                                for s in READ_SHAPES])
-def test_read_kernels_equal_the_reference(t, c, d, rank, inject, dtype, form):
-    """`hc_read_triton` (the low-rank projections, SiLU and gated mean in two launches) against
-    `hc_read_ref` (the model's GEMMs): the block input and the write's gate logits; n in a row stride
-    wider than its row; a second call with other inputs reuses nothing of the first."""
-    g = torch.Generator().manual_seed(t * 1000 + c * 100 + d + rank)
-    r = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).to(dtype)  # noqa: E731
-    mix_in, up = r(rank + (c if inject else 0), c * d, scale=0.3), r(c * d, rank, scale=0.3)
-    for _ in range(2):
-        n = wide(r(t, c * d))
-        u, gate = details.hc_read_triton(n, mix_in, up, rank, c, read_form(form))
-        want_u, want_gate = hc_read_ref(n, mix_in, up, rank, c)
-        assert u.shape == (t, d) and u.dtype == want_u.dtype and rel(u, want_u) < TOL[dtype]
-        if inject:
-            assert gate.shape == (t, c) and rel(gate, want_gate) < TOL[dtype]
-        else:
-            assert gate is None
-
-
-def test_read_kernels_refuse_weights_of_another_shape():
-    n = torch.zeros(1, 64)
-    with pytest.raises(ValueError, match="do not fit"):
-        details.hc_read_triton(n, torch.zeros(8 + 3, 64), torch.zeros(64, 8), 8, 4)
 
 
 def test_the_write_gates_each_stream_by_its_own_logit():

@@ -24,7 +24,7 @@ TOL_MOE = 2e-2  # the MoE reference runs its matmuls in bf16 (bench/kernels_nvfp
 LINEAR_CASES = [(m, n, k) for m in (1, 8, 256) for n, k in ((12288, 2048), (2048, 4096), (1024, 2048))] + [
     (m, n, k) for m in (1, 8) for n, k in ((16384, 2560), (2560, 6144))]
 """(M, N, K): decode, small batch and a prefill tile on in_proj_qkvz, out_proj and expert gate_up; and
-Qwen3.8-Flash-Next's in_proj_qkvz and out_proj at decode (two whole-K tiles at M = 1)."""
+Qwen3.8-Flash-Next's in_proj_qkvz and out_proj at decode (K 2,560 and 6,144: the GEMV's K loop at M = 1)."""
 EXPERTS, TOP_K, HIDDEN, INTER = 512, 10, 2048, 512
 DEV = "cuda"
 

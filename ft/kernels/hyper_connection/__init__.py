@@ -3,8 +3,8 @@ read's gated mean (`hc_mix`) and the write's gated add fused with the next read'
 its gates' logits from the read's GEMM).
 `reference.py` holds the torch references (the model's math), `kernel.py` the Triton kernels; these
 dispatch (Triton where it runs for the activation's dtype, else the reference). A read's two low-rank
-projections (`hc_read`) run in Triton at a few tokens (decode: two launches with the mix) and as cuBLAS
-GEMMs beside the mix kernel at more (prefill)."""
+projections (`hc_read`) are torch GEMMs (cuBLAS on a GPU: measured faster than two Triton forms at
+decode sizes, bench/RESULTS.md) beside the mix kernel."""
 
 from __future__ import annotations
 
@@ -19,8 +19,6 @@ __all__ = ["grouped_rms_norm", "grouped_rms_norm_ref", "hc_mix", "hc_mix_ref", "
 
 MAX_STREAM_WIDTH = 8192
 """Widest stream (D) the Triton kernels take in one tile; wider ones run the references."""
-READ_MAX_TOKENS = 16
-"""Most tokens a read takes in `hc_read_triton` (its tiles grow with T); more (prefill) run cuBLAS GEMMs."""
 
 
 def _triton(x: torch.Tensor, width: int) -> bool:
@@ -60,12 +58,7 @@ def hc_write(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Tensor, stream
 def hc_read(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int, streams: int
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A read after its norm: (u [T, D], the write's gate logits [T, C] or None for the final read)
-    (`hc_read_ref`'s contract: n [T, C*D] normalised streams, mix_in [rank (+ C), C*D], up [C*D, rank])."""
-    t, width = n.shape
-    if (_triton(n, width // streams) and t <= READ_MAX_TOKENS and mix_in.dtype in TRITON_DTYPES
-            and up.dtype == mix_in.dtype):
-        from ft.kernels.hyper_connection.kernel import hc_read_triton
-
-        return hc_read_triton(n, mix_in, up, rank, streams)
-    g, gate_logits = hc_read_lowrank_ref(n, mix_in, up, rank, streams)  # cuBLAS GEMMs on a GPU
+    (`hc_read_ref`'s contract: n [T, C*D] normalised streams, mix_in [rank (+ C), C*D], up [C*D, rank]):
+    the reference's GEMMs, then `hc_mix`."""
+    g, gate_logits = hc_read_lowrank_ref(n, mix_in, up, rank, streams)
     return hc_mix(g, n, streams), (gate_logits if mix_in.shape[0] > rank else None)

@@ -20,8 +20,7 @@ Two kernels:
 
 * `_nvfp4_gemv_kernel` (M <= 2, and M <= 8 on the shapes where it wins, see `_path`): a program
   owns BLOCK_N rows; with K / 8 a power of two <= 1024 it takes the rows' whole K in one tile
-  (`_whole_k_tile`, decoded once for all rows of x; no loop, each x row read once), or in two such
-  tiles when K / 8 is the sum of two powers of two (`limits.whole_k_pieces`, at M = 1 by default),
+  (`_whole_k_tile`, decoded once for all rows of x; no loop, each x row read once),
   else it walks K in steps of BLOCK_W words (`nvfp4_rows_dot`); per word 8 FMAs on fp32
   products, then one FMA with the block scale; x is read in its natural order and split into
   the 8 element lanes of a word with ``tl.split``.
@@ -50,7 +49,6 @@ import triton
 import triton.language as tl
 
 from ft.kernels.backend import inline_ptx
-from ft.kernels.limits import whole_k_pieces
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 from ft.kernels.nvfp4.decode import _e4m3, dequant_tile, e2m1_halves_bf16, e2m1_halves_f16, words_tile_f16
 from ft.kernels.nvfp4.rows import (_decode_whole_k, _dot_lanes, _load_whole_k, _whole_k_row, _whole_k_tile, _x_lanes,
@@ -88,52 +86,33 @@ def _nvfp4_gemv_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_sn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, WHOLE_K: tl.constexpr = 0,
-    ASM: tl.constexpr = False, PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0,
+    ASM: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     # PDL (`ft.kernels.pdl`): the whole-K tile's weights are loaded before the wait (no kernel of
     # the step writes them), x after it; the K loop waits first
     i_n = tl.program_id(0)
-    if WHOLE_K > 0:  # K / 8 = WHOLE_K (+ WHOLE_K2) words in one (two) tiles, decoded once for all M rows of x
+    if WHOLE_K > 0:  # K / 8 = WHOLE_K words in one tile, decoded once for all M rows of x
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < N
         s2 = tl.load(p_s2)
-        # the second tile: words WHOLE_K.. of each row, their scale bytes WHOLE_K / 2.., x's elements 8 WHOLE_K..
-        p_w2 = p_w + WHOLE_K
-        p_s2b = p_s + WHOLE_K // 2
         if BLOCK_M == 1 and not PDL:
             b_y = rows_dot_whole_k(p_w, p_s, o_n, m_n, stride_wn, stride_sn, p_x, WHOLE_K, BLOCK_N, ASM)
-            if WHOLE_K2 > 0:
-                b_y += rows_dot_whole_k(p_w2, p_s2b, o_n, m_n, stride_wn, stride_sn, p_x + 8 * WHOLE_K, WHOLE_K2,
-                                        BLOCK_N, ASM)
             tl.store(p_y + o_n, (b_y * s2).to(p_y.dtype.element_ty), mask=m_n)
         elif BLOCK_M == 1:  # `rows_dot_whole_k` with the weights first
             b_w, b_sb = _load_whole_k(p_w, p_s, o_n, m_n, stride_wn, stride_sn, WHOLE_K)
-            if WHOLE_K2 > 0:
-                c_w, c_sb = _load_whole_k(p_w2, p_s2b, o_n, m_n, stride_wn, stride_sn, WHOLE_K2)
             pdl_wait(PDL)
             pdl_release(PDL)
             x0, x1, x2, x3, x4, x5, x6, x7 = _x_lanes(p_x, WHOLE_K)
             d0, d1, d2, d3, d4, d5, d6, d7, b_s = _decode_whole_k(b_w, b_sb, ASM)
             b_y = _dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, BLOCK_N)
-            if WHOLE_K2 > 0:
-                y0, y1, y2, y3, y4, y5, y6, y7 = _x_lanes(p_x + 8 * WHOLE_K, WHOLE_K2)
-                e0, e1, e2, e3, e4, e5, e6, e7, c_s = _decode_whole_k(c_w, c_sb, ASM)
-                b_y += _dot_lanes(e0, e1, e2, e3, e4, e5, e6, e7, c_s, y0, y1, y2, y3, y4, y5, y6, y7, WHOLE_K2,
-                                  BLOCK_N)
             tl.store(p_y + o_n, (b_y * s2).to(p_y.dtype.element_ty), mask=m_n)
         else:
             d0, d1, d2, d3, d4, d5, d6, d7, b_s = _whole_k_tile(p_w, p_s, o_n, m_n, stride_wn, stride_sn, WHOLE_K, ASM)
-            if WHOLE_K2 > 0:
-                e0, e1, e2, e3, e4, e5, e6, e7, c_s = _whole_k_tile(p_w2, p_s2b, o_n, m_n, stride_wn, stride_sn,
-                                                                    WHOLE_K2, ASM)
             pdl_wait(PDL)
             pdl_release(PDL)
             for mi in tl.static_range(BLOCK_M):
                 if mi < M:
                     b_y = _whole_k_row(d0, d1, d2, d3, d4, d5, d6, d7, b_s, p_x + mi * stride_xm, WHOLE_K, BLOCK_N)
-                    if WHOLE_K2 > 0:
-                        b_y += _whole_k_row(e0, e1, e2, e3, e4, e5, e6, e7, c_s, p_x + mi * stride_xm + 8 * WHOLE_K,
-                                            WHOLE_K2, BLOCK_N)
                     tl.store(p_y + mi * stride_ym + o_n, (b_y * s2).to(p_y.dtype.element_ty), mask=m_n)
         return
     pdl_wait(PDL)
@@ -267,18 +246,15 @@ def whole_k_words(k: int) -> int:
 def _gemv_config(m: int, n: int, k: int) -> dict:
     # H200 sweeps (bench/kernels_nvfp4.py --sweep, bench/RESULTS.md). M = 1: the whole K in one
     # tile (x read and split once) beat every K loop, 4-8 rows per program (<= 4096 words);
-    # otherwise 64-word steps with rows for ~384+ programs. M = 2: 8 rows x 64 words. A K of two
-    # whole-K tiles (`whole_k_pieces`: Qwen3.8-Flash-Next's 2,560 and 6,144) takes them as one.
+    # otherwise 64-word steps with rows for ~384+ programs. M = 2: 8 rows x 64 words.
     block_m = triton.next_power_of_2(max(m, 1))
-    first, second = whole_k_pieces(k)
-    kw = first + second
+    kw = whole_k_words(k)
     if m > 2 and kw:  # M = 3..8 (see `_path`): the whole-K tile decoded once for all rows of x
         return {"BLOCK_M": block_m, "BLOCK_N": 4, "BLOCK_W": 2, "WHOLE_K": True, "num_warps": 4}
     if m > 1:
         return {"BLOCK_M": block_m, "BLOCK_N": 8, "BLOCK_W": max(2, min(64, triton.next_power_of_2(k // 8))), "num_warps": 4}
     if kw:
-        rows = max(1, 4096 // kw)
-        block_n = 8 if kw <= 64 else min(8 if n >= 12288 else 4, 1 << (rows.bit_length() - 1))
+        block_n = 8 if kw <= 64 else min(8 if n >= 12288 else 4, max(1, 4096 // kw))
         return {"BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_W": 2, "WHOLE_K": True, "num_warps": 4}
     block_n = max(4, min(32, 1 << max(0, (n // 384).bit_length() - 1)))
     if block_n == 4 and k // 8 < 128:
@@ -363,7 +339,7 @@ def nvfp4_linear_triton(
         cfg = dict(config or _gemv_config(m, n, k))
         if cfg["BLOCK_M"] < m:
             raise ValueError(f"BLOCK_M {cfg['BLOCK_M']} < M {m}")
-        cfg["WHOLE_K"], cfg["WHOLE_K2"] = whole_k_pieces(k) if cfg.pop("WHOLE_K", False) else (0, 0)
+        cfg["WHOLE_K"] = whole_k_words(k) if cfg.pop("WHOLE_K", False) else 0
         cfg["ASM"] = bool(cfg.get("ASM", LANES_PTX)) and cfg["WHOLE_K"] > 0 and inline_ptx(x.device)
         words = as_words(packed)
         _nvfp4_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](

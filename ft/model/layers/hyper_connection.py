@@ -39,10 +39,10 @@ class HyperConnection:
     None for the final read, which has no write.
 
     On the hot path (`ft.kernels.hyper_connection`) a read is its norm (or the one the previous write
-    computed), then `hc_read`: the normalised streams by down and inject together (`mix_in`, their rows
-    stacked once at construction; down and inject become views of it), a SiLU, up and the gated mean,
-    in two launches at a few tokens (cuBLAS GEMMs and the mix kernel at more); the write is one launch
-    that also computes the next read's norm, from the inject logits its read computed."""
+    computed), then `hc_read`: one GEMM of the normalised streams by down and inject together (`mix_in`,
+    their rows stacked once at construction; down and inject become views of it; the 1 / C in the
+    GEMM's alpha), a SiLU, the up GEMM and one launch for the gated mean; the write is one launch that
+    also computes the next read's norm, from the inject logits its read computed."""
 
     norm: torch.Tensor
     down: torch.Tensor
