@@ -1,0 +1,117 @@
+"""bench/serve.py, the serving benchmark: a small run against an `ft serve` it starts itself on the
+CPU (the small "ft-tiny" checkpoint), its statistics on fixed numbers, its prompts, that it does not
+import torch, and its one-line error when the server cannot be reached."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.serve import Prompts, summarize
+from tests.server_proc import SERVE_MODEL, write_serve_checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "bench" / "serve.py"
+OUTPUT_LEN = 4
+LEVELS = (1, 2)
+PROMPTS = 4
+
+
+def _bench(*args: str, timeout: float = 240.0) -> subprocess.CompletedProcess:
+    # one torch thread in the server it starts (as tests/server_proc.py gives its servers)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_summarize_on_fixed_numbers():
+    s = summarize(range(1, 101))  # numpy's linear interpolation between the closest ranks
+    assert s["n"] == 100
+    assert s["mean"] == pytest.approx(50.5)
+    assert s["p50"] == pytest.approx(50.5)
+    assert s["p90"] == pytest.approx(90.1)
+    assert s["p99"] == pytest.approx(99.01)
+    assert s["max"] == 100
+    s = summarize([4.0, 1.0, 3.0, 2.0])  # order does not matter
+    assert (s["mean"], s["p50"], s["p90"], s["p99"]) == pytest.approx((2.5, 2.5, 3.7, 3.97))
+    assert summarize([7.0]) == {"n": 1, "mean": 7.0, "p50": 7.0, "p90": 7.0, "p99": 7.0, "max": 7.0}
+    assert summarize([]) == {"n": 0, "mean": None, "p50": None, "p90": None, "p99": None, "max": None}
+
+
+def test_prompts_are_seeded_in_range_and_start_differently():
+    a, b = Prompts(320, 8, 16, seed=5), Prompts(320, 8, 16, seed=5)
+    pa, pb = [a.next() for _ in range(50)], [b.next() for _ in range(50)]
+    assert [len(p) for p in pa] == [len(p) for p in pb]  # lengths seeded (the per-run nonce is not)
+    assert all(8 <= len(p) <= 16 and all(0 <= t < 320 for t in p) for p in pa)
+    assert len({tuple(p[:a.marker]) for p in pa}) == 50  # no two prompts share a first page
+    assert [p[a.marker:] for p in pa] == [p[b.marker:] for p in pb]
+
+
+def test_the_client_does_not_import_torch():
+    code = "import sys; import bench.serve; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60).returncode == 0
+
+
+def test_unreachable_url_is_one_line_and_nonzero():
+    with socket.socket() as s:  # a port nothing listens on: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        r = _bench("--url", f"http://127.0.0.1:{port}", "--concurrency", "1", "--num-prompts", "1", timeout=60)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert "cannot reach" in lines[0] and str(port) in lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_serving_benchmark_against_a_started_server(tmp_path):
+    ckpt = write_serve_checkpoint(tmp_path)
+    out = tmp_path / "bench.json"
+    r = _bench("--serve-args", f"--model {ckpt} --device cpu --log-level warning",
+               "--input-len-range", "8:16", "--output-len", str(OUTPUT_LEN),
+               "--concurrency", ",".join(map(str, LEVELS)),
+               "--num-prompts", str(PROMPTS), "--warmup", "1", "--metrics-interval", "0.05", "--json", str(out))
+    assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+
+    # the markdown table is last on stdout: a header, a rule, one row per level
+    lines = r.stdout.strip().splitlines()
+    rows = lines[-len(LEVELS):]
+    header, rule = lines[-len(LEVELS) - 2], lines[-len(LEVELS) - 1]
+    assert header.startswith("| concurrency | requests | errors |") and "output tok/s" in header, r.stdout
+    assert "TTFT p99 ms" in header and "/metrics p99 ms" in header
+    assert set(rule) <= set("|-:")
+    cols = [c.strip() for c in header.strip("|").split("|")]
+    for level, row in zip(LEVELS, rows):
+        cells = dict(zip(cols, (c.strip() for c in row.strip("|").split("|"))))
+        assert cells["concurrency"] == str(level) and cells["requests"] == str(PROMPTS) and cells["errors"] == "0"
+        assert float(cells["output tok/s"].replace(",", "")) > 0
+    assert "server stopped (exit 0)" in r.stdout  # the server it started is gone
+
+    record = json.loads(out.read_text())
+    assert record["server"]["model"] == SERVE_MODEL and record["server"]["started"]
+    assert record["date"] and "--serve-args" in record["command"]
+    levels = record["levels"]
+    assert [lv["concurrency"] for lv in levels] == list(LEVELS)
+    for lv in levels:
+        assert (lv["completed"], lv["errors"], lv["short"], lv["first_error"]) == (PROMPTS, 0, 0, None), lv
+        assert lv["output_tokens"] == PROMPTS * OUTPUT_LEN
+        assert lv["output_throughput"] > 0 and lv["total_token_throughput"] > lv["output_throughput"]
+        assert lv["cached_prompt_tokens"] == 0  # distinct prompts: nothing served from the prefix cache
+        assert len(lv["requests"]) == PROMPTS
+        for req in lv["requests"]:
+            assert req["ok"] and req["output_tokens"] == OUTPUT_LEN and req["finish_reason"] == "length", req
+            assert 8 <= req["prompt_len"] <= 16
+            assert 0 < req["ttft_ms"] <= req["e2e_ms"], req
+            assert req["tpot_ms"] > 0
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            s = lv[key]
+            assert s["p50"] <= s["p90"] <= s["p99"] <= s["max"], (key, s)
+        assert lv["ttft_ms"]["p99"] <= lv["e2e_ms"]["max"]
+        probe = lv["metrics_probe"]
+        assert probe["count"] >= 1 and probe["errors"] == 0 and 0 < probe["p50"] <= probe["p99"] <= probe["max"]
