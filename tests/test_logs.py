@@ -38,19 +38,18 @@ def test_stats_line_without_lookups_experts_or_ladder():
 
 
 class _FakeEngine:
-    """The attributes stats_log reads, settable by the test."""
+    """An engine as the engine loop and the stats line see it: `stats()` gives its figures (here the
+    object itself, whose `EngineStats` fields the test sets)."""
 
     def __init__(self):
-        kv = SimpleNamespace(num_tokens=1024, num_used_pages=0, page_size=64)
-        stats = SimpleNamespace(hits=0, misses=0)
-        self.pools = SimpleNamespace(kv=kv, experts=SimpleNamespace(stats=stats))
-        self.scheduler = SimpleNamespace(running=[], waiting=[])
-        self.waiting_requests = lambda: list(self.scheduler.waiting)
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0}
-        self.ladder = None
-        self.cache = SimpleNamespace(geometry=SimpleNamespace(kv_tokens=1024), degraded=None)
+        self.running = self.waiting = self.prompt_tokens = self.generation_tokens = self.kv_used_tokens = 0
+        self.kv_tokens, self.offloaded, self.hits, self.misses, self.rung, self.rungs = 1024, True, 0, 0, None, 0
+        self.cache = SimpleNamespace(degraded=None)
         self.has_work = False
         self.context_limit = 1024
+
+    def stats(self):
+        return self
 
 
 def test_stats_interval_arithmetic():
@@ -58,26 +57,26 @@ def test_stats_interval_arithmetic():
     lines = []
     e = _FakeEngine()
     s = StatsLogger(10.0, clock=lambda: now[0], emit=lines.append)
-    assert s.tick(e) is None  # the first tick only takes the baseline
-    e.counters["generation_tokens"] = 40
+    assert s.tick(e.stats) is None  # the first tick only takes the baseline
+    e.generation_tokens = 40
     now[0] = 9.99
-    assert s.tick(e) is None  # not due yet
+    assert s.tick(e.stats) is None  # not due yet
     now[0] = 12.5
-    e.scheduler.running = [1]
-    e.pools.experts.stats.hits, e.pools.experts.stats.misses = 3, 1
-    assert s.tick(e) == "running 1, waiting 0, prompt 0.0 tok/s, generation 3.2 tok/s, kv 0.0%, expert hits 75.0%"
+    e.running = 1
+    e.hits, e.misses = 3, 1
+    assert s.tick(e.stats) == "running 1, waiting 0, prompt 0.0 tok/s, generation 3.2 tok/s, kv 0.0%, expert hits 75.0%"
     now[0] = 20.0
-    assert s.tick(e) is None  # 7.5 s after the last sample: not due
-    e.scheduler.running = []
+    assert s.tick(e.stats) is None  # 7.5 s after the last sample: not due
+    e.running = 0
     now[0] = 30.0
-    assert s.tick(e) is None  # nothing ran, nothing counted: idle, no line
-    e.counters["prompt_tokens"] = 200
-    e.pools.kv.num_used_pages = 4
+    assert s.tick(e.stats) is None  # nothing ran, nothing counted: idle, no line
+    e.prompt_tokens = 200
+    e.kv_used_tokens = 256
     now[0] = 45.0
-    assert s.tick(e) == "running 0, waiting 0, prompt 13.3 tok/s, generation 0.0 tok/s, kv 25.0%, expert hits -"
+    assert s.tick(e.stats) == "running 0, waiting 0, prompt 13.3 tok/s, generation 0.0 tok/s, kv 25.0%, expert hits -"
     assert len(lines) == 2
     off = StatsLogger(0.0, clock=lambda: now[0], emit=lines.append)
-    assert not off.due(1e9) and off.tick(e) is None
+    assert not off.due(1e9) and off.tick(e.stats) is None
 
 
 def test_engine_loop_writes_stats_lines(caplog):
@@ -93,7 +92,7 @@ def test_engine_loop_writes_stats_lines(caplog):
             assert loop.ready.wait(WAIT_S)
 
             def bump(engine):
-                engine.counters["generation_tokens"] += 5
+                engine.generation_tokens += 5
 
             loop.call_sync(bump, timeout=WAIT_S)
             wait_for(lambda: any("generation" in r.getMessage() for r in caplog.records if r.name == "ft.stats"),

@@ -276,3 +276,53 @@ def test_dashboard_graphs_only_exported_series(app):
                  "ft_kv_cache_usage_ratio", "ft_expert_cache_hits_total", "ft_pool_bytes", "ft_rebuilds_total",
                  "ft_num_preemptions_total"):
         assert name in used, f"the dashboard has no panel on {name}"
+
+
+def test_metrics_answer_while_the_engine_thread_is_busy(app):
+    """/metrics reads the figures the engine thread last published: a scrape while the engine thread
+    is held (as a long prefill or a rebuild holds it) answers at once with the engine's series, and
+    the figures of the requests that ended before it. (It used to ask the engine thread for them
+    between two steps, and waited: up to 4.4 s under load on the H200.)"""
+    client, state = app
+    assert complete(client, "counted before the engine is held", 3).status_code == 200
+    want = state.loop.call_sync(lambda e: e.counters["generation_tokens"], timeout=WAIT_S)
+    release = threading.Event()
+    held = state.loop.call(lambda e: release.wait(20.0))  # (bounded: a regression fails, it does not hang)
+    try:
+        wait_for(lambda: held.running(), "the engine thread runs the holding command")
+        got = value(client, "ft_generation_tokens_total")
+        assert not held.done(), "/metrics waited for the engine thread"
+        assert got == want and value(client, "ft_requests_running") == 0
+    finally:
+        release.set()
+    held.result(WAIT_S)
+
+
+def test_a_finished_request_is_in_the_next_scrape(app):
+    """The figures are published before a step's tokens reach their streams: the scrape right after a
+    request's answer counts its tokens (no wait, no stale figures)."""
+    client, _ = app
+    for n in (1, 2, 5):
+        before = value(client, "ft_generation_tokens_total")
+        assert complete(client, [11, 12, 13, n], n).status_code == 200
+        assert value(client, "ft_generation_tokens_total") - before == n
+
+
+def test_admin_events_tick_while_the_engine_thread_is_busy(app):
+    """`ft top`'s stream (GET /admin/events) reads the published figures and cache state too: ticks keep
+    coming while the engine thread is held, and they carry the geometry the engine last published."""
+    client, state = app
+    release = threading.Event()
+    with client.stream("GET", "/admin/events?interval=0.1") as r:
+        lines = (x for x in r.iter_lines() if x.startswith("data:"))
+        first = json.loads(next(lines)[5:])
+        held = state.loop.call(lambda e: release.wait(20.0))  # (bounded: a regression fails, it does not hang)
+        try:
+            wait_for(lambda: held.running(), "the engine thread runs the holding command")
+            ticks = [json.loads(next(lines)[5:]) for _ in range(3)]
+            assert not held.done(), "the events stream waited for the engine thread"
+        finally:
+            release.set()
+    held.result(WAIT_S)
+    assert first["kind"] == "snapshot" and [t["kind"] for t in ticks] == ["tick"] * 3
+    assert {t["cache"]["pools"]["kv"]["size"] for t in ticks} == {first["cache"]["pools"]["kv"]["size"]}

@@ -23,6 +23,7 @@ from ft.engine.prefix_cache import PrefixCache
 from ft.engine.rank_state import KV_ALGO_DTYPES, KV_DTYPES, RankState
 from ft.engine.sampling_params import SamplingParams
 from ft.engine.scheduler import Scheduler, ScheduledWork
+from ft.engine.stats import EngineStats, engine_stats
 from ft.engine.overlap import OverlappedDecode
 from ft.engine.sequence import Sequence
 from ft.engine.tokenizer import Tokenizer
@@ -441,6 +442,14 @@ class Engine(RankState):
             seq.text.finish()
             return "length"
         return None
+
+    def pause_admission(self, paused: bool) -> None:
+        """Stop (or resume) admitting waiting requests; running ones go on (a resize waiting for room)."""
+        self.scheduler.admission_paused = paused
+
+    def stats(self) -> EngineStats:
+        """The engine's figures now, as one immutable value (`ft.engine.stats`)."""
+        return engine_stats(self)
 
     def text_of(self, seq: Sequence) -> str:
         """The generated text (cut before a stop string when one ended the request)."""

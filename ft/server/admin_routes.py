@@ -107,11 +107,11 @@ async def run_rebuild(st, fn, wait_s: float | None, fits_when_idle=None):
                         raise
                     if time.monotonic() >= deadline:
                         raise _WaitExpired() from None
-                    await st.loop.acall(lambda e: setattr(e.scheduler, "admission_paused", True))
+                    await st.loop.acall(lambda e: e.pause_admission(True))
                     await asyncio.sleep(0.05)
         finally:
             if st.loop.state == "serving":
-                await st.loop.acall(lambda e: setattr(e.scheduler, "admission_paused", False))
+                await st.loop.acall(lambda e: e.pause_admission(False))
             st.rebuilding = False
 
     task = asyncio.ensure_future(attempt())
@@ -187,9 +187,14 @@ async def events(request: Request):
         raise ApiError(400, f"interval must be a number of seconds, got {request.query_params.get('interval')!r}") \
             from None
 
-    def sample(engine):
-        return admin_state.cache_state(engine, _state_of(st), st.model_name), dict(engine.counters), \
-            (engine.pools.experts.stats.hits, engine.pools.experts.stats.misses) if engine.pools.experts else (0, 0)
+    async def sample() -> tuple[CacheState, Any]:
+        # what the engine thread published (`EngineLoop.view`, `stats`): a tick never waits for a step;
+        # the first one (nothing published yet) asks the engine once
+        cache, stats = st.loop.view(), st.loop.stats()
+        if cache is None:
+            cache = await st.loop.acall(lambda e: admin_state.cache_state(e, "serving", st.model_name))
+        state = _state_of(st)
+        return (cache if cache.state == state else cache.model_copy(update={"state": state})), stats
 
     async def stream():
         last_key, last, last_t = None, None, time.monotonic()
@@ -199,16 +204,16 @@ async def events(request: Request):
             if st.loop.state != "serving":
                 ev = Event(kind=kind, cache=CacheState(state="starting", model=st.model_name))
             else:
-                cache, counters, (hits, misses) = await st.loop.acall(sample)
+                cache, stats = await sample()
                 now = time.monotonic()
-                rates = LiveRates(kv_usage=cache.pools.kv.used / max(1, cache.pools.kv.pages))
+                rates = LiveRates(kv_usage=stats.kv_used_tokens / max(1, stats.kv_tokens))
                 if last is not None:
                     dt = max(1e-6, now - last_t)
-                    rates.decode_tokens_per_s = (counters["generation_tokens"] - last[0]["generation_tokens"]) / dt
-                    rates.prompt_tokens_per_s = (counters["prompt_tokens"] - last[0]["prompt_tokens"]) / dt
-                    dh, dm = hits - last[1][0], misses - last[1][1]
+                    rates.decode_tokens_per_s = (stats.generation_tokens - last.generation_tokens) / dt
+                    rates.prompt_tokens_per_s = (stats.prompt_tokens - last.prompt_tokens) / dt
+                    dh, dm = stats.hits - last.hits, stats.misses - last.misses
                     rates.expert_hit_rate = dh / (dh + dm) if dh + dm else cache.pools.moe.hit_rate
-                last, last_t = (counters, (hits, misses)), now
+                last, last_t = stats, now
                 key = (cache.state, cache.pools.moe.size, cache.pools.kv.size, cache.pools.mamba.size)
                 if kind != "snapshot" and key != last_key:
                     kind = "change"

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from ft.server import admin_routes, errors, openai_routes, util_routes
+from ft.server import admin_routes, admin_state, errors, openai_routes, util_routes
 from ft.server.engine_loop import EngineLoop
 from ft.server.guard import Guard
-from ft.server.metrics import Metrics, engine_snapshot
+from ft.server.metrics import Metrics
 
 
 @dataclass
@@ -63,6 +63,8 @@ def create_app(state: ServerState, start_loop: bool = True) -> FastAPI:
 
     app = FastAPI(title="FreeToken", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ft = state
+    # the admin cache state, published by the engine thread while `ft top` (GET /admin/events) reads it
+    state.loop.publish_view(lambda e: admin_state.cache_state(e, "serving", state.model_name))
     errors.install(app)
 
     app.add_middleware(Guard, state=state, body_timeout_s=state.body_timeout_s)
@@ -82,7 +84,8 @@ def create_app(state: ServerState, start_loop: bool = True) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        snap = await state.loop.acall(engine_snapshot) if state.loop.state == "serving" else {}
+        # the figures the engine thread last published: a scrape never waits for a step
+        snap = state.loop.stats() if state.loop.state == "serving" else None
         return Response(state.metrics.render(snap), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.include_router(openai_routes.router)

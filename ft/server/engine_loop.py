@@ -1,9 +1,12 @@
 """The engine thread: one loop that owns the engine (and so every tensor).
 
 The asyncio side talks to it only through a thread-safe command queue: `submit` a request,
-`abort` one, or `call` any function on the engine between two forward steps (admin commands,
-state snapshots). Tokens flow back per request through an asyncio queue fed with
-`call_soon_threadsafe`, so the event loop never blocks on the engine.
+`abort` one, or `call` any function on the engine between two forward steps (admin commands).
+Tokens flow back per request through an asyncio queue fed with `call_soon_threadsafe`, so the
+event loop never blocks on the engine. The engine's figures (`Engine.stats`, an immutable
+`EngineStats`) are published by the engine thread after steps and commands, at most every
+`STATS_INTERVAL_S`, and read without a command (`stats()`): /metrics and `ft top`'s event stream
+never wait for a step, a rebuild, or the overlapped step in flight.
 """
 
 from __future__ import annotations
@@ -22,6 +25,15 @@ from ft.errors import DeviceFailed, FreeTokenError
 from ft.server.stats_log import StatsLogger
 
 log = logging.getLogger("ft.server")
+
+STATS_INTERVAL_S = 0.02
+"""Least seconds between two published `EngineStats` (a snapshot costs tens of microseconds of the
+engine thread; a decode step a few milliseconds): /metrics is at most this much older than the
+last step boundary, plus the step running when it is asked."""
+VIEW_INTERVAL_S = 0.5
+"""Least seconds between two published views (`publish_view`: the admin cache state, ~1 ms to take)."""
+VIEW_DEMAND_S = 5.0
+"""A view is taken only while a reader asked for it within this many seconds (a dashboard is open)."""
 
 
 @dataclass
@@ -68,6 +80,12 @@ class EngineLoop:
         self.error: BaseException | None = None
         self.ready = threading.Event()
         self.on_failure: Callable[[], None] | None = None  # called once, on this thread, when the device is lost
+        self._published: Any = None  # the engine's latest EngineStats (replaced whole: readers need no lock)
+        self._published_at = float("-inf")
+        self._view_fn: Callable[[Any], Any] | None = None
+        self._view: Any = None
+        self._view_at = self._view_wanted_at = float("-inf")
+        self._view_key: Any = None
         self._thread = threading.Thread(target=self._main, name="ft-engine", daemon=True)
 
     # ------------------------------------------------------------------------- lifecycle
@@ -131,6 +149,7 @@ class EngineLoop:
             self.state = "failed"
             self.ready.set()
             return
+        self._publish_stats(force=True)
         self.state = "serving"
         if self._stats is not None:
             self._log_stats()  # the baseline: the first interval starts when the engine is up
@@ -139,6 +158,8 @@ class EngineLoop:
             self._run_commands(block=not self.engine.has_work)
             if self.engine.has_work:
                 self._step()
+            else:
+                self._publish_stats()  # idle: the figures and the view stay current
             if self._stats is not None:
                 self._log_stats()
         close = getattr(self.engine, "close", None)  # tensor parallelism: the worker ranks leave
@@ -150,35 +171,84 @@ class EngineLoop:
 
     def _log_stats(self) -> None:
         try:
-            self._stats.tick(self.engine)
+            self._stats.tick(self.stats)
         except Exception:  # noqa: BLE001 - a broken stats line must not stop serving: report it once, stop it
             log.exception("the stats line failed; no more stats lines")
             self._stats = None
 
-    def _run_commands(self, block: bool) -> None:
+    def stats(self) -> Any:
+        """The engine's latest published `EngineStats` (None before the engine is up): any thread, no
+        command, no wait."""
+        return self._published
+
+    def publish_view(self, fn: Callable[[Any], Any]) -> None:
+        """Also publish fn(engine) (a heavier view, e.g. the admin cache state) for `view()`: taken on
+        the engine thread while a reader wants it, at most every `VIEW_INTERVAL_S`, and at once when
+        the pools' geometry or the ladder's rung changed (a resize shows at the next read)."""
+        self._view_fn = fn
+
+    def view(self) -> Any:
+        """The latest published view (None until one was taken: the first reader asks for one and
+        gets None; take it with `acall` then). Any thread, no command."""
+        self._view_wanted_at = time.monotonic()
+        return self._view
+
+    def _publish_stats(self, force: bool = False) -> None:
+        """Take and publish `Engine.stats()` (on the engine thread), unless the last one is younger
+        than `STATS_INTERVAL_S` and not `force`d; then the view when it is due."""
+        now = time.monotonic()
+        if not force and now - self._published_at < STATS_INTERVAL_S:
+            return
+        try:
+            self._published = self.engine.stats()
+        except Exception:  # noqa: BLE001 - readers keep the last figures; a bug here must not stop serving
+            log.exception("taking the engine's figures failed")
+        self._published_at = now
+        if self._view_fn is None or now - self._view_wanted_at > VIEW_DEMAND_S:
+            return
+        st = self._published
+        key = (st.moe_slots, st.kv_tokens, st.mamba_slots, st.rung) if st is not None else None
+        if key == self._view_key and now - self._view_at < VIEW_INTERVAL_S:
+            return
+        try:
+            self._view = self._view_fn(self.engine)
+        except Exception:  # noqa: BLE001 - as above
+            log.exception("taking the engine's view failed")
+        self._view_at, self._view_key = now, key
+
+    def _run_commands(self, block: bool) -> bool:
+        """Run the queued commands (waiting up to 50 ms for one when `block`), each followed by the
+        figures it changed (`_publish_stats`); whether any ran."""
         try:
             fn, fut = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
         except queue.Empty:
-            return
+            return False
         drain = getattr(self.engine, "drain", None)  # overlapped decode: the step in flight lands first
         if drain is not None:
             try:
-                self._publish(drain())
+                outs = drain()
+                self._publish_stats(force=True)
+                self._publish(outs)
             except BaseException as e:  # noqa: BLE001 - as a failed step: fail its requests, keep serving
                 self._fail_step(e)
                 if self.state == "failed" and fut.set_running_or_notify_cancel():  # the device is lost
                     fut.set_exception(RuntimeError(f"engine is failed: {self.error}"))
-                    return
+                    return False
         while True:
             if fut.set_running_or_notify_cancel():
                 try:
-                    fut.set_result(fn(self.engine))
+                    result = fn(self.engine)
                 except BaseException as e:
+                    self._publish_stats(force=True)
                     fut.set_exception(e)
+                else:
+                    # figures first: a caller that saw its command done reads figures that include it
+                    self._publish_stats(force=True)
+                    fut.set_result(result)
             try:
                 fn, fut = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     def _step(self) -> None:
         try:
@@ -186,6 +256,8 @@ class EngineLoop:
         except BaseException as e:  # a bug: fail the requests of the failed step, keep the server up
             self._fail_step(e)
             return
+        # figures first, tokens second: a client that saw its request end reads figures that count it
+        self._publish_stats(force=any(seq.finish_reason for seq in outs))
         self._publish(outs)
 
     def _fail_step(self, e: BaseException) -> None:

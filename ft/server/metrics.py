@@ -33,6 +33,7 @@ histograms `_bucket`/`_sum`/`_count` in the exposition):
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -46,6 +47,9 @@ from prometheus_client.core import (
     GaugeMetricFamily,
     HistogramMetricFamily,
 )
+
+if TYPE_CHECKING:
+    from ft.engine.stats import EngineStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 """Seconds, for TTFT and inter-token latency."""
@@ -67,12 +71,12 @@ request). Created at zero, so that a rate of errors is 0 rather than missing."""
 
 
 class _EngineCollector:
-    """The engine's figures, from the snapshot `Metrics.render` was given (nothing when it is empty:
+    """The engine's figures, from the `EngineStats` `Metrics.render` was given (nothing when None:
     the engine is not serving)."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.snapshot: dict = {}
+        self.snapshot: EngineStats | None = None
 
     def _family(self, kind, name: str, doc: str, value=None, labels: tuple[str, ...] = ()):
         fam = kind(name, doc, labels=["model_name", *labels])
@@ -82,39 +86,39 @@ class _EngineCollector:
 
     def collect(self):
         s = self.snapshot
-        if not s:
+        if s is None:
             return
         m = self.model_name
         g = lambda name, doc, value: self._family(GaugeMetricFamily, name, doc, value)
-        yield g("ft_requests_running", "Requests being prefilled or decoded", s["running"])
-        yield g("ft_requests_waiting", "Requests waiting for admission", s["waiting"])
-        yield g("ft_kv_tokens_used", "KV cache tokens held (requests and prefix cache)", s["kv_used_tokens"])
-        yield g("ft_kv_tokens_capacity", "KV cache capacity in tokens", s["kv_tokens"])
+        yield g("ft_requests_running", "Requests being prefilled or decoded", s.running)
+        yield g("ft_requests_waiting", "Requests waiting for admission", s.waiting)
+        yield g("ft_kv_tokens_used", "KV cache tokens held (requests and prefix cache)", s.kv_used_tokens)
+        yield g("ft_kv_tokens_capacity", "KV cache capacity in tokens", s.kv_tokens)
         yield g("ft_kv_cache_usage_ratio", "KV cache tokens held / capacity, 0..1 (pages the prefix cache holds "
-                "count as used)", s["kv_used_tokens"] / s["kv_tokens"] if s["kv_tokens"] else 0.0)
-        yield g("ft_mamba_slots_used", "Linear-attention state slots in use", s["mamba_used"])
-        yield g("ft_expert_slots", "Expert cache slots on the device", s["moe_slots"])
-        yield g("ft_cache_budget_bytes", "Memory budget of the cache pools", s["budget_bytes"])
+                "count as used)", s.kv_used_tokens / s.kv_tokens if s.kv_tokens else 0.0)
+        yield g("ft_mamba_slots_used", "Linear-attention state slots in use", s.mamba_used)
+        yield g("ft_expert_slots", "Expert cache slots on the device", s.moe_slots)
+        yield g("ft_cache_budget_bytes", "Memory budget of the cache pools", s.budget_bytes)
         pools = self._family(GaugeMetricFamily, "ft_pool_bytes", "Bytes of each cache pool", labels=("pool",))
         for pool in ("moe", "kv", "mamba"):
-            pools.add_metric([m, pool], s[f"{pool}_bytes"])
+            pools.add_metric([m, pool], getattr(s, f"{pool}_bytes"))
         yield pools
         c = lambda name, doc, value: self._family(CounterMetricFamily, name, doc, value)
-        yield c("ft_expert_cache_hits", "Expert lookups served by a resident slot", s["hits"])
-        yield c("ft_expert_cache_misses", "Expert lookups that loaded from the host store", s["misses"])
+        yield c("ft_expert_cache_hits", "Expert lookups served by a resident slot", s.hits)
+        yield c("ft_expert_cache_misses", "Expert lookups that loaded from the host store", s.misses)
         yield c("ft_expert_host_bytes", "Expert bytes moved from host memory to the device (loads and in-place "
-                "reads)", s["host_bytes"])
-        yield c("ft_expert_landed", "Experts cached by read-through landings during decode", s["landed"])
-        yield c("ft_prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded)", s["prompt_tokens"])
-        yield c("ft_generation_tokens", "Tokens generated", s["generation_tokens"])
+                "reads)", s.host_bytes)
+        yield c("ft_expert_landed", "Experts cached by read-through landings during decode", s.landed)
+        yield c("ft_prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded)", s.prompt_tokens)
+        yield c("ft_generation_tokens", "Tokens generated", s.generation_tokens)
         yield c("ft_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache at admission",
-                s["prefix_queried_tokens"])
+                s.prefix_queried_tokens)
         yield c("ft_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache at admission (not computed)",
-                s["prefix_hit_tokens"])
+                s.prefix_hit_tokens)
         yield c("ft_num_preemptions", "Requests preempted (their KV freed, recomputed later) for lack of KV pages",
-                s["preemptions"])
+                s.preemptions)
         yield c("ft_decode_steps_overlapped", "Decode steps queued behind the step in flight before the host read "
-                "its tokens (overlapped decode, --overlap-decode)", s["overlapped_steps"])
+                "its tokens (overlapped decode, --overlap-decode)", s.overlapped_steps)
         for name, doc, key in (("ft_cuda_graph_replays", "Steps replayed from CUDA graphs, by kind (decode: a batch-size "
                                 "bucket's graph; prefill: a short prompt's graphs around its attention cores)",
                                 "graph_replays"),
@@ -122,13 +126,13 @@ class _EngineCollector:
                                 "the addresses they read changed), by kind", "graph_captures")):
             fam = self._family(CounterMetricFamily, name, doc, labels=("kind",))
             for kind in ("decode", "prefill"):
-                fam.add_metric([m, kind], s[key][kind])
+                fam.add_metric([m, kind], getattr(s, key)[kind])
             yield fam
         rebuilds = self._family(CounterMetricFamily, "ft_rebuilds", "Cache rebuilds by status", labels=("status",))
-        for status, n in s["rebuilds"].items():
+        for status, n in s.rebuilds.items():
             rebuilds.add_metric([m, status], n)
         yield rebuilds
-        yield from self._rebuild_durations(s["rebuild_durations"])
+        yield from self._rebuild_durations(s.rebuild_durations)
 
     def _rebuild_durations(self, durations: list[tuple[str, float]]):
         """ft_rebuild_duration_seconds{trigger}, built from the whole history at each scrape."""
@@ -212,40 +216,8 @@ class Metrics:
             if start is not None and end is not None:
                 hist.observe(max(0.0, end - start))
 
-    def render(self, snapshot: dict) -> bytes:
-        """The exposition text; `snapshot` is `engine_snapshot`'s dict ({}: no engine series)."""
+    def render(self, snapshot: EngineStats | None) -> bytes:
+        """The exposition text; `snapshot`: the engine's figures as the engine loop last published them
+        (None: no engine series)."""
         self.engine.snapshot = snapshot
         return generate_latest(self.registry)
-
-
-def engine_snapshot(engine) -> dict:
-    """Figures for /metrics, read on the engine thread."""
-    pools = engine.pools
-    st = pools.experts.stats if pools.experts else None
-    rebuilds: dict[str, int] = {}
-    durations: list[tuple[str, float]] = []
-    for h in engine.cache.history:
-        if h["trigger"] == "startup":
-            continue
-        rebuilds[h["status"]] = rebuilds.get(h["status"], 0) + 1
-        took = (h.get("phases") or {}).get("total_s")
-        if took is not None and h["status"] != "refused":  # a refusal recorded by the ladder ran nothing
-            durations.append((h["trigger"], float(took)))
-    runner = engine.runner
-    graphs = {"decode": runner.graphs, "prefill": runner.prefill_graphs}
-    return {
-        "graph_replays": {k: g.replays if g is not None else 0 for k, g in graphs.items()},
-        "graph_captures": {k: g.captures if g is not None else 0 for k, g in graphs.items()},
-        "running": len(engine.scheduler.running), "waiting": len(engine.waiting_requests()),
-        "kv_used_tokens": pools.kv.num_used_pages * pools.kv.page_size, "kv_tokens": pools.kv.num_tokens,
-        "mamba_used": pools.mamba.num_used, "moe_slots": pools.experts.num_slots if pools.experts else 0,
-        "budget_bytes": engine.cache.budget.budget_bytes,
-        "moe_bytes": pools.experts.nbytes if pools.experts else 0, "kv_bytes": pools.kv.nbytes,
-        "mamba_bytes": pools.mamba.nbytes, "hits": st.hits if st else 0, "misses": st.misses if st else 0,
-        "host_bytes": st.bytes_loaded if st else 0,
-        "landed": pools.experts.read_through.landed_total if pools.experts and pools.experts.read_through else 0,
-        "prompt_tokens": engine.counters["prompt_tokens"], "generation_tokens": engine.counters["generation_tokens"],
-        "prefix_queried_tokens": engine.prefix_cache.query_tokens, "prefix_hit_tokens": engine.prefix_cache.hit_tokens,
-        "preemptions": engine.scheduler.num_preemptions, "overlapped_steps": engine.overlapped_steps,
-        "rebuilds": rebuilds, "rebuild_durations": durations,
-    }

@@ -5,7 +5,7 @@
 Rates and the hit rate are over the interval since the previous sample; running, waiting, KV usage
 and the rung are the state now. A line is written only for an interval with activity (tokens
 computed, or requests running or waiting), so an idle server stays quiet. No torch here: the
-samples are plain numbers read on the engine thread.
+samples are plain numbers, from the engine's `EngineStats`.
 """
 
 from __future__ import annotations
@@ -35,18 +35,12 @@ class StatsSample:
     rungs: int  # 0: no ladder
 
 
-def sample(engine: Any, at: float) -> StatsSample:
-    """Read the figures (on the engine thread; the same sources as /metrics' snapshot)."""
-    pools = engine.pools
-    st = pools.experts.stats if pools.experts is not None else None
-    lad = engine.ladder
-    kv_tokens = pools.kv.num_tokens
+def sample(stats: Any, at: float) -> StatsSample:
+    """The line's figures from the engine's `EngineStats` (the value /metrics reads too)."""
     return StatsSample(
-        at, len(engine.scheduler.running), len(engine.waiting_requests()),
-        engine.counters["prompt_tokens"], engine.counters["generation_tokens"],
-        pools.kv.num_used_pages * pools.kv.page_size, kv_tokens,
-        st.hits if st is not None else None, st.misses if st is not None else None,
-        lad.current(engine.cache.geometry.kv_tokens) if lad is not None else None, len(lad.rungs) if lad else 0,
+        at, stats.running, stats.waiting, stats.prompt_tokens, stats.generation_tokens, stats.kv_used_tokens,
+        stats.kv_tokens, stats.hits if stats.offloaded else None, stats.misses if stats.offloaded else None,
+        stats.rung, stats.rungs,
     )
 
 
@@ -75,9 +69,10 @@ def format_stats(prev: StatsSample, cur: StatsSample) -> str:
 
 
 class StatsLogger:
-    """Call `tick(engine)` as often as convenient on the engine thread: every `interval_s` (on
-    `clock`) it samples, and writes the line of the interval just ended if it was active.
-    The first tick only takes the baseline. `interval_s` <= 0 turns it off."""
+    """Call `tick(stats)` as often as convenient: every `interval_s` (on `clock`) it samples
+    `stats()` (a callable giving the engine's `EngineStats`, called only when a sample is due), and
+    writes the line of the interval just ended if it was active. The first tick only takes the
+    baseline. `interval_s` <= 0 turns it off."""
 
     def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic,
                  emit: Callable[[str], None] | None = None) -> None:
@@ -89,12 +84,12 @@ class StatsLogger:
     def due(self, now: float) -> bool:
         return self.interval_s > 0 and (self.prev is None or now - self.prev.at >= self.interval_s)
 
-    def tick(self, engine: Any) -> str | None:
+    def tick(self, stats: Callable[[], Any]) -> str | None:
         """The line written by this tick, if any."""
         now = self.clock()
         if not self.due(now):
             return None
-        cur, prev = sample(engine, now), self.prev
+        cur, prev = sample(stats(), now), self.prev
         self.prev = cur  # an idle interval moves the baseline too: a rate never spans more than one interval
         if prev is None or not active(prev, cur):
             return None
