@@ -65,7 +65,9 @@ HELP = {
     "tensor_parallel_size": "GPUs that share the model, one process each (attention and linear-attention heads, "
                             "expert and MLP channels split; every rank caches its part of every expert, so the "
                             "expert cache covers N times the fraction of the model); GPU r is rank r",
-    "cuda_graph_max_bs": "decode batches up to this many requests replay one CUDA graph per batch-size bucket",
+    "cuda_graph_max_bs": ("decode batches up to this many requests replay one CUDA graph per batch-size bucket (1, 2, "
+                          "4, 8, then every 16); the graphs' memory is counted in the budget (default: "
+                          "--max-running-requests, every batch the engine runs)"),
     "disable_cuda_graph": "run every decode step and prefill eagerly, without CUDA graphs (debugging)",
     "prefill_graph_max_tokens": ("one-request prefill chunks of up to this many tokens replay CUDA graphs, padded to "
                                  "a token bucket, with the attention cores run between them (short prompts' time to "

@@ -90,6 +90,17 @@ def test_other_engines_flag_names_set_our_fields(argv, field, value):
     assert getattr(_config(*argv), field) == value
 
 
+@pytest.mark.parametrize(("argv", "graphs"), [
+    ([], 8), (["--max-num-seqs", "48"], 48), (["--max-num-seqs", "48", "--cuda-graph-max-bs", "16"], 16),
+    (["--cuda-graph-max-bs", "64"], 8), (["--max-num-seqs", "48", "--disable-cuda-graph"], 0),
+    (["--cuda-graph-max-bs", "0"], 0),
+])
+def test_decode_graphs_cover_every_running_batch_by_default(argv, graphs):
+    """The decode graphs' largest bucket: every batch the engine runs (--max-num-seqs) unless
+    --cuda-graph-max-bs caps it; none with --disable-cuda-graph."""
+    assert _config(*argv).decode_graph_max_bs == graphs
+
+
 def test_memory_ratio_help_says_what_it_is_a_fraction_of(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])

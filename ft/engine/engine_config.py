@@ -42,7 +42,8 @@ class EngineConfig:
     ladder_min_reuse: float = 0.5  # a request reusing less of its prompt from the cache may shrink KV
     ladder_dwell_s: float = 30.0  # least seconds on a rung before shrinking
     ladder_grow_hold_s: float = 60.0  # no shrink for this many seconds after a grow
-    cuda_graph_max_bs: int = 16  # decode batches up to this size replay CUDA graphs (on CUDA)
+    cuda_graph_max_bs: int | None = None  # decode batches up to this size replay CUDA graphs (on CUDA); None: all
+    # (up to max_running_requests; `decode_graph_max_bs`)
     disable_cuda_graph: bool = False  # run every decode step and prefill eagerly (debugging)
     prefill_graph_max_tokens: int = 2048  # one-sequence prefills up to this many tokens replay CUDA graphs
     overlap_decode: bool | None = None  # queue the next decode step before reading this one's tokens; None: on CUDA
@@ -70,7 +71,7 @@ class EngineConfig:
             raise ConfigError(f"--storage-backend must be auto, vmm, mmap or realloc, got {self.storage_backend!r}")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
-        if self.cuda_graph_max_bs < 0:
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
             raise ConfigError(f"--cuda-graph-max-bs must be >= 0, got {self.cuda_graph_max_bs}")
         if self.prefill_graph_max_tokens < 0:
             raise ConfigError(f"--prefill-graph-max-tokens must be >= 0, got {self.prefill_graph_max_tokens}")
@@ -86,6 +87,15 @@ class EngineConfig:
                     object.__setattr__(self, name, parse_bytes(getattr(self, name)))
                 except ValueError as e:
                     raise ConfigError(f"--{name.replace('_', '-')}: {e}") from None
+
+    @property
+    def decode_graph_max_bs(self) -> int:
+        """The largest decode batch replayed from a CUDA graph: --cuda-graph-max-bs, by default every
+        batch the engine runs (max_running_requests); 0 with --disable-cuda-graph."""
+        if self.disable_cuda_graph:
+            return 0
+        limit = self.max_running_requests if self.cuda_graph_max_bs is None else self.cuda_graph_max_bs
+        return min(limit, self.max_running_requests)
 
     @property
     def mamba_slots(self) -> int:

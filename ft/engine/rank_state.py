@@ -89,8 +89,15 @@ class RankState:
             activation_reserve(cfg, self.dtype, self.device, self.prefill_graph_tokens, 1, shapes.kv_dtype, 0) \
             + CoreBuffers.nbytes(self.prefill_graph_tokens, cfg.num_attention_heads, cfg.num_key_value_heads,
                                  cfg.head_dim, self.dtype)
+        # the decode graphs' shared pool holds the largest bucket's step (activations, MoE workspace,
+        # logits) for as long as the graphs live: counted like the prefill graphs', beside `reserve`
+        self.decode_graph_bs = config.decode_graph_max_bs if self.device.type == "cuda" else 0
+        self.decode_graph_reserve = 0 if not self.decode_graph_bs else \
+            activation_reserve(cfg, self.dtype, self.device, self.decode_graph_bs, self.decode_graph_bs,
+                               shapes.kv_dtype, 0)
         budget = measure_budget(self.device, self.model.resident_bytes, config.memory_ratio, config.gpu_memory_limit,
-                                self.reserve + self.prefill_graph_reserve, config.cache_budget)
+                                self.reserve + self.prefill_graph_reserve + self.decode_graph_reserve,
+                                config.cache_budget)
         self.rungs = make_rungs(config.ladder_step_size, self.context_limit, config.page_size) \
             if config.enable_kv_ladder else None
         floor = min(cfg.num_experts_per_tok, shapes.total_experts) if shapes.total_experts else 0
@@ -111,7 +118,7 @@ class RankState:
         self.runner = ModelRunner(
             self.model, pools, self.device, config.max_running_requests, config.max_prefill_length,
             -(-self.context_limit // config.page_size), self.context_limit,
-            0 if config.disable_cuda_graph else config.cuda_graph_max_bs,
+            self.decode_graph_bs,
             self.prefill_graph_tokens,
         )
         self.runner.routing = self._trace_routing(config, cfg)

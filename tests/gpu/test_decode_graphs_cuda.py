@@ -48,6 +48,20 @@ def test_graph_replay_equals_eager_bitwise(model):
     assert torch.equal(graphs.engine.last_logits, eager.engine.last_logits)
 
 
+def test_graphs_cover_every_running_batch_and_their_pool_is_in_the_budget(model):
+    """By default the buckets reach --max-running-requests (no eager decode at any batch the engine
+    runs), and the budget's reserve counts the decode graphs' pool (the largest bucket's step) beside
+    the forward's; after every bucket captured, the pools' advertised sizes still fit the card."""
+    llm = make(model, max_running_requests=20)
+    e = llm.engine
+    assert e.runner.graphs.buckets[-1] == 20 and e.decode_graph_reserve > 0
+    assert e.cache.budget.reserve_bytes == e.reserve + e.prefill_graph_reserve + e.decode_graph_reserve
+    prompts = [list(range(100 + 7 * i, 130 + 7 * i)) for i in range(20)]
+    generate(llm, prompts)
+    assert e.runner.graphs.captures >= 1 and e.runner.graphs.disabled is None
+    assert make(model, max_running_requests=20, cuda_graph_max_bs=4).engine.runner.graphs.buckets[-1] == 4
+
+
 def test_rebuild_between_replays_keeps_tokens(model):
     ref = generate(make(model))
     llm = make(model)
