@@ -57,6 +57,12 @@ def add_parser(sub) -> None:
     p.add_argument("--allow-client-chat-template", action="store_true",
                    help="let requests bring their own chat template (chat_template_kwargs.chat_template; sandboxed "
                         "Jinja, but it runs their code)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="before /health says ready, run throwaway requests so that every kernel is compiled and "
+                        "every CUDA graph captured (prefill token buckets, decode batch buckets, sampling with "
+                        "penalties, logprobs and a grammar): the first request is as fast as the hundredth. Triton "
+                        "keeps what it compiled in ~/.triton/cache ($TRITON_CACHE_DIR), so a restart warms up "
+                        "faster (default: on a GPU)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -195,8 +201,17 @@ def _serve(args: argparse.Namespace, config, sock, t0: float) -> int:
         log.info("ft serve: %s", line, extra={"plain": True})
 
     # phase lines unless --no-progress; the weights' bar only where config.progress says (a terminal)
-    loop = EngineLoop(lambda: build_engine(config, say if args.progress is not False else None),
-                      stats_interval_s=args.log_stats_interval)
+    phase = say if args.progress is not False else None
+
+    def build():
+        engine = build_engine(config, phase)
+        if args.warmup or (args.warmup is None and engine.device.type == "cuda"):
+            from ft.engine.warmup import warm_up
+
+            say(warm_up(engine, phase).line())
+        return engine
+
+    loop = EngineLoop(build, stats_interval_s=args.log_stats_interval)
     state = ServerState(loop, name, args.api_key, args.admin_token, args.max_body_bytes, args.drain_timeout,
                         args.body_timeout, args.allow_client_chat_template)
     app = create_app(state)

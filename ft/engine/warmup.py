@@ -1,0 +1,130 @@
+"""Warm-up: run throwaway requests through the engine before the server says ready.
+
+On a GPU the first request of each shape pays for what no earlier one did: Triton compiles the
+kernels it reaches (seconds each, holding the GIL), a decode batch's first step at a new bucket
+captures its CUDA graph, a short prefill's first one at a new token bucket captures its pieces,
+and sampling with penalties, logprobs or a grammar reaches kernels plain greedy decode does not.
+`warm_up` makes those first times happen at startup: a prefill at every prefill-graph token bucket
+and one eager prefill (a whole chunk, at most `EAGER_PREFILL_TOKENS`), a decode batch at every graph bucket (largest first), and one request of
+each sampling variant; then it puts back what the requests left: no request, no prefix-cache
+entry, counters at zero. Its cost is paid once per process (and less on a restart: Triton keeps
+what it compiled in its cache directory, `~/.triton/cache` or $TRITON_CACHE_DIR).
+
+It runs on the thread that owns the engine (the server's engine thread, before "ready").
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ft.engine.decode_graphs import batch_buckets
+from ft.engine.prefill_graphs import prefill_buckets
+from ft.engine.sampling_params import SamplingParams
+
+__all__ = ["WarmupReport", "warm_up"]
+
+WARMUP_TIMEOUT_S = 1800.0
+"""Longest a warm-up may take before it gives up (a hung step is a bug, not a slow card)."""
+
+EAGER_PREFILL_TOKENS = 4096
+"""Longest warm-up prompt outside the prefill graphs (the whole chunk when it is shorter)."""
+
+_SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    requests: int
+    prefill_lengths: tuple[int, ...]  # prompt lengths prefilled (one request each)
+    decode_batches: tuple[int, ...]  # decode batch sizes stepped (every graph bucket on CUDA)
+    variants: tuple[str, ...]  # sampling variants run
+    seconds: float
+
+    def line(self) -> str:
+        return (f"warm-up done in {self.seconds:.1f} s: {self.requests} requests, prefills of "
+                f"{', '.join(map(str, self.prefill_lengths)) or 'none'} tokens, decode batches "
+                f"{', '.join(map(str, self.decode_batches))}, sampling {', '.join(self.variants)}")
+
+
+def warm_up(engine: Any, say: Callable[[str], None] | None = None) -> WarmupReport:
+    """Run the warm-up requests on `engine` (idle: nothing queued or running), then leave it as it
+    was (no request, no prefix-cache entry, counters zero). `say` gets a line as each phase starts."""
+    if engine.has_work:
+        raise RuntimeError("warm-up needs an idle engine")
+    t0 = time.monotonic()
+    say = say or (lambda line: None)
+    vocab = engine.model_config.vocab_size
+    next_id = [1]
+
+    def prompt(n: int) -> list[int]:  # ids no other warm-up prompt starts with: the prefix cache serves none
+        start = next_id[0]
+        next_id[0] += n + 1
+        return [(start + i) * 7919 % vocab for i in range(n)]
+
+    requests = [0]
+
+    def run(prompts: list[list[int]], params: SamplingParams) -> None:
+        seqs = [engine.add_request(p, params) for p in prompts]
+        requests[0] += len(seqs)
+        engine.run_until_done(seqs, timeout_s=WARMUP_TIMEOUT_S)
+
+    room = engine.pools.kv.num_tokens - 2 * engine.config.page_size  # (a prompt plus its decoded tokens)
+    limit = min(room, engine.context_limit - 4)
+    runner = engine.runner
+    # an eager prefill (past the graphs' buckets) up to EAGER_PREFILL_TOKENS: its kernels compile by
+    # shape class, and a whole 16K chunk on an offloading card would take tens of seconds
+    chunk = min(engine.config.max_prefill_length or 0, EAGER_PREFILL_TOKENS)
+    graph_tokens = runner.prefill_graphs.buckets if runner.prefill_graphs is not None else []
+    lengths = tuple(sorted({n for n in [*graph_tokens, chunk] if 0 < n <= limit}))
+    if lengths:
+        say(f"warm-up: prefills of {', '.join(map(str, lengths))} tokens")
+    greedy = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    for n in lengths:
+        run([prompt(n)], greedy)
+
+    max_bs = engine.config.max_running_requests
+    buckets = runner.graphs.buckets if runner.graphs is not None else sorted({1, max_bs})
+    per_seq = 4 + 3  # a 4-token prompt and its tokens: one page each
+    batches = tuple(b for b in sorted(buckets, reverse=True) if b <= max_bs and b * engine.config.page_size <= room
+                    and b * per_seq <= room)
+    say(f"warm-up: decode batches of {', '.join(map(str, batches))}")
+    steps = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)  # two decode steps: capture, replay
+    for b in batches:
+        run([prompt(4) for _ in range(b)], steps)
+
+    variants = {
+        "sampled": SamplingParams(max_new_tokens=3, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=1,
+                                  ignore_eos=True),
+        "penalties": SamplingParams(max_new_tokens=3, temperature=0.0, repetition_penalty=1.1, presence_penalty=0.5,
+                                    frequency_penalty=0.5, logit_bias=((1, -1.0),), ignore_eos=True),
+        "logprobs": SamplingParams(max_new_tokens=3, temperature=0.0, logprobs=5, prompt_logprobs=1, ignore_eos=True),
+        "grammar": SamplingParams(max_new_tokens=3, temperature=0.0, grammar=("json_schema", _SCHEMA)),
+    }
+    say(f"warm-up: sampling ({', '.join(variants)})")
+    ran = []
+    for name, params in variants.items():
+        if name == "grammar" and engine.tokenizer is None:
+            continue
+        for b in (1, 2) if max_bs >= 2 else (1,):
+            run([prompt(4) for _ in range(b)], params)
+        ran.append(name)
+    _forget(engine)
+    return WarmupReport(requests[0], lengths, batches, tuple(ran), time.monotonic() - t0)
+
+
+def _forget(engine: Any) -> None:
+    """What the warm-up requests left behind, put back: their prefix-cache entries (and so their
+    pages and mamba slots), the token counters, the prefix cache's and the expert cache's figures.
+    The experts they brought in stay (a cache as good as any), so do the graphs and compiled kernels."""
+    engine.prefix_cache.clear()
+    engine.prefix_cache.hit_tokens = engine.prefix_cache.query_tokens = 0
+    for key in engine.counters:
+        engine.counters[key] = 0
+    engine.scheduler.num_preemptions = 0
+    experts = engine.pools.experts
+    if experts is not None:
+        experts.collect()
+        experts.stats.hits = experts.stats.misses = experts.stats.bytes_loaded = 0

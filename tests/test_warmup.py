@@ -1,0 +1,88 @@
+"""The warm-up `ft serve` runs before it says ready (`ft.engine.warmup`), on the CPU with the small
+"ft-tiny" checkpoint: it reaches every decode batch and prefill length it says, leaves the engine as
+it found it (no request, no prefix-cache page, counters zero), and changes no answer; `ft serve
+--warmup` runs it before /health says ready, and a CPU server skips it by default. (Its point, the
+first request on a GPU as fast as the hundredth, is measured on the device: bench/serve.py.)"""
+
+from __future__ import annotations
+
+import pytest
+from server_proc import SERVE_MODEL, ServerProcess, write_serve_checkpoint
+
+from ft.engine import LLM, SamplingParams
+from ft.engine.warmup import warm_up
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_serve_checkpoint(tmp_path_factory.mktemp("warmup"))
+
+
+def make(path) -> LLM:
+    return LLM(model=str(path), device="cpu", max_running_requests=4, max_prefill_length=96, num_tokens=2048)
+
+
+def answers(engine) -> list[list[int]]:
+    """Greedy and seeded sampled tokens of two prompts, batched."""
+    params = [SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_new_tokens=6, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)]
+    seqs = [engine.add_request(list(range(20 + i, 60 + i)), p) for i, p in enumerate(params)]
+    engine.run_until_done(seqs)
+    return [s.output_ids for s in seqs]
+
+
+def test_warm_up_runs_its_shapes_and_leaves_nothing_behind(checkpoint):
+    e = make(checkpoint).engine
+    running = []
+    step = e.step
+
+    def recording():  # the running batch after each step
+        out = step()
+        running.append(len(e.scheduler.running))
+        return out
+
+    e.step = recording
+    lines = []
+    report = warm_up(e, lines.append)
+    del e.step
+    assert report.decode_batches == (4, 1) and 96 in report.prefill_lengths
+    assert report.variants == ("sampled", "penalties", "logprobs", "grammar")
+    assert report.requests == 1 + 4 + 1 + 4 * 3 and max(running) == 4 and 1 in running
+    assert len(lines) == 3 and report.line().startswith("warm-up done in ")
+    assert not e.has_work and len(e.prefix_cache) == 0
+    assert e.pools.kv.num_used_pages == 0 and e.pools.mamba.num_used == 0
+    assert all(v == 0 for v in e.counters.values()) and e.prefix_cache.query_tokens == 0
+    stats = e.stats()
+    assert stats.prompt_tokens == stats.generation_tokens == stats.hits == stats.misses == 0
+
+
+def test_warm_up_changes_no_answer(checkpoint):
+    cold, warm = make(checkpoint).engine, make(checkpoint).engine
+    warm_up(warm)
+    assert answers(warm) == answers(cold)
+
+
+def test_warm_up_needs_an_idle_engine(checkpoint):
+    e = make(checkpoint).engine
+    e.add_request([1, 2, 3], SamplingParams(max_new_tokens=2))
+    with pytest.raises(RuntimeError, match="idle"):
+        warm_up(e)
+
+
+def test_ft_serve_warms_up_before_ready_when_asked_and_not_on_the_cpu_by_default(checkpoint):
+    base = ("--model", str(checkpoint), "--device", "cpu", "--log-level", "info", "--max-running-requests", "2",
+            "--num-tokens", "2048")
+    asked = ServerProcess(*base, "--warmup")
+    try:
+        out = asked.output()
+        assert "warm-up done in " in out and out.index("warm-up done in ") < out.index("ready on ")
+        r = asked.post("/v1/completions", json={"model": SERVE_MODEL, "prompt": [5, 6, 7], "max_tokens": 2,
+                                                "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    finally:
+        asked.stop()
+    default = ServerProcess(*base)
+    try:
+        assert "warm-up" not in default.output()
+    finally:
+        default.stop()
