@@ -68,6 +68,10 @@ HELP = {
     "cuda_graph_max_bs": ("decode batches up to this many requests replay one CUDA graph per batch-size bucket (1, 2, "
                           "4, 8, then every 16); the graphs' memory is counted in the budget (default: "
                           "--max-running-requests, every batch the engine runs)"),
+    "mix_prefill_decode": ("while a prompt is prefilled (in chunks of --max-prefill-length tokens), each step also "
+                           "computes the next token of every request that is decoding, so a long prompt never "
+                           "freezes the running streams for more than one chunk; a whole prompt of at most "
+                           "--prefill-graph-max-tokens still runs alone (its CUDA graphs)"),
     "disable_cuda_graph": "run every decode step and prefill eagerly, without CUDA graphs (debugging)",
     "prefill_graph_max_tokens": ("one-request prefill chunks of up to this many tokens replay CUDA graphs, padded to "
                                  "a token bucket, with the attention cores run between them (short prompts' time to "

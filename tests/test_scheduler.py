@@ -114,3 +114,74 @@ def test_pages_only_the_prefix_cache_holds_are_counted_apart(tiny_one):
     while not seq.is_finished:
         eng.step()
     assert len(eng.prefix_cache) == 2 and eng.prefix_cache.cached_only_pages() == eng.pools.kv.num_used_pages
+
+
+def _record_works(eng) -> list:
+    """Every ScheduledWork the engine runs from now on, as (rows, tokens, is_prefill)."""
+    works, schedule = [], eng.scheduler.schedule
+
+    def recording():
+        work = schedule()
+        if work is not None:
+            works.append(([s.request_id for s in work.seqs], list(work.num_tokens), work.is_prefill))
+        return work
+
+    eng.scheduler.schedule = recording
+    return works
+
+
+def _long_prompt_beside_a_decode(path, **opts):
+    """A request decoding when a 100-token prompt arrives (chunks of 16): each step's growth of the
+    first request's output until the second has its first token, the steps run, and both outputs."""
+    llm = make(path, max_prefill_length=16, **opts)
+    eng = llm.engine
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    first = eng.add_request(prompt_of(12, seed=1), params)
+    while len(first.output_ids) < 3:
+        eng.step()
+    works = _record_works(eng)
+    second = eng.add_request(prompt_of(100, seed=2), params)
+    growth = []
+    while not second.output_ids:
+        before = len(first.output_ids)
+        eng.step()
+        growth.append(len(first.output_ids) - before)
+    eng.run_until_done([first, second])
+    return growth, works, first, second
+
+
+def test_a_long_prompt_never_freezes_a_decoding_request(tiny_one):
+    """Mixed steps: while the 100-token prompt is prefilled in 7 chunks, every step also decodes the
+    running request (one token a step, never a pause), each step's tokens stay within the prefill
+    budget, and both requests' tokens are transformers' greedy ones. Unmixed, the running request
+    waits for the whole prompt."""
+    _, model, path = tiny_one
+    growth, works, first, second = _long_prompt_beside_a_decode(path)
+    assert growth == [1] * len(growth) and len(growth) >= 7
+    assert all(sum(tokens) <= 16 for _, tokens, _ in works)
+    assert all(first.request_id in rows for rows, _, _ in works[:len(growth)])
+    assert first.output_ids == hf_greedy(model, prompt_of(12, seed=1), 40)
+    assert second.output_ids == hf_greedy(model, prompt_of(100, seed=2), 40)
+    unmixed, _, first_u, second_u = _long_prompt_beside_a_decode(path, mix_prefill_decode=False)
+    assert sum(unmixed) == 0 and len(unmixed) >= 7
+    assert (first_u.output_ids, second_u.output_ids) == (first.output_ids, second.output_ids)
+
+
+def test_a_short_whole_prompt_prefills_alone(tiny_one):
+    """A prompt whose whole rest fits `solo_prefill_tokens` (on a GPU: the prefill graphs' largest
+    bucket) runs alone, as its graphs need; a longer one carries the decodes."""
+    llm = make(tiny_one[2], max_prefill_length=64)
+    eng = llm.engine
+    eng.scheduler.solo_prefill_tokens = 40
+    params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    first = eng.add_request(prompt_of(10, seed=3), params)
+    while len(first.output_ids) < 2:
+        eng.step()
+    works = _record_works(eng)
+    short = eng.add_request(prompt_of(30, seed=4), params)
+    eng.step()
+    assert works[-1] == ([short.request_id], [30], True)
+    long = eng.add_request(prompt_of(50, seed=5), params)
+    eng.step()
+    rows, tokens, prefill = works[-1]
+    assert prefill and rows[-1] == long.request_id and first.request_id in rows and tokens[-1] == 50

@@ -46,6 +46,7 @@ class EngineConfig:
     # (up to max_running_requests; `decode_graph_max_bs`)
     disable_cuda_graph: bool = False  # run every decode step and prefill eagerly (debugging)
     prefill_graph_max_tokens: int = 2048  # one-sequence prefills up to this many tokens replay CUDA graphs
+    mix_prefill_decode: bool = True  # a prefill step carries a token of each decoding request (ft.engine.scheduler)
     overlap_decode: bool | None = None  # queue the next decode step before reading this one's tokens; None: on CUDA
     storage_backend: str = "auto"  # auto | vmm | mmap | realloc: how pools grow and shrink (see ft.memory.storage)
     seed: int = 0

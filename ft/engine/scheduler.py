@@ -1,4 +1,12 @@
-"""FIFO scheduler: chunked prefill first, otherwise one batched decode step of all running requests.
+"""FIFO scheduler: a prefill step (chunked, carrying the running decodes along), otherwise one batched
+decode step of all running requests.
+
+Mixed steps (`mix_decode`): while a prompt is prefilled in chunks, every step also carries one token of
+each running request that is decoding, so a long prompt never freezes the streams: their next token
+comes after one chunk's time, not after the whole prompt's. The step's token budget is shared (the
+decode rows first). A prefill of one request whose whole remaining prompt is at most
+`solo_prefill_tokens` runs alone: it is short, and alone it replays the prefill CUDA graphs
+(`ft.engine.prefill_graphs`, one sequence each), which a mixed step cannot.
 
 Every mutation has its check beside it: a request is admitted only when a mamba slot and the
 KV pages of its first chunk can be had (evicting prefix-cache entries if needed); a decode step
@@ -35,6 +43,8 @@ class Scheduler:
         max_running_requests: int,
         max_prefill_length: int,
         max_prompt_logit_tokens: int | None = None,
+        mix_decode: bool = False,
+        solo_prefill_tokens: int = 0,
     ) -> None:
         self.kv, self.mamba, self.prefix = kv, mamba, prefix_cache
         self.max_running = max_running_requests
@@ -48,6 +58,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.admission_paused = False  # a rebuild waits for running requests to release memory
         self.hold_head = False  # this step only: the first waiting request waits (a deferred ladder grow)
+        self.mix_decode = mix_decode
+        self.solo_prefill_tokens = solo_prefill_tokens
 
     # --------------------------------------------------------------------------- queue
     def add(self, seq: Sequence) -> None:
@@ -65,7 +77,12 @@ class Scheduler:
         return self._schedule_decode()
 
     def _schedule_prefill(self) -> ScheduledWork:
-        budget = self.max_prefill
+        # running requests with one token to compute decode; mixed into this step if it prefills (their
+        # rows come out of the budget, so a step never has more tokens than the buffers hold)
+        decoding = [s for s in self.running if s.num_uncomputed == 1] if self.mix_decode else []
+        if len(decoding) >= self.max_prefill:
+            decoding = []
+        budget = self.max_prefill - len(decoding)
         logit_budget = self.max_prompt_logits  # prompt positions whose logits this step returns
         seqs, counts = [], []
 
@@ -101,7 +118,11 @@ class Scheduler:
             counts.append(n)
             budget -= n
             logit_budget -= n if seq.needs_prompt_logits else 0
-        return ScheduledWork(seqs, counts, True)
+        if not seqs or not decoding or (len(seqs) == 1 and counts[0] == seqs[0].num_uncomputed
+                                        and counts[0] <= self.solo_prefill_tokens):
+            return ScheduledWork(seqs, counts, True)
+        rows = [s for s in decoding if self._grow_for(s, 1)]  # (one without a page waits for the decode step)
+        return ScheduledWork(rows + seqs, [1] * len(rows) + counts, True)
 
     def _schedule_decode(self) -> ScheduledWork | None:
         if not self.running:
