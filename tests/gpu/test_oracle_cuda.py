@@ -58,3 +58,26 @@ def test_cuda_nvfp4_engine_long_prefill_matches_transformers(tiny_one, tmp_path_
     prompt = prompt_of(DEQUANT_MM_MIN_M + 44, seed=13)
     assert rel_err(first_step_logits(llm, prompt).cpu(), hf_last_logits(ref, prompt)) < 1e-4
     assert calls
+
+
+@pytest.mark.parametrize("backend", ["offload", "resident"])
+def test_cuda_mixed_prefill_and_decode_match_transformers(tiny, backend):
+    """Mixed steps on CUDA (`mix_prefill_decode`): two requests decoding while a 150-token prompt is
+    prefilled in chunks of 32 carrying their rows, so the prefill kernels take one-token chunks
+    beside a long one: every request's 32 greedy tokens are transformers'."""
+    _, model, path = tiny
+    opts = dict(moe_cache_size=model.config.num_experts_per_tok + 1) if backend == "offload" else {}
+    llm = LLM(model=str(path), device="cuda", dtype="float32", page_size=16, moe_backend=backend,
+              max_prefill_length=32, prefill_graph_max_tokens=0, **opts)
+    e = llm.engine
+    early = [e.add_request(prompt_of(n, seed=20 + n), SamplingParams(**GREEDY_32)) for n in (9, 23)]
+    while any(len(s.output_ids) < 2 for s in early):
+        e.step()
+    late = e.add_request(prompt_of(150, seed=30), SamplingParams(**GREEDY_32))
+    before = [len(s.output_ids) for s in early]
+    while not late.output_ids:
+        e.step()
+    assert all(len(s.output_ids) - b >= 4 for s, b in zip(early, before))  # they decoded meanwhile
+    e.run_until_done(early + [late])
+    for s, n, seed in ((early[0], 9, 29), (early[1], 23, 43), (late, 150, 30)):
+        assert s.output_ids == hf_greedy(model, prompt_of(n, seed=seed)), n
