@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ft.engine import LLM, SamplingParams
-from ft.engine.cache.layout import Geometry
+from ft.memory.layout import Geometry
 from ft.errors import ConfigError
 
 STEP = 256

@@ -182,7 +182,7 @@ def test_default_prefill_chunk_follows_the_card(monkeypatch, card_gib, limit_gib
     """--max-prefill-length's default: by the card the budget sees (the limit when smaller); 4,096 on the CPU."""
     from types import SimpleNamespace
 
-    from ft.engine.cache.budget import default_prefill_length
+    from ft.memory.budget import default_prefill_length
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=card_gib << 30))
     limit = limit_gib << 30 if limit_gib else None

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from ft.engine import LLM, SamplingParams
-from ft.engine.cache.layout import Geometry
+from ft.memory.layout import Geometry
 from ft.errors import RebuildFailed, RebuildRefused
 from test_oracle import GREEDY_32, hf_greedy, prompt_of
 

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from ft.engine.cache.budget import default_prefill_length, measure_budget
+from ft.memory.budget import default_prefill_length, measure_budget
 from ft.engine.cache.manager import CacheManager, PoolShapes, SizingOptions
 from ft.engine.engine_config import EngineConfig
 from ft.engine.ladder import make_rungs

@@ -18,7 +18,7 @@ rounding). Quantized dtypes:
   Head dim 256: 128 + 16 = 144 bytes per token, head and K or V, against bf16's 512 (the
   flagship, 12 layers x 2 kv heads: 6,912 bytes per token against 24,576). Values and scales
   of a token sit together so that the pool stays one tensor whose bytes per page follow from
-  its shape (what `ft.engine.cache.layout` measures), and pages copy, relocate and resize as
+  its shape (what `ft.memory.layout` measures), and pages copy, relocate and resize as
   plain rows, on every storage backend.
 
 A model with QSA attention (Qwen3.8-Flash-Next) also keeps each token's raw indexer key beside its

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ft.engine.cache.budget import MemoryBudget, startup_geometry
-from ft.engine.cache.layout import Geometry, MemoryLayout
+from ft.memory.budget import MemoryBudget, startup_geometry
+from ft.memory.layout import Geometry, MemoryLayout
 from ft.engine.cache.log_line import history_line
-from ft.engine.cache.planner import Limits, Plan, plan, ranges_around, reachable_ranges
+from ft.memory.planner import Limits, Plan, plan, ranges_around, reachable_ranges
 from ft.engine.cache.rebuild import Rebuilder
 from ft.errors import RebuildFailed, RebuildRefused
 from ft.kernels.moe import SlotWeights

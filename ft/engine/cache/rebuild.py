@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ft.engine.cache.planner import Plan
+from ft.memory.planner import Plan
 from ft.errors import InjectedFault, RebuildFailed
 from ft.memory.resizable import PoolInconsistent
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ft.engine.cache.layout import Geometry, MemoryLayout
+from ft.memory.layout import Geometry, MemoryLayout
 from ft.errors import ConfigError
 from ft.units import format_bytes
 

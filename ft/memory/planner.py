@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ft.engine.cache.layout import POOLS, Geometry, MemoryLayout
+from ft.memory.layout import POOLS, Geometry, MemoryLayout
 from ft.units import format_bytes
 
 
