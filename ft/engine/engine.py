@@ -18,7 +18,6 @@ from ft.engine.detokenizer import OutputText
 from ft.engine.engine_config import EngineConfig
 from ft.engine.ladder import Ladder, LadderOptions
 from ft.engine.ladder_driver import LadderDriver
-from ft.engine.loader import tokenizer_dir
 from ft.engine.prefix_cache import PrefixCache
 from ft.engine.rank_state import KV_ALGO_DTYPES, KV_DTYPES, RankState
 from ft.engine.sampling_params import SamplingParams
@@ -56,7 +55,7 @@ class Engine(RankState):
             raise
         cfg = self.model_config
         self.tokenizer = Tokenizer.from_dir(  # --tokenizer / --chat-template replace the checkpoint's
-            config.tokenizer or tokenizer_dir(self.model_path), chat_template=config.chat_template,
+            config.tokenizer or self.source.tokenizer_dir(), chat_template=config.chat_template,
             model_dir=self.model_path if config.tokenizer and self.model_path.is_dir() else None)
         pools = self.cache.pools
         self.prefix_cache = PrefixCache(pools.kv, pools.mamba, config.enable_prefix_cache)

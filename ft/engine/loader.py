@@ -1,12 +1,11 @@
-"""Loading: where a model comes from, its weights on the device, the activation reserve.
+"""Loading: a model's weights on the device, the activation reserve.
 
 `load_model` returns the model (resident weights on the device) and the routed experts' host
-store; `activation_reserve` estimates the bytes a forward pass needs beside the pools.
+store, from a `ModelSource` (`ft.engine.model_source`: where the model comes from);
+`activation_reserve` estimates the bytes a forward pass needs beside the pools.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 
@@ -22,54 +21,28 @@ from ft.model import qwen3_8_flash_next, qwen3_next
 from ft.model.qwen3_next import Qwen3NextModel
 from ft.model.tp_shard import shard_expert_store, shard_tensors
 from ft.model.tp_split import local_config
+from ft.engine.model_source import ModelSource
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_model_path(model: str | None) -> Path:
-    """A checkpoint directory; for "synthetic:PATH/config.json" the config file itself."""
-    from ft.tools.synthetic import config_path, is_synthetic
-
-    if is_synthetic(model):
-        return config_path(model)
-    if model in (None, "", "demo"):
-        from ft.tools.demo import ensure_demo_checkpoint
-
-        return ensure_demo_checkpoint()
-    return Path(model).expanduser()
-
-
-def tokenizer_dir(model_path: Path) -> Path:
-    """The directory with the tokenizer: the checkpoint's, or the demo's for synthetic models."""
-    if model_path.is_dir():
-        return model_path
-    from ft.tools.demo import default_cache_dir, write_tokenizer_files
-
-    path = default_cache_dir() / "demo-tokenizer-v1"
-    if not (path / "tokenizer.json").is_file():
-        write_tokenizer_files(path)
-    return path
-
-
 def load_model(
-    model: str | None, model_path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int,
+    source: ModelSource, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int,
     progress: bool, tp=None,
 ) -> tuple[Qwen3NextModel | qwen3_8_flash_next.FlashNextModel, SlotWeights | None]:
-    """The model with its resident weights on `device`, and the routed experts' host store. With
-    tensor parallelism (`tp`, a `ft.parallel.TPGroup`) this rank's shard of both
-    (`ft.model.tp_shard`): the whole checkpoint is read, each tensor cut as it arrives."""
-    from ft.tools.synthetic import is_synthetic, synthetic_weights
-
+    """The model with its resident weights on `device`, and the routed experts' host store: read
+    from the checkpoint, or made (a synthetic source). With tensor parallelism (`tp`, a
+    `ft.parallel.TPGroup`) this rank's shard of both (`ft.model.tp_shard`): the whole checkpoint is
+    read, each tensor cut as it arrives."""
     arch = qwen3_8_flash_next if cfg.is_flash_next else qwen3_next
     if cfg.is_flash_next and tp is not None:
         raise UnsupportedModelError("Qwen3.8-Flash-Next does not run under tensor parallelism yet "
                                     "(--tensor-parallel-size 1)")
     specs, expert_names = arch.tensor_specs(cfg)
     rank, world = (tp.rank, tp.world) if tp is not None else (0, 1)
-    if is_synthetic(model):
-        weights = synthetic_weights(specs, expert_names, dtype, device, seed, shard=(rank, world))
-    else:
-        reader = CheckpointReader(model_path)
+    weights = source.made_weights(specs, expert_names, dtype, device, seed, (rank, world))
+    if weights is None:
+        reader = CheckpointReader(source.path)
         if cfg.is_flash_next:  # its experts grouped per layer, or one tensor per expert (as ModelOpt writes them)
             specs, expert_names = qwen3_8_flash_next.expert_layout(specs, expert_names, reader)
         weights = load_weights(reader, specs, expert_names, dtype, device, torch.device("cpu"), progress)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import json
 import logging
 import os
 
@@ -19,7 +18,8 @@ from ft.memory.budget import default_prefill_length, measure_budget
 from ft.engine.cache.manager import CacheManager, PoolShapes, SizingOptions
 from ft.engine.engine_config import EngineConfig
 from ft.engine.ladder import make_rungs
-from ft.engine.loader import DTYPES, activation_reserve, load_model, resolve_model_path
+from ft.engine.loader import DTYPES, activation_reserve, load_model
+from ft.engine.model_source import model_source
 from ft.engine.model_runner import ModelRunner
 from ft.engine.prefill_graphs import CoreBuffers
 from ft.engine.routing_override import TraceRouting, trace_params
@@ -52,10 +52,11 @@ class RankState:
         self.dtype = DTYPES[config.dtype] if config.dtype != "auto" else (
             torch.bfloat16 if self.device.type == "cuda" else torch.float32
         )
-        self.model_path = resolve_model_path(config.model)
+        self.source = model_source(config.model)
+        self.model_path = self.source.path
         self.model_config = ModelConfig.from_file(self.model_path)
         read_through = self._check_kernels(config)  # before the weights load: a refusal is at once
-        self.model, host_experts = load_model(config.model, self.model_path, self.model_config, self.dtype,
+        self.model, host_experts = load_model(self.source, self.model_config, self.dtype,
                                               self.device, config.seed, config.progress and (tp is None or tp.is_leader),
                                               tp)
         cfg = self.model.cfg  # this rank's heads and intermediate sizes (the whole model's on one GPU)
@@ -129,9 +130,7 @@ class RankState:
         """The checkpoint's shapes against the kernels (`ft.model.kernel_support`): a shape no path runs
         raises (one line); `kernel_fallbacks` holds the lines of the slower paths it takes (ft serve's
         startup summary shows them). Returns whether offloaded decode may read missing experts through."""
-        from ft.tools.synthetic import is_synthetic
-
-        synthetic = is_synthetic(config.model)  # (NVFP4 weights made from config.json alone)
+        synthetic = self.source.synthetic  # (NVFP4 weights made from config.json alone)
         nvfp4, kv_nvfp4 = (True, False) if synthetic else nvfp4_formats(read_quantization(self.model_path))
         kv_nvfp4 = config.kv_cache_dtype == "nvfp4" or (config.kv_cache_dtype == "auto" and kv_nvfp4)
         triton = uses_triton(self.device)
@@ -166,11 +165,9 @@ class RankState:
 
     def _trace_routing(self, config: EngineConfig, cfg) -> TraceRouting | None:
         """Synthetic models whose config has "routing_trace": experts from per-request traces."""
-        from ft.tools.synthetic import config_path, is_synthetic
-
-        if not is_synthetic(config.model) or not cfg.moe_layers:
+        if not self.source.synthetic or not cfg.moe_layers:
             return None
-        params = trace_params(json.loads(config_path(config.model).read_text()).get("routing_trace"))
+        params = trace_params(self.source.raw_config().get("routing_trace"))
         if params is None:
             return None
         return TraceRouting(params, len(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok, config.seed,

@@ -42,11 +42,11 @@ def start_workers(config: EngineConfig) -> Workers | None:
     world = config.tensor_parallel_size
     if world <= 1:
         return None
-    from ft.engine.loader import resolve_model_path
+    from ft.engine.model_source import model_source
     from ft.model.config import ModelConfig
     from ft.model.tp_split import check_split
 
-    check_split(ModelConfig.from_file(resolve_model_path(config.model)), world)  # before any worker starts
+    check_split(ModelConfig.from_file(model_source(config.model).path), world)  # before any worker starts
     import torch
     import torch.multiprocessing as mp
 
