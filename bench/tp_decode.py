@@ -127,7 +127,7 @@ def main() -> None:
 PHASES = [  # (label, owner attribute path, method): rank 0's work in one decode step, in order
     ("check workers", "", "_check_workers"),
     ("schedule", "scheduler", "schedule"),
-    ("step inputs", "runner", "_decode_inputs"),
+    ("step inputs", "runner", "decode_inputs"),
     ("send to workers", "tp", "broadcast"),
     ("collect (offload)", "runner.pools.experts", "collect"),
     ("begin step (offload)", "runner.pools.experts.read_through", "begin_step"),

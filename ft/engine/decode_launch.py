@@ -59,9 +59,9 @@ class DecodeLauncher:
         Single process only (no tensor parallelism)."""
         r = self.runner
         self.wait_staged()
-        r._plan = None
-        n = r._graph_rows(len(seqs))
-        inp = r._decode_inputs(seqs, n or len(seqs), n, ids_on_device=after is not None)
+        r.clear_logit_plan()
+        n = r.graph_rows_for(len(seqs))
+        inp = r.decode_inputs(seqs, n or len(seqs), n, ids_on_device=after is not None)
         batch_s = r.sampling(seqs, ahead=1 if after is not None else 0)  # staged before the forward
         feed = self._feed(seqs, after, len(inp.ids)) if after is not None else None
         cuda = r.device.type == "cuda"
@@ -79,9 +79,9 @@ class DecodeLauncher:
                 self._staged = torch.cuda.Event()
                 self._staged.record()
 
-        logits = r._execute(inp, before_forward)
+        logits = r.execute_local(inp, before_forward)
         sampled = sample(logits, batch_s)
-        r._count_hits(len(seqs))
+        r.count_resident_hits(len(seqs))
         r.last_logits = logits
         r.last_logprobs, r.last_prompt_logprobs = [None] * len(seqs), []
         return LaunchedDecode(list(seqs), sampled, r.results.start(sampled))

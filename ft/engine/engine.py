@@ -402,12 +402,12 @@ class Engine(RankState):
             # NOTE: the fork point of n > 1 siblings: before the parent can finish (its pages and
             # slot would go) and before any later forward changes its state and its last page
             forks = self._fork_siblings(seq, row) if seq.fork_waiting else []
-            self._take_token(seq, token, lp, out)
+            self.take_token(seq, token, lp, out)
             for sib, sib_token, sib_lp in forks:
-                self._take_token(sib, sib_token, sib_lp, out)
+                self.take_token(sib, sib_token, sib_lp, out)
         return out
 
-    def _take_token(self, seq: Sequence, token: int, lp, out: list[Sequence]) -> None:
+    def take_token(self, seq: Sequence, token: int, lp, out: list[Sequence]) -> None:
         """A sampled token joins `seq` (ending it when it should); `seq` goes into `out`."""
         seq.output_ids.append(token)
         if seq.logprobs is not None:

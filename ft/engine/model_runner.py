@@ -265,9 +265,9 @@ class ModelRunner:
         """A decode batch (one new token per sequence) padded to n rows with copies of the first
         sequence, every input in the persistent buffers, `decode` set: the forward then reads
         device tensors only (what a CUDA graph replays)."""
-        return self.load(self._decode_inputs(seqs, n))
+        return self.load(self.decode_inputs(seqs, n))
 
-    def _decode_inputs(self, seqs: list[Sequence], n: int, graph_rows: int | None = None,
+    def decode_inputs(self, seqs: list[Sequence], n: int, graph_rows: int | None = None,
                        ids_on_device: bool = False) -> StepInputs:
         """ids_on_device: the token ids are not known on the host yet (overlapped decode: zeros here,
         gathered on the device from the step in flight, `ft.engine.decode_launch`); the positions
@@ -297,8 +297,8 @@ class ModelRunner:
         self.launcher.wait_staged()  # (an overlapped launch's staging, before this step rewrites it)
         kv = self.pools.kv
         if not work.is_prefill and all(n == 1 for n in work.num_tokens):
-            n = self._graph_rows(len(work.seqs))
-            inp = self._decode_inputs(work.seqs, n or len(work.seqs), n)
+            n = self.graph_rows_for(len(work.seqs))
+            inp = self.decode_inputs(work.seqs, n or len(work.seqs), n)
             done = [True] * len(work.seqs)
         else:
             inp = self._prefill_inputs(work)
@@ -313,7 +313,7 @@ class ModelRunner:
         every = logits
         if plan is not None:  # the sequences' last positions, among every position computed
             logits = every.index_select(0, plan.sample_rows)
-        self._count_hits(sum(work.num_tokens))
+        self.count_resident_hits(sum(work.num_tokens))
         self.last_logits = logits
         self.last_logprobs = [None] * len(done)
         self.last_prompt_logprobs = []
@@ -391,15 +391,23 @@ class ModelRunner:
             inp.ops = self.journal.take()
             tp.broadcast(("step", inp))
             try:
-                return self._execute(inp)
+                return self.execute_local(inp)
             except Exception as e:
                 raise RanksOutOfStep(f"rank 0 failed a step the workers had started ({type(e).__name__}: {e}); "
                                      "the ranks are out of step: restart ft serve") from e
         if inp.ops:
             replay_pool_ops(inp.ops, self.pools.kv, self.pools.mamba)
-        return self._execute(inp)
+        return self.execute_local(inp)
 
-    def _execute(self, inp: StepInputs, before_forward=None) -> torch.Tensor | None:
+    def clear_logit_plan(self) -> None:
+        """Forget the prompt-logits plan of the last prepared prefill (a step that is not it starts)."""
+        self._plan = None
+
+    def execute_local(self, inp: StepInputs, before_forward=None) -> torch.Tensor | None:
+        """`execute` on this rank alone (no tensor-parallel message): the collected expert cache, the
+        prefill or decode forward (graph-replayed where one applies), read-through offload's
+        begin_step / end_step around a decode; `before_forward(batch)` runs once the inputs are loaded
+        (overlapped decode feeds its ids there)."""
         experts = self.pools.experts
         rt = experts.read_through if experts is not None else None
         if experts is not None and (inp.kind != "decode" or rt is None):
@@ -432,7 +440,7 @@ class ModelRunner:
             if rt is not None:
                 rt.end_step()
 
-    def _graph_rows(self, b: int) -> int | None:
+    def graph_rows_for(self, b: int) -> int | None:
         """The rows of the CUDA graph bucket that a decode step of b sequences replays, or None
         (eager: no graphs, b over the largest bucket, or a MoE that cannot be captured)."""
         if self.graphs is None or self.graphs.disabled:
@@ -469,7 +477,7 @@ class ModelRunner:
                 *(buf.device_buffer.data_ptr() for buf in self.decode_buffers.values()),
                 forced.device_buffer.data_ptr() if forced is not None else 0)
 
-    def _count_hits(self, tokens: int) -> None:
+    def count_resident_hits(self, tokens: int) -> None:
         """Resident experts: every (token, expert) pair is a hit (the MoE layer does not count
         them, since a replayed graph runs no Python)."""
         experts = self.pools.experts

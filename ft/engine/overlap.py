@@ -126,5 +126,5 @@ class OverlappedDecode:
                 continue  # ended (stop token, abort) after this step was queued: the token is not its
             if id(seq) in behind and token in seq.stop_token_ids:
                 seq.num_computed -= 1
-            e._take_token(seq, token, None, out)
+            e.take_token(seq, token, None, out)
         return out

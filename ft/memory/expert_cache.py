@@ -88,6 +88,32 @@ class ExpertCache:
     def is_resident(self, layer: int, expert: int) -> bool:
         return (layer, expert) in self._lru
 
+    # ------------------------------------------------------------------ slot bookkeeping (read-through)
+    def slot_of(self, key: tuple[int, int]) -> int | None:
+        """The slot resident `key` (layer, expert) holds, None when it is not resident."""
+        return self._lru.get(key)
+
+    def mark_recent(self, key: tuple[int, int]) -> None:
+        """Resident `key` becomes the most recently used."""
+        self._lru.move_to_end(key)
+
+    def residents_oldest_first(self):
+        """The resident keys, least recently used first (an iterator over the live order: do not
+        map or unmap while iterating)."""
+        return iter(self._lru)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def take_free_slot(self) -> int:
+        """A free slot, now the caller's (IndexError when none is free)."""
+        return self._free.pop()
+
+    def release_slots(self, slots) -> None:
+        """Slots the caller held (taken free, or unmapped) are free again."""
+        self._free.extend(slots)
+
     def enable_read_through(self, landing_capacity: int, policy: str | None = None) -> None:
         """Offloaded decode without host syncs (`ft.memory.read_through.ReadThrough`): misses read
         the host store in place and land in reserved slots, bookkeeping on the device between

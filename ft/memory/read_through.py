@@ -66,7 +66,7 @@ class ReadThrough:
     (eagerly or as a graph replay); `end_step()` just after it, before the step's end-of-step
     synchronization (which the next step's `end_step` or `collect` relies on); `collect()` before
     anything other than a read-through decode step uses the cache (a prefill, a rebuild). Slots are
-    in exactly one place: resident (`cache._lru`), free (`cache._free`), this step's landing
+    in exactly one place: resident (`cache.slot_of`), free (`cache.release_slots`), this step's landing
     reserve (`landing`), the step in flight's reserve (`pending`) or the next step's spares (`spare`).
     """
 
@@ -130,7 +130,7 @@ class ReadThrough:
         table: list[tuple[int, int, int]] = []
         self.landing, self.spare = self.spare, self.landing  # the spares chosen while the last step ran
         for slots in self.spare:
-            self.cache._free.extend(slots)  # NOTE: empty unless a step was reserved for and never ended
+            self.cache.release_slots(slots)  # NOTE: empty unless a step was reserved for and never ended
             slots.clear()
         most = min(self.capacity, top_k * rows)
         want = np.minimum(most, self.misses_last + LANDING_MARGIN)
@@ -207,7 +207,6 @@ class ReadThrough:
         # NOTE: recency and scores are updated by `touch`, off the critical path; the hits are the
         # residents among the uses, taken before the landed experts below join them
         self._untouched = (used, used & (cache.table_np >= 0))
-        lru = cache._lru
         claimed = self._used.numpy()
         landed = self._landed.numpy()
         n_landed = 0
@@ -215,12 +214,12 @@ class ReadThrough:
             n = min(int(claimed[layer]), len(slots))
             for i in range(n):
                 key, slot = (layer, int(landed[layer, i])), slots[i]
-                old = lru.get(key)
+                old = cache.slot_of(key)
                 if old is not None:  # NOTE: cannot happen (a resident is no miss); the device's mapping wins
-                    cache._free.append(old)
+                    cache.release_slots([old])
                 cache.map(key, slot)
                 n_landed += 1
-            cache._free.extend(slots[n:])
+            cache.release_slots(slots[n:])
             slots.clear()
         self.landed_total += n_landed
         counters = self._counters.numpy()
@@ -241,9 +240,8 @@ class ReadThrough:
         if pending is None:
             return
         used, hits = pending
-        lru = self.cache._lru
         for key in zip(*(a.tolist() for a in np.nonzero(hits & (self.cache.table_np >= 0)))):  # still resident
-            lru.move_to_end(key)
+            self.cache.mark_recent(key)
         if self.policy == "lfu":
             self.score *= 0.5 ** (1.0 / LFU_HALF_LIFE)
             self.score[used] += 1.0
@@ -258,17 +256,16 @@ class ReadThrough:
         for layer, slots in enumerate(lists):
             w = int(want[layer])
             while len(slots) > w:
-                cache._free.append(slots.pop())
+                cache.release_slots([slots.pop()])
                 changed = True
             short += w - len(slots)
         if short <= 0:
             return changed
-        free = cache._free
-        victims = self._victims(max(0, short - len(free)))
+        victims = self._victims(max(0, short - cache.num_free_slots))
         for layer, slots in enumerate(lists):
             for _ in range(int(want[layer]) - len(slots)):
-                if free:
-                    slots.append(free.pop())
+                if cache.num_free_slots:
+                    slots.append(cache.take_free_slot())
                 elif victims:
                     key = victims.pop()
                     slots.append(cache.unmap(key, device=False))
@@ -289,7 +286,7 @@ class ReadThrough:
         used = self.used_last
         out: list[tuple[int, int]] = []
         if self.policy == "lru":
-            for key in cache._lru:  # oldest first
+            for key in cache.residents_oldest_first():
                 if len(out) >= n:
                     break
                 layer = key[0]

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from ft.server.closing_stream import ClosingStreamingResponse
 
 from ft.server.errors import ApiError
+from ft.server.prompt_prep import encode_prompt, off_loop
 from ft.server.generation import ClientDisconnected, Generation, TextStream, collect, stream_tokens
 from ft.server.logprobs import TextOffsets, TokenTexts, chat_logprobs, completion_logprobs, prompt_entries
 from ft.server.tool_calls import ToolCallStream, parse_tool_calls, tool_call_grammar
@@ -152,14 +153,14 @@ async def completions(body: CompletionRequest, request: Request):
     echo = body.echo
     groups, echoes = [], []
     for i, p in enumerate(prompts):
-        ids = await _off_loop(st, _encode, st, p) if isinstance(p, str) else list(p)
+        ids = await off_loop(st, encode_prompt, st, p) if isinstance(p, str) else list(p)
         if not ids:
             raise ApiError(400, "the prompt is empty" if len(prompts) == 1 else f"prompt {i} is empty")
         # echo + logprobs: the prompt's logprobs too (its prefill computes every position's logits)
         groups.append((ids, _params(st, body, len(ids), body.max_tokens, logprobs=body.logprobs,
                                     prompt_logprobs=body.logprobs if echo else None, allow_zero=echo)))
         if echo:
-            echoes.append(p if isinstance(p, str) else await _off_loop(
+            echoes.append(p if isinstance(p, str) else await off_loop(
                 st, lambda ids=ids: st.tokenizer.decode(ids, skip_special_tokens=False)))
         else:
             echoes.append(None)
@@ -195,10 +196,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     def render_and_encode() -> list[int]:
         prompt = st.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                                   **kwargs)
-        return _encode(st, prompt)
+        return encode_prompt(st, prompt)
 
     try:
-        ids = await _off_loop(st, render_and_encode)
+        ids = await off_loop(st, render_and_encode)
     except ChatTemplateError as e:
         raise ApiError(400, str(e)) from None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -206,26 +207,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     params = _params(st, body, len(ids), max_tokens, logprobs=top, grammar=grammar)
     return await _respond(st, request, body, [(ids, params)], _ChatShape(new_id("chatcmpl"), st.model_name,
                                                                         _texts(st.tokenizer), top, parse_tools=parse_tools))
-
-
-async def _off_loop(st, fn, *args):
-    """fn(*args) in a worker thread, so that the event loop keeps answering (/health, streams) while a
-    long prompt is tokenized or a chat template renders; 400 after `st.prompt_timeout_s` (the thread
-    cannot be stopped: it finishes in the background, its result unused)."""
-    try:
-        return await asyncio.wait_for(asyncio.to_thread(fn, *args), st.prompt_timeout_s)
-    except asyncio.TimeoutError:
-        raise ApiError(400, f"preparing the prompt (chat template, tokenization) took over {st.prompt_timeout_s:g} s; "
-                       "send a shorter prompt") from None
-
-
-def _encode(st, text: str) -> list[int]:
-    """Token ids of a prompt; text that is not valid Unicode (a lone surrogate) is a 400."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ApiError(400, f"the prompt is not valid Unicode: {e.reason} at character {e.start}") from None
-    return st.tokenizer.encode(text)
 
 
 @functools.lru_cache(maxsize=4)

@@ -1,7 +1,7 @@
 """Utility routes in vLLM's shapes: POST /tokenize, POST /detokenize, GET /version, GET /v1/models/{id}.
 
 /tokenize and /detokenize take the API key like the /v1 routes (the front door, `Guard`, checks it
-for every path of `API_KEY_PATHS`) and run the tokenizer in a worker thread (`openai_routes._off_loop`),
+for every path of `API_KEY_PATHS`) and run the tokenizer in a worker thread (`prompt_prep.off_loop`),
 never on the event loop. /version answers without a key, like /health and /metrics (which carry
 the same build information in `ft_build_info`). Errors have the server's shape (`ft.server.errors`).
 """
@@ -22,6 +22,7 @@ from ft.server import openai_routes
 from ft.schemas import JsonInt
 from ft.server.errors import ApiError
 from ft.server.openai_protocol import ChatMessage
+from ft.server.prompt_prep import encode_prompt, off_loop
 
 router = APIRouter()
 
@@ -78,7 +79,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
         prompt = body.prompt
 
         def encode() -> list[int]:
-            return openai_routes._encode(st, prompt)
+            return encode_prompt(st, prompt)
     else:
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         kwargs = dict(body.chat_template_kwargs or {})
@@ -93,10 +94,10 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
         def encode() -> list[int]:
             text = st.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                     tools=tools, **kwargs)
-            return openai_routes._encode(st, text)
+            return encode_prompt(st, text)
 
     try:
-        ids = await openai_routes._off_loop(st, encode)
+        ids = await off_loop(st, encode)
     except ChatTemplateError as e:
         raise ApiError(400, str(e)) from None
     out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": st.context_limit}
@@ -119,7 +120,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
         shown = ", ".join(map(str, bad[:10])) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
         raise ApiError(400, f"token ids outside the vocabulary (0..{vocab - 1}): {shown}")
     tokens = list(body.tokens)
-    text = await openai_routes._off_loop(st, lambda: tok.decode(tokens, skip_special_tokens=False))
+    text = await off_loop(st, lambda: tok.decode(tokens, skip_special_tokens=False))
     return {"prompt": text}
 
 
