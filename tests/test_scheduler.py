@@ -130,17 +130,22 @@ def _record_works(eng) -> list:
     return works
 
 
+def _decoding(eng, prompt: list[int], max_new: int, have: int):
+    """A greedy request of `prompt` stepped until it has `have` tokens (it is decoding)."""
+    seq = eng.add_request(prompt, SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True))
+    while len(seq.output_ids) < have:
+        eng.step()
+    return seq
+
+
 def _long_prompt_beside_a_decode(path, **opts):
     """A request decoding when a 100-token prompt arrives (chunks of 16): each step's growth of the
     first request's output until the second has its first token, the steps run, and both outputs."""
-    llm = make(path, max_prefill_length=16, **opts)
-    eng = llm.engine
-    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
-    first = eng.add_request(prompt_of(12, seed=1), params)
-    while len(first.output_ids) < 3:
-        eng.step()
+    eng = make(path, max_prefill_length=16, **opts).engine
+    first = _decoding(eng, prompt_of(12, seed=1), 40, 3)
     works = _record_works(eng)
-    second = eng.add_request(prompt_of(100, seed=2), params)
+    second = eng.add_request(prompt_of(100, seed=2), SamplingParams(max_new_tokens=40, temperature=0.0,
+                                                                    ignore_eos=True))
     growth = []
     while not second.output_ids:
         before = len(first.output_ids)
@@ -174,9 +179,7 @@ def test_a_short_whole_prompt_prefills_alone(tiny_one):
     eng = llm.engine
     eng.scheduler.solo_prefill_tokens = 40
     params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
-    first = eng.add_request(prompt_of(10, seed=3), params)
-    while len(first.output_ids) < 2:
-        eng.step()
+    first = _decoding(eng, prompt_of(10, seed=3), 20, 2)
     works = _record_works(eng)
     short = eng.add_request(prompt_of(30, seed=4), params)
     eng.step()

@@ -14,11 +14,11 @@ import time
 
 import torch
 
-from ft.engine.detokenizer import OutputText
 from ft.engine.engine_config import EngineConfig
 from ft.engine.ladder import Ladder, LadderOptions
 from ft.engine.ladder_driver import LadderDriver
 from ft.engine.prefix_cache import PrefixCache
+from ft.engine.request_builder import RequestBuilder
 from ft.engine.rank_state import KV_ALGO_DTYPES, KV_DTYPES, RankState
 from ft.engine.sampling_params import SamplingParams
 from ft.engine.scheduler import Scheduler, ScheduledWork
@@ -26,9 +26,8 @@ from ft.engine.stats import EngineStats, engine_stats
 from ft.engine.overlap import OverlappedDecode
 from ft.engine.sequence import Sequence
 from ft.engine.tokenizer import Tokenizer
-from ft.engine.cache.tp_rebuild import TPPeers
-from ft.engine.tp_worker import join_group, start_workers, stop_workers
-from ft.errors import ConfigError, RanksOutOfStep, RequestError
+from ft.engine.tp_worker import close_ranks, dead_rank, join_group, join_ranks, start_workers, stop_workers
+from ft.errors import ConfigError, RanksOutOfStep
 from ft.memory.cache_pools import CachePools
 
 log = logging.getLogger("ft.engine")
@@ -74,6 +73,7 @@ class Engine(RankState):
         )) if rungs else None
         self.ladder_driver = LadderDriver(self.ladder, self.cache, self.scheduler, self.prefix_cache) \
             if self.ladder else None
+        self.requests_in = RequestBuilder(cfg, self.tokenizer, lambda: self.servable_context, self.context_reason)
         self._requests: dict[str, Sequence] = {}
         self.current_work: ScheduledWork | None = None  # the work of a step in progress (None between steps)
         self.overlap = OverlappedDecode(self)  # `--overlap-decode`: the decode step in flight, if any
@@ -82,52 +82,25 @@ class Engine(RankState):
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
 
     def _join_workers(self) -> None:
-        """The startup gather: every worker rank is built (or says why not, raised here as one
-        line); their KV and mamba sizes must equal rank 0's (page tables and slots are shared)."""
-        answers = self.tp.gather(self.cache.describe())
-        errors = [a["error"] for a in answers if "error" in a]
-        if errors:
-            raise ConfigError(f"a tensor-parallel rank failed to start: {errors[0]}")
-        mine = self.cache.geometry
-        for rank, a in enumerate(answers[1:], start=1):
-            g = a["geometry"]
-            if (g["kv_tokens"], g["mamba_slots"]) != (mine.kv_tokens, mine.mamba_slots):
-                raise ConfigError(f"tensor-parallel rank {rank} sized its caches to {g['kv_tokens']} KV tokens and "
-                                  f"{g['mamba_slots']} mamba slots, rank 0 to {mine.kv_tokens} and {mine.mamba_slots}: "
-                                  "give --num-tokens and --mamba-slots explicitly")
-        self.cache.peers = TPPeers(self.tp, answers[1:])
-        if self.tp.channel is not None and self._workers is not None:
-            procs = self._workers.procs
-            self.tp.channel.readers_alive = lambda: all(p.is_alive() for p in procs)
+        """The startup gather (`tp_worker.join_ranks`): every worker rank built, its caches sized as
+        rank 0's; the rebuilds' peers."""
+        self.cache.peers = join_ranks(self.tp, self.cache, self._workers)
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker ranks (nothing to do on one GPU). Idempotent.
-
-        NOTE: every rank leaves the process group at the same time (NCCL's teardown waits for
-        its peers: a worker that left while rank 0 waited for its exit hung both on the H200),
-        each step bounded in time so that a dead worker cannot hold the caller."""
+        """Stop the tensor-parallel worker ranks (nothing to do on one GPU; `tp_worker.close_ranks`).
+        Idempotent."""
         tp, workers = self.tp, self._workers
         self.tp, self._workers = None, None
-        if tp is not None:
-            if workers and all(p.is_alive() for p in workers.procs):
-                _bounded(lambda: tp.broadcast(("stop", None)), 10.0)
-            if self.runner.graphs is not None:
-                self.runner.graphs.release()
-            if not _bounded(tp.destroy, 30.0):
-                _bounded(tp.abort, 10.0)  # the group is gone either way: a new engine can start in this process
-        stop_workers(workers)
+        close_ranks(tp, workers, self.runner.graphs)
 
     def _check_workers(self) -> None:
         """Before a step: every worker rank's process still runs. One that exited (killed, out of
         memory, a crash) cannot be replaced live: the engine stops stepping and says which
         (`tp_failure`, reported by /health), instead of waiting in a collective for a dead peer."""
-        if self.tp_failure is None and self._workers:
-            for rank, p in enumerate(self._workers.procs, start=1):
-                if not p.is_alive():
-                    self.tp_failure = (f"tensor-parallel rank {rank} exited (exit code {p.exitcode}); "
-                                       "the engine cannot run without it: restart ft serve")
-                    log.error("%s", self.tp_failure)
-                    break
+        if self.tp_failure is None:
+            self.tp_failure = dead_rank(self._workers)
+            if self.tp_failure is not None:
+                log.error("%s", self.tp_failure)
         if self.tp_failure is not None:
             raise RuntimeError(self.tp_failure)
 
@@ -193,52 +166,7 @@ class Engine(RankState):
         return seqs
 
     def _new_sequence(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> Sequence:
-        """A request's Sequence after checking it can ever be served (RequestError otherwise)."""
-        n = len(prompt_ids)
-        if n == 0:
-            raise RequestError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= int(t) < vocab), None)
-        if bad is not None:
-            raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        for what, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise RequestError(f"{what}: token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        limit = self.servable_context
-        if n >= limit:
-            raise RequestError(f"the prompt is {n} tokens; {self.context_reason(limit)} "
-                               "(the prompt plus at least one new token must fit)")
-        room = limit - n
-        max_new = room if params.max_new_tokens is None else min(params.max_new_tokens, room)
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
-        seq = Sequence(list(map(int, prompt_ids)), params, max_new, frozenset(stop_ids),
-                       open_ended=params.max_new_tokens is None)
-        if request_id:
-            seq.request_id = request_id
-        if params.logprobs is not None:
-            seq.logprobs = []
-        if params.prompt_logprobs is not None:
-            seq.prompt_logprobs = [None] * n
-        if not params.greedy:
-            seq.seed = int(params.seed) if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
-        if params.grammar is not None:  # structured output: a matcher of its own (RequestError: a bad grammar)
-            seq.grammar = self._grammar_compiler().matcher(params.grammar)
-        seq.text = OutputText(self.tokenizer.incremental_decoder(), params.stop)
-        return seq
-
-    def _grammar_compiler(self):
-        """The grammar compiler over this model's tokenizer (built on first use: its token trie)."""
-        compiler = getattr(self, "_grammars", None)
-        if compiler is None:
-            from ft.engine.grammar import GrammarCompiler
-
-            eos = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
-            compiler = self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
-                                                        eos)
-        return compiler
+        return self.requests_in.build(prompt_ids, params, request_id)
 
     @property
     def servable_context(self) -> int:
@@ -487,21 +415,6 @@ class Engine(RankState):
             "tensor_parallel_size": self.tp.world if self.tp is not None else 1,
             **self.cache.describe(),
         }
-
-
-def _bounded(fn, timeout_s: float) -> bool:
-    """Run fn in a daemon thread for at most timeout_s; whether it finished (a peer that died
-    leaves a collective waiting: the caller goes on, the thread stays behind)."""
-    import threading
-
-    t = threading.Thread(target=fn, name="ft-tp-close", daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        log.warning("tensor parallelism: %s did not finish in %.0f s (a worker rank is gone?)",
-                    getattr(fn, "__name__", "a step"), timeout_s)
-        return False
-    return True
 
 
 __all__ = ["Engine", "KV_ALGO_DTYPES", "KV_DTYPES"]

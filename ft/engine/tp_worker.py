@@ -13,13 +13,16 @@ its own parts; all ranks meet in `ft.parallel.init_group`. A worker builds the s
 * ("stop", None): leave the group and exit.
 
 A worker that fails to start reports its error to rank 0 (the first message of the gather that
-ends startup), so that `ft serve` fails with one line instead of waiting.
+ends startup), so that `ft serve` fails with one line instead of waiting. Rank 0's side of the
+lifecycle is here too: `start_workers`, `join_group`, `join_ranks` (the startup gather),
+`dead_rank` (before each step), `close_ranks`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import traceback
 from dataclasses import dataclass
 
@@ -84,6 +87,71 @@ def stop_workers(workers: Workers | None, timeout_s: float = 30.0) -> None:
         if p.is_alive():
             p.kill()
             p.join(timeout=5)
+
+
+def join_ranks(tp: TPGroup, cache, workers: Workers | None):
+    """Rank 0's startup gather: every worker rank is built (or says why not, raised here as one
+    line: ConfigError); their KV and mamba sizes must equal rank 0's `cache`'s (page tables and
+    slots are shared). Returns the rebuilds' peers (`TPPeers`); the control channel learns how to
+    tell that its readers are alive."""
+    from ft.engine.cache.tp_rebuild import TPPeers
+    from ft.errors import ConfigError
+
+    answers = tp.gather(cache.describe())
+    errors = [a["error"] for a in answers if "error" in a]
+    if errors:
+        raise ConfigError(f"a tensor-parallel rank failed to start: {errors[0]}")
+    mine = cache.geometry
+    for rank, a in enumerate(answers[1:], start=1):
+        g = a["geometry"]
+        if (g["kv_tokens"], g["mamba_slots"]) != (mine.kv_tokens, mine.mamba_slots):
+            raise ConfigError(f"tensor-parallel rank {rank} sized its caches to {g['kv_tokens']} KV tokens and "
+                              f"{g['mamba_slots']} mamba slots, rank 0 to {mine.kv_tokens} and {mine.mamba_slots}: "
+                              "give --num-tokens and --mamba-slots explicitly")
+    if tp.channel is not None and workers is not None:
+        procs = workers.procs
+        tp.channel.readers_alive = lambda: all(p.is_alive() for p in procs)
+    return TPPeers(tp, answers[1:])
+
+
+def close_ranks(tp: TPGroup | None, workers: Workers | None, graphs) -> None:
+    """Rank 0 stops its worker ranks: "stop" to each, its decode `graphs` released, the group left,
+    the processes joined (killed if they stay).
+
+    NOTE: every rank leaves the process group at the same time (NCCL's teardown waits for its
+    peers: a worker that left while rank 0 waited for its exit hung both on the H200), each step
+    bounded in time so that a dead worker cannot hold the caller."""
+    if tp is not None:
+        if workers and all(p.is_alive() for p in workers.procs):
+            _bounded(lambda: tp.broadcast(("stop", None)), 10.0)
+        if graphs is not None:
+            graphs.release()
+        if not _bounded(tp.destroy, 30.0):
+            _bounded(tp.abort, 10.0)  # the group is gone either way: a new engine can start in this process
+    stop_workers(workers)
+
+
+def dead_rank(workers: Workers | None) -> str | None:
+    """Why the engine cannot step when a worker rank's process exited (killed, out of memory, a
+    crash: it cannot be replaced live), else None."""
+    for rank, p in enumerate(workers.procs if workers else [], start=1):
+        if not p.is_alive():
+            return (f"tensor-parallel rank {rank} exited (exit code {p.exitcode}); "
+                    "the engine cannot run without it: restart ft serve")
+    return None
+
+
+def _bounded(fn, timeout_s: float) -> bool:
+    """Run fn in a daemon thread for at most timeout_s; whether it finished (a peer that died
+    leaves a collective waiting: the caller goes on, the thread stays behind)."""
+    t = threading.Thread(target=fn, name="ft-tp-close", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        log.warning("tensor parallelism: %s did not finish in %.0f s (a worker rank is gone?)",
+                    getattr(fn, "__name__", "a step"), timeout_s)
+        return False
+    return True
 
 
 def worker_main(rank: int, config: EngineConfig, port: int) -> None:

@@ -1,0 +1,77 @@
+"""A request's `Sequence`, built after checking that it can ever be served.
+
+The engine's front door: a prompt and its `SamplingParams` become a `Sequence` (its stop ids, its
+token budget within the context that can be served, its seed, its grammar matcher and its text
+decoder), or a `RequestError` that says why not, before anything is queued.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ft.engine.detokenizer import OutputText
+from ft.engine.sampling_params import SamplingParams
+from ft.engine.sequence import Sequence
+from ft.errors import RequestError
+
+__all__ = ["RequestBuilder"]
+
+
+class RequestBuilder:
+    """`build` for one model: its vocabulary and EOS ids (`model_config`), its tokenizer, and the
+    engine's servable context now (`servable_context()`) with the words that explain a cap
+    (`context_reason(limit)`)."""
+
+    def __init__(self, model_config, tokenizer, servable_context: Callable[[], int],
+                 context_reason: Callable[[int], str]) -> None:
+        self.model_config, self.tokenizer = model_config, tokenizer
+        self._servable_context, self._context_reason = servable_context, context_reason
+        self._grammars = None  # the grammar compiler, built on first use (its token trie)
+
+    def build(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> Sequence:
+        """A request's Sequence after checking it can ever be served (RequestError otherwise)."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= int(t) < vocab), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        for what, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestError(f"{what}: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        limit = self._servable_context()
+        if n >= limit:
+            raise RequestError(f"the prompt is {n} tokens; {self._context_reason(limit)} "
+                               "(the prompt plus at least one new token must fit)")
+        room = limit - n
+        max_new = room if params.max_new_tokens is None else min(params.max_new_tokens, room)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        seq = Sequence(list(map(int, prompt_ids)), params, max_new, frozenset(stop_ids),
+                       open_ended=params.max_new_tokens is None)
+        if request_id:
+            seq.request_id = request_id
+        if params.logprobs is not None:
+            seq.logprobs = []
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None] * n
+        if not params.greedy:
+            seq.seed = int(params.seed) if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
+        if params.grammar is not None:  # structured output: a matcher of its own (RequestError: a bad grammar)
+            seq.grammar = self.grammar_compiler().matcher(params.grammar)
+        seq.text = OutputText(self.tokenizer.incremental_decoder(), params.stop)
+        return seq
+
+    def grammar_compiler(self):
+        """The grammar compiler over this model's tokenizer (built on first use: its token trie)."""
+        if self._grammars is None:
+            from ft.engine.grammar import GrammarCompiler
+
+            eos = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+            self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size, eos)
+        return self._grammars
