@@ -179,3 +179,25 @@ def test_access_log_filter_is_installed_on_uvicorn_access(restore_logging):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_engine_figures_that_fail_are_reported_once_and_serving_goes_on(caplog):
+    """An `Engine.stats` that raises (a bug) is logged once with its traceback, not every 20 ms, and
+    commands still run (the engine thread keeps serving; /metrics keeps the last figures)."""
+    from ft.server.engine_loop import EngineLoop
+
+    class Broken(_FakeEngine):
+        def stats(self):
+            raise RuntimeError("broken figures")
+
+    loop = EngineLoop(Broken)
+    with caplog.at_level(logging.ERROR, logger="ft.server"):
+        loop.start()
+        try:
+            assert loop.ready.wait(WAIT_S) and loop.state == "serving"
+            for _ in range(5):
+                assert loop.call_sync(lambda e: e.context_limit, timeout=WAIT_S) == 1024
+        finally:
+            loop.stop()
+    failed = [r for r in caplog.records if "taking the engine's figures failed" in r.getMessage()]
+    assert len(failed) == 1 and failed[0].exc_info is not None and loop.stats() is None

@@ -86,6 +86,7 @@ class EngineLoop:
         self._view: Any = None
         self._view_at = self._view_wanted_at = float("-inf")
         self._view_key: Any = None
+        self._reported: set[str] = set()  # failures already logged (`_report_once`)
         self._thread = threading.Thread(target=self._main, name="ft-engine", daemon=True)
 
     # ------------------------------------------------------------------------- lifecycle
@@ -202,7 +203,7 @@ class EngineLoop:
         try:
             self._published = self.engine.stats()
         except Exception:  # noqa: BLE001 - readers keep the last figures; a bug here must not stop serving
-            log.exception("taking the engine's figures failed")
+            self._report_once("taking the engine's figures failed (readers keep the last ones)")
         self._published_at = now
         if self._view_fn is None or now - self._view_wanted_at > VIEW_DEMAND_S:
             return
@@ -213,8 +214,15 @@ class EngineLoop:
         try:
             self._view = self._view_fn(self.engine)
         except Exception:  # noqa: BLE001 - as above
-            log.exception("taking the engine's view failed")
+            self._report_once("taking the engine's view failed (readers keep the last one)")
         self._view_at, self._view_key = now, key
+
+    def _report_once(self, what: str) -> None:
+        """Log the exception being handled with its traceback the first time `what` fails (it may
+        fail again every few milliseconds)."""
+        if what not in self._reported:
+            self._reported.add(what)
+            log.exception("%s", what)
 
     def _run_commands(self, block: bool) -> bool:
         """Run the queued commands (waiting up to 50 ms for one when `block`), each followed by the
