@@ -44,9 +44,6 @@ def main() -> None:
     ap.add_argument("--attention-programs", type=int, default=0, metavar="N",
                     help="split-K decode attention: aim at N programs (SPLIT_TARGET_PROGRAMS; MAX_SPLITS raised to "
                          "match) instead of the library default")
-    ap.add_argument("--words", action="store_true",
-                    help="the tl.dot projections' word-wise fp16 weight decode (DOT_WORDS; off by default until "
-                         "measured) and the NVFP4 decode attention's fp16 dots (NVFP4_F16, the default already)")
     ap.add_argument("--combine-block-d", type=int, default=0, metavar="N",
                     help="the split-K decode attention's combine: N columns per program (COMBINE_BLOCK_D; default "
                          "the library's)")
@@ -126,12 +123,6 @@ def main() -> None:
         import ft.kernels.attention.decode_tuning as attention_kernel
 
         attention_kernel.COMBINE_BLOCK_D = args.combine_block_d
-    if args.words:
-        import ft.kernels.attention.decode_tuning as attention_kernel
-        import ft.kernels.nvfp4.kernel as nvfp4_kernel
-
-        nvfp4_kernel.DOT_WORDS = True
-        attention_kernel.NVFP4_F16_DEFAULT = True
     if args.attention_programs:
         attention_split.SPLIT_TARGET_PROGRAMS = args.attention_programs
         attention_split.MAX_SPLITS = max(attention_split.MAX_SPLITS, args.attention_programs // 2)

@@ -163,7 +163,7 @@ def gemv_cfg(m: int, n: int, k: int) -> dict:
 def dot_cfg(m: int, n: int, k: int) -> dict:
     cfg = {"SWAP_AB": False, **nv._dot_config(m, n, k), "PRECISION": "tf32"}  # every constexpr named
     halves = nv.DOT_HALVES and m <= 16 and k % cfg["BLOCK_K"] == 0 and cfg["BLOCK_K"] % 64 == 0 and not cfg["SWAP_AB"]
-    return {**cfg, "EVEN_K": k % cfg["BLOCK_K"] == 0, "WORDS": nv.DOT_WORDS, "HALVES": halves,
+    return {**cfg, "EVEN_K": k % cfg["BLOCK_K"] == 0, "HALVES": halves,
             "ASM": halves}  # as the wrapper sets them (bf16 x)
 
 
@@ -206,8 +206,6 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("dot M=8", nv._nvfp4_dot_kernel, DOT, dot_cfg(8, 8192, 2048)),
     ("dot M=64", nv._nvfp4_dot_kernel, DOT, dot_cfg(64, 8192, 2048)),
     ("dot prefill (swapped operands)", nv._nvfp4_dot_kernel, DOT, dot_cfg(4096, 8192, 2048)),
-    ("dot M=8, word decode", nv._nvfp4_dot_kernel, DOT, {**dot_cfg(8, 8192, 2048), "WORDS": True, "HALVES": False,
-                                                          "ASM": False}),
     ("dot M=8, whole tiles (no halves)", nv._nvfp4_dot_kernel, DOT,
      {**dot_cfg(8, 8192, 2048), "HALVES": False, "ASM": False}),
     ("moe gate_up, 1 token", moe._moe_gate_up_kernel, GATE_UP, moe_cfg(moe.GATE_UP_CONFIG[1], 256, "BLOCK_I")),

@@ -141,21 +141,6 @@ def test_dot_swap_ab_matches_ref(dtype):
     assert _rel_rms(y, nvfp4_linear_ref(x, packed, scale, scale_2)) < TOL[dtype]
 
 
-@pytest.mark.parametrize("swap", [False, True], ids=["xw", "swap-ab"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_dot_word_decode_is_the_byte_decode(dtype, swap):
-    """WORDS (the weight tile decoded a 32-bit word at a time in fp16): the same tile as the byte-wise
-    decode, so the same result bit for bit; K 192 with BLOCK_K 64 (EVEN_K) and rows of 96 bytes."""
-    gen = torch.Generator().manual_seed(12)
-    packed, scale, scale_2 = _weight(40, 192, gen)
-    x = torch.randn(6, 192, generator=gen).to(dtype)
-    cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "SWAP_AB": swap}
-    by_bytes = nvfp4_linear_triton(x, packed, scale, scale_2, path="dot", config={**cfg, "WORDS": False})
-    by_words = nvfp4_linear_triton(x, packed, scale, scale_2, path="dot", config={**cfg, "WORDS": True})
-    assert torch.equal(by_words, by_bytes)
-    assert _rel_rms(by_words, nvfp4_linear_ref(x, packed, scale, scale_2)) < TOL[dtype]
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_e2m1_halves_stand_in_is_exact(dtype):
     """The halves decode's plain-Triton stand-in (what the interpreter runs in place of the inline PTX;

@@ -50,11 +50,11 @@ import triton.language as tl
 
 from ft.kernels.backend import inline_ptx
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
-from ft.kernels.nvfp4.decode import _e4m3, dequant_tile, e2m1_halves_bf16, e2m1_halves_f16, words_tile_f16
+from ft.kernels.nvfp4.decode import _e4m3, dequant_tile, e2m1_halves_bf16, e2m1_halves_f16
 from ft.kernels.nvfp4.rows import (_decode_whole_k, _dot_lanes, _load_whole_k, _whole_k_row, _whole_k_tile, _x_lanes,
                                    nvfp4_rows_dot, rows_dot_whole_k)
 
-__all__ = ["DOT_HALVES", "DOT_WORDS", "SMALL_M", "nvfp4_linear_triton"]
+__all__ = ["DOT_HALVES", "SMALL_M", "nvfp4_linear_triton"]
 
 SMALL_M = 2
 """Rows of x up to which the GEMV kernel runs; above it the ``tl.dot`` kernel (with a 16-row
@@ -62,11 +62,6 @@ tile for M <= 16, the small-M decode case)."""
 SMALL_M_WHOLE_K = True
 """`_path`'s whole-K GEMV at M = 3..8 on the shapes where it beat the 16-row tile (out_proj, the
 experts' gate_up); off: those take the tile too (bench/decode.py --no-small-m-gemv)."""
-DOT_WORDS = False
-"""The ``tl.dot`` kernel's weight tiles decoded a 32-bit word at a time in fp16 (its WORDS; the
-grouped MoE's GROUPED_WORDS). Off: measured slower in the whole decode step (session 13, H200,
-bench/decode.py graphs, ctx 32: batch 1 335.5 -> 325.1 tok/s, batch 8 1,089 -> 1,069 tok/s), while
-the grouped prefill MoE gains from words (GROUPED_WORDS) because its tiles are large in M."""
 DOT_HALVES = True
 """The small-M ``tl.dot`` tile (M <= 16, bf16 or fp16 x) takes x's even and odd columns against the
 weight's low and high nibbles, each decoded straight to x's dtype by byte permutes in inline PTX
@@ -130,7 +125,7 @@ def _nvfp4_gemv_kernel(
 @triton.jit
 def _interleaved_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, stride_sn, k, K,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SWAP_AB: tl.constexpr,
-                      EVEN_K: tl.constexpr, WORDS: tl.constexpr):
+                      EVEN_K: tl.constexpr):
     """One K step of `_nvfp4_dot_kernel` over the whole dequantized weight tile (elements in k order)."""
     o_k = k + tl.arange(0, BLOCK_K)
     if EVEN_K:
@@ -138,12 +133,7 @@ def _interleaved_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_
     else:
         m_xk = m_m[:, None] & (o_k < K)[None, :]
     b_x = tl.load(p_x + o_m[:, None] * stride_xm + o_k[None, :], mask=m_xk, other=0.0)
-    if WORDS and EVEN_K:
-        b_wt = words_tile_f16(p_w, p_s, o_n * stride_wn, o_n * stride_sn, m_n, k // 2, BLOCK_N, BLOCK_K)
-        b_wt = b_wt.to(b_x.dtype)
-    else:
-        b_wt = dequant_tile(p_w, p_s, o_n, m_n, stride_wn, stride_sn, k // 2, K // 2, b_x.dtype, BLOCK_N, BLOCK_K,
-                            EVEN_K)
+    b_wt = dequant_tile(p_w, p_s, o_n, m_n, stride_wn, stride_sn, k // 2, K // 2, b_x.dtype, BLOCK_N, BLOCK_K, EVEN_K)
     if SWAP_AB:
         acc = tl.dot(b_wt, tl.trans(b_x), acc, input_precision=PRECISION)
     else:
@@ -187,13 +177,11 @@ def _nvfp4_dot_kernel(
     stride_xm, stride_wn, stride_sn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, SWAP_AB: tl.constexpr = False, EVEN_K: tl.constexpr = False,
-    WORDS: tl.constexpr = False, HALVES: tl.constexpr = False, ASM: tl.constexpr = False, PDL: tl.constexpr = False,
+    HALVES: tl.constexpr = False, ASM: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)  # (`ft.kernels.pdl`: before any load; the K loop streams weights and x together)
     pdl_release(PDL)
     # EVEN_K: K % BLOCK_K == 0, no mask along K (the loads vectorize; `dequant_tile`'s EVEN)
-    # WORDS (with EVEN_K, rows of a multiple of 4 bytes): the weight tile decoded a 32-bit word at a
-    # time in fp16 (`words_tile_f16`), then cast to x's dtype: the same tile
     # HALVES (with EVEN_K, bf16/fp16 x whose rows start on 4-byte boundaries, not SWAP_AB): `_halves_step`
     i_pid = tl.program_id(0)
     n_m = tl.cdiv(M, BLOCK_M)
@@ -218,7 +206,7 @@ def _nvfp4_dot_kernel(
                                PRECISION, ASM)
         else:
             acc = _interleaved_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, stride_sn, k, K,
-                                    BLOCK_N, BLOCK_K, PRECISION, SWAP_AB, EVEN_K, WORDS)
+                                    BLOCK_N, BLOCK_K, PRECISION, SWAP_AB, EVEN_K)
     if SWAP_AB:
         acc = tl.trans(acc)
     b_y = acc * tl.load(p_s2)
@@ -276,14 +264,11 @@ def _dot_config(m: int, n: int, k: int) -> dict:
 
 def dot_launch_config(x: torch.Tensor, packed: torch.Tensor, config: dict | None = None) -> dict:
     """`_nvfp4_dot_kernel`'s constexprs and launch options for x [M, K] and packed [N, K/2]: `config`
-    (whole, benchmarks and tests) or `_dot_config`'s, with what the tensors allow: EVEN_K, WORDS
-    (DOT_WORDS), HALVES (DOT_HALVES at M <= 16, fp16/bf16 x, whole 64-column tiles, x rows on 4-byte
+    (whole, benchmarks and tests) or `_dot_config`'s, with what the tensors allow: EVEN_K, HALVES (DOT_HALVES at M <= 16, fp16/bf16 x, whole 64-column tiles, x rows on 4-byte
     boundaries) and ASM (the halves' inline PTX, off in the interpreter or by config)."""
     (m, k), n = x.shape, packed.shape[0]
     cfg = dict(config or _dot_config(m, n, k))
     cfg["EVEN_K"] = k % cfg["BLOCK_K"] == 0
-    cfg["WORDS"] = bool(cfg.get("WORDS", DOT_WORDS)) and cfg["EVEN_K"] and packed.stride(0) % 4 == 0 \
-        and packed.data_ptr() % 16 == 0 and cfg["BLOCK_K"] % 16 == 0
     cfg["HALVES"] = bool(cfg.get("HALVES", DOT_HALVES and m <= 16)) and cfg["EVEN_K"] and x.dtype != torch.float32 \
         and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and cfg["BLOCK_K"] % 64 == 0 and not cfg.get("SWAP_AB")
     cfg["ASM"] = cfg["HALVES"] and bool(cfg.get("ASM", True)) and inline_ptx(x.device)
