@@ -73,7 +73,7 @@ class Engine(RankState):
         )) if rungs else None
         self.ladder_driver = LadderDriver(self.ladder, self.cache, self.scheduler, self.prefix_cache) \
             if self.ladder else None
-        self.requests_in = RequestBuilder(cfg, self.tokenizer, lambda: self.servable_context, self.context_reason)
+        self.requests_in = RequestBuilder(cfg, self.tokenizer)
         self._requests: dict[str, Sequence] = {}
         self.current_work: ScheduledWork | None = None  # the work of a step in progress (None between steps)
         self.overlap = OverlappedDecode(self)  # `--overlap-decode`: the decode step in flight, if any
@@ -166,7 +166,7 @@ class Engine(RankState):
         return seqs
 
     def _new_sequence(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> Sequence:
-        return self.requests_in.build(prompt_ids, params, request_id)
+        return self.requests_in.build(prompt_ids, params, request_id, self.servable_context, self.context_reason)
 
     @property
     def servable_context(self) -> int:

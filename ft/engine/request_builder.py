@@ -20,18 +20,17 @@ __all__ = ["RequestBuilder"]
 
 
 class RequestBuilder:
-    """`build` for one model: its vocabulary and EOS ids (`model_config`), its tokenizer, and the
-    engine's servable context now (`servable_context()`) with the words that explain a cap
-    (`context_reason(limit)`)."""
+    """`build` for one model: its vocabulary and EOS ids (`model_config`) and its tokenizer. (It holds
+    nothing of the engine: an engine that is dropped frees its pools at once, without a cycle.)"""
 
-    def __init__(self, model_config, tokenizer, servable_context: Callable[[], int],
-                 context_reason: Callable[[int], str]) -> None:
+    def __init__(self, model_config, tokenizer) -> None:
         self.model_config, self.tokenizer = model_config, tokenizer
-        self._servable_context, self._context_reason = servable_context, context_reason
         self._grammars = None  # the grammar compiler, built on first use (its token trie)
 
-    def build(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> Sequence:
-        """A request's Sequence after checking it can ever be served (RequestError otherwise)."""
+    def build(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None, limit: int,
+              context_reason: Callable[[int], str]) -> Sequence:
+        """A request's Sequence after checking it can ever be served (RequestError otherwise): `limit`
+        is the context a request admitted now can reach, `context_reason(limit)` says what caps it."""
         n = len(prompt_ids)
         if n == 0:
             raise RequestError("the prompt is empty")
@@ -43,9 +42,8 @@ class RequestBuilder:
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise RequestError(f"{what}: token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        limit = self._servable_context()
         if n >= limit:
-            raise RequestError(f"the prompt is {n} tokens; {self._context_reason(limit)} "
+            raise RequestError(f"the prompt is {n} tokens; {context_reason(limit)} "
                                "(the prompt plus at least one new token must fit)")
         room = limit - n
         max_new = room if params.max_new_tokens is None else min(params.max_new_tokens, room)

@@ -64,7 +64,8 @@ def create_app(state: ServerState, start_loop: bool = True) -> FastAPI:
     app = FastAPI(title="FreeToken", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ft = state
     # the admin cache state, published by the engine thread while `ft top` (GET /admin/events) reads it
-    state.loop.publish_view(lambda e: admin_state.cache_state(e, "serving", state.model_name))
+    model_name = state.model_name  # (not `state`: the loop would hold the state that holds it)
+    state.loop.publish_view(lambda e: admin_state.cache_state(e, "serving", model_name))
     errors.install(app)
 
     app.add_middleware(Guard, state=state, body_timeout_s=state.body_timeout_s)
