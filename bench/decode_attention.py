@@ -10,8 +10,9 @@ cache; the NVFP4 cache with whole dequantized tiles (`tiles`) and with q's even 
 against the low and high nibbles (`halves`), fp16 dots over tiles decoded in fp16 a word at a time
 (`f16`, the default 2026-12-01), the halves decoded straight to fp16 by byte permutes in inline
 PTX (`prmt`, the default since 2026-12-02), each at a few block sizes; `--extra` adds
-variants (any `decode_config` key, and "splits" to override the split count); `fma` is the CUDA-core
-loop over 32-bit words (`NVFP4_FMA`, off; its spills are 2 KB and its first run did not finish). Prints us per call, the
+variants (any `decode_config` key, and "splits" to override the split count). (The CUDA-core loop over
+32-bit words, `NVFP4_FMA`, whose spills were 2 KB and whose first run did not finish, was deleted in
+session 23.) Prints us per call, the
 KV bytes read per second, and each NVFP4 variant's difference from the reference. Table last.
 """
 
@@ -50,10 +51,6 @@ VARIANTS = [  # (label, cache, config overrides)
     # the halves decoded straight to fp16 by byte permutes in inline PTX (session 15)
     ("nvfp4 prmt N32", "nvfp4", {"NVFP4_PRMT": True, "BLOCK_N": 32}),
     ("nvfp4 prmt N64", "nvfp4", {"NVFP4_PRMT": True, "BLOCK_N": 64}),
-    # the CUDA-core loop (not measured yet): warps and the split count decide whether it keeps up
-    ("nvfp4 fma w1 s512", "nvfp4", {"NVFP4_PRMT": False, "NVFP4_FMA": True, "BLOCK_N": 16, "num_warps": 1, "splits": 512}),
-    ("nvfp4 fma w2 s256", "nvfp4", {"NVFP4_PRMT": False, "NVFP4_FMA": True, "BLOCK_N": 16, "num_warps": 2, "splits": 256}),
-    ("nvfp4 fma w4", "nvfp4", {"NVFP4_PRMT": False, "NVFP4_FMA": True, "BLOCK_N": 16, "num_warps": 4}),
 ]
 
 

@@ -473,8 +473,7 @@ def test_write_kv_nvfp4_prefill_and_decode_references_agree():
 # and split; the others (the byte-wise halves, whole tiles, the CUDA-core loop, which needs D % 64 == 0)
 # on two cases each, split only, to keep the interpreter's time bounded
 NVFP4_LOOP_CASES = [(loop, c, i) for loop in ("prmt", "f16") for c, i in zip(CASES, CASE_IDS)] + \
-    [("halves", CASES[k], CASE_IDS[k]) for k in (1, 3)] + [("tiles", CASES[k], CASE_IDS[k]) for k in (0, 5)] + \
-    [("fma", CASES[k], CASE_IDS[k]) for k in (2, 5)]
+    [("halves", CASES[k], CASE_IDS[k]) for k in (1, 3)] + [("tiles", CASES[k], CASE_IDS[k]) for k in (0, 5)]
 NVFP4_DEFAULT_LOOPS = ("prmt", "f16")
 
 
@@ -502,8 +501,7 @@ def test_decode_attention_nvfp4_cache(loop, case, path):
     """An NVFP4 cache: the kernels (fp32 and fp16 queries; gated fp16) against the reference, which
     dequantizes; the reference equals the unquantized reference on the dequantized values. Both
     inner loops: whole dequantized tiles, q's even and odd columns against the low and high
-    nibbles (`NVFP4_HALVES`, the default; it takes D >= 32, smaller heads run the tiles), and
-    the CUDA-core loop over 32-bit words (`NVFP4_FMA`; D % 64 == 0, else the halves), and fp16 dots
+    nibbles (`NVFP4_HALVES`, the default; it takes D >= 32, smaller heads run the tiles), and fp16 dots
     over tiles decoded in fp16 (`NVFP4_F16`; a word at a time where D % 64 == 0 and D == BLOCK_D;
     fp32 queries rounded to fp16: within fp16's tolerance), and the halves decoded straight to fp16
     (`NVFP4_PRMT`: D % 64 == 0; on CPU its byte-wise stand-in for the PTX, fp32 queries keep the halves)."""
@@ -519,7 +517,6 @@ def test_decode_attention_nvfp4_cache(loop, case, path):
         out = torch.full_like(q, float("nan"))
         y = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, d ** -0.5, splits=splits, out=out,
                                           gate=gate, config={"BLOCK_N": 16, "NVFP4_HALVES": loop == "halves",
-                                                                  "NVFP4_FMA": loop == "fma",
                                                                   "NVFP4_F16": loop == "f16",
                                                                   "NVFP4_PRMT": loop == "prmt"}, kv_scale=scale)
         assert rel_rms(y, ref) < TOL[torch.float16 if loop in ("f16", "prmt") else dtype], (dtype, gated)

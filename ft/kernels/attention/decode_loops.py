@@ -6,8 +6,6 @@ and the walk over a sequence's tokens for each cache format, every one inlined i
   NVFP4 dequantized exactly), two `tl.dot`s per block.
 * `_attend_nvfp4` (the NVFP4 default): q's even and odd columns against the low and high nibbles
   of each code byte, no per-tile interleave (11-14% faster on the H200: bench/RESULTS.md).
-* `_attend_nvfp4_fma` (off until measured): the codes as 32-bit words on the CUDA cores, q and the
-  output in 8 lanes, one [G, N, W] layout family.
 Each returns (max [BLOCK_G] in log2 units, sum [BLOCK_G], unnormalized acc [BLOCK_G, BLOCK_D]) in
 fp32 over tokens [lo, hi) of one sequence and kv head.
 """
@@ -17,12 +15,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ft.kernels.nvfp4.decode import (
-    _byte_f32, _e2m1_hi, _e2m1_lo, _e4m3, _hi_e4m3_word, _join8, _lo_e4m3_word, _split8, dequant_tile,
-    e2m1_halves_f16_scaled, words_tile_f16,
-)
+from ft.kernels.nvfp4.decode import _e2m1_hi, _e2m1_lo, _e4m3, dequant_tile, e2m1_halves_f16_scaled, words_tile_f16
 
-__all__ = ["_attend", "_attend_nvfp4", "_attend_nvfp4_fma", "_d_mask", "_load_q", "load_kv_tile", "nvfp4_tile_f16",
+__all__ = ["_attend", "_attend_nvfp4", "_d_mask", "_load_q", "load_kv_tile", "nvfp4_tile_f16",
            "nvfp4_tile_f16_words"]
 
 
@@ -232,82 +227,3 @@ def _attend_nvfp4(b_q, p_k, p_v, p_pt, lo, hi, D, qk_scale, stride_kp, stride_ks
     elif F16 and FORM == 2:
         b_acc = b_acc * 64.0
     return b_m, b_l, b_acc
-
-
-@triton.jit
-def _pv_lane(b_a, b_p, b_e, I: tl.constexpr, b_sc, b_alpha):
-    """One lane's p.V update, all [G, N, W]-family tensors: b_a [G, 1, W] rescaled by b_alpha
-    [G, 1, 1] plus the sum over tokens of p [G, N, 1] times byte I of the E4M3 words b_e
-    [1, N, W] (one nibble of each word) times the block scales b_sc [1, N, W]."""
-    return b_a * b_alpha + tl.sum(b_p * (_byte_f32(b_e, I) * b_sc), axis=1, keep_dims=True)
-
-
-@triton.jit
-def _attend_nvfp4_fma(b_q, p_k, p_v, p_pt, lo, hi, D, qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
-                      PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """`_attend` over an NVFP4 cache on the CUDA cores, no `tl.dot`: the codes read as 32-bit words
-    and decoded a word at a time (as the small-batch GEMV), q.k and p.V in fp32 with q and the
-    output in 8 lanes (element 8w + j), joined once at the end. A GQA group has G = 8 rows or
-    fewer, too few for a tensor-core tile (no padding rows here). Every tensor of the loop is of
-    one [G, N, W] family (reductions keep their dims), so that the compiler needs no layout
-    conversion inside it. Same contract as `_attend`; the products in fp32 (q is not rounded).
-    Needs D == BLOCK_D (no mask along a row: the word loads vectorize, 16 bytes per thread) and
-    D % 64 == 0 (a row of D/2 + D/16 bytes is then whole words). NOT YET MEASURED on a GPU: off by
-    default (`NVFP4_FMA`); compiled for sm_90 with 4 warps the V side's sum over tokens crosses
-    warps (shared memory, ~200 barriers a tile), with 1 warp it does not (bench/decode_attention.py
-    --extra, with more splits, is the next measurement)."""
-    W: tl.constexpr = BLOCK_D // 8
-    q0, q1, q2, q3, q4, q5, q6, q7 = _split8(tl.reshape(b_q.to(tl.float32), (BLOCK_G, W, 8)), BLOCK_G, W)
-    q0, q1, q2, q3 = q0[:, None, :], q1[:, None, :], q2[:, None, :], q3[:, None, :]  # [G, 1, W]
-    q4, q5, q6, q7 = q4[:, None, :], q5[:, None, :], q6[:, None, :], q7[:, None, :]
-    o_w = tl.arange(0, W)[None, None, :]  # [1, 1, W] (BLOCK_D == D: no mask along a row, so loads vectorize)
-    p_kw = p_k.to(tl.pointer_type(tl.int32))
-    p_vw = p_v.to(tl.pointer_type(tl.int32))
-    b_m = tl.full((BLOCK_G, 1, 1), float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros((BLOCK_G, 1, 1), dtype=tl.float32)
-    a0 = tl.zeros((BLOCK_G, 1, W), dtype=tl.float32)
-    a1 = tl.zeros((BLOCK_G, 1, W), dtype=tl.float32)
-    a2 = tl.zeros((BLOCK_G, 1, W), dtype=tl.float32)
-    a3 = tl.zeros((BLOCK_G, 1, W), dtype=tl.float32)
-    a4 = tl.zeros((BLOCK_G, 1, W), dtype=tl.float32)
-    a5 = tl.zeros((BLOCK_G, 1, W), dtype=tl.float32)
-    a6 = tl.zeros((BLOCK_G, 1, W), dtype=tl.float32)
-    a7 = tl.zeros((BLOCK_G, 1, W), dtype=tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        o_n = n0 + tl.arange(0, BLOCK_N)[None, :, None]  # [1, N, 1]
-        m_n = o_n < hi
-        m_nw = m_n & (o_w >= 0)  # [1, N, W], constant along a row
-        b_page = tl.load(p_pt + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
-        o_slot = o_n % PAGE_SIZE
-        o_k = b_page * stride_kp + o_slot * stride_ks  # bytes (multiples of 4: D % 64 == 0)
-        b_kw = tl.load(p_kw + o_k // 4 + o_w, mask=m_nw, other=0).to(tl.uint32, bitcast=True)  # [1, N, W]
-        b_ks = _e4m3(tl.load(p_k + o_k + D // 2 + o_w // 2, mask=m_nw, other=0))
-        k_lo = _lo_e4m3_word(b_kw)
-        k_hi = _hi_e4m3_word(b_kw)
-        b_t = _byte_f32(k_lo, 0) * q0 + _byte_f32(k_hi, 0) * q1 + _byte_f32(k_lo, 1) * q2 + _byte_f32(k_hi, 1) * q3
-        b_t += _byte_f32(k_lo, 2) * q4 + _byte_f32(k_hi, 2) * q5 + _byte_f32(k_lo, 3) * q6 + _byte_f32(k_hi, 3) * q7
-        b_s = tl.sum(b_t * b_ks, axis=2, keep_dims=True) * (64.0 * qk_scale)  # [G, N, 1] (decode: x 2**-6)
-        b_s = tl.where(m_n, b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1, keep_dims=True))  # [G, 1, 1]
-        b_alpha = tl.exp2(b_m - b_m_new)
-        b_p = tl.exp2(b_s - b_m_new)
-        b_l = b_l * b_alpha + tl.sum(b_p, axis=1, keep_dims=True)
-        o_v = b_page * stride_vp + o_slot * stride_vs
-        b_vw = tl.load(p_vw + o_v // 4 + o_w, mask=m_nw, other=0).to(tl.uint32, bitcast=True)
-        b_vs = _e4m3(tl.load(p_v + o_v + D // 2 + o_w // 2, mask=m_nw, other=0))
-        v_lo = _lo_e4m3_word(b_vw)
-        v_hi = _hi_e4m3_word(b_vw)
-        a0 = _pv_lane(a0, b_p, v_lo, 0, b_vs, b_alpha)
-        a1 = _pv_lane(a1, b_p, v_hi, 0, b_vs, b_alpha)
-        a2 = _pv_lane(a2, b_p, v_lo, 1, b_vs, b_alpha)
-        a3 = _pv_lane(a3, b_p, v_hi, 1, b_vs, b_alpha)
-        a4 = _pv_lane(a4, b_p, v_lo, 2, b_vs, b_alpha)
-        a5 = _pv_lane(a5, b_p, v_hi, 2, b_vs, b_alpha)
-        a6 = _pv_lane(a6, b_p, v_lo, 3, b_vs, b_alpha)
-        a7 = _pv_lane(a7, b_p, v_hi, 3, b_vs, b_alpha)
-        b_m = b_m_new
-    G2: tl.constexpr = BLOCK_G
-    acc = _join8(tl.reshape(a0, (G2, W)), tl.reshape(a1, (G2, W)), tl.reshape(a2, (G2, W)), tl.reshape(a3, (G2, W)),
-                 tl.reshape(a4, (G2, W)), tl.reshape(a5, (G2, W)), tl.reshape(a6, (G2, W)), tl.reshape(a7, (G2, W)),
-                 BLOCK_G, W)
-    return tl.reshape(b_m, (BLOCK_G,)), tl.reshape(b_l, (BLOCK_G,)), acc * 64.0

@@ -80,5 +80,5 @@ def decode_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
     block_d = max(16, triton.next_power_of_2(head_dim))
     return {"BLOCK_G": max(16, triton.next_power_of_2(group)), "BLOCK_N": 32 if block_d > 128 else 64,
             "BLOCK_D": block_d, "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "num_warps": 4,
-            "num_stages": 2, "NVFP4_HALVES": True, "NVFP4_FMA": False, "NVFP4_F16": NVFP4_F16_DEFAULT,
+            "num_stages": 2, "NVFP4_HALVES": True, "NVFP4_F16": NVFP4_F16_DEFAULT,
             "NVFP4_WORDS": False, "NVFP4_PRMT": NVFP4_PRMT_DEFAULT}

@@ -33,8 +33,9 @@ q's dtype (`load_kv_tile`; exact:
 an fp8 value has 4 significant bits, an E2M1 value times an e4m3 block scale at most 6, within
 bf16's and fp16's range), fold the layer's K scale into the softmax scale and apply its V scale
 to the output. EVEN_D (D == BLOCK_D, set by the launchers) drops the tiles' column mask, so their
-loads vectorize. An NVFP4 cache has four inner loops, a constexpr each, the first that is on wins:
-`NVFP4_FMA` (CUDA cores over 32-bit words; off, never measured to the end), `NVFP4_PRMT` (the
+loads vectorize. An NVFP4 cache has three inner loops, a constexpr each, the first that is on wins
+(a fourth, CUDA cores over 32-bit words, `NVFP4_FMA`, never measured to the end, was deleted in
+session 23; `0c5cbf3` holds it): `NVFP4_PRMT` (the
 default: q's even and odd columns against the low and high nibbles, each decoded straight to fp16
 in inline PTX, `ft.kernels.nvfp4.decode.e2m1_halves_f16_scaled`, in the form NVFP4_FORM picks (by
 byte permutes, or as E4M3 bytes converted two at a time, the default: values times 2**-6, undone in
@@ -59,7 +60,7 @@ from ft.kernels.attention.reference import NVFP4_CACHE, cache_head_dim
 import ft.kernels.attention.decode_tuning as tuning
 from ft.kernels.backend import inline_ptx, sm_count
 from ft.kernels.attention.split import DecodeWorkspace, decode_attention_workspace
-from ft.kernels.attention.decode_loops import _attend, _attend_nvfp4, _attend_nvfp4_fma, _d_mask, _load_q
+from ft.kernels.attention.decode_loops import _attend, _attend_nvfp4, _d_mask, _load_q
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
 __all__ = ["paged_decode_attention_triton", "write_kv_decode_triton"]
@@ -171,7 +172,7 @@ def _decode_kernel(
     stride_ptb, stride_gb, stride_gh, stride_ob, stride_oh,
     PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, HAS_GATE: tl.constexpr, KV_FP8: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
-    NVFP4_HALVES: tl.constexpr = False, NVFP4_FMA: tl.constexpr = False, EVEN_D: tl.constexpr = False,
+    NVFP4_HALVES: tl.constexpr = False, EVEN_D: tl.constexpr = False,
     NVFP4_F16: tl.constexpr = False, NVFP4_WORDS: tl.constexpr = False, NVFP4_PRMT: tl.constexpr = False,
     NVFP4_ASM: tl.constexpr = False, NVFP4_FORM: tl.constexpr = 0,
     PDL: tl.constexpr = False,
@@ -184,11 +185,7 @@ def _decode_kernel(
     b_q = _load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G, BLOCK_D, EVEN_D)
     if KV_FP8 or KV_NVFP4:
         qk_scale = qk_scale * tl.load(p_kvs)
-    if KV_NVFP4 and NVFP4_FMA:
-        _, b_l, b_acc = _attend_nvfp4_fma(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch,
-                                          p_pt + i_b * stride_ptb, 0, seq_len, D, qk_scale, stride_kcp, stride_kcs,
-                                          stride_vcp, stride_vcs, PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D)
-    elif KV_NVFP4 and NVFP4_PRMT:
+    if KV_NVFP4 and NVFP4_PRMT:
         _, b_l, b_acc = _attend_nvfp4(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
                                       0, seq_len, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
                                       PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, EVEN_D, True, NVFP4_ASM,
@@ -227,7 +224,7 @@ def _decode_split_kernel(
     stride_ptb, stride_ar, stride_ah, stride_sr, stride_sh,
     PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
-    NVFP4_HALVES: tl.constexpr = False, NVFP4_FMA: tl.constexpr = False, EVEN_D: tl.constexpr = False,
+    NVFP4_HALVES: tl.constexpr = False, EVEN_D: tl.constexpr = False,
     NVFP4_F16: tl.constexpr = False, NVFP4_WORDS: tl.constexpr = False, NVFP4_PRMT: tl.constexpr = False,
     NVFP4_ASM: tl.constexpr = False, NVFP4_FORM: tl.constexpr = 0,
     PDL: tl.constexpr = False,
@@ -245,11 +242,7 @@ def _decode_split_kernel(
     b_q = _load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G, BLOCK_D, EVEN_D)
     if KV_FP8 or KV_NVFP4:
         qk_scale = qk_scale * tl.load(p_kvs)
-    if KV_NVFP4 and NVFP4_FMA:
-        b_m, b_l, b_acc = _attend_nvfp4_fma(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch,
-                                            p_pt + i_b * stride_ptb, lo, hi, D, qk_scale, stride_kcp, stride_kcs,
-                                            stride_vcp, stride_vcs, PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D)
-    elif KV_NVFP4 and NVFP4_PRMT:
+    if KV_NVFP4 and NVFP4_PRMT:
         b_m, b_l, b_acc = _attend_nvfp4(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch,
                                         p_pt + i_b * stride_ptb, lo, hi, D, qk_scale, stride_kcp, stride_kcs,
                                         stride_vcp, stride_vcs, PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, EVEN_D,
@@ -437,9 +430,6 @@ def paged_decode_attention_triton(
     cfg = {**tuning.decode_config(d, hq // hkv, q.dtype), **(config or {})}
     block_dc = min(cfg["BLOCK_D"], cfg.pop("COMBINE_BLOCK_D", tuning.COMBINE_BLOCK_D))  # (the combine's, not the split's)
     cfg["NVFP4_HALVES"] = bool(cfg["NVFP4_HALVES"]) and kv_flags["KV_NVFP4"] and cfg["BLOCK_D"] >= 32  # halves: dot K >= 16
-    cfg["NVFP4_FMA"] = bool(cfg["NVFP4_FMA"]) and kv_flags["KV_NVFP4"] and d % 64 == 0 and cfg["BLOCK_D"] == d
-    if cfg["NVFP4_FMA"] and not (config or {}).get("BLOCK_G"):
-        cfg["BLOCK_G"] = triton.next_power_of_2(hq // hkv)  # no tensor-core tile: no padding rows
     cfg["EVEN_D"] = d == cfg["BLOCK_D"]  # no mask along D: vectorized K/V loads
     cfg["NVFP4_F16"] = bool(cfg["NVFP4_F16"]) and kv_flags["KV_NVFP4"] and q.dtype != torch.float32
     if cfg["NVFP4_F16"] and not (config or {}).get("BLOCK_N"):
