@@ -1,0 +1,31 @@
+"""The warm-up on CUDA (`ft.engine.warmup`): after it, requests of every batch size the engine runs
+and short prompts of every prefill-graph bucket capture no new CUDA graph (what the warm-up is for:
+no capture, and so no first-time compile, on a user's request), and the engine is left clean."""
+
+from __future__ import annotations
+
+import pytest
+
+from ft.engine import LLM, SamplingParams
+from ft.engine.warmup import warm_up
+
+pytestmark = pytest.mark.gpu
+
+
+def test_no_graph_is_captured_on_the_request_path_after_the_warm_up(model):
+    llm = LLM(model=model, device="cuda", dtype="bfloat16", moe_backend="resident", num_tokens=8192,
+              max_running_requests=8, prefill_graph_max_tokens=512)
+    e = llm.engine
+    report = warm_up(e)
+    decode, prefill = e.runner.graphs, e.runner.prefill_graphs
+    assert report.decode_batches == tuple(sorted(decode.buckets, reverse=True))
+    assert set(prefill.buckets) <= set(report.prefill_lengths)
+    assert not e.has_work and len(e.prefix_cache) == 0 and e.pools.kv.num_used_pages == 0
+    before = (decode.captures, prefill.captures)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    for b in (1, 3, 8):  # batches in every bucket's range
+        e.run_until_done([e.add_request(list(range(100 + 9 * i, 120 + 9 * i)), params) for i in range(b)])
+    for n in prefill.buckets:  # one prompt per prefill bucket (each runs alone: its graphs)
+        e.run_until_done([e.add_request([(7 * i + n) % 1000 + 5 for i in range(n - 3)], params)])
+    assert (decode.captures, prefill.captures) == before
+    assert decode.replays > 0 and prefill.replays > 0
