@@ -29,6 +29,11 @@ HELP = {
     "expert_read_through": ("offload: decode reads a missing expert from host memory inside the step (CUDA graph, no "
                             "sync) and caches it in a reserved slot; --no-expert-read-through loads misses before each "
                             "MoE layer instead (host bookkeeping, no graphs)"),
+    "prefill_stream_experts": ("offload: prefill chunks of more than 128 tokens stream the experts the cache lacks, "
+                               "layer by layer on a copy stream, through this many staging slots (a ring of 3 pages) "
+                               "instead of loading them into the cache: the copies overlap the compute, and nothing "
+                               "decode uses is evicted; 0 loads them into the cache instead (counted in the budget) "
+                               "(default: 3 x min(64, experts per layer) on CUDA, 0 on the CPU)"),
     "num_tokens": "KV cache capacity in tokens (default: the whole context when it fits)",
     "kv_cache_dtype": ("KV cache dtype: auto (the checkpoint's KV format when it carries KV scales, FP8 or NVFP4, "
                        "else the compute dtype), bf16, fp8 (e4m3 with a per-layer K and V scale: half of bf16's bytes "

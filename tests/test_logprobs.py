@@ -133,7 +133,7 @@ def test_prompt_logprob_chunks_stay_under_their_cap(tiny_one):
     eng = llm.engine
     from ft.engine.engine import PROMPT_LOGIT_BYTES, PROMPT_LOGITS_MIN_TOKENS
 
-    held = eng.cache.budget.reserve_bytes // (eng.model_config.vocab_size * PROMPT_LOGIT_BYTES)
+    held = eng.reserve // (eng.model_config.vocab_size * PROMPT_LOGIT_BYTES)  # the activation reserve
     assert eng.scheduler.max_prompt_logits == min(32, max(PROMPT_LOGITS_MIN_TOKENS, held))
     eng.scheduler.max_prompt_logits = 8
     prompt, other = prompt_of(40, seed=3), prompt_of(30, seed=4)

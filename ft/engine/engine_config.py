@@ -25,6 +25,7 @@ class EngineConfig:
     moe_cache_auto: bool = False  # slots fill what the budget leaves after KV and mamba
     expert_policy: str = "lru"  # lru | lfu: which resident experts make room for misses (offload)
     expert_read_through: bool = True  # offloaded decode reads misses from host memory inside the step
+    prefill_stream_experts: int | None = None  # offload: staging slots of streamed prefill (None: auto; 0: off)
     num_tokens: int | None = None  # KV capacity in tokens; None: the whole context if it fits
     kv_cache_dtype: str = "auto"  # auto (a checkpoint's KV format with its scales, else compute) | bf16 | fp8 | nvfp4
     kv_scale_calibration: bool = False  # a quantized KV cache without checkpoint scales: set them from the first prefill
@@ -64,6 +65,8 @@ class EngineConfig:
             raise ConfigError(f"--expert-policy must be lru or lfu, got {self.expert_policy!r}")
         if self.expert_policy != "lru" and not self.expert_read_through:
             raise ConfigError("--expert-policy lfu needs read-through decode (loads before each layer are LRU)")
+        if self.prefill_stream_experts is not None and self.prefill_stream_experts < 0:
+            raise ConfigError(f"--prefill-stream-experts must be >= 0, got {self.prefill_stream_experts}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"--kv-cache-dtype must be {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -25,6 +25,8 @@ from ft.engine.prefill_graphs import CoreBuffers
 from ft.engine.routing_override import TraceRouting, trace_params
 from ft.errors import ConfigError
 from ft.memory.kv_pool import NVFP4_KV
+from ft.memory.prefill_stream import PAGES, STREAM_PAGE_EXPERTS, PrefillStream
+from ft.kernels.moe import DECODE_MAX_TOKENS, moe_pools_workspace_bytes, moe_workspace_bytes
 from ft.kernels.backend import uses_triton
 from ft.model.config import ModelConfig, read_quantization
 from ft.model.kernel_support import check_kernel_shapes, nvfp4_formats, read_through_refusal
@@ -96,8 +98,17 @@ class RankState:
         self.decode_graph_reserve = 0 if not self.decode_graph_bs else \
             activation_reserve(cfg, self.dtype, self.device, self.decode_graph_bs, self.decode_graph_bs,
                                shapes.kv_dtype, 0)
+        # streamed prefill (offload): the staging pages and the passes' per-pair outputs of a whole chunk
+        self.prefill_stream_experts = self._stream_experts(config, host_experts)
+        self.prefill_stream_reserve = 0
+        if self.prefill_stream_experts:
+            dims = (min(config.max_prefill_length, self.context_limit), cfg.num_experts_per_tok, cfg.hidden_size,
+                    cfg.moe_intermediate_size, torch.finfo(self.dtype).bits // 8)
+            self.prefill_stream_reserve = PrefillStream.bytes_for(host_experts, self.prefill_stream_experts // PAGES) \
+                + max(0, moe_pools_workspace_bytes(*dims) - moe_workspace_bytes(*dims))
         budget = measure_budget(self.device, self.model.resident_bytes, config.memory_ratio, config.gpu_memory_limit,
-                                self.reserve + self.prefill_graph_reserve + self.decode_graph_reserve,
+                                self.reserve + self.prefill_graph_reserve + self.decode_graph_reserve
+                                + self.prefill_stream_reserve,
                                 config.cache_budget)
         self.rungs = make_rungs(config.ladder_step_size, self.context_limit, config.page_size) \
             if config.enable_kv_ladder else None
@@ -116,6 +127,9 @@ class RankState:
             pools.experts.policy = config.expert_policy
             if config.moe_backend == "offload" and config.expert_read_through and read_through:
                 pools.experts.enable_read_through(cfg.num_experts_per_tok * config.max_running_requests)
+            if self.prefill_stream_experts:
+                pools.experts.enable_prefill_stream(self.prefill_stream_experts // PAGES,
+                                                    min_tokens=DECODE_MAX_TOKENS + 1)
         self.runner = ModelRunner(
             self.model, pools, self.device, config.max_running_requests, config.max_prefill_length,
             -(-self.context_limit // config.page_size), self.context_limit,
@@ -125,6 +139,17 @@ class RankState:
         self.runner.routing = self._trace_routing(config, cfg)
         if tp is not None:
             self.runner.attach_tp(tp)
+
+    def _stream_experts(self, config: EngineConfig, host_experts) -> int:
+        """Staging slots of streamed prefill (a multiple of PAGES; 0: off): offload only,
+        --prefill-stream-experts, by default 3 x min(64, experts per layer) on CUDA and none on the
+        CPU (its host store is the device's memory: there is no bus to overlap)."""
+        if config.moe_backend != "offload" or host_experts is None:
+            return 0
+        n = config.prefill_stream_experts
+        if n is None:
+            n = PAGES * min(STREAM_PAGE_EXPERTS, host_experts.w13.shape[1]) if self.device.type == "cuda" else 0
+        return n // PAGES * PAGES
 
     def _check_kernels(self, config: EngineConfig) -> bool:
         """The checkpoint's shapes against the kernels (`ft.model.kernel_support`): a shape no path runs

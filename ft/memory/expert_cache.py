@@ -53,6 +53,7 @@ class ExpertCache:
         self._free = list(range(num_slots - 1, -1, -1))
         self.stats = ExpertStats()
         self.read_through = None  # a `ReadThrough` (offloaded decode inside the graph), see `enable_read_through`
+        self.prefill_stream = None  # a `PrefillStream` (long prefill chunks' misses staged), see `enable_prefill_stream`
 
     # ----------------------------------------------------------------------------- geometry
     @property
@@ -121,6 +122,14 @@ class ExpertCache:
         from ft.memory.read_through import ReadThrough  # NOTE: a part of the cache, in its own file
 
         self.read_through = ReadThrough(self, landing_capacity, policy or self.policy)
+
+    def enable_prefill_stream(self, page_experts: int, pages: int | None = None, min_tokens: int = 1) -> None:
+        """Long prefill chunks stream the experts this cache lacks through staging pages instead of
+        landing them (`ft.memory.prefill_stream.PrefillStream`): chunks of at least `min_tokens`
+        tokens; `pages` pages (default `PAGES`) of `page_experts` slots, allocated here."""
+        from ft.memory.prefill_stream import PAGES, PrefillStream  # NOTE: a part of the cache, in its own file
+
+        self.prefill_stream = PrefillStream(self, page_experts, pages or PAGES, min_tokens)
 
     def collect(self) -> None:
         """Take in what the last offloaded decode step did on the device (landed experts, uses,

@@ -14,12 +14,13 @@ from __future__ import annotations
 import torch
 
 from ft.kernels.backend import debug_checks, uses_triton
-from ft.kernels.moe.reference import dense_slots, moe_decode_ref, moe_over_slots_ref
-from ft.kernels.moe.slots import GROUPED_MAX_TOKENS, SlotWeights, check_slots, moe_workspace_bytes
+from ft.kernels.moe.reference import dense_slots, moe_decode_ref, moe_over_pools_ref, moe_over_slots_ref
+from ft.kernels.moe.slots import GROUPED_MAX_TOKENS, SlotWeights, check_slots, moe_pools_workspace_bytes, moe_workspace_bytes
 
 __all__ = [
     "DECODE_MAX_TOKENS", "GROUPED_MAX_TOKENS", "SlotWeights", "check_slots", "dense_slots", "moe_decode",
-    "moe_decode_ref", "moe_over_slots", "moe_over_slots_ref", "moe_workspace_bytes", "runs_triton",
+    "moe_decode_ref", "moe_over_pools", "moe_over_pools_ref", "moe_over_slots", "moe_over_slots_ref", "moe_pools_workspace_bytes",
+    "moe_workspace_bytes", "runs_triton",
 ]
 
 
@@ -54,6 +55,51 @@ def moe_over_slots(
         return moe_over_slots_triton(x, topk_slots, topk_weights, w,
                                      distinct_slots=None if experts is None else experts + 1)
     return moe_over_slots_ref(x, topk_slots, topk_weights, w)
+
+
+def moe_over_pools(x: torch.Tensor, topk_weights: torch.Tensor, passes, *, experts: int | None = None) -> torch.Tensor:
+    """`moe_over_slots` with the pairs' experts spread over several slot pools (a prefill chunk's
+    resident experts in the cache, the others streamed into staging pools, `ft.memory.prefill_stream`).
+
+    passes: an iterable of (topk_slots [T, k], pool); a pair has a slot (>= 0) in at most one pass
+    (-1 elsewhere; a pair with none is skipped). The passes are drawn in order and each is computed
+    (its kernels enqueued on the current stream) before the next is drawn, so a generator may load
+    the next pool in between. x [T, H], topk_weights [T, k]; experts: as `moe_over_slots`'s (each
+    pass's slots hold at most experts + 1 distinct values). Returns [T, H] in x's dtype: every pair's
+    weighted output kept apart and a token's summed in routing order, so the bits equal one pool
+    holding every expert (the reference's, or the Triton grouped path's, whatever T).
+
+    Dispatcher: the Triton grouped kernels where `runs_triton` says so for the first pass's pool
+    (every pool of a call must agree), else the reference. In debug mode each pass's slots are checked.
+    """
+    triton_path = None
+
+    def checked():
+        nonlocal triton_path
+        for topk_slots, w in passes:
+            here = runs_triton(w, x.device)
+            if triton_path is None:
+                triton_path = here
+            elif here != triton_path:
+                raise ValueError("moe_over_pools: every pool of a call must run on the same path (Triton or reference)")
+            if debug_checks():
+                check_slots(topk_slots, w.w13.shape[0])
+            yield topk_slots, w
+
+    it = checked()
+    first = next(it, None)
+    if first is None:
+        return torch.zeros_like(x)
+
+    def again():
+        yield first
+        yield from it
+
+    if triton_path:
+        from ft.kernels.moe.kernel import moe_over_pools_triton  # NOTE: imports triton only when used
+
+        return moe_over_pools_triton(x, topk_weights, again(), distinct_slots=None if experts is None else experts + 1)
+    return moe_over_pools_ref(x, topk_weights, again())
 
 
 DECODE_MAX_TOKENS = 128

@@ -31,7 +31,7 @@ from ft.kernels.moe.pair_tiles import group_pairs
 from ft.kernels.nvfp4.decode import dequant_tile, words_tile_f16
 
 __all__ = ["GROUPED_CONFIG", "GROUPED_CONFIG_SHORT", "GROUPED_SHORT_TOKENS", "GROUPED_WORDS", "grouped_config_for",
-           "grouped_moe"]
+           "grouped_moe", "grouped_pairs", "sum_live_pairs"]
 
 GROUPED_WORDS = True
 """Decode the weight tiles a 32-bit word of codes at a time in fp16 (`_tile_dot`'s WORDS), where the
@@ -186,13 +186,24 @@ def grouped_moe(x, slots, wts, k, w13, s13, w2, s2w, s2, y, i, cfg, distinct: in
     slot count + 1, always safe; a layer's expert count + 1 launches far fewer empty tiles). Allocates h [T * k, I] and y_pairs [T * k, H] in x's dtype (`moe_workspace_bytes`).
     """
     t, hid = x.shape
+    y_pairs = torch.empty((t * k, hid), dtype=x.dtype, device=x.device)  # skipped pairs' rows: never read
+    grouped_pairs(x, slots, wts, k, w13, s13, w2, s2w, s2, y_pairs, i, cfg, distinct)
+    return sum_live_pairs(y_pairs, slots, y, k)
+
+
+def grouped_pairs(x, slots, wts, k, w13, s13, w2, s2w, s2, y_pairs, i, cfg, distinct: int | None = None) -> None:
+    """The grouped GEMMs of one pass without the sum: y_pairs[p] = w_p * down(silu(gate) * up)(x[p // k])
+    for every pair p with slots[p] >= 0, in y_pairs' dtype; the rows of skipped pairs are left as they
+    are (so passes over different pools can fill one y_pairs). Arguments as `grouped_moe`'s;
+    y_pairs [T * k, H]. Allocates h [T * k, I] in x's dtype. A pair's row depends only on its
+    token, its weight and its expert's weights (not on which pool or tile held it)."""
+    t, hid = x.shape
     cfg13, cfg2 = cfg if isinstance(cfg[0], tuple) else (cfg, cfg)
     if cfg13[0] != cfg2[0]:
         raise ValueError(f"the gate_up and down tiles share BLOCK_M (one tile list): {cfg13}, {cfg2}")
     block_m = cfg13[0]
     start, end, sorted_slots, order = group_pairs(slots, block_m, distinct or w13.shape[0] + 1)
     h = torch.empty((t * k, i), dtype=x.dtype, device=x.device)
-    y_pairs = torch.empty((t * k, hid), dtype=x.dtype, device=x.device)  # skipped pairs' rows: never read
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     g = start.numel()
     # word loads need 4-byte aligned rows and k steps (BLOCK_K / 2 bytes)
@@ -215,6 +226,12 @@ def grouped_moe(x, slots, wts, k, w13, s13, w2, s2w, s2, y, i, cfg, distinct: in
         BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=bk2, PRECISION=precision, EVEN_K=i % bk2 == 0,
         SWAP_AB=bool(rest2 and rest2[0]), WORDS=words and bk2 % 16 == 0, num_warps=warps2, num_stages=stages2,
     )
-    _sum_live_pairs_kernel[(t, triton.cdiv(hid, 1024))](y_pairs, slots, y, hid, k, y_pairs.stride(0), y.stride(0),
+
+
+def sum_live_pairs(y_pairs: torch.Tensor, live: torch.Tensor, y: torch.Tensor, k: int) -> torch.Tensor:
+    """y [T, H] = per token, the fp32 sum in routing order of y_pairs' rows [T * k, H] whose pair is
+    live (live [T * k] int32 >= 0), cast to y's dtype; returns y."""
+    t, hid = y.shape
+    _sum_live_pairs_kernel[(t, triton.cdiv(hid, 1024))](y_pairs, live, y, hid, k, y_pairs.stride(0), y.stride(0),
                                                          BLOCK=1024)
     return y

@@ -38,11 +38,11 @@ from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 import ft.kernels.nvfp4.kernel as nvfp4_kernel
 from ft.kernels.backend import inline_ptx
 from ft.kernels.moe.slots import GROUPED_MAX_TOKENS
-from ft.kernels.moe.grouped_kernel import grouped_config_for, grouped_moe
+from ft.kernels.moe.grouped_kernel import grouped_config_for, grouped_moe, grouped_pairs, sum_live_pairs
 from ft.kernels.nvfp4.kernel import as_words, whole_k_words
 from ft.kernels.nvfp4.rows import nvfp4_rows_dot, rows_dot_whole_k
 
-__all__ = ["GROUPED_MIN_TOKENS", "moe_over_slots_triton"]
+__all__ = ["GROUPED_MIN_TOKENS", "moe_over_pools_triton", "moe_over_slots_triton"]
 
 GROUPED_MIN_TOKENS = 128
 """Above this many tokens the grouped (tl.dot) path runs; at or below, the per-pair GEMV path.
@@ -187,14 +187,8 @@ def moe_over_slots_triton(
     Returns: [T, H] in x's dtype.
     Raises: ValueError for dense slot pools or mismatched shapes.
     """
-    if not w.is_nvfp4:
-        raise ValueError("moe_over_slots_triton takes NVFP4 slot pools only")
     t, hid = x.shape
-    i = w.w13.shape[1] // 2
-    if w.w13.shape[2] * 2 != hid or w.w2.shape[1] != hid or w.w2.shape[2] * 2 != i or i % 16 or hid % 16:
-        raise ValueError(f"slot pool shapes {tuple(w.w13.shape)}, {tuple(w.w2.shape)} do not match x {tuple(x.shape)}")
-    if topk_slots.shape != topk_weights.shape or topk_slots.shape[0] != t:
-        raise ValueError(f"topk_slots {tuple(topk_slots.shape)} and topk_weights {tuple(topk_weights.shape)} must be [T, k]")
+    i = _check_pool(x, topk_slots, topk_weights, w)
     k = topk_slots.shape[1]
     x = x.contiguous()
     slots = topk_slots.reshape(-1).to(torch.int32).contiguous()
@@ -241,3 +235,48 @@ def moe_over_slots_triton(
         h.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1), s2.stride(0), y.stride(0),
         BLOCK_H=block_h, BLOCK_W=bw2, num_warps=warps2, **pdl_args(x.device))
     return y
+
+
+def _check_pool(x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, w) -> int:
+    """The pool's intermediate size I; ValueError unless `w` is an NVFP4 pool of x's hidden size
+    and the slots and weights are [T, k]."""
+    if not w.is_nvfp4:
+        raise ValueError("the Triton MoE takes NVFP4 slot pools only")
+    t, hid = x.shape
+    i = w.w13.shape[1] // 2
+    if w.w13.shape[2] * 2 != hid or w.w2.shape[1] != hid or w.w2.shape[2] * 2 != i or i % 16 or hid % 16:
+        raise ValueError(f"slot pool shapes {tuple(w.w13.shape)}, {tuple(w.w2.shape)} do not match x {tuple(x.shape)}")
+    if topk_slots.shape != topk_weights.shape or topk_slots.shape[0] != t:
+        raise ValueError(f"topk_slots {tuple(topk_slots.shape)} and topk_weights {tuple(topk_weights.shape)} must be [T, k]")
+    return i
+
+
+def moe_over_pools_triton(x: torch.Tensor, topk_weights: torch.Tensor, passes, *,
+                          distinct_slots: int | None = None) -> torch.Tensor:
+    """`moe_over_slots_triton`'s grouped path with the pairs' experts spread over several NVFP4 pools
+    (`ft.kernels.moe.moe_over_pools`'s contract): each pass's grouped GEMMs (`grouped_pairs`, in
+    token chunks of GROUPED_MAX_TOKENS) fill their pairs' rows of one y_pairs [T * k, H] in x's dtype,
+    enqueued before the next pass is drawn; one ordered sum over the pairs live in any pass. The same
+    bits as one grouped `moe_over_slots_triton` over a pool holding every expert. distinct_slots:
+    a bound on the distinct values of each pass's slots, -1 included (default: its pool's slots + 1)."""
+    t, hid = x.shape
+    k = topk_weights.shape[1]
+    x = x.contiguous()
+    wts = topk_weights.reshape(-1).contiguous()
+    y_pairs = torch.empty((t * k, hid), dtype=x.dtype, device=x.device)  # rows of pairs no pass has: never read
+    live = torch.full((t * k,), -1, dtype=torch.int32, device=x.device)
+    for topk_slots, w in passes:
+        i = _check_pool(x, topk_slots, topk_weights, w)
+        slots = topk_slots.reshape(-1).to(torch.int32).contiguous()
+        if t == 0:
+            continue
+        s13, s2w = w.w13_scale.contiguous().view(torch.uint8), w.w2_scale.contiguous().view(torch.uint8)
+        s2 = w.scale_2.float().contiguous()
+        w13, w2 = w.w13.contiguous(), w.w2.contiguous()
+        for a in range(0, t, GROUPED_MAX_TOKENS):
+            b = min(t, a + GROUPED_MAX_TOKENS)
+            grouped_pairs(x[a:b], slots[a * k : b * k], wts[a * k : b * k], k, w13, s13, w2, s2w, s2,
+                          y_pairs[a * k : b * k], i, grouped_config_for(b - a), distinct_slots)
+        torch.maximum(live, slots, out=live)
+    y = torch.empty_like(x)
+    return y if t == 0 else sum_live_pairs(y_pairs, live, y, k)

@@ -34,29 +34,42 @@ def moe_over_slots_ref(
     pairs are summed in routing order, so the result does not depend on which slot holds which
     expert (offloaded and resident experts give the same bits).
     """
-    t, k = topk_slots.shape
-    flat = topk_slots.reshape(-1)
+    return moe_over_pools_ref(x, topk_weights, [(topk_slots, w)])
+
+
+def moe_over_pools_ref(x: torch.Tensor, topk_weights: torch.Tensor, passes) -> torch.Tensor:
+    """`moe_over_slots_ref` with the experts spread over several pools: `passes` yields
+    (topk_slots [T, k], pool) pairs, a pair of tokens and experts having a slot (>= 0) in at most
+    one of them; each is computed before the next is drawn. Every pair's weighted output is kept
+    apart (fp32) and a token's are summed in routing order at the end: the same bits as one pool
+    holding every expert."""
+    t, k = topk_weights.shape
+    parts = torch.zeros((t * k, x.shape[1]), dtype=torch.float32, device=x.device)  # skipped pairs add 0
+    wts = topk_weights.reshape(-1).float()
+    for topk_slots, w in passes:
+        _pairs_into(parts, x, topk_slots.reshape(-1), wts, k, w)
+    parts = parts.view(t, k, -1)
+    out = parts[:, 0].clone()
+    for j in range(1, k):  # in routing order
+        out += parts[:, j]
+    return out.to(x.dtype)
+
+
+def _pairs_into(parts: torch.Tensor, x: torch.Tensor, flat: torch.Tensor, wts: torch.Tensor, k: int,
+                w: SlotWeights) -> None:
+    """parts[p] = wts[p] * expert(x[p // k]) in fp32 for every pair p with flat[p] >= 0 (slots of `w`)."""
     order = torch.argsort(flat, stable=True)
     slots, counts = torch.unique_consecutive(flat[order], return_counts=True)
     pairs = order.split(counts.tolist())
     if slots.numel() and slots[0] < 0:  # skipped pairs sort first
         slots, pairs = slots[1:], pairs[1:]
     if not slots.numel():
-        return torch.zeros_like(x)
-    # each pair's weighted output in fp32 (skipped pairs add 0), summed in fp32 and cast once, as
-    # the Triton kernels sum
-    parts = torch.zeros((t * k, x.shape[1]), dtype=torch.float32, device=x.device)
+        return
     w13s, w2s = dense_slots(w, slots, x.dtype)
-    wts = topk_weights.reshape(-1).float()
     for j, idx in enumerate(pairs):
         tok = idx // k
         gate, up = F.linear(x[tok], w13s[j]).chunk(2, dim=-1)
         parts[idx] = F.linear(F.silu(gate) * up, w2s[j]).float() * wts[idx, None]
-    parts = parts.view(t, k, -1)
-    out = parts[:, 0].clone()
-    for j in range(1, k):  # in routing order
-        out += parts[:, j]
-    return out.to(x.dtype)
 
 
 def moe_decode_ref(

@@ -42,6 +42,13 @@ def moe_workspace_bytes(tokens: int, top_k: int, hidden: int, intermediate: int,
     return max(min(tokens, GROUPED_MAX_TOKENS) * per_pair * elem_bytes, min(tokens, PER_PAIR_MAX_TOKENS) * per_pair * 4)
 
 
+def moe_pools_workspace_bytes(tokens: int, top_k: int, hidden: int, intermediate: int, elem_bytes: int = 2) -> int:
+    """Bytes `moe_over_pools`'s Triton path allocates for a chunk of `tokens` tokens: the per-pair
+    outputs of the whole chunk (the passes fill them in turn; one sum at the end) and one token
+    slice's intermediate h, in the activations' dtype (`elem_bytes`)."""
+    return tokens * top_k * hidden * elem_bytes + min(tokens, GROUPED_MAX_TOKENS) * top_k * intermediate * elem_bytes
+
+
 PER_PAIR_MAX_TOKENS = 128
 """The per-pair (decode) MoE path's largest token count (`kernel.GROUPED_MIN_TOKENS`,
 `DECODE_MAX_TOKENS`): its fp32 workspace is bounded by it."""

@@ -10,7 +10,7 @@ from ft.memory.expert_cache import ExpertCache
 from ft.kernels.activation import expert_combine, silu_mul
 from ft.kernels.backend import debug_checks
 from ft.kernels.expert_lookup import expert_lookup
-from ft.kernels.moe import DECODE_MAX_TOKENS, SlotWeights, moe_decode, moe_over_slots, runs_triton
+from ft.kernels.moe import DECODE_MAX_TOKENS, SlotWeights, moe_decode, moe_over_pools, moe_over_slots, runs_triton
 from ft.kernels.router import route, route_forced_ref, router_topk
 
 
@@ -141,6 +141,11 @@ class SparseMoE:
             # NOTE: hits are counted by the model runner here ((token, expert) pairs): this code
             # also runs while a CUDA graph is captured, and not at all when it is replayed.
             return moe_over_slots(x, self._slots(table, ids), weights, cache.slots, experts=table.shape[0])
+        stream = cache.prefill_stream
+        if stream is not None and stream.wants(x.shape[0]):
+            # a long chunk: the experts the cache lacks stream through staging pages, nothing is
+            # evicted, no host sync (`ft.memory.prefill_stream`)
+            return moe_over_pools(x, weights, stream.passes(layer, ids), experts=table.shape[0])
         experts = torch.unique(ids).tolist()
         if len(experts) <= cache.num_slots:
             cache.ensure(layer, experts)

@@ -1,0 +1,158 @@
+"""Prefill on a card too small for the experts: time to first token, prefill tok/s, the bytes streamed
+and the bound, then decode right after. Not a test.
+
+    PYTHONPATH=. python3 bench/offload_prefill.py [--cards 32GiB,16GiB] [--lengths 1024,8192,32768,131072]
+        [--modes stream,load] [--load-lengths 1024,8192] [--decode 64] [--chunks 4096,16384] [--pcie-gbs 50]
+        [--profile LEN] [--config bench/configs/qwen3-next-80b-a3b.json] [--device cuda]
+
+Synthetic NVFP4 Qwen3-Next-80B-A3B, its routing drawn from the calibrated trace (as bench/ladder.py),
+the offload backend on an emulated card (`--gpu-memory-limit`), KV for the longest prompt. Per card
+one engine; per mode on that engine:
+- `stream`: the default, long chunks stream the experts the cache lacks (`ft.memory.prefill_stream`);
+- `load`: the path before it (the stream switched off on the same engine: each chunk's experts are
+  loaded into the cache, one copy per expert and tensor, evicting others), timed at --load-lengths
+  only (it is slow: 616 tok/s at 8K on the 32 GiB card).
+`--chunks`: the stream mode's lengths once per prefill chunk size (the engine is sized for the largest,
+so every size sees the same slots; the load mode runs at the first). Per length, one request with a fresh prompt (distinct ids: no prefix-cache hit) and --decode new
+tokens: TTFT (add_request to the first token), prefill tok/s, the bytes the stream copied and its
+PCIe bound (bytes / --pcie-gbs GB/s), then decode tok/s over the tokens after the first. Before the
+lengths of a mode, a 32-token prompt's decode is the baseline of "decode after / after 32". Each mode
+warms once with a 1,024-token prompt (Triton compiles) before its rows. `--profile LEN`: after the
+first card's rows, one LEN-token prompt of the stream mode under torch.profiler (the CUDA time by
+operation, copies included). Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ft.engine.engine import Engine
+from ft.engine.engine_config import EngineConfig
+from ft.engine.sampling_params import SamplingParams
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Prompts:
+    """Fresh prompts: ids from a counter, so no two requests of a run share a prefix page."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab, self.next = vocab, 1000
+
+    def take(self, n: int) -> list[int]:
+        ids = [(self.next + 7 * i) % (self.vocab - 10) + 5 for i in range(n)]
+        self.next += 7 * n + 13
+        return ids
+
+
+def one_request(eng: Engine, prompt: list[int], new: int) -> dict:
+    """TTFT (s), prefill tok/s, decode tok/s over the tokens after the first; the stream's bytes."""
+    stream = eng.pools.experts.prefill_stream if eng.pools.experts is not None else None
+    b0 = stream.stats.bytes if stream else 0
+    _sync()
+    t0 = time.perf_counter()
+    seq = eng.add_request(prompt, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True))
+    while not seq.output_ids:
+        eng.step()
+    _sync()
+    t1 = time.perf_counter()
+    while not seq.is_finished:
+        eng.step()
+    _sync()
+    t2 = time.perf_counter()
+    n = len(seq.output_ids) - 1
+    return {"ttft_s": t1 - t0, "prefill_tps": len(prompt) / (t1 - t0), "decode_tps": n / (t2 - t1) if n else None,
+            "streamed_bytes": (stream.stats.bytes - b0) if stream else 0}
+
+
+def profile(eng: Engine, prompt: list[int]) -> None:
+    """One prompt under torch.profiler: the wall time, then the CUDA time by operation."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch_profile(activities=activities) as prof:
+        r = one_request(eng, prompt, 2)
+    print(f"\n== profile: {len(prompt)} tokens, TTFT {r['ttft_s']:.2f} s, streamed {r['streamed_bytes'] / 1e9:.1f} GB")
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="bench/configs/qwen3-next-80b-a3b.json")
+    ap.add_argument("--cards", default="32GiB,16GiB")
+    ap.add_argument("--lengths", default="1024,8192,32768,131072")
+    ap.add_argument("--modes", default="stream,load", help="stream (the default path), load (the path before it)")
+    ap.add_argument("--load-lengths", default="1024,8192", help="lengths the slow load mode times")
+    ap.add_argument("--decode", type=int, default=64, help="new tokens per request (decode measured after the first)")
+    ap.add_argument("--chunks", default="", help="prefill chunk sizes (default: the card's --max-prefill-length)")
+    ap.add_argument("--stream-experts", type=int, default=None, help="--prefill-stream-experts (default: auto)")
+    ap.add_argument("--pcie-gbs", type=float, default=50.0, help="the host link's GB/s for the bound column")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", type=int, default=0, metavar="LEN", help="profile one stream-mode prompt of LEN tokens")
+    args = ap.parse_args()
+    cfg = json.loads(Path(args.config).read_text())
+    cfg["routing_trace"] = True
+    tmp = Path(tempfile.mkdtemp()) / "traced.json"
+    tmp.write_text(json.dumps(cfg))
+    lengths = [int(x) for x in args.lengths.split(",")]
+    chunks = [int(x) for x in args.chunks.split(",")] if args.chunks else []
+    load_lengths = {int(x) for x in args.load_lengths.split(",")}
+    rows = []
+    for card in args.cards.split(","):
+        t0 = time.perf_counter()
+        eng = Engine(EngineConfig(model=f"synthetic:{tmp}", device=args.device, dtype="bfloat16", moe_backend="offload",
+                                  gpu_memory_limit=card, num_tokens=max(lengths) + 2 * args.decode + 1024,
+                                  max_running_requests=1, cuda_graph_max_bs=1, max_prefill_length=max(chunks) if chunks else None,
+                                  prefill_stream_experts=args.stream_experts))
+        experts = eng.pools.experts
+        stream = experts.prefill_stream
+        print(f"{card}: engine up in {time.perf_counter() - t0:.1f} s; {experts.num_slots} slots of "
+              f"{experts.total_experts}, chunk {eng.config.max_prefill_length}, staging "
+              f"{stream.nbytes / 2**20 if stream else 0:.0f} MiB", flush=True)
+        prompts = Prompts(eng.model_config.vocab_size)
+        runs = [(m, c) for m in args.modes.split(",")
+                for c in ((chunks or [eng.config.max_prefill_length]) if m == "stream" else (chunks or [None])[:1])]
+        for mode, chunk in runs:
+            experts.prefill_stream = stream if mode == "stream" else None
+            eng.scheduler.max_prefill = chunk = chunk or eng.config.max_prefill_length
+            one_request(eng, prompts.take(1024), 2)  # warm: compiles, graphs
+            base = one_request(eng, prompts.take(32), args.decode)
+            for n in lengths:
+                if mode == "load" and n not in load_lengths:
+                    continue
+                r = one_request(eng, prompts.take(n), args.decode)
+                r.update(card=card, mode=mode, length=n, chunk=chunk, slots=experts.num_slots,
+                         decode_after_32=base["decode_tps"],
+                         bound_s=r["streamed_bytes"] / (args.pcie_gbs * 1e9))
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+        experts.prefill_stream = stream
+        if args.profile and card == args.cards.split(",")[0]:
+            eng.scheduler.max_prefill = eng.config.max_prefill_length
+            profile(eng, prompts.take(args.profile))
+        del eng, experts, stream
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    print(f"\n| card | mode | chunk | prompt | TTFT s | prefill tok/s | streamed GB | PCIe bound s ({args.pcie_gbs:.0f} GB/s) | "
+          "decode tok/s after | after 32 | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = r["decode_tps"] / r["decode_after_32"] if r["decode_tps"] and r["decode_after_32"] else float("nan")
+        print(f"| {r['card']} | {r['mode']} | {r['chunk']:,} | {r['length']:,} | {r['ttft_s']:.2f} | {r['prefill_tps']:,.0f} | "
+              f"{r['streamed_bytes'] / 1e9:.1f} | {r['bound_s']:.2f} | {r['decode_tps'] or 0:.1f} | "
+              f"{r['decode_after_32'] or 0:.1f} | {ratio:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

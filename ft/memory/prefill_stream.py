@@ -1,0 +1,159 @@
+"""Streamed expert prefill: a long chunk's missing experts cross PCIe once, layer by layer, into
+staging pages, without touching the expert cache.
+
+A prefill chunk of a few hundred tokens or more routes to (nearly) every expert of every MoE layer,
+so on a card too small for the experts, what the cache lacks must cross the bus once per chunk.
+Landing those experts in the cache (its `ensure`, one copy per expert and tensor, a host sync per
+layer) would evict what decode uses and serialize the copies with the compute. Here instead:
+
+* The plan needs no routing: for MoE layer L, every expert the cache lacks is staged (the host
+  twin of the slot table says which), in runs of consecutive expert ids (one copy per run and
+  tensor), page by page into a ring of `pages` staging pages of `page_experts` slots each. So the
+  copies of layer L + 1 may be queued, and run on the copy stream, while layer L computes; the
+  host never waits for the device.
+* The chunk's pairs are computed in passes (`ft.kernels.moe.moe_over_pools`): one over the
+  resident experts in the cache's slots, then one per staged page, each waiting (on the device)
+  for its page's copies; a page is refilled only after the pass that read it (events).
+* Nothing lands in the cache (the admission rule "land none"): the experts decode keeps hot stay
+  resident, and the decode right after a long prompt runs at the speed it ran before it. The
+  cache's hit and miss counts are not touched either (they describe decode); what was streamed is
+  counted here (`StreamStats`).
+
+On a CPU device the copies are plain copies (no streams); the plan and the passes are the same.
+Contract: the cache's read-through (if any) was collected before the forward (the model runner
+does that at each step's start), so the host twin of the slot table is the device's.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ft.kernels.moe import SlotWeights
+
+PAGES = 3
+"""Staging pages in the ring: one being read by a pass, one being filled, one queued ahead."""
+STREAM_PAGE_EXPERTS = 64
+"""Experts per staging page by default (fewer when a layer has fewer): a pass's grouped GEMMs over
+64 experts' pairs still fill the device; not yet tuned on the device."""
+
+
+@dataclass
+class StreamStats:
+    chunks: int = 0  # MoE layer calls that streamed (one per layer per long chunk)
+    experts: int = 0  # experts copied into staging
+    bytes: int = 0  # bytes copied from the host store
+    copies: int = 0  # copy calls (runs x tensors)
+
+
+class PrefillStream:
+    """Staging pages over an `ExpertCache`'s host store, and the passes of one MoE layer's chunk.
+
+    cache: the `ExpertCache` (its host store [L, E, ...], slots, and host twin `table_np`);
+    page_experts: slots per page; pages: pages in the ring; min_tokens: chunks of at least this many
+    tokens stream (`wants`), shorter ones take the cache's own path (`ensure`).
+    """
+
+    def __init__(self, cache, page_experts: int, pages: int = PAGES, min_tokens: int = 1) -> None:
+        if page_experts < 1 or pages < 1:
+            raise ValueError(f"staging needs at least one page of one expert, got {pages} x {page_experts}")
+        self.cache = cache
+        self.page_experts, self.pages, self.min_tokens = page_experts, pages, min_tokens
+        device = cache.slot_table.device
+        n = page_experts * pages
+        self.staging = SlotWeights(*(None if t is None else torch.empty((n, *t.shape[2:]), dtype=t.dtype, device=device)
+                                     for t in cache.host))
+        self.device = device
+        cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if cuda else None
+        self.loaded = [torch.cuda.Event() for _ in range(pages)] if cuda else None
+        self.freed: list = [None] * pages  # the event after the last pass that read each page (None: unused)
+        self.ring = 0  # the next page to fill
+        self.stats = StreamStats()
+
+    @staticmethod
+    def bytes_for(host: SlotWeights, page_experts: int, pages: int = PAGES) -> int:
+        """Device bytes of the staging pages for a host store [L, E, ...] (what the budget reserves)."""
+        per_expert = sum(t[0, 0].numel() * t.element_size() for t in host if t is not None)
+        return per_expert * page_experts * pages
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.staging if t is not None)
+
+    def wants(self, tokens: int) -> bool:
+        """Whether a chunk of `tokens` tokens streams (the cache is not all resident: the caller checks)."""
+        return tokens >= self.min_tokens
+
+    def passes(self, layer: int, ids: torch.Tensor):
+        """The passes of MoE layer `layer` for routed expert ids [T, k] (a generator for
+        `moe_over_pools`): (slots of the resident experts, the cache's pool), then per staged page
+        (slots in the staging pool, -1 elsewhere, the staging pool), its copies queued just before.
+        Between two draws the caller queues the pass's kernels on the current stream."""
+        cache = self.cache
+        row = cache.table_np[layer]
+        missing = np.flatnonzero(row < 0)
+        groups = [missing[i : i + self.page_experts] for i in range(0, missing.size, self.page_experts)]
+        # one upload per layer: row 0 the resident experts' slots, row 1 + q page q's staging slots
+        # (both -1 elsewhere); slots assigned on the host, so the passes follow the copies exactly
+        plan = np.full((1 + len(groups), row.size), -1, dtype=np.int32)
+        plan[0] = np.where(row >= 0, row, -1)
+        pages = []
+        for q, group in enumerate(groups):
+            page = (self.ring + q) % self.pages
+            plan[1 + q, group] = page * self.page_experts + np.arange(group.size, dtype=np.int32)
+            pages.append(page)
+        plan_dev = torch.from_numpy(plan)
+        if self.device.type == "cuda":
+            plan_dev = plan_dev.pin_memory().to(self.device, non_blocking=True)
+        ids = ids.long()
+        yield plan_dev[0][ids], cache.slots
+        self.stats.chunks += 1
+        for q, (group, page) in enumerate(zip(groups, pages)):
+            self.ring = (page + 1) % self.pages
+            self._load(layer, group, page)
+            yield plan_dev[1 + q][ids], self.staging
+            if self.device.type == "cuda":  # the pass's kernels are queued: the page is free after them
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(self.device))
+                self.freed[page] = ev
+
+    def _load(self, layer: int, experts: np.ndarray, page: int) -> None:
+        """Copy `experts` (sorted ids) of `layer` from the host store into `page`'s first slots, a
+        run of consecutive ids per copy and tensor; on CUDA on the copy stream, after the last pass
+        that read the page, and the current stream waits for them."""
+        base = page * self.page_experts
+        cuda = self.copy_stream is not None
+        if cuda:
+            if self.freed[page] is not None:
+                self.copy_stream.wait_event(self.freed[page])
+            ctx = torch.cuda.stream(self.copy_stream)
+        else:
+            ctx = nullcontext()
+        with ctx:
+            for a, b, at in _runs(experts):
+                for dst, src in zip(self.staging, self.cache.host):
+                    if dst is not None:
+                        dst[base + at : base + at + b - a].copy_(src[layer, a:b], non_blocking=cuda)
+                        self.stats.bytes += src[layer, a:b].numel() * src.element_size()
+                        self.stats.copies += 1
+            if cuda:
+                self.loaded[page].record(self.copy_stream)
+        if cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.loaded[page])
+        self.stats.experts += int(experts.size)
+
+
+def _runs(experts: np.ndarray):
+    """(first id, end id, offset in `experts`) of each run of consecutive ids in sorted `experts`."""
+    if not experts.size:
+        return
+    breaks = np.flatnonzero(np.diff(experts) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [experts.size]))
+    for s, e in zip(starts.tolist(), ends.tolist()):
+        yield int(experts[s]), int(experts[e - 1]) + 1, s
+

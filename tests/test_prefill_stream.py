@@ -1,0 +1,192 @@
+"""Streamed expert prefill (`ft.memory.prefill_stream`, `ft.kernels.moe.moe_over_pools`) on the CPU:
+a chunk's experts split between the cache's slots and staging pages give the bits of one pool that
+holds every expert (reference and Triton interpreter), the plan stages exactly what the cache lacks
+through a ring smaller than the layer, and nothing lands in the cache (the admission rule)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import numpy as np
+import pytest
+import torch
+
+from ft.kernels.moe import SlotWeights, moe_over_pools, moe_over_pools_ref, moe_over_slots_ref
+from ft.memory.expert_cache import ExpertCache
+from ft.memory.prefill_stream import PrefillStream, _runs
+from ft.tools.nvfp4_quantize import quantize_nvfp4
+
+
+def _pool(layers: int, experts: int, h: int, i: int, gen: torch.Generator) -> SlotWeights:
+    """An NVFP4 host store [L, E, ...] of random experts."""
+    parts = [[], [], [], [], []]
+    for _ in range(layers * experts):
+        gate, up = (quantize_nvfp4(torch.randn(i, h, generator=gen) * 0.2) for _ in range(2))
+        down = quantize_nvfp4(torch.randn(h, i, generator=gen) * 0.2)
+        for acc, t in zip(parts, (torch.cat([gate[0], up[0]]), down[0], torch.cat([gate[1], up[1]]), down[1],
+                                  torch.stack([gate[2], up[2], down[2]]))):
+            acc.append(t)
+    return SlotWeights(*(torch.stack(p).reshape(layers, experts, *p[0].shape) for p in parts))
+
+
+def _layer(host: SlotWeights, layer: int) -> SlotWeights:
+    return SlotWeights(*(t[layer] for t in host))
+
+
+def _routing(t: int, k: int, e: int, gen: torch.Generator):
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    return ids, torch.softmax(torch.randn(t, k, generator=gen), dim=-1)
+
+
+def test_runs_are_the_consecutive_stretches():
+    assert list(_runs(np.array([0, 1, 2, 5, 7, 8]))) == [(0, 3, 0), (5, 6, 3), (7, 9, 4)]
+    assert list(_runs(np.array([], dtype=np.int64))) == []
+
+
+def test_reference_over_two_pools_equals_one_pool_bitwise():
+    gen = torch.Generator().manual_seed(1)
+    host = _pool(1, 8, 32, 16, gen)
+    whole = _layer(host, 0)
+    ids, weights = _routing(11, 3, 8, gen)
+    x = torch.randn(11, 32, generator=gen)
+    ref = moe_over_slots_ref(x, ids, weights, whole)
+    low = torch.where(ids < 3, ids, -1)  # experts 0..2 in pool A (as themselves)
+    high = torch.where(ids >= 3, ids - 3, -1)  # 3..7 in pool B at 0..4
+    pool_b = SlotWeights(*(t[3:] for t in whole))
+    out = moe_over_pools_ref(x, weights, [(low, whole), (high, pool_b)])
+    assert torch.equal(out, ref)
+    assert torch.equal(moe_over_pools(x, weights, iter([(low, whole), (high, pool_b)])), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_over_pools_equals_one_grouped_pool_bitwise(dtype, monkeypatch):
+    pytest.importorskip("triton")
+    from ft.kernels.moe.kernel import moe_over_pools_triton, moe_over_slots_triton
+
+    gen = torch.Generator().manual_seed(2)
+    host = _pool(1, 6, 32, 16, gen)
+    whole = _layer(host, 0)
+    ids, weights = _routing(9, 2, 6, gen)
+    x = torch.randn(9, 32, generator=gen).to(dtype)
+    weights = weights.to(dtype)
+    one = moe_over_slots_triton(x, ids, weights, whole, grouped=True)
+    a = torch.where(ids % 2 == 0, ids, -1)
+    b = torch.where(ids % 2 == 1, ids // 2, -1)
+    odd = SlotWeights(*(t[1::2].contiguous() for t in whole))
+    two = moe_over_pools_triton(x, weights, iter([(a, whole), (b, odd)]))
+    assert torch.equal(two, one)
+    assert (moe_over_slots_ref(x, ids, weights, whole).float() - one.float()).abs().max() < 5e-2
+
+
+def _cache_with(host: SlotWeights, slots: int, resident: dict[int, list[int]]) -> ExpertCache:
+    cache = ExpertCache(host, slots, torch.device("cpu"))
+    for layer, experts in resident.items():
+        cache.ensure(layer, experts, count=False)
+    return cache
+
+
+def test_stream_stages_what_the_cache_lacks_and_lands_nothing():
+    gen = torch.Generator().manual_seed(3)
+    host = _pool(2, 10, 32, 16, gen)
+    cache = _cache_with(host, 6, {0: [1, 2, 7], 1: [0, 9, 4]})
+    cache.enable_prefill_stream(page_experts=2, pages=2)  # 7 missing experts, a ring of 4 slots
+    stream = cache.prefill_stream
+    before = (list(cache.residents_oldest_first()), cache.table_np.copy(), cache.slot_table.clone(),
+              cache.stats.hits, cache.stats.misses)
+    for layer in (0, 1):
+        ids, weights = _routing(13, 4, 10, gen)
+        x = torch.randn(13, 32, generator=gen)
+        out = moe_over_pools(x, weights, stream.passes(layer, ids), experts=10)
+        assert torch.equal(out, moe_over_slots_ref(x, ids, weights, _layer(host, layer)))
+    assert stream.stats.experts == 14 and stream.stats.chunks == 2
+    per_expert = sum(t[0, 0].numel() * t.element_size() for t in host)
+    assert stream.stats.bytes == 14 * per_expert
+    after = (list(cache.residents_oldest_first()), cache.table_np, cache.slot_table, cache.stats.hits,
+             cache.stats.misses)
+    assert after[0] == before[0] and np.array_equal(after[1], before[1]) and torch.equal(after[2], before[2])
+    assert after[3:] == before[3:]
+
+
+def test_stream_with_an_empty_cache_and_a_full_one():
+    gen = torch.Generator().manual_seed(4)
+    host = _pool(1, 5, 32, 16, gen)
+    for resident in ([], [0, 1, 2, 3, 4]):
+        cache = _cache_with(host, 5, {0: resident} if resident else {})
+        cache.enable_prefill_stream(page_experts=3)
+        ids, weights = _routing(7, 2, 5, gen)
+        x = torch.randn(7, 32, generator=gen)
+        out = moe_over_pools(x, weights, cache.prefill_stream.passes(0, ids), experts=5)
+        assert torch.equal(out, moe_over_slots_ref(x, ids, weights, _layer(host, 0)))
+        assert cache.prefill_stream.stats.experts == 5 - len(resident)
+
+
+def test_staging_bytes_match_the_allocation():
+    gen = torch.Generator().manual_seed(5)
+    host = _pool(1, 4, 32, 16, gen)
+    cache = ExpertCache(host, 2, torch.device("cpu"))
+    cache.enable_prefill_stream(page_experts=3, pages=2)
+    assert cache.prefill_stream.nbytes == PrefillStream.bytes_for(host, 3, 2)
+    with pytest.raises(ValueError):
+        PrefillStream(cache, 0)
+
+
+# ------------------------------------------------------------------ the engine (offloaded prefill)
+GREEDY = dict(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 300, (n,), generator=g).tolist()
+
+
+def _llm(path, **opts):
+    from ft.engine import LLM
+
+    base = dict(device="cpu", dtype="float32", page_size=16, max_running_requests=4)
+    return LLM(model=str(path), **{**base, **opts})
+
+
+def test_offloaded_prefill_streams_and_matches_transformers(tiny):
+    name, model, path = tiny
+    cfg = model.config
+    prompts = [_prompt(150, 11), _prompt(140, 12)]  # chunks of > 128 tokens stream
+    offload = _llm(path, moe_backend="offload", moe_cache_size=max(1, 2 * cfg.num_experts_per_tok - 1),
+                   prefill_stream_experts=6)
+    stream = offload.engine.pools.experts.prefill_stream
+    assert stream is not None and stream.min_tokens == 129
+    got = offload.generate(prompt_token_ids=prompts, **GREEDY)
+    assert stream.stats.chunks > 0 and stream.stats.experts > 0
+    resident = _llm(path, moe_backend="resident").generate(prompt_token_ids=prompts, **GREEDY)
+    for p, o, r in zip(prompts, got, resident):
+        ids = torch.tensor([p])
+        hf = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
+                            attention_mask=torch.ones_like(ids))[0, len(p):].tolist()
+        assert o.token_ids == r.token_ids == hf, name
+
+
+def test_a_streamed_prefill_evicts_nothing_decode_uses(tiny_one):
+    """The admission rule: after a short request fills the cache, a long prompt's prefill leaves the
+    residents as they were (streamed); loaded into the cache (--prefill-stream-experts 0, the CPU's
+    default) it evicts."""
+    _, model, path = tiny_one
+    slots = 2 * model.config.num_experts_per_tok
+    residents = {}
+    for n in (6, 0):
+        llm = _llm(path, moe_backend="offload", moe_cache_size=slots, prefill_stream_experts=n)
+        cache = llm.engine.pools.experts
+        assert (cache.prefill_stream is None) == (n == 0)
+        llm.generate(prompt_token_ids=[_prompt(20, 13)], **GREEDY)  # short: decodes, fills the cache
+        cache.collect()  # what the last decode step landed (read-through)
+        before = sorted(cache.residents_oldest_first())
+        llm.generate(prompt_token_ids=[_prompt(200, 14)], max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        residents[n] = (before, sorted(cache.residents_oldest_first()))
+    assert residents[6][0] == residents[6][1]
+    assert residents[0][0] != residents[0][1]
+
+
+def test_streaming_is_on_by_default_on_cuda_only(tiny_one):
+    _, _, path = tiny_one
+    assert _llm(path, moe_backend="offload").engine.pools.experts.prefill_stream is None  # the CPU
+    assert _llm(path, moe_backend="offload", prefill_stream_experts=7).engine.pools.experts.prefill_stream.nbytes > 0
