@@ -19,7 +19,7 @@ from ft.ctl.client import AdminClient, CtlError
 from ft.engine.sampling_params import SamplingParams
 from ft.engine.sequence import Sequence, Status
 from ft.schemas import RequestList
-from ft.server import admin_state
+from ft.engine.admin import requests as _requests
 
 TOKEN = "adm-requests"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -45,7 +45,7 @@ def test_states_from_the_scheduler_lists():
     first = seq(1, pages=1)  # a one-token prompt before its first token
     queued = seq(20, status=Status.WAITING, age=1.5)
     preempted = seq(10, out=7, status=Status.WAITING)
-    got = admin_state.requests(fake_engine([chunked, decoding, recompute, first], [queued, preempted]))
+    got = _requests(fake_engine([chunked, decoding, recompute, first], [queued, preempted]))
     assert [(r.id, r.state) for r in got.requests] == [
         (chunked.request_id, "prefill"), (decoding.request_id, "decode"), (recompute.request_id, "prefill"),
         (first.request_id, "prefill"), (queued.request_id, "waiting"), (preempted.request_id, "waiting")]
@@ -54,7 +54,7 @@ def test_states_from_the_scheduler_lists():
     assert got.requests[5].generated_tokens == 7 and got.requests[5].kv_pages == 0
     assert (got.running, got.waiting, got.truncated) == (4, 2, False)
     assert 50 <= got.uptime_s < 100 and got.started_at > 0
-    cut = admin_state.requests(fake_engine([chunked, decoding], [queued]), limit=2)
+    cut = _requests(fake_engine([chunked, decoding], [queued]), limit=2)
     assert [r.id for r in cut.requests] == [chunked.request_id, decoding.request_id]
     assert (cut.running, cut.waiting, cut.truncated) == (2, 1, True)
 
@@ -134,3 +134,28 @@ def test_one_decoding_one_waiting(server):
     # A's client is gone: A is aborted, B runs its three tokens and ends
     assert b_done.wait(120)
     wait_for(lambda: listing(server)["requests"] == [], "the list to empty")
+
+
+def test_the_server_reaches_the_engine_by_named_commands_only():
+    """ft/server names engine commands (`EngineAdmin.COMMANDS`) and passes plain data: no route module
+    hands the engine thread a function (a lambda) that reaches into the engine, and an unknown
+    command is refused before anything is queued."""
+    import asyncio
+    import inspect
+    import re
+
+    from ft.engine.admin import EngineAdmin
+    from ft.server import admin_routes, app, engine_loop
+
+    for module in (admin_routes, app):
+        src = inspect.getsource(module)
+        assert not re.search(r"acall\(|call_sync\(|lambda e\b|lambda engine\b", src), module.__name__
+    assert all(callable(getattr(EngineAdmin, name)) for name in EngineAdmin.COMMANDS)
+    loop = engine_loop.EngineLoop(lambda: None)
+    try:
+        asyncio.run(loop.command("shutdown_everything"))
+    except ValueError as e:
+        assert "no engine command 'shutdown_everything'" in str(e)
+    else:
+        raise AssertionError("an unknown command was accepted")
+    assert loop._commands.empty()

@@ -14,7 +14,6 @@ from pydantic import BaseModel, ConfigDict, WithJsonSchema
 
 from ft.errors import RebuildFailed, RebuildRefused
 from ft.schemas import CacheState, Event, History, JsonInt, LiveRates, RequestList, ResizePlan, ResizeRequest
-from ft.server import admin_state
 from ft.server.closing_stream import ClosingStreamingResponse
 from ft.server.errors import ApiError
 
@@ -35,10 +34,11 @@ def _st(request: Request):
     return request.app.state.ft
 
 
-async def _engine_call(st, fn) -> Any:
+async def _engine_call(st, name: str, *args) -> Any:
+    """The engine's admin command `name` (`ft.engine.admin.EngineAdmin`) with plain data; 503 unless serving."""
     if st.loop.state != "serving":
         raise ApiError(503, f"the engine is {st.loop.state}", "server_unavailable")
-    return await st.loop.acall(fn)
+    return await st.loop.command(name, *args)
 
 
 @router.get("/cache", response_model=CacheState)
@@ -46,7 +46,7 @@ async def get_cache(request: Request) -> CacheState:
     st = _st(request)
     if st.loop.state != "serving":
         return CacheState(state="starting", model=st.model_name)
-    return await _engine_call(st, lambda e: admin_state.cache_state(e, _state_of(st), st.model_name))
+    return await _engine_call(st, "cache_state", _state_of(st), st.model_name)
 
 
 def _state_of(st) -> str:
@@ -59,20 +59,18 @@ async def post_cache(body: ResizeRequest, request: Request):
     touched); 503 rolled back; 409 while another rebuild runs; 202 when wait_s ends first."""
     st = _st(request)
     if body.dry_run:
-        return await _engine_call(st, lambda e: admin_state.resize_plan(
-            e.cache.plan_resize(body.moe, body.kv, body.mamba), admin_state.rounding_notes(e, body.kv),
-            e.cache.ranges_around(body.moe, body.kv, body.mamba)))
+        return await _engine_call(st, "resize_plan", body.moe, body.kv, body.mamba)
     try:
-        state = await run_rebuild(st, lambda e: e.cache.rebuild(body.moe, body.kv, body.mamba, trigger="manual"),
-                                  body.wait_s, lambda e: e.cache.plan_resize(body.moe, body.kv, body.mamba, held=False).fits)
+        state = await run_rebuild(st, ("resize", body.moe, body.kv, body.mamba, st.model_name), body.wait_s,
+                                  ("fits_when_idle", body.moe, body.kv, body.mamba))
     except ApiError as refused:
         if refused.status == 422:  # the refusal names the rounded size: say where it came from
-            notes = await _engine_call(st, lambda e: admin_state.rounding_notes(e, body.kv))
+            notes = await _engine_call(st, "rounding_notes", body.kv)
             if notes:
                 refused.message += f" ({'; '.join(notes)})"
         raise
     if isinstance(state, CacheState):
-        state.notes = await _engine_call(st, lambda e: admin_state.rounding_notes(e, body.kv))
+        state.notes = await _engine_call(st, "rounding_notes", body.kv)
     return state
 
 
@@ -80,38 +78,37 @@ class _WaitExpired(Exception):
     pass
 
 
-async def run_rebuild(st, fn, wait_s: float | None, fits_when_idle=None):
-    """Run a rebuild on the engine thread; shared by resizes and ladder moves.
+async def run_rebuild(st, rebuild: tuple, wait_s: float | None, fits_when_idle: tuple | None = None):
+    """Run a rebuild on the engine thread; shared by resizes and ladder moves. `rebuild`: the engine
+    command and its arguments (`("resize", moe, kv, mamba, model)`, `("set_ladder", ...)`), which
+    answers the state after it.
 
-    A target that only running requests stand in the way of (`fits_when_idle`) waits for them,
-    up to wait_s, with admission paused so that they drain; then 504 if they still hold it."""
+    A target that only running requests stand in the way of (the command `fits_when_idle`, with its
+    arguments) waits for them, up to wait_s, with admission paused so that they drain; then 504 if
+    they still hold it."""
     if st.rebuilding:
         raise ApiError(409, "another rebuild is running; retry when it ends", "conflict")
     if st.loop.state != "serving":
         raise ApiError(503, f"the engine is {st.loop.state}", "server_unavailable")
     st.rebuilding = True
 
-    def execute(engine):
-        fn(engine)
-        return admin_state.cache_state(engine, "serving", st.model_name)
-
     async def attempt():
         deadline = time.monotonic() + (wait_s or 0.0)
         try:
             while True:
                 try:
-                    return await st.loop.acall(execute)
+                    return await st.loop.command(*rebuild)
                 except RebuildRefused:
-                    idle_fit = fits_when_idle is not None and wait_s and await st.loop.acall(fits_when_idle)
+                    idle_fit = fits_when_idle is not None and wait_s and await st.loop.command(*fits_when_idle)
                     if not idle_fit:
                         raise
                     if time.monotonic() >= deadline:
                         raise _WaitExpired() from None
-                    await st.loop.acall(lambda e: e.pause_admission(True))
+                    await st.loop.command("pause_admission", True)
                     await asyncio.sleep(0.05)
         finally:
             if st.loop.state == "serving":
-                await st.loop.acall(lambda e: e.pause_admission(False))
+                await st.loop.command("pause_admission", False)
             st.rebuilding = False
 
     task = asyncio.ensure_future(attempt())
@@ -132,7 +129,7 @@ async def run_rebuild(st, fn, wait_s: float | None, fits_when_idle=None):
 @router.get("/cache/history", response_model=History)
 async def get_history(request: Request) -> History:
     st = _st(request)
-    return await _engine_call(st, admin_state.history)
+    return await _engine_call(st, "history")
 
 
 @router.get("/requests", response_model=RequestList)
@@ -142,7 +139,7 @@ async def get_requests(request: Request, limit: int = Query(200, ge=1, le=10000)
     st = _st(request)
     if st.loop.state != "serving":
         return RequestList()
-    return await _engine_call(st, lambda e: admin_state.requests(e, limit))
+    return await _engine_call(st, "requests", limit)
 
 
 class LadderRequest(BaseModel):
@@ -158,22 +155,13 @@ async def post_ladder(body: LadderRequest, request: Request):
     st = _st(request)
     if isinstance(body.rung, str) and body.rung not in ("up", "down"):
         raise ApiError(400, f"rung must be an index, 'up' or 'down', got {body.rung!r}")
-    enabled = await _engine_call(st, lambda e: e.ladder is not None)
+    enabled = await _engine_call(st, "ladder_enabled")
     if not enabled:
         raise ApiError(409, "the KV ladder is off: start ft serve with --enable-kv-ladder", "conflict")
-
-    def apply(engine):
-        lad = engine.ladder
-        if body.auto is not None:
-            lad.auto = body.auto
-            lad.last_decision = f"auto {'on' if body.auto else 'off'} (manual)"
-        if body.rung is not None:
-            engine.move_ladder(body.rung)
-
     if body.rung is None:
-        await _engine_call(st, apply)
-        return await _engine_call(st, lambda e: admin_state.cache_state(e, _state_of(st), st.model_name))
-    return await run_rebuild(st, apply, None)
+        await _engine_call(st, "set_ladder", body.auto, None, st.model_name)
+        return await _engine_call(st, "cache_state", _state_of(st), st.model_name)
+    return await run_rebuild(st, ("set_ladder", body.auto, body.rung, st.model_name), None)
 
 
 @router.get("/events")
@@ -192,7 +180,7 @@ async def events(request: Request):
         # the first one (nothing published yet) asks the engine once
         cache, stats = st.loop.view(), st.loop.stats()
         if cache is None:
-            cache = await st.loop.acall(lambda e: admin_state.cache_state(e, "serving", st.model_name))
+            cache = await st.loop.command("cache_state", "serving", st.model_name)
         state = _state_of(st)
         return (cache if cache.state == state else cache.model_copy(update={"state": state})), stats
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from ft.server import admin_routes, admin_state, errors, openai_routes, util_routes
+from ft.server import admin_routes, errors, openai_routes, util_routes
 from ft.server.engine_loop import EngineLoop
 from ft.server.guard import Guard
 from ft.server.metrics import Metrics
@@ -64,8 +64,7 @@ def create_app(state: ServerState, start_loop: bool = True) -> FastAPI:
     app = FastAPI(title="FreeToken", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ft = state
     # the admin cache state, published by the engine thread while `ft top` (GET /admin/events) reads it
-    model_name = state.model_name  # (not `state`: the loop would hold the state that holds it)
-    state.loop.publish_view(lambda e: admin_state.cache_state(e, "serving", model_name))
+    state.loop.publish_view("cache_state", "serving", state.model_name)
     errors.install(app)
 
     app.add_middleware(Guard, state=state, body_timeout_s=state.body_timeout_s)

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ft.engine.admin import EngineAdmin
 from ft.engine.device_fault import device_fault
 from ft.errors import DeviceFailed, FreeTokenError
 from ft.server.stats_log import StatsLogger
@@ -82,7 +83,7 @@ class EngineLoop:
         self.on_failure: Callable[[], None] | None = None  # called once, on this thread, when the device is lost
         self._published: Any = None  # the engine's latest EngineStats (replaced whole: readers need no lock)
         self._published_at = float("-inf")
-        self._view_fn: Callable[[Any], Any] | None = None
+        self._view_command: tuple[str, tuple] | None = None  # (name, args) of the published view
         self._view: Any = None
         self._view_at = self._view_wanted_at = float("-inf")
         self._view_key: Any = None
@@ -182,15 +183,17 @@ class EngineLoop:
         command, no wait."""
         return self._published
 
-    def publish_view(self, fn: Callable[[Any], Any]) -> None:
-        """Also publish fn(engine) (a heavier view, e.g. the admin cache state) for `view()`: taken on
-        the engine thread while a reader wants it, at most every `VIEW_INTERVAL_S`, and at once when
-        the pools' geometry or the ladder's rung changed (a resize shows at the next read)."""
-        self._view_fn = fn
+    def publish_view(self, name: str, *args) -> None:
+        """Also publish the admin command `name`(*args)'s answer (a heavier view, e.g. "cache_state")
+        for `view()`: taken on the engine thread while a reader wants it, at most every
+        `VIEW_INTERVAL_S`, and at once when the pools' geometry or the ladder's rung changed (a resize
+        shows at the next read)."""
+        _check_command(name)
+        self._view_command = (name, args)
 
     def view(self) -> Any:
         """The latest published view (None until one was taken: the first reader asks for one and
-        gets None; take it with `acall` then). Any thread, no command."""
+        gets None; take it with `command` then). Any thread, no command."""
         self._view_wanted_at = time.monotonic()
         return self._view
 
@@ -205,14 +208,15 @@ class EngineLoop:
         except Exception:  # noqa: BLE001 - readers keep the last figures; a bug here must not stop serving
             self._report_once("taking the engine's figures failed (readers keep the last ones)")
         self._published_at = now
-        if self._view_fn is None or now - self._view_wanted_at > VIEW_DEMAND_S:
+        if self._view_command is None or now - self._view_wanted_at > VIEW_DEMAND_S:
             return
         st = self._published
         key = (st.moe_slots, st.kv_tokens, st.mamba_slots, st.rung) if st is not None else None
         if key == self._view_key and now - self._view_at < VIEW_INTERVAL_S:
             return
         try:
-            self._view = self._view_fn(self.engine)
+            name, args = self._view_command
+            self._view = getattr(EngineAdmin(self.engine), name)(*args)
         except Exception:  # noqa: BLE001 - as above
             self._report_once("taking the engine's view failed (readers keep the last one)")
         self._view_at, self._view_key = now, key
@@ -349,6 +353,12 @@ class EngineLoop:
     async def acall(self, fn: Callable[[Any], Any]) -> Any:
         return await asyncio.wrap_future(self.call(fn))
 
+    async def command(self, name: str, *args) -> Any:
+        """Run the engine's admin command `name` (`ft.engine.admin.EngineAdmin.COMMANDS`) with plain
+        data on the engine thread; its answer (plain data or a schema), or its exception."""
+        _check_command(name)
+        return await self.acall(lambda engine: getattr(EngineAdmin(engine), name)(*args))
+
     async def submit(self, prompt_ids: list[int], params, request_id: str) -> RequestStream:
         """Queue a request; raises the engine's RequestError when it cannot be served."""
         if self._draining:
@@ -388,3 +398,8 @@ class EngineLoop:
 
         if self.state == "serving":
             self.call(drop)
+
+
+def _check_command(name: str) -> None:
+    if name not in EngineAdmin.COMMANDS:
+        raise ValueError(f"no engine command {name!r} (commands: {', '.join(sorted(EngineAdmin.COMMANDS))})")

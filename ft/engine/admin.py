@@ -1,4 +1,10 @@
-"""Admin payloads built from the engine (on the engine thread) with the shared schemas."""
+"""The engine's admin interface: named commands (`EngineAdmin`) that `ft serve`'s admin routes run
+on the engine thread, and the payloads they return, built with the shared schemas (`ft.schemas`).
+
+The server names a command and passes plain data (`EngineLoop.command("resize", moe, kv, mamba)`);
+it never hands the engine thread a function that reaches into the engine. A command's result is
+plain data or a schema, so the same names could travel over a socket to an engine in its own
+process. The functions below the class take the engine itself (the class and tests use them)."""
 
 from __future__ import annotations
 
@@ -141,3 +147,60 @@ def resize_plan(p, notes: list[str] | None = None, ranges: dict | None = None) -
 
 def history(engine) -> History:
     return History(entries=[HistoryEntry.model_validate(h) for h in reversed(engine.cache.history)])
+
+
+class EngineAdmin:
+    """The commands of `ft serve`'s admin routes, by name (`COMMANDS`), over one engine. Each runs on
+    the engine thread (between two steps) and returns plain data or a schema. Contract: `resize`
+    and `set_ladder` raise the cache's RebuildRefused (nothing touched) or RebuildFailed (rolled back)."""
+
+    COMMANDS = frozenset({"cache_state", "resize_plan", "resize", "fits_when_idle", "rounding_notes", "history",
+                          "requests", "ladder_enabled", "set_ladder", "pause_admission"})
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def cache_state(self, state: str, model_name: str) -> CacheState:
+        """GET /admin/cache's answer, with `state` as the server sees it (serving, rebuilding)."""
+        return cache_state(self.engine, state, model_name)
+
+    def resize_plan(self, moe: int | None, kv: int | None, mamba: int | None) -> ResizePlan:
+        """A dry run: the plan of a resize to these sizes (None: unchanged), notes and reachable ranges."""
+        cache = self.engine.cache
+        return resize_plan(cache.plan_resize(moe, kv, mamba), rounding_notes(self.engine, kv),
+                           cache.ranges_around(moe, kv, mamba))
+
+    def resize(self, moe: int | None, kv: int | None, mamba: int | None, model_name: str) -> CacheState:
+        """Rebuild the pools to these sizes (a manual rebuild); the state after it."""
+        self.engine.cache.rebuild(moe, kv, mamba, trigger="manual")
+        return cache_state(self.engine, "serving", model_name)
+
+    def fits_when_idle(self, moe: int | None, kv: int | None, mamba: int | None) -> bool:
+        """Whether the target would fit once running requests released what they hold."""
+        return self.engine.cache.plan_resize(moe, kv, mamba, held=False).fits
+
+    def rounding_notes(self, kv: int | None) -> list[str]:
+        return rounding_notes(self.engine, kv)
+
+    def history(self) -> History:
+        return history(self.engine)
+
+    def requests(self, limit: int) -> RequestList:
+        return requests(self.engine, limit)
+
+    def ladder_enabled(self) -> bool:
+        return self.engine.ladder is not None
+
+    def set_ladder(self, auto: bool | None, rung: int | str | None, model_name: str) -> CacheState:
+        """Auto on or off, and a manual rung move (an index, "up" or "down": a rebuild); the state after."""
+        lad = self.engine.ladder
+        if auto is not None:
+            lad.auto = auto
+            lad.last_decision = f"auto {'on' if auto else 'off'} (manual)"
+        if rung is not None:
+            self.engine.move_ladder(rung)
+        return cache_state(self.engine, "serving", model_name)
+
+    def pause_admission(self, paused: bool) -> None:
+        """Hold (True) or resume (False) the admission of waiting requests (a rebuild drains)."""
+        self.engine.pause_admission(paused)
