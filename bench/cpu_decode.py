@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from ft.engine.engine import Engine
-from ft.engine.engine_config import EngineConfig
-from ft.engine.sampling_params import SamplingParams
+from ft.engine.core.engine import Engine
+from ft.engine.base.engine_config import EngineConfig
+from ft.engine.base.sampling_params import SamplingParams
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 import ft.kernels.attention.split as attention_split
-from ft.engine.engine import Engine
-from ft.engine.engine_config import EngineConfig
-from ft.engine.sampling_params import SamplingParams
+from ft.engine.core.engine import Engine
+from ft.engine.base.engine_config import EngineConfig
+from ft.engine.base.sampling_params import SamplingParams
 
 COPY_BW = 4.3e12
 

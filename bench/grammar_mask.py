@@ -7,7 +7,7 @@ For each engine installed (llguidance: what FreeToken uses; outlines-core, for c
 small object schema is walked by drawing a random allowed token each step (seeded), restarting when
 the grammar completes; reports the setup time (tokenizer index, schema compilation) and the mean
 mask time per token. xgrammar is not measured: it needs torch, triton, transformers and
-apache-tvm-ffi at install time (see ft/engine/grammar.py).
+apache-tvm-ffi at install time (see ft/engine/text/grammar.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from ft.engine.grammar import GrammarCompiler, json_schema_spec, mask_words
+from ft.engine.text.grammar import GrammarCompiler, json_schema_spec, mask_words
 from ft.tools.demo import ENDOFTEXT_ID, IM_END_ID, VOCAB_SIZE, build_tokenizer
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},

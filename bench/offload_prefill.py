@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from ft.engine.engine import Engine
-from ft.engine.engine_config import EngineConfig
-from ft.engine.sampling_params import SamplingParams
+from ft.engine.core.engine import Engine
+from ft.engine.base.engine_config import EngineConfig
+from ft.engine.base.sampling_params import SamplingParams
 
 
 def _sync() -> None:

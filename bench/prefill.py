@@ -27,9 +27,9 @@ import torch
 
 import ft.kernels.attention as attention
 import ft.kernels.moe.kernel as moe_kernel
-from ft.engine.engine import Engine
-from ft.engine.engine_config import EngineConfig
-from ft.engine.sampling_params import SamplingParams
+from ft.engine.core.engine import Engine
+from ft.engine.base.engine_config import EngineConfig
+from ft.engine.base.sampling_params import SamplingParams
 
 # kernel-name fragments -> family, first match wins (names of Triton kernels and torch's ATen kernels)
 FAMILIES = [

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ft.engine.engine_config import KV_CACHE_DTYPES, EngineConfig
+from ft.engine.base.engine_config import KV_CACHE_DTYPES, EngineConfig
 
 HELP = {
     "model": "checkpoint directory (Hugging Face layout), 'demo' (the built-in demo model, generated on first use) "

@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ft.engine.sampling_params import SamplingParams
+    from ft.engine.base.sampling_params import SamplingParams
     from ft.errors import FreeTokenError
     from ft.preflight import build_engine, check_model
 

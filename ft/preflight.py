@@ -129,7 +129,7 @@ def _cuda_available() -> bool:
 
 
 def _check_tokenizer(config, model_dir: Path | None) -> None:
-    from ft.engine.tokenizer import Tokenizer, resolve_chat_template
+    from ft.engine.text.tokenizer import Tokenizer, resolve_chat_template
 
     tok_dir = Path(config.tokenizer).expanduser() if config.tokenizer else model_dir
     if config.tokenizer and not tok_dir.is_dir():
@@ -186,7 +186,7 @@ def build_engine(config, say: Callable[[str], None] | None = None):
             say(f"loading {config.model} ({format_bytes(model_bytes(os.path.expanduser(config.model)))} of weights)")
         else:
             say(f"building {config.model}")
-    from ft.engine.engine import Engine
+    from ft.engine.core.engine import Engine
 
     return Engine(config)
 

@@ -115,9 +115,23 @@ def describe(engine, url: str, started_s: float | None = None) -> str:
         f"  storage: {st['backend']} (allocations rounded to {format_bytes(st['granularity_bytes'])}"
         + ("; a resize copies, so it holds old and new: the reachable ranges count that)" if st["reallocates"] else ")"),
         *(f"  kernels: {line}" for line in engine.kernel_fallbacks),  # shapes that take a reference path
+        _prefill_line(engine),
         *_ladder_lines(engine),
         f"  ready on {url}" + (f" (started in {started_s:.1f} s)" if started_s is not None else ""),
     ])
+
+
+def _prefill_line(engine) -> str:
+    """The prefill's line of the banner: the chunk size and, offloaded, how a chunk gets its experts."""
+    line = f"  prefill: chunks of {engine.config.max_prefill_length} tokens (--max-prefill-length)"
+    if engine.config.moe_backend != "offload":
+        return line
+    stream = engine.pools.experts.prefill_stream if engine.pools.experts is not None else None
+    if stream is None:
+        return line + "; a chunk's experts load into the cache (--prefill-stream-experts 0)"
+    return (line + f"; a chunk of more than {stream.min_tokens - 1} tokens streams the experts the cache lacks "
+            f"through {stream.pages * stream.page_experts} staging slots ({format_bytes(stream.nbytes)}), "
+            "evicting nothing decode uses")
 
 
 def _ladder_lines(engine) -> list[str]:
@@ -206,7 +220,7 @@ def _serve(args: argparse.Namespace, config, sock, t0: float) -> int:
     def build():
         engine = build_engine(config, phase)
         if args.warmup or (args.warmup is None and engine.device.type == "cuda"):
-            from ft.engine.warmup import warm_up
+            from ft.engine.core.warmup import warm_up
 
             say(warm_up(engine, phase).line())
         return engine

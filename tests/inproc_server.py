@@ -19,8 +19,8 @@ def demo_app(**state_kw):
     """(TestClient, ServerState) of the demo model served under DEMO with API_KEY, engine up."""
     from fastapi.testclient import TestClient
 
-    from ft.engine.engine import Engine
-    from ft.engine.engine_config import EngineConfig
+    from ft.engine.core.engine import Engine
+    from ft.engine.base.engine_config import EngineConfig
     from ft.server.app import ServerState, create_app
     from ft.server.engine_loop import EngineLoop
 

@@ -16,10 +16,10 @@ import pytest
 from server_proc import HTTP_TIMEOUT, SERVE_MODEL, ServerProcess, wait_for
 
 from ft.ctl.client import AdminClient, CtlError
-from ft.engine.sampling_params import SamplingParams
-from ft.engine.sequence import Sequence, Status
+from ft.engine.base.sampling_params import SamplingParams
+from ft.engine.base.sequence import Sequence, Status
 from ft.schemas import RequestList
-from ft.engine.admin import requests as _requests
+from ft.engine.core.admin import requests as _requests
 
 TOKEN = "adm-requests"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -144,7 +144,7 @@ def test_the_server_reaches_the_engine_by_named_commands_only():
     import inspect
     import re
 
-    from ft.engine.admin import EngineAdmin
+    from ft.engine.core.admin import EngineAdmin
     from ft.server import admin_routes, app, engine_loop
 
     for module in (admin_routes, app):

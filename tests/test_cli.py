@@ -221,7 +221,7 @@ def _bare_checkpoint(src, dst):
 def test_tokenizer_and_chat_template_flags_serve_a_bare_checkpoint(serve_checkpoint, tmp_path, capsys):
     """A checkpoint without tokenizer.json or chat template runs with --tokenizer DIR and
     --chat-template FILE: the prompt is the given template's rendering, tokenized by DIR's tokenizer."""
-    from ft.engine.tokenizer import Tokenizer
+    from ft.engine.text.tokenizer import Tokenizer
 
     bare = _bare_checkpoint(serve_checkpoint, tmp_path / "bare")
     rc = main(["generate", str(bare), "--prompt", "hi", "--chat", "--json", "--max-new-tokens", "2"])
@@ -238,7 +238,7 @@ def test_tokenizer_and_chat_template_flags_serve_a_bare_checkpoint(serve_checkpo
 
 
 def test_chat_template_is_a_file_or_the_text_itself(tmp_path):
-    from ft.engine.tokenizer import ChatTemplateError, resolve_chat_template
+    from ft.engine.text.tokenizer import ChatTemplateError, resolve_chat_template
 
     f = tmp_path / "t.jinja"
     f.write_text("{{ messages[0].content }}!")
@@ -253,7 +253,7 @@ def test_chat_template_is_a_file_or_the_text_itself(tmp_path):
 
 
 def test_chat_template_replaces_the_checkpoints_and_eos_comes_from_the_model(serve_checkpoint, tmp_path):
-    from ft.engine.tokenizer import Tokenizer
+    from ft.engine.text.tokenizer import Tokenizer
 
     own = Tokenizer.from_dir(serve_checkpoint)
     assert own.chat_template and "<<" not in own.apply_chat_template([{"role": "user", "content": "a"}])

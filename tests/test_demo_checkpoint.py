@@ -20,7 +20,7 @@ from ft.tools.demo import (
     ensure_demo_checkpoint,
     hf_tensor_specs,
 )
-from ft.engine.tokenizer import Tokenizer
+from ft.engine.text.tokenizer import Tokenizer
 
 FILES = (
     "config.json",

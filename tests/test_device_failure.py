@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from ft.engine.device_fault import device_fault
+from ft.engine.core.device_fault import device_fault
 from inproc_server import AUTH, DEMO, complete, demo_app
 from server_proc import ServerProcess, wait_for
 
@@ -73,7 +73,7 @@ def test_a_lost_device_fails_every_request_and_health_says_why():
 
 FAULTY_SERVE = textwrap.dedent("""
     import sys
-    import ft.engine.model_runner as mr
+    import ft.engine.worker.model_runner as mr
 
     real = mr.ModelRunner.run
     def run(self, work):  # the first decode step loses the device

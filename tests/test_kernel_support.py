@@ -218,7 +218,7 @@ def _synthetic(tmp_path: Path, **overrides) -> str:
 def _as_on_cuda(monkeypatch):
     """The engine checks shapes as where Triton runs (`uses_triton` in rank_state only): the lines and
     choices of a CUDA engine, while the kernels here still run their CPU references."""
-    import ft.engine.rank_state as rank_state
+    import ft.engine.ranks.rank_state as rank_state
 
     monkeypatch.setattr(rank_state, "uses_triton", lambda device: True)
 
@@ -300,7 +300,7 @@ def test_preflight_checks_shapes_without_torch(tmp_path):
     """`check_model` on a checkpoint folder imports no torch, the shape checks included (here it goes on
     to the tokenizer, which this folder lacks)."""
     d = _config_dir(tmp_path, "ok")
-    code = ("import sys; from ft.engine.engine_config import EngineConfig; from ft.errors import ConfigError;"
+    code = ("import sys; from ft.engine.base.engine_config import EngineConfig; from ft.errors import ConfigError;"
             "from ft.preflight import check_model\n"
             f"try: check_model(EngineConfig(model={str(d)!r}))\n"
             "except ConfigError as e: print(e)\n"

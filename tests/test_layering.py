@@ -116,3 +116,22 @@ def test_kernels_import_nothing_above_them():
     up = {f"{s} -> {d}" for s, ds in edges.items() if _layer(s) == "kernels" for d in ds
           if _layer(d) not in ("kernels",)}
     assert not up, up
+
+
+ENGINE_RANK = {"text": 0, "base": 1, "sampling": 2, "cache": 2, "sched": 3, "worker": 4, "ranks": 5, "core": 6}
+"""`ft.engine`'s sub-packages, lowest first: text <- base (options, a request, a step's inputs) <-
+sampling, cache <- sched <- worker <- ranks <- core (the `Engine`). A module imports only from its
+own sub-package or lower ones."""
+
+
+def test_engine_subpackages_point_one_way():
+    edges = _imports(_modules())
+    sub = lambda m: m.split(".")[2] if m.startswith("ft.engine.") and len(m.split(".")) > 3 else None  # noqa: E731
+    found = {s for m in edges if (s := sub(m))}
+    assert found == set(ENGINE_RANK), f"engine sub-packages {sorted(found)} against the ranks {sorted(ENGINE_RANK)}"
+    loose = sorted(m for m in edges if m.startswith("ft.engine.") and m.count(".") == 2 and sub(m) is None
+                   and m.split(".")[2] not in ENGINE_RANK)
+    assert not loose, f"modules directly in ft.engine (put them in a sub-package): {loose}"
+    bad = sorted(f"{a} -> {b}" for a, outs in edges.items() if (sa := sub(a)) for b in outs
+                 if (sb := sub(b)) and sb != sa and ENGINE_RANK[sb] >= ENGINE_RANK[sa])
+    assert not bad, "engine imports that point up or sideways:\n" + "\n".join(bad)

@@ -158,7 +158,7 @@ def test_the_path_runs_only_on_cuda(monkeypatch):
 def test_activation_reserve_counts_the_library_transients(monkeypatch):
     """On CUDA, with an unquantized cache and contexts past the granule, the reserve grows by the
     path's transients (no device is touched: the reserve is arithmetic); not with the path off."""
-    from ft.engine.loader import activation_reserve
+    from ft.engine.ranks.loader import activation_reserve
     from ft.model.config import ModelConfig
     from ft.tools.demo import DEMO_CONFIG
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ft.engine import SamplingParams
-from ft.engine.sampler import logprobs_of, logprobs_ref
+from ft.engine.sampling.sampler import logprobs_of, logprobs_ref
 from test_oracle import make_llm, prompt_of
 
 
@@ -131,7 +131,7 @@ def test_prompt_logprob_chunks_stay_under_their_cap(tiny_one):
     _, model, path = tiny_one
     llm = make_llm(path, max_prefill_length=32)
     eng = llm.engine
-    from ft.engine.engine import PROMPT_LOGIT_BYTES, PROMPT_LOGITS_MIN_TOKENS
+    from ft.engine.core.engine import PROMPT_LOGIT_BYTES, PROMPT_LOGITS_MIN_TOKENS
 
     held = eng.reserve // (eng.model_config.vocab_size * PROMPT_LOGIT_BYTES)  # the activation reserve
     assert eng.scheduler.max_prompt_logits == min(32, max(PROMPT_LOGITS_MIN_TOKENS, held))

@@ -8,7 +8,7 @@ import math
 import torch
 
 from ft.engine import SamplingParams
-from ft.engine.model_runner import ModelRunner
+from ft.engine.worker.model_runner import ModelRunner
 from ft.model.forward_batch import ForwardBatch, SeqSlice
 from test_oracle import make_llm, prompt_of
 
@@ -164,7 +164,7 @@ def test_seeded_request_same_tokens_in_any_batch(tiny_one):
 
 
 def test_decode_graph_buckets():
-    from ft.engine.decode_graphs import DecodeGraphs, batch_buckets
+    from ft.engine.worker.decode_graphs import DecodeGraphs, batch_buckets
 
     assert batch_buckets(1) == [1]
     assert batch_buckets(8) == [1, 2, 4, 8]

@@ -180,8 +180,8 @@ def test_server_n2_completion_counts_the_prompt_once(serve_checkpoint):
     from fastapi.testclient import TestClient
     from server_proc import SERVE_MODEL, WAIT_S
 
-    from ft.engine.engine import Engine
-    from ft.engine.engine_config import EngineConfig
+    from ft.engine.core.engine import Engine
+    from ft.engine.base.engine_config import EngineConfig
     from ft.server.app import ServerState, create_app
     from ft.server.engine_loop import EngineLoop
 

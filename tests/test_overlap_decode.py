@@ -6,9 +6,9 @@ and anything that is not a plain decode batch steps as before."""
 
 from __future__ import annotations
 
-from ft.engine.engine import Engine
-from ft.engine.engine_config import EngineConfig
-from ft.engine.sampling_params import SamplingParams
+from ft.engine.core.engine import Engine
+from ft.engine.base.engine_config import EngineConfig
+from ft.engine.base.sampling_params import SamplingParams
 from test_oracle import prompt_of
 
 

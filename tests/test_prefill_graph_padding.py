@@ -1,4 +1,4 @@
-"""Prefill graphs (`ft.engine.prefill_graphs`) without the graphs, on the CPU: what a replay computes
+"""Prefill graphs (`ft.engine.worker.prefill_graphs`) without the graphs, on the CPU: what a replay computes
 is a one-sequence prefill padded to a token bucket, with each attention layer's core run on the
 real rows between the pieces, reading and writing the static core buffers. Here the padded
 prefill runs eagerly through the same path (`_Pieces` below stands in for the capture: it copies
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ft.engine import SamplingParams
-from ft.engine.prefill_graphs import CoreBuffers, PrefillGraphs, prefill_buckets
+from ft.engine.worker.prefill_graphs import CoreBuffers, PrefillGraphs, prefill_buckets
 from test_oracle import make_llm, prompt_of
 
 GREEDY = dict(max_new_tokens=12, temperature=0.0, ignore_eos=True)
@@ -150,7 +150,7 @@ def test_which_prefills_replay():
     """`PrefillGraphs.rows_for`: the bucket of the tokens for up to max_seqs sequences with their last
     logits only; eager (None) for one token per sequence, prompt logprobs (more logit rows), KV
     calibration, a routing trace, too many sequences or tokens, and after a failed capture."""
-    from ft.engine.step_inputs import StepInputs
+    from ft.engine.base.step_inputs import StepInputs
 
     g = PrefillGraphs(256, 4, 2, 8, torch.float32, torch.device("cpu"), max_seqs=2)
 

@@ -190,3 +190,46 @@ def test_streaming_is_on_by_default_on_cuda_only(tiny_one):
     _, _, path = tiny_one
     assert _llm(path, moe_backend="offload").engine.pools.experts.prefill_stream is None  # the CPU
     assert _llm(path, moe_backend="offload", prefill_stream_experts=7).engine.pools.experts.prefill_stream.nbytes > 0
+
+
+def test_running_streams_decode_while_a_long_prompt_streams(tiny_one):
+    """Item 4: a 420-token prompt prefilled in streamed chunks of 140 (mixed steps) holds the device
+    for one chunk at a time: the two requests already decoding gain a token in each of its steps,
+    and every request's tokens are the resident engine's."""
+    from ft.engine import SamplingParams
+
+    _, model, path = tiny_one
+    greedy = dict(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [_prompt(9, 21), _prompt(23, 22), _prompt(420, 23)]
+    want = _llm(path, moe_backend="resident").generate(prompt_token_ids=prompts, **greedy)
+    llm = _llm(path, moe_backend="offload", moe_cache_size=2 * model.config.num_experts_per_tok,
+               prefill_stream_experts=6, max_prefill_length=140)
+    e = llm.engine
+    stream = e.pools.experts.prefill_stream
+    early = [e.add_request(p, SamplingParams(**greedy)) for p in prompts[:2]]
+    while any(len(s.output_ids) < 2 for s in early):
+        e.step()
+    late = e.add_request(prompts[2], SamplingParams(**greedy))
+    before = [len(s.output_ids) for s in early]
+    steps = 0
+    while not late.output_ids:
+        e.step()
+        steps += 1
+    assert steps >= 3 and stream.stats.chunks >= 3 * len(e.model_config.moe_layers)
+    assert all(len(s.output_ids) - b >= 3 for s, b in zip(early, before))
+    e.run_until_done(early + [late])
+    assert [s.output_ids for s in early + [late]] == [w.token_ids for w in want]
+
+
+def test_the_startup_banner_says_how_a_prefill_gets_its_experts(tiny_one):
+    from ft.serve_cmd import describe
+
+    _, _, path = tiny_one
+    lines = {n: next(line for line in describe(_llm(path, **opts).engine, "http://x").splitlines()
+                     if line.startswith("  prefill:"))
+             for n, opts in (("stream", dict(moe_backend="offload", prefill_stream_experts=6, max_prefill_length=512)),
+                             ("load", dict(moe_backend="offload")), ("resident", dict(moe_backend="resident")))}
+    assert lines["stream"].startswith("  prefill: chunks of 512 tokens (--max-prefill-length); a chunk of more than "
+                                      "128 tokens streams the experts the cache lacks through 6 staging slots (")
+    assert lines["load"].endswith("a chunk's experts load into the cache (--prefill-stream-experts 0)")
+    assert lines["resident"] == "  prefill: chunks of 4096 tokens (--max-prefill-length)"

@@ -52,8 +52,8 @@ def test_a_failing_step_fails_its_own_requests_only(tiny_one):
     is served afterwards as if nothing happened, and the server keeps serving."""
     import asyncio
 
-    from ft.engine.engine import Engine
-    from ft.engine.engine_config import EngineConfig
+    from ft.engine.core.engine import Engine
+    from ft.engine.base.engine_config import EngineConfig
     from ft.server.engine_loop import EngineLoop
 
     _, _, path = tiny_one

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ft.engine.sampler import SamplingBatch, row_uniform, sample, sample_probs_ref
-from ft.engine.sampling_params import SamplingParams
+from ft.engine.sampling.sampler import SamplingBatch, row_uniform, sample, sample_probs_ref
+from ft.engine.base.sampling_params import SamplingParams
 
 TV_TOL = 0.05  # total variation between empirical and reference distributions (n = 4000 draws)
 

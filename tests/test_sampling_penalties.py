@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ft.engine import SamplingParams
-from ft.engine.sampler import (
+from ft.engine.sampling.sampler import (
     SamplingBatch,
     process_logits,
     processed_logits_ref,

@@ -1,4 +1,4 @@
-"""The runner's staging arena (`ft.engine.buffers.StagingArena`): deferred loads reach the device at
+"""The runner's staging arena (`ft.engine.worker.buffers.StagingArena`): deferred loads reach the device at
 the flush, in one copy, the page table's spread after it; a buffer grown past its region leaves
 the arena and copies at once."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ft.engine.buffers import PageTableBuffer, StagedBuffer, StagingArena
+from ft.engine.worker.buffers import PageTableBuffer, StagedBuffer, StagingArena
 
 CPU = torch.device("cpu")
 

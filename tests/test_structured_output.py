@@ -10,9 +10,9 @@ import pytest
 import torch
 from server_proc import SERVE_MODEL, ServerProcess
 
-from ft.engine.grammar import GrammarCompiler, json_schema_spec, mask_words
-from ft.engine.sampler import GrammarMask, SamplingBatch, sample
-from ft.engine.sampling_params import SamplingParams
+from ft.engine.text.grammar import GrammarCompiler, json_schema_spec, mask_words
+from ft.engine.sampling.sampler import GrammarMask, SamplingBatch, sample
+from ft.engine.base.sampling_params import SamplingParams
 from ft.errors import RequestError
 from ft.server.tool_calls import ToolCallStream, parse_tool_calls, tool_call_grammar
 from ft.tools.demo import ENDOFTEXT_ID, IM_END_ID, VOCAB_SIZE, build_tokenizer
@@ -81,7 +81,7 @@ def test_grammar_mask_leaves_other_rows_bitwise_unchanged(greedy):
     assert torch.equal(logits, before)  # raw logits untouched (logprobs read them)
     assert int(b[2]) in allowed and int(a[2]) not in allowed  # the mask decides row 2
     assert torch.equal(a[[0, 1, 3]], b[[0, 1, 3]])  # the others: the same tokens
-    from ft.engine.sampler import process_logits
+    from ft.engine.sampling.sampler import process_logits
 
     out = process_logits(logits, masked)
     assert torch.equal(out[[0, 1, 3]], logits[[0, 1, 3]])  # bitwise

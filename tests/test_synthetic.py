@@ -72,7 +72,7 @@ def test_forced_routing_weights_are_the_routers_softmax_at_the_given_experts():
 
 def test_trace_prefetch_draws_the_same_tokens():
     """Drawing a request's next token ahead (while the device runs) changes no draw."""
-    from ft.engine.routing_override import TraceRouting
+    from ft.engine.worker.routing_override import TraceRouting
     from ft.tools.routing_trace import CALIBRATED
 
     plain, ahead = (TraceRouting(CALIBRATED, 3, 32, 4, seed=2, keep=4) for _ in range(2))

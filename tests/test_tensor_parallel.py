@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import TINY_CONFIGS
-from ft.engine.engine import Engine
-from ft.engine.engine_config import EngineConfig
-from ft.engine.sampling_params import SamplingParams
+from ft.engine.core.engine import Engine
+from ft.engine.base.engine_config import EngineConfig
+from ft.engine.base.sampling_params import SamplingParams
 from ft.errors import ConfigError, RanksOutOfStep, RebuildFailed
 from ft.model.config import ModelConfig
 from ft.model.layers.linear import NVFP4Weight
@@ -103,7 +103,7 @@ def test_a_rebuild_is_joint_and_a_fault_on_one_rank_rolls_back_both(tiny_one):
         entry = eng.cache.rebuild(kv=2048)  # grow: both ranks
         assert entry["status"] == "ok" and [r["rank"] for r in entry["ranks"]] == [0, 1]
         from ft.ctl.format import format_history
-        from ft.engine.admin import history
+        from ft.engine.core.admin import history
 
         assert "peaks: gpu 0 " in format_history(history(eng)) and ", gpu 1 " in format_history(history(eng))
         assert eng.cache.peers.describes[0]["geometry"]["kv_tokens"] == 2048 == eng.cache.geometry.kv_tokens
@@ -161,7 +161,7 @@ def _dense_rest(cfg: ModelConfig, tensors: dict) -> dict:
 
 def test_admin_cache_and_ctl_show_every_gpu(tiny_one):
     from ft.ctl.format import format_cache
-    from ft.engine.admin import cache_state
+    from ft.engine.core.admin import cache_state
 
     _, model, path = tiny_one
     eng = _engine(path, 2, moe_backend="offload", moe_cache_size=2 * model.config.num_experts_per_tok)

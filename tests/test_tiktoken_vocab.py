@@ -15,7 +15,7 @@ import pytest
 import regex
 import tokenizers
 
-from ft.engine.tokenizer import Tokenizer
+from ft.engine.text.tokenizer import Tokenizer
 from ft.tools.tiktoken_vocab import ensure_tokenizer_json
 
 QWEN35 = Path(__file__).resolve().parents[2] / "shared" / "reference" / "qwen3.5-tokenizer"

@@ -14,8 +14,8 @@ from ft.tools.demo import (
     IM_START_ID,
     write_tokenizer_files,
 )
-from ft.engine.detokenizer import OutputText
-from ft.engine.tokenizer import ChatTemplateError, IncrementalDecoder, Tokenizer
+from ft.engine.text.detokenizer import OutputText
+from ft.engine.text.tokenizer import ChatTemplateError, IncrementalDecoder, Tokenizer
 
 # A template in the structure of Qwen3-Next-80B-A3B-Instruct's (Qwen3 2507 "instruct" family):
 # tools in the system turn, a namespace scan for the last real user query, string/non-string
@@ -457,7 +457,7 @@ def test_output_text_random_byte_tokens(tok, use_stream):
 
 def test_long_texts_encode_like_short_ones():
     """Texts over 16K characters take encode_batch (it releases the GIL): the same ids."""
-    from ft.engine.tokenizer import Tokenizer
+    from ft.engine.text.tokenizer import Tokenizer
     from ft.tools.demo import write_tokenizer_files
 
     import tempfile

@@ -1,4 +1,4 @@
-"""The warm-up `ft serve` runs before it says ready (`ft.engine.warmup`), on the CPU with the small
+"""The warm-up `ft serve` runs before it says ready (`ft.engine.core.warmup`), on the CPU with the small
 "ft-tiny" checkpoint: it reaches every decode batch and prefill length it says, leaves the engine as
 it found it (no request, no prefix-cache page, counters zero), and changes no answer; `ft serve
 --warmup` runs it before /health says ready, and a CPU server skips it by default. (Its point, the
@@ -10,7 +10,7 @@ import pytest
 from server_proc import SERVE_MODEL, ServerProcess, write_serve_checkpoint
 
 from ft.engine import LLM, SamplingParams
-from ft.engine.warmup import warm_up
+from ft.engine.core.warmup import warm_up
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,11 @@ __all__ = ["LLM", "SamplingParams"]
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from ft.engine.llm import LLM
+        from ft.engine.core.llm import LLM
 
         return LLM
     if name == "SamplingParams":
-        from ft.engine.sampling_params import SamplingParams
+        from ft.engine.base.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

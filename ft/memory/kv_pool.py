@@ -85,7 +85,7 @@ class KVPool:
         # the next prefill sets `scales` from its K and V (the engine asks for it when no checkpoint
         # gave scales; `ft.model.forward_batch.ForwardBatch.calibrate_kv`)
         self.calibrate_next_prefill = False
-        self.journal = None  # a `ft.engine.step_inputs.PoolJournal` recording content copies (tensor parallelism)
+        self.journal = None  # a `ft.engine.base.step_inputs.PoolJournal` recording content copies (tensor parallelism)
         self._refs = [0] * num_pages
         self._free: deque[int] = deque(range(num_pages))
 

@@ -47,7 +47,7 @@ class MambaPool:
         self.extra: dict[str, torch.Tensor] = {
             st.name: self.storage.zeros(num_slots, st.shape, st.dtype) for st in slot_states}
         self._free = list(range(num_slots - 1, -1, -1))
-        self.journal = None  # a `ft.engine.step_inputs.PoolJournal` recording content writes (tensor parallelism)
+        self.journal = None  # a `ft.engine.base.step_inputs.PoolJournal` recording content writes (tensor parallelism)
 
     @property
     def num_slots(self) -> int:

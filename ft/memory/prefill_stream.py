@@ -72,6 +72,7 @@ class PrefillStream:
         self.loaded = [torch.cuda.Event() for _ in range(pages)] if cuda else None
         self.freed: list = [None] * pages  # the event after the last pass that read each page (None: unused)
         self.ring = 0  # the next page to fill
+        self.expert_bytes = self.bytes_for(cache.host, 1, 1)  # one expert's bytes in every tensor
         self.stats = StreamStats()
 
     @staticmethod
@@ -133,18 +134,18 @@ class PrefillStream:
             ctx = torch.cuda.stream(self.copy_stream)
         else:
             ctx = nullcontext()
+        pairs = [(dst, src[layer]) for dst, src in zip(self.staging, self.cache.host) if dst is not None]
         with ctx:
-            for a, b, at in _runs(experts):
-                for dst, src in zip(self.staging, self.cache.host):
-                    if dst is not None:
-                        dst[base + at : base + at + b - a].copy_(src[layer, a:b], non_blocking=cuda)
-                        self.stats.bytes += src[layer, a:b].numel() * src.element_size()
-                        self.stats.copies += 1
+            for a, b, at in _runs(experts):  # NOTE: the host's work per copy is what bounds a chunk: keep it bare
+                for dst, src in pairs:
+                    dst[base + at : base + at + b - a].copy_(src[a:b], non_blocking=cuda)
+                self.stats.copies += len(pairs)
             if cuda:
                 self.loaded[page].record(self.copy_stream)
         if cuda:
             torch.cuda.current_stream(self.device).wait_event(self.loaded[page])
         self.stats.experts += int(experts.size)
+        self.stats.bytes += int(experts.size) * self.expert_bytes
 
 
 def _runs(experts: np.ndarray):

@@ -50,12 +50,12 @@ class ForwardBatch:
     seqs: list[SeqSlice]
     decode: DecodeMeta | None = None
     # [T, num_moe_layers, top_k] int64: experts chosen for each token instead of the router's top-k
-    # (synthetic routing traces for benchmarks, `ft.engine.routing_override`); None: the router's
+    # (synthetic routing traces for benchmarks, `ft.engine.worker.routing_override`); None: the router's
     forced_experts: torch.Tensor | None = None
     # a prefill that sets each quantized KV layer's scales from its own K and V before writing them
     # (`ft.kernels.attention.calibrate_kv_scale`): the first prefill of a cache without scales
     calibrate_kv: bool = False
-    # a prefill CUDA graph's capture (`ft.engine.prefill_graphs`): the attention layers hand their
+    # a prefill CUDA graph's capture (`ft.engine.worker.prefill_graphs`): the attention layers hand their
     # cores to it (`pieces.core(...)`) instead of running them; None: eager
     pieces: object | None = None
 

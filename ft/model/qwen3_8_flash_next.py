@@ -175,7 +175,7 @@ class FlashNextModel:
     HyperConnections and the MoE are device ops. tests/gpu/test_flash_next_cuda.py checks graph
     replays against eager steps."""
     prefill_graph_safe = False
-    """Prefill graphs (`ft.engine.prefill_graphs`) stay off: QSA past its dense span selects per
+    """Prefill graphs (`ft.engine.worker.prefill_graphs`) stay off: QSA past its dense span selects per
     sequence on the host, and its attention does not hand its cores to a capture (`batch.pieces`)."""
 
     def __init__(self, cfg: ModelConfig, weights: LoadedWeights, dtype: torch.dtype, device: torch.device,

@@ -35,7 +35,7 @@ def _st(request: Request):
 
 
 async def _engine_call(st, name: str, *args) -> Any:
-    """The engine's admin command `name` (`ft.engine.admin.EngineAdmin`) with plain data; 503 unless serving."""
+    """The engine's admin command `name` (`ft.engine.core.admin.EngineAdmin`) with plain data; 503 unless serving."""
     if st.loop.state != "serving":
         raise ApiError(503, f"the engine is {st.loop.state}", "server_unavailable")
     return await st.loop.command(name, *args)

@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ft.engine.admin import EngineAdmin
-from ft.engine.device_fault import device_fault
+from ft.engine.core.admin import EngineAdmin
+from ft.engine.core.device_fault import device_fault
 from ft.errors import DeviceFailed, FreeTokenError
 from ft.server.stats_log import StatsLogger
 
@@ -354,7 +354,7 @@ class EngineLoop:
         return await asyncio.wrap_future(self.call(fn))
 
     async def command(self, name: str, *args) -> Any:
-        """Run the engine's admin command `name` (`ft.engine.admin.EngineAdmin.COMMANDS`) with plain
+        """Run the engine's admin command `name` (`ft.engine.core.admin.EngineAdmin.COMMANDS`) with plain
         data on the engine thread; its answer (plain data or a schema), or its exception."""
         _check_command(name)
         return await self.acall(lambda engine: getattr(EngineAdmin(engine), name)(*args))

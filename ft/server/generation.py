@@ -1,6 +1,6 @@
 """Driving one request from the asyncio side: submit, receive tokens with their text deltas.
 
-The engine decodes each sequence's text once per token (`ft.engine.detokenizer.OutputText`) and
+The engine decodes each sequence's text once per token (`ft.engine.text.detokenizer.OutputText`) and
 each `TokenEvent` carries the text that token releases: never half a UTF-8 character and, when
 stop strings are set, never the last characters that could still start one (the text is cut
 before a stop string when it finishes the request). So the emitted text is always a prefix of

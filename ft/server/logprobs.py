@@ -11,7 +11,7 @@ tokens never share a key of the legacy top_logprobs. `bytes` (chat) are its exac
 concatenate to the text's UTF-8. text_offset is the character offset in the returned text where the
 token starts (one inside a character: that character's). A logprob of -inf is sent as -9999.0 (JSON
 has no infinity), as vLLM does. The logprobs are the model's raw ones (see
-`ft.engine.sampling_params.SamplingParams`).
+`ft.engine.base.sampling_params.SamplingParams`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import math
 from functools import lru_cache
 from typing import Iterable
 
-from ft.engine.sampling_params import TokenLogprob
+from ft.engine.base.sampling_params import TokenLogprob
 
 FLOOR = -9999.0
 

@@ -49,7 +49,7 @@ from prometheus_client.core import (
 )
 
 if TYPE_CHECKING:
-    from ft.engine.stats import EngineStats
+    from ft.engine.core.stats import EngineStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 """Seconds, for TTFT and inter-token latency."""

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
-from ft.engine.sampling_params import MAX_LOGPROBS
+from ft.engine.base.sampling_params import MAX_LOGPROBS
 from ft.schemas import JsonInt
 
 # NOTE: strict types: "8" is not a number and true is not 1 (a bool or a numeric string sent where a
@@ -75,7 +75,7 @@ class _Sampling(BaseModel):
     response_format: dict[str, Any] | None = None
 
     def grammar(self) -> tuple[str, str] | None:
-        """The grammar spec (ft.engine.grammar) that response_format asks for; ValueError naming
+        """The grammar spec (ft.engine.text.grammar) that response_format asks for; ValueError naming
         what is wrong with it."""
         fmt = self.response_format
         if fmt is None:

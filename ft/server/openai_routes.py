@@ -75,7 +75,7 @@ def _params(st, body: _Sampling, prompt_len: int, max_tokens: int | None, logpro
     """The SamplingParams of each of the body's n choices (seeds seed, seed + 1, ...; unseeded
     choices get random seeds of their own). max_tokens 0 (allow_zero: echo) runs one token, which
     the route drops."""
-    from ft.engine.sampling_params import SamplingParams
+    from ft.engine.base.sampling_params import SamplingParams
     from ft.errors import RequestError
 
     limit = st.servable_context
@@ -171,7 +171,7 @@ async def completions(body: CompletionRequest, request: Request):
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    from ft.engine.tokenizer import ChatTemplateError
+    from ft.engine.text.tokenizer import ChatTemplateError
 
     st = _state(request)
     _check_model(st, body)

@@ -69,7 +69,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     """{"tokens": [ids], "count": n, "max_model_len": the context limit in tokens} (and "token_strs"
     when asked). Exactly one of `prompt` and `messages`; 400 otherwise, on a bad chat template, or
     on text that is not valid Unicode."""
-    from ft.engine.tokenizer import ChatTemplateError
+    from ft.engine.text.tokenizer import ChatTemplateError
 
     st = _state(request)
     _check_model(st, body.model)

@@ -1,4 +1,4 @@
-"""Prefills under CUDA graphs (`ft.engine.prefill_graphs`): a bucket's first prefill runs eagerly
+"""Prefills under CUDA graphs (`ft.engine.worker.prefill_graphs`): a bucket's first prefill runs eagerly
 (padded) and captures, later ones replay; the replay gives the padded eager prefill's logits bit for
 bit, and the tokens of an engine without prefill graphs (prefix hits, chunked prompts and a rebuild
 included)."""

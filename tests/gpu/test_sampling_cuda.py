@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ft.engine.model_runner as model_runner
+import ft.engine.worker.model_runner as model_runner
 from ft.engine import LLM, SamplingParams
-from ft.engine.sampler import processed_logits_ref
+from ft.engine.sampling.sampler import processed_logits_ref
 
 pytestmark = pytest.mark.gpu
 

@@ -11,9 +11,9 @@ import queue
 import pytest
 import torch
 
-from ft.engine.engine import Engine
-from ft.engine.engine_config import EngineConfig
-from ft.engine.sampling_params import SamplingParams
+from ft.engine.core.engine import Engine
+from ft.engine.base.engine_config import EngineConfig
+from ft.engine.base.sampling_params import SamplingParams
 from gpu.small_model import SMALL_BF16_CONFIG
 
 pytestmark = [pytest.mark.gpu,

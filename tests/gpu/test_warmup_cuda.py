@@ -1,4 +1,4 @@
-"""The warm-up on CUDA (`ft.engine.warmup`): after it, requests of every batch size the engine runs
+"""The warm-up on CUDA (`ft.engine.core.warmup`): after it, requests of every batch size the engine runs
 and short prompts of every prefill-graph bucket capture no new CUDA graph (what the warm-up is for:
 no capture, and so no first-time compile, on a user's request), and the engine is left clean."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ft.engine import LLM, SamplingParams
-from ft.engine.warmup import warm_up
+from ft.engine.core.warmup import warm_up
 
 pytestmark = pytest.mark.gpu
 

@@ -109,7 +109,7 @@ class WorkerCache:
     def apply(self, order: dict) -> dict:
         """Replay the order's pool operations, then resize or restore; returns the answer
         ({"rank", "ok", "error", "peak_bytes", "geometry", "describe"})."""
-        from ft.engine.step_inputs import replay_pool_ops
+        from ft.engine.base.step_inputs import replay_pool_ops
 
         cache, rank = self.cache, self.rank
         pools = cache.pools

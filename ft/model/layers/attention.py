@@ -63,7 +63,7 @@ class GatedAttention:
                                        max_seq_len=d.max_seq_len, gate=gate, kv_scale=kv_scale)
             return self.o_proj(o.reshape(t, -1))
         gate = gate.reshape(t, -1)
-        if batch.pieces is not None:  # a prefill graph (`ft.engine.prefill_graphs`): the core runs between its pieces
+        if batch.pieces is not None:  # a prefill graph (`ft.engine.worker.prefill_graphs`): the core runs between its pieces
             return self.o_proj(batch.pieces.core(self._prefill_core, kv, q, k, v, gate))
         return self.o_proj(self._prefill_core(batch, kv, q, k, v, gate))
 

@@ -92,7 +92,7 @@ class GatedDeltaNet:
             v = y[:, 2 * kd :].view(t, self.hv, self.dv)
             beta = b.sigmoid()
             g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-            # rows past the sequences' tokens (a padded prefill graph, `ft.engine.prefill_graphs`) are
+            # rows past the sequences' tokens (a padded prefill graph, `ft.engine.worker.prefill_graphs`) are
             # skipped by both kernels: their output starts at zero so that what follows stays finite
             pad = t > sum(s.length for s in batch.seqs)
             o = chunk_gated_delta_rule_varlen(q, k, v, g, beta, ssm_pool, cu, slots,  # two launches

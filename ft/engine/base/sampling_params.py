@@ -28,7 +28,7 @@ class SamplingParams:
     stop_token_ids end generation after emitting one of them (the checkpoint's EOS ids are added
     unless ignore_eos); stop strings end it when the text contains one (the text is cut before it).
 
-    Logit processing, in vLLM's order (see `ft.engine.sampler.sample`): `logit_bias` (token id ->
+    Logit processing, in vLLM's order (see `ft.engine.sampling.sampler.sample`): `logit_bias` (token id ->
     added to its logit), then `repetition_penalty` (HF/vLLM: over prompt and generated tokens, a
     positive logit is divided by it, a negative one multiplied; 1 is off), `frequency_penalty`
     (minus penalty x count) and `presence_penalty` (minus penalty once) over the generated tokens
@@ -59,7 +59,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     # structured output: (kind, text), kind "json_schema" (text: the schema as JSON) or "lark"; the
-    # engine compiles it into a matcher per sequence (ft.engine.grammar) that masks each step's logits
+    # engine compiles it into a matcher per sequence (ft.engine.text.grammar) that masks each step's logits
     grammar: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:

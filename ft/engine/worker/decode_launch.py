@@ -1,4 +1,4 @@
-"""Overlapped decode's steps on the device (details module of `ft.engine.model_runner`): a decode
+"""Overlapped decode's steps on the device (details module of `ft.engine.worker.model_runner`): a decode
 step queued without waiting for its tokens, its inputs gathered on the device from the step queued
 before it (`DecodeLauncher`), and what the engine keeps of a queued step (`LaunchedDecode`).
 
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ft.engine.sampler import sample
-from ft.engine.sequence import Sequence
+from ft.engine.sampling.sampler import sample
+from ft.engine.base.sequence import Sequence
 from ft.model.forward_batch import ForwardBatch
 
 
@@ -32,7 +32,7 @@ class LaunchedDecode:
 
 
 class DecodeLauncher:
-    """The overlapped steps of one `ft.engine.model_runner.ModelRunner` (`runner`: it builds their
+    """The overlapped steps of one `ft.engine.worker.model_runner.ModelRunner` (`runner`: it builds their
     inputs, runs their forward and samples as for a plain step)."""
 
     def __init__(self, runner) -> None:

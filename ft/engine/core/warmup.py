@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ft.engine.decode_graphs import batch_buckets
-from ft.engine.prefill_graphs import prefill_buckets
-from ft.engine.sampling_params import SamplingParams
+from ft.engine.worker.decode_graphs import batch_buckets
+from ft.engine.worker.prefill_graphs import prefill_buckets
+from ft.engine.base.sampling_params import SamplingParams
 
 __all__ = ["WarmupReport", "warm_up"]
 

@@ -6,7 +6,7 @@ each running request that is decoding, so a long prompt never freezes the stream
 comes after one chunk's time, not after the whole prompt's. The step's token budget is shared (the
 decode rows first). A prefill of one request whose whole remaining prompt is at most
 `solo_prefill_tokens` runs alone: it is short, and alone it replays the prefill CUDA graphs
-(`ft.engine.prefill_graphs`, one sequence each), which a mixed step cannot.
+(`ft.engine.worker.prefill_graphs`, one sequence each), which a mixed step cannot.
 
 Every mutation has its check beside it: a request is admitted only when a mamba slot and the
 KV pages of its first chunk can be had (evicting prefix-cache entries if needed); a decode step
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from ft.memory.kv_pool import KVPool
 from ft.memory.mamba_pool import MambaPool
-from ft.engine.prefix_cache import PrefixCache
-from ft.engine.sequence import Sequence, Status
+from ft.engine.sched.prefix_cache import PrefixCache
+from ft.engine.base.sequence import Sequence, Status
 
 
 @dataclass

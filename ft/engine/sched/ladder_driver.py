@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import Callable
 
 from ft.engine.cache.manager import CacheManager
-from ft.engine.ladder import Head, Ladder, LadderMove, LadderSnapshot
-from ft.engine.prefix_cache import PrefixCache
-from ft.engine.scheduler import Scheduler
-from ft.engine.sequence import Sequence
+from ft.engine.sched.ladder import Head, Ladder, LadderMove, LadderSnapshot
+from ft.engine.sched.prefix_cache import PrefixCache
+from ft.engine.sched.scheduler import Scheduler
+from ft.engine.base.sequence import Sequence
 from ft.errors import RebuildFailed, RebuildRefused
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ft.engine.engine import Engine
-from ft.engine.engine_config import EngineConfig
+from ft.engine.core.engine import Engine
+from ft.engine.base.engine_config import EngineConfig
 from ft.errors import RequestError
-from ft.engine.sampling_params import SamplingParams, TokenLogprob
+from ft.engine.base.sampling_params import SamplingParams, TokenLogprob
 
 
 @dataclass

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ft.engine.sampling_params import SamplingParams
+from ft.engine.base.sampling_params import SamplingParams
 
 _M32 = 0xFFFFFFFF
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ft.engine.sampling_params import TokenLogprob
-from ft.engine.sequence import Sequence
+from ft.engine.base.sampling_params import TokenLogprob
+from ft.engine.base.sequence import Sequence
 
 
 class LogitPlan:

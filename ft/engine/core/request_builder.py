@@ -11,9 +11,9 @@ from typing import Callable
 
 import torch
 
-from ft.engine.detokenizer import OutputText
-from ft.engine.sampling_params import SamplingParams
-from ft.engine.sequence import Sequence
+from ft.engine.text.detokenizer import OutputText
+from ft.engine.base.sampling_params import SamplingParams
+from ft.engine.base.sequence import Sequence
 from ft.errors import RequestError
 
 __all__ = ["RequestBuilder"]
@@ -68,7 +68,7 @@ class RequestBuilder:
     def grammar_compiler(self):
         """The grammar compiler over this model's tokenizer (built on first use: its token trie)."""
         if self._grammars is None:
-            from ft.engine.grammar import GrammarCompiler
+            from ft.engine.text.grammar import GrammarCompiler
 
             eos = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
             self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size, eos)

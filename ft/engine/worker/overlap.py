@@ -2,7 +2,7 @@
 reads step N's tokens, so that the host's work of a step (reading tokens, their text, the next
 step's inputs and launch) runs while the device computes step N+1.
 
-N+1's token ids are gathered on the device from N's sampled ids (`ft.engine.decode_launch`). A
+N+1's token ids are gathered on the device from N's sampled ids (`ft.engine.worker.decode_launch`). A
 sequence's token from N may end it: by length (known on the host in advance: it is left out of
 N+1) or by a stop token (known only once read: N+1 computes that row but writes no KV and no
 linear-attention state for it, and its num_computed goes back by one, so that the prefix cache
@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import weakref
 
-from ft.engine.decode_launch import LaunchedDecode
-from ft.engine.scheduler import ScheduledWork
-from ft.engine.sequence import Sequence, Status
+from ft.engine.worker.decode_launch import LaunchedDecode
+from ft.engine.sched.scheduler import ScheduledWork
+from ft.engine.base.sequence import Sequence, Status
 
 
 class OverlappedDecode:

@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ft.engine.detokenizer import OutputText
-from ft.engine.sampling_params import SamplingParams, TokenLogprob
+from ft.engine.text.detokenizer import OutputText
+from ft.engine.base.sampling_params import SamplingParams, TokenLogprob
 
 _ids = itertools.count()
 
@@ -50,7 +50,7 @@ class Sequence:
     logprobs: list[TokenLogprob] | None = None
     # per prompt token when params.prompt_logprobs is set (else None): the first stays None
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    # its grammar's matcher (ft.engine.grammar.GrammarMatcher) when params.grammar is set: created
+    # its grammar's matcher (ft.engine.text.grammar.GrammarMatcher) when params.grammar is set: created
     # when the request is added, advanced by each sampled token, dropped when it finishes
     grammar: Any = None
     # Its life in time.monotonic() seconds (per-request latency metrics): queued; first admitted to

@@ -1,7 +1,7 @@
 """Constrained decoding: a grammar per request (a JSON schema, or a Lark grammar that may embed
 JSON schemas) compiled into a matcher over the model's tokenizer; each step the matcher fills the
 row's token bitmask (bit t of word t // 32 set: token t allowed), the sampler masks the disallowed
-logits with -inf (`ft.engine.sampler.apply_grammar`), and the sampled token advances the matcher.
+logits with -inf (`ft.engine.sampling.sampler.apply_grammar`), and the sampled token advances the matcher.
 
 The engine is llguidance (guidance-ai, Rust with a Python binding), chosen among the three
 maintained ones by checking each here (`pip download --no-deps`, Python 3.11, x86_64):

@@ -39,7 +39,7 @@ from typing import Callable, Hashable
 
 import torch
 
-from ft.engine.step_inputs import StepInputs
+from ft.engine.base.step_inputs import StepInputs
 
 log = logging.getLogger("ft.engine")
 

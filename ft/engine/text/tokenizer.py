@@ -547,4 +547,4 @@ class Tokenizer:
         return f"Tokenizer({self._source!r}, vocab_size={self.vocab_size})"
 
 
-from ft.engine.detokenizer import IncrementalDecoder  # noqa: E402  (re-exported; it needs Tokenizer)
+from ft.engine.text.detokenizer import IncrementalDecoder  # noqa: E402  (re-exported; it needs Tokenizer)

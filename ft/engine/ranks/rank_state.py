@@ -16,13 +16,13 @@ import torch
 
 from ft.memory.budget import default_prefill_length, measure_budget
 from ft.engine.cache.manager import CacheManager, PoolShapes, SizingOptions
-from ft.engine.engine_config import EngineConfig
-from ft.engine.ladder import make_rungs
-from ft.engine.loader import DTYPES, activation_reserve, load_model
-from ft.engine.model_source import model_source
-from ft.engine.model_runner import ModelRunner
-from ft.engine.prefill_graphs import CoreBuffers
-from ft.engine.routing_override import TraceRouting, trace_params
+from ft.engine.base.engine_config import EngineConfig
+from ft.engine.sched.ladder import make_rungs
+from ft.engine.ranks.loader import DTYPES, activation_reserve, load_model
+from ft.engine.ranks.model_source import model_source
+from ft.engine.worker.model_runner import ModelRunner
+from ft.engine.worker.prefill_graphs import CoreBuffers
+from ft.engine.worker.routing_override import TraceRouting, trace_params
 from ft.errors import ConfigError
 from ft.memory.kv_pool import NVFP4_KV
 from ft.memory.prefill_stream import PAGES, STREAM_PAGE_EXPERTS, PrefillStream
@@ -83,7 +83,7 @@ class RankState:
         self.reserve = activation_reserve(cfg, self.dtype, self.device,
                                           min(config.max_prefill_length, self.context_limit),
                                           config.max_running_requests, shapes.kv_dtype, self.context_limit)
-        # one-request prefills up to this many tokens replay CUDA graphs (`ft.engine.prefill_graphs`),
+        # one-request prefills up to this many tokens replay CUDA graphs (`ft.engine.worker.prefill_graphs`),
         # whose memory pool (the largest bucket's activations) and core buffers stay allocated
         self.prefill_graph_tokens = 0 if self.device.type != "cuda" or not prefill_graphs or tp is not None \
             else min(config.prefill_graph_max_tokens, config.max_prefill_length, self.context_limit)

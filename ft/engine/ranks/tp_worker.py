@@ -26,7 +26,7 @@ import threading
 import traceback
 from dataclasses import dataclass
 
-from ft.engine.engine_config import EngineConfig
+from ft.engine.base.engine_config import EngineConfig
 from ft.parallel import TPGroup, free_port, init_group
 
 log = logging.getLogger("ft.engine")
@@ -45,7 +45,7 @@ def start_workers(config: EngineConfig) -> Workers | None:
     world = config.tensor_parallel_size
     if world <= 1:
         return None
-    from ft.engine.model_source import model_source
+    from ft.engine.ranks.model_source import model_source
     from ft.model.config import ModelConfig
     from ft.model.tp_split import check_split
 
@@ -73,7 +73,7 @@ def join_group(config: EngineConfig, rank: int, workers: Workers | None) -> TPGr
     """Rank 0 joins its workers' group (None on one GPU)."""
     if workers is None:
         return None
-    from ft.engine.rank_state import rank_device
+    from ft.engine.ranks.rank_state import rank_device
 
     return init_group(rank, config.tensor_parallel_size, workers.port, rank_device(config.device, rank))
 
@@ -159,7 +159,7 @@ def worker_main(rank: int, config: EngineConfig, port: int) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(levelname)s %(name)s: %(message)s")
     tp = None
     try:
-        from ft.engine.rank_state import rank_device
+        from ft.engine.ranks.rank_state import rank_device
 
         tp = init_group(rank, config.tensor_parallel_size, port, rank_device(config.device, rank))
         worker = TPWorker(config, tp)
@@ -190,7 +190,7 @@ class TPWorker:
 
     def __init__(self, config: EngineConfig, tp: TPGroup) -> None:
         from ft.engine.cache.tp_rebuild import WorkerCache
-        from ft.engine.rank_state import RankState
+        from ft.engine.ranks.rank_state import RankState
 
         self.tp = tp
         self.state = RankState(config, tp)

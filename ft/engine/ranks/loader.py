@@ -1,7 +1,7 @@
 """Loading: a model's weights on the device, the activation reserve.
 
 `load_model` returns the model (resident weights on the device) and the routed experts' host
-store, from a `ModelSource` (`ft.engine.model_source`: where the model comes from);
+store, from a `ModelSource` (`ft.engine.ranks.model_source`: where the model comes from);
 `activation_reserve` estimates the bytes a forward pass needs beside the pools.
 """
 
@@ -21,7 +21,7 @@ from ft.model import qwen3_8_flash_next, qwen3_next
 from ft.model.qwen3_next import Qwen3NextModel
 from ft.model.tp_shard import shard_expert_store, shard_tensors
 from ft.model.tp_split import local_config
-from ft.engine.model_source import ModelSource
+from ft.engine.ranks.model_source import ModelSource
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,7 +57,7 @@ def load_model(
         weights.tensors = shard_tensors(weights.tensors, cfg, rank, world)
         cfg = local_config(cfg, rank, world)
     m = (qwen3_8_flash_next.FlashNextModel if cfg.is_flash_next else Qwen3NextModel)(cfg, weights, dtype, device, tp)
-    m.kv_scales = weights.kv_scales  # NOTE: the KV pool takes them (ft.engine.engine), the model does not
+    m.kv_scales = weights.kv_scales  # NOTE: the KV pool takes them (ft.engine.core.engine), the model does not
     m.kv_cache_quant_algo = weights.kv_algo  # what the scales describe: "FP8" | "NVFP4" (None: no KV algo named)
     return m, weights.experts
 

@@ -4,7 +4,7 @@ The model runner builds a `StepInputs` from the scheduled work (token ids, posit
 sequence's pages and mamba slot, the decode step's KV slots and lengths, a routing trace's
 experts), then loads it into its persistent device buffers. With tensor parallelism rank 0 sends
 the same `StepInputs` to every worker rank, which loads it into its own buffers and runs the same
-forward over its shard (`ft.engine.tp_worker`): being plain lists, it pickles small.
+forward over its shard (`ft.engine.ranks.tp_worker`): being plain lists, it pickles small.
 
 `ops` carries what rank 0 did to its pools' contents since the last step outside a forward pass
 (a new sequence's zeroed mamba slot, a fork's or a prefix hit's copied page and state, a

@@ -10,7 +10,7 @@ from ft.units import parse_bytes
 
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8", "nvfp4")
-"""--kv-cache-dtype values (the engine maps them to the pool's dtype: `ft.engine.engine.KV_DTYPES`)."""
+"""--kv-cache-dtype values (the engine maps them to the pool's dtype: `ft.engine.core.engine.KV_DTYPES`)."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class EngineConfig:
     # (up to max_running_requests; `decode_graph_max_bs`)
     disable_cuda_graph: bool = False  # run every decode step and prefill eagerly (debugging)
     prefill_graph_max_tokens: int = 2048  # one-sequence prefills up to this many tokens replay CUDA graphs
-    mix_prefill_decode: bool = True  # a prefill step carries a token of each decoding request (ft.engine.scheduler)
+    mix_prefill_decode: bool = True  # a prefill step carries a token of each decoding request (ft.engine.sched.scheduler)
     overlap_decode: bool | None = None  # queue the next decode step before reading this one's tokens; None: on CUDA
     storage_backend: str = "auto"  # auto | vmm | mmap | realloc: how pools grow and shrink (see ft.memory.storage)
     seed: int = 0

@@ -23,21 +23,21 @@ import logging
 
 import torch
 
-from ft.engine.buffers import PageTableBuffer, StagedBuffer, StagingArena
-from ft.engine.decode_graphs import DecodeGraphs
-from ft.engine.decode_launch import DecodeLauncher
-from ft.engine.prefill_graphs import PrefillGraphs, padded_inputs
-from ft.engine.grammar import GrammarMaskBuffer
-from ft.engine.logit_plan import LogitPlan, logprob_entry
-from ft.engine.penalty_state import PenaltyState
-from ft.engine.result_copy import ResultCopy
-from ft.engine.sampler import GrammarMask, LogitBias, Penalties, SamplingBatch, logprobs_of, sample
-from ft.engine.sampling_params import TokenLogprob
+from ft.engine.worker.buffers import PageTableBuffer, StagedBuffer, StagingArena
+from ft.engine.worker.decode_graphs import DecodeGraphs
+from ft.engine.worker.decode_launch import DecodeLauncher
+from ft.engine.worker.prefill_graphs import PrefillGraphs, padded_inputs
+from ft.engine.text.grammar import GrammarMaskBuffer
+from ft.engine.sampling.logit_plan import LogitPlan, logprob_entry
+from ft.engine.worker.penalty_state import PenaltyState
+from ft.engine.worker.result_copy import ResultCopy
+from ft.engine.sampling.sampler import GrammarMask, LogitBias, Penalties, SamplingBatch, logprobs_of, sample
+from ft.engine.base.sampling_params import TokenLogprob
 from ft.kernels.backend import debug_checks
 from ft.kernels.moe import runs_triton
-from ft.engine.scheduler import ScheduledWork
-from ft.engine.step_inputs import PoolJournal, StepInputs, replay_pool_ops
-from ft.engine.sequence import Sequence
+from ft.engine.sched.scheduler import ScheduledWork
+from ft.engine.base.step_inputs import PoolJournal, StepInputs, replay_pool_ops
+from ft.engine.base.sequence import Sequence
 from ft.memory.cache_pools import CachePools
 from ft.model.forward_batch import DecodeMeta, ForwardBatch, SeqSlice
 from ft.errors import RanksOutOfStep
@@ -118,7 +118,7 @@ class ModelRunner:
         self.page_table = PageTableBuffer(rows, max_pages_per_seq, device, arena=(self.decode_arena, len(decode_specs)))
         self.routing = None  # a `routing_override.TraceRouting` (synthetic traces): set by the engine
         self.results = ResultCopy(rows, device)  # the sampled ids (and logprobs) to the host, one copy a step
-        self.launcher = DecodeLauncher(self)  # overlapped decode's steps (`ft.engine.decode_launch`)
+        self.launcher = DecodeLauncher(self)  # overlapped decode's steps (`ft.engine.worker.decode_launch`)
         self.last_logits: torch.Tensor | None = None  # [B, V] of the last step (tests and debugging)
         # tensor parallelism (`ft.parallel.TPGroup`): rank 0 sends each step's inputs with the
         # journal of its pools' content operations (`attach_tp`)
@@ -127,7 +127,7 @@ class ModelRunner:
 
     def attach_tp(self, tp) -> None:
         """Run as a rank of tensor-parallel group `tp`: rank 0 records its pools' content operations
-        and sends them with each step; the others receive (`ft.engine.tp_worker`)."""
+        and sends them with each step; the others receive (`ft.engine.ranks.tp_worker`)."""
         self.tp = tp
         if tp.is_leader:
             self.journal = PoolJournal()
@@ -270,7 +270,7 @@ class ModelRunner:
     def decode_inputs(self, seqs: list[Sequence], n: int, graph_rows: int | None = None,
                        ids_on_device: bool = False) -> StepInputs:
         """ids_on_device: the token ids are not known on the host yet (overlapped decode: zeros here,
-        gathered on the device from the step in flight, `ft.engine.decode_launch`); the positions
+        gathered on the device from the step in flight, `ft.engine.worker.decode_launch`); the positions
         are each sequence's num_computed, which counts the steps launched."""
         real = len(seqs)
         rows = list(seqs) + [seqs[0]] * (n - real)

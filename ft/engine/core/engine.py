@@ -14,19 +14,19 @@ import time
 
 import torch
 
-from ft.engine.engine_config import EngineConfig
-from ft.engine.ladder import Ladder, LadderOptions
-from ft.engine.ladder_driver import LadderDriver
-from ft.engine.prefix_cache import PrefixCache
-from ft.engine.request_builder import RequestBuilder
-from ft.engine.rank_state import KV_ALGO_DTYPES, KV_DTYPES, RankState
-from ft.engine.sampling_params import SamplingParams
-from ft.engine.scheduler import Scheduler, ScheduledWork
-from ft.engine.stats import EngineStats, engine_stats
-from ft.engine.overlap import OverlappedDecode
-from ft.engine.sequence import Sequence
-from ft.engine.tokenizer import Tokenizer
-from ft.engine.tp_worker import close_ranks, dead_rank, join_group, join_ranks, start_workers, stop_workers
+from ft.engine.base.engine_config import EngineConfig
+from ft.engine.sched.ladder import Ladder, LadderOptions
+from ft.engine.sched.ladder_driver import LadderDriver
+from ft.engine.sched.prefix_cache import PrefixCache
+from ft.engine.core.request_builder import RequestBuilder
+from ft.engine.ranks.rank_state import KV_ALGO_DTYPES, KV_DTYPES, RankState
+from ft.engine.base.sampling_params import SamplingParams
+from ft.engine.sched.scheduler import Scheduler, ScheduledWork
+from ft.engine.core.stats import EngineStats, engine_stats
+from ft.engine.worker.overlap import OverlappedDecode
+from ft.engine.base.sequence import Sequence
+from ft.engine.text.tokenizer import Tokenizer
+from ft.engine.ranks.tp_worker import close_ranks, dead_rank, join_group, join_ranks, start_workers, stop_workers
 from ft.errors import ConfigError, RanksOutOfStep
 from ft.memory.cache_pools import CachePools
 
@@ -242,7 +242,7 @@ class Engine(RankState):
         """Run one forward pass. Returns the sequences that got a new token (finished ones too)
         and those that ended with an error before running.
 
-        Overlapped decode (`EngineConfig.overlap_decode`, `ft.engine.overlap`): a plain decode batch
+        Overlapped decode (`EngineConfig.overlap_decode`, `ft.engine.worker.overlap`): a plain decode batch
         is queued on the device and the step returns the tokens of the one queued before it, after
         queuing the next: the host reads tokens and prepares the next step while the device
         computes. Anything else (a request waiting, a prefill) first takes the tokens in flight,
@@ -376,7 +376,7 @@ class Engine(RankState):
         self.scheduler.admission_paused = paused
 
     def stats(self) -> EngineStats:
-        """The engine's figures now, as one immutable value (`ft.engine.stats`)."""
+        """The engine's figures now, as one immutable value (`ft.engine.core.stats`)."""
         return engine_stats(self)
 
     def text_of(self, seq: Sequence) -> str:

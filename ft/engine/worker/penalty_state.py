@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ft.engine.buffers import StagedBuffer
-from ft.engine.sequence import Sequence
+from ft.engine.worker.buffers import StagedBuffer
+from ft.engine.base.sequence import Sequence
 
 
 class PenaltyState:

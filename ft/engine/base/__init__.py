@@ -1,0 +1,1 @@
+"""The data every part of the engine passes: its options (`EngineConfig`, the flags' one home, torch-free), a request (`Sequence`, its state; `SamplingParams`, what it asked for) and a step's inputs (`StepInputs`, also the message tensor-parallel ranks receive)."""

@@ -1,0 +1,1 @@
+"""The request core: `Engine` (the composition root: requests in, outputs out, one step at a time), the `LLM` Python API, request validation (`RequestBuilder`), the figures it publishes (`EngineStats`), the admin commands the server runs by name (`EngineAdmin`), the warm-up before ready, and the device-fault classifier."""

@@ -1,0 +1,1 @@
+"""What every rank builds: `RankState` (the model or its shard, the measured budget, the pools, the runner), weight loading and the activation reserve, the model-source seam (checkpoint, demo, synthetic), and the tensor-parallel worker ranks' lifecycle."""

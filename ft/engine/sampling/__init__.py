@@ -1,0 +1,1 @@
+"""Sampling over a step's rows: the sampler (temperature, top-k / top-p / min-p, seeds, penalties, logit biases, grammar masks, logprobs) and the logit plan (which positions of a step return logits)."""

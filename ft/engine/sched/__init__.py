@@ -1,0 +1,1 @@
+"""Scheduling: which requests run in a step (`Scheduler`: admission, chunked prefill mixed with decode, preemption), the prefix cache of KV pages and linear-attention states, and the KV ladder (its rungs, and the driver that moves between them)."""

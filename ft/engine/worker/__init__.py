@@ -1,0 +1,1 @@
+"""The forward side: the `ModelRunner` (a step's inputs in persistent buffers, the forward, the decode and prefill CUDA graphs, the overlapped decode and its queued launches, the penalty state on the device, the result copies), and the synthetic routing override of benchmarks."""
