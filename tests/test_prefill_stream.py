@@ -233,3 +233,17 @@ def test_the_startup_banner_says_how_a_prefill_gets_its_experts(tiny_one):
                                       "128 tokens streams the experts the cache lacks through 6 staging slots (")
     assert lines["load"].endswith("a chunk's experts load into the cache (--prefill-stream-experts 0)")
     assert lines["resident"] == "  prefill: chunks of 4096 tokens (--max-prefill-length)"
+
+
+def test_streamed_bytes_reach_the_published_figures_and_metrics(tiny_one):
+    from ft.server.metrics import Metrics
+
+    _, model, path = tiny_one
+    llm = _llm(path, moe_backend="offload", moe_cache_size=2 * model.config.num_experts_per_tok,
+               prefill_stream_experts=6)
+    llm.generate(prompt_token_ids=[_prompt(200, 31)], max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    stream, stats = llm.engine.pools.experts.prefill_stream, llm.engine.stats()
+    assert stats.streamed_bytes == stream.stats.bytes > 0 and stats.streamed_experts == stream.stats.experts > 0
+    text = Metrics("m").render(stats).decode()
+    assert f'ft_expert_prefill_streamed_bytes_total{{model_name="m"}} {float(stream.stats.bytes)}' in text
+    assert f'ft_expert_prefill_streamed_total{{model_name="m"}} {float(stream.stats.experts)}' in text

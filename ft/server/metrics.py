@@ -18,6 +18,8 @@ histograms `_bucket`/`_sum`/`_count` in the exposition):
     ft_expert_cache_hits, ft_expert_cache_misses       counters, expert lookups
     ft_expert_host_bytes                               counter, bytes moved host -> device
     ft_expert_landed                                   counter, experts
+    ft_expert_prefill_streamed_bytes                   counter, bytes streamed into staging by prefill
+    ft_expert_prefill_streamed                         counter, experts streamed by prefill
     ft_prompt_tokens, ft_generation_tokens             counters, tokens
     ft_prefix_cache_queried_tokens, ft_prefix_cache_hit_tokens   counters, tokens
     ft_num_preemptions                                 counter, preemptions
@@ -109,6 +111,10 @@ class _EngineCollector:
         yield c("ft_expert_host_bytes", "Expert bytes moved from host memory to the device (loads and in-place "
                 "reads)", s.host_bytes)
         yield c("ft_expert_landed", "Experts cached by read-through landings during decode", s.landed)
+        yield c("ft_expert_prefill_streamed_bytes", "Expert bytes offloaded prefill chunks streamed from host memory "
+                "into staging pages (not cached, not in the hit counts)", s.streamed_bytes)
+        yield c("ft_expert_prefill_streamed", "Experts offloaded prefill chunks streamed into staging pages",
+                s.streamed_experts)
         yield c("ft_prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded)", s.prompt_tokens)
         yield c("ft_generation_tokens", "Tokens generated", s.generation_tokens)
         yield c("ft_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache at admission",

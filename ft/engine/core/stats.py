@@ -36,6 +36,8 @@ class EngineStats:
     misses: int
     host_bytes: int
     landed: int
+    streamed_bytes: int  # expert bytes offloaded prefill chunks streamed into staging (not landed)
+    streamed_experts: int
     prompt_tokens: int
     generation_tokens: int
     prefix_queried_tokens: int
@@ -55,6 +57,7 @@ def engine_stats(engine: Any) -> EngineStats:
     pools = engine.pools
     experts = pools.experts
     st = experts.stats if experts is not None else None
+    stream = experts.prefill_stream if experts is not None else None
     rebuilds: dict[str, int] = {}
     durations: list[tuple[str, float]] = []
     for h in engine.cache.history:
@@ -76,6 +79,8 @@ def engine_stats(engine: Any) -> EngineStats:
         offloaded=st is not None, hits=st.hits if st else 0, misses=st.misses if st else 0,
         host_bytes=st.bytes_loaded if st else 0,
         landed=experts.read_through.landed_total if experts is not None and experts.read_through else 0,
+        streamed_bytes=stream.stats.bytes if stream is not None else 0,
+        streamed_experts=stream.stats.experts if stream is not None else 0,
         prompt_tokens=engine.counters["prompt_tokens"], generation_tokens=engine.counters["generation_tokens"],
         prefix_queried_tokens=engine.prefix_cache.query_tokens, prefix_hit_tokens=engine.prefix_cache.hit_tokens,
         preemptions=engine.scheduler.num_preemptions, overlapped_steps=engine.overlapped_steps,
