@@ -89,18 +89,10 @@ def test_expert_cache_policy_is_the_simulated_lru(seed, capacity, s, p):
     assert total == 40 * layers * k and cache.stats.hits / total == lru_hit_rate(trace, capacity)
 
 
-def test_bulk_draw_is_distinct_deterministic_and_as_popular_as_the_per_token_draw():
-    """`bulk` (a prefill chunk at once): k distinct experts per token and layer, the same for a seed,
-    the same popularity as `next_token` (the most popular expert's share within a few points), and
-    the next token's reuse starts from the chunk's last token."""
-    a = RoutingTrace(4, 128, 6, seed=3).bulk(3000)
-    assert a == RoutingTrace(4, 128, 6, seed=3).bulk(3000) and a != RoutingTrace(4, 128, 6, seed=4).bulk(3000)
-    rows = [a[i : i + 6] for i in range(0, len(a), 6)]
-    assert len(rows) == 3000 * 4 and all(len(set(r)) == 6 and all(0 <= e < 128 for e in r) for r in rows)
-    bulk_top = Counter(e for r in rows[0::4] for e in r).most_common(1)[0][1] / 3000
-    per = RoutingTrace(4, 128, 6, seed=3).tokens(3000)
-    per_top = Counter(e for tok in per for e in tok[0]).most_common(1)[0][1] / 3000
-    assert abs(bulk_top - per_top) < 0.06 and bulk_top > 3 * 6 / 128
+
+def test_continue_from_sets_the_token_the_next_one_reuses():
     t = RoutingTrace(2, 32, 3, RoutingParams(0.0, 1.0), seed=1)  # reuse always: the next token repeats the last
-    last = t.bulk(5)[-6:]
-    assert [e for layer in t.next_token() for e in sorted(layer)] == sorted(last[:3]) + sorted(last[3:])
+    t.continue_from([[4, 5, 6], [7, 8, 9]])
+    assert [sorted(layer) for layer in t.next_token()] == [[4, 5, 6], [7, 8, 9]]
+    weights, perms = t.popularity()
+    assert len(weights) == 32 and sorted(perms[0]) == list(range(32))

@@ -85,3 +85,32 @@ def test_trace_prefetch_draws_the_same_tokens():
     ahead.prefetch(["a"])
     got.append(ahead.draw(["a"], [2]))
     assert got == want
+
+
+def test_a_prefill_chunk_is_drawn_at_once_distinct_deterministic_and_as_popular():
+    """Rows of a request from BULK_MIN_TOKENS on come drawn at once as a tensor (Gumbel top-k on the
+    device): k distinct experts per token and layer, the same for a seed, the most popular expert's
+    share within a few points of the per-token draw's; the next per-token draw continues from the
+    chunk's last token, and a step mixing both keeps row order."""
+    import torch
+
+    from ft.engine.worker.routing_override import BULK_MIN_TOKENS, TraceRouting
+    from ft.tools.routing_trace import CALIBRATED, RoutingParams
+
+    n = 3000
+    bulk = TraceRouting(CALIBRATED, 4, 128, 6, seed=3, keep=4).draw(["a"], [n])
+    assert isinstance(bulk, torch.Tensor) and torch.equal(bulk, TraceRouting(CALIBRATED, 4, 128, 6, seed=3, keep=4)
+                                                           .draw(["a"], [n]))
+    rows = bulk.view(n, 4, 6)
+    assert bool((rows.sort(-1).values.diff(dim=-1) > 0).all()) and int(rows.min()) >= 0 and int(rows.max()) < 128
+    share = torch.bincount(rows[:, 0].reshape(-1), minlength=128).max().item() / n
+    one = TraceRouting(CALIBRATED, 4, 128, 6, seed=3, keep=4)  # the same trace (its permutation), token by token
+    per_rows = torch.tensor([v for _ in range(n) for v in one.draw(["a"], [1])]).view(n, 4, 6)
+    per_share = torch.bincount(per_rows[:, 0].reshape(-1), minlength=128).max().item() / n
+    assert abs(share - per_share) < 0.08 and share > 3 * 6 / 128
+    r = TraceRouting(RoutingParams(0.0, 1.0), 2, 32, 3, seed=1, keep=4)  # reuse always
+    chunk = r.draw(["a"], [BULK_MIN_TOKENS]).view(-1, 2, 3)
+    nxt = r.draw(["a"], [1])
+    assert isinstance(nxt, list) and sorted(nxt[:3]) == sorted(chunk[-1, 0].tolist())
+    mixed = r.draw(["b", "c"], [2, BULK_MIN_TOKENS])
+    assert isinstance(mixed, torch.Tensor) and mixed.numel() == (2 + BULK_MIN_TOKENS) * 6

@@ -76,39 +76,18 @@ class RoutingTrace:
     def tokens(self, n: int) -> list[list[list[int]]]:
         return [self.next_token() for _ in range(n)]
 
-    def bulk(self, n: int) -> list[int]:
-        """n tokens at once, for a prefill chunk: flat [n][layers][k] expert ids, each token's k
-        distinct per layer from the Zipf law alone (no reuse of the previous token's experts: a
-        chunk's experts and their counts follow the same popularity, which is what a prefill's cost
-        depends on); vectorized (numpy), ~1,000x cheaper than `next_token`'s Python per token. The
-        last token becomes the previous one of the next `next_token`. Deterministic for the seed."""
-        import numpy as np  # NOTE: only here: the rest of the module is pure Python
+    def continue_from(self, last: list[list[int]]) -> None:
+        """The next `next_token` reuses from `last` ([layers][k] expert ids): the last token of rows
+        drawn elsewhere (a prefill chunk drawn at once, `ft.engine.worker.routing_override`)."""
+        if len(last) != self.num_layers:
+            raise ValueError(f"last token has {len(last)} layers, the trace {self.num_layers}")
+        self._prev = [list(layer) for layer in last]
 
-        rng = np.random.default_rng(self.rng.getrandbits(63))
-        cdf = np.asarray(self._cdf)
-        rows = n * self.num_layers
-        ranks = np.searchsorted(cdf, rng.random((rows, self.top_k)) * cdf[-1])
-        np.minimum(ranks, self.num_experts - 1, out=ranks)
-        rows_left = np.arange(rows)  # rows that may still repeat a rank
-        for _ in range(1000):  # redraw the later copies of a repeated rank until each row is distinct
-            sub = ranks[rows_left]
-            dup = np.zeros(sub.shape, dtype=bool)
-            for j in range(1, self.top_k):
-                dup[:, j] = (sub[:, :j] == sub[:, j : j + 1]).any(axis=1)
-            bad = dup.any(axis=1)
-            if not bad.any():
-                break
-            rows_left, sub, dup = rows_left[bad], sub[bad], dup[bad]
-            sub[dup] = np.minimum(np.searchsorted(cdf, rng.random(int(dup.sum())) * cdf[-1]), self.num_experts - 1)
-            ranks[rows_left] = sub
-        else:
-            raise RuntimeError("routing trace: could not draw distinct experts")
-        perm = np.asarray(self._perm)  # [layers, experts]: rank -> expert per layer
-        layer = np.tile(np.arange(self.num_layers), n)[:, None]
-        experts = perm[layer, ranks].reshape(n, self.num_layers, self.top_k)
-        if n:
-            self._prev = experts[-1].tolist()
-        return experts.reshape(-1).tolist()
+    def popularity(self) -> tuple[list[float], list[list[int]]]:
+        """(the Zipf weight of each rank, each layer's permutation rank -> expert): the law
+        `next_token` draws fresh experts from, for a draw made elsewhere."""
+        weights = [1.0 / (r + 1) ** self.params.zipf_s for r in range(self.num_experts)]
+        return weights, [list(p) for p in self._perm]
 
 
 def lru_hit_rate(trace: list[list[list[int]]], capacity: int, warmup: int = 0) -> float:

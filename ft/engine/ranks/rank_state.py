@@ -196,7 +196,7 @@ class RankState:
         if params is None:
             return None
         return TraceRouting(params, len(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok, config.seed,
-                            keep=4 * config.max_running_requests)
+                            keep=4 * config.max_running_requests, device=self.device)
 
 
 def rank_device(spec: str, rank: int | None = None) -> torch.device:

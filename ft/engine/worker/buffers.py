@@ -94,9 +94,15 @@ class StagedBuffer:
             self._alloc(max(n, 2 * self.capacity))
 
     def load(self, values, defer: bool = False) -> torch.Tensor:
-        """Copy `values` (a list of numbers) into the buffer's prefix; returns that prefix [n].
-        With `defer` and an arena, the copy waits for the arena's `flush`."""
+        """Copy `values` (a list of numbers, or a 1-D tensor already on the device: copied there, in
+        stream order) into the buffer's prefix; returns that prefix [n]. With `defer` and an arena,
+        a list's copy waits for the arena's `flush`."""
         n = len(values)
+        if isinstance(values, torch.Tensor):
+            self.reserve(n)
+            out = self.device_buffer[:n]
+            out.copy_(values)
+            return out
         self.reserve(n)
         self._host_np[:n] = values
         out = self.device_buffer[:n]

@@ -206,8 +206,9 @@ class ModelRunner:
             self.decode_arena.flush()
         return batch
 
-    def _load_forced(self, values: list[int] | None) -> torch.Tensor | None:
-        """A step's traced experts (`TraceRouting.step_values`) in a persistent buffer, [T, layers, k]."""
+    def _load_forced(self, values: list[int] | torch.Tensor | None) -> torch.Tensor | None:
+        """A step's traced experts (`TraceRouting.step_values`: a list, or a tensor drawn on this device)
+        in a persistent buffer, [T, layers, k]."""
         r = self.routing
         if values is None or r is None:
             return None
@@ -389,6 +390,8 @@ class ModelRunner:
         tp = self.tp
         if tp is not None and tp.is_leader:
             inp.ops = self.journal.take()
+            if isinstance(inp.forced, torch.Tensor):  # traced routing drawn on the device: the workers get numbers
+                inp.forced = inp.forced.tolist()
             tp.broadcast(("step", inp))
             try:
                 return self.execute_local(inp)
