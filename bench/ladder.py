@@ -1,7 +1,7 @@
 """The seed's ladder table on this machine: offloaded decode speed at each KV rung of an emulated card.
 
     PYTHONPATH=. python3 bench/ladder.py [--cards 32GiB,16GiB] [--rungs 65536,131072,262144]
-                                         [--tokens 128,1024,4096] [--policy lru]
+                                         [--tokens 128,1024,4096] [--policy lru] [--chunks 1024,16384]
 
 Synthetic NVFP4 Qwen3-Next-80B-A3B (`bench/configs/qwen3-next-80b-a3b.json` with its routing drawn
 from the calibrated trace, `ft.tools.routing_trace.CALIBRATED`: ~68% / 79% LRU hits at 12.5% /
@@ -49,6 +49,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8", "nvfp4"],
                     help="the KV cache's dtype (the seed's table: nvfp4 for Qwen3.8-Flash-Next)")
     ap.add_argument("--step", type=int, default=32768, help="the ladder's step size")
+    ap.add_argument("--chunks", default="1024",
+                    help="--max-prefill-length of each engine (one engine per card and chunk: what a chunk's reserve "
+                         "costs decode; 0: the card's default)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="after each rung's row, profile this many decode steps there (GPU kernels and timeline)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
@@ -72,16 +75,20 @@ def main() -> None:
     windows = sorted(int(t) for t in args.tokens.split(","))
     rungs = [int(r) for r in args.rungs.split(",")]
     rows = []
-    for card in args.cards.split(","):
+    engines = [(card, int(c)) for card in args.cards.split(",") for c in args.chunks.split(",")]
+    for card, chunk in engines:
         t0 = time.perf_counter()
         eng = Engine(EngineConfig(model=f"synthetic:{tmp}", device=args.device, dtype="bfloat16", moe_backend="offload",
                                   gpu_memory_limit=card, enable_kv_ladder=True, ladder_step_size=args.step,
-                                  max_running_requests=1, max_prefill_length=1024, cuda_graph_max_bs=1,
+                                  max_running_requests=1, max_prefill_length=chunk or None, cuda_graph_max_bs=1,
                                   expert_policy=args.policy, kv_cache_dtype=args.kv_cache_dtype,
                                   overlap_decode=True if args.overlap_decode else None))
         eng.ladder.auto = False
         measure(eng, [16])  # NOTE: compiles the kernels and captures the graph outside the timed rows
-        print(f"{card}: engine up in {time.perf_counter() - t0:.1f} s, rungs {eng.ladder.rungs}", flush=True)
+        print(f"{card}: engine up in {time.perf_counter() - t0:.1f} s, rungs {eng.ladder.rungs}, "
+              f"chunk {eng.config.max_prefill_length}", flush=True)
+        if len(engines) > len(args.cards.split(",")):  # several chunks: rows say which
+            card = f"{card} chunk {eng.config.max_prefill_length}"
         for kv in rungs:
             if kv not in eng.ladder.rungs:
                 print(f"{card}: no rung at {kv} tokens (rungs {eng.ladder.rungs})", flush=True)

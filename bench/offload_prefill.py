@@ -3,7 +3,7 @@ and the bound, then decode right after. Not a test.
 
     PYTHONPATH=. python3 bench/offload_prefill.py [--cards 32GiB,16GiB] [--lengths 1024,8192,32768,131072]
         [--modes stream,load] [--load-lengths 1024,8192] [--decode 64] [--chunks 4096,16384] [--pcie-gbs 50]
-        [--profile LEN] [--config bench/configs/qwen3-next-80b-a3b.json] [--device cuda]
+        [--loaders gather,copy] [--profile LEN] [--config bench/configs/qwen3-next-80b-a3b.json] [--device cuda]
 
 Synthetic NVFP4 Qwen3-Next-80B-A3B, its routing drawn from the calibrated trace (as bench/ladder.py),
 the offload backend on an emulated card (`--gpu-memory-limit`), KV for the longest prompt. Per card
@@ -12,14 +12,18 @@ one engine; per mode on that engine:
 - `load`: the path before it (the stream switched off on the same engine: each chunk's experts are
   loaded into the cache, one copy per expert and tensor, evicting others), timed at --load-lengths
   only (it is slow: 616 tok/s at 8K on the 32 GiB card).
-`--chunks`: the stream mode's lengths once per prefill chunk size (the engine is sized for the largest,
+`--loaders`: the stream mode's rows once per way of filling a staging page (`prefill_stream.LOADERS`:
+`gather`, one kernel launch per page and tensor, the default; `copy`, one copy per run of consecutive
+experts and tensor, the way before it). `--chunks`: the stream mode's lengths once per prefill chunk size (the engine is sized for the largest,
 so every size sees the same slots; the load mode runs at the first). Per length, one request with a fresh prompt (distinct ids: no prefix-cache hit) and --decode new
 tokens: TTFT (add_request to the first token), prefill tok/s, the bytes the stream copied and its
 PCIe bound (bytes / --pcie-gbs GB/s), then decode tok/s over the tokens after the first. Before the
 lengths of a mode, a 32-token prompt's decode is the baseline of "decode after / after 32". Each mode
-warms once with a 1,024-token prompt (Triton compiles) before its rows. `--profile LEN`: after the
-first card's rows, one LEN-token prompt of the stream mode under torch.profiler (the CUDA time by
-operation, copies included). Prints a table last.
+warms before its rows (Triton compiles by shape class): a 1,024-token prompt, then one of a chunk
+and 1,024 tokens (a whole chunk, then a chunk over a cached prefix; at most the longest length). `--profile LEN`: after the
+first card's rows, one LEN-token prompt of the stream mode (first loader) under cProfile (the host's
+time by function: what bounds a chunk when the device idles), then another under torch.profiler (the
+CUDA time by operation, copies included). Prints a table last.
 """
 
 from __future__ import annotations
@@ -74,17 +78,44 @@ def one_request(eng: Engine, prompt: list[int], new: int) -> dict:
             "streamed_bytes": (stream.stats.bytes - b0) if stream else 0}
 
 
-def profile(eng: Engine, prompt: list[int]) -> None:
-    """One prompt under torch.profiler: the wall time, then the CUDA time by operation."""
+def profile(eng: Engine, prompts: Prompts, n: int) -> None:
+    """One prompt under cProfile (the host's functions by own time), then one under torch.profiler:
+    the wall time, then the CUDA time by operation."""
+    import cProfile
+    import pstats
+
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    host = cProfile.Profile()
+    host.enable()
+    r = one_request(eng, prompts.take(n), 2)
+    host.disable()
+    print(f"\n== host profile: {n} tokens, TTFT {r['ttft_s']:.2f} s (under cProfile)")
+    pstats.Stats(host).sort_stats("tottime").print_stats(30)
+    prompt = prompts.take(n)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with torch_profile(activities=activities) as prof:
         r = one_request(eng, prompt, 2)
     print(f"\n== profile: {len(prompt)} tokens, TTFT {r['ttft_s']:.2f} s, streamed {r['streamed_bytes'] / 1e9:.1f} GB")
     sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60), flush=True)
+
+
+def set_loader(stream, spec: str) -> None:
+    """`name[:programs][:low]`: the stream's loader, the gather's programs, its copy stream's priority
+    (high unless `low`: a new stream, so the A/B runs on one engine)."""
+    from ft.kernels.host_gather.kernel import COPY_ROWS, CopyRowsOptions
+    from ft.memory.prefill_stream import COPY_STREAM_PRIORITY
+
+    name, *opts = spec.split(":")
+    stream.loader = name
+    programs = next((int(o) for o in opts if o.isdigit()), COPY_ROWS.programs)
+    stream.gather_options = CopyRowsOptions(programs=programs, block_words=COPY_ROWS.block_words,
+                                            num_warps=COPY_ROWS.num_warps)
+    if stream.copy_stream is not None:
+        torch.cuda.synchronize()
+        stream.copy_stream = torch.cuda.Stream(stream.device, priority=0 if "low" in opts else COPY_STREAM_PRIORITY)
 
 
 def main() -> None:
@@ -97,6 +128,9 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=64, help="new tokens per request (decode measured after the first)")
     ap.add_argument("--chunks", default="", help="prefill chunk sizes (default: the card's --max-prefill-length)")
     ap.add_argument("--stream-experts", type=int, default=None, help="--prefill-stream-experts (default: auto)")
+    ap.add_argument("--loaders", default="gather",
+                    help="how the stream mode fills its pages: gather, copy (both: compared); gather:N:low: the gather "
+                         "with N programs (CopyRowsOptions.programs), its copy stream at normal priority")
     ap.add_argument("--pcie-gbs", type=float, default=50.0, help="the host link's GB/s for the bound column")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", type=int, default=0, metavar="LEN", help="profile one stream-mode prompt of LEN tokens")
@@ -121,18 +155,24 @@ def main() -> None:
               f"{experts.total_experts}, chunk {eng.config.max_prefill_length}, staging "
               f"{stream.nbytes / 2**20 if stream else 0:.0f} MiB", flush=True)
         prompts = Prompts(eng.model_config.vocab_size)
-        runs = [(m, c) for m in args.modes.split(",")
-                for c in ((chunks or [eng.config.max_prefill_length]) if m == "stream" else (chunks or [None])[:1])]
-        for mode, chunk in runs:
+        loaders = args.loaders.split(",")
+        runs = [(m, c, ld) for m in args.modes.split(",")
+                for c in ((chunks or [eng.config.max_prefill_length]) if m == "stream" else (chunks or [None])[:1])
+                for ld in (loaders if m == "stream" else ["-"])]
+        for mode, chunk, loader in runs:
             experts.prefill_stream = stream if mode == "stream" else None
+            if stream is not None and mode == "stream":
+                set_loader(stream, loader)
             eng.scheduler.max_prefill = chunk = chunk or eng.config.max_prefill_length
-            one_request(eng, prompts.take(1024), 2)  # warm: compiles, graphs
+            # warm: compiles a short prompt's shapes, a whole chunk's, and a chunk after a cached prefix
+            one_request(eng, prompts.take(1024), 2)
+            one_request(eng, prompts.take(min(chunk + 1024, max(lengths))), 2)
             base = one_request(eng, prompts.take(32), args.decode)
             for n in lengths:
                 if mode == "load" and n not in load_lengths:
                     continue
                 r = one_request(eng, prompts.take(n), args.decode)
-                r.update(card=card, mode=mode, length=n, chunk=chunk, slots=experts.num_slots,
+                r.update(card=card, mode=mode, loader=loader, length=n, chunk=chunk, slots=experts.num_slots,
                          decode_after_32=base["decode_tps"],
                          bound_s=r["streamed_bytes"] / (args.pcie_gbs * 1e9))
                 rows.append(r)
@@ -140,16 +180,18 @@ def main() -> None:
         experts.prefill_stream = stream
         if args.profile and card == args.cards.split(",")[0]:
             eng.scheduler.max_prefill = eng.config.max_prefill_length
-            profile(eng, prompts.take(args.profile))
+            if stream is not None:
+                set_loader(stream, loaders[0])
+            profile(eng, prompts, args.profile)
         del eng, experts, stream
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    print(f"\n| card | mode | chunk | prompt | TTFT s | prefill tok/s | streamed GB | PCIe bound s ({args.pcie_gbs:.0f} GB/s) | "
+    print(f"\n| card | mode | loader | chunk | prompt | TTFT s | prefill tok/s | streamed GB | PCIe bound s ({args.pcie_gbs:.0f} GB/s) | "
           "decode tok/s after | after 32 | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = r["decode_tps"] / r["decode_after_32"] if r["decode_tps"] and r["decode_after_32"] else float("nan")
-        print(f"| {r['card']} | {r['mode']} | {r['chunk']:,} | {r['length']:,} | {r['ttft_s']:.2f} | {r['prefill_tps']:,.0f} | "
+        print(f"| {r['card']} | {r['mode']} | {r['loader']} | {r['chunk']:,} | {r['length']:,} | {r['ttft_s']:.2f} | {r['prefill_tps']:,.0f} | "
               f"{r['streamed_bytes'] / 1e9:.1f} | {r['bound_s']:.2f} | {r['decode_tps'] or 0:.1f} | "
               f"{r['decode_after_32'] or 0:.1f} | {ratio:.2f} |")
 

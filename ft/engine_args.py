@@ -58,7 +58,8 @@ HELP = {
     "page_size": "tokens per KV page",
     "max_running_requests": "requests decoded together at most (vLLM's --max-num-seqs)",
     "max_prefill_length": ("tokens per prefill chunk (default: by the card the budget sees, --gpu-memory-limit "
-                           "included: 16384 from 80 GiB, 8192 from 40 GiB, else 4096)"),
+                           "included: 16384 from 80 GiB, 8192 from 40 GiB, else 4096; offloaded with streamed "
+                           "prefill, the largest of 16384, 8192, 4096 whose activations fit a tenth of the card)"),
     "mamba_cache_size": "linear-attention state slots (default: 2 x max running requests, at least 4)",
     "enable_prefix_cache": ("reuse KV and linear-attention state of earlier requests (--no-enable-prefix-cache or "
                             "vLLM's --no-enable-prefix-caching to turn off)"),

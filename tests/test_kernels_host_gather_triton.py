@@ -42,3 +42,38 @@ def test_gather_rows_checks_its_inputs():
         details.gather_rows_triton(table, torch.zeros(2, 3, dtype=torch.int32), torch.float32)
     with pytest.raises(ValueError, match="contiguous rows"):
         details.gather_rows_triton(table.t(), torch.zeros(2, 3, dtype=torch.int64), torch.float32)
+
+
+ROW_SHAPES = [((3, 40), torch.uint8), ((5, 6), torch.float32), ((2, 3), torch.float16), ((7,), torch.uint8)]
+
+
+@pytest.mark.parametrize(("shape", "dtype"), ROW_SHAPES, ids=[f"{'x'.join(map(str, s))}-{d}" for s, d in ROW_SHAPES])
+@pytest.mark.parametrize("options", [details.COPY_ROWS, details.CopyRowsOptions(programs=3, block_words=8, num_warps=1)],
+                         ids=["default", "tiles"])
+def test_copy_rows_moves_whole_rows_bit_for_bit(shape, dtype, options):
+    """Rows of 120, 30, 6 (2-byte words: moved as bytes) and 7 bytes, over default tiles and over 3
+    programs of 8-word tiles (each program loops over many tiles); ids repeated and unsorted, the
+    rows after the ids' count untouched."""
+    g = torch.Generator().manual_seed(len(shape))
+    table = (torch.randint(0, 255, (11, *shape), generator=g).to(dtype) if dtype == torch.uint8
+             else torch.randn(11, *shape, generator=g).to(dtype))
+    rows = torch.tensor([10, 0, 4, 4, 7], dtype=torch.int32)
+    out = torch.full((6, *shape), 3, dtype=dtype)
+    want = out.clone()
+    from ft.kernels.host_gather import copy_rows_ref
+
+    copy_rows_ref(want, table, rows)
+    details.copy_rows_triton(out, table, rows, options)
+    assert torch.equal(out.view(torch.uint8) if dtype != torch.uint8 else out, want.view(torch.uint8) if dtype != torch.uint8 else want)
+    assert torch.equal(want[:5], table[rows.long()]) and torch.equal(want[5], torch.full(shape, 3, dtype=dtype))
+
+
+def test_copy_rows_checks_its_inputs():
+    table = torch.zeros(4, 8)
+    details.copy_rows_triton(torch.zeros(2, 8), table, torch.zeros(0, dtype=torch.int64))  # no ids: nothing
+    with pytest.raises(ValueError, match="rows differ"):
+        details.copy_rows_triton(torch.zeros(2, 4), table, torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="int32 or int64"):
+        details.copy_rows_triton(torch.zeros(2, 8), table, torch.zeros(1, 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="3 ids for 2 rows"):
+        details.copy_rows_triton(torch.zeros(2, 8), table, torch.zeros(3, dtype=torch.int64))

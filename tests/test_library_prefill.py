@@ -188,3 +188,40 @@ def test_default_prefill_chunk_follows_the_card(monkeypatch, card_gib, limit_gib
     limit = limit_gib << 30 if limit_gib else None
     assert default_prefill_length(torch.device("cuda"), limit) == chunk
     assert default_prefill_length(torch.device("cpu"), limit) == 4096
+
+
+def test_a_streamed_prefill_chunk_is_the_largest_whose_reserve_fits_a_tenth_of_the_card():
+    """Offloaded with streamed prefill: the largest of 16,384 / 8,192 / 4,096 whose chunk-sized reserve
+    is at most a tenth of the card, else 4,096; the 80B's own reserves (bf16, flagship shapes) give the
+    32 GiB card 16,384 and the 16 GiB card 8,192."""
+    from ft.memory.budget import STREAMED_PREFILL_SHARE, streamed_prefill_length
+
+    gib = 1 << 30
+    asked = []
+
+    def linear(tokens: int) -> int:  # ~0.17 GiB per 1,024 tokens, as the 80B's activations and passes
+        asked.append(tokens)
+        return int(0.17 * gib * tokens / 1024)
+
+    assert streamed_prefill_length(32 * gib, linear) == 16384 and asked == [16384]
+    assert streamed_prefill_length(16 * gib, linear) == 8192
+    assert streamed_prefill_length(8 * gib, linear) == 4096
+    assert streamed_prefill_length(2 * gib, linear) == 4096  # nothing fits: the smallest
+    edge = int(0.17 * gib * 16) / STREAMED_PREFILL_SHARE  # exactly a tenth: fits
+    assert streamed_prefill_length(int(edge) + 1, linear) == 16384
+    assert streamed_prefill_length(int(edge) - 1024, linear) == 8192
+
+    from ft.engine.ranks.loader import activation_reserve
+    from ft.kernels.moe import moe_pools_workspace_bytes, moe_workspace_bytes
+    from ft.model.config import ModelConfig
+
+    cfg = ModelConfig.from_file("bench/configs/qwen3-next-80b-a3b.json")
+    cuda = torch.device("cuda")
+
+    def flagship(tokens: int) -> int:
+        dims = (tokens, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size, 2)
+        return activation_reserve(cfg, torch.bfloat16, cuda, tokens, 64, None, 262144) \
+            + max(0, moe_pools_workspace_bytes(*dims) - moe_workspace_bytes(*dims))
+
+    assert streamed_prefill_length(32 * gib, flagship) == 16384
+    assert streamed_prefill_length(16 * gib, flagship) == 8192

@@ -87,11 +87,12 @@ def _cache_with(host: SlotWeights, slots: int, resident: dict[int, list[int]]) -
     return cache
 
 
-def test_stream_stages_what_the_cache_lacks_and_lands_nothing():
+@pytest.mark.parametrize("loader", ["auto", "gather", "copy"])
+def test_stream_stages_what_the_cache_lacks_and_lands_nothing(loader):
     gen = torch.Generator().manual_seed(3)
     host = _pool(2, 10, 32, 16, gen)
     cache = _cache_with(host, 6, {0: [1, 2, 7], 1: [0, 9, 4]})
-    cache.enable_prefill_stream(page_experts=2, pages=2)  # 7 missing experts, a ring of 4 slots
+    cache.enable_prefill_stream(page_experts=2, pages=2, loader=loader)  # 7 missing experts, a ring of 4 slots
     stream = cache.prefill_stream
     before = (list(cache.residents_oldest_first()), cache.table_np.copy(), cache.slot_table.clone(),
               cache.stats.hits, cache.stats.misses)
@@ -101,12 +102,56 @@ def test_stream_stages_what_the_cache_lacks_and_lands_nothing():
         out = moe_over_pools(x, weights, stream.passes(layer, ids), experts=10)
         assert torch.equal(out, moe_over_slots_ref(x, ids, weights, _layer(host, layer)))
     assert stream.stats.experts == 14 and stream.stats.chunks == 2
+    # gather: a launch per page and tensor (4 pages a layer); copy: a call per run inside a page and
+    # tensor (pages [0, 3] [4, 5] [6, 8] [9]: 6 runs; [1, 2] [3, 5] [6, 7] [8]: 5)
+    # auto: these experts are tiny (a page's bus time is nothing against a copy call's host time)
+    assert stream.stats.copies == (11 if loader == "copy" else 8) * 5
     per_expert = sum(t[0, 0].numel() * t.element_size() for t in host)
     assert stream.stats.bytes == 14 * per_expert
     after = (list(cache.residents_oldest_first()), cache.table_np, cache.slot_table, cache.stats.hits,
              cache.stats.misses)
     assert after[0] == before[0] and np.array_equal(after[1], before[1]) and torch.equal(after[2], before[2])
     assert after[3:] == before[3:]
+
+
+def test_the_gather_loader_fills_pages_through_the_triton_kernel(monkeypatch):
+    """Under the interpreter the gather loader runs `copy_rows_triton`: each page holds its experts'
+    rows bit for bit, and the passes over them give one pool's bits."""
+    pytest.importorskip("triton")
+    from ft.kernels.host_gather import kernel as details
+
+    monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
+    launched = []
+    real = details.copy_rows_triton
+    monkeypatch.setattr(details, "copy_rows_triton", lambda *a, **k: launched.append(1) or real(*a, **k))
+    gen = torch.Generator().manual_seed(5)
+    host = _pool(1, 7, 32, 16, gen)
+    cache = _cache_with(host, 3, {0: [2, 3]})
+    cache.enable_prefill_stream(page_experts=3, pages=2, loader="gather")  # 5 missing: pages of 3 and 2
+    stream = cache.prefill_stream
+    ids, weights = _routing(9, 3, 7, gen)
+    x = torch.randn(9, 32, generator=gen)
+    with torch.no_grad():
+        out = moe_over_pools_ref(x, weights, list(stream.passes(0, ids)))
+    assert torch.equal(out, moe_over_slots_ref(x, ids, weights, _layer(host, 0)))
+    assert len(launched) == 2 * 5
+    # the second page (slots 3..4) holds experts 5 and 6 in every tensor
+    for dst, src in zip(stream.staging, host):
+        assert torch.equal(dst[3:5], src[0, 5:7])
+
+
+def test_auto_copies_a_page_of_few_runs_and_gathers_a_scattered_one():
+    """The `auto` loader's rule on the 80B's expert (1.77 MB, 5 tensors): a page of 64 experts is
+    copied in up to 15 runs (75 calls of 15 us within half its 2.3 ms on a 50 GB/s bus), gathered
+    from 16 runs on; a page of one expert in one run is gathered (a call's 75 us against 18 us)."""
+    gen = torch.Generator().manual_seed(6)
+    host = _pool(1, 4, 32, 16, gen)
+    cache = _cache_with(host, 2, {})
+    cache.enable_prefill_stream(page_experts=2)
+    stream = cache.prefill_stream
+    stream.expert_bytes = 1_770_000  # as the 80B's NVFP4 expert
+    assert stream.copy_keeps_up(15, 64) and not stream.copy_keeps_up(16, 64)
+    assert stream.copy_keeps_up(1, 64) and not stream.copy_keeps_up(1, 1)
 
 
 def test_stream_with_an_empty_cache_and_a_full_one():

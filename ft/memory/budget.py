@@ -8,6 +8,7 @@ tensors (`ft.engine.cache.manager`), and every byte figure comes from `layout.Me
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,19 +32,47 @@ PREFILL_CHUNK_BY_CARD = ((80 << 30, 16384), (40 << 30, 8192))
 """(card bytes at least, tokens per prefill chunk) for `default_prefill_length`; smaller cards 4,096."""
 
 
+STREAMED_PREFILL_CHUNKS = (16384, 8192, 4096)
+"""Chunk sizes `streamed_prefill_length` picks from, largest first."""
+STREAMED_PREFILL_SHARE = 0.10
+"""The share of the card a streamed prefill chunk's activations may take (`streamed_prefill_length`)."""
+
+
+def card_bytes(device: torch.device, gpu_memory_limit: int | None) -> int:
+    """The card the budget sees: the device's memory, or --gpu-memory-limit when smaller (on the CPU
+    the limit, else `CPU_DEFAULT_CARD`)."""
+    if device.type != "cuda":
+        return gpu_memory_limit or CPU_DEFAULT_CARD
+    card = torch.cuda.get_device_properties(device).total_memory
+    return min(card, gpu_memory_limit) if gpu_memory_limit else card
+
+
 def default_prefill_length(device: torch.device, gpu_memory_limit: int | None) -> int:
     """Tokens per prefill chunk when --max-prefill-length is not given, by the card the budget sees
-    (the device's memory, or --gpu-memory-limit when smaller): 16,384 from 80 GiB, 8,192 from 40 GiB,
-    else 4,096 (and on the CPU). Why: a long prompt's chunks each read the whole cached prefix, so
-    fewer, larger chunks cost less (H200, flagship, a 256K prompt: 20.1 s in chunks of 4,096 against
-    19.5 s in chunks of 16,384, bench/prefill.py, 2026-12-01), while the activation reserve grows with
-    the chunk: a small card keeps its slots for experts and KV."""
+    (`card_bytes`): 16,384 from 80 GiB, 8,192 from 40 GiB, else 4,096 (and on the CPU). Why: a long
+    prompt's chunks each read the whole cached prefix, so fewer, larger chunks cost less (H200,
+    flagship, a 256K prompt: 20.1 s in chunks of 4,096 against 19.5 s in chunks of 16,384,
+    bench/prefill.py, 2026-12-01), while the activation reserve grows with the chunk: a small card
+    keeps its slots for experts and KV. An offloaded card whose chunks stream their experts takes
+    `streamed_prefill_length` instead, when larger."""
     if device.type != "cuda":
         return 4096
-    card = torch.cuda.get_device_properties(device).total_memory
-    if gpu_memory_limit:
-        card = min(card, gpu_memory_limit)
+    card = card_bytes(device, gpu_memory_limit)
     return next((chunk for size, chunk in PREFILL_CHUNK_BY_CARD if card >= size), 4096)
+
+
+def streamed_prefill_length(card: int, reserve_for: Callable[[int], int]) -> int:
+    """Tokens per prefill chunk of an offloaded card whose chunks stream the experts the cache lacks:
+    the largest of `STREAMED_PREFILL_CHUNKS` whose chunk-sized reserve (`reserve_for(tokens)`: the
+    activations and the streamed passes' workspace, in bytes) is at most `STREAMED_PREFILL_SHARE` of
+    the card's bytes, else the smallest. Why: every chunk streams the same bytes (what the cache
+    lacks, ~23 GB on a 32 GiB card for the 80B), so a chunk's time is nearly flat in its tokens
+    and 4x the tokens is ~4x the speed (H200, 32 GiB card, 8K prompt: 2,673 tok/s in 4,096-token
+    chunks, 11,541 in 16,384; bench/RESULTS.md 2026-12-03), while the reserve's bytes leave the expert
+    slots (16,384 tokens of the 80B: 2.7 GiB, ~1,500 slots): a tenth of the card gives the 32 GiB
+    card 16,384 and the 16 GiB card 8,192."""
+    return next((c for c in STREAMED_PREFILL_CHUNKS if reserve_for(c) <= STREAMED_PREFILL_SHARE * card),
+                STREAMED_PREFILL_CHUNKS[-1])
 
 
 def measure_budget(

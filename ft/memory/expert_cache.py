@@ -123,13 +123,15 @@ class ExpertCache:
 
         self.read_through = ReadThrough(self, landing_capacity, policy or self.policy)
 
-    def enable_prefill_stream(self, page_experts: int, pages: int | None = None, min_tokens: int = 1) -> None:
+    def enable_prefill_stream(self, page_experts: int, pages: int | None = None, min_tokens: int = 1,
+                              loader: str = "auto") -> None:
         """Long prefill chunks stream the experts this cache lacks through staging pages instead of
         landing them (`ft.memory.prefill_stream.PrefillStream`): chunks of at least `min_tokens`
-        tokens; `pages` pages (default `PAGES`) of `page_experts` slots, allocated here."""
+        tokens; `pages` pages (default `PAGES`) of `page_experts` slots, allocated here, filled by
+        `loader` (one of `prefill_stream.LOADERS`)."""
         from ft.memory.prefill_stream import PAGES, PrefillStream  # NOTE: a part of the cache, in its own file
 
-        self.prefill_stream = PrefillStream(self, page_experts, pages or PAGES, min_tokens)
+        self.prefill_stream = PrefillStream(self, page_experts, pages or PAGES, min_tokens, loader)
 
     def collect(self) -> None:
         """Take in what the last offloaded decode step did on the device (landed experts, uses,

@@ -7,10 +7,20 @@ Landing those experts in the cache (its `ensure`, one copy per expert and tensor
 layer) would evict what decode uses and serialize the copies with the compute. Here instead:
 
 * The plan needs no routing: for MoE layer L, every expert the cache lacks is staged (the host
-  twin of the slot table says which), in runs of consecutive expert ids (one copy per run and
-  tensor), page by page into a ring of `pages` staging pages of `page_experts` slots each. So the
-  copies of layer L + 1 may be queued, and run on the copy stream, while layer L computes; the
-  host never waits for the device.
+  twin of the slot table says which), page by page into a ring of `pages` staging pages of
+  `page_experts` slots each, on a copy stream. So the copies of layer L + 1 may be queued, and run,
+  while layer L computes; the host never waits for the device. How a page is filled is a variant
+  chosen by name (`LOADERS`): `copy` issues one copy per run of consecutive ids and tensor on the
+  copy engines (no SM taken from the compute, but ~15 us of host time a call: with half the experts
+  resident the runs are ~1 expert long, ~22,000 calls for a chunk of the 80B, which bound it);
+  `gather` launches one kernel per tensor that reads the page's experts from the pinned store in
+  place (`ft.kernels.host_gather.copy_rows`, ids uploaded with the plan: 5 launches a page, a few
+  SMs busy beside the compute); `auto` (the default) takes `copy` for a page whose calls the host
+  issues in under half the page's time on the bus (`copy_keeps_up`: few, long runs, as on a card
+  that caches few experts) and `gather` otherwise. Measured on the H200 (bench/RESULTS.md,
+  2026-12-03): on a 32 GiB card (half the experts resident, scattered pages) gather is 13-35%
+  faster than copy for 1K-8K prompts; on a 16 GiB card (long runs) copy beats gather and `auto`,
+  mixing them, beats both.
 * The chunk's pairs are computed in passes (`ft.kernels.moe.moe_over_pools`): one over the
   resident experts in the cache's slots, then one per staged page, each waiting (on the device)
   for its page's copies; a page is refilled only after the pass that read it (events).
@@ -32,10 +42,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ft.kernels.host_gather import copy_rows
 from ft.kernels.moe import SlotWeights
 
 PAGES = 3
 """Staging pages in the ring: one being read by a pass, one being filled, one queued ahead."""
+LOADERS = ("auto", "gather", "copy")
+"""How a staging page is filled (see the module's docstring)."""
+COPY_CALL_S = 15e-6
+"""Host seconds one copy call costs (H200 host, torch 2.11: ~22,650 calls in ~0.34 s, session 24's profile)."""
+HOST_LINK_BYTES_S = 50e9
+"""The host link's bytes per second that a page's copies drain at (PCIe 5 x16, measured 48-55 GB/s)."""
+COPY_STREAM_PRIORITY = -1
+"""The copy stream's priority (torch: lower is higher; -1 the highest a CUDA device offers by default)."""
 STREAM_PAGE_EXPERTS = 64
 """Experts per staging page by default (fewer when a layer has fewer): a pass's grouped GEMMs over
 64 experts' pairs still fill the device; not yet tuned on the device."""
@@ -46,7 +65,7 @@ class StreamStats:
     chunks: int = 0  # MoE layer calls that streamed (one per layer per long chunk)
     experts: int = 0  # experts copied into staging
     bytes: int = 0  # bytes copied from the host store
-    copies: int = 0  # copy calls (runs x tensors)
+    copies: int = 0  # host calls that filled pages (kernel launches or copies: per page x tensor, or per run x tensor)
 
 
 class PrefillStream:
@@ -54,12 +73,16 @@ class PrefillStream:
 
     cache: the `ExpertCache` (its host store [L, E, ...], slots, and host twin `table_np`);
     page_experts: slots per page; pages: pages in the ring; min_tokens: chunks of at least this many
-    tokens stream (`wants`), shorter ones take the cache's own path (`ensure`).
+    tokens stream (`wants`), shorter ones take the cache's own path (`ensure`); loader: one of `LOADERS`
+    (may be changed between chunks: benchmarks compare them on one engine).
     """
 
-    def __init__(self, cache, page_experts: int, pages: int = PAGES, min_tokens: int = 1) -> None:
+    def __init__(self, cache, page_experts: int, pages: int = PAGES, min_tokens: int = 1, loader: str = "auto") -> None:
         if page_experts < 1 or pages < 1:
             raise ValueError(f"staging needs at least one page of one expert, got {pages} x {page_experts}")
+        if loader not in LOADERS:
+            raise ValueError(f"prefill stream: loader must be one of {LOADERS}, got {loader!r}")
+        self.loader = loader
         self.cache = cache
         self.page_experts, self.pages, self.min_tokens = page_experts, pages, min_tokens
         device = cache.slot_table.device
@@ -68,7 +91,9 @@ class PrefillStream:
                                      for t in cache.host))
         self.device = device
         cuda = device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(device) if cuda else None
+        # high priority: a gather's programs take SMs as the compute's free up, not after its grid drains
+        self.copy_stream = torch.cuda.Stream(device, priority=COPY_STREAM_PRIORITY) if cuda else None
+        self.gather_options = None  # the gather loader's `CopyRowsOptions` (None: the kernel's default)
         self.loaded = [torch.cuda.Event() for _ in range(pages)] if cuda else None
         self.freed: list = [None] * pages  # the event after the last pass that read each page (None: unused)
         self.ring = 0  # the next page to fill
@@ -100,46 +125,77 @@ class PrefillStream:
         groups = [missing[i : i + self.page_experts] for i in range(0, missing.size, self.page_experts)]
         # one upload per layer: row 0 the resident experts' slots, row 1 + q page q's staging slots
         # (both -1 elsewhere); slots assigned on the host, so the passes follow the copies exactly
-        plan = np.full((1 + len(groups), row.size), -1, dtype=np.int32)
+        # and the pages' expert ids after it ([pages, page_experts], the gather loader's rows)
+        g, e, pe = len(groups), row.size, self.page_experts
+        flat = np.full((1 + g) * e + g * pe, -1, dtype=np.int32)
+        plan = flat[: (1 + g) * e].reshape(1 + g, e)
+        page_ids = flat[(1 + g) * e :].reshape(g, pe)
         plan[0] = np.where(row >= 0, row, -1)
         pages = []
         for q, group in enumerate(groups):
             page = (self.ring + q) % self.pages
-            plan[1 + q, group] = page * self.page_experts + np.arange(group.size, dtype=np.int32)
+            plan[1 + q, group] = page * pe + np.arange(group.size, dtype=np.int32)
+            page_ids[q, : group.size] = group
             pages.append(page)
-        plan_dev = torch.from_numpy(plan)
+        flat_dev = torch.from_numpy(flat)
+        uploaded = None
         if self.device.type == "cuda":
-            plan_dev = plan_dev.pin_memory().to(self.device, non_blocking=True)
+            flat_dev = flat_dev.pin_memory().to(self.device, non_blocking=True)
+            uploaded = torch.cuda.Event()
+            uploaded.record(torch.cuda.current_stream(self.device))
+        plan_dev = flat_dev[: (1 + g) * e].view(1 + g, e)
+        ids_dev = flat_dev[(1 + g) * e :].view(g, pe)
         ids = ids.long()
         yield plan_dev[0][ids], cache.slots
         self.stats.chunks += 1
         for q, (group, page) in enumerate(zip(groups, pages)):
             self.ring = (page + 1) % self.pages
-            self._load(layer, group, page)
+            self._load(layer, group, ids_dev[q, : group.size], page, uploaded)
+            uploaded = None  # the copy stream has waited once for this layer's upload
             yield plan_dev[1 + q][ids], self.staging
             if self.device.type == "cuda":  # the pass's kernels are queued: the page is free after them
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(self.device))
                 self.freed[page] = ev
+        # NOTE: flat_dev is freed (to the compute stream's pool) when this generator ends; the copy
+        # stream's last read of it ran before the last pass, which waited for that page's copies
 
-    def _load(self, layer: int, experts: np.ndarray, page: int) -> None:
-        """Copy `experts` (sorted ids) of `layer` from the host store into `page`'s first slots, a
-        run of consecutive ids per copy and tensor; on CUDA on the copy stream, after the last pass
-        that read the page, and the current stream waits for them."""
+    def copy_keeps_up(self, runs: int, experts: int) -> bool:
+        """Whether a page of `experts` experts in `runs` runs of consecutive ids is filled by copies
+        (the `auto` loader's rule): the host issues its runs x tensors calls (`COPY_CALL_S` each) in at
+        most half the time the bus takes for its bytes (`HOST_LINK_BYTES_S`), so the copy engines,
+        which take no SM from the compute, stay fed. 64 experts of the 80B: at most 15 runs."""
+        tensors = sum(t is not None for t in self.staging)
+        return runs * tensors * COPY_CALL_S <= 0.5 * experts * self.expert_bytes / HOST_LINK_BYTES_S
+
+    def _load(self, layer: int, experts: np.ndarray, experts_dev: torch.Tensor, page: int, uploaded) -> None:
+        """Fill `page`'s first slots with `experts` (sorted ids; `experts_dev` the same on the device)
+        of `layer` from the host store, by the loader; on CUDA on the copy stream, after the last pass
+        that read the page (and after the plan's upload, event `uploaded`, when given), and the
+        current stream waits for them."""
         base = page * self.page_experts
         cuda = self.copy_stream is not None
         if cuda:
             if self.freed[page] is not None:
                 self.copy_stream.wait_event(self.freed[page])
+            if uploaded is not None:
+                self.copy_stream.wait_event(uploaded)
             ctx = torch.cuda.stream(self.copy_stream)
         else:
             ctx = nullcontext()
         pairs = [(dst, src[layer]) for dst, src in zip(self.staging, self.cache.host) if dst is not None]
         with ctx:
-            for a, b, at in _runs(experts):  # NOTE: the host's work per copy is what bounds a chunk: keep it bare
+            runs = list(_runs(experts)) if self.loader != "gather" else None
+            if self.loader == "gather" or (self.loader == "auto" and not self.copy_keeps_up(len(runs), experts.size)):
+                n = int(experts.size)
                 for dst, src in pairs:
-                    dst[base + at : base + at + b - a].copy_(src[a:b], non_blocking=cuda)
+                    copy_rows(dst[base : base + n], src, experts_dev, self.gather_options)
                 self.stats.copies += len(pairs)
+            else:
+                for a, b, at in runs:  # NOTE: the host's work per copy is what bounds a chunk: keep it bare
+                    for dst, src in pairs:
+                        dst[base + at : base + at + b - a].copy_(src[a:b], non_blocking=cuda)
+                    self.stats.copies += len(pairs)
             if cuda:
                 self.loaded[page].record(self.copy_stream)
         if cuda:

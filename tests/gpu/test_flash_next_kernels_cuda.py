@@ -3,7 +3,8 @@ references: the host-table gather (a pinned table of width 160, 16 heads, 1 and 
 QSA's sparse decode attention (24 query heads over 2 KV heads of 256, lists of 2,051 positions: 512
 blocks of 4 and a partial block, bf16 / fp8 / NVFP4 caches, batch 1 and 8), QSA's block scores and
 decode selection (4 indexer heads of 128, contexts to 70K tokens of a 256K limit), the
-HyperConnection kernels (4 streams of 2,560), and the sigmoid-gated RMSNorm (48 value heads of 128)."""
+HyperConnection kernels (4 streams of 2,560), and the sigmoid-gated RMSNorm (48 value heads of 128).
+Beside them the streamed prefill's expert copy (`copy_rows`) at the 80B's NVFP4 expert tensors."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from ft.kernels.attention.reference import sparse_decode_attention_ref, write_kv_ref
 from ft.kernels.attention.sparse_decode import sparse_decode_attention_triton
-from ft.kernels.host_gather import gather_rows
+from ft.kernels.host_gather import copy_rows, gather_rows
 from ft.kernels.host_gather.reference import gather_rows_ref
 from ft.kernels.norm import gated_rms_norm
 from ft.kernels.norm.reference import gated_rms_norm_ref
@@ -32,6 +33,25 @@ def test_host_gather_reads_the_pinned_table_exactly(tokens):
     rows = torch.randint(0, table.shape[0], (tokens, 16), generator=g).to(DEV)
     got = gather_rows(table, rows, torch.bfloat16)
     assert got.is_cuda and torch.equal(got.cpu(), gather_rows_ref(table, rows.cpu(), torch.bfloat16))
+
+
+@pytest.mark.parametrize(("row", "dtype"), [((1024, 1024), torch.uint8), ((1024, 128), torch.float8_e4m3fn),
+                                            ((3,), torch.float32)], ids=["w13", "w13-scale", "scale-2"])
+def test_copy_rows_moves_pinned_expert_slabs_exactly(row, dtype):
+    """A layer's host store of 512 experts (pinned), 37 unsorted ids into a page of 64 slots on a side
+    stream: the page's first 37 rows are the experts' bytes, the rest untouched."""
+    g = torch.Generator().manual_seed(len(row))
+    table = torch.randint(0, 255, (512, *row), dtype=torch.uint8, generator=g).view(dtype).pin_memory() \
+        if dtype != torch.float32 else torch.randn(512, *row, generator=g).pin_memory()
+    ids = torch.randperm(512, generator=g)[:37]
+    page = torch.zeros(64, *row, dtype=dtype, device=DEV)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        copy_rows(page, table, ids.to(DEV))
+    side.synchronize()
+    as_bytes = (lambda t: t.view(torch.uint8)) if dtype != torch.uint8 else (lambda t: t)
+    assert torch.equal(as_bytes(page[:37].cpu()), as_bytes(table[ids]))
+    assert not as_bytes(page[37:]).any()
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8", "nvfp4"])

@@ -84,12 +84,13 @@ def test_cuda_mixed_prefill_and_decode_match_transformers(tiny, backend):
 
 
 @pytest.mark.parametrize("stream_experts", [3, None])
-def test_cuda_streamed_prefill_gives_the_resident_bits(tiny_one, tmp_path_factory, stream_experts):
+@pytest.mark.parametrize("loader", ["auto", "gather", "copy"])
+def test_cuda_streamed_prefill_gives_the_resident_bits(tiny_one, tmp_path_factory, stream_experts, loader):
     """Offloaded prefill on CUDA streams the experts the cache lacks through staging pages on the copy
     stream (`ft.memory.prefill_stream`): on an NVFP4 checkpoint (the Triton grouped MoE), a 300-token
     prompt's last logits equal the resident engine's bit for bit and so do 32 greedy tokens, with a
     ring of one expert a page (every page refilled many times a layer: the events order it) and with
-    the default pages; nothing lands in the cache during the prefill."""
+    the default pages, pages filled by either loader; nothing lands in the cache during the prefill."""
     from nvfp4_pair import quantized_pair
 
     _, path = quantized_pair(tiny_one[2], tmp_path_factory)
@@ -99,7 +100,8 @@ def test_cuda_streamed_prefill_gives_the_resident_bits(tiny_one, tmp_path_factor
     offload = LLM(model=str(path), moe_backend="offload", moe_cache_size=k + 1, prefill_stream_experts=stream_experts,
                   **common)
     cache = offload.engine.pools.experts
-    assert cache.prefill_stream is not None
+    assert cache.prefill_stream is not None and cache.prefill_stream.loader == "auto"
+    cache.prefill_stream.loader = loader
     prompt = prompt_of(300, seed=17)
     before = sorted(cache.residents_oldest_first())
     got = first_step_logits(offload, prompt)

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from ft.memory.budget import default_prefill_length, measure_budget
+from ft.memory.budget import card_bytes, default_prefill_length, measure_budget, streamed_prefill_length
 from ft.engine.cache.manager import CacheManager, PoolShapes, SizingOptions
 from ft.engine.base.engine_config import EngineConfig
 from ft.engine.sched.ladder import make_rungs
@@ -48,7 +48,8 @@ class RankState:
     def __init__(self, config: EngineConfig, tp=None) -> None:
         self.config, self.tp = config, tp
         self.device = rank_device(config.device, tp.rank if tp is not None else None)
-        if config.max_prefill_length is None:  # by the card (every rank sees the same size)
+        chunk_by_card = config.max_prefill_length is None
+        if chunk_by_card:  # by the card (every rank sees the same size); offloaded, again below
             config = self.config = dataclasses.replace(
                 config, max_prefill_length=default_prefill_length(self.device, config.gpu_memory_limit))
         self.dtype = DTYPES[config.dtype] if config.dtype != "auto" else (
@@ -80,6 +81,12 @@ class RankState:
             cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, self.dtype, self.device,
             host_experts, self._kv_dtype(config), self.model.slot_states, self.model.index_key_dim,
         )
+        self.prefill_stream_experts = self._stream_experts(config, host_experts)
+        if chunk_by_card and self.prefill_stream_experts and self.device.type == "cuda":  # streamed: by its reserve
+            streamed = streamed_prefill_length(card_bytes(self.device, config.gpu_memory_limit),
+                                               lambda tokens: self._chunk_reserve(tokens, shapes.kv_dtype))
+            if streamed > config.max_prefill_length:
+                config = self.config = dataclasses.replace(config, max_prefill_length=streamed)
         self.reserve = activation_reserve(cfg, self.dtype, self.device,
                                           min(config.max_prefill_length, self.context_limit),
                                           config.max_running_requests, shapes.kv_dtype, self.context_limit)
@@ -99,13 +106,10 @@ class RankState:
             activation_reserve(cfg, self.dtype, self.device, self.decode_graph_bs, self.decode_graph_bs,
                                shapes.kv_dtype, 0)
         # streamed prefill (offload): the staging pages and the passes' per-pair outputs of a whole chunk
-        self.prefill_stream_experts = self._stream_experts(config, host_experts)
         self.prefill_stream_reserve = 0
         if self.prefill_stream_experts:
-            dims = (min(config.max_prefill_length, self.context_limit), cfg.num_experts_per_tok, cfg.hidden_size,
-                    cfg.moe_intermediate_size, torch.finfo(self.dtype).bits // 8)
             self.prefill_stream_reserve = PrefillStream.bytes_for(host_experts, self.prefill_stream_experts // PAGES) \
-                + max(0, moe_pools_workspace_bytes(*dims) - moe_workspace_bytes(*dims))
+                + self._stream_workspace(config.max_prefill_length)
         budget = measure_budget(self.device, self.model.resident_bytes, config.memory_ratio, config.gpu_memory_limit,
                                 self.reserve + self.prefill_graph_reserve + self.decode_graph_reserve
                                 + self.prefill_stream_reserve,
@@ -139,6 +143,21 @@ class RankState:
         self.runner.routing = self._trace_routing(config, cfg)
         if tp is not None:
             self.runner.attach_tp(tp)
+
+    def _stream_workspace(self, tokens: int) -> int:
+        """Bytes the streamed passes' per-pair outputs of a chunk of `tokens` tokens take beyond the
+        grouped MoE's own workspace (which the activation reserve counts)."""
+        cfg = self.model.cfg
+        dims = (min(tokens, self.context_limit), cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
+                torch.finfo(self.dtype).bits // 8)
+        return max(0, moe_pools_workspace_bytes(*dims) - moe_workspace_bytes(*dims))
+
+    def _chunk_reserve(self, tokens: int, kv_dtype) -> int:
+        """What a streamed prefill chunk of `tokens` tokens reserves: its activations (at the
+        configured running requests) and its passes' workspace."""
+        return activation_reserve(self.model.cfg, self.dtype, self.device, min(tokens, self.context_limit),
+                                  self.config.max_running_requests, kv_dtype, self.context_limit) \
+            + self._stream_workspace(tokens)
 
     def _stream_experts(self, config: EngineConfig, host_experts) -> int:
         """Staging slots of streamed prefill (a multiple of PAGES; 0: off): offload only,

@@ -1,4 +1,4 @@
-"""Torch reference of the host-table gather (`ft.kernels.host_gather`)."""
+"""Torch references of the host-table gathers (`ft.kernels.host_gather`)."""
 
 from __future__ import annotations
 
@@ -11,3 +11,12 @@ def gather_rows_ref(table: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype)
     t, h = rows.shape
     out = table[rows.to(table.device)].reshape(t, h * table.shape[1])
     return out.to(device=rows.device, dtype=dtype)
+
+
+def copy_rows_ref(out: torch.Tensor, table: torch.Tensor, rows: torch.Tensor) -> None:
+    """out[i] = table[rows[i]] for i < len(rows), bit for bit: out [N >= n, ...] and table [R, ...]
+    with the same row shape and dtype, rows [n] integer ids (read on the table's device: a host read
+    when they differ)."""
+    n = rows.numel()
+    if n:
+        out[:n].copy_(table[rows.to(table.device).long()])
