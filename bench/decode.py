@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-import ft.kernels.attention.split as attention_split
+from ft.kernels.options import DEFAULTS, kernel_options, set_kernel_options, variant
 from ft.engine.core.engine import Engine
 from ft.engine.base.engine_config import EngineConfig
 from ft.engine.base.sampling_params import SamplingParams
@@ -42,10 +42,10 @@ def main() -> None:
                          "default on CUDA), pdl (overlap with programmatic dependent launch, the graphs captured "
                          "again: on the H200 that capture failed in session 18, see ft.kernels.pdl); a list, repeats allowed (an A/B in one process)")
     ap.add_argument("--attention-programs", type=int, default=0, metavar="N",
-                    help="split-K decode attention: aim at N programs (SPLIT_TARGET_PROGRAMS; MAX_SPLITS raised to "
+                    help="split-K decode attention: aim at N programs (DecodeAttentionOptions.split_target_programs; max_splits raised to "
                          "match) instead of the library default")
     ap.add_argument("--combine-block-d", type=int, default=0, metavar="N",
-                    help="the split-K decode attention's combine: N columns per program (COMBINE_BLOCK_D; default "
+                    help="the split-K decode attention's combine: N columns per program (DecodeAttentionOptions.combine_block_d; default "
                          "the library's)")
     ap.add_argument("--prmt", type=int, default=0, metavar="BLOCK_N",
                     help="the NVFP4 decode attention's byte-permute halves (NVFP4_PRMT, the default) at BLOCK_N keys a "
@@ -53,16 +53,16 @@ def main() -> None:
     ap.add_argument("--no-prmt", action="store_true",
                     help="the NVFP4 decode attention without the byte-permute halves (NVFP4_F16, the default before)")
     ap.add_argument("--no-halves", action="store_true",
-                    help="the small-M NVFP4 tl.dot tile without the byte-permute halves (DOT_HALVES off, the default "
+                    help="the small-M NVFP4 tl.dot tile without the byte-permute halves (kernel variant nvfp4-dot-interleaved; the default "
                          "before)")
     ap.add_argument("--profile-context", default="32", metavar="N[,N...]",
                     help="--profile's prompt lengths (the decode steps profiled attend to N tokens), one profile each")
     ap.add_argument("--no-small-m-gemv", action="store_true",
-                    help="M = 3..8 projections on the 16-row tl.dot tile everywhere (SMALL_M_WHOLE_K off)")
+                    help="M = 3..8 projections on the 16-row tl.dot tile everywhere (kernel variant nvfp4-tile-small-m)")
     ap.add_argument("--pdl", action="store_true",
-                    help="launch the decode kernels with programmatic dependent launch (ft.kernels.pdl.PDL)")
+                    help="launch the decode kernels with programmatic dependent launch (kernel variant pdl)")
     ap.add_argument("--no-lanes-ptx", action="store_true",
-                    help="the whole-K GEMV / decode MoE tiles decode words in Triton, not inline PTX (LANES_PTX)")
+                    help="the whole-K GEMV / decode MoE tiles decode words in Triton, not inline PTX (kernel variant nvfp4-lanes-triton)")
     ap.add_argument("--overlap-decode", action=argparse.BooleanOptionalAction, default=True,
                     help="the profiles (--profile, --cprofile) with overlapped decode (EngineConfig.overlap_decode); "
                          "default on, as the engine's default on CUDA")
@@ -70,62 +70,35 @@ def main() -> None:
                     help="after the timed runs, run this many decode steps under cProfile at each --profile-context "
                          "length and print the host functions by own time (what a step's host work grows with)")
     ap.add_argument("--prmt-form", type=int, default=-1, metavar="F",
-                    help="the NVFP4 decode attention's decode form (NVFP4_PRMT_FORM: 0 byte permutes, 1 bits placed, "
+                    help="the NVFP4 decode attention's decode form (DecodeAttentionOptions.prmt_form: 0 byte permutes, 1 bits placed, "
                          "2 E4M3 bytes converted) instead of the library's")
     ap.add_argument("--prmt-maxnreg", type=int, default=-1, metavar="R",
                     help="hold the NVFP4 split-K decode attention to R registers a thread when its grid holds more "
-                         "than two programs an SM (NVFP4_PRMT_MAXNREG; 0 off); pair it with --attention-programs")
+                         "than two programs an SM (DecodeAttentionOptions.prmt_maxnreg; 0 off); pair it with --attention-programs")
     ap.add_argument("--prmt-programs-per-sm", type=int, default=-1, metavar="P",
-                    help="the NVFP4 decode attention's split count aims at P programs an SM (NVFP4_PRMT_PROGRAMS_PER_SM; "
+                    help="the NVFP4 decode attention's split count aims at P programs an SM (DecodeAttentionOptions.prmt_programs_per_sm; "
                          "0: the split rule's own target)")
     ap.add_argument("--prmt-warps", type=int, default=0, metavar="W",
-                    help="warps per program of the NVFP4 decode attention (NVFP4_PRMT_WARPS) instead of the library's")
+                    help="warps per program of the NVFP4 decode attention (DecodeAttentionOptions.prmt_warps) instead of the library's")
     ap.add_argument("--prmt-stages", type=int, default=0, metavar="S",
-                    help="the byte-permute halves' pipeline stages (NVFP4_PRMT_STAGES) instead of the library's")
+                    help="the byte-permute halves' pipeline stages (DecodeAttentionOptions.prmt_stages) instead of the library's")
     args = ap.parse_args()
-    if args.no_small_m_gemv:
-        import ft.kernels.nvfp4.kernel as nvfp4_kernel
-
-        nvfp4_kernel.SMALL_M_WHOLE_K = False
-    if args.pdl:
-        import ft.kernels.pdl as pdl
-
-        pdl.PDL = True
-    if args.no_lanes_ptx:
-        import ft.kernels.nvfp4.kernel as nvfp4_kernel
-
-        nvfp4_kernel.LANES_PTX = False
-    if args.no_halves:
-        import ft.kernels.nvfp4.kernel as nvfp4_kernel
-
-        nvfp4_kernel.DOT_HALVES = False
-    if args.prmt_form >= 0 or args.prmt_maxnreg >= 0 or args.prmt_warps or args.prmt_programs_per_sm >= 0:
-        import ft.kernels.attention.decode_tuning as attention_kernel
-
-        if args.prmt_programs_per_sm >= 0:
-            attention_kernel.NVFP4_PRMT_PROGRAMS_PER_SM = args.prmt_programs_per_sm
-        if args.prmt_warps:
-            attention_kernel.NVFP4_PRMT_WARPS = args.prmt_warps
-        if args.prmt_form >= 0:
-            attention_kernel.NVFP4_PRMT_FORM = args.prmt_form
-        if args.prmt_maxnreg >= 0:
-            attention_kernel.NVFP4_PRMT_MAXNREG = args.prmt_maxnreg
-    if args.prmt_stages:
-        import ft.kernels.attention.decode_tuning as attention_kernel
-
-        attention_kernel.NVFP4_PRMT_STAGES = args.prmt_stages
-    if args.prmt or args.no_prmt:
-        import ft.kernels.attention.decode_tuning as attention_kernel
-
-        attention_kernel.NVFP4_PRMT_DEFAULT = not args.no_prmt
-        attention_kernel.NVFP4_PRMT_BLOCK_N = args.prmt or attention_kernel.NVFP4_PRMT_BLOCK_N
-    if args.combine_block_d:
-        import ft.kernels.attention.decode_tuning as attention_kernel
-
-        attention_kernel.COMBINE_BLOCK_D = args.combine_block_d
-    if args.attention_programs:
-        attention_split.SPLIT_TARGET_PROGRAMS = args.attention_programs
-        attention_split.MAX_SPLITS = max(attention_split.MAX_SPLITS, args.attention_programs // 2)
+    att = DEFAULTS.decode_attention
+    changes = {key: value for key, value, given in (
+        ("decode_attention.prmt_programs_per_sm", args.prmt_programs_per_sm, args.prmt_programs_per_sm >= 0),
+        ("decode_attention.prmt_warps", args.prmt_warps, bool(args.prmt_warps)),
+        ("decode_attention.prmt_form", args.prmt_form, args.prmt_form >= 0),
+        ("decode_attention.prmt_maxnreg", args.prmt_maxnreg, args.prmt_maxnreg >= 0),
+        ("decode_attention.prmt_stages", args.prmt_stages, bool(args.prmt_stages)),
+        ("decode_attention.nvfp4_prmt", not args.no_prmt, bool(args.prmt or args.no_prmt)),
+        ("decode_attention.prmt_block_n", args.prmt or att.prmt_block_n, bool(args.prmt)),
+        ("decode_attention.combine_block_d", args.combine_block_d, bool(args.combine_block_d)),
+        ("decode_attention.split_target_programs", args.attention_programs, bool(args.attention_programs)),
+        ("decode_attention.max_splits", max(att.max_splits, args.attention_programs // 2), bool(args.attention_programs)),
+    ) if given}
+    set_kernel_options(variant(*[name for flag, name in ((args.no_small_m_gemv, "nvfp4-tile-small-m"),
+                                                         (args.pdl, "pdl"), (args.no_lanes_ptx, "nvfp4-lanes-triton"),
+                                                         (args.no_halves, "nvfp4-dot-interleaved")) if flag], **changes))
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.context.split(",")]
     modes = [m for m in args.modes.split(",") if m]
@@ -178,7 +151,8 @@ def main() -> None:
     if graphs is not None and graphs.disabled:
         print(f"decode graphs were turned off: {graphs.disabled}")
     print(f"kv cache dtype: {args.kv_cache_dtype}; split-K decode attention aims at "
-          f"{attention_split.SPLIT_TARGET_PROGRAMS} programs, at most {attention_split.MAX_SPLITS} splits")
+          f"{kernel_options().decode_attention.split_target_programs} programs, at most "
+          f"{kernel_options().decode_attention.max_splits} splits")
     label = Path(args.config).stem.removesuffix(".json") + " (syn.)"
     print(f"\n{'model':<26} {'context':>8} {'mode':<7} {'batch':>5} {'tok/s':>9} {'ms/step':>8} {'roofline tok/s':>14} "
           f"{'ratio':>7}")
@@ -188,12 +162,10 @@ def main() -> None:
 
 
 def set_pdl(graphs, on: bool) -> None:
-    """Switch programmatic dependent launch (`ft.kernels.pdl.PDL`) for the next launches; the decode
+    """Switch programmatic dependent launch (`LaunchOptions.pdl`) for the next launches; the decode
     graphs are captured again when it changes (a graph keeps the launches it captured)."""
-    import ft.kernels.pdl as pdl
-
-    if pdl.PDL != on:
-        pdl.PDL = on
+    if kernel_options().launch.pdl != on:
+        set_kernel_options(kernel_options().with_(**{"launch.pdl": on}))
         if graphs is not None:
             graphs.invalidate()
 

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.gpu_timing import copies_for, graph_us, kernel_us, rel_rms  # noqa: E402
 from ft.kernels.attention import paged_decode_attention_ref  # noqa: E402
 from ft.kernels.attention.kernel import paged_decode_attention_triton  # noqa: E402
-from ft.kernels.attention.decode_tuning import NVFP4_PRMT_DEFAULT, decode_split_count  # noqa: E402
+from ft.kernels.attention.decode_tuning import decode_split_count  # noqa: E402
+from ft.kernels.options import kernel_options  # noqa: E402
 from ft.kernels.attention.reference import NVFP4_CACHE, quantize_kv  # noqa: E402
 from ft.kernels.attention.split import decode_attention_workspace  # noqa: E402
 
@@ -92,7 +93,7 @@ def main() -> None:
             if wanted and label not in wanted:
                 continue
             cfg = dict(cfg)
-            prmt = kind == "nvfp4" and cfg.get("NVFP4_PRMT", NVFP4_PRMT_DEFAULT)
+            prmt = kind == "nvfp4" and cfg.get("NVFP4_PRMT", kernel_options().decode_attention.nvfp4_prmt)
             splits = cfg.pop("splits", None) or decode_split_count(b, hkv, ctx, dev, prmt)  # "splits": an override
             ws = decode_attention_workspace(b, hq, d, splits, dev)
             cache = caches[kind]

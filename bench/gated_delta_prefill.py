@@ -22,6 +22,7 @@ import ft.kernels.conv1d.kernel as conv_kernel
 import ft.kernels.gated_delta.chunk_kernel as chunk_kernel
 from ft.kernels.conv1d import causal_conv1d_ref
 from ft.kernels.gated_delta import chunk_gated_delta_rule_ref
+from ft.kernels.options import use_kernel_options, variant
 
 DEV, DTYPE = "cuda", torch.bfloat16
 HK, HV, D, W = 16, 32, 128, 4
@@ -117,14 +118,13 @@ def main() -> None:
         x = inputs(lengths)
         o_ref, ssm_ref = reference(x)
         for solve in ("tf32",) if args.quick else ("tf32", "tf32x3", "ieee"):
-            chunk_kernel.SOLVE_PRECISION = solve
-            ssm = x["ssm"].clone()
-            o = chunk(x, ssm)
-            err_o, err_s = rel_rms(o, o_ref), rel_rms(ssm[x["slots"]], ssm_ref[x["slots"]])
-            total, prep = time_chunk(x)
+            with use_kernel_options(variant(**{"gated_delta.solve_precision": solve})):
+                ssm = x["ssm"].clone()
+                o = chunk(x, ssm)
+                err_o, err_s = rel_rms(o, o_ref), rel_rms(ssm[x["slots"]], ssm_ref[x["slots"]])
+                total, prep = time_chunk(x)
             rows.append((name, f"chunk, solve {solve}", total, prep, total - prep, err_o, err_s))
             print(rows[-1], flush=True)
-        chunk_kernel.SOLVE_PRECISION = "tf32"
         conv = x["conv"].clone()
         rows.append((name, "conv (default)", time_ms(lambda: conv_kernel.causal_conv1d_varlen_triton(
             x["mixed"], conv, x["weight"], x["cu"], x["slots"])), 0, 0, 0, 0))

@@ -58,16 +58,16 @@ def main() -> None:
                     help="after each card's rows, the host time of this many decode steps by function (cProfile)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script on a small config")
     ap.add_argument("--pdl", action="store_true",
-                    help="launch the decode kernels with programmatic dependent launch (ft.kernels.pdl.PDL)")
+                    help="launch the decode kernels with programmatic dependent launch (kernel variant pdl)")
     ap.add_argument("--overlap-ab", action="store_true",
                     help="each rung twice on the same engine, overlapped decode off then on (an A/B in one process)")
     ap.add_argument("--overlap-decode", action="store_true",
                     help="overlapped decode over the read-through offload (off by default for offload)")
     args = ap.parse_args()
     if args.pdl:
-        import ft.kernels.pdl as pdl
+        from ft.kernels.options import set_kernel_options, variant
 
-        pdl.PDL = True
+        set_kernel_options(variant("pdl"))
     cfg = json.loads(Path(args.config).read_text())
     cfg["routing_trace"] = True
     tmp = Path(tempfile.mkdtemp()) / "traced.json"

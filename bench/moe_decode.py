@@ -1,6 +1,6 @@
 """The decode MoE block on the H200: routed experts + shared expert, unfused (today's launches) vs
 fused (`moe_decode_triton`: two launches, the shared expert as one more pair, one sum), and the
-fused block with its whole-K word decode in Triton against inline PTX (`LANES_PTX`). Not a test.
+fused block with its whole-K word decode in Triton against inline PTX (kernel variant "nvfp4-lanes-triton" against the default). Not a test.
 
     PYTHONPATH=. python3 bench/moe_decode.py [--sweep]
 
@@ -22,7 +22,7 @@ from ft.kernels.activation import expert_combine, silu_mul
 from ft.kernels.moe import SlotWeights, moe_decode_ref
 from ft.kernels.moe.decode_kernel import DECODE_DOWN_PAIRS_CONFIG, DECODE_GATE_UP_CONFIG, moe_decode_triton
 from ft.kernels.moe.kernel import moe_over_slots_triton
-import ft.kernels.nvfp4.kernel as nvk
+from ft.kernels.options import use_kernel_options, variant
 from ft.kernels.nvfp4 import nvfp4_linear
 from ft.kernels.router.kernel import route_triton
 
@@ -64,10 +64,9 @@ def main() -> None:
         t_u = graph_us([partial(unfused, x, r, wr, pool, shared, gate_logit, out) for r in routes])
         t_f = graph_us([partial(moe_decode_triton, x, r, wts, pool, shared, out=out) for r in routes])
         y_p = moe_decode_triton(x, routes[0], wts, pool, shared)
-        nvk.LANES_PTX = False  # the whole-K tiles' word decode in Triton (before 2026-12-02): the same bits
-        y_t = moe_decode_triton(x, routes[0], wts, pool, shared)
-        t_t = graph_us([partial(moe_decode_triton, x, r, wts, pool, shared, out=out) for r in routes])
-        nvk.LANES_PTX = True
+        with use_kernel_options(variant("nvfp4-lanes-triton")):  # the word decode in Triton (before 2026-12-02)
+            y_t = moe_decode_triton(x, routes[0], wts, pool, shared)
+            t_t = graph_us([partial(moe_decode_triton, x, r, wts, pool, shared, out=out) for r in routes])
         same = torch.equal(y_p, y_t)
         t_f = min(t_f, graph_us([partial(moe_decode_triton, x, r, wts, pool, shared, out=out) for r in routes]))
         best = (f"default: {DECODE_GATE_UP_CONFIG[min(batch, 2)]} {DECODE_DOWN_PAIRS_CONFIG} pairs", t_f)

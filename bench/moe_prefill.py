@@ -7,7 +7,7 @@ Flagship shapes: 512 experts (all resident), hidden 2048, intermediate 512, top-
 
 * before: the grouped path's former tiling (32 x 64 x 128 tiles, passes of 1,024 tokens; the
   per-pair outputs were fp32 then, they are in x's dtype now);
-* after: `moe_over_slots_triton` as it is now (`grouped_config_for` the pass, passes of `GROUPED_MAX_TOKENS`);
+* after: `moe_over_slots_triton` as it is now (`grouped_config_for` the pass, passes of `MoeOptions.grouped_max_tokens`);
 * torch bf16: the same experts dequantized to bf16, tokens sorted by expert, `torch._grouped_mm`
   for gate_up and down (cuBLAS grouped GEMM) plus the torch glue: the "GEMM speed" the issue
   compares against.
@@ -30,6 +30,7 @@ import ft.kernels.moe.kernel as moe_kernel
 from ft.kernels.moe import SlotWeights, moe_over_slots_ref
 from ft.kernels.moe.kernel import moe_over_slots_triton
 from ft.kernels.nvfp4.reference import dequantize_nvfp4
+from ft.kernels.options import kernel_options, use_kernel_options, variant
 
 E, H, I, K = 512, 2048, 512, 10
 SWEEP = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, SWAP_AB]); session 9 swept the unswapped tiles
@@ -75,7 +76,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--passes", default="1024,4096", help="tokens per grouped pass to sweep (--sweep)")
     ap.add_argument("--words", action="store_true",
-                    help="also time the library's tiles with GROUPED_WORDS (word-wise fp16 weight decode)")
+                    help="also time the library's tiles with the byte-wise weight decode (kernel variant moe-bytes; "
+                         "the default decodes words)")
     ap.add_argument("--split", action="store_true",
                     help="4,096-token passes: SPLIT_TILES for gate_up alone, then for down alone (the other: BASE_4K)")
     args = ap.parse_args()
@@ -99,27 +101,23 @@ def main() -> None:
             print(f"T{t} {label}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s err {err:.1e}", flush=True)
             return ms
 
-        saved = moe_kernel.GROUPED_MAX_TOKENS
-        moe_kernel.GROUPED_MAX_TOKENS = 1024
-        run("before", partial(moe_over_slots_triton, x, ids, wts, pool, grouped=True, grouped_config=(32, 64, 128, 4, 3)))
-        moe_kernel.GROUPED_MAX_TOKENS = saved
+        with use_kernel_options(variant("moe-bytes", **{"moe.grouped_max_tokens": 1024})):
+            run("before", partial(moe_over_slots_triton, x, ids, wts, pool, grouped=True,
+                                  grouped_config=(32, 64, 128, 4, 3)))
         run("after", partial(moe_over_slots_triton, x, ids, wts, pool, grouped=True))
         if args.words:
-            grp.GROUPED_WORDS = True
-            run("after, word decode", partial(moe_over_slots_triton, x, ids, wts, pool, grouped=True))
-            grp.GROUPED_WORDS = False
+            with use_kernel_options(variant("moe-bytes")):
+                run("after, byte decode", partial(moe_over_slots_triton, x, ids, wts, pool, grouped=True))
         if args.sweep:
             for passes in (int(v) for v in args.passes.split(",")):
-                moe_kernel.GROUPED_MAX_TOKENS = passes
-                for cfg in SWEEP:
-                    try:
-                        run(f"pass {passes} {cfg}",
-                            partial(moe_over_slots_triton, x, ids, wts, pool, grouped=True, grouped_config=cfg))
-                    except Exception as exc:  # noqa: BLE001
-                        print(f"  {cfg} failed: {type(exc).__name__} {str(exc)[:100]}")
-            moe_kernel.GROUPED_MAX_TOKENS = saved
+                with use_kernel_options(variant(**{"moe.grouped_max_tokens": passes})):
+                    for cfg in SWEEP:
+                        try:
+                            run(f"pass {passes} {cfg}",
+                                partial(moe_over_slots_triton, x, ids, wts, pool, grouped=True, grouped_config=cfg))
+                        except Exception as exc:  # noqa: BLE001
+                            print(f"  {cfg} failed: {type(exc).__name__} {str(exc)[:100]}")
         if args.split:
-            moe_kernel.GROUPED_MAX_TOKENS = 4096
             for which in ("gate_up", "down"):
                 for tile in [BASE_4K] + SPLIT_TILES if which == "gate_up" else SPLIT_TILES:
                     cfg = (tile, BASE_4K) if which == "gate_up" else (BASE_4K, tile)
@@ -128,12 +126,11 @@ def main() -> None:
                                                        grouped_config=cfg))
                     except Exception as exc:  # noqa: BLE001
                         print(f"  {which} {tile} failed: {type(exc).__name__} {str(exc)[:100]}")
-            moe_kernel.GROUPED_MAX_TOKENS = saved
         try:
             run("torch bf16 grouped_mm", partial(torch_grouped, x, ids, wts, w13, w2))
         except Exception as exc:  # noqa: BLE001
             print(f"torch grouped_mm unavailable: {type(exc).__name__} {str(exc)[:120]}")
-    print(f"\nGROUPED_MAX_TOKENS {moe_kernel.GROUPED_MAX_TOKENS}, GROUPED_CONFIG {grp.GROUPED_CONFIG}, "
+    print(f"\ngrouped_max_tokens {kernel_options().moe.grouped_max_tokens}, GROUPED_CONFIG {grp.GROUPED_CONFIG}, "
           f"GROUPED_CONFIG_SHORT {grp.GROUPED_CONFIG_SHORT} up to {grp.GROUPED_SHORT_TOKENS} tokens, "
           f"{triton.__version__=}, {torch.__version__=}")
     print(f"{'tokens':>6}  {'variant':<44} {'ms':>8} {'TFLOP/s':>8} {'rel err':>8}")

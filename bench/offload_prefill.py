@@ -17,7 +17,10 @@ one engine; per mode on that engine:
 experts and tensor, the way before it). `--chunks`: the stream mode's lengths once per prefill chunk size (the engine is sized for the largest,
 so every size sees the same slots; the load mode runs at the first). Per length, one request with a fresh prompt (distinct ids: no prefix-cache hit) and --decode new
 tokens: TTFT (add_request to the first token), prefill tok/s, the bytes the stream copied and its
-PCIe bound (bytes / --pcie-gbs GB/s), then decode tok/s over the tokens after the first. Before the
+PCIe bound (bytes / --pcie-gbs GB/s), then decode tok/s over the tokens after the first; then the
+same prompt but its last token again (the prefix cache serves all but the last page, a short chunk
+that streams nothing) and its decode: the same context without a long prefill, so "decode after /
+same context" is what the long prefill did to the cache, apart from the context's own cost. Before the
 lengths of a mode, a 32-token prompt's decode is the baseline of "decode after / after 32". Each mode
 warms before its rows (Triton compiles by shape class): a 1,024-token prompt, then one of a chunk
 and 1,024 tokens (a whole chunk, then a chunk over a cached prefix; at most the longest length). `--profile LEN`: after the
@@ -171,7 +174,13 @@ def main() -> None:
             for n in lengths:
                 if mode == "load" and n not in load_lengths:
                     continue
-                r = one_request(eng, prompts.take(n), args.decode)
+                prompt = prompts.take(n)
+                r = one_request(eng, prompt, args.decode)
+                # the same context without a streamed prefill: the prompt again but its last token, so the
+                # prefix cache serves all but its last page (a short chunk: no stream), then the same decode
+                again = one_request(eng, prompt[:-1] + [(prompt[-1] + 1) % (eng.model_config.vocab_size - 10) + 5],
+                                    args.decode)
+                r["decode_same_context"] = again["decode_tps"]
                 r.update(card=card, mode=mode, loader=loader, length=n, chunk=chunk, slots=experts.num_slots,
                          decode_after_32=base["decode_tps"],
                          bound_s=r["streamed_bytes"] / (args.pcie_gbs * 1e9))
@@ -187,13 +196,14 @@ def main() -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     print(f"\n| card | mode | loader | chunk | prompt | TTFT s | prefill tok/s | streamed GB | PCIe bound s ({args.pcie_gbs:.0f} GB/s) | "
-          "decode tok/s after | after 32 | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "decode tok/s after | after 32 | ratio | same context, cached prefix | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = r["decode_tps"] / r["decode_after_32"] if r["decode_tps"] and r["decode_after_32"] else float("nan")
+        same = r["decode_tps"] / r["decode_same_context"] if r["decode_tps"] and r["decode_same_context"] else float("nan")
         print(f"| {r['card']} | {r['mode']} | {r['loader']} | {r['chunk']:,} | {r['length']:,} | {r['ttft_s']:.2f} | {r['prefill_tps']:,.0f} | "
               f"{r['streamed_bytes'] / 1e9:.1f} | {r['bound_s']:.2f} | {r['decode_tps'] or 0:.1f} | "
-              f"{r['decode_after_32'] or 0:.1f} | {ratio:.2f} |")
+              f"{r['decode_after_32'] or 0:.1f} | {ratio:.2f} | {r['decode_same_context'] or 0:.1f} | {same:.2f} |")
 
 
 if __name__ == "__main__":

@@ -57,9 +57,9 @@ def main() -> None:
                          "BLOCK_N, BLOCK_K, warps, stages[, SWAP_AB]) for every pass; default: the library's choice by pass "
                          "length (grouped_config_for)")
     ap.add_argument("--moe-words", action="store_true",
-                    help="the grouped MoE's word-wise fp16 weight decode (GROUPED_WORDS; off by default until measured)")
+                    help="the grouped MoE's word-wise fp16 weight decode (on by default since measured; without this flag the bench runs the byte decode, variant moe-bytes)")
     ap.add_argument("--library", default="on", choices=["on", "off", "both"],
-                    help="long-prefix chunks on cuDNN (ft.kernels.attention.LIBRARY_PREFILL_ON_CUDA); both: off, then on")
+                    help="long-prefix chunks on cuDNN (PrefillAttentionOptions.library_on_cuda); both: off, then on")
     ap.add_argument("--host-profile", type=int, default=0, metavar="LEN",
                     help="cProfile one prefill of LEN tokens (the host's side: where the Python time goes)")
     ap.add_argument("--prefill-graph-max-tokens", type=int, default=None, metavar="N",
@@ -68,10 +68,10 @@ def main() -> None:
                     help="seconds of prefills before anything is timed (default 3)")
     args = ap.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
-    if args.moe_words:
-        import ft.kernels.moe.grouped_kernel as grouped
+    from ft.kernels.options import kernel_options, set_kernel_options, variant
 
-        grouped.GROUPED_WORDS = True
+    if not args.moe_words:
+        set_kernel_options(variant("moe-bytes"))
     grouped = [tuple(int(v) for v in c.split(",")) for c in args.grouped_configs.split(";") if c.strip()] or [None]
     t0 = time.perf_counter()
     eng = Engine(EngineConfig(model=f"synthetic:{args.config}", device="cuda", dtype="bfloat16",
@@ -92,8 +92,8 @@ def main() -> None:
         ttft(eng, min(lengths), base)
     libs = {"on": [True], "off": [False], "both": [False, True]}[args.library]
     for mode, cfg, lib in ((m, c, b) for m in modes for c in grouped for b in libs):
-        attention.PREFILL_TRITON_ON_CUDA = mode == "triton"
-        attention.LIBRARY_PREFILL_ON_CUDA = lib
+        set_kernel_options(kernel_options().with_(**{"prefill_attention.triton_on_cuda": mode == "triton",
+                                                     "prefill_attention.library_on_cuda": lib}))
         moe_kernel.grouped_config_for = (lambda _t, _c=cfg: _c) if cfg else library_choice  # looked up per call
         label = (mode if cfg is None else f"{mode} {cfg}") + ("" if args.library != "both" else
                                                               " +cudnn prefix" if lib else " triton only")
@@ -110,11 +110,12 @@ def main() -> None:
             print(f"{label} {n}: TTFT {t * 1e3:.1f} ms, {n / t:,.0f} tok/s (each run wall/process CPU ms: {each})",
                   flush=True)
     moe_kernel.grouped_config_for = library_choice
+    last = kernel_options().with_(**{"prefill_attention.triton_on_cuda": modes[-1] == "triton"})
     if args.host_profile:
-        attention.PREFILL_TRITON_ON_CUDA = modes[-1] == "triton"
+        set_kernel_options(last)
         host_profile_prefill(eng, args.host_profile, base)
     if args.profile:
-        attention.PREFILL_TRITON_ON_CUDA = modes[-1] == "triton"
+        set_kernel_options(last)
         profile_prefill(eng, args.profile, base)
     warm = f"warmed with {args.warm} tokens" if args.warm else "each length warmed once"
     pg = eng.runner.prefill_graphs

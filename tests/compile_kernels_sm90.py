@@ -40,6 +40,9 @@ from ft.kernels.nvfp4 import kernel as nv  # noqa: E402
 from ft.kernels.nvfp4 import dequant_kernel as nv_dq  # noqa: E402
 from ft.kernels.router import kernel as router  # noqa: E402
 from ft.kernels.expert_lookup import kernel as lookup  # noqa: E402
+from ft.kernels.options import kernel_options  # noqa: E402
+
+OPTIONS = kernel_options()  # the defaults: the variants the engine runs
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -156,13 +159,13 @@ def decode_cfg(head_dim: int, group: int, fp8: bool = False, nvfp4: bool = False
 def gemv_cfg(m: int, n: int, k: int) -> dict:
     cfg = dict(nv._gemv_config(m, n, k))
     cfg["WHOLE_K"] = nv.whole_k_words(k) if cfg.pop("WHOLE_K", False) else 0
-    cfg["ASM"] = nv.LANES_PTX and cfg["WHOLE_K"] > 0  # as the wrapper sets it on a CUDA device
+    cfg["ASM"] = OPTIONS.nvfp4.lanes_ptx and cfg["WHOLE_K"] > 0  # as the wrapper sets it on a CUDA device
     return cfg
 
 
 def dot_cfg(m: int, n: int, k: int) -> dict:
     cfg = {"SWAP_AB": False, **nv._dot_config(m, n, k), "PRECISION": "tf32"}  # every constexpr named
-    halves = nv.DOT_HALVES and m <= 16 and k % cfg["BLOCK_K"] == 0 and cfg["BLOCK_K"] % 64 == 0 and not cfg["SWAP_AB"]
+    halves = OPTIONS.nvfp4.dot_halves and m <= 16 and k % cfg["BLOCK_K"] == 0 and cfg["BLOCK_K"] % 64 == 0 and not cfg["SWAP_AB"]
     return {**cfg, "EVEN_K": k % cfg["BLOCK_K"] == 0, "HALVES": halves,
             "ASM": halves}  # as the wrapper sets them (bf16 x)
 
@@ -172,21 +175,21 @@ def moe_cfg(config: tuple, k_words: int, rows: str, whole: bool = True) -> dict:
     out = {rows: r, "BLOCK_W": max(2, w or 64), "num_warps": warps}
     if whole:
         out["WHOLE_K"] = k_words if w == 0 else 0
-        out["ASM"] = nv.LANES_PTX and out["WHOLE_K"] > 0  # as `moe_decode_triton` sets it on a CUDA device
+        out["ASM"] = OPTIONS.nvfp4.lanes_ptx and out["WHOLE_K"] > 0  # as `moe_decode_triton` sets it on a CUDA device
     return out
 
 
 def short_grouped_cfg() -> dict:
     bm, bn, bk, warps, stages, swap = moe_grp.GROUPED_CONFIG_SHORT
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PRECISION": "tf32", "EVEN_K": True, "SWAP_AB": swap,
-            "WORDS": moe_grp.GROUPED_WORDS, "num_warps": warps, "num_stages": stages}
+            "WORDS": OPTIONS.moe.grouped_words, "num_warps": warps, "num_stages": stages}
 
 
 def grouped_cfg(which: int = 0) -> dict:
     """GROUPED_CONFIG's tile of the gate_up (0) or the down (1) pass."""
     bm, bn, bk, warps, stages, swap = moe_grp.GROUPED_CONFIG[which]
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PRECISION": "tf32", "EVEN_K": True, "SWAP_AB": swap,
-            "WORDS": moe_grp.GROUPED_WORDS, "num_warps": warps, "num_stages": stages}
+            "WORDS": OPTIONS.moe.grouped_words, "num_warps": warps, "num_stages": stages}
 
 
 DENSE = {"p_x": "*bf16", "p_w": "*bf16", "p_y": "*bf16", **ints("M", "N", "K", "stride_xm", "stride_wn", "stride_ym")}
@@ -254,14 +257,14 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
      {"TOPK": 10, "HAS_SHARED": True, **moe_cfg(moe_dec.DECODE_DOWN_CONFIG[2], 64, "BLOCK_H")}),
     ("moe decode down per pair + shared", moe_dec._moe_decode_down_pairs_kernel, MOE_DECODE_DOWN_PAIRS,
      {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe_dec.DECODE_DOWN_PAIRS_CONFIG[0], "WHOLE_K": 64,
-      "HAS_HOST": False, "HAS_DST": False, "ASM": nv.LANES_PTX, "num_warps": moe_dec.DECODE_DOWN_PAIRS_CONFIG[2]}),
+      "HAS_HOST": False, "HAS_DST": False, "ASM": OPTIONS.nvfp4.lanes_ptx, "num_warps": moe_dec.DECODE_DOWN_PAIRS_CONFIG[2]}),
     ("moe decode down per pair + shared, slotless pairs from the host store", moe_dec._moe_decode_down_pairs_kernel,
      MOE_DECODE_DOWN_PAIRS, {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe_dec.DECODE_DOWN_PAIRS_CONFIG[0],
-                             "WHOLE_K": 64, "HAS_HOST": True, "HAS_DST": False, "ASM": nv.LANES_PTX,
+                             "WHOLE_K": 64, "HAS_HOST": True, "HAS_DST": False, "ASM": OPTIONS.nvfp4.lanes_ptx,
                              "num_warps": moe_dec.DECODE_DOWN_PAIRS_CONFIG[2]}),
     ("moe decode down per pair + shared, host store + landing store", moe_dec._moe_decode_down_pairs_kernel,
      MOE_DECODE_DOWN_PAIRS, {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe_dec.DECODE_DOWN_PAIRS_CONFIG[0],
-                             "WHOLE_K": 64, "HAS_HOST": True, "HAS_DST": True, "ASM": nv.LANES_PTX,
+                             "WHOLE_K": 64, "HAS_HOST": True, "HAS_DST": True, "ASM": OPTIONS.nvfp4.lanes_ptx,
                              "num_warps": moe_dec.DECODE_DOWN_PAIRS_CONFIG[2]}),
     ("moe decode sum + residual + next norm, H 2048", moe_dec._moe_sum_add_norm_kernel, MOE_SUM_NORM,
      {"KS": 11, "BLOCK_D": 2048, "num_warps": 8}),
@@ -325,8 +328,8 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("decode attention split-K G 8, D 256, nvfp4 cache, halves decoded by E4M3 conversions (PTX), 168 registers",
      attn._decode_split_kernel, {**DECODE_SPLIT, "p_kc": "*u8", "p_vc": "*u8", "p_q": "*fp16"},
      {**decode_cfg(256, 8, nvfp4=True), "NVFP4_PRMT": True, "NVFP4_ASM": True, "BLOCK_N": 64,
-      "NVFP4_FORM": attn_tuning.NVFP4_PRMT_FORM, "num_stages": attn_tuning.NVFP4_PRMT_STAGES,
-      "maxnreg": attn_tuning.NVFP4_PRMT_MAXNREG}),
+      "NVFP4_FORM": OPTIONS.decode_attention.prmt_form, "num_stages": OPTIONS.decode_attention.prmt_stages,
+      "maxnreg": OPTIONS.decode_attention.prmt_maxnreg}),
     ("decode attention split-K G 8, D 256, nvfp4 cache, whole tiles", attn._decode_split_kernel,
      {**DECODE_SPLIT, "p_kc": "*u8", "p_vc": "*u8"}, {**decode_cfg(256, 8, nvfp4=True), "NVFP4_HALVES": False}),
     ("prefill attention G 8, D 256", attn_pf._prefill_kernel, PREFILL,

@@ -235,21 +235,23 @@ def test_split_rule():
 
 
 def test_prmt_split_count_aims_at_its_own_occupancy(monkeypatch):
-    """The NVFP4_PRMT kernel's split count (`decode_split_count`): NVFP4_PRMT_PROGRAMS_PER_SM programs
+    """The NVFP4_PRMT kernel's split count (`decode_split_count`): `prmt_programs_per_sm` programs
     an SM on a device with SMs (three on a 132-SM H200 at 168 registers), the library rule
     elsewhere and for other kernels."""
     import ft.kernels.attention.decode_tuning as attention_kernel
 
     monkeypatch.setattr(attention_kernel, "sm_count", lambda device: 132)
-    monkeypatch.setattr(attention_kernel, "NVFP4_PRMT_PROGRAMS_PER_SM", 3)
+    from ft.kernels.options import kernel_options, use_kernel_options, variant
+
+    assert kernel_options().decode_attention.prmt_programs_per_sm == 3
     dev = torch.device("cpu")
     assert attention_kernel.decode_split_count(1, 2, 131072, dev, prmt=True) == 198
     assert attention_kernel.decode_split_count(8, 2, 131072, dev, prmt=True) == 24  # 384 programs: one wave
     assert attention_kernel.decode_split_count(256, 2, 131072, dev, prmt=True) == 1
     assert attention_kernel.decode_split_count(1, 2, 4096, dev, prmt=True) == 16  # by length
     assert attention_kernel.decode_split_count(1, 2, 131072, dev, prmt=False) == 128  # the library rule
-    monkeypatch.setattr(attention_kernel, "NVFP4_PRMT_PROGRAMS_PER_SM", 0)
-    assert attention_kernel.decode_split_count(1, 2, 131072, dev, prmt=True) == 128
+    with use_kernel_options(variant(**{"decode_attention.prmt_programs_per_sm": 0})):
+        assert attention_kernel.decode_split_count(1, 2, 131072, dev, prmt=True) == 128
 
 
 def test_dispatchers(monkeypatch):

@@ -14,6 +14,8 @@ pytest.importorskip("triton")
 from ft.kernels.moe import SlotWeights, dense_slots, moe_decode, moe_decode_ref, moe_over_slots, moe_over_slots_ref
 from ft.kernels.moe.decode_kernel import moe_decode_triton
 from ft.kernels.moe.kernel import moe_over_slots_triton
+from ft.kernels import options
+from ft.kernels.options import use_kernel_options, variant
 from ft.tools.nvfp4_quantize import quantize_nvfp4
 
 # Relative RMS: the kernels work in fp32; the reference runs its matmuls in x's dtype.
@@ -97,18 +99,17 @@ def test_grouped_swapped_operands_match_ref(case):
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[-1] and c[6] < 1.0], ids=_case_id)
-def test_grouped_word_decode_matches_the_byte_decode(case, monkeypatch):
-    """GROUPED_WORDS (the weight tiles decoded a 32-bit word at a time, in fp16): the same tiles, so
-    bitwise the byte-wise decode's result in fp32, and the reference's within tolerance."""
-    import ft.kernels.moe.grouped_kernel as grp
-
+def test_grouped_word_decode_matches_the_byte_decode(case):
+    """`MoeOptions.grouped_words` (the default: the weight tiles decoded a 32-bit word at a time, in
+    fp16) against the byte-wise decode (variant "moe-bytes"): the same tiles, so bitwise the same
+    result in fp32, and the reference's within tolerance."""
     t, k, s, h, i, dtype, skip, _ = case
     gen = torch.Generator().manual_seed(9)
     w = _slot_pool(s, h, i, gen)
     slots, weights = _routing(t, k, s, skip, gen)
     x = torch.randn(t, h, generator=gen).to(dtype)
-    bytes_ = moe_over_slots_triton(x, slots, weights.to(dtype), w, grouped=True, grouped_config=(4, 16, 32, 4, 1, True))
-    monkeypatch.setattr(grp, "GROUPED_WORDS", True)
+    with use_kernel_options(variant("moe-bytes")):
+        bytes_ = moe_over_slots_triton(x, slots, weights.to(dtype), w, grouped=True, grouped_config=(4, 16, 32, 4, 1, True))
     words = moe_over_slots_triton(x, slots, weights.to(dtype), w, grouped=True, grouped_config=(4, 16, 32, 4, 1, True))
     assert torch.equal(words, bytes_)
     ref = moe_over_slots_ref(x, slots, weights.to(dtype), w)
@@ -129,9 +130,7 @@ def test_per_pair_tiles_match_ref(gate_up, down):
 
 
 def test_grouped_path_cuts_long_chunks(monkeypatch):
-    import ft.kernels.moe.kernel as details
-
-    monkeypatch.setattr(details, "GROUPED_MAX_TOKENS", 4)  # 11 tokens: passes of 4, 4 and 3
+    monkeypatch.setattr(options, "_current", variant(**{"moe.grouped_max_tokens": 4}))  # 11 tokens: passes of 4, 4, 3
     gen = torch.Generator().manual_seed(8)
     w = _slot_pool(4, 32, 16, gen)
     slots, weights = _routing(11, 2, 4, 0.2, gen)

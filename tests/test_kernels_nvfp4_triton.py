@@ -176,7 +176,7 @@ def test_e2m1_word_lanes_stand_in_is_exact():
 @pytest.mark.parametrize("m", [3, 8])
 def test_dot_halves_match_ref(m):
     """The small-M tile's halves form (x's even / odd columns against the low / high nibbles,
-    `DOT_HALVES`, the default at M <= 16 for fp16 and bf16 x when K is whole tiles) against the
+    `Nvfp4Options.dot_halves`, the default at M <= 16 for fp16 and bf16 x when K is whole tiles) against the
     reference and against the interleaved tile, in fp16 (the interpreter's bf16 dot is wrong)."""
     gen = torch.Generator().manual_seed(31 + m)
     packed, scale, scale_2 = _weight(40, 512, gen)

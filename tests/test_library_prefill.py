@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ft.kernels import attention
+from ft.kernels import options
 from ft.kernels.attention import library_prefill_reserve, paged_attention, paged_attention_ref
 from ft.kernels.attention.library_prefill import (
     attend_ref,
@@ -148,8 +149,8 @@ def test_dispatcher_falls_back_when_the_library_refuses(monkeypatch, caplog):
         paged_attention(q, k, v, pages, 24, 0.25)
 
 
-def test_the_path_runs_only_on_cuda(monkeypatch):
-    monkeypatch.setattr(attention, "LIBRARY_PREFILL_ON_CUDA", True)
+def test_the_path_runs_only_on_cuda():
+    assert options.kernel_options().prefill_attention.library_on_cuda  # on by default
     q = torch.zeros(4, 16, 256, dtype=torch.bfloat16)
     k = torch.zeros(2, 64, 2, 256, dtype=torch.bfloat16)
     assert not attention.use_library_prefill(q, k, attention.LIBRARY_GRANULE_KEYS, None)  # CPU
@@ -165,9 +166,9 @@ def test_activation_reserve_counts_the_library_transients(monkeypatch):
     cfg = ModelConfig.from_dict(DEMO_CONFIG)
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
     long, short = 4 * attention.LIBRARY_GRANULE_KEYS, attention.LIBRARY_GRANULE_KEYS // 2
-    monkeypatch.setattr(attention, "LIBRARY_PREFILL_ON_CUDA", False)
+    monkeypatch.setattr(options, "_current", options.variant("attention-prefill-triton-only"))
     off = activation_reserve(cfg, bf16, cuda, 256, 1, None, long)
-    monkeypatch.setattr(attention, "LIBRARY_PREFILL_ON_CUDA", True)
+    monkeypatch.setattr(options, "_current", options.DEFAULTS)
     base = activation_reserve(cfg, bf16, cuda, 256, 1, None, short)
     assert off == base
     grown = activation_reserve(cfg, bf16, cuda, 256, 1, None, long)

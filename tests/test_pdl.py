@@ -10,8 +10,12 @@ import torch
 import ft.kernels.pdl as pdl
 
 
-def test_no_pdl_off_cuda_even_when_asked(monkeypatch):
-    assert pdl.PDL is False  # off by default until measured on the device
+def test_no_pdl_off_cuda_even_when_asked():
+    from ft.kernels.options import kernel_options, use_kernel_options, variant
+
+    assert kernel_options().launch.pdl is False  # off by default until measured on the device
     assert pdl.pdl_args(torch.device("cpu")) == {}
-    monkeypatch.setattr(pdl, "PDL", True)
-    assert pdl.pdl_args(torch.device("cpu")) == {} and not pdl.pdl_on(torch.device("cpu"))
+    with use_kernel_options(variant("pdl")):
+        assert kernel_options().launch.pdl
+        assert pdl.pdl_args(torch.device("cpu")) == {} and not pdl.pdl_on(torch.device("cpu"))
+    assert kernel_options().launch.pdl is False

@@ -32,24 +32,22 @@ import triton
 import triton.language as tl
 
 from ft.kernels.backend import inline_ptx
+from ft.kernels.options import kernel_options
 
 try:  # triton >= 3.4 (the device's 3.6 has it)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - older triton: PDL stays off (`pdl_on`)
     gdc_launch_dependents = gdc_wait = None
 
-__all__ = ["PDL", "pdl_args", "pdl_on", "pdl_release", "pdl_wait"]
+__all__ = ["pdl_args", "pdl_on", "pdl_release", "pdl_wait"]
 
-PDL = False
-"""Launch the decode path's kernels with programmatic dependent launch on a CUDA device of
-compute capability 9.0 or later. Off: not yet measured on the flagship (module docstring); the
-kernels take the same paths either way and give the same bits (the waits only order them)."""
+# on or off: `ft.kernels.options.LaunchOptions.pdl` (off: not yet measured on the flagship, above)
 
 
 def pdl_on(device: torch.device) -> bool:
-    """Whether kernels for `device` launch with PDL: `PDL` set, a CUDA device (not the
+    """Whether kernels for `device` launch with PDL: `LaunchOptions.pdl` on, a CUDA device (not the
     interpreter) of compute capability >= 9.0, and a Triton that has the instructions."""
-    return (PDL and gdc_wait is not None and inline_ptx(device)
+    return (kernel_options().launch.pdl and gdc_wait is not None and inline_ptx(device)
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 

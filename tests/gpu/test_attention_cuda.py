@@ -190,7 +190,7 @@ def test_decode_step_in_cuda_graph(path, gated):
 @pytest.mark.parametrize(("start", "t"), [(0, 512), (1000, 300), (4096, 1)])
 def test_prefill_attention_triton_matches_reference(start, t, kv):
     """The Triton prefill attention at the flagship's heads (16 q, 2 kv, D 256, pages of 64) against
-    the reference, over a cached prefix: what PREFILL_TRITON_ON_CUDA waits for."""
+    the reference, over a cached prefix: what `PrefillAttentionOptions.triton_on_cuda` rests on."""
     from ft.kernels.attention.prefill_kernel import paged_prefill_attention_triton
     from ft.kernels.attention.reference import paged_attention_ref, quantize_kv
 
@@ -371,10 +371,10 @@ def test_decode_step_in_cuda_graph_nvfp4(path):
 
 @pytest.mark.parametrize(("start", "t", "segment"), [(20000, 1000, 8192), (16384, 4096, 1 << 30), (70001, 77, 30000),
                                                      (65636, 2047, 65536)])
-def test_library_prefill_on_cudnn_matches_reference(start, t, segment, monkeypatch):
+def test_library_prefill_on_cudnn_matches_reference(start, t, segment):
     """Long-prefix chunks on cuDNN (the prefix in segments, the rest on Triton with its log-sum-exp,
     merged) against the reference at the flagship's heads, starts off the page grid and padded query
-    rows included; and the dispatcher sends such chunks there (what LIBRARY_PREFILL_ON_CUDA promises)
+    rows included; and the dispatcher sends such chunks there (what `PrefillAttentionOptions.library_on_cuda` promises)
     without refusal."""
     from ft.kernels import attention
     from ft.kernels.attention.library_prefill import library_prefill_attention
@@ -391,7 +391,9 @@ def test_library_prefill_on_cudnn_matches_reference(start, t, segment, monkeypat
     ref = paged_attention_ref(q, k, v, pages, start, d ** -0.5)
     got = library_prefill_attention(q, k, v, pages, start, d ** -0.5, granule=8192, segment_keys=segment)
     assert rel_rms(got, ref) < 1e-2
-    monkeypatch.setattr(attention, "LIBRARY_PREFILL_ON_CUDA", True)
+    from ft.kernels.options import kernel_options
+
+    assert kernel_options().prefill_attention.library_on_cuda  # (the default)
     assert attention.use_library_prefill(q, k, start, None)
     via = attention.paged_attention(q, k, v, pages, start, d ** -0.5)
     assert not attention._library_refused

@@ -283,7 +283,7 @@ def test_overlapped_decode_equals_plain_steps_bitwise(model):
 
 
 def test_pdl_launches_give_the_plain_launches_bits(model, monkeypatch):
-    """Programmatic dependent launch (`ft.kernels.pdl.PDL`: each decode kernel may start while the
+    """Programmatic dependent launch (`LaunchOptions.pdl`: each decode kernel may start while the
     one before it runs and waits for it before it touches the step's data; the NVFP4 and dense GEMVs
     load their weights before the wait): the same tokens and last logits bit for bit as plain
     launches, under graphs and eager, with resident experts and offloaded ones read through
@@ -295,7 +295,9 @@ def test_pdl_launches_give_the_plain_launches_bits(model, monkeypatch):
     logits = plain.engine.last_logits.clone()
     offload_plain = make(model, moe_backend="offload", moe_cache_size=40)
     assert generate(offload_plain) == want
-    monkeypatch.setattr(pdl, "PDL", True)
+    from ft.kernels import options
+
+    monkeypatch.setattr(options, "_current", options.variant("pdl"))  # (put back after the test)
     assert pdl.pdl_on(torch.device("cuda"))
     for llm in (make(model), make(model, disable_cuda_graph=True), make(model, moe_backend="offload", moe_cache_size=40)):
         assert generate(llm) == want

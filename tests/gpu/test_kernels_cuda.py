@@ -63,7 +63,7 @@ def test_nvfp4_linear(m, n, k):
 
         cfg = {**_dot_config(m, n, k), "HALVES": False}
         assert rel_rms(nvfp4_linear_triton(x, *w, path="dot", config=cfg), nvfp4_linear_ref(x, *w)) < TOL_LINEAR
-        if m <= 16:  # the halves (DOT_HALVES): the PTX decode gives its stand-in's tiles, so the same bits
+        if m <= 16:  # the halves (`Nvfp4Options.dot_halves`): the PTX decode gives its stand-in's tiles, so the same bits
             halves = nvfp4_linear_triton(x, *w, path="dot", config={**cfg, "HALVES": True})
             assert rel_rms(halves, nvfp4_linear_ref(x, *w)) < TOL_LINEAR
             assert torch.equal(nvfp4_linear_triton(x, *w, path="dot", config={**cfg, "HALVES": True, "ASM": False}),
@@ -192,7 +192,7 @@ def test_moe_over_slots(pool, batch):
 def test_moe_grouped_prefill(pool, config):
     """The grouped (prefill) path over 1,024 tokens at the flagship's shapes with both library tiles
     (GROUPED_CONFIG_SHORT, this pass's own, and GROUPED_CONFIG, forced), each with the weight tile
-    as the MMA's left operand; the word-wise weight decode (GROUPED_WORDS) gives the same bits."""
+    as the MMA's left operand; the byte-wise weight decode gives the word-wise one's bits."""
     from ft.kernels.moe.grouped_kernel import GROUPED_CONFIG, GROUPED_CONFIG_SHORT
 
     config = GROUPED_CONFIG_SHORT if config == "short" else GROUPED_CONFIG
@@ -203,14 +203,11 @@ def test_moe_grouped_prefill(pool, config):
     topk_weights = torch.softmax(torch.randn(t, TOP_K, device=DEV), -1).to(torch.bfloat16)
     y = moe_over_slots_triton(x, topk_slots, topk_weights, pool, grouped=True, grouped_config=config)
     assert rel_rms(y, moe_over_slots_ref(x, topk_slots, topk_weights, pool)) < TOL_MOE
-    import ft.kernels.moe.grouped_kernel as grp  # the word-wise decode (off by default): the same tiles, bitwise
+    from ft.kernels.options import use_kernel_options, variant  # the byte-wise decode: the same tiles, bitwise
 
-    saved, grp.GROUPED_WORDS = grp.GROUPED_WORDS, True
-    try:
+    with use_kernel_options(variant("moe-bytes")):
         assert torch.equal(moe_over_slots_triton(x, topk_slots, topk_weights, pool, grouped=True,
                                                  grouped_config=config), y)
-    finally:
-        grp.GROUPED_WORDS = saved
 
 
 @pytest.mark.parametrize("batch", [1, 8, 16], ids=lambda b: f"B{b}-top{TOP_K}+shared-H{HIDDEN}-I{INTER}-bf16")
@@ -235,15 +232,12 @@ def test_moe_decode_with_shared_expert(pool, batch):
     moved = SlotWeights(*(t[perm] for t in pool))
     where = torch.argsort(perm)
     assert torch.equal(moe_decode_triton(x, where[topk_slots], weights, moved, shared), y)
-    import ft.kernels.nvfp4.kernel as nvk  # the word decode in PTX (the default) or in Triton: the same bits
+    from ft.kernels.options import use_kernel_options, variant  # the word decode in PTX (default) or Triton: same bits
 
     routed = moe_over_slots_triton(x, topk_slots, weights[:, :TOP_K], pool)
-    saved, nvk.LANES_PTX = nvk.LANES_PTX, not nvk.LANES_PTX
-    try:
+    with use_kernel_options(variant("nvfp4-lanes-triton")):
         assert torch.equal(moe_decode_triton(x, topk_slots, weights, pool, shared), y)
         assert torch.equal(moe_over_slots_triton(x, topk_slots, weights[:, :TOP_K], pool), routed)
-    finally:
-        nvk.LANES_PTX = saved
 
 
 @pytest.mark.parametrize("batch", [1, 8])

@@ -54,10 +54,10 @@ from ft.kernels.attention import (
     write_kv_decode,
     write_kv_decode_ref,
 )
-from ft.kernels.attention.decode_tuning import NVFP4_PRMT_DEFAULT, NVFP4_PRMT_MAX_SPLITS, decode_split_count
+from ft.kernels.attention.decode_tuning import decode_split_count
 from ft.kernels.attention.kernel import paged_decode_attention_triton
 from ft.kernels.attention.reference import NVFP4_CACHE, quantize_kv
-from ft.kernels.attention.split import MAX_SPLITS
+from ft.kernels.options import kernel_options
 
 pytestmark = pytest.mark.gpu
 
@@ -264,9 +264,10 @@ def test_decode_step_shape_matrix(case: DecodeCase, monkeypatch):
     ref = paged_decode_attention_ref(q.float(), k_cache, v_cache, table, lens, scale,
                                      gate=None if gate is None else gate.float(), kv_scale=kv_scale)
     longest = max(case.lens)
-    prmt = case.kv == "nvfp4" and act != torch.float32 and NVFP4_PRMT_DEFAULT  # (every D here is a multiple of 64)
+    opts = kernel_options().decode_attention
+    prmt = case.kv == "nvfp4" and act != torch.float32 and opts.nvfp4_prmt  # (every D here is a multiple of 64)
     rule = decode_split_count(b, case.hkv, longest, torch.device(DEV), prmt)
-    ws = decode_attention_workspace(b, case.hq, case.d, max(MAX_SPLITS, NVFP4_PRMT_MAX_SPLITS), DEV)
+    ws = decode_attention_workspace(b, case.hq, case.d, max(opts.max_splits, opts.prmt_max_splits), DEV)
     attends = spy(monkeypatch, decode_kernels, "paged_decode_attention_triton")
     for path in ("rule", "other"):
         ws.acc.fill_(float("nan"))

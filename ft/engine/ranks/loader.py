@@ -12,6 +12,7 @@ import torch
 from ft.errors import UnsupportedModelError
 from ft.kernels import attention
 from ft.kernels.backend import uses_triton
+from ft.kernels.options import kernel_options
 from ft.kernels.moe import SlotWeights, moe_workspace_bytes
 from ft.kernels.nvfp4 import DEQUANT_MM_MIN_M
 from ft.model.checkpoint import CheckpointReader, load_weights
@@ -94,7 +95,7 @@ def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
             decoded = max(dense_out, dense_in) * cfg.hidden_size * torch.finfo(dtype).bits // 8
     library = 0
     if device.type == "cuda" and (kv_dtype or dtype) == dtype and dtype != torch.float32 \
-            and context_limit > attention.LIBRARY_GRANULE_KEYS and attention.LIBRARY_PREFILL_ON_CUDA:
+            and context_limit > attention.LIBRARY_GRANULE_KEYS and kernel_options().prefill_attention.library_on_cuda:
         library = attention.library_prefill_reserve(prefill_tokens, cfg.num_attention_heads, cfg.num_key_value_heads,
                                                     cfg.head_dim, torch.finfo(dtype).bits // 8)
     return prefill_tokens * per_token + moe + decoded + library + max_running * cfg.vocab_size * 4

@@ -31,6 +31,7 @@ from ft.kernels.attention.split import (
 )
 from ft.kernels.attention.library_prefill import library_prefill_attention
 from ft.kernels.backend import TRITON_DTYPES, debug_checks, uses_triton
+from ft.kernels.options import kernel_options
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +42,7 @@ __all__ = [
 ]
 
 
-LIBRARY_PREFILL_ON_CUDA = True
-"""CUDA prefill chunks after a long cached prefix (at least `LIBRARY_GRANULE_KEYS` positions) on an
-unquantized cache run `library_prefill.py` (cuDNN's fused attention over the prefix in segments,
-the Triton kernel over the rest, merged by log-sum-exp); False keeps every chunk on the Triton
-kernel (bench/prefill.py --library flips it). H200, flagship, one layer's 4,096-token chunk
-(bench/prefill_attention.py, 2026-12-01): 61,440 cached positions 8.44 -> 7.35 ms, 131,072
-17.83 -> 13.86, 258,048 34.66 -> 29.23; a 256K prompt (bench/prefill.py) 21.96 -> 20.08 s.
-Checked against the reference by tests/gpu/test_attention_cuda.py."""
+# which path a CUDA prefill chunk takes: `ft.kernels.options.PrefillAttentionOptions`
 
 LIBRARY_GRANULE_KEYS = 16384
 """The library path's granule: it takes the prefix's first floor(start / granule) * granule keys,
@@ -59,12 +53,6 @@ LIBRARY_SEGMENT_BYTES = 128 << 20
 65,536 keys of the flagship (2 kv heads, D 256, bf16); 64K-key segments measured 1.02x 32K ones."""
 
 _library_refused: list[str] = []  # why cuDNN refused once (then every chunk stays on Triton)
-
-PREFILL_TRITON_ON_CUDA = True
-"""CUDA prefill runs the Triton kernel (checked against the reference under the interpreter and, at
-flagship shapes, by tests/gpu on the H200, 2026-11-30). False sends CUDA prefill to the reference:
-bench/prefill.py flips it to time both in one run."""
-
 
 KV_SCALE_HEADROOM = 2.0
 """Calibrated layer scales put the calibrating batch's largest |K| (|V|) at 1/KV_SCALE_HEADROOM of the
@@ -94,8 +82,8 @@ def paged_attention(
     kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal prefill attention (`paged_attention_ref`'s contract). Dispatcher: the Triton kernel
-    (`prefill_kernel.py`) in interpreter tests, and on CUDA once `PREFILL_TRITON_ON_CUDA`; the
-    reference otherwise."""
+    (`prefill_kernel.py`) in interpreter tests, and on CUDA unless `PrefillAttentionOptions.triton_on_cuda`
+    is off; the reference otherwise."""
     if use_library_prefill(q, k_cache, start, kv_scale):
         try:
             return library_prefill_attention(q, k_cache, v_cache, page_table, start, scale,
@@ -106,7 +94,7 @@ def paged_attention(
             _library_refused.append(f"{type(exc).__name__}: {exc}")
             log.warning("cuDNN attention refused a long-prefix prefill chunk, the Triton kernel runs instead: %s",
                         str(exc).splitlines()[0][:200])
-    if uses_triton(q.device) and q.dtype in TRITON_DTYPES and (q.device.type != "cuda" or PREFILL_TRITON_ON_CUDA):
+    if uses_triton(q.device) and q.dtype in TRITON_DTYPES and (q.device.type != "cuda" or kernel_options().prefill_attention.triton_on_cuda):
         from ft.kernels.attention.prefill_kernel import paged_prefill_attention_triton  # NOTE: imports triton when used
 
         return paged_prefill_attention_triton(q, k_cache, v_cache, page_table, start, scale, kv_scale)
@@ -114,9 +102,9 @@ def paged_attention(
 
 
 def use_library_prefill(q: torch.Tensor, k_cache: torch.Tensor, start: int, kv_scale: torch.Tensor | None) -> bool:
-    """Whether `paged_attention` sends this chunk to the library path (LIBRARY_PREFILL_ON_CUDA; never
+    """Whether `paged_attention` sends this chunk to the library path (`PrefillAttentionOptions.library_on_cuda`; never
     inside `backend.reference_kernels()`)."""
-    return (LIBRARY_PREFILL_ON_CUDA and not _library_refused and q.device.type == "cuda" and uses_triton(q.device)
+    return (kernel_options().prefill_attention.library_on_cuda and not _library_refused and q.device.type == "cuda" and uses_triton(q.device)
             and start >= LIBRARY_GRANULE_KEYS and kv_scale is None and q.dtype in (torch.bfloat16, torch.float16)
             and k_cache.dtype == q.dtype and LIBRARY_GRANULE_KEYS % k_cache.shape[1] == 0)
 

@@ -40,13 +40,13 @@ default: q's even and odd columns against the low and high nibbles, each decoded
 in inline PTX, `ft.kernels.nvfp4.decode.e2m1_halves_f16_scaled`, in the form NVFP4_FORM picks (by
 byte permutes, or as E4M3 bytes converted two at a time, the default: values times 2**-6, undone in
 fp32); NVFP4_ASM is set on CUDA only, the interpreter runs a plain-Triton stand-in to the same
-values; its split count aims at NVFP4_PRMT_PROGRAMS_PER_SM programs an SM, held to
-NVFP4_PRMT_MAXNREG registers when over two), `NVFP4_F16` (fp16 dots
+values; its split count aims at `DecodeAttentionOptions.prmt_programs_per_sm` programs an SM, held
+to `.prmt_maxnreg` registers when over two), `NVFP4_F16` (fp16 dots
 over whole tiles decoded a 32-bit word at a time) and `NVFP4_HALVES` (the halves decoded byte-wise
 in fp32); whole byte-wise tiles (`dequant_tile`) below head dim 32. The decode, not the loads, bounds
 them: Triton runs uint8 arithmetic a byte per instruction. Measurements and block sizes:
-bench/decode_attention.py, bench/RESULTS.md (sessions 10-16); the constants that pick them:
-`decode_tuning.py`. A sequence of length 0 (a padding row)
+bench/decode_attention.py, bench/RESULTS.md (sessions 10-16); the options that pick them:
+`ft.kernels.options.DecodeAttentionOptions`, read by `decode_tuning.py` and here. A sequence of length 0 (a padding row)
 gives zeros.
 """
 
@@ -59,6 +59,7 @@ import triton.language as tl
 from ft.kernels.attention.reference import NVFP4_CACHE, cache_head_dim
 import ft.kernels.attention.decode_tuning as tuning
 from ft.kernels.backend import inline_ptx, sm_count
+from ft.kernels.options import kernel_options
 from ft.kernels.attention.split import DecodeWorkspace, decode_attention_workspace
 from ft.kernels.attention.decode_loops import _attend, _attend_nvfp4, _d_mask, _load_q
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
@@ -394,7 +395,7 @@ def paged_decode_attention_triton(
             reads in place; copied only when D's stride is not 1): the output is o * sigmoid(gate) in
             fp32, rounded once, by the single-pass or the combine kernel.
         config: block sizes and launch options overriding `decode_tuning.decode_config` (tests, benchmarks), and
-            COMBINE_BLOCK_D, the combine's columns per program.
+            COMBINE_BLOCK_D, the combine's columns per program (default `DecodeAttentionOptions.combine_block_d`).
         kv_scale: float32 [2] (K, V) scales of an fp8 or NVFP4 cache (required then; k_cache, v_cache
             [P, page_size, Hkv, D/2 + D/16] uint8 for NVFP4): K's is folded into the softmax scale,
             V's applied to the output.
@@ -428,7 +429,8 @@ def paged_decode_attention_triton(
         return out
     k_cache, v_cache, kvs, kv_flags = _kv_args(k_cache, v_cache, kv_scale, q)
     cfg = {**tuning.decode_config(d, hq // hkv, q.dtype), **(config or {})}
-    block_dc = min(cfg["BLOCK_D"], cfg.pop("COMBINE_BLOCK_D", tuning.COMBINE_BLOCK_D))  # (the combine's, not the split's)
+    opts = kernel_options().decode_attention
+    block_dc = min(cfg["BLOCK_D"], cfg.pop("COMBINE_BLOCK_D", opts.combine_block_d))  # (the combine's, not the split's)
     cfg["NVFP4_HALVES"] = bool(cfg["NVFP4_HALVES"]) and kv_flags["KV_NVFP4"] and cfg["BLOCK_D"] >= 32  # halves: dot K >= 16
     cfg["EVEN_D"] = d == cfg["BLOCK_D"]  # no mask along D: vectorized K/V loads
     cfg["NVFP4_F16"] = bool(cfg["NVFP4_F16"]) and kv_flags["KV_NVFP4"] and q.dtype != torch.float32
@@ -440,17 +442,17 @@ def paged_decode_attention_triton(
                          and cfg["EVEN_D"] and d % 64 == 0)
     cfg["NVFP4_ASM"] = cfg["NVFP4_PRMT"] and bool(cfg.get("NVFP4_ASM", True)) and inline_ptx(q.device)
     if cfg["NVFP4_PRMT"] and not (config or {}).get("BLOCK_N"):
-        cfg["BLOCK_N"] = tuning.NVFP4_PRMT_BLOCK_N
+        cfg["BLOCK_N"] = opts.prmt_block_n
     if cfg["NVFP4_PRMT"] and not (config or {}).get("num_stages"):
-        cfg["num_stages"] = tuning.NVFP4_PRMT_STAGES
-    cfg["NVFP4_FORM"] = int(cfg.get("NVFP4_FORM", tuning.NVFP4_PRMT_FORM)) if cfg["NVFP4_PRMT"] else 0
+        cfg["num_stages"] = opts.prmt_stages
+    cfg["NVFP4_FORM"] = int(cfg.get("NVFP4_FORM", opts.prmt_form)) if cfg["NVFP4_PRMT"] else 0
     if cfg["NVFP4_PRMT"] and not (config or {}).get("num_warps"):
-        cfg["num_warps"] = tuning.NVFP4_PRMT_WARPS
+        cfg["num_warps"] = opts.prmt_warps
     if splits is None:
         splits = tuning.decode_split_count(b, hkv, max_seq_len or page_table.shape[1] * page, q.device, cfg["NVFP4_PRMT"])
-    if (cfg["NVFP4_PRMT"] and tuning.NVFP4_PRMT_MAXNREG and "maxnreg" not in cfg and splits > 1
+    if (cfg["NVFP4_PRMT"] and opts.prmt_maxnreg and "maxnreg" not in cfg and splits > 1
             and b * hkv * splits > 2 * sm_count(q.device)):
-        cfg["maxnreg"] = tuning.NVFP4_PRMT_MAXNREG
+        cfg["maxnreg"] = opts.prmt_maxnreg
     common = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0))
     scale2 = scale * LOG2E

@@ -10,12 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ft.kernels.options import kernel_options
+
 SPLIT_MIN_TOKENS = 256
 """Tokens of the declared maximum context per split at least: shorter contexts run single-pass."""
-SPLIT_TARGET_PROGRAMS = 264
-"""Programs (sequence x kv head x split) the split count aims at: two per SM of an H200 (132 SMs)."""
-MAX_SPLITS = 128
-"""Upper bound of the split count (workspace rows per sequence)."""
+# the split count's target programs and bound: `ft.kernels.options.DecodeAttentionOptions`
 
 
 def decode_attention_splits(batch: int, num_kv_heads: int, max_seq_len: int, *, target_programs: int | None = None,
@@ -23,15 +22,16 @@ def decode_attention_splits(batch: int, num_kv_heads: int, max_seq_len: int, *, 
     """Split count of `paged_decode_attention` for a batch whose contexts are at most `max_seq_len` tokens.
 
     min(cdiv(max_seq_len, SPLIT_MIN_TOKENS), cdiv(target_programs, batch * num_kv_heads), max_splits),
-    at least 1 (defaults SPLIT_TARGET_PROGRAMS and MAX_SPLITS; a kernel that fits more programs an
+    at least 1 (defaults `DecodeAttentionOptions.split_target_programs` and `.max_splits`; a kernel that fits more programs an
     SM passes its own); 1 means the single-pass kernel. It depends on declared sizes only, so
     a CUDA graph captured with it stays right for every step. The count changes speed, never the
     result's meaning: each program splits its sequence's actual length into that many chunks, so
     a sequence longer than `max_seq_len` is still attended in full.
     """
     by_len = -(-max(max_seq_len, 1) // SPLIT_MIN_TOKENS)
-    by_programs = -(-(target_programs or SPLIT_TARGET_PROGRAMS) // max(batch * num_kv_heads, 1))
-    return max(1, min(by_len, by_programs, max_splits or MAX_SPLITS))
+    opts = kernel_options().decode_attention
+    by_programs = -(-(target_programs or opts.split_target_programs) // max(batch * num_kv_heads, 1))
+    return max(1, min(by_len, by_programs, max_splits or opts.max_splits))
 
 
 @dataclass(frozen=True)

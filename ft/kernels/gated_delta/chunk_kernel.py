@@ -34,7 +34,7 @@ found from the id by a binary search over cu_seqlens. No host sync, grids from s
 
 Precision: the dots take their operands in the activation dtype (bf16 on the model's GPU path;
 fp32 with exact "ieee" products when the activations are fp32) and accumulate in fp32; the solve for
-T alone runs on fp32 operands (SOLVE_PRECISION: tf32 on the GPU for 16-bit activations, "ieee" for
+T alone runs on fp32 operands (`GatedDeltaOptions.solve_precision`: tf32 on the GPU for 16-bit activations, "ieee" for
 fp32), T then rounded to the activation dtype for the products w and u (which are stored in it
 anyway); w, u and A are stored in the activation dtype; the state stays fp32 and is rounded to the
 activation dtype only as a dot operand. So bf16 results differ from the fp32 references by a few
@@ -57,6 +57,7 @@ import triton.language as tl
 from ft.kernels.backend import TRITON_DTYPES
 from ft.kernels.conv1d.kernel import _check_varlen, _find_seq, search_iters
 from ft.kernels.fit import fallback_stages, launch_fitting
+from ft.kernels.options import kernel_options
 
 __all__ = ["CHUNK", "MAX_DK", "PREP_MIN_BLOCK", "chunk_gated_delta_rule_varlen_triton", "prep_config", "state_config",
            "state_configs"]
@@ -68,10 +69,7 @@ MAX_DK = 256
 """The largest key (and value) head dim taken: tiles [CHUNK, Dk] and [Dk, BLOCK_V] live in registers."""
 TARGET_PROGRAMS = 128
 """The state kernel narrows BLOCK_V while its grid has fewer programs than this (an H200 has 132 SMs)."""
-SOLVE_PRECISION = "tf32"
-"""Dot precision of the triangular solve's fp32 products on the GPU for 16-bit activations. Measured on
-the H200 at 4,096 tokens: the same error of o as "tf32x3" and "ieee" (4.17e-3, bf16 storage dominates)
-at 0.25 ms for the prep kernel against 0.64 and 5.0."""
+# the solve's dot precision for 16-bit activations: `ft.kernels.options.GatedDeltaOptions.solve_precision`
 
 FP32_PREP_WARPS = 16
 """The prep kernel's warps for fp32 activations. Its exact ("ieee") fp32 products spill: per thread at
@@ -236,9 +234,9 @@ def _chunk_state_kernel(
 
 
 def _precisions(dtype: torch.dtype) -> tuple[str, str]:
-    """(PRECISION, SOLVE_PRECISION): exact products for fp32 activations, else SOLVE_PRECISION's tf32
+    """(PRECISION, SOLVE_PRECISION): exact products for fp32 activations, else the options' tf32
     for the fp32 solve (16-bit operands are exact in either)."""
-    return ("ieee", "ieee") if dtype == torch.float32 else ("ieee", SOLVE_PRECISION)
+    return ("ieee", "ieee") if dtype == torch.float32 else ("ieee", kernel_options().gated_delta.solve_precision)
 
 
 def prep_config(dk: int, dv: int, dtype: torch.dtype) -> dict:

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
-import ft.kernels.nvfp4.kernel as nvfp4_kernel
+from ft.kernels.options import kernel_options
 from ft.kernels.backend import inline_ptx
 from ft.kernels.moe.kernel import _moe_sum_pairs_kernel
 from ft.kernels.norm.kernel import _rstd, _warps, add_rms_norm_triton
@@ -375,7 +375,7 @@ def moe_decode_triton(
     if has_dst and not whole13:
         raise ValueError("topk_dst needs the gate/up pass over whole-K tiles (BLOCK_W 0, H / 8 = 2^a or 2^a + 2^b, "
                          "2^a <= 1024)")
-    asm = nvfp4_kernel.LANES_PTX and inline_ptx(x.device)  # the whole-K tiles' word decode in PTX
+    asm = kernel_options().nvfp4.lanes_ptx and inline_ptx(x.device)  # the whole-K tiles' word decode in PTX
     _moe_decode_gate_up_kernel[(t * ks, triton.cdiv(i, block_i))](
         x, slots, ids, dst, w13, s13, s2, sw13, ss13, ss2, hw13, hs13, hs2, h, i, hid,
         x.stride(0), slots.stride(0), ids.stride(0), dst.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),

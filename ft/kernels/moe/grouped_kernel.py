@@ -13,7 +13,7 @@ Each tile is a GEMM against its slot's weights, dequantized tile by tile in regi
 
 An expert's weights are read and dequantized once per tile of its pairs, so the cost per token
 falls with the pairs per expert: the caller passes whole prefill chunks (up to
-`GROUPED_MAX_TOKENS` tokens per pass, a bound on the workspace), not slices of them.
+`MoeOptions.grouped_max_tokens` tokens per pass, a bound on the workspace), not slices of them.
 
 Dequantized tiles are exact in any dot dtype (an E2M1 value, 2 significant bits, times an E4M3
 scale, 4 bits); the per-slot global scales are applied in the epilogues. Measured and dropped
@@ -28,18 +28,13 @@ import triton
 import triton.language as tl
 
 from ft.kernels.moe.pair_tiles import group_pairs
+from ft.kernels.options import kernel_options
 from ft.kernels.nvfp4.decode import dequant_tile, words_tile_f16
 
-__all__ = ["GROUPED_CONFIG", "GROUPED_CONFIG_SHORT", "GROUPED_SHORT_TOKENS", "GROUPED_WORDS", "grouped_config_for",
+__all__ = ["GROUPED_CONFIG", "GROUPED_CONFIG_SHORT", "GROUPED_SHORT_TOKENS", "grouped_config_for",
            "grouped_moe", "grouped_pairs", "sum_live_pairs"]
 
-GROUPED_WORDS = True
-"""Decode the weight tiles a 32-bit word of codes at a time in fp16 (`_tile_dot`'s WORDS), where the
-pool's rows allow. Statically (sm_90 SASS, tests/compile_kernels_sm90.py --loops, session 12) the
-gate_up loop goes from 802 to 520 instructions a step (down 833 -> 554, the short tile 1,453 ->
-884): Triton runs the byte-wise decode's uint8 arithmetic one byte per instruction. H200
-(`bench/moe_prefill.py --words`, one layer, 512 experts, top-10, 2026-12-01): 1,024 tokens 1.131 ->
-0.868 ms (1.30x), 4,096 tokens 1.959 -> 1.790 ms (1.09x), the same error against the reference."""
+# the word-wise weight decode is an option: `ft.kernels.options.MoeOptions.grouped_words`
 
 GROUPED_CONFIG = ((128, 64, 64, 4, 4, True), (128, 64, 128, 4, 3, True))
 """(gate_up's tile, down's tile), each (BLOCK_M pairs, BLOCK_N rows, BLOCK_K, num_warps, num_stages,
@@ -207,7 +202,7 @@ def grouped_pairs(x, slots, wts, k, w13, s13, w2, s2w, s2, y_pairs, i, cfg, dist
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     g = start.numel()
     # word loads need 4-byte aligned rows and k steps (BLOCK_K / 2 bytes)
-    words = GROUPED_WORDS and all(t.stride(1) % 4 == 0 for t in (w13, w2)) and w13.data_ptr() % 16 == 0 \
+    words = kernel_options().moe.grouped_words and all(t.stride(1) % 4 == 0 for t in (w13, w2)) and w13.data_ptr() % 16 == 0 \
         and w2.data_ptr() % 16 == 0
     _, bn13, bk13, warps13, stages13, *rest13 = cfg13
     bn13, bk13 = min(bn13, triton.next_power_of_2(i)), min(bk13, triton.next_power_of_2(hid))

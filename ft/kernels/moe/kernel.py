@@ -35,9 +35,8 @@ import triton.language as tl
 
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
-import ft.kernels.nvfp4.kernel as nvfp4_kernel
+from ft.kernels.options import kernel_options
 from ft.kernels.backend import inline_ptx
-from ft.kernels.moe.slots import GROUPED_MAX_TOKENS
 from ft.kernels.moe.grouped_kernel import grouped_config_for, grouped_moe, grouped_pairs, sum_live_pairs
 from ft.kernels.nvfp4.kernel import as_words, whole_k_words
 from ft.kernels.nvfp4.rows import nvfp4_rows_dot, rows_dot_whole_k
@@ -200,8 +199,9 @@ def moe_over_slots_triton(
         return y
     if grouped if grouped is not None else t > GROUPED_MIN_TOKENS:
         w13, w2 = w.w13.contiguous(), w.w2.contiguous()
-        for a in range(0, t, GROUPED_MAX_TOKENS):  # bounded workspace (`ft.kernels.moe.moe_workspace_bytes`)
-            b = min(t, a + GROUPED_MAX_TOKENS)
+        step = kernel_options().moe.grouped_max_tokens
+        for a in range(0, t, step):  # bounded workspace (`ft.kernels.moe.moe_workspace_bytes`)
+            b = min(t, a + step)
             grouped_moe(x[a:b], slots[a * k : b * k], wts[a * k : b * k], k, w13, s13, w2, s2w, s2, y[a:b], i,
                         grouped_config or grouped_config_for(b - a), distinct_slots)
         return y
@@ -214,7 +214,7 @@ def moe_over_slots_triton(
     whole2 = whole_k_words(i) if bw2 == 0 else 0
     bw13 = max(2, min(bw13 or 64, triton.next_power_of_2(hid // 8)))
     bw2 = max(2, min(bw2 or 64, triton.next_power_of_2(i // 8)))
-    asm = nvfp4_kernel.LANES_PTX and inline_ptx(x.device)  # the whole-K tiles' word decode in PTX
+    asm = kernel_options().nvfp4.lanes_ptx and inline_ptx(x.device)  # the whole-K tiles' word decode in PTX
     _moe_gate_up_kernel[(t * k, triton.cdiv(i, block_i))](
         x, slots, w13, s13, s2, h, i, hid, k,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s2.stride(0), h.stride(0),
@@ -255,7 +255,7 @@ def moe_over_pools_triton(x: torch.Tensor, topk_weights: torch.Tensor, passes, *
                           distinct_slots: int | None = None) -> torch.Tensor:
     """`moe_over_slots_triton`'s grouped path with the pairs' experts spread over several NVFP4 pools
     (`ft.kernels.moe.moe_over_pools`'s contract): each pass's grouped GEMMs (`grouped_pairs`, in
-    token chunks of GROUPED_MAX_TOKENS) fill their pairs' rows of one y_pairs [T * k, H] in x's dtype,
+    token chunks of `MoeOptions.grouped_max_tokens`) fill their pairs' rows of one y_pairs [T * k, H] in x's dtype,
     enqueued before the next pass is drawn; one ordered sum over the pairs live in any pass. The same
     bits as one grouped `moe_over_slots_triton` over a pool holding every expert. distinct_slots:
     a bound on the distinct values of each pass's slots, -1 included (default: its pool's slots + 1)."""
@@ -273,8 +273,9 @@ def moe_over_pools_triton(x: torch.Tensor, topk_weights: torch.Tensor, passes, *
         s13, s2w = w.w13_scale.contiguous().view(torch.uint8), w.w2_scale.contiguous().view(torch.uint8)
         s2 = w.scale_2.float().contiguous()
         w13, w2 = w.w13.contiguous(), w.w2.contiguous()
-        for a in range(0, t, GROUPED_MAX_TOKENS):
-            b = min(t, a + GROUPED_MAX_TOKENS)
+        step = kernel_options().moe.grouped_max_tokens
+        for a in range(0, t, step):
+            b = min(t, a + step)
             grouped_pairs(x[a:b], slots[a * k : b * k], wts[a * k : b * k], k, w13, s13, w2, s2w, s2,
                           y_pairs[a * k : b * k], i, grouped_config_for(b - a), distinct_slots)
         torch.maximum(live, slots, out=live)

@@ -6,6 +6,8 @@ from typing import NamedTuple
 
 import torch
 
+from ft.kernels.options import kernel_options
+
 
 class SlotWeights(NamedTuple):
     """The slot pool of one expert cache.
@@ -26,11 +28,7 @@ class SlotWeights(NamedTuple):
         return self.w13_scale is not None
 
 
-GROUPED_MAX_TOKENS = 4096
-"""The Triton MoE's grouped path takes at most this many tokens per pass (longer chunks are cut),
-which bounds its workspace (`moe_workspace_bytes`). Each pass reads every expert it routes to once
-per tile of its pairs, so longer passes cost less per token: on the H200 a 4,096-token chunk's
-routed experts took 2.9 ms in one pass against 5.8 ms in passes of 1,024 (bench/RESULTS.md)."""
+# tokens per grouped pass: an option, `ft.kernels.options.MoeOptions.grouped_max_tokens`
 
 
 def moe_workspace_bytes(tokens: int, top_k: int, hidden: int, intermediate: int, elem_bytes: int = 2) -> int:
@@ -39,14 +37,14 @@ def moe_workspace_bytes(tokens: int, top_k: int, hidden: int, intermediate: int,
     path, in fp32 on the per-pair path (at most `PER_PAIR_MAX_TOKENS` tokens); the larger of the
     two. The engine adds it to its activation reserve."""
     per_pair = top_k * (intermediate + hidden)
-    return max(min(tokens, GROUPED_MAX_TOKENS) * per_pair * elem_bytes, min(tokens, PER_PAIR_MAX_TOKENS) * per_pair * 4)
+    return max(min(tokens, kernel_options().moe.grouped_max_tokens) * per_pair * elem_bytes, min(tokens, PER_PAIR_MAX_TOKENS) * per_pair * 4)
 
 
 def moe_pools_workspace_bytes(tokens: int, top_k: int, hidden: int, intermediate: int, elem_bytes: int = 2) -> int:
     """Bytes `moe_over_pools`'s Triton path allocates for a chunk of `tokens` tokens: the per-pair
     outputs of the whole chunk (the passes fill them in turn; one sum at the end) and one token
     slice's intermediate h, in the activations' dtype (`elem_bytes`)."""
-    return tokens * top_k * hidden * elem_bytes + min(tokens, GROUPED_MAX_TOKENS) * top_k * intermediate * elem_bytes
+    return tokens * top_k * hidden * elem_bytes + min(tokens, kernel_options().moe.grouped_max_tokens) * top_k * intermediate * elem_bytes
 
 
 PER_PAIR_MAX_TOKENS = 128

@@ -29,7 +29,7 @@ Two kernels:
   scaled, cast to x's dtype, even/odd elements interleaved with ``tl.join``; measured faster
   inside ``tl.dot`` than the word-wise decode) with fp32 accumulation; fp32 x uses
   ``input_precision="ieee"``. The 16-row tile (bf16/fp16 x) takes the halves instead
-  (`DOT_HALVES`, `_halves_step`): x's even and odd columns against the low and high nibbles,
+  (`Nvfp4Options.dot_halves`, `_halves_step`): x's even and odd columns against the low and high nibbles,
   decoded by byte permutes in inline PTX (1.06-1.10x on the H200 at M = 8).
 
 Where the time goes (SASS compiled for sm_90, triton 3.6): about 6.5 instructions per weight
@@ -49,30 +49,19 @@ import triton
 import triton.language as tl
 
 from ft.kernels.backend import inline_ptx
+from ft.kernels.options import kernel_options
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 from ft.kernels.nvfp4.decode import _e4m3, dequant_tile, e2m1_halves_bf16, e2m1_halves_f16
 from ft.kernels.nvfp4.rows import (_decode_whole_k, _dot_lanes, _load_whole_k, _whole_k_row, _whole_k_tile, _x_lanes,
                                    nvfp4_rows_dot, rows_dot_whole_k)
 
-__all__ = ["DOT_HALVES", "SMALL_M", "nvfp4_linear_triton"]
+__all__ = ["SMALL_M", "nvfp4_linear_triton"]
 
 SMALL_M = 2
 """Rows of x up to which the GEMV kernel runs; above it the ``tl.dot`` kernel (with a 16-row
 tile for M <= 16, the small-M decode case)."""
-SMALL_M_WHOLE_K = True
-"""`_path`'s whole-K GEMV at M = 3..8 on the shapes where it beat the 16-row tile (out_proj, the
-experts' gate_up); off: those take the tile too (bench/decode.py --no-small-m-gemv)."""
-DOT_HALVES = True
-"""The small-M ``tl.dot`` tile (M <= 16, bf16 or fp16 x) takes x's even and odd columns against the
-weight's low and high nibbles, each decoded straight to x's dtype by byte permutes in inline PTX
-(`e2m1_halves_bf16` / `_f16`): two dots per K step, no interleave (`_halves_step`). Statically
-(sm_90 SASS, M = 8, 32 x 256 tile) the K step takes 561 instructions against 799 for the
-interleaved byte-wise decode (`dequant_tile`)."""
-
-LANES_PTX = True
-"""The whole-K tiles (the M <= 8 GEMV here, the decode MoE kernels) decode a word's 8 elements to
-fp32 by `e2m1_word_lanes_f32`'s inline PTX on a CUDA device (the same values as the Triton form,
-fewer instructions); off: the Triton form (benchmarks' A/B)."""
+# the variants of this file's decode (the whole-K GEMV at small M, the tile's halves, the words' PTX)
+# are options: `ft.kernels.options.Nvfp4Options`
 
 
 @triton.jit
@@ -222,7 +211,7 @@ def _path(m: int, n: int, k: int) -> str:
     # tile took 19.2, then 14.7). tl.dot elsewhere.
     if m <= SMALL_M:
         return "gemv"
-    return "gemv" if SMALL_M_WHOLE_K and m <= 8 and n <= 2048 and whole_k_words(k) == 256 else "dot"
+    return "gemv" if kernel_options().nvfp4.small_m_whole_k and m <= 8 and n <= 2048 and whole_k_words(k) == 256 else "dot"
 
 
 def whole_k_words(k: int) -> int:
@@ -264,12 +253,12 @@ def _dot_config(m: int, n: int, k: int) -> dict:
 
 def dot_launch_config(x: torch.Tensor, packed: torch.Tensor, config: dict | None = None) -> dict:
     """`_nvfp4_dot_kernel`'s constexprs and launch options for x [M, K] and packed [N, K/2]: `config`
-    (whole, benchmarks and tests) or `_dot_config`'s, with what the tensors allow: EVEN_K, HALVES (DOT_HALVES at M <= 16, fp16/bf16 x, whole 64-column tiles, x rows on 4-byte
+    (whole, benchmarks and tests) or `_dot_config`'s, with what the tensors allow: EVEN_K, HALVES (`Nvfp4Options.dot_halves` at M <= 16, fp16/bf16 x, whole 64-column tiles, x rows on 4-byte
     boundaries) and ASM (the halves' inline PTX, off in the interpreter or by config)."""
     (m, k), n = x.shape, packed.shape[0]
     cfg = dict(config or _dot_config(m, n, k))
     cfg["EVEN_K"] = k % cfg["BLOCK_K"] == 0
-    cfg["HALVES"] = bool(cfg.get("HALVES", DOT_HALVES and m <= 16)) and cfg["EVEN_K"] and x.dtype != torch.float32 \
+    cfg["HALVES"] = bool(cfg.get("HALVES", kernel_options().nvfp4.dot_halves and m <= 16)) and cfg["EVEN_K"] and x.dtype != torch.float32 \
         and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and cfg["BLOCK_K"] % 64 == 0 and not cfg.get("SWAP_AB")
     cfg["ASM"] = cfg["HALVES"] and bool(cfg.get("ASM", True)) and inline_ptx(x.device)
     return cfg
@@ -325,7 +314,7 @@ def nvfp4_linear_triton(
         if cfg["BLOCK_M"] < m:
             raise ValueError(f"BLOCK_M {cfg['BLOCK_M']} < M {m}")
         cfg["WHOLE_K"] = whole_k_words(k) if cfg.pop("WHOLE_K", False) else 0
-        cfg["ASM"] = bool(cfg.get("ASM", LANES_PTX)) and cfg["WHOLE_K"] > 0 and inline_ptx(x.device)
+        cfg["ASM"] = bool(cfg.get("ASM", kernel_options().nvfp4.lanes_ptx)) and cfg["WHOLE_K"] > 0 and inline_ptx(x.device)
         words = as_words(packed)
         _nvfp4_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             x, words, scale_u8, s2, y, m, n, k, x.stride(0), words.stride(0), scale_u8.stride(0), y.stride(0), **cfg,

@@ -1,0 +1,220 @@
+"""Kernel options as data: one frozen options object per operation, the chosen defaults in one place,
+variants selected by name.
+
+The dispatchers read `kernel_options()` when they launch (a few attribute reads; a CUDA graph holds
+what was read at capture). Nothing overwrites a module global to pick a path: a benchmark or test
+builds the options it wants (`variant("nvfp4-lanes-triton")`, or `dataclasses.replace`) and runs
+inside `use_kernel_options(...)`, which puts the previous options back on exit. A variant stays
+only with a measured reason (bench/RESULTS.md); one that loses its measurement is deleted here and
+in its kernel, its figures kept in RESULTS.md.
+
+Operations covered so far: the NVFP4 GEMV / tile decode (`Nvfp4Options`), the Triton MoE's grouped
+prefill (`MoeOptions`), Gated DeltaNet's chunked prefill (`GatedDeltaOptions`), prefill attention's
+paths on CUDA (`PrefillAttentionOptions`), the paged decode attention's launch choices
+(`DecodeAttentionOptions`) and programmatic dependent launch (`LaunchOptions`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+__all__ = ["DecodeAttentionOptions", "GatedDeltaOptions", "KernelOptions", "LaunchOptions", "MoeOptions", "Nvfp4Options",
+           "PrefillAttentionOptions", "VARIANTS", "kernel_options", "set_kernel_options", "use_kernel_options", "variant"]
+
+
+@dataclass(frozen=True)
+class Nvfp4Options:
+    """The NVFP4 weight decode in the GEMV and tile kernels (`ft.kernels.nvfp4`, the decode MoE).
+
+    small_m_whole_k: the whole-K GEMV at M = 3..8 on the shapes where it beat the 16-row tile
+    (out_proj, the experts' gate_up); off: those take the tile too.
+    dot_halves: the small-M ``tl.dot`` tile (M <= 16, bf16 or fp16 x) takes x's even and odd
+    columns against the weight's low and high nibbles, each decoded straight to x's dtype by byte
+    permutes in inline PTX: two dots per K step, no interleave (sm_90 SASS, M = 8, 32 x 256 tile:
+    561 instructions a K step against 799 for the interleaved byte-wise decode).
+    lanes_ptx: the whole-K tiles (the M <= 8 GEMV, the decode MoE kernels) decode a word's 8
+    elements to fp32 in inline PTX on a CUDA device (the same values as the Triton form, fewer
+    instructions); off: the Triton form."""
+
+    small_m_whole_k: bool = True
+    dot_halves: bool = True
+    lanes_ptx: bool = True
+
+
+@dataclass(frozen=True)
+class MoeOptions:
+    """The Triton MoE's grouped (prefill) path (`ft.kernels.moe`).
+
+    grouped_words: decode the weight tiles a 32-bit word of codes at a time in fp16 where the pool's
+    rows allow (sm_90 SASS: the gate_up loop 802 -> 520 instructions a step, down 833 -> 554; H200,
+    bench/moe_prefill.py --words, one layer of 512 experts, top-10: 1,024 tokens 1.131 -> 0.868 ms,
+    4,096 tokens 1.959 -> 1.790 ms, the same error against the reference).
+    grouped_max_tokens: tokens per grouped pass at most (longer chunks are cut), which bounds the
+    workspace (`moe_workspace_bytes`); longer passes read each routed expert fewer times (H200: a
+    4,096-token chunk's routed experts in 2.9 ms in one pass against 5.8 ms in passes of 1,024)."""
+
+    grouped_words: bool = True
+    grouped_max_tokens: int = 4096
+
+
+@dataclass(frozen=True)
+class GatedDeltaOptions:
+    """Gated DeltaNet's chunked prefill (`ft.kernels.gated_delta.chunk_kernel`).
+
+    solve_precision: the fp32 solve for T on the GPU with 16-bit activations ("tf32", "tf32x3" or
+    "ieee"; fp32 activations always solve in "ieee"). H200, 4,096 tokens: the same error of o with
+    each (4.17e-3, bf16 storage dominates) at 0.25 ms for the prep kernel against 0.64 and 5.0."""
+
+    solve_precision: str = "tf32"
+
+
+@dataclass(frozen=True)
+class PrefillAttentionOptions:
+    """Which path a CUDA prefill chunk's attention takes (`ft.kernels.attention.paged_attention`).
+
+    triton_on_cuda: the Triton kernel (off: the torch reference, for timing both in one run).
+    library_on_cuda: chunks after a long cached prefix on an unquantized cache run the library path
+    (cuDNN's fused attention over the prefix in segments, merged with the Triton kernel's part; H200,
+    flagship, one layer's 4,096-token chunk, bench/prefill_attention.py: 61,440 cached positions 8.44 ->
+    7.35 ms, 131,072 17.83 -> 13.86, 258,048 34.66 -> 29.23; a 256K prompt 21.96 -> 20.08 s)."""
+
+    triton_on_cuda: bool = True
+    library_on_cuda: bool = True
+
+
+@dataclass(frozen=True)
+class DecodeAttentionOptions:
+    """The paged decode attention's launch choices (`ft.kernels.attention.kernel`,
+    `decode_tuning.decode_config`, `split.decode_attention_splits`).
+
+    nvfp4_f16: an NVFP4 cache's fp16 dots over word-decoded fp16 tiles (q rounded to fp16 once; an
+    fp32 q keeps the exact path), 64 keys a step. H200 (bench/decode_attention.py, 16/2 heads, D 256,
+    2026-12-01): 92.2 us at a 128K context against 120.3 for the byte-wise halves, 19.7 against 24.8
+    at 4K; rel RMS against the reference 1.7e-3 (halves 2.2e-3). Taken where nvfp4_prmt is not.
+    nvfp4_prmt: the NVFP4 halves decoded straight to fp16 in inline PTX (`ft.kernels.nvfp4.decode.
+    e2m1_halves_f16`, ~3 instructions an element), fp16 dots. H200 (2026-12-02): 128K 87.5 us for
+    nvfp4_f16 -> 71.2 us (64 keys, 3 stages; 78.1 with 2 stages, 73.3 at 128 keys, 82.5 at 32, 97.6
+    in 8 warps), 4K 19.4 -> 17.1 us.
+    prmt_block_n, prmt_stages, prmt_warps: its keys a step, pipeline stages and warps a program.
+    prmt_form: its decode form (`e2m1_halves_f16_scaled`'s FORM: HALVES_PRMT 0, HALVES_BITS 1,
+    HALVES_CVT 2; the same output bits). H200, one layer: 128K 70.9 / 71.1 us (byte permutes) -> 68.3
+    / 68.5 (E4M3 bytes converted two at a time), 72.3 with the bits placed; with prmt_maxnreg and three
+    programs an SM 65.2-65.9 us (the bits form 66.3, byte permutes 71.1).
+    prmt_maxnreg: registers per thread its split kernel is held to (ptxas maxnreg; 0: the compiler's
+    choice) when the grid holds more than two programs an SM: the loop is latency-bound at two, and
+    168 make room for three, at the cost of some spills (8 warps at 128 registers: 72.0 us at 128K;
+    4 warps at 128, four programs: 69.2).
+    prmt_programs_per_sm: programs an SM its split count aims at (0: `split`'s own rule, two an SM
+    of an H200); prmt_max_splits: its split count at most.
+    combine_block_d: head-dim columns per program of the split-K combine (the whole head when
+    smaller). H200, flagship heads, batch 1: 128 splits (128K) 9.3 -> 4.4 us against one program a
+    head, 16 splits (4K) 2.2 -> 1.8 us.
+    split_target_programs: programs (sequence x kv head x split) the split count aims at for the
+    other loops: two an SM of an H200 (132 SMs); max_splits: their split count at most (workspace
+    rows per sequence)."""
+
+    nvfp4_f16: bool = True
+    nvfp4_prmt: bool = True
+    prmt_block_n: int = 64
+    prmt_stages: int = 3
+    prmt_form: int = 2
+    prmt_maxnreg: int = 168
+    prmt_programs_per_sm: int = 3
+    prmt_max_splits: int = 256
+    prmt_warps: int = 4
+    combine_block_d: int = 64
+    split_target_programs: int = 264
+    max_splits: int = 128
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How the decode path's kernels launch (`ft.kernels.pdl`).
+
+    pdl: programmatic dependent launch on compute capability 9.0 or later. Off: not yet measured on
+    the flagship (`ft.kernels.pdl`'s docstring); the kernels give the same bits either way."""
+
+    pdl: bool = False
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Every operation's options; `kernel_options()` is the one in force."""
+
+    nvfp4: Nvfp4Options = field(default_factory=Nvfp4Options)
+    moe: MoeOptions = field(default_factory=MoeOptions)
+    gated_delta: GatedDeltaOptions = field(default_factory=GatedDeltaOptions)
+    prefill_attention: PrefillAttentionOptions = field(default_factory=PrefillAttentionOptions)
+    decode_attention: DecodeAttentionOptions = field(default_factory=DecodeAttentionOptions)
+    launch: LaunchOptions = field(default_factory=LaunchOptions)
+
+    def with_(self, **changes: object) -> KernelOptions:
+        """These options with `changes` keyed "operation.field" (e.g. ``nvfp4.lanes_ptx=False`` as
+        ``**{"nvfp4.lanes_ptx": False}``). Raises ValueError for a key that names nothing."""
+        groups: dict[str, dict[str, object]] = {}
+        for key, value in changes.items():
+            op, _, name = key.partition(".")
+            group = getattr(self, op, None) if op in {f.name for f in dataclasses.fields(self)} else None
+            if group is None or name not in {f.name for f in dataclasses.fields(group)}:
+                raise ValueError(f"kernel options: no option {key!r}")
+            groups.setdefault(op, {})[name] = value
+        return dataclasses.replace(self, **{op: dataclasses.replace(getattr(self, op), **fields)
+                                            for op, fields in groups.items()})
+
+
+DEFAULTS = KernelOptions()
+"""The chosen defaults (each field's docstring says why)."""
+
+VARIANTS: dict[str, dict[str, object]] = {
+    "nvfp4-tile-small-m": {"nvfp4.small_m_whole_k": False},  # bench/decode.py --no-small-m-gemv
+    "nvfp4-lanes-triton": {"nvfp4.lanes_ptx": False},  # bench/decode.py --no-lanes-ptx, bench/moe_decode.py
+    "nvfp4-dot-interleaved": {"nvfp4.dot_halves": False},  # bench/decode.py --no-dot-halves
+    "moe-bytes": {"moe.grouped_words": False},  # bench/moe_prefill.py, bench/prefill.py
+    "attention-prefill-reference": {"prefill_attention.triton_on_cuda": False},  # bench/prefill.py --modes
+    "attention-prefill-triton-only": {"prefill_attention.library_on_cuda": False},  # bench/prefill.py --library
+    "gated-delta-solve-ieee": {"gated_delta.solve_precision": "ieee"},  # bench/gated_delta_prefill.py
+    "pdl": {"launch.pdl": True},  # bench/decode.py --modes pdl, bench/ladder.py --pdl
+    "attention-nvfp4-f16": {"decode_attention.nvfp4_prmt": False},  # bench/decode.py --no-prmt, decode_attention.py
+}
+"""Named variants a benchmark or test selects: the changes from `DEFAULTS` each one makes."""
+
+_current: KernelOptions = DEFAULTS
+
+
+def kernel_options() -> KernelOptions:
+    """The options in force."""
+    return _current
+
+
+def variant(*names: str, base: KernelOptions | None = None, **changes: object) -> KernelOptions:
+    """`base` (default `DEFAULTS`) with the named `VARIANTS` applied in order, then `changes` keyed
+    "operation.field" given as ``**{"moe.grouped_max_tokens": 1024}``. Raises ValueError for an
+    unknown name."""
+    options = base or DEFAULTS
+    for name in names:
+        if name not in VARIANTS:
+            raise ValueError(f"kernel options: no variant {name!r} (known: {', '.join(sorted(VARIANTS))})")
+        options = options.with_(**VARIANTS[name])
+    return options.with_(**changes) if changes else options
+
+
+@contextlib.contextmanager
+def use_kernel_options(options: KernelOptions) -> Iterator[KernelOptions]:
+    """Inside: `options` are in force (the previous ones come back on exit, also on an error). Not
+    thread-aware: benchmarks and tests hold it around the engine's own thread. Graphs captured inside
+    keep what they captured after the block ends."""
+    global _current
+    before, _current = _current, options
+    try:
+        yield options
+    finally:
+        _current = before
+
+
+def set_kernel_options(options: KernelOptions) -> None:
+    """Put `options` in force for the rest of the process (a benchmark's command line)."""
+    global _current
+    _current = options
