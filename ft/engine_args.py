@@ -78,6 +78,9 @@ HELP = {
                            "computes the next token of every request that is decoding, so a long prompt never "
                            "freezes the running streams for more than one chunk; a whole prompt of at most "
                            "--prefill-graph-max-tokens still runs alone (its CUDA graphs)"),
+    "max_mixed_prefill_length": ("prompt tokens at most in a step that also decodes (--mix-prefill-decode): a smaller "
+                                 "share bounds the running streams' gap between tokens while prompts arrive, at the "
+                                 "cost of more steps per prompt (default: --max-prefill-length, no separate bound)"),
     "disable_cuda_graph": "run every decode step and prefill eagerly, without CUDA graphs (debugging)",
     "prefill_graph_max_tokens": ("one-request prefill chunks of up to this many tokens replay CUDA graphs, padded to "
                                  "a token bucket, with the attention cores run between them (short prompts' time to "

@@ -188,3 +188,32 @@ def test_a_short_whole_prompt_prefills_alone(tiny_one):
     eng.step()
     rows, tokens, prefill = works[-1]
     assert prefill and rows[-1] == long.request_id and first.request_id in rows and tokens[-1] == 50
+
+
+def test_a_step_that_decodes_takes_at_most_the_mixed_prompt_share(tiny_one):
+    """--max-mixed-prefill-length 6 with chunks of 16: while the first request decodes (5 more
+    tokens), the 100-token prompt advances 6 tokens a step beside its decode row; once nothing
+    decodes, whole chunks of 16 again; both requests' tokens are transformers' greedy ones."""
+    _, model, path = tiny_one
+    eng = make(path, max_prefill_length=16, max_mixed_prefill_length=6).engine
+    first = _decoding(eng, prompt_of(12, seed=1), 8, 3)
+    works = _record_works(eng)
+    second = eng.add_request(prompt_of(100, seed=2), SamplingParams(max_new_tokens=8, temperature=0.0,
+                                                                    ignore_eos=True))
+    eng.run_until_done([first, second])
+    prefills = [(rows, tokens) for rows, tokens, prefill in works if prefill and second.request_id in rows]
+    mixed = [tokens[-1] for rows, tokens in prefills if first.request_id in rows]
+    alone = [tokens[-1] for rows, tokens in prefills if first.request_id not in rows]
+    assert mixed == [6] * 5 and alone == [16, 16, 16, 16, 6]  # 30 prompt tokens beside the decodes, then 70
+    assert first.output_ids == hf_greedy(model, prompt_of(12, seed=1), 8)
+    assert second.output_ids == hf_greedy(model, prompt_of(100, seed=2), 8)
+
+
+def test_the_mixed_prompt_share_is_checked():
+    import pytest
+
+    from ft.engine.base.engine_config import EngineConfig
+    from ft.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--max-mixed-prefill-length must be >= 1"):
+        EngineConfig(max_mixed_prefill_length=0)

@@ -48,6 +48,7 @@ class EngineConfig:
     disable_cuda_graph: bool = False  # run every decode step and prefill eagerly (debugging)
     prefill_graph_max_tokens: int = 2048  # one-sequence prefills up to this many tokens replay CUDA graphs
     mix_prefill_decode: bool = True  # a prefill step carries a token of each decoding request (ft.engine.sched.scheduler)
+    max_mixed_prefill_length: int | None = None  # prompt tokens of a step that also decodes (None: --max-prefill-length)
     overlap_decode: bool | None = None  # queue the next decode step before reading this one's tokens; None: on CUDA
     storage_backend: str = "auto"  # auto | vmm | mmap | realloc: how pools grow and shrink (see ft.memory.storage)
     seed: int = 0
@@ -79,7 +80,7 @@ class EngineConfig:
             raise ConfigError(f"--cuda-graph-max-bs must be >= 0, got {self.cuda_graph_max_bs}")
         if self.prefill_graph_max_tokens < 0:
             raise ConfigError(f"--prefill-graph-max-tokens must be >= 0, got {self.prefill_graph_max_tokens}")
-        for name in ("page_size", "max_running_requests", "max_prefill_length"):
+        for name in ("page_size", "max_running_requests", "max_prefill_length", "max_mixed_prefill_length"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
         if self.enable_kv_ladder and self.num_tokens is not None:

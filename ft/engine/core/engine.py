@@ -65,7 +65,8 @@ class Engine(RankState):
         prompt_logit_tokens = max(PROMPT_LOGITS_MIN_TOKENS, self.reserve // (cfg.vocab_size * per_entry))
         self.scheduler = Scheduler(pools.kv, pools.mamba, self.prefix_cache, config.max_running_requests,
                                    config.max_prefill_length, min(config.max_prefill_length, prompt_logit_tokens),
-                                   mix_decode=config.mix_prefill_decode, solo_prefill_tokens=self.prefill_graph_tokens)
+                                   mix_decode=config.mix_prefill_decode, solo_prefill_tokens=self.prefill_graph_tokens,
+                                   mixed_prefill_tokens=config.max_mixed_prefill_length)
         self.cache.attach(self.scheduler, self.prefix_cache)
         rungs = self.rungs
         self.ladder = Ladder(rungs, LadderOptions(

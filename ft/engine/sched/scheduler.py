@@ -4,7 +4,9 @@ decode step of all running requests.
 Mixed steps (`mix_decode`): while a prompt is prefilled in chunks, every step also carries one token of
 each running request that is decoding, so a long prompt never freezes the streams: their next token
 comes after one chunk's time, not after the whole prompt's. The step's token budget is shared (the
-decode rows first). A prefill of one request whose whole remaining prompt is at most
+decode rows first), and the prompt tokens of a step that decodes are at most `mixed_prefill_tokens`
+(default: no bound of their own), which bounds the streams' gap between two tokens while prompts
+arrive. A prefill of one request whose whole remaining prompt is at most
 `solo_prefill_tokens` runs alone: it is short, and alone it replays the prefill CUDA graphs
 (`ft.engine.worker.prefill_graphs`, one sequence each), which a mixed step cannot.
 
@@ -45,6 +47,7 @@ class Scheduler:
         max_prompt_logit_tokens: int | None = None,
         mix_decode: bool = False,
         solo_prefill_tokens: int = 0,
+        mixed_prefill_tokens: int | None = None,
     ) -> None:
         self.kv, self.mamba, self.prefix = kv, mamba, prefix_cache
         self.max_running = max_running_requests
@@ -60,6 +63,7 @@ class Scheduler:
         self.hold_head = False  # this step only: the first waiting request waits (a deferred ladder grow)
         self.mix_decode = mix_decode
         self.solo_prefill_tokens = solo_prefill_tokens
+        self.mixed_prefill_tokens = mixed_prefill_tokens
 
     # --------------------------------------------------------------------------- queue
     def add(self, seq: Sequence) -> None:
@@ -83,6 +87,8 @@ class Scheduler:
         if len(decoding) >= self.max_prefill:
             decoding = []
         budget = self.max_prefill - len(decoding)
+        if decoding and self.mixed_prefill_tokens:
+            budget = min(budget, self.mixed_prefill_tokens)
         logit_budget = self.max_prompt_logits  # prompt positions whose logits this step returns
         seqs, counts = [], []
 
