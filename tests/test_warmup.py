@@ -86,3 +86,20 @@ def test_ft_serve_warms_up_before_ready_when_asked_and_not_on_the_cpu_by_default
         assert "warm-up" not in default.output()
     finally:
         default.stop()
+
+
+def test_a_prompt_over_a_long_prefix_is_warmed_on_a_gpu_only(checkpoint, monkeypatch):
+    """`long_prefix_length`: on CUDA a prompt of the library prefill's granule plus a tail when the KV
+    room holds it, never on the CPU; where it runs (here made to run on the CPU at 200 tokens: chunks
+    of 96, the last over a cached prefix) the warm-up still leaves nothing behind."""
+    from ft.engine.core import warmup
+    from ft.kernels.attention import LIBRARY_GRANULE_KEYS
+
+    n = LIBRARY_GRANULE_KEYS + warmup.LONG_PREFIX_TAIL
+    assert warmup.long_prefix_length("cuda", n) == n and warmup.long_prefix_length("cuda", n - 1) == 0
+    assert warmup.long_prefix_length("cpu", 10 * n) == 0
+    e = make(checkpoint).engine
+    monkeypatch.setattr(warmup, "long_prefix_length", lambda device_type, limit: 200 if limit >= 200 else 0)
+    report = warm_up(e)
+    assert 200 in report.prefill_lengths and report.requests == 2 + 4 + 1 + 4 * 3
+    assert not e.has_work and len(e.prefix_cache) == 0 and e.pools.kv.num_used_pages == 0

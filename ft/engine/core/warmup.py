@@ -5,8 +5,10 @@ kernels it reaches (seconds each, holding the GIL), a decode batch's first step 
 captures its CUDA graph, a short prefill's first one at a new token bucket captures its pieces,
 and sampling with penalties, logprobs or a grammar reaches kernels plain greedy decode does not.
 `warm_up` makes those first times happen at startup: a prefill at every prefill-graph token bucket
-and one eager prefill (a whole chunk, at most `EAGER_PREFILL_TOKENS`), a decode batch at every graph bucket (largest first), and one request of
-each sampling variant; then it puts back what the requests left: no request, no prefix-cache
+and one eager prefill (a whole chunk, at most `EAGER_PREFILL_TOKENS`), on a GPU one prompt whose
+last chunk runs over a long cached prefix (`long_prefix_length`: the prefix kernels' shapes and
+cuDNN's plans for the library prefill attention, `ft.kernels.attention.library_prefill`), a decode
+batch at every graph bucket (largest first), and one request of each sampling variant; then it puts back what the requests left: no request, no prefix-cache
 entry, counters at zero. Its cost is paid once per process (and less on a restart: Triton keeps
 what it compiled in its cache directory, `~/.triton/cache` or $TRITON_CACHE_DIR).
 
@@ -20,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ft.kernels.attention import LIBRARY_GRANULE_KEYS
 from ft.engine.worker.decode_graphs import batch_buckets
 from ft.engine.worker.prefill_graphs import prefill_buckets
 from ft.engine.base.sampling_params import SamplingParams
@@ -31,6 +34,19 @@ WARMUP_TIMEOUT_S = 1800.0
 
 EAGER_PREFILL_TOKENS = 4096
 """Longest warm-up prompt outside the prefill graphs (the whole chunk when it is shorter)."""
+
+LONG_PREFIX_TAIL = 256
+"""Tokens of the warm-up's long prompt after its first `LIBRARY_GRANULE_KEYS` (its last chunk's)."""
+
+
+def long_prefix_length(device_type: str, limit: int) -> int:
+    """Tokens of the warm-up's prompt over a long cached prefix, or 0 for none: on CUDA, when a
+    prompt of `LIBRARY_GRANULE_KEYS` + `LONG_PREFIX_TAIL` tokens fits `limit` (the KV room and the
+    context), its last chunk starts at the library prefill's granule. Not on the CPU: there is no
+    library path, and 16K tokens there cost minutes for nothing."""
+    n = LIBRARY_GRANULE_KEYS + LONG_PREFIX_TAIL
+    return n if device_type == "cuda" and n <= limit else 0
+
 
 _SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
 
@@ -82,6 +98,10 @@ def warm_up(engine: Any, say: Callable[[str], None] | None = None) -> WarmupRepo
     if lengths:
         say(f"warm-up: prefills of {', '.join(map(str, lengths))} tokens")
     greedy = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    long = long_prefix_length(engine.device.type, limit)
+    if long:
+        say(f"warm-up: a prompt of {long} tokens (a chunk over a long cached prefix)")
+        lengths = (*lengths, long)
     for n in lengths:
         run([prompt(n)], greedy)
 
