@@ -130,13 +130,22 @@ def test_per_pair_tiles_match_ref(gate_up, down):
 
 
 def test_grouped_path_cuts_long_chunks(monkeypatch):
-    monkeypatch.setattr(options, "_current", variant(**{"moe.grouped_max_tokens": 4}))  # 11 tokens: passes of 4, 4, 3
+    """With `MoeOptions.grouped_max_tokens` 4, 11 tokens run as grouped passes of 4, 4 and 3 tokens
+    (each pass's pairs: k per token), and the result is the reference's."""
+    import ft.kernels.moe.kernel as details
+
+    monkeypatch.setattr(options, "_current", variant(**{"moe.grouped_max_tokens": 4}))
+    passes = []
+    real = details.grouped_moe
+    monkeypatch.setattr(details, "grouped_moe", lambda x, slots, *a, **kw: passes.append((x.shape[0], slots.numel()))
+                        or real(x, slots, *a, **kw))
     gen = torch.Generator().manual_seed(8)
     w = _slot_pool(4, 32, 16, gen)
     slots, weights = _routing(11, 2, 4, 0.2, gen)
     x = torch.randn(11, 32, generator=gen)
     out = torch.full((11, 32), float("nan"))
     y = moe_over_slots_triton(x, slots, weights, w, out=out, grouped=True, grouped_config=(4, 16, 32, 4, 1))
+    assert passes == [(4, 8), (4, 8), (3, 6)]
     ref = moe_over_slots_ref(x, slots, weights, w)
     assert ((y - ref).norm() / ref.norm()).item() < TOL[torch.float32]
 
