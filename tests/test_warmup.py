@@ -103,3 +103,13 @@ def test_a_prompt_over_a_long_prefix_is_warmed_on_a_gpu_only(checkpoint, monkeyp
     report = warm_up(e)
     assert 200 in report.prefill_lengths and report.requests == 2 + 4 + 1 + 4 * 3
     assert not e.has_work and len(e.prefix_cache) == 0 and e.pools.kv.num_used_pages == 0
+
+
+def test_one_eager_prompt_per_moe_pass_class():
+    """`moe_pass_lengths`: the short grouped tile (up to 2,048 tokens) and the long one (the chunk, when
+    longer) each get a prompt; chunks within the per-pair kernels' range (128) none."""
+    from ft.engine.core.warmup import moe_pass_lengths
+
+    assert moe_pass_lengths(4096) == (2048, 4096)
+    assert moe_pass_lengths(2048) == (2048,) and moe_pass_lengths(1024) == (1024,)
+    assert moe_pass_lengths(96) == () and moe_pass_lengths(128) == ()

@@ -5,7 +5,8 @@ kernels it reaches (seconds each, holding the GIL), a decode batch's first step 
 captures its CUDA graph, a short prefill's first one at a new token bucket captures its pieces,
 and sampling with penalties, logprobs or a grammar reaches kernels plain greedy decode does not.
 `warm_up` makes those first times happen at startup: a prefill at every prefill-graph token bucket
-and one eager prefill (a whole chunk, at most `EAGER_PREFILL_TOKENS`), on a GPU one prompt whose
+and eager prefills (a whole chunk, at most `EAGER_PREFILL_TOKENS`, and one per class of the MoE's
+grouped passes, `moe_pass_lengths`), on a GPU one prompt whose
 last chunk runs over a long cached prefix (`long_prefix_length`: the prefix kernels' shapes and
 cuDNN's plans for the library prefill attention, `ft.kernels.attention.library_prefill`), a decode
 batch at every graph bucket (largest first), and one request of each sampling variant; then it puts back what the requests left: no request, no prefix-cache
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ft.kernels.attention import LIBRARY_GRANULE_KEYS
+from ft.kernels.moe import GROUPED_SHORT_TOKENS, PER_PAIR_MAX_TOKENS
 from ft.engine.worker.decode_graphs import batch_buckets
 from ft.engine.worker.prefill_graphs import prefill_buckets
 from ft.engine.base.sampling_params import SamplingParams
@@ -37,6 +39,17 @@ EAGER_PREFILL_TOKENS = 4096
 
 LONG_PREFIX_TAIL = 256
 """Tokens of the warm-up's long prompt after its first `LIBRARY_GRANULE_KEYS` (its last chunk's)."""
+
+
+def moe_pass_lengths(chunk: int) -> tuple[int, ...]:
+    """One eager prompt length per class of the MoE's grouped prefill passes a chunk of up to `chunk`
+    tokens reaches (each class its own compiled tiles): up to `GROUPED_SHORT_TOKENS` tokens (the short
+    tile) and, for a longer chunk, the chunk itself (the long tile); below `PER_PAIR_MAX_TOKENS` the
+    per-pair kernels, which the decode batches and the short sampling prompts reach. Where the prefill
+    graphs run, their buckets cover the short class too; an offloaded engine has none (on the H200's
+    offload benchmark a 1K prompt took 2.5-3 s more when only longer prompts had run before it, and
+    not when a 1K prompt had)."""
+    return tuple(sorted({n for n in (min(chunk, GROUPED_SHORT_TOKENS), chunk) if n > PER_PAIR_MAX_TOKENS}))
 
 
 def long_prefix_length(device_type: str, limit: int) -> int:
@@ -90,11 +103,11 @@ def warm_up(engine: Any, say: Callable[[str], None] | None = None) -> WarmupRepo
     room = engine.pools.kv.num_tokens - 2 * engine.config.page_size  # (a prompt plus its decoded tokens)
     limit = min(room, engine.context_limit - 4)
     runner = engine.runner
-    # an eager prefill (past the graphs' buckets) up to EAGER_PREFILL_TOKENS: its kernels compile by
-    # shape class, and a whole 16K chunk on an offloading card would take tens of seconds
+    # eager prefills (past the graphs' buckets) up to EAGER_PREFILL_TOKENS: their kernels compile by
+    # shape class (a longer chunk adds time, not classes): the chunk, and one per MoE pass class
     chunk = min(engine.config.max_prefill_length or 0, EAGER_PREFILL_TOKENS)
     graph_tokens = runner.prefill_graphs.buckets if runner.prefill_graphs is not None else []
-    lengths = tuple(sorted({n for n in [*graph_tokens, chunk] if 0 < n <= limit}))
+    lengths = tuple(sorted({n for n in [*graph_tokens, chunk, *moe_pass_lengths(chunk)] if 0 < n <= limit}))
     if lengths:
         say(f"warm-up: prefills of {', '.join(map(str, lengths))} tokens")
     greedy = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ft.kernels.moe.pair_tiles import group_pairs
+from ft.kernels.moe.slots import GROUPED_SHORT_TOKENS
 from ft.kernels.options import kernel_options
 from ft.kernels.nvfp4.decode import dequant_tile, words_tile_f16
 
@@ -47,9 +48,6 @@ the MMA from registers. down (K = 512): BLOCK_K 128 in 3 stages, 2.003 -> 1.963 
 GROUPED_CONFIG_SHORT = (32, 64, 128, 4, 3, True)
 """The tile of shorter passes: at 1,024 tokens (~20 pairs per expert) 1.187 ms against 1.325 for
 (64, 64, 64, 4, 4) and 1.833 for GROUPED_CONFIG (a 128-pair tile mostly empty)."""
-GROUPED_SHORT_TOKENS = 2048
-"""Passes of at most this many tokens take GROUPED_CONFIG_SHORT. Measured at 1,024 and 4,096 tokens
-only; the switch between them is not measured."""
 
 
 def grouped_config_for(tokens: int) -> tuple:

@@ -51,6 +51,11 @@ PER_PAIR_MAX_TOKENS = 128
 """The per-pair (decode) MoE path's largest token count (`kernel.GROUPED_MIN_TOKENS`,
 `DECODE_MAX_TOKENS`): its fp32 workspace is bounded by it."""
 
+GROUPED_SHORT_TOKENS = 2048
+"""Grouped passes of at most this many tokens take `grouped_kernel.GROUPED_CONFIG_SHORT`, longer ones
+`GROUPED_CONFIG` (another compiled kernel each: the warm-up runs a prompt in each class). Measured at
+1,024 and 4,096 tokens only; the switch between them is not measured."""
+
 
 def check_slots(topk_slots: torch.Tensor, num_slots: int) -> None:
     """Raise ValueError unless every entry is -1 (skip) or a slot in [0, num_slots) (syncs the device)."""
