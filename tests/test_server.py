@@ -54,8 +54,10 @@ def test_readme_serves_the_demo():
         assert [m.id for m in c.models.list().data] == ["ft-demo"] and healthy(srv)
         r = c.chat.completions.create(model="ft-demo", messages=[{"role": "user", "content": "Hello"}], max_tokens=4)
         assert r.choices[0].message.role == "assistant" and 1 <= r.usage.completion_tokens <= 4
-        # the README's request samples without ignore_eos: fewer than 4 tokens only when it stopped on EOS
-        assert r.choices[0].finish_reason == ("length" if r.usage.completion_tokens == 4 else "stop")
+        # the README's request samples without ignore_eos: fewer than 4 tokens only when it stopped on EOS;
+        # 4 tokens either ran out (length) or ended on EOS as the fourth (stop: sampled, it happens)
+        finish = r.choices[0].finish_reason
+        assert finish == "stop" if r.usage.completion_tokens < 4 else finish in ("length", "stop")
     finally:
         code = srv.stop()
     assert code == 0
