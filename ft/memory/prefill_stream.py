@@ -91,7 +91,8 @@ class PrefillStream:
                                      for t in cache.host))
         self.device = device
         cuda = device.type == "cuda"
-        # high priority: a gather's programs take SMs as the compute's free up, not after its grid drains
+        # high priority, so a gather's programs may take SMs as the compute's free up (against a normal
+        # priority: no difference measured, bench/RESULTS.md; kept as the safer order)
         self.copy_stream = torch.cuda.Stream(device, priority=COPY_STREAM_PRIORITY) if cuda else None
         self.gather_options = None  # the gather loader's `CopyRowsOptions` (None: the kernel's default)
         self.loaded = [torch.cuda.Event() for _ in range(pages)] if cuda else None
