@@ -69,9 +69,6 @@ def main() -> None:
     ap.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
                     help="after the timed runs, run this many decode steps under cProfile at each --profile-context "
                          "length and print the host functions by own time (what a step's host work grows with)")
-    ap.add_argument("--prmt-form", type=int, default=-1, metavar="F",
-                    help="the NVFP4 decode attention's decode form (DecodeAttentionOptions.prmt_form: 0 byte permutes, 1 bits placed, "
-                         "2 E4M3 bytes converted) instead of the library's")
     ap.add_argument("--prmt-maxnreg", type=int, default=-1, metavar="R",
                     help="hold the NVFP4 split-K decode attention to R registers a thread when its grid holds more "
                          "than two programs an SM (DecodeAttentionOptions.prmt_maxnreg; 0 off); pair it with --attention-programs")
@@ -87,7 +84,6 @@ def main() -> None:
     changes = {key: value for key, value, given in (
         ("decode_attention.prmt_programs_per_sm", args.prmt_programs_per_sm, args.prmt_programs_per_sm >= 0),
         ("decode_attention.prmt_warps", args.prmt_warps, bool(args.prmt_warps)),
-        ("decode_attention.prmt_form", args.prmt_form, args.prmt_form >= 0),
         ("decode_attention.prmt_maxnreg", args.prmt_maxnreg, args.prmt_maxnreg >= 0),
         ("decode_attention.prmt_stages", args.prmt_stages, bool(args.prmt_stages)),
         ("decode_attention.nvfp4_prmt", not args.no_prmt, bool(args.prmt or args.no_prmt)),

@@ -260,13 +260,12 @@ def moe_rows(args, base, say, failures):
         if args.sweep:
             for gu in MOE_SWEEP_GATE_UP:
                 for dn in MOE_SWEEP_DOWN:
-                    for per_pair in (True,):
-                        fn = partial(moe_over_slots_triton, gate_up_config=gu, down_config=dn, down_per_pair=per_pair)
-                        e = rel_rms(fn(x, routes[0], wts, pool), ref)
-                        tc = graph_us([partial(fn, x, r, wts, pool, out=out) for r in routes]) if e < TOL_MOE else float("inf")
-                        say(f"  sweep moe b{batch} gate_up {gu} down {dn} per_pair {per_pair}: {tc:.2f} us err {e:.1e}")
-                        if tc < best[1]:
-                            best = (f"{gu} {dn} {'pairs' if per_pair else 'loop'}", tc)
+                    fn = partial(moe_over_slots_triton, gate_up_config=gu, down_config=dn)
+                    e = rel_rms(fn(x, routes[0], wts, pool), ref)
+                    tc = graph_us([partial(fn, x, r, wts, pool, out=out) for r in routes]) if e < TOL_MOE else float("inf")
+                    say(f"  sweep moe b{batch} gate_up {gu} down {dn}: {tc:.2f} us err {e:.1e}")
+                    if tc < best[1]:
+                        best = (f"{gu} {dn}", tc)
         experts = sum(len(torch.unique(r)) for r in routes) / len(routes)
         gbs = experts * per_expert / (t_new * 1e-6) / 1e9
         rows.append((f"per-pair, batch {batch}", experts, t_new, gbs, t_eager, None, err, t_old, err_old, best))

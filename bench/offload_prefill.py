@@ -13,8 +13,8 @@ one engine; per mode on that engine:
   loaded into the cache, one copy per expert and tensor, evicting others), timed at --load-lengths
   only (it is slow: 616 tok/s at 8K on the 32 GiB card).
 `--loaders`: the stream mode's rows once per way of filling a staging page (`prefill_stream.LOADERS`:
-`gather`, one kernel launch per page and tensor, the default; `copy`, one copy per run of consecutive
-experts and tensor, the way before it). `--chunks`: the stream mode's lengths once per prefill chunk size (the engine is sized for the largest,
+`auto`, the engine's default, picks per page; `gather`, one kernel launch per page and tensor; `copy`,
+one copy per run of consecutive experts and tensor, the way before it). `--chunks`: the stream mode's lengths once per prefill chunk size (the engine is sized for the largest,
 so every size sees the same slots; the load mode runs at the first). Per length, one request with a fresh prompt (distinct ids: no prefix-cache hit) and --decode new
 tokens: TTFT (add_request to the first token), prefill tok/s, the bytes the stream copied and its
 PCIe bound (bytes / --pcie-gbs GB/s), then decode tok/s over the tokens after the first; then the
@@ -131,8 +131,9 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=64, help="new tokens per request (decode measured after the first)")
     ap.add_argument("--chunks", default="", help="prefill chunk sizes (default: the card's --max-prefill-length)")
     ap.add_argument("--stream-experts", type=int, default=None, help="--prefill-stream-experts (default: auto)")
-    ap.add_argument("--loaders", default="gather",
-                    help="how the stream mode fills its pages: gather, copy (both: compared); gather:N:low: the gather "
+    ap.add_argument("--loaders", default="auto",
+                    help="how the stream mode fills its pages: auto (the engine's default), gather, copy (several: "
+                         "compared); gather:N:low: the gather "
                          "with N programs (CopyRowsOptions.programs), its copy stream at normal priority")
     ap.add_argument("--pcie-gbs", type=float, default=50.0, help="the host link's GB/s for the bound column")
     ap.add_argument("--device", default="cuda")

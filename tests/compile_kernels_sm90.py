@@ -60,9 +60,6 @@ GATE_UP = {"p_x": "*bf16", "p_slots": "*i32", "p_w13": "*i32", "p_s13": "*u8", "
 DOWN_PAIRS = {"p_h": "*fp32", "p_slots": "*i32", "p_wts": "*bf16", "p_w2": "*i32", "p_s2w": "*u8", "p_s2": "*fp32",
               "p_yp": "*fp32", **ints("I", "H", "stride_ht", "stride_w2e", "stride_w2r", "stride_s2we", "stride_s2wr",
                                       "stride_s2e", "stride_yp")}
-DOWN_LOOP = {"p_h": "*fp32", "p_slots": "*i32", "p_wts": "*bf16", "p_w2": "*i32", "p_s2w": "*u8", "p_s2": "*fp32",
-             "p_out": "*bf16", **ints("I", "H", "TOPK", "stride_ht", "stride_w2e", "stride_w2r", "stride_s2we",
-                                      "stride_s2wr", "stride_s2e", "stride_ot")}
 SUM = {"p_yp": "*fp32", "p_out": "*bf16", **ints("H", "TOPK", "stride_yp", "stride_ot")}
 TILES = {"p_tile_start": "*i32", "p_tile_end": "*i32", "p_sorted": "*i32", "p_order": "*i32"}
 G_GATE_UP = {"p_x": "*bf16", **TILES, "p_w13": "*u8", "p_s13": "*u8", "p_s2": "*fp32", "p_h": "*bf16",
@@ -216,7 +213,6 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("moe gate_up, K loop", moe._moe_gate_up_kernel, GATE_UP, moe_cfg((8, 64, 4), 256, "BLOCK_I")),
     ("moe down per pair, 1 token", moe._moe_down_pairs_kernel, DOWN_PAIRS, moe_cfg(moe.DOWN_CONFIG[1], 64, "BLOCK_H")),
     ("moe down per pair, more", moe._moe_down_pairs_kernel, DOWN_PAIRS, moe_cfg(moe.DOWN_CONFIG[2], 64, "BLOCK_H")),
-    ("moe down, loop over k", moe._moe_down_kernel, DOWN_LOOP, moe_cfg((32, 32, 4), 64, "BLOCK_H", whole=False)),
     ("moe sum over k", moe._moe_sum_pairs_kernel, SUM, {"BLOCK": 1024}),
     ("moe grouped gate_up", moe_grp._grouped_gate_up_kernel, G_GATE_UP, grouped_cfg()),
     ("moe grouped down", moe_grp._grouped_down_kernel, G_DOWN, grouped_cfg(1)),
@@ -322,13 +318,13 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
      {**DECODE, "p_kc": "*u8", "p_vc": "*u8"}, {**decode_cfg(256, 8, nvfp4=True), "HAS_GATE": True}),
     ("decode attention split-K G 8, D 256, nvfp4 cache (even/odd halves)", attn._decode_split_kernel,
      {**DECODE_SPLIT, "p_kc": "*u8", "p_vc": "*u8"}, decode_cfg(256, 8, nvfp4=True)),
-    ("decode attention split-K G 8, D 256, nvfp4 cache, fp16 dots over word-decoded tiles", attn._decode_split_kernel,
+    ("decode attention split-K G 8, D 256, nvfp4 cache, fp16 dots over byte-decoded tiles", attn._decode_split_kernel,
      {**DECODE_SPLIT, "p_kc": "*u8", "p_vc": "*u8"},
-     {**decode_cfg(256, 8, nvfp4=True), "NVFP4_F16": True, "EVEN_D": True, "NVFP4_WORDS": True}),
+     {**decode_cfg(256, 8, nvfp4=True), "NVFP4_F16": True, "EVEN_D": True}),
     ("decode attention split-K G 8, D 256, nvfp4 cache, halves decoded by E4M3 conversions (PTX), 168 registers",
      attn._decode_split_kernel, {**DECODE_SPLIT, "p_kc": "*u8", "p_vc": "*u8", "p_q": "*fp16"},
      {**decode_cfg(256, 8, nvfp4=True), "NVFP4_PRMT": True, "NVFP4_ASM": True, "BLOCK_N": 64,
-      "NVFP4_FORM": OPTIONS.decode_attention.prmt_form, "num_stages": OPTIONS.decode_attention.prmt_stages,
+      "num_stages": OPTIONS.decode_attention.prmt_stages,
       "maxnreg": OPTIONS.decode_attention.prmt_maxnreg}),
     ("decode attention split-K G 8, D 256, nvfp4 cache, whole tiles", attn._decode_split_kernel,
      {**DECODE_SPLIT, "p_kc": "*u8", "p_vc": "*u8"}, {**decode_cfg(256, 8, nvfp4=True), "NVFP4_HALVES": False}),

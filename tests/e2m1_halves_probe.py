@@ -2,7 +2,7 @@
 `e2m1_halves_f16_scaled` and `e2m1_word_lanes_f32` (shared by the interpreter test, which runs their byte-wise stand-in, and
 tests/gpu, which runs the inline PTX): every code byte against every E4M3 scale of a set, decoded
 to (low, high) and compared exactly with the dequantization by the torch reference (times the
-form's power of two)."""
+scaled form's power of two)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.kernels.nvfp4.decode import (HALVES_PRMT, e2m1_halves_bf16, e2m1_halves_f16_scaled, e2m1_word_lanes_f32,
-                                     halves_exponent)
+from ft.kernels.nvfp4.decode import (HALVES_SCALED_EXPONENT, e2m1_halves_bf16, e2m1_halves_f16, e2m1_halves_f16_scaled,
+                                     e2m1_word_lanes_f32)
 from ft.kernels.nvfp4.reference import dequantize_nvfp4
 
 ROWS, COLS = 64, 256
@@ -20,14 +20,16 @@ ROWS, COLS = 64, 256
 
 @triton.jit
 def _probe_kernel(p_w, p_s, p_lo, p_hi, BF16: tl.constexpr, ASM: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
-                  FORM: tl.constexpr = 0):
+                  SCALED: tl.constexpr = False):
     o = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
     b_w = tl.load(p_w + o)
     b_s = tl.load(p_s + o)
     if BF16:
         lo, hi = e2m1_halves_bf16(b_w, b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(tl.bfloat16), ASM)
+    elif SCALED:
+        lo, hi = e2m1_halves_f16_scaled(b_w, b_s, ASM)
     else:
-        lo, hi = e2m1_halves_f16_scaled(b_w, b_s, ASM, FORM)
+        lo, hi = e2m1_halves_f16(b_w, b_s, ASM)
     tl.store(p_lo + o, lo)
     tl.store(p_hi + o, hi)
 
@@ -41,16 +43,16 @@ def probe_inputs(device) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, rows[:, None].expand(ROWS, COLS).contiguous()
 
 
-def run_probe(device, dtype: torch.dtype, asm: bool, form: int = HALVES_PRMT) -> tuple[torch.Tensor, torch.Tensor]:
-    """The probe's (low, high) tiles in `dtype` (fp16 or bf16; fp16 in decode form `form`) against the
-    reference's times 2**-halves_exponent(form), float32."""
+def run_probe(device, dtype: torch.dtype, asm: bool, scaled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The probe's (low, high) tiles in `dtype` (fp16 or bf16; fp16 `scaled`: `e2m1_halves_f16_scaled`)
+    against the reference's (times 2**-HALVES_SCALED_EXPONENT when scaled), float32."""
     codes, scales = probe_inputs(device)
     lo = torch.empty(ROWS, COLS, dtype=dtype, device=device)
     hi = torch.empty_like(lo)
-    _probe_kernel[(1,)](codes, scales, lo, hi, BF16=dtype == torch.bfloat16, ASM=asm, R=ROWS, C=COLS, FORM=form)
+    _probe_kernel[(1,)](codes, scales, lo, hi, BF16=dtype == torch.bfloat16, ASM=asm, R=ROWS, C=COLS, SCALED=scaled)
     # reference: row r's bytes as one NVFP4 row of 2 * COLS elements with the row's scale in each block
     ref = dequantize_nvfp4(codes.cpu(), scales.cpu()[:, ::8].view(torch.float8_e4m3fn), 1.0)  # [ROWS, 2 * COLS]
-    ref = ref * 2.0 ** -halves_exponent(form)  # exact: a power of two, inside fp32's normal range
+    ref = ref * 2.0 ** -(HALVES_SCALED_EXPONENT if scaled else 0)  # exact: a power of two, inside fp32's normal range
     return torch.stack([lo.float().cpu(), hi.float().cpu()]), torch.stack([ref[:, 0::2], ref[:, 1::2]])
 
 

@@ -479,21 +479,6 @@ NVFP4_LOOP_CASES = [(loop, c, i) for loop in ("prmt", "f16") for c, i in zip(CAS
 NVFP4_DEFAULT_LOOPS = ("prmt", "f16")
 
 
-@pytest.mark.parametrize("form", [1, 2], ids=["bits", "cvt"])
-def test_decode_attention_nvfp4_decode_forms_give_the_same_bits(form):
-    """`NVFP4_FORM` (the PRMT loop's other decode forms, halves times a power of two that the kernel
-    undoes in fp32): the same output bits as the byte-permute form, gated fp16, split-K."""
-    seq_lens, hq, hkv, d, page = NVFP4_LOOP_CASES[-1][1]
-    kv4, table, lens, scale = nvfp4_batch(seq_lens, hkv, d, page)
-    k_cache, v_cache = layer_views(kv4)
-    q = random_q(len(seq_lens), hq, d, torch.float16)
-    gate = random_gate(len(seq_lens), hq, d, torch.float16)
-    cfg = {"BLOCK_N": 16, "NVFP4_PRMT": True}
-    y0, yf = (paged_decode_attention_triton(q, k_cache, v_cache, table, lens, d ** -0.5, splits=3, gate=gate,
-                                            config={**cfg, "NVFP4_FORM": f}, kv_scale=scale) for f in (0, form))
-    assert torch.equal(y0, yf)
-
-
 @pytest.mark.parametrize(("loop", "case", "path"),
                          [(lp, c, p) for lp, c, _ in NVFP4_LOOP_CASES
                           for p in (("single", "split3") if lp in NVFP4_DEFAULT_LOOPS else ("split3",))],

@@ -60,21 +60,15 @@ def _routing(t: int, k: int, s: int, skip: float, gen: torch.Generator):
     return slots, weights
 
 
-# down_per_pair concerns the per-pair path only: the looping down kernel is run on those cases too
-RUNS = [(c, True) for c in CASES] + [(c, False) for c in CASES if not c[-1]]
-
-
-@pytest.mark.parametrize(("case", "down_per_pair"), RUNS,
-                         ids=[_case_id(c) + ("" if d else "-down-loop") for c, d in RUNS])
-def test_moe_over_slots_triton_matches_ref(case, down_per_pair):
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_moe_over_slots_triton_matches_ref(case):
     t, k, s, h, i, dtype, skip, grouped = case
     gen = torch.Generator().manual_seed(sum(map(ord, _case_id(case))))
     w = _slot_pool(s, h, i, gen)
     slots, weights = _routing(t, k, s, skip, gen)
     x = torch.randn(t, h, generator=gen).to(dtype)
     out = torch.full((t, h), float("nan"), dtype=dtype)
-    y = moe_over_slots_triton(x, slots, weights.to(dtype), w, out=out, grouped=grouped, grouped_config=(4, 16, 32, 4, 1),
-                              down_per_pair=down_per_pair)
+    y = moe_over_slots_triton(x, slots, weights.to(dtype), w, out=out, grouped=grouped, grouped_config=(4, 16, 32, 4, 1))
     ref = moe_over_slots_ref(x, slots, weights.to(dtype), w)
     assert not y.isnan().any()
     if (slots < 0).all():

@@ -152,14 +152,13 @@ def test_e2m1_halves_stand_in_is_exact(dtype):
     assert torch.equal(got, ref)
 
 
-@pytest.mark.parametrize("form", [1, 2], ids=["bits", "cvt"])
-def test_e2m1_halves_scaled_forms_stand_in_is_exact(form):
-    """The other decode forms' stand-ins (`e2m1_halves_f16_scaled`): the reference's values times the
-    form's power of two, exactly, down to fp16's subnormals (the bits form reaches 2**-24)."""
+def test_e2m1_halves_scaled_stand_in_is_exact():
+    """The scaled halves' stand-in (`e2m1_halves_f16_scaled`, the decode attention's form): the
+    reference's values times 2**-6, exactly, down to fp16's subnormals."""
     from e2m1_halves_probe import run_probe
 
-    got, ref = run_probe(torch.device("cpu"), torch.float16, asm=False, form=form)
-    assert got.abs()[got != 0].min() < 2.0 ** -14 if form == 1 else True  # the probe does reach subnormals
+    got, ref = run_probe(torch.device("cpu"), torch.float16, asm=False, scaled=True)
+    assert got.abs()[got != 0].min() < 2.0 ** -14  # the probe does reach fp16's subnormals
     assert torch.equal(got, ref)
 
 

@@ -99,10 +99,10 @@ class DecodeAttentionOptions:
     nvfp4_f16 -> 71.2 us (64 keys, 3 stages; 78.1 with 2 stages, 73.3 at 128 keys, 82.5 at 32, 97.6
     in 8 warps), 4K 19.4 -> 17.1 us.
     prmt_block_n, prmt_stages, prmt_warps: its keys a step, pipeline stages and warps a program.
-    prmt_form: its decode form (`e2m1_halves_f16_scaled`'s FORM: HALVES_PRMT 0, HALVES_BITS 1,
-    HALVES_CVT 2; the same output bits). H200, one layer: 128K 70.9 / 71.1 us (byte permutes) -> 68.3
-    / 68.5 (E4M3 bytes converted two at a time), 72.3 with the bits placed; with prmt_maxnreg and three
-    programs an SM 65.2-65.9 us (the bits form 66.3, byte permutes 71.1).
+    Its decode form is fixed: E4M3 bytes converted two at a time (`e2m1_halves_f16_scaled`). H200,
+    one layer: 128K 70.9 / 71.1 us with the table's byte permutes -> 68.3 / 68.5, 72.3 with the bits
+    placed; with prmt_maxnreg and three programs an SM 65.2-65.9 us (the bits form 66.3, byte permutes
+    71.1). The two that lost left the tree after commit d98949c (the option `prmt_form` with them).
     prmt_maxnreg: registers per thread its split kernel is held to (ptxas maxnreg; 0: the compiler's
     choice) when the grid holds more than two programs an SM: the loop is latency-bound at two, and
     168 make room for three, at the cost of some spills (8 warps at 128 registers: 72.0 us at 128K;
@@ -120,7 +120,6 @@ class DecodeAttentionOptions:
     nvfp4_prmt: bool = True
     prmt_block_n: int = 64
     prmt_stages: int = 3
-    prmt_form: int = 2
     prmt_maxnreg: int = 168
     prmt_programs_per_sm: int = 3
     prmt_max_splits: int = 256

@@ -80,13 +80,12 @@ def test_e2m1_halves_ptx_is_exact(dtype):
     assert torch.equal(got, ref)
 
 
-@pytest.mark.parametrize("form", [1, 2], ids=["bits", "cvt"])
-def test_e2m1_halves_scaled_forms_ptx_is_exact(form):
-    """The other decode forms' PTX (nibble bits placed in fp16, E4M3 bytes converted): the
-    reference's values times the form's power of two, exactly, fp16 subnormals included."""
+def test_e2m1_halves_scaled_ptx_is_exact():
+    """The scaled halves' PTX (E4M3 bytes converted two at a time, the decode attention's form): the
+    reference's values times 2**-6, exactly, fp16 subnormals included."""
     from e2m1_halves_probe import run_probe
 
-    got, ref = run_probe(torch.device(DEV), torch.float16, asm=True, form=form)
+    got, ref = run_probe(torch.device(DEV), torch.float16, asm=True, scaled=True)
     assert torch.equal(got, ref)
 
 

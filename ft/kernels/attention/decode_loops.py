@@ -157,16 +157,14 @@ def _attend(b_q, p_k, p_v, p_pt, lo, hi, D, qk_scale, stride_kp, stride_ks, stri
 
 @triton.jit
 def _nvfp4_halves(p, o_row, m_n, D, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  EVEN_D: tl.constexpr = False, F16: tl.constexpr = False, ASM: tl.constexpr = False,
-                  FORM: tl.constexpr = 0):
+                  EVEN_D: tl.constexpr = False, F16: tl.constexpr = False, ASM: tl.constexpr = False):
     """The K or V rows of BLOCK_N tokens of an NVFP4 cache -> (even, odd) [BLOCK_N, BLOCK_D // 2] in
     `dtype`: elements 2j and 2j + 1 of each row (the low and the high nibble of code byte j) times
     their block's e4m3 scale, without the layer scale (exact, as `load_kv_tile`); masked tokens and
     columns >= D give 0. No interleaving: the caller splits q (and its output) into even and odd
     columns instead, once per program rather than once per tile. EVEN_D: D == BLOCK_D (`_d_mask`).
-    F16: the halves in float16 whatever `dtype`, decoded straight to fp16 (`e2m1_halves_f16`, by
-    inline PTX where ASM) from each byte and its block's scale byte; FORM: the decode's instruction
-    form (`e2m1_halves_f16_scaled`: the F16 halves are then times 2**-halves_exponent(FORM))."""
+    F16: the halves in float16 whatever `dtype`, times 2**-HALVES_SCALED_EXPONENT, decoded straight
+    to fp16 (`e2m1_halves_f16_scaled`, by inline PTX where ASM) from each byte and its block's scale byte."""
     HALF: tl.constexpr = BLOCK_D // 2
     GROUPS: tl.constexpr = BLOCK_D // 16
     o_b = tl.arange(0, HALF)
@@ -175,7 +173,7 @@ def _nvfp4_halves(p, o_row, m_n, D, dtype: tl.constexpr, BLOCK_N: tl.constexpr, 
     b_sb = tl.load(p + o_row[:, None] + D // 2 + o_s[None, :], mask=_d_mask(m_n, o_s, D // 16, EVEN_D), other=0)
     if F16:
         b_sw = tl.reshape(tl.broadcast_to(b_sb[:, :, None], (BLOCK_N, GROUPS, 8)), (BLOCK_N, HALF))  # byte j: j // 8
-        return e2m1_halves_f16_scaled(b_w, b_sw, ASM, FORM)
+        return e2m1_halves_f16_scaled(b_w, b_sw, ASM)
     b_s = _e4m3(b_sb) * 64.0  # (the nibble decode gives values times 2**-6)
     b_lo = tl.reshape(_e2m1_lo(b_w), (BLOCK_N, GROUPS, 8)) * b_s[:, :, None]  # 8 bytes = one 16-element block
     b_hi = tl.reshape(_e2m1_hi(b_w), (BLOCK_N, GROUPS, 8)) * b_s[:, :, None]
@@ -186,22 +184,20 @@ def _nvfp4_halves(p, o_row, m_n, D, dtype: tl.constexpr, BLOCK_N: tl.constexpr, 
 def _attend_nvfp4(b_q, p_k, p_v, p_pt, lo, hi, D, qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
                   PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   PRECISION: tl.constexpr, EVEN_D: tl.constexpr = False, F16: tl.constexpr = False,
-                  ASM: tl.constexpr = False, FORM: tl.constexpr = 0):
+                  ASM: tl.constexpr = False):
     """`_attend` over an NVFP4 cache with q split into its even and odd columns: q.k is the sum of
     two dots (even columns against the low nibbles, odd against the high), p.V fills an even and an
     odd accumulator, joined once at the end. Same contract and results as `_attend` (the same
     products, in another order of summation). BLOCK_D >= 32 (each half a dot's K of >= 16).
     F16 (`NVFP4_PRMT`): q rounded to fp16 once and both dots in fp16 over halves decoded straight to
     fp16 (`_nvfp4_halves`' F16, inline PTX where ASM; fp32 accumulation; |q| inside fp16's range).
-    FORM (F16): the decode's instruction form; its power of two (`halves_exponent`) goes into the
-    softmax scale and the returned acc in fp32, exactly (the same bits as FORM 0)."""
+    The halves' power of two (2**-HALVES_SCALED_EXPONENT) goes into the softmax scale and the
+    returned acc in fp32, exactly: the same bits as halves decoded unscaled."""
     HALF: tl.constexpr = BLOCK_D // 2
+    UNSCALE: tl.constexpr = 64.0  # 2**HALVES_SCALED_EXPONENT (a jit function reads no plain global)
     if F16:
         b_q = b_q.to(tl.float16)
-        if FORM == 1:  # HALVES_BITS: the halves are times 2**-14
-            qk_scale = qk_scale * 16384.0
-        elif FORM == 2:  # HALVES_CVT: times 2**-6
-            qk_scale = qk_scale * 64.0
+        qk_scale = qk_scale * UNSCALE
     b_qe, b_qo = tl.split(tl.reshape(b_q, (BLOCK_G, HALF, 2)))
     b_m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     b_l = tl.zeros((BLOCK_G,), dtype=tl.float32)
@@ -210,20 +206,18 @@ def _attend_nvfp4(b_q, p_k, p_v, p_pt, lo, hi, D, qk_scale, stride_kp, stride_ks
     for n0 in range(lo, hi, BLOCK_N):
         m_n, b_page, o_slot = _block_tokens(p_pt, n0, hi, PAGE_SIZE, BLOCK_N)
         b_ke, b_ko = _nvfp4_halves(p_k, b_page * stride_kp + o_slot * stride_ks, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D,
-                                   EVEN_D, F16, ASM, FORM)
+                                   EVEN_D, F16, ASM)
         b_s = tl.dot(b_qe, tl.trans(b_ke), input_precision=PRECISION)
         b_s = tl.dot(b_qo, tl.trans(b_ko), b_s, input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
         b_m_new, b_alpha, b_p = _softmax_block(b_s, m_n, b_m)
         b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
         b_ve, b_vo = _nvfp4_halves(p_v, b_page * stride_vp + o_slot * stride_vs, m_n, D, b_q.dtype, BLOCK_N, BLOCK_D,
-                                   EVEN_D, F16, ASM, FORM)
+                                   EVEN_D, F16, ASM)
         b_pq = b_p.to(b_q.dtype)
         b_acc_e = tl.dot(b_pq, b_ve, b_acc_e * b_alpha[:, None], input_precision=PRECISION)
         b_acc_o = tl.dot(b_pq, b_vo, b_acc_o * b_alpha[:, None], input_precision=PRECISION)
         b_m = b_m_new
     b_acc = tl.reshape(tl.join(b_acc_e, b_acc_o), (BLOCK_G, BLOCK_D))
-    if F16 and FORM == 1:
-        b_acc = b_acc * 16384.0
-    elif F16 and FORM == 2:
-        b_acc = b_acc * 64.0
+    if F16:
+        b_acc = b_acc * UNSCALE
     return b_m, b_l, b_acc

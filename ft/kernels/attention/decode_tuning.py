@@ -1,7 +1,7 @@
 """The decode attention kernels' launch choices (details module of `ft.kernels.attention.kernel`,
 whose launcher reads them at every call): block sizes and launch options (`decode_config`) and the
 split count (`decode_split_count`), from `ft.kernels.options.DecodeAttentionOptions` (which NVFP4
-inner loop and decode form, the split targets, the combine's columns; each field's note says what
+inner loop, the split targets, the combine's columns; each field's note says what
 was measured).
 """
 
@@ -40,5 +40,4 @@ def decode_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
     opts = kernel_options().decode_attention
     return {"BLOCK_G": max(16, triton.next_power_of_2(group)), "BLOCK_N": 32 if block_d > 128 else 64,
             "BLOCK_D": block_d, "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "num_warps": 4,
-            "num_stages": 2, "NVFP4_HALVES": True, "NVFP4_F16": opts.nvfp4_f16,
-            "NVFP4_WORDS": False, "NVFP4_PRMT": opts.nvfp4_prmt}
+            "num_stages": 2, "NVFP4_HALVES": True, "NVFP4_F16": opts.nvfp4_f16, "NVFP4_PRMT": opts.nvfp4_prmt}

@@ -37,13 +37,15 @@ loads vectorize. An NVFP4 cache has three inner loops, a constexpr each, the fir
 (a fourth, CUDA cores over 32-bit words, `NVFP4_FMA`, never measured to the end, was deleted in
 session 23; `0c5cbf3` holds it): `NVFP4_PRMT` (the
 default: q's even and odd columns against the low and high nibbles, each decoded straight to fp16
-in inline PTX, `ft.kernels.nvfp4.decode.e2m1_halves_f16_scaled`, in the form NVFP4_FORM picks (by
-byte permutes, or as E4M3 bytes converted two at a time, the default: values times 2**-6, undone in
-fp32); NVFP4_ASM is set on CUDA only, the interpreter runs a plain-Triton stand-in to the same
-values; its split count aims at `DecodeAttentionOptions.prmt_programs_per_sm` programs an SM, held
-to `.prmt_maxnreg` registers when over two), `NVFP4_F16` (fp16 dots
-over whole tiles decoded a 32-bit word at a time) and `NVFP4_HALVES` (the halves decoded byte-wise
-in fp32); whole byte-wise tiles (`dequant_tile`) below head dim 32. The decode, not the loads, bounds
+in inline PTX, `ft.kernels.nvfp4.decode.e2m1_halves_f16_scaled`, as E4M3 bytes converted two at a
+time, values times 2**-6 undone in fp32 (the table's byte permutes, which named it, and the bits
+placed lost to that form: bench/RESULTS.md session 16; they left after commit d98949c);
+NVFP4_ASM is set on CUDA only, the interpreter runs a plain-Triton stand-in to the same values;
+its split count aims at `DecodeAttentionOptions.prmt_programs_per_sm` programs an SM, held to
+`.prmt_maxnreg` registers when over two; it needs D % 64 == 0 and a half-precision q),
+`NVFP4_F16` (fp16 dots over whole tiles decoded byte-wise: the fallback for other head dims; its
+word-at-a-time decode, shadowed here by NVFP4_PRMT, serves the prefill kernel only) and
+`NVFP4_HALVES` (the halves decoded byte-wise in fp32, for fp32 queries); whole byte-wise tiles (`dequant_tile`) below head dim 32. The decode, not the loads, bounds
 them: Triton runs uint8 arithmetic a byte per instruction. Measurements and block sizes:
 bench/decode_attention.py, bench/RESULTS.md (sessions 10-16); the options that pick them:
 `ft.kernels.options.DecodeAttentionOptions`, read by `decode_tuning.py` and here. A sequence of length 0 (a padding row)
@@ -174,8 +176,7 @@ def _decode_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, HAS_GATE: tl.constexpr, KV_FP8: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
     NVFP4_HALVES: tl.constexpr = False, EVEN_D: tl.constexpr = False,
-    NVFP4_F16: tl.constexpr = False, NVFP4_WORDS: tl.constexpr = False, NVFP4_PRMT: tl.constexpr = False,
-    NVFP4_ASM: tl.constexpr = False, NVFP4_FORM: tl.constexpr = 0,
+    NVFP4_F16: tl.constexpr = False, NVFP4_PRMT: tl.constexpr = False, NVFP4_ASM: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
@@ -189,13 +190,11 @@ def _decode_kernel(
     if KV_NVFP4 and NVFP4_PRMT:
         _, b_l, b_acc = _attend_nvfp4(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
                                       0, seq_len, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
-                                      PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, EVEN_D, True, NVFP4_ASM,
-                                      NVFP4_FORM)
+                                      PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, EVEN_D, True, NVFP4_ASM)
     elif KV_NVFP4 and NVFP4_F16:
         _, b_l, b_acc = _attend(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
                                 0, seq_len, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
-                                PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, KV_FP8, KV_NVFP4, EVEN_D, True,
-                                NVFP4_WORDS)
+                                PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, KV_FP8, KV_NVFP4, EVEN_D, True)
     elif KV_NVFP4 and NVFP4_HALVES:
         _, b_l, b_acc = _attend_nvfp4(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
                                       0, seq_len, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
@@ -226,8 +225,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
     NVFP4_HALVES: tl.constexpr = False, EVEN_D: tl.constexpr = False,
-    NVFP4_F16: tl.constexpr = False, NVFP4_WORDS: tl.constexpr = False, NVFP4_PRMT: tl.constexpr = False,
-    NVFP4_ASM: tl.constexpr = False, NVFP4_FORM: tl.constexpr = 0,
+    NVFP4_F16: tl.constexpr = False, NVFP4_PRMT: tl.constexpr = False, NVFP4_ASM: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
@@ -247,12 +245,11 @@ def _decode_split_kernel(
         b_m, b_l, b_acc = _attend_nvfp4(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch,
                                         p_pt + i_b * stride_ptb, lo, hi, D, qk_scale, stride_kcp, stride_kcs,
                                         stride_vcp, stride_vcs, PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, EVEN_D,
-                                        True, NVFP4_ASM, NVFP4_FORM)
+                                        True, NVFP4_ASM)
     elif KV_NVFP4 and NVFP4_F16:
         b_m, b_l, b_acc = _attend(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
                                   lo, hi, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
-                                  PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, KV_FP8, KV_NVFP4, EVEN_D, True,
-                                  NVFP4_WORDS)
+                                  PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, KV_FP8, KV_NVFP4, EVEN_D, True)
     elif KV_NVFP4 and NVFP4_HALVES:
         b_m, b_l, b_acc = _attend_nvfp4(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch,
                                         p_pt + i_b * stride_ptb, lo, hi, D, qk_scale, stride_kcp, stride_kcs,
@@ -360,12 +357,6 @@ def write_kv_decode_triton(
             **pdl_args(k.device))
 
 
-def _word_aligned(*caches: torch.Tensor) -> bool:
-    """Whether every row of these caches starts on a 4-byte boundary (base and strides): the
-    NVFP4 tiles' 32-bit word loads (`decode_loops.nvfp4_tile_f16_words`) need it."""
-    return all(c.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in c.stride()[:-1]) for c in caches)
-
-
 def paged_decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -436,8 +427,7 @@ def paged_decode_attention_triton(
     cfg["NVFP4_F16"] = bool(cfg["NVFP4_F16"]) and kv_flags["KV_NVFP4"] and q.dtype != torch.float32
     if cfg["NVFP4_F16"] and not (config or {}).get("BLOCK_N"):
         cfg["BLOCK_N"] = 64  # measured: 64 keys a step beat 32 with the fp16 tiles (92 against 107 us at 128K)
-    cfg["NVFP4_WORDS"] = cfg["EVEN_D"] and d % 64 == 0 and _word_aligned(k_cache, v_cache)  # with NVFP4_F16
-    # the halves decoded to fp16 by byte permutes: four bytes per PTX instance (whole rows, D % 64 == 0)
+    # the halves decoded to fp16 in inline PTX: four bytes per PTX instance (whole rows, D % 64 == 0)
     cfg["NVFP4_PRMT"] = (bool(cfg.get("NVFP4_PRMT", False)) and kv_flags["KV_NVFP4"] and q.dtype != torch.float32
                          and cfg["EVEN_D"] and d % 64 == 0)
     cfg["NVFP4_ASM"] = cfg["NVFP4_PRMT"] and bool(cfg.get("NVFP4_ASM", True)) and inline_ptx(q.device)
@@ -445,7 +435,6 @@ def paged_decode_attention_triton(
         cfg["BLOCK_N"] = opts.prmt_block_n
     if cfg["NVFP4_PRMT"] and not (config or {}).get("num_stages"):
         cfg["num_stages"] = opts.prmt_stages
-    cfg["NVFP4_FORM"] = int(cfg.get("NVFP4_FORM", opts.prmt_form)) if cfg["NVFP4_PRMT"] else 0
     if cfg["NVFP4_PRMT"] and not (config or {}).get("num_warps"):
         cfg["num_warps"] = opts.prmt_warps
     if splits is None:

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ft.kernels.attention.decode_loops import _d_mask, load_kv_tile
-from ft.kernels.attention.kernel import LOG2E, MAX_HEAD_DIM, _check_cache, _kv_args, _word_aligned
+from ft.kernels.attention.kernel import LOG2E, MAX_HEAD_DIM, _check_cache, _kv_args
 from ft.kernels.fit import fallback_stages, launch_fitting
 
 __all__ = ["CAUSAL_SPLIT", "paged_prefill_attention_triton", "prefill_config", "prefill_configs"]
@@ -156,6 +156,12 @@ def _prefill_kernel(
         b_o = b_o * tl.load(p_kvs + 1)
     tl.store(p_o + o_t[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :], b_o.to(p_o.dtype.element_ty),
              mask=m_rd)
+
+
+def _word_aligned(*caches: torch.Tensor) -> bool:
+    """Whether every row of these caches starts on a 4-byte boundary (base and strides): the
+    NVFP4 tiles' 32-bit word loads (`decode_loops.nvfp4_tile_f16_words`, this kernel's NVFP4_WORDS) need it."""
+    return all(c.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in c.stride()[:-1]) for c in caches)
 
 
 def prefill_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:

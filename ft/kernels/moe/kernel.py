@@ -8,8 +8,9 @@ Two paths, both without host synchronization (they can be captured in CUDA graph
      for pair p = t * k + j of slot ``topk_slots[t, j]``; gate and up rows interleaved in one
      tile so that one pass over x reads both; fp32 workspace h [T * k, I].
   2. `_moe_down_pairs_kernel`, grid (T * k, H / BLOCK_H): ``yp[p] = weight_p * (h[p] @ down^T)``
-     (fp32), then `_moe_sum_pairs_kernel` sums over k per token (no atomics); or, with
-     ``down_per_pair=False``, `_moe_down_kernel`, grid (T, H / BLOCK_H), looping over k in registers.
+     (fp32), then `_moe_sum_pairs_kernel` sums over k per token (no atomics). (A down kernel of one
+     program per token looping over its k experts lost to it: batch 1 23.6 -> 19.4 us, bench/RESULTS.md,
+     session 2; it left the tree after commit d98949c.)
   Both run on `ft.kernels.nvfp4.kernel.nvfp4_rows_dot` (word-wise E2M1 decode, fp32 FMAs).
 * Prefill (more tokens): pairs are grouped by slot into tiles of one slot, each a ``tl.dot`` GEMM
   against the slot's dequantized weight tiles (`grouped_kernel.py`): each expert's weights are
@@ -84,35 +85,6 @@ def _moe_gate_up_kernel(
 
 
 @triton.jit
-def _moe_down_kernel(
-    p_h, p_slots, p_wts, p_w2, p_s2w, p_s2, p_out,
-    I, H, TOPK,
-    stride_ht, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e, stride_ot,
-    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
-    pdl_release(PDL)
-    i_t = tl.program_id(0)
-    i_h = tl.program_id(1)
-    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    m_h = o_h < H
-    acc = tl.zeros((1, BLOCK_H), dtype=tl.float32)
-    for j in range(TOPK):
-        i_p = i_t * TOPK + j
-        slot = tl.load(p_slots + i_p)
-        on = slot >= 0
-        slot = tl.maximum(slot, 0).to(tl.int64)
-        o_p = tl.zeros((1,), dtype=tl.int32) + i_p
-        b_y = nvfp4_rows_dot(p_w2 + slot * stride_w2e, p_s2w + slot * stride_s2we, o_h, m_h, stride_w2r, stride_s2wr,
-                             p_h, o_p, o_p >= 0, stride_ht, 0, tl.where(on, I // 8, 0), 1, BLOCK_H, BLOCK_W)
-        b_wt = tl.load(p_wts + i_p).to(tl.float32) * tl.load(p_s2 + slot * stride_s2e + 2)
-        acc += tl.where(on, b_y * b_wt, 0.0)
-    o_1 = tl.arange(0, 1)
-    tl.store(p_out + i_t * stride_ot + o_1[:, None] + o_h[None, :], acc.to(p_out.dtype.element_ty), mask=m_h[None, :])
-
-
-@triton.jit
 def _moe_down_pairs_kernel(
     p_h, p_slots, p_wts, p_w2, p_s2w, p_s2, p_yp,
     I, H,
@@ -121,7 +93,7 @@ def _moe_down_pairs_kernel(
     PDL: tl.constexpr = False,
 ):
     """Grid (pairs, H / BLOCK_H): yp[p] = weight[p] * (h[p] @ down^T) in fp32, zeros for a skipped pair.
-    Every pair's expert in flight at once (the looping `_moe_down_kernel` reads them one by one)."""
+    Every pair's expert in flight at once (a token's program looping over its pairs reads them one by one)."""
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
     pdl_release(PDL)
     i_p = tl.program_id(0)
@@ -162,14 +134,13 @@ def _moe_sum_pairs_kernel(p_yp, p_out, H, TOPK, stride_yp, stride_ot, BLOCK: tl.
 # --sweep, bench/RESULTS.md)
 GATE_UP_CONFIG = {1: (8, 0, 4), 2: (8, 0, 4)}
 DOWN_CONFIG = {1: (32, 32, 4), 2: (32, 0, 4)}
-DOWN_PER_PAIR = True
 
 
 def moe_over_slots_triton(
     x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, w, *, out: torch.Tensor | None = None,
     gate_up_config: tuple[int, int, int] | None = None, down_config: tuple[int, int, int] | None = None,
     grouped: bool | None = None, grouped_config: tuple | None = None,
-    down_per_pair: bool | None = None, distinct_slots: int | None = None,
+    distinct_slots: int | None = None,
 ) -> torch.Tensor:
     """sum_k weight_k * down(silu(gate(x)) * up(x)) with NVFP4 experts read from slots.
 
@@ -178,9 +149,6 @@ def moe_over_slots_triton(
         topk_weights: [T, k]; w: an NVFP4 `SlotWeights`; out: optional [T, H] in x's dtype.
         grouped: force the grouped (True) or per-pair (False) path; default by T
             (`GROUPED_MIN_TOKENS`). The *_config arguments override the tuned block sizes.
-        down_per_pair: per-pair path only: down projections one program per (pair, row block)
-            plus a sum over k (True), or one program per (token, row block) looping over k
-            (False); default `DOWN_PER_PAIR`.
         distinct_slots: grouped path only: an upper bound on the distinct values in topk_slots,
             -1 included (`group_pairs`); default the pool's slot count + 1.
     Returns: [T, H] in x's dtype.
@@ -220,20 +188,14 @@ def moe_over_slots_triton(
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s2.stride(0), h.stride(0),
         BLOCK_I=block_i, BLOCK_W=bw13, WHOLE_K=whole13, ASM=asm and whole13 > 0, num_warps=warps13,
         **pdl_args(x.device))
-    if down_per_pair if down_per_pair is not None else DOWN_PER_PAIR:
-        y_pairs = torch.empty((t * k, hid), dtype=torch.float32, device=x.device)
-        _moe_down_pairs_kernel[(t * k, triton.cdiv(hid, block_h))](
-            h, slots, wts, w2, s2w, s2, y_pairs, i, hid,
-            h.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1), s2.stride(0), y_pairs.stride(0),
-            BLOCK_H=block_h, BLOCK_W=bw2, WHOLE_K=whole2, ASM=asm and whole2 > 0, num_warps=warps2,
-            **pdl_args(x.device))
-        _moe_sum_pairs_kernel[(t, triton.cdiv(hid, 1024))](y_pairs, y, hid, k, y_pairs.stride(0), y.stride(0), BLOCK=1024,
-                                                           **pdl_args(x.device))
-        return y
-    _moe_down_kernel[(t, triton.cdiv(hid, block_h))](
-        h, slots, wts, w2, s2w, s2, y, i, hid, k,
-        h.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1), s2.stride(0), y.stride(0),
-        BLOCK_H=block_h, BLOCK_W=bw2, num_warps=warps2, **pdl_args(x.device))
+    y_pairs = torch.empty((t * k, hid), dtype=torch.float32, device=x.device)
+    _moe_down_pairs_kernel[(t * k, triton.cdiv(hid, block_h))](
+        h, slots, wts, w2, s2w, s2, y_pairs, i, hid,
+        h.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1), s2.stride(0), y_pairs.stride(0),
+        BLOCK_H=block_h, BLOCK_W=bw2, WHOLE_K=whole2, ASM=asm and whole2 > 0, num_warps=warps2,
+        **pdl_args(x.device))
+    _moe_sum_pairs_kernel[(t, triton.cdiv(hid, 1024))](y_pairs, y, hid, k, y_pairs.stride(0), y.stride(0), BLOCK=1024,
+                                                       **pdl_args(x.device))
     return y
 
 

@@ -12,9 +12,10 @@ inlined into the linear (`kernel.py`), MoE and attention kernels. Details module
   on the GPU by inline PTX (byte permutes from a table, ~3 instructions per element; Hopper has
   no E2M1 conversion), elsewhere (the interpreter) by the byte-wise helpers, to the same values;
   `e2m1_halves_bf16` the same in bf16 (two tables: a bf16 value's high and low bytes), against
-  bf16 block scales; `e2m1_halves_f16_scaled`, fp16 halves times a fixed power of two decoded in
-  other instruction forms (`HALVES_BITS`: the nibbles' bits placed straight into fp16's exponent
-  and mantissa; `HALVES_CVT`: turned into E4M3 bytes and converted two at a time).
+  bf16 block scales; `e2m1_halves_f16_scaled`, the same fp16 halves times 2**-6 (`HALVES_SCALED_EXPONENT`),
+  the nibbles turned into E4M3 bytes and converted two at a time (the decode attention's form: it
+  beat the byte permutes there, bench/RESULTS.md session 16; a third form, the nibbles' bits placed
+  straight into fp16's exponent and mantissa, lost to it and left the tree after commit d98949c).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["HALVES_BITS", "HALVES_CVT", "HALVES_PRMT", "dequant_tile", "e2m1_halves_bf16", "e2m1_halves_f16",
-           "e2m1_halves_f16_scaled", "halves_exponent", "words_tile_f16"]
+__all__ = ["HALVES_SCALED_EXPONENT", "dequant_tile", "e2m1_halves_bf16", "e2m1_halves_f16",
+           "e2m1_halves_f16_scaled", "words_tile_f16"]
 
 E2M1_F16_TABLE = (0x3E3C3800, 0x46444240)
 """The high bytes of the fp16 values of the E2M1 magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 (the low
@@ -276,34 +277,12 @@ def e2m1_halves_bf16(b_w, b_sc, ASM: tl.constexpr):
     return lo, hi
 
 
-HALVES_PRMT, HALVES_BITS, HALVES_CVT = 0, 1, 2
-"""`e2m1_halves_f16_scaled`'s FORM: the table's byte permutes (`_E2M1_HALVES_PTX`, values as they
-are), the bits placed (`_E2M1_BITS_PTX`, values times 2**-14) or E4M3 bytes converted
-(`_E2M1_CVT_PTX`, values times 2**-6)."""
-
-
-def halves_exponent(form: int) -> int:
-    """E such that `e2m1_halves_f16_scaled` in `form` gives the values times 2**-E."""
-    return {HALVES_PRMT: 0, HALVES_BITS: 14, HALVES_CVT: 6}[form]
-
-
-def _bits_ptx() -> str:
-    """PTX of the HALVES_BITS form: a code nibble s e1 e0 m put at fp16 bits 15 and 11..9 is exactly
-    the E2M1 value times 2**-14, its subnormal code (0.5) included (fp16's subnormal 2**-15): no
-    table, no conversion. Bytes 0 and 1 (then 2 and 3) are first spread to the two halves' low
-    bytes (`prmt`), so that one shift places both halves' nibbles."""
-    body = (".reg .b32 x, a, b, z, c01, c23;\n.reg .b16 sa, sb;\nmov.b32 z, 0;\nmov.b32 {sa, sb}, $5;\n"
-            "cvt.rn.f16x2.e4m3x2 c01, sa;\ncvt.rn.f16x2.e4m3x2 c23, sb;\n")
-    for sel, lo, hi, sc in (("0x4140", "$0", "$2", "c01"), ("0x4342", "$1", "$3", "c23")):
-        body += f"prmt.b32 x, $4, z, {sel};\n"
-        for out, mag, sign in ((lo, 9, 12), (hi, 5, 8)):  # low nibble: bits 2..0 -> 11..9, 3 -> 15; high: 6..4, 7
-            body += (f"shl.b32 a, x, {mag};\nshl.b32 b, x, {sign};\nand.b32 a, a, 0x0E000E00;\n"
-                     f"and.b32 b, b, 0x80008000;\nor.b32 a, a, b;\nmul.rn.f16x2 {out}, a, {sc};\n")
-    return "\n{\n" + body + "}\n"
+HALVES_SCALED_EXPONENT = 6
+"""`e2m1_halves_f16_scaled` gives the values times 2**-HALVES_SCALED_EXPONENT."""
 
 
 def _cvt_ptx() -> str:
-    """PTX of the HALVES_CVT form: the four low nibbles (then the four high) made E4M3 bytes in one
+    """PTX of `e2m1_halves_f16_scaled`: the four low nibbles (then the four high) made E4M3 bytes in one
     32-bit operation each (sign to bit 7, e1 e0 m to bits 4..2: the value times 2**-6, the
     subnormal code included), converted two bytes at a time (`cvt.rn.f16x2.e4m3x2`), exact; the
     block scales converted alike, a pair per code-byte pair."""
@@ -318,30 +297,21 @@ def _cvt_ptx() -> str:
     return "\n{\n" + body.replace("C01", "c01").replace("C23", "c23") + "}\n"
 
 
-_E2M1_BITS_PTX = tl.constexpr(_bits_ptx())
 _E2M1_CVT_PTX = tl.constexpr(_cvt_ptx())
 
 
 @triton.jit
-def e2m1_halves_f16_scaled(b_w, b_s, ASM: tl.constexpr, FORM: tl.constexpr):
-    """`e2m1_halves_f16` in instruction form FORM (`HALVES_PRMT`, `HALVES_BITS`, `HALVES_CVT`): (low
-    nibble x scale, high nibble x scale) x 2**-halves_exponent(FORM) in float16, exact (a product has at most 6 significant bits
-    and is a multiple of 2**-24 at the smallest, fp16's subnormal step). The caller undoes the power
-    of two in fp32 (the dots' products stay exact and their sums scale exactly). ASM: the form's
-    PTX; otherwise the byte-wise stand-in to the same values."""
-    if FORM == 0:
-        lo, hi = e2m1_halves_f16(b_w, b_s, ASM)
-    elif ASM:
-        if FORM == 1:
-            lo, hi = tl.inline_asm_elementwise(_E2M1_BITS_PTX, "=r,=r,=r,=r,r,r", [b_w, b_s],
-                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-        else:
-            lo, hi = tl.inline_asm_elementwise(_E2M1_CVT_PTX, "=r,=r,=r,=r,r,r", [b_w, b_s],
-                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+def e2m1_halves_f16_scaled(b_w, b_s, ASM: tl.constexpr):
+    """`e2m1_halves_f16` times 2**-6 (`HALVES_SCALED_EXPONENT`): (low nibble x scale, high nibble x
+    scale) x 2**-6 in float16, exact (a product has at most 6 significant bits and is a multiple of
+    2**-24 at the smallest, fp16's subnormal step). The caller undoes the power of two in fp32 (the
+    dots' products stay exact and their sums scale exactly). ASM: `_E2M1_CVT_PTX` (E4M3 bytes
+    converted two at a time); otherwise the byte-wise stand-in to the same values."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(_E2M1_CVT_PTX, "=r,=r,=r,=r,r,r", [b_w, b_s],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
     else:
         sc = _e4m3(b_s)  # (the nibble decode gives values times 2**-6)
-        if FORM == 1:
-            sc = sc * 0.00390625  # 2**-8: times 2**-14 in all
         lo = (_e2m1_lo(b_w) * sc).to(tl.float16)
         hi = (_e2m1_hi(b_w) * sc).to(tl.float16)
     return lo, hi
