@@ -15,6 +15,7 @@ import time
 import torch
 
 from ft.engine.base.engine_config import EngineConfig
+from ft.engine.core.choices import ChoiceGroups
 from ft.engine.sched.ladder import Ladder, LadderOptions
 from ft.engine.sched.ladder_driver import LadderDriver
 from ft.engine.sched.prefix_cache import PrefixCache
@@ -75,6 +76,7 @@ class Engine(RankState):
         self.ladder_driver = LadderDriver(self.ladder, self.cache, self.scheduler, self.prefix_cache) \
             if self.ladder else None
         self.requests_in = RequestBuilder(cfg, self.tokenizer)
+        self.choices = ChoiceGroups(self.scheduler)  # n > 1: one shared prompt prefill
         self._requests: dict[str, Sequence] = {}
         self.current_work: ScheduledWork | None = None  # the work of a step in progress (None between steps)
         self.overlap = OverlappedDecode(self)  # `--overlap-decode`: the decode step in flight, if any
@@ -125,45 +127,20 @@ class Engine(RankState):
     def waiting_requests(self) -> list[Sequence]:
         """Requests not yet running: the scheduler's queue, then the n-choice siblings that wait for
         their parent's prompt prefill (outside the scheduler, holding nothing: `add_request_group`)."""
-        siblings = [s for s in self._requests.values() if s.fork_parent is not None]
-        return list(self.scheduler.waiting) + siblings
+        return list(self.scheduler.waiting) + self.choices.waiting(self._requests.values())
 
     def add_request_group(self, prompt_ids: list[int], params_list: list[SamplingParams],
                           request_ids: list[str | None] | None = None) -> list[Sequence]:
         """n requests of one prompt (an API call with n > 1: choice i gets params_list[i]) that share
-        one prompt prefill. Every one is checked first (RequestError: none is queued).
-
-        The first is the parent, queued as usual. The others are siblings: they wait outside the
-        scheduler, holding nothing, until the step that computes the parent's last prompt token
-        (the one that samples its first token). In that step's postprocess each sibling forks
-        (`Scheduler.fork`: its own mamba slot with the parent's state, the full prompt pages shared,
-        the partial last page copied), samples its first token from the parent's last-position
-        logits with its own parameters and seed (`ModelRunner.sample_logits`: what an independent
-        request would draw from the same row), and joins the running batch as a decode sequence.
-
-        Fallbacks, correct but slower (each then prefills the prompt itself, an ordinary
-        admission): a sibling whose fork cannot get its resources (no mamba slot or page, the
-        running batch full, a rebuild pending) is queued first in line; so are the waiting siblings
-        when the parent ends before its prefill completes (aborted, failed); and a group with
-        prompt logprobs (echo) or a grammar is queued as independent requests from the start.
-        A sibling that forked owns its state: aborting the parent later does not touch it. Each
-        request can be aborted by its id, a waiting sibling too. A preempted parent's siblings
-        keep waiting for its recomputed prefill."""
+        one prompt prefill (`ft.engine.core.choices`: the siblings fork from the first, the parent, at
+        its first token). Every one is checked first (RequestError: none is queued)."""
         request_ids = list(request_ids) if request_ids is not None else [None] * len(params_list)
         if len(request_ids) != len(params_list) or not params_list:
             raise ValueError("add_request_group: one request id per SamplingParams, at least one")
         seqs = [self._new_sequence(prompt_ids, p, rid) for p, rid in zip(params_list, request_ids)]
-        share = all(s.prompt_logprobs is None and s.grammar is None for s in seqs)
-        parent = seqs[0]
         for seq in seqs:
             self._requests[seq.request_id] = seq
-        self.scheduler.add(parent)
-        for seq in seqs[1:]:
-            if share:
-                seq.fork_parent = parent
-                parent.fork_waiting.append(seq)
-            else:
-                self.scheduler.add(seq)
+        self.choices.queue(seqs)
         return seqs
 
     def _new_sequence(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> Sequence:
@@ -199,40 +176,11 @@ class Engine(RankState):
         seq = self._requests.pop(request_id, None)
         if seq is None or seq.is_finished:
             return False
-        if seq.fork_parent is not None:  # a sibling still waiting for its parent's prefill: it holds nothing
-            seq.fork_parent.fork_waiting.remove(seq)
-            seq.fork_parent = None
+        self.choices.detach(seq)  # a sibling still waiting for its parent's prefill: it holds nothing
         self.scheduler.finish(seq, "abort", cache=False)
         seq.grammar = None
-        self._unfork(seq)
+        self.choices.release(seq)
         return True
-
-    def _unfork(self, parent: Sequence) -> None:
-        """`parent` ended before its prompt prefill completed: its waiting siblings (aborted with it
-        only when their own ids are aborted) are queued first in line, each to prefill itself."""
-        sibs, parent.fork_waiting = parent.fork_waiting, []
-        for sib in sibs:
-            sib.fork_parent = None
-        self.scheduler.requeue_first(sibs)
-
-    def _fork_siblings(self, parent: Sequence, row: int) -> list[tuple[Sequence, int, object]]:
-        """The fork point of `parent` (its prompt was just computed, its first token sampled from
-        logits row `row` of this step): each waiting sibling forks and samples its first token from
-        that row, or, without the resources, is queued to prefill itself. Returns (sibling, token,
-        logprob) of those forked."""
-        sibs, parent.fork_waiting = parent.fork_waiting, []
-        logits = self.runner.last_logits
-        forked, fallback = [], []
-        for sib in sibs:
-            sib.fork_parent = None
-            ok = logits is not None and self.scheduler.fork(parent, sib)
-            (forked if ok else fallback).append(sib)
-        self.scheduler.requeue_first(fallback)
-        if not forked:
-            return []
-        rows = logits[row : row + 1].expand(len(forked), -1)
-        tokens, logprobs = self.runner.sample_logits(rows, forked)
-        return list(zip(forked, tokens, logprobs))
 
     @property
     def has_work(self) -> bool:
@@ -313,7 +261,7 @@ class Engine(RankState):
         self.scheduler.finish(seq, "error", cache=False)
         self._requests.pop(seq.request_id, None)
         seq.grammar = None
-        self._unfork(seq)
+        self.choices.release(seq)
         return seq
 
     def _postprocess(self, work: ScheduledWork, tokens: list[int | None]) -> list[Sequence]:
@@ -330,7 +278,7 @@ class Engine(RankState):
                 continue  # a chunk of a longer prompt: no token yet
             # NOTE: the fork point of n > 1 siblings: before the parent can finish (its pages and
             # slot would go) and before any later forward changes its state and its last page
-            forks = self._fork_siblings(seq, row) if seq.fork_waiting else []
+            forks = self.choices.fork(seq, row, self.runner) if seq.fork_waiting else []
             self.take_token(seq, token, lp, out)
             for sib, sib_token, sib_lp in forks:
                 self.take_token(sib, sib_token, sib_lp, out)
