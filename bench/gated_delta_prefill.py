@@ -71,28 +71,23 @@ def reference(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return o, ssm
 
 
-class _NoLaunch:
-    """Stands in for a kernel: `k[grid](...)` launches nothing (to time the other kernel alone)."""
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
 def time_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def time_chunk(x: dict) -> tuple[float, float]:
-    """(prep + state, prep alone) ms."""
+    """(prep + state, prep alone) ms: the whole call by `do_bench`, the prep kernel's share of the
+    kernels' device time from the profiler over 20 calls."""
     ssm = x["ssm"].clone()
     total = time_ms(lambda: chunk(x, ssm))
-    real = chunk_kernel._chunk_state_kernel
-    chunk_kernel._chunk_state_kernel = _NoLaunch()
-    try:
-        prep = time_ms(lambda: chunk(x, ssm))
-    finally:
-        chunk_kernel._chunk_state_kernel = real
-    return total, prep
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            chunk(x, ssm)
+        torch.cuda.synchronize()
+    kernels = {e.key: e.device_time_total for e in prof.key_averages()}
+    prep = sum(t for name, t in kernels.items() if "_chunk_prep_kernel" in name)
+    state = sum(t for name, t in kernels.items() if "_chunk_state_kernel" in name)
+    return total, total * prep / max(prep + state, 1e-9)
 
 
 def old_path_ms(x: dict) -> float:
@@ -113,7 +108,6 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="defaults only, no alternative configurations")
     args = ap.parse_args()
     rows = []
-    base_prep, base_state, base_conv = chunk_kernel.prep_config, chunk_kernel.state_config, conv_kernel.conv_varlen_config
     for name, lengths in BATCHES.items():
         x = inputs(lengths)
         o_ref, ssm_ref = reference(x)
@@ -131,27 +125,24 @@ def main() -> None:
         print(rows[-1], flush=True)
         if not args.quick:
             for bt, bc, nw in ((16, 128, 8), (16, 64, 4), (32, 64, 4), (64, 64, 8), (32, 256, 8)):
-                conv_kernel.conv_varlen_config = lambda c, w, bt=bt, bc=bc, nw=nw: {
-                    **base_conv(c, w), "BLOCK_T": bt, "BLOCK_C": bc, "num_warps": nw}
-                rows.append((name, f"conv T{bt} C{bc} w{nw}", time_ms(lambda: conv_kernel.causal_conv1d_varlen_triton(
-                    x["mixed"], conv, x["weight"], x["cu"], x["slots"])), 0, 0, 0, 0))
+                launch = (("BLOCK_T", bt), ("BLOCK_C", bc), ("num_warps", nw))
+                with use_kernel_options(variant(**{"conv1d.varlen_launch": launch})):
+                    rows.append((name, f"conv T{bt} C{bc} w{nw}", time_ms(lambda: conv_kernel.causal_conv1d_varlen_triton(
+                        x["mixed"], conv, x["weight"], x["cu"], x["slots"])), 0, 0, 0, 0))
                 print(rows[-1], flush=True)
-            conv_kernel.conv_varlen_config = base_conv
             for bv, nw, ns in ((16, 4, 2), (16, 8, 2), (32, 4, 2), (32, 8, 1), (32, 8, 3), (64, 8, 2)):
-                chunk_kernel.state_config = lambda *a, bv=bv, nw=nw, ns=ns: {
-                    **base_state(*a), "BLOCK_V": bv, "num_warps": nw, "num_stages": ns}
-                ssm = x["ssm"].clone()
-                err_o = rel_rms(chunk(x, ssm), o_ref)
-                total, prep = time_chunk(x)
+                launch = (("BLOCK_V", bv), ("num_warps", nw), ("num_stages", ns))
+                with use_kernel_options(variant(**{"gated_delta.state_launch": launch})):
+                    ssm = x["ssm"].clone()
+                    err_o = rel_rms(chunk(x, ssm), o_ref)
+                    total, prep = time_chunk(x)
                 rows.append((name, f"chunk, state V{bv} w{nw} s{ns}", total, prep, total - prep, err_o, 0))
                 print(rows[-1], flush=True)
-            chunk_kernel.state_config = base_state
             for nw, ns in ((4, 2), (8, 1), (8, 3)):
-                chunk_kernel.prep_config = lambda *a, nw=nw, ns=ns: {**base_prep(*a), "num_warps": nw, "num_stages": ns}
-                total, prep = time_chunk(x)
+                with use_kernel_options(variant(**{"gated_delta.prep_launch": (("num_warps", nw), ("num_stages", ns))})):
+                    total, prep = time_chunk(x)
                 rows.append((name, f"chunk, prep w{nw} s{ns}", total, prep, total - prep, 0, 0))
                 print(rows[-1], flush=True)
-            chunk_kernel.prep_config = base_prep
         if name == "4096 in 3":
             rows.append((name, "before: torch references per sequence", old_path_ms(x), 0, 0, 0, 0))
     print(f"\n{'batch':<12} {'variant':<40} {'total ms':>9} {'prep ms':>8} {'state ms':>9} {'o err':>9} {'ssm err':>9}")

@@ -26,7 +26,6 @@ from collections import defaultdict
 import torch
 
 import ft.kernels.attention as attention
-import ft.kernels.moe.kernel as moe_kernel
 from ft.engine.core.engine import Engine
 from ft.engine.base.engine_config import EngineConfig
 from ft.engine.base.sampling_params import SamplingParams
@@ -83,7 +82,6 @@ def main() -> None:
     print(f"engine up in {time.perf_counter() - t0:.1f} s, geometry {eng.cache.geometry}", flush=True)
     modes = ["reference", "triton"] if args.attention == "both" else [args.attention]
     rows, base = [], [0]
-    library_choice = moe_kernel.grouped_config_for
     # the GPU's clocks: right after the engine's build (tens of seconds of host work) the first
     # length timed slow twice in one session (1K: 155 and 182 ms against 103-112 later); keep the
     # device busy for a while before anything is timed
@@ -93,8 +91,8 @@ def main() -> None:
     libs = {"on": [True], "off": [False], "both": [False, True]}[args.library]
     for mode, cfg, lib in ((m, c, b) for m in modes for c in grouped for b in libs):
         set_kernel_options(kernel_options().with_(**{"prefill_attention.triton_on_cuda": mode == "triton",
-                                                     "prefill_attention.library_on_cuda": lib}))
-        moe_kernel.grouped_config_for = (lambda _t, _c=cfg: _c) if cfg else library_choice  # looked up per call
+                                                     "prefill_attention.library_on_cuda": lib,
+                                                     "moe.grouped_tile": cfg}))  # None: by the pass's length
         label = (mode if cfg is None else f"{mode} {cfg}") + ("" if args.library != "both" else
                                                               " +cudnn prefix" if lib else " triton only")
         if args.warm:
@@ -109,8 +107,7 @@ def main() -> None:
             each = ", ".join(f"{w * 1e3:.1f}/{c * 1e3:.1f}" for w, c in zip(times, cpu))
             print(f"{label} {n}: TTFT {t * 1e3:.1f} ms, {n / t:,.0f} tok/s (each run wall/process CPU ms: {each})",
                   flush=True)
-    moe_kernel.grouped_config_for = library_choice
-    last = kernel_options().with_(**{"prefill_attention.triton_on_cuda": modes[-1] == "triton"})
+    last = kernel_options().with_(**{"prefill_attention.triton_on_cuda": modes[-1] == "triton", "moe.grouped_tile": None})
     if args.host_profile:
         set_kernel_options(last)
         host_profile_prefill(eng, args.host_profile, base)

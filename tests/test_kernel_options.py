@@ -69,6 +69,26 @@ def test_the_dispatchers_read_the_options_in_force():
     assert _path(4, 2048, 2048) == "gemv"  # the whole-K GEMV at M 3..8 on these shapes
     with use_kernel_options(variant("nvfp4-tile-small-m")):
         assert _path(4, 2048, 2048) == "dot"
+    from ft.kernels.moe.grouped_kernel import GROUPED_CONFIG, GROUPED_CONFIG_SHORT, grouped_config_for
+
+    assert (grouped_config_for(1024), grouped_config_for(8192)) == (GROUPED_CONFIG_SHORT, GROUPED_CONFIG)
+    tile = (64, 64, 64, 4, 4)
+    with use_kernel_options(variant(**{"moe.grouped_tile": tile})):  # a sweep's one tile for every pass
+        assert grouped_config_for(1024) == grouped_config_for(8192) == tile
+    from ft.kernels.conv1d.kernel import conv_varlen_config
+    from ft.kernels.gated_delta.chunk_kernel import prep_config, state_config
+
+    conv, prep, state = conv_varlen_config(8192, 4), prep_config(128, 128, torch.bfloat16), \
+        state_config(1, 32, 128, 128, torch.bfloat16)
+    with use_kernel_options(variant(**{"conv1d.varlen_launch": (("BLOCK_C", 128), ("num_warps", 8)),
+                                       "gated_delta.prep_launch": (("num_stages", 1),),
+                                       "gated_delta.state_launch": (("BLOCK_V", 16), ("num_warps", 4))})):
+        assert conv_varlen_config(8192, 4) == {**conv, "BLOCK_C": 128, "num_warps": 8}
+        assert prep_config(128, 128, torch.bfloat16) == {**prep, "num_stages": 1}
+        changed = state_config(1, 32, 128, 128, torch.bfloat16)
+        assert (changed["BLOCK_V"], changed["num_warps"], changed["EVEN_V"]) == (16, 4, True) != \
+            (state["BLOCK_V"], state["num_warps"], state["EVEN_V"])
+    assert conv_varlen_config(8192, 4) == conv  # put back
 
 
 def test_no_benchmark_overwrites_a_kernel_global():
@@ -79,7 +99,7 @@ def test_no_benchmark_overwrites_a_kernel_global():
         aliases = dict(re.findall(r"^\s*import (ft\.kernels\.[\w.]+) as (\w+)", text, re.M))
         aliases.update({alias: mod for mod, alias in re.findall(r"^\s*from (ft\.kernels[\w.]*) import (\w+)", text, re.M)})
         names = set(aliases.values()) | {alias for alias in re.findall(r"import ft\.kernels\.[\w.]+ as (\w+)", text)}
-        for alias, attr in re.findall(r"^\s*(\w+)\.([A-Z][A-Z0-9_]+)\s*=[^=]", text, re.M):
+        for alias, attr in re.findall(r"^\s*(\w+)\.(\w+)\s*=[^=]", text, re.M):  # constants and functions alike
             if alias in names:
                 found.append(f"{path.name}: {alias}.{attr}")
     assert not found, found

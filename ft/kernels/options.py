@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["DecodeAttentionOptions", "GatedDeltaOptions", "KernelOptions", "LaunchOptions", "MoeOptions", "Nvfp4Options",
+__all__ = ["Conv1dOptions", "DecodeAttentionOptions", "GatedDeltaOptions", "KernelOptions", "LaunchOptions", "MoeOptions", "Nvfp4Options",
            "PrefillAttentionOptions", "VARIANTS", "kernel_options", "set_kernel_options", "use_kernel_options", "variant"]
 
 
@@ -52,11 +52,16 @@ class MoeOptions:
     rows allow (sm_90 SASS: the gate_up loop 802 -> 520 instructions a step, down 833 -> 554; H200,
     bench/moe_prefill.py --words, one layer of 512 experts, top-10: 1,024 tokens 1.131 -> 0.868 ms,
     4,096 tokens 1.959 -> 1.790 ms, the same error against the reference).
+    grouped_tile: one grouped tile for every pass (`grouped_kernel.GROUPED_CONFIG`'s form: one
+    (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, SWAP_AB]) tuple or a (gate_up, down) pair),
+    for sweeps (bench/prefill.py --grouped-configs); None, the default: by the pass's length
+    (`grouped_config_for`, whose notes say what was measured).
     grouped_max_tokens: tokens per grouped pass at most (longer chunks are cut), which bounds the
     workspace (`moe_workspace_bytes`); longer passes read each routed expert fewer times (H200: a
     4,096-token chunk's routed experts in 2.9 ms in one pass against 5.8 ms in passes of 1,024)."""
 
     grouped_words: bool = True
+    grouped_tile: tuple | None = None
     grouped_max_tokens: int = 4096
 
 
@@ -66,9 +71,25 @@ class GatedDeltaOptions:
 
     solve_precision: the fp32 solve for T on the GPU with 16-bit activations ("tf32", "tf32x3" or
     "ieee"; fp32 activations always solve in "ieee"). H200, 4,096 tokens: the same error of o with
-    each (4.17e-3, bf16 storage dominates) at 0.25 ms for the prep kernel against 0.64 and 5.0."""
+    each (4.17e-3, bf16 storage dominates) at 0.25 ms for the prep kernel against 0.64 and 5.0.
+    prep_launch, state_launch: changes to the two kernels' launch choices (`prep_config`,
+    `state_config`: pairs such as ("num_warps", 8), ("num_stages", 1), ("BLOCK_V", 32)) for sweeps
+    (bench/gated_delta_prefill.py); empty, the default: the rules whose notes say what was measured."""
 
     solve_precision: str = "tf32"
+    prep_launch: tuple[tuple[str, int], ...] = ()
+    state_launch: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Conv1dOptions:
+    """The packed causal conv of a prefill (`ft.kernels.conv1d.kernel.causal_conv1d_varlen_triton`).
+
+    varlen_launch: changes to its tile and warps (`conv_varlen_config`: ("BLOCK_T", 32),
+    ("BLOCK_C", 128), ("num_warps", 8)) for sweeps; empty, the default: the rule whose note says what
+    was measured."""
+
+    varlen_launch: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -146,6 +167,7 @@ class KernelOptions:
     nvfp4: Nvfp4Options = field(default_factory=Nvfp4Options)
     moe: MoeOptions = field(default_factory=MoeOptions)
     gated_delta: GatedDeltaOptions = field(default_factory=GatedDeltaOptions)
+    conv1d: Conv1dOptions = field(default_factory=Conv1dOptions)
     prefill_attention: PrefillAttentionOptions = field(default_factory=PrefillAttentionOptions)
     decode_attention: DecodeAttentionOptions = field(default_factory=DecodeAttentionOptions)
     launch: LaunchOptions = field(default_factory=LaunchOptions)

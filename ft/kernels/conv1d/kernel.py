@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ft.kernels.backend import TRITON_DTYPES
+from ft.kernels.options import kernel_options
 
 __all__ = ["conv_varlen_config", "causal_conv1d_varlen_triton"]
 
@@ -121,10 +122,11 @@ def conv_varlen_config(channels: int, width: int) -> dict:
     the copy bandwidth (~0.03 ms per 4,096 tokens): latency-bound at low occupancy (a tile's loads
     take ~100 registers a thread); not tuned further yet. EVEN_C: C % BLOCK_C == 0 (no channel masks
     on the x and y tiles)."""
-    block_c = min(64, triton.next_power_of_2(channels))
-    block_t = max(16, triton.next_power_of_2(width - 1))  # NOTE: >= W-1: only tile 0 reads the state
+    change = dict(kernel_options().conv1d.varlen_launch)  # (a sweep's launch choices, if any)
+    block_c = change.get("BLOCK_C", min(64, triton.next_power_of_2(channels)))
+    block_t = max(change.get("BLOCK_T", 16), triton.next_power_of_2(width - 1))  # NOTE: >= W-1: only tile 0 reads the state
     return {"W": width, "BLOCK_T": block_t, "BLOCK_C": block_c, "BLOCK_W": triton.next_power_of_2(width),
-            "EVEN_C": channels % block_c == 0, "num_warps": 4}
+            "EVEN_C": channels % block_c == 0, "num_warps": change.get("num_warps", 4)}
 
 
 def search_iters(n_seqs: int) -> int:

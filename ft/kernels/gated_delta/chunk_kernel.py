@@ -249,7 +249,8 @@ def prep_config(dk: int, dv: int, dtype: torch.dtype) -> dict:
     block_v = max(PREP_MIN_BLOCK, triton.next_power_of_2(dv))
     return {"CHUNK": CHUNK, "LOG2_CHUNK": LOG2_CHUNK, "BLOCK_K": block_k, "BLOCK_V": block_v,
             "PRECISION": precision, "SOLVE_PRECISION": solve, "EVEN_K": dk == block_k, "EVEN_V": dv == block_v,
-            "num_warps": FP32_PREP_WARPS if dtype == torch.float32 else 4, "num_stages": 2}
+            "num_warps": FP32_PREP_WARPS if dtype == torch.float32 else 4, "num_stages": 2,
+            **dict(kernel_options().gated_delta.prep_launch)}  # (a sweep's launch choices, if any)
 
 
 def state_configs(batch: int, hv: int, dk: int, dv: int, dtype: torch.dtype) -> list[dict]:
@@ -273,13 +274,15 @@ def state_config(batch: int, hv: int, dk: int, dv: int, dtype: torch.dtype) -> d
     at BLOCK_V 64 (0.32 at 32); 16,384 in 16 0.68 (1.0 at 32); 16,384 in one 0.95 at 32 (1.24 at 64:
     64 programs leave half the SMs idle; 1.35 at 16). EVEN_K: Dk == BLOCK_K, EVEN_V: Dv % BLOCK_V == 0
     (no column masks)."""
+    change = dict(kernel_options().gated_delta.state_launch)  # (a sweep's launch choices, if any)
     block_v = min(64, max(16, triton.next_power_of_2(dv)))
     while block_v > 16 and batch * hv * triton.cdiv(dv, block_v) < TARGET_PROGRAMS:
         block_v //= 2
+    block_v = change.get("BLOCK_V", block_v)
     block_k = max(16, triton.next_power_of_2(dk))
     return {"CHUNK": CHUNK, "BLOCK_K": block_k, "BLOCK_V": block_v, "PRECISION": _precisions(dtype)[0],
             "EVEN_K": dk == block_k, "EVEN_V": dv % block_v == 0, "num_warps": 8,
-            "num_stages": 2 if block_v == 64 else 3}
+            "num_stages": 2 if block_v == 64 else 3, **change}
 
 
 def _unit_last(x: torch.Tensor) -> torch.Tensor:

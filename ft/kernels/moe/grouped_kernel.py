@@ -51,8 +51,10 @@ GROUPED_CONFIG_SHORT = (32, 64, 128, 4, 3, True)
 
 
 def grouped_config_for(tokens: int) -> tuple:
-    """The grouped tile of a pass over `tokens` tokens (GROUPED_CONFIG or GROUPED_CONFIG_SHORT)."""
-    return GROUPED_CONFIG_SHORT if tokens <= GROUPED_SHORT_TOKENS else GROUPED_CONFIG
+    """The grouped tile of a pass over `tokens` tokens: `MoeOptions.grouped_tile` when one is set,
+    else GROUPED_CONFIG or, up to GROUPED_SHORT_TOKENS tokens, GROUPED_CONFIG_SHORT."""
+    return kernel_options().moe.grouped_tile or (GROUPED_CONFIG_SHORT if tokens <= GROUPED_SHORT_TOKENS
+                                                 else GROUPED_CONFIG)
 
 
 @triton.jit
