@@ -213,7 +213,7 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("moe gate_up, K loop", moe._moe_gate_up_kernel, GATE_UP, moe_cfg((8, 64, 4), 256, "BLOCK_I")),
     ("moe down per pair, 1 token", moe._moe_down_pairs_kernel, DOWN_PAIRS, moe_cfg(moe.DOWN_CONFIG[1], 64, "BLOCK_H")),
     ("moe down per pair, more", moe._moe_down_pairs_kernel, DOWN_PAIRS, moe_cfg(moe.DOWN_CONFIG[2], 64, "BLOCK_H")),
-    ("moe sum over k", moe._moe_sum_pairs_kernel, SUM, {"BLOCK": 1024}),
+    ("moe sum over k", moe.moe_sum_pairs_kernel, SUM, {"BLOCK": 1024}),
     ("moe grouped gate_up", moe_grp._grouped_gate_up_kernel, G_GATE_UP, grouped_cfg()),
     ("moe grouped down", moe_grp._grouped_down_kernel, G_DOWN, grouped_cfg(1)),
     ("moe grouped gate_up, short passes", moe_grp._grouped_gate_up_kernel, G_GATE_UP, short_grouped_cfg()),

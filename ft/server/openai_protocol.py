@@ -51,7 +51,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class SamplingFields(BaseModel):
     # NOTE: extra fields are kept (not ignored) so that `refusal` can name them
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -127,7 +127,7 @@ NonEmptyText = Annotated[str, WithJsonSchema({"type": "string", "minLength": 1})
 NonEmptyIds = Annotated[list[JsonInt], Field(min_length=1)]
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     # a string or ids: one prompt; a list of them: several. None may be empty (the schema says so, as
     # validation does: an empty prompt has no token to start from)
     prompt: NonEmptyText | NonEmptyIds | Annotated[list[NonEmptyText], Field(min_length=1)] \
@@ -209,7 +209,7 @@ class NamedToolChoice(BaseModel):
     function: _FunctionName
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: JsonInt | None = None
     max_completion_tokens: JsonInt | None = None
@@ -231,7 +231,7 @@ class ChatCompletionRequest(_Sampling):
         return choice == "required", None
 
 
-def refusal(body: _Sampling) -> str | None:
+def refusal(body: SamplingFields) -> str | None:
     """Why `body` asks for something FreeToken does not implement, naming the field; None if not."""
     for name, value in (body.model_extra or {}).items():
         if name in HARMLESS:

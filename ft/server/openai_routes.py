@@ -20,7 +20,7 @@ from ft.server.tool_calls import ToolCallStream, parse_tool_calls, tool_call_gra
 from ft.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    _Sampling,
+    SamplingFields,
     chat_body,
     chat_chunk,
     chat_chunk_choice,
@@ -56,13 +56,13 @@ async def models(request: Request) -> dict:
     }]}
 
 
-def _check_model(st, body: _Sampling) -> None:
+def _check_model(st, body: SamplingFields) -> None:
     if body.model != st.model_name:
         raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{st.model_name}`",
                        "model_not_found")
 
 
-def _check_common(st, body: _Sampling) -> None:
+def _check_common(st, body: SamplingFields) -> None:
     """The model is this server's, and the body asks for nothing FreeToken lacks (400 naming the field)."""
     _check_model(st, body)
     why = refusal(body)
@@ -70,7 +70,7 @@ def _check_common(st, body: _Sampling) -> None:
         raise ApiError(400, why)
 
 
-def _params(st, body: _Sampling, prompt_len: int, max_tokens: int | None, logprobs: int | None = None,
+def _params(st, body: SamplingFields, prompt_len: int, max_tokens: int | None, logprobs: int | None = None,
             prompt_logprobs: int | None = None, allow_zero: bool = False, grammar: tuple[str, str] | None = None) -> list:
     """The SamplingParams of each of the body's n choices (seeds seed, seed + 1, ...; unseeded
     choices get random seeds of their own). max_tokens 0 (allow_zero: echo) runs one token, which
@@ -362,7 +362,7 @@ class _ChatShape(_CompletionShape):
         return self._chunk({}, use)
 
 
-async def _respond(st, request: Request, body: _Sampling, groups: list[tuple[list[int], list]],
+async def _respond(st, request: Request, body: SamplingFields, groups: list[tuple[list[int], list]],
                    shape: _CompletionShape):
     """Run a request's choices and answer them whole or as server-sent events (the choices' chunks
     interleaved, each with its index). groups: per prompt, (its token ids, the SamplingParams of its

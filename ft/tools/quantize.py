@@ -90,11 +90,11 @@ INPUT_SCALE = 1.0
 DEFAULT_PRODUCER_VERSION = f"freetoken-{__version__}"
 
 _QUANT_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale")
-_INDEX_NAME = "model.safetensors.index.json"
-_SINGLE_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
 # Files in SRC that are not copied: the weights (rewritten), the configs (rewritten) and
 # other formats of the same weights.
-_NOT_COPIED = ("*.safetensors", _INDEX_NAME, "config.json", "hf_quant_config.json",
+NOT_COPIED = ("*.safetensors", INDEX_NAME, "config.json", "hf_quant_config.json",
                "pytorch_model*.bin", "pytorch_model.bin.index.json")
 
 
@@ -145,7 +145,7 @@ def _matches(module: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(module, p) for p in patterns)
 
 
-def _check_not_quantized(names: Iterable[str], dtypes: dict[str, torch.dtype] | None, where: str) -> None:
+def check_not_quantized(names: Iterable[str], dtypes: dict[str, torch.dtype] | None, where: str) -> None:
     for name in names:
         if name.endswith(_QUANT_SUFFIXES):
             raise QuantizeError(f"{where} is already quantized: it has tensor {name!r}")
@@ -156,7 +156,7 @@ def _check_not_quantized(names: Iterable[str], dtypes: dict[str, torch.dtype] | 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _plan(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype | None], exclude: Sequence[str]) -> _Plan:
+def plan_quantization(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype | None], exclude: Sequence[str]) -> _Plan:
     """Decide per tensor. Only float32/bf16/fp16 2-D weights are quantized; a weight of another
     dtype is kept as it is and listed as excluded."""
     quantize: set[str] = set()
@@ -191,17 +191,17 @@ def _plan(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype | No
     return _Plan(frozenset(quantize), tuple(sorted(excluded)), groups, tuple(sorted(skipped_k)))
 
 
-def _amax(w: torch.Tensor) -> torch.Tensor:
+def weight_amax(w: torch.Tensor) -> torch.Tensor:
     """amax(|w|) as float32, computed in w's dtype like ModelOpt's ``reduce_amax``."""
     return torch.maximum(w.max().abs(), w.min().abs()).float()
 
 
-def _check_finite(name: str, w: torch.Tensor) -> None:
+def check_finite(name: str, w: torch.Tensor) -> None:
     if not bool(torch.isfinite(w).all()):
         raise QuantizeError(f"tensor {name!r} has NaN or infinite values: refusing to quantize it")
 
 
-def _quantize_module(
+def quantize_module(
     module: str, w: torch.Tensor, group_amax: torch.Tensor | None, device: torch.device, division: str
 ) -> dict[str, torch.Tensor]:
     if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -216,7 +216,7 @@ def _quantize_module(
     }
 
 
-def _resolve_device(device: str | torch.device | None) -> torch.device:
+def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
@@ -252,16 +252,16 @@ def quantize_state_dict(
             finite or not a float32/bf16/fp16 tensor.
     """
     dtypes = {k: v.dtype for k, v in state.items()}
-    _check_not_quantized(state, dtypes, "the state dict")
-    plan = _plan({k: tuple(v.shape) for k, v in state.items()}, dtypes, tuple(exclude))
-    dev = _resolve_device(device)
+    check_not_quantized(state, dtypes, "the state dict")
+    plan = plan_quantization({k: tuple(v.shape) for k, v in state.items()}, dtypes, tuple(exclude))
+    dev = resolve_device(device)
     amaxes: dict[str, torch.Tensor] = {}
 
     def amax_of(module: str) -> torch.Tensor:
         if module not in amaxes:
             w = state[f"{module}.weight"]
-            _check_finite(f"{module}.weight", w)
-            amaxes[module] = _amax(w.to(dev)).cpu()
+            check_finite(f"{module}.weight", w)
+            amaxes[module] = weight_amax(w.to(dev)).cpu()
         return amaxes[module]
 
     out: dict[str, torch.Tensor] = {}
@@ -272,8 +272,8 @@ def quantize_state_dict(
             continue
         group = plan.groups[module]
         group_amax = torch.stack([amax_of(m) for m in group]).max() if len(group) > 1 else None
-        _check_finite(name, tensor)
-        out.update(_quantize_module(module, tensor, group_amax, dev, scale_2_division))
+        check_finite(name, tensor)
+        out.update(quantize_module(module, tensor, group_amax, dev, scale_2_division))
     return out, list(plan.excluded)
 
 
@@ -316,7 +316,7 @@ def quantization_config_for(
     return hf_quant, config_entry
 
 
-def _write_json(path: Path, data: Any, indent: int) -> None:
+def write_json(path: Path, data: Any, indent: int) -> None:
     path.write_text(json.dumps(data, indent=indent) + "\n", encoding="utf-8")
 
 
@@ -337,10 +337,10 @@ def write_quant_config(dst: Path, exclude_modules: list[str], producer_version: 
     """
     dst = Path(dst)
     hf_quant, config_entry = quantization_config_for(exclude_modules, producer_version)
-    _write_json(dst / "hf_quant_config.json", hf_quant, indent=4)
+    write_json(dst / "hf_quant_config.json", hf_quant, indent=4)
     config_path = dst / "config.json"
     if config_path.is_file():
         config = json.loads(config_path.read_text(encoding="utf-8"))
         config["quantization_config"] = config_entry
-        _write_json(config_path, config, indent=2)
+        write_json(config_path, config, indent=2)
     return config_entry

@@ -16,20 +16,20 @@ from typing import Any
 import torch
 
 from ft.tools.quantize import (  # noqa: F401
-    _INDEX_NAME,
-    _NOT_COPIED,
-    _SINGLE_NAME,
+    INDEX_NAME,
+    NOT_COPIED,
+    SINGLE_NAME,
     DEFAULT_EXCLUDE,
     DEFAULT_PRODUCER_VERSION,
     QuantizeError,
     QuantizeStats,
-    _amax,
-    _check_finite,
-    _check_not_quantized,
-    _plan,
-    _quantize_module,
-    _resolve_device,
-    _write_json,
+    weight_amax,
+    check_finite,
+    check_not_quantized,
+    plan_quantization,
+    quantize_module,
+    resolve_device,
+    write_json,
     quantize_state_dict,
     write_quant_config,
 )
@@ -45,7 +45,7 @@ def _read_json(path: Path) -> Any:
 
 def _source_shards(src: Path) -> tuple[list[str], dict[str, Any] | None]:
     """(shard file names in order, the index or None for a single model.safetensors)."""
-    index_path = src / _INDEX_NAME
+    index_path = src / INDEX_NAME
     if index_path.is_file():
         index = _read_json(index_path)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -56,11 +56,11 @@ def _source_shards(src: Path) -> tuple[list[str], dict[str, Any] | None]:
             if not (src / shard).is_file():
                 raise QuantizeError(f"{index_path} names shard {shard!r}, which is not in {src}")
         return shards, index
-    if (src / _SINGLE_NAME).is_file():
-        return [_SINGLE_NAME], None
+    if (src / SINGLE_NAME).is_file():
+        return [SINGLE_NAME], None
     others = sorted(p.name for p in src.glob("*.safetensors"))
-    hint = f" (found {', '.join(others)} but no {_INDEX_NAME})" if others else ""
-    raise QuantizeError(f"no safetensors checkpoint in {src}: expected {_SINGLE_NAME} or {_INDEX_NAME}{hint}")
+    hint = f" (found {', '.join(others)} but no {INDEX_NAME})" if others else ""
+    raise QuantizeError(f"no safetensors checkpoint in {src}: expected {SINGLE_NAME} or {INDEX_NAME}{hint}")
 
 
 GROUPED = {"gate_up_proj": (("gate_proj", 0), ("up_proj", 1)), "down_proj": (("down_proj", None),)}
@@ -156,7 +156,7 @@ def _check_dst(src: Path, dst: Path) -> None:
 
 def _copy_other_files(src: Path, dst: Path) -> None:
     for entry in sorted(src.iterdir()):
-        if entry.name.startswith(".") or any(fnmatch.fnmatch(entry.name, p) for p in _NOT_COPIED):
+        if entry.name.startswith(".") or any(fnmatch.fnmatch(entry.name, p) for p in NOT_COPIED):
             continue
         if entry.is_dir():
             shutil.copytree(entry, dst / entry.name)
@@ -219,9 +219,9 @@ def quantize_checkpoint(
 
     reader = _Reader(src, shards)
     torch_dtypes = {n: _SAFETENSORS_DTYPES.get(d) for n, d in reader.dtypes.items()}
-    _check_not_quantized(reader.where, torch_dtypes, str(src))
-    plan = _plan(reader.shapes, torch_dtypes, tuple(exclude))
-    dev = _resolve_device(device)
+    check_not_quantized(reader.where, torch_dtypes, str(src))
+    plan = plan_quantization(reader.shapes, torch_dtypes, tuple(exclude))
+    dev = resolve_device(device)
     stats = QuantizeStats(quantized=sorted(plan.quantize), excluded=list(plan.excluded))
     if plan.skipped_k:
         print(
@@ -236,8 +236,8 @@ def quantize_checkpoint(
         if module not in amaxes:
             name = f"{module}.weight"
             w = reader.get(name)
-            _check_finite(name, w)
-            amaxes[module] = _amax(w.to(dev)).cpu()
+            check_finite(name, w)
+            amaxes[module] = weight_amax(w.to(dev)).cpu()
         return amaxes[module]
 
     dst_parent = dst.resolve().parent
@@ -261,8 +261,8 @@ def quantize_checkpoint(
                     if module is not None and module in plan.quantize:
                         group = plan.groups[module]
                         group_amax = torch.stack([amax_of(m) for m in group]).max() if len(group) > 1 else None
-                        _check_finite(name, tensor)
-                        out.update(_quantize_module(module, tensor, group_amax, dev, scale_2_division))
+                        check_finite(name, tensor)
+                        out.update(quantize_module(module, tensor, group_amax, dev, scale_2_division))
                     else:
                         out[name] = tensor
                     bar.update(1)
@@ -280,10 +280,10 @@ def quantize_checkpoint(
             metadata["total_size"] = stats.bytes_after
             new_index["metadata"] = metadata
             new_index["weight_map"] = dict(sorted(weight_map.items()))
-            _write_json(tmp / _INDEX_NAME, new_index, indent=2)
+            write_json(tmp / INDEX_NAME, new_index, indent=2)
 
         _copy_other_files(src, tmp)
-        _write_json(tmp / "config.json", config, indent=2)
+        write_json(tmp / "config.json", config, indent=2)
         write_quant_config(tmp, list(plan.excluded), producer_version)
         reader.handles.clear()
         if dst.exists():

@@ -2,9 +2,9 @@
 whose kernels call them): q's load, a K/V tile's load, one block's tokens and online-softmax step,
 and the walk over a sequence's tokens for each cache format, every one inlined into its caller.
 
-* `_attend`: whole K and V tiles in q's dtype (`load_kv_tile`: bf16/fp16/fp32 as stored, fp8 and
+* `attend`: whole K and V tiles in q's dtype (`load_kv_tile`: bf16/fp16/fp32 as stored, fp8 and
   NVFP4 dequantized exactly), two `tl.dot`s per block.
-* `_attend_nvfp4` (the NVFP4 default): q's even and odd columns against the low and high nibbles
+* `attend_nvfp4` (the NVFP4 default): q's even and odd columns against the low and high nibbles
   of each code byte, no per-tile interleave (11-14% faster on the H200: bench/RESULTS.md).
 Each returns (max [BLOCK_G] in log2 units, sum [BLOCK_G], unnormalized acc [BLOCK_G, BLOCK_D]) in
 fp32 over tokens [lo, hi) of one sequence and kv head.
@@ -15,25 +15,25 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ft.kernels.nvfp4.decode import _e2m1_hi, _e2m1_lo, _e4m3, dequant_tile, e2m1_halves_f16_scaled, words_tile_f16
+from ft.kernels.nvfp4.decode import e2m1_hi, e2m1_lo, e4m3_f32, dequant_tile, e2m1_halves_f16_scaled, words_tile_f16
 
-__all__ = ["_attend", "_attend_nvfp4", "_d_mask", "_load_q", "load_kv_tile", "nvfp4_tile_f16",
+__all__ = ["attend", "attend_nvfp4", "d_mask", "load_q", "load_kv_tile", "nvfp4_tile_f16",
            "nvfp4_tile_f16_words"]
 
 
 @triton.jit
-def _load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+def load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
             EVEN_D: tl.constexpr = False):
     """The query heads of kv head i_kv's group for sequence i_b -> [BLOCK_G, BLOCK_D] (padding rows 0).
-    EVEN_D: D == BLOCK_D (`_d_mask`)."""
+    EVEN_D: D == BLOCK_D (`d_mask`)."""
     o_g = tl.arange(0, BLOCK_G)
     o_d = tl.arange(0, BLOCK_D)
-    m_gd = _d_mask(o_g < G, o_d, D, EVEN_D)
+    m_gd = d_mask(o_g < G, o_d, D, EVEN_D)
     return tl.load(p_q + i_b * stride_qb + (i_kv * G + o_g)[:, None] * stride_qh + o_d[None, :], mask=m_gd, other=0.0)
 
 
 @triton.jit
-def _d_mask(m_rows, o_d, D, EVEN_D: tl.constexpr):
+def d_mask(m_rows, o_d, D, EVEN_D: tl.constexpr):
     """The mask of a [rows, BLOCK_D] tile whose rows are m_rows and columns o_d < D. EVEN_D (the
     caller knows D == BLOCK_D): the rows alone, broadcast along D, so that the compiler vectorizes
     the row's loads and stores (16 bytes per thread); a mask against the runtime D makes every
@@ -59,9 +59,9 @@ def nvfp4_tile_f16(p, o_row, m_n, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexp
     HALF: tl.constexpr = BLOCK_D // 2
     GROUPS: tl.constexpr = BLOCK_D // 16
     o_b = tl.arange(0, HALF)
-    b_w = tl.load(p + o_row[:, None] + o_b[None, :], mask=_d_mask(m_n, o_b, D // 2, EVEN_D), other=0)
+    b_w = tl.load(p + o_row[:, None] + o_b[None, :], mask=d_mask(m_n, o_b, D // 2, EVEN_D), other=0)
     o_s = tl.arange(0, GROUPS)
-    b_s = tl.load(p + o_row[:, None] + D // 2 + o_s[None, :], mask=_d_mask(m_n, o_s, D // 16, EVEN_D), other=0)
+    b_s = tl.load(p + o_row[:, None] + D // 2 + o_s[None, :], mask=d_mask(m_n, o_s, D // 16, EVEN_D), other=0)
     b_s = b_s.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 64.0
     b_lo = (((b_w & 0x08) << 4) | ((b_w & 0x07) << 2)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
     b_hi = ((b_w & 0x80) | ((b_w >> 2) & 0x1C)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
@@ -88,14 +88,14 @@ def load_kv_tile(p, o_row, m_n, D, dtype: tl.constexpr, BLOCK_N: tl.constexpr, B
 
     p: the kv head's cache (uint8 for KV_FP8 / KV_NVFP4); o_row [BLOCK_N] int64: each token's row
     offset from p in elements (page * stride_p + slot * stride_s); D: the head dim. KV_NVFP4: a row
-    is D/2 code bytes then D/16 e4m3 block scales (`reference.py`). EVEN_D: D == BLOCK_D (`_d_mask`)."""
+    is D/2 code bytes then D/16 e4m3 block scales (`reference.py`). EVEN_D: D == BLOCK_D (`d_mask`)."""
     if KV_NVFP4 and NVFP4_F16:
         b_t = nvfp4_tile_f16(p, o_row, m_n, D, BLOCK_N, BLOCK_D, EVEN_D, NVFP4_WORDS)
     elif KV_NVFP4:
         b_t = dequant_tile(p, p + D // 2, o_row, m_n, 1, 1, 0, D // 2, dtype, BLOCK_N, BLOCK_D, EVEN_D)
     else:
         o_d = tl.arange(0, BLOCK_D)
-        b_t = tl.load(p + o_row[:, None] + o_d[None, :], mask=_d_mask(m_n, o_d, D, EVEN_D), other=0)
+        b_t = tl.load(p + o_row[:, None] + o_d[None, :], mask=d_mask(m_n, o_d, D, EVEN_D), other=0)
         if KV_FP8:
             b_t = b_t.to(tl.float8e4nv, bitcast=True)
         b_t = b_t.to(dtype)
@@ -123,7 +123,7 @@ def _softmax_block(b_s, m_n, b_m):
 
 
 @triton.jit
-def _attend(b_q, p_k, p_v, p_pt, lo, hi, D, qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
+def attend(b_q, p_k, p_v, p_pt, lo, hi, D, qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
             PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
             PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
             EVEN_D: tl.constexpr = False, NVFP4_F16: tl.constexpr = False, NVFP4_WORDS: tl.constexpr = False):
@@ -162,32 +162,32 @@ def _nvfp4_halves(p, o_row, m_n, D, dtype: tl.constexpr, BLOCK_N: tl.constexpr, 
     `dtype`: elements 2j and 2j + 1 of each row (the low and the high nibble of code byte j) times
     their block's e4m3 scale, without the layer scale (exact, as `load_kv_tile`); masked tokens and
     columns >= D give 0. No interleaving: the caller splits q (and its output) into even and odd
-    columns instead, once per program rather than once per tile. EVEN_D: D == BLOCK_D (`_d_mask`).
+    columns instead, once per program rather than once per tile. EVEN_D: D == BLOCK_D (`d_mask`).
     F16: the halves in float16 whatever `dtype`, times 2**-HALVES_SCALED_EXPONENT, decoded straight
     to fp16 (`e2m1_halves_f16_scaled`, by inline PTX where ASM) from each byte and its block's scale byte."""
     HALF: tl.constexpr = BLOCK_D // 2
     GROUPS: tl.constexpr = BLOCK_D // 16
     o_b = tl.arange(0, HALF)
-    b_w = tl.load(p + o_row[:, None] + o_b[None, :], mask=_d_mask(m_n, o_b, D // 2, EVEN_D), other=0)
+    b_w = tl.load(p + o_row[:, None] + o_b[None, :], mask=d_mask(m_n, o_b, D // 2, EVEN_D), other=0)
     o_s = tl.arange(0, GROUPS)
-    b_sb = tl.load(p + o_row[:, None] + D // 2 + o_s[None, :], mask=_d_mask(m_n, o_s, D // 16, EVEN_D), other=0)
+    b_sb = tl.load(p + o_row[:, None] + D // 2 + o_s[None, :], mask=d_mask(m_n, o_s, D // 16, EVEN_D), other=0)
     if F16:
         b_sw = tl.reshape(tl.broadcast_to(b_sb[:, :, None], (BLOCK_N, GROUPS, 8)), (BLOCK_N, HALF))  # byte j: j // 8
         return e2m1_halves_f16_scaled(b_w, b_sw, ASM)
-    b_s = _e4m3(b_sb) * 64.0  # (the nibble decode gives values times 2**-6)
-    b_lo = tl.reshape(_e2m1_lo(b_w), (BLOCK_N, GROUPS, 8)) * b_s[:, :, None]  # 8 bytes = one 16-element block
-    b_hi = tl.reshape(_e2m1_hi(b_w), (BLOCK_N, GROUPS, 8)) * b_s[:, :, None]
+    b_s = e4m3_f32(b_sb) * 64.0  # (the nibble decode gives values times 2**-6)
+    b_lo = tl.reshape(e2m1_lo(b_w), (BLOCK_N, GROUPS, 8)) * b_s[:, :, None]  # 8 bytes = one 16-element block
+    b_hi = tl.reshape(e2m1_hi(b_w), (BLOCK_N, GROUPS, 8)) * b_s[:, :, None]
     return tl.reshape(b_lo, (BLOCK_N, HALF)).to(dtype), tl.reshape(b_hi, (BLOCK_N, HALF)).to(dtype)
 
 
 @triton.jit
-def _attend_nvfp4(b_q, p_k, p_v, p_pt, lo, hi, D, qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
+def attend_nvfp4(b_q, p_k, p_v, p_pt, lo, hi, D, qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
                   PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   PRECISION: tl.constexpr, EVEN_D: tl.constexpr = False, F16: tl.constexpr = False,
                   ASM: tl.constexpr = False):
-    """`_attend` over an NVFP4 cache with q split into its even and odd columns: q.k is the sum of
+    """`attend` over an NVFP4 cache with q split into its even and odd columns: q.k is the sum of
     two dots (even columns against the low nibbles, odd against the high), p.V fills an even and an
-    odd accumulator, joined once at the end. Same contract and results as `_attend` (the same
+    odd accumulator, joined once at the end. Same contract and results as `attend` (the same
     products, in another order of summation). BLOCK_D >= 32 (each half a dot's K of >= 16).
     F16 (`NVFP4_PRMT`): q rounded to fp16 once and both dots in fp16 over halves decoded straight to
     fp16 (`_nvfp4_halves`' F16, inline PTX where ASM; fp32 accumulation; |q| inside fp16's range).

@@ -63,7 +63,7 @@ import ft.kernels.attention.decode_tuning as tuning
 from ft.kernels.backend import inline_ptx, sm_count
 from ft.kernels.options import kernel_options
 from ft.kernels.attention.split import DecodeWorkspace, decode_attention_workspace
-from ft.kernels.attention.decode_loops import _attend, _attend_nvfp4, _d_mask, _load_q
+from ft.kernels.attention.decode_loops import attend, attend_nvfp4, d_mask, load_q
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
 __all__ = ["paged_decode_attention_triton", "write_kv_decode_triton"]
@@ -184,23 +184,23 @@ def _decode_kernel(
     i_b = tl.program_id(0)
     i_kv = tl.program_id(1)
     seq_len = tl.load(p_seq + i_b).to(tl.int32)
-    b_q = _load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G, BLOCK_D, EVEN_D)
+    b_q = load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G, BLOCK_D, EVEN_D)
     if KV_FP8 or KV_NVFP4:
         qk_scale = qk_scale * tl.load(p_kvs)
     if KV_NVFP4 and NVFP4_PRMT:
-        _, b_l, b_acc = _attend_nvfp4(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
+        _, b_l, b_acc = attend_nvfp4(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
                                       0, seq_len, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
                                       PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, EVEN_D, True, NVFP4_ASM)
     elif KV_NVFP4 and NVFP4_F16:
-        _, b_l, b_acc = _attend(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
+        _, b_l, b_acc = attend(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
                                 0, seq_len, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
                                 PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, KV_FP8, KV_NVFP4, EVEN_D, True)
     elif KV_NVFP4 and NVFP4_HALVES:
-        _, b_l, b_acc = _attend_nvfp4(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
+        _, b_l, b_acc = attend_nvfp4(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
                                       0, seq_len, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
                                       PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, EVEN_D)
     else:
-        _, b_l, b_acc = _attend(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
+        _, b_l, b_acc = attend(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
                                 0, seq_len, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
                                 PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, KV_FP8, KV_NVFP4, EVEN_D)
     b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]  # seq_len 0: zeros
@@ -208,7 +208,7 @@ def _decode_kernel(
         b_o = b_o * tl.load(p_kvs + 1)
     o_g = tl.arange(0, BLOCK_G)
     o_d = tl.arange(0, BLOCK_D)
-    m_gd = _d_mask(o_g < G, o_d, D, EVEN_D)
+    m_gd = d_mask(o_g < G, o_d, D, EVEN_D)
     if HAS_GATE:
         b_g = tl.load(p_g + i_b * stride_gb + (i_kv * G + o_g)[:, None] * stride_gh + o_d[None, :], mask=m_gd,
                       other=0.0)
@@ -238,24 +238,24 @@ def _decode_split_kernel(
     chunk = tl.cdiv(tl.cdiv(seq_len, n_s), BLOCK_N) * BLOCK_N
     lo = i_s * chunk
     hi = tl.minimum(lo + chunk, seq_len)  # lo >= hi: an empty split (max -inf, sum 0, acc 0)
-    b_q = _load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G, BLOCK_D, EVEN_D)
+    b_q = load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G, BLOCK_D, EVEN_D)
     if KV_FP8 or KV_NVFP4:
         qk_scale = qk_scale * tl.load(p_kvs)
     if KV_NVFP4 and NVFP4_PRMT:
-        b_m, b_l, b_acc = _attend_nvfp4(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch,
+        b_m, b_l, b_acc = attend_nvfp4(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch,
                                         p_pt + i_b * stride_ptb, lo, hi, D, qk_scale, stride_kcp, stride_kcs,
                                         stride_vcp, stride_vcs, PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, EVEN_D,
                                         True, NVFP4_ASM)
     elif KV_NVFP4 and NVFP4_F16:
-        b_m, b_l, b_acc = _attend(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
+        b_m, b_l, b_acc = attend(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
                                   lo, hi, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
                                   PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, KV_FP8, KV_NVFP4, EVEN_D, True)
     elif KV_NVFP4 and NVFP4_HALVES:
-        b_m, b_l, b_acc = _attend_nvfp4(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch,
+        b_m, b_l, b_acc = attend_nvfp4(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch,
                                         p_pt + i_b * stride_ptb, lo, hi, D, qk_scale, stride_kcp, stride_kcs,
                                         stride_vcp, stride_vcs, PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, EVEN_D)
     else:
-        b_m, b_l, b_acc = _attend(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
+        b_m, b_l, b_acc = attend(b_q, p_kc + i_kv * stride_kch, p_vc + i_kv * stride_vch, p_pt + i_b * stride_ptb,
                                   lo, hi, D, qk_scale, stride_kcp, stride_kcs, stride_vcp, stride_vcs,
                                   PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, PRECISION, KV_FP8, KV_NVFP4, EVEN_D)
     if KV_FP8 or KV_NVFP4:
@@ -265,7 +265,7 @@ def _decode_split_kernel(
     m_g = o_g < G
     o_h = i_kv * G + o_g
     i_r = i_b * n_s + i_s
-    tl.store(p_acc + i_r * stride_ar + o_h[:, None] * stride_ah + o_d[None, :], b_acc, mask=_d_mask(m_g, o_d, D, EVEN_D))
+    tl.store(p_acc + i_r * stride_ar + o_h[:, None] * stride_ah + o_d[None, :], b_acc, mask=d_mask(m_g, o_d, D, EVEN_D))
     tl.store(p_st + i_r * stride_sr + o_h * stride_sh, b_m, mask=m_g)
     tl.store(p_st + i_r * stride_sr + o_h * stride_sh + 1, b_l, mask=m_g)
 
@@ -306,7 +306,7 @@ def _decode_combine_kernel(
     tl.store(p_o + i_b * stride_ob + i_h * stride_oh + o_d, b_out.to(p_o.dtype.element_ty), mask=m_d)
 
 
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
     """Checks the caches' shapes and layout -> the head dim D (`reference.cache_head_dim`)."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache, v_cache must be [P, page_size, Hkv, D] alike, got {tuple(k_cache.shape)} "
@@ -316,7 +316,7 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
     return cache_head_dim(k_cache)
 
 
-def _kv_args(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scale: torch.Tensor | None, any_ptr: torch.Tensor):
+def kv_args(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scale: torch.Tensor | None, any_ptr: torch.Tensor):
     """(k_cache, v_cache, scales, {"KV_FP8": .., "KV_NVFP4": ..}) as the kernels take them: an fp8
     cache as its uint8 bits, an NVFP4 cache (uint8) as is, either with its float32 [2] (K, V)
     scales; any other cache as is (scales: any pointer, never read)."""
@@ -339,14 +339,14 @@ def write_kv_decode_triton(
     V) exactly as `write_kv_decode_ref` (bit for bit).
 
     Raises: ValueError on shapes that do not match, or a quantized cache without kv_scale."""
-    cache_d = _check_cache(k_cache, v_cache)
+    cache_d = check_cache(k_cache, v_cache)
     b, h, d = k.shape
     if v.shape != k.shape or (k_cache.shape[2], cache_d) != (h, d) or tuple(slot_mapping.shape) != (b,):
         raise ValueError(f"shapes do not match: k {tuple(k.shape)}, v {tuple(v.shape)}, cache {tuple(k_cache.shape)}, "
                          f"slot_mapping {tuple(slot_mapping.shape)}")
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    k_cache, v_cache, kvs, kv_flags = _kv_args(k_cache, v_cache, kv_scale, k)
+    k_cache, v_cache, kvs, kv_flags = kv_args(k_cache, v_cache, kv_scale, k)
     if b:
         _write_kv_decode_kernel[(b,)](
             k, v, k_cache, v_cache, slot_mapping, kvs, h, d, k_cache.shape[1],
@@ -393,7 +393,7 @@ def paged_decode_attention_triton(
     Raises:
         ValueError: on shapes, dtypes or layouts the kernels do not take, or a workspace too small.
     """
-    cache_d = _check_cache(k_cache, v_cache)
+    cache_d = check_cache(k_cache, v_cache)
     b, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     if cache_d != d or hq % hkv or d > MAX_HEAD_DIM:
@@ -418,7 +418,7 @@ def paged_decode_attention_triton(
     g, g_strides = (gate, (gate.stride(0), gate.stride(1))) if gate is not None else (out, (0, 0))
     if b == 0:
         return out
-    k_cache, v_cache, kvs, kv_flags = _kv_args(k_cache, v_cache, kv_scale, q)
+    k_cache, v_cache, kvs, kv_flags = kv_args(k_cache, v_cache, kv_scale, q)
     cfg = {**tuning.decode_config(d, hq // hkv, q.dtype), **(config or {})}
     opts = kernel_options().decode_attention
     block_dc = min(cfg["BLOCK_D"], cfg.pop("COMBINE_BLOCK_D", opts.combine_block_d))  # (the combine's, not the split's)

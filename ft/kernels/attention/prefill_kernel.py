@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.kernels.attention.decode_loops import _d_mask, load_kv_tile
-from ft.kernels.attention.kernel import LOG2E, MAX_HEAD_DIM, _check_cache, _kv_args
+from ft.kernels.attention.decode_loops import d_mask, load_kv_tile
+from ft.kernels.attention.kernel import LOG2E, MAX_HEAD_DIM, check_cache, kv_args
 from ft.kernels.fit import fallback_stages, launch_fitting
 
 __all__ = ["CAUSAL_SPLIT", "paged_prefill_attention_triton", "prefill_config", "prefill_configs"]
@@ -103,7 +103,7 @@ def _prefill_kernel(
     o_h = i_kv * G + o_r % BLOCK_G  # query head
     m_r = (o_t < T) & (o_r % BLOCK_G < G)
     o_d = tl.arange(0, BLOCK_D)
-    m_rd = _d_mask(m_r, o_d, D, EVEN_D)
+    m_rd = d_mask(m_r, o_d, D, EVEN_D)
     b_q = tl.load(p_q + o_t[:, None] * stride_qt + o_h[:, None] * stride_qh + o_d[None, :], mask=m_rd, other=0.0)
     if KV_FP8 or KV_NVFP4:
         qk_scale = qk_scale * tl.load(p_kvs)
@@ -189,7 +189,7 @@ def paged_prefill_attention_triton(
     that receives each query's log-sum-exp (`paged_attention_lse_ref`).
 
     Raises: ValueError on shapes or dtypes the kernel does not take."""
-    cache_d = _check_cache(k_cache, v_cache)
+    cache_d = check_cache(k_cache, v_cache)
     t, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     if cache_d != d or hq % hkv or d > MAX_HEAD_DIM:
@@ -205,7 +205,7 @@ def paged_prefill_attention_triton(
     out = torch.empty_like(q)
     if t == 0:
         return out
-    k_cache, v_cache, kvs, kv_flags = _kv_args(k_cache, v_cache, kv_scale, q)
+    k_cache, v_cache, kvs, kv_flags = kv_args(k_cache, v_cache, kv_scale, q)
     g = hq // hkv
     cfg = {**prefill_config(d, g, q.dtype), **(config or {})}
     cfg["EVEN_D"] = d == cfg["BLOCK_D"]  # no mask along D: vectorized loads

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.kernels.attention.decode_loops import _load_q, load_kv_tile
+from ft.kernels.attention.decode_loops import load_q, load_kv_tile
 from ft.kernels.attention.reference import NVFP4_CACHE as NVFP4_KV
 
 __all__ = ["sparse_decode_attention_triton"]
@@ -43,7 +43,7 @@ def _sparse_decode_kernel(p_q, p_k, p_v, p_pt, p_tok, p_acc, p_ml, p_kvs, W, G, 
         qk_scale = qk_scale * tl.load(p_kvs)
     i_b, i_kv, i_s = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     n_kv, n_s = tl.num_programs(1), tl.num_programs(2)
-    b_q = _load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G, BLOCK_D, EVEN_D)
+    b_q = load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G, BLOCK_D, EVEN_D)
     p_k += i_kv * stride_kh
     p_v += i_kv * stride_vh
     p_pt += i_b * stride_ptb

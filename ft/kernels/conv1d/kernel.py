@@ -37,7 +37,7 @@ __all__ = ["conv_varlen_config", "causal_conv1d_varlen_triton"]
 
 
 @triton.jit
-def _find_seq(p_cu, i_prog, n_seqs, n_iters, BLOCK: tl.constexpr):
+def find_seq(p_cu, i_prog, n_seqs, n_iters, BLOCK: tl.constexpr):
     """The sequence b that program id `i_prog` belongs to: the largest b < n_seqs with
     cu[b] // BLOCK + b <= i_prog (that key strictly increases with b). A binary search of n_iters
     scalar loads (n_iters >= bit length of n_seqs)."""
@@ -67,7 +67,7 @@ def _conv_varlen_kernel(
     i_c = tl.program_id(1)
     dtype = p_x.dtype.element_ty
     w_dtype = p_w.dtype.element_ty
-    i_b = _find_seq(p_cu, i_p, B, n_iters, BLOCK_T)
+    i_b = find_seq(p_cu, i_p, B, n_iters, BLOCK_T)
     start = tl.load(p_cu + i_b)
     length = tl.load(p_cu + i_b + 1) - start
     i_tile = i_p - (start // BLOCK_T + i_b)
@@ -130,11 +130,11 @@ def conv_varlen_config(channels: int, width: int) -> dict:
 
 
 def search_iters(n_seqs: int) -> int:
-    """Steps of `_find_seq`'s binary search over n_seqs sequences (the range halves each step)."""
+    """Steps of `find_seq`'s binary search over n_seqs sequences (the range halves each step)."""
     return max(1, int(n_seqs).bit_length())
 
 
-def _check_varlen(x, cu_seqlens, slots) -> int:
+def check_varlen(x, cu_seqlens, slots) -> int:
     """-> B; ValueError on cu_seqlens or slots the kernels do not take."""
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64) \
             or cu_seqlens.device != x.device:
@@ -181,7 +181,7 @@ def causal_conv1d_varlen_triton(
     width = weight.shape[1]
     if conv_state.dim() != 3 or conv_state.shape[1:] != (c, width - 1):
         raise ValueError(f"conv_state must be [S, C, W-1] = [S, {c}, {width - 1}], got {tuple(conv_state.shape)}")
-    bsz = _check_varlen(x, cu_seqlens, slots)
+    bsz = check_varlen(x, cu_seqlens, slots)
     if out is None:
         out = torch.empty(t, c, dtype=x.dtype, device=x.device)
     elif out.shape != (t, c) or out.dtype != x.dtype or (out.numel() and out.stride(-1) != 1):

@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from ft.kernels.backend import TRITON_DTYPES
-from ft.kernels.conv1d.kernel import _check_varlen, _find_seq, search_iters
+from ft.kernels.conv1d.kernel import check_varlen, find_seq, search_iters
 from ft.kernels.fit import fallback_stages, launch_fitting
 from ft.kernels.options import kernel_options
 
@@ -136,7 +136,7 @@ def _chunk_prep_kernel(
     (no mask along the head dims: `_tile_mask`)."""
     i_p = tl.program_id(0)
     i_h = tl.program_id(1)
-    i_b = _find_seq(p_cu, i_p, B, n_iters, CHUNK)
+    i_b = find_seq(p_cu, i_p, B, n_iters, CHUNK)
     start = tl.load(p_cu + i_b)
     end = tl.load(p_cu + i_b + 1)
     t0 = start + (i_p - (start // CHUNK + i_b)) * CHUNK
@@ -335,7 +335,7 @@ def chunk_gated_delta_rule_varlen_triton(
     if ssm_state.dim() != 4 or ssm_state.shape[1:] != (hv, dk, dv) or ssm_state.dtype != torch.float32:
         raise ValueError(f"ssm_state must be [S, Hv, Dk, Dv] = [S, {hv}, {dk}, {dv}] float32, "
                          f"got {tuple(ssm_state.shape)} {ssm_state.dtype}")
-    bsz = _check_varlen(q, cu_seqlens, slots)
+    bsz = check_varlen(q, cu_seqlens, slots)
     if out is None:
         out = torch.empty(t, hv, dv, dtype=v.dtype, device=v.device)
     elif out.shape != (t, hv, dv) or out.dtype != v.dtype or (out.numel() and out.stride(-1) != 1):

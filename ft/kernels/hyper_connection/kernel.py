@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.kernels.norm.kernel import _rstd
+from ft.kernels.norm.kernel import rms_rstd
 
 __all__ = ["grouped_rms_norm_triton", "hc_mix_triton", "hc_write_triton"]
 
@@ -31,7 +31,7 @@ __all__ = ["grouped_rms_norm_triton", "hc_mix_triton", "hc_write_triton"]
 def _norm_stream(b_x, p_w, o_d, m_d, D, eps):
     """A stream's values b_x (fp32 [BLOCK_D], masked lanes 0) normalised times 1 + w (p_w its weight row)."""
     b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)
-    return (b_x * _rstd(b_x, D, eps)) * (1.0 + b_w)
+    return (b_x * rms_rstd(b_x, D, eps)) * (1.0 + b_w)
 
 
 @triton.jit(do_not_specialize=["D"])

@@ -4,7 +4,7 @@ norm; what `ft.model.layers.moe.SparseMoE` runs for up to `DECODE_MAX_TOKENS` to
 
 Three launches: `_moe_decode_gate_up_kernel` (per pair, the shared expert as pair k of each token,
 chosen by pointer), `_moe_decode_down_pairs_kernel` (per pair, weighted; `_moe_decode_down_kernel`
-loops over a token's pairs instead) and the sum (`kernel._moe_sum_pairs_kernel`, or
+loops over a token's pairs instead) and the sum (`kernel.moe_sum_pairs_kernel`, or
 `_moe_sum_add_norm_kernel` with the residual add and the next input norm). Weights are read in
 the slot pool's layout with `ft.kernels.nvfp4.kernel`'s row dot products; no host sync anywhere.
 Pairs without a slot may read their expert from the host store in place and, with `topk_dst`, land
@@ -21,11 +21,11 @@ from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
 from ft.kernels.options import kernel_options
 from ft.kernels.backend import inline_ptx
-from ft.kernels.moe.kernel import _moe_sum_pairs_kernel
-from ft.kernels.norm.kernel import _rstd, _warps, add_rms_norm_triton
+from ft.kernels.moe.kernel import moe_sum_pairs_kernel
+from ft.kernels.norm.kernel import rms_rstd, norm_warps, add_rms_norm_triton
 from ft.kernels.limits import whole_k_pieces
 from ft.kernels.nvfp4.kernel import as_words
-from ft.kernels.nvfp4.rows import (_decode_whole_k, _dot_lanes, _load_whole_k, _store_whole_k, _x_lanes, nvfp4_rows_dot,
+from ft.kernels.nvfp4.rows import (decode_whole_k, dot_lanes, load_whole_k, store_whole_k, x_lanes, nvfp4_rows_dot,
                                   rows_dot_whole_k)
 
 __all__ = ["moe_decode_triton"]
@@ -94,27 +94,27 @@ def _moe_decode_gate_up_kernel(
         # `rows_dot_whole_k` in its parts (x first: x and the weights in flight together), the raw
         # words in between for the landing store
         m_r = o_i < tl.where(on, I, 0)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _x_lanes(p_x + i_t * stride_xt, WHOLE_K)
-        b_w, b_sb = _load_whole_k(p_w, p_s, o_r, m_r, stride_w13r, stride_s13r, WHOLE_K)
+        x0, x1, x2, x3, x4, x5, x6, x7 = x_lanes(p_x + i_t * stride_xt, WHOLE_K)
+        b_w, b_sb = load_whole_k(p_w, p_s, o_r, m_r, stride_w13r, stride_s13r, WHOLE_K)
         if WHOLE_K2 > 0:  # the second tile: words WHOLE_K.., their scale bytes WHOLE_K / 2..
-            y0, y1, y2, y3, y4, y5, y6, y7 = _x_lanes(p_x + i_t * stride_xt + 8 * WHOLE_K, WHOLE_K2)
-            c_w, c_sb = _load_whole_k(p_w + WHOLE_K, p_s + WHOLE_K // 2, o_r, m_r, stride_w13r, stride_s13r, WHOLE_K2)
+            y0, y1, y2, y3, y4, y5, y6, y7 = x_lanes(p_x + i_t * stride_xt + 8 * WHOLE_K, WHOLE_K2)
+            c_w, c_sb = load_whole_k(p_w + WHOLE_K, p_s + WHOLE_K // 2, o_r, m_r, stride_w13r, stride_s13r, WHOLE_K2)
         if HAS_DST:
             m_d = o_i < tl.where(land, I, 0)  # (m_r for a landing pair: land implies on)
             p_dw, p_ds = p_w13 + dst * stride_w13e, p_s13 + dst * stride_s13e
-            _store_whole_k(p_dw, p_ds, o_r, m_d, stride_w13r, stride_s13r, b_w, b_sb, WHOLE_K)
+            store_whole_k(p_dw, p_ds, o_r, m_d, stride_w13r, stride_s13r, b_w, b_sb, WHOLE_K)
             if WHOLE_K2 > 0:
-                _store_whole_k(p_dw + WHOLE_K, p_ds + WHOLE_K // 2, o_r, m_d, stride_w13r, stride_s13r, c_w, c_sb,
+                store_whole_k(p_dw + WHOLE_K, p_ds + WHOLE_K // 2, o_r, m_d, stride_w13r, stride_s13r, c_w, c_sb,
                                WHOLE_K2)
             # the expert's global scales (gate, up, down), once per landed expert
             o_3 = tl.arange(0, 4)
             m_3 = o_3 < tl.where(land & (i_i == 0), 3, 0)
             tl.store(p_s2 + dst * stride_s2e + o_3, tl.load(p_g + o_3, mask=m_3, other=0.0), mask=m_3)
-        d0, d1, d2, d3, d4, d5, d6, d7, b_s = _decode_whole_k(b_w, b_sb, ASM)
-        b_gu = _dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, 2 * BLOCK_I)
+        d0, d1, d2, d3, d4, d5, d6, d7, b_s = decode_whole_k(b_w, b_sb, ASM)
+        b_gu = dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, 2 * BLOCK_I)
         if WHOLE_K2 > 0:
-            e0, e1, e2, e3, e4, e5, e6, e7, c_s = _decode_whole_k(c_w, c_sb, ASM)
-            b_gu += _dot_lanes(e0, e1, e2, e3, e4, e5, e6, e7, c_s, y0, y1, y2, y3, y4, y5, y6, y7, WHOLE_K2,
+            e0, e1, e2, e3, e4, e5, e6, e7, c_s = decode_whole_k(c_w, c_sb, ASM)
+            b_gu += dot_lanes(e0, e1, e2, e3, e4, e5, e6, e7, c_s, y0, y1, y2, y3, y4, y5, y6, y7, WHOLE_K2,
                                2 * BLOCK_I)
     else:
         tl.static_assert(not HAS_DST, "the landing store takes the whole-K tile")
@@ -189,7 +189,7 @@ def _moe_decode_down_pairs_kernel(
     PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0,
 ):
     """Grid (T * KS, H / BLOCK_H): yp[p] = wts[t, j] * (h[p] @ down_j^T) (fp32) for pair p = t * KS + j,
-    zeros for a skipped pair; `_moe_sum_pairs_kernel` then sums each token's KS pairs in order.
+    zeros for a skipped pair; `moe_sum_pairs_kernel` then sums each token's KS pairs in order.
     With several tokens every pair's expert is in flight at once (`_moe_decode_down_kernel` reads
     a token's pairs in one program). HAS_HOST: a pair without a slot reads the host store, as in
     `_moe_decode_gate_up_kernel`; HAS_DST: such a pair with topk_dst[t, j] = d >= 0 also stores the
@@ -218,22 +218,22 @@ def _moe_decode_down_pairs_kernel(
     # `rows_dot_whole_k` in its parts (h first: h and the weights in flight together), the raw words
     # in between for the landing store
     m_r = o_h < tl.where(on, H, 0)
-    x0, x1, x2, x3, x4, x5, x6, x7 = _x_lanes(p_h + i_p * stride_ht, WHOLE_K)
-    b_w, b_sb = _load_whole_k(p_w, p_s, o_h, m_r, stride_w2r, stride_s2wr, WHOLE_K)
+    x0, x1, x2, x3, x4, x5, x6, x7 = x_lanes(p_h + i_p * stride_ht, WHOLE_K)
+    b_w, b_sb = load_whole_k(p_w, p_s, o_h, m_r, stride_w2r, stride_s2wr, WHOLE_K)
     if WHOLE_K2 > 0:  # the second tile: words WHOLE_K.., their scale bytes WHOLE_K / 2..
-        y0, y1, y2, y3, y4, y5, y6, y7 = _x_lanes(p_h + i_p * stride_ht + 8 * WHOLE_K, WHOLE_K2)
-        c_w, c_sb = _load_whole_k(p_w + WHOLE_K, p_s + WHOLE_K // 2, o_h, m_r, stride_w2r, stride_s2wr, WHOLE_K2)
+        y0, y1, y2, y3, y4, y5, y6, y7 = x_lanes(p_h + i_p * stride_ht + 8 * WHOLE_K, WHOLE_K2)
+        c_w, c_sb = load_whole_k(p_w + WHOLE_K, p_s + WHOLE_K // 2, o_h, m_r, stride_w2r, stride_s2wr, WHOLE_K2)
     if HAS_DST:
         m_d = o_h < tl.where(land, H, 0)  # (m_r for a landing pair: land implies on)
         p_dw, p_ds = p_w2 + dst * stride_w2e, p_s2w + dst * stride_s2we
-        _store_whole_k(p_dw, p_ds, o_h, m_d, stride_w2r, stride_s2wr, b_w, b_sb, WHOLE_K)
+        store_whole_k(p_dw, p_ds, o_h, m_d, stride_w2r, stride_s2wr, b_w, b_sb, WHOLE_K)
         if WHOLE_K2 > 0:
-            _store_whole_k(p_dw + WHOLE_K, p_ds + WHOLE_K // 2, o_h, m_d, stride_w2r, stride_s2wr, c_w, c_sb, WHOLE_K2)
-    d0, d1, d2, d3, d4, d5, d6, d7, b_s = _decode_whole_k(b_w, b_sb, ASM)
-    b_y = _dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, BLOCK_H)
+            store_whole_k(p_dw + WHOLE_K, p_ds + WHOLE_K // 2, o_h, m_d, stride_w2r, stride_s2wr, c_w, c_sb, WHOLE_K2)
+    d0, d1, d2, d3, d4, d5, d6, d7, b_s = decode_whole_k(b_w, b_sb, ASM)
+    b_y = dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, BLOCK_H)
     if WHOLE_K2 > 0:
-        e0, e1, e2, e3, e4, e5, e6, e7, c_s = _decode_whole_k(c_w, c_sb, ASM)
-        b_y += _dot_lanes(e0, e1, e2, e3, e4, e5, e6, e7, c_s, y0, y1, y2, y3, y4, y5, y6, y7, WHOLE_K2, BLOCK_H)
+        e0, e1, e2, e3, e4, e5, e6, e7, c_s = decode_whole_k(c_w, c_sb, ASM)
+        b_y += dot_lanes(e0, e1, e2, e3, e4, e5, e6, e7, c_s, y0, y1, y2, y3, y4, y5, y6, y7, WHOLE_K2, BLOCK_H)
     b_wt = tl.load(p_wts + i_t * stride_wt + j).to(tl.float32) * tl.load(p_g + 2)
     tl.store(p_yp + i_p * stride_yp + o_h, tl.where(on, b_y * b_wt, 0.0), mask=o_h < H)
 
@@ -258,7 +258,7 @@ def _moe_sum_add_norm_kernel(p_yp, p_r, p_w, p_x, p_h, H, eps, stride_yp, stride
     b_h = (b_r.to(tl.float32) + b_y.to(tl.float32)).to(p_h.dtype.element_ty)
     b_f = b_h.to(tl.float32)
     b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)
-    b_x = (b_f * _rstd(b_f, H, eps)) * (1.0 + b_w)
+    b_x = (b_f * rms_rstd(b_f, H, eps)) * (1.0 + b_w)
     tl.debug_barrier()  # NOTE: every load before any store, so h may be the residual itself
     tl.store(p_h + i_t * stride_ht + o_d, b_h, mask=m_d)
     tl.store(p_x + i_t * stride_xt + o_d, b_x.to(p_x.dtype.element_ty), mask=m_d)
@@ -397,9 +397,9 @@ def moe_decode_triton(
             block = triton.next_power_of_2(hid)
             _moe_sum_add_norm_kernel[(t,)](y_pairs, residual, norm_weight, y, h_out, hid, eps, y_pairs.stride(0),
                                            residual.stride(0), y.stride(0), h_out.stride(0), KS=ks, BLOCK_D=block,
-                                           num_warps=_warps(block), **pdl_args(x.device))
+                                           num_warps=norm_warps(block), **pdl_args(x.device))
             return y, h_out
-        _moe_sum_pairs_kernel[(t, triton.cdiv(hid, 1024))](y_pairs, y, hid, ks, y_pairs.stride(0), y.stride(0), BLOCK=1024,
+        moe_sum_pairs_kernel[(t, triton.cdiv(hid, 1024))](y_pairs, y, hid, ks, y_pairs.stride(0), y.stride(0), BLOCK=1024,
                                                            **pdl_args(x.device))
         return add_rms_norm_triton(y, residual, norm_weight, eps) if fuse_norm else y
     _moe_decode_down_kernel[(t, triton.cdiv(hid, block_h))](

@@ -8,7 +8,7 @@ Two paths, both without host synchronization (they can be captured in CUDA graph
      for pair p = t * k + j of slot ``topk_slots[t, j]``; gate and up rows interleaved in one
      tile so that one pass over x reads both; fp32 workspace h [T * k, I].
   2. `_moe_down_pairs_kernel`, grid (T * k, H / BLOCK_H): ``yp[p] = weight_p * (h[p] @ down^T)``
-     (fp32), then `_moe_sum_pairs_kernel` sums over k per token (no atomics). (A down kernel of one
+     (fp32), then `moe_sum_pairs_kernel` sums over k per token (no atomics). (A down kernel of one
      program per token looping over its k experts lost to it: batch 1 23.6 -> 19.4 us, bench/RESULTS.md,
      session 2; it left the tree after commit d98949c.)
   Both run on `ft.kernels.nvfp4.kernel.nvfp4_rows_dot` (word-wise E2M1 decode, fp32 FMAs).
@@ -116,7 +116,7 @@ def _moe_down_pairs_kernel(
 
 
 @triton.jit
-def _moe_sum_pairs_kernel(p_yp, p_out, H, TOPK, stride_yp, stride_ot, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def moe_sum_pairs_kernel(p_yp, p_out, H, TOPK, stride_yp, stride_ot, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (T, H / BLOCK): out[t] = sum_j yp[t * TOPK + j], cast to out's dtype."""
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
     pdl_release(PDL)
@@ -194,7 +194,7 @@ def moe_over_slots_triton(
         h.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1), s2.stride(0), y_pairs.stride(0),
         BLOCK_H=block_h, BLOCK_W=bw2, WHOLE_K=whole2, ASM=asm and whole2 > 0, num_warps=warps2,
         **pdl_args(x.device))
-    _moe_sum_pairs_kernel[(t, triton.cdiv(hid, 1024))](y_pairs, y, hid, k, y_pairs.stride(0), y.stride(0), BLOCK=1024,
+    moe_sum_pairs_kernel[(t, triton.cdiv(hid, 1024))](y_pairs, y, hid, k, y_pairs.stride(0), y.stride(0), BLOCK=1024,
                                                        **pdl_args(x.device))
     return y
 

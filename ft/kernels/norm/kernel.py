@@ -58,7 +58,7 @@ def _store_row(p, o_d, b_y, D, EVEN_D: tl.constexpr):
 
 
 @triton.jit
-def _rstd(b_x, D, eps):
+def rms_rstd(b_x, D, eps):
     """1 / sqrt(mean(x^2) + eps) of a row tile [BLOCK_D] (masked lanes 0), rounded as torch on the CPU."""
     b_ms = tl.math.div_rn(tl.sum(b_x * b_x, axis=0), D.to(tl.float32))
     return tl.math.div_rn(1.0, tl.math.sqrt_rn(b_ms + eps))
@@ -80,7 +80,7 @@ def _rms_norm_kernel(p_x, p_r, p_w, p_y, p_h, D, eps, stride_xt, stride_rt, stri
     b_h = b_x
     b_x = b_x.to(tl.float32)
     b_w = _load_row(p_w, o_d, D, EVEN_D).to(tl.float32)
-    b_y = (b_x * _rstd(b_x, D, eps)) * (1.0 + b_w)
+    b_y = (b_x * rms_rstd(b_x, D, eps)) * (1.0 + b_w)
     tl.debug_barrier()  # NOTE: every load before any store, so the outputs may alias the inputs
     if HAS_RESIDUAL:
         _store_row(p_h + i_t * stride_ht, o_d, b_h, D, EVEN_D)
@@ -140,7 +140,7 @@ def _norm_rope_head(p_x, p_w, p_y, p_inv, b_pos, D, HALF, eps, BLOCK_D: tl.const
     dtype = p_y.dtype.element_ty
     o_d = tl.arange(0, BLOCK_D)
     b_x = _load_row(p_x, o_d, D, EVEN_D).to(tl.float32)
-    b_rstd = _rstd(b_x, D, eps)
+    b_rstd = rms_rstd(b_x, D, eps)
     b_w = _load_row(p_w, o_d, D, EVEN_D).to(tl.float32)
     b_y = (b_x * b_rstd) * (1.0 + b_w)
     o_h = tl.arange(0, BLOCK_HALF)
@@ -182,7 +182,7 @@ def _qk_norm_rope_kernel(p_q, p_k, p_qw, p_kw, p_pos, p_inv, p_qo, p_ko, HQ, D, 
                         p_inv, b_pos, D, HALF, eps, BLOCK_D, BLOCK_HALF, EVEN_D)
 
 
-def _warps(block: int) -> int:
+def norm_warps(block: int) -> int:
     """1 warp per 256 elements of a tile, 1 to 8."""
     return max(1, min(8, block // 256))
 
@@ -232,7 +232,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torc
         block = triton.next_power_of_2(d)
         _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, y, y, d, eps, rows.stride(0), rows.stride(0),
                                            y.stride(0), y.stride(0), HAS_RESIDUAL=False, BLOCK_D=block,
-                                           EVEN_D=d == block, num_warps=_warps(block), **pdl_args(x.device))
+                                           EVEN_D=d == block, num_warps=norm_warps(block), **pdl_args(x.device))
     return out
 
 
@@ -259,7 +259,7 @@ def add_rms_norm_triton(
         block = triton.next_power_of_2(d)
         _rms_norm_kernel[(rows.shape[0],)](rows, r, weight, y, h, d, eps, rows.stride(0), r.stride(0), y.stride(0),
                                            h.stride(0), HAS_RESIDUAL=True, BLOCK_D=block, EVEN_D=d == block,
-                                           num_warps=_warps(block), **pdl_args(x.device))
+                                           num_warps=norm_warps(block), **pdl_args(x.device))
     return out, residual_out
 
 
@@ -293,7 +293,7 @@ def gated_rms_norm_triton(
                                                             y.stride(0), g_rows, stride_gg, ROUND_WY=round_wy, BLOCK_R=block_r,
                                                             BLOCK_D=block, EVEN_D=d == block,
                                                             SIGMOID=activation == "sigmoid",
-                                                            num_warps=_warps(block_r * block), **pdl_args(x.device))
+                                                            num_warps=norm_warps(block_r * block), **pdl_args(x.device))
     return out
 
 
@@ -337,5 +337,5 @@ def qk_norm_rope_triton(
             q, k, q_weight, k_weight, positions, inv_freq.float(), q_out, k_out, hq, d, half, eps,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
             k_out.stride(0), k_out.stride(1), BLOCK_D=block, BLOCK_HALF=triton.next_power_of_2(half),
-            EVEN_D=d == block, num_warps=_warps(block), **pdl_args(q.device))
+            EVEN_D=d == block, num_warps=norm_warps(block), **pdl_args(q.device))
     return q_out, k_out

@@ -2,10 +2,10 @@
 inlined into the linear (`kernel.py`), MoE and attention kernels. Details module of
 `ft.kernels.nvfp4`; the decode's arithmetic is described in `kernel.py`'s docstring.
 
-* byte-wise: `_e2m1_lo` / `_e2m1_hi` (a nibble -> fp32, times 2**-6) and `dequant_tile` (a scaled
+* byte-wise: `e2m1_lo` / `e2m1_hi` (a nibble -> fp32, times 2**-6) and `dequant_tile` (a scaled
   [rows, k] tile in any dtype);
-* word-wise: `_lo_e4m3_word` / `_hi_e4m3_word` (four nibbles' E4M3 bits in one 32-bit operation),
-  `_byte_f32` (one of them to fp32), `_split8` / `_join8` (a word's 8 element lanes apart and back)
+* word-wise: `lo_e4m3_word` / `hi_e4m3_word` (four nibbles' E4M3 bits in one 32-bit operation),
+  `byte_f32` (one of them to fp32), `split8` / `join8` (a word's 8 element lanes apart and back)
   and `words_tile_f16` (a scaled [rows, k] fp16 tile, a word at a time: Triton runs uint8
   arithmetic one byte per instruction, so this is ~2x fewer instructions than `dequant_tile`);
 * `e2m1_halves_f16`: code bytes and their scale bytes -> the scaled low and high nibbles in fp16,
@@ -36,40 +36,40 @@ E2M1_BF16_LOW = (0xC0800000, 0xC0804000)
 
 
 @triton.jit
-def _e2m1_lo(b):
+def e2m1_lo(b):
     """uint8 bytes -> fp32 value of the low nibble, times 2**-6 (byte-wise; the MoE kernels' scalar path)."""
     e4m3 = ((b & 0x08) << 4) | ((b & 0x07) << 2)
     return e4m3.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _e2m1_hi(b):
+def e2m1_hi(b):
     """uint8 bytes -> fp32 value of the high nibble, times 2**-6."""
     e4m3 = (b & 0x80) | ((b >> 2) & 0x1C)
     return e4m3.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _e4m3(b):
+def e4m3_f32(b):
     """uint8 bits of float8_e4m3fn -> fp32."""
     return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _lo_e4m3_word(w):
+def lo_e4m3_word(w):
     """uint32 words of 8 E2M1 nibbles -> uint32 words whose byte i is the E4M3 bits of byte i's low nibble."""
     return ((w << 4) & 0x80808080) | ((w << 2) & 0x1C1C1C1C)
 
 
 @triton.jit
-def _hi_e4m3_word(w):
+def hi_e4m3_word(w):
     """uint32 words of 8 E2M1 nibbles -> uint32 words whose byte i is the E4M3 bits of byte i's high nibble."""
     return (w & 0x80808080) | ((w >> 2) & 0x1C1C1C1C)
 
 
 def _word_lanes_ptx() -> str:
     """PTX of `e2m1_word_lanes_f32`: a word's four low nibbles (then its four high) made E4M3 bytes
-    in one 32-bit operation each (as `_lo_e4m3_word`, `_hi_e4m3_word`), converted two bytes at a
+    in one 32-bit operation each (as `lo_e4m3_word`, `hi_e4m3_word`), converted two bytes at a
     time (`cvt.rn.f16x2.e4m3x2`, exact), each half widened to fp32 (exact). $8: the word; $0 .. $7:
     elements 0 .. 7, times 2**-6."""
     body = (".reg .b32 a, b, lo, hi, p;\n.reg .b16 l0, l1, h0, h1, e0, e1;\n"
@@ -97,21 +97,21 @@ def e2m1_word_lanes_f32(w, ASM: tl.constexpr):
         d0, d1, d2, d3, d4, d5, d6, d7 = tl.inline_asm_elementwise(
             _E2M1_WORD_LANES_PTX, "=f,=f,=f,=f,=f,=f,=f,=f,r", [w], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
     else:
-        lo = _lo_e4m3_word(w)
-        hi = _hi_e4m3_word(w)
-        d0, d1, d2, d3 = _byte_f32(lo, 0), _byte_f32(hi, 0), _byte_f32(lo, 1), _byte_f32(hi, 1)
-        d4, d5, d6, d7 = _byte_f32(lo, 2), _byte_f32(hi, 2), _byte_f32(lo, 3), _byte_f32(hi, 3)
+        lo = lo_e4m3_word(w)
+        hi = hi_e4m3_word(w)
+        d0, d1, d2, d3 = byte_f32(lo, 0), byte_f32(hi, 0), byte_f32(lo, 1), byte_f32(hi, 1)
+        d4, d5, d6, d7 = byte_f32(lo, 2), byte_f32(hi, 2), byte_f32(lo, 3), byte_f32(hi, 3)
     return d0, d1, d2, d3, d4, d5, d6, d7
 
 
 @triton.jit
-def _byte_f32(e, I: tl.constexpr):
+def byte_f32(e, I: tl.constexpr):
     """Byte I of uint32 words of E4M3 bits -> fp32."""
     return (e >> (8 * I)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _split8(t, A: tl.constexpr, B: tl.constexpr):
+def split8(t, A: tl.constexpr, B: tl.constexpr):
     """[A, B, 8] -> its 8 lanes t[:, :, 0] .. t[:, :, 7] (each [A, B])."""
     ev, od = tl.split(tl.reshape(t, (A, B, 4, 2)))  # ev: lanes 0 2 4 6; od: 1 3 5 7
     ev04, ev26 = tl.split(tl.reshape(ev, (A, B, 2, 2)))
@@ -124,8 +124,8 @@ def _split8(t, A: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
-def _join8(t0, t1, t2, t3, t4, t5, t6, t7, A: tl.constexpr, B: tl.constexpr):
-    """8 lanes [A, B] -> [A, 8 * B] with element 8w + j = lane j's column w (`_split8` undone)."""
+def join8(t0, t1, t2, t3, t4, t5, t6, t7, A: tl.constexpr, B: tl.constexpr):
+    """8 lanes [A, B] -> [A, 8 * B] with element 8w + j = lane j's column w (`split8` undone)."""
     ev = tl.reshape(tl.join(tl.join(t0, t4), tl.join(t2, t6)), (A, B, 4))  # lanes 0 2 4 6
     od = tl.reshape(tl.join(tl.join(t1, t5), tl.join(t3, t7)), (A, B, 4))  # lanes 1 3 5 7
     return tl.reshape(tl.join(ev, od), (A, 8 * B))
@@ -141,7 +141,7 @@ def _lane_f16(e, I: tl.constexpr, b_sc):
 def words_tile_f16(p_w, p_s, o_row, o_srow, m_r, kb0, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """Elements [2 * kb0, 2 * kb0 + BLOCK_K) of BLOCK_R NVFP4 rows -> [BLOCK_R, BLOCK_K] float16, in k
     order, exact, without the global scale: the codes read as 32-bit words (8 codes) and turned into
-    E4M3 bits a word at a time (`_lo_e4m3_word`), each byte converted to fp16 and multiplied by its
+    E4M3 bits a word at a time (`lo_e4m3_word`), each byte converted to fp16 and multiplied by its
     block's scale (times 64, the E4M3 placement's 2**-6) in fp16: a code (2 significant bits) times
     an E4M3 scale (4) is exact in fp16 and lies in [2**-10, 2,688] or is 0. Row r's codes start at
     byte p_w + o_row[r], its E4M3 scale bytes at p_s + o_srow[r]; p_w, o_row and kb0 multiples of 4
@@ -155,9 +155,9 @@ def words_tile_f16(p_w, p_s, o_row, o_srow, m_r, kb0, BLOCK_R: tl.constexpr, BLO
     b_s = tl.load(p_s + o_srow[:, None] + o_g[None, :], mask=m_r[:, None], other=0)
     b_s = b_s.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 64.0
     b_sc = tl.reshape(tl.broadcast_to(b_s[:, :, None], (BLOCK_R, G, 2)), (BLOCK_R, W))  # word w: scale w // 2
-    lo = _lo_e4m3_word(b_w)
-    hi = _hi_e4m3_word(b_w)
-    return _join8(_lane_f16(lo, 0, b_sc), _lane_f16(hi, 0, b_sc), _lane_f16(lo, 1, b_sc), _lane_f16(hi, 1, b_sc),
+    lo = lo_e4m3_word(b_w)
+    hi = hi_e4m3_word(b_w)
+    return join8(_lane_f16(lo, 0, b_sc), _lane_f16(hi, 0, b_sc), _lane_f16(lo, 1, b_sc), _lane_f16(hi, 1, b_sc),
                   _lane_f16(lo, 2, b_sc), _lane_f16(hi, 2, b_sc), _lane_f16(lo, 3, b_sc), _lane_f16(hi, 3, b_sc),
                   BLOCK_R, W)
 
@@ -181,9 +181,9 @@ def dequant_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, kb0, half_k, dtype: t
         m_w = m_r[:, None] & (o_kb < half_k)[None, :]
         m_s = m_r[:, None] & (o_g < half_k // 8)[None, :]
     b_w = tl.load(p_w + o_r[:, None] * stride_wr + o_kb[None, :], mask=m_w, other=0)
-    b_s = _e4m3(tl.load(p_s + o_r[:, None] * stride_sr + o_g[None, :], mask=m_s, other=0)) * 64.0
+    b_s = e4m3_f32(tl.load(p_s + o_r[:, None] * stride_sr + o_g[None, :], mask=m_s, other=0)) * 64.0
     b_s = tl.reshape(tl.broadcast_to(b_s[:, :, None], (BLOCK_R, G, 16)), (BLOCK_R, BLOCK_K))
-    b_dec = tl.reshape(tl.join(_e2m1_lo(b_w), _e2m1_hi(b_w)), (BLOCK_R, BLOCK_K))  # even, odd interleaved
+    b_dec = tl.reshape(tl.join(e2m1_lo(b_w), e2m1_hi(b_w)), (BLOCK_R, BLOCK_K))  # even, odd interleaved
     return (b_dec * b_s).to(dtype)
 
 
@@ -243,14 +243,14 @@ def e2m1_halves_f16(b_w, b_s, ASM: tl.constexpr):
     """uint8 code bytes b_w and uint8 E4M3 scale bytes b_s (same shape: each byte's block scale) ->
     (low nibble x scale, high nibble x scale) as float16, exact, without the global scale.
     ASM (a CUDA device, not the interpreter): `_E2M1_HALVES_PTX`, four bytes per instance;
-    otherwise the byte-wise decode (`_e2m1_lo` / `_e2m1_hi`, times 2**-6) to the same values."""
+    otherwise the byte-wise decode (`e2m1_lo` / `e2m1_hi`, times 2**-6) to the same values."""
     if ASM:
         lo, hi = tl.inline_asm_elementwise(_E2M1_HALVES_PTX, "=r,=r,=r,=r,r,r", [b_w, b_s],
                                            dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
     else:
-        sc = _e4m3(b_s) * 64.0  # (the nibble decode gives values times 2**-6)
-        lo = (_e2m1_lo(b_w) * sc).to(tl.float16)
-        hi = (_e2m1_hi(b_w) * sc).to(tl.float16)
+        sc = e4m3_f32(b_s) * 64.0  # (the nibble decode gives values times 2**-6)
+        lo = (e2m1_lo(b_w) * sc).to(tl.float16)
+        hi = (e2m1_hi(b_w) * sc).to(tl.float16)
     return lo, hi
 
 
@@ -272,8 +272,8 @@ def e2m1_halves_bf16(b_w, b_sc, ASM: tl.constexpr):
                                            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     else:
         sc = b_sc.to(tl.float32) * 64.0  # (the nibble decode gives values times 2**-6)
-        lo = (_e2m1_lo(b_w) * sc).to(tl.bfloat16)
-        hi = (_e2m1_hi(b_w) * sc).to(tl.bfloat16)
+        lo = (e2m1_lo(b_w) * sc).to(tl.bfloat16)
+        hi = (e2m1_hi(b_w) * sc).to(tl.bfloat16)
     return lo, hi
 
 
@@ -311,7 +311,7 @@ def e2m1_halves_f16_scaled(b_w, b_s, ASM: tl.constexpr):
         lo, hi = tl.inline_asm_elementwise(_E2M1_CVT_PTX, "=r,=r,=r,=r,r,r", [b_w, b_s],
                                            dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
     else:
-        sc = _e4m3(b_s)  # (the nibble decode gives values times 2**-6)
-        lo = (_e2m1_lo(b_w) * sc).to(tl.float16)
-        hi = (_e2m1_hi(b_w) * sc).to(tl.float16)
+        sc = e4m3_f32(b_s)  # (the nibble decode gives values times 2**-6)
+        lo = (e2m1_lo(b_w) * sc).to(tl.float16)
+        hi = (e2m1_hi(b_w) * sc).to(tl.float16)
     return lo, hi

@@ -10,7 +10,7 @@ and two consecutive words share one block scale.
 E2M1 decoding (the helpers live in `decode.py`), plain Triton (it runs in the interpreter), four bytes per 32-bit operation: a
 nibble ``s e1 e0 m`` is moved into an E4M3 byte ``s 0 0 e1 e0 m 0 0``, whose value is exactly
 ``e2m1 * 2**-6`` (code 1, the E2M1 subnormal 0.5, lands on the E4M3 subnormal 2**-7). Done on the
-whole word with shifts and masks (`_lo_e4m3_word`, `_hi_e4m3_word`: about one integer operation
+whole word with shifts and masks (`lo_e4m3_word`, `hi_e4m3_word`: about one integer operation
 per element instead of four when each byte is handled alone), then each byte goes through the
 fp8 -> fp32 conversion (a packed hardware conversion on Hopper). The 2**6 is folded into the
 epilogue, so ``dec * scale`` is the exact product ``e2m1 * scale * 2**-6`` (at most 5 significant
@@ -20,7 +20,7 @@ Two kernels:
 
 * `_nvfp4_gemv_kernel` (M <= 2, and M <= 8 on the shapes where it wins, see `_path`): a program
   owns BLOCK_N rows; with K / 8 a power of two <= 1024 it takes the rows' whole K in one tile
-  (`_whole_k_tile`, decoded once for all rows of x; no loop, each x row read once),
+  (`whole_k_tile`, decoded once for all rows of x; no loop, each x row read once),
   else it walks K in steps of BLOCK_W words (`nvfp4_rows_dot`); per word 8 FMAs on fp32
   products, then one FMA with the block scale; x is read in its natural order and split into
   the 8 element lanes of a word with ``tl.split``.
@@ -51,8 +51,8 @@ import triton.language as tl
 from ft.kernels.backend import inline_ptx
 from ft.kernels.options import kernel_options
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
-from ft.kernels.nvfp4.decode import _e4m3, dequant_tile, e2m1_halves_bf16, e2m1_halves_f16
-from ft.kernels.nvfp4.rows import (_decode_whole_k, _dot_lanes, _load_whole_k, _whole_k_row, _whole_k_tile, _x_lanes,
+from ft.kernels.nvfp4.decode import e4m3_f32, dequant_tile, e2m1_halves_bf16, e2m1_halves_f16
+from ft.kernels.nvfp4.rows import (decode_whole_k, dot_lanes, load_whole_k, whole_k_row, whole_k_tile, x_lanes,
                                    nvfp4_rows_dot, rows_dot_whole_k)
 
 __all__ = ["SMALL_M", "nvfp4_linear_triton"]
@@ -83,20 +83,20 @@ def _nvfp4_gemv_kernel(
             b_y = rows_dot_whole_k(p_w, p_s, o_n, m_n, stride_wn, stride_sn, p_x, WHOLE_K, BLOCK_N, ASM)
             tl.store(p_y + o_n, (b_y * s2).to(p_y.dtype.element_ty), mask=m_n)
         elif BLOCK_M == 1:  # `rows_dot_whole_k` with the weights first
-            b_w, b_sb = _load_whole_k(p_w, p_s, o_n, m_n, stride_wn, stride_sn, WHOLE_K)
+            b_w, b_sb = load_whole_k(p_w, p_s, o_n, m_n, stride_wn, stride_sn, WHOLE_K)
             pdl_wait(PDL)
             pdl_release(PDL)
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x_lanes(p_x, WHOLE_K)
-            d0, d1, d2, d3, d4, d5, d6, d7, b_s = _decode_whole_k(b_w, b_sb, ASM)
-            b_y = _dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, BLOCK_N)
+            x0, x1, x2, x3, x4, x5, x6, x7 = x_lanes(p_x, WHOLE_K)
+            d0, d1, d2, d3, d4, d5, d6, d7, b_s = decode_whole_k(b_w, b_sb, ASM)
+            b_y = dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, BLOCK_N)
             tl.store(p_y + o_n, (b_y * s2).to(p_y.dtype.element_ty), mask=m_n)
         else:
-            d0, d1, d2, d3, d4, d5, d6, d7, b_s = _whole_k_tile(p_w, p_s, o_n, m_n, stride_wn, stride_sn, WHOLE_K, ASM)
+            d0, d1, d2, d3, d4, d5, d6, d7, b_s = whole_k_tile(p_w, p_s, o_n, m_n, stride_wn, stride_sn, WHOLE_K, ASM)
             pdl_wait(PDL)
             pdl_release(PDL)
             for mi in tl.static_range(BLOCK_M):
                 if mi < M:
-                    b_y = _whole_k_row(d0, d1, d2, d3, d4, d5, d6, d7, b_s, p_x + mi * stride_xm, WHOLE_K, BLOCK_N)
+                    b_y = whole_k_row(d0, d1, d2, d3, d4, d5, d6, d7, b_s, p_x + mi * stride_xm, WHOLE_K, BLOCK_N)
                     tl.store(p_y + mi * stride_ym + o_n, (b_y * s2).to(p_y.dtype.element_ty), mask=m_n)
         return
     pdl_wait(PDL)
@@ -151,7 +151,7 @@ def _halves_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, s
     o_g = k // 16 + tl.arange(0, G)
     b_sb = tl.load(p_s + o_n[:, None] * stride_sn + o_g[None, :], mask=m_n[:, None], other=0)
     if dt == tl.bfloat16:
-        b_sc = tl.reshape(tl.broadcast_to(_e4m3(b_sb).to(tl.bfloat16)[:, :, None], (R, G, 8)), (R, HK))  # byte j: j // 8
+        b_sc = tl.reshape(tl.broadcast_to(e4m3_f32(b_sb).to(tl.bfloat16)[:, :, None], (R, G, 8)), (R, HK))  # byte j: j // 8
         lo, hi = e2m1_halves_bf16(b_w, b_sc, ASM)
     else:
         lo, hi = e2m1_halves_f16(b_w, tl.reshape(tl.broadcast_to(b_sb[:, :, None], (R, G, 8)), (R, HK)), ASM)

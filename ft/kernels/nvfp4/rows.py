@@ -4,8 +4,8 @@ decode MoE kernels (`ft.kernels.moe`). Weight layout as `kernel.py` describes: i
 E2M1 codes, E4M3 block scales per 16 elements (two words), the global scale left to the caller.
 
 `nvfp4_rows_dot` walks K in steps of BLOCK_W words; `rows_dot_whole_k` takes a row's whole K in
-one tile (K / 8 a power of two <= 1024), in parts (`_load_whole_k`, `_decode_whole_k`, `_x_lanes`,
-`_dot_lanes`, `_store_whole_k`) for kernels that place other work in between (the MoE's landing
+one tile (K / 8 a power of two <= 1024), in parts (`load_whole_k`, `decode_whole_k`, `x_lanes`,
+`dot_lanes`, `store_whole_k`) for kernels that place other work in between (the MoE's landing
 store, a PDL wait) or take K in two such tiles (`limits.whole_k_pieces`: the decode MoE at 2,560 and
 640).
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ft.kernels.nvfp4.decode import _byte_f32, _e4m3, _hi_e4m3_word, _lo_e4m3_word, _split8, e2m1_word_lanes_f32
+from ft.kernels.nvfp4.decode import byte_f32, e4m3_f32, hi_e4m3_word, lo_e4m3_word, split8, e2m1_word_lanes_f32
 
 __all__ = ["nvfp4_rows_dot", "rows_dot_whole_k"]
 
@@ -24,16 +24,16 @@ __all__ = ["nvfp4_rows_dot", "rows_dot_whole_k"]
 def _word_products(b_w, x0, x1, x2, x3, x4, x5, x6, x7):
     """sum over a word's 8 elements of dec(W) * x: b_w uint32 [R, W] (R rows, W words) and x lanes
     [M, W] (lane j = element 8w + j) -> fp32 [M, R, W] (times 2**-6, before the block scale)."""
-    lo = _lo_e4m3_word(b_w)
-    hi = _hi_e4m3_word(b_w)
-    acc = _byte_f32(lo, 0)[None, :, :] * x0[:, None, :]
-    acc += _byte_f32(hi, 0)[None, :, :] * x1[:, None, :]
-    acc += _byte_f32(lo, 1)[None, :, :] * x2[:, None, :]
-    acc += _byte_f32(hi, 1)[None, :, :] * x3[:, None, :]
-    acc += _byte_f32(lo, 2)[None, :, :] * x4[:, None, :]
-    acc += _byte_f32(hi, 2)[None, :, :] * x5[:, None, :]
-    acc += _byte_f32(lo, 3)[None, :, :] * x6[:, None, :]
-    acc += _byte_f32(hi, 3)[None, :, :] * x7[:, None, :]
+    lo = lo_e4m3_word(b_w)
+    hi = hi_e4m3_word(b_w)
+    acc = byte_f32(lo, 0)[None, :, :] * x0[:, None, :]
+    acc += byte_f32(hi, 0)[None, :, :] * x1[:, None, :]
+    acc += byte_f32(lo, 1)[None, :, :] * x2[:, None, :]
+    acc += byte_f32(hi, 1)[None, :, :] * x3[:, None, :]
+    acc += byte_f32(lo, 2)[None, :, :] * x4[:, None, :]
+    acc += byte_f32(hi, 2)[None, :, :] * x5[:, None, :]
+    acc += byte_f32(lo, 3)[None, :, :] * x6[:, None, :]
+    acc += byte_f32(hi, 3)[None, :, :] * x7[:, None, :]
     return acc
 
 
@@ -61,10 +61,10 @@ def nvfp4_rows_dot(
         m_w = o_w < w_hi
         m_rw = m_r[:, None] & m_w[None, :]
         b_w = tl.load(p_w + o_r[:, None] * stride_wr + o_w[None, :], mask=m_rw, other=0).to(tl.uint32, bitcast=True)
-        b_s = _e4m3(tl.load(p_s + o_r[:, None] * stride_sr + (o_w // 2)[None, :], mask=m_rw, other=0))
+        b_s = e4m3_f32(tl.load(p_s + o_r[:, None] * stride_sr + (o_w // 2)[None, :], mask=m_rw, other=0))
         p_xt = p_x + o_xm[:, None, None] * stride_xm + (8 * o_w)[None, :, None] + o_8[None, None, :]
         b_x = tl.load(p_xt, mask=m_xm[:, None, None] & m_w[None, :, None], other=0.0).to(tl.float32)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(b_x, BLOCK_M, BLOCK_W)
+        x0, x1, x2, x3, x4, x5, x6, x7 = split8(b_x, BLOCK_M, BLOCK_W)
         acc += _word_products(b_w, x0, x1, x2, x3, x4, x5, x6, x7) * b_s[None, :, :]
     return tl.sum(acc, axis=2) * 64.0
 
@@ -86,27 +86,27 @@ def _rows_dot_1(p_w, p_s, o_r, m_r, stride_wr, stride_sr, p_xr, w_lo, w_hi,
         b_w = tl.load(p_w + o_r[:, None] * stride_wr + o_w[None, :], mask=m_r[:, None] & m_w[None, :], other=0)
         b_w = b_w.to(tl.uint32, bitcast=True)
         m_s = m_r[:, None] & (o_g * 2 < w_hi)[None, :]
-        b_s = _e4m3(tl.load(p_s + o_r[:, None] * stride_sr + o_g[None, :], mask=m_s, other=0))
+        b_s = e4m3_f32(tl.load(p_s + o_r[:, None] * stride_sr + o_g[None, :], mask=m_s, other=0))
         b_x = tl.load(p_xr + (8 * o_w)[:, None] + o_8[None, :], mask=m_w[:, None], other=0.0).to(tl.float32)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(tl.reshape(b_x, (1, BLOCK_W, 8)), 1, BLOCK_W)
-        lo = _lo_e4m3_word(b_w)
-        hi = _hi_e4m3_word(b_w)
-        part = _byte_f32(lo, 0) * tl.reshape(x0, (1, BLOCK_W))
-        part += _byte_f32(hi, 0) * tl.reshape(x1, (1, BLOCK_W))
-        part += _byte_f32(lo, 1) * tl.reshape(x2, (1, BLOCK_W))
-        part += _byte_f32(hi, 1) * tl.reshape(x3, (1, BLOCK_W))
-        part += _byte_f32(lo, 2) * tl.reshape(x4, (1, BLOCK_W))
-        part += _byte_f32(hi, 2) * tl.reshape(x5, (1, BLOCK_W))
-        part += _byte_f32(lo, 3) * tl.reshape(x6, (1, BLOCK_W))
-        part += _byte_f32(hi, 3) * tl.reshape(x7, (1, BLOCK_W))
+        x0, x1, x2, x3, x4, x5, x6, x7 = split8(tl.reshape(b_x, (1, BLOCK_W, 8)), 1, BLOCK_W)
+        lo = lo_e4m3_word(b_w)
+        hi = hi_e4m3_word(b_w)
+        part = byte_f32(lo, 0) * tl.reshape(x0, (1, BLOCK_W))
+        part += byte_f32(hi, 0) * tl.reshape(x1, (1, BLOCK_W))
+        part += byte_f32(lo, 1) * tl.reshape(x2, (1, BLOCK_W))
+        part += byte_f32(hi, 1) * tl.reshape(x3, (1, BLOCK_W))
+        part += byte_f32(lo, 2) * tl.reshape(x4, (1, BLOCK_W))
+        part += byte_f32(hi, 2) * tl.reshape(x5, (1, BLOCK_W))
+        part += byte_f32(lo, 3) * tl.reshape(x6, (1, BLOCK_W))
+        part += byte_f32(hi, 3) * tl.reshape(x7, (1, BLOCK_W))
         acc += tl.sum(tl.reshape(part, (BLOCK_R, BG, 2)), axis=2) * b_s
     return tl.sum(acc, axis=1) * 64.0
 
 
 @triton.jit
-def _load_whole_k(p_w, p_s, o_r, m_r, stride_wr, stride_sr, KW: tl.constexpr):
+def load_whole_k(p_w, p_s, o_r, m_r, stride_wr, stride_sr, KW: tl.constexpr):
     """Rows o_r's whole K (KW words), as stored: the packed words (uint32 [R, KW]) and the E4M3
-    block scale bytes (uint8 [R, KW / 2]); masked rows give 0. Apart from `_decode_whole_k` so
+    block scale bytes (uint8 [R, KW / 2]); masked rows give 0. Apart from `decode_whole_k` so
     that a caller can also store the raw bytes (the MoE's read-through landing store)."""
     o_w = tl.arange(0, KW)
     o_g = tl.arange(0, KW // 2)
@@ -116,8 +116,8 @@ def _load_whole_k(p_w, p_s, o_r, m_r, stride_wr, stride_sr, KW: tl.constexpr):
 
 
 @triton.jit
-def _store_whole_k(p_w, p_s, o_r, m_r, stride_wr, stride_sr, b_w, b_s, KW: tl.constexpr):
-    """`_load_whole_k`'s words and scale bytes stored as loaded into rows o_r at p_w (int32 words) and
+def store_whole_k(p_w, p_s, o_r, m_r, stride_wr, stride_sr, b_w, b_s, KW: tl.constexpr):
+    """`load_whole_k`'s words and scale bytes stored as loaded into rows o_r at p_w (int32 words) and
     p_s (bytes), rows where m_r is off skipped: the MoE's read-through landing store."""
     o_w = tl.arange(0, KW)
     o_g = tl.arange(0, KW // 2)
@@ -126,37 +126,37 @@ def _store_whole_k(p_w, p_s, o_r, m_r, stride_wr, stride_sr, b_w, b_s, KW: tl.co
 
 
 @triton.jit
-def _decode_whole_k(b_w, b_s, ASM: tl.constexpr = False):
-    """`_load_whole_k`'s words and scale bytes -> the 8 decoded element lanes (fp32 [R, KW], times
+def decode_whole_k(b_w, b_s, ASM: tl.constexpr = False):
+    """`load_whole_k`'s words and scale bytes -> the 8 decoded element lanes (fp32 [R, KW], times
     2**-6) and the block scale of each word pair (fp32 [R, KW / 2]). ASM: the lanes by
     `e2m1_word_lanes_f32`'s PTX (the same values)."""
     d0, d1, d2, d3, d4, d5, d6, d7 = e2m1_word_lanes_f32(b_w, ASM)
-    return d0, d1, d2, d3, d4, d5, d6, d7, _e4m3(b_s)
+    return d0, d1, d2, d3, d4, d5, d6, d7, e4m3_f32(b_s)
 
 
 @triton.jit
-def _whole_k_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, KW: tl.constexpr, ASM: tl.constexpr = False):
+def whole_k_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, KW: tl.constexpr, ASM: tl.constexpr = False):
     """Rows o_r's whole K (KW words): the 8 decoded element lanes (fp32 [R, KW], times 2**-6) and
     the block scale of each word pair (fp32 [R, KW / 2]); masked rows give 0.
-    `_load_whole_k` then `_decode_whole_k`."""
-    b_w, b_s = _load_whole_k(p_w, p_s, o_r, m_r, stride_wr, stride_sr, KW)
-    return _decode_whole_k(b_w, b_s, ASM)
+    `load_whole_k` then `decode_whole_k`."""
+    b_w, b_s = load_whole_k(p_w, p_s, o_r, m_r, stride_wr, stride_sr, KW)
+    return decode_whole_k(b_w, b_s, ASM)
 
 
 @triton.jit
-def _x_lanes(p_xr, KW: tl.constexpr):
+def x_lanes(p_xr, KW: tl.constexpr):
     """One x row at p_xr (K = 8 * KW, any float dtype) -> its 8 word lanes, fp32 [1, KW] each (lane j: elements 8w + j)."""
     o_w = tl.arange(0, KW)
     b_x = tl.load(p_xr + (8 * o_w)[:, None] + tl.arange(0, 8)[None, :]).to(tl.float32)
-    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(tl.reshape(b_x, (1, KW, 8)), 1, KW)
+    x0, x1, x2, x3, x4, x5, x6, x7 = split8(tl.reshape(b_x, (1, KW, 8)), 1, KW)
     return (tl.reshape(x0, (1, KW)), tl.reshape(x1, (1, KW)), tl.reshape(x2, (1, KW)), tl.reshape(x3, (1, KW)),
             tl.reshape(x4, (1, KW)), tl.reshape(x5, (1, KW)), tl.reshape(x6, (1, KW)), tl.reshape(x7, (1, KW)))
 
 
 @triton.jit
-def _dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7,
+def dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7,
                KW: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Decoded lanes [R, KW] (`_whole_k_tile`) and x lanes [1, KW] (`_x_lanes`) -> sum_k x[k] * W[r, k] / scale_2, fp32 [R]."""
+    """Decoded lanes [R, KW] (`whole_k_tile`) and x lanes [1, KW] (`x_lanes`) -> sum_k x[k] * W[r, k] / scale_2, fp32 [R]."""
     part = d0 * x0
     part += d1 * x1
     part += d2 * x2
@@ -169,10 +169,10 @@ def _dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, 
 
 
 @triton.jit
-def _whole_k_row(d0, d1, d2, d3, d4, d5, d6, d7, b_s, p_xr, KW: tl.constexpr, BLOCK_R: tl.constexpr):
-    """sum_k x[k] * W[r, k] / scale_2 for the decoded tile of `_whole_k_tile` and one x row at p_xr -> fp32 [R]."""
-    x0, x1, x2, x3, x4, x5, x6, x7 = _x_lanes(p_xr, KW)
-    return _dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, KW, BLOCK_R)
+def whole_k_row(d0, d1, d2, d3, d4, d5, d6, d7, b_s, p_xr, KW: tl.constexpr, BLOCK_R: tl.constexpr):
+    """sum_k x[k] * W[r, k] / scale_2 for the decoded tile of `whole_k_tile` and one x row at p_xr -> fp32 [R]."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = x_lanes(p_xr, KW)
+    return dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, KW, BLOCK_R)
 
 
 @triton.jit
@@ -181,7 +181,7 @@ def rows_dot_whole_k(p_w, p_s, o_r, m_r, stride_wr, stride_sr, p_xr, KW: tl.cons
     """`nvfp4_rows_dot` for one x row at p_xr when a row's K / 8 = KW words (a power of two) fit one
     tile: no loop, x read and split once -> fp32 [BLOCK_R]. Measured faster than the K loop on the
     decode shapes (bench/RESULTS.md). x is loaded before the weights so that both are in flight
-    together (loading it after the decode, as `_whole_k_row` does, measured 1.4-1.7x slower here)."""
-    x0, x1, x2, x3, x4, x5, x6, x7 = _x_lanes(p_xr, KW)
-    d0, d1, d2, d3, d4, d5, d6, d7, b_s = _whole_k_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, KW, ASM)
-    return _dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, KW, BLOCK_R)
+    together (loading it after the decode, as `whole_k_row` does, measured 1.4-1.7x slower here)."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = x_lanes(p_xr, KW)
+    d0, d1, d2, d3, d4, d5, d6, d7, b_s = whole_k_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, KW, ASM)
+    return dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, KW, BLOCK_R)
