@@ -135,3 +135,15 @@ def test_engine_subpackages_point_one_way():
     bad = sorted(f"{a} -> {b}" for a, outs in edges.items() if (sa := sub(a)) for b in outs
                  if (sb := sub(b)) and sb != sa and ENGINE_RANK[sb] >= ENGINE_RANK[sa])
     assert not bad, "engine imports that point up or sideways:\n" + "\n".join(bad)
+
+
+def test_no_module_imports_another_modules_private_names():
+    """A name another module needs is public (no leading underscore): `from ft.x import _y` reaches
+    into x's privates, which x may then change without knowing who depends on them."""
+    found = []
+    for name, f in _modules().items():
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ft"):
+                found += [f"{name}: {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not found, found
