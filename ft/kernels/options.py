@@ -58,17 +58,11 @@ class MoeOptions:
     (`grouped_config_for`, whose notes say what was measured).
     grouped_max_tokens: tokens per grouped pass at most (longer chunks are cut), which bounds the
     workspace (`moe_workspace_bytes`); longer passes read each routed expert fewer times (H200: a
-    4,096-token chunk's routed experts in 2.9 ms in one pass against 5.8 ms in passes of 1,024).
-    decode_grouped_min_tokens: the decode MoE (`moe.decode_kernel.moe_decode_triton`, up to 128 tokens)
-    takes its pairs in tiles that read one expert from this many tokens on (an expert that several
-    tokens chose is read once); below it, one program per pair. Why: H200 profile, 80B resident,
-    batch 32 / 64, per pair: gate/up 142 / 275 us a layer, down 71 / 136 us (2.9-3.0 TB/s counted
-    per pair; 1.34 / 1.75 pairs per distinct expert)."""
+    4,096-token chunk's routed experts in 2.9 ms in one pass against 5.8 ms in passes of 1,024)."""
 
     grouped_words: bool = True
     grouped_tile: tuple | None = None
     grouped_max_tokens: int = 4096
-    decode_grouped_min_tokens: int = 16
 
 
 @dataclass(frozen=True)
@@ -200,7 +194,6 @@ VARIANTS: dict[str, dict[str, object]] = {
     "nvfp4-lanes-triton": {"nvfp4.lanes_ptx": False},  # bench/decode.py --no-lanes-ptx, bench/moe_decode.py
     "nvfp4-dot-interleaved": {"nvfp4.dot_halves": False},  # bench/decode.py --no-dot-halves
     "moe-bytes": {"moe.grouped_words": False},  # bench/moe_prefill.py, bench/prefill.py
-    "moe-decode-per-pair": {"moe.decode_grouped_min_tokens": 1 << 30},  # bench/decode.py, bench/moe_decode.py
     "attention-prefill-reference": {"prefill_attention.triton_on_cuda": False},  # bench/prefill.py --modes
     "attention-prefill-triton-only": {"prefill_attention.library_on_cuda": False},  # bench/prefill.py --library
     "gated-delta-solve-ieee": {"gated_delta.solve_precision": "ieee"},  # bench/gated_delta_prefill.py

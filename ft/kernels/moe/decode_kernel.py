@@ -22,7 +22,6 @@ from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 from ft.kernels.options import kernel_options
 from ft.kernels.backend import inline_ptx
 from ft.kernels.moe.kernel import moe_sum_pairs_kernel
-from ft.kernels.moe.pair_tiles import decode_pair_tiles
 from ft.kernels.norm.kernel import rms_rstd, norm_warps, add_rms_norm_triton
 from ft.kernels.limits import whole_k_pieces
 from ft.kernels.nvfp4.kernel import as_words
@@ -42,9 +41,6 @@ DECODE_GATE_UP_CONFIG = {1: (4, 0, 4), 2: (8, 0, 4)}
 DECODE_DOWN_PAIRS_CONFIG = (64, 0, 4)
 DECODE_DOWN_CONFIG = {1: (8, 0, 4), 2: (8, 0, 2)}
 DECODE_DOWN_PAIRS_MIN_TOKENS = 1
-# The grouped form (`_moe_decode_gate_up_grouped_kernel`, `_moe_decode_down_grouped_kernel`): at most
-# BLOCK_M pairs of one expert per program, gate/up (BLOCK_I rows, num_warps), down (BLOCK_H rows, num_warps)
-DECODE_GROUPED_CONFIG = (8, (8, 4), (64, 4))
 
 
 @triton.jit
@@ -242,108 +238,6 @@ def _moe_decode_down_pairs_kernel(
     tl.store(p_yp + i_p * stride_yp + o_h, tl.where(on, b_y * b_wt, 0.0), mask=o_h < H)
 
 
-@triton.jit
-def _moe_decode_gate_up_grouped_kernel(
-    p_x, p_slots, p_order, p_start, p_end, p_w13, p_s13, p_s2, p_sw13, p_ss13, p_ss2, p_h,
-    I, stride_xt, stride_st, stride_w13e, stride_w13r, stride_s13e, stride_s13r, stride_s2e, stride_ht,
-    TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_I: tl.constexpr, WHOLE_K: tl.constexpr,
-    WHOLE_K2: tl.constexpr = 0, ASM: tl.constexpr = False, PDL: tl.constexpr = False,
-):
-    """Grid (G, I / BLOCK_I): `_moe_decode_gate_up_kernel`'s h rows, a tile of pairs that read one
-    expert per program (`pair_tiles.decode_pair_tiles`: positions [start[g], end[g]) of order, all
-    with one slot, or all the shared expert, or all skipped): the expert's rows are loaded once and
-    each pair of the tile takes them against its token's x, so a step whose tokens share experts
-    reads each of those experts' bytes once instead of once per pair. The same products per pair as
-    the per-pair kernel (its x lanes, decode and row dots)."""
-    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
-    pdl_release(PDL)
-    KS: tl.constexpr = TOPK + HAS_SHARED
-    i_g = tl.program_id(0)
-    i_i = tl.program_id(1)
-    start = tl.load(p_start + i_g)
-    end = tl.load(p_end + i_g)
-    first = tl.load(p_order + start)  # (start = 0 in an empty tile: a valid position)
-    j0 = first % KS
-    is_shared = j0 >= TOPK
-    slot = tl.load(p_slots + (first // KS) * stride_st + j0, mask=j0 < TOPK, other=0)
-    on = ((slot >= 0) | is_shared) & (end > start)
-    slot = tl.maximum(slot, 0).to(tl.int64)
-    p_w = tl.where(is_shared, p_sw13, p_w13 + slot * stride_w13e)
-    p_s = tl.where(is_shared, p_ss13, p_s13 + slot * stride_s13e)
-    p_g = tl.where(is_shared, p_ss2, p_s2 + slot * stride_s2e)
-    o_q = tl.arange(0, 2 * BLOCK_I)  # tile row 2q + g: gate (g = 0) or up (g = 1) row i_i * BLOCK_I + q
-    o_i = i_i * BLOCK_I + o_q // 2
-    o_r = o_i + (o_q % 2) * I
-    m_r = o_i < tl.where(on, I, 0)
-    b_w, b_sb = load_whole_k(p_w, p_s, o_r, m_r, stride_w13r, stride_s13r, WHOLE_K)
-    if WHOLE_K2 > 0:
-        c_w, c_sb = load_whole_k(p_w + WHOLE_K, p_s + WHOLE_K // 2, o_r, m_r, stride_w13r, stride_s13r, WHOLE_K2)
-    g_gate = tl.load(p_g, mask=on, other=0.0)
-    g_up = tl.load(p_g + 1, mask=on, other=0.0)
-    o_h = i_i * BLOCK_I + tl.arange(0, BLOCK_I)
-    for c in range(start, end):
-        i_p = tl.load(p_order + c)
-        p_xr = p_x + (i_p // KS) * stride_xt
-        x0, x1, x2, x3, x4, x5, x6, x7 = x_lanes(p_xr, WHOLE_K)
-        d0, d1, d2, d3, d4, d5, d6, d7, b_s = decode_whole_k(b_w, b_sb, ASM)
-        b_gu = dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, 2 * BLOCK_I)
-        if WHOLE_K2 > 0:
-            y0, y1, y2, y3, y4, y5, y6, y7 = x_lanes(p_xr + 8 * WHOLE_K, WHOLE_K2)
-            e0, e1, e2, e3, e4, e5, e6, e7, c_s = decode_whole_k(c_w, c_sb, ASM)
-            b_gu += dot_lanes(e0, e1, e2, e3, e4, e5, e6, e7, c_s, y0, y1, y2, y3, y4, y5, y6, y7, WHOLE_K2,
-                               2 * BLOCK_I)
-        b_g, b_u = tl.split(tl.reshape(b_gu, (BLOCK_I, 2)))
-        b_g = b_g * g_gate
-        b_u = b_u * g_up
-        b_h = b_g / (1.0 + tl.exp(-b_g)) * b_u
-        tl.store(p_h + i_p * stride_ht + o_h, tl.where(on, b_h, 0.0), mask=o_h < I)
-
-
-@triton.jit
-def _moe_decode_down_grouped_kernel(
-    p_h, p_slots, p_order, p_start, p_end, p_wts, p_w2, p_s2w, p_s2, p_sw2, p_ss2w, p_ss2, p_yp,
-    H, stride_ht, stride_st, stride_wt, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e, stride_yp,
-    TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, WHOLE_K: tl.constexpr,
-    WHOLE_K2: tl.constexpr = 0, ASM: tl.constexpr = False, PDL: tl.constexpr = False,
-):
-    """Grid (G, H / BLOCK_H): `_moe_decode_down_pairs_kernel`'s weighted rows yp[p], a tile of pairs
-    that read one expert per program (as `_moe_decode_gate_up_grouped_kernel`): the expert's down
-    rows loaded once, each pair's h against them."""
-    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
-    pdl_release(PDL)
-    KS: tl.constexpr = TOPK + HAS_SHARED
-    i_g = tl.program_id(0)
-    o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    start = tl.load(p_start + i_g)
-    end = tl.load(p_end + i_g)
-    first = tl.load(p_order + start)
-    j0 = first % KS
-    is_shared = j0 >= TOPK
-    slot = tl.load(p_slots + (first // KS) * stride_st + j0, mask=j0 < TOPK, other=0)
-    on = ((slot >= 0) | is_shared) & (end > start)
-    slot = tl.maximum(slot, 0).to(tl.int64)
-    p_w = tl.where(is_shared, p_sw2, p_w2 + slot * stride_w2e)
-    p_s = tl.where(is_shared, p_ss2w, p_s2w + slot * stride_s2we)
-    p_g = tl.where(is_shared, p_ss2, p_s2 + slot * stride_s2e)
-    m_r = o_h < tl.where(on, H, 0)
-    b_w, b_sb = load_whole_k(p_w, p_s, o_h, m_r, stride_w2r, stride_s2wr, WHOLE_K)
-    if WHOLE_K2 > 0:
-        c_w, c_sb = load_whole_k(p_w + WHOLE_K, p_s + WHOLE_K // 2, o_h, m_r, stride_w2r, stride_s2wr, WHOLE_K2)
-    g_down = tl.load(p_g + 2, mask=on, other=0.0)
-    for c in range(start, end):
-        i_p = tl.load(p_order + c)
-        p_hr = p_h + i_p * stride_ht
-        x0, x1, x2, x3, x4, x5, x6, x7 = x_lanes(p_hr, WHOLE_K)
-        d0, d1, d2, d3, d4, d5, d6, d7, b_s = decode_whole_k(b_w, b_sb, ASM)
-        b_y = dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, BLOCK_H)
-        if WHOLE_K2 > 0:
-            y0, y1, y2, y3, y4, y5, y6, y7 = x_lanes(p_hr + 8 * WHOLE_K, WHOLE_K2)
-            e0, e1, e2, e3, e4, e5, e6, e7, c_s = decode_whole_k(c_w, c_sb, ASM)
-            b_y += dot_lanes(e0, e1, e2, e3, e4, e5, e6, e7, c_s, y0, y1, y2, y3, y4, y5, y6, y7, WHOLE_K2, BLOCK_H)
-        b_wt = tl.load(p_wts + (i_p // KS) * stride_wt + i_p % KS).to(tl.float32) * g_down
-        tl.store(p_yp + i_p * stride_yp + o_h, tl.where(on, b_y * b_wt, 0.0), mask=o_h < H)
-
-
 @triton.jit(do_not_specialize=["H"])
 def _moe_sum_add_norm_kernel(p_yp, p_r, p_w, p_x, p_h, H, eps, stride_yp, stride_rt, stride_xt, stride_ht,
                              KS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
@@ -376,7 +270,6 @@ def moe_decode_triton(
     down_config: tuple[int, int, int] | None = None, down_per_pair: bool | None = None,
     residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
     host=None, topk_ids: torch.Tensor | None = None, layer: int = 0, topk_dst: torch.Tensor | None = None,
-    grouped: bool | None = None, grouped_config: tuple | None = None,
 ):
     """The decode MoE block in two or three launches: sum_j weight_j * expert_j(x) over the routed pairs and,
     with `shared`, the shared expert as one more pair.
@@ -406,14 +299,8 @@ def moe_decode_triton(
             appears at most once in topk_dst, and no pair of the call reads slot d (it is not in
             the slot table while it is being filled). Needs the whole-K tiles of both passes and a
             float32 scale_2 in the pool (written in place).
-        grouped: the pairs in tiles that read one expert (`pair_tiles.decode_pair_tiles`, one more
-            launch), each expert's rows loaded once per tile instead of once per pair; the same
-            products per pair and the same sum. Default: from `MoeOptions.decode_grouped_min_tokens`
-            tokens on, where there is no host store and both K take whole-K tiles. grouped_config:
-            (BLOCK_M, (BLOCK_I, warps), (BLOCK_H, warps)) instead of `DECODE_GROUPED_CONFIG`.
     Returns: y [T, H] in x's dtype: one fp32 sum over the pairs in order, cast once; or the pair above.
-    Raises: ValueError on shapes the kernels do not take, topk_dst without `host`, or `grouped` with
-        a host store or a K that is not whole-K tiles.
+    Raises: ValueError on shapes the kernels do not take, or topk_dst without `host`.
     """
     if not w.is_nvfp4 or (shared is not None and not shared.is_nvfp4):
         raise ValueError("moe_decode_triton takes NVFP4 slot pools only")
@@ -489,36 +376,13 @@ def moe_decode_triton(
         raise ValueError("topk_dst needs the gate/up pass over whole-K tiles (BLOCK_W 0, H / 8 = 2^a or 2^a + 2^b, "
                          "2^a <= 1024)")
     asm = kernel_options().nvfp4.lanes_ptx and inline_ptx(x.device)  # the whole-K tiles' word decode in PTX
-    g13, g13b = whole_k_pieces(hid)
-    g2, g2b = whole_k_pieces(i)
-    if grouped is None:
-        grouped = t >= kernel_options().moe.decode_grouped_min_tokens and not has_host and g13 > 0 and g2 > 0
-    elif grouped and (has_host or not (g13 and g2)):
-        raise ValueError("the grouped decode MoE reads slots only (no host store) and takes H / 8 and I / 8 as whole-K "
-                         "tiles (2^a or 2^a + 2^b words)")
-    fuse_norm = residual is not None and norm_weight is not None
-    if grouped:
-        block_m, (block_i, warps13), (block_h, warps2) = grouped_config or DECODE_GROUPED_CONFIG
-        start, end, order = decode_pair_tiles(slots, w.w13.shape[0], bool(has_shared), block_m)
-        tiles = start.shape[0]
-        _moe_decode_gate_up_grouped_kernel[(tiles, triton.cdiv(i, block_i))](
-            x, slots, order, start, end, w13, s13, s2, sw13, ss13, ss2, h, i, x.stride(0), slots.stride(0),
-            w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s2.stride(0), h.stride(0), TOPK=k,
-            HAS_SHARED=has_shared, BLOCK_I=block_i, WHOLE_K=g13, WHOLE_K2=g13b, ASM=asm, num_warps=warps13,
-            **pdl_args(x.device))
-        y_pairs = torch.empty((t * ks, hid), dtype=torch.float32, device=x.device)
-        _moe_decode_down_grouped_kernel[(tiles, triton.cdiv(hid, block_h))](
-            h, slots, order, start, end, wts, w2, s2w, s2, sw2, ss2w, ss2, y_pairs, hid, h.stride(0), slots.stride(0),
-            wts.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1), s2.stride(0), y_pairs.stride(0),
-            TOPK=k, HAS_SHARED=has_shared, BLOCK_H=block_h, WHOLE_K=g2, WHOLE_K2=g2b, ASM=asm, num_warps=warps2,
-            **pdl_args(x.device))
-        return _sum_pairs(y_pairs, y, ks, residual, norm_weight, eps, fuse_norm)
     _moe_decode_gate_up_kernel[(t * ks, triton.cdiv(i, block_i))](
         x, slots, ids, dst, w13, s13, s2, sw13, ss13, ss2, hw13, hs13, hs2, h, i, hid,
         x.stride(0), slots.stride(0), ids.stride(0), dst.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
         s13.stride(1), s2.stride(0), hw13.stride(0), hs13.stride(0), hs2.stride(0), h.stride(0), TOPK=k,
         HAS_SHARED=has_shared, BLOCK_I=block_i, BLOCK_W=bw13, WHOLE_K=whole13, HAS_HOST=has_host, HAS_DST=has_dst,
         ASM=asm and whole13 > 0, WHOLE_K2=whole13b, num_warps=warps13, **pdl_args(x.device))
+    fuse_norm = residual is not None and norm_weight is not None
     if per_pair and whole2:  # (a row's K in one tile; other shapes take the loop)
         y_pairs = torch.empty((t * ks, hid), dtype=torch.float32, device=x.device)
         _moe_decode_down_pairs_kernel[(t * ks, triton.cdiv(hid, block_h))](
@@ -527,27 +391,20 @@ def moe_decode_triton(
             s2w.stride(0), s2w.stride(1), s2.stride(0), hw2.stride(0), hs2w.stride(0), hs2.stride(0), y_pairs.stride(0),
             TOPK=k, HAS_SHARED=has_shared, BLOCK_H=block_h, WHOLE_K=whole2, HAS_HOST=has_host, HAS_DST=has_dst,
             ASM=asm, WHOLE_K2=whole2b, num_warps=warps2, **pdl_args(x.device))
-        return _sum_pairs(y_pairs, y, ks, residual, norm_weight, eps, fuse_norm)
+        if fuse_norm and hid <= 8192 and residual.shape == x.shape and residual.dtype == x.dtype \
+                and residual.stride(-1) == 1:
+            h_out = torch.empty_like(x)
+            block = triton.next_power_of_2(hid)
+            _moe_sum_add_norm_kernel[(t,)](y_pairs, residual, norm_weight, y, h_out, hid, eps, y_pairs.stride(0),
+                                           residual.stride(0), y.stride(0), h_out.stride(0), KS=ks, BLOCK_D=block,
+                                           num_warps=norm_warps(block), **pdl_args(x.device))
+            return y, h_out
+        moe_sum_pairs_kernel[(t, triton.cdiv(hid, 1024))](y_pairs, y, hid, ks, y_pairs.stride(0), y.stride(0), BLOCK=1024,
+                                                           **pdl_args(x.device))
+        return add_rms_norm_triton(y, residual, norm_weight, eps) if fuse_norm else y
     _moe_decode_down_kernel[(t, triton.cdiv(hid, block_h))](
         h, slots, wts, w2, s2w, s2, sw2, ss2w, ss2, y, i, hid,
         h.stride(0), slots.stride(0), wts.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1),
         s2.stride(0), y.stride(0), TOPK=k, HAS_SHARED=has_shared, BLOCK_H=block_h, BLOCK_W=bw2, WHOLE_K=whole2,
         ASM=asm and whole2 > 0, WHOLE_K2=whole2b, num_warps=warps2, **pdl_args(x.device))
-    return add_rms_norm_triton(y, residual, norm_weight, eps) if fuse_norm else y
-
-
-def _sum_pairs(y_pairs: torch.Tensor, y: torch.Tensor, ks: int, residual, norm_weight, eps: float, fuse_norm: bool):
-    """y[t] = sum_j y_pairs[t * ks + j] in order (fp32, cast once), with the next layer's norm riding
-    on the same launch where `fuse_norm` and the shapes allow: `moe_decode_triton`'s return."""
-    t, hid = y.shape
-    if fuse_norm and hid <= 8192 and residual.shape == y.shape and residual.dtype == y.dtype \
-            and residual.stride(-1) == 1:
-        h_out = torch.empty_like(y)
-        block = triton.next_power_of_2(hid)
-        _moe_sum_add_norm_kernel[(t,)](y_pairs, residual, norm_weight, y, h_out, hid, eps, y_pairs.stride(0),
-                                       residual.stride(0), y.stride(0), h_out.stride(0), KS=ks, BLOCK_D=block,
-                                       num_warps=norm_warps(block), **pdl_args(y.device))
-        return y, h_out
-    moe_sum_pairs_kernel[(t, triton.cdiv(hid, 1024))](y_pairs, y, hid, ks, y_pairs.stride(0), y.stride(0), BLOCK=1024,
-                                                       **pdl_args(y.device))
     return add_rms_norm_triton(y, residual, norm_weight, eps) if fuse_norm else y

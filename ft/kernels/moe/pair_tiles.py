@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["TILES_BLOCK", "decode_pair_tiles", "decode_tile_bound", "group_pairs", "group_pairs_ref", "tile_bound"]
+__all__ = ["TILES_BLOCK", "group_pairs", "group_pairs_ref", "tile_bound"]
 
 TILES_BLOCK = 2048
 """Sorted positions the tile kernel scans per step (one program; a 4,096-token pass of top-10 is 20 steps)."""
@@ -104,80 +104,3 @@ def group_pairs(slots: torch.Tensor, block_m: int, distinct: int) -> tuple[torch
     end = torch.empty(g, dtype=torch.int32, device=slots.device)
     _pair_tiles_kernel[(1,)](sorted_slots, start, end, p, g, BLOCK_M=block_m, BLOCK=TILES_BLOCK, num_warps=8)
     return start, end, sorted_slots, order
-
-
-@triton.jit
-def _decode_pair_tiles_kernel(p_slots, p_keys, p_order, p_start, p_end, T, n_slots, G, stride_st,
-                              TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK: tl.constexpr, BITS: tl.constexpr):
-    """One program, P = T * KS <= BLOCK = 2^BITS pairs (KS = TOPK + HAS_SHARED): pair p = t * KS + j
-    has key slots[t, j] + 1 for j < TOPK (0: skipped) and n_slots + 1 for the shared expert; the
-    pairs sorted by (key, p) in registers (`tl.sort` of key << BITS | p), then cut into tiles as
-    `_pair_tiles_kernel` does. p_keys: scratch [BLOCK] holding the sorted keys, so that each
-    position reads its neighbours'."""
-    KS: tl.constexpr = TOPK + HAS_SHARED
-    P = T * KS
-    o = tl.arange(0, BLOCK)
-    m = o < P
-    t = o // KS
-    j = o % KS
-    slot = tl.load(p_slots + t * stride_st + j, mask=m & (j < TOPK), other=0)
-    key = tl.where(j < TOPK, tl.maximum(slot, -1) + 1, n_slots + 1)
-    packed = tl.sort(tl.where(m, (key << BITS) | o, 0x7FFFFFFF))
-    cur = packed >> BITS
-    tl.store(p_order + o, packed & (BLOCK - 1), mask=m)
-    tl.store(p_keys + o, cur)
-    tl.debug_barrier()  # NOTE: every position's key stored before any neighbour reads it
-    prev = tl.load(p_keys + o - 1, mask=m & (o > 0), other=-1)
-    nxt = tl.load(p_keys + o + 1, mask=o + 1 < P, other=-1)
-    opens_run = m & ((o == 0) | (cur != prev))
-    rs = tl.associative_scan(tl.where(opens_run, o, 0), 0, _max_combine)
-    opens = m & ((o - rs) % BLOCK_M == 0)
-    closes = m & ((o + 1 == P) | (nxt != cur) | ((o + 1 - rs) % BLOCK_M == 0))
-    g = tl.cumsum(opens.to(tl.int32), 0) - 1
-    tl.store(p_start + g, o, mask=opens)
-    tl.store(p_end + g, o + 1, mask=closes)
-    tiles = tl.sum(opens.to(tl.int32), 0)
-    for g0 in range(0, G, BLOCK):
-        og = g0 + o
-        mg = (og >= tiles) & (og < G)
-        tl.store(p_start + og, tl.zeros_like(og), mask=mg)
-        tl.store(p_end + og, tl.zeros_like(og), mask=mg)
-
-
-def decode_tile_bound(p: int, block_m: int) -> int:
-    """G of `decode_pair_tiles`: `tile_bound` with every pair its own run at worst."""
-    return tile_bound(p, block_m, p)
-
-
-def decode_pair_tiles(topk_slots: torch.Tensor, n_slots: int, has_shared: bool,
-                      block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A decode step's (token, k) pairs in tiles of at most block_m pairs that read one expert, in one
-    launch on topk_slots' device (no host sync; the decode MoE's grouped form, `decode_kernel`).
-
-    Args: topk_slots: int32 or int64 [T, k] (-1 = skip, any row stride); n_slots: the pool's slot count;
-    has_shared: pair j = k of every token is the shared expert (one more run).
-    Returns: (tile_start, tile_end int32 [G], order int32 [P]), P = T * (k + has_shared), G =
-    `decode_tile_bound(P, block_m)`: tile g covers positions [tile_start[g], tile_end[g]) of
-    ``order``, the pair ids p = t * (k + has_shared) + j sorted by (skipped first, then slot, the
-    shared expert last; p ascending within each); live tiles first, the rest empty (start = end = 0).
-    Raises ValueError where the packed sort key does not fit 31 bits."""
-    if topk_slots.stride(-1) != 1:
-        topk_slots = topk_slots.contiguous()
-    t, k = topk_slots.shape
-    p = t * (k + int(has_shared))
-    block = max(16, triton.next_power_of_2(p))
-    bits = block.bit_length() - 1
-    if (n_slots + 2) << bits >= 1 << 31:
-        raise ValueError(f"decode_pair_tiles: {n_slots} slots x {p} pairs do not fit a 31-bit sort key")
-    g = decode_tile_bound(p, block_m)
-    dev = topk_slots.device
-    keys = torch.empty(block, dtype=torch.int32, device=dev)
-    order = torch.empty(p, dtype=torch.int32, device=dev)
-    start = torch.empty(g, dtype=torch.int32, device=dev)
-    end = torch.empty(g, dtype=torch.int32, device=dev)
-    if p:
-        _decode_pair_tiles_kernel[(1,)](topk_slots, keys, order, start, end, t, n_slots, g, topk_slots.stride(0),
-                                        TOPK=k, HAS_SHARED=int(has_shared), BLOCK_M=block_m, BLOCK=block, BITS=bits,
-                                        num_warps=4 if block <= 1024 else 8)
-    return start, end, order
