@@ -66,6 +66,8 @@ def main() -> None:
     ap.add_argument("--overlap-decode", action=argparse.BooleanOptionalAction, default=True,
                     help="the profiles (--profile, --cprofile) with overlapped decode (EngineConfig.overlap_decode); "
                          "default on, as the engine's default on CUDA")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME",
+                    help="a named kernel variant (ft.kernels.options.VARIANTS, e.g. moe-decode-per-pair); repeatable")
     ap.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
                     help="after the timed runs, run this many decode steps under cProfile at each --profile-context "
                          "length and print the host functions by own time (what a step's host work grows with)")
@@ -94,7 +96,8 @@ def main() -> None:
     ) if given}
     set_kernel_options(variant(*[name for flag, name in ((args.no_small_m_gemv, "nvfp4-tile-small-m"),
                                                          (args.pdl, "pdl"), (args.no_lanes_ptx, "nvfp4-lanes-triton"),
-                                                         (args.no_halves, "nvfp4-dot-interleaved")) if flag], **changes))
+                                                         (args.no_halves, "nvfp4-dot-interleaved")) if flag],
+                               *args.variant, **changes))
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.context.split(",")]
     modes = [m for m in args.modes.split(",") if m]

@@ -2,7 +2,14 @@
 fused (`moe_decode_triton`: two launches, the shared expert as one more pair, one sum), and the
 fused block with its whole-K word decode in Triton against inline PTX (kernel variant "nvfp4-lanes-triton" against the default). Not a test.
 
-    PYTHONPATH=. python3 bench/moe_decode.py [--sweep]
+    PYTHONPATH=. python3 bench/moe_decode.py [--sweep] [--grouped [--sweep]]
+
+`--grouped`: instead, at batch 8, 16, 32 and 64 with uniform routing (pairs per distinct expert
+~1.08 / 1.16 / 1.34 / 1.75, as the calibrated trace gives): the decode block, and its routed part
+alone on the per-pair kernels against the prefill's grouped tl.dot path (`moe_over_slots_triton`,
+`grouped=True`: each expert's tile decoded once for all its pairs), whether a step whose tokens share
+experts is better served grouped; with `--sweep`, also the grouped path on decode-sized tiles
+(`GROUPED_DECODE_SWEEP`: 16-pair tiles, the prefill's are 32 and 128).
 
 Flagship shapes (512 slots, H 2048, I 512, top-10, shared expert of the same shapes), bf16, every
 call inside a CUDA graph over 24 routings (`bench.gpu_timing.graph_us`; the pool is 850 MB, past
@@ -19,7 +26,7 @@ import torch
 from bench.gpu_timing import graph_us, rel_rms
 from bench.kernels_nvfp4 import MOE, random_pool
 from ft.kernels.activation import expert_combine, silu_mul
-from ft.kernels.moe import SlotWeights, moe_decode_ref
+from ft.kernels.moe import SlotWeights, moe_decode_ref, moe_over_slots_ref
 from ft.kernels.moe.decode_kernel import DECODE_DOWN_PAIRS_CONFIG, DECODE_GATE_UP_CONFIG, moe_decode_triton
 from ft.kernels.moe.kernel import moe_over_slots_triton
 from ft.kernels.options import use_kernel_options, variant
@@ -44,11 +51,15 @@ def unfused(x, slots, wts_routed, pool, shared, gate_logit, out):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="also time other block sizes of the fused kernels")
+    ap.add_argument("--grouped", action="store_true", help="the routed part per pair against the grouped tl.dot path, "
+                                                           "batch 8 to 64")
     args = ap.parse_args()
     n_slots, hid, inter, top_k = MOE
     torch.manual_seed(0)
     pool = random_pool(n_slots, hid, inter)
     shared = SlotWeights(*(t[:1].clone() for t in pool))
+    if args.grouped:
+        return grouped_table(pool, GROUPED_DECODE_SWEEP if args.sweep else [])
     rows = []
     for batch in (1, 8):
         routes = [torch.stack([torch.randperm(n_slots, device=DEV)[:top_k] for _ in range(batch)]) for _ in range(24)]
@@ -100,6 +111,50 @@ def main() -> None:
         print(f"{batch:>5} {t_u:>11.2f} {t_t:>23.2f} {t_f:>9.2f} {t_t / t_f:>9.2f}x {err_u:>12.1e} {err_f:>10.1e} "
               f"{str(same):>9}  {best[0]} {best[1]:.2f} us")
 
+
+GROUPED_DECODE_SWEEP = [(16, 64, 128, 4, 3, True), (16, 128, 128, 4, 3, True), (16, 64, 256, 4, 2, True),
+                        (16, 32, 256, 4, 2, True), (16, 128, 64, 4, 4, True), (16, 64, 64, 4, 4, True),
+                        (16, 256, 64, 8, 3, True)]
+"""Grouped tiles (BLOCK_M pairs, BLOCK_N rows, BLOCK_K, warps, stages, SWAP_AB) sized for a decode step's
+runs of 1-2 pairs an expert."""
+
+
+def grouped_table(pool: SlotWeights, sweep: list) -> None:
+    """At batch 8..64, us per call (graph of 24 routings): the decode block (routed + shared, per
+    pair), the routed part per pair and on the grouped tl.dot path, and the pairs per distinct expert;
+    then the grouped path on each tile of `sweep`."""
+    n_slots, hid, _, top_k = MOE
+    shared = SlotWeights(*(t[:1].clone() for t in pool))
+    rows = []
+    for batch in (8, 16, 32, 64):
+        routes = [torch.stack([torch.randperm(n_slots, device=DEV)[:top_k] for _ in range(batch)]) for _ in range(24)]
+        share = sum(r.numel() / r.unique().numel() for r in routes) / len(routes)
+        x = torch.randn(batch, hid, device=DEV, dtype=torch.bfloat16)
+        wts = torch.cat([torch.softmax(torch.randn(batch, top_k, device=DEV), -1), torch.rand(batch, 1, device=DEV)],
+                        dim=1).to(torch.bfloat16)
+        wr = wts[:, :-1].contiguous()
+        out = torch.empty_like(x)
+        ref = moe_over_slots_ref(x, routes[0], wr, pool)
+        errs = [rel_rms(moe_over_slots_triton(x, routes[0], wr, pool, grouped=g, distinct_slots=n_slots + 1), ref)
+                for g in (False, True)]
+        t_block = graph_us([partial(moe_decode_triton, x, r, wts, pool, shared, out=out) for r in routes])
+        t_pairs, t_grouped = (graph_us([partial(moe_over_slots_triton, x, r, wr, pool, out=out, grouped=g,
+                                                distinct_slots=n_slots + 1) for r in routes]) for g in (False, True))
+        best = ("default", t_grouped)
+        for cfg in sweep:
+            fn = partial(moe_over_slots_triton, grouped=True, grouped_config=cfg, distinct_slots=n_slots + 1)
+            e = rel_rms(fn(x, routes[0], wr, pool), ref)
+            tc = graph_us([partial(fn, x, r, wr, pool, out=out) for r in routes]) if e < TOL else float("inf")
+            print(f"  sweep b{batch} grouped {cfg}: {tc:.1f} us err {e:.1e}", flush=True)
+            if tc < best[1]:
+                best = (cfg, tc)
+        rows.append((batch, share, t_block, t_pairs, t_grouped, *errs, best))
+        print(f"batch {batch}: block {t_block:.1f} us, routed per pair {t_pairs:.1f}, grouped {t_grouped:.1f}", flush=True)
+    print(f"\n{'batch':>5} {'pairs/expert':>12} {'block us':>9} {'routed per pair us':>19} {'routed grouped us':>18} "
+          f"{'grouped/pairs':>13} {'err pairs':>10} {'err grouped':>11}  best grouped tile")
+    for batch, share, t_block, t_pairs, t_grouped, e_p, e_g, best in rows:
+        print(f"{batch:>5} {share:>12.2f} {t_block:>9.1f} {t_pairs:>19.1f} {t_grouped:>18.1f} {t_grouped / t_pairs:>12.2f}x "
+              f"{e_p:>10.1e} {e_g:>11.1e}  {best[0]} {best[1]:.1f} us")
 
 if __name__ == "__main__":
     main()

@@ -29,3 +29,36 @@ def test_no_graph_is_captured_on_the_request_path_after_the_warm_up(model):
         e.run_until_done([e.add_request([(7 * i + n) % 1000 + 5 for i in range(n - 3)], params)])
     assert (decode.captures, prefill.captures) == before
     assert decode.replays > 0 and prefill.replays > 0
+
+
+def test_no_triton_kernel_compiles_on_the_request_path_for_prompts_of_any_length(model):
+    """After the warm-up, prompts of lengths that are not multiples of 16, chunked at positions that
+    are not either, prefilling in steps that also decode: no Triton kernel compiles (Triton's
+    `jit_post_compile_hook` sees none). Session 27 saw `_prefill_kernel` compile twice and
+    `_pair_tiles_kernel` once after ready through `ft serve` (each a stall of every stream); their
+    per-chunk integers are no longer specialized."""
+    import triton
+
+    llm = LLM(model=model, device="cuda", dtype="bfloat16", moe_backend="resident", num_tokens=16384,
+              max_running_requests=8, prefill_graph_max_tokens=512, max_prefill_length=1000)
+    e = llm.engine
+    warm_up(e)
+    compiled = []
+    hooks = triton.knobs.runtime
+
+    def seen(*args, **kwargs):
+        info = kwargs.get("fn")
+        compiled.append(getattr(info, "name", repr(info)))
+        return False
+
+    before, hooks.jit_post_compile_hook = hooks.jit_post_compile_hook, seen
+    try:
+        params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+        running = [e.add_request(list(range(200 + i, 233 + i)), params) for i in range(3)]  # decoding streams
+        for _ in range(4):
+            e.step()
+        prompts = [[(11 * i + n) % 1000 + 5 for i in range(n)] for n in (1537, 999, 130, 17)]
+        e.run_until_done(running + [e.add_request(p, params) for p in prompts])
+    finally:
+        hooks.jit_post_compile_hook = before
+    assert compiled == []

@@ -74,7 +74,11 @@ def _attend_block(b_q, b_m, b_l, b_acc, p_k, p_v, p_pt, n0, bound, q_pos, qk_sca
     return b_m_new, b_l, b_acc
 
 
-@triton.jit
+# NOTE: start and T are not specialized (Triton's 1 and multiple-of-16 variants): a mixed step's chunk
+# starts and ends anywhere (its token budget less the decode rows), and on the H200 each such variant
+# compiled on the request path, a ~3.3 s stall of every stream in the first two waves of 32 1K prompts
+# through `ft serve` (bench/RESULTS.md, session 27); they only bound rows and place positions
+@triton.jit(do_not_specialize=["start", "T"])
 def _prefill_kernel(
     p_q, p_kc, p_vc, p_pt, p_o, p_kvs, p_lse, start, T, G, D, qk_scale,
     stride_qt, stride_qh, stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,

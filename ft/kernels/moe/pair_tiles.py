@@ -58,7 +58,7 @@ def _max_combine(a, b):
     return tl.maximum(a, b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "G"])  # per-pass values: one compile serves every pass
 def _pair_tiles_kernel(p_sorted, p_start, p_end, P, G, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
     """One program. Position i of the sorted slots opens a tile when (i - run_start(i)) % BLOCK_M
     == 0 and closes one when i + 1 opens one, starts another run, or is P; tile g's bounds go to
