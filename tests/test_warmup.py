@@ -36,9 +36,15 @@ def test_warm_up_runs_its_shapes_and_leaves_nothing_behind(checkpoint):
     running = []
     step = e.step
 
-    def recording():  # the running batch after each step
+    mixed = []
+
+    def recording():  # the running batch after each step; whether a step prefilled the 89-token prompt beside decodes
+        before = {id(q): (q.num_computed, bool(q.output_ids)) for q in e.scheduler.running}
         out = step()
         running.append(len(e.scheduler.running))
+        grew = [q for q in e.scheduler.running if q.num_computed > before.get(id(q), (0, False))[0]]
+        if any(len(q.prompt_ids) == 89 for q in grew):  # decoding before the step: had an output already
+            mixed.append(sum(len(q.prompt_ids) == 4 and before.get(id(q), (0, False))[1] for q in grew) == 2)
         return out
 
     e.step = recording
@@ -47,8 +53,9 @@ def test_warm_up_runs_its_shapes_and_leaves_nothing_behind(checkpoint):
     del e.step
     assert report.decode_batches == (4, 1) and 96 in report.prefill_lengths
     assert report.variants == ("sampled", "penalties", "logprobs", "grammar")
-    assert report.requests == 1 + 4 + 1 + 4 * 3 and max(running) == 4 and 1 in running
-    assert len(lines) == 3 and report.line().startswith("warm-up done in ")
+    assert report.requests == 1 + 4 + 1 + 3 + 4 * 3 and max(running) == 4 and 1 in running
+    assert 89 in report.prefill_lengths and mixed == [True]  # the chunk less 7, prefilled beside two decodes
+    assert len(lines) == 4 and report.line().startswith("warm-up done in ")
     assert not e.has_work and len(e.prefix_cache) == 0
     assert e.pools.kv.num_used_pages == 0 and e.pools.mamba.num_used == 0
     assert all(v == 0 for v in e.counters.values()) and e.prefix_cache.query_tokens == 0
@@ -101,7 +108,7 @@ def test_a_prompt_over_a_long_prefix_is_warmed_on_a_gpu_only(checkpoint, monkeyp
     e = make(checkpoint).engine
     monkeypatch.setattr(warmup, "long_prefix_length", lambda device_type, limit: 200 if limit >= 200 else 0)
     report = warm_up(e)
-    assert 200 in report.prefill_lengths and report.requests == 2 + 4 + 1 + 4 * 3
+    assert 200 in report.prefill_lengths and report.requests == 2 + 4 + 1 + 3 + 4 * 3
     assert not e.has_work and len(e.prefix_cache) == 0 and e.pools.kv.num_used_pages == 0
 
 

@@ -9,7 +9,9 @@ and eager prefills (a whole chunk, at most `EAGER_PREFILL_TOKENS`, and one per c
 grouped passes, `moe_pass_lengths`), on a GPU one prompt whose
 last chunk runs over a long cached prefix (`long_prefix_length`: the prefix kernels' shapes and
 cuDNN's plans for the library prefill attention, `ft.kernels.attention.library_prefill`), a decode
-batch at every graph bucket (largest first), and one request of each sampling variant; then it puts back what the requests left: no request, no prefix-cache
+batch at every graph bucket (largest first), a prompt of a length that is not a multiple of 16
+prefilling in a step beside decoding streams (`mixed_prompt_length`), and one request of each
+sampling variant; then it puts back what the requests left: no request, no prefix-cache
 entry, counters at zero. Its cost is paid once per process (and less on a restart: Triton keeps
 what it compiled in its cache directory, `~/.triton/cache` or $TRITON_CACHE_DIR).
 
@@ -39,6 +41,20 @@ EAGER_PREFILL_TOKENS = 4096
 
 LONG_PREFIX_TAIL = 256
 """Tokens of the warm-up's long prompt after its first `LIBRARY_GRANULE_KEYS` (its last chunk's)."""
+
+MIXED_STREAMS = 2
+"""Decoding streams beside the warm-up's mixed-step prompt (`mixed_prompt_length`)."""
+
+
+def mixed_prompt_length(chunk: int, room: int) -> int:
+    """Tokens of the warm-up's prompt that prefills in a step beside `MIXED_STREAMS` decoding streams:
+    the chunk less 7, a length that no bucket has and that is not a multiple of 16 (a mixed step cuts
+    prompts at its token budget less the decode rows, so users' chunks start and end anywhere; a
+    kernel that specializes such a length compiles on their request path: session 27 saw 3.3 s
+    stalls of every stream through `ft serve`). 0 for none, where that is under 17 tokens or does not
+    fit `room` with the streams."""
+    n = chunk - 7
+    return n if n >= 17 and n + MIXED_STREAMS * 16 <= room else 0
 
 
 def moe_pass_lengths(chunk: int) -> tuple[int, ...]:
@@ -136,6 +152,19 @@ def warm_up(engine: Any, say: Callable[[str], None] | None = None) -> WarmupRepo
         "logprobs": SamplingParams(max_new_tokens=3, temperature=0.0, logprobs=5, prompt_logprobs=1, ignore_eos=True),
         "grammar": SamplingParams(max_new_tokens=3, temperature=0.0, grammar=("json_schema", _SCHEMA)),
     }
+    odd = mixed_prompt_length(chunk, room) if max_bs > MIXED_STREAMS else 0
+    if odd:
+        say(f"warm-up: a prompt of {odd} tokens beside {MIXED_STREAMS} decoding streams (a mixed step)")
+        decoding = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+        streams = [engine.add_request(prompt(4), decoding) for _ in range(MIXED_STREAMS)]
+        for _ in range(16):  # (their prompts prefill in a step or two; then they decode)
+            if all(s.output_ids for s in streams):
+                break
+            engine.step()
+        late = engine.add_request(prompt(odd), greedy)
+        requests[0] += MIXED_STREAMS + 1
+        engine.run_until_done([*streams, late], timeout_s=WARMUP_TIMEOUT_S)
+        lengths = (*lengths, odd)
     say(f"warm-up: sampling ({', '.join(variants)})")
     ran = []
     for name, params in variants.items():
