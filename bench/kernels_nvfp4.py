@@ -65,6 +65,14 @@ DOT_SMALL_SWEEP = [
     for bn, bk, nw, st, sw in [(32, 256, 4, 3, False), (64, 128, 4, 3, False), (64, 256, 4, 3, True), (64, 128, 4, 3, True),
                                (128, 128, 4, 3, True), (64, 128, 4, 4, True), (128, 64, 4, 4, True), (64, 256, 4, 2, True)]
 ]
+DOT_MID_SWEEP = [
+    {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": 4, "num_stages": 3, "HALVES": hv}
+    for bm, bn, bk, hv in [(16, 32, 256, True), (32, 32, 256, True), (64, 32, 256, True), (32, 16, 256, True),
+                           (64, 16, 256, True), (32, 64, 128, True), (64, 64, 128, False), (32, 32, 256, False)]
+]
+"""Decode batches past 16 rows (`--decode-m 32,64`): the tile of `_dot_config` for 16 < M <= 64 is (64, 64, 128)
+without the halves, never swept at these M (session 27's profile: `_nvfp4_dot_kernel` 3.6 ms of a 17.6 ms step at
+batch 32, ~30 us a projection, against ~3-4 us of weight bytes at the copy rate)."""
 DOT_SWEEP = [
     {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": nw, "num_stages": st}
     for bm, bn, bk, nw, st in [(256, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4)]
@@ -136,10 +144,14 @@ class Shape:
 
 def decode_rows(args, base, say, failures):
     rows, sweep_rows = [], []
+    ms = [int(v) for v in args.decode_m.split(",")]
+    names = set(args.decode_shapes.split(",")) if args.decode_shapes else None
     for name, n, k in DECODE_SHAPES:
-        for m in (1, 8):
+        if names is not None and name not in names:
+            continue
+        for m in ms:
             s = Shape(n, k, m)
-            errs = [s.check(nvfp4_linear_triton, mm) for mm in ((1, 2) if m == 1 else (3, 8, 16))]
+            errs = [s.check(nvfp4_linear_triton, mm) for mm in {1: (1, 2), 8: (3, 8, 16)}.get(m, (m,))]
             x_d = torch.randn(m, k, device=DEV.type, dtype=torch.bfloat16)
             errs.append(rel_rms(nvfp4_linear(x_d, *s.q[0]), nvfp4_linear_ref(x_d, *s.q[0])))
             if not max(errs) < TOL_BF16:
@@ -157,6 +169,8 @@ def decode_rows(args, base, say, failures):
                 if m == 1:
                     cands = [("gemv", dict(c, BLOCK_M=1)) for c in GEMV_SWEEP if k // 8 >= c["BLOCK_W"]
                              and (not c.get("WHOLE_K") or c["BLOCK_N"] * k // 8 <= 8192)]
+                elif m > 16:
+                    cands = [("dot", c) for c in DOT_MID_SWEEP]
                 else:
                     cands = [("dot", c) for c in DOT_SMALL_SWEEP[:1]] + [("gemv", c) for c in GEMV_M8_SWEEP]
                 for path, cfg in cands:
@@ -307,7 +321,7 @@ def _dry_run_setup() -> None:
     import os
     import time
 
-    global DEV, copies_for, DECODE_SHAPES, PREFILL, MOE, GEMV_SWEEP, DOT_SMALL_SWEEP, DOT_SWEEP, graph_us, do_bench
+    global DEV, copies_for, DECODE_SHAPES, PREFILL, MOE, GEMV_SWEEP, DOT_SMALL_SWEEP, DOT_MID_SWEEP, DOT_SWEEP, graph_us, do_bench
     global GEMV_M8_SWEEP, MOE_SWEEP_GATE_UP, MOE_SWEEP_DOWN, GROUPED_SWEEP, MOE_GROUPED_TOKENS
     assert os.environ.get("TRITON_INTERPRET") == "1", "--dry-run needs TRITON_INTERPRET=1 (set before triton is imported)"
     os.environ["FT_TRITON_INTERPRET_TEST"] = "1"
@@ -319,6 +333,7 @@ def _dry_run_setup() -> None:
     MOE_GROUPED_TOKENS = (24,)
     GEMV_SWEEP, DOT_SMALL_SWEEP, DOT_SWEEP = GEMV_SWEEP[:1], DOT_SMALL_SWEEP[:1], DOT_SWEEP[:1]
     GEMV_M8_SWEEP = GEMV_M8_SWEEP[:1]
+    DOT_MID_SWEEP = DOT_MID_SWEEP[:1]
     MOE_SWEEP_GATE_UP, MOE_SWEEP_DOWN, GROUPED_SWEEP = MOE_SWEEP_GATE_UP[:1], MOE_SWEEP_DOWN[:1], GROUPED_SWEEP[:1]
 
     def cpu_us(calls, **_):
@@ -377,6 +392,9 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time the block configurations in the *_SWEEP lists")
     ap.add_argument("--only", default="decode,prefill,moe,grouped")
     ap.add_argument("--sweep-skip-m1", action="store_true", help="no M = 1 GEMV sweep")
+    ap.add_argument("--decode-m", default="1,8", metavar="M[,M...]",
+                    help="rows of x of the decode rows (past 16: the tl.dot tile, swept over DOT_MID_SWEEP)")
+    ap.add_argument("--decode-shapes", default="", metavar="NAME[,NAME...]", help="only these DECODE_SHAPES")
     ap.add_argument("--log", default=None)
     ap.add_argument("--interleaved", action="store_true",
                     help="M = 8: the 'before' column is the 16-row tl.dot tile without the halves (HALVES off)")
