@@ -39,12 +39,15 @@ def test_no_triton_kernel_compiles_on_the_request_path_for_prompts_of_any_length
     per-chunk integers are no longer specialized."""
     import triton
 
+    runtime_knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if not hasattr(runtime_knobs, "jit_post_compile_hook"):
+        pytest.skip(f"triton {triton.__version__} has no knobs.runtime.jit_post_compile_hook to count compiles with")
     llm = LLM(model=model, device="cuda", dtype="bfloat16", moe_backend="resident", num_tokens=16384,
               max_running_requests=8, prefill_graph_max_tokens=512, max_prefill_length=1000)
     e = llm.engine
     warm_up(e)
     compiled = []
-    hooks = triton.knobs.runtime
+    hooks = runtime_knobs
 
     def seen(*args, **kwargs):
         info = kwargs.get("fn")
