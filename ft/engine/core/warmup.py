@@ -144,14 +144,6 @@ def warm_up(engine: Any, say: Callable[[str], None] | None = None) -> WarmupRepo
     for b in batches:
         run([prompt(4) for _ in range(b)], steps)
 
-    variants = {
-        "sampled": SamplingParams(max_new_tokens=3, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=1,
-                                  ignore_eos=True),
-        "penalties": SamplingParams(max_new_tokens=3, temperature=0.0, repetition_penalty=1.1, presence_penalty=0.5,
-                                    frequency_penalty=0.5, logit_bias=((1, -1.0),), ignore_eos=True),
-        "logprobs": SamplingParams(max_new_tokens=3, temperature=0.0, logprobs=5, prompt_logprobs=1, ignore_eos=True),
-        "grammar": SamplingParams(max_new_tokens=3, temperature=0.0, grammar=("json_schema", _SCHEMA)),
-    }
     odd = mixed_prompt_length(chunk, room) if max_bs > MIXED_STREAMS else 0
     if odd:
         say(f"warm-up: a prompt of {odd} tokens beside {MIXED_STREAMS} decoding streams (a mixed step)")
@@ -165,6 +157,15 @@ def warm_up(engine: Any, say: Callable[[str], None] | None = None) -> WarmupRepo
         requests[0] += MIXED_STREAMS + 1
         engine.run_until_done([*streams, late], timeout_s=WARMUP_TIMEOUT_S)
         lengths = (*lengths, odd)
+
+    variants = {
+        "sampled": SamplingParams(max_new_tokens=3, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=1,
+                                  ignore_eos=True),
+        "penalties": SamplingParams(max_new_tokens=3, temperature=0.0, repetition_penalty=1.1, presence_penalty=0.5,
+                                    frequency_penalty=0.5, logit_bias=((1, -1.0),), ignore_eos=True),
+        "logprobs": SamplingParams(max_new_tokens=3, temperature=0.0, logprobs=5, prompt_logprobs=1, ignore_eos=True),
+        "grammar": SamplingParams(max_new_tokens=3, temperature=0.0, grammar=("json_schema", _SCHEMA)),
+    }
     say(f"warm-up: sampling ({', '.join(variants)})")
     ran = []
     for name, params in variants.items():
