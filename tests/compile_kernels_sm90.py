@@ -162,7 +162,7 @@ def gemv_cfg(m: int, n: int, k: int) -> dict:
 
 def dot_cfg(m: int, n: int, k: int) -> dict:
     cfg = {"SWAP_AB": False, **nv._dot_config(m, n, k), "PRECISION": "tf32"}  # every constexpr named
-    halves = OPTIONS.nvfp4.dot_halves and m <= 16 and k % cfg["BLOCK_K"] == 0 and cfg["BLOCK_K"] % 64 == 0 and not cfg["SWAP_AB"]
+    halves = OPTIONS.nvfp4.dot_halves and m <= 64 and k % cfg["BLOCK_K"] == 0 and cfg["BLOCK_K"] % 64 == 0 and not cfg["SWAP_AB"]
     return {**cfg, "EVEN_K": k % cfg["BLOCK_K"] == 0, "HALVES": halves,
             "ASM": halves}  # as the wrapper sets them (bf16 x)
 

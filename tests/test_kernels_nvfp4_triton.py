@@ -187,9 +187,39 @@ def test_dot_halves_match_ref(m):
     assert _rel_rms(halves, ref) < TOL[torch.float16] and _rel_rms(whole, ref) < TOL[torch.float16]
 
 
+@pytest.mark.parametrize("m, tile", [(24, (32, 64, 128)), (24, (16, 32, 256)), (40, (64, 32, 256)), (40, (64, 16, 256))],
+                         ids=["M24-32x64x128", "M24-16x32x256", "M40-64x32x256", "M40-64x16x256"])
+def test_mid_m_tiles_match_ref(m, tile):
+    """`_dot_config`'s tiles for 16 < M <= 64 (the wide tile and the narrow one it gives way to when it
+    would launch too few programs), halves and interleaved, against the reference in fp16."""
+    gen = torch.Generator().manual_seed(7 + m)
+    packed, scale, scale_2 = _weight(72, 512, gen)
+    x = torch.randn(m, 512, generator=gen).to(torch.float16)
+    bm, bn, bk = tile
+    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1}
+    ref = nvfp4_linear_ref(x, packed, scale, scale_2)
+    for halves in (True, False):
+        y = nvfp4_linear_triton(x, packed, scale, scale_2, path="dot", config={**cfg, "HALVES": halves})
+        assert _rel_rms(y, ref) < TOL[torch.float16], (tile, halves)
+
+
+def test_dot_config_narrows_the_mid_m_tile_when_it_would_launch_too_few_programs():
+    """At 16 < M <= 64: the wide tile where it fills the GPU (in_proj_qkvz, 12,288 rows), the narrow one
+    where it would not (out_proj, 2,048 rows: 32 programs of 64 columns)."""
+    from ft.kernels.nvfp4.kernel import MID_M_MIN_PROGRAMS, _dot_config
+
+    def tile(m, n):
+        c = _dot_config(m, n, 2048)
+        return c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
+
+    assert tile(32, 12288) == (32, 64, 128) and tile(64, 12288) == (64, 32, 256)
+    assert tile(32, 2048) == (16, 32, 256) and tile(64, 2048) == (64, 16, 256)
+    assert tile(32, 64 * MID_M_MIN_PROGRAMS) == (32, 64, 128) and tile(32, 64 * MID_M_MIN_PROGRAMS - 64) == (16, 32, 256)
+
+
 def test_dot_launch_config_takes_the_halves_where_it_can():
-    """Which small-M tiles run the halves form: fp16/bf16 x with whole 64-column tiles at M <= 16, not
-    fp32 x, a K that is not whole tiles, an odd row stride or M > 16; never the PTX on the CPU."""
+    """Which small-M tiles run the halves form: fp16/bf16 x with whole 64-column tiles at M <= 64, not
+    fp32 x, a K that is not whole tiles, an odd row stride or M > 64; never the PTX on the CPU."""
     from ft.kernels.nvfp4.kernel import dot_launch_config
 
     packed = torch.zeros(64, 256, dtype=torch.uint8)
@@ -197,7 +227,8 @@ def test_dot_launch_config_takes_the_halves_where_it_can():
     assert dot_launch_config(x, packed)["HALVES"] and not dot_launch_config(x, packed)["ASM"]
     assert dot_launch_config(x.half(), packed)["HALVES"]
     assert not dot_launch_config(x.float(), packed)["HALVES"]
-    assert not dot_launch_config(torch.zeros(40, 512, dtype=torch.bfloat16), packed)["HALVES"]
+    assert dot_launch_config(torch.zeros(40, 512, dtype=torch.bfloat16), packed)["HALVES"]  # the 64-row tiles too
+    assert not dot_launch_config(torch.zeros(80, 512, dtype=torch.bfloat16), packed)["HALVES"]  # prefill's swapped tile
     assert not dot_launch_config(torch.zeros(8, 513, dtype=torch.bfloat16)[:, :512], packed)["HALVES"]  # stride 513
     odd_k = torch.zeros(8, 96, dtype=torch.bfloat16)
     assert not dot_launch_config(odd_k, torch.zeros(64, 48, dtype=torch.uint8))["HALVES"]

@@ -31,7 +31,7 @@ class Nvfp4Options:
 
     small_m_whole_k: the whole-K GEMV at M = 3..8 on the shapes where it beat the 16-row tile
     (out_proj, the experts' gate_up); off: those take the tile too.
-    dot_halves: the small-M ``tl.dot`` tile (M <= 16, bf16 or fp16 x) takes x's even and odd
+    dot_halves: the small-M ``tl.dot`` tiles (M <= 64, bf16 or fp16 x) take x's even and odd
     columns against the weight's low and high nibbles, each decoded straight to x's dtype by byte
     permutes in inline PTX: two dots per K step, no interleave (sm_90 SASS, M = 8, 32 x 256 tile:
     561 instructions a K step against 799 for the interleaved byte-wise decode).

@@ -24,13 +24,14 @@ Two kernels:
   else it walks K in steps of BLOCK_W words (`nvfp4_rows_dot`); per word 8 FMAs on fp32
   products, then one FMA with the block scale; x is read in its natural order and split into
   the 8 element lanes of a word with ``tl.split``.
-* `_nvfp4_dot_kernel` (larger M: a 16-row tile up to M = 16, larger tiles for prefill): tiles of
+* `_nvfp4_dot_kernel` (larger M: 16- to 64-row tiles up to M = 64, larger tiles for prefill): tiles of
   x [BLOCK_M, BLOCK_K] times the dequantized weight tile (`dequant_tile`: byte-wise decode,
   scaled, cast to x's dtype, even/odd elements interleaved with ``tl.join``; measured faster
   inside ``tl.dot`` than the word-wise decode) with fp32 accumulation; fp32 x uses
-  ``input_precision="ieee"``. The 16-row tile (bf16/fp16 x) takes the halves instead
+  ``input_precision="ieee"``. The tiles up to M = 64 (bf16/fp16 x) take the halves instead
   (`Nvfp4Options.dot_halves`, `_halves_step`): x's even and odd columns against the low and high nibbles,
-  decoded by byte permutes in inline PTX (1.06-1.10x on the H200 at M = 8).
+  decoded by byte permutes in inline PTX (1.06-1.10x on the H200 at M = 8; at M = 32 / 64 with
+  narrower tiles 1.1-3.2x, session 28).
 
 Where the time goes (SASS compiled for sm_90, triton 3.6): about 6.5 instructions per weight
 element in the GEMV (1 FFMA, 1.1 f16->f32 conversions, 0.56 fp8x2->f16x2 conversions, about 3
@@ -240,25 +241,38 @@ def _gemv_config(m: int, n: int, k: int) -> dict:
     return {"BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_W": block_w, "num_warps": 4}
 
 
+MID_M_MIN_PROGRAMS = 128
+"""At 16 < M <= 64, a `_dot_config` tile that would launch fewer programs than this (the H200 has 132
+SMs) gives way to a narrower one."""
+
+
 def _dot_config(m: int, n: int, k: int) -> dict:
     # H200: at M = 8, 16x32x256 was best or within 3% on every decode shape (the swapped-operand
     # form was slower there); at M = 4096 on 8192x2048, 256x128x64 with 8 warps and the weight as
     # the MMA's left operand (SWAP_AB) was the best of ten tiles (0.42 ms against 0.50 unswapped).
+    # Session 28, M = 32 / 64 (bench/kernels_nvfp4.py --sweep --decode-m 32,64, eight tiles with the halves):
+    # 32 x 64 x 128 at M <= 32 and 64 x 32 x 256 up to 64 were best on in_proj_qkvz and attn_q (21.5 / 13.5 us
+    # at M = 32 against 27.3 / 21.7 for the 64 x 64 x 128 tile without the halves that this replaced); where
+    # those launch fewer programs than the GPU has SMs (out_proj, 2,048 x 4,096: 32 programs) the narrower
+    # 16 x 32 x 256 / 64 x 16 x 256 won (12.4 against 40.2 us at M = 32, 17.1 against 41.2 at 64).
     if m <= 16:
         return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}
     if m <= 64:
-        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+        block_m, block_n, block_k = (32, 64, 128) if m <= 32 else (64, 32, 256)
+        if triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < MID_M_MIN_PROGRAMS:
+            block_m, block_n, block_k = (16, 32, 256) if m <= 32 else (64, 16, 256)
+        return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "SWAP_AB": True}
 
 
 def dot_launch_config(x: torch.Tensor, packed: torch.Tensor, config: dict | None = None) -> dict:
     """`_nvfp4_dot_kernel`'s constexprs and launch options for x [M, K] and packed [N, K/2]: `config`
-    (whole, benchmarks and tests) or `_dot_config`'s, with what the tensors allow: EVEN_K, HALVES (`Nvfp4Options.dot_halves` at M <= 16, fp16/bf16 x, whole 64-column tiles, x rows on 4-byte
+    (whole, benchmarks and tests) or `_dot_config`'s, with what the tensors allow: EVEN_K, HALVES (`Nvfp4Options.dot_halves` at M <= 64, fp16/bf16 x, whole 64-column tiles, x rows on 4-byte
     boundaries) and ASM (the halves' inline PTX, off in the interpreter or by config)."""
     (m, k), n = x.shape, packed.shape[0]
     cfg = dict(config or _dot_config(m, n, k))
     cfg["EVEN_K"] = k % cfg["BLOCK_K"] == 0
-    cfg["HALVES"] = bool(cfg.get("HALVES", kernel_options().nvfp4.dot_halves and m <= 16)) and cfg["EVEN_K"] and x.dtype != torch.float32 \
+    cfg["HALVES"] = bool(cfg.get("HALVES", kernel_options().nvfp4.dot_halves and m <= 64)) and cfg["EVEN_K"] and x.dtype != torch.float32 \
         and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and cfg["BLOCK_K"] % 64 == 0 and not cfg.get("SWAP_AB")
     cfg["ASM"] = cfg["HALVES"] and bool(cfg.get("ASM", True)) and inline_ptx(x.device)
     return cfg
