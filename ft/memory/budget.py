@@ -114,10 +114,14 @@ def startup_geometry(
     num_tokens: int | None,
     moe_backend: str,
     moe_cache_size: int | None,
+    kv_takes_the_rest: bool = False,
 ) -> Geometry:
     """Sizes at startup. KV: `num_tokens` or the whole context; MoE: resident (every expert),
-    an explicit size, or auto (what the budget leaves, at most every expert). Refuses, with the
-    figures, any combination that does not fit. Bytes are the layout's (allocator) bytes."""
+    an explicit size, or auto (what the budget leaves, at most every expert). With
+    `kv_takes_the_rest` and no `num_tokens`, once every expert has its slot the KV grows into what
+    the budget still leaves (more than one context: room for many requests' prompts at once).
+    Refuses, with the figures, any combination that does not fit. Bytes are the layout's
+    (allocator) bytes."""
     page = layout.page_size
     total = budget.budget_bytes
     c = layout.unit_costs()
@@ -144,6 +148,12 @@ def startup_geometry(
                 f"({mamba_slots} slots); it needs at least {expert_floor}. Budget {format_bytes(total)}: "
                 "lower --num-tokens or raise --gpu-memory-limit"
             )
+    if kv_takes_the_rest and num_tokens is None and moe >= total_experts:
+        # Why: with every expert resident nothing else can use the budget; one context of KV on an
+        # H200 left 62 GiB idle while 32 requests of 9K tokens queued for pages (bench/RESULTS.md,
+        # session 28). The expert cache's trade (the KV ladder) only applies when experts are missing.
+        most = kv + page * (total // max(1, c.kv_page) + 1)
+        kv = max(kv, layout.largest("kv", lambda s: layout.nbytes(Geometry(moe, s, mamba_slots)) <= total, kv, most))
     geo = Geometry(moe, kv, mamba_slots)
     need = layout.nbytes(geo)
     if need > total:

@@ -1,0 +1,45 @@
+"""`ft.memory.budget.startup_geometry`: the pools' sizes at startup, on a made-up layout (no model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ft.errors import ConfigError
+from ft.memory.budget import MemoryBudget, startup_geometry
+from ft.memory.layout import Geometry, MemoryLayout
+
+MIB = 1 << 20
+LAYOUT = MemoryLayout({"kv": (1 * MIB,), "mamba": (4 * MIB,), "moe": (2 * MIB,)}, page_size=64, granularity=1,
+                      reallocates=False, backend="vmm")
+"""A KV page (64 tokens) of 1 MiB, a mamba slot of 4 MiB, an expert slot of 2 MiB."""
+
+
+def _geometry(budget_mib: int, **kw) -> Geometry:
+    args = {"total_experts": 100, "expert_floor": 10, "context_limit": 64 * 64, "mamba_slots": 4, "num_tokens": None,
+            "moe_backend": "resident", "moe_cache_size": None, **kw}
+    return startup_geometry(MemoryBudget(budget_mib * MIB, budget_mib * MIB, 0, budget_mib * MIB), LAYOUT, **args)
+
+
+def test_kv_takes_the_rest_once_every_expert_is_resident():
+    """Resident, 1,000 MiB: experts 200, mamba 16, one context of KV 64 pages; the rest (720 MiB)
+    goes to KV only when asked: 784 pages in all, every byte of the budget."""
+    assert _geometry(1000) == Geometry(100, 64 * 64, 4)
+    grown = _geometry(1000, kv_takes_the_rest=True)
+    assert grown == Geometry(100, 784 * 64, 4) and LAYOUT.nbytes(grown) == 1000 * MIB
+
+
+def test_kv_takes_the_rest_after_an_offloaded_cache_that_holds_every_expert():
+    """Offload, auto cache: the experts take what one context of KV leaves, at most every expert;
+    only then does the KV grow. A budget too small for every expert keeps one context of KV."""
+    assert _geometry(1000, moe_backend="offload", kv_takes_the_rest=True) == Geometry(100, 784 * 64, 4)
+    small = _geometry(200, moe_backend="offload", kv_takes_the_rest=True)
+    assert small == Geometry(60, 64 * 64, 4)
+
+
+def test_an_explicit_kv_size_is_kept():
+    assert _geometry(1000, num_tokens=128 * 64, kv_takes_the_rest=True) == Geometry(100, 128 * 64, 4)
+
+
+def test_a_resident_backend_that_does_not_fit_is_refused_with_the_figures():
+    with pytest.raises(ConfigError, match="resident backend keeps every expert"):
+        _geometry(150, kv_takes_the_rest=True)
