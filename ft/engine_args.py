@@ -72,7 +72,7 @@ HELP = {
                             "expert and MLP channels split; every rank caches its part of every expert, so the "
                             "expert cache covers N times the fraction of the model); GPU r is rank r",
     "cuda_graph_max_bs": ("decode batches up to this many requests replay one CUDA graph per batch-size bucket (1, 2, "
-                          "4, 8, then every 16); the graphs' memory is counted in the budget (default: "
+                          "4, 8, 12, 16, every 8 to 64, then every 16); the graphs' memory is counted in the budget (default: "
                           "--max-running-requests, every batch the engine runs)"),
     "mix_prefill_decode": ("while a prompt is prefilled (in chunks of --max-prefill-length tokens), each step also "
                            "computes the next token of every request that is decoding, so a long prompt never "

@@ -168,6 +168,8 @@ def test_decode_graph_buckets():
 
     assert batch_buckets(1) == [1]
     assert batch_buckets(8) == [1, 2, 4, 8]
-    assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert batch_buckets(40) == [1, 2, 4, 8, 12, 16, 24, 32, 40]
+    assert batch_buckets(100) == [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 100]
+    assert batch_buckets(12) == [1, 2, 4, 8, 12] and batch_buckets(20) == [1, 2, 4, 8, 12, 16, 20]
     g = DecodeGraphs(40)
-    assert [g.bucket(b) for b in (1, 3, 9, 33, 40, 41)] == [1, 4, 16, 40, 40, None]
+    assert [g.bucket(b) for b in (1, 3, 9, 13, 33, 40, 41)] == [1, 4, 12, 16, 40, 40, None]
