@@ -67,12 +67,13 @@ DOT_SMALL_SWEEP = [
 ]
 DOT_MID_SWEEP = [
     {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": 4, "num_stages": 3, "HALVES": hv}
-    for bm, bn, bk, hv in [(16, 32, 256, True), (32, 32, 256, True), (64, 32, 256, True), (32, 16, 256, True),
-                           (64, 16, 256, True), (32, 64, 128, True), (64, 64, 128, False), (32, 32, 256, False)]
+    for bm, bn, bk, hv in [(32, 64, 128, True), (64, 32, 256, True), (16, 32, 256, True), (64, 16, 256, True),
+                           (64, 64, 128, False)]
 ]
-"""Decode batches past 16 rows (`--decode-m 32,64`): the tile of `_dot_config` for 16 < M <= 64 is (64, 64, 128)
-without the halves, never swept at these M (session 27's profile: `_nvfp4_dot_kernel` 3.6 ms of a 17.6 ms step at
-batch 32, ~30 us a projection, against ~3-4 us of weight bytes at the copy rate)."""
+"""Decode batches past 16 rows (`--decode-m 32,64`): the tiles `_dot_config` chooses from for 16 < M <= 64 since
+session 28 (32 x 64 x 128 / 64 x 32 x 256 with the halves, 16 x 32 x 256 / 64 x 16 x 256 where the wide one launches
+too few programs) and the 64 x 64 x 128 tile without the halves that was the default before (the 32-row tiles of
+32 or 16 columns lost everywhere and left the list; their figures: bench/RESULTS.md, session 28)."""
 DOT_SWEEP = [
     {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": nw, "num_stages": st}
     for bm, bn, bk, nw, st in [(256, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4)]
