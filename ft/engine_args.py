@@ -34,7 +34,7 @@ HELP = {
                                "instead of loading them into the cache: the copies overlap the compute, and nothing "
                                "decode uses is evicted; 0 loads them into the cache instead (counted in the budget) "
                                "(default: 3 x min(64, experts per layer) on CUDA, 0 on the CPU)"),
-    "num_tokens": "KV cache capacity in tokens (default: the whole context when it fits; on a GPU that holds every expert, all the budget the experts leave)",
+    "num_tokens": "KV cache capacity in tokens (default: the whole context when it fits; on a GPU that holds every expert, all the budget the experts leave, up to --max-running-requests whole contexts)",
     "kv_cache_dtype": ("KV cache dtype: auto (the checkpoint's KV format when it carries KV scales, FP8 or NVFP4, "
                        "else the compute dtype), bf16, fp8 (e4m3 with a per-layer K and V scale: half of bf16's bytes "
                        "per token) or nvfp4 (E2M1 values with an e4m3 scale per 16 and the per-layer scales: "

@@ -24,22 +24,29 @@ def test_kv_takes_the_rest_once_every_expert_is_resident():
     """Resident, 1,000 MiB: experts 200, mamba 16, one context of KV 64 pages; the rest (720 MiB)
     goes to KV only when asked: 784 pages in all, every byte of the budget."""
     assert _geometry(1000) == Geometry(100, 64 * 64, 4)
-    grown = _geometry(1000, kv_takes_the_rest=True)
+    grown = _geometry(1000, kv_fill_limit=10**9)
     assert grown == Geometry(100, 784 * 64, 4) and LAYOUT.nbytes(grown) == 1000 * MIB
 
 
 def test_kv_takes_the_rest_after_an_offloaded_cache_that_holds_every_expert():
     """Offload, auto cache: the experts take what one context of KV leaves, at most every expert;
     only then does the KV grow. A budget too small for every expert keeps one context of KV."""
-    assert _geometry(1000, moe_backend="offload", kv_takes_the_rest=True) == Geometry(100, 784 * 64, 4)
-    small = _geometry(200, moe_backend="offload", kv_takes_the_rest=True)
+    assert _geometry(1000, moe_backend="offload", kv_fill_limit=10**9) == Geometry(100, 784 * 64, 4)
+    small = _geometry(200, moe_backend="offload", kv_fill_limit=10**9)
     assert small == Geometry(60, 64 * 64, 4)
 
 
+def test_the_kv_grows_no_further_than_its_fill_limit():
+    """The caller's limit (its running requests at the whole context) caps the growth; rounded to pages."""
+    assert _geometry(1000, kv_fill_limit=200 * 64) == Geometry(100, 200 * 64, 4)
+    assert _geometry(1000, kv_fill_limit=200 * 64 - 10) == Geometry(100, 200 * 64, 4)
+    assert _geometry(1000, kv_fill_limit=10 * 64) == Geometry(100, 64 * 64, 4)  # never below one context
+
+
 def test_an_explicit_kv_size_is_kept():
-    assert _geometry(1000, num_tokens=128 * 64, kv_takes_the_rest=True) == Geometry(100, 128 * 64, 4)
+    assert _geometry(1000, num_tokens=128 * 64, kv_fill_limit=10**9) == Geometry(100, 128 * 64, 4)
 
 
 def test_a_resident_backend_that_does_not_fit_is_refused_with_the_figures():
     with pytest.raises(ConfigError, match="resident backend keeps every expert"):
-        _geometry(150, kv_takes_the_rest=True)
+        _geometry(150, kv_fill_limit=10**9)

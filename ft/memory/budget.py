@@ -114,12 +114,13 @@ def startup_geometry(
     num_tokens: int | None,
     moe_backend: str,
     moe_cache_size: int | None,
-    kv_takes_the_rest: bool = False,
+    kv_fill_limit: int = 0,
 ) -> Geometry:
     """Sizes at startup. KV: `num_tokens` or the whole context; MoE: resident (every expert),
-    an explicit size, or auto (what the budget leaves, at most every expert). With
-    `kv_takes_the_rest` and no `num_tokens`, once every expert has its slot the KV grows into what
-    the budget still leaves (more than one context: room for many requests' prompts at once).
+    an explicit size, or auto (what the budget leaves, at most every expert). With `kv_fill_limit`
+    (tokens, > 0) and no `num_tokens`, once every expert has its slot the KV grows into what the
+    budget still leaves, up to that many tokens (room for many requests' prompts at once; the caller
+    passes what its running requests could ever hold: more would only be mapped and never used).
     Refuses, with the figures, any combination that does not fit. Bytes are the layout's
     (allocator) bytes."""
     page = layout.page_size
@@ -148,11 +149,11 @@ def startup_geometry(
                 f"({mamba_slots} slots); it needs at least {expert_floor}. Budget {format_bytes(total)}: "
                 "lower --num-tokens or raise --gpu-memory-limit"
             )
-    if kv_takes_the_rest and num_tokens is None and moe >= total_experts:
+    if kv_fill_limit > 0 and num_tokens is None and moe >= total_experts:
         # Why: with every expert resident nothing else can use the budget; one context of KV on an
         # H200 left 62 GiB idle while 32 requests of 9K tokens queued for pages (bench/RESULTS.md,
         # session 28). The expert cache's trade (the KV ladder) only applies when experts are missing.
-        most = kv + page * (total // max(1, c.kv_page) + 1)
+        most = min(kv + page * (total // max(1, c.kv_page) + 1), layout.round_size("kv", kv_fill_limit))
         kv = max(kv, layout.largest("kv", lambda s: layout.nbytes(Geometry(moe, s, mamba_slots)) <= total, kv, most))
     geo = Geometry(moe, kv, mamba_slots)
     need = layout.nbytes(geo)

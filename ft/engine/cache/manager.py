@@ -83,7 +83,7 @@ class SizingOptions:
     moe_backend: str  # "offload" | "resident"
     moe_cache_size: int | None
     storage_backend: str | None = None  # None: the best the device has (vmm, mmap, else realloc)
-    kv_takes_the_rest: bool = False  # `startup_geometry`: with every expert resident, KV fills the budget
+    kv_fill_limit: int = 0  # `startup_geometry`: with every expert resident, KV fills the budget up to this many tokens
 
 
 def measure_layout(shapes: PoolShapes, storage: PoolStorage) -> MemoryLayout:
@@ -105,7 +105,7 @@ class CacheManager:
         geo = startup_geometry(
             budget, self.layout, total_experts=self.total_experts, expert_floor=expert_floor,
             context_limit=opts.context_limit, mamba_slots=opts.mamba_slots, num_tokens=opts.num_tokens,
-            moe_backend=opts.moe_backend, moe_cache_size=opts.moe_cache_size, kv_takes_the_rest=opts.kv_takes_the_rest,
+            moe_backend=opts.moe_backend, moe_cache_size=opts.moe_cache_size, kv_fill_limit=opts.kv_fill_limit,
         )
         self.pools = self._build(geo)
         self.degraded: str | None = None  # what a failed rollback left behind, until a rebuild succeeds

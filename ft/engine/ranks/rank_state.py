@@ -121,7 +121,9 @@ class RankState:
         self.cache = CacheManager(shapes, budget, SizingOptions(
             self.context_limit, config.mamba_slots, rungs[0] if rungs else config.num_tokens, config.moe_backend,
             config.moe_cache_size, None if config.storage_backend == "auto" else config.storage_backend,
-            kv_takes_the_rest=self.device.type == "cuda",  # the CPU "card" is host memory other processes share
+            # the CPU "card" is host memory other processes share; past every running request at the
+            # whole context the KV could never be used
+            kv_fill_limit=config.max_running_requests * self.context_limit if self.device.type == "cuda" else 0,
         ), floor)
         pools = self.cache.pools
         if pools.kv.scales is not None and pools.kv.kv.dtype == self._checkpoint_kv_dtype():  # its KV scales
