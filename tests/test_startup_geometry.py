@@ -50,3 +50,22 @@ def test_an_explicit_kv_size_is_kept():
 def test_a_resident_backend_that_does_not_fit_is_refused_with_the_figures():
     with pytest.raises(ConfigError, match="resident backend keeps every expert"):
         _geometry(150, kv_fill_limit=10**9)
+
+
+def test_running_requests_default_by_backend_and_device(tiny_one):
+    """--max-running-requests when not given: 64 resident on a GPU (nothing traded away), else 8 (an
+    offloaded card pays each request's mamba slots in expert slots); the CPU engine decides 8 and the
+    config's own readers (mamba slots, graph sizes) see 8 before it is decided."""
+    import torch
+
+    from ft.engine.base.engine_config import EngineConfig, default_running_requests
+    from test_oracle import make_llm
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert default_running_requests(cuda, "resident") == 64 and default_running_requests(cuda, "offload") == 8
+    assert default_running_requests(cpu, "resident") == 8
+    undecided = EngineConfig(model="demo")
+    assert undecided.max_running_requests is None and undecided.mamba_slots == 16
+    assert EngineConfig(model="demo", max_running_requests=3).mamba_slots == 6
+    eng = make_llm(tiny_one[2], moe_backend="resident", max_running_requests=None).engine
+    assert eng.config.max_running_requests == 8 and eng.scheduler.max_running == 8

@@ -10,6 +10,20 @@ from ft.units import parse_bytes
 
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8", "nvfp4")
+RUNNING_REQUESTS_DEFAULT = 8
+"""Requests decoded together when --max-running-requests is not given, except resident on a GPU. Why
+small: on an offloaded card each running request's two mamba slots (147 MiB on the 80B) and its decode
+graph rows come out of the expert slots, which set the decode speed at concurrency 1."""
+RUNNING_REQUESTS_RESIDENT_GPU = 64
+"""The same, with every expert resident on a GPU: nothing is traded away, and concurrency 32-64 is where
+`ft serve` was measured (bench/RESULTS.md, issue 40's rows: 1,718 tok/s at 64 against one stream's 348)."""
+
+
+def default_running_requests(device, moe_backend: str) -> int:
+    """--max-running-requests when not given: `RUNNING_REQUESTS_RESIDENT_GPU` for the resident backend
+    on a CUDA device, else `RUNNING_REQUESTS_DEFAULT`. `device`: a torch.device (its `type` is read)."""
+    return RUNNING_REQUESTS_RESIDENT_GPU if device.type == "cuda" and moe_backend == "resident" \
+        else RUNNING_REQUESTS_DEFAULT
 """--kv-cache-dtype values (the engine maps them to the pool's dtype: `ft.engine.core.engine.KV_DTYPES`)."""
 
 
@@ -34,7 +48,7 @@ class EngineConfig:
     gpu_memory_limit: int | str | None = None  # bytes or "16GiB": act as if the card were this big
     cache_budget: int | str | None = None  # cap the cache pools' budget (benchmarks emulating a card)
     page_size: int = 64
-    max_running_requests: int = 8
+    max_running_requests: int | None = None  # None: `default_running_requests` (64 resident on a GPU, else 8)
     max_prefill_length: int | None = None  # tokens per prefill chunk (None: by the card, default_prefill_length)
     mamba_cache_size: int | None = None  # mamba slots; None: 2 x max_running_requests (>= 4)
     enable_prefix_cache: bool = True
@@ -94,17 +108,22 @@ class EngineConfig:
                     raise ConfigError(f"--{name.replace('_', '-')}: {e}") from None
 
     @property
+    def running_requests(self) -> int:
+        """max_running_requests as given, or before the engine decides it (None) the smaller default, 8."""
+        return self.max_running_requests or RUNNING_REQUESTS_DEFAULT
+
+    @property
     def decode_graph_max_bs(self) -> int:
         """The largest decode batch replayed from a CUDA graph: --cuda-graph-max-bs, by default every
         batch the engine runs (max_running_requests); 0 with --disable-cuda-graph."""
         if self.disable_cuda_graph:
             return 0
-        limit = self.max_running_requests if self.cuda_graph_max_bs is None else self.cuda_graph_max_bs
-        return min(limit, self.max_running_requests)
+        limit = self.running_requests if self.cuda_graph_max_bs is None else self.cuda_graph_max_bs
+        return min(limit, self.running_requests)
 
     @property
     def mamba_slots(self) -> int:
-        return self.mamba_cache_size or max(4, 2 * self.max_running_requests)
+        return self.mamba_cache_size or max(4, 2 * self.running_requests)
 
     @classmethod
     def from_options(cls, **opts) -> "EngineConfig":

@@ -16,7 +16,7 @@ import torch
 
 from ft.memory.budget import card_bytes, default_prefill_length, measure_budget, streamed_prefill_length
 from ft.engine.cache.manager import CacheManager, PoolShapes, SizingOptions
-from ft.engine.base.engine_config import EngineConfig
+from ft.engine.base.engine_config import EngineConfig, default_running_requests
 from ft.engine.sched.ladder import make_rungs
 from ft.engine.ranks.loader import DTYPES, activation_reserve, load_model
 from ft.engine.ranks.model_source import model_source
@@ -48,6 +48,9 @@ class RankState:
     def __init__(self, config: EngineConfig, tp=None) -> None:
         self.config, self.tp = config, tp
         self.device = rank_device(config.device, tp.rank if tp is not None else None)
+        if config.max_running_requests is None:  # by the backend and the device (every rank decides alike)
+            config = self.config = dataclasses.replace(
+                config, max_running_requests=default_running_requests(self.device, config.moe_backend))
         chunk_by_card = config.max_prefill_length is None
         if chunk_by_card:  # by the card (every rank sees the same size); offloaded, again below
             config = self.config = dataclasses.replace(
