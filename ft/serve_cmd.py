@@ -63,6 +63,11 @@ def add_parser(sub) -> None:
                         "penalties, logprobs and a grammar): the first request is as fast as the hundredth. Triton "
                         "keeps what it compiled in ~/.triton/cache ($TRITON_CACHE_DIR), so a restart warms up "
                         "faster (default: on a GPU)")
+    p.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
+                   help="once the engine is up and warm, move every object startup made out of Python's garbage "
+                        "collector's reach (gc.freeze): a full collection then walks only what serving makes, "
+                        "not the model's and the libraries' objects, so it no longer pauses every thread "
+                        "(the streams, /metrics) for tens of milliseconds")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -223,6 +228,10 @@ def _serve(args: argparse.Namespace, config, sock, t0: float) -> int:
             from ft.engine.core.warmup import warm_up
 
             say(warm_up(engine, phase).line())
+        if args.gc_freeze:
+            from ft.server.gc_freeze import freeze_startup_heap
+
+            log.debug("ft serve: %d objects frozen out of the garbage collector's reach", freeze_startup_heap())
         return engine
 
     loop = EngineLoop(build, stats_interval_s=args.log_stats_interval)
