@@ -125,8 +125,11 @@ class RankState:
             self.context_limit, config.mamba_slots, rungs[0] if rungs else config.num_tokens, config.moe_backend,
             config.moe_cache_size, None if config.storage_backend == "auto" else config.storage_backend,
             # the CPU "card" is host memory other processes share; past every running request at the
-            # whole context the KV could never be used
-            kv_fill_limit=config.max_running_requests * self.context_limit if self.device.type == "cuda" else 0,
+            # whole context the KV could never be used. NOTE: not under tensor parallelism: each rank's
+            # budget differs by what rank 0 alone holds, and the ranks' KV sizes must be equal
+            # (`join_ranks`); filling needs the ranks' smallest fit agreed first (not built yet)
+            kv_fill_limit=config.max_running_requests * self.context_limit
+            if self.device.type == "cuda" and tp is None else 0,
         ), floor)
         pools = self.cache.pools
         if pools.kv.scales is not None and pools.kv.kv.dtype == self._checkpoint_kv_dtype():  # its KV scales
