@@ -53,6 +53,8 @@ MOE = (512, 2048, 512, 10)  # slots, hidden, intermediate, top-k
 MOE_GROUPED_TOKENS = (64, 1024)
 
 DEV = torch.device("cuda")
+X_DTYPE = torch.bfloat16
+"""Activations' dtype: bf16 on the device; fp16 in --dry-run (the interpreter's bf16 `tl.dot` is wrong)."""
 
 GEMV_SWEEP = [
     {"BLOCK_N": bn, "BLOCK_W": bw, "num_warps": nw}
@@ -125,9 +127,9 @@ class Shape:
     def __init__(self, n: int, k: int, m: int):
         self.n, self.k, self.m = n, k, m
         self.q = [random_nvfp4(n, k) for _ in range(copies_for(n * k // 2))]
-        self.dense = [dequantize_nvfp4(*q, dtype=torch.bfloat16) for q in self.q[:copies_for(n * k * 2)]]
-        self.x = torch.randn(m, k, device=DEV.type, dtype=torch.bfloat16)
-        self.y = torch.empty(m, n, device=DEV.type, dtype=torch.bfloat16)
+        self.dense = [dequantize_nvfp4(*q, dtype=X_DTYPE) for q in self.q[:copies_for(n * k * 2)]]
+        self.x = torch.randn(m, k, device=DEV.type, dtype=X_DTYPE)
+        self.y = torch.empty(m, n, device=DEV.type, dtype=X_DTYPE)
 
     def time(self, fn, **kw) -> float:
         return graph_us([partial(fn, self.x, *q, out=self.y, **kw) for q in self.q])
@@ -137,8 +139,8 @@ class Shape:
 
     def check(self, fn, m: int | None = None, **kw) -> float:
         m = m or self.m
-        x = torch.randn(m, self.k, device=DEV.type, dtype=torch.bfloat16)
-        out = torch.full((m, self.n), float("nan"), device=DEV.type, dtype=torch.bfloat16)
+        x = torch.randn(m, self.k, device=DEV.type, dtype=X_DTYPE)
+        out = torch.full((m, self.n), float("nan"), device=DEV.type, dtype=X_DTYPE)
         fn(x, *self.q[0], out=out, **kw)
         return rel_rms(out, nvfp4_linear_ref(x, *self.q[0]))
 
@@ -153,7 +155,7 @@ def decode_rows(args, base, say, failures):
         for m in ms:
             s = Shape(n, k, m)
             errs = [s.check(nvfp4_linear_triton, mm) for mm in {1: (1, 2), 8: (3, 8, 16)}.get(m, (m,))]
-            x_d = torch.randn(m, k, device=DEV.type, dtype=torch.bfloat16)
+            x_d = torch.randn(m, k, device=DEV.type, dtype=X_DTYPE)
             errs.append(rel_rms(nvfp4_linear(x_d, *s.q[0]), nvfp4_linear_ref(x_d, *s.q[0])))
             if not max(errs) < TOL_BF16:
                 failures.append((name, m, errs))
@@ -235,7 +237,7 @@ def router_row(say, failures):
     n_experts, top_k = MOE[0], MOE[3]
     worst = 0.0
     for t in (1, 8, 1024):
-        logits = torch.randn(t, n_experts, device=DEV.type, dtype=torch.bfloat16) * 2
+        logits = torch.randn(t, n_experts, device=DEV.type, dtype=X_DTYPE) * 2
         w, ids = router_topk_triton(logits, top_k, True)
         w_ref, ids_ref = router_topk_ref(logits, top_k, True)
         probs = torch.softmax(logits.float(), -1)
@@ -244,7 +246,7 @@ def router_row(say, failures):
         worst = max(worst, rel_rms(w, w_ref))
     if not worst < TOL_BF16:
         failures.append(("router weights", worst))
-    logits = torch.randn(1, n_experts, device=DEV.type, dtype=torch.bfloat16)
+    logits = torch.randn(1, n_experts, device=DEV.type, dtype=X_DTYPE)
     t_tri = graph_us([partial(router_topk_triton, logits, top_k, True)])
     t_ref = graph_us([partial(router_topk_ref, logits, top_k, True)])
     say(f"router {n_experts} experts top-{top_k}, batch 1: {t_tri:.2f} us (torch ops {t_ref:.2f} us), weights rel RMS {worst:.1e}")
@@ -258,8 +260,8 @@ def moe_rows(args, base, say, failures):
     rows = []
     for batch in (1, 8):
         routes = [torch.stack([torch.randperm(n_slots, device=DEV.type)[:top_k] for _ in range(batch)]) for _ in range(24)]
-        x = torch.randn(batch, hid, device=DEV.type, dtype=torch.bfloat16)
-        wts = torch.softmax(torch.randn(batch, top_k, device=DEV.type), -1).to(torch.bfloat16)
+        x = torch.randn(batch, hid, device=DEV.type, dtype=X_DTYPE)
+        wts = torch.softmax(torch.randn(batch, top_k, device=DEV.type), -1).to(X_DTYPE)
         out = torch.empty_like(x)
         ref = moe_over_slots_ref(x, routes[0], wts, pool)
         poisoned = torch.full_like(x, float("nan"))
@@ -287,10 +289,10 @@ def moe_rows(args, base, say, failures):
         before = f", before {t_old:.2f} us" if base else ""
         say(f"moe batch {batch}: {t_new:.2f} us ({gbs:.0f} GB/s){before}, eager {t_eager:.1f} us, err {err:.1e}")
     for batch in (MOE_GROUPED_TOKENS if "grouped" in args.only else ()):
-        x = torch.randn(batch, hid, device=DEV.type, dtype=torch.bfloat16)
+        x = torch.randn(batch, hid, device=DEV.type, dtype=X_DTYPE)
         scores = torch.randn(batch, n_slots, device=DEV.type)
         route = torch.topk(scores, top_k, dim=-1).indices
-        wts = torch.softmax(torch.randn(batch, top_k, device=DEV.type), -1).to(torch.bfloat16)
+        wts = torch.softmax(torch.randn(batch, top_k, device=DEV.type), -1).to(X_DTYPE)
         out = torch.empty_like(x)
         ref = moe_over_slots_ref(x, route, wts, pool)
         err = rel_rms(moe_over_slots_triton(x, route, wts, pool, out=torch.full_like(x, float("nan")), grouped=True), ref)
@@ -323,10 +325,11 @@ def _dry_run_setup() -> None:
     import time
 
     global DEV, copies_for, DECODE_SHAPES, PREFILL, MOE, GEMV_SWEEP, DOT_SMALL_SWEEP, DOT_MID_SWEEP, DOT_SWEEP, graph_us, do_bench
-    global GEMV_M8_SWEEP, MOE_SWEEP_GATE_UP, MOE_SWEEP_DOWN, GROUPED_SWEEP, MOE_GROUPED_TOKENS
+    global GEMV_M8_SWEEP, MOE_SWEEP_GATE_UP, MOE_SWEEP_DOWN, GROUPED_SWEEP, MOE_GROUPED_TOKENS, X_DTYPE
     assert os.environ.get("TRITON_INTERPRET") == "1", "--dry-run needs TRITON_INTERPRET=1 (set before triton is imported)"
     os.environ["FT_TRITON_INTERPRET_TEST"] = "1"
     DEV = torch.device("cpu")
+    X_DTYPE = torch.float16
     copies_for = lambda *a, **kw: 2  # noqa: E731
     DECODE_SHAPES = [(nm, n // 32, k // 16) for nm, n, k in DECODE_SHAPES[::3]]
     PREFILL = ("attn_q", 64, 64, 32)
