@@ -494,3 +494,66 @@ def test_moe_decode_dispatcher_passes_the_host_store_and_dst(monkeypatch, triton
     _check_landed(pool, before, host, ids, slots, dst, layer)
     with pytest.raises(ValueError, match="host"):
         moe_decode(x, slots, weights, pool, shared, topk_ids=ids, layer=layer, topk_dst=dst)
+
+
+@pytest.mark.parametrize("per_pair", [False, True], ids=["down-loop", "down-pairs"])
+@pytest.mark.parametrize("case", [DECODE_CASES[1], DECODE_CASES[3], DECODE_CASES[4]], ids=str)
+def test_moe_decode_skips_dead_tokens(case, per_pair):
+    """`live` (a decode step's KV slot mapping): tokens with a negative entry (a graph's padding
+    rows) give rows of zeros, in the kernels and the reference alike; the live tokens' rows are bit
+    for bit the ones computed without `live` (one whole-K tile, two tiles, the K loop)."""
+    t, k, s, h, i, dtype, skip, with_shared = case
+    gen = torch.Generator().manual_seed(7 * t + h)
+    w = _slot_pool(s, h, i, gen)
+    shared = _slot_pool(1, h, i, gen) if with_shared else None
+    slots, weights = _routing(t, k, s, skip, gen)
+    weights = torch.cat([weights, torch.rand(t, 1, generator=gen)], dim=1) if with_shared else weights
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    live = torch.arange(t, dtype=torch.int64) * 64
+    live[1::2] = -1  # every other token is padding
+    full = moe_decode_triton(x, slots, weights.to(dtype), w, shared, down_per_pair=per_pair)
+    got = moe_decode_triton(x, slots, weights.to(dtype), w, shared, down_per_pair=per_pair,
+                            out=torch.full((t, h), float("nan"), dtype=dtype), live=live)
+    dead = live < 0
+    assert torch.equal(got[~dead], full[~dead]) and not got[dead].any()
+    ref = moe_decode_ref(x, slots, weights.to(dtype), w, shared, live=live.to(torch.int32))
+    assert not ref[dead].any() and torch.equal(ref[~dead], moe_decode_ref(x, slots, weights.to(dtype), w, shared)[~dead])
+    with pytest.raises(ValueError, match="live"):
+        moe_decode_triton(x, slots, weights.to(dtype), w, shared, live=live[:-1])
+
+
+def test_moe_decode_dead_token_still_lands_its_expert():
+    """A dead token whose pair owns a landing (read-through: the first miss of an expert names its
+    dst slot) still lands it, so the slot the book now names holds the expert; its row is zeros,
+    the live rows as without `live`."""
+    gen = torch.Generator().manual_seed(31)
+    x, slots, weights, pool, shared, host, ids, layer, dst = _landing_case(torch.float32, torch.int64, gen)
+    owners = sorted({tt for tt, _ in ((dst >= 0) & (slots < 0)).nonzero().tolist()})  # tokens that land an expert
+    live = torch.zeros(x.shape[0], dtype=torch.int64)
+    live[owners[0]] = -1  # a token that lands an expert is padding
+    before = SlotWeights(*(t_.clone() for t_ in pool))
+    want = moe_decode_triton(x, slots, weights, before, shared, host=host, topk_ids=ids, layer=layer)
+    got = moe_decode_triton(x, slots, weights, pool, shared, host=host, topk_ids=ids, layer=layer, topk_dst=dst,
+                            live=live)
+    dead = live < 0
+    assert torch.equal(got[~dead], want[~dead]) and not got[dead].any()
+    _check_landed(pool, before, host, ids, slots, dst, layer)
+
+
+def test_moe_decode_dispatcher_takes_live_only_with_the_option(monkeypatch):
+    """`moe_decode` hands `live` on by default; the variant "moe-decode-padding-computed" drops it
+    (the padding rows then compute like the others)."""
+    from ft.kernels import moe as moe_mod
+    from ft.kernels.options import use_kernel_options, variant
+
+    seen = []
+    monkeypatch.setattr(moe_mod, "moe_decode_ref", lambda *a, **kw: seen.append(kw.get("live")) or a[0])
+    gen = torch.Generator().manual_seed(5)
+    w = _slot_pool(3, 32, 16, gen)
+    slots, weights = _routing(2, 2, 3, 0.0, gen)
+    x, live = torch.randn(2, 32, generator=gen), torch.tensor([0, -1])
+    monkeypatch.setattr(moe_mod, "runs_triton", lambda *a: False)
+    moe_mod.moe_decode(x, slots, weights, w, live=live)
+    with use_kernel_options(variant("moe-decode-padding-computed")):
+        moe_mod.moe_decode(x, slots, weights, w, live=live)
+    assert seen[0] is live and seen[1] is None

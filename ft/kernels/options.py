@@ -46,7 +46,7 @@ class Nvfp4Options:
 
 @dataclass(frozen=True)
 class MoeOptions:
-    """The Triton MoE's grouped (prefill) path (`ft.kernels.moe`).
+    """The Triton MoE's grouped (prefill) path and its decode path's padding rows (`ft.kernels.moe`).
 
     grouped_words: decode the weight tiles a 32-bit word of codes at a time in fp16 where the pool's
     rows allow (sm_90 SASS: the gate_up loop 802 -> 520 instructions a step, down 833 -> 554; H200,
@@ -58,11 +58,18 @@ class MoeOptions:
     (`grouped_config_for`, whose notes say what was measured).
     grouped_max_tokens: tokens per grouped pass at most (longer chunks are cut), which bounds the
     workspace (`moe_workspace_bytes`); longer passes read each routed expert fewer times (H200: a
-    4,096-token chunk's routed experts in 2.9 ms in one pass against 5.8 ms in passes of 1,024)."""
+    4,096-token chunk's routed experts in 2.9 ms in one pass against 5.8 ms in passes of 1,024).
+    decode_skip_padding: the decode MoE skips the padding rows of a decode step (a graph bucket's rows
+    past the batch, rows that write nothing), told by the step's KV slot mapping; off: they compute
+    like the others (as before session 28). Why: a padding row repeats the first sequence, and the
+    decode MoE's time grows with its pairs (~0.37 ms a row a step on the 80B, bench/RESULTS.md).
+    NOT YET MEASURED on the device (written without device time): `bench/decode.py --batches 10,24
+    --variant moe-decode-padding-computed` against the default is its A/B."""
 
     grouped_words: bool = True
     grouped_tile: tuple | None = None
     grouped_max_tokens: int = 4096
+    decode_skip_padding: bool = True
 
 
 @dataclass(frozen=True)
@@ -194,6 +201,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "nvfp4-lanes-triton": {"nvfp4.lanes_ptx": False},  # bench/decode.py --no-lanes-ptx, bench/moe_decode.py
     "nvfp4-dot-interleaved": {"nvfp4.dot_halves": False},  # bench/decode.py --no-dot-halves
     "moe-bytes": {"moe.grouped_words": False},  # bench/moe_prefill.py, bench/prefill.py
+    "moe-decode-padding-computed": {"moe.decode_skip_padding": False},  # bench/decode.py --variant
     "attention-prefill-reference": {"prefill_attention.triton_on_cuda": False},  # bench/prefill.py --modes
     "attention-prefill-triton-only": {"prefill_attention.library_on_cuda": False},  # bench/prefill.py --library
     "gated-delta-solve-ieee": {"gated_delta.solve_precision": "ieee"},  # bench/gated_delta_prefill.py

@@ -28,7 +28,9 @@ class DecodeMeta:
     """What a decode step (one new token per sequence) needs as device tensors, so that the step
     reads no Python value that changes from step to step (a CUDA graph replays it).
 
-    slot_mapping [B] int64: where each new token's K/V goes (page * page_size + offset).
+    slot_mapping [B] int64: where each new token's K/V goes (page * page_size + offset); -1 for a row
+    whose output is never used (a graph bucket's padding, a sequence that already ended): it writes
+    nothing, and layers may skip its work (the decode MoE does).
     page_table [B, max_pages] int64: row b lists sequence b's pages (entries past it unused).
     seq_lens [B] int64: tokens of sequence b including the new one.
     max_seq_len: the longest a sequence may get (the context limit), fixed for the run: kernels

@@ -280,6 +280,7 @@ class FlashNextModel:
         """Logits [B, V] float32 of each sequence's last new token."""
         x = expand_streams(self.embed[batch.input_ids], self.streams)  # [T, C*H]
         n = None  # the next read's normalised streams, when the write before it computed them
+        live = batch.decode.slot_mapping if batch.decode is not None else None  # padding rows: -1 (the MoE skips them)
         for i, layer in enumerate(self.layers):
             if layer.ple is not None:
                 x = x + self._ple_delta(layer.ple, x, batch, pools)
@@ -293,7 +294,7 @@ class FlashNextModel:
             x, n = layer.attn_hc.write(y, x, gates, next_hc=layer.mlp_hc)  # (the write and the next norm: one launch)
             u, gates = layer.mlp_hc.read(x, n)
             forced = None if batch.forced_experts is None else batch.forced_experts[:, layer.moe.moe_index]
-            y = layer.moe(u, pools.experts, forced=forced)
+            y = layer.moe(u, pools.experts, forced=forced, live=live)
             after = self.layers[i + 1] if i + 1 < len(self.layers) else None
             if after is not None and after.ple is None:
                 x, n = layer.mlp_hc.write(y, x, gates, next_hc=after.attn_hc)

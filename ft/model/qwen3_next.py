@@ -160,6 +160,7 @@ class Qwen3NextModel:
         x = rms_norm(h, self.layers[0][2], eps)
         y = None  # the previous layer's MLP output, added to h with the next norm
         n = len(self.layers)
+        live = batch.decode.slot_mapping if batch.decode is not None else None  # padding rows: -1 (the MoE skips them)
         for i, (mixer, mlp, norm_in, norm_post) in enumerate(self.layers):
             if y is not None:
                 x, h = add_rms_norm(y, h, norm_in, eps)  # NOTE: h = h + y, then the norm: one launch
@@ -176,7 +177,7 @@ class Qwen3NextModel:
                 # (not under tensor parallelism: the sum must be all-reduced before the residual add)
                 nxt = self.layers[i + 1][2] if i + 1 < n and tp is None else None
                 forced = None if batch.forced_experts is None else batch.forced_experts[:, mlp.moe_index]
-                y = mlp(x, pools.experts, h, nxt, eps, forced)
+                y = mlp(x, pools.experts, h, nxt, eps, forced, live)
                 if isinstance(y, tuple):
                     (x, h), y = y, None
             else:

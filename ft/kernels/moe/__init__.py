@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ft.kernels.backend import debug_checks, uses_triton
+from ft.kernels.options import kernel_options
 from ft.kernels.moe.reference import dense_slots, moe_decode_ref, moe_over_pools_ref, moe_over_slots_ref
 from ft.kernels.moe.slots import GROUPED_SHORT_TOKENS, PER_PAIR_MAX_TOKENS, SlotWeights, check_slots, moe_pools_workspace_bytes, moe_workspace_bytes
 
@@ -112,13 +113,16 @@ def moe_decode(
     shared: SlotWeights | None = None, *, residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None, eps: float = 1e-6, host: SlotWeights | None = None,
     topk_ids: torch.Tensor | None = None, layer: int = 0, topk_dst: torch.Tensor | None = None,
+    live: torch.Tensor | None = None,
 ):
     """The decode MoE block, routed pairs and the shared expert in one sum (`moe_decode_ref`'s contract);
     with `residual` and `norm_weight`, followed by the next layer's input norm: returns
     `add_rms_norm(y, residual, norm_weight, eps)` = (normed, residual + y) instead of y.
     With `host`, `topk_ids` and `layer`, a pair without a slot reads its expert from the host store
     ([L, E, ...]); with `topk_dst` too, such a pair also lands the expert in pool slot topk_dst[t, j]
-    (`moe_decode_triton`'s read-through landing store and its contract).
+    (`moe_decode_triton`'s read-through landing store and its contract). `live` [T] (a decode step's
+    KV slot mapping): tokens with a negative entry are padding, their rows zeros and their pairs not
+    computed (`MoeOptions.decode_skip_padding`; off: `live` is ignored and they compute like others).
 
     Dispatcher: three Triton launches (`decode_kernel.moe_decode_triton`; the norm rides on the sum)
     where `runs_triton` says so for the pool and the shared expert, else the references. In debug
@@ -129,13 +133,15 @@ def moe_decode(
         raise ValueError(f"moe_decode takes at most {DECODE_MAX_TOKENS} tokens, got {x.shape[0]}")
     if debug_checks():
         check_slots(topk_slots, w.w13.shape[0])
+    if not kernel_options().moe.decode_skip_padding:
+        live = None
     if runs_triton(w, x.device) and (shared is None or runs_triton(shared, x.device)):
         from ft.kernels.moe.decode_kernel import moe_decode_triton  # NOTE: imports triton only when used
 
         return moe_decode_triton(x, topk_slots, topk_weights, w, shared, residual=residual, norm_weight=norm_weight,
-                                 eps=eps, host=host, topk_ids=topk_ids, layer=layer, topk_dst=topk_dst)
+                                 eps=eps, host=host, topk_ids=topk_ids, layer=layer, topk_dst=topk_dst, live=live)
     y = moe_decode_ref(x, topk_slots, topk_weights, w, shared, host=host, topk_ids=topk_ids, layer=layer,
-                       topk_dst=topk_dst)
+                       topk_dst=topk_dst, live=live)
     if residual is not None and norm_weight is not None:
         from ft.kernels.norm import add_rms_norm
 

@@ -45,14 +45,14 @@ DECODE_DOWN_PAIRS_MIN_TOKENS = 1
 
 @triton.jit
 def _moe_decode_gate_up_kernel(
-    p_x, p_slots, p_ids, p_dst, p_w13, p_s13, p_s2, p_sw13, p_ss13, p_ss2, p_hw13, p_hs13, p_hs2, p_h,
+    p_x, p_slots, p_ids, p_dst, p_w13, p_s13, p_s2, p_sw13, p_ss13, p_ss2, p_hw13, p_hs13, p_hs2, p_h, p_live,
     I, H,
     stride_xt, stride_st, stride_it, stride_dt, stride_w13e, stride_w13r, stride_s13e, stride_s13r, stride_s2e,
     stride_hw13e, stride_hs13e, stride_hs2e, stride_ht,
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr,
     WHOLE_K: tl.constexpr = 0, HAS_HOST: tl.constexpr = False, HAS_DST: tl.constexpr = False,
     ASM: tl.constexpr = False,
-    PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0,
+    PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0, HAS_LIVE: tl.constexpr = False,
 ):
     """Grid (T * KS, I / BLOCK_I), KS = TOPK + HAS_SHARED: h[t * KS + j] = silu(x[t] @ gate^T) * (x[t] @ up^T)
     (fp32) of pair j of token t: the expert in slot topk_slots[t, j] for j < TOPK, the shared expert
@@ -64,7 +64,10 @@ def _moe_decode_gate_up_kernel(
     also stores the raw bytes it loaded into slot d of the pool (its w13 rows and their block
     scales; the program with i_i = 0 the expert's 3 global scales), so the whole grid lands the
     expert's w13, w13_scale and scale_2 in slot d. No pair of the call reads slot d (the caller's
-    contract), so the stores race with no load."""
+    contract), so the stores race with no load.
+    HAS_LIVE: token t is live when p_live[t] >= 0 (a decode step's KV slots: a padding row writes
+    nowhere, -1); a dead token's pairs store zeros and return before any weight is read, except a
+    pair that lands an expert (HAS_DST), which runs whole so that the slot is filled."""
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
     pdl_release(PDL)
     KS: tl.constexpr = TOPK + HAS_SHARED
@@ -83,6 +86,15 @@ def _moe_decode_gate_up_kernel(
         dst = tl.load(p_dst + i_t * stride_dt + j, mask=j < TOPK, other=-1)
         land = from_host & (dst >= 0)
         dst = tl.maximum(dst, 0).to(tl.int64)
+    if HAS_LIVE:  # a padding token: nothing to compute (its output is never read)
+        dead = tl.load(p_live + i_t) < 0
+        skip = dead
+        if HAS_DST:
+            skip = dead & (land == 0)
+        if skip:
+            o_z = i_i * BLOCK_I + tl.arange(0, BLOCK_I)
+            tl.store(p_h + i_p * stride_ht + o_z, tl.zeros((BLOCK_I,), dtype=tl.float32), mask=o_z < I)
+            return
     # NOTE: the shared expert and the host store are pointer choices, not branches: one code path
     p_w = tl.where(is_shared, p_sw13, tl.where(from_host, p_hw13 + eid * stride_hw13e, p_w13 + slot * stride_w13e))
     p_s = tl.where(is_shared, p_ss13, tl.where(from_host, p_hs13 + eid * stride_hs13e, p_s13 + slot * stride_s13e))
@@ -126,28 +138,35 @@ def _moe_decode_gate_up_kernel(
     b_u = b_u * tl.load(p_g + 1)
     b_h = b_g / (1.0 + tl.exp(-b_g)) * b_u
     o_h = i_i * BLOCK_I + tl.arange(0, BLOCK_I)
+    if HAS_LIVE:  # (a dead token's landing pair: the expert landed, its h is zeros like the others')
+        on = on & (dead == 0)
     tl.store(p_h + i_p * stride_ht + o_h, tl.where(on, b_h, 0.0), mask=o_h < I)
 
 
 @triton.jit
 def _moe_decode_down_kernel(
-    p_h, p_slots, p_wts, p_w2, p_s2w, p_s2, p_sw2, p_ss2w, p_ss2, p_out,
+    p_h, p_slots, p_wts, p_w2, p_s2w, p_s2, p_sw2, p_ss2w, p_ss2, p_out, p_live,
     I, H,
     stride_ht, stride_st, stride_wt, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e, stride_ot,
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
     WHOLE_K: tl.constexpr = 0, ASM: tl.constexpr = False,
-    PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0,
+    PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0, HAS_LIVE: tl.constexpr = False,
 ):
     """Grid (T, H / BLOCK_H): out[t] = sum_j wts[t, j] * (h[t * KS + j] @ down_j^T), j = 0 .. KS - 1 in
     order (fp32, cast once): the routed pairs, then the shared expert (j = TOPK, its weight the
     gate's sigmoid). The pairs are unrolled, so all their weight loads are in flight together; the
-    fixed order makes the sum independent of slots and of the batch's other tokens."""
+    fixed order makes the sum independent of slots and of the batch's other tokens. HAS_LIVE: a dead
+    token (p_live[t] < 0, as in the gate/up kernel) stores zeros and reads nothing."""
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
     pdl_release(PDL)
     KS: tl.constexpr = TOPK + HAS_SHARED
     i_t = tl.program_id(0)
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H
+    if HAS_LIVE:
+        if tl.load(p_live + i_t) < 0:
+            tl.store(p_out + i_t * stride_ot + o_h, tl.zeros((BLOCK_H,), dtype=p_out.dtype.element_ty), mask=m_h)
+            return
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(KS):
         i_p = i_t * KS + j
@@ -180,20 +199,21 @@ def _moe_decode_down_kernel(
 
 @triton.jit
 def _moe_decode_down_pairs_kernel(
-    p_h, p_slots, p_ids, p_dst, p_wts, p_w2, p_s2w, p_s2, p_sw2, p_ss2w, p_ss2, p_hw2, p_hs2w, p_hs2, p_yp,
+    p_h, p_slots, p_ids, p_dst, p_wts, p_w2, p_s2w, p_s2, p_sw2, p_ss2w, p_ss2, p_hw2, p_hs2w, p_hs2, p_yp, p_live,
     I, H,
     stride_ht, stride_st, stride_it, stride_dt, stride_wt, stride_w2e, stride_w2r, stride_s2we, stride_s2wr,
     stride_s2e, stride_hw2e, stride_hs2we, stride_hs2e, stride_yp,
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, WHOLE_K: tl.constexpr,
     HAS_HOST: tl.constexpr = False, HAS_DST: tl.constexpr = False, ASM: tl.constexpr = False,
-    PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0,
+    PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0, HAS_LIVE: tl.constexpr = False,
 ):
     """Grid (T * KS, H / BLOCK_H): yp[p] = wts[t, j] * (h[p] @ down_j^T) (fp32) for pair p = t * KS + j,
     zeros for a skipped pair; `moe_sum_pairs_kernel` then sums each token's KS pairs in order.
     With several tokens every pair's expert is in flight at once (`_moe_decode_down_kernel` reads
     a token's pairs in one program). HAS_HOST: a pair without a slot reads the host store, as in
     `_moe_decode_gate_up_kernel`; HAS_DST: such a pair with topk_dst[t, j] = d >= 0 also stores the
-    raw w2 rows and block scales it loaded into slot d (the gate/up kernel lands the rest)."""
+    raw w2 rows and block scales it loaded into slot d (the gate/up kernel lands the rest). HAS_LIVE:
+    as in the gate/up kernel (a dead token's pairs store zeros; a landing one lands, then stores zeros)."""
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
     pdl_release(PDL)
     KS: tl.constexpr = TOPK + HAS_SHARED
@@ -212,6 +232,14 @@ def _moe_decode_down_pairs_kernel(
         dst = tl.load(p_dst + i_t * stride_dt + j, mask=j < TOPK, other=-1)
         land = from_host & (dst >= 0)
         dst = tl.maximum(dst, 0).to(tl.int64)
+    if HAS_LIVE:  # a padding token: nothing to compute (its output is never read)
+        dead = tl.load(p_live + i_t) < 0
+        skip = dead
+        if HAS_DST:
+            skip = dead & (land == 0)
+        if skip:
+            tl.store(p_yp + i_p * stride_yp + o_h, tl.zeros((BLOCK_H,), dtype=tl.float32), mask=o_h < H)
+            return
     p_w = tl.where(is_shared, p_sw2, tl.where(from_host, p_hw2 + eid * stride_hw2e, p_w2 + slot * stride_w2e))
     p_s = tl.where(is_shared, p_ss2w, tl.where(from_host, p_hs2w + eid * stride_hs2we, p_s2w + slot * stride_s2we))
     p_g = tl.where(is_shared, p_ss2, tl.where(from_host, p_hs2 + eid * stride_hs2e, p_s2 + slot * stride_s2e))
@@ -235,6 +263,8 @@ def _moe_decode_down_pairs_kernel(
         e0, e1, e2, e3, e4, e5, e6, e7, c_s = decode_whole_k(c_w, c_sb, ASM)
         b_y += dot_lanes(e0, e1, e2, e3, e4, e5, e6, e7, c_s, y0, y1, y2, y3, y4, y5, y6, y7, WHOLE_K2, BLOCK_H)
     b_wt = tl.load(p_wts + i_t * stride_wt + j).to(tl.float32) * tl.load(p_g + 2)
+    if HAS_LIVE:
+        on = on & (dead == 0)
     tl.store(p_yp + i_p * stride_yp + o_h, tl.where(on, b_y * b_wt, 0.0), mask=o_h < H)
 
 
@@ -270,6 +300,7 @@ def moe_decode_triton(
     down_config: tuple[int, int, int] | None = None, down_per_pair: bool | None = None,
     residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
     host=None, topk_ids: torch.Tensor | None = None, layer: int = 0, topk_dst: torch.Tensor | None = None,
+    live: torch.Tensor | None = None,
 ):
     """The decode MoE block in two or three launches: sum_j weight_j * expert_j(x) over the routed pairs and,
     with `shared`, the shared expert as one more pair.
@@ -299,6 +330,10 @@ def moe_decode_triton(
             appears at most once in topk_dst, and no pair of the call reads slot d (it is not in
             the slot table while it is being filled). Needs the whole-K tiles of both passes and a
             float32 scale_2 in the pool (written in place).
+        live: optional [T] integers (int32 or int64; a decode step's KV slot mapping): a token with a
+            negative entry is padding (a CUDA graph's rows past the batch, a row that writes nothing):
+            its row of y is zeros and its pairs read no weights (a pair that lands an expert still
+            lands it). The live tokens' rows are bit for bit the same as without `live`.
     Returns: y [T, H] in x's dtype: one fp32 sum over the pairs in order, cast once; or the pair above.
     Raises: ValueError on shapes the kernels do not take, or topk_dst without `host`.
     """
@@ -358,6 +393,10 @@ def moe_decode_triton(
         dst = topk_dst if topk_dst.stride(-1) == 1 else topk_dst.contiguous()
     else:  # any valid pointer (never read: HAS_DST is off)
         dst = slots
+    has_live = live is not None
+    if has_live and (tuple(live.shape) != (t,) or live.dtype not in (torch.int32, torch.int64) or live.stride(0) != 1):
+        raise ValueError(f"live must be a contiguous int32/int64 [T] = [{t}], got {live.dtype} {tuple(live.shape)}")
+    live_ptr = live if has_live else slots  # any valid pointer (never read: HAS_LIVE is off)
     ks = k + has_shared
     h = torch.empty((t * ks, i), dtype=torch.float32, device=x.device)
     block_i, bw13, warps13 = gate_up_config or DECODE_GATE_UP_CONFIG[min(t, 2)]
@@ -377,20 +416,20 @@ def moe_decode_triton(
                          "2^a <= 1024)")
     asm = kernel_options().nvfp4.lanes_ptx and inline_ptx(x.device)  # the whole-K tiles' word decode in PTX
     _moe_decode_gate_up_kernel[(t * ks, triton.cdiv(i, block_i))](
-        x, slots, ids, dst, w13, s13, s2, sw13, ss13, ss2, hw13, hs13, hs2, h, i, hid,
+        x, slots, ids, dst, w13, s13, s2, sw13, ss13, ss2, hw13, hs13, hs2, h, live_ptr, i, hid,
         x.stride(0), slots.stride(0), ids.stride(0), dst.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
         s13.stride(1), s2.stride(0), hw13.stride(0), hs13.stride(0), hs2.stride(0), h.stride(0), TOPK=k,
         HAS_SHARED=has_shared, BLOCK_I=block_i, BLOCK_W=bw13, WHOLE_K=whole13, HAS_HOST=has_host, HAS_DST=has_dst,
-        ASM=asm and whole13 > 0, WHOLE_K2=whole13b, num_warps=warps13, **pdl_args(x.device))
+        ASM=asm and whole13 > 0, WHOLE_K2=whole13b, HAS_LIVE=has_live, num_warps=warps13, **pdl_args(x.device))
     fuse_norm = residual is not None and norm_weight is not None
     if per_pair and whole2:  # (a row's K in one tile; other shapes take the loop)
         y_pairs = torch.empty((t * ks, hid), dtype=torch.float32, device=x.device)
         _moe_decode_down_pairs_kernel[(t * ks, triton.cdiv(hid, block_h))](
-            h, slots, ids, dst, wts, w2, s2w, s2, sw2, ss2w, ss2, hw2, hs2w, hs2, y_pairs, i, hid,
+            h, slots, ids, dst, wts, w2, s2w, s2, sw2, ss2w, ss2, hw2, hs2w, hs2, y_pairs, live_ptr, i, hid,
             h.stride(0), slots.stride(0), ids.stride(0), dst.stride(0), wts.stride(0), w2.stride(0), w2.stride(1),
             s2w.stride(0), s2w.stride(1), s2.stride(0), hw2.stride(0), hs2w.stride(0), hs2.stride(0), y_pairs.stride(0),
             TOPK=k, HAS_SHARED=has_shared, BLOCK_H=block_h, WHOLE_K=whole2, HAS_HOST=has_host, HAS_DST=has_dst,
-            ASM=asm, WHOLE_K2=whole2b, num_warps=warps2, **pdl_args(x.device))
+            ASM=asm, WHOLE_K2=whole2b, HAS_LIVE=has_live, num_warps=warps2, **pdl_args(x.device))
         if fuse_norm and hid <= 8192 and residual.shape == x.shape and residual.dtype == x.dtype \
                 and residual.stride(-1) == 1:
             h_out = torch.empty_like(x)
@@ -403,8 +442,8 @@ def moe_decode_triton(
                                                            **pdl_args(x.device))
         return add_rms_norm_triton(y, residual, norm_weight, eps) if fuse_norm else y
     _moe_decode_down_kernel[(t, triton.cdiv(hid, block_h))](
-        h, slots, wts, w2, s2w, s2, sw2, ss2w, ss2, y, i, hid,
+        h, slots, wts, w2, s2w, s2, sw2, ss2w, ss2, y, live_ptr, i, hid,
         h.stride(0), slots.stride(0), wts.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1),
         s2.stride(0), y.stride(0), TOPK=k, HAS_SHARED=has_shared, BLOCK_H=block_h, BLOCK_W=bw2, WHOLE_K=whole2,
-        ASM=asm and whole2 > 0, WHOLE_K2=whole2b, num_warps=warps2, **pdl_args(x.device))
+        ASM=asm and whole2 > 0, WHOLE_K2=whole2b, HAS_LIVE=has_live, num_warps=warps2, **pdl_args(x.device))
     return add_rms_norm_triton(y, residual, norm_weight, eps) if fuse_norm else y

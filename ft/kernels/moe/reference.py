@@ -75,7 +75,7 @@ def _pairs_into(parts: torch.Tensor, x: torch.Tensor, flat: torch.Tensor, wts: t
 def moe_decode_ref(
     x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor, w: SlotWeights,
     shared: SlotWeights | None = None, host: SlotWeights | None = None, topk_ids: torch.Tensor | None = None,
-    layer: int = 0, topk_dst: torch.Tensor | None = None,
+    layer: int = 0, topk_dst: torch.Tensor | None = None, live: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The decode MoE block: sum_j weight_j * expert_j(x) over the routed pairs in order, then the
     shared expert (one more pair, slot 0 of `shared`) when given; everything in fp32, cast once.
@@ -89,6 +89,8 @@ def moe_decode_ref(
         slot -1, an id >= 0 and d = topk_dst[t, j] >= 0 copies host[layer, id] into slot d of `w`
         (all five tensors), as the kernels' landing store does; each d at most once, and no pair
         reads slot d (the caller's contract, as in `moe_decode_triton`).
+        live: [T] integers; a token with a negative entry (padding) gets a row of zeros (what
+        lands still lands).
     Returns: [T, H] in x's dtype.
     Raises: ValueError for topk_dst without `host`.
     """
@@ -99,10 +101,10 @@ def moe_decode_ref(
     wts = topk_weights.float()
     parts = torch.zeros((t, k + (shared is not None), x.shape[1]), dtype=torch.float32, device=x.device)
     flat = topk_slots.reshape(-1)
-    live = flat >= 0
-    if bool(live.any()):
-        pair = torch.arange(flat.numel(), device=x.device)[live]
-        slots, inverse = torch.unique(flat[live], return_inverse=True)
+    slotted = flat >= 0
+    if bool(slotted.any()):
+        pair = torch.arange(flat.numel(), device=x.device)[slotted]
+        slots, inverse = torch.unique(flat[slotted], return_inverse=True)
         w13s, w2s = dense_slots(w, slots, torch.float32)
         for u in range(slots.numel()):
             p = pair[inverse == u]
@@ -126,6 +128,8 @@ def moe_decode_ref(
     out = parts[:, 0]
     for j in range(1, parts.shape[1]):  # in pair order, as the kernel sums
         out = out + parts[:, j]
+    if live is not None:
+        out = out.masked_fill((live < 0)[:, None].to(out.device), 0.0)
     if topk_dst is not None:  # the landing store: after computing, so no pair reads what lands
         ids, dst = topk_ids.reshape(-1).tolist(), topk_dst.reshape(-1).tolist()
         for p in (flat < 0).nonzero().flatten().tolist():

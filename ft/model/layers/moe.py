@@ -49,18 +49,20 @@ class SparseMoE:
         self.shared_slot = _as_slot(shared_expert)
 
     def __call__(self, x: torch.Tensor, cache: ExpertCache, residual: torch.Tensor | None = None,
-                 next_norm: torch.Tensor | None = None, eps: float = 1e-6, forced: torch.Tensor | None = None):
+                 next_norm: torch.Tensor | None = None, eps: float = 1e-6, forced: torch.Tensor | None = None,
+                 live: torch.Tensor | None = None):
         """x [T, H] -> y [T, H]. With `residual` and `next_norm` (the next layer's input norm
         weight) the decode path may also apply that norm (one launch less): it then returns
         (rms_norm(residual + y), residual + y) instead of y; callers check for a tuple.
         `forced` [T, k]: the experts to use instead of the router's top-k (synthetic traces).
         While the cache's read-through step is active (an offloaded decode step), misses are read
-        from the host store inside the step (`_read_through`)."""
+        from the host store inside the step (`_read_through`). `live` [T]: a decode step's KV slot
+        mapping; the decode path skips the rows with a negative entry (padding: `moe_decode`)."""
         rt = cache.read_through
         if rt is not None and rt.active:
-            return self._read_through(x, cache, residual, next_norm, eps, forced)
+            return self._read_through(x, cache, residual, next_norm, eps, forced, live)
         if self._fused(x, cache):
-            return self._decode(x, cache, residual, next_norm, eps, forced)
+            return self._decode(x, cache, residual, next_norm, eps, forced, live)
         if forced is not None:
             weights, ids, _ = route_forced_ref(self.router(x), forced, self.norm_topk_prob)
         else:
@@ -77,7 +79,8 @@ class SparseMoE:
                 and sh.w2.shape[1:] == cache.slots.w2.shape[1:])
 
     def _decode(self, x: torch.Tensor, cache: ExpertCache, residual: torch.Tensor | None = None,
-                next_norm: torch.Tensor | None = None, eps: float = 1e-6, forced: torch.Tensor | None = None):
+                next_norm: torch.Tensor | None = None, eps: float = 1e-6, forced: torch.Tensor | None = None,
+                live: torch.Tensor | None = None):
         """Four launches: the logits (router and shared gate), the routing (top-k, the shared gate's
         sigmoid, the slots), gate/up of every pair with the shared expert, down with the sum."""
         layer = self.moe_index
@@ -100,10 +103,11 @@ class SparseMoE:
             cache.ensure(layer, experts)
             slots = self._slots(table, ids)
         return moe_decode(x, slots, weights, cache.slots, self.shared_slot, residual=residual, norm_weight=next_norm,
-                          eps=eps)
+                          eps=eps, live=live)
 
     def _read_through(self, x: torch.Tensor, cache: ExpertCache, residual: torch.Tensor | None,
-                      next_norm: torch.Tensor | None, eps: float, forced: torch.Tensor | None):
+                      next_norm: torch.Tensor | None, eps: float, forced: torch.Tensor | None,
+                      live: torch.Tensor | None = None):
         """An offloaded decode step without host syncs: routing, then the lookup kernel (slots, the
         book's bookkeeping, landing slots for first misses), then the MoE reading each miss from
         the host store and landing it (`ft.memory.read_through`). Fused (one sum with the shared
@@ -121,8 +125,9 @@ class SparseMoE:
         if fused:
             return moe_decode(x, slots, weights, cache.slots, self.shared_slot, residual=residual,
                               norm_weight=next_norm, eps=eps, host=cache.host, topk_ids=ids, layer=layer,
-                              topk_dst=dst)
-        routed = moe_decode(x, slots, weights, cache.slots, host=cache.host, topk_ids=ids, layer=layer, topk_dst=dst)
+                              topk_dst=dst, live=live)
+        routed = moe_decode(x, slots, weights, cache.slots, host=cache.host, topk_ids=ids, layer=layer, topk_dst=dst,
+                            live=live)
         return expert_combine(routed, self.shared_expert(x), self.shared_expert_gate(x))
 
     def _slots(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
