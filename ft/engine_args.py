@@ -57,7 +57,7 @@ HELP = {
                      "(default: no cap)"),
     "page_size": "tokens per KV page",
     "max_running_requests": ("requests decoded together at most (vLLM's --max-num-seqs) (default: 64 with "
-                             "--moe-backend resident on a GPU, else 8)"),
+                             "--moe-backend resident on a GPU, else 8; ft generate: 1)"),
     "max_prefill_length": ("tokens per prefill chunk (default: by the card the budget sees, --gpu-memory-limit "
                            "included: 16384 from 80 GiB, 8192 from 40 GiB, else 4096; offloaded with streamed "
                            "prefill, the largest of 16384, 8192, 4096 whose activations fit a tenth of the card)"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -41,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
     engine = None
     try:
         config = engine_config_from_args(args)
+        if config.max_running_requests is None:  # one request: no room for others (nor KV for them)
+            config = dataclasses.replace(config, max_running_requests=1)
         check_model(config)  # one line for a user error, before anything loads
         engine = build_engine(config, say if args.progress is not False else None)
         tok = engine.tokenizer

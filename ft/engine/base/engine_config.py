@@ -10,6 +10,8 @@ from ft.units import parse_bytes
 
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8", "nvfp4")
+"""--kv-cache-dtype values (the engine maps them to the pool's dtype: `ft.engine.core.engine.KV_DTYPES`)."""
+
 RUNNING_REQUESTS_DEFAULT = 8
 """Requests decoded together when --max-running-requests is not given, except resident on a GPU. Why
 small: on an offloaded card each running request's two mamba slots (147 MiB on the 80B) and its decode
@@ -24,7 +26,6 @@ def default_running_requests(device, moe_backend: str) -> int:
     on a CUDA device, else `RUNNING_REQUESTS_DEFAULT`. `device`: a torch.device (its `type` is read)."""
     return RUNNING_REQUESTS_RESIDENT_GPU if device.type == "cuda" and moe_backend == "resident" \
         else RUNNING_REQUESTS_DEFAULT
-"""--kv-cache-dtype values (the engine maps them to the pool's dtype: `ft.engine.core.engine.KV_DTYPES`)."""
 
 
 @dataclass(frozen=True)
