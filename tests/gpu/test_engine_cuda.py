@@ -65,3 +65,20 @@ def test_triton_path_matches_reference_path(model):
         assert len(tokens) == NEW_TOKENS
         assert_same_or_near_tie(llm_ref, tokens, ref_tokens)
     assert rel_rms(logits, ref_logits) < TOL_LOGITS
+
+
+def test_resident_defaults_run_64_requests_and_fill_the_budget_with_kv(model):
+    """Resident on a GPU without --max-running-requests or --num-tokens: 64 running requests, and the
+    KV takes what the experts and mamba slots leave, past one context but never past 64 contexts
+    (the running requests could hold no more), in whole pages; an explicit --num-tokens is kept."""
+    llm = LLM(model=model, device="cuda", dtype="bfloat16", moe_backend="resident", enable_prefix_cache=False)
+    e = llm.engine
+    g, limit, page = e.cache.geometry, e.context_limit, e.config.page_size
+    assert e.config.max_running_requests == 64 and e.scheduler.max_running == 64 and g.mamba_slots == 128
+    assert limit < g.kv_tokens <= 64 * limit + page - 1 and g.kv_tokens % page == 0
+    out = llm.generate(prompt_token_ids=[PROMPT], max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    assert len(out[0].token_ids) == 4
+    del llm, e
+    fixed = LLM(model=model, device="cuda", dtype="bfloat16", moe_backend="resident", num_tokens=2048,
+                max_running_requests=4)
+    assert fixed.engine.cache.geometry.kv_tokens == 2048 and fixed.engine.scheduler.max_running == 4
