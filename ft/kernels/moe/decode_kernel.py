@@ -44,6 +44,19 @@ DECODE_DOWN_PAIRS_MIN_TOKENS = 1
 
 
 @triton.jit
+def _padding_skip(p_live, i_t, from_host, p_dst_pair, routed, HAS_DST: tl.constexpr):
+    """(dead, skip) for a pair of token t: dead when p_live[t] < 0 (a padding token); skip when dead and,
+    with HAS_DST, the pair lands nothing (it reads from the host store with a dst slot >= 0 at
+    p_dst_pair: that pair must run whole, so that the slot gets the expert)."""
+    dead = tl.load(p_live + i_t) < 0
+    skip = dead
+    if HAS_DST:
+        lands = from_host & (tl.load(p_dst_pair, mask=routed, other=-1) >= 0)
+        skip = dead & (lands == 0)
+    return dead, skip
+
+
+@triton.jit
 def _moe_decode_gate_up_kernel(
     p_x, p_slots, p_ids, p_dst, p_w13, p_s13, p_s2, p_sw13, p_ss13, p_ss2, p_hw13, p_hs13, p_hs2, p_h, p_live,
     I, H,
@@ -87,10 +100,7 @@ def _moe_decode_gate_up_kernel(
         land = from_host & (dst >= 0)
         dst = tl.maximum(dst, 0).to(tl.int64)
     if HAS_LIVE:  # a padding token: nothing to compute (its output is never read)
-        dead = tl.load(p_live + i_t) < 0
-        skip = dead
-        if HAS_DST:
-            skip = dead & (land == 0)
+        dead, skip = _padding_skip(p_live, i_t, from_host, p_dst + i_t * stride_dt + j, j < TOPK, HAS_DST)
         if skip:
             o_z = i_i * BLOCK_I + tl.arange(0, BLOCK_I)
             tl.store(p_h + i_p * stride_ht + o_z, tl.zeros((BLOCK_I,), dtype=tl.float32), mask=o_z < I)
@@ -233,10 +243,7 @@ def _moe_decode_down_pairs_kernel(
         land = from_host & (dst >= 0)
         dst = tl.maximum(dst, 0).to(tl.int64)
     if HAS_LIVE:  # a padding token: nothing to compute (its output is never read)
-        dead = tl.load(p_live + i_t) < 0
-        skip = dead
-        if HAS_DST:
-            skip = dead & (land == 0)
+        dead, skip = _padding_skip(p_live, i_t, from_host, p_dst + i_t * stride_dt + j, j < TOPK, HAS_DST)
         if skip:
             tl.store(p_yp + i_p * stride_yp + o_h, tl.zeros((BLOCK_H,), dtype=tl.float32), mask=o_h < H)
             return
