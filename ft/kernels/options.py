@@ -62,9 +62,9 @@ class MoeOptions:
     decode_skip_padding: the decode MoE skips the padding rows of a decode step (a graph bucket's rows
     past the batch, rows that write nothing), told by the step's KV slot mapping; off: they compute
     like the others (as before session 28). Why: a padding row repeats the first sequence, and the
-    decode MoE's time grows with its pairs (~0.37 ms a row a step on the 80B, bench/RESULTS.md).
-    NOT YET MEASURED on the device (written without device time): `bench/decode.py --batches 10,24
-    --variant moe-decode-padding-computed` against the default is its A/B."""
+    decode MoE's time grows with its pairs (6.3-7.7 us a token a layer on the 80B at batch 8-64,
+    session 27's profile). NOT YET MEASURED on the device (written without device time): `bench/
+    decode.py --batches 10,20,36,64 --variant moe-decode-padding-computed` against the default is its A/B."""
 
     grouped_words: bool = True
     grouped_tile: tuple | None = None

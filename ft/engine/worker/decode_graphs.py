@@ -28,10 +28,11 @@ log = logging.getLogger("ft.engine")
 
 def batch_buckets(max_bs: int) -> list[int]:
     """1, 2, 4, 8, 12, 16, then every 8 up to 64 and every 16 past it, up to max_bs (max_bs itself
-    included). Why so fine: a padding row costs a real row's MoE pairs (it repeats the first
-    sequence, and the decode MoE's time grows with its pairs), ~0.37 ms a step on the 80B; 10 rows
-    in the 16-row graph took 9.2 ms a step (session 28). The graphs share one memory pool, sized by
-    the largest, so a bucket more costs its capture at warm-up, not memory."""
+    included). Why so fine: a padding row costs what a real row does (it repeats the first
+    sequence): 0.25-0.42 ms a step on the 80B (H200, session 28: batch 10 in the 16-row graph 9.37
+    ms a step, in a 12-row one 7.88; batch 24 in the 32-row graph 16.83, in a 24-row one 13.50). The
+    graphs share one memory pool, sized by the largest, so a bucket more costs its capture at
+    warm-up, not memory."""
     out = [b for b in (1, 2, 4, 8, 12, 16) if b <= max_bs] + list(range(24, min(64, max_bs) + 1, 8)) \
         + list(range(80, max_bs + 1, 16))
     if max_bs not in out:
