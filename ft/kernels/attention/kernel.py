@@ -90,7 +90,7 @@ def _round_e4m3(x):
 @triton.jit
 def _e2m1_code(y):
     """fp32 y (already divided by its scales) -> int32 E2M1 codes 0..15: the nearest E2M1 magnitude,
-    ties to the even code, saturating above 5; sign bit (8) iff y < 0 (`reference._e2m1_codes`)."""
+    ties to the even code, saturating above 5; sign bit (8) iff y < 0 (as `reference.py` encodes them)."""
     a = tl.abs(y)
     c = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
     c += (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)

@@ -1,5 +1,5 @@
 """Row dot products of NVFP4 weights against one or a few rows of x, fp32 (details module of
-`ft.kernels.nvfp4`): the building blocks of the GEMV (`kernel._nvfp4_gemv_kernel`) and of the
+`ft.kernels.nvfp4`): the building blocks of the GEMV (`kernel.py`'s GEMV kernel) and of the
 decode MoE kernels (`ft.kernels.moe`). Weight layout as `kernel.py` describes: int32 words of 8
 E2M1 codes, E4M3 block scales per 16 elements (two words), the global scale left to the caller.
 
