@@ -540,11 +540,9 @@ def test_moe_decode_dead_token_still_lands_its_expert():
     _check_landed(pool, before, host, ids, slots, dst, layer)
 
 
-def test_moe_decode_dispatcher_takes_live_only_with_the_option(monkeypatch):
-    """`moe_decode` hands `live` on by default; the variant "moe-decode-padding-computed" drops it
-    (the padding rows then compute like the others)."""
+def test_moe_decode_dispatcher_hands_live_to_the_kernel(monkeypatch):
+    """`moe_decode` hands the step's `live` mapping on (its padding rows are skipped, not computed)."""
     from ft.kernels import moe as moe_mod
-    from ft.kernels.options import use_kernel_options, variant
 
     seen = []
     monkeypatch.setattr(moe_mod, "moe_decode_ref", lambda *a, **kw: seen.append(kw.get("live")) or a[0])
@@ -554,6 +552,4 @@ def test_moe_decode_dispatcher_takes_live_only_with_the_option(monkeypatch):
     x, live = torch.randn(2, 32, generator=gen), torch.tensor([0, -1])
     monkeypatch.setattr(moe_mod, "runs_triton", lambda *a: False)
     moe_mod.moe_decode(x, slots, weights, w, live=live)
-    with use_kernel_options(variant("moe-decode-padding-computed")):
-        moe_mod.moe_decode(x, slots, weights, w, live=live)
-    assert seen[0] is live and seen[1] is None
+    assert seen == [live]

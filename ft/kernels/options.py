@@ -59,17 +59,12 @@ class MoeOptions:
     grouped_max_tokens: tokens per grouped pass at most (longer chunks are cut), which bounds the
     workspace (`moe_workspace_bytes`); longer passes read each routed expert fewer times (H200: a
     4,096-token chunk's routed experts in 2.9 ms in one pass against 5.8 ms in passes of 1,024).
-    decode_skip_padding: the decode MoE skips the padding rows of a decode step (a graph bucket's rows
-    past the batch, rows that write nothing), told by the step's KV slot mapping; off: they compute
-    like the others (as before session 28). Why: a padding row repeats the first sequence, and the
-    decode MoE's time grows with its pairs (6.3-7.7 us a token a layer on the 80B at batch 8-64,
-    session 27's profile). NOT YET MEASURED on the device (written without device time): `bench/
-    decode.py --batches 10,20,36,64 --variant moe-decode-padding-computed` against the default is its A/B."""
+    (The decode MoE skips a graph bucket's padding rows always; the variant that computed them lost by
+    5-10% at batches 10 / 20 / 36 and was deleted, RESULTS.md session 29.)"""
 
     grouped_words: bool = True
     grouped_tile: tuple | None = None
     grouped_max_tokens: int = 4096
-    decode_skip_padding: bool = True
 
 
 @dataclass(frozen=True)
@@ -201,7 +196,6 @@ VARIANTS: dict[str, dict[str, object]] = {
     "nvfp4-lanes-triton": {"nvfp4.lanes_ptx": False},  # bench/decode.py --no-lanes-ptx, bench/moe_decode.py
     "nvfp4-dot-interleaved": {"nvfp4.dot_halves": False},  # bench/decode.py --no-dot-halves
     "moe-bytes": {"moe.grouped_words": False},  # bench/moe_prefill.py, bench/prefill.py
-    "moe-decode-padding-computed": {"moe.decode_skip_padding": False},  # bench/decode.py --variant
     "attention-prefill-reference": {"prefill_attention.triton_on_cuda": False},  # bench/prefill.py --modes
     "attention-prefill-triton-only": {"prefill_attention.library_on_cuda": False},  # bench/prefill.py --library
     "gated-delta-solve-ieee": {"gated_delta.solve_precision": "ieee"},  # bench/gated_delta_prefill.py

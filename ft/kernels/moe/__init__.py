@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from ft.kernels.backend import debug_checks, uses_triton
-from ft.kernels.options import kernel_options
 from ft.kernels.moe.reference import dense_slots, moe_decode_ref, moe_over_pools_ref, moe_over_slots_ref
 from ft.kernels.moe.slots import GROUPED_SHORT_TOKENS, PER_PAIR_MAX_TOKENS, SlotWeights, check_slots, moe_pools_workspace_bytes, moe_workspace_bytes
 
@@ -122,7 +121,7 @@ def moe_decode(
     ([L, E, ...]); with `topk_dst` too, such a pair also lands the expert in pool slot topk_dst[t, j]
     (`moe_decode_triton`'s read-through landing store and its contract). `live` [T] (a decode step's
     KV slot mapping): tokens with a negative entry are padding, their rows zeros and their pairs not
-    computed (`MoeOptions.decode_skip_padding`; off: `live` is ignored and they compute like others).
+    computed (measured: +5-10% decode at batches 10 / 20 / 36 on the 80B, RESULTS.md session 29).
 
     Dispatcher: three Triton launches (`decode_kernel.moe_decode_triton`; the norm rides on the sum)
     where `runs_triton` says so for the pool and the shared expert, else the references. In debug
@@ -133,8 +132,6 @@ def moe_decode(
         raise ValueError(f"moe_decode takes at most {DECODE_MAX_TOKENS} tokens, got {x.shape[0]}")
     if debug_checks():
         check_slots(topk_slots, w.w13.shape[0])
-    if not kernel_options().moe.decode_skip_padding:
-        live = None
     if runs_triton(w, x.device) and (shared is None or runs_triton(shared, x.device)):
         from ft.kernels.moe.decode_kernel import moe_decode_triton  # NOTE: imports triton only when used
 
