@@ -63,6 +63,9 @@ def main() -> None:
                     help="cProfile one prefill of LEN tokens (the host's side: where the Python time goes)")
     ap.add_argument("--prefill-graph-max-tokens", type=int, default=None, metavar="N",
                     help="one-request prefills up to N tokens replay CUDA graphs (0: off; default: the engine's)")
+    ap.add_argument("--grouped-max-tokens", default="", metavar="N[,N...]",
+                    help="time the lengths once per grouped-MoE pass length (MoeOptions.grouped_max_tokens: "
+                         "a chunk's pairs in passes of at most N tokens; default: the library's)")
     ap.add_argument("--spin-up", type=float, default=3.0, metavar="S",
                     help="seconds of prefills before anything is timed (default 3)")
     args = ap.parse_args()
@@ -72,6 +75,7 @@ def main() -> None:
     if not args.moe_words:
         set_kernel_options(variant("moe-bytes"))
     grouped = [tuple(int(v) for v in c.split(",")) for c in args.grouped_configs.split(";") if c.strip()] or [None]
+    pass_tokens = [int(v) for v in args.grouped_max_tokens.split(",") if v.strip()] or [None]
     t0 = time.perf_counter()
     eng = Engine(EngineConfig(model=f"synthetic:{args.config}", device="cuda", dtype="bfloat16",
                               moe_backend="resident", num_tokens=max(lengths + [args.profile]) + 1024,
@@ -89,12 +93,15 @@ def main() -> None:
     while time.perf_counter() - t_busy < args.spin_up:
         ttft(eng, min(lengths), base)
     libs = {"on": [True], "off": [False], "both": [False, True]}[args.library]
-    for mode, cfg, lib in ((m, c, b) for m in modes for c in grouped for b in libs):
+    library_pass = kernel_options().moe.grouped_max_tokens
+    for mode, cfg, lib, gmt in ((m, c, b, g) for m in modes for c in grouped for b in libs for g in pass_tokens):
         set_kernel_options(kernel_options().with_(**{"prefill_attention.triton_on_cuda": mode == "triton",
                                                      "prefill_attention.library_on_cuda": lib,
-                                                     "moe.grouped_tile": cfg}))  # None: by the pass's length
+                                                     "moe.grouped_tile": cfg,  # None: by the pass's length
+                                                     "moe.grouped_max_tokens": gmt or library_pass}))
         label = (mode if cfg is None else f"{mode} {cfg}") + ("" if args.library != "both" else
                                                               " +cudnn prefix" if lib else " triton only")
+        label += f" pass {gmt}" if gmt else ""
         if args.warm:
             ttft(eng, args.warm, base)
         for n in lengths:
@@ -107,7 +114,8 @@ def main() -> None:
             each = ", ".join(f"{w * 1e3:.1f}/{c * 1e3:.1f}" for w, c in zip(times, cpu))
             print(f"{label} {n}: TTFT {t * 1e3:.1f} ms, {n / t:,.0f} tok/s (each run wall/process CPU ms: {each})",
                   flush=True)
-    last = kernel_options().with_(**{"prefill_attention.triton_on_cuda": modes[-1] == "triton", "moe.grouped_tile": None})
+    last = kernel_options().with_(**{"prefill_attention.triton_on_cuda": modes[-1] == "triton", "moe.grouped_tile": None,
+                                     "moe.grouped_max_tokens": pass_tokens[-1] or library_pass})
     if args.host_profile:
         set_kernel_options(last)
         host_profile_prefill(eng, args.host_profile, base)

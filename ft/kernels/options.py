@@ -57,14 +57,18 @@ class MoeOptions:
     for sweeps (bench/prefill.py --grouped-configs); None, the default: by the pass's length
     (`grouped_config_for`, whose notes say what was measured).
     grouped_max_tokens: tokens per grouped pass at most (longer chunks are cut), which bounds the
-    workspace (`moe_workspace_bytes`); longer passes read each routed expert fewer times (H200: a
-    4,096-token chunk's routed experts in 2.9 ms in one pass against 5.8 ms in passes of 1,024).
+    workspace (`moe_workspace_bytes`: the gate/up output, tokens x top-k x intermediate, 168 MB at
+    16,384 tokens of the 80B); longer passes read and decode each routed expert fewer times per token
+    and fill their 128-pair tiles better (H200: a 4,096-token chunk's routed experts in 2.9 ms in one
+    pass against 5.8 ms in passes of 1,024; the 80B's whole prefill in 16,384-token chunks, the largest
+    default chunk: 16K prompt 602 -> 509 ms, 8K 295 -> 280 ms with passes of 16,384 against 4,096;
+    8,192 between; bench/prefill.py --grouped-max-tokens, RESULTS.md session 29).
     (The decode MoE skips a graph bucket's padding rows always; the variant that computed them lost by
     5-10% at batches 10 / 20 / 36 and was deleted, RESULTS.md session 29.)"""
 
     grouped_words: bool = True
     grouped_tile: tuple | None = None
-    grouped_max_tokens: int = 4096
+    grouped_max_tokens: int = 16384
 
 
 @dataclass(frozen=True)
