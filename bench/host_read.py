@@ -1,6 +1,6 @@
 """Misses read from pinned host memory inside the decode MoE kernels: what they cost. Not a test.
 
-    PYTHONPATH=. python3 bench/host_read.py [--store-gib 8] [--layers 48]
+    PYTHONPATH=. python3 bench/host_read.py [--store-gib 8] [--layers 48] [--land]
 
 Flagship shapes (H 2048, I 512, top-10 + the shared expert), batch 1, bf16. A pinned host store of
 512 experts (906 MB) and 64 device slots; each call routes 10 experts of which `misses` have no
@@ -15,6 +15,11 @@ engine's 43 GB store is) against one that does not. Prints tables last.
 random layer's experts, with the tuned tiles only: whether the store's size (the GPU's translation
 of host addresses, NUMA placement) is what reads the misses at ~37 GB/s inside the engine against
 48-55 GB/s here (session 18's profile).
+
+`--land`: each miss also lands the bytes it read in a device slot (`topk_dst`, the read-through
+landing store, as every first miss of an expert does in the engine), with the tuned tiles and also
+without landing in the same run: whether the landing's HBM writes are what slows the engine's misses
+(session 29: the engine's offloaded MoE spends ~55 us a miss against ~35 us here without landing).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--store-gib", type=float, default=8.0)
     ap.add_argument("--layers", type=int, default=1, help="layers of 512 experts in the host store (48: the engine's)")
+    ap.add_argument("--land", action="store_true",
+                    help="also time each miss landing in a device slot (topk_dst), tuned tiles only")
     args = ap.parse_args()
     _, hid, inter, top_k = MOE
     torch.manual_seed(0)
@@ -50,31 +57,35 @@ def main() -> None:
     wts = wts.to(torch.bfloat16)
     out = torch.empty_like(x)
     configs = [(DECODE_GATE_UP_CONFIG[1], DECODE_DOWN_PAIRS_CONFIG), ((2, 0, 4), (32, 0, 4)), ((1, 0, 2), (16, 0, 2)),
-               ((8, 0, 4), (128, 0, 4)), ((2, 0, 2), (64, 0, 2))][: 1 if args.layers > 1 else None]
+               ((8, 0, 4), (128, 0, 4)), ((2, 0, 2), (64, 0, 2))][: 1 if args.layers > 1 or args.land else None]
     rows = []
-    for gu, dn in configs:
+    for (gu, dn), land in ((c, land) for c in configs for land in ((False, True) if args.land else (False,))):
         base = None
         for misses in (0, 1, 2, 4, 10):
             calls = []
             for c in range(24):
                 ids = torch.randperm(512, device=DEV)[:top_k].view(1, -1)
-                # the first top_k - misses pairs hit slots c*8 .. (distinct per call), the rest miss
-                s = torch.tensor([[(c * 2 + j) % 64 if j < top_k - misses else -1 for j in range(top_k)]],
+                # the first top_k - misses pairs hit slots 0-31 (distinct per call), the rest miss; a
+                # landing miss writes slot 32 + j, which no pair reads
+                s = torch.tensor([[(c * 2 + j) % 32 if j < top_k - misses else -1 for j in range(top_k)]],
                                  device=DEV, dtype=torch.int32)
+                dst = torch.tensor([[32 + j if land and j >= top_k - misses else -1 for j in range(top_k)]],
+                                   device=DEV, dtype=torch.int32) if land else None
                 layer = int(torch.randint(args.layers, ()))
-                calls.append(lambda ids=ids, s=s, layer=layer: moe_decode_triton(
-                    x, s, wts, slots, shared, out=out, host=host, topk_ids=ids, layer=layer, gate_up_config=gu,
-                    down_config=dn, down_per_pair=True))
+                calls.append(lambda ids=ids, s=s, dst=dst, layer=layer: moe_decode_triton(
+                    x, s, wts, slots, shared, out=out, host=host, topk_ids=ids, layer=layer, topk_dst=dst,
+                    gate_up_config=gu, down_config=dn, down_per_pair=True))
             us = graph_us(calls)
             base = us if misses == 0 else base
             gbs = misses * expert_bytes / ((us - base) * 1e-6) / 1e9 if misses else float("nan")
-            rows.append((gu, dn, misses, us, gbs))
-            print(f"gate/up {gu} down {dn} misses {misses}: {us:.1f} us", flush=True)
+            rows.append((gu, dn, misses, us, gbs, land))
+            print(f"gate/up {gu} down {dn} misses {misses}{' landing' if land else ''}: {us:.1f} us", flush=True)
     print(f"\nhost store: {args.layers} layer(s) of 512 experts, {args.layers * 512 * expert_bytes / 1e9:.1f} GB")
-    print("\n| gate/up (rows, -, warps) | down (rows, -, warps) | misses | us per block | host GB/s (over 0 misses) |")
-    print("|---|---|---|---|---|")
-    for gu, dn, misses, us, gbs in rows:
-        print(f"| {gu} | {dn} | {misses} | {us:.1f} | {gbs:.1f} |")
+    print("\n| gate/up (rows, -, warps) | down (rows, -, warps) | misses land | misses | us per block | "
+          "host GB/s (over 0 misses) |")
+    print("|---|---|---|---|---|---|")
+    for gu, dn, misses, us, gbs, land in rows:
+        print(f"| {gu} | {dn} | {'yes' if land else 'no'} | {misses} | {us:.1f} | {gbs:.1f} |")
     launch_cost(x, wts, slots, shared, host, out, args.store_gib)
 
 
