@@ -553,3 +553,82 @@ def test_moe_decode_dispatcher_hands_live_to_the_kernel(monkeypatch):
     monkeypatch.setattr(moe_mod, "runs_triton", lambda *a: False)
     moe_mod.moe_decode(x, slots, weights, w, live=live)
     assert seen == [live]
+
+
+def _crowded_routing(t: int, k: int, s: int, gen: torch.Generator):
+    """Routing where many tokens share slots (s barely above k), some pairs without a slot."""
+    slots, weights = _routing(t, k, s, 0.15, gen)
+    return slots, weights
+
+
+@pytest.mark.parametrize(("t", "k", "shared", "with_live"), [(2, 3, True, False), (7, 4, True, True), (13, 3, False, True),
+                                                            (30, 2, True, False)])
+def test_pair_twins_kernel_equals_the_reference(t, k, shared, with_live):
+    """The device's twins (`_pair_twins_kernel`, several programs of 64 pairs past 64 pairs) are the
+    reference's: leaders name their next pair of the same slot (or the shared expert), followers
+    are -2, pairs without a slot and dead tokens' pairs -1; every follower has exactly one leader."""
+    import triton
+
+    from ft.kernels.moe.decode_kernel import _pair_twins_kernel, pair_twins_ref
+
+    gen = torch.Generator().manual_seed(t * 10 + k)
+    slots, _ = _crowded_routing(t, k, k + 2, gen)
+    live = torch.arange(t, dtype=torch.int64)
+    if with_live:
+        live[::3] = -1
+    ks = k + int(shared)
+    want = pair_twins_ref(slots, live if with_live else None, shared)
+    got = torch.full((t * ks,), 99, dtype=torch.int32)
+    block_p = triton.next_power_of_2(t * ks)
+    tb = min(64, block_p)
+    _pair_twins_kernel[(triton.cdiv(t * ks, tb),)](slots.to(torch.int32), live, got, t * ks, slots.stride(0), TOPK=k,
+                                                   HAS_SHARED=int(shared), HAS_LIVE=with_live, BLOCK=tb,
+                                                   BLOCK_P=block_p)
+    assert torch.equal(got, want)
+    leaders = want[want >= 0].tolist()
+    assert sorted(leaders) == sorted((want == -2).nonzero().flatten().tolist())  # each follower led once
+    assert (want >= -2).all() and (want < t * ks).all()
+
+
+@pytest.mark.parametrize("case", [DECODE_CASES[1], DECODE_CASES[3], DECODE_CASES[4]], ids=str)
+@pytest.mark.parametrize("with_live", [False, True], ids=["all-live", "padding"])
+def test_moe_decode_twins_are_bitwise_the_pairs(case, with_live):
+    """`MoeOptions.decode_twins` (variant "moe-decode-twins"): pairs that read one expert computed two at a
+    time give bit for bit what each pair's own programs give in the interpreter (crowded routing: most slots
+    shared by several tokens; one and two whole-K tiles; with the shared expert and padding rows). On a GPU
+    the twins' tiles (8 warps) may sum in another order than the pairs' (4): equal there within rounding."""
+    t, k, s, h, i, dtype, skip, with_shared = case
+    t = max(t, 5)
+    gen = torch.Generator().manual_seed(11 * t + h)
+    w = _slot_pool(k + 1, h, i, gen)
+    shared = _slot_pool(1, h, i, gen) if with_shared else None
+    slots, weights = _crowded_routing(t, k, k + 1, gen)
+    weights = torch.cat([weights, torch.rand(t, 1, generator=gen)], dim=1) if with_shared else weights
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    live = None
+    if with_live:
+        live = torch.arange(t, dtype=torch.int64)
+        live[1::3] = -1
+    from ft.kernels.moe.decode_kernel import pair_twins_ref
+
+    assert (pair_twins_ref(slots, live, with_shared) >= 0).sum() >= 3  # pairs that have a twin
+    pairs = moe_decode_triton(x, slots, weights.to(dtype), w, shared, down_per_pair=True, live=live)
+    with use_kernel_options(variant("moe-decode-twins")):
+        twins = moe_decode_triton(x, slots, weights.to(dtype), w, shared, down_per_pair=True, live=live,
+                                  out=torch.full((t, h), float("nan"), dtype=dtype))
+    assert torch.equal(twins, pairs)
+    ref = moe_decode_ref(x, slots, weights.to(dtype), w, shared, live=live)
+    assert ((twins.float() - ref.float()).norm() / ref.float().norm()).item() < TOL[dtype]
+
+
+def test_moe_decode_twins_beside_host_reads_and_landings():
+    """With the read-through host store and its landing store, twins pair only pairs that have a slot:
+    the misses read and land as without twins, the output bit for bit the same."""
+    gen = torch.Generator().manual_seed(35)
+    x, slots, weights, pool, shared, host, ids, layer, dst = _landing_case(torch.float32, torch.int64, gen)
+    before = SlotWeights(*(t_.clone() for t_ in pool))
+    want = moe_decode_triton(x, slots, weights, before, shared, host=host, topk_ids=ids, layer=layer)
+    with use_kernel_options(variant("moe-decode-twins")):
+        got = moe_decode_triton(x, slots, weights, pool, shared, host=host, topk_ids=ids, layer=layer, topk_dst=dst)
+    assert torch.equal(got, want)
+    _check_landed(pool, before, host, ids, slots, dst, layer)
