@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ft.kernels.options import DEFAULTS, kernel_options, set_kernel_options, variant
+from ft.kernels.options import DEFAULTS, VARIANTS, kernel_options, set_kernel_options, variant
 from ft.engine.core.engine import Engine
 from ft.engine.base.engine_config import EngineConfig
 from ft.engine.base.sampling_params import SamplingParams
@@ -40,7 +40,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="bf16", choices=("bf16", "fp8", "nvfp4"))
     ap.add_argument("--modes", default="eager,graphs", help="eager, graphs (both with overlapped decode off), overlap (graphs with overlapped decode, the "
                          "default on CUDA), pdl (overlap with programmatic dependent launch, the graphs captured "
-                         "again: on the H200 that capture failed in session 18, see ft.kernels.pdl); a list, repeats allowed (an A/B in one process)")
+                         "again: on the H200 that capture failed in session 18, see ft.kernels.pdl); a list, repeats allowed (an A/B in one process); "
+                         "MODE:VARIANT runs MODE with a named kernel variant on top (graphs captured again), e.g. "
+                         "graphs,graphs:moe-decode-twins,graphs,graphs:moe-decode-twins")
     ap.add_argument("--attention-programs", type=int, default=0, metavar="N",
                     help="split-K decode attention: aim at N programs (DecodeAttentionOptions.split_target_programs; max_splits raised to "
                          "match) instead of the library default")
@@ -94,15 +96,19 @@ def main() -> None:
         ("decode_attention.split_target_programs", args.attention_programs, bool(args.attention_programs)),
         ("decode_attention.max_splits", max(att.max_splits, args.attention_programs // 2), bool(args.attention_programs)),
     ) if given}
-    set_kernel_options(variant(*[name for flag, name in ((args.no_small_m_gemv, "nvfp4-tile-small-m"),
-                                                         (args.pdl, "pdl"), (args.no_lanes_ptx, "nvfp4-lanes-triton"),
-                                                         (args.no_halves, "nvfp4-dot-interleaved")) if flag],
-                               *args.variant, **changes))
+    flagged = [name for flag, name in ((args.no_small_m_gemv, "nvfp4-tile-small-m"), (args.pdl, "pdl"),
+                                       (args.no_lanes_ptx, "nvfp4-lanes-triton"),
+                                       (args.no_halves, "nvfp4-dot-interleaved")) if flag]
+    set_kernel_options(variant(*flagged, *args.variant, **changes))
+    base_options = kernel_options()
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.context.split(",")]
     modes = [m for m in args.modes.split(",") if m]
-    if not contexts or min(contexts) < 1 or not set(modes) <= {"eager", "graphs", "overlap", "pdl"} or not modes:
-        raise SystemExit("--context takes positive lengths, --modes eager, graphs, overlap and/or pdl (repeats allowed)")
+    bad = [m for m in modes if m.split(":")[0] not in ("eager", "graphs", "overlap", "pdl")
+           or any(v not in VARIANTS for v in m.split(":")[1:])]
+    if not contexts or min(contexts) < 1 or not modes or bad:
+        raise SystemExit("--context takes positive lengths, --modes eager, graphs, overlap and/or pdl (repeats allowed), "
+                         f"each optionally :VARIANT[:VARIANT] (ft.kernels.options.VARIANTS); got {bad or modes}")
     t0 = time.perf_counter()
     eng = Engine(EngineConfig(model=f"synthetic:{args.config}", device="cuda", dtype="bfloat16",
                               moe_backend="resident",
@@ -117,17 +123,21 @@ def main() -> None:
     for ctx in contexts:
         vocab = eng.model_config.vocab_size
         prompt = [(1000 + j) % vocab for j in range(ctx)]  # any config's vocabulary (the flagship's: the same ids)
-        for mode in modes:
+        for spec in modes:
             # "overlap": graphs with overlapped decode, switched on this engine (an A/B in one process);
-            # "pdl": overlap with programmatic dependent launch switched on (the graphs captured again)
+            # "pdl": overlap with programmatic dependent launch switched on (the graphs captured again);
+            # "MODE:VARIANT": MODE with a named kernel variant on top of the flags' options (captured again)
+            mode, *extra = spec.split(":")
+            set_variants(graphs, base_options, extra)
             set_pdl(graphs, mode == "pdl" or args.pdl)
             eng.runner.graphs = graphs if mode in ("graphs", "overlap", "pdl") else None
             eng.config = dataclasses.replace(eng.config, overlap_decode=mode in ("overlap", "pdl"))
             for b in batches:
                 tok_s, step_ms = timed_decode(eng, prompt, b, args.tokens)
                 roof = COPY_BW / bytes_per_step(eng, b, len(prompt) + args.tokens) * b
-                rows.append((ctx, mode, b, tok_s, step_ms, roof))
-                print(f"context {ctx} {mode} batch {b}: {tok_s:.1f} tok/s", flush=True)
+                rows.append((ctx, spec, b, tok_s, step_ms, roof))
+                print(f"context {ctx} {spec} batch {b}: {tok_s:.1f} tok/s", flush=True)
+    set_variants(graphs, base_options, [])
     set_pdl(graphs, args.pdl)
     eng.runner.graphs = graphs
     eng.config = dataclasses.replace(eng.config, overlap_decode=args.overlap_decode)
@@ -153,11 +163,22 @@ def main() -> None:
           f"{kernel_options().decode_attention.split_target_programs} programs, at most "
           f"{kernel_options().decode_attention.max_splits} splits")
     label = Path(args.config).stem.removesuffix(".json") + " (syn.)"
-    print(f"\n{'model':<26} {'context':>8} {'mode':<7} {'batch':>5} {'tok/s':>9} {'ms/step':>8} {'roofline tok/s':>14} "
+    mw = max([7] + [len(m) for m in modes])
+    print(f"\n{'model':<26} {'context':>8} {'mode':<{mw}} {'batch':>5} {'tok/s':>9} {'ms/step':>8} {'roofline tok/s':>14} "
           f"{'ratio':>7}")
     for ctx, mode, b, tok_s, step_ms, roof in rows:
-        print(f"{label:<26} {ctx:>8} {mode:<7} {b:>5} {tok_s:>9.2f} {step_ms:>8.2f} {roof:>14.0f} "
+        print(f"{label:<26} {ctx:>8} {mode:<{mw}} {b:>5} {tok_s:>9.2f} {step_ms:>8.2f} {roof:>14.0f} "
               f"{tok_s / roof:>7.2%}")
+
+
+def set_variants(graphs, base, names: list[str]) -> None:
+    """The kernel options `base` with the named variants on top, for the next launches; the decode graphs
+    are captured again when they change (a graph keeps the launches it captured)."""
+    want = base.with_(**{k: v for name in names for k, v in VARIANTS[name].items()})
+    if want != kernel_options():
+        set_kernel_options(want)
+        if graphs is not None:
+            graphs.invalidate()
 
 
 def set_pdl(graphs, on: bool) -> None:
