@@ -133,6 +133,13 @@ def pair_twins_ref(topk_slots: torch.Tensor, live: torch.Tensor | None, has_shar
 
 
 @triton.jit
+def _twin_of(p_twin, i_p):
+    """Pair i_p's place among the twins (`pair_twins_ref`): (a follower, has a twin, the twin's pair id or 0)."""
+    tw = tl.load(p_twin + i_p)
+    return tw == -2, tw >= 0, tl.maximum(tw, 0)
+
+
+@triton.jit
 def _moe_decode_gate_up_kernel(
     p_x, p_slots, p_ids, p_dst, p_w13, p_s13, p_s2, p_sw13, p_ss13, p_ss2, p_hw13, p_hs13, p_hs2, p_h, p_live,
     I, H,
@@ -169,11 +176,9 @@ def _moe_decode_gate_up_kernel(
     i_t = i_p // KS
     j = i_p % KS
     if TWIN:
-        tw = tl.load(p_twin + i_p)
-        if tw == -2:  # a follower: its leader's programs compute its h
+        follower, twin, i_q = _twin_of(p_twin, i_p)
+        if follower:  # its leader's programs compute its h
             return
-        twin = tw >= 0
-        i_q = tl.maximum(tw, 0)
     is_shared = j >= TOPK
     slot = tl.load(p_slots + i_t * stride_st + j, mask=j < TOPK, other=0)
     eid = tl.load(p_ids + i_t * stride_it + j, mask=HAS_HOST & (j < TOPK), other=-1)  # ids: only with a host store
@@ -340,11 +345,9 @@ def _moe_decode_down_pairs_kernel(
     i_t = i_p // KS
     j = i_p % KS
     if TWIN:
-        tw = tl.load(p_twin + i_p)
-        if tw == -2:  # a follower: its leader's programs compute its yp
+        follower, twin, i_q = _twin_of(p_twin, i_p)
+        if follower:  # its leader's programs compute its yp
             return
-        twin = tw >= 0
-        i_q = tl.maximum(tw, 0)
     is_shared = j >= TOPK
     slot = tl.load(p_slots + i_t * stride_st + j, mask=j < TOPK, other=0)
     eid = tl.load(p_ids + i_t * stride_it + j, mask=HAS_HOST & (j < TOPK), other=-1)
