@@ -128,6 +128,18 @@ GROUPED_DECODE_SWEEP = [(16, 64, 128, 4, 3, True), (16, 128, 128, 4, 3, True), (
 runs of 1-2 pairs an expert."""
 
 
+def _uniform_batch(batch: int):
+    """24 uniform routings of `batch` tokens over the pool's slots, their mean pairs per distinct expert, x
+    [batch, H] and the routing weights with the shared expert's [batch, k + 1] (bf16)."""
+    n_slots, hid, _, top_k = MOE
+    routes = [torch.stack([torch.randperm(n_slots, device=DEV)[:top_k] for _ in range(batch)]) for _ in range(24)]
+    share = sum(r.numel() / r.unique().numel() for r in routes) / len(routes)
+    x = torch.randn(batch, hid, device=DEV, dtype=torch.bfloat16)
+    wts = torch.cat([torch.softmax(torch.randn(batch, top_k, device=DEV), -1), torch.rand(batch, 1, device=DEV)],
+                    dim=1).to(torch.bfloat16)
+    return routes, share, x, wts
+
+
 def grouped_table(pool: SlotWeights, sweep: list) -> None:
     """At batch 8..64, us per call (graph of 24 routings): the decode block (routed + shared, per
     pair), the routed part per pair and on the grouped tl.dot path, and the pairs per distinct expert;
@@ -136,11 +148,7 @@ def grouped_table(pool: SlotWeights, sweep: list) -> None:
     shared = SlotWeights(*(t[:1].clone() for t in pool))
     rows = []
     for batch in (8, 16, 32, 64):
-        routes = [torch.stack([torch.randperm(n_slots, device=DEV)[:top_k] for _ in range(batch)]) for _ in range(24)]
-        share = sum(r.numel() / r.unique().numel() for r in routes) / len(routes)
-        x = torch.randn(batch, hid, device=DEV, dtype=torch.bfloat16)
-        wts = torch.cat([torch.softmax(torch.randn(batch, top_k, device=DEV), -1), torch.rand(batch, 1, device=DEV)],
-                        dim=1).to(torch.bfloat16)
+        routes, share, x, wts = _uniform_batch(batch)
         wr = wts[:, :-1].contiguous()
         out = torch.empty_like(x)
         ref = moe_over_slots_ref(x, routes[0], wr, pool)
@@ -180,12 +188,8 @@ def twins_table(pool: SlotWeights, sweep: list) -> None:
     shared = SlotWeights(*(t[:1].clone() for t in pool))
     rows = []
     for batch in (8, 16, 32, 64):
-        routes = [torch.stack([torch.randperm(n_slots, device=DEV)[:top_k] for _ in range(batch)]) for _ in range(24)]
-        share = sum(r.numel() / r.unique().numel() for r in routes) / len(routes)
+        routes, share, x, wts = _uniform_batch(batch)
         twinned = sum(int((pair_twins_ref(r, None, True) != -1).sum()) for r in routes) / (24 * batch * (top_k + 1))
-        x = torch.randn(batch, hid, device=DEV, dtype=torch.bfloat16)
-        wts = torch.cat([torch.softmax(torch.randn(batch, top_k, device=DEV), -1), torch.rand(batch, 1, device=DEV)],
-                        dim=1).to(torch.bfloat16)
         out = torch.empty_like(x)
         ref = moe_decode_ref(x, routes[0], wts, pool, shared)
         e_pairs = rel_rms(moe_decode_triton(x, routes[0], wts, pool, shared), ref)
