@@ -42,7 +42,7 @@ def main() -> None:
                          "default on CUDA), pdl (overlap with programmatic dependent launch, the graphs captured "
                          "again: on the H200 that capture failed in session 18, see ft.kernels.pdl); a list, repeats allowed (an A/B in one process); "
                          "MODE:VARIANT runs MODE with a named kernel variant on top (graphs captured again), e.g. "
-                         "graphs,graphs:moe-decode-twins,graphs,graphs:moe-decode-twins")
+                         "graphs,graphs:nvfp4-lanes-triton,graphs,graphs:nvfp4-lanes-triton")
     ap.add_argument("--attention-programs", type=int, default=0, metavar="N",
                     help="split-K decode attention: aim at N programs (DecodeAttentionOptions.split_target_programs; max_splits raised to "
                          "match) instead of the library default")

@@ -2,7 +2,7 @@
 fused (`moe_decode_triton`: two launches, the shared expert as one more pair, one sum), and the
 fused block with its whole-K word decode in Triton against inline PTX (kernel variant "nvfp4-lanes-triton" against the default). Not a test.
 
-    PYTHONPATH=. python3 bench/moe_decode.py [--sweep] [--grouped [--sweep]] [--twins [--sweep]]
+    PYTHONPATH=. python3 bench/moe_decode.py [--sweep] [--grouped [--sweep]]
 
 `--grouped`: instead, at batch 8, 16, 32 and 64 with uniform routing (pairs per distinct expert
 ~1.08 / 1.16 / 1.34 / 1.75, as the calibrated trace gives): the decode block, and its routed part
@@ -10,12 +10,6 @@ alone on the per-pair kernels against the prefill's grouped tl.dot path (`moe_ov
 `grouped=True`: each expert's tile decoded once for all its pairs), whether a step whose tokens share
 experts is better served grouped; with `--sweep`, also the grouped path on decode-sized tiles
 (`GROUPED_DECODE_SWEEP`: 16-pair tiles, the prefill's are 32 and 128).
-
-`--twins`: at batch 8, 16, 32 and 64 (uniform routing, as above), the decode block per pair against the
-block with twins (`MoeOptions.decode_twins`: two pairs of one expert a program, the weights decoded once;
-variant "moe-decode-twins") at its tiles (`DECODE_TWIN_GATE_UP_CONFIG`, `DECODE_TWIN_DOWN_PAIRS_CONFIG`),
-the share of pairs that have a twin, and the error of both against the reference; with `--sweep`, also the
-twins at the tiles of `TWIN_SWEEP`.
 
 Flagship shapes (512 slots, H 2048, I 512, top-10, shared expert of the same shapes), bf16, every
 call inside a CUDA graph over 24 routings (`bench.gpu_timing.graph_us`; the pool is 850 MB, past
@@ -59,7 +53,6 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time other block sizes of the fused kernels")
     ap.add_argument("--grouped", action="store_true", help="the routed part per pair against the grouped tl.dot path, "
                                                            "batch 8 to 64")
-    ap.add_argument("--twins", action="store_true", help="the block per pair against the block with twins, batch 8 to 64")
     args = ap.parse_args()
     n_slots, hid, inter, top_k = MOE
     torch.manual_seed(0)
@@ -67,8 +60,6 @@ def main() -> None:
     shared = SlotWeights(*(t[:1].clone() for t in pool))
     if args.grouped:
         return grouped_table(pool, GROUPED_DECODE_SWEEP if args.sweep else [])
-    if args.twins:
-        return twins_table(pool, TWIN_SWEEP if args.sweep else [])
     rows = []
     for batch in (1, 8):
         routes = [torch.stack([torch.randperm(n_slots, device=DEV)[:top_k] for _ in range(batch)]) for _ in range(24)]
@@ -128,18 +119,6 @@ GROUPED_DECODE_SWEEP = [(16, 64, 128, 4, 3, True), (16, 128, 128, 4, 3, True), (
 runs of 1-2 pairs an expert."""
 
 
-def _uniform_batch(batch: int):
-    """24 uniform routings of `batch` tokens over the pool's slots, their mean pairs per distinct expert, x
-    [batch, H] and the routing weights with the shared expert's [batch, k + 1] (bf16)."""
-    n_slots, hid, _, top_k = MOE
-    routes = [torch.stack([torch.randperm(n_slots, device=DEV)[:top_k] for _ in range(batch)]) for _ in range(24)]
-    share = sum(r.numel() / r.unique().numel() for r in routes) / len(routes)
-    x = torch.randn(batch, hid, device=DEV, dtype=torch.bfloat16)
-    wts = torch.cat([torch.softmax(torch.randn(batch, top_k, device=DEV), -1), torch.rand(batch, 1, device=DEV)],
-                    dim=1).to(torch.bfloat16)
-    return routes, share, x, wts
-
-
 def grouped_table(pool: SlotWeights, sweep: list) -> None:
     """At batch 8..64, us per call (graph of 24 routings): the decode block (routed + shared, per
     pair), the routed part per pair and on the grouped tl.dot path, and the pairs per distinct expert;
@@ -148,7 +127,11 @@ def grouped_table(pool: SlotWeights, sweep: list) -> None:
     shared = SlotWeights(*(t[:1].clone() for t in pool))
     rows = []
     for batch in (8, 16, 32, 64):
-        routes, share, x, wts = _uniform_batch(batch)
+        routes = [torch.stack([torch.randperm(n_slots, device=DEV)[:top_k] for _ in range(batch)]) for _ in range(24)]
+        share = sum(r.numel() / r.unique().numel() for r in routes) / len(routes)
+        x = torch.randn(batch, hid, device=DEV, dtype=torch.bfloat16)
+        wts = torch.cat([torch.softmax(torch.randn(batch, top_k, device=DEV), -1), torch.rand(batch, 1, device=DEV)],
+                        dim=1).to(torch.bfloat16)
         wr = wts[:, :-1].contiguous()
         out = torch.empty_like(x)
         ref = moe_over_slots_ref(x, routes[0], wr, pool)
@@ -172,47 +155,6 @@ def grouped_table(pool: SlotWeights, sweep: list) -> None:
     for batch, share, t_block, t_pairs, t_grouped, e_p, e_g, best in rows:
         print(f"{batch:>5} {share:>12.2f} {t_block:>9.1f} {t_pairs:>19.1f} {t_grouped:>18.1f} {t_grouped / t_pairs:>12.2f}x "
               f"{e_p:>10.1e} {e_g:>11.1e}  {best[0]} {best[1]:.1f} us")
-
-
-TWIN_SWEEP = [((8, 0, 8), (64, 0, 8)), ((4, 0, 8), (64, 0, 8)), ((4, 0, 4), (32, 0, 8)), ((8, 0, 8), (32, 0, 8)),
-              ((2, 0, 4), (32, 0, 4)), ((16, 0, 8), (128, 0, 8))]
-"""(gate_up, down) tiles of the twins' kernels: (rows, 0 = whole K, warps); at 4 warps and the pairs' rows
-they spilled on sm_90 (tests/compile_kernels_sm90.py --regs)."""
-
-
-def twins_table(pool: SlotWeights, sweep: list) -> None:
-    """At batch 8..64, us per call (graph of 24 routings): the decode block per pair and with twins."""
-    from ft.kernels.moe.decode_kernel import DECODE_TWIN_DOWN_PAIRS_CONFIG, DECODE_TWIN_GATE_UP_CONFIG, pair_twins_ref
-
-    n_slots, hid, _, top_k = MOE
-    shared = SlotWeights(*(t[:1].clone() for t in pool))
-    rows = []
-    for batch in (8, 16, 32, 64):
-        routes, share, x, wts = _uniform_batch(batch)
-        twinned = sum(int((pair_twins_ref(r, None, True) != -1).sum()) for r in routes) / (24 * batch * (top_k + 1))
-        out = torch.empty_like(x)
-        ref = moe_decode_ref(x, routes[0], wts, pool, shared)
-        e_pairs = rel_rms(moe_decode_triton(x, routes[0], wts, pool, shared), ref)
-        t_pairs = graph_us([partial(moe_decode_triton, x, r, wts, pool, shared, out=out) for r in routes])
-        with use_kernel_options(variant("moe-decode-twins")):
-            e_twins = rel_rms(moe_decode_triton(x, routes[0], wts, pool, shared), ref)
-            t_twins = graph_us([partial(moe_decode_triton, x, r, wts, pool, shared, out=out) for r in routes])
-            best = ((DECODE_TWIN_GATE_UP_CONFIG, DECODE_TWIN_DOWN_PAIRS_CONFIG), t_twins)
-            for gu, dn in sweep:
-                fn = partial(moe_decode_triton, gate_up_config=gu, down_config=dn)
-                e = rel_rms(fn(x, routes[0], wts, pool, shared), ref)
-                tc = graph_us([partial(fn, x, r, wts, pool, shared, out=out) for r in routes]) if e < TOL else float("inf")
-                print(f"  sweep b{batch} twins gate_up {gu} down {dn}: {tc:.1f} us err {e:.1e}", flush=True)
-                if tc < best[1]:
-                    best = ((gu, dn), tc)
-        rows.append((batch, share, twinned, t_pairs, t_twins, e_pairs, e_twins, best))
-        print(f"batch {batch}: per pair {t_pairs:.1f} us, twins {t_twins:.1f} us", flush=True)
-    print(f"\n{'batch':>5} {'pairs/expert':>12} {'pairs in twins':>14} {'per pair us':>11} {'twins us':>9} "
-          f"{'pairs/twins':>11} {'err pairs':>10} {'err twins':>10}  best twin tiles")
-    for batch, share, twinned, t_p, t_t, e_p, e_t, best in rows:
-        print(f"{batch:>5} {share:>12.2f} {twinned:>13.0%} {t_p:>11.1f} {t_t:>9.1f} {t_p / t_t:>10.2f}x {e_p:>10.1e} "
-              f"{e_t:>10.1e}  {best[0]} {best[1]:.1f} us")
-
 
 if __name__ == "__main__":
     main()

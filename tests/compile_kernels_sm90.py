@@ -252,18 +252,6 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("moe decode gate_up + host store + landing store, padding rows skipped", moe_dec._moe_decode_gate_up_kernel,
      MOE_DECODE_GATE_UP, {"TOPK": 10, "HAS_SHARED": True, "HAS_HOST": True, "HAS_DST": True, "HAS_LIVE": True,
                           **moe_cfg(moe_dec.DECODE_GATE_UP_CONFIG[2], 256, "BLOCK_I")}),
-    ("moe decode gate_up + shared, twins (decode_twins), more tokens", moe_dec._moe_decode_gate_up_kernel,
-     {**MOE_DECODE_GATE_UP, "p_twin": "*i32"}, {"TOPK": 10, "HAS_SHARED": True, "HAS_HOST": False, "HAS_DST": False,
-                                                "HAS_LIVE": True, "TWIN": True,
-                                                **moe_cfg(moe_dec.DECODE_TWIN_GATE_UP_CONFIG, 256, "BLOCK_I")}),
-    ("moe decode down per pair + shared, twins (decode_twins)", moe_dec._moe_decode_down_pairs_kernel,
-     {**MOE_DECODE_DOWN_PAIRS, "p_twin": "*i32"},
-     {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe_dec.DECODE_TWIN_DOWN_PAIRS_CONFIG[0], "WHOLE_K": 64,
-      "HAS_HOST": False, "HAS_DST": False, "HAS_LIVE": True, "TWIN": True, "ASM": OPTIONS.nvfp4.lanes_ptx,
-      "num_warps": moe_dec.DECODE_TWIN_DOWN_PAIRS_CONFIG[2]}),
-    ("moe decode pair twins, 64 tokens", moe_dec._pair_twins_kernel,
-     {"p_slots": "*i32", "p_live": "*i64", "p_twin": "*i32", **ints("P", "stride_st")},
-     {"TOPK": 10, "HAS_SHARED": True, "HAS_LIVE": True, "BLOCK": 64, "BLOCK_P": 1024, "num_warps": 4}),
     ("moe decode gate_up, K loop", moe_dec._moe_decode_gate_up_kernel, MOE_DECODE_GATE_UP,
      {"TOPK": 10, "HAS_SHARED": False, "HAS_HOST": False, "HAS_DST": False, **moe_cfg((8, 64, 4), 256, "BLOCK_I")}),
     ("moe decode down + sum + shared", moe_dec._moe_decode_down_kernel, MOE_DECODE_DOWN,
@@ -429,9 +417,7 @@ def compile_case(kernel, signature: dict, params: dict):
     options = {k: params.pop(k) for k in ("num_warps", "num_stages", "maxnreg", "launch_pdl") if k in params}
     for p in kernel.params:  # constexprs a case leaves out take their defaults (else triton fails obscurely)
         default = getattr(p, "default", inspect.Parameter.empty)
-        # (an optional pointer left out, default None, is a None constexpr, as a launch passing None makes it)
-        if (p.is_constexpr or default is None) and p.name not in params and p.name not in signature \
-                and default is not inspect.Parameter.empty:
+        if p.is_constexpr and p.name not in params and p.name not in signature and default is not inspect.Parameter.empty:
             params[p.name] = default
     names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.startswith("p_") or n.startswith("stride")}

@@ -63,20 +63,12 @@ class MoeOptions:
     pass against 5.8 ms in passes of 1,024; the 80B's whole prefill in 16,384-token chunks, the largest
     default chunk: 16K prompt 602 -> 509 ms, 8K 295 -> 280 ms with passes of 16,384 against 4,096;
     8,192 between; bench/prefill.py --grouped-max-tokens, RESULTS.md session 29).
-    decode_twins: the decode MoE's pairs that read the same expert (a slot two tokens route to, the
-    shared expert of every token) are computed two at a time: one program decodes the weight tile once
-    and dots it with both tokens (`decode_kernel.pair_twins_ref`; one extra small launch a layer finds
-    the twins on the device). Why: the per-pair kernels' time grows with the pairs, not with the
-    distinct experts (1.33 / 1.75 pairs an expert at batch 32 / 64, session 27), bound by the weight
-    decode per element. Off: NOT YET MEASURED on the device (written in session 29 after its device
-    time was spent); `bench/decode.py --batches 8,16,32,64 --variant moe-decode-twins` is its A/B.
     (The decode MoE skips a graph bucket's padding rows always; the variant that computed them lost by
     5-10% at batches 10 / 20 / 36 and was deleted, RESULTS.md session 29.)"""
 
     grouped_words: bool = True
     grouped_tile: tuple | None = None
     grouped_max_tokens: int = 16384
-    decode_twins: bool = False
 
 
 @dataclass(frozen=True)
@@ -208,7 +200,6 @@ VARIANTS: dict[str, dict[str, object]] = {
     "nvfp4-lanes-triton": {"nvfp4.lanes_ptx": False},  # bench/decode.py --no-lanes-ptx, bench/moe_decode.py
     "nvfp4-dot-interleaved": {"nvfp4.dot_halves": False},  # bench/decode.py --no-dot-halves
     "moe-bytes": {"moe.grouped_words": False},  # bench/moe_prefill.py, bench/prefill.py
-    "moe-decode-twins": {"moe.decode_twins": True},  # bench/decode.py --variant (not yet measured)
     "attention-prefill-reference": {"prefill_attention.triton_on_cuda": False},  # bench/prefill.py --modes
     "attention-prefill-triton-only": {"prefill_attention.library_on_cuda": False},  # bench/prefill.py --library
     "gated-delta-solve-ieee": {"gated_delta.solve_precision": "ieee"},  # bench/gated_delta_prefill.py

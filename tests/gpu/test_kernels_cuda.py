@@ -239,38 +239,6 @@ def test_moe_decode_with_shared_expert(pool, batch):
         assert torch.equal(moe_over_slots_triton(x, topk_slots, weights[:, :TOP_K], pool), routed)
 
 
-@pytest.mark.parametrize("batch", [2, 32, 64])
-def test_moe_decode_twins_match_the_pairs(pool, batch):
-    """Flagship shapes, bf16, routing over few experts (most slots read by several tokens): the decode MoE
-    with twins (variant "moe-decode-twins": two pairs of one expert a program, at the twin tiles) against
-    the per-pair kernels and the fp32 reference, with padding rows; a token's result does not depend on
-    which batch it is in (the twins' order is by pair)."""
-    from ft.kernels.moe import moe_decode_ref
-    from ft.kernels.moe.decode_kernel import moe_decode_triton, pair_twins_ref
-    from ft.kernels.options import use_kernel_options, variant
-
-    torch.manual_seed(4)
-    shared = SlotWeights(*(t[:1].clone() for t in pool))
-    x = torch.randn(batch, HIDDEN, device=DEV, dtype=torch.bfloat16)
-    topk_slots = torch.stack([torch.randperm(24, device=DEV)[:TOP_K] for _ in range(batch)])  # 24 of the slots
-    weights = torch.cat([torch.softmax(torch.randn(batch, TOP_K, device=DEV), -1),
-                         torch.rand(batch, 1, device=DEV)], dim=1).to(torch.bfloat16)
-    live = torch.arange(batch, device=DEV)
-    if batch > 2:
-        live[-1] = -1  # a padding row
-    assert (pair_twins_ref(topk_slots, live, True) >= 0).any()
-    pairs = moe_decode_triton(x, topk_slots, weights, pool, shared, live=live)
-    with use_kernel_options(variant("moe-decode-twins")):
-        twins = moe_decode_triton(x, topk_slots, weights, pool, shared, live=live,
-                                  out=torch.full_like(x, float("nan")))
-        alone = moe_decode_triton(x[:2], topk_slots[:2], weights[:2], pool, shared, live=live[:2])
-    dead = live < 0
-    assert not twins[dead].any() and not twins.isnan().any()
-    assert rel_rms(twins[~dead], pairs[~dead]) < 1e-3
-    assert rel_rms(twins[~dead], moe_decode_ref(x, topk_slots, weights, pool, shared)[~dead]) < TOL_MOE
-    assert torch.equal(alone[0], twins[0]) or batch == 2  # token 0 leads its twins in both batches
-
-
 @pytest.mark.parametrize("batch", [1, 8])
 def test_moe_decode_with_next_norm_equals_two_launches(pool, batch):
     """Flagship shapes, bf16: the sum fused with the residual add and the next input norm equals the

@@ -40,12 +40,6 @@ DECODE_GATE_UP_CONFIG = {1: (4, 0, 4), 2: (8, 0, 4)}
 # `DECODE_DOWN_CONFIG` configures and `down_per_pair=False` or a K that is not one tile selects).
 DECODE_DOWN_PAIRS_CONFIG = (64, 0, 4)
 DECODE_DOWN_CONFIG = {1: (8, 0, 4), 2: (8, 0, 2)}
-# With twins (`MoeOptions.decode_twins`): the same rows a program as the tiles above, twice the warps: a
-# program decodes its rows once for two tokens, and at 4 warps it held 255 registers and spilled (192 and
-# 48 bytes, sm_90, tests/compile_kernels_sm90.py --regs); at 8 warps 188 / 143 registers, no spill. Not yet
-# swept on the device.
-DECODE_TWIN_GATE_UP_CONFIG = (8, 0, 8)
-DECODE_TWIN_DOWN_PAIRS_CONFIG = (64, 0, 8)
 DECODE_DOWN_PAIRS_MIN_TOKENS = 1
 
 
@@ -62,83 +56,6 @@ def _padding_skip(p_live, i_t, from_host, p_dst_pair, routed, HAS_DST: tl.conste
     return dead, skip
 
 
-SHARED_TWIN_KEY = 1 << 30
-"""The shared expert's key in `pair_twins` (every token's shared pair reads the same weights)."""
-
-
-@triton.jit
-def _twin_keys(p_slots, p_live, o_p, P, stride_st, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr,
-               HAS_LIVE: tl.constexpr):
-    """The twin key of pairs o_p (`pair_twins_ref`'s): the slot of a routed pair with one, SHARED_TWIN_KEY
-    for the shared expert's pair, -1 (never twinned) for a pair without a slot, a dead token's pair, o_p >= P."""
-    KS: tl.constexpr = TOPK + HAS_SHARED
-    i_t = o_p // KS
-    j = o_p % KS
-    m = o_p < P
-    key = tl.load(p_slots + i_t * stride_st + j, mask=m & (j < TOPK), other=-1)
-    key = tl.where(m & (j >= TOPK), 1 << 30, tl.maximum(key, -1))
-    if HAS_LIVE:
-        key = tl.where(tl.load(p_live + i_t, mask=m, other=-1) >= 0, key, -1)
-    return tl.where(m, key, -1)
-
-
-@triton.jit
-def _pair_twins_kernel(p_slots, p_live, p_twin, P, stride_st, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr,
-                       HAS_LIVE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Grid (cdiv(P, BLOCK),): twin[p] for pairs p of this block (`pair_twins_ref`'s contract), each
-    against every pair in BLOCK-wide tiles: the rank of p among the earlier pairs of its key and the
-    first later pair of its key."""
-    o_p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    key = _twin_keys(p_slots, p_live, o_p, P, stride_st, TOPK, HAS_SHARED, HAS_LIVE)
-    rank = tl.zeros((BLOCK,), dtype=tl.int32)
-    nxt = tl.zeros((BLOCK,), dtype=tl.int32) + BLOCK_P
-    for q0 in tl.static_range(0, BLOCK_P, BLOCK):
-        o_q = q0 + tl.arange(0, BLOCK)
-        kq = _twin_keys(p_slots, p_live, o_q, P, stride_st, TOPK, HAS_SHARED, HAS_LIVE)
-        same = (key[:, None] == kq[None, :]) & (key[:, None] >= 0)
-        rank += tl.sum((same & (o_q[None, :] < o_p[:, None])).to(tl.int32), axis=1)
-        nxt = tl.minimum(nxt, tl.min(tl.where(same & (o_q[None, :] > o_p[:, None]), o_q[None, :], BLOCK_P), axis=1))
-    twin = tl.where(rank % 2 == 1, -2, tl.where(nxt < BLOCK_P, nxt, -1))
-    tl.store(p_twin + o_p, tl.where(key >= 0, twin, -1), mask=o_p < P)
-
-
-def pair_twins_ref(topk_slots: torch.Tensor, live: torch.Tensor | None, has_shared: bool) -> torch.Tensor:
-    """The decode MoE's pair twins (torch reference of `_pair_twins_kernel`): int32 [T * KS], KS = k +
-    has_shared, pair p = t * KS + j. Pairs read the same weights when their keys match: a routed pair's
-    slot (>= 0), or the shared expert's pair of any token. Among the pairs of one key, in pair order,
-    the 1st, 3rd, ... lead: twin[p] = the next pair of the key (its twin, computed by p's programs) or
-    -1 when none is left; the 2nd, 4th, ... follow: -2 (their leader computes them). A pair without a
-    slot (-1: skipped, or read from the host store), a dead token's pair (live < 0) gets -1: alone."""
-    t, k = topk_slots.shape
-    ks = k + int(has_shared)
-    keys = torch.full((t, ks), -1, dtype=torch.int64)
-    keys[:, :k] = topk_slots.cpu().long().clamp(min=-1)
-    if has_shared:
-        keys[:, k] = SHARED_TWIN_KEY
-    if live is not None:
-        keys[live.cpu() < 0] = -1
-    keys = keys.reshape(-1).tolist()
-    twin, seen, lead = [-1] * len(keys), {}, {}
-    for p, key in enumerate(keys):
-        if key < 0:
-            continue
-        r = seen.get(key, 0)
-        seen[key] = r + 1
-        if r % 2:
-            twin[p] = -2
-            twin[lead[key]] = p
-        else:
-            lead[key] = p
-    return torch.tensor(twin, dtype=torch.int32)
-
-
-@triton.jit
-def _twin_of(p_twin, i_p):
-    """Pair i_p's place among the twins (`pair_twins_ref`): (a follower, has a twin, the twin's pair id or 0)."""
-    tw = tl.load(p_twin + i_p)
-    return tw == -2, tw >= 0, tl.maximum(tw, 0)
-
-
 @triton.jit
 def _moe_decode_gate_up_kernel(
     p_x, p_slots, p_ids, p_dst, p_w13, p_s13, p_s2, p_sw13, p_ss13, p_ss2, p_hw13, p_hs13, p_hs2, p_h, p_live,
@@ -148,8 +65,7 @@ def _moe_decode_gate_up_kernel(
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr,
     WHOLE_K: tl.constexpr = 0, HAS_HOST: tl.constexpr = False, HAS_DST: tl.constexpr = False,
     ASM: tl.constexpr = False,
-    PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0, HAS_LIVE: tl.constexpr = False, p_twin=None,
-    TWIN: tl.constexpr = False,
+    PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0, HAS_LIVE: tl.constexpr = False,
 ):
     """Grid (T * KS, I / BLOCK_I), KS = TOPK + HAS_SHARED: h[t * KS + j] = silu(x[t] @ gate^T) * (x[t] @ up^T)
     (fp32) of pair j of token t: the expert in slot topk_slots[t, j] for j < TOPK, the shared expert
@@ -164,10 +80,7 @@ def _moe_decode_gate_up_kernel(
     contract), so the stores race with no load.
     HAS_LIVE: token t is live when p_live[t] >= 0 (a decode step's KV slots: a padding row writes
     nowhere, -1); a dead token's pairs store zeros and return before any weight is read, except a
-    pair that lands an expert (HAS_DST), which runs whole so that the slot is filled.
-    TWIN (with WHOLE_K): p_twin [T * KS] (`pair_twins_ref`): a follower's programs return at once, a
-    leader's also compute its twin pair q = twin[p] from the weights they decoded (by the same code as
-    its own pair: h[q] is what q's own programs would store at the same tiles)."""
+    pair that lands an expert (HAS_DST), which runs whole so that the slot is filled."""
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
     pdl_release(PDL)
     KS: tl.constexpr = TOPK + HAS_SHARED
@@ -175,10 +88,6 @@ def _moe_decode_gate_up_kernel(
     i_i = tl.program_id(1)
     i_t = i_p // KS
     j = i_p % KS
-    if TWIN:
-        follower, twin, i_q = _twin_of(p_twin, i_p)
-        if follower:  # its leader's programs compute its h
-            return
     is_shared = j >= TOPK
     slot = tl.load(p_slots + i_t * stride_st + j, mask=j < TOPK, other=0)
     eid = tl.load(p_ids + i_t * stride_it + j, mask=HAS_HOST & (j < TOPK), other=-1)  # ids: only with a host store
@@ -208,14 +117,9 @@ def _moe_decode_gate_up_kernel(
         # words in between for the landing store
         m_r = o_i < tl.where(on, I, 0)
         x0, x1, x2, x3, x4, x5, x6, x7 = x_lanes(p_x + i_t * stride_xt, WHOLE_K)
-        if TWIN:  # the twin's token's x (token 0's when there is no twin: read, never used)
-            p_xq = p_x + (i_q // KS) * stride_xt
-            xq0, xq1, xq2, xq3, xq4, xq5, xq6, xq7 = x_lanes(p_xq, WHOLE_K)
         b_w, b_sb = load_whole_k(p_w, p_s, o_r, m_r, stride_w13r, stride_s13r, WHOLE_K)
         if WHOLE_K2 > 0:  # the second tile: words WHOLE_K.., their scale bytes WHOLE_K / 2..
             y0, y1, y2, y3, y4, y5, y6, y7 = x_lanes(p_x + i_t * stride_xt + 8 * WHOLE_K, WHOLE_K2)
-            if TWIN:
-                yq0, yq1, yq2, yq3, yq4, yq5, yq6, yq7 = x_lanes(p_xq + 8 * WHOLE_K, WHOLE_K2)
             c_w, c_sb = load_whole_k(p_w + WHOLE_K, p_s + WHOLE_K // 2, o_r, m_r, stride_w13r, stride_s13r, WHOLE_K2)
         if HAS_DST:
             m_d = o_i < tl.where(land, I, 0)  # (m_r for a landing pair: land implies on)
@@ -230,38 +134,23 @@ def _moe_decode_gate_up_kernel(
             tl.store(p_s2 + dst * stride_s2e + o_3, tl.load(p_g + o_3, mask=m_3, other=0.0), mask=m_3)
         d0, d1, d2, d3, d4, d5, d6, d7, b_s = decode_whole_k(b_w, b_sb, ASM)
         b_gu = dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, 2 * BLOCK_I)
-        if TWIN:
-            b_gq = dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, xq0, xq1, xq2, xq3, xq4, xq5, xq6, xq7, WHOLE_K,
-                             2 * BLOCK_I)
         if WHOLE_K2 > 0:
             e0, e1, e2, e3, e4, e5, e6, e7, c_s = decode_whole_k(c_w, c_sb, ASM)
             b_gu += dot_lanes(e0, e1, e2, e3, e4, e5, e6, e7, c_s, y0, y1, y2, y3, y4, y5, y6, y7, WHOLE_K2,
                                2 * BLOCK_I)
-            if TWIN:
-                b_gq += dot_lanes(e0, e1, e2, e3, e4, e5, e6, e7, c_s, yq0, yq1, yq2, yq3, yq4, yq5, yq6, yq7, WHOLE_K2,
-                                  2 * BLOCK_I)
     else:
         tl.static_assert(not HAS_DST, "the landing store takes the whole-K tile")
-        tl.static_assert(not TWIN, "twins take the whole-K tile")
         o_t = tl.zeros((1,), dtype=tl.int32) + i_t
         b_gu = nvfp4_rows_dot(p_w, p_s, o_r, o_i < I, stride_w13r, stride_s13r, p_x, o_t, o_t >= 0, stride_xt, 0,
                               tl.where(on, H // 8, 0), 1, 2 * BLOCK_I, BLOCK_W)
-    b_h = _silu_mul(b_gu, p_g, BLOCK_I)
+    b_g, b_u = tl.split(tl.reshape(b_gu, (BLOCK_I, 2)))
+    b_g = b_g * tl.load(p_g)
+    b_u = b_u * tl.load(p_g + 1)
+    b_h = b_g / (1.0 + tl.exp(-b_g)) * b_u
     o_h = i_i * BLOCK_I + tl.arange(0, BLOCK_I)
     if HAS_LIVE:  # (a dead token's landing pair: the expert landed, its h is zeros like the others')
         on = on & (dead == 0)
     tl.store(p_h + i_p * stride_ht + o_h, tl.where(on, b_h, 0.0), mask=o_h < I)
-    if TWIN:  # (a twin reads this pair's weights: it is on, and live)
-        tl.store(p_h + i_q * stride_ht + o_h, _silu_mul(b_gq, p_g, BLOCK_I), mask=o_h < tl.where(twin, I, 0))
-
-
-@triton.jit
-def _silu_mul(b_gu, p_g, BLOCK_I: tl.constexpr):
-    """Interleaved gate / up dots [2 * BLOCK_I] and the expert's global scales at p_g -> silu(gate) * up [BLOCK_I]."""
-    b_g, b_u = tl.split(tl.reshape(b_gu, (BLOCK_I, 2)))
-    b_g = b_g * tl.load(p_g)
-    b_u = b_u * tl.load(p_g + 1)
-    return b_g / (1.0 + tl.exp(-b_g)) * b_u
 
 
 @triton.jit
@@ -326,8 +215,7 @@ def _moe_decode_down_pairs_kernel(
     stride_s2e, stride_hw2e, stride_hs2we, stride_hs2e, stride_yp,
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, WHOLE_K: tl.constexpr,
     HAS_HOST: tl.constexpr = False, HAS_DST: tl.constexpr = False, ASM: tl.constexpr = False,
-    PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0, HAS_LIVE: tl.constexpr = False, p_twin=None,
-    TWIN: tl.constexpr = False,
+    PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0, HAS_LIVE: tl.constexpr = False,
 ):
     """Grid (T * KS, H / BLOCK_H): yp[p] = wts[t, j] * (h[p] @ down_j^T) (fp32) for pair p = t * KS + j,
     zeros for a skipped pair; `moe_sum_pairs_kernel` then sums each token's KS pairs in order.
@@ -335,8 +223,7 @@ def _moe_decode_down_pairs_kernel(
     a token's pairs in one program). HAS_HOST: a pair without a slot reads the host store, as in
     `_moe_decode_gate_up_kernel`; HAS_DST: such a pair with topk_dst[t, j] = d >= 0 also stores the
     raw w2 rows and block scales it loaded into slot d (the gate/up kernel lands the rest). HAS_LIVE:
-    as in the gate/up kernel (a dead token's pairs store zeros; a landing one lands, then stores zeros).
-    TWIN: as in the gate/up kernel (a leader also computes yp of its twin)."""
+    as in the gate/up kernel (a dead token's pairs store zeros; a landing one lands, then stores zeros)."""
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
     pdl_release(PDL)
     KS: tl.constexpr = TOPK + HAS_SHARED
@@ -344,10 +231,6 @@ def _moe_decode_down_pairs_kernel(
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     i_t = i_p // KS
     j = i_p % KS
-    if TWIN:
-        follower, twin, i_q = _twin_of(p_twin, i_p)
-        if follower:  # its leader's programs compute its yp
-            return
     is_shared = j >= TOPK
     slot = tl.load(p_slots + i_t * stride_st + j, mask=j < TOPK, other=0)
     eid = tl.load(p_ids + i_t * stride_it + j, mask=HAS_HOST & (j < TOPK), other=-1)
@@ -371,13 +254,9 @@ def _moe_decode_down_pairs_kernel(
     # in between for the landing store
     m_r = o_h < tl.where(on, H, 0)
     x0, x1, x2, x3, x4, x5, x6, x7 = x_lanes(p_h + i_p * stride_ht, WHOLE_K)
-    if TWIN:  # the twin's h row (pair 0's when there is no twin: read, never used)
-        xq0, xq1, xq2, xq3, xq4, xq5, xq6, xq7 = x_lanes(p_h + i_q * stride_ht, WHOLE_K)
     b_w, b_sb = load_whole_k(p_w, p_s, o_h, m_r, stride_w2r, stride_s2wr, WHOLE_K)
     if WHOLE_K2 > 0:  # the second tile: words WHOLE_K.., their scale bytes WHOLE_K / 2..
         y0, y1, y2, y3, y4, y5, y6, y7 = x_lanes(p_h + i_p * stride_ht + 8 * WHOLE_K, WHOLE_K2)
-        if TWIN:
-            yq0, yq1, yq2, yq3, yq4, yq5, yq6, yq7 = x_lanes(p_h + i_q * stride_ht + 8 * WHOLE_K, WHOLE_K2)
         c_w, c_sb = load_whole_k(p_w + WHOLE_K, p_s + WHOLE_K // 2, o_h, m_r, stride_w2r, stride_s2wr, WHOLE_K2)
     if HAS_DST:
         m_d = o_h < tl.where(land, H, 0)  # (m_r for a landing pair: land implies on)
@@ -387,21 +266,13 @@ def _moe_decode_down_pairs_kernel(
             store_whole_k(p_dw + WHOLE_K, p_ds + WHOLE_K // 2, o_h, m_d, stride_w2r, stride_s2wr, c_w, c_sb, WHOLE_K2)
     d0, d1, d2, d3, d4, d5, d6, d7, b_s = decode_whole_k(b_w, b_sb, ASM)
     b_y = dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, BLOCK_H)
-    if TWIN:
-        b_yq = dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, xq0, xq1, xq2, xq3, xq4, xq5, xq6, xq7, WHOLE_K, BLOCK_H)
     if WHOLE_K2 > 0:
         e0, e1, e2, e3, e4, e5, e6, e7, c_s = decode_whole_k(c_w, c_sb, ASM)
         b_y += dot_lanes(e0, e1, e2, e3, e4, e5, e6, e7, c_s, y0, y1, y2, y3, y4, y5, y6, y7, WHOLE_K2, BLOCK_H)
-        if TWIN:
-            b_yq += dot_lanes(e0, e1, e2, e3, e4, e5, e6, e7, c_s, yq0, yq1, yq2, yq3, yq4, yq5, yq6, yq7, WHOLE_K2,
-                              BLOCK_H)
     b_wt = tl.load(p_wts + i_t * stride_wt + j).to(tl.float32) * tl.load(p_g + 2)
     if HAS_LIVE:
         on = on & (dead == 0)
     tl.store(p_yp + i_p * stride_yp + o_h, tl.where(on, b_y * b_wt, 0.0), mask=o_h < H)
-    if TWIN:  # the twin's own routing weight (same expert, so the same global scale)
-        b_wq = tl.load(p_wts + (i_q // KS) * stride_wt + i_q % KS).to(tl.float32) * tl.load(p_g + 2)
-        tl.store(p_yp + i_q * stride_yp + o_h, b_yq * b_wq, mask=o_h < tl.where(twin, H, 0))
 
 
 @triton.jit(do_not_specialize=["H"])
@@ -551,27 +422,12 @@ def moe_decode_triton(
         raise ValueError("topk_dst needs the gate/up pass over whole-K tiles (BLOCK_W 0, H / 8 = 2^a or 2^a + 2^b, "
                          "2^a <= 1024)")
     asm = kernel_options().nvfp4.lanes_ptx and inline_ptx(x.device)  # the whole-K tiles' word decode in PTX
-    # twins (`MoeOptions.decode_twins`): pairs that read one expert's weights decode them once for two
-    twins = kernel_options().moe.decode_twins and t > 1 and whole13 > 0 and per_pair and whole2 > 0
-    twin = None
-    if twins:
-        if gate_up_config is None:
-            block_i, _, warps13 = DECODE_TWIN_GATE_UP_CONFIG
-        if down_config is None:
-            block_h, _, warps2 = DECODE_TWIN_DOWN_PAIRS_CONFIG
-        twin = torch.empty(t * ks, dtype=torch.int32, device=x.device)
-        block_p = triton.next_power_of_2(t * ks)
-        tb = min(64, block_p)
-        _pair_twins_kernel[(triton.cdiv(t * ks, tb),)](slots, live_ptr, twin, t * ks, slots.stride(0), TOPK=k,
-                                                       HAS_SHARED=has_shared, HAS_LIVE=has_live, BLOCK=tb,
-                                                       BLOCK_P=block_p)
     _moe_decode_gate_up_kernel[(t * ks, triton.cdiv(i, block_i))](
         x, slots, ids, dst, w13, s13, s2, sw13, ss13, ss2, hw13, hs13, hs2, h, live_ptr, i, hid,
         x.stride(0), slots.stride(0), ids.stride(0), dst.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
         s13.stride(1), s2.stride(0), hw13.stride(0), hs13.stride(0), hs2.stride(0), h.stride(0), TOPK=k,
         HAS_SHARED=has_shared, BLOCK_I=block_i, BLOCK_W=bw13, WHOLE_K=whole13, HAS_HOST=has_host, HAS_DST=has_dst,
-        ASM=asm and whole13 > 0, WHOLE_K2=whole13b, HAS_LIVE=has_live, p_twin=twin, TWIN=twins, num_warps=warps13,
-        **pdl_args(x.device))
+        ASM=asm and whole13 > 0, WHOLE_K2=whole13b, HAS_LIVE=has_live, num_warps=warps13, **pdl_args(x.device))
     fuse_norm = residual is not None and norm_weight is not None
     if per_pair and whole2:  # (a row's K in one tile; other shapes take the loop)
         y_pairs = torch.empty((t * ks, hid), dtype=torch.float32, device=x.device)
@@ -580,8 +436,7 @@ def moe_decode_triton(
             h.stride(0), slots.stride(0), ids.stride(0), dst.stride(0), wts.stride(0), w2.stride(0), w2.stride(1),
             s2w.stride(0), s2w.stride(1), s2.stride(0), hw2.stride(0), hs2w.stride(0), hs2.stride(0), y_pairs.stride(0),
             TOPK=k, HAS_SHARED=has_shared, BLOCK_H=block_h, WHOLE_K=whole2, HAS_HOST=has_host, HAS_DST=has_dst,
-            ASM=asm, WHOLE_K2=whole2b, HAS_LIVE=has_live, p_twin=twin, TWIN=twins, num_warps=warps2,
-            **pdl_args(x.device))
+            ASM=asm, WHOLE_K2=whole2b, HAS_LIVE=has_live, num_warps=warps2, **pdl_args(x.device))
         if fuse_norm and hid <= 8192 and residual.shape == x.shape and residual.dtype == x.dtype \
                 and residual.stride(-1) == 1:
             h_out = torch.empty_like(x)
