@@ -30,6 +30,7 @@ from ft.kernels.attention import prefill_kernel as attn_pf  # noqa: E402
 from ft.kernels.dense import kernel as dense  # noqa: E402
 from ft.kernels.gated_delta import kernel as gd  # noqa: E402
 from ft.kernels.gated_delta import chunk_kernel as gd_chunk  # noqa: E402
+from ft.kernels.hyper_connection import kernel as hc  # noqa: E402
 from ft.kernels.conv1d import kernel as conv  # noqa: E402
 from ft.kernels.moe import decode_kernel as moe_dec  # noqa: E402
 from ft.kernels.moe import grouped_kernel as moe_grp  # noqa: E402
@@ -391,6 +392,13 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
      gd_chunk.state_config(3, 32, 128, 128, torch.bfloat16)),
     ("gated delta chunk state pass B 3, Dk 96, Dv 80 (masked)", gd_chunk._chunk_state_kernel, GD_CHUNK_STATE,
      gd_chunk.state_config(3, 32, 96, 80, torch.bfloat16)),
+    ("hyper connection read, down (4 rows x 2048)", hc._read_down_kernel,
+     {"p_n": "*bf16", "p_w": "*bf16", "p_zp": "*fp32", **ints("T", "R", "W", "stride_nt", "stride_wr")},
+     {"ROWS": 4, "CHUNK": 2048, "num_warps": 8}),
+    ("hyper connection read, up + mix (16 columns, rank 320)", hc._read_up_mix_kernel,
+     {"p_zp": "*fp32", "p_up": "*bf16", "p_n": "*bf16", "p_u": "*bf16", "p_gl": "*bf16",
+      **ints("T", "S", "R", "RANK", "D"), "inv_c": "fp32", **ints("stride_upr", "stride_nt", "stride_ut", "stride_glt")},
+     {"C": 4, "BLOCK_D": 16, "BLOCK_R": 512, "BLOCK_C": 4, "GATES": True, "num_warps": 8}),
 ]
 
 

@@ -1,7 +1,10 @@
 """The HyperConnection kernels (`ft.kernels.hyper_connection`) against their torch references under the
 interpreter (fp32, fp16; small shapes: 2 and 4 streams, stream widths 16 and 40, which is not a power
 of two, 1 and 5 tokens, a row stride wider than the row), and a HyperConnection's read and write
-through the kernels against the same module's torch path, the write's fused next norm included."""
+through the kernels against the same module's torch path, the write's fused next norm included; the
+fused read (`hc_read_triton`: its down kernel's partial sums over several chunks and a partial last row
+tile, the up kernel's columns over several programs) against `hc_read_ref`, with and without the
+inject rows."""
 
 from __future__ import annotations
 
@@ -14,8 +17,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from ft.kernels.hyper_connection import grouped_rms_norm_ref, hc_mix_ref, hc_write_ref
+from ft.kernels.hyper_connection import grouped_rms_norm_ref, hc_mix_ref, hc_read_ref, hc_write_ref
 from ft.kernels.hyper_connection import kernel as details
+from ft.kernels.options import use_kernel_options, variant
 from ft.model.layers.hyper_connection import HyperConnection
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -68,9 +72,35 @@ def test_the_write_gates_each_stream_by_its_own_logit():
     assert len(set(out[0, :, 0].tolist())) == c
 
 
-def test_a_read_and_fused_write_through_the_kernels_equal_the_torch_path(monkeypatch):
+SMALL_TILES = {"hyper_connection.down_chunk": 32, "hyper_connection.down_rows": 4, "hyper_connection.up_block_d": 8}
+"""Tiles small enough that the test shapes take several chunks, row tiles and column programs."""
+READS = [(1, 4, 16, 6, True), (5, 4, 40, 20, True), (3, 2, 24, 5, False), (2, 4, 16, 3, False)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("t,c,d,rank,inject", READS, ids=[f"T{t}-C{c}-D{d}-r{r}-{'inject' if i else 'final'}"
+                                                          for t, c, d, r, i in READS])
+def test_the_fused_read_equals_the_reference(t, c, d, rank, inject, dtype):
+    g = torch.Generator().manual_seed(t * 1000 + d * 10 + rank)
+    r = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).to(dtype)  # noqa: E731
+    n = wide(r(t, c * d))
+    mix_in = r(rank + (c if inject else 0), c * d, scale=0.3)
+    up = r(c * d, rank, scale=0.5)
+    with use_kernel_options(variant(**SMALL_TILES)):
+        u, gates = details.hc_read_triton(n, mix_in, up, rank, c)
+    want_u, want_gates = hc_read_ref(n, mix_in, up, rank, c)
+    assert u.shape == (t, d) and u.dtype == want_u.dtype and rel(u, want_u) < TOL[dtype]
+    if inject:
+        assert gates.shape == (t, c) and rel(gates, want_gates) < TOL[dtype]
+    else:
+        assert gates is None
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["cublas-read", "fused-read"])
+def test_a_read_and_fused_write_through_the_kernels_equal_the_torch_path(monkeypatch, fused):
     """`HyperConnection.read` / `write(next_hc=...)` with the Triton kernels (dispatched as on a GPU) against
-    the same calls on the references: the state, the block input and the next read's input."""
+    the same calls on the references: the state, the block input and the next read's input; with the
+    fused read on, the read goes through `hc_read_triton` (counted)."""
     import ft.kernels.hyper_connection as hcmod
 
     c, d, r_ = 4, 40, 6
@@ -90,6 +120,11 @@ def test_a_read_and_fused_write_through_the_kernels_equal_the_torch_path(monkeyp
     monkeypatch.setattr(hcmod, "uses_triton", lambda device: False)
     want = run()
     monkeypatch.setattr(hcmod, "uses_triton", lambda device: True)
-    got = run()
+    calls = []
+    fused_read = details.hc_read_triton
+    monkeypatch.setattr(details, "hc_read_triton", lambda *a: calls.append(1) or fused_read(*a))
+    with use_kernel_options(variant(**SMALL_TILES, **{"hyper_connection.fused_read_max_tokens": 8 if fused else 0})):
+        got = run()
+    assert len(calls) == (2 if fused else 0)
     for a, b in zip(got, want):
         assert rel(a, b) < TOL[torch.float32]

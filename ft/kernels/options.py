@@ -11,7 +11,8 @@ in its kernel, its figures kept in RESULTS.md.
 Operations covered so far: the NVFP4 GEMV / tile decode (`Nvfp4Options`), the Triton MoE's grouped
 prefill (`MoeOptions`), Gated DeltaNet's chunked prefill (`GatedDeltaOptions`), prefill attention's
 paths on CUDA (`PrefillAttentionOptions`), the paged decode attention's launch choices
-(`DecodeAttentionOptions`) and programmatic dependent launch (`LaunchOptions`).
+(`DecodeAttentionOptions`), the HyperConnection read (`HyperConnectionOptions`) and programmatic
+dependent launch (`LaunchOptions`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["Conv1dOptions", "DecodeAttentionOptions", "GatedDeltaOptions", "KernelOptions", "LaunchOptions", "MoeOptions", "Nvfp4Options",
+__all__ = ["Conv1dOptions", "DecodeAttentionOptions", "GatedDeltaOptions", "HyperConnectionOptions", "KernelOptions", "LaunchOptions", "MoeOptions", "Nvfp4Options",
            "PrefillAttentionOptions", "VARIANTS", "kernel_options", "set_kernel_options", "use_kernel_options", "variant"]
 
 
@@ -157,6 +158,29 @@ class DecodeAttentionOptions:
 
 
 @dataclass(frozen=True)
+class HyperConnectionOptions:
+    """Qwen3.8-Flash-Next's HyperConnection read (`ft.kernels.hyper_connection.hc_read`).
+
+    fused_read_max_tokens: reads of at most this many tokens run the two Triton kernels
+    (`hc_read_triton`: the down/inject projection in partial sums over K chunks, then the partials'
+    sum, SiLU, the up projection and the gated mean in one pass) instead of two cuBLAS GEMMs, a
+    split-K reduce, a SiLU and the mix kernel (five launches); 0: always cuBLAS. Longer reads (prefill)
+    keep cuBLAS, whose tensor-core GEMMs win there.
+    down_rows / down_chunk: the down kernel's tile, rows of mix_in by columns of the streams (its grid:
+    rows / down_rows x width / down_chunk programs). up_block_d: the up kernel's columns of D a program
+    (its grid: D / up_block_d programs, each reading up's C x up_block_d rows).
+    H200, bench/hc_read.py (4 streams of 2,560, rank 320, bf16), us a read, cuBLAS / fused: T 1
+    17.4 / 14.4, T 2 21.0 / 19.6, T 4 21.0 / 29.2, T 8 21.3 / 49.1 (the up kernel's time grows ~4 us a
+    token); the Flash-Next step at batch 1 (bench/decode.py, two alternated pairs) 143.2 -> 149.6 and
+    131.4 -> 138.6 tok/s; hence 2."""
+
+    fused_read_max_tokens: int = 2
+    down_rows: int = 4
+    down_chunk: int = 2048
+    up_block_d: int = 16
+
+
+@dataclass(frozen=True)
 class LaunchOptions:
     """How the decode path's kernels launch (`ft.kernels.pdl`).
 
@@ -176,6 +200,7 @@ class KernelOptions:
     conv1d: Conv1dOptions = field(default_factory=Conv1dOptions)
     prefill_attention: PrefillAttentionOptions = field(default_factory=PrefillAttentionOptions)
     decode_attention: DecodeAttentionOptions = field(default_factory=DecodeAttentionOptions)
+    hyper_connection: HyperConnectionOptions = field(default_factory=HyperConnectionOptions)
     launch: LaunchOptions = field(default_factory=LaunchOptions)
 
     def with_(self, **changes: object) -> KernelOptions:
@@ -205,6 +230,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "gated-delta-solve-ieee": {"gated_delta.solve_precision": "ieee"},  # bench/gated_delta_prefill.py
     "pdl": {"launch.pdl": True},  # bench/decode.py --modes pdl, bench/ladder.py --pdl
     "attention-nvfp4-f16": {"decode_attention.nvfp4_prmt": False},  # bench/decode.py --no-prmt, decode_attention.py
+    "hc-read-fused": {"hyper_connection.fused_read_max_tokens": 64},  # bench/hc_read.py, bench/decode.py --modes
 }
 """Named variants a benchmark or test selects: the changes from `DEFAULTS` each one makes."""
 

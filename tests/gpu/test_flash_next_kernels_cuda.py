@@ -3,7 +3,7 @@ references: the host-table gather (a pinned table of width 160, 16 heads, 1 and 
 QSA's sparse decode attention (24 query heads over 2 KV heads of 256, lists of 2,051 positions: 512
 blocks of 4 and a partial block, bf16 / fp8 / NVFP4 caches, batch 1 and 8), QSA's block scores and
 decode selection (4 indexer heads of 128, contexts to 70K tokens of a 256K limit), the
-HyperConnection kernels (4 streams of 2,560), and the sigmoid-gated RMSNorm (48 value heads of 128).
+HyperConnection kernels (4 streams of 2,560; the fused read against the cuBLAS read), and the sigmoid-gated RMSNorm (48 value heads of 128).
 Beside them the streamed prefill's expert copy (`copy_rows`) at the 80B's NVFP4 expert tensors."""
 
 from __future__ import annotations
@@ -152,3 +152,33 @@ def test_hyper_connection_kernels_at_the_flagship_shape(tokens):
     close(out, want, "write")
     close(nn, want_nn, "next norm")
     assert torch.equal(hc_write_triton(x, y, gates, c), out)
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 16, 64])
+@pytest.mark.parametrize("inject", [True, False], ids=["inject", "final"])
+def test_the_fused_hyper_connection_read_at_the_flagship_shape(tokens, inject):
+    """The fused read (`hc_read_triton`, two launches) at 4 streams of 2,560, rank 320, bf16, against the
+    cuBLAS read (`hc_read_ref`: two GEMMs, a SiLU, the mix) and against that read computed in fp32 from
+    the same bf16 inputs: within the bf16 path's own distance from fp32."""
+    from ft.kernels.hyper_connection import hc_read_ref
+    from ft.kernels.hyper_connection.kernel import hc_read_triton
+
+    c, d, rank = 4, 2560, 320
+    g = torch.Generator(device=DEV).manual_seed(tokens + 7 * inject)
+    r = lambda *s, scale=1.0: (torch.randn(*s, generator=g, device=DEV) * scale).to(torch.bfloat16)  # noqa: E731
+    n = r(tokens, c * d)
+    mix_in, up = r(rank + (c if inject else 0), c * d, scale=0.02), r(c * d, rank, scale=0.1)
+    u, gates = hc_read_triton(n, mix_in, up, rank, c)
+    want_u, want_gates = hc_read_ref(n, mix_in, up, rank, c)
+    exact_u, exact_gates = hc_read_ref(n.float(), mix_in.float(), up.float(), rank, c)
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    assert u.dtype == want_u.dtype and rel(u, want_u) < 1e-2
+    assert rel(u, exact_u) < 2 * rel(want_u, exact_u) + 1e-3
+    if inject:
+        assert rel(gates, want_gates) < 1e-2 and rel(gates, exact_gates) < 2 * rel(want_gates, exact_gates) + 1e-3
+    else:
+        assert gates is None
+    torch.cuda.synchronize()

@@ -3,8 +3,8 @@ read's gated mean (`hc_mix`) and the write's gated add fused with the next read'
 its gates' logits from the read's GEMM).
 `reference.py` holds the torch references (the model's math), `kernel.py` the Triton kernels; these
 dispatch (Triton where it runs for the activation's dtype, else the reference). A read's two low-rank
-projections (`hc_read`) are torch GEMMs (cuBLAS on a GPU: measured faster than two Triton forms at
-decode sizes, bench/RESULTS.md) beside the mix kernel."""
+projections (`hc_read`) are torch GEMMs (cuBLAS on a GPU) beside the mix kernel, or, for reads of at
+most `HyperConnectionOptions.fused_read_max_tokens` tokens, two Triton kernels that do the whole read."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from ft.kernels.backend import TRITON_DTYPES, uses_triton
 from ft.kernels.hyper_connection.reference import (grouped_rms_norm_ref, hc_mix_ref, hc_read_lowrank_ref, hc_read_ref,
                                                    hc_write_ref)
+from ft.kernels.options import kernel_options
 
 __all__ = ["grouped_rms_norm", "grouped_rms_norm_ref", "hc_mix", "hc_mix_ref", "hc_read", "hc_read_ref", "hc_write",
            "hc_write_ref"]
@@ -59,6 +60,13 @@ def hc_read(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int, 
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A read after its norm: (u [T, D], the write's gate logits [T, C] or None for the final read)
     (`hc_read_ref`'s contract: n [T, C*D] normalised streams, mix_in [rank (+ C), C*D], up [C*D, rank]):
-    the reference's GEMMs, then `hc_mix`."""
+    the reference's GEMMs, then `hc_mix`; short reads (`HyperConnectionOptions.fused_read_max_tokens`)
+    in two Triton launches."""
+    if (n.shape[0] <= kernel_options().hyper_connection.fused_read_max_tokens and streams & (streams - 1) == 0
+            and _triton(n, n.shape[-1] // streams)
+            and mix_in.dtype in TRITON_DTYPES and up.dtype == mix_in.dtype):
+        from ft.kernels.hyper_connection.kernel import hc_read_triton
+
+        return hc_read_triton(n, mix_in, up, rank, streams)
     g, gate_logits = hc_read_lowrank_ref(n, mix_in, up, rank, streams)
     return hc_mix(g, n, streams), (gate_logits if mix_in.shape[0] > rank else None)

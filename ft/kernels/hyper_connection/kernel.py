@@ -8,9 +8,17 @@
   read's norm in one pass (what was ~8 torch launches). (A first form computed the C inject dots
   itself, one program a row: 16 us a call on the H200 at T = 1, 1.5 ms of an 8 ms step.)
 
-A read's two low-rank projections stay cuBLAS GEMMs: two Triton forms of them with the mix (18ab3ee:
-partial sums over K splits, then up and the mix in one kernel) measured 20-88 us a read against
-cuBLAS's 17-22 (bench/RESULTS.md, 2026-12-03).
+- `_read_down_kernel`, grid (R / ROWS, W / CHUNK): a short read's first projection in fp32 partial
+  sums, z_part[s, t, r] = sum over the chunk s of the streams' columns of N[t, :] mix_in[r, :]; each
+  program loads its [ROWS, CHUNK] weight tile once and dots it with every token's chunk of N.
+- `_read_up_mix_kernel`, grid (D / BLOCK_D,): the rest of the read in one pass: z = (sum over s of
+  z_part) / C rounded to the weights' dtype, SiLU, g_k = up_k silu(z) for the program's columns of
+  each stream k, and u = mean over k of sigmoid(g_k) n_k; the first program also writes the write's
+  gate logits (z's last C rows).
+  The two replace two cuBLAS GEMMs, a split-K reduce, a SiLU and `_mix_kernel` for reads of at most
+  `HyperConnectionOptions.fused_read_max_tokens` tokens. (A first Triton form, 18ab3ee: partial sums
+  over K splits, then up and the mix in tiles of 64 rows of D, 40 programs, measured 20-88 us a read
+  against cuBLAS's 17-22, bench/RESULTS.md, 2026-12-03.)
 
 Each rounds where the reference's torch ops round (to the activation or weight dtype between steps),
 so that bf16 results stay the reference's but for the order of fp32 sums.
@@ -23,8 +31,9 @@ import triton
 import triton.language as tl
 
 from ft.kernels.norm.kernel import rms_rstd
+from ft.kernels.options import kernel_options
 
-__all__ = ["grouped_rms_norm_triton", "hc_mix_triton", "hc_write_triton"]
+__all__ = ["grouped_rms_norm_triton", "hc_mix_triton", "hc_read_triton", "hc_write_triton"]
 
 
 @triton.jit
@@ -78,6 +87,57 @@ def _write_kernel(p_x, p_y, p_a, p_wn, p_out, p_nn, D, eps, stride_xt, stride_yt
         tl.store(p_nn + i_t * stride_nnt + i_k * D + o_d, b_nn.to(p_nn.dtype.element_ty), mask=m_d)
 
 
+@triton.jit
+def _read_down_kernel(p_n, p_w, p_zp, T, R, W, stride_nt, stride_wr, ROWS: tl.constexpr, CHUNK: tl.constexpr):
+    i_r, i_s = tl.program_id(0), tl.program_id(1)
+    o_r = i_r * ROWS + tl.arange(0, ROWS)
+    m_r = o_r < R
+    o_w = i_s * CHUNK + tl.arange(0, CHUNK)
+    m_w = o_w < W
+    b_w = tl.load(p_w + o_r[:, None].to(tl.int64) * stride_wr + o_w[None, :], mask=m_r[:, None] & m_w[None, :],
+                  other=0.0).to(tl.float32)
+    for t in range(T):
+        # N in the weights' dtype, as the reference casts it before its GEMM
+        b_n = tl.load(p_n + t * stride_nt + o_w, mask=m_w, other=0.0).to(p_w.dtype.element_ty).to(tl.float32)
+        tl.store(p_zp + (i_s * T + t) * R + o_r, tl.sum(b_w * b_n[None, :], axis=1), mask=m_r)
+
+
+@triton.jit
+def _read_up_mix_kernel(p_zp, p_up, p_n, p_u, p_gl, T, S, R, RANK, D, inv_c, stride_upr, stride_nt, stride_ut,
+                        stride_glt, C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_C: tl.constexpr, GATES: tl.constexpr):
+    i_d = tl.program_id(0)
+    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    o_r = tl.arange(0, BLOCK_R)
+    m_r = o_r < RANK
+    w_dtype = p_up.dtype.element_ty
+    for t in range(T):
+        b_z = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for s in range(S):
+            b_z += tl.load(p_zp + (s * T + t) * R + o_r, mask=m_r, other=0.0)
+        # z = N mix_in^T / C in the weights' dtype (the GEMM's one rounding), SiLU rounded there too
+        b_z = (b_z * inv_c).to(w_dtype).to(tl.float32)
+        b_a = (b_z * tl.sigmoid(b_z)).to(w_dtype).to(tl.float32)
+        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for k in tl.static_range(C):
+            b_up = tl.load(p_up + (k * D + o_d)[:, None].to(tl.int64) * stride_upr + o_r[None, :],
+                           mask=m_d[:, None] & m_r[None, :], other=0.0).to(tl.float32)
+            b_g = tl.sum(b_up * b_a[None, :], axis=1).to(w_dtype)  # g in the weights' dtype, as its GEMM rounds
+            b_s = tl.sigmoid(b_g.to(tl.float32)).to(w_dtype)
+            b_n = tl.load(p_n + t * stride_nt + k * D + o_d, mask=m_d, other=0.0)
+            acc += (b_s.to(tl.float32) * b_n.to(tl.float32)).to(p_u.dtype.element_ty).to(tl.float32)
+        tl.store(p_u + t * stride_ut + o_d, (acc / C).to(p_u.dtype.element_ty), mask=m_d)
+        if GATES:
+            if i_d == 0:
+                o_c = tl.arange(0, BLOCK_C)
+                m_c = o_c < C
+                b_gl = tl.zeros((BLOCK_C,), dtype=tl.float32)
+                for s in range(S):
+                    b_gl += tl.load(p_zp + (s * T + t) * R + RANK + o_c, mask=m_c, other=0.0)
+                tl.store(p_gl + t * stride_glt + o_c, (b_gl * inv_c).to(p_gl.dtype.element_ty), mask=m_c)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x [T, W] with unit column stride (any row stride)."""
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -125,3 +185,37 @@ def hc_write_triton(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Tensor,
                                     BLOCK_D=block_d, NEXT_NORM=next_norm is not None,
                                     num_warps=8 if block_d >= 2048 else 4)
     return out if next_norm is None else (out, nn)
+
+
+def hc_read_triton(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int, streams: int
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """As `hc_read_ref` (n [T, C*D] the normalised streams, mix_in [rank (+ C), C*D], up [C*D, rank]) ->
+    (u [T, D] in the dtype n * mix_in promotes to, the gate logits [T, C] in mix_in's dtype, or None when
+    mix_in has no inject rows), in two launches (`_read_down_kernel`, `_read_up_mix_kernel`); the tiles
+    are `HyperConnectionOptions`'. Meant for short reads (decode): each token costs both kernels a
+    CUDA-core pass over the weights' tiles already loaded."""
+    opts = kernel_options().hyper_connection
+    t, width = n.shape
+    c = streams
+    d = width // c
+    r = mix_in.shape[0]
+    n, mix_in, up = _rows(n), _rows(mix_in), _rows(up)
+    chunk = min(opts.down_chunk, triton.next_power_of_2(width))
+    splits = triton.cdiv(width, chunk)
+    u = torch.empty((t, d), dtype=torch.promote_types(n.dtype, mix_in.dtype), device=n.device)
+    gates = r > rank
+    gate_logits = torch.empty((t, c), dtype=mix_in.dtype, device=n.device) if gates else None
+    if t == 0:
+        return u, gate_logits
+    z_part = torch.empty((splits, t, r), dtype=torch.float32, device=n.device)
+    rows = min(opts.down_rows, triton.next_power_of_2(r))
+    _read_down_kernel[(triton.cdiv(r, rows), splits)](n, mix_in, z_part, t, r, width, n.stride(0), mix_in.stride(0),
+                                                      ROWS=rows, CHUNK=chunk, num_warps=8 if rows * chunk >= 8192 else 4)
+    block_d = min(opts.up_block_d, triton.next_power_of_2(d))
+    block_r = triton.next_power_of_2(rank)
+    gl = gate_logits if gates else u
+    _read_up_mix_kernel[(triton.cdiv(d, block_d),)](z_part, up, n, u, gl, t, splits, r, rank, d, 1.0 / c, up.stride(0),
+                                                    n.stride(0), u.stride(0), gl.stride(0), C=c, BLOCK_D=block_d,
+                                                    BLOCK_R=block_r, BLOCK_C=triton.next_power_of_2(c), GATES=gates,
+                                                    num_warps=8 if block_d * block_r >= 8192 else 4)
+    return u, gate_logits
