@@ -1,13 +1,15 @@
 """Qwen3.8-Flash-Next's HyperConnection read on the H200: the cuBLAS read (two GEMMs, a split-K reduce,
-a SiLU and the mix kernel) against the fused read (`hc_read_triton`: two Triton launches), after the
+a SiLU and the mix kernel) against the fused read (`hc_read_triton`) in its two forms, "fma" (two
+launches, CUDA-core dots a token at a time) and "dot" (three launches, tensor-core tiles), after the
 norm, at the decode batches. Not a test.
 
     PYTHONPATH=. python3 bench/hc_read.py [--tokens 1,2,4,8,16,32,64] [--sweep]
 
 4 streams of 2,560, rank 320 (mix_in [324, 10,240] and up [10,240, 320] bf16: 13.2 MB a module), bf16;
 every call inside a CUDA graph over copies of the weights (`bench.gpu_timing.graph_us`: a pass reads
-several times L2, as the 97 modules of a step do). `--sweep`: the fused read's tiles
-(`HyperConnectionOptions.down_rows`, `down_chunk`, `up_block_d`). The floor is the weights' bytes at
+several times L2, as the 97 modules of a step do). `--sweep`: the forms' tiles
+(`HyperConnectionOptions.down_rows`, `down_chunk`, `up_block_d`; `dot_down_rows`, `dot_down_chunk`,
+`dot_up_block_d`). The floor is the weights' bytes at
 4.3 TB/s. Prints a table last.
 """
 
@@ -41,9 +43,17 @@ def main() -> None:
              (torch.randn(c * d, r, device=DEV) * 0.1).to(torch.bfloat16)) for _ in range(copies)]
     cublas = variant(**{"hyper_connection.fused_read_max_tokens": 0})
     fused = variant(**{"hyper_connection.fused_read_max_tokens": max(tokens)})
-    tiles = [(4, 2048, 16)]
+    forms = {"fma": [{"hyper_connection.down_rows": 4, "hyper_connection.down_chunk": 2048,
+                      "hyper_connection.up_block_d": 16}],
+             "dot": [{"hyper_connection.dot_down_rows": 16, "hyper_connection.dot_down_chunk": 1024,
+                      "hyper_connection.dot_up_block_d": 16}]}
     if args.sweep:
-        tiles += [t for t in itertools.product((2, 4, 8), (1024, 2048), (8, 16, 32)) if t != (4, 2048, 16)]
+        forms["fma"] += [{"hyper_connection.down_rows": a, "hyper_connection.down_chunk": b,
+                          "hyper_connection.up_block_d": e} for a, b, e in ((2, 2048, 16), (2, 2048, 8), (4, 1024, 8))]
+        forms["dot"] += [{"hyper_connection.dot_down_rows": a, "hyper_connection.dot_down_chunk": b,
+                          "hyper_connection.dot_up_block_d": e}
+                         for a, b, e in itertools.product((16, 32), (512, 1024, 2048), (16, 32))
+                         if (a, b, e) != (16, 1024, 16)]
     floor_us = weight_bytes / HBM_BW * 1e6
     rows = []
     for t in tokens:
@@ -53,30 +63,38 @@ def main() -> None:
             base_us = graph_us(calls)
             base_kernels = kernel_us(calls[:4])
             want = hc_read_ref(n, *mods[0], r, c)
-        best = None
-        for rows_, chunk, block_d in tiles:
-            opts = fused.with_(**{"hyper_connection.down_rows": rows_, "hyper_connection.down_chunk": chunk,
-                                  "hyper_connection.up_block_d": block_d})
-            with use_kernel_options(opts):
-                us = graph_us(calls)
-                got = hc_read(n, *mods[0], r, c)
-            err = max(rel_rms(got[0], want[0]), rel_rms(got[1], want[1]))
-            if args.sweep:
-                print(f"  T {t} tile rows {rows_} chunk {chunk} block_d {block_d}: {us:.1f} us (err {err:.1e})")
-            if (rows_, chunk, block_d) == tiles[0]:
-                default_us, default_err = us, err
+        row = {"cublas": base_us}
+        line = f"T {t}: cuBLAS {base_us:.1f} us ({base_kernels})"
+        for form, tiles in forms.items():
+            best = None
+            for i, tile in enumerate(tiles):
+                opts = fused.with_(**{"hyper_connection.fma_read_max_tokens": 1 << 20 if form == "fma" else 0, **tile})
                 with use_kernel_options(opts):
-                    fused_kernels = kernel_us(calls[:4])
-            if best is None or us < best[0]:
-                best = (us, (rows_, chunk, block_d))
-        print(f"T {t}: cuBLAS {base_us:.1f} us ({base_kernels}); fused {default_us:.1f} us ({fused_kernels})")
-        rows.append((t, base_us, default_us, default_err, best))
+                    us = graph_us(calls)
+                    got = hc_read(n, *mods[0], r, c)
+                    kernels = kernel_us(calls[:4]) if i == 0 else ""
+                err = max(rel_rms(got[0], want[0]), rel_rms(got[1], want[1]))
+                short = tuple(tile.values())
+                if args.sweep:
+                    print(f"  T {t} {form} tile {short}: {us:.1f} us (err {err:.1e})")
+                if i == 0:
+                    row[form] = us
+                    row[form + " err"] = err
+                    line += f"; {form} {us:.1f} us ({kernels})"
+                if best is None or us < best[0]:
+                    best = (us, short)
+            row[form + " best"] = best
+        print(line)
+        rows.append((t, row))
     print(f"\nHyperConnection read, {c} streams of {d}, rank {r}, bf16, {copies} copies; floor {floor_us:.1f} us "
           f"({weight_bytes / 1e6:.1f} MB at 4.3 TB/s)")
-    print(f"{'tokens':>6} {'cuBLAS us':>10} {'fused us':>9} {'cuBLAS/fused':>13} {'err':>8}  best tile (rows, chunk, block_d)")
-    for t, base_us, us, err, best in rows:
-        print(f"{t:>6} {base_us:>10.1f} {us:>9.1f} {base_us / us:>12.2f}x {err:>8.1e}  {best[1]} {best[0]:.1f} us")
-
+    print(f"{'tokens':>6} {'cuBLAS us':>10} {'fma us':>8} {'dot us':>8} {'cuBLAS/best':>12} {'err fma':>8} {'err dot':>8}"
+          f"  best fma tile / best dot tile")
+    for t, row in rows:
+        best = min(row["fma"], row["dot"])
+        print(f"{t:>6} {row['cublas']:>10.1f} {row['fma']:>8.1f} {row['dot']:>8.1f} {row['cublas'] / best:>11.2f}x "
+              f"{row['fma err']:>8.1e} {row['dot err']:>8.1e}  {row['fma best'][1]} {row['fma best'][0]:.1f} / "
+              f"{row['dot best'][1]} {row['dot best'][0]:.1f}")
 
 if __name__ == "__main__":
     main()

@@ -72,21 +72,29 @@ def test_the_write_gates_each_stream_by_its_own_logit():
     assert len(set(out[0, :, 0].tolist())) == c
 
 
-SMALL_TILES = {"hyper_connection.down_chunk": 32, "hyper_connection.down_rows": 4, "hyper_connection.up_block_d": 8}
+FORM = {"fma": {"hyper_connection.fma_read_max_tokens": 1 << 20}, "dot": {"hyper_connection.fma_read_max_tokens": 0}}
+"""Options that send every fused read to one form."""
+SMALL_TILES = {"hyper_connection.down_chunk": 32, "hyper_connection.down_rows": 4, "hyper_connection.up_block_d": 8,
+               "hyper_connection.dot_down_chunk": 32, "hyper_connection.dot_down_block_k": 16,
+               "hyper_connection.dot_up_block_d": 16}
 """Tiles small enough that the test shapes take several chunks, row tiles and column programs."""
-READS = [(1, 4, 16, 6, True), (5, 4, 40, 20, True), (3, 2, 24, 5, False), (2, 4, 16, 3, False)]
+READS = [(1, 4, 16, 6, True), (5, 4, 40, 20, True), (3, 2, 24, 5, False), (2, 4, 16, 3, False),
+         (17, 4, 16, 70, True)]
+"""(tokens, streams, D, rank, inject rows): 17 tokens pad to 32 rows in the "dot" form, rank 70 takes
+two of its rank steps."""
 
 
+@pytest.mark.parametrize("form", ["fma", "dot"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("t,c,d,rank,inject", READS, ids=[f"T{t}-C{c}-D{d}-r{r}-{'inject' if i else 'final'}"
                                                           for t, c, d, r, i in READS])
-def test_the_fused_read_equals_the_reference(t, c, d, rank, inject, dtype):
+def test_the_fused_read_equals_the_reference(t, c, d, rank, inject, dtype, form):
     g = torch.Generator().manual_seed(t * 1000 + d * 10 + rank)
     r = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).to(dtype)  # noqa: E731
     n = wide(r(t, c * d))
     mix_in = r(rank + (c if inject else 0), c * d, scale=0.3)
     up = r(c * d, rank, scale=0.5)
-    with use_kernel_options(variant(**SMALL_TILES)):
+    with use_kernel_options(variant(**SMALL_TILES, **FORM[form])):
         u, gates = details.hc_read_triton(n, mix_in, up, rank, c)
     want_u, want_gates = hc_read_ref(n, mix_in, up, rank, c)
     assert u.shape == (t, d) and u.dtype == want_u.dtype and rel(u, want_u) < TOL[dtype]
@@ -96,7 +104,7 @@ def test_the_fused_read_equals_the_reference(t, c, d, rank, inject, dtype):
         assert gates is None
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["cublas-read", "fused-read"])
+@pytest.mark.parametrize("fused", [None, "fma", "dot"], ids=["cublas-read", "fused-fma", "fused-dot"])
 def test_a_read_and_fused_write_through_the_kernels_equal_the_torch_path(monkeypatch, fused):
     """`HyperConnection.read` / `write(next_hc=...)` with the Triton kernels (dispatched as on a GPU) against
     the same calls on the references: the state, the block input and the next read's input; with the
@@ -123,7 +131,8 @@ def test_a_read_and_fused_write_through_the_kernels_equal_the_torch_path(monkeyp
     calls = []
     fused_read = details.hc_read_triton
     monkeypatch.setattr(details, "hc_read_triton", lambda *a: calls.append(1) or fused_read(*a))
-    with use_kernel_options(variant(**SMALL_TILES, **{"hyper_connection.fused_read_max_tokens": 8 if fused else 0})):
+    with use_kernel_options(variant(**SMALL_TILES, **FORM[fused or "fma"],
+                                    **{"hyper_connection.fused_read_max_tokens": 8 if fused else 0})):
         got = run()
     assert len(calls) == (2 if fused else 0)
     for a, b in zip(got, want):

@@ -161,23 +161,33 @@ class DecodeAttentionOptions:
 class HyperConnectionOptions:
     """Qwen3.8-Flash-Next's HyperConnection read (`ft.kernels.hyper_connection.hc_read`).
 
-    fused_read_max_tokens: reads of at most this many tokens run the two Triton kernels
-    (`hc_read_triton`: the down/inject projection in partial sums over K chunks, then the partials'
-    sum, SiLU, the up projection and the gated mean in one pass) instead of two cuBLAS GEMMs, a
-    split-K reduce, a SiLU and the mix kernel (five launches); 0: always cuBLAS. Longer reads (prefill)
-    keep cuBLAS, whose tensor-core GEMMs win there.
-    down_rows / down_chunk: the down kernel's tile, rows of mix_in by columns of the streams (its grid:
-    rows / down_rows x width / down_chunk programs). up_block_d: the up kernel's columns of D a program
-    (its grid: D / up_block_d programs, each reading up's C x up_block_d rows).
-    H200, bench/hc_read.py (4 streams of 2,560, rank 320, bf16), us a read, cuBLAS / fused: T 1
-    17.4 / 14.4, T 2 21.0 / 19.6, T 4 21.0 / 29.2, T 8 21.3 / 49.1 (the up kernel's time grows ~4 us a
-    token); the Flash-Next step at batch 1 (bench/decode.py, two alternated pairs) 143.2 -> 149.6 and
-    131.4 -> 138.6 tok/s; hence 2."""
+    fused_read_max_tokens: reads of at most this many tokens run in Triton (`hc_read_triton`) instead of
+    two cuBLAS GEMMs, a split-K reduce, a SiLU and the mix kernel (five launches); 0: always cuBLAS.
+    Longer reads (prefill) keep cuBLAS, whose tensor-core GEMMs win there.
+    fma_read_max_tokens: of those, reads of at most this many tokens take the form "fma" (two launches:
+    `_read_down_kernel`, the down/inject projection in partial sums over K chunks; `_read_up_mix_kernel`,
+    the partials' sum, SiLU, the up projection and the gated mean, CUDA-core dots a token at a time),
+    longer ones the form "dot" (three launches: the same on tensor cores, every token at once, the
+    tokens padded to 16 rows, with a small reduce + SiLU kernel between).
+    down_rows / down_chunk / up_block_d: the "fma" form's tiles (rows of mix_in by columns of the
+    streams a program; columns of D a program). dot_down_rows / dot_down_chunk / dot_down_block_k /
+    dot_up_block_d: the "dot" form's (the same, the down projection in K steps of dot_down_block_k).
 
-    fused_read_max_tokens: int = 2
+    H200, bench/hc_read.py (4 streams of 2,560, rank 320, bf16, in a CUDA graph), us a read, cuBLAS /
+    fma / dot: T 1 17.3 / **14.5** / 18.1; T 2 21.1 / 19.4 / **18.4**; T 8 21.4 / 49.5 / **18.8**; T 16
+    21.8 / 89.9 / **18.7**; T 64 23.7 / 334.3 / **22.9**. The Flash-Next step at batch 1 with the fma
+    read (bench/decode.py, two alternated pairs): 143.2 -> 149.6 and 131.4 -> 138.6 tok/s. Hence fma at
+    one token, dot from two to 64."""
+
+    fused_read_max_tokens: int = 64
+    fma_read_max_tokens: int = 1
     down_rows: int = 4
     down_chunk: int = 2048
     up_block_d: int = 16
+    dot_down_rows: int = 16
+    dot_down_chunk: int = 1024
+    dot_down_block_k: int = 256
+    dot_up_block_d: int = 16
 
 
 @dataclass(frozen=True)
@@ -230,7 +240,8 @@ VARIANTS: dict[str, dict[str, object]] = {
     "gated-delta-solve-ieee": {"gated_delta.solve_precision": "ieee"},  # bench/gated_delta_prefill.py
     "pdl": {"launch.pdl": True},  # bench/decode.py --modes pdl, bench/ladder.py --pdl
     "attention-nvfp4-f16": {"decode_attention.nvfp4_prmt": False},  # bench/decode.py --no-prmt, decode_attention.py
-    "hc-read-fused": {"hyper_connection.fused_read_max_tokens": 64},  # bench/hc_read.py, bench/decode.py --modes
+    "hc-read-cublas": {"hyper_connection.fused_read_max_tokens": 0},  # bench/hc_read.py, bench/decode.py --modes
+    "hc-read-dot-only": {"hyper_connection.fma_read_max_tokens": 0},  # the same
 }
 """Named variants a benchmark or test selects: the changes from `DEFAULTS` each one makes."""
 

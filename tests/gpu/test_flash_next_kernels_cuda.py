@@ -154,10 +154,11 @@ def test_hyper_connection_kernels_at_the_flagship_shape(tokens):
     assert torch.equal(hc_write_triton(x, y, gates, c), out)
 
 
+@pytest.mark.parametrize("form", ["fma", "dot"])
 @pytest.mark.parametrize("tokens", [1, 8, 16, 64])
 @pytest.mark.parametrize("inject", [True, False], ids=["inject", "final"])
-def test_the_fused_hyper_connection_read_at_the_flagship_shape(tokens, inject):
-    """The fused read (`hc_read_triton`, two launches) at 4 streams of 2,560, rank 320, bf16, against the
+def test_the_fused_hyper_connection_read_at_the_flagship_shape(tokens, inject, form):
+    """The fused read (`hc_read_triton`, both forms) at 4 streams of 2,560, rank 320, bf16, against the
     cuBLAS read (`hc_read_ref`: two GEMMs, a SiLU, the mix) and against that read computed in fp32 from
     the same bf16 inputs: within the bf16 path's own distance from fp32."""
     from ft.kernels.hyper_connection import hc_read_ref
@@ -168,7 +169,10 @@ def test_the_fused_hyper_connection_read_at_the_flagship_shape(tokens, inject):
     r = lambda *s, scale=1.0: (torch.randn(*s, generator=g, device=DEV) * scale).to(torch.bfloat16)  # noqa: E731
     n = r(tokens, c * d)
     mix_in, up = r(rank + (c if inject else 0), c * d, scale=0.02), r(c * d, rank, scale=0.1)
-    u, gates = hc_read_triton(n, mix_in, up, rank, c)
+    from ft.kernels.options import use_kernel_options, variant
+
+    with use_kernel_options(variant(**{"hyper_connection.fma_read_max_tokens": 1 << 20 if form == "fma" else 0})):
+        u, gates = hc_read_triton(n, mix_in, up, rank, c)
     want_u, want_gates = hc_read_ref(n, mix_in, up, rank, c)
     exact_u, exact_gates = hc_read_ref(n.float(), mix_in.float(), up.float(), rank, c)
 

@@ -1,4 +1,4 @@
-"""The HyperConnection kernels in Triton, one launch each (`reference.py` is the contract of each):
+"""The HyperConnection kernels in Triton (`reference.py` is the contract of each):
 
 - `_grouped_norm_kernel`, grid (T, C): stream k of row t normalised (fp32, rounded as the Qwen3-Next
   norm kernel rounds), times 1 + its weight row.
@@ -8,6 +8,8 @@
   read's norm in one pass (what was ~8 torch launches). (A first form computed the C inject dots
   itself, one program a row: 16 us a call on the H200 at T = 1, 1.5 ms of an 8 ms step.)
 
+A read of at most `HyperConnectionOptions.fused_read_max_tokens` tokens after its norm (`hc_read_triton`,
+in place of two cuBLAS GEMMs, a split-K reduce, a SiLU and `_mix_kernel`) takes one of two forms:
 - `_read_down_kernel`, grid (R / ROWS, W / CHUNK): a short read's first projection in fp32 partial
   sums, z_part[s, t, r] = sum over the chunk s of the streams' columns of N[t, :] mix_in[r, :]; each
   program loads its [ROWS, CHUNK] weight tile once and dots it with every token's chunk of N.
@@ -15,10 +17,14 @@
   z_part) / C rounded to the weights' dtype, SiLU, g_k = up_k silu(z) for the program's columns of
   each stream k, and u = mean over k of sigmoid(g_k) n_k; the first program also writes the write's
   gate logits (z's last C rows).
-  The two replace two cuBLAS GEMMs, a split-K reduce, a SiLU and `_mix_kernel` for reads of at most
-  `HyperConnectionOptions.fused_read_max_tokens` tokens. (A first Triton form, 18ab3ee: partial sums
-  over K splits, then up and the mix in tiles of 64 rows of D, 40 programs, measured 20-88 us a read
-  against cuBLAS's 17-22, bench/RESULTS.md, 2026-12-03.)
+  These two are the read form "fma" (`HyperConnectionOptions.fma_read_max_tokens`: one token).
+- The read form "dot" (longer reads) takes every token at once on tensor cores (tokens padded to 16 rows):
+  `_read_down_dot_kernel`, grid (R / ROWS, W / CHUNK), partial sums as above by `tl.dot` over K steps;
+  `_read_reduce_kernel`, grid (T,), the partials' sum, z rounded, its SiLU (the up projection's input
+  a [T, rank]) and the gate logits; `_read_up_mix_dot_kernel`, grid (D / BLOCK_D,), g_k = a up_k^T by
+  `tl.dot` over rank steps, then the gated mean.
+(A first Triton form, 18ab3ee: partial sums over K splits, then up and the mix in tiles of 64 rows of D,
+40 programs, measured 20-88 us a read against cuBLAS's 17-22, bench/RESULTS.md, 2026-12-03.)
 
 Each rounds where the reference's torch ops round (to the activation or weight dtype between steps),
 so that bf16 results stay the reference's but for the order of fp32 sums.
@@ -138,6 +144,71 @@ def _read_up_mix_kernel(p_zp, p_up, p_n, p_u, p_gl, T, S, R, RANK, D, inv_c, str
                 tl.store(p_gl + t * stride_glt + o_c, (b_gl * inv_c).to(p_gl.dtype.element_ty), mask=m_c)
 
 
+@triton.jit
+def _read_down_dot_kernel(p_n, p_w, p_zp, T, R, W, stride_nt, stride_wr, BLOCK_T: tl.constexpr, ROWS: tl.constexpr,
+                          CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    i_r, i_s = tl.program_id(0), tl.program_id(1)
+    o_t = tl.arange(0, BLOCK_T)
+    m_t = o_t < T
+    o_r = i_r * ROWS + tl.arange(0, ROWS)
+    m_r = o_r < R
+    acc = tl.zeros((BLOCK_T, ROWS), dtype=tl.float32)
+    for k in range(0, CHUNK, BLOCK_K):
+        o_w = i_s * CHUNK + k + tl.arange(0, BLOCK_K)
+        m_w = o_w < W
+        # N in the weights' dtype, as the reference casts it before its GEMM
+        b_n = tl.load(p_n + o_t[:, None] * stride_nt + o_w[None, :], mask=m_t[:, None] & m_w[None, :],
+                      other=0.0).to(p_w.dtype.element_ty)
+        b_w = tl.load(p_w + o_r[:, None].to(tl.int64) * stride_wr + o_w[None, :], mask=m_r[:, None] & m_w[None, :],
+                      other=0.0)
+        acc = tl.dot(b_n, tl.trans(b_w), acc, input_precision=PRECISION)
+    tl.store(p_zp + (i_s * T + o_t[:, None]) * R + o_r[None, :], acc, mask=m_t[:, None] & m_r[None, :])
+
+
+@triton.jit
+def _read_reduce_kernel(p_zp, p_a, p_gl, T, S, R, RANK, inv_c, stride_at, stride_glt, BLOCK_R: tl.constexpr,
+                        GATES: tl.constexpr):
+    t = tl.program_id(0)
+    o_r = tl.arange(0, BLOCK_R)
+    m_r = o_r < R
+    b_z = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for s in range(S):
+        b_z += tl.load(p_zp + (s * T + t) * R + o_r, mask=m_r, other=0.0)
+    # z = N mix_in^T / C in the weights' dtype (the GEMM's one rounding), SiLU rounded there too
+    b_z = (b_z * inv_c).to(p_a.dtype.element_ty).to(tl.float32)
+    tl.store(p_a + t * stride_at + o_r, (b_z * tl.sigmoid(b_z)).to(p_a.dtype.element_ty), mask=o_r < RANK)
+    if GATES:
+        tl.store(p_gl + t * stride_glt + (o_r - RANK), b_z.to(p_gl.dtype.element_ty), mask=m_r & (o_r >= RANK))
+
+
+@triton.jit
+def _read_up_mix_dot_kernel(p_a, p_up, p_n, p_u, T, RANK, D, stride_at, stride_upr, stride_nt, stride_ut,
+                            C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_RK: tl.constexpr,
+                            PRECISION: tl.constexpr):
+    i_d = tl.program_id(0)
+    o_t = tl.arange(0, BLOCK_T)
+    m_t = o_t < T
+    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    w_dtype = p_up.dtype.element_ty
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for k in tl.static_range(C):
+        b_g = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        for r in range(0, RANK, BLOCK_RK):
+            o_r = r + tl.arange(0, BLOCK_RK)
+            m_r = o_r < RANK
+            b_a = tl.load(p_a + o_t[:, None] * stride_at + o_r[None, :], mask=m_t[:, None] & m_r[None, :], other=0.0)
+            b_up = tl.load(p_up + (k * D + o_d)[:, None].to(tl.int64) * stride_upr + o_r[None, :],
+                           mask=m_d[:, None] & m_r[None, :], other=0.0)
+            b_g = tl.dot(b_a, tl.trans(b_up), b_g, input_precision=PRECISION)
+        b_s = tl.sigmoid(b_g.to(w_dtype).to(tl.float32)).to(w_dtype)  # g in the weights' dtype, as its GEMM rounds
+        b_n = tl.load(p_n + o_t[:, None] * stride_nt + k * D + o_d[None, :], mask=m_t[:, None] & m_d[None, :],
+                      other=0.0)
+        acc += (b_s.to(tl.float32) * b_n.to(tl.float32)).to(p_u.dtype.element_ty).to(tl.float32)
+    tl.store(p_u + o_t[:, None] * stride_ut + o_d[None, :], (acc / C).to(p_u.dtype.element_ty),
+             mask=m_t[:, None] & m_d[None, :])
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x [T, W] with unit column stride (any row stride)."""
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -191,15 +262,18 @@ def hc_read_triton(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """As `hc_read_ref` (n [T, C*D] the normalised streams, mix_in [rank (+ C), C*D], up [C*D, rank]) ->
     (u [T, D] in the dtype n * mix_in promotes to, the gate logits [T, C] in mix_in's dtype, or None when
-    mix_in has no inject rows), in two launches (`_read_down_kernel`, `_read_up_mix_kernel`); the tiles
-    are `HyperConnectionOptions`'. Meant for short reads (decode): each token costs both kernels a
-    CUDA-core pass over the weights' tiles already loaded."""
+    mix_in has no inject rows): the form "fma" for reads of at most
+    `HyperConnectionOptions.fma_read_max_tokens` tokens (each token a CUDA-core pass over the weight
+    tiles a program loaded), else "dot" (tensor-core tiles of 16 tokens or more); the tiles are
+    `HyperConnectionOptions`'. Meant for short reads (decode)."""
     opts = kernel_options().hyper_connection
     t, width = n.shape
     c = streams
     d = width // c
     r = mix_in.shape[0]
     n, mix_in, up = _rows(n), _rows(mix_in), _rows(up)
+    if t > opts.fma_read_max_tokens:
+        return _read_dot(n, mix_in, up, rank, c, opts)
     chunk = min(opts.down_chunk, triton.next_power_of_2(width))
     splits = triton.cdiv(width, chunk)
     u = torch.empty((t, d), dtype=torch.promote_types(n.dtype, mix_in.dtype), device=n.device)
@@ -218,4 +292,36 @@ def hc_read_triton(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank
                                                     n.stride(0), u.stride(0), gl.stride(0), C=c, BLOCK_D=block_d,
                                                     BLOCK_R=block_r, BLOCK_C=triton.next_power_of_2(c), GATES=gates,
                                                     num_warps=8 if block_d * block_r >= 8192 else 4)
+    return u, gate_logits
+
+
+def _read_dot(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int, c: int, opts
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`hc_read_triton`'s form "dot": three launches, every token at once on tensor cores."""
+    t, width = n.shape
+    d = width // c
+    r = mix_in.shape[0]
+    u = torch.empty((t, d), dtype=torch.promote_types(n.dtype, mix_in.dtype), device=n.device)
+    gates = r > rank
+    gate_logits = torch.empty((t, c), dtype=mix_in.dtype, device=n.device) if gates else None
+    if t == 0:
+        return u, gate_logits
+    precision = "ieee" if mix_in.dtype == torch.float32 else "tf32"
+    block_t = max(16, triton.next_power_of_2(t))
+    chunk = max(16, min(opts.dot_down_chunk, triton.next_power_of_2(width)))
+    block_k = max(16, min(opts.dot_down_block_k, chunk))
+    splits = triton.cdiv(width, chunk)
+    z_part = torch.empty((splits, t, r), dtype=torch.float32, device=n.device)
+    rows = opts.dot_down_rows
+    _read_down_dot_kernel[(triton.cdiv(r, rows), splits)](n, mix_in, z_part, t, r, width, n.stride(0), mix_in.stride(0),
+                                                          BLOCK_T=block_t, ROWS=rows, CHUNK=chunk, BLOCK_K=block_k,
+                                                          PRECISION=precision, num_warps=4, num_stages=3)
+    a = torch.empty((t, rank), dtype=mix_in.dtype, device=n.device)
+    gl = gate_logits if gates else a
+    _read_reduce_kernel[(t,)](z_part, a, gl, t, splits, r, rank, 1.0 / c, a.stride(0), gl.stride(0),
+                              BLOCK_R=triton.next_power_of_2(r), GATES=gates, num_warps=4)
+    block_d = max(16, min(opts.dot_up_block_d, triton.next_power_of_2(d)))
+    _read_up_mix_dot_kernel[(triton.cdiv(d, block_d),)](a, up, n, u, t, rank, d, a.stride(0), up.stride(0), n.stride(0),
+                                                        u.stride(0), C=c, BLOCK_T=block_t, BLOCK_D=block_d,
+                                                        BLOCK_RK=64, PRECISION=precision, num_warps=4)
     return u, gate_logits
