@@ -92,6 +92,10 @@ HELP = {
                        "or offloaded in read-through mode; no KV ladder), the others step as before. Default: on for a CUDA "
                        "device with every expert resident (H200, flagship: +6-10%% tokens/s at batch 1, +6%% at batch 8), "
                        "off for offloaded experts until measured there and on the CPU (nothing runs asynchronously there)"),
+    "embedding_on_host": ("keep the token embedding (vocabulary x hidden, e.g. 1.27 GB for Qwen3.8-Flash-Next, 0.62 GB "
+                          "for Qwen3-Next-80B in bf16) in pinned host memory: each step gathers its tokens' rows "
+                          "(a few KiB) over PCIe inside the step, and the card's bytes go to expert slots. Default: on "
+                          "when experts are offloaded on one CUDA GPU, off otherwise"),
     "storage_backend": ("how the pools resize: vmm (CUDA virtual memory) or mmap (host, Linux) free before they "
                         "allocate; realloc copies, so a resize holds old and new and the reachable ranges are narrower; "
                         "auto picks the best available"),

@@ -136,9 +136,11 @@ class CacheState(_Model):
     ranges_hold_others: bool = True  # each range holds the other pools at their current sizes
     notes: list[str] = Field(default_factory=list)  # about the request answered (e.g. KV rounded to pages)
     ranks: list[RankCache] = Field(default_factory=list)  # tensor parallelism: every GPU's pools (empty on one GPU)
-    # weights kept in host memory beside the routed experts (Qwen3.8-Flash-Next's n-gram table): outside
-    # the cache budget, never traded by the ladder; each step gathers the rows its tokens hash to
+    # weights kept in host memory beside the routed experts (Qwen3.8-Flash-Next's n-gram table, the token
+    # embedding with --embedding-on-host): outside the cache budget, never traded by the ladder; each step
+    # gathers the rows its tokens need. host_tables: what -> bytes (servers before this field sent none)
     host_table_bytes: int = 0
+    host_tables: dict[str, int] = Field(default_factory=dict)
 
 
 class ResizeRequest(_Model):

@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 
+from ft.ctl.format import host_tables_text
 from ft.engine_args import add_engine_args, engine_config_from_args
 from ft.units import format_bytes
 
@@ -110,8 +111,8 @@ def describe(engine, url: str, started_s: float | None = None) -> str:
         f"ft serve: {d['model']} on {d['device']} ({d['dtype']}), context {engine.context_limit} tokens",
         f"  budget: card {format_bytes(b.card_bytes)}, weights {format_bytes(d['resident_weight_bytes'])}, "
         f"activation reserve {format_bytes(b.reserve_bytes)} -> cache budget {format_bytes(b.budget_bytes)}",
-        *([f"  host: n-gram table {format_bytes(d['host_table_bytes'])} in host memory (rows gathered per step; "
-           "outside the cache budget, not traded by the ladder)"] if d.get("host_table_bytes") else []),
+        *([f"  host: {host_tables_text(d['host_tables'], d['host_table_bytes'])} in host memory (rows gathered "
+           "per step; outside the cache budget, not traded by the ladder)"] if d.get("host_table_bytes") else []),
         f"  unit costs: expert slot {format_bytes(c.expert_slot)}, kv page {format_bytes(c.kv_page)} "
         f"({c.page_size} tokens), mamba slot {format_bytes(c.mamba_slot)}",
         f"  geometry: moe {g.moe_slots}/{engine.cache.total_experts} slots ({engine.config.moe_backend}), "

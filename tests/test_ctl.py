@@ -115,7 +115,13 @@ def test_format_cache_ladder_and_states():
                          "    last: request needs 90000 tokens: grew kv to 98304"]
     assert format_cache(CacheState()).splitlines()[0] == "state=starting, 0 B allocated"
     assert not any("n-gram" in line for line in format_cache(CacheState()).splitlines())
-    assert "  host: n-gram table 95.4 GiB in host memory" in format_cache(CacheState(host_table_bytes=int(95.4 * 2**30)))
+    table = int(95.4 * 2**30)
+    assert "  host: n-gram table 95.4 GiB in host memory" in format_cache(
+        CacheState(host_table_bytes=table, host_tables={"n-gram table": table}))
+    assert "  host: n-gram table 95.4 GiB, embedding 1.2 GiB in host memory" in format_cache(
+        CacheState(host_table_bytes=table + int(1.2 * 2**30), host_tables={"n-gram table": table,
+                                                                           "embedding": int(1.2 * 2**30)}))
+    assert "  host: tables 95.4 GiB in host memory" in format_cache(CacheState(host_table_bytes=table))  # older servers
 
 
 @pytest.mark.parametrize("rungs,current,expected", [

@@ -38,3 +38,33 @@ def test_sharded_checkpoint_loads(tiny_one, tmp_path):
     got = LLM(model=str(tmp_path), device="cpu", dtype="float32", progress=True).generate(
         prompt_token_ids=[prompt], **GREEDY_32)[0]
     assert got.token_ids == hf_greedy(model, prompt)
+
+
+def test_the_embedding_in_host_memory_gives_the_same_tokens(tiny_one):
+    """Qwen3-Next with --embedding-on-host (the offload backend, the table moved to host memory after
+    loading): transformers' greedy tokens, and the embedding's bytes leave the device weights for the
+    host tables."""
+    _, model, path = tiny_one
+    prompt = prompt_of(30, seed=13)
+    opts = dict(model=str(path), device="cpu", dtype="float32", page_size=16)
+    with LLM(**opts) as on_device, LLM(**opts, embedding_on_host=True) as on_host:
+        table = on_host.engine.model.embed
+        assert on_host.engine.model.embed_on_host and not on_device.engine.model.embed_on_host
+        assert on_host.engine.describe()["host_tables"] == {"embedding": table.numel() * 4}
+        assert on_device.engine.model.resident_bytes - on_host.engine.model.resident_bytes == table.numel() * 4
+        got = on_host.generate(prompt_token_ids=[prompt], **GREEDY_32)[0]
+    assert got.token_ids == hf_greedy(model, prompt)
+
+
+def test_the_embedding_goes_to_host_memory_when_experts_are_offloaded_on_a_gpu():
+    from ft.engine.base.engine_config import EngineConfig
+    from ft.errors import ConfigError
+
+    assert EngineConfig().embedding_host("cuda")  # offload is the default backend
+    assert not EngineConfig().embedding_host("cpu")
+    assert not EngineConfig(moe_backend="resident").embedding_host("cuda")
+    assert not EngineConfig(tensor_parallel_size=2).embedding_host("cuda")
+    assert not EngineConfig(embedding_on_host=False).embedding_host("cuda")
+    assert EngineConfig(moe_backend="resident", embedding_on_host=True).embedding_host("cpu")
+    with pytest.raises(ConfigError, match="embedding-on-host runs on one GPU"):
+        EngineConfig(embedding_on_host=True, tensor_parallel_size=2)

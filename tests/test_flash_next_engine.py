@@ -144,6 +144,25 @@ def test_greedy_tokens_equal_the_reference(checkpoint):
         assert chunks[:3] == [16, 16, 8]  # the prompt in three chunks
 
 
+def test_the_embedding_in_host_memory_gives_the_same_tokens(checkpoint):
+    """--embedding-on-host: the embedding leaves the device weights for the host tables (named in the
+    banner) and the tokens stay the reference's, prefill and decode."""
+    name, path, weights = checkpoint
+    a = prompt_of(40, 1, eos_at=(17,))
+    embedding = next(w for n, w in weights.items() if n.endswith("embed_tokens.weight"))
+    with make_llm(path) as llm:
+        on_device = llm.engine.model.resident_bytes
+        assert "embedding" not in llm.engine.describe()["host_tables"]
+    with make_llm(path, embedding_on_host=True) as llm:
+        model = llm.engine.model
+        assert model.embed_on_host and model.resident_bytes == on_device - embedding.numel() * 4
+        assert llm.engine.describe()["host_tables"]["embedding"] == embedding.numel() * 4
+        from ft.serve_cmd import describe
+
+        assert "embedding 40.0 KiB in host memory" in describe(llm.engine, "http://x")
+        assert llm.generate(prompt_token_ids=[a], **GREEDY_OPTS)[0].token_ids == reference_greedy(weights, path, a), name
+
+
 def test_the_ple_and_the_yarn_factor_are_seen(checkpoint):
     """Negative controls: the reference without the PLE's table rows (or with plain RoPE for YaRN)
     gives other tokens, so the equality above depends on them."""

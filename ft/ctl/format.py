@@ -139,8 +139,8 @@ def format_cache(state: CacheState) -> str:
         lines.append(f"  experts: decode reads misses from host memory in the step (read-through); "
                      f"{moe.landed} landed, {format_bytes(moe.host_bytes)} read from host")
     if state.host_table_bytes:
-        lines.append(f"  host: n-gram table {format_bytes(state.host_table_bytes)} in host memory (rows gathered per "
-                     "step; outside the budget, not traded by the ladder)")
+        lines.append(f"  host: {host_tables_text(state.host_tables, state.host_table_bytes)} in host memory (rows "
+                     "gathered per step; outside the budget, not traded by the ladder)")
     ex = state.exchange
     if ex.kv_tokens_per_expert_slot:  # (servers before this field sent none)
         lines.append(f"  ranges: each with the other pools at their current sizes; 1 expert slot = "
@@ -252,3 +252,11 @@ def format_requests(listing: RequestList) -> str:
 
 def _one_line(text: str) -> str:
     return " ".join(str(text).split())
+
+
+def host_tables_text(tables: dict[str, int], total: int) -> str:
+    """"n-gram table 95.4 GiB, embedding 1.2 GiB" from {what: bytes}; a server that sends only the total
+    (before `host_tables`): "tables 95.4 GiB"."""
+    if not tables:
+        return f"tables {format_bytes(total)}"
+    return ", ".join(f"{what} {format_bytes(n)}" for what, n in tables.items())

@@ -210,6 +210,7 @@ class LoadedWeights:
     experts: SlotWeights | None
     kv_scales: torch.Tensor | None = None  # [full-attention layers, 2] float32 (K, V): ModelOpt's KV scales
     kv_algo: str | None = None  # what kv_scales describe (kv_cache_quant_algo): "FP8" | "NVFP4" | None
+    on_host: frozenset[str] = frozenset()  # dense tensors the loader keeps in host memory (the embedding)
 
 
 def load_weights(

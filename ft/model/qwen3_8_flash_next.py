@@ -39,6 +39,7 @@ from ft.model.forward_batch import ForwardBatch
 from ft.model.layers.attention import Rope
 from ft.model.layers.qsa_attention import QSAAttention
 from ft.kernels.host_gather import gather_rows
+from ft.model.layers.embedding import embed_tokens
 from ft.model.layers.engram import EngramHashing, PLEWeights, ple_delta_batched
 from ft.model.layers.gated_deltanet import GatedDeltaNet
 from ft.model.layers.hyper_connection import HyperConnection, expand_streams
@@ -185,13 +186,19 @@ class FlashNextModel:
                                         "(--tensor-parallel-size 1)")
         self.cfg, self.text, self.dtype, self.device, self.tp = cfg, cfg.flash_next, dtype, device, None
         t, w = self.text, weights.tensors
-        host = {n for n in w if n.endswith(TABLE_SUFFIX)}  # (kind "host": in host memory on every device)
+        tables = {n for n in w if n.endswith(TABLE_SUFFIX)}  # (kind "host": in host memory on every device)
+        host = tables | weights.on_host  # (and the embedding when the loader moved it, `load_model`)
         self.resident_bytes = sum(x.nbytes if hasattr(x, "packed") else x.numel() * x.element_size()
                                   for n, x in w.items() if n not in host)
-        self.host_bytes = sum(w[n].numel() * w[n].element_size() for n in host)  # the Engram table
+        self.host_tables = {
+            **({"n-gram table": sum(w[n].numel() * w[n].element_size() for n in tables)} if tables else {}),
+            **{"embedding": w[n].numel() * w[n].element_size() for n in weights.on_host
+               if n == ROOT + "embed_tokens.weight"}}
+        self.host_bytes = sum(self.host_tables.values())
         self.vocab_lo = None
         self.streams, self.eps = t.hc_count, cfg.rms_norm_eps
         self.embed = w[ROOT + "embed_tokens.weight"]
+        self.embed_on_host = ROOT + "embed_tokens.weight" in weights.on_host
         self.lm_head = Linear(w["lm_head.weight"])
         self.final_read = self._hc(w, ROOT + "hyper_connection_mixer.", write=False)
         inv_freq, scale = rope_frequencies(t, cfg.rotary_dim)
@@ -278,7 +285,7 @@ class FlashNextModel:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pools: CachePools) -> torch.Tensor:
         """Logits [B, V] float32 of each sequence's last new token."""
-        x = expand_streams(self.embed[batch.input_ids], self.streams)  # [T, C*H]
+        x = expand_streams(embed_tokens(self.embed, batch.input_ids, self.embed_on_host, self.dtype), self.streams)
         n = None  # the next read's normalised streams, when the write before it computed them
         live = batch.decode.slot_mapping if batch.decode is not None else None  # padding rows: -1 (the MoE skips them)
         for i, layer in enumerate(self.layers):

@@ -15,6 +15,7 @@ from ft.errors import UnsupportedModelError
 from ft.kernels.norm import add_rms_norm, rms_norm, rotary_inv_freq_ref
 from ft.model.forward_batch import ForwardBatch
 from ft.model.layers.attention import GatedAttention
+from ft.model.layers.embedding import embed_tokens
 from ft.model.layers.gated_deltanet import GatedDeltaNet
 from ft.model.layers.linear import Linear
 from ft.model.layers.moe import MLP, SparseMoE
@@ -96,7 +97,6 @@ class Qwen3NextModel:
     graph_safe = True  # a decode step may be captured in a CUDA graph
     prefill_graph_safe = True  # its attention hands its cores to a prefill graph's capture (`batch.pieces`)
     slot_states = ()  # no per-sequence state beside the GDN layers' (`MambaPool.extra`)
-    host_bytes = 0  # no weights kept in host memory beside the routed experts
     index_key_dim = 0  # no QSA indexer keys in the KV pool
 
     def __init__(self, cfg: ModelConfig, weights: LoadedWeights, dtype: torch.dtype, device: torch.device,
@@ -105,11 +105,17 @@ class Qwen3NextModel:
         # (`ft.model.tp_shard.local_config`), the weights its shard; partial sums are all-reduced
         self.cfg, self.dtype, self.device, self.tp = cfg, dtype, device, tp
         w = weights.tensors
-        # Bytes of every weight kept on the device (not the routed experts).
+        # Bytes of every weight kept on the device (not the routed experts, not the tensors the loader
+        # kept in host memory: the embedding with --embedding-on-host, `load_model`)
         self.resident_bytes = sum(
-            t.nbytes if hasattr(t, "packed") else t.numel() * t.element_size() for t in w.values()
+            t.nbytes if hasattr(t, "packed") else t.numel() * t.element_size() for n, t in w.items()
+            if n not in weights.on_host
         )
         self.embed = w["model.embed_tokens.weight"]
+        self.embed_on_host = "model.embed_tokens.weight" in weights.on_host
+        # weights in host memory beside the routed experts, by what they are: bytes
+        self.host_tables = {"embedding": self.embed.numel() * self.embed.element_size()} if self.embed_on_host else {}
+        self.host_bytes = sum(self.host_tables.values())
         # tensor parallelism with the vocabulary split (`ft.model.tp_shard`): this rank's first token id
         self.vocab_lo = tp.rank * self.embed.shape[0] if tp is not None and self.embed.shape[0] != cfg.vocab_size \
             else None
@@ -197,7 +203,7 @@ class Qwen3NextModel:
         """[T] token ids -> [T, H] embeddings; with the vocabulary split, each rank looks up its
         slice (zeros for the other ids) and an all-reduce sums them: exactly the whole table's rows."""
         if self.vocab_lo is None:
-            return self.embed[ids]
+            return embed_tokens(self.embed, ids, self.embed_on_host, self.dtype)
         n = self.embed.shape[0]
         local = ids - self.vocab_lo
         inside = (local >= 0) & (local < n)

@@ -67,6 +67,19 @@ def test_triton_path_matches_reference_path(model):
     assert rel_rms(logits, ref_logits) < TOL_LOGITS
 
 
+def test_the_embedding_in_host_memory_changes_no_bit(model):
+    """Offloaded (the default backend), the embedding moves to pinned host memory by default and each
+    step's rows are gathered inside its graphs: the same last logits and greedy tokens, bit for bit, as
+    with the embedding on the device, and its bytes leave the device weights."""
+    logits, tokens, llm = run(model)
+    assert llm.engine.model.embed_on_host and llm.engine.model.embed.is_pinned()
+    on_device_logits, on_device_tokens, llm_dev = run(model, embedding_on_host=False)
+    assert not llm_dev.engine.model.embed_on_host
+    assert torch.equal(logits, on_device_logits) and tokens == on_device_tokens
+    table = llm.engine.model.embed
+    assert llm_dev.engine.model.resident_bytes - llm.engine.model.resident_bytes == table.numel() * table.element_size()
+
+
 def test_resident_defaults_run_64_requests_and_fill_the_budget_with_kv(model):
     """Resident on a GPU without --max-running-requests or --num-tokens: 64 running requests, and the
     KV takes what the experts and mamba slots leave, past one context but never past 64 contexts

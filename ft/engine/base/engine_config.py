@@ -65,6 +65,7 @@ class EngineConfig:
     mix_prefill_decode: bool = True  # a prefill step carries a token of each decoding request (ft.engine.sched.scheduler)
     max_mixed_prefill_length: int | None = None  # prompt tokens of a step that also decodes (None: --max-prefill-length)
     overlap_decode: bool | None = None  # queue the next decode step before reading this one's tokens; None: on CUDA
+    embedding_on_host: bool | None = None  # the token embedding in pinned host memory; None: when offloading on CUDA
     storage_backend: str = "auto"  # auto | vmm | mmap | realloc: how pools grow and shrink (see ft.memory.storage)
     seed: int = 0
     progress: bool = False  # show loading progress
@@ -98,6 +99,9 @@ class EngineConfig:
         for name in ("page_size", "max_running_requests", "max_prefill_length", "max_mixed_prefill_length"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.embedding_on_host and self.tensor_parallel_size > 1:
+            raise ConfigError("--embedding-on-host runs on one GPU (tensor parallelism splits the embedding "
+                              "between the GPUs instead)")
         if self.enable_kv_ladder and self.num_tokens is not None:
             raise ConfigError("--num-tokens conflicts with --enable-kv-ladder: the ladder sets the KV size "
                               "(use --ladder-step-size; KV starts at twice the step)")
@@ -121,6 +125,14 @@ class EngineConfig:
             return 0
         limit = self.running_requests if self.cuda_graph_max_bs is None else self.cuda_graph_max_bs
         return min(limit, self.running_requests)
+
+    def embedding_host(self, device_type: str) -> bool:
+        """Whether the token embedding lives in pinned host memory: --embedding-on-host as given, by
+        default when experts are offloaded on one GPU (each step gathers only its tokens' rows, a few
+        KiB, and the card's bytes go to expert slots instead)."""
+        if self.embedding_on_host is not None:
+            return self.embedding_on_host
+        return self.moe_backend == "offload" and device_type == "cuda" and self.tensor_parallel_size == 1
 
     @property
     def mamba_slots(self) -> int:

@@ -54,6 +54,7 @@ def cache_state(engine, state: str, model_name: str) -> CacheState:
         "ladder": ladder_state(engine).model_dump(),
         "storage": engine.cache.describe()["storage"],
         "host_table_bytes": engine.model.host_bytes,
+        "host_tables": dict(engine.model.host_tables),
         "degraded": engine.cache.degraded,
         "exchange": exchange(engine),
         "ranks": rank_caches(engine),

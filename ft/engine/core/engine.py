@@ -359,7 +359,8 @@ class Engine(RankState):
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "resident_weight_bytes": self.model.resident_bytes,
-            "host_table_bytes": self.model.host_bytes,  # (the n-gram table: host memory, outside the budget)
+            "host_table_bytes": self.model.host_bytes,  # (host memory, outside the budget)
+            "host_tables": dict(self.model.host_tables),  # what: bytes (the n-gram table, the embedding)
             "context_limit": self.context_limit,
             "tensor_parallel_size": self.tp.world if self.tp is not None else 1,
             **self.cache.describe(),

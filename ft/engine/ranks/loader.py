@@ -29,12 +29,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def load_model(
     source: ModelSource, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int,
-    progress: bool, tp=None,
+    progress: bool, tp=None, embedding_on_host: bool = False,
 ) -> tuple[Qwen3NextModel | qwen3_8_flash_next.FlashNextModel, SlotWeights | None]:
     """The model with its resident weights on `device`, and the routed experts' host store: read
     from the checkpoint, or made (a synthetic source). With tensor parallelism (`tp`, a
     `ft.parallel.TPGroup`) this rank's shard of both (`ft.model.tp_shard`): the whole checkpoint is
-    read, each tensor cut as it arrives."""
+    read, each tensor cut as it arrives. `embedding_on_host`: the token embedding moves to host memory
+    (pinned on CUDA) once loaded, the same values; the model gathers its rows (`EngineConfig.embedding_host`)."""
     arch = qwen3_8_flash_next if cfg.is_flash_next else qwen3_next
     if cfg.is_flash_next and tp is not None:
         raise UnsupportedModelError("Qwen3.8-Flash-Next does not run under tensor parallelism yet "
@@ -54,6 +55,10 @@ def load_model(
         # them NVFP4 to run the Triton kernels on the CPU.)
         weights.tensors = {k: (v.dequantize(dtype) if isinstance(v, NVFP4Weight) else v)
                            for k, v in weights.tensors.items()}
+    if embedding_on_host:
+        if tp is not None:
+            raise UnsupportedModelError("the embedding in host memory runs on one GPU (--no-embedding-on-host)")
+        weights = _embedding_to_host(weights, embedding_name(cfg), device)
     if world > 1:  # NOTE: after the CPU path's dequantization: dense columns cut anywhere, NVFP4 per block
         weights.tensors = shard_tensors(weights.tensors, cfg, rank, world)
         cfg = local_config(cfg, rank, world)
@@ -61,6 +66,24 @@ def load_model(
     m.kv_scales = weights.kv_scales  # NOTE: the KV pool takes them (ft.engine.core.engine), the model does not
     m.kv_cache_quant_algo = weights.kv_algo  # what the scales describe: "FP8" | "NVFP4" (None: no KV algo named)
     return m, weights.experts
+
+
+def embedding_name(cfg: ModelConfig) -> str:
+    """The checkpoint name of the token embedding."""
+    return (qwen3_8_flash_next.ROOT if cfg.is_flash_next else "model.") + "embed_tokens.weight"
+
+
+def _embedding_to_host(weights, name: str, device: torch.device):
+    """`weights` with the tensor `name` moved to host memory (pinned when `device` is CUDA; the device
+    copy freed before the budget is measured) and named in `on_host`."""
+    table = weights.tensors[name].to("cpu")
+    if device.type == "cuda":
+        table = table.pin_memory()
+    weights.tensors = {**weights.tensors, name: table}
+    weights.on_host = weights.on_host | {name}
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return weights
 
 
 def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, prefill_tokens: int,

@@ -64,7 +64,7 @@ class RankState:
         read_through = self._check_kernels(config)  # before the weights load: a refusal is at once
         self.model, host_experts = load_model(self.source, self.model_config, self.dtype,
                                               self.device, config.seed, config.progress and (tp is None or tp.is_leader),
-                                              tp)
+                                              tp, config.embedding_host(self.device.type) and tp is None)
         cfg = self.model.cfg  # this rank's heads and intermediate sizes (the whole model's on one GPU)
         if tp is not None:  # before the budget is measured: its buffers are device memory too
             why = tp.enable_one_shot(self.dtype)

@@ -7,7 +7,7 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from ft.ctl.format import POOL_ORDER
+from ft.ctl.format import POOL_ORDER, host_tables_text
 from ft.schemas import CacheState
 from ft.tui.state import budget_segments, pool_cells, pool_usage, range_track, scale_bytes
 from ft.units import format_bytes
@@ -64,8 +64,8 @@ class PoolsPanel(Widget):
             head.append(f"  context {c.context_limit} tok")
         if c.storage.reallocates:  # vmm / mmap free before they allocate; this one does not
             head.append(f"  storage {c.storage.backend}: ranges count old + new", "bold yellow")
-        if c.host_table_bytes:  # (Qwen3.8-Flash-Next's n-gram table: host memory, outside the budget)
-            head.append(f"  host table {format_bytes(c.host_table_bytes)}", "dim")
+        if c.host_table_bytes:  # (the n-gram table, the embedding: host memory, outside the budget)
+            head.append(f"  host {host_tables_text(c.host_tables, c.host_table_bytes)}", "dim")
         cells, usage = pool_cells(c), pool_usage(c)
         rows = [[name, *cells[name][:2], cells[name][2], usage[name]] for name in POOL_ORDER]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
