@@ -190,15 +190,16 @@ class FlashNextModel:
         host = tables | weights.on_host  # (and the embedding when the loader moved it, `load_model`)
         self.resident_bytes = sum(x.nbytes if hasattr(x, "packed") else x.numel() * x.element_size()
                                   for n, x in w.items() if n not in host)
-        self.host_tables = {
-            **({"n-gram table": sum(w[n].numel() * w[n].element_size() for n in tables)} if tables else {}),
-            **{"embedding": w[n].numel() * w[n].element_size() for n in weights.on_host
-               if n == ROOT + "embed_tokens.weight"}}
+        self.embed = w[ROOT + "embed_tokens.weight"]
+        self.embed_on_host = ROOT + "embed_tokens.weight" in weights.on_host
+        self.host_tables = {}  # weights in host memory beside the routed experts, by what they are: bytes
+        if tables:
+            self.host_tables["n-gram table"] = sum(w[n].numel() * w[n].element_size() for n in tables)
+        if self.embed_on_host:
+            self.host_tables["embedding"] = self.embed.numel() * self.embed.element_size()
         self.host_bytes = sum(self.host_tables.values())
         self.vocab_lo = None
         self.streams, self.eps = t.hc_count, cfg.rms_norm_eps
-        self.embed = w[ROOT + "embed_tokens.weight"]
-        self.embed_on_host = ROOT + "embed_tokens.weight" in weights.on_host
         self.lm_head = Linear(w["lm_head.weight"])
         self.final_read = self._hc(w, ROOT + "hyper_connection_mixer.", write=False)
         inv_freq, scale = rope_frequencies(t, cfg.rotary_dim)

@@ -25,7 +25,6 @@ def rel_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-
 def prefill_logits(llm, prompt: list[int]) -> torch.Tensor:
     """The last logits [V] after prefilling `prompt` in `llm`'s engine."""
     eng = llm.engine

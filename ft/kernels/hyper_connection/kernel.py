@@ -268,44 +268,42 @@ def hc_read_triton(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank
     `HyperConnectionOptions`'. Meant for short reads (decode)."""
     opts = kernel_options().hyper_connection
     t, width = n.shape
-    c = streams
-    d = width // c
-    r = mix_in.shape[0]
     n, mix_in, up = _rows(n), _rows(mix_in), _rows(up)
-    if t > opts.fma_read_max_tokens:
-        return _read_dot(n, mix_in, up, rank, c, opts)
+    u = torch.empty((t, width // streams), dtype=torch.promote_types(n.dtype, mix_in.dtype), device=n.device)
+    gate_logits = torch.empty((t, streams), dtype=mix_in.dtype, device=n.device) if mix_in.shape[0] > rank else None
+    if t:
+        read = _read_fma if t <= opts.fma_read_max_tokens else _read_dot
+        read(n, mix_in, up, rank, streams, opts, u, gate_logits)
+    return u, gate_logits
+
+
+def _read_fma(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int, c: int, opts, u: torch.Tensor,
+              gate_logits: torch.Tensor | None) -> None:
+    """`hc_read_triton`'s form "fma" into u (and gate_logits): two launches, a token at a time."""
+    t, width = n.shape
+    d, r = width // c, mix_in.shape[0]
     chunk = min(opts.down_chunk, triton.next_power_of_2(width))
     splits = triton.cdiv(width, chunk)
-    u = torch.empty((t, d), dtype=torch.promote_types(n.dtype, mix_in.dtype), device=n.device)
-    gates = r > rank
-    gate_logits = torch.empty((t, c), dtype=mix_in.dtype, device=n.device) if gates else None
-    if t == 0:
-        return u, gate_logits
     z_part = torch.empty((splits, t, r), dtype=torch.float32, device=n.device)
     rows = min(opts.down_rows, triton.next_power_of_2(r))
     _read_down_kernel[(triton.cdiv(r, rows), splits)](n, mix_in, z_part, t, r, width, n.stride(0), mix_in.stride(0),
                                                       ROWS=rows, CHUNK=chunk, num_warps=8 if rows * chunk >= 8192 else 4)
     block_d = min(opts.up_block_d, triton.next_power_of_2(d))
     block_r = triton.next_power_of_2(rank)
-    gl = gate_logits if gates else u
+    gl = gate_logits if gate_logits is not None else u
     _read_up_mix_kernel[(triton.cdiv(d, block_d),)](z_part, up, n, u, gl, t, splits, r, rank, d, 1.0 / c, up.stride(0),
                                                     n.stride(0), u.stride(0), gl.stride(0), C=c, BLOCK_D=block_d,
-                                                    BLOCK_R=block_r, BLOCK_C=triton.next_power_of_2(c), GATES=gates,
+                                                    BLOCK_R=block_r, BLOCK_C=triton.next_power_of_2(c),
+                                                    GATES=gate_logits is not None,
                                                     num_warps=8 if block_d * block_r >= 8192 else 4)
-    return u, gate_logits
 
 
-def _read_dot(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int, c: int, opts
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`hc_read_triton`'s form "dot": three launches, every token at once on tensor cores."""
+def _read_dot(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int, c: int, opts, u: torch.Tensor,
+              gate_logits: torch.Tensor | None) -> None:
+    """`hc_read_triton`'s form "dot" into u (and gate_logits): three launches, every token at once on
+    tensor cores."""
     t, width = n.shape
-    d = width // c
-    r = mix_in.shape[0]
-    u = torch.empty((t, d), dtype=torch.promote_types(n.dtype, mix_in.dtype), device=n.device)
-    gates = r > rank
-    gate_logits = torch.empty((t, c), dtype=mix_in.dtype, device=n.device) if gates else None
-    if t == 0:
-        return u, gate_logits
+    d, r = width // c, mix_in.shape[0]
     precision = "ieee" if mix_in.dtype == torch.float32 else "tf32"
     block_t = max(16, triton.next_power_of_2(t))
     chunk = max(16, min(opts.dot_down_chunk, triton.next_power_of_2(width)))
@@ -316,12 +314,11 @@ def _read_dot(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int
     _read_down_dot_kernel[(triton.cdiv(r, rows), splits)](n, mix_in, z_part, t, r, width, n.stride(0), mix_in.stride(0),
                                                           BLOCK_T=block_t, ROWS=rows, CHUNK=chunk, BLOCK_K=block_k,
                                                           PRECISION=precision, num_warps=4, num_stages=3)
-    a = torch.empty((t, rank), dtype=mix_in.dtype, device=n.device)
-    gl = gate_logits if gates else a
+    a = torch.empty((t, rank), dtype=mix_in.dtype, device=n.device)  # silu(z): the up projection's input
+    gl = gate_logits if gate_logits is not None else a
     _read_reduce_kernel[(t,)](z_part, a, gl, t, splits, r, rank, 1.0 / c, a.stride(0), gl.stride(0),
-                              BLOCK_R=triton.next_power_of_2(r), GATES=gates, num_warps=4)
+                              BLOCK_R=triton.next_power_of_2(r), GATES=gate_logits is not None, num_warps=4)
     block_d = max(16, min(opts.dot_up_block_d, triton.next_power_of_2(d)))
     _read_up_mix_dot_kernel[(triton.cdiv(d, block_d),)](a, up, n, u, t, rank, d, a.stride(0), up.stride(0), n.stride(0),
                                                         u.stride(0), C=c, BLOCK_T=block_t, BLOCK_D=block_d,
                                                         BLOCK_RK=64, PRECISION=precision, num_warps=4)
-    return u, gate_logits
