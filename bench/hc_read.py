@@ -9,7 +9,7 @@ norm, at the decode batches. Not a test.
 every call inside a CUDA graph over copies of the weights (`bench.gpu_timing.graph_us`: a pass reads
 several times L2, as the 97 modules of a step do). `--sweep`: the forms' tiles
 (`HyperConnectionOptions.down_rows`, `down_chunk`, `up_block_d`; `dot_down_rows`, `dot_down_chunk`,
-`dot_up_block_d`). The floor is the weights' bytes at
+`dot_up_block_d`, `dot_up_block_rank`). The floor is the weights' bytes at
 4.3 TB/s. Prints a table last.
 """
 
@@ -51,9 +51,9 @@ def main() -> None:
         forms["fma"] += [{"hyper_connection.down_rows": a, "hyper_connection.down_chunk": b,
                           "hyper_connection.up_block_d": e} for a, b, e in ((2, 2048, 16), (2, 2048, 8), (4, 1024, 8))]
         forms["dot"] += [{"hyper_connection.dot_down_rows": a, "hyper_connection.dot_down_chunk": b,
-                          "hyper_connection.dot_up_block_d": e}
-                         for a, b, e in itertools.product((16, 32), (512, 1024, 2048), (16, 32))
-                         if (a, b, e) != (16, 1024, 16)]
+                          "hyper_connection.dot_up_block_d": e, "hyper_connection.dot_up_block_rank": f}
+                         for a, b, e, f in itertools.product((16, 32), (512, 1024, 2048), (16, 32), (64, 512))
+                         if (a, b, e, f) != (16, 1024, 16, 64)]
     floor_us = weight_bytes / HBM_BW * 1e6
     rows = []
     for t in tokens:

@@ -420,6 +420,10 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
      {"p_a": "*bf16", "p_up": "*bf16", "p_n": "*bf16", "p_u": "*bf16", **ints("T", "RANK", "D", "stride_at",
                                                                              "stride_upr", "stride_nt", "stride_ut")},
      {"C": 4, "BLOCK_T": 16, "BLOCK_D": 16, "BLOCK_RK": 64, "PRECISION": "tf32", "num_warps": 4}),
+    ("hyper connection read (dot), up + mix, the whole rank in one step", hc._read_up_mix_dot_kernel,
+     {"p_a": "*bf16", "p_up": "*bf16", "p_n": "*bf16", "p_u": "*bf16", **ints("T", "RANK", "D", "stride_at",
+                                                                             "stride_upr", "stride_nt", "stride_ut")},
+     {"C": 4, "BLOCK_T": 16, "BLOCK_D": 16, "BLOCK_RK": 512, "PRECISION": "tf32", "num_warps": 4}),
 ]
 
 

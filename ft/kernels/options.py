@@ -177,7 +177,10 @@ class HyperConnectionOptions:
     tokens padded to 16 rows, with a small reduce + SiLU kernel between).
     down_rows / down_chunk / up_block_d: the "fma" form's tiles (rows of mix_in by columns of the
     streams a program; columns of D a program). dot_down_rows / dot_down_chunk / dot_down_block_k /
-    dot_up_block_d: the "dot" form's (the same, the down projection in K steps of dot_down_block_k).
+    dot_up_block_d / dot_up_block_rank: the "dot" form's (the same, the down projection in K steps of
+    dot_down_block_k, the up projection in rank steps of dot_up_block_rank: 64 measured; a whole rank of
+    320 in one padded step of 512, which drops the up kernel's 20 dependent loads to 4, is in
+    `bench/hc_read.py --sweep`, not yet run).
 
     H200, bench/hc_read.py (4 streams of 2,560, rank 320, bf16, in a CUDA graph), us a read, cuBLAS /
     fma / dot: T 1 17.3 / **14.5** / 18.1; T 2 21.1 / 19.4 / **18.4**; T 8 21.4 / 49.5 / **18.8**; T 16
@@ -194,6 +197,7 @@ class HyperConnectionOptions:
     dot_down_chunk: int = 1024
     dot_down_block_k: int = 256
     dot_up_block_d: int = 16
+    dot_up_block_rank: int = 64
 
 
 @dataclass(frozen=True)

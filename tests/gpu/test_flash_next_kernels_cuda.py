@@ -154,7 +154,7 @@ def test_hyper_connection_kernels_at_the_flagship_shape(tokens):
     assert torch.equal(hc_write_triton(x, y, gates, c), out)
 
 
-@pytest.mark.parametrize("form", ["fma", "dot"])
+@pytest.mark.parametrize("form", ["fma", "dot", "dot-whole-rank"])
 @pytest.mark.parametrize("tokens", [1, 8, 16, 64])
 @pytest.mark.parametrize("inject", [True, False], ids=["inject", "final"])
 def test_the_fused_hyper_connection_read_at_the_flagship_shape(tokens, inject, form):
@@ -171,7 +171,10 @@ def test_the_fused_hyper_connection_read_at_the_flagship_shape(tokens, inject, f
     mix_in, up = r(rank + (c if inject else 0), c * d, scale=0.02), r(c * d, rank, scale=0.1)
     from ft.kernels.options import use_kernel_options, variant
 
-    with use_kernel_options(variant(**{"hyper_connection.fma_read_max_tokens": 1 << 20 if form == "fma" else 0})):
+    forms = {"fma": {"hyper_connection.fma_read_max_tokens": 1 << 20},
+             "dot": {"hyper_connection.fma_read_max_tokens": 0},
+             "dot-whole-rank": {"hyper_connection.fma_read_max_tokens": 0, "hyper_connection.dot_up_block_rank": 512}}
+    with use_kernel_options(variant(**forms[form])):
         u, gates = hc_read_triton(n, mix_in, up, rank, c)
     want_u, want_gates = hc_read_ref(n, mix_in, up, rank, c)
     exact_u, exact_gates = hc_read_ref(n.float(), mix_in.float(), up.float(), rank, c)

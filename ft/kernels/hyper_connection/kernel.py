@@ -321,4 +321,6 @@ def _read_dot(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int
     block_d = max(16, min(opts.dot_up_block_d, triton.next_power_of_2(d)))
     _read_up_mix_dot_kernel[(triton.cdiv(d, block_d),)](a, up, n, u, t, rank, d, a.stride(0), up.stride(0), n.stride(0),
                                                         u.stride(0), C=c, BLOCK_T=block_t, BLOCK_D=block_d,
-                                                        BLOCK_RK=64, PRECISION=precision, num_warps=4)
+                                                        BLOCK_RK=max(16, min(opts.dot_up_block_rank,
+                                                                             triton.next_power_of_2(rank))),
+                                                        PRECISION=precision, num_warps=4)
