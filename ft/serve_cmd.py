@@ -18,9 +18,8 @@ import signal
 import threading
 import time
 
-from ft.ctl.format import host_tables_text
 from ft.engine_args import add_engine_args, engine_config_from_args
-from ft.units import format_bytes
+from ft.units import format_bytes, host_tables_text
 
 log = logging.getLogger("ft.serve")
 

@@ -48,3 +48,11 @@ def seconds_arg(lo: float, hi: float | None = None, above: bool = False):
         return s
 
     return parse
+
+
+def host_tables_text(tables: dict[str, int], total: int) -> str:
+    """"n-gram table 95.4 GiB, embedding 1.2 GiB" from {what: bytes}; a server that sends only the total
+    (before `host_tables`): "tables 95.4 GiB"."""
+    if not tables:
+        return f"tables {format_bytes(total)}"
+    return ", ".join(f"{what} {format_bytes(n)}" for what, n in tables.items())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from ft.schemas import CacheState, History, HistoryEntry, LadderState, RequestList, ResizePlan
-from ft.units import format_bytes
+from ft.units import format_bytes, host_tables_text
 
 POOL_ORDER = ("moe", "kv", "mamba")
 
@@ -253,10 +253,3 @@ def format_requests(listing: RequestList) -> str:
 def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
-
-def host_tables_text(tables: dict[str, int], total: int) -> str:
-    """"n-gram table 95.4 GiB, embedding 1.2 GiB" from {what: bytes}; a server that sends only the total
-    (before `host_tables`): "tables 95.4 GiB"."""
-    if not tables:
-        return f"tables {format_bytes(total)}"
-    return ", ".join(f"{what} {format_bytes(n)}" for what, n in tables.items())

@@ -7,10 +7,10 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from ft.ctl.format import POOL_ORDER, host_tables_text
+from ft.ctl.format import POOL_ORDER
 from ft.schemas import CacheState
 from ft.tui.state import budget_segments, pool_cells, pool_usage, range_track, scale_bytes
-from ft.units import format_bytes
+from ft.units import format_bytes, host_tables_text
 
 COLORS = {"moe": "#c678dd", "kv": "#56b6c2", "mamba": "#98c379", "free": "#5c6370"}
 MIN_TRACK = 8
