@@ -252,4 +252,3 @@ def format_requests(listing: RequestList) -> str:
 
 def _one_line(text: str) -> str:
     return " ".join(str(text).split())
-
