@@ -52,6 +52,18 @@ def test_wrong_shape_says_expected_and_found(tiny_one, tmp_path):
         load(path)
 
 
+def test_a_tied_embedding_stays_on_the_device(tiny_one, tmp_path):
+    """A checkpoint whose output head is its embedding (tie_word_embeddings): --embedding-on-host is refused
+    in one line (the head reads the whole table every step); by default the embedding stays put."""
+    path = clone(tiny_one[2], tmp_path / "ck", edit=lambda s: s.pop("lm_head.weight"),
+                 config_edit=lambda c: c.update(tie_word_embeddings=True))
+    with pytest.raises(ConfigError, match="--embedding-on-host: this checkpoint ties its embedding"):
+        load(path, embedding_on_host=True)
+    with load(path, moe_backend="offload") as llm:
+        assert not llm.engine.model.embed_on_host and llm.engine.model.lm_head is not None
+        assert len(llm.generate(prompt_token_ids=[[5, 6, 7]], max_new_tokens=2)[0].token_ids) == 2
+
+
 def test_unsupported_architecture(tiny_one, tmp_path):
     path = clone(tiny_one[2], tmp_path / "ck", config_edit=lambda c: c.update(architectures=["LlamaForCausalLM"]))
     with pytest.raises(UnsupportedModelError, match="unsupported architecture.*LlamaForCausalLM"):

@@ -62,9 +62,14 @@ class RankState:
         self.model_path = self.source.path
         self.model_config = ModelConfig.from_file(self.model_path)
         read_through = self._check_kernels(config)  # before the weights load: a refusal is at once
+        if config.embedding_on_host and self.model_config.tie_word_embeddings:
+            raise ConfigError("--embedding-on-host: this checkpoint ties its embedding to the output head "
+                              "(tie_word_embeddings), which every step reads whole; it stays on the device")
+        host_embedding = config.embedding_host(self.device.type) and tp is None \
+            and not self.model_config.tie_word_embeddings
         self.model, host_experts = load_model(self.source, self.model_config, self.dtype,
                                               self.device, config.seed, config.progress and (tp is None or tp.is_leader),
-                                              tp, config.embedding_host(self.device.type) and tp is None)
+                                              tp, host_embedding)
         cfg = self.model.cfg  # this rank's heads and intermediate sizes (the whole model's on one GPU)
         if tp is not None:  # before the budget is measured: its buffers are device memory too
             why = tp.enable_one_shot(self.dtype)
