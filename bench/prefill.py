@@ -55,8 +55,13 @@ def main() -> None:
                     help="time the lengths once per grouped-MoE tile, e.g. '64,64,64,4,4;32,64,128,4,3,1' (BLOCK_M, "
                          "BLOCK_N, BLOCK_K, warps, stages[, SWAP_AB]) for every pass; default: the library's choice by pass "
                          "length (grouped_config_for)")
-    ap.add_argument("--moe-words", action="store_true",
-                    help="the grouped MoE's word-wise fp16 weight decode (on by default since measured; without this flag the bench runs the byte decode, variant moe-bytes)")
+    ap.add_argument("--moe-bytes", action="store_true",
+                    help="the grouped MoE's byte-wise weight decode (variant moe-bytes) instead of the library's "
+                         "default, the word decode (until session 30 this bench ran the byte decode unless given "
+                         "--moe-words)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME",
+                    help="a named kernel variant (ft.kernels.options.VARIANTS) for the whole run, e.g. "
+                         "qsa-prefill-select-kernel; repeatable")
     ap.add_argument("--library", default="on", choices=["on", "off", "both"],
                     help="long-prefix chunks on cuDNN (PrefillAttentionOptions.library_on_cuda); both: off, then on")
     ap.add_argument("--host-profile", type=int, default=0, metavar="LEN",
@@ -72,8 +77,7 @@ def main() -> None:
     lengths = [int(n) for n in args.lengths.split(",")]
     from ft.kernels.options import kernel_options, set_kernel_options, variant
 
-    if not args.moe_words:
-        set_kernel_options(variant("moe-bytes"))
+    set_kernel_options(variant(*(["moe-bytes"] if args.moe_bytes else []), *args.variant))
     grouped = [tuple(int(v) for v in c.split(",")) for c in args.grouped_configs.split(";") if c.strip()] or [None]
     pass_tokens = [int(v) for v in args.grouped_max_tokens.split(",") if v.strip()] or [None]
     t0 = time.perf_counter()

@@ -11,8 +11,8 @@ in its kernel, its figures kept in RESULTS.md.
 Operations covered so far: the NVFP4 GEMV / tile decode (`Nvfp4Options`), the Triton MoE's grouped
 prefill (`MoeOptions`), Gated DeltaNet's chunked prefill (`GatedDeltaOptions`), prefill attention's
 paths on CUDA (`PrefillAttentionOptions`), the paged decode attention's launch choices
-(`DecodeAttentionOptions`), the HyperConnection read (`HyperConnectionOptions`) and programmatic
-dependent launch (`LaunchOptions`).
+(`DecodeAttentionOptions`), the HyperConnection read (`HyperConnectionOptions`), QSA's prefill
+selection (`QsaOptions`) and programmatic dependent launch (`LaunchOptions`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 __all__ = ["Conv1dOptions", "DecodeAttentionOptions", "GatedDeltaOptions", "HyperConnectionOptions", "KernelOptions", "LaunchOptions", "MoeOptions", "Nvfp4Options",
-           "PrefillAttentionOptions", "VARIANTS", "kernel_options", "set_kernel_options", "use_kernel_options", "variant"]
+           "PrefillAttentionOptions", "QsaOptions", "VARIANTS", "kernel_options", "set_kernel_options", "use_kernel_options", "variant"]
 
 
 @dataclass(frozen=True)
@@ -201,6 +201,19 @@ class HyperConnectionOptions:
 
 
 @dataclass(frozen=True)
+class QsaOptions:
+    """Qwen3.8-Flash-Next's QSA in a prefill past its dense span (`ft.model.layers.qsa_attention`).
+
+    prefill_select_kernel: each query block's selection by `select_decode_tokens` (the decode path's
+    Triton top-k on the scores' bits, the same set of tokens by its contract) from the same torch scores,
+    instead of `select_tokens`' stable torch sort of every query's scores. Off until measured on the
+    device (`bench/prefill.py --config bench/configs/qwen3.8-flash-next-small-table.json` with the
+    variant qsa-prefill-select-kernel)."""
+
+    prefill_select_kernel: bool = False
+
+
+@dataclass(frozen=True)
 class LaunchOptions:
     """How the decode path's kernels launch (`ft.kernels.pdl`).
 
@@ -221,6 +234,7 @@ class KernelOptions:
     prefill_attention: PrefillAttentionOptions = field(default_factory=PrefillAttentionOptions)
     decode_attention: DecodeAttentionOptions = field(default_factory=DecodeAttentionOptions)
     hyper_connection: HyperConnectionOptions = field(default_factory=HyperConnectionOptions)
+    qsa: QsaOptions = field(default_factory=QsaOptions)
     launch: LaunchOptions = field(default_factory=LaunchOptions)
 
     def with_(self, **changes: object) -> KernelOptions:
@@ -253,6 +267,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "attention-nvfp4-f16": {"decode_attention.nvfp4_prmt": False},  # bench/decode.py --no-prmt, decode_attention.py
     "hc-read-cublas": {"hyper_connection.fused_read_max_tokens": 0},  # bench/hc_read.py, bench/decode.py --modes
     "hc-read-dot-only": {"hyper_connection.fma_read_max_tokens": 0},  # the same
+    "qsa-prefill-select-kernel": {"qsa.prefill_select_kernel": True},  # bench/prefill.py --variant
 }
 """Named variants a benchmark or test selects: the changes from `DEFAULTS` each one makes."""
 

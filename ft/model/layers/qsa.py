@@ -19,7 +19,7 @@ import math
 
 import torch
 
-__all__ = ["compress_keys", "select_tokens", "sparse_attention"]
+__all__ = ["compress_keys", "select_tokens", "selection_scores", "sparse_attention"]
 
 
 def compress_keys(raw_keys: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -27,6 +27,21 @@ def compress_keys(raw_keys: torch.Tensor, ratio: int) -> torch.Tensor:
     complete block's fp32 mean, in raw_keys' dtype. A trailing partial block has no key yet."""
     blocks = raw_keys.shape[0] // ratio
     return raw_keys[: blocks * ratio].float().reshape(blocks, ratio, raw_keys.shape[-1]).mean(1).to(raw_keys.dtype)
+
+
+def selection_scores(index_q: torch.Tensor, block_keys: torch.Tensor, positions: torch.Tensor, ratio: int
+                     ) -> torch.Tensor:
+    """[T, P] float32: each query's score for each block, the sum over the indexer heads of
+    ReLU(q . K_j) / sqrt(D), -inf for the blocks a query does not see (not complete at its position).
+    Arguments as `select_tokens`'; raises ValueError when P does not cover every query's complete blocks."""
+    t_count, d = index_q.shape[0], index_q.shape[-1]
+    visible = torch.div(positions + 1, ratio, rounding_mode="floor")  # [T]
+    p = block_keys.shape[0]
+    if t_count and p < int(visible.max()):
+        raise ValueError(f"{p} compressed keys, a query at position {int(positions.max())} sees {int(visible.max())}")
+    scores = torch.relu(torch.einsum("thd,pd->thp", index_q.float(), block_keys.float())).sum(1) / math.sqrt(d)
+    blocks = torch.arange(p, device=index_q.device)
+    return scores.masked_fill(blocks[None, :] >= visible[:, None], float("-inf"))
 
 
 def select_tokens(index_q: torch.Tensor, block_keys: torch.Tensor, positions: torch.Tensor, budget_blocks: int,
@@ -43,15 +58,10 @@ def select_tokens(index_q: torch.Tensor, block_keys: torch.Tensor, positions: to
         blocks' tokens (best first, ties to the lower block; ascending while every visible block fits),
         then the query's incomplete block's tokens.
     """
-    t_count, d = index_q.shape[0], index_q.shape[-1]
+    t_count = index_q.shape[0]
     dev = index_q.device
     visible = torch.div(positions + 1, ratio, rounding_mode="floor")  # [T]
-    p = block_keys.shape[0]
-    if t_count and p < int(visible.max()):
-        raise ValueError(f"{p} compressed keys, a query at position {int(positions.max())} sees {int(visible.max())}")
-    scores = torch.relu(torch.einsum("thd,pd->thp", index_q.float(), block_keys.float())).sum(1) / math.sqrt(d)
-    blocks = torch.arange(p, device=dev)
-    scores = scores.masked_fill(blocks[None, :] >= visible[:, None], float("-inf"))
+    scores = selection_scores(index_q, block_keys, positions, ratio)
     # the stable descending sort keeps equal scores in block order; while every visible block fits
     # the budget, they all come first (the rest are -inf)
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :budget_blocks]  # [T, <=budget]

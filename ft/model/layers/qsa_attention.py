@@ -20,11 +20,12 @@ import torch
 from ft.kernels.attention import paged_attention, sparse_decode_attention, write_kv, write_kv_decode
 from ft.kernels.backend import uses_triton
 from ft.kernels.norm import rms_norm
+from ft.kernels.options import kernel_options
 from ft.model.forward_batch import ForwardBatch
 from ft.model.layers.attention import GatedAttention, Rope
 from ft.model.layers.linear import Linear
 from ft.kernels.qsa import block_scores, select_decode_tokens
-from ft.model.layers.qsa import compress_keys, select_tokens
+from ft.model.layers.qsa import compress_keys, select_tokens, selection_scores
 
 __all__ = ["QSAAttention", "rotate"]
 
@@ -145,7 +146,11 @@ class QSAAttention(GatedAttention):
         for a in range(0, n, step):
             rows = min(n, a + step) - a
             qpos = torch.arange(start + a, start + a + rows, device=q.device)
-            tokens = select_tokens(iq[a: a + rows], blocks, qpos, self.budget_blocks, self.ratio)
+            if kernel_options().qsa.prefill_select_kernel:  # the same set, by the decode path's top-k
+                scores = selection_scores(iq[a: a + rows], blocks, qpos, self.ratio)
+                tokens = select_decode_tokens(scores, qpos + 1, self.budget_blocks, self.ratio)
+            else:
+                tokens = select_tokens(iq[a: a + rows], blocks, qpos, self.budget_blocks, self.ratio)
             out.append(sparse_decode_attention(q[a: a + rows], k_cache, v_cache, page_table[None].expand(rows, -1),
                                                tokens, self.scale, kv_scale))
         return torch.cat(out)
