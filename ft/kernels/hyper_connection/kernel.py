@@ -109,6 +109,15 @@ def _read_down_kernel(p_n, p_w, p_zp, T, R, W, stride_nt, stride_wr, ROWS: tl.co
 
 
 @triton.jit
+def _partials_sum(p_zp, t, T, S, R, o_r, m_r):
+    """z_part[:, t, o_r] summed over the S chunks in order (fp32; masked lanes 0): a read's down projection."""
+    b_z = tl.zeros(o_r.shape, dtype=tl.float32)
+    for s in range(S):
+        b_z += tl.load(p_zp + (s * T + t) * R + o_r, mask=m_r, other=0.0)
+    return b_z
+
+
+@triton.jit
 def _read_up_mix_kernel(p_zp, p_up, p_n, p_u, p_gl, T, S, R, RANK, D, inv_c, stride_upr, stride_nt, stride_ut,
                         stride_glt, C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_C: tl.constexpr, GATES: tl.constexpr):
@@ -119,11 +128,8 @@ def _read_up_mix_kernel(p_zp, p_up, p_n, p_u, p_gl, T, S, R, RANK, D, inv_c, str
     m_r = o_r < RANK
     w_dtype = p_up.dtype.element_ty
     for t in range(T):
-        b_z = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for s in range(S):
-            b_z += tl.load(p_zp + (s * T + t) * R + o_r, mask=m_r, other=0.0)
         # z = N mix_in^T / C in the weights' dtype (the GEMM's one rounding), SiLU rounded there too
-        b_z = (b_z * inv_c).to(w_dtype).to(tl.float32)
+        b_z = (_partials_sum(p_zp, t, T, S, R, o_r, m_r) * inv_c).to(w_dtype).to(tl.float32)
         b_a = (b_z * tl.sigmoid(b_z)).to(w_dtype).to(tl.float32)
         acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
         for k in tl.static_range(C):
@@ -138,9 +144,7 @@ def _read_up_mix_kernel(p_zp, p_up, p_n, p_u, p_gl, T, S, R, RANK, D, inv_c, str
             if i_d == 0:
                 o_c = tl.arange(0, BLOCK_C)
                 m_c = o_c < C
-                b_gl = tl.zeros((BLOCK_C,), dtype=tl.float32)
-                for s in range(S):
-                    b_gl += tl.load(p_zp + (s * T + t) * R + RANK + o_c, mask=m_c, other=0.0)
+                b_gl = _partials_sum(p_zp, t, T, S, R, RANK + o_c, m_c)
                 tl.store(p_gl + t * stride_glt + o_c, (b_gl * inv_c).to(p_gl.dtype.element_ty), mask=m_c)
 
 
@@ -171,11 +175,8 @@ def _read_reduce_kernel(p_zp, p_a, p_gl, T, S, R, RANK, inv_c, stride_at, stride
     t = tl.program_id(0)
     o_r = tl.arange(0, BLOCK_R)
     m_r = o_r < R
-    b_z = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for s in range(S):
-        b_z += tl.load(p_zp + (s * T + t) * R + o_r, mask=m_r, other=0.0)
     # z = N mix_in^T / C in the weights' dtype (the GEMM's one rounding), SiLU rounded there too
-    b_z = (b_z * inv_c).to(p_a.dtype.element_ty).to(tl.float32)
+    b_z = (_partials_sum(p_zp, t, T, S, R, o_r, m_r) * inv_c).to(p_a.dtype.element_ty).to(tl.float32)
     tl.store(p_a + t * stride_at + o_r, (b_z * tl.sigmoid(b_z)).to(p_a.dtype.element_ty), mask=o_r < RANK)
     if GATES:
         tl.store(p_gl + t * stride_glt + (o_r - RANK), b_z.to(p_gl.dtype.element_ty), mask=m_r & (o_r >= RANK))
