@@ -22,7 +22,7 @@ import torch
 
 from bench.gpu_timing import copies_for, graph_us, kernel_us, rel_rms
 from ft.kernels.hyper_connection import hc_read, hc_read_ref
-from ft.kernels.options import use_kernel_options, variant
+from ft.kernels.options import HyperConnectionOptions, use_kernel_options, variant
 
 DEV = torch.device("cuda")
 STREAMS, WIDTH, RANK = 4, 2560, 320
@@ -43,17 +43,18 @@ def main() -> None:
              (torch.randn(c * d, r, device=DEV) * 0.1).to(torch.bfloat16)) for _ in range(copies)]
     cublas = variant(**{"hyper_connection.fused_read_max_tokens": 0})
     fused = variant(**{"hyper_connection.fused_read_max_tokens": max(tokens)})
-    forms = {"fma": [{"hyper_connection.down_rows": 4, "hyper_connection.down_chunk": 2048,
-                      "hyper_connection.up_block_d": 16}],
-             "dot": [{"hyper_connection.dot_down_rows": 16, "hyper_connection.dot_down_chunk": 1024,
-                      "hyper_connection.dot_up_block_d": 16}]}
+    # The first tile of each form is the library's default (`HyperConnectionOptions`); --sweep adds the others.
+    fma_keys = ("down_rows", "down_chunk", "up_block_d")
+    dot_keys = ("dot_down_rows", "dot_down_chunk", "dot_up_block_d", "dot_up_block_rank")
+    defaults = HyperConnectionOptions()
+    tile = lambda keys, values: {f"hyper_connection.{k}": v for k, v in zip(keys, values)}  # noqa: E731
+    forms = {"fma": [tile(fma_keys, [getattr(defaults, k) for k in fma_keys])],
+             "dot": [tile(dot_keys, [getattr(defaults, k) for k in dot_keys])]}
     if args.sweep:
-        forms["fma"] += [{"hyper_connection.down_rows": a, "hyper_connection.down_chunk": b,
-                          "hyper_connection.up_block_d": e} for a, b, e in ((2, 2048, 16), (2, 2048, 8), (4, 1024, 8))]
-        forms["dot"] += [{"hyper_connection.dot_down_rows": a, "hyper_connection.dot_down_chunk": b,
-                          "hyper_connection.dot_up_block_d": e, "hyper_connection.dot_up_block_rank": f}
-                         for a, b, e, f in itertools.product((16, 32), (512, 1024, 2048), (16, 32), (64, 512))
-                         if (a, b, e, f) != (16, 1024, 16, 64)]
+        forms["fma"] += [tile(fma_keys, v) for v in ((4, 2048, 16), (2, 2048, 16), (2, 2048, 8), (4, 1024, 8))]
+        forms["dot"] += [tile(dot_keys, v) for v in itertools.product((16, 32), (512, 1024, 2048), (16, 32), (64, 512))]
+        for form in forms:  # the default once
+            forms[form] = [forms[form][0]] + [t for t in forms[form][1:] if t != forms[form][0]]
     floor_us = weight_bytes / HBM_BW * 1e6
     rows = []
     for t in tokens:

@@ -61,7 +61,7 @@ def main() -> None:
                          "--moe-words)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME",
                     help="a named kernel variant (ft.kernels.options.VARIANTS) for the whole run, e.g. "
-                         "qsa-prefill-select-kernel; repeatable")
+                         "qsa-prefill-select-torch; repeatable")
     ap.add_argument("--library", default="on", choices=["on", "off", "both"],
                     help="long-prefix chunks on cuDNN (PrefillAttentionOptions.library_on_cuda); both: off, then on")
     ap.add_argument("--host-profile", type=int, default=0, metavar="LEN",

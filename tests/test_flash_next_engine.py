@@ -205,18 +205,23 @@ def test_qsa_past_its_dense_span_equals_the_reference(tmp_path, monkeypatch):
 
         assert "  host: n-gram table 7.0 KiB in host memory" in describe(llm.engine, "http://x")  # the banner
         assert [r.token_ids for r in llm.generate(prompt_token_ids=prompts, **GREEDY_OPTS)] == want
-    # the prefill's selection by the decode path's top-k (`QsaOptions.prefill_select_kernel`): the same tokens
+    # the prefill's selection by the decode path's top-k (`QsaOptions.prefill_select_kernel`, the default) and
+    # by the torch sort (variant qsa-prefill-select-torch): the same tokens
     from ft.kernels.options import use_kernel_options, variant
     import ft.model.layers.qsa_attention as qsa_attention
 
     calls = []
     select = qsa_attention.select_decode_tokens
     monkeypatch.setattr(qsa_attention, "select_decode_tokens", lambda *a: calls.append(a[0].shape[0]) or select(*a))
-    with use_kernel_options(variant("qsa-prefill-select-kernel")), \
-            make_llm(path, max_prefill_length=64, num_tokens=1024) as llm:
+    with make_llm(path, max_prefill_length=64, num_tokens=1024) as llm:
         assert [r.token_ids for r in llm.generate(prompt_token_ids=prompts[:2], **GREEDY_OPTS)] == want[:2]
     # the prefill chunks past the span (86 + 26 query rows) took it, beside the decodes (at most 16 rows)
     assert sum(calls) > 100
+    calls.clear()
+    with use_kernel_options(variant("qsa-prefill-select-torch")), \
+            make_llm(path, max_prefill_length=64, num_tokens=1024) as llm:
+        assert [r.token_ids for r in llm.generate(prompt_token_ids=prompts[:2], **GREEDY_OPTS)] == want[:2]
+    assert 0 < sum(calls) < 100  # the decodes only
 
 
 def test_qsa_selection_is_seen(tmp_path):

@@ -38,17 +38,11 @@ class Nvfp4Options:
     561 instructions a K step against 799 for the interleaved byte-wise decode).
     lanes_ptx: the whole-K tiles (the M <= 8 GEMV, the decode MoE kernels) decode a word's 8
     elements to fp32 in inline PTX on a CUDA device (the same values as the Triton form, fewer
-    instructions); off: the Triton form.
-    gemv_two_tiles: at M = 1, a K whose K / 8 is the sum of two powers of two (Qwen3.8-Flash-Next's
-    2,560 = 256 + 64 words and 6,144 = 512 + 256) in two whole-K tiles instead of the K loop. Off:
-    session 23 saw `_nvfp4_gemv_kernel` 1.25 -> 0.97 ms a Flash-Next step under the profiler but the
-    step itself unchanged across two processes (7.01 -> 7.10 ms); back as a variant for an A/B in one
-    process (`bench/decode.py --modes graphs,graphs:nvfp4-gemv-two-tiles,...`), not yet run."""
+    instructions); off: the Triton form."""
 
     small_m_whole_k: bool = True
     dot_halves: bool = True
     lanes_ptx: bool = True
-    gemv_two_tiles: bool = False
 
 
 @dataclass(frozen=True)
@@ -178,26 +172,28 @@ class HyperConnectionOptions:
     down_rows / down_chunk / up_block_d: the "fma" form's tiles (rows of mix_in by columns of the
     streams a program; columns of D a program). dot_down_rows / dot_down_chunk / dot_down_block_k /
     dot_up_block_d / dot_up_block_rank: the "dot" form's (the same, the down projection in K steps of
-    dot_down_block_k, the up projection in rank steps of dot_up_block_rank: 64 measured; a whole rank of
-    320 in one padded step of 512, which drops the up kernel's 20 dependent loads to 4, is in
-    `bench/hc_read.py --sweep`, not yet run).
+    dot_down_block_k, the up projection in rank steps of dot_up_block_rank, at most 16,384 tokens x rank
+    elements a step so the tile fits shared memory: the whole rank of 320 in one padded step of 512 up to
+    32 tokens, 256 at 64).
 
     H200, bench/hc_read.py (4 streams of 2,560, rank 320, bf16, in a CUDA graph), us a read, cuBLAS /
-    fma / dot: T 1 17.3 / **14.5** / 18.1; T 2 21.1 / 19.4 / **18.4**; T 8 21.4 / 49.5 / **18.8**; T 16
-    21.8 / 89.9 / **18.7**; T 64 23.7 / 334.3 / **22.9**. The Flash-Next step at batch 1 with the fma
-    read (bench/decode.py, two alternated pairs): 143.2 -> 149.6 and 131.4 -> 138.6 tok/s. Hence fma at
-    one token, dot from two to 64."""
+    fma / dot: T 1 17.4 / **14.1** / 17.4; T 2 20.8 / 19.4 / **17.9**; T 8 21.3 / 49.1 / **18.0**; T 64
+    23.7 / 332.9 / **21.0** (session 31; the dot tiles from `--sweep`'s 24: (dot_down_rows, dot_down_chunk,
+    dot_up_block_d, dot_up_block_rank) (32, 1024, 32, 512) best at 1-8 tokens, 0.7-0.9 us under session
+    30's (16, 1024, 16, 64), 2.0 us under it at 64). The Flash-Next step with the fused reads (session
+    30's dot tiles) against cuBLAS (bench/decode.py, two alternated runs): batch 1 151.3 / 139.3 against 144.4 / 130.9 tok/s,
+    batch 8 563.0 / 544.3 against 539.1 / 534.0. Hence fma at one token, dot from two to 64."""
 
     fused_read_max_tokens: int = 64
     fma_read_max_tokens: int = 1
     down_rows: int = 4
     down_chunk: int = 2048
     up_block_d: int = 16
-    dot_down_rows: int = 16
+    dot_down_rows: int = 32
     dot_down_chunk: int = 1024
     dot_down_block_k: int = 256
-    dot_up_block_d: int = 16
-    dot_up_block_rank: int = 64
+    dot_up_block_d: int = 32
+    dot_up_block_rank: int = 512
 
 
 @dataclass(frozen=True)
@@ -206,11 +202,11 @@ class QsaOptions:
 
     prefill_select_kernel: each query block's selection by `select_decode_tokens` (the decode path's
     Triton top-k on the scores' bits, the same set of tokens by its contract) from the same torch scores,
-    instead of `select_tokens`' stable torch sort of every query's scores. Off until measured on the
-    device (`bench/prefill.py --config bench/configs/qwen3.8-flash-next-small-table.json` with the
-    variant qsa-prefill-select-kernel)."""
+    instead of `select_tokens`' stable torch sort of every query's scores (variant qsa-prefill-select-torch).
+    H200, bench/prefill.py on the Flash-Next small-table config, one process each, median of 3: 4K
+    prompt 323.8 -> 321.6 ms, 16K 1,144.6 -> 1,134.2 ms (torch sort -> kernel)."""
 
-    prefill_select_kernel: bool = False
+    prefill_select_kernel: bool = True
 
 
 @dataclass(frozen=True)
@@ -258,7 +254,6 @@ VARIANTS: dict[str, dict[str, object]] = {
     "nvfp4-tile-small-m": {"nvfp4.small_m_whole_k": False},  # bench/decode.py --no-small-m-gemv
     "nvfp4-lanes-triton": {"nvfp4.lanes_ptx": False},  # bench/decode.py --no-lanes-ptx, bench/moe_decode.py
     "nvfp4-dot-interleaved": {"nvfp4.dot_halves": False},  # bench/decode.py --no-dot-halves
-    "nvfp4-gemv-two-tiles": {"nvfp4.gemv_two_tiles": True},  # bench/decode.py --modes graphs:nvfp4-gemv-two-tiles
     "moe-bytes": {"moe.grouped_words": False},  # bench/moe_prefill.py, bench/prefill.py
     "attention-prefill-reference": {"prefill_attention.triton_on_cuda": False},  # bench/prefill.py --modes
     "attention-prefill-triton-only": {"prefill_attention.library_on_cuda": False},  # bench/prefill.py --library
@@ -267,7 +262,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "attention-nvfp4-f16": {"decode_attention.nvfp4_prmt": False},  # bench/decode.py --no-prmt, decode_attention.py
     "hc-read-cublas": {"hyper_connection.fused_read_max_tokens": 0},  # bench/hc_read.py, bench/decode.py --modes
     "hc-read-dot-only": {"hyper_connection.fma_read_max_tokens": 0},  # the same
-    "qsa-prefill-select-kernel": {"qsa.prefill_select_kernel": True},  # bench/prefill.py --variant
+    "qsa-prefill-select-torch": {"qsa.prefill_select_kernel": False},  # bench/prefill.py --variant
 }
 """Named variants a benchmark or test selects: the changes from `DEFAULTS` each one makes."""
 

@@ -83,15 +83,15 @@ def test_bf16_logits_near_the_reference(checkpoint):
 @pytest.mark.parametrize("prefill_select", ["torch", "kernel"])
 def test_qsa_past_its_span_equals_the_reference(tmp_path, prefill_select):
     """Prompts of 150 and 90 tokens past the span of a 32-token budget (35), batched with one inside
-    it: prefill in chunks of 64 selects in torch (or, `QsaOptions.prefill_select_kernel`, by the decode
-    path's Triton top-k), decode selects on the device (`block_scores`)."""
+    it: prefill in chunks of 64 selects by the decode path's Triton top-k (`QsaOptions.prefill_select_kernel`,
+    the default) or in torch (variant qsa-prefill-select-torch), decode selects on the device (`block_scores`)."""
     from ft.kernels.options import use_kernel_options, variant
 
     path = tmp_path / "m"
     weights = write_checkpoint(path, {**TEXT, "indexer_budget": 32})
     prompts = [prompt_of(150, 4, eos_at=(70,)), prompt_of(90, 5), prompt_of(20, 6)]
     want = [reference_greedy(weights, path, p) for p in prompts]
-    options = variant(*(["qsa-prefill-select-kernel"] if prefill_select == "kernel" else []))
+    options = variant(*(["qsa-prefill-select-torch"] if prefill_select == "torch" else []))
     with use_kernel_options(options), engine(path, "float32", max_prefill_length=64, num_tokens=1024) as llm:
         assert [r.token_ids for r in llm.generate(prompt_token_ids=prompts, **GREEDY_OPTS)] == want
 

@@ -299,6 +299,9 @@ def _read_fma(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int
                                                     num_warps=8 if block_d * block_r >= 8192 else 4)
 
 
+_DOT_UP_TILE_ELEMENTS = 16384  # BLOCK_T x BLOCK_RK at most: 32 tokens x 512 or 64 x 256
+
+
 def _read_dot(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int, c: int, opts, u: torch.Tensor,
               gate_logits: torch.Tensor | None) -> None:
     """`hc_read_triton`'s form "dot" into u (and gate_logits): three launches, every token at once on
@@ -320,8 +323,10 @@ def _read_dot(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int
     _read_reduce_kernel[(t,)](z_part, a, gl, t, splits, r, rank, 1.0 / c, a.stride(0), gl.stride(0),
                               BLOCK_R=triton.next_power_of_2(r), GATES=gate_logits is not None, num_warps=4)
     block_d = max(16, min(opts.dot_up_block_d, triton.next_power_of_2(d)))
+    # The rank step is capped so the up kernel's (BLOCK_T x BLOCK_RK) activation tile, pipelined, fits shared
+    # memory: a whole rank of 512 at 64 tokens asks 240 KiB of the H200's 227 KiB.
+    block_rk = max(16, min(opts.dot_up_block_rank, triton.next_power_of_2(rank), _DOT_UP_TILE_ELEMENTS // block_t))
     _read_up_mix_dot_kernel[(triton.cdiv(d, block_d),)](a, up, n, u, t, rank, d, a.stride(0), up.stride(0), n.stride(0),
                                                         u.stride(0), C=c, BLOCK_T=block_t, BLOCK_D=block_d,
-                                                        BLOCK_RK=max(16, min(opts.dot_up_block_rank,
-                                                                             triton.next_power_of_2(rank))),
+                                                        BLOCK_RK=block_rk,
                                                         PRECISION=precision, num_warps=4)
