@@ -61,8 +61,9 @@ def main() -> None:
                     help="launch the decode kernels with programmatic dependent launch (kernel variant pdl)")
     ap.add_argument("--overlap-ab", action="store_true",
                     help="each rung twice on the same engine, overlapped decode off then on (an A/B in one process)")
-    ap.add_argument("--overlap-decode", action="store_true",
-                    help="overlapped decode over the read-through offload (off by default for offload)")
+    ap.add_argument("--overlap-decode", action=argparse.BooleanOptionalAction, default=None,
+                    help="overlapped decode over the read-through offload (default: the engine's, on on CUDA "
+                         "since session 31; until then off for offload)")
     ap.add_argument("--embedding-on-host", action=argparse.BooleanOptionalAction, default=None,
                     help="the token embedding in host memory (default: the engine's, on for offload on CUDA); "
                          "--no-embedding-on-host keeps it on the device (the rows before session 30)")
@@ -85,7 +86,7 @@ def main() -> None:
                                   gpu_memory_limit=card, enable_kv_ladder=True, ladder_step_size=args.step,
                                   max_running_requests=1, max_prefill_length=chunk or None, cuda_graph_max_bs=1,
                                   expert_policy=args.policy, kv_cache_dtype=args.kv_cache_dtype,
-                                  overlap_decode=True if args.overlap_decode else None,
+                                  overlap_decode=args.overlap_decode,
                                   embedding_on_host=args.embedding_on_host))
         eng.ladder.auto = False
         measure(eng, [16])  # NOTE: compiles the kernels and captures the graph outside the timed rows

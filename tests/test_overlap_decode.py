@@ -142,7 +142,7 @@ def test_read_through_offload_overlaps_with_the_plain_steps_tokens_and_traffic(t
     """Offloaded experts in read-through mode (12 slots for 4 layers x 8 experts: misses every
     step): overlapped steps give the plain steps' tokens and the same hits, misses and landings
     (the policy's timing is unchanged: each step's end collects the step before it). Asked for
-    explicitly: the default takes overlap on CUDA with resident experts only (where measured)."""
+    explicitly: the default takes overlap on CUDA only."""
     _, _, path = tiny_one
 
     def engine(overlap: bool | None) -> Engine:
