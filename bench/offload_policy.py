@@ -1,7 +1,7 @@
 """Which residents make room for misses: the read-through policies against the exact LRU, on
 calibrated routing traces. CPU only.
 
-    PYTHONPATH=. python3 bench/offload_policy.py [--tokens 600] [--seed 3]
+    PYTHONPATH=. python3 bench/offload_policy.py [--tokens 600] [--seed 3] [--slots 14116,2008]
 
 Flagship routing (48 MoE layers x 512 experts, top-10, `routing_trace.CALIBRATED`), batch-1
 decode replayed through the expert cache in read-through mode (`ft.tools.offload_sim`: the real
@@ -28,11 +28,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=600)
     ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--slots", default="", metavar="N[,N...]",
+                    help="slot counts to replay instead of the measured cards' (e.g. 14116,7600,2008,1299: session "
+                         "31's 80B 32 GiB / Flash-Next 32 GiB and 16 GiB rungs with the embedding in host memory)")
     args = ap.parse_args()
+    slot_list = [(f"{int(n):,} slots", int(n)) for n in args.slots.split(",") if n] or SLOTS
     trace = RoutingTrace(LAYERS, EXPERTS, TOP_K, seed=args.seed).tokens(args.tokens)
     warm = args.tokens // 3
     rows = []
-    for name, slots in SLOTS:
+    for name, slots in slot_list:
         t0 = time.perf_counter()
         exact = lru_hit_rate(trace, slots, warmup=warm)
         lru = read_through_hit_rate(trace, slots, warmup=warm, policy="lru")

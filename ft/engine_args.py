@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ft.engine.base.engine_config import KV_CACHE_DTYPES, EngineConfig
+from ft.engine.base.engine_config import EXPERT_POLICIES, KV_CACHE_DTYPES, EngineConfig
 
 HELP = {
     "model": "checkpoint directory (Hugging Face layout), 'demo' (the built-in demo model, generated on first use) "
@@ -24,8 +24,9 @@ HELP = {
                        "(default: what the budget leaves after KV and mamba)"),
     "moe_cache_auto": ("size the expert slots from what the budget leaves after KV and mamba (what happens anyway "
                        "without --moe-cache-size)"),
-    "expert_policy": ("offload: which resident experts make room for misses: lru (least recently used) or lfu "
-                      "(least frequently used, with aging)"),
+    "expert_policy": ("offload: which resident experts make room for misses: lru (least recently used), lfu "
+                      "(least frequently used, with aging) or auto: lfu when decode reads misses through (up to 7 "
+                      "points more hits on a 16 GiB card), else lru"),
     "expert_read_through": ("offload: decode reads a missing expert from host memory inside the step (CUDA graph, no "
                             "sync) and caches it in a reserved slot; --no-expert-read-through loads misses before each "
                             "MoE layer instead (host bookkeeping, no graphs)"),
@@ -105,7 +106,7 @@ HELP = {
 }
 
 
-CHOICES = {"moe_backend": ["offload", "resident"], "expert_policy": ["lru", "lfu"], "kv_cache_dtype": list(KV_CACHE_DTYPES), "storage_backend": ["auto", "vmm", "mmap", "realloc"], "dtype": ["auto", "float32", "bfloat16", "float16"]}
+CHOICES = {"moe_backend": ["offload", "resident"], "expert_policy": list(EXPERT_POLICIES), "kv_cache_dtype": list(KV_CACHE_DTYPES), "storage_backend": ["auto", "vmm", "mmap", "realloc"], "dtype": ["auto", "float32", "bfloat16", "float16"]}
 
 
 def _kind(f: dataclasses.Field):

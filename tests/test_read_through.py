@@ -184,8 +184,15 @@ def test_lfu_policy_and_flags(tiny_one):
     llm.generate(prompt_token_ids=[prompt_of(12, seed=3)], **GREEDY_32)
     with pytest.raises(ConfigError, match="lfu"):
         make_llm(path, expert_policy="lfu", expert_read_through=False)
-    with pytest.raises(ConfigError, match="lru or lfu"):
+    with pytest.raises(ConfigError, match="auto, lru, lfu"):
         make_llm(path, expert_policy="fifo")
+    # the default, auto: LFU when decode reads misses through, LRU when misses load before each layer
+    auto = make_llm(path, moe_backend="offload", moe_cache_size=2 * model.config.num_experts_per_tok)
+    assert auto.engine.config.expert_policy == "auto"
+    assert auto.engine.pools.experts.policy == auto.engine.pools.experts.read_through.policy == "lfu"
+    loads = make_llm(path, moe_backend="offload", moe_cache_size=2 * model.config.num_experts_per_tok,
+                     expert_read_through=False)
+    assert loads.engine.pools.experts.read_through is None and loads.engine.pools.experts.policy == "lru"
 
 
 def test_without_collects_between_steps_victims_avoid_the_step_before():

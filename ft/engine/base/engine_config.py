@@ -10,6 +10,7 @@ from ft.units import parse_bytes
 
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8", "nvfp4")
+EXPERT_POLICIES = ("auto", "lru", "lfu")
 """--kv-cache-dtype values (the engine maps them to the pool's dtype: `ft.engine.core.engine.KV_DTYPES`)."""
 
 RUNNING_REQUESTS_DEFAULT = 8
@@ -38,7 +39,7 @@ class EngineConfig:
     moe_backend: str = "offload"  # offload | resident
     moe_cache_size: int | None = None  # expert slots; None: auto
     moe_cache_auto: bool = False  # slots fill what the budget leaves after KV and mamba
-    expert_policy: str = "lru"  # lru | lfu: which resident experts make room for misses (offload)
+    expert_policy: str = "auto"  # auto | lru | lfu: which resident experts make room for misses (`expert_policy_for`)
     expert_read_through: bool = True  # offloaded decode reads misses from host memory inside the step
     prefill_stream_experts: int | None = None  # offload: staging slots of streamed prefill (None: auto; 0: off)
     num_tokens: int | None = None  # KV capacity in tokens; None: the whole context if it fits
@@ -71,6 +72,16 @@ class EngineConfig:
     progress: bool = False  # show loading progress
     tensor_parallel_size: int = 1  # GPUs sharing the model (heads and expert channels split, one process each)
 
+    def expert_policy_for(self, read_through: bool) -> str:
+        """The policy the expert cache runs: the one asked, or with "auto" LFU with aging when offloaded
+        decode reads misses through (`ft.memory.read_through`), LRU otherwise (the classic path loads
+        misses before each layer, by recency only). Why LFU: `bench/offload_policy.py` (the real cache and
+        policy on calibrated routing, whose LRU hit rates match the H200's within 0.3 points) gives it
+        +0.2 / +0.5 / +6.9 / +6.6 points of hits at 14,116 / 7,600 / 2,008 / 1,299 slots (the 32 GiB and
+        16 GiB cards), and the H200 measured it +6-9% tok/s on a 16 GiB card (bench/RESULTS.md)."""
+        if self.expert_policy != "auto":
+            return self.expert_policy
+        return "lfu" if read_through else "lru"
     def __post_init__(self) -> None:
         if self.moe_backend not in ("offload", "resident"):
             raise ConfigError(f"--moe-backend must be offload or resident, got {self.moe_backend!r}")
@@ -78,9 +89,9 @@ class EngineConfig:
             raise ConfigError("--moe-cache-size applies to --moe-backend offload (resident keeps every expert)")
         if self.moe_cache_auto and self.moe_cache_size is not None:
             raise ConfigError("--moe-cache-auto and --moe-cache-size exclude each other")
-        if self.expert_policy not in ("lru", "lfu"):
-            raise ConfigError(f"--expert-policy must be lru or lfu, got {self.expert_policy!r}")
-        if self.expert_policy != "lru" and not self.expert_read_through:
+        if self.expert_policy not in EXPERT_POLICIES:
+            raise ConfigError(f"--expert-policy must be {', '.join(EXPERT_POLICIES)}, got {self.expert_policy!r}")
+        if self.expert_policy == "lfu" and not self.expert_read_through:
             raise ConfigError("--expert-policy lfu needs read-through decode (loads before each layer are LRU)")
         if self.prefill_stream_experts is not None and self.prefill_stream_experts < 0:
             raise ConfigError(f"--prefill-stream-experts must be >= 0, got {self.prefill_stream_experts}")

@@ -142,8 +142,9 @@ class RankState:
         elif pools.kv.scales is not None:  # a quantized cache without scales: the first prefill sets them
             pools.kv.calibrate_next_prefill = config.kv_scale_calibration
         if pools.experts is not None:
-            pools.experts.policy = config.expert_policy
-            if config.moe_backend == "offload" and config.expert_read_through and read_through:
+            through = config.moe_backend == "offload" and config.expert_read_through and read_through
+            pools.experts.policy = config.expert_policy_for(through)
+            if through:
                 pools.experts.enable_read_through(cfg.num_experts_per_tok * config.max_running_requests)
             if self.prefill_stream_experts:
                 pools.experts.enable_prefill_stream(self.prefill_stream_experts // PAGES,
