@@ -325,7 +325,7 @@ def test_ft_ctl_against_the_server(server, capsys):
     assert ctl(["cache", "--url", server.url]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("state=serving, ") and "allocated (rebuild budget" in out[0]
-    assert out[1].split()[:3] == ["moe", str(MOE_SLOTS), "slots"] and "(lru, 12.5%)" in out[1]
+    assert out[1].split()[:3] == ["moe", str(MOE_SLOTS), "slots"] and "(lfu, 12.5%)" in out[1]
     assert out[2].split()[:3] == ["kv", "4096", "tok"] and "(64 x 64)" in out[2]
     assert out[3].split()[0] == "mamba" and out[4].strip() == "ladder off"
     assert ctl(["cache", "--json", "--url", server.url]) == 0

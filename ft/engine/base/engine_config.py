@@ -78,7 +78,7 @@ class EngineConfig:
         misses before each layer, by recency only). Why LFU: `bench/offload_policy.py` (the real cache and
         policy on calibrated routing, whose LRU hit rates match the H200's within 0.3 points) gives it
         +0.2 / +0.5 / +6.9 / +6.6 points of hits at 14,116 / 7,600 / 2,008 / 1,299 slots (the 32 GiB and
-        16 GiB cards), and the H200 measured it +6-9% tok/s on a 16 GiB card (bench/RESULTS.md)."""
+        16 GiB cards), and the H200 measured it +5-9% tok/s on a 16 GiB card (session 9, bench/RESULTS.md)."""
         if self.expert_policy != "auto":
             return self.expert_policy
         return "lfu" if read_through else "lru"
