@@ -163,7 +163,8 @@ def measure(eng, windows: list[int]) -> dict:
     bound = 1.0 / max(hbm / HBM_BW, host_bytes / HOST_BW)
     serial = 1.0 / (hbm / HBM_BW + host_bytes / HOST_BW)  # the step's reads and its misses one after the other
     return {"tok_s": {w: round(marks.get(w, 0.0), 2) for w in windows}, "hit_rate": hits / max(1, hits + misses),
-            "host_mb_per_token": host_bytes / 1e6, "bound_tok_s": bound, "serial_floor_tok_s": serial, "ms_per_token": elapsed / n * 1e3,
+            "host_mb_per_token": host_bytes / 1e6, "bound_tok_s": bound, "serial_floor_tok_s": serial,
+            "ms_per_token": elapsed / n * 1e3,
             "policy_ms_per_token": policy_ms, "launch_ms_per_token": launch_ms}
 
 

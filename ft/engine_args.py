@@ -90,7 +90,8 @@ HELP = {
     "overlap_decode": ("queue each decode step before the host reads the last one's tokens, so that the host's "
                        "work per step (reading tokens, text, the next step's inputs) runs while the device computes; "
                        "plain decode batches only (no grammar, logprobs, penalties or stop strings; one GPU; experts resident "
-                       "or offloaded in read-through mode; no KV ladder), the others step as before. Default: on for a CUDA "
+                       "or offloaded in read-through mode; a KV ladder move lands the step in flight first), the others "
+                       "step as before. Default: on for a CUDA "
                        "device (H200, flagship resident: +6-10%% tokens/s at batch 1, +6%% at batch 8; offloaded on a 32 GiB "
                        "card: +4%%), off on the CPU (nothing runs asynchronously there)"),
     "embedding_on_host": ("keep the token embedding (vocabulary x hidden, e.g. 1.27 GB for Qwen3.8-Flash-Next, 0.62 GB "
