@@ -10,8 +10,10 @@ from ft.units import parse_bytes
 
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8", "nvfp4")
-EXPERT_POLICIES = ("auto", "lru", "lfu")
 """--kv-cache-dtype values (the engine maps them to the pool's dtype: `ft.engine.core.engine.KV_DTYPES`)."""
+
+EXPERT_POLICIES = ("auto", "lru", "lfu")
+"""--expert-policy values (`EngineConfig.expert_policy_for` resolves auto)."""
 
 RUNNING_REQUESTS_DEFAULT = 8
 """Requests decoded together when --max-running-requests is not given, except resident on a GPU. Why
@@ -82,6 +84,7 @@ class EngineConfig:
         if self.expert_policy != "auto":
             return self.expert_policy
         return "lfu" if read_through else "lru"
+
     def __post_init__(self) -> None:
         if self.moe_backend not in ("offload", "resident"):
             raise ConfigError(f"--moe-backend must be offload or resident, got {self.moe_backend!r}")

@@ -20,9 +20,10 @@ Two kernels:
 
 * `_nvfp4_gemv_kernel` (M <= 2, and M <= 8 on the shapes where it wins, see `_path`): a program
   owns BLOCK_N rows; with K / 8 a power of two <= 1024 it takes the rows' whole K in one tile
-  (`whole_k_tile`, decoded once for all rows of x; no loop, each x row read once), else it walks K in steps of BLOCK_W words (`nvfp4_rows_dot`); per word 8 FMAs on fp32
-  products, then one FMA with the block scale; x is read in its natural order and split into
-  the 8 element lanes of a word with ``tl.split``.
+  (`whole_k_tile`, decoded once for all rows of x; no loop, each x row read once), else it walks K
+  in steps of BLOCK_W words (`nvfp4_rows_dot`); per word 8 FMAs on fp32 products, then one FMA with
+  the block scale; x is read in its natural order and split into the 8 element lanes of a word with
+  ``tl.split``.
 * `_nvfp4_dot_kernel` (larger M: 16- to 64-row tiles up to M = 64, larger tiles for prefill): tiles of
   x [BLOCK_M, BLOCK_K] times the dequantized weight tile (`dequant_tile`: byte-wise decode,
   scaled, cast to x's dtype, even/odd elements interleaved with ``tl.join``; measured faster
