@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 bench/ladder.py [--cards 32GiB,16GiB] [--rungs 65536,131072,262144]
                                          [--tokens 128,1024,4096] [--policy auto] [--chunks 1024,16384]
+                                         [--mapped-victims]
 
 Synthetic NVFP4 Qwen3-Next-80B-A3B (`bench/configs/qwen3-next-80b-a3b.json` with its routing drawn
 from the calibrated trace, `ft.tools.routing_trace.CALIBRATED`: ~68% / 79% LRU hits at 12.5% /
@@ -49,6 +50,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="128,1024,4096", help="windows of generated tokens (the largest is decoded)")
     ap.add_argument("--policy", default="auto", choices=["auto", "lru", "lfu"],
                     help="the expert policy (default: the engine's, auto: lfu under read-through since session 31)")
+    ap.add_argument("--mapped-victims", action="store_true",
+                    help="--expert-mapped-victims: a victim stays a hit until a miss claims its slot")
     ap.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8", "nvfp4"],
                     help="the KV cache's dtype (the seed's table: nvfp4 for Qwen3.8-Flash-Next)")
     ap.add_argument("--step", type=int, default=32768, help="the ladder's step size")
@@ -88,7 +91,8 @@ def main() -> None:
         eng = Engine(EngineConfig(model=f"synthetic:{tmp}", device=args.device, dtype="bfloat16", moe_backend="offload",
                                   gpu_memory_limit=card, enable_kv_ladder=True, ladder_step_size=args.step,
                                   max_running_requests=1, max_prefill_length=chunk or None, cuda_graph_max_bs=1,
-                                  expert_policy=args.policy, kv_cache_dtype=args.kv_cache_dtype,
+                                  expert_policy=args.policy, expert_mapped_victims=args.mapped_victims,
+                                  kv_cache_dtype=args.kv_cache_dtype,
                                   overlap_decode=args.overlap_decode,
                                   embedding_on_host=args.embedding_on_host))
         eng.ladder.auto = False

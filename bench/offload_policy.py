@@ -6,9 +6,10 @@ calibrated routing traces. CPU only.
 Flagship routing (48 MoE layers x 512 experts, top-10, `routing_trace.CALIBRATED`), batch-1
 decode replayed through the expert cache in read-through mode (`ft.tools.offload_sim`: the real
 cache and policy, the lookup kernel's reference) at the slot counts the H200 runs measured for
-the emulated 32 GiB and 16 GiB cards (bench/RESULTS.md), and through the exact global LRU
-(`lru_hit_rate`: misses loaded before the call that needs them). Hit rates after a warm-up of a
-third of the tokens. Prints a table last.
+the emulated 32 GiB and 16 GiB cards (bench/RESULTS.md), each policy with the victims unmapped
+before the step (the default) and kept mapped until a miss claims their slot (`--expert-mapped-victims`),
+and through the exact global LRU (`lru_hit_rate`: misses loaded before the call that needs them).
+Hit rates after a warm-up of a third of the tokens. Prints a table last.
 """
 
 from __future__ import annotations
@@ -39,14 +40,16 @@ def main() -> None:
     for name, slots in slot_list:
         t0 = time.perf_counter()
         exact = lru_hit_rate(trace, slots, warmup=warm)
-        lru = read_through_hit_rate(trace, slots, warmup=warm, policy="lru")
-        lfu = read_through_hit_rate(trace, slots, warmup=warm, policy="lfu")
-        rows.append((name, slots, exact, lru, lfu))
+        rates = [read_through_hit_rate(trace, slots, warmup=warm, policy=policy, mapped_victims=mapped)
+                 for policy in ("lru", "lfu") for mapped in (False, True)]
+        rows.append((name, slots, exact, *rates))
         print(f"{name}: {time.perf_counter() - t0:.1f} s", flush=True)
-    print("\n| card, rung | slots | of all experts | exact LRU | read-through LRU | read-through LFU (aging) |")
-    print("|---|---|---|---|---|---|")
-    for name, slots, exact, lru, lfu in rows:
-        print(f"| {name} | {slots:,} | {slots / (LAYERS * EXPERTS):.1%} | {exact:.1%} | {lru:.1%} | {lfu:.1%} |")
+    print("\n| card, rung | slots | of all experts | exact LRU | read-through LRU | LRU, mapped victims "
+          "| read-through LFU (aging) | LFU, mapped victims |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, slots, exact, lru, lru_m, lfu, lfu_m in rows:
+        print(f"| {name} | {slots:,} | {slots / (LAYERS * EXPERTS):.1%} | {exact:.1%} | {lru:.1%} | {lru_m:.1%} "
+              f"({100 * (lru_m - lru):+.1f}) | {lfu:.1%} | {lfu_m:.1%} ({100 * (lfu_m - lfu):+.1f}) |")
 
 
 if __name__ == "__main__":

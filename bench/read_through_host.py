@@ -47,7 +47,7 @@ def main() -> None:
         rt.begin_step(1, k)
         t1 = time.perf_counter()
         for layer in range(layers):
-            expert_lookup_ref(torch.tensor([tok[layer]]), cache.slot_table[layer], rt.book, layer)
+            expert_lookup_ref(torch.tensor([tok[layer]]), cache.slot_table, rt.book, layer)
         t2 = time.perf_counter()
         rt.end_step()
         t3 = time.perf_counter()

@@ -72,6 +72,9 @@ G_DOWN = {"p_h": "*bf16", **TILES, "p_wts": "*bf16", "p_w2": "*u8", "p_s2w": "*u
 LOOKUP = {"p_ids": "*i64", "p_table": "*i64", "p_step": "*i32", "p_last": "*i32", "p_claim": "*i32",
           "p_landing": "*i32", "p_used": "*i32", "p_landed": "*i32", "p_counters": "*i64", "p_slots": "*i32",
           "p_dst": "*i32", "K": "i32", "R": "i32", "stride_it": "i32", "stride_st": "i32", "stride_dt": "i32"}
+LOOKUP_OWNED = {**{k: v for k, v in LOOKUP.items() if k != "K"}, "p_owner": "*i32", "p_order": "*i32",
+                **ints("layer_base", "T", "K")}
+COMMIT = {"p_table": "*i64", "p_landing": "*i32", "p_landed": "*i32", **ints("stride_tl", "stride_ll", "R")}
 ROUTER = {"p_logits": "*bf16", "p_w": "*bf16", "p_ids": "*i64", "p_table": "*i64", "p_slots": "*i32",
           **ints("E", "K", "stride_lt", "stride_wt", "stride_it", "stride_st")}
 MOE_DECODE_GATE_UP = {"p_x": "*bf16", "p_slots": "*i32", "p_ids": "*i64", "p_dst": "*i32", "p_w13": "*i32",
@@ -290,6 +293,11 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
      {"NORMALIZE": True, "BLOCK_E": 512, "BLOCK_K": 16, "SHARED_GATE": True, "HAS_TABLE": False, "FORCED": True,
       "num_warps": 1}),
     ("expert lookup, top-10", lookup._expert_lookup_kernel, LOOKUP, {"BLOCK_K": 16, "num_warps": 1}),
+    ("expert lookup with owners, 8 x top-10", lookup._expert_lookup_owned_kernel, LOOKUP_OWNED,
+     {"BLOCK_N": 128, "BLOCK_R": 128, "num_warps": 1}),
+    ("expert lookup with owners, 256 x top-10", lookup._expert_lookup_owned_kernel, LOOKUP_OWNED,
+     {"BLOCK_N": 4096, "BLOCK_R": 1024, "num_warps": 8}),
+    ("landed experts committed", lookup._commit_landed_kernel, COMMIT, {"BLOCK_R": 128, "num_warps": 1}),
     ("dense M=1 router 512x2048 (one K tile)", dense._dense_gemv_kernel, DENSE, dense_cfg(1, 512, 2048)),
     ("dense M=8 router 512x2048", dense._dense_gemv_kernel, DENSE, dense_cfg(8, 512, 2048)),
     ("dense M=16 in_proj_ba 64x2048", dense._dense_gemv_kernel, DENSE, dense_cfg(16, 64, 2048)),

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from ft.kernels.expert_lookup import commit_landed, commit_landed_ref, expert_lookup, expert_lookup_ref, new_book
-from ft.kernels.expert_lookup.kernel import commit_landed_triton, expert_lookup_triton
+from ft.kernels.expert_lookup.kernel import commit_landed_triton, expert_lookup_owned_triton, expert_lookup_triton
 
 
 def _setup(layers=3, experts=16, cap=4, seed=0):
@@ -36,7 +36,7 @@ def test_reference_contract():
     table[1] = -1
     table[1, 1] = 7
     book.step[0], book.step[1] = 5, 2
-    slots, dst = expert_lookup_ref(ids, table[1], book, 1)
+    slots, dst = expert_lookup_ref(ids, table, book, 1)
     assert slots.tolist() == [[-1, 7, -1], [-1, -1, -1], [7, -1, -1]]
     # misses claim in row order: 0 -> 40, 2 -> 41 (row 0); 3 -> 42 (row 1); the rest got nothing
     assert dst.tolist() == [[40, -1, 41], [-1, 42, -1], [-1, -1, -1]]
@@ -49,7 +49,7 @@ def test_reference_contract():
     book.landing_used.zero_()
     book.landing[1] = -1
     book.landing[1, 0] = 43
-    slots, dst = expert_lookup_ref(ids, table[1], book, 1)
+    slots, dst = expert_lookup_ref(ids, table, book, 1)
     assert dst.tolist() == [[43, -1, -1], [-1, -1, -1], [-1, -1, -1]] and int(book.landing_used[1]) == 3
 
 
@@ -63,8 +63,8 @@ def test_kernel_matches_reference(t, k, real):
         for b in (book, ref_book):
             b.step[0], b.step[1] = step, real
             b.landing_used.zero_()
-        got = expert_lookup_triton(ids, table[1], book, 1)
-        want = expert_lookup_ref(ids, table[1], ref_book, 1)
+        got = expert_lookup_triton(ids, table, book, 1)
+        want = expert_lookup_ref(ids, table, ref_book, 1)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         for name, a, b in zip(book._fields, book, ref_book):
             assert torch.equal(a, b), name
@@ -82,7 +82,7 @@ def test_dispatcher_runs_the_kernel_in_interpreter_tests(monkeypatch):
     real = details.expert_lookup_triton
     monkeypatch.setattr(details, "expert_lookup_triton", lambda *a: calls.append(1) or real(*a))
     book.step[1] = 2
-    slots, dst = expert_lookup(_ids(gen, 2, 3, 16), table[0], book, 0)
+    slots, dst = expert_lookup(_ids(gen, 2, 3, 16), table, book, 0)
     assert calls and slots.dtype == dst.dtype == torch.int32
 
 
@@ -94,7 +94,7 @@ def test_commit_maps_what_the_step_landed():
     book.landing[1] = torch.tensor([40, -1, 42, 43], dtype=torch.int32)
     book.step[0], book.step[1] = 1, 2
     ids = torch.tensor([[0, 1, 2], [3, 4, 5]])
-    expert_lookup_ref(ids, table[1], book, 1)  # 6 misses claim in order: 0->40, 1->hole, 2->42, 3->43, 4, 5 past R
+    expert_lookup_ref(ids, table, book, 1)  # 6 misses claim in order: 0->40, 1->hole, 2->42, 3->43, 4, 5 past R
     assert int(book.landing_used[1]) == 6
     before = table.clone()
     commit_landed_ref(table, book)
@@ -121,3 +121,84 @@ def test_commit_kernel_matches_reference(seed):
     got2 = table.clone()
     commit_landed(got2, book)  # the dispatcher (the reference here, without FT_TRITON_INTERPRET_TEST)
     assert torch.equal(got2, want)
+
+
+def test_reference_contract_with_owners():
+    """Landing slots that still hold their victims (`book.owner`): a victim some real row routed this
+    step in this layer or a layer before stays (pinned, a hit); the others are claimed in order, and
+    the claim unmaps the victim, also one of a later layer (which then misses it)."""
+    layers, experts = 3, 16
+    table = torch.full((layers, experts), -1, dtype=torch.int64)
+    table[1, 1], table[1, 3], table[2, 5], table[0, 4] = 7, 9, 20, 30
+    book = new_book(layers, experts, 4, torch.device("cpu"))
+    book.landing[1] = torch.tensor([7, 9, 20, 30], dtype=torch.int32)
+    book.owner[1] = torch.tensor([1 * experts + 1, 1 * experts + 3, 2 * experts + 5, 0 * experts + 4],
+                                 dtype=torch.int32)
+    book.step[0], book.step[1] = 5, 1
+    book.last_use[0, 4] = 5  # layer 0 (looked up before this one) used expert 4 this step
+    ids = torch.tensor([[1, 10, 11], [3, 12, 13]])  # row 1 is padding: its use of expert 3 pins nothing
+    slots, dst = expert_lookup_ref(ids, table, book, 1)
+    assert slots.tolist() == [[7, -1, -1], [9, -1, -1]]
+    assert dst.tolist() == [[-1, 9, 20], [-1, -1, -1]]  # slots 7 (routed here) and 30 (layer 0) are pinned
+    assert book.landed[1].tolist() == [-1, 10, 11, -1] and int(book.landing_used[1]) == 2
+    assert int(table[1, 3]) == int(table[2, 5]) == -1  # the claimed victims are unmapped at once
+    assert int(table[1, 1]) == 7 and int(table[0, 4]) == 30
+    slots2, _ = expert_lookup_ref(torch.tensor([[5, 6, 7]]), table, book, 2)
+    assert int(slots2[0, 0]) == -1  # the later layer's victim is a miss now, not a read of a reused slot
+    commit_landed_ref(table, book)
+    assert int(table[1, 10]) == 9 and int(table[1, 11]) == 20
+
+
+def _owned_setup(seed, layers=3, experts=32, cap=8):
+    """Residents in every layer; layer 1's landing slots: some free, some held by victims of any layer."""
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.full((layers, experts), -1, dtype=torch.int64)
+    for layer in range(layers):
+        table[layer, torch.randperm(experts, generator=gen)[:12]] = torch.arange(12) + 12 * layer
+    book = new_book(layers, experts, cap, torch.device("cpu"))
+    flat = (table.view(-1) >= 0).nonzero().flatten()
+    victims = flat[torch.randperm(len(flat), generator=gen)[: cap // 2]]
+    book.landing[1, : cap // 2] = table.view(-1)[victims].int()
+    book.owner[1, : cap // 2] = victims.int()
+    book.landing[1, cap // 2: cap - 1] = torch.arange(cap // 2 - 1, dtype=torch.int32) + 100  # free ones, a hole last
+    return gen, table, book
+
+
+@pytest.mark.parametrize(("t", "k", "real"), [(1, 4, 1), (4, 3, 4), (8, 5, 6), (3, 16, 3), (6, 10, 2)])
+def test_owned_kernel_matches_reference(t, k, real):
+    """The one-program kernel (`expert_lookup_owned_triton`) against the reference: slots, landing
+    slots, every book field but its scratch, and the table (victims unmapped), over steps where
+    earlier layers stamped some victims and rows share experts."""
+    for seed in range(3):
+        gen, table, book = _owned_setup(seed * 100 + t * 10 + k)
+        for step in range(2):
+            ref_table, ref_book = table.clone(), type(book)(*(x.clone() for x in book))
+            ids = _ids(gen, t, k, 32)
+            if t > 1:
+                ids[1, 0] = ids[0, 1]  # an expert two rows share
+            for b in (book, ref_book):
+                b.step[0], b.step[1] = step + 1, real
+                b.landing_used.zero_()
+                b.landed.fill_(-1)
+                b.last_use[0, :16] = step + 1  # layer 0 ran before: half its experts used this step
+            got = expert_lookup_owned_triton(ids, table, book, 1)
+            want = expert_lookup_ref(ids, ref_table, ref_book, 1)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (seed, step)
+            for name, a, b in zip(book._fields, book, ref_book):
+                if name != "order":
+                    assert torch.equal(a, b), (name, seed, step)
+            assert torch.equal(table, ref_table)
+        assert int((book.landed >= 0).sum()) > 0
+
+
+def test_dispatcher_takes_the_owned_kernel_for_owners(monkeypatch):
+    gen, table, book = _owned_setup(0)
+    monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
+    import ft.kernels.expert_lookup.kernel as details
+
+    calls = []
+    real = details.expert_lookup_owned_triton
+    monkeypatch.setattr(details, "expert_lookup_owned_triton", lambda *a: calls.append(1) or real(*a))
+    book.step[1] = 2
+    expert_lookup(_ids(gen, 2, 3, 32), table, book, 1, owners=True)
+    assert calls

@@ -21,7 +21,8 @@ def _check_consistent(cache):
     mapped = {(int(l_), int(e)): int(table[l_, e]) for l_, e in zip(*np.nonzero(table >= 0))}
     assert mapped == dict(cache._lru)
     rt = cache.read_through
-    landing = [s for slots in rt.landing + rt.spare for s in slots]
+    landing = [s for slots in rt.landing + rt.spare for s in slots if s not in rt._owner]  # (owned: mapped)
+    assert all(mapped.get(key) == slot for slot, key in rt._owner.items())
     owners = list(mapped.values()) + list(cache._free) + landing
     assert len(owners) == len(set(owners)) and set(owners) <= set(range(cache.num_slots))
     assert len(owners) == cache.num_slots
@@ -142,7 +143,7 @@ def test_lookup_reads_the_table_that_begin_step_wrote():
     rt = cache.read_through
     rt.begin_step(1, 1)
     victims = [e for e in range(8) if cache.table_np[0, e] < 0]
-    slots, _ = expert_lookup_ref(torch.tensor([[victims[0]]]), cache.slot_table[0], rt.book, 0)
+    slots, _ = expert_lookup_ref(torch.tensor([[victims[0]]]), cache.slot_table, rt.book, 0)
     assert int(slots[0, 0]) == -1
 
 
@@ -215,7 +216,7 @@ def test_without_collects_between_steps_victims_avoid_the_step_before():
         topped_up += short and bool(evicted)
         for layer in range(cache.num_layers):
             ids = torch.tensor([row[layer] for row in rows], dtype=torch.int64)
-            expert_lookup_ref(ids, cache.slot_table[layer], rt.book, layer)
+            expert_lookup_ref(ids, cache.slot_table, rt.book, layer)
         before = set(cache._lru)
         used_now = {(layer, e) for row in rows for layer, ids in enumerate(row) for e in ids}
         rt.end_step()  # collects the step before, then picks victims: never the step before's experts
@@ -245,7 +246,7 @@ def test_begin_step_uploads_what_end_step_staged():
             assert row[: len(slots)] == slots and all(v == -1 for v in row[len(slots):])
         for layer in range(cache.num_layers):
             ids = torch.tensor([row[layer] for row in rows], dtype=torch.int64)
-            expert_lookup_ref(ids, cache.slot_table[layer], rt.book, layer)
+            expert_lookup_ref(ids, cache.slot_table, rt.book, layer)
         rt.end_step()
     cache.collect()
     _check_consistent(cache)
@@ -271,3 +272,47 @@ def test_staging_ring_keeps_each_load_and_grows():
     idx, val = st.load(big, [-v for v in big])
     assert idx.tolist() == big and val.tolist() == [-v for v in big] and st.dev.shape[1] >= 300
     assert len(st.host) == _Staging.RING and all(h.shape == st.dev.shape for h in st.host)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_mapped_victims_stay_hits_until_claimed(policy):
+    """`mapped_victims`: a victim keeps its slot mapped until a miss claims it. Over a calibrated trace
+    the table never maps two experts to one slot, host and device agree after each collect, the
+    reserved victims are still resident, and the hit rate is at least the unmapped reserve's."""
+    trace = RoutingTrace(6, 64, 4, seed=9).tokens(150)
+    cache = read_through_cache(6, 64, 60, 4, policy, mapped_victims=True)
+    for tok in trace:
+        replay_step(cache, [tok])
+        table = cache.slot_table.numpy()
+        live = table[table >= 0]
+        assert len(live) == len(set(live.tolist()))
+        cache.collect()
+        _check_consistent(cache)
+    rt = cache.read_through
+    assert rt._owner and rt.landed_total > 0
+    mapped = read_through_hit_rate(trace, 60, warmup=50, policy=policy, mapped_victims=True)
+    unmapped = read_through_hit_rate(trace, 60, warmup=50, policy=policy)
+    assert mapped >= unmapped, (mapped, unmapped)
+
+
+def test_engine_decode_with_mapped_victims_matches_resident(tiny_one):
+    from ft.errors import ConfigError
+    from tests.test_oracle import GREEDY_32, make_llm, prompt_of
+
+    _, model, path = tiny_one
+    k = model.config.num_experts_per_tok
+    prompts = [prompt_of(40, seed=71), prompt_of(9, seed=72)]
+    resident = make_llm(path, moe_backend="resident").generate(prompt_token_ids=prompts, **GREEDY_32)
+    llm = make_llm(path, moe_backend="offload", moe_cache_size=3 * k, expert_mapped_victims=True)
+    rt = llm.engine.pools.experts.read_through
+    assert rt.mapped_victims
+    owned = []
+    stage = rt._stage
+    rt._stage = lambda lists: owned.append(len(rt._owner)) or stage(lists)  # victims reserved while mapped
+    got = llm.generate(prompt_token_ids=prompts, **GREEDY_32)
+    assert max(owned) > 0
+    assert [g.token_ids for g in got] == [r.token_ids for r in resident]
+    llm.engine.pools.experts.collect()
+    assert rt.landed_total > 0
+    with pytest.raises(ConfigError, match="mapped-victims"):
+        make_llm(path, expert_mapped_victims=True, expert_read_through=False)

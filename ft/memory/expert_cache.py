@@ -115,13 +115,16 @@ class ExpertCache:
         """Slots the caller held (taken free, or unmapped) are free again."""
         self._free.extend(slots)
 
-    def enable_read_through(self, landing_capacity: int, policy: str | None = None) -> None:
+    def enable_read_through(self, landing_capacity: int, policy: str | None = None,
+                            mapped_victims: bool = False) -> None:
         """Offloaded decode without host syncs (`ft.memory.read_through.ReadThrough`): misses read
         the host store in place and land in reserved slots, bookkeeping on the device between
-        steps. `landing_capacity`: at most this many landing slots per layer per step."""
+        steps. `landing_capacity`: at most this many landing slots per layer per step;
+        `mapped_victims`: a victim stays mapped (a hit) until a miss claims its slot."""
         from ft.memory.read_through import ReadThrough  # NOTE: a part of the cache, in its own file
 
-        self.read_through = ReadThrough(self, landing_capacity, policy or self.policy)
+        self.read_through = ReadThrough(self, landing_capacity, policy or self.policy,
+                                        mapped_victims=mapped_victims)
 
     def enable_prefill_stream(self, page_experts: int, pages: int | None = None, min_tokens: int = 1,
                               loader: str = "auto") -> None:

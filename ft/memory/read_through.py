@@ -27,6 +27,13 @@ Around each step, on the one stream the graphs run on:
       among the residents that the last collected step did not use, never taking a layer below
       its floor. A victim is unmapped (slot table -1) by an update queued after the running step,
       which may still read it; the step after, which may write into it, never sees it mapped.
+      With `mapped_victims` (`--expert-mapped-victims`) it stays mapped instead, its slot in the
+      reserve with an owner (`ExpertBook.owner`): the next step still hits it, and the lookup
+      that claims the slot for a miss unmaps it, never while a pair reads it (a victim some real row
+      routed this step in its layer or one before is not claimed). The reserve then costs no
+      hits until it is used: the read-through LRU / LFU lose ~3 / ~1.5 points to an exact cache at
+      2,008 slots with the victims unmapped a step early, and close most of that when mapped
+      (bench/offload_policy.py).
 So between two decode steps the host only uploads a reserve; what the policy learns from a step it
 learns while the next one runs (one step later than the device, which commits at once).
 `collect()` takes in the step in flight at once: before a prefill's `ensure`, a resize, an
@@ -67,13 +74,15 @@ class ReadThrough:
     synchronization (which the next step's `end_step` or `collect` relies on); `collect()` before
     anything other than a read-through decode step uses the cache (a prefill, a rebuild). Slots are
     in exactly one place: resident (`cache.slot_of`), free (`cache.release_slots`), this step's landing
-    reserve (`landing`), the step in flight's reserve (`pending`) or the next step's spares (`spare`).
+    reserve (`landing`), the step in flight's reserve (`pending`) or the next step's spares (`spare`);
+    with `mapped_victims` a reserved slot may also still be resident, its victim's (`_owner`).
     """
 
-    def __init__(self, cache, landing_capacity: int, policy: str = "lru", floor: int | None = None) -> None:
+    def __init__(self, cache, landing_capacity: int, policy: str = "lru", floor: int | None = None,
+                 mapped_victims: bool = False) -> None:
         if policy not in POLICIES:
             raise ValueError(f"expert policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-        self.cache, self.policy = cache, policy
+        self.cache, self.policy, self.mapped_victims = cache, policy, mapped_victims
         layers, experts = cache.num_layers, cache.num_experts
         device = cache.slot_table.device
         self.book: ExpertBook = new_book(layers, experts, landing_capacity, device)
@@ -95,11 +104,12 @@ class ReadThrough:
         # end_step of step N writes step N+1's landing table into the buffer step N-2 read, whose
         # upload has run (under overlapped decode step N-1 may not have started yet)
         lr = layers * self.capacity
-        self._inputs = torch.zeros(2 + layers + lr, dtype=i32, device=device)
+        self._inputs = torch.zeros(2 + layers + 3 * lr, dtype=i32, device=device)
         self._inputs[2 + layers:] = -1
+        tables = self._inputs[2 + layers:].view(3, layers, self.capacity)
         self.book = self.book._replace(step=self._inputs[:2], landing_used=self._inputs[2:2 + layers],
-                                       landing=self._inputs[2 + layers:].view(layers, self.capacity))
-        self._up = [host((2 + layers + lr,)) for _ in range(3)]
+                                       landing=tables[0], owner=tables[1], landed=tables[2])
+        self._up = [host((2 + layers + 3 * lr,)) for _ in range(3)]
         self._up_np = [t.numpy() for t in self._up]
         self._up_next = 0  # the buffer the next begin_step uploads
         self._staged = False  # whether that buffer holds the spares' landing table (end_step wrote it)
@@ -108,6 +118,7 @@ class ReadThrough:
         self.landing: list[list[int]] = [[] for _ in range(layers)]  # reserved slots per layer, in upload order
         self.pending: list[list[int]] = [[] for _ in range(layers)]  # the step in flight's reserve, until collected
         self.spare: list[list[int]] = [[] for _ in range(layers)]  # chosen for the next step's reserve
+        self._owner: dict[int, tuple[int, int]] = {}  # mapped_victims: reserved slot -> the resident it still holds
         self._rows = self._top_k = 1
         self.step = 0  # the next step's number
         self._in_flight: int | None = None  # the step whose readback collect has not taken yet
@@ -130,8 +141,7 @@ class ReadThrough:
         table: list[tuple[int, int, int]] = []
         self.landing, self.spare = self.spare, self.landing  # the spares chosen while the last step ran
         for slots in self.spare:
-            self.cache.release_slots(slots)  # NOTE: empty unless a step was reserved for and never ended
-            slots.clear()
+            self._give_back(slots)  # NOTE: empty unless a step was reserved for and never ended
         most = min(self.capacity, top_k * rows)
         want = np.minimum(most, self.misses_last + LANDING_MARGIN)
         if self._in_flight is not None and any(len(s) < w for s, w in zip(self.landing, want.tolist())):
@@ -181,17 +191,28 @@ class ReadThrough:
         self.host_s += time.perf_counter() - t0
 
     def _stage(self, lists: list[list[int]]) -> None:
-        """The next upload's claim counters (zero) and landing table (`lists`, -1 past each) in the
-        staging buffer begin_step copies next; its step and rows are written there."""
+        """The next upload's claim counters (zero), landing table (`lists`, -1 past each), the
+        owners of its slots and the landed table (-1) in the staging buffer begin_step copies next;
+        its step and rows are written there."""
         up = self._up_np[self._up_next]
         layers = len(lists)
         up[2:2 + layers] = 0
-        table = up[2 + layers:].reshape(layers, self.capacity)
-        table.fill(-1)
+        landing, owner, _ = tables = up[2 + layers:].reshape(3, layers, self.capacity)
+        tables.fill(-1)
         for layer, slots in enumerate(lists):
             if slots:
-                table[layer, : len(slots)] = slots
+                landing[layer, : len(slots)] = slots
+                if self._owner:
+                    e = self.cache.num_experts
+                    owner[layer, : len(slots)] = [k[0] * e + k[1] if (k := self._owner.get(s)) else -1 for s in slots]
         self._staged = True
+
+    def _give_back(self, slots: list[int]) -> None:
+        """Empty a reserve: its free slots go back to the free list, its victims stay resident."""
+        for slot in slots:
+            if self._owner.pop(slot, None) is None:
+                self.cache.release_slots([slot])
+        slots.clear()
 
     def collect(self) -> None:
         """Take in the step in flight's readback, if any: mirror its landings (already mapped on the
@@ -207,19 +228,23 @@ class ReadThrough:
         # NOTE: recency and scores are updated by `touch`, off the critical path; the hits are the
         # residents among the uses, taken before the landed experts below join them
         self._untouched = (used, used & (cache.table_np >= 0))
-        claimed = self._used.numpy()
         landed = self._landed.numpy()
         n_landed = 0
         for layer, slots in enumerate(self.pending):
-            n = min(int(claimed[layer]), len(slots))
-            for i in range(n):
-                key, slot = (layer, int(landed[layer, i])), slots[i]
+            for i, slot in enumerate(slots):
+                e = int(landed[layer, i])
+                if e < 0:
+                    continue  # unclaimed: given back below (a victim stays resident)
+                victim = self._owner.pop(slot, None)
+                if victim is not None:
+                    cache.unmap(victim, device=False)  # (the lookup that claimed it unmapped it on the device)
+                key = (layer, e)
                 old = cache.slot_of(key)
                 if old is not None:  # NOTE: cannot happen (a resident is no miss); the device's mapping wins
                     cache.release_slots([old])
                 cache.map(key, slot)
                 n_landed += 1
-            cache.release_slots(slots[n:])
+            self._give_back([s for i, s in enumerate(slots) if landed[layer, i] < 0])
             slots.clear()
         self.landed_total += n_landed
         counters = self._counters.numpy()
@@ -255,8 +280,9 @@ class ReadThrough:
         short, changed = 0, False
         for layer, slots in enumerate(lists):
             w = int(want[layer])
-            while len(slots) > w:
-                cache.release_slots([slots.pop()])
+            if len(slots) > w:
+                self._give_back(slots[w:])
+                del slots[w:]
                 changed = True
             short += w - len(slots)
         if short <= 0:
@@ -268,8 +294,13 @@ class ReadThrough:
                     slots.append(cache.take_free_slot())
                 elif victims:
                     key = victims.pop()
-                    slots.append(cache.unmap(key, device=False))
-                    table.append((key[0], key[1], -1))
+                    if self.mapped_victims:  # it stays a hit until a miss claims its slot
+                        slot = cache.slot_of(key)
+                        self._owner[slot] = key
+                        slots.append(slot)
+                    else:
+                        slots.append(cache.unmap(key, device=False))
+                        table.append((key[0], key[1], -1))
                 else:
                     return True
                 changed = True
@@ -282,8 +313,14 @@ class ReadThrough:
             return []
         self.touch()
         cache = self.cache
-        count = (cache.table_np >= 0).sum(axis=1)
+        resident = cache.table_np >= 0
         used = self.used_last
+        if self._owner:  # victims already reserved (still mapped) are going: neither chosen again nor counted
+            ls, es = zip(*self._owner.values())
+            resident = resident.copy()
+            resident[list(ls), list(es)] = False
+            used = used | ~resident
+        count = resident.sum(axis=1)
         out: list[tuple[int, int]] = []
         if self.policy == "lru":
             for key in cache.residents_oldest_first():
@@ -297,7 +334,7 @@ class ReadThrough:
         else:
             # the lowest aged scores among residents the last step did not use (ties: layer, then
             # expert); a partial sort of a few times n candidates, all of them if the floor skips many
-            ls, es = np.nonzero((cache.table_np >= 0) & ~used)
+            ls, es = np.nonzero(resident & ~used)
             scores = self.score[ls, es]
             for m in (min(len(scores), 4 * n + 64), len(scores)):
                 part = np.argpartition(scores, m - 1)[:m] if 0 < m < len(scores) else np.arange(len(scores))
@@ -329,8 +366,10 @@ class ReadThrough:
     def release_landing(self) -> list[int]:
         """Empty every landing reserve (a resize or an invalidation); returns the slots."""
         self.collect()
-        out = [s for slots in self.landing + self.spare for s in slots]
+        out = [s for slots in self.landing + self.spare for s in slots if s not in self._owner]
         for slots in self.landing + self.spare:
+            for s in slots:
+                self._owner.pop(s, None)  # a victim stays resident
             slots.clear()
         self._staged = False
         return out
@@ -341,6 +380,7 @@ class ReadThrough:
         self._untouched = None
         for slots in self.landing + self.pending + self.spare:
             slots.clear()
+        self._owner.clear()
         self._staged = False
         self.used_last[:] = False
         self.misses_last[:] = 0

@@ -18,11 +18,11 @@ from ft.memory.expert_cache import ExpertCache
 
 
 def read_through_cache(num_layers: int, num_experts: int, num_slots: int, top_k: int, policy: str = "lru",
-                       rows: int = 1) -> ExpertCache:
+                       rows: int = 1, mapped_victims: bool = False) -> ExpertCache:
     """An expert cache of one byte per expert (the weights are not looked at) in read-through mode."""
     host = SlotWeights(torch.zeros(num_layers, num_experts, 1), torch.zeros(num_layers, num_experts, 1))
     cache = ExpertCache(host, num_slots, torch.device("cpu"))
-    cache.enable_read_through(top_k * rows, policy)
+    cache.enable_read_through(top_k * rows, policy, mapped_victims=mapped_victims)
     return cache
 
 
@@ -33,17 +33,17 @@ def replay_step(cache: ExpertCache, routed: list[list[list[int]]]) -> None:
     rt.begin_step(len(routed), k)
     for layer in range(cache.num_layers):
         ids = torch.tensor([row[layer] for row in routed], dtype=torch.int64)
-        expert_lookup_ref(ids, cache.slot_table[layer], rt.book, layer)
+        expert_lookup_ref(ids, cache.slot_table, rt.book, layer)
     rt.end_step()
 
 
 def read_through_hit_rate(trace: list[list[list[int]]], num_slots: int, warmup: int = 0, policy: str = "lru",
-                          prefill: int = 0) -> float:
+                          prefill: int = 0, mapped_victims: bool = False) -> float:
     """Hits / pairs of batch-1 decode over `trace` ([token][layer][k]) counting after `warmup`
     tokens. The first `prefill` tokens go through `ensure` (a prompt's prefill loads its experts)."""
     layers, k = len(trace[0]), len(trace[0][0])
     experts = 1 + max(e for tok in trace for layer in tok for e in layer)
-    cache = read_through_cache(layers, experts, num_slots, k, policy)
+    cache = read_through_cache(layers, experts, num_slots, k, policy, mapped_victims=mapped_victims)
     for tok in trace[:prefill]:
         for layer, ids in enumerate(tok):
             cache.ensure(layer, ids, count=False)

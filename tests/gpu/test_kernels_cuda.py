@@ -372,8 +372,8 @@ def test_expert_lookup_and_commit_at_the_flagship_shape():
     ref_table, ref_book = table.clone(), type(book)(*(t.clone() for t in book))
     dev_table, dev_book = table.to(DEV), type(book)(*(t.to(DEV) for t in book))
     for layer in range(layers):
-        s_ref, _ = expert_lookup_ref(ids[layer], ref_table[layer], ref_book, layer)
-        s_dev, _ = expert_lookup_triton(ids[layer].to(DEV), dev_table[layer], dev_book, layer)
+        s_ref, _ = expert_lookup_ref(ids[layer], ref_table, ref_book, layer)
+        s_dev, _ = expert_lookup_triton(ids[layer].to(DEV), dev_table, dev_book, layer)
         assert torch.equal(s_dev.cpu(), s_ref)
     commit_landed_ref(ref_table, ref_book)
     commit_landed_triton(dev_table, dev_book)

@@ -41,7 +41,7 @@ import pytest
 import torch
 
 from ft.kernels.expert_lookup import commit_landed_ref, expert_lookup_ref, new_book
-from ft.kernels.expert_lookup.kernel import commit_landed_triton, expert_lookup_triton
+from ft.kernels.expert_lookup.kernel import commit_landed_triton, expert_lookup_owned_triton, expert_lookup_triton
 from ft.kernels.moe import (
     DECODE_MAX_TOKENS, SlotWeights, moe_decode, moe_decode_ref, moe_over_slots, moe_over_slots_ref, runs_triton,
 )
@@ -402,6 +402,50 @@ LOOKUPS = [Lookup(8, 1, 1, 1, 4, False), Lookup(64, 8, 63, 60, 64, False), Looku
            Lookup(512, 2, 8, 8, 16, False)]
 
 
+OWNED_LOOKUPS = LOOKUPS + [Lookup(512, 10, 256, 250, 640, False), Lookup(512, 10, 64, 64, 640, True)]
+
+
+@pytest.mark.parametrize("c", OWNED_LOOKUPS, ids=str)
+def test_expert_lookup_owned_and_commit(c: Lookup):
+    """The one-program lookup with owners (victims still mapped in half the landing slots, from
+    every layer; layer 0 ran before and used some of them) against the reference exactly: slots,
+    landing slots, every book field but the scratch, the table after the lookup (claimed victims
+    unmapped) and after the commit. Claims follow row order on the device too (no race)."""
+    seed(c)
+    layers, layer = 3, 1
+    table = torch.full((layers, c.e), -1, dtype=torch.int64, device=DEV)
+    resident = c.e // 2
+    for lay in range(layers):
+        table[lay, torch.randperm(c.e, device=DEV)[:resident]] = torch.arange(resident, device=DEV) + c.e * lay
+    book = new_book(layers, c.e, c.cap, torch.device(DEV))
+    book.landing[layer] = 10_000 + torch.randperm(c.cap, device=DEV).to(torch.int32)
+    flat = (table.view(-1) >= 0).nonzero().flatten()
+    owned = min(c.cap // 2, len(flat))
+    victims = flat[torch.randperm(len(flat), device=DEV)[:owned]]
+    book.landing[layer, :owned] = table.view(-1)[victims].int()
+    book.owner[layer, :owned] = victims.int()
+    if c.holes:
+        book.landing[layer, owned::7] = -1
+    book.step[0], book.step[1] = 3, c.real
+    book.last_use[0, : c.e // 2] = 3  # layer 0 looked up before: these were used this step
+    ids = torch.rand(c.t, c.e, device=DEV).argsort(dim=1)[:, : c.k]
+    missed = int((table[layer] < 0).nonzero()[0])
+    if not (ids[0] == missed).any():
+        ids[0, 0] = missed  # a miss at least, in a real row
+    ref_book, ref_table = type(book)(*(t.cpu().clone() for t in book)), table.cpu().clone()
+    slots, dst = expert_lookup_owned_triton(ids, table, book, layer)
+    slots_ref, dst_ref = expert_lookup_ref(ids.cpu(), ref_table, ref_book, layer)
+    assert torch.equal(slots.cpu(), slots_ref) and torch.equal(dst.cpu(), dst_ref)
+    for name in book._fields:
+        if name != "order":
+            assert torch.equal(getattr(book, name).cpu(), getattr(ref_book, name)), name
+    assert torch.equal(table.cpu(), ref_table)  # the claimed victims unmapped, nothing else
+    assert int((ref_book.landed >= 0).sum()) > 0 and int((ref_book.owner >= 0).sum()) > 0
+    commit_landed_triton(table, book)
+    commit_landed_ref(ref_table, ref_book)
+    assert torch.equal(table.cpu(), ref_table)
+
+
 @pytest.mark.parametrize("c", LOOKUPS, ids=str)
 def test_expert_lookup_and_commit(c: Lookup):
     """The lookup kernel against the reference on layer 1 of 3: slots and every order-free part of
@@ -425,8 +469,8 @@ def test_expert_lookup_and_commit(c: Lookup):
     if not (ids[0] == missed).any():
         ids[0, 0] = missed  # a miss at least, in a real row
     ref_book, ref_table = type(book)(*(t.clone() for t in book)), table.clone()
-    slots, dst = expert_lookup_triton(ids, table[layer], book, layer)
-    slots_ref, dst_ref = expert_lookup_ref(ids, ref_table[layer], ref_book, layer)
+    slots, dst = expert_lookup_triton(ids, table, book, layer)
+    slots_ref, dst_ref = expert_lookup_ref(ids, ref_table, ref_book, layer)
     assert torch.equal(slots, slots_ref)
     for name in ("step", "last_use", "claim", "landing", "landing_used", "counters"):
         assert torch.equal(getattr(book, name), getattr(ref_book, name)), name

@@ -43,6 +43,7 @@ class EngineConfig:
     moe_cache_auto: bool = False  # slots fill what the budget leaves after KV and mamba
     expert_policy: str = "auto"  # auto | lru | lfu: which resident experts make room for misses (`expert_policy_for`)
     expert_read_through: bool = True  # offloaded decode reads misses from host memory inside the step
+    expert_mapped_victims: bool = False  # read-through: a victim stays a hit until a miss claims its slot
     prefill_stream_experts: int | None = None  # offload: staging slots of streamed prefill (None: auto; 0: off)
     num_tokens: int | None = None  # KV capacity in tokens; None: the whole context if it fits
     kv_cache_dtype: str = "auto"  # auto (a checkpoint's KV format with its scales, else compute) | bf16 | fp8 | nvfp4
@@ -96,6 +97,8 @@ class EngineConfig:
             raise ConfigError(f"--expert-policy must be {', '.join(EXPERT_POLICIES)}, got {self.expert_policy!r}")
         if self.expert_policy == "lfu" and not self.expert_read_through:
             raise ConfigError("--expert-policy lfu needs read-through decode (loads before each layer are LRU)")
+        if self.expert_mapped_victims and not (self.expert_read_through and self.moe_backend == "offload"):
+            raise ConfigError("--expert-mapped-victims needs --moe-backend offload with read-through decode")
         if self.prefill_stream_experts is not None and self.prefill_stream_experts < 0:
             raise ConfigError(f"--prefill-stream-experts must be >= 0, got {self.prefill_stream_experts}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -145,7 +145,8 @@ class RankState:
             through = config.moe_backend == "offload" and config.expert_read_through and read_through
             pools.experts.policy = config.expert_policy_for(through)
             if through:
-                pools.experts.enable_read_through(cfg.num_experts_per_tok * config.max_running_requests)
+                pools.experts.enable_read_through(cfg.num_experts_per_tok * config.max_running_requests,
+                                                  mapped_victims=config.expert_mapped_victims)
             if self.prefill_stream_experts:
                 pools.experts.enable_prefill_stream(self.prefill_stream_experts // PAGES,
                                                     min_tokens=DECODE_MAX_TOKENS + 1)

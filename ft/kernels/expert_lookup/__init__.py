@@ -29,21 +29,28 @@ class ExpertBook(NamedTuple):
         them are looked up but not counted and claim nothing).
     last_use: int32 [L, E]: the last step each expert was routed to by a real row (-1: never).
     claim: int32 [L, E]: the last step a miss of the expert claimed a landing slot (-1: never).
-    landing: int32 [L, R]: free slots the host reserved for this step's misses, in order (-1: none).
-    landing_used: int32 [L]: landing slots claimed this step (may pass R: the extra misses land
-        nowhere); the host zeroes it before each step.
-    landed: int32 [L, R]: landed[l, i] = the expert written into landing[l, i] this step (valid
-        for i < min(landing_used[l], R) where landing[l, i] >= 0).
+    landing: int32 [L, R]: slots the host reserved for this step's misses, in order (-1: none).
+    owner: int32 [L, R]: the resident expert landing[l, i] still holds, as l' * E + e' (a victim of
+        any layer, -1: a free slot). It stays mapped, a hit, until a miss claims its slot: the lookup
+        that claims it unmaps it; a victim a real row routed this step in this layer or one before
+        is not claimed (all -1: the host unmapped its victims before the step).
+    landing_used: int32 [L]: misses that claimed a landing slot this step (may pass the unpinned
+        reserve: the extra misses land nowhere); the host zeroes it before each step.
+    landed: int32 [L, R]: landed[l, i] = the expert written into landing[l, i] this step, -1 where
+        no miss claimed it (the host resets it to -1 before each step).
     counters: int64 [L, 2]: hits and misses of real rows' pairs, cumulative.
+    order: int32 [L, R]: scratch of the lookup with owners (the claimable landing slots in order).
     """
 
     step: torch.Tensor
     last_use: torch.Tensor
     claim: torch.Tensor
     landing: torch.Tensor
+    owner: torch.Tensor
     landing_used: torch.Tensor
     landed: torch.Tensor
     counters: torch.Tensor
+    order: torch.Tensor
 
     @property
     def landing_capacity(self) -> int:
@@ -59,20 +66,26 @@ def new_book(num_layers: int, num_experts: int, landing_capacity: int, device: t
         last_use=torch.full((num_layers, num_experts), -1, **i32),
         claim=torch.full((num_layers, num_experts), -1, **i32),
         landing=torch.full((num_layers, r), -1, **i32),
+        owner=torch.full((num_layers, r), -1, **i32),
         landing_used=torch.zeros(num_layers, **i32),
         landed=torch.full((num_layers, r), -1, **i32),
         counters=torch.zeros((num_layers, 2), dtype=torch.int64, device=device),
+        order=torch.zeros((num_layers, r), **i32),
     )
 
 
-def expert_lookup(ids: torch.Tensor, slot_table: torch.Tensor, book: ExpertBook, layer: int
+def expert_lookup(ids: torch.Tensor, slot_table: torch.Tensor, book: ExpertBook, layer: int, owners: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatcher (`expert_lookup_ref`'s contract): the Triton kernel on CUDA (or in interpreter
-    tests), else the reference."""
+    """Dispatcher (`expert_lookup_ref`'s contract; `slot_table` [L, E]): the Triton kernel on CUDA (or
+    in interpreter tests), else the reference. `owners`: the book's landing slots may still hold
+    their victims (`book.owner`), which takes the one-program kernel that sees every row before
+    it claims; without, the owner table must be all -1 (a program per row, claims in any order)."""
     if uses_triton(ids.device):
-        from ft.kernels.expert_lookup.kernel import expert_lookup_triton  # NOTE: imports triton only when used
+        from ft.kernels.expert_lookup import kernel  # NOTE: imports triton only when used
 
-        return expert_lookup_triton(ids, slot_table, book, layer)
+        if owners:
+            return kernel.expert_lookup_owned_triton(ids, slot_table, book, layer)
+        return kernel.expert_lookup_triton(ids, slot_table, book, layer)
     return expert_lookup_ref(ids, slot_table, book, layer)
 
 

@@ -121,7 +121,8 @@ class SparseMoE:
         else:
             logits = self.router(x)
         weights, ids, _ = route(logits, self.top_k, self.norm_topk_prob, shared_gate=fused, forced=forced)
-        slots, dst = expert_lookup(ids, cache.slot_table[layer], cache.read_through.book, layer)
+        rt = cache.read_through
+        slots, dst = expert_lookup(ids, cache.slot_table, rt.book, layer, owners=rt.mapped_victims)
         if fused:
             return moe_decode(x, slots, weights, cache.slots, self.shared_slot, residual=residual,
                               norm_weight=next_norm, eps=eps, host=cache.host, topk_ids=ids, layer=layer,
