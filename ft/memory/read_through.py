@@ -96,7 +96,6 @@ class ReadThrough:
 
         # readback targets (pinned): filled by end_step's copies, read by collect
         self._last = host((layers, experts), fill=-1)
-        self._used = host((layers,))
         self._landed = host((layers, self.capacity), fill=-1)
         self._counters = host((layers, 2), torch.int64)
         # the book's inputs (step and rows, claim counters, landing table) as views of one device
@@ -172,7 +171,7 @@ class ReadThrough:
         b = self.book
         commit_landed(self.cache.slot_table, b)
         self.collect()  # NOTE: the step before this one: its readback is in (its token was waited for)
-        for dst, src in ((self._last, b.last_use), (self._used, b.landing_used), (self._landed, b.landed),
+        for dst, src in ((self._last, b.last_use), (self._landed, b.landed),
                          (self._counters, b.counters)):
             dst.copy_(src, non_blocking=True)
         if self._event is not None:

@@ -117,15 +117,17 @@ def test_offload_equals_resident_bitwise(model):
     assert offload.engine.pools.experts.stats.misses > 48  # more loads than slots: experts were evicted and moved
 
 
-def test_read_through_offload_replays_graphs_and_equals_resident_bitwise(model):
+@pytest.mark.parametrize("mapped", [False, True], ids=["victims-unmapped", "victims-mapped"])
+def test_read_through_offload_replays_graphs_and_equals_resident_bitwise(model, mapped):
     """Offloaded decode in read-through mode (the default): misses read from pinned host memory
     inside the replayed graph and land in reserved slots; tokens and logits are the resident
     engine's bit for bit, with 40 slots for 4 x 32 experts (misses every step) and with a live MoE
     resize between replays (VMM keeps the addresses: no recapture). Every size keeps a layer's 32
-    experts in the slots, so that no prefill chunk takes the grouped path (docs/architecture.md)."""
+    experts in the slots, so that no prefill chunk takes the grouped path (docs/architecture.md).
+    Also with the victims kept mapped until claimed (`--expert-mapped-victims`: the one-program lookup)."""
     resident = make(model)
     want = generate(resident)
-    llm = make(model, moe_backend="offload", moe_cache_size=40)
+    llm = make(model, moe_backend="offload", moe_cache_size=40, expert_mapped_victims=mapped)
     cache = llm.engine.pools.experts
     assert cache.read_through is not None
     assert generate(llm) == want
@@ -307,7 +309,8 @@ def test_pdl_launches_give_the_plain_launches_bits(model, monkeypatch):
             assert graphs.disabled is None and graphs.replays > 0, graphs.disabled
 
 
-def test_read_through_offload_overlapped_equals_plain_steps(model):
+@pytest.mark.parametrize("mapped", [False, True], ids=["victims-unmapped", "victims-mapped"])
+def test_read_through_offload_overlapped_equals_plain_steps(model, mapped):
     """Overlapped decode over read-through offload (asked for: the default takes it with resident
     experts only): the plain steps' tokens and last logits bit for bit, inside replayed graphs with
     misses every step, and about the same hits. Not exactly the same: with 40 slots a layer's
@@ -317,7 +320,8 @@ def test_read_through_offload_overlapped_equals_plain_steps(model):
     221 hits overlapped). The CPU test (`tests/test_overlap_decode.py`) checks the counts exactly."""
     traffic, outs = [], []
     for overlap in (False, True):
-        llm = make(model, moe_backend="offload", moe_cache_size=40, overlap_decode=overlap)
+        llm = make(model, moe_backend="offload", moe_cache_size=40, overlap_decode=overlap,
+                   expert_mapped_victims=mapped)
         outs.append((generate(llm), llm.engine.last_logits.clone()))
         cache = llm.engine.pools.experts
         cache.collect()
