@@ -402,6 +402,27 @@ LOOKUPS = [Lookup(8, 1, 1, 1, 4, False), Lookup(64, 8, 63, 60, 64, False), Looku
            Lookup(512, 2, 8, 8, 16, False)]
 
 
+def lookup_case(c: Lookup, layer: int, layers: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Half of each layer's experts resident, `layer`'s landing reserve of c.cap fresh slots: (table, book)."""
+    seed(c)
+    table = torch.full((layers, c.e), -1, dtype=torch.int64, device=DEV)
+    resident = c.e // 2
+    for lay in range(layers):
+        table[lay, torch.randperm(c.e, device=DEV)[:resident]] = torch.arange(resident, device=DEV) + c.e * lay
+    book = new_book(layers, c.e, c.cap, torch.device(DEV))
+    book.landing[layer] = 10_000 + torch.randperm(c.cap, device=DEV).to(torch.int32)
+    return table, book
+
+
+def lookup_ids(c: Lookup, table: torch.Tensor, layer: int) -> torch.Tensor:
+    """[c.t, c.k] distinct expert ids a row, a miss of `layer` at least in the first (real) row."""
+    ids = torch.rand(c.t, c.e, device=DEV).argsort(dim=1)[:, : c.k]
+    missed = int((table[layer] < 0).nonzero()[0])
+    if not (ids[0] == missed).any():
+        ids[0, 0] = missed
+    return ids
+
+
 OWNED_LOOKUPS = LOOKUPS + [Lookup(512, 10, 256, 250, 640, False), Lookup(512, 10, 64, 64, 640, True)]
 
 
@@ -411,14 +432,8 @@ def test_expert_lookup_owned_and_commit(c: Lookup):
     every layer; layer 0 ran before and used some of them) against the reference exactly: slots,
     landing slots, every book field but the scratch, the table after the lookup (claimed victims
     unmapped) and after the commit. Claims follow row order on the device too (no race)."""
-    seed(c)
-    layers, layer = 3, 1
-    table = torch.full((layers, c.e), -1, dtype=torch.int64, device=DEV)
-    resident = c.e // 2
-    for lay in range(layers):
-        table[lay, torch.randperm(c.e, device=DEV)[:resident]] = torch.arange(resident, device=DEV) + c.e * lay
-    book = new_book(layers, c.e, c.cap, torch.device(DEV))
-    book.landing[layer] = 10_000 + torch.randperm(c.cap, device=DEV).to(torch.int32)
+    layer = 1
+    table, book = lookup_case(c, layer)
     flat = (table.view(-1) >= 0).nonzero().flatten()
     owned = min(c.cap // 2, len(flat))
     victims = flat[torch.randperm(len(flat), device=DEV)[:owned]]
@@ -428,10 +443,7 @@ def test_expert_lookup_owned_and_commit(c: Lookup):
         book.landing[layer, owned::7] = -1
     book.step[0], book.step[1] = 3, c.real
     book.last_use[0, : c.e // 2] = 3  # layer 0 looked up before: these were used this step
-    ids = torch.rand(c.t, c.e, device=DEV).argsort(dim=1)[:, : c.k]
-    missed = int((table[layer] < 0).nonzero()[0])
-    if not (ids[0] == missed).any():
-        ids[0, 0] = missed  # a miss at least, in a real row
+    ids = lookup_ids(c, table, layer)
     ref_book, ref_table = type(book)(*(t.cpu().clone() for t in book)), table.cpu().clone()
     slots, dst = expert_lookup_owned_triton(ids, table, book, layer)
     slots_ref, dst_ref = expert_lookup_ref(ids.cpu(), ref_table, ref_book, layer)
@@ -453,21 +465,12 @@ def test_expert_lookup_and_commit(c: Lookup):
     differ); each landing slot used once, by a missed expert's pair of a real row; then the commit
     maps exactly the kernel's landed experts, and the same ones as the reference's when every
     claim lands."""
-    seed(c)
-    layers, layer = 3, 1
-    table = torch.full((layers, c.e), -1, dtype=torch.int64, device=DEV)
-    resident = c.e // 2
-    for lay in range(layers):
-        table[lay, torch.randperm(c.e, device=DEV)[:resident]] = torch.arange(resident, device=DEV) + c.e * lay
-    book = new_book(layers, c.e, c.cap, torch.device(DEV))
-    book.landing[layer] = 10_000 + torch.randperm(c.cap, device=DEV).to(torch.int32)
+    layer = 1
+    table, book = lookup_case(c, layer)
     if c.holes:
         book.landing[layer, ::7] = -1
     book.step[0], book.step[1] = 3, c.real
-    ids = torch.rand(c.t, c.e, device=DEV).argsort(dim=1)[:, : c.k]
-    missed = int((table[layer] < 0).nonzero()[0])
-    if not (ids[0] == missed).any():
-        ids[0, 0] = missed  # a miss at least, in a real row
+    ids = lookup_ids(c, table, layer)
     ref_book, ref_table = type(book)(*(t.clone() for t in book)), table.clone()
     slots, dst = expert_lookup_triton(ids, table, book, layer)
     slots_ref, dst_ref = expert_lookup_ref(ids, ref_table, ref_book, layer)
