@@ -316,3 +316,33 @@ def test_engine_decode_with_mapped_victims_matches_resident(tiny_one):
     assert rt.landed_total > 0
     with pytest.raises(ConfigError, match="mapped-victims"):
         make_llm(path, expert_mapped_victims=True, expert_read_through=False)
+
+
+def test_mapped_victims_through_ensure_resize_and_invalidate():
+    """With victims reserved while still mapped: a prefill's `ensure` that needs their slots, a shrink
+    that cuts some of them and an invalidation leave every slot in one place, and decode goes on."""
+    trace = RoutingTrace(3, 32, 3, seed=4).tokens(60)
+    cache = read_through_cache(3, 32, 24, 3, "lfu", mapped_victims=True)
+    rt = cache.read_through
+
+    def run(tokens):
+        for tok in tokens:
+            replay_step(cache, [tok])
+        rt.begin_step(1, 3)  # a reserve for a step that is not run (as before a prefill)
+
+    run(trace[:20])
+    assert rt._owner  # victims reserved, still mapped
+    cache.collect()
+    cache.ensure(0, list(range(12)))  # more than the free slots: the reserves go first, then LRU residents
+    _check_consistent(cache)
+    assert all(cache.is_resident(0, e) for e in range(12))
+    rt.end_step()
+    run(trace[20:40])
+    assert rt._owner
+    cache.resize(15)
+    _check_consistent(cache)
+    run(trace[40:])
+    cache.collect()
+    _check_consistent(cache)
+    cache.invalidate()
+    assert cache.num_resident == 0 and not rt._owner and len(cache._free) == 15
