@@ -6,6 +6,8 @@ and anything that is not a plain decode batch steps as before."""
 
 from __future__ import annotations
 
+import pytest
+
 from ft.engine.core.engine import Engine
 from ft.engine.base.engine_config import EngineConfig
 from ft.engine.base.sampling_params import SamplingParams
@@ -138,16 +140,18 @@ def test_server_commands_take_the_step_in_flight_first(tiny_one):
     assert got == want and snapshots > 3 and overlapped > 0
 
 
-def test_read_through_offload_overlaps_with_the_plain_steps_tokens_and_traffic(tiny_one):
+@pytest.mark.parametrize("mapped", [False, True], ids=["victims-unmapped", "victims-mapped"])
+def test_read_through_offload_overlaps_with_the_plain_steps_tokens_and_traffic(tiny_one, mapped):
     """Offloaded experts in read-through mode (12 slots for 4 layers x 8 experts: misses every
     step): overlapped steps give the plain steps' tokens and the same hits, misses and landings
     (the policy's timing is unchanged: each step's end collects the step before it). Asked for
-    explicitly: the default takes overlap on CUDA only."""
+    explicitly: the default takes overlap on CUDA only. Also with victims kept mapped until claimed."""
     _, _, path = tiny_one
 
     def engine(overlap: bool | None) -> Engine:
         return Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", page_size=16, max_running_requests=4,
-                                   moe_backend="offload", moe_cache_size=12, overlap_decode=overlap))
+                                   moe_backend="offload", moe_cache_size=12, overlap_decode=overlap,
+                                   expert_mapped_victims=mapped))
 
     def reqs():
         return [(prompt_of(18 + 9 * i, seed=60 + i), SamplingParams(max_new_tokens=8 + 3 * i, temperature=0.0,
