@@ -106,7 +106,8 @@ def _expert_lookup_owned_kernel(p_ids, p_table, p_step, p_last, p_claim, p_landi
     o_r = tl.arange(0, BLOCK_R)
     m_r = o_r < R
     b_o = tl.load(p_owner + o_r, mask=m_r, other=-1)
-    b_lu = tl.load(p_last + b_o, mask=m_r & (b_o >= 0), other=-1)
+    # (volatile: written in this launch by other threads; read past L1)
+    b_lu = tl.load(p_last + b_o, mask=m_r & (b_o >= 0), other=-1, volatile=True)
     claimable = m_r & (b_lu < step)
     rank = tl.cumsum(claimable.to(tl.int32), axis=0) - 1
     tl.store(p_order + rank, o_r, mask=claimable)
@@ -114,14 +115,14 @@ def _expert_lookup_owned_kernel(p_ids, p_table, p_step, p_last, p_claim, p_landi
     tl.atomic_min(p_claim + b_e, o_n, mask=miss)
     tl.debug_barrier()
     # phase 3: the first pairs known; the claim words get the reference's stamp
-    first = miss & (tl.load(p_claim + b_e, mask=miss, other=-1) == o_n)
+    first = miss & (tl.load(p_claim + b_e, mask=miss, other=-1, volatile=True) == o_n)
     tl.debug_barrier()
     tl.store(p_claim + b_e, tl.zeros((BLOCK_N,), dtype=tl.int32) + step, mask=miss)
     # phase 4: the c-th first miss takes the c-th claimable slot, and unmaps the victim it held
     c = tl.cumsum(first.to(tl.int32), axis=0) - 1
     tl.store(p_used, tl.load(p_used) + tl.sum(first.to(tl.int32), axis=0))
     ok = first & (c < n_claimable)
-    i = tl.load(p_order + c, mask=ok, other=0)
+    i = tl.load(p_order + c, mask=ok, other=0, volatile=True)
     b_d = tl.load(p_landing + i, mask=ok, other=-1)
     ok = ok & (b_d >= 0)
     tl.store(p_landed + i, b_e.to(tl.int32), mask=ok)
