@@ -1,7 +1,7 @@
 """Which residents make room for misses: the read-through policies against the exact LRU, on
 calibrated routing traces. CPU only.
 
-    PYTHONPATH=. python3 bench/offload_policy.py [--tokens 600] [--seed 3] [--slots 14116,2008]
+    PYTHONPATH=. python3 bench/offload_policy.py [--tokens 600] [--seed 3] [--slots 14116,2008] [--rows 1]
 
 Flagship routing (48 MoE layers x 512 experts, top-10, `routing_trace.CALIBRATED`), batch-1
 decode replayed through the expert cache in read-through mode (`ft.tools.offload_sim`: the real
@@ -32,15 +32,19 @@ def main() -> None:
     ap.add_argument("--slots", default="", metavar="N[,N...]",
                     help="slot counts to replay instead of the measured cards' (e.g. 14116,7600,2008,1299: session "
                          "31's 80B 32 GiB / Flash-Next 32 GiB and 16 GiB rungs with the embedding in host memory)")
+    ap.add_argument("--rows", type=int, default=1,
+                    help="decode rows a step: one independent trace each (seeds --seed, --seed + 1, ...); the exact "
+                         "LRU column is for one row only")
     args = ap.parse_args()
     slot_list = [(f"{int(n):,} slots", int(n)) for n in args.slots.split(",") if n] or SLOTS
-    trace = RoutingTrace(LAYERS, EXPERTS, TOP_K, seed=args.seed).tokens(args.tokens)
+    trace, *others = (RoutingTrace(LAYERS, EXPERTS, TOP_K, seed=args.seed + r).tokens(args.tokens)
+                      for r in range(args.rows))
     warm = args.tokens // 3
     rows = []
     for name, slots in slot_list:
         t0 = time.perf_counter()
-        exact = lru_hit_rate(trace, slots, warmup=warm)
-        rates = [read_through_hit_rate(trace, slots, warmup=warm, policy=policy, mapped_victims=mapped)
+        exact = lru_hit_rate(trace, slots, warmup=warm) if not others else float("nan")
+        rates = [read_through_hit_rate(trace, slots, warmup=warm, policy=policy, mapped_victims=mapped, others=others)
                  for policy in ("lru", "lfu") for mapped in (False, True)]
         rows.append((name, slots, exact, *rates))
         print(f"{name}: {time.perf_counter() - t0:.1f} s", flush=True)
@@ -48,7 +52,8 @@ def main() -> None:
           "| read-through LFU (aging) | LFU, mapped victims |")
     print("|---|---|---|---|---|---|---|---|")
     for name, slots, exact, lru, lru_m, lfu, lfu_m in rows:
-        print(f"| {name} | {slots:,} | {slots / (LAYERS * EXPERTS):.1%} | {exact:.1%} | {lru:.1%} | {lru_m:.1%} "
+        exact_s = "-" if exact != exact else f"{exact:.1%}"  # (NaN: several rows)
+        print(f"| {name} | {slots:,} | {slots / (LAYERS * EXPERTS):.1%} | {exact_s} | {lru:.1%} | {lru_m:.1%} "
               f"({100 * (lru_m - lru):+.1f}) | {lfu:.1%} | {lfu_m:.1%} ({100 * (lfu_m - lfu):+.1f}) |")
 
 
