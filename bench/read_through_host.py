@@ -1,6 +1,7 @@
 """Host time of the read-through expert cache's policy per decode step, on the CPU. Not a test.
 
     PYTHONPATH=. python3 bench/read_through_host.py [--layers 48] [--experts 512] [--slots 4026] [--top-k 10]
+                                                    [--policy lru] [--mapped-victims]
 
 The real `ExpertCache` and `ReadThrough` at the flagship's shape, the lookup kernel's torch
 reference standing in for the decode step (`ft.tools.offload_sim`), a synthetic routing trace, no
@@ -35,10 +36,13 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=10)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--policy", default="lru", choices=["lru", "lfu"])
+    ap.add_argument("--mapped-victims", action="store_true", help="victims stay mapped until claimed")
     args = ap.parse_args()
     torch.set_num_threads(1)
     layers, k = args.layers, args.top_k
-    cache = read_through_cache(layers, args.experts, args.slots, k, rows=1)
+    cache = read_through_cache(layers, args.experts, args.slots, k, args.policy, rows=1,
+                               mapped_victims=args.mapped_victims)
     rt = cache.read_through
     trace = RoutingTrace(layers, args.experts, k, seed=1).tokens(args.steps)
     begin, end = [], []
@@ -55,7 +59,8 @@ def main() -> None:
             begin.append(t1 - t0)
             end.append(t3 - t2)
     cache.collect()
-    print(f"\n{layers} layers x {args.experts} experts, {args.slots} slots, top-{k}, batch 1, "
+    print(f"\n{layers} layers x {args.experts} experts, {args.slots} slots, top-{k}, batch 1, {args.policy}"
+          f"{', mapped victims' if args.mapped_victims else ''}, "
           f"{len(begin)} steps after {args.warmup}; hit rate {cache.stats.hit_rate:.1%}")
     print("| phase | median us | mean us |\n|---|---|---|")
     for name, xs in (("begin_step (critical path)", begin), ("end_step (hidden on a GPU)", end)):
