@@ -120,10 +120,26 @@ def describe(engine, url: str, started_s: float | None = None) -> str:
         f"  storage: {st['backend']} (allocations rounded to {format_bytes(st['granularity_bytes'])}"
         + ("; a resize copies, so it holds old and new: the reachable ranges count that)" if st["reallocates"] else ")"),
         *(f"  kernels: {line}" for line in engine.kernel_fallbacks),  # shapes that take a reference path
+        *_decode_lines(engine),
         _prefill_line(engine),
         *_ladder_lines(engine),
         f"  ready on {url}" + (f" (started in {started_s:.1f} s)" if started_s is not None else ""),
     ])
+
+
+def _decode_lines(engine) -> list[str]:
+    """Offloaded, the decode's line of the banner: how a step gets the experts the cache lacks and which
+    residents make room (the policy --expert-policy auto chose)."""
+    cache = engine.pools.experts
+    if engine.config.moe_backend != "offload" or cache is None:
+        return []
+    rt = cache.read_through
+    policy = f"victims by {cache.policy} (--expert-policy {engine.config.expert_policy})"
+    if rt is None:
+        return [f"  decode: a layer's missing experts load into the cache before it runs; {policy}"]
+    mapped = "; a victim stays a hit until a miss claims its slot" if rt.mapped_victims else ""
+    return [f"  decode: misses read from host memory inside the step and cached as they land (read-through); "
+            f"{policy}{mapped}"]
 
 
 def _prefill_line(engine) -> str:

@@ -346,3 +346,24 @@ def test_mapped_victims_through_ensure_resize_and_invalidate():
     _check_consistent(cache)
     cache.invalidate()
     assert cache.num_resident == 0 and not rt._owner and len(cache._free) == 15
+
+
+def test_the_startup_banner_says_how_decode_gets_its_experts(tiny_one):
+    from ft.serve_cmd import describe
+    from tests.test_oracle import make_llm
+
+    _, model, path = tiny_one
+    slots = 3 * model.config.num_experts_per_tok
+
+    def line(**opts):
+        text = describe(make_llm(path, **opts).engine, "http://x")
+        return next((x for x in text.splitlines() if x.startswith("  decode:")), None)
+
+    assert line(moe_backend="offload", moe_cache_size=slots) == (
+        "  decode: misses read from host memory inside the step and cached as they land (read-through); "
+        "victims by lfu (--expert-policy auto)")
+    assert line(moe_backend="offload", moe_cache_size=slots, expert_mapped_victims=True).endswith(
+        "victims by lfu (--expert-policy auto); a victim stays a hit until a miss claims its slot")
+    assert line(moe_backend="offload", moe_cache_size=slots, expert_read_through=False) == (
+        "  decode: a layer's missing experts load into the cache before it runs; victims by lru (--expert-policy auto)")
+    assert line(moe_backend="resident") is None
