@@ -55,9 +55,7 @@ def load_model(
         # them NVFP4 to run the Triton kernels on the CPU.)
         weights.tensors = {k: (v.dequantize(dtype) if isinstance(v, NVFP4Weight) else v)
                            for k, v in weights.tensors.items()}
-    if embedding_on_host:
-        if tp is not None:
-            raise UnsupportedModelError("the embedding in host memory runs on one GPU (--no-embedding-on-host)")
+    if embedding_on_host:  # (one GPU only: `EngineConfig` refuses it with tensor parallelism, RankState asks without)
         weights = _embedding_to_host(weights, embedding_name(cfg), device)
     if world > 1:  # NOTE: after the CPU path's dequantization: dense columns cut anywhere, NVFP4 per block
         weights.tensors = shard_tensors(weights.tensors, cfg, rank, world)
