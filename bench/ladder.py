@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/ladder.py [--cards 32GiB,16GiB] [--rungs 65536,131072,262144]
                                          [--tokens 128,1024,4096] [--policy auto] [--chunks 1024,16384]
-                                         [--mapped-victims]
+                                         [--no-mapped-victims]
 
 Synthetic NVFP4 Qwen3-Next-80B-A3B (`bench/configs/qwen3-next-80b-a3b.json` with its routing drawn
 from the calibrated trace, `ft.tools.routing_trace.CALIBRATED`: ~68% / 79% LRU hits at 12.5% /
@@ -50,8 +50,9 @@ def main() -> None:
     ap.add_argument("--tokens", default="128,1024,4096", help="windows of generated tokens (the largest is decoded)")
     ap.add_argument("--policy", default="auto", choices=["auto", "lru", "lfu"],
                     help="the expert policy (default: the engine's, auto: lfu under read-through since session 31)")
-    ap.add_argument("--mapped-victims", action="store_true",
-                    help="--expert-mapped-victims: a victim stays a hit until a miss claims its slot")
+    ap.add_argument("--mapped-victims", action=argparse.BooleanOptionalAction, default=None,
+                    help="--expert-mapped-victims: a victim stays a hit until a miss claims its slot "
+                         "(default: the engine's, on under read-through since session 33)")
     ap.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8", "nvfp4"],
                     help="the KV cache's dtype (the seed's table: nvfp4 for Qwen3.8-Flash-Next)")
     ap.add_argument("--step", type=int, default=32768, help="the ladder's step size")

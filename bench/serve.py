@@ -387,6 +387,26 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def traced_serve_args(serve_args: str) -> str:
+    """`serve_args` with its `--model synthetic:CONFIG` replaced by a temporary copy of CONFIG that
+    carries "routing_trace": true (`ft.engine.worker.routing_override`). SystemExit when the args
+    name no synthetic model (a checkpoint routes by its own router)."""
+    args = shlex.split(serve_args)
+    at = next((i for i, a in enumerate(args) if a == "--model" or a.startswith("--model=")), None)
+    spec = None if at is None else (args[at].split("=", 1)[1] if "=" in args[at] else
+                                    args[at + 1] if at + 1 < len(args) else None)
+    if spec is None or not spec.startswith("synthetic:"):
+        raise SystemExit("--routing-trace needs --serve-args with --model synthetic:CONFIG")
+    cfg = json.loads(Path(spec[len("synthetic:"):]).expanduser().read_text())
+    cfg["routing_trace"] = True
+    fd, path = tempfile.mkstemp(prefix="ft-traced-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(cfg, f)
+    value = f"synthetic:{path}"
+    args[at:at + (1 if "=" in args[at] else 2)] = [f"--model={value}"]
+    return shlex.join(args)
+
+
 class ServerProcess:
     """`python -m ft.cli serve ARGS --port N`, its output in a file; stop() sends SIGINT and kills
     after `stop_timeout` s."""
@@ -593,6 +613,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     where.add_argument("--url", help="a running server, e.g. http://127.0.0.1:30000")
     where.add_argument("--serve-args", metavar="ARGS",
                        help="start `python -m ft.cli serve ARGS --port <free port>` and stop it at the end")
+    ap.add_argument("--routing-trace", action="store_true",
+                    help="with --serve-args naming --model synthetic:CONFIG: serve a copy of CONFIG with "
+                         '"routing_trace": true, so that requests route like a trained model\'s (the calibrated '
+                         "trace, as bench/ladder.py runs); without it a synthetic router's random weights spread "
+                         "tokens evenly over the experts, offload's worst case")
     ap.add_argument("--serve-log", metavar="FILE",
                     help="keep the started server's output in FILE (default: a temporary file)")
     ap.add_argument("--server-timeout", type=float, default=900.0, metavar="S",
@@ -686,7 +711,8 @@ def main(argv: list[str] | None = None) -> int:
     server, server_up = None, False
     try:
         if args.serve_args is not None:
-            server = ServerProcess(args.serve_args, args.serve_log)
+            serve_args = traced_serve_args(args.serve_args) if args.routing_trace else args.serve_args
+            server = ServerProcess(serve_args, args.serve_log)
             print(f"starting {shlex.join(server.cmd)} (log: {server.log_path})", flush=True)
             t0 = time.perf_counter()
             server.wait_healthy(args.server_timeout)

@@ -31,8 +31,9 @@ HELP = {
                             "sync) and caches it in a reserved slot; --no-expert-read-through loads misses before each "
                             "MoE layer instead (host bookkeeping, no graphs)"),
     "expert_mapped_victims": ("offload, read-through: a resident chosen to make room stays mapped (a hit) until a "
-                              "miss overwrites its slot, instead of leaving the cache a step early (CPU simulator, "
-                              "LFU: +1.5 / +3.7 points of hits at 2,008 / 1,299 slots; off until measured on a GPU)"),
+                              "miss overwrites its slot, instead of leaving the cache a step early (H200, LFU: +1.6%% / +4.6%% "
+                              "tokens/s on a 16 GiB card, +2-4%% on a 32 GiB card). Default: on wherever decode "
+                              "reads misses through"),
     "prefill_stream_experts": ("offload: prefill chunks of more than 128 tokens stream the experts the cache lacks, "
                                "layer by layer on a copy stream, through this many staging slots (a ring of 3 pages) "
                                "instead of loading them into the cache: the copies overlap the compute, and nothing "

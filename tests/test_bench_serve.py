@@ -115,3 +115,21 @@ def test_serving_benchmark_against_a_started_server(tmp_path):
         assert lv["ttft_ms"]["p99"] <= lv["e2e_ms"]["max"]
         probe = lv["metrics_probe"]
         assert probe["count"] >= 1 and probe["errors"] == 0 and 0 < probe["p50"] <= probe["p99"] <= probe["max"]
+
+
+def test_routing_trace_serves_a_traced_copy_of_the_synthetic_config():
+    """--routing-trace: the started server's --model names a copy of the synthetic config with
+    "routing_trace": true, every other flag kept; a model that is not synthetic is refused."""
+    import shlex
+
+    from bench.serve import traced_serve_args
+
+    config = REPO / "bench" / "configs" / "qwen3-next-80b-a3b.json"
+    for form in (f"--model synthetic:{config}", f"--model=synthetic:{config}"):
+        args = shlex.split(traced_serve_args(f"{form} --gpu-memory-limit 32GiB --port 0"))
+        model = args[0]
+        assert model.startswith("--model=synthetic:") and args[1:] == ["--gpu-memory-limit", "32GiB", "--port", "0"]
+        traced = json.loads(Path(model.split(":", 1)[1]).read_text())
+        assert traced.pop("routing_trace") is True and traced == json.loads(config.read_text())
+    with pytest.raises(SystemExit, match="synthetic"):
+        traced_serve_args("--model demo")

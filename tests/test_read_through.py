@@ -191,6 +191,10 @@ def test_lfu_policy_and_flags(tiny_one):
     auto = make_llm(path, moe_backend="offload", moe_cache_size=2 * model.config.num_experts_per_tok)
     assert auto.engine.config.expert_policy == "auto"
     assert auto.engine.pools.experts.policy == auto.engine.pools.experts.read_through.policy == "lfu"
+    assert auto.engine.config.expert_mapped_victims is None and auto.engine.pools.experts.read_through.mapped_victims
+    off = make_llm(path, moe_backend="offload", moe_cache_size=2 * model.config.num_experts_per_tok,
+                   expert_mapped_victims=False)
+    assert not off.engine.pools.experts.read_through.mapped_victims
     loads = make_llm(path, moe_backend="offload", moe_cache_size=2 * model.config.num_experts_per_tok,
                      expert_read_through=False)
     assert loads.engine.pools.experts.read_through is None and loads.engine.pools.experts.policy == "lru"
@@ -359,11 +363,11 @@ def test_the_startup_banner_says_how_decode_gets_its_experts(tiny_one):
         text = describe(make_llm(path, **opts).engine, "http://x")
         return next((x for x in text.splitlines() if x.startswith("  decode:")), None)
 
-    assert line(moe_backend="offload", moe_cache_size=slots) == (
+    assert line(moe_backend="offload", moe_cache_size=slots) == (  # mapped victims by default
         "  decode: misses read from host memory inside the step and cached as they land (read-through); "
-        "victims by lfu (--expert-policy auto)")
-    assert line(moe_backend="offload", moe_cache_size=slots, expert_mapped_victims=True).endswith(
         "victims by lfu (--expert-policy auto); a victim stays a hit until a miss claims its slot")
+    assert line(moe_backend="offload", moe_cache_size=slots, expert_mapped_victims=False).endswith(
+        "victims by lfu (--expert-policy auto)")
     assert line(moe_backend="offload", moe_cache_size=slots, expert_read_through=False) == (
         "  decode: a layer's missing experts load into the cache before it runs; victims by lru (--expert-policy auto)")
     assert line(moe_backend="resident") is None

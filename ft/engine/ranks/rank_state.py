@@ -146,7 +146,7 @@ class RankState:
             pools.experts.policy = config.expert_policy_for(through)
             if through:
                 pools.experts.enable_read_through(cfg.num_experts_per_tok * config.max_running_requests,
-                                                  mapped_victims=config.expert_mapped_victims)
+                                                  mapped_victims=config.mapped_victims_for(through))
             if self.prefill_stream_experts:
                 pools.experts.enable_prefill_stream(self.prefill_stream_experts // PAGES,
                                                     min_tokens=DECODE_MAX_TOKENS + 1)
