@@ -2,6 +2,7 @@
 calibrated routing traces. CPU only.
 
     PYTHONPATH=. python3 bench/offload_policy.py [--tokens 600] [--seed 3] [--slots 14116,2008] [--rows 1]
+                                                [--no-shared-popularity]
 
 Flagship routing (48 MoE layers x 512 experts, top-10, `routing_trace.CALIBRATED`), batch-1
 decode replayed through the expert cache in read-through mode (`ft.tools.offload_sim`: the real
@@ -18,7 +19,7 @@ import argparse
 import time
 
 from ft.tools.offload_sim import read_through_hit_rate
-from ft.tools.routing_trace import RoutingTrace, lru_hit_rate
+from ft.tools.routing_trace import RoutingTrace, lru_hit_rate, model_popularity
 
 LAYERS, EXPERTS, TOP_K = 48, 512, 10
 SLOTS = [("32GiB, 64K rung", 13260), ("32GiB, 256K rung", 10528), ("16GiB, 64K rung", 4432),
@@ -33,11 +34,16 @@ def main() -> None:
                     help="slot counts to replay instead of the measured cards' (e.g. 14116,7600,2008,1299: session "
                          "31's 80B 32 GiB / Flash-Next 32 GiB and 16 GiB rungs with the embedding in host memory)")
     ap.add_argument("--rows", type=int, default=1,
-                    help="decode rows a step: one independent trace each (seeds --seed, --seed + 1, ...); the exact "
+                    help="decode rows a step: one trace each (seeds --seed, --seed + 1, ...); the exact "
                          "LRU column is for one row only")
+    ap.add_argument("--shared-popularity", action=argparse.BooleanOptionalAction, default=True,
+                    help="the rows' traces rank the experts in the model's one popularity order, as a traced "
+                         "synthetic model's requests do since session 33 (`ft.engine.worker.routing_override`); "
+                         "--no-shared-popularity: an order of its own per row (session 32's --rows figures)")
     args = ap.parse_args()
     slot_list = [(f"{int(n):,} slots", int(n)) for n in args.slots.split(",") if n] or SLOTS
-    trace, *others = (RoutingTrace(LAYERS, EXPERTS, TOP_K, seed=args.seed + r).tokens(args.tokens)
+    shared = model_popularity(LAYERS, EXPERTS, args.seed) if args.shared_popularity else None
+    trace, *others = (RoutingTrace(LAYERS, EXPERTS, TOP_K, seed=args.seed + r, popularity=shared).tokens(args.tokens)
                       for r in range(args.rows))
     warm = args.tokens // 3
     rows = []

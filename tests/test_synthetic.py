@@ -55,6 +55,35 @@ def test_routing_trace_mode_skews_routing_like_a_trained_model(tmp_path):
     assert run(traced)[1] == tokens
     with pytest.raises(ConfigError, match="routing_trace"):
         LLM(model=_synthetic(tmp_path, routing_trace={"zipf": 1}), device="cpu", dtype="float32")
+    with pytest.raises(ConfigError, match="seed must be an integer"):
+        LLM(model=_synthetic(tmp_path, routing_trace={"seed": "x"}), device="cpu", dtype="float32")
+
+
+def test_requests_share_the_models_popular_experts():
+    """The popularity order is the model's: two requests' traces rank the same experts first (their
+    draws differ), so a cache warmed by one request serves the next; the trace's "seed" sets that
+    order (default: the engine seed), and the per-request draws stay the engine seed's."""
+    import torch
+
+    from ft.engine.worker.routing_override import TraceRouting, trace_popularity_seed
+    from ft.tools.routing_trace import CALIBRATED, RoutingTrace, model_popularity
+
+    def counts(routing, rid, n=400):
+        rows = torch.tensor([v for _ in range(n) for v in routing.draw([rid], [1])]).view(n, 3, 4)
+        return torch.bincount(rows[:, 0].reshape(-1), minlength=64)
+
+    r = TraceRouting(CALIBRATED, 3, 64, 4, seed=5, keep=4)
+    a, b = counts(r, "a"), counts(r, "b")
+    top_a, top_b = set(a.topk(8).indices.tolist()), set(b.topk(8).indices.tolist())
+    assert len(top_a & top_b) >= 5, (top_a, top_b)  # one law; 8 of 64 at random would share ~1
+    assert not torch.equal(a, b)  # two requests, two draws
+    assert r._trace("a").popularity()[1] == r._trace("b").popularity()[1] == r.popularity
+    assert r.popularity == model_popularity(3, 64, 5)
+    other = TraceRouting(CALIBRATED, 3, 64, 4, seed=5, keep=4, popularity_seed=9)
+    assert other.popularity == model_popularity(3, 64, 9) != r.popularity
+    assert trace_popularity_seed({"seed": 9}, 5) == 9 and trace_popularity_seed(True, 5) == 5
+    own = RoutingTrace(3, 64, 4, seed=7)  # a trace without a shared order draws its own from its seed
+    assert own.popularity()[1] == RoutingTrace(3, 64, 4, seed=7).popularity()[1] != r.popularity
 
 
 def test_forced_routing_weights_are_the_routers_softmax_at_the_given_experts():

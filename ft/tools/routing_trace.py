@@ -38,11 +38,23 @@ CALIBRATED = RoutingParams(zipf_s=1.1, reuse_p=0.2)
 see bench/RESULTS.md."""
 
 
+def model_popularity(num_layers: int, num_experts: int, seed: int) -> list[list[int]]:
+    """Each layer's popularity order, [layers][rank] -> expert: a random permutation per layer, the
+    same for a seed. A trained router's popular experts belong to the model, so every request of one
+    model shares them (`RoutingTrace(popularity=...)`)."""
+    rng = random.Random(seed)
+    return [rng.sample(range(num_experts), num_experts) for _ in range(num_layers)]
+
+
 class RoutingTrace:
-    """Expert choices per token and layer: `next_token()` -> [layers][k] expert ids (distinct per layer)."""
+    """Expert choices per token and layer: `next_token()` -> [layers][k] expert ids (distinct per layer).
+
+    `popularity` ([layers][rank] -> expert, `model_popularity`): the order the Zipf law ranks the
+    experts in, shared by the traces of one model's requests; None: drawn from `seed` (a trace of
+    its own, as one long sequence is)."""
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, params: RoutingParams = CALIBRATED,
-                 seed: int = 0) -> None:
+                 seed: int = 0, popularity: list[list[int]] | None = None) -> None:
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in 1..{num_experts}, got {top_k}")
         if not 0.0 <= params.reuse_p <= 1.0 or params.zipf_s < 0:
@@ -51,7 +63,12 @@ class RoutingTrace:
         self.rng = random.Random(seed)
         weights = [1.0 / (r + 1) ** params.zipf_s for r in range(num_experts)]
         self._cdf = list(itertools.accumulate(weights))
-        self._perm = [self.rng.sample(range(num_experts), num_experts) for _ in range(num_layers)]
+        if popularity is None:
+            self._perm = [self.rng.sample(range(num_experts), num_experts) for _ in range(num_layers)]
+        elif len(popularity) != num_layers or any(len(p) != num_experts for p in popularity):
+            raise ValueError(f"popularity must be {num_layers} orders of {num_experts} experts")
+        else:
+            self._perm = popularity  # shared, never written
         self._prev: list[list[int]] = [[] for _ in range(num_layers)]
 
     def _zipf(self, layer: int) -> int:

@@ -22,7 +22,7 @@ from ft.engine.ranks.loader import DTYPES, activation_reserve, load_model
 from ft.engine.ranks.model_source import model_source
 from ft.engine.worker.model_runner import ModelRunner
 from ft.engine.worker.prefill_graphs import CoreBuffers
-from ft.engine.worker.routing_override import TraceRouting, trace_params
+from ft.engine.worker.routing_override import TraceRouting, trace_params, trace_popularity_seed
 from ft.errors import ConfigError
 from ft.memory.kv_pool import NVFP4_KV
 from ft.memory.prefill_stream import PAGES, STREAM_PAGE_EXPERTS, PrefillStream
@@ -227,11 +227,13 @@ class RankState:
         """Synthetic models whose config has "routing_trace": experts from per-request traces."""
         if not self.source.synthetic or not cfg.moe_layers:
             return None
-        params = trace_params(self.source.raw_config().get("routing_trace"))
+        spec = self.source.raw_config().get("routing_trace")
+        params = trace_params(spec)
         if params is None:
             return None
         return TraceRouting(params, len(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok, config.seed,
-                            keep=4 * config.max_running_requests, device=self.device)
+                            keep=4 * config.max_running_requests, device=self.device,
+                            popularity_seed=trace_popularity_seed(spec, config.seed))
 
 
 def rank_device(spec: str, rank: int | None = None) -> torch.device:

@@ -3,8 +3,12 @@ models, whose random router weights route every expert equally often (no trained
 
 A synthetic config may carry ``"routing_trace": {"zipf_s": 1.1, "reuse_p": 0.2, "seed": 0}`` (or
 ``true`` for `ft.tools.routing_trace.CALIBRATED`). Each request then draws its experts from its
-own `RoutingTrace` (per layer a Zipf popularity over a fixed permutation, reuse of the previous
-token's experts), seeded by the engine seed and the request's arrival order; the routing weights
+own `RoutingTrace` (per layer a Zipf popularity, reuse of the previous token's experts), its draws
+seeded by the engine seed and the request's arrival order. The popularity order (which experts are
+popular in each layer) belongs to the model and every request shares it, as a trained router's
+popular experts are the model's, seeded by the trace's "seed" (default: the engine seed): with an
+order of its own per request (before session 33) each new request met a cache filled by another
+order, and `ft serve` at concurrency 1 decoded at half `bench/ladder.py`'s speed. The routing weights
 stay the router's softmax at those experts. The draws are made on the host for the tokens of a
 step and travel in a persistent buffer (`ForwardBatch.forced_experts`), so a decode step stays a
 CUDA graph. A preempted request that is recomputed draws again (benchmarks only).
@@ -18,7 +22,18 @@ from collections import OrderedDict
 import torch
 
 from ft.errors import ConfigError
-from ft.tools.routing_trace import CALIBRATED, RoutingParams, RoutingTrace
+from ft.tools.routing_trace import CALIBRATED, RoutingParams, RoutingTrace, model_popularity
+
+
+def trace_popularity_seed(spec, default: int) -> int:
+    """The config's "routing_trace" seed of the model's popularity order (`model_popularity`);
+    `default` (the engine seed) when it names none. Raises ConfigError."""
+    if not isinstance(spec, dict) or "seed" not in spec:
+        return default
+    seed = spec["seed"]
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"routing_trace's seed must be an integer, got {seed!r}")
+    return seed
 
 
 def trace_params(spec) -> RoutingParams | None:
@@ -49,10 +64,13 @@ class TraceRouting:
     [sum(counts)][num_layers][top_k] flattened."""
 
     def __init__(self, params: RoutingParams, num_layers: int, num_experts: int, top_k: int, seed: int,
-                 keep: int, device: torch.device | str = "cpu") -> None:
+                 keep: int, device: torch.device | str = "cpu", popularity_seed: int | None = None) -> None:
+        """`seed`: the requests' draws (with each request's arrival order); `popularity_seed`: the
+        model's popularity order, shared by every request (None: `seed`)."""
         self.params, self.num_layers, self.num_experts, self.top_k = params, num_layers, num_experts, top_k
         self.seed, self.keep, self.device = seed, max(1, keep), torch.device(device)
-        self._log_p: dict[str, torch.Tensor] = {}  # per request: [layers, experts] log popularity (bulk draws)
+        self.popularity = model_popularity(num_layers, num_experts, seed if popularity_seed is None else popularity_seed)
+        self._log_p: torch.Tensor | None = None  # [layers, experts] log popularity (bulk draws), made once
         self._last: dict[str, torch.Tensor] = {}  # per request: the last bulk row [layers, k], on the device
         self._order = itertools.count()
         self._traces: OrderedDict[str, RoutingTrace] = OrderedDict()
@@ -62,11 +80,10 @@ class TraceRouting:
         t = self._traces.get(request_id)
         if t is None:
             t = RoutingTrace(self.num_layers, self.num_experts, self.top_k, self.params,
-                             seed=self.seed * 1_000_003 + next(self._order))
+                             seed=self.seed * 1_000_003 + next(self._order), popularity=self.popularity)
             self._traces[request_id] = t
             while len(self._traces) > self.keep:  # finished requests fall out (least recently drawn)
                 gone, _ = self._traces.popitem(last=False)
-                self._log_p.pop(gone, None)
                 self._last.pop(gone, None)
         self._traces.move_to_end(request_id)
         return t
@@ -103,14 +120,14 @@ class TraceRouting:
         """n tokens of a request at once on the device, flat [n * layers * k]: per layer, the top k of
         the trace's log popularity plus Gumbel noise (k distinct experts, drawn without replacement
         from the Zipf law); seeded from the trace, so deterministic for the engine seed."""
-        log_p = self._log_p.get(rid)
-        if log_p is None:
+        log_p = self._log_p
+        if log_p is None:  # the law is the model's: every request's trace draws from it
             weights, perms = trace.popularity()
             log_w = torch.log(torch.tensor(weights, dtype=torch.float32, device=self.device))
             perm = torch.tensor(perms, dtype=torch.int64, device=self.device)  # [layers, ranks] -> expert
             log_p = torch.empty((self.num_layers, self.num_experts), dtype=torch.float32, device=self.device)
             log_p.scatter_(1, perm, log_w.expand(self.num_layers, -1).contiguous())  # expert perm[l, r] has rank r
-            self._log_p[rid] = log_p
+            self._log_p = log_p
         gen = torch.Generator(device=self.device)
         gen.manual_seed(trace.rng.getrandbits(63))
         out = torch.empty((n, self.num_layers, self.top_k), dtype=torch.int64, device=self.device)
