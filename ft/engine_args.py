@@ -66,7 +66,14 @@ HELP = {
     "max_prefill_length": ("tokens per prefill chunk (default: by the card the budget sees, --gpu-memory-limit "
                            "included: 16384 from 80 GiB, 8192 from 40 GiB, else 4096; offloaded with streamed "
                            "prefill, the largest of 16384, 8192, 4096 whose activations fit a tenth of the card)"),
-    "mamba_cache_size": "linear-attention state slots (default: 2 x max running requests, at least 4)",
+    "mamba_cache_size": ("linear-attention state slots on the device (default: one per running request, plus as "
+                         "many for the prefix cache's entries, at least 4 in all; with --prefix-states-on-host the "
+                         "running requests' alone)"),
+    "prefix_states_on_host": ("keep the prefix cache's linear-attention states (one per cached prefix, e.g. 113 MB "
+                              "for Qwen3.8-Flash-Next, 75 MB for Qwen3-Next-80B) in pinned host memory, copied to "
+                              "the device on a hit (~2 ms), so the card's bytes go to expert slots; as many "
+                              "entries as running requests (at least 4). Default: on when experts are offloaded "
+                              "on one CUDA GPU, off otherwise"),
     "enable_prefix_cache": ("reuse KV and linear-attention state of earlier requests (--no-enable-prefix-cache or "
                             "vLLM's --no-enable-prefix-caching to turn off)"),
     "enable_kv_ladder": "grow KV rung by rung when a request needs the context, trading expert slots; shrink back later",

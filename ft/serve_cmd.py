@@ -117,6 +117,7 @@ def describe(engine, url: str, started_s: float | None = None) -> str:
         f"  geometry: moe {g.moe_slots}/{engine.cache.total_experts} slots ({engine.config.moe_backend}), "
         f"kv {g.kv_tokens} tokens ({engine.pools.kv.dtype_name}), mamba {g.mamba_slots} "
         f"slots = {format_bytes(engine.cache.allocated_bytes)}",
+        *_prefix_lines(engine, c.mamba_slot),
         f"  storage: {st['backend']} (allocations rounded to {format_bytes(st['granularity_bytes'])}"
         + ("; a resize copies, so it holds old and new: the reachable ranges count that)" if st["reallocates"] else ")"),
         *(f"  kernels: {line}" for line in engine.kernel_fallbacks),  # shapes that take a reference path
@@ -125,6 +126,15 @@ def describe(engine, url: str, started_s: float | None = None) -> str:
         *_ladder_lines(engine),
         f"  ready on {url}" + (f" (started in {started_s:.1f} s)" if started_s is not None else ""),
     ])
+
+
+def _prefix_lines(engine, state_bytes: int) -> list[str]:
+    """With the prefix cache's linear-attention states in host memory, the banner's line that says so."""
+    n = engine.prefix_cache.host_entries if engine.prefix_cache.enabled else 0
+    if not n:
+        return []
+    return [f"  prefix cache: up to {n} entries keep their linear-attention state ({format_bytes(state_bytes)} "
+            "each) in host memory, copied to a running slot on a hit (--prefix-states-on-host)"]
 
 
 def _decode_lines(engine) -> list[str]:

@@ -70,9 +70,15 @@ def test_chunked_prefill_matches_transformers(tiny, chunk):
     assert got.token_ids == hf_greedy(model, prompt), name
 
 
-def test_prefix_cache_second_turn(tiny):
+@pytest.mark.parametrize("on_host", [False, True], ids=["device-states", "host-states"])
+def test_prefix_cache_second_turn(tiny, on_host):
+    """The second turn starts from the first's cached KV and linear-attention state, kept in a
+    device mamba slot or (`prefix_states_on_host`) in host memory, the device pool then holding the
+    running requests' slots alone; tokens as Hugging Face's either way."""
     name, model, path = tiny
-    llm = make_llm(path)
+    llm = make_llm(path, prefix_states_on_host=on_host)
+    if on_host:
+        assert llm.engine.pools.mamba.num_slots == llm.engine.config.max_running_requests
     turn1 = prompt_of(45, seed=3)
     out1 = llm.generate(prompt_token_ids=[turn1], **GREEDY_32)[0]
     assert out1.num_cached_tokens == 0
@@ -81,6 +87,9 @@ def test_prefix_cache_second_turn(tiny):
     # everything the first turn fed through the model (its last token was only sampled)
     assert out2.num_cached_tokens == len(turn1) + len(out1.token_ids) - 1
     assert out2.token_ids == hf_greedy(model, turn2), name
+    if on_host:  # the entries hold no device slot: every slot is free between requests
+        assert len(llm.engine.prefix_cache) == 2 and llm.engine.prefix_cache.num_slots == 0
+        assert llm.engine.pools.mamba.num_used == 0
 
 
 def test_offload_with_evictions_matches_resident(tiny):

@@ -371,3 +371,6 @@ def test_the_startup_banner_says_how_decode_gets_its_experts(tiny_one):
     assert line(moe_backend="offload", moe_cache_size=slots, expert_read_through=False) == (
         "  decode: a layer's missing experts load into the cache before it runs; victims by lru (--expert-policy auto)")
     assert line(moe_backend="resident") is None
+    text = describe(make_llm(path, prefix_states_on_host=True).engine, "http://x")
+    assert "  prefix cache: up to 4 entries keep their linear-attention state (" in text
+    assert "prefix cache:" not in describe(make_llm(path).engine, "http://x")  # the CPU's default: off

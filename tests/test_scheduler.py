@@ -52,6 +52,36 @@ def test_prefix_cache_entries_are_evicted_for_new_work(tiny_one):
     assert len(eng.prefix_cache) == 2 and eng.pools.mamba.num_used == 2
 
 
+def test_host_prefix_states_are_capped_and_give_back_no_device_slot(tiny_one):
+    """With the entries' states in host memory, at most `prefix_host_entries` entries are kept (the
+    least recently used dropped first), none holds a device slot, and a hit on a kept one still
+    restores the state exactly; shrinking the mamba pool evicts no host entry; the flag's misuse
+    is one clear error."""
+    import pytest
+
+    from ft.errors import ConfigError
+
+    _, model, path = tiny_one
+    llm = make(path, max_running_requests=1, prefix_states_on_host=True)
+    eng = llm.engine
+    cap = eng.config.prefix_host_entries("cpu")
+    assert cap == 4 and eng.pools.mamba.num_slots == 1 and eng.prefix_cache.host_entries == cap
+    prompts = [prompt_of(30, seed=s) for s in range(40, 46)]
+    outs = [llm.generate(prompt_token_ids=[p], max_new_tokens=3, temperature=0.0, ignore_eos=True)[0]
+            for p in prompts]
+    assert len(eng.prefix_cache) == cap and eng.prefix_cache.num_slots == 0 and eng.pools.mamba.num_used == 0
+    late = prompts[-1] + outs[-1].token_ids + [5, 6, 7]
+    got = llm.generate(prompt_token_ids=[late], **GREEDY_32)[0]
+    assert got.num_cached_tokens > 30 and got.token_ids == hf_greedy(model, late)
+    early = prompts[0] + outs[0].token_ids + [5, 6, 7]  # its entry was dropped for the later ones
+    assert llm.generate(prompt_token_ids=[early], max_new_tokens=1, temperature=0.0)[0].num_cached_tokens == 0
+    held = len(eng.prefix_cache)
+    eng.cache.rebuild(mamba=1)
+    assert len(eng.prefix_cache) == held
+    with pytest.raises(ConfigError, match="prefix cache"):
+        make(path, prefix_states_on_host=True, enable_prefix_cache=False)
+
+
 def test_page_aligned_and_unaligned_prefix_hits(tiny_one):
     _, model, path = tiny_one
     for n in (31, 32, 33):  # turn 1 ends before, exactly on and after a page boundary (16)

@@ -65,7 +65,14 @@ def test_running_requests_default_by_backend_and_device(tiny_one):
     assert default_running_requests(cuda, "resident") == 64 and default_running_requests(cuda, "offload") == 8
     assert default_running_requests(cpu, "resident") == 8
     undecided = EngineConfig(model="demo")
-    assert undecided.max_running_requests is None and undecided.mamba_slots == 16
-    assert EngineConfig(model="demo", max_running_requests=3).mamba_slots == 6
+    assert undecided.max_running_requests is None and undecided.mamba_slots_for("cpu") == 16
+    assert EngineConfig(model="demo", max_running_requests=3).mamba_slots_for("cpu") == 6
+    # offloaded on one GPU the prefix cache's states live in host memory: the device holds the running ones
+    assert undecided.mamba_slots_for("cuda") == 8 and undecided.prefix_host_entries("cuda") == 8
+    assert undecided.prefix_host_entries("cpu") == 0
+    resident = EngineConfig(model="demo", moe_backend="resident", max_running_requests=3)
+    assert resident.mamba_slots_for("cuda") == 6 and resident.prefix_host_entries("cuda") == 0
+    assert EngineConfig(model="demo", max_running_requests=2, prefix_states_on_host=True).mamba_slots_for("cpu") == 2
+    assert EngineConfig(model="demo", enable_prefix_cache=False).prefix_host_entries("cuda") == 0
     eng = make_llm(tiny_one[2], moe_backend="resident", max_running_requests=None).engine
     assert eng.config.max_running_requests == 8 and eng.scheduler.max_running == 8

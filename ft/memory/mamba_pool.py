@@ -4,7 +4,8 @@ conv [S, L, C, W-1] (model dtype) and ssm [S, L, Hv, Dk, Dv] (float32), slot-maj
 can grow or shrink at its tail, and any other state a model carries per sequence (`SlotState`:
 Qwen3.8-Flash-Next's n-gram context and PLE conv history), in `extra[name]` [S, ...]. A running
 request owns one slot; prefix-cache entries own one each, holding the state at their cached
-boundary. Every state of a slot is zeroed, copied and resized together.
+boundary, or keep it in host memory instead (`save` / `restore`: `ft.engine.sched.prefix_cache`).
+Every state of a slot is zeroed, copied, saved and resized together.
 """
 
 from __future__ import annotations
@@ -100,6 +101,26 @@ class MambaPool:
             t[dst].copy_(t[src])
         if self.journal is not None:
             self.journal.ops.append(("mamba_copy", src, dst))
+
+    def save(self, slot: int) -> list[torch.Tensor]:
+        """A copy of every state of `slot` in host memory (pinned on CUDA), one tensor per pool tensor,
+        queued on the current stream: whatever that stream runs next (a new owner's zeroing, a later
+        `restore`) comes after it, so the slot may be freed at once. Not under tensor parallelism (its
+        journal replays device ops only)."""
+        assert self.journal is None, "mamba states in host memory: one GPU only"
+        pin = self.conv.device.type == "cuda"
+        out = []
+        for t in self.tensors:
+            host = torch.empty(t.shape[1:], dtype=t.dtype, pin_memory=pin)
+            host.copy_(t[slot], non_blocking=pin)
+            out.append(host)
+        return out
+
+    def restore(self, saved: list[torch.Tensor], slot: int) -> None:
+        """Copy a `save`d state into `slot` (queued on the current stream, after the save)."""
+        assert self.journal is None, "mamba states in host memory: one GPU only"
+        for t, host in zip(self.tensors, saved, strict=True):
+            t[slot].copy_(host, non_blocking=host.is_pinned())
 
     # --------------------------------------------------------------------------- resizing
     def slots_in_use_from(self, n: int) -> list[int]:

@@ -94,3 +94,36 @@ def test_resident_defaults_run_64_requests_and_fill_the_budget_with_kv(model):
     fixed = LLM(model=model, device="cuda", dtype="bfloat16", moe_backend="resident", num_tokens=2048,
                 max_running_requests=4)
     assert fixed.engine.cache.geometry.kv_tokens == 2048 and fixed.engine.scheduler.max_running == 4
+
+
+def test_prefix_states_in_host_memory_restore_exactly(model):
+    """Offloaded on one GPU the prefix cache keeps its linear-attention states in pinned host memory
+    (the default): the saves and restores are queued on the stream without a sync, and a freed
+    slot's next owner zeroes it after the save read it. The pool's round trip is bit-exact, and a
+    second turn gives the tokens of the same engine with the states in device slots."""
+    from ft.memory.mamba_pool import MambaPool
+
+    pool = MambaPool(3, 2, 64, 4, 4, 32, 32, torch.bfloat16, torch.device("cuda"))
+    slot = pool.allocate()
+    for t in pool.tensors:
+        t[slot].copy_(torch.randn(t[slot].shape, device="cuda").to(t.dtype))
+    want = [t[slot].clone() for t in pool.tensors]
+    saved = pool.save(slot)
+    pool.free(slot)
+    assert pool.allocate() == slot  # zeroes it: queued after the save's copy
+    other = pool.allocate()
+    pool.restore(saved, other)
+    assert all(torch.equal(t[other], w) for t, w in zip(pool.tensors, want))
+    assert all(torch.equal(t[slot], torch.zeros_like(w)) for t, w in zip(pool.tensors, want))
+
+    def turns(**opts):
+        llm = LLM(model=model, device="cuda", dtype="bfloat16", moe_cache_size=24, num_tokens=1024, **opts)
+        first = llm.generate(prompt_token_ids=[PROMPT], max_new_tokens=8, temperature=0.0, ignore_eos=True)[0]
+        second = PROMPT + first.token_ids + list(range(300, 340))
+        out = llm.generate(prompt_token_ids=[second], max_new_tokens=NEW_TOKENS, temperature=0.0,
+                           ignore_eos=True)[0]
+        return out.num_cached_tokens, out.token_ids, llm
+
+    cached, tokens, llm = turns()
+    assert llm.engine.prefix_cache.host_entries > 0 and llm.engine.prefix_cache.num_slots == 0
+    assert (cached, tokens) == turns(prefix_states_on_host=False)[:2] and cached > len(PROMPT)

@@ -58,6 +58,8 @@ class EngineConfig:
     max_prefill_length: int | None = None  # tokens per prefill chunk (None: by the card, default_prefill_length)
     mamba_cache_size: int | None = None  # mamba slots; None: 2 x max_running_requests (>= 4)
     enable_prefix_cache: bool = True
+    prefix_states_on_host: bool | None = None  # prefix-cache entries' linear-attention states in pinned host
+    # memory; None: when experts are offloaded on one CUDA GPU (`prefix_host_entries`)
     enable_kv_ladder: bool = False  # grow KV rung by rung when a request needs it, shrink back later
     ladder_step_size: int = 32768  # tokens between rungs; the first rung is twice this
     ladder_min_reuse: float = 0.5  # a request reusing less of its prompt from the cache may shrink KV
@@ -120,6 +122,11 @@ class EngineConfig:
         if self.embedding_on_host and self.tensor_parallel_size > 1:
             raise ConfigError("--embedding-on-host runs on one GPU (tensor parallelism splits the embedding "
                               "between the GPUs instead)")
+        if self.prefix_states_on_host and self.tensor_parallel_size > 1:
+            raise ConfigError("--prefix-states-on-host runs on one GPU (tensor-parallel ranks keep the states "
+                              "in device slots)")
+        if self.prefix_states_on_host and not self.enable_prefix_cache:
+            raise ConfigError("--prefix-states-on-host needs the prefix cache (drop --no-enable-prefix-cache)")
         if self.enable_kv_ladder and self.num_tokens is not None:
             raise ConfigError("--num-tokens conflicts with --enable-kv-ladder: the ladder sets the KV size "
                               "(use --ladder-step-size; KV starts at twice the step)")
@@ -160,9 +167,26 @@ class EngineConfig:
             return self.embedding_on_host
         return self.moe_backend == "offload" and device_type == "cuda" and self.tensor_parallel_size == 1
 
-    @property
-    def mamba_slots(self) -> int:
-        return self.mamba_cache_size or max(4, 2 * self.running_requests)
+    def prefix_host_entries(self, device_type: str) -> int:
+        """Prefix-cache entries that keep their linear-attention state in pinned host memory (0: each
+        holds a device mamba slot): --prefix-states-on-host as given, by default when experts are
+        offloaded on one CUDA GPU, where the card's bytes are worth most as expert slots (a slot of
+        Qwen3.8-Flash-Next's state, 113 MB, is ~40 expert slots). As many entries as the device pool
+        held beside the running requests by default (`mamba_slots_for`)."""
+        on = self.prefix_states_on_host
+        if on is None:
+            on = self.moe_backend == "offload" and device_type == "cuda" and self.tensor_parallel_size == 1
+        return max(4, self.running_requests) if on and self.enable_prefix_cache else 0
+
+    def mamba_slots_for(self, device_type: str) -> int:
+        """Device mamba slots: --mamba-cache-size, else one per running request plus as many for the
+        prefix cache's entries (at least 4 in all), or with the entries' states in host memory
+        (`prefix_host_entries`) the running requests' alone."""
+        if self.mamba_cache_size:
+            return self.mamba_cache_size
+        if self.prefix_host_entries(device_type):
+            return self.running_requests
+        return max(4, 2 * self.running_requests)
 
     @classmethod
     def from_options(cls, **opts) -> "EngineConfig":

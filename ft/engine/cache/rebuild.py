@@ -84,7 +84,7 @@ class Rebuilder:
         mamba = self.pools.mamba
         if shrink:
             running, prefix = self.holders()
-            while mamba.num_used > slots and prefix.evict_one():
+            while mamba.num_used > slots and prefix.evict_one(holding_slot=True):
                 pass
             moves = mamba.relocate_above(slots)
             if moves:

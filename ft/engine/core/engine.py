@@ -58,7 +58,8 @@ class Engine(RankState):
             config.tokenizer or self.source.tokenizer_dir(), chat_template=config.chat_template,
             model_dir=self.model_path if config.tokenizer and self.model_path.is_dir() else None)
         pools = self.cache.pools
-        self.prefix_cache = PrefixCache(pools.kv, pools.mamba, config.enable_prefix_cache)
+        self.prefix_cache = PrefixCache(pools.kv, pools.mamba, config.enable_prefix_cache,
+                                        host_entries=config.prefix_host_entries(self.device.type))
         # prompt logprobs return a float32 row of logits (plus its log-softmax) per prompt position: as many
         # positions per step as the activation reserve holds, which it holds at the end of the forward
         # (a vocabulary split over tensor-parallel ranks gathers the rows: 8 bytes more per entry on rank 0)

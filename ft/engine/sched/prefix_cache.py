@@ -10,6 +10,13 @@ starts from there: full pages are shared (reference counted), the partial last p
 Why whole-sequence boundaries rather than snapshots at every page boundary: the state is large
 (77 MB per request for the flagship), and the case that matters, the next turn of a
 conversation, always extends the previous turn's whole sequence.
+
+With `host_entries` > 0 an entry keeps its state in pinned host memory instead of a device slot
+(`MambaPool.save` when the request finishes, `restore` into the new request's slot on a hit: one
+PCIe copy each way, ~2 ms for Qwen3.8-Flash-Next's 113 MB at the bus's speed), at most that many
+entries: the device pool then needs only the running requests' slots, and what the entries held
+goes to expert slots (`EngineConfig.prefix_host_entries`: by default when experts are offloaded on
+one GPU, where a slot of state is worth ~40 expert slots).
 """
 
 from __future__ import annotations
@@ -24,11 +31,15 @@ from ft.memory.mamba_pool import MambaPool
 
 @dataclass
 class PrefixEntry:
+    """A cached prefix: its KV pages and the linear-attention state after it, either in a device
+    mamba slot (`mamba_slot`) or in host memory (`host_state`, `MambaPool.save`'s tensors)."""
+
     tokens: tuple[int, ...]
     pages: list[int]
-    mamba_slot: int
+    mamba_slot: int | None
     last_used: int = 0
     hits: int = field(default=0)
+    host_state: list | None = None
 
 
 @dataclass
@@ -41,8 +52,10 @@ class PrefixMatch:
 
 
 class PrefixCache:
-    def __init__(self, kv: KVPool, mamba: MambaPool, enabled: bool = True) -> None:
-        self.kv, self.mamba, self.enabled = kv, mamba, enabled
+    def __init__(self, kv: KVPool, mamba: MambaPool, enabled: bool = True, host_entries: int = 0) -> None:
+        """`host_entries`: entries whose state lives in host memory, at most (0: each entry holds a
+        device mamba slot, and the pool's free slots bound the entries)."""
+        self.kv, self.mamba, self.enabled, self.host_entries = kv, mamba, enabled, host_entries
         self._entries: dict[tuple[int, ...], PrefixEntry] = {}
         self._clock = itertools.count(1)
         self.hit_tokens = 0
@@ -53,7 +66,8 @@ class PrefixCache:
 
     @property
     def num_slots(self) -> int:
-        return len(self._entries)
+        """Device mamba slots the entries hold."""
+        return sum(1 for e in self._entries.values() if e.mamba_slot is not None)
 
     def cached_only_pages(self) -> int:
         """KV pages that only the cache holds (no running request shares them): what it gives back
@@ -81,7 +95,10 @@ class PrefixCache:
         """
         e = match.entry
         e.last_used, e.hits = next(self._clock), e.hits + 1
-        self.mamba.copy_slot(e.mamba_slot, mamba_slot)
+        if e.host_state is not None:
+            self.mamba.restore(e.host_state, mamba_slot)
+        else:
+            self.mamba.copy_slot(e.mamba_slot, mamba_slot)
         full = len(e.tokens) // self.kv.page_size
         pages = list(e.pages[:full])
         self.kv.ref(pages)
@@ -103,11 +120,20 @@ class PrefixCache:
             return
         keep = self.kv.pages_for(len(key))
         self.kv.release(pages[keep:])
-        self._entries[key] = PrefixEntry(key, pages[:keep], mamba_slot, next(self._clock))
+        if not self.host_entries:
+            self._entries[key] = PrefixEntry(key, pages[:keep], mamba_slot, next(self._clock))
+            return
+        while sum(1 for e in self._entries.values() if e.host_state is not None) >= self.host_entries:
+            self._drop(min((e for e in self._entries.values() if e.host_state is not None), key=lambda x: x.last_used))
+        state = self.mamba.save(mamba_slot)  # queued before anything the freed slot runs next
+        self.mamba.free(mamba_slot)
+        self._entries[key] = PrefixEntry(key, pages[:keep], None, next(self._clock), host_state=state)
 
-    def evict_one(self, protect: PrefixEntry | None = None) -> bool:
-        """Drop the least recently used entry other than `protect`. False when there is none."""
-        candidates = [e for e in self._entries.values() if e is not protect]
+    def evict_one(self, protect: PrefixEntry | None = None, holding_slot: bool = False) -> bool:
+        """Drop the least recently used entry other than `protect` (with `holding_slot`: among those
+        that hold a device mamba slot). False when there is none."""
+        candidates = [e for e in self._entries.values()
+                      if e is not protect and (e.mamba_slot is not None or not holding_slot)]
         if not candidates:
             return False
         self._drop(min(candidates, key=lambda x: x.last_used))
@@ -116,7 +142,7 @@ class PrefixCache:
     def evict_for(self, pages: int = 0, slots: int = 0, protect: PrefixEntry | None = None) -> bool:
         """Evict LRU entries (never `protect`) until `pages` KV pages and `slots` mamba slots are free."""
         while self.kv.num_free_pages < pages or self.mamba.num_free < slots:
-            if not self.evict_one(protect):
+            if not self.evict_one(protect, holding_slot=self.kv.num_free_pages >= pages):
                 return False
         return True
 
@@ -128,7 +154,8 @@ class PrefixCache:
     def remap_slots(self, moves: dict[int, int]) -> None:
         """Mamba slots were relocated (a mamba shrink)."""
         for e in self._entries.values():
-            e.mamba_slot = moves.get(e.mamba_slot, e.mamba_slot)
+            if e.mamba_slot is not None:
+                e.mamba_slot = moves.get(e.mamba_slot, e.mamba_slot)
 
     def clear(self) -> None:
         for e in list(self._entries.values()):
@@ -137,4 +164,6 @@ class PrefixCache:
     def _drop(self, e: PrefixEntry) -> None:
         del self._entries[e.tokens]
         self.kv.release(e.pages)
-        self.mamba.free(e.mamba_slot)
+        if e.mamba_slot is not None:
+            self.mamba.free(e.mamba_slot)
+        e.host_state = None  # pinned memory goes back to torch's host cache once its copies ran
