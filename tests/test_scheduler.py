@@ -78,6 +78,15 @@ def test_host_prefix_states_are_capped_and_give_back_no_device_slot(tiny_one):
     held = len(eng.prefix_cache)
     eng.cache.rebuild(mamba=1)
     assert len(eng.prefix_cache) == held
+
+    def no_host_memory(slot):
+        raise RuntimeError("pinned host memory exhausted")
+
+    eng.pools.mamba.save = no_host_memory  # the prefix goes uncached; the request and the pools are fine
+    again = prompt_of(30, seed=99)
+    assert llm.generate(prompt_token_ids=[again], **GREEDY_32)[0].token_ids == hf_greedy(model, again)
+    assert eng.prefix_cache.host_failures == 1 and len(eng.prefix_cache) == held
+    assert eng.pools.mamba.num_used == 0 and eng.pools.kv.num_used_pages == eng.prefix_cache.cached_only_pages()
     with pytest.raises(ConfigError, match="prefix cache"):
         make(path, prefix_states_on_host=True, enable_prefix_cache=False)
 

@@ -60,6 +60,7 @@ class PrefixCache:
         self._clock = itertools.count(1)
         self.hit_tokens = 0
         self.query_tokens = 0
+        self.host_failures = 0  # states host memory could not take (those prefixes were not cached)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -123,10 +124,17 @@ class PrefixCache:
         if not self.host_entries:
             self._entries[key] = PrefixEntry(key, pages[:keep], mamba_slot, next(self._clock))
             return
+        try:
+            state = self.mamba.save(mamba_slot)  # queued before anything the freed slot runs next
+        except RuntimeError:  # no pinned host memory left: the prefix is not cached, nothing else fails
+            state = None
+        self.mamba.free(mamba_slot)
+        if state is None:
+            self.kv.release(pages[:keep])
+            self.host_failures += 1
+            return
         while sum(1 for e in self._entries.values() if e.host_state is not None) >= self.host_entries:
             self._drop(min((e for e in self._entries.values() if e.host_state is not None), key=lambda x: x.last_used))
-        state = self.mamba.save(mamba_slot)  # queued before anything the freed slot runs next
-        self.mamba.free(mamba_slot)
         self._entries[key] = PrefixEntry(key, pages[:keep], None, next(self._clock), host_state=state)
 
     def evict_one(self, protect: PrefixEntry | None = None, holding_slot: bool = False) -> bool:
