@@ -387,10 +387,10 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def traced_serve_args(serve_args: str) -> str:
-    """`serve_args` with its `--model synthetic:CONFIG` replaced by a temporary copy of CONFIG that
-    carries "routing_trace": true (`ft.engine.worker.routing_override`). SystemExit when the args
-    name no synthetic model (a checkpoint routes by its own router)."""
+def traced_serve_args(serve_args: str) -> tuple[str, str]:
+    """(`serve_args` with its `--model synthetic:CONFIG` replaced by a temporary copy of CONFIG that
+    carries "routing_trace": true (`ft.engine.worker.routing_override`), that copy's path: the caller
+    removes it). SystemExit when the args name no synthetic model (a checkpoint routes by its own router)."""
     args = shlex.split(serve_args)
     at = next((i for i, a in enumerate(args) if a == "--model" or a.startswith("--model=")), None)
     spec = None if at is None else (args[at].split("=", 1)[1] if "=" in args[at] else
@@ -404,7 +404,7 @@ def traced_serve_args(serve_args: str) -> str:
         json.dump(cfg, f)
     value = f"synthetic:{path}"
     args[at:at + (1 if "=" in args[at] else 2)] = [f"--model={value}"]
-    return shlex.join(args)
+    return shlex.join(args), path
 
 
 class ServerProcess:
@@ -708,10 +708,15 @@ async def run_all(args: argparse.Namespace, base: str, info: dict, vocab: int) -
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    server, server_up = None, False
+    if args.routing_trace and args.serve_args is None:
+        raise SystemExit("bench/serve.py: --routing-trace applies to a server it starts (--serve-args); a running "
+                         "server routes as it was started")
+    server, server_up, traced = None, False, None
     try:
         if args.serve_args is not None:
-            serve_args = traced_serve_args(args.serve_args) if args.routing_trace else args.serve_args
+            serve_args = args.serve_args
+            if args.routing_trace:
+                serve_args, traced = traced_serve_args(serve_args)
             server = ServerProcess(serve_args, args.serve_log)
             print(f"starting {shlex.join(server.cmd)} (log: {server.log_path})", flush=True)
             t0 = time.perf_counter()
@@ -750,6 +755,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"of its log ({server.log_path}):\n{server.tail()}", file=sys.stderr)
             rc = server.stop(args.stop_timeout)
             print(f"server stopped (exit {rc})", flush=True)
+        if traced is not None:
+            Path(traced).unlink(missing_ok=True)
     if args.json:
         record = {
             "command": shlex.join([sys.executable, *sys.argv] if argv is None else ["bench/serve.py", *argv]),

@@ -126,10 +126,16 @@ def test_routing_trace_serves_a_traced_copy_of_the_synthetic_config():
 
     config = REPO / "bench" / "configs" / "qwen3-next-80b-a3b.json"
     for form in (f"--model synthetic:{config}", f"--model=synthetic:{config}"):
-        args = shlex.split(traced_serve_args(f"{form} --gpu-memory-limit 32GiB --port 0"))
+        text, path = traced_serve_args(f"{form} --gpu-memory-limit 32GiB --port 0")
+        args = shlex.split(text)
         model = args[0]
+        assert model == f"--model=synthetic:{path}"
         assert model.startswith("--model=synthetic:") and args[1:] == ["--gpu-memory-limit", "32GiB", "--port", "0"]
         traced = json.loads(Path(model.split(":", 1)[1]).read_text())
         assert traced.pop("routing_trace") is True and traced == json.loads(config.read_text())
+        Path(path).unlink()
     with pytest.raises(SystemExit, match="synthetic"):
         traced_serve_args("--model demo")
+    run = subprocess.run([sys.executable, str(SCRIPT), "--url", "http://127.0.0.1:9", "--routing-trace"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and "--routing-trace applies to a server it starts" in run.stderr

@@ -56,7 +56,7 @@ class EngineConfig:
     page_size: int = 64
     max_running_requests: int | None = None  # None: `default_running_requests` (64 resident on a GPU, else 8)
     max_prefill_length: int | None = None  # tokens per prefill chunk (None: by the card, default_prefill_length)
-    mamba_cache_size: int | None = None  # mamba slots; None: 2 x max_running_requests (>= 4)
+    mamba_cache_size: int | None = None  # device mamba slots; None: `mamba_slots_for`
     enable_prefix_cache: bool = True
     prefix_states_on_host: bool | None = None  # prefix-cache entries' linear-attention states in pinned host
     # memory; None: when experts are offloaded on one CUDA GPU (`prefix_host_entries`)

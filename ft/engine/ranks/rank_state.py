@@ -127,7 +127,8 @@ class RankState:
         floor = min(cfg.num_experts_per_tok, shapes.total_experts) if shapes.total_experts else 0
         rungs = self.rungs
         self.cache = CacheManager(shapes, budget, SizingOptions(
-            self.context_limit, config.mamba_slots_for(self.device.type), rungs[0] if rungs else config.num_tokens, config.moe_backend,
+            self.context_limit, config.mamba_slots_for(self.device.type),
+            rungs[0] if rungs else config.num_tokens, config.moe_backend,
             config.moe_cache_size, None if config.storage_backend == "auto" else config.storage_backend,
             # the CPU "card" is host memory other processes share; past every running request at the
             # whole context the KV could never be used. NOTE: not under tensor parallelism: each rank's
