@@ -62,7 +62,9 @@ class KVPoolState(PoolState):
 
 
 class MambaPoolState(PoolState):
-    used: int = 0
+    used: int = 0  # slots held by requests or the prefix cache
+    host_states: int = 0  # cached prefixes whose state is in host memory instead (--prefix-states-on-host)
+    host_bytes: int = 0  # the host memory those states take
 
 
 class Pools(_Model):

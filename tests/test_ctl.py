@@ -104,6 +104,14 @@ def test_format_cache_columns_line_up_for_any_numbers():
     assert lines[0].endswith("7..24576") and lines[2].endswith("1..123456789")
 
 
+def test_format_cache_says_where_the_prefix_states_are():
+    s = json.loads(json.dumps(SEED))
+    assert "prefix cache" not in format_cache(CacheState.model_validate(s))  # states in device slots
+    s["pools"]["mamba"].update(host_states=3, host_bytes=3 * 115 * 2**20)
+    assert ("  prefix cache: 3 cached prefixes keep their linear-attention state in host memory (345.0 MiB), "
+            "copied to a slot on a hit") in format_cache(CacheState.model_validate(s)).splitlines()
+
+
 def test_format_cache_ladder_and_states():
     s = json.loads(json.dumps(SEED))
     s["state"] = "rebuilding"

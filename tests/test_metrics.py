@@ -133,6 +133,8 @@ def test_prefix_cache_tokens(app):
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 80
     assert value(client, "ft_prefix_cache_hit_tokens_total") - h0 == 80
     assert value(client, "ft_prefix_cache_queried_tokens_total") - q0 == 80 + 82
+    assert value(client, "ft_prefix_cache_entries") >= 1  # the entries' states in device slots on the CPU:
+    assert value(client, "ft_prefix_cache_host_bytes") == 0  # nothing in host memory
 
 
 def test_preemptions_are_the_schedulers_count(app):

@@ -70,6 +70,14 @@ def test_host_prefix_states_are_capped_and_give_back_no_device_slot(tiny_one):
     outs = [llm.generate(prompt_token_ids=[p], max_new_tokens=3, temperature=0.0, ignore_eos=True)[0]
             for p in prompts]
     assert len(eng.prefix_cache) == cap and eng.prefix_cache.num_slots == 0 and eng.pools.mamba.num_used == 0
+    assert eng.prefix_cache.host_bytes == cap * eng.pools.mamba.bytes_per_slot
+    from ft.engine.core.admin import cache_state
+    from ft.engine.core.stats import engine_stats
+
+    mamba = cache_state(eng, "serving", "m").pools.mamba  # what ft ctl / ft top and /metrics show
+    assert (mamba.host_states, mamba.host_bytes, mamba.used) == (cap, eng.prefix_cache.host_bytes, 0)
+    stats = engine_stats(eng)
+    assert (stats.prefix_entries, stats.prefix_host_bytes) == (cap, eng.prefix_cache.host_bytes)
     late = prompts[-1] + outs[-1].token_ids + [5, 6, 7]
     got = llm.generate(prompt_token_ids=[late], **GREEDY_32)[0]
     assert got.num_cached_tokens > 30 and got.token_ids == hf_greedy(model, late)

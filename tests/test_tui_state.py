@@ -196,3 +196,8 @@ def test_the_help_explains_every_abbreviation_the_pools_show():
     # KV after the requests ended: 8 pages held by requests, 90 by cached prefixes, shown apart
     assert usage["kv"] == "used 8/100 (8%) +90 cached"
     assert usage["moe"] == "hit 0.0% res -"
+    state.pools.mamba.size, state.pools.mamba.used = 8, 2  # offloaded: cached prefixes' states in host memory
+    state.pools.mamba.host_states, state.pools.mamba.host_bytes = 4, 4 * 115 * 2**20
+    usage = pool_usage(state)
+    assert usage["mamba"] == "used 2/8 +4 on host (460.0 MiB)"
+    assert '"on host"' in ABOUT

@@ -138,6 +138,9 @@ def format_cache(state: CacheState) -> str:
     if moe.read_through:
         lines.append(f"  experts: decode reads misses from host memory in the step (read-through); "
                      f"{moe.landed} landed, {format_bytes(moe.host_bytes)} read from host")
+    if mamba.host_states:
+        lines.append(f"  prefix cache: {mamba.host_states} cached prefixes keep their linear-attention state in host "
+                     f"memory ({format_bytes(mamba.host_bytes)}), copied to a slot on a hit")
     if state.host_table_bytes:
         lines.append(f"  host: {host_tables_text(state.host_tables, state.host_table_bytes)} in host memory (rows "
                      "gathered per step; outside the budget, not traded by the ladder)")

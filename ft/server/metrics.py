@@ -22,6 +22,8 @@ histograms `_bucket`/`_sum`/`_count` in the exposition):
     ft_expert_prefill_streamed                         counter, experts streamed by prefill
     ft_prompt_tokens, ft_generation_tokens             counters, tokens
     ft_prefix_cache_queried_tokens, ft_prefix_cache_hit_tokens   counters, tokens
+    ft_prefix_cache_entries                            gauge, cached prefixes
+    ft_prefix_cache_host_bytes                         gauge, bytes of their states in host memory
     ft_num_preemptions                                 counter, preemptions
     ft_rebuilds{status}                                counter, rebuilds
     ft_rebuild_duration_seconds{trigger}               histogram, seconds (rebuilds that resized)
@@ -121,6 +123,10 @@ class _EngineCollector:
                 s.prefix_queried_tokens)
         yield c("ft_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache at admission (not computed)",
                 s.prefix_hit_tokens)
+        yield g("ft_prefix_cache_entries", "Cached prefixes (KV pages and the linear-attention state after them)",
+                s.prefix_entries)
+        yield g("ft_prefix_cache_host_bytes", "Host memory the cached prefixes' linear-attention states take "
+                "(--prefix-states-on-host; 0 when they hold device slots)", s.prefix_host_bytes)
         yield c("ft_num_preemptions", "Requests preempted (their KV freed, recomputed later) for lack of KV pages",
                 s.preemptions)
         yield c("ft_decode_steps_overlapped", "Decode steps queued behind the step in flight before the host read "

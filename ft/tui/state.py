@@ -154,7 +154,8 @@ def pool_cells(state: CacheState) -> dict[str, list[str]]:
 
 def pool_usage(state: CacheState) -> dict[str, str]:
     """What each pool holds now: moe hit rate (since startup) and resident fraction, kv pages held by
-    requests and by cached prefixes apart, mamba slots used."""
+    requests and by cached prefixes apart, mamba slots used (and the cached prefixes' states kept in host
+    memory, --prefix-states-on-host)."""
     moe, kv, mamba = state.pools.moe, state.pools.kv, state.pools.mamba
     res = f"{100.0 * moe.resident / moe.size:.0f}%" if moe.size else "-"
     live = kv.used - kv.cached
@@ -162,7 +163,8 @@ def pool_usage(state: CacheState) -> dict[str, str]:
     return {
         "moe": f"hit {100.0 * moe.hit_rate:.1f}% res {res}",  # (since startup: the live plot's is "recent")
         "kv": f"used {live}/{kv.pages} ({100.0 * live / kv.pages:.0f}%){cached}" if kv.pages else "used 0",
-        "mamba": f"used {mamba.used}/{mamba.size}",
+        "mamba": f"used {mamba.used}/{mamba.size}"
+                 + (f" +{mamba.host_states} on host ({format_bytes(mamba.host_bytes)})" if mamba.host_states else ""),
     }
 
 

@@ -49,6 +49,8 @@ def cache_state(engine, state: str, model_name: str) -> CacheState:
             "mamba": {
                 "size": g.mamba_slots, "bytes": lay.pool_bytes("mamba", g.mamba_slots), "min": ranges["mamba"][0],
                 "max": ranges["mamba"][1], "used": pools.mamba.num_used,
+                "host_states": len(engine.prefix_cache) - engine.prefix_cache.num_slots,
+                "host_bytes": engine.prefix_cache.host_bytes,
             },
         },
         "ladder": ladder_state(engine).model_dump(),

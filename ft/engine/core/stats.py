@@ -42,6 +42,8 @@ class EngineStats:
     generation_tokens: int
     prefix_queried_tokens: int
     prefix_hit_tokens: int
+    prefix_entries: int  # cached prefixes
+    prefix_host_bytes: int  # their linear-attention states in host memory (--prefix-states-on-host)
     preemptions: int
     overlapped_steps: int
     graph_replays: dict[str, int]  # by kind: decode, prefill
@@ -83,6 +85,7 @@ def engine_stats(engine: Any) -> EngineStats:
         streamed_experts=stream.stats.experts if stream is not None else 0,
         prompt_tokens=engine.counters["prompt_tokens"], generation_tokens=engine.counters["generation_tokens"],
         prefix_queried_tokens=engine.prefix_cache.query_tokens, prefix_hit_tokens=engine.prefix_cache.hit_tokens,
+        prefix_entries=len(engine.prefix_cache), prefix_host_bytes=engine.prefix_cache.host_bytes,
         preemptions=engine.scheduler.num_preemptions, overlapped_steps=engine.overlapped_steps,
         graph_replays={k: g.replays if g is not None else 0 for k, g in graphs.items()},
         graph_captures={k: g.captures if g is not None else 0 for k, g in graphs.items()},

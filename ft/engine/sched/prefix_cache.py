@@ -70,6 +70,12 @@ class PrefixCache:
         """Device mamba slots the entries hold."""
         return sum(1 for e in self._entries.values() if e.mamba_slot is not None)
 
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the entries' states take (`host_entries`)."""
+        return sum(t.numel() * t.element_size() for e in self._entries.values() if e.host_state is not None
+                   for t in e.host_state)
+
     def cached_only_pages(self) -> int:
         """KV pages that only the cache holds (no running request shares them): what it gives back
         when a request needs the room. A page may sit in several entries (a turn's entry shares the
