@@ -181,9 +181,11 @@ def warm_up(engine: Any, say: Callable[[str], None] | None = None) -> WarmupRepo
 def _forget(engine: Any) -> None:
     """What the warm-up requests left behind, put back: their prefix-cache entries (and so their
     pages and mamba slots), the token counters, the prefix cache's and the expert cache's figures.
-    The experts they brought in stay (a cache as good as any), so do the graphs and compiled kernels."""
+    The experts they brought in stay (a cache as good as any), so do the graphs and compiled kernels, and
+    the pinned blocks their prefixes' states took in host memory (torch's host cache keeps freed ones, so
+    the first real requests' saves should allocate none: not measured)."""
     engine.prefix_cache.clear()
-    engine.prefix_cache.hit_tokens = engine.prefix_cache.query_tokens = 0
+    engine.prefix_cache.hit_tokens = engine.prefix_cache.query_tokens = engine.prefix_cache.host_failures = 0
     for key in engine.counters:
         engine.counters[key] = 0
     engine.scheduler.num_preemptions = 0
