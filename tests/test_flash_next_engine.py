@@ -136,6 +136,13 @@ def test_greedy_tokens_equal_the_reference(checkpoint):
         # everything the first turn fed through the model came from the cache (its mamba slot's states)
         assert out2.num_cached_tokens == len(a) + GREEDY - 1
         assert out2.token_ids == reference_greedy(weights, path, turn2), name
+    with make_llm(path, prefix_states_on_host=True) as llm:  # the entry's states (n-gram context and PLE
+        # history among them) wait in host memory and come back on the hit
+        llm.generate(prompt_token_ids=[a], **GREEDY_OPTS)
+        assert llm.engine.prefix_cache.host_bytes == llm.engine.pools.mamba.bytes_per_slot
+        out2 = llm.generate(prompt_token_ids=[turn2], **GREEDY_OPTS)[0]
+        assert out2.num_cached_tokens == len(a) + GREEDY - 1
+        assert out2.token_ids == reference_greedy(weights, path, turn2), name
     with make_llm(path, max_prefill_length=16) as llm:
         model, chunks = llm.engine.model, []
         forward = model.forward
