@@ -53,8 +53,8 @@ class PrefixMatch:
 
 class PrefixCache:
     def __init__(self, kv: KVPool, mamba: MambaPool, enabled: bool = True, host_entries: int = 0) -> None:
-        """`host_entries`: entries whose state lives in host memory, at most (0: each entry holds a
-        device mamba slot, and the pool's free slots bound the entries)."""
+        """`host_entries`: with it, every entry keeps its state in host memory, at most that many
+        entries (0: each entry holds a device mamba slot, and the pool's free slots bound the entries)."""
         self.kv, self.mamba, self.enabled, self.host_entries = kv, mamba, enabled, host_entries
         self._entries: dict[tuple[int, ...], PrefixEntry] = {}
         self._clock = itertools.count(1)
@@ -67,14 +67,13 @@ class PrefixCache:
 
     @property
     def num_slots(self) -> int:
-        """Device mamba slots the entries hold."""
-        return sum(1 for e in self._entries.values() if e.mamba_slot is not None)
+        """Device mamba slots the entries hold (none when their states are in host memory)."""
+        return 0 if self.host_entries else len(self._entries)
 
     @property
     def host_bytes(self) -> int:
         """Host memory the entries' states take (`host_entries`)."""
-        return sum(t.numel() * t.element_size() for e in self._entries.values() if e.host_state is not None
-                   for t in e.host_state)
+        return sum(t.numel() * t.element_size() for e in self._entries.values() for t in e.host_state or ())
 
     def cached_only_pages(self) -> int:
         """KV pages that only the cache holds (no running request shares them): what it gives back
@@ -139,8 +138,8 @@ class PrefixCache:
             self.kv.release(pages[:keep])
             self.host_failures += 1
             return
-        while sum(1 for e in self._entries.values() if e.host_state is not None) >= self.host_entries:
-            self._drop(min((e for e in self._entries.values() if e.host_state is not None), key=lambda x: x.last_used))
+        while len(self._entries) >= self.host_entries:  # (every entry is a host one)
+            self._drop(min(self._entries.values(), key=lambda x: x.last_used))
         self._entries[key] = PrefixEntry(key, pages[:keep], None, next(self._clock), host_state=state)
 
     def evict_one(self, protect: PrefixEntry | None = None, holding_slot: bool = False) -> bool:
