@@ -2,7 +2,7 @@
 fused (`moe_decode_triton`: two launches, the shared expert as one more pair, one sum), and the
 fused block with its whole-K word decode in Triton against inline PTX (kernel variant "nvfp4-lanes-triton" against the default). Not a test.
 
-    PYTHONPATH=. python3 bench/moe_decode.py [--sweep] [--grouped [--sweep]]
+    PYTHONPATH=. python3 bench/moe_decode.py [--sweep] [--grouped [--sweep]] [--shape S,H,I,K] [--batches 1,8]
 
 `--grouped`: instead, at batch 8, 16, 32 and 64 with uniform routing (pairs per distinct expert
 ~1.08 / 1.16 / 1.34 / 1.75, as the calibrated trace gives): the decode block, and its routed part
@@ -11,7 +11,8 @@ alone on the per-pair kernels against the prefill's grouped tl.dot path (`moe_ov
 experts is better served grouped; with `--sweep`, also the grouped path on decode-sized tiles
 (`GROUPED_DECODE_SWEEP`: 16-pair tiles, the prefill's are 32 and 128).
 
-Flagship shapes (512 slots, H 2048, I 512, top-10, shared expert of the same shapes), bf16, every
+Flagship shapes (512 slots, H 2048, I 512, top-10, shared expert of the same shapes; `--shape 512,2560,640,10`
+for Qwen3.8-Flash-Next's), bf16, every
 call inside a CUDA graph over 24 routings (`bench.gpu_timing.graph_us`; the pool is 850 MB, past
 L2). Prints a table last.
 """
@@ -53,15 +54,19 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time other block sizes of the fused kernels")
     ap.add_argument("--grouped", action="store_true", help="the routed part per pair against the grouped tl.dot path, "
                                                            "batch 8 to 64")
+    ap.add_argument("--shape", default=",".join(map(str, MOE)), help="slots,hidden,intermediate,top-k (default: "
+                    "the 80B's; Qwen3.8-Flash-Next: 512,2560,640,10)")
+    ap.add_argument("--batches", default="1,8", help="tokens a step for the fused block's rows and --sweep")
     args = ap.parse_args()
-    n_slots, hid, inter, top_k = MOE
+    n_slots, hid, inter, top_k = (int(v) for v in args.shape.split(","))
+    batches = [int(b) for b in args.batches.split(",")]
     torch.manual_seed(0)
     pool = random_pool(n_slots, hid, inter)
     shared = SlotWeights(*(t[:1].clone() for t in pool))
     if args.grouped:
         return grouped_table(pool, GROUPED_DECODE_SWEEP if args.sweep else [])
     rows = []
-    for batch in (1, 8):
+    for batch in batches:
         routes = [torch.stack([torch.randperm(n_slots, device=DEV)[:top_k] for _ in range(batch)]) for _ in range(24)]
         x = torch.randn(batch, hid, device=DEV, dtype=torch.bfloat16)
         gate_logit = torch.randn(batch, 1, device=DEV, dtype=torch.bfloat16)
@@ -82,9 +87,8 @@ def main() -> None:
         t_f = min(t_f, graph_us([partial(moe_decode_triton, x, r, wts, pool, shared, out=out) for r in routes]))
         best = (f"default: {DECODE_GATE_UP_CONFIG[min(batch, 2)]} {DECODE_DOWN_PAIRS_CONFIG} pairs", t_f)
         if args.sweep:
-            for gu in [(8, 0, 4), (4, 0, 4), (16, 0, 4)]:
-                for dn, pairs in [(d, False) for d in [(8, 0, 4), (16, 0, 4), (8, 0, 2)]] + \
-                                 [(d, True) for d in [(16, 0, 4), (32, 0, 4), (64, 0, 4), (32, 0, 8)]]:
+            for gu in SWEEP_GATE_UP:
+                for dn, pairs in [(d, False) for d in SWEEP_DOWN_LOOP if batch <= 8] + [(d, True) for d in SWEEP_DOWN_PAIRS]:
                     fn = partial(moe_decode_triton, gate_up_config=gu, down_config=dn, down_per_pair=pairs)
                     e = rel_rms(fn(x, routes[0], wts, pool, shared), ref)
                     tc = graph_us([partial(fn, x, r, wts, pool, shared, out=out) for r in routes]) if e < TOL else float("inf")
@@ -96,7 +100,7 @@ def main() -> None:
         print(f"batch {batch}: unfused {t_u:.2f} us, fused {t_f:.2f} us", flush=True)
     route_rows = []
     table = torch.randperm(n_slots, device=DEV)
-    for batch in (1, 8):
+    for batch in batches:
         logits = [torch.randn(batch, n_slots + 1, device=DEV, dtype=torch.bfloat16) for _ in range(24)]
         for warps in (1, 2, 4, 8):
             t_r = graph_us([partial(route_triton, lg, top_k, True, shared_gate=True, slot_table=table, num_warps=warps)
@@ -110,6 +114,14 @@ def main() -> None:
     for batch, t_u, t_t, t_f, err_u, err_f, same, best in rows:
         print(f"{batch:>5} {t_u:>11.2f} {t_t:>23.2f} {t_f:>9.2f} {t_t / t_f:>9.2f}x {err_u:>12.1e} {err_f:>10.1e} "
               f"{str(same):>9}  {best[0]} {best[1]:.2f} us")
+
+
+SWEEP_GATE_UP = [(8, 0, 4), (4, 0, 4), (16, 0, 4), (8, 0, 2), (16, 0, 8), (32, 0, 8), (4, 0, 2)]
+"""Gate/up tiles (BLOCK_I rows, BLOCK_W words or 0 for the whole K, warps) of `--sweep`."""
+SWEEP_DOWN_LOOP = [(8, 0, 4), (16, 0, 4), (8, 0, 2)]
+"""Down tiles of the per-token loop (swept at batches up to 8: past them the per-pair pass wins)."""
+SWEEP_DOWN_PAIRS = [(16, 0, 4), (32, 0, 4), (64, 0, 4), (32, 0, 8), (128, 0, 8), (64, 0, 8)]
+"""Down tiles of the per-pair pass (BLOCK_H rows, whole K, warps)."""
 
 
 GROUPED_DECODE_SWEEP = [(16, 64, 128, 4, 3, True), (16, 128, 128, 4, 3, True), (16, 64, 256, 4, 2, True),
