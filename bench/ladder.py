@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/ladder.py [--cards 32GiB,16GiB] [--rungs 65536,131072,262144]
                                          [--tokens 128,1024,4096] [--policy auto] [--chunks 1024,16384]
-                                         [--no-mapped-victims]
+                                         [--no-mapped-victims] [--variant NAME]
 
 Synthetic NVFP4 Qwen3-Next-80B-A3B (`bench/configs/qwen3-next-80b-a3b.json` with its routing drawn
 from the calibrated trace, `ft.tools.routing_trace.CALIBRATED`: ~68% / 79% LRU hits at 12.5% /
@@ -74,11 +74,14 @@ def main() -> None:
     ap.add_argument("--embedding-on-host", action=argparse.BooleanOptionalAction, default=None,
                     help="the token embedding in host memory (default: the engine's, on for offload on CUDA); "
                          "--no-embedding-on-host keeps it on the device (the rows before session 30)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME",
+                    help="a named kernel variant for every engine (ft.kernels.options.VARIANTS, e.g. "
+                         "moe-decode-narrow-one-token); repeatable")
     args = ap.parse_args()
-    if args.pdl:
+    if args.pdl or args.variant:
         from ft.kernels.options import set_kernel_options, variant
 
-        set_kernel_options(variant("pdl"))
+        set_kernel_options(variant(*(["pdl"] if args.pdl else []), *args.variant))
     cfg = json.loads(Path(args.config).read_text())
     cfg["routing_trace"] = True
     tmp = Path(tempfile.mkdtemp()) / "traced.json"
