@@ -97,7 +97,8 @@ HELP = {
     "disable_cuda_graph": "run every decode step and prefill eagerly, without CUDA graphs (debugging)",
     "prefill_graph_max_tokens": ("one-request prefill chunks of up to this many tokens replay CUDA graphs, padded to "
                                  "a token bucket, with the attention cores run between them (short prompts' time to "
-                                 "first token is otherwise the host's launch time); 0 turns them off"),
+                                 "first token is otherwise the host's launch time), while every expert is resident (an offloaded "
+                                 "cache that can never hold them all reserves nothing for them); 0 turns them off"),
     "overlap_decode": ("queue each decode step before the host reads the last one's tokens, so that the host's "
                        "work per step (reading tokens, text, the next step's inputs) runs while the device computes; "
                        "plain decode batches only (no grammar, logprobs, penalties or stop strings; one GPU; experts resident "

@@ -76,3 +76,16 @@ def test_running_requests_default_by_backend_and_device(tiny_one):
     assert EngineConfig(model="demo", enable_prefix_cache=False).prefix_host_entries("cuda") == 0
     eng = make_llm(tiny_one[2], moe_backend="resident", max_running_requests=None).engine
     assert eng.config.max_running_requests == 8 and eng.scheduler.max_running == 8
+
+
+def test_prefill_graphs_need_a_cache_that_could_hold_every_expert():
+    """`experts_can_all_be_resident`: the resident backend always; offloaded, only when the experts' bytes
+    fit the cache budget and no --moe-cache-size below the model's experts caps the cache."""
+    from ft.memory.budget import experts_can_all_be_resident
+
+    assert experts_can_all_be_resident("resident", None, 100, 10**12, 1)
+    assert experts_can_all_be_resident("offload", None, 100, 200 * MIB, 200 * MIB)
+    assert not experts_can_all_be_resident("offload", None, 100, 200 * MIB + 1, 200 * MIB)
+    assert not experts_can_all_be_resident("offload", 99, 100, 1, 200 * MIB)
+    assert experts_can_all_be_resident("offload", 100, 100, 1, 200 * MIB)
+    assert experts_can_all_be_resident("offload", None, 0, 0, 1)  # a model without experts

@@ -75,6 +75,22 @@ def streamed_prefill_length(card: int, reserve_for: Callable[[int], int]) -> int
                 STREAMED_PREFILL_CHUNKS[-1])
 
 
+def experts_can_all_be_resident(moe_backend: str, moe_cache_size: int | None, total_experts: int,
+                                expert_bytes: int, budget_bytes: int) -> bool:
+    """Whether an expert cache under this budget could ever hold every expert (what a prefill graph
+    needs: `ModelRunner` replays them only then): always with the resident backend; offloaded, only
+    when no --moe-cache-size below the model's experts caps it and the experts' `expert_bytes` (all
+    layers, as the host store holds them) fit the cache budget with nothing else beside them. Why:
+    a prefill graph's pool is reserved from the budget, and an offloaded card that can never hold
+    every expert would reserve it for graphs it never captures (the 80B on a 32 GiB card: 321 MiB,
+    ~190 expert slots)."""
+    if moe_backend == "resident" or total_experts == 0:
+        return True
+    if moe_cache_size is not None and moe_cache_size < total_experts:
+        return False
+    return expert_bytes <= budget_bytes
+
+
 def measure_budget(
     device: torch.device, resident_bytes: int, memory_ratio: float, gpu_memory_limit: int | None, reserve_bytes: int,
     cap: int | None = None,

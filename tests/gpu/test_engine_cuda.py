@@ -127,3 +127,16 @@ def test_prefix_states_in_host_memory_restore_exactly(model):
     cached, tokens, llm = turns()
     assert llm.engine.prefix_cache.host_entries > 0 and llm.engine.prefix_cache.num_slots == 0
     assert (cached, tokens) == turns(prefix_states_on_host=False)[:2] and cached > len(PROMPT)
+
+
+def test_an_offloaded_cache_that_can_never_hold_every_expert_reserves_no_prefill_graphs(model):
+    """Prefill graphs replay only while every expert is resident: an offloaded cache capped below the
+    model's experts takes no prefill-graph reserve (its budget is larger by what the reserve would
+    have been) and no solo prefill steps; one that holds them all keeps both."""
+    capped = LLM(model=model, device="cuda", dtype="bfloat16", moe_cache_size=24, num_tokens=1024).engine
+    assert capped.prefill_graph_tokens == 0 and capped.prefill_graph_reserve == 0
+    assert capped.runner.prefill_graphs is None
+    whole = LLM(model=model, device="cuda", dtype="bfloat16", num_tokens=1024).engine  # offload, every expert fits
+    assert whole.prefill_graph_tokens > 0 and whole.prefill_graph_reserve > 0 and whole.runner.prefill_graphs is not None
+    assert whole.cache.geometry.moe_slots == whole.cache.total_experts
+    assert whole.cache.budget.reserve_bytes - capped.cache.budget.reserve_bytes == whole.prefill_graph_reserve

@@ -14,7 +14,8 @@ import os
 
 import torch
 
-from ft.memory.budget import card_bytes, default_prefill_length, measure_budget, streamed_prefill_length
+from ft.memory.budget import (card_bytes, default_prefill_length, experts_can_all_be_resident, measure_budget,
+                              streamed_prefill_length)
 from ft.engine.cache.manager import CacheManager, PoolShapes, SizingOptions
 from ft.engine.base.engine_config import EngineConfig, default_running_requests
 from ft.engine.sched.ladder import make_rungs
@@ -23,6 +24,7 @@ from ft.engine.ranks.model_source import model_source
 from ft.engine.worker.model_runner import ModelRunner
 from ft.engine.worker.prefill_graphs import CoreBuffers
 from ft.engine.worker.routing_override import TraceRouting, trace_params, trace_popularity_seed
+from ft.units import format_bytes
 from ft.errors import ConfigError
 from ft.memory.kv_pool import NVFP4_KV
 from ft.memory.prefill_stream import PAGES, STREAM_PAGE_EXPERTS, PrefillStream
@@ -118,10 +120,20 @@ class RankState:
         if self.prefill_stream_experts:
             self.prefill_stream_reserve = PrefillStream.bytes_for(host_experts, self.prefill_stream_experts // PAGES) \
                 + self._stream_workspace(config.max_prefill_length)
+        others = self.reserve + self.decode_graph_reserve + self.prefill_stream_reserve
         budget = measure_budget(self.device, self.model.resident_bytes, config.memory_ratio, config.gpu_memory_limit,
-                                self.reserve + self.prefill_graph_reserve + self.decode_graph_reserve
-                                + self.prefill_stream_reserve,
-                                config.cache_budget)
+                                others, config.cache_budget)
+        # NOTE: prefill graphs replay only while every expert is resident: a cache that can never hold them
+        # all (offloaded on a small card) takes neither their reserve nor their solo prefill steps
+        expert_bytes = sum(t.numel() * t.element_size() for t in host_experts if t is not None) if host_experts is not None else 0
+        if self.prefill_graph_tokens and host_experts is not None and not experts_can_all_be_resident(
+                config.moe_backend, config.moe_cache_size, shapes.total_experts, expert_bytes, budget.budget_bytes):
+            log.info("prefill graphs off: the expert cache can never hold every expert (%s of experts, a cache "
+                     "budget of %s)", format_bytes(expert_bytes), format_bytes(budget.budget_bytes))
+            self.prefill_graph_tokens = self.prefill_graph_reserve = 0
+        if self.prefill_graph_reserve:
+            budget = measure_budget(self.device, self.model.resident_bytes, config.memory_ratio,
+                                    config.gpu_memory_limit, others + self.prefill_graph_reserve, config.cache_budget)
         self.rungs = make_rungs(config.ladder_step_size, self.context_limit, config.page_size) \
             if config.enable_kv_ladder else None
         floor = min(cfg.num_experts_per_tok, shapes.total_experts) if shapes.total_experts else 0
