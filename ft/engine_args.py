@@ -74,6 +74,11 @@ HELP = {
                               "the device on a hit (~2 ms), so the card's bytes go to expert slots; as many "
                               "entries as running requests (at least 4). Default: on when experts are offloaded "
                               "on one CUDA GPU, off otherwise"),
+    "lend_prefill_reserve": ("lend the part of the prefill chunk's activation reserve that prompts of up to 2,048 "
+                             "tokens never use to the expert slots (offloaded, one GPU): a longer chunk recalls it "
+                             "first (a live rebuild: the slots shrink, their experts are read again when next used) "
+                             "and it is lent again 2 s after the last one, with no long prompt waiting. Off by default: not "
+                             "yet measured on a GPU"),
     "enable_prefix_cache": ("reuse KV and linear-attention state of earlier requests (--no-enable-prefix-cache or "
                             "vLLM's --no-enable-prefix-caching to turn off)"),
     "enable_kv_ladder": "grow KV rung by rung when a request needs the context, trading expert slots; shrink back later",

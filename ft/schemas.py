@@ -51,6 +51,8 @@ class MoEPoolState(PoolState):
     read_through: bool = False  # decode reads misses from host memory inside the step and lands them
     landed: int = 0  # experts cached by read-through landings since startup
     host_bytes: int = 0  # expert bytes read from host memory since startup (loads and in-place reads)
+    lent_bytes: int = 0  # of `bytes`, what the slots borrow from the prefill reserve now (--lend-prefill-reserve)
+    loan_bytes: int = 0  # what they may borrow while prompts are short (0: no loan)
 
 
 class KVPoolState(PoolState):
@@ -201,7 +203,7 @@ class RankRebuild(_Model):
 class HistoryEntry(_Model):
     id: int = 0
     time: float = 0.0  # unix seconds
-    trigger: Literal["startup", "manual", "ladder"] = "manual"
+    trigger: Literal["startup", "manual", "ladder", "loan"] = "manual"  # loan: --lend-prefill-reserve
     reason: str | None = None
     from_: dict[str, int] = Field(default_factory=dict, alias="from")
     to: dict[str, int] = Field(default_factory=dict)

@@ -117,6 +117,7 @@ def describe(engine, url: str, started_s: float | None = None) -> str:
         f"  geometry: moe {g.moe_slots}/{engine.cache.total_experts} slots ({engine.config.moe_backend}), "
         f"kv {g.kv_tokens} tokens ({engine.pools.kv.dtype_name}), mamba {g.mamba_slots} "
         f"slots = {format_bytes(engine.cache.allocated_bytes)}",
+        *_loan_lines(engine),
         *_prefix_lines(engine, c.mamba_slot),
         f"  storage: {st['backend']} (allocations rounded to {format_bytes(st['granularity_bytes'])}"
         + ("; a resize copies, so it holds old and new: the reachable ranges count that)" if st["reallocates"] else ")"),
@@ -126,6 +127,16 @@ def describe(engine, url: str, started_s: float | None = None) -> str:
         *_ladder_lines(engine),
         f"  ready on {url}" + (f" (started in {started_s:.1f} s)" if started_s is not None else ""),
     ])
+
+
+def _loan_lines(engine) -> list[str]:
+    """With --lend-prefill-reserve, the banner's line on the loan (its bytes, whether it is out now)."""
+    cache = engine.cache
+    if not cache.loan_bytes:
+        return []
+    now = "lent now" if cache.lent else "not lent now"
+    return [f"  prefill reserve: {format_bytes(cache.loan_bytes)} of it lent to expert slots while steps need at most "
+            f"{engine.loan_keep_tokens} tokens ({now}); a longer chunk recalls it first (--lend-prefill-reserve)"]
 
 
 def _prefix_lines(engine, state_bytes: int) -> list[str]:

@@ -155,13 +155,14 @@ def pool_cells(state: CacheState) -> dict[str, list[str]]:
 def pool_usage(state: CacheState) -> dict[str, str]:
     """What each pool holds now: moe hit rate (since startup) and resident fraction, kv pages held by
     requests and by cached prefixes apart, mamba slots used (and the cached prefixes' states kept in host
-    memory, --prefix-states-on-host)."""
+    memory, --prefix-states-on-host); the expert slots' loan from the prefill reserve while it is out."""
     moe, kv, mamba = state.pools.moe, state.pools.kv, state.pools.mamba
     res = f"{100.0 * moe.resident / moe.size:.0f}%" if moe.size else "-"
     live = kv.used - kv.cached
     cached = f" +{kv.cached} cached" if kv.cached else ""
     return {
-        "moe": f"hit {100.0 * moe.hit_rate:.1f}% res {res}",  # (since startup: the live plot's is "recent")
+        "moe": f"hit {100.0 * moe.hit_rate:.1f}% res {res}"  # (since startup: the live plot's is "recent")
+               + (f" +{format_bytes(moe.lent_bytes)} lent" if moe.lent_bytes else ""),  # --lend-prefill-reserve
         "kv": f"used {live}/{kv.pages} ({100.0 * live / kv.pages:.0f}%){cached}" if kv.pages else "used 0",
         "mamba": f"used {mamba.used}/{mamba.size}"
                  + (f" +{mamba.host_states} on host ({format_bytes(mamba.host_bytes)})" if mamba.host_states else ""),

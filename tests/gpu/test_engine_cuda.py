@@ -140,3 +140,30 @@ def test_an_offloaded_cache_that_can_never_hold_every_expert_reserves_no_prefill
     assert whole.prefill_graph_tokens > 0 and whole.prefill_graph_reserve > 0 and whole.runner.prefill_graphs is not None
     assert whole.cache.geometry.moe_slots == whole.cache.total_experts
     assert whole.cache.budget.reserve_bytes - capped.cache.budget.reserve_bytes == whole.prefill_graph_reserve
+
+
+def test_the_prefill_reserves_loan_on_the_device(model, monkeypatch):
+    """--lend-prefill-reserve on CUDA: the expert pool grows past the budget at startup (VMM, the same
+    addresses), a prompt longer than the kept chunk recalls the loan before its prefill (the driver
+    takes the chunk back as free memory), the decode graphs captured while it was out replay after it
+    came back, and every greedy token is the no-loan engine's."""
+    import ft.engine.ranks.rank_state as rank_state
+
+    monkeypatch.setattr(rank_state, "LOAN_KEEP_TOKENS", 32)
+    opts = dict(device="cuda", dtype="bfloat16", cache_budget="64MiB", max_prefill_length=512,
+                max_running_requests=2, enable_prefix_cache=False)
+    plain, lent = LLM(model=model, **opts), LLM(model=model, lend_prefill_reserve=True, **opts)
+    e = lent.engine
+    assert e.cache.lent == e.loan_bytes > 0 and e.cache.geometry.moe_slots > plain.engine.cache.geometry.moe_slots
+    short, long_ = PROMPT[:16], list(range(100, 400))
+
+    def greedy(llm, prompt):
+        return llm.generate(prompt_token_ids=[prompt], max_new_tokens=NEW_TOKENS, temperature=0.0,
+                            ignore_eos=True)[0].token_ids
+
+    assert greedy(lent, short) == greedy(plain, short) and e.cache.lent
+    captures = e.runner.graphs.captures
+    assert greedy(lent, long_) == greedy(plain, long_) and not e.cache.lent and e.loan.recalls == 1
+    e.loan.lend("test")
+    assert e.cache.lent and greedy(lent, short) == greedy(plain, short)
+    assert e.runner.graphs.captures == captures  # the pool grew and shrank at the same addresses

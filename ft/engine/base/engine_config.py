@@ -60,6 +60,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     prefix_states_on_host: bool | None = None  # prefix-cache entries' linear-attention states in pinned host
     # memory; None: when experts are offloaded on one CUDA GPU (`prefix_host_entries`)
+    lend_prefill_reserve: bool = False  # expert slots borrow the prefill reserve's idle part (`ft.engine.sched.loan`)
     enable_kv_ladder: bool = False  # grow KV rung by rung when a request needs it, shrink back later
     ladder_step_size: int = 32768  # tokens between rungs; the first rung is twice this
     ladder_min_reuse: float = 0.5  # a request reusing less of its prompt from the cache may shrink KV
@@ -127,6 +128,10 @@ class EngineConfig:
                               "in device slots)")
         if self.prefix_states_on_host and not self.enable_prefix_cache:
             raise ConfigError("--prefix-states-on-host needs the prefix cache (drop --no-enable-prefix-cache)")
+        if self.lend_prefill_reserve and (self.moe_backend != "offload" or self.moe_cache_size is not None
+                                          or self.tensor_parallel_size > 1):
+            raise ConfigError("--lend-prefill-reserve lends to an offloaded expert cache that fills the budget, on "
+                              "one GPU (no --moe-backend resident, --moe-cache-size or tensor parallelism)")
         if self.enable_kv_ladder and self.num_tokens is not None:
             raise ConfigError("--num-tokens conflicts with --enable-kv-ladder: the ladder sets the KV size "
                               "(use --ladder-step-size; KV starts at twice the step)")

@@ -84,6 +84,7 @@ class SizingOptions:
     moe_cache_size: int | None
     storage_backend: str | None = None  # None: the best the device has (vmm, mmap, else realloc)
     kv_fill_limit: int = 0  # `startup_geometry`: with every expert resident, KV fills the budget up to this many tokens
+    loan_bytes: int = 0  # the idle part of the prefill reserve the expert slots may borrow (`CacheManager.lend`)
 
 
 def measure_layout(shapes: PoolShapes, storage: PoolStorage) -> MemoryLayout:
@@ -100,7 +101,9 @@ class CacheManager:
     def __init__(self, shapes: PoolShapes, budget: MemoryBudget, opts: SizingOptions, expert_floor: int) -> None:
         t0 = time.time()
         self.shapes, self.budget, self.opts, self.expert_floor = shapes, budget, opts, expert_floor
-        self.storage = PoolStorage(shapes.device, budget.budget_bytes, opts.storage_backend)
+        self.loan_bytes = opts.loan_bytes  # what `lend` gives the expert slots beside the budget (0: never)
+        self.lent = 0  # bytes the expert slots hold beyond the budget now (`lend`, `recall`)
+        self.storage = PoolStorage(shapes.device, budget.budget_bytes + self.loan_bytes, opts.storage_backend)
         self.layout = measure_layout(shapes, self.storage)
         geo = startup_geometry(
             budget, self.layout, total_experts=self.total_experts, expert_floor=expert_floor,
@@ -171,20 +174,30 @@ class CacheManager:
         )
 
     def reachable_ranges(self) -> dict[str, tuple[int, int]]:
-        ranges = reachable_ranges(self.geometry, self.layout, self.budget.budget_bytes, self.limits())
+        settled = self.settled_geometry
+        ranges = reachable_ranges(settled, self.layout, self.budget.budget_bytes, self.limits())
         return ranges if self.peers is None else self.peers.joint_ranges(ranges)
 
     def ranges_around(self, moe: int | None = None, kv: int | None = None, mamba: int | None = None
                       ) -> dict[str, tuple[int, int]]:
         """Each pool's reachable range with the other pools at these targets (None: current size)."""
-        return ranges_around(self.geometry, self.target(moe, kv, mamba), self.layout, self.budget.budget_bytes,
-                             self.limits())
+        return ranges_around(self.settled_geometry, self.target(moe, kv, mamba), self.layout,
+                             self.budget.budget_bytes, self.limits())
 
-    def moe_beside(self, kv_tokens: int) -> int | None:
+    @property
+    def settled_geometry(self) -> Geometry:
+        """The geometry once a loan is recalled (`recall`: the expert slots the budget alone leaves), else
+        the current one: what every plan, range and resize starts from, since a resize recalls first."""
+        g = self.geometry
+        if not self.lent:
+            return g
+        return Geometry(self.moe_beside(g.kv_tokens, lent=False) or g.moe_slots, g.kv_tokens, g.mamba_slots)
+
+    def moe_beside(self, kv_tokens: int, lent: bool = False) -> int | None:
         """Expert slots for a geometry with `kv_tokens` of KV (mamba unchanged): all the budget
-        leaves, or the fixed count of the resident backend / an explicit --moe-cache-size. None
-        when that is below the expert floor or does not fit."""
-        g, budget = self.geometry, self.budget.budget_bytes
+        (with `lent`, plus the loan: `lend`) leaves, or the fixed count of the resident backend / an
+        explicit --moe-cache-size. None when that is below the expert floor or does not fit."""
+        g, budget = self.geometry, self.budget.budget_bytes + (self.loan_bytes if lent else 0)
 
         def fits(moe: int) -> bool:
             return self.layout.nbytes(Geometry(moe, kv_tokens, g.mamba_slots)) <= budget
@@ -205,10 +218,14 @@ class CacheManager:
 
     def plan_resize(self, moe: int | None = None, kv: int | None = None, mamba: int | None = None,
                     held: bool = True) -> Plan:
-        """The plan from the current geometry to the target (None keeps a pool's size); with
-        held=False, as if no request held pages or slots (would it fit once they finish?)."""
-        return plan(self.geometry, self.target(moe, kv, mamba), self.layout, self.budget.budget_bytes,
-                    self.limits(held))
+        """The plan from the current geometry (after a recall: `settled_geometry`) to the target (None
+        keeps a pool's size); with held=False, as if no request held pages or slots (would it fit once
+        they finish?)."""
+        settled = self.settled_geometry
+        target = self.target(moe, kv, mamba)
+        if self.lent and moe is None:
+            target = Geometry(settled.moe_slots, target.kv_tokens, target.mamba_slots)
+        return plan(settled, target, self.layout, self.budget.budget_bytes, self.limits(held))
 
     def rebuild(self, moe: int | None = None, kv: int | None = None, mamba: int | None = None,
                 trigger: str = "manual", reason: str | None = None) -> dict:
@@ -220,6 +237,10 @@ class CacheManager:
         """
         p = self.plan_resize(moe, kv, mamba)
         entry = self._entry(trigger, reason, p)
+        if p.fits and self.lent:  # NOTE: every resize starts from the budget alone (what the ranges promise)
+            self.recall(f"before a resize ({trigger})")
+            p = self.plan_resize(moe, kv, mamba)
+            entry = self._entry(trigger, reason, p)
         if not p.fits:
             err = RebuildRefused(p.reason, self.reachable_ranges())
             if trigger != "manual":  # a user's refused resize is answered to the user; the rest is history
@@ -275,6 +296,58 @@ class CacheManager:
         self._append(entry)
         raise RebuildFailed("the worker ranks' resize", RuntimeError(errors), self.degraded)
 
+    # ----------------------------------------------------------------------------- the prefill reserve's loan
+    def lend(self, reason: str) -> dict | None:
+        """Grow the expert slots into the loan (`SizingOptions.loan_bytes`: the part of the prefill
+        reserve that short prompts never use) when they fill the budget now (offloaded, no fixed
+        size: not after a user's own --moe size) and nothing is lent. A live rebuild (trigger "loan"),
+        free before allocate; returns its history entry, None when there is nothing to do. A refused
+        or failed grow leaves the geometry and `lent` as they were (recorded, not raised)."""
+        g = self.geometry
+        if not self.loan_bytes or self.lent or self.opts.moe_backend != "offload" or self.opts.moe_cache_size \
+                or self.degraded or g.moe_slots != self.moe_beside(g.kv_tokens):
+            return None
+        target = self.moe_beside(g.kv_tokens, lent=True)
+        if target is None or target <= g.moe_slots:
+            return None
+        p = plan(g, Geometry(target, g.kv_tokens, g.mamba_slots), self.layout,
+                 self.budget.budget_bytes + self.loan_bytes, self.limits())
+        return self._run_loan(p, reason, self.loan_bytes)
+
+    def recall(self, reason: str) -> dict | None:
+        """Give the loan back: the expert slots shrink to what the budget alone leaves (their tail's
+        experts forgotten, read again from the host store when next used), so that a long prefill
+        chunk's activations find their reserve free. Returns the history entry (None: nothing lent).
+        Raises RebuildFailed when the shrink failed and was rolled back (the loan is still out)."""
+        if not self.lent:
+            return None
+        g = self.geometry
+        target = self.moe_beside(g.kv_tokens) or g.moe_slots
+        p = plan(g, Geometry(target, g.kv_tokens, g.mamba_slots), self.layout, self.budget.budget_bytes + self.lent,
+                 self.limits())
+        entry = self._run_loan(p, reason, 0)
+        if entry["status"] != "ok":
+            raise RebuildFailed("recall the prefill reserve's loan", RuntimeError(entry["error"]), self.degraded)
+        return entry
+
+    def _run_loan(self, p: Plan, reason: str, lent_after: int) -> dict:
+        """Run a lend or recall plan (only the expert slots change); `lent` becomes `lent_after` when it ran."""
+        entry = self._entry("loan", reason, p)
+        if not p.fits:
+            entry.update(status="refused", error=p.reason)
+        else:
+            try:
+                entry["phases"] = {k: round(v, 6) for k, v in self.rebuilder.run(p).items()}
+                entry["measured_peak_bytes"] = self.rebuilder.measured_peak_bytes
+                self.lent = lent_after
+            except RebuildFailed as e:
+                self.degraded = e.degraded if e.degraded or self.geometry == p.current else (
+                    f"the pools hold {self.geometry.sizes()} after the rollback, not {p.current.sizes()}")
+                entry.update(status="rolled_back" if not self.degraded else "degraded", error=str(e),
+                             to=self.geometry.sizes())
+        self._append(entry)
+        return entry
+
     def record(self, trigger: str, reason: str, status: str, error: str | None = None) -> dict:
         """A history entry for a decision that did not resize (a ladder move refused or held)."""
         g = self.geometry.sizes()
@@ -304,6 +377,7 @@ class CacheManager:
             "storage": {"backend": lay.backend, "granularity_bytes": lay.granularity,
                         "reallocates": lay.reallocates, "held_bytes": self.storage.held_bytes()},
             "geometry": self.geometry.__dict__,
+            "loan": {"bytes": self.loan_bytes, "lent_bytes": self.lent},
             "expert_floor": self.expert_floor,
             "total_experts": self.total_experts,
             "degraded": self.degraded,

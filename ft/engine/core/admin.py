@@ -40,6 +40,7 @@ def cache_state(engine, state: str, model_name: str) -> CacheState:
                 "read_through": bool(experts and experts.read_through),
                 "landed": experts.read_through.landed_total if experts and experts.read_through else 0,
                 "host_bytes": st.bytes_loaded if st else 0,
+                "lent_bytes": engine.cache.lent, "loan_bytes": engine.cache.loan_bytes,
             },
             "kv": {
                 "size": g.kv_tokens, "bytes": lay.pool_bytes("kv", g.kv_tokens), "min": ranges["kv"][0], "max": ranges["kv"][1],

@@ -18,6 +18,7 @@ from ft.engine.base.engine_config import EngineConfig
 from ft.engine.core.choices import ChoiceGroups
 from ft.engine.sched.ladder import Ladder, LadderOptions
 from ft.engine.sched.ladder_driver import LadderDriver
+from ft.engine.sched.loan import ReserveLoan
 from ft.engine.sched.prefix_cache import PrefixCache
 from ft.engine.core.request_builder import RequestBuilder
 from ft.engine.ranks.rank_state import KV_ALGO_DTYPES, KV_DTYPES, RankState
@@ -64,7 +65,9 @@ class Engine(RankState):
         # positions per step as the activation reserve holds, which it holds at the end of the forward
         # (a vocabulary split over tensor-parallel ranks gathers the rows: 8 bytes more per entry on rank 0)
         per_entry = PROMPT_LOGIT_BYTES + (8 if self.model.vocab_lo is not None else 0)
-        prompt_logit_tokens = max(PROMPT_LOGITS_MIN_TOKENS, self.reserve // (cfg.vocab_size * per_entry))
+        # (with the prefill reserve's loan out, the part a short step keeps: `ReserveLoan`)
+        prompt_logit_tokens = max(PROMPT_LOGITS_MIN_TOKENS,
+                                  (self.reserve - self.loan_bytes) // (cfg.vocab_size * per_entry))
         self.scheduler = Scheduler(pools.kv, pools.mamba, self.prefix_cache, config.max_running_requests,
                                    config.max_prefill_length, min(config.max_prefill_length, prompt_logit_tokens),
                                    mix_decode=config.mix_prefill_decode, solo_prefill_tokens=self.prefill_graph_tokens,
@@ -81,6 +84,10 @@ class Engine(RankState):
         self._requests: dict[str, Sequence] = {}
         self.current_work: ScheduledWork | None = None  # the work of a step in progress (None between steps)
         self.overlap = OverlappedDecode(self)  # `--overlap-decode`: the decode step in flight, if any
+        # --lend-prefill-reserve: the expert slots borrow the prefill reserve while prompts are short
+        self.loan = ReserveLoan(self.cache, self.scheduler, self.loan_keep_tokens) if self.loan_bytes else None
+        if self.loan is not None:
+            self.loan.lend("startup: no prompt needs the prefill reserve yet")
         self.started_at = time.time()
         self.started_monotonic = time.monotonic()  # the admin API's uptime never goes backwards
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
@@ -205,6 +212,8 @@ class Engine(RankState):
 
     def _step(self) -> list[Sequence]:
         rejected = []
+        if self.loan is not None:
+            self.loan.before_step()
         if self.ladder is not None:
             rejected = self.ladder_driver.before_admission(self._fail)
             self.ladder_driver.before_decode()
@@ -213,6 +222,8 @@ class Engine(RankState):
         if work is None:
             return rejected + self._reject_unservable()
         self.current_work = work  # NOTE: what a step that raises was running (the server fails only those)
+        if self.loan is not None:
+            self.loan.before_run(work)
         self.runner.last_logprobs, self.runner.last_prompt_logprobs = [], []  # (a stand-in runner may leave them)
         if not work.is_prefill and self.overlap.ok(work.seqs):
             return rejected + self.overlap.start(work.seqs)

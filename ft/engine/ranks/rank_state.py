@@ -35,6 +35,10 @@ from ft.model.kernel_support import check_kernel_shapes, nvfp4_formats, read_thr
 
 log = logging.getLogger("ft.engine")
 
+LOAN_KEEP_TOKENS = 2048
+"""--lend-prefill-reserve: steps of at most this many tokens run within the reserve the loan leaves (a
+chat turn's prompt, the warm-up's short prompts); a longer one recalls the loan first."""
+
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "nvfp4": NVFP4_KV}
 """--kv-cache-dtype -> the KV pool's dtype ("auto": `RankState._kv_dtype`; nvfp4: `ft.memory.kv_pool.NVFP4_KV`)."""
 
@@ -120,6 +124,16 @@ class RankState:
         if self.prefill_stream_experts:
             self.prefill_stream_reserve = PrefillStream.bytes_for(host_experts, self.prefill_stream_experts // PAGES) \
                 + self._stream_workspace(config.max_prefill_length)
+        # --lend-prefill-reserve: what of the chunk's reserve (activations, streamed passes' workspace) chunks
+        # of at most `loan_keep_tokens` leave unused; the expert slots borrow it (`CacheManager.lend`)
+        self.loan_keep_tokens = min(LOAN_KEEP_TOKENS, config.max_prefill_length)
+        self.loan_bytes = 0
+        if config.lend_prefill_reserve and tp is None and self.loan_keep_tokens < config.max_prefill_length:
+            keep = min(self.loan_keep_tokens, self.context_limit)
+            self.loan_bytes = max(0, self.reserve - activation_reserve(
+                cfg, self.dtype, self.device, keep, config.max_running_requests, shapes.kv_dtype, self.context_limit))
+            if self.prefill_stream_experts:
+                self.loan_bytes += self._stream_workspace(config.max_prefill_length) - self._stream_workspace(keep)
         others = self.reserve + self.decode_graph_reserve + self.prefill_stream_reserve
         budget = measure_budget(self.device, self.model.resident_bytes, config.memory_ratio, config.gpu_memory_limit,
                                 others, config.cache_budget)
@@ -148,6 +162,7 @@ class RankState:
             # (`join_ranks`); filling needs the ranks' smallest fit agreed first (not built yet)
             kv_fill_limit=config.max_running_requests * self.context_limit
             if self.device.type == "cuda" and tp is None else 0,
+            loan_bytes=self.loan_bytes,
         ), floor)
         pools = self.cache.pools
         if pools.kv.scales is not None and pools.kv.kv.dtype == self._checkpoint_kv_dtype():  # its KV scales

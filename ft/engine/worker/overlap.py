@@ -108,6 +108,8 @@ class OverlappedDecode:
         live = [s for s in cur.seqs if s.status is Status.RUNNING]
         if sched.waiting or not live or {id(s) for s in live} != {id(s) for s in sched.running} or not self.ok(live):
             return []
+        if e.loan is not None and e.loan.due():  # the loan goes out in a plain step (`Engine._step`)
+            return []
         nxt = [s for s in live if len(s.output_ids) + 1 < s.max_new_tokens and s.num_tokens + 1 < e.context_limit]
         for s in nxt:
             if not sched.grow_for(s, 1):

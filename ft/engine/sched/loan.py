@@ -1,0 +1,86 @@
+"""The prefill reserve's loan to the expert slots (`--lend-prefill-reserve`, `EngineConfig.lend_prefill_reserve`).
+
+An offloaded card reserves activation memory for its largest prefill chunk (16,384 tokens on a 32 GiB
+card: ~3 GiB with the streamed passes' workspace for the 80B), which only a long prompt's chunks use;
+a chat turn's prompt of a thousand tokens needs a tenth of it. While no step needs more than
+`keep_tokens` tokens, the expert slots borrow the rest (`CacheManager.lend`: a live rebuild that
+grows the expert pool past the budget by `loan_bytes`), and a step that needs more recalls it first
+(`CacheManager.recall`: the pool shrinks back, the forgotten experts are read from host memory again
+when next used). The loan goes out again once no long prompt is pending and none ran for
+`LEND_AFTER_S` seconds, so that a stream of long prompts does not bounce it.
+
+Every resize other than the loan's recalls it first (`CacheManager.rebuild`), and the reachable ranges
+are the budget's alone, so what the server advertises stays reachable. Not yet measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from ft.engine.cache.manager import CacheManager
+from ft.engine.sched.scheduler import Scheduler, ScheduledWork
+from ft.errors import RebuildFailed
+
+log = logging.getLogger("ft.engine")
+
+LEND_AFTER_S = 2.0
+"""Seconds without a step over `keep_tokens` (and with no long prompt pending) before the loan goes out again."""
+
+
+class ReserveLoan:
+    """When the expert slots borrow the idle prefill reserve and when they give it back (the module docstring)."""
+
+    def __init__(self, cache: CacheManager, scheduler: Scheduler, keep_tokens: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cache, self.scheduler, self.keep_tokens, self.clock = cache, scheduler, keep_tokens, clock
+        self.last_long = float("-inf")  # when a step last needed more than keep_tokens, or a lend was tried
+        self.failed: str | None = None  # a recall that could not run: the loan is never made again
+        self.recalls = 0
+
+    @property
+    def lent(self) -> bool:
+        return bool(self.cache.lent)
+
+    def _long_pending(self) -> bool:
+        """A running request with more than keep_tokens prompt tokens to compute, or a waiting one whose
+        prompt is longer (its cached prefix not counted: the match is made at admission)."""
+        keep = self.keep_tokens
+        return any(s.num_uncomputed > keep for s in self.scheduler.running) or \
+            any(len(s.prompt_ids) > keep for s in self.scheduler.waiting)
+
+    def due(self) -> bool:
+        """Whether the loan should go out now (the overlapped decode stops queuing so that the engine's
+        next plain step makes it)."""
+        return self.failed is None and not self.cache.lent and self.cache.loan_bytes > 0 \
+            and self.clock() - self.last_long >= LEND_AFTER_S and not self._long_pending()
+
+    def lend(self, reason: str = "no prompt needs the prefill reserve") -> dict | None:
+        """Lend now if nothing prevents it (`CacheManager.lend`); the next try waits LEND_AFTER_S
+        whatever the outcome (a refusal, a user's fixed expert size)."""
+        self.last_long = self.clock()
+        return self.cache.lend(reason)
+
+    def before_step(self) -> None:
+        """At the top of a plain engine step: lend when due."""
+        if self.due():
+            self.lend()
+
+    def before_run(self, work: ScheduledWork) -> None:
+        """After scheduling, before the forward: a step over keep_tokens recalls the loan first. A recall
+        that fails leaves the loan out (the pools as they were) and is logged; the step still runs, and
+        no loan is made again."""
+        tokens = sum(work.num_tokens)
+        if tokens <= self.keep_tokens:
+            return
+        self.last_long = self.clock()
+        if not self.cache.lent:
+            return
+        try:
+            self.cache.recall(f"a step of {tokens} tokens needs the prefill reserve")
+            self.recalls += 1
+        except RebuildFailed as e:
+            self.failed = str(e)
+            log.error("the prefill reserve's loan could not be recalled (%s); the step runs with what is free, "
+                      "and the loan is not made again", e)
