@@ -374,3 +374,39 @@ def test_the_startup_banner_says_how_decode_gets_its_experts(tiny_one):
     text = describe(make_llm(path, prefix_states_on_host=True).engine, "http://x")
     assert "  prefix cache: up to 4 entries keep their linear-attention state (" in text
     assert "prefix cache:" not in describe(make_llm(path).engine, "http://x")  # the CPU's default: off
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_shrink_keeps_the_hottest_experts_with_their_bytes(policy):
+    """`ExpertCache.resize` to fewer slots moves the hottest residents of the cut slots into the kept
+    slots of colder ones (LFU: aged use counts; LRU: recency) before it cuts, so the shrink forgets the
+    coldest; the moved slots hold their experts' bytes and the tables agree."""
+    from ft.memory.expert_cache import ExpertCache
+    from ft.kernels.moe import SlotWeights
+
+    gen = torch.Generator().manual_seed(4)
+    host = SlotWeights(torch.randn(1, 16, 3, generator=gen), torch.randn(1, 16, 2, generator=gen))
+    cache = ExpertCache(host, 16, torch.device("cpu"))
+    cache.enable_read_through(4, policy)
+    cache.MOVE_BATCH = 3  # (several batches)
+    # steps that use experts 0..11 once (they land in the high slots first), then 6..11 again, hottest last
+    replay_step(cache, [[[0, 1, 2, 3]]])
+    replay_step(cache, [[[4, 5, 6, 7]]])
+    replay_step(cache, [[[8, 9, 10, 11]]])
+    for _ in range(3):
+        replay_step(cache, [[[6, 7, 8, 9]]])
+    replay_step(cache, [[[10, 11, 8, 9]]])
+    cache.collect()
+    assert cache.num_resident >= 6
+    heat = cache._heat()
+    hottest = sorted(heat, key=lambda k: -heat[k])[:6]
+    assert any(cache.slot_of(k) >= 6 for k in hottest)  # (some must move)
+    for (layer, expert), slot in cache._lru.items():  # (the replay maps landings; the MoE kernel writes bytes)
+        for t, h in zip(cache.slots, host):
+            if t is not None:
+                t[slot] = h[layer, expert]
+    cache.resize(6)
+    _check_consistent(cache)
+    assert sorted(cache._lru) == sorted(hottest)
+    for (layer, expert), slot in cache._lru.items():
+        assert all(torch.equal(t[slot], h[layer, expert]) for t, h in zip(cache.slots, host) if t is not None)

@@ -234,6 +234,8 @@ class ExpertCache:
         self.collect()
         if self.read_through is not None:  # landing reservations go back to the free slots
             self._free.extend(self.read_through.release_landing())
+        if num_slots < old:
+            self._keep_hottest(num_slots)
         for key, slot in list(self._lru.items()):
             if slot >= num_slots:
                 self.unmap(key)
@@ -251,6 +253,64 @@ class ExpertCache:
                 new[i] = tensor
             self.slots = SlotWeights(*new)
             self._follow(old)
+
+    MOVE_BATCH = 64
+    """Slots a shrink's relocation copies at once (`_keep_hottest`): its temporary is as many slots' bytes."""
+
+    def _heat(self) -> dict[tuple[int, int], float]:
+        """Each resident's worth keeping, higher hotter: its aged use count under the read-through's
+        LFU policy, else its recency (the LRU order)."""
+        rt = self.read_through
+        if rt is not None and rt.policy == "lfu":
+            return {key: float(rt.score[key]) for key in self._lru}
+        return {key: float(i) for i, key in enumerate(self._lru)}
+
+    def _keep_hottest(self, num_slots: int) -> None:
+        """Before a shrink to `num_slots`: the hottest residents of the slots to be cut move into the free
+        kept slots, then into those of colder kept residents (forgotten), so that the shrink forgets the
+        coldest experts, not the ones that happen to sit high (the expert slots trade for KV on a ladder
+        move, for a long prefill with --lend-prefill-reserve). Device copies in batches of MOVE_BATCH
+        slots, queued on the stream; slot_table follows in one update."""
+        cut = [(key, slot) for key, slot in self._lru.items() if slot >= num_slots]
+        if not cut:
+            return
+        heat = self._heat()
+        cut.sort(key=lambda kv: -heat[kv[0]])
+        free_low = [slot for slot in self._free if slot < num_slots]
+        cold = sorted(((key, slot) for key, slot in self._lru.items() if slot < num_slots), key=lambda kv: heat[kv[0]])
+        moves: list[tuple[tuple[int, int], int, int]] = []  # (key, from slot, to slot)
+        forgotten: list[tuple[int, int]] = []
+        for key, src in cut:
+            if free_low:
+                dst = free_low.pop()
+                self._free.remove(dst)
+            elif len(forgotten) < len(cold) and heat[cold[len(forgotten)][0]] < heat[key]:
+                victim, dst = cold[len(forgotten)]
+                forgotten.append(victim)
+                self.unmap(victim, device=False)
+            else:
+                break  # the rest of the cut are colder than every kept resident
+            moves.append((key, src, dst))
+        if not moves:
+            return
+        device = self.slot_table.device
+        for i in range(0, len(moves), self.MOVE_BATCH):
+            part = moves[i:i + self.MOVE_BATCH]
+            src = torch.tensor([m[1] for m in part], device=device)
+            dst = torch.tensor([m[2] for m in part], device=device)
+            for t in self.slots:
+                if t is not None:  # (one-byte codes and fp8 scales as bytes: index_copy_ has no fp8 kernels)
+                    raw = t.view(torch.uint8) if t.element_size() == 1 else t
+                    raw.index_copy_(0, dst, raw.index_select(0, src))
+        for key, src, dst in moves:
+            self._lru[key] = dst  # (keeps its place in the recency order)
+            self.table_np[key] = dst
+        self._free.extend(m[1] for m in moves)  # the cut slots they left (dropped by the shrink)
+        keys = [m[0] for m in moves] + forgotten
+        rows = torch.tensor([k[0] for k in keys], device=device)
+        cols = torch.tensor([k[1] for k in keys], device=device)
+        vals = torch.tensor([m[2] for m in moves] + [-1] * len(forgotten), dtype=self.slot_table.dtype, device=device)
+        self.slot_table[rows, cols] = vals
 
     def _follow(self, old: int) -> None:
         self._free = follow_free_slots(self._free, old, self.num_slots)
