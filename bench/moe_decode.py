@@ -88,7 +88,8 @@ def main() -> None:
         best = (f"default: {DECODE_GATE_UP_CONFIG[min(batch, 2)]} {DECODE_DOWN_PAIRS_CONFIG} pairs", t_f)
         if args.sweep:
             for gu in SWEEP_GATE_UP:
-                for dn, pairs in [(d, False) for d in SWEEP_DOWN_LOOP if batch <= 8] + [(d, True) for d in SWEEP_DOWN_PAIRS]:
+                downs = [(d, False) for d in SWEEP_DOWN_LOOP if batch <= 8] + [(d, True) for d in SWEEP_DOWN_PAIRS]
+                for dn, pairs in downs:
                     fn = partial(moe_decode_triton, gate_up_config=gu, down_config=dn, down_per_pair=pairs)
                     e = rel_rms(fn(x, routes[0], wts, pool, shared), ref)
                     tc = graph_us([partial(fn, x, r, wts, pool, shared, out=out) for r in routes]) if e < TOL else float("inf")

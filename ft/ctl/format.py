@@ -139,7 +139,8 @@ def format_cache(state: CacheState) -> str:
         lines.append(f"  experts: decode reads misses from host memory in the step (read-through); "
                      f"{moe.landed} landed, {format_bytes(moe.host_bytes)} read from host")
     if moe.loan_bytes:
-        lent = f"{format_bytes(moe.lent_bytes)} lent now" if moe.lent_bytes else "recalled now (a long prompt's prefill)"
+        lent = f"{format_bytes(moe.lent_bytes)} lent now" if moe.lent_bytes else \
+            "recalled now (a long prompt's prefill)"
         lines.append(f"  experts: the prefill reserve lends them up to {format_bytes(moe.loan_bytes)} while prompts "
                      f"are short; {lent}")
     if mamba.host_states:

@@ -139,7 +139,8 @@ class RankState:
                                 others, config.cache_budget)
         # NOTE: prefill graphs replay only while every expert is resident: a cache that can never hold them
         # all (offloaded on a small card) takes neither their reserve nor their solo prefill steps
-        expert_bytes = sum(t.numel() * t.element_size() for t in host_experts if t is not None) if host_experts is not None else 0
+        expert_bytes = 0 if host_experts is None else \
+            sum(t.numel() * t.element_size() for t in host_experts if t is not None)
         if self.prefill_graph_tokens and host_experts is not None and not experts_can_all_be_resident(
                 config.moe_backend, config.moe_cache_size, shapes.total_experts, expert_bytes, budget.budget_bytes):
             log.info("prefill graphs off: the expert cache can never hold every expert (%s of experts, a cache "
