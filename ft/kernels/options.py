@@ -220,8 +220,10 @@ class QsaOptions:
 class LaunchOptions:
     """How the decode path's kernels launch (`ft.kernels.pdl`).
 
-    pdl: programmatic dependent launch on compute capability 9.0 or later. Off: not yet measured on
-    the flagship (`ft.kernels.pdl`'s docstring); the kernels give the same bits either way."""
+    pdl: programmatic dependent launch on compute capability 9.0 or later; the kernels give the same bits
+    either way. Off: measured against plain launches in one process on the H200 (bench/decode.py --modes
+    overlap,pdl,overlap,pdl, RESULTS.md session 34), the 80B 0.96x at batch 1, 1.02x at 8, 1.00x at 64;
+    Qwen3.8-Flash-Next within its run-to-run drift."""
 
     pdl: bool = False
 

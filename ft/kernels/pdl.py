@@ -14,15 +14,13 @@ The contract every kernel launched with PDL keeps (`pdl_args`): every program ru
 with no early return before it. Then a kernel's completion implies its predecessor's, so a kernel
 launched without PDL after it sees everything before it, as with plain launches.
 
-Off: on the device (session 18) the small test model's graphs capture and replay with it, bitwise
-equal to plain launches (`tests/gpu/test_decode_graphs_cuda.py`), and a flagship process with it
-alone reported no failed capture (its speed was not recorded); switching it on in a process whose
-graphs were captured without it (`bench/decode.py --modes overlap,pdl`: the graphs dropped and
-captured again in their pool) failed the capture inside torch's caching allocator
-(``it->second->use_count > 0 INTERNAL ASSERT FAILED``, CUDACachingAllocator.cpp:2799) and the engine
-fell back to eager steps. Most likely the pool, not PDL: that assertion is torch refusing a capture
-into a pool whose graphs were all dropped; `DecodeGraphs.invalidate` now starts a new pool (not yet
-confirmed on the device). To measure next: `bench/decode.py --modes overlap,pdl,overlap,pdl`.
+Off: the small test model's graphs capture and replay with it, bitwise equal to plain launches
+(`tests/gpu/test_decode_graphs_cuda.py`); switching it on and off in one process captures again in a
+new pool each time (`DecodeGraphs.invalidate`: session 18's allocator assertion came from reusing the old
+pool; confirmed on the H200 in session 34). Measured there against plain launches in one process
+(`bench/decode.py --modes overlap,pdl,overlap,pdl`, bench/RESULTS.md session 34): the 80B 0.96x at
+batch 1, 1.02x at 8, 1.00x at 64; Qwen3.8-Flash-Next within its run-to-run drift (its HyperConnection
+and QSA kernels launch without it). So it stays off.
 """
 
 from __future__ import annotations
