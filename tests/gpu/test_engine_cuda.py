@@ -144,18 +144,19 @@ def test_an_offloaded_cache_that_can_never_hold_every_expert_reserves_no_prefill
 
 def test_the_prefill_reserves_loan_on_the_device(model, monkeypatch):
     """--lend-prefill-reserve on CUDA: the expert pool grows past the budget at startup (VMM, the same
-    addresses), a prompt longer than the kept chunk recalls the loan before its prefill (the driver
-    takes the chunk back as free memory), the decode graphs captured while it was out replay after it
-    came back, and every greedy token is the no-loan engine's."""
+    addresses), a prompt longer than the kept chunk recalls the loan before its prefill, the decode graphs
+    captured while it was out replay after it came back and went out again, and the tokens are the no-loan
+    engine's (bitwise for a short prompt, whose experts fit the slots; within a near-tie for PROMPT, whose
+    prefill may stream and group its experts differently)."""
     import ft.engine.ranks.rank_state as rank_state
 
-    monkeypatch.setattr(rank_state, "LOAN_KEEP_TOKENS", 32)
+    monkeypatch.setattr(rank_state, "LOAN_KEEP_TOKENS", 16)
     opts = dict(device="cuda", dtype="bfloat16", cache_budget="64MiB", max_prefill_length=512,
                 max_running_requests=2, enable_prefix_cache=False)
     plain, lent = LLM(model=model, **opts), LLM(model=model, lend_prefill_reserve=True, **opts)
     e = lent.engine
     assert e.cache.lent == e.loan_bytes > 0 and e.cache.geometry.moe_slots > plain.engine.cache.geometry.moe_slots
-    short, long_ = PROMPT[:16], list(range(100, 400))
+    short = PROMPT[:8]
 
     def greedy(llm, prompt):
         return llm.generate(prompt_token_ids=[prompt], max_new_tokens=NEW_TOKENS, temperature=0.0,
@@ -163,7 +164,8 @@ def test_the_prefill_reserves_loan_on_the_device(model, monkeypatch):
 
     assert greedy(lent, short) == greedy(plain, short) and e.cache.lent
     captures = e.runner.graphs.captures
-    assert greedy(lent, long_) == greedy(plain, long_) and not e.cache.lent and e.loan.recalls == 1
+    assert_same_or_near_tie(plain, greedy(lent, PROMPT), greedy(plain, PROMPT))
+    assert not e.cache.lent and e.loan.recalls == 1
     e.loan.lend("test")
     assert e.cache.lent and greedy(lent, short) == greedy(plain, short)
     assert e.runner.graphs.captures == captures  # the pool grew and shrank at the same addresses
