@@ -143,3 +143,36 @@ def test_the_warm_up_ends_with_the_loan_out():
     e = make(lend_prefill_reserve=True).engine
     warm_up(e)
     assert e.loan.recalls >= 1 and e.cache.lent == e.loan_bytes and e.cache.history[-1]["trigger"] == "loan"
+
+
+def test_a_ladder_move_while_lent_recalls_first_and_lends_again_at_the_new_rung():
+    """With the KV ladder: a request that needs a higher rung while the loan is out recalls it, moves, and the
+    loan goes out again beside the new rung's KV once due; the rung and the first tokens are the no-loan
+    engine's."""
+    from ft.engine import SamplingParams
+
+    ladder = dict(enable_kv_ladder=True, ladder_step_size=256, cache_budget="20MiB", max_prefill_length=256,
+                  max_running_requests=1)
+    plain = LLM(**ladder)
+    llm = LLM(lend_prefill_reserve=True, **ladder)
+    e = llm.engine
+    clock = Clock()
+    e.loan.clock = clock
+    assert e.cache.lent
+
+    def first_tokens(eng, n=8):  # a request planned past the first rung (512): the ladder grows at admission
+        seq = eng.add_request(SHORT, SamplingParams(max_new_tokens=700, temperature=0.0, ignore_eos=True))
+        while len(seq.output_ids) < n:
+            eng.step()
+        eng.abort(seq.request_id)
+        eng.step()
+        return list(seq.output_ids[:n])
+
+    assert first_tokens(e) == first_tokens(plain.engine)
+    assert e.cache.geometry.kv_tokens == plain.engine.cache.geometry.kv_tokens > e.ladder.rungs[0]
+    triggers = [h["trigger"] for h in e.cache.history]
+    assert triggers[-2:] == ["loan", "ladder"] and not e.cache.lent  # recalled just before the move
+    clock.t += loan_module.LEND_AFTER_S
+    greedy(llm, SHORT, n=2)
+    g = e.cache.geometry
+    assert e.cache.lent and g.moe_slots == e.cache.moe_beside(g.kv_tokens, lent=True)
