@@ -398,7 +398,7 @@ def test_a_shrink_keeps_the_hottest_experts_with_their_bytes(policy):
     replay_step(cache, [[[10, 11, 8, 9]]])
     cache.collect()
     assert cache.num_resident >= 6
-    heat = cache._heat()
+    heat = cache.heat()
     hottest = sorted(heat, key=lambda k: -heat[k])[:6]
     assert any(cache.slot_of(k) >= 6 for k in hottest)  # (some must move)
     for (layer, expert), slot in cache._lru.items():  # (the replay maps landings; the MoE kernel writes bytes)

@@ -257,7 +257,7 @@ class ExpertCache:
     MOVE_BATCH = 64
     """Slots a shrink's relocation copies at once (`_keep_hottest`): its temporary is as many slots' bytes."""
 
-    def _heat(self) -> dict[tuple[int, int], float]:
+    def heat(self) -> dict[tuple[int, int], float]:
         """Each resident's worth keeping, higher hotter: its aged use count under the read-through's
         LFU policy, else its recency (the LRU order)."""
         rt = self.read_through
@@ -274,7 +274,7 @@ class ExpertCache:
         cut = [(key, slot) for key, slot in self._lru.items() if slot >= num_slots]
         if not cut:
             return
-        heat = self._heat()
+        heat = self.heat()
         cut.sort(key=lambda kv: -heat[kv[0]])
         free_low = [slot for slot in self._free if slot < num_slots]
         cold = sorted(((key, slot) for key, slot in self._lru.items() if slot < num_slots), key=lambda kv: heat[kv[0]])
