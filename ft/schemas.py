@@ -209,7 +209,7 @@ class HistoryEntry(_Model):
     to: dict[str, int] = Field(default_factory=dict)
     peak_bytes: int = 0  # the plan's peak
     measured_peak_bytes: int = 0  # the pools' real bytes, largest after any step
-    status: Literal["ok", "rolled_back", "refused", "running"] = "ok"
+    status: Literal["ok", "rolled_back", "degraded", "refused", "running"] = "ok"  # degraded: a rollback fell short
     error: str | None = None
     phases: RebuildPhases = Field(default_factory=RebuildPhases)
     ranks: list[RankRebuild] = Field(default_factory=list)  # tensor parallelism: every GPU's part

@@ -167,6 +167,9 @@ def test_failing_inverse_reports_degraded_never_a_stale_geometry(busy):
     assert e.cache.degraded and "shrink kv" in e.cache.degraded
     assert e.cache.geometry == geometry_of(e) and e.cache.geometry.kv_tokens == 256  # what the pools hold
     assert e.cache.history[-1]["status"] == "degraded" and e.describe()["degraded"] == e.cache.degraded
+    from ft.engine.core.admin import history
+
+    assert history(e).entries[0].status == "degraded"  # (newest first; the admin API's schema takes it: `ft ctl history`)
     e.run_until_done([seq])
     assert seq.output_ids == want
     e.cache.rebuild(kv=512)  # a successful rebuild makes every pool whole again
