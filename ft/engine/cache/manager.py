@@ -211,7 +211,8 @@ class CacheManager:
 
     # ----------------------------------------------------------------------------- resizing
     def target(self, moe: int | None = None, kv: int | None = None, mamba: int | None = None) -> Geometry:
-        g = self.geometry
+        """The settled geometry (`settled_geometry`) with the given sizes (KV rounded to whole pages)."""
+        g = self.settled_geometry
         return Geometry(g.moe_slots if moe is None else moe,
                         g.kv_tokens if kv is None else self.layout.round_size("kv", kv),
                         g.mamba_slots if mamba is None else mamba)
@@ -221,11 +222,8 @@ class CacheManager:
         """The plan from the current geometry (after a recall: `settled_geometry`) to the target (None
         keeps a pool's size); with held=False, as if no request held pages or slots (would it fit once
         they finish?)."""
-        settled = self.settled_geometry
-        target = self.target(moe, kv, mamba)
-        if self.lent and moe is None:
-            target = Geometry(settled.moe_slots, target.kv_tokens, target.mamba_slots)
-        return plan(settled, target, self.layout, self.budget.budget_bytes, self.limits(held))
+        return plan(self.settled_geometry, self.target(moe, kv, mamba), self.layout, self.budget.budget_bytes,
+                    self.limits(held))
 
     def rebuild(self, moe: int | None = None, kv: int | None = None, mamba: int | None = None,
                 trigger: str = "manual", reason: str | None = None) -> dict:
@@ -251,10 +249,7 @@ class CacheManager:
         try:
             entry["phases"] = {k: round(v, 6) for k, v in self.rebuilder.run(p).items()}
         except RebuildFailed as e:
-            self.degraded = e.degraded if e.degraded or self.geometry == p.current else (
-                f"the pools hold {self.geometry.sizes()} after the rollback, not {p.current.sizes()}")
-            entry.update(status="rolled_back" if not self.degraded else "degraded", error=str(e),
-                         measured_peak_bytes=self.rebuilder.measured_peak_bytes, to=self.geometry.sizes())
+            self._rolled_back(p, entry, e)
             if self.peers is not None:  # the workers move the contents this rank moved, and resize nothing
                 self.peers.sync_ops(self.pools.kv.journal.take())
             self._append(entry)
@@ -341,12 +336,17 @@ class CacheManager:
                 entry["measured_peak_bytes"] = self.rebuilder.measured_peak_bytes
                 self.lent = lent_after
             except RebuildFailed as e:
-                self.degraded = e.degraded if e.degraded or self.geometry == p.current else (
-                    f"the pools hold {self.geometry.sizes()} after the rollback, not {p.current.sizes()}")
-                entry.update(status="rolled_back" if not self.degraded else "degraded", error=str(e),
-                             to=self.geometry.sizes())
+                self._rolled_back(p, entry, e)
         self._append(entry)
         return entry
+
+    def _rolled_back(self, p: Plan, entry: dict, e: RebuildFailed) -> None:
+        """After a plan's run failed and rolled back: `degraded` when the pools are not where the plan
+        started, and the history entry's status, error and sizes."""
+        self.degraded = e.degraded if e.degraded or self.geometry == p.current else (
+            f"the pools hold {self.geometry.sizes()} after the rollback, not {p.current.sizes()}")
+        entry.update(status="rolled_back" if not self.degraded else "degraded", error=str(e),
+                     measured_peak_bytes=self.rebuilder.measured_peak_bytes, to=self.geometry.sizes())
 
     def record(self, trigger: str, reason: str, status: str, error: str | None = None) -> dict:
         """A history entry for a decision that did not resize (a ladder move refused or held)."""

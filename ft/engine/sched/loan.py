@@ -35,7 +35,8 @@ class ReserveLoan:
     def __init__(self, cache: CacheManager, scheduler: Scheduler, keep_tokens: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.cache, self.scheduler, self.keep_tokens, self.clock = cache, scheduler, keep_tokens, clock
-        self.last_long = float("-inf")  # when a step last needed more than keep_tokens, or a lend was tried
+        self.quiet_since = float("-inf")  # the last step over keep_tokens, or the last lend tried: due from
+        # LEND_AFTER_S after it
         self.failed: str | None = None  # a recall that could not run: the loan is never made again
         self.recalls = 0
 
@@ -54,12 +55,12 @@ class ReserveLoan:
         """Whether the loan should go out now (the overlapped decode stops queuing so that the engine's
         next plain step makes it)."""
         return self.failed is None and not self.cache.lent and self.cache.loan_bytes > 0 \
-            and self.clock() - self.last_long >= LEND_AFTER_S and not self._long_pending()
+            and self.clock() - self.quiet_since >= LEND_AFTER_S and not self._long_pending()
 
     def lend(self, reason: str = "no prompt needs the prefill reserve") -> dict | None:
         """Lend now if nothing prevents it (`CacheManager.lend`); the next try waits LEND_AFTER_S
         whatever the outcome (a refusal, a user's fixed expert size)."""
-        self.last_long = self.clock()
+        self.quiet_since = self.clock()
         return self.cache.lend(reason)
 
     def before_step(self) -> None:
@@ -74,7 +75,7 @@ class ReserveLoan:
         tokens = sum(work.num_tokens)
         if tokens <= self.keep_tokens:
             return
-        self.last_long = self.clock()
+        self.quiet_since = self.clock()
         if not self.cache.lent:
             return
         try:
