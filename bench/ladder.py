@@ -76,7 +76,7 @@ def main() -> None:
                          "--no-embedding-on-host keeps it on the device (the rows before session 30)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME",
                     help="a named kernel variant for every engine (ft.kernels.options.VARIANTS, e.g. "
-                         "moe-decode-narrow-one-token); repeatable")
+                         "pdl); repeatable")
     args = ap.parse_args()
     if args.pdl or args.variant:
         from ft.kernels.options import set_kernel_options, variant

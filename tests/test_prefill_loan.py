@@ -111,6 +111,19 @@ def test_the_loan_is_shown_and_refused_where_it_cannot_apply():
             LLM(lend_prefill_reserve=True, **bad)
 
 
+def test_the_loan_is_the_default_where_it_can_lend():
+    """Unasked, the slots borrow the reserve where an offloaded cache fills the budget on one CUDA GPU (the
+    H200's +2-3%, bench/RESULTS.md session 35), and nowhere else; asked either way, as asked."""
+    from ft.engine.base.engine_config import EngineConfig
+
+    assert EngineConfig().lends_reserve("cuda") and not EngineConfig().lends_reserve("cpu")
+    for other in ({"moe_backend": "resident"}, {"moe_cache_size": 8}, {"tensor_parallel_size": 2}):
+        assert not EngineConfig(**other).lends_reserve("cuda")
+    assert not EngineConfig(lend_prefill_reserve=False).lends_reserve("cuda")
+    assert EngineConfig(lend_prefill_reserve=True).lends_reserve("cpu")
+    assert make().engine.loan is None and make(lend_prefill_reserve=True).engine.loan is not None  # CPU: as asked
+
+
 def test_a_failed_lend_or_recall_leaves_the_server_serving():
     """A lend whose grow fails rolls back (recorded, not raised: the budget's geometry serves on); a recall
     whose shrink fails leaves the loan out, is logged, and the step runs anyway; no loan is made again."""

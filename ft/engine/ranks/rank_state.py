@@ -128,7 +128,7 @@ class RankState:
         # of at most `loan_keep_tokens` leave unused; the expert slots borrow it (`CacheManager.lend`)
         self.loan_keep_tokens = min(LOAN_KEEP_TOKENS, config.max_prefill_length)
         self.loan_bytes = 0
-        if config.lend_prefill_reserve and tp is None and self.loan_keep_tokens < config.max_prefill_length:
+        if config.lends_reserve(self.device.type) and tp is None and self.loan_keep_tokens < config.max_prefill_length:
             keep = min(self.loan_keep_tokens, self.context_limit)
             self.loan_bytes = max(0, self.reserve - activation_reserve(
                 cfg, self.dtype, self.device, keep, config.max_running_requests, shapes.kv_dtype, self.context_limit))
