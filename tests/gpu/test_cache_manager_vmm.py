@@ -25,9 +25,10 @@ MIB = 1024**2
 
 
 def make(model: str) -> LLM:
-    # a budget that the automatic expert cache fills, so that shrink-before-grow matters
+    # a budget that the automatic expert cache fills, so that shrink-before-grow matters; no prefill
+    # reserve's loan (its own rebuilds and their rollback: tests/test_prefill_loan.py, test_engine_cuda.py)
     return LLM(model=model, device="cuda", dtype="bfloat16", num_tokens=4096, mamba_cache_size=8,
-               cache_budget="24MiB", max_running_requests=2)
+               cache_budget="24MiB", max_running_requests=2, lend_prefill_reserve=False)
 
 
 @pytest.fixture(scope="module")

@@ -154,7 +154,8 @@ def test_the_prefill_reserves_loan_on_the_device(model, monkeypatch):
     # 20 MiB: ~70 of the 128 experts' slots without the loan (at 64 MiB every expert fits and nothing is lent)
     opts = dict(device="cuda", dtype="bfloat16", cache_budget="20MiB", max_prefill_length=512,
                 max_running_requests=2, enable_prefix_cache=False)
-    plain, lent = LLM(model=model, **opts), LLM(model=model, lend_prefill_reserve=True, **opts)
+    plain = LLM(model=model, lend_prefill_reserve=False, **opts)  # (the loan is the default on CUDA now)
+    lent = LLM(model=model, lend_prefill_reserve=True, **opts)
     e = lent.engine
     assert plain.engine.cache.geometry.moe_slots < plain.engine.cache.total_experts
     assert e.cache.lent == e.loan_bytes > 0 and e.cache.geometry.moe_slots > plain.engine.cache.geometry.moe_slots
