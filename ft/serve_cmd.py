@@ -130,13 +130,14 @@ def describe(engine, url: str, started_s: float | None = None) -> str:
 
 
 def _loan_lines(engine) -> list[str]:
-    """With --lend-prefill-reserve, the banner's line on the loan (its bytes, whether it is out now)."""
+    """With the prefill reserve on loan (the default offloaded on one GPU), the banner's line on it (its bytes,
+    whether it is out now, the flag that turns it off)."""
     cache = engine.cache
     if not cache.loan_bytes:
         return []
     now = "lent now" if cache.lent else "not lent now"
     return [f"  prefill reserve: {format_bytes(cache.loan_bytes)} of it lent to expert slots while steps need at most "
-            f"{engine.loan_keep_tokens} tokens ({now}); a longer chunk recalls it first (--lend-prefill-reserve)"]
+            f"{engine.loan_keep_tokens} tokens ({now}); a longer chunk recalls it first (--no-lend-prefill-reserve: never lent)"]
 
 
 def _prefix_lines(engine, state_bytes: int) -> list[str]:
