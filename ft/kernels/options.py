@@ -68,7 +68,7 @@ class MoeOptions:
     gate/up, (16, 0, 4) down per pair). At Qwen3.8-Flash-Next's shape the block alone took 22.4 us a layer
     against the defaults' 26.1 (H200, RESULTS.md session 34), but the step did not follow: 161.1 / 149.1
     tok/s against 155.8 / 155.9 at batch 1 in one process, and the 16 GiB card's offloaded 64K rung 63.1
-    tok/s against 64.2 with the defaults (session 35). Commit 5c70f5e holds it.)
+    tok/s against 64.2 with the defaults (session 35). Commit cf6e6b2 holds it.)
     (The decode MoE skips a graph bucket's padding rows always; the variant that computed them lost by
     5-10% at batches 10 / 20 / 36 and was deleted, RESULTS.md session 29.)"""
 
