@@ -80,6 +80,11 @@ HELP = {
                              "and it is lent again 2 s after the last one, with no long prompt waiting. Default: on when "
                              "experts are offloaded on one CUDA GPU without --moe-cache-size (+2-3%% decode measured), "
                              "off otherwise"),
+    "mamba_on_demand": ("keep device linear-attention state slots (e.g. 110 MiB each on Qwen3.8-Flash-Next, ~40 "
+                        "expert slots) for the requests running now only: a request that finds no free slot grows "
+                        "the pool first (a live rebuild that shrinks the expert slots, which get the bytes back "
+                        "once slots sit unused for 10 s); offloaded on one GPU with the prefix cache's states in "
+                        "host memory. Off by default: not yet measured on a GPU"),
     "enable_prefix_cache": ("reuse KV and linear-attention state of earlier requests (--no-enable-prefix-cache or "
                             "vLLM's --no-enable-prefix-caching to turn off)"),
     "enable_kv_ladder": "grow KV rung by rung when a request needs the context, trading expert slots; shrink back later",

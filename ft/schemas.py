@@ -203,7 +203,8 @@ class RankRebuild(_Model):
 class HistoryEntry(_Model):
     id: int = 0
     time: float = 0.0  # unix seconds
-    trigger: Literal["startup", "manual", "ladder", "loan"] = "manual"  # loan: --lend-prefill-reserve
+    trigger: Literal["startup", "manual", "ladder", "loan", "mamba"] = "manual"  # loan: --lend-prefill-reserve;
+    # mamba: --mamba-on-demand
     reason: str | None = None
     from_: dict[str, int] = Field(default_factory=dict, alias="from")
     to: dict[str, int] = Field(default_factory=dict)

@@ -118,6 +118,7 @@ def describe(engine, url: str, started_s: float | None = None) -> str:
         f"kv {g.kv_tokens} tokens ({engine.pools.kv.dtype_name}), mamba {g.mamba_slots} "
         f"slots = {format_bytes(engine.cache.allocated_bytes)}",
         *_loan_lines(engine),
+        *_mamba_demand_lines(engine, c.mamba_slot),
         *_prefix_lines(engine, c.mamba_slot),
         f"  storage: {st['backend']} (allocations rounded to {format_bytes(st['granularity_bytes'])}"
         + ("; a resize copies, so it holds old and new: the reachable ranges count that)" if st["reallocates"] else ")"),
@@ -138,6 +139,15 @@ def _loan_lines(engine) -> list[str]:
     now = "lent now" if cache.lent else "not lent now"
     return [f"  prefill reserve: {format_bytes(cache.loan_bytes)} of it lent to expert slots while steps need at most "
             f"{engine.loan_keep_tokens} tokens ({now}); a longer chunk recalls it first (--no-lend-prefill-reserve: never lent)"]
+
+
+def _mamba_demand_lines(engine, state_bytes: int) -> list[str]:
+    """With --mamba-on-demand, the banner's line on the linear-attention pool's trade with the expert slots."""
+    if engine.mamba_demand is None:
+        return []
+    return [f"  linear-attention slots on demand: {engine.cache.geometry.mamba_slots} now, grown for waiting requests "
+            f"up to {engine.scheduler.max_running} ({format_bytes(state_bytes)} each, taken from expert slots) and "
+            f"given back after {engine.mamba_demand.idle_s:.0f} s unused (--mamba-on-demand)"]
 
 
 def _prefix_lines(engine, state_bytes: int) -> list[str]:

@@ -172,3 +172,33 @@ def test_the_prefill_reserves_loan_on_the_device(model, monkeypatch):
     e.loan.lend("test")
     assert e.cache.lent and greedy(lent, short) == greedy(plain, short)
     assert e.runner.graphs.captures == captures  # the pool grew and shrank at the same addresses
+
+
+def test_mamba_slots_on_demand_on_the_device(model):
+    """--mamba-on-demand on CUDA: the linear-attention pool starts at one slot (the expert slots take the
+    rest), grows through VMM at the same addresses when two requests run at once, so the batch-1 decode graph
+    captured before the grow replays after it and after the shrink, and the tokens are the fixed pool's."""
+    opts = dict(device="cuda", dtype="bfloat16", cache_budget="20MiB", num_tokens=2048, max_prefill_length=512,
+                max_running_requests=2, lend_prefill_reserve=False)  # (host prefix states: the CUDA default)
+    fixed = LLM(model=model, **opts)
+    llm = LLM(model=model, mamba_on_demand=True, **opts)
+    e = llm.engine
+    assert e.cache.geometry.mamba_slots == 1 < fixed.engine.cache.geometry.mamba_slots
+    assert e.cache.geometry.moe_slots > fixed.engine.cache.geometry.moe_slots
+    ptrs = [t.data_ptr() for t in e.pools.mamba.tensors]
+
+    def greedy(engine_llm, prompts):
+        outs = engine_llm.generate(prompt_token_ids=prompts, max_new_tokens=NEW_TOKENS, temperature=0.0,
+                                   ignore_eos=True)
+        return [o.token_ids for o in outs]
+
+    one, two = [PROMPT[:8]], [PROMPT[:8], PROMPT[:12]]
+    assert greedy(llm, one) == greedy(fixed, one)
+    captures = e.runner.graphs.captures
+    for got, want in zip(greedy(llm, two), greedy(fixed, two)):  # (a two-prompt prefill may group its experts
+        assert_same_or_near_tie(fixed, got, want)  # otherwise with more slots)
+    assert e.cache.geometry.mamba_slots == 2 and e.mamba_demand.grows == 1
+    assert [t.data_ptr() for t in e.pools.mamba.tensors] == ptrs
+    e.mamba_demand.shrink("test")
+    assert e.cache.geometry.mamba_slots == 1 and greedy(llm, one) == greedy(fixed, one)
+    assert e.runner.graphs.captures == captures + 1  # the batch-2 graph alone was new

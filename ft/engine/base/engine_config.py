@@ -12,6 +12,8 @@ from ft.units import parse_bytes
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8", "nvfp4")
 """--kv-cache-dtype values (the engine maps them to the pool's dtype: `ft.engine.core.engine.KV_DTYPES`)."""
 
+MAMBA_ON_DEMAND_MIN = 1
+"""--mamba-on-demand: the device mamba slots the pool keeps at least (one request chatting needs one)."""
 EXPERT_POLICIES = ("auto", "lru", "lfu")
 """--expert-policy values (`EngineConfig.expert_policy_for` resolves auto)."""
 
@@ -62,6 +64,8 @@ class EngineConfig:
     # memory; None: when experts are offloaded on one CUDA GPU (`prefix_host_entries`)
     lend_prefill_reserve: bool | None = None  # expert slots borrow the prefill reserve's idle part
     # (`ft.engine.sched.loan`); None: when an offloaded cache fills the budget on one CUDA GPU (`lends_reserve`)
+    mamba_on_demand: bool = False  # device mamba slots for the running requests only, grown when one waits
+    # for a slot and given back to expert slots when idle (`ft.engine.sched.mamba_demand`); offloaded, one GPU
     enable_kv_ladder: bool = False  # grow KV rung by rung when a request needs it, shrink back later
     ladder_step_size: int = 32768  # tokens between rungs; the first rung is twice this
     ladder_min_reuse: float = 0.5  # a request reusing less of its prompt from the cache may shrink KV
@@ -133,6 +137,13 @@ class EngineConfig:
                                           or self.tensor_parallel_size > 1):
             raise ConfigError("--lend-prefill-reserve lends to an offloaded expert cache that fills the budget, on "
                               "one GPU (no --moe-backend resident, --moe-cache-size or tensor parallelism)")
+        if self.mamba_on_demand and (self.moe_backend != "offload" or self.moe_cache_size is not None
+                                     or self.mamba_cache_size is not None or self.tensor_parallel_size > 1
+                                     or (self.enable_prefix_cache and self.prefix_states_on_host is False)):
+            raise ConfigError("--mamba-on-demand trades linear-attention state slots with an offloaded expert cache "
+                              "that fills the budget, on one GPU, with the prefix cache's states in host memory (no "
+                              "--moe-backend resident, --moe-cache-size, --mamba-cache-size, tensor parallelism or "
+                              "--no-prefix-states-on-host)")
         if self.enable_kv_ladder and self.num_tokens is not None:
             raise ConfigError("--num-tokens conflicts with --enable-kv-ladder: the ladder sets the KV size "
                               "(use --ladder-step-size; KV starts at twice the step)")
@@ -197,11 +208,14 @@ class EngineConfig:
         return max(4, self.running_requests) if on and self.enable_prefix_cache else 0
 
     def mamba_slots_for(self, device_type: str) -> int:
-        """Device mamba slots: --mamba-cache-size, else one per running request plus as many for the
-        prefix cache's entries (at least 4 in all), or with the entries' states in host memory
-        (`prefix_host_entries`) the running requests' alone."""
+        """Device mamba slots at startup: --mamba-cache-size, else one per running request plus as many for
+        the prefix cache's entries (at least 4 in all), or with the entries' states in host memory
+        (`prefix_host_entries`) the running requests' alone; with --mamba-on-demand MAMBA_ON_DEMAND_MIN
+        (the pool grows when a request waits for a slot)."""
         if self.mamba_cache_size:
             return self.mamba_cache_size
+        if self.mamba_on_demand:
+            return MAMBA_ON_DEMAND_MIN
         if self.prefix_host_entries(device_type):
             return self.running_requests
         return max(4, 2 * self.running_requests)

@@ -193,14 +193,15 @@ class CacheManager:
             return g
         return Geometry(self.moe_beside(g.kv_tokens, lent=False) or g.moe_slots, g.kv_tokens, g.mamba_slots)
 
-    def moe_beside(self, kv_tokens: int, lent: bool = False) -> int | None:
-        """Expert slots for a geometry with `kv_tokens` of KV (mamba unchanged): all the budget
-        (with `lent`, plus the loan: `lend`) leaves, or the fixed count of the resident backend / an
+    def moe_beside(self, kv_tokens: int, lent: bool = False, mamba_slots: int | None = None) -> int | None:
+        """Expert slots for a geometry with `kv_tokens` of KV and `mamba_slots` (None: as now): all the
+        budget (with `lent`, plus the loan: `lend`) leaves, or the fixed count of the resident backend / an
         explicit --moe-cache-size. None when that is below the expert floor or does not fit."""
         g, budget = self.geometry, self.budget.budget_bytes + (self.loan_bytes if lent else 0)
+        mamba = g.mamba_slots if mamba_slots is None else mamba_slots
 
         def fits(moe: int) -> bool:
-            return self.layout.nbytes(Geometry(moe, kv_tokens, g.mamba_slots)) <= budget
+            return self.layout.nbytes(Geometry(moe, kv_tokens, mamba)) <= budget
 
         if self.opts.moe_backend == "resident" or self.opts.moe_cache_size is not None:
             return g.moe_slots if fits(g.moe_slots) else None

@@ -14,11 +14,12 @@ import time
 
 import torch
 
-from ft.engine.base.engine_config import EngineConfig
+from ft.engine.base.engine_config import MAMBA_ON_DEMAND_MIN, EngineConfig
 from ft.engine.core.choices import ChoiceGroups
 from ft.engine.sched.ladder import Ladder, LadderOptions
 from ft.engine.sched.ladder_driver import LadderDriver
 from ft.engine.sched.loan import ReserveLoan
+from ft.engine.sched.mamba_demand import MambaOnDemand
 from ft.engine.sched.prefix_cache import PrefixCache
 from ft.engine.core.request_builder import RequestBuilder
 from ft.engine.ranks.rank_state import KV_ALGO_DTYPES, KV_DTYPES, RankState
@@ -88,6 +89,13 @@ class Engine(RankState):
         self.loan = ReserveLoan(self.cache, self.scheduler, self.loan_keep_tokens) if self.loan_bytes else None
         if self.loan is not None:
             self.loan.lend("startup: no prompt needs the prefill reserve yet")
+        # --mamba-on-demand: device mamba slots for the running requests only, grown when one waits for a slot
+        self.mamba_demand = MambaOnDemand(self.cache, self.scheduler, MAMBA_ON_DEMAND_MIN) \
+            if config.mamba_on_demand else None
+        if self.mamba_demand is not None and config.enable_prefix_cache \
+                and not config.prefix_host_entries(self.device.type):
+            raise ConfigError("--mamba-on-demand needs the prefix cache's states in host memory "
+                              "(--prefix-states-on-host) or no prefix cache")
         self.started_at = time.time()
         self.started_monotonic = time.monotonic()  # the admin API's uptime never goes backwards
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
@@ -212,11 +220,15 @@ class Engine(RankState):
 
     def _step(self) -> list[Sequence]:
         rejected = []
+        if self.mamba_demand is not None:
+            self.mamba_demand.before_step()
         if self.loan is not None:
             self.loan.before_step()
         if self.ladder is not None:
             rejected = self.ladder_driver.before_admission(self._fail)
             self.ladder_driver.before_decode()
+        if self.mamba_demand is not None:
+            self.mamba_demand.before_admission()
         work = self.scheduler.schedule()
         self.scheduler.hold_head = False
         if work is None:

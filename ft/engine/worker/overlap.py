@@ -110,6 +110,8 @@ class OverlappedDecode:
             return []
         if e.loan is not None and e.loan.due():  # the loan goes out in a plain step (`Engine._step`)
             return []
+        if e.mamba_demand is not None and e.mamba_demand.due():  # so do idle mamba slots
+            return []
         nxt = [s for s in live if len(s.output_ids) + 1 < s.max_new_tokens and s.num_tokens + 1 < e.context_limit]
         for s in nxt:
             if not sched.grow_for(s, 1):

@@ -1,0 +1,123 @@
+"""Device linear-attention state slots on demand (`--mamba-on-demand`, `ft.engine.sched.mamba_demand`) on the
+demo model, offloaded under a small cache budget with the prefix cache's states in host memory: the pool
+starts at one slot with the expert slots filling the rest, grows when requests wait for slots (the experts
+shrink to what the budget leaves), shrinks back once a slot sits idle, and the tokens are those of an
+engine with a fixed pool."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ft.engine import LLM, SamplingParams
+from ft.engine.base.engine_config import MAMBA_ON_DEMAND_MIN
+from ft.engine.sched import mamba_demand
+from ft.errors import ConfigError
+
+PROMPTS = [[5 + (i * 7 + j) % 11 for j in range(12 + i)] for i in range(4)]
+OPTS = dict(cache_budget="12MiB", num_tokens=2048, max_prefill_length=256, max_running_requests=4, prefix_states_on_host=True)
+
+
+class Clock:
+    """Monotonic seconds that move only when a test moves them."""
+
+    def __init__(self) -> None:
+        self.t = time.monotonic()
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def run_all(llm, prompts, n=5):
+    outs = llm.generate(prompt_token_ids=prompts, max_new_tokens=n, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in outs]
+
+
+def test_the_pool_grows_for_waiting_requests_and_shrinks_when_idle():
+    fixed = LLM(**OPTS)
+    llm = LLM(mamba_on_demand=True, **OPTS)
+    e = llm.engine
+    clock = Clock()
+    e.mamba_demand.clock = clock
+    start, base = e.cache.geometry, fixed.engine.cache.geometry
+    assert start.mamba_slots == MAMBA_ON_DEMAND_MIN < base.mamba_slots == 4
+    assert start.kv_tokens == base.kv_tokens and start.moe_slots > base.moe_slots  # the idle slots' bytes
+    assert e.cache.ranges_around(moe=e.cache.expert_floor)["mamba"][1] >= 4  # every running request's slot, by
+    # trading expert slots down to the floor
+
+    assert run_all(llm, PROMPTS) == run_all(fixed, PROMPTS)  # four at once: one grow, to four slots
+    grown = e.cache.geometry
+    assert grown.mamba_slots == 4 and grown.moe_slots < start.moe_slots and e.mamba_demand.grows == 1
+    entry = e.cache.history[-1]
+    assert entry["trigger"] == "mamba" and entry["status"] == "ok" and "3 more" in entry["reason"]
+    assert e.cache.layout.nbytes(grown) <= e.cache.budget.budget_bytes
+
+    assert run_all(llm, PROMPTS[:1]) == run_all(fixed, PROMPTS[:1])  # too soon: the slots stay
+    assert e.cache.geometry == grown
+    clock.t += mamba_demand.IDLE_S
+    assert run_all(llm, PROMPTS[1:2]) == run_all(fixed, PROMPTS[1:2])  # the step before it gives them back
+    assert e.cache.geometry == start and e.mamba_demand.shrinks == 1
+    assert e.cache.history[-1]["trigger"] == "mamba" and "unused" in e.cache.history[-1]["reason"]
+
+
+def test_a_grow_that_fails_leaves_the_requests_waiting_and_served():
+    """The grow's rebuild fails (rolled back): the requests run one at a time in the slot there is, with the
+    fixed pool's tokens; the grow is not tried again at that geometry."""
+    fixed = LLM(**OPTS)
+    llm = LLM(mamba_on_demand=True, **OPTS)
+    e = llm.engine
+    start = e.cache.geometry
+    e.cache.rebuilder.fault_at = "grow mamba"
+    assert run_all(llm, PROMPTS[:3]) == run_all(fixed, PROMPTS[:3])
+    assert e.cache.geometry == start and e.mamba_demand.grows == 0
+    assert [h["status"] for h in e.cache.history if h["trigger"] == "mamba"] == ["rolled_back"]
+    e.cache.rebuilder.fault_at = None
+
+
+def test_the_warm_up_ends_with_the_pool_at_its_minimum():
+    from ft.engine.core.warmup import warm_up
+
+    e = LLM(mamba_on_demand=True, **OPTS).engine
+    warm_up(e)
+    assert e.mamba_demand.grows >= 1 and e.cache.geometry.mamba_slots == MAMBA_ON_DEMAND_MIN
+    assert e.cache.history[-1]["trigger"] == "mamba" and "warm-up" in e.cache.history[-1]["reason"]
+
+
+def test_the_banner_says_so():
+    from ft.serve_cmd import describe
+
+    banner = describe(LLM(mamba_on_demand=True, **OPTS).engine, "http://x")
+    assert "linear-attention slots on demand: 1 now" in banner and "up to 4" in banner
+    assert "on demand" not in describe(LLM(**OPTS).engine, "http://x")
+
+
+def test_mamba_on_demand_is_refused_where_it_cannot_trade():
+    for bad in ({"moe_backend": "resident"}, {"moe_cache_size": 8}, {"mamba_cache_size": 4},
+                {"prefix_states_on_host": False}):
+        with pytest.raises(ConfigError, match="--mamba-on-demand"):
+            LLM(mamba_on_demand=True, cache_budget="12MiB", **bad)
+    with pytest.raises(ConfigError, match="--mamba-on-demand"):  # the CPU keeps prefix states on the device by default
+        LLM(mamba_on_demand=True, cache_budget="12MiB")
+    e = LLM(mamba_on_demand=True, cache_budget="12MiB", enable_prefix_cache=False).engine  # no prefix cache: fine
+    assert e.cache.geometry.mamba_slots == MAMBA_ON_DEMAND_MIN
+
+
+def test_with_the_loan_a_grow_recalls_it_and_it_goes_out_again_beside_the_grown_pool(monkeypatch):
+    from ft.engine.sched import loan as loan_module
+    import ft.engine.ranks.rank_state as rank_state
+
+    monkeypatch.setattr(rank_state, "LOAN_KEEP_TOKENS", 32)  # (the real one, 2,048, is past the demo's chunk)
+    fixed = LLM(**OPTS)
+    llm = LLM(mamba_on_demand=True, lend_prefill_reserve=True, **OPTS)
+    e = llm.engine
+    clock = Clock()
+    e.mamba_demand.clock = e.loan.clock = clock
+    assert e.cache.lent and e.cache.geometry.mamba_slots == 1
+    assert run_all(llm, PROMPTS) == run_all(fixed, PROMPTS)
+    g = e.cache.geometry
+    assert g.mamba_slots == 4 and [h["trigger"] for h in e.cache.history[-2:]] == ["loan", "mamba"]
+    clock.t += loan_module.LEND_AFTER_S
+    assert run_all(llm, PROMPTS[:1]) == run_all(fixed, PROMPTS[:1])
+    assert e.cache.lent and e.cache.geometry.mamba_slots == 4 and e.cache.geometry.moe_slots > g.moe_slots
+    assert e.cache.layout.nbytes(e.cache.geometry) <= e.cache.budget.budget_bytes + e.loan_bytes
