@@ -67,6 +67,7 @@ class MambaPoolState(PoolState):
     used: int = 0  # slots held by requests or the prefix cache
     host_states: int = 0  # cached prefixes whose state is in host memory instead (--prefix-states-on-host)
     host_bytes: int = 0  # the host memory those states take
+    on_demand_max: int = 0  # --mamba-on-demand: the pool grows for waiting requests up to this many slots (0: fixed)
 
 
 class Pools(_Model):

@@ -92,6 +92,19 @@ def test_the_banner_says_so():
     assert "on demand" not in describe(LLM(**OPTS).engine, "http://x")
 
 
+def test_the_admin_state_ft_ctl_and_ft_top_say_so():
+    from ft.ctl.format import format_cache
+    from ft.engine.core.admin import cache_state
+    from ft.tui.state import pool_usage
+
+    state = cache_state(LLM(mamba_on_demand=True, **OPTS).engine, "serving", "demo")
+    assert state.pools.mamba.on_demand_max == 4 and state.pools.mamba.size == 1
+    assert "slots on demand, grown for waiting requests up to 4" in format_cache(state)
+    assert pool_usage(state)["mamba"].endswith("(<= 4)")
+    fixed = cache_state(LLM(**OPTS).engine, "serving", "demo")
+    assert fixed.pools.mamba.on_demand_max == 0 and "on demand" not in format_cache(fixed)
+
+
 def test_mamba_on_demand_is_refused_where_it_cannot_trade():
     for bad in ({"moe_backend": "resident"}, {"moe_cache_size": 8}, {"mamba_cache_size": 4},
                 {"prefix_states_on_host": False}):

@@ -143,6 +143,9 @@ def format_cache(state: CacheState) -> str:
             "recalled now (a long prompt's prefill)"
         lines.append(f"  experts: the prefill reserve lends them up to {format_bytes(moe.loan_bytes)} while prompts "
                      f"are short; {lent}")
+    if mamba.on_demand_max:
+        lines.append(f"  mamba: slots on demand, grown for waiting requests up to {mamba.on_demand_max} (expert slots "
+                     f"give way) and given back when unused")
     if mamba.host_states:
         lines.append(f"  prefix cache: {mamba.host_states} cached prefixes keep their linear-attention state in host "
                      f"memory ({format_bytes(mamba.host_bytes)}), copied to a slot on a hit")

@@ -164,7 +164,7 @@ def pool_usage(state: CacheState) -> dict[str, str]:
         "moe": f"hit {100.0 * moe.hit_rate:.1f}% res {res}"  # (since startup: the live plot's is "recent")
                + (f" +{format_bytes(moe.lent_bytes)} lent" if moe.lent_bytes else ""),  # --lend-prefill-reserve
         "kv": f"used {live}/{kv.pages} ({100.0 * live / kv.pages:.0f}%){cached}" if kv.pages else "used 0",
-        "mamba": f"used {mamba.used}/{mamba.size}"
+        "mamba": f"used {mamba.used}/{mamba.size}" + (f" (<= {mamba.on_demand_max})" if mamba.on_demand_max else "")
                  + (f" +{mamba.host_states} on host ({format_bytes(mamba.host_bytes)})" if mamba.host_states else ""),
     }
 

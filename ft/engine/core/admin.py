@@ -52,6 +52,7 @@ def cache_state(engine, state: str, model_name: str) -> CacheState:
                 "max": ranges["mamba"][1], "used": pools.mamba.num_used,
                 "host_states": len(engine.prefix_cache) - engine.prefix_cache.num_slots,
                 "host_bytes": engine.prefix_cache.host_bytes,
+                "on_demand_max": engine.scheduler.max_running if engine.mamba_demand is not None else 0,
             },
         },
         "ladder": ladder_state(engine).model_dump(),
