@@ -72,13 +72,17 @@ def one_request(eng: Engine, prompt: list[int], new: int) -> dict:
         eng.step()
     _sync()
     t1 = time.perf_counter()
+    stats = eng.pools.experts.stats if eng.pools.experts is not None else None
+    h0, m0 = (stats.hits, stats.misses) if stats else (0, 0)
     while not seq.is_finished:
         eng.step()
     _sync()
     t2 = time.perf_counter()
     n = len(seq.output_ids) - 1
+    hits, misses = (stats.hits - h0, stats.misses - m0) if stats else (0, 0)
     return {"ttft_s": t1 - t0, "prefill_tps": len(prompt) / (t1 - t0), "decode_tps": n / (t2 - t1) if n else None,
-            "streamed_bytes": (stream.stats.bytes - b0) if stream else 0}
+            "streamed_bytes": (stream.stats.bytes - b0) if stream else 0,
+            "decode_hit_rate": hits / (hits + misses) if hits + misses else None}
 
 
 def profile(eng: Engine, prompts: Prompts, n: int) -> None:
@@ -182,6 +186,7 @@ def main() -> None:
                 again = one_request(eng, prompt[:-1] + [(prompt[-1] + 1) % (eng.model_config.vocab_size - 10) + 5],
                                     args.decode)
                 r["decode_same_context"] = again["decode_tps"]
+                r["hit_same_context"], r["hit_after_32"] = again["decode_hit_rate"], base["decode_hit_rate"]
                 r.update(card=card, mode=mode, loader=loader, length=n, chunk=chunk, slots=experts.num_slots,
                          decode_after_32=base["decode_tps"],
                          bound_s=r["streamed_bytes"] / (args.pcie_gbs * 1e9))
@@ -197,14 +202,20 @@ def main() -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     print(f"\n| card | mode | loader | chunk | prompt | TTFT s | prefill tok/s | streamed GB | PCIe bound s ({args.pcie_gbs:.0f} GB/s) | "
-          "decode tok/s after | after 32 | ratio | same context, cached prefix | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "decode tok/s after | after 32 | ratio | same context, cached prefix | ratio | decode hits after / after 32 "
+          "/ same context |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = r["decode_tps"] / r["decode_after_32"] if r["decode_tps"] and r["decode_after_32"] else float("nan")
         same = r["decode_tps"] / r["decode_same_context"] if r["decode_tps"] and r["decode_same_context"] else float("nan")
         print(f"| {r['card']} | {r['mode']} | {r['loader']} | {r['chunk']:,} | {r['length']:,} | {r['ttft_s']:.2f} | {r['prefill_tps']:,.0f} | "
               f"{r['streamed_bytes'] / 1e9:.1f} | {r['bound_s']:.2f} | {r['decode_tps'] or 0:.1f} | "
-              f"{r['decode_after_32'] or 0:.1f} | {ratio:.2f} | {r['decode_same_context'] or 0:.1f} | {same:.2f} |")
+              f"{r['decode_after_32'] or 0:.1f} | {ratio:.2f} | {r['decode_same_context'] or 0:.1f} | {same:.2f} | "
+              f"{_pct(r['decode_hit_rate'])} / {_pct(r['hit_after_32'])} / {_pct(r['hit_same_context'])} |")
+
+
+def _pct(rate: float | None) -> str:
+    return "-" if rate is None else f"{100 * rate:.1f}%"
 
 
 if __name__ == "__main__":
