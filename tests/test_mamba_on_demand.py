@@ -134,3 +134,19 @@ def test_with_the_loan_a_grow_recalls_it_and_it_goes_out_again_beside_the_grown_
     assert run_all(llm, PROMPTS[:1]) == run_all(fixed, PROMPTS[:1])
     assert e.cache.lent and e.cache.geometry.mamba_slots == 4 and e.cache.geometry.moe_slots > g.moe_slots
     assert e.cache.layout.nbytes(e.cache.geometry) <= e.cache.budget.budget_bytes + e.loan_bytes
+
+
+def test_n_choices_grow_the_pool_before_their_fork():
+    """A request with n = 3 choices: its siblings wait outside the scheduler for the parent's first token; the
+    pool grows for them before it, so each forks (the prompt computed once) with the fixed pool's tokens."""
+    fixed = LLM(**OPTS)
+    llm = LLM(mamba_on_demand=True, **OPTS)
+    params = [SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)] * 3
+    outs = []
+    for engine_llm in (fixed, llm):
+        e = engine_llm.engine
+        seqs = e.add_request_group(PROMPTS[3], params)
+        e.run_until_done(seqs, timeout_s=60)
+        outs.append(([s.output_ids for s in seqs], e.counters["prompt_tokens"]))
+    assert outs[1] == outs[0] and outs[0][1] == len(PROMPTS[3])  # one prompt prefill for three choices
+    assert llm.engine.cache.geometry.mamba_slots == 3 and llm.engine.mamba_demand.grows == 1

@@ -14,6 +14,7 @@ KV_CACHE_DTYPES = ("auto", "bf16", "fp8", "nvfp4")
 
 MAMBA_ON_DEMAND_MIN = 1
 """--mamba-on-demand: the device mamba slots the pool keeps at least (one request chatting needs one)."""
+
 EXPERT_POLICIES = ("auto", "lru", "lfu")
 """--expert-policy values (`EngineConfig.expert_policy_for` resolves auto)."""
 

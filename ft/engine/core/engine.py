@@ -90,7 +90,8 @@ class Engine(RankState):
         if self.loan is not None:
             self.loan.lend("startup: no prompt needs the prefill reserve yet")
         # --mamba-on-demand: device mamba slots for the running requests only, grown when one waits for a slot
-        self.mamba_demand = MambaOnDemand(self.cache, self.scheduler, MAMBA_ON_DEMAND_MIN) \
+        self.mamba_demand = MambaOnDemand(self.cache, self.scheduler, MAMBA_ON_DEMAND_MIN,
+                                          lambda: len(self.waiting_requests())) \
             if config.mamba_on_demand else None
         if self.mamba_demand is not None and config.enable_prefix_cache \
                 and not config.prefix_host_entries(self.device.type):

@@ -35,9 +35,12 @@ IDLE_S = 10.0
 class MambaOnDemand:
     """When the device mamba pool grows for waiting requests and when it shrinks back (the module docstring)."""
 
-    def __init__(self, cache: CacheManager, scheduler: Scheduler, minimum: int,
+    def __init__(self, cache: CacheManager, scheduler: Scheduler, minimum: int, waiting: Callable[[], int],
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """`waiting`: the requests that want a slot and hold none (the scheduler's queue and the n-choice
+        siblings that fork at their parent's first token: `Engine.waiting_requests`)."""
         self.cache, self.scheduler, self.minimum, self.clock = cache, scheduler, max(1, minimum), clock
+        self.waiting = waiting
         self.full_at = clock()  # the last time every slot was in use (or the pool grew, or a shrink was tried)
         self._refused_at = None  # the geometry at which a grow was refused or failed (not tried again there)
         self.idle_s = IDLE_S
@@ -48,14 +51,18 @@ class MambaOnDemand:
         return mamba.num_slots, mamba.num_free
 
     def before_admission(self) -> dict | None:
-        """Before the scheduler admits: when waiting requests it could admit find fewer free slots than
-        they need, grow the pool to the running and waiting requests' count (at most max_running; fewer
-        when the expert floor allows no more). Returns the rebuild's history entry (None: no grow)."""
+        """Before the scheduler admits: when waiting requests it could admit (n-choice siblings too, which
+        fork at their parent's first token) find fewer free slots than they need, grow the pool to the
+        running and waiting requests' count (at most max_running; fewer when the expert floor allows no
+        more). Returns the rebuild's history entry (None: no grow)."""
         sched = self.scheduler
-        if not sched.waiting or sched.admission_paused or sched.hold_head or len(sched.running) >= sched.max_running:
+        if sched.admission_paused or sched.hold_head or len(sched.running) >= sched.max_running:
+            return None
+        wanting = self.waiting()
+        if not wanting:
             return None
         slots, free = self._slots()
-        admissible = min(len(sched.waiting), sched.max_running - len(sched.running))
+        admissible = min(wanting, sched.max_running - len(sched.running))
         if free >= admissible:
             return None
         g = self.cache.geometry
@@ -92,7 +99,7 @@ class MambaOnDemand:
             self.full_at = self.clock()
             return False
         keep = max(self.minimum, len(self.scheduler.running))
-        return slots > keep and not self.scheduler.waiting and self.clock() - self.full_at >= self.idle_s
+        return slots > keep and self.clock() - self.full_at >= self.idle_s and not self.waiting()
 
     def shrink(self, reason: str) -> dict | None:
         """Give the slots beyond the running requests' (at least the minimum) back to the experts; None
