@@ -63,16 +63,23 @@ def test_the_pool_grows_for_waiting_requests_and_shrinks_when_idle():
 
 def test_a_grow_that_fails_leaves_the_requests_waiting_and_served():
     """The grow's rebuild fails (rolled back): the requests run one at a time in the slot there is, with the
-    fixed pool's tokens; the grow is not tried again at that geometry."""
+    fixed pool's tokens; the grow is tried again at that geometry only after IDLE_S."""
     fixed = LLM(**OPTS)
     llm = LLM(mamba_on_demand=True, **OPTS)
     e = llm.engine
+    clock = Clock()
+    e.mamba_demand.clock = clock
     start = e.cache.geometry
     e.cache.rebuilder.fault_at = "grow mamba"
     assert run_all(llm, PROMPTS[:3]) == run_all(fixed, PROMPTS[:3])
     assert e.cache.geometry == start and e.mamba_demand.grows == 0
     assert [h["status"] for h in e.cache.history if h["trigger"] == "mamba"] == ["rolled_back"]
     e.cache.rebuilder.fault_at = None
+    clock.t += mamba_demand.IDLE_S - 1  # the same geometry, too soon: not tried again
+    assert run_all(llm, PROMPTS[:2]) == run_all(fixed, PROMPTS[:2]) and e.mamba_demand.grows == 0
+    clock.t += 1
+    assert run_all(llm, PROMPTS[:2]) == run_all(fixed, PROMPTS[:2]) and e.mamba_demand.grows == 1
+    assert e.cache.geometry.mamba_slots == 2
 
 
 def test_the_warm_up_ends_with_the_pool_at_its_minimum():

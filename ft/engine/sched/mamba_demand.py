@@ -11,7 +11,8 @@ whose expert slots shrink to what the budget then leaves. Once at least one slot
 minimum) and the experts take the bytes back.
 
 A grow that is refused or fails leaves the requests waiting while others run (they free slots as they
-end) and is not tried again at that geometry; with nothing running the pool always has a free slot. A
+end) and is tried again once the geometry changed or `IDLE_S` passed; with nothing running the pool always
+has a free slot. A
 shrink that fails is tried again after `IDLE_S`. Each resize recalls the prefill reserve's loan first
 (`CacheManager.rebuild`), which goes out again on its own. Not yet measured on a GPU.
 """
@@ -42,7 +43,8 @@ class MambaOnDemand:
         self.cache, self.scheduler, self.minimum, self.clock = cache, scheduler, max(1, minimum), clock
         self.waiting = waiting
         self.full_at = clock()  # the last time every slot was in use (or the pool grew, or a shrink was tried)
-        self._refused_at = None  # the geometry at which a grow was refused or failed (not tried again there)
+        self._refused = None  # (geometry, time) of a grow refused or failed: not tried again at that geometry
+        # for idle_s seconds
         self.idle_s = IDLE_S
         self.grows = self.shrinks = 0
 
@@ -66,13 +68,13 @@ class MambaOnDemand:
         if free >= admissible:
             return None
         g = self.cache.geometry
-        if self._refused_at == g:
+        if self._refused is not None and self._refused[0] == g and self.clock() - self._refused[1] < self.idle_s:
             return None
         want = slots + admissible - free
         target = next((m for m in range(want, slots, -1)
                        if self.cache.moe_beside(g.kv_tokens, mamba_slots=m) is not None), None)
         if target is None:
-            self._refused_at = g
+            self._refused = (g, self.clock())
             self.cache.record("mamba", f"{admissible} waiting request(s) need {admissible - free} more linear-"
                               f"attention slot(s)", "refused", f"one more slot would leave less than the expert "
                               f"floor {self.cache.expert_floor}")
@@ -82,7 +84,7 @@ class MambaOnDemand:
                                        trigger="mamba", reason=f"{admissible} waiting request(s) need "
                                        f"{admissible - free} more linear-attention slot(s)")
         except (RebuildRefused, RebuildFailed) as e:
-            self._refused_at = g
+            self._refused = (g, self.clock())
             log.warning("the linear-attention pool could not grow for waiting requests (%s); they wait for "
                         "running ones to end", e)
             return None
@@ -118,7 +120,7 @@ class MambaOnDemand:
                         e, self.idle_s)
             return None
         self.shrinks += 1
-        self._refused_at = None
+        self._refused = None
         return entry
 
     def before_step(self) -> None:
