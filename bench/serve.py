@@ -2,6 +2,7 @@
 
     python3 bench/serve.py --url http://127.0.0.1:30000 [--model ID] [--concurrency 1,8,32,64]
     python3 bench/serve.py --serve-args "--model demo --device cuda" [--serve-log FILE]
+    python3 bench/serve.py --serve-args "ARGS" --ab "--some-flag" ...   (two servers, one comparison table)
     python3 bench/serve.py ... --request-rate 2,8,inf [--max-concurrency 32]
         [--input-len 1024 | --input-len-range 512:2048] [--output-len 128] [--num-prompts N]
         [--warmup 2] [--seed 0] [--temperature 0] [--metrics-interval 0.5] [--json FILE]
@@ -11,6 +12,10 @@ A client only (httpx and numpy, no torch): it measures a running server (`--url`
 `python -m ft.cli serve ARGS --port N` itself on a free port (`--serve-args`), waits for /health,
 and stops it at the end (SIGINT, killed after --stop-timeout s); when that server does not come up
 its log's tail is printed. The model id is the one GET /v1/models lists unless --model names it.
+`--ab EXTRA` (with --serve-args): after the first server's levels, a second server started with ARGS
+plus EXTRA runs the same levels with the same prompts (same seed), one after the other on one machine,
+and a comparison table comes last (each level's output tok/s, TTFT and TPOT p50 of both, B / A), with
+each server's "geometry:" startup line: an A/B of a flag in one call.
 
 Every request is a streamed (`stream: true`) POST /v1/completions whose `prompt` is a list of
 random token ids (seeded by --seed; the vocabulary's size from the server's 400 answer to an
@@ -454,6 +459,18 @@ class ServerProcess:
                                  f"lines of its log ({self.log_path}):\n{self.tail()}")
             time.sleep(0.2)
 
+    def startup_line(self, prefix: str, wait_s: float = 5.0) -> str | None:
+        """The first line of the log that starts with `prefix` (stripped), waiting up to `wait_s` for it (the
+        banner is logged just after /health turns 200); None when none comes (e.g. --log-level warning)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for line in Path(self.log_path).read_text(errors="replace").splitlines():
+                if line.strip().startswith(prefix):
+                    return line.strip()
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                return None
+            time.sleep(0.1)
+
     def tail(self, lines: int = 40) -> str:
         self.log.flush()
         text = Path(self.log_path).read_text(errors="replace").splitlines()
@@ -618,6 +635,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          '"routing_trace": true, so that requests route like a trained model\'s (the calibrated '
                          "trace, as bench/ladder.py runs); without it a synthetic router's random weights spread "
                          "tokens evenly over the experts, offload's worst case")
+    ap.add_argument("--ab", metavar="EXTRA",
+                    help="with --serve-args: then a second server with ARGS plus EXTRA, the same levels, and a "
+                         "comparison table (B / A) last")
     ap.add_argument("--serve-log", metavar="FILE",
                     help="keep the started server's output in FILE (default: a temporary file)")
     ap.add_argument("--server-timeout", type=float, default=900.0, metavar="S",
@@ -654,6 +674,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seconds a request may wait for its next bytes (default: %(default)g)")
     ap.add_argument("--json", metavar="FILE", help="write every figure to FILE")
     args = ap.parse_args(argv)
+    if args.ab is not None and args.serve_args is None:
+        ap.error("--ab compares two servers this script starts: give --serve-args")
     if args.input_len_range:
         try:
             lo, hi = (int(x) for x in args.input_len_range.split(":"))
@@ -706,23 +728,24 @@ async def run_all(args: argparse.Namespace, base: str, info: dict, vocab: int) -
     return levels
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.routing_trace and args.serve_args is None:
-        raise SystemExit("bench/serve.py: --routing-trace applies to a server it starts (--serve-args); a running "
-                         "server routes as it was started")
-    server, server_up, traced = None, False, None
+def run_server(args: argparse.Namespace, serve_args: str | None, log_path: str | None) -> dict:
+    """Start the server (`serve_args`; None: the running one at --url), run every level against it,
+    stop it. Returns {"base", "info", "vocab", "levels", "t0", "geometry"} (`geometry`: the started
+    server's "geometry:" startup line, None otherwise). Raises BenchError."""
+    server, server_up, traced, geometry = None, False, None, None
     try:
-        if args.serve_args is not None:
-            serve_args = args.serve_args
+        if serve_args is not None:
             if args.routing_trace:
                 serve_args, traced = traced_serve_args(serve_args)
-            server = ServerProcess(serve_args, args.serve_log)
+            server = ServerProcess(serve_args, log_path)
             print(f"starting {shlex.join(server.cmd)} (log: {server.log_path})", flush=True)
             t0 = time.perf_counter()
             server.wait_healthy(args.server_timeout)
             server_up = True
             print(f"server healthy at {server.url} after {time.perf_counter() - t0:.1f} s", flush=True)
+            # (the banner is an info line: a server told to log warnings only has none to wait for)
+            quiet = (_flag(shlex.split(serve_args), "--log-level") or "info") in ("warning", "error", "critical")
+            geometry = None if quiet else server.startup_line("geometry:")
             base = server.url
         else:
             base = args.url.rstrip("/")
@@ -741,12 +764,6 @@ def main(argv: list[str] | None = None) -> int:
               f"temperature {args.temperature:g}", flush=True)
         t0 = time.time()
         levels = asyncio.run(run_all(args, base, info, vocab))
-    except BenchError as e:
-        print(f"bench/serve.py: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("bench/serve.py: interrupted", file=sys.stderr)
-        return 130
     finally:
         if server is not None:
             if server_up and server.proc.poll() is not None:  # it exited under the load
@@ -757,21 +774,63 @@ def main(argv: list[str] | None = None) -> int:
             print(f"server stopped (exit {rc})", flush=True)
         if traced is not None:
             Path(traced).unlink(missing_ok=True)
+    return {"base": base, "info": info, "vocab": vocab, "levels": levels, "t0": t0, "geometry": geometry}
+
+
+def ab_table(a: dict, b: dict, extra: str) -> str:
+    """Each level of the two runs side by side: output tok/s, TTFT and TPOT p50, B / A."""
+    head = ["level", "output tok/s A", "output tok/s B", "B / A", "TTFT p50 ms A", "TTFT p50 ms B", "TPOT p50 ms A",
+            "TPOT p50 ms B"]
+    rows = [f"A: the server as started; B: with {extra}",
+            f"A geometry: {a['geometry'] or '-'}", f"B geometry: {b['geometry'] or '-'}",
+            "| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
+    for la, lb in zip(a["levels"], b["levels"]):
+        ratio = lb["output_throughput"] / la["output_throughput"] if la["output_throughput"] else float("nan")
+        cells = [level_label(la), _f(la["output_throughput"]), _f(lb["output_throughput"]), f"{ratio:.3f}",
+                 _f(la["ttft_ms"]["p50"]), _f(lb["ttft_ms"]["p50"]), _f(la["tpot_ms"]["p50"]), _f(lb["tpot_ms"]["p50"])]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.routing_trace and args.serve_args is None:
+        raise SystemExit("bench/serve.py: --routing-trace applies to a server it starts (--serve-args); a running "
+                         "server routes as it was started")
+    try:
+        a = run_server(args, args.serve_args, args.serve_log)
+        b = None
+        if args.ab is not None:
+            print(f"\n== B: the same levels with {args.ab}", flush=True)
+            print(table(a["levels"]), flush=True)
+            log_b = None if args.serve_log is None else args.serve_log + ".b"
+            b = run_server(args, f"{args.serve_args} {args.ab}", log_b)
+    except BenchError as e:
+        print(f"bench/serve.py: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("bench/serve.py: interrupted", file=sys.stderr)
+        return 130
     if args.json:
         record = {
             "command": shlex.join([sys.executable, *sys.argv] if argv is None else ["bench/serve.py", *argv]),
-            "date": datetime.datetime.fromtimestamp(t0, datetime.timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.datetime.fromtimestamp(a["t0"], datetime.timezone.utc).isoformat(timespec="seconds"),
             "git_rev": git_revision(),
-            "server": {"url": base, "started": args.serve_args is not None, "serve_args": args.serve_args,
-                       "model": info["model"], "max_model_len": info["max_model_len"], "version": info["version"],
-                       "vocab_size": vocab},
+            "server": {"url": a["base"], "started": args.serve_args is not None, "serve_args": args.serve_args,
+                       "model": a["info"]["model"], "max_model_len": a["info"]["max_model_len"],
+                       "version": a["info"]["version"], "vocab_size": a["vocab"], "geometry": a["geometry"]},
             "config": {k: [_json_number(r) for r in v] if k == "rates" and v else v
                        for k, v in vars(args).items() if k not in ("api_key", "extra")},
-            "levels": levels,
+            "levels": a["levels"],
         }
+        if b is not None:
+            record["ab"] = {"extra": args.ab, "geometry": b["geometry"], "levels": b["levels"]}
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
-    print(table(levels), flush=True)
-    return 1 if any(lv["errors"] for lv in levels) else 0
+    print(table((b or a)["levels"]), flush=True)
+    if b is not None:
+        print(ab_table(a, b, args.ab), flush=True)
+    failed = any(lv["errors"] for run in (a, b) if run for lv in run["levels"])
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

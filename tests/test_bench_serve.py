@@ -117,6 +117,27 @@ def test_serving_benchmark_against_a_started_server(tmp_path):
         assert probe["count"] >= 1 and probe["errors"] == 0 and 0 < probe["p50"] <= probe["p99"] <= probe["max"]
 
 
+def test_ab_runs_the_same_levels_on_a_second_server_and_compares(tmp_path):
+    """--ab EXTRA: a second server with the flag runs the same level; the comparison table is last, with both
+    servers' geometry lines (the flag here changes the KV size, so they differ), and --json keeps both runs."""
+    ckpt = write_serve_checkpoint(tmp_path)
+    out = tmp_path / "ab.json"
+    r = _bench("--serve-args", f"--model {ckpt} --device cpu", "--ab", "--num-tokens 1024",
+               "--input-len", "8", "--output-len", "2", "--concurrency", "1", "--num-prompts", "2", "--warmup", "0",
+               "--metrics-interval", "0.2", "--json", str(out))
+    assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    lines = r.stdout.strip().splitlines()
+    assert lines[-2].startswith("|") and set(lines[-2]) <= set("|-:") and lines[-3].startswith("| level |")
+    cells = [c.strip() for c in lines[-1].strip("|").split("|")]
+    assert cells[0] == "1" and float(cells[3]) > 0
+    geometry = [line for line in lines if line.startswith(("A geometry:", "B geometry:"))]
+    assert len(geometry) == 2 and all("kv" in g for g in geometry) and geometry[0][2:] != geometry[1][2:]
+    assert "kv 1024 tokens" in geometry[1] and r.stdout.count("server stopped (exit 0)") == 2
+    record = json.loads(out.read_text())
+    assert record["ab"]["extra"] == "--num-tokens 1024" and len(record["ab"]["levels"]) == len(record["levels"]) == 1
+    assert record["ab"]["levels"][0]["completed"] == 2 and "kv 1024" in record["ab"]["geometry"]
+
+
 def test_routing_trace_serves_a_traced_copy_of_the_synthetic_config():
     """--routing-trace: the started server's --model names a copy of the synthetic config with
     "routing_trace": true, every other flag kept; a model that is not synthetic is refused."""
