@@ -71,6 +71,9 @@ def main() -> None:
     ap.add_argument("--overlap-decode", action=argparse.BooleanOptionalAction, default=None,
                     help="overlapped decode over the read-through offload (default: the engine's, on on CUDA "
                          "since session 31; until then off for offload)")
+    ap.add_argument("--lend-prefill-reserve", action=argparse.BooleanOptionalAction, default=None,
+                    help="the prefill reserve's loan to the expert slots (default: the engine's, on for offload on "
+                         "CUDA since session 35); --no-lend-prefill-reserve gives the rows before it")
     ap.add_argument("--embedding-on-host", action=argparse.BooleanOptionalAction, default=None,
                     help="the token embedding in host memory (default: the engine's, on for offload on CUDA); "
                          "--no-embedding-on-host keeps it on the device (the rows before session 30)")
@@ -98,7 +101,8 @@ def main() -> None:
                                   expert_policy=args.policy, expert_mapped_victims=args.mapped_victims,
                                   kv_cache_dtype=args.kv_cache_dtype,
                                   overlap_decode=args.overlap_decode,
-                                  embedding_on_host=args.embedding_on_host))
+                                  embedding_on_host=args.embedding_on_host,
+                                  lend_prefill_reserve=args.lend_prefill_reserve))
         eng.ladder.auto = False
         measure(eng, [16])  # NOTE: compiles the kernels and captures the graph outside the timed rows
         print(f"{card}: engine up in {time.perf_counter() - t0:.1f} s, rungs {eng.ladder.rungs}, "
@@ -115,6 +119,8 @@ def main() -> None:
                 print(f"{card} rung {kv}: {type(e).__name__}: {e}", flush=True)
                 rows.append((card, kv, None))
                 continue
+            if eng.loan is not None and not eng.cache.lent:  # the move recalled it: out again before the row, not
+                eng.loan.lend("bench/ladder.py: before the row")  # 2 s into it (`LEND_AFTER_S`)
             for overlap in (False, True) if args.overlap_ab else (eng.config.overlap_decode,):
                 eng.config = dataclasses.replace(eng.config, overlap_decode=overlap)
                 label = card + (" overlap" if overlap else " plain") * args.overlap_ab
