@@ -140,6 +140,9 @@ def main() -> None:
                          "compared); gather:N:low: the gather "
                          "with N programs (CopyRowsOptions.programs), its copy stream at normal priority")
     ap.add_argument("--pcie-gbs", type=float, default=50.0, help="the host link's GB/s for the bound column")
+    ap.add_argument("--lend-prefill-reserve", action=argparse.BooleanOptionalAction, default=None,
+                    help="the prefill reserve's loan to the expert slots (default: the engine's, on for offload on "
+                         "CUDA since session 35: a long prompt recalls it, and it goes out again 2 s after)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", type=int, default=0, metavar="LEN", help="profile one stream-mode prompt of LEN tokens")
     args = ap.parse_args()
@@ -156,7 +159,8 @@ def main() -> None:
         eng = Engine(EngineConfig(model=f"synthetic:{tmp}", device=args.device, dtype="bfloat16", moe_backend="offload",
                                   gpu_memory_limit=card, num_tokens=max(lengths) + 2 * args.decode + 1024,
                                   max_running_requests=1, cuda_graph_max_bs=1, max_prefill_length=max(chunks) if chunks else None,
-                                  prefill_stream_experts=args.stream_experts))
+                                  prefill_stream_experts=args.stream_experts,
+                                  lend_prefill_reserve=args.lend_prefill_reserve))
         experts = eng.pools.experts
         stream = experts.prefill_stream
         print(f"{card}: engine up in {time.perf_counter() - t0:.1f} s; {experts.num_slots} slots of "
