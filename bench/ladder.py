@@ -119,7 +119,7 @@ def main() -> None:
                 print(f"{card} rung {kv}: {type(e).__name__}: {e}", flush=True)
                 rows.append((card, kv, None))
                 continue
-            if eng.loan is not None and not eng.cache.lent:  # the move recalled it: out again before the row, not
+            if eng.loan is not None and eng.cache.lent < eng.loan_bytes:  # the move recalled it: out again before the row, not
                 eng.loan.lend("bench/ladder.py: before the row")  # 2 s into it (`LEND_AFTER_S`)
             for overlap in (False, True) if args.overlap_ab else (eng.config.overlap_decode,):
                 eng.config = dataclasses.replace(eng.config, overlap_decode=overlap)

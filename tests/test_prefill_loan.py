@@ -16,7 +16,8 @@ from ft.errors import ConfigError
 
 KEEP = 32
 SHORT = [5 + i % 7 for i in range(20)]
-LONG = list(range(10, 110))  # 100 tokens: more than KEEP
+LONG = list(range(10, 110))  # 100 tokens: more than KEEP, less than the chunk (256): a partial recall
+WHOLE = [5 + i % 200 for i in range(300)]  # a first chunk of 256 tokens: the whole reserve, the whole loan
 
 
 @pytest.fixture(autouse=True)
@@ -56,14 +57,36 @@ def test_lent_at_startup_recalled_by_a_long_step_and_lent_again():
     assert e.cache.history[-1]["trigger"] == "loan" and e.cache.history[-1]["status"] == "ok"
     assert e.cache.reachable_ranges() == plain.engine.cache.reachable_ranges()  # the budget's alone
     assert greedy(llm, SHORT) == greedy(plain, SHORT) and e.cache.lent  # a short prompt keeps it out
-    assert greedy(llm, LONG) == greedy(plain, LONG)
+    assert greedy(llm, WHOLE) == greedy(plain, WHOLE)
     assert not e.cache.lent and e.cache.geometry == base and e.loan.recalls == 1
     recall = e.cache.history[-1]
-    assert recall["trigger"] == "loan" and "100 tokens" in recall["reason"] and recall["to"]["moe"] == base.moe_slots
+    assert recall["trigger"] == "loan" and "256 tokens" in recall["reason"] and recall["to"]["moe"] == base.moe_slots
     greedy(llm, SHORT)  # too soon after the long step: not lent yet
     assert not e.cache.lent
     clock.t += loan_module.LEND_AFTER_S
     assert greedy(llm, SHORT) == greedy(plain, SHORT) and e.cache.lent and e.cache.geometry == g
+
+
+def test_a_step_between_the_kept_and_the_whole_chunk_recalls_only_what_it_needs():
+    """A 100-token step on a 256-token chunk's reserve gives back what its activations need and leaves the rest
+    lent (`RankState.loan_beside`); the whole loan goes out again once due."""
+    plain = make()
+    llm = make(lend_prefill_reserve=True)
+    e = llm.engine
+    clock = Clock()
+    e.loan.clock = clock
+    lent_geometry, base = e.cache.geometry, plain.engine.cache.geometry
+    keep = e.loan_beside(len(LONG))
+    assert e.loan_beside(KEEP) == e.loan_bytes and e.loan_beside(256) == 0 and 0 < keep < e.loan_bytes
+    assert greedy(llm, LONG) == greedy(plain, LONG)
+    g = e.cache.geometry
+    assert e.cache.lent == keep and base.moe_slots < g.moe_slots < lent_geometry.moe_slots and e.loan.recalls == 1
+    assert e.cache.layout.nbytes(g) <= e.cache.budget.budget_bytes + keep
+    assert e.cache.history[-1]["trigger"] == "loan" and "100 tokens" in e.cache.history[-1]["reason"]
+    assert greedy(llm, LONG) == greedy(plain, LONG) and e.loan.recalls == 1  # what is left out stays out
+    clock.t += loan_module.LEND_AFTER_S
+    assert greedy(llm, SHORT) == greedy(plain, SHORT) and e.cache.lent == e.loan_bytes
+    assert e.cache.geometry == lent_geometry
 
 
 def test_a_resize_while_lent_starts_from_the_budget_alone():

@@ -193,11 +193,13 @@ class CacheManager:
             return g
         return Geometry(self.moe_beside(g.kv_tokens, lent=False) or g.moe_slots, g.kv_tokens, g.mamba_slots)
 
-    def moe_beside(self, kv_tokens: int, lent: bool = False, mamba_slots: int | None = None) -> int | None:
+    def moe_beside(self, kv_tokens: int, lent: bool | int = False, mamba_slots: int | None = None) -> int | None:
         """Expert slots for a geometry with `kv_tokens` of KV and `mamba_slots` (None: as now): all the
-        budget (with `lent`, plus the loan: `lend`) leaves, or the fixed count of the resident backend / an
-        explicit --moe-cache-size. None when that is below the expert floor or does not fit."""
-        g, budget = self.geometry, self.budget.budget_bytes + (self.loan_bytes if lent else 0)
+        budget (plus `lent` bytes of the loan, True: all of it, `lend`) leaves, or the fixed count of the
+        resident backend / an explicit --moe-cache-size. None when that is below the expert floor or does
+        not fit."""
+        extra = self.loan_bytes if lent is True else int(lent)
+        g, budget = self.geometry, self.budget.budget_bytes + extra
         mamba = g.mamba_slots if mamba_slots is None else mamba_slots
 
         def fits(moe: int) -> bool:
@@ -294,14 +296,14 @@ class CacheManager:
 
     # ----------------------------------------------------------------------------- the prefill reserve's loan
     def lend(self, reason: str) -> dict | None:
-        """Grow the expert slots into the loan (`SizingOptions.loan_bytes`: the part of the prefill
-        reserve that short prompts never use) when they fill the budget now (offloaded, no fixed
-        size: not after a user's own --moe size) and nothing is lent. A live rebuild (trigger "loan"),
-        free before allocate; returns its history entry, None when there is nothing to do. A refused
-        or failed grow leaves the geometry and `lent` as they were (recorded, not raised)."""
+        """Grow the expert slots into the whole loan (`SizingOptions.loan_bytes`: the part of the prefill
+        reserve that short prompts never use) when they fill the budget and what is lent now (offloaded, no
+        fixed size: not after a user's own --moe size) and the loan is not all out. A live rebuild (trigger
+        "loan"), free before allocate; returns its history entry, None when there is nothing to do. A
+        refused or failed grow leaves the geometry and `lent` as they were (recorded, not raised)."""
         g = self.geometry
-        if not self.loan_bytes or self.lent or self.opts.moe_backend != "offload" or self.opts.moe_cache_size \
-                or self.degraded or g.moe_slots != self.moe_beside(g.kv_tokens):
+        if not self.loan_bytes or self.lent >= self.loan_bytes or self.opts.moe_backend != "offload" \
+                or self.opts.moe_cache_size or self.degraded or g.moe_slots != self.moe_beside(g.kv_tokens, self.lent):
             return None
         target = self.moe_beside(g.kv_tokens, lent=True)
         if target is None or target <= g.moe_slots:
@@ -310,18 +312,20 @@ class CacheManager:
                  self.budget.budget_bytes + self.loan_bytes, self.limits())
         return self._run_loan(p, reason, self.loan_bytes)
 
-    def recall(self, reason: str) -> dict | None:
-        """Give the loan back: the expert slots shrink to what the budget alone leaves (their tail's
-        experts forgotten, read again from the host store when next used), so that a long prefill
-        chunk's activations find their reserve free. Returns the history entry (None: nothing lent).
-        Raises RebuildFailed when the shrink failed and was rolled back (the loan is still out)."""
-        if not self.lent:
+    def recall(self, reason: str, keep: int = 0) -> dict | None:
+        """Give the loan back, all of it or all but `keep` bytes: the expert slots shrink to what the budget
+        (plus `keep`) leaves, their tail's experts forgotten (the hottest of them moved into colder kept
+        slots first) and read again from the host store when next used, so that a long prefill chunk's
+        activations find their reserve free. Returns the history entry (None: no more than `keep` is
+        lent). Raises RebuildFailed when the shrink failed and was rolled back (the loan is still out)."""
+        keep = max(0, min(keep, self.lent))
+        if self.lent <= keep:
             return None
         g = self.geometry
-        target = self.moe_beside(g.kv_tokens) or g.moe_slots
+        target = self.moe_beside(g.kv_tokens, keep) or g.moe_slots
         p = plan(g, Geometry(target, g.kv_tokens, g.mamba_slots), self.layout, self.budget.budget_bytes + self.lent,
                  self.limits())
-        entry = self._run_loan(p, reason, 0)
+        entry = self._run_loan(p, reason, keep)
         if entry["status"] != "ok":
             raise RebuildFailed("recall the prefill reserve's loan", RuntimeError(entry["error"]), self.degraded)
         return entry

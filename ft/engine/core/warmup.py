@@ -177,8 +177,8 @@ def warm_up(engine: Any, say: Callable[[str], None] | None = None) -> WarmupRepo
     _forget(engine)
     if getattr(engine, "mamba_demand", None) is not None:  # the decode batches grew it to max_running_requests
         engine.mamba_demand.shrink("after the warm-up")
-    if getattr(engine, "loan", None) is not None and not engine.cache.lent:  # a long warm-up prompt recalled it:
-        engine.loan.lend("after the warm-up")  # out again before ready, not on the first request's step
+    if getattr(engine, "loan", None) is not None and engine.cache.lent < engine.loan_bytes:
+        engine.loan.lend("after the warm-up")  # a long warm-up prompt recalled it: out again before ready
     return WarmupReport(requests[0], lengths, batches, tuple(ran), time.monotonic() - t0)
 
 

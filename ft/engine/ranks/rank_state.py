@@ -127,13 +127,10 @@ class RankState:
         # --lend-prefill-reserve: what of the chunk's reserve (activations, streamed passes' workspace) chunks
         # of at most `loan_keep_tokens` leave unused; the expert slots borrow it (`CacheManager.lend`)
         self.loan_keep_tokens = min(LOAN_KEEP_TOKENS, config.max_prefill_length)
+        self._reserve_kv_dtype = shapes.kv_dtype
         self.loan_bytes = 0
         if config.lends_reserve(self.device.type) and tp is None and self.loan_keep_tokens < config.max_prefill_length:
-            keep = min(self.loan_keep_tokens, self.context_limit)
-            self.loan_bytes = max(0, self.reserve - activation_reserve(
-                cfg, self.dtype, self.device, keep, config.max_running_requests, shapes.kv_dtype, self.context_limit))
-            if self.prefill_stream_experts:
-                self.loan_bytes += self._stream_workspace(config.max_prefill_length) - self._stream_workspace(keep)
+            self.loan_bytes = self._idle_reserve(self.loan_keep_tokens)
         others = self.reserve + self.decode_graph_reserve + self.prefill_stream_reserve
         budget = measure_budget(self.device, self.model.resident_bytes, config.memory_ratio, config.gpu_memory_limit,
                                 others, config.cache_budget)
@@ -188,6 +185,27 @@ class RankState:
         self.runner.routing = self._trace_routing(config, cfg)
         if tp is not None:
             self.runner.attach_tp(tp)
+
+    def _idle_reserve(self, tokens: int) -> int:
+        """Bytes of the prefill chunk's reserve (activations, and the streamed passes' workspace) that a
+        step of `tokens` tokens leaves unused."""
+        chunk = self.config.max_prefill_length
+        if tokens >= chunk:
+            return 0
+        idle = self.reserve - activation_reserve(self.model.cfg, self.dtype, self.device, min(tokens, self.context_limit),
+                                                 self.config.max_running_requests, self._reserve_kv_dtype,
+                                                 self.context_limit)
+        if self.prefill_stream_experts:
+            idle += self._stream_workspace(chunk) - self._stream_workspace(tokens)
+        return max(0, idle)
+
+    def loan_beside(self, tokens: int) -> int:
+        """--lend-prefill-reserve: bytes of the loan that may stay out while a step of `tokens` tokens runs
+        (all of it up to `loan_keep_tokens`, none at the whole chunk): what that step leaves of the reserve
+        unused, at most `loan_bytes`."""
+        if not self.loan_bytes:
+            return 0
+        return min(self.loan_bytes, self._idle_reserve(max(tokens, self.loan_keep_tokens)))
 
     def _stream_workspace(self, tokens: int) -> int:
         """Bytes the streamed passes' per-pair outputs of a chunk of `tokens` tokens take beyond the

@@ -35,9 +35,12 @@ LEND_AFTER_S = 2.0
 class ReserveLoan:
     """When the expert slots borrow the idle prefill reserve and when they give it back (the module docstring)."""
 
-    def __init__(self, cache: CacheManager, scheduler: Scheduler, keep_tokens: int,
+    def __init__(self, cache: CacheManager, scheduler: Scheduler, keep_tokens: int, beside: Callable[[int], int],
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """`beside(tokens)`: bytes of the loan that may stay out while a step of that many tokens runs
+        (`RankState.loan_beside`: all of it up to keep_tokens, none at the whole chunk)."""
         self.cache, self.scheduler, self.keep_tokens, self.clock = cache, scheduler, keep_tokens, clock
+        self.beside = beside
         self.quiet_since = float("-inf")  # the last step over keep_tokens, or the last lend tried: due from
         # LEND_AFTER_S after it
         self.failed: str | None = None  # a recall that could not run: the loan is never made again
@@ -57,7 +60,7 @@ class ReserveLoan:
     def due(self) -> bool:
         """Whether the loan should go out now (the overlapped decode stops queuing so that the engine's
         next plain step makes it)."""
-        return self.failed is None and not self.cache.lent and self.cache.loan_bytes > 0 \
+        return self.failed is None and self.cache.lent < self.cache.loan_bytes \
             and self.clock() - self.quiet_since >= LEND_AFTER_S and not self._long_pending()
 
     def lend(self, reason: str = "no prompt needs the prefill reserve") -> dict | None:
@@ -72,17 +75,19 @@ class ReserveLoan:
             self.lend()
 
     def before_run(self, work: ScheduledWork) -> None:
-        """After scheduling, before the forward: a step over keep_tokens recalls the loan first. A recall
-        that fails leaves the loan out (the pools as they were) and is logged; the step still runs, and
-        no loan is made again."""
+        """After scheduling, before the forward: a step over keep_tokens recalls what of the loan it needs
+        first (`beside`: a 4K step on a 16K chunk's reserve leaves most of it out). A recall that fails
+        leaves the loan out (the pools as they were) and is logged; the step still runs, and no loan is
+        made again."""
         tokens = sum(work.num_tokens)
         if tokens <= self.keep_tokens:
             return
         self.quiet_since = self.clock()
-        if not self.cache.lent:
+        keep = self.beside(tokens)
+        if self.cache.lent <= keep:
             return
         try:
-            self.cache.recall(f"a step of {tokens} tokens needs the prefill reserve")
+            self.cache.recall(f"a step of {tokens} tokens needs the prefill reserve", keep)
             self.recalls += 1
         except RebuildFailed as e:
             self.failed = str(e)
