@@ -119,8 +119,8 @@ def main() -> None:
                 print(f"{card} rung {kv}: {type(e).__name__}: {e}", flush=True)
                 rows.append((card, kv, None))
                 continue
-            if eng.loan is not None and eng.cache.lent < eng.loan_bytes:  # the move recalled it: out again before the row, not
-                eng.loan.lend("bench/ladder.py: before the row")  # 2 s into it (`LEND_AFTER_S`)
+            if eng.loan is not None and eng.cache.lent < eng.loan_bytes:  # the move recalled it: out again
+                eng.loan.lend("bench/ladder.py: before the row")  # before the row, not 2 s into it
             for overlap in (False, True) if args.overlap_ab else (eng.config.overlap_decode,):
                 eng.config = dataclasses.replace(eng.config, overlap_decode=overlap)
                 label = card + (" overlap" if overlap else " plain") * args.overlap_ab

@@ -77,9 +77,9 @@ HELP = {
     "lend_prefill_reserve": ("lend the part of the prefill chunk's activation reserve that prompts of up to 2,048 "
                              "tokens never use to the expert slots (offloaded, one GPU): a longer chunk recalls it "
                              "first (a live rebuild: the slots shrink, their experts are read again when next used) "
-                             "and it is lent again 2 s after the last one, with no long prompt waiting. Default: on when "
-                             "experts are offloaded on one CUDA GPU without --moe-cache-size (+2-3%% decode measured), "
-                             "off otherwise"),
+                             "and it is lent again 2 s after the last one, with no long prompt waiting. "
+                             "Default: on when experts are offloaded on one CUDA GPU without --moe-cache-size "
+                             "(+2-3%% decode measured), off otherwise"),
     "mamba_on_demand": ("keep device linear-attention state slots (e.g. 110 MiB each on Qwen3.8-Flash-Next, ~40 "
                         "expert slots) for the requests running now only: a request that finds no free slot grows "
                         "the pool first (a live rebuild that shrinks the expert slots, which get the bytes back "

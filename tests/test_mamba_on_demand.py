@@ -16,7 +16,8 @@ from ft.engine.sched import mamba_demand
 from ft.errors import ConfigError
 
 PROMPTS = [[5 + (i * 7 + j) % 11 for j in range(12 + i)] for i in range(4)]
-OPTS = dict(cache_budget="12MiB", num_tokens=2048, max_prefill_length=256, max_running_requests=4, prefix_states_on_host=True)
+OPTS = dict(cache_budget="12MiB", num_tokens=2048, max_prefill_length=256, max_running_requests=4,
+            prefix_states_on_host=True)
 
 
 class Clock:

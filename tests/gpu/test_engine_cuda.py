@@ -144,9 +144,9 @@ def test_an_offloaded_cache_that_can_never_hold_every_expert_reserves_no_prefill
 
 def test_the_prefill_reserves_loan_on_the_device(model, monkeypatch):
     """--lend-prefill-reserve on CUDA: the expert pool grows past the budget at startup (VMM, the same
-    addresses), a prompt longer than the kept chunk recalls what of the loan it needs before its prefill, the decode graphs
-    captured while it was out replay after it came back and went out again, and the tokens are the no-loan
-    engine's (bitwise for a short prompt, whose experts fit the slots; within a near-tie for PROMPT, whose
+    addresses), a prompt longer than the kept chunk recalls what of the loan it needs before its prefill, the
+    decode graphs captured while it was out replay after it came back and went out again, and the tokens are the
+    no-loan engine's (bitwise for a short prompt, whose experts fit the slots; within a near-tie for PROMPT, whose
     prefill may stream and group its experts differently)."""
     import ft.engine.ranks.rank_state as rank_state
 

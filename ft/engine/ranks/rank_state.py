@@ -192,9 +192,9 @@ class RankState:
         chunk = self.config.max_prefill_length
         if tokens >= chunk:
             return 0
-        idle = self.reserve - activation_reserve(self.model.cfg, self.dtype, self.device, min(tokens, self.context_limit),
-                                                 self.config.max_running_requests, self._reserve_kv_dtype,
-                                                 self.context_limit)
+        idle = self.reserve - activation_reserve(self.model.cfg, self.dtype, self.device,
+                                                 min(tokens, self.context_limit), self.config.max_running_requests,
+                                                 self._reserve_kv_dtype, self.context_limit)
         if self.prefill_stream_experts:
             idle += self._stream_workspace(chunk) - self._stream_workspace(tokens)
         return max(0, idle)
