@@ -4,9 +4,10 @@ An offloaded card reserves activation memory for its largest prefill chunk (16,3
 card: ~3 GiB with the streamed passes' workspace for the 80B), which only a long prompt's chunks use;
 a chat turn's prompt of a thousand tokens needs a tenth of it. While no step needs more than
 `keep_tokens` tokens, the expert slots borrow the rest (`CacheManager.lend`: a live rebuild that
-grows the expert pool past the budget by `loan_bytes`), and a step that needs more recalls it first
-(`CacheManager.recall`: the pool shrinks back, the forgotten experts are read from host memory again
-when next used). The loan goes out again once no long prompt is pending and none ran for
+grows the expert pool past the budget by `loan_bytes`), and a step that needs more recalls what it
+needs first (`CacheManager.recall`, sized by `RankState.loan_beside`: the chunk's reserve less that
+step's; the pool shrinks by that much, the forgotten experts are read from host memory again when next
+used). The whole loan goes out again once no long prompt is pending and none ran for
 `LEND_AFTER_S` seconds, so that a stream of long prompts does not bounce it.
 
 Every resize other than the loan's recalls it first (`CacheManager.rebuild`), and the reachable ranges
