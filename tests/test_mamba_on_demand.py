@@ -158,3 +158,39 @@ def test_n_choices_grow_the_pool_before_their_fork():
         outs.append(([s.output_ids for s in seqs], e.counters["prompt_tokens"]))
     assert outs[1] == outs[0] and outs[0][1] == len(PROMPTS[3])  # one prompt prefill for three choices
     assert llm.engine.cache.geometry.mamba_slots == 3 and llm.engine.mamba_demand.grows == 1
+
+
+def test_the_pools_stay_within_the_budget_as_requests_come_and_go_with_the_ladder_and_the_loan(monkeypatch):
+    """Mamba on demand beside the KV ladder and the loan, under waves of requests of mixed lengths (some past the
+    first rung, some over the kept chunk): after every step the pools' bytes fit the budget plus what is lent,
+    every running request holds its slot, and every request's tokens are those of an engine with none of the
+    three trades."""
+    import random
+
+    import ft.engine.ranks.rank_state as rank_state
+    from ft.engine.sched import loan as loan_module
+
+    monkeypatch.setattr(rank_state, "LOAN_KEEP_TOKENS", 32)
+    base = dict(cache_budget="24MiB", max_prefill_length=256, max_running_requests=4, prefix_states_on_host=True)
+    fixed = LLM(num_tokens=4096, **base)
+    llm = LLM(mamba_on_demand=True, lend_prefill_reserve=True, enable_kv_ladder=True, ladder_step_size=512, **base)
+    e = llm.engine
+    clock = Clock()
+    e.mamba_demand.clock = e.loan.clock = clock
+    rng = random.Random(7)
+    waves = [[[5 + rng.randrange(200) for _ in range(rng.choice((8, 20, 100, 300, 1100)))]
+              for _ in range(rng.randint(1, 4))] for _ in range(5)]
+    for wave in waves:
+        params = SamplingParams(max_new_tokens=rng.choice((4, 12)), temperature=0.0, ignore_eos=True)
+        got = [e.add_request(p, params) for p in wave]
+        want = [fixed.engine.add_request(p, params) for p in wave]
+        while e.has_work:
+            e.step()
+            g, c = e.cache.geometry, e.cache
+            assert c.layout.nbytes(g) <= c.budget.budget_bytes + c.lent, (g, c.lent)
+            assert all(s.mamba_slot is not None and s.mamba_slot < g.mamba_slots for s in e.scheduler.running)
+        fixed.engine.run_until_done(want, timeout_s=60)
+        assert [s.output_ids for s in got] == [s.output_ids for s in want], [(len(s.prompt_ids), s.error) for s in got]
+        clock.t += max(mamba_demand.IDLE_S, loan_module.LEND_AFTER_S)
+    triggers = {h["trigger"] for h in e.cache.history}
+    assert {"mamba", "loan", "ladder"} <= triggers and e.mamba_demand.grows >= 1 and e.mamba_demand.shrinks >= 1

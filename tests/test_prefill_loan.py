@@ -212,3 +212,19 @@ def test_a_ladder_move_while_lent_recalls_first_and_lends_again_at_the_new_rung(
     greedy(llm, SHORT, n=2)
     g = e.cache.geometry
     assert e.cache.lent and g.moe_slots == e.cache.moe_beside(g.kv_tokens, lent=True)
+
+
+def test_a_prompt_past_the_rung_while_lent_is_served():
+    """A prompt longer than the current KV rung arrives while the loan is out: the ladder's grow recalls the loan
+    first, and that recall (experts alone) must not be refused for the KV the prompt will need (the planner
+    checked every pool against its floor: the request was rejected, "the KV ladder could not grow")."""
+    ladder = dict(enable_kv_ladder=True, ladder_step_size=256, cache_budget="20MiB", max_prefill_length=256,
+                  max_running_requests=1)
+    plain = LLM(**ladder)
+    llm = LLM(lend_prefill_reserve=True, **ladder)
+    e = llm.engine
+    assert e.cache.lent and e.cache.geometry.kv_tokens == e.ladder.rungs[0] == 512
+    prompt = [5 + i % 200 for i in range(600)]  # past the first rung
+    got, want = greedy(llm, prompt, n=4), greedy(plain, prompt, n=4)
+    assert got == want and len(got) == 4
+    assert [h["trigger"] for h in e.cache.history[-2:]] == ["loan", "ladder"]

@@ -72,7 +72,10 @@ def plan(current: Geometry, target: Geometry, layout: MemoryLayout, budget: int,
     steps, peak = _steps(current, target, layout)
     cur, tgt = current.sizes(), target.sizes()
     reason = None
-    for p in POOLS:
+    # NOTE: a pool the plan leaves as it is is not checked against its limits: it frees nothing a request
+    # holds, and a floor above it (the KV a waiting request will need) is what a later move is for. Checked,
+    # a loan's recall (experts alone) was refused while a request waited for the ladder's next rung.
+    for p in (q for q in POOLS if tgt[q] != cur[q]):
         if not limits.floor[p] <= tgt[p] <= limits.ceiling[p]:
             lo, hi = reachable_ranges(current, layout, budget, limits)[p]  # what the user can pick
             if tgt[p] < limits.floor[p]:
