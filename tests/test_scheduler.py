@@ -264,3 +264,27 @@ def test_the_mixed_prompt_share_is_checked():
 
     with pytest.raises(ConfigError, match="--max-mixed-prefill-length must be >= 1"):
         EngineConfig(max_mixed_prefill_length=0)
+
+
+def test_a_prompt_mid_prefill_never_joins_a_decode_step(tiny_one):
+    """Under KV pressure a chunked prompt's next chunk can find no page while other requests decode: that step
+    decodes the others only. (The decode step took every running request: one still prefilling sampled a token
+    in the middle of its prompt, and its output was wrong; a CPU stress test of the KV ladder found it.)"""
+    _, model, path = tiny_one
+    llm = make(path, num_tokens=128, max_running_requests=4, max_prefill_length=32, enable_prefix_cache=False)
+    eng = llm.engine
+    decode_rows = []
+    schedule = eng.scheduler._schedule_decode
+
+    def watched():
+        work = schedule()
+        if work is not None:
+            decode_rows.extend(s.num_uncomputed for s in work.seqs)
+        return work
+
+    eng.scheduler._schedule_decode = watched
+    prompts = [prompt_of(n, seed=s) for s, n in enumerate((10, 80, 60, 40, 80))]  # each fits the 128 tokens alone
+    out = llm.generate(prompt_token_ids=prompts, **GREEDY_32)
+    assert [o.token_ids for o in out] == [hf_greedy(model, p) for p in prompts]
+    assert eng.scheduler.num_preemptions > 0 and decode_rows and set(decode_rows) == {1}
+    assert eng.pools.kv.num_used_pages == 0 and eng.pools.mamba.num_used == 0

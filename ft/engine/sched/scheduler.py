@@ -131,11 +131,16 @@ class Scheduler:
         return ScheduledWork(rows + seqs, [1] * len(rows) + counts, True)
 
     def _schedule_decode(self) -> ScheduledWork | None:
+        """The running requests with one token to compute, each with its page (the last admitted ones
+        preempted until it has one). A request in the middle of its prompt is no decode row: the prefill
+        step found no page for its next chunk, so it waits, and when nothing decodes the last running
+        request is preempted so that the others' chunks find pages. (Taking it as a row sampled a token
+        in the middle of its prompt.)"""
         if not self.running:
             return None
         seqs: list[Sequence] = []
         for seq in list(self.running):
-            if seq not in self.running:  # preempted below
+            if seq not in self.running or seq.num_uncomputed > 1:  # preempted below; mid-prompt: waits
                 continue
             while not self._grow_for(seq, 1):
                 victim = self.running[-1]
@@ -145,6 +150,10 @@ class Scheduler:
             else:
                 seqs.append(seq)
         seqs = [s for s in seqs if s in self.running]
+        if not seqs and len(self.running) > 1:  # only prompts, and none found a page for its chunk
+            self._preempt(self.running[-1])
+            work = self._schedule_prefill()
+            return work if work.seqs else None
         return ScheduledWork(seqs, [1] * len(seqs), False) if seqs else None
 
     # --------------------------------------------------------------------------- resources
