@@ -162,9 +162,10 @@ def test_n_choices_grow_the_pool_before_their_fork():
 
 def test_the_pools_stay_within_the_budget_as_requests_come_and_go_with_the_ladder_and_the_loan(monkeypatch):
     """Mamba on demand beside the KV ladder and the loan, under waves of requests of mixed lengths (some past the
-    first rung, some over the kept chunk): after every step the pools' bytes fit the budget plus what is lent,
-    every running request holds its slot, and every request's tokens are those of an engine with none of the
-    three trades."""
+    first rung, some over the kept chunk, some sharing a cached prefix, some with three choices, one aborted):
+    after every step the pools' bytes fit the budget plus what is lent and every running request holds its slot;
+    every request's tokens are those of an engine with none of the three trades. (Its first version found two
+    bugs: a loan's recall refused for the KV a waiting prompt needed, and a prompt mid-prefill in a decode step.)"""
     import random
 
     import ft.engine.ranks.rank_state as rank_state
@@ -178,19 +179,30 @@ def test_the_pools_stay_within_the_budget_as_requests_come_and_go_with_the_ladde
     clock = Clock()
     e.mamba_demand.clock = e.loan.clock = clock
     rng = random.Random(7)
-    waves = [[[5 + rng.randrange(200) for _ in range(rng.choice((8, 20, 100, 300, 1100)))]
-              for _ in range(rng.randint(1, 4))] for _ in range(5)]
-    for wave in waves:
-        params = SamplingParams(max_new_tokens=rng.choice((4, 12)), temperature=0.0, ignore_eos=True)
-        got = [e.add_request(p, params) for p in wave]
-        want = [fixed.engine.add_request(p, params) for p in wave]
+    shared = [5 + rng.randrange(200) for _ in range(150)]
+    for wave in range(4):
+        pairs = []
+        for _ in range(rng.randint(1, 4)):
+            prompt = (shared[: rng.choice((64, 150))] if rng.random() < 0.4 else []) + \
+                [5 + rng.randrange(200) for _ in range(rng.choice((8, 20, 100, 300, 1100)))]
+            params = [SamplingParams(max_new_tokens=rng.choice((4, 12)), temperature=0.0, ignore_eos=True)]
+            params *= rng.choice((1, 1, 3))
+            pairs.append((e.add_request_group(prompt, params), fixed.engine.add_request_group(prompt, params)))
+        aborted = pairs[0][0][0] if wave == 2 else None
+        steps = 0
         while e.has_work:
             e.step()
+            steps += 1
+            if aborted is not None and steps == 3:
+                e.abort(aborted.request_id)
             g, c = e.cache.geometry, e.cache
             assert c.layout.nbytes(g) <= c.budget.budget_bytes + c.lent, (g, c.lent)
             assert all(s.mamba_slot is not None and s.mamba_slot < g.mamba_slots for s in e.scheduler.running)
-        fixed.engine.run_until_done(want, timeout_s=60)
-        assert [s.output_ids for s in got] == [s.output_ids for s in want], [(len(s.prompt_ids), s.error) for s in got]
+        for got, want in pairs:
+            fixed.engine.run_until_done(want, timeout_s=60)
+            for a, b in zip(got, want):
+                if a is not aborted:
+                    assert a.error is None and a.output_ids == b.output_ids, (wave, len(a.prompt_ids), a.error)
         clock.t += max(mamba_demand.IDLE_S, loan_module.LEND_AFTER_S)
     triggers = {h["trigger"] for h in e.cache.history}
     assert {"mamba", "loan", "ladder"} <= triggers and e.mamba_demand.grows >= 1 and e.mamba_demand.shrinks >= 1
