@@ -211,7 +211,7 @@ def test_a_ladder_move_while_lent_recalls_first_and_lends_again_at_the_new_rung(
     clock.t += loan_module.LEND_AFTER_S
     greedy(llm, SHORT, n=2)
     g = e.cache.geometry
-    assert e.cache.lent and g.moe_slots == e.cache.moe_beside(g.kv_tokens, lent=True)
+    assert e.cache.lent and g.moe_slots == e.cache.moe_beside(g.kv_tokens, e.cache.loan_bytes)
 
 
 def test_a_prompt_past_the_rung_while_lent_is_served():

@@ -191,15 +191,13 @@ class CacheManager:
         g = self.geometry
         if not self.lent:
             return g
-        return Geometry(self.moe_beside(g.kv_tokens, lent=False) or g.moe_slots, g.kv_tokens, g.mamba_slots)
+        return Geometry(self.moe_beside(g.kv_tokens) or g.moe_slots, g.kv_tokens, g.mamba_slots)
 
-    def moe_beside(self, kv_tokens: int, lent: bool | int = False, mamba_slots: int | None = None) -> int | None:
+    def moe_beside(self, kv_tokens: int, lent_bytes: int = 0, mamba_slots: int | None = None) -> int | None:
         """Expert slots for a geometry with `kv_tokens` of KV and `mamba_slots` (None: as now): all the
-        budget (plus `lent` bytes of the loan, True: all of it, `lend`) leaves, or the fixed count of the
-        resident backend / an explicit --moe-cache-size. None when that is below the expert floor or does
-        not fit."""
-        extra = self.loan_bytes if lent is True else int(lent)
-        g, budget = self.geometry, self.budget.budget_bytes + extra
+        budget plus `lent_bytes` of the loan (`lend`) leaves, or the fixed count of the resident backend /
+        an explicit --moe-cache-size. None when that is below the expert floor or does not fit."""
+        g, budget = self.geometry, self.budget.budget_bytes + lent_bytes
         mamba = g.mamba_slots if mamba_slots is None else mamba_slots
 
         def fits(moe: int) -> bool:
@@ -305,7 +303,7 @@ class CacheManager:
         if not self.loan_bytes or self.lent >= self.loan_bytes or self.opts.moe_backend != "offload" \
                 or self.opts.moe_cache_size or self.degraded or g.moe_slots != self.moe_beside(g.kv_tokens, self.lent):
             return None
-        target = self.moe_beside(g.kv_tokens, lent=True)
+        target = self.moe_beside(g.kv_tokens, self.loan_bytes)
         if target is None or target <= g.moe_slots:
             return None
         p = plan(g, Geometry(target, g.kv_tokens, g.mamba_slots), self.layout,
