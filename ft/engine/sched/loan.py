@@ -47,10 +47,6 @@ class ReserveLoan:
         self.failed: str | None = None  # a recall that could not run: the loan is never made again
         self.recalls = 0
 
-    @property
-    def lent(self) -> bool:
-        return bool(self.cache.lent)
-
     def _long_pending(self) -> bool:
         """A running request with more than keep_tokens prompt tokens to compute, or a waiting one whose
         prompt is longer (its cached prefix not counted: the match is made at admission)."""
