@@ -39,6 +39,7 @@ from ft.model.forward_batch import ForwardBatch
 from ft.model.layers.attention import Rope
 from ft.model.layers.qsa_attention import QSAAttention
 from ft.kernels.host_gather import gather_rows
+from ft.kernels.slot_write import write_slots
 from ft.model.layers.embedding import embed_tokens
 from ft.model.layers.engram import EngramHashing, PLEWeights, ple_delta_batched
 from ft.model.layers.gated_deltanet import GatedDeltaNet
@@ -171,8 +172,8 @@ class FlashNextModel:
 
     graph_safe = True
     """A decode step may be captured in a CUDA graph: QSA decodes in fixed shapes at every length (block
-    scores over the context limit's blocks, a top-k, one sparse attention launch), the PLE's writes are
-    indexed by the step's slots (a graph's padding rows repeat the first sequence and change nothing),
+    scores over the context limit's blocks, a top-k, one sparse attention launch), the PLE's and the indexer
+    keys' writes skip rows without a slot (`write_slots`: a graph's padding rows carry slot -1),
     HyperConnections and the MoE are device ops. tests/gpu/test_flash_next_cuda.py checks graph
     replays against eager steps."""
     prefill_graph_safe = False
@@ -326,6 +327,6 @@ class FlashNextModel:
         emb = gather_rows(ple.table, hs.rows_of_windows(windows), x.dtype)
         delta, history = ple_delta_batched(emb, x.reshape(x.shape[0], self.streams, -1), ple.weights, histories[slots],
                                            cu)
-        contexts[slots] = after + 1
-        histories[slots] = history
+        write_slots(contexts, slots, after + 1)  # (rows with slot -1, a graph's padding, write nothing)
+        write_slots(histories, slots, history)
         return delta

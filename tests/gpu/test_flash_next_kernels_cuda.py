@@ -4,7 +4,8 @@ QSA's sparse decode attention (24 query heads over 2 KV heads of 256, lists of 2
 blocks of 4 and a partial block, bf16 / fp8 / NVFP4 caches, batch 1 and 8), QSA's block scores and
 decode selection (4 indexer heads of 128, contexts to 70K tokens of a 256K limit), the
 HyperConnection kernels (4 streams of 2,560; the fused read against the cuBLAS read), and the sigmoid-gated RMSNorm (48 value heads of 128).
-Beside them the streamed prefill's expert copy (`copy_rows`) at the 80B's NVFP4 expert tensors."""
+Beside them the streamed prefill's expert copy (`copy_rows`) at the 80B's NVFP4 expert tensors, and the
+slot writes of a padded decode step (`write_slots`) inside a CUDA graph."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from ft.kernels.host_gather import copy_rows, gather_rows
 from ft.kernels.host_gather.reference import gather_rows_ref
 from ft.kernels.norm import gated_rms_norm
 from ft.kernels.norm.reference import gated_rms_norm_ref
+from ft.kernels.slot_write import write_slots, write_slots_ref
 from ft.memory.kv_pool import NVFP4_KV, kv_row_size
 
 pytestmark = pytest.mark.gpu
@@ -52,6 +54,33 @@ def test_copy_rows_moves_pinned_expert_slabs_exactly(row, dtype):
     as_bytes = (lambda t: t.view(torch.uint8)) if dtype != torch.uint8 else (lambda t: t)
     assert torch.equal(as_bytes(page[:37].cpu()), as_bytes(table[ids]))
     assert not as_bytes(page[37:]).any()
+
+
+def test_slot_writes_skip_padding_rows_inside_a_graph():
+    """The PLE history rows (3 x 10,240 bf16) of a 12-row graph bucket holding 9 sequences, and the
+    indexer keys (128 bf16) of a paged pool cut at one layer: replayed, the live rows land, the padding
+    rows (slot -1) write nothing, as the reference (the pool's last slot in use by a live row)."""
+    g = torch.Generator().manual_seed(0)
+    slots = torch.tensor(list(range(8)) + [63] + [-1] * 3, device=DEV)
+    history = torch.randn(64, 3, 10240, generator=g).to(torch.bfloat16).to(DEV)
+    keys = torch.randn(40, 12, 64, 128, generator=g).to(torch.bfloat16).to(DEV)  # [P, L, page, Di]
+    rows_h = torch.randn(12, 3, 10240, device=DEV).to(torch.bfloat16)
+    rows_k = torch.randn(12, 128, device=DEV, dtype=torch.float32)
+    kslots = torch.tensor([5, 2559, 700, 64, 1000, 3, 2000, 1500, 2558] + [-1] * 3, device=DEV)
+    want_h, want_k = history.clone(), keys.clone()
+    write_slots_ref(want_h, slots, rows_h)
+    write_slots_ref(want_k[:, 7], kslots, rows_k, page_size=64)
+    graph = torch.cuda.CUDAGraph()
+    got_h, got_k = history.clone(), keys.clone()
+    with torch.cuda.graph(graph):
+        write_slots(got_h, slots, rows_h)
+        write_slots(got_k[:, 7], kslots, rows_k, page_size=64)
+    got_h.copy_(history)
+    got_k.copy_(keys)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got_h, want_h) and torch.equal(got_k, want_k)
+    assert torch.equal(want_h[63], rows_h[8])  # the last slot holds its live row, not a padding row's
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8", "nvfp4"])

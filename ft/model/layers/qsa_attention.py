@@ -25,6 +25,7 @@ from ft.model.forward_batch import ForwardBatch
 from ft.model.layers.attention import GatedAttention, Rope
 from ft.model.layers.linear import Linear
 from ft.kernels.qsa import block_scores, select_decode_tokens
+from ft.kernels.slot_write import write_slots
 from ft.model.layers.qsa import compress_keys, select_tokens, selection_scores
 
 __all__ = ["QSAAttention", "rotate"]
@@ -98,9 +99,8 @@ class QSAAttention(GatedAttention):
 
     def _write_index_keys(self, index_keys: torch.Tensor, raw: torch.Tensor, batch: ForwardBatch) -> None:
         page = index_keys.shape[1]
-        if batch.decode is not None:
-            slots = batch.decode.slot_mapping
-            index_keys[slots // page, slots % page] = raw.to(index_keys.dtype)
+        if batch.decode is not None:  # (padding rows, slot -1, write nothing)
+            write_slots(index_keys, batch.decode.slot_mapping, raw, page_size=page)
             return
         offset = 0
         for s in batch.seqs:
