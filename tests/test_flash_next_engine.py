@@ -20,6 +20,7 @@ from ft.errors import ConfigError, UnsupportedModelError
 from ft.model.config import ModelConfig
 from ft.model.qwen3_8_flash_next import hashing_of, tensor_specs
 from ft.model.qwen3_8_flash_next_reference import forward_logits
+from triton_flags import spy_launches
 
 GREEDY = 8
 TEXT = dict(
@@ -407,4 +408,25 @@ def test_padding_rows_of_a_decode_step_write_no_live_state(tmp_path, monkeypatch
         got = [r.token_ids for r in llm.generate(prompt_token_ids=prompts, **GREEDY_OPTS)]
         assert llm.engine.overlapped_steps > 0 if overlap else llm.engine.overlapped_steps == 0
     assert padded  # the decode steps took the padded path
+    assert got == want
+
+
+def test_the_triton_kernels_give_the_reference_tokens(tmp_path, monkeypatch):
+    """The decode path as it runs on a GPU (every dispatcher on its Triton kernel, here in the
+    interpreter: QSA's indexer query normed and rotated in one launch, its sparse attention's splits
+    combined and gated in one, the slot writes, the HyperConnection and MoE kernels): greedy tokens equal
+    the reference's, past QSA's dense span (a budget of 8 tokens), two sequences batched."""
+    path = tmp_path / "m"
+    weights = write_checkpoint(path, {**TEXT, "indexer_budget": 8})
+    prompts = [prompt_of(30, 11, eos_at=(9,)), prompt_of(21, 12)]
+    want = [reference_greedy(weights, path, p, n=5) for p in prompts]
+    pytest.importorskip("triton")
+    monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
+    import ft.kernels.attention.sparse_decode as sparse_decode
+
+    launched = spy_launches(monkeypatch, sparse_decode, "_sparse_decode_kernel")
+    with make_llm(path) as llm:
+        got = [r.token_ids for r in llm.generate(prompt_token_ids=prompts, max_new_tokens=5, temperature=0.0,
+                                                 ignore_eos=True)]
+    assert launched  # the Triton path ran
     assert got == want

@@ -136,6 +136,26 @@ def test_qk_norm_rope(t, hq, hk, d, r, dtype):
     assert q2 is q_in and k2 is k_in and torch.equal(q_in, q_out) and torch.equal(k_in, k_out)
 
 
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES.values(), ids=KERNEL_DTYPES.keys())
+def test_norm_rope_of_one_tensor(monkeypatch, dtype):
+    """QSA's indexer query (4 heads of 128, the first 64 dims rotated, a strided view of its projection):
+    `norm_rope` in one launch of the q/k kernel with no k heads, against its reference, and the
+    reference against the model's torch math it replaced (`rotate` of `rms_norm`, bitwise in fp32)."""
+    from ft.kernels.norm import norm_rope, norm_rope_ref
+    from ft.model.layers.attention import Rope
+    from ft.model.layers.qsa_attention import rotate
+
+    x, _, w, _, positions, inv_freq = qk_inputs(5, 4, 1, 128, 64, dtype, seed=9)
+    want = norm_rope_ref(x, w, positions, inv_freq, 64, EPS)
+    if dtype == torch.float32:
+        assert torch.equal(want, rotate(rms_norm_ref(x, w, EPS), positions, Rope(64, inv_freq)))
+    monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
+    launched = spy_launches(monkeypatch, details, "_qk_norm_rope_kernel")
+    got = norm_rope(x, w, positions, inv_freq, 64, EPS)
+    assert len(launched) == 1 and got.shape == x.shape
+    assert rel_rms(got, want) < TOL[dtype]
+
+
 EVEN = [64, 40]
 """Row lengths: D == BLOCK_D (the wrappers set EVEN_D: no mask along D) and D < BLOCK_D (masked)."""
 

@@ -74,6 +74,40 @@ def test_kernel_equals_the_reference(hq, hkv, d, dtype, kv, splits):
         assert rel_rms(got[b], want[b]) < TOL[dtype], b
 
 
+@pytest.mark.parametrize("kv", ["as-stored", "nvfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_the_output_gate_is_applied_by_the_combine(dtype, kv):
+    """With `gate` (a strided view, as QSA passes its q projection's half) the kernels' output is
+    o * sigmoid(gate) rounded once, as the reference's; the reference's gate is that product."""
+    hq, hkv, d, lengths = 6, 2, 64, [70, 5, 33]
+    k_cache, v_cache, table, scale = make_cache(hkv, d, lengths, dtype, KV[kv], seed=11)
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.full((3, 45), -1, dtype=torch.int64)
+    tokens[0, :40] = torch.randperm(70, generator=g)[:40]
+    tokens[2, 3:36:2] = torch.arange(17) * 2
+    q_and_gate = torch.randn(3, hq, 2 * d, generator=g).to(dtype)
+    q, gate = q_and_gate.chunk(2, dim=-1)  # views: gate's rows stride 2D
+    q = q.contiguous()
+    want = sparse_decode_attention_ref(q, k_cache, v_cache, table, tokens, d ** -0.5, scale, gate=gate)
+    plain = sparse_decode_attention_ref(q, k_cache, v_cache, table, tokens, d ** -0.5, scale)
+    assert rel_rms(want, (plain.float() * torch.sigmoid(gate.float())).to(dtype)) < TOL[dtype]
+    assert not torch.allclose(want.float(), plain.float())
+    for splits in (None, 1, 3):
+        got = details.sparse_decode_attention_triton(q, k_cache, v_cache, table, tokens, d ** -0.5, scale,
+                                                     splits=splits, gate=gate)
+        assert torch.equal(got[1], torch.zeros_like(got[1]))  # no position: zeros, gated too
+        for b in (0, 2):
+            assert rel_rms(got[b], want[b]) < TOL[dtype], (b, splits)
+
+
+def test_no_list_gives_zeros():
+    k_cache, v_cache, table, _ = make_cache(2, 16, [9], torch.float32, None, seed=3)
+    q = torch.randn(1, 4, 16)
+    got = details.sparse_decode_attention_triton(q, k_cache, v_cache, table, torch.zeros(1, 0, dtype=torch.int64),
+                                                 0.25, gate=torch.randn(1, 4, 16))
+    assert torch.equal(got, torch.zeros_like(got))
+
+
 def test_the_reference_is_qsa_attention_on_qsa_lists():
     """On the lists QSA's selection makes (`select_tokens`), the reference over the paged cache gives what
     `sparse_attention` gives over the sequence's whole K and V."""

@@ -110,6 +110,12 @@ def test_sparse_decode_attention_at_the_flagship_shape(batch, kv):
     got = sparse_decode_attention_triton(q, k_cache, v_cache, table, tokens, d ** -0.5, scale)
     err = float((got.float() - want).norm() / want.norm())
     assert torch.isfinite(got).all() and err < TOL[kv], f"relative RMS {err:.3g}"
+    # gated as QSA's decode passes it: the second half of the q projection's [B, Hq, 2D] rows
+    gate = torch.randn(batch, hq, 2 * d, generator=g, device=DEV).to(torch.bfloat16)[..., d:]
+    want = sparse_decode_attention_ref(q.float(), k_cache, v_cache, table, tokens, d ** -0.5, scale, gate=gate.float())
+    got = sparse_decode_attention_triton(q, k_cache, v_cache, table, tokens, d ** -0.5, scale, gate=gate)
+    err = float((got.float() - want).norm() / want.norm())
+    assert torch.isfinite(got).all() and err < TOL[kv], f"gated: relative RMS {err:.3g}"
 
 
 def test_sigmoid_gated_norm_at_the_flagship_shape():

@@ -211,12 +211,14 @@ def _check_decode_inputs(k_cache: torch.Tensor, page_table: torch.Tensor, seq_le
 
 
 def sparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                            tokens: torch.Tensor, scale: float, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            tokens: torch.Tensor, scale: float, kv_scale: torch.Tensor | None = None, *,
+                            gate: torch.Tensor | None = None) -> torch.Tensor:
     """QSA's decode attention: one query per sequence over its selected positions (`tokens` [B, W], -1
-    unused) -> [B, Hq, D] (`sparse_decode_attention_ref`'s contract). The Triton kernel where Triton
-    runs (`sparse_decode.py`: split-K over the list, fixed shapes), else the reference."""
+    unused) -> [B, Hq, D], with `gate` o * sigmoid(gate) (`sparse_decode_attention_ref`'s contract). The
+    Triton kernels where Triton runs (`sparse_decode.py`: split-K over the list, fixed shapes, the splits
+    combined and gated in one launch), else the reference."""
     if uses_triton(q.device) and q.dtype in TRITON_DTYPES:
         from ft.kernels.attention.sparse_decode import sparse_decode_attention_triton  # NOTE: imports triton when used
 
-        return sparse_decode_attention_triton(q, k_cache, v_cache, page_table, tokens, scale, kv_scale)
-    return sparse_decode_attention_ref(q, k_cache, v_cache, page_table, tokens, scale, kv_scale)
+        return sparse_decode_attention_triton(q, k_cache, v_cache, page_table, tokens, scale, kv_scale, gate=gate)
+    return sparse_decode_attention_ref(q, k_cache, v_cache, page_table, tokens, scale, kv_scale, gate=gate)

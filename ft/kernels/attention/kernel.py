@@ -460,9 +460,21 @@ def paged_decode_attention_triton(
     _decode_split_kernel[(b, hkv, splits)](q, k_cache, v_cache, page_table, seq_lens, acc, st, kvs, scale2,
                                            hq // hkv, d, *common, acc.stride(0), acc.stride(1), st.stride(0),
                                            st.stride(1), PAGE_SIZE=page, **kv_flags, **cfg, **pdl_args(q.device))
-    _decode_combine_kernel[(b, hq, triton.cdiv(d, block_dc))](
-        acc, st, g, out, splits, d, acc.stride(0), acc.stride(1), st.stride(0), st.stride(1), *g_strides,
-        out.stride(0), out.stride(1), BLOCK_S=triton.next_power_of_2(splits),
-        CHUNK_S=min(16, triton.next_power_of_2(splits)), BLOCK_D=block_dc, HAS_GATE=gate is not None, num_warps=4,
-        **pdl_args(q.device))
+    combine_splits(acc, st, gate, out, splits, block_dc)
     return out
+
+
+def combine_splits(acc: torch.Tensor, stats: torch.Tensor, gate: torch.Tensor | None, out: torch.Tensor, splits: int,
+                   block_d: int) -> None:
+    """The split-K decode's combine (`_decode_combine_kernel`, one launch): out [B, Hq, D] = the splits'
+    softmax-weighted sum (times sigmoid(gate) [B, Hq, D] when given, unit stride along D), from acc
+    [>= B * splits, Hq, D] and stats [>= B * splits, Hq, 2] (max, sum in log2 units), row b * splits + s,
+    fp32, unit stride along D and the pair. Shared by the paged and the sparse (QSA) decode attention."""
+    b, hq, d = out.shape
+    # NOTE: no gate: out stands in for its pointer, never read (HAS_GATE prunes the load)
+    g, g_strides = (gate, (gate.stride(0), gate.stride(1))) if gate is not None else (out, (0, 0))
+    _decode_combine_kernel[(b, hq, triton.cdiv(d, block_d))](
+        acc, stats, g, out, splits, d, acc.stride(0), acc.stride(1), stats.stride(0), stats.stride(1), *g_strides,
+        out.stride(0), out.stride(1), BLOCK_S=triton.next_power_of_2(splits),
+        CHUNK_S=min(16, triton.next_power_of_2(splits)), BLOCK_D=block_d, HAS_GATE=gate is not None, num_warps=4,
+        **pdl_args(out.device))

@@ -255,6 +255,8 @@ def sparse_decode_attention_ref(
     tokens: torch.Tensor,
     scale: float,
     kv_scale: torch.Tensor | None = None,
+    *,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over a list of its positions (QSA's selected tokens).
 
@@ -263,6 +265,8 @@ def sparse_decode_attention_ref(
         k_cache, v_cache: [P, page_size, Hkv, R] (see the module docstring; `kv_scale` for a quantized one).
         page_table: [B, max_pages] int64: row b lists sequence b's pages.
         tokens: [B, W] int64 positions into sequence b (-1: unused), in any order.
+        gate: optional output gate [B, Hq, D] (any strides): the result is then o * sigmoid(gate), both in
+            float32, cast to q's dtype once (as `paged_decode_attention_ref`).
     Returns: [B, Hq, D] in q's dtype (scores, softmax and sums in float32); a row with no position gives zeros.
     """
     b, hq, d = q.shape
@@ -277,4 +281,7 @@ def sparse_decode_attention_ref(
     scores = torch.einsum("bgrd,bwgd->bgrw", qg, k) * scale
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)  # a row with no position: zeros
-    return torch.einsum("bgrw,bwgd->bgrd", probs, v).reshape(b, hq, d).to(q.dtype)
+    o = torch.einsum("bgrw,bwgd->bgrd", probs, v).reshape(b, hq, d)
+    if gate is not None:  # NOTE: on the float32 output, so the gated result is rounded once, as the kernels round it
+        o = o * torch.sigmoid(gate.float())
+    return o.to(q.dtype)

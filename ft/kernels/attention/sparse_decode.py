@@ -7,7 +7,8 @@ Split-K over the list: program (b, kv head, split) walks BLOCK_N positions at a 
 of a tile need not be contiguous: each token's page comes from the page table), with the paged decode
 attention's tile loader (`load_kv_tile`: bf16/fp16/fp32 as stored, fp8 and NVFP4 dequantized exactly)
 and an online softmax that a tile without any position (-1 entries) leaves unchanged; the splits'
-(max, sum, acc) combine in torch. Every shape is fixed by B and the list's width, so a CUDA graph may
+(max, sum, acc) are stored in the paged decode attention's split layout and combined, with the output
+gate, by its combine kernel (`kernel.combine_splits`: one launch). Every shape is fixed by B and the list's width, so a CUDA graph may
 hold it.
 """
 
@@ -20,6 +21,8 @@ import triton
 import triton.language as tl
 
 from ft.kernels.attention.decode_loops import load_q, load_kv_tile
+from ft.kernels.attention.kernel import combine_splits
+from ft.kernels.options import kernel_options
 from ft.kernels.attention.reference import NVFP4_CACHE as NVFP4_KV
 
 __all__ = ["sparse_decode_attention_triton"]
@@ -31,18 +34,19 @@ TARGET_PROGRAMS = 264
 
 
 @triton.jit
-def _sparse_decode_kernel(p_q, p_k, p_v, p_pt, p_tok, p_acc, p_ml, p_kvs, W, G, D, qk_scale,
+def _sparse_decode_kernel(p_q, p_k, p_v, p_pt, p_tok, p_acc, p_st, p_kvs, W, G, D, qk_scale,
                           stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                          stride_ptb, stride_tb, TILES: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                          stride_ptb, stride_tb, stride_ar, stride_ah, stride_sr, stride_sh, TILES: tl.constexpr, PAGE_SIZE: tl.constexpr,
                           BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
                           KV_FP8: tl.constexpr, KV_NVFP4: tl.constexpr, EVEN_D: tl.constexpr):
     """Program (b, kv, s): the group's queries over positions [s * TILES * BLOCK_N, ...) of list b ->
-    acc [B, Hkv, S, BLOCK_G, BLOCK_D] (unnormalized), max and sum [B, Hkv, S, 2, BLOCK_G] (log2 units).
-    A quantized cache's K scale (p_kvs[0]) folds into the scores; its V scale is the caller's."""
+    acc [B * S, Hq, D] (unnormalized), max and sum [B * S, Hq, 2] (log2 units), row b * S + s: the
+    layout `_decode_combine_kernel` reads. A quantized cache's K scale (p_kvs[0]) folds into the scores,
+    its V scale (p_kvs[1]) into acc."""
     if KV_FP8 or KV_NVFP4:
         qk_scale = qk_scale * tl.load(p_kvs)
     i_b, i_kv, i_s = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
-    n_kv, n_s = tl.num_programs(1), tl.num_programs(2)
+    n_s = tl.num_programs(2)
     b_q = load_q(p_q, i_b, i_kv, G, D, stride_qb, stride_qh, BLOCK_G, BLOCK_D, EVEN_D)
     p_k += i_kv * stride_kh
     p_v += i_kv * stride_vh
@@ -70,18 +74,26 @@ def _sparse_decode_kernel(p_q, p_k, p_v, p_pt, p_tok, p_acc, p_ml, p_kvs, W, G, 
                            KV_NVFP4, EVEN_D)
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_q.dtype), b_v, input_precision=PRECISION)
         b_m = b_m_new
-    row = (i_b * n_kv + i_kv) * n_s + i_s
+    if KV_FP8 or KV_NVFP4:
+        b_acc = b_acc * tl.load(p_kvs + 1)
+    # the paged decode's split layout, which its combine kernel reads: row b * S + s, query head kv * G + g
     o_g = tl.arange(0, BLOCK_G)
     o_d = tl.arange(0, BLOCK_D)
-    tl.store(p_acc + (row * BLOCK_G + o_g)[:, None] * BLOCK_D + o_d[None, :], b_acc)
-    tl.store(p_ml + row * 2 * BLOCK_G + o_g, b_m)
-    tl.store(p_ml + row * 2 * BLOCK_G + BLOCK_G + o_g, b_l)
+    m_g = o_g < G
+    o_h = i_kv * G + o_g
+    row = i_b * n_s + i_s
+    tl.store(p_acc + row * stride_ar + o_h[:, None] * stride_ah + o_d[None, :], b_acc,
+             mask=m_g[:, None] & (o_d < D)[None, :])
+    tl.store(p_st + row * stride_sr + o_h * stride_sh, b_m, mask=m_g)
+    tl.store(p_st + row * stride_sr + o_h * stride_sh + 1, b_l, mask=m_g)
 
 
 def sparse_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    page_table: torch.Tensor, tokens: torch.Tensor, scale: float,
-                                   kv_scale: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
-    """As `sparse_decode_attention_ref` (its argument contract); `splits`: force a split count."""
+                                   kv_scale: torch.Tensor | None = None, splits: int | None = None, *,
+                                   gate: torch.Tensor | None = None) -> torch.Tensor:
+    """As `sparse_decode_attention_ref` (its argument contract); `splits`: force a split count. Two
+    launches: the splits, then the paged decode's combine kernel (which also applies `gate`)."""
     b, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     if hq % hkv:
@@ -90,36 +102,39 @@ def sparse_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         raise ValueError(f"sparse_decode_attention: tokens must be [B={b}, W], got {tuple(tokens.shape)}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("sparse_decode_attention: the last dim of q and of the caches must be contiguous")
+    if gate is not None:
+        if gate.shape != q.shape or gate.dtype != q.dtype:
+            raise ValueError(f"sparse_decode_attention: gate must be {tuple(q.shape)} {q.dtype}, got "
+                             f"{tuple(gate.shape)} {gate.dtype}")
+        gate = gate if gate.stride(-1) == 1 else gate.contiguous()
     g, w = hq // hkv, tokens.shape[1]
+    out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    if not b:
+        return out
+    if not w:  # no position: zeros (gated zeros are zeros)
+        return out.zero_()
     block_g, block_d = max(16, triton.next_power_of_2(g)), max(16, triton.next_power_of_2(d))
     tiles = max(1, triton.cdiv(w, BLOCK_N))
     if splits is None:
         splits = max(1, min(tiles, TARGET_PROGRAMS // max(1, b * hkv)))
     per_split = triton.cdiv(tiles, splits)
     splits = triton.cdiv(tiles, per_split)
-    acc = torch.empty(b * hkv * splits, block_g, block_d, dtype=torch.float32, device=q.device)
-    ml = torch.empty(b * hkv * splits, 2, block_g, dtype=torch.float32, device=q.device)
+    acc = torch.empty(b * splits, hq, d, dtype=torch.float32, device=q.device)
+    st = torch.empty(b * splits, hq, 2, dtype=torch.float32, device=q.device)
     nvfp4, fp8 = k_cache.dtype == NVFP4_KV, k_cache.dtype == torch.float8_e4m3fn
     kc, vc = k_cache, v_cache
-    if fp8 or nvfp4:  # the tiles come exact without the layer scale: K's folds into the scores, V's comes after
+    if fp8 or nvfp4:  # the tiles come exact without the layer scale: K's folds into the scores, V's into acc
         if kv_scale is None:
             raise ValueError("sparse_decode_attention: a quantized KV cache needs kv_scale")
         if fp8:
             kc, vc = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    if b and w:
-        _sparse_decode_kernel[(b, hkv, splits)](
-            q, kc, vc, page_table, tokens, acc, ml, kv_scale if kv_scale is not None else acc, w, g, d,
-            scale * math.log2(math.e), q.stride(0), q.stride(1),
-            kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
-            page_table.stride(0), tokens.stride(0), TILES=per_split, PAGE_SIZE=page, BLOCK_G=block_g, BLOCK_N=BLOCK_N,
-            BLOCK_D=block_d, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=fp8, KV_NVFP4=nvfp4,
-            EVEN_D=d == block_d, num_warps=4)
-    acc = acc.view(b, hkv, splits, block_g, block_d)
-    m, l_sum = ml.view(b, hkv, splits, 2, block_g).unbind(3)  # [B, Hkv, S, BLOCK_G]
-    top = m.amax(dim=2, keepdim=True)
-    weight = torch.where(m == float("-inf"), 0.0, torch.exp2(m - torch.where(top == float("-inf"), 0.0, top)))
-    total = (l_sum * weight).sum(2)  # [B, Hkv, BLOCK_G]
-    out = (acc * weight[..., None]).sum(2) / torch.where(total == 0, 1.0, total)[..., None]
-    if fp8 or nvfp4:
-        out = out * kv_scale[1]
-    return out[:, :, :g, :d].reshape(b, hq, d).to(q.dtype)
+    _sparse_decode_kernel[(b, hkv, splits)](
+        q, kc, vc, page_table, tokens, acc, st, kv_scale if kv_scale is not None else acc, w, g, d,
+        scale * math.log2(math.e), q.stride(0), q.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+        page_table.stride(0), tokens.stride(0), acc.stride(0), acc.stride(1), st.stride(0), st.stride(1),
+        TILES=per_split, PAGE_SIZE=page, BLOCK_G=block_g, BLOCK_N=BLOCK_N,
+        BLOCK_D=block_d, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=fp8, KV_NVFP4=nvfp4,
+        EVEN_D=d == block_d, num_warps=4)
+    combine_splits(acc, st, gate, out, splits, min(block_d, kernel_options().decode_attention.combine_block_d))
+    return out

@@ -9,6 +9,7 @@ from ft.kernels.backend import TRITON_DTYPES, uses_triton
 from ft.kernels.norm.reference import (
     add_rms_norm_ref,
     gated_rms_norm_ref,
+    norm_rope_ref,
     qk_norm_rope_ref,
     rms_norm_ref,
     rotary_apply_ref,
@@ -17,8 +18,8 @@ from ft.kernels.norm.reference import (
 )
 
 __all__ = [
-    "add_rms_norm", "add_rms_norm_ref", "gated_rms_norm", "gated_rms_norm_ref", "qk_norm_rope", "qk_norm_rope_ref",
-    "rms_norm", "rms_norm_ref", "rotary_apply_ref", "rotary_cos_sin_ref", "rotary_inv_freq_ref",
+    "add_rms_norm", "add_rms_norm_ref", "gated_rms_norm", "gated_rms_norm_ref", "norm_rope", "norm_rope_ref",
+    "qk_norm_rope", "qk_norm_rope_ref", "rms_norm", "rms_norm_ref", "rotary_apply_ref", "rotary_cos_sin_ref", "rotary_inv_freq_ref",
 ]
 
 
@@ -71,3 +72,12 @@ def qk_norm_rope(
     if (kernels := _kernels(q)) is not None:
         return kernels.qk_norm_rope_triton(q, k, q_weight, k_weight, positions, inv_freq, rotary_dim, eps)
     return qk_norm_rope_ref(q, k, q_weight, k_weight, positions, inv_freq, rotary_dim, eps)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+              rotary_dim: int, eps: float) -> torch.Tensor:
+    """One tensor's RMSNorm ((1 + w), per head) then partial rotary: new x [T, H, D] (QSA's indexer
+    query). The q/k kernel's launch with no k heads (one launch), else `norm_rope_ref`."""
+    if (kernels := _kernels(x)) is not None:
+        return kernels.qk_norm_rope_triton(x, x[:, :0], weight, weight, positions, inv_freq, rotary_dim, eps)[0]
+    return norm_rope_ref(x, weight, positions, inv_freq, rotary_dim, eps)

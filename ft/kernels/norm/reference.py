@@ -89,3 +89,13 @@ def qk_norm_rope_ref(
     q = rotary_apply_ref(rms_norm_ref(q, q_weight, eps), cos, sin)
     k = rotary_apply_ref(rms_norm_ref(k, k_weight, eps), cos, sin)
     return q, k
+
+
+def norm_rope_ref(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                  rotary_dim: int, eps: float) -> torch.Tensor:
+    """`qk_norm_rope_ref` of one tensor: x [T, H, D] normed ((1 + w) form, per head), then its first
+    rotary_dim dims rotated at positions [T], cos/sin in x's dtype -> new x [T, H, D]."""
+    if rotary_dim != 2 * inv_freq.numel():
+        raise ValueError(f"rotary_dim {rotary_dim} does not match {inv_freq.numel()} frequencies")
+    cos, sin = rotary_cos_sin_ref(positions, inv_freq, x.dtype)
+    return rotary_apply_ref(rms_norm_ref(x, weight, eps), cos, sin)

@@ -19,7 +19,7 @@ import torch
 
 from ft.kernels.attention import paged_attention, sparse_decode_attention, write_kv, write_kv_decode
 from ft.kernels.backend import uses_triton
-from ft.kernels.norm import rms_norm
+from ft.kernels.norm import norm_rope, rms_norm
 from ft.kernels.options import kernel_options
 from ft.model.forward_batch import ForwardBatch
 from ft.model.layers.attention import GatedAttention, Rope
@@ -71,7 +71,10 @@ class QSAAttention(GatedAttention):
         if batch.decode is None and max(s.start + s.length for s in batch.seqs) <= self.dense_limit:
             return super().__call__(x, rope, batch, kv)  # every token selected: dense attention is QSA
         q, gate, k, v = self.project(x, rope, batch)
-        iq = rotate(rms_norm(iqk[:, : hi * di].reshape(t, hi, di), self.index_q_norm, self.eps), batch.positions, rope)
+        iq = norm_rope(iqk[:, : hi * di].reshape(t, hi, di), self.index_q_norm, batch.positions, rope.inv_freq,
+                       rope.rotary_dim, self.eps)  # (one launch: `rotate`'s math, cos and sin unscaled)
+        if rope.scale != 1.0:  # YaRN: the rotated features scaled as `rotate` scales cos and sin
+            iq[..., : rope.rotary_dim] *= rope.scale
         k_cache, v_cache, kv_scale = kv
         if batch.decode is not None:
             write_kv_decode(k_cache, v_cache, k, v, batch.decode.slot_mapping, kv_scale)
@@ -82,8 +85,7 @@ class QSAAttention(GatedAttention):
                          s.start, kv_scale)
                 offset += s.length
         if batch.decode is not None:  # one list of positions per sequence, one launch for the batch
-            o = self._decode(q, iq, batch, kv, index_keys, rope)
-            return self.o_proj(o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))
+            return self.o_proj(self._decode(q, iq, gate, batch, kv, index_keys, rope).reshape(t, -1))
         outs, offset = [], 0
         for s in batch.seqs:
             rows = slice(offset, offset + s.length)
@@ -117,17 +119,18 @@ class QSAAttention(GatedAttention):
         blocks = rms_norm(blocks, self.index_k_norm, self.eps)[:, None, :]
         return rotate(blocks, torch.arange(blocks.shape[0], device=blocks.device) * self.ratio, rope)[:, 0]
 
-    def _decode(self, q: torch.Tensor, iq: torch.Tensor, batch: ForwardBatch, kv: tuple, index_keys: torch.Tensor,
-                rope: Rope) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, iq: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch, kv: tuple,
+                index_keys: torch.Tensor, rope: Rope) -> torch.Tensor:
         """A decode batch in fixed shapes and device ops only: every sequence's block scores
         (`block_scores`, bounded by its length), its positions (`select_decode_tokens`: all of them
-        inside the dense span), then `sparse_decode_attention` over the batch -> [B, Hq, D]."""
+        inside the dense span), then `sparse_decode_attention` over the batch, its output gated by the
+        kernel that writes it -> [B, Hq, D]."""
         d = batch.decode
         k_cache, v_cache, kv_scale = kv
         scores = block_scores(iq, index_keys, d.page_table, d.seq_lens, self.index_k_norm, self.eps, rope.inv_freq,
                               rope.scale, self.ratio, -(-d.max_seq_len // self.ratio))
         tokens = select_decode_tokens(scores, d.seq_lens, self.budget_blocks, self.ratio)
-        return sparse_decode_attention(q, k_cache, v_cache, d.page_table, tokens, self.scale, kv_scale)
+        return sparse_decode_attention(q, k_cache, v_cache, d.page_table, tokens, self.scale, kv_scale, gate=gate)
 
     def _sparse(self, q: torch.Tensor, iq: torch.Tensor, start: int, page_table: torch.Tensor, kv: tuple,
                 index_keys: torch.Tensor, rope: Rope) -> torch.Tensor:
