@@ -12,12 +12,12 @@ What runs where (issue 38; docs/qwen3.8-flash-next/README.md is the plan):
   the checkpoint's grouped tensors into the host store.
 - HyperConnections: `ft.model.layers.hyper_connection` over `ft.kernels.hyper_connection` (each
   write and the next read's norm in one launch, the low-rank projections cuBLAS GEMMs).
-- The PLE layer: torch (`ft.model.layers.engram`). The
-  n-gram table stays in host memory (pinned beside a GPU) in the checkpoint's dtype; a step gathers
-  the rows its tokens hash to. Each sequence's n-gram context and PLE conv history are states of its
-  mamba slot (`MambaPool.extra`), so chunked prefill, the prefix cache and rebuilds carry them; the
-  hashing, the gather (`ft.kernels.host_gather`) and the conv run over the packed batch on the
-  device, with no host read.
+- The PLE layer: `ft.model.layers.engram` (the math, in torch: a prefill's packed batch) and
+  `ft.kernels.engram` (a decode step in five launches). The n-gram table stays in host memory
+  (pinned beside a GPU) in the checkpoint's dtype; a step gathers the rows its tokens hash to. Each
+  sequence's n-gram context and PLE conv history are states of its mamba slot (`MambaPool.extra`),
+  so chunked prefill, the prefix cache and rebuilds carry them; the hashing, the gather
+  (`ft.kernels.host_gather`) and the conv run on the device, with no host read.
 
 Not yet (said at load, not hidden): prefill CUDA graphs (decode steps are captured), tensor
 parallelism, NVFP4 experts stored grouped (per-expert NVFP4 tensors load), NVFP4 split GDN
@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ft.errors import UnsupportedModelError
 from ft.model.checkpoint import GroupedExperts, LoadedWeights, TensorSpec
@@ -38,6 +39,7 @@ from ft.model.config import ModelConfig
 from ft.model.forward_batch import ForwardBatch
 from ft.model.layers.attention import Rope
 from ft.model.layers.qsa_attention import QSAAttention
+from ft.kernels.engram import ngram_rows_decode, ple_decode
 from ft.kernels.host_gather import gather_rows
 from ft.kernels.slot_write import write_slots
 from ft.model.layers.embedding import embed_tokens
@@ -156,6 +158,7 @@ def expert_layout(specs: dict[str, TensorSpec], groups: list[GroupedExperts], re
 class _PLE:
     table: torch.Tensor  # [rows, width] in host memory, the checkpoint's dtype
     weights: PLEWeights
+    key_value: torch.Tensor  # [C*D + D, E]: key_proj's rows then value_proj's (the weights' two are views of it)
 
 
 @dataclass
@@ -249,11 +252,14 @@ class FlashNextModel:
         ple = None
         if i in t.ple_layers:
             e = p + "ple."
+            # (key and value projections stacked: a decode step's one GEMM; popped so the originals go)
+            key_value = torch.cat([w.pop(e + "key_proj.weight"), w.pop(e + "value_proj.weight")])
+            width = self.streams * cfg.hidden_size
             ple = _PLE(w[p + TABLE_SUFFIX], PLEWeights(
-                key_proj=w[e + "key_proj.weight"], value_proj=w[e + "value_proj.weight"],
+                key_proj=key_value[:width], value_proj=key_value[width:],
                 norm_key=w[e + "norm_key.weight"], norm_query=w[e + "norm_query.weight"],
                 norm_conv=w[e + "norm_conv.weight"], conv=w[e + "conv1d.weight"][:, 0], streams=self.streams,
-                dilation=t.ngram_size, eps=self.eps))
+                dilation=t.ngram_size, eps=self.eps), key_value)
         if cfg.layer_types[i] == "linear_attention":
             a = p + "linear_attn."
             def stacked(*names: str) -> Linear:  # the split projections as the fused layer reads them
@@ -292,7 +298,7 @@ class FlashNextModel:
         live = batch.decode.slot_mapping if batch.decode is not None else None  # padding rows: -1 (the MoE skips them)
         for i, layer in enumerate(self.layers):
             if layer.ple is not None:
-                x = x + self._ple_delta(layer.ple, x, batch, pools)
+                x = self._ple(layer.ple, x, batch, pools)
                 n = None
             u, gates = layer.attn_hc.read(x, n)
             j = self.kind_index[i]
@@ -312,21 +318,27 @@ class FlashNextModel:
         u, _ = self.final_read.read(x[batch.last_token_index])  # (no final norm: the read is the model's end)
         return self.lm_head(u).float()
 
-    def _ple_delta(self, ple: _PLE, x: torch.Tensor, batch: ForwardBatch, pools: CachePools) -> torch.Tensor:
-        """[T, C*H]: the PLE delta of every new token, from its ids' table rows, its sequence's n-gram
-        context and conv history (read from its mamba slot and written back). Device ops only, no
-        host read: the hashing and the conv run over the packed batch, the table rows are read from
-        host memory by the device (`gather_rows`)."""
-        hs, eos = self.hashing, self.text.eos_token_id
+    def _ple(self, ple: _PLE, x: torch.Tensor, batch: ForwardBatch, pools: CachePools) -> torch.Tensor:
+        """x [T, C*D] plus the PLE delta of every new token, from its ids' table rows, its sequence's
+        n-gram context and conv history (read from its mamba slot and written back). Device ops only, no
+        host read: the table rows are read from host memory by the device (`gather_rows`). A decode
+        step in five launches (`ft.kernels.engram`: the hashing, the gather, one GEMM, the gate, the
+        conv); a prefill hashes and convolves the packed batch in torch (`ple_delta_batched`)."""
+        hs, eos, w = self.hashing, self.text.eos_token_id, ple.weights
         slots = batch.mamba_slots
-        # a decode step (one token a row, a graph's padding rows included): its offsets need no copy
-        cu = torch.arange(x.shape[0] + 1, device=x.device) if batch.decode is not None else batch.cu_seqlens
         contexts, histories = pools.mamba.extra["ngram_context"], pools.mamba.extra["ple_conv"]
+        if batch.decode is not None:  # (a graph's padding rows, slot -1, read empty states and write none)
+            sizes, offsets = hs.head_tensors(x.device)
+            rows = ngram_rows_decode(batch.input_ids, contexts, slots, hs.multipliers, sizes, offsets,
+                                     hs.heads_per_ngram, eos)
+            key_value = F.linear(gather_rows(ple.table, rows, x.dtype), ple.key_value)
+            return ple_decode(x, key_value, histories, slots, w.norm_key, w.norm_query, w.norm_conv, w.conv,
+                              self.streams, w.dilation, w.eps)
+        cu = batch.cu_seqlens
         stored = contexts[slots]  # ids + 1, 0: none (the EOS id)
         windows, after = hs.windows(batch.input_ids, torch.where(stored == 0, eos, stored - 1), cu)
         emb = gather_rows(ple.table, hs.rows_of_windows(windows), x.dtype)
-        delta, history = ple_delta_batched(emb, x.reshape(x.shape[0], self.streams, -1), ple.weights, histories[slots],
-                                           cu)
-        write_slots(contexts, slots, after + 1)  # (rows with slot -1, a graph's padding, write nothing)
+        delta, history = ple_delta_batched(emb, x.reshape(x.shape[0], self.streams, -1), w, histories[slots], cu)
+        write_slots(contexts, slots, after + 1)
         write_slots(histories, slots, history)
-        return delta
+        return x + delta

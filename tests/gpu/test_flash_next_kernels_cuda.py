@@ -5,7 +5,8 @@ blocks of 4 and a partial block, bf16 / fp8 / NVFP4 caches, batch 1 and 8), QSA'
 decode selection (4 indexer heads of 128, contexts to 70K tokens of a 256K limit), the
 HyperConnection kernels (4 streams of 2,560; the fused read against the cuBLAS read), and the sigmoid-gated RMSNorm (48 value heads of 128).
 Beside them the streamed prefill's expert copy (`copy_rows`) at the 80B's NVFP4 expert tensors, and the
-slot writes of a padded decode step (`write_slots`) inside a CUDA graph."""
+slot writes of a padded decode step (`write_slots`) inside a CUDA graph, and the decode-step Engram
+(`ngram_rows_decode`, `ple_decode`: the seeds' 16 heads, 4 streams of 2,560, a history of 9) in a graph."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ft.kernels.host_gather import copy_rows, gather_rows
 from ft.kernels.host_gather.reference import gather_rows_ref
 from ft.kernels.norm import gated_rms_norm
 from ft.kernels.norm.reference import gated_rms_norm_ref
+from ft.kernels.engram import ngram_rows_decode, ngram_rows_decode_ref, ple_decode, ple_decode_ref
 from ft.kernels.slot_write import write_slots, write_slots_ref
 from ft.memory.kv_pool import NVFP4_KV, kv_row_size
 
@@ -81,6 +83,48 @@ def test_slot_writes_skip_padding_rows_inside_a_graph():
     torch.cuda.synchronize()
     assert torch.equal(got_h, want_h) and torch.equal(got_k, want_k)
     assert torch.equal(want_h[63], rows_h[8])  # the last slot holds its live row, not a padding row's
+
+
+@pytest.mark.parametrize("batch", [1, 12])
+def test_decode_engram_at_the_flagship_shape_inside_a_graph(batch):
+    """The hashing (exact, contexts too) and the PLE delta (bf16, within 2e-2 of the fp32 reference on the
+    same inputs; the moved histories exact) for `batch` rows, the last of 12 a padding row (slot -1)."""
+    from ft.model.layers.engram import EngramHashing
+
+    hs = EngramHashing(ngram_size=3, heads_per_ngram=8, vocab_size_base=1_000_000, eos_token_id=248044)
+    g = torch.Generator(device=DEV).manual_seed(batch)
+    slots = torch.arange(batch, device=DEV) * 3
+    if batch > 1:
+        slots[-1] = -1
+    ids = torch.randint(0, 248320, (batch,), generator=g, device=DEV)
+    contexts = torch.randint(0, 248320, (40, 2), generator=g, device=DEV)
+    sizes, offsets = hs.head_tensors(torch.device(DEV))
+    c, d, e, hist = 4, 2560, 2560, 9
+    x = torch.randn(batch, c * d, generator=g, device=DEV).to(torch.bfloat16)
+    kv = (torch.randn(batch, c * d + d, generator=g, device=DEV) * 0.5).to(torch.bfloat16)
+    hists = torch.randn(40, hist, c * d, generator=g, device=DEV).to(torch.bfloat16)
+    norms = [(torch.randn(c * d, generator=g, device=DEV) * 0.1).to(torch.bfloat16) for _ in range(3)]
+    conv = (torch.randn(c * d, 4, generator=g, device=DEV) * 0.3).to(torch.bfloat16)
+    want_ctx, want_h = contexts.clone(), hists.clone()
+    want_rows = ngram_rows_decode_ref(ids, want_ctx, slots, hs.multipliers, sizes, offsets, 8, 248044)
+    want = ple_decode_ref(x.float(), kv.float(), want_h, slots, *[n.float() for n in norms], conv.float(), c, 3, 1e-6)
+    got_ctx, got_h = contexts.clone(), hists.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rows = ngram_rows_decode(ids, got_ctx, slots, hs.multipliers, sizes, offsets, 8, 248044)
+        out = ple_decode(x, kv, got_h, slots, *norms, conv, c, 3, 1e-6)
+    got_ctx.copy_(contexts)
+    got_h.copy_(hists)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(rows, want_rows) and torch.equal(got_ctx, want_ctx)
+    live = slots >= 0
+    err = float((out[live].float() - want[live]).norm() / want[live].norm())
+    assert err < 2e-2, f"relative RMS {err:.3g}"
+    assert float((got_h.float() - want_h.float()).abs().max()) < 0.05  # (the new rows: u_hat from bf16 inputs)
+    untouched = torch.ones(40, dtype=torch.bool, device=DEV)
+    untouched[slots[live]] = False
+    assert torch.equal(got_h[untouched], hists[untouched])  # the padding row wrote no slot
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8", "nvfp4"])

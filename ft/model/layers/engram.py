@@ -83,6 +83,10 @@ class EngramHashing:
         object.__setattr__(self, "sizes", tuple(sizes))
         object.__setattr__(self, "offsets", tuple(offsets))
 
+    def head_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The heads' sizes and offsets as int64 tensors on `device` (made once per device)."""
+        return _head_constants(self.sizes, self.offsets, device)
+
     @property
     def num_heads(self) -> int:
         return (self.ngram_size - 1) * self.heads_per_ngram
