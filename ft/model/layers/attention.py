@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ft.model.forward_batch import ForwardBatch
-from ft.model.layers.linear import Linear
+from ft.model.layers.linear import Linear, ProjectionGroup
 from ft.kernels.norm import qk_norm_rope
 from ft.kernels.attention import calibrate_kv_scale, paged_attention, paged_decode_attention, write_kv, write_kv_decode
 
@@ -37,7 +37,8 @@ class GatedAttention:
         head_dim: int,
         eps: float,
     ) -> None:
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
+        # q (with its output gate), k and v in one launch where the weights stack (`ProjectionGroup`)
+        self.qkv, self.o_proj = self._projections(q_proj, k_proj, v_proj), o_proj
         self.q_norm, self.k_norm = q_norm, k_norm
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.eps = eps
@@ -49,11 +50,13 @@ class GatedAttention:
         rope: Rope,
         batch: ForwardBatch,
         kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+        outputs: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """x [T, H] -> [T, H]; writes this layer's K/V of the new tokens into `kv` pages
-        (`KVPool.layer`: the K and V caches and the scales of a quantized pool, else None)."""
+        (`KVPool.layer`: the K and V caches and the scales of a quantized pool, else None); outputs:
+        x's q, k and v projections when the caller computed them (`project`)."""
         t = x.shape[0]
-        q, gate, k, v = self.project(x, rope, batch)
+        q, gate, k, v = self.project(x, rope, batch, outputs)
         k_cache, v_cache, kv_scale = kv
         if batch.decode is not None:  # one token per sequence: device tensors only (graph-safe)
             d = batch.decode
@@ -67,13 +70,19 @@ class GatedAttention:
             return self.o_proj(batch.pieces.core(self._prefill_core, kv, q, k, v, gate))
         return self.o_proj(self._prefill_core(batch, kv, q, k, v, gate))
 
-    def project(self, x: torch.Tensor, rope: Rope, batch: ForwardBatch):
-        """x [T, H] -> (q [T, Hq, D] normed and rotated, its output gate [T, Hq, D] (a view of q_proj's
-        output), k [T, Hkv, D] normed and rotated, v [T, Hkv, D])."""
+    def _projections(self, q_proj: Linear, k_proj: Linear, v_proj: Linear) -> ProjectionGroup:
+        """The group `project` runs (a subclass may lead it with projections of its own)."""
+        return ProjectionGroup([q_proj, k_proj, v_proj])
+
+    def project(self, x: torch.Tensor, rope: Rope, batch: ForwardBatch, outputs: list[torch.Tensor] | None = None):
+        """x [T, H] -> (q [T, Hq, D] normed and rotated, its output gate [T, Hq, D] (a view of the q
+        projection's output), k [T, Hkv, D] normed and rotated, v [T, Hkv, D] (a view)). outputs: the
+        q, k and v projections of x already computed (`self.qkv`'s last three)."""
         t = x.shape[0]
-        q, gate = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        qo, ko, vo = self.qkv(x)[-3:] if outputs is None else outputs
+        q, gate = qo.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        k = ko.view(t, self.num_kv_heads, self.head_dim)
+        v = vo.view(t, self.num_kv_heads, self.head_dim)
         q, k = qk_norm_rope(q, k, self.q_norm, self.k_norm, batch.positions, rope.inv_freq, rope.rotary_dim, self.eps)
         if rope.scale != 1.0:  # YaRN: the rotated features scaled as cos and sin are (the kernel has no factor)
             q[..., : rope.rotary_dim] *= rope.scale

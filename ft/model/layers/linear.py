@@ -81,3 +81,23 @@ class Linear:
             return y.reshape(*shape[:-1], -1)
         shape = x.shape
         return dense_linear(x.reshape(-1, shape[-1]), w).reshape(*shape[:-1], -1)
+
+
+class ProjectionGroup:
+    """Projections of one input computed in one launch where their weights allow it (`Linear.stacked`:
+    dense ones, or NVFP4 ones sharing their global scale, as ModelOpt quantizes a layer's q / k / v),
+    else one by one. __call__(x [..., K]) -> their outputs in order (views of one tensor when stacked:
+    strided along rows, unit stride along the last dimension)."""
+
+    def __init__(self, linears: list[Linear]) -> None:
+        self.widths = [lin.weight.shape[0] for lin in linears]
+        try:
+            self.stacked: Linear | None = Linear.stacked([lin.weight for lin in linears])
+            self.parts: list[Linear] = []
+        except ValueError:  # NVFP4 weights of different global scales: each its own launch
+            self.stacked, self.parts = None, list(linears)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.stacked is None:
+            return [lin(x) for lin in self.parts]
+        return list(torch.split(self.stacked(x), self.widths, dim=-1))

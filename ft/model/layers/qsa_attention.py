@@ -23,7 +23,7 @@ from ft.kernels.norm import norm_rope, rms_norm
 from ft.kernels.options import kernel_options
 from ft.model.forward_batch import ForwardBatch
 from ft.model.layers.attention import GatedAttention, Rope
-from ft.model.layers.linear import Linear
+from ft.model.layers.linear import Linear, ProjectionGroup
 from ft.kernels.qsa import block_scores, select_decode_tokens
 from ft.kernels.slot_write import write_slots
 from ft.model.layers.qsa import compress_keys, select_tokens, selection_scores
@@ -53,24 +53,30 @@ class QSAAttention(GatedAttention):
         """The gated attention's tensors, then the indexer's: index_qk [(Hi + 1) * Di, H] (Hi query heads,
         then the one key head), its q and k RMSNorm weights [Di]; budget tokens chosen in blocks of
         `ratio`."""
+        self.index_q_norm, self.index_k_norm = index_q_norm, index_k_norm
+        self._index_qk = index_qk  # (led into the q / k / v group by `_projections`, then dropped)
         super().__init__(q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, num_heads, num_kv_heads, head_dim, eps)
-        self.index_qk, self.index_q_norm, self.index_k_norm = index_qk, index_q_norm, index_k_norm
+        del self._index_qk
         self.index_heads, self.index_dim = index_heads, index_dim
         self.budget_blocks, self.ratio = budget // ratio, ratio
         self.dense_limit = budget + ratio - 1
+
+    def _projections(self, q_proj: Linear, k_proj: Linear, v_proj: Linear) -> ProjectionGroup:
+        """The indexer's projection, then q / k / v: one launch where the weights stack."""
+        return ProjectionGroup([self._index_qk, q_proj, k_proj, v_proj])
 
     def __call__(self, x: torch.Tensor, rope: Rope, batch: ForwardBatch, kv: tuple,  # type: ignore[override]
                  index_keys: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]; writes the new tokens' K/V into `kv` (`KVPool.layer`) and their raw
         indexer keys into `index_keys` [P, page_size, Di] (`KVPool.index_layer`)."""
         t, hi, di = x.shape[0], self.index_heads, self.index_dim
-        iqk = self.index_qk(x)
+        iqk, *qkv = self.qkv(x)
         self._write_index_keys(index_keys, iqk[:, hi * di:], batch)
         # a decode step always takes the fixed-shape path (inside the dense span it selects every token):
         # no host branch on the lengths, so a CUDA graph may hold it
         if batch.decode is None and max(s.start + s.length for s in batch.seqs) <= self.dense_limit:
-            return super().__call__(x, rope, batch, kv)  # every token selected: dense attention is QSA
-        q, gate, k, v = self.project(x, rope, batch)
+            return super().__call__(x, rope, batch, kv, qkv)  # every token selected: dense attention is QSA
+        q, gate, k, v = self.project(x, rope, batch, qkv)
         iq = norm_rope(iqk[:, : hi * di].reshape(t, hi, di), self.index_q_norm, batch.positions, rope.inv_freq,
                        rope.rotary_dim, self.eps)  # (one launch: `rotate`'s math, cos and sin unscaled)
         if rope.scale != 1.0:  # YaRN: the rotated features scaled as `rotate` scales cos and sin
