@@ -21,21 +21,17 @@ site, then the total per step and per layer kind.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import json
 import os
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-os.environ.setdefault("FT_TRITON_INTERPRET_TEST", "1")
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections import Counter  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 SHRINK = dict(
     vocab_size=1024, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -49,26 +45,27 @@ SHRINK = dict(
 _NOT_KERNELS = {"empty", "empty_strided", "empty_like", "detach", "alias", "lift_fresh", "set_", "resize_",
                 "_to_copy_noop", "_local_scalar_dense", "is_nonzero", "equal"}
 _SYNCS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "unique", "_unique2"}
-ROOT = str(Path(__file__).resolve().parents[1] / "ft" / "model")
 
 
-def _site() -> str:
-    """The innermost frame in ft/model/ above this call: `file.py:function:line`."""
+def _site(root: str) -> str:
+    """The innermost frame under `root` above this call: `file.py:function:line` relative to root."""
     f = sys._getframe(2)
     while f is not None:
         name = f.f_code.co_filename
-        if name.startswith(ROOT):
-            return f"{os.path.relpath(name, ROOT)}:{f.f_code.co_name}:{f.f_lineno}"
+        if name.startswith(root):
+            return f"{os.path.relpath(name, root)}:{f.f_code.co_name}:{f.f_lineno}"
         f = f.f_back
-    return "(outside ft/model)"
+    return "(outside)"
 
 
 class LaunchCounter(TorchDispatchMode):
     """Counts device launches while `armed`: torch operators that compute (not views or metadata) and
-    Triton kernel launches (patched in by `arm_triton`), by (site, name)."""
+    Triton kernel launches (inside `counting()`), by (site, name); a site is the innermost frame under
+    `root` (a folder: the model's code)."""
 
-    def __init__(self) -> None:
+    def __init__(self, root: str) -> None:
         super().__init__()
+        self.root = root
         self.armed = False
         self.inside_triton = 0
         self.launches: Counter = Counter()
@@ -79,12 +76,15 @@ class LaunchCounter(TorchDispatchMode):
         if self.armed and not self.inside_triton:
             name = func.overloadpacket.__name__
             if name in _SYNCS:
-                self.syncs[(_site(), name)] += 1
+                self.syncs[(_site(self.root), name)] += 1
             if name not in _NOT_KERNELS and not _is_view(func):
-                self.launches[(_site(), "aten." + name)] += 1
+                self.launches[(_site(self.root), "aten." + name)] += 1
         return out
 
-    def arm_triton(self):
+    @contextlib.contextmanager
+    def counting(self):
+        """Inside: torch operators and interpreted Triton launches are counted while `armed` (the
+        interpreter's launch is wrapped for the block and put back after)."""
         import triton.runtime.interpreter as interp
 
         run = interp.InterpretedFunction.run
@@ -92,7 +92,7 @@ class LaunchCounter(TorchDispatchMode):
 
         def counted(fn_self, *args, grid, warmup, **kwargs):
             if counter.armed and not warmup and not counter.inside_triton:
-                counter.launches[(_site(), "triton." + fn_self.fn.__name__)] += 1
+                counter.launches[(_site(counter.root), "triton." + fn_self.fn.__name__)] += 1
             counter.inside_triton += 1
             try:
                 return run(fn_self, *args, grid=grid, warmup=warmup, **kwargs)
@@ -100,6 +100,11 @@ class LaunchCounter(TorchDispatchMode):
                 counter.inside_triton -= 1
 
         interp.InterpretedFunction.run = counted
+        try:
+            with self:
+                yield self
+        finally:
+            interp.InterpretedFunction.run = run
 
 
 def _is_view(func) -> bool:
@@ -132,20 +137,21 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=60, help="sites listed")
     ap.add_argument("--layers", type=int, default=None, help="layers of the shrunk model (default: the config's)")
     args = ap.parse_args()
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (by the engine's kernels)
+    os.environ["FT_TRITON_INTERPRET_TEST"] = "1"  # the dispatchers take their Triton kernels on the CPU
 
+    import ft
     from ft.engine.base.engine_config import EngineConfig
     from ft.engine.base.sampling_params import SamplingParams
     from ft.engine.core.engine import Engine
 
-    t0 = time.perf_counter()
+
     torch.manual_seed(0)
     tmp = Path(tempfile.mkdtemp())
     config = shrunk_config(Path(args.config), tmp / "config.json", args.layers) if args.shrink else Path(args.config)
     eng = Engine(EngineConfig(model=f"synthetic:{config}", moe_backend="resident", max_running_requests=max(4, args.batch),
                               max_seq_len_override=4096, gpu_memory_limit="2GiB"))
-    print(f"engine built in {time.perf_counter() - t0:.1f} s", flush=True)
-    counter = LaunchCounter()
-    counter.arm_triton()
+    counter = LaunchCounter(str(Path(ft.__file__).resolve().parent / "model"))  # (the ft imported: maybe another tree's)
     forward = type(eng.model).forward
 
     def counted_forward(self, batch, pools):
@@ -158,7 +164,7 @@ def main() -> None:
     type(eng.model).forward = counted_forward
     params = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
     seqs = [eng.add_request([(7 * i + j) % 1000 + 3 for j in range(args.prompt)], params) for i in range(args.batch)]
-    with counter:
+    with counter.counting():
         eng.run_until_done(seqs)
     report(counter, args.top)
 
