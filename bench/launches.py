@@ -120,6 +120,8 @@ def shrunk_config(path: Path, out: Path, layers: int | None = None) -> Path:
     text = cfg.get("text_config", cfg)
     if layers:
         text["num_hidden_layers"] = layers
+        if "layer_types" in text:
+            text["layer_types"] = text["layer_types"][:layers]
     for k, v in SHRINK.items():
         if k in text:
             text[k] = v
