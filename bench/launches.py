@@ -151,9 +151,11 @@ def main() -> None:
     torch.manual_seed(0)
     tmp = Path(tempfile.mkdtemp())
     config = shrunk_config(Path(args.config), tmp / "config.json", args.layers) if args.shrink else Path(args.config)
-    eng = Engine(EngineConfig(model=f"synthetic:{config}", moe_backend="resident", max_running_requests=max(4, args.batch),
-                              max_seq_len_override=4096, gpu_memory_limit="2GiB"))
-    counter = LaunchCounter(str(Path(ft.__file__).resolve().parent / "model"))  # (the ft imported: maybe another tree's)
+    eng = Engine(EngineConfig(model=f"synthetic:{config}", moe_backend="resident",
+                              max_running_requests=max(4, args.batch), max_seq_len_override=4096,
+                              gpu_memory_limit="2GiB"))
+    # sites under the ft imported (maybe another tree's, by PYTHONPATH)
+    counter = LaunchCounter(str(Path(ft.__file__).resolve().parent / "model"))
     forward = type(eng.model).forward
 
     def counted_forward(self, batch, pools):

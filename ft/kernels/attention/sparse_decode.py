@@ -8,8 +8,8 @@ of a tile need not be contiguous: each token's page comes from the page table), 
 attention's tile loader (`load_kv_tile`: bf16/fp16/fp32 as stored, fp8 and NVFP4 dequantized exactly)
 and an online softmax that a tile without any position (-1 entries) leaves unchanged; the splits'
 (max, sum, acc) are stored in the paged decode attention's split layout and combined, with the output
-gate, by its combine kernel (`kernel.combine_splits`: one launch). Every shape is fixed by B and the list's width, so a CUDA graph may
-hold it.
+gate, by its combine kernel (`kernel.combine_splits`: one launch). Every shape is fixed by B and the
+list's width, so a CUDA graph may hold it.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ TARGET_PROGRAMS = 264
 @triton.jit
 def _sparse_decode_kernel(p_q, p_k, p_v, p_pt, p_tok, p_acc, p_st, p_kvs, W, G, D, qk_scale,
                           stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                          stride_ptb, stride_tb, stride_ar, stride_ah, stride_sr, stride_sh, TILES: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                          stride_ptb, stride_tb, stride_ar, stride_ah, stride_sr, stride_sh,
+                          TILES: tl.constexpr, PAGE_SIZE: tl.constexpr,
                           BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
                           KV_FP8: tl.constexpr, KV_NVFP4: tl.constexpr, EVEN_D: tl.constexpr):
     """Program (b, kv, s): the group's queries over positions [s * TILES * BLOCK_N, ...) of list b ->

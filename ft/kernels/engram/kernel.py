@@ -152,7 +152,8 @@ def ple_decode_triton(x: torch.Tensor, key_value: torch.Tensor, histories: torch
         raise ValueError(f"ple decode: x {tuple(x.shape)}, key_value {tuple(key_value.shape)}, conv "
                          f"{tuple(conv.shape)} for {streams} streams")
     if histories.shape[1:] != (hist, width) or histories.stride(2) != 1:
-        raise ValueError(f"ple decode: histories {tuple(histories.shape)} must be [S, {hist}, {width}], rows contiguous")
+        raise ValueError(f"ple decode: histories {tuple(histories.shape)} must be [S, {hist}, {width}], "
+                         "rows contiguous")
     for name, t in (("x", x), ("key_value", key_value)):
         if t.stride(1) != 1:
             raise ValueError(f"ple decode: {name} must have unit column stride")

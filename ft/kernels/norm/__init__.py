@@ -19,7 +19,8 @@ from ft.kernels.norm.reference import (
 
 __all__ = [
     "add_rms_norm", "add_rms_norm_ref", "gated_rms_norm", "gated_rms_norm_ref", "norm_rope", "norm_rope_ref",
-    "qk_norm_rope", "qk_norm_rope_ref", "rms_norm", "rms_norm_ref", "rotary_apply_ref", "rotary_cos_sin_ref", "rotary_inv_freq_ref",
+    "qk_norm_rope", "qk_norm_rope_ref", "rms_norm", "rms_norm_ref", "rotary_apply_ref", "rotary_cos_sin_ref",
+    "rotary_inv_freq_ref",
 ]
 
 
