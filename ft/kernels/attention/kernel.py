@@ -296,7 +296,10 @@ def _decode_combine_kernel(
         m_c = o_c < S
         b_w = tl.exp2(tl.load(p_sb + o_c * stride_sr, mask=m_c, other=float("-inf")) - b_max)  # empty splits: 0
         b_sum += b_w * tl.load(p_sb + o_c * stride_sr + 1, mask=m_c, other=0.0)
-        b_acc = tl.load(p_ab + o_c[:, None] * stride_ar + o_d[None, :], mask=m_c[:, None] & m_d[None, :], other=0.0)
+        # an empty split (or one whose weight underflows) adds nothing: its row is not read (at a short context
+        # most of a long limit's splits are empty)
+        m_w = m_c & (b_w > 0)
+        b_acc = tl.load(p_ab + o_c[:, None] * stride_ar + o_d[None, :], mask=m_w[:, None] & m_d[None, :], other=0.0)
         b_o += b_w[:, None] * b_acc
     b_l = tl.sum(b_sum, axis=0)
     b_out = tl.sum(b_o, axis=0) / tl.where(b_l > 0, b_l, 1.0)  # seq_len 0: zeros
