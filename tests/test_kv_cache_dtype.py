@@ -198,8 +198,10 @@ def test_unsupported_kv_quantization_is_named(tiny_one, tmp_path):
 def test_calibrated_scale_puts_the_largest_value_at_half_the_range(cache_dtype, qmax):
     from ft.kernels.attention import KV_SCALE_HEADROOM, calibrate_kv_scale
 
-    k, v = torch.randn(7, 2, 32) * 30, torch.randn(7, 2, 32) * 0.01
-    k[3, 1, 5] = -123.0  # the largest |K|, negative
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(7, 2, 32, generator=g) * 30).clamp(-100, 100), torch.randn(7, 2, 32, generator=g) * 0.01
+    k[3, 1, 5] = -123.0  # the largest |K|, negative (the rest clamped below it: unseeded, a draw past 4 sigma
+    # beat it about one run in fifty)
     scale = torch.ones(2)
     calibrate_kv_scale(k, v, torch.empty(1, dtype=cache_dtype), scale)
     assert KV_SCALE_HEADROOM == 2.0
