@@ -116,14 +116,15 @@ def test_graph_decode_equals_eager_bitwise(tmp_path, budget):
     """bf16 NVFP4 at the seeds' head shapes and expert width (640): the same requests through decode
     graphs and eagerly give the same tokens, and the last step's logits bit for bit; with a budget of
     32 two of the prompts are past QSA's dense span, so the graphs hold the selection. Three requests in
-    the 4-row graph with exactly three mamba slots: the padding row (slot -1) must write no live state
-    (before `write_slots` it wrote the third request's n-gram context and PLE history)."""
+    the 4-row graph (buckets 1, 2, 4) with exactly three mamba slots: the padding row (slot -1) must
+    write no live state (before `write_slots` it wrote the third request's n-gram context and PLE
+    history)."""
     model = synthetic_model(tmp_path, indexer_budget=budget)
     prompts = [prompt_of(50, 1, eos_at=(17, 30)), prompt_of(141, 2), prompt_of(9, 3)]
     runs = []
     for opts in ({}, {"disable_cuda_graph": True}):
         with LLM(model=model, device="cuda", dtype="bfloat16", moe_backend="resident", page_size=16,
-                 max_running_requests=3, mamba_cache_size=3, num_tokens=1024, max_prefill_length=64, **opts) as llm:
+                 max_running_requests=4, mamba_cache_size=3, num_tokens=1024, max_prefill_length=64, **opts) as llm:
             tokens = [r.token_ids for r in llm.generate(prompt_token_ids=prompts, max_new_tokens=24,
                                                         temperature=0.0, ignore_eos=True)]
             graphs = llm.engine.runner.graphs
