@@ -1,7 +1,7 @@
 """Device launches of one decode step, counted on the CPU: where a step's kernels come from. Not a test.
 
     python bench/launches.py [--config bench/configs/qwen3.8-flash-next-small-table.json] [--batch 1]
-                             [--shrink] [--top 40]
+                             [--layers L] [--moe-backend offload --moe-cache-size N] [--no-shrink] [--top 60]
 
 A decode step on a GPU is latency-bound at small batches: each launch inside the graph costs a few
 microseconds whatever it computes, so the count of launches per layer is what fusion has to cut. This
@@ -138,6 +138,9 @@ def main() -> None:
     ap.add_argument("--shrink", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--top", type=int, default=60, help="sites listed")
     ap.add_argument("--layers", type=int, default=None, help="layers of the shrunk model (default: the config's)")
+    ap.add_argument("--moe-backend", default="resident", choices=("resident", "offload"),
+                    help="offload: the experts in host memory, read through by the decode MoE (--moe-cache-size slots)")
+    ap.add_argument("--moe-cache-size", type=int, default=None, help="expert slots with --moe-backend offload")
     args = ap.parse_args()
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (by the engine's kernels)
     os.environ["FT_TRITON_INTERPRET_TEST"] = "1"  # the dispatchers take their Triton kernels on the CPU
@@ -151,8 +154,9 @@ def main() -> None:
     torch.manual_seed(0)
     tmp = Path(tempfile.mkdtemp())
     config = shrunk_config(Path(args.config), tmp / "config.json", args.layers) if args.shrink else Path(args.config)
-    eng = Engine(EngineConfig(model=f"synthetic:{config}", moe_backend="resident",
-                              max_running_requests=max(4, args.batch), max_seq_len_override=4096,
+    eng = Engine(EngineConfig(model=f"synthetic:{config}", moe_backend=args.moe_backend,
+                              moe_cache_size=args.moe_cache_size, max_running_requests=max(4, args.batch),
+                              max_seq_len_override=4096,
                               gpu_memory_limit="2GiB"))
     # sites under the ft imported (maybe another tree's, by PYTHONPATH)
     counter = LaunchCounter(str(Path(ft.__file__).resolve().parent / "model"))
