@@ -11,7 +11,8 @@ What runs where (issue 38; docs/qwen3.8-flash-next/README.md is the plan):
 - MoE: `SparseMoE` over the expert cache (softmax, top-k, renormalised), the routed experts read from
   the checkpoint's grouped tensors into the host store.
 - HyperConnections: `ft.model.layers.hyper_connection` over `ft.kernels.hyper_connection` (each
-  write and the next read's norm in one launch, the low-rank projections cuBLAS GEMMs).
+  write and the next read's norm in one launch; a read of up to 64 tokens fused in Triton, longer ones
+  cuBLAS GEMMs: `HyperConnectionOptions`).
 - The PLE layer: `ft.model.layers.engram` (the math, in torch: a prefill's packed batch) and
   `ft.kernels.engram` (a decode step in five launches). The n-gram table stays in host memory
   (pinned beside a GPU) in the checkpoint's dtype; a step gathers the rows its tokens hash to. Each
