@@ -3,7 +3,7 @@ a SiLU and the mix kernel) against the fused read (`hc_read_triton`) in its two 
 launches, CUDA-core dots a token at a time) and "dot" (three launches, tensor-core tiles), after the
 norm, at the decode batches. Not a test.
 
-    PYTHONPATH=. python3 bench/hc_read.py [--tokens 1,2,4,8,16,32,64] [--sweep]
+    PYTHONPATH=. python3 bench/hc_read.py [--tokens 1,2,4,8,16,32,64] [--sweep] [--all-streams]
 
 4 streams of 2,560, rank 320 (mix_in [324, 10,240] and up [10,240, 320] bf16: 13.2 MB a module), bf16;
 every call inside a CUDA graph over copies of the weights (`bench.gpu_timing.graph_us`: a pass reads
@@ -33,6 +33,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
     ap.add_argument("--sweep", action="store_true", help="also time the fused read's other tiles")
+    ap.add_argument("--all-streams", action="store_true",
+                    help="also time both forms with the all-streams up kernels (variant hc-read-up-all-streams)")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     c, d, r = STREAMS, WIDTH, RANK
@@ -50,6 +52,16 @@ def main() -> None:
     tile = lambda keys, values: {f"hyper_connection.{k}": v for k, v in zip(keys, values)}  # noqa: E731
     forms = {"fma": [tile(fma_keys, [getattr(defaults, k) for k in fma_keys])],
              "dot": [tile(dot_keys, [getattr(defaults, k) for k in dot_keys])]}
+    if args.all_streams:  # the up kernels of variant "hc-read-up-all-streams", as two more forms
+        streams = {"hyper_connection.up_all_streams": True}
+        forms["fma-all"] = [{**streams, "hyper_connection.streams_up_block_d": defaults.streams_up_block_d}]
+        forms["dot-all"] = [{**streams, "hyper_connection.streams_dot_up_block_d": defaults.streams_dot_up_block_d,
+                             "hyper_connection.streams_dot_up_block_rank": defaults.streams_dot_up_block_rank}]
+        if args.sweep:
+            forms["fma-all"] += [{**streams, "hyper_connection.streams_up_block_d": b} for b in (4, 16)]
+            forms["dot-all"] += [{**streams, "hyper_connection.streams_dot_up_block_d": b,
+                                  "hyper_connection.streams_dot_up_block_rank": rk}
+                                 for b, rk in itertools.product((4, 8, 16), (32, 64, 128)) if (b, rk) != (8, 64)]
     if args.sweep:
         forms["fma"] += [tile(fma_keys, v) for v in ((4, 2048, 16), (2, 2048, 16), (2, 2048, 8), (4, 1024, 8))]
         forms["dot"] += [tile(dot_keys, v) for v in itertools.product((16, 32), (512, 1024, 2048), (16, 32), (64, 512))]
@@ -69,7 +81,8 @@ def main() -> None:
         for form, tiles in forms.items():
             best = None
             for i, tile in enumerate(tiles):
-                opts = fused.with_(**{"hyper_connection.fma_read_max_tokens": 1 << 20 if form == "fma" else 0, **tile})
+                fma = form.startswith("fma")
+                opts = fused.with_(**{"hyper_connection.fma_read_max_tokens": 1 << 20 if fma else 0, **tile})
                 with use_kernel_options(opts):
                     us = graph_us(calls)
                     got = hc_read(n, *mods[0], r, c)
@@ -89,13 +102,14 @@ def main() -> None:
         rows.append((t, row))
     print(f"\nHyperConnection read, {c} streams of {d}, rank {r}, bf16, {copies} copies; floor {floor_us:.1f} us "
           f"({weight_bytes / 1e6:.1f} MB at 4.3 TB/s)")
-    print(f"{'tokens':>6} {'cuBLAS us':>10} {'fma us':>8} {'dot us':>8} {'cuBLAS/best':>12} {'err fma':>8} {'err dot':>8}"
-          f"  best fma tile / best dot tile")
+    names = list(forms)
+    print(f"{'tokens':>6} {'cuBLAS us':>10} " + " ".join(f"{f + ' us':>10}" for f in names) + f" {'cuBLAS/best':>12} "
+          + " ".join(f"{'err ' + f:>12}" for f in names) + "  best tile of each form")
     for t, row in rows:
-        best = min(row["fma"], row["dot"])
-        print(f"{t:>6} {row['cublas']:>10.1f} {row['fma']:>8.1f} {row['dot']:>8.1f} {row['cublas'] / best:>11.2f}x "
-              f"{row['fma err']:>8.1e} {row['dot err']:>8.1e}  {row['fma best'][1]} {row['fma best'][0]:.1f} / "
-              f"{row['dot best'][1]} {row['dot best'][0]:.1f}")
+        best = min(row[f] for f in names)
+        print(f"{t:>6} {row['cublas']:>10.1f} " + " ".join(f"{row[f]:>10.1f}" for f in names)
+              + f" {row['cublas'] / best:>11.2f}x " + " ".join(f"{row[f + ' err']:>12.1e}" for f in names) + "  "
+              + " / ".join(f"{f} {row[f + ' best'][1]} {row[f + ' best'][0]:.1f}" for f in names))
 
 if __name__ == "__main__":
     main()

@@ -73,11 +73,16 @@ def test_the_write_gates_each_stream_by_its_own_logit():
 
 
 FORM = {"fma": {"hyper_connection.fma_read_max_tokens": 1 << 20}, "dot": {"hyper_connection.fma_read_max_tokens": 0},
-        "dot-whole-rank": {"hyper_connection.fma_read_max_tokens": 0, "hyper_connection.dot_up_block_rank": 1 << 10}}
-"""Options that send every fused read to one form."""
+        "dot-whole-rank": {"hyper_connection.fma_read_max_tokens": 0, "hyper_connection.dot_up_block_rank": 1 << 10},
+        "fma-all-streams": {"hyper_connection.fma_read_max_tokens": 1 << 20, "hyper_connection.up_all_streams": True},
+        "dot-all-streams": {"hyper_connection.fma_read_max_tokens": 0, "hyper_connection.up_all_streams": True,
+                            "hyper_connection.streams_dot_up_block_rank": 32}}
+"""Options that send every fused read to one form (the all-streams dot form in rank steps of 32: rank 70
+takes three)."""
 SMALL_TILES = {"hyper_connection.down_chunk": 32, "hyper_connection.down_rows": 4, "hyper_connection.up_block_d": 8,
                "hyper_connection.dot_down_chunk": 32, "hyper_connection.dot_down_block_k": 16,
-               "hyper_connection.dot_up_block_d": 16}
+               "hyper_connection.dot_up_block_d": 16, "hyper_connection.streams_up_block_d": 8,
+               "hyper_connection.streams_dot_up_block_d": 4}
 """Tiles small enough that the test shapes take several chunks, row tiles and column programs."""
 READS = [(1, 4, 16, 6, True), (5, 4, 40, 20, True), (3, 2, 24, 5, False), (2, 4, 16, 3, False),
          (17, 4, 16, 70, True)]
@@ -85,7 +90,7 @@ READS = [(1, 4, 16, 6, True), (5, 4, 40, 20, True), (3, 2, 24, 5, False), (2, 4,
 two of its rank steps."""
 
 
-@pytest.mark.parametrize("form", ["fma", "dot", "dot-whole-rank"])
+@pytest.mark.parametrize("form", ["fma", "dot", "dot-whole-rank", "fma-all-streams", "dot-all-streams"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("t,c,d,rank,inject", READS, ids=[f"T{t}-C{c}-D{d}-r{r}-{'inject' if i else 'final'}"
                                                           for t, c, d, r, i in READS])

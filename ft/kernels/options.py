@@ -180,6 +180,14 @@ class HyperConnectionOptions:
     dot_down_block_k, the up projection in rank steps of dot_up_block_rank, at most 16,384 tokens x rank
     elements a step so the tile fits shared memory: the whole rank of 320 in one padded step of 512 up to
     32 tokens, 256 at 64).
+    up_all_streams (variant "hc-read-up-all-streams", not yet timed on a GPU): both forms' up/mix kernel
+    loads the up rows of all C streams of its columns as one tile (`_read_up_mix_streams_kernel`,
+    `_read_up_mix_dot_streams_kernel`; streams_up_block_d / streams_dot_up_block_d columns a program, the
+    dot form in rank steps of streams_dot_up_block_rank, all copied at once by cp.async)
+    where the default kernels run C dependent load-reduce chains, the fma form's also the partial sums
+    as one load: sm_90 SASS of the default fma kernel shows six dependent rounds of global loads (two
+    for the partials' loop, one per stream, each behind the previous stream's barriers), which is
+    where its ~10 us for 6.6 MB (session 30) would go.
 
     H200, bench/hc_read.py (4 streams of 2,560, rank 320, bf16, in a CUDA graph), us a read, cuBLAS /
     fma / dot: T 1 17.4 / **14.1** / 17.4; T 2 20.8 / 19.4 / **17.9**; T 8 21.3 / 49.1 / **18.0**; T 64
@@ -199,6 +207,10 @@ class HyperConnectionOptions:
     dot_down_block_k: int = 256
     dot_up_block_d: int = 32
     dot_up_block_rank: int = 512
+    up_all_streams: bool = False
+    streams_up_block_d: int = 8
+    streams_dot_up_block_d: int = 8
+    streams_dot_up_block_rank: int = 64
 
 
 @dataclass(frozen=True)
@@ -269,6 +281,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "attention-nvfp4-f16": {"decode_attention.nvfp4_prmt": False},  # bench/decode.py --no-prmt, decode_attention.py
     "hc-read-cublas": {"hyper_connection.fused_read_max_tokens": 0},  # bench/hc_read.py, bench/decode.py --modes
     "hc-read-dot-only": {"hyper_connection.fma_read_max_tokens": 0},  # the same
+    "hc-read-up-all-streams": {"hyper_connection.up_all_streams": True},  # the same; not yet timed
     "qsa-prefill-select-torch": {"qsa.prefill_select_kernel": False},  # bench/prefill.py --variant
 }
 """Named variants a benchmark or test selects: the changes from `DEFAULTS` each one makes."""

@@ -94,18 +94,21 @@ def _write_kernel(p_x, p_y, p_a, p_wn, p_out, p_nn, D, eps, stride_xt, stride_yt
 
 
 @triton.jit
-def _read_down_kernel(p_n, p_w, p_zp, T, R, W, stride_nt, stride_wr, ROWS: tl.constexpr, CHUNK: tl.constexpr):
+def _read_down_kernel(p_n, p_w, p_zp, T, R, W, stride_nt, stride_wr, stride_zp, ROWS: tl.constexpr,
+                      CHUNK: tl.constexpr, EVEN: tl.constexpr = False):
+    # EVEN (the all-streams variant's launches, where R % ROWS == 0 and W % CHUNK == 0): the masks are
+    # constant true, so the loads may be 16 bytes wide
     i_r, i_s = tl.program_id(0), tl.program_id(1)
     o_r = i_r * ROWS + tl.arange(0, ROWS)
-    m_r = o_r < R
+    m_r = (o_r < R) | EVEN
     o_w = i_s * CHUNK + tl.arange(0, CHUNK)
-    m_w = o_w < W
+    m_w = (o_w < W) | EVEN
     b_w = tl.load(p_w + o_r[:, None].to(tl.int64) * stride_wr + o_w[None, :], mask=m_r[:, None] & m_w[None, :],
                   other=0.0).to(tl.float32)
     for t in range(T):
         # N in the weights' dtype, as the reference casts it before its GEMM
         b_n = tl.load(p_n + t * stride_nt + o_w, mask=m_w, other=0.0).to(p_w.dtype.element_ty).to(tl.float32)
-        tl.store(p_zp + (i_s * T + t) * R + o_r, tl.sum(b_w * b_n[None, :], axis=1), mask=m_r)
+        tl.store(p_zp + (i_s * T + t) * stride_zp + o_r, tl.sum(b_w * b_n[None, :], axis=1), mask=m_r)
 
 
 @triton.jit
@@ -210,6 +213,85 @@ def _read_up_mix_dot_kernel(p_a, p_up, p_n, p_u, T, RANK, D, stride_at, stride_u
              mask=m_t[:, None] & m_d[None, :])
 
 
+@triton.jit
+def _read_up_mix_streams_kernel(p_zp, p_up, p_n, p_u, p_gl, T, S, stride_zp, D, inv_c, stride_upr, stride_nt, stride_ut,
+                                stride_glt, RANK: tl.constexpr, C: tl.constexpr, BLOCK_D: tl.constexpr,
+                                BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+                                GATES: tl.constexpr):
+    """`_read_up_mix_kernel`'s work with its loads issued at once: the up rows of every stream's columns
+    of the program as one [C * BLOCK_D, BLOCK_R] tile (row j: stream j // BLOCK_D) and a token's partial
+    sums as one [BLOCK_S, BLOCK_R] tile, all issued before their first use (RANK a constexpr, so the
+    rank mask does not keep the loads from 16-byte vectors)."""
+    i_d = tl.program_id(0)
+    o_j = tl.arange(0, C * BLOCK_D)
+    o_k = o_j // BLOCK_D
+    o_d = i_d * BLOCK_D + o_j % BLOCK_D
+    m_d = o_d < D
+    o_r = tl.arange(0, BLOCK_R)
+    m_r = o_r < RANK
+    o_s = tl.arange(0, BLOCK_S)
+    m_s = o_s < S
+    w_dtype = p_up.dtype.element_ty
+    for t in range(T):
+        # every load of the token before any use: one round trip (the up tile again from L2 past the first token)
+        b_up = tl.load(p_up + (o_k * D + o_d)[:, None].to(tl.int64) * stride_upr + o_r[None, :],
+                       mask=m_d[:, None] & m_r[None, :], other=0.0)
+        b_zp = tl.load(p_zp + (o_s[:, None] * T + t) * stride_zp + o_r[None, :], mask=m_s[:, None] & m_r[None, :],
+                       other=0.0)
+        b_n = tl.load(p_n + t * stride_nt + o_k * D + o_d, mask=m_d, other=0.0)
+        # z = N mix_in^T / C in the weights' dtype (the GEMM's one rounding), SiLU rounded there too
+        b_z = (tl.sum(b_zp, axis=0) * inv_c).to(w_dtype).to(tl.float32)
+        b_a = (b_z * tl.sigmoid(b_z)).to(w_dtype).to(tl.float32)
+        b_g = tl.sum(b_up.to(tl.float32) * b_a[None, :], axis=1).to(w_dtype)  # g in the weights' dtype
+        b_sg = tl.sigmoid(b_g.to(tl.float32)).to(w_dtype)
+        b_m = (b_sg.to(tl.float32) * b_n.to(tl.float32)).to(p_u.dtype.element_ty).to(tl.float32)
+        b_u = tl.sum(tl.reshape(b_m, (C, BLOCK_D)), axis=0) / C
+        tl.store(p_u + t * stride_ut + i_d * BLOCK_D + tl.arange(0, BLOCK_D), b_u.to(p_u.dtype.element_ty),
+                 mask=i_d * BLOCK_D + tl.arange(0, BLOCK_D) < D)
+        if GATES:
+            if i_d == 0:
+                o_c = tl.arange(0, BLOCK_C)
+                m_c = o_c < C
+                b_gp = tl.load(p_zp + (o_s[:, None] * T + t) * stride_zp + RANK + o_c[None, :],
+                               mask=m_s[:, None] & m_c[None, :], other=0.0)
+                tl.store(p_gl + t * stride_glt + o_c, (tl.sum(b_gp, axis=0) * inv_c).to(p_gl.dtype.element_ty),
+                         mask=m_c)
+
+
+@triton.jit
+def _read_up_mix_dot_streams_kernel(p_a, p_up, p_n, p_u, T, D, stride_at, stride_upr, stride_nt, stride_ut,
+                                    RANK: tl.constexpr, C: tl.constexpr, BLOCK_T: tl.constexpr,
+                                    BLOCK_D: tl.constexpr, BLOCK_RK: tl.constexpr, PRECISION: tl.constexpr):
+    """`_read_up_mix_dot_kernel`'s work with every stream's up rows of the program in one tile: g for
+    all C streams by one `tl.dot` a rank step ([BLOCK_T, BLOCK_RK] x [BLOCK_RK, C * BLOCK_D]), where the
+    other form runs C dependent load-and-dot chains; the rank loop is software-pipelined (cp.async),
+    with as many stages as steps its copies all go out before the first dot."""
+    i_d = tl.program_id(0)
+    o_t = tl.arange(0, BLOCK_T)
+    m_t = o_t < T
+    o_j = tl.arange(0, C * BLOCK_D)
+    o_k = o_j // BLOCK_D
+    o_d = i_d * BLOCK_D + o_j % BLOCK_D
+    m_d = o_d < D
+    w_dtype = p_up.dtype.element_ty
+    b_g = tl.zeros((BLOCK_T, C * BLOCK_D), dtype=tl.float32)
+    for r in range(0, RANK, BLOCK_RK):
+        o_r = r + tl.arange(0, BLOCK_RK)
+        m_r = o_r < RANK
+        b_a = tl.load(p_a + o_t[:, None] * stride_at + o_r[None, :], mask=m_t[:, None] & m_r[None, :], other=0.0)
+        b_up = tl.load(p_up + (o_k * D + o_d)[:, None].to(tl.int64) * stride_upr + o_r[None, :],
+                       mask=m_d[:, None] & m_r[None, :], other=0.0)
+        b_g = tl.dot(b_a, tl.trans(b_up), b_g, input_precision=PRECISION)
+    b_s = tl.sigmoid(b_g.to(w_dtype).to(tl.float32)).to(w_dtype)  # g in the weights' dtype, as its GEMM rounds
+    b_n = tl.load(p_n + o_t[:, None] * stride_nt + (o_k * D + o_d)[None, :], mask=m_t[:, None] & m_d[None, :],
+                  other=0.0)
+    b_m = (b_s.to(tl.float32) * b_n.to(tl.float32)).to(p_u.dtype.element_ty).to(tl.float32)
+    b_u = tl.sum(tl.reshape(b_m, (BLOCK_T, C, BLOCK_D)), axis=1) / C
+    o_dd = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    tl.store(p_u + o_t[:, None] * stride_ut + o_dd[None, :], b_u.to(p_u.dtype.element_ty),
+             mask=m_t[:, None] & (o_dd < D)[None, :])
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x [T, W] with unit column stride (any row stride)."""
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -285,13 +367,25 @@ def _read_fma(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int
     d, r = width // c, mix_in.shape[0]
     chunk = min(opts.down_chunk, triton.next_power_of_2(width))
     splits = triton.cdiv(width, chunk)
-    z_part = torch.empty((splits, t, r), dtype=torch.float32, device=n.device)
+    # the all-streams kernel loads a token's partials as one tile: rows padded to 16 floats keep its loads 16-byte
+    r_stride = triton.cdiv(r, 16) * 16 if opts.up_all_streams else r
+    z_part = torch.empty((splits, t, r_stride), dtype=torch.float32, device=n.device)
     rows = min(opts.down_rows, triton.next_power_of_2(r))
     _read_down_kernel[(triton.cdiv(r, rows), splits)](n, mix_in, z_part, t, r, width, n.stride(0), mix_in.stride(0),
-                                                      ROWS=rows, CHUNK=chunk, num_warps=8 if rows * chunk >= 8192 else 4)
-    block_d = min(opts.up_block_d, triton.next_power_of_2(d))
+                                                      r_stride, ROWS=rows, CHUNK=chunk,
+                                                      EVEN=opts.up_all_streams and r % rows == 0 and width % chunk == 0,
+                                                      num_warps=8 if rows * chunk >= 8192 else 4)
     block_r = triton.next_power_of_2(rank)
     gl = gate_logits if gate_logits is not None else u
+    if opts.up_all_streams:
+        block_d = min(opts.streams_up_block_d, triton.next_power_of_2(d))
+        _read_up_mix_streams_kernel[(triton.cdiv(d, block_d),)](
+            z_part, up, n, u, gl, t, splits, r_stride, d, 1.0 / c, up.stride(0), n.stride(0), u.stride(0), gl.stride(0),
+            RANK=rank, C=c, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(splits),
+            BLOCK_C=triton.next_power_of_2(c), GATES=gate_logits is not None,
+            num_warps=8 if c * block_d * block_r >= 16384 else 4)
+        return
+    block_d = min(opts.up_block_d, triton.next_power_of_2(d))
     _read_up_mix_kernel[(triton.cdiv(d, block_d),)](z_part, up, n, u, gl, t, splits, r, rank, d, 1.0 / c, up.stride(0),
                                                     n.stride(0), u.stride(0), gl.stride(0), C=c, BLOCK_D=block_d,
                                                     BLOCK_R=block_r, BLOCK_C=triton.next_power_of_2(c),
@@ -326,6 +420,15 @@ def _read_dot(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int
     # The rank step is capped so the up kernel's (BLOCK_T x BLOCK_RK) activation tile, pipelined, fits shared
     # memory: a whole rank of 512 at 64 tokens asks 240 KiB of the H200's 227 KiB.
     block_rk = max(16, min(opts.dot_up_block_rank, triton.next_power_of_2(rank), _DOT_UP_TILE_ELEMENTS // block_t))
+    if opts.up_all_streams:
+        # rank steps copied by cp.async, every step in flight at once (one stage more than the steps)
+        block_d = max(16 // c, min(opts.streams_dot_up_block_d, triton.next_power_of_2(d)))
+        block_rk = max(16, min(opts.streams_dot_up_block_rank, triton.next_power_of_2(rank)))
+        _read_up_mix_dot_streams_kernel[(triton.cdiv(d, block_d),)](
+            a, up, n, u, t, d, a.stride(0), up.stride(0), n.stride(0), u.stride(0), RANK=rank, C=c, BLOCK_T=block_t,
+            BLOCK_D=block_d, BLOCK_RK=block_rk, PRECISION=precision, num_warps=4,
+            num_stages=min(8, triton.cdiv(rank, block_rk) + 1))
+        return
     _read_up_mix_dot_kernel[(triton.cdiv(d, block_d),)](a, up, n, u, t, rank, d, a.stride(0), up.stride(0), n.stride(0),
                                                         u.stride(0), C=c, BLOCK_T=block_t, BLOCK_D=block_d,
                                                         BLOCK_RK=block_rk,
