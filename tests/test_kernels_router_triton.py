@@ -117,3 +117,68 @@ def test_forced_route_matches_the_reference(dtype, normalize):
     assert ((w.float() - w_ref.float()).abs().max() / w_ref.float().abs().max()).item() < TOL[dtype]
     with pytest.raises(ValueError, match="forced"):
         route_triton(logits, k + 1, normalize, shared_gate=True, forced=forced)
+
+
+ROUTE_HIDDEN = [(1, 64, 48, 6, True, False), (3, 37, 80, 4, False, False), (8, 512, 64, 10, True, False),
+                (16, 20, 1040, 3, True, False), (5, 64, 48, 6, True, True), (13, 37, 80, 4, False, True)]
+"""(tokens, experts, hidden width, k, renormalise, forced experts): 16 tokens take two token blocks (two
+counters), a hidden width of 1,040 in fp32 the GEMV's K loop with a masked last tile, 37 experts no
+power of two."""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(("t", "e", "h", "k", "normalize", "forced"), ROUTE_HIDDEN,
+                         ids=[f"T{t}-E{e}-H{h}-k{k}{'-forced' if f else ''}" for t, e, h, k, _, f in ROUTE_HIDDEN])
+def test_routing_from_the_hidden_state_in_one_launch_equals_the_two(monkeypatch, t, e, h, k, normalize, forced,
+                                                                    dtype):
+    """`route_hidden_triton` (the router's GEMV and the routing in one launch, the last program of a token
+    block routing it) against the two-launch path it replaces, `route(dense_linear(x, w))`: the same
+    experts and slots, the weights (the shared gate's last) to fp32 rounding; the counters are zero
+    after every call, and a second call on them gives the same result."""
+    from ft.kernels.dense import dense_linear
+    from ft.kernels.router import ROUTE_COUNTERS, route, route_hidden
+    from ft.kernels.router.hidden_kernel import route_hidden_triton
+
+    gen = torch.Generator().manual_seed(t * 100 + e + h)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    w = (torch.randn(e + 1, h, generator=gen) * h ** -0.5 * 3).to(dtype)
+    table = torch.randperm(e, generator=gen).to(torch.int32) - 3  # some experts without a slot (-1 .. -3)
+    ids_in = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]) if forced else None
+    counters = torch.zeros(ROUTE_COUNTERS, dtype=torch.int32)
+    got = route_hidden_triton(x, w, k, normalize, counters, shared_gate=True, slot_table=table, forced=ids_in)
+    want = route(dense_linear(x, w), k, normalize, shared_gate=True, slot_table=table, forced=ids_in)
+    assert not counters.any()
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    assert got[0].dtype == dtype and got[0].shape == (t, k + 1)
+    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=TOL[dtype], atol=TOL[dtype])
+    monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")  # the dispatcher takes the kernel on the CPU
+    again = route_hidden(x, w, k, normalize, counters=counters, shared_gate=True, slot_table=table, forced=ids_in)
+    assert all(torch.equal(a, b) for a, b in zip(again, got)) and not counters.any()
+
+
+def test_the_moe_layer_routes_its_decode_step_in_one_launch(monkeypatch):
+    """A `SparseMoE` decode step (the Triton path in the interpreter) routes through `route_hidden_triton`
+    with its own counters, and picks the experts (and weights) of the reference routing."""
+    from ft.kernels.router import hidden_kernel
+
+    monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
+    calls = []
+    real = hidden_kernel.route_hidden_triton
+    monkeypatch.setattr(hidden_kernel, "route_hidden_triton", lambda *a, **kw: calls.append(a[4]) or real(*a, **kw))
+    from ft.model.layers.linear import Linear
+
+    gen = torch.Generator().manual_seed(5)
+    h, e = 32, 16
+    from ft.model.layers.moe import MLP
+
+    shared = MLP(*(Linear(torch.randn(8, h, generator=gen)) for _ in range(2)), Linear(torch.randn(h, 8, generator=gen)))
+    moe = SparseMoE(Linear(torch.randn(e, h, generator=gen)), shared, Linear(torch.randn(1, h, generator=gen)), 4, True,
+                    0)
+    x = torch.randn(3, h, generator=gen)
+    weights, ids, slots = moe._route(x, None, None)
+    assert len(calls) == 1 and calls[0] is moe.route_counters and slots is None
+    from ft.kernels.router import route_ref
+
+    want = route_ref(torch.cat([x @ moe.router.weight.T, x @ moe.shared_expert_gate.weight.T], 1), 4, True,
+                     shared_gate=True)
+    assert torch.equal(ids, want[1]) and torch.allclose(weights, want[0], atol=1e-6)

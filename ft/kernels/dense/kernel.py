@@ -58,7 +58,7 @@ import triton.language as tl
 
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
-__all__ = ["MAX_M", "default_config", "dense_linear_triton", "k_tiling"]
+__all__ = ["MAX_M", "default_config", "dense_linear_triton", "gemv_block", "k_tiling"]
 
 MAX_M = 16
 """Rows of x up to which the dispatcher runs this kernel (decode batch sizes); F.linear above."""
@@ -85,17 +85,13 @@ def _tile_sum(b_x, b_w):
 
 
 @triton.jit
-def _dense_gemv_kernel(
-    p_x, p_w, p_y,
-    M, N, K,
-    stride_xm, stride_wn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, ONE_TILE: tl.constexpr, PDL: tl.constexpr = False,
-):
+def gemv_block(p_x, p_w, M, N, K, stride_xm, stride_wn, i_m, i_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ONE_TILE: tl.constexpr, PDL: tl.constexpr):
+    """The block (i_m, i_n) of x @ W^T: fp32 [BLOCK_M, BLOCK_N] sums over the whole K (this module's
+    loads and sum order; rows past M / N read the last valid row). Shared with the router's one-launch
+    routing (`ft.kernels.router.hidden_kernel`)."""
     # PDL (`ft.kernels.pdl`): the first weight tile is loaded before the wait (W is a layer's
     # weight: no kernel of the step writes it), x after it
-    i_n = tl.program_id(0)
-    i_m = tl.program_id(1)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_k = tl.arange(0, BLOCK_K)
@@ -116,6 +112,23 @@ def _dense_gemv_kernel(
             b_w = b_w_next
         k_last = tl.cdiv(K, BLOCK_K) * BLOCK_K - BLOCK_K
         acc += _tile_sum(_load_k(p_xt, k_last, o_k, K, EVEN_K), b_w)
+    return acc
+
+
+@triton.jit
+def _dense_gemv_kernel(
+    p_x, p_w, p_y,
+    M, N, K,
+    stride_xm, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, ONE_TILE: tl.constexpr, PDL: tl.constexpr = False,
+):
+    i_n = tl.program_id(0)
+    i_m = tl.program_id(1)
+    acc = gemv_block(p_x, p_w, M, N, K, stride_xm, stride_wn, i_m, i_n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, ONE_TILE,
+                     PDL)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     p_yt = p_y + o_m.to(tl.int64)[:, None] * stride_ym + o_n[None, :]
     tl.store(p_yt, acc.to(p_y.dtype.element_ty), mask=(o_m < M)[:, None] & (o_n < N)[None, :])
 

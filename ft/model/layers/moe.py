@@ -11,7 +11,7 @@ from ft.kernels.activation import expert_combine, silu_mul
 from ft.kernels.backend import debug_checks
 from ft.kernels.expert_lookup import expert_lookup
 from ft.kernels.moe import DECODE_MAX_TOKENS, SlotWeights, moe_decode, moe_over_pools, moe_over_slots, runs_triton
-from ft.kernels.router import route, route_forced_ref, router_topk
+from ft.kernels.router import ROUTE_COUNTERS, route, route_forced_ref, route_hidden, router_topk
 
 
 class MLP:
@@ -46,6 +46,10 @@ class SparseMoE:
             e = self.num_experts
             self.router = Linear(self.gate_logits.weight[:e])
             self.shared_expert_gate = Linear(self.gate_logits.weight[e:])
+        # the decode path's routing counts its GEMV's programs here (`route_hidden`: the logits and the
+        # routing in one launch); this layer's own, zero between steps
+        self.route_counters = (None if self.gate_logits is None else
+                               torch.zeros(ROUTE_COUNTERS, dtype=torch.int32, device=self.gate_logits.weight.device))
         self.shared_slot = _as_slot(shared_expert)
 
     def __call__(self, x: torch.Tensor, cache: ExpertCache, residual: torch.Tensor | None = None,
@@ -81,17 +85,13 @@ class SparseMoE:
     def _decode(self, x: torch.Tensor, cache: ExpertCache, residual: torch.Tensor | None = None,
                 next_norm: torch.Tensor | None = None, eps: float = 1e-6, forced: torch.Tensor | None = None,
                 live: torch.Tensor | None = None):
-        """Four launches: the logits (router and shared gate), the routing (top-k, the shared gate's
-        sigmoid, the slots), gate/up of every pair with the shared expert, down with the sum."""
+        """Three launches: the logits (router and shared gate) and the routing (top-k, the shared gate's
+        sigmoid, the slots) in one (`route_hidden`), gate/up of every pair with the shared expert, down
+        with the sum."""
         layer = self.moe_index
         table = cache.slot_table[layer]
-        if self.gate_logits is not None:
-            logits = self.gate_logits(x)
-        else:
-            logits = torch.cat([self.router(x), self.shared_expert_gate(x)], dim=1)
         resident = cache.all_resident
-        weights, ids, slots = route(logits, self.top_k, self.norm_topk_prob, shared_gate=True,
-                                    slot_table=table if resident else None, forced=forced)
+        weights, ids, slots = self._route(x, table if resident else None, forced)
         if resident:
             if debug_checks():
                 self._slots(table, ids)
@@ -114,13 +114,10 @@ class SparseMoE:
         expert) where the Triton kernels run, else the references and the unfused combine."""
         layer = self.moe_index
         fused = self._fused(x, cache)
-        if self.gate_logits is not None and fused:
-            logits = self.gate_logits(x)
-        elif fused:
-            logits = torch.cat([self.router(x), self.shared_expert_gate(x)], dim=1)
+        if fused:
+            weights, ids, _ = self._route(x, None, forced)
         else:
-            logits = self.router(x)
-        weights, ids, _ = route(logits, self.top_k, self.norm_topk_prob, shared_gate=fused, forced=forced)
+            weights, ids, _ = route(self.router(x), self.top_k, self.norm_topk_prob, forced=forced)
         rt = cache.read_through
         slots, dst = expert_lookup(ids, cache.slot_table, rt.book, layer, owners=rt.mapped_victims)
         if fused:
@@ -130,6 +127,15 @@ class SparseMoE:
         routed = moe_decode(x, slots, weights, cache.slots, host=cache.host, topk_ids=ids, layer=layer, topk_dst=dst,
                             live=live)
         return expert_combine(routed, self.shared_expert(x), self.shared_expert_gate(x))
+
+    def _route(self, x: torch.Tensor, table: torch.Tensor | None, forced: torch.Tensor | None):
+        """The decode path's routing with the shared gate: (weights [T, k + 1], ids [T, k], slots from
+        `table` or None); with the stacked logits in one launch with their GEMV where it runs."""
+        if self.gate_logits is not None:
+            return route_hidden(x, self.gate_logits.weight, self.top_k, self.norm_topk_prob,
+                                counters=self.route_counters, shared_gate=True, slot_table=table, forced=forced)
+        logits = torch.cat([self.router(x), self.shared_expert_gate(x)], dim=1)
+        return route(logits, self.top_k, self.norm_topk_prob, shared_gate=True, slot_table=table, forced=forced)
 
     def _slots(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The slot of each selected expert; in debug mode, an expert without a slot (-1, which the
