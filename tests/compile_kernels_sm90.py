@@ -40,6 +40,7 @@ from ft.kernels.norm import kernel as norm  # noqa: E402
 from ft.kernels.nvfp4 import kernel as nv  # noqa: E402
 from ft.kernels.nvfp4 import dequant_kernel as nv_dq  # noqa: E402
 from ft.kernels.router import kernel as router  # noqa: E402
+from ft.kernels.router import hidden_kernel as router_hidden  # noqa: E402
 from ft.kernels.expert_lookup import kernel as lookup  # noqa: E402
 from ft.kernels.options import kernel_options  # noqa: E402
 
@@ -124,7 +125,8 @@ QK_NORM_ROPE = {"p_q": "*bf16", "p_k": "*bf16", "p_qw": "*bf16", "p_kw": "*bf16"
                        "stride_koh")}
 
 GD_CONV = {"p_x": "*bf16", "p_w": "*bf16", "p_cs": "*bf16", "p_slots": "*i64", "p_y": "*bf16", "C": "i32",
-           **ints("stride_xb", "stride_wc", "stride_css", "stride_csc", "stride_csw", "stride_yb")}
+           **ints("stride_xb", "stride_wc", "stride_css", "stride_csc", "stride_csw", "stride_yb"),
+           "p_h": "*bf16", "p_wba": "*bf16", "p_ba": "*bf16", **ints("N_BA", "stride_hb", "stride_wba", "stride_bab")}
 GD_DELTA = {"p_y": "*bf16", "p_b": "*bf16", "p_a": "*bf16", "p_alog": "*bf16", "p_dt": "*bf16", "p_ss": "*fp32",
             "p_slots": "*i64", "p_o": "*bf16", **ints("HK", "GROUP", "DK", "DV"), "scale": "fp32",
             **ints("stride_yb", "stride_bb", "stride_ab", "stride_sss", "stride_ssh", "stride_ssk", "stride_ssv",
@@ -195,6 +197,16 @@ def grouped_cfg(which: int = 0) -> dict:
 
 
 DENSE = {"p_x": "*bf16", "p_w": "*bf16", "p_y": "*bf16", **ints("M", "N", "K", "stride_xm", "stride_wn", "stride_ym")}
+
+
+ROUTE_HIDDEN = {"p_x": "*bf16", "p_w": "*bf16", "p_l": "*fp32", "p_count": "*i32", "p_wt": "*bf16", "p_ids": "*i64",
+                "p_table": "*i32", "p_slots": "*i32", **ints("M", "N", "K", "E", "TOPK", "stride_xm", "stride_wn",
+                                                             "stride_wtt", "stride_it", "stride_st")}
+
+
+def route_hidden_cfg(m: int, n: int, k: int) -> dict:
+    cfg = dense.default_config(m, n, k, torch.bfloat16)
+    return {**cfg, **dense.k_tiling(k, cfg["BLOCK_K"])}
 
 
 def dense_cfg(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -292,6 +304,13 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("router, forced experts (traces) + shared gate", router._router_topk_kernel, ROUTER,
      {"NORMALIZE": True, "BLOCK_E": 512, "BLOCK_K": 16, "SHARED_GATE": True, "HAS_TABLE": False, "FORCED": True,
       "num_warps": 1}),
+    ("router from the hidden state (GEMV + top-10 + shared gate + slots), 1 token, K 2560",
+     router_hidden._route_hidden_kernel, ROUTE_HIDDEN,
+     {**route_hidden_cfg(1, 513, 2560), "BLOCK_E": 512, "BLOCK_TOPK": 16, "NORMALIZE": True, "SHARED_GATE": True,
+      "HAS_TABLE": True, "FORCED": False}),
+    ("router from the hidden state, 8 tokens, K 2048, forced experts", router_hidden._route_hidden_kernel, ROUTE_HIDDEN,
+     {**route_hidden_cfg(8, 513, 2048), "BLOCK_E": 512, "BLOCK_TOPK": 16, "NORMALIZE": True, "SHARED_GATE": True,
+      "HAS_TABLE": False, "FORCED": True}),
     ("expert lookup, top-10", lookup._expert_lookup_kernel, LOOKUP, {"BLOCK_K": 16, "num_warps": 1}),
     ("expert lookup with owners, 8 x top-10", lookup._expert_lookup_owned_kernel, LOOKUP_OWNED,
      {"BLOCK_N": 128, "BLOCK_R": 128, "num_warps": 1}),
@@ -384,6 +403,8 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
      {"p_r": "*bf16", "p_s": "*bf16", "p_gl": "*bf16", "p_o": "*bf16",
       **ints("N", "stride_r", "stride_s", "stride_gl", "stride_o")}, {"BLOCK_N": act.BLOCK}),
     ("gated delta decode conv C 8192, W 4", gd._conv_decode_kernel, GD_CONV, gd.conv_config(8192, 4)),
+    ("gated delta decode conv C 10240, W 4, with in_proj_ba (H 2560)", gd._conv_decode_kernel, GD_CONV,
+     {**gd.conv_config(10240, 4), "BA": True, "ROWS_BA": gd.BA_ROWS, "H": 2560, "BLOCK_H": 4096}),
     ("gated delta decode step B 1 (BLOCK_V 16)", gd._delta_decode_kernel, GD_DELTA, gd.delta_config(1, 32, 128, 128)),
     ("gated delta decode step B 8 (BLOCK_V 64)", gd._delta_decode_kernel, GD_DELTA, gd.delta_config(8, 32, 128, 128)),
     # the configs set EVEN_C, EVEN_K, EVEN_V from the shapes (the masked cases: EVEN_* False)

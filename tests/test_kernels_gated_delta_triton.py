@@ -131,6 +131,43 @@ def test_triton_matches_reference(bsz, hk, hv, dk, dv, width, pad, dtype):
     assert conv_t[~region].isnan().all() and ssm_t[~region].isnan().all()  # other slots and layers untouched
 
 
+BA_WIDTHS = [(0, 24), (3, 40), (1, 7 * 16)]
+"""(case index, hidden width H): H not a power of two (a masked tile), and a batch with a padding row."""
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize(("case", "h"), BA_WIDTHS, ids=[f"{CASE_IDS[c]}-H{h}" for c, h in BA_WIDTHS])
+def test_in_proj_ba_inside_the_conv_launch(monkeypatch, case, h, dtype):
+    """`ba_proj` (in_proj_ba's GEMV done by extra programs of the conv launch) against b, a from
+    `dense_linear` given to the same kernels: o and the states to the last bits of fp32 (the GEMV's sums
+    run in another order), padding rows zero; the dispatcher takes the same path in the interpreter and
+    the references' path (b, a by `dense_linear`) elsewhere, with the same results."""
+    from ft.kernels.dense import dense_linear
+
+    bsz, hk, hv, dk, dv, width, pad = CASES[case]
+    args, conv, ssm, region = make_step(bsz, hk, hv, dk, dv, width, pad, dtype, seed=h)
+    gen = torch.Generator().manual_seed(h + 1)
+    x, w_ba = randn(bsz, h, gen=gen, dtype=dtype), randn(2 * hv, h, gen=gen, dtype=dtype, scale=h ** -0.5)
+    ba = dense_linear(x, w_ba)
+    want = run(details.gated_delta_decode_triton, {**args, "b": ba[:, :hv], "a": ba[:, hv:]}, conv, ssm)
+    no_ba = {**args, "b": None, "a": None}
+    conv_calls = spy_launches(monkeypatch, details, "_conv_decode_kernel")
+    delta_calls = spy_launches(monkeypatch, details, "_delta_decode_kernel")
+    got = run(details.gated_delta_decode_triton, no_ba, conv, ssm, ba_proj=(x, w_ba))
+    assert len(conv_calls) == len(delta_calls) == 1 and conv_calls[0]["BA"]
+    assert rel_rms(got[0][pad:], want[0][pad:]) < TOL_O[dtype] and not got[0][:pad].any()
+    assert rel_rms(got[1][region], want[1][region]) <= TOL_O[dtype]
+    assert rel_rms(got[2][region], want[2][region]) < TOL_SSM[dtype]
+    assert got[1][~region].isnan().all() and got[2][~region].isnan().all()
+    ref = run(gated_delta_decode, no_ba, conv, ssm, ba_proj=(x, w_ba))  # FT_TRITON_INTERPRET_TEST unset: references
+    assert rel_rms(ref[0][pad:], want[0][pad:]) < 2 * TOL_O[dtype]  # reference against kernels: fp16 y rounds apart
+    monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
+    disp = run(gated_delta_decode, no_ba, conv, ssm, ba_proj=(x, w_ba))
+    assert torch.equal(disp[0], got[0]) and torch.equal(disp[2].nan_to_num(), got[2].nan_to_num())
+    with pytest.raises(ValueError, match="ba_proj"):
+        run(details.gated_delta_decode_triton, args, conv, ssm, ba_proj=(x, w_ba))  # b and a given too
+
+
 def test_dispatcher_and_checks(monkeypatch):
     args, conv, ssm, _ = make_step(2, 1, 2, 16, 16, 4, 0, torch.float32)
     calls = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ft.kernels.backend import TRITON_DTYPES, uses_triton
+from ft.kernels.dense import dense_linear
 from ft.kernels.gated_delta.reference import (
     chunk_gated_delta_rule_ref,
     chunk_gated_delta_rule_varlen_ref,
@@ -101,6 +102,20 @@ def chunk_gated_delta_rule_varlen(
     return chunk_gated_delta_rule_varlen_ref(q, k, v, g, beta, ssm_state, cu_seqlens, slots, out)
 
 
+def _split_ba(h: torch.Tensor, w_ba: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """b, a [B, Hv]: the two halves of dense_linear(h, w_ba) (views)."""
+    ba = dense_linear(h, w_ba)
+    hv = w_ba.shape[0] // 2
+    return ba[:, :hv], ba[:, hv:]
+
+
+def _conv_takes_ba(h: torch.Tensor, w_ba: torch.Tensor, max_width: int) -> bool:
+    """Whether the conv launch computes b and a from h and w_ba (`gated_delta_decode_triton`'s ba_proj)."""
+    return (h.dim() == 2 and w_ba.dim() == 2 and h.dtype == w_ba.dtype and h.dtype in TRITON_DTYPES
+            and 1 <= h.shape[1] <= max_width and w_ba.shape[1] == h.shape[1] and h.stride(-1) == 1
+            and w_ba.stride(-1) == 1 and h.device == w_ba.device)
+
+
 def gated_delta_decode(
     mixed: torch.Tensor,
     b: torch.Tensor,
@@ -113,6 +128,7 @@ def gated_delta_decode(
     slots: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
+    ba_proj: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One Gated DeltaNet decode step (conv with its rolling state, gates, one recurrent step) for a
     batch of one new token per sequence; the states at slots are updated in place.
@@ -126,6 +142,9 @@ def gated_delta_decode(
         slots: [B] int32/int64 device tensor, distinct; a negative slot (padding row) reads and
             writes no state and gives zeros.
         out: optional output [B, Hv, Dv].
+        ba_proj: (h [B, H], w_ba [2 Hv, H]) dense, in place of b and a (pass None for both): b, a =
+            dense_linear(h, w_ba) split in two (b's rows first); on the Triton path computed inside
+            the conv launch where the kernel takes them (one launch fewer than the projection's own).
     Returns:
         o [B, Hv, Dv] in mixed's dtype.
 
@@ -136,7 +155,11 @@ def gated_delta_decode(
         from ft.kernels.gated_delta import kernel  # NOTE: imports triton only when used
 
         if ssm_state.shape[2] <= kernel.MAX_DK:
+            if ba_proj is not None and not _conv_takes_ba(*ba_proj, kernel.MAX_BA_WIDTH):
+                b, a, ba_proj = *_split_ba(*ba_proj), None
             return kernel.gated_delta_decode_triton(mixed, b, a, conv_state, ssm_state, weight, a_log, dt_bias, slots,
-                                                    out=out)
+                                                    out=out, ba_proj=ba_proj)
+    if ba_proj is not None:
+        b, a = _split_ba(*ba_proj)
     o = gated_delta_decode_ref(mixed, b, a, conv_state, ssm_state, weight, a_log, dt_bias, slots)
     return o if out is None else out.copy_(o)

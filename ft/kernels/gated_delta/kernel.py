@@ -40,25 +40,22 @@ import triton.language as tl
 from ft.kernels.backend import TRITON_DTYPES
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
-__all__ = ["MAX_DK", "conv_config", "delta_config", "gated_delta_decode_triton"]
+__all__ = ["BA_ROWS", "MAX_BA_WIDTH", "MAX_DK", "conv_config", "delta_config", "gated_delta_decode_triton"]
 
 MAX_DK = 256
 """The largest key head dim the delta kernel takes (a state tile is [Dk, BLOCK_V] in registers)."""
+MAX_BA_WIDTH = 8192
+"""The widest hidden state whose in_proj_ba the conv launch computes (`ba_proj`: one tile of H a program)."""
+BA_ROWS = 2
+"""Rows of in_proj_ba a program of the conv launch computes (`ba_proj`): 48 programs for Hv = 48."""
 TARGET_PROGRAMS = 256
 """The delta kernel narrows BLOCK_V until the grid has about this many programs (two per SM of an H200)."""
 
 
 @triton.jit
-def _conv_decode_kernel(
-    p_x, p_w, p_cs, p_slots, p_y, C,
-    stride_xb, stride_wc, stride_css, stride_csc, stride_csw, stride_yb,
-    W: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
-    pdl_release(PDL)
-    i_b = tl.program_id(0).to(tl.int64)
-    i_c = tl.program_id(1)
+def _conv_channels(p_x, p_w, p_cs, p_slots, p_y, C, stride_xb, stride_wc, stride_css, stride_csc, stride_csw,
+                   stride_yb, i_b, i_c, W: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
+    """`_conv_decode_kernel`'s work for the channels of block i_c of sequence i_b."""
     dtype = p_x.dtype.element_ty
     w_dtype = p_w.dtype.element_ty
     slot = tl.load(p_slots + i_b).to(tl.int64)
@@ -80,6 +77,41 @@ def _conv_decode_kernel(
     tl.debug_barrier()  # NOTE: every load before any store: the stores overwrite columns other threads read
     tl.store(p_y + i_b * stride_yb + o_c, b_y, mask=m_c)
     tl.store(p_row + o_w[None, :] * stride_csw, b_new.to(p_cs.dtype.element_ty), mask=m_state)
+
+
+@triton.jit
+def _conv_decode_kernel(
+    p_x, p_w, p_cs, p_slots, p_y, C,
+    stride_xb, stride_wc, stride_css, stride_csc, stride_csw, stride_yb,
+    p_h, p_wba, p_ba, N_BA, stride_hb, stride_wba, stride_bab,
+    W: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
+    BA: tl.constexpr = False, ROWS_BA: tl.constexpr = 1, H: tl.constexpr = 16, BLOCK_H: tl.constexpr = 16,
+    PDL: tl.constexpr = False,
+):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
+    i_b = tl.program_id(0).to(tl.int64)
+    i_c = tl.program_id(1)
+    n_conv = tl.cdiv(C, BLOCK_C)
+    if BA:
+        # the grid's last programs: in_proj_ba's rows, ROWS_BA a program (b, a = h W_ba^T); H a constexpr (a
+        # model's width) so that the mask past H keeps the loads 16 bytes wide
+        if i_c >= n_conv:
+            o_r = (i_c - n_conv) * ROWS_BA + tl.arange(0, ROWS_BA)
+            m_r = o_r < N_BA
+            o_h = tl.arange(0, BLOCK_H)
+            m_h = o_h < H
+            b_h = tl.load(p_h + i_b * stride_hb + o_h, mask=m_h, other=0.0).to(tl.float32)
+            b_wba = tl.load(p_wba + o_r[:, None].to(tl.int64) * stride_wba + o_h[None, :],
+                            mask=m_r[:, None] & m_h[None, :], other=0.0).to(tl.float32)
+            b_ba = tl.sum(b_wba * b_h[None, :], axis=1)  # fp32, rounded once to the output's dtype (dense_linear's)
+            tl.store(p_ba + i_b * stride_bab + o_r, b_ba.to(p_ba.dtype.element_ty), mask=m_r)
+        else:
+            _conv_channels(p_x, p_w, p_cs, p_slots, p_y, C, stride_xb, stride_wc, stride_css, stride_csc, stride_csw,
+                           stride_yb, i_b, i_c, W, BLOCK_C, BLOCK_W)
+    else:
+        _conv_channels(p_x, p_w, p_cs, p_slots, p_y, C, stride_xb, stride_wc, stride_css, stride_csc, stride_csw,
+                       stride_yb, i_b, i_c, W, BLOCK_C, BLOCK_W)
 
 
 @triton.jit
@@ -201,17 +233,33 @@ def gated_delta_decode_triton(
     dt_bias: torch.Tensor,
     slots: torch.Tensor,
     out: torch.Tensor | None = None,
+    ba_proj: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One Gated DeltaNet decode step in two launches; same contract as `gated_delta_decode_ref`.
 
     mixed [B, C], b, a [B, Hv], conv_state [S, C, W-1] (activation dtype, any strides), ssm_state
     [S, Hv, Dk, Dv] float32 (any strides), weight [C, W], a_log, dt_bias [Hv], slots [B] int32/int64
     (distinct; negative: padding) -> o [B, Hv, Dv] in mixed's dtype; the states at slots updated in place.
-    out: optional output [B, Hv, Dv] with unit stride along Dv. Raises: ValueError on shapes or
-    dtypes the kernels do not take (Dk above MAX_DK among them).
+    out: optional output [B, Hv, Dv] with unit stride along Dv. ba_proj: (h [B, H], w_ba [2 Hv, H]) of
+    one dtype with unit stride along H, H <= `MAX_BA_WIDTH`, in place of b and a (both None): b, a =
+    h w_ba^T (b's rows first) in h's dtype, computed by extra programs of the conv launch (what was
+    in_proj_ba's own launch). Raises: ValueError on shapes or dtypes the kernels do not take (Dk above
+    MAX_DK among them).
     """
-    hk, hv, dk, dv, width = _check(mixed, b, a, conv_state, ssm_state, weight, a_log, dt_bias, slots)
     bsz, c = mixed.shape
+    ba = None
+    if ba_proj is not None:
+        h, w_ba = ba_proj
+        hv = ssm_state.shape[1] if ssm_state.dim() == 4 else 0
+        if (b is not None or a is not None or h.dim() != 2 or h.shape[0] != bsz or w_ba.shape != (2 * hv, h.shape[1])
+                or w_ba.dtype != h.dtype or h.dtype not in TRITON_DTYPES or not 1 <= h.shape[1] <= MAX_BA_WIDTH
+                or h.stride(-1) != 1 or w_ba.stride(-1) != 1):
+            raise ValueError(f"ba_proj must be h [B, H] and w_ba [2 Hv, H] of one dtype, unit stride along H <= "
+                             f"{MAX_BA_WIDTH}, with b and a None; got h {tuple(h.shape)} {h.dtype}, w_ba "
+                             f"{tuple(w_ba.shape)} {w_ba.dtype}, Hv {hv}")
+        ba = torch.empty(bsz, 2 * hv, dtype=h.dtype, device=mixed.device)  # NOTE: sized by shapes only (graph-safe)
+        b, a = ba[:, :hv], ba[:, hv:]
+    hk, hv, dk, dv, width = _check(mixed, b, a, conv_state, ssm_state, weight, a_log, dt_bias, slots)
     if out is None:
         out = torch.empty(bsz, hv, dv, dtype=mixed.dtype, device=mixed.device)
     elif out.shape != (bsz, hv, dv) or out.dtype != mixed.dtype or (out.numel() and out.stride(-1) != 1):
@@ -222,9 +270,16 @@ def gated_delta_decode_triton(
     mixed, b, a, weight, a_log, dt_bias = (_unit_last(t) for t in (mixed, b, a, weight, a_log, dt_bias))
     y = torch.empty(bsz, c, dtype=mixed.dtype, device=mixed.device)  # NOTE: sized by shapes only (graph-safe)
     cfg = conv_config(c, width)
-    _conv_decode_kernel[(bsz, triton.cdiv(c, cfg["BLOCK_C"]))](
+    programs = triton.cdiv(c, cfg["BLOCK_C"])
+    if ba is None:
+        ba_args = (mixed, weight, y, 0, 0, 0, 0)
+    else:
+        ba_args = (h, w_ba, ba, 2 * hv, h.stride(0), w_ba.stride(0), ba.stride(0))
+        cfg.update(BA=True, ROWS_BA=BA_ROWS, H=h.shape[1], BLOCK_H=triton.next_power_of_2(h.shape[1]))
+        programs += triton.cdiv(2 * hv, BA_ROWS)
+    _conv_decode_kernel[(bsz, programs)](
         mixed, weight, conv_state, slots, y, c, mixed.stride(0), weight.stride(0), *conv_state.stride(), y.stride(0),
-        **cfg, **pdl_args(mixed.device))
+        *ba_args, **cfg, **pdl_args(mixed.device))
     cfg = delta_config(bsz, hv, dk, dv)
     _delta_decode_kernel[(bsz, hv, triton.cdiv(dv, cfg["BLOCK_V"]))](
         y, b, a, a_log, dt_bias, ssm_state, slots, out, hk, hv // hk, dk, dv, dk ** -0.5,

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ft.model.forward_batch import ForwardBatch
-from ft.model.layers.linear import Linear
+from ft.model.layers.linear import Linear, NVFP4Weight
 from ft.kernels.conv1d import causal_conv1d_ref, causal_conv1d_varlen
 from ft.kernels.gated_delta import chunk_gated_delta_rule_varlen, gated_delta_decode, gated_delta_rule
 from ft.kernels.norm import gated_rms_norm
@@ -49,12 +49,16 @@ class GatedDeltaNet:
                                                                                 r * head_v_dim]))
         self.in_proj_ba = in_proj_ba.with_rows(_grouped_rows(num_k_heads, [r, r]))
 
-    def _project(self, x: torch.Tensor):
-        """x [T, H] -> mixed qkv [T, C], z [T, Hv, Dv], b, a [T, Hv]: views of the two projections'
-        outputs (rows grouped at load time, see __init__)."""
+    def _project(self, x: torch.Tensor, ba: bool = True):
+        """x [T, H] -> mixed qkv [T, C], z [T, Hv, Dv], b, a [T, Hv] (None, None without `ba`): views of
+        the two projections' outputs (rows grouped at load time, see __init__)."""
         t, c = x.shape[0], 2 * self.hk * self.dk + self.hv * self.dv
-        qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
-        return qkvz[:, :c], qkvz[:, c:].view(t, self.hv, self.dv), ba[:, : self.hv], ba[:, self.hv :]
+        qkvz = self.in_proj_qkvz(x)
+        mixed, z = qkvz[:, :c], qkvz[:, c:].view(t, self.hv, self.dv)
+        if not ba:
+            return mixed, z, None, None
+        ba_out = self.in_proj_ba(x)
+        return mixed, z, ba_out[:, : self.hv], ba_out[:, self.hv :]
 
     def _mix(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor):
         """One group of sequences of equal length: mixed [B, L, C], b, a [B, L, Hv]; states [B, ...]."""
@@ -76,13 +80,16 @@ class GatedDeltaNet:
         """x [T, H] -> [T, H]. conv_pool [S, C, W-1], ssm_pool [S, Hv, Dk, Dv]: this layer's states,
         read at each sequence's slot and written back."""
         t = x.shape[0]
-        mixed, z, b, a = self._project(x)
+        # a decode step leaves in_proj_ba (dense) to the conv launch: b, a computed there, one launch fewer
+        ba_in_conv = batch.is_decode and not isinstance(self.in_proj_ba.weight, NVFP4Weight)
+        mixed, z, b, a = self._project(x, ba=not ba_in_conv)
         if batch.is_decode:  # one launch pair per layer, slots indexed in the kernels (graph-safe)
             # NOTE: the gated RMSNorm stays a launch of its own: folded into this step (one program per
             # value head, to own a whole Dv row) it measured slower on the H200 (10.4 against 6.9 us per
             # layer at batch 1, 21.9 against 16.5 at batch 8; bench/RESULTS.md)
             o = gated_delta_decode(mixed, b, a, conv_pool, ssm_pool, self.conv_weight, self.a_log, self.dt_bias,
-                                   batch.mamba_slots)
+                                   batch.mamba_slots,
+                                   ba_proj=(x.reshape(t, -1), self.in_proj_ba.weight) if ba_in_conv else None)
         else:  # prefill: the packed batch, no loop over sequences on the Triton path (the references loop)
             cu, slots = batch.cu_seqlens, batch.mamba_slots
             y = causal_conv1d_varlen(mixed, conv_pool, self.conv_weight, cu, slots)  # one launch
