@@ -164,6 +164,11 @@ def test_in_proj_ba_inside_the_conv_launch(monkeypatch, case, h, dtype):
     monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
     disp = run(gated_delta_decode, no_ba, conv, ssm, ba_proj=(x, w_ba))
     assert torch.equal(disp[0], got[0]) and torch.equal(disp[2].nan_to_num(), got[2].nan_to_num())
+    from ft.kernels.options import use_kernel_options, variant
+
+    with use_kernel_options(variant("gated-delta-ba-own-launch")):  # b, a by their own GEMV launch
+        own = run(gated_delta_decode, no_ba, conv, ssm, ba_proj=(x, w_ba))
+    assert not conv_calls[-1].get("BA", False) and rel_rms(own[0][pad:], got[0][pad:]) < TOL_O[dtype]
     with pytest.raises(ValueError, match="ba_proj"):
         run(details.gated_delta_decode_triton, args, conv, ssm, ba_proj=(x, w_ba))  # b and a given too
 

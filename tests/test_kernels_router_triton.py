@@ -182,3 +182,8 @@ def test_the_moe_layer_routes_its_decode_step_in_one_launch(monkeypatch):
     want = route_ref(torch.cat([x @ moe.router.weight.T, x @ moe.shared_expert_gate.weight.T], 1), 4, True,
                      shared_gate=True)
     assert torch.equal(ids, want[1]) and torch.allclose(weights, want[0], atol=1e-6)
+    from ft.kernels.options import use_kernel_options, variant
+
+    with use_kernel_options(variant("moe-route-two-launches")):  # the GEMV, then the top-k kernel
+        two = moe._route(x, None, None)
+    assert len(calls) == 1 and torch.equal(two[1], ids) and torch.allclose(two[0], weights, atol=1e-6)

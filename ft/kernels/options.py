@@ -70,11 +70,16 @@ class MoeOptions:
     tok/s against 155.8 / 155.9 at batch 1 in one process, and the 16 GiB card's offloaded 64K rung 63.1
     tok/s against 64.2 with the defaults (session 35). Commit cf6e6b2 holds it.)
     (The decode MoE skips a graph bucket's padding rows always; the variant that computed them lost by
-    5-10% at batches 10 / 20 / 36 and was deleted, RESULTS.md session 29.)"""
+    5-10% at batches 10 / 20 / 36 and was deleted, RESULTS.md session 29.)
+    decode_route_one_launch: the decode step's routing in the router GEMV's launch (`ft.kernels.router.
+    route_hidden`: the last program of a token block routes it), one launch a MoE layer fewer; off
+    (variant "moe-route-two-launches"): the GEMV, then the top-k kernel. On by its launch count (48 a step
+    fewer), not yet timed on a GPU (session 37)."""
 
     grouped_words: bool = True
     grouped_tile: tuple | None = None
     grouped_max_tokens: int = 16384
+    decode_route_one_launch: bool = True
 
 
 @dataclass(frozen=True)
@@ -86,11 +91,16 @@ class GatedDeltaOptions:
     each (4.17e-3, bf16 storage dominates) at 0.25 ms for the prep kernel against 0.64 and 5.0.
     prep_launch, state_launch: changes to the two kernels' launch choices (`prep_config`,
     `state_config`: pairs such as ("num_warps", 8), ("num_stages", 1), ("BLOCK_V", 32)) for sweeps
-    (bench/gated_delta_prefill.py); empty, the default: the rules whose notes say what was measured."""
+    (bench/gated_delta_prefill.py); empty, the default: the rules whose notes say what was measured.
+    decode_ba_in_conv: a decode step's in_proj_ba (dense) computed by extra programs of the conv launch
+    (`gated_delta_decode`'s ba_proj), one launch a Gated DeltaNet layer fewer; off (variant
+    "gated-delta-ba-own-launch"): its own GEMV launch. On by its launch count (36 a step fewer), not yet
+    timed on a GPU (session 37)."""
 
     solve_precision: str = "tf32"
     prep_launch: tuple[tuple[str, int], ...] = ()
     state_launch: tuple[tuple[str, int], ...] = ()
+    decode_ba_in_conv: bool = True
 
 
 @dataclass(frozen=True)
@@ -282,6 +292,8 @@ VARIANTS: dict[str, dict[str, object]] = {
     "hc-read-cublas": {"hyper_connection.fused_read_max_tokens": 0},  # bench/hc_read.py, bench/decode.py --modes
     "hc-read-dot-only": {"hyper_connection.fma_read_max_tokens": 0},  # the same
     "hc-read-up-all-streams": {"hyper_connection.up_all_streams": True},  # the same; not yet timed
+    "moe-route-two-launches": {"moe.decode_route_one_launch": False},  # bench/decode.py --modes; not yet timed
+    "gated-delta-ba-own-launch": {"gated_delta.decode_ba_in_conv": False},  # the same
     "qsa-prefill-select-torch": {"qsa.prefill_select_kernel": False},  # bench/prefill.py --variant
 }
 """Named variants a benchmark or test selects: the changes from `DEFAULTS` each one makes."""

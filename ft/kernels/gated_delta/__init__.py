@@ -12,6 +12,7 @@ import torch
 
 from ft.kernels.backend import TRITON_DTYPES, uses_triton
 from ft.kernels.dense import dense_linear
+from ft.kernels.options import kernel_options
 from ft.kernels.gated_delta.reference import (
     chunk_gated_delta_rule_ref,
     chunk_gated_delta_rule_varlen_ref,
@@ -144,7 +145,8 @@ def gated_delta_decode(
         out: optional output [B, Hv, Dv].
         ba_proj: (h [B, H], w_ba [2 Hv, H]) dense, in place of b and a (pass None for both): b, a =
             dense_linear(h, w_ba) split in two (b's rows first); on the Triton path computed inside
-            the conv launch where the kernel takes them (one launch fewer than the projection's own).
+            the conv launch where the kernel takes them and `GatedDeltaOptions.decode_ba_in_conv` is on
+            (one launch fewer than the projection's own).
     Returns:
         o [B, Hv, Dv] in mixed's dtype.
 
@@ -155,7 +157,8 @@ def gated_delta_decode(
         from ft.kernels.gated_delta import kernel  # NOTE: imports triton only when used
 
         if ssm_state.shape[2] <= kernel.MAX_DK:
-            if ba_proj is not None and not _conv_takes_ba(*ba_proj, kernel.MAX_BA_WIDTH):
+            if ba_proj is not None and not (kernel_options().gated_delta.decode_ba_in_conv
+                                            and _conv_takes_ba(*ba_proj, kernel.MAX_BA_WIDTH)):
                 b, a, ba_proj = *_split_ba(*ba_proj), None
             return kernel.gated_delta_decode_triton(mixed, b, a, conv_state, ssm_state, weight, a_log, dt_bias, slots,
                                                     out=out, ba_proj=ba_proj)

@@ -8,6 +8,7 @@ import torch
 
 from ft.kernels.backend import uses_triton
 from ft.kernels.dense import dense_linear, uses_dense_kernel
+from ft.kernels.options import kernel_options
 from ft.kernels.router.reference import route_forced_ref, route_ref, router_topk_ref
 
 __all__ = ["ROUTE_COUNTERS", "route", "route_forced_ref", "route_hidden", "route_ref", "router_topk", "router_topk_ref"]
@@ -49,11 +50,13 @@ def route_hidden(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`route(dense_linear(x, weight), ...)`: x [T, K], weight [E + S, K] dense (the router's rows, then
     the shared gate's with `shared_gate`); one launch (`hidden_kernel`) where the dense decode kernel
-    takes x and weight, T is at most `ROUTE_COUNTERS` and `counters` (int32 [ROUTE_COUNTERS] on x's
-    device, zero, kept zero) is given, else the GEMV and `route` as two."""
+    takes x and weight, T is at most `ROUTE_COUNTERS`, `counters` (int32 [ROUTE_COUNTERS] on x's
+    device, zero, kept zero) is given and `MoeOptions.decode_route_one_launch` is on, else the GEMV and
+    `route` as two."""
     e = weight.shape[0] - int(shared_gate)
-    if (counters is not None and uses_dense_kernel(x, weight) and x.shape[0] <= ROUTE_COUNTERS and e <= 8192
-            and counters.device == x.device and counters.numel() >= ROUTE_COUNTERS):
+    if (counters is not None and kernel_options().moe.decode_route_one_launch and uses_dense_kernel(x, weight)
+            and x.shape[0] <= ROUTE_COUNTERS and e <= 8192 and counters.device == x.device
+            and counters.numel() >= ROUTE_COUNTERS):
         from ft.kernels.router.hidden_kernel import route_hidden_triton  # NOTE: imports triton only when used
 
         return route_hidden_triton(x, weight, top_k, normalize, counters, shared_gate=shared_gate,
