@@ -204,6 +204,10 @@ ROUTE_HIDDEN = {"p_x": "*bf16", "p_w": "*bf16", "p_l": "*fp32", "p_count": "*i32
                                                              "stride_wtt", "stride_it", "stride_st")}
 
 
+HC_WRITE = {"p_x": "*bf16", "p_y": "*bf16", "p_a": "*bf16", "p_wn": "*bf16", "p_out": "*bf16", "p_nn": "*bf16",
+            "eps": "fp32", **ints("stride_xt", "stride_yt", "stride_at", "stride_ot", "stride_nnt")}
+
+
 def route_hidden_cfg(m: int, n: int, k: int) -> dict:
     cfg = dense.default_config(m, n, k, torch.bfloat16)
     return {**cfg, **dense.k_tiling(k, cfg["BLOCK_K"])}
@@ -421,6 +425,8 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
      gd_chunk.state_config(3, 32, 128, 128, torch.bfloat16)),
     ("gated delta chunk state pass B 3, Dk 96, Dv 80 (masked)", gd_chunk._chunk_state_kernel, GD_CHUNK_STATE,
      gd_chunk.state_config(3, 32, 96, 80, torch.bfloat16)),
+    ("hyper connection write + next norm (D 2560)", hc._write_kernel, HC_WRITE,
+     {"D": 2560, "BLOCK_D": 4096, "NEXT_NORM": True, "num_warps": 8}),
     ("hyper connection read, down (4 rows x 2048)", hc._read_down_kernel,
      {"p_n": "*bf16", "p_w": "*bf16", "p_zp": "*fp32", **ints("T", "R", "W", "stride_nt", "stride_wr", "stride_zp")},
      {"ROWS": 4, "CHUNK": 2048, "num_warps": 8}),

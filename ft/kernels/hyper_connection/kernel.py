@@ -73,9 +73,10 @@ def _mix_kernel(p_g, p_n, p_u, D, stride_gt, stride_nt, stride_ut, C: tl.constex
     tl.store(p_u + i_t * stride_ut + o_d, (acc / C).to(p_u.dtype.element_ty), mask=m_d)
 
 
-@triton.jit(do_not_specialize=["D"])
-def _write_kernel(p_x, p_y, p_a, p_wn, p_out, p_nn, D, eps, stride_xt, stride_yt, stride_at, stride_ot, stride_nnt,
-                  BLOCK_D: tl.constexpr, NEXT_NORM: tl.constexpr):
+@triton.jit
+def _write_kernel(p_x, p_y, p_a, p_wn, p_out, p_nn, eps, stride_xt, stride_yt, stride_at, stride_ot, stride_nnt,
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, NEXT_NORM: tl.constexpr):
+    # D a constexpr (a model's stream width): the mask past D then keeps the loads 16 bytes wide
     i_t, i_k = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
@@ -89,7 +90,8 @@ def _write_kernel(p_x, p_y, p_a, p_wn, p_out, p_nn, D, eps, stride_xt, stride_yt
     b_o = (b_x + add).to(p_out.dtype.element_ty)
     tl.store(p_out + i_t * stride_ot + i_k * D + o_d, b_o, mask=m_d)
     if NEXT_NORM:
-        b_nn = _norm_stream(tl.where(m_d, b_o.to(tl.float32), 0.0), p_wn + i_k * D, o_d, m_d, D, eps)
+        d_value = tl.full((), D, tl.int32)  # (the norm divides by D as a value, not a constexpr)
+        b_nn = _norm_stream(tl.where(m_d, b_o.to(tl.float32), 0.0), p_wn + i_k * D, o_d, m_d, d_value, eps)
         tl.store(p_nn + i_t * stride_nnt + i_k * D + o_d, b_nn.to(p_nn.dtype.element_ty), mask=m_d)
 
 
@@ -334,9 +336,9 @@ def hc_write_triton(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Tensor,
     nn = torch.empty_like(out) if next_norm is not None else out
     block_d = triton.next_power_of_2(d)
     if t:
-        _write_kernel[(t, streams)](x, y, a, next_norm.contiguous() if next_norm is not None else a, out, nn, d, eps,
+        _write_kernel[(t, streams)](x, y, a, next_norm.contiguous() if next_norm is not None else a, out, nn, eps,
                                     x.stride(0), y.stride(0), a.stride(0), out.stride(0), nn.stride(0),
-                                    BLOCK_D=block_d, NEXT_NORM=next_norm is not None,
+                                    D=d, BLOCK_D=block_d, NEXT_NORM=next_norm is not None,
                                     num_warps=8 if block_d >= 2048 else 4)
     return out if next_norm is None else (out, nn)
 
