@@ -90,7 +90,8 @@ MOE_DECODE_DOWN_PAIRS = {"p_h": "*fp32", "p_slots": "*i32", "p_ids": "*i64", "p_
                          "p_live": "*i64",
                          **ints("I", "H", "stride_ht", "stride_st", "stride_it", "stride_dt", "stride_wt", "stride_w2e",
                                 "stride_w2r", "stride_s2we", "stride_s2wr", "stride_s2e", "stride_hw2e",
-                                "stride_hs2we", "stride_hs2e", "stride_yp")}
+                                "stride_hs2we", "stride_hs2e", "stride_yp"),
+                         "p_count": "*i32", "p_y": "*bf16", "stride_yt": "i32"}
 MOE_SUM_NORM = {"p_yp": "*fp32", "p_r": "*bf16", "p_w": "*bf16", "p_x": "*bf16", "p_h": "*bf16", "H": "i32",
                 "eps": "fp32", **ints("stride_yp", "stride_rt", "stride_xt", "stride_ht")}
 MOE_DECODE_DOWN = {"p_h": "*fp32", "p_slots": "*i32", "p_wts": "*bf16", "p_w2": "*i32", "p_s2w": "*u8", "p_s2": "*fp32",
@@ -281,6 +282,11 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("moe decode down per pair + shared", moe_dec._moe_decode_down_pairs_kernel, MOE_DECODE_DOWN_PAIRS,
      {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe_dec.DECODE_DOWN_PAIRS_CONFIG[0], "WHOLE_K": 64,
       "HAS_HOST": False, "HAS_DST": False, "ASM": OPTIONS.nvfp4.lanes_ptx, "num_warps": moe_dec.DECODE_DOWN_PAIRS_CONFIG[2]}),
+    ("moe decode down per pair + shared, the pairs summed by the last program (WHOLE_K 64 + 16: Flash-Next's 640)",
+     moe_dec._moe_decode_down_pairs_kernel, MOE_DECODE_DOWN_PAIRS,
+     {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe_dec.DECODE_DOWN_PAIRS_CONFIG[0], "WHOLE_K": 64, "WHOLE_K2": 16,
+      "HAS_HOST": True, "HAS_DST": True, "HAS_LIVE": True, "SUM": True, "ASM": OPTIONS.nvfp4.lanes_ptx,
+      "num_warps": moe_dec.DECODE_DOWN_PAIRS_CONFIG[2]}),
     ("moe decode down per pair + shared, slotless pairs from the host store", moe_dec._moe_decode_down_pairs_kernel,
      MOE_DECODE_DOWN_PAIRS, {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe_dec.DECODE_DOWN_PAIRS_CONFIG[0],
                              "WHOLE_K": 64, "HAS_HOST": True, "HAS_DST": False, "ASM": OPTIONS.nvfp4.lanes_ptx,

@@ -553,3 +553,52 @@ def test_moe_decode_dispatcher_hands_live_to_the_kernel(monkeypatch):
     monkeypatch.setattr(moe_mod, "runs_triton", lambda *a: False)
     moe_mod.moe_decode(x, slots, weights, w, live=live)
     assert seen == [live]
+
+
+@pytest.mark.parametrize("case", [DECODE_CASES[0], DECODE_CASES[1], DECODE_CASES[3], DECODE_CASES[6]], ids=str)
+def test_the_down_pass_sums_the_pairs_itself_bitwise(monkeypatch, case):
+    """`sum_counters`: the per-pair down pass sums each token's pairs itself (the last of its programs of a
+    column block): y bit for bit the sum kernel's, with and without padding tokens and with slotless pairs
+    read from a host store, the sum kernel not launched, the counters zero after each call (twice on the
+    same counters); with too few counters, or variant "moe-sum-own-launch", the sum kernel runs."""
+    from ft.kernels.moe import decode_kernel, sum_counters_needed
+
+    t, k, s, h, i, dtype, skip, with_shared = case
+    gen = torch.Generator().manual_seed(3 * t + h + i)
+    w = _slot_pool(s, h, i, gen)
+    shared = _slot_pool(1, h, i, gen) if with_shared else None
+    slots, weights = _routing(t, k, s, skip, gen)
+    weights = (torch.cat([weights, torch.rand(t, 1, generator=gen)], dim=1) if with_shared else weights).to(dtype)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    live = torch.arange(t, dtype=torch.int64)
+    live[1::2] = -1
+    counters = torch.zeros(sum_counters_needed(t, h), dtype=torch.int32)
+    sums = []
+    real_sum = decode_kernel.moe_sum_pairs_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            sums.append(grid)
+            return real_sum[grid]
+
+    monkeypatch.setattr(decode_kernel, "moe_sum_pairs_kernel", Spy())
+    for live_ in (None, live):
+        want = moe_decode_triton(x, slots, weights, w, shared, down_per_pair=True, live=live_)
+        assert len(sums) == 1
+        sums.clear()
+        for _ in range(2):
+            got = moe_decode_triton(x, slots, weights, w, shared, down_per_pair=True, live=live_,
+                                    out=torch.full((t, h), float("nan"), dtype=dtype), sum_counters=counters)
+            assert torch.equal(got, want) and not sums and not counters.any()
+    # slotless pairs read from a host store (the read-through path) sum alike
+    host = SlotWeights(*(p[None] for p in w))  # one layer whose expert e is slot e
+    no_slots = torch.where(slots >= 0, -1, slots)
+    ids = slots.clamp(min=0).to(torch.int64)
+    got = moe_decode_triton(x, no_slots, weights, w, shared, host=host, topk_ids=ids, layer=0, sum_counters=counters)
+    assert torch.equal(got, moe_decode_triton(x, no_slots, weights, w, shared, host=host, topk_ids=ids, layer=0))
+    assert not counters.any()
+    sums.clear()
+    moe_decode_triton(x, slots, weights, w, shared, down_per_pair=True, sum_counters=counters[: t * ((h + 63) // 64) - 1])
+    with use_kernel_options(variant("moe-sum-own-launch")):
+        moe_decode_triton(x, slots, weights, w, shared, down_per_pair=True, sum_counters=counters)
+    assert len(sums) == 2

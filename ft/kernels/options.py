@@ -74,12 +74,18 @@ class MoeOptions:
     decode_route_one_launch: the decode step's routing in the router GEMV's launch (`ft.kernels.router.
     route_hidden`: the last program of a token block routes it), one launch a MoE layer fewer; off
     (variant "moe-route-two-launches"): the GEMV, then the top-k kernel. On by its launch count (48 a step
-    fewer), not yet timed on a GPU (session 37)."""
+    fewer), not yet timed on a GPU (session 37).
+    decode_sum_in_down: where no norm follows the decode MoE (Qwen3.8-Flash-Next, whose HyperConnection
+    write takes the block's output), the per-pair down pass sums a token's pairs itself (the last of its
+    programs of a column block; `moe_decode(sum_counters=...)`), the same bits as the sum kernel and one
+    launch a MoE layer fewer; off (variant "moe-sum-own-launch"): the sum kernel. On by its launch count
+    (48 a step fewer on Qwen3.8-Flash-Next), not yet timed on a GPU (session 37)."""
 
     grouped_words: bool = True
     grouped_tile: tuple | None = None
     grouped_max_tokens: int = 16384
     decode_route_one_launch: bool = True
+    decode_sum_in_down: bool = True
 
 
 @dataclass(frozen=True)
@@ -293,6 +299,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "hc-read-dot-only": {"hyper_connection.fma_read_max_tokens": 0},  # the same
     "hc-read-up-all-streams": {"hyper_connection.up_all_streams": True},  # the same; not yet timed
     "moe-route-two-launches": {"moe.decode_route_one_launch": False},  # bench/decode.py --modes; not yet timed
+    "moe-sum-own-launch": {"moe.decode_sum_in_down": False},  # the same
     "gated-delta-ba-own-launch": {"gated_delta.decode_ba_in_conv": False},  # the same
     "qsa-prefill-select-torch": {"qsa.prefill_select_kernel": False},  # bench/prefill.py --variant
 }

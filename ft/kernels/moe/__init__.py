@@ -18,9 +18,9 @@ from ft.kernels.moe.reference import dense_slots, moe_decode_ref, moe_over_pools
 from ft.kernels.moe.slots import GROUPED_SHORT_TOKENS, PER_PAIR_MAX_TOKENS, SlotWeights, check_slots, moe_pools_workspace_bytes, moe_workspace_bytes
 
 __all__ = [
-    "DECODE_MAX_TOKENS", "GROUPED_SHORT_TOKENS", "PER_PAIR_MAX_TOKENS", "SlotWeights", "check_slots", "dense_slots", "moe_decode",
+    "DECODE_DOWN_BLOCK_H", "DECODE_MAX_TOKENS", "GROUPED_SHORT_TOKENS", "PER_PAIR_MAX_TOKENS", "SlotWeights", "check_slots", "dense_slots", "moe_decode",
     "moe_decode_ref", "moe_over_pools", "moe_over_pools_ref", "moe_over_slots", "moe_over_slots_ref", "moe_pools_workspace_bytes",
-    "moe_workspace_bytes", "runs_triton",
+    "moe_workspace_bytes", "runs_triton", "sum_counters_needed",
 ]
 
 
@@ -102,6 +102,17 @@ def moe_over_pools(x: torch.Tensor, topk_weights: torch.Tensor, passes, *, exper
     return moe_over_pools_ref(x, topk_weights, again())
 
 
+DECODE_DOWN_BLOCK_H = 64
+"""Rows of the down projection a program of the decode MoE's per-pair down pass computes (its sweep's best,
+`decode_kernel.DECODE_DOWN_PAIRS_CONFIG`)."""
+
+
+def sum_counters_needed(tokens: int, hidden: int) -> int:
+    """The int32 counters `moe_decode(sum_counters=...)` needs for `tokens` tokens of width `hidden` (one
+    per token and column block of the per-pair down pass)."""
+    return tokens * -(-hidden // DECODE_DOWN_BLOCK_H)
+
+
 DECODE_MAX_TOKENS = 128
 """`moe_decode` takes at most this many tokens (the per-pair kernels' range: longer chunks read
 each expert once per tile of its tokens in `moe_over_slots`'s grouped path)."""
@@ -112,7 +123,7 @@ def moe_decode(
     shared: SlotWeights | None = None, *, residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None, eps: float = 1e-6, host: SlotWeights | None = None,
     topk_ids: torch.Tensor | None = None, layer: int = 0, topk_dst: torch.Tensor | None = None,
-    live: torch.Tensor | None = None,
+    live: torch.Tensor | None = None, sum_counters: torch.Tensor | None = None,
 ):
     """The decode MoE block, routed pairs and the shared expert in one sum (`moe_decode_ref`'s contract);
     with `residual` and `norm_weight`, followed by the next layer's input norm: returns
@@ -122,6 +133,9 @@ def moe_decode(
     (`moe_decode_triton`'s read-through landing store and its contract). `live` [T] (a decode step's
     KV slot mapping): tokens with a negative entry are padding, their rows zeros and their pairs not
     computed (measured: +5-10% decode at batches 10 / 20 / 36 on the 80B, RESULTS.md session 29).
+    `sum_counters` (int32 [>= `sum_counters_needed(T, H)`], zero, kept zero; the caller's, one set per
+    call site): the Triton path's down pass then sums the pairs itself where no norm follows (one
+    launch fewer, the same bits).
 
     Dispatcher: three Triton launches (`decode_kernel.moe_decode_triton`; the norm rides on the sum)
     where `runs_triton` says so for the pool and the shared expert, else the references. In debug
@@ -136,7 +150,8 @@ def moe_decode(
         from ft.kernels.moe.decode_kernel import moe_decode_triton  # NOTE: imports triton only when used
 
         return moe_decode_triton(x, topk_slots, topk_weights, w, shared, residual=residual, norm_weight=norm_weight,
-                                 eps=eps, host=host, topk_ids=topk_ids, layer=layer, topk_dst=topk_dst, live=live)
+                                 eps=eps, host=host, topk_ids=topk_ids, layer=layer, topk_dst=topk_dst, live=live,
+                                 sum_counters=sum_counters)
     y = moe_decode_ref(x, topk_slots, topk_weights, w, shared, host=host, topk_ids=topk_ids, layer=layer,
                        topk_dst=topk_dst, live=live)
     if residual is not None and norm_weight is not None:

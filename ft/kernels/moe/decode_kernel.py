@@ -21,6 +21,7 @@ from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
 from ft.kernels.options import kernel_options
 from ft.kernels.backend import inline_ptx
+from ft.kernels.moe import DECODE_DOWN_BLOCK_H
 from ft.kernels.moe.kernel import moe_sum_pairs_kernel
 from ft.kernels.norm.kernel import rms_rstd, norm_warps, add_rms_norm_triton
 from ft.kernels.limits import whole_k_pieces
@@ -38,7 +39,7 @@ DECODE_GATE_UP_CONFIG = {1: (4, 0, 4), 2: (8, 0, 4)}
 # sum over each token's pairs: the best of the sweep at batch 1 and 8 (17.5 and 74.6 us for the
 # block against 20.2 and 75.9 for one program per token looping over its pairs, which
 # `DECODE_DOWN_CONFIG` configures and `down_per_pair=False` or a K that is not one tile selects).
-DECODE_DOWN_PAIRS_CONFIG = (64, 0, 4)
+DECODE_DOWN_PAIRS_CONFIG = (DECODE_DOWN_BLOCK_H, 0, 4)
 DECODE_DOWN_CONFIG = {1: (8, 0, 4), 2: (8, 0, 2)}
 DECODE_DOWN_PAIRS_MIN_TOKENS = 1
 
@@ -212,13 +213,16 @@ def _moe_decode_down_pairs_kernel(
     p_h, p_slots, p_ids, p_dst, p_wts, p_w2, p_s2w, p_s2, p_sw2, p_ss2w, p_ss2, p_hw2, p_hs2w, p_hs2, p_yp, p_live,
     I, H,
     stride_ht, stride_st, stride_it, stride_dt, stride_wt, stride_w2e, stride_w2r, stride_s2we, stride_s2wr,
-    stride_s2e, stride_hw2e, stride_hs2we, stride_hs2e, stride_yp,
+    stride_s2e, stride_hw2e, stride_hs2we, stride_hs2e, stride_yp, p_count, p_y, stride_yt,
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, WHOLE_K: tl.constexpr,
     HAS_HOST: tl.constexpr = False, HAS_DST: tl.constexpr = False, ASM: tl.constexpr = False,
     PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0, HAS_LIVE: tl.constexpr = False,
+    SUM: tl.constexpr = False,
 ):
     """Grid (T * KS, H / BLOCK_H): yp[p] = wts[t, j] * (h[p] @ down_j^T) (fp32) for pair p = t * KS + j,
-    zeros for a skipped pair; `moe_sum_pairs_kernel` then sums each token's KS pairs in order.
+    zeros for a skipped pair; `moe_sum_pairs_kernel` then sums each token's KS pairs in order, or with
+    SUM this launch does (`_sum_when_last`: the last of a token's KS programs of a column block sums
+    the block, counted on p_count[t * H / BLOCK_H + block]).
     With several tokens every pair's expert is in flight at once (`_moe_decode_down_kernel` reads
     a token's pairs in one program). HAS_HOST: a pair without a slot reads the host store, as in
     `_moe_decode_gate_up_kernel`; HAS_DST: such a pair with topk_dst[t, j] = d >= 0 also stores the
@@ -246,6 +250,8 @@ def _moe_decode_down_pairs_kernel(
         dead, skip = _padding_skip(p_live, i_t, from_host, p_dst + i_t * stride_dt + j, j < TOPK, HAS_DST)
         if skip:
             tl.store(p_yp + i_p * stride_yp + o_h, tl.zeros((BLOCK_H,), dtype=tl.float32), mask=o_h < H)
+            if SUM:
+                _sum_when_last(p_yp, p_count, p_y, i_t, o_h, H, stride_yp, stride_yt, KS, BLOCK_H)
             return
     p_w = tl.where(is_shared, p_sw2, tl.where(from_host, p_hw2 + eid * stride_hw2e, p_w2 + slot * stride_w2e))
     p_s = tl.where(is_shared, p_ss2w, tl.where(from_host, p_hs2w + eid * stride_hs2we, p_s2w + slot * stride_s2we))
@@ -273,6 +279,27 @@ def _moe_decode_down_pairs_kernel(
     if HAS_LIVE:
         on = on & (dead == 0)
     tl.store(p_yp + i_p * stride_yp + o_h, tl.where(on, b_y * b_wt, 0.0), mask=o_h < H)
+    if SUM:
+        _sum_when_last(p_yp, p_count, p_y, i_t, o_h, H, stride_yp, stride_yt, KS, BLOCK_H)
+
+
+@triton.jit
+def _sum_when_last(p_yp, p_count, p_y, i_t, o_h, H, stride_yp, stride_yt, KS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """After a pair program stored its block of yp: count it on its token's block counter (acquire-release
+    at GPU scope, after a barrier so that every thread's stores come first); the program that counts
+    the token's KS-th sums the token's KS rows of the block in order in fp32, casts once to y's dtype
+    (`moe_sum_pairs_kernel`'s sum: the same bits) and puts the counter back to zero (for the next launch
+    or graph replay)."""
+    i_c = i_t * tl.num_programs(1) + tl.program_id(1)
+    tl.debug_barrier()
+    done = tl.atomic_add(p_count + i_c, 1, sem="acq_rel", scope="gpu")
+    if done == KS - 1:
+        m_h = o_h < H
+        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for j in tl.static_range(KS):
+            acc += tl.load(p_yp + (i_t * KS + j) * stride_yp + o_h, mask=m_h, other=0.0, cache_modifier=".cg")
+        tl.store(p_y + i_t * stride_yt + o_h, acc.to(p_y.dtype.element_ty), mask=m_h)
+        tl.atomic_xchg(p_count + i_c, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["H"])
@@ -307,7 +334,7 @@ def moe_decode_triton(
     down_config: tuple[int, int, int] | None = None, down_per_pair: bool | None = None,
     residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
     host=None, topk_ids: torch.Tensor | None = None, layer: int = 0, topk_dst: torch.Tensor | None = None,
-    live: torch.Tensor | None = None,
+    live: torch.Tensor | None = None, sum_counters: torch.Tensor | None = None,
 ):
     """The decode MoE block in two or three launches: sum_j weight_j * expert_j(x) over the routed pairs and,
     with `shared`, the shared expert as one more pair.
@@ -341,6 +368,10 @@ def moe_decode_triton(
             negative entry is padding (a CUDA graph's rows past the batch, a row that writes nothing):
             its row of y is zeros and its pairs read no weights (a pair that lands an expert still
             lands it). The live tokens' rows are bit for bit the same as without `live`.
+        sum_counters: int32 [>= `ft.kernels.moe.sum_counters_needed(T, H)`] on x's device, zero (and left zero): where
+            the per-pair down pass runs, no norm follows and `MoeOptions.decode_sum_in_down` is on, its
+            last program of each token's column block sums the block (the same bits as the sum
+            kernel, one launch fewer); else unused.
     Returns: y [T, H] in x's dtype: one fp32 sum over the pairs in order, cast once; or the pair above.
     Raises: ValueError on shapes the kernels do not take, or topk_dst without `host`.
     """
@@ -432,12 +463,19 @@ def moe_decode_triton(
     fuse_norm = residual is not None and norm_weight is not None
     if per_pair and whole2:  # (a row's K in one tile; other shapes take the loop)
         y_pairs = torch.empty((t * ks, hid), dtype=torch.float32, device=x.device)
-        _moe_decode_down_pairs_kernel[(t * ks, triton.cdiv(hid, block_h))](
+        blocks = triton.cdiv(hid, block_h)
+        sums_here = (not fuse_norm and sum_counters is not None and kernel_options().moe.decode_sum_in_down
+                     and sum_counters.dtype == torch.int32 and sum_counters.device == x.device
+                     and sum_counters.numel() >= t * blocks and y.stride(-1) == 1)
+        _moe_decode_down_pairs_kernel[(t * ks, blocks)](
             h, slots, ids, dst, wts, w2, s2w, s2, sw2, ss2w, ss2, hw2, hs2w, hs2, y_pairs, live_ptr, i, hid,
             h.stride(0), slots.stride(0), ids.stride(0), dst.stride(0), wts.stride(0), w2.stride(0), w2.stride(1),
             s2w.stride(0), s2w.stride(1), s2.stride(0), hw2.stride(0), hs2w.stride(0), hs2.stride(0), y_pairs.stride(0),
+            sum_counters if sums_here else slots, y, y.stride(0),
             TOPK=k, HAS_SHARED=has_shared, BLOCK_H=block_h, WHOLE_K=whole2, HAS_HOST=has_host, HAS_DST=has_dst,
-            ASM=asm, WHOLE_K2=whole2b, HAS_LIVE=has_live, num_warps=warps2, **pdl_args(x.device))
+            ASM=asm, WHOLE_K2=whole2b, HAS_LIVE=has_live, SUM=sums_here, num_warps=warps2, **pdl_args(x.device))
+        if sums_here:
+            return y
         if fuse_norm and hid <= 8192 and residual.shape == x.shape and residual.dtype == x.dtype \
                 and residual.stride(-1) == 1:
             h_out = torch.empty_like(x)

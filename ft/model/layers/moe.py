@@ -10,7 +10,8 @@ from ft.memory.expert_cache import ExpertCache
 from ft.kernels.activation import expert_combine, silu_mul
 from ft.kernels.backend import debug_checks
 from ft.kernels.expert_lookup import expert_lookup
-from ft.kernels.moe import DECODE_MAX_TOKENS, SlotWeights, moe_decode, moe_over_pools, moe_over_slots, runs_triton
+from ft.kernels.moe import (DECODE_MAX_TOKENS, SlotWeights, moe_decode, moe_over_pools, moe_over_slots, runs_triton,
+                            sum_counters_needed)
 from ft.kernels.router import ROUTE_COUNTERS, route, route_forced_ref, route_hidden, router_topk
 
 
@@ -50,6 +51,11 @@ class SparseMoE:
         # routing in one launch); this layer's own, zero between steps
         self.route_counters = (None if self.gate_logits is None else
                                torch.zeros(ROUTE_COUNTERS, dtype=torch.int32, device=self.gate_logits.weight.device))
+        # and its down pass counts each token's pairs here where it sums them itself (`moe_decode`'s
+        # sum_counters: no norm follows, one launch fewer)
+        w = router.weight
+        self.sum_counters = torch.zeros(sum_counters_needed(DECODE_MAX_TOKENS, w.shape[1]), dtype=torch.int32,
+                                        device=w.packed.device if isinstance(w, NVFP4Weight) else w.device)
         self.shared_slot = _as_slot(shared_expert)
 
     def __call__(self, x: torch.Tensor, cache: ExpertCache, residual: torch.Tensor | None = None,
@@ -103,7 +109,7 @@ class SparseMoE:
             cache.ensure(layer, experts)
             slots = self._slots(table, ids)
         return moe_decode(x, slots, weights, cache.slots, self.shared_slot, residual=residual, norm_weight=next_norm,
-                          eps=eps, live=live)
+                          eps=eps, live=live, sum_counters=self.sum_counters)
 
     def _read_through(self, x: torch.Tensor, cache: ExpertCache, residual: torch.Tensor | None,
                       next_norm: torch.Tensor | None, eps: float, forced: torch.Tensor | None,
@@ -123,9 +129,9 @@ class SparseMoE:
         if fused:
             return moe_decode(x, slots, weights, cache.slots, self.shared_slot, residual=residual,
                               norm_weight=next_norm, eps=eps, host=cache.host, topk_ids=ids, layer=layer,
-                              topk_dst=dst, live=live)
+                              topk_dst=dst, live=live, sum_counters=self.sum_counters)
         routed = moe_decode(x, slots, weights, cache.slots, host=cache.host, topk_ids=ids, layer=layer, topk_dst=dst,
-                            live=live)
+                            live=live, sum_counters=self.sum_counters)
         return expert_combine(routed, self.shared_expert(x), self.shared_expert_gate(x))
 
     def _route(self, x: torch.Tensor, table: torch.Tensor | None, forced: torch.Tensor | None):
