@@ -143,3 +143,63 @@ def test_a_read_and_fused_write_through_the_kernels_equal_the_torch_path(monkeyp
     assert len(calls) == (2 if fused else 0)
     for a, b in zip(got, want):
         assert rel(a, b) < TOL[torch.float32]
+
+
+WRITE_READS = [(1, 4, 16, 6, True), (1, 4, 40, 20, False), (2, 2, 24, 5, True), (3, 4, 40, 9, True)]
+"""(tokens, streams, D, rank, inject rows of the next read): with 32-column chunks a chunk spans two streams
+where D is 24 or 40 (not a power of two: masked)."""
+
+
+@pytest.mark.parametrize("up", ["per-stream", "all-streams"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("t,c,d,rank,inject", WRITE_READS, ids=[f"T{t}-C{c}-D{d}-r{r}-{'inject' if i else 'final'}"
+                                                                 for t, c, d, r, i in WRITE_READS])
+def test_a_write_folded_into_the_next_read_equals_the_two(t, c, d, rank, inject, dtype, up):
+    """`hc_write_read_triton` (the write inside the read's first launch) against `hc_write_read_ref` (the
+    write with the next norm, then the read): the new state, the next block's input and gate logits."""
+    from ft.kernels.hyper_connection import hc_write_read_ref
+
+    g = torch.Generator().manual_seed(t * 100 + d + rank)
+    r = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).to(dtype)  # noqa: E731
+    x, y, gates = wide(r(t, c * d)), r(t, d), wide(r(t, c, scale=2.0))
+    x[:, :d] *= 20.0  # streams of different scales: each its own norm
+    next_norm = r(c * d, scale=0.1)
+    mix_in, up_w = r(rank + (c if inject else 0), c * d, scale=0.3), r(c * d, rank, scale=0.5)
+    tiles = {**SMALL_TILES, "hyper_connection.up_all_streams": up == "all-streams"}
+    with use_kernel_options(variant(**tiles)):
+        got = details.hc_write_read_triton(x, y, gates, c, next_norm, 1e-6, mix_in, up_w, rank)
+    want = hc_write_read_ref(x, y, gates, c, next_norm, 1e-6, mix_in, up_w, rank)
+    assert got[0].shape == want[0].shape and rel(got[0], want[0]) < TOL[dtype]
+    assert got[1].shape == (t, d) and got[1].dtype == want[1].dtype and rel(got[1], want[1]) < TOL[dtype]
+    if inject:
+        assert got[2].shape == (t, c) and rel(got[2], want[2]) < TOL[dtype]
+    else:
+        assert got[2] is None and want[2] is None
+
+
+def test_write_read_dispatches_one_token_to_the_folded_launches(monkeypatch):
+    """`HyperConnection.write_read` at one token goes through `hc_write_read_triton` (on Triton, option on),
+    at two tokens or with variant "hc-write-own-launch" through the write and the read; all equal the
+    torch path."""
+    import ft.kernels.hyper_connection as hcmod
+
+    c, d, r_ = 4, 40, 6
+    g = torch.Generator().manual_seed(9)
+    r = lambda *s, scale=1.0: torch.randn(*s, generator=g) * scale  # noqa: E731
+    first = HyperConnection(r(c * d, scale=0.1), r(r_, c * d, scale=0.3), r(c * d, r_, scale=0.3),
+                            r(c, c * d, scale=0.3), c)
+    second = HyperConnection(r(c * d, scale=0.1), r(r_, c * d, scale=0.3), r(c * d, r_, scale=0.3),
+                             r(c, c * d, scale=0.3), c)
+    calls = []
+    folded = details.hc_write_read_triton
+    monkeypatch.setattr(details, "hc_write_read_triton", lambda *a: calls.append(a[0].shape[0]) or folded(*a))
+    for tokens, names, n_calls in ((1, (), 1), (2, (), 1), (1, ("hc-write-own-launch",), 1)):
+        x, y, gates = r(tokens, c * d), r(tokens, d), r(tokens, c)
+        monkeypatch.setattr(hcmod, "uses_triton", lambda device: False)
+        want = first.write_read(y, x, gates, second)
+        monkeypatch.setattr(hcmod, "uses_triton", lambda device: True)
+        with use_kernel_options(variant(*names, **SMALL_TILES)):
+            got = first.write_read(y, x, gates, second)
+        assert len(calls) == n_calls
+        for a, b in zip(got, want):
+            assert rel(a, b) < TOL[torch.float32]

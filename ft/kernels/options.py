@@ -204,6 +204,11 @@ class HyperConnectionOptions:
     as one load: sm_90 SASS of the default fma kernel shows six dependent rounds of global loads (two
     for the partials' loop, one per stream, each behind the previous stream's barriers), which is
     where its ~10 us for 6.6 MB (session 30) would go.
+    write_into_read: a write followed by a read of the form "fma" (`hc_write_read`) runs as the read's
+    two launches, the write folded into the first (`_write_down_kernel`: each program recomputes the
+    written streams' norms from L2), where it was its own launch of C programs; off (variant
+    "hc-write-own-launch"): the write kernel, then the read. On by its launch count (96 a step fewer on
+    Qwen3.8-Flash-Next at one token), not yet timed on a GPU (session 37).
 
     H200, bench/hc_read.py (4 streams of 2,560, rank 320, bf16, in a CUDA graph), us a read, cuBLAS /
     fma / dot: T 1 17.4 / **14.1** / 17.4; T 2 20.8 / 19.4 / **17.9**; T 8 21.3 / 49.1 / **18.0**; T 64
@@ -224,6 +229,7 @@ class HyperConnectionOptions:
     dot_up_block_d: int = 32
     dot_up_block_rank: int = 512
     up_all_streams: bool = False
+    write_into_read: bool = True
     streams_up_block_d: int = 8
     streams_dot_up_block_d: int = 8
     streams_dot_up_block_rank: int = 64
@@ -299,6 +305,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "hc-read-dot-only": {"hyper_connection.fma_read_max_tokens": 0},  # the same
     "hc-read-up-all-streams": {"hyper_connection.up_all_streams": True},  # the same; not yet timed
     "moe-route-two-launches": {"moe.decode_route_one_launch": False},  # bench/decode.py --modes; not yet timed
+    "hc-write-own-launch": {"hyper_connection.write_into_read": False},  # the same
     "moe-sum-own-launch": {"moe.decode_sum_in_down": False},  # the same
     "gated-delta-ba-own-launch": {"gated_delta.decode_ba_in_conv": False},  # the same
     "qsa-prefill-select-torch": {"qsa.prefill_select_kernel": False},  # bench/prefill.py --variant

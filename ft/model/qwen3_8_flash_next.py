@@ -295,27 +295,29 @@ class FlashNextModel:
     def forward(self, batch: ForwardBatch, pools: CachePools) -> torch.Tensor:
         """Logits [B, V] float32 of each sequence's last new token."""
         x = expand_streams(embed_tokens(self.embed, batch.input_ids, self.embed_on_host, self.dtype), self.streams)
-        n = None  # the next read's normalised streams, when the write before it computed them
+        u = gates = None  # the next block's input and gate logits, when the write before it also read
         live = batch.decode.slot_mapping if batch.decode is not None else None  # padding rows: -1 (the MoE skips them)
         for i, layer in enumerate(self.layers):
             if layer.ple is not None:
                 x = self._ple(layer.ple, x, batch, pools)
-                n = None
-            u, gates = layer.attn_hc.read(x, n)
+                u = None
+            if u is None:
+                u, gates = layer.attn_hc.read(x)
             j = self.kind_index[i]
             if isinstance(layer.mixer, QSAAttention):
                 y = layer.mixer(u, self.rope, batch, pools.kv.layer(j), pools.kv.index_layer(j))
             else:
                 y = layer.mixer(u, batch, pools.mamba.conv[:, j], pools.mamba.ssm[:, j])
-            x, n = layer.attn_hc.write(y, x, gates, next_hc=layer.mlp_hc)  # (the write and the next norm: one launch)
-            u, gates = layer.mlp_hc.read(x, n)
+            # each write with the read after it (its norm in the write's launch, or at one token the write in
+            # the read's first launch: `HyperConnection.write_read`)
+            x, u, gates = layer.attn_hc.write_read(y, x, gates, layer.mlp_hc)
             forced = None if batch.forced_experts is None else batch.forced_experts[:, layer.moe.moe_index]
             y = layer.moe(u, pools.experts, forced=forced, live=live)
             after = self.layers[i + 1] if i + 1 < len(self.layers) else None
             if after is not None and after.ple is None:
-                x, n = layer.mlp_hc.write(y, x, gates, next_hc=after.attn_hc)
+                x, u, gates = layer.mlp_hc.write_read(y, x, gates, after.attn_hc)
             else:  # (the PLE delta comes before the next read; the final read takes the last rows only)
-                x, n = layer.mlp_hc.write(y, x, gates), None
+                x, u = layer.mlp_hc.write(y, x, gates), None
         u, _ = self.final_read.read(x[batch.last_token_index])  # (no final norm: the read is the model's end)
         return self.lm_head(u).float()
 

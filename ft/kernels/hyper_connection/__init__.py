@@ -12,11 +12,11 @@ import torch
 
 from ft.kernels.backend import TRITON_DTYPES, uses_triton
 from ft.kernels.hyper_connection.reference import (grouped_rms_norm_ref, hc_mix_ref, hc_read_lowrank_ref, hc_read_ref,
-                                                   hc_write_ref)
+                                                   hc_write_read_ref, hc_write_ref)
 from ft.kernels.options import kernel_options
 
 __all__ = ["grouped_rms_norm", "grouped_rms_norm_ref", "hc_mix", "hc_mix_ref", "hc_read", "hc_read_ref", "hc_write",
-           "hc_write_ref"]
+           "hc_write_read", "hc_write_read_ref", "hc_write_ref"]
 
 MAX_STREAM_WIDTH = 8192
 """Widest stream (D) the Triton kernels take in one tile; wider ones run the references."""
@@ -70,3 +70,24 @@ def hc_read(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int, 
         return hc_read_triton(n, mix_in, up, rank, streams)
     g, gate_logits = hc_read_lowrank_ref(n, mix_in, up, rank, streams)
     return hc_mix(g, n, streams), (gate_logits if mix_in.shape[0] > rank else None)
+
+
+def hc_write_read(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Tensor, streams: int, next_norm: torch.Tensor,
+                  eps: float, mix_in: torch.Tensor, up: torch.Tensor, rank: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A write and the next read (`hc_write_read_ref`'s contract): in two Triton launches where the next read
+    takes the form "fma" (`HyperConnectionOptions.fma_read_max_tokens`) and `write_into_read` is on (the
+    write folded into the read's first projection, `kernel.hc_write_read_triton`), else `hc_write` with
+    the next norm then `hc_read` (three or four launches)."""
+    opts = kernel_options().hyper_connection
+    t, width = x.shape
+    d = width // streams
+    if (opts.write_into_read and t <= min(opts.fma_read_max_tokens, opts.fused_read_max_tokens)
+            and streams & (streams - 1) == 0 and _triton(x, d) and gate_logits.dtype in TRITON_DTYPES
+            and mix_in.dtype in TRITON_DTYPES and up.dtype == mix_in.dtype and y.shape == (t, d)):
+        from ft.kernels.hyper_connection.kernel import hc_write_read_triton
+
+        return hc_write_read_triton(x, y, gate_logits, streams, next_norm, eps, mix_in, up, rank)
+    out, n = hc_write(x, y, gate_logits, streams, next_norm, eps)
+    u, next_gates = hc_read(n, mix_in, up, rank, streams)
+    return out, u, next_gates

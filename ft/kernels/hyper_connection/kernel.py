@@ -39,7 +39,7 @@ import triton.language as tl
 from ft.kernels.norm.kernel import rms_rstd
 from ft.kernels.options import kernel_options
 
-__all__ = ["grouped_rms_norm_triton", "hc_mix_triton", "hc_read_triton", "hc_write_triton"]
+__all__ = ["grouped_rms_norm_triton", "hc_mix_triton", "hc_read_triton", "hc_write_read_triton", "hc_write_triton"]
 
 
 @triton.jit
@@ -111,6 +111,60 @@ def _read_down_kernel(p_n, p_w, p_zp, T, R, W, stride_nt, stride_wr, stride_zp, 
         # N in the weights' dtype, as the reference casts it before its GEMM
         b_n = tl.load(p_n + t * stride_nt + o_w, mask=m_w, other=0.0).to(p_w.dtype.element_ty).to(tl.float32)
         tl.store(p_zp + (i_s * T + t) * stride_zp + o_r, tl.sum(b_w * b_n[None, :], axis=1), mask=m_r)
+
+
+@triton.jit
+def _write_down_kernel(p_x, p_y, p_a, p_wn, p_w, p_out, p_nn, p_zp, T, R, eps, stride_xt, stride_yt, stride_at,
+                       stride_ot, stride_nnt, stride_wr, stride_zp, C: tl.constexpr, D: tl.constexpr,
+                       ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A write and the next read's first projection in one launch (grid (R / ROWS, C * D / CHUNK), as
+    `_read_down_kernel`): each program computes the written streams x' = x_k + a_k y of every stream
+    (from L2: D values each) for their norms' 1 / rms, then x' and N = norm(x') of its own CHUNK
+    columns (the same values again) and their partial dots with its [ROWS, CHUNK] tile of mix_in; the
+    programs of the first row tile store x' and N. Rounds as `_write_kernel` then `_read_down_kernel`
+    (the norm's sum in another order: its 1 / rms to the last bits of fp32)."""
+    W: tl.constexpr = C * D
+    i_r, i_s = tl.program_id(0), tl.program_id(1)
+    o_r = i_r * ROWS + tl.arange(0, ROWS)
+    m_r = o_r < R
+    o_w = i_s * CHUNK + tl.arange(0, CHUNK)
+    m_w = o_w < W
+    k_w = o_w // D  # each column's stream
+    o_c = tl.arange(0, C)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    x_dtype = p_out.dtype.element_ty
+    a_dtype = p_a.dtype.element_ty
+    b_w = tl.load(p_w + o_r[:, None].to(tl.int64) * stride_wr + o_w[None, :], mask=m_r[:, None] & m_w[None, :],
+                  other=0.0).to(tl.float32)
+    b_wn = tl.load(p_wn + o_w, mask=m_w, other=0.0).to(tl.float32)
+    for t in range(T):
+        # a_k = 2 sigmoid(logit_k) rounded as `_write_kernel` rounds it
+        b_lg = tl.load(p_a + t * stride_at + o_c).to(tl.float32)
+        b_gate = (2.0 * tl.sigmoid(b_lg).to(a_dtype).to(tl.float32)).to(a_dtype).to(x_dtype).to(tl.float32)
+        # every stream written, for its 1 / rms
+        b_y = tl.load(p_y + t * stride_yt + o_d, mask=m_d, other=0.0).to(tl.float32)
+        b_x = tl.load(p_x + t * stride_xt + o_c[:, None] * D + o_d[None, :], mask=m_d[None, :], other=0.0)
+        b_o = (b_x.to(tl.float32) + (b_gate[:, None] * b_y[None, :]).to(x_dtype).to(tl.float32)).to(x_dtype)
+        b_o = tl.where(m_d[None, :], b_o.to(tl.float32), 0.0)
+        rstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(tl.sum(b_o * b_o, axis=1), D * 1.0) + eps))
+        # this program's columns
+        b_xc = tl.load(p_x + t * stride_xt + o_w, mask=m_w, other=0.0).to(tl.float32)
+        b_yc = tl.load(p_y + t * stride_yt + o_w - k_w * D, mask=m_w, other=0.0).to(tl.float32)
+        # each column's stream's gate and 1 / rms, selected from the C values (no gather)
+        b_gatec = tl.zeros((CHUNK,), dtype=tl.float32)
+        rstd_c = tl.zeros((CHUNK,), dtype=tl.float32)
+        for k in tl.static_range(C):
+            b_gatec = tl.where(k_w == k, tl.sum(tl.where(o_c == k, b_gate, 0.0), axis=0), b_gatec)
+            rstd_c = tl.where(k_w == k, tl.sum(tl.where(o_c == k, rstd, 0.0), axis=0), rstd_c)
+        b_oc = (b_xc + (b_gatec * b_yc).to(x_dtype).to(tl.float32)).to(x_dtype)
+        b_n = ((b_oc.to(tl.float32) * rstd_c) * (1.0 + b_wn)).to(p_nn.dtype.element_ty)
+        if i_r == 0:
+            tl.store(p_out + t * stride_ot + o_w, b_oc, mask=m_w)
+            tl.store(p_nn + t * stride_nnt + o_w, b_n, mask=m_w)
+        # N in the weights' dtype, as the reference casts it before its GEMM
+        b_nw = b_n.to(p_w.dtype.element_ty).to(tl.float32)
+        tl.store(p_zp + (i_s * T + t) * stride_zp + o_r, tl.sum(b_w * b_nw[None, :], axis=1), mask=m_r)
 
 
 @triton.jit
@@ -343,6 +397,32 @@ def hc_write_triton(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Tensor,
     return out if next_norm is None else (out, nn)
 
 
+def hc_write_read_triton(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Tensor, streams: int,
+                         next_norm: torch.Tensor, eps: float, mix_in: torch.Tensor, up: torch.Tensor, rank: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`hc_write_read_ref` in two launches (`_write_down_kernel`, then the form "fma"'s up/mix kernel): x
+    [T, C*D], y [T, D], gate_logits [T, C] (the write's), next_norm [C*D], mix_in [rank (+ C), C*D], up
+    [C*D, rank] -> (x' [T, C*D], u [T, D], the next write's gate logits [T, C] or None). For the reads
+    the form "fma" takes (a token); C a power of two."""
+    opts = kernel_options().hyper_connection
+    t, width = x.shape
+    c, d, r = streams, width // streams, mix_in.shape[0]
+    x, y, a, mix_in, up = _rows(x), _rows(y), _rows(gate_logits), _rows(mix_in), _rows(up)
+    out = torch.empty((t, width), dtype=x.dtype, device=x.device)
+    n = torch.empty_like(out)
+    u = torch.empty((t, d), dtype=torch.promote_types(n.dtype, mix_in.dtype), device=x.device)
+    next_gates = torch.empty((t, c), dtype=mix_in.dtype, device=x.device) if r > rank else None
+    if t:
+        chunk, splits, rows, r_stride = _fma_down_tiles(width, r, opts)
+        z_part = torch.empty((splits, t, r_stride), dtype=torch.float32, device=x.device)
+        _write_down_kernel[(triton.cdiv(r, rows), splits)](
+            x, y, a, next_norm.contiguous(), mix_in, out, n, z_part, t, r, eps, x.stride(0), y.stride(0), a.stride(0),
+            out.stride(0), n.stride(0), mix_in.stride(0), r_stride, C=c, D=d, ROWS=rows, CHUNK=chunk,
+            BLOCK_D=triton.next_power_of_2(d), num_warps=8)
+        _read_up_fma(z_part, splits, r_stride, n, up, rank, c, opts, u, next_gates)
+    return out, u, next_gates
+
+
 def hc_read_triton(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int, streams: int
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """As `hc_read_ref` (n [T, C*D] the normalised streams, mix_in [rank (+ C), C*D], up [C*D, rank]) ->
@@ -362,21 +442,34 @@ def hc_read_triton(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank
     return u, gate_logits
 
 
+def _fma_down_tiles(width: int, r: int, opts) -> tuple[int, int, int, int]:
+    """(chunk, splits, rows, r_stride) of the form "fma"'s down launch for streams of `width` columns and
+    mix_in's r rows."""
+    chunk = min(opts.down_chunk, triton.next_power_of_2(width))
+    # the all-streams kernel loads a token's partials as one tile: rows padded to 16 floats keep its loads 16-byte
+    r_stride = triton.cdiv(r, 16) * 16 if opts.up_all_streams else r
+    return chunk, triton.cdiv(width, chunk), min(opts.down_rows, triton.next_power_of_2(r)), r_stride
+
+
 def _read_fma(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int, c: int, opts, u: torch.Tensor,
               gate_logits: torch.Tensor | None) -> None:
     """`hc_read_triton`'s form "fma" into u (and gate_logits): two launches, a token at a time."""
     t, width = n.shape
-    d, r = width // c, mix_in.shape[0]
-    chunk = min(opts.down_chunk, triton.next_power_of_2(width))
-    splits = triton.cdiv(width, chunk)
-    # the all-streams kernel loads a token's partials as one tile: rows padded to 16 floats keep its loads 16-byte
-    r_stride = triton.cdiv(r, 16) * 16 if opts.up_all_streams else r
+    r = mix_in.shape[0]
+    chunk, splits, rows, r_stride = _fma_down_tiles(width, r, opts)
     z_part = torch.empty((splits, t, r_stride), dtype=torch.float32, device=n.device)
-    rows = min(opts.down_rows, triton.next_power_of_2(r))
     _read_down_kernel[(triton.cdiv(r, rows), splits)](n, mix_in, z_part, t, r, width, n.stride(0), mix_in.stride(0),
                                                       r_stride, ROWS=rows, CHUNK=chunk,
                                                       EVEN=opts.up_all_streams and r % rows == 0 and width % chunk == 0,
                                                       num_warps=8 if rows * chunk >= 8192 else 4)
+    _read_up_fma(z_part, splits, r_stride, n, up, rank, c, opts, u, gate_logits)
+
+
+def _read_up_fma(z_part: torch.Tensor, splits: int, r_stride: int, n: torch.Tensor, up: torch.Tensor, rank: int, c: int,
+                 opts, u: torch.Tensor, gate_logits: torch.Tensor | None) -> None:
+    """The form "fma"'s second launch: the partials' sum, SiLU, the up projection and the gated mean."""
+    t, width = n.shape
+    d = width // c
     block_r = triton.next_power_of_2(rank)
     gl = gate_logits if gate_logits is not None else u
     if opts.up_all_streams:
@@ -388,8 +481,9 @@ def _read_fma(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int
             num_warps=8 if c * block_d * block_r >= 16384 else 4)
         return
     block_d = min(opts.up_block_d, triton.next_power_of_2(d))
-    _read_up_mix_kernel[(triton.cdiv(d, block_d),)](z_part, up, n, u, gl, t, splits, r, rank, d, 1.0 / c, up.stride(0),
-                                                    n.stride(0), u.stride(0), gl.stride(0), C=c, BLOCK_D=block_d,
+    _read_up_mix_kernel[(triton.cdiv(d, block_d),)](z_part, up, n, u, gl, t, splits, r_stride, rank, d, 1.0 / c,
+                                                    up.stride(0), n.stride(0), u.stride(0), gl.stride(0), C=c,
+                                                    BLOCK_D=block_d,
                                                     BLOCK_R=block_r, BLOCK_C=triton.next_power_of_2(c),
                                                     GATES=gate_logits is not None,
                                                     num_warps=8 if block_d * block_r >= 8192 else 4)

@@ -69,3 +69,14 @@ def hc_read_ref(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: i
     [T, extra]) = `hc_read_lowrank_ref` then `hc_mix_ref` (arguments as there)."""
     g, gate_logits = hc_read_lowrank_ref(n, mix_in, up, rank, streams)
     return hc_mix_ref(g, n, streams), gate_logits
+
+
+def hc_write_read_ref(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Tensor, streams: int, next_norm: torch.Tensor,
+                      eps: float, mix_in: torch.Tensor, up: torch.Tensor, rank: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A write followed by the next read (`hc_write_ref` with the next read's norm, then `hc_read_ref` of
+    that read's mix_in and up): (x' [T, C*D], u [T, D] the next block's input, its write's gate logits
+    [T, C], or None when mix_in has no inject rows)."""
+    out, n = hc_write_ref(x, y, gate_logits, streams, next_norm, eps)
+    u, next_gates = hc_read_ref(n, mix_in, up, rank, streams)
+    return out, u, (next_gates if mix_in.shape[0] > rank else None)

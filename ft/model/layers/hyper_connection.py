@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ft.kernels.hyper_connection import grouped_rms_norm, hc_read, hc_write
+from ft.kernels.hyper_connection import grouped_rms_norm, hc_read, hc_write, hc_write_read
 
 __all__ = ["HyperConnection", "expand_streams", "grouped_rms_norm"]
 
@@ -42,7 +42,8 @@ class HyperConnection:
     computed), then `hc_read`: one GEMM of the normalised streams by down and inject together (`mix_in`,
     their rows stacked once at construction; down and inject become views of it; the 1 / C in the
     GEMM's alpha), a SiLU, the up GEMM and one launch for the gated mean; the write is one launch that
-    also computes the next read's norm, from the inject logits its read computed."""
+    also computes the next read's norm, from the inject logits its read computed; a write and the read
+    after it at one token (`write_read`) are the read's two launches, the write folded into the first."""
 
     norm: torch.Tensor
     down: torch.Tensor
@@ -81,3 +82,15 @@ class HyperConnection:
         if self.inject is None:
             raise ValueError("the final HyperConnection has no write")
         return hc_write(x, y, gate_logits, self.streams, None if next_hc is None else next_hc.norm, self.eps)
+
+    def write_read(self, y: torch.Tensor, x: torch.Tensor, gate_logits: torch.Tensor, next_hc: HyperConnection
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`write(y, x, gate_logits, next_hc)` then `next_hc.read` of its result: (x' [T, C*D], the next
+        block's input u [T, D], next_hc's gate logits [T, C] or None); at one token in two launches (the
+        write folded into the read's first, `hc_write_read`)."""
+        if self.inject is None:
+            raise ValueError("the final HyperConnection has no write")
+        if x.shape[1] != next_hc.norm.shape[0]:
+            raise ValueError(f"the state is {x.shape[1]} wide, the next HyperConnection {next_hc.norm.shape[0]}")
+        return hc_write_read(x, y, gate_logits, self.streams, next_hc.norm, self.eps, next_hc.mix_in, next_hc.up,
+                             next_hc.down.shape[0])
