@@ -100,7 +100,8 @@ MOE_DECODE_DOWN = {"p_h": "*fp32", "p_slots": "*i32", "p_wts": "*bf16", "p_w2": 
                           "stride_s2wr", "stride_s2e", "stride_ot")}
 WRITE_KV = {"p_k": "*bf16", "p_v": "*bf16", "p_kc": "*bf16", "p_vc": "*bf16", "p_slot": "*i64", "p_kvs": "*fp32",
             **ints("H", "D", "page_size", "stride_kb", "stride_kh", "stride_vb", "stride_vh", "stride_kcp",
-                   "stride_kcs", "stride_kch", "stride_vcp", "stride_vcs", "stride_vch")}
+                   "stride_kcs", "stride_kch", "stride_vcp", "stride_vcs", "stride_vch"),
+            "p_x": "*bf16", "p_xc": "*bf16", **ints("DX", "stride_xb", "stride_xcp", "stride_xcs")}
 DECODE_IN = {"p_q": "*bf16", "p_kc": "*bf16", "p_vc": "*bf16", "p_pt": "*i64", "p_seq": "*i32"}
 DECODE_STRIDES = ("stride_qb", "stride_qh", "stride_kcp", "stride_kcs", "stride_kch", "stride_vcp", "stride_vcs",
                   "stride_vch", "stride_ptb")
@@ -354,6 +355,9 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
      {"BLOCK_H": 2, "BLOCK_D": 256, "KV_FP8": False, "KV_NVFP4": False, "num_warps": 4}),
     ("write kv decode Hkv 2, D 256, fp8 cache", attn._write_kv_decode_kernel, {**WRITE_KV, "p_kc": "*u8", "p_vc": "*u8"},
      {"BLOCK_H": 2, "BLOCK_D": 256, "KV_FP8": True, "KV_NVFP4": False, "num_warps": 4}),
+    ("write kv decode Hkv 2, D 256, nvfp4 cache, QSA's indexer keys (128) too", attn._write_kv_decode_kernel,
+     {**WRITE_KV, "p_kc": "*u8", "p_vc": "*u8"}, {"BLOCK_H": 2, "BLOCK_D": 256, "KV_FP8": False, "KV_NVFP4": True,
+                                                 "EXTRA": True, "BLOCK_X": 128, "num_warps": 4}),
     ("write kv decode Hkv 2, D 256, nvfp4 cache", attn._write_kv_decode_kernel,
      {**WRITE_KV, "p_kc": "*u8", "p_vc": "*u8"}, {"BLOCK_H": 2, "BLOCK_D": 256, "KV_FP8": False, "KV_NVFP4": True,
                                                  "num_warps": 4}),

@@ -172,6 +172,38 @@ def test_write_kv_decode_triton(hkv, d, page, dtype):
     torch.testing.assert_close(kv, expected, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["extra-fp32", "extra-fp16"])
+def test_write_kv_decode_writes_the_extra_rows_in_its_launch(monkeypatch, cache_dtype):
+    """`extra` (QSA's raw indexer keys): the rows land at the tokens' slots of their own paged cache (cast to
+    its dtype), padding rows write nothing, K and V as without it; the dispatcher takes the kernel's
+    launch, or `write_slots` where the extra cache's pages differ from the KV cache's."""
+    from ft.kernels.attention import write_kv_decode
+    from ft.kernels.slot_write import write_slots_ref
+
+    hkv, d, page, dtype = 2, 16, 4, torch.float16
+    kv, table, lens = make_batch((3, page - 1, 2 * page, 1), hkv, d, page, dtype)
+    gen = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(4, hkv, d, generator=gen).to(dtype) for _ in range(2))
+    rows = torch.randn(4, 24, generator=gen).to(dtype)
+    slots = decode_tokens(table, lens, page)
+    slots[1] = -1
+    pages = kv.shape[0]
+    index = torch.full((int(pages), page, 24), float("nan"), dtype=cache_dtype)
+    want_kv, want_index = kv.clone(), index.clone()
+    write_kv_decode_ref(*layer_views(want_kv), k, v, slots)
+    write_slots_ref(want_index, slots, rows, page_size=page)
+    write_kv_decode_triton(*layer_views(kv), k, v, slots, extra=(index, rows))
+    torch.testing.assert_close(kv, want_kv, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(index, want_index, rtol=0, atol=0, equal_nan=True)
+    monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
+    for pages_of in (page, 2 * page):  # the same page size: one launch; another: the KV launch, then write_slots
+        got = torch.full((int(pages), pages_of, 24), float("nan"), dtype=cache_dtype)
+        want = got.clone()
+        write_slots_ref(want, slots, rows, page_size=pages_of)
+        write_kv_decode(*layer_views(kv.clone()), k, v, slots, extra=(got, rows))
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
 # every path ungated; the gate on the split path (the single kernel's gate: test_decode_attention_gate_is_the_product)
 @pytest.mark.parametrize(("path", "gated"), [("single", False), ("split3", False), ("split8", False), ("split3", True)],
                          ids=["single-nogate", "split3-nogate", "split8-nogate", "split3-gate"])

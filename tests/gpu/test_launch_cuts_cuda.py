@@ -171,3 +171,30 @@ def test_a_write_folded_into_the_next_read_at_the_flagship_shape(inject):
     assert torch.equal(out, want_out)
     assert rel(u, want_u) < 1e-2
     assert (next_gates is None) == (not inject) and (not inject or rel(next_gates, want_gates) < 1e-2)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "nvfp4"])
+def test_indexer_keys_written_with_k_and_v(kv):
+    """QSA's raw indexer keys (128 a token, bf16) written by the K/V write's launch (`extra`) at a padded
+    decode step's slots: the same bytes as `write_slots` after the plain K/V write, K and V unchanged."""
+    from ft.kernels.attention.kernel import write_kv_decode_triton
+    from ft.kernels.slot_write import write_slots
+    from ft.memory.kv_pool import NVFP4_KV, kv_row_size
+
+    torch.manual_seed(0)
+    pages, page, hkv, d, b = 40, 16, 2, 256, 8
+    dtype = torch.uint8 if kv == "nvfp4" else torch.bfloat16
+    row = kv_row_size(d, NVFP4_KV) if kv == "nvfp4" else d
+    k_cache = torch.zeros(pages, page, hkv, row, dtype=dtype, device=DEV)
+    v_cache = torch.zeros_like(k_cache)
+    scale = torch.tensor([0.05, 0.07], device=DEV) if kv == "nvfp4" else None
+    k, v = (torch.randn(b, hkv, d, device=DEV).to(torch.bfloat16) for _ in range(2))
+    raw = torch.randn(b, 128, device=DEV).to(torch.bfloat16)
+    slots = torch.randperm(pages * page, device=DEV)[:b]
+    slots[3] = -1
+    index = torch.zeros(pages, page, 128, dtype=torch.bfloat16, device=DEV)
+    k2, v2, index2 = k_cache.clone(), v_cache.clone(), index.clone()
+    write_kv_decode_triton(k_cache, v_cache, k, v, slots, scale, extra=(index, raw))
+    write_kv_decode_triton(k2, v2, k, v, slots, scale)
+    write_slots(index2, slots, raw, page_size=page)
+    assert torch.equal(k_cache, k2) and torch.equal(v_cache, v2) and torch.equal(index, index2)

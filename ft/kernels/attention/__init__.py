@@ -32,6 +32,7 @@ from ft.kernels.attention.split import (
 from ft.kernels.attention.library_prefill import library_prefill_attention
 from ft.kernels.backend import TRITON_DTYPES, debug_checks, uses_triton
 from ft.kernels.options import kernel_options
+from ft.kernels.slot_write import write_slots
 
 log = logging.getLogger(__name__)
 
@@ -128,23 +129,32 @@ def library_prefill_reserve(tokens: int, hq: int, hkv: int, head_dim: int, elem:
 
 def write_kv_decode(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-    kv_scale: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None, extra: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Store one new token per sequence: k, v [B, Hkv, D] into k_cache, v_cache [P, page_size, Hkv, R]
     (views of the pool, any strides but the last; R = D, or D/2 + D/16 uint8 for NVFP4) at
     slot_mapping [B] int64 = page * page_size + offset; a negative slot (padding row) writes
     nothing; a quantized cache (`kv_scale`, float32 [2]: the layer's K and V scales; fp8 e4m3 or
-    NVFP4) stores x / scale (see `reference.py`).
+    NVFP4) stores x / scale (see `reference.py`). extra: (a paged cache [P, page_size, X] of the
+    same page size, rows [B, X]): the rows written at the same slots too (`write_slots`' contract).
 
-    Dispatcher: the Triton kernel where `uses_triton` says so, `write_kv_decode_ref` otherwise.
+    Dispatcher: the Triton kernel where `uses_triton` says so (the extra rows in its launch where
+    their cache has the same page size and both unit stride along X), `write_kv_decode_ref` and
+    `write_slots` otherwise.
     """
+    fused_extra = extra is None or (extra[0].dim() == 3 and extra[0].shape[1] == k_cache.shape[1]
+                                    and extra[0].stride(-1) == 1 and extra[1].stride(-1) == 1)
     if uses_triton(k.device) and k.dtype in TRITON_DTYPES:
         # NOTE: imports triton only when used
         from ft.kernels.attention.kernel import write_kv_decode_triton
 
-        write_kv_decode_triton(k_cache, v_cache, k, v, slot_mapping, kv_scale)
+        write_kv_decode_triton(k_cache, v_cache, k, v, slot_mapping, kv_scale, extra if fused_extra else None)
+        if fused_extra:
+            return
     else:
         write_kv_decode_ref(k_cache, v_cache, k, v, slot_mapping, kv_scale)
+    if extra is not None:
+        write_slots(extra[0], slot_mapping, extra[1], page_size=extra[0].shape[1])
 
 
 def paged_decode_attention(

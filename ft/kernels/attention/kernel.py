@@ -130,12 +130,15 @@ def _write_kv_decode_kernel(
     p_k, p_v, p_kc, p_vc, p_slot, p_kvs, H, D, page_size,
     stride_kb, stride_kh, stride_vb, stride_vh,
     stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
+    p_x, p_xc, DX, stride_xb, stride_xcp, stride_xcs,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr = False, KV_NVFP4: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, EXTRA: tl.constexpr = False, BLOCK_X: tl.constexpr = 16,
 ):
     """KV_FP8: the cache is float8_e4m3fn (passed as its uint8 bits) holding x / scale, rounded to
     nearest even after clamping to +-448; p_kvs holds the layer's (K, V) scales. KV_NVFP4: the
-    cache rows are NVFP4 (uint8, D/2 + D/16 bytes; D is the head dim), see `reference.py`."""
+    cache rows are NVFP4 (uint8, D/2 + D/16 bytes; D is the head dim), see `reference.py`. EXTRA: one
+    more row a token, p_x's DX values, copied (cast) into the paged cache p_xc at the same slot (QSA's
+    raw indexer keys)."""
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
     pdl_release(PDL)
     i_b = tl.program_id(0)
@@ -145,6 +148,11 @@ def _write_kv_decode_kernel(
     o_h = tl.arange(0, BLOCK_H)
     o_d = tl.arange(0, BLOCK_D)
     d_end = tl.where(slot >= 0, D, 0)  # NOTE: a scalar bool in a mask fails in the interpreter
+    if EXTRA:
+        o_x = tl.arange(0, BLOCK_X)
+        m_x = o_x < tl.where(slot >= 0, DX, 0)
+        b_x = tl.load(p_x + i_b * stride_xb + o_x, mask=m_x)
+        tl.store(p_xc + i_p * stride_xcp + i_s * stride_xcs + o_x, b_x.to(p_xc.dtype.element_ty), mask=m_x)
     if KV_NVFP4:
         m_h = o_h < H
         _write_nvfp4_heads(p_k + i_b * stride_kb, stride_kh, p_kc + i_p * stride_kcp + i_s * stride_kcs, stride_kch,
@@ -334,12 +342,14 @@ def kv_args(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scale: torch.Tensor
 
 def write_kv_decode_triton(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-    kv_scale: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None, extra: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """`write_kv_decode_ref` on Triton: k, v [B, Hkv, D] into k_cache, v_cache [P, page_size, Hkv, R]
     (R = D, or D/2 + D/16 for an NVFP4 cache; any strides but the last) at slot_mapping [B] int64;
     negative slots write nothing; an fp8 or NVFP4 cache quantizes with kv_scale (float32 [2]: K,
-    V) exactly as `write_kv_decode_ref` (bit for bit).
+    V) exactly as `write_kv_decode_ref` (bit for bit). extra: (cache [P, page_size, X] with unit
+    stride along X, rows [B, X] with unit stride along X): each token's row also copied (cast) into
+    that paged cache at its slot (QSA's raw indexer keys: `write_slots`' result, in this launch).
 
     Raises: ValueError on shapes that do not match, or a quantized cache without kv_scale."""
     cache_d = check_cache(k_cache, v_cache)
@@ -347,6 +357,16 @@ def write_kv_decode_triton(
     if v.shape != k.shape or (k_cache.shape[2], cache_d) != (h, d) or tuple(slot_mapping.shape) != (b,):
         raise ValueError(f"shapes do not match: k {tuple(k.shape)}, v {tuple(v.shape)}, cache {tuple(k_cache.shape)}, "
                          f"slot_mapping {tuple(slot_mapping.shape)}")
+    if extra is not None:
+        xc, rows = extra
+        if (xc.dim() != 3 or rows.dim() != 2 or xc.shape[1] != k_cache.shape[1] or rows.shape != (b, xc.shape[2])
+                or xc.stride(-1) != 1 or rows.stride(-1) != 1):
+            raise ValueError(f"extra must be a paged cache [P, {k_cache.shape[1]}, X] and rows [{b}, X] with unit "
+                             f"stride along X, got {tuple(xc.shape)} and {tuple(rows.shape)}")
+        extra_args = (rows, xc, xc.shape[2], rows.stride(0), xc.stride(0), xc.stride(1))
+        extra_flags = {"EXTRA": True, "BLOCK_X": triton.next_power_of_2(xc.shape[2])}
+    else:
+        extra_args, extra_flags = (k, k, 0, 0, 0, 0), {}
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     k_cache, v_cache, kvs, kv_flags = kv_args(k_cache, v_cache, kv_scale, k)
@@ -355,9 +375,9 @@ def write_kv_decode_triton(
             k, v, k_cache, v_cache, slot_mapping, kvs, h, d, k_cache.shape[1],
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-            v_cache.stride(2),
-            BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d), **kv_flags, num_warps=4,
-            **pdl_args(k.device))
+            v_cache.stride(2), *extra_args,
+            BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d), **kv_flags, **extra_flags,
+            num_warps=4, **pdl_args(k.device))
 
 
 def paged_decode_attention_triton(

@@ -25,7 +25,6 @@ from ft.model.forward_batch import ForwardBatch
 from ft.model.layers.attention import GatedAttention, Rope
 from ft.model.layers.linear import Linear, ProjectionGroup
 from ft.kernels.qsa import block_scores, select_decode_tokens
-from ft.kernels.slot_write import write_slots
 from ft.model.layers.qsa import compress_keys, select_tokens, selection_scores
 
 __all__ = ["QSAAttention", "rotate"]
@@ -71,7 +70,8 @@ class QSAAttention(GatedAttention):
         indexer keys into `index_keys` [P, page_size, Di] (`KVPool.index_layer`)."""
         t, hi, di = x.shape[0], self.index_heads, self.index_dim
         iqk, *qkv = self.qkv(x)
-        self._write_index_keys(index_keys, iqk[:, hi * di:], batch)
+        if batch.decode is None:  # (a decode step writes them with its K and V, one launch)
+            self._write_index_keys(index_keys, iqk[:, hi * di:], batch)
         # a decode step always takes the fixed-shape path (inside the dense span it selects every token):
         # no host branch on the lengths, so a CUDA graph may hold it
         if batch.decode is None and max(s.start + s.length for s in batch.seqs) <= self.dense_limit:
@@ -82,8 +82,9 @@ class QSAAttention(GatedAttention):
         if rope.scale != 1.0:  # YaRN: the rotated features scaled as `rotate` scales cos and sin
             iq[..., : rope.rotary_dim] *= rope.scale
         k_cache, v_cache, kv_scale = kv
-        if batch.decode is not None:
-            write_kv_decode(k_cache, v_cache, k, v, batch.decode.slot_mapping, kv_scale)
+        if batch.decode is not None:  # the new K, V and raw indexer keys at each token's slot
+            write_kv_decode(k_cache, v_cache, k, v, batch.decode.slot_mapping, kv_scale,
+                            extra=(index_keys, iqk[:, hi * di:]))
         else:
             offset = 0
             for s in batch.seqs:
@@ -106,10 +107,8 @@ class QSAAttention(GatedAttention):
         return self.o_proj(o * torch.sigmoid(gate.reshape(t, -1)))
 
     def _write_index_keys(self, index_keys: torch.Tensor, raw: torch.Tensor, batch: ForwardBatch) -> None:
+        """A prefill's raw indexer keys into their pages (a decode step's go with its K and V)."""
         page = index_keys.shape[1]
-        if batch.decode is not None:  # (padding rows, slot -1, write nothing)
-            write_slots(index_keys, batch.decode.slot_mapping, raw, page_size=page)
-            return
         offset = 0
         for s in batch.seqs:
             pos = torch.arange(s.start, s.start + s.length, device=raw.device)
