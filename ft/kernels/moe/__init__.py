@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ft.kernels.backend import debug_checks, uses_triton
+from ft.kernels.moe.decode_tiles import DECODE_DOWN_BLOCK_H, sum_counters_needed
 from ft.kernels.moe.reference import dense_slots, moe_decode_ref, moe_over_pools_ref, moe_over_slots_ref
 from ft.kernels.moe.slots import GROUPED_SHORT_TOKENS, PER_PAIR_MAX_TOKENS, SlotWeights, check_slots, moe_pools_workspace_bytes, moe_workspace_bytes
 
@@ -100,17 +101,6 @@ def moe_over_pools(x: torch.Tensor, topk_weights: torch.Tensor, passes, *, exper
 
         return moe_over_pools_triton(x, topk_weights, again(), distinct_slots=None if experts is None else experts + 1)
     return moe_over_pools_ref(x, topk_weights, again())
-
-
-DECODE_DOWN_BLOCK_H = 64
-"""Rows of the down projection a program of the decode MoE's per-pair down pass computes (its sweep's best,
-`decode_kernel.DECODE_DOWN_PAIRS_CONFIG`)."""
-
-
-def sum_counters_needed(tokens: int, hidden: int) -> int:
-    """The int32 counters `moe_decode(sum_counters=...)` needs for `tokens` tokens of width `hidden` (one
-    per token and column block of the per-pair down pass)."""
-    return tokens * -(-hidden // DECODE_DOWN_BLOCK_H)
 
 
 DECODE_MAX_TOKENS = 128

@@ -21,7 +21,7 @@ from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
 from ft.kernels.options import kernel_options
 from ft.kernels.backend import inline_ptx
-from ft.kernels.moe import DECODE_DOWN_BLOCK_H
+from ft.kernels.moe.decode_tiles import DECODE_DOWN_BLOCK_H
 from ft.kernels.moe.kernel import moe_sum_pairs_kernel
 from ft.kernels.norm.kernel import rms_rstd, norm_warps, add_rms_norm_triton
 from ft.kernels.limits import whole_k_pieces

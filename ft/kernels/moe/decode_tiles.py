@@ -1,0 +1,17 @@
+"""The decode MoE's tile sizes that callers size buffers by (details module of `ft.kernels.moe`; no triton
+import, so the model layer may read them): the per-pair down pass's rows a program, and the counters its
+sum by the last program needs."""
+
+from __future__ import annotations
+
+__all__ = ["DECODE_DOWN_BLOCK_H", "sum_counters_needed"]
+
+DECODE_DOWN_BLOCK_H = 64
+"""Rows of the down projection a program of the decode MoE's per-pair down pass computes (its sweep's best,
+`decode_kernel.DECODE_DOWN_PAIRS_CONFIG`)."""
+
+
+def sum_counters_needed(tokens: int, hidden: int) -> int:
+    """The int32 counters `moe_decode(sum_counters=...)` needs for `tokens` tokens of width `hidden` (one
+    per token and column block of the per-pair down pass)."""
+    return tokens * -(-hidden // DECODE_DOWN_BLOCK_H)
