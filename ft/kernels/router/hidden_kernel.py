@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ft.kernels.dense.kernel import default_config, gemv_block, k_tiling
+from ft.kernels.router.kernel import route_outputs
 
 __all__ = ["MAX_TOKENS", "route_hidden_triton"]
 
@@ -120,14 +121,7 @@ def route_hidden_triton(x: torch.Tensor, weight: torch.Tensor, top_k: int, norma
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     logits = torch.empty((m, n), dtype=torch.float32, device=dev)  # scratch: read by the last programs only
-    w = torch.empty((m, top_k + int(shared_gate)), dtype=x.dtype, device=dev)
-    if forced is not None:
-        if tuple(forced.shape) != (m, top_k) or forced.dtype != torch.int64:
-            raise ValueError(f"forced experts must be int64 [{m}, {top_k}], got {forced.dtype} {tuple(forced.shape)}")
-        ids = forced if forced.stride(-1) == 1 else forced.contiguous()
-    else:
-        ids = torch.empty((m, top_k), dtype=torch.int64, device=dev)
-    slots = None if slot_table is None else torch.empty((m, top_k), dtype=torch.int32, device=dev)
+    w, ids, slots = route_outputs(m, top_k, shared_gate, x.dtype, dev, slot_table, forced)
     table = ids if slot_table is None else slot_table
     out_slots = ids if slots is None else slots
     _route_hidden_kernel[grid](x, weight, logits, counters, w, ids, table, out_slots, m, n, kdim, e, top_k,

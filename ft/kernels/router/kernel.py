@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
-__all__ = ["route_triton", "router_topk_triton"]
+__all__ = ["route_outputs", "route_triton", "router_topk_triton"]
 
 
 def router_warps(e: int) -> int:
@@ -67,6 +67,21 @@ def _router_topk_kernel(p_logits, p_w, p_ids, p_table, p_slots, E, K, stride_lt,
         tl.store(p_slots + i_t * stride_st + o_k, tl.load(p_table + b_i, mask=m_k, other=-1).to(tl.int32), mask=m_k)
 
 
+def route_outputs(t: int, top_k: int, shared_gate: bool, dtype: torch.dtype, device: torch.device,
+                  slot_table: torch.Tensor | None, forced: torch.Tensor | None):
+    """The routing launches' outputs: (weights [t, k + S] in dtype, ids [t, k] int64 (`forced` itself when
+    given, checked), slots [t, k] int32 or None without a table)."""
+    w = torch.empty((t, top_k + int(shared_gate)), dtype=dtype, device=device)
+    if forced is not None:
+        if tuple(forced.shape) != (t, top_k) or forced.dtype != torch.int64:
+            raise ValueError(f"forced experts must be int64 [{t}, {top_k}], got {forced.dtype} {tuple(forced.shape)}")
+        ids = forced if forced.stride(-1) == 1 else forced.contiguous()
+    else:
+        ids = torch.empty((t, top_k), dtype=torch.int64, device=device)
+    slots = None if slot_table is None else torch.empty((t, top_k), dtype=torch.int32, device=device)
+    return w, ids, slots
+
+
 def router_topk_triton(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (weights [T, k] in logits' dtype, ids [T, k] int64), as `router_topk_ref`.
 
@@ -89,14 +104,7 @@ def route_triton(logits: torch.Tensor, top_k: int, normalize: bool, *, shared_ga
         raise ValueError(f"router top-k needs 1 <= k <= E <= 8192, got k={top_k}, E={e}")
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     dev = logits.device
-    w = torch.empty((t, top_k + int(shared_gate)), dtype=logits.dtype, device=dev)
-    if forced is not None:
-        if tuple(forced.shape) != (t, top_k) or forced.dtype != torch.int64:
-            raise ValueError(f"forced experts must be int64 [{t}, {top_k}], got {forced.dtype} {tuple(forced.shape)}")
-        ids = forced if forced.stride(-1) == 1 else forced.contiguous()
-    else:
-        ids = torch.empty((t, top_k), dtype=torch.int64, device=dev)
-    slots = None if slot_table is None else torch.empty((t, top_k), dtype=torch.int32, device=dev)
+    w, ids, slots = route_outputs(t, top_k, shared_gate, logits.dtype, dev, slot_table, forced)
     if t:
         table = ids if slot_table is None else slot_table  # any pointer when there is no table (never read)
         out_slots = ids if slots is None else slots
