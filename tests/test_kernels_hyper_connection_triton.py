@@ -110,6 +110,12 @@ def test_the_fused_read_equals_the_reference(t, c, d, rank, inject, dtype, form)
         assert gates is None
 
 
+def module(r, c: int, d: int, rank: int) -> HyperConnection:
+    """A HyperConnection of C streams of D, rank `rank`, with an inject, its tensors drawn by r(*shape, scale=)."""
+    return HyperConnection(r(c * d, scale=0.1), r(rank, c * d, scale=0.3), r(c * d, rank, scale=0.3),
+                           r(c, c * d, scale=0.3), c)
+
+
 @pytest.mark.parametrize("fused", [None, "fma", "dot"], ids=["cublas-read", "fused-fma", "fused-dot"])
 def test_a_read_and_fused_write_through_the_kernels_equal_the_torch_path(monkeypatch, fused):
     """`HyperConnection.read` / `write(next_hc=...)` with the Triton kernels (dispatched as on a GPU) against
@@ -120,10 +126,7 @@ def test_a_read_and_fused_write_through_the_kernels_equal_the_torch_path(monkeyp
     c, d, r_ = 4, 40, 6
     g = torch.Generator().manual_seed(3)
     r = lambda *s, scale=1.0: torch.randn(*s, generator=g) * scale  # noqa: E731
-    first = HyperConnection(r(c * d, scale=0.1), r(r_, c * d, scale=0.3), r(c * d, r_, scale=0.3),
-                            r(c, c * d, scale=0.3), c)
-    second = HyperConnection(r(c * d, scale=0.1), r(r_, c * d, scale=0.3), r(c * d, r_, scale=0.3),
-                             r(c, c * d, scale=0.3), c)
+    first, second = module(r, c, d, r_), module(r, c, d, r_)
     x, y = r(5, c * d), r(5, d)
 
     def run():
@@ -186,10 +189,7 @@ def test_write_read_dispatches_one_token_to_the_folded_launches(monkeypatch):
     c, d, r_ = 4, 40, 6
     g = torch.Generator().manual_seed(9)
     r = lambda *s, scale=1.0: torch.randn(*s, generator=g) * scale  # noqa: E731
-    first = HyperConnection(r(c * d, scale=0.1), r(r_, c * d, scale=0.3), r(c * d, r_, scale=0.3),
-                            r(c, c * d, scale=0.3), c)
-    second = HyperConnection(r(c * d, scale=0.1), r(r_, c * d, scale=0.3), r(c * d, r_, scale=0.3),
-                             r(c, c * d, scale=0.3), c)
+    first, second = module(r, c, d, r_), module(r, c, d, r_)
     calls = []
     folded = details.hc_write_read_triton
     monkeypatch.setattr(details, "hc_write_read_triton", lambda *a: calls.append(a[0].shape[0]) or folded(*a))
