@@ -34,7 +34,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
     ap.add_argument("--sweep", action="store_true", help="also time the fused read's other tiles")
     ap.add_argument("--all-streams", action="store_true",
-                    help="also time both forms with the all-streams up kernels (variant hc-read-up-all-streams)")
+                    help="also time both forms with the all-streams up kernels (the default since session 38; "
+                         "fma and dot are then the per-stream kernels, variant hc-read-up-per-stream)")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     c, d, r = STREAMS, WIDTH, RANK
@@ -50,9 +51,10 @@ def main() -> None:
     dot_keys = ("dot_down_rows", "dot_down_chunk", "dot_up_block_d", "dot_up_block_rank")
     defaults = HyperConnectionOptions()
     tile = lambda keys, values: {f"hyper_connection.{k}": v for k, v in zip(keys, values)}  # noqa: E731
-    forms = {"fma": [tile(fma_keys, [getattr(defaults, k) for k in fma_keys])],
-             "dot": [tile(dot_keys, [getattr(defaults, k) for k in dot_keys])]}
-    if args.all_streams:  # the up kernels of variant "hc-read-up-all-streams", as two more forms
+    per_stream = {"hyper_connection.up_all_streams": False}
+    forms = {"fma": [{**per_stream, **tile(fma_keys, [getattr(defaults, k) for k in fma_keys])}],
+             "dot": [{**per_stream, **tile(dot_keys, [getattr(defaults, k) for k in dot_keys])}]}
+    if args.all_streams:  # the all-streams up kernels (the default), as two more forms
         streams = {"hyper_connection.up_all_streams": True}
         forms["fma-all"] = [{**streams, "hyper_connection.streams_up_block_d": defaults.streams_up_block_d}]
         forms["dot-all"] = [{**streams, "hyper_connection.streams_dot_up_block_d": defaults.streams_dot_up_block_d,
@@ -63,8 +65,10 @@ def main() -> None:
                                   "hyper_connection.streams_dot_up_block_rank": rk}
                                  for b, rk in itertools.product((4, 8, 16), (32, 64, 128)) if (b, rk) != (8, 64)]
     if args.sweep:
-        forms["fma"] += [tile(fma_keys, v) for v in ((4, 2048, 16), (2, 2048, 16), (2, 2048, 8), (4, 1024, 8))]
-        forms["dot"] += [tile(dot_keys, v) for v in itertools.product((16, 32), (512, 1024, 2048), (16, 32), (64, 512))]
+        forms["fma"] += [{**per_stream, **tile(fma_keys, v)}
+                         for v in ((4, 2048, 16), (2, 2048, 16), (2, 2048, 8), (4, 1024, 8))]
+        forms["dot"] += [{**per_stream, **tile(dot_keys, v)}
+                         for v in itertools.product((16, 32), (512, 1024, 2048), (16, 32), (64, 512))]
         for form in forms:  # the default once
             forms[form] = [forms[form][0]] + [t for t in forms[form][1:] if t != forms[form][0]]
     floor_us = weight_bytes / HBM_BW * 1e6

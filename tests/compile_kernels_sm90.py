@@ -40,7 +40,6 @@ from ft.kernels.norm import kernel as norm  # noqa: E402
 from ft.kernels.nvfp4 import kernel as nv  # noqa: E402
 from ft.kernels.nvfp4 import dequant_kernel as nv_dq  # noqa: E402
 from ft.kernels.router import kernel as router  # noqa: E402
-from ft.kernels.router import hidden_kernel as router_hidden  # noqa: E402
 from ft.kernels.expert_lookup import kernel as lookup  # noqa: E402
 from ft.kernels.options import kernel_options  # noqa: E402
 
@@ -201,18 +200,8 @@ def grouped_cfg(which: int = 0) -> dict:
 DENSE = {"p_x": "*bf16", "p_w": "*bf16", "p_y": "*bf16", **ints("M", "N", "K", "stride_xm", "stride_wn", "stride_ym")}
 
 
-ROUTE_HIDDEN = {"p_x": "*bf16", "p_w": "*bf16", "p_l": "*fp32", "p_count": "*i32", "p_wt": "*bf16", "p_ids": "*i64",
-                "p_table": "*i32", "p_slots": "*i32", **ints("M", "N", "K", "E", "TOPK", "stride_xm", "stride_wn",
-                                                             "stride_wtt", "stride_it", "stride_st")}
-
-
 HC_WRITE = {"p_x": "*bf16", "p_y": "*bf16", "p_a": "*bf16", "p_wn": "*bf16", "p_out": "*bf16", "p_nn": "*bf16",
             "eps": "fp32", **ints("stride_xt", "stride_yt", "stride_at", "stride_ot", "stride_nnt")}
-
-
-def route_hidden_cfg(m: int, n: int, k: int) -> dict:
-    cfg = dense.default_config(m, n, k, torch.bfloat16)
-    return {**cfg, **dense.k_tiling(k, cfg["BLOCK_K"])}
 
 
 def dense_cfg(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -315,13 +304,6 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("router, forced experts (traces) + shared gate", router._router_topk_kernel, ROUTER,
      {"NORMALIZE": True, "BLOCK_E": 512, "BLOCK_K": 16, "SHARED_GATE": True, "HAS_TABLE": False, "FORCED": True,
       "num_warps": 1}),
-    ("router from the hidden state (GEMV + top-10 + shared gate + slots), 1 token, K 2560",
-     router_hidden._route_hidden_kernel, ROUTE_HIDDEN,
-     {**route_hidden_cfg(1, 513, 2560), "BLOCK_E": 512, "BLOCK_TOPK": 16, "NORMALIZE": True, "SHARED_GATE": True,
-      "HAS_TABLE": True, "FORCED": False}),
-    ("router from the hidden state, 8 tokens, K 2048, forced experts", router_hidden._route_hidden_kernel, ROUTE_HIDDEN,
-     {**route_hidden_cfg(8, 513, 2048), "BLOCK_E": 512, "BLOCK_TOPK": 16, "NORMALIZE": True, "SHARED_GATE": True,
-      "HAS_TABLE": False, "FORCED": True}),
     ("expert lookup, top-10", lookup._expert_lookup_kernel, LOOKUP, {"BLOCK_K": 16, "num_warps": 1}),
     ("expert lookup with owners, 8 x top-10", lookup._expert_lookup_owned_kernel, LOOKUP_OWNED,
      {"BLOCK_N": 128, "BLOCK_R": 128, "num_warps": 1}),
@@ -436,7 +418,7 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("gated delta chunk state pass B 3, Dk 96, Dv 80 (masked)", gd_chunk._chunk_state_kernel, GD_CHUNK_STATE,
      gd_chunk.state_config(3, 32, 96, 80, torch.bfloat16)),
     ("hyper connection write + next norm (D 2560)", hc._write_kernel, HC_WRITE,
-     {"D": 2560, "BLOCK_D": 4096, "NEXT_NORM": True, "num_warps": 8}),
+     {"D": 2560, "BLOCK_D": 4096, "NEXT_NORM": True, "num_warps": 8, "enable_fp_fusion": False}),
     ("hyper connection write folded into the next read's down (4 rows x 2048, D 2560)", hc._write_down_kernel,
      {"p_x": "*bf16", "p_y": "*bf16", "p_a": "*bf16", "p_wn": "*bf16", "p_w": "*bf16", "p_out": "*bf16",
       "p_nn": "*bf16", "p_zp": "*fp32", **ints("T", "R"), "eps": "fp32",
@@ -500,7 +482,7 @@ CASES += _pdl_cases()
 
 
 def compile_case(kernel, signature: dict, params: dict):
-    options = {k: params.pop(k) for k in ("num_warps", "num_stages", "maxnreg", "launch_pdl") if k in params}
+    options = {k: params.pop(k) for k in ("num_warps", "num_stages", "maxnreg", "launch_pdl", "enable_fp_fusion") if k in params}
     for p in kernel.params:  # constexprs a case leaves out take their defaults (else triton fails obscurely)
         default = getattr(p, "default", inspect.Parameter.empty)
         if p.is_constexpr and p.name not in params and p.name not in signature and default is not inspect.Parameter.empty:

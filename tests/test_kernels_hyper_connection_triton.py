@@ -72,8 +72,11 @@ def test_the_write_gates_each_stream_by_its_own_logit():
     assert len(set(out[0, :, 0].tolist())) == c
 
 
-FORM = {"fma": {"hyper_connection.fma_read_max_tokens": 1 << 20}, "dot": {"hyper_connection.fma_read_max_tokens": 0},
-        "dot-whole-rank": {"hyper_connection.fma_read_max_tokens": 0, "hyper_connection.dot_up_block_rank": 1 << 10},
+PER_STREAM = {"hyper_connection.up_all_streams": False}
+FORM = {"fma": {"hyper_connection.fma_read_max_tokens": 1 << 20, **PER_STREAM},
+        "dot": {"hyper_connection.fma_read_max_tokens": 0, **PER_STREAM},
+        "dot-whole-rank": {"hyper_connection.fma_read_max_tokens": 0, "hyper_connection.dot_up_block_rank": 1 << 10,
+                           **PER_STREAM},
         "fma-all-streams": {"hyper_connection.fma_read_max_tokens": 1 << 20, "hyper_connection.up_all_streams": True},
         "dot-all-streams": {"hyper_connection.fma_read_max_tokens": 0, "hyper_connection.up_all_streams": True,
                             "hyper_connection.streams_dot_up_block_rank": 32}}

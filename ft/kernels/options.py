@@ -71,20 +71,20 @@ class MoeOptions:
     tok/s against 64.2 with the defaults (session 35). Commit cf6e6b2 holds it.)
     (The decode MoE skips a graph bucket's padding rows always; the variant that computed them lost by
     5-10% at batches 10 / 20 / 36 and was deleted, RESULTS.md session 29.)
-    decode_route_one_launch: the decode step's routing in the router GEMV's launch (`ft.kernels.router.
-    route_hidden`: the last program of a token block routes it), one launch a MoE layer fewer; off
-    (variant "moe-route-two-launches"): the GEMV, then the top-k kernel. On by its launch count (48 a step
-    fewer), not yet timed on a GPU (session 37).
+    (The decode step's routing in the router GEMV's launch, the last program of a token block routing it,
+    lost to the GEMV and the top-k kernel as two launches by 1.5-3% at batches 1 / 8 on the H100 and was
+    deleted, RESULTS.md session 38; commit 70aa512 holds it.)
     decode_sum_in_down: where no norm follows the decode MoE (Qwen3.8-Flash-Next, whose HyperConnection
     write takes the block's output), the per-pair down pass sums a token's pairs itself (the last of its
     programs of a column block; `moe_decode(sum_counters=...)`), the same bits as the sum kernel and one
     launch a MoE layer fewer; off (variant "moe-sum-own-launch"): the sum kernel. On by its launch count
-    (48 a step fewer on Qwen3.8-Flash-Next), not yet timed on a GPU (session 37)."""
+    (48 a step fewer on Qwen3.8-Flash-Next) and by its A/B, a tie at batch 8: the 40-layer model's step on
+    the H100 (session 38, one process, two rounds) at 196.0 / 190.8 tok/s at batch 1 against 190.9 / 188.0
+    with the sum kernel, 656.1 / 653.5 against 655.8 / 654.8 at batch 8."""
 
     grouped_words: bool = True
     grouped_tile: tuple | None = None
     grouped_max_tokens: int = 16384
-    decode_route_one_launch: bool = True
     decode_sum_in_down: bool = True
 
 
@@ -100,8 +100,9 @@ class GatedDeltaOptions:
     (bench/gated_delta_prefill.py); empty, the default: the rules whose notes say what was measured.
     decode_ba_in_conv: a decode step's in_proj_ba (dense) computed by extra programs of the conv launch
     (`gated_delta_decode`'s ba_proj), one launch a Gated DeltaNet layer fewer; off (variant
-    "gated-delta-ba-own-launch"): its own GEMV launch. On by its launch count (36 a step fewer), not yet
-    timed on a GPU (session 37)."""
+    "gated-delta-ba-own-launch"): its own GEMV launch. On by its launch count (36 a step fewer) and its A/B
+    (session 38, the 40-layer model's step on the H100, two rounds): 196.0 / 190.8 tok/s against 185.9 /
+    186.2 at batch 1, 656.1 / 653.5 against 638.1 / 631.9 at batch 8."""
 
     solve_precision: str = "tf32"
     prep_launch: tuple[tuple[str, int], ...] = ()
@@ -196,19 +197,23 @@ class HyperConnectionOptions:
     dot_down_block_k, the up projection in rank steps of dot_up_block_rank, at most 16,384 tokens x rank
     elements a step so the tile fits shared memory: the whole rank of 320 in one padded step of 512 up to
     32 tokens, 256 at 64).
-    up_all_streams (variant "hc-read-up-all-streams", not yet timed on a GPU): both forms' up/mix kernel
+    up_all_streams (off: variant "hc-read-up-per-stream"): both forms' up/mix kernel
     loads the up rows of all C streams of its columns as one tile (`_read_up_mix_streams_kernel`,
     `_read_up_mix_dot_streams_kernel`; streams_up_block_d / streams_dot_up_block_d columns a program, the
     dot form in rank steps of streams_dot_up_block_rank, all copied at once by cp.async)
     where the default kernels run C dependent load-reduce chains, the fma form's also the partial sums
     as one load: sm_90 SASS of the default fma kernel shows six dependent rounds of global loads (two
     for the partials' loop, one per stream, each behind the previous stream's barriers), which is
-    where its ~10 us for 6.6 MB (session 30) would go.
+    where its ~10 us for 6.6 MB (session 30) would go. On since session 38: Qwen3.8-Flash-Next's step
+    (40 layers, H100, one process, two rounds) at 197.1 / 194.4 tok/s against 196.0 / 190.8 at batch 1,
+    679.9 / 669.9 against 656.1 / 653.5 at batch 8.
     write_into_read: a write followed by a read of the form "fma" (`hc_write_read`) runs as the read's
     two launches, the write folded into the first (`_write_down_kernel`: each program recomputes the
     written streams' norms from L2), where it was its own launch of C programs; off (variant
     "hc-write-own-launch"): the write kernel, then the read. On by its launch count (96 a step fewer on
-    Qwen3.8-Flash-Next at one token), not yet timed on a GPU (session 37).
+    Qwen3.8-Flash-Next at one token) and its A/B (session 38, the same run): 196.0 / 190.8 tok/s against
+    185.9 / 184.7 at batch 1, 656.1 / 653.5 against 653.5 / 644.7 at batch 8. On the GPU the write kernel
+    runs without fp contraction, so both forms store the same bits as the reference.
 
     H200, bench/hc_read.py (4 streams of 2,560, rank 320, bf16, in a CUDA graph), us a read, cuBLAS /
     fma / dot: T 1 17.4 / **14.1** / 17.4; T 2 20.8 / 19.4 / **17.9**; T 8 21.3 / 49.1 / **18.0**; T 64
@@ -228,7 +233,7 @@ class HyperConnectionOptions:
     dot_down_block_k: int = 256
     dot_up_block_d: int = 32
     dot_up_block_rank: int = 512
-    up_all_streams: bool = False
+    up_all_streams: bool = True
     write_into_read: bool = True
     streams_up_block_d: int = 8
     streams_dot_up_block_d: int = 8
@@ -303,8 +308,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "attention-nvfp4-f16": {"decode_attention.nvfp4_prmt": False},  # bench/decode.py --no-prmt, decode_attention.py
     "hc-read-cublas": {"hyper_connection.fused_read_max_tokens": 0},  # bench/hc_read.py, bench/decode.py --modes
     "hc-read-dot-only": {"hyper_connection.fma_read_max_tokens": 0},  # the same
-    "hc-read-up-all-streams": {"hyper_connection.up_all_streams": True},  # the same; not yet timed
-    "moe-route-two-launches": {"moe.decode_route_one_launch": False},  # bench/decode.py --modes; not yet timed
+    "hc-read-up-per-stream": {"hyper_connection.up_all_streams": False},  # the same
     "hc-write-own-launch": {"hyper_connection.write_into_read": False},  # the same
     "moe-sum-own-launch": {"moe.decode_sum_in_down": False},  # the same
     "gated-delta-ba-own-launch": {"gated_delta.decode_ba_in_conv": False},  # the same

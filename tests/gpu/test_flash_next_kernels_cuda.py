@@ -250,9 +250,11 @@ def test_the_fused_hyper_connection_read_at_the_flagship_shape(tokens, inject, f
     mix_in, up = r(rank + (c if inject else 0), c * d, scale=0.02), r(c * d, rank, scale=0.1)
     from ft.kernels.options import use_kernel_options, variant
 
-    forms = {"fma": {"hyper_connection.fma_read_max_tokens": 1 << 20},
-             "dot": {"hyper_connection.fma_read_max_tokens": 0},
-             "dot-whole-rank": {"hyper_connection.fma_read_max_tokens": 0, "hyper_connection.dot_up_block_rank": 512},
+    per_stream = {"hyper_connection.up_all_streams": False}
+    forms = {"fma": {"hyper_connection.fma_read_max_tokens": 1 << 20, **per_stream},
+             "dot": {"hyper_connection.fma_read_max_tokens": 0, **per_stream},
+             "dot-whole-rank": {"hyper_connection.fma_read_max_tokens": 0, "hyper_connection.dot_up_block_rank": 512,
+                                **per_stream},
              "fma-all-streams": {"hyper_connection.fma_read_max_tokens": 1 << 20, "hyper_connection.up_all_streams": True},
              "dot-all-streams": {"hyper_connection.fma_read_max_tokens": 0, "hyper_connection.up_all_streams": True}}
     with use_kernel_options(variant(**forms[form])):

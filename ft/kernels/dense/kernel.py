@@ -88,8 +88,7 @@ def _tile_sum(b_x, b_w):
 def gemv_block(p_x, p_w, M, N, K, stride_xm, stride_wn, i_m, i_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ONE_TILE: tl.constexpr, PDL: tl.constexpr):
     """The block (i_m, i_n) of x @ W^T: fp32 [BLOCK_M, BLOCK_N] sums over the whole K (this module's
-    loads and sum order; rows past M / N read the last valid row). Shared with the router's one-launch
-    routing (`ft.kernels.router.hidden_kernel`)."""
+    loads and sum order; rows past M / N read the last valid row)."""
     # PDL (`ft.kernels.pdl`): the first weight tile is loaded before the wait (W is a layer's
     # weight: no kernel of the step writes it), x after it
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)

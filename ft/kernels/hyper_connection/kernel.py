@@ -393,7 +393,11 @@ def hc_write_triton(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Tensor,
         _write_kernel[(t, streams)](x, y, a, next_norm.contiguous() if next_norm is not None else a, out, nn, eps,
                                     x.stride(0), y.stride(0), a.stride(0), out.stride(0), nn.stride(0),
                                     D=d, BLOCK_D=block_d, NEXT_NORM=next_norm is not None,
-                                    num_warps=8 if block_d >= 2048 else 4)
+                                    num_warps=8 if block_d >= 2048 else 4,
+                                    # no contraction: x + bf16(a y) must round twice, as the reference (and
+                                    # `_write_down_kernel`) does; fused, sm_90 ran it as one bf16 FMA
+                                    # (HFMA2.BF16_V2), a bf16 ulp off at ties (session 38, H100)
+                                    enable_fp_fusion=False)
     return out if next_norm is None else (out, nn)
 
 

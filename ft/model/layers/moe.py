@@ -12,7 +12,7 @@ from ft.kernels.backend import debug_checks
 from ft.kernels.expert_lookup import expert_lookup
 from ft.kernels.moe import (DECODE_MAX_TOKENS, SlotWeights, moe_decode, moe_over_pools, moe_over_slots, runs_triton,
                             sum_counters_needed)
-from ft.kernels.router import ROUTE_COUNTERS, route, route_forced_ref, route_hidden, router_topk
+from ft.kernels.router import route, route_forced_ref, router_topk
 
 
 class MLP:
@@ -47,10 +47,6 @@ class SparseMoE:
             e = self.num_experts
             self.router = Linear(self.gate_logits.weight[:e])
             self.shared_expert_gate = Linear(self.gate_logits.weight[e:])
-        # the decode path's routing counts its GEMV's programs here (`route_hidden`: the logits and the
-        # routing in one launch); this layer's own, zero between steps
-        self.route_counters = (None if self.gate_logits is None else
-                               torch.zeros(ROUTE_COUNTERS, dtype=torch.int32, device=self.gate_logits.weight.device))
         # and its down pass counts each token's pairs here where it sums them itself (`moe_decode`'s
         # sum_counters: no norm follows, one launch fewer)
         w = router.weight
@@ -91,8 +87,8 @@ class SparseMoE:
     def _decode(self, x: torch.Tensor, cache: ExpertCache, residual: torch.Tensor | None = None,
                 next_norm: torch.Tensor | None = None, eps: float = 1e-6, forced: torch.Tensor | None = None,
                 live: torch.Tensor | None = None):
-        """Three launches: the logits (router and shared gate) and the routing (top-k, the shared gate's
-        sigmoid, the slots) in one (`route_hidden`), gate/up of every pair with the shared expert, down
+        """Four launches: the logits (router and shared gate), the routing (top-k, the shared gate's
+        sigmoid, the slots), gate/up of every pair with the shared expert, down
         with the sum."""
         layer = self.moe_index
         table = cache.slot_table[layer]
@@ -136,10 +132,10 @@ class SparseMoE:
 
     def _route(self, x: torch.Tensor, table: torch.Tensor | None, forced: torch.Tensor | None):
         """The decode path's routing with the shared gate: (weights [T, k + 1], ids [T, k], slots from
-        `table` or None); with the stacked logits in one launch with their GEMV where it runs."""
+        `table` or None), from the router's and the shared gate's logits in one GEMV where they are stacked."""
         if self.gate_logits is not None:
-            return route_hidden(x, self.gate_logits.weight, self.top_k, self.norm_topk_prob,
-                                counters=self.route_counters, shared_gate=True, slot_table=table, forced=forced)
+            return route(self.gate_logits(x), self.top_k, self.norm_topk_prob, shared_gate=True, slot_table=table,
+                         forced=forced)
         logits = torch.cat([self.router(x), self.shared_expert_gate(x)], dim=1)
         return route(logits, self.top_k, self.norm_topk_prob, shared_gate=True, slot_table=table, forced=forced)
 
