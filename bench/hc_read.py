@@ -3,7 +3,7 @@ a SiLU and the mix kernel) against the fused read (`hc_read_triton`) in its two 
 launches, CUDA-core dots a token at a time) and "dot" (three launches, tensor-core tiles), after the
 norm, at the decode batches. Not a test.
 
-    PYTHONPATH=. python3 bench/hc_read.py [--tokens 1,2,4,8,16,32,64] [--sweep] [--all-streams]
+    PYTHONPATH=. python3 bench/hc_read.py [--tokens 1,2,4,8,16,32,64] [--sweep]
 
 4 streams of 2,560, rank 320 (mix_in [324, 10,240] and up [10,240, 320] bf16: 13.2 MB a module), bf16;
 every call inside a CUDA graph over copies of the weights (`bench.gpu_timing.graph_us`: a pass reads
@@ -33,9 +33,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
     ap.add_argument("--sweep", action="store_true", help="also time the fused read's other tiles")
-    ap.add_argument("--all-streams", action="store_true",
-                    help="also time both forms with the all-streams up kernels (the default since session 38; "
-                         "fma and dot are then the per-stream kernels, variant hc-read-up-per-stream)")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     c, d, r = STREAMS, WIDTH, RANK
@@ -51,24 +48,12 @@ def main() -> None:
     dot_keys = ("dot_down_rows", "dot_down_chunk", "dot_up_block_d", "dot_up_block_rank")
     defaults = HyperConnectionOptions()
     tile = lambda keys, values: {f"hyper_connection.{k}": v for k, v in zip(keys, values)}  # noqa: E731
-    per_stream = {"hyper_connection.up_all_streams": False}
-    forms = {"fma": [{**per_stream, **tile(fma_keys, [getattr(defaults, k) for k in fma_keys])}],
-             "dot": [{**per_stream, **tile(dot_keys, [getattr(defaults, k) for k in dot_keys])}]}
-    if args.all_streams:  # the all-streams up kernels (the default), as two more forms
-        streams = {"hyper_connection.up_all_streams": True}
-        forms["fma-all"] = [{**streams, "hyper_connection.streams_up_block_d": defaults.streams_up_block_d}]
-        forms["dot-all"] = [{**streams, "hyper_connection.streams_dot_up_block_d": defaults.streams_dot_up_block_d,
-                             "hyper_connection.streams_dot_up_block_rank": defaults.streams_dot_up_block_rank}]
-        if args.sweep:
-            forms["fma-all"] += [{**streams, "hyper_connection.streams_up_block_d": b} for b in (4, 16)]
-            forms["dot-all"] += [{**streams, "hyper_connection.streams_dot_up_block_d": b,
-                                  "hyper_connection.streams_dot_up_block_rank": rk}
-                                 for b, rk in itertools.product((4, 8, 16), (32, 64, 128)) if (b, rk) != (8, 64)]
+    forms = {"fma": [tile(fma_keys, [getattr(defaults, k) for k in fma_keys])],
+             "dot": [tile(dot_keys, [getattr(defaults, k) for k in dot_keys])]}
     if args.sweep:
-        forms["fma"] += [{**per_stream, **tile(fma_keys, v)}
-                         for v in ((4, 2048, 16), (2, 2048, 16), (2, 2048, 8), (4, 1024, 8))]
-        forms["dot"] += [{**per_stream, **tile(dot_keys, v)}
-                         for v in itertools.product((16, 32), (512, 1024, 2048), (16, 32), (64, 512))]
+        forms["fma"] += [tile(fma_keys, v) for v in ((4, 2048, 4), (4, 2048, 16), (2, 2048, 8), (4, 1024, 8))]
+        forms["dot"] += [tile(dot_keys, v)
+                         for v in itertools.product((16, 32), (512, 1024), (4, 8, 16), (32, 64, 128))]
         for form in forms:  # the default once
             forms[form] = [forms[form][0]] + [t for t in forms[form][1:] if t != forms[form][0]]
     floor_us = weight_bytes / HBM_BW * 1e6

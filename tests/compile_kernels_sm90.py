@@ -430,10 +430,6 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("hyper connection read, down (4 rows x 2048), even", hc._read_down_kernel,
      {"p_n": "*bf16", "p_w": "*bf16", "p_zp": "*fp32", **ints("T", "R", "W", "stride_nt", "stride_wr", "stride_zp")},
      {"ROWS": 4, "CHUNK": 2048, "EVEN": True, "num_warps": 8}),
-    ("hyper connection read, up + mix (16 columns, rank 320)", hc._read_up_mix_kernel,
-     {"p_zp": "*fp32", "p_up": "*bf16", "p_n": "*bf16", "p_u": "*bf16", "p_gl": "*bf16",
-      **ints("T", "S", "R", "RANK", "D"), "inv_c": "fp32", **ints("stride_upr", "stride_nt", "stride_ut", "stride_glt")},
-     {"C": 4, "BLOCK_D": 16, "BLOCK_R": 512, "BLOCK_C": 4, "GATES": True, "num_warps": 8}),
     ("hyper connection read (dot), down (16 tokens x 16 rows x 1024)", hc._read_down_dot_kernel,
      {"p_n": "*bf16", "p_w": "*bf16", "p_zp": "*fp32", **ints("T", "R", "W", "stride_nt", "stride_wr")},
      {"BLOCK_T": 16, "ROWS": 16, "CHUNK": 1024, "BLOCK_K": 256, "PRECISION": "tf32", "num_warps": 4,
@@ -441,10 +437,6 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("hyper connection read (dot), reduce + SiLU", hc._read_reduce_kernel,
      {"p_zp": "*fp32", "p_a": "*bf16", "p_gl": "*bf16", **ints("T", "S", "R", "RANK"), "inv_c": "fp32",
       **ints("stride_at", "stride_glt")}, {"BLOCK_R": 512, "GATES": True, "num_warps": 4}),
-    ("hyper connection read (dot), up + mix (16 tokens x 16 columns)", hc._read_up_mix_dot_kernel,
-     {"p_a": "*bf16", "p_up": "*bf16", "p_n": "*bf16", "p_u": "*bf16", **ints("T", "RANK", "D", "stride_at",
-                                                                             "stride_upr", "stride_nt", "stride_ut")},
-     {"C": 4, "BLOCK_T": 16, "BLOCK_D": 16, "BLOCK_RK": 64, "PRECISION": "tf32", "num_warps": 4}),
     ("hyper connection read, up + mix, all streams' tile (8 columns, rank 320)", hc._read_up_mix_streams_kernel,
      {"p_zp": "*fp32", "p_up": "*bf16", "p_n": "*bf16", "p_u": "*bf16", "p_gl": "*bf16",
       **ints("T", "S", "stride_zp", "D"), "inv_c": "fp32", **ints("stride_upr", "stride_nt", "stride_ut", "stride_glt")},
@@ -455,10 +447,6 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
                                                                              "stride_nt", "stride_ut")},
      {"RANK": 320, "C": 4, "BLOCK_T": 16, "BLOCK_D": 8, "BLOCK_RK": 64, "PRECISION": "tf32", "num_warps": 4,
       "num_stages": 6}),
-    ("hyper connection read (dot), up + mix, the whole rank in one step", hc._read_up_mix_dot_kernel,
-     {"p_a": "*bf16", "p_up": "*bf16", "p_n": "*bf16", "p_u": "*bf16", **ints("T", "RANK", "D", "stride_at",
-                                                                             "stride_upr", "stride_nt", "stride_ut")},
-     {"C": 4, "BLOCK_T": 16, "BLOCK_D": 16, "BLOCK_RK": 512, "PRECISION": "tf32", "num_warps": 4}),
 ]
 
 

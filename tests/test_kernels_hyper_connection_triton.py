@@ -72,20 +72,14 @@ def test_the_write_gates_each_stream_by_its_own_logit():
     assert len(set(out[0, :, 0].tolist())) == c
 
 
-PER_STREAM = {"hyper_connection.up_all_streams": False}
-FORM = {"fma": {"hyper_connection.fma_read_max_tokens": 1 << 20, **PER_STREAM},
-        "dot": {"hyper_connection.fma_read_max_tokens": 0, **PER_STREAM},
-        "dot-whole-rank": {"hyper_connection.fma_read_max_tokens": 0, "hyper_connection.dot_up_block_rank": 1 << 10,
-                           **PER_STREAM},
-        "fma-all-streams": {"hyper_connection.fma_read_max_tokens": 1 << 20, "hyper_connection.up_all_streams": True},
-        "dot-all-streams": {"hyper_connection.fma_read_max_tokens": 0, "hyper_connection.up_all_streams": True,
-                            "hyper_connection.streams_dot_up_block_rank": 32}}
-"""Options that send every fused read to one form (the all-streams dot form in rank steps of 32: rank 70
-takes three)."""
+FORM = {"fma": {"hyper_connection.fma_read_max_tokens": 1 << 20},
+        "dot": {"hyper_connection.fma_read_max_tokens": 0, "hyper_connection.dot_up_block_rank": 32},
+        "dot-whole-rank": {"hyper_connection.fma_read_max_tokens": 0, "hyper_connection.dot_up_block_rank": 1 << 10}}
+"""Options that send every fused read to one form (the dot form in rank steps of 32: rank 70 takes three;
+or the whole rank in one step)."""
 SMALL_TILES = {"hyper_connection.down_chunk": 32, "hyper_connection.down_rows": 4, "hyper_connection.up_block_d": 8,
                "hyper_connection.dot_down_chunk": 32, "hyper_connection.dot_down_block_k": 16,
-               "hyper_connection.dot_up_block_d": 16, "hyper_connection.streams_up_block_d": 8,
-               "hyper_connection.streams_dot_up_block_d": 4}
+               "hyper_connection.dot_up_block_d": 4}
 """Tiles small enough that the test shapes take several chunks, row tiles and column programs."""
 READS = [(1, 4, 16, 6, True), (5, 4, 40, 20, True), (3, 2, 24, 5, False), (2, 4, 16, 3, False),
          (17, 4, 16, 70, True)]
@@ -93,7 +87,7 @@ READS = [(1, 4, 16, 6, True), (5, 4, 40, 20, True), (3, 2, 24, 5, False), (2, 4,
 two of its rank steps."""
 
 
-@pytest.mark.parametrize("form", ["fma", "dot", "dot-whole-rank", "fma-all-streams", "dot-all-streams"])
+@pytest.mark.parametrize("form", ["fma", "dot", "dot-whole-rank"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("t,c,d,rank,inject", READS, ids=[f"T{t}-C{c}-D{d}-r{r}-{'inject' if i else 'final'}"
                                                           for t, c, d, r, i in READS])
@@ -156,11 +150,10 @@ WRITE_READS = [(1, 4, 16, 6, True), (1, 4, 40, 20, False), (2, 2, 24, 5, True), 
 where D is 24 or 40 (not a power of two: masked)."""
 
 
-@pytest.mark.parametrize("up", ["per-stream", "all-streams"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("t,c,d,rank,inject", WRITE_READS, ids=[f"T{t}-C{c}-D{d}-r{r}-{'inject' if i else 'final'}"
                                                                  for t, c, d, r, i in WRITE_READS])
-def test_a_write_folded_into_the_next_read_equals_the_two(t, c, d, rank, inject, dtype, up):
+def test_a_write_folded_into_the_next_read_equals_the_two(t, c, d, rank, inject, dtype):
     """`hc_write_read_triton` (the write inside the read's first launch) against `hc_write_read_ref` (the
     write with the next norm, then the read): the new state, the next block's input and gate logits."""
     from ft.kernels.hyper_connection import hc_write_read_ref
@@ -171,8 +164,7 @@ def test_a_write_folded_into_the_next_read_equals_the_two(t, c, d, rank, inject,
     x[:, :d] *= 20.0  # streams of different scales: each its own norm
     next_norm = r(c * d, scale=0.1)
     mix_in, up_w = r(rank + (c if inject else 0), c * d, scale=0.3), r(c * d, rank, scale=0.5)
-    tiles = {**SMALL_TILES, "hyper_connection.up_all_streams": up == "all-streams"}
-    with use_kernel_options(variant(**tiles)):
+    with use_kernel_options(variant(**SMALL_TILES)):
         got = details.hc_write_read_triton(x, y, gates, c, next_norm, 1e-6, mix_in, up_w, rank)
     want = hc_write_read_ref(x, y, gates, c, next_norm, 1e-6, mix_in, up_w, rank)
     assert got[0].shape == want[0].shape and rel(got[0], want[0]) < TOL[dtype]

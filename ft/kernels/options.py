@@ -187,26 +187,23 @@ class HyperConnectionOptions:
     two cuBLAS GEMMs, a split-K reduce, a SiLU and the mix kernel (five launches); 0: always cuBLAS.
     Longer reads (prefill) keep cuBLAS, whose tensor-core GEMMs win there.
     fma_read_max_tokens: of those, reads of at most this many tokens take the form "fma" (two launches:
-    `_read_down_kernel`, the down/inject projection in partial sums over K chunks; `_read_up_mix_kernel`,
-    the partials' sum, SiLU, the up projection and the gated mean, CUDA-core dots a token at a time),
-    longer ones the form "dot" (three launches: the same on tensor cores, every token at once, the
-    tokens padded to 16 rows, with a small reduce + SiLU kernel between).
+    `_read_down_kernel`, the down/inject projection in partial sums over K chunks;
+    `_read_up_mix_streams_kernel`, the partials' sum, SiLU, the up projection and the gated mean, CUDA-core
+    dots a token at a time), longer ones the form "dot" (three launches: the same on tensor cores, every
+    token at once, the tokens padded to 16 rows, with a small reduce + SiLU kernel between).
     down_rows / down_chunk / up_block_d: the "fma" form's tiles (rows of mix_in by columns of the
-    streams a program; columns of D a program). dot_down_rows / dot_down_chunk / dot_down_block_k /
-    dot_up_block_d / dot_up_block_rank: the "dot" form's (the same, the down projection in K steps of
-    dot_down_block_k, the up projection in rank steps of dot_up_block_rank, at most 16,384 tokens x rank
-    elements a step so the tile fits shared memory: the whole rank of 320 in one padded step of 512 up to
-    32 tokens, 256 at 64).
-    up_all_streams (off: variant "hc-read-up-per-stream"): both forms' up/mix kernel
-    loads the up rows of all C streams of its columns as one tile (`_read_up_mix_streams_kernel`,
-    `_read_up_mix_dot_streams_kernel`; streams_up_block_d / streams_dot_up_block_d columns a program, the
-    dot form in rank steps of streams_dot_up_block_rank, all copied at once by cp.async)
-    where the default kernels run C dependent load-reduce chains, the fma form's also the partial sums
-    as one load: sm_90 SASS of the default fma kernel shows six dependent rounds of global loads (two
-    for the partials' loop, one per stream, each behind the previous stream's barriers), which is
-    where its ~10 us for 6.6 MB (session 30) would go. On since session 38: Qwen3.8-Flash-Next's step
-    (40 layers, H100, one process, two rounds) at 197.1 / 194.4 tok/s against 196.0 / 190.8 at batch 1,
-    679.9 / 669.9 against 656.1 / 653.5 at batch 8.
+    streams a program; columns of D a program, of every stream). dot_down_rows / dot_down_chunk /
+    dot_down_block_k / dot_up_block_d / dot_up_block_rank: the "dot" form's (the same, the down
+    projection in K steps of dot_down_block_k, the up projection in rank steps of dot_up_block_rank, all
+    copied at once by cp.async, at most 16,384 tokens x rank elements a step so the tiles fit shared
+    memory).
+    Both up kernels load the up rows of every stream of their columns as one tile. Their first forms
+    (per stream: C dependent load-reduce chains; sm_90 SASS showed six dependent rounds of global loads
+    in the fma form's) lost on the H100 in session 38: bench/hc_read.py at 4 streams of 2,560, rank 320,
+    us a read, per stream / all streams: fma T 1 14.6 / **12.5**; dot T 8 18.6 / **13.7**, T 16 18.3 /
+    **13.7**, T 32 22.0 / **14.7**, T 64 21.5 / **15.2**; Qwen3.8-Flash-Next's step (40 layers, one
+    process, two rounds) 196.0 / 190.8 -> 197.1 / 194.4 tok/s at batch 1, 656.1 / 653.5 -> 679.9 / 669.9
+    at batch 8. Commit d6caade holds them (variant "hc-read-up-per-stream").
     write_into_read: a write followed by a read of the form "fma" (`hc_write_read`) runs as the read's
     two launches, the write folded into the first (`_write_down_kernel`: each program recomputes the
     written streams' norms from L2), where it was its own launch of C programs; off (variant
@@ -218,7 +215,7 @@ class HyperConnectionOptions:
     H200, bench/hc_read.py (4 streams of 2,560, rank 320, bf16, in a CUDA graph), us a read, cuBLAS /
     fma / dot: T 1 17.4 / **14.1** / 17.4; T 2 20.8 / 19.4 / **17.9**; T 8 21.3 / 49.1 / **18.0**; T 64
     23.7 / 332.9 / **21.0** (session 31; the dot tiles from `--sweep`'s 24: (dot_down_rows, dot_down_chunk,
-    dot_up_block_d, dot_up_block_rank) (32, 1024, 32, 512) best at 1-8 tokens, 0.7-0.9 us under session
+    dot_up_block_d, dot_up_block_rank) (32, 1024, 32, 512) best at 1-8 tokens for the per-stream up kernel, 0.7-0.9 us under session
     30's (16, 1024, 16, 64), 2.0 us under it at 64). The Flash-Next step with the fused reads (session
     30's dot tiles) against cuBLAS (bench/decode.py, two alternated runs): batch 1 151.3 / 139.3 against
     144.4 / 130.9 tok/s, batch 8 563.0 / 544.3 against 539.1 / 534.0. Hence fma at one token, dot from two to 64."""
@@ -227,17 +224,13 @@ class HyperConnectionOptions:
     fma_read_max_tokens: int = 1
     down_rows: int = 4
     down_chunk: int = 2048
-    up_block_d: int = 16
+    up_block_d: int = 8
     dot_down_rows: int = 32
     dot_down_chunk: int = 1024
     dot_down_block_k: int = 256
-    dot_up_block_d: int = 32
-    dot_up_block_rank: int = 512
-    up_all_streams: bool = True
+    dot_up_block_d: int = 8
+    dot_up_block_rank: int = 64
     write_into_read: bool = True
-    streams_up_block_d: int = 8
-    streams_dot_up_block_d: int = 8
-    streams_dot_up_block_rank: int = 64
 
 
 @dataclass(frozen=True)
@@ -308,7 +301,6 @@ VARIANTS: dict[str, dict[str, object]] = {
     "attention-nvfp4-f16": {"decode_attention.nvfp4_prmt": False},  # bench/decode.py --no-prmt, decode_attention.py
     "hc-read-cublas": {"hyper_connection.fused_read_max_tokens": 0},  # bench/hc_read.py, bench/decode.py --modes
     "hc-read-dot-only": {"hyper_connection.fma_read_max_tokens": 0},  # the same
-    "hc-read-up-per-stream": {"hyper_connection.up_all_streams": False},  # the same
     "hc-write-own-launch": {"hyper_connection.write_into_read": False},  # the same
     "moe-sum-own-launch": {"moe.decode_sum_in_down": False},  # the same
     "gated-delta-ba-own-launch": {"gated_delta.decode_ba_in_conv": False},  # the same

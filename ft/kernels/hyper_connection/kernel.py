@@ -13,16 +13,19 @@ in place of two cuBLAS GEMMs, a split-K reduce, a SiLU and `_mix_kernel`) takes 
 - `_read_down_kernel`, grid (R / ROWS, W / CHUNK): a short read's first projection in fp32 partial
   sums, z_part[s, t, r] = sum over the chunk s of the streams' columns of N[t, :] mix_in[r, :]; each
   program loads its [ROWS, CHUNK] weight tile once and dots it with every token's chunk of N.
-- `_read_up_mix_kernel`, grid (D / BLOCK_D,): the rest of the read in one pass: z = (sum over s of
-  z_part) / C rounded to the weights' dtype, SiLU, g_k = up_k silu(z) for the program's columns of
-  each stream k, and u = mean over k of sigmoid(g_k) n_k; the first program also writes the write's
-  gate logits (z's last C rows).
+- `_read_up_mix_streams_kernel`, grid (D / BLOCK_D,): the rest of the read in one pass: z = (sum over s
+  of z_part) / C rounded to the weights' dtype, SiLU, g_k = up_k silu(z) for the program's columns of
+  every stream k (their up rows one tile), and u = mean over k of sigmoid(g_k) n_k; the first program
+  also writes the write's gate logits (z's last C rows).
   These two are the read form "fma" (`HyperConnectionOptions.fma_read_max_tokens`: one token).
 - The read form "dot" (longer reads) takes every token at once on tensor cores (tokens padded to 16 rows):
   `_read_down_dot_kernel`, grid (R / ROWS, W / CHUNK), partial sums as above by `tl.dot` over K steps;
   `_read_reduce_kernel`, grid (T,), the partials' sum, z rounded, its SiLU (the up projection's input
-  a [T, rank]) and the gate logits; `_read_up_mix_dot_kernel`, grid (D / BLOCK_D,), g_k = a up_k^T by
-  `tl.dot` over rank steps, then the gated mean.
+  a [T, rank]) and the gate logits; `_read_up_mix_dot_streams_kernel`, grid (D / BLOCK_D,), g of every
+  stream k = a up_k^T by one `tl.dot` a rank step, then the gated mean.
+(The up kernels' first forms ran one load-and-reduce chain per stream, C dependent rounds of loads: at
+4 streams of 2,560, rank 320 on the H100, 14.6 us a read at 1 token and 18.3-22.0 us at 8-64 against
+12.5 and 13.7-15.2 us, session 38; commit d6caade holds them.)
 (A first Triton form, 18ab3ee: partial sums over K splits, then up and the mix in tiles of 64 rows of D,
 40 programs, measured 20-88 us a read against cuBLAS's 17-22, bench/RESULTS.md, 2026-12-03.)
 
@@ -177,37 +180,6 @@ def _partials_sum(p_zp, t, T, S, R, o_r, m_r):
 
 
 @triton.jit
-def _read_up_mix_kernel(p_zp, p_up, p_n, p_u, p_gl, T, S, R, RANK, D, inv_c, stride_upr, stride_nt, stride_ut,
-                        stride_glt, C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_C: tl.constexpr, GATES: tl.constexpr):
-    i_d = tl.program_id(0)
-    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    m_d = o_d < D
-    o_r = tl.arange(0, BLOCK_R)
-    m_r = o_r < RANK
-    w_dtype = p_up.dtype.element_ty
-    for t in range(T):
-        # z = N mix_in^T / C in the weights' dtype (the GEMM's one rounding), SiLU rounded there too
-        b_z = (_partials_sum(p_zp, t, T, S, R, o_r, m_r) * inv_c).to(w_dtype).to(tl.float32)
-        b_a = (b_z * tl.sigmoid(b_z)).to(w_dtype).to(tl.float32)
-        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        for k in tl.static_range(C):
-            b_up = tl.load(p_up + (k * D + o_d)[:, None].to(tl.int64) * stride_upr + o_r[None, :],
-                           mask=m_d[:, None] & m_r[None, :], other=0.0).to(tl.float32)
-            b_g = tl.sum(b_up * b_a[None, :], axis=1).to(w_dtype)  # g in the weights' dtype, as its GEMM rounds
-            b_s = tl.sigmoid(b_g.to(tl.float32)).to(w_dtype)
-            b_n = tl.load(p_n + t * stride_nt + k * D + o_d, mask=m_d, other=0.0)
-            acc += (b_s.to(tl.float32) * b_n.to(tl.float32)).to(p_u.dtype.element_ty).to(tl.float32)
-        tl.store(p_u + t * stride_ut + o_d, (acc / C).to(p_u.dtype.element_ty), mask=m_d)
-        if GATES:
-            if i_d == 0:
-                o_c = tl.arange(0, BLOCK_C)
-                m_c = o_c < C
-                b_gl = _partials_sum(p_zp, t, T, S, R, RANK + o_c, m_c)
-                tl.store(p_gl + t * stride_glt + o_c, (b_gl * inv_c).to(p_gl.dtype.element_ty), mask=m_c)
-
-
-@triton.jit
 def _read_down_dot_kernel(p_n, p_w, p_zp, T, R, W, stride_nt, stride_wr, BLOCK_T: tl.constexpr, ROWS: tl.constexpr,
                           CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     i_r, i_s = tl.program_id(0), tl.program_id(1)
@@ -242,39 +214,11 @@ def _read_reduce_kernel(p_zp, p_a, p_gl, T, S, R, RANK, inv_c, stride_at, stride
 
 
 @triton.jit
-def _read_up_mix_dot_kernel(p_a, p_up, p_n, p_u, T, RANK, D, stride_at, stride_upr, stride_nt, stride_ut,
-                            C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_RK: tl.constexpr,
-                            PRECISION: tl.constexpr):
-    i_d = tl.program_id(0)
-    o_t = tl.arange(0, BLOCK_T)
-    m_t = o_t < T
-    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    m_d = o_d < D
-    w_dtype = p_up.dtype.element_ty
-    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    for k in tl.static_range(C):
-        b_g = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-        for r in range(0, RANK, BLOCK_RK):
-            o_r = r + tl.arange(0, BLOCK_RK)
-            m_r = o_r < RANK
-            b_a = tl.load(p_a + o_t[:, None] * stride_at + o_r[None, :], mask=m_t[:, None] & m_r[None, :], other=0.0)
-            b_up = tl.load(p_up + (k * D + o_d)[:, None].to(tl.int64) * stride_upr + o_r[None, :],
-                           mask=m_d[:, None] & m_r[None, :], other=0.0)
-            b_g = tl.dot(b_a, tl.trans(b_up), b_g, input_precision=PRECISION)
-        b_s = tl.sigmoid(b_g.to(w_dtype).to(tl.float32)).to(w_dtype)  # g in the weights' dtype, as its GEMM rounds
-        b_n = tl.load(p_n + o_t[:, None] * stride_nt + k * D + o_d[None, :], mask=m_t[:, None] & m_d[None, :],
-                      other=0.0)
-        acc += (b_s.to(tl.float32) * b_n.to(tl.float32)).to(p_u.dtype.element_ty).to(tl.float32)
-    tl.store(p_u + o_t[:, None] * stride_ut + o_d[None, :], (acc / C).to(p_u.dtype.element_ty),
-             mask=m_t[:, None] & m_d[None, :])
-
-
-@triton.jit
 def _read_up_mix_streams_kernel(p_zp, p_up, p_n, p_u, p_gl, T, S, stride_zp, D, inv_c, stride_upr, stride_nt, stride_ut,
                                 stride_glt, RANK: tl.constexpr, C: tl.constexpr, BLOCK_D: tl.constexpr,
                                 BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
                                 GATES: tl.constexpr):
-    """`_read_up_mix_kernel`'s work with its loads issued at once: the up rows of every stream's columns
+    """The form "fma"'s second launch, its loads issued at once: the up rows of every stream's columns
     of the program as one [C * BLOCK_D, BLOCK_R] tile (row j: stream j // BLOCK_D) and a token's partial
     sums as one [BLOCK_S, BLOCK_R] tile, all issued before their first use (RANK a constexpr, so the
     rank mask does not keep the loads from 16-byte vectors)."""
@@ -318,9 +262,8 @@ def _read_up_mix_streams_kernel(p_zp, p_up, p_n, p_u, p_gl, T, S, stride_zp, D, 
 def _read_up_mix_dot_streams_kernel(p_a, p_up, p_n, p_u, T, D, stride_at, stride_upr, stride_nt, stride_ut,
                                     RANK: tl.constexpr, C: tl.constexpr, BLOCK_T: tl.constexpr,
                                     BLOCK_D: tl.constexpr, BLOCK_RK: tl.constexpr, PRECISION: tl.constexpr):
-    """`_read_up_mix_dot_kernel`'s work with every stream's up rows of the program in one tile: g for
-    all C streams by one `tl.dot` a rank step ([BLOCK_T, BLOCK_RK] x [BLOCK_RK, C * BLOCK_D]), where the
-    other form runs C dependent load-and-dot chains; the rank loop is software-pipelined (cp.async),
+    """The form "dot"'s up projection and mix with every stream's up rows of the program in one tile: g
+    for all C streams by one `tl.dot` a rank step ([BLOCK_T, BLOCK_RK] x [BLOCK_RK, C * BLOCK_D]); the rank loop is software-pipelined (cp.async),
     with as many stages as steps its copies all go out before the first dot."""
     i_d = tl.program_id(0)
     o_t = tl.arange(0, BLOCK_T)
@@ -450,8 +393,8 @@ def _fma_down_tiles(width: int, r: int, opts) -> tuple[int, int, int, int]:
     """(chunk, splits, rows, r_stride) of the form "fma"'s down launch for streams of `width` columns and
     mix_in's r rows."""
     chunk = min(opts.down_chunk, triton.next_power_of_2(width))
-    # the all-streams kernel loads a token's partials as one tile: rows padded to 16 floats keep its loads 16-byte
-    r_stride = triton.cdiv(r, 16) * 16 if opts.up_all_streams else r
+    # the up kernel loads a token's partials as one tile: rows padded to 16 floats keep its loads 16-byte
+    r_stride = triton.cdiv(r, 16) * 16
     return chunk, triton.cdiv(width, chunk), min(opts.down_rows, triton.next_power_of_2(r)), r_stride
 
 
@@ -464,7 +407,7 @@ def _read_fma(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int
     z_part = torch.empty((splits, t, r_stride), dtype=torch.float32, device=n.device)
     _read_down_kernel[(triton.cdiv(r, rows), splits)](n, mix_in, z_part, t, r, width, n.stride(0), mix_in.stride(0),
                                                       r_stride, ROWS=rows, CHUNK=chunk,
-                                                      EVEN=opts.up_all_streams and r % rows == 0 and width % chunk == 0,
+                                                      EVEN=r % rows == 0 and width % chunk == 0,
                                                       num_warps=8 if rows * chunk >= 8192 else 4)
     _read_up_fma(z_part, splits, r_stride, n, up, rank, c, opts, u, gate_logits)
 
@@ -476,21 +419,12 @@ def _read_up_fma(z_part: torch.Tensor, splits: int, r_stride: int, n: torch.Tens
     d = width // c
     block_r = triton.next_power_of_2(rank)
     gl = gate_logits if gate_logits is not None else u
-    if opts.up_all_streams:
-        block_d = min(opts.streams_up_block_d, triton.next_power_of_2(d))
-        _read_up_mix_streams_kernel[(triton.cdiv(d, block_d),)](
-            z_part, up, n, u, gl, t, splits, r_stride, d, 1.0 / c, up.stride(0), n.stride(0), u.stride(0), gl.stride(0),
-            RANK=rank, C=c, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(splits),
-            BLOCK_C=triton.next_power_of_2(c), GATES=gate_logits is not None,
-            num_warps=8 if c * block_d * block_r >= 16384 else 4)
-        return
     block_d = min(opts.up_block_d, triton.next_power_of_2(d))
-    _read_up_mix_kernel[(triton.cdiv(d, block_d),)](z_part, up, n, u, gl, t, splits, r_stride, rank, d, 1.0 / c,
-                                                    up.stride(0), n.stride(0), u.stride(0), gl.stride(0), C=c,
-                                                    BLOCK_D=block_d,
-                                                    BLOCK_R=block_r, BLOCK_C=triton.next_power_of_2(c),
-                                                    GATES=gate_logits is not None,
-                                                    num_warps=8 if block_d * block_r >= 8192 else 4)
+    _read_up_mix_streams_kernel[(triton.cdiv(d, block_d),)](
+        z_part, up, n, u, gl, t, splits, r_stride, d, 1.0 / c, up.stride(0), n.stride(0), u.stride(0), gl.stride(0),
+        RANK=rank, C=c, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(splits),
+        BLOCK_C=triton.next_power_of_2(c), GATES=gate_logits is not None,
+        num_warps=8 if c * block_d * block_r >= 16384 else 4)
 
 
 _DOT_UP_TILE_ELEMENTS = 16384  # BLOCK_T x BLOCK_RK at most: 32 tokens x 512 or 64 x 256
@@ -516,20 +450,12 @@ def _read_dot(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int
     gl = gate_logits if gate_logits is not None else a
     _read_reduce_kernel[(t,)](z_part, a, gl, t, splits, r, rank, 1.0 / c, a.stride(0), gl.stride(0),
                               BLOCK_R=triton.next_power_of_2(r), GATES=gate_logits is not None, num_warps=4)
-    block_d = max(16, min(opts.dot_up_block_d, triton.next_power_of_2(d)))
-    # The rank step is capped so the up kernel's (BLOCK_T x BLOCK_RK) activation tile, pipelined, fits shared
-    # memory: a whole rank of 512 at 64 tokens asks 240 KiB of the H200's 227 KiB.
+    # rank steps copied by cp.async, every step in flight at once (one stage more than the steps)
+    block_d = max(16 // c, min(opts.dot_up_block_d, triton.next_power_of_2(d)))
+    # (the step capped so the pipelined activation tiles fit shared memory: a whole rank of 512 at 64 tokens
+    # asked 240 KiB of the H200's 227 KiB in the first form)
     block_rk = max(16, min(opts.dot_up_block_rank, triton.next_power_of_2(rank), _DOT_UP_TILE_ELEMENTS // block_t))
-    if opts.up_all_streams:
-        # rank steps copied by cp.async, every step in flight at once (one stage more than the steps)
-        block_d = max(16 // c, min(opts.streams_dot_up_block_d, triton.next_power_of_2(d)))
-        block_rk = max(16, min(opts.streams_dot_up_block_rank, triton.next_power_of_2(rank)))
-        _read_up_mix_dot_streams_kernel[(triton.cdiv(d, block_d),)](
-            a, up, n, u, t, d, a.stride(0), up.stride(0), n.stride(0), u.stride(0), RANK=rank, C=c, BLOCK_T=block_t,
-            BLOCK_D=block_d, BLOCK_RK=block_rk, PRECISION=precision, num_warps=4,
-            num_stages=min(8, triton.cdiv(rank, block_rk) + 1))
-        return
-    _read_up_mix_dot_kernel[(triton.cdiv(d, block_d),)](a, up, n, u, t, rank, d, a.stride(0), up.stride(0), n.stride(0),
-                                                        u.stride(0), C=c, BLOCK_T=block_t, BLOCK_D=block_d,
-                                                        BLOCK_RK=block_rk,
-                                                        PRECISION=precision, num_warps=4)
+    _read_up_mix_dot_streams_kernel[(triton.cdiv(d, block_d),)](
+        a, up, n, u, t, d, a.stride(0), up.stride(0), n.stride(0), u.stride(0), RANK=rank, C=c, BLOCK_T=block_t,
+        BLOCK_D=block_d, BLOCK_RK=block_rk, PRECISION=precision, num_warps=4,
+        num_stages=min(8, triton.cdiv(rank, block_rk) + 1))
