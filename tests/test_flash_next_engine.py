@@ -418,7 +418,8 @@ def test_the_triton_kernels_give_the_reference_tokens(tmp_path, monkeypatch):
     the reference's, past QSA's dense span (a budget of 8 tokens), two sequences batched."""
     path = tmp_path / "m"
     weights = write_checkpoint(path, {**TEXT, "indexer_budget": 8})
-    prompts = [prompt_of(30, 11, eos_at=(9,)), prompt_of(21, 12)]
+    # both past the dense span (budget + ratio - 1 = 11 tokens) before the first decode step
+    prompts = [prompt_of(16, 11, eos_at=(9,)), prompt_of(13, 12)]
     want = [reference_greedy(weights, path, p, n=5) for p in prompts]
     pytest.importorskip("triton")
     monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
