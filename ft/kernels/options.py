@@ -214,9 +214,9 @@ class HyperConnectionOptions:
 
     H200, bench/hc_read.py (4 streams of 2,560, rank 320, bf16, in a CUDA graph), us a read, cuBLAS /
     fma / dot: T 1 17.4 / **14.1** / 17.4; T 2 20.8 / 19.4 / **17.9**; T 8 21.3 / 49.1 / **18.0**; T 64
-    23.7 / 332.9 / **21.0** (session 31; the dot tiles from `--sweep`'s 24: (dot_down_rows, dot_down_chunk,
-    dot_up_block_d, dot_up_block_rank) (32, 1024, 32, 512) best at 1-8 tokens for the per-stream up kernel, 0.7-0.9 us under session
-    30's (16, 1024, 16, 64), 2.0 us under it at 64). The Flash-Next step with the fused reads (session
+    23.7 / 332.9 / **21.0** (session 31, the per-stream up kernels; the dot tiles from `--sweep`'s 24:
+    (dot_down_rows, dot_down_chunk, dot_up_block_d, dot_up_block_rank) (32, 1024, 32, 512) best at 1-8
+    tokens, 0.7-0.9 us under session 30's (16, 1024, 16, 64), 2.0 us under it at 64). The Flash-Next step with the fused reads (session
     30's dot tiles) against cuBLAS (bench/decode.py, two alternated runs): batch 1 151.3 / 139.3 against
     144.4 / 130.9 tok/s, batch 8 563.0 / 544.3 against 539.1 / 534.0. Hence fma at one token, dot from two to 64."""
 

@@ -263,8 +263,9 @@ def _read_up_mix_dot_streams_kernel(p_a, p_up, p_n, p_u, T, D, stride_at, stride
                                     RANK: tl.constexpr, C: tl.constexpr, BLOCK_T: tl.constexpr,
                                     BLOCK_D: tl.constexpr, BLOCK_RK: tl.constexpr, PRECISION: tl.constexpr):
     """The form "dot"'s up projection and mix with every stream's up rows of the program in one tile: g
-    for all C streams by one `tl.dot` a rank step ([BLOCK_T, BLOCK_RK] x [BLOCK_RK, C * BLOCK_D]); the rank loop is software-pipelined (cp.async),
-    with as many stages as steps its copies all go out before the first dot."""
+    for all C streams by one `tl.dot` a rank step ([BLOCK_T, BLOCK_RK] x [BLOCK_RK, C * BLOCK_D]); the
+    rank loop is software-pipelined (cp.async), with as many stages as steps its copies all go out before
+    the first dot."""
     i_d = tl.program_id(0)
     o_t = tl.arange(0, BLOCK_T)
     m_t = o_t < T
