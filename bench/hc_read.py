@@ -8,7 +8,7 @@ norm, at the decode batches. Not a test.
 4 streams of 2,560, rank 320 (mix_in [324, 10,240] and up [10,240, 320] bf16: 13.2 MB a module), bf16;
 every call inside a CUDA graph over copies of the weights (`bench.gpu_timing.graph_us`: a pass reads
 several times L2, as the 97 modules of a step do). `--sweep`: the forms' tiles
-(`HyperConnectionOptions.down_rows`, `down_chunk`, `up_block_d`; `dot_down_rows`, `dot_down_chunk`,
+(`HyperConnectionOptions.down_rows`, `down_chunk`, `up_block_d`, `up_warps`; `dot_down_rows`, `dot_down_chunk`,
 `dot_up_block_d`, `dot_up_block_rank`). The floor is the weights' bytes at
 4.3 TB/s. Prints a table last.
 """
@@ -44,14 +44,16 @@ def main() -> None:
     cublas = variant(**{"hyper_connection.fused_read_max_tokens": 0})
     fused = variant(**{"hyper_connection.fused_read_max_tokens": max(tokens)})
     # The first tile of each form is the library's default (`HyperConnectionOptions`); --sweep adds the others.
-    fma_keys = ("down_rows", "down_chunk", "up_block_d")
+    fma_keys = ("down_rows", "down_chunk", "up_block_d", "up_warps")
     dot_keys = ("dot_down_rows", "dot_down_chunk", "dot_up_block_d", "dot_up_block_rank")
     defaults = HyperConnectionOptions()
     tile = lambda keys, values: {f"hyper_connection.{k}": v for k, v in zip(keys, values)}  # noqa: E731
     forms = {"fma": [tile(fma_keys, [getattr(defaults, k) for k in fma_keys])],
              "dot": [tile(dot_keys, [getattr(defaults, k) for k in dot_keys])]}
     if args.sweep:
-        forms["fma"] += [tile(fma_keys, v) for v in ((4, 2048, 4), (4, 2048, 16), (2, 2048, 8), (4, 1024, 8))]
+        forms["fma"] += [tile(fma_keys, v) for v in ((4, 2048, 8, 4), (4, 2048, 4, 4), (4, 2048, 4, 8),
+                                                     (4, 2048, 16, 4), (4, 2048, 16, 8), (2, 2048, 8, 0),
+                                                     (4, 1024, 8, 0))]
         forms["dot"] += [tile(dot_keys, v)
                          for v in itertools.product((16, 32), (512, 1024), (4, 8, 16), (32, 64, 128))]
         for form in forms:  # the default once

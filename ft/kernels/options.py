@@ -204,6 +204,10 @@ class HyperConnectionOptions:
     **13.7**, T 32 22.0 / **14.7**, T 64 21.5 / **15.2**; Qwen3.8-Flash-Next's step (40 layers, one
     process, two rounds) 196.0 / 190.8 -> 197.1 / 194.4 tok/s at batch 1, 656.1 / 653.5 -> 679.9 / 669.9
     at batch 8. Commit d6caade holds them (variant "hc-read-up-per-stream").
+    up_warps: the "fma" form's up kernel's warps; 0, the default: 8 where a program's tile holds 16,384
+    values or more (Qwen3.8-Flash-Next's: 4 streams x 8 columns x rank 320 padded to 512), else 4. For
+    sweeps (bench/hc_read.py --sweep): sm_90 SASS puts that tile at 101 registers a thread at 8 warps (two
+    programs an SM: the 320 programs in two waves) and 158 at 4 (three an SM: one wave), not yet timed.
     write_into_read: a write followed by a read of the form "fma" (`hc_write_read`) runs as the read's
     two launches, the write folded into the first (`_write_down_kernel`: each program recomputes the
     written streams' norms from L2), where it was its own launch of C programs; off (variant
@@ -216,15 +220,17 @@ class HyperConnectionOptions:
     fma / dot: T 1 17.4 / **14.1** / 17.4; T 2 20.8 / 19.4 / **17.9**; T 8 21.3 / 49.1 / **18.0**; T 64
     23.7 / 332.9 / **21.0** (session 31, the per-stream up kernels; the dot tiles from `--sweep`'s 24:
     (dot_down_rows, dot_down_chunk, dot_up_block_d, dot_up_block_rank) (32, 1024, 32, 512) best at 1-8
-    tokens, 0.7-0.9 us under session 30's (16, 1024, 16, 64), 2.0 us under it at 64). The Flash-Next step with the fused reads (session
-    30's dot tiles) against cuBLAS (bench/decode.py, two alternated runs): batch 1 151.3 / 139.3 against
-    144.4 / 130.9 tok/s, batch 8 563.0 / 544.3 against 539.1 / 534.0. Hence fma at one token, dot from two to 64."""
+    tokens, 0.7-0.9 us under session 30's (16, 1024, 16, 64), 2.0 us under it at 64). The Flash-Next step
+    with the fused reads (session 30's dot tiles) against cuBLAS (bench/decode.py, two alternated runs):
+    batch 1 151.3 / 139.3 against 144.4 / 130.9 tok/s, batch 8 563.0 / 544.3 against 539.1 / 534.0. Hence
+    fma at one token, dot from two to 64."""
 
     fused_read_max_tokens: int = 64
     fma_read_max_tokens: int = 1
     down_rows: int = 4
     down_chunk: int = 2048
     up_block_d: int = 8
+    up_warps: int = 0
     dot_down_rows: int = 32
     dot_down_chunk: int = 1024
     dot_down_block_k: int = 256

@@ -425,7 +425,7 @@ def _read_up_fma(z_part: torch.Tensor, splits: int, r_stride: int, n: torch.Tens
         z_part, up, n, u, gl, t, splits, r_stride, d, 1.0 / c, up.stride(0), n.stride(0), u.stride(0), gl.stride(0),
         RANK=rank, C=c, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(splits),
         BLOCK_C=triton.next_power_of_2(c), GATES=gate_logits is not None,
-        num_warps=8 if c * block_d * block_r >= 16384 else 4)
+        num_warps=opts.up_warps or (8 if c * block_d * block_r >= 16384 else 4))
 
 
 _DOT_UP_TILE_ELEMENTS = 16384  # BLOCK_T x BLOCK_RK at most: 32 tokens x 512 or 64 x 256
