@@ -84,8 +84,7 @@ SMALL_TILES = {"hyper_connection.down_chunk": 32, "hyper_connection.down_rows": 
 READS = [(1, 4, 16, 6, True), (5, 4, 40, 20, True), (3, 2, 24, 5, False), (2, 4, 16, 3, False),
          (17, 4, 16, 70, True)]
 """(tokens, streams, D, rank, inject rows): 17 tokens pad to 32 rows in the "dot" form, rank 70 takes
-two of its rank steps; streams 2 x 24 (48 columns, 32-column chunks) take the dot form's masked down
-kernel, the others its even one (`dot_down_even`)."""
+two of its rank steps."""
 
 
 @pytest.mark.parametrize("form", ["fma", "dot", "dot-whole-rank"])

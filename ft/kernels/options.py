@@ -204,11 +204,6 @@ class HyperConnectionOptions:
     **13.7**, T 32 22.0 / **14.7**, T 64 21.5 / **15.2**; Qwen3.8-Flash-Next's step (40 layers, one
     process, two rounds) 196.0 / 190.8 -> 197.1 / 194.4 tok/s at batch 1, 656.1 / 653.5 -> 679.9 / 669.9
     at batch 8. Commit d6caade holds them (variant "hc-read-up-per-stream").
-    dot_down_even (off: variant "hc-read-dot-down-masked"; on by its sm_90 SASS, not yet timed): the "dot"
-    form's down kernel told that the streams' width is a multiple of its chunk (Qwen3.8-Flash-Next's 10,240
-    of 1,024), so its column mask is constant and its loads become 16-byte copies, software-pipelined
-    (cp.async: 24 a K step where the masked kernel issues 64 two-byte loads); ~5.5 us of the dot read's
-    13.7-15.2 us at 8-64 tokens on the H100 went to that kernel (session 38).
     up_warps: the "fma" form's up kernel's warps; 0, the default: 8 where a program's tile holds 16,384
     values or more (Qwen3.8-Flash-Next's: 4 streams x 8 columns x rank 320 padded to 512), else 4. For
     sweeps (bench/hc_read.py --sweep): sm_90 SASS puts that tile at 101 registers a thread at 8 warps (two
@@ -241,7 +236,6 @@ class HyperConnectionOptions:
     dot_down_block_k: int = 256
     dot_up_block_d: int = 8
     dot_up_block_rank: int = 64
-    dot_down_even: bool = True
     write_into_read: bool = True
 
 
@@ -314,7 +308,6 @@ VARIANTS: dict[str, dict[str, object]] = {
     "hc-read-cublas": {"hyper_connection.fused_read_max_tokens": 0},  # bench/hc_read.py, bench/decode.py --modes
     "hc-read-dot-only": {"hyper_connection.fma_read_max_tokens": 0},  # the same
     "hc-write-own-launch": {"hyper_connection.write_into_read": False},  # the same
-    "hc-read-dot-down-masked": {"hyper_connection.dot_down_even": False},  # the same; not yet timed
     "moe-sum-own-launch": {"moe.decode_sum_in_down": False},  # the same
     "gated-delta-ba-own-launch": {"gated_delta.decode_ba_in_conv": False},  # the same
     "qsa-prefill-select-torch": {"qsa.prefill_select_kernel": False},  # bench/prefill.py --variant

@@ -233,7 +233,7 @@ def test_hyper_connection_kernels_at_the_flagship_shape(tokens):
     assert torch.equal(hc_write_triton(x, y, gates, c), out)
 
 
-@pytest.mark.parametrize("form", ["fma", "dot", "dot-masked", "dot-whole-rank"])
+@pytest.mark.parametrize("form", ["fma", "dot", "dot-whole-rank"])
 @pytest.mark.parametrize("tokens", [1, 8, 16, 64])
 @pytest.mark.parametrize("inject", [True, False], ids=["inject", "final"])
 def test_the_fused_hyper_connection_read_at_the_flagship_shape(tokens, inject, form):
@@ -252,7 +252,6 @@ def test_the_fused_hyper_connection_read_at_the_flagship_shape(tokens, inject, f
 
     forms = {"fma": {"hyper_connection.fma_read_max_tokens": 1 << 20},
              "dot": {"hyper_connection.fma_read_max_tokens": 0},
-             "dot-masked": {"hyper_connection.fma_read_max_tokens": 0, "hyper_connection.dot_down_even": False},
              "dot-whole-rank": {"hyper_connection.fma_read_max_tokens": 0, "hyper_connection.dot_up_block_rank": 512}}
     with use_kernel_options(variant(**forms[form])):
         u, gates = hc_read_triton(n, mix_in, up, rank, c)

@@ -181,10 +181,7 @@ def _partials_sum(p_zp, t, T, S, R, o_r, m_r):
 
 @triton.jit
 def _read_down_dot_kernel(p_n, p_w, p_zp, T, R, W, stride_nt, stride_wr, BLOCK_T: tl.constexpr, ROWS: tl.constexpr,
-                          CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                          EVEN_W: tl.constexpr = False):
-    # EVEN_W (W % CHUNK == 0): the column mask is constant true, so the loads along W may be 16 bytes wide
-    # (sm_90: 64 two-byte loads a K step without it, 8 sixteen-byte ones with it)
+                          CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     i_r, i_s = tl.program_id(0), tl.program_id(1)
     o_t = tl.arange(0, BLOCK_T)
     m_t = o_t < T
@@ -193,7 +190,7 @@ def _read_down_dot_kernel(p_n, p_w, p_zp, T, R, W, stride_nt, stride_wr, BLOCK_T
     acc = tl.zeros((BLOCK_T, ROWS), dtype=tl.float32)
     for k in range(0, CHUNK, BLOCK_K):
         o_w = i_s * CHUNK + k + tl.arange(0, BLOCK_K)
-        m_w = (o_w < W) | EVEN_W
+        m_w = o_w < W
         # N in the weights' dtype, as the reference casts it before its GEMM
         b_n = tl.load(p_n + o_t[:, None] * stride_nt + o_w[None, :], mask=m_t[:, None] & m_w[None, :],
                       other=0.0).to(p_w.dtype.element_ty)
@@ -449,9 +446,7 @@ def _read_dot(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int
     rows = opts.dot_down_rows
     _read_down_dot_kernel[(triton.cdiv(r, rows), splits)](n, mix_in, z_part, t, r, width, n.stride(0), mix_in.stride(0),
                                                           BLOCK_T=block_t, ROWS=rows, CHUNK=chunk, BLOCK_K=block_k,
-                                                          PRECISION=precision,
-                                                          EVEN_W=opts.dot_down_even and width % chunk == 0,
-                                                          num_warps=4, num_stages=3)
+                                                          PRECISION=precision, num_warps=4, num_stages=3)
     a = torch.empty((t, rank), dtype=mix_in.dtype, device=n.device)  # silu(z): the up projection's input
     gl = gate_logits if gate_logits is not None else a
     _read_reduce_kernel[(t,)](z_part, a, gl, t, splits, r, rank, 1.0 / c, a.stride(0), gl.stride(0),
