@@ -132,6 +132,8 @@ GD_DELTA = {"p_y": "*bf16", "p_b": "*bf16", "p_a": "*bf16", "p_alog": "*bf16", "
             "p_slots": "*i64", "p_o": "*bf16", **ints("HK", "GROUP", "DK", "DV"), "scale": "fp32",
             **ints("stride_yb", "stride_bb", "stride_ab", "stride_sss", "stride_ssh", "stride_ssk", "stride_ssv",
                    "stride_ob", "stride_oh")}
+GD_CONV_LAUNCH = {"stride_csw": 1, "_plain": ("stride_csc",), "_divisible": ("C",)}
+GD_DELTA_LAUNCH = {"stride_ssv": 1, "_divisible": ("DK", "DV")}
 CONV_VARLEN = {"p_x": "*bf16", "p_w": "*bf16", "p_cs": "*bf16", "p_cu": "*i32", "p_slots": "*i64", "p_y": "*bf16",
                **ints("B", "C", "n_iters", "stride_xt", "stride_wc", "stride_css", "stride_csc", "stride_csw",
                       "stride_yt")}
@@ -398,11 +400,16 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("routed + shared expert combine 2048", act._expert_combine_kernel,
      {"p_r": "*bf16", "p_s": "*bf16", "p_gl": "*bf16", "p_o": "*bf16",
       **ints("N", "stride_r", "stride_s", "stride_gl", "stride_o")}, {"BLOCK_N": act.BLOCK}),
-    ("gated delta decode conv C 8192, W 4", gd._conv_decode_kernel, GD_CONV, gd.conv_config(8192, 4)),
+    # (as launched: the conv state [S, C, W - 1] has unit stride along W and W - 1 = 3 along C; C divisible by 16)
+    ("gated delta decode conv C 8192, W 4", gd._conv_decode_kernel, GD_CONV,
+     {**gd.conv_config(8192, 4), **GD_CONV_LAUNCH}),
     ("gated delta decode conv C 10240, W 4, with in_proj_ba (H 2560)", gd._conv_decode_kernel, GD_CONV,
-     {**gd.conv_config(10240, 4), "BA": True, "ROWS_BA": gd.BA_ROWS, "H": 2560, "BLOCK_H": 4096}),
-    ("gated delta decode step B 1 (BLOCK_V 16)", gd._delta_decode_kernel, GD_DELTA, gd.delta_config(1, 32, 128, 128)),
-    ("gated delta decode step B 8 (BLOCK_V 64)", gd._delta_decode_kernel, GD_DELTA, gd.delta_config(8, 32, 128, 128)),
+     {**gd.conv_config(10240, 4), "BA": True, "ROWS_BA": gd.BA_ROWS, "H": 2560, "BLOCK_H": 4096, **GD_CONV_LAUNCH}),
+    # (as launched: the state [S, Hv, Dk, Dv] with unit stride along Dv; Dk, Dv 128)
+    ("gated delta decode step B 1 (BLOCK_V 16)", gd._delta_decode_kernel, GD_DELTA,
+     {**gd.delta_config(1, 32, 128, 128), **GD_DELTA_LAUNCH}),
+    ("gated delta decode step B 8 (BLOCK_V 64)", gd._delta_decode_kernel, GD_DELTA,
+     {**gd.delta_config(8, 32, 128, 128), **GD_DELTA_LAUNCH}),
     # the configs set EVEN_C, EVEN_K, EVEN_V from the shapes (the masked cases: EVEN_* False)
     ("conv1d varlen prefill C 8192, W 4", conv._conv_varlen_kernel, CONV_VARLEN, conv.conv_varlen_config(8192, 4)),
     ("conv1d varlen prefill C 8200 (masked along C), W 4", conv._conv_varlen_kernel, CONV_VARLEN,
@@ -470,13 +477,19 @@ CASES += _pdl_cases()
 
 
 def compile_case(kernel, signature: dict, params: dict):
+    """A case compiled as a launch at its shapes would be: pointers and `stride*` integers divisible by 16,
+    plus the integers a case names in "_divisible" (a launch specializes every integer argument divisible
+    by 16: widths such as 10,240), less those in "_plain" (strides that are not, such as 3); an integer
+    argument a case gives a value (1 for a unit stride, which a launch also specializes) is a constexpr."""
+    divisible, plain = set(params.pop("_divisible", ())), set(params.pop("_plain", ()))
     options = {k: params.pop(k) for k in ("num_warps", "num_stages", "maxnreg", "launch_pdl", "enable_fp_fusion") if k in params}
     for p in kernel.params:  # constexprs a case leaves out take their defaults (else triton fails obscurely)
         default = getattr(p, "default", inspect.Parameter.empty)
         if p.is_constexpr and p.name not in params and p.name not in signature and default is not inspect.Parameter.empty:
             params[p.name] = default
     names = list(signature)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.startswith("p_") or n.startswith("stride")}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if (n.startswith(("p_", "stride")) or n in divisible) and n not in plain and n not in params}
     sig = {**signature, **{k: "constexpr" for k in params}}
     return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=params, attrs=attrs), target=TARGET,
                           options=options)
