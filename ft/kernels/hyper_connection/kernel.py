@@ -100,14 +100,12 @@ def _write_kernel(p_x, p_y, p_a, p_wn, p_out, p_nn, eps, stride_xt, stride_yt, s
 
 @triton.jit
 def _read_down_kernel(p_n, p_w, p_zp, T, R, W, stride_nt, stride_wr, stride_zp, ROWS: tl.constexpr,
-                      CHUNK: tl.constexpr, EVEN: tl.constexpr = False):
-    # EVEN (the all-streams variant's launches, where R % ROWS == 0 and W % CHUNK == 0): the masks are
-    # constant true, so the loads may be 16 bytes wide
+                      CHUNK: tl.constexpr):
     i_r, i_s = tl.program_id(0), tl.program_id(1)
     o_r = i_r * ROWS + tl.arange(0, ROWS)
-    m_r = (o_r < R) | EVEN
+    m_r = o_r < R
     o_w = i_s * CHUNK + tl.arange(0, CHUNK)
-    m_w = (o_w < W) | EVEN
+    m_w = o_w < W
     b_w = tl.load(p_w + o_r[:, None].to(tl.int64) * stride_wr + o_w[None, :], mask=m_r[:, None] & m_w[None, :],
                   other=0.0).to(tl.float32)
     for t in range(T):
@@ -408,7 +406,6 @@ def _read_fma(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int
     z_part = torch.empty((splits, t, r_stride), dtype=torch.float32, device=n.device)
     _read_down_kernel[(triton.cdiv(r, rows), splits)](n, mix_in, z_part, t, r, width, n.stride(0), mix_in.stride(0),
                                                       r_stride, ROWS=rows, CHUNK=chunk,
-                                                      EVEN=r % rows == 0 and width % chunk == 0,
                                                       num_warps=8 if rows * chunk >= 8192 else 4)
     _read_up_fma(z_part, splits, r_stride, n, up, rank, c, opts, u, gate_logits)
 
