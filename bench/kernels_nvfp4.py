@@ -4,7 +4,9 @@ Usage (device): ``PYTHONPATH=. python3 bench/kernels_nvfp4.py [--sweep] [--log F
 
 Shapes (N x K) from Qwen3-Next-80B-A3B: in_proj_qkvz 12288x2048, attention q 8192x2048,
 out_proj 2048x4096, expert gate_up 1024x2048, expert down 2048x512, and 32768x8192 for the
-bandwidth ceiling; decode at M = 1 and 8, prefill GEMM at M = 4096 on 8192x2048; the fused MoE
+bandwidth ceiling; Qwen3.8-Flash-Next's in_proj_qkvz 16384x2560, attention q/gate/k/v 13312x2560 and
+out_proj / o_proj 2560x6144 (fn_*: K / 8 no power of two, the GEMV's K loop at M = 1 or, in the sweep and
+with `Nvfp4Options.gemv_two_tiles`, two whole-K tiles); decode at M = 1 and 8, prefill GEMM at M = 4096 on 8192x2048; the fused MoE
 with 10 of 512 experts (hidden 2048, intermediate 512) at batch 1 and 8, and grouped at 1024.
 
 Decode timings are CUDA-graph replays (`bench.gpu_timing.graph_us`) of calls that each read
@@ -47,6 +49,9 @@ DECODE_SHAPES = [
     ("expert_gate_up", 1024, 2048),
     ("expert_down", 2048, 512),
     ("large", 32768, 8192),
+    ("fn_qkvz", 16384, 2560),
+    ("fn_attn_qkv", 13312, 2560),
+    ("fn_out_proj", 2560, 6144),
 ]
 PREFILL = ("attn_q", 8192, 2048, 4096)
 MOE = (512, 2048, 512, 10)  # slots, hidden, intermediate, top-k

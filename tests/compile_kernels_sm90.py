@@ -165,9 +165,17 @@ def decode_cfg(head_dim: int, group: int, fp8: bool = False, nvfp4: bool = False
 
 def gemv_cfg(m: int, n: int, k: int) -> dict:
     cfg = dict(nv._gemv_config(m, n, k))
-    cfg["WHOLE_K"] = nv.whole_k_words(k) if cfg.pop("WHOLE_K", False) else 0
+    cfg["WHOLE_K"], cfg["WHOLE_K2"] = nv.whole_k_split(m, k) if cfg.pop("WHOLE_K", False) else (0, 0)
     cfg["ASM"] = OPTIONS.nvfp4.lanes_ptx and cfg["WHOLE_K"] > 0  # as the wrapper sets it on a CUDA device
     return cfg
+
+
+def two_tile_gemv_cfg(n: int, k: int) -> dict:
+    """`gemv_cfg` at M = 1 with `Nvfp4Options.gemv_two_tiles` on (the variant)."""
+    from ft.kernels.options import use_kernel_options, variant
+
+    with use_kernel_options(variant("nvfp4-gemv-two-tiles")):
+        return gemv_cfg(1, n, k)
 
 
 def dot_cfg(m: int, n: int, k: int) -> dict:
@@ -215,6 +223,9 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("gemv M=1 whole K (2048)", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(1, 12288, 2048)),
     ("gemv M=1 whole K (8192)", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(1, 32768, 8192)),
     ("gemv M=1 K loop (16384)", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(1, 4096, 16384)),
+    ("gemv M=1 K loop (2560)", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(1, 16384, 2560)),
+    ("gemv M=1 two whole-K tiles (2560, variant)", nv._nvfp4_gemv_kernel, GEMV, two_tile_gemv_cfg(16384, 2560)),
+    ("gemv M=1 two whole-K tiles (6144, variant)", nv._nvfp4_gemv_kernel, GEMV, two_tile_gemv_cfg(2560, 6144)),
     ("gemv M=2 K loop", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(2, 2048, 4096)),
     ("gemv M=8 whole K", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(8, 1024, 2048)),
     ("dot M=8", nv._nvfp4_dot_kernel, DOT, dot_cfg(8, 8192, 2048)),

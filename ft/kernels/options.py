@@ -38,11 +38,18 @@ class Nvfp4Options:
     561 instructions a K step against 799 for the interleaved byte-wise decode).
     lanes_ptx: the whole-K tiles (the M <= 8 GEMV, the decode MoE kernels) decode a word's 8
     elements to fp32 in inline PTX on a CUDA device (the same values as the Triton form, fewer
-    instructions); off: the Triton form."""
+    instructions); off: the Triton form.
+    gemv_two_tiles: at M = 1, a K whose K / 8 is the sum of two powers of two (Qwen3.8-Flash-Next's
+    2,560 = 256 + 64 words and 6,144 = 512 + 256) in two whole-K tiles instead of the K loop. Off: the
+    step's A/B in session 31 (one process, H200) lost 2.1% on average inside a 7% spread (151.3 / 139.3
+    against 141.7 / 142.7 tok/s at batch 1) while session 23's profile saw the kernel 1.25 -> 0.97 ms a
+    step; back in session 39 for kernel timings at Flash-Next's shapes (bench/kernels_nvfp4.py
+    --decode-shapes fn_qkvz,...) and the A/B again on a steadier machine."""
 
     small_m_whole_k: bool = True
     dot_halves: bool = True
     lanes_ptx: bool = True
+    gemv_two_tiles: bool = False
 
 
 @dataclass(frozen=True)
@@ -299,6 +306,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "nvfp4-tile-small-m": {"nvfp4.small_m_whole_k": False},  # bench/decode.py --no-small-m-gemv
     "nvfp4-lanes-triton": {"nvfp4.lanes_ptx": False},  # bench/decode.py --no-lanes-ptx, bench/moe_decode.py
     "nvfp4-dot-interleaved": {"nvfp4.dot_halves": False},  # bench/decode.py --no-dot-halves
+    "nvfp4-gemv-two-tiles": {"nvfp4.gemv_two_tiles": True},  # bench/decode.py --modes graphs:nvfp4-gemv-two-tiles
     "moe-bytes": {"moe.grouped_words": False},  # bench/moe_prefill.py, bench/prefill.py
     "attention-prefill-reference": {"prefill_attention.triton_on_cuda": False},  # bench/prefill.py --modes
     "attention-prefill-triton-only": {"prefill_attention.library_on_cuda": False},  # bench/prefill.py --library

@@ -20,7 +20,8 @@ Two kernels:
 
 * `_nvfp4_gemv_kernel` (M <= 2, and M <= 8 on the shapes where it wins, see `_path`): a program
   owns BLOCK_N rows; with K / 8 a power of two <= 1024 it takes the rows' whole K in one tile
-  (`whole_k_tile`, decoded once for all rows of x; no loop, each x row read once), else it walks K
+  (`whole_k_tile`, decoded once for all rows of x; no loop, each x row read once), at M = 1 in two
+  such tiles when K / 8 is the sum of two powers of two (`Nvfp4Options.gemv_two_tiles`), else it walks K
   in steps of BLOCK_W words (`nvfp4_rows_dot`); per word 8 FMAs on fp32 products, then one FMA with
   the block scale; x is read in its natural order and split into the 8 element lanes of a word with
   ``tl.split``.
@@ -50,6 +51,7 @@ import triton
 import triton.language as tl
 
 from ft.kernels.backend import inline_ptx
+from ft.kernels.limits import whole_k_pieces
 from ft.kernels.options import kernel_options
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 from ft.kernels.nvfp4.decode import e4m3_f32, dequant_tile, e2m1_halves_bf16, e2m1_halves_f16
@@ -71,7 +73,7 @@ def _nvfp4_gemv_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_sn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, WHOLE_K: tl.constexpr = 0,
-    ASM: tl.constexpr = False, PDL: tl.constexpr = False,
+    ASM: tl.constexpr = False, PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0,
 ):
     # PDL (`ft.kernels.pdl`): the whole-K tile's weights are loaded before the wait (no kernel of
     # the step writes them), x after it; the K loop waits first
@@ -80,7 +82,15 @@ def _nvfp4_gemv_kernel(
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < N
         s2 = tl.load(p_s2)
-        if BLOCK_M == 1 and not PDL:
+        if WHOLE_K2 > 0:  # M = 1, K / 8 = WHOLE_K + WHOLE_K2 (`Nvfp4Options.gemv_two_tiles`): a second tile
+            # words WHOLE_K.. of each row, their scale bytes WHOLE_K / 2.., x's elements 8 WHOLE_K..
+            pdl_wait(PDL)
+            pdl_release(PDL)
+            b_y = rows_dot_whole_k(p_w, p_s, o_n, m_n, stride_wn, stride_sn, p_x, WHOLE_K, BLOCK_N, ASM)
+            b_y += rows_dot_whole_k(p_w + WHOLE_K, p_s + WHOLE_K // 2, o_n, m_n, stride_wn, stride_sn,
+                                    p_x + 8 * WHOLE_K, WHOLE_K2, BLOCK_N, ASM)
+            tl.store(p_y + o_n, (b_y * s2).to(p_y.dtype.element_ty), mask=m_n)
+        elif BLOCK_M == 1 and not PDL:
             b_y = rows_dot_whole_k(p_w, p_s, o_n, m_n, stride_wn, stride_sn, p_x, WHOLE_K, BLOCK_N, ASM)
             tl.store(p_y + o_n, (b_y * s2).to(p_y.dtype.element_ty), mask=m_n)
         elif BLOCK_M == 1:  # `rows_dot_whole_k` with the weights first
@@ -221,6 +231,14 @@ def whole_k_words(k: int) -> int:
     return kw if 0 < kw <= 1024 and kw & (kw - 1) == 0 else 0
 
 
+def whole_k_split(m: int, k: int) -> tuple[int, int]:
+    """The whole-K GEMV's tiles (words of the first, of the second or 0) for a config that asks for the
+    whole K: one tile, or at M = 1 two when K / 8 is no power of two but the sum of two (`whole_k_pieces`)."""
+    if whole_k_words(k) or m > 1:
+        return whole_k_words(k), 0
+    return whole_k_pieces(k)
+
+
 def _gemv_config(m: int, n: int, k: int) -> dict:
     # H200 sweeps (bench/kernels_nvfp4.py --sweep, bench/RESULTS.md). M = 1: the whole K in one
     # tile (x read and split once) beat every K loop, 4-8 rows per program (<= 4096 words);
@@ -231,6 +249,8 @@ def _gemv_config(m: int, n: int, k: int) -> dict:
         return {"BLOCK_M": block_m, "BLOCK_N": 4, "BLOCK_W": 2, "WHOLE_K": True, "num_warps": 4}
     if m > 1:
         return {"BLOCK_M": block_m, "BLOCK_N": 8, "BLOCK_W": max(2, min(64, triton.next_power_of_2(k // 8))), "num_warps": 4}
+    if not kw and kernel_options().nvfp4.gemv_two_tiles:  # K / 8 = 2^a + 2^b: two whole-K tiles at M = 1
+        kw = sum(whole_k_pieces(k))
     if kw:
         block_n = 8 if kw <= 64 else min(8 if n >= 12288 else 4, 1 << (max(1, 4096 // kw).bit_length() - 1))
         return {"BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_W": 2, "WHOLE_K": True, "num_warps": 4}
@@ -327,7 +347,9 @@ def nvfp4_linear_triton(
         cfg = dict(config or _gemv_config(m, n, k))
         if cfg["BLOCK_M"] < m:
             raise ValueError(f"BLOCK_M {cfg['BLOCK_M']} < M {m}")
-        cfg["WHOLE_K"] = whole_k_words(k) if cfg.pop("WHOLE_K", False) else 0
+        cfg["WHOLE_K"], cfg["WHOLE_K2"] = whole_k_split(m, k) if cfg.pop("WHOLE_K", False) else (0, 0)
+        if cfg["WHOLE_K"] == 0 and cfg["BLOCK_W"] < 2:
+            raise ValueError(f"a whole-K config for K {k} at M {m}, which neither one nor two whole-K tiles take")
         cfg["ASM"] = bool(cfg.get("ASM", kernel_options().nvfp4.lanes_ptx)) and cfg["WHOLE_K"] > 0 and inline_ptx(x.device)
         words = as_words(packed)
         _nvfp4_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
