@@ -222,6 +222,14 @@ class HyperConnectionOptions:
     Qwen3.8-Flash-Next at one token) and its A/B (session 38, the same run): 196.0 / 190.8 tok/s against
     185.9 / 184.7 at batch 1, 656.1 / 653.5 against 653.5 / 644.7 at batch 8. On the GPU the write kernel
     runs without fp contraction, so both forms store the same bits as the reference.
+    write_norm_deferred: that folded write's first launch without the norm (`_write_down_deferred_kernel`):
+    each program writes only its own chunk of one stream (chunks of at most down_chunk columns cut at the
+    streams' bounds) and dots mix_in with x' (1 + w) there; the streams' 1 / rms, from the chunks' sums of
+    squares, scale the partials in the up kernel, which also normalises x' for the mix. The plain form
+    recomputes every stream's write in each of its ~400 programs for the norm (~25 KB of L2 reads a
+    program; `_write_down_kernel` 5.8 us a call against `_read_down_kernel`'s 3.7 in session 39's H200
+    profile). z then takes N unrounded (a few bf16 ulps from the reference's, inside the read's error).
+    Off until its A/B (variant "hc-write-norm-deferred").
 
     H200, bench/hc_read.py (4 streams of 2,560, rank 320, bf16, in a CUDA graph), us a read, cuBLAS /
     fma / dot: T 1 17.4 / **14.1** / 17.4; T 2 20.8 / 19.4 / **17.9**; T 8 21.3 / 49.1 / **18.0**; T 64
@@ -244,6 +252,7 @@ class HyperConnectionOptions:
     dot_up_block_d: int = 8
     dot_up_block_rank: int = 64
     write_into_read: bool = True
+    write_norm_deferred: bool = False
 
 
 @dataclass(frozen=True)
@@ -316,6 +325,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "hc-read-cublas": {"hyper_connection.fused_read_max_tokens": 0},  # bench/hc_read.py, bench/decode.py --modes
     "hc-read-dot-only": {"hyper_connection.fma_read_max_tokens": 0},  # the same
     "hc-write-own-launch": {"hyper_connection.write_into_read": False},  # the same
+    "hc-write-norm-deferred": {"hyper_connection.write_norm_deferred": True},  # bench/decode.py --modes
     "moe-sum-own-launch": {"moe.decode_sum_in_down": False},  # the same
     "gated-delta-ba-own-launch": {"gated_delta.decode_ba_in_conv": False},  # the same
     "qsa-prefill-select-torch": {"qsa.prefill_select_kernel": False},  # bench/prefill.py --variant

@@ -169,6 +169,47 @@ def _write_down_kernel(p_x, p_y, p_a, p_wn, p_w, p_out, p_nn, p_zp, T, R, eps, s
 
 
 @triton.jit
+def _write_down_deferred_kernel(p_x, p_y, p_a, p_wn, p_w, p_out, p_zp, p_ss, T, R, stride_xt, stride_yt, stride_at,
+                                stride_ot, stride_wr, stride_zp, C: tl.constexpr, D: tl.constexpr, SK: tl.constexpr,
+                                SPAN: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """A write and the next read's first projection with the norm's 1 / rms left to the up kernel
+    (`HyperConnectionOptions.write_norm_deferred`; grid (R / ROWS, C * SK)): program (i_r, i_s) owns
+    SPAN columns of one stream k = i_s // SK (chunks never straddle streams), computes x' = x_k + a_k y
+    there (rounded as `_write_kernel`), and stores z_part[i_s, t, r] = sum over its columns of mix_in[r]
+    x' (1 + w): the dot of the stream's norm before its 1 / rms, which is the same for every column of
+    the chunk. The programs of the first row tile store x' and the chunk's sum of squares
+    ss[i_s, t]. So no program reads another stream (the plain form recomputes every stream's write a
+    program for its norm: ~25 KB of L2 reads each). The reference's N is rounded to the activations'
+    dtype before its GEMM; here the dot takes it unrounded (a few bf16 ulps apart in z, inside the
+    read's own error)."""
+    i_r, i_s = tl.program_id(0), tl.program_id(1)
+    k = i_s // SK
+    o_r = i_r * ROWS + tl.arange(0, ROWS)
+    m_r = o_r < R
+    o_b = tl.arange(0, BLOCK)
+    o_d = (i_s % SK) * SPAN + o_b
+    m_d = (o_b < SPAN) & (o_d < D)
+    o_w = k * D + o_d
+    x_dtype = p_out.dtype.element_ty
+    a_dtype = p_a.dtype.element_ty
+    b_w = tl.load(p_w + o_r[:, None].to(tl.int64) * stride_wr + o_w[None, :], mask=m_r[:, None] & m_d[None, :],
+                  other=0.0).to(tl.float32)
+    b_wn = 1.0 + tl.load(p_wn + o_w, mask=m_d, other=0.0).to(tl.float32)
+    for t in range(T):
+        # a_k = 2 sigmoid(logit_k) rounded as `_write_kernel` rounds it
+        b_lg = tl.load(p_a + t * stride_at + k).to(tl.float32)
+        b_gate = (2.0 * tl.sigmoid(b_lg).to(a_dtype).to(tl.float32)).to(a_dtype).to(x_dtype).to(tl.float32)
+        b_x = tl.load(p_x + t * stride_xt + o_w, mask=m_d, other=0.0).to(tl.float32)
+        b_y = tl.load(p_y + t * stride_yt + o_d, mask=m_d, other=0.0).to(tl.float32)
+        b_o = (b_x + (b_gate * b_y).to(x_dtype).to(tl.float32)).to(x_dtype)
+        b_of = tl.where(m_d, b_o.to(tl.float32), 0.0)
+        if i_r == 0:
+            tl.store(p_out + t * stride_ot + o_w, b_o, mask=m_d)
+            tl.store(p_ss + i_s * T + t, tl.sum(b_of * b_of, axis=0))
+        tl.store(p_zp + (i_s * T + t) * stride_zp + o_r, tl.sum(b_w * (b_of * b_wn)[None, :], axis=1), mask=m_r)
+
+
+@triton.jit
 def _partials_sum(p_zp, t, T, S, R, o_r, m_r):
     """z_part[:, t, o_r] summed over the S chunks in order (fp32; masked lanes 0): a read's down projection."""
     b_z = tl.zeros(o_r.shape, dtype=tl.float32)
@@ -213,13 +254,16 @@ def _read_reduce_kernel(p_zp, p_a, p_gl, T, S, R, RANK, inv_c, stride_at, stride
 
 @triton.jit
 def _read_up_mix_streams_kernel(p_zp, p_up, p_n, p_u, p_gl, T, S, stride_zp, D, inv_c, stride_upr, stride_nt, stride_ut,
-                                stride_glt, RANK: tl.constexpr, C: tl.constexpr, BLOCK_D: tl.constexpr,
+                                stride_glt, p_wn, p_ss, eps, RANK: tl.constexpr, C: tl.constexpr, BLOCK_D: tl.constexpr,
                                 BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
-                                GATES: tl.constexpr):
+                                GATES: tl.constexpr, SK: tl.constexpr = 0):
     """The form "fma"'s second launch, its loads issued at once: the up rows of every stream's columns
     of the program as one [C * BLOCK_D, BLOCK_R] tile (row j: stream j // BLOCK_D) and a token's partial
     sums as one [BLOCK_S, BLOCK_R] tile, all issued before their first use (RANK a constexpr, so the
-    rank mask does not keep the loads from 16-byte vectors)."""
+    rank mask does not keep the loads from 16-byte vectors).
+    SK > 0 (after `_write_down_deferred_kernel`, SK chunks a stream): p_n holds the written streams x',
+    not their norm; each stream's 1 / rms comes from the chunks' sums of squares p_ss [S, T], scales its
+    chunks' partials (partial s: stream s // SK) and normalises x' (times 1 + p_wn) for the mix."""
     i_d = tl.program_id(0)
     o_j = tl.arange(0, C * BLOCK_D)
     o_k = o_j // BLOCK_D
@@ -237,6 +281,17 @@ def _read_up_mix_streams_kernel(p_zp, p_up, p_n, p_u, p_gl, T, S, stride_zp, D, 
         b_zp = tl.load(p_zp + (o_s[:, None] * T + t) * stride_zp + o_r[None, :], mask=m_s[:, None] & m_r[None, :],
                        other=0.0)
         b_n = tl.load(p_n + t * stride_nt + o_k * D + o_d, mask=m_d, other=0.0)
+        if SK > 0:  # each stream's 1 / rms from its chunks' sums of squares, as `rms_rstd` rounds it
+            b_ss = tl.load(p_ss + o_s * T + t, mask=m_s, other=0.0)
+            # partial s's stream's sum: its SK chunks' (partials s' of the same stream)
+            same = (o_s // SK)[:, None] == (o_s // SK)[None, :]
+            b_sss = tl.sum(tl.where(same, b_ss[None, :], 0.0), axis=1)
+            rstd_s = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(b_sss, D.to(tl.float32)) + eps))
+            b_zp = b_zp * rstd_s[:, None]
+            # each row's stream's 1 / rms (row j: stream j // BLOCK_D = partial s of chunk 0 of that stream)
+            rstd_j = tl.sum(tl.where(o_k[:, None] * SK == o_s[None, :], rstd_s[None, :], 0.0), axis=1)
+            b_wn = tl.load(p_wn + o_k * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+            b_n = ((b_n.to(tl.float32) * rstd_j) * (1.0 + b_wn)).to(p_n.dtype.element_ty)
         # z = N mix_in^T / C in the weights' dtype (the GEMM's one rounding), SiLU rounded there too
         b_z = (tl.sum(b_zp, axis=0) * inv_c).to(w_dtype).to(tl.float32)
         b_a = (b_z * tl.sigmoid(b_z)).to(w_dtype).to(tl.float32)
@@ -252,6 +307,8 @@ def _read_up_mix_streams_kernel(p_zp, p_up, p_n, p_u, p_gl, T, S, stride_zp, D, 
                 m_c = o_c < C
                 b_gp = tl.load(p_zp + (o_s[:, None] * T + t) * stride_zp + RANK + o_c[None, :],
                                mask=m_s[:, None] & m_c[None, :], other=0.0)
+                if SK > 0:
+                    b_gp = b_gp * rstd_s[:, None]
                 tl.store(p_gl + t * stride_glt + o_c, (tl.sum(b_gp, axis=0) * inv_c).to(p_gl.dtype.element_ty),
                          mask=m_c)
 
@@ -358,7 +415,18 @@ def hc_write_read_triton(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Te
     n = torch.empty_like(out)
     u = torch.empty((t, d), dtype=torch.promote_types(n.dtype, mix_in.dtype), device=x.device)
     next_gates = torch.empty((t, c), dtype=mix_in.dtype, device=x.device) if r > rank else None
-    if t:
+    if t and opts.write_norm_deferred:
+        sk, span, rows, r_stride = _deferred_down_tiles(d, r, opts)
+        z_part = torch.empty((c * sk, t, r_stride), dtype=torch.float32, device=x.device)
+        ss = torch.empty((c * sk, t), dtype=torch.float32, device=x.device)
+        block = triton.next_power_of_2(span)
+        _write_down_deferred_kernel[(triton.cdiv(r, rows), c * sk)](
+            x, y, a, next_norm.contiguous(), mix_in, out, z_part, ss, t, r, x.stride(0), y.stride(0), a.stride(0),
+            out.stride(0), mix_in.stride(0), r_stride, C=c, D=d, SK=sk, SPAN=span, ROWS=rows, BLOCK=block,
+            num_warps=8 if rows * block >= 8192 else 4,
+            enable_fp_fusion=False)  # x + bf16(a y) rounds twice, as `_write_kernel` (see there)
+        _read_up_fma(z_part, c * sk, r_stride, out, up, rank, c, opts, u, next_gates, norm=(next_norm, ss, eps, sk))
+    elif t:
         chunk, splits, rows, r_stride = _fma_down_tiles(width, r, opts)
         z_part = torch.empty((splits, t, r_stride), dtype=torch.float32, device=x.device)
         _write_down_kernel[(triton.cdiv(r, rows), splits)](
@@ -397,6 +465,15 @@ def _fma_down_tiles(width: int, r: int, opts) -> tuple[int, int, int, int]:
     return chunk, triton.cdiv(width, chunk), min(opts.down_rows, triton.next_power_of_2(r)), r_stride
 
 
+def _deferred_down_tiles(d: int, r: int, opts) -> tuple[int, int, int, int]:
+    """(chunks a stream, columns a chunk, rows, r_stride) of `_write_down_deferred_kernel` for streams of d
+    columns and mix_in's r rows: each stream cut into equal chunks of at most `down_chunk` columns (a
+    multiple of 16, so every chunk starts on a 32-byte boundary of bf16 rows)."""
+    sk = triton.cdiv(d, opts.down_chunk)
+    span = triton.cdiv(triton.cdiv(d, sk), 16) * 16
+    return sk, span, min(opts.down_rows, triton.next_power_of_2(r)), triton.cdiv(r, 16) * 16
+
+
 def _read_fma(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int, c: int, opts, u: torch.Tensor,
               gate_logits: torch.Tensor | None) -> None:
     """`hc_read_triton`'s form "fma" into u (and gate_logits): two launches, a token at a time."""
@@ -411,18 +488,25 @@ def _read_fma(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int
 
 
 def _read_up_fma(z_part: torch.Tensor, splits: int, r_stride: int, n: torch.Tensor, up: torch.Tensor, rank: int, c: int,
-                 opts, u: torch.Tensor, gate_logits: torch.Tensor | None) -> None:
-    """The form "fma"'s second launch: the partials' sum, SiLU, the up projection and the gated mean."""
+                 opts, u: torch.Tensor, gate_logits: torch.Tensor | None,
+                 norm: tuple[torch.Tensor, torch.Tensor, float, int] | None = None) -> None:
+    """The form "fma"'s second launch: the partials' sum, SiLU, the up projection and the gated mean. With
+    norm (the norm weight [C*D], the chunks' sums of squares [splits, T], eps, chunks a stream), n holds
+    the written streams and the partials their un-normalised dots (`_write_down_deferred_kernel`)."""
     t, width = n.shape
     d = width // c
     block_r = triton.next_power_of_2(rank)
     gl = gate_logits if gate_logits is not None else u
     block_d = min(opts.up_block_d, triton.next_power_of_2(d))
+    wn, ss, eps, sk = norm if norm is not None else (z_part, z_part, 0.0, 0)
     _read_up_mix_streams_kernel[(triton.cdiv(d, block_d),)](
         z_part, up, n, u, gl, t, splits, r_stride, d, 1.0 / c, up.stride(0), n.stride(0), u.stride(0), gl.stride(0),
-        RANK=rank, C=c, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(splits),
-        BLOCK_C=triton.next_power_of_2(c), GATES=gate_logits is not None,
-        num_warps=opts.up_warps or (8 if c * block_d * block_r >= 16384 else 4))
+        wn, ss, eps, RANK=rank, C=c, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(splits),
+        BLOCK_C=triton.next_power_of_2(c), GATES=gate_logits is not None, SK=sk,
+        num_warps=opts.up_warps or (8 if c * block_d * block_r >= 16384 else 4),
+        # the norm's extra work took the flagship tile from 101 registers to 137 at 8 warps (sm_90): one program
+        # an SM, the 320 programs in three waves; capped at 128 (8 bytes of spills) it keeps two an SM
+        **({"maxnreg": 128} if sk and not opts.up_warps else {}))
 
 
 _DOT_UP_TILE_ELEMENTS = 16384  # BLOCK_T x BLOCK_RK at most: 32 tokens x 512 or 64 x 256
