@@ -3,13 +3,14 @@ a SiLU and the mix kernel) against the fused read (`hc_read_triton`) in its two 
 launches, CUDA-core dots a token at a time) and "dot" (three launches, tensor-core tiles), after the
 norm, at the decode batches. Not a test.
 
-    PYTHONPATH=. python3 bench/hc_read.py [--tokens 1,2,4,8,16,32,64] [--sweep]
+    PYTHONPATH=. python3 bench/hc_read.py [--tokens 1,2,4,8,16,32,64] [--sweep] [--write-read]
 
 4 streams of 2,560, rank 320 (mix_in [324, 10,240] and up [10,240, 320] bf16: 13.2 MB a module), bf16;
 every call inside a CUDA graph over copies of the weights (`bench.gpu_timing.graph_us`: a pass reads
 several times L2, as the 97 modules of a step do). `--sweep`: the forms' tiles
 (`HyperConnectionOptions.down_rows`, `down_chunk`, `up_block_d`, `up_warps`; `dot_down_rows`, `dot_down_chunk`,
-`dot_up_block_d`, `dot_up_block_rank`). The floor is the weights' bytes at
+`dot_up_block_d`, `dot_up_block_rank`). `--write-read`: a write folded into the next read, with its
+norm in the first launch or deferred to the second, after the table. The floor is the weights' bytes at
 4.3 TB/s. Prints a table last.
 """
 
@@ -33,6 +34,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
     ap.add_argument("--sweep", action="store_true", help="also time the fused read's other tiles")
+    ap.add_argument("--write-read", action="store_true",
+                    help="also time a write folded into the next read (`hc_write_read`, one token) with the norm in "
+                         "its first launch and deferred to the second (`HyperConnectionOptions.write_norm_deferred`)")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     c, d, r = STREAMS, WIDTH, RANK
@@ -101,6 +105,28 @@ def main() -> None:
         print(f"{t:>6} {row['cublas']:>10.1f} " + " ".join(f"{row[f]:>10.1f}" for f in names)
               + f" {row['cublas'] / best:>11.2f}x " + " ".join(f"{row[f + ' err']:>12.1e}" for f in names) + "  "
               + " / ".join(f"{f} {row[f + ' best'][1]} {row[f + ' best'][0]:.1f}" for f in names))
+    if args.write_read:
+        write_read_rows(mods, c, d, r)
+
+def write_read_rows(mods: list, c: int, d: int, r: int) -> None:
+    """One token's write folded into the next read, the norm in the first launch or deferred, us a call
+    (a CUDA graph over the weight copies) and each kernel's share; error against the reference."""
+    from ft.kernels.hyper_connection import hc_write_read, hc_write_read_ref
+
+    x = (torch.randn(1, c * d, device=DEV) * 3).to(torch.bfloat16)
+    y, gates = torch.randn(1, d, device=DEV).to(torch.bfloat16), torch.randn(1, c, device=DEV).to(torch.bfloat16)
+    norm = (torch.randn(c * d, device=DEV) * 0.1).to(torch.bfloat16)
+    calls = [lambda mix_in=m, up=u: hc_write_read(x, y, gates, c, norm, 1e-6, mix_in, up, r) for m, u in mods]
+    want = hc_write_read_ref(x, y, gates, c, norm, 1e-6, *mods[0], r)
+    print(f"\nwrite folded into the next read, 1 token ({len(mods)} copies)")
+    print(f"{'form':>10} {'us':>7} {'err u':>9}  kernels")
+    for name, deferred in (("norm", False), ("deferred", True)):
+        with use_kernel_options(variant(**{"hyper_connection.write_norm_deferred": deferred})):
+            us = graph_us(calls)
+            kernels = kernel_us(calls[:4])
+            got = hc_write_read(x, y, gates, c, norm, 1e-6, *mods[0], r)
+        print(f"{name:>10} {us:>7.1f} {rel_rms(got[1], want[1]):>9.1e}  {kernels}")
+
 
 if __name__ == "__main__":
     main()

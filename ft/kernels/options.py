@@ -40,11 +40,14 @@ class Nvfp4Options:
     elements to fp32 in inline PTX on a CUDA device (the same values as the Triton form, fewer
     instructions); off: the Triton form.
     gemv_two_tiles: at M = 1, a K whose K / 8 is the sum of two powers of two (Qwen3.8-Flash-Next's
-    2,560 = 256 + 64 words and 6,144 = 512 + 256) in two whole-K tiles instead of the K loop. Off: the
-    step's A/B in session 31 (one process, H200) lost 2.1% on average inside a 7% spread (151.3 / 139.3
-    against 141.7 / 142.7 tok/s at batch 1) while session 23's profile saw the kernel 1.25 -> 0.97 ms a
-    step; back in session 39 for kernel timings at Flash-Next's shapes (bench/kernels_nvfp4.py
-    --decode-shapes fn_qkvz,...) and the A/B again on a steadier machine."""
+    2,560 = 256 + 64 words and 6,144 = 512 + 256) in two whole-K tiles instead of the K loop (variant
+    "nvfp4-gemv-two-tiles"). Faster alone (session 39, H100, bench/kernels_nvfp4.py --decode-shapes
+    fn_qkvz,fn_attn_qkv,fn_out_proj --sweep, us at M = 1, K loop -> two tiles: 16384x2560 14.84 -> 13.64,
+    13312x2560 14.43 -> 11.80, 2560x6144 9.93 -> 6.95; the sm_90 K loop at 2,560 holds 156 registers a
+    thread, the tiles 72-80), ~0.18 ms a 40-layer step by those figures; yet two A/Bs of the step in one
+    process (session 31 on the H200: -2.1%; session 39 on the H100: 204.98 / 203.53 against 207.61 /
+    203.71 tok/s at batch 1) did not show it. Off until a profile of the step says where the kernel's gain
+    goes (bench/decode.py --profile with --variant nvfp4-gemv-two-tiles)."""
 
     small_m_whole_k: bool = True
     dot_halves: bool = True
@@ -212,9 +215,13 @@ class HyperConnectionOptions:
     process, two rounds) 196.0 / 190.8 -> 197.1 / 194.4 tok/s at batch 1, 656.1 / 653.5 -> 679.9 / 669.9
     at batch 8. Commit d6caade holds them (variant "hc-read-up-per-stream").
     up_warps: the "fma" form's up kernel's warps; 0, the default: 8 where a program's tile holds 16,384
-    values or more (Qwen3.8-Flash-Next's: 4 streams x 8 columns x rank 320 padded to 512), else 4. For
-    sweeps (bench/hc_read.py --sweep): sm_90 SASS puts that tile at 101 registers a thread at 8 warps (two
-    programs an SM: the 320 programs in two waves) and 158 at 4 (three an SM: one wave), not yet timed.
+    values or more (4 streams x 8 columns x rank 320 padded to 512), else 4 (Qwen3.8-Flash-Next's 4
+    columns). up_block_d 4 (with 4 warps by that rule) since session 39's sweep (H100, bench/hc_read.py
+    --tokens 1 --sweep, us a read at one token, (down_rows, down_chunk, up_block_d, up_warps)): (4, 2048,
+    8, 0 = 8 warps) 12.6, (4, 2048, 8, 4) 11.8, **(4, 2048, 4, 4) 11.2**, (4, 2048, 4, 8) 11.3, (4, 2048,
+    16, 4) 13.9, (4, 2048, 16, 8) 15.6, (2, 2048, 8, 0) 12.4, (4, 1024, 8, 0) 12.8: the narrower tile's 640
+    programs beat the 320 (101 registers at 8 warps: two programs an SM, two waves) and the 160. The step's
+    A/B is owed (variant "hc-up-block-d-8": the tile before).
     write_into_read: a write followed by a read of the form "fma" (`hc_write_read`) runs as the read's
     two launches, the write folded into the first (`_write_down_kernel`: each program recomputes the
     written streams' norms from L2), where it was its own launch of C programs; off (variant
@@ -229,7 +236,9 @@ class HyperConnectionOptions:
     recomputes every stream's write in each of its ~400 programs for the norm (~25 KB of L2 reads a
     program; `_write_down_kernel` 5.8 us a call against `_read_down_kernel`'s 3.7 in session 39's H200
     profile). z then takes N unrounded (a few bf16 ulps from the reference's, inside the read's error).
-    Off until its A/B (variant "hc-write-norm-deferred").
+    Off: its one A/B (session 39, H100, 40 layers, batch 1, two rounds) 211.1 / 202.8 against 207.6 /
+    203.7 tok/s, inside the spread; `bench/hc_read.py --write-read` times the two forms alone (not yet
+    run). Variant "hc-write-norm-deferred".
 
     H200, bench/hc_read.py (4 streams of 2,560, rank 320, bf16, in a CUDA graph), us a read, cuBLAS /
     fma / dot: T 1 17.4 / **14.1** / 17.4; T 2 20.8 / 19.4 / **17.9**; T 8 21.3 / 49.1 / **18.0**; T 64
@@ -244,7 +253,7 @@ class HyperConnectionOptions:
     fma_read_max_tokens: int = 1
     down_rows: int = 4
     down_chunk: int = 2048
-    up_block_d: int = 8
+    up_block_d: int = 4
     up_warps: int = 0
     dot_down_rows: int = 32
     dot_down_chunk: int = 1024
@@ -326,6 +335,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "hc-read-dot-only": {"hyper_connection.fma_read_max_tokens": 0},  # the same
     "hc-write-own-launch": {"hyper_connection.write_into_read": False},  # the same
     "hc-write-norm-deferred": {"hyper_connection.write_norm_deferred": True},  # bench/decode.py --modes
+    "hc-up-block-d-8": {"hyper_connection.up_block_d": 8},  # the same; bench/hc_read.py --sweep
     "moe-sum-own-launch": {"moe.decode_sum_in_down": False},  # the same
     "gated-delta-ba-own-launch": {"gated_delta.decode_ba_in_conv": False},  # the same
     "qsa-prefill-select-torch": {"qsa.prefill_select_kernel": False},  # bench/prefill.py --variant

@@ -504,8 +504,9 @@ def _read_up_fma(z_part: torch.Tensor, splits: int, r_stride: int, n: torch.Tens
         wn, ss, eps, RANK=rank, C=c, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(splits),
         BLOCK_C=triton.next_power_of_2(c), GATES=gate_logits is not None, SK=sk,
         num_warps=opts.up_warps or (8 if c * block_d * block_r >= 16384 else 4),
-        # the norm's extra work took the flagship tile from 101 registers to 137 at 8 warps (sm_90): one program
-        # an SM, the 320 programs in three waves; capped at 128 (8 bytes of spills) it keeps two an SM
+        # the norm's extra work takes the flagship tile (4 columns, 4 warps) from 104 registers a thread to 153
+        # on sm_90 (three programs an SM instead of four); capped at 128 it keeps four (32 bytes of spills; 8 columns at 8 warps:
+        # 101 -> 137, one program an SM instead of two)
         **({"maxnreg": 128} if sk and not opts.up_warps else {}))
 
 
