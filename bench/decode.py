@@ -1,6 +1,6 @@
 """Flagship decode speed, all experts resident, eager and under CUDA graphs. Not a test.
 
-    PYTHONPATH=. python3 bench/decode.py [--tokens 64] [--batches 1,8] [--profile STEPS]
+    PYTHONPATH=. python3 bench/decode.py [--tokens 64] [--batches 1,8] [--profile STEPS] [--gpu-time STEPS]
                                          [--context 32,131072] [--kv-cache-dtype nvfp4] [--modes graphs]
 
 Synthetic NVFP4 Qwen3-Next-80B-A3B on the GPU (`bench/configs/qwen3-next-80b-a3b.json`), the
@@ -70,6 +70,11 @@ def main() -> None:
                          "default on, as the engine's default on CUDA")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME",
                     help="a named kernel variant (ft.kernels.options.VARIANTS, e.g. moe-decode-per-pair); repeatable")
+    ap.add_argument("--gpu-time", type=int, default=0, metavar="STEPS",
+                    help="after each mode's timed run at each batch, profile this many decode steps (CUDA activity "
+                         "only) and add the GPU's busy ms a step to the table, with each mode's largest per-kernel "
+                         "changes against the first mode: an A/B of kernel variants that the host's jitter does "
+                         "not blur (tok/s moves 2-4%% between rounds of one process)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
                     help="after the timed runs, run this many decode steps under cProfile at each --profile-context "
                          "length and print the host functions by own time (what a step's host work grows with)")
@@ -135,8 +140,10 @@ def main() -> None:
             for b in batches:
                 tok_s, step_ms = timed_decode(eng, prompt, b, args.tokens)
                 roof = COPY_BW / bytes_per_step(eng, b, len(prompt) + args.tokens) * b
-                rows.append((ctx, spec, b, tok_s, step_ms, roof))
-                print(f"context {ctx} {spec} batch {b}: {tok_s:.1f} tok/s", flush=True)
+                gpu = gpu_step_time(eng, prompt, b, args.gpu_time) if args.gpu_time else None
+                rows.append((ctx, spec, b, tok_s, step_ms, roof, gpu))
+                print(f"context {ctx} {spec} batch {b}: {tok_s:.1f} tok/s"
+                      + (f", GPU busy {gpu[0]:.3f} ms a step" if gpu else ""), flush=True)
     set_variants(graphs, base_options, [])
     set_pdl(graphs, args.pdl)
     eng.runner.graphs = graphs
@@ -164,11 +171,15 @@ def main() -> None:
           f"{kernel_options().decode_attention.max_splits} splits")
     label = Path(args.config).stem.removesuffix(".json") + " (syn.)"
     mw = max([7] + [len(m) for m in modes])
+    if args.gpu_time:
+        print_kernel_changes(rows)
+    gpu_cols = f" {'GPU busy ms':>11} {'kernels':>7}" if args.gpu_time else ""
     print(f"\n{'model':<26} {'context':>8} {'mode':<{mw}} {'batch':>5} {'tok/s':>9} {'ms/step':>8} {'roofline tok/s':>14} "
-          f"{'ratio':>7}")
-    for ctx, mode, b, tok_s, step_ms, roof in rows:
+          f"{'ratio':>7}{gpu_cols}")
+    for ctx, mode, b, tok_s, step_ms, roof, gpu in rows:
+        extra = f" {gpu[0]:>11.3f} {gpu[1]:>7.0f}" if gpu else ""
         print(f"{label:<26} {ctx:>8} {mode:<{mw}} {b:>5} {tok_s:>9.2f} {step_ms:>8.2f} {roof:>14.0f} "
-              f"{tok_s / roof:>7.2%}")
+              f"{tok_s / roof:>7.2%}{extra}")
 
 
 def set_variants(graphs, base, names: list[str]) -> None:
@@ -250,6 +261,44 @@ def profile_steps(eng, prompt, steps: int, batch: int = 1) -> None:
     print(events.table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=60))
     print(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60))
     eng.run_until_done(seqs)
+
+
+def gpu_step_time(eng, prompt, batch: int, steps: int) -> tuple[float, float, dict[str, float]]:
+    """(GPU busy ms a step: the union of the kernels' intervals, kernels a step, {kernel: us a step}) over
+    `steps` decode steps of `batch` fresh sequences under torch.profiler (CUDA activity only), after
+    two steps that capture or warm the bucket's graph."""
+    from torch.profiler import ProfilerActivity, profile
+
+    seqs = [eng.add_request([t + i for t in prompt], SamplingParams(max_new_tokens=steps + 6, temperature=0.0,
+                                                                    ignore_eos=True)) for i in range(batch)]
+    while any(len(s.output_ids) < 3 for s in seqs):
+        eng.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    cuda = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_kernel = {e.key: e.self_device_time_total / steps for e in cuda}
+    _, busy, _ = gpu_timeline(prof)
+    eng.run_until_done(seqs)
+    return busy / steps / 1e3, sum(e.count for e in cuda) / steps, per_kernel
+
+
+def print_kernel_changes(rows: list, top: int = 6) -> None:
+    """For each row with GPU times, the kernels whose us a step moved most against the first mode's row
+    at the same context and batch."""
+    first: dict[tuple[int, int], tuple] = {}
+    for ctx, mode, b, *_, gpu in rows:
+        if gpu is None:
+            continue
+        base = first.setdefault((ctx, b), (mode, gpu))
+        if base[0] == mode and base[1] is gpu:
+            continue
+        names = set(gpu[2]) | set(base[1][2])
+        moved = sorted(((gpu[2].get(k, 0.0) - base[1][2].get(k, 0.0), k) for k in names), key=lambda d: -abs(d[0]))
+        print(f"context {ctx} batch {b}, {mode} against {base[0]}: GPU busy {gpu[0] - base[1][0]:+.3f} ms a step; "
+              + ", ".join(f"{k[:36]} {d:+.1f} us" for d, k in moved[:top]))
 
 
 IDLE_GAP_US = 5.0
