@@ -388,7 +388,7 @@ def test_a_shrink_keeps_the_hottest_experts_with_their_bytes(policy):
     host = SlotWeights(torch.randn(1, 16, 3, generator=gen), torch.randn(1, 16, 2, generator=gen))
     cache = ExpertCache(host, 16, torch.device("cpu"))
     cache.enable_read_through(4, policy)
-    cache.MOVE_BATCH = 3  # (several batches)
+    cache.MOVE_BYTES = 3 * 3 * 4  # (several batches of three slots: the widest slot row is 3 floats)
     # steps that use experts 0..11 once (they land in the high slots first), then 6..11 again, hottest last
     replay_step(cache, [[[0, 1, 2, 3]]])
     replay_step(cache, [[[4, 5, 6, 7]]])

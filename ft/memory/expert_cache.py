@@ -255,7 +255,12 @@ class ExpertCache:
             self._follow(old)
 
     MOVE_BATCH = 64
-    """Slots a shrink's relocation copies at once (`_keep_hottest`): its temporary is as many slots' bytes."""
+    """Slots a shrink's relocation copies at once at most (`_keep_hottest`)."""
+    MOVE_BYTES = 64 << 20
+    """And at most this many bytes of one slot tensor at once: the relocation's temporary (the rows read
+    before they are written), from torch's allocator. A shrink runs between steps, when the activation
+    reserve (hundreds of MB at the smallest prefill chunk) is idle in that allocator's cache, so the
+    temporary comes out of it, outside the pools' planned peak."""
 
     def heat(self) -> dict[tuple[int, int], float]:
         """Each resident's worth keeping, higher hotter: its aged use count under the read-through's
@@ -270,7 +275,7 @@ class ExpertCache:
         kept slots, then into those of colder kept residents (forgotten), so that the shrink forgets the
         coldest experts, not the ones that happen to sit high (the expert slots trade for KV on a ladder
         move, for a long prefill with --lend-prefill-reserve). Device copies in batches of MOVE_BATCH
-        slots, queued on the stream; slot_table follows in one update."""
+        slots (fewer where MOVE_BYTES says), queued on the stream; slot_table follows in one update."""
         cut = [(key, slot) for key, slot in self._lru.items() if slot >= num_slots]
         if not cut:
             return
@@ -294,8 +299,10 @@ class ExpertCache:
         if not moves:
             return
         device = self.slot_table.device
-        for i in range(0, len(moves), self.MOVE_BATCH):
-            part = moves[i:i + self.MOVE_BATCH]
+        row_bytes = max(t[0].numel() * t.element_size() for t in self.slots if t is not None)
+        batch = max(1, min(self.MOVE_BATCH, self.MOVE_BYTES // row_bytes))
+        for i in range(0, len(moves), batch):
+            part = moves[i:i + batch]
             src = torch.tensor([m[1] for m in part], device=device)
             dst = torch.tensor([m[2] for m in part], device=device)
             for t in self.slots:
