@@ -239,6 +239,10 @@ class HyperConnectionOptions:
     Off: its one A/B (session 39, H100, 40 layers, batch 1, two rounds) 211.1 / 202.8 against 207.6 /
     203.7 tok/s, inside the spread; `bench/hc_read.py --write-read` times the two forms alone (not yet
     run). Variant "hc-write-norm-deferred".
+    up_rank_pieces: the "fma" up kernel takes a rank that is no power of two in two tiles (Flash-Next's 320:
+    256 + 64) instead of one of the next power of two (512, 192 masked columns that hold registers);
+    session 39, CPU only: sm_90 SASS in the compile cases; off until the step's GPU time says (variant
+    "hc-up-rank-pieces").
 
     H200, bench/hc_read.py (4 streams of 2,560, rank 320, bf16, in a CUDA graph), us a read, cuBLAS /
     fma / dot: T 1 17.4 / **14.1** / 17.4; T 2 20.8 / 19.4 / **17.9**; T 8 21.3 / 49.1 / **18.0**; T 64
@@ -262,6 +266,7 @@ class HyperConnectionOptions:
     dot_up_block_rank: int = 64
     write_into_read: bool = True
     write_norm_deferred: bool = False
+    up_rank_pieces: bool = False
 
 
 @dataclass(frozen=True)
@@ -336,6 +341,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "hc-write-own-launch": {"hyper_connection.write_into_read": False},  # the same
     "hc-write-norm-deferred": {"hyper_connection.write_norm_deferred": True},  # bench/decode.py --modes
     "hc-up-block-d-8": {"hyper_connection.up_block_d": 8},  # the same; bench/hc_read.py --sweep
+    "hc-up-rank-pieces": {"hyper_connection.up_rank_pieces": True},  # the same
     "moe-sum-own-launch": {"moe.decode_sum_in_down": False},  # the same
     "gated-delta-ba-own-launch": {"gated_delta.decode_ba_in_conv": False},  # the same
     "qsa-prefill-select-torch": {"qsa.prefill_select_kernel": False},  # bench/prefill.py --variant

@@ -256,14 +256,18 @@ def _read_reduce_kernel(p_zp, p_a, p_gl, T, S, R, RANK, inv_c, stride_at, stride
 def _read_up_mix_streams_kernel(p_zp, p_up, p_n, p_u, p_gl, T, S, stride_zp, D, inv_c, stride_upr, stride_nt, stride_ut,
                                 stride_glt, p_wn, p_ss, eps, RANK: tl.constexpr, C: tl.constexpr, BLOCK_D: tl.constexpr,
                                 BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
-                                GATES: tl.constexpr, SK: tl.constexpr = 0):
+                                GATES: tl.constexpr, SK: tl.constexpr = 0, R2: tl.constexpr = 0):
     """The form "fma"'s second launch, its loads issued at once: the up rows of every stream's columns
     of the program as one [C * BLOCK_D, BLOCK_R] tile (row j: stream j // BLOCK_D) and a token's partial
     sums as one [BLOCK_S, BLOCK_R] tile, all issued before their first use (RANK a constexpr, so the
     rank mask does not keep the loads from 16-byte vectors).
     SK > 0 (after `_write_down_deferred_kernel`, SK chunks a stream): p_n holds the written streams x',
     not their norm; each stream's 1 / rms comes from the chunks' sums of squares p_ss [S, T], scales its
-    chunks' partials (partial s: stream s // SK) and normalises x' (times 1 + p_wn) for the mix."""
+    chunks' partials (partial s: stream s // SK) and normalises x' (times 1 + p_wn) for the mix.
+    R2 > 0 (`HyperConnectionOptions.up_rank_pieces`): the rank in two tiles, BLOCK_R (a power of two <=
+    RANK, no rank mask) then R2 columns from BLOCK_R (masked past RANK only where BLOCK_R + R2 > RANK),
+    instead of one tile of next_power_of_2(RANK) columns (rank 320: 512, 37.5% of it masked lanes that
+    hold registers)."""
     i_d = tl.program_id(0)
     o_j = tl.arange(0, C * BLOCK_D)
     o_k = o_j // BLOCK_D
@@ -271,6 +275,10 @@ def _read_up_mix_streams_kernel(p_zp, p_up, p_n, p_u, p_gl, T, S, stride_zp, D, 
     m_d = o_d < D
     o_r = tl.arange(0, BLOCK_R)
     m_r = o_r < RANK
+    if R2 > 0:  # the first piece lies inside the rank: no mask along it
+        m_r = tl.full((BLOCK_R,), True, tl.int1)
+        o_r2 = BLOCK_R + tl.arange(0, R2)
+        m_r2 = o_r2 < RANK
     o_s = tl.arange(0, BLOCK_S)
     m_s = o_s < S
     w_dtype = p_up.dtype.element_ty
@@ -281,6 +289,11 @@ def _read_up_mix_streams_kernel(p_zp, p_up, p_n, p_u, p_gl, T, S, stride_zp, D, 
         b_zp = tl.load(p_zp + (o_s[:, None] * T + t) * stride_zp + o_r[None, :], mask=m_s[:, None] & m_r[None, :],
                        other=0.0)
         b_n = tl.load(p_n + t * stride_nt + o_k * D + o_d, mask=m_d, other=0.0)
+        if R2 > 0:
+            b_up2 = tl.load(p_up + (o_k * D + o_d)[:, None].to(tl.int64) * stride_upr + o_r2[None, :],
+                            mask=m_d[:, None] & m_r2[None, :], other=0.0)
+            b_zp2 = tl.load(p_zp + (o_s[:, None] * T + t) * stride_zp + o_r2[None, :],
+                            mask=m_s[:, None] & m_r2[None, :], other=0.0)
         if SK > 0:  # each stream's 1 / rms from its chunks' sums of squares, as `rms_rstd` rounds it
             b_ss = tl.load(p_ss + o_s * T + t, mask=m_s, other=0.0)
             # partial s's stream's sum: its SK chunks' (partials s' of the same stream)
@@ -288,6 +301,8 @@ def _read_up_mix_streams_kernel(p_zp, p_up, p_n, p_u, p_gl, T, S, stride_zp, D, 
             b_sss = tl.sum(tl.where(same, b_ss[None, :], 0.0), axis=1)
             rstd_s = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(b_sss, D.to(tl.float32)) + eps))
             b_zp = b_zp * rstd_s[:, None]
+            if R2 > 0:
+                b_zp2 = b_zp2 * rstd_s[:, None]
             # each row's stream's 1 / rms (row j: stream j // BLOCK_D = partial s of chunk 0 of that stream)
             rstd_j = tl.sum(tl.where(o_k[:, None] * SK == o_s[None, :], rstd_s[None, :], 0.0), axis=1)
             b_wn = tl.load(p_wn + o_k * D + o_d, mask=m_d, other=0.0).to(tl.float32)
@@ -295,7 +310,12 @@ def _read_up_mix_streams_kernel(p_zp, p_up, p_n, p_u, p_gl, T, S, stride_zp, D, 
         # z = N mix_in^T / C in the weights' dtype (the GEMM's one rounding), SiLU rounded there too
         b_z = (tl.sum(b_zp, axis=0) * inv_c).to(w_dtype).to(tl.float32)
         b_a = (b_z * tl.sigmoid(b_z)).to(w_dtype).to(tl.float32)
-        b_g = tl.sum(b_up.to(tl.float32) * b_a[None, :], axis=1).to(w_dtype)  # g in the weights' dtype
+        b_g = tl.sum(b_up.to(tl.float32) * b_a[None, :], axis=1)
+        if R2 > 0:
+            b_z2 = (tl.sum(b_zp2, axis=0) * inv_c).to(w_dtype).to(tl.float32)
+            b_a2 = (b_z2 * tl.sigmoid(b_z2)).to(w_dtype).to(tl.float32)
+            b_g += tl.sum(b_up2.to(tl.float32) * b_a2[None, :], axis=1)
+        b_g = b_g.to(w_dtype)  # g in the weights' dtype
         b_sg = tl.sigmoid(b_g.to(tl.float32)).to(w_dtype)
         b_m = (b_sg.to(tl.float32) * b_n.to(tl.float32)).to(p_u.dtype.element_ty).to(tl.float32)
         b_u = tl.sum(tl.reshape(b_m, (C, BLOCK_D)), axis=0) / C
@@ -495,15 +515,18 @@ def _read_up_fma(z_part: torch.Tensor, splits: int, r_stride: int, n: torch.Tens
     the written streams and the partials their un-normalised dots (`_write_down_deferred_kernel`)."""
     t, width = n.shape
     d = width // c
-    block_r = triton.next_power_of_2(rank)
+    block_r, r2 = triton.next_power_of_2(rank), 0
+    if opts.up_rank_pieces and block_r != rank:  # rank = 2^a + (the rest in a tile of its own)
+        block_r = block_r // 2
+        r2 = triton.next_power_of_2(rank - block_r)
     gl = gate_logits if gate_logits is not None else u
     block_d = min(opts.up_block_d, triton.next_power_of_2(d))
     wn, ss, eps, sk = norm if norm is not None else (z_part, z_part, 0.0, 0)
     _read_up_mix_streams_kernel[(triton.cdiv(d, block_d),)](
         z_part, up, n, u, gl, t, splits, r_stride, d, 1.0 / c, up.stride(0), n.stride(0), u.stride(0), gl.stride(0),
         wn, ss, eps, RANK=rank, C=c, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(splits),
-        BLOCK_C=triton.next_power_of_2(c), GATES=gate_logits is not None, SK=sk,
-        num_warps=opts.up_warps or (8 if c * block_d * block_r >= 16384 else 4),
+        BLOCK_C=triton.next_power_of_2(c), GATES=gate_logits is not None, SK=sk, R2=r2,
+        num_warps=opts.up_warps or (8 if c * block_d * (block_r + r2) >= 16384 else 4),
         # the norm's extra work takes the flagship tile (4 columns, 4 warps) from 104 registers a thread to 153
         # on sm_90 (three programs an SM instead of four); capped at 128 it keeps four (32 bytes of spills; 8 columns at 8 warps:
         # 101 -> 137, one program an SM instead of two)
