@@ -10,7 +10,7 @@ every call inside a CUDA graph over copies of the weights (`bench.gpu_timing.gra
 several times L2, as the 97 modules of a step do). `--sweep`: the forms' tiles
 (`HyperConnectionOptions.down_rows`, `down_chunk`, `up_block_d`, `up_warps`; `dot_down_rows`, `dot_down_chunk`,
 `dot_up_block_d`, `dot_up_block_rank`). `--write-read`: a write folded into the next read, with its
-norm in the first launch or deferred to the second, after the table. The floor is the weights' bytes at
+norm in the first launch or deferred to the second and the up tile's rank whole or in two pieces, after the table. The floor is the weights' bytes at
 4.3 TB/s. Prints a table last.
 """
 
@@ -109,7 +109,7 @@ def main() -> None:
         write_read_rows(mods, c, d, r)
 
 def write_read_rows(mods: list, c: int, d: int, r: int) -> None:
-    """One token's write folded into the next read, the norm in the first launch or deferred, us a call
+    """One token's write folded into the next read, the norm in the first launch or deferred, the up tile's rank in one tile or two pieces, us a call
     (a CUDA graph over the weight copies) and each kernel's share; error against the reference."""
     from ft.kernels.hyper_connection import hc_write_read, hc_write_read_ref
 
@@ -119,13 +119,15 @@ def write_read_rows(mods: list, c: int, d: int, r: int) -> None:
     calls = [lambda mix_in=m, up=u: hc_write_read(x, y, gates, c, norm, 1e-6, mix_in, up, r) for m, u in mods]
     want = hc_write_read_ref(x, y, gates, c, norm, 1e-6, *mods[0], r)
     print(f"\nwrite folded into the next read, 1 token ({len(mods)} copies)")
-    print(f"{'form':>10} {'us':>7} {'err u':>9}  kernels")
-    for name, deferred in (("norm", False), ("deferred", True)):
-        with use_kernel_options(variant(**{"hyper_connection.write_norm_deferred": deferred})):
+    print(f"{'form':>16} {'us':>7} {'err u':>9}  kernels")
+    for name, deferred, pieces in (("norm", False, False), ("deferred", True, False), ("norm+pieces", False, True),
+                                   ("deferred+pieces", True, True)):
+        with use_kernel_options(variant(**{"hyper_connection.write_norm_deferred": deferred,
+                                           "hyper_connection.up_rank_pieces": pieces})):
             us = graph_us(calls)
             kernels = kernel_us(calls[:4])
             got = hc_write_read(x, y, gates, c, norm, 1e-6, *mods[0], r)
-        print(f"{name:>10} {us:>7.1f} {rel_rms(got[1], want[1]):>9.1e}  {kernels}")
+        print(f"{name:>16} {us:>7.1f} {rel_rms(got[1], want[1]):>9.1e}  {kernels}")
 
 
 if __name__ == "__main__":
