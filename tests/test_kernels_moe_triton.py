@@ -15,7 +15,7 @@ from ft.kernels.moe import SlotWeights, dense_slots, moe_decode, moe_decode_ref,
 from ft.kernels.moe.decode_kernel import moe_decode_triton
 from ft.kernels.moe.kernel import moe_over_slots_triton
 from ft.kernels import options
-from ft.kernels.options import use_kernel_options, variant
+from ft.kernels.options import VARIANTS, use_kernel_options, variant
 from ft.tools.nvfp4_quantize import quantize_nvfp4
 
 # Relative RMS: the kernels work in fp32; the reference runs its matmuls in x's dtype.
@@ -291,6 +291,45 @@ def test_moe_decode_triton_matches_ref(case, per_pair):
     where = torch.argsort(perm)  # slot of old slot q in the moved pool
     moved_slots = torch.where(slots >= 0, where[slots.clamp(min=0)], slots)
     assert torch.equal(moe_decode_triton(x, moved_slots, weights.to(dtype), moved, shared, down_per_pair=per_pair), y)
+
+
+def test_the_narrow_one_token_tiles_are_taken_and_match_ref(monkeypatch):
+    """Variant "moe-decode-narrow-one-token" (`MoeOptions.decode_tiles_one_token`): one token's gate/up and
+    down passes launch with its tiles (two tiles a row here, as at 2,560 / 640) and give the reference's
+    result; two tokens keep the tables' tiles."""
+    import ft.kernels.moe.decode_kernel as details
+
+    launched = []
+    for name in ("_moe_decode_gate_up_kernel", "_moe_decode_down_pairs_kernel"):
+        kernel = getattr(details, name)
+
+        class Spy:
+            def __init__(self, kernel, name):
+                self.kernel, self.name = kernel, name
+
+            def __getitem__(self, grid):
+                def launch(*args, **kw):
+                    launched.append((self.name, kw.get("BLOCK_I", kw.get("BLOCK_H")), kw["num_warps"]))
+                    return self.kernel[grid](*args, **kw)
+                return launch
+
+        monkeypatch.setattr(details, name, Spy(kernel, name))
+    gen = torch.Generator().manual_seed(21)
+    w, shared = _slot_pool(4, 80, 48, gen), _slot_pool(1, 80, 48, gen)
+    for t in (1, 2):
+        slots, weights = _routing(t, 3, 4, 0.0, gen)
+        weights = torch.cat([weights, torch.rand(t, 1, generator=gen)], dim=1)
+        x = torch.randn(t, 80, generator=gen)
+        launched.clear()
+        with use_kernel_options(variant("moe-decode-narrow-one-token")):
+            y = moe_decode_triton(x, slots, weights, w, shared)
+        narrow = VARIANTS["moe-decode-narrow-one-token"]["moe.decode_tiles_one_token"]
+        want = [(narrow[0][0], narrow[0][2]), (narrow[1][0], narrow[1][2])] if t == 1 else \
+            [(details.DECODE_GATE_UP_CONFIG[2][0], details.DECODE_GATE_UP_CONFIG[2][2]),
+             (details.DECODE_DOWN_PAIRS_CONFIG[0], details.DECODE_DOWN_PAIRS_CONFIG[2])]
+        assert [(b, warps) for _, b, warps in launched] == want
+        ref = moe_decode_ref(x, slots, weights, w, shared)
+        assert ((y - ref).norm() / ref.norm()).item() < TOL[torch.float32]
 
 
 def test_moe_decode_ref_is_the_unfused_block():

@@ -74,11 +74,15 @@ class MoeOptions:
     pass against 5.8 ms in passes of 1,024; the 80B's whole prefill in 16,384-token chunks, the largest
     default chunk: 16K prompt 602 -> 509 ms, 8K 295 -> 280 ms with passes of 16,384 against 4,096;
     8,192 between; bench/prefill.py --grouped-max-tokens, RESULTS.md session 29).
-    (Deleted: `decode_tiles_one_token`, variant "moe-decode-narrow-one-token", one token's tiles ((4, 0, 2)
-    gate/up, (16, 0, 4) down per pair). At Qwen3.8-Flash-Next's shape the block alone took 22.4 us a layer
-    against the defaults' 26.1 (H200, RESULTS.md session 34), but the step did not follow: 161.1 / 149.1
-    tok/s against 155.8 / 155.9 at batch 1 in one process, and the 16 GiB card's offloaded 64K rung 63.1
-    tok/s against 64.2 with the defaults (session 35). Commit cf6e6b2 holds it.)
+    decode_tiles_one_token: the decode MoE's tiles for one token, ((BLOCK_I, BLOCK_W, warps) of gate/up,
+    (BLOCK_H, BLOCK_W, warps) of down per pair); None, the default: `decode_kernel.DECODE_GATE_UP_CONFIG[1]`
+    and `DECODE_DOWN_PAIRS_CONFIG`, the 80B's sweep. Variant "moe-decode-narrow-one-token": ((4, 0, 2),
+    (16, 0, 4)). At Qwen3.8-Flash-Next's shape the block alone took 22.4 us a layer against the defaults'
+    26.1 (H200, RESULTS.md session 34), ~0.18 ms a step, but the step's tok/s did not show it (161.1 / 149.1
+    against 155.8 / 155.9 at batch 1 in one process; the 16 GiB card's offloaded 64K rung 63.1 against 64.2,
+    session 35): deleted then, back in session 39 (as the two-tile GEMV, whose kernel gains the step's tok/s
+    did not show either) for an A/B by the step's GPU time (bench/decode.py --gpu-time), which the host's
+    jitter does not blur.
     (The decode MoE skips a graph bucket's padding rows always; the variant that computed them lost by
     5-10% at batches 10 / 20 / 36 and was deleted, RESULTS.md session 29.)
     (The decode step's routing in the router GEMV's launch, the last program of a token block routing it,
@@ -96,6 +100,7 @@ class MoeOptions:
     grouped_tile: tuple | None = None
     grouped_max_tokens: int = 16384
     decode_sum_in_down: bool = True
+    decode_tiles_one_token: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -335,6 +340,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "attention-prefill-triton-only": {"prefill_attention.library_on_cuda": False},  # bench/prefill.py --library
     "gated-delta-solve-ieee": {"gated_delta.solve_precision": "ieee"},  # bench/gated_delta_prefill.py
     "pdl": {"launch.pdl": True},  # bench/decode.py --modes pdl, bench/ladder.py --pdl
+    "moe-decode-narrow-one-token": {"moe.decode_tiles_one_token": ((4, 0, 2), (16, 0, 4))},  # bench/decode.py --modes
     "attention-nvfp4-f16": {"decode_attention.nvfp4_prmt": False},  # bench/decode.py --no-prmt, decode_attention.py
     "hc-read-cublas": {"hyper_connection.fused_read_max_tokens": 0},  # bench/hc_read.py, bench/decode.py --modes
     "hc-read-dot-only": {"hyper_connection.fma_read_max_tokens": 0},  # the same

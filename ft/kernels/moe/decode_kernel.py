@@ -437,10 +437,11 @@ def moe_decode_triton(
     live_ptr = live if has_live else slots  # any valid pointer (never read: HAS_LIVE is off)
     ks = k + has_shared
     h = torch.empty((t * ks, i), dtype=torch.float32, device=x.device)
-    block_i, bw13, warps13 = gate_up_config or DECODE_GATE_UP_CONFIG[min(t, 2)]
+    one_token = kernel_options().moe.decode_tiles_one_token if t == 1 else None  # (a variant's; None: the tables)
+    block_i, bw13, warps13 = gate_up_config or (one_token[0] if one_token else DECODE_GATE_UP_CONFIG[min(t, 2)])
     per_pair = down_per_pair if down_per_pair is not None else t >= DECODE_DOWN_PAIRS_MIN_TOKENS
     block_h, bw2, warps2 = down_config or (
-        DECODE_DOWN_PAIRS_CONFIG if per_pair else DECODE_DOWN_CONFIG[min(t, 2)])
+        (one_token[1] if one_token else DECODE_DOWN_PAIRS_CONFIG) if per_pair else DECODE_DOWN_CONFIG[min(t, 2)])
     # a row's K in one or two whole-K tiles (`whole_k_pieces`), or the K loop (bw > 0, other K)
     whole13, whole13b = whole_k_pieces(hid) if bw13 == 0 else (0, 0)
     whole2, whole2b = whole_k_pieces(i) if bw2 == 0 else (0, 0)
