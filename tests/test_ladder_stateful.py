@@ -126,6 +126,6 @@ class LadderMachine(RuleBasedStateMachine):
 
 
 TestLadderMachine = LadderMachine.TestCase
-TestLadderMachine.settings = settings(max_examples=9, stateful_step_count=15, deadline=None,
+TestLadderMachine.settings = settings(max_examples=7, stateful_step_count=15, deadline=None,
                                       suppress_health_check=[HealthCheck.too_slow])
 pytestmark = pytest.mark.slow
