@@ -46,8 +46,8 @@ class Nvfp4Options:
     13312x2560 14.43 -> 11.80, 2560x6144 9.93 -> 6.95; the sm_90 K loop at 2,560 holds 156 registers a
     thread, the tiles 72-80), ~0.18 ms a 40-layer step by those figures; yet two A/Bs of the step in one
     process (session 31 on the H200: -2.1%; session 39 on the H100: 204.98 / 203.53 against 207.61 /
-    203.71 tok/s at batch 1) did not show it. Off until a profile of the step says where the kernel's gain
-    goes (bench/decode.py --profile with --variant nvfp4-gemv-two-tiles)."""
+    203.71 tok/s at batch 1) did not show it. Off until the step's GPU time says where the kernel's gain
+    goes (bench/decode.py --modes graphs,graphs:nvfp4-gemv-two-tiles --gpu-time 5)."""
 
     small_m_whole_k: bool = True
     dot_halves: bool = True

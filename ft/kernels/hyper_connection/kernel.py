@@ -432,8 +432,7 @@ def hc_write_read_triton(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Te
     c, d, r = streams, width // streams, mix_in.shape[0]
     x, y, a, mix_in, up = _rows(x), _rows(y), _rows(gate_logits), _rows(mix_in), _rows(up)
     out = torch.empty((t, width), dtype=x.dtype, device=x.device)
-    n = torch.empty_like(out)
-    u = torch.empty((t, d), dtype=torch.promote_types(n.dtype, mix_in.dtype), device=x.device)
+    u = torch.empty((t, d), dtype=torch.promote_types(out.dtype, mix_in.dtype), device=x.device)
     next_gates = torch.empty((t, c), dtype=mix_in.dtype, device=x.device) if r > rank else None
     if t and opts.write_norm_deferred:
         sk, span, rows, r_stride = _deferred_down_tiles(d, r, opts)
@@ -447,6 +446,7 @@ def hc_write_read_triton(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Te
             enable_fp_fusion=False)  # x + bf16(a y) rounds twice, as `_write_kernel` (see there)
         _read_up_fma(z_part, c * sk, r_stride, out, up, rank, c, opts, u, next_gates, norm=(next_norm, ss, eps, sk))
     elif t:
+        n = torch.empty_like(out)  # the next read's normalised streams
         chunk, splits, rows, r_stride = _fma_down_tiles(width, r, opts)
         z_part = torch.empty((splits, t, r_stride), dtype=torch.float32, device=x.device)
         _write_down_kernel[(triton.cdiv(r, rows), splits)](
@@ -527,9 +527,9 @@ def _read_up_fma(z_part: torch.Tensor, splits: int, r_stride: int, n: torch.Tens
         wn, ss, eps, RANK=rank, C=c, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(splits),
         BLOCK_C=triton.next_power_of_2(c), GATES=gate_logits is not None, SK=sk, R2=r2,
         num_warps=opts.up_warps or (8 if c * block_d * (block_r + r2) >= 16384 else 4),
-        # the norm's extra work takes the flagship tile (4 columns, 4 warps) from 104 registers a thread to 153
-        # on sm_90 (three programs an SM instead of four); capped at 128 it keeps four (32 bytes of spills; 8 columns at 8 warps:
-        # 101 -> 137, one program an SM instead of two)
+        # the norm's extra work takes the flagship tile (4 columns, 4 warps) from 104 registers a thread to
+        # 153 on sm_90 (three programs an SM instead of four); capped at 128 it keeps four (32 bytes of
+        # spills; at 8 columns and 8 warps: 101 -> 137, one program an SM instead of two)
         **({"maxnreg": 128} if sk and not opts.up_warps else {}))
 
 
