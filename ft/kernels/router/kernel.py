@@ -50,8 +50,10 @@ def _router_topk_kernel(p_logits, p_w, p_ids, p_table, p_slots, E, K, stride_lt,
         b_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
         b_i = tl.zeros((BLOCK_K,), dtype=tl.int64)
         for j in range(K):
-            best = tl.argmax(b_p, axis=0)
-            b_w = tl.where(o_k == j, tl.max(b_p, axis=0), b_w)
+            # the largest and where it is in one reduction (tl.argmax is this call's index; a separate
+            # tl.max reduced again: 10 rounds of shuffles a token more)
+            top, best = tl.max(b_p, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            b_w = tl.where(o_k == j, top, b_w)
             b_i = tl.where(o_k == j, best.to(tl.int64), b_i)
             b_p = tl.where(o_e == best, -1.0, b_p)
     if NORMALIZE:
