@@ -131,6 +131,23 @@ def test_triton_matches_reference(bsz, hk, hv, dk, dv, width, pad, dtype):
     assert conv_t[~region].isnan().all() and ssm_t[~region].isnan().all()  # other slots and layers untouched
 
 
+def test_the_decode_launch_option_takes_its_tile(monkeypatch):
+    """`GatedDeltaOptions.decode_launch` (a sweep's BLOCK_V and warps) reaches the recurrent kernel's launch
+    and gives the same o and states as the rule's tile (the state tile's columns split differently)."""
+    from ft.kernels.options import use_kernel_options, variant
+
+    bsz, hk, hv, dk, dv, width, pad = CASES[0]
+    args, conv, ssm, region = make_step(bsz, hk, hv, dk, dv, width, pad, torch.float32, seed=5)
+    want = run(details.gated_delta_decode_triton, args, conv, ssm)
+    calls = spy_launches(monkeypatch, details, "_delta_decode_kernel")
+    tile = (("BLOCK_V", 8), ("num_warps", 1))
+    with use_kernel_options(variant(**{"gated_delta.decode_launch": tile})):
+        got = run(details.gated_delta_decode_triton, args, conv, ssm)
+    assert calls[-1]["BLOCK_V"] == 8 and calls[-1]["num_warps"] == 1
+    for a, b in zip(got, want):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
 BA_WIDTHS = [(0, 24), (3, 40), (1, 7 * 16)]
 """(case index, hidden width H): H not a power of two (a masked tile), and a batch with a padding row."""
 

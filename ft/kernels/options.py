@@ -117,12 +117,17 @@ class GatedDeltaOptions:
     (`gated_delta_decode`'s ba_proj), one launch a Gated DeltaNet layer fewer; off (variant
     "gated-delta-ba-own-launch"): its own GEMV launch. On by its launch count (36 a step fewer) and its A/B
     (session 38, the 40-layer model's step on the H100, two rounds): 196.0 / 190.8 tok/s against 185.9 /
-    186.2 at batch 1, 656.1 / 653.5 against 638.1 / 631.9 at batch 8."""
+    186.2 at batch 1, 656.1 / 653.5 against 638.1 / 631.9 at batch 8.
+    decode_launch: changes to the decode step's recurrent kernel's launch (`kernel.delta_config`: ("BLOCK_V",
+    32), ("num_warps", 4)) for sweeps (bench/gated_delta_decode.py --sweep); empty, the default: the rule
+    (BLOCK_V narrowed to about 256 programs; untuned: at Flash-Next's batch 1, 48 heads of 128 x 128 fp32 state,
+    it runs at ~1.3 TB/s of state read and written, 4.8 us a layer in session 39's H200 profile)."""
 
     solve_precision: str = "tf32"
     prep_launch: tuple[tuple[str, int], ...] = ()
     state_launch: tuple[tuple[str, int], ...] = ()
     decode_ba_in_conv: bool = True
+    decode_launch: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)

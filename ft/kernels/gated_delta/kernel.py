@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from ft.kernels.backend import TRITON_DTYPES
+from ft.kernels.options import kernel_options
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
 __all__ = ["BA_ROWS", "MAX_BA_WIDTH", "MAX_DK", "conv_config", "delta_config", "gated_delta_decode_triton"]
@@ -280,7 +281,7 @@ def gated_delta_decode_triton(
     _conv_decode_kernel[(bsz, programs)](
         mixed, weight, conv_state, slots, y, c, mixed.stride(0), weight.stride(0), *conv_state.stride(), y.stride(0),
         *ba_args, **cfg, **pdl_args(mixed.device))
-    cfg = delta_config(bsz, hv, dk, dv)
+    cfg = {**delta_config(bsz, hv, dk, dv), **dict(kernel_options().gated_delta.decode_launch)}  # (a sweep's, if any)
     _delta_decode_kernel[(bsz, hv, triton.cdiv(dv, cfg["BLOCK_V"]))](
         y, b, a, a_log, dt_bias, ssm_state, slots, out, hk, hv // hk, dk, dv, dk ** -0.5,
         y.stride(0), b.stride(0), a.stride(0), *ssm_state.stride(), out.stride(0), out.stride(1), **cfg,
