@@ -63,6 +63,27 @@ def test_kernel_equals_the_reference(dtype):
     torch.testing.assert_close(got[fin], want[fin], rtol=1e-5, atol=1e-5)
 
 
+def test_a_sequence_inside_the_budget_is_not_scored():
+    """`dense_blocks` (the decode path passes its budget): a sequence with at most that many complete blocks
+    scores each 0 without reading its keys, in the kernel as in the reference, and the selection takes the
+    same tokens as from its real scores (all its blocks); longer sequences keep their scores."""
+    cache, table, _, g = paged_keys(torch.float32, 3)
+    q = torch.randn(len(LENGTHS), HI, DI, generator=g)
+    w, inv = torch.randn(DI, generator=g) * 0.1, 1.0 / 100.0 ** (torch.arange(0, ROT, 2).float() / ROT)
+    lens, budget = torch.tensor(LENGTHS), 4  # 41 and 64 tokens: 10 and 16 blocks; 3 and 17: 0 and 4
+    full = block_scores_ref(q, cache, table, lens, w, 1e-6, inv, 1.1, RATIO, 20)
+    want = block_scores_ref(q, cache, table, lens, w, 1e-6, inv, 1.1, RATIO, 20, dense_blocks=budget)
+    got = details.block_scores_triton(q, cache, table, lens, w, 1e-6, inv, 1.1, RATIO, 20, dense_blocks=budget)
+    assert torch.equal(torch.isinf(got), torch.isinf(full)) and torch.equal(torch.isinf(want), torch.isinf(full))
+    assert not got[2][torch.isfinite(got[2])].any() and not want[2][torch.isfinite(want[2])].any()
+    for b in (0, 3):
+        assert torch.equal(want[b], full[b])
+        fin = torch.isfinite(full[b])
+        torch.testing.assert_close(got[b][fin], full[b][fin], rtol=1e-5, atol=1e-5)
+    assert torch.equal(details.select_decode_tokens_triton(got, lens, budget, RATIO),
+                       select_decode_tokens_ref(full, lens, budget, RATIO))
+
+
 @pytest.mark.parametrize("zeros", [False, True], ids=["random", "all-tied"])
 def test_decode_selection_equals_select_tokens(zeros):
     """block scores + select_decode_tokens = the sequence-level path (the engine's prefill and the

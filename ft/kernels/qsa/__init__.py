@@ -16,16 +16,16 @@ __all__ = ["block_scores", "block_scores_ref", "select_decode_tokens", "select_d
 
 def block_scores(index_q: torch.Tensor, index_keys: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
                  k_norm: torch.Tensor, eps: float, inv_freq: torch.Tensor, rope_scale: float, ratio: int,
-                 max_blocks: int) -> torch.Tensor:
+                 max_blocks: int, dense_blocks: int = 0) -> torch.Tensor:
     """[B, max_blocks] float32 block scores (`block_scores_ref`'s contract): the Triton kernel where
     Triton runs, else the reference."""
     if uses_triton(index_q.device):
         from ft.kernels.qsa.kernel import block_scores_triton  # NOTE: imports triton only when used
 
         return block_scores_triton(index_q, index_keys, page_table, seq_lens, k_norm, eps, inv_freq, rope_scale,
-                                   ratio, max_blocks)
+                                   ratio, max_blocks, dense_blocks)
     return block_scores_ref(index_q, index_keys, page_table, seq_lens, k_norm, eps, inv_freq, rope_scale, ratio,
-                            max_blocks)
+                            max_blocks, dense_blocks)
 
 
 def select_decode_tokens(scores: torch.Tensor, seq_lens: torch.Tensor, budget_blocks: int, ratio: int) -> torch.Tensor:

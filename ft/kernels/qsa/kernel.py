@@ -23,7 +23,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _block_scores_kernel(p_q, p_keys, p_pt, p_len, p_w, p_freq, p_out, MAXB, DI, eps, rope_scale, inv_sqrt_d,
+def _block_scores_kernel(p_q, p_keys, p_pt, p_len, p_w, p_freq, p_out, MAXB, DENSE, DI, eps, rope_scale, inv_sqrt_d,
                          stride_qb, stride_qh, stride_kp, stride_ks, stride_ptb, stride_ob,
                          HI: tl.constexpr, RATIO: tl.constexpr, PAGE_SIZE: tl.constexpr, HALF: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr):
@@ -32,6 +32,9 @@ def _block_scores_kernel(p_q, p_keys, p_pt, p_len, p_w, p_freq, p_out, MAXB, DI,
     visible = tl.load(p_len + i_b).to(tl.int64) // RATIO
     if i_j * BLOCK_J >= visible:  # a tile past the complete blocks: nothing to read
         tl.store(p_out + i_b * stride_ob + o_j, tl.full((BLOCK_J,), float("-inf"), tl.float32), mask=o_j < MAXB)
+        return
+    if visible <= DENSE:  # inside the selection's budget every complete block is taken: score 0, no key read
+        tl.store(p_out + i_b * stride_ob + o_j, tl.where(o_j < visible, 0.0, float("-inf")), mask=o_j < MAXB)
         return
     m_j = o_j < visible
     o_h = tl.arange(0, BLOCK_H)  # rotated pairs: columns o_h and HALF + o_h
@@ -72,7 +75,7 @@ def _block_scores_kernel(p_q, p_keys, p_pt, p_len, p_w, p_freq, p_out, MAXB, DI,
 
 def block_scores_triton(index_q: torch.Tensor, index_keys: torch.Tensor, page_table: torch.Tensor,
                         seq_lens: torch.Tensor, k_norm: torch.Tensor, eps: float, inv_freq: torch.Tensor,
-                        rope_scale: float, ratio: int, max_blocks: int) -> torch.Tensor:
+                        rope_scale: float, ratio: int, max_blocks: int, dense_blocks: int = 0) -> torch.Tensor:
     """As `block_scores_ref`. Raises ValueError for a page size that is not a multiple of ratio or
     non-contiguous feature dims."""
     b, hi, di = index_q.shape
@@ -86,7 +89,8 @@ def block_scores_triton(index_q: torch.Tensor, index_keys: torch.Tensor, page_ta
     block_j = 32
     if b and max_blocks:
         _block_scores_kernel[(b, triton.cdiv(max_blocks, block_j))](
-            index_q, index_keys, page_table, seq_lens, k_norm, inv_freq.float().contiguous(), out, max_blocks, di,
+            index_q, index_keys, page_table, seq_lens, k_norm, inv_freq.float().contiguous(), out, max_blocks,
+            dense_blocks, di,
             eps, rope_scale, 1.0 / math.sqrt(di), index_q.stride(0), index_q.stride(1), index_keys.stride(0),
             index_keys.stride(1), page_table.stride(0), out.stride(0), HI=hi, RATIO=ratio, PAGE_SIZE=page, HALF=half,
             BLOCK_H=max(2, triton.next_power_of_2(half)), BLOCK_R=max(2, triton.next_power_of_2(max(1, di - 2 * half))),

@@ -10,7 +10,7 @@ import torch
 
 def block_scores_ref(index_q: torch.Tensor, index_keys: torch.Tensor, page_table: torch.Tensor,
                      seq_lens: torch.Tensor, k_norm: torch.Tensor, eps: float, inv_freq: torch.Tensor,
-                     rope_scale: float, ratio: int, max_blocks: int) -> torch.Tensor:
+                     rope_scale: float, ratio: int, max_blocks: int, dense_blocks: int = 0) -> torch.Tensor:
     """Each decode query's score for every complete block of its sequence.
 
     Args:
@@ -21,6 +21,9 @@ def block_scores_ref(index_q: torch.Tensor, index_keys: torch.Tensor, page_table
         k_norm: [Di] the key RMSNorm's weight (applied as 1 + w); inv_freq: [rot / 2] float32 and
             rope_scale: the rotation of the first rot features, at each block's first position.
         max_blocks: the width of the result (at least every sequence's complete blocks).
+        dense_blocks: a sequence with at most this many complete blocks scores each of them 0 (the
+            selection's budget: inside it every complete block is taken whatever its score, so no key
+            needs reading); 0: every sequence is scored.
     Returns:
         [B, max_blocks] float32: sum over heads of ReLU(q . K_j) / sqrt(Di), K_j block j's key (the fp32
         mean of its raw keys, normed, rotated); -inf for blocks that are not complete.
@@ -41,6 +44,7 @@ def block_scores_ref(index_q: torch.Tensor, index_keys: torch.Tensor, page_table
     x1, x2 = normed[..., :half], normed[..., half:rot]
     keys = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, normed[..., rot:]], dim=-1)
     scores = torch.relu(torch.einsum("bhd,bjd->bhj", index_q.float(), keys)).sum(1) / math.sqrt(di)
+    scores = torch.where((visible <= dense_blocks)[:, None], 0.0, scores)
     return scores.masked_fill(~valid, float("-inf"))
 
 

@@ -132,8 +132,9 @@ class QSAAttention(GatedAttention):
         kernel that writes it -> [B, Hq, D]."""
         d = batch.decode
         k_cache, v_cache, kv_scale = kv
+        # (inside the budget every complete block is taken: no scores computed, `dense_blocks`)
         scores = block_scores(iq, index_keys, d.page_table, d.seq_lens, self.index_k_norm, self.eps, rope.inv_freq,
-                              rope.scale, self.ratio, -(-d.max_seq_len // self.ratio))
+                              rope.scale, self.ratio, -(-d.max_seq_len // self.ratio), dense_blocks=self.budget_blocks)
         tokens = select_decode_tokens(scores, d.seq_lens, self.budget_blocks, self.ratio)
         return sparse_decode_attention(q, k_cache, v_cache, d.page_table, tokens, self.scale, kv_scale, gate=gate)
 
