@@ -10,8 +10,8 @@ every call inside a CUDA graph over copies of the weights (`bench.gpu_timing.gra
 several times L2, as the 97 modules of a step do). `--sweep`: the forms' tiles
 (`HyperConnectionOptions.down_rows`, `down_chunk`, `up_block_d`, `up_warps`; `dot_down_rows`, `dot_down_chunk`,
 `dot_up_block_d`, `dot_up_block_rank`). `--write-read`: a write folded into the next read, with its
-norm in the first launch or deferred to the second and the up tile's rank whole or in two pieces, after the table. The floor is the weights' bytes at
-4.3 TB/s. Prints a table last.
+norm in the first launch or deferred to the second and the up tile's rank whole or in two pieces, after
+the table. The floor is the weights' bytes at 4.3 TB/s. Prints a table last.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time the fused read's other tiles")
     ap.add_argument("--write-read", action="store_true",
                     help="also time a write folded into the next read (`hc_write_read`, one token) with the norm in "
-                         "its first launch and deferred to the second (`HyperConnectionOptions.write_norm_deferred`)")
+                         "its first launch and deferred to the second (`HyperConnectionOptions.write_norm_deferred`), "
+                         "the up tile's rank whole and in two pieces (`up_rank_pieces`)")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     c, d, r = STREAMS, WIDTH, RANK
@@ -108,9 +109,11 @@ def main() -> None:
     if args.write_read:
         write_read_rows(mods, c, d, r)
 
+
 def write_read_rows(mods: list, c: int, d: int, r: int) -> None:
-    """One token's write folded into the next read, the norm in the first launch or deferred, the up tile's rank in one tile or two pieces, us a call
-    (a CUDA graph over the weight copies) and each kernel's share; error against the reference."""
+    """One token's write folded into the next read, the norm in the first launch or deferred, the up tile's
+    rank in one tile or two pieces: us a call (a CUDA graph over the weight copies), each kernel's share,
+    the error against the reference."""
     from ft.kernels.hyper_connection import hc_write_read, hc_write_read_ref
 
     x = (torch.randn(1, c * d, device=DEV) * 3).to(torch.bfloat16)
