@@ -170,6 +170,13 @@ def gemv_cfg(m: int, n: int, k: int) -> dict:
     return cfg
 
 
+HC_UP_MIX = {"p_zp": "*fp32", "p_up": "*bf16", "p_n": "*bf16", "p_u": "*bf16", "p_gl": "*bf16",
+             **ints("T", "S", "stride_zp", "D"), "inv_c": "fp32",
+             **ints("stride_upr", "stride_nt", "stride_ut", "stride_glt"), "p_wn": "*bf16", "p_ss": "*fp32", "eps": "fp32"}
+"""`_read_up_mix_streams_kernel`'s signature as the deferred norm launches it (its norm weight bf16; a plain
+read passes z_part there, fp32)."""
+
+
 def two_tile_gemv_cfg(n: int, k: int) -> dict:
     """`gemv_cfg` at M = 1 with `Nvfp4Options.gemv_two_tiles` on (the variant)."""
     from ft.kernels.options import use_kernel_options, variant
@@ -460,21 +467,15 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
       **ints("stride_xt", "stride_yt", "stride_at", "stride_ot", "stride_wr", "stride_zp")},
      {"C": 4, "D": 2560, "SK": 2, "SPAN": 1280, "ROWS": 4, "BLOCK": 2048, "num_warps": 8, "enable_fp_fusion": False}),
     ("hyper connection read, up + mix, all streams' tile (4 columns, rank 320)", hc._read_up_mix_streams_kernel,
-     {"p_zp": "*fp32", "p_up": "*bf16", "p_n": "*bf16", "p_u": "*bf16", "p_gl": "*bf16",
-      **ints("T", "S", "stride_zp", "D"), "inv_c": "fp32", **ints("stride_upr", "stride_nt", "stride_ut", "stride_glt"),
-      "p_wn": "*fp32", "p_ss": "*fp32", "eps": "fp32"},
+     {**HC_UP_MIX, "p_wn": "*fp32"},
      {"RANK": 320, "C": 4, "BLOCK_D": 4, "BLOCK_R": 512, "BLOCK_S": 8, "BLOCK_C": 4, "GATES": True, "num_warps": 4}),
     ("hyper connection read, up + mix, rank in two pieces (4 columns, rank 320 = 256 + 64)", hc._read_up_mix_streams_kernel,
-     {"p_zp": "*fp32", "p_up": "*bf16", "p_n": "*bf16", "p_u": "*bf16", "p_gl": "*bf16",
-      **ints("T", "S", "stride_zp", "D"), "inv_c": "fp32", **ints("stride_upr", "stride_nt", "stride_ut", "stride_glt"),
-      "p_wn": "*fp32", "p_ss": "*fp32", "eps": "fp32"},
+     {**HC_UP_MIX, "p_wn": "*fp32"},
      {"RANK": 320, "C": 4, "BLOCK_D": 4, "BLOCK_R": 256, "BLOCK_S": 8, "BLOCK_C": 4, "GATES": True, "R2": 64,
       "num_warps": 4}),
     ("hyper connection read, up + mix after the deferred norm (4 columns, rank 320, 2 chunks a stream; as launched)",
      hc._read_up_mix_streams_kernel,
-     {"p_zp": "*fp32", "p_up": "*bf16", "p_n": "*bf16", "p_u": "*bf16", "p_gl": "*bf16",
-      **ints("T", "S", "stride_zp", "D"), "inv_c": "fp32", **ints("stride_upr", "stride_nt", "stride_ut", "stride_glt"),
-      "p_wn": "*bf16", "p_ss": "*fp32", "eps": "fp32"},
+     HC_UP_MIX,
      {"RANK": 320, "C": 4, "BLOCK_D": 4, "BLOCK_R": 512, "BLOCK_S": 8, "BLOCK_C": 4, "GATES": True, "SK": 2,
       "num_warps": 4, "maxnreg": 128}),
     ("hyper connection read (dot), up + mix, all streams' tile (16 tokens x 8 columns, rank steps of 64)",

@@ -17,6 +17,7 @@ from ft.kernels.moe.kernel import moe_over_slots_triton
 from ft.kernels import options
 from ft.kernels.options import VARIANTS, use_kernel_options, variant
 from ft.tools.nvfp4_quantize import quantize_nvfp4
+from triton_flags import spy_launches
 
 # Relative RMS: the kernels work in fp32; the reference runs its matmuls in x's dtype.
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -299,35 +300,24 @@ def test_the_narrow_one_token_tiles_are_taken_and_match_ref(monkeypatch):
     result; two tokens keep the tables' tiles."""
     import ft.kernels.moe.decode_kernel as details
 
-    launched = []
-    for name in ("_moe_decode_gate_up_kernel", "_moe_decode_down_pairs_kernel"):
-        kernel = getattr(details, name)
-
-        class Spy:
-            def __init__(self, kernel, name):
-                self.kernel, self.name = kernel, name
-
-            def __getitem__(self, grid):
-                def launch(*args, **kw):
-                    launched.append((self.name, kw.get("BLOCK_I", kw.get("BLOCK_H")), kw["num_warps"]))
-                    return self.kernel[grid](*args, **kw)
-                return launch
-
-        monkeypatch.setattr(details, name, Spy(kernel, name))
+    gate_up = spy_launches(monkeypatch, details, "_moe_decode_gate_up_kernel")
+    down = spy_launches(monkeypatch, details, "_moe_decode_down_pairs_kernel")
     gen = torch.Generator().manual_seed(21)
     w, shared = _slot_pool(4, 80, 48, gen), _slot_pool(1, 80, 48, gen)
     for t in (1, 2):
         slots, weights = _routing(t, 3, 4, 0.0, gen)
         weights = torch.cat([weights, torch.rand(t, 1, generator=gen)], dim=1)
         x = torch.randn(t, 80, generator=gen)
-        launched.clear()
+        gate_up.clear()
+        down.clear()
         with use_kernel_options(variant("moe-decode-narrow-one-token")):
             y = moe_decode_triton(x, slots, weights, w, shared)
         narrow = VARIANTS["moe-decode-narrow-one-token"]["moe.decode_tiles_one_token"]
         want = [(narrow[0][0], narrow[0][2]), (narrow[1][0], narrow[1][2])] if t == 1 else \
             [(details.DECODE_GATE_UP_CONFIG[2][0], details.DECODE_GATE_UP_CONFIG[2][2]),
              (details.DECODE_DOWN_PAIRS_CONFIG[0], details.DECODE_DOWN_PAIRS_CONFIG[2])]
-        assert [(b, warps) for _, b, warps in launched] == want
+        assert [(gate_up[0]["BLOCK_I"], gate_up[0]["num_warps"]), (down[0]["BLOCK_H"], down[0]["num_warps"])] == want
+        assert len(gate_up) == len(down) == 1
         ref = moe_decode_ref(x, slots, weights, w, shared)
         assert ((y - ref).norm() / ref.norm()).item() < TOL[torch.float32]
 
