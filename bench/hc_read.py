@@ -9,9 +9,8 @@ norm, at the decode batches. Not a test.
 every call inside a CUDA graph over copies of the weights (`bench.gpu_timing.graph_us`: a pass reads
 several times L2, as the 97 modules of a step do). `--sweep`: the forms' tiles
 (`HyperConnectionOptions.down_rows`, `down_chunk`, `up_block_d`, `up_warps`; `dot_down_rows`, `dot_down_chunk`,
-`dot_up_block_d`, `dot_up_block_rank`). `--write-read`: a write folded into the next read, with its
-norm in the first launch or deferred to the second and the up tile's rank whole or in two pieces, after
-the table. The floor is the weights' bytes at 4.3 TB/s. Prints a table last.
+`dot_up_block_d`, `dot_up_block_rank`). `--write-read`: a write folded into the next read against
+the write's own launch then the read (`HyperConnectionOptions.write_into_read`), after the table. The floor is the weights' bytes at 4.3 TB/s. Prints a table last.
 """
 
 from __future__ import annotations
@@ -35,9 +34,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
     ap.add_argument("--sweep", action="store_true", help="also time the fused read's other tiles")
     ap.add_argument("--write-read", action="store_true",
-                    help="also time a write folded into the next read (`hc_write_read`, one token) with the norm in "
-                         "its first launch and deferred to the second (`HyperConnectionOptions.write_norm_deferred`), "
-                         "the up tile's rank whole and in two pieces (`up_rank_pieces`)")
+                    help="also time a write folded into the next read (`hc_write_read`, one token) against the "
+                         "write's own launch and the read (`HyperConnectionOptions.write_into_read`)")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     c, d, r = STREAMS, WIDTH, RANK
@@ -111,8 +109,8 @@ def main() -> None:
 
 
 def write_read_rows(mods: list, c: int, d: int, r: int) -> None:
-    """One token's write folded into the next read, the norm in the first launch or deferred, the up tile's
-    rank in one tile or two pieces: us a call (a CUDA graph over the weight copies), each kernel's share,
+    """One token's write folded into the next read, and the write's own launch then the read (variant
+    "hc-write-own-launch"): us a call (a CUDA graph over the weight copies), each kernel's share,
     the error against the reference."""
     from ft.kernels.hyper_connection import hc_write_read, hc_write_read_ref
 
@@ -123,10 +121,8 @@ def write_read_rows(mods: list, c: int, d: int, r: int) -> None:
     want = hc_write_read_ref(x, y, gates, c, norm, 1e-6, *mods[0], r)
     print(f"\nwrite folded into the next read, 1 token ({len(mods)} copies)")
     print(f"{'form':>16} {'us':>7} {'err u':>9}  kernels")
-    for name, deferred, pieces in (("norm", False, False), ("deferred", True, False), ("norm+pieces", False, True),
-                                   ("deferred+pieces", True, True)):
-        with use_kernel_options(variant(**{"hyper_connection.write_norm_deferred": deferred,
-                                           "hyper_connection.up_rank_pieces": pieces})):
+    for name, names in (("folded", ()), ("own launch", ("hc-write-own-launch",))):
+        with use_kernel_options(variant(*names)):
             us = graph_us(calls)
             kernels = kernel_us(calls[:4])
             got = hc_write_read(x, y, gates, c, norm, 1e-6, *mods[0], r)

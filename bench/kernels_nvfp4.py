@@ -5,8 +5,8 @@ Usage (device): ``PYTHONPATH=. python3 bench/kernels_nvfp4.py [--sweep] [--log F
 Shapes (N x K) from Qwen3-Next-80B-A3B: in_proj_qkvz 12288x2048, attention q 8192x2048,
 out_proj 2048x4096, expert gate_up 1024x2048, expert down 2048x512, and 32768x8192 for the
 bandwidth ceiling; Qwen3.8-Flash-Next's in_proj_qkvz 16384x2560, attention q/gate/k/v 13312x2560 and
-out_proj / o_proj 2560x6144 (fn_*: K / 8 no power of two, the GEMV's K loop at M = 1 or, in the sweep and
-with `Nvfp4Options.gemv_two_tiles`, two whole-K tiles); decode at M = 1 and 8, prefill GEMM at M = 4096 on 8192x2048; the fused MoE
+out_proj / o_proj 2560x6144 (fn_*: K / 8 no power of two: two whole-K tiles at M = 1, the sweep's K loops beside
+them); decode at M = 1 and 8, prefill GEMM at M = 4096 on 8192x2048; the fused MoE
 with 10 of 512 experts (hidden 2048, intermediate 512) at batch 1 and 8, and grouped at 1024.
 
 Decode timings are CUDA-graph replays (`bench.gpu_timing.graph_us`) of calls that each read

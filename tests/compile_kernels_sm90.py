@@ -177,14 +177,6 @@ HC_UP_MIX = {"p_zp": "*fp32", "p_up": "*bf16", "p_n": "*bf16", "p_u": "*bf16", "
 read passes z_part there, fp32)."""
 
 
-def two_tile_gemv_cfg(n: int, k: int) -> dict:
-    """`gemv_cfg` at M = 1 with `Nvfp4Options.gemv_two_tiles` on (the variant)."""
-    from ft.kernels.options import use_kernel_options, variant
-
-    with use_kernel_options(variant("nvfp4-gemv-two-tiles")):
-        return gemv_cfg(1, n, k)
-
-
 def dot_cfg(m: int, n: int, k: int) -> dict:
     cfg = {"SWAP_AB": False, **nv._dot_config(m, n, k), "PRECISION": "tf32"}  # every constexpr named
     halves = OPTIONS.nvfp4.dot_halves and m <= 64 and k % cfg["BLOCK_K"] == 0 and cfg["BLOCK_K"] % 64 == 0 and not cfg["SWAP_AB"]
@@ -230,9 +222,8 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("gemv M=1 whole K (2048)", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(1, 12288, 2048)),
     ("gemv M=1 whole K (8192)", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(1, 32768, 8192)),
     ("gemv M=1 K loop (16384)", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(1, 4096, 16384)),
-    ("gemv M=1 K loop (2560)", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(1, 16384, 2560)),
-    ("gemv M=1 two whole-K tiles (2560, variant)", nv._nvfp4_gemv_kernel, GEMV, two_tile_gemv_cfg(16384, 2560)),
-    ("gemv M=1 two whole-K tiles (6144, variant)", nv._nvfp4_gemv_kernel, GEMV, two_tile_gemv_cfg(2560, 6144)),
+    ("gemv M=1 two whole-K tiles (2560)", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(1, 16384, 2560)),
+    ("gemv M=1 two whole-K tiles (6144)", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(1, 2560, 6144)),
     ("gemv M=2 K loop", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(2, 2048, 4096)),
     ("gemv M=8 whole K", nv._nvfp4_gemv_kernel, GEMV, gemv_cfg(8, 1024, 2048)),
     ("dot M=8", nv._nvfp4_dot_kernel, DOT, dot_cfg(8, 8192, 2048)),
@@ -444,11 +435,6 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
      gd_chunk.state_config(3, 32, 96, 80, torch.bfloat16)),
     ("hyper connection write + next norm (D 2560)", hc._write_kernel, HC_WRITE,
      {"D": 2560, "BLOCK_D": 4096, "NEXT_NORM": True, "num_warps": 8, "enable_fp_fusion": False}),
-    ("hyper connection write folded into the next read's down (4 rows x 2048, D 2560)", hc._write_down_kernel,
-     {"p_x": "*bf16", "p_y": "*bf16", "p_a": "*bf16", "p_wn": "*bf16", "p_w": "*bf16", "p_out": "*bf16",
-      "p_nn": "*bf16", "p_zp": "*fp32", **ints("T", "R"), "eps": "fp32",
-      **ints("stride_xt", "stride_yt", "stride_at", "stride_ot", "stride_nnt", "stride_wr", "stride_zp")},
-     {"C": 4, "D": 2560, "ROWS": 4, "CHUNK": 2048, "BLOCK_D": 4096, "num_warps": 8}),
     # (as launched: the streams' width, 10,240, divisible by 16)
     ("hyper connection read, down (4 rows x 2048)", hc._read_down_kernel,
      {"p_n": "*bf16", "p_w": "*bf16", "p_zp": "*fp32", **ints("T", "R", "W", "stride_nt", "stride_wr", "stride_zp")},
@@ -466,17 +452,15 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
       "p_zp": "*fp32", "p_ss": "*fp32", **ints("T", "R"),
       **ints("stride_xt", "stride_yt", "stride_at", "stride_ot", "stride_wr", "stride_zp")},
      {"C": 4, "D": 2560, "SK": 2, "SPAN": 1280, "ROWS": 4, "BLOCK": 2048, "num_warps": 8, "enable_fp_fusion": False}),
-    ("hyper connection read, up + mix, all streams' tile (4 columns, rank 320)", hc._read_up_mix_streams_kernel,
-     {**HC_UP_MIX, "p_wn": "*fp32"},
-     {"RANK": 320, "C": 4, "BLOCK_D": 4, "BLOCK_R": 512, "BLOCK_S": 8, "BLOCK_C": 4, "GATES": True, "num_warps": 4}),
-    ("hyper connection read, up + mix, rank in two pieces (4 columns, rank 320 = 256 + 64)", hc._read_up_mix_streams_kernel,
+    ("hyper connection read, up + mix, all streams' tile (4 columns, rank 320 = 256 + 64; as launched)",
+     hc._read_up_mix_streams_kernel,
      {**HC_UP_MIX, "p_wn": "*fp32"},
      {"RANK": 320, "C": 4, "BLOCK_D": 4, "BLOCK_R": 256, "BLOCK_S": 8, "BLOCK_C": 4, "GATES": True, "R2": 64,
       "num_warps": 4}),
-    ("hyper connection read, up + mix after the deferred norm (4 columns, rank 320, 2 chunks a stream; as launched)",
+    ("hyper connection read, up + mix after the deferred norm (4 columns, rank 256 + 64, 2 chunks a stream; as launched)",
      hc._read_up_mix_streams_kernel,
      HC_UP_MIX,
-     {"RANK": 320, "C": 4, "BLOCK_D": 4, "BLOCK_R": 512, "BLOCK_S": 8, "BLOCK_C": 4, "GATES": True, "SK": 2,
+     {"RANK": 320, "C": 4, "BLOCK_D": 4, "BLOCK_R": 256, "BLOCK_S": 8, "BLOCK_C": 4, "GATES": True, "SK": 2, "R2": 64,
       "num_warps": 4, "maxnreg": 128}),
     ("hyper connection read (dot), up + mix, all streams' tile (16 tokens x 8 columns, rank steps of 64)",
      hc._read_up_mix_dot_streams_kernel,

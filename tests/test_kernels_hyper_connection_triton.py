@@ -73,23 +73,22 @@ def test_the_write_gates_each_stream_by_its_own_logit():
 
 
 FORM = {"fma": {"hyper_connection.fma_read_max_tokens": 1 << 20},
-        "fma-rank-pieces": {"hyper_connection.fma_read_max_tokens": 1 << 20, "hyper_connection.up_rank_pieces": True},
         "dot": {"hyper_connection.fma_read_max_tokens": 0, "hyper_connection.dot_up_block_rank": 32},
         "dot-whole-rank": {"hyper_connection.fma_read_max_tokens": 0, "hyper_connection.dot_up_block_rank": 1 << 10}}
-"""Options that send every fused read to one form (the fma form's up tile with the rank in two pieces: 6 = 4 + 2,
-20 = 16 + 4, 5 = 4 + 1, 70 = 64 + 6 in 8; the dot form in rank steps of 32: rank 70 takes three; or the whole rank in
+"""Options that send every fused read to one form (the fma form's up tile takes a rank that is no power of two in
+two pieces: 6 = 4 + 2, 20 = 16 + 4, 5 = 4 + 1, 70 = 64 + 6 in 8; 8 whole; the dot form in rank steps of 32: rank 70 takes three; or the whole rank in
 one step)."""
 SMALL_TILES = {"hyper_connection.down_chunk": 32, "hyper_connection.down_rows": 4, "hyper_connection.up_block_d": 8,
                "hyper_connection.dot_down_chunk": 32, "hyper_connection.dot_down_block_k": 16,
                "hyper_connection.dot_up_block_d": 4}
 """Tiles small enough that the test shapes take several chunks, row tiles and column programs."""
 READS = [(1, 4, 16, 6, True), (5, 4, 40, 20, True), (3, 2, 24, 5, False), (2, 4, 16, 3, False),
-         (17, 4, 16, 70, True)]
+         (17, 4, 16, 70, True), (1, 4, 16, 8, True)]
 """(tokens, streams, D, rank, inject rows): 17 tokens pad to 32 rows in the "dot" form, rank 70 takes
 two of its rank steps."""
 
 
-@pytest.mark.parametrize("form", ["fma", "fma-rank-pieces", "dot", "dot-whole-rank"])
+@pytest.mark.parametrize("form", ["fma", "dot", "dot-whole-rank"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("t,c,d,rank,inject", READS, ids=[f"T{t}-C{c}-D{d}-r{r}-{'inject' if i else 'final'}"
                                                           for t, c, d, r, i in READS])
@@ -152,16 +151,15 @@ WRITE_READS = [(1, 4, 16, 6, True), (1, 4, 40, 20, False), (2, 2, 24, 5, True), 
 where D is 24 or 40 (not a power of two: masked)."""
 
 
-@pytest.mark.parametrize("dtype,deferred", [(torch.float32, False), (torch.float16, False), (torch.float16, True),
-                                           (torch.float16, "pieces")],
-                         ids=["fp32-norm", "fp16-norm", "fp16-deferred", "fp16-deferred-rank-pieces"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("t,c,d,rank,inject", WRITE_READS, ids=[f"T{t}-C{c}-D{d}-r{r}-{'inject' if i else 'final'}"
                                                                  for t, c, d, r, i in WRITE_READS])
-def test_a_write_folded_into_the_next_read_equals_the_two(t, c, d, rank, inject, dtype, deferred):
+def test_a_write_folded_into_the_next_read_equals_the_two(t, c, d, rank, inject, dtype):
     """`hc_write_read_triton` (the write inside the read's first launch) against `hc_write_read_ref` (the
-    write with the next norm, then the read): the new state, the next block's input and gate logits; with
-    `write_norm_deferred` (chunks cut at the streams' bounds: 32 columns of a stream of 40, a last chunk of 8;
-    one chunk of 24 in 32 lanes) the new state bit for bit too in fp16."""
+    write with the next norm, then the read): the new state, the next block's input and gate logits; the norm
+    deferred to the second launch (chunks cut at the streams' bounds: 32 columns of a stream of 40, a last
+    chunk of 8; one chunk of 24 in 32 lanes), the ranks (none a power of two) in two pieces; the new state bit
+    for bit in fp16."""
     from ft.kernels.hyper_connection import hc_write_read_ref
 
     g = torch.Generator().manual_seed(t * 100 + d + rank)
@@ -170,12 +168,11 @@ def test_a_write_folded_into_the_next_read_equals_the_two(t, c, d, rank, inject,
     x[:, :d] *= 20.0  # streams of different scales: each its own norm
     next_norm = r(c * d, scale=0.1)
     mix_in, up_w = r(rank + (c if inject else 0), c * d, scale=0.3), r(c * d, rank, scale=0.5)
-    with use_kernel_options(variant(**SMALL_TILES, **{"hyper_connection.write_norm_deferred": bool(deferred),
-                                                      "hyper_connection.up_rank_pieces": deferred == "pieces"})):
+    with use_kernel_options(variant(**SMALL_TILES)):
         got = details.hc_write_read_triton(x, y, gates, c, next_norm, 1e-6, mix_in, up_w, rank)
     want = hc_write_read_ref(x, y, gates, c, next_norm, 1e-6, mix_in, up_w, rank)
     assert got[0].shape == want[0].shape and rel(got[0], want[0]) < TOL[dtype]
-    if deferred:  # (fp16 only: in fp32 the interpreter's sigmoid is not torch's to the last bit)
+    if dtype == torch.float16:  # (in fp32 the interpreter's sigmoid is not torch's to the last bit)
         assert torch.equal(got[0], want[0])
     assert got[1].shape == (t, d) and got[1].dtype == want[1].dtype and rel(got[1], want[1]) < TOL[dtype]
     if inject:

@@ -15,7 +15,7 @@ from ft.kernels.moe import SlotWeights, dense_slots, moe_decode, moe_decode_ref,
 from ft.kernels.moe.decode_kernel import moe_decode_triton
 from ft.kernels.moe.kernel import moe_over_slots_triton
 from ft.kernels import options
-from ft.kernels.options import VARIANTS, use_kernel_options, variant
+from ft.kernels.options import DEFAULTS, use_kernel_options, variant
 from ft.tools.nvfp4_quantize import quantize_nvfp4
 from triton_flags import spy_launches
 
@@ -294,10 +294,11 @@ def test_moe_decode_triton_matches_ref(case, per_pair):
     assert torch.equal(moe_decode_triton(x, moved_slots, weights.to(dtype), moved, shared, down_per_pair=per_pair), y)
 
 
-def test_the_narrow_one_token_tiles_are_taken_and_match_ref(monkeypatch):
-    """Variant "moe-decode-narrow-one-token" (`MoeOptions.decode_tiles_one_token`): one token's gate/up and
-    down passes launch with its tiles (two tiles a row here, as at 2,560 / 640) and give the reference's
-    result; two tokens keep the tables' tiles."""
+@pytest.mark.parametrize("wide", [False, True], ids=["default", "wide"])
+def test_the_one_token_tiles_are_taken_and_match_ref(monkeypatch, wide):
+    """`MoeOptions.decode_tiles_one_token`: one token's gate/up and down passes launch with its tiles (two
+    tiles a row here, as at 2,560 / 640) and give the reference's result; two tokens keep the tables' tiles,
+    as one token does with variant "moe-decode-wide-one-token"."""
     import ft.kernels.moe.decode_kernel as details
 
     gate_up = spy_launches(monkeypatch, details, "_moe_decode_gate_up_kernel")
@@ -310,11 +311,11 @@ def test_the_narrow_one_token_tiles_are_taken_and_match_ref(monkeypatch):
         x = torch.randn(t, 80, generator=gen)
         gate_up.clear()
         down.clear()
-        with use_kernel_options(variant("moe-decode-narrow-one-token")):
+        with use_kernel_options(variant(*(["moe-decode-wide-one-token"] if wide else []))):
             y = moe_decode_triton(x, slots, weights, w, shared)
-        narrow = VARIANTS["moe-decode-narrow-one-token"]["moe.decode_tiles_one_token"]
-        want = [(narrow[0][0], narrow[0][2]), (narrow[1][0], narrow[1][2])] if t == 1 else \
-            [(details.DECODE_GATE_UP_CONFIG[2][0], details.DECODE_GATE_UP_CONFIG[2][2]),
+        narrow = DEFAULTS.moe.decode_tiles_one_token
+        want = [(narrow[0][0], narrow[0][2]), (narrow[1][0], narrow[1][2])] if t == 1 and not wide else \
+            [(details.DECODE_GATE_UP_CONFIG[t][0], details.DECODE_GATE_UP_CONFIG[t][2]),
              (details.DECODE_DOWN_PAIRS_CONFIG[0], details.DECODE_DOWN_PAIRS_CONFIG[2])]
         assert [(gate_up[0]["BLOCK_I"], gate_up[0]["num_warps"]), (down[0]["BLOCK_H"], down[0]["num_warps"])] == want
         assert len(gate_up) == len(down) == 1

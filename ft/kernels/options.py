@@ -39,20 +39,13 @@ class Nvfp4Options:
     lanes_ptx: the whole-K tiles (the M <= 8 GEMV, the decode MoE kernels) decode a word's 8
     elements to fp32 in inline PTX on a CUDA device (the same values as the Triton form, fewer
     instructions); off: the Triton form.
-    gemv_two_tiles: at M = 1, a K whose K / 8 is the sum of two powers of two (Qwen3.8-Flash-Next's
-    2,560 = 256 + 64 words and 6,144 = 512 + 256) in two whole-K tiles instead of the K loop (variant
-    "nvfp4-gemv-two-tiles"). Faster alone (session 39, H100, bench/kernels_nvfp4.py --decode-shapes
-    fn_qkvz,fn_attn_qkv,fn_out_proj --sweep, us at M = 1, K loop -> two tiles: 16384x2560 14.84 -> 13.64,
-    13312x2560 14.43 -> 11.80, 2560x6144 9.93 -> 6.95; the sm_90 K loop at 2,560 holds 156 registers a
-    thread, the tiles 72-80), ~0.18 ms a 40-layer step by those figures; yet two A/Bs of the step in one
-    process (session 31 on the H200: -2.1%; session 39 on the H100: 204.98 / 203.53 against 207.61 /
-    203.71 tok/s at batch 1) did not show it. Off until the step's GPU time says where the kernel's gain
-    goes (bench/decode.py --modes graphs,graphs:nvfp4-gemv-two-tiles --gpu-time 5)."""
+    (The K loop at M = 1 where K / 8 is the sum of two powers of two lost to two whole-K tiles: session 40,
+    H200, Flash-Next's step at batch 1, GPU busy 4.83 -> 4.59 ms; its option `gemv_two_tiles` deleted, the
+    two tiles always taken there; RESULTS.md sessions 39-40.)"""
 
     small_m_whole_k: bool = True
     dot_halves: bool = True
     lanes_ptx: bool = True
-    gemv_two_tiles: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,14 +68,12 @@ class MoeOptions:
     default chunk: 16K prompt 602 -> 509 ms, 8K 295 -> 280 ms with passes of 16,384 against 4,096;
     8,192 between; bench/prefill.py --grouped-max-tokens, RESULTS.md session 29).
     decode_tiles_one_token: the decode MoE's tiles for one token, ((BLOCK_I, BLOCK_W, warps) of gate/up,
-    (BLOCK_H, BLOCK_W, warps) of down per pair); None, the default: `decode_kernel.DECODE_GATE_UP_CONFIG[1]`
-    and `DECODE_DOWN_PAIRS_CONFIG`, the 80B's sweep. Variant "moe-decode-narrow-one-token": ((4, 0, 2),
-    (16, 0, 4)). At Qwen3.8-Flash-Next's shape the block alone took 22.4 us a layer against the defaults'
-    26.1 (H200, RESULTS.md session 34), ~0.18 ms a step, but the step's tok/s did not show it (161.1 / 149.1
-    against 155.8 / 155.9 at batch 1 in one process; the 16 GiB card's offloaded 64K rung 63.1 against 64.2,
-    session 35): deleted then, back in session 39 (as the two-tile GEMV, whose kernel gains the step's tok/s
-    did not show either) for an A/B by the step's GPU time (bench/decode.py --gpu-time), which the host's
-    jitter does not blur.
+    (BLOCK_H, BLOCK_W, warps) of down per pair): ((4, 0, 2), (16, 0, 4)), narrower than the tables' (the 80B's
+    sweep, `decode_kernel.DECODE_GATE_UP_CONFIG[1]` and `DECODE_DOWN_PAIRS_CONFIG`, which None selects: variant
+    "moe-decode-wide-one-token"). At Qwen3.8-Flash-Next's shape the block alone took 22.4 us a layer against
+    the tables' 26.1 (H200, session 34), but the step's tok/s did not show it (sessions 34-35, deleted then);
+    the step's GPU time does (session 40, H200, 48 layers, batch 1, bench/decode.py --gpu-time 5): gate/up
+    153 us and down 82 us a step less, 4.83 -> 4.60 ms busy.
     (The decode MoE skips a graph bucket's padding rows always; the variant that computed them lost by
     5-10% at batches 10 / 20 / 36 and was deleted, RESULTS.md session 29.)
     (The decode step's routing in the router GEMV's launch, the last program of a token block routing it,
@@ -100,7 +91,7 @@ class MoeOptions:
     grouped_tile: tuple | None = None
     grouped_max_tokens: int = 16384
     decode_sum_in_down: bool = True
-    decode_tiles_one_token: tuple | None = None
+    decode_tiles_one_token: tuple | None = ((4, 0, 2), (16, 0, 4))
 
 
 @dataclass(frozen=True)
@@ -120,8 +111,7 @@ class GatedDeltaOptions:
     186.2 at batch 1, 656.1 / 653.5 against 638.1 / 631.9 at batch 8.
     decode_launch: changes to the decode step's recurrent kernel's launch (`kernel.delta_config`: ("BLOCK_V",
     32), ("num_warps", 4)) for sweeps (bench/gated_delta_decode.py --sweep); empty, the default: the rule
-    (BLOCK_V narrowed to about 256 programs; untuned: at Flash-Next's batch 1, 48 heads of 128 x 128 fp32 state,
-    it runs at ~1.3 TB/s of state read and written, 4.8 us a layer in session 39's H200 profile)."""
+    (BLOCK_V narrowed to about 256 programs, a warp per 2,048 state elements; session 40's sweep there)."""
 
     solve_precision: str = "tf32"
     prep_launch: tuple[tuple[str, int], ...] = ()
@@ -225,34 +215,30 @@ class HyperConnectionOptions:
     process, two rounds) 196.0 / 190.8 -> 197.1 / 194.4 tok/s at batch 1, 656.1 / 653.5 -> 679.9 / 669.9
     at batch 8. Commit d6caade holds them (variant "hc-read-up-per-stream").
     up_warps: the "fma" form's up kernel's warps; 0, the default: 8 where a program's tile holds 16,384
-    values or more (4 streams x 8 columns x rank 320 padded to 512), else 4 (Qwen3.8-Flash-Next's 4
-    columns). up_block_d 4 (with 4 warps by that rule) since session 39's sweep (H100, bench/hc_read.py
-    --tokens 1 --sweep, us a read at one token, (down_rows, down_chunk, up_block_d, up_warps)): (4, 2048,
-    8, 0 = 8 warps) 12.6, (4, 2048, 8, 4) 11.8, **(4, 2048, 4, 4) 11.2**, (4, 2048, 4, 8) 11.3, (4, 2048,
-    16, 4) 13.9, (4, 2048, 16, 8) 15.6, (2, 2048, 8, 0) 12.4, (4, 1024, 8, 0) 12.8: the narrower tile's 640
-    programs beat the 320 (101 registers at 8 warps: two programs an SM, two waves) and the 160. The step's
-    A/B is owed (variant "hc-up-block-d-8": the tile before).
+    values or more (4 streams x 8 columns x rank 320), else 4 (Qwen3.8-Flash-Next's 4 columns). up_block_d 4
+    (with 4 warps by that rule) since session 39's sweep (H100, bench/hc_read.py --tokens 1 --sweep, us a read
+    at one token, (down_rows, down_chunk, up_block_d, up_warps)): (4, 2048, 8, 0 = 8 warps) 12.6, (4, 2048, 8,
+    4) 11.8, **(4, 2048, 4, 4) 11.2**, (4, 2048, 4, 8) 11.3, (4, 2048, 16, 4) 13.9, (4, 2048, 16, 8) 15.6, (2,
+    2048, 8, 0) 12.4, (4, 1024, 8, 0) 12.8; in the step (session 40, H200, 48 layers, batch 1, bench/decode.py
+    --gpu-time 5) the 8 columns took 0.166 ms a step more busy time (its variant then deleted).
     write_into_read: a write followed by a read of the form "fma" (`hc_write_read`) runs as the read's
-    two launches, the write folded into the first (`_write_down_kernel`: each program recomputes the
-    written streams' norms from L2), where it was its own launch of C programs; off (variant
-    "hc-write-own-launch"): the write kernel, then the read. On by its launch count (96 a step fewer on
-    Qwen3.8-Flash-Next at one token) and its A/B (session 38, the same run): 196.0 / 190.8 tok/s against
-    185.9 / 184.7 at batch 1, 656.1 / 653.5 against 653.5 / 644.7 at batch 8. On the GPU the write kernel
-    runs without fp contraction, so both forms store the same bits as the reference.
-    write_norm_deferred: that folded write's first launch without the norm (`_write_down_deferred_kernel`):
-    each program writes only its own chunk of one stream (chunks of at most down_chunk columns cut at the
-    streams' bounds) and dots mix_in with x' (1 + w) there; the streams' 1 / rms, from the chunks' sums of
-    squares, scale the partials in the up kernel, which also normalises x' for the mix. The plain form
-    recomputes every stream's write in each of its ~400 programs for the norm (~25 KB of L2 reads a
-    program; `_write_down_kernel` 5.8 us a call against `_read_down_kernel`'s 3.7 in session 39's H200
-    profile). z then takes N unrounded (a few bf16 ulps from the reference's, inside the read's error).
-    Off: its one A/B (session 39, H100, 40 layers, batch 1, two rounds) 211.1 / 202.8 against 207.6 /
-    203.7 tok/s, inside the spread; `bench/hc_read.py --write-read` times the two forms alone (not yet
-    run). Variant "hc-write-norm-deferred".
-    up_rank_pieces: the "fma" up kernel takes a rank that is no power of two in two tiles (Flash-Next's 320:
-    256 + 64) instead of one of the next power of two (512, 192 masked columns that hold registers);
-    session 39, CPU only: sm_90 SASS in the compile cases; off until the step's GPU time says (variant
-    "hc-up-rank-pieces").
+    two launches, the write folded into the first (`_write_down_deferred_kernel`), where it was its own
+    launch of C programs; off (variant "hc-write-own-launch"): the write kernel, then the read. On by its
+    launch count (96 a step fewer on Qwen3.8-Flash-Next at one token) and its A/B (session 38, the same
+    run): 196.0 / 190.8 tok/s against 185.9 / 184.7 at batch 1, 656.1 / 653.5 against 653.5 / 644.7 at
+    batch 8. On the GPU the write kernel runs without fp contraction, so both forms store the same bits as
+    the reference. The folded write's first launch leaves the norm to the second: each program writes only
+    its own chunk of one stream (chunks of at most down_chunk columns cut at the streams' bounds) and dots
+    mix_in with x' (1 + w) there; the streams' 1 / rms, from the chunks' sums of squares, scale the
+    partials in the up kernel, which also normalises x' for the mix (z takes N unrounded: a few bf16 ulps
+    from the reference's, inside the read's error). And the up kernel takes a rank that is no power of two
+    in two tiles (Flash-Next's 320: 256 + 64) instead of one of the next power of two (512, 192 masked
+    columns holding registers; sm_90 1,168 -> 840 instructions). The forms before lost (session 40, H200,
+    48 layers, batch 1, GPU busy ms a step, bench/decode.py --gpu-time 5): the norm in the first launch
+    (`_write_down_kernel`: every program recomputed every stream's write for its norm, 5.8 us a call) and
+    the rank in one tile 4.833; the deferred norm alone 4.897, the rank in pieces alone 4.763, both
+    **4.660**; bench/hc_read.py --write-read, us a write + read: 12.3 / 13.0 / 11.6 / **10.5**. Their
+    options `write_norm_deferred` and `up_rank_pieces` deleted (commit e04ea00 holds the forms before).
 
     H200, bench/hc_read.py (4 streams of 2,560, rank 320, bf16, in a CUDA graph), us a read, cuBLAS /
     fma / dot: T 1 17.4 / **14.1** / 17.4; T 2 20.8 / 19.4 / **17.9**; T 8 21.3 / 49.1 / **18.0**; T 64
@@ -275,8 +261,6 @@ class HyperConnectionOptions:
     dot_up_block_d: int = 8
     dot_up_block_rank: int = 64
     write_into_read: bool = True
-    write_norm_deferred: bool = False
-    up_rank_pieces: bool = False
 
 
 @dataclass(frozen=True)
@@ -339,20 +323,16 @@ VARIANTS: dict[str, dict[str, object]] = {
     "nvfp4-tile-small-m": {"nvfp4.small_m_whole_k": False},  # bench/decode.py --no-small-m-gemv
     "nvfp4-lanes-triton": {"nvfp4.lanes_ptx": False},  # bench/decode.py --no-lanes-ptx, bench/moe_decode.py
     "nvfp4-dot-interleaved": {"nvfp4.dot_halves": False},  # bench/decode.py --no-dot-halves
-    "nvfp4-gemv-two-tiles": {"nvfp4.gemv_two_tiles": True},  # bench/decode.py --modes graphs:nvfp4-gemv-two-tiles
     "moe-bytes": {"moe.grouped_words": False},  # bench/moe_prefill.py, bench/prefill.py
     "attention-prefill-reference": {"prefill_attention.triton_on_cuda": False},  # bench/prefill.py --modes
     "attention-prefill-triton-only": {"prefill_attention.library_on_cuda": False},  # bench/prefill.py --library
     "gated-delta-solve-ieee": {"gated_delta.solve_precision": "ieee"},  # bench/gated_delta_prefill.py
     "pdl": {"launch.pdl": True},  # bench/decode.py --modes pdl, bench/ladder.py --pdl
-    "moe-decode-narrow-one-token": {"moe.decode_tiles_one_token": ((4, 0, 2), (16, 0, 4))},  # bench/decode.py --modes
+    "moe-decode-wide-one-token": {"moe.decode_tiles_one_token": None},  # bench/decode.py --modes
     "attention-nvfp4-f16": {"decode_attention.nvfp4_prmt": False},  # bench/decode.py --no-prmt, decode_attention.py
     "hc-read-cublas": {"hyper_connection.fused_read_max_tokens": 0},  # bench/hc_read.py, bench/decode.py --modes
     "hc-read-dot-only": {"hyper_connection.fma_read_max_tokens": 0},  # the same
     "hc-write-own-launch": {"hyper_connection.write_into_read": False},  # the same
-    "hc-write-norm-deferred": {"hyper_connection.write_norm_deferred": True},  # bench/decode.py --modes
-    "hc-up-block-d-8": {"hyper_connection.up_block_d": 8},  # the same; bench/hc_read.py --sweep
-    "hc-up-rank-pieces": {"hyper_connection.up_rank_pieces": True},  # the same
     "moe-sum-own-launch": {"moe.decode_sum_in_down": False},  # the same
     "gated-delta-ba-own-launch": {"gated_delta.decode_ba_in_conv": False},  # the same
     "qsa-prefill-select-torch": {"qsa.prefill_select_kernel": False},  # bench/prefill.py --variant

@@ -181,13 +181,16 @@ def conv_config(channels: int, width: int) -> dict:
 
 
 def delta_config(batch: int, hv: int, dk: int, dv: int) -> dict:
-    """Constexprs and warps of `_delta_decode_kernel` (untuned): the widest BLOCK_V (16 to 64) that still
-    gives about TARGET_PROGRAMS programs."""
+    """Constexprs and warps of `_delta_decode_kernel`: the widest BLOCK_V (16 to 64) that still gives about
+    TARGET_PROGRAMS programs, a warp per 2,048 state elements of the tile (1 to 4). Session 40's sweep (H200,
+    bench/gated_delta_decode.py --sweep, us a layer, Dk = Dv = 128): Flash-Next's 48 heads at batch 1, BLOCK_V 16
+    with 1 warp 6.92; at batch 8, 64 with 4 warps 20.35 against 24.82 with the 8 of a warp per 1,024; the 80B's
+    32 heads 6.46 (16, 1 warp) against 6.73 (2) and 16.15 (64, 4) against 18.36 (8)."""
     block_k = triton.next_power_of_2(dk)
     block_v = min(64, triton.next_power_of_2(dv))
     while block_v > 16 and batch * hv * triton.cdiv(dv, block_v) < TARGET_PROGRAMS:
         block_v //= 2
-    return {"BLOCK_K": block_k, "BLOCK_V": block_v, "num_warps": max(1, min(8, block_k * block_v // 1024))}
+    return {"BLOCK_K": block_k, "BLOCK_V": block_v, "num_warps": max(1, min(4, block_k * block_v // 2048))}
 
 
 def _unit_last(x: torch.Tensor) -> torch.Tensor:

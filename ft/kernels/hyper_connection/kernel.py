@@ -115,71 +115,17 @@ def _read_down_kernel(p_n, p_w, p_zp, T, R, W, stride_nt, stride_wr, stride_zp, 
 
 
 @triton.jit
-def _write_down_kernel(p_x, p_y, p_a, p_wn, p_w, p_out, p_nn, p_zp, T, R, eps, stride_xt, stride_yt, stride_at,
-                       stride_ot, stride_nnt, stride_wr, stride_zp, C: tl.constexpr, D: tl.constexpr,
-                       ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A write and the next read's first projection in one launch (grid (R / ROWS, C * D / CHUNK), as
-    `_read_down_kernel`): each program computes the written streams x' = x_k + a_k y of every stream
-    (from L2: D values each) for their norms' 1 / rms, then x' and N = norm(x') of its own CHUNK
-    columns (the same values again) and their partial dots with its [ROWS, CHUNK] tile of mix_in; the
-    programs of the first row tile store x' and N. Rounds as `_write_kernel` then `_read_down_kernel`
-    (the norm's sum in another order: its 1 / rms to the last bits of fp32)."""
-    W: tl.constexpr = C * D
-    i_r, i_s = tl.program_id(0), tl.program_id(1)
-    o_r = i_r * ROWS + tl.arange(0, ROWS)
-    m_r = o_r < R
-    o_w = i_s * CHUNK + tl.arange(0, CHUNK)
-    m_w = o_w < W
-    k_w = o_w // D  # each column's stream
-    o_c = tl.arange(0, C)
-    o_d = tl.arange(0, BLOCK_D)
-    m_d = o_d < D
-    x_dtype = p_out.dtype.element_ty
-    a_dtype = p_a.dtype.element_ty
-    b_w = tl.load(p_w + o_r[:, None].to(tl.int64) * stride_wr + o_w[None, :], mask=m_r[:, None] & m_w[None, :],
-                  other=0.0).to(tl.float32)
-    b_wn = tl.load(p_wn + o_w, mask=m_w, other=0.0).to(tl.float32)
-    for t in range(T):
-        # a_k = 2 sigmoid(logit_k) rounded as `_write_kernel` rounds it
-        b_lg = tl.load(p_a + t * stride_at + o_c).to(tl.float32)
-        b_gate = (2.0 * tl.sigmoid(b_lg).to(a_dtype).to(tl.float32)).to(a_dtype).to(x_dtype).to(tl.float32)
-        # every stream written, for its 1 / rms
-        b_y = tl.load(p_y + t * stride_yt + o_d, mask=m_d, other=0.0).to(tl.float32)
-        b_x = tl.load(p_x + t * stride_xt + o_c[:, None] * D + o_d[None, :], mask=m_d[None, :], other=0.0)
-        b_o = (b_x.to(tl.float32) + (b_gate[:, None] * b_y[None, :]).to(x_dtype).to(tl.float32)).to(x_dtype)
-        b_o = tl.where(m_d[None, :], b_o.to(tl.float32), 0.0)
-        rstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(tl.sum(b_o * b_o, axis=1), D * 1.0) + eps))
-        # this program's columns
-        b_xc = tl.load(p_x + t * stride_xt + o_w, mask=m_w, other=0.0).to(tl.float32)
-        b_yc = tl.load(p_y + t * stride_yt + o_w - k_w * D, mask=m_w, other=0.0).to(tl.float32)
-        # each column's stream's gate and 1 / rms, selected from the C values (no gather)
-        b_gatec = tl.zeros((CHUNK,), dtype=tl.float32)
-        rstd_c = tl.zeros((CHUNK,), dtype=tl.float32)
-        for k in tl.static_range(C):
-            b_gatec = tl.where(k_w == k, tl.sum(tl.where(o_c == k, b_gate, 0.0), axis=0), b_gatec)
-            rstd_c = tl.where(k_w == k, tl.sum(tl.where(o_c == k, rstd, 0.0), axis=0), rstd_c)
-        b_oc = (b_xc + (b_gatec * b_yc).to(x_dtype).to(tl.float32)).to(x_dtype)
-        b_n = ((b_oc.to(tl.float32) * rstd_c) * (1.0 + b_wn)).to(p_nn.dtype.element_ty)
-        if i_r == 0:
-            tl.store(p_out + t * stride_ot + o_w, b_oc, mask=m_w)
-            tl.store(p_nn + t * stride_nnt + o_w, b_n, mask=m_w)
-        # N in the weights' dtype, as the reference casts it before its GEMM
-        b_nw = b_n.to(p_w.dtype.element_ty).to(tl.float32)
-        tl.store(p_zp + (i_s * T + t) * stride_zp + o_r, tl.sum(b_w * b_nw[None, :], axis=1), mask=m_r)
-
-
-@triton.jit
 def _write_down_deferred_kernel(p_x, p_y, p_a, p_wn, p_w, p_out, p_zp, p_ss, T, R, stride_xt, stride_yt, stride_at,
                                 stride_ot, stride_wr, stride_zp, C: tl.constexpr, D: tl.constexpr, SK: tl.constexpr,
                                 SPAN: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """A write and the next read's first projection with the norm's 1 / rms left to the up kernel
-    (`HyperConnectionOptions.write_norm_deferred`; grid (R / ROWS, C * SK)): program (i_r, i_s) owns
+    """A write and the next read's first projection with the norm's 1 / rms left to the up kernel (grid
+    (R / ROWS, C * SK)): program (i_r, i_s) owns
     SPAN columns of one stream k = i_s // SK (chunks never straddle streams), computes x' = x_k + a_k y
     there (rounded as `_write_kernel`), and stores z_part[i_s, t, r] = sum over its columns of mix_in[r]
     x' (1 + w): the dot of the stream's norm before its 1 / rms, which is the same for every column of
     the chunk. The programs of the first row tile store x' and the chunk's sum of squares
-    ss[i_s, t]. So no program reads another stream (the plain form recomputes every stream's write a
-    program for its norm: ~25 KB of L2 reads each). The reference's N is rounded to the activations'
+    ss[i_s, t]. So no program reads another stream (the form before, which recomputed every stream's write
+    in each program for its norm, ~25 KB of L2 reads each, lost: `HyperConnectionOptions`). The reference's N is rounded to the activations'
     dtype before its GEMM; here the dot takes it unrounded (a few bf16 ulps apart in z, inside the
     read's own error)."""
     i_r, i_s = tl.program_id(0), tl.program_id(1)
@@ -264,10 +210,10 @@ def _read_up_mix_streams_kernel(p_zp, p_up, p_n, p_u, p_gl, T, S, stride_zp, D, 
     SK > 0 (after `_write_down_deferred_kernel`, SK chunks a stream): p_n holds the written streams x',
     not their norm; each stream's 1 / rms comes from the chunks' sums of squares p_ss [S, T], scales its
     chunks' partials (partial s: stream s // SK) and normalises x' (times 1 + p_wn) for the mix.
-    R2 > 0 (`HyperConnectionOptions.up_rank_pieces`): the rank in two tiles, BLOCK_R (a power of two <=
+    R2 > 0 (a rank that is no power of two, `_read_up_fma`): the rank in two tiles, BLOCK_R (a power of two <=
     RANK, no rank mask) then R2 columns from BLOCK_R (masked past RANK only where BLOCK_R + R2 > RANK),
     instead of one tile of next_power_of_2(RANK) columns (rank 320: 512, 37.5% of it masked lanes that
-    hold registers)."""
+    hold registers; the one tile lost: `HyperConnectionOptions`)."""
     i_d = tl.program_id(0)
     o_j = tl.arange(0, C * BLOCK_D)
     o_k = o_j // BLOCK_D
@@ -414,7 +360,7 @@ def hc_write_triton(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Tensor,
                                     D=d, BLOCK_D=block_d, NEXT_NORM=next_norm is not None,
                                     num_warps=8 if block_d >= 2048 else 4,
                                     # no contraction: x + bf16(a y) must round twice, as the reference (and
-                                    # `_write_down_kernel`) does; fused, sm_90 ran it as one bf16 FMA
+                                    # `_write_down_deferred_kernel`) does; fused, sm_90 ran it as one bf16 FMA
                                     # (HFMA2.BF16_V2), a bf16 ulp off at ties (session 38, H100)
                                     enable_fp_fusion=False)
     return out if next_norm is None else (out, nn)
@@ -423,7 +369,7 @@ def hc_write_triton(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Tensor,
 def hc_write_read_triton(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Tensor, streams: int,
                          next_norm: torch.Tensor, eps: float, mix_in: torch.Tensor, up: torch.Tensor, rank: int
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`hc_write_read_ref` in two launches (`_write_down_kernel`, then the form "fma"'s up/mix kernel): x
+    """`hc_write_read_ref` in two launches (`_write_down_deferred_kernel`, then the form "fma"'s up/mix kernel): x
     [T, C*D], y [T, D], gate_logits [T, C] (the write's), next_norm [C*D], mix_in [rank (+ C), C*D], up
     [C*D, rank] -> (x' [T, C*D], u [T, D], the next write's gate logits [T, C] or None). For the reads
     the form "fma" takes (a token); C a power of two."""
@@ -434,7 +380,7 @@ def hc_write_read_triton(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Te
     out = torch.empty((t, width), dtype=x.dtype, device=x.device)
     u = torch.empty((t, d), dtype=torch.promote_types(out.dtype, mix_in.dtype), device=x.device)
     next_gates = torch.empty((t, c), dtype=mix_in.dtype, device=x.device) if r > rank else None
-    if t and opts.write_norm_deferred:
+    if t:
         sk, span, rows, r_stride = _deferred_down_tiles(d, r, opts)
         z_part = torch.empty((c * sk, t, r_stride), dtype=torch.float32, device=x.device)
         ss = torch.empty((c * sk, t), dtype=torch.float32, device=x.device)
@@ -445,15 +391,6 @@ def hc_write_read_triton(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Te
             num_warps=8 if rows * block >= 8192 else 4,
             enable_fp_fusion=False)  # x + bf16(a y) rounds twice, as `_write_kernel` (see there)
         _read_up_fma(z_part, c * sk, r_stride, out, up, rank, c, opts, u, next_gates, norm=(next_norm, ss, eps, sk))
-    elif t:
-        n = torch.empty_like(out)  # the next read's normalised streams
-        chunk, splits, rows, r_stride = _fma_down_tiles(width, r, opts)
-        z_part = torch.empty((splits, t, r_stride), dtype=torch.float32, device=x.device)
-        _write_down_kernel[(triton.cdiv(r, rows), splits)](
-            x, y, a, next_norm.contiguous(), mix_in, out, n, z_part, t, r, eps, x.stride(0), y.stride(0), a.stride(0),
-            out.stride(0), n.stride(0), mix_in.stride(0), r_stride, C=c, D=d, ROWS=rows, CHUNK=chunk,
-            BLOCK_D=triton.next_power_of_2(d), num_warps=8)
-        _read_up_fma(z_part, splits, r_stride, n, up, rank, c, opts, u, next_gates)
     return out, u, next_gates
 
 
@@ -516,7 +453,7 @@ def _read_up_fma(z_part: torch.Tensor, splits: int, r_stride: int, n: torch.Tens
     t, width = n.shape
     d = width // c
     block_r, r2 = triton.next_power_of_2(rank), 0
-    if opts.up_rank_pieces and block_r != rank:  # rank = 2^a + (the rest in a tile of its own)
+    if block_r != rank:  # rank = 2^a + (the rest in a tile of its own)
         block_r = block_r // 2
         r2 = triton.next_power_of_2(rank - block_r)
     gl = gate_logits if gate_logits is not None else u

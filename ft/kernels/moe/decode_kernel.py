@@ -437,7 +437,7 @@ def moe_decode_triton(
     live_ptr = live if has_live else slots  # any valid pointer (never read: HAS_LIVE is off)
     ks = k + has_shared
     h = torch.empty((t * ks, i), dtype=torch.float32, device=x.device)
-    one_token = kernel_options().moe.decode_tiles_one_token if t == 1 else None  # (a variant's; None: the tables)
+    one_token = kernel_options().moe.decode_tiles_one_token if t == 1 else None  # (None: the tables)
     block_i, bw13, warps13 = gate_up_config or (one_token[0] if one_token else DECODE_GATE_UP_CONFIG[min(t, 2)])
     per_pair = down_per_pair if down_per_pair is not None else t >= DECODE_DOWN_PAIRS_MIN_TOKENS
     block_h, bw2, warps2 = down_config or (

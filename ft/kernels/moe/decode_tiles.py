@@ -4,6 +4,8 @@ sum by the last program needs."""
 
 from __future__ import annotations
 
+from ft.kernels.options import kernel_options
+
 __all__ = ["DECODE_DOWN_BLOCK_H", "sum_counters_needed"]
 
 DECODE_DOWN_BLOCK_H = 64
@@ -12,6 +14,9 @@ DECODE_DOWN_BLOCK_H = 64
 
 
 def sum_counters_needed(tokens: int, hidden: int) -> int:
-    """The int32 counters `moe_decode(sum_counters=...)` needs for `tokens` tokens of width `hidden` (one
-    per token and column block of the per-pair down pass)."""
-    return tokens * -(-hidden // DECODE_DOWN_BLOCK_H)
+    """The int32 counters `moe_decode(sum_counters=...)` needs for up to `tokens` tokens of width `hidden`
+    (one per token and column block of the per-pair down pass; one token's blocks are
+    `MoeOptions.decode_tiles_one_token`'s, narrower, where the options in force set them)."""
+    one_token = kernel_options().moe.decode_tiles_one_token
+    one_token_blocks = -(-hidden // one_token[1][0]) if one_token and tokens >= 1 else 0
+    return max(tokens * -(-hidden // DECODE_DOWN_BLOCK_H), one_token_blocks)

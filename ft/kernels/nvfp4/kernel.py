@@ -21,7 +21,7 @@ Two kernels:
 * `_nvfp4_gemv_kernel` (M <= 2, and M <= 8 on the shapes where it wins, see `_path`): a program
   owns BLOCK_N rows; with K / 8 a power of two <= 1024 it takes the rows' whole K in one tile
   (`whole_k_tile`, decoded once for all rows of x; no loop, each x row read once), at M = 1 in two
-  such tiles when K / 8 is the sum of two powers of two (`Nvfp4Options.gemv_two_tiles`), else it walks K
+  such tiles when K / 8 is the sum of two powers of two (Qwen3.8-Flash-Next's 2,560 and 6,144), else it walks K
   in steps of BLOCK_W words (`nvfp4_rows_dot`); per word 8 FMAs on fp32 products, then one FMA with
   the block scale; x is read in its natural order and split into the 8 element lanes of a word with
   ``tl.split``.
@@ -82,7 +82,7 @@ def _nvfp4_gemv_kernel(
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < N
         s2 = tl.load(p_s2)
-        if WHOLE_K2 > 0:  # M = 1, K / 8 = WHOLE_K + WHOLE_K2 (`Nvfp4Options.gemv_two_tiles`): a second tile
+        if WHOLE_K2 > 0:  # M = 1, K / 8 = WHOLE_K + WHOLE_K2 (`whole_k_split`): a second tile
             # words WHOLE_K.. of each row, their scale bytes WHOLE_K / 2.., x's elements 8 WHOLE_K..
             pdl_wait(PDL)
             pdl_release(PDL)
@@ -249,7 +249,10 @@ def _gemv_config(m: int, n: int, k: int) -> dict:
         return {"BLOCK_M": block_m, "BLOCK_N": 4, "BLOCK_W": 2, "WHOLE_K": True, "num_warps": 4}
     if m > 1:
         return {"BLOCK_M": block_m, "BLOCK_N": 8, "BLOCK_W": max(2, min(64, triton.next_power_of_2(k // 8))), "num_warps": 4}
-    if not kw and kernel_options().nvfp4.gemv_two_tiles:  # K / 8 = 2^a + 2^b: two whole-K tiles at M = 1
+    # K / 8 = 2^a + 2^b: two whole-K tiles at M = 1. Against the K loop (session 40, H200, Flash-Next's
+    # 48-layer step at batch 1, bench/decode.py --gpu-time): the GEMV 248 us a step less, 4.83 -> 4.59 ms
+    # busy; alone (session 39, H100): 16384x2560 14.84 -> 13.64 us, 13312x2560 14.43 -> 11.80, 2560x6144 9.93 -> 6.95
+    if not kw:
         kw = sum(whole_k_pieces(k))
     if kw:
         block_n = 8 if kw <= 64 else min(8 if n >= 12288 else 4, 1 << (max(1, 4096 // kw).bit_length() - 1))
