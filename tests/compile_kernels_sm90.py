@@ -175,7 +175,8 @@ HC_UP_MIX = {"p_zp": "*fp32", "p_up": "*bf16", "p_n": "*bf16", "p_u": "*bf16", "
              **ints("stride_upr", "stride_nt", "stride_ut", "stride_glt"), "p_wn": "*bf16", "p_ss": "*fp32", "eps": "fp32"}
 """`_read_up_mix_streams_kernel`'s signature as the deferred norm launches it (its norm weight bf16; a plain
 read passes z_part there, fp32)."""
-HC_READ_DOWN = {"p_n": "*bf16", "p_w": "*bf16", "p_zp": "*fp32", **ints("T", "R", "W", "stride_nt", "stride_wr", "stride_zp")}
+HC_READ_DOWN = {"p_n": "*bf16", "p_w": "*bf16", "p_zp": "*fp32",
+                **ints("T", "R", "W", "stride_nt", "stride_wr", "stride_zp")}
 HC_WRITE_DOWN = {"p_x": "*bf16", "p_y": "*bf16", "p_a": "*bf16", "p_wn": "*bf16", "p_w": "*bf16", "p_out": "*bf16",
                  "p_zp": "*fp32", "p_ss": "*fp32", **ints("T", "R"),
                  **ints("stride_xt", "stride_yt", "stride_at", "stride_ot", "stride_wr", "stride_zp")}
@@ -471,7 +472,8 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
      {**HC_UP_MIX, "p_wn": "*fp32"},
      {"RANK": 320, "C": 4, "BLOCK_D": 4, "BLOCK_R": 256, "BLOCK_S": 8, "BLOCK_C": 4, "GATES": True, "R2": 64,
       "num_warps": 4}),
-    ("hyper connection read, up + mix after the deferred norm (4 columns, rank 256 + 64, 2 chunks a stream; as launched)",
+    ("hyper connection read, up + mix after the deferred norm (4 columns, rank 256 + 64, 2 chunks a stream; "
+     "as launched)",
      hc._read_up_mix_streams_kernel,
      HC_UP_MIX,
      {"RANK": 320, "C": 4, "BLOCK_D": 4, "BLOCK_R": 256, "BLOCK_S": 8, "BLOCK_C": 4, "GATES": True, "SK": 2, "R2": 64,

@@ -168,16 +168,15 @@ def _write_down_deferred_kernel(p_x, p_y, p_a, p_wn, p_w, p_out, p_zp, p_ss, T, 
                                 BLOCK_S: tl.constexpr = 1, BLOCK_RA: tl.constexpr = 1, BLOCK_C: tl.constexpr = 1,
                                 GATES: tl.constexpr = False, TICKET: tl.constexpr = False):
     """A write and the next read's first projection with the norm's 1 / rms left to the up kernel (grid
-    (R / ROWS, C * SK)): program (i_r, i_s) owns
-    SPAN columns of one stream k = i_s // SK (chunks never straddle streams), computes x' = x_k + a_k y
-    there (rounded as `_write_kernel`), and stores z_part[i_s, t, r] = sum over its columns of mix_in[r]
-    x' (1 + w): the dot of the stream's norm before its 1 / rms, which is the same for every column of
-    the chunk. The programs of the first row tile store x' and the chunk's sum of squares
-    ss[i_s, t]. So no program reads another stream (the form before, which recomputed every stream's write
-    in each program for its norm, ~25 KB of L2 reads each, lost: `HyperConnectionOptions`). The reference's N is rounded to the activations'
-    dtype before its GEMM; here the dot takes it unrounded (a few bf16 ulps apart in z, inside the
-    read's own error). TICKET: `_ticket_reduce` at the end (p_count, p_ta the SiLU'd ranks, p_rs the
-    streams' 1 / rms, p_gl its)."""
+    (R / ROWS, C * SK)): program (i_r, i_s) owns SPAN columns of one stream k = i_s // SK (chunks never
+    straddle streams), computes x' = x_k + a_k y there (rounded as `_write_kernel`), and stores
+    z_part[i_s, t, r] = sum over its columns of mix_in[r] x' (1 + w): the dot of the stream's norm before
+    its 1 / rms, which is the same for every column of the chunk. The programs of the first row tile store
+    x' and the chunk's sum of squares ss[i_s, t]. So no program reads another stream (the form before, which
+    recomputed every stream's write in each program for its norm, ~25 KB of L2 reads each, lost:
+    `HyperConnectionOptions`). The reference's N is rounded to the activations' dtype before its GEMM; here
+    the dot takes it unrounded (a few bf16 ulps apart in z, inside the read's own error). TICKET:
+    `_ticket_reduce` at the end (p_count, p_ta the SiLU'd ranks, p_rs the streams' 1 / rms, p_gl its)."""
     i_r, i_s = tl.program_id(0), tl.program_id(1)
     k = i_s // SK
     o_r = i_r * ROWS + tl.arange(0, ROWS)
