@@ -497,9 +497,11 @@ def _pdl_cases() -> list:
     """Cases again with PDL on (the constexpr and the launch option, `ft.kernels.pdl`): every NVFP4
     GEMV case (its paths place the wait differently: after the whole-K weights, or first), the
     dense GEMV (after its first weight tile), and one of each kernel whose wait comes first (the
-    same two lines in every such kernel). Each must compile with the wait in its PTX."""
+    same two lines in every such kernel; the HyperConnection's fma form with and without its ticket's
+    atomics). Each must compile with the wait in its PTX."""
     picked = {nv._nvfp4_gemv_kernel: 99, dense._dense_gemv_kernel: 1, nv._nvfp4_dot_kernel: 1, norm._rms_norm_kernel: 1,
-              moe_dec._moe_decode_gate_up_kernel: 1, attn._decode_split_kernel: 1}
+              moe_dec._moe_decode_gate_up_kernel: 1, attn._decode_split_kernel: 1,
+              hc._write_down_deferred_kernel: 2, hc._read_up_mix_streams_kernel: 3}
     out = []
     for name, kernel, signature, params in CASES:
         if picked.get(kernel, 0) > 0:

@@ -20,7 +20,11 @@ new pool each time (`DecodeGraphs.invalidate`: session 18's allocator assertion 
 pool; confirmed on the H200 in session 34). Measured there against plain launches in one process
 (`bench/decode.py --modes overlap,pdl,overlap,pdl`, bench/RESULTS.md session 34): the 80B 0.96x at
 batch 1, 1.02x at 8, 1.00x at 64; Qwen3.8-Flash-Next within its run-to-run drift (its HyperConnection
-and QSA kernels launch without it). So it stays off.
+and QSA kernels launch without it). So it stays off. Sessions 39-40 (Flash-Next, overlapped decode, one
+sample each): +3.9% at batch 1 on the H100, +4.3% at batch 1 and a tie at 8 on the H200, its GPU busy time
+-0.08 ms at 1 and +0.15 ms at 8. Since session 40 every kernel of Flash-Next's decode step takes it (the
+HyperConnection's, QSA's, the sparse decode attention, the Engram's, the slot writes, the activations), so
+that its next A/B covers the whole step.
 """
 
 from __future__ import annotations

@@ -8,13 +8,17 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
+
 __all__ = ["expert_combine_triton", "silu_mul_triton"]
 
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_mul_kernel(p_g, p_u, p_o, N, stride_g, stride_u, stride_o, BLOCK_N: tl.constexpr):
+def _silu_mul_kernel(p_g, p_u, p_o, N, stride_g, stride_u, stride_o, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_t, i_n = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -27,7 +31,10 @@ def _silu_mul_kernel(p_g, p_u, p_o, N, stride_g, stride_u, stride_o, BLOCK_N: tl
 
 
 @triton.jit
-def _expert_combine_kernel(p_r, p_s, p_gl, p_o, N, stride_r, stride_s, stride_gl, stride_o, BLOCK_N: tl.constexpr):
+def _expert_combine_kernel(p_r, p_s, p_gl, p_o, N, stride_r, stride_s, stride_gl, stride_o, BLOCK_N: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_t, i_n = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -66,7 +73,7 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | No
     out = _output(out, gate)
     if t and n:
         grid = (t, triton.cdiv(n, BLOCK))
-        _silu_mul_kernel[grid](gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), BLOCK_N=BLOCK)
+        _silu_mul_kernel[grid](gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), BLOCK_N=BLOCK, **pdl_args(gate.device))
     return out
 
 
@@ -83,5 +90,5 @@ def expert_combine_triton(routed: torch.Tensor, shared: torch.Tensor, gate_logit
     if t and n:
         grid = (t, triton.cdiv(n, BLOCK))
         _expert_combine_kernel[grid](routed, shared, gate_logit, out, n, routed.stride(0), shared.stride(0),
-                                     gate_logit.stride(0), out.stride(0), BLOCK_N=BLOCK)
+                                     gate_logit.stride(0), out.stride(0), BLOCK_N=BLOCK, **pdl_args(routed.device))
     return out

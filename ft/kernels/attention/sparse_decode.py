@@ -24,6 +24,7 @@ from ft.kernels.attention.decode_loops import load_q, load_kv_tile
 from ft.kernels.attention.kernel import combine_splits
 from ft.kernels.options import kernel_options
 from ft.kernels.attention.reference import NVFP4_CACHE as NVFP4_KV
+from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
 __all__ = ["sparse_decode_attention_triton"]
 
@@ -39,11 +40,14 @@ def _sparse_decode_kernel(p_q, p_k, p_v, p_pt, p_tok, p_acc, p_st, p_kvs, W, G, 
                           stride_ptb, stride_tb, stride_ar, stride_ah, stride_sr, stride_sh,
                           TILES: tl.constexpr, PAGE_SIZE: tl.constexpr,
                           BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-                          KV_FP8: tl.constexpr, KV_NVFP4: tl.constexpr, EVEN_D: tl.constexpr):
+                          KV_FP8: tl.constexpr, KV_NVFP4: tl.constexpr, EVEN_D: tl.constexpr,
+                          PDL: tl.constexpr = False):
     """Program (b, kv, s): the group's queries over positions [s * TILES * BLOCK_N, ...) of list b ->
     acc [B * S, Hq, D] (unnormalized), max and sum [B * S, Hq, 2] (log2 units), row b * S + s: the
     layout `_decode_combine_kernel` reads. A quantized cache's K scale (p_kvs[0]) folds into the scores,
     its V scale (p_kvs[1]) into acc."""
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     if KV_FP8 or KV_NVFP4:
         qk_scale = qk_scale * tl.load(p_kvs)
     i_b, i_kv, i_s = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
@@ -136,6 +140,6 @@ def sparse_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         page_table.stride(0), tokens.stride(0), acc.stride(0), acc.stride(1), st.stride(0), st.stride(1),
         TILES=per_split, PAGE_SIZE=page, BLOCK_G=block_g, BLOCK_N=BLOCK_N,
         BLOCK_D=block_d, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=fp8, KV_NVFP4=nvfp4,
-        EVEN_D=d == block_d, num_warps=4)
+        EVEN_D=d == block_d, num_warps=4, **pdl_args(q.device))
     combine_splits(acc, st, gate, out, splits, min(block_d, kernel_options().decode_attention.combine_block_d))
     return out

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
+
 BLOCK_COLUMNS = 1024
 """Columns of a conv program (4 warps, 8 a thread: each column belongs to one thread, so the history's
 shift, a load of row r + 1 then a store to row r, is ordered by the thread's own program order)."""
@@ -27,7 +29,9 @@ shift, a load of row r + 1 then a store to row r, is ordered by the thread's own
 
 @triton.jit
 def _ngram_rows_kernel(p_ids, p_ctx, p_slots, p_sizes, p_offsets, p_rows, stride_ctx, EOS, M0, M1, M2, M3,
-                       C: tl.constexpr, HEADS_PER: tl.constexpr, BLOCK_H: tl.constexpr):
+                       C: tl.constexpr, HEADS_PER: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i = tl.program_id(0).to(tl.int64)
     slot = tl.load(p_slots + i).to(tl.int64)
     live = slot >= 0
@@ -83,7 +87,7 @@ def ngram_rows_decode_triton(ids: torch.Tensor, contexts: torch.Tensor, slots: t
     if b:
         m = list(multipliers[: c + 1]) + [0] * (3 - c)
         _ngram_rows_kernel[(b,)](ids, contexts, slots, sizes, offsets, rows, contexts.stride(0), eos, *m, C=c,
-                                 HEADS_PER=heads_per_ngram, BLOCK_H=triton.next_power_of_2(heads), num_warps=1)
+                                 HEADS_PER=heads_per_ngram, BLOCK_H=triton.next_power_of_2(heads), num_warps=1, **pdl_args(ids.device))
     return rows
 
 
@@ -94,7 +98,9 @@ def _rms(v, m, D, eps):
 
 @triton.jit
 def _ple_gate_kernel(p_x, p_kv, p_nk, p_nq, p_nc, p_u, p_uh, D, eps, inv_sqrt_d, stride_x, stride_kv, stride_u,
-                     C: tl.constexpr, BLOCK_D: tl.constexpr):
+                     C: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     # program (i, h): row i's stream h (the streams' gates are independent: C programs, not one program's
     # C dependent rounds of four reductions each, 13.7 us a call at Flash-Next's 4 x 2,560 in one program)
     i = tl.program_id(0).to(tl.int64)
@@ -119,7 +125,10 @@ def _ple_gate_kernel(p_x, p_kv, p_nk, p_nq, p_nc, p_u, p_uh, D, eps, inv_sqrt_d,
 
 @triton.jit
 def _ple_conv_kernel(p_x, p_u, p_uh, p_hist, p_slots, p_w, p_out, W, stride_x, stride_u, stride_hs, stride_hr,
-                     stride_w, stride_o, K: tl.constexpr, DIL: tl.constexpr, BLOCK: tl.constexpr):
+                     stride_w, stride_o, K: tl.constexpr, DIL: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = o < W
@@ -167,10 +176,10 @@ def ple_decode_triton(x: torch.Tensor, key_value: torch.Tensor, histories: torch
     block_d = triton.next_power_of_2(d)
     _ple_gate_kernel[(b, streams)](x, key_value, norm_key, norm_query, norm_conv, u, u_hat, d, eps, 1.0 / math.sqrt(d),
                            x.stride(0), key_value.stride(0), u.stride(0), C=streams, BLOCK_D=block_d,
-                           num_warps=max(1, min(8, block_d // 256)))
+                           num_warps=max(1, min(8, block_d // 256)), **pdl_args(x.device))
     block = min(BLOCK_COLUMNS, triton.next_power_of_2(width))
     _ple_conv_kernel[(b, triton.cdiv(width, block))](
         x, u, u_hat, histories, slots, conv, out, width, x.stride(0), u.stride(0), histories.stride(0),
         histories.stride(1), conv.stride(0), out.stride(0), K=k, DIL=dilation, BLOCK=block,
-        num_warps=max(1, min(4, block // 256)))
+        num_warps=max(1, min(4, block // 256)), **pdl_args(x.device))
     return out

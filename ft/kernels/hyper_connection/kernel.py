@@ -43,6 +43,7 @@ import triton.language as tl
 
 from ft.kernels.norm.kernel import rms_rstd
 from ft.kernels.options import kernel_options
+from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
 __all__ = ["grouped_rms_norm_triton", "hc_mix_triton", "hc_read_triton", "hc_write_read_triton", "hc_write_triton"]
 
@@ -55,7 +56,9 @@ def _norm_stream(b_x, p_w, o_d, m_d, D, eps):
 
 
 @triton.jit(do_not_specialize=["D"])
-def _grouped_norm_kernel(p_x, p_w, p_y, D, eps, stride_xt, stride_yt, BLOCK_D: tl.constexpr):
+def _grouped_norm_kernel(p_x, p_w, p_y, D, eps, stride_xt, stride_yt, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_t, i_k = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
@@ -65,7 +68,10 @@ def _grouped_norm_kernel(p_x, p_w, p_y, D, eps, stride_xt, stride_yt, BLOCK_D: t
 
 
 @triton.jit(do_not_specialize=["D"])
-def _mix_kernel(p_g, p_n, p_u, D, stride_gt, stride_nt, stride_ut, C: tl.constexpr, BLOCK_D: tl.constexpr):
+def _mix_kernel(p_g, p_n, p_u, D, stride_gt, stride_nt, stride_ut, C: tl.constexpr, BLOCK_D: tl.constexpr,
+                PDL: tl.constexpr = False):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     o_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = o_d < D
@@ -80,7 +86,9 @@ def _mix_kernel(p_g, p_n, p_u, D, stride_gt, stride_nt, stride_ut, C: tl.constex
 
 @triton.jit
 def _write_kernel(p_x, p_y, p_a, p_wn, p_out, p_nn, eps, stride_xt, stride_yt, stride_at, stride_ot, stride_nnt,
-                  D: tl.constexpr, BLOCK_D: tl.constexpr, NEXT_NORM: tl.constexpr):
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, NEXT_NORM: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     # D a constexpr (a model's stream width): the mask past D then keeps the loads 16 bytes wide
     i_t, i_k = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
@@ -142,8 +150,11 @@ def _ticket_reduce(p_count, p_zp, p_ss, p_a, p_rs, p_gl, T, S, R, D, inv_c, eps,
 @triton.jit
 def _read_down_kernel(p_n, p_w, p_zp, T, R, W, stride_nt, stride_wr, stride_zp, p_count, p_a, p_gl, stride_glt, inv_c,
                       ROWS: tl.constexpr, CHUNK: tl.constexpr, RANK: tl.constexpr = 0, BLOCK_S: tl.constexpr = 1,
-                      BLOCK_RA: tl.constexpr = 1, GATES: tl.constexpr = False, TICKET: tl.constexpr = False):
+                      BLOCK_RA: tl.constexpr = 1, GATES: tl.constexpr = False, TICKET: tl.constexpr = False,
+                      PDL: tl.constexpr = False):
     """See the module's docstring; TICKET: `_ticket_reduce` at the end (p_count, p_a, p_gl its)."""
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_r, i_s = tl.program_id(0), tl.program_id(1)
     o_r = i_r * ROWS + tl.arange(0, ROWS)
     m_r = o_r < R
@@ -166,7 +177,7 @@ def _write_down_deferred_kernel(p_x, p_y, p_a, p_wn, p_w, p_out, p_zp, p_ss, T, 
                                 C: tl.constexpr, D: tl.constexpr, SK: tl.constexpr, SPAN: tl.constexpr,
                                 ROWS: tl.constexpr, BLOCK: tl.constexpr, RANK: tl.constexpr = 0,
                                 BLOCK_S: tl.constexpr = 1, BLOCK_RA: tl.constexpr = 1, BLOCK_C: tl.constexpr = 1,
-                                GATES: tl.constexpr = False, TICKET: tl.constexpr = False):
+                                GATES: tl.constexpr = False, TICKET: tl.constexpr = False, PDL: tl.constexpr = False):
     """A write and the next read's first projection with the norm's 1 / rms left to the up kernel (grid
     (R / ROWS, C * SK)): program (i_r, i_s) owns SPAN columns of one stream k = i_s // SK (chunks never
     straddle streams), computes x' = x_k + a_k y there (rounded as `_write_kernel`), and stores
@@ -177,6 +188,8 @@ def _write_down_deferred_kernel(p_x, p_y, p_a, p_wn, p_w, p_out, p_zp, p_ss, T, 
     `HyperConnectionOptions`). The reference's N is rounded to the activations' dtype before its GEMM; here
     the dot takes it unrounded (a few bf16 ulps apart in z, inside the read's own error). TICKET:
     `_ticket_reduce` at the end (p_count, p_ta the SiLU'd ranks, p_rs the streams' 1 / rms, p_gl its)."""
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_r, i_s = tl.program_id(0), tl.program_id(1)
     k = i_s // SK
     o_r = i_r * ROWS + tl.arange(0, ROWS)
@@ -218,7 +231,10 @@ def _partials_sum(p_zp, t, T, S, R, o_r, m_r):
 
 @triton.jit
 def _read_down_dot_kernel(p_n, p_w, p_zp, T, R, W, stride_nt, stride_wr, BLOCK_T: tl.constexpr, ROWS: tl.constexpr,
-                          CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                          CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_r, i_s = tl.program_id(0), tl.program_id(1)
     o_t = tl.arange(0, BLOCK_T)
     m_t = o_t < T
@@ -239,7 +255,9 @@ def _read_down_dot_kernel(p_n, p_w, p_zp, T, R, W, stride_nt, stride_wr, BLOCK_T
 
 @triton.jit
 def _read_reduce_kernel(p_zp, p_a, p_gl, T, S, R, RANK, inv_c, stride_at, stride_glt, BLOCK_R: tl.constexpr,
-                        GATES: tl.constexpr):
+                        GATES: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     t = tl.program_id(0)
     o_r = tl.arange(0, BLOCK_R)
     m_r = o_r < R
@@ -255,7 +273,7 @@ def _read_up_mix_streams_kernel(p_zp, p_up, p_n, p_u, p_gl, T, S, stride_zp, D, 
                                 stride_glt, p_wn, p_ss, eps, RANK: tl.constexpr, C: tl.constexpr, BLOCK_D: tl.constexpr,
                                 BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
                                 GATES: tl.constexpr, SK: tl.constexpr = 0, R2: tl.constexpr = 0,
-                                TICKET: tl.constexpr = False):
+                                TICKET: tl.constexpr = False, PDL: tl.constexpr = False):
     """The form "fma"'s second launch, its loads issued at once: the up rows of every stream's columns
     of the program as one [C * BLOCK_D, BLOCK_R] tile (row j: stream j // BLOCK_D) and a token's partial
     sums as one [BLOCK_S, BLOCK_R] tile, all issued before their first use (RANK a constexpr, so the
@@ -269,6 +287,8 @@ def _read_up_mix_streams_kernel(p_zp, p_up, p_n, p_u, p_gl, T, S, stride_zp, D, 
     hold registers; the one tile lost: `HyperConnectionOptions`).
     TICKET (`_ticket_reduce` ended the down launch): p_zp holds silu(z) [T, RANK] in the weights' dtype (row
     stride stride_zp) and, with SK > 0, p_ss the streams' 1 / rms [T, C]; the gate logits are written."""
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_d = tl.program_id(0)
     o_j = tl.arange(0, C * BLOCK_D)
     o_k = o_j // BLOCK_D
@@ -350,11 +370,14 @@ def _read_up_mix_streams_kernel(p_zp, p_up, p_n, p_u, p_gl, T, S, stride_zp, D, 
 @triton.jit
 def _read_up_mix_dot_streams_kernel(p_a, p_up, p_n, p_u, T, D, stride_at, stride_upr, stride_nt, stride_ut,
                                     RANK: tl.constexpr, C: tl.constexpr, BLOCK_T: tl.constexpr,
-                                    BLOCK_D: tl.constexpr, BLOCK_RK: tl.constexpr, PRECISION: tl.constexpr):
+                                    BLOCK_D: tl.constexpr, BLOCK_RK: tl.constexpr, PRECISION: tl.constexpr,
+                                    PDL: tl.constexpr = False):
     """The form "dot"'s up projection and mix with every stream's up rows of the program in one tile: g
     for all C streams by one `tl.dot` a rank step ([BLOCK_T, BLOCK_RK] x [BLOCK_RK, C * BLOCK_D]); the
     rank loop is software-pipelined (cp.async), with as many stages as steps its copies all go out before
     the first dot."""
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_d = tl.program_id(0)
     o_t = tl.arange(0, BLOCK_T)
     m_t = o_t < T
@@ -394,7 +417,7 @@ def grouped_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, groups: int, 
     out = torch.empty((t, width), dtype=x.dtype, device=x.device)
     if t:
         _grouped_norm_kernel[(t, groups)](x, weight.contiguous(), out, d, eps, x.stride(0), out.stride(0),
-                                          BLOCK_D=triton.next_power_of_2(d), num_warps=4)
+                                          BLOCK_D=triton.next_power_of_2(d), num_warps=4, **pdl_args(x.device))
     return out
 
 
@@ -407,7 +430,7 @@ def hc_mix_triton(g: torch.Tensor, n: torch.Tensor, streams: int) -> torch.Tenso
     block = min(1024, triton.next_power_of_2(d))
     if t:
         _mix_kernel[(t, triton.cdiv(d, block))](g, n, u, d, g.stride(0), n.stride(0), u.stride(0), C=streams,
-                                                BLOCK_D=block, num_warps=4)
+                                                BLOCK_D=block, num_warps=4, **pdl_args(n.device))
     return u
 
 
@@ -430,7 +453,7 @@ def hc_write_triton(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Tensor,
                                     # no contraction: x + bf16(a y) must round twice, as the reference (and
                                     # `_write_down_deferred_kernel`) does; fused, sm_90 ran it as one bf16 FMA
                                     # (HFMA2.BF16_V2), a bf16 ulp off at ties (session 38, H100)
-                                    enable_fp_fusion=False)
+                                    enable_fp_fusion=False, **pdl_args(x.device))
     return out if next_norm is None else (out, nn)
 
 
@@ -468,7 +491,8 @@ def hc_write_read_triton(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Te
             BLOCK_S=triton.next_power_of_2(c * sk), BLOCK_RA=triton.next_power_of_2(r),
             BLOCK_C=triton.next_power_of_2(c), GATES=next_gates is not None, TICKET=on_ticket,
             num_warps=8 if rows * block >= 8192 else 4,
-            enable_fp_fusion=False)  # x + bf16(a y) rounds twice, as `_write_kernel` (see there)
+            enable_fp_fusion=False,  # x + bf16(a y) rounds twice, as `_write_kernel` (see there)
+            **pdl_args(x.device))
         _read_up_fma(ta, c * sk, r_stride, out, up, rank, c, opts, u, next_gates, norm=(next_norm, rs, eps, sk),
                      ticket=on_ticket)
     return out, u, next_gates
@@ -537,7 +561,7 @@ def _read_fma(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int
                                                       BLOCK_S=triton.next_power_of_2(splits),
                                                       BLOCK_RA=triton.next_power_of_2(r),
                                                       GATES=gate_logits is not None, TICKET=on_ticket,
-                                                      num_warps=8 if rows * chunk >= 8192 else 4)
+                                                      num_warps=8 if rows * chunk >= 8192 else 4, **pdl_args(n.device))
     _read_up_fma(ta, splits, r_stride, n, up, rank, c, opts, u, gate_logits, ticket=on_ticket)
 
 
@@ -567,7 +591,7 @@ def _read_up_fma(z_part: torch.Tensor, splits: int, r_stride: int, n: torch.Tens
         # 153 on sm_90 (three programs an SM instead of four); capped at 128 it keeps four (32 bytes of
         # spills; at 8 columns and 8 warps: 101 -> 137, one program an SM instead of two); with the ticket
         # that work is the down launch's
-        **({"maxnreg": 128} if sk and not ticket and not opts.up_warps else {}))
+        **({"maxnreg": 128} if sk and not ticket and not opts.up_warps else {}), **pdl_args(n.device))
 
 
 _DOT_UP_TILE_ELEMENTS = 16384  # BLOCK_T x BLOCK_RK at most: 32 tokens x 512 or 64 x 256
@@ -588,11 +612,13 @@ def _read_dot(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int
     rows = opts.dot_down_rows
     _read_down_dot_kernel[(triton.cdiv(r, rows), splits)](n, mix_in, z_part, t, r, width, n.stride(0), mix_in.stride(0),
                                                           BLOCK_T=block_t, ROWS=rows, CHUNK=chunk, BLOCK_K=block_k,
-                                                          PRECISION=precision, num_warps=4, num_stages=3)
+                                                          PRECISION=precision, num_warps=4, num_stages=3,
+                                                          **pdl_args(n.device))
     a = torch.empty((t, rank), dtype=mix_in.dtype, device=n.device)  # silu(z): the up projection's input
     gl = gate_logits if gate_logits is not None else a
     _read_reduce_kernel[(t,)](z_part, a, gl, t, splits, r, rank, 1.0 / c, a.stride(0), gl.stride(0),
-                              BLOCK_R=triton.next_power_of_2(r), GATES=gate_logits is not None, num_warps=4)
+                              BLOCK_R=triton.next_power_of_2(r), GATES=gate_logits is not None, num_warps=4,
+                              **pdl_args(n.device))
     # rank steps copied by cp.async, every step in flight at once (one stage more than the steps)
     block_d = max(16 // c, min(opts.dot_up_block_d, triton.next_power_of_2(d)))
     # (the step capped so the pipelined activation tiles fit shared memory: a whole rank of 512 at 64 tokens
@@ -601,4 +627,4 @@ def _read_dot(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int
     _read_up_mix_dot_streams_kernel[(triton.cdiv(d, block_d),)](
         a, up, n, u, t, d, a.stride(0), up.stride(0), n.stride(0), u.stride(0), RANK=rank, C=c, BLOCK_T=block_t,
         BLOCK_D=block_d, BLOCK_RK=block_rk, PRECISION=precision, num_warps=4,
-        num_stages=min(8, triton.cdiv(rank, block_rk) + 1))
+        num_stages=min(8, triton.cdiv(rank, block_rk) + 1), **pdl_args(n.device))

@@ -21,12 +21,17 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
+
 
 @triton.jit
 def _block_scores_kernel(p_q, p_keys, p_pt, p_len, p_w, p_freq, p_out, MAXB, DENSE, DI, eps, rope_scale, inv_sqrt_d,
                          stride_qb, stride_qh, stride_kp, stride_ks, stride_ptb, stride_ob,
                          HI: tl.constexpr, RATIO: tl.constexpr, PAGE_SIZE: tl.constexpr, HALF: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr):
+                         BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_b, i_j = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     o_j = i_j * BLOCK_J + tl.arange(0, BLOCK_J)
     visible = tl.load(p_len + i_b).to(tl.int64) // RATIO
@@ -94,7 +99,7 @@ def block_scores_triton(index_q: torch.Tensor, index_keys: torch.Tensor, page_ta
             eps, rope_scale, 1.0 / math.sqrt(di), index_q.stride(0), index_q.stride(1), index_keys.stride(0),
             index_keys.stride(1), page_table.stride(0), out.stride(0), HI=hi, RATIO=ratio, PAGE_SIZE=page, HALF=half,
             BLOCK_H=max(2, triton.next_power_of_2(half)), BLOCK_R=max(2, triton.next_power_of_2(max(1, di - 2 * half))),
-            BLOCK_J=block_j, num_warps=4)
+            BLOCK_J=block_j, num_warps=4, **pdl_args(index_q.device))
     return out
 
 
@@ -104,9 +109,11 @@ SELECT_BLOCK = 1024
 
 @triton.jit
 def _select_kernel(p_scores, p_len, p_out, W, stride_sb, stride_ob, RATIO: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Program b: out[b] = `select_decode_tokens_ref`'s row b from scores[b] (>= 0 on its complete blocks,
     whose count is seq_lens[b] // RATIO; nothing past them is read)."""
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_b = tl.program_id(0).to(tl.int64)
     length = tl.load(p_len + i_b).to(tl.int64)
     n = length // RATIO
@@ -165,5 +172,5 @@ def select_decode_tokens_triton(scores: torch.Tensor, seq_lens: torch.Tensor, bu
     out = torch.empty(b, budget_blocks * ratio + ratio - 1, dtype=torch.int64, device=scores.device)
     if b:
         _select_kernel[(b,)](scores, seq_lens, out, budget_blocks, scores.stride(0), out.stride(0), RATIO=ratio,
-                             BLOCK_T=max(2, triton.next_power_of_2(ratio)), BLOCK=SELECT_BLOCK, num_warps=8)
+                             BLOCK_T=max(2, triton.next_power_of_2(ratio)), BLOCK=SELECT_BLOCK, num_warps=8, **pdl_args(scores.device))
     return out

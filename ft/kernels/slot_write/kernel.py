@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
+
 BLOCK = 1024
 """Elements a program moves (a row of the n-gram context is 2, a PLE history 3 x 10,240, an indexer key
 128: small rows take one program, long ones a few)."""
@@ -14,7 +16,9 @@ BLOCK = 1024
 
 @triton.jit
 def _write_slots_kernel(p_pool, p_slots, p_rows, W, PAGE, stride_page, stride_slot, stride_rows,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     slot = tl.load(p_slots + i).to(tl.int64) + tl.zeros_like(o)  # (a block: the mask is elementwise)
@@ -51,4 +55,4 @@ def write_slots_triton(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tens
     block = min(BLOCK, triton.next_power_of_2(w))
     _write_slots_kernel[(b, triton.cdiv(w, block))](
         pool, slots, rows, w, page_size or 1, stride_page, stride_slot, rows.stride(0), BLOCK=block,
-        num_warps=1 if block <= 256 else 4)
+        num_warps=1 if block <= 256 else 4, **pdl_args(pool.device))
