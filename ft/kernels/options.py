@@ -291,7 +291,8 @@ class LaunchOptions:
     pdl: programmatic dependent launch on compute capability 9.0 or later; the kernels give the same bits
     either way. Off: measured against plain launches in one process on the H200 (bench/decode.py --modes
     overlap,pdl,overlap,pdl, RESULTS.md session 34), the 80B 0.96x at batch 1, 1.02x at 8, 1.00x at 64;
-    Qwen3.8-Flash-Next within its run-to-run drift."""
+    Qwen3.8-Flash-Next within its run-to-run drift; +4% at its batch 1 in sessions 39-40 (one sample each),
+    before every kernel of its step took PDL (`ft.kernels.pdl`)."""
 
     pdl: bool = False
 
