@@ -39,8 +39,10 @@ def main() -> None:
     ap.add_argument("--context", default="32", help="prompt lengths (tokens before decode starts)")
     ap.add_argument("--kv-cache-dtype", default="bf16", choices=("bf16", "fp8", "nvfp4"))
     ap.add_argument("--modes", default="eager,graphs", help="eager, graphs (both with overlapped decode off), overlap (graphs with overlapped decode, the "
-                         "default on CUDA), pdl (overlap with programmatic dependent launch, the graphs captured "
-                         "again: on the H200 that capture failed in session 18, see ft.kernels.pdl); a list, repeats allowed (an A/B in one process); "
+                         "default on CUDA), pdl (overlap with every kernel launched with "
+                         "programmatic dependent launch, variant pdl; graphs and overlap keep the engine's default, PDL "
+                         "inside the decode graphs where the model chooses it, Qwen3.8-Flash-Next, and MODE:no-pdl "
+                         "launches none with it; see ft.kernels.pdl); a list, repeats allowed (an A/B in one process); "
                          "MODE:VARIANT runs MODE with a named kernel variant on top (graphs captured again), e.g. "
                          "graphs,graphs:nvfp4-lanes-triton,graphs,graphs:nvfp4-lanes-triton")
     ap.add_argument("--attention-programs", type=int, default=0, metavar="N",
@@ -62,7 +64,7 @@ def main() -> None:
     ap.add_argument("--no-small-m-gemv", action="store_true",
                     help="M = 3..8 projections on the 16-row tl.dot tile everywhere (kernel variant nvfp4-tile-small-m)")
     ap.add_argument("--pdl", action="store_true",
-                    help="launch the decode kernels with programmatic dependent launch (kernel variant pdl)")
+                    help="launch every kernel with programmatic dependent launch (kernel variant pdl)")
     ap.add_argument("--no-lanes-ptx", action="store_true",
                     help="the whole-K GEMV / decode MoE tiles decode words in Triton, not inline PTX (kernel variant nvfp4-lanes-triton)")
     ap.add_argument("--overlap-decode", action=argparse.BooleanOptionalAction, default=True,
@@ -130,11 +132,10 @@ def main() -> None:
         prompt = [(1000 + j) % vocab for j in range(ctx)]  # any config's vocabulary (the flagship's: the same ids)
         for spec in modes:
             # "overlap": graphs with overlapped decode, switched on this engine (an A/B in one process);
-            # "pdl": overlap with programmatic dependent launch switched on (the graphs captured again);
+            # "pdl": overlap with every launch PDL (variant "pdl", the graphs captured again);
             # "MODE:VARIANT": MODE with a named kernel variant on top of the flags' options (captured again)
             mode, *extra = spec.split(":")
-            set_variants(graphs, base_options, extra)
-            set_pdl(graphs, mode == "pdl" or args.pdl)
+            set_variants(graphs, base_options, extra + (["pdl"] if mode == "pdl" else []))
             eng.runner.graphs = graphs if mode in ("graphs", "overlap", "pdl") else None
             eng.config = dataclasses.replace(eng.config, overlap_decode=mode in ("overlap", "pdl"))
             for b in batches:
@@ -145,7 +146,6 @@ def main() -> None:
                 print(f"context {ctx} {spec} batch {b}: {tok_s:.1f} tok/s"
                       + (f", GPU busy {gpu[0]:.3f} ms a step" if gpu else ""), flush=True)
     set_variants(graphs, base_options, [])
-    set_pdl(graphs, args.pdl)
     eng.runner.graphs = graphs
     eng.config = dataclasses.replace(eng.config, overlap_decode=args.overlap_decode)
     if args.profile:
@@ -188,15 +188,6 @@ def set_variants(graphs, base, names: list[str]) -> None:
     want = base.with_(**{k: v for name in names for k, v in VARIANTS[name].items()})
     if want != kernel_options():
         set_kernel_options(want)
-        if graphs is not None:
-            graphs.invalidate()
-
-
-def set_pdl(graphs, on: bool) -> None:
-    """Switch programmatic dependent launch (`LaunchOptions.pdl`) for the next launches; the decode
-    graphs are captured again when it changes (a graph keeps the launches it captured)."""
-    if kernel_options().launch.pdl != on:
-        set_kernel_options(kernel_options().with_(**{"launch.pdl": on}))
         if graphs is not None:
             graphs.invalidate()
 

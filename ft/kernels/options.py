@@ -289,12 +289,16 @@ class LaunchOptions:
     """How the decode path's kernels launch (`ft.kernels.pdl`).
 
     pdl: programmatic dependent launch on compute capability 9.0 or later; the kernels give the same bits
-    either way. Off: measured against plain launches in one process on the H200 (bench/decode.py --modes
-    overlap,pdl,overlap,pdl, RESULTS.md session 34), the 80B 0.96x at batch 1, 1.02x at 8, 1.00x at 64;
-    Qwen3.8-Flash-Next within its run-to-run drift; +4% at its batch 1 in sessions 39-40 (one sample each),
-    before every kernel of its step took PDL (`ft.kernels.pdl`)."""
+    either way. None (the default): inside the decode graphs of a model that chooses it (its
+    `decode_graph_pdl`, read by `ft.engine.worker.decode_graphs.DecodeGraphs`), nowhere else; True: every
+    launch (variant "pdl"); False: none (variant "no-pdl"). Measured against plain launches in one process
+    (bench/decode.py --modes overlap,pdl,overlap,pdl; RESULTS.md sessions 34 and 41): on the H100 in session
+    41, Qwen3.8-Flash-Next (40 layers) 268.5 / 268.4 against 246.1 / 246.4 tok/s at batch 1 (+9%), 786.0 /
+    785.1 against 762.7 / 763.3 at 8 (+3%); the 80B 322.0 / 322.2 against 343.4 / 343.1 at batch 1 (-6%),
+    1,255 / 1,254 against 1,228 / 1,228 at 8 (+2%), 1,852 / 2,240 against 2,041 / 2,272 at 64. So the
+    Flash-Next model chooses it and the 80B does not."""
 
-    pdl: bool = False
+    pdl: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -337,6 +341,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "attention-prefill-triton-only": {"prefill_attention.library_on_cuda": False},  # bench/prefill.py --library
     "gated-delta-solve-ieee": {"gated_delta.solve_precision": "ieee"},  # bench/gated_delta_prefill.py
     "pdl": {"launch.pdl": True},  # bench/decode.py --modes pdl, bench/ladder.py --pdl
+    "no-pdl": {"launch.pdl": False},  # bench/decode.py --modes overlap:no-pdl (the A/B of the model's choice)
     "moe-decode-wide-one-token": {"moe.decode_tiles_one_token": None},  # bench/decode.py --modes
     "attention-nvfp4-f16": {"decode_attention.nvfp4_prmt": False},  # bench/decode.py --no-prmt, decode_attention.py
     "hc-read-cublas": {"hyper_connection.fused_read_max_tokens": 0},  # bench/hc_read.py, bench/decode.py --modes

@@ -14,17 +14,16 @@ The contract every kernel launched with PDL keeps (`pdl_args`): every program ru
 with no early return before it. Then a kernel's completion implies its predecessor's, so a kernel
 launched without PDL after it sees everything before it, as with plain launches.
 
-Off: the small test model's graphs capture and replay with it, bitwise equal to plain launches
+Where: the small test model's graphs capture and replay with it, bitwise equal to plain launches
 (`tests/gpu/test_decode_graphs_cuda.py`); switching it on and off in one process captures again in a
 new pool each time (`DecodeGraphs.invalidate`: session 18's allocator assertion came from reusing the old
-pool; confirmed on the H200 in session 34). Measured there against plain launches in one process
-(`bench/decode.py --modes overlap,pdl,overlap,pdl`, bench/RESULTS.md session 34): the 80B 0.96x at
-batch 1, 1.02x at 8, 1.00x at 64; Qwen3.8-Flash-Next within its run-to-run drift (its HyperConnection
-and QSA kernels launch without it). So it stays off. Sessions 39-40 (Flash-Next, overlapped decode, one
-sample each): +3.9% at batch 1 on the H100, +4.3% at batch 1 and a tie at 8 on the H200, its GPU busy time
--0.08 ms at 1 and +0.15 ms at 8. Since session 40 every kernel of Flash-Next's decode step takes it (the
-HyperConnection's, QSA's, the sparse decode attention, the Engram's, the slot writes, the activations), so
-that its next A/B covers the whole step.
+pool; confirmed on the H200 in session 34). Measured against plain launches in one process
+(`bench/decode.py --modes overlap,pdl,overlap,pdl`, bench/RESULTS.md): in session 34 on the H200 the 80B
+0.96x at batch 1, 1.02x at 8, 1.00x at 64; in session 41 on the H100, once every kernel of Qwen3.8-Flash-
+Next's step took it (the HyperConnection's, QSA's, the sparse decode attention, the Engram's, the slot
+writes, the activations), Flash-Next +9% at batch 1 and +3% at 8, the 80B -6% at 1 and +2% at 8. So
+each model says whether its decode graphs capture with it (`decode_graph_pdl`), and `LaunchOptions.pdl`
+None (the default) leaves eager launches and prefill plain.
 """
 
 from __future__ import annotations
@@ -43,13 +42,15 @@ except ImportError:  # pragma: no cover - older triton: PDL stays off (`pdl_on`)
 
 __all__ = ["pdl_args", "pdl_on", "pdl_release", "pdl_wait"]
 
-# on or off: `ft.kernels.options.LaunchOptions.pdl` (off: not yet measured on the flagship, above)
+# on or off: `ft.kernels.options.LaunchOptions.pdl` (None: only inside the decode graphs of a model that
+# chooses it, `ft.engine.worker.decode_graphs`)
 
 
 def pdl_on(device: torch.device) -> bool:
-    """Whether kernels for `device` launch with PDL: `LaunchOptions.pdl` on, a CUDA device (not the
-    interpreter) of compute capability >= 9.0, and a Triton that has the instructions."""
-    return (kernel_options().launch.pdl and gdc_wait is not None and inline_ptx(device)
+    """Whether kernels for `device` launch with PDL: `LaunchOptions.pdl` True (None is off here: the
+    decode graphs put True in force around their captures where the model chooses it), a CUDA device
+    (not the interpreter) of compute capability >= 9.0, and a Triton that has the instructions."""
+    return (kernel_options().launch.pdl is True and gdc_wait is not None and inline_ptx(device)
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 

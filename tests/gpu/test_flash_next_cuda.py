@@ -111,19 +111,22 @@ def synthetic_model(tmp_path, **text) -> str:
     return f"synthetic:{path}"
 
 
-@pytest.mark.parametrize("budget,pdl", [(2048, False), (32, False), (32, True)], ids=["2048", "32", "32-pdl"])
+@pytest.mark.parametrize("budget,pdl", [(2048, None), (32, None), (32, True), (32, False)],
+                         ids=["2048", "32", "32-pdl", "32-no-pdl"])
 def test_graph_decode_equals_eager_bitwise(tmp_path, monkeypatch, budget, pdl):
     """bf16 NVFP4 at the seeds' head shapes and expert width (640): the same requests through decode
     graphs and eagerly give the same tokens, and the last step's logits bit for bit; with a budget of
     32 two of the prompts are past QSA's dense span, so the graphs hold the selection. Three requests in
     the 4-row graph (buckets 1, 2, 4) with exactly three mamba slots: the padding row (slot -1) must
     write no live state (before `write_slots` it wrote the third request's n-gram context and PLE
-    history). With PDL (variant "pdl": every kernel of the step, the HyperConnection's and QSA's
-    included, waits for the one before it) both runs launch that way."""
-    if pdl:
+    history). By default (pdl None) the graphs capture with PDL (the model's `decode_graph_pdl`: every
+    kernel of the step, the HyperConnection's and QSA's included, waits for the one before it) and the eager
+    run launches plainly; with variant "pdl" both runs launch with it, with "no-pdl" neither."""
+    if pdl is not None:
         from ft.kernels import options
 
-        monkeypatch.setattr(options, "_current", options.variant("pdl"))  # (put back after the test)
+        # (put back after the test)
+        monkeypatch.setattr(options, "_current", options.variant("pdl" if pdl else "no-pdl"))
     model = synthetic_model(tmp_path, indexer_budget=budget)
     prompts = [prompt_of(50, 1, eos_at=(17, 30)), prompt_of(141, 2), prompt_of(9, 3)]
     runs = []

@@ -13,15 +13,23 @@ A graph is valid while what it baked in stays put: the addresses of the buffers 
 `key` carries them; a VMM or mmap rebuild keeps every address, so graphs survive it. When the key
 changes (a reallocating rebuild, a buffer that had to grow) every graph is dropped and captured
 again lazily, and the capture time is counted in `capture_s`.
+
+Programmatic dependent launch (`ft.kernels.pdl`): with `pdl` (the model's `decode_graph_pdl`) and
+`LaunchOptions.pdl` left at None, the step before a capture and the capture itself run with PDL in force,
+so the graph's launches keep their programmatic edges; eager steps past the largest bucket and prefill
+launch plainly. The kernels give the same bits either way (tests/gpu/test_flash_next_cuda.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Callable, Hashable
 
 import torch
+
+from ft.kernels.options import kernel_options, use_kernel_options
 
 log = logging.getLogger("ft.engine")
 
@@ -41,8 +49,12 @@ def batch_buckets(max_bs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, max_bs: int) -> None:
+    """One graph per bucket of `batch_buckets(max_bs)`; `pdl`: capture with programmatic dependent
+    launch unless `LaunchOptions.pdl` says otherwise (module docstring)."""
+
+    def __init__(self, max_bs: int, pdl: bool = False) -> None:
         self.buckets = batch_buckets(max_bs)
+        self.pdl = pdl
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self._key: Hashable = None
@@ -88,12 +100,13 @@ class DecodeGraphs:
             # NOTE: another bucket's replay may reuse the shared pool's memory (a worker rank of a
             # tensor-parallel engine computes no logits: None)
             return None if out is None else out.clone()
-        logits = forward()  # this step, eagerly: also the warm-up the capture needs
+        with self.capture_launch():
+            logits = forward()  # this step, eagerly: also the warm-up the capture needs
         t0 = time.perf_counter()
         torch.cuda.synchronize()
         try:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with self.capture_launch(), torch.cuda.graph(graph, pool=self._pool):
                 out = forward()
         except Exception as e:  # noqa: BLE001 - e.g. out of memory for the graph's pool
             # NOTE: this step's logits are already computed (eagerly): decoding goes on without graphs
@@ -107,3 +120,11 @@ class DecodeGraphs:
         self.captures += 1
         self.capture_s += time.perf_counter() - t0
         return logits
+
+    def capture_launch(self) -> contextlib.AbstractContextManager:
+        """The kernel options a capture (and the eager step before it) runs under: PDL in force when
+        this model's graphs take it and `LaunchOptions.pdl` is None (True or False: as it says)."""
+        options = kernel_options()
+        if self.pdl and options.launch.pdl is None:
+            return use_kernel_options(options.with_(**{"launch.pdl": True}))
+        return contextlib.nullcontext()
