@@ -9,9 +9,9 @@ norm, at the decode batches. Not a test.
 every call inside a CUDA graph over copies of the weights (`bench.gpu_timing.graph_us`: a pass reads
 several times L2, as the 97 modules of a step do). `--sweep`: the forms' tiles
 (`HyperConnectionOptions.down_rows`, `down_chunk`, `up_block_d`, `up_warps`; `dot_down_rows`, `dot_down_chunk`,
-`dot_up_block_d`, `dot_up_block_rank`). `--write-read`: a write folded into the next read, with and
-without `HyperConnectionOptions.up_ticket`, against the write's own launch then the read
-(`write_into_read`), after the table. The floor is the weights' bytes at 4.3 TB/s. Prints a table last.
+`dot_up_block_d`, `dot_up_block_rank`). `--write-read`: a write folded into the next read against
+the write's own launch then the read (`HyperConnectionOptions.write_into_read`), after the table. The
+floor is the weights' bytes at 4.3 TB/s. Prints a table last.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
     ap.add_argument("--sweep", action="store_true", help="also time the fused read's other tiles")
     ap.add_argument("--write-read", action="store_true",
-                    help="also time a write folded into the next read (`hc_write_read`, one token), with and without "
-                         "`HyperConnectionOptions.up_ticket`, against the write's own launch and the read")
+                    help="also time a write folded into the next read (`hc_write_read`, one token) against the "
+                         "write's own launch and the read (`HyperConnectionOptions.write_into_read`)")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     c, d, r = STREAMS, WIDTH, RANK
@@ -110,26 +110,23 @@ def main() -> None:
 
 
 def write_read_rows(mods: list, c: int, d: int, r: int) -> None:
-    """One token's write folded into the next read (and with the partials reduced once: variant
-    "hc-up-ticket"), and the write's own launch then the read (variant "hc-write-own-launch"): us a call (a
-    CUDA graph over the weight copies), each kernel's share, the error against the reference."""
+    """One token's write folded into the next read, and the write's own launch then the read (variant
+    "hc-write-own-launch"): us a call (a CUDA graph over the weight copies), each kernel's share,
+    the error against the reference."""
     from ft.kernels.hyper_connection import hc_write_read, hc_write_read_ref
 
     x = (torch.randn(1, c * d, device=DEV) * 3).to(torch.bfloat16)
     y, gates = torch.randn(1, d, device=DEV).to(torch.bfloat16), torch.randn(1, c, device=DEV).to(torch.bfloat16)
     norm = (torch.randn(c * d, device=DEV) * 0.1).to(torch.bfloat16)
-    counters = [torch.zeros(1, dtype=torch.int32, device=DEV) for _ in mods]  # (a module's own, as the model's)
-    calls = [lambda mix_in=m, up=u, ticket=k: hc_write_read(x, y, gates, c, norm, 1e-6, mix_in, up, r, ticket)
-             for (m, u), k in zip(mods, counters)]
+    calls = [lambda mix_in=m, up=u: hc_write_read(x, y, gates, c, norm, 1e-6, mix_in, up, r) for m, u in mods]
     want = hc_write_read_ref(x, y, gates, c, norm, 1e-6, *mods[0], r)
     print(f"\nwrite folded into the next read, 1 token ({len(mods)} copies)")
     print(f"{'form':>16} {'us':>7} {'err u':>9}  kernels")
-    for name, names in (("folded", ()), ("folded, ticket", ("hc-up-ticket",)),
-                        ("own launch", ("hc-write-own-launch",))):
+    for name, names in (("folded", ()), ("own launch", ("hc-write-own-launch",))):
         with use_kernel_options(variant(*names)):
             us = graph_us(calls)
             kernels = kernel_us(calls[:4])
-            got = hc_write_read(x, y, gates, c, norm, 1e-6, *mods[0], r, counters[0])
+            got = hc_write_read(x, y, gates, c, norm, 1e-6, *mods[0], r)
         print(f"{name:>16} {us:>7.1f} {rel_rms(got[1], want[1]):>9.1e}  {kernels}")
 
 

@@ -175,14 +175,6 @@ HC_UP_MIX = {"p_zp": "*fp32", "p_up": "*bf16", "p_n": "*bf16", "p_u": "*bf16", "
              **ints("stride_upr", "stride_nt", "stride_ut", "stride_glt"), "p_wn": "*bf16", "p_ss": "*fp32", "eps": "fp32"}
 """`_read_up_mix_streams_kernel`'s signature as the deferred norm launches it (its norm weight bf16; a plain
 read passes z_part there, fp32)."""
-HC_READ_DOWN = {"p_n": "*bf16", "p_w": "*bf16", "p_zp": "*fp32",
-                **ints("T", "R", "W", "stride_nt", "stride_wr", "stride_zp")}
-HC_WRITE_DOWN = {"p_x": "*bf16", "p_y": "*bf16", "p_a": "*bf16", "p_wn": "*bf16", "p_w": "*bf16", "p_out": "*bf16",
-                 "p_zp": "*fp32", "p_ss": "*fp32", **ints("T", "R"),
-                 **ints("stride_xt", "stride_yt", "stride_at", "stride_ot", "stride_wr", "stride_zp")}
-HC_TICKET_GATES = {"p_gl": "*bf16", **ints("stride_glt"), "inv_c": "fp32"}
-"""The fma form's down kernels' arguments before and after the ticket's (`_ticket_reduce`: its counter and
-outputs; without the ticket the wrappers pass other buffers there, fp32)."""
 
 
 def dot_cfg(m: int, n: int, k: int) -> dict:
@@ -445,12 +437,8 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
      {"D": 2560, "BLOCK_D": 4096, "NEXT_NORM": True, "num_warps": 8, "enable_fp_fusion": False}),
     # (as launched: the streams' width, 10,240, divisible by 16)
     ("hyper connection read, down (4 rows x 2048)", hc._read_down_kernel,
-     {**HC_READ_DOWN, "p_count": "*fp32", "p_a": "*fp32", **HC_TICKET_GATES},
+     {"p_n": "*bf16", "p_w": "*bf16", "p_zp": "*fp32", **ints("T", "R", "W", "stride_nt", "stride_wr", "stride_zp")},
      {"ROWS": 4, "CHUNK": 2048, "num_warps": 8, "_divisible": ("W",)}),
-    ("hyper connection read, down with the ticket (variant hc-up-ticket)", hc._read_down_kernel,
-     {**HC_READ_DOWN, "p_count": "*i32", "p_a": "*bf16", **HC_TICKET_GATES},
-     {"ROWS": 4, "CHUNK": 2048, "RANK": 320, "BLOCK_S": 8, "BLOCK_RA": 512, "GATES": True, "TICKET": True,
-      "num_warps": 8, "_divisible": ("W",)}),
     ("hyper connection read (dot), down (16 tokens x 16 rows x 1024)", hc._read_down_dot_kernel,
      {"p_n": "*bf16", "p_w": "*bf16", "p_zp": "*fp32", **ints("T", "R", "W", "stride_nt", "stride_wr")},
      {"BLOCK_T": 16, "ROWS": 16, "CHUNK": 1024, "BLOCK_K": 256, "PRECISION": "tf32", "num_warps": 4,
@@ -460,13 +448,10 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
       **ints("stride_at", "stride_glt")}, {"BLOCK_R": 512, "GATES": True, "num_warps": 4}),
     ("hyper connection write folded into the next read's down, norm deferred (4 rows x 1280 of a stream)",
      hc._write_down_deferred_kernel,
-     {**HC_WRITE_DOWN, "p_count": "*fp32", "p_ta": "*fp32", "p_rs": "*fp32", **HC_TICKET_GATES, "eps": "fp32"},
+     {"p_x": "*bf16", "p_y": "*bf16", "p_a": "*bf16", "p_wn": "*bf16", "p_w": "*bf16", "p_out": "*bf16",
+      "p_zp": "*fp32", "p_ss": "*fp32", **ints("T", "R"),
+      **ints("stride_xt", "stride_yt", "stride_at", "stride_ot", "stride_wr", "stride_zp")},
      {"C": 4, "D": 2560, "SK": 2, "SPAN": 1280, "ROWS": 4, "BLOCK": 2048, "num_warps": 8, "enable_fp_fusion": False}),
-    ("hyper connection write folded into the next read's down, with the ticket (variant hc-up-ticket)",
-     hc._write_down_deferred_kernel,
-     {**HC_WRITE_DOWN, "p_count": "*i32", "p_ta": "*bf16", "p_rs": "*fp32", **HC_TICKET_GATES, "eps": "fp32"},
-     {"C": 4, "D": 2560, "SK": 2, "SPAN": 1280, "ROWS": 4, "BLOCK": 2048, "RANK": 320, "BLOCK_S": 8, "BLOCK_RA": 512,
-      "BLOCK_C": 4, "GATES": True, "TICKET": True, "num_warps": 8, "enable_fp_fusion": False}),
     ("hyper connection read, up + mix, all streams' tile (4 columns, rank 320 = 256 + 64; as launched)",
      hc._read_up_mix_streams_kernel,
      {**HC_UP_MIX, "p_wn": "*fp32"},
@@ -478,11 +463,6 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
      HC_UP_MIX,
      {"RANK": 320, "C": 4, "BLOCK_D": 4, "BLOCK_R": 256, "BLOCK_S": 8, "BLOCK_C": 4, "GATES": True, "SK": 2, "R2": 64,
       "num_warps": 4, "maxnreg": 128}),
-    ("hyper connection read, up + mix after the ticket (variant hc-up-ticket; 4 columns, rank 256 + 64, deferred norm)",
-     hc._read_up_mix_streams_kernel,
-     {**HC_UP_MIX, "p_zp": "*bf16"},
-     {"RANK": 320, "C": 4, "BLOCK_D": 4, "BLOCK_R": 256, "BLOCK_S": 8, "BLOCK_C": 4, "GATES": True, "SK": 2, "R2": 64,
-      "TICKET": True, "num_warps": 4}),
     ("hyper connection read (dot), up + mix, all streams' tile (16 tokens x 8 columns, rank steps of 64)",
      hc._read_up_mix_dot_streams_kernel,
      {"p_a": "*bf16", "p_up": "*bf16", "p_n": "*bf16", "p_u": "*bf16", **ints("T", "D", "stride_at", "stride_upr",
@@ -497,11 +477,11 @@ def _pdl_cases() -> list:
     """Cases again with PDL on (the constexpr and the launch option, `ft.kernels.pdl`): every NVFP4
     GEMV case (its paths place the wait differently: after the whole-K weights, or first), the
     dense GEMV (after its first weight tile), and one of each kernel whose wait comes first (the
-    same two lines in every such kernel; the HyperConnection's fma form with and without its ticket's
-    atomics). Each must compile with the wait in its PTX."""
+    same two lines in every such kernel; the HyperConnection's fma form after the folded write, both
+    up cases). Each must compile with the wait in its PTX."""
     picked = {nv._nvfp4_gemv_kernel: 99, dense._dense_gemv_kernel: 1, nv._nvfp4_dot_kernel: 1, norm._rms_norm_kernel: 1,
               moe_dec._moe_decode_gate_up_kernel: 1, attn._decode_split_kernel: 1,
-              hc._write_down_deferred_kernel: 2, hc._read_up_mix_streams_kernel: 3}
+              hc._write_down_deferred_kernel: 1, hc._read_up_mix_streams_kernel: 2}
     out = []
     for name, kernel, signature, params in CASES:
         if picked.get(kernel, 0) > 0:

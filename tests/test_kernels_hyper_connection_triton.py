@@ -21,7 +21,6 @@ from ft.kernels.hyper_connection import grouped_rms_norm_ref, hc_mix_ref, hc_rea
 from ft.kernels.hyper_connection import kernel as details
 from ft.kernels.options import use_kernel_options, variant
 from ft.model.layers.hyper_connection import HyperConnection
-from triton_flags import spy_launches
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 """Relative RMS against the reference: fp32 differs in the order of the sums only; fp16 also where a
@@ -74,12 +73,10 @@ def test_the_write_gates_each_stream_by_its_own_logit():
 
 
 FORM = {"fma": {"hyper_connection.fma_read_max_tokens": 1 << 20},
-        "fma-ticket": {"hyper_connection.fma_read_max_tokens": 1 << 20, "hyper_connection.up_ticket": True},
         "dot": {"hyper_connection.fma_read_max_tokens": 0, "hyper_connection.dot_up_block_rank": 32},
         "dot-whole-rank": {"hyper_connection.fma_read_max_tokens": 0, "hyper_connection.dot_up_block_rank": 1 << 10}}
 """Options that send every fused read to one form (the fma form's up tile takes a rank that is no power of two in
-two pieces: 6 = 4 + 2, 20 = 16 + 4, 5 = 4 + 1, 70 = 64 + 6 in 8; 8 whole; with "fma-ticket" after the down launch's
-ticket; the dot form in rank steps of 32: rank 70 takes three; or the whole rank in one step)."""
+two pieces: 6 = 4 + 2, 20 = 16 + 4, 5 = 4 + 1, 70 = 64 + 6 in 8; 8 whole; the dot form in rank steps of 32: rank 70 takes three; or the whole rank in one step)."""
 SMALL_TILES = {"hyper_connection.down_chunk": 32, "hyper_connection.down_rows": 4, "hyper_connection.up_block_d": 8,
                "hyper_connection.dot_down_chunk": 32, "hyper_connection.dot_down_block_k": 16,
                "hyper_connection.dot_up_block_d": 4}
@@ -116,13 +113,11 @@ def module(r, c: int, d: int, rank: int) -> HyperConnection:
                            r(c, c * d, scale=0.3), c)
 
 
-@pytest.mark.parametrize("fused", [None, "fma", "fma-ticket", "dot"],
-                         ids=["cublas-read", "fused-fma", "fused-fma-ticket", "fused-dot"])
+@pytest.mark.parametrize("fused", [None, "fma", "dot"], ids=["cublas-read", "fused-fma", "fused-dot"])
 def test_a_read_and_fused_write_through_the_kernels_equal_the_torch_path(monkeypatch, fused):
     """`HyperConnection.read` / `write(next_hc=...)` with the Triton kernels (dispatched as on a GPU) against
     the same calls on the references: the state, the block input and the next read's input; with the
-    fused read on, the read goes through `hc_read_triton` (counted; with the ticket, each module's counter
-    zero after it)."""
+    fused read on, the read goes through `hc_read_triton` (counted)."""
     import ft.kernels.hyper_connection as hcmod
 
     c, d, r_ = 4, 40, 6
@@ -146,7 +141,6 @@ def test_a_read_and_fused_write_through_the_kernels_equal_the_torch_path(monkeyp
                                     **{"hyper_connection.fused_read_max_tokens": 8 if fused else 0})):
         got = run()
     assert len(calls) == (2 if fused else 0)
-    assert first.ticket.tolist() == second.ticket.tolist() == [0]
     for a, b in zip(got, want):
         assert rel(a, b) < TOL[torch.float32]
 
@@ -209,42 +203,3 @@ def test_write_read_dispatches_one_token_to_the_folded_launches(monkeypatch):
         assert len(calls) == n_calls
         for a, b in zip(got, want):
             assert rel(a, b) < TOL[torch.float32]
-
-
-TICKET_CASES = [(1, 4, 16, 6, True, False), (1, 4, 40, 20, False, True), (2, 2, 24, 5, True, True),
-                (1, 4, 16, 8, True, True)]
-"""(tokens, streams, D, rank, inject rows, the write folded in): rank 8 takes the up tile whole."""
-
-
-@pytest.mark.parametrize("t,c,d,rank,inject,folded", TICKET_CASES,
-                         ids=[f"T{t}-C{c}-D{d}-r{r}-{'inject' if i else 'final'}-{'write-read' if f else 'read'}"
-                              for t, c, d, r, i, f in TICKET_CASES])
-def test_the_ticket_reduces_the_partials_once_with_the_same_results(monkeypatch, t, c, d, rank, inject, folded):
-    """Variant "hc-up-ticket": the down launch's last program sums the partials once (`_ticket_reduce`);
-    the up kernel launches in that mode, u, the gate logits (and the written state) equal those of the
-    plain form bit for bit in fp16, and the counter is zero after each call (twice on one counter). Without
-    a counter the variant runs the plain form."""
-    g = torch.Generator().manual_seed(7 * t + d + rank)
-    r = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).to(torch.float16)  # noqa: E731
-    n, x, y, gates = wide(r(t, c * d)), wide(r(t, c * d, scale=3.0)), r(t, d), r(t, c, scale=2.0)
-    next_norm = r(c * d, scale=0.1)
-    mix_in, up = r(rank + (c if inject else 0), c * d, scale=0.3), r(c * d, rank, scale=0.5)
-
-    def call(ticket=None):
-        if folded:
-            return details.hc_write_read_triton(x, y, gates, c, next_norm, 1e-6, mix_in, up, rank, ticket)
-        return details.hc_read_triton(n, mix_in, up, rank, c, ticket)
-
-    with use_kernel_options(variant(**SMALL_TILES, **FORM["fma"])):
-        want = call()
-    up_launches = spy_launches(monkeypatch, details, "_read_up_mix_streams_kernel")
-    counter = torch.zeros(1, dtype=torch.int32)
-    with use_kernel_options(variant("hc-up-ticket", **SMALL_TILES, **FORM["fma"])):
-        for _ in range(2):
-            got = call(counter)
-            assert counter.item() == 0
-            for a, b in zip(got, want):
-                assert (a is None and b is None) or torch.equal(a, b)
-        assert [launch["TICKET"] for launch in up_launches] == [True, True]
-        call()  # no counter: the plain form
-    assert up_launches[-1]["TICKET"] is False

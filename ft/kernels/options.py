@@ -240,13 +240,6 @@ class HyperConnectionOptions:
     **4.660**; bench/hc_read.py --write-read, us a write + read: 12.3 / 13.0 / 11.6 / **10.5**. Their
     options `write_norm_deferred` and `up_rank_pieces` deleted (commit e04ea00 holds the forms before).
 
-    up_ticket: the "fma" form's down launch ends with a ticket (an atomic count of its programs; the caller
-    keeps the int32 counter, zero between calls): its last program sums the partials of every token once,
-    with their streams' 1 / rms after a deferred norm, and stores silu(z), the gate logits and the 1 / rms;
-    the up kernel's ~640 programs then each read a rank vector instead of all the partials (8 x 324 floats,
-    ~10 KB from L2 a program, as many bytes as its up tile) and skip the sums. Off until the step's GPU
-    time says (variant "hc-up-ticket"; session 40, CPU only: interpreter tests against the reference).
-
     H200, bench/hc_read.py (4 streams of 2,560, rank 320, bf16, in a CUDA graph), us a read, cuBLAS /
     fma / dot: T 1 17.4 / **14.1** / 17.4; T 2 20.8 / 19.4 / **17.9**; T 8 21.3 / 49.1 / **18.0**; T 64
     23.7 / 332.9 / **21.0** (session 31, the per-stream up kernels; the dot tiles from `--sweep`'s 24:
@@ -268,7 +261,6 @@ class HyperConnectionOptions:
     dot_up_block_d: int = 8
     dot_up_block_rank: int = 64
     write_into_read: bool = True
-    up_ticket: bool = False
 
 
 @dataclass(frozen=True)
@@ -347,7 +339,6 @@ VARIANTS: dict[str, dict[str, object]] = {
     "hc-read-cublas": {"hyper_connection.fused_read_max_tokens": 0},  # bench/hc_read.py, bench/decode.py --modes
     "hc-read-dot-only": {"hyper_connection.fma_read_max_tokens": 0},  # the same
     "hc-write-own-launch": {"hyper_connection.write_into_read": False},  # the same
-    "hc-up-ticket": {"hyper_connection.up_ticket": True},  # bench/decode.py --modes, bench/hc_read.py --write-read
     "moe-sum-own-launch": {"moe.decode_sum_in_down": False},  # the same
     "gated-delta-ba-own-launch": {"gated_delta.decode_ba_in_conv": False},  # the same
     "qsa-prefill-select-torch": {"qsa.prefill_select_kernel": False},  # bench/prefill.py --variant

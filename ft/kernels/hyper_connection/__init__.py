@@ -56,30 +56,29 @@ def hc_write(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Tensor, stream
     return hc_write_ref(x, y, gate_logits, streams, next_norm, eps)
 
 
-def hc_read(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int, streams: int,
-            ticket: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def hc_read(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int, streams: int
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A read after its norm: (u [T, D], the write's gate logits [T, C] or None for the final read)
     (`hc_read_ref`'s contract: n [T, C*D] normalised streams, mix_in [rank (+ C), C*D], up [C*D, rank]):
     the reference's GEMMs, then `hc_mix`; short reads (`HyperConnectionOptions.fused_read_max_tokens`)
-    in two Triton launches. ticket: an int32 counter the caller keeps on n's device, zero (left zero), for
-    `HyperConnectionOptions.up_ticket`; None: that option has no effect."""
+    in two Triton launches."""
     if (n.shape[0] <= kernel_options().hyper_connection.fused_read_max_tokens and streams & (streams - 1) == 0
             and _triton(n, n.shape[-1] // streams)
             and mix_in.dtype in TRITON_DTYPES and up.dtype == mix_in.dtype):
         from ft.kernels.hyper_connection.kernel import hc_read_triton
 
-        return hc_read_triton(n, mix_in, up, rank, streams, ticket)
+        return hc_read_triton(n, mix_in, up, rank, streams)
     g, gate_logits = hc_read_lowrank_ref(n, mix_in, up, rank, streams)
     return hc_mix(g, n, streams), (gate_logits if mix_in.shape[0] > rank else None)
 
 
 def hc_write_read(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Tensor, streams: int, next_norm: torch.Tensor,
-                  eps: float, mix_in: torch.Tensor, up: torch.Tensor, rank: int, ticket: torch.Tensor | None = None
+                  eps: float, mix_in: torch.Tensor, up: torch.Tensor, rank: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A write and the next read (`hc_write_read_ref`'s contract): in two Triton launches where the next read
     takes the form "fma" (`HyperConnectionOptions.fma_read_max_tokens`) and `write_into_read` is on (the
     write folded into the read's first projection, `kernel.hc_write_read_triton`), else `hc_write` with
-    the next norm then `hc_read` (three or four launches). ticket: as `hc_read`'s."""
+    the next norm then `hc_read` (three or four launches)."""
     opts = kernel_options().hyper_connection
     t, width = x.shape
     d = width // streams
@@ -88,7 +87,7 @@ def hc_write_read(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Tensor, s
             and mix_in.dtype in TRITON_DTYPES and up.dtype == mix_in.dtype and y.shape == (t, d)):
         from ft.kernels.hyper_connection.kernel import hc_write_read_triton
 
-        return hc_write_read_triton(x, y, gate_logits, streams, next_norm, eps, mix_in, up, rank, ticket)
+        return hc_write_read_triton(x, y, gate_logits, streams, next_norm, eps, mix_in, up, rank)
     out, n = hc_write(x, y, gate_logits, streams, next_norm, eps)
-    u, next_gates = hc_read(n, mix_in, up, rank, streams, ticket)
+    u, next_gates = hc_read(n, mix_in, up, rank, streams)
     return out, u, next_gates

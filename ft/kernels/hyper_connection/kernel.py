@@ -17,9 +17,7 @@ in place of two cuBLAS GEMMs, a split-K reduce, a SiLU and `_mix_kernel`) takes 
   of z_part) / C rounded to the weights' dtype, SiLU, g_k = up_k silu(z) for the program's columns of
   every stream k (their up rows one tile), and u = mean over k of sigmoid(g_k) n_k; the first program
   also writes the write's gate logits (z's last C rows).
-  These two are the read form "fma" (`HyperConnectionOptions.fma_read_max_tokens`: one token). With
-  `HyperConnectionOptions.up_ticket` (a variant) the down launch's last program, by an atomic ticket, sums
-  the partials once (`_ticket_reduce`) and the up kernel reads silu(z) instead of every partial.
+  These two are the read form "fma" (`HyperConnectionOptions.fma_read_max_tokens`: one token).
 - The read form "dot" (longer reads) takes every token at once on tensor cores (tokens padded to 16 rows):
   `_read_down_dot_kernel`, grid (R / ROWS, W / CHUNK), partial sums as above by `tl.dot` over K steps;
   `_read_reduce_kernel`, grid (T,), the partials' sum, z rounded, its SiLU (the up projection's input
@@ -109,50 +107,8 @@ def _write_kernel(p_x, p_y, p_a, p_wn, p_out, p_nn, eps, stride_xt, stride_yt, s
 
 
 @triton.jit
-def _ticket_reduce(p_count, p_zp, p_ss, p_a, p_rs, p_gl, T, S, R, D, inv_c, eps, stride_zp, stride_glt,
-                   RANK: tl.constexpr, C: tl.constexpr, SK: tl.constexpr, BLOCK_S: tl.constexpr,
-                   BLOCK_RA: tl.constexpr, BLOCK_C: tl.constexpr, GATES: tl.constexpr):
-    """The end of a down launch of the form "fma" with `HyperConnectionOptions.up_ticket`: every program
-    takes a ticket after its partials are stored; the last one sums the S partials of every token once,
-    rounds z / C to the weights' dtype (p_a's), stores silu(z) [T, RANK] at p_a (row stride stride_zp) and
-    the gate logits z[RANK:] at p_gl, and with SK > 0 (the deferred norm: p_ss the chunks' sums of squares
-    [S, T]) scales each partial by its stream's 1 / rms first and stores those [T, C] at p_rs; then puts the
-    counter back to zero (the next launch or graph replay). The same rounding steps as
-    `_read_up_mix_streams_kernel`'s, which then reads a [RANK] vector a token instead of the partials."""
-    tl.debug_barrier()  # every thread's stores of the program before its ticket
-    done = tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) * tl.num_programs(1) - 1:
-        o_s = tl.arange(0, BLOCK_S)
-        m_s = o_s < S
-        o_r = tl.arange(0, BLOCK_RA)
-        m_r = o_r < R
-        a_dtype = p_a.dtype.element_ty
-        for t in range(T):
-            b_zp = tl.load(p_zp + (o_s[:, None] * T + t) * stride_zp + o_r[None, :], mask=m_s[:, None] & m_r[None, :],
-                           other=0.0, cache_modifier=".cg")
-            if SK > 0:  # each stream's 1 / rms from its chunks' sums of squares, as `rms_rstd` rounds it
-                b_ss = tl.load(p_ss + o_s * T + t, mask=m_s, other=0.0, cache_modifier=".cg")
-                same = (o_s // SK)[:, None] == (o_s // SK)[None, :]
-                b_sss = tl.sum(tl.where(same, b_ss[None, :], 0.0), axis=1)
-                rstd_s = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(b_sss, D * 1.0) + eps))
-                b_zp = b_zp * rstd_s[:, None]
-                o_c = tl.arange(0, BLOCK_C)
-                rstd_c = tl.sum(tl.where(o_c[:, None] * SK == o_s[None, :], rstd_s[None, :], 0.0), axis=1)
-                tl.store(p_rs + t * C + o_c, rstd_c, mask=o_c < C)
-            b_zs = tl.sum(b_zp, axis=0) * inv_c
-            b_z = b_zs.to(a_dtype).to(tl.float32)
-            tl.store(p_a + t * stride_zp + o_r, (b_z * tl.sigmoid(b_z)).to(a_dtype), mask=o_r < RANK)
-            if GATES:
-                tl.store(p_gl + t * stride_glt + (o_r - RANK), b_zs.to(p_gl.dtype.element_ty), mask=m_r & (o_r >= RANK))
-        tl.atomic_xchg(p_count, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _read_down_kernel(p_n, p_w, p_zp, T, R, W, stride_nt, stride_wr, stride_zp, p_count, p_a, p_gl, stride_glt, inv_c,
-                      ROWS: tl.constexpr, CHUNK: tl.constexpr, RANK: tl.constexpr = 0, BLOCK_S: tl.constexpr = 1,
-                      BLOCK_RA: tl.constexpr = 1, GATES: tl.constexpr = False, TICKET: tl.constexpr = False,
-                      PDL: tl.constexpr = False):
-    """See the module's docstring; TICKET: `_ticket_reduce` at the end (p_count, p_a, p_gl its)."""
+def _read_down_kernel(p_n, p_w, p_zp, T, R, W, stride_nt, stride_wr, stride_zp, ROWS: tl.constexpr,
+                      CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
     pdl_release(PDL)
     i_r, i_s = tl.program_id(0), tl.program_id(1)
@@ -166,18 +122,12 @@ def _read_down_kernel(p_n, p_w, p_zp, T, R, W, stride_nt, stride_wr, stride_zp, 
         # N in the weights' dtype, as the reference casts it before its GEMM
         b_n = tl.load(p_n + t * stride_nt + o_w, mask=m_w, other=0.0).to(p_w.dtype.element_ty).to(tl.float32)
         tl.store(p_zp + (i_s * T + t) * stride_zp + o_r, tl.sum(b_w * b_n[None, :], axis=1), mask=m_r)
-    if TICKET:
-        _ticket_reduce(p_count, p_zp, p_zp, p_a, p_zp, p_gl, T, tl.num_programs(1), R, W, inv_c, 0.0, stride_zp,
-                       stride_glt, RANK=RANK, C=1, SK=0, BLOCK_S=BLOCK_S, BLOCK_RA=BLOCK_RA, BLOCK_C=1, GATES=GATES)
 
 
 @triton.jit
 def _write_down_deferred_kernel(p_x, p_y, p_a, p_wn, p_w, p_out, p_zp, p_ss, T, R, stride_xt, stride_yt, stride_at,
-                                stride_ot, stride_wr, stride_zp, p_count, p_ta, p_rs, p_gl, stride_glt, inv_c, eps,
-                                C: tl.constexpr, D: tl.constexpr, SK: tl.constexpr, SPAN: tl.constexpr,
-                                ROWS: tl.constexpr, BLOCK: tl.constexpr, RANK: tl.constexpr = 0,
-                                BLOCK_S: tl.constexpr = 1, BLOCK_RA: tl.constexpr = 1, BLOCK_C: tl.constexpr = 1,
-                                GATES: tl.constexpr = False, TICKET: tl.constexpr = False, PDL: tl.constexpr = False):
+                                stride_ot, stride_wr, stride_zp, C: tl.constexpr, D: tl.constexpr, SK: tl.constexpr,
+                                SPAN: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """A write and the next read's first projection with the norm's 1 / rms left to the up kernel (grid
     (R / ROWS, C * SK)): program (i_r, i_s) owns SPAN columns of one stream k = i_s // SK (chunks never
     straddle streams), computes x' = x_k + a_k y there (rounded as `_write_kernel`), and stores
@@ -186,8 +136,7 @@ def _write_down_deferred_kernel(p_x, p_y, p_a, p_wn, p_w, p_out, p_zp, p_ss, T, 
     x' and the chunk's sum of squares ss[i_s, t]. So no program reads another stream (the form before, which
     recomputed every stream's write in each program for its norm, ~25 KB of L2 reads each, lost:
     `HyperConnectionOptions`). The reference's N is rounded to the activations' dtype before its GEMM; here
-    the dot takes it unrounded (a few bf16 ulps apart in z, inside the read's own error). TICKET:
-    `_ticket_reduce` at the end (p_count, p_ta the SiLU'd ranks, p_rs the streams' 1 / rms, p_gl its)."""
+    the dot takes it unrounded (a few bf16 ulps apart in z, inside the read's own error)."""
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
     pdl_release(PDL)
     i_r, i_s = tl.program_id(0), tl.program_id(1)
@@ -215,9 +164,6 @@ def _write_down_deferred_kernel(p_x, p_y, p_a, p_wn, p_w, p_out, p_zp, p_ss, T, 
             tl.store(p_out + t * stride_ot + o_w, b_o, mask=m_d)
             tl.store(p_ss + i_s * T + t, tl.sum(b_of * b_of, axis=0))
         tl.store(p_zp + (i_s * T + t) * stride_zp + o_r, tl.sum(b_w * (b_of * b_wn)[None, :], axis=1), mask=m_r)
-    if TICKET:
-        _ticket_reduce(p_count, p_zp, p_ss, p_ta, p_rs, p_gl, T, C * SK, R, D, inv_c, eps, stride_zp, stride_glt,
-                       RANK=RANK, C=C, SK=SK, BLOCK_S=BLOCK_S, BLOCK_RA=BLOCK_RA, BLOCK_C=BLOCK_C, GATES=GATES)
 
 
 @triton.jit
@@ -273,7 +219,7 @@ def _read_up_mix_streams_kernel(p_zp, p_up, p_n, p_u, p_gl, T, S, stride_zp, D, 
                                 stride_glt, p_wn, p_ss, eps, RANK: tl.constexpr, C: tl.constexpr, BLOCK_D: tl.constexpr,
                                 BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
                                 GATES: tl.constexpr, SK: tl.constexpr = 0, R2: tl.constexpr = 0,
-                                TICKET: tl.constexpr = False, PDL: tl.constexpr = False):
+                                PDL: tl.constexpr = False):
     """The form "fma"'s second launch, its loads issued at once: the up rows of every stream's columns
     of the program as one [C * BLOCK_D, BLOCK_R] tile (row j: stream j // BLOCK_D) and a token's partial
     sums as one [BLOCK_S, BLOCK_R] tile, all issued before their first use (RANK a constexpr, so the
@@ -284,9 +230,7 @@ def _read_up_mix_streams_kernel(p_zp, p_up, p_n, p_u, p_gl, T, S, stride_zp, D, 
     R2 > 0 (a rank that is no power of two, `_read_up_fma`): the rank in two tiles, BLOCK_R (a power of two <=
     RANK, no rank mask) then R2 columns from BLOCK_R (masked past RANK only where BLOCK_R + R2 > RANK),
     instead of one tile of next_power_of_2(RANK) columns (rank 320: 512, 37.5% of it masked lanes that
-    hold registers; the one tile lost: `HyperConnectionOptions`).
-    TICKET (`_ticket_reduce` ended the down launch): p_zp holds silu(z) [T, RANK] in the weights' dtype (row
-    stride stride_zp) and, with SK > 0, p_ss the streams' 1 / rms [T, C]; the gate logits are written."""
+    hold registers; the one tile lost: `HyperConnectionOptions`)."""
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
     pdl_release(PDL)
     i_d = tl.program_id(0)
@@ -307,47 +251,34 @@ def _read_up_mix_streams_kernel(p_zp, p_up, p_n, p_u, p_gl, T, S, stride_zp, D, 
         # every load of the token before any use: one round trip (the up tile again from L2 past the first token)
         b_up = tl.load(p_up + (o_k * D + o_d)[:, None].to(tl.int64) * stride_upr + o_r[None, :],
                        mask=m_d[:, None] & m_r[None, :], other=0.0)
-        if TICKET:  # silu(z) (and the streams' 1 / rms), computed once by the down launch's last program
-            b_a = tl.load(p_zp + t * stride_zp + o_r, mask=m_r, other=0.0).to(tl.float32)
-        else:
-            b_zp = tl.load(p_zp + (o_s[:, None] * T + t) * stride_zp + o_r[None, :],
-                           mask=m_s[:, None] & m_r[None, :], other=0.0)
+        b_zp = tl.load(p_zp + (o_s[:, None] * T + t) * stride_zp + o_r[None, :], mask=m_s[:, None] & m_r[None, :],
+                       other=0.0)
         b_n = tl.load(p_n + t * stride_nt + o_k * D + o_d, mask=m_d, other=0.0)
         if R2 > 0:
             b_up2 = tl.load(p_up + (o_k * D + o_d)[:, None].to(tl.int64) * stride_upr + o_r2[None, :],
                             mask=m_d[:, None] & m_r2[None, :], other=0.0)
-            if TICKET:
-                b_a2 = tl.load(p_zp + t * stride_zp + o_r2, mask=m_r2, other=0.0).to(tl.float32)
-            else:
-                b_zp2 = tl.load(p_zp + (o_s[:, None] * T + t) * stride_zp + o_r2[None, :],
-                                mask=m_s[:, None] & m_r2[None, :], other=0.0)
-        if TICKET:
-            if SK > 0:
-                rstd_j = tl.load(p_ss + t * C + o_k)
-                b_wn = tl.load(p_wn + o_k * D + o_d, mask=m_d, other=0.0).to(tl.float32)
-                b_n = ((b_n.to(tl.float32) * rstd_j) * (1.0 + b_wn)).to(p_n.dtype.element_ty)
-        else:
-            if SK > 0:  # each stream's 1 / rms from its chunks' sums of squares, as `rms_rstd` rounds it
-                b_ss = tl.load(p_ss + o_s * T + t, mask=m_s, other=0.0)
-                # partial s's stream's sum: its SK chunks' (partials s' of the same stream)
-                same = (o_s // SK)[:, None] == (o_s // SK)[None, :]
-                b_sss = tl.sum(tl.where(same, b_ss[None, :], 0.0), axis=1)
-                rstd_s = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(b_sss, D.to(tl.float32)) + eps))
-                b_zp = b_zp * rstd_s[:, None]
-                if R2 > 0:
-                    b_zp2 = b_zp2 * rstd_s[:, None]
-                # each row's stream's 1 / rms (row j: stream j // BLOCK_D = partial s of chunk 0 of that stream)
-                rstd_j = tl.sum(tl.where(o_k[:, None] * SK == o_s[None, :], rstd_s[None, :], 0.0), axis=1)
-                b_wn = tl.load(p_wn + o_k * D + o_d, mask=m_d, other=0.0).to(tl.float32)
-                b_n = ((b_n.to(tl.float32) * rstd_j) * (1.0 + b_wn)).to(p_n.dtype.element_ty)
-            # z = N mix_in^T / C in the weights' dtype (the GEMM's one rounding), SiLU rounded there too
-            b_z = (tl.sum(b_zp, axis=0) * inv_c).to(w_dtype).to(tl.float32)
-            b_a = (b_z * tl.sigmoid(b_z)).to(w_dtype).to(tl.float32)
+            b_zp2 = tl.load(p_zp + (o_s[:, None] * T + t) * stride_zp + o_r2[None, :],
+                            mask=m_s[:, None] & m_r2[None, :], other=0.0)
+        if SK > 0:  # each stream's 1 / rms from its chunks' sums of squares, as `rms_rstd` rounds it
+            b_ss = tl.load(p_ss + o_s * T + t, mask=m_s, other=0.0)
+            # partial s's stream's sum: its SK chunks' (partials s' of the same stream)
+            same = (o_s // SK)[:, None] == (o_s // SK)[None, :]
+            b_sss = tl.sum(tl.where(same, b_ss[None, :], 0.0), axis=1)
+            rstd_s = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(b_sss, D.to(tl.float32)) + eps))
+            b_zp = b_zp * rstd_s[:, None]
             if R2 > 0:
-                b_z2 = (tl.sum(b_zp2, axis=0) * inv_c).to(w_dtype).to(tl.float32)
-                b_a2 = (b_z2 * tl.sigmoid(b_z2)).to(w_dtype).to(tl.float32)
+                b_zp2 = b_zp2 * rstd_s[:, None]
+            # each row's stream's 1 / rms (row j: stream j // BLOCK_D = partial s of chunk 0 of that stream)
+            rstd_j = tl.sum(tl.where(o_k[:, None] * SK == o_s[None, :], rstd_s[None, :], 0.0), axis=1)
+            b_wn = tl.load(p_wn + o_k * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+            b_n = ((b_n.to(tl.float32) * rstd_j) * (1.0 + b_wn)).to(p_n.dtype.element_ty)
+        # z = N mix_in^T / C in the weights' dtype (the GEMM's one rounding), SiLU rounded there too
+        b_z = (tl.sum(b_zp, axis=0) * inv_c).to(w_dtype).to(tl.float32)
+        b_a = (b_z * tl.sigmoid(b_z)).to(w_dtype).to(tl.float32)
         b_g = tl.sum(b_up.to(tl.float32) * b_a[None, :], axis=1)
         if R2 > 0:
+            b_z2 = (tl.sum(b_zp2, axis=0) * inv_c).to(w_dtype).to(tl.float32)
+            b_a2 = (b_z2 * tl.sigmoid(b_z2)).to(w_dtype).to(tl.float32)
             b_g += tl.sum(b_up2.to(tl.float32) * b_a2[None, :], axis=1)
         b_g = b_g.to(w_dtype)  # g in the weights' dtype
         b_sg = tl.sigmoid(b_g.to(tl.float32)).to(w_dtype)
@@ -355,7 +286,7 @@ def _read_up_mix_streams_kernel(p_zp, p_up, p_n, p_u, p_gl, T, S, stride_zp, D, 
         b_u = tl.sum(tl.reshape(b_m, (C, BLOCK_D)), axis=0) / C
         tl.store(p_u + t * stride_ut + i_d * BLOCK_D + tl.arange(0, BLOCK_D), b_u.to(p_u.dtype.element_ty),
                  mask=i_d * BLOCK_D + tl.arange(0, BLOCK_D) < D)
-        if GATES and not TICKET:
+        if GATES:
             if i_d == 0:
                 o_c = tl.arange(0, BLOCK_C)
                 m_c = o_c < C
@@ -458,15 +389,12 @@ def hc_write_triton(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Tensor,
 
 
 def hc_write_read_triton(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Tensor, streams: int,
-                         next_norm: torch.Tensor, eps: float, mix_in: torch.Tensor, up: torch.Tensor, rank: int,
-                         ticket: torch.Tensor | None = None
+                         next_norm: torch.Tensor, eps: float, mix_in: torch.Tensor, up: torch.Tensor, rank: int
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`hc_write_read_ref` in two launches (`_write_down_deferred_kernel`, then the form "fma"'s up/mix kernel): x
     [T, C*D], y [T, D], gate_logits [T, C] (the write's), next_norm [C*D], mix_in [rank (+ C), C*D], up
     [C*D, rank] -> (x' [T, C*D], u [T, D], the next write's gate logits [T, C] or None). For the reads
-    the form "fma" takes (a token); C a power of two. ticket: int32 [>= 1] on x's device, zero (and left
-    zero): with `HyperConnectionOptions.up_ticket`, the first launch's last program reduces the partials
-    once (`_ticket_reduce`)."""
+    the form "fma" takes (a token); C a power of two."""
     opts = kernel_options().hyper_connection
     t, width = x.shape
     c, d, r = streams, width // streams, mix_in.shape[0]
@@ -479,44 +407,32 @@ def hc_write_read_triton(x: torch.Tensor, y: torch.Tensor, gate_logits: torch.Te
         z_part = torch.empty((c * sk, t, r_stride), dtype=torch.float32, device=x.device)
         ss = torch.empty((c * sk, t), dtype=torch.float32, device=x.device)
         block = triton.next_power_of_2(span)
-        on_ticket = _takes_ticket(ticket, x, opts)
-        # (with the ticket: silu(z) in the weights' dtype and the streams' 1 / rms, for the up kernel)
-        ta = torch.empty((t, r_stride), dtype=up.dtype, device=x.device) if on_ticket else z_part
-        rs = torch.empty((t, c), dtype=torch.float32, device=x.device) if on_ticket else ss
-        gl = next_gates if next_gates is not None else z_part[0]
         _write_down_deferred_kernel[(triton.cdiv(r, rows), c * sk)](
             x, y, a, next_norm.contiguous(), mix_in, out, z_part, ss, t, r, x.stride(0), y.stride(0), a.stride(0),
-            out.stride(0), mix_in.stride(0), r_stride, ticket if on_ticket else ss, ta, rs, gl, gl.stride(0),
-            1.0 / c, eps, C=c, D=d, SK=sk, SPAN=span, ROWS=rows, BLOCK=block, RANK=rank,
-            BLOCK_S=triton.next_power_of_2(c * sk), BLOCK_RA=triton.next_power_of_2(r),
-            BLOCK_C=triton.next_power_of_2(c), GATES=next_gates is not None, TICKET=on_ticket,
+            out.stride(0), mix_in.stride(0), r_stride, C=c, D=d, SK=sk, SPAN=span, ROWS=rows, BLOCK=block,
             num_warps=8 if rows * block >= 8192 else 4,
             enable_fp_fusion=False,  # x + bf16(a y) rounds twice, as `_write_kernel` (see there)
             **pdl_args(x.device))
-        _read_up_fma(ta, c * sk, r_stride, out, up, rank, c, opts, u, next_gates, norm=(next_norm, rs, eps, sk),
-                     ticket=on_ticket)
+        _read_up_fma(z_part, c * sk, r_stride, out, up, rank, c, opts, u, next_gates, norm=(next_norm, ss, eps, sk))
     return out, u, next_gates
 
 
-def hc_read_triton(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int, streams: int,
-                   ticket: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def hc_read_triton(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int, streams: int
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """As `hc_read_ref` (n [T, C*D] the normalised streams, mix_in [rank (+ C), C*D], up [C*D, rank]) ->
     (u [T, D] in the dtype n * mix_in promotes to, the gate logits [T, C] in mix_in's dtype, or None when
     mix_in has no inject rows): the form "fma" for reads of at most
     `HyperConnectionOptions.fma_read_max_tokens` tokens (each token a CUDA-core pass over the weight
     tiles a program loaded), else "dot" (tensor-core tiles of 16 tokens or more); the tiles are
-    `HyperConnectionOptions`'. Meant for short reads (decode). ticket: as `hc_write_read_triton`'s (the
-    form "fma" only)."""
+    `HyperConnectionOptions`'. Meant for short reads (decode)."""
     opts = kernel_options().hyper_connection
     t, width = n.shape
     n, mix_in, up = _rows(n), _rows(mix_in), _rows(up)
     u = torch.empty((t, width // streams), dtype=torch.promote_types(n.dtype, mix_in.dtype), device=n.device)
     gate_logits = torch.empty((t, streams), dtype=mix_in.dtype, device=n.device) if mix_in.shape[0] > rank else None
     if t:
-        if t <= opts.fma_read_max_tokens:
-            _read_fma(n, mix_in, up, rank, streams, opts, u, gate_logits, ticket)
-        else:
-            _read_dot(n, mix_in, up, rank, streams, opts, u, gate_logits)
+        read = _read_fma if t <= opts.fma_read_max_tokens else _read_dot
+        read(n, mix_in, up, rank, streams, opts, u, gate_logits)
     return u, gate_logits
 
 
@@ -538,41 +454,25 @@ def _deferred_down_tiles(d: int, r: int, opts) -> tuple[int, int, int, int]:
     return sk, span, min(opts.down_rows, triton.next_power_of_2(r)), triton.cdiv(r, 16) * 16
 
 
-def _takes_ticket(ticket: torch.Tensor | None, x: torch.Tensor, opts) -> bool:
-    """Whether a form "fma" read reduces its partials once (`HyperConnectionOptions.up_ticket` and a
-    counter the caller keeps: int32, on x's device)."""
-    return (opts.up_ticket and ticket is not None and ticket.dtype == torch.int32 and ticket.device == x.device
-            and ticket.numel() >= 1)
-
-
 def _read_fma(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int, c: int, opts, u: torch.Tensor,
-              gate_logits: torch.Tensor | None, ticket: torch.Tensor | None = None) -> None:
+              gate_logits: torch.Tensor | None) -> None:
     """`hc_read_triton`'s form "fma" into u (and gate_logits): two launches, a token at a time."""
     t, width = n.shape
     r = mix_in.shape[0]
     chunk, splits, rows, r_stride = _fma_down_tiles(width, r, opts)
     z_part = torch.empty((splits, t, r_stride), dtype=torch.float32, device=n.device)
-    on_ticket = _takes_ticket(ticket, n, opts)
-    ta = torch.empty((t, r_stride), dtype=up.dtype, device=n.device) if on_ticket else z_part
-    gl = gate_logits if gate_logits is not None else z_part[0]
     _read_down_kernel[(triton.cdiv(r, rows), splits)](n, mix_in, z_part, t, r, width, n.stride(0), mix_in.stride(0),
-                                                      r_stride, ticket if on_ticket else z_part, ta, gl, gl.stride(0),
-                                                      1.0 / c, ROWS=rows, CHUNK=chunk, RANK=rank,
-                                                      BLOCK_S=triton.next_power_of_2(splits),
-                                                      BLOCK_RA=triton.next_power_of_2(r),
-                                                      GATES=gate_logits is not None, TICKET=on_ticket,
+                                                      r_stride, ROWS=rows, CHUNK=chunk,
                                                       num_warps=8 if rows * chunk >= 8192 else 4, **pdl_args(n.device))
-    _read_up_fma(ta, splits, r_stride, n, up, rank, c, opts, u, gate_logits, ticket=on_ticket)
+    _read_up_fma(z_part, splits, r_stride, n, up, rank, c, opts, u, gate_logits)
 
 
 def _read_up_fma(z_part: torch.Tensor, splits: int, r_stride: int, n: torch.Tensor, up: torch.Tensor, rank: int, c: int,
                  opts, u: torch.Tensor, gate_logits: torch.Tensor | None,
-                 norm: tuple[torch.Tensor, torch.Tensor, float, int] | None = None, ticket: bool = False) -> None:
+                 norm: tuple[torch.Tensor, torch.Tensor, float, int] | None = None) -> None:
     """The form "fma"'s second launch: the partials' sum, SiLU, the up projection and the gated mean. With
     norm (the norm weight [C*D], the chunks' sums of squares [splits, T], eps, chunks a stream), n holds
-    the written streams and the partials their un-normalised dots (`_write_down_deferred_kernel`). With
-    ticket (`_ticket_reduce` ran): z_part is silu(z) [T, r_stride] in the weights' dtype, norm's second
-    tensor the streams' 1 / rms [T, C], and the gate logits are written already."""
+    the written streams and the partials their un-normalised dots (`_write_down_deferred_kernel`)."""
     t, width = n.shape
     d = width // c
     block_r, r2 = triton.next_power_of_2(rank), 0
@@ -585,13 +485,12 @@ def _read_up_fma(z_part: torch.Tensor, splits: int, r_stride: int, n: torch.Tens
     _read_up_mix_streams_kernel[(triton.cdiv(d, block_d),)](
         z_part, up, n, u, gl, t, splits, r_stride, d, 1.0 / c, up.stride(0), n.stride(0), u.stride(0), gl.stride(0),
         wn, ss, eps, RANK=rank, C=c, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(splits),
-        BLOCK_C=triton.next_power_of_2(c), GATES=gate_logits is not None, SK=sk, R2=r2, TICKET=ticket,
+        BLOCK_C=triton.next_power_of_2(c), GATES=gate_logits is not None, SK=sk, R2=r2,
         num_warps=opts.up_warps or (8 if c * block_d * (block_r + r2) >= 16384 else 4),
         # the norm's extra work takes the flagship tile (4 columns, 4 warps) from 104 registers a thread to
         # 153 on sm_90 (three programs an SM instead of four); capped at 128 it keeps four (32 bytes of
-        # spills; at 8 columns and 8 warps: 101 -> 137, one program an SM instead of two); with the ticket
-        # that work is the down launch's
-        **({"maxnreg": 128} if sk and not ticket and not opts.up_warps else {}), **pdl_args(n.device))
+        # spills; at 8 columns and 8 warps: 101 -> 137, one program an SM instead of two)
+        **({"maxnreg": 128} if sk and not opts.up_warps else {}), **pdl_args(n.device))
 
 
 _DOT_UP_TILE_ELEMENTS = 16384  # BLOCK_T x BLOCK_RK at most: 32 tokens x 512 or 64 x 256

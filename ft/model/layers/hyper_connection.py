@@ -52,15 +52,12 @@ class HyperConnection:
     streams: int
     eps: float = 1e-6
     mix_in: torch.Tensor = field(init=False, repr=False)
-    ticket: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         parts = [self.down] if self.inject is None else [self.down, self.inject.to(self.down.dtype)]
         mix_in = torch.cat(parts) if len(parts) > 1 else self.down
         rank = self.down.shape[0]
         object.__setattr__(self, "mix_in", mix_in)
-        # the fused read's counter (`HyperConnectionOptions.up_ticket`): its own, so that no two reads share one
-        object.__setattr__(self, "ticket", torch.zeros(1, dtype=torch.int32, device=mix_in.device))
         object.__setattr__(self, "down", mix_in[:rank])
         if self.inject is not None:
             object.__setattr__(self, "inject", mix_in[rank:])
@@ -75,7 +72,7 @@ class HyperConnection:
             raise ValueError(f"the state is {width} wide, this HyperConnection {self.norm.shape[0]}")
         if n is None:
             n = grouped_rms_norm(x, self.norm, c, self.eps)
-        return hc_read(n, self.mix_in, self.up, self.down.shape[0], c, self.ticket)
+        return hc_read(n, self.mix_in, self.up, self.down.shape[0], c)
 
     def write(self, y: torch.Tensor, x: torch.Tensor, gate_logits: torch.Tensor, next_hc: HyperConnection | None = None
               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -96,4 +93,4 @@ class HyperConnection:
         if x.shape[1] != next_hc.norm.shape[0]:
             raise ValueError(f"the state is {x.shape[1]} wide, the next HyperConnection {next_hc.norm.shape[0]}")
         return hc_write_read(x, y, gate_logits, self.streams, next_hc.norm, self.eps, next_hc.mix_in, next_hc.up,
-                             next_hc.down.shape[0], next_hc.ticket)
+                             next_hc.down.shape[0])
