@@ -52,7 +52,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
     """The sm_90 compile check, when collected, starts now in the background on the cores the suite
-    leaves idle (`test_kernels_compile.start_compile_jobs`); its test collects the report."""
+    leaves idle (`test_kernels_compile.start_compile_jobs`); its test collects the report. Not under
+    pytest-xdist: every worker collects every test, and only the one that runs it may start it (the test
+    does, on the core its worker then leaves idle while it waits)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     cores = os.cpu_count() or 1
     for item in items:
         if item.name == "test_kernels_compile_for_sm90":

@@ -15,8 +15,9 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @contextmanager
-def demo_app(**state_kw):
-    """(TestClient, ServerState) of the demo model served under DEMO with API_KEY, engine up."""
+def demo_app(engine_kw: dict | None = None, **state_kw):
+    """(TestClient, ServerState) of the demo model served under DEMO with API_KEY, engine up; engine_kw:
+    more `EngineConfig` fields."""
     from fastapi.testclient import TestClient
 
     from ft.engine.core.engine import Engine
@@ -24,7 +25,7 @@ def demo_app(**state_kw):
     from ft.server.app import ServerState, create_app
     from ft.server.engine_loop import EngineLoop
 
-    loop = EngineLoop(lambda: Engine(EngineConfig(device="cpu")))
+    loop = EngineLoop(lambda: Engine(EngineConfig(device="cpu", **(engine_kw or {}))))
     state = ServerState(loop, DEMO, api_key=API_KEY, drain_s=0.0, **state_kw)
     with TestClient(create_app(state)) as client:
         assert loop.ready.wait(WAIT_S) and loop.state == "serving", loop.error

@@ -3,7 +3,8 @@ on a machine without a GPU (tests/compile_kernels_sm90.py, in subprocesses witho
 
 The compile is ~100 s of one core's ptxas and Python. Once the test is collected, `conftest.py`
 starts it in the background on the cores the rest of the suite leaves idle (`start_compile_jobs`),
-and the test waits for its report; run alone, the test starts it itself, one process per core."""
+and the test waits for its report; run alone, the test starts it itself, one process per core (under
+pytest-xdist, one process, on the core its worker leaves idle while the test waits)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def stop_compile_jobs() -> None:
 def test_kernels_compile_for_sm90():
     if not _has_nvidia_backend():
         pytest.skip("this triton has no NVIDIA backend")
-    start_compile_jobs(max(1, min(4, os.cpu_count() or 1)))  # (run alone: started here)
+    # run alone: started here, a process per core; under pytest-xdist one (the other workers hold the rest)
+    start_compile_jobs(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(4, os.cpu_count() or 1)))
     reports = []
     for proc, out in _jobs:
         proc.wait(timeout=600)

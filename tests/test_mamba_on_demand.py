@@ -113,6 +113,22 @@ def test_the_admin_state_ft_ctl_and_ft_top_say_so():
     assert fixed.pools.mamba.on_demand_max == 0 and "on demand" not in format_cache(fixed)
 
 
+def test_a_manual_mamba_size_is_a_409_while_the_pool_is_on_demand():
+    """`ft ctl cache --mamba N` would be undone by the pool's next grow or shrink: refused with a line that
+    says why (dry runs too), nothing touched; moe and kv still resize."""
+    from inproc_server import AUTH, demo_app
+
+    with demo_app(engine_kw=dict(mamba_on_demand=True, **OPTS)) as (client, state):
+        before = client.get("/admin/cache", headers=AUTH).json()
+        for body in ({"mamba": 2}, {"mamba": 2, "dry_run": True}, {"moe": 8, "mamba": 1}):
+            r = client.post("/admin/cache", json=body, headers=AUTH)
+            assert r.status_code == 409 and "--mamba-on-demand" in r.json()["error"]["message"], r.text
+        after = client.get("/admin/cache", headers=AUTH).json()
+        assert after["pools"] == before["pools"]
+        r = client.post("/admin/cache", json={"kv": after["pools"]["kv"]["size"], "dry_run": True}, headers=AUTH)
+        assert r.status_code == 200, r.text
+
+
 def test_mamba_on_demand_is_refused_where_it_cannot_trade():
     for bad in ({"moe_backend": "resident"}, {"moe_cache_size": 8}, {"mamba_cache_size": 4},
                 {"prefix_states_on_host": False}):

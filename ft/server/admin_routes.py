@@ -56,8 +56,13 @@ def _state_of(st) -> str:
 @router.post("/cache", response_model=CacheState | ResizePlan)
 async def post_cache(body: ResizeRequest, request: Request):
     """Resize live. 200 new state (dry run: the plan); 422 outside the reachable ranges (nothing
-    touched); 503 rolled back; 409 while another rebuild runs; 202 when wait_s ends first."""
+    touched); 503 rolled back; 409 while another rebuild runs, or for a mamba size when that pool is
+    on demand; 202 when wait_s ends first."""
     st = _st(request)
+    if body.mamba is not None and await _engine_call(st, "mamba_on_demand"):
+        # NOTE: a manual size would be undone by the pool's own next shrink or grow (`MambaOnDemand`)
+        raise ApiError(409, "the linear-attention pool is on demand (--mamba-on-demand): it grows for waiting "
+                       "requests and gives idle slots back on its own; resize moe and kv only", "conflict")
     if body.dry_run:
         return await _engine_call(st, "resize_plan", body.moe, body.kv, body.mamba)
     try:

@@ -107,7 +107,7 @@ ERROR_DESCRIPTIONS = {
     401: "Missing or wrong API key (/v1, /tokenize, /detokenize) or admin token (/admin)",
     404: "The model named is not this server's",
     408: "The request body did not arrive in time",
-    409: "Another rebuild is running, or the KV ladder is off",
+    409: "Another rebuild is running, the KV ladder is off, or the mamba pool is on demand",
     413: "The request body is over the limit",
     422: "The target is outside the reachable ranges (nothing was touched)",
     503: "The engine is not serving (loading, draining or failed), or the request or rebuild failed "

@@ -160,7 +160,7 @@ class EngineAdmin:
     and `set_ladder` raise the cache's RebuildRefused (nothing touched) or RebuildFailed (rolled back)."""
 
     COMMANDS = frozenset({"cache_state", "resize_plan", "resize", "fits_when_idle", "rounding_notes", "history",
-                          "requests", "ladder_enabled", "set_ladder", "pause_admission"})
+                          "requests", "ladder_enabled", "mamba_on_demand", "set_ladder", "pause_admission"})
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -195,6 +195,10 @@ class EngineAdmin:
 
     def ladder_enabled(self) -> bool:
         return self.engine.ladder is not None
+
+    def mamba_on_demand(self) -> bool:
+        """Whether the linear-attention pool sizes itself (--mamba-on-demand): no manual mamba size then."""
+        return self.engine.mamba_demand is not None
 
     def set_ladder(self, auto: bool | None, rung: int | str | None, model_name: str) -> CacheState:
         """Auto on or off, and a manual rung move (an index, "up" or "down": a rebuild); the state after."""
