@@ -287,8 +287,8 @@ class LaunchOptions:
     (bench/decode.py --modes overlap,pdl,overlap,pdl; RESULTS.md sessions 34 and 41): on the H100 in session
     41, Qwen3.8-Flash-Next (40 layers) 268.5 / 268.4 against 246.1 / 246.4 tok/s at batch 1 (+9%), 786.0 /
     785.1 against 762.7 / 763.3 at 8 (+3%); the 80B 322.0 / 322.2 against 343.4 / 343.1 at batch 1 (-6%),
-    1,255 / 1,254 against 1,228 / 1,228 at 8 (+2%), 1,852 / 2,240 against 2,041 / 2,272 at 64. So the
-    Flash-Next model chooses it and the 80B does not."""
+    1,255 / 1,254 against 1,228 / 1,228 at 8 (+2%; a tie in a second call), -1.5% at 16, -2% at 32, drift at
+    64. So the Flash-Next model chooses it and the 80B does not (at no batch)."""
 
     pdl: bool | None = None
 

@@ -95,7 +95,8 @@ class Qwen3NextModel:
     """forward(batch, pools) -> logits [B, vocab] (float32) at each sequence's last new token."""
 
     graph_safe = True  # a decode step may be captured in a CUDA graph
-    # its decode graphs launch plainly: with PDL (`ft.kernels.pdl`) -6% tok/s at batch 1, +2% at 8 (H100, session 41)
+    # its decode graphs launch plainly: with PDL (`ft.kernels.pdl`) -6% tok/s at batch 1, a tie at 8, -2% at 32
+    # (H100, session 41)
     decode_graph_pdl = False
     prefill_graph_safe = True  # its attention hands its cores to a prefill graph's capture (`batch.pieces`)
     slot_states = ()  # no per-sequence state beside the GDN layers' (`MambaPool.extra`)
