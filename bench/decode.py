@@ -1,6 +1,7 @@
 """Flagship decode speed, all experts resident, eager and under CUDA graphs. Not a test.
 
     PYTHONPATH=. python3 bench/decode.py [--tokens 64] [--batches 1,8] [--profile STEPS] [--gpu-time STEPS]
+                                         [--replay-span REPLAYS]
                                          [--context 32,131072] [--kv-cache-dtype nvfp4] [--modes graphs]
 
 Synthetic NVFP4 Qwen3-Next-80B-A3B on the GPU (`bench/configs/qwen3-next-80b-a3b.json`), the
@@ -77,6 +78,11 @@ def main() -> None:
                          "only) and add the GPU's busy ms a step to the table, with each mode's largest per-kernel "
                          "changes against the first mode: an A/B of kernel variants that the host's jitter does "
                          "not blur (tok/s moves 2-4%% between rounds of one process)")
+    ap.add_argument("--replay-span", type=int, default=0, metavar="REPLAYS",
+                    help="after each graph mode's timed run at each batch, replay the batch's decode graph this many "
+                         "times back to back between two CUDA events and add its ms a replay to the table: the "
+                         "device's step with the launch gaps inside the graph but none of the host's (the A/B for "
+                         "PDL, which GPU busy time cannot judge: a kernel's time then includes its wait)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
                     help="after the timed runs, run this many decode steps under cProfile at each --profile-context "
                          "length and print the host functions by own time (what a step's host work grows with)")
@@ -142,9 +148,12 @@ def main() -> None:
                 tok_s, step_ms = timed_decode(eng, prompt, b, args.tokens)
                 roof = COPY_BW / bytes_per_step(eng, b, len(prompt) + args.tokens) * b
                 gpu = gpu_step_time(eng, prompt, b, args.gpu_time) if args.gpu_time else None
-                rows.append((ctx, spec, b, tok_s, step_ms, roof, gpu))
+                span = replay_span_ms(eng, prompt, b, args.replay_span) \
+                    if args.replay_span and eng.runner.graphs is not None else None
+                rows.append((ctx, spec, b, tok_s, step_ms, roof, gpu, span))
                 print(f"context {ctx} {spec} batch {b}: {tok_s:.1f} tok/s"
-                      + (f", GPU busy {gpu[0]:.3f} ms a step" if gpu else ""), flush=True)
+                      + (f", GPU busy {gpu[0]:.3f} ms a step" if gpu else "")
+                      + (f", {span:.3f} ms a replay" if span is not None else ""), flush=True)
     set_variants(graphs, base_options, [])
     eng.runner.graphs = graphs
     eng.config = dataclasses.replace(eng.config, overlap_decode=args.overlap_decode)
@@ -174,10 +183,12 @@ def main() -> None:
     if args.gpu_time:
         print_kernel_changes(rows)
     gpu_cols = f" {'GPU busy ms':>11} {'kernels':>7}" if args.gpu_time else ""
+    gpu_cols += f" {'replay ms':>9}" if args.replay_span else ""
     print(f"\n{'model':<26} {'context':>8} {'mode':<{mw}} {'batch':>5} {'tok/s':>9} {'ms/step':>8} {'roofline tok/s':>14} "
           f"{'ratio':>7}{gpu_cols}")
-    for ctx, mode, b, tok_s, step_ms, roof, gpu in rows:
-        extra = f" {gpu[0]:>11.3f} {gpu[1]:>7.0f}" if gpu else ""
+    for ctx, mode, b, tok_s, step_ms, roof, gpu, span in rows:
+        extra = f" {gpu[0]:>11.3f} {gpu[1]:>7.0f}" if gpu else (f" {'':>11} {'':>7}" if args.gpu_time else "")
+        extra += (f" {span:>9.3f}" if span is not None else f" {'-':>9}") if args.replay_span else ""
         print(f"{label:<26} {ctx:>8} {mode:<{mw}} {b:>5} {tok_s:>9.2f} {step_ms:>8.2f} {roof:>14.0f} "
               f"{tok_s / roof:>7.2%}{extra}")
 
@@ -276,11 +287,38 @@ def gpu_step_time(eng, prompt, batch: int, steps: int) -> tuple[float, float, di
     return busy / steps / 1e3, sum(e.count for e in cuda) / steps, per_kernel
 
 
+def replay_span_ms(eng, prompt, batch: int, replays: int) -> float | None:
+    """ms a replay of the decode graph of `batch` fresh sequences' bucket, replayed `replays` times back to back
+    between two CUDA events after two steps that capture it (None: no graph for it, e.g. the capture failed).
+    Each replay reruns the step on the buffers as they are (its sequences' states move on; they are dropped
+    after), so this times the device alone: the graph's kernels and the launch gaps inside it."""
+    seqs = [eng.add_request([t + i for t in prompt], SamplingParams(max_new_tokens=8, temperature=0.0,
+                                                                    ignore_eos=True)) for i in range(batch)]
+    while any(len(s.output_ids) < 3 for s in seqs):
+        eng.step()
+    graphs = eng.runner.graphs
+    bucket = graphs.bucket(batch)
+    graph = graphs.graph(bucket) if bucket is not None else None
+    span = None
+    if graph is not None:
+        torch.cuda.synchronize()
+        graph.replay()  # (one untimed: the first replay after a capture uploads the graph)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        span = start.elapsed_time(end) / replays
+    eng.run_until_done(seqs)
+    return span
+
+
 def print_kernel_changes(rows: list, top: int = 6) -> None:
     """For each row with GPU times, the kernels whose us a step moved most against the first mode's row
     at the same context and batch."""
     first: dict[tuple[int, int], tuple] = {}
-    for ctx, mode, b, *_, gpu in rows:
+    for ctx, mode, b, *_, gpu, _span in rows:
         if gpu is None:
             continue
         base = first.setdefault((ctx, b), (mode, gpu))

@@ -173,3 +173,4 @@ def test_decode_graph_buckets():
     assert batch_buckets(12) == [1, 2, 4, 8, 12] and batch_buckets(20) == [1, 2, 4, 8, 12, 16, 20]
     g = DecodeGraphs(40)
     assert [g.bucket(b) for b in (1, 3, 9, 13, 33, 40, 41)] == [1, 4, 12, 16, 40, 40, None]
+    assert g.graph(1) is None  # nothing captured yet (a capture needs CUDA: tests/gpu)

@@ -64,6 +64,12 @@ class DecodeGraphs:
         self.capture_s = 0.0
         self.disabled: str | None = None  # why graphs were turned off (a capture that failed)
 
+    def graph(self, bucket: int) -> torch.cuda.CUDAGraph | None:
+        """Bucket `bucket`'s captured graph (None: not captured yet), for a benchmark that replays it back to
+        back (`bench/decode.py --replay-span`): a replay reruns the step on the buffers as they are."""
+        entry = self._graphs.get(bucket)
+        return None if entry is None else entry[0]
+
     def bucket(self, b: int) -> int | None:
         """The smallest bucket holding b rows, None when b is over the largest."""
         return next((n for n in self.buckets if n >= b), None)
