@@ -41,8 +41,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="bf16", choices=("bf16", "fp8", "nvfp4"))
     ap.add_argument("--modes", default="eager,graphs", help="eager, graphs (both with overlapped decode off), overlap (graphs with overlapped decode, the "
                          "default on CUDA), pdl (overlap with every kernel launched with "
-                         "programmatic dependent launch, variant pdl; graphs and overlap keep the engine's default, PDL "
-                         "inside the decode graphs where the model chooses it, Qwen3.8-Flash-Next, and MODE:no-pdl "
+                         "programmatic dependent launch, variant pdl; graphs and overlap keep the engine's default, "
+                         "PDL inside the decode graphs where the model chooses it, Qwen3.8-Flash-Next, and MODE:no-pdl "
                          "launches none with it; see ft.kernels.pdl); a list, repeats allowed (an A/B in one process); "
                          "MODE:VARIANT runs MODE with a named kernel variant on top (graphs captured again), e.g. "
                          "graphs,graphs:nvfp4-lanes-triton,graphs,graphs:nvfp4-lanes-triton")

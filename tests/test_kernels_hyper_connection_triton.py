@@ -76,7 +76,8 @@ FORM = {"fma": {"hyper_connection.fma_read_max_tokens": 1 << 20},
         "dot": {"hyper_connection.fma_read_max_tokens": 0, "hyper_connection.dot_up_block_rank": 32},
         "dot-whole-rank": {"hyper_connection.fma_read_max_tokens": 0, "hyper_connection.dot_up_block_rank": 1 << 10}}
 """Options that send every fused read to one form (the fma form's up tile takes a rank that is no power of two in
-two pieces: 6 = 4 + 2, 20 = 16 + 4, 5 = 4 + 1, 70 = 64 + 6 in 8; 8 whole; the dot form in rank steps of 32: rank 70 takes three; or the whole rank in one step)."""
+two pieces: 6 = 4 + 2, 20 = 16 + 4, 5 = 4 + 1, 70 = 64 + 6 in 8; 8 whole; the dot form in rank steps of 32:
+rank 70 takes three; or the whole rank in one step)."""
 SMALL_TILES = {"hyper_connection.down_chunk": 32, "hyper_connection.down_rows": 4, "hyper_connection.up_block_d": 8,
                "hyper_connection.dot_down_chunk": 32, "hyper_connection.dot_down_block_k": 16,
                "hyper_connection.dot_up_block_d": 4}

@@ -21,8 +21,8 @@ pool; confirmed on the H200 in session 34). Measured against plain launches in o
 (`bench/decode.py --modes overlap,pdl,overlap,pdl`, bench/RESULTS.md): in session 34 on the H200 the 80B
 0.96x at batch 1, 1.02x at 8, 1.00x at 64; in session 41 on the H100, once every kernel of Qwen3.8-Flash-
 Next's step took it (the HyperConnection's, QSA's, the sparse decode attention, the Engram's, the slot
-writes, the activations), Flash-Next +9% at batch 1 and +3% at 8; the 80B -6% at 1, a tie at 4 and 8, -1.5% at 16, -2% at 32. So
-each model says whether its decode graphs capture with it (`decode_graph_pdl`), and `LaunchOptions.pdl`
+writes, the activations), Flash-Next +9% at batch 1 and +3% at 8; the 80B -6% at 1, a tie at 4 and 8,
+-1.5% at 16, -2% at 32. So each model says whether its decode graphs capture with it (`decode_graph_pdl`), and `LaunchOptions.pdl`
 None (the default) leaves eager launches and prefill plain.
 """
 

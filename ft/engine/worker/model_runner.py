@@ -70,7 +70,8 @@ class ModelRunner:
         # decode steps replay CUDA graphs on CUDA unless disabled (cuda_graph_max_bs 0)
         bs = min(cuda_graph_max_bs, max_running_requests)
         # NOTE: FT_DEBUG's checks read device values on the host, which a graph capture forbids
-        self.graphs = DecodeGraphs(bs, pdl=model.decode_graph_pdl) if device.type == "cuda" and bs > 0 and not debug_checks() else None
+        self.graphs = DecodeGraphs(bs, pdl=model.decode_graph_pdl) \
+            if device.type == "cuda" and bs > 0 and not debug_checks() else None
         rows, tokens = max_running_requests, max(max_prefill_length, max_running_requests)
         # one-sequence prefills of up to this many tokens replay CUDA graphs padded to a bucket
         pg = min(prefill_graph_max_tokens, max_prefill_length)
