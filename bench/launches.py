@@ -2,6 +2,7 @@
 
     python bench/launches.py [--config bench/configs/qwen3.8-flash-next-small-table.json] [--batch 1]
                              [--layers L] [--moe-backend offload --moe-cache-size N] [--no-shrink] [--top 60]
+                             [--prefill --prompt 256]
 
 A decode step on a GPU is latency-bound at small batches: each launch inside the graph costs a few
 microseconds whatever it computes, so the count of launches per layer is what fusion has to cut. This
@@ -16,7 +17,8 @@ frame in `ft/model/` (the module line that asked for it).
 top-k) and shrinks every width so the interpreter finishes in about a minute; the launch count does
 not depend on the widths except where a dispatcher picks a different form by shape (a GEMV's split-K
 pass, cuBLAS's own split-K reduce, which this cannot see: they are device-side). Prints a table by
-site, then the total per step and per layer kind.
+site, then the total per step and per layer kind. `--prefill`: the first prefill step instead (its
+launches and its host syncs: a sync there stalls the prompt's whole step, outside any graph).
 """
 
 from __future__ import annotations
@@ -141,6 +143,8 @@ def main() -> None:
     ap.add_argument("--moe-backend", default="resident", choices=("resident", "offload"),
                     help="offload: the experts in host memory, read through by the decode MoE (--moe-cache-size slots)")
     ap.add_argument("--moe-cache-size", type=int, default=None, help="expert slots with --moe-backend offload")
+    ap.add_argument("--prefill", action="store_true",
+                    help="count the first prefill step (--prompt tokens a sequence) instead of the first decode step")
     args = ap.parse_args()
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (by the engine's kernels)
     os.environ["FT_TRITON_INTERPRET_TEST"] = "1"  # the dispatchers take their Triton kernels on the CPU
@@ -163,7 +167,7 @@ def main() -> None:
     forward = type(eng.model).forward
 
     def counted_forward(self, batch, pools):
-        counter.armed = batch.decode is not None and not counter.launches
+        counter.armed = (batch.decode is None) == args.prefill and not counter.launches
         try:
             return forward(self, batch, pools)
         finally:
