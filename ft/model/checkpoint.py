@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from ft.errors import CheckpointError, UnsupportedModelError
 from ft.model.config import read_quantization
-from ft.model.layers.linear import NVFP4Weight
+from ft.model.layers.linear import NVFP4Weight, weight_nbytes
 from ft.kernels.moe import SlotWeights
 
 # Tensors a checkpoint may carry that FreeToken does not use.
@@ -212,6 +212,18 @@ class LoadedWeights:
     kv_algo: str | None = None  # what kv_scales describe (kv_cache_quant_algo): "FP8" | "NVFP4" | None
     on_host: frozenset[str] = frozenset()  # dense tensors the loader keeps in host memory (the embedding)
 
+    def placed_bytes(self, embedding: str, tables: frozenset[str] = frozenset()) -> tuple[int, dict[str, int]]:
+        """(bytes of the weights a model keeps on the device, {what: bytes} of those it keeps in host memory
+        beside the routed experts). Host: `tables` (an n-gram table's parts, in host memory on every device) as
+        "n-gram table", and the tensor `embedding` as "embedding" when the loader kept it there (`on_host`)."""
+        host = set(tables) | self.on_host
+        resident = sum(weight_nbytes(t) for n, t in self.tensors.items() if n not in host)
+        parts = {}
+        if tables:
+            parts["n-gram table"] = sum(weight_nbytes(self.tensors[n]) for n in tables)
+        if embedding in self.on_host:
+            parts["embedding"] = weight_nbytes(self.tensors[embedding])
+        return resident, parts
 
 def load_weights(
     reader: CheckpointReader,

@@ -194,17 +194,11 @@ class FlashNextModel:
                                         "(--tensor-parallel-size 1)")
         self.cfg, self.text, self.dtype, self.device, self.tp = cfg, cfg.flash_next, dtype, device, None
         t, w = self.text, weights.tensors
-        tables = {n for n in w if n.endswith(TABLE_SUFFIX)}  # (kind "host": in host memory on every device)
-        host = tables | weights.on_host  # (and the embedding when the loader moved it, `load_model`)
-        self.resident_bytes = sum(x.nbytes if hasattr(x, "packed") else x.numel() * x.element_size()
-                                  for n, x in w.items() if n not in host)
+        tables = frozenset(n for n in w if n.endswith(TABLE_SUFFIX))  # (kind "host": host memory on every device)
+        # (and the embedding in host memory when the loader moved it, `load_model`)
+        self.resident_bytes, self.host_tables = weights.placed_bytes(ROOT + "embed_tokens.weight", tables)
         self.embed = w[ROOT + "embed_tokens.weight"]
         self.embed_on_host = ROOT + "embed_tokens.weight" in weights.on_host
-        self.host_tables = {}  # weights in host memory beside the routed experts, by what they are: bytes
-        if tables:
-            self.host_tables["n-gram table"] = sum(w[n].numel() * w[n].element_size() for n in tables)
-        if self.embed_on_host:
-            self.host_tables["embedding"] = self.embed.numel() * self.embed.element_size()
         self.host_bytes = sum(self.host_tables.values())
         self.vocab_lo = None
         self.streams, self.eps = t.hc_count, cfg.rms_norm_eps

@@ -108,16 +108,12 @@ class Qwen3NextModel:
         # (`ft.model.tp_shard.local_config`), the weights its shard; partial sums are all-reduced
         self.cfg, self.dtype, self.device, self.tp = cfg, dtype, device, tp
         w = weights.tensors
-        # Bytes of every weight kept on the device (not the routed experts, not the tensors the loader
-        # kept in host memory: the embedding with --embedding-on-host, `load_model`)
-        self.resident_bytes = sum(
-            t.nbytes if hasattr(t, "packed") else t.numel() * t.element_size() for n, t in w.items()
-            if n not in weights.on_host
-        )
+        # Bytes of every weight kept on the device (not the routed experts, not the tensors the loader kept in
+        # host memory: the embedding with --embedding-on-host, `load_model`), and those in host memory by what
+        # they are
+        self.resident_bytes, self.host_tables = weights.placed_bytes("model.embed_tokens.weight")
         self.embed = w["model.embed_tokens.weight"]
         self.embed_on_host = "model.embed_tokens.weight" in weights.on_host
-        # weights in host memory beside the routed experts, by what they are: bytes
-        self.host_tables = {"embedding": self.embed.numel() * self.embed.element_size()} if self.embed_on_host else {}
         self.host_bytes = sum(self.host_tables.values())
         # tensor parallelism with the vocabulary split (`ft.model.tp_shard`): this rank's first token id
         self.vocab_lo = tp.rank * self.embed.shape[0] if tp is not None and self.embed.shape[0] != cfg.vocab_size \

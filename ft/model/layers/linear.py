@@ -38,6 +38,11 @@ class NVFP4Weight:
         return dequantize_nvfp4(self.packed, self.scale, self.scale_2, dtype)
 
 
+def weight_nbytes(w: torch.Tensor | NVFP4Weight) -> int:
+    """A weight's bytes (an NVFP4 weight's: its packed values and scales)."""
+    return w.nbytes if isinstance(w, NVFP4Weight) else w.numel() * w.element_size()
+
+
 class Linear:
     """y = x @ W^T with W [N, K] dense (any float dtype) or NVFP4."""
 
@@ -46,8 +51,7 @@ class Linear:
 
     @property
     def nbytes(self) -> int:
-        w = self.weight
-        return w.nbytes if isinstance(w, NVFP4Weight) else w.numel() * w.element_size()
+        return weight_nbytes(self.weight)
 
     @staticmethod
     def stacked(weights: list[torch.Tensor | NVFP4Weight]) -> "Linear":
