@@ -271,10 +271,7 @@ def gpu_step_time(eng, prompt, batch: int, steps: int) -> tuple[float, float, di
     two steps that capture or warm the bucket's graph."""
     from torch.profiler import ProfilerActivity, profile
 
-    seqs = [eng.add_request([t + i for t in prompt], SamplingParams(max_new_tokens=steps + 6, temperature=0.0,
-                                                                    ignore_eos=True)) for i in range(batch)]
-    while any(len(s.output_ids) < 3 for s in seqs):
-        eng.step()
+    seqs = started_batch(eng, prompt, batch, steps + 6)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -287,15 +284,22 @@ def gpu_step_time(eng, prompt, batch: int, steps: int) -> tuple[float, float, di
     return busy / steps / 1e3, sum(e.count for e in cuda) / steps, per_kernel
 
 
+def started_batch(eng, prompt, batch: int, max_new_tokens: int) -> list:
+    """`batch` fresh greedy sequences (the prompt's ids shifted by the row) stepped until each has three tokens:
+    the bucket's graph captured (or its kernels warm) before what the caller times."""
+    seqs = [eng.add_request([t + i for t in prompt], SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
+                                                                    ignore_eos=True)) for i in range(batch)]
+    while any(len(s.output_ids) < 3 for s in seqs):
+        eng.step()
+    return seqs
+
+
 def replay_span_ms(eng, prompt, batch: int, replays: int) -> float | None:
     """ms a replay of the decode graph of `batch` fresh sequences' bucket, replayed `replays` times back to back
     between two CUDA events after two steps that capture it (None: no graph for it, e.g. the capture failed).
     Each replay reruns the step on the buffers as they are (its sequences' states move on; they are dropped
     after), so this times the device alone: the graph's kernels and the launch gaps inside it."""
-    seqs = [eng.add_request([t + i for t in prompt], SamplingParams(max_new_tokens=8, temperature=0.0,
-                                                                    ignore_eos=True)) for i in range(batch)]
-    while any(len(s.output_ids) < 3 for s in seqs):
-        eng.step()
+    seqs = started_batch(eng, prompt, batch, 8)
     graphs = eng.runner.graphs
     bucket = graphs.bucket(batch)
     graph = graphs.graph(bucket) if bucket is not None else None
