@@ -98,6 +98,10 @@ HELP = {
     "cuda_graph_max_bs": ("decode batches up to this many requests replay one CUDA graph per batch-size bucket (1, 2, "
                           "4, 8, 12, 16, every 8 to 64, then every 16); the graphs' memory is counted in the budget (default: "
                           "--max-running-requests, every batch the engine runs)"),
+    "cuda_graph_bs": ("the decode graphs' batch sizes, e.g. 1,2,4,6,8,10,12,14,16,24,32 (SGLang's --cuda-graph-bs): "
+                      "a batch runs padded to the smallest size that holds it (a padding row costs what a request "
+                      "does), one above the largest runs eagerly; a size costs a capture at warm-up, not memory "
+                      "(default: the ladder above, up to --cuda-graph-max-bs)"),
     "mix_prefill_decode": ("while a prompt is prefilled (in chunks of --max-prefill-length tokens), each step also "
                            "computes the next token of every request that is decoding, so a long prompt never "
                            "freezes the running streams for more than one chunk; a whole prompt of at most "
@@ -151,7 +155,7 @@ ALIASES = {
 """Other engines' spellings of our flags: field -> extra option strings of the same argument."""
 
 METAVARS = {"model": "PATH", "tokenizer": "DIR", "chat_template": "FILE_OR_TEXT", "device": "DEVICE",
-            "gpu_memory_limit": "SIZE", "cache_budget": "SIZE"}
+            "gpu_memory_limit": "SIZE", "cache_budget": "SIZE", "cuda_graph_bs": "SIZES"}
 """Value names in --help (others: N for integers, X for fractions and seconds, the choices)."""
 
 AUTO_DEFAULTS = {"progress": None}

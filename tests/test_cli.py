@@ -101,6 +101,26 @@ def test_decode_graphs_cover_every_running_batch_by_default(argv, graphs):
     assert _config(*argv).decode_graph_max_bs == graphs
 
 
+@pytest.mark.parametrize(("argv", "buckets", "graphs"), [
+    (["--max-num-seqs", "16", "--cuda-graph-bs", "1,2,4,6,8,10,12,14,16"], (1, 2, 4, 6, 8, 10, 12, 14, 16), 16),
+    (["--max-num-seqs", "16", "--cuda-graph-bs", "8 1, 4,4"], (1, 4, 8), 8),  # sorted, once each; eager above 8
+    (["--max-num-seqs", "8", "--cuda-graph-bs", "1,2,4,8,16"], (1, 2, 4, 8), 8),  # never past the running limit
+    (["--max-num-seqs", "16", "--cuda-graph-bs", "1,8,16", "--cuda-graph-max-bs", "8"], (1, 8), 8),
+    (["--max-num-seqs", "16"], None, 16),  # the default ladder (decode_graphs.batch_buckets)
+])
+def test_cuda_graph_bs_lists_the_decode_graphs(argv, buckets, graphs):
+    config = _config(*argv)
+    assert config.decode_graph_buckets == buckets and config.decode_graph_max_bs == graphs
+
+
+@pytest.mark.parametrize("value", ["0,4", "", "1,x"])
+def test_cuda_graph_bs_refuses_what_is_no_batch_size(value):
+    from ft.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--cuda-graph-bs"):
+        _config("--cuda-graph-bs", value)
+
+
 def test_memory_ratio_help_says_what_it_is_a_fraction_of(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])

@@ -173,4 +173,7 @@ def test_decode_graph_buckets():
     assert batch_buckets(12) == [1, 2, 4, 8, 12] and batch_buckets(20) == [1, 2, 4, 8, 12, 16, 20]
     g = DecodeGraphs(40)
     assert [g.bucket(b) for b in (1, 3, 9, 13, 33, 40, 41)] == [1, 4, 12, 16, 40, 40, None]
+    assert batch_buckets(16, (1, 2, 4, 6, 8, 10, 12, 14, 16, 32)) == [1, 2, 4, 6, 8, 10, 12, 14, 16]
+    g = DecodeGraphs(16, sizes=(1, 2, 4, 6, 8, 10))  # --cuda-graph-bs: its sizes, eager past the largest
+    assert [g.bucket(b) for b in (3, 5, 9, 10, 11)] == [4, 6, 10, 10, None]
     assert g.graph(1) is None  # nothing captured yet (a capture needs CUDA: tests/gpu)

@@ -74,6 +74,8 @@ class EngineConfig:
     ladder_grow_hold_s: float = 60.0  # no shrink for this many seconds after a grow
     cuda_graph_max_bs: int | None = None  # decode batches up to this size replay CUDA graphs (on CUDA); None: all
     # (up to max_running_requests; `decode_graph_max_bs`)
+    cuda_graph_bs: str | None = None  # the decode graphs' batch sizes, "1,2,4,8" (SGLang's --cuda-graph-bs); None:
+    # `decode_graphs.batch_buckets`' ladder up to `decode_graph_max_bs` (`decode_graph_buckets`)
     disable_cuda_graph: bool = False  # run every decode step and prefill eagerly (debugging)
     prefill_graph_max_tokens: int = 2048  # one-sequence prefills up to this many tokens replay CUDA graphs
     mix_prefill_decode: bool = True  # a prefill step carries a token of each decoding request (ft.engine.sched.scheduler)
@@ -121,6 +123,8 @@ class EngineConfig:
             raise ConfigError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
             raise ConfigError(f"--cuda-graph-max-bs must be >= 0, got {self.cuda_graph_max_bs}")
+        if self.cuda_graph_bs is not None:
+            object.__setattr__(self, "cuda_graph_bs", _batch_sizes(self.cuda_graph_bs))
         if self.prefill_graph_max_tokens < 0:
             raise ConfigError(f"--prefill-graph-max-tokens must be >= 0, got {self.prefill_graph_max_tokens}")
         for name in ("page_size", "max_running_requests", "max_prefill_length", "max_mixed_prefill_length"):
@@ -167,7 +171,17 @@ class EngineConfig:
         if self.disable_cuda_graph:
             return 0
         limit = self.running_requests if self.cuda_graph_max_bs is None else self.cuda_graph_max_bs
+        if self.cuda_graph_bs is not None:
+            limit = min(limit, max(int(b) for b in self.cuda_graph_bs.split(",")))
         return min(limit, self.running_requests)
+
+    @property
+    def decode_graph_buckets(self) -> tuple[int, ...] | None:
+        """The decode graphs' batch sizes as --cuda-graph-bs gave them (those up to `decode_graph_max_bs`),
+        or None for `decode_graphs.batch_buckets`' ladder."""
+        if self.cuda_graph_bs is None:
+            return None
+        return tuple(b for b in (int(v) for v in self.cuda_graph_bs.split(",")) if b <= self.decode_graph_max_bs)
 
     def mapped_victims_for(self, read_through: bool) -> bool:
         """Whether read-through keeps a victim mapped (a hit) until a miss claims its slot: as asked, by
@@ -228,3 +242,16 @@ class EngineConfig:
         if unknown:
             raise ConfigError(f"unknown engine option(s): {', '.join(unknown)}")
         return cls(**opts)
+
+
+def _batch_sizes(text: str) -> str:
+    """--cuda-graph-bs "1, 2,4 8" -> "1,2,4,8" (sorted, each once). Raises ConfigError (one line) for a
+    size that is not a positive integer or an empty list."""
+    parts = str(text).replace(",", " ").split()
+    try:
+        sizes = sorted({int(p) for p in parts})
+    except ValueError:
+        raise ConfigError(f"--cuda-graph-bs takes batch sizes such as 1,2,4,8, got {text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise ConfigError(f"--cuda-graph-bs takes batch sizes of at least 1, got {text!r}")
+    return ",".join(map(str, sizes))

@@ -181,6 +181,7 @@ class RankState:
             -(-self.context_limit // config.page_size), self.context_limit,
             self.decode_graph_bs,
             self.prefill_graph_tokens,
+            config.decode_graph_buckets,
         )
         self.runner.routing = self._trace_routing(config, cfg)
         if tp is not None:

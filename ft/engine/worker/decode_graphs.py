@@ -34,13 +34,15 @@ from ft.kernels.options import kernel_options, use_kernel_options
 log = logging.getLogger("ft.engine")
 
 
-def batch_buckets(max_bs: int) -> list[int]:
-    """1, 2, 4, 8, 12, 16, then every 8 up to 64 and every 16 past it, up to max_bs (max_bs itself
-    included). Why so fine: a padding row costs what a real row does (it repeats the first
+def batch_buckets(max_bs: int, sizes: tuple[int, ...] | None = None) -> list[int]:
+    """The decode graphs' batch sizes: `sizes` (--cuda-graph-bs) up to max_bs when given, else 1, 2, 4,
+    8, 12, 16, then every 8 up to 64 and every 16 past it, up to max_bs (max_bs itself included). Why so fine: a padding row costs what a real row does (it repeats the first
     sequence): 0.25-0.42 ms a step on the 80B (H200, session 28: batch 10 in the 16-row graph 9.37
     ms a step, in a 12-row one 7.88; batch 24 in the 32-row graph 16.83, in a 24-row one 13.50). The
     graphs share one memory pool, sized by the largest, so a bucket more costs its capture at
     warm-up, not memory."""
+    if sizes is not None:
+        return sorted({b for b in sizes if 1 <= b <= max_bs})
     out = [b for b in (1, 2, 4, 8, 12, 16) if b <= max_bs] + list(range(24, min(64, max_bs) + 1, 8)) \
         + list(range(80, max_bs + 1, 16))
     if max_bs not in out:
@@ -49,11 +51,11 @@ def batch_buckets(max_bs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """One graph per bucket of `batch_buckets(max_bs)`; `pdl`: capture with programmatic dependent
+    """One graph per bucket of `batch_buckets(max_bs, sizes)`; `pdl`: capture with programmatic dependent
     launch unless `LaunchOptions.pdl` says otherwise (module docstring)."""
 
-    def __init__(self, max_bs: int, pdl: bool = False) -> None:
-        self.buckets = batch_buckets(max_bs)
+    def __init__(self, max_bs: int, pdl: bool = False, sizes: tuple[int, ...] | None = None) -> None:
+        self.buckets = batch_buckets(max_bs, sizes)
         self.pdl = pdl
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None

@@ -64,13 +64,14 @@ class ModelRunner:
         max_seq_len: int = 1,
         cuda_graph_max_bs: int = 0,
         prefill_graph_max_tokens: int = 0,
+        cuda_graph_bs: tuple[int, ...] | None = None,
     ) -> None:
         self.model, self.pools, self.device = model, pools, device
         self.max_seq_len = max_seq_len
         # decode steps replay CUDA graphs on CUDA unless disabled (cuda_graph_max_bs 0)
         bs = min(cuda_graph_max_bs, max_running_requests)
         # NOTE: FT_DEBUG's checks read device values on the host, which a graph capture forbids
-        self.graphs = DecodeGraphs(bs, pdl=model.decode_graph_pdl) \
+        self.graphs = DecodeGraphs(bs, pdl=model.decode_graph_pdl, sizes=cuda_graph_bs) \
             if device.type == "cuda" and bs > 0 and not debug_checks() else None
         rows, tokens = max_running_requests, max(max_prefill_length, max_running_requests)
         # one-sequence prefills of up to this many tokens replay CUDA graphs padded to a bucket
