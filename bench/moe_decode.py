@@ -3,6 +3,11 @@ fused (`moe_decode_triton`: two launches, the shared expert as one more pair, on
 fused block with its whole-K word decode in Triton against inline PTX (kernel variant "nvfp4-lanes-triton" against the default). Not a test.
 
     PYTHONPATH=. python3 bench/moe_decode.py [--sweep] [--grouped [--sweep]] [--shape S,H,I,K] [--batches 1,8]
+        [--variants NAME[,NAME...]]
+
+`--variants`: the fused block under each named kernel variant (`ft.kernels.options.VARIANTS`, e.g.
+nvfp4-half-sums) against the defaults, timed in turns (default, variants, default, variants: the
+better of two each), with each one's error against the reference: a table of its own.
 
 `--grouped`: instead, at batch 8, 16, 32 and 64 with uniform routing (pairs per distinct expert
 ~1.08 / 1.16 / 1.34 / 1.75, as the calibrated trace gives): the decode block, and its routed part
@@ -57,6 +62,7 @@ def main() -> None:
     ap.add_argument("--shape", default=",".join(map(str, MOE)), help="slots,hidden,intermediate,top-k (default: "
                     "the 80B's; Qwen3.8-Flash-Next: 512,2560,640,10)")
     ap.add_argument("--batches", default="1,8", help="tokens a step for the fused block's rows and --sweep")
+    ap.add_argument("--variants", default="", help="kernel variants timed against the defaults (their own table)")
     args = ap.parse_args()
     n_slots, hid, inter, top_k = (int(v) for v in args.shape.split(","))
     batches = [int(b) for b in args.batches.split(",")]
@@ -65,7 +71,8 @@ def main() -> None:
     shared = SlotWeights(*(t[:1].clone() for t in pool))
     if args.grouped:
         return grouped_table(pool, GROUPED_DECODE_SWEEP if args.sweep else [])
-    rows = []
+    rows, variant_rows = [], []
+    names = [v for v in args.variants.split(",") if v]
     for batch in batches:
         routes = [torch.stack([torch.randperm(n_slots, device=DEV)[:top_k] for _ in range(batch)]) for _ in range(24)]
         x = torch.randn(batch, hid, device=DEV, dtype=torch.bfloat16)
@@ -98,6 +105,8 @@ def main() -> None:
                     if tc < best[1]:
                         best = (f"{gu} {dn} {'pairs' if pairs else 'loop'}", tc)
         rows.append((batch, t_u, t_t, t_f, err_u, err_f, same, best))
+        if names:
+            variant_rows.append((batch, *variant_times(names, x, routes, wts, pool, shared, out, ref)))
         print(f"batch {batch}: unfused {t_u:.2f} us, fused {t_f:.2f} us", flush=True)
     route_rows = []
     table = torch.randperm(n_slots, device=DEV)
@@ -110,11 +119,33 @@ def main() -> None:
     print(f"\n{'batch':>5} {'warps':>5} {'route us':>9}")
     for batch, warps, t_r in route_rows:
         print(f"{batch:>5} {warps:>5} {t_r:>9.2f}")
+    if variant_rows:
+        print(f"\n{'batch':>5} {'defaults us':>12} " + " ".join(f"{n + ' us':>22} {'x':>6} {'err':>8}" for n in names))
+        for batch, t_d, cols in variant_rows:
+            print(f"{batch:>5} {t_d:>12.2f} " + " ".join(f"{t:>22.2f} {t_d / t:>5.3f}x {e:>8.1e}" for t, e in cols))
     print(f"\n{'batch':>5} {'unfused us':>11} {'fused, Triton lanes us':>23} {'fused us':>9} {'PTX lanes':>10} "
           f"{'err unfused':>12} {'err fused':>10} {'same bits':>9}  best config")
     for batch, t_u, t_t, t_f, err_u, err_f, same, best in rows:
         print(f"{batch:>5} {t_u:>11.2f} {t_t:>23.2f} {t_f:>9.2f} {t_t / t_f:>9.2f}x {err_u:>12.1e} {err_f:>10.1e} "
               f"{str(same):>9}  {best[0]} {best[1]:.2f} us")
+
+
+def variant_times(names, x, routes, wts, pool, shared, out, ref):
+    """The fused block's us with the defaults and under each variant, in two rounds of turns (the better
+    of each's two), and each variant's error against the reference: (t_defaults, [(t, err), ...])."""
+    def timed(*variant_names):
+        with use_kernel_options(variant(*variant_names)):
+            return graph_us([partial(moe_decode_triton, x, r, wts, pool, shared, out=out) for r in routes])
+
+    best = {None: float("inf"), **{n: float("inf") for n in names}}
+    for _ in range(2):
+        for name in [None, *names]:
+            best[name] = min(best[name], timed(*([name] if name else [])))
+    errs = []
+    for name in names:
+        with use_kernel_options(variant(name)):
+            errs.append(rel_rms(moe_decode_triton(x, routes[0], wts, pool, shared), ref))
+    return best[None], [(best[n], e) for n, e in zip(names, errs)]
 
 
 SWEEP_GATE_UP = [(8, 0, 4), (4, 0, 4), (16, 0, 4), (8, 0, 2), (16, 0, 8), (32, 0, 8), (4, 0, 2)]

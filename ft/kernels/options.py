@@ -39,6 +39,13 @@ class Nvfp4Options:
     lanes_ptx: the whole-K tiles (the M <= 8 GEMV, the decode MoE kernels) decode a word's 8
     elements to fp32 in inline PTX on a CUDA device (the same values as the Triton form, fewer
     instructions); off: the Triton form.
+    half_sums: the whole-K tiles at one x row (the M = 1 GEMV, the decode MoE's per-pair kernels)
+    sum each block's 16 products in an fp16 pair (`rows.dot_words_half`: four `fma.rn.f16x2` a word
+    of 8 elements where the fp32 form converts and multiplies each element; sm_90 SASS of the gate/up
+    kernel, one token at the 80B's shape: 728 -> 584 instructions without the guard below, bench/RESULTS.md
+    session 42), for bf16 / fp16 models; x rounded to fp16 (a bf16 x's products exact), a block's sums
+    rounded in fp16 (~2**-11 of it), an x row with |x| >= 32,768 in fp32 as before (one reduction a
+    program). Off until the device measures it (variant "nvfp4-half-sums").
     (The K loop at M = 1 where K / 8 is the sum of two powers of two lost to two whole-K tiles: session 40,
     H200, Flash-Next's step at batch 1, GPU busy 4.83 -> 4.59 ms; its option `gemv_two_tiles` deleted, the
     two tiles always taken there; RESULTS.md sessions 39-40.)"""
@@ -46,6 +53,7 @@ class Nvfp4Options:
     small_m_whole_k: bool = True
     dot_halves: bool = True
     lanes_ptx: bool = True
+    half_sums: bool = False
 
 
 @dataclass(frozen=True)
@@ -327,6 +335,7 @@ DEFAULTS = KernelOptions()
 VARIANTS: dict[str, dict[str, object]] = {
     "nvfp4-tile-small-m": {"nvfp4.small_m_whole_k": False},  # bench/decode.py --no-small-m-gemv
     "nvfp4-lanes-triton": {"nvfp4.lanes_ptx": False},  # bench/decode.py --no-lanes-ptx, bench/moe_decode.py
+    "nvfp4-half-sums": {"nvfp4.half_sums": True},  # bench/decode.py --modes graphs:nvfp4-half-sums, moe_decode.py
     "nvfp4-dot-interleaved": {"nvfp4.dot_halves": False},  # bench/decode.py --no-dot-halves
     "moe-bytes": {"moe.grouped_words": False},  # bench/moe_prefill.py, bench/prefill.py
     "attention-prefill-reference": {"prefill_attention.triton_on_cuda": False},  # bench/prefill.py --modes

@@ -25,8 +25,8 @@ from ft.kernels.moe.decode_tiles import DECODE_DOWN_BLOCK_H
 from ft.kernels.moe.kernel import moe_sum_pairs_kernel
 from ft.kernels.norm.kernel import rms_rstd, norm_warps, add_rms_norm_triton
 from ft.kernels.limits import whole_k_pieces
-from ft.kernels.nvfp4.kernel import as_words
-from ft.kernels.nvfp4.rows import (decode_whole_k, dot_lanes, load_whole_k, store_whole_k, x_lanes, nvfp4_rows_dot,
+from ft.kernels.nvfp4.kernel import as_words, half_sums_take
+from ft.kernels.nvfp4.rows import (dot_whole_k, load_whole_k, store_whole_k, x_lanes, nvfp4_rows_dot,
                                   rows_dot_whole_k)
 
 __all__ = ["moe_decode_triton"]
@@ -67,6 +67,7 @@ def _moe_decode_gate_up_kernel(
     WHOLE_K: tl.constexpr = 0, HAS_HOST: tl.constexpr = False, HAS_DST: tl.constexpr = False,
     ASM: tl.constexpr = False,
     PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0, HAS_LIVE: tl.constexpr = False,
+    HALF: tl.constexpr = False,
 ):
     """Grid (T * KS, I / BLOCK_I), KS = TOPK + HAS_SHARED: h[t * KS + j] = silu(x[t] @ gate^T) * (x[t] @ up^T)
     (fp32) of pair j of token t: the expert in slot topk_slots[t, j] for j < TOPK, the shared expert
@@ -133,12 +134,9 @@ def _moe_decode_gate_up_kernel(
             o_3 = tl.arange(0, 4)
             m_3 = o_3 < tl.where(land & (i_i == 0), 3, 0)
             tl.store(p_s2 + dst * stride_s2e + o_3, tl.load(p_g + o_3, mask=m_3, other=0.0), mask=m_3)
-        d0, d1, d2, d3, d4, d5, d6, d7, b_s = decode_whole_k(b_w, b_sb, ASM)
-        b_gu = dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, 2 * BLOCK_I)
+        b_gu = dot_whole_k(b_w, b_sb, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, 2 * BLOCK_I, ASM, HALF)
         if WHOLE_K2 > 0:
-            e0, e1, e2, e3, e4, e5, e6, e7, c_s = decode_whole_k(c_w, c_sb, ASM)
-            b_gu += dot_lanes(e0, e1, e2, e3, e4, e5, e6, e7, c_s, y0, y1, y2, y3, y4, y5, y6, y7, WHOLE_K2,
-                               2 * BLOCK_I)
+            b_gu += dot_whole_k(c_w, c_sb, y0, y1, y2, y3, y4, y5, y6, y7, WHOLE_K2, 2 * BLOCK_I, ASM, HALF)
     else:
         tl.static_assert(not HAS_DST, "the landing store takes the whole-K tile")
         o_t = tl.zeros((1,), dtype=tl.int32) + i_t
@@ -161,7 +159,7 @@ def _moe_decode_down_kernel(
     stride_ht, stride_st, stride_wt, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e, stride_ot,
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
     WHOLE_K: tl.constexpr = 0, ASM: tl.constexpr = False,
-    PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0, HAS_LIVE: tl.constexpr = False,
+    PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0, HAS_LIVE: tl.constexpr = False, HALF: tl.constexpr = False,
 ):
     """Grid (T, H / BLOCK_H): out[t] = sum_j wts[t, j] * (h[t * KS + j] @ down_j^T), j = 0 .. KS - 1 in
     order (fp32, cast once): the routed pairs, then the shared expert (j = TOPK, its weight the
@@ -195,10 +193,10 @@ def _moe_decode_down_kernel(
             p_g = p_ss2 + 2
         if WHOLE_K > 0:  # I / 8 = WHOLE_K (+ WHOLE_K2) words in one (two) tiles
             b_y = rows_dot_whole_k(p_w, p_s, o_h, o_h < tl.where(on, H, 0), stride_w2r, stride_s2wr,
-                                   p_h + i_p * stride_ht, WHOLE_K, BLOCK_H, ASM)
+                                   p_h + i_p * stride_ht, WHOLE_K, BLOCK_H, ASM, HALF)
             if WHOLE_K2 > 0:
                 b_y += rows_dot_whole_k(p_w + WHOLE_K, p_s + WHOLE_K // 2, o_h, o_h < tl.where(on, H, 0), stride_w2r,
-                                        stride_s2wr, p_h + i_p * stride_ht + 8 * WHOLE_K, WHOLE_K2, BLOCK_H, ASM)
+                                        stride_s2wr, p_h + i_p * stride_ht + 8 * WHOLE_K, WHOLE_K2, BLOCK_H, ASM, HALF)
         else:
             o_p = tl.zeros((1,), dtype=tl.int32) + i_p
             b_y = tl.sum(nvfp4_rows_dot(p_w, p_s, o_h, m_h, stride_w2r, stride_s2wr, p_h, o_p, o_p >= 0, stride_ht, 0,
@@ -217,7 +215,7 @@ def _moe_decode_down_pairs_kernel(
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, WHOLE_K: tl.constexpr,
     HAS_HOST: tl.constexpr = False, HAS_DST: tl.constexpr = False, ASM: tl.constexpr = False,
     PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0, HAS_LIVE: tl.constexpr = False,
-    SUM: tl.constexpr = False,
+    SUM: tl.constexpr = False, HALF: tl.constexpr = False,
 ):
     """Grid (T * KS, H / BLOCK_H): yp[p] = wts[t, j] * (h[p] @ down_j^T) (fp32) for pair p = t * KS + j,
     zeros for a skipped pair; `moe_sum_pairs_kernel` then sums each token's KS pairs in order, or with
@@ -270,11 +268,9 @@ def _moe_decode_down_pairs_kernel(
         store_whole_k(p_dw, p_ds, o_h, m_d, stride_w2r, stride_s2wr, b_w, b_sb, WHOLE_K)
         if WHOLE_K2 > 0:
             store_whole_k(p_dw + WHOLE_K, p_ds + WHOLE_K // 2, o_h, m_d, stride_w2r, stride_s2wr, c_w, c_sb, WHOLE_K2)
-    d0, d1, d2, d3, d4, d5, d6, d7, b_s = decode_whole_k(b_w, b_sb, ASM)
-    b_y = dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, BLOCK_H)
+    b_y = dot_whole_k(b_w, b_sb, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, BLOCK_H, ASM, HALF)
     if WHOLE_K2 > 0:
-        e0, e1, e2, e3, e4, e5, e6, e7, c_s = decode_whole_k(c_w, c_sb, ASM)
-        b_y += dot_lanes(e0, e1, e2, e3, e4, e5, e6, e7, c_s, y0, y1, y2, y3, y4, y5, y6, y7, WHOLE_K2, BLOCK_H)
+        b_y += dot_whole_k(c_w, c_sb, y0, y1, y2, y3, y4, y5, y6, y7, WHOLE_K2, BLOCK_H, ASM, HALF)
     b_wt = tl.load(p_wts + i_t * stride_wt + j).to(tl.float32) * tl.load(p_g + 2)
     if HAS_LIVE:
         on = on & (dead == 0)
@@ -455,12 +451,14 @@ def moe_decode_triton(
         raise ValueError("topk_dst needs the gate/up pass over whole-K tiles (BLOCK_W 0, H / 8 = 2^a or 2^a + 2^b, "
                          "2^a <= 1024)")
     asm = kernel_options().nvfp4.lanes_ptx and inline_ptx(x.device)  # the whole-K tiles' word decode in PTX
+    half = kernel_options().nvfp4.half_sums and half_sums_take(x)  # blocks summed in fp16 (whole-K tiles only)
     _moe_decode_gate_up_kernel[(t * ks, triton.cdiv(i, block_i))](
         x, slots, ids, dst, w13, s13, s2, sw13, ss13, ss2, hw13, hs13, hs2, h, live_ptr, i, hid,
         x.stride(0), slots.stride(0), ids.stride(0), dst.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
         s13.stride(1), s2.stride(0), hw13.stride(0), hs13.stride(0), hs2.stride(0), h.stride(0), TOPK=k,
         HAS_SHARED=has_shared, BLOCK_I=block_i, BLOCK_W=bw13, WHOLE_K=whole13, HAS_HOST=has_host, HAS_DST=has_dst,
-        ASM=asm and whole13 > 0, WHOLE_K2=whole13b, HAS_LIVE=has_live, num_warps=warps13, **pdl_args(x.device))
+        ASM=asm and whole13 > 0, WHOLE_K2=whole13b, HAS_LIVE=has_live, HALF=half and whole13 > 0, num_warps=warps13,
+        **pdl_args(x.device))
     fuse_norm = residual is not None and norm_weight is not None
     if per_pair and whole2:  # (a row's K in one tile; other shapes take the loop)
         y_pairs = torch.empty((t * ks, hid), dtype=torch.float32, device=x.device)
@@ -474,7 +472,8 @@ def moe_decode_triton(
             s2w.stride(0), s2w.stride(1), s2.stride(0), hw2.stride(0), hs2w.stride(0), hs2.stride(0), y_pairs.stride(0),
             sum_counters if sums_here else slots, y, y.stride(0),
             TOPK=k, HAS_SHARED=has_shared, BLOCK_H=block_h, WHOLE_K=whole2, HAS_HOST=has_host, HAS_DST=has_dst,
-            ASM=asm, WHOLE_K2=whole2b, HAS_LIVE=has_live, SUM=sums_here, num_warps=warps2, **pdl_args(x.device))
+            ASM=asm, WHOLE_K2=whole2b, HAS_LIVE=has_live, SUM=sums_here, HALF=half, num_warps=warps2,
+            **pdl_args(x.device))
         if sums_here:
             return y
         if fuse_norm and hid <= 8192 and residual.shape == x.shape and residual.dtype == x.dtype \
@@ -492,5 +491,6 @@ def moe_decode_triton(
         h, slots, wts, w2, s2w, s2, sw2, ss2w, ss2, y, live_ptr, i, hid,
         h.stride(0), slots.stride(0), wts.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1),
         s2.stride(0), y.stride(0), TOPK=k, HAS_SHARED=has_shared, BLOCK_H=block_h, BLOCK_W=bw2, WHOLE_K=whole2,
-        ASM=asm and whole2 > 0, WHOLE_K2=whole2b, HAS_LIVE=has_live, num_warps=warps2, **pdl_args(x.device))
+        ASM=asm and whole2 > 0, WHOLE_K2=whole2b, HAS_LIVE=has_live, HALF=half and whole2 > 0, num_warps=warps2,
+        **pdl_args(x.device))
     return add_rms_norm_triton(y, residual, norm_weight, eps) if fuse_norm else y

@@ -23,8 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["HALVES_SCALED_EXPONENT", "dequant_tile", "e2m1_halves_bf16", "e2m1_halves_f16",
-           "e2m1_halves_f16_scaled", "words_tile_f16"]
+__all__ = ["HALVES_SCALED_EXPONENT", "HALF_SUM_LIMIT", "dequant_tile", "e2m1_halves_bf16", "e2m1_halves_f16",
+           "e2m1_halves_f16_scaled", "f16_pair", "pair_half_sum", "words_tile_f16"]
 
 E2M1_F16_TABLE = (0x3E3C3800, 0x46444240)
 """The high bytes of the fp16 values of the E2M1 magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 (the low
@@ -102,6 +102,89 @@ def e2m1_word_lanes_f32(w, ASM: tl.constexpr):
         d0, d1, d2, d3 = byte_f32(lo, 0), byte_f32(hi, 0), byte_f32(lo, 1), byte_f32(hi, 1)
         d4, d5, d6, d7 = byte_f32(lo, 2), byte_f32(hi, 2), byte_f32(lo, 3), byte_f32(hi, 3)
     return d0, d1, d2, d3, d4, d5, d6, d7
+
+
+HALF_SUM_LIMIT = tl.constexpr(32768.0)
+"""`pair_half_sum` takes x below this magnitude (fp16's largest is 65,504; a block's running sum is at
+most 0.75 x its largest |x|): callers take the fp32 form for an x row with an element at or above it."""
+
+
+def _pair_half_sum_ptx() -> str:
+    """PTX of `pair_half_sum`: two words ($1, $2: one block of 16 elements) and x's fp16 pairs ($3 ..
+    $10: word 1's (x0, x2), (x1, x3), (x4, x6), (x5, x7), then word 2's) -> $0, fp32. Each word's
+    nibbles made E4M3 bytes as `_word_lanes_ptx` does, converted two at a time to fp16 pairs (elements
+    (0, 2), (1, 3), (4, 6), (5, 7)) and multiplied into one fp16 pair of running sums by `fma.rn.f16x2`;
+    the pair's halves widened to fp32 and added last."""
+    body = ".reg .b32 a, b, lo, hi, d, acc;\n.reg .b16 l0, l1, h0, h1, s0, s1;\n.reg .f32 f0, f1;\n"
+    first = True
+    for word, xs in (("$1", (3, 4, 5, 6)), ("$2", (7, 8, 9, 10))):
+        body += (f"shl.b32 a, {word}, 4;\nand.b32 a, a, 0x80808080;\nshl.b32 b, {word}, 2;\nand.b32 b, b, 0x1C1C1C1C;\n"
+                 "or.b32 lo, a, b;\n"
+                 f"and.b32 a, {word}, 0x80808080;\nshr.b32 b, {word}, 2;\nand.b32 b, b, 0x1C1C1C1C;\nor.b32 hi, a, b;\n"
+                 "mov.b32 {l0, l1}, lo;\nmov.b32 {h0, h1}, hi;\n")
+        for src, x in zip(("l0", "h0", "l1", "h1"), xs):
+            body += f"cvt.rn.f16x2.e4m3x2 d, {src};\n"
+            body += f"mul.rn.f16x2 acc, d, ${x};\n" if first else f"fma.rn.f16x2 acc, d, ${x}, acc;\n"
+            first = False
+    body += "mov.b32 {s0, s1}, acc;\ncvt.f32.f16 f0, s0;\ncvt.f32.f16 f1, s1;\nadd.f32 $0, f0, f1;\n"
+    return "\n{\n" + body + "}\n"
+
+
+_PAIR_HALF_SUM_PTX = tl.constexpr(_pair_half_sum_ptx())
+
+
+@triton.jit
+def f16_pair(a, b):
+    """fp16 a and b -> uint32 words holding a in the low half and b in the high half (`pair_half_sum`'s x)."""
+    return a.to(tl.uint16, bitcast=True).to(tl.uint32) | (b.to(tl.uint16, bitcast=True).to(tl.uint32) << 16)
+
+
+@triton.jit
+def _lane_f16_of(e, I: tl.constexpr):
+    """Byte I of uint32 words of E4M3 bits -> fp16 (exact)."""
+    return (e >> (8 * I)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def pair_half_sum(w1, w2, x02, x13, x46, x57, y02, y13, y46, y57, ASM: tl.constexpr):
+    """One block of 16 NVFP4 elements (uint32 words w1, w2: 8 E2M1 codes each) dotted with x -> fp32,
+    times 2**-6, before the block scale: the products in fp16 (exact for an x that was bf16: a code
+    has 2 significant bits, bf16 8; an x with more bits rounds in the FMA), summed in an fp16 pair of running sums (elements 0, 1, 4, 5 of
+    each word in one, 2, 3, 6, 7 in the other, in that order), the two added in fp32. x02 .. x57 (word
+    1) and y02 .. y57 (word 2): uint32 words of fp16 pairs of x (`f16_pair`: (x0, x2) and so on, x
+    below `HALF_SUM_LIMIT`). Any shape, all alike (x broadcast). ASM: `_PAIR_HALF_SUM_PTX` (four
+    `fma.rn.f16x2` a word where the fp32 form takes eight conversions and eight FMAs); otherwise the
+    same sums in Triton's fp16 arithmetic, in the same order (the product rounded apart from the sum
+    where it is not exact: within fp16's rounding of the PTX's)."""
+    if ASM:
+        r = tl.inline_asm_elementwise(_PAIR_HALF_SUM_PTX, "=f,r,r,r,r,r,r,r,r,r,r",
+                                      [w1, w2, x02, x13, x46, x57, y02, y13, y46, y57], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+    else:
+        lo = lo_e4m3_word(w1)
+        hi = hi_e4m3_word(w1)
+        xl = x02.to(tl.uint16).to(tl.float16, bitcast=True)
+        xh = (x02 >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+        a = _lane_f16_of(lo, 0) * xl  # elements 0 | 2
+        b = _lane_f16_of(lo, 1) * xh
+        a = a + _lane_f16_of(hi, 0) * x13.to(tl.uint16).to(tl.float16, bitcast=True)  # 1 | 3
+        b = b + _lane_f16_of(hi, 1) * (x13 >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+        a = a + _lane_f16_of(lo, 2) * x46.to(tl.uint16).to(tl.float16, bitcast=True)  # 4 | 6
+        b = b + _lane_f16_of(lo, 3) * (x46 >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+        a = a + _lane_f16_of(hi, 2) * x57.to(tl.uint16).to(tl.float16, bitcast=True)  # 5 | 7
+        b = b + _lane_f16_of(hi, 3) * (x57 >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+        lo = lo_e4m3_word(w2)
+        hi = hi_e4m3_word(w2)
+        a = a + _lane_f16_of(lo, 0) * y02.to(tl.uint16).to(tl.float16, bitcast=True)
+        b = b + _lane_f16_of(lo, 1) * (y02 >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+        a = a + _lane_f16_of(hi, 0) * y13.to(tl.uint16).to(tl.float16, bitcast=True)
+        b = b + _lane_f16_of(hi, 1) * (y13 >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+        a = a + _lane_f16_of(lo, 2) * y46.to(tl.uint16).to(tl.float16, bitcast=True)
+        b = b + _lane_f16_of(lo, 3) * (y46 >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+        a = a + _lane_f16_of(hi, 2) * y57.to(tl.uint16).to(tl.float16, bitcast=True)
+        b = b + _lane_f16_of(hi, 3) * (y57 >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+        r = a.to(tl.float32) + b.to(tl.float32)
+    return r
 
 
 @triton.jit

@@ -15,9 +15,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ft.kernels.nvfp4.decode import byte_f32, e4m3_f32, hi_e4m3_word, lo_e4m3_word, split8, e2m1_word_lanes_f32
+from ft.kernels.nvfp4.decode import (HALF_SUM_LIMIT, f16_pair, byte_f32, e4m3_f32, hi_e4m3_word, lo_e4m3_word,
+                                     pair_half_sum, split8, e2m1_word_lanes_f32)
 
-__all__ = ["nvfp4_rows_dot", "rows_dot_whole_k"]
+__all__ = ["dot_whole_k", "dot_words_half", "nvfp4_rows_dot", "rows_dot_whole_k"]
 
 
 @triton.jit
@@ -169,6 +170,52 @@ def dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x
 
 
 @triton.jit
+def _pairs_of(p, KW: tl.constexpr):
+    """uint32 [1, KW] (a value per word) -> its even words' and its odd words' values, [1, KW / 2] each."""
+    return tl.split(tl.reshape(p, (1, KW // 2, 2)))
+
+
+@triton.jit
+def dot_words_half(b_w, b_sb, x0, x1, x2, x3, x4, x5, x6, x7, KW: tl.constexpr, BLOCK_R: tl.constexpr,
+                   ASM: tl.constexpr = False):
+    """`decode_whole_k` then `dot_lanes` with each block's 16 products summed in fp16 (`pair_half_sum`):
+    `load_whole_k`'s words and scale bytes and x's lanes (`x_lanes`) -> sum_k x[k] * W[r, k] / scale_2,
+    fp32 [R]. x is rounded to fp16 (an fp32 x loses bits; bf16 fits, and its products are exact), a block's
+    two running sums of 8 round in fp16 (relative error ~2**-11 of the block's sum, under bf16's
+    rounding of the result), the blocks add in fp32. An x row with an element of magnitude
+    `HALF_SUM_LIMIT` or more (or NaN) takes the fp32 form instead (one reduction a program)."""
+    big = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
+                     tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
+    if tl.max(tl.max(big, axis=1), axis=0) < HALF_SUM_LIMIT:
+        h0, h1, h2, h3 = x0.to(tl.float16), x1.to(tl.float16), x2.to(tl.float16), x3.to(tl.float16)
+        h4, h5, h6, h7 = x4.to(tl.float16), x5.to(tl.float16), x6.to(tl.float16), x7.to(tl.float16)
+        e02, o02 = _pairs_of(f16_pair(h0, h2), KW)
+        e13, o13 = _pairs_of(f16_pair(h1, h3), KW)
+        e46, o46 = _pairs_of(f16_pair(h4, h6), KW)
+        e57, o57 = _pairs_of(f16_pair(h5, h7), KW)
+        w_e, w_o = tl.split(tl.reshape(b_w, (BLOCK_R, KW // 2, 2)))
+        part = pair_half_sum(w_e, w_o, e02, e13, e46, e57, o02, o13, o46, o57, ASM)  # [R, KW / 2]
+        y = tl.sum(part * e4m3_f32(b_sb), axis=1) * 64.0
+    else:
+        d0, d1, d2, d3, d4, d5, d6, d7, b_s = decode_whole_k(b_w, b_sb, ASM)
+        y = dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, KW, BLOCK_R)
+    return y
+
+
+@triton.jit
+def dot_whole_k(b_w, b_sb, x0, x1, x2, x3, x4, x5, x6, x7, KW: tl.constexpr, BLOCK_R: tl.constexpr,
+                ASM: tl.constexpr = False, HALF: tl.constexpr = False):
+    """`load_whole_k`'s words and scale bytes dotted with x's lanes (`x_lanes`) -> fp32 [R], / scale_2:
+    `decode_whole_k` then `dot_lanes`, or with HALF `dot_words_half`."""
+    if HALF:
+        y = dot_words_half(b_w, b_sb, x0, x1, x2, x3, x4, x5, x6, x7, KW, BLOCK_R, ASM)
+    else:
+        d0, d1, d2, d3, d4, d5, d6, d7, b_s = decode_whole_k(b_w, b_sb, ASM)
+        y = dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, KW, BLOCK_R)
+    return y
+
+
+@triton.jit
 def whole_k_row(d0, d1, d2, d3, d4, d5, d6, d7, b_s, p_xr, KW: tl.constexpr, BLOCK_R: tl.constexpr):
     """sum_k x[k] * W[r, k] / scale_2 for the decoded tile of `whole_k_tile` and one x row at p_xr -> fp32 [R]."""
     x0, x1, x2, x3, x4, x5, x6, x7 = x_lanes(p_xr, KW)
@@ -177,11 +224,12 @@ def whole_k_row(d0, d1, d2, d3, d4, d5, d6, d7, b_s, p_xr, KW: tl.constexpr, BLO
 
 @triton.jit
 def rows_dot_whole_k(p_w, p_s, o_r, m_r, stride_wr, stride_sr, p_xr, KW: tl.constexpr, BLOCK_R: tl.constexpr,
-                     ASM: tl.constexpr = False):
+                     ASM: tl.constexpr = False, HALF: tl.constexpr = False):
     """`nvfp4_rows_dot` for one x row at p_xr when a row's K / 8 = KW words (a power of two) fit one
     tile: no loop, x read and split once -> fp32 [BLOCK_R]. Measured faster than the K loop on the
     decode shapes (bench/RESULTS.md). x is loaded before the weights so that both are in flight
-    together (loading it after the decode, as `whole_k_row` does, measured 1.4-1.7x slower here)."""
+    together (loading it after the decode, as `whole_k_row` does, measured 1.4-1.7x slower here).
+    HALF: each block's products summed in fp16 (`dot_words_half`)."""
     x0, x1, x2, x3, x4, x5, x6, x7 = x_lanes(p_xr, KW)
-    d0, d1, d2, d3, d4, d5, d6, d7, b_s = whole_k_tile(p_w, p_s, o_r, m_r, stride_wr, stride_sr, KW, ASM)
-    return dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, KW, BLOCK_R)
+    b_w, b_sb = load_whole_k(p_w, p_s, o_r, m_r, stride_wr, stride_sr, KW)
+    return dot_whole_k(b_w, b_sb, x0, x1, x2, x3, x4, x5, x6, x7, KW, BLOCK_R, ASM, HALF)

@@ -1,0 +1,90 @@
+"""The fp16 block sums (`Nvfp4Options.half_sums`, variant "nvfp4-half-sums") on the GPU: the inline PTX
+of `pair_half_sum` against its Triton stand-in and the exact sums, the M = 1 GEMV and the decode MoE at
+both models' shapes against the references, and an x row past `HALF_SUM_LIMIT` on the fp32 sums bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ft.kernels.moe import SlotWeights, moe_decode_ref
+from ft.kernels.moe.decode_kernel import moe_decode_triton
+from ft.kernels.nvfp4 import nvfp4_linear_ref
+from ft.kernels.nvfp4.decode import HALF_SUM_LIMIT
+from ft.kernels.nvfp4.kernel import nvfp4_linear_triton
+from ft.kernels.options import use_kernel_options, variant
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+HALF = variant("nvfp4-half-sums")
+
+
+def rel_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if out.isnan().any():
+        return float("nan")
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def random_nvfp4(n: int, k: int, lead: tuple = ()):
+    """Any code byte, block scales 2**U{-3..3}, scale_2 0.01 (as tests/gpu/test_kernels_cuda.py)."""
+    packed = torch.randint(0, 256, (*lead, n, k // 2), dtype=torch.uint8, device=DEV)
+    scale = torch.exp2(torch.randint(-3, 4, (*lead, n, k // 16), device=DEV).float()).to(torch.float8_e4m3fn)
+    return packed, scale, (torch.full((*lead, 3), 0.01, device=DEV) if lead else torch.tensor(0.01, device=DEV))
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16], ids=["bf16-x", "fp16-x"])
+def test_pair_half_sum_ptx_against_stand_in_and_exact_sums(x_dtype):
+    """Each block's PTX sum (fma.rn.f16x2) within fp16's rounding of its running sums (2**-11 a step, 8
+    steps) of the exact sum, relative to the sum of |products|; so is the stand-in's."""
+    from half_sum_probe import block_values, half_sums_in_torch, run_probe
+
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    n = 2048
+    words = torch.randint(-2**31, 2**31, (2 * n,), generator=gen, dtype=torch.int64, device=DEV).to(torch.int32)
+    x = (torch.randn(16 * n, generator=gen, device=DEV) * 8).to(x_dtype).half()
+    vals, xs = block_values(words).double(), x.reshape(n, 16).double()
+    exact, size = (vals * xs).sum(1), (vals * xs).abs().sum(1) + 1e-30
+    ptx, stand_in = run_probe(words, x, asm=True), run_probe(words, x, asm=False)
+    assert ((ptx.double() - exact).abs() / size).max().item() < 8 * 2**-11
+    assert ((stand_in.double() - exact).abs() / size).max().item() < 8 * 2**-11
+    assert torch.equal(stand_in.cpu(), half_sums_in_torch(words.cpu(), x.cpu()))
+
+
+@pytest.mark.parametrize(("n", "k"), [(12288, 2048), (2048, 4096), (16384, 2560), (2560, 6144)])
+def test_gemv_half_sums_at_model_shapes(n, k):
+    packed, scale, scale_2 = random_nvfp4(n, k)
+    x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
+    ref = nvfp4_linear_ref(x, packed, scale, scale_2)
+    base = nvfp4_linear_triton(x, packed, scale, scale_2, path="gemv")
+    with use_kernel_options(HALF):
+        y = nvfp4_linear_triton(x, packed, scale, scale_2, path="gemv")
+        big = x.clone()
+        big[0, 5] = HALF_SUM_LIMIT.value
+        assert torch.equal(nvfp4_linear_triton(big, packed, scale, scale_2, path="gemv"),
+                           _default(lambda: nvfp4_linear_triton(big, packed, scale, scale_2, path="gemv")))
+    assert rel_rms(y, ref) < 1e-2 and rel_rms(y, ref) < 1.5 * rel_rms(base, ref) + 1e-3
+
+
+def _default(fn):
+    with use_kernel_options(variant()):
+        return fn()
+
+
+@pytest.mark.parametrize(("hidden", "inter", "batch"), [(2048, 512, 1), (2048, 512, 8), (2560, 640, 1),
+                                                        (2560, 640, 8)], ids=["80b-b1", "80b-b8", "fn-b1", "fn-b8"])
+def test_moe_decode_half_sums_at_model_shapes(hidden, inter, batch):
+    experts, top_k = 64, 10
+    w13, s13, g = random_nvfp4(2 * inter, hidden, (experts,))
+    w2, s2, _ = random_nvfp4(hidden, inter, (experts,))
+    pool = SlotWeights(w13, w2, s13, s2, g)
+    shared = SlotWeights(*(t[:1].clone() for t in pool))
+    slots = torch.stack([torch.randperm(experts, device=DEV)[:top_k] for _ in range(batch)])
+    wts = torch.cat([torch.softmax(torch.randn(batch, top_k, device=DEV), -1), torch.rand(batch, 1, device=DEV)],
+                    1).bfloat16()
+    x = torch.randn(batch, hidden, device=DEV, dtype=torch.bfloat16)
+    ref = moe_decode_ref(x, slots, wts, pool, shared)
+    base = moe_decode_triton(x, slots, wts, pool, shared)
+    with use_kernel_options(HALF):
+        y = moe_decode_triton(x, slots, wts, pool, shared)
+    assert rel_rms(y, ref) < 2e-2 and rel_rms(y, ref) < 1.5 * rel_rms(base, ref) + 1e-3
