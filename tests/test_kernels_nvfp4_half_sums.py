@@ -70,8 +70,8 @@ def test_gemv_half_sums_leave_fp32_and_large_x_as_they_were():
     assert all(torch.equal(a, b) for a, b in zip(base, half))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("per_pair", [False, True], ids=["down-loop", "down-pairs"])
+@pytest.mark.parametrize(("dtype", "per_pair"), [(torch.bfloat16, True), (torch.float16, False)],
+                         ids=["bf16-down-pairs", "fp16-down-loop"])
 def test_moe_decode_half_sums_match_ref(monkeypatch, dtype, per_pair):
     """Two tokens, two routed experts and the shared one; H = 80 (two whole-K tiles, as 2,560), I = 48."""
     import ft.kernels.moe.decode_kernel as details
