@@ -42,10 +42,10 @@ class Nvfp4Options:
     half_sums: the whole-K tiles at one x row (the M = 1 GEMV, the decode MoE's per-pair kernels)
     sum each block's 16 products in an fp16 pair (`rows.dot_words_half`: four `fma.rn.f16x2` a word
     of 8 elements where the fp32 form converts and multiplies each element; sm_90 SASS of the gate/up
-    kernel, one token at the 80B's shape: 728 -> 584 instructions without the guard below, bench/RESULTS.md
-    session 42), for bf16 / fp16 models; x rounded to fp16 (a bf16 x's products exact), a block's sums
-    rounded in fp16 (~2**-11 of it), an x row with |x| >= 32,768 in fp32 as before (one reduction a
-    program). Off until the device measures it (variant "nvfp4-half-sums").
+    kernel, one token at the 80B's shape: 728 -> 640 instructions, 78 -> 55 registers; the others in
+    bench/RESULTS.md session 42), for bf16 / fp16 models; x rounded to fp16 (a bf16 x's products exact), a
+    block's sums rounded in fp16 (~2**-11 of it), an x row with |x| >= 32,768 scaled by a power of two and
+    back (one reduction a program). Off until the device measures it (variant "nvfp4-half-sums").
     (The K loop at M = 1 where K / 8 is the sum of two powers of two lost to two whole-K tiles: session 40,
     H200, Flash-Next's step at batch 1, GPU busy 4.83 -> 4.59 ms; its option `gemv_two_tiles` deleted, the
     two tiles always taken there; RESULTS.md sessions 39-40.)"""

@@ -1,6 +1,7 @@
 """The fp16 block sums (`Nvfp4Options.half_sums`, variant "nvfp4-half-sums") on the GPU: the inline PTX
 of `pair_half_sum` against its Triton stand-in and the exact sums, the M = 1 GEMV and the decode MoE at
-both models' shapes against the references, and an x row past `HALF_SUM_LIMIT` on the fp32 sums bit for bit."""
+both models' shapes against the references, and an x row past `HALF_SUM_LIMIT` (scaled by a power of two) finite
+and as close."""
 
 from __future__ import annotations
 
@@ -57,18 +58,13 @@ def test_gemv_half_sums_at_model_shapes(n, k):
     x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
     ref = nvfp4_linear_ref(x, packed, scale, scale_2)
     base = nvfp4_linear_triton(x, packed, scale, scale_2, path="gemv")
+    big = x.clone()
+    big[0, 5], big[0, 9] = 1e6, -HALF_SUM_LIMIT
     with use_kernel_options(HALF):
         y = nvfp4_linear_triton(x, packed, scale, scale_2, path="gemv")
-        big = x.clone()
-        big[0, 5] = HALF_SUM_LIMIT.value
-        assert torch.equal(nvfp4_linear_triton(big, packed, scale, scale_2, path="gemv"),
-                           _default(lambda: nvfp4_linear_triton(big, packed, scale, scale_2, path="gemv")))
+        y_big = nvfp4_linear_triton(big, packed, scale, scale_2, path="gemv")
     assert rel_rms(y, ref) < 1e-2 and rel_rms(y, ref) < 1.5 * rel_rms(base, ref) + 1e-3
-
-
-def _default(fn):
-    with use_kernel_options(variant()):
-        return fn()
+    assert y_big.isfinite().all() and rel_rms(y_big, nvfp4_linear_ref(big, packed, scale, scale_2)) < 1e-2
 
 
 @pytest.mark.parametrize(("hidden", "inter", "batch"), [(2048, 512, 1), (2048, 512, 8), (2560, 640, 1),

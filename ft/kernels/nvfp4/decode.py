@@ -104,9 +104,9 @@ def e2m1_word_lanes_f32(w, ASM: tl.constexpr):
     return d0, d1, d2, d3, d4, d5, d6, d7
 
 
-HALF_SUM_LIMIT = tl.constexpr(32768.0)
+HALF_SUM_LIMIT = 32768.0
 """`pair_half_sum` takes x below this magnitude (fp16's largest is 65,504; a block's running sum is at
-most 0.75 x its largest |x|): callers take the fp32 form for an x row with an element at or above it."""
+most 0.75 x its largest |x|): `rows.dot_words_half` scales an x row with an element at or above it."""
 
 
 def _pair_half_sum_ptx() -> str:

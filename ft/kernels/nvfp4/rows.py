@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ft.kernels.nvfp4.decode import (HALF_SUM_LIMIT, f16_pair, byte_f32, e4m3_f32, hi_e4m3_word, lo_e4m3_word,
+from ft.kernels.nvfp4.decode import (f16_pair, byte_f32, e4m3_f32, hi_e4m3_word, lo_e4m3_word,
                                      pair_half_sum, split8, e2m1_word_lanes_f32)
 
 __all__ = ["dot_whole_k", "dot_words_half", "nvfp4_rows_dot", "rows_dot_whole_k"]
@@ -183,23 +183,27 @@ def dot_words_half(b_w, b_sb, x0, x1, x2, x3, x4, x5, x6, x7, KW: tl.constexpr, 
     fp32 [R]. x is rounded to fp16 (an fp32 x loses bits; bf16 fits, and its products are exact), a block's
     two running sums of 8 round in fp16 (relative error ~2**-11 of the block's sum, under bf16's
     rounding of the result), the blocks add in fp32. An x row with an element of magnitude
-    `HALF_SUM_LIMIT` or more (or NaN) takes the fp32 form instead (one reduction a program)."""
+    `HALF_SUM_LIMIT` (2**15) or more is scaled by the power of two that brings its largest under it, and
+    the result back (exact but for elements that fall below fp16's normal range: a negligible share of
+    the sum), so the fp16 sums cannot overflow; below it the scale is 1. One reduction a program."""
     big = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
                      tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
-    if tl.max(tl.max(big, axis=1), axis=0) < HALF_SUM_LIMIT:
-        h0, h1, h2, h3 = x0.to(tl.float16), x1.to(tl.float16), x2.to(tl.float16), x3.to(tl.float16)
-        h4, h5, h6, h7 = x4.to(tl.float16), x5.to(tl.float16), x6.to(tl.float16), x7.to(tl.float16)
-        e02, o02 = _pairs_of(f16_pair(h0, h2), KW)
-        e13, o13 = _pairs_of(f16_pair(h1, h3), KW)
-        e46, o46 = _pairs_of(f16_pair(h4, h6), KW)
-        e57, o57 = _pairs_of(f16_pair(h5, h7), KW)
-        w_e, w_o = tl.split(tl.reshape(b_w, (BLOCK_R, KW // 2, 2)))
-        part = pair_half_sum(w_e, w_o, e02, e13, e46, e57, o02, o13, o46, o57, ASM)  # [R, KW / 2]
-        y = tl.sum(part * e4m3_f32(b_sb), axis=1) * 64.0
-    else:
-        d0, d1, d2, d3, d4, d5, d6, d7, b_s = decode_whole_k(b_w, b_sb, ASM)
-        y = dot_lanes(d0, d1, d2, d3, d4, d5, d6, d7, b_s, x0, x1, x2, x3, x4, x5, x6, x7, KW, BLOCK_R)
-    return y
+    # the power of two, from the largest |x|'s fp32 exponent: 2**e <= |x| < 2**(e + 1), e >= 15 -> 2**(e - 14)
+    e = ((tl.max(tl.max(big, axis=1), axis=0).to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
+    shift = tl.maximum(e - 14, 0)
+    down = ((127 - shift) << 23).to(tl.float32, bitcast=True)  # 2**-shift, exact (shift <= 128 - 14: normal)
+    up = ((127 + shift) << 23).to(tl.float32, bitcast=True)
+    h0, h1, h2, h3 = (x0 * down).to(tl.float16), (x1 * down).to(tl.float16), (x2 * down).to(tl.float16), \
+        (x3 * down).to(tl.float16)
+    h4, h5, h6, h7 = (x4 * down).to(tl.float16), (x5 * down).to(tl.float16), (x6 * down).to(tl.float16), \
+        (x7 * down).to(tl.float16)
+    e02, o02 = _pairs_of(f16_pair(h0, h2), KW)
+    e13, o13 = _pairs_of(f16_pair(h1, h3), KW)
+    e46, o46 = _pairs_of(f16_pair(h4, h6), KW)
+    e57, o57 = _pairs_of(f16_pair(h5, h7), KW)
+    w_e, w_o = tl.split(tl.reshape(b_w, (BLOCK_R, KW // 2, 2)))
+    part = pair_half_sum(w_e, w_o, e02, e13, e46, e57, o02, o13, o46, o57, ASM)  # [R, KW / 2]
+    return tl.sum(part * e4m3_f32(b_sb), axis=1) * (64.0 * up)
 
 
 @triton.jit
