@@ -110,13 +110,6 @@ def _split_ba(h: torch.Tensor, w_ba: torch.Tensor) -> tuple[torch.Tensor, torch.
     return ba[:, :hv], ba[:, hv:]
 
 
-def _conv_takes_ba(h: torch.Tensor, w_ba: torch.Tensor, max_width: int) -> bool:
-    """Whether the conv launch computes b and a from h and w_ba (`gated_delta_decode_triton`'s ba_proj)."""
-    return (h.dim() == 2 and w_ba.dim() == 2 and h.dtype == w_ba.dtype and h.dtype in TRITON_DTYPES
-            and 1 <= h.shape[1] <= max_width and w_ba.shape[1] == h.shape[1] and h.stride(-1) == 1
-            and w_ba.stride(-1) == 1 and h.device == w_ba.device)
-
-
 def gated_delta_decode(
     mixed: torch.Tensor,
     b: torch.Tensor,
@@ -158,7 +151,7 @@ def gated_delta_decode(
 
         if ssm_state.shape[2] <= kernel.MAX_DK:
             if ba_proj is not None and not (kernel_options().gated_delta.decode_ba_in_conv
-                                            and _conv_takes_ba(*ba_proj, kernel.MAX_BA_WIDTH)):
+                                            and kernel.ba_proj_fits(*ba_proj)):
                 b, a, ba_proj = *_split_ba(*ba_proj), None
             return kernel.gated_delta_decode_triton(mixed, b, a, conv_state, ssm_state, weight, a_log, dt_bias, slots,
                                                     out=out, ba_proj=ba_proj)

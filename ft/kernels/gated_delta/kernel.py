@@ -41,7 +41,7 @@ from ft.kernels.backend import TRITON_DTYPES
 from ft.kernels.options import kernel_options
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
-__all__ = ["BA_ROWS", "MAX_BA_WIDTH", "MAX_DK", "conv_config", "delta_config", "gated_delta_decode_triton"]
+__all__ = ["BA_ROWS", "MAX_BA_WIDTH", "MAX_DK", "ba_proj_fits", "conv_config", "delta_config", "gated_delta_decode_triton"]
 
 MAX_DK = 256
 """The largest key head dim the delta kernel takes (a state tile is [Dk, BLOCK_V] in registers)."""
@@ -226,6 +226,16 @@ def _check(mixed, b, a, conv_state, ssm_state, weight, a_log, dt_bias, slots) ->
     return kd // (2 * dk), hv, dk, dv, width
 
 
+def ba_proj_fits(h: torch.Tensor, w_ba: torch.Tensor, rows: int | None = None, hv: int | None = None) -> bool:
+    """Whether the conv launch computes b and a from h [B, H] and w_ba [2 Hv, H] (`ba_proj`): one dtype the
+    kernels take, one device, unit stride along H <= MAX_BA_WIDTH; B and Hv the launch's where given. The
+    dispatcher's choice and the launcher's check, one rule."""
+    return (h.dim() == 2 and w_ba.dim() == 2 and h.dtype == w_ba.dtype and h.dtype in TRITON_DTYPES
+            and 1 <= h.shape[1] <= MAX_BA_WIDTH and w_ba.shape[1] == h.shape[1] and w_ba.shape[0] % 2 == 0
+            and h.stride(-1) == 1 and w_ba.stride(-1) == 1 and h.device == w_ba.device
+            and (rows is None or h.shape[0] == rows) and (hv is None or w_ba.shape[0] == 2 * hv))
+
+
 def gated_delta_decode_triton(
     mixed: torch.Tensor,
     b: torch.Tensor,
@@ -255,9 +265,7 @@ def gated_delta_decode_triton(
     if ba_proj is not None:
         h, w_ba = ba_proj
         hv = ssm_state.shape[1] if ssm_state.dim() == 4 else 0
-        if (b is not None or a is not None or h.dim() != 2 or h.shape[0] != bsz or w_ba.shape != (2 * hv, h.shape[1])
-                or w_ba.dtype != h.dtype or h.dtype not in TRITON_DTYPES or not 1 <= h.shape[1] <= MAX_BA_WIDTH
-                or h.stride(-1) != 1 or w_ba.stride(-1) != 1):
+        if b is not None or a is not None or not ba_proj_fits(h, w_ba, bsz, hv):
             raise ValueError(f"ba_proj must be h [B, H] and w_ba [2 Hv, H] of one dtype, unit stride along H <= "
                              f"{MAX_BA_WIDTH}, with b and a None; got h {tuple(h.shape)} {h.dtype}, w_ba "
                              f"{tuple(w_ba.shape)} {w_ba.dtype}, Hv {hv}")
