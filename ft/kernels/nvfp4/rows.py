@@ -7,7 +7,8 @@ E2M1 codes, E4M3 block scales per 16 elements (two words), the global scale left
 one tile (K / 8 a power of two <= 1024), in parts (`load_whole_k`, `decode_whole_k`, `x_lanes`,
 `dot_lanes`, `store_whole_k`) for kernels that place other work in between (the MoE's landing
 store, a PDL wait) or take K in two such tiles (`limits.whole_k_pieces`: the decode MoE at 2,560 and
-640).
+640). `dot_whole_k` is the tile's dot at one x row in either form: the fp32 sums (`decode_whole_k`,
+`dot_lanes`) or each block's sums in fp16 (`dot_words_half`, `Nvfp4Options.half_sums`).
 """
 
 from __future__ import annotations
