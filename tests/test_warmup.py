@@ -120,3 +120,20 @@ def test_one_eager_prompt_per_moe_pass_class():
     assert moe_pass_lengths(4096) == (2048, 4096)
     assert moe_pass_lengths(2048) == (2048,) and moe_pass_lengths(1024) == (1024,)
     assert moe_pass_lengths(96) == () and moe_pass_lengths(128) == ()
+
+
+def test_the_largest_batch_is_warmed_when_it_runs_past_the_graphs(checkpoint):
+    """With decode graphs that stop below the running limit (--cuda-graph-max-bs or --cuda-graph-bs, here
+    buckets 1 and 2 of 4), the warm-up also runs the largest batch, which decodes eagerly. (The graphs are a
+    stand-in that runs each bucket's step eagerly: the CPU captures nothing.)"""
+    from ft.engine.worker.decode_graphs import DecodeGraphs
+
+    class EagerGraphs(DecodeGraphs):
+        def run(self, n, key, forward):
+            return forward()
+
+    e = make(checkpoint).engine
+    e.runner.graphs = EagerGraphs(2)
+    assert e.runner.graphs.buckets == [1, 2]
+    report = warm_up(e, lambda line: None)
+    assert report.decode_batches == (4, 2, 1)

@@ -27,7 +27,6 @@ from typing import Any, Callable
 
 from ft.kernels.attention import LIBRARY_GRANULE_KEYS
 from ft.kernels.moe import GROUPED_SHORT_TOKENS, PER_PAIR_MAX_TOKENS
-from ft.engine.worker.decode_graphs import batch_buckets
 from ft.engine.worker.prefill_graphs import prefill_buckets
 from ft.engine.base.sampling_params import SamplingParams
 
@@ -135,7 +134,9 @@ def warm_up(engine: Any, say: Callable[[str], None] | None = None) -> WarmupRepo
         run([prompt(n)], greedy)
 
     max_bs = engine.config.max_running_requests
-    buckets = runner.graphs.buckets if runner.graphs is not None else sorted({1, max_bs})
+    # the graphs' buckets, and the largest batch, which runs eagerly when it is past them (--cuda-graph-max-bs or
+    # --cuda-graph-bs below --max-running-requests)
+    buckets = sorted({*(runner.graphs.buckets if runner.graphs is not None else [1]), max_bs})
     per_seq = 4 + 3  # a 4-token prompt and its tokens: one page each
     batches = tuple(b for b in sorted(buckets, reverse=True) if b <= max_bs and b * engine.config.page_size <= room
                     and b * per_seq <= room)
