@@ -58,6 +58,29 @@ def _padding_skip(p_live, i_t, from_host, p_dst_pair, routed, HAS_DST: tl.conste
 
 
 @triton.jit
+def _pair_source(p_slots, p_ids, p_dst, i_t, j, stride_st, stride_it, stride_dt, TOPK: tl.constexpr,
+                 HAS_HOST: tl.constexpr, HAS_DST: tl.constexpr):
+    """Where pair j of token t reads its expert: (is_shared, slot, eid, from_host, on, dst, land). j = TOPK is
+    the shared expert; a routed pair reads slot topk_slots[t, j], or with HAS_HOST and no slot (-1) expert
+    topk_ids[t, j] from the host store (from_host); on: the pair computes. HAS_DST: such a pair lands what it
+    reads in slot topk_dst[t, j] when that is >= 0 (land; else dst 0, land False). slot, eid, dst int64 >= 0."""
+    is_shared = j >= TOPK
+    slot = tl.load(p_slots + i_t * stride_st + j, mask=j < TOPK, other=0)
+    eid = tl.load(p_ids + i_t * stride_it + j, mask=HAS_HOST & (j < TOPK), other=-1)  # ids: only with a host store
+    from_host = (slot < 0) & (eid >= 0)
+    on = (slot >= 0) | is_shared | from_host
+    slot = tl.maximum(slot, 0).to(tl.int64)
+    eid = tl.maximum(eid, 0).to(tl.int64)
+    dst = tl.zeros((), dtype=tl.int64)
+    land = from_host & False
+    if HAS_DST:  # (a constexpr branch: the path without it compiles as before)
+        d = tl.load(p_dst + i_t * stride_dt + j, mask=j < TOPK, other=-1)
+        land = from_host & (d >= 0)
+        dst = tl.maximum(d, 0).to(tl.int64)
+    return is_shared, slot, eid, from_host, on, dst, land
+
+
+@triton.jit
 def _moe_decode_gate_up_kernel(
     p_x, p_slots, p_ids, p_dst, p_w13, p_s13, p_s2, p_sw13, p_ss13, p_ss2, p_hw13, p_hs13, p_hs2, p_h, p_live,
     I, H,
@@ -90,17 +113,8 @@ def _moe_decode_gate_up_kernel(
     i_i = tl.program_id(1)
     i_t = i_p // KS
     j = i_p % KS
-    is_shared = j >= TOPK
-    slot = tl.load(p_slots + i_t * stride_st + j, mask=j < TOPK, other=0)
-    eid = tl.load(p_ids + i_t * stride_it + j, mask=HAS_HOST & (j < TOPK), other=-1)  # ids: only with a host store
-    from_host = (slot < 0) & (eid >= 0)
-    on = (slot >= 0) | is_shared | from_host
-    slot = tl.maximum(slot, 0).to(tl.int64)
-    eid = tl.maximum(eid, 0).to(tl.int64)
-    if HAS_DST:  # (a constexpr branch: the path without it compiles as before)
-        dst = tl.load(p_dst + i_t * stride_dt + j, mask=j < TOPK, other=-1)
-        land = from_host & (dst >= 0)
-        dst = tl.maximum(dst, 0).to(tl.int64)
+    is_shared, slot, eid, from_host, on, dst, land = _pair_source(p_slots, p_ids, p_dst, i_t, j, stride_st, stride_it,
+                                                                  stride_dt, TOPK, HAS_HOST, HAS_DST)
     if HAS_LIVE:  # a padding token: nothing to compute (its output is never read)
         dead, skip = _padding_skip(p_live, i_t, from_host, p_dst + i_t * stride_dt + j, j < TOPK, HAS_DST)
         if skip:
@@ -233,17 +247,8 @@ def _moe_decode_down_pairs_kernel(
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     i_t = i_p // KS
     j = i_p % KS
-    is_shared = j >= TOPK
-    slot = tl.load(p_slots + i_t * stride_st + j, mask=j < TOPK, other=0)
-    eid = tl.load(p_ids + i_t * stride_it + j, mask=HAS_HOST & (j < TOPK), other=-1)
-    from_host = (slot < 0) & (eid >= 0)
-    on = (slot >= 0) | is_shared | from_host
-    slot = tl.maximum(slot, 0).to(tl.int64)
-    eid = tl.maximum(eid, 0).to(tl.int64)
-    if HAS_DST:  # (a constexpr branch: the path without it compiles as before)
-        dst = tl.load(p_dst + i_t * stride_dt + j, mask=j < TOPK, other=-1)
-        land = from_host & (dst >= 0)
-        dst = tl.maximum(dst, 0).to(tl.int64)
+    is_shared, slot, eid, from_host, on, dst, land = _pair_source(p_slots, p_ids, p_dst, i_t, j, stride_st, stride_it,
+                                                                  stride_dt, TOPK, HAS_HOST, HAS_DST)
     if HAS_LIVE:  # a padding token: nothing to compute (its output is never read)
         dead, skip = _padding_skip(p_live, i_t, from_host, p_dst + i_t * stride_dt + j, j < TOPK, HAS_DST)
         if skip:
