@@ -17,7 +17,9 @@ one engine; per mode on that engine:
 one copy per run of consecutive experts and tensor, the way before it). `--chunks`: the stream mode's lengths once per prefill chunk size (the engine is sized for the largest,
 so every size sees the same slots; the load mode runs at the first). Per length, one request with a fresh prompt (distinct ids: no prefix-cache hit) and --decode new
 tokens: TTFT (add_request to the first token), prefill tok/s, the bytes the stream copied and its
-PCIe bound (bytes / --pcie-gbs GB/s), then decode tok/s over the tokens after the first; then the
+PCIe bound (bytes / --pcie-gbs GB/s), then decode tok/s over the tokens after the first (with its hit rate and
+the expert slots' least and most while it ran: the prefill reserve's loan, recalled by a long prompt, comes
+back `LEND_AFTER_S` after it); then the
 same prompt but its last token again (the prefix cache serves all but the last page, a short chunk
 that streams nothing) and its decode: the same context without a long prefill, so "decode after /
 same context" is what the long prefill did to the cache, apart from the context's own cost. Before the
@@ -74,15 +76,18 @@ def one_request(eng: Engine, prompt: list[int], new: int) -> dict:
     t1 = time.perf_counter()
     stats = eng.pools.experts.stats if eng.pools.experts is not None else None
     h0, m0 = (stats.hits, stats.misses) if stats else (0, 0)
+    slots = [eng.pools.experts.num_slots] if eng.pools.experts is not None else [0]
     while not seq.is_finished:
         eng.step()
+        slots.append(eng.pools.experts.num_slots if eng.pools.experts is not None else 0)
     _sync()
     t2 = time.perf_counter()
     n = len(seq.output_ids) - 1
     hits, misses = (stats.hits - h0, stats.misses - m0) if stats else (0, 0)
     return {"ttft_s": t1 - t0, "prefill_tps": len(prompt) / (t1 - t0), "decode_tps": n / (t2 - t1) if n else None,
             "streamed_bytes": (stream.stats.bytes - b0) if stream else 0,
-            "decode_hit_rate": hits / (hits + misses) if hits + misses else None}
+            "decode_hit_rate": hits / (hits + misses) if hits + misses else None,
+            "decode_slots": (min(slots), max(slots))}
 
 
 def profile(eng: Engine, prompts: Prompts, n: int) -> None:
@@ -191,6 +196,7 @@ def main() -> None:
                                     args.decode)
                 r["decode_same_context"] = again["decode_tps"]
                 r["hit_same_context"], r["hit_after_32"] = again["decode_hit_rate"], base["decode_hit_rate"]
+                r["slots_after_32"] = base["decode_slots"]
                 r.update(card=card, mode=mode, loader=loader, length=n, chunk=chunk, slots=experts.num_slots,
                          decode_after_32=base["decode_tps"],
                          bound_s=r["streamed_bytes"] / (args.pcie_gbs * 1e9))
@@ -207,15 +213,22 @@ def main() -> None:
             torch.cuda.empty_cache()
     print(f"\n| card | mode | loader | chunk | prompt | TTFT s | prefill tok/s | streamed GB | PCIe bound s ({args.pcie_gbs:.0f} GB/s) | "
           "decode tok/s after | after 32 | ratio | same context, cached prefix | ratio | decode hits after / after 32 "
-          "/ same context |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "/ same context | slots while decoding after / after 32 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = r["decode_tps"] / r["decode_after_32"] if r["decode_tps"] and r["decode_after_32"] else float("nan")
         same = r["decode_tps"] / r["decode_same_context"] if r["decode_tps"] and r["decode_same_context"] else float("nan")
         print(f"| {r['card']} | {r['mode']} | {r['loader']} | {r['chunk']:,} | {r['length']:,} | {r['ttft_s']:.2f} | {r['prefill_tps']:,.0f} | "
               f"{r['streamed_bytes'] / 1e9:.1f} | {r['bound_s']:.2f} | {r['decode_tps'] or 0:.1f} | "
               f"{r['decode_after_32'] or 0:.1f} | {ratio:.2f} | {r['decode_same_context'] or 0:.1f} | {same:.2f} | "
-              f"{_pct(r['decode_hit_rate'])} / {_pct(r['hit_after_32'])} / {_pct(r['hit_same_context'])} |")
+              f"{_pct(r['decode_hit_rate'])} / {_pct(r['hit_after_32'])} / {_pct(r['hit_same_context'])} | "
+              f"{_span(r['decode_slots'])} / {_span(r['slots_after_32'])} |")
+
+
+def _span(lo_hi: tuple[int, int]) -> str:
+    """The expert slots' least and most over a decode (the loan's recall and its return show as a span)."""
+    lo, hi = lo_hi
+    return f"{lo:,}" if lo == hi else f"{lo:,}-{hi:,}"
 
 
 def _pct(rate: float | None) -> str:
