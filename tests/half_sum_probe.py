@@ -18,10 +18,13 @@ def _probe_kernel(p_w, p_x, p_out, N: tl.constexpr, ASM: tl.constexpr):
     o = tl.arange(0, N)
     w1 = tl.load(p_w + 2 * o).to(tl.uint32, bitcast=True)
     w2 = tl.load(p_w + 2 * o + 1).to(tl.uint32, bitcast=True)
-    x = [tl.load(p_x + 16 * o + j) for j in range(16)]
-    tl.store(p_out + o, pair_half_sum(w1, w2, f16_pair(x[0], x[2]), f16_pair(x[1], x[3]), f16_pair(x[4], x[6]),
-                                      f16_pair(x[5], x[7]), f16_pair(x[8], x[10]), f16_pair(x[9], x[11]),
-                                      f16_pair(x[12], x[14]), f16_pair(x[13], x[15]), ASM))
+    p = p_x + 16 * o
+    x0, x1, x2, x3 = tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3)
+    x4, x5, x6, x7 = tl.load(p + 4), tl.load(p + 5), tl.load(p + 6), tl.load(p + 7)
+    y0, y1, y2, y3 = tl.load(p + 8), tl.load(p + 9), tl.load(p + 10), tl.load(p + 11)
+    y4, y5, y6, y7 = tl.load(p + 12), tl.load(p + 13), tl.load(p + 14), tl.load(p + 15)
+    tl.store(p_out + o, pair_half_sum(w1, w2, f16_pair(x0, x2), f16_pair(x1, x3), f16_pair(x4, x6), f16_pair(x5, x7),
+                                      f16_pair(y0, y2), f16_pair(y1, y3), f16_pair(y4, y6), f16_pair(y5, y7), ASM))
 
 
 def run_probe(words: torch.Tensor, x: torch.Tensor, asm: bool) -> torch.Tensor:

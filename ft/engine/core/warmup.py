@@ -27,7 +27,6 @@ from typing import Any, Callable
 
 from ft.kernels.attention import LIBRARY_GRANULE_KEYS
 from ft.kernels.moe import GROUPED_SHORT_TOKENS, PER_PAIR_MAX_TOKENS
-from ft.engine.worker.prefill_graphs import prefill_buckets
 from ft.engine.base.sampling_params import SamplingParams
 
 __all__ = ["WarmupReport", "warm_up"]
