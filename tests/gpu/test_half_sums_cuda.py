@@ -49,7 +49,10 @@ def test_pair_half_sum_ptx_against_stand_in_and_exact_sums(x_dtype):
     ptx, stand_in = run_probe(words, x, asm=True), run_probe(words, x, asm=False)
     assert ((ptx.double() - exact).abs() / size).max().item() < 8 * 2**-11
     assert ((stand_in.double() - exact).abs() / size).max().item() < 8 * 2**-11
-    assert torch.equal(stand_in.cpu(), half_sums_in_torch(words.cpu(), x.cpu()))
+    # the compiled stand-in against its torch form (which rounds each fp16 sum through fp32: a rare tie may land
+    # the other way than the GPU's single rounding): within one fp16 rounding of the block
+    torch_form = half_sums_in_torch(words.cpu(), x.cpu()).to(DEV).double()
+    assert ((stand_in.double() - torch_form).abs() / size).max().item() < 2 * 2**-11
 
 
 @pytest.mark.parametrize(("n", "k"), [(12288, 2048), (2048, 4096), (16384, 2560), (2560, 6144)])
