@@ -50,9 +50,9 @@ def test_pair_half_sum_ptx_against_stand_in_and_exact_sums(x_dtype):
     assert ((ptx.double() - exact).abs() / size).max().item() < 8 * 2**-11
     assert ((stand_in.double() - exact).abs() / size).max().item() < 8 * 2**-11
     # the compiled stand-in against its torch form (which rounds each fp16 sum through fp32: a rare tie may land
-    # the other way than the GPU's single rounding): within one fp16 rounding of the block
+    # the other way than the GPU's single rounding; with an fp16 x the compiler may fuse a product and its sum)
     torch_form = half_sums_in_torch(words.cpu(), x.cpu()).to(DEV).double()
-    assert ((stand_in.double() - torch_form).abs() / size).max().item() < 2 * 2**-11
+    assert ((stand_in.double() - torch_form).abs() / size).max().item() < 8 * 2**-11
 
 
 @pytest.mark.parametrize(("n", "k"), [(12288, 2048), (2048, 4096), (16384, 2560), (2560, 6144)])
