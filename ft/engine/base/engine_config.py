@@ -172,7 +172,7 @@ class EngineConfig:
             return 0
         limit = self.running_requests if self.cuda_graph_max_bs is None else self.cuda_graph_max_bs
         if self.cuda_graph_bs is not None:
-            limit = min(limit, max(int(b) for b in self.cuda_graph_bs.split(",")))
+            limit = min(limit, self._graph_sizes()[-1])
         return min(limit, self.running_requests)
 
     @property
@@ -181,7 +181,11 @@ class EngineConfig:
         or None for `decode_graphs.batch_buckets`' ladder."""
         if self.cuda_graph_bs is None:
             return None
-        return tuple(b for b in (int(v) for v in self.cuda_graph_bs.split(",")) if b <= self.decode_graph_max_bs)
+        return tuple(b for b in self._graph_sizes() if b <= self.decode_graph_max_bs)
+
+    def _graph_sizes(self) -> tuple[int, ...]:
+        """--cuda-graph-bs as sorted integers (the field keeps `_batch_sizes`' normalized text)."""
+        return tuple(int(v) for v in self.cuda_graph_bs.split(","))
 
     def mapped_victims_for(self, read_through: bool) -> bool:
         """Whether read-through keeps a victim mapped (a hit) until a miss claims its slot: as asked, by

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["HALVES_SCALED_EXPONENT", "HALF_SUM_LIMIT", "dequant_tile", "e2m1_halves_bf16", "e2m1_halves_f16",
+__all__ = ["HALVES_SCALED_EXPONENT", "HALF_SUM_LIMIT", "HALF_SUM_LIMIT_EXPONENT", "dequant_tile", "e2m1_halves_bf16", "e2m1_halves_f16",
            "e2m1_halves_f16_scaled", "f16_pair", "pair_half_sum", "words_tile_f16"]
 
 E2M1_F16_TABLE = (0x3E3C3800, 0x46444240)
@@ -104,8 +104,9 @@ def e2m1_word_lanes_f32(w, ASM: tl.constexpr):
     return d0, d1, d2, d3, d4, d5, d6, d7
 
 
-HALF_SUM_LIMIT = 32768.0
-"""`pair_half_sum` takes x below this magnitude (fp16's largest is 65,504; a block's running sum is at
+HALF_SUM_LIMIT_EXPONENT = tl.constexpr(15)
+HALF_SUM_LIMIT = 2.0 ** HALF_SUM_LIMIT_EXPONENT.value
+"""`pair_half_sum` takes x below this magnitude (2**HALF_SUM_LIMIT_EXPONENT) (fp16's largest is 65,504; a block's running sum is at
 most 0.75 x its largest |x|): `rows.dot_words_half` scales an x row with an element at or above it."""
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ft.kernels.nvfp4.decode import (f16_pair, byte_f32, e4m3_f32, hi_e4m3_word, lo_e4m3_word,
+from ft.kernels.nvfp4.decode import (HALF_SUM_LIMIT_EXPONENT, f16_pair, byte_f32, e4m3_f32, hi_e4m3_word, lo_e4m3_word,
                                      pair_half_sum, split8, e2m1_word_lanes_f32)
 
 __all__ = ["dot_whole_k", "dot_words_half", "nvfp4_rows_dot", "rows_dot_whole_k"]
@@ -189,10 +189,11 @@ def dot_words_half(b_w, b_sb, x0, x1, x2, x3, x4, x5, x6, x7, KW: tl.constexpr, 
     the sum), so the fp16 sums cannot overflow; below it the scale is 1. One reduction a program."""
     big = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
                      tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
-    # the power of two, from the largest |x|'s fp32 exponent: 2**e <= |x| < 2**(e + 1), e >= 15 -> 2**(e - 14)
+    # the power of two, from the largest |x|'s fp32 exponent: 2**e <= |x| < 2**(e + 1); e >= L (the limit's
+    # exponent) -> 2**(e - L + 1), which brings it under 2**L
     e = ((tl.max(tl.max(big, axis=1), axis=0).to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
-    shift = tl.maximum(e - 14, 0)
-    down = ((127 - shift) << 23).to(tl.float32, bitcast=True)  # 2**-shift, exact (shift <= 128 - 14: normal)
+    shift = tl.maximum(e - (HALF_SUM_LIMIT_EXPONENT - 1), 0)
+    down = ((127 - shift) << 23).to(tl.float32, bitcast=True)  # 2**-shift, exact (shift <= 114: normal)
     up = ((127 + shift) << 23).to(tl.float32, bitcast=True)
     h0, h1, h2, h3 = (x0 * down).to(tl.float16), (x1 * down).to(tl.float16), (x2 * down).to(tl.float16), \
         (x3 * down).to(tl.float16)
