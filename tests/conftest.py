@@ -32,6 +32,36 @@ except ImportError:  # hypothesis comes with the test extra
     pass
 
 
+def _launch_patches_the_language_once() -> None:
+    """The Triton interpreter (triton 3.x) patches `triton.language` at each kernel launch and again at
+    every call of a `@triton.jit` helper inside it, although the launch's patches already cover it:
+    each such call walks `tl`'s members with `inspect.getmembers` (~1 ms), a third of an interpreted
+    MoE decode test's time. Here a helper's call skips that walk when every language module it sees
+    is already patched (its builtins replaced); the launch's own patch, and its restore, are
+    untouched. Without these interpreter internals (another triton), nothing changes."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch_lang, scope_type = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "_LangPatchScope", None)
+    if patch_lang is None or scope_type is None or getattr(patch_lang, "skips_patched", False):
+        return
+
+    def patch_lang_unless_patched(fn):
+        langs = [v for v in fn.__globals__.values() if v is tl or v is tl.core]
+        if langs and not any(tl.core.is_builtin(getattr(lang, "load", None)) for lang in langs):
+            return scope_type()  # a helper's call inside a launch: the launch patched these, and restores them
+        return patch_lang(fn)
+
+    patch_lang_unless_patched.skips_patched = True
+    interpreter._patch_lang = patch_lang_unless_patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _launch_patches_the_language_once()
+
+
 def triton_required() -> bool:
     """triton is a dependency on Linux (pyproject.toml); CI (`CI` set) needs it wherever it runs."""
     return sys.platform.startswith("linux") or bool(os.environ.get("CI"))
