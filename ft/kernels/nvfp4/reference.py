@@ -66,6 +66,16 @@ def as_scalar_f32(v: torch.Tensor | float, device: torch.device) -> torch.Tensor
 _BYTES = torch.arange(256, dtype=torch.int64)
 _PAIR_VALUES = torch.stack((E2M1_VALUES[_BYTES & 0x0F], E2M1_VALUES[_BYTES >> 4]), dim=-1)
 """float32 [256, 2]: the (low nibble, high nibble) values of each packed byte."""
+_PAIR_WORDS = _PAIR_VALUES.contiguous().view(torch.int64).reshape(256)
+"""`_PAIR_VALUES` a byte as one int64 (its two float32 values' bits, in memory order)."""
+
+
+def _element_values(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] -> float32 [..., K]: each byte's two E2M1 values, low nibble first. The pair
+    table is read as one 64-bit word a byte (`index_select` of scalars over int32 codes: ~8x faster on
+    the CPU than indexing the [256, 2] table with int64 codes, the same bits)."""
+    words = device_table(_PAIR_WORDS, packed.device).index_select(0, packed.reshape(-1).to(torch.int32))
+    return words.view(torch.float32).view(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
 def dequantize_nvfp4(
@@ -95,10 +105,9 @@ def dequantize_nvfp4(
             f"got {tuple(scale.shape)} (K = {k} must be a multiple of {BLOCK_SIZE})"
         )
     device = packed.device
-    values = device_table(_PAIR_VALUES, device)[packed.to(torch.int64)]  # [N, K/2, 2]
     block = scale.to(torch.float32) * as_scalar_f32(scale_2, device)
-    out = values.reshape(n, k // BLOCK_SIZE, BLOCK_SIZE) * block.unsqueeze(-1)
-    return out.reshape(n, k).to(dtype)
+    out = _element_values(packed).view(n, k // BLOCK_SIZE, BLOCK_SIZE).mul_(block.unsqueeze(-1))
+    return out.view(n, k).to(dtype)
 
 
 def dequantize_nvfp4_rows(
@@ -108,10 +117,9 @@ def dequantize_nvfp4_rows(
     row_scale_2 [..., N] float32 -> [..., N, K]. Same values as `dequantize_nvfp4` row by row."""
     *lead, n, half_k = packed.shape
     k = half_k * 2
-    values = device_table(_PAIR_VALUES, packed.device)[packed.to(torch.int64)]  # [..., N, K/2, 2]
     block = scale.to(torch.float32) * row_scale_2.to(torch.float32).unsqueeze(-1)  # [..., N, K/16]
-    out = values.reshape(*lead, n, k // BLOCK_SIZE, BLOCK_SIZE) * block.unsqueeze(-1)
-    return out.reshape(*lead, n, k).to(dtype)
+    out = _element_values(packed).view(*lead, n, k // BLOCK_SIZE, BLOCK_SIZE).mul_(block.unsqueeze(-1))
+    return out.view(*lead, n, k).to(dtype)
 
 
 def nvfp4_linear_ref(
