@@ -3,7 +3,7 @@ and the bound, then decode right after. Not a test.
 
     PYTHONPATH=. python3 bench/offload_prefill.py [--cards 32GiB,16GiB] [--lengths 1024,8192,32768,131072]
         [--modes stream,load] [--load-lengths 1024,8192] [--decode 64] [--chunks 4096,16384] [--pcie-gbs 50]
-        [--loaders gather,copy] [--profile LEN] [--config bench/configs/qwen3-next-80b-a3b.json] [--device cuda]
+        [--loaders gather,copy] [--loan-holds 2,0] [--profile LEN] [--config bench/configs/qwen3-next-80b-a3b.json] [--device cuda]
 
 Synthetic NVFP4 Qwen3-Next-80B-A3B, its routing drawn from the calibrated trace (as bench/ladder.py),
 the offload backend on an emulated card (`--gpu-memory-limit`), KV for the longest prompt. Per card
@@ -19,7 +19,7 @@ so every size sees the same slots; the load mode runs at the first). Per length,
 tokens: TTFT (add_request to the first token), prefill tok/s, the bytes the stream copied and its
 PCIe bound (bytes / --pcie-gbs GB/s), then decode tok/s over the tokens after the first (with its hit rate and
 the expert slots' least and most while it ran: the prefill reserve's loan, recalled by a long prompt, comes
-back `LEND_AFTER_S` after it); then the
+back after its hold, `--loan-holds`: the engine's `loan_hold_s`, 2 s by default); then the
 same prompt but its last token again (the prefix cache serves all but the last page, a short chunk
 that streams nothing) and its decode: the same context without a long prefill, so "decode after /
 same context" is what the long prefill did to the cache, apart from the context's own cost. Before the
@@ -148,6 +148,9 @@ def main() -> None:
     ap.add_argument("--lend-prefill-reserve", action=argparse.BooleanOptionalAction, default=None,
                     help="the prefill reserve's loan to the expert slots (default: the engine's, on for offload on "
                          "CUDA since session 35: a long prompt recalls it, and it goes out again 2 s after)")
+    ap.add_argument("--loan-holds", default="",
+                    help="the loan's hold in seconds (EngineConfig.loan_hold_s; several: each length's rows once "
+                         "per hold, on the same engine; default: the engine's)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", type=int, default=0, metavar="LEN", help="profile one stream-mode prompt of LEN tokens")
     args = ap.parse_args()
@@ -173,10 +176,15 @@ def main() -> None:
               f"{stream.nbytes / 2**20 if stream else 0:.0f} MiB", flush=True)
         prompts = Prompts(eng.model_config.vocab_size)
         loaders = args.loaders.split(",")
-        runs = [(m, c, ld) for m in args.modes.split(",")
+        holds = [float(x) for x in args.loan_holds.split(",")] if args.loan_holds else [None]
+        if eng.loan is None and holds != [None]:
+            raise SystemExit("--loan-holds: this engine lends no prefill reserve (see --lend-prefill-reserve)")
+        runs = [(m, c, ld, h) for m in args.modes.split(",")
                 for c in ((chunks or [eng.config.max_prefill_length]) if m == "stream" else (chunks or [None])[:1])
-                for ld in (loaders if m == "stream" else ["-"])]
-        for mode, chunk, loader in runs:
+                for ld in (loaders if m == "stream" else ["-"]) for h in holds]
+        for mode, chunk, loader, hold in runs:
+            if hold is not None:
+                eng.loan.hold_s = hold
             experts.prefill_stream = stream if mode == "stream" else None
             if stream is not None and mode == "stream":
                 set_loader(stream, loader)
@@ -184,6 +192,8 @@ def main() -> None:
             # warm: compiles a short prompt's shapes, a whole chunk's, and a chunk after a cached prefix
             one_request(eng, prompts.take(1024), 2)
             one_request(eng, prompts.take(min(chunk + 1024, max(lengths))), 2)
+            if eng.loan is not None:  # the baseline decodes as after an idle while: the warm-up's long
+                time.sleep(eng.loan.hold_s + 0.05)  # prompts recalled the loan, its hold returns it
             base = one_request(eng, prompts.take(32), args.decode)
             for n in lengths:
                 if mode == "load" and n not in load_lengths:
@@ -198,6 +208,7 @@ def main() -> None:
                 r["hit_same_context"], r["hit_after_32"] = again["decode_hit_rate"], base["decode_hit_rate"]
                 r["slots_after_32"] = base["decode_slots"]
                 r.update(card=card, mode=mode, loader=loader, length=n, chunk=chunk, slots=experts.num_slots,
+                         hold=eng.loan.hold_s if eng.loan is not None else None,
                          decode_after_32=base["decode_tps"],
                          bound_s=r["streamed_bytes"] / (args.pcie_gbs * 1e9))
                 rows.append(r)
@@ -211,14 +222,15 @@ def main() -> None:
         del eng, experts, stream
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    print(f"\n| card | mode | loader | chunk | prompt | TTFT s | prefill tok/s | streamed GB | PCIe bound s ({args.pcie_gbs:.0f} GB/s) | "
+    print(f"\n| card | mode | loader | chunk | loan hold s | prompt | TTFT s | prefill tok/s | streamed GB | PCIe bound s ({args.pcie_gbs:.0f} GB/s) | "
           "decode tok/s after | after 32 | ratio | same context, cached prefix | ratio | decode hits after / after 32 "
           "/ same context | slots while decoding after / after 32 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = r["decode_tps"] / r["decode_after_32"] if r["decode_tps"] and r["decode_after_32"] else float("nan")
         same = r["decode_tps"] / r["decode_same_context"] if r["decode_tps"] and r["decode_same_context"] else float("nan")
-        print(f"| {r['card']} | {r['mode']} | {r['loader']} | {r['chunk']:,} | {r['length']:,} | {r['ttft_s']:.2f} | {r['prefill_tps']:,.0f} | "
+        hold = "-" if r["hold"] is None else f"{r['hold']:g}"
+        print(f"| {r['card']} | {r['mode']} | {r['loader']} | {r['chunk']:,} | {hold} | {r['length']:,} | {r['ttft_s']:.2f} | {r['prefill_tps']:,.0f} | "
               f"{r['streamed_bytes'] / 1e9:.1f} | {r['bound_s']:.2f} | {r['decode_tps'] or 0:.1f} | "
               f"{r['decode_after_32'] or 0:.1f} | {ratio:.2f} | {r['decode_same_context'] or 0:.1f} | {same:.2f} | "
               f"{_pct(r['decode_hit_rate'])} / {_pct(r['hit_after_32'])} / {_pct(r['hit_same_context'])} | "

@@ -67,6 +67,19 @@ def test_lent_at_startup_recalled_by_a_long_step_and_lent_again():
     assert greedy(llm, SHORT) == greedy(plain, SHORT) and e.cache.lent and e.cache.geometry == g
 
 
+def test_a_hold_of_zero_lends_at_the_first_plain_step_after_the_long_prompt():
+    llm = make(lend_prefill_reserve=True, loan_hold_s=0.0)
+    e = llm.engine
+    e.loan.clock = Clock()  # frozen: only the hold of 0 lets the loan out again
+    lent = e.cache.lent
+    out = llm.generate(prompt_token_ids=[WHOLE], max_new_tokens=4, temperature=0.0, ignore_eos=True)[0]
+    assert e.loan.recalls == 1 and len(out.token_ids) == 4
+    assert e.cache.lent == lent  # the decode after the long prompt lent it again at its first plain step
+    assert [h["trigger"] for h in e.cache.history[-2:]] == ["loan", "loan"]
+    with pytest.raises(ConfigError, match="hold"):
+        make(lend_prefill_reserve=True, loan_hold_s=-1.0)
+
+
 def test_a_step_between_the_kept_and_the_whole_chunk_recalls_only_what_it_needs():
     """A 100-token step on a 256-token chunk's reserve gives back what its activations need and leaves the rest
     lent (`RankState.loan_beside`); the whole loan goes out again once due."""

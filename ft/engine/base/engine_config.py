@@ -65,6 +65,8 @@ class EngineConfig:
     # memory; None: when experts are offloaded on one CUDA GPU (`prefix_host_entries`)
     lend_prefill_reserve: bool | None = None  # expert slots borrow the prefill reserve's idle part
     # (`ft.engine.sched.loan`); None: when an offloaded cache fills the budget on one CUDA GPU (`lends_reserve`)
+    loan_hold_s: float = 2.0  # seconds with no long step and no long prompt pending before the loan goes out
+    # again (`ReserveLoan.hold_s`)
     mamba_on_demand: bool = False  # device mamba slots for the running requests only, grown when one waits
     # for a slot and given back to expert slots when idle (`ft.engine.sched.mamba_demand`); offloaded, one GPU
     enable_kv_ladder: bool = False  # grow KV rung by rung when a request needs it, shrink back later
@@ -138,6 +140,8 @@ class EngineConfig:
                               "in device slots)")
         if self.prefix_states_on_host and not self.enable_prefix_cache:
             raise ConfigError("--prefix-states-on-host needs the prefix cache (drop --no-enable-prefix-cache)")
+        if self.loan_hold_s < 0:
+            raise ConfigError(f"the loan's hold must be >= 0 seconds, got {self.loan_hold_s}")
         if self.lend_prefill_reserve and (self.moe_backend != "offload" or self.moe_cache_size is not None
                                           or self.tensor_parallel_size > 1):
             raise ConfigError("--lend-prefill-reserve lends to an offloaded expert cache that fills the budget, on "

@@ -86,8 +86,8 @@ class Engine(RankState):
         self.current_work: ScheduledWork | None = None  # the work of a step in progress (None between steps)
         self.overlap = OverlappedDecode(self)  # `--overlap-decode`: the decode step in flight, if any
         # --lend-prefill-reserve: the expert slots borrow the prefill reserve while prompts are short
-        self.loan = ReserveLoan(self.cache, self.scheduler, self.loan_keep_tokens, self.loan_beside) \
-            if self.loan_bytes else None
+        self.loan = ReserveLoan(self.cache, self.scheduler, self.loan_keep_tokens, self.loan_beside,
+                                hold_s=config.loan_hold_s) if self.loan_bytes else None
         if self.loan is not None:
             self.loan.lend("startup: no prompt needs the prefill reserve yet")
         # --mamba-on-demand: device mamba slots for the running requests only, grown when one waits for a slot

@@ -7,8 +7,11 @@ a chat turn's prompt of a thousand tokens needs a tenth of it. While no step nee
 grows the expert pool past the budget by `loan_bytes`), and a step that needs more recalls what it
 needs first (`CacheManager.recall`, sized by `RankState.loan_beside`: the chunk's reserve less that
 step's; the pool shrinks by that much, the forgotten experts are read from host memory again when next
-used). The whole loan goes out again once no long prompt is pending and none ran for
-`LEND_AFTER_S` seconds, so that a stream of long prompts does not bounce it.
+used). The whole loan goes out again once no long prompt is pending and none ran for the hold
+(`EngineConfig.loan_hold_s`, default `LEND_AFTER_S` seconds), so that a stream of long prompts does not
+bounce it. The hold is a trade: the decode right after a long prompt runs on the smaller pool until it
+ends (issue 39's decode-after-8K row), while a shorter hold pays a lend and a recall (each a live rebuild,
+0.01-0.06 s) per long prompt of a stream; `bench/offload_prefill.py --loan-holds` measures both sides.
 
 Every resize other than the loan's recalls it first (`CacheManager.rebuild`), and the reachable ranges
 are the budget's alone, so what the server advertises stays reachable. The default where it can lend
@@ -30,20 +33,25 @@ from ft.errors import RebuildFailed
 log = logging.getLogger("ft.engine")
 
 LEND_AFTER_S = 2.0
-"""Seconds without a step over `keep_tokens` (and with no long prompt pending) before the loan goes out again."""
+"""The default hold: seconds without a step over `keep_tokens` (and with no long prompt pending) before the loan
+goes out again (`ReserveLoan.hold_s`)."""
 
 
 class ReserveLoan:
     """When the expert slots borrow the idle prefill reserve and when they give it back (the module docstring)."""
 
     def __init__(self, cache: CacheManager, scheduler: Scheduler, keep_tokens: int, beside: Callable[[int], int],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, hold_s: float = LEND_AFTER_S) -> None:
         """`beside(tokens)`: bytes of the loan that may stay out while a step of that many tokens runs
-        (`RankState.loan_beside`: all of it up to keep_tokens, none at the whole chunk)."""
+        (`RankState.loan_beside`: all of it up to keep_tokens, none at the whole chunk). `hold_s`: seconds
+        after the last long step (or the last lend tried) before the loan goes out again; 0 lends at the
+        first plain step after a long prompt's last chunk."""
+        if hold_s < 0:
+            raise ValueError(f"the loan's hold is {hold_s} s; it must be 0 or more")
         self.cache, self.scheduler, self.keep_tokens, self.clock = cache, scheduler, keep_tokens, clock
-        self.beside = beside
+        self.beside, self.hold_s = beside, hold_s
         self.quiet_since = float("-inf")  # the last step over keep_tokens, or the last lend tried: due from
-        # LEND_AFTER_S after it
+        # hold_s after it
         self.failed: str | None = None  # a recall that could not run: the loan is never made again
         self.recalls = 0
 
@@ -58,10 +66,10 @@ class ReserveLoan:
         """Whether the loan should go out now (the overlapped decode stops queuing so that the engine's
         next plain step makes it)."""
         return self.failed is None and self.cache.lent < self.cache.loan_bytes \
-            and self.clock() - self.quiet_since >= LEND_AFTER_S and not self._long_pending()
+            and self.clock() - self.quiet_since >= self.hold_s and not self._long_pending()
 
     def lend(self, reason: str = "no prompt needs the prefill reserve") -> dict | None:
-        """Lend now if nothing prevents it (`CacheManager.lend`); the next try waits LEND_AFTER_S
+        """Lend now if nothing prevents it (`CacheManager.lend`); the next try waits hold_s
         whatever the outcome (a refusal, a user's fixed expert size)."""
         self.quiet_since = self.clock()
         return self.cache.lend(reason)
