@@ -39,6 +39,10 @@ HELP = {
                                "instead of loading them into the cache: the copies overlap the compute, and nothing "
                                "decode uses is evicted; 0 loads them into the cache instead (counted in the budget) "
                                "(default: 3 x min(64, experts per layer) on CUDA, 0 on the CPU)"),
+    "disable_moe_prefill_overlap": ("offload: stream a long chunk's missing experts through one staging page "
+                                    "instead of a ring of 3, each page's copies waiting for the pass that read it "
+                                    "(no copy overlaps the compute: slower prefill, and two pages' bytes, e.g. "
+                                    "~340 MiB on Qwen3.8-Flash-Next, go to expert slots instead)"),
     "num_tokens": "KV cache capacity in tokens (default: the whole context when it fits; on a GPU that holds every expert, all the budget the experts leave, up to --max-running-requests whole contexts)",
     "kv_cache_dtype": ("KV cache dtype: auto (the checkpoint's KV format when it carries KV scales, FP8 or NVFP4, "
                        "else the compute dtype), bf16, fp8 (e4m3 with a per-layer K and V scale: half of bf16's bytes "
@@ -77,9 +81,12 @@ HELP = {
     "lend_prefill_reserve": ("lend the part of the prefill chunk's activation reserve that prompts of up to 2,048 "
                              "tokens never use to the expert slots (offloaded, one GPU): a longer chunk recalls it "
                              "first (a live rebuild: the slots shrink, their experts are read again when next used) "
-                             "and it is lent again 2 s after the last one, with no long prompt waiting. "
+                             "and it is lent again --loan-hold-s after the last one, with no long prompt waiting. "
                              "Default: on when experts are offloaded on one CUDA GPU without --moe-cache-size "
                              "(+2-3%% decode measured), off otherwise"),
+    "loan_hold_s": ("--lend-prefill-reserve: seconds with no chunk over 2,048 tokens and no long prompt waiting "
+                    "before the loan goes out again (a stream of long prompts does not bounce it; the decode right "
+                    "after a long prompt runs on the smaller expert pool until then) (default: %(default)s)"),
     "mamba_on_demand": ("keep device linear-attention state slots (e.g. 110 MiB each on Qwen3.8-Flash-Next, ~40 "
                         "expert slots) for the requests running now only: a request that finds no free slot grows "
                         "the pool first (a live rebuild that shrinks the expert slots, which get the bytes back "

@@ -184,7 +184,8 @@ def _prefill_line(engine) -> str:
     if stream is None:
         return line + "; a chunk's experts load into the cache (--prefill-stream-experts 0)"
     return (line + f"; a chunk of more than {stream.min_tokens - 1} tokens streams the experts the cache lacks "
-            f"through {stream.pages * stream.page_experts} staging slots ({format_bytes(stream.nbytes)}), "
+            f"through {stream.pages * stream.page_experts} staging slots ({format_bytes(stream.nbytes)}"
+            f"{'' if stream.pages > 1 else '; one page, no overlap: --disable-moe-prefill-overlap'}), "
             "evicting nothing decode uses")
 
 

@@ -90,6 +90,22 @@ def test_other_engines_flag_names_set_our_fields(argv, field, value):
     assert getattr(_config(*argv), field) == value
 
 
+def test_the_seeds_server_command_line_parses_as_written():
+    """The seed issue's `ft serve` line, flag for flag (users copy it): each flag lands in its field."""
+    from ft.errors import ConfigError
+
+    line = ("--model ~/models/Qwen3.8-Flash-Next-NVFP4 --kv-cache-dtype nvfp4 --num-tokens 262144 "
+            "--max-seq-len-override 262144 --max-running-requests 1 --cuda-graph-max-bs 1 --moe-cache-size 512 "
+            "--disable-moe-prefill-overlap --memory-ratio 0.95 --max-prefill-length 4096")
+    cfg = _config(*line.split())
+    assert (cfg.kv_cache_dtype, cfg.num_tokens, cfg.max_seq_len_override, cfg.max_running_requests) == \
+        ("nvfp4", 262144, 262144, 1)
+    assert (cfg.cuda_graph_max_bs, cfg.moe_cache_size, cfg.memory_ratio, cfg.max_prefill_length) == (1, 512, 0.95, 4096)
+    assert cfg.disable_moe_prefill_overlap and cfg.moe_backend == "offload"
+    with pytest.raises(ConfigError, match="--disable-moe-prefill-overlap"):
+        _config("--moe-backend", "resident", "--disable-moe-prefill-overlap")
+
+
 @pytest.mark.parametrize(("argv", "graphs"), [
     ([], 8), (["--max-num-seqs", "48"], 48), (["--max-num-seqs", "48", "--cuda-graph-max-bs", "16"], 16),
     (["--cuda-graph-max-bs", "64"], 8), (["--max-num-seqs", "48", "--disable-cuda-graph"], 0),

@@ -266,6 +266,25 @@ def test_running_streams_decode_while_a_long_prompt_streams(tiny_one):
     assert [s.output_ids for s in early + [late]] == [w.token_ids for w in want]
 
 
+def test_without_overlap_one_staging_page_streams_the_same_tokens(tiny_one):
+    """--disable-moe-prefill-overlap (the seeds' flag): the stream's slots make one page, whose copies
+    wait for the pass before; what a chunk computes is the ring's, and the banner says so."""
+    from ft.serve_cmd import describe
+
+    _, model, path = tiny_one
+    prompts = [_prompt(200, 41), _prompt(150, 42)]
+    opts = dict(moe_backend="offload", moe_cache_size=2 * model.config.num_experts_per_tok, prefill_stream_experts=6)
+    ring, one = _llm(path, **opts), _llm(path, disable_moe_prefill_overlap=True, **opts)
+    rs, os_ = ring.engine.pools.experts.prefill_stream, one.engine.pools.experts.prefill_stream
+    assert (rs.pages, rs.page_experts, os_.pages, os_.page_experts) == (3, 2, 1, 6)
+    assert os_.nbytes == rs.nbytes and one.engine.prefill_stream_reserve >= os_.nbytes
+    got = one.generate(prompt_token_ids=prompts, **GREEDY)
+    assert [g.token_ids for g in got] == [w.token_ids for w in ring.generate(prompt_token_ids=prompts, **GREEDY)]
+    assert os_.stats.experts == rs.stats.experts > 0 and os_.ring == 0
+    banner = describe(one.engine, "http://x")
+    assert "one page, no overlap: --disable-moe-prefill-overlap" in banner
+
+
 def test_the_startup_banner_says_how_a_prefill_gets_its_experts(tiny_one):
     from ft.serve_cmd import describe
 

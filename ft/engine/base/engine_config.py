@@ -49,6 +49,8 @@ class EngineConfig:
     expert_mapped_victims: bool | None = None  # read-through: a victim stays a hit until a miss claims its slot;
     # None: on wherever decode reads misses through (`mapped_victims_for`)
     prefill_stream_experts: int | None = None  # offload: staging slots of streamed prefill (None: auto; 0: off)
+    disable_moe_prefill_overlap: bool = False  # the seeds' flag: streamed prefill through one staging page, its
+    # copies and the passes that read them in turn (no overlap; two pages' bytes go to expert slots)
     num_tokens: int | None = None  # KV capacity in tokens; None: the whole context if it fits
     kv_cache_dtype: str = "auto"  # auto (a checkpoint's KV format with its scales, else compute) | bf16 | fp8 | nvfp4
     kv_scale_calibration: bool = False  # a quantized KV cache without checkpoint scales: set them from the first prefill
@@ -115,6 +117,9 @@ class EngineConfig:
             raise ConfigError("--expert-mapped-victims needs --moe-backend offload with read-through decode")
         if self.prefill_stream_experts is not None and self.prefill_stream_experts < 0:
             raise ConfigError(f"--prefill-stream-experts must be >= 0, got {self.prefill_stream_experts}")
+        if self.disable_moe_prefill_overlap and self.moe_backend != "offload":
+            raise ConfigError("--disable-moe-prefill-overlap: only an offloaded MoE streams experts during prefill "
+                              "(--moe-backend resident holds them all)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"--kv-cache-dtype must be {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -95,6 +95,8 @@ class RankState:
             cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, self.dtype, self.device,
             host_experts, self._kv_dtype(config), self.model.slot_states, self.model.index_key_dim,
         )
+        # --disable-moe-prefill-overlap: one staging page, so each page's copies wait for the pass before
+        self.prefill_stream_pages = 1 if config.disable_moe_prefill_overlap else PAGES
         self.prefill_stream_experts = self._stream_experts(config, host_experts)
         if chunk_by_card and self.prefill_stream_experts and self.device.type == "cuda":  # streamed: by its reserve
             streamed = streamed_prefill_length(card_bytes(self.device, config.gpu_memory_limit),
@@ -122,7 +124,9 @@ class RankState:
         # streamed prefill (offload): the staging pages and the passes' per-pair outputs of a whole chunk
         self.prefill_stream_reserve = 0
         if self.prefill_stream_experts:
-            self.prefill_stream_reserve = PrefillStream.bytes_for(host_experts, self.prefill_stream_experts // PAGES) \
+            pages = self.prefill_stream_pages
+            self.prefill_stream_reserve = PrefillStream.bytes_for(host_experts, self.prefill_stream_experts // pages,
+                                                                  pages) \
                 + self._stream_workspace(config.max_prefill_length)
         # --lend-prefill-reserve: what of the chunk's reserve (activations, streamed passes' workspace) chunks
         # of at most `loan_keep_tokens` leave unused; the expert slots borrow it (`CacheManager.lend`)
@@ -174,7 +178,8 @@ class RankState:
                 pools.experts.enable_read_through(cfg.num_experts_per_tok * config.max_running_requests,
                                                   mapped_victims=config.mapped_victims_for(through))
             if self.prefill_stream_experts:
-                pools.experts.enable_prefill_stream(self.prefill_stream_experts // PAGES,
+                pools.experts.enable_prefill_stream(self.prefill_stream_experts // self.prefill_stream_pages,
+                                                    pages=self.prefill_stream_pages,
                                                     min_tokens=DECODE_MAX_TOKENS + 1)
         self.runner = ModelRunner(
             self.model, pools, self.device, config.max_running_requests, config.max_prefill_length,
@@ -224,15 +229,17 @@ class RankState:
             + self._stream_workspace(tokens)
 
     def _stream_experts(self, config: EngineConfig, host_experts) -> int:
-        """Staging slots of streamed prefill (a multiple of PAGES; 0: off): offload only,
-        --prefill-stream-experts, by default 3 x min(64, experts per layer) on CUDA and none on the
-        CPU (its host store is the device's memory: there is no bus to overlap)."""
+        """Staging slots of streamed prefill (a multiple of its pages, `prefill_stream_pages`; 0: off):
+        offload only, --prefill-stream-experts, by default a page of min(64, experts per layer) per page
+        (three, or one with --disable-moe-prefill-overlap) on CUDA and none on the CPU (its host store is
+        the device's memory: there is no bus to overlap)."""
         if config.moe_backend != "offload" or host_experts is None:
             return 0
+        pages = self.prefill_stream_pages
         n = config.prefill_stream_experts
         if n is None:
-            n = PAGES * min(STREAM_PAGE_EXPERTS, host_experts.w13.shape[1]) if self.device.type == "cuda" else 0
-        return n // PAGES * PAGES
+            n = pages * min(STREAM_PAGE_EXPERTS, host_experts.w13.shape[1]) if self.device.type == "cuda" else 0
+        return n // pages * pages
 
     def _check_kernels(self, config: EngineConfig) -> bool:
         """The checkpoint's shapes against the kernels (`ft.model.kernel_support`): a shape no path runs
