@@ -54,7 +54,7 @@ def ints(*names: str) -> dict:
 
 GEMV = {"p_x": "*bf16", "p_w": "*i32", "p_s": "*u8", "p_s2": "*fp32", "p_y": "*bf16",
         **ints("M", "N", "K", "stride_xm", "stride_wn", "stride_sn", "stride_ym")}
-DOT = {**GEMV, "p_w": "*u8"}
+DOT = {**GEMV, "p_w": "*u8", "p_part": "*fp32", "p_count": "*i32", "K_SPLIT": "i32"}
 GATE_UP = {"p_x": "*bf16", "p_slots": "*i32", "p_w13": "*i32", "p_s13": "*u8", "p_s2": "*fp32", "p_h": "*fp32",
            **ints("I", "H", "TOPK", "stride_xt", "stride_w13e", "stride_w13r", "stride_s13e", "stride_s13r",
                   "stride_s2e", "stride_ht")}
@@ -231,6 +231,7 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("dot prefill (swapped operands)", nv._nvfp4_dot_kernel, DOT, dot_cfg(4096, 8192, 2048)),
     ("dot M=8, whole tiles (no halves)", nv._nvfp4_dot_kernel, DOT,
      {**dot_cfg(8, 8192, 2048), "HALVES": False, "ASM": False}),
+    ("dot M=32, split K 4 (a ticket)", nv._nvfp4_dot_kernel, DOT, {**dot_cfg(32, 12288, 2048), "SPLIT_K": 4}),
     ("moe gate_up, 1 token", moe._moe_gate_up_kernel, GATE_UP, moe_cfg(moe.GATE_UP_CONFIG[1], 256, "BLOCK_I")),
     ("moe gate_up, more tokens", moe._moe_gate_up_kernel, GATE_UP, moe_cfg(moe.GATE_UP_CONFIG[2], 256, "BLOCK_I")),
     ("moe gate_up, K loop", moe._moe_gate_up_kernel, GATE_UP, moe_cfg((8, 64, 4), 256, "BLOCK_I")),

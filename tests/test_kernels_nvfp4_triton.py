@@ -223,6 +223,47 @@ def test_mid_m_tiles_match_ref(m, tile):
         assert _rel_rms(y, ref) < TOL[torch.float16], (tile, halves)
 
 
+@pytest.mark.parametrize("m, splits", [(24, 2), (40, 4)], ids=["M24-split2", "M40-split4"])
+def test_split_k_sums_the_splits_partials_in_order(m, splits):
+    """`Nvfp4Options.dot_split_k`: K split over programs (5 K steps of 128: 3 + 2, or 2 + 2 + 1 when 4 are
+    asked for), the tile's last program summing the fp32 partials in split order. fp32 x: bit for bit the
+    per-split sums of the unsplit kernel over each K slice added in order, then scaled; fp16 x within the
+    reference's tolerance; the tickets' counters zero after each launch."""
+    from ft.kernels.nvfp4.kernel import _SPLIT_K_COUNTERS, dot_launch_config
+
+    gen = torch.Generator().manual_seed(50 + m)
+    k, bk = 640, 128
+    packed, scale, scale_2 = _weight(72, k, gen)
+    x = torch.randn(m, k, generator=gen)
+    cfg = {"BLOCK_M": 32 if m <= 32 else 64, "BLOCK_N": 32, "BLOCK_K": bk, "GROUP_M": 1, "SPLIT_K": splits}
+    made = dot_launch_config(x, packed, cfg)["SPLIT_K"]
+    assert made == (2 if splits == 2 else 3)
+    y = nvfp4_linear_triton(x, packed, scale, scale_2, path="dot", config=cfg)
+    assert not _SPLIT_K_COUNTERS[x.device].any()
+    step = -(-(k // bk) // made) * bk
+    want = None
+    for k0 in range(0, k, step):
+        part = nvfp4_linear_triton(x[:, k0:k0 + step].contiguous(), packed[:, k0 // 2:(k0 + step) // 2].contiguous(),
+                                   scale[:, k0 // 16:(k0 + step) // 16].contiguous(), 1.0, path="dot",
+                                   config={**cfg, "SPLIT_K": 1})
+        want = part if want is None else want + part
+    assert torch.equal(y, want * torch.as_tensor(scale_2, dtype=torch.float32))
+    ref = nvfp4_linear_ref(x.half(), packed, scale, scale_2)
+    y16 = nvfp4_linear_triton(x.half(), packed, scale, scale_2, path="dot", config=cfg)
+    assert _rel_rms(y16, ref) < TOL[torch.float16] and not _SPLIT_K_COUNTERS[x.device].any()
+
+
+def test_split_k_is_the_options_at_mid_m_only():
+    from ft.kernels.nvfp4.kernel import dot_launch_config
+    from ft.kernels.options import use_kernel_options, variant
+
+    packed = torch.zeros(64, 1024, dtype=torch.uint8)
+    with use_kernel_options(variant("nvfp4-dot-split-k-4")):
+        assert [dot_launch_config(torch.zeros(m, 2048, dtype=torch.bfloat16), packed)["SPLIT_K"]
+                for m in (8, 16, 17, 64, 65)] == [1, 1, 4, 4, 1]
+    assert dot_launch_config(torch.zeros(32, 2048, dtype=torch.bfloat16), packed)["SPLIT_K"] == 1  # the default
+
+
 def test_dot_config_narrows_the_mid_m_tile_when_it_would_launch_too_few_programs():
     """At 16 < M <= 64: the wide tile where it fills the GPU (in_proj_qkvz, 12,288 rows), the narrow one
     where it would not (out_proj, 2,048 rows: 32 programs of 64 columns)."""

@@ -48,12 +48,19 @@ class Nvfp4Options:
     back (one reduction a program). Off until the device measures it (variant "nvfp4-half-sums").
     (The K loop at M = 1 where K / 8 is the sum of two powers of two lost to two whole-K tiles: session 40,
     H200, Flash-Next's step at batch 1, GPU busy 4.83 -> 4.59 ms; its option `gemv_two_tiles` deleted, the
-    two tiles always taken there; RESULTS.md sessions 39-40.)"""
+    two tiles always taken there; RESULTS.md sessions 39-40.)
+    dot_split_k: the ``tl.dot`` tile at 16 < M <= 64 (the 80B's decode at batch 17-64) splits K over this
+    many programs a tile, fp32 partials to a workspace and the tile's last program (an atomic ticket) sums
+    them in split order and stores y (`kernel._split_k_ticket`): more programs where the tile grid is one
+    thin wave (in_proj_qkvz at M = 32: 192 programs on 132 SMs, 16 K steps each; 0.66 TB/s, session 28),
+    at the cost of the partials' bytes through L2. 1: off, until the device measures it (variants
+    "nvfp4-dot-split-k-2", "nvfp4-dot-split-k-4"; bench/kernels_nvfp4.py --sweep --decode-m 32,64)."""
 
     small_m_whole_k: bool = True
     dot_halves: bool = True
     lanes_ptx: bool = True
     half_sums: bool = False
+    dot_split_k: int = 1
 
 
 @dataclass(frozen=True)
@@ -336,6 +343,8 @@ VARIANTS: dict[str, dict[str, object]] = {
     "nvfp4-tile-small-m": {"nvfp4.small_m_whole_k": False},  # bench/decode.py --no-small-m-gemv
     "nvfp4-lanes-triton": {"nvfp4.lanes_ptx": False},  # bench/decode.py --no-lanes-ptx, bench/moe_decode.py
     "nvfp4-half-sums": {"nvfp4.half_sums": True},  # bench/decode.py --modes graphs:nvfp4-half-sums, moe_decode.py
+    "nvfp4-dot-split-k-2": {"nvfp4.dot_split_k": 2},  # bench/decode.py --modes overlap:nvfp4-dot-split-k-2 --batches 32,64
+    "nvfp4-dot-split-k-4": {"nvfp4.dot_split_k": 4},
     "nvfp4-dot-interleaved": {"nvfp4.dot_halves": False},  # bench/decode.py --no-dot-halves
     "moe-bytes": {"moe.grouped_words": False},  # bench/moe_prefill.py, bench/prefill.py
     "attention-prefill-reference": {"prefill_attention.triton_on_cuda": False},  # bench/prefill.py --modes

@@ -177,18 +177,45 @@ def _halves_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, s
 
 
 @triton.jit
+def _split_k_ticket(acc, p_part, p_count, p_s2, p_y, o_m, o_n, m_m, m_n, i_tile, M, N, stride_ym,
+                    SPLIT_K: tl.constexpr):
+    """The end of a split-K program (`_nvfp4_dot_kernel`, SPLIT_K > 1): its fp32 partial acc
+    [BLOCK_M, BLOCK_N] (unscaled) goes to p_part[split, m, n] ([SPLIT_K, M, N] fp32); then a ticket on
+    the tile's counter p_count[i_tile] (int32, zero before the launch); the tile's last program sums the
+    SPLIT_K partials in split order (the same sum whichever program comes last: deterministic), scales,
+    stores y and sets the counter back to zero for the next launch or graph replay."""
+    i_s = tl.program_id(1)
+    o_mn = o_m[:, None] * N + o_n[None, :]
+    m_mn = m_m[:, None] & m_n[None, :]
+    tl.store(p_part + i_s * M * N + o_mn, acc, mask=m_mn)
+    tl.debug_barrier()  # every thread's stores of the program before its ticket
+    done = tl.atomic_add(p_count + i_tile, 1, sem="acq_rel", scope="gpu")
+    if done == SPLIT_K - 1:
+        total = tl.load(p_part + o_mn, mask=m_mn, other=0.0, cache_modifier=".cg")
+        for s in range(1, SPLIT_K):
+            total += tl.load(p_part + s * M * N + o_mn, mask=m_mn, other=0.0, cache_modifier=".cg")
+        b_y = total * tl.load(p_s2)
+        tl.store(p_y + o_m[:, None] * stride_ym + o_n[None, :], b_y.to(p_y.dtype.element_ty), mask=m_mn)
+        tl.atomic_xchg(p_count + i_tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _nvfp4_dot_kernel(
     p_x, p_w, p_s, p_s2, p_y,
     M, N, K,
     stride_xm, stride_wn, stride_sn, stride_ym,
+    p_part, p_count, K_SPLIT,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, SWAP_AB: tl.constexpr = False, EVEN_K: tl.constexpr = False,
     HALVES: tl.constexpr = False, ASM: tl.constexpr = False, PDL: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1,
 ):
     pdl_wait(PDL)  # (`ft.kernels.pdl`: before any load; the K loop streams weights and x together)
     pdl_release(PDL)
     # EVEN_K: K % BLOCK_K == 0, no mask along K (the loads vectorize; `dequant_tile`'s EVEN)
     # HALVES (with EVEN_K, bf16/fp16 x whose rows start on 4-byte boundaries, not SWAP_AB): `_halves_step`
+    # SPLIT_K > 1 (grid axis 1): program (tile, s) sums K in [s * K_SPLIT, (s + 1) * K_SPLIT) (K_SPLIT a
+    # multiple of BLOCK_K) and `_split_k_ticket` ends it; p_part / p_count unused at 1
     i_pid = tl.program_id(0)
     n_m = tl.cdiv(M, BLOCK_M)
     n_n = tl.cdiv(N, BLOCK_N)
@@ -206,18 +233,28 @@ def _nvfp4_dot_kernel(
     # SWAP_AB: y^T = W x^T, the weight tile as the MMA's left operand (from registers on Hopper,
     # no shared-memory round trip for the dequantized tile; x^T may be as narrow as 16 columns).
     acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    k_len = K
+    if SPLIT_K > 1:  # this split's K as a K of its own: the pointers moved to its start, the loop from 0
+        k_lo = tl.multiple_of(tl.program_id(1) * K_SPLIT, BLOCK_K)  # (said so, the loads stay vectorized)
+        k_len = tl.minimum(K - k_lo, K_SPLIT)
+        p_x += k_lo
+        p_w += tl.multiple_of(k_lo // 2, BLOCK_K // 2)
+        p_s += tl.multiple_of(k_lo // 16, BLOCK_K // 16)
+    for k in range(0, k_len, BLOCK_K):
         if HALVES:
             acc = _halves_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, stride_sn, k, BLOCK_K,
                                PRECISION, ASM)
         else:
-            acc = _interleaved_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, stride_sn, k, K,
-                                    BLOCK_N, BLOCK_K, PRECISION, SWAP_AB, EVEN_K)
+            acc = _interleaved_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, stride_sn, k,
+                                    k_len, BLOCK_N, BLOCK_K, PRECISION, SWAP_AB, EVEN_K)
     if SWAP_AB:
         acc = tl.trans(acc)
-    b_y = acc * tl.load(p_s2)
-    p_yt = p_y + o_m[:, None] * stride_ym + o_n[None, :]
-    tl.store(p_yt, b_y.to(p_y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+    if SPLIT_K > 1:
+        _split_k_ticket(acc, p_part, p_count, p_s2, p_y, o_m, o_n, m_m, m_n, i_pid, M, N, stride_ym, SPLIT_K)
+    else:
+        b_y = acc * tl.load(p_s2)
+        p_yt = p_y + o_m[:, None] * stride_ym + o_n[None, :]
+        tl.store(p_yt, b_y.to(p_y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
 def _path(m: int, n: int, k: int) -> str:
@@ -297,14 +334,35 @@ def _dot_config(m: int, n: int, k: int) -> dict:
 def dot_launch_config(x: torch.Tensor, packed: torch.Tensor, config: dict | None = None) -> dict:
     """`_nvfp4_dot_kernel`'s constexprs and launch options for x [M, K] and packed [N, K/2]: `config`
     (whole, benchmarks and tests) or `_dot_config`'s, with what the tensors allow: EVEN_K, HALVES (`Nvfp4Options.dot_halves` at M <= 64, fp16/bf16 x, whole 64-column tiles, x rows on 4-byte
-    boundaries) and ASM (the halves' inline PTX, off in the interpreter or by config)."""
+    boundaries), ASM (the halves' inline PTX, off in the interpreter or by config) and SPLIT_K (the
+    config's, or `Nvfp4Options.dot_split_k` at 16 < M <= 64; made a count whose splits all hold K steps)."""
     (m, k), n = x.shape, packed.shape[0]
     cfg = dict(config or _dot_config(m, n, k))
+    want = cfg.get("SPLIT_K", kernel_options().nvfp4.dot_split_k if 16 < m <= 64 else 1)
+    steps = triton.cdiv(k, cfg["BLOCK_K"])
+    per_split = triton.cdiv(steps, max(1, min(want, steps)))
+    cfg["SPLIT_K"] = triton.cdiv(steps, per_split)  # no empty split: each holds per_split steps but the last
     cfg["EVEN_K"] = k % cfg["BLOCK_K"] == 0
     cfg["HALVES"] = bool(cfg.get("HALVES", kernel_options().nvfp4.dot_halves and m <= 64)) and cfg["EVEN_K"] and x.dtype != torch.float32 \
         and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and cfg["BLOCK_K"] % 64 == 0 and not cfg.get("SWAP_AB")
     cfg["ASM"] = cfg["HALVES"] and bool(cfg.get("ASM", True)) and inline_ptx(x.device)
     return cfg
+
+
+_SPLIT_K_COUNTERS: dict[torch.device, torch.Tensor] = {}
+"""Per device: the split-K tickets' int32 counters, one a tile, zero between launches (each launch's last
+program of a tile sets its counter back). One set serves every launch: the launches of a device's
+linears run one after another on its stream (a PDL launch's programs wait for the one before first)."""
+
+
+def split_k_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """At least `tiles` zero int32 counters on `device` for `_nvfp4_dot_kernel`'s SPLIT_K tickets (made
+    once per device, at least 4,096, and larger when a launch needs more: made in a CUDA graph's capture,
+    the zeroing is recorded into it as well, which a replay repeats harmlessly)."""
+    have = _SPLIT_K_COUNTERS.get(device)
+    if have is None or have.numel() < tiles:
+        have = _SPLIT_K_COUNTERS[device] = torch.zeros(max(4096, tiles), dtype=torch.int32, device=device)
+    return have
 
 
 def as_words(packed: torch.Tensor) -> torch.Tensor:
@@ -368,10 +426,16 @@ def nvfp4_linear_triton(
             **pdl_args(x.device))
     elif path == "dot":
         cfg = dot_launch_config(x, packed, config)
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+        tiles, splits = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"]
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
-        _nvfp4_dot_kernel[grid](x, packed, scale_u8, s2, y, m, n, k, x.stride(0), packed.stride(0), scale_u8.stride(0),
-                                y.stride(0), PRECISION=precision, **cfg, **pdl_args(x.device))
+        part, count, k_split = y, s2, k  # (unread at SPLIT_K 1)
+        if splits > 1:
+            part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+            count = split_k_counters(x.device, tiles)
+            k_split = triton.cdiv(triton.cdiv(k, cfg["BLOCK_K"]), splits) * cfg["BLOCK_K"]
+        _nvfp4_dot_kernel[(tiles, splits)](
+            x, packed, scale_u8, s2, y, m, n, k, x.stride(0), packed.stride(0), scale_u8.stride(0), y.stride(0),
+            part, count, k_split, PRECISION=precision, **cfg, **pdl_args(x.device))
     else:
         raise ValueError(f"path must be 'gemv' or 'dot', got {path!r}")
     return y
