@@ -138,8 +138,8 @@ def _loan_lines(engine) -> list[str]:
         return []
     now = "lent now" if cache.lent else "not lent now"
     return [f"  prefill reserve: {format_bytes(cache.loan_bytes)} of it lent to expert slots while steps need at most "
-            f"{engine.loan_keep_tokens} tokens ({now}); a longer step recalls what it needs first "
-            f"(--no-lend-prefill-reserve: never lent)"]
+            f"{engine.loan_keep_tokens} tokens ({now}); a longer step recalls what it needs first, lent again "
+            f"{engine.loan.hold_s:g} s after the last (--loan-hold-s; --no-lend-prefill-reserve: never lent)"]
 
 
 def _mamba_demand_lines(engine, state_bytes: int) -> list[str]:

@@ -131,6 +131,7 @@ def test_the_loan_is_shown_and_refused_where_it_cannot_apply():
     llm = make(lend_prefill_reserve=True)
     banner = describe(llm.engine, "http://x")
     assert "prefill reserve:" in banner and "lent now" in banner and "--no-lend-prefill-reserve" in banner
+    assert "lent again 2 s after the last (--loan-hold-s;" in banner
     assert "prefill reserve:" not in describe(make().engine, "http://x")
     # the admin API's cache state, `ft ctl cache`, `ft top`'s pools, and the history entries' trigger
     from ft.ctl.format import format_cache
