@@ -349,20 +349,22 @@ def dot_launch_config(x: torch.Tensor, packed: torch.Tensor, config: dict | None
     return cfg
 
 
-_SPLIT_K_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_SPLIT_K_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 """Per device: the split-K tickets' int32 counters, one a tile, zero between launches (each launch's last
-program of a tile sets its counter back). One set serves every launch: the launches of a device's
-linears run one after another on its stream (a PDL launch's programs wait for the one before first)."""
+program of a tile sets its counter back). The last set serves every new launch: the launches of a
+device's linears run one after another on its stream (a PDL launch's programs wait for the one before
+first). A larger set, when a launch needs one, is added, and the earlier ones are kept: CUDA graphs
+captured before hold their addresses."""
 
 
 def split_k_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """At least `tiles` zero int32 counters on `device` for `_nvfp4_dot_kernel`'s SPLIT_K tickets (made
-    once per device, at least 4,096, and larger when a launch needs more: made in a CUDA graph's capture,
-    the zeroing is recorded into it as well, which a replay repeats harmlessly)."""
-    have = _SPLIT_K_COUNTERS.get(device)
-    if have is None or have.numel() < tiles:
-        have = _SPLIT_K_COUNTERS[device] = torch.zeros(max(4096, tiles), dtype=torch.int32, device=device)
-    return have
+    """At least `tiles` zero int32 counters on `device` for `_nvfp4_dot_kernel`'s SPLIT_K tickets (at least
+    4,096 a set; made in a CUDA graph's capture, the zeroing is recorded into it as well, which a replay
+    repeats harmlessly)."""
+    sets = _SPLIT_K_COUNTERS.setdefault(device, [])
+    if not sets or sets[-1].numel() < tiles:
+        sets.append(torch.zeros(max(4096, tiles), dtype=torch.int32, device=device))
+    return sets[-1]
 
 
 def as_words(packed: torch.Tensor) -> torch.Tensor:
