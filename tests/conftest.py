@@ -58,8 +58,15 @@ def _launch_patches_the_language_once() -> None:
     interpreter._patch_lang = patch_lang_unless_patched
 
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _launch_patches_the_language_once()
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """The interpreter's patch (above) once every conftest has configured: not at import, because
+    importing triton here, with TRITON_INTERPRET=1 still set, made its language's JIT functions
+    interpreted ones, and tests/gpu (which clears the variable in its own pytest_configure when it runs
+    alone) then failed at every launch (triton's gluon asserts a JITFunction: session 44, all 42 GPU
+    tests of that run)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _launch_patches_the_language_once()
 
 
 def triton_required() -> bool:

@@ -46,6 +46,8 @@ class Nvfp4Options:
     bench/RESULTS.md session 42), for bf16 / fp16 models; x rounded to fp16 (a bf16 x's products exact), a
     block's sums rounded in fp16 (~2**-11 of it), an x row with |x| >= 32,768 scaled by a power of two and
     back (one reduction a program). Off until the device measures it (variant "nvfp4-half-sums").
+    half_sums reads for the decode MoE's kernels, half_sums_gemv for the M = 1 GEMV (variants
+    "nvfp4-half-sums-moe" / "nvfp4-half-sums-gemv": each alone; "nvfp4-half-sums" both).
     (The K loop at M = 1 where K / 8 is the sum of two powers of two lost to two whole-K tiles: session 40,
     H200, Flash-Next's step at batch 1, GPU busy 4.83 -> 4.59 ms; its option `gemv_two_tiles` deleted, the
     two tiles always taken there; RESULTS.md sessions 39-40.)
@@ -60,6 +62,7 @@ class Nvfp4Options:
     dot_halves: bool = True
     lanes_ptx: bool = True
     half_sums: bool = False
+    half_sums_gemv: bool = False
     dot_split_k: int = 1
 
 
@@ -342,7 +345,9 @@ DEFAULTS = KernelOptions()
 VARIANTS: dict[str, dict[str, object]] = {
     "nvfp4-tile-small-m": {"nvfp4.small_m_whole_k": False},  # bench/decode.py --no-small-m-gemv
     "nvfp4-lanes-triton": {"nvfp4.lanes_ptx": False},  # bench/decode.py --no-lanes-ptx, bench/moe_decode.py
-    "nvfp4-half-sums": {"nvfp4.half_sums": True},  # bench/decode.py --modes graphs:nvfp4-half-sums, moe_decode.py
+    "nvfp4-half-sums": {"nvfp4.half_sums": True, "nvfp4.half_sums_gemv": True},  # bench/decode.py, moe_decode.py
+    "nvfp4-half-sums-moe": {"nvfp4.half_sums": True},
+    "nvfp4-half-sums-gemv": {"nvfp4.half_sums_gemv": True},
     "nvfp4-dot-split-k-2": {"nvfp4.dot_split_k": 2},  # bench/decode.py --modes overlap:nvfp4-dot-split-k-2 --batches 32,64
     "nvfp4-dot-split-k-4": {"nvfp4.dot_split_k": 4},
     "nvfp4-dot-interleaved": {"nvfp4.dot_halves": False},  # bench/decode.py --no-dot-halves

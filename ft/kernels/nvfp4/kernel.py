@@ -81,7 +81,7 @@ def _nvfp4_gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, WHOLE_K: tl.constexpr = 0,
     ASM: tl.constexpr = False, PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0, HALF: tl.constexpr = False,
 ):
-    # HALF (M = 1): each block's products summed in fp16 (`rows.dot_words_half`, `Nvfp4Options.half_sums`).
+    # HALF (M = 1): each block's products summed in fp16 (`rows.dot_words_half`, `Nvfp4Options.half_sums_gemv`).
     # PDL (`ft.kernels.pdl`): the whole-K tile's weights are loaded before the wait (no kernel of
     # the step writes them), x after it; the K loop waits first
     i_n = tl.program_id(0)
@@ -420,7 +420,7 @@ def nvfp4_linear_triton(
         if cfg["WHOLE_K"] == 0 and cfg["BLOCK_W"] < 2:
             raise ValueError(f"a whole-K config for K {k} at M {m}, which neither one nor two whole-K tiles take")
         cfg["ASM"] = bool(cfg.get("ASM", kernel_options().nvfp4.lanes_ptx)) and cfg["WHOLE_K"] > 0 and inline_ptx(x.device)
-        cfg["HALF"] = bool(cfg.get("HALF", kernel_options().nvfp4.half_sums)) and half_sums_take(x) and \
+        cfg["HALF"] = bool(cfg.get("HALF", kernel_options().nvfp4.half_sums_gemv)) and half_sums_take(x) and \
             cfg["WHOLE_K"] > 0 and cfg["BLOCK_M"] == 1
         words = as_words(packed)
         _nvfp4_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
