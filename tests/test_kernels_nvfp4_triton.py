@@ -268,7 +268,7 @@ def test_split_k_is_the_options_at_mid_m_only():
     from ft.kernels.nvfp4.kernel import dot_launch_config
     from ft.kernels.options import use_kernel_options, variant
 
-    packed = torch.zeros(64, 1024, dtype=torch.uint8)
+    packed = torch.zeros(8192, 1024, dtype=torch.uint8)
     with use_kernel_options(variant("nvfp4-dot-split-k-4")):
         assert [dot_launch_config(torch.zeros(m, 2048, dtype=torch.bfloat16), packed)["SPLIT_K"]
                 for m in (8, 16, 17, 64, 65)] == [1, 1, 4, 4, 1]
@@ -287,6 +287,25 @@ def test_dot_config_narrows_the_mid_m_tile_when_it_would_launch_too_few_programs
     assert tile(32, 12288) == (32, 64, 128) and tile(64, 12288) == (64, 32, 256)
     assert tile(32, 2048) == (16, 32, 256) and tile(64, 2048) == (64, 16, 256)
     assert tile(32, 64 * MID_M_MIN_PROGRAMS) == (32, 64, 128) and tile(32, 64 * MID_M_MIN_PROGRAMS - 64) == (16, 32, 256)
+    assert all(_dot_config(m, n, 2048)["SPLIT_K"] == 1 for m in (17, 32, 64) for n in (2048, 12288))
+
+
+def test_a_long_k_on_too_few_tiles_splits_k_instead_of_narrowing():
+    """out_proj (2,048 x 4,096): the wide tile with K over `dot_split_k_few_tiles` programs (4); the variant
+    "nvfp4-dot-no-split-k" puts the narrow tile back; wide grids and M <= 16 never split."""
+    from ft.kernels.nvfp4.kernel import SPLIT_K_MIN_K, _dot_config
+    from ft.kernels.options import use_kernel_options, variant
+
+    def tile(m, n, k):
+        c = _dot_config(m, n, k)
+        return c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c.get("SPLIT_K", 1)
+
+    assert tile(32, 2048, SPLIT_K_MIN_K) == (32, 64, 128, 4) and tile(64, 2048, 4096) == (64, 32, 256, 4)
+    assert tile(32, 12288, 4096) == (32, 64, 128, 1) and tile(8, 2048, 4096)[3] == 1
+    with use_kernel_options(variant("nvfp4-dot-no-split-k")):
+        assert tile(32, 2048, 4096) == (16, 32, 256, 1) and tile(64, 2048, 4096) == (64, 16, 256, 1)
+    with use_kernel_options(variant("nvfp4-dot-split-k-2")):
+        assert tile(32, 12288, 2048)[3] == 2 and tile(32, 2048, 4096)[3] == 4
 
 
 def test_dot_launch_config_takes_the_halves_where_it_can():

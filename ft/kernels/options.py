@@ -39,15 +39,21 @@ class Nvfp4Options:
     lanes_ptx: the whole-K tiles (the M <= 8 GEMV, the decode MoE kernels) decode a word's 8
     elements to fp32 in inline PTX on a CUDA device (the same values as the Triton form, fewer
     instructions); off: the Triton form.
-    half_sums: the whole-K tiles at one x row (the M = 1 GEMV, the decode MoE's per-pair kernels)
+    The fp16 block sums: the whole-K tiles at one x row (the M = 1 GEMV, the decode MoE's per-pair kernels)
     sum each block's 16 products in an fp16 pair (`rows.dot_words_half`: four `fma.rn.f16x2` a word
     of 8 elements where the fp32 form converts and multiplies each element; sm_90 SASS of the gate/up
     kernel, one token at the 80B's shape: 728 -> 640 instructions, 78 -> 55 registers; the others in
     bench/RESULTS.md session 42), for bf16 / fp16 models; x rounded to fp16 (a bf16 x's products exact), a
     block's sums rounded in fp16 (~2**-11 of it), an x row with |x| >= 32,768 scaled by a power of two and
-    back (one reduction a program). Off until the device measures it (variant "nvfp4-half-sums").
-    half_sums reads for the decode MoE's kernels, half_sums_gemv for the M = 1 GEMV (variants
-    "nvfp4-half-sums-moe" / "nvfp4-half-sums-gemv": each alone; "nvfp4-half-sums" both).
+    back (one reduction a program). half_sums: the decode MoE's kernels at two tokens or more, **on** (H200,
+    session 44, `bench/decode.py --replay-span 50`, MoE and GEMV together against the defaults then: the 80B's
+    step at batch 8 / 32 / 64 6.13 -> 5.52, 15.25 -> 13.05, 26.59 -> 22.75 ms, +11% / +17% / +17% tok/s, two
+    rounds alike; Flash-Next's (48 layers) at batch 8 11.59 -> 10.62 ms, +9%; the block alone 1.16-1.17x at
+    batch 8-64, error against the reference 1.6e-3, `bench/moe_decode.py`); half_sums_one_token: the same at
+    one token, half_sums_gemv: the M = 1 GEMV, both **off**: together at batch 1 the 80B gained 0.6%
+    (2.717 -> 2.690 ms) and Flash-Next lost 2.2% (3.955 -> 4.041 ms), which of the two lost is not yet
+    measured (variants "nvfp4-half-sums-one-token", "nvfp4-half-sums-gemv"; "nvfp4-half-sums" all three,
+    "nvfp4-no-half-sums" none).
     (The K loop at M = 1 where K / 8 is the sum of two powers of two lost to two whole-K tiles: session 40,
     H200, Flash-Next's step at batch 1, GPU busy 4.83 -> 4.59 ms; its option `gemv_two_tiles` deleted, the
     two tiles always taken there; RESULTS.md sessions 39-40.)
@@ -55,15 +61,22 @@ class Nvfp4Options:
     many programs a tile, fp32 partials to a workspace and the tile's last program (an atomic ticket) sums
     them in split order and stores y (`kernel._split_k_ticket`): more programs where the tile grid is one
     thin wave (in_proj_qkvz at M = 32: 192 programs on 132 SMs, 16 K steps each; 0.66 TB/s, session 28),
-    at the cost of the partials' bytes through L2. 1: off, until the device measures it (variants
-    "nvfp4-dot-split-k-2", "nvfp4-dot-split-k-4"; bench/kernels_nvfp4.py --sweep --decode-m 32,64)."""
+    at the cost of the partials' bytes through L2. 1 (off) on every mid-M shape: in the 80B's step (H200,
+    session 44, `bench/decode.py --replay-span 50`) 2 splits everywhere took batch 32 15.25 -> 15.07 ms and
+    batch 64 26.59 -> 26.60, 4 splits 15.16 / 27.08 (variants "nvfp4-dot-split-k-2", "nvfp4-dot-split-k-4").
+    dot_split_k_few_tiles: the splits where the mid-M tile grid has too few programs and K is long
+    (`kernel.MID_M_MIN_PROGRAMS`, `SPLIT_K_MIN_K`: out_proj / o_proj), instead of the narrower tile: 4, from the
+    kernel sweep (12.46 -> 9.84 us at M = 32, 17.23 -> 11.50 at 64, `bench/kernels_nvfp4.py --sweep --decode-m
+    32,64`); 1: the narrow tile (variant "nvfp4-dot-no-split-k")."""
 
     small_m_whole_k: bool = True
     dot_halves: bool = True
     lanes_ptx: bool = True
-    half_sums: bool = False
+    half_sums: bool = True
+    half_sums_one_token: bool = False
     half_sums_gemv: bool = False
     dot_split_k: int = 1
+    dot_split_k_few_tiles: int = 4
 
 
 @dataclass(frozen=True)
@@ -345,11 +358,13 @@ DEFAULTS = KernelOptions()
 VARIANTS: dict[str, dict[str, object]] = {
     "nvfp4-tile-small-m": {"nvfp4.small_m_whole_k": False},  # bench/decode.py --no-small-m-gemv
     "nvfp4-lanes-triton": {"nvfp4.lanes_ptx": False},  # bench/decode.py --no-lanes-ptx, bench/moe_decode.py
-    "nvfp4-half-sums": {"nvfp4.half_sums": True, "nvfp4.half_sums_gemv": True},  # bench/decode.py, moe_decode.py
-    "nvfp4-half-sums-moe": {"nvfp4.half_sums": True},
+    "nvfp4-half-sums": {"nvfp4.half_sums_one_token": True, "nvfp4.half_sums_gemv": True},  # and half_sums (on)
+    "nvfp4-half-sums-one-token": {"nvfp4.half_sums_one_token": True},
     "nvfp4-half-sums-gemv": {"nvfp4.half_sums_gemv": True},
+    "nvfp4-no-half-sums": {"nvfp4.half_sums": False},  # the fp32 sums everywhere, as before session 44
     "nvfp4-dot-split-k-2": {"nvfp4.dot_split_k": 2},  # bench/decode.py --modes overlap:nvfp4-dot-split-k-2 --batches 32,64
     "nvfp4-dot-split-k-4": {"nvfp4.dot_split_k": 4},
+    "nvfp4-dot-no-split-k": {"nvfp4.dot_split_k_few_tiles": 1},  # the narrow tile on out_proj-like shapes
     "nvfp4-dot-interleaved": {"nvfp4.dot_halves": False},  # bench/decode.py --no-dot-halves
     "moe-bytes": {"moe.grouped_words": False},  # bench/moe_prefill.py, bench/prefill.py
     "attention-prefill-reference": {"prefill_attention.triton_on_cuda": False},  # bench/prefill.py --modes

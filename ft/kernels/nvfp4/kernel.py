@@ -309,7 +309,10 @@ def _gemv_config(m: int, n: int, k: int) -> dict:
 
 MID_M_MIN_PROGRAMS = 128
 """At 16 < M <= 64, a `_dot_config` tile that would launch fewer programs than this (the H200 has 132
-SMs) gives way to a narrower one."""
+SMs) gives way to a narrower one, or with K >= `SPLIT_K_MIN_K` splits K (`Nvfp4Options.dot_split_k_few_tiles`)."""
+SPLIT_K_MIN_K = 4096
+"""K from which a mid-M tile grid of too few programs splits K instead of narrowing the tile: the shapes
+where the split was measured (out_proj / o_proj, 2,048 x 4,096; session 44)."""
 
 
 def _dot_config(m: int, n: int, k: int) -> dict:
@@ -323,11 +326,19 @@ def _dot_config(m: int, n: int, k: int) -> dict:
     # 16 x 32 x 256 / 64 x 16 x 256 won (12.4 against 40.2 us at M = 32, 17.1 against 41.2 at 64).
     if m <= 16:
         return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}
+    # Session 44 (the sweep with K split over programs): out_proj 2,048 x 4,096 at M = 32 12.46 us (the narrow
+    # tile) against 9.84 with the wide tile's K over 4 programs, at M = 64 17.23 against 11.50; where the wide
+    # tile fills the GPU, splitting lost or tied (attn_q 8,192 x 2,048: 13.45 -> 13.74 / 14.83 at M = 32; in_proj_qkvz
+    # at M = 64: 24.21 -> 28.96 / 36.52) but for in_proj_qkvz at M = 32 (21.45 -> 18.26 in 2), left alone here.
     if m <= 64:
         block_m, block_n, block_k = (32, 64, 128) if m <= 32 else (64, 32, 256)
+        split = 1
         if triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < MID_M_MIN_PROGRAMS:
-            block_m, block_n, block_k = (16, 32, 256) if m <= 32 else (64, 16, 256)
-        return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}
+            split = kernel_options().nvfp4.dot_split_k_few_tiles if k >= SPLIT_K_MIN_K else 1
+            if split <= 1:
+                block_m, block_n, block_k = (16, 32, 256) if m <= 32 else (64, 16, 256)
+        return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 1, "num_warps": 4,
+                "num_stages": 3, "SPLIT_K": max(split, kernel_options().nvfp4.dot_split_k)}
     return {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "SWAP_AB": True}
 
 
@@ -335,10 +346,10 @@ def dot_launch_config(x: torch.Tensor, packed: torch.Tensor, config: dict | None
     """`_nvfp4_dot_kernel`'s constexprs and launch options for x [M, K] and packed [N, K/2]: `config`
     (whole, benchmarks and tests) or `_dot_config`'s, with what the tensors allow: EVEN_K, HALVES (`Nvfp4Options.dot_halves` at M <= 64, fp16/bf16 x, whole 64-column tiles, x rows on 4-byte
     boundaries), ASM (the halves' inline PTX, off in the interpreter or by config) and SPLIT_K (the
-    config's, or `Nvfp4Options.dot_split_k` at 16 < M <= 64; made a count whose splits all hold K steps)."""
+    config's, 1 if it names none; made a count whose splits all hold K steps)."""
     (m, k), n = x.shape, packed.shape[0]
     cfg = dict(config or _dot_config(m, n, k))
-    want = cfg.get("SPLIT_K", kernel_options().nvfp4.dot_split_k if 16 < m <= 64 else 1)
+    want = cfg.get("SPLIT_K", 1)  # (`_dot_config`'s, from the options at 16 < M <= 64)
     steps = triton.cdiv(k, cfg["BLOCK_K"])
     per_split = triton.cdiv(steps, max(1, min(want, steps)))
     cfg["SPLIT_K"] = triton.cdiv(steps, per_split)  # no empty split: each holds per_split steps but the last
