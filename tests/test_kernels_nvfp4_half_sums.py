@@ -92,3 +92,33 @@ def test_moe_decode_half_sums_match_ref(monkeypatch):
     assert gate_up[-1]["HALF"] is True
     ref = moe_decode_ref(x, slots, weights, w, shared)
     assert _rel(y, ref) < {torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype]
+
+
+def test_the_defaults_sum_in_fp16_in_the_decode_moe_from_two_tokens_only(monkeypatch):
+    """Which launches take the fp16 sums by default (session 44's measurements): the decode MoE from two
+    tokens (`half_sums`), not at one (`half_sums_one_token`) nor in the M = 1 GEMV (`half_sums_gemv`); each
+    variant turns its own part on or off."""
+    import ft.kernels.moe.decode_kernel as details
+    import ft.kernels.nvfp4.kernel as nv
+    from test_kernels_moe_triton import _routing, _slot_pool
+
+    gate_up = spy_launches(monkeypatch, details, "_moe_decode_gate_up_kernel")
+    gemv = spy_launches(monkeypatch, nv, "_nvfp4_gemv_kernel")
+    gen = torch.Generator().manual_seed(9)
+    w = _slot_pool(4, 80, 48, gen)
+    packed, scale, scale_2 = quantize_nvfp4(torch.randn(16, 256, generator=gen))
+
+    def moe_half(tokens: int) -> bool:
+        slots, weights = _routing(tokens, 2, 4, 0.0, gen)
+        moe_decode_triton(torch.randn(tokens, 80, generator=gen).bfloat16(), slots, weights.bfloat16(), w)
+        return gate_up[-1]["HALF"]
+
+    def gemv_half() -> bool:
+        nvfp4_linear_triton(torch.randn(1, 256, generator=gen).bfloat16(), packed, scale, scale_2, path="gemv")
+        return gemv[-1]["HALF"]
+
+    assert (moe_half(2), moe_half(1), gemv_half()) == (True, False, False)
+    with use_kernel_options(variant("nvfp4-half-sums-one-token", "nvfp4-half-sums-gemv")):
+        assert (moe_half(1), gemv_half()) == (True, True)
+    with use_kernel_options(variant("nvfp4-no-half-sums")):
+        assert moe_half(2) is False
