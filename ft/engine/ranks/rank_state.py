@@ -230,8 +230,8 @@ class RankState:
 
     def _stream_experts(self, config: EngineConfig, host_experts) -> int:
         """Staging slots of streamed prefill (a multiple of its pages, `prefill_stream_pages`; 0: off):
-        offload only, --prefill-stream-experts, by default a page of min(64, experts per layer) per page
-        (three, or one with --disable-moe-prefill-overlap) on CUDA and none on the CPU (its host store is
+        offload only, --prefill-stream-experts, by default min(64, experts per layer) slots a page (three
+        pages, or one with --disable-moe-prefill-overlap) on CUDA and none on the CPU (its host store is
         the device's memory: there is no bus to overlap)."""
         if config.moe_backend != "offload" or host_experts is None:
             return 0
