@@ -60,8 +60,8 @@ class Nvfp4Options:
     dot_split_k: the ``tl.dot`` tile at 16 < M <= 64 (the 80B's decode at batch 17-64) splits K over this
     many programs a tile, fp32 partials to a workspace and the tile's last program (an atomic ticket) sums
     them in split order and stores y (the split-K ticket in `ft.kernels.nvfp4.kernel`): more programs where
-    the tile grid is one thin wave (in_proj_qkvz at M = 32: 192 programs on 132 SMs, 16 K steps each; 0.66 TB/s, session 28),
-    at the cost of the partials' bytes through L2. 1 (off) on every mid-M shape: in the 80B's step (H200,
+    the tile grid is one thin wave (in_proj_qkvz at M = 32: 192 programs on 132 SMs, 16 K steps each;
+    0.66 TB/s, session 28), at the cost of the partials' bytes through L2. 1 (off) on every mid-M shape: in the 80B's step (H200,
     session 44, `bench/decode.py --replay-span 50`) 2 splits everywhere took batch 32 15.25 -> 15.07 ms and
     batch 64 26.59 -> 26.60, 4 splits 15.16 / 27.08 (variants "nvfp4-dot-split-k-2", "nvfp4-dot-split-k-4").
     dot_split_k_few_tiles: the splits where the mid-M tile grid has too few programs and K is long
