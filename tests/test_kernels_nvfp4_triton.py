@@ -261,7 +261,7 @@ def test_split_k_counters_grow_by_a_new_set_and_keep_the_old():
     first = nv.split_k_counters(dev, 1)
     bigger = nv.split_k_counters(dev, first.numel() + 1)
     assert bigger.numel() > first.numel() and nv.split_k_counters(dev, 1) is bigger
-    assert any(t is first for t in nv._SPLIT_K_COUNTERS[dev])
+    assert any(t is first for t in nv.split_k_counter_sets(dev))
 
 
 def test_split_k_is_the_options_at_mid_m_only():

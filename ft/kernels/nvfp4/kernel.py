@@ -378,6 +378,12 @@ def split_k_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return sets[-1]
 
 
+def split_k_counter_sets(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Every counter set `split_k_counters` has made on `device`, oldest first (each stays alive: graphs
+    captured with it hold its address)."""
+    return tuple(_SPLIT_K_COUNTERS.get(device, ()))
+
+
 def as_words(packed: torch.Tensor) -> torch.Tensor:
     """uint8 packed weights [..., K/2] -> the same bytes as int32 words [..., K/8] (a view when aligned)."""
     if packed.stride(-1) != 1 or packed.storage_offset() % 4 or any(s % 4 for s in packed.stride()[:-1]):
