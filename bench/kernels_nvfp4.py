@@ -183,7 +183,8 @@ def decode_rows(args, base, say, failures):
                 elif m > 16:
                     cands = [("dot", c) for c in DOT_MID_SWEEP]
                 else:
-                    cands = [("dot", c) for c in DOT_SMALL_SWEEP[:1]] + [("gemv", c) for c in GEMV_M8_SWEEP]
+                    cands = [("dot", c) for c in DOT_SMALL_SWEEP[:1]] + [("gemv", c) for c in GEMV_M8_SWEEP] \
+                        + [("dot", dict(DOT_SMALL_SWEEP[0], SPLIT_K=sk)) for sk in (2, 4, 8)]
                 for path, cfg in cands:
                     try:
                         err = s.check(nvfp4_linear_triton, path=path, config=cfg)

@@ -223,7 +223,7 @@ def test_mid_m_tiles_match_ref(m, tile):
         assert _rel_rms(y, ref) < TOL[torch.float16], (tile, halves)
 
 
-@pytest.mark.parametrize("m, splits", [(24, 2), (40, 4)], ids=["M24-split2", "M40-split4"])
+@pytest.mark.parametrize("m, splits", [(24, 2), (40, 4), (8, 4)], ids=["M24-split2", "M40-split4", "M8-split4"])
 def test_split_k_sums_the_splits_partials_in_order(m, splits):
     """`Nvfp4Options.dot_split_k`: K split over programs (5 K steps of 128: 3 + 2, or 2 + 2 + 1 when 4 are
     asked for), the tile's last program summing the fp32 partials in split order. fp32 x: bit for bit the
@@ -235,7 +235,8 @@ def test_split_k_sums_the_splits_partials_in_order(m, splits):
     k, bk = 640, 128
     packed, scale, scale_2 = _weight(72, k, gen)
     x = torch.randn(m, k, generator=gen)
-    cfg = {"BLOCK_M": 32 if m <= 32 else 64, "BLOCK_N": 32, "BLOCK_K": bk, "GROUP_M": 1, "SPLIT_K": splits}
+    cfg = {"BLOCK_M": 16 if m <= 16 else 32 if m <= 32 else 64, "BLOCK_N": 32, "BLOCK_K": bk, "GROUP_M": 1,
+           "SPLIT_K": splits}
     made = dot_launch_config(x, packed, cfg)["SPLIT_K"]
     assert made == (2 if splits == 2 else 3)
     y = nvfp4_linear_triton(x, packed, scale, scale_2, path="dot", config=cfg)
@@ -306,6 +307,26 @@ def test_a_long_k_on_too_few_tiles_splits_k_instead_of_narrowing():
         assert tile(32, 2048, 4096) == (16, 32, 256, 1) and tile(64, 2048, 4096) == (64, 16, 256, 1)
     with use_kernel_options(variant("nvfp4-dot-split-k-2")):
         assert tile(32, 12288, 2048)[3] == 2 and tile(32, 2048, 4096)[3] == 4
+
+
+def test_the_16_row_tile_splits_k_on_a_thin_grid_only_by_its_option():
+    """`Nvfp4Options.dot_split_k_small_m` (off by default): at M <= 16 the 16 x 32 tile splits K where its grid has
+    fewer than `MID_M_MIN_PROGRAMS` programs and K >= `SPLIT_K_MIN_K` (out_proj 2,048 x 4,096, Flash-Next's
+    2,560 x 6,144), never on a wide grid (in_proj_qkvz) or a short K."""
+    from ft.kernels.nvfp4.kernel import MID_M_MIN_PROGRAMS, SPLIT_K_MIN_K, _dot_config
+    from ft.kernels.options import use_kernel_options, variant
+
+    def split(m, n, k):
+        return _dot_config(m, n, k)["SPLIT_K"]
+
+    assert [split(8, 2048, 4096), split(8, 2560, 6144), split(16, 2560, 6144)] == [1, 1, 1]
+    for name, want in (("nvfp4-dot-split-k-small-m-2", 2), ("nvfp4-dot-split-k-small-m-4", 4)):
+        with use_kernel_options(variant(name)):
+            assert [split(m, n, k) for m, n, k in ((8, 2048, 4096), (3, 2560, 6144), (16, 2560, SPLIT_K_MIN_K))] \
+                == [want] * 3
+            assert split(8, 16384, 4096) == split(8, 2048, SPLIT_K_MIN_K - 256) == 1
+            assert split(8, 32 * MID_M_MIN_PROGRAMS, 4096) == 1 and split(8, 32 * MID_M_MIN_PROGRAMS - 32, 4096) == want
+            assert split(32, 12288, 2048) == 1  # (the mid-M rule is its own option)
 
 
 def test_dot_launch_config_takes_the_halves_where_it_can():

@@ -67,7 +67,12 @@ class Nvfp4Options:
     dot_split_k_few_tiles: the splits where the mid-M tile grid has too few programs and K is long
     (`kernel.MID_M_MIN_PROGRAMS`, `SPLIT_K_MIN_K`: out_proj / o_proj), instead of the narrower tile: 4, from the
     kernel sweep (12.46 -> 9.84 us at M = 32, 17.23 -> 11.50 at 64, `bench/kernels_nvfp4.py --sweep --decode-m
-    32,64`); 1: the narrow tile (variant "nvfp4-dot-no-split-k")."""
+    32,64`); 1: the narrow tile (variant "nvfp4-dot-no-split-k").
+    dot_split_k_small_m: the same rule for the 16-row tile (3 <= M <= 16 on the tile path: batch 3-16 decode):
+    where its grid has fewer than `kernel.MID_M_MIN_PROGRAMS` programs and K >= `SPLIT_K_MIN_K` (out_proj
+    2,048 x 4,096: 64 programs of 16 K steps; Flash-Next's out_proj / o_proj 2,560 x 6,144: 80 of 24), K over
+    this many programs. 1 (off) until measured in the step (variants "nvfp4-dot-split-k-small-m-2", "-4";
+    `bench/kernels_nvfp4.py --sweep --decode-m 8` has the kernel's figures)."""
 
     small_m_whole_k: bool = True
     dot_halves: bool = True
@@ -77,6 +82,7 @@ class Nvfp4Options:
     half_sums_gemv: bool = False
     dot_split_k: int = 1
     dot_split_k_few_tiles: int = 4
+    dot_split_k_small_m: int = 1
 
 
 @dataclass(frozen=True)
@@ -365,6 +371,8 @@ VARIANTS: dict[str, dict[str, object]] = {
     "nvfp4-dot-split-k-2": {"nvfp4.dot_split_k": 2},  # bench/decode.py --modes overlap:nvfp4-dot-split-k-2 --batches 32,64
     "nvfp4-dot-split-k-4": {"nvfp4.dot_split_k": 4},
     "nvfp4-dot-no-split-k": {"nvfp4.dot_split_k_few_tiles": 1},  # the narrow tile on out_proj-like shapes
+    "nvfp4-dot-split-k-small-m-2": {"nvfp4.dot_split_k_small_m": 2},  # --batches 8: out_proj-like shapes at M <= 16
+    "nvfp4-dot-split-k-small-m-4": {"nvfp4.dot_split_k_small_m": 4},
     "nvfp4-dot-interleaved": {"nvfp4.dot_halves": False},  # bench/decode.py --no-dot-halves
     "moe-bytes": {"moe.grouped_words": False},  # bench/moe_prefill.py, bench/prefill.py
     "attention-prefill-reference": {"prefill_attention.triton_on_cuda": False},  # bench/prefill.py --modes

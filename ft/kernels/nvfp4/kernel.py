@@ -325,7 +325,11 @@ def _dot_config(m: int, n: int, k: int) -> dict:
     # those launch fewer programs than the GPU has SMs (out_proj, 2,048 x 4,096: 32 programs) the narrower
     # 16 x 32 x 256 / 64 x 16 x 256 won (12.4 against 40.2 us at M = 32, 17.1 against 41.2 at 64).
     if m <= 16:
-        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}
+        split = 1  # (Nvfp4Options.dot_split_k_small_m: K split where the tile's grid is thin and K long)
+        if triton.cdiv(n, 32) < MID_M_MIN_PROGRAMS and k >= SPLIT_K_MIN_K:
+            split = kernel_options().nvfp4.dot_split_k_small_m
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 3,
+                "SPLIT_K": split}
     # Session 44 (the sweep with K split over programs): out_proj 2,048 x 4,096 at M = 32 12.46 us (the narrow
     # tile) against 9.84 with the wide tile's K over 4 programs, at M = 64 17.23 against 11.50; where the wide
     # tile fills the GPU, splitting lost or tied (attn_q 8,192 x 2,048: 13.45 -> 13.74 / 14.83 at M = 32; in_proj_qkvz
