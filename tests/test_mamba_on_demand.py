@@ -141,7 +141,6 @@ def test_mamba_on_demand_is_refused_where_it_cannot_trade():
 
 
 def test_with_the_loan_a_grow_recalls_it_and_it_goes_out_again_beside_the_grown_pool(monkeypatch):
-    from ft.engine.sched import loan as loan_module
     import ft.engine.ranks.rank_state as rank_state
 
     monkeypatch.setattr(rank_state, "LOAN_KEEP_TOKENS", 32)  # (the real one, 2,048, is past the demo's chunk)
@@ -154,7 +153,7 @@ def test_with_the_loan_a_grow_recalls_it_and_it_goes_out_again_beside_the_grown_
     assert run_all(llm, PROMPTS) == run_all(fixed, PROMPTS)
     g = e.cache.geometry
     assert g.mamba_slots == 4 and [h["trigger"] for h in e.cache.history[-2:]] == ["loan", "mamba"]
-    clock.t += loan_module.LEND_AFTER_S
+    clock.t += e.loan.hold_s
     assert run_all(llm, PROMPTS[:1]) == run_all(fixed, PROMPTS[:1])
     assert e.cache.lent and e.cache.geometry.mamba_slots == 4 and e.cache.geometry.moe_slots > g.moe_slots
     assert e.cache.layout.nbytes(e.cache.geometry) <= e.cache.budget.budget_bytes + e.loan_bytes
@@ -185,7 +184,6 @@ def test_the_pools_stay_within_the_budget_as_requests_come_and_go_with_the_ladde
     import random
 
     import ft.engine.ranks.rank_state as rank_state
-    from ft.engine.sched import loan as loan_module
 
     monkeypatch.setattr(rank_state, "LOAN_KEEP_TOKENS", 32)
     base = dict(cache_budget="24MiB", max_prefill_length=256, max_running_requests=4, prefix_states_on_host=True)
@@ -219,6 +217,6 @@ def test_the_pools_stay_within_the_budget_as_requests_come_and_go_with_the_ladde
             for a, b in zip(got, want):
                 if a is not aborted:
                     assert a.error is None and a.output_ids == b.output_ids, (wave, len(a.prompt_ids), a.error)
-        clock.t += max(mamba_demand.IDLE_S, loan_module.LEND_AFTER_S)
+        clock.t += max(mamba_demand.IDLE_S, e.loan.hold_s)
     triggers = {h["trigger"] for h in e.cache.history}
     assert {"mamba", "loan", "ladder"} <= triggers and e.mamba_demand.grows >= 1 and e.mamba_demand.shrinks >= 1

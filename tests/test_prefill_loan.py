@@ -11,7 +11,6 @@ import pytest
 
 import ft.engine.ranks.rank_state as rank_state
 from ft.engine import LLM
-from ft.engine.sched import loan as loan_module
 from ft.errors import ConfigError
 
 KEEP = 32
@@ -63,7 +62,7 @@ def test_lent_at_startup_recalled_by_a_long_step_and_lent_again():
     assert recall["trigger"] == "loan" and "256 tokens" in recall["reason"] and recall["to"]["moe"] == base.moe_slots
     greedy(llm, SHORT)  # too soon after the long step: not lent yet
     assert not e.cache.lent
-    clock.t += loan_module.LEND_AFTER_S
+    clock.t += e.loan.hold_s
     assert greedy(llm, SHORT) == greedy(plain, SHORT) and e.cache.lent and e.cache.geometry == g
 
 
@@ -97,7 +96,7 @@ def test_a_step_between_the_kept_and_the_whole_chunk_recalls_only_what_it_needs(
     assert e.cache.layout.nbytes(g) <= e.cache.budget.budget_bytes + keep
     assert e.cache.history[-1]["trigger"] == "loan" and "100 tokens" in e.cache.history[-1]["reason"]
     assert greedy(llm, LONG) == greedy(plain, LONG) and e.loan.recalls == 1  # what is left out stays out
-    clock.t += loan_module.LEND_AFTER_S
+    clock.t += e.loan.hold_s
     assert greedy(llm, SHORT) == greedy(plain, SHORT) and e.cache.lent == e.loan_bytes
     assert e.cache.geometry == lent_geometry
 
@@ -115,12 +114,12 @@ def test_a_resize_while_lent_starts_from_the_budget_alone():
     assert [h["trigger"] for h in e.cache.history[-2:]] == ["loan", "manual"]
     g = e.cache.geometry
     assert g.kv_tokens == kv and g.moe_slots < lent.moe_slots  # (the experts did not follow the freed KV)
-    e.loan.clock.t += loan_module.LEND_AFTER_S
+    e.loan.clock.t += e.loan.hold_s
     greedy(llm, SHORT)
     assert not e.cache.lent and e.cache.geometry == g  # not at the budget's fill: no loan
     fill = e.cache.moe_beside(kv)
     e.cache.rebuild(moe=fill)
-    e.loan.clock.t += loan_module.LEND_AFTER_S
+    e.loan.clock.t += e.loan.hold_s
     greedy(llm, SHORT)
     assert e.cache.lent and e.cache.geometry.moe_slots > fill
 
@@ -175,7 +174,7 @@ def test_a_failed_lend_or_recall_leaves_the_server_serving():
     assert e.loan.failed and e.cache.lent and e.cache.geometry == lent and e.cache.degraded is None
     assert e.cache.history[-1]["status"] == "rolled_back"
     e.cache.rebuilder.fault_at = None
-    clock.t += loan_module.LEND_AFTER_S
+    clock.t += e.loan.hold_s
     assert not e.loan.due()
     fresh = make(lend_prefill_reserve=True).engine
     fresh.cache.recall("test")
@@ -222,7 +221,7 @@ def test_a_ladder_move_while_lent_recalls_first_and_lends_again_at_the_new_rung(
     assert e.cache.geometry.kv_tokens == plain.engine.cache.geometry.kv_tokens > e.ladder.rungs[0]
     triggers = [h["trigger"] for h in e.cache.history]
     assert triggers[-2:] == ["loan", "ladder"] and not e.cache.lent  # recalled just before the move
-    clock.t += loan_module.LEND_AFTER_S
+    clock.t += e.loan.hold_s
     greedy(llm, SHORT, n=2)
     g = e.cache.geometry
     assert e.cache.lent and g.moe_slots == e.cache.moe_beside(g.kv_tokens, e.cache.loan_bytes)

@@ -8,7 +8,7 @@ grows the expert pool past the budget by `loan_bytes`), and a step that needs mo
 needs first (`CacheManager.recall`, sized by `RankState.loan_beside`: the chunk's reserve less that
 step's; the pool shrinks by that much, the forgotten experts are read from host memory again when next
 used). The whole loan goes out again once no long prompt is pending and none ran for the hold
-(`EngineConfig.loan_hold_s`, default `LEND_AFTER_S` seconds), so that a stream of long prompts does not
+(`EngineConfig.loan_hold_s`, 2 s by default), so that a stream of long prompts does not
 bounce it. The hold is a trade: the decode right after a long prompt runs on the smaller pool until it
 ends (issue 39's decode-after-8K row), while a shorter hold pays a lend and a recall (each a live rebuild,
 0.01-0.06 s) per long prompt of a stream; `bench/offload_prefill.py --loan-holds` measures both sides.
@@ -32,16 +32,11 @@ from ft.errors import RebuildFailed
 
 log = logging.getLogger("ft.engine")
 
-LEND_AFTER_S = 2.0
-"""The default hold: seconds without a step over `keep_tokens` (and with no long prompt pending) before the loan
-goes out again (`ReserveLoan.hold_s`)."""
-
-
 class ReserveLoan:
     """When the expert slots borrow the idle prefill reserve and when they give it back (the module docstring)."""
 
     def __init__(self, cache: CacheManager, scheduler: Scheduler, keep_tokens: int, beside: Callable[[int], int],
-                 clock: Callable[[], float] = time.monotonic, hold_s: float = LEND_AFTER_S) -> None:
+                 *, hold_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         """`beside(tokens)`: bytes of the loan that may stay out while a step of that many tokens runs
         (`RankState.loan_beside`: all of it up to keep_tokens, none at the whole chunk). `hold_s`: seconds
         after the last long step (or the last lend tried) before the loan goes out again; 0 lends at the
