@@ -127,8 +127,11 @@ def test_bad_engine_options(tiny_one):
         load(tiny_one[2], gpu_memory_limit="1MiB")
     with pytest.raises(ConfigError, match=r"cache pools need .* \(moe 4 slots .*kv 500032 tokens.*but the budget is"):
         load(tiny_one[2], num_tokens=500_000, moe_cache_size=4)
-    with pytest.raises(ConfigError, match=r"the expert cache gets 0 slots after KV \(500032 tokens\)"):
+    with pytest.raises(ConfigError, match=r"the expert cache gets 0 slots after KV \(500032 tokens, [0-9.]+ [KMG]iB\)"):
         load(tiny_one[2], num_tokens=500_000)
+    # the mamba slots (one per running request) can be what leaves no room: the message names their flags
+    with pytest.raises(ConfigError, match=r"mamba \(512 slots, [0-9.]+ [KMG]iB\).*--max-running-requests / --mamba-cache-size"):
+        load(tiny_one[2], num_tokens=64, mamba_cache_size=512, cache_budget="2MiB")
 
 
 def test_bad_sampling_extras_are_named(tiny_one):

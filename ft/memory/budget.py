@@ -160,10 +160,14 @@ def startup_geometry(
         moe = max(0, layout.largest("moe", lambda s: layout.nbytes(Geometry(s, kv, mamba_slots)) <= total,
                                     0, total_experts))
         if moe < expert_floor:
+            kv_bytes = layout.nbytes(Geometry(0, kv, 0)) - layout.nbytes(Geometry(0, 0, 0))
+            mamba_bytes = layout.nbytes(Geometry(0, 0, mamba_slots)) - layout.nbytes(Geometry(0, 0, 0))
             raise ConfigError(
-                f"the expert cache gets {moe} slots after KV ({kv} tokens) and mamba "
-                f"({mamba_slots} slots); it needs at least {expert_floor}. Budget {format_bytes(total)}: "
-                "lower --num-tokens or raise --gpu-memory-limit"
+                f"the expert cache gets {moe} slots after KV ({kv} tokens, {format_bytes(kv_bytes)}) and mamba "
+                f"({mamba_slots} slots, {format_bytes(mamba_bytes)}); it needs at least {expert_floor}. Budget "
+                f"{format_bytes(total)}: lower --num-tokens, or --max-running-requests / --mamba-cache-size (the "
+                "mamba slots: one per running request, plus the prefix cache's), or raise --gpu-memory-limit / "
+                "--cache-budget"
             )
     if kv_fill_limit > 0 and num_tokens is None and moe >= total_experts:
         # Why: with every expert resident nothing else can use the budget; one context of KV on an
