@@ -229,7 +229,8 @@ def test_split_k_sums_the_splits_partials_in_order(m, splits):
     asked for), the tile's last program summing the fp32 partials in split order. fp32 x: bit for bit the
     per-split sums of the unsplit kernel over each K slice added in order, then scaled; fp16 x within the
     reference's tolerance; the tickets' counters zero after each launch."""
-    from ft.kernels.nvfp4.kernel import split_k_counters, dot_launch_config
+    from ft.kernels.nvfp4.kernel import dot_launch_config
+    from ft.kernels.tickets import ticket_counters
 
     gen = torch.Generator().manual_seed(50 + m)
     k, bk = 640, 128
@@ -240,7 +241,7 @@ def test_split_k_sums_the_splits_partials_in_order(m, splits):
     made = dot_launch_config(x, packed, cfg)["SPLIT_K"]
     assert made == (2 if splits == 2 else 3)
     y = nvfp4_linear_triton(x, packed, scale, scale_2, path="dot", config=cfg)
-    assert not split_k_counters(x.device, 1).any()
+    assert not ticket_counters(x.device, 1).any()
     step = -(-(k // bk) // made) * bk
     want = None
     for k0 in range(0, k, step):
@@ -251,18 +252,18 @@ def test_split_k_sums_the_splits_partials_in_order(m, splits):
     assert torch.equal(y, want * torch.as_tensor(scale_2, dtype=torch.float32))
     ref = nvfp4_linear_ref(x.half(), packed, scale, scale_2)
     y16 = nvfp4_linear_triton(x.half(), packed, scale, scale_2, path="dot", config=cfg)
-    assert _rel_rms(y16, ref) < TOL[torch.float16] and not split_k_counters(x.device, 1).any()
+    assert _rel_rms(y16, ref) < TOL[torch.float16] and not ticket_counters(x.device, 1).any()
 
 
-def test_split_k_counters_grow_by_a_new_set_and_keep_the_old():
+def test_ticket_counters_grow_by_a_new_set_and_keep_the_old():
     """A launch needing more counters gets a new set; the old stays alive (graphs captured before use it)."""
-    from ft.kernels.nvfp4 import kernel as nv
+    from ft.kernels import tickets
 
     dev = torch.device("cpu")
-    first = nv.split_k_counters(dev, 1)
-    bigger = nv.split_k_counters(dev, first.numel() + 1)
-    assert bigger.numel() > first.numel() and nv.split_k_counters(dev, 1) is bigger
-    assert any(t is first for t in nv.split_k_counter_sets(dev))
+    first = tickets.ticket_counters(dev, 1)
+    bigger = tickets.ticket_counters(dev, first.numel() + 1)
+    assert bigger.numel() > first.numel() and tickets.ticket_counters(dev, 1) is bigger
+    assert any(t is first for t in tickets.ticket_counter_sets(dev))
 
 
 def test_split_k_is_the_options_at_mid_m_only():

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from ft.kernels.nvfp4 import nvfp4_linear_ref
-from ft.kernels.nvfp4.kernel import dot_launch_config, split_k_counters, nvfp4_linear_triton
+from ft.kernels.nvfp4.kernel import dot_launch_config, nvfp4_linear_triton
+from ft.kernels.tickets import ticket_counters
 from ft.kernels.options import use_kernel_options, variant
 
 pytestmark = pytest.mark.gpu
@@ -60,7 +61,7 @@ def check_split(n: int, k: int, m: int, splits: str) -> None:
         y = nvfp4_linear_triton(x, packed, scale, s2)
         again = [nvfp4_linear_triton(x, packed, scale, s2) for _ in range(3)]
         torch.cuda.synchronize()
-        assert not split_k_counters(x.device, 1).any()
+        assert not ticket_counters(x.device, 1).any()
         out = torch.empty_like(y)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -71,4 +72,4 @@ def check_split(n: int, k: int, m: int, splits: str) -> None:
             torch.cuda.synchronize()
             assert torch.equal(out, y)
     assert rel_rms(y, ref) < 1e-2 and rel_rms(y, ref) < 2 * rel_rms(plain, ref) + 1e-3
-    assert all(torch.equal(a, y) for a in again) and not split_k_counters(x.device, 1).any()
+    assert all(torch.equal(a, y) for a in again) and not ticket_counters(x.device, 1).any()

@@ -53,6 +53,7 @@ import triton.language as tl
 from ft.kernels.backend import inline_ptx
 from ft.kernels.limits import whole_k_pieces
 from ft.kernels.options import kernel_options
+from ft.kernels.tickets import ticket_counters
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 from ft.kernels.nvfp4.decode import e4m3_f32, dequant_tile, e2m1_halves_bf16, e2m1_halves_f16
 from ft.kernels.nvfp4.rows import (dot_whole_k, load_whole_k, whole_k_row, whole_k_tile, x_lanes, nvfp4_rows_dot,
@@ -364,30 +365,6 @@ def dot_launch_config(x: torch.Tensor, packed: torch.Tensor, config: dict | None
     return cfg
 
 
-_SPLIT_K_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-"""Per device: the split-K tickets' int32 counters, one a tile, zero between launches (each launch's last
-program of a tile sets its counter back). The last set serves every new launch: the launches of a
-device's linears run one after another on its stream (a PDL launch's programs wait for the one before
-first). A larger set, when a launch needs one, is added, and the earlier ones are kept: CUDA graphs
-captured before hold their addresses."""
-
-
-def split_k_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """At least `tiles` zero int32 counters on `device` for `_nvfp4_dot_kernel`'s SPLIT_K tickets (at least
-    4,096 a set; made in a CUDA graph's capture, the zeroing is recorded into it as well, which a replay
-    repeats harmlessly)."""
-    sets = _SPLIT_K_COUNTERS.setdefault(device, [])
-    if not sets or sets[-1].numel() < tiles:
-        sets.append(torch.zeros(max(4096, tiles), dtype=torch.int32, device=device))
-    return sets[-1]
-
-
-def split_k_counter_sets(device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Every counter set `split_k_counters` has made on `device`, oldest first (each stays alive: graphs
-    captured with it hold its address)."""
-    return tuple(_SPLIT_K_COUNTERS.get(device, ()))
-
-
 def as_words(packed: torch.Tensor) -> torch.Tensor:
     """uint8 packed weights [..., K/2] -> the same bytes as int32 words [..., K/8] (a view when aligned)."""
     if packed.stride(-1) != 1 or packed.storage_offset() % 4 or any(s % 4 for s in packed.stride()[:-1]):
@@ -454,7 +431,7 @@ def nvfp4_linear_triton(
         part, count, k_split = y, s2, k  # (unread at SPLIT_K 1)
         if splits > 1:
             part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-            count = split_k_counters(x.device, tiles)
+            count = ticket_counters(x.device, tiles)
             k_split = triton.cdiv(triton.cdiv(k, cfg["BLOCK_K"]), splits) * cfg["BLOCK_K"]
         _nvfp4_dot_kernel[(tiles, splits)](
             x, packed, scale_u8, s2, y, m, n, k, x.stride(0), packed.stride(0), scale_u8.stride(0), y.stride(0),
