@@ -209,6 +209,9 @@ def grouped_cfg(which: int = 0) -> dict:
 DENSE = {"p_x": "*bf16", "p_w": "*bf16", "p_y": "*bf16", **ints("M", "N", "K", "stride_xm", "stride_wn", "stride_ym")}
 
 
+HC_DOWN_DOT = {"p_n": "*bf16", "p_w": "*bf16", "p_zp": "*fp32", **ints("T", "R", "W", "stride_nt", "stride_wr"),
+               "p_count": "*i32", "p_a": "*bf16", "p_gl": "*bf16", "RANK": "i32", "inv_c": "fp32",
+               **ints("stride_at", "stride_glt")}
 HC_WRITE = {"p_x": "*bf16", "p_y": "*bf16", "p_a": "*bf16", "p_wn": "*bf16", "p_out": "*bf16", "p_nn": "*bf16",
             "eps": "fp32", **ints("stride_xt", "stride_yt", "stride_at", "stride_ot", "stride_nnt")}
 
@@ -232,6 +235,8 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("dot M=8, whole tiles (no halves)", nv._nvfp4_dot_kernel, DOT,
      {**dot_cfg(8, 8192, 2048), "HALVES": False, "ASM": False}),
     ("dot M=32, split K 4 (a ticket)", nv._nvfp4_dot_kernel, DOT, {**dot_cfg(32, 12288, 2048), "SPLIT_K": 4}),
+    ("dot M=8, split K 4 (a ticket; the 16-row tile on a thin grid)", nv._nvfp4_dot_kernel, DOT,
+     {**dot_cfg(8, 2560, 6144), "SPLIT_K": 4}),
     ("moe gate_up, 1 token", moe._moe_gate_up_kernel, GATE_UP, moe_cfg(moe.GATE_UP_CONFIG[1], 256, "BLOCK_I")),
     ("moe gate_up, more tokens", moe._moe_gate_up_kernel, GATE_UP, moe_cfg(moe.GATE_UP_CONFIG[2], 256, "BLOCK_I")),
     ("moe gate_up, K loop", moe._moe_gate_up_kernel, GATE_UP, moe_cfg((8, 64, 4), 256, "BLOCK_I")),
@@ -440,10 +445,13 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("hyper connection read, down (4 rows x 2048)", hc._read_down_kernel,
      {"p_n": "*bf16", "p_w": "*bf16", "p_zp": "*fp32", **ints("T", "R", "W", "stride_nt", "stride_wr", "stride_zp")},
      {"ROWS": 4, "CHUNK": 2048, "num_warps": 8, "_divisible": ("W",)}),
-    ("hyper connection read (dot), down (16 tokens x 16 rows x 1024)", hc._read_down_dot_kernel,
-     {"p_n": "*bf16", "p_w": "*bf16", "p_zp": "*fp32", **ints("T", "R", "W", "stride_nt", "stride_wr")},
+    ("hyper connection read (dot), down (16 tokens x 16 rows x 1024)", hc._read_down_dot_kernel, HC_DOWN_DOT,
      {"BLOCK_T": 16, "ROWS": 16, "CHUNK": 1024, "BLOCK_K": 256, "PRECISION": "tf32", "num_warps": 4,
       "num_stages": 3, "_divisible": ("W",)}),
+    ("hyper connection read (dot), down with the reduce by each row tile's last program (a ticket)",
+     hc._read_down_dot_kernel, HC_DOWN_DOT,
+     {"BLOCK_T": 16, "ROWS": 32, "CHUNK": 1024, "BLOCK_K": 256, "PRECISION": "tf32", "REDUCE": True, "GATES": True,
+      "num_warps": 4, "num_stages": 3, "_divisible": ("W",)}),
     ("hyper connection read (dot), reduce + SiLU", hc._read_reduce_kernel,
      {"p_zp": "*fp32", "p_a": "*bf16", "p_gl": "*bf16", **ints("T", "S", "R", "RANK"), "inv_c": "fp32",
       **ints("stride_at", "stride_glt")}, {"BLOCK_R": 512, "GATES": True, "num_warps": 4}),
