@@ -451,6 +451,7 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("hyper connection read (dot), down with the reduce by each row tile's last program (a ticket)",
      hc._read_down_dot_kernel, HC_DOWN_DOT,
      {"BLOCK_T": 16, "ROWS": 32, "CHUNK": 1024, "BLOCK_K": 256, "PRECISION": "tf32", "REDUCE": True, "GATES": True,
+      "SPLITS": 10,
       "num_warps": 4, "num_stages": 3, "_divisible": ("W",)}),
     ("hyper connection read (dot), reduce + SiLU", hc._read_reduce_kernel,
      {"p_zp": "*fp32", "p_a": "*bf16", "p_gl": "*bf16", **ints("T", "S", "R", "RANK"), "inv_c": "fp32",

@@ -181,11 +181,12 @@ def _read_down_dot_kernel(p_n, p_w, p_zp, T, R, W, stride_nt, stride_wr,
                           p_count, p_a, p_gl, RANK, inv_c, stride_at, stride_glt,
                           BLOCK_T: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
                           PRECISION: tl.constexpr, REDUCE: tl.constexpr = False, GATES: tl.constexpr = False,
-                          PDL: tl.constexpr = False):
+                          SPLITS: tl.constexpr = 1, PDL: tl.constexpr = False):
     """z_part[i_s, t, rows of i_r] = N[t, chunk i_s] mix_in[rows, chunk i_s]^T. REDUCE
     (`HyperConnectionOptions.dot_reduce_in_down`): the row tile's last program (a ticket on p_count[i_r],
-    `ft.kernels.tickets`) also does `_read_reduce_kernel`'s work for its rows, the partials summed in chunk
-    order as there (the same bits), and sets the counter back to zero; p_count, p_a, p_gl unused without."""
+    `ft.kernels.tickets`) also does `_read_reduce_kernel`'s work for its rows, the SPLITS (the grid's axis 1)
+    partials summed in chunk order as there (the same bits; unrolled, so their loads issue together), and sets
+    the counter back to zero; p_count, p_a, p_gl unused without."""
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
     pdl_release(PDL)
     i_r, i_s = tl.program_id(0), tl.program_id(1)
@@ -207,11 +208,10 @@ def _read_down_dot_kernel(p_n, p_w, p_zp, T, R, W, stride_nt, stride_wr,
     tl.store(p_zp + (i_s * T + o_t[:, None]) * R + o_r[None, :], acc, mask=m_tr)
     if REDUCE:
         tl.debug_barrier()  # every thread's stores of the program before its ticket
-        n_s = tl.num_programs(1)
         done = tl.atomic_add(p_count + i_r, 1, sem="acq_rel", scope="gpu")
-        if done == n_s - 1:
+        if done == SPLITS - 1:
             b_z = tl.zeros((BLOCK_T, ROWS), dtype=tl.float32)
-            for s in range(n_s):  # (chunk order, as `_partials_sum`; .cg: other programs' stores, not this L1's)
+            for s in tl.static_range(SPLITS):  # (chunk order, as `_partials_sum`; .cg: other programs' stores)
                 b_z += tl.load(p_zp + (s * T + o_t[:, None]) * R + o_r[None, :], mask=m_tr, other=0.0,
                                cache_modifier=".cg")
             _reduced_store(b_z, p_a, p_gl, o_t[:, None], o_r[None, :], m_tr, RANK, inv_c, stride_at, stride_glt, GATES)
@@ -545,7 +545,8 @@ def _read_dot(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int
                                                count, a, gl, rank, 1.0 / c, a.stride(0), gl.stride(0),
                                                BLOCK_T=block_t, ROWS=rows, CHUNK=chunk, BLOCK_K=block_k,
                                                PRECISION=precision, REDUCE=fold, GATES=gate_logits is not None,
-                                               num_warps=4, num_stages=3, **pdl_args(n.device))
+                                               SPLITS=splits if fold else 1, num_warps=4, num_stages=3,
+                                               **pdl_args(n.device))
     if not fold:
         _read_reduce_kernel[(t,)](z_part, a, gl, t, splits, r, rank, 1.0 / c, a.stride(0), gl.stride(0),
                                   BLOCK_R=triton.next_power_of_2(r), GATES=gate_logits is not None, num_warps=4,
