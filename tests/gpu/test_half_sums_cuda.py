@@ -19,6 +19,7 @@ pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
 HALF = variant("nvfp4-half-sums")
+NO_HALF = variant("nvfp4-no-half-sums")
 
 
 def rel_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -57,16 +58,20 @@ def test_pair_half_sum_ptx_against_stand_in_and_exact_sums(x_dtype):
 
 @pytest.mark.parametrize(("n", "k"), [(12288, 2048), (2048, 4096), (16384, 2560), (2560, 6144)])
 def test_gemv_half_sums_at_model_shapes(n, k):
+    """Against the exact product (fp32, unrounded): the fp16 block sums' error within 1.5x the fp32 sums' (whose
+    error is y's rounding to bf16, ~1.1e-3; the block sums add ~5e-4 in quadrature, session 45: 1.2e-3 against a
+    bf16-rounded reference)."""
     packed, scale, scale_2 = random_nvfp4(n, k)
     x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
-    ref = nvfp4_linear_ref(x, packed, scale, scale_2)
-    base = nvfp4_linear_triton(x, packed, scale, scale_2, path="gemv")
+    exact = nvfp4_linear_ref(x.float(), packed, scale, scale_2)
+    with use_kernel_options(NO_HALF):
+        base = nvfp4_linear_triton(x, packed, scale, scale_2, path="gemv")
     big = x.clone()
     big[0, 5], big[0, 9] = 1e6, -HALF_SUM_LIMIT
     with use_kernel_options(HALF):
         y = nvfp4_linear_triton(x, packed, scale, scale_2, path="gemv")
         y_big = nvfp4_linear_triton(big, packed, scale, scale_2, path="gemv")
-    assert rel_rms(y, ref) < 1e-2 and rel_rms(y, ref) < 1.5 * rel_rms(base, ref) + 1e-3
+    assert rel_rms(y, exact) < 1e-2 and rel_rms(y, exact) < 1.5 * rel_rms(base, exact)
     assert y_big.isfinite().all() and rel_rms(y_big, nvfp4_linear_ref(big, packed, scale, scale_2)) < 1e-2
 
 
@@ -83,7 +88,10 @@ def test_moe_decode_half_sums_at_model_shapes(hidden, inter, batch):
                     1).bfloat16()
     x = torch.randn(batch, hidden, device=DEV, dtype=torch.bfloat16)
     ref = moe_decode_ref(x, slots, wts, pool, shared)
-    base = moe_decode_triton(x, slots, wts, pool, shared)
+    with use_kernel_options(NO_HALF):  # (the default takes the fp16 sums from two tokens)
+        base = moe_decode_triton(x, slots, wts, pool, shared)
     with use_kernel_options(HALF):
         y = moe_decode_triton(x, slots, wts, pool, shared)
-    assert rel_rms(y, ref) < 2e-2 and rel_rms(y, ref) < 1.5 * rel_rms(base, ref) + 1e-3
+    # (the reference's matmuls round in bf16 as the kernels' fp32-sum form nearly does: base's error ~1e-5-1e-7;
+    # the fp16 sums move the bf16 roundings of the activation and of y, ~1.2e-3, session 45)
+    assert rel_rms(y, ref) < 2e-2 and rel_rms(y, ref) < 1.5 * rel_rms(base, ref) + 3e-3

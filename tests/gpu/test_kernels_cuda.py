@@ -234,11 +234,15 @@ def test_moe_decode_with_shared_expert(pool, batch):
     moved = SlotWeights(*(t[perm] for t in pool))
     where = torch.argsort(perm)
     assert torch.equal(moe_decode_triton(x, where[topk_slots], weights, moved, shared), y)
-    from ft.kernels.options import use_kernel_options, variant  # the word decode in PTX (default) or Triton: same bits
+    from ft.kernels.options import use_kernel_options, variant
 
-    routed = moe_over_slots_triton(x, topk_slots, weights[:, :TOP_K], pool)
-    with use_kernel_options(variant("nvfp4-lanes-triton")):
-        assert torch.equal(moe_decode_triton(x, topk_slots, weights, pool, shared), y)
+    # the word decode in PTX (default) or Triton: the same bits with fp32 block sums (the fp16 block sums, the
+    # default from two tokens, take fma.rn.f16x2 in PTX and a stand-in in Triton: tests/gpu/test_half_sums_cuda.py)
+    with use_kernel_options(variant("nvfp4-no-half-sums")):
+        y32 = moe_decode_triton(x, topk_slots, weights, pool, shared)
+        routed = moe_over_slots_triton(x, topk_slots, weights[:, :TOP_K], pool)
+    with use_kernel_options(variant("nvfp4-no-half-sums", "nvfp4-lanes-triton")):
+        assert torch.equal(moe_decode_triton(x, topk_slots, weights, pool, shared), y32)
         assert torch.equal(moe_over_slots_triton(x, topk_slots, weights[:, :TOP_K], pool), routed)
 
 
