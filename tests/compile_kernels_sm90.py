@@ -209,9 +209,6 @@ def grouped_cfg(which: int = 0) -> dict:
 DENSE = {"p_x": "*bf16", "p_w": "*bf16", "p_y": "*bf16", **ints("M", "N", "K", "stride_xm", "stride_wn", "stride_ym")}
 
 
-HC_DOWN_DOT = {"p_n": "*bf16", "p_w": "*bf16", "p_zp": "*fp32", **ints("T", "R", "W", "stride_nt", "stride_wr"),
-               "p_count": "*i32", "p_a": "*bf16", "p_gl": "*bf16", "RANK": "i32", "inv_c": "fp32",
-               **ints("stride_at", "stride_glt")}
 HC_WRITE = {"p_x": "*bf16", "p_y": "*bf16", "p_a": "*bf16", "p_wn": "*bf16", "p_out": "*bf16", "p_nn": "*bf16",
             "eps": "fp32", **ints("stride_xt", "stride_yt", "stride_at", "stride_ot", "stride_nnt")}
 
@@ -445,14 +442,10 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("hyper connection read, down (4 rows x 2048)", hc._read_down_kernel,
      {"p_n": "*bf16", "p_w": "*bf16", "p_zp": "*fp32", **ints("T", "R", "W", "stride_nt", "stride_wr", "stride_zp")},
      {"ROWS": 4, "CHUNK": 2048, "num_warps": 8, "_divisible": ("W",)}),
-    ("hyper connection read (dot), down (16 tokens x 16 rows x 1024)", hc._read_down_dot_kernel, HC_DOWN_DOT,
+    ("hyper connection read (dot), down (16 tokens x 16 rows x 1024)", hc._read_down_dot_kernel,
+     {"p_n": "*bf16", "p_w": "*bf16", "p_zp": "*fp32", **ints("T", "R", "W", "stride_nt", "stride_wr")},
      {"BLOCK_T": 16, "ROWS": 16, "CHUNK": 1024, "BLOCK_K": 256, "PRECISION": "tf32", "num_warps": 4,
       "num_stages": 3, "_divisible": ("W",)}),
-    ("hyper connection read (dot), down with the reduce by each row tile's last program (a ticket)",
-     hc._read_down_dot_kernel, HC_DOWN_DOT,
-     {"BLOCK_T": 16, "ROWS": 32, "CHUNK": 1024, "BLOCK_K": 256, "PRECISION": "tf32", "REDUCE": True, "GATES": True,
-      "SPLITS": 10,
-      "num_warps": 4, "num_stages": 3, "_divisible": ("W",)}),
     ("hyper connection read (dot), reduce + SiLU", hc._read_reduce_kernel,
      {"p_zp": "*fp32", "p_a": "*bf16", "p_gl": "*bf16", **ints("T", "S", "R", "RANK"), "inv_c": "fp32",
       **ints("stride_at", "stride_glt")}, {"BLOCK_R": 512, "GATES": True, "num_warps": 4}),

@@ -108,30 +108,6 @@ def test_the_fused_read_equals_the_reference(t, c, d, rank, inject, dtype, form)
         assert gates is None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("t,c,d,rank,inject", [READS[1], READS[2], READS[4]],
-                         ids=[f"T{t}-C{c}-D{d}-r{r}-{'inject' if i else 'final'}" for t, c, d, r, i in
-                              (READS[1], READS[2], READS[4])])
-def test_the_dot_reads_reduce_in_its_down_launch_gives_the_same_bits(t, c, d, rank, inject, dtype):
-    """`HyperConnectionOptions.dot_reduce_in_down`: each row tile's last down program sums the chunks' partials
-    in the reduce launch's order; u and the gate logits the same bits, every ticket counter back at zero (row
-    tiles of 8 rows: rank 70 + 4 takes ten; chunks of 32 columns: 2 to 5 a row tile)."""
-    from ft.kernels.tickets import ticket_counters
-
-    g = torch.Generator().manual_seed(t * 1000 + d * 10 + rank + 7)
-    r = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).to(dtype)  # noqa: E731
-    n = wide(r(t, c * d))
-    mix_in = r(rank + (c if inject else 0), c * d, scale=0.3)
-    up = r(c * d, rank, scale=0.5)
-    tiles = {**SMALL_TILES, **FORM["dot"], "hyper_connection.dot_down_rows": 8}
-    with use_kernel_options(variant(**tiles)):
-        want = details.hc_read_triton(n, mix_in, up, rank, c)
-    with use_kernel_options(variant(**tiles, **{"hyper_connection.dot_reduce_in_down": True})):
-        got = details.hc_read_triton(n, mix_in, up, rank, c)
-    assert torch.equal(got[0], want[0]) and not ticket_counters(n.device, 1).any()
-    assert (got[1] is None) == (not inject) and (not inject or torch.equal(got[1], want[1]))
-
-
 def module(r, c: int, d: int, rank: int) -> HyperConnection:
     """A HyperConnection of C streams of D, rank `rank`, with an inject, its tensors drawn by r(*shape, scale=)."""
     return HyperConnection(r(c * d, scale=0.1), r(rank, c * d, scale=0.3), r(c * d, rank, scale=0.3),

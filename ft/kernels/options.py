@@ -276,10 +276,10 @@ class HyperConnectionOptions:
     the rank in one tile 4.833; the deferred norm alone 4.897, the rank in pieces alone 4.763, both
     **4.660**; bench/hc_read.py --write-read, us a write + read: 12.3 / 13.0 / 11.6 / **10.5**. Their
     options `write_norm_deferred` and `up_rank_pieces` deleted (commit e04ea00 holds the forms before).
-    dot_reduce_in_down: the form "dot" in two launches: each row tile's last down program (a ticket,
-    `ft.kernels.tickets`) sums its rows' partials, the SiLU and the gate logits (the same bits as
-    `_read_reduce_kernel`'s launch, which it drops: 96 launches a Flash-Next step at 2-64 tokens). Off until
-    measured in the step (variant "hc-dot-reduce-in-down", bench/decode.py --batches 8).
+    (The form "dot" in two launches, each row tile's last down program doing the reduce launch's work by a
+    ticket, the same bits, lost in the step: H200, session 45, Flash-Next 48 layers, batch 8, `bench/decode.py
+    --replay-span 50`, 10.568 / 10.590 ms a replay plainly against 10.847 with it, 743.4 against 761.4 / 762.5
+    tok/s; its variant "hc-dot-reduce-in-down" deleted, commit 7c7bc5a holds it.)
 
     H200, bench/hc_read.py (4 streams of 2,560, rank 320, bf16, in a CUDA graph), us a read, cuBLAS /
     fma / dot: T 1 17.4 / **14.1** / 17.4; T 2 20.8 / 19.4 / **17.9**; T 8 21.3 / 49.1 / **18.0**; T 64
@@ -302,7 +302,6 @@ class HyperConnectionOptions:
     dot_up_block_d: int = 8
     dot_up_block_rank: int = 64
     write_into_read: bool = True
-    dot_reduce_in_down: bool = False
 
 
 @dataclass(frozen=True)
@@ -390,7 +389,6 @@ VARIANTS: dict[str, dict[str, object]] = {
     "hc-read-cublas": {"hyper_connection.fused_read_max_tokens": 0},  # bench/hc_read.py, bench/decode.py --modes
     "hc-read-dot-only": {"hyper_connection.fma_read_max_tokens": 0},  # the same
     "hc-write-own-launch": {"hyper_connection.write_into_read": False},  # the same
-    "hc-dot-reduce-in-down": {"hyper_connection.dot_reduce_in_down": True},  # bench/decode.py --batches 8
     "moe-sum-own-launch": {"moe.decode_sum_in_down": False},  # the same
     "gated-delta-ba-own-launch": {"gated_delta.decode_ba_in_conv": False},  # the same
     "qsa-prefill-select-torch": {"qsa.prefill_select_kernel": False},  # bench/prefill.py --variant

@@ -268,37 +268,3 @@ def test_the_fused_hyper_connection_read_at_the_flagship_shape(tokens, inject, f
     else:
         assert gates is None
     torch.cuda.synchronize()
-
-
-@pytest.mark.parametrize("tokens", [2, 8, 64])
-@pytest.mark.parametrize("inject", [True, False], ids=["inject", "final"])
-def test_the_dot_read_reducing_in_its_down_launch_is_the_same_bits(tokens, inject):
-    """`HyperConnectionOptions.dot_reduce_in_down` (variant "hc-dot-reduce-in-down") at 4 streams of 2,560, rank 320:
-    u and the gate logits bit for bit the three-launch form's, run after run and in a CUDA graph's replays
-    (whichever program of a row tile comes last sums in chunk order), the ticket counters zero after."""
-    from ft.kernels.hyper_connection.kernel import hc_read_triton
-    from ft.kernels.options import use_kernel_options, variant
-    from ft.kernels.tickets import ticket_counters
-
-    c, d, rank = 4, 2560, 320
-    g = torch.Generator(device=DEV).manual_seed(tokens + 11 * inject)
-    r = lambda *s, scale=1.0: (torch.randn(*s, generator=g, device=DEV) * scale).to(torch.bfloat16)  # noqa: E731
-    n = r(tokens, c * d)
-    mix_in, up = r(rank + (c if inject else 0), c * d, scale=0.02), r(c * d, rank, scale=0.1)
-    want_u, want_gates = hc_read_triton(n, mix_in, up, rank, c)
-    with use_kernel_options(variant("hc-dot-reduce-in-down")):
-        runs = [hc_read_triton(n, mix_in, up, rank, c) for _ in range(3)]
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = hc_read_triton(n, mix_in, up, rank, c)
-        replays = []
-        for _ in range(3):
-            captured[0].zero_()
-            graph.replay()
-            torch.cuda.synchronize()
-            replays.append((captured[0].clone(), None if captured[1] is None else captured[1].clone()))
-    torch.cuda.synchronize()
-    for u, gates in runs + replays:
-        assert torch.equal(u, want_u)
-        assert (gates is None and want_gates is None) or torch.equal(gates, want_gates)
-    assert not ticket_counters(n.device, 1).any()

@@ -42,7 +42,6 @@ import triton.language as tl
 from ft.kernels.norm.kernel import rms_rstd
 from ft.kernels.options import kernel_options
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
-from ft.kernels.tickets import ticket_counters
 
 __all__ = ["grouped_rms_norm_triton", "hc_mix_triton", "hc_read_triton", "hc_write_read_triton", "hc_write_triton"]
 
@@ -177,16 +176,9 @@ def _partials_sum(p_zp, t, T, S, R, o_r, m_r):
 
 
 @triton.jit
-def _read_down_dot_kernel(p_n, p_w, p_zp, T, R, W, stride_nt, stride_wr,
-                          p_count, p_a, p_gl, RANK, inv_c, stride_at, stride_glt,
-                          BLOCK_T: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PRECISION: tl.constexpr, REDUCE: tl.constexpr = False, GATES: tl.constexpr = False,
-                          SPLITS: tl.constexpr = 1, PDL: tl.constexpr = False):
-    """z_part[i_s, t, rows of i_r] = N[t, chunk i_s] mix_in[rows, chunk i_s]^T. REDUCE
-    (`HyperConnectionOptions.dot_reduce_in_down`): the row tile's last program (a ticket on p_count[i_r],
-    `ft.kernels.tickets`) also does `_read_reduce_kernel`'s work for its rows, the SPLITS (the grid's axis 1)
-    partials summed in chunk order as there (the same bits; unrolled, so their loads issue together), and sets
-    the counter back to zero; p_count, p_a, p_gl unused without."""
+def _read_down_dot_kernel(p_n, p_w, p_zp, T, R, W, stride_nt, stride_wr, BLOCK_T: tl.constexpr, ROWS: tl.constexpr,
+                          CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                          PDL: tl.constexpr = False):
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
     pdl_release(PDL)
     i_r, i_s = tl.program_id(0), tl.program_id(1)
@@ -204,29 +196,7 @@ def _read_down_dot_kernel(p_n, p_w, p_zp, T, R, W, stride_nt, stride_wr,
         b_w = tl.load(p_w + o_r[:, None].to(tl.int64) * stride_wr + o_w[None, :], mask=m_r[:, None] & m_w[None, :],
                       other=0.0)
         acc = tl.dot(b_n, tl.trans(b_w), acc, input_precision=PRECISION)
-    m_tr = m_t[:, None] & m_r[None, :]
-    tl.store(p_zp + (i_s * T + o_t[:, None]) * R + o_r[None, :], acc, mask=m_tr)
-    if REDUCE:
-        tl.debug_barrier()  # every thread's stores of the program before its ticket
-        done = tl.atomic_add(p_count + i_r, 1, sem="acq_rel", scope="gpu")
-        if done == SPLITS - 1:
-            b_z = tl.zeros((BLOCK_T, ROWS), dtype=tl.float32)
-            for s in tl.static_range(SPLITS):  # (chunk order, as `_partials_sum`; .cg: other programs' stores)
-                b_z += tl.load(p_zp + (s * T + o_t[:, None]) * R + o_r[None, :], mask=m_tr, other=0.0,
-                               cache_modifier=".cg")
-            _reduced_store(b_z, p_a, p_gl, o_t[:, None], o_r[None, :], m_tr, RANK, inv_c, stride_at, stride_glt, GATES)
-            tl.atomic_xchg(p_count + i_r, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _reduced_store(b_z, p_a, p_gl, o_t, o_r, m_tr, RANK, inv_c, stride_at, stride_glt, GATES: tl.constexpr):
-    """A read's down projection summed over its chunks (b_z fp32, tokens o_t by rows o_r, broadcastable) ->
-    z = b_z / C rounded to the weights' dtype (the GEMM's one rounding); a = SiLU(z) rounded there too at
-    rows < RANK, and with GATES z itself at the rest (the write's gate logits, row RANK + k: stream k)."""
-    b_z = (b_z * inv_c).to(p_a.dtype.element_ty).to(tl.float32)
-    tl.store(p_a + o_t * stride_at + o_r, (b_z * tl.sigmoid(b_z)).to(p_a.dtype.element_ty), mask=m_tr & (o_r < RANK))
-    if GATES:
-        tl.store(p_gl + o_t * stride_glt + (o_r - RANK), b_z.to(p_gl.dtype.element_ty), mask=m_tr & (o_r >= RANK))
+    tl.store(p_zp + (i_s * T + o_t[:, None]) * R + o_r[None, :], acc, mask=m_t[:, None] & m_r[None, :])
 
 
 @triton.jit
@@ -237,8 +207,11 @@ def _read_reduce_kernel(p_zp, p_a, p_gl, T, S, R, RANK, inv_c, stride_at, stride
     t = tl.program_id(0)
     o_r = tl.arange(0, BLOCK_R)
     m_r = o_r < R
-    _reduced_store(_partials_sum(p_zp, t, T, S, R, o_r, m_r), p_a, p_gl, t, o_r, m_r, RANK, inv_c, stride_at,
-                   stride_glt, GATES)
+    # z = N mix_in^T / C in the weights' dtype (the GEMM's one rounding), SiLU rounded there too
+    b_z = (_partials_sum(p_zp, t, T, S, R, o_r, m_r) * inv_c).to(p_a.dtype.element_ty).to(tl.float32)
+    tl.store(p_a + t * stride_at + o_r, (b_z * tl.sigmoid(b_z)).to(p_a.dtype.element_ty), mask=o_r < RANK)
+    if GATES:
+        tl.store(p_gl + t * stride_glt + (o_r - RANK), b_z.to(p_gl.dtype.element_ty), mask=m_r & (o_r >= RANK))
 
 
 @triton.jit
@@ -525,8 +498,8 @@ _DOT_UP_TILE_ELEMENTS = 16384  # BLOCK_T x BLOCK_RK at most: 32 tokens x 512 or 
 
 def _read_dot(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int, c: int, opts, u: torch.Tensor,
               gate_logits: torch.Tensor | None) -> None:
-    """`hc_read_triton`'s form "dot" into u (and gate_logits): three launches (two with
-    `HyperConnectionOptions.dot_reduce_in_down`), every token at once on tensor cores."""
+    """`hc_read_triton`'s form "dot" into u (and gate_logits): three launches, every token at once on
+    tensor cores."""
     t, width = n.shape
     d, r = width // c, mix_in.shape[0]
     precision = "ieee" if mix_in.dtype == torch.float32 else "tf32"
@@ -536,21 +509,15 @@ def _read_dot(n: torch.Tensor, mix_in: torch.Tensor, up: torch.Tensor, rank: int
     splits = triton.cdiv(width, chunk)
     z_part = torch.empty((splits, t, r), dtype=torch.float32, device=n.device)
     rows = opts.dot_down_rows
+    _read_down_dot_kernel[(triton.cdiv(r, rows), splits)](n, mix_in, z_part, t, r, width, n.stride(0), mix_in.stride(0),
+                                                          BLOCK_T=block_t, ROWS=rows, CHUNK=chunk, BLOCK_K=block_k,
+                                                          PRECISION=precision, num_warps=4, num_stages=3,
+                                                          **pdl_args(n.device))
     a = torch.empty((t, rank), dtype=mix_in.dtype, device=n.device)  # silu(z): the up projection's input
     gl = gate_logits if gate_logits is not None else a
-    row_tiles = triton.cdiv(r, rows)
-    fold = opts.dot_reduce_in_down  # the reduce by each row tile's last program, or a launch of its own
-    count = ticket_counters(n.device, row_tiles) if fold else z_part
-    _read_down_dot_kernel[(row_tiles, splits)](n, mix_in, z_part, t, r, width, n.stride(0), mix_in.stride(0),
-                                               count, a, gl, rank, 1.0 / c, a.stride(0), gl.stride(0),
-                                               BLOCK_T=block_t, ROWS=rows, CHUNK=chunk, BLOCK_K=block_k,
-                                               PRECISION=precision, REDUCE=fold, GATES=gate_logits is not None,
-                                               SPLITS=splits if fold else 1, num_warps=4, num_stages=3,
-                                               **pdl_args(n.device))
-    if not fold:
-        _read_reduce_kernel[(t,)](z_part, a, gl, t, splits, r, rank, 1.0 / c, a.stride(0), gl.stride(0),
-                                  BLOCK_R=triton.next_power_of_2(r), GATES=gate_logits is not None, num_warps=4,
-                                  **pdl_args(n.device))
+    _read_reduce_kernel[(t,)](z_part, a, gl, t, splits, r, rank, 1.0 / c, a.stride(0), gl.stride(0),
+                              BLOCK_R=triton.next_power_of_2(r), GATES=gate_logits is not None, num_warps=4,
+                              **pdl_args(n.device))
     # rank steps copied by cp.async, every step in flight at once (one stage more than the steps)
     block_d = max(16 // c, min(opts.dot_up_block_d, triton.next_power_of_2(d)))
     # (the step capped so the pipelined activation tiles fit shared memory: a whole rank of 512 at 64 tokens
