@@ -294,7 +294,7 @@ def test_dot_config_narrows_the_mid_m_tile_when_it_would_launch_too_few_programs
 
 def test_a_long_k_on_too_few_tiles_splits_k_instead_of_narrowing():
     """out_proj (2,048 x 4,096): the wide tile with K over `dot_split_k_few_tiles` programs (4); the variant
-    "nvfp4-dot-no-split-k" puts the narrow tile back; wide grids and M <= 16 never split."""
+    "nvfp4-dot-no-split-k" puts the narrow tile back; wide grids never split (M <= 16 has its own option, below)."""
     from ft.kernels.nvfp4.kernel import SPLIT_K_MIN_K, _dot_config
     from ft.kernels.options import use_kernel_options, variant
 
@@ -303,26 +303,27 @@ def test_a_long_k_on_too_few_tiles_splits_k_instead_of_narrowing():
         return c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c.get("SPLIT_K", 1)
 
     assert tile(32, 2048, SPLIT_K_MIN_K) == (32, 64, 128, 4) and tile(64, 2048, 4096) == (64, 32, 256, 4)
-    assert tile(32, 12288, 4096) == (32, 64, 128, 1) and tile(8, 2048, 4096)[3] == 1
+    assert tile(32, 12288, 4096) == (32, 64, 128, 1) and tile(8, 12288, 4096)[3] == 1
     with use_kernel_options(variant("nvfp4-dot-no-split-k")):
         assert tile(32, 2048, 4096) == (16, 32, 256, 1) and tile(64, 2048, 4096) == (64, 16, 256, 1)
     with use_kernel_options(variant("nvfp4-dot-split-k-2")):
         assert tile(32, 12288, 2048)[3] == 2 and tile(32, 2048, 4096)[3] == 4
 
 
-def test_the_16_row_tile_splits_k_on_a_thin_grid_only_by_its_option():
-    """`Nvfp4Options.dot_split_k_small_m` (off by default): at M <= 16 the 16 x 32 tile splits K where its grid has
+def test_the_16_row_tile_splits_k_on_a_thin_grid_only():
+    """`Nvfp4Options.dot_split_k_small_m` (4 by default): at M <= 16 the 16 x 32 tile splits K where its grid has
     fewer than `MID_M_MIN_PROGRAMS` programs and K >= `SPLIT_K_MIN_K` (out_proj 2,048 x 4,096, Flash-Next's
-    2,560 x 6,144), never on a wide grid (in_proj_qkvz) or a short K."""
+    2,560 x 6,144), never on a wide grid (in_proj_qkvz) or a short K; its variants set the count."""
     from ft.kernels.nvfp4.kernel import MID_M_MIN_PROGRAMS, SPLIT_K_MIN_K, _dot_config
     from ft.kernels.options import use_kernel_options, variant
 
     def split(m, n, k):
         return _dot_config(m, n, k)["SPLIT_K"]
 
-    assert [split(8, 2048, 4096), split(8, 2560, 6144), split(16, 2560, 6144)] == [1, 1, 1]
-    for name, want in (("nvfp4-dot-split-k-small-m-2", 2), ("nvfp4-dot-split-k-small-m-4", 4)):
-        with use_kernel_options(variant(name)):
+    with use_kernel_options(variant("nvfp4-dot-no-split-k-small-m")):
+        assert [split(8, 2048, 4096), split(8, 2560, 6144), split(16, 2560, 6144)] == [1, 1, 1]
+    for name, want in (("nvfp4-dot-split-k-small-m-2", 2), (None, 4)):
+        with use_kernel_options(variant(*[name] if name else [])):
             assert [split(m, n, k) for m, n, k in ((8, 2048, 4096), (3, 2560, 6144), (16, 2560, SPLIT_K_MIN_K))] \
                 == [want] * 3
             assert split(8, 16384, 4096) == split(8, 2048, SPLIT_K_MIN_K - 256) == 1

@@ -71,8 +71,10 @@ class Nvfp4Options:
     dot_split_k_small_m: the same rule for the 16-row tile (3 <= M <= 16 on the tile path: batch 3-16 decode):
     where its grid has fewer than `kernel.MID_M_MIN_PROGRAMS` programs and K >= `SPLIT_K_MIN_K` (out_proj
     2,048 x 4,096: 64 programs of 16 K steps; Flash-Next's out_proj / o_proj 2,560 x 6,144: 80 of 24), K over
-    this many programs. 1 (off) until measured in the step (variants "nvfp4-dot-split-k-small-m-2", "-4";
-    `bench/kernels_nvfp4.py --sweep --decode-m 8` has the kernel's figures)."""
+    this many programs: **4** (H200, session 45, Flash-Next 48 layers, batch 8, `bench/decode.py --replay-span
+    50`: 10.568 / 10.590 ms a replay with the whole K against 10.348 split in 4, 761.4 / 762.5 -> 779.2 tok/s,
+    +2.2%; the 80B's batch 3-16, whose out_proj takes it too, not yet measured); 1: the whole K (variant
+    "nvfp4-dot-no-split-k-small-m"; "nvfp4-dot-split-k-small-m-2" splits in 2)."""
 
     small_m_whole_k: bool = True
     dot_halves: bool = True
@@ -82,7 +84,7 @@ class Nvfp4Options:
     half_sums_gemv: bool = False
     dot_split_k: int = 1
     dot_split_k_few_tiles: int = 4
-    dot_split_k_small_m: int = 1
+    dot_split_k_small_m: int = 4
 
 
 @dataclass(frozen=True)
@@ -376,7 +378,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "nvfp4-dot-split-k-4": {"nvfp4.dot_split_k": 4},
     "nvfp4-dot-no-split-k": {"nvfp4.dot_split_k_few_tiles": 1},  # the narrow tile on out_proj-like shapes
     "nvfp4-dot-split-k-small-m-2": {"nvfp4.dot_split_k_small_m": 2},  # --batches 8: out_proj-like shapes at M <= 16
-    "nvfp4-dot-split-k-small-m-4": {"nvfp4.dot_split_k_small_m": 4},
+    "nvfp4-dot-no-split-k-small-m": {"nvfp4.dot_split_k_small_m": 1},
     "nvfp4-dot-interleaved": {"nvfp4.dot_halves": False},  # bench/decode.py --no-dot-halves
     "moe-bytes": {"moe.grouped_words": False},  # bench/moe_prefill.py, bench/prefill.py
     "attention-prefill-reference": {"prefill_attention.triton_on_cuda": False},  # bench/prefill.py --modes
