@@ -309,11 +309,12 @@ def _gemv_config(m: int, n: int, k: int) -> dict:
 
 
 MID_M_MIN_PROGRAMS = 128
-"""At 16 < M <= 64, a `_dot_config` tile that would launch fewer programs than this (the H200 has 132
-SMs) gives way to a narrower one, or with K >= `SPLIT_K_MIN_K` splits K (`Nvfp4Options.dot_split_k_few_tiles`)."""
+"""A `_dot_config` tile grid of fewer programs than this (the H200 has 132 SMs) is thin: at 16 < M <= 64 the tile
+gives way to a narrower one, or with K >= `SPLIT_K_MIN_K` splits K (`Nvfp4Options.dot_split_k_few_tiles`); at
+M <= 16 (the 16 x 32 tile, no narrower) it splits K from that K (`Nvfp4Options.dot_split_k_small_m`)."""
 SPLIT_K_MIN_K = 4096
-"""K from which a mid-M tile grid of too few programs splits K instead of narrowing the tile: the shapes
-where the split was measured (out_proj / o_proj, 2,048 x 4,096; session 44)."""
+"""K from which a thin tile grid splits K (instead of narrowing the tile at 16 < M <= 64): the shapes where the
+split was measured (out_proj / o_proj, 2,048 x 4,096 in session 44, 2,560 x 6,144 in session 45)."""
 
 
 def _dot_config(m: int, n: int, k: int) -> dict:
@@ -354,7 +355,7 @@ def dot_launch_config(x: torch.Tensor, packed: torch.Tensor, config: dict | None
     config's, 1 if it names none; made a count whose splits all hold K steps)."""
     (m, k), n = x.shape, packed.shape[0]
     cfg = dict(config or _dot_config(m, n, k))
-    want = cfg.get("SPLIT_K", 1)  # (`_dot_config`'s, from the options at 16 < M <= 64)
+    want = cfg.get("SPLIT_K", 1)  # (`_dot_config`'s, from the options at M <= 64)
     steps = triton.cdiv(k, cfg["BLOCK_K"])
     per_split = triton.cdiv(steps, max(1, min(want, steps)))
     cfg["SPLIT_K"] = triton.cdiv(steps, per_split)  # no empty split: each holds per_split steps but the last
