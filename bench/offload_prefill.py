@@ -3,7 +3,7 @@ and the bound, then decode right after. Not a test.
 
     PYTHONPATH=. python3 bench/offload_prefill.py [--cards 32GiB,16GiB] [--lengths 1024,8192,32768,131072]
         [--modes stream,load] [--load-lengths 1024,8192] [--decode 64] [--chunks 4096,16384] [--pcie-gbs 50]
-        [--loaders gather,copy] [--loan-holds 2,0] [--profile LEN] [--config bench/configs/qwen3-next-80b-a3b.json] [--device cuda]
+        [--loaders gather,copy] [--loan-holds 0,2] [--profile LEN] [--config bench/configs/qwen3-next-80b-a3b.json] [--device cuda]
 
 Synthetic NVFP4 Qwen3-Next-80B-A3B, its routing drawn from the calibrated trace (as bench/ladder.py),
 the offload backend on an emulated card (`--gpu-memory-limit`), KV for the longest prompt. Per card
@@ -19,7 +19,7 @@ so every size sees the same slots; the load mode runs at the first). Per length,
 tokens: TTFT (add_request to the first token), prefill tok/s, the bytes the stream copied and its
 PCIe bound (bytes / --pcie-gbs GB/s), then decode tok/s over the tokens after the first (with its hit rate and
 the expert slots' least and most while it ran: the prefill reserve's loan, recalled by a long prompt, comes
-back after its hold, `--loan-holds`: the engine's `loan_hold_s`, 2 s by default); then the
+back after its hold, `--loan-holds`: the engine's `loan_hold_s`, 0 by default); then the
 same prompt but its last token again (the prefix cache serves all but the last page, a short chunk
 that streams nothing) and its decode: the same context without a long prefill, so "decode after /
 same context" is what the long prefill did to the cache, apart from the context's own cost. Before the

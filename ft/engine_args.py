@@ -85,8 +85,9 @@ HELP = {
                              "Default: on when experts are offloaded on one CUDA GPU without --moe-cache-size "
                              "(+2-3%% decode measured), off otherwise"),
     "loan_hold_s": ("--lend-prefill-reserve: seconds with no chunk over 2,048 tokens and no long prompt waiting "
-                    "before the loan goes out again (a stream of long prompts does not bounce it; the decode right "
-                    "after a long prompt runs on the smaller expert pool until then) (default: %(default)s)"),
+                    "before the loan goes out again (0: at the first step after the long one; a longer hold keeps a "
+                    "stream of long prompts arriving apart from bouncing it, while the decode right after a long "
+                    "prompt runs on the smaller expert pool until then) (default: %(default)s)"),
     "mamba_on_demand": ("keep device linear-attention state slots (e.g. 110 MiB each on Qwen3.8-Flash-Next, ~40 "
                         "expert slots) for the requests running now only: a request that finds no free slot grows "
                         "the pool first (a live rebuild that shrinks the expert slots, which get the bytes back "

@@ -137,9 +137,11 @@ def _loan_lines(engine) -> list[str]:
     if not cache.loan_bytes:
         return []
     now = "lent now" if cache.lent else "not lent now"
+    hold = engine.loan.hold_s
+    again = f"{hold:g} s after the last" if hold else "at the first step after the last"
     return [f"  prefill reserve: {format_bytes(cache.loan_bytes)} of it lent to expert slots while steps need at most "
             f"{engine.loan_keep_tokens} tokens ({now}); a longer step recalls what it needs first, lent again "
-            f"{engine.loan.hold_s:g} s after the last (--loan-hold-s; --no-lend-prefill-reserve: never lent)"]
+            f"{again} (--loan-hold-s; --no-lend-prefill-reserve: never lent)"]
 
 
 def _mamba_demand_lines(engine, state_bytes: int) -> list[str]:

@@ -497,11 +497,11 @@ CASES += _pdl_cases()
 
 
 def _half_sum_cases() -> list:
-    """Cases again with the fp16 block sums (`Nvfp4Options.half_sums`, variant "nvfp4-half-sums"): the M = 1
-    GEMV on two whole-K tiles with PDL (its weights-first path), the decode MoE's gate/up with the landing
-    store and its per-pair down pass (the other whole-K callers take the same helper, `rows.dot_whole_k`)."""
-    names = ("gemv M=1 two whole-K tiles (2560) [PDL]", "moe decode gate_up + shared + host store + landing store, "
-             "more tokens", "moe decode down per pair + shared")
+    """Cases again with the fp16 block sums (`Nvfp4Options.half_sums`, variant "nvfp4-half-sums"): the decode
+    MoE's gate/up with the landing store and its per-pair down pass, their one user (the other whole-K callers
+    take the same helper, `rows.dot_whole_k`, with the fp32 sums)."""
+    names = ("moe decode gate_up + shared + host store + landing store, more tokens",
+             "moe decode down per pair + shared")
     return [(f"{name} [half sums]", kernel, signature, {**params, "HALF": True})
             for name, kernel, signature, params in CASES if name in names]
 

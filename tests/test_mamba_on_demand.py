@@ -145,7 +145,7 @@ def test_with_the_loan_a_grow_recalls_it_and_it_goes_out_again_beside_the_grown_
 
     monkeypatch.setattr(rank_state, "LOAN_KEEP_TOKENS", 32)  # (the real one, 2,048, is past the demo's chunk)
     fixed = LLM(**OPTS)
-    llm = LLM(mamba_on_demand=True, lend_prefill_reserve=True, **OPTS)
+    llm = LLM(mamba_on_demand=True, lend_prefill_reserve=True, loan_hold_s=2.0, **OPTS)  # (a hold: to see the grow)
     e = llm.engine
     clock = Clock()
     e.mamba_demand.clock = e.loan.clock = clock

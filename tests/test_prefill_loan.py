@@ -17,6 +17,7 @@ KEEP = 32
 SHORT = [5 + i % 7 for i in range(20)]
 LONG = list(range(10, 110))  # 100 tokens: more than KEEP, less than the chunk (256): a partial recall
 WHOLE = [5 + i % 200 for i in range(300)]  # a first chunk of 256 tokens: the whole reserve, the whole loan
+HOLD = 2.0  # a hold to see (the default, 0, lends at the first plain step)
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +45,7 @@ def greedy(llm, prompt, n=6):
 
 def test_lent_at_startup_recalled_by_a_long_step_and_lent_again():
     plain = make()
-    llm = make(lend_prefill_reserve=True)
+    llm = make(lend_prefill_reserve=True, loan_hold_s=HOLD)
     e = llm.engine
     clock = Clock()
     e.loan.clock = clock
@@ -67,7 +68,8 @@ def test_lent_at_startup_recalled_by_a_long_step_and_lent_again():
 
 
 def test_a_hold_of_zero_lends_at_the_first_plain_step_after_the_long_prompt():
-    llm = make(lend_prefill_reserve=True, loan_hold_s=0.0)
+    llm = make(lend_prefill_reserve=True)
+    assert llm.engine.loan.hold_s == 0.0  # the default (session 46: the decode after a long prompt gains 3%)
     e = llm.engine
     e.loan.clock = Clock()  # frozen: only the hold of 0 lets the loan out again
     lent = e.cache.lent
@@ -83,7 +85,7 @@ def test_a_step_between_the_kept_and_the_whole_chunk_recalls_only_what_it_needs(
     """A 100-token step on a 256-token chunk's reserve gives back what its activations need and leaves the rest
     lent (`RankState.loan_beside`); the whole loan goes out again once due."""
     plain = make()
-    llm = make(lend_prefill_reserve=True)
+    llm = make(lend_prefill_reserve=True, loan_hold_s=HOLD)
     e = llm.engine
     clock = Clock()
     e.loan.clock = clock
@@ -130,7 +132,9 @@ def test_the_loan_is_shown_and_refused_where_it_cannot_apply():
     llm = make(lend_prefill_reserve=True)
     banner = describe(llm.engine, "http://x")
     assert "prefill reserve:" in banner and "lent now" in banner and "--no-lend-prefill-reserve" in banner
-    assert "lent again 2 s after the last (--loan-hold-s;" in banner
+    assert "lent again at the first step after the last (--loan-hold-s;" in banner
+    assert "lent again 2 s after the last (--loan-hold-s;" in describe(make(lend_prefill_reserve=True,
+                                                                             loan_hold_s=HOLD).engine, "http://x")
     assert "prefill reserve:" not in describe(make().engine, "http://x")
     # the admin API's cache state, `ft ctl cache`, `ft top`'s pools, and the history entries' trigger
     from ft.ctl.format import format_cache
@@ -203,7 +207,7 @@ def test_a_ladder_move_while_lent_recalls_first_and_lends_again_at_the_new_rung(
     ladder = dict(enable_kv_ladder=True, ladder_step_size=256, cache_budget="20MiB", max_prefill_length=256,
                   max_running_requests=1)
     plain = LLM(**ladder)
-    llm = LLM(lend_prefill_reserve=True, **ladder)
+    llm = LLM(lend_prefill_reserve=True, loan_hold_s=HOLD, **ladder)
     e = llm.engine
     clock = Clock()
     e.loan.clock = clock
@@ -234,7 +238,7 @@ def test_a_prompt_past_the_rung_while_lent_is_served():
     ladder = dict(enable_kv_ladder=True, ladder_step_size=256, cache_budget="20MiB", max_prefill_length=256,
                   max_running_requests=1)
     plain = LLM(**ladder)
-    llm = LLM(lend_prefill_reserve=True, **ladder)
+    llm = LLM(lend_prefill_reserve=True, loan_hold_s=HOLD, **ladder)
     e = llm.engine
     assert e.cache.lent and e.cache.geometry.kv_tokens == e.ladder.rungs[0] == 512
     prompt = [5 + i % 200 for i in range(600)]  # past the first rung

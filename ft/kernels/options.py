@@ -39,21 +39,21 @@ class Nvfp4Options:
     lanes_ptx: the whole-K tiles (the M <= 8 GEMV, the decode MoE kernels) decode a word's 8
     elements to fp32 in inline PTX on a CUDA device (the same values as the Triton form, fewer
     instructions); off: the Triton form.
-    The fp16 block sums: the whole-K tiles at one x row (the M = 1 GEMV, the decode MoE's per-pair kernels)
-    sum each block's 16 products in an fp16 pair (`rows.dot_words_half`: four `fma.rn.f16x2` a word
-    of 8 elements where the fp32 form converts and multiplies each element; sm_90 SASS of the gate/up
-    kernel, one token at the 80B's shape: 728 -> 640 instructions, 78 -> 55 registers; the others in
-    bench/RESULTS.md session 42), for bf16 / fp16 models; x rounded to fp16 (a bf16 x's products exact), a
-    block's sums rounded in fp16 (~2**-11 of it), an x row with |x| >= 32,768 scaled by a power of two and
-    back (one reduction a program). half_sums: the decode MoE's kernels at two tokens or more, **on** (H200,
-    session 44, `bench/decode.py --replay-span 50`, MoE and GEMV together against the defaults then: the 80B's
-    step at batch 8 / 32 / 64 6.13 -> 5.52, 15.25 -> 13.05, 26.59 -> 22.75 ms, +11% / +17% / +17% tok/s, two
-    rounds alike; Flash-Next's (48 layers) at batch 8 11.59 -> 10.62 ms, +9%; the block alone 1.16-1.17x at
-    batch 8-64, error against the reference 1.6e-3, `bench/moe_decode.py`); half_sums_one_token: the same at
-    one token, half_sums_gemv: the M = 1 GEMV, both **off**: together at batch 1 the 80B gained 0.6%
-    (2.717 -> 2.690 ms) and Flash-Next lost 2.2% (3.955 -> 4.041 ms), which of the two lost is not yet
-    measured (variants "nvfp4-half-sums-one-token", "nvfp4-half-sums-gemv"; "nvfp4-half-sums" all three,
-    "nvfp4-no-half-sums" none).
+    The fp16 block sums: the decode MoE's per-pair whole-K tiles (one x row each) sum each block's 16
+    products in an fp16 pair (`rows.dot_words_half`: four `fma.rn.f16x2` a word of 8 elements where the
+    fp32 form converts and multiplies each element; sm_90 SASS of the gate/up kernel, one token at the
+    80B's shape: 728 -> 640 instructions, 78 -> 55 registers; the others in bench/RESULTS.md session 42),
+    for bf16 / fp16 models; x rounded to fp16 (a bf16 x's products exact), a block's sums rounded in fp16
+    (~2**-11 of it), an x row with |x| >= 32,768 scaled by a power of two and back (one reduction a
+    program). half_sums: those kernels at two tokens or more, **on** (H200, session 44, `bench/decode.py
+    --replay-span 50`, MoE and GEMV together against the defaults then: the 80B's step at batch 8 / 32 / 64
+    6.13 -> 5.52, 15.25 -> 13.05, 26.59 -> 22.75 ms, +11% / +17% / +17% tok/s, two rounds alike;
+    Flash-Next's (48 layers) at batch 8 11.59 -> 10.62 ms, +9%; the block alone 1.16-1.17x at batch 8-64,
+    error against the reference 1.6e-3, `bench/moe_decode.py`; variants "nvfp4-half-sums" (the default)
+    and "nvfp4-no-half-sums"). At one token, and in the M = 1 GEMV, they lost and were deleted (session 46,
+    H100, Flash-Next 40 layers at batch 1, replay 3.699 / 3.704 ms with neither against 3.752 with the MoE's
+    at one token and 3.716 with the GEMV's; session 44 had the 80B +0.6% with both): those kernels keep
+    the fp32 sums.
     (The K loop at M = 1 where K / 8 is the sum of two powers of two lost to two whole-K tiles: session 40,
     H200, Flash-Next's step at batch 1, GPU busy 4.83 -> 4.59 ms; its option `gemv_two_tiles` deleted, the
     two tiles always taken there; RESULTS.md sessions 39-40.)
@@ -80,8 +80,6 @@ class Nvfp4Options:
     dot_halves: bool = True
     lanes_ptx: bool = True
     half_sums: bool = True
-    half_sums_one_token: bool = False
-    half_sums_gemv: bool = False
     dot_split_k: int = 1
     dot_split_k_few_tiles: int = 4
     dot_split_k_small_m: int = 4
@@ -370,9 +368,7 @@ DEFAULTS = KernelOptions()
 VARIANTS: dict[str, dict[str, object]] = {
     "nvfp4-tile-small-m": {"nvfp4.small_m_whole_k": False},  # bench/decode.py --no-small-m-gemv
     "nvfp4-lanes-triton": {"nvfp4.lanes_ptx": False},  # bench/decode.py --no-lanes-ptx, bench/moe_decode.py
-    "nvfp4-half-sums": {"nvfp4.half_sums_one_token": True, "nvfp4.half_sums_gemv": True},  # and half_sums (on)
-    "nvfp4-half-sums-one-token": {"nvfp4.half_sums_one_token": True},
-    "nvfp4-half-sums-gemv": {"nvfp4.half_sums_gemv": True},
+    "nvfp4-half-sums": {"nvfp4.half_sums": True},  # the default (kept so that a test or bench names it)
     "nvfp4-no-half-sums": {"nvfp4.half_sums": False},  # the fp32 sums everywhere, as before session 44
     "nvfp4-dot-split-k-2": {"nvfp4.dot_split_k": 2},  # bench/decode.py --modes overlap:nvfp4-dot-split-k-2 --batches 32,64
     "nvfp4-dot-split-k-4": {"nvfp4.dot_split_k": 4},

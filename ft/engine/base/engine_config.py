@@ -67,8 +67,8 @@ class EngineConfig:
     # memory; None: when experts are offloaded on one CUDA GPU (`prefix_host_entries`)
     lend_prefill_reserve: bool | None = None  # expert slots borrow the prefill reserve's idle part
     # (`ft.engine.sched.loan`); None: when an offloaded cache fills the budget on one CUDA GPU (`lends_reserve`)
-    loan_hold_s: float = 2.0  # seconds with no long step and no long prompt pending before the loan goes out
-    # again (`ReserveLoan.hold_s`)
+    loan_hold_s: float = 0.0  # seconds with no long step and no long prompt pending before the loan goes out
+    # again (`ReserveLoan.hold_s`; 0: at the first plain step after it, the measured best, ft.engine.sched.loan)
     mamba_on_demand: bool = False  # device mamba slots for the running requests only, grown when one waits
     # for a slot and given back to expert slots when idle (`ft.engine.sched.mamba_demand`); offloaded, one GPU
     enable_kv_ladder: bool = False  # grow KV rung by rung when a request needs it, shrink back later

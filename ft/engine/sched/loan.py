@@ -7,11 +7,15 @@ a chat turn's prompt of a thousand tokens needs a tenth of it. While no step nee
 grows the expert pool past the budget by `loan_bytes`), and a step that needs more recalls what it
 needs first (`CacheManager.recall`, sized by `RankState.loan_beside`: the chunk's reserve less that
 step's; the pool shrinks by that much, the forgotten experts are read from host memory again when next
-used). The whole loan goes out again once no long prompt is pending and none ran for the hold
-(`EngineConfig.loan_hold_s`, 2 s by default), so that a stream of long prompts does not
-bounce it. The hold is a trade: the decode right after a long prompt runs on the smaller pool until it
-ends (issue 39's decode-after-8K row), while a shorter hold pays a lend and a recall (each a live rebuild,
-0.01-0.06 s) per long prompt of a stream; `bench/offload_prefill.py --loan-holds` measures both sides.
+used). The whole loan goes out again once no long prompt is pending (running with more than keep_tokens
+to compute, or waiting: a queue of long prompts keeps it in) and none ran for the hold
+(`EngineConfig.loan_hold_s`, 0 by default: at the first plain step after a long prompt's last chunk). The
+hold is a trade: the decode right after a long prompt runs on the smaller pool until it ends (issue 39's
+decode-after-8K row), while a shorter hold pays a lend and a recall (each a live rebuild, 0.01-0.06 s) per
+long prompt of a stream whose prompts arrive apart. `bench/offload_prefill.py --loan-holds` (H100, session
+46, the 80B on a 32 GiB card, 256 tokens after an 8K prompt): hold 0 192.0 / 192.2 / 191.3 tok/s, 1 s 191.1,
+2 s (the default before) 186.7 / 185.3, against ~200-202 after a 32-token prompt: 0.95-0.96 with no hold,
+0.92-0.93 with 2 s; the 8K prompt's TTFT alike (0.73-0.75 s; 0.73-0.84 at 2 s).
 
 Every resize other than the loan's recalls it first (`CacheManager.rebuild`), and the reachable ranges
 are the budget's alone, so what the server advertises stays reachable. The default where it can lend

@@ -456,8 +456,8 @@ def moe_decode_triton(
         raise ValueError("topk_dst needs the gate/up pass over whole-K tiles (BLOCK_W 0, H / 8 = 2^a or 2^a + 2^b, "
                          "2^a <= 1024)")
     asm = kernel_options().nvfp4.lanes_ptx and inline_ptx(x.device)  # the whole-K tiles' word decode in PTX
-    nv = kernel_options().nvfp4  # blocks summed in fp16 (whole-K tiles only), at one token only if asked
-    half = (nv.half_sums_one_token if t == 1 else nv.half_sums) and half_sums_take(x)
+    # blocks summed in fp16 (whole-K tiles only) from two tokens: at one they lost (bench/RESULTS.md session 46)
+    half = kernel_options().nvfp4.half_sums and t > 1 and half_sums_take(x)
     _moe_decode_gate_up_kernel[(t * ks, triton.cdiv(i, block_i))](
         x, slots, ids, dst, w13, s13, s2, sw13, ss13, ss2, hw13, hs13, hs2, h, live_ptr, i, hid,
         x.stride(0), slots.stride(0), ids.stride(0), dst.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),

@@ -80,9 +80,10 @@ def _nvfp4_gemv_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_sn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, WHOLE_K: tl.constexpr = 0,
-    ASM: tl.constexpr = False, PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0, HALF: tl.constexpr = False,
+    ASM: tl.constexpr = False, PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0,
 ):
-    # HALF (M = 1): each block's products summed in fp16 (`rows.dot_words_half`, `Nvfp4Options.half_sums_gemv`).
+    # fp32 block sums: the fp16 ones (`Nvfp4Options.half_sums`) lost here at one x row (bench/RESULTS.md
+    # session 46), so this kernel has none.
     # PDL (`ft.kernels.pdl`): the whole-K tile's weights are loaded before the wait (no kernel of
     # the step writes them), x after it; the K loop waits first
     i_n = tl.program_id(0)
@@ -94,19 +95,19 @@ def _nvfp4_gemv_kernel(
             # words WHOLE_K.. of each row, their scale bytes WHOLE_K / 2.., x's elements 8 WHOLE_K..
             pdl_wait(PDL)
             pdl_release(PDL)
-            b_y = rows_dot_whole_k(p_w, p_s, o_n, m_n, stride_wn, stride_sn, p_x, WHOLE_K, BLOCK_N, ASM, HALF)
+            b_y = rows_dot_whole_k(p_w, p_s, o_n, m_n, stride_wn, stride_sn, p_x, WHOLE_K, BLOCK_N, ASM, False)
             b_y += rows_dot_whole_k(p_w + WHOLE_K, p_s + WHOLE_K // 2, o_n, m_n, stride_wn, stride_sn,
-                                    p_x + 8 * WHOLE_K, WHOLE_K2, BLOCK_N, ASM, HALF)
+                                    p_x + 8 * WHOLE_K, WHOLE_K2, BLOCK_N, ASM, False)
             tl.store(p_y + o_n, (b_y * s2).to(p_y.dtype.element_ty), mask=m_n)
         elif BLOCK_M == 1 and not PDL:
-            b_y = rows_dot_whole_k(p_w, p_s, o_n, m_n, stride_wn, stride_sn, p_x, WHOLE_K, BLOCK_N, ASM, HALF)
+            b_y = rows_dot_whole_k(p_w, p_s, o_n, m_n, stride_wn, stride_sn, p_x, WHOLE_K, BLOCK_N, ASM, False)
             tl.store(p_y + o_n, (b_y * s2).to(p_y.dtype.element_ty), mask=m_n)
         elif BLOCK_M == 1:  # `rows_dot_whole_k` with the weights first
             b_w, b_sb = load_whole_k(p_w, p_s, o_n, m_n, stride_wn, stride_sn, WHOLE_K)
             pdl_wait(PDL)
             pdl_release(PDL)
             x0, x1, x2, x3, x4, x5, x6, x7 = x_lanes(p_x, WHOLE_K)
-            b_y = dot_whole_k(b_w, b_sb, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, BLOCK_N, ASM, HALF)
+            b_y = dot_whole_k(b_w, b_sb, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, BLOCK_N, ASM, False)
             tl.store(p_y + o_n, (b_y * s2).to(p_y.dtype.element_ty), mask=m_n)
         else:
             d0, d1, d2, d3, d4, d5, d6, d7, b_s = whole_k_tile(p_w, p_s, o_n, m_n, stride_wn, stride_sn, WHOLE_K, ASM)
@@ -419,8 +420,6 @@ def nvfp4_linear_triton(
         if cfg["WHOLE_K"] == 0 and cfg["BLOCK_W"] < 2:
             raise ValueError(f"a whole-K config for K {k} at M {m}, which neither one nor two whole-K tiles take")
         cfg["ASM"] = bool(cfg.get("ASM", kernel_options().nvfp4.lanes_ptx)) and cfg["WHOLE_K"] > 0 and inline_ptx(x.device)
-        cfg["HALF"] = bool(cfg.get("HALF", kernel_options().nvfp4.half_sums_gemv)) and half_sums_take(x) and \
-            cfg["WHOLE_K"] > 0 and cfg["BLOCK_M"] == 1
         words = as_words(packed)
         _nvfp4_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             x, words, scale_u8, s2, y, m, n, k, x.stride(0), words.stride(0), scale_u8.stride(0), y.stride(0), **cfg,
