@@ -72,6 +72,14 @@ DOT_SMALL_SWEEP = [
     for bn, bk, nw, st, sw in [(32, 256, 4, 3, False), (64, 128, 4, 3, False), (64, 256, 4, 3, True), (64, 128, 4, 3, True),
                                (128, 128, 4, 3, True), (64, 128, 4, 4, True), (128, 64, 4, 4, True), (64, 256, 4, 2, True)]
 ]
+DOT_HALVES_SMALL_SWEEP = [
+    {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": nw, "num_stages": st, "SPLIT_K": sk}
+    for bn, bk, nw, st, sk in [(32, 256, 4, 3, 2), (32, 256, 4, 3, 4), (32, 256, 2, 3, 1), (32, 256, 8, 3, 1),
+                               (32, 512, 4, 2, 1), (32, 128, 4, 4, 1), (32, 256, 4, 4, 1), (16, 256, 4, 3, 1),
+                               (16, 256, 2, 3, 1), (64, 256, 4, 3, 1), (64, 128, 4, 3, 1), (64, 256, 8, 3, 1)]
+]
+"""Decode batches of 3-16 rows on the halves (the tile `_dot_config` takes there, 16 x 32 x 256 in 4 warps and 3
+stages, against other widths, depths, warps, stages and K split over 2 or 4 programs, session 46)."""
 DOT_MID_SWEEP = [
     {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": nw, "num_stages": 3, "HALVES": hv,
      "SPLIT_K": sk}
@@ -183,8 +191,8 @@ def decode_rows(args, base, say, failures):
                 elif m > 16:
                     cands = [("dot", c) for c in DOT_MID_SWEEP]
                 else:
-                    cands = [("dot", c) for c in DOT_SMALL_SWEEP[:1]] + [("gemv", c) for c in GEMV_M8_SWEEP] \
-                        + [("dot", dict(DOT_SMALL_SWEEP[0], SPLIT_K=sk)) for sk in (2, 4, 8)]
+                    cands = [("dot", c) for c in DOT_SMALL_SWEEP[:1] + DOT_HALVES_SMALL_SWEEP] \
+                        + [("gemv", c) for c in GEMV_M8_SWEEP]
                 for path, cfg in cands:
                     try:
                         err = s.check(nvfp4_linear_triton, path=path, config=cfg)
