@@ -6,7 +6,7 @@ fused block with its whole-K word decode in Triton against inline PTX (kernel va
         [--variants NAME[,NAME...]]
 
 `--variants`: the fused block under each named kernel variant (`ft.kernels.options.VARIANTS`, e.g.
-nvfp4-half-sums) against the defaults, timed in turns (default, variants, default, variants: the
+nvfp4-no-half-sums) against the defaults, timed in turns (default, variants, default, variants: the
 better of two each), with each one's error against the reference: a table of its own.
 
 `--grouped`: instead, at batch 8, 16, 32 and 64 with uniform routing (pairs per distinct expert

@@ -497,7 +497,7 @@ CASES += _pdl_cases()
 
 
 def _half_sum_cases() -> list:
-    """Cases again with the fp16 block sums (`Nvfp4Options.half_sums`, variant "nvfp4-half-sums"): the decode
+    """Cases again with the fp16 block sums (`Nvfp4Options.half_sums`, on by default): the decode
     MoE's gate/up with the landing store and its per-pair down pass, their one user (the other whole-K callers
     take the same helper, `rows.dot_whole_k`, with the fp32 sums)."""
     names = ("moe decode gate_up + shared + host store + landing store, more tokens",

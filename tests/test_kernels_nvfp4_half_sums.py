@@ -1,4 +1,4 @@
-"""The decode MoE's fp16 block sums (`Nvfp4Options.half_sums`, variant "nvfp4-half-sums"): the Triton
+"""The decode MoE's fp16 block sums (`Nvfp4Options.half_sums`, on by default): the Triton
 stand-in of `pair_half_sum` against fp16 sums taken in torch in the same order, bit for bit; the decode MoE
 against the reference on one and two whole-K tiles; fp32 models keep the fp32 sums, bit for bit; an x row
 past `HALF_SUM_LIMIT` is scaled, not overflowed; which launches take them by default. Interpreter on the CPU
@@ -23,7 +23,7 @@ from ft.kernels.options import use_kernel_options, variant  # noqa: E402
 from ft.tools.nvfp4_quantize import quantize_nvfp4  # noqa: E402
 from triton_flags import spy_launches  # noqa: E402
 
-HALF = variant("nvfp4-half-sums")
+HALF = variant(**{"nvfp4.half_sums": True})  # (the default, named: the tests hold whatever the default)
 
 
 def test_pair_half_sum_stand_in_is_fp16_sums_in_order():

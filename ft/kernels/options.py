@@ -49,8 +49,8 @@ class Nvfp4Options:
     --replay-span 50`, MoE and GEMV together against the defaults then: the 80B's step at batch 8 / 32 / 64
     6.13 -> 5.52, 15.25 -> 13.05, 26.59 -> 22.75 ms, +11% / +17% / +17% tok/s, two rounds alike;
     Flash-Next's (48 layers) at batch 8 11.59 -> 10.62 ms, +9%; the block alone 1.16-1.17x at batch 8-64,
-    error against the reference 1.6e-3, `bench/moe_decode.py`; variants "nvfp4-half-sums" (the default)
-    and "nvfp4-no-half-sums"). At one token, and in the M = 1 GEMV, they lost and were deleted (session 46,
+    error against the reference 1.6e-3, `bench/moe_decode.py`; variant
+    "nvfp4-no-half-sums" turns them off). At one token, and in the M = 1 GEMV, they lost and were deleted (session 46,
     H100, Flash-Next 40 layers at batch 1, replay 3.699 / 3.704 ms with neither against 3.752 with the MoE's
     at one token and 3.716 with the GEMV's; session 44 had the 80B +0.6% with both): those kernels keep
     the fp32 sums.
@@ -368,7 +368,6 @@ DEFAULTS = KernelOptions()
 VARIANTS: dict[str, dict[str, object]] = {
     "nvfp4-tile-small-m": {"nvfp4.small_m_whole_k": False},  # bench/decode.py --no-small-m-gemv
     "nvfp4-lanes-triton": {"nvfp4.lanes_ptx": False},  # bench/decode.py --no-lanes-ptx, bench/moe_decode.py
-    "nvfp4-half-sums": {"nvfp4.half_sums": True},  # the default (kept so that a test or bench names it)
     "nvfp4-no-half-sums": {"nvfp4.half_sums": False},  # the fp32 sums everywhere, as before session 44
     "nvfp4-dot-split-k-2": {"nvfp4.dot_split_k": 2},  # bench/decode.py --modes overlap:nvfp4-dot-split-k-2 --batches 32,64
     "nvfp4-dot-split-k-4": {"nvfp4.dot_split_k": 4},

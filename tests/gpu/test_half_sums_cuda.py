@@ -1,4 +1,4 @@
-"""The fp16 block sums (`Nvfp4Options.half_sums`, variant "nvfp4-half-sums") on the GPU: the inline PTX
+"""The fp16 block sums (`Nvfp4Options.half_sums`, on by default) on the GPU: the inline PTX
 of `pair_half_sum` against its Triton stand-in and the exact sums, the decode MoE (their one user, from two
 tokens) at both models' shapes against the reference, and an x row past `HALF_SUM_LIMIT` (scaled by a power of
 two) finite and as close."""
@@ -16,7 +16,7 @@ from ft.kernels.options import use_kernel_options, variant
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
-HALF = variant("nvfp4-half-sums")
+HALF = variant(**{"nvfp4.half_sums": True})  # (the default, named)
 NO_HALF = variant("nvfp4-no-half-sums")
 
 
