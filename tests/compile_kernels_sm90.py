@@ -80,7 +80,7 @@ ROUTER = {"p_logits": "*bf16", "p_w": "*bf16", "p_ids": "*i64", "p_table": "*i64
 MOE_DECODE_GATE_UP = {"p_x": "*bf16", "p_slots": "*i32", "p_ids": "*i64", "p_dst": "*i32", "p_w13": "*i32",
                       "p_s13": "*u8", "p_s2": "*fp32", "p_sw13": "*i32", "p_ss13": "*u8", "p_ss2": "*fp32",
                       "p_hw13": "*i32", "p_hs13": "*u8", "p_hs2": "*fp32", "p_h": "*fp32", "p_live": "*i64",
-                      **ints("I", "H", "stride_xt", "stride_st", "stride_it", "stride_dt", "stride_w13e", "stride_w13r",
+                      **ints("I", "H", "P", "stride_xt", "stride_st", "stride_it", "stride_dt", "stride_w13e", "stride_w13r",
                              "stride_s13e", "stride_s13r", "stride_s2e", "stride_hw13e", "stride_hs13e",
                              "stride_hs2e", "stride_ht")}
 MOE_DECODE_DOWN_PAIRS = {"p_h": "*fp32", "p_slots": "*i32", "p_ids": "*i64", "p_dst": "*i32", "p_wts": "*bf16",
@@ -277,6 +277,14 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("moe decode gate_up + host store + landing store, padding rows skipped", moe_dec._moe_decode_gate_up_kernel,
      MOE_DECODE_GATE_UP, {"TOPK": 10, "HAS_SHARED": True, "HAS_HOST": True, "HAS_DST": True, "HAS_LIVE": True,
                           **moe_cfg(moe_dec.DECODE_GATE_UP_CONFIG[2], 256, "BLOCK_I")}),
+    ("moe decode gate_up + shared, experts shared by two tokens, padding rows skipped", moe_dec._moe_decode_gate_up_kernel,
+     MOE_DECODE_GATE_UP, {"TOPK": 10, "HAS_SHARED": True, "HAS_HOST": False, "HAS_DST": False, "HAS_LIVE": True,
+                          "SHARE": True, "BLOCK_P": 1024, "HALF": True,
+                          **moe_cfg(moe_dec.DECODE_GATE_UP_CONFIG[2], 256, "BLOCK_I")}),
+    ("moe decode gate_up + shared, experts shared by two tokens, two whole-K tiles (2560)",
+     moe_dec._moe_decode_gate_up_kernel, MOE_DECODE_GATE_UP,
+     {"TOPK": 10, "HAS_SHARED": True, "HAS_HOST": False, "HAS_DST": False, "SHARE": True, "BLOCK_P": 1024,
+      "HALF": True, **moe_cfg(moe_dec.DECODE_GATE_UP_CONFIG[2], 256, "BLOCK_I"), "WHOLE_K2": 64}),
     ("moe decode gate_up, K loop", moe_dec._moe_decode_gate_up_kernel, MOE_DECODE_GATE_UP,
      {"TOPK": 10, "HAS_SHARED": False, "HAS_HOST": False, "HAS_DST": False, **moe_cfg((8, 64, 4), 256, "BLOCK_I")}),
     ("moe decode down + sum + shared", moe_dec._moe_decode_down_kernel, MOE_DECODE_DOWN,
@@ -501,7 +509,7 @@ def _half_sum_cases() -> list:
     MoE's gate/up with the landing store and its per-pair down pass, their one user (the other whole-K callers
     take the same helper, `rows.dot_whole_k`, with the fp32 sums)."""
     names = ("moe decode gate_up + shared + host store + landing store, more tokens",
-             "moe decode down per pair + shared")
+             "moe decode down per pair + shared", "moe decode gate_up + shared, padding rows skipped")
     return [(f"{name} [half sums]", kernel, signature, {**params, "HALF": True})
             for name, kernel, signature, params in CASES if name in names]
 

@@ -122,13 +122,24 @@ class MoeOptions:
     launch a MoE layer fewer; off (variant "moe-sum-own-launch"): the sum kernel. On by its launch count
     (48 a step fewer on Qwen3.8-Flash-Next) and by its A/B, a tie at batch 8: the 40-layer model's step on
     the H100 (session 38, one process, two rounds) at 196.0 / 190.8 tok/s at batch 1 against 190.9 / 188.0
-    with the sum kernel, 656.1 / 653.5 against 655.8 / 654.8 at batch 8."""
+    with the sum kernel, 656.1 / 653.5 against 655.8 / 654.8 at batch 8.
+    decode_share_min_tokens: from this many tokens (0: never), the decode MoE's gate/up pass takes two
+    pairs that read the same expert in one program (`decode_kernel._share_partner`), decoding the expert's
+    tile once for both tokens (`rows.dot_words_half2`, `decode.pair_half_sum2`: 4 + 8 instead of 2 x (4 + 4)
+    conversions and FMAs a word, the nibbles' bit work once), every row with the bits of the
+    program-per-pair form; with the fp16 sums only (`Nvfp4Options.half_sums`: bf16 / fp16 models). The per-pair kernels are bound by their instructions (session 27: ~6.4 a
+    weight element and pair at batch 64), and at batch 32 / 64 a distinct expert has 1.33 / 1.75 pairs
+    (uniform routing): the pass's decode work falls by up to that much, less the pair search (a load of
+    the step's slot table and two reductions a program). Off by default: **not measured yet** (session 46
+    wrote it; variant "moe-decode-share-experts" turns it on from 16 tokens; the down pass is per pair
+    still)."""
 
     grouped_words: bool = True
     grouped_tile: tuple | None = None
     grouped_max_tokens: int = 16384
     decode_sum_in_down: bool = True
     decode_tiles_one_token: tuple | None = ((4, 0, 2), (16, 0, 4))
+    decode_share_min_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -387,6 +398,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "hc-read-dot-only": {"hyper_connection.fma_read_max_tokens": 0},  # the same
     "hc-write-own-launch": {"hyper_connection.write_into_read": False},  # the same
     "moe-sum-own-launch": {"moe.decode_sum_in_down": False},  # the same
+    "moe-decode-share-experts": {"moe.decode_share_min_tokens": 16},  # bench/decode.py --modes, bench/moe_decode.py
     "gated-delta-ba-own-launch": {"gated_delta.decode_ba_in_conv": False},  # the same
     "qsa-prefill-select-torch": {"qsa.prefill_select_kernel": False},  # bench/prefill.py --variant
 }

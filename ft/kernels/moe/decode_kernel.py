@@ -26,7 +26,7 @@ from ft.kernels.moe.kernel import moe_sum_pairs_kernel
 from ft.kernels.norm.kernel import rms_rstd, norm_warps, add_rms_norm_triton
 from ft.kernels.limits import whole_k_pieces
 from ft.kernels.nvfp4.kernel import as_words, half_sums_take
-from ft.kernels.nvfp4.rows import (dot_whole_k, load_whole_k, store_whole_k, x_lanes, nvfp4_rows_dot,
+from ft.kernels.nvfp4.rows import (dot_whole_k, dot_words_half2, load_whole_k, store_whole_k, x_lanes, nvfp4_rows_dot,
                                   rows_dot_whole_k)
 
 __all__ = ["moe_decode_triton"]
@@ -81,16 +81,48 @@ def _pair_source(p_slots, p_ids, p_dst, i_t, j, stride_st, stride_it, stride_dt,
 
 
 @triton.jit
+def _share_partner(p_slots, p_live, i_p, is_shared, slot, P, stride_st, TOPK: tl.constexpr, KS: tl.constexpr,
+                   HAS_LIVE: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Pairs that read the same expert, two to a program (`MoeOptions.decode_share_min_tokens`): pair i_p
+    (flat index t * KS + j of P) reading `slot` (or the shared expert) -> (rank, partner). rank: how many
+    pairs before it read the same expert (a routed pair without a slot, or a padding token's with
+    HAS_LIVE, reads none and pairs with nobody); partner: the next pair reading it, P when none. A pair
+    of even rank computes itself and its partner; one of odd rank is its partner's (it stores nothing)."""
+    o_q = tl.arange(0, BLOCK_P)
+    m_q = o_q < P
+    t_q = o_q // KS
+    j_q = o_q % KS
+    s_q = tl.load(p_slots + t_q * stride_st + j_q, mask=m_q & (j_q < TOPK), other=-1).to(tl.int64)
+    key_q = tl.where(j_q >= TOPK, -2, s_q)  # the shared expert: a key of its own; -1: no expert
+    reads = m_q & (key_q != -1)
+    if HAS_LIVE:
+        reads = reads & (tl.load(p_live + t_q, mask=m_q, other=-1) >= 0)
+    same = reads & (key_q == tl.where(is_shared, -2, slot))
+    rank = tl.sum((same & (o_q < i_p)).to(tl.int32), axis=0)
+    partner = tl.min(tl.where(same & (o_q > i_p), o_q, P), axis=0)
+    return rank, partner
+
+
+@triton.jit
+def _gate_up_h(b_gu, p_g, BLOCK_I: tl.constexpr):
+    """A pair's gate and up rows, interleaved ([2 * BLOCK_I], / scale_2) -> h = silu(gate) * up, fp32 [BLOCK_I]."""
+    b_g, b_u = tl.split(tl.reshape(b_gu, (BLOCK_I, 2)))
+    b_g = b_g * tl.load(p_g)
+    b_u = b_u * tl.load(p_g + 1)
+    return b_g / (1.0 + tl.exp(-b_g)) * b_u
+
+
+@triton.jit
 def _moe_decode_gate_up_kernel(
     p_x, p_slots, p_ids, p_dst, p_w13, p_s13, p_s2, p_sw13, p_ss13, p_ss2, p_hw13, p_hs13, p_hs2, p_h, p_live,
-    I, H,
+    I, H, P,
     stride_xt, stride_st, stride_it, stride_dt, stride_w13e, stride_w13r, stride_s13e, stride_s13r, stride_s2e,
     stride_hw13e, stride_hs13e, stride_hs2e, stride_ht,
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr,
     WHOLE_K: tl.constexpr = 0, HAS_HOST: tl.constexpr = False, HAS_DST: tl.constexpr = False,
     ASM: tl.constexpr = False,
     PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0, HAS_LIVE: tl.constexpr = False,
-    HALF: tl.constexpr = False,
+    HALF: tl.constexpr = False, SHARE: tl.constexpr = False, BLOCK_P: tl.constexpr = 1,
 ):
     """Grid (T * KS, I / BLOCK_I), KS = TOPK + HAS_SHARED: h[t * KS + j] = silu(x[t] @ gate^T) * (x[t] @ up^T)
     (fp32) of pair j of token t: the expert in slot topk_slots[t, j] for j < TOPK, the shared expert
@@ -105,7 +137,11 @@ def _moe_decode_gate_up_kernel(
     contract), so the stores race with no load.
     HAS_LIVE: token t is live when p_live[t] >= 0 (a decode step's KV slots: a padding row writes
     nowhere, -1); a dead token's pairs store zeros and return before any weight is read, except a
-    pair that lands an expert (HAS_DST), which runs whole so that the slot is filled."""
+    pair that lands an expert (HAS_DST), which runs whole so that the slot is filled.
+    SHARE (whole-K tiles with HALF, no host store; P = T * KS pairs, BLOCK_P >= P): pairs that read the same
+    expert go two to a program (`_share_partner`): the pair of even rank decodes the tile once for both
+    tokens (`dot_words_half2`) and stores both rows of h, its partner's program stores nothing; every row
+    has the bits of the program-per-pair form."""
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
     pdl_release(PDL)
     KS: tl.constexpr = TOPK + HAS_SHARED
@@ -121,6 +157,15 @@ def _moe_decode_gate_up_kernel(
             o_z = i_i * BLOCK_I + tl.arange(0, BLOCK_I)
             tl.store(p_h + i_p * stride_ht + o_z, tl.zeros((BLOCK_I,), dtype=tl.float32), mask=o_z < I)
             return
+    partner = P
+    if SHARE:
+        tl.static_assert(WHOLE_K > 0 and HALF and not HAS_HOST, "sharing takes the whole-K tile's fp16 sums and no "
+                                                                "host store")
+        rank, partner = _share_partner(p_slots, p_live, i_p, is_shared, slot, P, stride_st, TOPK, KS, HAS_LIVE,
+                                       BLOCK_P)
+        if on & (rank % 2 == 1):  # the partner of the pair before it: that program stores this row
+            return
+        partner = tl.where(on, partner, P)
     # NOTE: the shared expert and the host store are pointer choices, not branches: one code path
     p_w = tl.where(is_shared, p_sw13, tl.where(from_host, p_hw13 + eid * stride_hw13e, p_w13 + slot * stride_w13e))
     p_s = tl.where(is_shared, p_ss13, tl.where(from_host, p_hs13 + eid * stride_hs13e, p_s13 + slot * stride_s13e))
@@ -148,18 +193,29 @@ def _moe_decode_gate_up_kernel(
             o_3 = tl.arange(0, 4)
             m_3 = o_3 < tl.where(land & (i_i == 0), 3, 0)
             tl.store(p_s2 + dst * stride_s2e + o_3, tl.load(p_g + o_3, mask=m_3, other=0.0), mask=m_3)
-        b_gu = dot_whole_k(b_w, b_sb, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, 2 * BLOCK_I, ASM, HALF)
-        if WHOLE_K2 > 0:
-            b_gu += dot_whole_k(c_w, c_sb, y0, y1, y2, y3, y4, y5, y6, y7, WHOLE_K2, 2 * BLOCK_I, ASM, HALF)
+        if SHARE and partner < P:  # the partner's token too, from the tile decoded once
+            p_xq = p_x + (partner // KS) * stride_xt
+            z0, z1, z2, z3, z4, z5, z6, z7 = x_lanes(p_xq, WHOLE_K)
+            b_gu, q_gu = dot_words_half2(b_w, b_sb, x0, x1, x2, x3, x4, x5, x6, x7, z0, z1, z2, z3, z4, z5, z6, z7,
+                                         WHOLE_K, 2 * BLOCK_I, ASM)
+            if WHOLE_K2 > 0:
+                v0, v1, v2, v3, v4, v5, v6, v7 = x_lanes(p_xq + 8 * WHOLE_K, WHOLE_K2)
+                b_gu2, q_gu2 = dot_words_half2(c_w, c_sb, y0, y1, y2, y3, y4, y5, y6, y7, v0, v1, v2, v3, v4, v5, v6,
+                                               v7, WHOLE_K2, 2 * BLOCK_I, ASM)
+                b_gu += b_gu2
+                q_gu += q_gu2
+            o_hq = i_i * BLOCK_I + tl.arange(0, BLOCK_I)
+            tl.store(p_h + partner * stride_ht + o_hq, _gate_up_h(q_gu, p_g, BLOCK_I), mask=o_hq < I)
+        else:
+            b_gu = dot_whole_k(b_w, b_sb, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, 2 * BLOCK_I, ASM, HALF)
+            if WHOLE_K2 > 0:
+                b_gu += dot_whole_k(c_w, c_sb, y0, y1, y2, y3, y4, y5, y6, y7, WHOLE_K2, 2 * BLOCK_I, ASM, HALF)
     else:
         tl.static_assert(not HAS_DST, "the landing store takes the whole-K tile")
         o_t = tl.zeros((1,), dtype=tl.int32) + i_t
         b_gu = nvfp4_rows_dot(p_w, p_s, o_r, o_i < I, stride_w13r, stride_s13r, p_x, o_t, o_t >= 0, stride_xt, 0,
                               tl.where(on, H // 8, 0), 1, 2 * BLOCK_I, BLOCK_W)
-    b_g, b_u = tl.split(tl.reshape(b_gu, (BLOCK_I, 2)))
-    b_g = b_g * tl.load(p_g)
-    b_u = b_u * tl.load(p_g + 1)
-    b_h = b_g / (1.0 + tl.exp(-b_g)) * b_u
+    b_h = _gate_up_h(b_gu, p_g, BLOCK_I)
     o_h = i_i * BLOCK_I + tl.arange(0, BLOCK_I)
     if HAS_LIVE:  # (a dead token's landing pair: the expert landed, its h is zeros like the others')
         on = on & (dead == 0)
@@ -458,12 +514,17 @@ def moe_decode_triton(
     asm = kernel_options().nvfp4.lanes_ptx and inline_ptx(x.device)  # the whole-K tiles' word decode in PTX
     # blocks summed in fp16 (whole-K tiles only) from two tokens: at one they lost (bench/RESULTS.md session 46)
     half = kernel_options().nvfp4.half_sums and t > 1 and half_sums_take(x)
+    # experts shared by two tokens, two pairs a program (`MoeOptions.decode_share_min_tokens`; whole-K tiles with
+    # the fp16 sums, no host store)
+    share_from = kernel_options().moe.decode_share_min_tokens
+    share = bool(share_from) and t >= share_from and not has_host and whole13 > 0 and half
     _moe_decode_gate_up_kernel[(t * ks, triton.cdiv(i, block_i))](
-        x, slots, ids, dst, w13, s13, s2, sw13, ss13, ss2, hw13, hs13, hs2, h, live_ptr, i, hid,
+        x, slots, ids, dst, w13, s13, s2, sw13, ss13, ss2, hw13, hs13, hs2, h, live_ptr, i, hid, t * ks,
         x.stride(0), slots.stride(0), ids.stride(0), dst.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
         s13.stride(1), s2.stride(0), hw13.stride(0), hs13.stride(0), hs2.stride(0), h.stride(0), TOPK=k,
         HAS_SHARED=has_shared, BLOCK_I=block_i, BLOCK_W=bw13, WHOLE_K=whole13, HAS_HOST=has_host, HAS_DST=has_dst,
-        ASM=asm and whole13 > 0, WHOLE_K2=whole13b, HAS_LIVE=has_live, HALF=half and whole13 > 0, num_warps=warps13,
+        ASM=asm and whole13 > 0, WHOLE_K2=whole13b, HAS_LIVE=has_live, HALF=half and whole13 > 0, SHARE=share,
+        BLOCK_P=triton.next_power_of_2(t * ks) if share else 1, num_warps=warps13,
         **pdl_args(x.device))
     fuse_norm = residual is not None and norm_weight is not None
     if per_pair and whole2:  # (a row's K in one tile; other shapes take the loop)
