@@ -1,6 +1,6 @@
 """The decode MoE's gate/up pass with experts shared by two tokens (`MoeOptions.decode_share_min_tokens`,
-variant "moe-decode-share-experts"): two pairs that read the same expert in one program, the tile decoded
-once (`rows.dot_whole_k2`, `decode.pair_half_sum2`). Every row of the block's output has the bits of the
+variant "moe-decode-share-experts"): two pairs that read the same expert in one program of the gate/up and
+of the per-pair down pass, the tile decoded once (`rows.dot_words_half2`, `decode.pair_half_sum2`). Every row of the block's output has the bits of the
 program-per-pair form: runs of 1-4 pairs on one slot, the shared expert (a run of every token), skipped
 pairs (slot -1), padding tokens, one and two whole-K tiles, bf16 and fp16 x (the fp16 block sums, which
 sharing needs: an fp32 model keeps a program a pair). Interpreter on the CPU (tests/gpu: the PTX, which
@@ -18,6 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 from ft.kernels.moe import moe_decode_ref  # noqa: E402
+from ft.kernels.moe.decode_tiles import sum_counters_needed  # noqa: E402
 from ft.kernels.moe.decode_kernel import moe_decode_triton  # noqa: E402
 from ft.kernels.options import use_kernel_options, variant  # noqa: E402
 from triton_flags import spy_launches  # noqa: E402
@@ -44,16 +45,36 @@ def test_shared_experts_keep_every_rows_bits(monkeypatch, tokens, hidden, slots,
     import ft.kernels.moe.decode_kernel as details
 
     gate_up = spy_launches(monkeypatch, details, "_moe_decode_gate_up_kernel")
+    down = spy_launches(monkeypatch, details, "_moe_decode_down_pairs_kernel")
     x, table, weights, w, shared = _case(tokens, hidden, slots, 11 + tokens, skip)
     x, weights = x.to(dtype), weights.to(dtype)
     base = moe_decode_triton(x, table, weights, w, shared)
-    assert gate_up[-1]["SHARE"] is False
+    assert gate_up[-1]["SHARE"] is False and down[-1]["SHARE"] is False
     with use_kernel_options(SHARE):
         y = moe_decode_triton(x, table, weights, w, shared)
-    assert gate_up[-1]["SHARE"] is True and gate_up[-1]["BLOCK_P"] >= tokens * 3
+    assert gate_up[-1]["SHARE"] is True and gate_up[-1]["BLOCK_P"] >= tokens * 3 and down[-1]["SHARE"] is True
     assert torch.equal(y, base)
     ref = moe_decode_ref(x, table, weights, w, shared)
     assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-2
+
+
+def test_the_down_pass_summing_its_pairs_counts_each_partner_once(monkeypatch):
+    """With the sum in the down pass (`MoeOptions.decode_sum_in_down`, `sum_counters`), a pair's program also
+    counts its partner's row on the partner token's counter: every token is summed once, with the bits of
+    a program a pair, and the counters are left at zero (the next launch's and a graph replay's)."""
+    import ft.kernels.moe.decode_kernel as details
+
+    down = spy_launches(monkeypatch, details, "_moe_decode_down_pairs_kernel")
+    x, table, weights, w, shared = _case(6, 80, 3, 21, 0.2)
+    x, weights = x.bfloat16(), weights.bfloat16()
+    counters = torch.zeros(sum_counters_needed(6, 80), dtype=torch.int32)
+    base = moe_decode_triton(x, table, weights, w, shared, sum_counters=counters)
+    assert down[-1]["SUM"] is True and not counters.any()
+    with use_kernel_options(SHARE):
+        y = moe_decode_triton(x, table, weights, w, shared, sum_counters=counters)
+        assert down[-1]["SUM"] is True and down[-1]["SHARE"] is True and not counters.any()
+        again = moe_decode_triton(x, table, weights, w, shared, sum_counters=counters)
+    assert torch.equal(y, base) and torch.equal(again, base)
 
 
 def test_padding_tokens_pair_with_nobody(monkeypatch):

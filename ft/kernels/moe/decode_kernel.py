@@ -279,13 +279,13 @@ def _moe_decode_down_kernel(
 @triton.jit
 def _moe_decode_down_pairs_kernel(
     p_h, p_slots, p_ids, p_dst, p_wts, p_w2, p_s2w, p_s2, p_sw2, p_ss2w, p_ss2, p_hw2, p_hs2w, p_hs2, p_yp, p_live,
-    I, H,
+    I, H, P,
     stride_ht, stride_st, stride_it, stride_dt, stride_wt, stride_w2e, stride_w2r, stride_s2we, stride_s2wr,
     stride_s2e, stride_hw2e, stride_hs2we, stride_hs2e, stride_yp, p_count, p_y, stride_yt,
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, WHOLE_K: tl.constexpr,
     HAS_HOST: tl.constexpr = False, HAS_DST: tl.constexpr = False, ASM: tl.constexpr = False,
     PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0, HAS_LIVE: tl.constexpr = False,
-    SUM: tl.constexpr = False, HALF: tl.constexpr = False,
+    SUM: tl.constexpr = False, HALF: tl.constexpr = False, SHARE: tl.constexpr = False, BLOCK_P: tl.constexpr = 1,
 ):
     """Grid (T * KS, H / BLOCK_H): yp[p] = wts[t, j] * (h[p] @ down_j^T) (fp32) for pair p = t * KS + j,
     zeros for a skipped pair; `moe_sum_pairs_kernel` then sums each token's KS pairs in order, or with
@@ -295,7 +295,9 @@ def _moe_decode_down_pairs_kernel(
     a token's pairs in one program). HAS_HOST: a pair without a slot reads the host store, as in
     `_moe_decode_gate_up_kernel`; HAS_DST: such a pair with topk_dst[t, j] = d >= 0 also stores the
     raw w2 rows and block scales it loaded into slot d (the gate/up kernel lands the rest). HAS_LIVE:
-    as in the gate/up kernel (a dead token's pairs store zeros; a landing one lands, then stores zeros)."""
+    as in the gate/up kernel (a dead token's pairs store zeros; a landing one lands, then stores zeros).
+    SHARE: as in the gate/up kernel (P pairs, BLOCK_P >= P; with HALF, no host store): the pair of even rank
+    also computes, stores and (with SUM) counts its partner's row; the partner's program does nothing."""
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
     pdl_release(PDL)
     KS: tl.constexpr = TOPK + HAS_SHARED
@@ -312,6 +314,14 @@ def _moe_decode_down_pairs_kernel(
             if SUM:
                 _sum_when_last(p_yp, p_count, p_y, i_t, o_h, H, stride_yp, stride_yt, KS, BLOCK_H)
             return
+    partner = P
+    if SHARE:
+        tl.static_assert(HALF and not HAS_HOST, "sharing takes the fp16 sums and no host store")
+        rank, partner = _share_partner(p_slots, p_live, i_p, is_shared, slot, P, stride_st, TOPK, KS, HAS_LIVE,
+                                       BLOCK_P)
+        if on & (rank % 2 == 1):  # the partner of the pair before it: that program stores and counts this row
+            return
+        partner = tl.where(on, partner, P)
     p_w = tl.where(is_shared, p_sw2, tl.where(from_host, p_hw2 + eid * stride_hw2e, p_w2 + slot * stride_w2e))
     p_s = tl.where(is_shared, p_ss2w, tl.where(from_host, p_hs2w + eid * stride_hs2we, p_s2w + slot * stride_s2we))
     p_g = tl.where(is_shared, p_ss2, tl.where(from_host, p_hs2 + eid * stride_hs2e, p_s2 + slot * stride_s2e))
@@ -329,9 +339,26 @@ def _moe_decode_down_pairs_kernel(
         store_whole_k(p_dw, p_ds, o_h, m_d, stride_w2r, stride_s2wr, b_w, b_sb, WHOLE_K)
         if WHOLE_K2 > 0:
             store_whole_k(p_dw + WHOLE_K, p_ds + WHOLE_K // 2, o_h, m_d, stride_w2r, stride_s2wr, c_w, c_sb, WHOLE_K2)
-    b_y = dot_whole_k(b_w, b_sb, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, BLOCK_H, ASM, HALF)
-    if WHOLE_K2 > 0:
-        b_y += dot_whole_k(c_w, c_sb, y0, y1, y2, y3, y4, y5, y6, y7, WHOLE_K2, BLOCK_H, ASM, HALF)
+    if SHARE and partner < P:  # the partner's row too, from the tile decoded once
+        p_hq = p_h + partner * stride_ht
+        z0, z1, z2, z3, z4, z5, z6, z7 = x_lanes(p_hq, WHOLE_K)
+        b_y, q_y = dot_words_half2(b_w, b_sb, x0, x1, x2, x3, x4, x5, x6, x7, z0, z1, z2, z3, z4, z5, z6, z7,
+                                   WHOLE_K, BLOCK_H, ASM)
+        if WHOLE_K2 > 0:
+            v0, v1, v2, v3, v4, v5, v6, v7 = x_lanes(p_hq + 8 * WHOLE_K, WHOLE_K2)
+            b_y2, q_y2 = dot_words_half2(c_w, c_sb, y0, y1, y2, y3, y4, y5, y6, y7, v0, v1, v2, v3, v4, v5, v6, v7,
+                                         WHOLE_K2, BLOCK_H, ASM)
+            b_y += b_y2
+            q_y += q_y2
+        t_q = partner // KS
+        q_wt = tl.load(p_wts + t_q * stride_wt + partner % KS).to(tl.float32) * tl.load(p_g + 2)
+        tl.store(p_yp + partner * stride_yp + o_h, q_y * q_wt, mask=o_h < H)
+        if SUM:
+            _sum_when_last(p_yp, p_count, p_y, t_q, o_h, H, stride_yp, stride_yt, KS, BLOCK_H)
+    else:
+        b_y = dot_whole_k(b_w, b_sb, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, BLOCK_H, ASM, HALF)
+        if WHOLE_K2 > 0:
+            b_y += dot_whole_k(c_w, c_sb, y0, y1, y2, y3, y4, y5, y6, y7, WHOLE_K2, BLOCK_H, ASM, HALF)
     b_wt = tl.load(p_wts + i_t * stride_wt + j).to(tl.float32) * tl.load(p_g + 2)
     if HAS_LIVE:
         on = on & (dead == 0)
@@ -517,7 +544,7 @@ def moe_decode_triton(
     # experts shared by two tokens, two pairs a program (`MoeOptions.decode_share_min_tokens`; whole-K tiles with
     # the fp16 sums, no host store)
     share_from = kernel_options().moe.decode_share_min_tokens
-    share = bool(share_from) and t >= share_from and not has_host and whole13 > 0 and half
+    share = bool(share_from) and t >= share_from and not has_host and whole13 > 0 and whole2 > 0 and half
     _moe_decode_gate_up_kernel[(t * ks, triton.cdiv(i, block_i))](
         x, slots, ids, dst, w13, s13, s2, sw13, ss13, ss2, hw13, hs13, hs2, h, live_ptr, i, hid, t * ks,
         x.stride(0), slots.stride(0), ids.stride(0), dst.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
@@ -534,12 +561,13 @@ def moe_decode_triton(
                      and sum_counters.dtype == torch.int32 and sum_counters.device == x.device
                      and sum_counters.numel() >= t * blocks and y.stride(-1) == 1)
         _moe_decode_down_pairs_kernel[(t * ks, blocks)](
-            h, slots, ids, dst, wts, w2, s2w, s2, sw2, ss2w, ss2, hw2, hs2w, hs2, y_pairs, live_ptr, i, hid,
+            h, slots, ids, dst, wts, w2, s2w, s2, sw2, ss2w, ss2, hw2, hs2w, hs2, y_pairs, live_ptr, i, hid, t * ks,
             h.stride(0), slots.stride(0), ids.stride(0), dst.stride(0), wts.stride(0), w2.stride(0), w2.stride(1),
             s2w.stride(0), s2w.stride(1), s2.stride(0), hw2.stride(0), hs2w.stride(0), hs2.stride(0), y_pairs.stride(0),
             sum_counters if sums_here else slots, y, y.stride(0),
             TOPK=k, HAS_SHARED=has_shared, BLOCK_H=block_h, WHOLE_K=whole2, HAS_HOST=has_host, HAS_DST=has_dst,
-            ASM=asm, WHOLE_K2=whole2b, HAS_LIVE=has_live, SUM=sums_here, HALF=half, num_warps=warps2,
+            ASM=asm, WHOLE_K2=whole2b, HAS_LIVE=has_live, SUM=sums_here, HALF=half, SHARE=share,
+            BLOCK_P=triton.next_power_of_2(t * ks) if share else 1, num_warps=warps2,
             **pdl_args(x.device))
         if sums_here:
             return y
