@@ -130,9 +130,15 @@ class MoeOptions:
     program-per-pair form; with the fp16 sums only (`Nvfp4Options.half_sums`: bf16 / fp16 models). The per-pair kernels are bound by their instructions (session 27: ~6.4 a
     weight element and pair at batch 64), and at batch 32 / 64 a distinct expert has 1.33 / 1.75 pairs
     (uniform routing): the pass's decode work falls by up to that much, less the pair search (a load of
-    the step's slot table and two reductions a program). Off by default: **not measured yet** (session 46
-    wrote it; variant "moe-decode-share-experts" turns it on from 16 tokens; the down pass is per pair
-    still)."""
+    the step's slot table and two reductions a program). Both passes (gate/up and the per-pair down; with
+    the down pass's own sum, a pair's program also counts its partner's row). Static sm_90 SASS (this
+    wheel's compiler, the compile cases of `tests/compile_kernels_sm90.py`): the 80B's gate/up at 8 rows a
+    program, 1,000 instructions a pair alone against 2,488 for the sharing kernel (the one-pair path, the
+    two-pair path of ~1,400 for two pairs, the search), 71 -> 105 registers; down alike (1,000 -> 2,544,
+    80 -> 127). So a shared pair costs ~0.7 of a lone one, and at batch 64 (~60% of pairs shared) the
+    passes' instructions fall ~10%, less if the registers cost occupancy. Off by default: **not measured
+    yet** (session 46 wrote it with no device time left; variant "moe-decode-share-experts" turns it on
+    from 16 tokens)."""
 
     grouped_words: bool = True
     grouped_tile: tuple | None = None
