@@ -4,7 +4,8 @@
 Run by tests/test_kernels_compile.py in a subprocess (the interpreter, which the other kernel tests
 turn on, must be off here). Catches what the interpreter does not: type errors across control flow,
 layouts or tiles the compiler rejects. Prints one line per kernel; exit status 1 if any failed.
-`--regs` adds registers, stack (spills) and shared memory; `--loops` each loop's SASS instruction mix; `--only S` the cases named with S; `--loads` adds each kernel's global load instructions by kind (`load_counts`: scalar loads where
+`--regs` adds registers, stack (spills) and shared memory; `--loops` each loop's SASS instruction mix; `--ops`
+the whole kernel's; `--only S` the cases named with S; `--loads` adds each kernel's global load instructions by kind (`load_counts`: scalar loads where
 16-byte ones were meant show a mask the compiler could not see through).
 """
 
@@ -574,18 +575,32 @@ def _bin_tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def loop_bodies(compiled) -> list[str]:
-    """Each loop of the kernel's SASS (a backward branch to a label): its instruction count and the
-    opcodes that fill it. A static view of the hot loop without a GPU (what the device runs is
-    triton 3.6's code: the counts here are this wheel's compiler's); a body holds the branches that
-    are skipped at run time too."""
+def _sass(compiled) -> str:
+    """The kernel's SASS, from the nvdisasm that the triton wheel carries."""
     import subprocess
     import tempfile
 
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        out = subprocess.run([_bin_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([_bin_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
+
+
+def opcode_mix(compiled) -> str:
+    """The kernel's SASS instructions, all of them (every branch, taken or not): their count and the
+    opcodes that fill it (a static view: e.g. the decode MoE's lone-pair kernel against the one that
+    shares experts)."""
+    ops = Counter(m[1].split(".")[0] for line in _sass(compiled).splitlines()
+                  if (m := re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)[^;]*;", line)))
+    return f"{sum(ops.values())} instructions: " + ", ".join(f"{o} {n}" for o, n in ops.most_common(8))
+
+
+def loop_bodies(compiled) -> list[str]:
+    """Each loop of the kernel's SASS (a backward branch to a label): its instruction count and the
+    opcodes that fill it. A static view of the hot loop without a GPU (what the device runs is
+    triton 3.6's code: the counts here are this wheel's compiler's); a body holds the branches that
+    are skipped at run time too."""
+    out = _sass(compiled)
     ins, labels, pending = [], {}, []
     for line in out.splitlines():
         if m := re.match(r"\s*(\.L_x_\d+):", line):
@@ -607,10 +622,11 @@ def loop_bodies(compiled) -> list[str]:
 def main() -> int:
     """Compile every case; with --loads, also print each kernel's load instructions (`load_counts`);
     with --regs, its registers, stack (spills) and shared memory (`resource_usage`); with --loops,
-    its loops' instruction mix (`loop_bodies`); --only SUBSTRING picks cases by name; --shard I/N
+    its loops' instruction mix (`loop_bodies`); with --ops, its whole SASS's (`opcode_mix`); --only SUBSTRING
+    picks cases by name; --shard I/N
     compiles every N-th case from the I-th (the test runs the shards in parallel processes)."""
     args = sys.argv[1:]
-    loads, regs, loops = "--loads" in args, "--regs" in args, "--loops" in args
+    loads, regs, loops, ops = "--loads" in args, "--regs" in args, "--loops" in args, "--ops" in args
     only = args[args.index("--only") + 1] if "--only" in args else ""
     shard, shards = map(int, args[args.index("--shard") + 1].split("/")) if "--shard" in args else (0, 1)
     failed = 0
@@ -625,6 +641,8 @@ def main() -> int:
                   + (f"  [{resource_usage(compiled)}]" if regs else ""), flush=True)
             for line in loop_bodies(compiled) if loops else []:
                 print(f"          {line}")
+            if ops:
+                print(f"          {opcode_mix(compiled)}")
         except Exception as exc:  # noqa: BLE001 (report every kernel)
             failed += 1
             print(f"FAILED  {name}: {type(exc).__name__}: {str(exc)[-600:]}", flush=True)
