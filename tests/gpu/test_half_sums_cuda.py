@@ -34,6 +34,20 @@ def random_nvfp4(n: int, k: int, lead: tuple = ()):
     return packed, scale, (torch.full((*lead, 3), 0.01, device=DEV) if lead else torch.tensor(0.01, device=DEV))
 
 
+def moe_case(hidden: int, inter: int, batch: int):
+    """A decode MoE block's inputs at a model's shapes: 64 random experts (so that top-10 reads each one by
+    several tokens), a shared expert, bf16 x: (x, slots, weights, pool, shared)."""
+    experts, top_k = 64, 10
+    w13, s13, g = random_nvfp4(2 * inter, hidden, (experts,))
+    w2, s2, _ = random_nvfp4(hidden, inter, (experts,))
+    pool = SlotWeights(w13, w2, s13, s2, g)
+    shared = SlotWeights(*(t[:1].clone() for t in pool))
+    slots = torch.stack([torch.randperm(experts, device=DEV)[:top_k] for _ in range(batch)])
+    wts = torch.cat([torch.softmax(torch.randn(batch, top_k, device=DEV), -1), torch.rand(batch, 1, device=DEV)],
+                    1).bfloat16()
+    return torch.randn(batch, hidden, device=DEV, dtype=torch.bfloat16), slots, wts, pool, shared
+
+
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16], ids=["bf16-x", "fp16-x"])
 def test_pair_half_sum_ptx_against_stand_in_and_exact_sums(x_dtype):
     """Each block's PTX sum (fma.rn.f16x2) within fp16's rounding of its running sums (2**-11 a step, 8
@@ -58,15 +72,7 @@ def test_pair_half_sum_ptx_against_stand_in_and_exact_sums(x_dtype):
 @pytest.mark.parametrize(("hidden", "inter", "batch"), [(2048, 512, 2), (2048, 512, 8), (2560, 640, 2),
                                                         (2560, 640, 8)], ids=["80b-b2", "80b-b8", "fn-b2", "fn-b8"])
 def test_moe_decode_half_sums_at_model_shapes(hidden, inter, batch):
-    experts, top_k = 64, 10
-    w13, s13, g = random_nvfp4(2 * inter, hidden, (experts,))
-    w2, s2, _ = random_nvfp4(hidden, inter, (experts,))
-    pool = SlotWeights(w13, w2, s13, s2, g)
-    shared = SlotWeights(*(t[:1].clone() for t in pool))
-    slots = torch.stack([torch.randperm(experts, device=DEV)[:top_k] for _ in range(batch)])
-    wts = torch.cat([torch.softmax(torch.randn(batch, top_k, device=DEV), -1), torch.rand(batch, 1, device=DEV)],
-                    1).bfloat16()
-    x = torch.randn(batch, hidden, device=DEV, dtype=torch.bfloat16)
+    x, slots, wts, pool, shared = moe_case(hidden, inter, batch)
     ref = moe_decode_ref(x, slots, wts, pool, shared)
     with use_kernel_options(NO_HALF):  # (the default takes the fp16 sums from two tokens)
         base = moe_decode_triton(x, slots, wts, pool, shared)
@@ -87,15 +93,7 @@ def test_moe_decode_shared_experts_keep_the_bits(hidden, inter, batch):
     """Experts shared by two tokens (variant "moe-decode-share-experts": two pairs a program, the tile decoded
     once, `pair_half_sum2`'s PTX) against a program a pair: the same bits, with 64 experts for top-10 (every
     expert read by several tokens) and the padding rows of a graph bucket."""
-    experts, top_k = 64, 10
-    w13, s13, g = random_nvfp4(2 * inter, hidden, (experts,))
-    w2, s2, _ = random_nvfp4(hidden, inter, (experts,))
-    pool = SlotWeights(w13, w2, s13, s2, g)
-    shared = SlotWeights(*(t[:1].clone() for t in pool))
-    slots = torch.stack([torch.randperm(experts, device=DEV)[:top_k] for _ in range(batch)])
-    wts = torch.cat([torch.softmax(torch.randn(batch, top_k, device=DEV), -1), torch.rand(batch, 1, device=DEV)],
-                    1).bfloat16()
-    x = torch.randn(batch, hidden, device=DEV, dtype=torch.bfloat16)
+    x, slots, wts, pool, shared = moe_case(hidden, inter, batch)
     live = torch.arange(batch, device=DEV)
     live[-3:] = -1
     base = moe_decode_triton(x, slots, wts, pool, shared, live=live)
