@@ -93,6 +93,13 @@ class MoeOptions:
     rows allow (sm_90 SASS: the gate_up loop 802 -> 520 instructions a step, down 833 -> 554; H200,
     bench/moe_prefill.py --words, one layer of 512 experts, top-10: 1,024 tokens 1.131 -> 0.868 ms,
     4,096 tokens 1.959 -> 1.790 ms, the same error against the reference).
+    grouped_f16: a bf16 model's grouped passes run their MMAs in fp16: x converted once a pass (saturated
+    at fp16's largest, 65,504), h stored in fp16 (saturated the same way), so that the fp16 word decode
+    feeds the MMA as it is; in bf16 every decoded element is converted again (sm_90 SASS, the compile
+    cases at the default tiles: the gate_up loop 520 -> 456 instructions a K step, its 64 F2F gone; down
+    554 -> 490, 217 -> 192 registers). fp16 keeps 3 more mantissa bits than bf16; what it loses is range
+    (|x| or |h| past 65,504 saturates, under ~6e-5 loses bits). Off: **not measured yet** (session 46;
+    variant "moe-grouped-f16").
     grouped_tile: one grouped tile for every pass (`grouped_kernel.GROUPED_CONFIG`'s form: one
     (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, SWAP_AB]) tuple or a (gate_up, down) pair),
     for sweeps (bench/prefill.py --grouped-configs); None, the default: by the pass's length
@@ -141,6 +148,7 @@ class MoeOptions:
     from 16 tokens)."""
 
     grouped_words: bool = True
+    grouped_f16: bool = False
     grouped_tile: tuple | None = None
     grouped_max_tokens: int = 16384
     decode_sum_in_down: bool = True
@@ -393,6 +401,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "nvfp4-dot-no-split-k-small-m": {"nvfp4.dot_split_k_small_m": 1},
     "nvfp4-dot-interleaved": {"nvfp4.dot_halves": False},  # bench/decode.py --no-dot-halves
     "moe-bytes": {"moe.grouped_words": False},  # bench/moe_prefill.py, bench/prefill.py
+    "moe-grouped-f16": {"moe.grouped_f16": True},  # the same
     "attention-prefill-reference": {"prefill_attention.triton_on_cuda": False},  # bench/prefill.py --modes
     "attention-prefill-triton-only": {"prefill_attention.library_on_cuda": False},  # bench/prefill.py --library
     "gated-delta-solve-ieee": {"gated_delta.solve_precision": "ieee"},  # bench/gated_delta_prefill.py
