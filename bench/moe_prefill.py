@@ -1,6 +1,7 @@
 """The MoE block of a prefill chunk (routed experts only), NVFP4 slots against torch bf16. Not a test.
 
     PYTHONPATH=. python3 bench/moe_prefill.py [--tokens 1024,4096,8192] [--sweep] [--split] [--words]
+        [--variants NAME[,NAME...]]
 
 Flagship shapes: 512 experts (all resident), hidden 2048, intermediate 512, top-10, random routing
 (every expert gets ~T * 10 / 512 pairs). Rows:
@@ -11,6 +12,9 @@ Flagship shapes: 512 experts (all resident), hidden 2048, intermediate 512, top-
 * torch bf16: the same experts dequantized to bf16, tokens sorted by expert, `torch._grouped_mm`
   for gate_up and down (cuBLAS grouped GEMM) plus the torch glue: the "GEMM speed" the issue
   compares against.
+
+`--variants`: "after" again under each named kernel variant (`ft.kernels.options.VARIANTS`, e.g.
+moe-grouped-f16), then "after" once more (the defaults, timed on both sides of the variants).
 
 Times are `triton.testing.do_bench` medians; TFLOP/s counts 2 * pairs * 3 * H * I. `--sweep` also
 times the block configurations in SWEEP. Prints a table last.
@@ -78,6 +82,7 @@ def main() -> None:
     ap.add_argument("--words", action="store_true",
                     help="also time the library's tiles with the byte-wise weight decode (kernel variant moe-bytes; "
                          "the default decodes words)")
+    ap.add_argument("--variants", default="", help="kernel variants timed as 'after' rows of their own")
     ap.add_argument("--split", action="store_true",
                     help="4,096-token passes: SPLIT_TILES for gate_up alone, then for down alone (the other: BASE_4K)")
     args = ap.parse_args()
@@ -105,6 +110,11 @@ def main() -> None:
             run("before", partial(moe_over_slots_triton, x, ids, wts, pool, grouped=True,
                                   grouped_config=(32, 64, 128, 4, 3)))
         run("after", partial(moe_over_slots_triton, x, ids, wts, pool, grouped=True))
+        for name in (v for v in args.variants.split(",") if v):
+            with use_kernel_options(variant(name)):
+                run(f"after, {name}", partial(moe_over_slots_triton, x, ids, wts, pool, grouped=True))
+        if args.variants:
+            run("after, again", partial(moe_over_slots_triton, x, ids, wts, pool, grouped=True))
         if args.words:
             with use_kernel_options(variant("moe-bytes")):
                 run("after, byte decode", partial(moe_over_slots_triton, x, ids, wts, pool, grouped=True))
