@@ -39,8 +39,8 @@ def _case(tokens: int, hidden: int, slots: int, seed: int, skip: float = 0.0):
 
 
 @pytest.mark.parametrize(("tokens", "hidden", "slots", "dtype", "skip"), [
-    (5, 64, 3, torch.bfloat16, 0.0), (6, 80, 4, torch.bfloat16, 0.2), (7, 64, 2, torch.float16, 0.0),
-    (4, 80, 3, torch.float16, 0.3)], ids=["bf16-one-tile", "bf16-two-tiles-skips", "fp16-runs-of-7", "fp16-two-tiles-skips"])
+    (5, 64, 3, torch.bfloat16, 0.0), (6, 80, 4, torch.bfloat16, 0.2), (7, 64, 2, torch.float16, 0.0)],
+    ids=["bf16-one-tile", "bf16-two-tiles-skips", "fp16-runs-of-7"])
 def test_shared_experts_keep_every_rows_bits(monkeypatch, tokens, hidden, slots, dtype, skip):
     import ft.kernels.moe.decode_kernel as details
 
@@ -65,9 +65,9 @@ def test_the_down_pass_summing_its_pairs_counts_each_partner_once(monkeypatch):
     import ft.kernels.moe.decode_kernel as details
 
     down = spy_launches(monkeypatch, details, "_moe_decode_down_pairs_kernel")
-    x, table, weights, w, shared = _case(6, 80, 3, 21, 0.2)
+    x, table, weights, w, shared = _case(4, 80, 2, 21, 0.2)
     x, weights = x.bfloat16(), weights.bfloat16()
-    counters = torch.zeros(sum_counters_needed(6, 80), dtype=torch.int32)
+    counters = torch.zeros(sum_counters_needed(4, 80), dtype=torch.int32)
     base = moe_decode_triton(x, table, weights, w, shared, sum_counters=counters)
     assert down[-1]["SUM"] is True and not counters.any()
     with use_kernel_options(SHARE):
