@@ -49,11 +49,10 @@ class Nvfp4Options:
     --replay-span 50`, MoE and GEMV together against the defaults then: the 80B's step at batch 8 / 32 / 64
     6.13 -> 5.52, 15.25 -> 13.05, 26.59 -> 22.75 ms, +11% / +17% / +17% tok/s, two rounds alike;
     Flash-Next's (48 layers) at batch 8 11.59 -> 10.62 ms, +9%; the block alone 1.16-1.17x at batch 8-64,
-    error against the reference 1.6e-3, `bench/moe_decode.py`; variant
-    "nvfp4-no-half-sums" turns them off). At one token, and in the M = 1 GEMV, they lost and were deleted (session 46,
-    H100, Flash-Next 40 layers at batch 1, replay 3.699 / 3.704 ms with neither against 3.752 with the MoE's
-    at one token and 3.716 with the GEMV's; session 44 had the 80B +0.6% with both): those kernels keep
-    the fp32 sums.
+    error against the reference 1.6e-3, `bench/moe_decode.py`; variant "nvfp4-no-half-sums" turns them
+    off). At one token, and in the M = 1 GEMV, they lost and were deleted (session 46, H100, Flash-Next 40
+    layers at batch 1, replay 3.699 / 3.704 ms with neither against 3.752 with the MoE's at one token and
+    3.716 with the GEMV's; session 44 had the 80B +0.6% with both): those kernels keep the fp32 sums.
     (The K loop at M = 1 where K / 8 is the sum of two powers of two lost to two whole-K tiles: session 40,
     H200, Flash-Next's step at batch 1, GPU busy 4.83 -> 4.59 ms; its option `gemv_two_tiles` deleted, the
     two tiles always taken there; RESULTS.md sessions 39-40.)
@@ -130,15 +129,16 @@ class MoeOptions:
     (48 a step fewer on Qwen3.8-Flash-Next) and by its A/B, a tie at batch 8: the 40-layer model's step on
     the H100 (session 38, one process, two rounds) at 196.0 / 190.8 tok/s at batch 1 against 190.9 / 188.0
     with the sum kernel, 656.1 / 653.5 against 655.8 / 654.8 at batch 8.
-    decode_share_min_tokens: from this many tokens (0: never), the decode MoE's gate/up pass takes two
-    pairs that read the same expert in one program (`decode_kernel._share_partner`), decoding the expert's
-    tile once for both tokens (`rows.dot_words_half2`, `decode.pair_half_sum2`: 4 + 8 instead of 2 x (4 + 4)
-    conversions and FMAs a word, the nibbles' bit work once), every row with the bits of the
-    program-per-pair form; with the fp16 sums only (`Nvfp4Options.half_sums`: bf16 / fp16 models). The per-pair kernels are bound by their instructions (session 27: ~6.4 a
-    weight element and pair at batch 64), and at batch 32 / 64 a distinct expert has 1.33 / 1.75 pairs
+    decode_share_min_tokens: from this many tokens (0: never), the decode MoE's gate/up and per-pair down
+    passes take two pairs that read the same expert in one program (`decode_kernel._share_partner`),
+    decoding the expert's tile once for both tokens (`rows.dot_words_half2`, `decode.pair_half_sum2`: 4 + 8
+    instead of 2 x (4 + 4) conversions and FMAs a word, the nibbles' bit work once), every row with the
+    bits of the program-per-pair form; with the fp16 sums only (`Nvfp4Options.half_sums`: bf16 / fp16
+    models). The per-pair kernels are bound by their instructions (session 27: ~6.4 a weight element and
+    pair at batch 64), and at batch 32 / 64 a distinct expert has 1.33 / 1.75 pairs
     (uniform routing): the pass's decode work falls by up to that much, less the pair search (a load of
-    the step's slot table and two reductions a program). Both passes (gate/up and the per-pair down; with
-    the down pass's own sum, a pair's program also counts its partner's row). Static sm_90 SASS (this
+    the step's slot table and two reductions a program). With the down pass's own sum, a pair's program
+    also counts its partner's row. Static sm_90 SASS (this
     wheel's compiler, the compile cases of `tests/compile_kernels_sm90.py`): the 80B's gate/up at 8 rows a
     program, 1,000 instructions a pair alone against 2,488 for the sharing kernel (the one-pair path, the
     two-pair path of ~1,400 for two pairs, the search), 71 -> 105 registers; down alike (1,000 -> 2,544,
