@@ -130,7 +130,7 @@ class MoeOptions:
     the H100 (session 38, one process, two rounds) at 196.0 / 190.8 tok/s at batch 1 against 190.9 / 188.0
     with the sum kernel, 656.1 / 653.5 against 655.8 / 654.8 at batch 8.
     decode_share_min_tokens: from this many tokens (0: never), the decode MoE's gate/up and per-pair down
-    passes take two pairs that read the same expert in one program (`decode_kernel._share_partner`),
+    passes take two pairs that read the same expert in one program (`moe_decode_triton`'s SHARE launches),
     decoding the expert's tile once for both tokens (`rows.dot_words_half2`, `decode.pair_half_sum2`: 4 + 8
     instead of 2 x (4 + 4) conversions and FMAs a word, the nibbles' bit work once), every row with the
     bits of the program-per-pair form; with the fp16 sums only (`Nvfp4Options.half_sums`: bf16 / fp16
