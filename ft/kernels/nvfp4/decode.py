@@ -206,7 +206,7 @@ def pair_half_sum2(w1, w2, a02, a13, a46, a57, b02, b13, b46, b57, c02, c13, c46
     `pair_half_sum`'s Triton form once a token."""
     if ASM:
         ra, rb = tl.inline_asm_elementwise(
-            _PAIR_HALF_SUM2_PTX, "=f,=f," + ",".join(["r"] * 18),
+            _PAIR_HALF_SUM2_PTX, "=f,=f,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
             [w1, w2, a02, a13, a46, a57, b02, b13, b46, b57, c02, c13, c46, c57, d02, d13, d46, d57],
             dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
     else:
