@@ -123,11 +123,14 @@ def main() -> None:
         raise SystemExit("--context takes positive lengths, --modes eager, graphs, overlap and/or pdl (repeats allowed), "
                          f"each optionally :VARIANT[:VARIANT] (ft.kernels.options.VARIANTS); got {bad or modes}")
     t0 = time.perf_counter()
+    chunk = 4096 if max(contexts) > 1024 else 1024
+    # (each row's KV: its prompt, the timed steps, the warm steps and the margin `started_batch` gives it)
+    row_tokens = max(contexts) + args.tokens + 64 + prefill_margin(max(batches), max(contexts), chunk)
     eng = Engine(EngineConfig(model=f"synthetic:{args.config}", device="cuda", dtype="bfloat16",
                               moe_backend="resident",
-                              num_tokens=max(16384, (max(contexts) + args.tokens + 64) * max(batches)),
+                              num_tokens=max(16384, row_tokens * max(batches)),
                               mamba_cache_size=2 * max(batches), max_running_requests=max(batches),
-                              max_prefill_length=4096 if max(contexts) > 1024 else 1024,
+                              max_prefill_length=chunk,
                               cuda_graph_max_bs=max(batches), kv_cache_dtype=args.kv_cache_dtype,
                               overlap_decode=args.overlap_decode))
     print(f"engine up in {time.perf_counter() - t0:.1f} s, geometry {eng.cache.geometry}", flush=True)
@@ -204,23 +207,21 @@ def set_variants(graphs, base, names: list[str]) -> None:
 
 
 def timed_decode(eng, prompt: list[int], batch: int, tokens: int) -> tuple[float, float]:
-    """(tokens/s over the batch, ms per step) of greedy decode after each request's first token."""
-    seqs = [eng.add_request([t + i for t in prompt], SamplingParams(max_new_tokens=tokens, temperature=0.0,
-                                                                    ignore_eos=True)) for i in range(batch)]
-    while any(not s.output_ids for s in seqs):
-        eng.step()
-    for _ in range(3):  # warm: the first steps of a bucket capture its graph
-        eng.step()
-    done = sum(len(s.output_ids) for s in seqs)
+    """(tokens/s over the batch, ms per step) of `tokens` greedy decode steps with every row running, after each
+    request's first tokens (`started_batch`: a long prompt's prefill does not end in the timed steps, nor do its
+    early rows finish there)."""
+    seqs = started_batch(eng, prompt, batch, tokens)
     torch.cuda.synchronize()
     t1 = time.perf_counter()
-    steps = 0
-    while any(not s.is_finished for s in seqs):
+    for _ in range(tokens):
         eng.step()
-        steps += 1
     torch.cuda.synchronize()
     dt = time.perf_counter() - t1
-    return (sum(len(s.output_ids) for s in seqs) - done) / dt, dt / max(1, steps) * 1e3
+    running = sum(not s.is_finished for s in seqs)
+    eng.run_until_done(seqs)
+    if running < batch:
+        raise RuntimeError(f"timed_decode: {batch - running} of {batch} rows finished inside the timed steps")
+    return batch * tokens / dt, dt / max(1, tokens) * 1e3
 
 
 def bytes_per_step(eng, batch: int, context: int) -> int:
@@ -239,10 +240,7 @@ def profile_steps(eng, prompt, steps: int, batch: int = 1) -> None:
     """Where a decode step's time goes at `batch` sequences: host time per op, GPU kernel time, launches per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    seqs = [eng.add_request([t + i for t in prompt], SamplingParams(max_new_tokens=steps + 4, temperature=0.0,
-                                                                    ignore_eos=True)) for i in range(batch)]
-    while any(len(s.output_ids) < 2 for s in seqs):
-        eng.step()
+    seqs = started_batch(eng, prompt, batch, steps)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -271,7 +269,7 @@ def gpu_step_time(eng, prompt, batch: int, steps: int) -> tuple[float, float, di
     two steps that capture or warm the bucket's graph."""
     from torch.profiler import ProfilerActivity, profile
 
-    seqs = started_batch(eng, prompt, batch, steps + 6)
+    seqs = started_batch(eng, prompt, batch, steps)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -284,11 +282,22 @@ def gpu_step_time(eng, prompt, batch: int, steps: int) -> tuple[float, float, di
     return busy / steps / 1e3, sum(e.count for e in cuda) / steps, per_kernel
 
 
-def started_batch(eng, prompt, batch: int, max_new_tokens: int) -> list:
-    """`batch` fresh greedy sequences (the prompt's ids shifted by the row) stepped until each has three tokens:
-    the bucket's graph captured (or its kernels warm) before what the caller times."""
-    seqs = [eng.add_request([t + i for t in prompt], SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
-                                                                    ignore_eos=True)) for i in range(batch)]
+def prefill_margin(batch: int, context: int, chunk: int) -> int:
+    """Decode steps a batch's early rows may take while its later rows' prompts prefill (`batch` prompts of
+    `context` tokens in chunks of at most `chunk`, twice over for steps whose chunk is cut by running
+    decodes), and 8 more."""
+    return 2 * -(-batch * context // chunk) + 8
+
+
+def started_batch(eng, prompt, batch: int, steps: int) -> list:
+    """`batch` fresh greedy sequences (the prompt's ids shifted by the row) stepped until each has three tokens
+    (the bucket's graph captured or its kernels warm), each then with at least `steps` steps left: the rows
+    prefilled first decode while the others' prompts prefill, and a margin (`prefill_margin`) keeps them running
+    through the steps the caller times, so those steps hold the whole batch."""
+    margin = prefill_margin(batch, len(prompt), eng.config.max_prefill_length)
+    seqs = [eng.add_request([t + i for t in prompt], SamplingParams(max_new_tokens=steps + 3 + margin,
+                                                                    temperature=0.0, ignore_eos=True))
+            for i in range(batch)]
     while any(len(s.output_ids) < 3 for s in seqs):
         eng.step()
     return seqs
@@ -362,10 +371,7 @@ def host_profile_steps(eng, prompt, steps: int, batch: int = 1) -> None:
     import cProfile
     import pstats
 
-    seqs = [eng.add_request([t + i for t in prompt], SamplingParams(max_new_tokens=2 * steps + 8, temperature=0.0,
-                                                                    ignore_eos=True)) for i in range(batch)]
-    while any(len(s.output_ids) < 4 for s in seqs):
-        eng.step()
+    seqs = started_batch(eng, prompt, batch, 2 * steps + 2)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
