@@ -81,14 +81,14 @@ ROUTER = {"p_logits": "*bf16", "p_w": "*bf16", "p_ids": "*i64", "p_table": "*i64
 MOE_DECODE_GATE_UP = {"p_x": "*bf16", "p_slots": "*i32", "p_ids": "*i64", "p_dst": "*i32", "p_w13": "*i32",
                       "p_s13": "*u8", "p_s2": "*fp32", "p_sw13": "*i32", "p_ss13": "*u8", "p_ss2": "*fp32",
                       "p_hw13": "*i32", "p_hs13": "*u8", "p_hs2": "*fp32", "p_h": "*fp32", "p_live": "*i64",
-                      **ints("I", "H", "P", "stride_xt", "stride_st", "stride_it", "stride_dt", "stride_w13e", "stride_w13r",
+                      **ints("I", "H", "stride_xt", "stride_st", "stride_it", "stride_dt", "stride_w13e", "stride_w13r",
                              "stride_s13e", "stride_s13r", "stride_s2e", "stride_hw13e", "stride_hs13e",
                              "stride_hs2e", "stride_ht")}
 MOE_DECODE_DOWN_PAIRS = {"p_h": "*fp32", "p_slots": "*i32", "p_ids": "*i64", "p_dst": "*i32", "p_wts": "*bf16",
                          "p_w2": "*i32", "p_s2w": "*u8", "p_s2": "*fp32", "p_sw2": "*i32", "p_ss2w": "*u8",
                          "p_ss2": "*fp32", "p_hw2": "*i32", "p_hs2w": "*u8", "p_hs2": "*fp32", "p_yp": "*fp32",
                          "p_live": "*i64",
-                         **ints("I", "H", "P", "stride_ht", "stride_st", "stride_it", "stride_dt", "stride_wt", "stride_w2e",
+                         **ints("I", "H", "stride_ht", "stride_st", "stride_it", "stride_dt", "stride_wt", "stride_w2e",
                                 "stride_w2r", "stride_s2we", "stride_s2wr", "stride_s2e", "stride_hw2e",
                                 "stride_hs2we", "stride_hs2e", "stride_yp"),
                          "p_count": "*i32", "p_y": "*bf16", "stride_yt": "i32"}
@@ -246,10 +246,6 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("moe grouped gate_up, short passes", moe_grp._grouped_gate_up_kernel, G_GATE_UP, short_grouped_cfg()),
     ("moe grouped down, short passes", moe_grp._grouped_down_kernel, G_DOWN, short_grouped_cfg()),
     ("moe grouped gate_up, word decode", moe_grp._grouped_gate_up_kernel, G_GATE_UP, {**grouped_cfg(), "WORDS": True}),
-    ("moe grouped gate_up, word decode, fp16 MMAs (MoeOptions.grouped_f16)", moe_grp._grouped_gate_up_kernel,
-     {**G_GATE_UP, "p_x": "*fp16", "p_h": "*fp16"}, {**grouped_cfg(), "WORDS": True}),
-    ("moe grouped down, word decode, fp16 MMAs (MoeOptions.grouped_f16)", moe_grp._grouped_down_kernel,
-     {**G_DOWN, "p_h": "*fp16"}, {**grouped_cfg(1), "WORDS": True}),
     ("moe grouped down, word decode", moe_grp._grouped_down_kernel, G_DOWN, {**grouped_cfg(1), "WORDS": True}),
     ("moe grouped gate_up, short passes, word decode", moe_grp._grouped_gate_up_kernel, G_GATE_UP,
      {**short_grouped_cfg(), "WORDS": True}),
@@ -282,14 +278,6 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("moe decode gate_up + host store + landing store, padding rows skipped", moe_dec._moe_decode_gate_up_kernel,
      MOE_DECODE_GATE_UP, {"TOPK": 10, "HAS_SHARED": True, "HAS_HOST": True, "HAS_DST": True, "HAS_LIVE": True,
                           **moe_cfg(moe_dec.DECODE_GATE_UP_CONFIG[2], 256, "BLOCK_I")}),
-    ("moe decode gate_up + shared, experts shared by two tokens, padding rows skipped", moe_dec._moe_decode_gate_up_kernel,
-     MOE_DECODE_GATE_UP, {"TOPK": 10, "HAS_SHARED": True, "HAS_HOST": False, "HAS_DST": False, "HAS_LIVE": True,
-                          "SHARE": True, "BLOCK_P": 1024, "HALF": True,
-                          **moe_cfg(moe_dec.DECODE_GATE_UP_CONFIG[2], 256, "BLOCK_I")}),
-    ("moe decode gate_up + shared, experts shared by two tokens, two whole-K tiles (2560)",
-     moe_dec._moe_decode_gate_up_kernel, MOE_DECODE_GATE_UP,
-     {"TOPK": 10, "HAS_SHARED": True, "HAS_HOST": False, "HAS_DST": False, "SHARE": True, "BLOCK_P": 1024,
-      "HALF": True, **moe_cfg(moe_dec.DECODE_GATE_UP_CONFIG[2], 256, "BLOCK_I"), "WHOLE_K2": 64}),
     ("moe decode gate_up, K loop", moe_dec._moe_decode_gate_up_kernel, MOE_DECODE_GATE_UP,
      {"TOPK": 10, "HAS_SHARED": False, "HAS_HOST": False, "HAS_DST": False, **moe_cfg((8, 64, 4), 256, "BLOCK_I")}),
     ("moe decode down + sum + shared", moe_dec._moe_decode_down_kernel, MOE_DECODE_DOWN,
@@ -304,16 +292,6 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
      {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe_dec.DECODE_DOWN_PAIRS_CONFIG[0], "WHOLE_K": 64, "WHOLE_K2": 16,
       "HAS_HOST": True, "HAS_DST": True, "HAS_LIVE": True, "SUM": True, "ASM": OPTIONS.nvfp4.lanes_ptx,
       "num_warps": moe_dec.DECODE_DOWN_PAIRS_CONFIG[2]}),
-    ("moe decode down per pair + shared, experts shared by two tokens, padding rows skipped",
-     moe_dec._moe_decode_down_pairs_kernel, MOE_DECODE_DOWN_PAIRS,
-     {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe_dec.DECODE_DOWN_PAIRS_CONFIG[0], "WHOLE_K": 64, "HAS_HOST": False,
-      "HAS_DST": False, "HAS_LIVE": True, "SHARE": True, "BLOCK_P": 1024, "HALF": True, "ASM": OPTIONS.nvfp4.lanes_ptx,
-      "num_warps": moe_dec.DECODE_DOWN_PAIRS_CONFIG[2]}),
-    ("moe decode down per pair + shared, experts shared by two tokens, summed by the last program (64 + 16)",
-     moe_dec._moe_decode_down_pairs_kernel, MOE_DECODE_DOWN_PAIRS,
-     {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe_dec.DECODE_DOWN_PAIRS_CONFIG[0], "WHOLE_K": 64, "WHOLE_K2": 16,
-      "HAS_HOST": False, "HAS_DST": False, "HAS_LIVE": True, "SUM": True, "SHARE": True, "BLOCK_P": 1024,
-      "HALF": True, "ASM": OPTIONS.nvfp4.lanes_ptx, "num_warps": moe_dec.DECODE_DOWN_PAIRS_CONFIG[2]}),
     ("moe decode down per pair + shared, slotless pairs from the host store", moe_dec._moe_decode_down_pairs_kernel,
      MOE_DECODE_DOWN_PAIRS, {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe_dec.DECODE_DOWN_PAIRS_CONFIG[0],
                              "WHOLE_K": 64, "HAS_HOST": True, "HAS_DST": False, "ASM": OPTIONS.nvfp4.lanes_ptx,
@@ -524,7 +502,7 @@ def _half_sum_cases() -> list:
     MoE's gate/up with the landing store and its per-pair down pass, their one user (the other whole-K callers
     take the same helper, `rows.dot_whole_k`, with the fp32 sums)."""
     names = ("moe decode gate_up + shared + host store + landing store, more tokens",
-             "moe decode down per pair + shared", "moe decode gate_up + shared, padding rows skipped")
+             "moe decode down per pair + shared")
     return [(f"{name} [half sums]", kernel, signature, {**params, "HALF": True})
             for name, kernel, signature, params in CASES if name in names]
 

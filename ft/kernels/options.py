@@ -92,13 +92,6 @@ class MoeOptions:
     rows allow (sm_90 SASS: the gate_up loop 802 -> 520 instructions a step, down 833 -> 554; H200,
     bench/moe_prefill.py --words, one layer of 512 experts, top-10: 1,024 tokens 1.131 -> 0.868 ms,
     4,096 tokens 1.959 -> 1.790 ms, the same error against the reference).
-    grouped_f16: a bf16 model's grouped passes run their MMAs in fp16: x converted once a pass (saturated
-    at fp16's largest, 65,504), h stored in fp16 (saturated the same way), so that the fp16 word decode
-    feeds the MMA as it is; in bf16 every decoded element is converted again (sm_90 SASS, the compile
-    cases at the default tiles: the gate_up loop 520 -> 456 instructions a K step, its 64 F2F gone; down
-    554 -> 490, 217 -> 192 registers). fp16 keeps 3 more mantissa bits than bf16; what it loses is range
-    (|x| or |h| past 65,504 saturates, under ~6e-5 loses bits). Off: **not measured yet** (session 46;
-    variant "moe-grouped-f16").
     grouped_tile: one grouped tile for every pass (`grouped_kernel.GROUPED_CONFIG`'s form: one
     (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, SWAP_AB]) tuple or a (gate_up, down) pair),
     for sweeps (bench/prefill.py --grouped-configs); None, the default: by the pass's length
@@ -129,31 +122,16 @@ class MoeOptions:
     (48 a step fewer on Qwen3.8-Flash-Next) and by its A/B, a tie at batch 8: the 40-layer model's step on
     the H100 (session 38, one process, two rounds) at 196.0 / 190.8 tok/s at batch 1 against 190.9 / 188.0
     with the sum kernel, 656.1 / 653.5 against 655.8 / 654.8 at batch 8.
-    decode_share_min_tokens: from this many tokens (0: never), the decode MoE's gate/up and per-pair down
-    passes take two pairs that read the same expert in one program (`moe_decode_triton`'s SHARE launches),
-    decoding the expert's tile once for both tokens (`rows.dot_words_half2`, `decode.pair_half_sum2`: 4 + 8
-    instead of 2 x (4 + 4) conversions and FMAs a word, the nibbles' bit work once), every row with the
-    bits of the program-per-pair form; with the fp16 sums only (`Nvfp4Options.half_sums`: bf16 / fp16
-    models). The per-pair kernels are bound by their instructions (session 27: ~6.4 a weight element and
-    pair at batch 64), and at batch 32 / 64 a distinct expert has 1.33 / 1.75 pairs
-    (uniform routing): the pass's decode work falls by up to that much, less the pair search (a load of
-    the step's slot table and two reductions a program). With the down pass's own sum, a pair's program
-    also counts its partner's row. Static sm_90 SASS (this
-    wheel's compiler, the compile cases of `tests/compile_kernels_sm90.py`): the 80B's gate/up at 8 rows a
-    program, 1,000 instructions a pair alone against 2,488 for the sharing kernel (the one-pair path, the
-    two-pair path of ~1,400 for two pairs, the search), 71 -> 105 registers; down alike (1,000 -> 2,544,
-    80 -> 127). So a shared pair costs ~0.7 of a lone one, and at batch 64 (~60% of pairs shared) the
-    passes' instructions fall ~10%, less if the registers cost occupancy. Off by default: **not measured
-    yet** (session 46 wrote it with no device time left; variant "moe-decode-share-experts" turns it on
-    from 16 tokens)."""
+    (Two forms lost on the H100 in session 47 and were deleted, their figures in bench/RESULTS.md: two pairs
+    that read the same expert in one decode program, the tile decoded once for both tokens, 0.87-0.92x the
+    block at 16-64 tokens, the 80B's step -7% / -12% / -17% at batch 16 / 32 / 64 (more registers, fewer
+    programs); a bf16 model's grouped MMAs in fp16, the same time as bf16 at 4K and 16K tokens.)"""
 
     grouped_words: bool = True
-    grouped_f16: bool = False
     grouped_tile: tuple | None = None
     grouped_max_tokens: int = 16384
     decode_sum_in_down: bool = True
     decode_tiles_one_token: tuple | None = ((4, 0, 2), (16, 0, 4))
-    decode_share_min_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -401,7 +379,6 @@ VARIANTS: dict[str, dict[str, object]] = {
     "nvfp4-dot-no-split-k-small-m": {"nvfp4.dot_split_k_small_m": 1},
     "nvfp4-dot-interleaved": {"nvfp4.dot_halves": False},  # bench/decode.py --no-dot-halves
     "moe-bytes": {"moe.grouped_words": False},  # bench/moe_prefill.py, bench/prefill.py
-    "moe-grouped-f16": {"moe.grouped_f16": True},  # the same
     "attention-prefill-reference": {"prefill_attention.triton_on_cuda": False},  # bench/prefill.py --modes
     "attention-prefill-triton-only": {"prefill_attention.library_on_cuda": False},  # bench/prefill.py --library
     "gated-delta-solve-ieee": {"gated_delta.solve_precision": "ieee"},  # bench/gated_delta_prefill.py
@@ -413,7 +390,6 @@ VARIANTS: dict[str, dict[str, object]] = {
     "hc-read-dot-only": {"hyper_connection.fma_read_max_tokens": 0},  # the same
     "hc-write-own-launch": {"hyper_connection.write_into_read": False},  # the same
     "moe-sum-own-launch": {"moe.decode_sum_in_down": False},  # the same
-    "moe-decode-share-experts": {"moe.decode_share_min_tokens": 16},  # bench/decode.py --modes, bench/moe_decode.py
     "gated-delta-ba-own-launch": {"gated_delta.decode_ba_in_conv": False},  # the same
     "qsa-prefill-select-torch": {"qsa.prefill_select_kernel": False},  # bench/prefill.py --variant
 }

@@ -1,8 +1,7 @@
 """The fp16 block sums (`Nvfp4Options.half_sums`, on by default) on the GPU: the inline PTX
 of `pair_half_sum` against its Triton stand-in and the exact sums, the decode MoE (their one user, from two
-tokens) at both models' shapes against the reference, an x row past `HALF_SUM_LIMIT` (scaled by a power of
-two) finite and as close, and the experts shared by two tokens (`pair_half_sum2`) with the bits of a program a
-pair."""
+tokens) at both models' shapes against the reference, and an x row past `HALF_SUM_LIMIT` (scaled by a power of
+two) finite and as close."""
 
 from __future__ import annotations
 
@@ -85,18 +84,3 @@ def test_moe_decode_half_sums_at_model_shapes(hidden, inter, batch):
     # the fp16 sums move the bf16 roundings of the activation and of y, ~1.2e-3, session 45)
     assert rel_rms(y, ref) < 2e-2 and rel_rms(y, ref) < 1.5 * rel_rms(base, ref) + 3e-3
     assert y_big.isfinite().all() and rel_rms(y_big, moe_decode_ref(big, slots, wts, pool, shared)) < 2e-2
-
-
-@pytest.mark.parametrize(("hidden", "inter", "batch"), [(2048, 512, 32), (2048, 512, 64), (2560, 640, 32)],
-                         ids=["80b-b32", "80b-b64", "fn-b32"])
-def test_moe_decode_shared_experts_keep_the_bits(hidden, inter, batch):
-    """Experts shared by two tokens (variant "moe-decode-share-experts": two pairs a program, the tile decoded
-    once, `pair_half_sum2`'s PTX) against a program a pair: the same bits, with 64 experts for top-10 (every
-    expert read by several tokens) and the padding rows of a graph bucket."""
-    x, slots, wts, pool, shared = moe_case(hidden, inter, batch)
-    live = torch.arange(batch, device=DEV)
-    live[-3:] = -1
-    base = moe_decode_triton(x, slots, wts, pool, shared, live=live)
-    with use_kernel_options(variant("moe-decode-share-experts")):
-        y = moe_decode_triton(x, slots, wts, pool, shared, live=live)
-    assert torch.equal(y, base)

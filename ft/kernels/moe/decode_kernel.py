@@ -26,7 +26,7 @@ from ft.kernels.moe.kernel import moe_sum_pairs_kernel
 from ft.kernels.norm.kernel import rms_rstd, norm_warps, add_rms_norm_triton
 from ft.kernels.limits import whole_k_pieces
 from ft.kernels.nvfp4.kernel import as_words, half_sums_take
-from ft.kernels.nvfp4.rows import (dot_whole_k, dot_words_half2, load_whole_k, store_whole_k, x_lanes, nvfp4_rows_dot,
+from ft.kernels.nvfp4.rows import (dot_whole_k, load_whole_k, store_whole_k, x_lanes, nvfp4_rows_dot,
                                   rows_dot_whole_k)
 
 __all__ = ["moe_decode_triton"]
@@ -81,48 +81,16 @@ def _pair_source(p_slots, p_ids, p_dst, i_t, j, stride_st, stride_it, stride_dt,
 
 
 @triton.jit
-def _share_partner(p_slots, p_live, i_p, is_shared, slot, P, stride_st, TOPK: tl.constexpr, KS: tl.constexpr,
-                   HAS_LIVE: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Pairs that read the same expert, two to a program (`MoeOptions.decode_share_min_tokens`): pair i_p
-    (flat index t * KS + j of P) reading `slot` (or the shared expert) -> (rank, partner). rank: how many
-    pairs before it read the same expert (a routed pair without a slot, or a padding token's with
-    HAS_LIVE, reads none and pairs with nobody); partner: the next pair reading it, P when none. A pair
-    of even rank computes itself and its partner; one of odd rank is its partner's (it stores nothing)."""
-    o_q = tl.arange(0, BLOCK_P)
-    m_q = o_q < P
-    t_q = o_q // KS
-    j_q = o_q % KS
-    s_q = tl.load(p_slots + t_q * stride_st + j_q, mask=m_q & (j_q < TOPK), other=-1).to(tl.int64)
-    key_q = tl.where(j_q >= TOPK, -2, s_q)  # the shared expert: a key of its own; -1: no expert
-    reads = m_q & (key_q != -1)
-    if HAS_LIVE:
-        reads = reads & (tl.load(p_live + t_q, mask=m_q, other=-1) >= 0)
-    same = reads & (key_q == tl.where(is_shared, -2, slot))
-    rank = tl.sum((same & (o_q < i_p)).to(tl.int32), axis=0)
-    partner = tl.min(tl.where(same & (o_q > i_p), o_q, P), axis=0)
-    return rank, partner
-
-
-@triton.jit
-def _gate_up_h(b_gu, p_g, BLOCK_I: tl.constexpr):
-    """A pair's gate and up rows, interleaved ([2 * BLOCK_I], / scale_2) -> h = silu(gate) * up, fp32 [BLOCK_I]."""
-    b_g, b_u = tl.split(tl.reshape(b_gu, (BLOCK_I, 2)))
-    b_g = b_g * tl.load(p_g)
-    b_u = b_u * tl.load(p_g + 1)
-    return b_g / (1.0 + tl.exp(-b_g)) * b_u
-
-
-@triton.jit
 def _moe_decode_gate_up_kernel(
     p_x, p_slots, p_ids, p_dst, p_w13, p_s13, p_s2, p_sw13, p_ss13, p_ss2, p_hw13, p_hs13, p_hs2, p_h, p_live,
-    I, H, P,
+    I, H,
     stride_xt, stride_st, stride_it, stride_dt, stride_w13e, stride_w13r, stride_s13e, stride_s13r, stride_s2e,
     stride_hw13e, stride_hs13e, stride_hs2e, stride_ht,
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr,
     WHOLE_K: tl.constexpr = 0, HAS_HOST: tl.constexpr = False, HAS_DST: tl.constexpr = False,
     ASM: tl.constexpr = False,
     PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0, HAS_LIVE: tl.constexpr = False,
-    HALF: tl.constexpr = False, SHARE: tl.constexpr = False, BLOCK_P: tl.constexpr = 1,
+    HALF: tl.constexpr = False,
 ):
     """Grid (T * KS, I / BLOCK_I), KS = TOPK + HAS_SHARED: h[t * KS + j] = silu(x[t] @ gate^T) * (x[t] @ up^T)
     (fp32) of pair j of token t: the expert in slot topk_slots[t, j] for j < TOPK, the shared expert
@@ -137,11 +105,7 @@ def _moe_decode_gate_up_kernel(
     contract), so the stores race with no load.
     HAS_LIVE: token t is live when p_live[t] >= 0 (a decode step's KV slots: a padding row writes
     nowhere, -1); a dead token's pairs store zeros and return before any weight is read, except a
-    pair that lands an expert (HAS_DST), which runs whole so that the slot is filled.
-    SHARE (whole-K tiles with HALF, no host store; P = T * KS pairs, BLOCK_P >= P): pairs that read the same
-    expert go two to a program (`_share_partner`): the pair of even rank decodes the tile once for both
-    tokens (`dot_words_half2`) and stores both rows of h, its partner's program stores nothing; every row
-    has the bits of the program-per-pair form."""
+    pair that lands an expert (HAS_DST), which runs whole so that the slot is filled."""
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
     pdl_release(PDL)
     KS: tl.constexpr = TOPK + HAS_SHARED
@@ -157,15 +121,6 @@ def _moe_decode_gate_up_kernel(
             o_z = i_i * BLOCK_I + tl.arange(0, BLOCK_I)
             tl.store(p_h + i_p * stride_ht + o_z, tl.zeros((BLOCK_I,), dtype=tl.float32), mask=o_z < I)
             return
-    partner = P
-    if SHARE:
-        tl.static_assert(WHOLE_K > 0 and HALF and not HAS_HOST, "sharing takes the whole-K tile's fp16 sums and no "
-                                                                "host store")
-        rank, partner = _share_partner(p_slots, p_live, i_p, is_shared, slot, P, stride_st, TOPK, KS, HAS_LIVE,
-                                       BLOCK_P)
-        if on & (rank % 2 == 1):  # the partner of the pair before it: that program stores this row
-            return
-        partner = tl.where(on, partner, P)
     # NOTE: the shared expert and the host store are pointer choices, not branches: one code path
     p_w = tl.where(is_shared, p_sw13, tl.where(from_host, p_hw13 + eid * stride_hw13e, p_w13 + slot * stride_w13e))
     p_s = tl.where(is_shared, p_ss13, tl.where(from_host, p_hs13 + eid * stride_hs13e, p_s13 + slot * stride_s13e))
@@ -193,29 +148,18 @@ def _moe_decode_gate_up_kernel(
             o_3 = tl.arange(0, 4)
             m_3 = o_3 < tl.where(land & (i_i == 0), 3, 0)
             tl.store(p_s2 + dst * stride_s2e + o_3, tl.load(p_g + o_3, mask=m_3, other=0.0), mask=m_3)
-        if SHARE and partner < P:  # the partner's token too, from the tile decoded once
-            p_xq = p_x + (partner // KS) * stride_xt
-            z0, z1, z2, z3, z4, z5, z6, z7 = x_lanes(p_xq, WHOLE_K)
-            b_gu, q_gu = dot_words_half2(b_w, b_sb, x0, x1, x2, x3, x4, x5, x6, x7, z0, z1, z2, z3, z4, z5, z6, z7,
-                                         WHOLE_K, 2 * BLOCK_I, ASM)
-            if WHOLE_K2 > 0:
-                v0, v1, v2, v3, v4, v5, v6, v7 = x_lanes(p_xq + 8 * WHOLE_K, WHOLE_K2)
-                b_gu2, q_gu2 = dot_words_half2(c_w, c_sb, y0, y1, y2, y3, y4, y5, y6, y7, v0, v1, v2, v3, v4, v5, v6,
-                                               v7, WHOLE_K2, 2 * BLOCK_I, ASM)
-                b_gu += b_gu2
-                q_gu += q_gu2
-            o_hq = i_i * BLOCK_I + tl.arange(0, BLOCK_I)
-            tl.store(p_h + partner * stride_ht + o_hq, _gate_up_h(q_gu, p_g, BLOCK_I), mask=o_hq < I)
-        else:
-            b_gu = dot_whole_k(b_w, b_sb, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, 2 * BLOCK_I, ASM, HALF)
-            if WHOLE_K2 > 0:
-                b_gu += dot_whole_k(c_w, c_sb, y0, y1, y2, y3, y4, y5, y6, y7, WHOLE_K2, 2 * BLOCK_I, ASM, HALF)
+        b_gu = dot_whole_k(b_w, b_sb, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, 2 * BLOCK_I, ASM, HALF)
+        if WHOLE_K2 > 0:
+            b_gu += dot_whole_k(c_w, c_sb, y0, y1, y2, y3, y4, y5, y6, y7, WHOLE_K2, 2 * BLOCK_I, ASM, HALF)
     else:
         tl.static_assert(not HAS_DST, "the landing store takes the whole-K tile")
         o_t = tl.zeros((1,), dtype=tl.int32) + i_t
         b_gu = nvfp4_rows_dot(p_w, p_s, o_r, o_i < I, stride_w13r, stride_s13r, p_x, o_t, o_t >= 0, stride_xt, 0,
                               tl.where(on, H // 8, 0), 1, 2 * BLOCK_I, BLOCK_W)
-    b_h = _gate_up_h(b_gu, p_g, BLOCK_I)
+    b_g, b_u = tl.split(tl.reshape(b_gu, (BLOCK_I, 2)))
+    b_g = b_g * tl.load(p_g)
+    b_u = b_u * tl.load(p_g + 1)
+    b_h = b_g / (1.0 + tl.exp(-b_g)) * b_u
     o_h = i_i * BLOCK_I + tl.arange(0, BLOCK_I)
     if HAS_LIVE:  # (a dead token's landing pair: the expert landed, its h is zeros like the others')
         on = on & (dead == 0)
@@ -279,13 +223,13 @@ def _moe_decode_down_kernel(
 @triton.jit
 def _moe_decode_down_pairs_kernel(
     p_h, p_slots, p_ids, p_dst, p_wts, p_w2, p_s2w, p_s2, p_sw2, p_ss2w, p_ss2, p_hw2, p_hs2w, p_hs2, p_yp, p_live,
-    I, H, P,
+    I, H,
     stride_ht, stride_st, stride_it, stride_dt, stride_wt, stride_w2e, stride_w2r, stride_s2we, stride_s2wr,
     stride_s2e, stride_hw2e, stride_hs2we, stride_hs2e, stride_yp, p_count, p_y, stride_yt,
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, WHOLE_K: tl.constexpr,
     HAS_HOST: tl.constexpr = False, HAS_DST: tl.constexpr = False, ASM: tl.constexpr = False,
     PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0, HAS_LIVE: tl.constexpr = False,
-    SUM: tl.constexpr = False, HALF: tl.constexpr = False, SHARE: tl.constexpr = False, BLOCK_P: tl.constexpr = 1,
+    SUM: tl.constexpr = False, HALF: tl.constexpr = False,
 ):
     """Grid (T * KS, H / BLOCK_H): yp[p] = wts[t, j] * (h[p] @ down_j^T) (fp32) for pair p = t * KS + j,
     zeros for a skipped pair; `moe_sum_pairs_kernel` then sums each token's KS pairs in order, or with
@@ -295,9 +239,7 @@ def _moe_decode_down_pairs_kernel(
     a token's pairs in one program). HAS_HOST: a pair without a slot reads the host store, as in
     `_moe_decode_gate_up_kernel`; HAS_DST: such a pair with topk_dst[t, j] = d >= 0 also stores the
     raw w2 rows and block scales it loaded into slot d (the gate/up kernel lands the rest). HAS_LIVE:
-    as in the gate/up kernel (a dead token's pairs store zeros; a landing one lands, then stores zeros).
-    SHARE: as in the gate/up kernel (P pairs, BLOCK_P >= P; with HALF, no host store): the pair of even rank
-    also computes, stores and (with SUM) counts its partner's row; the partner's program does nothing."""
+    as in the gate/up kernel (a dead token's pairs store zeros; a landing one lands, then stores zeros)."""
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
     pdl_release(PDL)
     KS: tl.constexpr = TOPK + HAS_SHARED
@@ -314,14 +256,6 @@ def _moe_decode_down_pairs_kernel(
             if SUM:
                 _sum_when_last(p_yp, p_count, p_y, i_t, o_h, H, stride_yp, stride_yt, KS, BLOCK_H)
             return
-    partner = P
-    if SHARE:
-        tl.static_assert(HALF and not HAS_HOST, "sharing takes the fp16 sums and no host store")
-        rank, partner = _share_partner(p_slots, p_live, i_p, is_shared, slot, P, stride_st, TOPK, KS, HAS_LIVE,
-                                       BLOCK_P)
-        if on & (rank % 2 == 1):  # the partner of the pair before it: that program stores and counts this row
-            return
-        partner = tl.where(on, partner, P)
     p_w = tl.where(is_shared, p_sw2, tl.where(from_host, p_hw2 + eid * stride_hw2e, p_w2 + slot * stride_w2e))
     p_s = tl.where(is_shared, p_ss2w, tl.where(from_host, p_hs2w + eid * stride_hs2we, p_s2w + slot * stride_s2we))
     p_g = tl.where(is_shared, p_ss2, tl.where(from_host, p_hs2 + eid * stride_hs2e, p_s2 + slot * stride_s2e))
@@ -339,26 +273,9 @@ def _moe_decode_down_pairs_kernel(
         store_whole_k(p_dw, p_ds, o_h, m_d, stride_w2r, stride_s2wr, b_w, b_sb, WHOLE_K)
         if WHOLE_K2 > 0:
             store_whole_k(p_dw + WHOLE_K, p_ds + WHOLE_K // 2, o_h, m_d, stride_w2r, stride_s2wr, c_w, c_sb, WHOLE_K2)
-    if SHARE and partner < P:  # the partner's row too, from the tile decoded once
-        p_hq = p_h + partner * stride_ht
-        z0, z1, z2, z3, z4, z5, z6, z7 = x_lanes(p_hq, WHOLE_K)
-        b_y, q_y = dot_words_half2(b_w, b_sb, x0, x1, x2, x3, x4, x5, x6, x7, z0, z1, z2, z3, z4, z5, z6, z7,
-                                   WHOLE_K, BLOCK_H, ASM)
-        if WHOLE_K2 > 0:
-            v0, v1, v2, v3, v4, v5, v6, v7 = x_lanes(p_hq + 8 * WHOLE_K, WHOLE_K2)
-            b_y2, q_y2 = dot_words_half2(c_w, c_sb, y0, y1, y2, y3, y4, y5, y6, y7, v0, v1, v2, v3, v4, v5, v6, v7,
-                                         WHOLE_K2, BLOCK_H, ASM)
-            b_y += b_y2
-            q_y += q_y2
-        t_q = partner // KS
-        q_wt = tl.load(p_wts + t_q * stride_wt + partner % KS).to(tl.float32) * tl.load(p_g + 2)
-        tl.store(p_yp + partner * stride_yp + o_h, q_y * q_wt, mask=o_h < H)
-        if SUM:
-            _sum_when_last(p_yp, p_count, p_y, t_q, o_h, H, stride_yp, stride_yt, KS, BLOCK_H)
-    else:
-        b_y = dot_whole_k(b_w, b_sb, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, BLOCK_H, ASM, HALF)
-        if WHOLE_K2 > 0:
-            b_y += dot_whole_k(c_w, c_sb, y0, y1, y2, y3, y4, y5, y6, y7, WHOLE_K2, BLOCK_H, ASM, HALF)
+    b_y = dot_whole_k(b_w, b_sb, x0, x1, x2, x3, x4, x5, x6, x7, WHOLE_K, BLOCK_H, ASM, HALF)
+    if WHOLE_K2 > 0:
+        b_y += dot_whole_k(c_w, c_sb, y0, y1, y2, y3, y4, y5, y6, y7, WHOLE_K2, BLOCK_H, ASM, HALF)
     b_wt = tl.load(p_wts + i_t * stride_wt + j).to(tl.float32) * tl.load(p_g + 2)
     if HAS_LIVE:
         on = on & (dead == 0)
@@ -541,17 +458,12 @@ def moe_decode_triton(
     asm = kernel_options().nvfp4.lanes_ptx and inline_ptx(x.device)  # the whole-K tiles' word decode in PTX
     # blocks summed in fp16 (whole-K tiles only) from two tokens: at one they lost (bench/RESULTS.md session 46)
     half = kernel_options().nvfp4.half_sums and t > 1 and half_sums_take(x)
-    # experts shared by two tokens, two pairs a program (`MoeOptions.decode_share_min_tokens`; whole-K tiles with
-    # the fp16 sums, no host store)
-    share_from = kernel_options().moe.decode_share_min_tokens
-    share = bool(share_from) and t >= share_from and not has_host and whole13 > 0 and whole2 > 0 and half
     _moe_decode_gate_up_kernel[(t * ks, triton.cdiv(i, block_i))](
-        x, slots, ids, dst, w13, s13, s2, sw13, ss13, ss2, hw13, hs13, hs2, h, live_ptr, i, hid, t * ks,
+        x, slots, ids, dst, w13, s13, s2, sw13, ss13, ss2, hw13, hs13, hs2, h, live_ptr, i, hid,
         x.stride(0), slots.stride(0), ids.stride(0), dst.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
         s13.stride(1), s2.stride(0), hw13.stride(0), hs13.stride(0), hs2.stride(0), h.stride(0), TOPK=k,
         HAS_SHARED=has_shared, BLOCK_I=block_i, BLOCK_W=bw13, WHOLE_K=whole13, HAS_HOST=has_host, HAS_DST=has_dst,
-        ASM=asm and whole13 > 0, WHOLE_K2=whole13b, HAS_LIVE=has_live, HALF=half and whole13 > 0, SHARE=share,
-        BLOCK_P=triton.next_power_of_2(t * ks) if share else 1, num_warps=warps13,
+        ASM=asm and whole13 > 0, WHOLE_K2=whole13b, HAS_LIVE=has_live, HALF=half and whole13 > 0, num_warps=warps13,
         **pdl_args(x.device))
     fuse_norm = residual is not None and norm_weight is not None
     if per_pair and whole2:  # (a row's K in one tile; other shapes take the loop)
@@ -561,13 +473,12 @@ def moe_decode_triton(
                      and sum_counters.dtype == torch.int32 and sum_counters.device == x.device
                      and sum_counters.numel() >= t * blocks and y.stride(-1) == 1)
         _moe_decode_down_pairs_kernel[(t * ks, blocks)](
-            h, slots, ids, dst, wts, w2, s2w, s2, sw2, ss2w, ss2, hw2, hs2w, hs2, y_pairs, live_ptr, i, hid, t * ks,
+            h, slots, ids, dst, wts, w2, s2w, s2, sw2, ss2w, ss2, hw2, hs2w, hs2, y_pairs, live_ptr, i, hid,
             h.stride(0), slots.stride(0), ids.stride(0), dst.stride(0), wts.stride(0), w2.stride(0), w2.stride(1),
             s2w.stride(0), s2w.stride(1), s2.stride(0), hw2.stride(0), hs2w.stride(0), hs2.stride(0), y_pairs.stride(0),
             sum_counters if sums_here else slots, y, y.stride(0),
             TOPK=k, HAS_SHARED=has_shared, BLOCK_H=block_h, WHOLE_K=whole2, HAS_HOST=has_host, HAS_DST=has_dst,
-            ASM=asm, WHOLE_K2=whole2b, HAS_LIVE=has_live, SUM=sums_here, HALF=half, SHARE=share,
-            BLOCK_P=triton.next_power_of_2(t * ks) if share else 1, num_warps=warps2,
+            ASM=asm, WHOLE_K2=whole2b, HAS_LIVE=has_live, SUM=sums_here, HALF=half, num_warps=warps2,
             **pdl_args(x.device))
         if sums_here:
             return y

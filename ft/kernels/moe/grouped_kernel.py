@@ -45,8 +45,6 @@ former (64, 64, 64, 4, 4); bench/moe_prefill.py --sweep, bench/RESULTS.md, 2026-
 expert fill one 128-pair tile, so each expert's weights are decoded once, and the decoded tile feeds
 the MMA from registers. down (K = 512): BLOCK_K 128 in 3 stages, 2.003 -> 1.963 ms for both passes
 (`--split`, session 12); every other tile measured for either pass was slower."""
-F16_MAX: tl.constexpr = tl.constexpr(65504.0)
-"""fp16's largest finite value: where `MoeOptions.grouped_f16` saturates x and h."""
 GROUPED_CONFIG_SHORT = (32, 64, 128, 4, 3, True)
 """The tile of shorter passes: at 1,024 tokens (~20 pairs per expert) 1.187 ms against 1.325 for
 (64, 64, 64, 4, 4) and 1.833 for GROUPED_CONFIG (a 128-pair tile mostly empty)."""
@@ -129,8 +127,6 @@ def _grouped_gate_up_kernel(
         b_g = acc_g * tl.load(p_s2 + e * stride_s2e)
         b_u = acc_u * tl.load(p_s2 + e * stride_s2e + 1)
         b_h = b_g / (1.0 + tl.exp(-b_g)) * b_u
-        if p_h.dtype.element_ty == tl.float16:  # saturated, not inf (`MoeOptions.grouped_f16`)
-            b_h = tl.minimum(tl.maximum(b_h, -F16_MAX), F16_MAX)
         tl.store(p_h + pairs[:, None] * stride_hp + o_n[None, :], b_h.to(p_h.dtype.element_ty),
                  mask=m_p[:, None] & m_n[None, :])
 
@@ -194,17 +190,14 @@ def grouped_pairs(x, slots, wts, k, w13, s13, w2, s2w, s2, y_pairs, i, cfg, dist
     """The grouped GEMMs of one pass without the sum: y_pairs[p] = w_p * down(silu(gate) * up)(x[p // k])
     for every pair p with slots[p] >= 0, in y_pairs' dtype; the rows of skipped pairs are left as they
     are (so passes over different pools can fill one y_pairs). Arguments as `grouped_moe`'s;
-    y_pairs [T * k, H]. Allocates h [T * k, I] in x's dtype (fp16 for a bf16 x with
-    `MoeOptions.grouped_f16`, and x converted). A pair's row depends only on its token, its weight and
-    its expert's weights (not on which pool or tile held it)."""
+    y_pairs [T * k, H]. Allocates h [T * k, I] in x's dtype. A pair's row depends only on its
+    token, its weight and its expert's weights (not on which pool or tile held it)."""
     t, hid = x.shape
     cfg13, cfg2 = cfg if isinstance(cfg[0], tuple) else (cfg, cfg)
     if cfg13[0] != cfg2[0]:
         raise ValueError(f"the gate_up and down tiles share BLOCK_M (one tile list): {cfg13}, {cfg2}")
     block_m = cfg13[0]
     start, end, sorted_slots, order = group_pairs(slots, block_m, distinct or w13.shape[0] + 1)
-    if x.dtype == torch.bfloat16 and kernel_options().moe.grouped_f16:  # the MMAs in fp16 (the option's docstring)
-        x = x.to(torch.float16).clamp_(-F16_MAX.value, F16_MAX.value)  # (one copy: an overflow's inf clamps)
     h = torch.empty((t * k, i), dtype=x.dtype, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     g = start.numel()

@@ -34,20 +34,17 @@ class SlotWeights(NamedTuple):
 def moe_workspace_bytes(tokens: int, top_k: int, hidden: int, intermediate: int, elem_bytes: int = 2) -> int:
     """Bytes the Triton MoE allocates for a forward of `tokens` tokens at most: the per-pair
     intermediate h and per-pair outputs, in the activations' dtype (`elem_bytes`) on the grouped
-    path (with `MoeOptions.grouped_f16`, also the pass's x in fp16), in fp32 on the per-pair path (at
-    most `PER_PAIR_MAX_TOKENS` tokens); the larger of the two. The engine adds it to its activation
-    reserve."""
-    per_pair = top_k * (intermediate + hidden) + (hidden if kernel_options().moe.grouped_f16 else 0)
+    path, in fp32 on the per-pair path (at most `PER_PAIR_MAX_TOKENS` tokens); the larger of the
+    two. The engine adds it to its activation reserve."""
+    per_pair = top_k * (intermediate + hidden)
     return max(min(tokens, kernel_options().moe.grouped_max_tokens) * per_pair * elem_bytes, min(tokens, PER_PAIR_MAX_TOKENS) * per_pair * 4)
 
 
 def moe_pools_workspace_bytes(tokens: int, top_k: int, hidden: int, intermediate: int, elem_bytes: int = 2) -> int:
     """Bytes `moe_over_pools`'s Triton path allocates for a chunk of `tokens` tokens: the per-pair
     outputs of the whole chunk (the passes fill them in turn; one sum at the end) and one token
-    slice's intermediate h (and with `MoeOptions.grouped_f16` its x in fp16), in the activations' dtype
-    (`elem_bytes`)."""
-    per_token = top_k * intermediate + (hidden if kernel_options().moe.grouped_f16 else 0)
-    return tokens * top_k * hidden * elem_bytes + min(tokens, kernel_options().moe.grouped_max_tokens) * per_token * elem_bytes
+    slice's intermediate h, in the activations' dtype (`elem_bytes`)."""
+    return tokens * top_k * hidden * elem_bytes + min(tokens, kernel_options().moe.grouped_max_tokens) * top_k * intermediate * elem_bytes
 
 
 PER_PAIR_MAX_TOKENS = 128

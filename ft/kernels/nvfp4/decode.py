@@ -110,36 +110,28 @@ HALF_SUM_LIMIT = 2.0 ** HALF_SUM_LIMIT_EXPONENT.value
 most 0.75 x its largest |x|): `rows.dot_words_half` scales an x row with an element at or above it."""
 
 
-def _pair_half_sum_ptx(tokens: int = 1) -> str:
-    """PTX of `pair_half_sum` (tokens 1) and `pair_half_sum2` (tokens 2): two words (one block of 16
-    elements) and, per token, x's fp16 pairs (word 1's (x0, x2), (x1, x3), (x4, x6), (x5, x7), then word
-    2's) -> one fp32 a token. Operands: the outputs $0 .. $(tokens - 1), the words, then each token's 8
-    pairs. Each word's nibbles made E4M3 bytes as `_word_lanes_ptx` does, converted two at a time to fp16
-    pairs (elements (0, 2), (1, 3), (4, 6), (5, 7)) once, and multiplied into each token's fp16 pair of
-    running sums by `fma.rn.f16x2`, in the same order for every token (so a token's sum has the same bits
-    whichever form computed it); each pair's halves widened to fp32 and added last."""
-    accs = [f"acc{n}" for n in range(tokens)]
-    body = f".reg .b32 a, b, lo, hi, d, {', '.join(accs)};\n.reg .b16 l0, l1, h0, h1, s0, s1;\n.reg .f32 f0, f1;\n"
-    words = (f"${tokens}", f"${tokens + 1}")
+def _pair_half_sum_ptx() -> str:
+    """PTX of `pair_half_sum`: two words ($1, $2: one block of 16 elements) and x's fp16 pairs ($3 ..
+    $10: word 1's (x0, x2), (x1, x3), (x4, x6), (x5, x7), then word 2's) -> $0, fp32. Each word's
+    nibbles made E4M3 bytes as `_word_lanes_ptx` does, converted two at a time to fp16 pairs (elements
+    (0, 2), (1, 3), (4, 6), (5, 7)) and multiplied into one fp16 pair of running sums by `fma.rn.f16x2`;
+    the pair's halves widened to fp32 and added last."""
+    body = ".reg .b32 a, b, lo, hi, d, acc;\n.reg .b16 l0, l1, h0, h1, s0, s1;\n.reg .f32 f0, f1;\n"
     first = True
-    for w_i, word in enumerate(words):
+    for word, xs in (("$1", (3, 4, 5, 6)), ("$2", (7, 8, 9, 10))):
         body += (f"shl.b32 a, {word}, 4;\nand.b32 a, a, 0x80808080;\nshl.b32 b, {word}, 2;\nand.b32 b, b, 0x1C1C1C1C;\n"
                  "or.b32 lo, a, b;\n"
                  f"and.b32 a, {word}, 0x80808080;\nshr.b32 b, {word}, 2;\nand.b32 b, b, 0x1C1C1C1C;\nor.b32 hi, a, b;\n"
                  "mov.b32 {l0, l1}, lo;\nmov.b32 {h0, h1}, hi;\n")
-        for lane, src in enumerate(("l0", "h0", "l1", "h1")):
+        for src, x in zip(("l0", "h0", "l1", "h1"), xs):
             body += f"cvt.rn.f16x2.e4m3x2 d, {src};\n"
-            for n, acc in enumerate(accs):
-                x = tokens + 2 + 8 * n + 4 * w_i + lane
-                body += f"mul.rn.f16x2 {acc}, d, ${x};\n" if first else f"fma.rn.f16x2 {acc}, d, ${x}, {acc};\n"
+            body += f"mul.rn.f16x2 acc, d, ${x};\n" if first else f"fma.rn.f16x2 acc, d, ${x}, acc;\n"
             first = False
-    for n, acc in enumerate(accs):
-        body += f"mov.b32 {{s0, s1}}, {acc};\ncvt.f32.f16 f0, s0;\ncvt.f32.f16 f1, s1;\nadd.f32 ${n}, f0, f1;\n"
+    body += "mov.b32 {s0, s1}, acc;\ncvt.f32.f16 f0, s0;\ncvt.f32.f16 f1, s1;\nadd.f32 $0, f0, f1;\n"
     return "\n{\n" + body + "}\n"
 
 
 _PAIR_HALF_SUM_PTX = tl.constexpr(_pair_half_sum_ptx())
-_PAIR_HALF_SUM2_PTX = tl.constexpr(_pair_half_sum_ptx(2))
 
 
 @triton.jit
@@ -194,25 +186,6 @@ def pair_half_sum(w1, w2, x02, x13, x46, x57, y02, y13, y46, y57, ASM: tl.conste
         b = b + _lane_f16_of(hi, 3) * (y57 >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
         r = a.to(tl.float32) + b.to(tl.float32)
     return r
-
-
-@triton.jit
-def pair_half_sum2(w1, w2, a02, a13, a46, a57, b02, b13, b46, b57, c02, c13, c46, c57, d02, d13, d46, d57,
-                   ASM: tl.constexpr):
-    """`pair_half_sum` for two x at once (a.. / b..: the first token's words 1 and 2, c.. / d..: the
-    second's) -> (fp32, fp32): the block's codes decoded once, each token's sums in `pair_half_sum`'s
-    order, so each result has the bits `pair_half_sum` gives for its token (the decode MoE's experts
-    shared by two tokens, `MoeOptions.decode_share_min_tokens`). ASM: `_PAIR_HALF_SUM2_PTX`; otherwise
-    `pair_half_sum`'s Triton form once a token."""
-    if ASM:
-        ra, rb = tl.inline_asm_elementwise(
-            _PAIR_HALF_SUM2_PTX, "=f,=f,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
-            [w1, w2, a02, a13, a46, a57, b02, b13, b46, b57, c02, c13, c46, c57, d02, d13, d46, d57],
-            dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-    else:
-        ra = pair_half_sum(w1, w2, a02, a13, a46, a57, b02, b13, b46, b57, False)
-        rb = pair_half_sum(w1, w2, c02, c13, c46, c57, d02, d13, d46, d57, False)
-    return ra, rb
 
 
 @triton.jit

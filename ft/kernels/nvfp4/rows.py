@@ -8,8 +8,7 @@ one tile (K / 8 a power of two <= 1024), in parts (`load_whole_k`, `decode_whole
 `dot_lanes`, `store_whole_k`) for kernels that place other work in between (the MoE's landing
 store, a PDL wait) or take K in two such tiles (`limits.whole_k_pieces`: the decode MoE at 2,560 and
 640). `dot_whole_k` is the tile's dot at one x row in either form: the fp32 sums (`decode_whole_k`,
-`dot_lanes`) or each block's sums in fp16 (`dot_words_half`, `Nvfp4Options.half_sums`); `dot_words_half2` the
-latter at two x rows with the tile decoded once (the decode MoE's experts shared by two tokens).
+`dot_lanes`) or each block's sums in fp16 (`dot_words_half`, `Nvfp4Options.half_sums`).
 """
 
 from __future__ import annotations
@@ -18,9 +17,9 @@ import triton
 import triton.language as tl
 
 from ft.kernels.nvfp4.decode import (HALF_SUM_LIMIT_EXPONENT, f16_pair, byte_f32, e4m3_f32, hi_e4m3_word, lo_e4m3_word,
-                                     pair_half_sum, pair_half_sum2, split8, e2m1_word_lanes_f32)
+                                     pair_half_sum, split8, e2m1_word_lanes_f32)
 
-__all__ = ["dot_whole_k", "dot_words_half", "dot_words_half2", "nvfp4_rows_dot", "rows_dot_whole_k"]
+__all__ = ["dot_whole_k", "dot_words_half", "nvfp4_rows_dot", "rows_dot_whole_k"]
 
 
 @triton.jit
@@ -178,10 +177,16 @@ def _pairs_of(p, KW: tl.constexpr):
 
 
 @triton.jit
-def _half_x(x0, x1, x2, x3, x4, x5, x6, x7, KW: tl.constexpr):
-    """One x row's lanes (`x_lanes`) -> what `pair_half_sum` takes: the scale back (fp32 scalar: 1, or the
-    power of two that `dot_words_half`'s docstring names) and the row's fp16 pairs, each as its even and its
-    odd words' values ([1, KW / 2] uint32): (up, e02, e13, e46, e57, o02, o13, o46, o57)."""
+def dot_words_half(b_w, b_sb, x0, x1, x2, x3, x4, x5, x6, x7, KW: tl.constexpr, BLOCK_R: tl.constexpr,
+                   ASM: tl.constexpr = False):
+    """`decode_whole_k` then `dot_lanes` with each block's 16 products summed in fp16 (`pair_half_sum`):
+    `load_whole_k`'s words and scale bytes and x's lanes (`x_lanes`) -> sum_k x[k] * W[r, k] / scale_2,
+    fp32 [R]. x is rounded to fp16 (an fp32 x loses bits; bf16 fits, and its products are exact), a block's
+    two running sums of 8 round in fp16 (relative error ~2**-11 of the block's sum, under bf16's
+    rounding of the result), the blocks add in fp32. An x row with an element of magnitude
+    `HALF_SUM_LIMIT` (2**15) or more is scaled by the power of two that brings its largest under it, and
+    the result back (exact but for elements that fall below fp16's normal range: a negligible share of
+    the sum), so the fp16 sums cannot overflow; below it the scale is 1. One reduction a program."""
     big = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
                      tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
     # the power of two, from the largest |x|'s fp32 exponent: 2**e <= |x| < 2**(e + 1); e >= L (the limit's
@@ -198,40 +203,9 @@ def _half_x(x0, x1, x2, x3, x4, x5, x6, x7, KW: tl.constexpr):
     e13, o13 = _pairs_of(f16_pair(h1, h3), KW)
     e46, o46 = _pairs_of(f16_pair(h4, h6), KW)
     e57, o57 = _pairs_of(f16_pair(h5, h7), KW)
-    return up, e02, e13, e46, e57, o02, o13, o46, o57
-
-
-@triton.jit
-def dot_words_half(b_w, b_sb, x0, x1, x2, x3, x4, x5, x6, x7, KW: tl.constexpr, BLOCK_R: tl.constexpr,
-                   ASM: tl.constexpr = False):
-    """`decode_whole_k` then `dot_lanes` with each block's 16 products summed in fp16 (`pair_half_sum`):
-    `load_whole_k`'s words and scale bytes and x's lanes (`x_lanes`) -> sum_k x[k] * W[r, k] / scale_2,
-    fp32 [R]. x is rounded to fp16 (an fp32 x loses bits; bf16 fits, and its products are exact), a block's
-    two running sums of 8 round in fp16 (relative error ~2**-11 of the block's sum, under bf16's
-    rounding of the result), the blocks add in fp32. An x row with an element of magnitude
-    `HALF_SUM_LIMIT` (2**15) or more is scaled by the power of two that brings its largest under it, and
-    the result back (exact but for elements that fall below fp16's normal range: a negligible share of
-    the sum), so the fp16 sums cannot overflow; below it the scale is 1. One reduction a program."""
-    up, e02, e13, e46, e57, o02, o13, o46, o57 = _half_x(x0, x1, x2, x3, x4, x5, x6, x7, KW)
     w_e, w_o = tl.split(tl.reshape(b_w, (BLOCK_R, KW // 2, 2)))
     part = pair_half_sum(w_e, w_o, e02, e13, e46, e57, o02, o13, o46, o57, ASM)  # [R, KW / 2]
     return tl.sum(part * e4m3_f32(b_sb), axis=1) * (64.0 * up)
-
-
-@triton.jit
-def dot_words_half2(b_w, b_sb, x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7, KW: tl.constexpr,
-                    BLOCK_R: tl.constexpr, ASM: tl.constexpr = False):
-    """`dot_words_half` at two x rows (lanes x.. and y..) with the tile decoded once (`pair_half_sum2`) ->
-    (fp32 [R], fp32 [R]), each with the bits `dot_words_half` gives for its row (the same operations in
-    the same order). (The fp32 sums' form of two rows held the decoded tile live and spilled: sm_90, 255
-    registers and 1.6 KB of stack at 2,048 x 8 rows, so the fp32 sums keep a program a pair.)"""
-    up_a, a02, a13, a46, a57, b02, b13, b46, b57 = _half_x(x0, x1, x2, x3, x4, x5, x6, x7, KW)
-    up_c, c02, c13, c46, c57, d02, d13, d46, d57 = _half_x(y0, y1, y2, y3, y4, y5, y6, y7, KW)
-    w_e, w_o = tl.split(tl.reshape(b_w, (BLOCK_R, KW // 2, 2)))
-    pa, pc = pair_half_sum2(w_e, w_o, a02, a13, a46, a57, b02, b13, b46, b57, c02, c13, c46, c57, d02, d13, d46, d57,
-                            ASM)
-    sc = e4m3_f32(b_sb)
-    return tl.sum(pa * sc, axis=1) * (64.0 * up_a), tl.sum(pc * sc, axis=1) * (64.0 * up_c)
 
 
 @triton.jit
