@@ -46,8 +46,11 @@ so ITL is per chunk (as vLLM's is) and TPOT, from the usage's token count, is pe
 errors (a non-200 status, an error event in the stream, a stream cut before [DONE], an exception;
 the first one's text is shown), short requests, duration (first send to last end), request
 throughput, output tok/s and total tok/s (prompt + output tokens over the duration), TTFT / TPOT /
-ITL / E2E mean, p50, p90 and p99 in ms, and the /metrics latency p50 / p99 / max. Prints a line
-per level as it ends, then a markdown table last (one row per level). --json FILE writes every
+ITL / E2E mean, p50, p90 and p99 in ms, and the /metrics latency p50 / p99 / max; and where the
+engine's time went (from the server's `ft_engine_steps_total{kind}` and
+`ft_engine_step_seconds_total{kind}` before and after the level): its decode, mixed (a prompt chunk
+beside decoding rows) and prefill-only steps, their seconds and the level's time outside steps
+(none when the server exports no such series). Prints a line per level as it ends, then a markdown table last (one row per level). --json FILE writes every
 figure, each request's, the command line, the date and the git revisions (this checkout's and
 the server's /version) to FILE. Exits 1 when a request failed, 2 with one line on stderr when
 the server cannot be reached, is not the model asked for, or does not start (then with the tail
@@ -76,6 +79,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
 PERCENTILES = (50, 90, 99)
@@ -252,6 +256,36 @@ async def probe_metrics(client: httpx.AsyncClient, url: str, interval: float, st
             pass
 
 
+STEP_SERIES = ("ft_engine_steps_total", "ft_engine_step_seconds_total")
+STEP_KINDS = ("decode", "mixed", "prefill")
+
+
+async def engine_steps(client: httpx.AsyncClient, url: str) -> dict | None:
+    """{(series, kind): value} of the server's step counters (`STEP_SERIES`) from its /metrics at url, or
+    None when it has none (another server, an older FreeToken) or the read fails."""
+    try:
+        resp = await client.get(url)
+    except httpx.HTTPError:
+        return None
+    if resp.status_code != 200:
+        return None
+    try:
+        got = {(smp.name, smp.labels.get("kind")): smp.value for fam in text_string_to_metric_families(resp.text)
+               for smp in fam.samples if smp.name in STEP_SERIES}
+    except ValueError:  # not Prometheus text
+        return None
+    return got or None
+
+
+def step_split(before: dict | None, after: dict | None) -> dict | None:
+    """{kind: {"steps", "seconds"}} between two `engine_steps` reads (None if either is missing)."""
+    if before is None or after is None:
+        return None
+    return {kind: {"steps": int(after.get((STEP_SERIES[0], kind), 0) - before.get((STEP_SERIES[0], kind), 0)),
+                   "seconds": after.get((STEP_SERIES[1], kind), 0.0) - before.get((STEP_SERIES[1], kind), 0.0)}
+            for kind in STEP_KINDS}
+
+
 class Target:
     """What every request needs: the server, the model and the request body's fixed fields."""
 
@@ -293,6 +327,7 @@ async def run_level(target: Target, prompts: Prompts, *, concurrency: int | None
         stop = asyncio.Event()
         probe_lat: list[float] = []
         probe_err: list[str] = []
+        steps_before = await engine_steps(side, target.base + "/metrics")
         prober = asyncio.ensure_future(probe_metrics(side, target.base + "/metrics", metrics_interval, stop,
                                                      probe_lat, probe_err))
         t_start = time.perf_counter()
@@ -327,12 +362,14 @@ async def run_level(target: Target, prompts: Prompts, *, concurrency: int | None
         finally:
             stop.set()
             await prober
+        steps = step_split(steps_before, await engine_steps(side, target.base + "/metrics"))
     return level_figures(results, concurrency=concurrency, rate=rate, num_prompts=num_prompts,
-                         output_len=target.fixed["max_tokens"], probe_lat=probe_lat, probe_err=probe_err)
+                         output_len=target.fixed["max_tokens"], probe_lat=probe_lat, probe_err=probe_err,
+                         steps=steps)
 
 
 def level_figures(results: list[RequestResult], *, concurrency: int | None, rate: float | None, num_prompts: int,
-                  output_len: int, probe_lat: list[float], probe_err: list[str]) -> dict:
+                  output_len: int, probe_lat: list[float], probe_err: list[str], steps: dict | None = None) -> dict:
     ok = [r for r in results if r.ok]
     errors = [r for r in results if not r.ok]
     short = [r for r in ok if r.output_tokens != output_len]
@@ -370,6 +407,7 @@ def level_figures(results: list[RequestResult], *, concurrency: int | None, rate
         "metrics_probe": {"count": len(probe_lat), "errors": len(probe_err),
                           "first_error": probe_err[0] if probe_err else None,
                           **{k: v for k, v in ms(probe_lat).items() if k in ("p50", "p99", "max", "mean")}},
+        "engine_steps": steps,
         "requests": [{
             "prompt_len": r.prompt_len, "ok": r.ok, "error": r.error, "status": r.status,
             "output_tokens": r.output_tokens, "chunks": r.chunks, "cached_tokens": r.cached_tokens,
@@ -576,6 +614,8 @@ def level_line(lv: dict) -> str:
             f"E2E p50 {_f(lv['e2e_ms']['p50'])} ms; /metrics p99 {_f(lv['metrics_probe']['p99'])} ms "
             f"({lv['metrics_probe']['count']} probes); "
             f"{lv['cached_prompt_tokens']} prompt tokens from the prefix cache")
+    if lv.get("engine_steps"):
+        line += "\n  " + steps_line(lv["engine_steps"], lv["duration_s"])
     if lv["first_error"]:
         line += f"\n  first error: {lv['first_error']}"
     if lv["short"]:
@@ -583,6 +623,17 @@ def level_line(lv: dict) -> str:
     if lv["usage_missing"]:
         line += f"\n  {lv['usage_missing']} requests without a usage chunk (their output counted in chunks)"
     return line
+
+
+def steps_line(steps: dict, duration_s: float) -> str:
+    """Where the engine's time went during a level (`step_split`'s figures): each kind's steps, seconds and
+    ms a step, and the level's seconds outside steps (the warm-up excluded; the counters are the engine's
+    published figures, which trail its last step by at most a few ms)."""
+    parts = [f"{kind} {v['steps']:,} in {v['seconds']:.2f} s"
+             + (f" ({v['seconds'] / v['steps'] * 1e3:.1f} ms each)" if v["steps"] else "")
+             for kind, v in steps.items()]
+    inside = sum(v["seconds"] for v in steps.values())
+    return f"engine steps: {', '.join(parts)}; {max(0.0, duration_s - inside):.2f} s of the level outside them"
 
 
 def table(levels: list[dict]) -> str:

@@ -91,8 +91,11 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     """The sm_90 compile check, when collected, starts now in the background on the cores the suite
     leaves idle (`test_kernels_compile.start_compile_jobs`); its test collects the report. Not under
     pytest-xdist: every worker collects every test, and only the one that runs it may start it (the test
-    does, on the core its worker then leaves idle while it waits)."""
+    does, on the core its worker then leaves idle while it waits). There its file goes first (with
+    `--no-loadscope-reorder` in pyproject's addopts: pytest-xdist otherwise hands out the files with the most
+    tests first, which put this one-test file last, the other worker idle through its ~2 min; session 47)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: item.name != "test_kernels_compile_for_sm90")  # (stable: the rest keep their order)
         return
     cores = os.cpu_count() or 1
     for item in items:

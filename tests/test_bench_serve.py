@@ -115,6 +115,15 @@ def test_serving_benchmark_against_a_started_server(tmp_path):
         assert lv["ttft_ms"]["p99"] <= lv["e2e_ms"]["max"]
         probe = lv["metrics_probe"]
         assert probe["count"] >= 1 and probe["errors"] == 0 and 0 < probe["p50"] <= probe["p99"] <= probe["max"]
+        steps = lv["engine_steps"]  # the server's step counters across the level (the warm-up before them)
+        assert sum(v["seconds"] for v in steps.values()) <= lv["duration_s"]
+        assert all(v["seconds"] > 0 for v in steps.values() if v["steps"]), steps
+        if lv["concurrency"] == 1:  # a request at a time: its prompt one prefill step, its other tokens decode steps
+            assert {k: v["steps"] for k, v in steps.items()} == {"decode": PROMPTS * (OUTPUT_LEN - 1), "mixed": 0,
+                                                                 "prefill": PROMPTS}, steps
+        else:  # every token of every request came out of some step
+            assert steps["decode"]["steps"] + steps["mixed"]["steps"] + steps["prefill"]["steps"] >= OUTPUT_LEN
+    assert "engine steps: decode 12 in " in r.stdout, r.stdout
 
 
 def test_ab_runs_the_same_levels_on_a_second_server_and_compares(tmp_path):

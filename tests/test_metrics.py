@@ -26,6 +26,7 @@ NEW_SERIES = (
     "ft_request_prefill_time_seconds_bucket", "ft_request_decode_time_seconds_bucket",
     "ft_request_prompt_tokens_bucket", "ft_request_generation_tokens_bucket",
     "ft_cuda_graph_replays_total", "ft_cuda_graph_captures_total", "ft_decode_steps_overlapped_total",
+    "ft_engine_steps_total", "ft_engine_step_seconds_total",
 )
 OLD_SERIES = (
     "ft_requests_running", "ft_requests_waiting", "ft_kv_tokens_used", "ft_kv_tokens_capacity", "ft_mamba_slots_used",
@@ -161,6 +162,28 @@ def test_overlapped_decode_steps_are_the_engines_count(app):
 
     state.loop.call_sync(overlapped, timeout=WAIT_S)
     assert value(client, "ft_decode_steps_overlapped_total") - before == 3
+
+
+def test_engine_steps_by_kind(app):
+    """A request alone: its prompt in one prefill step (which gives its first token), each further token in a
+    decode step, no mixed step; each kind's seconds move with its steps."""
+    client, _ = app
+
+    def split():
+        return {(s.name, s.labels["kind"]): s.value for s in samples(client)
+                if s.name in ("ft_engine_steps_total", "ft_engine_step_seconds_total")}
+
+    before = split()
+    assert set(before) == {(n, k) for n in ("ft_engine_steps_total", "ft_engine_step_seconds_total")
+                           for k in ("decode", "mixed", "prefill")}
+    assert complete(client, [(11 * i) % 290 + 7 for i in range(21)], 5).status_code == 200
+    after = split()
+    steps = {k: after[("ft_engine_steps_total", k)] - before[("ft_engine_steps_total", k)]
+             for k in ("decode", "mixed", "prefill")}
+    seconds = {k: after[("ft_engine_step_seconds_total", k)] - before[("ft_engine_step_seconds_total", k)]
+               for k in ("decode", "mixed", "prefill")}
+    assert steps == {"decode": 4, "mixed": 0, "prefill": 1}
+    assert seconds["decode"] > 0 and seconds["prefill"] > 0 and seconds["mixed"] == 0
 
 
 def test_rebuild_durations_and_counts(app):

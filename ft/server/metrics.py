@@ -131,6 +131,15 @@ class _EngineCollector:
                 s.preemptions)
         yield c("ft_decode_steps_overlapped", "Decode steps queued behind the step in flight before the host read "
                 "its tokens (overlapped decode, --overlap-decode)", s.overlapped_steps)
+        for name, doc, values in (
+                ("ft_engine_steps", "Engine steps by kind (decode: every row decodes a token; prefill: prompt chunks "
+                 "only; mixed: a prompt chunk beside decoding rows)", s.steps),
+                ("ft_engine_step_seconds", "Wall time the engine thread spent in steps, by kind (with overlapped "
+                 "decode a decode step's time is the wait for the step queued before it)", s.step_seconds)):
+            fam = self._family(CounterMetricFamily, name, doc, labels=("kind",))
+            for kind, value in values.items():
+                fam.add_metric([m, kind], value)
+            yield fam
         for name, doc, key in (("ft_cuda_graph_replays", "Steps replayed from CUDA graphs, by kind (decode: a batch-size "
                                 "bucket's graph; prefill: a short prompt's graphs around its attention cores)",
                                 "graph_replays"),

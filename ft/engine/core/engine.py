@@ -26,6 +26,7 @@ from ft.engine.ranks.rank_state import KV_ALGO_DTYPES, KV_DTYPES, RankState
 from ft.engine.base.sampling_params import SamplingParams
 from ft.engine.sched.scheduler import Scheduler, ScheduledWork
 from ft.engine.core.stats import EngineStats, engine_stats
+from ft.engine.core.step_times import StepTimes, step_kind
 from ft.engine.worker.overlap import OverlappedDecode
 from ft.engine.base.sequence import Sequence
 from ft.engine.text.tokenizer import Tokenizer
@@ -101,6 +102,8 @@ class Engine(RankState):
         self.started_at = time.time()
         self.started_monotonic = time.monotonic()  # the admin API's uptime never goes backwards
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self.step_times = StepTimes()  # steps and their wall time by kind (`ft.engine.core.step_times`)
+        self._step_kind: str | None = None  # the kind of the step `_step` ran (None: it ran none)
 
     def _join_workers(self) -> None:
         """The startup gather (`tp_worker.join_ranks`): every worker rank built, its caches sized as
@@ -216,9 +219,16 @@ class Engine(RankState):
         then steps as usual."""
         if self._workers:
             self._check_workers()
+        t0 = time.perf_counter()
         if self.overlap.inflight is not None:
-            return self.overlap.step()
-        return self._step()
+            out = self.overlap.step()
+            self.step_times.add("decode", time.perf_counter() - t0)
+            return out
+        self._step_kind = None
+        out = self._step()
+        if self._step_kind is not None:
+            self.step_times.add(self._step_kind, time.perf_counter() - t0)
+        return out
 
     def _step(self) -> list[Sequence]:
         rejected = []
@@ -236,6 +246,7 @@ class Engine(RankState):
         if work is None:
             return rejected + self._reject_unservable()
         self.current_work = work  # NOTE: what a step that raises was running (the server fails only those)
+        self._step_kind = step_kind(work)  # (before the step moves the sequences on)
         if self.loan is not None:
             self.loan.before_run(work)
         self.runner.last_logprobs, self.runner.last_prompt_logprobs = [], []  # (a stand-in runner may leave them)

@@ -46,6 +46,8 @@ class EngineStats:
     prefix_host_bytes: int  # their linear-attention states in host memory (--prefix-states-on-host)
     preemptions: int
     overlapped_steps: int
+    steps: dict[str, int]  # by kind: decode, mixed, prefill (`ft.engine.core.step_times`)
+    step_seconds: dict[str, float]  # the engine thread's wall time in them
     graph_replays: dict[str, int]  # by kind: decode, prefill
     graph_captures: dict[str, int]
     rebuilds: dict[str, int]  # by status (startup excluded)
@@ -87,6 +89,7 @@ def engine_stats(engine: Any) -> EngineStats:
         prefix_queried_tokens=engine.prefix_cache.query_tokens, prefix_hit_tokens=engine.prefix_cache.hit_tokens,
         prefix_entries=len(engine.prefix_cache), prefix_host_bytes=engine.prefix_cache.host_bytes,
         preemptions=engine.scheduler.num_preemptions, overlapped_steps=engine.overlapped_steps,
+        steps=dict(engine.step_times.count), step_seconds=dict(engine.step_times.seconds),
         graph_replays={k: g.replays if g is not None else 0 for k, g in graphs.items()},
         graph_captures={k: g.captures if g is not None else 0 for k, g in graphs.items()},
         rebuilds=rebuilds, rebuild_durations=tuple(durations),
