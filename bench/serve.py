@@ -50,9 +50,9 @@ ITL / E2E mean, p50, p90 and p99 in ms, and the /metrics latency p50 / p99 / max
 engine's time went (from the server's `ft_engine_steps_total{kind}` and
 `ft_engine_step_seconds_total{kind}` before and after the level): its decode, mixed (a prompt chunk
 beside decoding rows) and prefill-only steps, their seconds and the level's time outside steps
-(none when the server exports no such series). Prints a line per level as it ends, then a markdown table last (one row per level). --json FILE writes every
-figure, each request's, the command line, the date and the git revisions (this checkout's and
-the server's /version) to FILE. Exits 1 when a request failed, 2 with one line on stderr when
+(none when the server exports no such series). Prints a line per level as it ends, then a markdown
+table last (one row per level). --json FILE writes every figure, each request's, the command line,
+the date and the git revisions (this checkout's and the server's /version) to FILE. Exits 1 when a request failed, 2 with one line on stderr when
 the server cannot be reached, is not the model asked for, or does not start (then with the tail
 of its log).
 """
