@@ -9,8 +9,10 @@ resident MoE backend (every expert in a device slot: no host traffic), greedy de
 batch size after a short prompt, first eagerly then replaying CUDA graphs (same engine, same
 run). Reports tokens/s and the ratio to the roofline: the bytes one step must read
 (`bytes_per_step`) at 4.3 TB/s. `--context` sets the prompt lengths (decode after a long prefill:
-each step reads the whole KV of its sequence), `--kv-cache-dtype` the KV cache's dtype. Prints a
-table last.
+each step reads the whole KV of its sequence), `--kv-cache-dtype` the KV cache's dtype. Each row times
+`--tokens` decode steps with every sequence of the batch running (all prompts prefilled first; the rows
+prefilled first keep decoding meanwhile, with a margin of steps so that none ends in the timed ones).
+Prints a table last.
 """
 
 from __future__ import annotations
