@@ -228,6 +228,7 @@ class LiveRates(_Model):
     prompt_tokens_per_s: float = 0.0
     expert_hit_rate: float = 0.0  # over the last interval
     kv_usage: float = 0.0  # used pages / pages
+    engine_busy: float = 0.0  # share of the last interval the engine thread spent in steps, 0..1 (0 when unknown)
 
 
 class Event(_Model):

@@ -333,6 +333,26 @@ def test_a_finished_request_is_in_the_next_scrape(app):
         assert value(client, "ft_generation_tokens_total") - before == n
 
 
+def test_admin_events_say_how_busy_the_engine_was(app):
+    """`ft top`'s busy share: the engine thread's time in steps over each tick's interval, 0..1; above 0 in
+    the ticks while a request runs, and 0 again once ticks cover no step (within a few ticks after it: some
+    may have been sent before its last step)."""
+    client, _ = app
+    with client.stream("GET", "/admin/events?interval=0.1") as r:
+        lines = (x for x in r.iter_lines() if x.startswith("data:"))
+        first = json.loads(next(lines)[5:])
+        request = threading.Thread(target=complete, args=(client, [(5 * i) % 280 + 9 for i in range(300)], 60))
+        request.start()
+        busy = []
+        while request.is_alive() and len(busy) < 200:
+            busy.append(json.loads(next(lines)[5:])["rates"]["engine_busy"])
+        request.join(WAIT_S)
+        after = [json.loads(next(lines)[5:])["rates"]["engine_busy"] for _ in range(20)]
+    assert first["rates"]["engine_busy"] == 0  # (a first event has no interval)
+    assert all(0 <= b <= 1 for b in busy + after) and max(busy + after) > 0, (busy, after)
+    assert after[-1] == 0, after
+
+
 def test_admin_events_tick_while_the_engine_thread_is_busy(app):
     """`ft top`'s stream (GET /admin/events) reads the published figures and cache state too: ticks keep
     coming while the engine thread is held, and they carry the geometry the engine last published."""

@@ -94,9 +94,10 @@ def test_pool_cells_match_ft_ctl_cache():
 def test_rate_history_ring():
     h = RateHistory(3)
     for i in range(5):
-        h.push(LiveRates(decode_tokens_per_s=i, expert_hit_rate=2.0, kv_usage=-1))
+        h.push(LiveRates(decode_tokens_per_s=i, expert_hit_rate=2.0, kv_usage=-1, engine_busy=i / 3))
     assert len(h) == 3
-    assert h.series() == {"decode": [2.0, 3.0, 4.0], "hit_rate": [1.0] * 3, "kv_usage": [0.0] * 3}
+    assert h.series() == {"decode": [2.0, 3.0, 4.0], "hit_rate": [1.0] * 3, "kv_usage": [0.0] * 3,
+                          "busy": [2 / 3, 1.0, 1.0]}  # (a share over 1, from instants a little apart: 1)
     with pytest.raises(ValueError):
         RateHistory(0)
 
@@ -120,7 +121,7 @@ def test_rates_between_polls():
     a, b = state(), state()
     b.pools.moe.hits, b.pools.moe.misses = 30, 10
     r = rates_between(a, b)
-    assert r.expert_hit_rate == 0.75 and r.kv_usage == 2 / 8 and r.decode_tokens_per_s == 0
+    assert r.expert_hit_rate == 0.75 and r.kv_usage == 2 / 8 and r.decode_tokens_per_s == 0 and r.engine_busy == 0
 
 
 def test_import_hygiene_no_torch():

@@ -56,7 +56,7 @@ HISTORY = {"entries": [
 
 def _rates(i: int) -> LiveRates:
     return LiveRates(decode_tokens_per_s=60 + 35 * math.sin(i / 5), expert_hit_rate=0.85 + 0.1 * math.sin(i / 9),
-                     kv_usage=min(1.0, 0.2 + i / 150))
+                     kv_usage=min(1.0, 0.2 + i / 150), engine_busy=0.6 + 0.3 * math.sin(i / 7))
 
 
 class FixedSource:

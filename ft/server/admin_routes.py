@@ -206,6 +206,8 @@ async def events(request: Request):
                     rates.prompt_tokens_per_s = (stats.prompt_tokens - last.prompt_tokens) / dt
                     dh, dm = stats.hits - last.hits, stats.misses - last.misses
                     rates.expert_hit_rate = dh / (dh + dm) if dh + dm else cache.pools.moe.hit_rate
+                    busy = sum(stats.step_seconds.values()) - sum(last.step_seconds.values())
+                    rates.engine_busy = min(1.0, max(0.0, busy / dt))  # (the figures' own instants differ a little)
                 last, last_t = stats, now
                 key = (cache.state, cache.pools.moe.size, cache.pools.kv.size, cache.pools.mamba.size)
                 if kind != "snapshot" and key != last_key:

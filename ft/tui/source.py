@@ -236,7 +236,7 @@ def _key(c: CacheState) -> tuple:
 
 def rates_between(prev: CacheState | None, cur: CacheState) -> LiveRates:
     """What polling can tell: KV usage now, the expert hit rate between two polls (decode
-    tokens/s needs the event stream: 0 here)."""
+    tokens/s and the engine's busy share need the event stream: 0 here)."""
     kv = cur.pools.kv
     rates = LiveRates(kv_usage=kv.used / kv.pages if kv.pages else 0.0, expert_hit_rate=cur.pools.moe.hit_rate)
     if prev is not None:

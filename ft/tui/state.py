@@ -227,13 +227,14 @@ def rung_label(ladder: LadderState, kv_tokens: int) -> str:
 @dataclass
 class RateHistory:
     """Ring buffers of the live rates, one sample per event: the last `capacity` samples of
-    decode tokens/s, expert hit rate (0..1) and KV usage (0..1), and when each came (the caller's
-    clock, seconds) for the plots' time span."""
+    decode tokens/s, expert hit rate (0..1), KV usage (0..1) and the engine's busy share (0..1), and
+    when each came (the caller's clock, seconds) for the plots' time span."""
 
     capacity: int = 240
     decode: deque = field(init=False)
     hit_rate: deque = field(init=False)
     kv_usage: deque = field(init=False)
+    busy: deque = field(init=False)
     times: deque = field(init=False)
 
     def __post_init__(self) -> None:
@@ -242,12 +243,14 @@ class RateHistory:
         self.decode = deque(maxlen=self.capacity)
         self.hit_rate = deque(maxlen=self.capacity)
         self.kv_usage = deque(maxlen=self.capacity)
+        self.busy = deque(maxlen=self.capacity)
         self.times = deque(maxlen=self.capacity)
 
     def push(self, rates: LiveRates, t: float = 0.0) -> None:
         self.decode.append(max(0.0, rates.decode_tokens_per_s))
         self.hit_rate.append(min(1.0, max(0.0, rates.expert_hit_rate)))
         self.kv_usage.append(min(1.0, max(0.0, rates.kv_usage)))
+        self.busy.append(min(1.0, max(0.0, rates.engine_busy)))
         self.times.append(t)
 
     def __len__(self) -> int:
@@ -258,7 +261,8 @@ class RateHistory:
         return self.times[-1] - self.times[0] if len(self.times) > 1 else 0.0
 
     def series(self) -> dict[str, list[float]]:
-        return {"decode": list(self.decode), "hit_rate": list(self.hit_rate), "kv_usage": list(self.kv_usage)}
+        return {"decode": list(self.decode), "hit_rate": list(self.hit_rate), "kv_usage": list(self.kv_usage),
+                "busy": list(self.busy)}
 
 
 def nice_ceiling(x: float) -> float:

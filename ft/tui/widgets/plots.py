@@ -1,7 +1,8 @@
-"""Live plots: decode tokens/s, expert hit rate and KV usage over the last minutes, each a bar plot
-with its scale: the axis's bottom and top with the unit (hit rate and KV usage on 0..100%, decode
-on 0 up to a round number above the window's peak), the latest value, and the window's time span
-in the panel's bottom border."""
+"""Live plots: decode tokens/s, expert hit rate, KV usage and the engine's busy share (the time its
+thread spent in steps: near 100% the server is saturated) over the last minutes, each a bar plot
+with its scale: the axis's bottom and top with the unit (the shares on 0..100%, decode on 0 up to a
+round number above the window's peak), the latest value, and the window's time span in the panel's
+bottom border."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from textual.widget import Widget
 from ft.tui.state import RateHistory, format_age, format_scale, nice_ceiling, plot_rows
 
 # key, name, short name (narrow rows), unit ('%': a fraction 0..1), the window's extreme shown
-# under the value (decode: its peak; hit rate: its worst; KV usage: its peak), colour
+# under the value (decode: its peak; hit rate: its worst; KV usage and busy: their peaks), colour
 PLOTS = (("decode", "decode", "decode", "tok/s", "max", "#e5c07b"),
          ("hit_rate", "recent hits", "recent", "%", "min", "#c678dd"),  # (the pools panel's "hit" is lifetime)
-         ("kv_usage", "kv usage", "kv", "%", "max", "#56b6c2"))
+         ("kv_usage", "kv usage", "kv", "%", "max", "#56b6c2"),
+         ("busy", "engine busy", "busy", "%", "max", "#98c379"))
 MIN_BARS = 6
 GUTTER = 13  # the name / value / extreme column of a tall plot
 AXIS = 12  # the axis labels of a tall plot, '┤' included: '10000 tok/s┤'
@@ -87,7 +89,7 @@ class RatePlot(Widget):
 
 
 class RatePlots(Vertical):
-    """The three plots; `show(history)` redraws them and puts the time span in the border."""
+    """The four plots; `show(history)` redraws them and puts the time span in the border."""
 
     def compose(self) -> ComposeResult:
         for key, *rest in PLOTS:
