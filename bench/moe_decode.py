@@ -152,8 +152,11 @@ SWEEP_GATE_UP = [(8, 0, 4), (4, 0, 4), (16, 0, 4), (8, 0, 2), (16, 0, 8), (32, 0
 """Gate/up tiles (BLOCK_I rows, BLOCK_W words or 0 for the whole K, warps) of `--sweep`."""
 SWEEP_DOWN_LOOP = [(8, 0, 4), (16, 0, 4), (8, 0, 2)]
 """Down tiles of the per-token loop (swept at batches up to 8: past them the per-pair pass wins)."""
-SWEEP_DOWN_PAIRS = [(16, 0, 4), (32, 0, 4), (64, 0, 4), (32, 0, 8), (128, 0, 8), (64, 0, 8)]
-"""Down tiles of the per-pair pass (BLOCK_H rows, whole K, warps)."""
+SWEEP_DOWN_PAIRS = [(16, 0, 4), (32, 0, 4), (64, 0, 4), (32, 0, 8), (128, 0, 8), (64, 0, 8), (128, 0, 4),
+                    (256, 0, 8)]
+"""Down tiles of the per-pair pass (BLOCK_H rows, whole K, warps). The last two for Qwen3.8-Flash-Next's K of
+640 (two whole-K tiles, 64 + 16 words): its down pass ran at ~43% of the H100's stream at batch 8 (session 47),
+in 64-row programs of ~22 KB each."""
 
 
 GROUPED_DECODE_SWEEP = [(16, 64, 128, 4, 3, True), (16, 128, 128, 4, 3, True), (16, 64, 256, 4, 2, True),
