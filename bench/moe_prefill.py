@@ -14,7 +14,7 @@ Flagship shapes: 512 experts (all resident), hidden 2048, intermediate 512, top-
   compares against.
 
 `--variants`: "after" again under each named kernel variant (`ft.kernels.options.VARIANTS`, e.g.
-moe-grouped-f16), then "after" once more (the defaults, timed on both sides of the variants).
+moe-bytes), then "after" once more (the defaults, timed on both sides of the variants).
 
 Times are `triton.testing.do_bench` medians; TFLOP/s counts 2 * pairs * 3 * H * I. `--sweep` also
 times the block configurations in SWEEP. Prints a table last.

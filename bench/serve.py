@@ -52,8 +52,8 @@ engine's time went (from the server's `ft_engine_steps_total{kind}` and
 beside decoding rows) and prefill-only steps, their seconds and the level's time outside steps
 (none when the server exports no such series). Prints a line per level as it ends, then a markdown
 table last (one row per level). --json FILE writes every figure, each request's, the command line,
-the date and the git revisions (this checkout's and the server's /version) to FILE. Exits 1 when a request failed, 2 with one line on stderr when
-the server cannot be reached, is not the model asked for, or does not start (then with the tail
+the date and the git revisions (this checkout's and the server's /version) to FILE. Exits 1 when a
+request failed, 2 with one line on stderr when the server cannot be reached, is not the model asked for, or does not start (then with the tail
 of its log).
 """
 
@@ -257,6 +257,7 @@ async def probe_metrics(client: httpx.AsyncClient, url: str, interval: float, st
 
 
 STEP_SERIES = ("ft_engine_steps_total", "ft_engine_step_seconds_total")
+# `ft.engine.core.step_times.STEP_KINDS`, not imported: this client imports no torch
 STEP_KINDS = ("decode", "mixed", "prefill")
 
 

@@ -1,7 +1,6 @@
 """Test helper for the constexpr flags that the Triton wrappers compute from shapes (EVEN_D, EVEN_K,
 ...): `spy_launches` replaces a kernel in its module by a stand-in that records each launch's keyword
-arguments (constexprs and launch options, as the wrapper passed them; the positional ones under
-"_args") and launches the real kernel
+arguments (constexprs and launch options, as the wrapper passed them) and launches the real kernel
 with some of them overridden, e.g. EVEN_D=False to run the masked path on a shape where the wrapper
 sets EVEN_D=True. Launches must index the kernel by its grid (`kernel[grid](...)`), as the wrappers do."""
 
@@ -14,7 +13,7 @@ class _LaunchSpy:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.calls.append({**kwargs, "_args": args})  # (no kernel has a parameter of that name)
+            self.calls.append(dict(kwargs))
             return self.kernel[grid](*args, **{**kwargs, **self.overrides})
 
         return launch
