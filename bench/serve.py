@@ -53,8 +53,8 @@ beside decoding rows) and prefill-only steps, their seconds and the level's time
 (none when the server exports no such series). Prints a line per level as it ends, then a markdown
 table last (one row per level). --json FILE writes every figure, each request's, the command line,
 the date and the git revisions (this checkout's and the server's /version) to FILE. Exits 1 when a
-request failed, 2 with one line on stderr when the server cannot be reached, is not the model asked for, or does not start (then with the tail
-of its log).
+request failed, 2 with one line on stderr when the server cannot be reached, is not the model asked
+for, or does not start (then with the tail of its log).
 """
 
 from __future__ import annotations
