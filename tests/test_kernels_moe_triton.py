@@ -294,33 +294,56 @@ def test_moe_decode_triton_matches_ref(case, per_pair):
     assert torch.equal(moe_decode_triton(x, moved_slots, weights.to(dtype), moved, shared, down_per_pair=per_pair), y)
 
 
-@pytest.mark.parametrize("wide", [False, True], ids=["default", "wide"])
-def test_the_one_token_tiles_are_taken_and_match_ref(monkeypatch, wide):
+@pytest.mark.parametrize("variant_name", ["", "moe-decode-wide-one-token", "moe-decode-two-tiles-table"])
+def test_the_one_token_and_two_tile_tiles_are_taken_and_match_ref(monkeypatch, variant_name):
     """`MoeOptions.decode_tiles_one_token`: one token's gate/up and down passes launch with its tiles (two
-    tiles a row here, as at 2,560 / 640) and give the reference's result; two tokens keep the tables' tiles,
-    as one token does with variant "moe-decode-wide-one-token"."""
+    whole-K tiles a row here, as at 2,560 / 640) and give the reference's result; from two tokens the gate/up
+    pass takes `MoeOptions.decode_gate_up_two_tiles` (the hidden size is two tiles) and down the table's tile.
+    Variant "moe-decode-wide-one-token" gives one token the tables' tiles, "moe-decode-two-tiles-table" two
+    tokens the table's gate/up tile."""
     import ft.kernels.moe.decode_kernel as details
 
     gate_up = spy_launches(monkeypatch, details, "_moe_decode_gate_up_kernel")
     down = spy_launches(monkeypatch, details, "_moe_decode_down_pairs_kernel")
     gen = torch.Generator().manual_seed(21)
     w, shared = _slot_pool(4, 80, 48, gen), _slot_pool(1, 80, 48, gen)
-    for t in (1, 2):
+    narrow, two_tiles = DEFAULTS.moe.decode_tiles_one_token, DEFAULTS.moe.decode_gate_up_two_tiles
+    assert two_tiles != details.DECODE_GATE_UP_CONFIG[2]  # (else this test could not tell them apart)
+    table_down = (details.DECODE_DOWN_PAIRS_CONFIG[0], details.DECODE_DOWN_PAIRS_CONFIG[2])
+    for t in (1, 2, 3):
         slots, weights = _routing(t, 3, 4, 0.0, gen)
         weights = torch.cat([weights, torch.rand(t, 1, generator=gen)], dim=1)
         x = torch.randn(t, 80, generator=gen)
         gate_up.clear()
         down.clear()
-        with use_kernel_options(variant(*(["moe-decode-wide-one-token"] if wide else []))):
+        with use_kernel_options(variant(*([variant_name] if variant_name else []))):
             y = moe_decode_triton(x, slots, weights, w, shared)
-        narrow = DEFAULTS.moe.decode_tiles_one_token
-        want = [(narrow[0][0], narrow[0][2]), (narrow[1][0], narrow[1][2])] if t == 1 and not wide else \
-            [(details.DECODE_GATE_UP_CONFIG[t][0], details.DECODE_GATE_UP_CONFIG[t][2]),
-             (details.DECODE_DOWN_PAIRS_CONFIG[0], details.DECODE_DOWN_PAIRS_CONFIG[2])]
+        table = details.DECODE_GATE_UP_CONFIG[min(t, 2)]
+        if t == 1:
+            want = [(table[0], table[2]), table_down] if variant_name == "moe-decode-wide-one-token" else \
+                [(narrow[0][0], narrow[0][2]), (narrow[1][0], narrow[1][2])]
+        else:
+            tile = table if variant_name == "moe-decode-two-tiles-table" else two_tiles
+            want = [(tile[0], tile[2]), table_down]
         assert [(gate_up[0]["BLOCK_I"], gate_up[0]["num_warps"]), (down[0]["BLOCK_H"], down[0]["num_warps"])] == want
         assert len(gate_up) == len(down) == 1
         ref = moe_decode_ref(x, slots, weights, w, shared)
         assert ((y - ref).norm() / ref.norm()).item() < TOL[torch.float32]
+
+
+def test_one_tile_hidden_sizes_keep_the_table_from_two_tokens(monkeypatch):
+    """A hidden size of one whole-K tile (the 80B's 2,048; 64 here) takes the table's gate/up tile from two
+    tokens: `MoeOptions.decode_gate_up_two_tiles` is for two-tile rows only."""
+    import ft.kernels.moe.decode_kernel as details
+
+    gate_up = spy_launches(monkeypatch, details, "_moe_decode_gate_up_kernel")
+    gen = torch.Generator().manual_seed(22)
+    w, shared = _slot_pool(4, 64, 48, gen), _slot_pool(1, 64, 48, gen)
+    slots, weights = _routing(2, 3, 4, 0.0, gen)
+    weights = torch.cat([weights, torch.rand(2, 1, generator=gen)], dim=1)
+    moe_decode_triton(torch.randn(2, 64, generator=gen), slots, weights, w, shared)
+    table = details.DECODE_GATE_UP_CONFIG[2]
+    assert (gate_up[0]["BLOCK_I"], gate_up[0]["num_warps"]) == (table[0], table[2])
 
 
 def test_moe_decode_ref_is_the_unfused_block():

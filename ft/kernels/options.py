@@ -115,6 +115,13 @@ class MoeOptions:
     (The decode step's routing in the router GEMV's launch, the last program of a token block routing it,
     lost to the GEMV and the top-k kernel as two launches by 1.5-3% at batches 1 / 8 on the H100 and was
     deleted, RESULTS.md session 38; commit 70aa512 holds it.)
+    decode_gate_up_two_tiles: the decode MoE's gate/up tile (BLOCK_I, BLOCK_W, warps) from two tokens where the
+    hidden size is two whole-K tiles (`limits.whole_k_pieces`: Qwen3.8-Flash-Next's 2,560 = 256 + 64 words):
+    (8, 0, 2), half the warps of the table's (`decode_kernel.DECODE_GATE_UP_CONFIG[2]`, the 80B's sweep, which
+    None selects: variant "moe-decode-two-tiles-table"). The two tiles held whole take 158 registers a thread
+    on the H100 (ncu, session 48: 12 warps an SM, 18% occupancy, DRAM at 62%); two warps a program fit the
+    register file in finer steps. The block at 512 x 2,560 x 640, top-10 + shared (bench/moe_decode.py --sweep,
+    H100): 110.3 -> 99.2 us at 8 tokens, 379.3 -> 335.2 us at 32.
     decode_sum_in_down: where no norm follows the decode MoE (Qwen3.8-Flash-Next, whose HyperConnection
     write takes the block's output), the per-pair down pass sums a token's pairs itself (the last of its
     programs of a column block; `moe_decode(sum_counters=...)`), the same bits as the sum kernel and one
@@ -131,6 +138,7 @@ class MoeOptions:
     grouped_tile: tuple | None = None
     grouped_max_tokens: int = 16384
     decode_sum_in_down: bool = True
+    decode_gate_up_two_tiles: tuple | None = (8, 0, 2)
     decode_tiles_one_token: tuple | None = ((4, 0, 2), (16, 0, 4))
 
 
@@ -385,6 +393,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "pdl": {"launch.pdl": True},  # bench/decode.py --modes pdl, bench/ladder.py --pdl
     "no-pdl": {"launch.pdl": False},  # bench/decode.py --modes overlap:no-pdl (the A/B of the model's choice)
     "moe-decode-wide-one-token": {"moe.decode_tiles_one_token": None},  # bench/decode.py --modes
+    "moe-decode-two-tiles-table": {"moe.decode_gate_up_two_tiles": None},  # the same, bench/moe_decode.py --variants
     "attention-nvfp4-f16": {"decode_attention.nvfp4_prmt": False},  # bench/decode.py --no-prmt, decode_attention.py
     "hc-read-cublas": {"hyper_connection.fused_read_max_tokens": 0},  # bench/hc_read.py, bench/decode.py --modes
     "hc-read-dot-only": {"hyper_connection.fma_read_max_tokens": 0},  # the same

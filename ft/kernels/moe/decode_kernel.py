@@ -439,7 +439,9 @@ def moe_decode_triton(
     ks = k + has_shared
     h = torch.empty((t * ks, i), dtype=torch.float32, device=x.device)
     one_token = kernel_options().moe.decode_tiles_one_token if t == 1 else None  # (None: the tables)
-    block_i, bw13, warps13 = gate_up_config or (one_token[0] if one_token else DECODE_GATE_UP_CONFIG[min(t, 2)])
+    two_tiles = kernel_options().moe.decode_gate_up_two_tiles if t > 1 and whole_k_pieces(hid)[1] else None
+    block_i, bw13, warps13 = gate_up_config or (one_token[0] if one_token else two_tiles if two_tiles
+                                                else DECODE_GATE_UP_CONFIG[min(t, 2)])
     per_pair = down_per_pair if down_per_pair is not None else t >= DECODE_DOWN_PAIRS_MIN_TOKENS
     block_h, bw2, warps2 = down_config or (
         (one_token[1] if one_token else DECODE_DOWN_PAIRS_CONFIG) if per_pair else DECODE_DOWN_CONFIG[min(t, 2)])
