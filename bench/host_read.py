@@ -32,7 +32,7 @@ import torch
 from bench.gpu_timing import graph_us
 from bench.kernels_nvfp4 import MOE, random_pool
 from ft.kernels.moe import SlotWeights
-from ft.kernels.moe.decode_kernel import DECODE_DOWN_PAIRS_CONFIG, DECODE_GATE_UP_CONFIG, moe_decode_triton
+from ft.kernels.moe.decode_kernel import DECODE_GATE_UP_CONFIG, down_pairs_config, moe_decode_triton
 
 DEV = torch.device("cuda")
 
@@ -56,7 +56,7 @@ def main() -> None:
     wts = torch.cat([torch.softmax(torch.randn(1, top_k, device=DEV), -1), torch.rand(1, 1, device=DEV)], 1)
     wts = wts.to(torch.bfloat16)
     out = torch.empty_like(x)
-    configs = [(DECODE_GATE_UP_CONFIG[1], DECODE_DOWN_PAIRS_CONFIG), ((2, 0, 4), (32, 0, 4)), ((1, 0, 2), (16, 0, 2)),
+    configs = [(DECODE_GATE_UP_CONFIG[1], down_pairs_config()), ((2, 0, 4), (32, 0, 4)), ((1, 0, 2), (16, 0, 2)),
                ((8, 0, 4), (128, 0, 4)), ((2, 0, 2), (64, 0, 2))][: 1 if args.layers > 1 or args.land else None]
     rows = []
     for (gu, dn), land in ((c, land) for c in configs for land in ((False, True) if args.land else (False,))):

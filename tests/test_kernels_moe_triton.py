@@ -309,7 +309,7 @@ def test_the_one_token_and_two_tile_tiles_are_taken_and_match_ref(monkeypatch, v
     w, shared = _slot_pool(4, 80, 48, gen), _slot_pool(1, 80, 48, gen)
     narrow, two_tiles = DEFAULTS.moe.decode_tiles_one_token, DEFAULTS.moe.decode_gate_up_two_tiles
     assert two_tiles != details.DECODE_GATE_UP_CONFIG[2]  # (else this test could not tell them apart)
-    table_down = (details.DECODE_DOWN_PAIRS_CONFIG[0], details.DECODE_DOWN_PAIRS_CONFIG[2])
+    table_down = (details.down_pairs_config()[0], details.down_pairs_config()[2])
     for t in (1, 2, 3):
         slots, weights = _routing(t, 3, 4, 0.0, gen)
         weights = torch.cat([weights, torch.rand(t, 1, generator=gen)], dim=1)

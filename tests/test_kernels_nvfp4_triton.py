@@ -277,6 +277,29 @@ def test_split_k_is_the_options_at_mid_m_only():
     assert dot_launch_config(torch.zeros(32, 2048, dtype=torch.bfloat16), packed)["SPLIT_K"] == 1  # the default
 
 
+def test_the_small_m_tile_goes_in_two_warps_past_one_wave(monkeypatch):
+    """M <= 16: the 16-row tile in 4 warps while its grid fits one wave of `SMALL_M_WAVE_PROGRAMS_PER_SM` programs an
+    SM, in 2 past it (Flash-Next's 16,384-row in_proj_qkvz on 132 SMs: 512 programs); never with a K split, above
+    M = 16 or with a config given; off a CUDA device (no SMs to count) always 4."""
+    import ft.kernels.nvfp4.kernel as nv
+
+    def warps(m, n, k=2560, config=None):
+        packed = torch.zeros(n, k // 2, dtype=torch.uint8)
+        return nv.dot_launch_config(torch.zeros(m, k, dtype=torch.bfloat16), packed, config).get("num_warps")
+
+    assert warps(8, 16384) == 4  # (CPU: no SMs)
+    monkeypatch.setattr(nv, "sm_count", lambda device: 132)
+    one_wave = 32 * nv.SMALL_M_WAVE_PROGRAMS_PER_SM * 132
+    assert [warps(8, n) for n in (12288, one_wave, one_wave + 32, 16384)] == [4, 4, 2, 2]
+    assert warps(16, 16384) == 2 and warps(17, 16384) == 4
+    assert warps(8, 16384, config=nv._dot_config(8, 16384, 2560)) == 4
+    assert warps(8, 2560, 6144) == 4  # out_proj: K split over 4 (`dot_split_k_small_m`)
+    from ft.kernels.options import use_kernel_options, variant
+
+    with use_kernel_options(variant("nvfp4-dot-small-m-4-warps")):
+        assert warps(8, 16384) == 4
+
+
 def test_dot_config_narrows_the_mid_m_tile_when_it_would_launch_too_few_programs():
     """At 16 < M <= 64: the wide tile where it fills the GPU (in_proj_qkvz, 12,288 rows), the narrow one
     where it would not (out_proj, 2,048 rows: 32 programs of 64 columns)."""

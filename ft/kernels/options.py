@@ -73,7 +73,10 @@ class Nvfp4Options:
     this many programs: **4** (H200, session 45, Flash-Next 48 layers, batch 8, `bench/decode.py --replay-span
     50`: 10.568 / 10.590 ms a replay with the whole K against 10.348 split in 4, 761.4 / 762.5 -> 779.2 tok/s,
     +2.2%; the 80B's batch 3-16, whose out_proj takes it too, not yet measured); 1: the whole K (variant
-    "nvfp4-dot-no-split-k-small-m"; "nvfp4-dot-split-k-small-m-2" splits in 2)."""
+    "nvfp4-dot-no-split-k-small-m"; "nvfp4-dot-split-k-small-m-2" splits in 2).
+    dot_small_m_past_wave_warps: the 16-row tile's warps where its grid (K whole) holds more programs than one
+    wave of 4-warp programs (`kernel.SMALL_M_WAVE_PROGRAMS_PER_SM` an SM, whose note has the measurements):
+    2; 4 keeps the tile as elsewhere (variant "nvfp4-dot-small-m-4-warps")."""
 
     small_m_whole_k: bool = True
     dot_halves: bool = True
@@ -82,6 +85,7 @@ class Nvfp4Options:
     dot_split_k: int = 1
     dot_split_k_few_tiles: int = 4
     dot_split_k_small_m: int = 4
+    dot_small_m_past_wave_warps: int = 2
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,7 @@ class MoeOptions:
     8,192 between; bench/prefill.py --grouped-max-tokens, RESULTS.md session 29).
     decode_tiles_one_token: the decode MoE's tiles for one token, ((BLOCK_I, BLOCK_W, warps) of gate/up,
     (BLOCK_H, BLOCK_W, warps) of down per pair): ((4, 0, 2), (16, 0, 4)), narrower than the tables' (the 80B's
-    sweep, `decode_kernel.DECODE_GATE_UP_CONFIG[1]` and `DECODE_DOWN_PAIRS_CONFIG`, which None selects: variant
+    sweep, `decode_kernel.DECODE_GATE_UP_CONFIG[1]` and `down_pairs_config()`, which None selects: variant
     "moe-decode-wide-one-token"). At Qwen3.8-Flash-Next's shape the block alone took 22.4 us a layer against
     the tables' 26.1 (H200, session 34), but the step's tok/s did not show it (sessions 34-35, deleted then);
     the step's GPU time does (session 40, H200, 48 layers, batch 1, bench/decode.py --gpu-time 5): gate/up
@@ -122,6 +126,10 @@ class MoeOptions:
     on the H100 (ncu, session 48: 12 warps an SM, 18% occupancy, DRAM at 62%); two warps a program fit the
     register file in finer steps. The block at 512 x 2,560 x 640, top-10 + shared (bench/moe_decode.py --sweep,
     H100): 110.3 -> 99.2 us at 8 tokens, 379.3 -> 335.2 us at 32.
+    decode_down_warps: the warps of a per-pair down program from two tokens (`decode_kernel.down_pairs_config`,
+    64 rows, the whole K): 2. Against 4 (variant "moe-decode-down-4-warps"; bench/moe_decode.py's block, H100,
+    session 48): the 80B's block 60.6 -> 58.5 us at 8 tokens, 183.2 -> 175.4 at 32; Flash-Next's 97.0 -> 95.8,
+    313.6 -> 312.1 (a tie).
     decode_sum_in_down: where no norm follows the decode MoE (Qwen3.8-Flash-Next, whose HyperConnection
     write takes the block's output), the per-pair down pass sums a token's pairs itself (the last of its
     programs of a column block; `moe_decode(sum_counters=...)`), the same bits as the sum kernel and one
@@ -139,6 +147,7 @@ class MoeOptions:
     grouped_max_tokens: int = 16384
     decode_sum_in_down: bool = True
     decode_gate_up_two_tiles: tuple | None = (8, 0, 2)
+    decode_down_warps: int = 2
     decode_tiles_one_token: tuple | None = ((4, 0, 2), (16, 0, 4))
 
 
@@ -385,7 +394,8 @@ VARIANTS: dict[str, dict[str, object]] = {
     "nvfp4-dot-no-split-k": {"nvfp4.dot_split_k_few_tiles": 1},  # the narrow tile on out_proj-like shapes
     "nvfp4-dot-split-k-small-m-2": {"nvfp4.dot_split_k_small_m": 2},  # --batches 8: out_proj-like shapes at M <= 16
     "nvfp4-dot-no-split-k-small-m": {"nvfp4.dot_split_k_small_m": 1},
-    "nvfp4-dot-interleaved": {"nvfp4.dot_halves": False},  # bench/decode.py --no-dot-halves
+    "nvfp4-dot-interleaved": {"nvfp4.dot_halves": False},
+    "nvfp4-dot-small-m-4-warps": {"nvfp4.dot_small_m_past_wave_warps": 4},  # bench/decode.py --modes  # bench/decode.py --no-dot-halves
     "moe-bytes": {"moe.grouped_words": False},  # bench/moe_prefill.py, bench/prefill.py
     "attention-prefill-reference": {"prefill_attention.triton_on_cuda": False},  # bench/prefill.py --modes
     "attention-prefill-triton-only": {"prefill_attention.library_on_cuda": False},  # bench/prefill.py --library
@@ -394,6 +404,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "no-pdl": {"launch.pdl": False},  # bench/decode.py --modes overlap:no-pdl (the A/B of the model's choice)
     "moe-decode-wide-one-token": {"moe.decode_tiles_one_token": None},  # bench/decode.py --modes
     "moe-decode-two-tiles-table": {"moe.decode_gate_up_two_tiles": None},  # the same, bench/moe_decode.py --variants
+    "moe-decode-down-4-warps": {"moe.decode_down_warps": 4},  # the same
     "attention-nvfp4-f16": {"decode_attention.nvfp4_prmt": False},  # bench/decode.py --no-prmt, decode_attention.py
     "hc-read-cublas": {"hyper_connection.fused_read_max_tokens": 0},  # bench/hc_read.py, bench/decode.py --modes
     "hc-read-dot-only": {"hyper_connection.fma_read_max_tokens": 0},  # the same

@@ -29,19 +29,24 @@ from ft.kernels.nvfp4.kernel import as_words, half_sums_take
 from ft.kernels.nvfp4.rows import (dot_whole_k, load_whole_k, store_whole_k, x_lanes, nvfp4_rows_dot,
                                   rows_dot_whole_k)
 
-__all__ = ["moe_decode_triton"]
+__all__ = ["down_pairs_config", "moe_decode_triton"]
 
 # (rows, BLOCK_W words or 0 for the whole K, num_warps) of the decode MoE's passes (`moe_decode_triton`:
 # gate/up per pair; down looping over a token's pairs and summing them), for one token and for
 # more; the H200 sweep's best (bench/moe_decode.py --sweep, bench/RESULTS.md)
 DECODE_GATE_UP_CONFIG = {1: (4, 0, 4), 2: (8, 0, 4)}
-# Down per pair (`_moe_decode_down_pairs_kernel`: BLOCK_H rows, whole K, num_warps) plus an ordered
-# sum over each token's pairs: the best of the sweep at batch 1 and 8 (17.5 and 74.6 us for the
-# block against 20.2 and 75.9 for one program per token looping over its pairs, which
+# Down per pair (`_moe_decode_down_pairs_kernel`: BLOCK_H rows, whole K, `MoeOptions.decode_down_warps`; see
+# `down_pairs_config`) plus an ordered sum over each token's pairs: the best of the sweep at batch 1 and 8 (17.5
+# and 74.6 us for the block against 20.2 and 75.9 for one program per token looping over its pairs, which
 # `DECODE_DOWN_CONFIG` configures and `down_per_pair=False` or a K that is not one tile selects).
-DECODE_DOWN_PAIRS_CONFIG = (DECODE_DOWN_BLOCK_H, 0, 4)
 DECODE_DOWN_CONFIG = {1: (8, 0, 4), 2: (8, 0, 2)}
 DECODE_DOWN_PAIRS_MIN_TOKENS = 1
+
+
+def down_pairs_config() -> tuple[int, int, int]:
+    """The per-pair down pass's tile from two tokens: (BLOCK_H, 0 = the whole K, warps), BLOCK_H fixed
+    (`decode_tiles.DECODE_DOWN_BLOCK_H`: callers size the sum counters by it), the warps the options'."""
+    return DECODE_DOWN_BLOCK_H, 0, kernel_options().moe.decode_down_warps
 
 
 @triton.jit
@@ -444,7 +449,7 @@ def moe_decode_triton(
                                                 else DECODE_GATE_UP_CONFIG[min(t, 2)])
     per_pair = down_per_pair if down_per_pair is not None else t >= DECODE_DOWN_PAIRS_MIN_TOKENS
     block_h, bw2, warps2 = down_config or (
-        (one_token[1] if one_token else DECODE_DOWN_PAIRS_CONFIG) if per_pair else DECODE_DOWN_CONFIG[min(t, 2)])
+        (one_token[1] if one_token else down_pairs_config()) if per_pair else DECODE_DOWN_CONFIG[min(t, 2)])
     # a row's K in one or two whole-K tiles (`whole_k_pieces`), or the K loop (bw > 0, other K)
     whole13, whole13b = whole_k_pieces(hid) if bw13 == 0 else (0, 0)
     whole2, whole2b = whole_k_pieces(i) if bw2 == 0 else (0, 0)

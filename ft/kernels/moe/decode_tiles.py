@@ -10,7 +10,7 @@ __all__ = ["DECODE_DOWN_BLOCK_H", "sum_counters_needed"]
 
 DECODE_DOWN_BLOCK_H = 64
 """Rows of the down projection a program of the decode MoE's per-pair down pass computes (its sweep's best,
-`decode_kernel.DECODE_DOWN_PAIRS_CONFIG`)."""
+`decode_kernel.down_pairs_config`)."""
 
 
 def sum_counters_needed(tokens: int, hidden: int) -> int:

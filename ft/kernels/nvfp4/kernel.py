@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.kernels.backend import inline_ptx
+from ft.kernels.backend import inline_ptx, sm_count
 from ft.kernels.limits import whole_k_pieces
 from ft.kernels.options import kernel_options
 from ft.kernels.tickets import ticket_counters
@@ -309,6 +309,15 @@ def _gemv_config(m: int, n: int, k: int) -> dict:
     return {"BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_W": block_w, "num_warps": 4}
 
 
+SMALL_M_WAVE_PROGRAMS_PER_SM = 3
+"""Programs of `_dot_config`'s 16-row tile in 4 warps (~140 registers a thread) that fit an SM at once. A grid of
+more than this many per SM runs a partial second wave: there the tile goes in 2 warps (twice the programs an SM;
+`Nvfp4Options.dot_small_m_past_wave_warps`).
+H100 (session 48, 16 x 32 x 256, bench/kernels_nvfp4.py shapes at M = 8 / 16): Qwen3.8-Flash-Next's in_proj_qkvz
+16,384 x 2,560 (512 programs) 23.81 -> 22.06 / 23.11 -> 21.72 us, its attention projection 13,312 x 2,560 (416)
+23.71 -> 21.43 / 22.28 -> 20.90; one wave or less lost in 2 warps: the 80B's in_proj_qkvz 12,288 x 2,048 (384)
+15.60 -> 17.72, out_proj 2,560 x 6,144 (320 with K split) 13.85 -> 15.55."""
+
 MID_M_MIN_PROGRAMS = 128
 """A `_dot_config` tile grid of fewer programs than this (the H200 has 132 SMs) is thin: at 16 < M <= 64 the tile
 gives way to a narrower one, or with K >= `SPLIT_K_MIN_K` splits K (`Nvfp4Options.dot_split_k_few_tiles`); at
@@ -356,6 +365,9 @@ def dot_launch_config(x: torch.Tensor, packed: torch.Tensor, config: dict | None
     config's, 1 if it names none; made a count whose splits all hold K steps)."""
     (m, k), n = x.shape, packed.shape[0]
     cfg = dict(config or _dot_config(m, n, k))
+    if config is None and m <= 16 and cfg.get("SPLIT_K", 1) == 1 and \
+            triton.cdiv(n, cfg["BLOCK_N"]) > SMALL_M_WAVE_PROGRAMS_PER_SM * sm_count(x.device) > 0:
+        cfg["num_warps"] = kernel_options().nvfp4.dot_small_m_past_wave_warps  # (`SMALL_M_WAVE_PROGRAMS_PER_SM`)
     want = cfg.get("SPLIT_K", 1)  # (`_dot_config`'s, from the options at M <= 64)
     steps = triton.cdiv(k, cfg["BLOCK_K"])
     per_split = triton.cdiv(steps, max(1, min(want, steps)))
