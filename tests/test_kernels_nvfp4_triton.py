@@ -282,6 +282,7 @@ def test_the_small_m_tile_goes_in_two_warps_past_one_wave(monkeypatch):
     SM, in 2 past it (Flash-Next's 16,384-row in_proj_qkvz on 132 SMs: 512 programs); never with a K split, above
     M = 16 or with a config given; off a CUDA device (no SMs to count) always 4."""
     import ft.kernels.nvfp4.kernel as nv
+    from ft.kernels.options import use_kernel_options, variant
 
     def warps(m, n, k=2560, config=None):
         packed = torch.zeros(n, k // 2, dtype=torch.uint8)
@@ -294,8 +295,6 @@ def test_the_small_m_tile_goes_in_two_warps_past_one_wave(monkeypatch):
     assert warps(16, 16384) == 2 and warps(17, 16384) == 4
     assert warps(8, 16384, config=nv._dot_config(8, 16384, 2560)) == 4
     assert warps(8, 2560, 6144) == 4  # out_proj: K split over 4 (`dot_split_k_small_m`)
-    from ft.kernels.options import use_kernel_options, variant
-
     with use_kernel_options(variant("nvfp4-dot-small-m-4-warps")):
         assert warps(8, 16384) == 4
 

@@ -362,7 +362,8 @@ def dot_launch_config(x: torch.Tensor, packed: torch.Tensor, config: dict | None
     """`_nvfp4_dot_kernel`'s constexprs and launch options for x [M, K] and packed [N, K/2]: `config`
     (whole, benchmarks and tests) or `_dot_config`'s, with what the tensors allow: EVEN_K, HALVES (`Nvfp4Options.dot_halves` at M <= 64, fp16/bf16 x, whole 64-column tiles, x rows on 4-byte
     boundaries), ASM (the halves' inline PTX, off in the interpreter or by config) and SPLIT_K (the
-    config's, 1 if it names none; made a count whose splits all hold K steps)."""
+    config's, 1 if it names none; made a count whose splits all hold K steps); without `config`, the 16-row
+    tile's warps past one wave (`SMALL_M_WAVE_PROGRAMS_PER_SM`, by the device's SM count)."""
     (m, k), n = x.shape, packed.shape[0]
     cfg = dict(config or _dot_config(m, n, k))
     if config is None and m <= 16 and cfg.get("SPLIT_K", 1) == 1 and \
