@@ -1,6 +1,6 @@
 """Flagship decode speed, all experts resident, eager and under CUDA graphs. Not a test.
 
-    PYTHONPATH=. python3 bench/decode.py [--tokens 64] [--batches 1,8] [--profile STEPS] [--gpu-time STEPS]
+    PYTHONPATH=. python3 bench/decode.py [--tokens 64] [--batches 1,8] [--profile STEPS] [--gpu-time STEPS] [--ncu-window STEPS]
                                          [--replay-span REPLAYS]
                                          [--context 32,131072] [--kv-cache-dtype nvfp4] [--modes graphs]
 
@@ -85,6 +85,10 @@ def main() -> None:
                          "times back to back between two CUDA events and add its ms a replay to the table: the "
                          "device's step with the launch gaps inside the graph but none of the host's (the A/B for "
                          "PDL, which GPU busy time cannot judge: a kernel's time then includes its wait)")
+    ap.add_argument("--ncu-window", type=int, default=0, metavar="STEPS",
+                    help="after the timed runs, run this many decode steps at each batch (context --profile-context's "
+                         "first) between cudaProfilerStart and Stop, for `ncu --profile-from-start off`: the kernels "
+                         "of those steps only (bench/ncu_kernels.py sums them)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
                     help="after the timed runs, run this many decode steps under cProfile at each --profile-context "
                          "length and print the host functions by own time (what a step's host work grows with)")
@@ -167,6 +171,10 @@ def main() -> None:
             for b in batches:
                 print(f"\n== profile: context {n}, batch {b}")
                 profile_steps(eng, [(1000 + j) % eng.model_config.vocab_size for j in range(n)], args.profile, b)
+    if args.ncu_window:
+        n = int(args.profile_context.split(",")[0])
+        for b in batches:
+            ncu_window_steps(eng, [(1000 + j) % eng.model_config.vocab_size for j in range(n)], args.ncu_window, b)
     if args.cprofile:
         for n in (int(c) for c in args.profile_context.split(",")):
             print(f"\n== cProfile: context {n}, batch {batches[0]}")
@@ -262,6 +270,19 @@ def profile_steps(eng, prompt, steps: int, batch: int = 1) -> None:
           f"host's time on the critical path) {exposed / steps / 1e3:.3f} ms")
     print(events.table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=60))
     print(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60))
+    eng.run_until_done(seqs)
+
+
+def ncu_window_steps(eng, prompt, steps: int, batch: int) -> None:
+    """`steps` decode steps of `batch` fresh sequences between cudaProfilerStart and cudaProfilerStop (what `ncu
+    --profile-from-start off` profiles), the bucket's graph captured or its kernels warm before."""
+    seqs = started_batch(eng, prompt, batch, steps)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
     eng.run_until_done(seqs)
 
 
