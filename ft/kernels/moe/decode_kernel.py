@@ -443,15 +443,17 @@ def moe_decode_triton(
     live_ptr = live if has_live else slots  # any valid pointer (never read: HAS_LIVE is off)
     ks = k + has_shared
     h = torch.empty((t * ks, i), dtype=torch.float32, device=x.device)
-    one_token = kernel_options().moe.decode_tiles_one_token if t == 1 else None  # (None: the tables)
-    two_tiles = kernel_options().moe.decode_gate_up_two_tiles if t > 1 and whole_k_pieces(hid)[1] else None
+    opts = kernel_options().moe
+    hid_pieces = whole_k_pieces(hid)  # a row of gate/up's K as one or two whole-K tiles, (0, 0) for neither
+    one_token = opts.decode_tiles_one_token if t == 1 else None  # (None: the tables)
+    two_tiles = opts.decode_gate_up_two_tiles if t > 1 and hid_pieces[1] else None
     block_i, bw13, warps13 = gate_up_config or (one_token[0] if one_token else two_tiles if two_tiles
                                                 else DECODE_GATE_UP_CONFIG[min(t, 2)])
     per_pair = down_per_pair if down_per_pair is not None else t >= DECODE_DOWN_PAIRS_MIN_TOKENS
     block_h, bw2, warps2 = down_config or (
         (one_token[1] if one_token else down_pairs_config()) if per_pair else DECODE_DOWN_CONFIG[min(t, 2)])
     # a row's K in one or two whole-K tiles (`whole_k_pieces`), or the K loop (bw > 0, other K)
-    whole13, whole13b = whole_k_pieces(hid) if bw13 == 0 else (0, 0)
+    whole13, whole13b = hid_pieces if bw13 == 0 else (0, 0)
     whole2, whole2b = whole_k_pieces(i) if bw2 == 0 else (0, 0)
     bw13 = max(2, min(bw13 or 64, triton.next_power_of_2(hid // 8)))
     bw2 = max(2, min(bw2 or 64, triton.next_power_of_2(i // 8)))
@@ -476,7 +478,7 @@ def moe_decode_triton(
     if per_pair and whole2:  # (a row's K in one tile; other shapes take the loop)
         y_pairs = torch.empty((t * ks, hid), dtype=torch.float32, device=x.device)
         blocks = triton.cdiv(hid, block_h)
-        sums_here = (not fuse_norm and sum_counters is not None and kernel_options().moe.decode_sum_in_down
+        sums_here = (not fuse_norm and sum_counters is not None and opts.decode_sum_in_down
                      and sum_counters.dtype == torch.int32 and sum_counters.device == x.device
                      and sum_counters.numel() >= t * blocks and y.stride(-1) == 1)
         _moe_decode_down_pairs_kernel[(t * ks, blocks)](
