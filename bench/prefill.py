@@ -13,7 +13,9 @@ double the bench).
 
 `--attention both` times every length with the reference prefill attention and with the Triton
 kernel in the same run (before / after). `--profile LEN` profiles one prefill of LEN tokens
-(torch.profiler) and prints GPU time per kernel family. Prints a table last.
+(torch.profiler) and prints GPU time per kernel family, then the copies' and casts' GPU time by the
+line of `ft/` that asked for them (the ATen op, its input shapes, the two innermost `ft/`
+frames above it). Prints a table last.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from ft.engine.base.sampling_params import SamplingParams
 
 # kernel-name fragments -> family, first match wins (names of Triton kernels and torch's ATen kernels)
 FAMILIES = [
-    ("moe", ("moe", "expert", "grouped", "slot")), ("attention", ("attn", "attention", "flash")),
+    # ("prefill_kernel": the Triton attention's, whose "fill" would count it a copy below)
+    ("moe", ("moe", "expert", "grouped", "slot")), ("attention", ("attn", "attention", "flash", "prefill_kernel")),
     ("gated delta", ("delta", "gdn", "chunk")), ("conv1d", ("conv",)),
     ("gemm / gemv", ("gemm", "gemv", "nvfp4", "dense", "matmul", "mm_", "cutlass", "sm90_xmma", "nvjet")),
     ("norm / rope", ("norm", "rope", "rms")), ("copies / casts", ("copy", "cast", "fill", "cat", "index")),
@@ -186,7 +189,7 @@ def profile_prefill(eng, n: int, base: list[int]) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     ttft(eng, n, base)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, with_stack=True) as prof:
         t = ttft(eng, n, base)
         torch.cuda.synchronize()
     events = prof.key_averages()
@@ -202,6 +205,39 @@ def profile_prefill(eng, n: int, base: list[int]) -> None:
         print(f"  {f:<16} {us / 1e3:>9.2f} ms {us / max(total, 1):>7.1%}")
     print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70))
     print(events.table(sort_by="self_cpu_time_total", row_limit=10, max_name_column_width=70))
+    print_copy_sites(prof.events(), total)
+
+
+COPY_OPS = ("aten::copy_", "aten::cat", "aten::index", "aten::index_select", "aten::gather", "aten::fill_",
+            "aten::zero_", "aten::clone", "aten::contiguous", "aten::_to_copy", "aten::index_put_", "aten::scatter_")
+
+
+def print_copy_sites(events, total_us: float, rows: int = 25) -> None:
+    """The copy-family ATen ops' GPU time (their kernels', us) by (op, input shapes, the two innermost `ft/`
+    frames):
+    where a prefill moves bytes it does not compute on. Nested ops count once, at the outermost copy op."""
+    sites: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.name not in COPY_OPS or (e.cpu_parent is not None and e.cpu_parent.name in COPY_OPS):
+            continue
+        us = e.device_time_total  # its kernels' and its children's
+        if not us:
+            continue
+        # with_stack: the Python frames, "file(line): name", are the op's `stack` (innermost first) on some
+        # torch versions, its ancestor events on others
+        frames = [f[f.rfind("ft/") + 3:] for f in (e.stack or []) if "ft/" in f][:2]
+        up = e.cpu_parent
+        while up is not None and len(frames) < 2:
+            if "ft/" in up.name and "(" in up.name:
+                frames.append(up.name[up.name.rfind("ft/") + 3:])
+            up = up.cpu_parent
+        frame = " < ".join(frames) or "?"
+        key = (e.name, str(e.input_shapes)[:60], frame[:110])
+        sites[key][0] += us
+        sites[key][1] += 1
+    print(f"\ncopies and casts by call site ({sum(v[0] for v in sites.values()) / 1e3:.1f} ms of {total_us / 1e3:.1f}):")
+    for (name, shapes, frame), (us, count) in sorted(sites.items(), key=lambda kv: -kv[1][0])[:rows]:
+        print(f"  {us / 1e3:>8.2f} ms {count:>5}x  {name:<18} {frame:<110} {shapes}")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from ft.kernels.moe import pair_tiles as moe_tiles  # noqa: E402
 from ft.kernels.norm import kernel as norm  # noqa: E402
 from ft.kernels.nvfp4 import kernel as nv  # noqa: E402
 from ft.kernels.nvfp4 import dequant_kernel as nv_dq  # noqa: E402
+from ft.kernels.nvfp4 import f16_rows as nv_rows  # noqa: E402
 from ft.kernels.router import kernel as router  # noqa: E402
 from ft.kernels.expert_lookup import kernel as lookup  # noqa: E402
 from ft.kernels.options import kernel_options  # noqa: E402
@@ -55,7 +56,7 @@ def ints(*names: str) -> dict:
 
 GEMV = {"p_x": "*bf16", "p_w": "*i32", "p_s": "*u8", "p_s2": "*fp32", "p_y": "*bf16",
         **ints("M", "N", "K", "stride_xm", "stride_wn", "stride_sn", "stride_ym")}
-DOT = {**GEMV, "p_w": "*u8", "p_part": "*fp32", "p_count": "*i32", "K_SPLIT": "i32"}
+DOT = {**GEMV, "p_w": "*u8", "p_part": "*fp32", "p_count": "*i32", "K_SPLIT": "i32", "p_xs": "*fp32"}
 GATE_UP = {"p_x": "*bf16", "p_slots": "*i32", "p_w13": "*i32", "p_s13": "*u8", "p_s2": "*fp32", "p_h": "*fp32",
            **ints("I", "H", "TOPK", "stride_xt", "stride_w13e", "stride_w13r", "stride_s13e", "stride_s13r",
                   "stride_s2e", "stride_ht")}
@@ -232,6 +233,15 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("dot prefill (swapped operands)", nv._nvfp4_dot_kernel, DOT, dot_cfg(4096, 8192, 2048)),
     ("dot M=8, 2 warps (a grid past one wave: Flash-Next's in_proj_qkvz)", nv._nvfp4_dot_kernel, DOT,
      {**dot_cfg(8, 16384, 2560), "num_warps": OPTIONS.nvfp4.dot_small_m_past_wave_warps}),
+    ("dot M=8, fp16 x rows (Nvfp4Options.dot_f16_x_max_m)", nv._nvfp4_dot_kernel, {**DOT, "p_x": "*fp16"},
+     {**dot_cfg(8, 8192, 2048), "F16X": True}),
+    ("dot M=8, fp16 x rows, 2 warps (Flash-Next's in_proj_qkvz)", nv._nvfp4_dot_kernel, {**DOT, "p_x": "*fp16"},
+     {**dot_cfg(8, 16384, 2560), "num_warps": OPTIONS.nvfp4.dot_small_m_past_wave_warps, "F16X": True}),
+    ("dot M=8, split K 4, fp16 x rows", nv._nvfp4_dot_kernel, {**DOT, "p_x": "*fp16"},
+     {**dot_cfg(8, 8192, 2048), "SPLIT_K": 4, "F16X": True}),
+    ("nvfp4 fp16 rows (the fp16 tile's x)", nv_rows._f16_rows_kernel,
+     {"p_x": "*bf16", "p_y": "*fp16", "p_s": "*fp32", **ints("K", "stride_xm", "stride_ym")},
+     {"TOP": 14, "MAX_SHIFT": 126, "BLOCK_K": 4096}),
     ("dot M=8, whole tiles (no halves)", nv._nvfp4_dot_kernel, DOT,
      {**dot_cfg(8, 8192, 2048), "HALVES": False, "ASM": False}),
     ("dot M=32, split K 4 (a ticket)", nv._nvfp4_dot_kernel, DOT, {**dot_cfg(32, 12288, 2048), "SPLIT_K": 4}),
@@ -291,24 +301,24 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("moe decode down + sum + shared, more tokens", moe_dec._moe_decode_down_kernel, MOE_DECODE_DOWN,
      {"TOPK": 10, "HAS_SHARED": True, **moe_cfg(moe_dec.DECODE_DOWN_CONFIG[2], 64, "BLOCK_H")}),
     ("moe decode down per pair + shared", moe_dec._moe_decode_down_pairs_kernel, MOE_DECODE_DOWN_PAIRS,
-     {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe_dec.DECODE_DOWN_BLOCK_H, "WHOLE_K": 64,
+     {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe_dec.down_pairs_config()[0], "WHOLE_K": 64,
       "HAS_HOST": False, "HAS_DST": False, "ASM": OPTIONS.nvfp4.lanes_ptx, "num_warps": OPTIONS.moe.decode_down_warps}),
     ("moe decode down per pair + shared, the pairs summed by the last program (WHOLE_K 64 + 16: Flash-Next's 640)",
      moe_dec._moe_decode_down_pairs_kernel, MOE_DECODE_DOWN_PAIRS,
-     {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe_dec.DECODE_DOWN_BLOCK_H, "WHOLE_K": 64, "WHOLE_K2": 16,
+     {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe_dec.down_pairs_config()[0], "WHOLE_K": 64, "WHOLE_K2": 16,
       "HAS_HOST": True, "HAS_DST": True, "HAS_LIVE": True, "SUM": True, "ASM": OPTIONS.nvfp4.lanes_ptx,
       "num_warps": OPTIONS.moe.decode_down_warps}),
     ("moe decode down per pair + shared, slotless pairs from the host store", moe_dec._moe_decode_down_pairs_kernel,
-     MOE_DECODE_DOWN_PAIRS, {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe_dec.DECODE_DOWN_BLOCK_H,
+     MOE_DECODE_DOWN_PAIRS, {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe_dec.down_pairs_config()[0],
                              "WHOLE_K": 64, "HAS_HOST": True, "HAS_DST": False, "ASM": OPTIONS.nvfp4.lanes_ptx,
                              "num_warps": OPTIONS.moe.decode_down_warps}),
     ("moe decode down per pair + shared, host store + landing store", moe_dec._moe_decode_down_pairs_kernel,
-     MOE_DECODE_DOWN_PAIRS, {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe_dec.DECODE_DOWN_BLOCK_H,
+     MOE_DECODE_DOWN_PAIRS, {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe_dec.down_pairs_config()[0],
                              "WHOLE_K": 64, "HAS_HOST": True, "HAS_DST": True, "ASM": OPTIONS.nvfp4.lanes_ptx,
                              "num_warps": OPTIONS.moe.decode_down_warps}),
     ("moe decode down per pair, host store + landing store, padding rows skipped",
      moe_dec._moe_decode_down_pairs_kernel, MOE_DECODE_DOWN_PAIRS,
-     {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe_dec.DECODE_DOWN_BLOCK_H, "WHOLE_K": 64, "HAS_HOST": True,
+     {"TOPK": 10, "HAS_SHARED": True, "BLOCK_H": moe_dec.down_pairs_config()[0], "WHOLE_K": 64, "HAS_HOST": True,
       "HAS_DST": True, "HAS_LIVE": True, "ASM": OPTIONS.nvfp4.lanes_ptx, "num_warps": OPTIONS.moe.decode_down_warps}),
     ("moe decode down + sum + shared, padding rows skipped", moe_dec._moe_decode_down_kernel, MOE_DECODE_DOWN,
      {"TOPK": 10, "HAS_SHARED": True, "HAS_LIVE": True, **moe_cfg(moe_dec.DECODE_DOWN_CONFIG[2], 64, "BLOCK_H")}),

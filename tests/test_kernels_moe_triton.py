@@ -294,13 +294,16 @@ def test_moe_decode_triton_matches_ref(case, per_pair):
     assert torch.equal(moe_decode_triton(x, moved_slots, weights.to(dtype), moved, shared, down_per_pair=per_pair), y)
 
 
-@pytest.mark.parametrize("variant_name", ["", "moe-decode-wide-one-token", "moe-decode-two-tiles-table"])
+@pytest.mark.parametrize("variant_name", ["", "moe-decode-wide-one-token", "moe-decode-two-tiles-table",
+                                          "moe-decode-down-16-rows", "moe-decode-down-32-rows"])
 def test_the_one_token_and_two_tile_tiles_are_taken_and_match_ref(monkeypatch, variant_name):
     """`MoeOptions.decode_tiles_one_token`: one token's gate/up and down passes launch with its tiles (two
     whole-K tiles a row here, as at 2,560 / 640) and give the reference's result; from two tokens the gate/up
-    pass takes `MoeOptions.decode_gate_up_two_tiles` (the hidden size is two tiles) and down the table's tile.
-    Variant "moe-decode-wide-one-token" gives one token the tables' tiles, "moe-decode-two-tiles-table" two
-    tokens the table's gate/up tile."""
+    pass takes `MoeOptions.decode_gate_up_two_tiles` (the hidden size is two tiles) and down the tile of
+    `down_pairs_config` (`MoeOptions.decode_down_rows` / `decode_down_warps`). Variant
+    "moe-decode-wide-one-token" gives one token the tables' tiles, "moe-decode-two-tiles-table" two tokens the
+    table's gate/up tile, "moe-decode-down-16-rows" / "-32-rows" two tokens a down tile of 16 rows in 1 warp /
+    32 in 2."""
     import ft.kernels.moe.decode_kernel as details
 
     gate_up = spy_launches(monkeypatch, details, "_moe_decode_gate_up_kernel")
@@ -309,7 +312,8 @@ def test_the_one_token_and_two_tile_tiles_are_taken_and_match_ref(monkeypatch, v
     w, shared = _slot_pool(4, 80, 48, gen), _slot_pool(1, 80, 48, gen)
     narrow, two_tiles = DEFAULTS.moe.decode_tiles_one_token, DEFAULTS.moe.decode_gate_up_two_tiles
     assert two_tiles != details.DECODE_GATE_UP_CONFIG[2]  # (else this test could not tell them apart)
-    table_down = (details.down_pairs_config()[0], details.down_pairs_config()[2])
+    table_down = {"moe-decode-down-16-rows": (16, 1), "moe-decode-down-32-rows": (32, 2)}.get(
+        variant_name, (DEFAULTS.moe.decode_down_rows, DEFAULTS.moe.decode_down_warps))
     for t in (1, 2, 3):
         slots, weights = _routing(t, 3, 4, 0.0, gen)
         weights = torch.cat([weights, torch.rand(t, 1, generator=gen)], dim=1)
@@ -320,7 +324,8 @@ def test_the_one_token_and_two_tile_tiles_are_taken_and_match_ref(monkeypatch, v
             y = moe_decode_triton(x, slots, weights, w, shared)
         table = details.DECODE_GATE_UP_CONFIG[min(t, 2)]
         if t == 1:
-            want = [(table[0], table[2]), table_down] if variant_name == "moe-decode-wide-one-token" else \
+            want = [(table[0], table[2]), (DEFAULTS.moe.decode_down_rows, DEFAULTS.moe.decode_down_warps)] \
+                if variant_name == "moe-decode-wide-one-token" else \
                 [(narrow[0][0], narrow[0][2]), (narrow[1][0], narrow[1][2])]
         else:
             tile = table if variant_name == "moe-decode-two-tiles-table" else two_tiles
@@ -605,6 +610,38 @@ def test_moe_decode_dispatcher_hands_live_to_the_kernel(monkeypatch):
     monkeypatch.setattr(moe_mod, "runs_triton", lambda *a: False)
     moe_mod.moe_decode(x, slots, weights, w, live=live)
     assert seen == [live]
+
+
+@pytest.mark.parametrize("down_variant", ["moe-decode-down-16-rows", "moe-decode-down-32-rows"])
+def test_narrow_down_tiles_sum_in_the_down_pass_with_the_counters_sized_for_them(monkeypatch, down_variant):
+    """Counters sized by `sum_counters_needed` (at `DECODE_DOWN_MIN_BLOCK_H` rows) serve the narrower per-pair
+    down tiles too, even when the options change after they were allocated: the pass sums the pairs itself
+    (no sum kernel), the counters end zero, y matches the sum kernel's run under the same variant bit for bit."""
+    from ft.kernels.moe import decode_kernel, sum_counters_needed
+
+    t, k, s, h, i, dtype, skip, with_shared = DECODE_CASES[2]
+    gen = torch.Generator().manual_seed(77)
+    w, shared = _slot_pool(s, h, i, gen), (_slot_pool(1, h, i, gen) if with_shared else None)
+    slots, weights = _routing(t, k, s, skip, gen)
+    weights = (torch.cat([weights, torch.rand(t, 1, generator=gen)], dim=1) if with_shared else weights).to(dtype)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    counters = torch.zeros(sum_counters_needed(t, h), dtype=torch.int32)
+    sums = []
+    real_sum = decode_kernel.moe_sum_pairs_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            sums.append(grid)
+            return real_sum[grid]
+
+    monkeypatch.setattr(decode_kernel, "moe_sum_pairs_kernel", Spy())
+    with use_kernel_options(variant(down_variant)):
+        want = moe_decode_triton(x, slots, weights, w, shared, down_per_pair=True)
+        assert len(sums) == 1
+        got = moe_decode_triton(x, slots, weights, w, shared, down_per_pair=True, sum_counters=counters)
+    assert len(sums) == 1 and torch.equal(got, want) and not counters.any()
+    ref = moe_decode_ref(x.float(), slots, weights.float(), w, shared)
+    assert ((got.float() - ref).norm() / ref.norm()).item() < TOL[dtype]
 
 
 @pytest.mark.parametrize("case", [DECODE_CASES[1], DECODE_CASES[2], DECODE_CASES[6]], ids=str)

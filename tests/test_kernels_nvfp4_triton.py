@@ -368,3 +368,68 @@ def test_dot_launch_config_takes_the_halves_where_it_can():
     assert not dot_launch_config(torch.zeros(8, 513, dtype=torch.bfloat16)[:, :512], packed)["HALVES"]  # stride 513
     odd_k = torch.zeros(8, 96, dtype=torch.bfloat16)
     assert not dot_launch_config(odd_k, torch.zeros(64, 48, dtype=torch.uint8))["HALVES"]
+
+
+def _rows_for_f16(gen: torch.Generator) -> torch.Tensor:
+    """bf16 rows of every kind `f16_rows` treats alike or apart: ordinary, huge (past fp16's range), tiny
+    (under fp16's normal range), zero, and one holding an inf."""
+    x = torch.randn(6, 512, generator=gen)
+    x[1] *= 3e6
+    x[2] *= 1e-9
+    x[3] = 0.0
+    x[4, 7] = float("inf")
+    return x.to(torch.bfloat16)
+
+
+def test_f16_rows_match_their_reference_and_lose_nothing_in_range():
+    """`f16_rows` (the fp16 operand of `Nvfp4Options.dot_f16_x_max_m`): the values and factors of the torch
+    reference bit for bit; each row's largest |x| lands in [2**14, 2**15) (zero and inf rows keep factor
+    1), and the row times its factor gives x back exactly wherever x is within 2**-24 of its row's largest."""
+    from ft.kernels.nvfp4.f16_rows import F16_ROW_TOP, f16_rows, f16_rows_ref
+
+    x = _rows_for_f16(torch.Generator().manual_seed(5))
+    y, s = f16_rows(x)
+    y_ref, s_ref = f16_rows_ref(x)
+    assert y.dtype == torch.float16 and s.dtype == torch.float32
+    assert torch.equal(y, y_ref) and torch.equal(s, s_ref)
+    big = y.float().abs().amax(dim=1)
+    for r in (0, 1, 2):
+        assert 2.0 ** F16_ROW_TOP <= big[r] < 2.0 ** (F16_ROW_TOP + 1)
+    assert s[3] == 1.0 and s[4] == 1.0 and torch.isinf(y[4, 7])
+    xf = x.float()
+    near = xf.abs() >= xf.abs().amax(dim=1, keepdim=True) * 2.0 ** -24
+    back = y.float() * s[:, None]
+    assert torch.equal(back[:3][near[:3]], xf[:3][near[:3]])
+
+
+@pytest.mark.parametrize("m, splits", [(3, 1), (8, 1), (16, 1), (8, 2)], ids=["M3", "M8", "M16", "M8-split2"])
+def test_dot_f16_x_matches_ref_and_the_fp16_tile(monkeypatch, m, splits):
+    """`Nvfp4Options.dot_f16_x_max_m` (variant "nvfp4-dot-f16-x"): a bf16 x on the halves tile is made fp16 rows
+    (`f16_rows`, called once) and the weights decode scaled (`e2m1_halves_f16_scaled`); y stays bf16 and matches
+    the reference; with rows past fp16's range it still does, and rows in range give the fp16 tile's y on x
+    made fp16 (the same products, scaled by powers of two) bit for bit; off (the default), no fp16 rows."""
+    import ft.kernels.nvfp4.kernel as nv
+    from ft.kernels.options import use_kernel_options, variant
+
+    calls = []
+    real = nv.f16_rows
+    monkeypatch.setattr(nv, "f16_rows", lambda x: calls.append(x.shape) or real(x))
+    gen = torch.Generator().manual_seed(90 + m)
+    packed, scale, scale_2 = _weight(40, 768, gen)
+    x = torch.randn(m, 768, generator=gen).to(torch.bfloat16)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1, "SPLIT_K": splits}
+    ref = nvfp4_linear_ref(x, packed, scale, scale_2)
+    with use_kernel_options(variant("nvfp4-dot-f16-x")):
+        y = nvfp4_linear_triton(x, packed, scale, scale_2, path="dot", config=cfg)
+        assert y.dtype == torch.bfloat16 and calls == [(m, 768)]
+        assert _rel_rms(y, ref) < TOL[torch.bfloat16]
+        y16 = torch.empty_like(y)  # (fp16 x as it is, y rounded once to bf16)
+        nvfp4_linear_triton(x.half(), packed, scale, scale_2, path="dot", config=cfg, out=y16)
+        assert torch.equal(y, y16)
+        huge = x.clone()
+        huge[0] *= 1e6  # past fp16's largest value: the row's factor brings it back
+        y_huge = nvfp4_linear_triton(huge, packed, scale, scale_2, path="dot", config=cfg)
+        assert _rel_rms(y_huge, nvfp4_linear_ref(huge, packed, scale, scale_2)) < TOL[torch.bfloat16]
+    calls.clear()
+    nvfp4_linear_triton(x.half(), packed, scale, scale_2, path="dot", config=cfg)
+    assert calls == []

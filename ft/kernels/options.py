@@ -76,7 +76,14 @@ class Nvfp4Options:
     "nvfp4-dot-no-split-k-small-m"; "nvfp4-dot-split-k-small-m-2" splits in 2).
     dot_small_m_past_wave_warps: the 16-row tile's warps where its grid (K whole) holds more programs than one
     wave of 4-warp programs (`kernel.SMALL_M_WAVE_PROGRAMS_PER_SM` an SM, whose note has the measurements):
-    2; 4 keeps the tile as elsewhere (variant "nvfp4-dot-small-m-4-warps")."""
+    2; 4 keeps the tile as elsewhere (variant "nvfp4-dot-small-m-4-warps").
+    dot_f16_x_max_m: a bf16 x of at most this many rows on the tiles' halves form is first made fp16 rows, each
+    scaled by a power of two (`f16_rows`: one small launch; exact but for elements under 2**-28 of their row's
+    largest), so that the weights decode as E4M3 bytes two to a conversion (`e2m1_halves_f16_scaled`) and feed
+    fp16 MMAs, instead of bf16 byte permutes; y is still bf16. sm_90 SASS of the K step (session 49, static):
+    the 16-row tile 561 -> 336 instructions (PRMT 160 -> 80, LOP3 131 -> 35), its 2-warp form at Flash-Next's
+    in_proj_qkvz 990 -> 547; the tile was issue-bound there (ncu, session 48: ALU 62.6%, DRAM 27%). 0 (off),
+    the default until measured on the device; variants "nvfp4-dot-f16-x" (16 rows) and "nvfp4-dot-f16-x-64"."""
 
     small_m_whole_k: bool = True
     dot_halves: bool = True
@@ -86,6 +93,7 @@ class Nvfp4Options:
     dot_split_k_few_tiles: int = 4
     dot_split_k_small_m: int = 4
     dot_small_m_past_wave_warps: int = 2
+    dot_f16_x_max_m: int = 0
 
 
 @dataclass(frozen=True)
@@ -126,6 +134,11 @@ class MoeOptions:
     on the H100 (ncu, session 48: 12 warps an SM, 18% occupancy, DRAM at 62%); two warps a program fit the
     register file in finer steps. The block at 512 x 2,560 x 640, top-10 + shared (bench/moe_decode.py --sweep,
     H100): 110.3 -> 99.2 us at 8 tokens, 379.3 -> 335.2 us at 32.
+    decode_down_rows: the rows of the down projection a per-pair down program computes from two tokens
+    (`decode_kernel.down_pairs_config`, the whole K; at least `decode_tiles.DECODE_DOWN_MIN_BLOCK_H`): 64.
+    Variants "moe-decode-down-16-rows" (16 rows, 1 warp: 92 registers a thread at Flash-Next's K against 240
+    for 64 rows in 2 warps, sm_90; many more programs an SM in flight) and "moe-decode-down-32-rows" (32
+    rows, 2 warps: 167 registers).
     decode_down_warps: the warps of a per-pair down program from two tokens (`decode_kernel.down_pairs_config`,
     64 rows, the whole K): 2. Against 4 (variant "moe-decode-down-4-warps"; bench/moe_decode.py's block, H100,
     session 48): the 80B's block 60.6 -> 58.5 us at 8 tokens, 183.2 -> 175.4 at 32; Flash-Next's 97.0 -> 95.8,
@@ -147,6 +160,7 @@ class MoeOptions:
     grouped_max_tokens: int = 16384
     decode_sum_in_down: bool = True
     decode_gate_up_two_tiles: tuple | None = (8, 0, 2)
+    decode_down_rows: int = 64
     decode_down_warps: int = 2
     decode_tiles_one_token: tuple | None = ((4, 0, 2), (16, 0, 4))
 
@@ -405,6 +419,10 @@ VARIANTS: dict[str, dict[str, object]] = {
     "moe-decode-wide-one-token": {"moe.decode_tiles_one_token": None},  # bench/decode.py --modes
     "moe-decode-two-tiles-table": {"moe.decode_gate_up_two_tiles": None},  # the same, bench/moe_decode.py --variants
     "moe-decode-down-4-warps": {"moe.decode_down_warps": 4},  # the same
+    "nvfp4-dot-f16-x": {"nvfp4.dot_f16_x_max_m": 16},  # bench/decode.py --modes, bench/kernels_nvfp4.py
+    "nvfp4-dot-f16-x-64": {"nvfp4.dot_f16_x_max_m": 64},  # the same
+    "moe-decode-down-16-rows": {"moe.decode_down_rows": 16, "moe.decode_down_warps": 1},  # the same
+    "moe-decode-down-32-rows": {"moe.decode_down_rows": 32, "moe.decode_down_warps": 2},  # the same
     "attention-nvfp4-f16": {"decode_attention.nvfp4_prmt": False},  # bench/decode.py --no-prmt, decode_attention.py
     "hc-read-cublas": {"hyper_connection.fused_read_max_tokens": 0},  # bench/hc_read.py, bench/decode.py --modes
     "hc-read-dot-only": {"hyper_connection.fma_read_max_tokens": 0},  # the same

@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 
 from ft.kernels.backend import debug_checks, uses_triton
-from ft.kernels.moe.decode_tiles import DECODE_DOWN_BLOCK_H, sum_counters_needed
+from ft.kernels.moe.decode_tiles import DECODE_DOWN_MIN_BLOCK_H, sum_counters_needed
 from ft.kernels.moe.reference import dense_slots, moe_decode_ref, moe_over_pools_ref, moe_over_slots_ref
 from ft.kernels.moe.slots import GROUPED_SHORT_TOKENS, PER_PAIR_MAX_TOKENS, SlotWeights, check_slots, moe_pools_workspace_bytes, moe_workspace_bytes
 
 __all__ = [
-    "DECODE_DOWN_BLOCK_H", "DECODE_MAX_TOKENS", "GROUPED_SHORT_TOKENS", "PER_PAIR_MAX_TOKENS", "SlotWeights", "check_slots", "dense_slots", "moe_decode",
+    "DECODE_DOWN_MIN_BLOCK_H", "DECODE_MAX_TOKENS", "GROUPED_SHORT_TOKENS", "PER_PAIR_MAX_TOKENS", "SlotWeights", "check_slots", "dense_slots", "moe_decode",
     "moe_decode_ref", "moe_over_pools", "moe_over_pools_ref", "moe_over_slots", "moe_over_slots_ref", "moe_pools_workspace_bytes",
     "moe_workspace_bytes", "runs_triton", "sum_counters_needed",
 ]

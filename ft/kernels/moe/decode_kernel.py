@@ -21,7 +21,7 @@ from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
 from ft.kernels.options import kernel_options
 from ft.kernels.backend import inline_ptx
-from ft.kernels.moe.decode_tiles import DECODE_DOWN_BLOCK_H
+from ft.kernels.moe.decode_tiles import DECODE_DOWN_MIN_BLOCK_H
 from ft.kernels.moe.kernel import moe_sum_pairs_kernel
 from ft.kernels.norm.kernel import rms_rstd, norm_warps, add_rms_norm_triton
 from ft.kernels.limits import whole_k_pieces
@@ -44,9 +44,10 @@ DECODE_DOWN_PAIRS_MIN_TOKENS = 1
 
 
 def down_pairs_config() -> tuple[int, int, int]:
-    """The per-pair down pass's tile from two tokens: (BLOCK_H, 0 = the whole K, warps), BLOCK_H fixed
-    (`decode_tiles.DECODE_DOWN_BLOCK_H`: callers size the sum counters by it), the warps the options'."""
-    return DECODE_DOWN_BLOCK_H, 0, kernel_options().moe.decode_down_warps
+    """The per-pair down pass's tile from two tokens: (BLOCK_H, 0 = the whole K, warps), the options'
+    (`MoeOptions.decode_down_rows`, at least `decode_tiles.DECODE_DOWN_MIN_BLOCK_H`, and `decode_down_warps`)."""
+    opts = kernel_options().moe
+    return max(opts.decode_down_rows, DECODE_DOWN_MIN_BLOCK_H), 0, opts.decode_down_warps
 
 
 @triton.jit

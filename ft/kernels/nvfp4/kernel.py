@@ -55,7 +55,9 @@ from ft.kernels.limits import whole_k_pieces
 from ft.kernels.options import kernel_options
 from ft.kernels.tickets import ticket_counters
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
-from ft.kernels.nvfp4.decode import e4m3_f32, dequant_tile, e2m1_halves_bf16, e2m1_halves_f16
+from ft.kernels.nvfp4.decode import (HALVES_SCALED_EXPONENT, e4m3_f32, dequant_tile, e2m1_halves_bf16, e2m1_halves_f16,
+                                    e2m1_halves_f16_scaled)
+from ft.kernels.nvfp4.f16_rows import f16_rows
 from ft.kernels.nvfp4.rows import (dot_whole_k, load_whole_k, whole_k_row, whole_k_tile, x_lanes, nvfp4_rows_dot,
                                    rows_dot_whole_k)
 
@@ -151,12 +153,14 @@ def _interleaved_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_
 
 @triton.jit
 def _halves_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, stride_sn, k, BLOCK_K: tl.constexpr,
-                 PRECISION: tl.constexpr, ASM: tl.constexpr):
+                 PRECISION: tl.constexpr, ASM: tl.constexpr, F16X: tl.constexpr = False):
     """One K step of `_nvfp4_dot_kernel`'s HALVES form: acc [BLOCK_M, BLOCK_N] fp32 plus x[:, k:k+BLOCK_K]
     times the weight rows o_n's elements there, as x's even columns against the low nibbles and its
     odd columns against the high nibbles, decoded straight to x's dtype (`e2m1_halves_bf16` /
     `e2m1_halves_f16`: exact tiles, no interleave). x (bf16 or fp16, rows 4-byte aligned, stride_xm
-    even) is read as 32-bit words, each an (even, odd) pair."""
+    even) is read as 32-bit words, each an (even, odd) pair. F16X (fp16 x: a bf16 model's rows made fp16
+    by `f16_rows`): the weights decoded as E4M3 bytes, two to a conversion (`e2m1_halves_f16_scaled`, the
+    values times 2**-6: the epilogue puts the power of two back)."""
     HK: tl.constexpr = BLOCK_K // 2
     G: tl.constexpr = BLOCK_K // 16
     R: tl.constexpr = o_n.shape[0]
@@ -172,20 +176,35 @@ def _halves_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, s
     if dt == tl.bfloat16:
         b_sc = tl.reshape(tl.broadcast_to(e4m3_f32(b_sb).to(tl.bfloat16)[:, :, None], (R, G, 8)), (R, HK))  # byte j: j // 8
         lo, hi = e2m1_halves_bf16(b_w, b_sc, ASM)
+    elif F16X:
+        lo, hi = e2m1_halves_f16_scaled(b_w, tl.reshape(tl.broadcast_to(b_sb[:, :, None], (R, G, 8)), (R, HK)), ASM)
     else:
         lo, hi = e2m1_halves_f16(b_w, tl.reshape(tl.broadcast_to(b_sb[:, :, None], (R, G, 8)), (R, HK)), ASM)
     acc = tl.dot(x_e, tl.trans(lo), acc, input_precision=PRECISION)
     return tl.dot(x_o, tl.trans(hi), acc, input_precision=PRECISION)
 
 
+_HALVES_SCALED_FACTOR = tl.constexpr(2.0 ** HALVES_SCALED_EXPONENT)
+
+
+@triton.jit
+def _scaled_out(acc, p_s2, p_xs, o_m, m_m, F16X: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] times the global scale; with F16X also times 2**HALVES_SCALED_EXPONENT (the
+    scaled decode's) and each row's factor p_xs[o_m] (`f16_rows`'): powers of two, exact."""
+    if F16X:
+        b_xs = tl.load(p_xs + o_m, mask=m_m, other=0.0)
+        return acc * (tl.load(p_s2) * _HALVES_SCALED_FACTOR) * b_xs[:, None]
+    return acc * tl.load(p_s2)
+
+
 @triton.jit
 def _split_k_ticket(acc, p_part, p_count, p_s2, p_y, o_m, o_n, m_m, m_n, i_tile, M, N, stride_ym,
-                    SPLIT_K: tl.constexpr):
+                    SPLIT_K: tl.constexpr, p_xs=None, F16X: tl.constexpr = False):
     """The end of a split-K program (`_nvfp4_dot_kernel`, SPLIT_K > 1): its fp32 partial acc
     [BLOCK_M, BLOCK_N] (unscaled) goes to p_part[split, m, n] ([SPLIT_K, M, N] fp32); then a ticket on
     the tile's counter p_count[i_tile] (int32, zero before the launch); the tile's last program sums the
-    SPLIT_K partials in split order (the same sum whichever program comes last: deterministic), scales,
-    stores y and sets the counter back to zero for the next launch or graph replay."""
+    SPLIT_K partials in split order (the same sum whichever program comes last: deterministic), scales
+    (`_scaled_out`), stores y and sets the counter back to zero for the next launch or graph replay."""
     i_s = tl.program_id(1)
     o_mn = o_m[:, None] * N + o_n[None, :]
     m_mn = m_m[:, None] & m_n[None, :]
@@ -196,7 +215,7 @@ def _split_k_ticket(acc, p_part, p_count, p_s2, p_y, o_m, o_n, m_m, m_n, i_tile,
         total = tl.load(p_part + o_mn, mask=m_mn, other=0.0, cache_modifier=".cg")
         for s in range(1, SPLIT_K):
             total += tl.load(p_part + s * M * N + o_mn, mask=m_mn, other=0.0, cache_modifier=".cg")
-        b_y = total * tl.load(p_s2)
+        b_y = _scaled_out(total, p_s2, p_xs, o_m, m_m, F16X)
         tl.store(p_y + o_m[:, None] * stride_ym + o_n[None, :], b_y.to(p_y.dtype.element_ty), mask=m_mn)
         tl.atomic_xchg(p_count + i_tile, 0, sem="relaxed", scope="gpu")
 
@@ -210,7 +229,7 @@ def _nvfp4_dot_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, SWAP_AB: tl.constexpr = False, EVEN_K: tl.constexpr = False,
     HALVES: tl.constexpr = False, ASM: tl.constexpr = False, PDL: tl.constexpr = False,
-    SPLIT_K: tl.constexpr = 1,
+    SPLIT_K: tl.constexpr = 1, p_xs=None, F16X: tl.constexpr = False,
 ):
     pdl_wait(PDL)  # (`ft.kernels.pdl`: before any load; the K loop streams weights and x together)
     pdl_release(PDL)
@@ -218,6 +237,7 @@ def _nvfp4_dot_kernel(
     # HALVES (with EVEN_K, bf16/fp16 x whose rows start on 4-byte boundaries, not SWAP_AB): `_halves_step`
     # SPLIT_K > 1 (grid axis 1): program (tile, s) sums K in [s * K_SPLIT, (s + 1) * K_SPLIT) (K_SPLIT a
     # multiple of BLOCK_K) and `_split_k_ticket` ends it; p_part / p_count unused at 1
+    # F16X (with HALVES): x is fp16 rows scaled by powers of two whose factors back are p_xs [M] (`f16_rows`)
     i_pid = tl.program_id(0)
     n_m = tl.cdiv(M, BLOCK_M)
     n_n = tl.cdiv(N, BLOCK_N)
@@ -245,16 +265,17 @@ def _nvfp4_dot_kernel(
     for k in range(0, k_len, BLOCK_K):
         if HALVES:
             acc = _halves_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, stride_sn, k, BLOCK_K,
-                               PRECISION, ASM)
+                               PRECISION, ASM, F16X)
         else:
             acc = _interleaved_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, stride_sn, k,
                                     k_len, BLOCK_N, BLOCK_K, PRECISION, SWAP_AB, EVEN_K)
     if SWAP_AB:
         acc = tl.trans(acc)
     if SPLIT_K > 1:
-        _split_k_ticket(acc, p_part, p_count, p_s2, p_y, o_m, o_n, m_m, m_n, i_pid, M, N, stride_ym, SPLIT_K)
+        _split_k_ticket(acc, p_part, p_count, p_s2, p_y, o_m, o_n, m_m, m_n, i_pid, M, N, stride_ym, SPLIT_K,
+                        p_xs, F16X)
     else:
-        b_y = acc * tl.load(p_s2)
+        b_y = _scaled_out(acc, p_s2, p_xs, o_m, m_m, F16X)
         p_yt = p_y + o_m[:, None] * stride_ym + o_n[None, :]
         tl.store(p_yt, b_y.to(p_y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
@@ -446,9 +467,13 @@ def nvfp4_linear_triton(
             part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
             count = ticket_counters(x.device, tiles)
             k_split = triton.cdiv(triton.cdiv(k, cfg["BLOCK_K"]), splits) * cfg["BLOCK_K"]
+        xs = s2  # (unread without F16X)
+        if cfg["HALVES"] and x.dtype == torch.bfloat16 and m <= kernel_options().nvfp4.dot_f16_x_max_m:
+            x, xs = f16_rows(x)  # (`Nvfp4Options.dot_f16_x_max_m`; y keeps the caller's dtype)
+            cfg["F16X"] = True
         _nvfp4_dot_kernel[(tiles, splits)](
             x, packed, scale_u8, s2, y, m, n, k, x.stride(0), packed.stride(0), scale_u8.stride(0), y.stride(0),
-            part, count, k_split, PRECISION=precision, **cfg, **pdl_args(x.device))
+            part, count, k_split, PRECISION=precision, p_xs=xs, **cfg, **pdl_args(x.device))
     else:
         raise ValueError(f"path must be 'gemv' or 'dot', got {path!r}")
     return y
