@@ -422,7 +422,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "nvfp4-dot-f16-x": {"nvfp4.dot_f16_x_max_m": 16},  # bench/decode.py --modes, bench/kernels_nvfp4.py
     "nvfp4-dot-f16-x-64": {"nvfp4.dot_f16_x_max_m": 64},  # the same
     "moe-decode-down-16-rows": {"moe.decode_down_rows": 16, "moe.decode_down_warps": 1},  # the same
-    "moe-decode-down-32-rows": {"moe.decode_down_rows": 32, "moe.decode_down_warps": 2},  # the same
+    "moe-decode-down-32-rows": {"moe.decode_down_rows": 32},  # the same (in the default 2 warps)
     "attention-nvfp4-f16": {"decode_attention.nvfp4_prmt": False},  # bench/decode.py --no-prmt, decode_attention.py
     "hc-read-cublas": {"hyper_connection.fused_read_max_tokens": 0},  # bench/hc_read.py, bench/decode.py --modes
     "hc-read-dot-only": {"hyper_connection.fma_read_max_tokens": 0},  # the same

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
+
 __all__ = ["F16_ROW_TOP", "f16_rows", "f16_rows_ref"]
 
 F16_ROW_TOP = 14
@@ -24,8 +26,10 @@ _MAX_SHIFT = 126  # 2**-shift stays a normal fp32 (its exponent field >= 1)
 
 @triton.jit
 def _f16_rows_kernel(p_x, p_y, p_s, K, stride_xm, stride_ym, TOP: tl.constexpr, MAX_SHIFT: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (M,): row i of x -> y[i] = x[i] * 2**shift in y's dtype (fp16), s[i] = 2**-shift (fp32)."""
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
     i_m = tl.program_id(0).to(tl.int64)
     amax = tl.zeros((), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
@@ -53,7 +57,7 @@ def f16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m and k:
         _f16_rows_kernel[(m,)](x, y, s, k, x.stride(0), y.stride(0), TOP=F16_ROW_TOP, MAX_SHIFT=_MAX_SHIFT,
-                               BLOCK_K=min(4096, triton.next_power_of_2(k)), num_warps=4)
+                               BLOCK_K=min(4096, triton.next_power_of_2(k)), num_warps=4, **pdl_args(x.device))
     return y, s
 
 
