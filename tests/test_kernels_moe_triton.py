@@ -612,20 +612,10 @@ def test_moe_decode_dispatcher_hands_live_to_the_kernel(monkeypatch):
     assert seen == [live]
 
 
-@pytest.mark.parametrize("down_variant", ["moe-decode-down-16-rows", "moe-decode-down-32-rows"])
-def test_narrow_down_tiles_sum_in_the_down_pass_with_the_counters_sized_for_them(monkeypatch, down_variant):
-    """Counters sized by `sum_counters_needed` (at `DECODE_DOWN_MIN_BLOCK_H` rows) serve the narrower per-pair
-    down tiles too, even when the options change after they were allocated: the pass sums the pairs itself
-    (no sum kernel), the counters end zero, y matches the sum kernel's run under the same variant bit for bit."""
-    from ft.kernels.moe import decode_kernel, sum_counters_needed
+def _spy_sum_launches(monkeypatch) -> list:
+    """The grids of `moe_sum_pairs_kernel`'s launches from `decode_kernel` (the sum's own launch), as they come."""
+    from ft.kernels.moe import decode_kernel
 
-    t, k, s, h, i, dtype, skip, with_shared = DECODE_CASES[2]
-    gen = torch.Generator().manual_seed(77)
-    w, shared = _slot_pool(s, h, i, gen), (_slot_pool(1, h, i, gen) if with_shared else None)
-    slots, weights = _routing(t, k, s, skip, gen)
-    weights = (torch.cat([weights, torch.rand(t, 1, generator=gen)], dim=1) if with_shared else weights).to(dtype)
-    x = torch.randn(t, h, generator=gen).to(dtype)
-    counters = torch.zeros(sum_counters_needed(t, h), dtype=torch.int32)
     sums = []
     real_sum = decode_kernel.moe_sum_pairs_kernel
 
@@ -635,6 +625,24 @@ def test_narrow_down_tiles_sum_in_the_down_pass_with_the_counters_sized_for_them
             return real_sum[grid]
 
     monkeypatch.setattr(decode_kernel, "moe_sum_pairs_kernel", Spy())
+    return sums
+
+
+@pytest.mark.parametrize("down_variant", ["moe-decode-down-16-rows", "moe-decode-down-32-rows"])
+def test_narrow_down_tiles_sum_in_the_down_pass_with_the_counters_sized_for_them(monkeypatch, down_variant):
+    """Counters sized by `sum_counters_needed` (at `DECODE_DOWN_MIN_BLOCK_H` rows) serve the narrower per-pair
+    down tiles too, even when the options change after they were allocated: the pass sums the pairs itself
+    (no sum kernel), the counters end zero, y matches the sum kernel's run under the same variant bit for bit."""
+    from ft.kernels.moe import sum_counters_needed
+
+    t, k, s, h, i, dtype, skip, with_shared = DECODE_CASES[2]
+    gen = torch.Generator().manual_seed(77)
+    w, shared = _slot_pool(s, h, i, gen), (_slot_pool(1, h, i, gen) if with_shared else None)
+    slots, weights = _routing(t, k, s, skip, gen)
+    weights = (torch.cat([weights, torch.rand(t, 1, generator=gen)], dim=1) if with_shared else weights).to(dtype)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    counters = torch.zeros(sum_counters_needed(t, h), dtype=torch.int32)
+    sums = _spy_sum_launches(monkeypatch)
     with use_kernel_options(variant(down_variant)):
         want = moe_decode_triton(x, slots, weights, w, shared, down_per_pair=True)
         assert len(sums) == 1
@@ -650,7 +658,7 @@ def test_the_down_pass_sums_the_pairs_itself_bitwise(monkeypatch, case):
     column block): y bit for bit the sum kernel's, with and without padding tokens and with slotless pairs
     read from a host store, the sum kernel not launched, the counters zero after each call (twice on the
     same counters); with too few counters, or variant "moe-sum-own-launch", the sum kernel runs."""
-    from ft.kernels.moe import decode_kernel, sum_counters_needed
+    from ft.kernels.moe import sum_counters_needed
 
     t, k, s, h, i, dtype, skip, with_shared = case
     gen = torch.Generator().manual_seed(3 * t + h + i)
@@ -662,15 +670,7 @@ def test_the_down_pass_sums_the_pairs_itself_bitwise(monkeypatch, case):
     live = torch.arange(t, dtype=torch.int64)
     live[1::2] = -1
     counters = torch.zeros(sum_counters_needed(t, h), dtype=torch.int32)
-    sums = []
-    real_sum = decode_kernel.moe_sum_pairs_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            sums.append(grid)
-            return real_sum[grid]
-
-    monkeypatch.setattr(decode_kernel, "moe_sum_pairs_kernel", Spy())
+    sums = _spy_sum_launches(monkeypatch)
     for live_ in (None, live):
         want = moe_decode_triton(x, slots, weights, w, shared, down_per_pair=True, live=live_)
         assert len(sums) == 1
