@@ -612,6 +612,20 @@ def test_moe_decode_dispatcher_hands_live_to_the_kernel(monkeypatch):
     assert seen == [live]
 
 
+def test_the_down_rows_option_is_held_to_the_counters_sizing():
+    """`MoeOptions.decode_down_rows` under `DECODE_DOWN_MIN_BLOCK_H` (the sum counters' sizing) or not a power of
+    two is refused, not rounded."""
+    import ft.kernels.moe.decode_kernel as details
+    from ft.kernels.moe import DECODE_DOWN_MIN_BLOCK_H
+
+    for rows in (DECODE_DOWN_MIN_BLOCK_H // 2, 48):
+        with use_kernel_options(variant(**{"moe.decode_down_rows": rows})):
+            with pytest.raises(ValueError, match="decode_down_rows"):
+                details.down_pairs_config()
+    with use_kernel_options(variant(**{"moe.decode_down_rows": DECODE_DOWN_MIN_BLOCK_H})):
+        assert details.down_pairs_config()[0] == DECODE_DOWN_MIN_BLOCK_H
+
+
 def _spy_sum_launches(monkeypatch) -> list:
     """The grids of `moe_sum_pairs_kernel`'s launches from `decode_kernel` (the sum's own launch), as they come."""
     from ft.kernels.moe import decode_kernel

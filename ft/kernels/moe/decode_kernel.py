@@ -45,9 +45,15 @@ DECODE_DOWN_PAIRS_MIN_TOKENS = 1
 
 def down_pairs_config() -> tuple[int, int, int]:
     """The per-pair down pass's tile from two tokens: (BLOCK_H, 0 = the whole K, warps), the options'
-    (`MoeOptions.decode_down_rows`, at least `decode_tiles.DECODE_DOWN_MIN_BLOCK_H`, and `decode_down_warps`)."""
+    (`MoeOptions.decode_down_rows` and `decode_down_warps`).
+
+    Raises: ValueError for rows under `decode_tiles.DECODE_DOWN_MIN_BLOCK_H` (the sum counters' sizing) or not
+    a power of two."""
     opts = kernel_options().moe
-    return max(opts.decode_down_rows, DECODE_DOWN_MIN_BLOCK_H), 0, opts.decode_down_warps
+    rows = opts.decode_down_rows
+    if rows < DECODE_DOWN_MIN_BLOCK_H or rows & (rows - 1):
+        raise ValueError(f"MoeOptions.decode_down_rows must be a power of two >= {DECODE_DOWN_MIN_BLOCK_H}, got {rows}")
+    return rows, 0, opts.decode_down_warps
 
 
 @triton.jit

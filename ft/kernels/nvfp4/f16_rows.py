@@ -6,7 +6,8 @@ brings the row's largest |x| into [2**F16_ROW_TOP, 2**(F16_ROW_TOP + 1)), under 
 (65,504) and far above its smallest normal (2**-14). So every element within 2**-28 of the row's largest is
 exact in fp16 (bf16's 8 significant bits fit fp16's 11), and the smaller ones, rounded in fp16's subnormal
 range, weigh less than 2**-28 of the row's largest term in any dot product: below the bf16 output's rounding.
-A row of zeros, or with an inf or a NaN, keeps shift 0 (its values as they are, so they propagate as in bf16).
+A row of zeros (or of bf16 subnormals, which become zeros) or with an inf keeps shift 0 (its values as they are,
+so an inf propagates as in bf16); a NaN stays a NaN whatever shift its row takes (the kernel's maximum may skip it).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _f16_rows_kernel(p_x, p_y, p_s, K, stride_xm, stride_ym, TOP: tl.constexpr, 
         b_x = tl.load(p_x + i_m * stride_xm + o_k, mask=o_k < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(b_x), axis=0))  # (a NaN may be dropped here: see below)
     field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # the biased exponent of the largest |x|
-    # zero (or subnormal) and inf rows keep their values; a NaN row too (its amax is NaN or what max kept)
+    # zero (or subnormal) and inf rows keep their values (a NaN row: its amax is NaN, or what the maximum kept)
     keep = (field == 0) | (field == 255)
     shift = tl.where(keep, 0, tl.minimum(127 + TOP - field, MAX_SHIFT))
     up = ((shift + 127) << 23).to(tl.float32, bitcast=True)  # 2**shift, exact
