@@ -295,15 +295,15 @@ def test_moe_decode_triton_matches_ref(case, per_pair):
 
 
 @pytest.mark.parametrize("variant_name", ["", "moe-decode-wide-one-token", "moe-decode-two-tiles-table",
-                                          "moe-decode-down-16-rows", "moe-decode-down-32-rows"])
+                                          "moe-decode-down-two-tiles-table", "moe-decode-down-16-rows"])
 def test_the_one_token_and_two_tile_tiles_are_taken_and_match_ref(monkeypatch, variant_name):
     """`MoeOptions.decode_tiles_one_token`: one token's gate/up and down passes launch with its tiles (two
     whole-K tiles a row here, as at 2,560 / 640) and give the reference's result; from two tokens the gate/up
-    pass takes `MoeOptions.decode_gate_up_two_tiles` (the hidden size is two tiles) and down the tile of
-    `down_pairs_config` (`MoeOptions.decode_down_rows` / `decode_down_warps`). Variant
+    pass takes `MoeOptions.decode_gate_up_two_tiles` (the hidden size is two tiles) and down
+    `MoeOptions.decode_down_two_tiles` (so is the intermediate size, 48 = 32 + 16). Variant
     "moe-decode-wide-one-token" gives one token the tables' tiles, "moe-decode-two-tiles-table" two tokens the
-    table's gate/up tile, "moe-decode-down-16-rows" / "-32-rows" two tokens a down tile of 16 rows in 1 warp /
-    32 in 2."""
+    table's gate/up tile, "moe-decode-down-two-tiles-table" two tokens `decode_down_rows` / `decode_down_warps`
+    (64, 2), "moe-decode-down-16-rows" changes those, not the two-tile tile."""
     import ft.kernels.moe.decode_kernel as details
 
     gate_up = spy_launches(monkeypatch, details, "_moe_decode_gate_up_kernel")
@@ -312,8 +312,10 @@ def test_the_one_token_and_two_tile_tiles_are_taken_and_match_ref(monkeypatch, v
     w, shared = _slot_pool(4, 80, 48, gen), _slot_pool(1, 80, 48, gen)
     narrow, two_tiles = DEFAULTS.moe.decode_tiles_one_token, DEFAULTS.moe.decode_gate_up_two_tiles
     assert two_tiles != details.DECODE_GATE_UP_CONFIG[2]  # (else this test could not tell them apart)
-    table_down = {"moe-decode-down-16-rows": (16, 1), "moe-decode-down-32-rows": (32, 2)}.get(
-        variant_name, (DEFAULTS.moe.decode_down_rows, DEFAULTS.moe.decode_down_warps))
+    table_down = (DEFAULTS.moe.decode_down_rows, DEFAULTS.moe.decode_down_warps) \
+        if variant_name == "moe-decode-down-two-tiles-table" else DEFAULTS.moe.decode_down_two_tiles
+    # (else this test could not tell the two-tile tile from the other)
+    assert DEFAULTS.moe.decode_down_two_tiles != (DEFAULTS.moe.decode_down_rows, DEFAULTS.moe.decode_down_warps)
     for t in (1, 2, 3):
         slots, weights = _routing(t, 3, 4, 0.0, gen)
         weights = torch.cat([weights, torch.rand(t, 1, generator=gen)], dim=1)
@@ -324,8 +326,7 @@ def test_the_one_token_and_two_tile_tiles_are_taken_and_match_ref(monkeypatch, v
             y = moe_decode_triton(x, slots, weights, w, shared)
         table = details.DECODE_GATE_UP_CONFIG[min(t, 2)]
         if t == 1:
-            want = [(table[0], table[2]), (DEFAULTS.moe.decode_down_rows, DEFAULTS.moe.decode_down_warps)] \
-                if variant_name == "moe-decode-wide-one-token" else \
+            want = [(table[0], table[2]), table_down] if variant_name == "moe-decode-wide-one-token" else \
                 [(narrow[0][0], narrow[0][2]), (narrow[1][0], narrow[1][2])]
         else:
             tile = table if variant_name == "moe-decode-two-tiles-table" else two_tiles
@@ -613,8 +614,9 @@ def test_moe_decode_dispatcher_hands_live_to_the_kernel(monkeypatch):
 
 
 def test_the_down_rows_option_is_held_to_the_counters_sizing():
-    """`MoeOptions.decode_down_rows` under `DECODE_DOWN_MIN_BLOCK_H` (the sum counters' sizing) or not a power of
-    two is refused, not rounded."""
+    """`MoeOptions.decode_down_rows` (or `decode_down_two_tiles`' rows, where the intermediate size is two whole-K
+    tiles) under `DECODE_DOWN_MIN_BLOCK_H` (the sum counters' sizing) or not a power of two is refused, not
+    rounded."""
     import ft.kernels.moe.decode_kernel as details
     from ft.kernels.moe import DECODE_DOWN_MIN_BLOCK_H
 
@@ -622,6 +624,10 @@ def test_the_down_rows_option_is_held_to_the_counters_sizing():
         with use_kernel_options(variant(**{"moe.decode_down_rows": rows})):
             with pytest.raises(ValueError, match="decode_down_rows"):
                 details.down_pairs_config()
+    with use_kernel_options(variant(**{"moe.decode_down_two_tiles": (DECODE_DOWN_MIN_BLOCK_H // 2, 1)})):
+        assert details.down_pairs_config(512)[0] == DEFAULTS.moe.decode_down_rows  # one tile: not this rule
+        with pytest.raises(ValueError, match="decode_down_two_tiles"):
+            details.down_pairs_config(640)  # two whole-K tiles (64 + 16 words)
     with use_kernel_options(variant(**{"moe.decode_down_rows": DECODE_DOWN_MIN_BLOCK_H})):
         assert details.down_pairs_config()[0] == DECODE_DOWN_MIN_BLOCK_H
 
@@ -642,14 +648,15 @@ def _spy_sum_launches(monkeypatch) -> list:
     return sums
 
 
-@pytest.mark.parametrize("down_variant", ["moe-decode-down-16-rows", "moe-decode-down-32-rows"])
-def test_narrow_down_tiles_sum_in_the_down_pass_with_the_counters_sized_for_them(monkeypatch, down_variant):
+@pytest.mark.parametrize("down_variant, case", [("moe-decode-down-16-rows", DECODE_CASES[2]), ("", DECODE_CASES[3])],
+                         ids=["16-rows-variant", "two-tile-default"])
+def test_narrow_down_tiles_sum_in_the_down_pass_with_the_counters_sized_for_them(monkeypatch, down_variant, case):
     """Counters sized by `sum_counters_needed` (at `DECODE_DOWN_MIN_BLOCK_H` rows) serve the narrower per-pair
     down tiles too, even when the options change after they were allocated: the pass sums the pairs itself
     (no sum kernel), the counters end zero, y matches the sum kernel's run under the same variant bit for bit."""
     from ft.kernels.moe import sum_counters_needed
 
-    t, k, s, h, i, dtype, skip, with_shared = DECODE_CASES[2]
+    t, k, s, h, i, dtype, skip, with_shared = case
     gen = torch.Generator().manual_seed(77)
     w, shared = _slot_pool(s, h, i, gen), (_slot_pool(1, h, i, gen) if with_shared else None)
     slots, weights = _routing(t, k, s, skip, gen)
@@ -657,7 +664,7 @@ def test_narrow_down_tiles_sum_in_the_down_pass_with_the_counters_sized_for_them
     x = torch.randn(t, h, generator=gen).to(dtype)
     counters = torch.zeros(sum_counters_needed(t, h), dtype=torch.int32)
     sums = _spy_sum_launches(monkeypatch)
-    with use_kernel_options(variant(down_variant)):
+    with use_kernel_options(variant(*([down_variant] if down_variant else []))):
         want = moe_decode_triton(x, slots, weights, w, shared, down_per_pair=True)
         assert len(sums) == 1
         got = moe_decode_triton(x, slots, weights, w, shared, down_per_pair=True, sum_counters=counters)

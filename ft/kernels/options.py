@@ -80,10 +80,17 @@ class Nvfp4Options:
     dot_f16_x_max_m: a bf16 x of at most this many rows on the tiles' halves form is first made fp16 rows, each
     scaled by a power of two (`f16_rows`: one small launch; exact but for elements under 2**-28 of their row's
     largest), so that the weights decode as E4M3 bytes two to a conversion (`e2m1_halves_f16_scaled`) and feed
-    fp16 MMAs, instead of bf16 byte permutes; y is still bf16. sm_90 SASS of the K step (session 49, static):
-    the 16-row tile 561 -> 336 instructions (PRMT 160 -> 80, LOP3 131 -> 35), its 2-warp form at Flash-Next's
-    in_proj_qkvz 990 -> 547; the tile was issue-bound there (ncu, session 48: ALU 62.6%, DRAM 27%). 0 (off),
-    the default until measured on the device; variants "nvfp4-dot-f16-x" (16 rows) and "nvfp4-dot-f16-x-64"."""
+    fp16 MMAs, instead of bf16 byte permutes; y is still bf16: 16 (the 16-row tile). sm_90 SASS of the K step
+    (session 49): the 16-row tile 561 -> 336 instructions (PRMT 160 -> 80, LOP3 131 -> 35), its 2-warp form at
+    Flash-Next's in_proj_qkvz 990 -> 547, the mid-M tiles 565 -> 348 (32 rows) and 655 -> 435 (64); the tile was
+    issue-bound (ncu, session 48: ALU 62.6%, DRAM 27%). Flash-Next's step (H100, 40 layers, session 49,
+    `bench/decode.py --replay-span 50`, one process): batch 8 910.7 / 908.6 -> 942.8 / 937.7 tok/s (+3.3%), with
+    the two-tile down tile above 909.8 -> 959.0 (+5.4%); batch 32, whose tiles are past 16 rows, a tie. Variants
+    "nvfp4-dot-bf16-x" (0: off) and "nvfp4-dot-f16-x-64" (the mid-M tiles too, not yet measured).
+    dot_f16_x_needs_pdl: the fp16 rows only where the launches are programmatic (`ft.kernels.pdl.pdl_on`: the
+    decode graphs of a model that captures with PDL, Flash-Next's), which hides the rows' launch, and where it was
+    measured: True. The 80B's graphs launch plainly; variant "nvfp4-dot-f16-x-plain-launches" takes the rows
+    there too (not yet measured)."""
 
     small_m_whole_k: bool = True
     dot_halves: bool = True
@@ -93,7 +100,8 @@ class Nvfp4Options:
     dot_split_k_few_tiles: int = 4
     dot_split_k_small_m: int = 4
     dot_small_m_past_wave_warps: int = 2
-    dot_f16_x_max_m: int = 0
+    dot_f16_x_max_m: int = 16
+    dot_f16_x_needs_pdl: bool = True
 
 
 @dataclass(frozen=True)
@@ -135,10 +143,15 @@ class MoeOptions:
     register file in finer steps. The block at 512 x 2,560 x 640, top-10 + shared (bench/moe_decode.py --sweep,
     H100): 110.3 -> 99.2 us at 8 tokens, 379.3 -> 335.2 us at 32.
     decode_down_rows: the rows of the down projection a per-pair down program computes from two tokens
-    (`decode_kernel.down_pairs_config`, the whole K; at least `decode_tiles.DECODE_DOWN_MIN_BLOCK_H`): 64.
-    Variants "moe-decode-down-16-rows" (16 rows, 1 warp: 92 registers a thread at Flash-Next's K against 240
-    for 64 rows in 2 warps, sm_90; many more programs an SM in flight) and "moe-decode-down-32-rows" (32
-    rows, 2 warps: 167 registers).
+    (`decode_kernel.down_pairs_config`, the whole K; a power of two, at least
+    `decode_tiles.DECODE_DOWN_MIN_BLOCK_H`, by which the sum counters are sized): 64. Variant
+    "moe-decode-down-16-rows" (16 rows in 1 warp) for the 80B, not yet measured.
+    decode_down_two_tiles: (rows, warps) of that tile where the intermediate size is two whole-K tiles
+    (Qwen3.8-Flash-Next's 640 = 64 + 16 words): (16, 1). 64 rows in 2 warps take 240 registers a thread there
+    (sm_90; ncu, session 49: 255 with the host store, DRAM at 46%, ~4 programs an SM), 16 rows in 1 warp 92.
+    Flash-Next's step (H100, 40 layers, session 49, `bench/decode.py --replay-span 50`, one process): batch 8
+    910.7 / 908.6 -> 932.5 / 930.2 tok/s (+2.4%), batch 32 1,456.1 -> 1,497.0 (+2.8%). None (variant
+    "moe-decode-down-two-tiles-table"): decode_down_rows and decode_down_warps.
     decode_down_warps: the warps of a per-pair down program from two tokens (`decode_kernel.down_pairs_config`,
     64 rows, the whole K): 2. Against 4 (variant "moe-decode-down-4-warps"; bench/moe_decode.py's block, H100,
     session 48): the 80B's block 60.6 -> 58.5 us at 8 tokens, 183.2 -> 175.4 at 32; Flash-Next's 97.0 -> 95.8,
@@ -161,6 +174,7 @@ class MoeOptions:
     decode_sum_in_down: bool = True
     decode_gate_up_two_tiles: tuple | None = (8, 0, 2)
     decode_down_rows: int = 64
+    decode_down_two_tiles: tuple | None = (16, 1)
     decode_down_warps: int = 2
     decode_tiles_one_token: tuple | None = ((4, 0, 2), (16, 0, 4))
 
@@ -419,10 +433,11 @@ VARIANTS: dict[str, dict[str, object]] = {
     "moe-decode-wide-one-token": {"moe.decode_tiles_one_token": None},  # bench/decode.py --modes
     "moe-decode-two-tiles-table": {"moe.decode_gate_up_two_tiles": None},  # the same, bench/moe_decode.py --variants
     "moe-decode-down-4-warps": {"moe.decode_down_warps": 4},  # the same
-    "nvfp4-dot-f16-x": {"nvfp4.dot_f16_x_max_m": 16},  # bench/decode.py --modes, bench/kernels_nvfp4.py
+    "nvfp4-dot-bf16-x": {"nvfp4.dot_f16_x_max_m": 0},  # bench/decode.py --modes
     "nvfp4-dot-f16-x-64": {"nvfp4.dot_f16_x_max_m": 64},  # the same
+    "nvfp4-dot-f16-x-plain-launches": {"nvfp4.dot_f16_x_needs_pdl": False},  # the same
     "moe-decode-down-16-rows": {"moe.decode_down_rows": 16, "moe.decode_down_warps": 1},  # the same
-    "moe-decode-down-32-rows": {"moe.decode_down_rows": 32},  # the same (in the default 2 warps)
+    "moe-decode-down-two-tiles-table": {"moe.decode_down_two_tiles": None},  # the same
     "attention-nvfp4-f16": {"decode_attention.nvfp4_prmt": False},  # bench/decode.py --no-prmt, decode_attention.py
     "hc-read-cublas": {"hyper_connection.fused_read_max_tokens": 0},  # bench/hc_read.py, bench/decode.py --modes
     "hc-read-dot-only": {"hyper_connection.fma_read_max_tokens": 0},  # the same

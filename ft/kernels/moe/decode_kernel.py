@@ -43,17 +43,21 @@ DECODE_DOWN_CONFIG = {1: (8, 0, 4), 2: (8, 0, 2)}
 DECODE_DOWN_PAIRS_MIN_TOKENS = 1
 
 
-def down_pairs_config() -> tuple[int, int, int]:
-    """The per-pair down pass's tile from two tokens: (BLOCK_H, 0 = the whole K, warps), the options'
-    (`MoeOptions.decode_down_rows` and `decode_down_warps`).
+def down_pairs_config(intermediate: int | None = None) -> tuple[int, int, int]:
+    """The per-pair down pass's tile from two tokens: (BLOCK_H, 0 = the whole K, warps). Where the
+    intermediate size (the pass's K) is two whole-K tiles (`limits.whole_k_pieces`: Flash-Next's 640 = 64 + 16
+    words), `MoeOptions.decode_down_two_tiles`' rows and warps when set; else `decode_down_rows` and
+    `decode_down_warps`.
 
     Raises: ValueError for rows under `decode_tiles.DECODE_DOWN_MIN_BLOCK_H` (the sum counters' sizing) or not
     a power of two."""
     opts = kernel_options().moe
-    rows = opts.decode_down_rows
+    two_tiles = opts.decode_down_two_tiles if intermediate and whole_k_pieces(intermediate)[1] else None
+    rows, warps = two_tiles or (opts.decode_down_rows, opts.decode_down_warps)
     if rows < DECODE_DOWN_MIN_BLOCK_H or rows & (rows - 1):
-        raise ValueError(f"MoeOptions.decode_down_rows must be a power of two >= {DECODE_DOWN_MIN_BLOCK_H}, got {rows}")
-    return rows, 0, opts.decode_down_warps
+        raise ValueError(f"the decode MoE's down rows must be a power of two >= {DECODE_DOWN_MIN_BLOCK_H}, got {rows} "
+                         "(MoeOptions.decode_down_rows / decode_down_two_tiles)")
+    return rows, 0, warps
 
 
 @triton.jit
@@ -458,7 +462,7 @@ def moe_decode_triton(
                                                 else DECODE_GATE_UP_CONFIG[min(t, 2)])
     per_pair = down_per_pair if down_per_pair is not None else t >= DECODE_DOWN_PAIRS_MIN_TOKENS
     block_h, bw2, warps2 = down_config or (
-        (one_token[1] if one_token else down_pairs_config()) if per_pair else DECODE_DOWN_CONFIG[min(t, 2)])
+        (one_token[1] if one_token else down_pairs_config(i)) if per_pair else DECODE_DOWN_CONFIG[min(t, 2)])
     # a row's K in one or two whole-K tiles (`whole_k_pieces`), or the K loop (bw > 0, other K)
     whole13, whole13b = hid_pieces if bw13 == 0 else (0, 0)
     whole2, whole2b = whole_k_pieces(i) if bw2 == 0 else (0, 0)

@@ -54,7 +54,7 @@ from ft.kernels.backend import inline_ptx, sm_count
 from ft.kernels.limits import whole_k_pieces
 from ft.kernels.options import kernel_options
 from ft.kernels.tickets import ticket_counters
-from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
+from ft.kernels.pdl import pdl_args, pdl_on, pdl_release, pdl_wait
 from ft.kernels.nvfp4.decode import (HALVES_SCALED_EXPONENT, e4m3_f32, dequant_tile, e2m1_halves_bf16, e2m1_halves_f16,
                                     e2m1_halves_f16_scaled)
 from ft.kernels.nvfp4.f16_rows import f16_rows
@@ -401,6 +401,15 @@ def dot_launch_config(x: torch.Tensor, packed: torch.Tensor, config: dict | None
     return cfg
 
 
+def f16_rows_take(x: torch.Tensor, cfg: dict) -> bool:
+    """Whether a tile launch (`dot_launch_config`'s cfg) takes x as fp16 rows (`f16_rows`): a bf16 x on the
+    halves form of at most `Nvfp4Options.dot_f16_x_max_m` rows, where the launches are programmatic unless
+    `dot_f16_x_needs_pdl` is off."""
+    opts = kernel_options().nvfp4
+    return (cfg["HALVES"] and x.dtype == torch.bfloat16 and x.shape[0] <= opts.dot_f16_x_max_m
+            and (not opts.dot_f16_x_needs_pdl or pdl_on(x.device)))
+
+
 def as_words(packed: torch.Tensor) -> torch.Tensor:
     """uint8 packed weights [..., K/2] -> the same bytes as int32 words [..., K/8] (a view when aligned)."""
     if packed.stride(-1) != 1 or packed.storage_offset() % 4 or any(s % 4 for s in packed.stride()[:-1]):
@@ -468,8 +477,8 @@ def nvfp4_linear_triton(
             count = ticket_counters(x.device, tiles)
             k_split = triton.cdiv(triton.cdiv(k, cfg["BLOCK_K"]), splits) * cfg["BLOCK_K"]
         xs = s2  # (unread without F16X)
-        if cfg["HALVES"] and x.dtype == torch.bfloat16 and m <= kernel_options().nvfp4.dot_f16_x_max_m:
-            x, xs = f16_rows(x)  # (`Nvfp4Options.dot_f16_x_max_m`; y keeps the caller's dtype)
+        if f16_rows_take(x, cfg):
+            x, xs = f16_rows(x)  # (y keeps the caller's dtype)
             cfg["F16X"] = True
         _nvfp4_dot_kernel[(tiles, splits)](
             x, packed, scale_u8, s2, y, m, n, k, x.stride(0), packed.stride(0), scale_u8.stride(0), y.stride(0),
