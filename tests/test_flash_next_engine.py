@@ -273,6 +273,28 @@ def test_synthetic_flash_next_serves(tmp_path):
         assert len(out.token_ids) == GREEDY and torch.isfinite(llm.engine.last_logits).all()
 
 
+def test_its_forward_runs_with_its_kernel_choices(tmp_path, monkeypatch):
+    """`FlashNextModel.kernel_defaults` are in force inside each forward (prefill and decode: bf16 rows as fp16
+    on the NVFP4 tile, `Nvfp4Options.dot_f16_x_max_m` 16) and only there; a variant in force wins over them."""
+    import ft.model.qwen3_8_flash_next as fn
+    from ft.kernels.options import kernel_options, use_kernel_options, variant
+
+    seen = []
+    real = fn.expand_streams
+    monkeypatch.setattr(fn, "expand_streams",
+                        lambda *a: seen.append(kernel_options().nvfp4.dot_f16_x_max_m) or real(*a))
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"architectures": ["Qwen3_8_FlashNextForConditionalGeneration"],
+                               "text_config": {**TEXT, "shared_expert_intermediate_size": 32, "dtype": "bfloat16"}}))
+    with make_llm(f"synthetic:{cfg}", num_tokens=256) as llm:
+        llm.generate(prompt_token_ids=[prompt_of(20, 8)], max_new_tokens=3, temperature=0.0, ignore_eos=True)
+        assert seen and set(seen) == {16} and kernel_options().nvfp4.dot_f16_x_max_m is None
+        seen.clear()
+        with use_kernel_options(variant("nvfp4-dot-bf16-x")):
+            llm.generate(prompt_token_ids=[prompt_of(20, 9)], max_new_tokens=2, temperature=0.0, ignore_eos=True)
+        assert seen and set(seen) == {0}
+
+
 def test_refusals_name_what_is_missing(tmp_path):
     path = tmp_path / "m"
     write_checkpoint(path, {**TEXT, "ple_layer_ids": []})

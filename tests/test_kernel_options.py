@@ -43,6 +43,21 @@ def test_variants_compose_and_unknown_names_are_refused():
         DEFAULTS.moe.grouped_words = False  # type: ignore[misc]
 
 
+def test_a_models_choices_fill_only_the_fields_left_to_it():
+    """`model_defaults`: a model's ("operation.field", value) pairs apply to fields that are None in force (the
+    model's to choose), not over a value in force (a variant's); the same options object for the same options in
+    force (cached: each forward asks); an unknown field is refused."""
+    choices = (("nvfp4.dot_f16_x_max_m", 16), ("moe.grouped_max_tokens", 8))
+    assert DEFAULTS.nvfp4.dot_f16_x_max_m is None
+    got = options.model_defaults(choices)
+    assert got.nvfp4.dot_f16_x_max_m == 16 and got.moe.grouped_max_tokens == DEFAULTS.moe.grouped_max_tokens
+    assert options.model_defaults(choices) is got
+    with use_kernel_options(variant("nvfp4-dot-bf16-x")):
+        assert options.model_defaults(choices).nvfp4.dot_f16_x_max_m == 0
+    with pytest.raises(ValueError, match="no option"):
+        options.model_defaults((("nvfp4.nothing", None),))
+
+
 def test_a_block_puts_the_options_back_even_on_an_error():
     assert kernel_options() is DEFAULTS
     with pytest.raises(RuntimeError):

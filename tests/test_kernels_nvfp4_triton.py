@@ -404,12 +404,12 @@ def test_f16_rows_match_their_reference_and_lose_nothing_in_range():
 
 @pytest.mark.parametrize("m, splits", [(3, 1), (8, 1), (16, 1), (8, 2)], ids=["M3", "M8", "M16", "M8-split2"])
 def test_dot_f16_x_matches_ref_and_the_fp16_tile(monkeypatch, m, splits):
-    """`Nvfp4Options.dot_f16_x_max_m` (16; here with variant "nvfp4-dot-f16-x-plain-launches", the interpreter's
-    launches being plain): a bf16 x on the halves tile is made fp16 rows (`f16_rows`, called once) and the weights
-    decode scaled (`e2m1_halves_f16_scaled`); y stays bf16 and matches the reference; with rows past fp16's range
-    it still does, and rows in range give the fp16 tile's y on x made fp16 (the same products, scaled by powers
-    of two) bit for bit. No fp16 rows for an fp16 x, with plain launches under the defaults
-    (`dot_f16_x_needs_pdl`), nor with variant "nvfp4-dot-bf16-x"."""
+    """`Nvfp4Options.dot_f16_x_max_m` (variant "nvfp4-dot-f16-x", 16 rows, as Qwen3.8-Flash-Next chooses): a bf16
+    x on the halves tile is made fp16 rows (`f16_rows`, called once) and the weights decode scaled
+    (`e2m1_halves_f16_scaled`); y stays bf16 and matches the reference; with rows past fp16's range it still
+    does, and rows in range give the fp16 tile's y on x made fp16 (the same products, scaled by powers of two)
+    bit for bit. No fp16 rows for an fp16 x, under the defaults (None: no model's choice in force), nor with
+    variant "nvfp4-dot-bf16-x"."""
     import ft.kernels.nvfp4.kernel as nv
     from ft.kernels.options import use_kernel_options, variant
 
@@ -421,7 +421,7 @@ def test_dot_f16_x_matches_ref_and_the_fp16_tile(monkeypatch, m, splits):
     x = torch.randn(m, 768, generator=gen).to(torch.bfloat16)
     cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1, "SPLIT_K": splits}
     ref = nvfp4_linear_ref(x, packed, scale, scale_2)
-    with use_kernel_options(variant("nvfp4-dot-f16-x-plain-launches")):
+    with use_kernel_options(variant("nvfp4-dot-f16-x")):
         y = nvfp4_linear_triton(x, packed, scale, scale_2, path="dot", config=cfg)
         assert y.dtype == torch.bfloat16 and calls == [(m, 768)]
         assert _rel_rms(y, ref) < TOL[torch.bfloat16]
@@ -434,7 +434,7 @@ def test_dot_f16_x_matches_ref_and_the_fp16_tile(monkeypatch, m, splits):
         assert _rel_rms(y_huge, nvfp4_linear_ref(huge, packed, scale, scale_2)) < TOL[torch.bfloat16]
     calls.clear()
     nvfp4_linear_triton(x.half(), packed, scale, scale_2, path="dot", config=cfg)
-    nvfp4_linear_triton(x, packed, scale, scale_2, path="dot", config=cfg)  # the defaults: plain launches here
-    with use_kernel_options(variant("nvfp4-dot-f16-x-plain-launches", "nvfp4-dot-bf16-x")):
+    nvfp4_linear_triton(x, packed, scale, scale_2, path="dot", config=cfg)  # the defaults: no model's choice
+    with use_kernel_options(variant("nvfp4-dot-bf16-x")):
         nvfp4_linear_triton(x, packed, scale, scale_2, path="dot", config=cfg)
     assert calls == []

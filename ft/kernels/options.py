@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 __all__ = ["Conv1dOptions", "DecodeAttentionOptions", "GatedDeltaOptions", "HyperConnectionOptions", "KernelOptions", "LaunchOptions", "MoeOptions", "Nvfp4Options",
-           "PrefillAttentionOptions", "QsaOptions", "VARIANTS", "kernel_options", "set_kernel_options", "use_kernel_options", "variant"]
+           "PrefillAttentionOptions", "QsaOptions", "VARIANTS", "kernel_options", "model_defaults", "set_kernel_options",
+           "use_kernel_options", "variant"]
 
 
 @dataclass(frozen=True)
@@ -80,17 +82,17 @@ class Nvfp4Options:
     dot_f16_x_max_m: a bf16 x of at most this many rows on the tiles' halves form is first made fp16 rows, each
     scaled by a power of two (`f16_rows`: one small launch; exact but for elements under 2**-28 of their row's
     largest), so that the weights decode as E4M3 bytes two to a conversion (`e2m1_halves_f16_scaled`) and feed
-    fp16 MMAs, instead of bf16 byte permutes; y is still bf16: 16 (the 16-row tile). sm_90 SASS of the K step
-    (session 49): the 16-row tile 561 -> 336 instructions (PRMT 160 -> 80, LOP3 131 -> 35), its 2-warp form at
-    Flash-Next's in_proj_qkvz 990 -> 547, the mid-M tiles 565 -> 348 (32 rows) and 655 -> 435 (64); the tile was
-    issue-bound (ncu, session 48: ALU 62.6%, DRAM 27%). Flash-Next's step (H100, 40 layers, session 49,
-    `bench/decode.py --replay-span 50`, one process): batch 8 910.7 / 908.6 -> 942.8 / 937.7 tok/s (+3.3%), with
-    the two-tile down tile above 909.8 -> 959.0 (+5.4%); batch 32, whose tiles are past 16 rows, a tie. Variants
-    "nvfp4-dot-bf16-x" (0: off) and "nvfp4-dot-f16-x-64" (the mid-M tiles too, not yet measured).
-    dot_f16_x_needs_pdl: the fp16 rows only where the launches are programmatic (`ft.kernels.pdl.pdl_on`: the
-    decode graphs of a model that captures with PDL, Flash-Next's), which hides the rows' launch, and where it was
-    measured: True. The 80B's graphs launch plainly; variant "nvfp4-dot-f16-x-plain-launches" takes the rows
-    there too (not yet measured)."""
+    fp16 MMAs, instead of bf16 byte permutes; y is still bf16. None, the default: the model's choice
+    (`model_defaults`, a model's `kernel_defaults`; 0 where it names none): 16 for Qwen3.8-Flash-Next (the 16-row
+    tile), measured there; the 80B names none (its steps not measured with it yet: variant "nvfp4-dot-f16-x").
+    A choice by model, not by launch: eager steps and graph replays of one model compute the same bits. sm_90
+    SASS of the K step (session 49): the 16-row tile 561 -> 336 instructions (PRMT 160 -> 80, LOP3 131 -> 35),
+    its 2-warp form at Flash-Next's in_proj_qkvz 990 -> 547, the mid-M tiles 565 -> 348 (32 rows) and 655 -> 435
+    (64); the tile was issue-bound (ncu, session 48: ALU 62.6%, DRAM 27%). Flash-Next's step (H100, 40 layers,
+    session 49, `bench/decode.py --replay-span 50`, one process): batch 8 910.7 / 908.6 -> 942.8 / 937.7 tok/s
+    (+3.3%), with the two-tile down tile (`MoeOptions.decode_down_two_tiles`) 909.8 -> 959.0 (+5.4%); batch 32,
+    whose tiles are past 16 rows, a tie. Variants "nvfp4-dot-bf16-x" (0: off), "nvfp4-dot-f16-x" (16) and
+    "nvfp4-dot-f16-x-64" (the mid-M tiles too, not yet measured)."""
 
     small_m_whole_k: bool = True
     dot_halves: bool = True
@@ -100,8 +102,7 @@ class Nvfp4Options:
     dot_split_k_few_tiles: int = 4
     dot_split_k_small_m: int = 4
     dot_small_m_past_wave_warps: int = 2
-    dot_f16_x_max_m: int = 16
-    dot_f16_x_needs_pdl: bool = True
+    dot_f16_x_max_m: int | None = None
 
 
 @dataclass(frozen=True)
@@ -433,9 +434,9 @@ VARIANTS: dict[str, dict[str, object]] = {
     "moe-decode-wide-one-token": {"moe.decode_tiles_one_token": None},  # bench/decode.py --modes
     "moe-decode-two-tiles-table": {"moe.decode_gate_up_two_tiles": None},  # the same, bench/moe_decode.py --variants
     "moe-decode-down-4-warps": {"moe.decode_down_warps": 4},  # the same
-    "nvfp4-dot-bf16-x": {"nvfp4.dot_f16_x_max_m": 0},  # bench/decode.py --modes
+    "nvfp4-dot-bf16-x": {"nvfp4.dot_f16_x_max_m": 0},  # bench/decode.py --modes (over a model's choice)
+    "nvfp4-dot-f16-x": {"nvfp4.dot_f16_x_max_m": 16},  # the same
     "nvfp4-dot-f16-x-64": {"nvfp4.dot_f16_x_max_m": 64},  # the same
-    "nvfp4-dot-f16-x-plain-launches": {"nvfp4.dot_f16_x_needs_pdl": False},  # the same
     "moe-decode-down-16-rows": {"moe.decode_down_rows": 16, "moe.decode_down_warps": 1},  # the same
     "moe-decode-down-two-tiles-table": {"moe.decode_down_two_tiles": None},  # the same
     "attention-nvfp4-f16": {"decode_attention.nvfp4_prmt": False},  # bench/decode.py --no-prmt, decode_attention.py
@@ -479,6 +480,27 @@ def use_kernel_options(options: KernelOptions) -> Iterator[KernelOptions]:
         yield options
     finally:
         _current = before
+
+
+def model_defaults(changes: tuple[tuple[str, object], ...]) -> KernelOptions:
+    """The options in force with a model's choices (`changes`, ("operation.field", value) pairs: a model's
+    `kernel_defaults`) for the fields they leave None, the fields whose default is "the model's"; a value in
+    force (a variant's) is kept. A model's forward runs inside `use_kernel_options(model_defaults(...))`, so its
+    eager steps and its captured graphs take the same kernels. Cached by the options in force."""
+    return _model_defaults(_current, changes)
+
+
+@functools.lru_cache(maxsize=64)
+def _model_defaults(base: KernelOptions, changes: tuple[tuple[str, object], ...]) -> KernelOptions:
+    unset = {}
+    for key, value in changes:
+        op, _, name = key.partition(".")
+        group = getattr(base, op) if op in {f.name for f in dataclasses.fields(base)} else None
+        if group is None or name not in {f.name for f in dataclasses.fields(group)}:
+            raise ValueError(f"kernel options: no option {key!r}")
+        if getattr(group, name) is None:
+            unset[key] = value
+    return base.with_(**unset) if unset else base
 
 
 def set_kernel_options(options: KernelOptions) -> None:

@@ -42,6 +42,7 @@ from ft.model.layers.attention import Rope
 from ft.model.layers.qsa_attention import QSAAttention
 from ft.kernels.engram import ngram_rows_decode, ple_decode
 from ft.kernels.host_gather import gather_rows
+from ft.kernels.options import model_defaults, use_kernel_options
 from ft.kernels.slot_write import write_slots
 from ft.model.layers.embedding import embed_tokens
 from ft.model.layers.engram import EngramHashing, PLEWeights, ple_delta_batched
@@ -183,6 +184,10 @@ class FlashNextModel:
     decode_graph_pdl = True
     """Its decode graphs capture with programmatic dependent launch (`ft.kernels.pdl`; every kernel of the
     step takes it): +9% tok/s at batch 1, +3% at 8 against plain launches (H100, 40 layers, session 41)."""
+    kernel_defaults = (("nvfp4.dot_f16_x_max_m", 16),)
+    """Its choices among the kernel options whose default is "the model's" (`ft.kernels.options.model_defaults`,
+    in force around `forward`): bf16 activations of at most 16 rows as fp16 rows on the NVFP4 tile (+3.3% tok/s
+    at batch 8, H100, 40 layers, session 49; `Nvfp4Options.dot_f16_x_max_m`)."""
     prefill_graph_safe = False
     """Prefill graphs (`ft.engine.worker.prefill_graphs`) stay off: QSA past its dense span selects per
     sequence on the host, and its attention does not hand its cores to a capture (`batch.pieces`)."""
@@ -290,7 +295,11 @@ class FlashNextModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pools: CachePools) -> torch.Tensor:
-        """Logits [B, V] float32 of each sequence's last new token."""
+        """Logits [B, V] float32 of each sequence's last new token (with `kernel_defaults` in force)."""
+        with use_kernel_options(model_defaults(self.kernel_defaults)):
+            return self._forward(batch, pools)
+
+    def _forward(self, batch: ForwardBatch, pools: CachePools) -> torch.Tensor:
         x = expand_streams(embed_tokens(self.embed, batch.input_ids, self.embed_on_host, self.dtype), self.streams)
         u = gates = None  # the next block's input and gate logits, when the write before it also read
         live = batch.decode.slot_mapping if batch.decode is not None else None  # padding rows: -1 (the MoE skips them)

@@ -1,5 +1,5 @@
-"""The NVFP4 tile's fp16 form for bf16 models (`Nvfp4Options.dot_f16_x_max_m`; eagerly, where launches are plain,
-with variant "nvfp4-dot-f16-x-plain-launches") on the
+"""The NVFP4 tile's fp16 form for bf16 models (`Nvfp4Options.dot_f16_x_max_m`, Qwen3.8-Flash-Next's choice; here
+variant "nvfp4-dot-f16-x") on the
 GPU at both models' decode shapes: `f16_rows` bit for bit its torch reference; y against the reference; y bit for
 bit the fp16 tile's on x made fp16 (the inline PTX of `e2m1_halves_f16_scaled` against `e2m1_halves_f16`'s, the
 same products scaled by powers of two); a row past fp16's range as close."""
@@ -41,7 +41,7 @@ def test_the_fp16_tile_of_a_bf16_model_matches(shape, m):
     packed, scale, scale_2 = random_nvfp4(n, k)
     x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
     ref = nvfp4_linear_ref(x.float(), packed, scale, scale_2)
-    with use_kernel_options(variant("nvfp4-dot-f16-x-plain-launches")):
+    with use_kernel_options(variant("nvfp4-dot-f16-x")):
         y = nvfp4_linear_triton(x, packed, scale, scale_2, path="dot")
         y16 = torch.empty_like(y)
         nvfp4_linear_triton(x.half(), packed, scale, scale_2, path="dot", out=y16)

@@ -54,7 +54,7 @@ from ft.kernels.backend import inline_ptx, sm_count
 from ft.kernels.limits import whole_k_pieces
 from ft.kernels.options import kernel_options
 from ft.kernels.tickets import ticket_counters
-from ft.kernels.pdl import pdl_args, pdl_on, pdl_release, pdl_wait
+from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 from ft.kernels.nvfp4.decode import (HALVES_SCALED_EXPONENT, e4m3_f32, dequant_tile, e2m1_halves_bf16, e2m1_halves_f16,
                                     e2m1_halves_f16_scaled)
 from ft.kernels.nvfp4.f16_rows import f16_rows
@@ -403,11 +403,8 @@ def dot_launch_config(x: torch.Tensor, packed: torch.Tensor, config: dict | None
 
 def f16_rows_take(x: torch.Tensor, cfg: dict) -> bool:
     """Whether a tile launch (`dot_launch_config`'s cfg) takes x as fp16 rows (`f16_rows`): a bf16 x on the
-    halves form of at most `Nvfp4Options.dot_f16_x_max_m` rows, where the launches are programmatic unless
-    `dot_f16_x_needs_pdl` is off."""
-    opts = kernel_options().nvfp4
-    return (cfg["HALVES"] and x.dtype == torch.bfloat16 and x.shape[0] <= opts.dot_f16_x_max_m
-            and (not opts.dot_f16_x_needs_pdl or pdl_on(x.device)))
+    halves form of at most `Nvfp4Options.dot_f16_x_max_m` rows (None, no model's choice in force: none)."""
+    return bool(cfg["HALVES"] and x.dtype == torch.bfloat16 and x.shape[0] <= (kernel_options().nvfp4.dot_f16_x_max_m or 0))
 
 
 def as_words(packed: torch.Tensor) -> torch.Tensor:
