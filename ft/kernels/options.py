@@ -397,15 +397,21 @@ class KernelOptions:
     qsa: QsaOptions = field(default_factory=QsaOptions)
     launch: LaunchOptions = field(default_factory=LaunchOptions)
 
+    def option(self, key: str) -> tuple[str, str, object]:
+        """(operation, field, its value) of the option keyed "operation.field". Raises ValueError for a key that
+        names nothing."""
+        op, _, name = key.partition(".")
+        group = getattr(self, op) if op in {f.name for f in dataclasses.fields(self)} else None
+        if group is None or name not in {f.name for f in dataclasses.fields(group)}:
+            raise ValueError(f"kernel options: no option {key!r}")
+        return op, name, getattr(group, name)
+
     def with_(self, **changes: object) -> KernelOptions:
         """These options with `changes` keyed "operation.field" (e.g. ``nvfp4.lanes_ptx=False`` as
         ``**{"nvfp4.lanes_ptx": False}``). Raises ValueError for a key that names nothing."""
         groups: dict[str, dict[str, object]] = {}
         for key, value in changes.items():
-            op, _, name = key.partition(".")
-            group = getattr(self, op, None) if op in {f.name for f in dataclasses.fields(self)} else None
-            if group is None or name not in {f.name for f in dataclasses.fields(group)}:
-                raise ValueError(f"kernel options: no option {key!r}")
+            op, name, _ = self.option(key)
             groups.setdefault(op, {})[name] = value
         return dataclasses.replace(self, **{op: dataclasses.replace(getattr(self, op), **fields)
                                             for op, fields in groups.items()})
@@ -492,14 +498,7 @@ def model_defaults(changes: tuple[tuple[str, object], ...]) -> KernelOptions:
 
 @functools.lru_cache(maxsize=64)
 def _model_defaults(base: KernelOptions, changes: tuple[tuple[str, object], ...]) -> KernelOptions:
-    unset = {}
-    for key, value in changes:
-        op, _, name = key.partition(".")
-        group = getattr(base, op) if op in {f.name for f in dataclasses.fields(base)} else None
-        if group is None or name not in {f.name for f in dataclasses.fields(group)}:
-            raise ValueError(f"kernel options: no option {key!r}")
-        if getattr(group, name) is None:
-            unset[key] = value
+    unset = {key: value for key, value in changes if base.option(key)[2] is None}
     return base.with_(**unset) if unset else base
 
 

@@ -1,6 +1,6 @@
 """The decode MoE's tile sizes that callers size buffers by (details module of `ft.kernels.moe`; no triton
-import, so the model layer may read them): the per-pair down pass's rows a program, and the counters its
-sum by the last program needs."""
+import, so the model layer may read them): the fewest rows a program of the per-pair down pass may take, and
+the counters its sum by the last program needs."""
 
 from __future__ import annotations
 
