@@ -111,6 +111,26 @@ def test_grouped_word_decode_matches_the_byte_decode(case):
     assert ((words.float() - ref.float()).norm() / ref.float().norm()).item() < TOL[dtype]
 
 
+@pytest.mark.parametrize("name", ["moe-grouped-h-sorted", "moe-grouped-columns-first",
+                                  "moe-grouped-columns-first-h-sorted"])
+@pytest.mark.parametrize("case", [c for c in CASES if c[-1] and c[6] < 1.0][:2], ids=_case_id)
+def test_grouped_launch_orders_give_the_same_bits(case, name):
+    """`MoeOptions.grouped_h_sorted` (h stored in the slot-sorted order, each tile's rows a block for the
+    down pass) and `grouped_columns_first` (the grid's column blocks first) give the default's bits."""
+    t, k, s, h, i, dtype, skip, _ = case
+    gen = torch.Generator().manual_seed(11)
+    w = _slot_pool(s, h, i, gen)
+    slots, weights = _routing(t, k, s, skip, gen)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    by_pair = moe_over_slots_triton(x, slots, weights.to(dtype), w, grouped=True, grouped_config=(4, 16, 32, 4, 1, True))
+    with use_kernel_options(variant(name)):
+        sorted_ = moe_over_slots_triton(x, slots, weights.to(dtype), w, grouped=True,
+                                        grouped_config=(4, 16, 32, 4, 1, True))
+    assert torch.equal(sorted_, by_pair)
+    ref = moe_over_slots_ref(x, slots, weights.to(dtype), w)
+    assert ((sorted_.float() - ref.float()).norm() / ref.float().norm()).item() < TOL[dtype]
+
+
 @pytest.mark.parametrize(("gate_up", "down"), [((4, 0, 4), (16, 0, 4)), ((8, 16, 4), (8, 8, 4))], ids=["whole-k", "k-loop"])
 def test_per_pair_tiles_match_ref(gate_up, down):
     gen = torch.Generator().manual_seed(5)

@@ -124,6 +124,14 @@ class MoeOptions:
     pass against 5.8 ms in passes of 1,024; the 80B's whole prefill in 16,384-token chunks, the largest
     default chunk: 16K prompt 602 -> 509 ms, 8K 295 -> 280 ms with passes of 16,384 against 4,096;
     8,192 between; bench/prefill.py --grouped-max-tokens, RESULTS.md session 29).
+    grouped_h_sorted: the grouped passes' intermediate h [pairs, I] in rows of the slot-sorted order (each tile's
+    rows contiguous, so the down pass reads a block, not a gather of rows by pair id); off: rows by pair id.
+    The same bits either way (a pair's row depends only on its token and expert). Under measurement.
+    grouped_columns_first: launch the grouped passes' programs column blocks first (grid (columns, tiles)): the
+    programs resident at once are then a few tiles' column blocks, which read their tiles' activation rows
+    (x for gate/up, h for down) from L2, instead of one column block of hundreds of tiles, whose rows (64 MB of
+    x, 168 MB of h at 16,384 tokens of the 80B) overflow L2 and come again from HBM for every column block.
+    The same bits either way. Under measurement.
     decode_tiles_one_token: the decode MoE's tiles for one token, ((BLOCK_I, BLOCK_W, warps) of gate/up,
     (BLOCK_H, BLOCK_W, warps) of down per pair): ((4, 0, 2), (16, 0, 4)), narrower than the tables' (the 80B's
     sweep, `decode_kernel.DECODE_GATE_UP_CONFIG[1]` and `down_pairs_config()`, which None selects: variant
@@ -172,6 +180,8 @@ class MoeOptions:
     grouped_words: bool = True
     grouped_tile: tuple | None = None
     grouped_max_tokens: int = 16384
+    grouped_h_sorted: bool = False
+    grouped_columns_first: bool = False
     decode_sum_in_down: bool = True
     decode_gate_up_two_tiles: tuple | None = (8, 0, 2)
     decode_down_rows: int = 64
@@ -432,6 +442,9 @@ VARIANTS: dict[str, dict[str, object]] = {
     "nvfp4-dot-interleaved": {"nvfp4.dot_halves": False},  # bench/decode.py --no-dot-halves
     "nvfp4-dot-small-m-4-warps": {"nvfp4.dot_small_m_past_wave_warps": 4},  # bench/decode.py --modes
     "moe-bytes": {"moe.grouped_words": False},  # bench/moe_prefill.py, bench/prefill.py
+    "moe-grouped-h-sorted": {"moe.grouped_h_sorted": True},  # the same
+    "moe-grouped-columns-first": {"moe.grouped_columns_first": True},  # the same
+    "moe-grouped-columns-first-h-sorted": {"moe.grouped_columns_first": True, "moe.grouped_h_sorted": True},
     "attention-prefill-reference": {"prefill_attention.triton_on_cuda": False},  # bench/prefill.py --modes
     "attention-prefill-triton-only": {"prefill_attention.library_on_cuda": False},  # bench/prefill.py --library
     "gated-delta-solve-ieee": {"gated_delta.solve_precision": "ieee"},  # bench/gated_delta_prefill.py

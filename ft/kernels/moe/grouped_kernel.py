@@ -58,16 +58,26 @@ def grouped_config_for(tokens: int) -> tuple:
 
 
 @triton.jit
-def _tile_pairs(p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M: tl.constexpr):
-    """The pairs of this program's tile: (slot, pair ids [BLOCK_M], mask [BLOCK_M], tokens [BLOCK_M])."""
-    i_tile = tl.program_id(0)
+def _tile_and_column(COLUMNS_FIRST: tl.constexpr):
+    """(tile, column block) of this program: grid (tiles, column blocks), or with COLUMNS_FIRST
+    (column blocks, tiles), so that the programs running at once are a few tiles' column blocks, which
+    share their tiles' activation rows in L2, rather than one column block of hundreds of tiles."""
+    if COLUMNS_FIRST:
+        return tl.program_id(1), tl.program_id(0)
+    return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
+def _tile_pairs(i_tile, p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M: tl.constexpr):
+    """The pairs of tile i_tile: (slot, pair ids [BLOCK_M], mask [BLOCK_M], tokens [BLOCK_M],
+    sorted positions [BLOCK_M]: the pairs' rows in the slot-sorted order, contiguous within a tile)."""
     start = tl.load(p_tile_start + i_tile)
     end = tl.load(p_tile_end + i_tile)
     o_pos = start + tl.arange(0, BLOCK_M)
     m_pos = o_pos < end
     pairs = tl.load(p_order + o_pos, mask=m_pos, other=0)
     slot = tl.load(p_sorted + tl.minimum(start, end - 1), mask=end > start, other=-1)
-    return slot, pairs, m_pos, pairs // TOPK
+    return slot, pairs, m_pos, pairs // TOPK, o_pos
 
 
 @triton.jit
@@ -105,11 +115,13 @@ def _grouped_gate_up_kernel(
     stride_xt, stride_w13e, stride_w13r, stride_s13e, stride_s13r, stride_s2e, stride_hp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr = False, SWAP_AB: tl.constexpr = False, WORDS: tl.constexpr = False,
+    H_SORTED: tl.constexpr = False, COLUMNS_FIRST: tl.constexpr = False,
 ):
-    slot, pairs, m_p, toks = _tile_pairs(p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M)
+    i_tile, i_col = _tile_and_column(COLUMNS_FIRST)
+    slot, pairs, m_p, toks, o_pos = _tile_pairs(i_tile, p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M)
     if slot >= 0:
         e = slot.to(tl.int64)
-        o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        o_n = i_col * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < I
         p_w = p_w13 + e * stride_w13e
         p_s = p_s13 + e * stride_s13e
@@ -127,7 +139,8 @@ def _grouped_gate_up_kernel(
         b_g = acc_g * tl.load(p_s2 + e * stride_s2e)
         b_u = acc_u * tl.load(p_s2 + e * stride_s2e + 1)
         b_h = b_g / (1.0 + tl.exp(-b_g)) * b_u
-        tl.store(p_h + pairs[:, None] * stride_hp + o_n[None, :], b_h.to(p_h.dtype.element_ty),
+        r_h = o_pos if H_SORTED else pairs
+        tl.store(p_h + r_h.to(tl.int64)[:, None] * stride_hp + o_n[None, :], b_h.to(p_h.dtype.element_ty),
                  mask=m_p[:, None] & m_n[None, :])
 
 
@@ -138,14 +151,16 @@ def _grouped_down_kernel(
     stride_hp, stride_w2e, stride_w2r, stride_s2we, stride_s2wr, stride_s2e, stride_yp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr = False, SWAP_AB: tl.constexpr = False, WORDS: tl.constexpr = False,
+    H_SORTED: tl.constexpr = False, COLUMNS_FIRST: tl.constexpr = False,
 ):
-    slot, pairs, m_p, toks = _tile_pairs(p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M)
+    i_tile, i_col = _tile_and_column(COLUMNS_FIRST)
+    slot, pairs, m_p, toks, o_pos = _tile_pairs(i_tile, p_tile_start, p_tile_end, p_sorted, p_order, TOPK, BLOCK_M)
     if slot >= 0:
         e = slot.to(tl.int64)
-        o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        o_n = i_col * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < H
         acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
-        o_a = pairs.to(tl.int64) * stride_hp
+        o_a = (o_pos if H_SORTED else pairs).to(tl.int64) * stride_hp
         for k in range(0, I, BLOCK_K):
             acc = _tile_dot(acc, p_h, o_a, m_p, k, I, p_w2 + e * stride_w2e, p_s2w + e * stride_s2we, o_n, m_n,
                             stride_w2r, stride_s2wr, p_h.dtype.element_ty, BLOCK_N, BLOCK_K, PRECISION, EVEN_K,
@@ -204,23 +219,34 @@ def grouped_pairs(x, slots, wts, k, w13, s13, w2, s2w, s2, y_pairs, i, cfg, dist
     # word loads need 4-byte aligned rows and k steps (BLOCK_K / 2 bytes)
     words = kernel_options().moe.grouped_words and all(t.stride(1) % 4 == 0 for t in (w13, w2)) and w13.data_ptr() % 16 == 0 \
         and w2.data_ptr() % 16 == 0
+    h_sorted = kernel_options().moe.grouped_h_sorted
+    columns_first = kernel_options().moe.grouped_columns_first and g <= MAX_GRID_Y
     _, bn13, bk13, warps13, stages13, *rest13 = cfg13
     bn13, bk13 = min(bn13, triton.next_power_of_2(i)), min(bk13, triton.next_power_of_2(hid))
-    _grouped_gate_up_kernel[(g, triton.cdiv(i, bn13))](
+    _grouped_gate_up_kernel[_grid(g, triton.cdiv(i, bn13), columns_first)](
         x, start, end, sorted_slots, order, w13, s13, s2, h, i, hid, k,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s2.stride(0), h.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn13, BLOCK_K=bk13, PRECISION=precision,
         EVEN_K=hid % bk13 == 0, SWAP_AB=bool(rest13 and rest13[0]), WORDS=words and bk13 % 16 == 0,
-        num_warps=warps13, num_stages=stages13,
+        H_SORTED=h_sorted, COLUMNS_FIRST=columns_first, num_warps=warps13, num_stages=stages13,
     )
     _, bn2, bk2, warps2, stages2, *rest2 = cfg2
     bk2 = min(bk2, triton.next_power_of_2(i))
-    _grouped_down_kernel[(g, triton.cdiv(hid, bn2))](
+    _grouped_down_kernel[_grid(g, triton.cdiv(hid, bn2), columns_first)](
         h, start, end, sorted_slots, order, wts, w2, s2w, s2, y_pairs, i, hid, k,
         h.stride(0), w2.stride(0), w2.stride(1), s2w.stride(0), s2w.stride(1), s2.stride(0), y_pairs.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=bk2, PRECISION=precision, EVEN_K=i % bk2 == 0,
-        SWAP_AB=bool(rest2 and rest2[0]), WORDS=words and bk2 % 16 == 0, num_warps=warps2, num_stages=stages2,
+        SWAP_AB=bool(rest2 and rest2[0]), WORDS=words and bk2 % 16 == 0, H_SORTED=h_sorted,
+        COLUMNS_FIRST=columns_first, num_warps=warps2, num_stages=stages2,
     )
+
+
+MAX_GRID_Y = 65535
+"""CUDA's limit on a grid's second dimension (the tiles' axis when the column blocks come first)."""
+
+
+def _grid(tiles: int, columns: int, columns_first: bool) -> tuple[int, int]:
+    return (columns, tiles) if columns_first else (tiles, columns)
 
 
 def sum_live_pairs(y_pairs: torch.Tensor, live: torch.Tensor, y: torch.Tensor, k: int) -> torch.Tensor:
