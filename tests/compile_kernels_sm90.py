@@ -198,14 +198,16 @@ def moe_cfg(config: tuple, k_words: int, rows: str, whole: bool = True) -> dict:
 def short_grouped_cfg() -> dict:
     bm, bn, bk, warps, stages, swap = moe_grp.GROUPED_CONFIG_SHORT
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PRECISION": "tf32", "EVEN_K": True, "SWAP_AB": swap,
-            "WORDS": OPTIONS.moe.grouped_words, "num_warps": warps, "num_stages": stages}
+            "WORDS": OPTIONS.moe.grouped_words, "H_SORTED": OPTIONS.moe.grouped_h_sorted,
+            "COLUMNS_FIRST": OPTIONS.moe.grouped_columns_first, "num_warps": warps, "num_stages": stages}
 
 
 def grouped_cfg(which: int = 0) -> dict:
     """GROUPED_CONFIG's tile of the gate_up (0) or the down (1) pass."""
     bm, bn, bk, warps, stages, swap = moe_grp.GROUPED_CONFIG[which]
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PRECISION": "tf32", "EVEN_K": True, "SWAP_AB": swap,
-            "WORDS": OPTIONS.moe.grouped_words, "num_warps": warps, "num_stages": stages}
+            "WORDS": OPTIONS.moe.grouped_words, "H_SORTED": OPTIONS.moe.grouped_h_sorted,
+            "COLUMNS_FIRST": OPTIONS.moe.grouped_columns_first, "num_warps": warps, "num_stages": stages}
 
 
 DENSE = {"p_x": "*bf16", "p_w": "*bf16", "p_y": "*bf16", **ints("M", "N", "K", "stride_xm", "stride_wn", "stride_ym")}
@@ -261,6 +263,10 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("moe grouped down, word decode", moe_grp._grouped_down_kernel, G_DOWN, {**grouped_cfg(1), "WORDS": True}),
     ("moe grouped gate_up, short passes, word decode", moe_grp._grouped_gate_up_kernel, G_GATE_UP,
      {**short_grouped_cfg(), "WORDS": True}),
+    ("moe grouped down, h rows by pair, tiles first", moe_grp._grouped_down_kernel, G_DOWN,
+     {**grouped_cfg(1), "H_SORTED": False, "COLUMNS_FIRST": False}),
+    ("moe grouped down, h in sorted rows, columns first", moe_grp._grouped_down_kernel, G_DOWN,
+     {**grouped_cfg(1), "H_SORTED": True, "COLUMNS_FIRST": True}),
     ("moe grouped gate_up, unswapped tile", moe_grp._grouped_gate_up_kernel, G_GATE_UP,
      {**grouped_cfg(), "BLOCK_M": 64, "SWAP_AB": False}),
     ("moe grouped pair tiles (one program)", moe_tiles._pair_tiles_kernel,
