@@ -275,7 +275,7 @@ def test_synthetic_flash_next_serves(tmp_path):
 
 def test_its_forward_runs_with_its_kernel_choices(tmp_path, monkeypatch):
     """`FlashNextModel.kernel_defaults` are in force inside each forward (prefill and decode: bf16 rows as fp16
-    on the NVFP4 tile, `Nvfp4Options.dot_f16_x_max_m` 16) and only there; a variant in force wins over them."""
+    on the NVFP4 tile, `Nvfp4Options.dot_f16_x_max_m` 64) and only there; a variant in force wins over them."""
     import ft.model.qwen3_8_flash_next as fn
     from ft.kernels.options import kernel_options, use_kernel_options, variant
 
@@ -288,7 +288,7 @@ def test_its_forward_runs_with_its_kernel_choices(tmp_path, monkeypatch):
                                "text_config": {**TEXT, "shared_expert_intermediate_size": 32, "dtype": "bfloat16"}}))
     with make_llm(f"synthetic:{cfg}", num_tokens=256) as llm:
         llm.generate(prompt_token_ids=[prompt_of(20, 8)], max_new_tokens=3, temperature=0.0, ignore_eos=True)
-        assert seen and set(seen) == {16} and kernel_options().nvfp4.dot_f16_x_max_m is None
+        assert seen and set(seen) == {64} and kernel_options().nvfp4.dot_f16_x_max_m is None
         seen.clear()
         with use_kernel_options(variant("nvfp4-dot-bf16-x")):
             llm.generate(prompt_token_ids=[prompt_of(20, 9)], max_new_tokens=2, temperature=0.0, ignore_eos=True)

@@ -111,24 +111,24 @@ def test_grouped_word_decode_matches_the_byte_decode(case):
     assert ((words.float() - ref.float()).norm() / ref.float().norm()).item() < TOL[dtype]
 
 
-@pytest.mark.parametrize("name", ["moe-grouped-h-sorted", "moe-grouped-columns-first",
-                                  "moe-grouped-columns-first-h-sorted"])
+@pytest.mark.parametrize("name", ["moe-grouped-tiles-first", "moe-grouped-h-by-pair"])
 @pytest.mark.parametrize("case", [c for c in CASES if c[-1] and c[6] < 1.0][:2], ids=_case_id)
 def test_grouped_launch_orders_give_the_same_bits(case, name):
     """`MoeOptions.grouped_h_sorted` (h stored in the slot-sorted order, each tile's rows a block for the
-    down pass) and `grouped_columns_first` (the grid's column blocks first) give the default's bits."""
+    down pass) and `grouped_columns_first` (the grid's column blocks first), the defaults, give the bits of
+    the former order (variant "moe-grouped-tiles-first") and of h by pair id ("moe-grouped-h-by-pair")."""
+    assert DEFAULTS.moe.grouped_h_sorted and DEFAULTS.moe.grouped_columns_first
     t, k, s, h, i, dtype, skip, _ = case
     gen = torch.Generator().manual_seed(11)
     w = _slot_pool(s, h, i, gen)
     slots, weights = _routing(t, k, s, skip, gen)
     x = torch.randn(t, h, generator=gen).to(dtype)
-    by_pair = moe_over_slots_triton(x, slots, weights.to(dtype), w, grouped=True, grouped_config=(4, 16, 32, 4, 1, True))
+    default = moe_over_slots_triton(x, slots, weights.to(dtype), w, grouped=True, grouped_config=(4, 16, 32, 4, 1, True))
     with use_kernel_options(variant(name)):
-        sorted_ = moe_over_slots_triton(x, slots, weights.to(dtype), w, grouped=True,
-                                        grouped_config=(4, 16, 32, 4, 1, True))
-    assert torch.equal(sorted_, by_pair)
+        other = moe_over_slots_triton(x, slots, weights.to(dtype), w, grouped=True, grouped_config=(4, 16, 32, 4, 1, True))
+    assert torch.equal(default, other)
     ref = moe_over_slots_ref(x, slots, weights.to(dtype), w)
-    assert ((sorted_.float() - ref.float()).norm() / ref.float().norm()).item() < TOL[dtype]
+    assert ((default.float() - ref.float()).norm() / ref.float().norm()).item() < TOL[dtype]
 
 
 @pytest.mark.parametrize(("gate_up", "down"), [((4, 0, 4), (16, 0, 4)), ((8, 16, 4), (8, 8, 4))], ids=["whole-k", "k-loop"])
@@ -314,8 +314,18 @@ def test_moe_decode_triton_matches_ref(case, per_pair):
     assert torch.equal(moe_decode_triton(x, moved_slots, weights.to(dtype), moved, shared, down_per_pair=per_pair), y)
 
 
+NARROW_DOWN_ROWS = {"moe.decode_down_rows": 16, "moe.decode_down_warps": 1}
+"""The narrowest per-pair down tile (16 rows in 1 warp) as `decode_down_rows` / `decode_down_warps`: the 80B's
+variant of it lost its measurement (session 50, bench/RESULTS.md) and was deleted; the tile stays legal."""
+
+
+def _options_named(name: str):
+    """A variant by name, "" for the defaults, "down-16-rows" for NARROW_DOWN_ROWS."""
+    return variant(**NARROW_DOWN_ROWS) if name == "down-16-rows" else variant(*([name] if name else []))
+
+
 @pytest.mark.parametrize("variant_name", ["", "moe-decode-wide-one-token", "moe-decode-two-tiles-table",
-                                          "moe-decode-down-two-tiles-table", "moe-decode-down-16-rows"])
+                                          "moe-decode-down-two-tiles-table", "down-16-rows"])
 def test_the_one_token_and_two_tile_tiles_are_taken_and_match_ref(monkeypatch, variant_name):
     """`MoeOptions.decode_tiles_one_token`: one token's gate/up and down passes launch with its tiles (two
     whole-K tiles a row here, as at 2,560 / 640) and give the reference's result; from two tokens the gate/up
@@ -323,7 +333,7 @@ def test_the_one_token_and_two_tile_tiles_are_taken_and_match_ref(monkeypatch, v
     `MoeOptions.decode_down_two_tiles` (so is the intermediate size, 48 = 32 + 16). Variant
     "moe-decode-wide-one-token" gives one token the tables' tiles, "moe-decode-two-tiles-table" two tokens the
     table's gate/up tile, "moe-decode-down-two-tiles-table" two tokens `decode_down_rows` / `decode_down_warps`
-    (64, 2), "moe-decode-down-16-rows" changes those, not the two-tile tile."""
+    (64, 2), "down-16-rows" (NARROW_DOWN_ROWS) changes those, not the two-tile tile."""
     import ft.kernels.moe.decode_kernel as details
 
     gate_up = spy_launches(monkeypatch, details, "_moe_decode_gate_up_kernel")
@@ -342,7 +352,7 @@ def test_the_one_token_and_two_tile_tiles_are_taken_and_match_ref(monkeypatch, v
         x = torch.randn(t, 80, generator=gen)
         gate_up.clear()
         down.clear()
-        with use_kernel_options(variant(*([variant_name] if variant_name else []))):
+        with use_kernel_options(_options_named(variant_name)):
             y = moe_decode_triton(x, slots, weights, w, shared)
         table = details.DECODE_GATE_UP_CONFIG[min(t, 2)]
         if t == 1:
@@ -668,7 +678,7 @@ def _spy_sum_launches(monkeypatch) -> list:
     return sums
 
 
-@pytest.mark.parametrize("down_variant, case", [("moe-decode-down-16-rows", DECODE_CASES[2]), ("", DECODE_CASES[3])],
+@pytest.mark.parametrize("down_variant, case", [("down-16-rows", DECODE_CASES[2]), ("", DECODE_CASES[3])],
                          ids=["16-rows-variant", "two-tile-default"])
 def test_narrow_down_tiles_sum_in_the_down_pass_with_the_counters_sized_for_them(monkeypatch, down_variant, case):
     """Counters sized by `sum_counters_needed` (at `DECODE_DOWN_MIN_BLOCK_H` rows) serve the narrower per-pair
@@ -684,7 +694,7 @@ def test_narrow_down_tiles_sum_in_the_down_pass_with_the_counters_sized_for_them
     x = torch.randn(t, h, generator=gen).to(dtype)
     counters = torch.zeros(sum_counters_needed(t, h), dtype=torch.int32)
     sums = _spy_sum_launches(monkeypatch)
-    with use_kernel_options(variant(*([down_variant] if down_variant else []))):
+    with use_kernel_options(_options_named(down_variant)):
         want = moe_decode_triton(x, slots, weights, w, shared, down_per_pair=True)
         assert len(sums) == 1
         got = moe_decode_triton(x, slots, weights, w, shared, down_per_pair=True, sum_counters=counters)

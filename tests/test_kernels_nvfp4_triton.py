@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 from ft.kernels.nvfp4 import nvfp4_linear, nvfp4_linear_ref
 from ft.tools.nvfp4_quantize import quantize_nvfp4
 from ft.kernels.nvfp4.kernel import nvfp4_linear_triton
+from ft.model.qwen3_8_flash_next import FlashNextModel
 
 # Relative RMS tolerances: the kernels accumulate in fp32 like the reference, so what is left
 # is summation order (fp32) and the final rounding of y (fp16, bf16).
@@ -33,6 +34,9 @@ CASES = [
     (12, 48, 96, torch.float16, None),  # the launcher's own choice (16-row dot tile)
     (5, 24, 2048, torch.bfloat16, None),  # the launcher's own choice (whole-K GEMV for 5 rows)
 ]
+
+FLASH_NEXT_F16_ROWS = dict(FlashNextModel.kernel_defaults)
+"""The fp16 rows as Qwen3.8-Flash-Next chooses them (`Nvfp4Options.dot_f16_x_max_m`)."""
 
 
 def _case_id(case) -> str:
@@ -402,9 +406,9 @@ def test_f16_rows_match_their_reference_and_lose_nothing_in_range():
     assert torch.equal(back[:3][near[:3]], xf[:3][near[:3]])
 
 
-@pytest.mark.parametrize("m, splits", [(3, 1), (8, 1), (16, 1), (8, 2)], ids=["M3", "M8", "M16", "M8-split2"])
+@pytest.mark.parametrize("m, splits", [(3, 1), (8, 1), (16, 1), (8, 2), (40, 1)], ids=["M3", "M8", "M16", "M8-split2", "M40"])
 def test_dot_f16_x_matches_ref_and_the_fp16_tile(monkeypatch, m, splits):
-    """`Nvfp4Options.dot_f16_x_max_m` (variant "nvfp4-dot-f16-x", 16 rows, as Qwen3.8-Flash-Next chooses): a bf16
+    """`Nvfp4Options.dot_f16_x_max_m` (FLASH_NEXT_F16_ROWS: 64 rows, as Qwen3.8-Flash-Next chooses): a bf16
     x on the halves tile is made fp16 rows (`f16_rows`, called once) and the weights decode scaled
     (`e2m1_halves_f16_scaled`); y stays bf16 and matches the reference; with rows past fp16's range it still
     does, and rows in range give the fp16 tile's y on x made fp16 (the same products, scaled by powers of two)
@@ -421,7 +425,7 @@ def test_dot_f16_x_matches_ref_and_the_fp16_tile(monkeypatch, m, splits):
     x = torch.randn(m, 768, generator=gen).to(torch.bfloat16)
     cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1, "SPLIT_K": splits}
     ref = nvfp4_linear_ref(x, packed, scale, scale_2)
-    with use_kernel_options(variant("nvfp4-dot-f16-x")):
+    with use_kernel_options(variant(**FLASH_NEXT_F16_ROWS)):
         y = nvfp4_linear_triton(x, packed, scale, scale_2, path="dot", config=cfg)
         assert y.dtype == torch.bfloat16 and calls == [(m, 768)]
         assert _rel_rms(y, ref) < TOL[torch.bfloat16]

@@ -83,16 +83,19 @@ class Nvfp4Options:
     scaled by a power of two (`f16_rows`: one small launch; exact but for elements under 2**-28 of their row's
     largest), so that the weights decode as E4M3 bytes two to a conversion (`e2m1_halves_f16_scaled`) and feed
     fp16 MMAs, instead of bf16 byte permutes; y is still bf16. None, the default: the model's choice
-    (`model_defaults`, a model's `kernel_defaults`; 0 where it names none): 16 for Qwen3.8-Flash-Next (the 16-row
-    tile), measured there; the 80B names none (its steps not measured with it yet: variant "nvfp4-dot-f16-x").
-    A choice by model, not by launch: eager steps and graph replays of one model compute the same bits. sm_90
-    SASS of the K step (session 49): the 16-row tile 561 -> 336 instructions (PRMT 160 -> 80, LOP3 131 -> 35),
-    its 2-warp form at Flash-Next's in_proj_qkvz 990 -> 547, the mid-M tiles 565 -> 348 (32 rows) and 655 -> 435
-    (64); the tile was issue-bound (ncu, session 48: ALU 62.6%, DRAM 27%). Flash-Next's step (H100, 40 layers,
-    session 49, `bench/decode.py --replay-span 50`, one process): batch 8 910.7 / 908.6 -> 942.8 / 937.7 tok/s
-    (+3.3%), with the two-tile down tile (`MoeOptions.decode_down_two_tiles`) 909.8 -> 959.0 (+5.4%); batch 32,
-    whose tiles are past 16 rows, a tie. Variants "nvfp4-dot-bf16-x" (0: off), "nvfp4-dot-f16-x" (16) and
-    "nvfp4-dot-f16-x-64" (the mid-M tiles too, not yet measured)."""
+    (`model_defaults`, a model's `kernel_defaults`; 0 where it names none): 64 for Qwen3.8-Flash-Next (the 16-row
+    and the mid-M tiles); the 80B names none: with 16 its step was 0.5 / 0.5 / 0.8% slower at batch 8 / 16 / 32
+    (H100, session 50, `bench/decode.py --modes overlap,overlap:V,overlap --replay-span 50`, against the mean of
+    the defaults' two rounds, which drifted 3% apart: 1,345.1 -> 1,338.9, 1,925.1 -> 1,914.7, 2,380.1 -> 2,362.1
+    tok/s), no gain; its variant "nvfp4-dot-f16-x" was deleted. A choice by model, not by launch: eager steps
+    and graph replays of one model compute the same bits. sm_90 SASS of the K step (session 49): the 16-row tile 561 -> 336 instructions (PRMT
+    160 -> 80, LOP3 131 -> 35), its 2-warp form at Flash-Next's in_proj_qkvz 990 -> 547, the mid-M tiles 565 ->
+    348 (32 rows) and 655 -> 435 (64); the tile was issue-bound (ncu, session 48: ALU 62.6%, DRAM 27%).
+    Flash-Next's step (H100, 40 layers, `bench/decode.py --replay-span 50`, one process): at 16 rows, session
+    49, batch 8 910.7 / 908.6 -> 942.8 / 937.7 tok/s (+3.3%), with the two-tile down tile
+    (`MoeOptions.decode_down_two_tiles`) 909.8 -> 959.0 (+5.4%); at 64 rows against 16, session 50, batch 32
+    1,498.5 / 1,500.2 -> 1,531.5 (+2.1%), batch 48 1,641.8 / 1,639.0 -> 1,644.9 (a tie). Variant
+    "nvfp4-dot-bf16-x" (0: off)."""
 
     small_m_whole_k: bool = True
     dot_halves: bool = True
@@ -124,14 +127,22 @@ class MoeOptions:
     pass against 5.8 ms in passes of 1,024; the 80B's whole prefill in 16,384-token chunks, the largest
     default chunk: 16K prompt 602 -> 509 ms, 8K 295 -> 280 ms with passes of 16,384 against 4,096;
     8,192 between; bench/prefill.py --grouped-max-tokens, RESULTS.md session 29).
-    grouped_h_sorted: the grouped passes' intermediate h [pairs, I] in rows of the slot-sorted order (each tile's
-    rows contiguous, so the down pass reads a block, not a gather of rows by pair id); off: rows by pair id.
-    The same bits either way (a pair's row depends only on its token and expert). Under measurement.
     grouped_columns_first: launch the grouped passes' programs column blocks first (grid (columns, tiles)): the
     programs resident at once are then a few tiles' column blocks, which read their tiles' activation rows
     (x for gate/up, h for down) from L2, instead of one column block of hundreds of tiles, whose rows (64 MB of
-    x, 168 MB of h at 16,384 tokens of the 80B) overflow L2 and come again from HBM for every column block.
-    The same bits either way. Under measurement.
+    x, 168 MB of h at 16,384 tokens of the 80B) overflow L2 and came again from HBM for every column block.
+    ncu (H100, session 50, one pass of 16,384 tokens, 80B shapes): gate/up 3.92 -> 1.18 GB read from HBM (L2
+    hits 44 -> 79%), 3.48 -> 3.24 ms; down 5.72 GB -> 475 MB (L2 hits 17 -> 86%), 2.50 -> 2.02 ms. The block
+    (bench/moe_prefill.py, both passes and the sum): 4,096 tokens 1.945 / 1.943 -> 1.689 ms, 16,384 tokens
+    5.841 / 5.805 -> 4.837 ms (-17%, 176 -> 213 TFLOP/s; with grouped_h_sorted); the 80B's 16K prefill
+    (bench/prefill.py --chunk 16384) 518.8 -> 471.2 ms (31,579 -> 34,774 tok/s, +10%), Flash-Next's (40
+    layers) 958.6 -> 893.9 ms (+7%). Off (variant "moe-grouped-tiles-first", with h by pair id): the former
+    order. The same bits either way.
+    grouped_h_sorted: the grouped passes' intermediate h [pairs, I] in rows of the slot-sorted order (each tile's
+    rows contiguous, so the down pass reads a block, not a gather of rows by pair id): 1.705 -> 1.689 ms at
+    4,096 tokens, 4.850 -> 4.837 at 16,384 with columns first, 1.945 -> 1.906 and 5.841 -> 5.699 without
+    (session 50, H100); off: variant "moe-grouped-h-by-pair". The same bits either way (a pair's row depends
+    only on its token and expert).
     decode_tiles_one_token: the decode MoE's tiles for one token, ((BLOCK_I, BLOCK_W, warps) of gate/up,
     (BLOCK_H, BLOCK_W, warps) of down per pair): ((4, 0, 2), (16, 0, 4)), narrower than the tables' (the 80B's
     sweep, `decode_kernel.DECODE_GATE_UP_CONFIG[1]` and `down_pairs_config()`, which None selects: variant
@@ -153,8 +164,9 @@ class MoeOptions:
     H100): 110.3 -> 99.2 us at 8 tokens, 379.3 -> 335.2 us at 32.
     decode_down_rows: the rows of the down projection a per-pair down program computes from two tokens
     (`decode_kernel.down_pairs_config`, the whole K; a power of two, at least
-    `decode_tiles.DECODE_DOWN_MIN_BLOCK_H`, by which the sum counters are sized): 64. Variant
-    "moe-decode-down-16-rows" (16 rows in 1 warp) for the 80B, not yet measured.
+    `decode_tiles.DECODE_DOWN_MIN_BLOCK_H`, by which the sum counters are sized): 64. 16 rows in 1 warp lost on
+    the 80B (H100, session 50, as `Nvfp4Options.dot_f16_x_max_m`'s A/B: 1.0 / 1.7 / 2.5% slower at batch 8 / 16 /
+    32 than the mean of the defaults' two rounds; the variant "moe-decode-down-16-rows" was deleted).
     decode_down_two_tiles: (rows, warps) of that tile where the intermediate size is two whole-K tiles
     (Qwen3.8-Flash-Next's 640 = 64 + 16 words): (16, 1). 64 rows in 2 warps take 240 registers a thread there
     (sm_90; ncu, session 49: 255 with the host store, DRAM at 46%, ~4 programs an SM), 16 rows in 1 warp 92.
@@ -180,8 +192,8 @@ class MoeOptions:
     grouped_words: bool = True
     grouped_tile: tuple | None = None
     grouped_max_tokens: int = 16384
-    grouped_h_sorted: bool = False
-    grouped_columns_first: bool = False
+    grouped_h_sorted: bool = True
+    grouped_columns_first: bool = True
     decode_sum_in_down: bool = True
     decode_gate_up_two_tiles: tuple | None = (8, 0, 2)
     decode_down_rows: int = 64
@@ -442,9 +454,8 @@ VARIANTS: dict[str, dict[str, object]] = {
     "nvfp4-dot-interleaved": {"nvfp4.dot_halves": False},  # bench/decode.py --no-dot-halves
     "nvfp4-dot-small-m-4-warps": {"nvfp4.dot_small_m_past_wave_warps": 4},  # bench/decode.py --modes
     "moe-bytes": {"moe.grouped_words": False},  # bench/moe_prefill.py, bench/prefill.py
-    "moe-grouped-h-sorted": {"moe.grouped_h_sorted": True},  # the same
-    "moe-grouped-columns-first": {"moe.grouped_columns_first": True},  # the same
-    "moe-grouped-columns-first-h-sorted": {"moe.grouped_columns_first": True, "moe.grouped_h_sorted": True},
+    "moe-grouped-tiles-first": {"moe.grouped_columns_first": False, "moe.grouped_h_sorted": False},  # the same
+    "moe-grouped-h-by-pair": {"moe.grouped_h_sorted": False},  # the same
     "attention-prefill-reference": {"prefill_attention.triton_on_cuda": False},  # bench/prefill.py --modes
     "attention-prefill-triton-only": {"prefill_attention.library_on_cuda": False},  # bench/prefill.py --library
     "gated-delta-solve-ieee": {"gated_delta.solve_precision": "ieee"},  # bench/gated_delta_prefill.py
@@ -454,9 +465,6 @@ VARIANTS: dict[str, dict[str, object]] = {
     "moe-decode-two-tiles-table": {"moe.decode_gate_up_two_tiles": None},  # the same, bench/moe_decode.py --variants
     "moe-decode-down-4-warps": {"moe.decode_down_warps": 4},  # the same
     "nvfp4-dot-bf16-x": {"nvfp4.dot_f16_x_max_m": 0},  # bench/decode.py --modes (over a model's choice)
-    "nvfp4-dot-f16-x": {"nvfp4.dot_f16_x_max_m": 16},  # the same
-    "nvfp4-dot-f16-x-64": {"nvfp4.dot_f16_x_max_m": 64},  # the same
-    "moe-decode-down-16-rows": {"moe.decode_down_rows": 16, "moe.decode_down_warps": 1},  # the same
     "moe-decode-down-two-tiles-table": {"moe.decode_down_two_tiles": None},  # the same
     "attention-nvfp4-f16": {"decode_attention.nvfp4_prmt": False},  # bench/decode.py --no-prmt, decode_attention.py
     "hc-read-cublas": {"hyper_connection.fused_read_max_tokens": 0},  # bench/hc_read.py, bench/decode.py --modes

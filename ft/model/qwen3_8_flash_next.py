@@ -184,10 +184,11 @@ class FlashNextModel:
     decode_graph_pdl = True
     """Its decode graphs capture with programmatic dependent launch (`ft.kernels.pdl`; every kernel of the
     step takes it): +9% tok/s at batch 1, +3% at 8 against plain launches (H100, 40 layers, session 41)."""
-    kernel_defaults = (("nvfp4.dot_f16_x_max_m", 16),)
+    kernel_defaults = (("nvfp4.dot_f16_x_max_m", 64),)
     """Its choices among the kernel options whose default is "the model's" (`ft.kernels.options.model_defaults`,
-    in force around `forward`): bf16 activations of at most 16 rows as fp16 rows on the NVFP4 tile (+3.3% tok/s
-    at batch 8, H100, 40 layers, session 49; `Nvfp4Options.dot_f16_x_max_m`)."""
+    in force around `forward`): bf16 activations of at most 64 rows as fp16 rows on the NVFP4 tile (H100, 40
+    layers: +3.3% tok/s at batch 8 for the 16-row tile, session 49; +2.1% at batch 32 for the mid-M tiles,
+    session 50; `Nvfp4Options.dot_f16_x_max_m`)."""
     prefill_graph_safe = False
     """Prefill graphs (`ft.engine.worker.prefill_graphs`) stay off: QSA past its dense span selects per
     sequence on the host, and its attention does not hand its cores to a capture (`batch.pieces`)."""
