@@ -177,3 +177,43 @@ def test_decode_graph_buckets():
     g = DecodeGraphs(16, sizes=(1, 2, 4, 6, 8, 10))  # --cuda-graph-bs: its sizes, eager past the largest
     assert [g.bucket(b) for b in (3, 5, 9, 10, 11)] == [4, 6, 10, 10, None]
     assert g.graph(1) is None  # nothing captured yet (a capture needs CUDA: tests/gpu)
+
+
+def test_a_mixed_step_runs_its_decoding_rows_as_one_decode_attention(tiny_one, monkeypatch):
+    """A step that prefills a prompt beside running decodes hands its leading one-token rows to the attention
+    layers as decode tensors (`ForwardBatch.decode_rows`: the rows' KV slots and lengths, the page table's
+    first rows), which run them through one decode attention; the prompt alone takes the prefill attention.
+    The logits and tokens are those of the per-sequence prefill attention (`_decode_rows` off), to fp32
+    rounding."""
+    from ft.model.layers import attention
+
+    def run(rows_on: bool):
+        eng = make_llm(tiny_one[2]).engine
+        if not rows_on:
+            monkeypatch.setattr(eng.runner, "_decode_rows", lambda inp: None)
+        seen = []
+        real_core = attention.GatedAttention._prefill_core
+        monkeypatch.setattr(attention.GatedAttention, "_prefill_core",
+                            lambda self, batch, *a, **kw: seen.append((batch.decode_rows, len(batch.seqs)))
+                            or real_core(self, batch, *a, **kw))
+        greedy = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+        first = [eng.add_request(prompt_of(20 + 3 * i, seed=30 + i), greedy) for i in range(2)]
+        while not all(s.output_ids for s in first):
+            eng.step()
+        seen.clear()
+        late = eng.add_request(prompt_of(25, seed=40), greedy)
+        eng.step()  # the late prompt beside the two decoding rows
+        mixed = [(rows, n) for rows, n in seen]
+        logits = eng.last_logits.clone()
+        eng.run_until_done(first + [late])
+        monkeypatch.undo()
+        return mixed, logits, [s.output_ids for s in first + [late]]
+
+    mixed, logits, tokens = run(True)
+    assert mixed and all(n == 3 and rows is not None for rows, n in mixed)
+    rows = mixed[0][0]
+    assert rows.seq_lens.tolist() == [21, 24] and rows.page_table.shape[0] == 2  # prompt + first token each
+    off, logits_off, tokens_off = run(False)
+    assert off and all(rows is None for rows, _ in off)
+    assert tokens == tokens_off
+    assert torch.allclose(logits, logits_off, rtol=1e-4, atol=1e-4)

@@ -85,6 +85,7 @@ class ModelRunner:
             name: StagedBuffer(n, dtype, device) for name, n, dtype in (
                 ("input_ids", tokens, i64), ("positions", tokens, i64), ("cu_seqlens", rows + 1, torch.int32),
                 ("last_token_index", rows, i64), ("mamba_slots", rows, i64),
+                ("mixed_slot_mapping", rows, i64), ("mixed_seq_lens", rows, i64),
                 ("temperature", rows, f32), ("top_k", rows, i64), ("top_p", rows, f32), ("uniform", rows, f32),
             )
         }
@@ -188,6 +189,8 @@ class ModelRunner:
             tables = self.page_table.load([pages for _, _, pages, _ in inp.seqs])
             slices = [SeqSlice(start, n, t, slot) for (start, n, _, slot), t in zip(inp.seqs, tables)]
         batch = ForwardBatch(buf["input_ids"].load(inp.ids, d), buf["positions"].load(inp.pos, d), slices)
+        if not d:
+            batch.decode_rows = self._decode_rows(inp)
         # NOTE: these are cached properties of ForwardBatch: set here, they are buffer views.
         if d:
             batch.decode = DecodeMeta(buf["slot_mapping"].load(inp.kv_slots, d), table,
@@ -207,6 +210,25 @@ class ModelRunner:
         if d:
             self.decode_arena.flush()
         return batch
+
+    def _decode_rows(self, inp: StepInputs) -> DecodeMeta | None:
+        """A mixed step's leading one-token sequences (the running decodes: the scheduler puts them first) as a
+        decode step's tensors over the page table's first rows (`load` just wrote them), so that attention
+        layers run them through the decode kernels, one launch for all, instead of one prefill attention
+        each (whose long-prefix path gathers each row's whole prefix); None for a step of one sequence
+        (prefill graphs hold one) or without such rows."""
+        rows = 0
+        for _, n, _, _ in inp.seqs:
+            if n != 1:
+                break
+            rows += 1
+        if not rows or len(inp.seqs) < 2:
+            return None
+        page = self.pools.kv.page_size
+        heads = inp.seqs[:rows]
+        slots = [pages[start // page] * page + start % page for start, _, pages, _ in heads]
+        return DecodeMeta(self.buffers["mixed_slot_mapping"].load(slots), self.page_table.table[:rows],
+                          self.buffers["mixed_seq_lens"].load([start + 1 for start, _, _, _ in heads]), self.max_seq_len)
 
     def _load_forced(self, values: list[int] | torch.Tensor | None) -> torch.Tensor | None:
         """A step's traced experts (`TraceRouting.step_values`: a list, or a tensor drawn on this device)

@@ -102,8 +102,14 @@ class GatedAttention:
         if batch.calibrate_kv and kv_scale is not None:  # the first prefill of a cache without scales
             calibrate_kv_scale(k[:n], v[:n], k_cache, kv_scale)
         outs = []
-        offset = 0
-        for s in batch.seqs:
+        rows, first = batch.decode_rows, 0
+        if rows is not None:  # a mixed step's decoding rows: one write and one decode attention for all
+            first = rows.seq_lens.shape[0]
+            write_kv_decode(k_cache, v_cache, k[:first], v[:first], rows.slot_mapping, kv_scale)
+            outs.append(paged_decode_attention(q[:first], k_cache, v_cache, rows.page_table, rows.seq_lens, self.scale,
+                                               max_seq_len=rows.max_seq_len, kv_scale=kv_scale))
+        offset = first
+        for s in batch.seqs[first:]:
             sl = slice(offset, offset + s.length)
             write_kv(k_cache, v_cache, k[sl], v[sl], s.page_table, s.start, kv_scale)
             outs.append(paged_attention(q[sl], k_cache, v_cache, s.page_table, s.start, self.scale, kv_scale))
