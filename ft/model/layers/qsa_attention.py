@@ -21,7 +21,7 @@ from ft.kernels.attention import paged_attention, sparse_decode_attention, write
 from ft.kernels.backend import uses_triton
 from ft.kernels.norm import norm_rope, rms_norm
 from ft.kernels.options import kernel_options
-from ft.model.forward_batch import ForwardBatch
+from ft.model.forward_batch import DecodeMeta, ForwardBatch
 from ft.model.layers.attention import GatedAttention, Rope
 from ft.model.layers.linear import Linear, ProjectionGroup
 from ft.kernels.qsa import block_scores, select_decode_tokens
@@ -85,16 +85,22 @@ class QSAAttention(GatedAttention):
         if batch.decode is not None:  # the new K, V and raw indexer keys at each token's slot
             write_kv_decode(k_cache, v_cache, k, v, batch.decode.slot_mapping, kv_scale,
                             extra=(index_keys, iqk[:, hi * di:]))
-        else:
-            offset = 0
-            for s in batch.seqs:
-                write_kv(k_cache, v_cache, k[offset: offset + s.length], v[offset: offset + s.length], s.page_table,
-                         s.start, kv_scale)
-                offset += s.length
-        if batch.decode is not None:  # one list of positions per sequence, one launch for the batch
-            return self.o_proj(self._decode(q, iq, gate, batch, kv, index_keys, rope).reshape(t, -1))
-        outs, offset = [], 0
-        for s in batch.seqs:
+            # one list of positions per sequence, one launch for the batch
+            return self.o_proj(self._decode(q, iq, gate, batch.decode, kv, index_keys, rope).reshape(t, -1))
+        # a mixed step's decoding rows (`ForwardBatch.decode_rows`, the leading one-token sequences): as a
+        # decode batch, one selection and one attention launch for all (their indexer keys are written above)
+        decoding, first, outs = batch.decode_rows, 0, []
+        if decoding is not None:
+            first = decoding.seq_lens.shape[0]
+            write_kv_decode(k_cache, v_cache, k[:first], v[:first], decoding.slot_mapping, kv_scale)
+            outs.append(self._decode(q[:first], iq[:first], None, decoding, kv, index_keys, rope))
+        offset = first
+        for s in batch.seqs[first:]:
+            write_kv(k_cache, v_cache, k[offset: offset + s.length], v[offset: offset + s.length], s.page_table,
+                     s.start, kv_scale)
+            offset += s.length
+        offset = first
+        for s in batch.seqs[first:]:
             rows = slice(offset, offset + s.length)
             offset += s.length
             if s.start + s.length <= self.dense_limit:
@@ -124,13 +130,12 @@ class QSAAttention(GatedAttention):
         blocks = rms_norm(blocks, self.index_k_norm, self.eps)[:, None, :]
         return rotate(blocks, torch.arange(blocks.shape[0], device=blocks.device) * self.ratio, rope)[:, 0]
 
-    def _decode(self, q: torch.Tensor, iq: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch, kv: tuple,
+    def _decode(self, q: torch.Tensor, iq: torch.Tensor, gate: torch.Tensor | None, d: DecodeMeta, kv: tuple,
                 index_keys: torch.Tensor, rope: Rope) -> torch.Tensor:
-        """A decode batch in fixed shapes and device ops only: every sequence's block scores
-        (`block_scores`, bounded by its length), its positions (`select_decode_tokens`: all of them
-        inside the dense span), then `sparse_decode_attention` over the batch, its output gated by the
-        kernel that writes it -> [B, Hq, D]."""
-        d = batch.decode
+        """A decode batch (`d`: a decode step's, or a mixed step's decoding rows) in fixed shapes and device
+        ops only: every sequence's block scores (`block_scores`, bounded by its length), its positions
+        (`select_decode_tokens`: all of them inside the dense span), then `sparse_decode_attention` over the
+        batch, its output gated by the kernel that writes it where `gate` is given -> [B, Hq, D]."""
         k_cache, v_cache, kv_scale = kv
         # (inside the budget every complete block is taken: no scores computed, `dense_blocks`)
         scores = block_scores(iq, index_keys, d.page_table, d.seq_lens, self.index_k_norm, self.eps, rope.inv_freq,
