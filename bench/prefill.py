@@ -16,6 +16,11 @@ kernel in the same run (before / after). `--profile LEN` profiles one prefill of
 (torch.profiler) and prints GPU time per kernel family, then the copies' and casts' GPU time by the
 line of `ft/` that asked for them (the ATen op, its input shapes, the two innermost `ft/`
 frames above it). Prints a table last.
+
+`--decoding N` keeps N requests decoding (prompts of `--decoding-context` tokens, started before anything is
+timed) beside every timed prompt: each prefill chunk then runs as a mixed step with N decoding rows, as in a
+server under load (issue 40's c32 8K / 1K row). `--decoding-rows-as batch|prefills|both`: those rows as one
+decode batch in the attention layers (the default) or each as a one-token prefill (the former path).
 """
 
 from __future__ import annotations
@@ -76,6 +81,13 @@ def main() -> None:
                          "a chunk's pairs in passes of at most N tokens; default: the library's)")
     ap.add_argument("--spin-up", type=float, default=3.0, metavar="S",
                     help="seconds of prefills before anything is timed (default 3)")
+    ap.add_argument("--decoding", type=int, default=0, metavar="N",
+                    help="requests decoding beside every timed prompt (each chunk a mixed step with N decode rows)")
+    ap.add_argument("--decoding-context", type=int, default=8192, metavar="C",
+                    help="prompt tokens of each decoding request (--decoding; default 8192)")
+    ap.add_argument("--decoding-rows-as", default="batch", choices=["batch", "prefills", "both"],
+                    help="the decoding rows of a mixed step as one decode batch (the engine's way) or each as a "
+                         "one-token prefill (the former path); both: each length under both, one process")
     args = ap.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
     from ft.kernels.options import kernel_options, set_kernel_options, variant
@@ -84,15 +96,20 @@ def main() -> None:
     grouped = [tuple(int(v) for v in c.split(",")) for c in args.grouped_configs.split(";") if c.strip()] or [None]
     pass_tokens = [int(v) for v in args.grouped_max_tokens.split(",") if v.strip()] or [None]
     t0 = time.perf_counter()
+    decoding_tokens = args.decoding * (args.decoding_context + DECODE_STEPS_AT_MOST)
     eng = Engine(EngineConfig(model=f"synthetic:{args.config}", device="cuda", dtype="bfloat16",
-                              moe_backend="resident", num_tokens=max(lengths + [args.profile]) + 1024,
-                              mamba_cache_size=4, max_running_requests=1, max_prefill_length=args.chunk,
+                              moe_backend="resident", num_tokens=max(lengths + [args.profile]) + 1024 + decoding_tokens,
+                              mamba_cache_size=4 + args.decoding, max_running_requests=1 + args.decoding,
+                              max_prefill_length=args.chunk,
                               enable_prefix_cache=False, kv_cache_dtype=args.kv_cache_dtype,
                               **({} if args.prefill_graph_max_tokens is None else
                                  {"prefill_graph_max_tokens": args.prefill_graph_max_tokens})))
     print(f"engine up in {time.perf_counter() - t0:.1f} s, geometry {eng.cache.geometry}", flush=True)
     modes = ["reference", "triton"] if args.attention == "both" else [args.attention]
     rows, base = [], [0]
+    start_decoding(eng, args.decoding, args.decoding_context, base)
+    row_forms = {"batch": [True], "prefills": [False], "both": [False, True]}[args.decoding_rows_as] \
+        if args.decoding else [True]
     # the GPU's clocks: right after the engine's build (tens of seconds of host work) the first
     # length timed slow twice in one session (1K: 155 and 182 ms against 103-112 later); keep the
     # device busy for a while before anything is timed
@@ -101,7 +118,9 @@ def main() -> None:
         ttft(eng, min(lengths), base)
     libs = {"on": [True], "off": [False], "both": [False, True]}[args.library]
     library_pass = kernel_options().moe.grouped_max_tokens
-    for mode, cfg, lib, gmt in ((m, c, b, g) for m in modes for c in grouped for b in libs for g in pass_tokens):
+    for mode, cfg, lib, gmt, as_batch in ((m, c, b, g, r) for m in modes for c in grouped for b in libs
+                                          for g in pass_tokens for r in row_forms):
+        eng.runner.mixed_decode_rows = as_batch
         set_kernel_options(kernel_options().with_(**{"prefill_attention.triton_on_cuda": mode == "triton",
                                                      "prefill_attention.library_on_cuda": lib,
                                                      "moe.grouped_tile": cfg,  # None: by the pass's length
@@ -109,6 +128,7 @@ def main() -> None:
         label = (mode if cfg is None else f"{mode} {cfg}") + ("" if args.library != "both" else
                                                               " +cudnn prefix" if lib else " triton only")
         label += f" pass {gmt}" if gmt else ""
+        label += "" if not args.decoding else f" +{args.decoding} decoding" + ("" if as_batch else " as prefills")
         if args.warm:
             ttft(eng, args.warm, base)
         for n in lengths:
@@ -142,6 +162,29 @@ def main() -> None:
     print(f"{'attention [grouped MoE tile]':<40} {'prompt':>7} {'TTFT ms':>9} {'prefill tok/s':>14}")
     for mode, n, t, tps in rows:
         print(f"{mode:<40} {n:>7} {t * 1e3:>9.1f} {tps:>14,.0f}")
+
+
+DECODE_STEPS_AT_MOST = 4096
+"""KV tokens each `--decoding` request may grow by while the bench runs (it stops decoding there)."""
+
+
+def start_decoding(eng, n: int, context: int, base: list[int]) -> None:
+    """n requests with fresh `context`-token prompts, stepped until each decodes; they keep decoding (up to
+    DECODE_STEPS_AT_MOST tokens) beside whatever the bench times next."""
+    if not n:
+        return
+    vocab = eng.model_config.vocab_size
+    seqs = []
+    for _ in range(n):
+        start = 1000 + base[0] % 50000
+        base[0] += 7919
+        prompt = [(start + i * 37) % min(150000, vocab - 10) + 10 for i in range(context)]
+        seqs.append(eng.add_request(prompt, SamplingParams(max_new_tokens=DECODE_STEPS_AT_MOST, temperature=0.0,
+                                                           ignore_eos=True)))
+    t0 = time.perf_counter()
+    while not all(s.output_ids for s in seqs):
+        eng.step()
+    print(f"{n} requests of {context} tokens decoding (prefilled in {time.perf_counter() - t0:.1f} s)", flush=True)
 
 
 def ttft(eng, n: int, base: list[int], cpu: list[float] | None = None) -> float:

@@ -120,6 +120,9 @@ class ModelRunner:
         }
         self.page_table = PageTableBuffer(rows, max_pages_per_seq, device, arena=(self.decode_arena, len(decode_specs)))
         self.routing = None  # a `routing_override.TraceRouting` (synthetic traces): set by the engine
+        # a mixed step's decoding rows as one decode batch (`_decode_rows`); off: each a one-token prefill (the
+        # former path, for A/Bs: bench/prefill.py --decoding-rows-as)
+        self.mixed_decode_rows = True
         self.results = ResultCopy(rows, device)  # the sampled ids (and logprobs) to the host, one copy a step
         self.launcher = DecodeLauncher(self)  # overlapped decode's steps (`ft.engine.worker.decode_launch`)
         self.last_logits: torch.Tensor | None = None  # [B, V] of the last step (tests and debugging)
@@ -222,7 +225,7 @@ class ModelRunner:
             if n != 1:
                 break
             rows += 1
-        if not rows or len(inp.seqs) < 2:
+        if not rows or len(inp.seqs) < 2 or not self.mixed_decode_rows:
             return None
         page = self.pools.kv.page_size
         heads = inp.seqs[:rows]
