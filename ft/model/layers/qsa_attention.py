@@ -88,7 +88,7 @@ class QSAAttention(GatedAttention):
             # one list of positions per sequence, one launch for the batch
             return self.o_proj(self._decode(q, iq, gate, batch.decode, kv, index_keys, rope).reshape(t, -1))
         # a mixed step's decoding rows (`ForwardBatch.decode_rows`, the leading one-token sequences): as a
-        # decode batch, one selection and one attention launch for all (their indexer keys are written above)
+        # decode batch, one selection and one attention launch for all (their indexer keys were written first)
         decoding, first, outs = batch.decode_rows, 0, []
         if decoding is not None:
             first = decoding.seq_lens.shape[0]
@@ -113,10 +113,16 @@ class QSAAttention(GatedAttention):
         return self.o_proj(o * torch.sigmoid(gate.reshape(t, -1)))
 
     def _write_index_keys(self, index_keys: torch.Tensor, raw: torch.Tensor, batch: ForwardBatch) -> None:
-        """A prefill's raw indexer keys into their pages (a decode step's go with its K and V)."""
+        """A prefill's raw indexer keys into their pages (a decode step's go with its K and V; a mixed step's
+        decoding rows, `ForwardBatch.decode_rows`, in one write at their slots)."""
         page = index_keys.shape[1]
-        offset = 0
-        for s in batch.seqs:
+        offset, seqs = 0, batch.seqs
+        if batch.decode_rows is not None:
+            slots = batch.decode_rows.slot_mapping
+            offset = slots.shape[0]
+            index_keys[slots // page, slots % page] = raw[:offset].to(index_keys.dtype)
+            seqs = seqs[offset:]
+        for s in seqs:
             pos = torch.arange(s.start, s.start + s.length, device=raw.device)
             index_keys[s.page_table[pos // page], pos % page] = raw[offset: offset + s.length].to(index_keys.dtype)
             offset += s.length
