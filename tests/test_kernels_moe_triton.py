@@ -79,18 +79,33 @@ def test_moe_over_slots_triton_matches_ref(case):
     assert err < TOL[dtype], err
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[-1] and c[6] < 1.0], ids=_case_id)
-def test_grouped_swapped_operands_match_ref(case):
-    """The grouped path with the weight tile as the MMA's left operand (SWAP_AB, a sixth config element)."""
+SWAPPED_TILE = (4, 16, 32, 4, 1, True)
+"""A small grouped tile with the weight tile as the MMA's left operand (SWAP_AB)."""
+
+
+def _grouped(case, seed: int, **options):
+    """The grouped path on `case`'s random pool and routing (seeded), under `variant(*names, **changes)`
+    (`options`: "names", a list of variant names, and changes keyed "operation.field"); returns (y, the
+    reference's y)."""
     t, k, s, h, i, dtype, skip, _ = case
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator().manual_seed(seed)
     w = _slot_pool(s, h, i, gen)
     slots, weights = _routing(t, k, s, skip, gen)
     x = torch.randn(t, h, generator=gen).to(dtype)
-    y = moe_over_slots_triton(x, slots, weights.to(dtype), w, grouped=True, grouped_config=(4, 16, 32, 4, 1, True))
-    ref = moe_over_slots_ref(x, slots, weights.to(dtype), w)
-    err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
-    assert err < TOL[dtype], err
+    with use_kernel_options(variant(*options.pop("names", ()), **options)):
+        y = moe_over_slots_triton(x, slots, weights.to(dtype), w, grouped=True, grouped_config=SWAPPED_TILE)
+    return y, moe_over_slots_ref(x, slots, weights.to(dtype), w)
+
+
+def _rel(y, ref) -> float:
+    return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[-1] and c[6] < 1.0], ids=_case_id)
+def test_grouped_swapped_operands_match_ref(case):
+    """The grouped path with the weight tile as the MMA's left operand (SWAP_AB, a sixth config element)."""
+    y, ref = _grouped(case, 7)
+    assert _rel(y, ref) < TOL[case[5]], _rel(y, ref)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[-1] and c[6] < 1.0], ids=_case_id)
@@ -98,17 +113,10 @@ def test_grouped_word_decode_matches_the_byte_decode(case):
     """`MoeOptions.grouped_words` (the default: the weight tiles decoded a 32-bit word at a time, in
     fp16) against the byte-wise decode (variant "moe-bytes"): the same tiles, so bitwise the same
     result in fp32, and the reference's within tolerance."""
-    t, k, s, h, i, dtype, skip, _ = case
-    gen = torch.Generator().manual_seed(9)
-    w = _slot_pool(s, h, i, gen)
-    slots, weights = _routing(t, k, s, skip, gen)
-    x = torch.randn(t, h, generator=gen).to(dtype)
-    with use_kernel_options(variant("moe-bytes")):
-        bytes_ = moe_over_slots_triton(x, slots, weights.to(dtype), w, grouped=True, grouped_config=(4, 16, 32, 4, 1, True))
-    words = moe_over_slots_triton(x, slots, weights.to(dtype), w, grouped=True, grouped_config=(4, 16, 32, 4, 1, True))
+    bytes_, _ = _grouped(case, 9, names=["moe-bytes"])
+    words, ref = _grouped(case, 9)
     assert torch.equal(words, bytes_)
-    ref = moe_over_slots_ref(x, slots, weights.to(dtype), w)
-    assert ((words.float() - ref.float()).norm() / ref.float().norm()).item() < TOL[dtype]
+    assert _rel(words, ref) < TOL[case[5]]
 
 
 @pytest.mark.parametrize("name", ["moe-grouped-tiles-first", "moe-grouped-h-by-pair"])
@@ -118,17 +126,10 @@ def test_grouped_launch_orders_give_the_same_bits(case, name):
     down pass) and `grouped_columns_first` (the grid's column blocks first), the defaults, give the bits of
     the former order (variant "moe-grouped-tiles-first") and of h by pair id ("moe-grouped-h-by-pair")."""
     assert DEFAULTS.moe.grouped_h_sorted and DEFAULTS.moe.grouped_columns_first
-    t, k, s, h, i, dtype, skip, _ = case
-    gen = torch.Generator().manual_seed(11)
-    w = _slot_pool(s, h, i, gen)
-    slots, weights = _routing(t, k, s, skip, gen)
-    x = torch.randn(t, h, generator=gen).to(dtype)
-    default = moe_over_slots_triton(x, slots, weights.to(dtype), w, grouped=True, grouped_config=(4, 16, 32, 4, 1, True))
-    with use_kernel_options(variant(name)):
-        other = moe_over_slots_triton(x, slots, weights.to(dtype), w, grouped=True, grouped_config=(4, 16, 32, 4, 1, True))
+    default, ref = _grouped(case, 11)
+    other, _ = _grouped(case, 11, names=[name])
     assert torch.equal(default, other)
-    ref = moe_over_slots_ref(x, slots, weights.to(dtype), w)
-    assert ((default.float() - ref.float()).norm() / ref.float().norm()).item() < TOL[dtype]
+    assert _rel(default, ref) < TOL[case[5]]
 
 
 @pytest.mark.parametrize(("gate_up", "down"), [((4, 0, 4), (16, 0, 4)), ((8, 16, 4), (8, 8, 4))], ids=["whole-k", "k-loop"])
