@@ -18,6 +18,11 @@ moe-bytes), then "after" once more (the defaults, timed on both sides of the var
 
 Times are `triton.testing.do_bench` medians; TFLOP/s counts 2 * pairs * 3 * H * I. `--sweep` also
 times the block configurations in SWEEP. Prints a table last.
+
+`--once`: no timing; one grouped pass at the first of `--tokens` under the defaults, then under each of
+`--variants`, each after a warm pass, for a profiler to look at, e.g.
+`ncu --kernel-name regex:_grouped --metrics dram__bytes_read.sum,lts__t_sector_hit_rate.pct,gpu__time_duration.sum
+python3 bench/moe_prefill.py --once --tokens 16384 --variants moe-grouped-tiles-first` (launches 3-4 and 7-8).
 """
 
 from __future__ import annotations
@@ -85,8 +90,21 @@ def main() -> None:
     ap.add_argument("--variants", default="", help="kernel variants timed as 'after' rows of their own")
     ap.add_argument("--split", action="store_true",
                     help="4,096-token passes: SPLIT_TILES for gate_up alone, then for down alone (the other: BASE_4K)")
+    ap.add_argument("--once", action="store_true", help="one pass per variant for a profiler, nothing timed")
     args = ap.parse_args()
     pool = random_pool()
+    if args.once:
+        t = int(args.tokens.split(",")[0])
+        x = torch.randn(t, H, device="cuda", dtype=torch.bfloat16)
+        ids = torch.topk(torch.randn(t, E, device="cuda"), K, dim=-1).indices
+        wts = torch.softmax(torch.randn(t, K, device="cuda"), -1).to(torch.bfloat16)
+        for name in [""] + [v for v in args.variants.split(",") if v]:
+            with use_kernel_options(variant(*([name] if name else []))):
+                for _ in range(2):  # warm, then the pass to look at
+                    moe_over_slots_triton(x, ids, wts, pool, grouped=True)
+                torch.cuda.synchronize()
+            print(f"one pass of {t} tokens: {name or 'defaults'}", flush=True)
+        return
     w13 = torch.stack([torch.cat([dequantize_nvfp4(pool.w13[e, :I], pool.w13_scale[e, :I], pool.scale_2[e, 0]),
                                   dequantize_nvfp4(pool.w13[e, I:], pool.w13_scale[e, I:], pool.scale_2[e, 1])])
                        for e in range(E)]).to(torch.bfloat16)
