@@ -88,9 +88,10 @@ class Nvfp4Options:
     (H100, session 50, `bench/decode.py --modes overlap,overlap:V,overlap --replay-span 50`, against the mean of
     the defaults' two rounds, which drifted 3% apart: 1,345.1 -> 1,338.9, 1,925.1 -> 1,914.7, 2,380.1 -> 2,362.1
     tok/s), no gain; its variant "nvfp4-dot-f16-x" was deleted. A choice by model, not by launch: eager steps
-    and graph replays of one model compute the same bits. sm_90 SASS of the K step (session 49): the 16-row tile 561 -> 336 instructions (PRMT
-    160 -> 80, LOP3 131 -> 35), its 2-warp form at Flash-Next's in_proj_qkvz 990 -> 547, the mid-M tiles 565 ->
-    348 (32 rows) and 655 -> 435 (64); the tile was issue-bound (ncu, session 48: ALU 62.6%, DRAM 27%).
+    and graph replays of one model compute the same bits. sm_90 SASS of the K step (session 49): the 16-row
+    tile 561 -> 336 instructions (PRMT 160 -> 80, LOP3 131 -> 35), its 2-warp form at Flash-Next's in_proj_qkvz
+    990 -> 547, the mid-M tiles 565 -> 348 (32 rows) and 655 -> 435 (64); the tile was issue-bound (ncu,
+    session 48: ALU 62.6%, DRAM 27%).
     Flash-Next's step (H100, 40 layers, `bench/decode.py --replay-span 50`, one process): at 16 rows, session
     49, batch 8 910.7 / 908.6 -> 942.8 / 937.7 tok/s (+3.3%), with the two-tile down tile
     (`MoeOptions.decode_down_two_tiles`) 909.8 -> 959.0 (+5.4%); at 64 rows against 16, session 50, batch 32

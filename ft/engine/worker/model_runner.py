@@ -230,8 +230,9 @@ class ModelRunner:
         page = self.pools.kv.page_size
         heads = inp.seqs[:rows]
         slots = [pages[start // page] * page + start % page for start, _, pages, _ in heads]
+        lengths = [start + 1 for start, _, _, _ in heads]
         return DecodeMeta(self.buffers["mixed_slot_mapping"].load(slots), self.page_table.table[:rows],
-                          self.buffers["mixed_seq_lens"].load([start + 1 for start, _, _, _ in heads]), self.max_seq_len)
+                          self.buffers["mixed_seq_lens"].load(lengths), self.max_seq_len)
 
     def _load_forced(self, values: list[int] | torch.Tensor | None) -> torch.Tensor | None:
         """A step's traced experts (`TraceRouting.step_values`: a list, or a tensor drawn on this device)
