@@ -95,14 +95,10 @@ class QSAAttention(GatedAttention):
             write_kv_decode(k_cache, v_cache, k[:first], v[:first], decoding.slot_mapping, kv_scale)
             outs.append(self._decode(q[:first], iq[:first], None, decoding, kv, index_keys, rope))
         offset = first
-        for s in batch.seqs[first:]:
-            write_kv(k_cache, v_cache, k[offset: offset + s.length], v[offset: offset + s.length], s.page_table,
-                     s.start, kv_scale)
-            offset += s.length
-        offset = first
-        for s in batch.seqs[first:]:
+        for s in batch.seqs[first:]:  # each prompt's K and V, then its attention (which reads only its own pages)
             rows = slice(offset, offset + s.length)
             offset += s.length
+            write_kv(k_cache, v_cache, k[rows], v[rows], s.page_table, s.start, kv_scale)
             if s.start + s.length <= self.dense_limit:
                 outs.append(paged_attention(q[rows], k_cache, v_cache, s.page_table, s.start, self.scale, kv_scale))
             else:
