@@ -178,14 +178,17 @@ def test_activation_reserve_counts_the_library_transients(monkeypatch):
 
 
 @pytest.mark.parametrize("card_gib, limit_gib, chunk", [(16, None, 4096), (48, None, 8192), (141, None, 16384),
-                                                        (141, 32, 4096), (141, 80, 16384), (80, 200, 16384)])
+                                                        (141, 32, 4096), (141, 80, 16384), (80, 200, 16384),
+                                                        (81559 / 1024, None, 16384), (39.4, None, 8192),
+                                                        (24, None, 4096), (141, 64, 8192)])
 def test_default_prefill_chunk_follows_the_card(monkeypatch, card_gib, limit_gib, chunk):
-    """--max-prefill-length's default: by the card the budget sees (the limit when smaller); 4,096 on the CPU."""
+    """--max-prefill-length's default: by the card the budget sees (the limit when smaller); 4,096 on the CPU.
+    Cards as they report themselves: an H100 80GB 81,559 MiB, an A100 40GB ~39.4 GiB."""
     from types import SimpleNamespace
 
     from ft.memory.budget import default_prefill_length
 
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=card_gib << 30))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=int(card_gib * 2**30)))
     limit = limit_gib << 30 if limit_gib else None
     assert default_prefill_length(torch.device("cuda"), limit) == chunk
     assert default_prefill_length(torch.device("cpu"), limit) == 4096

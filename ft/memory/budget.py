@@ -28,8 +28,11 @@ class MemoryBudget:
     budget_bytes: int  # what the cache pools may use together
 
 
-PREFILL_CHUNK_BY_CARD = ((80 << 30, 16384), (40 << 30, 8192))
-"""(card bytes at least, tokens per prefill chunk) for `default_prefill_length`; smaller cards 4,096."""
+PREFILL_CHUNK_BY_CARD = ((72 << 30, 16384), (36 << 30, 8192))
+"""(card bytes at least, tokens per prefill chunk) for `default_prefill_length`; smaller cards 4,096. The
+bounds sit under the sizes cards are sold by, since a card reports less: an H100 80GB 79.6 GiB
+(81,559 MiB), an A100 80GB 79.3 GiB, an A100 40GB 39.4 GiB. (At 80 GiB the H100 took 8,192-token
+chunks, which prefill the 80B ~15% slower than 16,384: 29.7K against 34.7K tok/s, bench/RESULTS.md.)"""
 
 
 STREAMED_PREFILL_CHUNKS = (16384, 8192, 4096)
@@ -49,7 +52,7 @@ def card_bytes(device: torch.device, gpu_memory_limit: int | None) -> int:
 
 def default_prefill_length(device: torch.device, gpu_memory_limit: int | None) -> int:
     """Tokens per prefill chunk when --max-prefill-length is not given, by the card the budget sees
-    (`card_bytes`): 16,384 from 80 GiB, 8,192 from 40 GiB, else 4,096 (and on the CPU). Why: a long
+    (`card_bytes`): 16,384 from 72 GiB (80 GB cards), 8,192 from 36 GiB, else 4,096 (and on the CPU). Why: a long
     prompt's chunks each read the whole cached prefix, so fewer, larger chunks cost less (H200,
     flagship, a 256K prompt: 20.1 s in chunks of 4,096 against 19.5 s in chunks of 16,384,
     bench/prefill.py, 2026-12-01), while the activation reserve grows with the chunk: a small card
