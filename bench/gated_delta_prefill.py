@@ -1,14 +1,13 @@
 """Gated DeltaNet prefill kernels at the flagship's shapes: accuracy against the fp32 torch references
 and time per layer, for the default configurations and a few alternatives. Not a test.
 
-    PYTHONPATH=. python3 bench/gated_delta_prefill.py [--quick [--conv]]
+    PYTHONPATH=. python3 bench/gated_delta_prefill.py [--quick]
 
 Qwen3-Next-80B-A3B's linear attention: Hk 16, Hv 32, Dk = Dv = 128, conv width 4, C = 8192, bf16
 activations, fp32 states in a pool of 24 slots. Batches: 4,096 tokens in 3 sequences, 16,384 in one,
 16,384 in 16 of 1,024. Times are medians of `triton.testing.do_bench` (ms). The packed conv, the
 chunk kernels (prep = UT transform, state = the pass over chunks), and the per-sequence torch
-references the model ran before (conv + chunked rule per sequence) for comparison; `--quick --conv`: the
-defaults and the conv's launch sweep (`CONV_LAUNCHES`). Prints a table last.
+references the model ran before (conv + chunked rule per sequence) for comparison. Prints a table last.
 """
 
 from __future__ import annotations
@@ -30,9 +29,6 @@ HK, HV, D, W = 16, 32, 128, 4
 C = 2 * HK * D + HV * D
 SLOTS = 24
 BATCHES = {"4096 in 3": (2, 1535, 2559), "16384 in 1": (16384,), "16384 in 16": (1024,) * 16}
-CONV_LAUNCHES = [(16, 64, 4, 1), (16, 64, 4, 4), (16, 64, 4, 8), (16, 64, 4, 16), (16, 128, 4, 8), (32, 64, 4, 4),
-                 (32, 64, 8, 8), (16, 128, 8, 1), (32, 256, 8, 1)]
-"""The conv's launches swept (BLOCK_T, BLOCK_C, warps, RUN: tiles a program)."""
 
 
 def rel_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -110,7 +106,6 @@ def old_path_ms(x: dict) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="defaults only, no alternative configurations")
-    ap.add_argument("--conv", action="store_true", help="with --quick: the conv's launch sweep too")
     args = ap.parse_args()
     rows = []
     for name, lengths in BATCHES.items():
@@ -128,14 +123,13 @@ def main() -> None:
         rows.append((name, "conv (default)", time_ms(lambda: conv_kernel.causal_conv1d_varlen_triton(
             x["mixed"], conv, x["weight"], x["cu"], x["slots"])), 0, 0, 0, 0))
         print(rows[-1], flush=True)
-        if not args.quick or args.conv:
-            for bt, bc, nw, run in CONV_LAUNCHES:
-                launch = (("BLOCK_T", bt), ("BLOCK_C", bc), ("num_warps", nw), ("RUN", run))
+        if not args.quick:
+            for bt, bc, nw in ((16, 128, 8), (16, 64, 4), (32, 64, 4), (64, 64, 8), (32, 256, 8)):
+                launch = (("BLOCK_T", bt), ("BLOCK_C", bc), ("num_warps", nw))
                 with use_kernel_options(variant(**{"conv1d.varlen_launch": launch})):
-                    rows.append((name, f"conv T{bt} C{bc} w{nw} run {run}", time_ms(lambda: conv_kernel.causal_conv1d_varlen_triton(
+                    rows.append((name, f"conv T{bt} C{bc} w{nw}", time_ms(lambda: conv_kernel.causal_conv1d_varlen_triton(
                         x["mixed"], conv, x["weight"], x["cu"], x["slots"])), 0, 0, 0, 0))
                 print(rows[-1], flush=True)
-        if not args.quick:
             for bv, nw, ns in ((16, 4, 2), (16, 8, 2), (32, 4, 2), (32, 8, 1), (32, 8, 3), (64, 8, 2)):
                 launch = (("BLOCK_V", bv), ("num_warps", nw), ("num_stages", ns))
                 with use_kernel_options(variant(**{"gated_delta.state_launch": launch})):

@@ -143,33 +143,3 @@ def test_dispatcher_and_checks(monkeypatch):
         real(x, state, weight, cu, slots[:1])
     with pytest.raises(ValueError, match="out"):
         real(x, state, weight, cu, slots, out=torch.empty(22, 8))
-
-
-RUN_CASES = [(40, 4, (1, 2, 3, 17, 40, 5, 0, 64)), (200, 3, (33, 1, 0, 16, 2, 70))]
-"""Sequences of one tile, of exactly one or two runs of 2 tiles (32, 64 tokens at BLOCK_T 16) and
-past them, partial last runs, 0 tokens; one channel block or several with a partial last one."""
-
-
-@pytest.mark.parametrize("run", [2, 3])
-@pytest.mark.parametrize(("c", "width", "lengths"), RUN_CASES, ids=[f"C{c}-W{w}" for c, w, _ in RUN_CASES])
-def test_runs_of_tiles_match_one_tile_a_program(monkeypatch, c, width, lengths, run):
-    """RUN tiles a program (`conv1d.varlen_launch` ("RUN", n)): the grid shrinks to T // (RUN * BLOCK_T)
-    + B programs along T, and y and the states are bitwise those of one tile a program."""
-    from ft.kernels.options import use_kernel_options, variant
-
-    x, weight, cu, slots, conv, region = make_batch(c, width, lengths, torch.float32, seed=run + c)
-    conv_ref = conv.clone()
-    y_ref = causal_conv1d_varlen_ref(x, conv_ref[:, LAYER], weight, cu, slots)
-    results = []
-    for r in (1, run):
-        with monkeypatch.context() as m, use_kernel_options(variant(**{"conv1d.varlen_launch": (("RUN", r),)})):
-            calls = spy_launches(m, details, "_conv_varlen_kernel")
-            conv_t = conv.clone()
-            out = torch.full((sum(lengths), c), float("nan"), dtype=torch.float32)
-            y = details.causal_conv1d_varlen_triton(x, conv_t[:, LAYER], weight, cu, slots, out=out)
-        assert [call["RUN"] for call in calls] == [r]
-        results.append((y, conv_t))
-    (y_one, conv_one), (y_run, conv_run) = results
-    assert rel_rms(y_run, y_ref) < TOL_Y[torch.float32] and torch.equal(conv_run[region], conv_ref[region])
-    assert conv_run[~region].isnan().all()
-    assert torch.equal(y_run, y_one) and torch.equal(conv_run.nan_to_num(), conv_one.nan_to_num())

@@ -1,17 +1,15 @@
 """Triton causal depthwise conv1d over a packed batch of sequences (details module of `ft.kernels.conv1d`).
 
-`causal_conv1d_varlen_triton` is one launch, whatever the batch: programs over (run of RUN tiles of
-BLOCK_T tokens of one sequence, block of BLOCK_C channels); a run of SPAN = RUN * BLOCK_T tokens. A
-sequence's runs start at its own first token, so no run straddles two sequences; run j of sequence b is
-program `cu[b] // SPAN + b + j` of the first grid axis (each sequence owns `cu[b+1] // SPAN - cu[b] //
-SPAN + 1 >= ceil(len / SPAN)` program ids; the spare ones exit at once), found from the program id by a
-binary search over cu_seqlens. The grid is `T // SPAN + B` by `C / BLOCK_C`: shapes only, no host sync.
-A program loops over its run's tiles that hold tokens, so that the chain of dependent loads before its
-first tile (the search, the sequence's offsets and slot) is paid once a run, not once a tile.
+`causal_conv1d_varlen_triton` is one launch, whatever the batch: programs over (tile of BLOCK_T tokens
+of one sequence, block of BLOCK_C channels). A sequence's tiles start at its own first token, so no
+tile straddles two sequences; tile j of sequence b is program `cu[b] // BLOCK_T + b + j` of the first
+grid axis (each sequence owns `cu[b+1] // BLOCK_T - cu[b] // BLOCK_T + 1 >= ceil(len / BLOCK_T)`
+program ids; the spare ones exit at once), found from the program id by a binary search over
+cu_seqlens. The grid is `T // BLOCK_T + B` by `C / BLOCK_C`: shapes only, no host sync.
 
 Each tap w of the window reads the input `W - 1 - w` tokens back: inside the sequence from x, before
 its start from the sequence's conv state (its last W-1 inputs before this batch). Only tile 0 of a
-sequence can reach before the start (BLOCK_T >= W-1), so run 0 alone reads the old state, and run 0
+sequence can reach before the start (BLOCK_T >= W-1), so tile 0 alone reads the old state, and tile 0
 alone writes the new one (the last W-1 inputs of [old state, x]: from x, or partly from the old state
 for a sequence shorter than W-1), after all of its own loads (a barrier): no other program touches
 that slot, so one launch needs no grid-wide ordering.
@@ -59,59 +57,51 @@ def _conv_varlen_kernel(
     p_x, p_w, p_cs, p_cu, p_slots, p_y, B, C, n_iters,
     stride_xt, stride_wc, stride_css, stride_csc, stride_csw, stride_yt,
     W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
-    EVEN_C: tl.constexpr = False, RUN: tl.constexpr = 1,
+    EVEN_C: tl.constexpr = False,
 ):
-    """RUN consecutive tiles of BLOCK_T tokens of one sequence by BLOCK_C channels (the module's
-    docstring, with a run of RUN * BLOCK_T tokens in place of a tile: the program ids, the search and
-    the state's owner are the run's). EVEN_C: C % BLOCK_C == 0, so every channel of the block exists:
-    the x, old state and y tiles are masked by their tokens alone (a spare program's tokens are all
-    masked: its run starts at or past the length); the weights and the new state keep their channel
-    masks (strided, and run 0's alone)."""
+    """One tile of BLOCK_T tokens of one sequence by BLOCK_C channels (the module's docstring). EVEN_C:
+    C % BLOCK_C == 0, so every channel of the block exists: the x, old state and y tiles are masked by
+    their tokens alone (a spare program's tokens are all masked: t_lo >= length); the weights and the
+    new state keep their channel masks (strided, and tile 0's alone)."""
     i_p = tl.program_id(0)
     i_c = tl.program_id(1)
     dtype = p_x.dtype.element_ty
     w_dtype = p_w.dtype.element_ty
-    SPAN: tl.constexpr = BLOCK_T * RUN
-    i_b = find_seq(p_cu, i_p, B, n_iters, SPAN)
+    i_b = find_seq(p_cu, i_p, B, n_iters, BLOCK_T)
     start = tl.load(p_cu + i_b)
     length = tl.load(p_cu + i_b + 1) - start
-    i_run = i_p - (start // SPAN + i_b)
-    r_lo = i_run * SPAN  # the run's first token, relative to the sequence's start
-    # NOTE: a spare program (past its sequence's last run) does nothing; a 0-length sequence's run 0
+    i_tile = i_p - (start // BLOCK_T + i_b)
+    t_lo = i_tile * BLOCK_T  # the tile's first token, relative to the sequence's start
+    # NOTE: a spare program (past its sequence's last tile) does nothing; a 0-length sequence's tile 0
     # rewrites the old state as it was. Limits through tl.where, not a scalar bool in a mask (the
     # interpreter rejects those).
-    c_end = tl.where((r_lo < length) | (i_run == 0), C, 0)
+    c_end = tl.where((t_lo < length) | (i_tile == 0), C, 0)
     slot = tl.load(p_slots + i_b).to(tl.int64)
     start = start.to(tl.int64)
+    o_t = t_lo + tl.arange(0, BLOCK_T)
     o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     m_c = o_c < c_end
+    m_t = o_t < length
+    if EVEN_C:
+        m_tc = m_t[:, None]
+    else:
+        m_tc = m_t[:, None] & m_c[None, :]
     p_state = p_cs + slot * stride_css + o_c[None, :] * stride_csc  # [1, BLOCK_C]
-    # the run's tiles that hold tokens (none for a spare program): the loop stops at the sequence's end
-    n_tiles = tl.minimum(RUN, (length - r_lo + BLOCK_T - 1) // BLOCK_T)
-    for j in tl.range(0, n_tiles):
-        o_t = r_lo + j * BLOCK_T + tl.arange(0, BLOCK_T)
-        m_t = o_t < length
-        if EVEN_C:
-            m_tc = m_t[:, None]
-        else:
-            m_tc = m_t[:, None] & m_c[None, :]
-        b_acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-        for w in tl.static_range(W):
-            o_src = o_t - (W - 1) + w  # the input this tap reads, relative to the sequence's start
-            m_x = m_tc & (o_src >= 0)[:, None]
-            m_s = m_tc & (o_src < 0)[:, None]  # only the sequence's first tile reaches before its start
-            b_x = tl.load(p_x + (start + o_src)[:, None] * stride_xt + o_c[None, :], mask=m_x, other=0.0)
-            b_s = tl.load(p_state + (W - 1 + o_src)[:, None] * stride_csw, mask=m_s, other=0.0).to(dtype)
-            b_win = tl.where(m_x, b_x, b_s)  # in x's dtype, as the reference's concatenation
-            b_wt = tl.load(p_w + o_c * stride_wc + w, mask=m_c, other=0.0)
-            b_acc += b_win.to(w_dtype).to(tl.float32) * b_wt.to(tl.float32)[None, :]
-        b_y = b_acc.to(w_dtype).to(tl.float32)
-        b_y = (b_y / (1.0 + tl.exp(-b_y))).to(w_dtype).to(dtype)
-        # NOTE: y is written as each tile is done; only the new state (below) overwrites what a tile read
-        tl.store(p_y + (start + o_t)[:, None] * stride_yt + o_c[None, :], b_y, mask=m_tc)
-    # the new state (run 0 only): column j is [old state, x] at index length + j
+    b_acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for w in tl.static_range(W):
+        o_src = o_t - (W - 1) + w  # the input this tap reads, relative to the sequence's start
+        m_x = m_tc & (o_src >= 0)[:, None]
+        m_s = m_tc & (o_src < 0)[:, None]
+        b_x = tl.load(p_x + (start + o_src)[:, None] * stride_xt + o_c[None, :], mask=m_x, other=0.0)
+        b_s = tl.load(p_state + (W - 1 + o_src)[:, None] * stride_csw, mask=m_s, other=0.0).to(dtype)
+        b_win = tl.where(m_x, b_x, b_s)  # in x's dtype, as the reference's concatenation
+        b_wt = tl.load(p_w + o_c * stride_wc + w, mask=m_c, other=0.0)
+        b_acc += b_win.to(w_dtype).to(tl.float32) * b_wt.to(tl.float32)[None, :]
+    b_y = b_acc.to(w_dtype).to(tl.float32)
+    b_y = (b_y / (1.0 + tl.exp(-b_y))).to(w_dtype).to(dtype)
+    # the new state (tile 0 only): column j is [old state, x] at index length + j
     o_w = tl.arange(0, BLOCK_W)
-    m_new = (o_c < tl.where(i_run == 0, c_end, 0))[:, None] & (o_w < W - 1)[None, :]
+    m_new = (o_c < tl.where(i_tile == 0, c_end, 0))[:, None] & (o_w < W - 1)[None, :]
     o_cat = length + o_w  # index into [old state (W-1), x (length)]
     m_from_x = m_new & (o_cat >= W - 1)[None, :]
     m_from_s = m_new & (o_cat < W - 1)[None, :]
@@ -119,7 +109,8 @@ def _conv_varlen_kernel(
     b_ns = tl.load(p_cs + slot * stride_css + o_c[:, None] * stride_csc + o_cat[None, :] * stride_csw,
                    mask=m_from_s, other=0.0)
     b_new = tl.where(m_from_x, b_nx.to(dtype), b_ns.to(dtype))
-    tl.debug_barrier()  # NOTE: every load of the old state (the first tile's and the lines above) before its stores
+    tl.debug_barrier()  # NOTE: every load of the old state before the stores that overwrite it
+    tl.store(p_y + (start + o_t)[:, None] * stride_yt + o_c[None, :], b_y, mask=m_tc)
     tl.store(p_cs + slot * stride_css + o_c[:, None] * stride_csc + o_w[None, :] * stride_csw,
              b_new.to(p_cs.dtype.element_ty), mask=m_new)
 
@@ -135,7 +126,7 @@ def conv_varlen_config(channels: int, width: int) -> dict:
     block_c = change.get("BLOCK_C", min(64, triton.next_power_of_2(channels)))
     block_t = max(change.get("BLOCK_T", 16), triton.next_power_of_2(width - 1))  # NOTE: >= W-1: only tile 0 reads the state
     return {"W": width, "BLOCK_T": block_t, "BLOCK_C": block_c, "BLOCK_W": triton.next_power_of_2(width),
-            "EVEN_C": channels % block_c == 0, "RUN": change.get("RUN", 1), "num_warps": change.get("num_warps", 4)}
+            "EVEN_C": channels % block_c == 0, "num_warps": change.get("num_warps", 4)}
 
 
 def search_iters(n_seqs: int) -> int:
@@ -203,7 +194,7 @@ def causal_conv1d_varlen_triton(
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     cfg = conv_varlen_config(c, width)
-    grid = (t // (cfg["BLOCK_T"] * cfg["RUN"]) + bsz, triton.cdiv(c, cfg["BLOCK_C"]))
+    grid = (t // cfg["BLOCK_T"] + bsz, triton.cdiv(c, cfg["BLOCK_C"]))
     _conv_varlen_kernel[grid](
         x, weight, conv_state, cu_seqlens, slots, out, bsz, c, search_iters(bsz),
         x.stride(0), weight.stride(0), *conv_state.stride(), out.stride(0), **cfg)
