@@ -782,9 +782,10 @@ async def run_all(args: argparse.Namespace, base: str, info: dict, vocab: int) -
 
 def run_server(args: argparse.Namespace, serve_args: str | None, log_path: str | None) -> dict:
     """Start the server (`serve_args`; None: the running one at --url), run every level against it,
-    stop it. Returns {"base", "info", "vocab", "levels", "t0", "geometry"} (`geometry`: the started
-    server's "geometry:" startup line, None otherwise). Raises BenchError."""
-    server, server_up, traced, geometry = None, False, None, None
+    stop it. Returns {"base", "info", "vocab", "levels", "t0", "geometry", "prefill"} (`geometry`, `prefill`: the
+    started server's "geometry:" and "prefill:" startup lines, None otherwise: rows on cards of other sizes
+    differ by these). Raises BenchError."""
+    server, server_up, traced, geometry, prefill = None, False, None, None, None
     try:
         if serve_args is not None:
             if args.routing_trace:
@@ -798,6 +799,9 @@ def run_server(args: argparse.Namespace, serve_args: str | None, log_path: str |
             # (the banner is an info line: a server told to log warnings only has none to wait for)
             quiet = (_flag(shlex.split(serve_args), "--log-level") or "info") in ("warning", "error", "critical")
             geometry = None if quiet else server.startup_line("geometry:")
+            prefill = None if quiet else server.startup_line("prefill:")
+            if geometry or prefill:
+                print(f"server {'; '.join(line for line in (geometry, prefill) if line)}", flush=True)
             base = server.url
         else:
             base = args.url.rstrip("/")
@@ -826,7 +830,8 @@ def run_server(args: argparse.Namespace, serve_args: str | None, log_path: str |
             print(f"server stopped (exit {rc})", flush=True)
         if traced is not None:
             Path(traced).unlink(missing_ok=True)
-    return {"base": base, "info": info, "vocab": vocab, "levels": levels, "t0": t0, "geometry": geometry}
+    return {"base": base, "info": info, "vocab": vocab, "levels": levels, "t0": t0, "geometry": geometry,
+            "prefill": prefill}
 
 
 def ab_table(a: dict, b: dict, extra: str) -> str:
@@ -870,7 +875,8 @@ def main(argv: list[str] | None = None) -> int:
             "git_rev": git_revision(),
             "server": {"url": a["base"], "started": args.serve_args is not None, "serve_args": args.serve_args,
                        "model": a["info"]["model"], "max_model_len": a["info"]["max_model_len"],
-                       "version": a["info"]["version"], "vocab_size": a["vocab"], "geometry": a["geometry"]},
+                       "version": a["info"]["version"], "vocab_size": a["vocab"], "geometry": a["geometry"],
+                       "prefill": a["prefill"]},
             "config": {k: [_json_number(r) for r in v] if k == "rates" and v else v
                        for k, v in vars(args).items() if k not in ("api_key", "extra")},
             "levels": a["levels"],

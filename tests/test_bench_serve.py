@@ -95,6 +95,7 @@ def test_serving_benchmark_against_a_started_server(tmp_path):
 
     record = json.loads(out.read_text())
     assert record["server"]["model"] == SERVE_MODEL and record["server"]["started"]
+    assert record["server"]["prefill"] is None  # --log-level warning: no banner to read
     assert record["date"] and "--serve-args" in record["command"]
     levels = record["levels"]
     assert [lv["concurrency"] for lv in levels] == list(LEVELS)
@@ -142,7 +143,11 @@ def test_ab_runs_the_same_levels_on_a_second_server_and_compares(tmp_path):
     geometry = [line for line in lines if line.startswith(("A geometry:", "B geometry:"))]
     assert len(geometry) == 2 and all("kv" in g for g in geometry) and geometry[0][2:] != geometry[1][2:]
     assert "kv 1024 tokens" in geometry[1] and r.stdout.count("server stopped (exit 0)") == 2
+    # each started server's geometry and prefill chunk, said as it is up (rows on other cards differ by them)
+    started = [line for line in lines if line.startswith("server geometry: moe ")]
+    assert len(started) == 2 and all("; prefill: chunks of 4096 tokens" in line for line in started), started
     record = json.loads(out.read_text())
+    assert record["server"]["prefill"].startswith("prefill: chunks of 4096 tokens")
     assert record["ab"]["extra"] == "--num-tokens 1024" and len(record["ab"]["levels"]) == len(record["levels"]) == 1
     assert record["ab"]["levels"][0]["completed"] == 2 and "kv 1024" in record["ab"]["geometry"]
 
