@@ -96,6 +96,35 @@ def test_qsa_past_its_span_equals_the_reference(tmp_path, prefill_select):
         assert [r.token_ids for r in llm.generate(prompt_token_ids=prompts, **GREEDY_OPTS)] == want
 
 
+def test_a_mixed_steps_decoding_rows_past_the_span_equal_the_reference(tmp_path, monkeypatch):
+    """The CPU test's mixed step on CUDA (`tests/test_flash_next_engine.py`): a prompt prefilled beside two
+    streams decoding past QSA's dense span (a budget of 32 tokens: 35); the streams' rows run as one decode
+    batch (`ForwardBatch.decode_rows`: the decode kernels' block scores, top-k and sparse attention), and
+    every request's greedy tokens are the fp32 reference's."""
+    import ft.model.layers.qsa_attention as qsa_attention
+
+    path = tmp_path / "m"
+    weights = write_checkpoint(path, {**TEXT, "indexer_budget": 32})
+    prompts = [prompt_of(60, 21), prompt_of(45, 22), prompt_of(50, 23)]
+    want = [reference_greedy(weights, path, p, n=4) for p in prompts]
+    rows = []
+    real = qsa_attention.QSAAttention._decode
+    monkeypatch.setattr(qsa_attention.QSAAttention, "_decode",
+                        lambda self, q, iq, gate, d, *a: rows.append(gate is None) or real(self, q, iq, gate, d, *a))
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    with engine(path, "float32", max_prefill_length=64, num_tokens=1024) as llm:
+        eng = llm.engine
+        first = [eng.add_request(p, greedy) for p in prompts[:2]]
+        while not all(s.output_ids for s in first):
+            eng.step()
+        rows.clear()
+        late = eng.add_request(prompts[2], greedy)
+        eng.step()  # the late prompt beside the two decoding rows
+        assert rows and all(rows)  # the rows went through `_decode` ungated: a mixed step's decode batch
+        eng.run_until_done(first + [late])
+        assert [s.output_ids for s in first + [late]] == want
+
+
 def synthetic_model(tmp_path, **text) -> str:
     """A small synthetic NVFP4 Qwen3.8-Flash-Next (`bench/configs/qwen3.8-flash-next.json`'s fields,
     smaller), as a model name."""
