@@ -68,8 +68,9 @@ HELP = {
     "max_running_requests": ("requests decoded together at most (vLLM's --max-num-seqs) (default: 64 with "
                              "--moe-backend resident on a GPU, else 8; ft generate: 1)"),
     "max_prefill_length": ("tokens per prefill chunk (default: by the card the budget sees, --gpu-memory-limit "
-                           "included: 16384 from 72 GiB (80 GB cards), 8192 from 36 GiB, else 4096; offloaded with streamed "
-                           "prefill, the largest of 16384, 8192, 4096 whose activations fit a tenth of the card)"),
+                           "included: 16384 from 72 GiB (80 GB cards), 8192 from 36 GiB, else 4096; offloaded with "
+                           "streamed prefill, the largest of 16384, 8192, 4096 whose activations fit a tenth of the "
+                           "card)"),
     "mamba_cache_size": ("linear-attention state slots on the device (default: one per running request, plus as "
                          "many for the prefix cache's entries, at least 4 in all; with --prefix-states-on-host the "
                          "running requests' alone)"),

@@ -188,7 +188,8 @@ def test_default_prefill_chunk_follows_the_card(monkeypatch, card_gib, limit_gib
 
     from ft.memory.budget import default_prefill_length
 
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=int(card_gib * 2**30)))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: SimpleNamespace(total_memory=int(card_gib * 2**30)))
     limit = limit_gib << 30 if limit_gib else None
     assert default_prefill_length(torch.device("cuda"), limit) == chunk
     assert default_prefill_length(torch.device("cpu"), limit) == 4096

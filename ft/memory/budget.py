@@ -32,7 +32,8 @@ PREFILL_CHUNK_BY_CARD = ((72 << 30, 16384), (36 << 30, 8192))
 """(card bytes at least, tokens per prefill chunk) for `default_prefill_length`; smaller cards 4,096. The
 bounds sit under the sizes cards are sold by, since a card reports less: an H100 80GB 79.6 GiB
 (81,559 MiB), an A100 80GB 79.3 GiB, an A100 40GB 39.4 GiB. (At 80 GiB the H100 took 8,192-token
-chunks, which prefill the 80B ~15% slower than 16,384: 29.7K against 34.7K tok/s, bench/RESULTS.md.)"""
+chunks: issue 40's c32 8K / 1K serving row ran 1,181 tok/s in them and 1,390 in 16,384-token ones, with
+the mixed step's decode rows batched too, H100, bench/RESULTS.md session 51.)"""
 
 
 STREAMED_PREFILL_CHUNKS = (16384, 8192, 4096)
