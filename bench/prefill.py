@@ -17,9 +17,10 @@ kernel in the same run (before / after). `--profile LEN` profiles one prefill of
 line of `ft/` that asked for them (the ATen op, its input shapes, the two innermost `ft/`
 frames above it). Prints a table last.
 
-`--decoding N` keeps N requests decoding (prompts of `--decoding-context` tokens, started before anything is
-timed) beside every timed prompt: each prefill chunk then runs as a mixed step with N decoding rows, as in a
-server under load (issue 40's c32 8K / 1K row). `--decoding-rows-as batch|prefills|both`: those rows as one
+`--decoding N` keeps N requests decoding (prompts of `--decoding-context` tokens, started once each length has
+been timed alone: the table's "alone" rows, so that one run says what the decoding rows add) beside every
+timed prompt: each prefill chunk then runs as a mixed step with N decoding rows, as in a server under load
+(issue 40's c32 8K / 1K row). `--decoding-rows-as batch|prefills|both`: those rows as one
 decode batch in the attention layers (the default) or each as a one-token prefill (the former path).
 """
 
@@ -107,7 +108,6 @@ def main() -> None:
     print(f"engine up in {time.perf_counter() - t0:.1f} s, geometry {eng.cache.geometry}", flush=True)
     modes = ["reference", "triton"] if args.attention == "both" else [args.attention]
     rows, base = [], [0]
-    start_decoding(eng, args.decoding, args.decoding_context, base)
     row_forms = {"batch": [True], "prefills": [False], "both": [False, True]}[args.decoding_rows_as] \
         if args.decoding else [True]
     # the GPU's clocks: right after the engine's build (tens of seconds of host work) the first
@@ -116,6 +116,14 @@ def main() -> None:
     t_busy = time.perf_counter()
     while time.perf_counter() - t_busy < args.spin_up:
         ttft(eng, min(lengths), base)
+    if args.decoding:  # each length alone first, in this process: what the decoding rows add to a chunk
+        set_kernel_options(kernel_options().with_(**{"prefill_attention.triton_on_cuda": modes[-1] == "triton"}))
+        for n in lengths:
+            ttft(eng, n, base)  # warm
+            t = statistics.median([ttft(eng, n, base) for _ in range(args.repeat)])
+            rows.append((f"{modes[-1]} alone", n, t, n / t))
+            print(f"{modes[-1]} alone {n}: TTFT {t * 1e3:.1f} ms, {n / t:,.0f} tok/s", flush=True)
+    start_decoding(eng, args.decoding, args.decoding_context, base)
     libs = {"on": [True], "off": [False], "both": [False, True]}[args.library]
     library_pass = kernel_options().moe.grouped_max_tokens
     for mode, cfg, lib, gmt, as_batch in ((m, c, b, g, r) for m in modes for c in grouped for b in libs
