@@ -433,36 +433,55 @@ def test_padding_rows_of_a_decode_step_write_no_live_state(tmp_path, monkeypatch
     assert got == want
 
 
-def test_a_mixed_steps_decoding_rows_past_the_dense_span_take_the_decode_selection(tmp_path, monkeypatch):
-    """A prompt prefilled beside two streams decoding past QSA's dense span (a budget of 32 tokens: 35): the
-    streams' rows run as one decode batch (`ForwardBatch.decode_rows` through `_decode`: one selection, one
-    sparse attention), the prompt as a prefill; every request's greedy tokens are the reference's."""
-    from ft.engine import SamplingParams
+def mixed_step_case(tmp_path: Path, monkeypatch) -> tuple[Path, list[list[int]], list[list[int]], list]:
+    """The mixed step both devices' tests run (here and `tests/gpu/test_flash_next_cuda.py`): a checkpoint with
+    a QSA budget of 32 tokens (dense span 35), three prompts (two to decode past the span, one to arrive), their
+    reference tokens (4 each), and the list that records each `QSAAttention._decode` call as (ungated, the
+    rows' seq_lens)."""
     import ft.model.layers.qsa_attention as qsa_attention
 
     path = tmp_path / "m"
     weights = write_checkpoint(path, {**TEXT, "indexer_budget": 32})
     prompts = [prompt_of(60, 21), prompt_of(45, 22), prompt_of(50, 23)]
     want = [reference_greedy(weights, path, p, n=4) for p in prompts]
-    rows = []
+    rows: list = []
     real = qsa_attention.QSAAttention._decode
     monkeypatch.setattr(qsa_attention.QSAAttention, "_decode",
                         lambda self, q, iq, gate, d, *a: rows.append((gate is None, d.seq_lens.tolist()))
                         or real(self, q, iq, gate, d, *a))
+    return path, prompts, want, rows
+
+
+def run_mixed_step(llm: LLM, prompts: list[list[int]], rows: list) -> tuple[list[int], list, list[list[int]]]:
+    """The first two prompts until both decode, then the third beside them (one mixed step), then to the end:
+    -> (the decoding rows' lengths with their new token, the `_decode` calls of the mixed step, every
+    request's greedy tokens)."""
+    from ft.engine import SamplingParams
+
     greedy = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    eng = llm.engine
+    first = [eng.add_request(p, greedy) for p in prompts[:2]]
+    while not all(s.output_ids for s in first):
+        eng.step()
+    rows.clear()
+    lengths = [len(s.prompt_ids) + len(s.output_ids) for s in first]  # each row's context with its new token
+    late = eng.add_request(prompts[2], greedy)
+    eng.step()  # the late prompt beside the two decoding rows
+    mixed = list(rows)
+    eng.run_until_done(first + [late])
+    return lengths, mixed, [s.output_ids for s in first + [late]]
+
+
+def test_a_mixed_steps_decoding_rows_past_the_dense_span_take_the_decode_selection(tmp_path, monkeypatch):
+    """A prompt prefilled beside two streams decoding past QSA's dense span (a budget of 32 tokens: 35): the
+    streams' rows run as one decode batch (`ForwardBatch.decode_rows` through `_decode`: one selection, one
+    sparse attention), the prompt as a prefill; every request's greedy tokens are the reference's."""
+    path, prompts, want, rows = mixed_step_case(tmp_path, monkeypatch)
     with make_llm(path, max_prefill_length=64, num_tokens=1024) as llm:
-        eng = llm.engine
-        first = [eng.add_request(p, greedy) for p in prompts[:2]]
-        while not all(s.output_ids for s in first):
-            eng.step()
-        rows.clear()
-        lengths = [len(s.prompt_ids) + len(s.output_ids) for s in first]  # each row's context with its new token
-        assert min(lengths) > 35
-        late = eng.add_request(prompts[2], greedy)
-        eng.step()  # the late prompt beside the two decoding rows
-        assert rows and all(r == (True, lengths) for r in rows)  # ungated: the mixed step gates every row later
-        eng.run_until_done(first + [late])
-        assert [s.output_ids for s in first + [late]] == want
+        lengths, mixed, got = run_mixed_step(llm, prompts, rows)
+    assert min(lengths) > 35
+    assert mixed and all(r == (True, lengths) for r in mixed)  # ungated: the mixed step gates every row later
+    assert got == want
 
 
 def test_the_triton_kernels_give_the_reference_tokens(tmp_path, monkeypatch):

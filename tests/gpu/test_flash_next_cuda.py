@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from ft.engine import LLM, SamplingParams
-from test_flash_next_engine import CASES, GREEDY, GREEDY_OPTS, TEXT, prompt_of, reference_greedy, write_checkpoint
+from test_flash_next_engine import (CASES, GREEDY, GREEDY_OPTS, TEXT, mixed_step_case, prompt_of, reference_greedy,
+                                   run_mixed_step, write_checkpoint)
 
 pytestmark = pytest.mark.gpu
 
@@ -97,32 +98,15 @@ def test_qsa_past_its_span_equals_the_reference(tmp_path, prefill_select):
 
 
 def test_a_mixed_steps_decoding_rows_past_the_span_equal_the_reference(tmp_path, monkeypatch):
-    """The CPU test's mixed step on CUDA (`tests/test_flash_next_engine.py`): a prompt prefilled beside two
-    streams decoding past QSA's dense span (a budget of 32 tokens: 35); the streams' rows run as one decode
-    batch (`ForwardBatch.decode_rows`: the decode kernels' block scores, top-k and sparse attention), and
-    every request's greedy tokens are the fp32 reference's."""
-    import ft.model.layers.qsa_attention as qsa_attention
-
-    path = tmp_path / "m"
-    weights = write_checkpoint(path, {**TEXT, "indexer_budget": 32})
-    prompts = [prompt_of(60, 21), prompt_of(45, 22), prompt_of(50, 23)]
-    want = [reference_greedy(weights, path, p, n=4) for p in prompts]
-    rows = []
-    real = qsa_attention.QSAAttention._decode
-    monkeypatch.setattr(qsa_attention.QSAAttention, "_decode",
-                        lambda self, q, iq, gate, d, *a: rows.append(gate is None) or real(self, q, iq, gate, d, *a))
-    greedy = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    """The CPU test's mixed step on CUDA (`tests/test_flash_next_engine.py`, `mixed_step_case`): a prompt
+    prefilled beside two streams decoding past QSA's dense span; the streams' rows run as one decode batch
+    (`ForwardBatch.decode_rows`: the decode kernels' block scores, top-k and sparse attention), and every
+    request's greedy tokens are the fp32 reference's."""
+    path, prompts, want, rows = mixed_step_case(tmp_path, monkeypatch)
     with engine(path, "float32", max_prefill_length=64, num_tokens=1024) as llm:
-        eng = llm.engine
-        first = [eng.add_request(p, greedy) for p in prompts[:2]]
-        while not all(s.output_ids for s in first):
-            eng.step()
-        rows.clear()
-        late = eng.add_request(prompts[2], greedy)
-        eng.step()  # the late prompt beside the two decoding rows
-        assert rows and all(rows)  # the rows went through `_decode` ungated: a mixed step's decode batch
-        eng.run_until_done(first + [late])
-        assert [s.output_ids for s in first + [late]] == want
+        lengths, mixed, got = run_mixed_step(llm, prompts, rows)
+    assert mixed and all(r == (True, lengths) for r in mixed)  # ungated: a mixed step's decode batch
+    assert got == want
 
 
 def synthetic_model(tmp_path, **text) -> str:
