@@ -21,7 +21,8 @@ frames above it). Prints a table last.
 been timed alone: the table's "alone" rows, so that one run says what the decoding rows add) beside every
 timed prompt: each prefill chunk then runs as a mixed step with N decoding rows, as in a server under load
 (issue 40's c32 8K / 1K row). `--decoding-rows-as batch|prefills|both`: those rows as one
-decode batch in the attention layers (the default) or each as a one-token prefill (the former path).
+decode batch in the attention and Gated DeltaNet layers (the default) or each as a one-token prefill (the
+former path).
 """
 
 from __future__ import annotations

@@ -183,9 +183,10 @@ def test_a_mixed_step_runs_its_decoding_rows_as_one_decode_attention(tiny_one, m
     """A step that prefills a prompt beside running decodes hands its leading one-token rows to the attention
     layers as decode tensors (`ForwardBatch.decode_rows`: the rows' KV slots and lengths, the page table's
     first rows), which run them through one decode attention; the prompt alone takes the prefill attention.
-    The logits and tokens are those of the per-sequence prefill attention (`_decode_rows` off), to fp32
-    rounding."""
-    from ft.model.layers import attention
+    The Gated DeltaNet layers take the rows as one recurrent step (the decode kernels) and the prompt alone as
+    a packed prefill. The logits and tokens are those of the per-sequence prefill path (`_decode_rows` off),
+    to fp32 rounding."""
+    from ft.model.layers import attention, gated_deltanet
 
     def run(rows_on: bool):
         eng = make_llm(tiny_one[2]).engine
@@ -196,24 +197,36 @@ def test_a_mixed_step_runs_its_decoding_rows_as_one_decode_attention(tiny_one, m
         monkeypatch.setattr(attention.GatedAttention, "_prefill_core",
                             lambda self, batch, *a, **kw: seen.append((batch.decode_rows, len(batch.seqs)))
                             or real_core(self, batch, *a, **kw))
+        linear = []  # per Gated DeltaNet call of a step: ("decode", rows) or ("prefill", sequences)
+        real_decode, real_conv = gated_deltanet.gated_delta_decode, gated_deltanet.causal_conv1d_varlen
+        monkeypatch.setattr(gated_deltanet, "gated_delta_decode",
+                            lambda mixed, *a, **kw: linear.append(("decode", mixed.shape[0]))
+                            or real_decode(mixed, *a, **kw))
+        monkeypatch.setattr(gated_deltanet, "causal_conv1d_varlen",
+                            lambda x, state, w, cu, *a, **kw: linear.append(("prefill", cu.numel() - 1))
+                            or real_conv(x, state, w, cu, *a, **kw))
         greedy = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
         first = [eng.add_request(prompt_of(20 + 3 * i, seed=30 + i), greedy) for i in range(2)]
         while not all(s.output_ids for s in first):
             eng.step()
         seen.clear()
+        linear.clear()
         late = eng.add_request(prompt_of(25, seed=40), greedy)
         eng.step()  # the late prompt beside the two decoding rows
         mixed = [(rows, n) for rows, n in seen]
+        calls = list(linear)
         logits = eng.last_logits.clone()
         eng.run_until_done(first + [late])
         monkeypatch.undo()
-        return mixed, logits, [s.output_ids for s in first + [late]]
+        return mixed, calls, logits, [s.output_ids for s in first + [late]]
 
-    mixed, logits, tokens = run(True)
+    mixed, calls, logits, tokens = run(True)
     assert mixed and all(n == 3 and rows is not None for rows, n in mixed)
     rows = mixed[0][0]
     assert rows.seq_lens.tolist() == [21, 24] and rows.page_table.shape[0] == 2  # prompt + first token each
-    off, logits_off, tokens_off = run(False)
+    assert calls and calls == [("decode", 2), ("prefill", 1)] * (len(calls) // 2)  # each linear-attention layer
+    off, calls_off, logits_off, tokens_off = run(False)
     assert off and all(rows is None for rows, _ in off)
+    assert calls_off and set(calls_off) == {("prefill", 3)}  # the rows as sequences of the packed prefill
     assert tokens == tokens_off
     assert torch.allclose(logits, logits_off, rtol=1e-4, atol=1e-4)

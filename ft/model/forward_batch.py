@@ -52,8 +52,8 @@ class ForwardBatch:
     seqs: list[SeqSlice]
     decode: DecodeMeta | None = None
     # a mixed step's leading one-token sequences (the running decodes) as a decode step's tensors, set by the
-    # model runner: attention layers may run those rows through the decode kernels (rows 0 .. B-1 of the
-    # batch, B = its seq_lens' length); None: every sequence as a prefill
+    # model runner: attention and Gated DeltaNet layers run those rows through the decode kernels (rows
+    # 0 .. B-1 of the batch, B = its seq_lens' length); None: every sequence as a prefill
     decode_rows: DecodeMeta | None = None
     # [T, num_moe_layers, top_k] int64: experts chosen for each token instead of the router's top-k
     # (synthetic routing traces for benchmarks, `ft.engine.worker.routing_override`); None: the router's

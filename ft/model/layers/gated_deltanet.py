@@ -90,23 +90,40 @@ class GatedDeltaNet:
             o = gated_delta_decode(mixed, b, a, conv_pool, ssm_pool, self.conv_weight, self.a_log, self.dt_bias,
                                    batch.mamba_slots,
                                    ba_proj=(x.reshape(t, -1), self.in_proj_ba.weight) if ba_in_conv else None)
+        elif batch.decode_rows is not None:  # a mixed step: its leading one-token rows (the running decodes)
+            # as one recurrent step, the decode step's kernels, and the prompts as a packed prefill of their own,
+            # so that the chunked kernels do not take each decoding row for a sequence of a chunk
+            first = batch.decode_rows.seq_lens.shape[0]
+            o = mixed.new_empty(t, self.hv, self.dv)
+            gated_delta_decode(mixed[:first], b[:first], a[:first], conv_pool, ssm_pool, self.conv_weight,
+                               self.a_log, self.dt_bias, batch.mamba_slots[:first], out=o[:first])
+            self._prefill(mixed[first:], b[first:], a[first:], conv_pool, ssm_pool, batch.cu_seqlens[first:] - first,
+                          batch.mamba_slots[first:], out=o[first:])
         else:  # prefill: the packed batch, no loop over sequences on the Triton path (the references loop)
-            cu, slots = batch.cu_seqlens, batch.mamba_slots
-            y = causal_conv1d_varlen(mixed, conv_pool, self.conv_weight, cu, slots)  # one launch
-            kd = self.hk * self.dk
-            q = y[:, :kd].view(t, self.hk, self.dk)
-            k = y[:, kd : 2 * kd].view(t, self.hk, self.dk)
-            v = y[:, 2 * kd :].view(t, self.hv, self.dv)
-            beta = b.sigmoid()
-            g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias)
             # rows past the sequences' tokens (a padded prefill graph, `ft.engine.worker.prefill_graphs`) are
             # skipped by both kernels: their output starts at zero so that what follows stays finite
             pad = t > sum(s.length for s in batch.seqs)
-            o = chunk_gated_delta_rule_varlen(q, k, v, g, beta, ssm_pool, cu, slots,  # two launches
-                                              out=v.new_zeros(t, self.hv, self.dv) if pad else None)
+            o = self._prefill(mixed, b, a, conv_pool, ssm_pool, batch.cu_seqlens, batch.mamba_slots,
+                              out=mixed.new_zeros(t, self.hv, self.dv) if pad else None)
         # z stays a strided view of in_proj_qkvz's output: the norm kernel reads it in place
         o = gated_rms_norm(o.reshape(t, self.hv, self.dv), z, self.norm_weight, self.eps, self.output_gate)
         return self.out_proj(o.reshape(t, -1))
+
+    def _prefill(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_pool: torch.Tensor,
+                 ssm_pool: torch.Tensor, cu: torch.Tensor, slots: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """Sequences packed along T (cu [B+1], slots [B] on the device): mixed [T, C], b, a [T, Hv] ->
+        o [T, Hv, Dv] (into `out` when given), the conv and the chunked rule in one launch and two, their
+        states at slots read and replaced."""
+        t = mixed.shape[0]
+        y = causal_conv1d_varlen(mixed, conv_pool, self.conv_weight, cu, slots)  # one launch
+        kd = self.hk * self.dk
+        q = y[:, :kd].view(t, self.hk, self.dk)
+        k = y[:, kd : 2 * kd].view(t, self.hk, self.dk)
+        v = y[:, 2 * kd :].view(t, self.hv, self.dv)
+        beta = b.sigmoid()
+        g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        return chunk_gated_delta_rule_varlen(q, k, v, g, beta, ssm_pool, cu, slots, out=out)  # two launches
 
 
 def _grouped_rows(groups: int, parts: list[int]) -> torch.Tensor:
