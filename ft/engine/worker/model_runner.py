@@ -217,9 +217,9 @@ class ModelRunner:
     def _decode_rows(self, inp: StepInputs) -> DecodeMeta | None:
         """A mixed step's leading one-token sequences (the running decodes: the scheduler puts them first) as a
         decode step's tensors over the page table's first rows (`load` just wrote them), so that attention
-        layers run them through the decode kernels, one launch for all, instead of one prefill attention
-        each (whose long-prefix path gathers each row's whole prefix); None for a step of one sequence
-        (prefill graphs hold one) or without such rows."""
+        and Gated DeltaNet layers run them through the decode kernels, one launch for all, instead of one
+        prefill attention each (whose long-prefix path gathers each row's whole prefix) and one chunked
+        sequence each; None for a step of one sequence (prefill graphs hold one) or without such rows."""
         rows = 0
         for _, n, _, _ in inp.seqs:
             if n != 1:
