@@ -178,10 +178,11 @@ def test_mamba_slots_on_demand_on_the_device(model):
     """--mamba-on-demand on CUDA: the linear-attention pool starts at one slot (the expert slots take the
     rest), grows through VMM at the same addresses when two requests run at once, so the batch-1 decode graph
     captured before the grow replays after it and after the shrink, and the tokens are the fixed pool's.
-    16 running requests: the fixed pool's 15 more slots (~4 MB) outweigh the VMM storage's 2 MiB granules
-    (with 2 the one slot saved bought no expert slot on the H100: 32 and 32, session 51)."""
-    opts = dict(device="cuda", dtype="bfloat16", cache_budget="20MiB", num_tokens=2048, max_prefill_length=512,
-                max_running_requests=16, lend_prefill_reserve=False)  # (host prefix states: the CUDA default)
+    The sizes are chosen against the VMM storage's 2 MiB granules, to which each pool tensor rounds: at 20 MiB
+    the slots saved by 2 or 16 running requests bought no expert slot (32 and 32 on the H100, sessions 51-52);
+    at 32 MiB with 32 running requests the layout gives 96 expert slots against the fixed pool's 64."""
+    opts = dict(device="cuda", dtype="bfloat16", cache_budget="32MiB", num_tokens=2048, max_prefill_length=512,
+                max_running_requests=32, lend_prefill_reserve=False)  # (host prefix states: the CUDA default)
     fixed = LLM(model=model, **opts)
     llm = LLM(model=model, mamba_on_demand=True, **opts)
     e = llm.engine
