@@ -200,6 +200,33 @@ def test_lfu_policy_and_flags(tiny_one):
     assert loads.engine.pools.experts.read_through is None and loads.engine.pools.experts.policy == "lru"
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_lfu_victims_follow_score_then_layer_then_expert_across_ties(seed):
+    """The LFU's victims are the residents the last step did not use, in (aged score, layer, expert)
+    order exactly, each layer kept at its floor. A few scores of 0 and a large tie at 1 (experts landed
+    in one step and not used since, as after a cold start): the picks reach into the tie, which
+    straddles the partial sort's first cut (4 n + 64 of ~700 candidates); before session 52 that cut
+    kept an arbitrary part of the tie, so the victims were not the lowest layers' and experts'."""
+    rng = np.random.default_rng(seed)
+    layers, experts, n = 8, 128, 40
+    cache = read_through_cache(layers, experts, 820, 4, "lfu")
+    rt = cache.read_through
+    for layer in range(layers):
+        cache.ensure(layer, rng.permutation(experts)[:100].tolist(), count=False)
+    rt.score[:] = np.where(rng.random((layers, experts)) < 0.03, 0.0, 1.0)
+    rt.used_last = rng.random((layers, experts)) < 0.1
+    rt.floor = 10
+    resident = cache.table_np >= 0
+    counts = resident.sum(axis=1).tolist()
+    want = []
+    for score, layer, e in sorted((float(rt.score[l_, e]), l_, e) for l_, e in zip(*np.nonzero(resident))
+                                  if not rt.used_last[l_, e]):
+        if len(want) < n and counts[layer] > rt.floor:
+            counts[layer] -= 1
+            want.append((layer, e))
+    assert rt._victims(n) == want[::-1]  # (the best victim last)
+
+
 def test_without_collects_between_steps_victims_avoid_the_step_before():
     """As the engine runs decode (no `collect` between steps; each `end_step` takes in the step
     before): a victim is never an expert the step just before used, also when a cache under

@@ -98,6 +98,12 @@ class ExpertCache:
         """Resident `key` becomes the most recently used."""
         self._lru.move_to_end(key)
 
+    def mark_recent_many(self, keys) -> None:
+        """Each resident of `keys` (an iterable of (layer, expert)) becomes the most recent, in the order given."""
+        move = self._lru.move_to_end
+        for key in keys:
+            move(key)
+
     def residents_oldest_first(self):
         """The resident keys, least recently used first (an iterator over the live order: do not
         map or unmap while iterating)."""

@@ -64,6 +64,9 @@ POLICIES = ("lru", "lfu")
 LFU_HALF_LIFE = 16.0
 LANDING_MARGIN = 2
 """Landing slots kept per layer beyond its misses of the last step."""
+_NOT_A_CANDIDATE = 1e30
+"""Added to the "lfu" score of a resident that may not be a victim (finite, so a zero score times it stays
+exact; aged scores stay below 1 / (1 - 0.5 ** (1 / LFU_HALF_LIFE)), about 23.6)."""
 
 
 class ReadThrough:
@@ -227,11 +230,14 @@ class ReadThrough:
         # NOTE: recency and scores are updated by `touch`, off the critical path; the hits are the
         # residents among the uses, taken before the landed experts below join them
         self._untouched = (used, used & (cache.table_np >= 0))
-        landed = self._landed.numpy()
+        landed = self._landed.numpy().tolist()  # (Python ints: numpy scalars cost more a read than the list)
         n_landed = 0
         for layer, slots in enumerate(self.pending):
+            if not slots:
+                continue
+            row = landed[layer]
             for i, slot in enumerate(slots):
-                e = int(landed[layer, i])
+                e = row[i]
                 if e < 0:
                     continue  # unclaimed: given back below (a victim stays resident)
                 victim = self._owner.pop(slot, None)
@@ -243,7 +249,7 @@ class ReadThrough:
                     cache.release_slots([old])
                 cache.map(key, slot)
                 n_landed += 1
-            self._give_back([s for i, s in enumerate(slots) if landed[layer, i] < 0])
+            self._give_back([s for i, s in enumerate(slots) if row[i] < 0])
             slots.clear()
         self.landed_total += n_landed
         counters = self._counters.numpy()
@@ -264,8 +270,9 @@ class ReadThrough:
         if pending is None:
             return
         used, hits = pending
-        for key in zip(*(a.tolist() for a in np.nonzero(hits & (self.cache.table_np >= 0)))):  # still resident
-            self.cache.mark_recent(key)
+        # (flat indices, ascending: layer, then expert; `np.nonzero` of the 2-D mask cost ~10x more)
+        layers, experts = np.divmod(np.flatnonzero(hits & (self.cache.table_np >= 0)), self.cache.num_experts)
+        self.cache.mark_recent_many(zip(layers.tolist(), experts.tolist()))  # still resident
         if self.policy == "lfu":
             self.score *= 0.5 ** (1.0 / LFU_HALF_LIFE)
             self.score[used] += 1.0
@@ -332,21 +339,32 @@ class ReadThrough:
                 out.append(key)
         else:
             # the lowest aged scores among residents the last step did not use (ties: layer, then
-            # expert); a partial sort of a few times n candidates, all of them if the floor skips many
-            ls, es = np.nonzero(resident & ~used)
-            scores = self.score[ls, es]
-            for m in (min(len(scores), 4 * n + 64), len(scores)):
-                part = np.argpartition(scores, m - 1)[:m] if 0 < m < len(scores) else np.arange(len(scores))
+            # expert); a partial sort of the candidates up to the m-th lowest score, every one tied
+            # with it included (so that the order among ties is exact), all of them if the floor skips many.
+            # NOTE: flat arrays and a penalty instead of a masked copy: `np.nonzero` of the 2-D mask and
+            # `np.where` on a random mask each cost ~80-140 us at 48 x 512 (branchy), the sum ~20
+            eligible = (resident & ~used).ravel()
+            total = int(np.count_nonzero(eligible))
+            scores = self.score.ravel() + (~eligible) * _NOT_A_CANDIDATE
+            experts = cache.num_experts
+            floor, counts0 = self.floor, count.tolist()
+            for m in (min(total, 4 * n + 64), total):
+                if m <= 0:
+                    break
+                if m < total:
+                    cand = np.flatnonzero(scores <= np.partition(scores, m - 1)[m - 1])
+                else:
+                    cand = np.flatnonzero(eligible)
                 out.clear()
-                counts = count.copy()
-                for i in part[np.lexsort((part, scores[part]))].tolist():
+                counts = list(counts0)
+                for i in cand[np.argsort(scores[cand], kind="stable")].tolist():  # by score, then flat index
                     if len(out) >= n:
                         break
-                    layer = int(ls[i])
-                    if counts[layer] <= self.floor:
+                    layer = i // experts
+                    if counts[layer] <= floor:
                         continue
                     counts[layer] -= 1
-                    out.append((layer, int(es[i])))
+                    out.append((layer, i - layer * experts))
                 if len(out) >= n:
                     break
         out.reverse()
