@@ -538,3 +538,27 @@ def test_the_connection_banner_wraps_between_words(width):
             assert [w for line in lines for w in line.split()] == words, lines
 
     asyncio.run(scenario())
+
+
+def test_a_dry_run_answering_after_the_dialog_closed_changes_nothing():
+    """A dry run whose answer comes after its dialog closed (the input's debounce sent it while Enter's
+    own dry run was out; Enter's answer closed the dialog): the answer used to be written into the closed
+    dialog's widgets, and the worker's NoMatches took the whole app down (a CI run of
+    `test_keys_drive_the_server`, session 52). Here the closed dialog's fetch is awaited directly."""
+    app = make_app("http://127.0.0.1:30000", None, 1.0, client=FakeClient(), source=IdleSource(), clock=Clock())
+
+    async def scenario():
+        async with app.run_test(size=(160, 48)) as pilot:
+            app.on_source_update(update(100.0))
+            await until(pilot, lambda: app.cache is not None, 30)
+            await pilot.press("r")
+            await until(pilot, lambda: box(app, "kv") is not None, 30)
+            dialog = app.screen
+            await pilot.press("escape")
+            await until(pilot, lambda: not isinstance(app.screen, ResizeScreen), 30)
+            assert await dialog._fetch_plan({"kv": 131072}) is None  # answered, shown nowhere
+            await pilot.pause(0.1)
+            assert app.is_running
+            await pilot.press("q")
+
+    asyncio.run(scenario())

@@ -150,7 +150,16 @@ class ResizeScreen(ModalScreen[Targets | None]):
         try:
             plan = await asyncio.to_thread(self.planner, targets)
         except CtlError as e:
-            self.query_one("#resize-plan", Static).update(Text(e.message, "red"))
+            plan, error = None, e
+        else:
+            error = None
+        if not self.is_attached:
+            # NOTE: the dialog closed while the dry run was out (e.g. the input's debounce sent one while
+            # Enter's own closed the dialog): its widgets are gone, and a query would fail the worker,
+            # which takes the app down
+            return None
+        if error is not None:
+            self.query_one("#resize-plan", Static).update(Text(error.message, "red"))
             return None
         if self._problems()[0] != targets:  # NOTE: stale: the inputs changed meanwhile
             return None
