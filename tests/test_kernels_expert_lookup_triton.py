@@ -202,3 +202,71 @@ def test_dispatcher_takes_the_owned_kernel_for_owners(monkeypatch):
     book.step[1] = 2
     expert_lookup(_ids(gen, 2, 3, 32), table, book, 1, owners=True)
     assert calls
+
+
+@pytest.mark.parametrize(("k", "shared_gate", "forced"), [(4, True, False), (10, True, False), (3, False, False),
+                                                          (5, True, True)])
+def test_fused_route_and_lookup_matches_the_two_references(k, shared_gate, forced):
+    """One token's routing and owned lookup in one program (`route_lookup_owned_triton`) against
+    `route_ref` / `route_forced_ref` then `expert_lookup_ref`: weights, ids, slots, landing slots, every
+    book field but its scratch, and the table (claimed victims unmapped), over steps where an earlier
+    layer stamped some victims."""
+    from ft.kernels.expert_lookup.kernel import route_lookup_owned_triton
+    from ft.kernels.router import route_forced_ref, route_ref
+
+    experts, landings = 32, 0
+    for seed in range(3):
+        gen, table, book = _owned_setup(seed * 10 + k)
+        for step in range(3):
+            ref_table, ref_book = table.clone(), type(book)(*(x.clone() for x in book))
+            logits = torch.randn(1, experts + int(shared_gate), generator=gen, dtype=torch.float32)
+            ids_in = _ids(gen, 1, k, experts) if forced else None
+            for b in (book, ref_book):
+                b.step[0], b.step[1] = step + 1, 1
+                b.landing_used.zero_()
+                b.landed.fill_(-1)
+                b.last_use[0, :16] = step + 1  # layer 0 ran before: half its experts used this step
+            w, ids, slots, dst = route_lookup_owned_triton(logits, k, True, table, book, 1, shared_gate=shared_gate,
+                                                           forced=ids_in)
+            if forced:
+                w_ref, ids_ref, _ = route_forced_ref(logits, ids_in, True, shared_gate=shared_gate)
+            else:
+                w_ref, ids_ref, _ = route_ref(logits, k, True, shared_gate=shared_gate)
+            slots_ref, dst_ref = expert_lookup_ref(ids_ref, ref_table, ref_book, 1)
+            assert torch.equal(ids, ids_ref) and torch.allclose(w, w_ref, atol=1e-6), (seed, step)
+            assert torch.equal(slots, slots_ref) and torch.equal(dst, dst_ref), (seed, step)
+            for name, a, b in zip(book._fields, book, ref_book):
+                if name != "order":
+                    assert torch.equal(a, b), (name, seed, step)
+            assert torch.equal(table, ref_table)
+            landings += int((book.landed >= 0).sum())
+    assert landings > 0
+
+
+def test_route_and_lookup_fuses_one_token_with_owners_only(monkeypatch):
+    """The dispatcher: one token with owners takes the fused launch (unless the variant
+    "route-lookup-apart" says no); more tokens, or no owners, the two launches; all give the same."""
+    from ft.kernels.expert_lookup import route_and_lookup
+    from ft.kernels.options import use_kernel_options, variant
+
+    monkeypatch.setenv("FT_TRITON_INTERPRET_TEST", "1")
+    import ft.kernels.expert_lookup.kernel as details
+
+    calls = []
+    real = details.route_lookup_owned_triton
+    monkeypatch.setattr(details, "route_lookup_owned_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    results = []
+    for owners, t, name in ((True, 1, None), (True, 1, "route-lookup-apart"), (True, 2, None), (False, 1, None)):
+        gen, table, book = _owned_setup(3)
+        if not owners:
+            book.owner.fill_(-1)
+        book.step[0], book.step[1] = 1, t
+        logits = torch.randn(t, 33, generator=torch.Generator().manual_seed(5))
+        before = len(calls)
+        with use_kernel_options(variant(*([name] if name else []))):
+            out = route_and_lookup(logits, 4, True, table, book, 1, owners=owners, shared_gate=True)
+        assert (len(calls) > before) == (owners and t == 1 and name is None)
+        results.append((out, book, table))
+    (a, book_a, table_a), (b, book_b, table_b) = results[:2]
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and torch.equal(table_a, table_b)
+    assert all(torch.equal(x, y) for name, x, y in zip(book_a._fields, book_a, book_b) if name != "order")

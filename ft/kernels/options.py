@@ -188,8 +188,13 @@ class MoeOptions:
     (Two forms lost on the H100 in session 47 and were deleted, their figures in bench/RESULTS.md: two pairs
     that read the same expert in one decode program, the tile decoded once for both tokens, 0.87-0.92x the
     block at 16-64 tokens, the 80B's step -7% / -12% / -17% at batch 16 / 32 / 64 (more registers, fewer
-    programs); a bf16 model's grouped MMAs in fp16, the same time as bf16 at 4K and 16K tokens.)"""
+    programs); a bf16 model's grouped MMAs in fp16, the same time as bf16 at 4K and 16K tokens.)
+    route_lookup_fused: an offloaded decode step of one token whose landing slots may hold their victims (mapped
+    victims, the read-through default) routes and looks up its experts in one program
+    (`expert_lookup.route_and_lookup`: the ids stay in registers), one launch a MoE layer fewer; off (variant
+    "route-lookup-apart"): the router's launch, then the lookup's. The same results and book either way."""
 
+    route_lookup_fused: bool = True
     grouped_words: bool = True
     grouped_tile: tuple | None = None
     grouped_max_tokens: int = 16384
@@ -472,6 +477,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "hc-read-dot-only": {"hyper_connection.fma_read_max_tokens": 0},  # the same
     "hc-write-own-launch": {"hyper_connection.write_into_read": False},  # the same
     "moe-sum-own-launch": {"moe.decode_sum_in_down": False},  # the same
+    "route-lookup-apart": {"moe.route_lookup_fused": False},  # bench/ladder.py --variant
     "gated-delta-ba-own-launch": {"gated_delta.decode_ba_in_conv": False},  # the same
     "qsa-prefill-select-torch": {"qsa.prefill_select_kernel": False},  # bench/prefill.py --variant
 }

@@ -41,7 +41,8 @@ import pytest
 import torch
 
 from ft.kernels.expert_lookup import commit_landed_ref, expert_lookup_ref, new_book
-from ft.kernels.expert_lookup.kernel import commit_landed_triton, expert_lookup_owned_triton, expert_lookup_triton
+from ft.kernels.expert_lookup.kernel import (commit_landed_triton, expert_lookup_owned_triton, expert_lookup_triton,
+                                             route_lookup_owned_triton)
 from ft.kernels.moe import (
     DECODE_MAX_TOKENS, SlotWeights, moe_decode, moe_decode_ref, moe_over_slots, moe_over_slots_ref, runs_triton,
 )
@@ -456,6 +457,43 @@ def test_expert_lookup_owned_and_commit(c: Lookup):
     commit_landed_triton(table, book)
     commit_landed_ref(ref_table, ref_book)
     assert torch.equal(table.cpu(), ref_table)
+
+
+@pytest.mark.parametrize("forced", [False, True], ids=["routed", "forced"])
+@pytest.mark.parametrize("c", [Lookup(512, 10, 1, 1, 12, False), Lookup(512, 10, 1, 1, 80, True),
+                               Lookup(64, 8, 1, 1, 16, False), Lookup(8, 1, 1, 1, 4, False)], ids=str)
+def test_route_and_owned_lookup_in_one_launch(c: Lookup, forced: bool):
+    """One token's routing and owned lookup fused (`route_lookup_owned_triton`, the offloaded batch-1 step's
+    default) against the two launches it replaces: weights and ids equal to `route_triton`'s bit for bit, slots,
+    landing slots, the book and the table (claimed victims unmapped) equal to `expert_lookup_ref`'s, bf16
+    logits with the shared gate's column."""
+    layer = 1
+    table, book = lookup_case(c, layer)
+    flat = (table.view(-1) >= 0).nonzero().flatten()
+    owned = min(c.cap // 2, len(flat))
+    victims = flat[torch.randperm(len(flat), device=DEV)[:owned]]
+    book.landing[layer, :owned] = table.view(-1)[victims].int()
+    book.owner[layer, :owned] = victims.int()
+    if c.holes:
+        book.landing[layer, owned::5] = -1
+    book.step[0], book.step[1] = 3, 1
+    book.last_use[0, : c.e // 2] = 3
+    missed = (table[layer] < 0).nonzero().flatten()
+    logits = torch.randn(1, c.e + 1, device=DEV).to(torch.bfloat16)
+    logits[0, missed[: c.k]] += 8.0  # most of the chosen experts miss, so that claims and unmaps happen
+    ids_in = lookup_ids(c, table, layer) if forced else None
+    ref_book, ref_table = type(book)(*(t.cpu().clone() for t in book)), table.cpu().clone()
+    w, ids, slots, dst = route_lookup_owned_triton(logits, c.k, True, table, book, layer, shared_gate=True,
+                                                   forced=ids_in)
+    w_r, ids_r, _ = route_triton(logits, c.k, True, shared_gate=True, forced=ids_in)
+    assert torch.equal(w, w_r) and torch.equal(ids, ids_r)
+    slots_ref, dst_ref = expert_lookup_ref(ids.cpu(), ref_table, ref_book, layer)
+    assert torch.equal(slots.cpu(), slots_ref) and torch.equal(dst.cpu(), dst_ref)
+    for name in book._fields:
+        if name != "order":
+            assert torch.equal(getattr(book, name).cpu(), getattr(ref_book, name)), name
+    assert torch.equal(table.cpu(), ref_table)
+    assert int((ref_book.landed >= 0).sum()) > 0
 
 
 @pytest.mark.parametrize("c", LOOKUPS, ids=str)

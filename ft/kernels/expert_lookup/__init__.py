@@ -17,8 +17,11 @@ import torch
 
 from ft.kernels.backend import uses_triton
 from ft.kernels.expert_lookup.reference import commit_landed_ref, expert_lookup_ref
+from ft.kernels.options import kernel_options
+from ft.kernels.router import route
 
-__all__ = ["ExpertBook", "commit_landed", "commit_landed_ref", "expert_lookup", "expert_lookup_ref", "new_book"]
+__all__ = ["ExpertBook", "commit_landed", "commit_landed_ref", "expert_lookup", "expert_lookup_ref", "new_book",
+           "route_and_lookup"]
 
 
 class ExpertBook(NamedTuple):
@@ -87,6 +90,24 @@ def expert_lookup(ids: torch.Tensor, slot_table: torch.Tensor, book: ExpertBook,
             return kernel.expert_lookup_owned_triton(ids, slot_table, book, layer)
         return kernel.expert_lookup_triton(ids, slot_table, book, layer)
     return expert_lookup_ref(ids, slot_table, book, layer)
+
+
+def route_and_lookup(logits: torch.Tensor, top_k: int, normalize: bool, slot_table: torch.Tensor, book: ExpertBook,
+                     layer: int, *, owners: bool = False, shared_gate: bool = False, forced: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`ft.kernels.router.route` (no slot table) then `expert_lookup`: (weights [T, k + S], ids [T, k] int64,
+    slots [T, k] int32, dst [T, k] int32). One token with owners on Triton (`MoeOptions.route_lookup_fused`):
+    one launch that keeps the ids in registers; otherwise the two dispatchers, whose results and book updates
+    it equals."""
+    if (owners and logits.shape[0] == 1 and kernel_options().moe.route_lookup_fused and uses_triton(logits.device)
+            and logits.shape[-1] - int(shared_gate) <= 8192):
+        from ft.kernels.expert_lookup.kernel import route_lookup_owned_triton  # NOTE: imports triton only when used
+
+        return route_lookup_owned_triton(logits, top_k, normalize, slot_table, book, layer, shared_gate=shared_gate,
+                                         forced=forced)
+    weights, ids, _ = route(logits, top_k, normalize, shared_gate=shared_gate, forced=forced)
+    slots, dst = expert_lookup(ids, slot_table, book, layer, owners=owners)
+    return weights, ids, slots, dst
 
 
 def commit_landed(slot_table: torch.Tensor, book: ExpertBook) -> None:

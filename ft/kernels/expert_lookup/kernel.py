@@ -22,8 +22,9 @@ import triton
 import triton.language as tl
 
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
+from ft.kernels.router.kernel import route_outputs, route_row, router_warps
 
-__all__ = ["commit_landed_triton", "expert_lookup_owned_triton", "expert_lookup_triton"]
+__all__ = ["commit_landed_triton", "expert_lookup_owned_triton", "expert_lookup_triton", "route_lookup_owned_triton"]
 
 
 @triton.jit
@@ -84,13 +85,24 @@ def _expert_lookup_owned_kernel(p_ids, p_table, p_step, p_last, p_claim, p_landi
     # this layer's row starts at layer_base); the other book pointers: this layer's rows
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
     pdl_release(PDL)
-    step = tl.load(p_step)
-    n_real = tl.load(p_step + 1)
-    # phase 1: slots, use stamps, counts; each missed expert's claim word reset
     o_n = tl.arange(0, BLOCK_N)
     t = o_n // K
     m_n = o_n < T * K
     b_e = tl.load(p_ids + t * stride_it + o_n % K, mask=m_n, other=0)
+    _lookup_owned_pairs(b_e, o_n, t, m_n, p_table, p_step, p_last, p_claim, p_landing, p_owner, p_used, p_landed,
+                        p_counters, p_order, p_slots, p_dst, layer_base, K, R, stride_st, stride_dt, BLOCK_N, BLOCK_R)
+
+
+@triton.jit
+def _lookup_owned_pairs(b_e, o_n, t, m_n, p_table, p_step, p_last, p_claim, p_landing, p_owner, p_used, p_landed,
+                        p_counters, p_order, p_slots, p_dst, layer_base, K, R, stride_st, stride_dt,
+                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The owned lookup's phases over one program's pairs: b_e [BLOCK_N] their experts, o_n the pair indices
+    (row-major, t = o_n // K their rows), m_n the pairs that exist (`_expert_lookup_owned_kernel`, and
+    `_route_lookup_owned_kernel`'s one token)."""
+    step = tl.load(p_step)
+    n_real = tl.load(p_step + 1)
+    # phase 1: slots, use stamps, counts; each missed expert's claim word reset
     b_f = layer_base + b_e  # the flat index of the pair's expert
     b_s = tl.load(p_table + b_f, mask=m_n, other=-1).to(tl.int32)
     real = m_n & (t < n_real)
@@ -130,6 +142,53 @@ def _expert_lookup_owned_kernel(p_ids, p_table, p_step, p_last, p_claim, p_landi
     tl.store(p_table + b_v, tl.full((BLOCK_N,), -1, p_table.dtype.element_ty), mask=ok & (b_v >= 0))
     tl.store(p_slots + t * stride_st + o_n % K, b_s, mask=m_n)
     tl.store(p_dst + t * stride_dt + o_n % K, tl.where(ok, b_d, -1), mask=m_n)
+
+
+@triton.jit
+def _route_lookup_owned_kernel(p_logits, p_w, p_ids, p_table_row, p_rslots, E, K, stride_lt, stride_wt, stride_it,
+                               p_table, p_step, p_last, p_claim, p_landing, p_owner, p_used, p_landed, p_counters,
+                               p_order, p_slots, p_dst, layer_base, R, stride_st, stride_dt,
+                               NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                               SHARED_GATE: tl.constexpr, FORCED: tl.constexpr, BLOCK_R: tl.constexpr,
+                               PDL: tl.constexpr = False):
+    """One token's routing (`route_row`) and its owned lookup (`_lookup_owned_pairs`) in one program: the
+    ids stay in registers between them (one launch a MoE layer instead of two)."""
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
+    b_e = route_row(p_logits, p_w, p_ids, p_table_row, p_rslots, 0, E, K, stride_lt, stride_wt, stride_it, 0,
+                    NORMALIZE, BLOCK_E, BLOCK_K, SHARED_GATE, False, FORCED)
+    o_n = tl.arange(0, BLOCK_K)
+    _lookup_owned_pairs(b_e, o_n, o_n * 0, o_n < K, p_table, p_step, p_last, p_claim, p_landing, p_owner, p_used,
+                        p_landed, p_counters, p_order, p_slots, p_dst, layer_base, K, R, stride_st, stride_dt,
+                        BLOCK_K, BLOCK_R)
+
+
+def route_lookup_owned_triton(logits: torch.Tensor, top_k: int, normalize: bool, slot_table: torch.Tensor, book,
+                              layer: int, *, shared_gate: bool = False, forced: torch.Tensor | None = None):
+    """One token's `route_triton` and `expert_lookup_owned_triton` in one launch of one program: (weights
+    [1, k + S], ids [1, k] int64, slots [1, k] int32, dst [1, k] int32), the book updated as the two would.
+
+    Raises: ValueError for more than one token, k outside 1..E or E above 8192."""
+    t, e = logits.shape[0], logits.shape[1] - int(shared_gate)
+    if t != 1 or not 1 <= top_k <= e or e > 8192:
+        raise ValueError(f"the fused route and lookup takes one token and 1 <= k <= E <= 8192, got T={t}, k={top_k}, "
+                         f"E={e}")
+    assert slot_table.is_contiguous() and book.last_use.is_contiguous() and slot_table.shape == book.last_use.shape
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    dev = logits.device
+    w, ids, _ = route_outputs(1, top_k, shared_gate, logits.dtype, dev, None, forced)
+    slots = torch.empty((1, top_k), dtype=torch.int32, device=dev)
+    dst = torch.empty((1, top_k), dtype=torch.int32, device=dev)
+    r = book.landing.shape[1]
+    _route_lookup_owned_kernel[(1,)](
+        logits, w, ids, ids, ids, e, top_k, logits.stride(0), w.stride(0), ids.stride(0),
+        slot_table, book.step, book.last_use, book.claim[layer], book.landing[layer], book.owner[layer],
+        book.landing_used[layer:], book.landed[layer], book.counters[layer], book.order[layer], slots, dst,
+        layer * slot_table.shape[1], r, slots.stride(0), dst.stride(0),
+        NORMALIZE=normalize, BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k + 1),
+        SHARED_GATE=shared_gate, FORCED=forced is not None, BLOCK_R=triton.next_power_of_2(r),
+        num_warps=router_warps(e), **pdl_args(dev))
+    return w, ids, slots, dst
 
 
 def expert_lookup_owned_triton(ids: torch.Tensor, slot_table: torch.Tensor, book, layer: int

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
-__all__ = ["route_outputs", "route_triton", "router_topk_triton"]
+__all__ = ["route_outputs", "route_row", "route_triton", "router_topk_triton"]
 
 
 def router_warps(e: int) -> int:
@@ -32,7 +32,17 @@ def _router_topk_kernel(p_logits, p_w, p_ids, p_table, p_slots, E, K, stride_lt,
                         FORCED: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
     pdl_release(PDL)
-    i_t = tl.program_id(0)
+    route_row(p_logits, p_w, p_ids, p_table, p_slots, tl.program_id(0), E, K, stride_lt, stride_wt, stride_it,
+              stride_st, NORMALIZE, BLOCK_E, BLOCK_K, SHARED_GATE, HAS_TABLE, FORCED)
+
+
+@triton.jit
+def route_row(p_logits, p_w, p_ids, p_table, p_slots, i_t, E, K, stride_lt, stride_wt, stride_it, stride_st,
+              NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SHARED_GATE: tl.constexpr,
+              HAS_TABLE: tl.constexpr, FORCED: tl.constexpr):
+    """Token i_t's routing (`_router_topk_kernel`'s program, also `expert_lookup`'s fused route and lookup):
+    stores its weights, ids (unless FORCED) and with HAS_TABLE slots; returns the ids, int64 [BLOCK_K]
+    (0 past K)."""
     o_e = tl.arange(0, BLOCK_E)
     m_e = o_e < E
     b_l = tl.load(p_logits + i_t * stride_lt + o_e, mask=m_e, other=float("-inf")).to(tl.float32)
@@ -67,6 +77,7 @@ def _router_topk_kernel(p_logits, p_w, p_ids, p_table, p_slots, E, K, stride_lt,
         tl.store(p_ids + i_t * stride_it + o_k, b_i, mask=m_k)
     if HAS_TABLE:  # each expert's slot, looked up here rather than by a gather launch
         tl.store(p_slots + i_t * stride_st + o_k, tl.load(p_table + b_i, mask=m_k, other=-1).to(tl.int32), mask=m_k)
+    return tl.where(m_k, b_i, 0)
 
 
 def route_outputs(t: int, top_k: int, shared_gate: bool, dtype: torch.dtype, device: torch.device,

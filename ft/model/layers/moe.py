@@ -9,7 +9,7 @@ from ft.model.layers.linear import Linear, NVFP4Weight
 from ft.memory.expert_cache import ExpertCache
 from ft.kernels.activation import expert_combine, silu_mul
 from ft.kernels.backend import debug_checks
-from ft.kernels.expert_lookup import expert_lookup
+from ft.kernels.expert_lookup import route_and_lookup
 from ft.kernels.moe import (DECODE_MAX_TOKENS, SlotWeights, moe_decode, moe_over_pools, moe_over_slots, runs_triton,
                             sum_counters_needed)
 from ft.kernels.router import route, route_forced_ref, router_topk
@@ -116,12 +116,11 @@ class SparseMoE:
         expert) where the Triton kernels run, else the references and the unfused combine."""
         layer = self.moe_index
         fused = self._fused(x, cache)
-        if fused:
-            weights, ids, _ = self._route(x, None, forced)
-        else:
-            weights, ids, _ = route(self.router(x), self.top_k, self.norm_topk_prob, forced=forced)
         rt = cache.read_through
-        slots, dst = expert_lookup(ids, cache.slot_table, rt.book, layer, owners=rt.mapped_victims)
+        logits, shared_gate = self._route_logits(x) if fused else (self.router(x), False)
+        weights, ids, slots, dst = route_and_lookup(logits, self.top_k, self.norm_topk_prob, cache.slot_table,
+                                                    rt.book, layer, owners=rt.mapped_victims,
+                                                    shared_gate=shared_gate, forced=forced)
         if fused:
             return moe_decode(x, slots, weights, cache.slots, self.shared_slot, residual=residual,
                               norm_weight=next_norm, eps=eps, host=cache.host, topk_ids=ids, layer=layer,
@@ -132,12 +131,16 @@ class SparseMoE:
 
     def _route(self, x: torch.Tensor, table: torch.Tensor | None, forced: torch.Tensor | None):
         """The decode path's routing with the shared gate: (weights [T, k + 1], ids [T, k], slots from
-        `table` or None), from the router's and the shared gate's logits in one GEMV where they are stacked."""
-        if self.gate_logits is not None:
-            return route(self.gate_logits(x), self.top_k, self.norm_topk_prob, shared_gate=True, slot_table=table,
-                         forced=forced)
-        logits = torch.cat([self.router(x), self.shared_expert_gate(x)], dim=1)
+        `table` or None), from `_route_logits`."""
+        logits, _ = self._route_logits(x)
         return route(logits, self.top_k, self.norm_topk_prob, shared_gate=True, slot_table=table, forced=forced)
+
+    def _route_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(the router's logits with the shared gate's as a last column [T, E + 1], True): one GEMV where
+        the two are stacked (`gate_logits`), else the two and a concatenation."""
+        if self.gate_logits is not None:
+            return self.gate_logits(x), True
+        return torch.cat([self.router(x), self.shared_expert_gate(x)], dim=1), True
 
     def _slots(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The slot of each selected expert; in debug mode, an expert without a slot (-1, which the
