@@ -181,7 +181,8 @@ def route_lookup_owned_triton(logits: torch.Tensor, top_k: int, normalize: bool,
     dst = torch.empty((1, top_k), dtype=torch.int32, device=dev)
     r = book.landing.shape[1]
     _route_lookup_owned_kernel[(1,)](
-        logits, w, ids, ids, ids, e, top_k,  # (the routing's slot-table pointers: unread, HAS_TABLE is off) logits.stride(0), w.stride(0), ids.stride(0),
+        # (ids for the routing's slot-table pointers: unread, HAS_TABLE is off)
+        logits, w, ids, ids, ids, e, top_k, logits.stride(0), w.stride(0), ids.stride(0),
         slot_table, book.step, book.last_use, book.claim[layer], book.landing[layer], book.owner[layer],
         book.landing_used[layer:], book.landed[layer], book.counters[layer], book.order[layer], slots, dst,
         layer * slot_table.shape[1], r, slots.stride(0), dst.stride(0),
