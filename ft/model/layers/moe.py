@@ -117,10 +117,10 @@ class SparseMoE:
         layer = self.moe_index
         fused = self._fused(x, cache)
         rt = cache.read_through
-        logits, shared_gate = self._route_logits(x) if fused else (self.router(x), False)
+        logits = self._route_logits(x) if fused else self.router(x)  # (fused: the shared gate's column last)
         weights, ids, slots, dst = route_and_lookup(logits, self.top_k, self.norm_topk_prob, cache.slot_table,
-                                                    rt.book, layer, owners=rt.mapped_victims,
-                                                    shared_gate=shared_gate, forced=forced)
+                                                    rt.book, layer, owners=rt.mapped_victims, shared_gate=fused,
+                                                    forced=forced)
         if fused:
             return moe_decode(x, slots, weights, cache.slots, self.shared_slot, residual=residual,
                               norm_weight=next_norm, eps=eps, host=cache.host, topk_ids=ids, layer=layer,
@@ -132,15 +132,15 @@ class SparseMoE:
     def _route(self, x: torch.Tensor, table: torch.Tensor | None, forced: torch.Tensor | None):
         """The decode path's routing with the shared gate: (weights [T, k + 1], ids [T, k], slots from
         `table` or None), from `_route_logits`."""
-        logits, _ = self._route_logits(x)
-        return route(logits, self.top_k, self.norm_topk_prob, shared_gate=True, slot_table=table, forced=forced)
+        return route(self._route_logits(x), self.top_k, self.norm_topk_prob, shared_gate=True, slot_table=table,
+                     forced=forced)
 
-    def _route_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """(the router's logits with the shared gate's as a last column [T, E + 1], True): one GEMV where
-        the two are stacked (`gate_logits`), else the two and a concatenation."""
+    def _route_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The router's logits with the shared gate's as a last column, [T, E + 1]: one GEMV where the two are
+        stacked (`gate_logits`), else the two and a concatenation."""
         if self.gate_logits is not None:
-            return self.gate_logits(x), True
-        return torch.cat([self.router(x), self.shared_expert_gate(x)], dim=1), True
+            return self.gate_logits(x)
+        return torch.cat([self.router(x), self.shared_expert_gate(x)], dim=1)
 
     def _slots(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The slot of each selected expert; in debug mode, an expert without a slot (-1, which the
