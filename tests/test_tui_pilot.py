@@ -494,6 +494,15 @@ def test_the_history_details_follow_the_newest_entry_until_a_row_is_picked():
     asyncio.run(scenario())
 
 
+async def open_resize_dialog(app, pilot) -> ResizeScreen:
+    """Feed the app one update, press `r`, and return the resize dialog once its boxes are there."""
+    app.on_source_update(update(100.0))
+    await until(pilot, lambda: app.cache is not None, 30)
+    await pilot.press("r")
+    await until(pilot, lambda: box(app, "kv") is not None, 30)
+    return app.screen
+
+
 def test_the_resize_dialog_shows_the_range_its_refusal_names():
     """Issue 41, item 9: the kv range (others fixed) disagreed with the refusal under it (others as
     typed). With moe shrunk in the dialog, kv's label shows the range the refusal checks against."""
@@ -501,11 +510,7 @@ def test_the_resize_dialog_shows_the_range_its_refusal_names():
 
     async def scenario():
         async with app.run_test(size=(160, 48)) as pilot:
-            app.on_source_update(update(100.0))
-            await until(pilot, lambda: app.cache is not None, 30)
-            await pilot.press("r")
-            await until(pilot, lambda: box(app, "kv") is not None, 30)
-            screen = app.screen
+            screen = await open_resize_dialog(app, pilot)
             screen.query_one("#target-moe").value = "64"  # frees expert slots: kv may grow past 262144
             screen.query_one("#target-kv").value = "99999999"
             await pilot.pause(0.1)
@@ -549,11 +554,7 @@ def test_a_dry_run_answering_after_the_dialog_closed_changes_nothing():
 
     async def scenario():
         async with app.run_test(size=(160, 48)) as pilot:
-            app.on_source_update(update(100.0))
-            await until(pilot, lambda: app.cache is not None, 30)
-            await pilot.press("r")
-            await until(pilot, lambda: box(app, "kv") is not None, 30)
-            dialog = app.screen
+            dialog = await open_resize_dialog(app, pilot)
             await pilot.press("escape")
             await until(pilot, lambda: not isinstance(app.screen, ResizeScreen), 30)
             assert await dialog._fetch_plan({"kv": 131072}) is None  # answered, shown nowhere

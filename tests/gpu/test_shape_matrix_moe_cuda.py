@@ -424,6 +424,23 @@ def lookup_ids(c: Lookup, table: torch.Tensor, layer: int) -> torch.Tensor:
     return ids
 
 
+def owned_lookup_case(c: Lookup, layer: int, hole_every: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lookup_case` with victims still mapped in half of `layer`'s landing slots (from every layer; with c.holes
+    every `hole_every`-th of the rest -1), step 3 with c.real real rows, and layer 0 looked up before: half its
+    experts used this step."""
+    table, book = lookup_case(c, layer)
+    flat = (table.view(-1) >= 0).nonzero().flatten()
+    owned = min(c.cap // 2, len(flat))
+    victims = flat[torch.randperm(len(flat), device=DEV)[:owned]]
+    book.landing[layer, :owned] = table.view(-1)[victims].int()
+    book.owner[layer, :owned] = victims.int()
+    if c.holes:
+        book.landing[layer, owned::hole_every] = -1
+    book.step[0], book.step[1] = 3, c.real
+    book.last_use[0, : c.e // 2] = 3
+    return table, book
+
+
 OWNED_LOOKUPS = LOOKUPS + [Lookup(512, 10, 256, 250, 640, False), Lookup(512, 10, 64, 64, 640, True)]
 
 
@@ -434,16 +451,7 @@ def test_expert_lookup_owned_and_commit(c: Lookup):
     landing slots, every book field but the scratch, the table after the lookup (claimed victims
     unmapped) and after the commit. Claims follow row order on the device too (no race)."""
     layer = 1
-    table, book = lookup_case(c, layer)
-    flat = (table.view(-1) >= 0).nonzero().flatten()
-    owned = min(c.cap // 2, len(flat))
-    victims = flat[torch.randperm(len(flat), device=DEV)[:owned]]
-    book.landing[layer, :owned] = table.view(-1)[victims].int()
-    book.owner[layer, :owned] = victims.int()
-    if c.holes:
-        book.landing[layer, owned::7] = -1
-    book.step[0], book.step[1] = 3, c.real
-    book.last_use[0, : c.e // 2] = 3  # layer 0 looked up before: these were used this step
+    table, book = owned_lookup_case(c, layer, hole_every=7)
     ids = lookup_ids(c, table, layer)
     ref_book, ref_table = type(book)(*(t.cpu().clone() for t in book)), table.cpu().clone()
     slots, dst = expert_lookup_owned_triton(ids, table, book, layer)
@@ -463,21 +471,12 @@ def test_expert_lookup_owned_and_commit(c: Lookup):
 @pytest.mark.parametrize("c", [Lookup(512, 10, 1, 1, 12, False), Lookup(512, 10, 1, 1, 80, True),
                                Lookup(64, 8, 1, 1, 16, False), Lookup(8, 1, 1, 1, 4, False)], ids=str)
 def test_route_and_owned_lookup_in_one_launch(c: Lookup, forced: bool):
-    """One token's routing and owned lookup fused (`route_lookup_owned_triton`, the offloaded batch-1 step's
-    default) against the two launches it replaces: weights and ids equal to `route_triton`'s bit for bit, slots,
-    landing slots, the book and the table (claimed victims unmapped) equal to `expert_lookup_ref`'s, bf16
-    logits with the shared gate's column."""
+    """One token's routing and owned lookup fused (`route_lookup_owned_triton`, variant "route-lookup-fused" of
+    the offloaded batch-1 step) against the two launches it replaces: weights and ids equal to `route_triton`'s
+    bit for bit, slots, landing slots, the book and the table (claimed victims unmapped) equal to
+    `expert_lookup_ref`'s, bf16 logits with the shared gate's column."""
     layer = 1
-    table, book = lookup_case(c, layer)
-    flat = (table.view(-1) >= 0).nonzero().flatten()
-    owned = min(c.cap // 2, len(flat))
-    victims = flat[torch.randperm(len(flat), device=DEV)[:owned]]
-    book.landing[layer, :owned] = table.view(-1)[victims].int()
-    book.owner[layer, :owned] = victims.int()
-    if c.holes:
-        book.landing[layer, owned::5] = -1
-    book.step[0], book.step[1] = 3, 1
-    book.last_use[0, : c.e // 2] = 3
+    table, book = owned_lookup_case(c, layer, hole_every=5)
     missed = (table[layer] < 0).nonzero().flatten()
     logits = torch.randn(1, c.e + 1, device=DEV).to(torch.bfloat16)
     logits[0, missed[: c.k]] += 8.0  # most of the chosen experts miss, so that claims and unmaps happen
