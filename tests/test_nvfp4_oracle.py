@@ -52,13 +52,15 @@ def test_nvfp4_checkpoint_matches_transformers_on_dequantized_weights(nvfp4_pair
     assert llm.generate(prompt_token_ids=[prompt], **GREEDY_32)[0].token_ids == hf_greedy(ref, prompt)
 
 
-@pytest.mark.parametrize("pair", ["nvfp4_pair_2l", "nvfp4_pair_shared_fused"])
-def test_engine_on_the_triton_kernels_matches_transformers(pair, request, monkeypatch):
+@pytest.mark.parametrize(("pair", "kernel_variant"), [("nvfp4_pair_2l", None), ("nvfp4_pair_shared_fused", None),
+                                                      ("nvfp4_pair_shared_fused", "route-lookup-fused")])
+def test_engine_on_the_triton_kernels_matches_transformers(pair, kernel_variant, request, monkeypatch):
     """The engine's CUDA path (the Triton NVFP4 linear and MoE kernels behind the dispatchers), run
     here under the Triton interpreter in float32: prefill through the tl.dot tiles and the MoE's
     grouped path (its threshold lowered to 8 tokens), decode through the whole-K GEMV and the MoE's
     per-pair path, offloaded experts (3 slots) read from the host store and landed; with the shared expert in the routed
-    experts' shapes, the decode MoE with the shared expert as one more pair (`moe_decode_triton`)."""
+    experts' shapes, the decode MoE with the shared expert as one more pair (`moe_decode_triton`); under the variant
+    "route-lookup-fused", each decode step's routing and expert lookup in one launch."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1 set before triton was imported")
@@ -90,7 +92,16 @@ def test_engine_on_the_triton_kernels_matches_transformers(pair, request, monkey
         return real_decode(x, slots, weights, w, shared, **kw)
 
     monkeypatch.setattr(moe_decode, "moe_decode_triton", decode)
+    import ft.kernels.expert_lookup.kernel as lookup_triton
+    import ft.kernels.options as kernel_options
+
+    monkeypatch.setattr(lookup_triton, "route_lookup_owned_triton",
+                        count("route_lookup", lookup_triton.route_lookup_owned_triton))
+    calls["route_lookup"] = 0
     ref, path = request.getfixturevalue(pair)
+    before = kernel_options.kernel_options()  # the variant in force for the whole test, then the options back
+    request.addfinalizer(lambda: kernel_options.set_kernel_options(before))
+    kernel_options.set_kernel_options(kernel_options.variant(*[v for v in [kernel_variant] if v]))
     llm = LLM(model=str(path), device="cpu", dtype="float32", page_size=16, moe_cache_size=3)
     prompt = prompt_of(24, seed=10)
     # one request (the interpreter makes every prefill cost seconds): the prefill step's logits, then
@@ -106,3 +117,4 @@ def test_engine_on_the_triton_kernels_matches_transformers(pair, request, monkey
     # decode reads misses from the host store (read-through), fused with the shared expert where shapes allow
     assert calls["decode"] > 0 and (calls["fused"] > 0) == (pair == "nvfp4_pair_shared_fused")
     assert llm.engine.pools.experts.read_through.landed_total > 0
+    assert (calls["route_lookup"] > 0) == (kernel_variant is not None)
