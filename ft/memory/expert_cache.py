@@ -94,10 +94,6 @@ class ExpertCache:
         """The slot resident `key` (layer, expert) holds, None when it is not resident."""
         return self._lru.get(key)
 
-    def mark_recent(self, key: tuple[int, int]) -> None:
-        """Resident `key` becomes the most recently used."""
-        self._lru.move_to_end(key)
-
     def mark_recent_many(self, keys) -> None:
         """Each resident of `keys` (an iterable of (layer, expert)) becomes the most recent, in the order given."""
         move = self._lru.move_to_end
