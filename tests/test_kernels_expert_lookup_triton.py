@@ -244,9 +244,9 @@ def test_fused_route_and_lookup_matches_the_two_references(k, shared_gate, force
 
 
 def test_route_and_lookup_fuses_one_token_with_owners_only(monkeypatch):
-    """The dispatcher: one token with owners takes the fused launch under the variant "route-lookup-fused"
-    (off by default until measured on a device); more tokens, or no owners, the two launches; the fused
-    and the two give the same."""
+    """The dispatcher: one token with owners takes the fused launch (the default; the variant
+    "route-lookup-apart" turns it off); more tokens, or no owners, the two launches; the fused and the two
+    give the same."""
     from ft.kernels.expert_lookup import route_and_lookup
     from ft.kernels.options import use_kernel_options, variant
 
@@ -257,8 +257,8 @@ def test_route_and_lookup_fuses_one_token_with_owners_only(monkeypatch):
     real = details.route_lookup_owned_triton
     monkeypatch.setattr(details, "route_lookup_owned_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     results = []
-    fused = "route-lookup-fused"
-    for owners, t, name in ((True, 1, fused), (True, 1, None), (True, 2, fused), (False, 1, fused)):
+    apart = "route-lookup-apart"
+    for owners, t, name in ((True, 1, None), (True, 1, apart), (True, 2, None), (False, 1, None)):
         gen, table, book = _owned_setup(3)
         if not owners:
             book.owner.fill_(-1)
@@ -267,7 +267,7 @@ def test_route_and_lookup_fuses_one_token_with_owners_only(monkeypatch):
         before = len(calls)
         with use_kernel_options(variant(*([name] if name else []))):
             out = route_and_lookup(logits, 4, True, table, book, 1, owners=owners, shared_gate=True)
-        assert (len(calls) > before) == (owners and t == 1 and name == fused)
+        assert (len(calls) > before) == (owners and t == 1 and name is None)
         results.append((out, book, table))
     (a, book_a, table_a), (b, book_b, table_b) = results[:2]
     assert all(torch.equal(x, y) for x, y in zip(a, b)) and torch.equal(table_a, table_b)

@@ -471,7 +471,7 @@ def test_expert_lookup_owned_and_commit(c: Lookup):
 @pytest.mark.parametrize("c", [Lookup(512, 10, 1, 1, 12, False), Lookup(512, 10, 1, 1, 80, True),
                                Lookup(64, 8, 1, 1, 16, False), Lookup(8, 1, 1, 1, 4, False)], ids=str)
 def test_route_and_owned_lookup_in_one_launch(c: Lookup, forced: bool):
-    """One token's routing and owned lookup fused (`route_lookup_owned_triton`, variant "route-lookup-fused" of
+    """One token's routing and owned lookup fused (`route_lookup_owned_triton`, the default of
     the offloaded batch-1 step) against the two launches it replaces: weights and ids equal to `route_triton`'s
     bit for bit, slots, landing slots, the book and the table (claimed victims unmapped) equal to
     `expert_lookup_ref`'s, bf16 logits with the shared gate's column."""

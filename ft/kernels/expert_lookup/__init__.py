@@ -97,7 +97,7 @@ def route_and_lookup(logits: torch.Tensor, top_k: int, normalize: bool, slot_tab
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`ft.kernels.router.route` (no slot table) then `expert_lookup`: (weights [T, k + S], ids [T, k] int64,
     slots [T, k] int32, dst [T, k] int32). One token with owners on Triton (`MoeOptions.route_lookup_fused`):
-    one launch that keeps the ids in registers (off by default: not yet run on a device); otherwise the two
+    one launch that keeps the ids in registers (on by default; variant "route-lookup-apart"); otherwise the two
     dispatchers, whose results and book updates it equals."""
     if (owners and logits.shape[0] == 1 and kernel_options().moe.route_lookup_fused and uses_triton(logits.device)
             and logits.shape[-1] - int(shared_gate) <= 8192):
