@@ -20,7 +20,9 @@ overlapped bound, max(HBM bytes / 4.3 TB/s, host bytes / 50 GB/s) per token, and
 (issue 39), HBM bytes / 4.3 TB/s + host bytes / 50 GB/s: what a step that reads its misses after its
 other bytes, as the engine's does, could reach at best. The ladder's gain is each rung's
 tok/s over the 256K rung's (the fixed 256K geometry of the seed: KV fixed at 256K tokens, slots
-filling the rest, is exactly that rung's geometry). Prints a table last.
+filling the rest, is exactly that rung's geometry). "policy ms/token": the read-through policy's own host time
+(`ReadThrough.host_s`: begin_step and end_step without the collect's wait for the step before, which runs behind
+the device). Prints a table last.
 """
 
 from __future__ import annotations

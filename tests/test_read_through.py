@@ -437,3 +437,24 @@ def test_a_shrink_keeps_the_hottest_experts_with_their_bytes(policy):
     assert sorted(cache._lru) == sorted(hottest)
     for (layer, expert), slot in cache._lru.items():
         assert all(torch.equal(t[slot], h[layer, expert]) for t, h in zip(cache.slots, host) if t is not None)
+
+
+def test_the_policy_time_leaves_out_the_collects_wait_for_the_device():
+    """`host_s` (the ladder's "policy ms/token") is the policy's own host time: a collect's wait for the step
+    before's readback (the device's time under overlapped decode) goes to `wait_s` instead."""
+    import time
+
+    class SlowEvent:  # a readback event the device finishes 50 ms after the host asks
+        def record(self):
+            pass
+
+        def synchronize(self):
+            time.sleep(0.05)
+
+    cache = read_through_cache(2, 16, 8, 2)
+    rt = cache.read_through
+    rt._event = SlowEvent()
+    for _ in range(3):
+        replay_step(cache, [[[0, 1], [2, 3]]])  # each end_step collects the step before: two waits
+    assert rt.wait_s >= 0.1
+    assert rt.host_s < 0.05  # (the policy's own work at 2 x 16 experts: well under a millisecond a step)

@@ -132,14 +132,15 @@ class ReadThrough:
         self.early_collects = 0  # begin_steps that collected the step before (short of spares)
         self._untouched: tuple | None = None  # the last collected step's (uses, hits), not yet applied (`touch`)
         self.active = False  # between begin_step and end_step: the MoE layers take the read-through path
-        self.host_s = 0.0  # seconds spent in begin_step and end_step (the policy's share of a step's host time)
+        self.host_s = 0.0  # seconds spent in begin_step and end_step but waiting (the policy's share of a step's host time)
+        self.wait_s = 0.0  # seconds a collect waited for the step before's readback (the device's time, not the host's)
 
     # ------------------------------------------------------------------------------ the step
     def begin_step(self, rows: int, top_k: int) -> None:
         """Reserve landing slots and upload the book's inputs for the decode step about to be
         queued (`rows` real rows of `top_k` experts per layer). Does not collect the step before
         (its record is taken in at `end_step`, while this step runs)."""
-        t0 = time.perf_counter()
+        t0, w0 = time.perf_counter(), self.wait_s
         table: list[tuple[int, int, int]] = []
         self.landing, self.spare = self.spare, self.landing  # the spares chosen while the last step ran
         for slots in self.spare:
@@ -165,12 +166,12 @@ class ReadThrough:
         self._staged = False
         self._rows, self._top_k = rows, top_k
         self.active = True
-        self.host_s += time.perf_counter() - t0
+        self.host_s += time.perf_counter() - t0 - (self.wait_s - w0)
 
     def end_step(self) -> None:
         """After the step is queued: its landed experts mapped on the device, the step before it
         collected, its readback queued, the next step's spares chosen (the module docstring)."""
-        t0 = time.perf_counter()
+        t0, w0 = time.perf_counter(), self.wait_s
         b = self.book
         commit_landed(self.cache.slot_table, b)
         self.collect()  # NOTE: the step before this one: its readback is in (its token was waited for)
@@ -190,7 +191,7 @@ class ReadThrough:
         self._provision(min(self.capacity, self._top_k * self._rows), table, self.spare)
         self._apply(table)
         self._stage(self.spare)  # NOTE: into the buffer two steps before this one uploaded (it has run)
-        self.host_s += time.perf_counter() - t0
+        self.host_s += time.perf_counter() - t0 - (self.wait_s - w0)
 
     def _stage(self, lists: list[list[int]]) -> None:
         """The next upload's claim counters (zero), landing table (`lists`, -1 past each), the
@@ -223,7 +224,9 @@ class ReadThrough:
             return
         step, self._in_flight = self._in_flight, None
         if self._event is not None:
+            t0 = time.perf_counter()
             self._event.synchronize()  # NOTE: normally done already: the runner waits for each step's end
+            self.wait_s += time.perf_counter() - t0
         cache = self.cache
         used = self._last.numpy() == step
         self.used_last = used
