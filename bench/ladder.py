@@ -109,6 +109,9 @@ def main() -> None:
         measure(eng, [16])  # NOTE: compiles the kernels and captures the graph outside the timed rows
         print(f"{card}: engine up in {time.perf_counter() - t0:.1f} s, rungs {eng.ladder.rungs}, "
               f"chunk {eng.config.max_prefill_length}", flush=True)
+        from ft.serve_cmd import describe  # (the server's startup banner: where the card's bytes go)
+
+        print("\n".join(describe(eng, "-").splitlines()[:-1]), flush=True)
         if len(engines) > len(args.cards.split(",")):  # several chunks: rows say which
             card = f"{card} chunk {eng.config.max_prefill_length}"
         for kv in rungs:
