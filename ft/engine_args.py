@@ -54,7 +54,8 @@ HELP = {
                              "1.0; for models whose K or V leave e4m3's range at 1.0 (|x| > 448 or < 2**-6); larger "
                              "values in later requests are clamped (bench/RESULTS.md)"),
     "max_seq_len_override": ("context limit in tokens (vLLM's --max-model-len, SGLang's --context-length) "
-                             "(default: the checkpoint's max_position_embeddings)"),
+                             "(default: the checkpoint's max_position_embeddings; with a YaRN or linear rope, its context times the "
+                             "rope's factor, as vLLM derives it)"),
     "memory_ratio": ("fraction of the device memory still FREE once the weights are loaded that the cache pools and "
                      "the activation reserve may use (budget = free x ratio - reserve). --gpu-memory-utilization "
                      "(vLLM) and --mem-fraction-static (SGLang) set this same value, but there it is a fraction of the "

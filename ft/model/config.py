@@ -14,6 +14,7 @@ from typing import Any
 
 from ft.errors import CheckpointError, UnsupportedModelError
 from ft.model.flash_next_config import FLASH_NEXT_ARCHITECTURES, TextConfig, is_flash_next, text_config_dict
+from ft.model.rope_config import rope_fields
 
 QWEN3_NEXT = "Qwen3NextForCausalLM"
 FLASH_NEXT = FLASH_NEXT_ARCHITECTURES[0]
@@ -56,6 +57,8 @@ class ModelConfig:
     partial_rotary_factor: float
     tie_word_embeddings: bool
     attention_bias: bool = False
+    rope_type: str = "default"  # `ft.model.rope_config.ROPE_TYPES`
+    rope_scaling: tuple[tuple[str, Any], ...] = ()  # its parameters (factor, ...) as sorted (name, value) pairs
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "bfloat16"
     architecture: str = QWEN3_NEXT
@@ -96,10 +99,10 @@ class ModelConfig:
         if bad:
             raise UnsupportedModelError(f"config.json: unsupported layer types {bad}")
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default" and not (flash_next and rope_type == "yarn"):
-            raise UnsupportedModelError(f"unsupported rope_type {rope_type!r} (only default"
-                                        f"{', and yarn for Qwen3.8-Flash-Next' if flash_next else ''})")
+        try:
+            rope_type, rope_scaling = rope_fields(rope)
+        except ValueError as e:
+            raise UnsupportedModelError(f"config.json: {e}") from None
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         hidden = int(cfg["hidden_size"])
@@ -134,6 +137,8 @@ class ModelConfig:
                 ),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", False)),
+                rope_type=rope_type,
+                rope_scaling=rope_scaling,
                 eos_token_ids=eos_ids,
                 torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or whole.get("dtype")
                                 or whole.get("torch_dtype") or "bfloat16"),
@@ -168,7 +173,7 @@ class ModelConfig:
             raise AttributeError(f"{self.architecture} has no Qwen3.8-Flash-Next fields")
         try:
             return TextConfig.from_dict(text_config_dict(self.raw))
-        except (NotImplementedError, TypeError) as e:
+        except (ValueError, TypeError) as e:
             raise UnsupportedModelError(f"config.json: {e}") from None
 
     @cached_property
@@ -192,6 +197,20 @@ class ModelConfig:
             and self.num_experts > 0
             and (i + 1) % self.decoder_sparse_step == 0
         )
+
+    @property
+    def context_length(self) -> int:
+        """The longest context the checkpoint runs, in tokens: max_position_embeddings, or where the rope
+        scales positions by a factor (vLLM's rule, which users know) YaRN's original context
+        (original_max_position_embeddings, else max_position_embeddings) or linear's max_position_embeddings
+        times it, whichever is larger (Qwen3-Next's card: YaRN factor 4 over 262,144 tokens for 1,048,576)."""
+        scaling = dict(self.rope_scaling)
+        factor = scaling.get("factor")
+        if self.rope_type not in ("yarn", "linear") or not factor:
+            return self.max_position_embeddings
+        original = scaling.get("original_max_position_embeddings", self.max_position_embeddings) \
+            if self.rope_type == "yarn" else self.max_position_embeddings
+        return max(self.max_position_embeddings, int(original * factor))
 
     @property
     def rotary_dim(self) -> int:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ft.model.rope_config import rope_fields
+
 __all__ = ["FLASH_NEXT_ARCHITECTURES", "TextConfig", "is_flash_next", "text_config_dict"]
 
 FLASH_NEXT_ARCHITECTURES = ("Qwen3_8_FlashNextForConditionalGeneration", "Qwen4ExpForConditionalGeneration")
@@ -75,8 +77,9 @@ class TextConfig:
     max_position_embeddings: int = 262144
     rope_type: str = "default"
     rope_scaling: tuple[tuple[str, float], ...] = ()
-    """The YaRN fields of `rope_parameters` (factor, original_max_position_embeddings, beta_fast,
-    beta_slow, attention_factor, mscale, mscale_all_dim, truncate) as sorted (name, value) pairs."""
+    """The rope type's fields of `rope_parameters` (`ft.model.rope_config.ROPE_SCALING_KEYS`: factor,
+    original_max_position_embeddings, beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim,
+    truncate) as sorted (name, value) pairs."""
 
     @classmethod
     def from_dict(cls, d: dict) -> TextConfig:
@@ -93,12 +96,7 @@ class TextConfig:
             fields["rope_theta"] = rope["rope_theta"]
         if "partial_rotary_factor" not in fields and "partial_rotary_factor" in rope:
             fields["partial_rotary_factor"] = rope["partial_rotary_factor"]
-        fields["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
-        if fields["rope_type"] not in ("default", "yarn"):
-            raise NotImplementedError(f"rope_type {fields['rope_type']!r}: 'default' and 'yarn' are taken")
-        yarn_keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
-                     "mscale", "mscale_all_dim", "truncate")
-        fields["rope_scaling"] = tuple(sorted((k, rope[k]) for k in yarn_keys if rope.get(k) is not None))
+        fields["rope_type"], fields["rope_scaling"] = rope_fields(rope)  # (ValueError: a type the model cannot run)
         for k in ("layer_types", "ple_layer_ids"):
             if k in fields:
                 fields[k] = tuple(fields[k])

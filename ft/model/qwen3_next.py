@@ -12,7 +12,7 @@ import torch
 from ft.model.checkpoint import LoadedWeights, TensorSpec
 from ft.model.config import ModelConfig
 from ft.errors import UnsupportedModelError
-from ft.kernels.norm import add_rms_norm, rms_norm, rotary_inv_freq_ref
+from ft.kernels.norm import add_rms_norm, rms_norm
 from ft.model.forward_batch import ForwardBatch
 from ft.model.layers.attention import GatedAttention
 from ft.model.layers.embedding import embed_tokens
@@ -20,6 +20,7 @@ from ft.model.layers.gated_deltanet import GatedDeltaNet
 from ft.model.layers.linear import Linear
 from ft.model.layers.moe import MLP, SparseMoE
 from ft.model.layers.attention import Rope
+from ft.model.layers.rotary import rope_inv_freq
 from ft.memory.cache_pools import CachePools
 
 
@@ -121,7 +122,9 @@ class Qwen3NextModel:
         self.norm = w["model.norm.weight"]
         head = w["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w.get("lm_head.weight")
         self.lm_head = Linear(head) if head is not None else None  # None: a worker rank (rank 0 has the logits)
-        self.rope = Rope(cfg.rotary_dim, rotary_inv_freq_ref(cfg.rotary_dim, cfg.rope_theta, device))
+        inv_freq, scale = rope_inv_freq(cfg.rope_type, dict(cfg.rope_scaling), cfg.rope_theta,
+                                        cfg.max_position_embeddings, cfg.rotary_dim)
+        self.rope = Rope(cfg.rotary_dim, inv_freq.to(device), scale)
         self.layers = [self._build_layer(i, w) for i in range(cfg.num_hidden_layers)]
         self.moe_pairs_per_token = cfg.num_experts_per_tok * len(cfg.moe_layers)  # routed (token, expert) pairs
         self.top_k = cfg.num_experts_per_tok

@@ -54,7 +54,7 @@ class EngineConfig:
     num_tokens: int | None = None  # KV capacity in tokens; None: the whole context if it fits
     kv_cache_dtype: str = "auto"  # auto (a checkpoint's KV format with its scales, else compute) | bf16 | fp8 | nvfp4
     kv_scale_calibration: bool = False  # a quantized KV cache without checkpoint scales: set them from the first prefill
-    max_seq_len_override: int | None = None  # context limit instead of max_position_embeddings
+    max_seq_len_override: int | None = None  # context limit instead of the checkpoint's (ModelConfig.context_length)
     memory_ratio: float = 0.9
     gpu_memory_limit: int | str | None = None  # bytes or "16GiB": act as if the card were this big
     cache_budget: int | str | None = None  # cap the cache pools' budget (benchmarks emulating a card)

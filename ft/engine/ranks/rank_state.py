@@ -85,7 +85,7 @@ class RankState:
             config = self.config = dataclasses.replace(config, disable_cuda_graph=True)
             log.info("%s runs eagerly: its steps are not captured in CUDA graphs yet", cfg.architecture)
         prefill_graphs = not config.disable_cuda_graph and self.model.prefill_graph_safe
-        self.context_limit = config.max_seq_len_override or cfg.max_position_embeddings
+        self.context_limit = config.max_seq_len_override or cfg.context_length
         if cfg.is_flash_next and config.page_size % cfg.flash_next.indexer_compress_ratio:
             raise ConfigError(f"--page-size {config.page_size}: QSA's blocks of {cfg.flash_next.indexer_compress_ratio} "
                               "tokens must not straddle pages (a multiple of it)")
