@@ -71,6 +71,10 @@ class AccessLogFilter(logging.Filter):
         return not (method == "GET" and polled)
 
 
+class _FtHandler(logging.StreamHandler):
+    """The root handler `configure` installs (its type marks it, so a later call replaces only its own)."""
+
+
 class _StartupNoiseFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return record.msg not in _UVICORN_STARTUP_NOISE
@@ -82,11 +86,10 @@ def configure(level: str = "info", fmt: str = "text", access_log_admin: bool = F
     on `stream` (default stderr) in `fmt`, at `level` for FreeToken's and uvicorn's loggers alike.
     Calling it again replaces what an earlier call installed. Returns the handler."""
     lvl = getattr(logging, level.upper())
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler = _FtHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
-    handler._ft_configured = True  # type: ignore[attr-defined]
     root = logging.getLogger()
-    for h in [h for h in root.handlers if getattr(h, "_ft_configured", False)]:
+    for h in [h for h in root.handlers if isinstance(h, _FtHandler)]:
         root.removeHandler(h)
     root.addHandler(handler)
     root.setLevel(lvl)
