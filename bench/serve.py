@@ -33,8 +33,10 @@ most that many in flight), or --request-rate R[,R...] (Poisson arrivals at R req
 `inf` sends them all at once; --max-concurrency bounds those in flight, and a request's times
 start when it is sent, not when it arrived). --num-prompts defaults to max(16, 4 x concurrency)
 per concurrency level and 64 per rate. Before each level, --warmup requests (not counted). While
-a level runs, a side task times GET /metrics every --metrics-interval s (the server's
-responsiveness under load: /metrics asks the engine thread for a snapshot).
+a level runs, a process of its own times GET /metrics every --metrics-interval s (the server's
+responsiveness under load, as a monitor or `ft top` polling from elsewhere sees it), and so does a task
+in the client's event loop, beside the streams (its figures add the client's own delays: JSON
+`metrics_probe_client_loop`, and the level's line).
 
 Per request: TTFT, from sending to the first chunk that carries a choice, whatever its text;
 ITL, the gaps between successive chunks (FreeToken's closing chunk, empty text with the
@@ -46,7 +48,7 @@ so ITL is per chunk (as vLLM's is) and TPOT, from the usage's token count, is pe
 errors (a non-200 status, an error event in the stream, a stream cut before [DONE], an exception;
 the first one's text is shown), short requests, duration (first send to last end), request
 throughput, output tok/s and total tok/s (prompt + output tokens over the duration), TTFT / TPOT /
-ITL / E2E mean, p50, p90 and p99 in ms, and the /metrics latency p50 / p99 / max; and where the
+ITL / E2E mean, p50, p90 and p99 in ms, and the /metrics latency p50 / p99 / max (its own process's); and where the
 engine's time went (from the server's `ft_engine_steps_total{kind}` and
 `ft_engine_step_seconds_total{kind}` before and after the level): its decode, mixed (a prompt chunk
 beside decoding rows) and prefill-only steps, their seconds and the level's time outside steps
@@ -64,6 +66,7 @@ import asyncio
 import datetime
 import json
 import math
+import multiprocessing
 import os
 import re
 import secrets
@@ -256,6 +259,52 @@ async def probe_metrics(client: httpx.AsyncClient, url: str, interval: float, st
             pass
 
 
+def probe_metrics_process(url: str, interval: float, stop, out) -> None:
+    """`probe_metrics` in a process of its own (multiprocessing "spawn"): GET url every `interval` s until the
+    `stop` event is set, then (latencies in s, errors) through the pipe end `out`. A monitor or `ft top`
+    polls from its own process; the client's event loop, busy with every stream's chunks, would add its
+    own delays to a probe it ran (both are reported: `metrics_probe` and `metrics_probe_client_loop`)."""
+    latencies: list[float] = []
+    errors: list[str] = []
+    with httpx.Client(timeout=60.0) as client:
+        while True:  # at least one probe, however short the level
+            t0 = time.perf_counter()
+            try:
+                resp = client.get(url)
+                if resp.status_code == 200:
+                    latencies.append(time.perf_counter() - t0)
+                else:
+                    errors.append(f"HTTP {resp.status_code}")
+            except httpx.HTTPError as e:
+                errors.append(f"{type(e).__name__}: {e}")
+            if stop.wait(max(0.0, interval - (time.perf_counter() - t0))):
+                break
+    out.send((latencies, errors))
+
+
+class MetricsProber:
+    """`probe_metrics_process` started and collected: `start()`, then `finish()` -> (latencies, errors)."""
+
+    def __init__(self, url: str, interval: float) -> None:
+        ctx = multiprocessing.get_context("spawn")  # (no fork of a process running an event loop and threads)
+        self._stop = ctx.Event()
+        self._recv, send = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=probe_metrics_process, args=(url, interval, self._stop, send), daemon=True)
+
+    def start(self) -> None:
+        self._proc.start()
+
+    async def finish(self, timeout: float = 120.0) -> tuple[list[float], list[str]]:
+        """Stop the probes; their figures, or ([], [why]) when the process sent none within `timeout` s."""
+        self._stop.set()
+        ready = await asyncio.get_running_loop().run_in_executor(None, self._recv.poll, timeout)
+        result = self._recv.recv() if ready else ([], [f"the /metrics probe process sent nothing in {timeout:g} s"])
+        self._proc.join(5.0)
+        if self._proc.is_alive():
+            self._proc.kill()
+        return result
+
+
 STEP_SERIES = ("ft_engine_steps_total", "ft_engine_step_seconds_total")
 # `ft.engine.core.step_times.STEP_KINDS`, not imported: this client imports no torch
 STEP_KINDS = ("decode", "mixed", "prefill")
@@ -326,11 +375,13 @@ async def run_level(target: Target, prompts: Prompts, *, concurrency: int | None
         batch = [prompts.next() for _ in range(num_prompts)]
         results = [RequestResult(len(p)) for p in batch]
         stop = asyncio.Event()
-        probe_lat: list[float] = []
-        probe_err: list[str] = []
+        loop_lat: list[float] = []
+        loop_err: list[str] = []
         steps_before = await engine_steps(side, target.base + "/metrics")
+        outside = MetricsProber(target.base + "/metrics", metrics_interval)
+        outside.start()
         prober = asyncio.ensure_future(probe_metrics(side, target.base + "/metrics", metrics_interval, stop,
-                                                     probe_lat, probe_err))
+                                                     loop_lat, loop_err))
         t_start = time.perf_counter()
         try:
             if rate is None:  # concurrency mode: `concurrency` workers take the prompts in order
@@ -363,14 +414,25 @@ async def run_level(target: Target, prompts: Prompts, *, concurrency: int | None
         finally:
             stop.set()
             await prober
+            probe_lat, probe_err = await outside.finish()
         steps = step_split(steps_before, await engine_steps(side, target.base + "/metrics"))
     return level_figures(results, concurrency=concurrency, rate=rate, num_prompts=num_prompts,
                          output_len=target.fixed["max_tokens"], probe_lat=probe_lat, probe_err=probe_err,
-                         steps=steps)
+                         steps=steps, loop_lat=loop_lat, loop_err=loop_err)
+
+
+def probe_figures(latencies: list[float], errors: list[str]) -> dict:
+    """/metrics probes' count, errors and latency p50 / p99 / max / mean in ms."""
+    stats = summarize(v * 1e3 for v in latencies)
+    return {"count": len(latencies), "errors": len(errors), "first_error": errors[0] if errors else None,
+            **{k: v for k, v in stats.items() if k in ("p50", "p99", "max", "mean")}}
 
 
 def level_figures(results: list[RequestResult], *, concurrency: int | None, rate: float | None, num_prompts: int,
-                  output_len: int, probe_lat: list[float], probe_err: list[str], steps: dict | None = None) -> dict:
+                  output_len: int, probe_lat: list[float], probe_err: list[str], steps: dict | None = None,
+                  loop_lat: list[float] = (), loop_err: list[str] = ()) -> dict:
+    """A level's figures. probe_lat / probe_err: the /metrics probes from their own process; loop_lat /
+    loop_err: those the client's event loop ran beside the streams."""
     ok = [r for r in results if r.ok]
     errors = [r for r in results if not r.ok]
     short = [r for r in ok if r.output_tokens != output_len]
@@ -405,9 +467,8 @@ def level_figures(results: list[RequestResult], *, concurrency: int | None, rate
         "tpot_ms": ms(t for r in ok if (t := r.tpot_s) is not None),
         "itl_ms": ms(g for r in ok for g in r.itl_s),
         "e2e_ms": ms(r.e2e_s for r in ok),
-        "metrics_probe": {"count": len(probe_lat), "errors": len(probe_err),
-                          "first_error": probe_err[0] if probe_err else None,
-                          **{k: v for k, v in ms(probe_lat).items() if k in ("p50", "p99", "max", "mean")}},
+        "metrics_probe": probe_figures(probe_lat, probe_err),
+        "metrics_probe_client_loop": probe_figures(loop_lat, loop_err),
         "engine_steps": steps,
         "requests": [{
             "prompt_len": r.prompt_len, "ok": r.ok, "error": r.error, "status": r.status,
@@ -613,7 +674,8 @@ def level_line(lv: dict) -> str:
             f"{lv['total_token_throughput']:.1f} total tok/s; TTFT p50 {_f(lv['ttft_ms']['p50'])} ms, "
             f"TPOT p50 {_f(lv['tpot_ms']['p50'])} ms, ITL p50 {_f(lv['itl_ms']['p50'])} ms, "
             f"E2E p50 {_f(lv['e2e_ms']['p50'])} ms; /metrics p99 {_f(lv['metrics_probe']['p99'])} ms "
-            f"({lv['metrics_probe']['count']} probes); "
+            f"({lv['metrics_probe']['count']} probes from their own process; from the client's loop "
+            f"{_f(lv.get('metrics_probe_client_loop', {}).get('p99'))} ms); "
             f"{lv['cached_prompt_tokens']} prompt tokens from the prefix cache")
     if lv.get("engine_steps"):
         line += "\n  " + steps_line(lv["engine_steps"], lv["duration_s"])
