@@ -238,17 +238,21 @@ class Prompts:
 # a level
 
 
+def note_probe(t0: float, status: int, latencies: list[float], errors: list[str]) -> None:
+    """A probe sent at perf_counter() t0 answered `status`: its latency (s) if 200, else its error."""
+    if status == 200:
+        latencies.append(time.perf_counter() - t0)
+    else:
+        errors.append(f"HTTP {status}")
+
+
 async def probe_metrics(client: httpx.AsyncClient, url: str, interval: float, stop: asyncio.Event,
                         latencies: list[float], errors: list[str]) -> None:
     """GET url every `interval` s until `stop` is set: each answer's latency (s), or its error."""
     while True:  # at least one probe, however short the level
         t0 = time.perf_counter()
         try:
-            resp = await client.get(url)
-            if resp.status_code == 200:
-                latencies.append(time.perf_counter() - t0)
-            else:
-                errors.append(f"HTTP {resp.status_code}")
+            note_probe(t0, (await client.get(url)).status_code, latencies, errors)
         except httpx.HTTPError as e:
             errors.append(f"{type(e).__name__}: {e}")
         if stop.is_set():
@@ -270,11 +274,7 @@ def probe_metrics_process(url: str, interval: float, stop, out) -> None:
         while True:  # at least one probe, however short the level
             t0 = time.perf_counter()
             try:
-                resp = client.get(url)
-                if resp.status_code == 200:
-                    latencies.append(time.perf_counter() - t0)
-                else:
-                    errors.append(f"HTTP {resp.status_code}")
+                note_probe(t0, client.get(url).status_code, latencies, errors)
             except httpx.HTTPError as e:
                 errors.append(f"{type(e).__name__}: {e}")
             if stop.wait(max(0.0, interval - (time.perf_counter() - t0))):
