@@ -104,7 +104,9 @@ def test_the_context_is_the_ropes_as_vllm_derives_it(rope, max_position, context
 
 @pytest.mark.parametrize(("rope", "words"), [({"rope_type": "dynamic", "factor": 2.0}, "unsupported rope_type 'dynamic'"),
                                              ({"rope_type": "linear"}, "needs a positive factor"),
-                                             ({"rope_type": "yarn", "factor": -1.0}, "factor must be positive")])
+                                             ({"rope_type": "yarn", "factor": -1.0}, "factor must be positive"),
+                                             ({"rope_type": "yarn", "original_max_position_embeddings": 0},
+                                              "original_max_position_embeddings must be positive")])
 def test_a_rope_the_model_cannot_run_is_refused_in_one_line(rope, words):
     cfg = {"architectures": ["Qwen3NextForCausalLM"], "vocab_size": 32, "hidden_size": 64, "num_hidden_layers": 4,
            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2,

@@ -22,8 +22,9 @@ def rope_fields(rope: dict[str, Any]) -> tuple[str, tuple[tuple[str, Any], ...]]
     """(rope_type, its parameters as sorted (name, value) pairs, those of `ROPE_SCALING_KEYS` that are set)
     of a config's `rope_parameters` / `rope_scaling` dict (empty: "default").
 
-    Raises ValueError for a rope type outside `ROPE_TYPES`, or a "linear" / "yarn" one without a positive
-    factor where it needs one (linear always; YaRN unless original_max_position_embeddings gives it)."""
+    Raises ValueError for a rope type outside `ROPE_TYPES`, a "linear" one without a positive factor, a
+    "yarn" one with a factor that is not positive (none: max_position_embeddings over the original context),
+    or an original_max_position_embeddings that is not positive."""
     rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {rope_type!r} (FreeToken runs {', '.join(map(repr, ROPE_TYPES))})")
@@ -33,4 +34,7 @@ def rope_fields(rope: dict[str, Any]) -> tuple[str, tuple[tuple[str, Any], ...]]
         raise ValueError(f"rope_type 'linear' needs a positive factor, got {factor!r}")
     if rope_type == "yarn" and factor is not None and not (isinstance(factor, (int, float)) and factor > 0):
         raise ValueError(f"rope_type 'yarn': factor must be positive, got {factor!r}")
+    original = dict(scaling).get("original_max_position_embeddings")
+    if original is not None and not (isinstance(original, (int, float)) and original > 0):
+        raise ValueError(f"rope_type {rope_type!r}: original_max_position_embeddings must be positive, got {original!r}")
     return rope_type, scaling

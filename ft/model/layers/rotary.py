@@ -38,7 +38,7 @@ def rope_inv_freq(rope_type: str, scaling: dict, theta: float, max_position_embe
     if rope_type == "linear":
         return 1.0 / (float(y.get("factor") or 1.0) * base), 1.0
     if rope_type != "yarn":
-        raise ValueError(f"rope_type {rope_type!r}: {', '.join(map(repr, ROPE_TYPES))} are taken")
+        raise ValueError(f"unsupported rope_type {rope_type!r} (FreeToken runs {', '.join(map(repr, ROPE_TYPES))})")
     original = y.get("original_max_position_embeddings", max_position_embeddings)
     factor = y.get("factor") or max_position_embeddings / original
 
