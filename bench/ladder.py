@@ -22,7 +22,8 @@ other bytes, as the engine's does, could reach at best. The ladder's gain is eac
 tok/s over the 256K rung's (the fixed 256K geometry of the seed: KV fixed at 256K tokens, slots
 filling the rest, is exactly that rung's geometry). "policy ms/token": the read-through policy's own host time
 (`ReadThrough.host_s`: begin_step and end_step without the collect's wait for the step before, which runs behind
-the device). Prints a table last.
+the device). "card left GiB": what of the emulated card the process never took by the driver's count after the
+rung's request (`card_left`: the headroom `--memory-ratio` keeps, less what the run used of it). Prints a table last.
 """
 
 from __future__ import annotations
@@ -184,7 +185,19 @@ def measure(eng, windows: list[int]) -> dict:
     return {"tok_s": {w: round(marks.get(w, 0.0), 2) for w in windows}, "hit_rate": hits / max(1, hits + misses),
             "host_mb_per_token": host_bytes / 1e6, "bound_tok_s": bound, "serial_floor_tok_s": serial,
             "ms_per_token": elapsed / n * 1e3,
-            "policy_ms_per_token": policy_ms, "launch_ms_per_token": launch_ms}
+            "policy_ms_per_token": policy_ms, "launch_ms_per_token": launch_ms,
+            "card_left_gib": card_left(eng) / 2**30}
+
+
+def card_left(eng) -> float:
+    """Bytes of the (emulated) card the process has never taken, after a request: the card less the device's use
+    by the driver's count (weights, pools, reserves, the caching allocator's blocks, library workspaces; torch's
+    allocator keeps what it took, so this is about the run's least). What `--memory-ratio` holds back from the pools
+    and nothing used shows here. 0 on the CPU."""
+    if eng.device.type != "cuda":
+        return 0.0
+    free, total = torch.cuda.mem_get_info(eng.device)
+    return eng.cache.budget.card_bytes - (total - free)
 
 
 def host_profile(eng, steps: int) -> None:
@@ -227,11 +240,11 @@ def table(rows, windows: list[int]) -> None:
     base = {card: r["tok_s"][max(windows)] for card, kv, r in rows if r and kv == max(k for _, k, _ in rows)}
     head = " | ".join(f"tok/s @{w}" for w in windows)
     print(f"\n| card | KV rung | slots | hit rate | host MB/token | {head} | bound tok/s | of bound | serial floor "
-          f"tok/s | of serial | gain vs top rung | policy ms/token | graph launch ms/token |")
-    print("|---|---|---|---|---|" + "---|" * len(windows) + "---|---|---|---|---|---|---|")
+          f"tok/s | of serial | gain vs top rung | policy ms/token | graph launch ms/token | card left GiB |")
+    print("|---|---|---|---|---|" + "---|" * len(windows) + "---|---|---|---|---|---|---|---|")
     for card, kv, r in rows:
         if r is None:
-            print(f"| {card} | {kv // 1024}K | refused |" + " |" * (len(windows) + 9))
+            print(f"| {card} | {kv // 1024}K | refused |" + " |" * (len(windows) + 10))
             continue
         last = r["tok_s"][max(windows)]
         cells = " | ".join(f"{r['tok_s'][w]:.1f}" for w in windows)
@@ -239,7 +252,7 @@ def table(rows, windows: list[int]) -> None:
         print(f"| {card} | {kv // 1024}K | {r['slots']:,} | {r['hit_rate']:.1%} | {r['host_mb_per_token']:.0f} | "
               f"{cells} | {r['bound_tok_s']:.0f} | {last / r['bound_tok_s']:.0%} | {r['serial_floor_tok_s']:.0f} | "
               f"{last / r['serial_floor_tok_s']:.0%} | {gain} | {r['policy_ms_per_token']:.2f} | "
-              f"{r['launch_ms_per_token']:.2f} |")
+              f"{r['launch_ms_per_token']:.2f} | {r['card_left_gib']:.2f} |")
 
 
 if __name__ == "__main__":
