@@ -110,3 +110,20 @@ def test_cuda_streamed_prefill_gives_the_resident_bits(tiny_one, tmp_path_factor
     prompt = prompt_of(260, seed=18)
     assert offload.generate(prompt_token_ids=[prompt], **GREEDY_32)[0].token_ids == \
         resident.generate(prompt_token_ids=[prompt], **GREEDY_32)[0].token_ids
+
+
+@pytest.mark.parametrize("backend", ["offload", "resident"])
+def test_cuda_engine_with_a_scaled_rope_matches_transformers(backend, tmp_path_factory):
+    """Qwen3-Next with YaRN (the model card's way to 1M tokens) on CUDA: the decode kernels take the scaled
+    frequencies and the q / k scale (`Rope.scale`), against transformers on the CPU."""
+    from conftest import TINY_CONFIGS, make_hf_model, save_checkpoint
+    from test_rope_scaling import ROPES
+
+    model = make_hf_model({**TINY_CONFIGS["interval2-gqa2-top2"], "rope_parameters": ROPES["yarn-mscale"]})
+    path = save_checkpoint(model, tmp_path_factory.mktemp("rope-yarn-cuda"))
+    opts = dict(moe_cache_size=model.config.num_experts_per_tok + 1) if backend == "offload" else {}
+    llm = LLM(model=str(path), device="cuda", dtype="float32", page_size=16, moe_backend=backend,
+              max_prefill_length=40, **opts)
+    prompt = prompt_of(90, seed=4)
+    assert rel_err(first_step_logits(llm, prompt).cpu(), hf_last_logits(model, prompt)) < 1e-4
+    assert llm.generate(prompt_token_ids=[prompt], **GREEDY_32)[0].token_ids == hf_greedy(model, prompt)
