@@ -9,8 +9,9 @@ decode replayed through the expert cache in read-through mode (`ft.tools.offload
 cache and policy, the lookup kernel's reference) at the slot counts the H200 runs measured for
 the emulated 32 GiB and 16 GiB cards (bench/RESULTS.md), each policy with the victims unmapped
 before the step (the default) and kept mapped until a miss claims their slot (`--expert-mapped-victims`),
-and through the exact global LRU (`lru_hit_rate`: misses loaded before the call that needs them).
-Hit rates after a warm-up of a third of the tokens. Prints a table last.
+and through the exact global LRU (`lru_hit_rate`: misses loaded before the call that needs them);
+and the bound no policy passes on the same trace, Belady's MIN with bypass (`belady_hit_rate`: it knows
+every future access). Hit rates after a warm-up of a third of the tokens. Prints a table last.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import argparse
 import time
 
 from ft.tools.offload_sim import read_through_hit_rate
-from ft.tools.routing_trace import RoutingTrace, lru_hit_rate, model_popularity
+from ft.tools.routing_trace import RoutingTrace, belady_hit_rate, lru_hit_rate, model_popularity
 
 LAYERS, EXPERTS, TOP_K = 48, 512, 10
 SLOTS = [("32GiB, 64K rung", 13260), ("32GiB, 256K rung", 10528), ("16GiB, 64K rung", 4432),
@@ -50,17 +51,19 @@ def main() -> None:
     for name, slots in slot_list:
         t0 = time.perf_counter()
         exact = lru_hit_rate(trace, slots, warmup=warm) if not others else float("nan")
+        best = belady_hit_rate(trace, slots, warmup=warm) if not others else float("nan")
         rates = [read_through_hit_rate(trace, slots, warmup=warm, policy=policy, mapped_victims=mapped, others=others)
                  for policy in ("lru", "lfu") for mapped in (False, True)]
-        rows.append((name, slots, exact, *rates))
+        rows.append((name, slots, exact, *rates, best))
         print(f"{name}: {time.perf_counter() - t0:.1f} s", flush=True)
     print("\n| card, rung | slots | of all experts | exact LRU | read-through LRU | LRU, mapped victims "
-          "| read-through LFU (aging) | LFU, mapped victims |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, slots, exact, lru, lru_m, lfu, lfu_m in rows:
+          "| read-through LFU (aging) | LFU, mapped victims | Belady (future known) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, slots, exact, lru, lru_m, lfu, lfu_m, best in rows:
         exact_s = "-" if exact != exact else f"{exact:.1%}"  # (NaN: several rows)
         print(f"| {name} | {slots:,} | {slots / (LAYERS * EXPERTS):.1%} | {exact_s} | {lru:.1%} | {lru_m:.1%} "
-              f"({100 * (lru_m - lru):+.1f}) | {lfu:.1%} | {lfu_m:.1%} ({100 * (lfu_m - lfu):+.1f}) |")
+              f"({100 * (lru_m - lru):+.1f}) | {lfu:.1%} | {lfu_m:.1%} ({100 * (lfu_m - lfu):+.1f}) | "
+              + ("-" if best != best else f"{best:.1%}") + " |")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -96,3 +97,37 @@ def test_continue_from_sets_the_token_the_next_one_reuses():
     assert [sorted(layer) for layer in t.next_token()] == [[4, 5, 6], [7, 8, 9]]
     weights, perms = t.popularity()
     assert len(weights) == 32 and sorted(perms[0]) == list(range(32))
+
+
+def _best_by_search(trace, capacity):
+    """The best hit count over every choice of what to keep after each access, the accesses one at a time in
+    (token, layer, expert) order (exhaustive; tiny traces only): after a miss the key may be kept, evicting any
+    resident when full, or not; a resident may leave at any time."""
+    import itertools
+
+    keys = [(layer, e) for layers in trace for layer, experts in enumerate(layers) for e in dict.fromkeys(experts)]
+    states = {frozenset(): 0}
+    for key in keys:
+        after = {}
+        for res, hits in states.items():
+            h = hits + (key in res)
+            grown = res | {key}
+            for keep in range(len(grown) + 1):  # any subset of what is there after the access, within capacity
+                if keep > capacity:
+                    break
+                for kept in itertools.combinations(sorted(grown), keep):
+                    new = frozenset(kept)
+                    after[new] = max(after.get(new, -1), h)
+        states = after
+    return max(states.values()) / len(keys)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_belady_is_the_best_any_policy_does_on_tiny_traces(seed):
+    from ft.tools.routing_trace import belady_hit_rate
+
+    trace = RoutingTrace(2, 5, 2, seed=seed).tokens(6)
+    for capacity in (1, 2, 3):
+        assert belady_hit_rate(trace, capacity) == pytest.approx(_best_by_search(trace, capacity)), (seed, capacity)
+    for capacity in (2, 3):  # (the LRU holds a call's k = 2 experts at least)
+        assert belady_hit_rate(trace, capacity) >= lru_hit_rate(trace, capacity)

@@ -132,3 +132,46 @@ def lru_hit_rate(trace: list[list[list[int]]], capacity: int, warmup: int = 0) -
                 hits += len(present)
                 total += len(keys)
     return hits / total if total else 0.0
+
+
+def belady_hit_rate(trace: list[list[list[int]]], capacity: int, warmup: int = 0) -> float:
+    """An upper bound on the hits / accesses of any policy with `capacity` (layer, expert) slots over `trace`
+    ([token][layer][k]), counting after the first `warmup` tokens: Belady's MIN with bypass, which knows the
+    future. The accesses run one at a time in (token, layer, expert) order; a miss is cached only if its next
+    use comes before the farthest next use among the residents (that one is evicted), else it is read and not
+    kept, as read-through decode may. Optimal for such accesses (unit-size entries); the expert caches' own
+    rules (a step's residents stay through the step, victims chosen before the step) only take from it."""
+    import heapq
+
+    keys = [(layer, e) for layers in trace for layer, experts in enumerate(layers) for e in dict.fromkeys(experts)]
+    first_counted = sum(len(dict.fromkeys(experts)) for layers in trace[:warmup] for experts in layers)
+    never = len(keys)
+    nxt = [never] * len(keys)  # the next access of each access's key
+    seen: dict[tuple[int, int], int] = {}
+    for i in range(len(keys) - 1, -1, -1):
+        nxt[i] = seen.get(keys[i], never)
+        seen[keys[i]] = i
+    resident: dict[tuple[int, int], int] = {}  # key -> its next access
+    heap: list[tuple[int, tuple[int, int]]] = []  # (-next access, key); stale once the key moved on or left
+    hits = 0
+    for i, key in enumerate(keys):
+        n = nxt[i]
+        if key in resident:
+            hits += i >= first_counted
+            resident[key] = n
+            heapq.heappush(heap, (-n, key))
+            continue
+        if len(resident) < capacity:
+            resident[key] = n
+            heapq.heappush(heap, (-n, key))
+            continue
+        while resident.get(heap[0][1]) != -heap[0][0]:
+            heapq.heappop(heap)  # stale entries
+        far, victim = heap[0]
+        if n < -far:  # needed sooner than the farthest resident: it takes that one's slot
+            heapq.heappop(heap)
+            del resident[victim]
+            resident[key] = n
+            heapq.heappush(heap, (-n, key))
+    counted = len(keys) - first_counted
+    return hits / counted if counted else 0.0
