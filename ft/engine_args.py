@@ -56,6 +56,10 @@ HELP = {
     "max_seq_len_override": ("context limit in tokens (vLLM's --max-model-len, SGLang's --context-length) "
                              "(default: the checkpoint's max_position_embeddings; with a YaRN or linear rope, its context times the "
                              "rope's factor, as vLLM derives it)"),
+    "model_overrides": ("a JSON object merged over the checkpoint's config.json (vLLM's --hf-overrides, SGLang's "
+                        "--json-model-override-args), e.g. '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                        "\"original_max_position_embeddings\": 262144}}' as Qwen3-Next's card extends the context to 1M "
+                        "tokens; objects merge into the config's of that name, other values replace (default: none)"),
     "memory_ratio": ("fraction of the device memory still FREE once the weights are loaded that the cache pools and "
                      "the activation reserve may use (budget = free x ratio - reserve). --gpu-memory-utilization "
                      "(vLLM) and --mem-fraction-static (SGLang) set this same value, but there it is a fraction of the "
@@ -161,10 +165,11 @@ ALIASES = {
     "enable_prefix_cache": ["--enable-prefix-caching"],  # vLLM; BooleanOptionalAction adds --no-enable-prefix-caching
     "memory_ratio": ["--gpu-memory-utilization", "--mem-fraction-static"],  # vLLM, SGLang (a different base: see HELP)
     "tensor_parallel_size": ["-tp", "--tp-size"],  # vLLM, SGLang
+    "model_overrides": ["--hf-overrides", "--json-model-override-args"],  # vLLM, SGLang
 }
 """Other engines' spellings of our flags: field -> extra option strings of the same argument."""
 
-METAVARS = {"model": "PATH", "tokenizer": "DIR", "chat_template": "FILE_OR_TEXT", "device": "DEVICE",
+METAVARS = {"model": "PATH", "tokenizer": "DIR", "model_overrides": "JSON", "chat_template": "FILE_OR_TEXT", "device": "DEVICE",
             "gpu_memory_limit": "SIZE", "cache_budget": "SIZE", "cuda_graph_bs": "SIZES"}
 """Value names in --help (others: N for integers, X for fractions and seconds, the choices)."""
 

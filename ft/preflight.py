@@ -39,7 +39,7 @@ def check_model(config) -> None:
                 path = config_path(model)
                 if not path.is_file():
                     raise ConfigError(f"synthetic model config {path} does not exist")
-                cfg = ModelConfig.from_file(path)
+                cfg = ModelConfig.from_file(path, config.model_override_fields)
                 check_split(config, cfg)
                 _check_kernels(config, cfg, None)
                 path = None
@@ -50,7 +50,7 @@ def check_model(config) -> None:
                 raise ConfigError(f"model {model} is not a directory (a Hugging Face checkpoint folder)")
             # config.json: present, valid JSON, a supported architecture; splits over the GPUs asked;
             # shapes the kernels run (or take a reference path for)
-            cfg = ModelConfig.from_file(path)
+            cfg = ModelConfig.from_file(path, config.model_override_fields)
             check_split(config, cfg)
             _check_kernels(config, cfg, path)
             model_dir = path

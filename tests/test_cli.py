@@ -171,6 +171,15 @@ def test_pipeline_parallelism_is_refused_in_one_line_before_loading(flag):
     assert not torch_loaded
 
 
+@pytest.mark.parametrize("flag", ["--model-overrides", "--hf-overrides", "--json-model-override-args"])
+def test_model_overrides_that_are_no_json_object_are_refused_in_one_line_before_loading(flag):
+    rc, err, torch_loaded = _run_cli("serve", flag, '{"rope_scaling": ', "--port", "0")
+    lines = err.strip().splitlines()
+    assert rc != 0 and len(lines) == 1, err
+    assert "--model-overrides: not JSON" in lines[0] and lines[0].startswith("ft serve: error: --")
+    assert not torch_loaded
+
+
 @pytest.mark.parametrize("argv,usage,hint", [
     (["serve", "--mem", "1"], "usage: ft serve", "did you mean --memory-ratio?"),
     (["generate", "--prompt", "x", "--mem", "1"], "usage: ft generate", "did you mean --memory-ratio?"),

@@ -115,3 +115,54 @@ def test_a_rope_the_model_cannot_run_is_refused_in_one_line(rope, words):
     with pytest.raises(UnsupportedModelError, match=words) as e:
         ModelConfig.from_dict(cfg)
     assert "\n" not in str(e.value)
+
+
+def test_model_overrides_turn_yarn_on_as_the_card_says(tmp_path):
+    """A checkpoint saved with plain RoPE, served with --hf-overrides '{"rope_scaling": {...yarn}}' (the Qwen3-Next
+    card's vLLM line): the same tokens as transformers with that rope on the same weights; the context follows."""
+    from ft.engine import LLM
+    from ft.engine.base.engine_config import EngineConfig
+
+    rope = ROPES["yarn"]
+    plain = make_hf_model({**BASE, "rope_parameters": {k: rope[k] for k in ("rope_type", "rope_theta",
+                                                                          "partial_rotary_factor")} | {"rope_type": "default"}})
+    path = save_checkpoint(plain, tmp_path / "plain")
+    yarn = plain.__class__(plain.config.__class__(**{**plain.config.to_dict(), "rope_parameters": dict(rope)}))
+    yarn.load_state_dict(plain.state_dict())
+    yarn = yarn.float().eval()
+    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    overrides = json.dumps({"rope_scaling": scaling, "max_position_embeddings": 512})
+    assert EngineConfig(model_overrides=overrides).model_override_fields == {"rope_scaling": scaling,
+                                                                           "max_position_embeddings": 512}
+    llm = make_llm(path, max_prefill_length=40, model_overrides=overrides)
+    prompt = prompt_of(90, seed=4)
+    assert rel_err(first_step_logits(llm, prompt), hf_last_logits(yarn, prompt)) < 1e-4
+    assert llm.generate(prompt_token_ids=[prompt], **GREEDY_32)[0].token_ids == hf_greedy(yarn, prompt)
+    assert isinstance(llm, LLM) and llm.engine.model_config.rope_type == "yarn"
+
+
+def test_overrides_merge_into_dicts_and_reach_rope_parameters():
+    from ft.model.config import merge_overrides
+
+    cfg = {"a": 1, "rope_parameters": {"rope_type": "default", "rope_theta": 1e7},
+           "text_config": {"b": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}}
+    got = merge_overrides(cfg, {"a": 5, "rope_scaling": {"rope_type": "yarn", "factor": 2.0},
+                                "text_config": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "c": 3}})
+    assert got["a"] == 5 and got["rope_parameters"] == {"rope_type": "yarn", "rope_theta": 1e7, "factor": 2.0}
+    assert got["text_config"]["rope_parameters"] == {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
+    assert got["text_config"]["b"] == 2 and got["text_config"]["c"] == 3
+    assert cfg["a"] == 1 and cfg["rope_parameters"]["rope_type"] == "default"  # the config is not changed
+    # an explicit rope_parameters override is taken as given
+    got = merge_overrides(cfg, {"rope_parameters": {"factor": 3.0}, "rope_scaling": {"factor": 9.0}})
+    assert got["rope_parameters"]["factor"] == 3.0
+
+
+@pytest.mark.parametrize(("text", "words"), [("{not json", "--model-overrides: not JSON"),
+                                             ("[1, 2]", "a JSON object of config.json fields is needed")])
+def test_bad_model_overrides_are_one_line(text, words):
+    from ft.engine.base.engine_config import EngineConfig
+    from ft.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=words) as e:
+        EngineConfig(model_overrides=text)
+    assert "\n" not in str(e.value)

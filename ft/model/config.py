@@ -149,7 +149,10 @@ class ModelConfig:
             raise CheckpointError(f"config.json: missing required field {e.args[0]!r}") from None
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "ModelConfig":
+    def from_file(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "ModelConfig":
+        """From a checkpoint's config.json (or that file's path), with `overrides` merged over it
+        (`merge_overrides`: what --model-overrides / vLLM's --hf-overrides / SGLang's
+        --json-model-override-args give)."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
@@ -159,7 +162,7 @@ class ModelConfig:
             cfg = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{path}: invalid JSON: {e}") from None
-        return cls.from_dict(cfg)
+        return cls.from_dict(merge_overrides(cfg, overrides) if overrides else cfg)
 
     # ----------------------------------------------------------------------------- derived
     @property
@@ -228,6 +231,27 @@ class ModelConfig:
     def linear_conv_dim(self) -> int:
         """Channels of the causal conv1d: q, k and v of the linear-attention layer."""
         return 2 * self.linear_key_dim + self.linear_value_dim
+
+
+def merge_overrides(cfg: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """config.json's fields with `overrides` over them: a dict value merges into the config's dict of that name
+    (`text_config`, `rope_parameters`), any other value replaces it. A `rope_scaling` override also merges into
+    `rope_parameters` where the config has that (transformers 5's name for the same dict, which the parser reads
+    first), so the spelling of the models' cards (`{"rope_scaling": {"rope_type": "yarn", ...}}`) takes effect
+    whichever name the checkpoint was saved with. Returns a new dict; neither argument changes."""
+
+    def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+        out = dict(base)
+        for key, value in over.items():
+            out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        return out
+
+    out = merged(cfg, overrides)
+    for scope, over in ((out, overrides), (out.get("text_config"), overrides.get("text_config"))):
+        if (isinstance(scope, dict) and isinstance(over, dict) and isinstance(over.get("rope_scaling"), dict)
+                and "rope_parameters" not in over and isinstance(scope.get("rope_parameters"), dict)):
+            scope["rope_parameters"] = merged(scope["rope_parameters"], over["rope_scaling"])
+    return out
 
 
 def read_quantization(model_dir: str | Path) -> dict[str, Any]:

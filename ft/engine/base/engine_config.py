@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass, fields
 
 from ft.errors import ConfigError
@@ -55,6 +57,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto (a checkpoint's KV format with its scales, else compute) | bf16 | fp8 | nvfp4
     kv_scale_calibration: bool = False  # a quantized KV cache without checkpoint scales: set them from the first prefill
     max_seq_len_override: int | None = None  # context limit instead of the checkpoint's (ModelConfig.context_length)
+    model_overrides: str | None = None  # a JSON object merged over config.json (`model_config.merge_overrides`)
     memory_ratio: float = 0.9
     gpu_memory_limit: int | str | None = None  # bytes or "16GiB": act as if the card were this big
     cache_budget: int | str | None = None  # cap the cache pools' budget (benchmarks emulating a card)
@@ -161,12 +164,30 @@ class EngineConfig:
         if self.enable_kv_ladder and self.num_tokens is not None:
             raise ConfigError("--num-tokens conflicts with --enable-kv-ladder: the ladder sets the KV size "
                               "(use --ladder-step-size; KV starts at twice the step)")
+        if self.model_overrides is not None:
+            self.model_override_fields  # (its ConfigError, at once: not when the engine starts to load)
         for name in ("gpu_memory_limit", "cache_budget"):
             if getattr(self, name) is not None:
                 try:
                     object.__setattr__(self, name, parse_bytes(getattr(self, name)))
                 except ValueError as e:
                     raise ConfigError(f"--{name.replace('_', '-')}: {e}") from None
+
+    @property
+    def model_override_fields(self) -> dict | None:
+        """--model-overrides as a dict (None: none given). Raises ConfigError (one line) for text that is not a
+        JSON object."""
+        if self.model_overrides is None:
+            return None
+        try:
+            value = json.loads(self.model_overrides)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--model-overrides: not JSON ({e.msg} at character {e.pos}): "
+                              f"{self.model_overrides[:80]!r}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"--model-overrides: a JSON object of config.json fields is needed, "
+                              f"got {type(value).__name__}")
+        return value
 
     @property
     def running_requests(self) -> int:

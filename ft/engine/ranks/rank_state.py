@@ -66,7 +66,7 @@ class RankState:
         )
         self.source = model_source(config.model)
         self.model_path = self.source.path
-        self.model_config = ModelConfig.from_file(self.model_path)
+        self.model_config = ModelConfig.from_file(self.model_path, config.model_override_fields)
         read_through = self._check_kernels(config)  # before the weights load: a refusal is at once
         if config.embedding_on_host and self.model_config.tie_word_embeddings:
             raise ConfigError("--embedding-on-host: this checkpoint ties its embedding to the output head "
