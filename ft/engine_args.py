@@ -54,8 +54,8 @@ HELP = {
                              "1.0; for models whose K or V leave e4m3's range at 1.0 (|x| > 448 or < 2**-6); larger "
                              "values in later requests are clamped (bench/RESULTS.md)"),
     "max_seq_len_override": ("context limit in tokens (vLLM's --max-model-len, SGLang's --context-length) "
-                             "(default: the checkpoint's max_position_embeddings; with a YaRN or linear rope, its context times the "
-                             "rope's factor, as vLLM derives it)"),
+                             "(default: the checkpoint's max_position_embeddings; with a YaRN or linear rope, its "
+                             "context times the rope's factor, as vLLM derives it)"),
     "model_overrides": ("a JSON object merged over the checkpoint's config.json (vLLM's --hf-overrides, SGLang's "
                         "--json-model-override-args), e.g. '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
                         "\"original_max_position_embeddings\": 262144}}' as Qwen3-Next's card extends the context to 1M "
@@ -169,8 +169,8 @@ ALIASES = {
 }
 """Other engines' spellings of our flags: field -> extra option strings of the same argument."""
 
-METAVARS = {"model": "PATH", "tokenizer": "DIR", "model_overrides": "JSON", "chat_template": "FILE_OR_TEXT", "device": "DEVICE",
-            "gpu_memory_limit": "SIZE", "cache_budget": "SIZE", "cuda_graph_bs": "SIZES"}
+METAVARS = {"model": "PATH", "tokenizer": "DIR", "model_overrides": "JSON", "chat_template": "FILE_OR_TEXT",
+            "device": "DEVICE", "gpu_memory_limit": "SIZE", "cache_budget": "SIZE", "cuda_graph_bs": "SIZES"}
 """Value names in --help (others: N for integers, X for fractions and seconds, the choices)."""
 
 AUTO_DEFAULTS = {"progress": None}

@@ -36,5 +36,6 @@ def rope_fields(rope: dict[str, Any]) -> tuple[str, tuple[tuple[str, Any], ...]]
         raise ValueError(f"rope_type 'yarn': factor must be positive, got {factor!r}")
     original = dict(scaling).get("original_max_position_embeddings")
     if original is not None and not (isinstance(original, (int, float)) and original > 0):
-        raise ValueError(f"rope_type {rope_type!r}: original_max_position_embeddings must be positive, got {original!r}")
+        raise ValueError(f"rope_type {rope_type!r}: original_max_position_embeddings must be positive, "
+                         f"got {original!r}")
     return rope_type, scaling

@@ -6,7 +6,8 @@ experts per layer are popular, and consecutive tokens reuse experts. `RoutingTra
 layer, from a Zipf popularity over a random permutation of the experts (exponent `zipf_s`), and
 takes each of a token's k experts from the previous token's set with probability `reuse_p`
 (the rest from the Zipf law, all k distinct). `lru_hit_rate` replays a trace through one global
-LRU cache of (layer, expert) slots, the expert cache's policy, exactly.
+LRU cache of (layer, expert) slots, the expert cache's policy, exactly; `belady_hit_rate` gives the
+bound no policy passes on a trace (Belady's MIN with bypass: it knows every future access).
 
 `CALIBRATED` holds the parameters fitted (bench/routing_calibration.py) to the published LRU
 hit rates for 512 experts / top-10: about 67% at 12.5% of the experts cached, 81% at 25%. The fit
@@ -143,6 +144,8 @@ def belady_hit_rate(trace: list[list[list[int]]], capacity: int, warmup: int = 0
     rules (a step's residents stay through the step, victims chosen before the step) only take from it."""
     import heapq
 
+    if capacity <= 0:
+        return 0.0
     keys = [(layer, e) for layers in trace for layer, experts in enumerate(layers) for e in dict.fromkeys(experts)]
     first_counted = sum(len(dict.fromkeys(experts)) for layers in trace[:warmup] for experts in layers)
     never = len(keys)

@@ -49,7 +49,8 @@ def start_workers(config: EngineConfig) -> Workers | None:
     from ft.model.config import ModelConfig
     from ft.model.tp_split import check_split
 
-    check_split(ModelConfig.from_file(model_source(config.model).path, config.model_override_fields), world)  # before any worker starts
+    # before any worker starts
+    check_split(ModelConfig.from_file(model_source(config.model).path, config.model_override_fields), world)
     import torch
     import torch.multiprocessing as mp
 
