@@ -107,7 +107,8 @@ def describe(engine, url: str, started_s: float | None = None) -> str:
     b, g = engine.cache.budget, engine.cache.geometry
     c, st = engine.cache.layout.unit_costs(), d["storage"]
     return "\n".join([
-        f"ft serve: {d['model']} on {d['device']} ({d['dtype']}), context {engine.context_limit} tokens",
+        f"ft serve: {d['model']} on {d['device']} ({d['dtype']}), context {engine.context_limit} tokens"
+        + _rope_text(engine.model_config),
         f"  budget: card {format_bytes(b.card_bytes)}, weights {format_bytes(d['resident_weight_bytes'])}, "
         f"activation reserve {format_bytes(b.reserve_bytes)} -> cache budget {format_bytes(b.budget_bytes)}",
         *([f"  host: {host_tables_text(d['host_tables'], d['host_table_bytes'])} in host memory (rows gathered "
@@ -128,6 +129,16 @@ def describe(engine, url: str, started_s: float | None = None) -> str:
         *_ladder_lines(engine),
         f"  ready on {url}" + (f" (started in {started_s:.1f} s)" if started_s is not None else ""),
     ])
+
+
+def _rope_text(cfg) -> str:
+    """The banner's note on a scaled RoPE (what a config or --model-overrides set): empty for plain RoPE."""
+    if cfg.rope_type == "default":
+        return ""
+    scaling = dict(cfg.rope_scaling)
+    original = scaling.get("original_max_position_embeddings")
+    return (f" (RoPE {cfg.rope_type}, factor {scaling.get('factor', 1):g}"
+            + (f" over {int(original):,} tokens" if original else "") + ")")
 
 
 def _loan_lines(engine) -> list[str]:

@@ -139,6 +139,10 @@ def test_model_overrides_turn_yarn_on_as_the_card_says(tmp_path):
     assert rel_err(first_step_logits(llm, prompt), hf_last_logits(yarn, prompt)) < 1e-4
     assert llm.generate(prompt_token_ids=[prompt], **GREEDY_32)[0].token_ids == hf_greedy(yarn, prompt)
     assert isinstance(llm, LLM) and llm.engine.model_config.rope_type == "yarn"
+    from ft.serve_cmd import describe  # the banner says which rope runs (the override took effect)
+
+    first = describe(llm.engine, "http://x").splitlines()[0]
+    assert first.endswith("context 512 tokens (RoPE yarn, factor 4 over 32 tokens)"), first
 
 
 def test_overrides_merge_into_dicts_and_reach_rope_parameters():
