@@ -190,14 +190,11 @@ def measure(eng, windows: list[int]) -> dict:
 
 
 def card_left(eng) -> float:
-    """Bytes of the (emulated) card the process has never taken, after a request: the card less the device's use
-    by the driver's count (weights, pools, reserves, the caching allocator's blocks, library workspaces; torch's
-    allocator keeps what it took, so this is about the run's least). What `--memory-ratio` holds back from the pools
-    and nothing used shows here. 0 on the CPU."""
-    if eng.device.type != "cuda":
-        return 0.0
-    free, total = torch.cuda.mem_get_info(eng.device)
-    return eng.cache.budget.card_bytes - (total - free)
+    """Bytes of the (emulated) card the process has never taken, after a request (`DeviceMemory.untouched_bytes`:
+    the card less the device's use by the driver's count; torch's allocator keeps what it took, so this is about
+    the run's least). What `--memory-ratio` holds back from the pools and nothing used shows here. 0 on the CPU."""
+    reading = eng.device_memory.read(fresh=True)
+    return float(reading.untouched_bytes) if reading is not None else 0.0
 
 
 def host_profile(eng, steps: int) -> None:

@@ -308,11 +308,16 @@ class MetricsProber:
 STEP_SERIES = ("ft_engine_steps_total", "ft_engine_step_seconds_total")
 # `ft.engine.core.step_times.STEP_KINDS`, not imported: this client imports no torch
 STEP_KINDS = ("decode", "mixed", "prefill")
+DEVICE_SERIES = {"ft_device_memory_card_bytes": "card_bytes", "ft_device_memory_used_bytes": "used_bytes",
+                 "ft_device_memory_allocator_peak_bytes": "allocator_peak_bytes",
+                 "ft_device_memory_headroom_bytes": "headroom_bytes"}
+"""The server's card by the driver's count (`ft.memory.device_memory`; a CUDA device only)."""
 
 
-async def engine_steps(client: httpx.AsyncClient, url: str) -> dict | None:
-    """{(series, kind): value} of the server's step counters (`STEP_SERIES`) from its /metrics at url, or
-    None when it has none (another server, an older FreeToken) or the read fails."""
+async def server_samples(client: httpx.AsyncClient, url: str) -> dict | None:
+    """{(series, kind label): value} of the server's step counters (`STEP_SERIES`) and device gauges
+    (`DEVICE_SERIES`) from its /metrics at url, or None when it has none (another server, an older
+    FreeToken) or the read fails."""
     try:
         resp = await client.get(url)
     except httpx.HTTPError:
@@ -321,14 +326,22 @@ async def engine_steps(client: httpx.AsyncClient, url: str) -> dict | None:
         return None
     try:
         got = {(smp.name, smp.labels.get("kind")): smp.value for fam in text_string_to_metric_families(resp.text)
-               for smp in fam.samples if smp.name in STEP_SERIES}
+               for smp in fam.samples if smp.name in STEP_SERIES or smp.name in DEVICE_SERIES}
     except ValueError:  # not Prometheus text
         return None
     return got or None
 
 
+def device_memory(samples: dict | None) -> dict | None:
+    """`DEVICE_SERIES`' values from `server_samples` ({"card_bytes", "used_bytes", ...}), or None when the
+    server sent none (the CPU, another server)."""
+    if not samples or ("ft_device_memory_card_bytes", None) not in samples:
+        return None
+    return {key: int(samples.get((name, None), 0)) for name, key in DEVICE_SERIES.items()}
+
+
 def step_split(before: dict | None, after: dict | None) -> dict | None:
-    """{kind: {"steps", "seconds"}} between two `engine_steps` reads (None if either is missing)."""
+    """{kind: {"steps", "seconds"}} between two `server_samples` reads (None if either is missing)."""
     if before is None or after is None:
         return None
     return {kind: {"steps": int(after.get((STEP_SERIES[0], kind), 0) - before.get((STEP_SERIES[0], kind), 0)),
@@ -377,7 +390,7 @@ async def run_level(target: Target, prompts: Prompts, *, concurrency: int | None
         stop = asyncio.Event()
         loop_lat: list[float] = []
         loop_err: list[str] = []
-        steps_before = await engine_steps(side, target.base + "/metrics")
+        steps_before = await server_samples(side, target.base + "/metrics")
         outside = MetricsProber(target.base + "/metrics", metrics_interval)
         outside.start()
         prober = asyncio.ensure_future(probe_metrics(side, target.base + "/metrics", metrics_interval, stop,
@@ -415,10 +428,11 @@ async def run_level(target: Target, prompts: Prompts, *, concurrency: int | None
             stop.set()
             await prober
             probe_lat, probe_err = await outside.finish()
-        steps = step_split(steps_before, await engine_steps(side, target.base + "/metrics"))
+        steps_after = await server_samples(side, target.base + "/metrics")
     return level_figures(results, concurrency=concurrency, rate=rate, num_prompts=num_prompts,
                          output_len=target.fixed["max_tokens"], probe_lat=probe_lat, probe_err=probe_err,
-                         steps=steps, loop_lat=loop_lat, loop_err=loop_err)
+                         steps=step_split(steps_before, steps_after), loop_lat=loop_lat, loop_err=loop_err,
+                         device=device_memory(steps_after))
 
 
 def probe_figures(latencies: list[float], errors: list[str]) -> dict:
@@ -430,9 +444,10 @@ def probe_figures(latencies: list[float], errors: list[str]) -> dict:
 
 def level_figures(results: list[RequestResult], *, concurrency: int | None, rate: float | None, num_prompts: int,
                   output_len: int, probe_lat: list[float], probe_err: list[str], steps: dict | None = None,
-                  loop_lat: list[float] = (), loop_err: list[str] = ()) -> dict:
+                  loop_lat: list[float] = (), loop_err: list[str] = (), device: dict | None = None) -> dict:
     """A level's figures. probe_lat / probe_err: the /metrics probes from their own process; loop_lat /
-    loop_err: those the client's event loop ran beside the streams."""
+    loop_err: those the client's event loop ran beside the streams; device: the server's card at the
+    level's end (`device_memory`)."""
     ok = [r for r in results if r.ok]
     errors = [r for r in results if not r.ok]
     short = [r for r in ok if r.output_tokens != output_len]
@@ -470,6 +485,7 @@ def level_figures(results: list[RequestResult], *, concurrency: int | None, rate
         "metrics_probe": probe_figures(probe_lat, probe_err),
         "metrics_probe_client_loop": probe_figures(loop_lat, loop_err),
         "engine_steps": steps,
+        "device_memory": device,
         "requests": [{
             "prompt_len": r.prompt_len, "ok": r.ok, "error": r.error, "status": r.status,
             "output_tokens": r.output_tokens, "chunks": r.chunks, "cached_tokens": r.cached_tokens,
@@ -679,6 +695,8 @@ def level_line(lv: dict) -> str:
             f"{lv['cached_prompt_tokens']} prompt tokens from the prefix cache")
     if lv.get("engine_steps"):
         line += "\n  " + steps_line(lv["engine_steps"], lv["duration_s"])
+    if lv.get("device_memory"):
+        line += "\n  " + device_line(lv["device_memory"])
     if lv["first_error"]:
         line += f"\n  first error: {lv['first_error']}"
     if lv["short"]:
@@ -697,6 +715,16 @@ def steps_line(steps: dict, duration_s: float) -> str:
              for kind, v in steps.items()]
     inside = sum(v["seconds"] for v in steps.values())
     return f"engine steps: {', '.join(parts)}; {max(0.0, duration_s - inside):.2f} s of the level outside them"
+
+
+def device_line(d: dict) -> str:
+    """The server's card at a level's end (`device_memory`'s figures, GiB): in use by the driver's count, the
+    caching allocator's peak, what the process never took, and the headroom --memory-ratio keeps (torch's
+    allocator keeps the blocks it took, so "never taken" is about the least the card had left so far)."""
+    gib = 2 ** 30
+    return (f"device: {d['used_bytes'] / gib:.2f} of {d['card_bytes'] / gib:.2f} GiB in use (allocator peak "
+            f"{d['allocator_peak_bytes'] / gib:.2f}), {max(0, d['card_bytes'] - d['used_bytes']) / gib:.2f} GiB never "
+            f"taken; --memory-ratio keeps {d['headroom_bytes'] / gib:.2f} GiB back")
 
 
 def table(levels: list[dict]) -> str:

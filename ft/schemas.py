@@ -118,6 +118,17 @@ class RankCache(_Model):
     misses: int = 0
 
 
+class DeviceState(_Model):
+    """The card by the driver's count (`ft.memory.device_memory`; all zero on the CPU and from servers
+    before this field): the card the budget sees, what is in use, the caching allocator's peak, and what
+    --memory-ratio keeps back from the pools and the reserve (the headroom)."""
+
+    card_bytes: int = 0
+    used_bytes: int = 0
+    allocator_peak_bytes: int = 0
+    headroom_bytes: int = 0
+
+
 class CacheState(_Model):
     """GET /admin/cache. Each pool's [min, max] is its reachable range with the other pools held
     at their current sizes (`ranges_hold_others`); a target that changes several pools is checked
@@ -146,6 +157,7 @@ class CacheState(_Model):
     # gathers the rows its tokens need. host_tables: what -> bytes (servers before this field sent none)
     host_table_bytes: int = 0
     host_tables: dict[str, int] = Field(default_factory=dict)
+    device: DeviceState = Field(default_factory=DeviceState)
 
 
 class ResizeRequest(_Model):

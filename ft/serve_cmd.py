@@ -110,7 +110,10 @@ def describe(engine, url: str, started_s: float | None = None) -> str:
         f"ft serve: {d['model']} on {d['device']} ({d['dtype']}), context {engine.context_limit} tokens"
         + _rope_text(engine.model_config),
         f"  budget: card {format_bytes(b.card_bytes)}, weights {format_bytes(d['resident_weight_bytes'])}, "
-        f"activation reserve {format_bytes(b.reserve_bytes)} -> cache budget {format_bytes(b.budget_bytes)}",
+        f"activation reserve {format_bytes(b.reserve_bytes)}, headroom {format_bytes(b.headroom_bytes)} "
+        f"(--memory-ratio {engine.config.memory_ratio:g} of the {format_bytes(b.free_bytes)} free) -> cache budget "
+        f"{format_bytes(b.budget_bytes)}",
+        *_device_lines(engine),
         *([f"  host: {host_tables_text(d['host_tables'], d['host_table_bytes'])} in host memory (rows gathered "
            "per step; outside the cache budget, not traded by the ladder)"] if d.get("host_table_bytes") else []),
         f"  unit costs: expert slot {format_bytes(c.expert_slot)}, kv page {format_bytes(c.kv_page)} "
@@ -139,6 +142,17 @@ def _rope_text(cfg) -> str:
     original = scaling.get("original_max_position_embeddings")
     return (f" (RoPE {cfg.rope_type}, factor {scaling.get('factor', 1):g}"
             + (f" over {int(original):,} tokens" if original else "") + ")")
+
+
+def _device_lines(engine) -> list[str]:
+    """On a CUDA device, the banner's line on the card's use by the driver's count when ready (after the
+    warm-up, which ran the largest steps): what of the card the process never took, beside the headroom."""
+    d = engine.device_memory.read(fresh=True)
+    if d is None:
+        return []
+    return [f"  device: {format_bytes(d.used_bytes)} of the {format_bytes(d.card_bytes)} card in use by the driver's "
+            f"count (the caching allocator's peak {format_bytes(d.allocator_peak_bytes)}); "
+            f"{format_bytes(d.untouched_bytes)} never taken (/metrics ft_device_memory_*)"]
 
 
 def _loan_lines(engine) -> list[str]:

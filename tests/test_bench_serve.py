@@ -116,6 +116,7 @@ def test_serving_benchmark_against_a_started_server(tmp_path):
         assert lv["ttft_ms"]["p99"] <= lv["e2e_ms"]["max"]
         for probe in (lv["metrics_probe"], lv["metrics_probe_client_loop"]):  # its own process's, the client loop's
             assert probe["count"] >= 1 and probe["errors"] == 0 and 0 < probe["p50"] <= probe["p99"] <= probe["max"]
+        assert lv["device_memory"] is None  # a CPU server has no driver count (tests/test_device_memory.py)
         steps = lv["engine_steps"]  # the server's step counters across the level (the warm-up before them)
         assert sum(v["seconds"] for v in steps.values()) <= lv["duration_s"]
         assert all(v["seconds"] > 0 for v in steps.values() if v["steps"]), steps

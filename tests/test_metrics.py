@@ -371,3 +371,33 @@ def test_admin_events_tick_while_the_engine_thread_is_busy(app):
     held.result(WAIT_S)
     assert first["kind"] == "snapshot" and [t["kind"] for t in ticks] == ["tick"] * 3
     assert {t["cache"]["pools"]["kv"]["size"] for t in ticks} == {first["cache"]["pools"]["kv"]["size"]}
+
+
+def test_device_memory_gauges_on_a_cuda_device_only(app):
+    """The card by the driver's count (`ft.memory.device_memory`): no ft_device_memory_* series on the CPU;
+    with a CUDA reading (a stand-in probe here) the four gauges, and /admin/cache's `device` says the same."""
+    from ft.memory.device_memory import DeviceMemory
+
+    client, state = app
+    assert not [s for s in samples(client) if s.name.startswith("ft_device_memory_")]
+    assert client.get("/admin/cache").json()["device"]["card_bytes"] == 0
+    engine = state.loop.engine
+    real = engine.device_memory
+    reading = DeviceMemory(card_bytes=32 << 30, used_bytes=30 << 30, allocator_peak_bytes=27 << 30,
+                           headroom_bytes=2 << 30)
+
+    class Probe:
+        def read(self, fresh: bool = False) -> DeviceMemory:
+            return reading
+
+    engine.device_memory = Probe()  # (read by the engine thread at its next stats)
+    try:
+        want = {"ft_device_memory_card_bytes": 32 << 30, "ft_device_memory_used_bytes": 30 << 30,
+                "ft_device_memory_allocator_peak_bytes": 27 << 30, "ft_device_memory_headroom_bytes": 2 << 30}
+        wait_for(lambda: all(s.labels["model_name"] == DEMO and s.value == want[s.name] for s in samples(client)
+                             if s.name in want) and {s.name for s in samples(client)} >= set(want), "the gauges")
+        wait_for(lambda: client.get("/admin/cache").json()["device"] == {  # (a view at most VIEW_INTERVAL_S old)
+            "card_bytes": 32 << 30, "used_bytes": 30 << 30, "allocator_peak_bytes": 27 << 30, "headroom_bytes": 2 << 30},
+            "the admin view's device")
+    finally:
+        engine.device_memory = real

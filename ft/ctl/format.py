@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from ft.schemas import CacheState, History, HistoryEntry, LadderState, RequestList, ResizePlan
+from ft.schemas import CacheState, DeviceState, History, HistoryEntry, LadderState, RequestList, ResizePlan
 from ft.units import format_bytes, host_tables_text
 
 POOL_ORDER = ("moe", "kv", "mamba")
@@ -109,6 +109,14 @@ def format_ladder(ladder: LadderState) -> list[str]:
     return lines
 
 
+def device_text(device: DeviceState) -> str:
+    """The card by the driver's count, one line: in use, the allocator's peak, never taken, the headroom."""
+    untouched = max(0, device.card_bytes - device.used_bytes)
+    return (f"device: {format_bytes(device.used_bytes)} of {format_bytes(device.card_bytes)} in use (driver's count; "
+            f"allocator peak {format_bytes(device.allocator_peak_bytes)}), {format_bytes(untouched)} never taken; "
+            f"--memory-ratio keeps {format_bytes(device.headroom_bytes)} back")
+
+
 def format_cache(state: CacheState) -> str:
     """The `ft ctl cache` view:
 
@@ -152,6 +160,8 @@ def format_cache(state: CacheState) -> str:
     if state.host_table_bytes:
         lines.append(f"  host: {host_tables_text(state.host_tables, state.host_table_bytes)} in host memory (rows "
                      "gathered per step; outside the budget, not traded by the ladder)")
+    if state.device.card_bytes:  # a CUDA device (servers before this field sent none)
+        lines.append("  " + device_text(state.device))
     ex = state.exchange
     if ex.kv_tokens_per_expert_slot:  # (servers before this field sent none)
         lines.append(f"  ranges: each with the other pools at their current sizes; 1 expert slot = "

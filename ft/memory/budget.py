@@ -26,6 +26,7 @@ class MemoryBudget:
     free_bytes: int  # after the resident weights
     reserve_bytes: int  # activations of the largest forward pass
     budget_bytes: int  # what the cache pools may use together
+    headroom_bytes: int = 0  # what --memory-ratio keeps back: free - free x ratio (`ft.memory.device_memory`)
 
 
 PREFILL_CHUNK_BY_CARD = ((72 << 30, 16384), (36 << 30, 8192))
@@ -111,7 +112,8 @@ def measure_budget(
     else:
         card = gpu_memory_limit or CPU_DEFAULT_CARD
         free = max(0, card - resident_bytes)
-    budget = int(free * memory_ratio) - reserve_bytes
+    usable = int(free * memory_ratio)
+    budget = usable - reserve_bytes
     if cap is not None:
         budget = min(budget, cap)
     if budget <= 0:
@@ -120,7 +122,7 @@ def measure_budget(
             f"{format_bytes(resident_bytes)}, activation reserve {format_bytes(reserve_bytes)}; "
             "raise --gpu-memory-limit or --memory-ratio"
         )
-    return MemoryBudget(card, free, reserve_bytes, budget)
+    return MemoryBudget(card, free, reserve_bytes, budget, free - usable)
 
 
 def startup_geometry(

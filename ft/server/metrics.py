@@ -103,6 +103,17 @@ class _EngineCollector:
         yield g("ft_mamba_slots_used", "Linear-attention state slots in use", s.mamba_used)
         yield g("ft_expert_slots", "Expert cache slots on the device", s.moe_slots)
         yield g("ft_cache_budget_bytes", "Memory budget of the cache pools", s.budget_bytes)
+        if s.device_memory is not None:  # (a CUDA device: `ft.memory.device_memory`)
+            d = s.device_memory
+            yield g("ft_device_memory_card_bytes", "The card the budget sees (the device, or --gpu-memory-limit)",
+                    d["card_bytes"])
+            yield g("ft_device_memory_used_bytes", "The device's memory in use by the driver's count, as nvidia-smi "
+                    "shows it (weights, pools, reserves, allocator blocks, library workspaces, the CUDA context)",
+                    d["used_bytes"])
+            yield g("ft_device_memory_allocator_peak_bytes", "The most torch's caching allocator has held since the "
+                    "server started", d["allocator_peak_bytes"])
+            yield g("ft_device_memory_headroom_bytes", "What --memory-ratio keeps back from the pools and the "
+                    "activation reserve (the card less this and the used bytes: never taken)", d["headroom_bytes"])
         pools = self._family(GaugeMetricFamily, "ft_pool_bytes", "Bytes of each cache pool", labels=("pool",))
         for pool in ("moe", "kv", "mamba"):
             pools.add_metric([m, pool], getattr(s, f"{pool}_bytes"))

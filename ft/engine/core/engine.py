@@ -33,6 +33,7 @@ from ft.engine.text.tokenizer import Tokenizer
 from ft.engine.ranks.tp_worker import close_ranks, dead_rank, join_group, join_ranks, start_workers, stop_workers
 from ft.errors import ConfigError, RanksOutOfStep
 from ft.memory.cache_pools import CachePools
+from ft.memory.device_memory import DeviceMemoryProbe
 
 log = logging.getLogger("ft.engine")
 
@@ -99,6 +100,9 @@ class Engine(RankState):
                 and not config.prefix_host_entries(self.device.type):
             raise ConfigError("--mamba-on-demand needs the prefix cache's states in host memory "
                               "(--prefix-states-on-host) or no prefix cache")
+        budget = self.cache.budget
+        # the card's use by the driver's count beside the planned budget (None on the CPU)
+        self.device_memory = DeviceMemoryProbe(self.device, budget.card_bytes, budget.headroom_bytes)
         self.started_at = time.time()
         self.started_monotonic = time.monotonic()  # the admin API's uptime never goes backwards
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}

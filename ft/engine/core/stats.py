@@ -8,6 +8,7 @@ Plain numbers only: readers on other threads touch no engine object.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,9 @@ class EngineStats:
     rebuild_durations: tuple[tuple[str, float], ...]  # (trigger, seconds) of each rebuild that ran
     rung: int | None  # the KV ladder's rung (0-based), None between rungs or without a ladder
     rungs: int  # 0: no ladder
+    # the card by the driver's count (`ft.memory.device_memory`), None on the CPU: card_bytes, used_bytes,
+    # allocator_peak_bytes, headroom_bytes
+    device_memory: dict[str, int] | None = None
 
 
 def engine_stats(engine: Any) -> EngineStats:
@@ -95,4 +99,10 @@ def engine_stats(engine: Any) -> EngineStats:
         rebuilds=rebuilds, rebuild_durations=tuple(durations),
         rung=lad.current(engine.cache.geometry.kv_tokens) if lad is not None else None,
         rungs=len(lad.rungs) if lad is not None else 0,
+        device_memory=_device_memory(engine),
     )
+
+
+def _device_memory(engine: Any) -> dict[str, int] | None:
+    reading = engine.device_memory.read()  # (a cached reading between its interval's driver calls)
+    return dataclasses.asdict(reading) if reading is not None else None

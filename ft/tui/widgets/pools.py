@@ -72,6 +72,13 @@ class PoolsPanel(Widget):
         text_w = sum(widths) + 2 * len(widths)
         track_w = width - text_w
         lines = [head, bar_text(c, width)]
+        d = c.device
+        if d.card_bytes:  # a CUDA device: the card by the driver's count, beside the planned budget
+            card = Text(no_wrap=True, overflow="ellipsis", style="dim")
+            card.append(f"card {format_bytes(d.used_bytes)} of {format_bytes(d.card_bytes)} in use (driver), "
+                        f"{format_bytes(max(0, d.card_bytes - d.used_bytes))} never taken, headroom "
+                        f"{format_bytes(d.headroom_bytes)} (--memory-ratio)")
+            lines.append(card)
         ex = c.exchange
         if ex.kv_tokens_per_expert_slot:  # how the ranges read, and what a slot trades for
             note = Text(no_wrap=True, overflow="ellipsis", style="dim")
