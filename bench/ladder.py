@@ -66,6 +66,9 @@ def main() -> None:
                     help="after each rung's row, profile this many decode steps there (GPU kernels and timeline)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
                     help="after each card's rows, the host time of this many decode steps by function (cProfile)")
+    ap.add_argument("--memory-ratios", default="0.9", metavar="R[,R...]",
+                    help="--memory-ratio of each engine (several: one engine per ratio and card, in the order given, "
+                         "an A/B of the headroom; rows say which)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script on a small config")
     ap.add_argument("--pdl", action="store_true",
                     help="launch the decode kernels with programmatic dependent launch (kernel variant pdl)")
@@ -95,12 +98,15 @@ def main() -> None:
     windows = sorted(int(t) for t in args.tokens.split(","))
     rungs = [int(r) for r in args.rungs.split(",")]
     rows = []
-    engines = [(card, int(c)) for card in args.cards.split(",") for c in args.chunks.split(",")]
-    for card, chunk in engines:
+    ratios = [float(r) for r in args.memory_ratios.split(",")]
+    engines = [(card, int(c), ratio) for card in args.cards.split(",") for c in args.chunks.split(",")
+               for ratio in ratios]
+    for card, chunk, ratio in engines:
         t0 = time.perf_counter()
         eng = Engine(EngineConfig(model=f"synthetic:{tmp}", device=args.device, dtype="bfloat16", moe_backend="offload",
                                   gpu_memory_limit=card, enable_kv_ladder=True, ladder_step_size=args.step,
                                   max_running_requests=1, max_prefill_length=chunk or None, cuda_graph_max_bs=1,
+                                  memory_ratio=ratio,
                                   expert_policy=args.policy, expert_mapped_victims=args.mapped_victims,
                                   kv_cache_dtype=args.kv_cache_dtype,
                                   overlap_decode=args.overlap_decode,
@@ -113,8 +119,10 @@ def main() -> None:
         from ft.serve_cmd import describe  # (the server's startup banner: where the card's bytes go)
 
         print("\n".join(describe(eng, "-").splitlines()[:-1]), flush=True)
-        if len(engines) > len(args.cards.split(",")):  # several chunks: rows say which
+        if len(args.chunks.split(",")) > 1:  # several chunks: rows say which
             card = f"{card} chunk {eng.config.max_prefill_length}"
+        if len(ratios) > 1:  # several ratios: rows say which
+            card = f"{card} ratio {ratio:g}"
         for kv in rungs:
             if kv not in eng.ladder.rungs:
                 print(f"{card}: no rung at {kv} tokens (rungs {eng.ladder.rungs})", flush=True)
