@@ -23,7 +23,7 @@ tok/s over the 256K rung's (the fixed 256K geometry of the seed: KV fixed at 256
 filling the rest, is exactly that rung's geometry). "policy ms/token": the read-through policy's own host time
 (`ReadThrough.host_s`: begin_step and end_step without the collect's wait for the step before, which runs behind
 the device). "card left GiB": what of the emulated card the process never took by the driver's count after the
-rung's request (`card_left`: the headroom `--memory-ratio` keeps, less what the run used of it). Prints a table last.
+rung's request (`card_left`: the budget's headroom, less what the run used of it). Prints a table last.
 """
 
 from __future__ import annotations
@@ -66,9 +66,9 @@ def main() -> None:
                     help="after each rung's row, profile this many decode steps there (GPU kernels and timeline)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
                     help="after each card's rows, the host time of this many decode steps by function (cProfile)")
-    ap.add_argument("--memory-ratios", default="0.9", metavar="R[,R...]",
-                    help="--memory-ratio of each engine (several: one engine per ratio and card, in the order given, "
-                         "an A/B of the headroom; rows say which)")
+    ap.add_argument("--memory-ratios", default="auto", metavar="R[,R...]",
+                    help="--memory-ratio of each engine, or auto for the default headroom (several: one engine per "
+                         "ratio and card, in the order given, an A/B of the headroom; rows say which)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script on a small config")
     ap.add_argument("--pdl", action="store_true",
                     help="launch the decode kernels with programmatic dependent launch (kernel variant pdl)")
@@ -98,7 +98,7 @@ def main() -> None:
     windows = sorted(int(t) for t in args.tokens.split(","))
     rungs = [int(r) for r in args.rungs.split(",")]
     rows = []
-    ratios = [float(r) for r in args.memory_ratios.split(",")]
+    ratios = [None if r == "auto" else float(r) for r in args.memory_ratios.split(",")]
     engines = [(card, int(c), ratio) for card in args.cards.split(",") for c in args.chunks.split(",")
                for ratio in ratios]
     for card, chunk, ratio in engines:
@@ -122,7 +122,7 @@ def main() -> None:
         if len(args.chunks.split(",")) > 1:  # several chunks: rows say which
             card = f"{card} chunk {eng.config.max_prefill_length}"
         if len(ratios) > 1:  # several ratios: rows say which
-            card = f"{card} ratio {ratio:g}"
+            card = f"{card} ratio {'auto' if ratio is None else f'{ratio:g}'}"
         for kv in rungs:
             if kv not in eng.ladder.rungs:
                 print(f"{card}: no rung at {kv} tokens (rungs {eng.ladder.rungs})", flush=True)
@@ -200,7 +200,7 @@ def measure(eng, windows: list[int]) -> dict:
 def card_left(eng) -> float:
     """Bytes of the (emulated) card the process has never taken, after a request (`DeviceMemory.untouched_bytes`:
     the card less the device's use by the driver's count; torch's allocator keeps what it took, so this is about
-    the run's least). What `--memory-ratio` holds back from the pools and nothing used shows here. 0 on the CPU."""
+    the run's least). The headroom the budget holds back from the pools shows here when nothing used it. 0 on the CPU."""
     reading = eng.device_memory.read(fresh=True)
     return float(reading.untouched_bytes) if reading is not None else 0.0
 

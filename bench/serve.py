@@ -719,12 +719,12 @@ def steps_line(steps: dict, duration_s: float) -> str:
 
 def device_line(d: dict) -> str:
     """The server's card at a level's end (`device_memory`'s figures, GiB): in use by the driver's count, the
-    caching allocator's peak, what the process never took, and the headroom --memory-ratio keeps (torch's
+    caching allocator's peak, what the process never took, and the headroom the budget keeps (torch's
     allocator keeps the blocks it took, so "never taken" is about the least the card had left so far)."""
     gib = 2 ** 30
     return (f"device: {d['used_bytes'] / gib:.2f} of {d['card_bytes'] / gib:.2f} GiB in use (allocator peak "
             f"{d['allocator_peak_bytes'] / gib:.2f}), {max(0, d['card_bytes'] - d['used_bytes']) / gib:.2f} GiB never "
-            f"taken; --memory-ratio keeps {d['headroom_bytes'] / gib:.2f} GiB back")
+            f"taken; headroom {d['headroom_bytes'] / gib:.2f} GiB")
 
 
 def table(levels: list[dict]) -> str:

@@ -61,10 +61,12 @@ HELP = {
                         "\"original_max_position_embeddings\": 262144}}' as Qwen3-Next's card extends the context to 1M "
                         "tokens; objects merge into the config's of that name, other values replace (default: none)"),
     "memory_ratio": ("fraction of the device memory still FREE once the weights are loaded that the cache pools and "
-                     "the activation reserve may use (budget = free x ratio - reserve). --gpu-memory-utilization "
+                     "the activation reserve may use (budget = free x ratio - reserve; the rest is the headroom, for "
+                     "what no plan counts: library workspaces, allocator fragments). --gpu-memory-utilization "
                      "(vLLM) and --mem-fraction-static (SGLang) set this same value, but there it is a fraction of the "
                      "card's TOTAL memory, weights included: 0.9 here leaves a tenth of what is free, not a tenth of "
-                     "the card"),
+                     "the card (default: a headroom of a tenth of the free memory, at most 1 GiB where the experts are offloaded on "
+                     "one GPU)"),
     "gpu_memory_limit": ("act as if the card had this much memory (e.g. 16GiB) "
                          "(default: the real card; on CPU an emulated 96MiB card)"),
     "cache_budget": ("cap the cache pools' budget at this size (e.g. 4.8GiB), below what the card leaves "

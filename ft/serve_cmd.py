@@ -111,8 +111,7 @@ def describe(engine, url: str, started_s: float | None = None) -> str:
         + _rope_text(engine.model_config),
         f"  budget: card {format_bytes(b.card_bytes)}, weights {format_bytes(d['resident_weight_bytes'])}, "
         f"activation reserve {format_bytes(b.reserve_bytes)}, headroom {format_bytes(b.headroom_bytes)} "
-        f"(--memory-ratio {engine.config.memory_ratio:g} of the {format_bytes(b.free_bytes)} free) -> cache budget "
-        f"{format_bytes(b.budget_bytes)}",
+        f"({_headroom_rule(engine.config.memory_ratio, b)}) -> cache budget {format_bytes(b.budget_bytes)}",
         *_device_lines(engine),
         *([f"  host: {host_tables_text(d['host_tables'], d['host_table_bytes'])} in host memory (rows gathered "
            "per step; outside the cache budget, not traded by the ladder)"] if d.get("host_table_bytes") else []),
@@ -142,6 +141,18 @@ def _rope_text(cfg) -> str:
     original = scaling.get("original_max_position_embeddings")
     return (f" (RoPE {cfg.rope_type}, factor {scaling.get('factor', 1):g}"
             + (f" over {int(original):,} tokens" if original else "") + ")")
+
+
+def _headroom_rule(memory_ratio: float | None, budget) -> str:
+    """How the banner's headroom was chosen (`ft.memory.budget.headroom_for`) from the free memory."""
+    from ft.memory.budget import HEADROOM_CAP, HEADROOM_SHARE
+
+    free = format_bytes(budget.free_bytes)
+    if memory_ratio is not None:
+        return f"the {1 - memory_ratio:.0%} of the {free} free that --memory-ratio {memory_ratio:g} leaves"
+    if budget.headroom_bytes == HEADROOM_CAP:
+        return f"at most {format_bytes(HEADROOM_CAP)} with offloaded experts; --memory-ratio sets a share"
+    return f"{HEADROOM_SHARE:.0%} of the {free} free; --memory-ratio sets another share"
 
 
 def _device_lines(engine) -> list[str]:

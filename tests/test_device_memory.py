@@ -55,6 +55,20 @@ def test_the_probe_reads_the_driver_count_once_an_interval(fake_cuda, monkeypatc
     assert probe.read().used_bytes == 31 * GIB and fake_cuda["calls"] == 3
 
 
+def test_the_default_headroom_is_a_tenth_of_the_free_memory_at_most_the_cap():
+    from ft.memory.budget import HEADROOM_CAP, headroom_for
+
+    assert headroom_for(5 * GIB, None) == 5 * GIB - int(5 * GIB * 0.9)  # under the cap: a tenth
+    assert headroom_for(27 * GIB, None) == HEADROOM_CAP == GIB  # a 32 GiB card's free memory: the cap
+    assert headroom_for(27 * GIB, None, capped=False) == 27 * GIB - int(27 * GIB * 0.9)  # resident, TP: a tenth
+    assert headroom_for(27 * GIB, 0.9) == 27 * GIB - int(27 * GIB * 0.9)  # --memory-ratio as given
+    assert headroom_for(27 * GIB, 1.0) == 0
+    cpu = measure_budget(torch.device("cpu"), 16 * 2**20, None, None, 0)  # the demo's card: a tenth, as before
+    assert cpu.headroom_bytes == measure_budget(torch.device("cpu"), 16 * 2**20, 0.9, None, 0).headroom_bytes > 0
+    with pytest.raises(Exception, match=r"--memory-ratio must be in \(0, 1\], got 1.5"):
+        measure_budget(torch.device("cpu"), 0, 1.5, None, 0)
+
+
 def test_the_budget_names_the_headroom_the_ratio_keeps():
     b = measure_budget(torch.device("cpu"), 16 * 2**20, 0.9, None, 4 * 2**20)
     free = CPU_DEFAULT_CARD - 16 * 2**20
@@ -83,7 +97,7 @@ DEVICE = DeviceState(card_bytes=32 * GIB, used_bytes=int(29.5 * GIB), allocator_
 def test_ft_ctl_cache_shows_the_card_on_a_cuda_server():
     assert not any("device:" in line for line in format_cache(CacheState()).splitlines())  # CPU, older servers
     assert ("  device: 29.5 GiB of 32.0 GiB in use (driver's count; allocator peak 27.0 GiB), 2.5 GiB never taken; "
-            "--memory-ratio keeps 2.4 GiB back") in format_cache(CacheState(device=DEVICE)).splitlines()
+            "headroom 2.4 GiB kept back from the pools") in format_cache(CacheState(device=DEVICE)).splitlines()
 
 
 def test_ft_top_pools_panel_shows_the_card():
@@ -107,7 +121,7 @@ def test_ft_top_pools_panel_shows_the_card():
             assert "never taken" not in text_of(panel)
             panel.cache = CacheState(budget_bytes=20 * GIB, device=DEVICE)
             await pilot.pause()
-            assert "card 29.5 GiB of 32.0 GiB in use (driver), 2.5 GiB never taken, headroom 2.4 GiB (--memory-ratio)" \
+            assert "card 29.5 GiB of 32.0 GiB in use (driver), 2.5 GiB never taken, headroom 2.4 GiB" \
                 in text_of(panel)
 
     asyncio.run(scenario())
@@ -134,5 +148,19 @@ def test_bench_serve_reads_the_device_gauges():
     assert d == {"card_bytes": 32 * GIB, "used_bytes": 30 * GIB, "allocator_peak_bytes": 27 * GIB,
                  "headroom_bytes": GIB}
     assert device_line(d) == ("device: 30.00 of 32.00 GiB in use (allocator peak 27.00), 2.00 GiB never taken; "
-                              "--memory-ratio keeps 1.00 GiB back")
+                              "headroom 1.00 GiB")
     assert device_memory({("ft_engine_steps_total", "decode"): 5.0}) is None and device_memory(None) is None
+
+
+@pytest.mark.parametrize("backend,capped", [("offload", True), ("resident", False)])
+def test_an_engine_caps_the_default_headroom_only_with_offloaded_experts(backend, capped):
+    from ft.engine import LLM
+    from ft.memory.budget import HEADROOM_CAP
+
+    llm = LLM(model="demo", device="cpu", gpu_memory_limit="32GiB", moe_backend=backend)
+    b = llm.engine.cache.budget
+    tenth = b.free_bytes - int(b.free_bytes * 0.9)
+    assert b.headroom_bytes == (HEADROOM_CAP if capped else tenth) and tenth > HEADROOM_CAP
+    assert b.budget_bytes == b.free_bytes - b.headroom_bytes - b.reserve_bytes
+    given = LLM(model="demo", device="cpu", gpu_memory_limit="32GiB", moe_backend=backend, memory_ratio=0.9)
+    assert given.engine.cache.budget.headroom_bytes == tenth  # --memory-ratio as given, either backend

@@ -114,7 +114,7 @@ def device_text(device: DeviceState) -> str:
     untouched = max(0, device.card_bytes - device.used_bytes)
     return (f"device: {format_bytes(device.used_bytes)} of {format_bytes(device.card_bytes)} in use (driver's count; "
             f"allocator peak {format_bytes(device.allocator_peak_bytes)}), {format_bytes(untouched)} never taken; "
-            f"--memory-ratio keeps {format_bytes(device.headroom_bytes)} back")
+            f"headroom {format_bytes(device.headroom_bytes)} kept back from the pools")
 
 
 def format_cache(state: CacheState) -> str:

@@ -1,6 +1,7 @@
 """The memory budget of the cache pools and the startup geometry.
 
-Budget: after the resident weights load, `free x memory_ratio - activation reserve`, where the
+Budget: after the resident weights load, `free - headroom - activation reserve` (the headroom:
+`headroom_for`, --memory-ratio's share or the default's), where the
 card is the real device or, with `gpu_memory_limit`, a card of that size (on CPU the limit plays
 the card, with a small default so the demo shows real trade-offs). Unit costs come from real
 tensors (`ft.engine.cache.manager`), and every byte figure comes from `layout.MemoryLayout`.
@@ -26,7 +27,7 @@ class MemoryBudget:
     free_bytes: int  # after the resident weights
     reserve_bytes: int  # activations of the largest forward pass
     budget_bytes: int  # what the cache pools may use together
-    headroom_bytes: int = 0  # what --memory-ratio keeps back: free - free x ratio (`ft.memory.device_memory`)
+    headroom_bytes: int = 0  # kept back from the pools and the reserve (`headroom_for`; `ft.memory.device_memory`)
 
 
 PREFILL_CHUNK_BY_CARD = ((72 << 30, 16384), (36 << 30, 8192))
@@ -96,11 +97,34 @@ def experts_can_all_be_resident(moe_backend: str, moe_cache_size: int | None, to
     return expert_bytes <= budget_bytes
 
 
+HEADROOM_SHARE = 0.10
+"""The default headroom's share of the free memory (`headroom_for`), up to `HEADROOM_CAP`."""
+HEADROOM_CAP = 1 << 30
+"""The most the default headroom keeps back, in bytes (`headroom_for`)."""
+
+
+def headroom_for(free: int, memory_ratio: float | None, capped: bool = True) -> int:
+    """Bytes of the free memory (after the weights) that neither the pools nor the activation reserve may
+    use: what nothing plans for (library workspaces, the CUDA context's growth as kernels load, the caching
+    allocator's fragments). With --memory-ratio R (in (0, 1]: `measure_budget` checks), free x (1 - R);
+    by default `HEADROOM_SHARE` of it, and where `capped` at most `HEADROOM_CAP`. The caller caps where
+    the bytes buy speed and the cap was measured: experts offloaded on one GPU, where each GiB is ~400
+    to ~600 expert slots (an NCCL communicator's buffers, under tensor parallelism, come after the
+    budget; a resident card's KV beyond its requests' needs buys nothing). What the card kept
+    untouched under load with the cap: bench/RESULTS.md, session 54."""
+    if memory_ratio is not None:
+        return free - int(free * memory_ratio)
+    share = free - int(free * (1 - HEADROOM_SHARE))
+    return min(share, HEADROOM_CAP) if capped else share
+
+
 def measure_budget(
-    device: torch.device, resident_bytes: int, memory_ratio: float, gpu_memory_limit: int | None, reserve_bytes: int,
-    cap: int | None = None,
+    device: torch.device, resident_bytes: int, memory_ratio: float | None, gpu_memory_limit: int | None,
+    reserve_bytes: int, cap: int | None = None, capped_headroom: bool = False,
 ) -> MemoryBudget:
-    if not 0 < memory_ratio <= 1:
+    """The cache pools' budget: the free memory after the weights, less the headroom (`headroom_for`,
+    `capped_headroom` its `capped`) and `reserve_bytes`, at most `cap`; ConfigError when nothing is left."""
+    if memory_ratio is not None and not 0 < memory_ratio <= 1:  # (before the device is touched)
         raise ConfigError(f"--memory-ratio must be in (0, 1], got {memory_ratio}")
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -112,8 +136,8 @@ def measure_budget(
     else:
         card = gpu_memory_limit or CPU_DEFAULT_CARD
         free = max(0, card - resident_bytes)
-    usable = int(free * memory_ratio)
-    budget = usable - reserve_bytes
+    headroom = headroom_for(free, memory_ratio, capped_headroom)
+    budget = free - headroom - reserve_bytes
     if cap is not None:
         budget = min(budget, cap)
     if budget <= 0:
@@ -122,7 +146,7 @@ def measure_budget(
             f"{format_bytes(resident_bytes)}, activation reserve {format_bytes(reserve_bytes)}; "
             "raise --gpu-memory-limit or --memory-ratio"
         )
-    return MemoryBudget(card, free, reserve_bytes, budget, free - usable)
+    return MemoryBudget(card, free, reserve_bytes, budget, headroom)
 
 
 def startup_geometry(

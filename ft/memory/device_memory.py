@@ -1,13 +1,13 @@
 """What the card's memory holds right now, by the driver's count: the figure beside the budget.
 
 The budget (`ft.memory.budget`) is planned: weights, the activation reserve, the pools, and what
-`--memory-ratio` keeps back from them all (the headroom: a tenth of the free memory by default,
-for what no plan counts: library workspaces, the CUDA context's growth, the caching allocator's
-fragments). Whether that headroom is ever used is a measurement, not a plan: `DeviceMemoryProbe`
+the headroom kept back from them all (`ft.memory.budget.headroom_for`: for what no plan counts:
+library workspaces, the CUDA context's growth, the caching allocator's fragments). Whether that headroom is ever used is a measurement, not a plan: `DeviceMemoryProbe`
 reads the driver's count of the card's use (`cudaMemGetInfo`, as nvidia-smi shows it) and the
 most torch's caching allocator ever held, so the startup lines, `/metrics`, `ft ctl cache` and
-`ft top` can show how much of the card the process has never taken. A headroom that stays
-untouched under load is slots a user can have back with a higher `--memory-ratio`.
+`ft top` can show how much of the card the process has never taken: the measurement behind the
+default headroom's cap (bench/RESULTS.md, session 54), and what tells a user whether a higher
+`--memory-ratio` is safe on their workload.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class DeviceMemory:
     context, and any other process on the same device); `allocator_peak_bytes`: the most torch's
     caching allocator has held since the process started (its blocks are kept once taken, so it
     is also about what `used_bytes` has been at most, less the context and libraries);
-    `headroom_bytes`: what `--memory-ratio` keeps back from the pools and the reserve."""
+    `headroom_bytes`: what the budget keeps back from the pools and the reserve (`MemoryBudget`)."""
 
     card_bytes: int
     used_bytes: int

@@ -112,8 +112,8 @@ class _EngineCollector:
                     d["used_bytes"])
             yield g("ft_device_memory_allocator_peak_bytes", "The most torch's caching allocator has held since the "
                     "server started", d["allocator_peak_bytes"])
-            yield g("ft_device_memory_headroom_bytes", "What --memory-ratio keeps back from the pools and the "
-                    "activation reserve (the card less this and the used bytes: never taken)", d["headroom_bytes"])
+            yield g("ft_device_memory_headroom_bytes", "Memory the budget keeps back from the pools and the "
+                    "activation reserve (the headroom: --memory-ratio's share, or the default's)", d["headroom_bytes"])
         pools = self._family(GaugeMetricFamily, "ft_pool_bytes", "Bytes of each cache pool", labels=("pool",))
         for pool in ("moe", "kv", "mamba"):
             pools.add_metric([m, pool], getattr(s, f"{pool}_bytes"))

@@ -58,7 +58,7 @@ class EngineConfig:
     kv_scale_calibration: bool = False  # a quantized KV cache without checkpoint scales: set them from the first prefill
     max_seq_len_override: int | None = None  # context limit instead of the checkpoint's (ModelConfig.context_length)
     model_overrides: str | None = None  # a JSON object merged over config.json (`model_config.merge_overrides`)
-    memory_ratio: float = 0.9
+    memory_ratio: float | None = None  # None: the default headroom (`ft.memory.budget.headroom_for`)
     gpu_memory_limit: int | str | None = None  # bytes or "16GiB": act as if the card were this big
     cache_budget: int | str | None = None  # cap the cache pools' budget (benchmarks emulating a card)
     page_size: int = 64

@@ -136,8 +136,10 @@ class RankState:
         if config.lends_reserve(self.device.type) and tp is None and self.loan_keep_tokens < config.max_prefill_length:
             self.loan_bytes = self._idle_reserve(self.loan_keep_tokens)
         others = self.reserve + self.decode_graph_reserve + self.prefill_stream_reserve
+        # the default headroom's cap where it buys expert slots (`headroom_for`)
+        capped = config.moe_backend == "offload" and tp is None
         budget = measure_budget(self.device, self.model.resident_bytes, config.memory_ratio, config.gpu_memory_limit,
-                                others, config.cache_budget)
+                                others, config.cache_budget, capped)
         # NOTE: prefill graphs replay only while every expert is resident: a cache that can never hold them
         # all (offloaded on a small card) takes neither their reserve nor their solo prefill steps
         expert_bytes = 0 if host_experts is None else \
@@ -149,7 +151,8 @@ class RankState:
             self.prefill_graph_tokens = self.prefill_graph_reserve = 0
         if self.prefill_graph_reserve:
             budget = measure_budget(self.device, self.model.resident_bytes, config.memory_ratio,
-                                    config.gpu_memory_limit, others + self.prefill_graph_reserve, config.cache_budget)
+                                    config.gpu_memory_limit, others + self.prefill_graph_reserve, config.cache_budget,
+                                    capped)
         self.rungs = make_rungs(config.ladder_step_size, self.context_limit, config.page_size) \
             if config.enable_kv_ladder else None
         floor = min(cfg.num_experts_per_tok, shapes.total_experts) if shapes.total_experts else 0

@@ -77,7 +77,7 @@ class PoolsPanel(Widget):
             card = Text(no_wrap=True, overflow="ellipsis", style="dim")
             card.append(f"card {format_bytes(d.used_bytes)} of {format_bytes(d.card_bytes)} in use (driver), "
                         f"{format_bytes(max(0, d.card_bytes - d.used_bytes))} never taken, headroom "
-                        f"{format_bytes(d.headroom_bytes)} (--memory-ratio)")
+                        f"{format_bytes(d.headroom_bytes)}")
             lines.append(card)
         ex = c.exchange
         if ex.kv_tokens_per_expert_slot:  # how the ranges read, and what a slot trades for
