@@ -127,6 +127,10 @@ def measure_budget(
     if memory_ratio is not None and not 0 < memory_ratio <= 1:  # (before the device is touched)
         raise ConfigError(f"--memory-ratio must be in (0, 1], got {memory_ratio}")
     if device.type == "cuda":
+        # Why: blocks torch's caching allocator still holds from loading (temporaries of a dequantization, of
+        # synthetic weights drawn on the device) count as used by the driver, yet the pools map their memory
+        # through the driver (`ft.memory.vmm`) and can never have them: free is measured with them returned
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         card = total
         if gpu_memory_limit:
