@@ -65,8 +65,8 @@ HELP = {
                      "what no plan counts: library workspaces, allocator fragments). --gpu-memory-utilization "
                      "(vLLM) and --mem-fraction-static (SGLang) set this same value, but there it is a fraction of the "
                      "card's TOTAL memory, weights included: 0.9 here leaves a tenth of what is free, not a tenth of "
-                     "the card (default: a headroom of a tenth of the free memory, at most 1 GiB where the experts are offloaded on "
-                     "one GPU)"),
+                     "the card (default: a headroom of a tenth of the free memory, at most 1 GiB where the "
+                     "experts are offloaded on one GPU)"),
     "gpu_memory_limit": ("act as if the card had this much memory (e.g. 16GiB) "
                          "(default: the real card; on CPU an emulated 96MiB card)"),
     "cache_budget": ("cap the cache pools' budget at this size (e.g. 4.8GiB), below what the card leaves "

@@ -120,8 +120,8 @@ class RankCache(_Model):
 
 class DeviceState(_Model):
     """The card by the driver's count (`ft.memory.device_memory`; all zero on the CPU and from servers
-    before this field): the card the budget sees, what is in use, the caching allocator's peak, and what
-    --memory-ratio keeps back from the pools and the reserve (the headroom)."""
+    before this field): the card the budget sees, what is in use, the caching allocator's peak, and the
+    headroom the budget keeps back from the pools and the reserve (`ft.memory.budget.headroom_for`)."""
 
     card_bytes: int = 0
     used_bytes: int = 0

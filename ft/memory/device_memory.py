@@ -1,13 +1,14 @@
 """What the card's memory holds right now, by the driver's count: the figure beside the budget.
 
-The budget (`ft.memory.budget`) is planned: weights, the activation reserve, the pools, and what
-the headroom kept back from them all (`ft.memory.budget.headroom_for`: for what no plan counts:
-library workspaces, the CUDA context's growth, the caching allocator's fragments). Whether that headroom is ever used is a measurement, not a plan: `DeviceMemoryProbe`
-reads the driver's count of the card's use (`cudaMemGetInfo`, as nvidia-smi shows it) and the
-most torch's caching allocator ever held, so the startup lines, `/metrics`, `ft ctl cache` and
-`ft top` can show how much of the card the process has never taken: the measurement behind the
-default headroom's cap (bench/RESULTS.md, session 54), and what tells a user whether a higher
-`--memory-ratio` is safe on their workload.
+The budget (`ft.memory.budget`) is planned: weights, the activation reserve, the pools, and the
+headroom kept back from them all (`ft.memory.budget.headroom_for`: for what no plan counts:
+library workspaces, the CUDA context's growth, the caching allocator's fragments). Whether that
+headroom is ever used is a measurement, not a plan: `DeviceMemoryProbe` reads the driver's count
+of the card's use (`cudaMemGetInfo`, as nvidia-smi shows it) and the most torch's caching
+allocator ever held, so the startup lines, `/metrics`, `ft ctl cache` and `ft top` can show how
+much of the card the process has never taken: the measurement behind the default headroom's cap
+(bench/RESULTS.md, session 54), and what tells a user whether a higher `--memory-ratio` is safe
+on their workload.
 """
 
 from __future__ import annotations
