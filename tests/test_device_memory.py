@@ -118,11 +118,10 @@ def test_ft_top_pools_panel_shows_the_card():
             panel = app.query_one(PoolsPanel)
             panel.cache = CacheState(budget_bytes=20 * GIB)
             await pilot.pause()
-            assert "never taken" not in text_of(panel)
+            assert "untouched" not in text_of(panel)
             panel.cache = CacheState(budget_bytes=20 * GIB, device=DEVICE)
             await pilot.pause()
-            assert "card 29.5 GiB of 32.0 GiB in use (driver), 2.5 GiB never taken, headroom 2.4 GiB" \
-                in text_of(panel)
+            assert "card 29.5 GiB/32.0 GiB used (driver), 2.5 GiB untouched, headroom 2.4 GiB" in text_of(panel)
 
     asyncio.run(scenario())
 

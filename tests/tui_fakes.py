@@ -27,6 +27,8 @@ CACHE = {
     "ladder": {"enabled": True, "auto": True, "rungs": [65536 + 32768 * i for i in range(7)], "current": 1,
                "step": 32768, "last_decision": "grow to 98304: request 7 needs 81920 tokens (prompt 61440 + max 20480)"},
     "running": 3, "waiting": 1, "uptime_s": 7384.0, "started_at": 1_759_992_616.0,
+    "device": {"card_bytes": 8 * GiB, "used_bytes": int(7.2 * GiB), "allocator_peak_bytes": int(2.1 * GiB),
+               "headroom_bytes": int(0.7 * GiB)},
 }
 REQUESTS = {"running": 3, "waiting": 1, "uptime_s": 7384.0, "started_at": 1_759_992_616.0, "requests": [
     {"id": "chatcmpl-7f3a9c1e2b4d", "state": "decode", "prompt_tokens": 61440, "generated_tokens": 1893,
