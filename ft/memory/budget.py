@@ -9,6 +9,7 @@ tensors (`ft.engine.cache.manager`), and every byte figure comes from `layout.Me
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ import torch
 from ft.memory.layout import Geometry, MemoryLayout
 from ft.errors import ConfigError
 from ft.units import format_bytes
+
+log = logging.getLogger("ft.memory")
 
 CPU_DEFAULT_CARD = 96 * 1024**2
 
@@ -130,7 +133,12 @@ def measure_budget(
         # Why: blocks torch's caching allocator still holds from loading (temporaries of a dequantization, of
         # synthetic weights drawn on the device) count as used by the driver, yet the pools map their memory
         # through the driver (`ft.memory.vmm`) and can never have them: free is measured with them returned
+        held = torch.cuda.memory_reserved(device)
         torch.cuda.empty_cache()
+        returned = held - torch.cuda.memory_reserved(device)
+        if returned:
+            log.info("budget: %s of blocks the caching allocator held since loading returned before the free memory "
+                     "is measured", format_bytes(returned))
         free, total = torch.cuda.mem_get_info(device)
         card = total
         if gpu_memory_limit:
