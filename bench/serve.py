@@ -263,27 +263,46 @@ async def probe_metrics(client: httpx.AsyncClient, url: str, interval: float, st
             pass
 
 
+USED_GAUGE = re.compile(r"^ft_device_memory_used_bytes(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
+"""The card's use by the driver's count in a /metrics answer (`DEVICE_SERIES`; CUDA servers only)."""
+
+
+def used_bytes_in(text: str) -> int | None:
+    """`ft_device_memory_used_bytes` in a /metrics answer's text, or None when it has none."""
+    m = USED_GAUGE.search(text)
+    return int(float(m.group(1))) if m else None
+
+
 def probe_metrics_process(url: str, interval: float, stop, out) -> None:
     """`probe_metrics` in a process of its own (multiprocessing "spawn"): GET url every `interval` s until the
-    `stop` event is set, then (latencies in s, errors) through the pipe end `out`. A monitor or `ft top`
-    polls from its own process; the client's event loop, busy with every stream's chunks, would add its
-    own delays to a probe it ran (both are reported: `metrics_probe` and `metrics_probe_client_loop`)."""
+    `stop` event is set, then (latencies in s, errors, the most `ft_device_memory_used_bytes` any answer
+    showed or None) through the pipe end `out`. A monitor or `ft top` polls from its own process; the
+    client's event loop, busy with every stream's chunks, would add its own delays to a probe it ran (both
+    are reported: `metrics_probe` and `metrics_probe_client_loop`). The device's use at each probe: the
+    level's peak, which its end may not show (the expert cache shrinks for a long prompt's reserve and
+    grows back after)."""
     latencies: list[float] = []
     errors: list[str] = []
+    most: int | None = None
     with httpx.Client(timeout=60.0) as client:
         while True:  # at least one probe, however short the level
             t0 = time.perf_counter()
             try:
-                note_probe(t0, client.get(url).status_code, latencies, errors)
+                resp = client.get(url)
+                note_probe(t0, resp.status_code, latencies, errors)
+                used = used_bytes_in(resp.text) if resp.status_code == 200 else None
+                if used is not None:
+                    most = used if most is None else max(most, used)
             except httpx.HTTPError as e:
                 errors.append(f"{type(e).__name__}: {e}")
             if stop.wait(max(0.0, interval - (time.perf_counter() - t0))):
                 break
-    out.send((latencies, errors))
+    out.send((latencies, errors, most))
 
 
 class MetricsProber:
-    """`probe_metrics_process` started and collected: `start()`, then `finish()` -> (latencies, errors)."""
+    """`probe_metrics_process` started and collected: `start()`, then `finish()` -> (latencies, errors, the
+    device's most used bytes or None)."""
 
     def __init__(self, url: str, interval: float) -> None:
         ctx = multiprocessing.get_context("spawn")  # (no fork of a process running an event loop and threads)
@@ -294,11 +313,12 @@ class MetricsProber:
     def start(self) -> None:
         self._proc.start()
 
-    async def finish(self, timeout: float = 120.0) -> tuple[list[float], list[str]]:
-        """Stop the probes; their figures, or ([], [why]) when the process sent none within `timeout` s."""
+    async def finish(self, timeout: float = 120.0) -> tuple[list[float], list[str], int | None]:
+        """Stop the probes; their figures, or ([], [why], None) when the process sent none within `timeout` s."""
         self._stop.set()
         ready = await asyncio.get_running_loop().run_in_executor(None, self._recv.poll, timeout)
-        result = self._recv.recv() if ready else ([], [f"the /metrics probe process sent nothing in {timeout:g} s"])
+        result = self._recv.recv() if ready else \
+            ([], [f"the /metrics probe process sent nothing in {timeout:g} s"], None)
         self._proc.join(5.0)
         if self._proc.is_alive():
             self._proc.kill()
@@ -332,12 +352,15 @@ async def server_samples(client: httpx.AsyncClient, url: str) -> dict | None:
     return got or None
 
 
-def device_memory(samples: dict | None) -> dict | None:
-    """`DEVICE_SERIES`' values from `server_samples` ({"card_bytes", "used_bytes", ...}), or None when the
-    server sent none (the CPU, another server)."""
+def device_memory(samples: dict | None, used_most: int | None = None) -> dict | None:
+    """`DEVICE_SERIES`' values from `server_samples` ({"card_bytes", "used_bytes", ...}) and "used_most_bytes",
+    the most any probe of the level saw in use (`probe_metrics_process`; the level's end's when larger or
+    when no probe saw one), or None when the server sent none (the CPU, another server)."""
     if not samples or ("ft_device_memory_card_bytes", None) not in samples:
         return None
-    return {key: int(samples.get((name, None), 0)) for name, key in DEVICE_SERIES.items()}
+    d = {key: int(samples.get((name, None), 0)) for name, key in DEVICE_SERIES.items()}
+    d["used_most_bytes"] = max(d["used_bytes"], used_most or 0)
+    return d
 
 
 def step_split(before: dict | None, after: dict | None) -> dict | None:
@@ -427,12 +450,12 @@ async def run_level(target: Target, prompts: Prompts, *, concurrency: int | None
         finally:
             stop.set()
             await prober
-            probe_lat, probe_err = await outside.finish()
+            probe_lat, probe_err, used_most = await outside.finish()
         steps_after = await server_samples(side, target.base + "/metrics")
     return level_figures(results, concurrency=concurrency, rate=rate, num_prompts=num_prompts,
                          output_len=target.fixed["max_tokens"], probe_lat=probe_lat, probe_err=probe_err,
                          steps=step_split(steps_before, steps_after), loop_lat=loop_lat, loop_err=loop_err,
-                         device=device_memory(steps_after))
+                         device=device_memory(steps_after, used_most))
 
 
 def probe_figures(latencies: list[float], errors: list[str]) -> dict:
@@ -718,13 +741,14 @@ def steps_line(steps: dict, duration_s: float) -> str:
 
 
 def device_line(d: dict) -> str:
-    """The server's card at a level's end (`device_memory`'s figures, GiB): in use by the driver's count, the
-    caching allocator's peak, what the process never took, and the headroom the budget keeps (torch's
-    allocator keeps the blocks it took, so "never taken" is about the least the card had left so far)."""
+    """The server's card during a level (`device_memory`'s figures, GiB): in use at its end and at most (the
+    probes' peak) by the driver's count, the caching allocator's peak, what the process never took at the
+    level's peak, and the headroom the budget keeps."""
     gib = 2 ** 30
-    return (f"device: {d['used_bytes'] / gib:.2f} of {d['card_bytes'] / gib:.2f} GiB in use (allocator peak "
-            f"{d['allocator_peak_bytes'] / gib:.2f}), {max(0, d['card_bytes'] - d['used_bytes']) / gib:.2f} GiB never "
-            f"taken; headroom {d['headroom_bytes'] / gib:.2f} GiB")
+    most = d.get("used_most_bytes", d["used_bytes"])
+    return (f"device: {d['used_bytes'] / gib:.2f} of {d['card_bytes'] / gib:.2f} GiB in use at the end, "
+            f"{most / gib:.2f} at most (allocator peak {d['allocator_peak_bytes'] / gib:.2f}), "
+            f"{max(0, d['card_bytes'] - most) / gib:.2f} GiB never taken; headroom {d['headroom_bytes'] / gib:.2f} GiB")
 
 
 def table(levels: list[dict]) -> str:

@@ -143,23 +143,22 @@ def test_bench_serve_reads_the_device_gauges():
              "ft_device_memory_allocator_peak_bytes": 27 * GIB, "ft_device_memory_headroom_bytes": GIB}
     samples = {(name, None): float(v) for name, v in names.items()}
     samples[("ft_engine_steps_total", "decode")] = 5.0
-    d = device_memory(samples)
+    d = device_memory(samples, 31 * GIB)  # a probe during the level saw more in use than its end
     assert d == {"card_bytes": 32 * GIB, "used_bytes": 30 * GIB, "allocator_peak_bytes": 27 * GIB,
-                 "headroom_bytes": GIB}
-    assert device_line(d) == ("device: 30.00 of 32.00 GiB in use (allocator peak 27.00), 2.00 GiB never taken; "
-                              "headroom 1.00 GiB")
+                 "headroom_bytes": GIB, "used_most_bytes": 31 * GIB}
+    assert device_line(d) == ("device: 30.00 of 32.00 GiB in use at the end, 31.00 at most (allocator peak 27.00), "
+                              "1.00 GiB never taken; headroom 1.00 GiB")
+    assert device_memory(samples, None)["used_most_bytes"] == 30 * GIB  # no probe saw one: the end's
+    assert device_memory(samples, 29 * GIB)["used_most_bytes"] == 30 * GIB  # the end's when larger
     assert device_memory({("ft_engine_steps_total", "decode"): 5.0}) is None and device_memory(None) is None
 
 
-@pytest.mark.parametrize("backend,capped", [("offload", True), ("resident", False)])
-def test_an_engine_caps_the_default_headroom_only_with_offloaded_experts(backend, capped):
-    from ft.engine import LLM
-    from ft.memory.budget import HEADROOM_CAP
+def test_bench_serve_finds_the_used_gauge_in_a_metrics_answer():
+    from bench.serve import used_bytes_in
 
-    llm = LLM(model="demo", device="cpu", gpu_memory_limit="32GiB", moe_backend=backend)
-    b = llm.engine.cache.budget
-    tenth = b.free_bytes - int(b.free_bytes * 0.9)
-    assert b.headroom_bytes == (HEADROOM_CAP if capped else tenth) and tenth > HEADROOM_CAP
-    assert b.budget_bytes == b.free_bytes - b.headroom_bytes - b.reserve_bytes
-    given = LLM(model="demo", device="cpu", gpu_memory_limit="32GiB", moe_backend=backend, memory_ratio=0.9)
-    assert given.engine.cache.budget.headroom_bytes == tenth  # --memory-ratio as given, either backend
+    text = ("# HELP ft_device_memory_used_bytes The device's memory in use\n"
+            "# TYPE ft_device_memory_used_bytes gauge\n"
+            'ft_device_memory_used_bytes{model_name="m"} 3.221225472e+10\n'
+            'ft_device_memory_used_bytes_total{model_name="m"} 1.0\n')
+    assert used_bytes_in(text) == 30 * GIB
+    assert used_bytes_in('ft_requests_running{model_name="m"} 1.0\n') is None
