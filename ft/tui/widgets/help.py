@@ -20,7 +20,9 @@ pools     each pool's size, bytes, usage and reachable range (min..max with the 
           hold; "cached": pages only cached prefixes hold (kept after requests end, reused by a
           next turn, given back when a request needs them); mamba "on host": cached prefixes
           whose linear-attention state waits in host memory (offloaded on one GPU), copied to a
-          slot on a hit; the host n-gram table, if any, is host memory outside the budget
+          slot on a hit; the host n-gram table, if any, is host memory outside the budget.
+          "card" (a CUDA server): the card's use by the driver's count, what of it the server
+          never took, and the headroom the budget keeps back from the pools (--memory-ratio)
 ladder    every KV rung (the current one marked), auto on/off, the last decision in full; rungs
           count from 1 ("rung 2/7"), as `ft ctl ladder --rung N` and the serve banner count them
 live      decode tokens/s, expert hit rate and KV usage (pages held, cached prefixes included) per
