@@ -413,7 +413,7 @@ async def run_level(target: Target, prompts: Prompts, *, concurrency: int | None
         stop = asyncio.Event()
         loop_lat: list[float] = []
         loop_err: list[str] = []
-        steps_before = await server_samples(side, target.base + "/metrics")
+        samples_before = await server_samples(side, target.base + "/metrics")
         outside = MetricsProber(target.base + "/metrics", metrics_interval)
         outside.start()
         prober = asyncio.ensure_future(probe_metrics(side, target.base + "/metrics", metrics_interval, stop,
@@ -451,11 +451,11 @@ async def run_level(target: Target, prompts: Prompts, *, concurrency: int | None
             stop.set()
             await prober
             probe_lat, probe_err, used_most = await outside.finish()
-        steps_after = await server_samples(side, target.base + "/metrics")
+        samples_after = await server_samples(side, target.base + "/metrics")
     return level_figures(results, concurrency=concurrency, rate=rate, num_prompts=num_prompts,
                          output_len=target.fixed["max_tokens"], probe_lat=probe_lat, probe_err=probe_err,
-                         steps=step_split(steps_before, steps_after), loop_lat=loop_lat, loop_err=loop_err,
-                         device=device_memory(steps_after, used_most))
+                         steps=step_split(samples_before, samples_after), loop_lat=loop_lat, loop_err=loop_err,
+                         device=device_memory(samples_after, used_most))
 
 
 def probe_figures(latencies: list[float], errors: list[str]) -> dict:
@@ -469,8 +469,8 @@ def level_figures(results: list[RequestResult], *, concurrency: int | None, rate
                   output_len: int, probe_lat: list[float], probe_err: list[str], steps: dict | None = None,
                   loop_lat: list[float] = (), loop_err: list[str] = (), device: dict | None = None) -> dict:
     """A level's figures. probe_lat / probe_err: the /metrics probes from their own process; loop_lat /
-    loop_err: those the client's event loop ran beside the streams; device: the server's card at the
-    level's end (`device_memory`)."""
+    loop_err: those the client's event loop ran beside the streams; device: the server's card during the
+    level (`device_memory`: at its end, and the most its probes saw in use)."""
     ok = [r for r in results if r.ok]
     errors = [r for r in results if not r.ok]
     short = [r for r in ok if r.output_tokens != output_len]
