@@ -13,6 +13,7 @@ import torch
 
 from bench.serve import device_line, device_memory
 from ft.ctl.format import format_cache
+from ft.errors import ConfigError
 from ft.memory.budget import CPU_DEFAULT_CARD, measure_budget
 from ft.memory.device_memory import DeviceMemory, DeviceMemoryProbe
 from ft.schemas import CacheState, DeviceState
@@ -65,7 +66,7 @@ def test_the_default_headroom_is_a_tenth_of_the_free_memory_at_most_the_cap():
     assert headroom_for(27 * GIB, 1.0) == 0
     cpu = measure_budget(torch.device("cpu"), 16 * 2**20, None, None, 0)  # the demo's card: a tenth, as before
     assert cpu.headroom_bytes == measure_budget(torch.device("cpu"), 16 * 2**20, 0.9, None, 0).headroom_bytes > 0
-    with pytest.raises(Exception, match=r"--memory-ratio must be in \(0, 1\], got 1.5"):
+    with pytest.raises(ConfigError, match=r"--memory-ratio must be in \(0, 1\], got 1.5"):
         measure_budget(torch.device("cpu"), 0, 1.5, None, 0)
 
 
@@ -88,6 +89,32 @@ class FakeProbe:
     def read(self, fresh: bool = False) -> DeviceMemory:
         self.fresh.append(fresh)
         return self.reading
+
+
+def test_the_budget_measures_the_free_memory_with_the_allocators_cached_blocks_returned(fake_cuda, monkeypatch,
+                                                                                        caplog):
+    """A load's temporaries left in torch's cache count as used by the driver; the budget returns them first
+    (the pools, mapped through the driver, could never have them) and says how much."""
+    cache = {"held": 5 * GIB, "cached": 3 * GIB}  # 5 GiB held by the allocator, 3 of them unused blocks
+
+    def empty_cache():
+        fake_cuda["free"] += cache["cached"]
+        cache["held"] -= cache["cached"]
+        cache["cached"] = 0
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: cache["held"])
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda fraction, device=None: None)
+    with caplog.at_level("INFO", logger="ft.memory"):
+        b = measure_budget(torch.device("cuda", 0), 2 * GIB, None, 32 * GIB, GIB, capped_headroom=True)
+    # the 80 GiB device had 50 GiB free, 53 with the blocks returned: 27 GiB in use, so a 32 GiB card has 5 free
+    assert b.free_bytes == 5 * GIB and b.card_bytes == 32 * GIB
+    assert b.headroom_bytes == 5 * GIB - int(5 * GIB * 0.9) and b.budget_bytes == 5 * GIB - b.headroom_bytes - GIB
+    assert "budget: 3.0 GiB of blocks the caching allocator held since loading returned" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="ft.memory"):
+        assert measure_budget(torch.device("cuda", 0), 2 * GIB, None, 32 * GIB, GIB).free_bytes == 5 * GIB
+    assert "returned" not in caplog.text  # nothing cached: no line
 
 
 DEVICE = DeviceState(card_bytes=32 * GIB, used_bytes=int(29.5 * GIB), allocator_peak_bytes=27 * GIB,
@@ -162,3 +189,17 @@ def test_bench_serve_finds_the_used_gauge_in_a_metrics_answer():
             'ft_device_memory_used_bytes_total{model_name="m"} 1.0\n')
     assert used_bytes_in(text) == 30 * GIB
     assert used_bytes_in('ft_requests_running{model_name="m"} 1.0\n') is None
+
+
+@pytest.mark.parametrize("backend,capped", [("offload", True), ("resident", False)])
+def test_an_engine_caps_the_default_headroom_only_with_offloaded_experts(backend, capped):
+    from ft.engine import LLM
+    from ft.memory.budget import HEADROOM_CAP
+
+    llm = LLM(model="demo", device="cpu", gpu_memory_limit="32GiB", moe_backend=backend)
+    b = llm.engine.cache.budget
+    tenth = b.free_bytes - int(b.free_bytes * 0.9)
+    assert b.headroom_bytes == (HEADROOM_CAP if capped else tenth) and tenth > HEADROOM_CAP
+    assert b.budget_bytes == b.free_bytes - b.headroom_bytes - b.reserve_bytes
+    given = LLM(model="demo", device="cpu", gpu_memory_limit="32GiB", moe_backend=backend, memory_ratio=0.9)
+    assert given.engine.cache.budget.headroom_bytes == tenth  # --memory-ratio as given, either backend
