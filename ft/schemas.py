@@ -128,6 +128,11 @@ class DeviceState(_Model):
     allocator_peak_bytes: int = 0
     headroom_bytes: int = 0
 
+    @property
+    def untouched_bytes(self) -> int:
+        """Of the card, what the server has not taken (never negative)."""
+        return max(0, self.card_bytes - self.used_bytes)
+
 
 class CacheState(_Model):
     """GET /admin/cache. Each pool's [min, max] is its reachable range with the other pools held

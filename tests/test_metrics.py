@@ -376,7 +376,9 @@ def test_admin_events_tick_while_the_engine_thread_is_busy(app):
 def test_device_memory_gauges_on_a_cuda_device_only(app):
     """The card by the driver's count (`ft.memory.device_memory`): no ft_device_memory_* series on the CPU;
     with a CUDA reading (a stand-in probe here) the four gauges, and /admin/cache's `device` says the same."""
-    from ft.memory.device_memory import DeviceMemory
+    import torch
+
+    from ft.memory.device_memory import DeviceMemory, DeviceMemoryProbe
 
     client, state = app
     assert not [s for s in samples(client) if s.name.startswith("ft_device_memory_")]
@@ -386,11 +388,11 @@ def test_device_memory_gauges_on_a_cuda_device_only(app):
     reading = DeviceMemory(card_bytes=32 << 30, used_bytes=30 << 30, allocator_peak_bytes=27 << 30,
                            headroom_bytes=2 << 30)
 
-    class Probe:
+    class Probe(DeviceMemoryProbe):  # a CUDA reading on the CPU
         def read(self, fresh: bool = False) -> DeviceMemory:
             return reading
 
-    engine.device_memory = Probe()  # (read by the engine thread at its next stats)
+    engine.device_memory = Probe(torch.device("cpu"), 0, 0)  # (read by the engine thread at its next stats)
     try:
         want = {"ft_device_memory_card_bytes": 32 << 30, "ft_device_memory_used_bytes": 30 << 30,
                 "ft_device_memory_allocator_peak_bytes": 27 << 30, "ft_device_memory_headroom_bytes": 2 << 30}

@@ -111,9 +111,9 @@ def format_ladder(ladder: LadderState) -> list[str]:
 
 def device_text(device: DeviceState) -> str:
     """The card by the driver's count, one line: in use, the allocator's peak, never taken, the headroom."""
-    untouched = max(0, device.card_bytes - device.used_bytes)
     return (f"device: {format_bytes(device.used_bytes)} of {format_bytes(device.card_bytes)} in use (driver's count; "
-            f"allocator peak {format_bytes(device.allocator_peak_bytes)}), {format_bytes(untouched)} never taken; "
+            f"allocator peak {format_bytes(device.allocator_peak_bytes)}), {format_bytes(device.untouched_bytes)} never "
+            "taken; "
             f"headroom {format_bytes(device.headroom_bytes)} kept back from the pools")
 
 

@@ -13,6 +13,7 @@ on their workload.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -70,3 +71,9 @@ class DeviceMemoryProbe:
                                       torch.cuda.max_memory_reserved(self.device), self.headroom_bytes)
             self._at = now
         return self._last
+
+    def figures(self) -> dict[str, int] | None:
+        """`read()` as plain numbers (the `DeviceMemory` fields), None off CUDA: what the engine's stats and
+        the admin view publish."""
+        reading = self.read()
+        return dataclasses.asdict(reading) if reading is not None else None

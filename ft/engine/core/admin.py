@@ -8,7 +8,6 @@ process. The functions below the class take the engine itself (the class and tes
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 from ft.schemas import (CacheState, History, HistoryEntry, LadderState, PlanStep, RequestInfo, RequestList,
@@ -60,18 +59,11 @@ def cache_state(engine, state: str, model_name: str) -> CacheState:
         "storage": engine.cache.describe()["storage"],
         "host_table_bytes": engine.model.host_bytes,
         "host_tables": dict(engine.model.host_tables),
-        "device": device_state(engine),
+        "device": engine.device_memory.figures() or {},  # (zeros on the CPU)
         "degraded": engine.cache.degraded,
         "exchange": exchange(engine),
         "ranks": rank_caches(engine),
     })
-
-
-def device_state(engine) -> dict:
-    """The card by the driver's count now (`DeviceMemoryProbe`, a cached reading at most a second old);
-    empty (zeros) on the CPU."""
-    reading = engine.device_memory.read()
-    return dataclasses.asdict(reading) if reading is not None else {}
 
 
 def rank_caches(engine) -> list[dict]:

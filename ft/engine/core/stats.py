@@ -8,7 +8,6 @@ Plain numbers only: readers on other threads touch no engine object.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -99,10 +98,5 @@ def engine_stats(engine: Any) -> EngineStats:
         rebuilds=rebuilds, rebuild_durations=tuple(durations),
         rung=lad.current(engine.cache.geometry.kv_tokens) if lad is not None else None,
         rungs=len(lad.rungs) if lad is not None else 0,
-        device_memory=_device_memory(engine),
+        device_memory=engine.device_memory.figures(),  # (a cached reading between its interval's driver calls)
     )
-
-
-def _device_memory(engine: Any) -> dict[str, int] | None:
-    reading = engine.device_memory.read()  # (a cached reading between its interval's driver calls)
-    return dataclasses.asdict(reading) if reading is not None else None

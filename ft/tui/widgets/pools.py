@@ -76,7 +76,7 @@ class PoolsPanel(Widget):
         if d.card_bytes:  # a CUDA device: the card by the driver's count, beside the planned budget
             card = Text(no_wrap=True, overflow="ellipsis", style="dim")
             card.append(f"card {format_bytes(d.used_bytes)}/{format_bytes(d.card_bytes)} used (driver), "
-                        f"{format_bytes(max(0, d.card_bytes - d.used_bytes))} untouched, headroom "
+                        f"{format_bytes(d.untouched_bytes)} untouched, headroom "
                         f"{format_bytes(d.headroom_bytes)}")
             lines.append(card)
         ex = c.exchange
