@@ -101,6 +101,16 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _host_memory_lines(plan: dict) -> list[str]:
+    """What loading kept in host memory against what the host had before it (`ft.memory.host_memory`)."""
+    parts = ", ".join(f"{what} {format_bytes(n)}" for what, n in plan["parts"].items())
+    if not parts:
+        return []
+    have = plan["available_bytes"]
+    return [f"  host memory: {parts} of {format_bytes(have)} available ({plan['available_from']}) before loading"
+            if have is not None else f"  host memory: {parts}"]
+
+
 def describe(engine, url: str, started_s: float | None = None) -> str:
     """The startup banner: what was measured and chosen; its last line is "ready on URL"."""
     d = engine.describe()
@@ -115,6 +125,7 @@ def describe(engine, url: str, started_s: float | None = None) -> str:
         *_device_lines(engine),
         *([f"  host: {host_tables_text(d['host_tables'], d['host_table_bytes'])} in host memory (rows gathered "
            "per step; outside the cache budget, not traded by the ladder)"] if d.get("host_table_bytes") else []),
+        *_host_memory_lines(d["host_plan"]),
         f"  unit costs: expert slot {format_bytes(c.expert_slot)}, kv page {format_bytes(c.kv_page)} "
         f"({c.page_size} tokens), mamba slot {format_bytes(c.mamba_slot)}",
         f"  geometry: moe {g.moe_slots}/{engine.cache.total_experts} slots ({engine.config.moe_backend}), "

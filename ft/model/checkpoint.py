@@ -8,6 +8,7 @@ missing tensor, an unexpected one, or a wrong shape (expected vs found).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -51,6 +52,14 @@ class QuantInfo:
     algo: str | None  # None (unquantized) or "NVFP4"
     exclude_modules: tuple[str, ...] = ()
     kv_algo: str | None = None  # None, "FP8" or "NVFP4": the format its per-layer KV scales (k_scale, v_scale) describe
+
+
+SAFETENSORS_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2,
+                        "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+"""Bytes an element of each safetensors dtype takes."""
+
+HOST_READ_BYTES = 256 << 20
+"""The piece a table bound for pinned host memory is read in (`_Consumer.host_rows`)."""
 
 
 class CheckpointReader:
@@ -131,6 +140,24 @@ class CheckpointReader:
     def get(self, name: str) -> torch.Tensor:
         return self._handles[self._file_of[name]].get_tensor(name)
 
+    def nbytes(self, name: str) -> int:
+        """Bytes of tensor `name` as stored (from the header: nothing is read)."""
+        return math.prod(self.shape(name)) * SAFETENSORS_ITEMSIZE[self.dtype(name)]
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of tensor `name` (its first dimension), read without the rest."""
+        return self._handles[self._file_of[name]].get_slice(name)[start:stop]
+
+    def read_into(self, name: str, out: torch.Tensor, piece_bytes: int = HOST_READ_BYTES) -> None:
+        """Tensor `name` copied into `out` (its shape) a piece of rows of about `piece_bytes` at a time, so
+        that reading holds `out` and one piece, not a second copy of the whole."""
+        rows = self.shape(name)[0] if self.shape(name) else 0
+        if tuple(out.shape) != self.shape(name):
+            raise CheckpointError(f"tensor {name!r}: {list(self.shape(name))}, read into {list(out.shape)}")
+        step = max(1, piece_bytes // max(1, out[:1].nbytes))
+        for row in range(0, rows, step):
+            out[row: row + step].copy_(self.get_rows(name, row, min(row + step, rows)))
+
 
 def _ignored(name: str) -> bool:
     return name.endswith(IGNORED_SUFFIXES) or name.startswith(IGNORED_PREFIXES)
@@ -143,21 +170,29 @@ class _Consumer:
         self.reader = reader
         self.used: set[str] = set()
 
-    def take(self, name: str, shape: tuple[int, ...] | None) -> torch.Tensor:
+    def claim(self, name: str, shape: tuple[int, ...] | None) -> None:
+        """Check that tensor `name` is there (of `shape`, unless None) and count it as used."""
         if name not in self.reader:
             raise CheckpointError(f"missing tensor {name!r} in {self.reader.path}")
         found = self.reader.shape(name)
         if shape is not None and found != tuple(shape):
             raise CheckpointError(f"tensor {name!r}: expected shape {list(shape)}, found {list(found)}")
         self.used.add(name)
+
+    def take(self, name: str, shape: tuple[int, ...] | None) -> torch.Tensor:
+        self.claim(name, shape)
         return self.reader.get(name)
 
     def host_rows(self, name: str, shape: tuple[int, ...], pin: bool) -> torch.Tensor:
         """A [rows, width] table kept on the host: `name`, or its row-contiguous parts
         `<stem>.shard_{i}.weight` (i = 0, 1, ...) copied in turn into one (pinned) tensor."""
-        if name in self.reader:
-            t = self.take(name, shape)
-            return t.pin_memory() if pin else t
+        if name in self.reader and not pin:
+            return self.take(name, shape)
+        if name in self.reader:  # into the pinned table in pieces: never the whole table twice in host memory
+            self.claim(name, shape)
+            out = _host_empty(shape, self.reader.get_rows(name, 0, 1).dtype, pin)
+            self.reader.read_into(name, out)
+            return out
         stem = name.removesuffix(".weight")
         parts = []
         while f"{stem}.shard_{len(parts)}.weight" in self.reader:
@@ -224,6 +259,41 @@ class LoadedWeights:
         if embedding in self.on_host:
             parts["embedding"] = weight_nbytes(self.tensors[embedding])
         return resident, parts
+
+def host_bytes(reader: CheckpointReader, specs: dict[str, TensorSpec], expert_groups: list, dtype: torch.dtype,
+               embedding: str | None = None) -> dict[str, int]:
+    """What loading keeps in host memory, from the checkpoint's headers alone: {"routed experts": the
+    store `load_weights` fills (NVFP4 as stored with fp32 second scales, dense in `dtype`), "n-gram
+    table": the specs' kind "host" tensors (or their parts) as stored, "embedding": tensor `embedding`
+    in `dtype` when the loader moves it there (None: it stays on the device)}; parts of 0 left out."""
+    size = dtype.itemsize
+    experts = 0
+    for layer in expert_groups:
+        if isinstance(layer, GroupedExperts):
+            experts += (math.prod(specs[layer.gate_up].shape) + math.prod(specs[layer.down].shape)) * size
+            continue
+        for names in layer:
+            for name in names:
+                module = name.removesuffix(".weight")
+                if f"{module}.weight_scale" in reader:
+                    experts += reader.nbytes(name) + reader.nbytes(f"{module}.weight_scale") + 4
+                else:
+                    experts += math.prod(specs[name].shape) * size
+    tables = 0
+    for name, spec in specs.items():
+        if spec.kind != "host":
+            continue
+        if name in reader:
+            tables += reader.nbytes(name)
+            continue
+        stem, i = name.removesuffix(".weight"), 0
+        while f"{stem}.shard_{i}.weight" in reader:
+            tables += reader.nbytes(f"{stem}.shard_{i}.weight")
+            i += 1
+    parts = {"routed experts": experts, "n-gram table": tables,
+             "embedding": math.prod(specs[embedding].shape) * size if embedding else 0}
+    return {what: n for what, n in parts.items() if n}
+
 
 def load_weights(
     reader: CheckpointReader,
@@ -301,52 +371,77 @@ def _to(w: torch.Tensor | NVFP4Weight, dtype: torch.dtype, device: torch.device)
     return w.to(device=device, dtype=dtype)
 
 
+def _host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+
 def _load_grouped_experts(c, specs, groups: list[GroupedExperts], dtype, host_device, device, bar) -> SlotWeights:
     """Grouped dense experts -> SlotWeights [L, E, ...] on the host (w13 = gate_up as stored: gate
-    rows then up rows, as `_load_experts` concatenates them)."""
+    rows then up rows, as `_load_experts` concatenates them), each layer copied into the store as it
+    is read (the store and one layer's tensors at a time: `_load_experts` says why)."""
     if any(c.is_nvfp4(g.gate_up) or c.reader.quant.algo for g in groups):
         raise UnsupportedModelError("NVFP4 grouped experts (the published Qwen3.8-Flash-Next layout) are not "
                                     "read yet: load a bf16/fp32 checkpoint")
     pin = host_device.type == "cpu" and device.type == "cuda"
-
-    def stack(names: list[str]) -> torch.Tensor:
-        t = torch.stack([c.take(n, specs[n].shape).to(dtype) for n in names])
-        bar.update(len(names))
-        return t.pin_memory() if pin else t
-
-    return SlotWeights(w13=stack([g.gate_up for g in groups]), w2=stack([g.down for g in groups]))
+    w13 = _host_empty((len(groups), *specs[groups[0].gate_up].shape), dtype, pin)
+    w2 = _host_empty((len(groups), *specs[groups[0].down].shape), dtype, pin)
+    for layer, g in enumerate(groups):
+        w13[layer].copy_(c.take(g.gate_up, specs[g.gate_up].shape))
+        w2[layer].copy_(c.take(g.down, specs[g.down].shape))
+        bar.update(2)
+    return SlotWeights(w13=w13, w2=w2)
 
 
 def _load_experts(c, specs, groups, dtype, host_device, device, bar) -> SlotWeights:
-    """Stack experts into SlotWeights with leading dims [L, E] on the host."""
-    first = groups[0][0]
-    nvfp4 = c.is_nvfp4(first[0].removesuffix(".weight"))
-    rows: list[list[tuple]] = []
-    for layer in groups:
-        row = []
-        for names in layer:
-            parts = [c.projection(n, specs[n]) for n in names]
-            if any(isinstance(p, NVFP4Weight) != nvfp4 for p in parts):
-                raise CheckpointError(f"expert {names[0]!r}: experts mix NVFP4 and dense weights")
-            row.append(parts)
-            bar.update(3)
-        rows.append(row)
+    """Experts stored one tensor each -> SlotWeights with leading dims [L, E] on the host.
+
+    The store is allocated (pinned beside a GPU) once the first expert is read, and every expert is
+    copied into its place as it is read: loading holds the store and one expert. (Stacking the read
+    experts afterwards held them two to three times over at its peak, the read tensors, a pageable stack
+    and its pinned copy: ~150 GiB of host memory for Qwen3.8-Flash-Next's 63 GiB of NVFP4 experts.)"""
     pin = host_device.type == "cpu" and device.type == "cuda"
+    n_layers, n_exp = len(groups), len(groups[0])
+    store: SlotWeights | None = None
+    nvfp4 = False
+    for layer, names_of_layer in enumerate(groups):
+        for e, names in enumerate(names_of_layer):
+            gate, up, down = (c.projection(n, specs[n]) for n in names)
+            if store is None:
+                nvfp4 = isinstance(gate, NVFP4Weight)
+                store = _expert_store(n_layers, n_exp, gate, down, dtype, pin)
+            if any(isinstance(p, NVFP4Weight) != nvfp4 for p in (gate, up, down)):
+                raise CheckpointError(f"expert {names[0]!r}: experts mix NVFP4 and dense weights")
+            if nvfp4:
+                rows = gate.packed.shape[0]
+                store.w13[layer, e, :rows].copy_(gate.packed)
+                store.w13[layer, e, rows:].copy_(up.packed)
+                store.w2[layer, e].copy_(down.packed)
+                store.w13_scale[layer, e, :rows].copy_(gate.scale)
+                store.w13_scale[layer, e, rows:].copy_(up.scale)
+                store.w2_scale[layer, e].copy_(down.scale)
+                store.scale_2[layer, e].copy_(torch.stack([gate.scale_2, up.scale_2, down.scale_2]))
+            else:
+                rows = gate.shape[0]
+                store.w13[layer, e, :rows].copy_(gate)
+                store.w13[layer, e, rows:].copy_(up)
+                store.w2[layer, e].copy_(down)
+            del gate, up, down  # (before the next expert is read: one expert's tensors at a time)
+            bar.update(3)
+    return store
 
-    def stack(fn, dt=None):
-        t = torch.stack([torch.stack([fn(p) for p in row]) for row in rows])
-        t = t.to(dt) if dt is not None else t
-        return t.pin_memory() if pin else t
 
-    if not nvfp4:
+def _expert_store(n_layers: int, n_exp: int, gate, down, dtype: torch.dtype, pin: bool) -> SlotWeights:
+    """An empty [L, E, ...] expert store shaped after one expert's gate (up has its shape) and down
+    projections: NVFP4 (packed bytes, E4M3 block scales, the three fp32 second scales) or dense in `dtype`."""
+    lead = (n_layers, n_exp)
+    if isinstance(gate, NVFP4Weight):
+        rows, half_k = gate.packed.shape
         return SlotWeights(
-            w13=stack(lambda p: torch.cat([p[0], p[1]], 0), dtype),
-            w2=stack(lambda p: p[2], dtype),
+            w13=_host_empty((*lead, 2 * rows, half_k), gate.packed.dtype, pin),
+            w2=_host_empty((*lead, *down.packed.shape), down.packed.dtype, pin),
+            w13_scale=_host_empty((*lead, 2 * rows, gate.scale.shape[1]), gate.scale.dtype, pin),
+            w2_scale=_host_empty((*lead, *down.scale.shape), down.scale.dtype, pin),
+            scale_2=_host_empty((*lead, 3), torch.float32, pin),
         )
-    return SlotWeights(
-        w13=stack(lambda p: torch.cat([p[0].packed, p[1].packed], 0)),
-        w2=stack(lambda p: p[2].packed),
-        w13_scale=stack(lambda p: torch.cat([p[0].scale, p[1].scale], 0)),
-        w2_scale=stack(lambda p: p[2].scale),
-        scale_2=stack(lambda p: torch.stack([p[0].scale_2, p[1].scale_2, p[2].scale_2])),
-    )
+    rows, k = gate.shape
+    return SlotWeights(w13=_host_empty((*lead, 2 * rows, k), dtype, pin), w2=_host_empty((*lead, *down.shape), dtype, pin))

@@ -10,6 +10,7 @@ CUDA) exactly as a loaded checkpoint's would. The demo's byte-level tokenizer st
 from __future__ import annotations
 
 import fnmatch
+import math
 from pathlib import Path
 
 import torch
@@ -87,6 +88,25 @@ def synthetic_weights(
             tensors[name] = gen.normal(spec.shape, std, dtype)
     experts = _experts(gen, specs, expert_groups, shard) if expert_groups else None
     return LoadedWeights(tensors, experts)
+
+
+def synthetic_host_bytes(specs: dict[str, TensorSpec], expert_groups: list, dtype: torch.dtype,
+                         embedding: str | None = None) -> dict[str, int]:
+    """What `synthetic_weights` (one GPU) and the loader keep in host memory, before anything is made:
+    `ft.model.checkpoint.host_bytes`' parts for the NVFP4 experts and `dtype` tables made here."""
+    experts = 0
+    for layer in expert_groups:
+        if isinstance(layer, GroupedExperts):
+            n_exp, two_full, hidden = specs[layer.gate_up].shape
+            full = two_full // 2
+        else:
+            n_exp, (full, hidden) = len(layer), specs[layer[0][0]].shape
+        # w13 and w2 packed (half a byte an element), their E4M3 scales (one a 16), three fp32 second scales
+        experts += n_exp * (3 * full * hidden // 2 + 3 * full * hidden // 16 + 12)
+    tables = sum(math.prod(spec.shape) for spec in specs.values() if spec.kind == "host") * dtype.itemsize
+    parts = {"routed experts": experts, "n-gram table": tables,
+             "embedding": math.prod(specs[embedding].shape) * dtype.itemsize if embedding else 0}
+    return {what: n for what, n in parts.items() if n}
 
 
 def _host_table(shape: tuple[int, int], dtype: torch.dtype, seed: int, pin: bool) -> torch.Tensor:

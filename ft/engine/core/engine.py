@@ -402,6 +402,11 @@ class Engine(RankState):
             "resident_weight_bytes": self.model.resident_bytes,
             "host_table_bytes": self.model.host_bytes,  # (host memory, outside the budget)
             "host_tables": dict(self.model.host_tables),  # what: bytes (the n-gram table, the embedding)
+            # what the loader planned to keep in host memory ({what: bytes}, the routed experts too) and
+            # what the host had then (bytes and where that figure comes from; None where unknown)
+            "host_plan": {"parts": dict(self.host_plan.parts),
+                          "available_bytes": self.host_plan.available[0] if self.host_plan.available else None,
+                          "available_from": self.host_plan.available[1] if self.host_plan.available else None},
             "context_limit": self.context_limit,
             "tensor_parallel_size": self.tp.world if self.tp is not None else 1,
             **self.cache.describe(),

@@ -15,7 +15,7 @@ from ft.kernels.backend import uses_triton
 from ft.kernels.options import kernel_options
 from ft.kernels.moe import SlotWeights, moe_workspace_bytes
 from ft.kernels.nvfp4 import DEQUANT_MM_MIN_M
-from ft.model.checkpoint import CheckpointReader, load_weights
+from ft.model.checkpoint import CheckpointReader, host_bytes, load_weights
 from ft.model.config import ModelConfig
 from ft.model.layers.linear import NVFP4Weight
 from ft.model import qwen3_8_flash_next, qwen3_next
@@ -66,6 +66,22 @@ def load_model(
     return m, weights.experts
 
 
+def planned_host_bytes(source: ModelSource, cfg: ModelConfig, dtype: torch.dtype, host_embedding: bool) -> dict[str, int]:
+    """What `load_model` on one GPU keeps in host memory, {what: bytes}, known before anything loads: from
+    the checkpoint's headers (`ft.model.checkpoint.host_bytes`) or a synthetic model's specs."""
+    arch = qwen3_8_flash_next if cfg.is_flash_next else qwen3_next
+    specs, expert_names = arch.tensor_specs(cfg)
+    embedding = embedding_name(cfg) if host_embedding else None
+    if source.synthetic:
+        from ft.tools.synthetic import synthetic_host_bytes
+
+        return synthetic_host_bytes(specs, expert_names, dtype, embedding)
+    reader = CheckpointReader(source.path)
+    if cfg.is_flash_next:
+        specs, expert_names = qwen3_8_flash_next.expert_layout(specs, expert_names, reader)
+    return host_bytes(reader, specs, expert_names, dtype, embedding)
+
+
 def embedding_name(cfg: ModelConfig) -> str:
     """The checkpoint name of the token embedding."""
     return (qwen3_8_flash_next.ROOT if cfg.is_flash_next else "model.") + "embed_tokens.weight"
@@ -74,9 +90,11 @@ def embedding_name(cfg: ModelConfig) -> str:
 def _embedding_to_host(weights, name: str, device: torch.device):
     """`weights` with the tensor `name` moved to host memory (pinned when `device` is CUDA; the device
     copy freed before the budget is measured) and named in `on_host`."""
-    table = weights.tensors[name].to("cpu")
-    if device.type == "cuda":
-        table = table.pin_memory()
+    resident = weights.tensors[name]
+    if device.type == "cuda":  # straight into pinned memory (a pageable copy, then pinning it, held two)
+        table = torch.empty(resident.shape, dtype=resident.dtype, pin_memory=True).copy_(resident)
+    else:
+        table = resident.to("cpu")
     weights.tensors = {**weights.tensors, name: table}
     weights.on_host = weights.on_host | {name}
     if device.type == "cuda":

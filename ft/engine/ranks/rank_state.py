@@ -19,7 +19,7 @@ from ft.memory.budget import (card_bytes, default_prefill_length, experts_can_al
 from ft.engine.cache.manager import CacheManager, PoolShapes, SizingOptions
 from ft.engine.base.engine_config import EngineConfig, default_running_requests
 from ft.engine.sched.ladder import make_rungs
-from ft.engine.ranks.loader import DTYPES, activation_reserve, load_model
+from ft.engine.ranks.loader import DTYPES, activation_reserve, load_model, planned_host_bytes
 from ft.engine.ranks.model_source import model_source
 from ft.engine.worker.model_runner import ModelRunner
 from ft.engine.worker.prefill_graphs import CoreBuffers
@@ -27,6 +27,7 @@ from ft.engine.worker.routing_override import TraceRouting, trace_params, trace_
 from ft.units import format_bytes
 from ft.errors import ConfigError
 from ft.memory.kv_pool import NVFP4_KV
+from ft.memory.host_memory import HostPlan, available_bytes
 from ft.memory.prefill_stream import PAGES, STREAM_PAGE_EXPERTS, PrefillStream
 from ft.kernels.moe import DECODE_MAX_TOKENS, moe_pools_workspace_bytes, moe_workspace_bytes
 from ft.kernels.backend import uses_triton
@@ -73,6 +74,11 @@ class RankState:
                               "(tie_word_embeddings), which every step reads whole; it stays on the device")
         host_embedding = config.embedding_host(self.device.type) and tp is None \
             and not self.model_config.tie_word_embeddings
+        # what stays in host memory, against what the host has: a refusal before minutes of loading
+        self.host_plan = HostPlan(planned_host_bytes(self.source, self.model_config, self.dtype, host_embedding),
+                                  available_bytes())
+        if config.host_memory_check and tp is None:
+            self.host_plan.check()
         self.model, host_experts = load_model(self.source, self.model_config, self.dtype,
                                               self.device, config.seed, config.progress and (tp is None or tp.is_leader),
                                               tp, host_embedding)

@@ -1,0 +1,167 @@
+"""Host memory: what loading holds at its peak, and the plan checked before the weights load.
+
+A checkpoint's routed experts (63 GiB for Qwen3.8-Flash-Next in NVFP4) and its n-gram table (95 GiB in bf16)
+go to (pinned) host memory; the seed's machine has 123 GB of RAM. Loading must hold each of them once, not
+stacked copies of them, and a host that cannot hold them is told so before the load starts.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ft.model import qwen3_next
+from ft.model.checkpoint import CheckpointReader, load_weights
+from ft.model.config import ModelConfig
+from ft.tools.demo import ensure_demo_checkpoint
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return ensure_demo_checkpoint(tmp_path_factory.mktemp("demo"))
+
+
+class _Spy(CheckpointReader):
+    """A reader that keeps a weak reference to every routed-expert tensor it returns and records, at each
+    read, how many of those it returned before are still alive (held by the loader)."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.alive: list[weakref.ref] = []
+        self.most_alive = 0
+
+    def get(self, name: str) -> torch.Tensor:
+        t = super().get(name)
+        if ".mlp.experts." in name:
+            self.alive = [r for r in self.alive if r() is not None]
+            self.most_alive = max(self.most_alive, len(self.alive))
+            self.alive.append(weakref.ref(t))
+        return t
+
+
+def test_experts_are_copied_into_the_store_as_they_are_read(demo):
+    cfg = ModelConfig.from_file(demo)
+    specs, experts = qwen3_next.tensor_specs(cfg)
+    reader = _Spy(demo)
+    store = load_weights(reader, specs, experts, torch.float32, torch.device("cpu"), torch.device("cpu")).experts
+    n_layers, n_exp = len(experts), len(experts[0])
+    read = n_layers * n_exp * 9  # gate, up, down: packed, block scales, second scale each
+    assert len(reader.alive) and reader.most_alive <= 9 < read  # one expert's tensors at a time, not all of them
+    # the store holds what the checkpoint holds, where the kernels expect it
+    plain = CheckpointReader(demo)
+    for layer, e in ((0, 0), (n_layers - 1, n_exp - 1), (n_layers // 2, n_exp // 2)):
+        gate, up, down = (n.removesuffix(".weight") for n in experts[layer][e])
+        assert torch.equal(store.w13[layer, e], torch.cat([plain.get(gate + ".weight"), plain.get(up + ".weight")]))
+        assert torch.equal(store.w2[layer, e], plain.get(down + ".weight"))
+        assert torch.equal(store.w13_scale[layer, e].view(torch.uint8),
+                           torch.cat([plain.get(gate + ".weight_scale"), plain.get(up + ".weight_scale")]).view(torch.uint8))
+        assert torch.equal(store.w2_scale[layer, e].view(torch.uint8), plain.get(down + ".weight_scale").view(torch.uint8))
+        assert store.scale_2[layer, e].tolist() == [float(plain.get(n + ".weight_scale_2")) for n in (gate, up, down)]
+
+
+def test_a_table_is_read_in_pieces_of_rows(tmp_path):
+    table = torch.randn(1000, 24).to(torch.bfloat16)
+    save_file({"t.weight": table}, str(tmp_path / "model.safetensors"))
+    reader = CheckpointReader(tmp_path)
+    assert torch.equal(reader.get_rows("t.weight", 17, 300), table[17:300])
+    for piece in (1, 24 * 2 * 7, 1 << 20):  # a row a piece (a piece smaller than a row), 7 rows, the whole
+        out = torch.empty(1000, 24, dtype=torch.bfloat16)
+        reader.read_into("t.weight", out, piece_bytes=piece)
+        assert torch.equal(out, table)
+    with pytest.raises(Exception, match="read into"):
+        reader.read_into("t.weight", torch.empty(999, 24, dtype=torch.bfloat16))
+
+
+def _store_bytes(store) -> int:
+    return sum(t.nbytes for t in (store.w13, store.w2, store.w13_scale, store.w2_scale, store.scale_2) if t is not None)
+
+
+@pytest.mark.parametrize("layout", ["grouped", "one-tensor-each", "synthetic", "demo-nvfp4"])
+def test_the_plan_is_what_loading_keeps_in_host_memory(layout, demo, tmp_path):
+    """`planned_host_bytes`, from the checkpoint's headers (or a synthetic config) before anything loads,
+    is to the byte what `load_model` then keeps in host memory: the expert store, the n-gram table (read
+    from its parts), the embedding moved there."""
+    import json
+
+    from ft.engine.ranks.loader import load_model, planned_host_bytes
+    from ft.engine.ranks.model_source import model_source
+    from test_flash_next_engine import TEXT, write_checkpoint
+
+    if layout == "demo-nvfp4":
+        spec = str(demo)
+    elif layout == "synthetic":
+        (tmp_path / "config.json").write_text(json.dumps({
+            "architectures": ["Qwen3_8_FlashNextForConditionalGeneration"],
+            "text_config": {**TEXT, "shared_expert_intermediate_size": 32, "dtype": "bfloat16"}}))
+        spec = f"synthetic:{tmp_path / 'config.json'}"
+    else:
+        write_checkpoint(tmp_path / "m", TEXT, split_experts=layout == "one-tensor-each")
+        spec = str(tmp_path / "m")
+    source = model_source(spec)
+    cfg = ModelConfig.from_file(source.path)
+    dtype, device = torch.float32, torch.device("cpu")
+    plan = planned_host_bytes(source, cfg, dtype, host_embedding=True)
+    model, store = load_model(source, cfg, dtype, device, seed=0, progress=False, embedding_on_host=True)
+    kept = {"routed experts": _store_bytes(store), **model.host_tables}
+    assert plan == kept and plan["routed experts"] > 0 and plan["embedding"] > 0
+    assert ("n-gram table" in plan) == (layout != "demo-nvfp4")
+
+
+def test_what_the_host_has_is_the_smaller_of_meminfo_and_the_cgroup(tmp_path):
+    from ft.memory.host_memory import available_bytes
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       131072000 kB\nMemFree:          1000000 kB\nMemAvailable:   100000000 kB\n")
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    v2.mkdir(), v1.mkdir()
+    assert available_bytes(meminfo, v2, v1) == (100000000 * 1024, "MemAvailable")  # no cgroup files
+    (v2 / "memory.max").write_text("max\n")
+    (v2 / "memory.current").write_text("5\n")
+    assert available_bytes(meminfo, v2, v1) == (100000000 * 1024, "MemAvailable")  # v2 without a limit
+    (v2 / "memory.max").write_text(f"{64 << 30}\n")
+    (v2 / "memory.current").write_text(f"{4 << 30}\n")
+    assert available_bytes(meminfo, v2, v1) == (60 << 30, "the cgroup's limit")
+    (v2 / "memory.max").unlink()
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    (v1 / "memory.usage_in_bytes").write_text("7\n")
+    assert available_bytes(meminfo, v2, v1) == (100000000 * 1024, "MemAvailable")
+    (v1 / "memory.limit_in_bytes").write_text(f"{8 << 30}\n")
+    assert available_bytes(meminfo, v2, v1) == ((8 << 30) - 7, "the cgroup's limit")
+    assert available_bytes(tmp_path / "none", tmp_path / "none", tmp_path / "none") is None
+
+
+def test_a_plan_that_does_not_fit_is_refused_in_one_line():
+    from ft.errors import ConfigError
+    from ft.memory.host_memory import HostPlan
+
+    gib = 1 << 30
+    plan = HostPlan({"routed experts": 63 * gib, "n-gram table": 95 * gib}, (118 * gib, "MemAvailable"))
+    with pytest.raises(ConfigError) as err:
+        plan.check()
+    text = str(err.value)
+    assert "\n" not in text and "158.0 GiB" in text and "routed experts 63.0 GiB, n-gram table 95.0 GiB" in text \
+        and "118.0 GiB available (MemAvailable)" in text and "--no-host-memory-check" in text
+    HostPlan({"routed experts": 63 * gib}, (118 * gib, "MemAvailable")).check()  # fits: nothing raised
+    HostPlan({"routed experts": 116 * gib}, (118 * gib, "MemAvailable")).check()  # the 2 GiB margin left
+    with pytest.raises(ConfigError):
+        HostPlan({"routed experts": 116 * gib + 1}, (118 * gib, "MemAvailable")).check()
+    HostPlan({"routed experts": 1 << 50}, None).check()  # an unknown host is not refused
+
+
+def test_the_engine_refuses_before_it_loads_and_loads_when_told_not_to_check(demo, monkeypatch):
+    import ft.engine.ranks.rank_state as rank_state
+    from ft.engine import LLM
+    from ft.errors import ConfigError
+
+    loads = []
+    real_load = rank_state.load_model
+    monkeypatch.setattr(rank_state, "load_model", lambda *a, **k: loads.append(1) or real_load(*a, **k))
+    monkeypatch.setattr(rank_state, "available_bytes", lambda: (1 << 30, "MemAvailable"))
+    with pytest.raises(ConfigError, match=r"host memory: this model keeps .*\(routed experts"):
+        LLM(model=str(demo), device="cpu")
+    assert not loads
+    with LLM(model=str(demo), device="cpu", host_memory_check=False) as llm:
+        assert loads and llm.engine.describe()["host_plan"]["available_bytes"] == 1 << 30
