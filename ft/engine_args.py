@@ -150,13 +150,18 @@ HELP = {
                           "cgroup limit) with 2 GiB to spare, and refuse at once if not: pinned memory that does not "
                           "fit fails the load part way or has the kernel end the process; --no-host-memory-check "
                           "loads anyway (one GPU; tensor parallelism is not checked)"),
+    "ngram_table": ("where Qwen3.8-Flash-Next's n-gram table (~95 GiB in bf16) lives: host (pinned host memory; "
+                    "the device reads each step's rows inside the step), disk (mapped from the checkpoint's files: "
+                    "the host reads each step's rows through the page cache, which keeps the rows in use; decode "
+                    "steps are then not overlapped) or auto: host where the host-memory plan fits, else disk "
+                    "(a host of 123 GB cannot pin the 63 GiB of experts and the table together)"),
     "seed": "engine seed",
     "progress": ("loading progress: a bar on a terminal, one line per phase otherwise; --progress forces the bar, "
                  "--no-progress shows neither (default: auto)"),
 }
 
 
-CHOICES = {"moe_backend": ["offload", "resident"], "expert_policy": list(EXPERT_POLICIES), "kv_cache_dtype": list(KV_CACHE_DTYPES), "storage_backend": ["auto", "vmm", "mmap", "realloc"], "dtype": ["auto", "float32", "bfloat16", "float16"]}
+CHOICES = {"ngram_table": ["auto", "host", "disk"], "moe_backend": ["offload", "resident"], "expert_policy": list(EXPERT_POLICIES), "kv_cache_dtype": list(KV_CACHE_DTYPES), "storage_backend": ["auto", "vmm", "mmap", "realloc"], "dtype": ["auto", "float32", "bfloat16", "float16"]}
 
 
 def _kind(f: dataclasses.Field):

@@ -152,6 +152,33 @@ def test_greedy_tokens_equal_the_reference(checkpoint):
         assert chunks[:3] == [16, 16, 8]  # the prompt in three chunks
 
 
+def test_the_ngram_table_read_from_disk_gives_the_reference_tokens(checkpoint):
+    """--ngram-table disk: the table is mapped from the checkpoint's parts, the host reads each step's rows
+    (prefill chunks crossing the context, EOS ids inside a prompt, two prompts at once, a prefix-cache
+    hit, decode steps) and the tokens stay the reference's; nothing of it is in host memory's tables."""
+    name, path, weights = checkpoint
+    if not CASES[name].get("ple_layer_ids", TEXT["ple_layer_ids"]):
+        with pytest.raises(ConfigError, match="has no n-gram table"):
+            make_llm(path, ngram_table="disk")
+        return
+    a, b = prompt_of(40, 1, eos_at=(17, 30)), prompt_of(29, 2)
+    want_a, want_b = reference_greedy(weights, path, a), reference_greedy(weights, path, b)
+    with make_llm(path, ngram_table="disk", max_prefill_length=16) as llm:
+        model = llm.engine.model
+        assert model.reads_tokens_on_host and "n-gram table" not in model.host_tables
+        assert model.disk_tables["n-gram table"] == model.paged_table.nbytes > 0
+        reads = []
+        gather = model.paged_table.gather
+        model.paged_table.gather = lambda rows: (reads.append(rows.numel()), gather(rows))[1]
+        got = llm.generate(prompt_token_ids=[a, b], **GREEDY_OPTS)
+        assert [r.token_ids for r in got] == [want_a, want_b], name
+        assert sum(reads) == (len(a) + len(b) + 2 * (GREEDY - 1)) * model.hashing.num_heads  # every token once
+        turn2 = a + want_a + prompt_of(5, 3)
+        out2 = llm.generate(prompt_token_ids=[turn2], **GREEDY_OPTS)[0]
+        assert out2.num_cached_tokens == len(a) + GREEDY - 1
+        assert out2.token_ids == reference_greedy(weights, path, turn2), name
+
+
 def test_the_embedding_in_host_memory_gives_the_same_tokens(checkpoint):
     """--embedding-on-host: the embedding leaves the device weights for the host tables (named in the
     banner) and the tokens stay the reference's, prefill and decode."""

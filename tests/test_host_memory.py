@@ -165,3 +165,55 @@ def test_the_engine_refuses_before_it_loads_and_loads_when_told_not_to_check(dem
     assert not loads
     with LLM(model=str(demo), device="cpu", host_memory_check=False) as llm:
         assert loads and llm.engine.describe()["host_plan"]["available_bytes"] == 1 << 30
+
+
+def test_a_paged_table_reads_rows_from_the_files_it_maps(tmp_path):
+    from ft.errors import CheckpointError
+    from ft.model.paged_table import PagedTable
+
+    whole = torch.randn(50, 8).to(torch.bfloat16)
+    save_file({"other": torch.ones(3), "t.weight": whole}, str(tmp_path / "a.safetensors"))
+    save_file({"t.shard_0.weight": whole[:20].clone()}, str(tmp_path / "b.safetensors"))
+    save_file({"t.shard_1.weight": whole[20:45].clone(), "t.shard_2.weight": whole[45:].clone()},
+              str(tmp_path / "c.safetensors"))
+    rows = torch.tensor([0, 49, 19, 20, 44, 45, 7, 7, 30])
+    one = PagedTable.open([(tmp_path / "a.safetensors", "t.weight")], (50, 8))
+    parts = PagedTable.open([(tmp_path / "b.safetensors", "t.shard_0.weight"),
+                             (tmp_path / "c.safetensors", "t.shard_1.weight"),
+                             (tmp_path / "c.safetensors", "t.shard_2.weight")], (50, 8))
+    for table in (one, parts):
+        assert table.shape == (50, 8) and table.dtype == torch.bfloat16 and table.nbytes == whole.nbytes
+        assert torch.equal(table.gather(rows), whole[rows])
+    with pytest.raises(CheckpointError, match="make \\[50, 8\\], expected \\[51, 8\\]"):
+        PagedTable.open([(tmp_path / "a.safetensors", "t.weight")], (51, 8))
+    with pytest.raises(CheckpointError, match="2-D bf16"):
+        PagedTable.open([(tmp_path / "a.safetensors", "other")], (3, 1))
+
+
+def test_auto_maps_the_ngram_table_when_the_host_cannot_hold_it(tmp_path, monkeypatch, caplog):
+    """--ngram-table auto: the table in host memory where the plan fits; mapped from disk (and left out of the
+    plan) where the plan with it does not fit but the plan without it does."""
+    import logging
+
+    import ft.engine.ranks.rank_state as rank_state
+    from ft.engine import LLM
+    from ft.engine.ranks.loader import planned_host_bytes
+    from ft.engine.ranks.model_source import model_source
+    from test_flash_next_engine import TEXT, write_checkpoint
+
+    path = tmp_path / "m"
+    write_checkpoint(path, TEXT)
+    opts = dict(device="cpu", dtype="float32", page_size=16, num_tokens=256)
+    with LLM(model=str(path), **opts) as llm:
+        assert not llm.engine.model.reads_tokens_on_host and "n-gram table" in llm.engine.host_plan.parts
+    cfg = ModelConfig.from_file(path)
+    full = planned_host_bytes(model_source(str(path)), cfg, torch.float32, False)
+    from ft.memory.host_memory import HOST_MARGIN
+
+    between = full["routed experts"] + HOST_MARGIN + full["n-gram table"] // 2
+    monkeypatch.setattr(rank_state, "available_bytes", lambda: (between, "MemAvailable"))
+    with caplog.at_level(logging.INFO, logger="ft.engine"), LLM(model=str(path), **opts) as llm:
+        assert llm.engine.model.reads_tokens_on_host and llm.engine.host_plan.parts == {
+            "routed experts": full["routed experts"]}
+        assert len(llm.generate(prompt_token_ids=[[5, 6, 7]], max_new_tokens=2)[0].token_ids) == 2
+    assert "n-gram table: read from the checkpoint's files" in caplog.text

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from ft.errors import CheckpointError, UnsupportedModelError
 from ft.model.config import read_quantization
 from ft.model.layers.linear import NVFP4Weight, weight_nbytes
+from ft.model.paged_table import PagedTable
 from ft.kernels.moe import SlotWeights
 
 # Tensors a checkpoint may carry that FreeToken does not use.
@@ -140,6 +141,10 @@ class CheckpointReader:
     def get(self, name: str) -> torch.Tensor:
         return self._handles[self._file_of[name]].get_tensor(name)
 
+    def file_of(self, name: str) -> Path:
+        """The safetensors file holding tensor `name`."""
+        return self._file_of[name]
+
     def nbytes(self, name: str) -> int:
         """Bytes of tensor `name` as stored (from the header: nothing is read)."""
         return math.prod(self.shape(name)) * SAFETENSORS_ITEMSIZE[self.dtype(name)]
@@ -193,12 +198,7 @@ class _Consumer:
             out = _host_empty(shape, self.reader.get_rows(name, 0, 1).dtype, pin)
             self.reader.read_into(name, out)
             return out
-        stem = name.removesuffix(".weight")
-        parts = []
-        while f"{stem}.shard_{len(parts)}.weight" in self.reader:
-            parts.append(f"{stem}.shard_{len(parts)}.weight")
-        if not parts:
-            raise CheckpointError(f"missing tensor {name!r} (or its parts {stem}.shard_0.weight, ...) in {self.reader.path}")
+        parts = self.table_parts(name)
         shapes = [self.reader.shape(p) for p in parts]
         if any(len(sh) != 2 or sh[1] != shape[1] for sh in shapes) or sum(sh[0] for sh in shapes) != shape[0]:
             raise CheckpointError(f"tensor {name!r}: {len(parts)} parts of {shapes[0]}... make "
@@ -213,6 +213,25 @@ class _Consumer:
             out[row: row + t.shape[0]].copy_(t)
             row += t.shape[0]
         return out
+
+    def table_parts(self, name: str) -> list[str]:
+        """A host table's tensors in row order: `name` itself, or its parts `<stem>.shard_{i}.weight`."""
+        if name in self.reader:
+            return [name]
+        stem = name.removesuffix(".weight")
+        parts = []
+        while f"{stem}.shard_{len(parts)}.weight" in self.reader:
+            parts.append(f"{stem}.shard_{len(parts)}.weight")
+        if not parts:
+            raise CheckpointError(f"missing tensor {name!r} (or its parts {stem}.shard_0.weight, ...) in {self.reader.path}")
+        return parts
+
+    def paged_table(self, name: str, shape: tuple[int, ...]) -> PagedTable:
+        """A host table mapped from the checkpoint's files instead of read (`ft.model.paged_table`)."""
+        parts = self.table_parts(name)
+        for p in parts:
+            self.claim(p, None)
+        return PagedTable.open([(self.reader.file_of(p), p) for p in parts], shape)
 
     def is_nvfp4(self, module: str) -> bool:
         return f"{module}.weight_scale" in self.reader
@@ -254,18 +273,21 @@ class LoadedWeights:
         host = set(tables) | self.on_host
         resident = sum(weight_nbytes(t) for n, t in self.tensors.items() if n not in host)
         parts = {}
-        if tables:
-            parts["n-gram table"] = sum(weight_nbytes(self.tensors[n]) for n in tables)
+        in_memory = [n for n in tables if not isinstance(self.tensors[n], PagedTable)]  # (a paged one is on disk)
+        if in_memory:
+            parts["n-gram table"] = sum(weight_nbytes(self.tensors[n]) for n in in_memory)
         if embedding in self.on_host:
             parts["embedding"] = weight_nbytes(self.tensors[embedding])
         return resident, parts
 
+
 def host_bytes(reader: CheckpointReader, specs: dict[str, TensorSpec], expert_groups: list, dtype: torch.dtype,
-               embedding: str | None = None) -> dict[str, int]:
+               embedding: str | None = None, tables_on_disk: bool = False) -> dict[str, int]:
     """What loading keeps in host memory, from the checkpoint's headers alone: {"routed experts": the
     store `load_weights` fills (NVFP4 as stored with fp32 second scales, dense in `dtype`), "n-gram
     table": the specs' kind "host" tensors (or their parts) as stored, "embedding": tensor `embedding`
-    in `dtype` when the loader moves it there (None: it stays on the device)}; parts of 0 left out."""
+    in `dtype` when the loader moves it there (None: it stays on the device)}; parts of 0 left out (the
+    tables too with `tables_on_disk`: mapped from the files, `PagedTable`)."""
     size = dtype.itemsize
     experts = 0
     for layer in expert_groups:
@@ -281,7 +303,7 @@ def host_bytes(reader: CheckpointReader, specs: dict[str, TensorSpec], expert_gr
                     experts += math.prod(specs[name].shape) * size
     tables = 0
     for name, spec in specs.items():
-        if spec.kind != "host":
+        if spec.kind != "host" or tables_on_disk:
             continue
         if name in reader:
             tables += reader.nbytes(name)
@@ -303,12 +325,15 @@ def load_weights(
     device: torch.device,
     host_device: torch.device,
     progress: bool = False,
+    tables_on_disk: bool = False,
 ) -> LoadedWeights:
     """Read and check every tensor.
 
     specs: name -> TensorSpec for resident weights. expert_groups[j][e] = (gate, up, down) names
     of expert e of MoE layer j (shapes in specs). Dense weights are cast to `dtype`; NVFP4 stays
-    packed. Routed experts go to `host_device` (pinned when it is CPU and `device` is CUDA).
+    packed. Routed experts go to `host_device` (pinned when it is CPU and `device` is CUDA). Kind "host"
+    tables are read into host memory (pinned likewise), or with `tables_on_disk` mapped from the files
+    (`PagedTable`: nothing read until a step gathers its rows).
     """
     from tqdm.auto import tqdm
 
@@ -320,7 +345,7 @@ def load_weights(
         if spec.kind == "expert":
             continue
         if spec.kind == "host":
-            tensors[name] = c.host_rows(name, spec.shape, pin)
+            tensors[name] = c.paged_table(name, spec.shape) if tables_on_disk else c.host_rows(name, spec.shape, pin)
             bar.update(1)
             continue
         if spec.kind == "optional" and name not in reader:

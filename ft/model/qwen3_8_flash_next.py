@@ -46,6 +46,7 @@ from ft.kernels.options import model_defaults, use_kernel_options
 from ft.kernels.slot_write import write_slots
 from ft.model.layers.embedding import embed_tokens
 from ft.model.layers.engram import EngramHashing, PLEWeights, ple_delta_batched
+from ft.model.paged_table import PagedTable
 from ft.model.layers.gated_deltanet import GatedDeltaNet
 from ft.model.layers.hyper_connection import HyperConnection, expand_streams
 from ft.model.layers.linear import Linear
@@ -158,7 +159,7 @@ def expert_layout(specs: dict[str, TensorSpec], groups: list[GroupedExperts], re
 
 @dataclass
 class _PLE:
-    table: torch.Tensor  # [rows, width] in host memory, the checkpoint's dtype
+    table: torch.Tensor | PagedTable  # [rows, width] in host memory, the checkpoint's dtype (or mapped from disk)
     weights: PLEWeights
     key_value: torch.Tensor  # [C*D + D, E]: key_proj's rows then value_proj's (the weights' two are views of it)
 
@@ -206,6 +207,12 @@ class FlashNextModel:
         self.embed = w[ROOT + "embed_tokens.weight"]
         self.embed_on_host = ROOT + "embed_tokens.weight" in weights.on_host
         self.host_bytes = sum(self.host_tables.values())
+        # an n-gram table mapped from the checkpoint's files (`ft.model.paged_table`): the host gathers each
+        # step's rows (`host_ngram_rows`), so the step's tokens must be known before it is queued
+        paged = [w[n] for n in tables if isinstance(w[n], PagedTable)]
+        self.paged_table: PagedTable | None = paged[0] if paged else None
+        self.reads_tokens_on_host = self.paged_table is not None
+        self.disk_tables = {"n-gram table": self.paged_table.nbytes} if paged else {}
         self.vocab_lo = None
         self.streams, self.eps = t.hc_count, cfg.rms_norm_eps
         self.lm_head = Linear(w["lm_head.weight"])
@@ -328,6 +335,17 @@ class FlashNextModel:
         u, _ = self.final_read.read(x[batch.last_token_index])  # (no final norm: the read is the model's end)
         return self.lm_head(u).float()
 
+    def host_ngram_rows(self, spans: list[tuple[list[int], list[int]]]) -> torch.Tensor | None:
+        """With a paged n-gram table, the rows a step's tokens hash to, read on the host: spans (the
+        `context_len` ids before a row's new tokens, the EOS id where there are none; its new ids) -> [T,
+        heads * width] in the table's dtype (CPU), T their new ids in order, for `ForwardBatch.ngram_rows`;
+        None without a paged table (the device gathers from host memory itself)."""
+        if self.paged_table is None:
+            return None
+        rows = [self.hashing.rows(torch.tensor(ids, dtype=torch.int64), ctx)[0] for ctx, ids in spans if ids]
+        flat = torch.cat(rows) if rows else torch.empty(0, self.hashing.num_heads, dtype=torch.int64)
+        return self.paged_table.gather(flat).reshape(flat.shape[0], -1)
+
     def _ple(self, ple: _PLE, x: torch.Tensor, batch: ForwardBatch, pools: CachePools) -> torch.Tensor:
         """x [T, C*D] plus the PLE delta of every new token, from its ids' table rows, its sequence's
         n-gram context and conv history (read from its mamba slot and written back). Device ops only, no
@@ -341,13 +359,15 @@ class FlashNextModel:
             sizes, offsets = hs.head_tensors(x.device)
             rows = ngram_rows_decode(batch.input_ids, contexts, slots, hs.multipliers, sizes, offsets,
                                      hs.heads_per_ngram, eos)
-            key_value = F.linear(gather_rows(ple.table, rows, x.dtype), ple.key_value)
+            emb = gather_rows(ple.table, rows, x.dtype) if batch.ngram_rows is None else batch.ngram_rows.to(x.dtype)
+            key_value = F.linear(emb, ple.key_value)
             return ple_decode(x, key_value, histories, slots, w.norm_key, w.norm_query, w.norm_conv, w.conv,
                               self.streams, w.dilation, w.eps)
         cu = batch.cu_seqlens
         stored = contexts[slots]  # ids + 1, 0: none (the EOS id)
         windows, after = hs.windows(batch.input_ids, torch.where(stored == 0, eos, stored - 1), cu)
-        emb = gather_rows(ple.table, hs.rows_of_windows(windows), x.dtype)
+        emb = gather_rows(ple.table, hs.rows_of_windows(windows), x.dtype) if batch.ngram_rows is None \
+            else batch.ngram_rows.to(x.dtype)
         delta, history = ple_delta_batched(emb, x.reshape(x.shape[0], self.streams, -1), w, histories[slots], cu)
         write_slots(contexts, slots, after + 1)
         write_slots(histories, slots, history)

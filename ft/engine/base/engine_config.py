@@ -91,6 +91,7 @@ class EngineConfig:
     embedding_on_host: bool | None = None  # the token embedding in pinned host memory; None: when offloading on CUDA
     storage_backend: str = "auto"  # auto | vmm | mmap | realloc: how pools grow and shrink (see ft.memory.storage)
     host_memory_check: bool = True  # refuse before loading when the host-memory tables do not fit (ft.memory.host_memory)
+    ngram_table: str = "auto"  # auto | host | disk: where an n-gram table lives (ft.model.paged_table)
     seed: int = 0
     progress: bool = False  # show loading progress
     tensor_parallel_size: int = 1  # GPUs sharing the model (heads and expert channels split, one process each)

@@ -27,6 +27,8 @@ class StepInputs:
     kv_slots, seq_lens: decode only (padding rows: -1 and the first row's length).
     forced: a routing trace's experts, flat [tokens (+ padding), layers, k] values, or None.
     graph_rows: decode through the CUDA graph of this bucket (None: eager).
+    ngram_rows: the n-gram table rows of every token (padding rows zero) where the host reads them from a
+    paged table (`FlashNextModel.host_ngram_rows`), else None.
     """
 
     kind: str
@@ -42,6 +44,7 @@ class StepInputs:
     graph_rows: int | None = None
     real: int = 0  # decode: rows that are sequences (the rest pad to graph_rows)
     ops: list[tuple] = field(default_factory=list)
+    ngram_rows: object = None  # [tokens (+ padding), heads * width] CPU tensor: a paged n-gram table's rows, or None
 
 
 class PoolJournal:

@@ -402,6 +402,8 @@ class Engine(RankState):
             "resident_weight_bytes": self.model.resident_bytes,
             "host_table_bytes": self.model.host_bytes,  # (host memory, outside the budget)
             "host_tables": dict(self.model.host_tables),  # what: bytes (the n-gram table, the embedding)
+            # tables mapped from the checkpoint's files, read through the page cache ({what: bytes on disk})
+            "disk_tables": dict(getattr(self.model, "disk_tables", {})),
             # what the loader planned to keep in host memory ({what: bytes}, the routed experts too) and
             # what the host had then (bytes and where that figure comes from; None where unknown)
             "host_plan": {"parts": dict(self.host_plan.parts),

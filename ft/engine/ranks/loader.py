@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ft.errors import UnsupportedModelError
+from ft.errors import ConfigError, UnsupportedModelError
 from ft.kernels import attention
 from ft.kernels.backend import uses_triton
 from ft.kernels.options import kernel_options
@@ -29,25 +29,29 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def load_model(
     source: ModelSource, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int,
-    progress: bool, tp=None, embedding_on_host: bool = False,
+    progress: bool, tp=None, embedding_on_host: bool = False, tables_on_disk: bool = False,
 ) -> tuple[Qwen3NextModel | qwen3_8_flash_next.FlashNextModel, SlotWeights | None]:
     """The model with its resident weights on `device`, and the routed experts' host store: read
     from the checkpoint, or made (a synthetic source). With tensor parallelism (`tp`, a
     `ft.parallel.TPGroup`) this rank's shard of both (`ft.model.tp_shard`): the whole checkpoint is
     read, each tensor cut as it arrives. `embedding_on_host`: the token embedding moves to host memory
-    (pinned on CUDA) once loaded, the same values; the model gathers its rows (`EngineConfig.embedding_host`)."""
+    (pinned on CUDA) once loaded, the same values; the model gathers its rows (`EngineConfig.embedding_host`).
+    `tables_on_disk`: an n-gram table is mapped from the checkpoint's files (`ft.model.paged_table`), not read."""
     arch = qwen3_8_flash_next if cfg.is_flash_next else qwen3_next
     if cfg.is_flash_next and tp is not None:
         raise UnsupportedModelError("Qwen3.8-Flash-Next does not run under tensor parallelism yet "
                                     "(--tensor-parallel-size 1)")
     specs, expert_names = arch.tensor_specs(cfg)
     rank, world = (tp.rank, tp.world) if tp is not None else (0, 1)
+    if tables_on_disk and source.synthetic:
+        raise ConfigError("--ngram-table disk: a synthetic model makes its table in memory; it has no files to map")
     weights = source.made_weights(specs, expert_names, dtype, device, seed, (rank, world))
     if weights is None:
         reader = CheckpointReader(source.path)
         if cfg.is_flash_next:  # its experts grouped per layer, or one tensor per expert (as ModelOpt writes them)
             specs, expert_names = qwen3_8_flash_next.expert_layout(specs, expert_names, reader)
-        weights = load_weights(reader, specs, expert_names, dtype, device, torch.device("cpu"), progress)
+        weights = load_weights(reader, specs, expert_names, dtype, device, torch.device("cpu"), progress,
+                               tables_on_disk)
         weights.experts = None if weights.experts is None else shard_expert_store(weights.experts, rank, world)
     if not uses_triton(device):
         # NOTE: the CPU path computes resident projections dense (the exact dequantized values);
@@ -66,7 +70,8 @@ def load_model(
     return m, weights.experts
 
 
-def planned_host_bytes(source: ModelSource, cfg: ModelConfig, dtype: torch.dtype, host_embedding: bool) -> dict[str, int]:
+def planned_host_bytes(source: ModelSource, cfg: ModelConfig, dtype: torch.dtype, host_embedding: bool,
+                       tables_on_disk: bool = False) -> dict[str, int]:
     """What `load_model` on one GPU keeps in host memory, {what: bytes}, known before anything loads: from
     the checkpoint's headers (`ft.model.checkpoint.host_bytes`) or a synthetic model's specs."""
     arch = qwen3_8_flash_next if cfg.is_flash_next else qwen3_next
@@ -79,7 +84,7 @@ def planned_host_bytes(source: ModelSource, cfg: ModelConfig, dtype: torch.dtype
     reader = CheckpointReader(source.path)
     if cfg.is_flash_next:
         specs, expert_names = qwen3_8_flash_next.expert_layout(specs, expert_names, reader)
-    return host_bytes(reader, specs, expert_names, dtype, embedding)
+    return host_bytes(reader, specs, expert_names, dtype, embedding, tables_on_disk)
 
 
 def embedding_name(cfg: ModelConfig) -> str:

@@ -75,13 +75,14 @@ class RankState:
         host_embedding = config.embedding_host(self.device.type) and tp is None \
             and not self.model_config.tie_word_embeddings
         # what stays in host memory, against what the host has: a refusal before minutes of loading
-        self.host_plan = HostPlan(planned_host_bytes(self.source, self.model_config, self.dtype, host_embedding),
-                                  available_bytes())
+        tables_on_disk = self._tables_on_disk(config, host_embedding)
+        self.host_plan = HostPlan(planned_host_bytes(self.source, self.model_config, self.dtype, host_embedding,
+                                                     tables_on_disk), available_bytes())
         if config.host_memory_check and tp is None:
             self.host_plan.check()
         self.model, host_experts = load_model(self.source, self.model_config, self.dtype,
                                               self.device, config.seed, config.progress and (tp is None or tp.is_leader),
-                                              tp, host_embedding)
+                                              tp, host_embedding, tables_on_disk)
         cfg = self.model.cfg  # this rank's heads and intermediate sizes (the whole model's on one GPU)
         if tp is not None:  # before the budget is measured: its buffers are device memory too
             why = tp.enable_one_shot(self.dtype)
@@ -249,6 +250,26 @@ class RankState:
         if n is None:
             n = pages * min(STREAM_PAGE_EXPERTS, host_experts.w13.shape[1]) if self.device.type == "cuda" else 0
         return n // pages * pages
+
+    def _tables_on_disk(self, config: EngineConfig, host_embedding: bool) -> bool:
+        """Whether an n-gram table is mapped from the checkpoint's files (`--ngram-table`): as asked, or with
+        auto when the host-memory plan with the table in memory does not fit (a checkpoint only: a
+        synthetic model makes its table in memory). ConfigError for host / disk on a model without one."""
+        cfg = self.model_config
+        has_table = cfg.is_flash_next and bool(cfg.flash_next.ple_layers)
+        if config.ngram_table != "auto":
+            if not has_table:
+                raise ConfigError(f"--ngram-table {config.ngram_table}: this model has no n-gram table")
+            return config.ngram_table == "disk"
+        if not has_table or self.source.synthetic:
+            return False
+        in_memory = HostPlan(planned_host_bytes(self.source, cfg, self.dtype, host_embedding), available_bytes())
+        if in_memory.fits():
+            return False
+        log.info("n-gram table: read from the checkpoint's files through the page cache (--ngram-table auto): with "
+                 "it, host memory would hold %s (%s) of %s available", format_bytes(in_memory.total),
+                 in_memory.parts_text(), format_bytes(in_memory.available[0]))
+        return True
 
     def _check_kernels(self, config: EngineConfig) -> bool:
         """The checkpoint's shapes against the kernels (`ft.model.kernel_support`): a shape no path runs

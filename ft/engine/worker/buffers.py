@@ -219,3 +219,34 @@ class PageTableBuffer:
             self._scratch[: b * w].copy_(self._host[: b * w], non_blocking=True)
             spread()
         return [self.table[i, : len(row)] for i, row in enumerate(pages)]
+
+
+class RowsBuffer:
+    """A persistent device buffer [capacity, width] and its host staging twin (pinned on CUDA) for rows the
+    host reads for a step (a paged n-gram table's, `ForwardBatch.ngram_rows`). A load waits for the last
+    load's copy to have read the staging before it rewrites it (an event, not a device sync)."""
+
+    def __init__(self, capacity: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.width, self.dtype, self.device = width, dtype, device
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._alloc(max(1, capacity))
+
+    def _alloc(self, capacity: int) -> None:
+        # NOTE: a grown buffer has a new address: graphs keyed by it are captured again
+        self.capacity = capacity
+        self.device_buffer = torch.zeros(capacity, self.width, dtype=self.dtype, device=self.device)
+        self.host = torch.zeros(capacity, self.width, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+
+    def load(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n, width] (CPU) in the buffer's prefix; returns that prefix [n, width] on the device."""
+        n = rows.shape[0]
+        if self._copied is not None:
+            self._copied.synchronize()  # (the last load's copy has read the staging; at once if none ran)
+        if n > self.capacity:
+            self._alloc(max(n, 2 * self.capacity))
+        self.host[:n].copy_(rows)
+        out = self.device_buffer[:n]
+        out.copy_(self.host[:n], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        return out

@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from ft.engine.worker.buffers import PageTableBuffer, StagedBuffer, StagingArena
+from ft.engine.worker.buffers import RowsBuffer, PageTableBuffer, StagedBuffer, StagingArena
 from ft.engine.worker.decode_graphs import DecodeGraphs
 from ft.engine.worker.decode_launch import DecodeLauncher
 from ft.engine.worker.prefill_graphs import PrefillGraphs, padded_inputs
@@ -120,6 +120,11 @@ class ModelRunner:
         }
         self.page_table = PageTableBuffer(rows, max_pages_per_seq, device, arena=(self.decode_arena, len(decode_specs)))
         self.routing = None  # a `routing_override.TraceRouting` (synthetic traces): set by the engine
+        # a paged n-gram table's rows, read by the host for each step (`ft.model.paged_table`): every token of
+        # a chunk and a step's decoding rows
+        table = getattr(model, "paged_table", None)
+        self.ngram_rows = None if table is None else RowsBuffer(
+            tokens + rows, model.hashing.num_heads * table.shape[1], table.dtype, device)
         # a mixed step's decoding rows as one decode batch (`_decode_rows`); off: each a one-token prefill (the
         # former path, for A/Bs: bench/prefill.py --decoding-rows-as)
         self.mixed_decode_rows = True
@@ -173,12 +178,26 @@ class ModelRunner:
             sb = self.sample_buffers
             self._plan = LogitPlan(sb["sample_rows"].load(sample_rows), sb["prompt_rows"].load(prompt_rows),
                                     sb["prompt_targets"].load(targets), spans)
+        ngram = None
+        if self.ngram_rows is not None:
+            chunks, at = [], 0
+            for seq, n in zip(work.seqs, work.num_tokens):
+                chunks.append((self._ngram_context(seq, seq.num_computed), ids[at: at + n]))
+                at += n
+            ngram = self.model.host_ngram_rows(chunks)
         return StepInputs(
             "prefill", ids, pos, [(seq.num_computed, n, seq.pages, seq.mamba_slot)
                                   for seq, n in zip(work.seqs, work.num_tokens)],
             index if spans else last, [seq.mamba_slot for seq in work.seqs],
             forced=self.routing and self.routing.step_values([s.request_id for s in work.seqs], list(work.num_tokens)),
+            ngram_rows=ngram,
         )
+
+    def _ngram_context(self, seq: Sequence, start: int) -> list[int]:
+        """The n-gram context of a sequence's token at `start`: the ids before it, the EOS id where there are none."""
+        hs = self.model.hashing
+        before = _tokens(seq, max(0, start - hs.context_len), min(start, hs.context_len))
+        return [hs.eos_token_id] * (hs.context_len - len(before)) + before
 
     def load(self, inp: StepInputs) -> ForwardBatch:
         """`inp` in the persistent buffers, as the `ForwardBatch` the model reads. A decode step's
@@ -209,6 +228,8 @@ class ModelRunner:
                 cu.append(cu[-1] + n)
             batch.cu_seqlens = buf["cu_seqlens"].load(cu)
         batch.forced_experts = self._load_forced(inp.forced)
+        if inp.ngram_rows is not None:
+            batch.ngram_rows = self.ngram_rows.load(inp.ngram_rows)
         batch.calibrate_kv = inp.calibrate_kv
         if d:
             self.decode_arena.flush()
@@ -309,6 +330,13 @@ class ModelRunner:
         # kernels update states in place, so two rows must never share a slot they write
         kv_slots = [s.pages[p // page] * page + p % page for s, p in zip(seqs, pos)]
         ids = [0] * n if ids_on_device else [_tokens(s, p, 1)[0] for s, p in zip(rows, pos)]
+        ngram = None
+        if self.ngram_rows is not None:  # (never overlapped: `OverlappedDecode.ok`; padding rows read zeros)
+            if ids_on_device:
+                raise RuntimeError("a paged n-gram table needs a decode step's tokens on the host")
+            real_rows = self.model.host_ngram_rows([(self._ngram_context(s, p), [i])
+                                                    for s, p, i in zip(seqs, pos, ids)])
+            ngram = torch.cat([real_rows, real_rows.new_zeros(n - real, real_rows.shape[1])])
         return StepInputs(
             "decode", ids, pos,
             [(p, 1, s.pages, s.mamba_slot) for s, p in zip(rows, pos)], list(range(n)),
@@ -316,6 +344,7 @@ class ModelRunner:
             self.routing and self.routing.step_values([s.request_id for s in seqs], [1] * real, pad=n - real),
             graph_rows=graph_rows,
             real=real,
+            ngram_rows=ngram,
         )
 
     def run(self, work: ScheduledWork) -> list[int | None]:
@@ -506,7 +535,8 @@ class ModelRunner:
         forced = self.buffers.get("forced_experts")  # (synthetic routing traces only)
         return (*(t.data_ptr() for t in pools), self.page_table.table.data_ptr(),
                 *(buf.device_buffer.data_ptr() for buf in self.decode_buffers.values()),
-                forced.device_buffer.data_ptr() if forced is not None else 0)
+                forced.device_buffer.data_ptr() if forced is not None else 0,
+                self.ngram_rows.device_buffer.data_ptr() if self.ngram_rows is not None else 0)
 
     def count_resident_hits(self, tokens: int) -> None:
         """Resident experts: every (token, expert) pair is a hit (the MoE layer does not count

@@ -148,13 +148,13 @@ class PrefillGraphs:
 
     def rows_for(self, inp: StepInputs) -> int | None:
         """The bucket a prefill's inputs replay, or None (eager): up to `max_seqs` sequences, their last
-        positions' logits only, no KV calibration and no routing trace (their inputs are not in the
-        graphs' buffers), and not one token per sequence (a prompt after a full prefix hit): such a
-        batch, unpadded, takes the recurrent decode step in its Gated DeltaNet layers, padded the
-        chunked form (other bf16 roundings, other greedy tokens on a test model)."""
+        positions' logits only, no KV calibration, no routing trace and no paged n-gram rows (their
+        inputs are not in the graphs' buffers), and not one token per sequence (a prompt after a full
+        prefix hit): such a batch, unpadded, takes the recurrent decode step in its Gated DeltaNet
+        layers, padded the chunked form (other bf16 roundings, other greedy tokens on a test model)."""
         n = len(inp.seqs)
         if self.disabled or not 1 <= n <= self.max_seqs or len(inp.logit_index) != n or len(inp.ids) <= n \
-                or inp.calibrate_kv or inp.forced is not None:
+                or inp.calibrate_kv or inp.forced is not None or inp.ngram_rows is not None:
             return None
         return self.bucket(len(inp.ids))
 
