@@ -83,6 +83,9 @@ def main() -> None:
     ap.add_argument("--embedding-on-host", action=argparse.BooleanOptionalAction, default=None,
                     help="the token embedding in host memory (default: the engine's, on for offload on CUDA); "
                          "--no-embedding-on-host keeps it on the device (the rows before session 30)")
+    ap.add_argument("--ngram-table", default="auto", choices=["auto", "host", "disk"],
+                    help="where a Qwen3.8-Flash-Next config's n-gram table lives (the engine's --ngram-table: disk "
+                         "writes the synthetic table to a temporary file and reads its rows through the page cache)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME",
                     help="a named kernel variant for every engine (ft.kernels.options.VARIANTS, e.g. "
                          "pdl); repeatable")
@@ -110,7 +113,7 @@ def main() -> None:
                                   expert_policy=args.policy, expert_mapped_victims=args.mapped_victims,
                                   kv_cache_dtype=args.kv_cache_dtype,
                                   overlap_decode=args.overlap_decode,
-                                  embedding_on_host=args.embedding_on_host,
+                                  embedding_on_host=args.embedding_on_host, ngram_table=args.ngram_table,
                                   lend_prefill_reserve=args.lend_prefill_reserve))
         eng.ladder.auto = False
         measure(eng, [16])  # NOTE: compiles the kernels and captures the graph outside the timed rows

@@ -300,6 +300,26 @@ def test_synthetic_flash_next_serves(tmp_path):
         assert len(out.token_ids) == GREEDY and torch.isfinite(llm.engine.last_logits).all()
 
 
+def test_a_synthetic_ngram_table_on_disk_gives_the_same_tokens(tmp_path):
+    """--ngram-table disk on a synthetic model: its table (the same values) is written to a temporary file,
+    mapped and unlinked; the tokens are those of the table in host memory."""
+    import os
+    import tempfile
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"architectures": ["Qwen3_8_FlashNextForConditionalGeneration"],
+                               "text_config": {**TEXT, "shared_expert_intermediate_size": 32, "dtype": "bfloat16"}}))
+    prompts = [prompt_of(40, 1, eos_at=(17, 30)), prompt_of(29, 2)]
+    before = set(os.listdir(tempfile.gettempdir()))
+    runs = []
+    for where in ("host", "disk"):
+        with make_llm(f"synthetic:{cfg}", num_tokens=256, ngram_table=where, max_prefill_length=16) as llm:
+            assert llm.engine.model.reads_tokens_on_host == (where == "disk")
+            runs.append([r.token_ids for r in llm.generate(prompt_token_ids=prompts, **GREEDY_OPTS)])
+    assert runs[0] == runs[1]
+    assert not [n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("ft-synthetic-table-")]
+
+
 def test_its_forward_runs_with_its_kernel_choices(tmp_path, monkeypatch):
     """`FlashNextModel.kernel_defaults` are in force inside each forward (prefill and decode: bf16 rows as fp16
     on the NVFP4 tile, `Nvfp4Options.dot_f16_x_max_m` 64) and only there; a variant in force wins over them."""

@@ -342,9 +342,16 @@ class FlashNextModel:
         None without a paged table (the device gathers from host memory itself)."""
         if self.paged_table is None:
             return None
-        rows = [self.hashing.rows(torch.tensor(ids, dtype=torch.int64), ctx)[0] for ctx, ids in spans if ids]
-        flat = torch.cat(rows) if rows else torch.empty(0, self.hashing.num_heads, dtype=torch.int64)
-        return self.paged_table.gather(flat).reshape(flat.shape[0], -1)
+        hs = self.hashing
+        c, n = hs.context_len, hs.ngram_size
+        windows = []  # [T, n]: each new token and the ones before it (`EngramHashing.rows_of_windows`)
+        for ctx, ids in spans:
+            ext = list(ctx) + list(ids)
+            windows.extend([ext[c + t - s] for s in range(n)] for t in range(len(ids)))
+        if not windows:
+            return torch.empty(0, hs.num_heads * self.paged_table.shape[1], dtype=self.paged_table.dtype)
+        rows = hs.rows_of_windows(torch.tensor(windows, dtype=torch.int64))
+        return self.paged_table.gather(rows).reshape(rows.shape[0], -1)
 
     def _ple(self, ple: _PLE, x: torch.Tensor, batch: ForwardBatch, pools: CachePools) -> torch.Tensor:
         """x [T, C*D] plus the PLE delta of every new token, from its ids' table rows, its sequence's

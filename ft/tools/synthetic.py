@@ -10,13 +10,18 @@ CUDA) exactly as a loaded checkpoint's would. The demo's byte-level tokenizer st
 from __future__ import annotations
 
 import fnmatch
+import json
 import math
+import os
+import struct
+import tempfile
 from pathlib import Path
 
 import torch
 
 from ft.model.checkpoint import GroupedExperts, LoadedWeights, TensorSpec
 from ft.model.layers.linear import NVFP4Weight
+from ft.model.paged_table import PagedTable
 from ft.kernels.moe import SlotWeights
 
 PREFIX = "synthetic:"
@@ -59,17 +64,20 @@ def synthetic_weights(
     device: torch.device,
     seed: int = 0,
     shard: tuple[int, int] = (0, 1),
+    tables_on_disk: bool = False,
 ) -> LoadedWeights:
     """Random weights for `specs`; the routed experts of tensor-parallel rank shard[0] of shard[1]
     (`ft.model.tp_shard.shard_expert_layer`: cut a layer at a time, so the host never holds
-    the whole store); the resident tensors whole (the caller cuts them)."""
+    the whole store); the resident tensors whole (the caller cuts them). With `tables_on_disk` a kind "host"
+    table is written to a file and mapped from it (`_disk_table`), as a checkpoint's is with --ngram-table disk."""
     gen = _Gen(device, seed)
     tensors: dict[str, torch.Tensor | NVFP4Weight] = {}
     for name, spec in specs.items():
         if spec.kind in ("expert", "optional"):
             continue
         if spec.kind == "host":  # (Qwen3.8-Flash-Next's n-gram table) made on the host, in row blocks
-            tensors[name] = _host_table(spec.shape, dtype, seed, pin=device.type == "cuda")
+            tensors[name] = _disk_table(spec.shape, dtype, seed) if tables_on_disk else \
+                _host_table(spec.shape, dtype, seed, pin=device.type == "cuda")
             continue
         module = name.removesuffix(".weight")
         if spec.kind == "linear" and not any(fnmatch.fnmatch(module, p) for p in DENSE_MODULES):
@@ -90,8 +98,11 @@ def synthetic_weights(
     return LoadedWeights(tensors, experts)
 
 
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+
+
 def synthetic_host_bytes(specs: dict[str, TensorSpec], expert_groups: list, dtype: torch.dtype,
-                         embedding: str | None = None) -> dict[str, int]:
+                         embedding: str | None = None, tables_on_disk: bool = False) -> dict[str, int]:
     """What `synthetic_weights` (one GPU) and the loader keep in host memory, before anything is made:
     `ft.model.checkpoint.host_bytes`' parts for the NVFP4 experts and `dtype` tables made here."""
     experts = 0
@@ -103,21 +114,46 @@ def synthetic_host_bytes(specs: dict[str, TensorSpec], expert_groups: list, dtyp
             n_exp, (full, hidden) = len(layer), specs[layer[0][0]].shape
         # w13 and w2 packed (half a byte an element), their E4M3 scales (one a 16), three fp32 second scales
         experts += n_exp * (3 * full * hidden // 2 + 3 * full * hidden // 16 + 12)
-    tables = sum(math.prod(spec.shape) for spec in specs.values() if spec.kind == "host") * dtype.itemsize
+    tables = 0 if tables_on_disk else \
+        sum(math.prod(spec.shape) for spec in specs.values() if spec.kind == "host") * dtype.itemsize
     parts = {"routed experts": experts, "n-gram table": tables,
              "embedding": math.prod(specs[embedding].shape) * dtype.itemsize if embedding else 0}
     return {what: n for what, n in parts.items() if n}
 
 
-def _host_table(shape: tuple[int, int], dtype: torch.dtype, seed: int, pin: bool) -> torch.Tensor:
-    """A [rows, width] table of N(0, WEIGHT_STD) values in host memory, drawn a block of rows at a time."""
-    out = torch.empty(shape, dtype=dtype, pin_memory=pin)
+def _table_blocks(shape: tuple[int, int], dtype: torch.dtype, seed: int):
+    """A [rows, width] table of N(0, WEIGHT_STD) values, drawn a block of rows at a time: (first row, block)."""
     g = torch.Generator().manual_seed(seed + 1)
     block = max(1, (64 << 20) // max(1, shape[1]))
     for a in range(0, shape[0], block):
-        rows = out[a: a + block]
-        rows.copy_(torch.randn(rows.shape, generator=g) * WEIGHT_STD)
+        yield a, (torch.randn((min(block, shape[0] - a), shape[1]), generator=g) * WEIGHT_STD).to(dtype)
+
+
+def _host_table(shape: tuple[int, int], dtype: torch.dtype, seed: int, pin: bool) -> torch.Tensor:
+    """The table (`_table_blocks`) in host memory."""
+    out = torch.empty(shape, dtype=dtype, pin_memory=pin)
+    for a, rows in _table_blocks(shape, dtype, seed):
+        out[a: a + rows.shape[0]].copy_(rows)
     return out
+
+
+def _disk_table(shape: tuple[int, int], dtype: torch.dtype, seed: int) -> PagedTable:
+    """The same table (`_table_blocks`, the same values) written a block at a time to a safetensors file in the
+    temporary directory and mapped from it (`PagedTable`); the file is unlinked once mapped, so the mapping
+    alone keeps it (nothing is left behind when the process ends)."""
+    name = "table.weight"
+    header = json.dumps({name: {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                                "data_offsets": [0, math.prod(shape) * dtype.itemsize]}}).encode()
+    header += b" " * (-len(header) % 8)  # (the data starts 8-byte aligned)
+    fd, path = tempfile.mkstemp(prefix="ft-synthetic-table-", suffix=".safetensors")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(struct.pack("<Q", len(header)) + header)
+            for _, rows in _table_blocks(shape, dtype, seed):
+                f.write(rows.view(torch.uint8).numpy().tobytes())
+        return PagedTable.open([(Path(path), name)], shape)
+    finally:
+        os.unlink(path)
 
 
 def _experts(gen: _Gen, specs, groups, shard: tuple[int, int] = (0, 1)) -> SlotWeights:

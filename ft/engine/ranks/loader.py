@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ft.errors import ConfigError, UnsupportedModelError
+from ft.errors import UnsupportedModelError
 from ft.kernels import attention
 from ft.kernels.backend import uses_triton
 from ft.kernels.options import kernel_options
@@ -43,9 +43,7 @@ def load_model(
                                     "(--tensor-parallel-size 1)")
     specs, expert_names = arch.tensor_specs(cfg)
     rank, world = (tp.rank, tp.world) if tp is not None else (0, 1)
-    if tables_on_disk and source.synthetic:
-        raise ConfigError("--ngram-table disk: a synthetic model makes its table in memory; it has no files to map")
-    weights = source.made_weights(specs, expert_names, dtype, device, seed, (rank, world))
+    weights = source.made_weights(specs, expert_names, dtype, device, seed, (rank, world), tables_on_disk)
     if weights is None:
         reader = CheckpointReader(source.path)
         if cfg.is_flash_next:  # its experts grouped per layer, or one tensor per expert (as ModelOpt writes them)
@@ -80,7 +78,7 @@ def planned_host_bytes(source: ModelSource, cfg: ModelConfig, dtype: torch.dtype
     if source.synthetic:
         from ft.tools.synthetic import synthetic_host_bytes
 
-        return synthetic_host_bytes(specs, expert_names, dtype, embedding)
+        return synthetic_host_bytes(specs, expert_names, dtype, embedding, tables_on_disk)
     reader = CheckpointReader(source.path)
     if cfg.is_flash_next:
         specs, expert_names = qwen3_8_flash_next.expert_layout(specs, expert_names, reader)

@@ -42,14 +42,16 @@ class ModelSource:
             write_tokenizer_files(path)
         return path
 
-    def made_weights(self, specs: dict, expert_names: list, dtype, device, seed: int, shard: tuple[int, int]):
+    def made_weights(self, specs: dict, expert_names: list, dtype, device, seed: int, shard: tuple[int, int],
+                     tables_on_disk: bool = False):
         """A synthetic model's weights (`ft.tools.synthetic.synthetic_weights`: this rank's `shard`
-        (rank, world)); None for a checkpoint, whose weights the loader reads."""
+        (rank, world); its tables written to a file and mapped with `tables_on_disk`); None for a
+        checkpoint, whose weights the loader reads."""
         if not self.synthetic:
             return None
         from ft.tools.synthetic import synthetic_weights
 
-        return synthetic_weights(specs, expert_names, dtype, device, seed, shard=shard)
+        return synthetic_weights(specs, expert_names, dtype, device, seed, shard=shard, tables_on_disk=tables_on_disk)
 
     def raw_config(self) -> dict[str, Any]:
         """The config file's fields as written (a synthetic config's benchmark fields, e.g.

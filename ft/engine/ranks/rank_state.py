@@ -252,16 +252,16 @@ class RankState:
         return n // pages * pages
 
     def _tables_on_disk(self, config: EngineConfig, host_embedding: bool) -> bool:
-        """Whether an n-gram table is mapped from the checkpoint's files (`--ngram-table`): as asked, or with
-        auto when the host-memory plan with the table in memory does not fit (a checkpoint only: a
-        synthetic model makes its table in memory). ConfigError for host / disk on a model without one."""
+        """Whether an n-gram table is mapped from the checkpoint's files (`--ngram-table`; a synthetic model's
+        is written to a temporary file first): as asked, or with auto when the host-memory plan with the
+        table in memory does not fit. ConfigError for host / disk on a model without one."""
         cfg = self.model_config
         has_table = cfg.is_flash_next and bool(cfg.flash_next.ple_layers)
         if config.ngram_table != "auto":
             if not has_table:
                 raise ConfigError(f"--ngram-table {config.ngram_table}: this model has no n-gram table")
             return config.ngram_table == "disk"
-        if not has_table or self.source.synthetic:
+        if not has_table:
             return False
         in_memory = HostPlan(planned_host_bytes(self.source, cfg, self.dtype, host_embedding), available_bytes())
         if in_memory.fits():
