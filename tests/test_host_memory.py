@@ -143,7 +143,8 @@ def test_a_plan_that_does_not_fit_is_refused_in_one_line():
         plan.check()
     text = str(err.value)
     assert "\n" not in text and "158.0 GiB" in text and "routed experts 63.0 GiB, n-gram table 95.0 GiB" in text \
-        and "118.0 GiB available (MemAvailable)" in text and "--no-host-memory-check" in text
+        and "118.0 GiB available (MemAvailable)" in text and "--no-host-memory-check" in text \
+        and "--ngram-table disk" in text
     HostPlan({"routed experts": 63 * gib}, (118 * gib, "MemAvailable")).check()  # fits: nothing raised
     HostPlan({"routed experts": 116 * gib}, (118 * gib, "MemAvailable")).check()  # the 2 GiB margin left
     with pytest.raises(ConfigError):

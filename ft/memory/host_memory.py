@@ -4,7 +4,8 @@ A model for a card too small for it keeps its routed experts in host memory (pin
 Qwen3.8-Flash-Next its n-gram table too: 63 GiB and 95 GiB of its NVFP4 checkpoint, against the seed's
 123 GB of RAM. Pinned memory cannot be swapped or reclaimed: a host without room for it ends the load
 minutes in (a failed `cudaHostAlloc`) or has the kernel's OOM killer end the process without a word.
-`HostPlan.check` refuses at once, in one line, with the figures.
+`HostPlan.check` refuses at once, in one line, with the figures. (An n-gram table that does not fit is
+mapped from the checkpoint's files instead where `--ngram-table auto` may: `ft.model.paged_table`.)
 
 What the host has (`available_bytes`): the kernel's MemAvailable (free memory plus what it can reclaim,
 page cache included), or less where the process's cgroup (a container's limit) leaves less.
@@ -98,5 +99,7 @@ class HostPlan:
         raise ConfigError(
             f"host memory: this model keeps {format_bytes(self.total)} in host memory ({self.parts_text()}), "
             f"and this host has {format_bytes(have)} available ({source}), {format_bytes(margin)} of which the rest "
-            f"of the process needs: the load would fail or be killed part way. Free host memory, or pass "
-            f"--no-host-memory-check to load anyway")
+            f"of the process needs: the load would fail or be killed part way. Free host memory"
+            + (", or read the n-gram table from the checkpoint's files (--ngram-table disk)" if "n-gram table" in
+               self.parts else "")
+            + ", or pass --no-host-memory-check to load anyway")
