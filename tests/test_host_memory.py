@@ -218,3 +218,23 @@ def test_auto_maps_the_ngram_table_when_the_host_cannot_hold_it(tmp_path, monkey
             "routed experts": full["routed experts"]}
         assert len(llm.generate(prompt_token_ids=[[5, 6, 7]], max_new_tokens=2)[0].token_ids) == 2
     assert "n-gram table: read from the checkpoint's files" in caplog.text
+
+
+def test_a_tensor_parallel_rank_reads_only_its_part_of_every_expert(demo):
+    """`load_weights(shard=(rank, world))` cuts each expert as it is read: the rank's store is its part of the
+    whole store (`shard_expert_layer` of it), and no read expert outlives its copy."""
+    from ft.model.tp_shard import shard_expert_layer
+
+    cfg = ModelConfig.from_file(demo)
+    specs, experts = qwen3_next.tensor_specs(cfg)
+    cpu = torch.device("cpu")
+    whole = load_weights(CheckpointReader(demo), specs, experts, torch.float32, cpu, cpu).experts
+    for rank in (0, 1):
+        reader = _Spy(demo)
+        part = load_weights(reader, specs, experts, torch.float32, cpu, cpu, shard=(rank, 2)).experts
+        assert reader.most_alive <= 9
+        w13, s13, w2, s2 = shard_expert_layer(whole.w13, whole.w13_scale, whole.w2, whole.w2_scale, rank, 2)
+        assert part.w13.shape[-2] * 2 == whole.w13.shape[-2]
+        assert torch.equal(part.w13, w13) and torch.equal(part.w2, w2) and torch.equal(part.scale_2, whole.scale_2)
+        assert torch.equal(part.w13_scale.view(torch.uint8), s13.view(torch.uint8))
+        assert torch.equal(part.w2_scale.view(torch.uint8), s2.view(torch.uint8))

@@ -20,6 +20,7 @@ from ft.errors import CheckpointError, UnsupportedModelError
 from ft.model.config import read_quantization
 from ft.model.layers.linear import NVFP4Weight, weight_nbytes
 from ft.model.paged_table import PagedTable
+from ft.model.tp_shard import shard_expert_layer
 from ft.kernels.moe import SlotWeights
 
 # Tensors a checkpoint may carry that FreeToken does not use.
@@ -326,6 +327,7 @@ def load_weights(
     host_device: torch.device,
     progress: bool = False,
     tables_on_disk: bool = False,
+    shard: tuple[int, int] = (0, 1),
 ) -> LoadedWeights:
     """Read and check every tensor.
 
@@ -333,7 +335,9 @@ def load_weights(
     of expert e of MoE layer j (shapes in specs). Dense weights are cast to `dtype`; NVFP4 stays
     packed. Routed experts go to `host_device` (pinned when it is CPU and `device` is CUDA). Kind "host"
     tables are read into host memory (pinned likewise), or with `tables_on_disk` mapped from the files
-    (`PagedTable`: nothing read until a step gathers its rows).
+    (`PagedTable`: nothing read until a step gathers its rows). `shard` (rank, world): the routed experts'
+    store holds that tensor-parallel rank's part of every expert (`ft.model.tp_shard.shard_expert_layer`),
+    cut as each expert is read, never the whole store.
     """
     from tqdm.auto import tqdm
 
@@ -357,9 +361,10 @@ def load_weights(
         tensors[name] = w if spec.kind == "optional" else _to(w, dtype, device)
         bar.update(1)
     if expert_groups and isinstance(expert_groups[0], GroupedExperts):
-        experts = _load_grouped_experts(c, specs, expert_groups, dtype, host_device, device, bar)
+        experts = _load_grouped_experts(c, specs, expert_groups, dtype, host_device, device, bar, shard)
     else:
-        experts = _load_experts(c, specs, expert_groups, dtype, host_device, device, bar) if expert_groups else None
+        experts = _load_experts(c, specs, expert_groups, dtype, host_device, device, bar, shard) \
+            if expert_groups else None
     bar.close()
     kv_scales = _kv_scales(c, specs)
     unexpected = sorted(n for n in reader.names() if n not in c.used and not _ignored(n))
@@ -400,7 +405,8 @@ def _host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.
     return torch.empty(shape, dtype=dtype, pin_memory=pin)
 
 
-def _load_grouped_experts(c, specs, groups: list[GroupedExperts], dtype, host_device, device, bar) -> SlotWeights:
+def _load_grouped_experts(c, specs, groups: list[GroupedExperts], dtype, host_device, device, bar,
+                          shard: tuple[int, int] = (0, 1)) -> SlotWeights:
     """Grouped dense experts -> SlotWeights [L, E, ...] on the host (w13 = gate_up as stored: gate
     rows then up rows, as `_load_experts` concatenates them), each layer copied into the store as it
     is read (the store and one layer's tensors at a time: `_load_experts` says why)."""
@@ -408,16 +414,20 @@ def _load_grouped_experts(c, specs, groups: list[GroupedExperts], dtype, host_de
         raise UnsupportedModelError("NVFP4 grouped experts (the published Qwen3.8-Flash-Next layout) are not "
                                     "read yet: load a bf16/fp32 checkpoint")
     pin = host_device.type == "cpu" and device.type == "cuda"
-    w13 = _host_empty((len(groups), *specs[groups[0].gate_up].shape), dtype, pin)
-    w2 = _host_empty((len(groups), *specs[groups[0].down].shape), dtype, pin)
+    w13 = w2 = None
     for layer, g in enumerate(groups):
-        w13[layer].copy_(c.take(g.gate_up, specs[g.gate_up].shape))
-        w2[layer].copy_(c.take(g.down, specs[g.down].shape))
+        p13, _, p2, _ = shard_expert_layer(c.take(g.gate_up, specs[g.gate_up].shape), None,
+                                           c.take(g.down, specs[g.down].shape), None, *shard)
+        if w13 is None:
+            w13 = _host_empty((len(groups), *p13.shape), dtype, pin)
+            w2 = _host_empty((len(groups), *p2.shape), dtype, pin)
+        w13[layer].copy_(p13)
+        w2[layer].copy_(p2)
         bar.update(2)
     return SlotWeights(w13=w13, w2=w2)
 
 
-def _load_experts(c, specs, groups, dtype, host_device, device, bar) -> SlotWeights:
+def _load_experts(c, specs, groups, dtype, host_device, device, bar, shard: tuple[int, int] = (0, 1)) -> SlotWeights:
     """Experts stored one tensor each -> SlotWeights with leading dims [L, E] on the host.
 
     The store is allocated (pinned beside a GPU) once the first expert is read, and every expert is
@@ -431,42 +441,38 @@ def _load_experts(c, specs, groups, dtype, host_device, device, bar) -> SlotWeig
     for layer, names_of_layer in enumerate(groups):
         for e, names in enumerate(names_of_layer):
             gate, up, down = (c.projection(n, specs[n]) for n in names)
+            if any(isinstance(p, NVFP4Weight) != isinstance(gate, NVFP4Weight) for p in (up, down)) or (
+                    store is not None and isinstance(gate, NVFP4Weight) != nvfp4):
+                raise CheckpointError(f"expert {names[0]!r}: experts mix NVFP4 and dense weights")
+            if isinstance(gate, NVFP4Weight):
+                w13, s13, w2, s2 = shard_expert_layer(torch.cat([gate.packed, up.packed]), torch.cat([gate.scale, up.scale]),
+                                                      down.packed, down.scale, *shard)
+                scale_2 = torch.stack([gate.scale_2, up.scale_2, down.scale_2])
+            else:
+                (w13, s13, w2, s2), scale_2 = shard_expert_layer(torch.cat([gate, up]), None, down, None, *shard), None
             if store is None:
                 nvfp4 = isinstance(gate, NVFP4Weight)
-                store = _expert_store(n_layers, n_exp, gate, down, dtype, pin)
-            if any(isinstance(p, NVFP4Weight) != nvfp4 for p in (gate, up, down)):
-                raise CheckpointError(f"expert {names[0]!r}: experts mix NVFP4 and dense weights")
+                store = _expert_store(n_layers, n_exp, w13, s13, w2, s2, dtype, pin)
+            store.w13[layer, e].copy_(w13)
+            store.w2[layer, e].copy_(w2)
             if nvfp4:
-                rows = gate.packed.shape[0]
-                store.w13[layer, e, :rows].copy_(gate.packed)
-                store.w13[layer, e, rows:].copy_(up.packed)
-                store.w2[layer, e].copy_(down.packed)
-                store.w13_scale[layer, e, :rows].copy_(gate.scale)
-                store.w13_scale[layer, e, rows:].copy_(up.scale)
-                store.w2_scale[layer, e].copy_(down.scale)
-                store.scale_2[layer, e].copy_(torch.stack([gate.scale_2, up.scale_2, down.scale_2]))
-            else:
-                rows = gate.shape[0]
-                store.w13[layer, e, :rows].copy_(gate)
-                store.w13[layer, e, rows:].copy_(up)
-                store.w2[layer, e].copy_(down)
-            del gate, up, down  # (before the next expert is read: one expert's tensors at a time)
+                store.w13_scale[layer, e].copy_(s13)
+                store.w2_scale[layer, e].copy_(s2)
+                store.scale_2[layer, e].copy_(scale_2)
+            del gate, up, down, w13, s13, w2, s2  # (before the next expert is read: one expert at a time)
             bar.update(3)
     return store
 
 
-def _expert_store(n_layers: int, n_exp: int, gate, down, dtype: torch.dtype, pin: bool) -> SlotWeights:
-    """An empty [L, E, ...] expert store shaped after one expert's gate (up has its shape) and down
-    projections: NVFP4 (packed bytes, E4M3 block scales, the three fp32 second scales) or dense in `dtype`."""
+def _expert_store(n_layers: int, n_exp: int, w13, s13, w2, s2, dtype: torch.dtype, pin: bool) -> SlotWeights:
+    """An empty [L, E, ...] expert store shaped after one expert's stacked gate/up and down (`SlotWeights`'
+    per-slot tensors): NVFP4 (packed bytes, E4M3 block scales, the three fp32 second scales; s13 / s2 given)
+    or dense in `dtype` (s13 / s2 None)."""
     lead = (n_layers, n_exp)
-    if isinstance(gate, NVFP4Weight):
-        rows, half_k = gate.packed.shape
-        return SlotWeights(
-            w13=_host_empty((*lead, 2 * rows, half_k), gate.packed.dtype, pin),
-            w2=_host_empty((*lead, *down.packed.shape), down.packed.dtype, pin),
-            w13_scale=_host_empty((*lead, 2 * rows, gate.scale.shape[1]), gate.scale.dtype, pin),
-            w2_scale=_host_empty((*lead, *down.scale.shape), down.scale.dtype, pin),
-            scale_2=_host_empty((*lead, 3), torch.float32, pin),
-        )
-    rows, k = gate.shape
-    return SlotWeights(w13=_host_empty((*lead, 2 * rows, k), dtype, pin), w2=_host_empty((*lead, *down.shape), dtype, pin))
+    if s13 is None:
+        return SlotWeights(w13=_host_empty((*lead, *w13.shape), dtype, pin), w2=_host_empty((*lead, *w2.shape), dtype, pin))
+    return SlotWeights(
+        w13=_host_empty((*lead, *w13.shape), w13.dtype, pin), w2=_host_empty((*lead, *w2.shape), w2.dtype, pin),
+        w13_scale=_host_empty((*lead, *s13.shape), s13.dtype, pin), w2_scale=_host_empty((*lead, *s2.shape), s2.dtype, pin),
+        scale_2=_host_empty((*lead, 3), torch.float32, pin),
+    )

@@ -15,7 +15,8 @@ The vocabulary is split too when the size divides it: each rank embeds the token
 Heads: rank r owns query heads [r Hq/w, (r+1) Hq/w) and the KV heads those use (KV heads are
 split when w divides them, else each is repeated on the ranks whose query heads read it, as
 vLLM does); likewise value heads of the linear attention and their key heads. Experts keep all
-of their rows' experts: each rank caches its half of every expert (`shard_expert_store`).
+of their rows' experts: each rank caches its half of every expert (`shard_expert_layer`, cut as the
+loader reads each expert).
 
 NVFP4 weights are cut as stored: rows carry their block scales; a column cut must fall on a
 16-element block boundary (said in one line when it does not).
@@ -26,7 +27,6 @@ from __future__ import annotations
 import torch
 
 from ft.errors import ConfigError
-from ft.kernels.moe import SlotWeights
 from ft.model.config import ModelConfig
 from ft.model.layers.linear import NVFP4Weight
 from ft.model.tp_split import heads_of as _heads
@@ -133,6 +133,8 @@ def shard_expert_layer(w13: torch.Tensor, s13: torch.Tensor | None, w2: torch.Te
                        rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """One rank's part of stacked experts [..., 2I, H(/2)] / [..., H, I(/2)] (NVFP4 with scales, or
     dense with None): gate and up rows of its intermediate channels, down's matching columns."""
+    if world == 1:
+        return w13, s13, w2, s2
     nvfp4 = s13 is not None
     inter = s2.shape[-1] * NVFP4_BLOCK if nvfp4 else w2.shape[-1]
     rows = torch.tensor(expert_rows(inter, rank, world), dtype=torch.long, device=w13.device)
@@ -147,16 +149,3 @@ def shard_expert_layer(w13: torch.Tensor, s13: torch.Tensor | None, w2: torch.Te
         s2 = s2[..., lo // NVFP4_BLOCK : hi // NVFP4_BLOCK]
     return w13.contiguous(), None if s13 is None else s13.contiguous(), w2.contiguous(), \
         None if s2 is None else s2.contiguous()
-
-
-def shard_expert_store(store: SlotWeights, rank: int, world: int) -> SlotWeights:
-    """The host store [L, E, ...] of rank `rank`: its part of every expert, pinned when the whole was."""
-    if world == 1:
-        return store
-    pin = store.w13.is_pinned()
-    w13, s13, w2, s2 = shard_expert_layer(store.w13, store.w13_scale, store.w2, store.w2_scale, rank, world)
-    if pin:
-        w13, w2 = w13.pin_memory(), w2.pin_memory()
-        s13 = None if s13 is None else s13.pin_memory()
-        s2 = None if s2 is None else s2.pin_memory()
-    return SlotWeights(w13, w2, s13, s2, store.scale_2)

@@ -20,7 +20,7 @@ from ft.model.config import ModelConfig
 from ft.model.layers.linear import NVFP4Weight
 from ft.model import qwen3_8_flash_next, qwen3_next
 from ft.model.qwen3_next import Qwen3NextModel
-from ft.model.tp_shard import shard_expert_store, shard_tensors
+from ft.model.tp_shard import shard_tensors
 from ft.model.tp_split import local_config
 from ft.engine.ranks.model_source import ModelSource
 
@@ -49,8 +49,7 @@ def load_model(
         if cfg.is_flash_next:  # its experts grouped per layer, or one tensor per expert (as ModelOpt writes them)
             specs, expert_names = qwen3_8_flash_next.expert_layout(specs, expert_names, reader)
         weights = load_weights(reader, specs, expert_names, dtype, device, torch.device("cpu"), progress,
-                               tables_on_disk)
-        weights.experts = None if weights.experts is None else shard_expert_store(weights.experts, rank, world)
+                               tables_on_disk, (rank, world))
     if not uses_triton(device):
         # NOTE: the CPU path computes resident projections dense (the exact dequantized values);
         # routed experts stay NVFP4 in the host store and the slots. (Interpreter tests keep

@@ -78,7 +78,8 @@ class RankState:
         tables_on_disk = self._tables_on_disk(config, host_embedding)
         self.host_plan = HostPlan(planned_host_bytes(self.source, self.model_config, self.dtype, host_embedding,
                                                      tables_on_disk), available_bytes())
-        if config.host_memory_check and tp is None:
+        if config.host_memory_check and (tp is None or tp.is_leader):  # (the ranks' parts of the experts
+            # together are the whole store: rank 0 checks the host's plan for them all)
             self.host_plan.check()
         self.model, host_experts = load_model(self.source, self.model_config, self.dtype,
                                               self.device, config.seed, config.progress and (tp is None or tp.is_leader),
