@@ -168,9 +168,13 @@ def test_the_engine_refuses_before_it_loads_and_loads_when_told_not_to_check(dem
         assert loads and llm.engine.describe()["host_plan"]["available_bytes"] == 1 << 30
 
 
-def test_a_paged_table_reads_rows_from_the_files_it_maps(tmp_path):
+@pytest.mark.parametrize("advised", [4096, 4], ids=["advised", "threads"])
+def test_a_paged_table_reads_rows_from_the_files_it_maps(tmp_path, monkeypatch, advised):
+    import ft.model.paged_table as paged_table
     from ft.errors import CheckpointError
     from ft.model.paged_table import PagedTable
+
+    monkeypatch.setattr(paged_table, "ADVISED_ROWS", advised)  # (4: the 9 rows below go to the reader threads)
 
     whole = torch.randn(50, 8).to(torch.bfloat16)
     save_file({"other": torch.ones(3), "t.weight": whole}, str(tmp_path / "a.safetensors"))

@@ -13,16 +13,32 @@ why a model with such a table computes its n-gram rows on the host and its decod
 
 from __future__ import annotations
 
+import bisect
 import json
 import mmap
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from ft.errors import CheckpointError
 
-__all__ = ["PagedTable"]
+__all__ = ["ADVISED_ROWS", "PagedTable", "READERS"]
+
+ADVISED_ROWS = 4096
+"""Rows up to which a gather advises their pages first; more are copied by `READERS` threads."""
+READERS = 8
+"""Threads that copy a large gather's rows (each waits on its own page faults)."""
+PAGE = mmap.PAGESIZE
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _readers() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(READERS, thread_name_prefix="ft-table-read")
+    return _POOL
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 """The safetensors dtypes a paged table may have."""
@@ -41,8 +57,10 @@ class PagedTable:
     `gather(rows)` -> the rows' values [N, width] (a new CPU tensor); `shape`, `dtype`, `nbytes` (the bytes
     on disk, none of them held)."""
 
-    def __init__(self, parts: list[torch.Tensor], maps: list[mmap.mmap]) -> None:
+    def __init__(self, parts: list[torch.Tensor], maps: list[mmap.mmap],
+                 where: list[tuple[mmap.mmap, int]] | None = None) -> None:
         self._parts, self._maps = parts, maps  # (the maps stay open while the parts' memory is theirs)
+        self._where = where or []  # each part's map and the byte its data starts at (for the read advice)
         self.dtype = parts[0].dtype
         width = parts[0].shape[1]
         self.shape = (sum(p.shape[0] for p in parts), width)
@@ -54,7 +72,7 @@ class PagedTable:
         """The table whose parts are tensors `name` of files `path`, in row order ([(path, name), ...]);
         CheckpointError when they do not make `shape` or are not a float table."""
         maps: dict[Path, mmap.mmap] = {}
-        parts = []
+        parts, where = [], []
         for path, name in files:
             header, data = _header(path)
             entry = header.get(name)
@@ -70,15 +88,30 @@ class PagedTable:
             dtype = DTYPES[entry["dtype"]]
             raw = torch.frombuffer(maps[path], dtype=torch.uint8, count=end - begin, offset=data + begin)
             parts.append(raw.view(dtype).view(entry["shape"]))
-        table = cls(parts, list(maps.values()))
+            where.append((maps[path], data + begin))
+        table = cls(parts, list(maps.values()), where)
         if table.shape != tuple(shape):
             raise CheckpointError(f"the table {files[0][1]!r}: {len(parts)} part(s) make {list(table.shape)}, "
                                   f"expected {list(shape)}")
         return table
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [N] int64 (CPU) -> their values [N, width] in the table's dtype: each part reads its own rows."""
+        """rows [N] int64 (CPU) -> their values [N, width] in the table's dtype: each part reads its own rows.
+
+        Rows not in the page cache are read from disk: a page fault each, one at a time in a plain copy.
+        A step's rows (up to `ADVISED_ROWS`) are first advised (MADV_WILLNEED: the kernel queues their
+        reads together, and the copy then waits on reads in flight); more rows (a prefill chunk's) are
+        copied by `READERS` threads, each faulting its own. On this project's CPU machine (a virtual disk,
+        the page cache dropped; 320-byte rows of a 1.3 GB file): 16 cold rows 1.8 -> 0.67 ms, 1,024 rows
+        55.6 -> 10.0 ms, 50,000 rows 2.3 -> 0.81 s; cached rows cost ~1 us more each for the advice."""
         rows = rows.reshape(-1).to(torch.int64)
+        if rows.numel() > ADVISED_ROWS:
+            pieces = rows.chunk(READERS)
+            return torch.cat(list(_readers().map(self._gather, pieces)))
+        self._advise(rows)
+        return self._gather(rows)
+
+    def _gather(self, rows: torch.Tensor) -> torch.Tensor:
         if len(self._parts) == 1:
             return self._parts[0].index_select(0, rows)
         out = torch.empty(rows.numel(), self.shape[1], dtype=self.dtype)
@@ -87,3 +120,21 @@ class PagedTable:
             at = (part == p).nonzero().reshape(-1)
             out[at] = self._parts[p].index_select(0, rows[at] - self._starts[p])
         return out
+
+    def _advise(self, rows: torch.Tensor) -> None:
+        """MADV_WILLNEED on the pages of `rows` (each page once), where the maps take advice. (Plain Python
+        over the rows: a decode step's few take ~1 us each, where torch's small ops took ~200 us a step.)"""
+        if not self._where or not hasattr(mmap, "MADV_WILLNEED"):
+            return
+        row_bytes = self.shape[1] * self.dtype.itemsize
+        starts = self._starts.tolist()
+        seen = set()
+        for r in rows.tolist():
+            p = bisect.bisect_right(starts, r) - 1
+            m, base = self._where[p]
+            lo = base + (r - starts[p]) * row_bytes
+            page = lo - lo % PAGE
+            if (p, page) in seen:
+                continue
+            seen.add((p, page))
+            m.madvise(mmap.MADV_WILLNEED, page, lo + row_bytes - page)
