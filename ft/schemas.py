@@ -162,6 +162,8 @@ class CacheState(_Model):
     # gathers the rows its tokens need. host_tables: what -> bytes (servers before this field sent none)
     host_table_bytes: int = 0
     host_tables: dict[str, int] = Field(default_factory=dict)
+    # tables read from the checkpoint's files through the page cache instead (--ngram-table disk): what -> bytes
+    disk_tables: dict[str, int] = Field(default_factory=dict)
     device: DeviceState = Field(default_factory=DeviceState)
 
 

@@ -130,6 +130,10 @@ def test_format_cache_ladder_and_states():
         CacheState(host_table_bytes=table + int(1.2 * 2**30), host_tables={"n-gram table": table,
                                                                            "embedding": int(1.2 * 2**30)}))
     assert "  host: tables 95.4 GiB in host memory" in format_cache(CacheState(host_table_bytes=table))  # older servers
+    on_disk = format_cache(CacheState(host_table_bytes=int(1.2 * 2**30), host_tables={"embedding": int(1.2 * 2**30)},
+                                      disk_tables={"n-gram table": table}))
+    assert "  host: embedding 1.2 GiB in host memory" in on_disk
+    assert "  disk: n-gram table 95.4 GiB read from the checkpoint's files through the page cache" in on_disk
 
 
 @pytest.mark.parametrize("rungs,current,expected", [

@@ -167,6 +167,10 @@ def test_the_ngram_table_read_from_disk_gives_the_reference_tokens(checkpoint):
         model = llm.engine.model
         assert model.reads_tokens_on_host and "n-gram table" not in model.host_tables
         assert model.disk_tables["n-gram table"] == model.paged_table.nbytes > 0
+        from ft.engine.core.admin import cache_state  # (what `ft ctl cache` and `ft top` show)
+
+        state = cache_state(llm.engine, "serving", "m")
+        assert state.disk_tables == model.disk_tables and "n-gram table" not in state.host_tables
         reads = []
         gather = model.paged_table.gather
         model.paged_table.gather = lambda rows: (reads.append(rows.numel()), gather(rows))[1]

@@ -160,6 +160,9 @@ def format_cache(state: CacheState) -> str:
     if state.host_table_bytes:
         lines.append(f"  host: {host_tables_text(state.host_tables, state.host_table_bytes)} in host memory (rows "
                      "gathered per step; outside the budget, not traded by the ladder)")
+    if state.disk_tables:
+        lines.append(f"  disk: {host_tables_text(state.disk_tables, sum(state.disk_tables.values()))} read from the "
+                     "checkpoint's files through the page cache (rows read by the host per step)")
     if state.device.card_bytes:  # a CUDA device (servers before this field sent none)
         lines.append("  " + device_text(state.device))
     ex = state.exchange

@@ -59,6 +59,7 @@ def cache_state(engine, state: str, model_name: str) -> CacheState:
         "storage": engine.cache.describe()["storage"],
         "host_table_bytes": engine.model.host_bytes,
         "host_tables": dict(engine.model.host_tables),
+        "disk_tables": dict(getattr(engine.model, "disk_tables", {})),
         "device": engine.device_memory.figures() or {},  # (zeros on the CPU)
         "degraded": engine.cache.degraded,
         "exchange": exchange(engine),

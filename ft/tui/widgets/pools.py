@@ -66,6 +66,8 @@ class PoolsPanel(Widget):
             head.append(f"  storage {c.storage.backend}: ranges count old + new", "bold yellow")
         if c.host_table_bytes:  # (the n-gram table, the embedding: host memory, outside the budget)
             head.append(f"  host {host_tables_text(c.host_tables, c.host_table_bytes)}", "dim")
+        if c.disk_tables:  # (--ngram-table disk: read through the page cache)
+            head.append(f"  disk {host_tables_text(c.disk_tables, sum(c.disk_tables.values()))}", "dim")
         cells, usage = pool_cells(c), pool_usage(c)
         rows = [[name, *cells[name][:2], cells[name][2], usage[name]] for name in POOL_ORDER]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
