@@ -144,8 +144,8 @@ HELP = {
     "storage_backend": ("how the pools resize: vmm (CUDA virtual memory) or mmap (host, Linux) free before they "
                         "allocate; realloc copies, so a resize holds old and new and the reachable ranges are narrower; "
                         "auto picks the best available"),
-    "host_memory_check": ("before the weights load, check that what the model keeps in host memory (routed experts "
-                          "offloaded, an n-gram table, the embedding with --embedding-on-host; pinned beside a GPU, "
+    "host_memory_check": ("before the weights load, check that what the model keeps in host memory (the routed "
+                          "experts' store, an n-gram table, the embedding with --embedding-on-host; pinned beside a GPU, "
                           "so never swapped) fits the host's available memory (MemAvailable, or a container's "
                           "cgroup limit) with 2 GiB to spare, and refuse at once if not: pinned memory that does not "
                           "fit fails the load part way or has the kernel end the process; --no-host-memory-check "
