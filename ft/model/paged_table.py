@@ -28,8 +28,10 @@ __all__ = ["ADVISED_ROWS", "PagedTable", "READERS"]
 
 ADVISED_ROWS = 4096
 """Rows up to which a gather advises their pages first; more are copied by `READERS` threads."""
-READERS = 8
-"""Threads that copy a large gather's rows (each waits on its own page faults)."""
+READERS = 32
+"""Threads that copy a large gather's rows (each waits on its own page faults: the disk sees that many reads
+at once). 50,000 cold rows (bench/paged_table.py, this project's CPU machine): 0.74-0.79 s with 8, 0.50-0.55 s with
+32, 0.51-0.55 s with 64."""
 PAGE = mmap.PAGESIZE
 _POOL: ThreadPoolExecutor | None = None
 
@@ -102,8 +104,9 @@ class PagedTable:
         A step's rows (up to `ADVISED_ROWS`) are first advised (MADV_WILLNEED: the kernel queues their
         reads together, and the copy then waits on reads in flight); more rows (a prefill chunk's) are
         copied by `READERS` threads, each faulting its own. On this project's CPU machine (a virtual disk,
-        the page cache dropped; 320-byte rows of a 1.3 GB file): 16 cold rows 1.8 -> 0.67 ms, 1,024 rows
-        55.6 -> 10.0 ms, 50,000 rows 2.3 -> 0.81 s; cached rows cost ~1 us more each for the advice."""
+        the page cache dropped; 320-byte rows of a 1.3 GB file; bench/paged_table.py): 16 cold rows 1.5-1.7
+        -> 0.3-0.5 ms, 1,024 rows 55-56 -> ~10 ms, 50,000 rows 2.0-2.3 -> 0.50-0.55 s; cached rows cost ~1 us
+        more each for the advice."""
         rows = rows.reshape(-1).to(torch.int64)
         if rows.numel() > ADVISED_ROWS:
             pieces = rows.chunk(READERS)
