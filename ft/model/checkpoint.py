@@ -142,6 +142,18 @@ class CheckpointReader:
     def get(self, name: str) -> torch.Tensor:
         return self._handles[self._file_of[name]].get_tensor(name)
 
+    def table_parts(self, name: str) -> list[str]:
+        """A host table's tensors in row order: `name` itself, or its parts `<stem>.shard_{i}.weight`."""
+        if name in self:
+            return [name]
+        stem = name.removesuffix(".weight")
+        parts = []
+        while f"{stem}.shard_{len(parts)}.weight" in self:
+            parts.append(f"{stem}.shard_{len(parts)}.weight")
+        if not parts:
+            raise CheckpointError(f"missing tensor {name!r} (or its parts {stem}.shard_0.weight, ...) in {self.path}")
+        return parts
+
     def file_of(self, name: str) -> Path:
         """The safetensors file holding tensor `name`."""
         return self._file_of[name]
@@ -199,7 +211,7 @@ class _Consumer:
             out = _host_empty(shape, self.reader.get_rows(name, 0, 1).dtype, pin)
             self.reader.read_into(name, out)
             return out
-        parts = self.table_parts(name)
+        parts = self.reader.table_parts(name)
         shapes = [self.reader.shape(p) for p in parts]
         if any(len(sh) != 2 or sh[1] != shape[1] for sh in shapes) or sum(sh[0] for sh in shapes) != shape[0]:
             raise CheckpointError(f"tensor {name!r}: {len(parts)} parts of {shapes[0]}... make "
@@ -215,21 +227,9 @@ class _Consumer:
             row += t.shape[0]
         return out
 
-    def table_parts(self, name: str) -> list[str]:
-        """A host table's tensors in row order: `name` itself, or its parts `<stem>.shard_{i}.weight`."""
-        if name in self.reader:
-            return [name]
-        stem = name.removesuffix(".weight")
-        parts = []
-        while f"{stem}.shard_{len(parts)}.weight" in self.reader:
-            parts.append(f"{stem}.shard_{len(parts)}.weight")
-        if not parts:
-            raise CheckpointError(f"missing tensor {name!r} (or its parts {stem}.shard_0.weight, ...) in {self.reader.path}")
-        return parts
-
     def paged_table(self, name: str, shape: tuple[int, ...]) -> PagedTable:
         """A host table mapped from the checkpoint's files instead of read (`ft.model.paged_table`)."""
-        parts = self.table_parts(name)
+        parts = self.reader.table_parts(name)
         for p in parts:
             self.claim(p, None)
         return PagedTable.open([(self.reader.file_of(p), p) for p in parts], shape)
@@ -304,15 +304,8 @@ def host_bytes(reader: CheckpointReader, specs: dict[str, TensorSpec], expert_gr
                     experts += math.prod(specs[name].shape) * size
     tables = 0
     for name, spec in specs.items():
-        if spec.kind != "host" or tables_on_disk:
-            continue
-        if name in reader:
-            tables += reader.nbytes(name)
-            continue
-        stem, i = name.removesuffix(".weight"), 0
-        while f"{stem}.shard_{i}.weight" in reader:
-            tables += reader.nbytes(f"{stem}.shard_{i}.weight")
-            i += 1
+        if spec.kind == "host" and not tables_on_disk:
+            tables += sum(reader.nbytes(p) for p in reader.table_parts(name))
     parts = {"routed experts": experts, "n-gram table": tables,
              "embedding": math.prod(specs[embedding].shape) * size if embedding else 0}
     return {what: n for what, n in parts.items() if n}
