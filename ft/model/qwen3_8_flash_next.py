@@ -210,6 +210,9 @@ class FlashNextModel:
         # an n-gram table mapped from the checkpoint's files (`ft.model.paged_table`): the host gathers each
         # step's rows (`host_ngram_rows`), so the step's tokens must be known before it is queued
         paged = [w[n] for n in tables if isinstance(w[n], PagedTable)]
+        if len(paged) > 1:  # (`ForwardBatch.ngram_rows` carries one table's rows)
+            raise UnsupportedModelError(f"{len(paged)} n-gram tables read from disk: one is supported "
+                                        "(--ngram-table host keeps them in host memory)")
         self.paged_table: PagedTable | None = paged[0] if paged else None
         self.reads_tokens_on_host = self.paged_table is not None
         self.disk_tables = {"n-gram table": self.paged_table.nbytes} if paged else {}

@@ -57,7 +57,7 @@ class OverlappedDecode:
         # NOTE: the KV ladder moves only in `Engine._step`, which runs with no step in flight: a request
         # waiting or a sequence short of a page (`_next`) drains the step in flight first
         # (a paged n-gram table is read on the host from the step's tokens: they must be known first)
-        if not on or e.runner.tp is not None or getattr(e.model, "reads_tokens_on_host", False) or (
+        if not on or e.runner.tp is not None or e.model.reads_tokens_on_host or (
                 not resident and experts.read_through is None):
             return False
         return all(s.grammar is None and s.logprobs is None and s.prompt_logprobs is None and not s.fork_waiting
