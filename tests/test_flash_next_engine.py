@@ -176,7 +176,10 @@ def test_the_ngram_table_read_from_disk_gives_the_reference_tokens(checkpoint):
         model.paged_table.gather = lambda rows: (reads.append(rows.numel()), gather(rows))[1]
         got = llm.generate(prompt_token_ids=[a, b], **GREEDY_OPTS)
         assert [r.token_ids for r in got] == [want_a, want_b], name
-        assert sum(reads) == (len(a) + len(b) + 2 * (GREEDY - 1)) * model.hashing.num_heads  # every token once
+        # every token's rows read (a chunk read ahead that the next step cut otherwise is read again), and the
+        # prompts' later chunks taken from their reads ahead
+        assert sum(reads) >= (len(a) + len(b) + 2 * (GREEDY - 1)) * model.hashing.num_heads
+        assert model.ngram_reader.taken >= 2
         turn2 = a + want_a + prompt_of(5, 3)
         out2 = llm.generate(prompt_token_ids=[turn2], **GREEDY_OPTS)[0]
         assert out2.num_cached_tokens == len(a) + GREEDY - 1

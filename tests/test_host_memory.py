@@ -242,3 +242,25 @@ def test_a_tensor_parallel_rank_reads_only_its_part_of_every_expert(demo):
         assert torch.equal(part.w13, w13) and torch.equal(part.w2, w2) and torch.equal(part.scale_2, whole.scale_2)
         assert torch.equal(part.w13_scale.view(torch.uint8), s13.view(torch.uint8))
         assert torch.equal(part.w2_scale.view(torch.uint8), s2.view(torch.uint8))
+
+
+def test_a_read_ahead_gives_the_rows_a_plain_read_gives(tmp_path):
+    """`HostNgramReader`: a span read ahead is taken by the step that asks for it (the same values as a plain
+    read), a span no step asks for is dropped past `READ_AHEAD_SPANS`, an empty span reads nothing."""
+    import ft.model.ngram_reader as ngram_reader
+    from ft.model.layers.engram import EngramHashing
+    from ft.model.ngram_reader import HostNgramReader
+    from ft.model.paged_table import PagedTable
+
+    hs = EngramHashing(heads_per_ngram=2, vocab_size_base=50, divisible_by=8, eos_token_id=2)
+    table = torch.randn(hs.padded_rows, 6)
+    save_file({"t": table}, str(tmp_path / "t.safetensors"))
+    reader = HostNgramReader(hs, PagedTable.open([(tmp_path / "t.safetensors", "t")], tuple(table.shape)))
+    spans = [([2, 2], [5, 9, 2, 7]), ([9, 2], [11, 12]), ([4, 5], [])]
+    want = torch.cat([table[hs.rows(torch.tensor(ids), ctx)[0]].reshape(len(ids), -1) for ctx, ids in spans if ids])
+    assert torch.equal(reader.rows(spans), want) and reader.taken == 0
+    reader.read_ahead(spans)
+    assert torch.equal(reader.rows(spans), want) and reader.taken == 2
+    for i in range(ngram_reader.READ_AHEAD_SPANS + 3):
+        reader.read_ahead([([2, 2], [20 + i])])
+    assert reader.waiting == ngram_reader.READ_AHEAD_SPANS

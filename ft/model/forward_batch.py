@@ -59,7 +59,7 @@ class ForwardBatch:
     # (synthetic routing traces for benchmarks, `ft.engine.worker.routing_override`); None: the router's
     forced_experts: torch.Tensor | None = None
     # [T, heads * width] the n-gram table rows of every new token, read by the host from a paged table
-    # (`FlashNextModel.host_ngram_rows`), in a persistent buffer; None: the device gathers them itself
+    # (`FlashNextModel.ngram_reader`), in a persistent buffer; None: the device gathers them itself
     ngram_rows: torch.Tensor | None = None
     # a prefill that sets each quantized KV layer's scales from its own K and V before writing them
     # (`ft.kernels.attention.calibrate_kv_scale`): the first prefill of a cache without scales

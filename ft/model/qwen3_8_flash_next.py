@@ -46,6 +46,7 @@ from ft.kernels.options import model_defaults, use_kernel_options
 from ft.kernels.slot_write import write_slots
 from ft.model.layers.embedding import embed_tokens
 from ft.model.layers.engram import EngramHashing, PLEWeights, ple_delta_batched
+from ft.model.ngram_reader import HostNgramReader
 from ft.model.paged_table import PagedTable
 from ft.model.layers.gated_deltanet import GatedDeltaNet
 from ft.model.layers.hyper_connection import HyperConnection, expand_streams
@@ -207,8 +208,8 @@ class FlashNextModel:
         self.embed = w[ROOT + "embed_tokens.weight"]
         self.embed_on_host = ROOT + "embed_tokens.weight" in weights.on_host
         self.host_bytes = sum(self.host_tables.values())
-        # an n-gram table mapped from the checkpoint's files (`ft.model.paged_table`): the host gathers each
-        # step's rows (`host_ngram_rows`), so the step's tokens must be known before it is queued
+        # an n-gram table mapped from the checkpoint's files (`ft.model.paged_table`): the host reads each
+        # step's rows (`ngram_reader`), so the step's tokens must be known before it is queued
         paged = [w[n] for n in tables if isinstance(w[n], PagedTable)]
         if len(paged) > 1:  # (`ForwardBatch.ngram_rows` carries one table's rows)
             raise UnsupportedModelError(f"{len(paged)} n-gram tables read from disk: one is supported "
@@ -216,6 +217,7 @@ class FlashNextModel:
         self.paged_table: PagedTable | None = paged[0] if paged else None
         self.reads_tokens_on_host = self.paged_table is not None
         self.disk_tables = {"n-gram table": self.paged_table.nbytes} if paged else {}
+        self.ngram_reader: HostNgramReader | None = None  # (made with the hashing, below)
         self.vocab_lo = None
         self.streams, self.eps = t.hc_count, cfg.rms_norm_eps
         self.lm_head = Linear(w["lm_head.weight"])
@@ -226,6 +228,8 @@ class FlashNextModel:
         self.hashing = hashing_of(cfg) if t.ple_layers else None
         if self.hashing is not None:
             self._check_hash_buffers(w)
+        if self.paged_table is not None:  # the host reads each step's rows (`ForwardBatch.ngram_rows`)
+            self.ngram_reader = HostNgramReader(self.hashing, self.paged_table)
         self.layers = [self._build_layer(i, w) for i in range(cfg.num_hidden_layers)]
         self.top_k = cfg.num_experts_per_tok
         self.moe_pairs_per_token = self.top_k * cfg.num_hidden_layers
@@ -337,24 +341,6 @@ class FlashNextModel:
                 x, u = layer.mlp_hc.write(y, x, gates), None
         u, _ = self.final_read.read(x[batch.last_token_index])  # (no final norm: the read is the model's end)
         return self.lm_head(u).float()
-
-    def host_ngram_rows(self, spans: list[tuple[list[int], list[int]]]) -> torch.Tensor | None:
-        """With a paged n-gram table, the rows a step's tokens hash to, read on the host: spans (the
-        `context_len` ids before a row's new tokens, the EOS id where there are none; its new ids) -> [T,
-        heads * width] in the table's dtype (CPU), T their new ids in order, for `ForwardBatch.ngram_rows`;
-        None without a paged table (the device gathers from host memory itself)."""
-        if self.paged_table is None:
-            return None
-        hs = self.hashing
-        c, n = hs.context_len, hs.ngram_size
-        windows = []  # [T, n]: each new token and the ones before it (`EngramHashing.rows_of_windows`)
-        for ctx, ids in spans:
-            ext = list(ctx) + list(ids)
-            windows.extend([ext[c + t - s] for s in range(n)] for t in range(len(ids)))
-        if not windows:
-            return torch.empty(0, hs.num_heads * self.paged_table.shape[1], dtype=self.paged_table.dtype)
-        rows = hs.rows_of_windows(torch.tensor(windows, dtype=torch.int64))
-        return self.paged_table.gather(rows).reshape(rows.shape[0], -1)
 
     def _ple(self, ple: _PLE, x: torch.Tensor, batch: ForwardBatch, pools: CachePools) -> torch.Tensor:
         """x [T, C*D] plus the PLE delta of every new token, from its ids' table rows, its sequence's

@@ -28,7 +28,7 @@ class StepInputs:
     forced: a routing trace's experts, flat [tokens (+ padding), layers, k] values, or None.
     graph_rows: decode through the CUDA graph of this bucket (None: eager).
     ngram_rows: the n-gram table rows of every token (padding rows zero) where the host reads them from a
-    paged table (`FlashNextModel.host_ngram_rows`), else None.
+    paged table (`FlashNextModel.ngram_reader`), else None.
     """
 
     kind: str

@@ -179,12 +179,17 @@ class ModelRunner:
             self._plan = LogitPlan(sb["sample_rows"].load(sample_rows), sb["prompt_rows"].load(prompt_rows),
                                     sb["prompt_targets"].load(targets), spans)
         ngram = None
-        if self.ngram_rows is not None:
-            chunks, at = [], 0
+        if self.ngram_rows is not None:  # (a paged n-gram table: the host reads the rows)
+            spans, ahead, at = [], [], 0
             for seq, n in zip(work.seqs, work.num_tokens):
-                chunks.append((self._ngram_context(seq, seq.num_computed), ids[at: at + n]))
+                spans.append((self._ngram_context(seq, seq.num_computed), ids[at: at + n]))
                 at += n
-            ngram = self.model.host_ngram_rows(chunks)
+                nxt = seq.num_computed + n  # a prompt that goes on: its next chunk, read while this one computes
+                if n > 1 and nxt < len(seq.prompt_ids):
+                    ahead.append((self._ngram_context(seq, nxt), seq.prompt_ids[nxt: nxt + n]))
+            reader = self.model.ngram_reader
+            ngram = reader.rows(spans)
+            reader.read_ahead(ahead)
         return StepInputs(
             "prefill", ids, pos, [(seq.num_computed, n, seq.pages, seq.mamba_slot)
                                   for seq, n in zip(work.seqs, work.num_tokens)],
@@ -334,8 +339,8 @@ class ModelRunner:
         if self.ngram_rows is not None:  # (never overlapped: `OverlappedDecode.ok`; padding rows read zeros)
             if ids_on_device:
                 raise RuntimeError("a paged n-gram table needs a decode step's tokens on the host")
-            real_rows = self.model.host_ngram_rows([(self._ngram_context(s, p), [i])
-                                                    for s, p, i in zip(seqs, pos, ids)])
+            real_rows = self.model.ngram_reader.rows([(self._ngram_context(s, p), [i])
+                                                      for s, p, i in zip(seqs, pos, ids)])
             ngram = torch.cat([real_rows, real_rows.new_zeros(n - real, real_rows.shape[1])])
         return StepInputs(
             "decode", ids, pos,

@@ -1,0 +1,84 @@
+"""A paged n-gram table's rows for a step's tokens, read on the host (`ft.model.paged_table`).
+
+With the table mapped from disk the device cannot gather its rows: the host hashes each step's new tokens (the
+same `EngramHashing.rows_of_windows` the device's kernels are tested against) and reads their rows into the
+step's inputs (`ForwardBatch.ngram_rows`). A long prompt's next chunk is read ahead (`read_ahead`) on a thread
+while the device computes this one, so that its page faults (cold rows come from disk) overlap the chunk
+before it instead of delaying the next step; a step whose span was read ahead takes those rows.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from ft.model.layers.engram import EngramHashing
+from ft.model.paged_table import PagedTable
+
+__all__ = ["HostNgramReader", "Span"]
+
+Span = tuple[list[int], list[int]]
+"""(the `context_len` ids before a sequence's new tokens, the EOS id where there are none; the new ids)."""
+
+READ_AHEAD_SPANS = 8
+"""Spans read ahead and not yet taken that a reader keeps (the oldest go first)."""
+
+
+class HostNgramReader:
+    """`rows(spans)` -> [T, heads * width] in the table's dtype (CPU), T the spans' new ids in order;
+    `read_ahead(spans)`: start reading those spans' rows now (`taken` counts the spans a step took so)."""
+
+    def __init__(self, hashing: EngramHashing, table: PagedTable) -> None:
+        self.hashing, self.table = hashing, table
+        self.width = hashing.num_heads * table.shape[1]
+        self._ahead: OrderedDict[tuple, Future] = OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None  # (its own thread: a read ahead waits on the table's readers)
+        self.taken = 0
+
+    @property
+    def waiting(self) -> int:
+        """Spans read ahead that no step took yet."""
+        return len(self._ahead)
+
+    def _table_rows(self, spans: list[Span]) -> torch.Tensor:
+        """The spans' table row ids [T, heads] int64."""
+        c, n = self.hashing.context_len, self.hashing.ngram_size
+        windows = []  # [T, n]: each new token and the ones before it
+        for ctx, ids in spans:
+            ext = list(ctx) + list(ids)
+            windows.extend([ext[c + t - s] for s in range(n)] for t in range(len(ids)))
+        if not windows:
+            return torch.empty(0, self.hashing.num_heads, dtype=torch.int64)
+        return self.hashing.rows_of_windows(torch.tensor(windows, dtype=torch.int64))
+
+    def _read(self, spans: list[Span]) -> torch.Tensor:
+        rows = self._table_rows(spans)
+        return self.table.gather(rows).reshape(rows.shape[0], self.width)
+
+    def rows(self, spans: list[Span]) -> torch.Tensor:
+        out = []
+        for span in spans:
+            ahead = self._ahead.pop(_key(span), None)
+            if ahead is not None:
+                self.taken += 1
+                out.append(ahead.result())
+            else:
+                out.append(self._read([span]))
+        return torch.cat(out) if out else torch.empty(0, self.width, dtype=self.table.dtype)
+
+    def read_ahead(self, spans: list[Span]) -> None:
+        for span in spans:
+            key = _key(span)
+            if not span[1] or key in self._ahead:
+                continue
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="ft-ngram-ahead")
+            self._ahead[key] = self._pool.submit(self._read, [span])
+            while len(self._ahead) > READ_AHEAD_SPANS:
+                self._ahead.popitem(last=False)
+
+
+def _key(span: Span) -> tuple:
+    return tuple(span[0]), tuple(span[1])
