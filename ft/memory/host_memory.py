@@ -24,7 +24,8 @@ __all__ = ["HOST_MARGIN", "HostPlan", "available_bytes"]
 
 HOST_MARGIN = 2 << 30
 """Bytes left to the rest of the process beside the planned tables (the interpreter, torch's CPU
-allocations, the tokenizer, a checkpoint piece being read)."""
+allocations, the tokenizer, a checkpoint piece being read, and the prefix cache's states kept in host
+memory: at most max(4, running requests) mamba slots, ~0.9 GiB for Qwen3.8-Flash-Next at 8)."""
 
 MEMINFO = Path("/proc/meminfo")
 CGROUP_V2 = Path("/sys/fs/cgroup")
