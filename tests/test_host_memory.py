@@ -264,3 +264,28 @@ def test_a_read_ahead_gives_the_rows_a_plain_read_gives(tmp_path):
     for i in range(ngram_reader.READ_AHEAD_SPANS + 3):
         reader.read_ahead([([2, 2], [20 + i])])
     assert reader.waiting == ngram_reader.READ_AHEAD_SPANS
+
+
+def test_a_synthetic_table_the_temporary_directory_cannot_hold_is_refused(tmp_path, monkeypatch):
+    """--ngram-table disk on a synthetic model writes its table first: where the temporary directory lacks the
+    room, a one-line refusal (disk), and auto keeps the table in memory for the plan's check to judge."""
+    import json
+    from collections import namedtuple
+
+    import ft.engine.ranks.rank_state as rank_state
+    import ft.tools.synthetic as synthetic
+    from ft.engine import LLM
+    from ft.errors import ConfigError
+    from test_flash_next_engine import TEXT
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"architectures": ["Qwen3_8_FlashNextForConditionalGeneration"],
+                               "text_config": {**TEXT, "shared_expert_intermediate_size": 32, "dtype": "bfloat16"}}))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(synthetic.shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 1000))
+    opts = dict(device="cpu", dtype="float32", page_size=16, num_tokens=256)
+    with pytest.raises(ConfigError, match=r"--ngram-table disk: a synthetic n-gram table of .* does not fit"):
+        LLM(model=f"synthetic:{cfg}", ngram_table="disk", **opts)
+    monkeypatch.setattr(rank_state, "available_bytes", lambda: (1 << 20, "MemAvailable"))
+    with pytest.raises(ConfigError, match=r"host memory: .*n-gram table"):  # auto: the table stays in the plan
+        LLM(model=f"synthetic:{cfg}", **opts)

@@ -13,16 +13,19 @@ import fnmatch
 import json
 import math
 import os
+import shutil
 import struct
 import tempfile
 from pathlib import Path
 
 import torch
 
+from ft.errors import ConfigError
 from ft.model.checkpoint import GroupedExperts, LoadedWeights, TensorSpec
 from ft.model.layers.linear import NVFP4Weight
 from ft.model.paged_table import PagedTable
 from ft.kernels.moe import SlotWeights
+from ft.units import format_bytes
 
 PREFIX = "synthetic:"
 DENSE_MODULES = ("lm_head", "*.mlp.gate", "*.shared_expert_gate", "*.conv1d", "*.in_proj_ba", "*.in_proj_b",
@@ -99,6 +102,14 @@ def synthetic_weights(
 
 
 SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+DISK_SPARE = 1 << 30
+"""Bytes a synthetic table on disk leaves free in the temporary directory."""
+
+
+def disk_table_fits(specs: dict[str, TensorSpec], dtype: torch.dtype) -> bool:
+    """Whether the temporary directory has room for the synthetic tables written for --ngram-table disk."""
+    need = sum(math.prod(spec.shape) for spec in specs.values() if spec.kind == "host") * dtype.itemsize
+    return shutil.disk_usage(tempfile.gettempdir()).free >= need + DISK_SPARE
 
 
 def synthetic_host_bytes(specs: dict[str, TensorSpec], expert_groups: list, dtype: torch.dtype,
@@ -142,6 +153,10 @@ def _disk_table(shape: tuple[int, int], dtype: torch.dtype, seed: int) -> PagedT
     temporary directory and mapped from it (`PagedTable`); the file is unlinked once mapped, so the mapping
     alone keeps it (nothing is left behind when the process ends)."""
     name = "table.weight"
+    need, where = math.prod(shape) * dtype.itemsize, tempfile.gettempdir()
+    if shutil.disk_usage(where).free < need + DISK_SPARE:
+        raise ConfigError(f"--ngram-table disk: a synthetic n-gram table of {format_bytes(need)} does not fit the "
+                          f"{format_bytes(shutil.disk_usage(where).free)} free in {where} (TMPDIR)")
     header = json.dumps({name: {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
                                 "data_offsets": [0, math.prod(shape) * dtype.itemsize]}}).encode()
     header += b" " * (-len(header) % 8)  # (the data starts 8-byte aligned)

@@ -84,6 +84,17 @@ def planned_host_bytes(source: ModelSource, cfg: ModelConfig, dtype: torch.dtype
     return host_bytes(reader, specs, expert_names, dtype, embedding, tables_on_disk)
 
 
+def tables_fit_on_disk(source: ModelSource, cfg: ModelConfig, dtype: torch.dtype) -> bool:
+    """Whether an n-gram table can be read from disk: a checkpoint's always (it is its files); a synthetic
+    model's where the temporary directory has room to write it (`ft.tools.synthetic.disk_table_fits`)."""
+    if not source.synthetic:
+        return True
+    from ft.tools.synthetic import disk_table_fits
+
+    specs, _ = (qwen3_8_flash_next if cfg.is_flash_next else qwen3_next).tensor_specs(cfg)
+    return disk_table_fits(specs, dtype)
+
+
 def embedding_name(cfg: ModelConfig) -> str:
     """The checkpoint name of the token embedding."""
     return (qwen3_8_flash_next.ROOT if cfg.is_flash_next else "model.") + "embed_tokens.weight"

@@ -19,7 +19,7 @@ from ft.memory.budget import (card_bytes, default_prefill_length, experts_can_al
 from ft.engine.cache.manager import CacheManager, PoolShapes, SizingOptions
 from ft.engine.base.engine_config import EngineConfig, default_running_requests
 from ft.engine.sched.ladder import make_rungs
-from ft.engine.ranks.loader import DTYPES, activation_reserve, load_model, planned_host_bytes
+from ft.engine.ranks.loader import DTYPES, activation_reserve, load_model, planned_host_bytes, tables_fit_on_disk
 from ft.engine.ranks.model_source import model_source
 from ft.engine.worker.model_runner import ModelRunner
 from ft.engine.worker.prefill_graphs import CoreBuffers
@@ -265,8 +265,8 @@ class RankState:
         if not has_table:
             return False
         in_memory = HostPlan(planned_host_bytes(self.source, cfg, self.dtype, host_embedding), available_bytes())
-        if in_memory.fits():
-            return False
+        if in_memory.fits() or not tables_fit_on_disk(self.source, cfg, self.dtype):
+            return False  # (a synthetic table the temporary directory cannot hold: the plan's check says so)
         log.info("n-gram table: read from the checkpoint's files through the page cache (--ngram-table auto): with "
                  "it, host memory would hold %s (%s) of %s available", format_bytes(in_memory.total),
                  in_memory.parts_text(), format_bytes(in_memory.available[0]))
