@@ -42,6 +42,7 @@ def _readers() -> ThreadPoolExecutor:
         _POOL = ThreadPoolExecutor(READERS, thread_name_prefix="ft-table-read")
     return _POOL
 
+
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 """The safetensors dtypes a paged table may have."""
 
