@@ -68,7 +68,11 @@ def main() -> None:
                 # a fresh map each time: the kernel keeps a mapped page cached through drop_caches
                 dropped &= drop_cache()
                 table = PagedTable.open([(path, "t")], (args.table_rows, WIDTH))
-                gather = table._gather if form == "plain copy" else table.gather
+                plain = form == "plain copy"
+
+                def gather(rows):
+                    return table.gather(rows, plain=plain)
+
                 t0 = time.perf_counter()
                 a = gather(rows)
                 cold = time.perf_counter() - t0

@@ -188,7 +188,7 @@ def test_a_paged_table_reads_rows_from_the_files_it_maps(tmp_path, monkeypatch, 
                              (tmp_path / "c.safetensors", "t.shard_2.weight")], (50, 8))
     for table in (one, parts):
         assert table.shape == (50, 8) and table.dtype == torch.bfloat16 and table.nbytes == whole.nbytes
-        assert torch.equal(table.gather(rows), whole[rows])
+        assert torch.equal(table.gather(rows), whole[rows]) and torch.equal(table.gather(rows, plain=True), whole[rows])
     with pytest.raises(CheckpointError, match="make \\[50, 8\\], expected \\[51, 8\\]"):
         PagedTable.open([(tmp_path / "a.safetensors", "t.weight")], (51, 8))
     with pytest.raises(CheckpointError, match="2-D bf16"):

@@ -98,8 +98,9 @@ class PagedTable:
                                   f"expected {list(shape)}")
         return table
 
-    def gather(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [N] int64 (CPU) -> their values [N, width] in the table's dtype: each part reads its own rows.
+    def gather(self, rows: torch.Tensor, plain: bool = False) -> torch.Tensor:
+        """rows [N] int64 (CPU) -> their values [N, width] in the table's dtype: each part reads its own rows
+        (`plain`: one copy, no advice and no threads: bench/paged_table.py's baseline).
 
         Rows not in the page cache are read from disk: a page fault each, one at a time in a plain copy.
         A step's rows (up to `ADVISED_ROWS`) are first advised (MADV_WILLNEED: the kernel queues their
@@ -109,6 +110,8 @@ class PagedTable:
         -> 0.3-0.5 ms, 1,024 rows 55-56 -> ~10 ms, 50,000 rows 2.0-2.3 -> 0.50-0.55 s; cached rows cost ~1 us
         more each for the advice."""
         rows = rows.reshape(-1).to(torch.int64)
+        if plain:
+            return self._gather(rows)
         if rows.numel() > ADVISED_ROWS:
             pieces = rows.chunk(READERS)
             return torch.cat(list(_readers().map(self._gather, pieces)))
