@@ -6,7 +6,8 @@ Script check on the CPU: ``TRITON_INTERPRET=1 PYTHONPATH=. python3 bench/dense_g
 
 Shapes (N x K) from Qwen3-Next-80B-A3B decode, where cuBLAS took ~5 us each in the engine's graphs:
 the MoE router 512 x 2048 (2 MB), 513 x 2048 (a partial last block of rows), in_proj_ba 64 x 2048
-(256 KB) and the 1-row shared-expert gate 1 x 2048 (4 KB); M = 1 and 8 rows of x.
+(256 KB) and the 1-row shared-expert gate 1 x 2048 (4 KB); Qwen3.8-Flash-Next's router with its shared gate
+513 x 2560 and in_proj_ba 96 x 2560 (K not a multiple of the 2,048-wide tile); M = 1 and 8 rows of x.
 
 Timing: `bench.gpu_timing.graph_us`: a CUDA graph of one call per weight copy, replayed. Each call
 reads its own copy of W; where all copies together are less than 4x the 50 MB L2 (the small
@@ -32,7 +33,9 @@ from bench.gpu_timing import COPY_CEILING_GBS, L2_BYTES, copies_for, graph_us, r
 from ft.kernels.dense import dense_linear_ref
 from ft.kernels.dense.kernel import default_config, dense_linear_triton
 
-SHAPES = [("router", 512, 2048), ("router+1", 513, 2048), ("in_proj_ba", 64, 2048), ("gate", 1, 2048)]
+SHAPES = [("router", 512, 2048), ("router+1", 513, 2048), ("in_proj_ba", 64, 2048), ("gate", 1, 2048),
+          # Qwen3.8-Flash-Next (hidden 2,560: the whole-K tile of 2,048 leaves a masked second tile of 512)
+          ("fn_router+1", 513, 2560), ("fn_in_proj_ba", 96, 2560)]
 M_CASES = (1, 8)
 TOL = 2.0**-7  # relative RMS against the fp32-accumulated reference rounded to bf16: at most one bf16 unit
 MAX_CALLS = 512  # graph nodes per pass
@@ -42,11 +45,11 @@ DTYPE = torch.bfloat16
 
 def sweep_configs(m: int, n: int, k: int) -> list[dict]:
     """Block configurations to time: BLOCK_M up to M's power of two, BLOCK_N up to N / 32 (>= 32
-    programs), the whole K or half of it per tile (bf16: 2048 or 1024), 1-8 warps with every
+    programs), the whole K, half or a quarter of it per tile (bf16: 2048, 1024 or 512), 1-8 warps with every
     thread along K; leaving out those holding more than ~256 fp32 values of the two tiles per
     thread (they spill)."""
     out = []
-    for bm, bn, bk, nw in itertools.product((1, 2, 4, 8, 16), (1, 2, 4, 8), (1024, 2048), (1, 2, 4, 8)):
+    for bm, bn, bk, nw in itertools.product((1, 2, 4, 8, 16), (1, 2, 4, 8), (512, 1024, 2048), (1, 2, 4, 8)):
         if bm > triton.next_power_of_2(m) or bn > max(1, n // 32) or bk > max(16, triton.next_power_of_2(k)):
             continue
         if nw * 32 * 8 > bk or (bm + bn) * bk // (32 * nw) > 256:
