@@ -283,12 +283,12 @@ class LoadedWeights:
 
 
 def host_bytes(reader: CheckpointReader, specs: dict[str, TensorSpec], expert_groups: list, dtype: torch.dtype,
-               embedding: str | None = None, tables_on_disk: bool = False) -> dict[str, int]:
+               embedding: str | None = None) -> dict[str, int]:
     """What loading keeps in host memory, from the checkpoint's headers alone: {"routed experts": the
     store `load_weights` fills (NVFP4 as stored with fp32 second scales, dense in `dtype`), "n-gram
     table": the specs' kind "host" tensors (or their parts) as stored, "embedding": tensor `embedding`
-    in `dtype` when the loader moves it there (None: it stays on the device)}; parts of 0 left out (the
-    tables too with `tables_on_disk`: mapped from the files, `PagedTable`)."""
+    in `dtype` when the loader moves it there (None: it stays on the device)}; parts of 0 left out. (A table
+    mapped from the files instead, `PagedTable`, is no host memory: the caller drops its part.)"""
     size = dtype.itemsize
     experts = 0
     for layer in expert_groups:
@@ -304,7 +304,7 @@ def host_bytes(reader: CheckpointReader, specs: dict[str, TensorSpec], expert_gr
                     experts += math.prod(specs[name].shape) * size
     tables = 0
     for name, spec in specs.items():
-        if spec.kind == "host" and not tables_on_disk:
+        if spec.kind == "host":
             tables += sum(reader.nbytes(p) for p in reader.table_parts(name))
     parts = {"routed experts": experts, "n-gram table": tables,
              "embedding": math.prod(specs[embedding].shape) * size if embedding else 0}

@@ -24,7 +24,7 @@ import torch
 
 from ft.errors import CheckpointError
 
-__all__ = ["ADVISED_ROWS", "PagedTable", "READERS"]
+__all__ = ["ADVISED_ROWS", "DTYPES", "PagedTable", "READERS"]
 
 ADVISED_ROWS = 4096
 """Rows up to which a gather advises their pages first; more are copied by `READERS` threads."""

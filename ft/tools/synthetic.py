@@ -23,7 +23,7 @@ import torch
 from ft.errors import ConfigError
 from ft.model.checkpoint import GroupedExperts, LoadedWeights, TensorSpec
 from ft.model.layers.linear import NVFP4Weight
-from ft.model.paged_table import PagedTable
+from ft.model.paged_table import DTYPES as PAGED_DTYPES, PagedTable
 from ft.kernels.moe import SlotWeights
 from ft.units import format_bytes
 
@@ -101,7 +101,8 @@ def synthetic_weights(
     return LoadedWeights(tensors, experts)
 
 
-SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+SAFETENSORS_DTYPES = {dtype: name for name, dtype in PAGED_DTYPES.items()}
+"""The safetensors name of each dtype a synthetic table on disk may have (`ft.model.paged_table`'s, inverted)."""
 DISK_SPARE = 1 << 30
 """Bytes a synthetic table on disk leaves free in the temporary directory."""
 
@@ -113,7 +114,7 @@ def disk_table_fits(specs: dict[str, TensorSpec], dtype: torch.dtype) -> bool:
 
 
 def synthetic_host_bytes(specs: dict[str, TensorSpec], expert_groups: list, dtype: torch.dtype,
-                         embedding: str | None = None, tables_on_disk: bool = False) -> dict[str, int]:
+                         embedding: str | None = None) -> dict[str, int]:
     """What `synthetic_weights` (one GPU) and the loader keep in host memory, before anything is made:
     `ft.model.checkpoint.host_bytes`' parts for the NVFP4 experts and `dtype` tables made here."""
     experts = 0
@@ -125,8 +126,7 @@ def synthetic_host_bytes(specs: dict[str, TensorSpec], expert_groups: list, dtyp
             n_exp, (full, hidden) = len(layer), specs[layer[0][0]].shape
         # w13 and w2 packed (half a byte an element), their E4M3 scales (one a 16), three fp32 second scales
         experts += n_exp * (3 * full * hidden // 2 + 3 * full * hidden // 16 + 12)
-    tables = 0 if tables_on_disk else \
-        sum(math.prod(spec.shape) for spec in specs.values() if spec.kind == "host") * dtype.itemsize
+    tables = sum(math.prod(spec.shape) for spec in specs.values() if spec.kind == "host") * dtype.itemsize
     parts = {"routed experts": experts, "n-gram table": tables,
              "embedding": math.prod(specs[embedding].shape) * dtype.itemsize if embedding else 0}
     return {what: n for what, n in parts.items() if n}

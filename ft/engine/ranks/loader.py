@@ -67,8 +67,7 @@ def load_model(
     return m, weights.experts
 
 
-def planned_host_bytes(source: ModelSource, cfg: ModelConfig, dtype: torch.dtype, host_embedding: bool,
-                       tables_on_disk: bool = False) -> dict[str, int]:
+def planned_host_bytes(source: ModelSource, cfg: ModelConfig, dtype: torch.dtype, host_embedding: bool) -> dict[str, int]:
     """What `load_model` on one GPU keeps in host memory, {what: bytes}, known before anything loads: from
     the checkpoint's headers (`ft.model.checkpoint.host_bytes`) or a synthetic model's specs."""
     arch = qwen3_8_flash_next if cfg.is_flash_next else qwen3_next
@@ -77,11 +76,11 @@ def planned_host_bytes(source: ModelSource, cfg: ModelConfig, dtype: torch.dtype
     if source.synthetic:
         from ft.tools.synthetic import synthetic_host_bytes
 
-        return synthetic_host_bytes(specs, expert_names, dtype, embedding, tables_on_disk)
+        return synthetic_host_bytes(specs, expert_names, dtype, embedding)
     reader = CheckpointReader(source.path)
     if cfg.is_flash_next:
         specs, expert_names = qwen3_8_flash_next.expert_layout(specs, expert_names, reader)
-    return host_bytes(reader, specs, expert_names, dtype, embedding, tables_on_disk)
+    return host_bytes(reader, specs, expert_names, dtype, embedding)
 
 
 def tables_fit_on_disk(source: ModelSource, cfg: ModelConfig, dtype: torch.dtype) -> bool:

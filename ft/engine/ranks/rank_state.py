@@ -75,9 +75,11 @@ class RankState:
         host_embedding = config.embedding_host(self.device.type) and tp is None \
             and not self.model_config.tie_word_embeddings
         # what stays in host memory, against what the host has: a refusal before minutes of loading
-        tables_on_disk = self._tables_on_disk(config, host_embedding)
-        self.host_plan = HostPlan(planned_host_bytes(self.source, self.model_config, self.dtype, host_embedding,
-                                                     tables_on_disk), available_bytes())
+        in_memory = HostPlan(planned_host_bytes(self.source, self.model_config, self.dtype, host_embedding),
+                             available_bytes())
+        tables_on_disk = self._tables_on_disk(config, in_memory)
+        self.host_plan = in_memory if not tables_on_disk else \
+            HostPlan({what: n for what, n in in_memory.parts.items() if what != "n-gram table"}, in_memory.available)
         if config.host_memory_check and (tp is None or tp.is_leader):  # (the ranks' parts of the experts
             # together are the whole store: rank 0 checks the host's plan for them all)
             self.host_plan.check()
@@ -252,10 +254,10 @@ class RankState:
             n = pages * min(STREAM_PAGE_EXPERTS, host_experts.w13.shape[1]) if self.device.type == "cuda" else 0
         return n // pages * pages
 
-    def _tables_on_disk(self, config: EngineConfig, host_embedding: bool) -> bool:
+    def _tables_on_disk(self, config: EngineConfig, in_memory: HostPlan) -> bool:
         """Whether an n-gram table is mapped from the checkpoint's files (`--ngram-table`; a synthetic model's
         is written to a temporary file first): as asked, or with auto when the host-memory plan with the
-        table in memory does not fit. ConfigError for host / disk on a model without one."""
+        table in memory (`in_memory`) does not fit. ConfigError for host / disk on a model without one."""
         cfg = self.model_config
         has_table = cfg.is_flash_next and bool(cfg.flash_next.ple_layers)
         if config.ngram_table != "auto":
@@ -264,7 +266,6 @@ class RankState:
             return config.ngram_table == "disk"
         if not has_table:
             return False
-        in_memory = HostPlan(planned_host_bytes(self.source, cfg, self.dtype, host_embedding), available_bytes())
         if in_memory.fits() or not tables_fit_on_disk(self.source, cfg, self.dtype):
             return False  # (a synthetic table the temporary directory cannot hold: the plan's check says so)
         log.info("n-gram table: read from the checkpoint's files through the page cache (--ngram-table auto): with "
