@@ -167,6 +167,9 @@ def test_the_ngram_table_read_from_disk_gives_the_reference_tokens(checkpoint):
         model = llm.engine.model
         assert model.reads_tokens_on_host and "n-gram table" not in model.host_tables
         assert model.disk_tables["n-gram table"] == model.paged_table.nbytes > 0
+        # the step rows' device buffer, allocated after the budget is measured, is in the budget's reserve
+        rows = llm.engine.runner.ngram_rows.device_buffer
+        assert llm.engine.step_rows_bytes == rows.numel() * rows.element_size() > 0
         from ft.engine.core.admin import cache_state  # (what `ft ctl cache` and `ft top` show)
 
         state = cache_state(llm.engine, "serving", "m")

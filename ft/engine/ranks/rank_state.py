@@ -21,6 +21,7 @@ from ft.engine.base.engine_config import EngineConfig, default_running_requests
 from ft.engine.sched.ladder import make_rungs
 from ft.engine.ranks.loader import DTYPES, activation_reserve, load_model, planned_host_bytes, tables_fit_on_disk
 from ft.engine.ranks.model_source import model_source
+from ft.engine.worker.buffers import RowsBuffer
 from ft.engine.worker.model_runner import ModelRunner
 from ft.engine.worker.prefill_graphs import CoreBuffers
 from ft.engine.worker.routing_override import TraceRouting, trace_params, trace_popularity_seed
@@ -145,7 +146,9 @@ class RankState:
         self.loan_bytes = 0
         if config.lends_reserve(self.device.type) and tp is None and self.loan_keep_tokens < config.max_prefill_length:
             self.loan_bytes = self._idle_reserve(self.loan_keep_tokens)
-        others = self.reserve + self.decode_graph_reserve + self.prefill_stream_reserve
+        # a paged n-gram table's step rows (`RowsBuffer`, the model runner's, allocated after the budget is measured)
+        self.step_rows_bytes = RowsBuffer.device_bytes(self.model, config.max_prefill_length + config.max_running_requests)
+        others = self.reserve + self.decode_graph_reserve + self.prefill_stream_reserve + self.step_rows_bytes
         # the default headroom's cap where it buys expert slots (`headroom_for`)
         capped = config.moe_backend == "offload" and tp is None
         budget = measure_budget(self.device, self.model.resident_bytes, config.memory_ratio, config.gpu_memory_limit,

@@ -231,6 +231,22 @@ class RowsBuffer:
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._alloc(max(1, capacity))
 
+    @staticmethod
+    def shape_for(model, capacity: int) -> tuple[int, int, torch.dtype] | None:
+        """(capacity, width, dtype) of the buffer for `model`'s paged n-gram table (`model.paged_table`, each
+        token's rows of every hash head side by side), or None when the model reads no rows on the host."""
+        table = getattr(model, "paged_table", None)
+        if table is None:
+            return None
+        return max(1, capacity), model.hashing.num_heads * table.shape[1], table.dtype
+
+    @staticmethod
+    def device_bytes(model, capacity: int) -> int:
+        """Device bytes of `model`'s buffer of `capacity` rows (0 without one): the budget counts them beside
+        the activations, since the buffer is allocated after the budget is measured."""
+        shape = RowsBuffer.shape_for(model, capacity)
+        return 0 if shape is None else shape[0] * shape[1] * shape[2].itemsize
+
     def _alloc(self, capacity: int) -> None:
         # NOTE: a grown buffer has a new address: graphs keyed by it are captured again
         self.capacity = capacity

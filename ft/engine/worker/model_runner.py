@@ -122,9 +122,8 @@ class ModelRunner:
         self.routing = None  # a `routing_override.TraceRouting` (synthetic traces): set by the engine
         # a paged n-gram table's rows, read by the host for each step (`ft.model.paged_table`): every token of
         # a chunk and a step's decoding rows
-        table = getattr(model, "paged_table", None)
-        self.ngram_rows = None if table is None else RowsBuffer(
-            tokens + rows, model.hashing.num_heads * table.shape[1], table.dtype, device)
+        rows_shape = RowsBuffer.shape_for(model, tokens + rows)  # (its bytes: `RowsBuffer.device_bytes`, budgeted)
+        self.ngram_rows = None if rows_shape is None else RowsBuffer(*rows_shape, device)
         # a mixed step's decoding rows as one decode batch (`_decode_rows`); off: each a one-token prefill (the
         # former path, for A/Bs: bench/prefill.py --decoding-rows-as)
         self.mixed_decode_rows = True
