@@ -127,8 +127,8 @@ def describe(engine, url: str, started_s: float | None = None) -> str:
            "per step; outside the cache budget, not traded by the ladder)"] if d.get("host_table_bytes") else []),
         *_host_memory_lines(d["host_plan"]),
         *([f"  disk: {', '.join(f'{what} {format_bytes(n)}' for what, n in d['disk_tables'].items())} read from the "
-           "checkpoint's files through the page cache (rows read by the host per step; decode steps not "
-           "overlapped; --ngram-table)"] if d.get("disk_tables") else []),
+           "checkpoint's files through the page cache (rows read by the host per step: a decode step waits for "
+           "the one before it to read its rows; --ngram-table)"] if d.get("disk_tables") else []),
         f"  unit costs: expert slot {format_bytes(c.expert_slot)}, kv page {format_bytes(c.kv_page)} "
         f"({c.page_size} tokens), mamba slot {format_bytes(c.mamba_slot)}",
         f"  geometry: moe {g.moe_slots}/{engine.cache.total_experts} slots ({engine.config.moe_backend}), "

@@ -464,13 +464,15 @@ def test_ft_quantize_writes_a_checkpoint_it_loads(tmp_path):
         assert llm.generate(prompt_token_ids=[prompt], **GREEDY_OPTS)[0].token_ids == reference_greedy(dense, dst, prompt)
 
 
+@pytest.mark.parametrize("table", ["host", "disk"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
-def test_padding_rows_of_a_decode_step_write_no_live_state(tmp_path, monkeypatch, overlap):
+def test_padding_rows_of_a_decode_step_write_no_live_state(tmp_path, monkeypatch, overlap, table):
     """A CUDA graph's padding rows (and overlapped decode's rows that ended) carry slot -1: the step must
     write none of their states. Forced here on the CPU (every decode step padded by two rows, eagerly),
     with the mamba pool exactly full and the KV pool's last page in use, so that a write at index -1
     would land in a live sequence's n-gram context, PLE conv history or raw indexer key: the tokens
-    stay the reference's. Overlapped: the rows of sequences that ended in the step in flight too."""
+    stay the reference's. Overlapped: the rows of sequences that ended in the step in flight too. With the
+    n-gram table on disk the host reads each step's rows (overlapped: once the step in flight's ids are in)."""
     from ft.engine.worker.model_runner import ModelRunner
 
     path = tmp_path / "m"
@@ -482,8 +484,8 @@ def test_padding_rows_of_a_decode_step_write_no_live_state(tmp_path, monkeypatch
     # 3 mamba slots for 3 requests; 144 token slots (9 pages of 16) for 40 + 33 + 50 prompts and 7 decode
     # steps each: every page in use by the last steps, the last one among them
     with make_llm(path, max_running_requests=3, mamba_cache_size=3, num_tokens=144, enable_prefix_cache=False,
-                  overlap_decode=overlap) as llm:
-        assert llm.engine.pools.mamba.num_slots == 3
+                  overlap_decode=overlap, ngram_table=table) as llm:
+        assert llm.engine.pools.mamba.num_slots == 3 and llm.engine.model.reads_tokens_on_host == (table == "disk")
         got = [r.token_ids for r in llm.generate(prompt_token_ids=prompts, **GREEDY_OPTS)]
         assert llm.engine.overlapped_steps > 0 if overlap else llm.engine.overlapped_steps == 0
     assert padded  # the decode steps took the padded path

@@ -65,8 +65,15 @@ class DecodeLauncher:
         batch_s = r.sampling(seqs, ahead=1 if after is not None else 0)  # staged before the forward
         feed = self._feed(seqs, after, len(inp.ids)) if after is not None else None
         cuda = r.device.type == "cuda"
+        rows_of = None if after is None or r.ngram_rows is None else {id(s): j for j, s in enumerate(after.seqs)}
 
         def before_forward(batch: ForwardBatch) -> None:
+            if rows_of is not None:  # a paged n-gram table: the host reads the rows of `after`'s tokens
+                # NOTE: the one wait for the step in flight, as late as it can come: this step's inputs are
+                # staged and its expert policy has run (`begin_step`) while `after` computed
+                tokens = r.results.take(after.copy)
+                ids = [tokens[rows_of[id(s)]] for s in seqs]
+                batch.ngram_rows = r.ngram_rows.load(r.decode_ngram_rows(seqs, ids, len(inp.ids)))
             if feed is not None:
                 rows, stops, width = feed
                 ids = after.sampled.index_select(0, rows)

@@ -334,13 +334,9 @@ class ModelRunner:
         # kernels update states in place, so two rows must never share a slot they write
         kv_slots = [s.pages[p // page] * page + p % page for s, p in zip(seqs, pos)]
         ids = [0] * n if ids_on_device else [_tokens(s, p, 1)[0] for s, p in zip(rows, pos)]
-        ngram = None
-        if self.ngram_rows is not None:  # (never overlapped: `OverlappedDecode.ok`; padding rows read zeros)
-            if ids_on_device:
-                raise RuntimeError("a paged n-gram table needs a decode step's tokens on the host")
-            real_rows = self.model.ngram_reader.rows([(self._ngram_context(s, p), [i])
-                                                      for s, p, i in zip(seqs, pos, ids)])
-            ngram = torch.cat([real_rows, real_rows.new_zeros(n - real, real_rows.shape[1])])
+        # a paged n-gram table's rows: read here from the ids, or (ids on the device) fed by the overlapped launch
+        # once the step in flight has sampled them (`DecodeLauncher.launch`, `decode_ngram_rows`)
+        ngram = None if self.ngram_rows is None or ids_on_device else self.decode_ngram_rows(seqs, ids, n)
         return StepInputs(
             "decode", ids, pos,
             [(p, 1, s.pages, s.mamba_slot) for s, p in zip(rows, pos)], list(range(n)),
@@ -350,6 +346,12 @@ class ModelRunner:
             real=real,
             ngram_rows=ngram,
         )
+
+    def decode_ngram_rows(self, seqs: list[Sequence], ids: list[int], n: int) -> torch.Tensor:
+        """A decode step's paged n-gram table rows [n, heads * width] (CPU): each sequence's new token `ids[i]`
+        at its position num_computed, with the ids before it as its context; padding rows zero."""
+        real = self.model.ngram_reader.rows([(self._ngram_context(s, s.num_computed), [i]) for s, i in zip(seqs, ids)])
+        return torch.cat([real, real.new_zeros(n - len(seqs), real.shape[1])])
 
     def run(self, work: ScheduledWork) -> list[int | None]:
         """One forward pass over `work`; for each sequence the sampled token, or None when its

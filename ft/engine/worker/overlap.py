@@ -13,6 +13,11 @@ offload path loads misses on the host inside the step). Everything else lands th
 first and steps as before; so does a request arriving (its prefill is the next step) and a sequence
 short of a KV page, so that the KV ladder, which moves only between steps, never has one in flight.
 
+A paged n-gram table (`--ngram-table disk`) is read by the host from the tokens: step N+1 is staged while
+N computes as any other (its inputs, read-through's `begin_step`), then, last before its forward, waits
+for N's sampled ids and reads their rows (`DecodeLauncher.launch`): the device idles for that read, not
+for the host's whole step.
+
 Read-through offload keeps its policy's timing: step N+1's `begin_step` takes the spares chosen in
 N's `end_step`, and N+1's `end_step` collects N (waiting for N's readback, while N+1 is queued
 behind it), as in plain steps, so hits, misses and landings are the same on the CPU (on CUDA, when
@@ -56,8 +61,7 @@ class OverlappedDecode:
             on = e.device.type == "cuda"
         # NOTE: the KV ladder moves only in `Engine._step`, which runs with no step in flight: a request
         # waiting or a sequence short of a page (`_next`) drains the step in flight first
-        # (a paged n-gram table is read on the host from the step's tokens: they must be known first)
-        if not on or e.runner.tp is not None or e.model.reads_tokens_on_host or (
+        if not on or e.runner.tp is not None or (
                 not resident and experts.read_through is None):
             return False
         return all(s.grammar is None and s.logprobs is None and s.prompt_logprobs is None and not s.fork_waiting
