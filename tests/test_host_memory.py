@@ -186,9 +186,12 @@ def test_a_paged_table_reads_rows_from_the_files_it_maps(tmp_path, monkeypatch, 
     parts = PagedTable.open([(tmp_path / "b.safetensors", "t.shard_0.weight"),
                              (tmp_path / "c.safetensors", "t.shard_1.weight"),
                              (tmp_path / "c.safetensors", "t.shard_2.weight")], (50, 8))
-    for table in (one, parts):
+    for table in (one, parts):  # (parts: the rows of two files' maps, each one select over its map's windows)
         assert table.shape == (50, 8) and table.dtype == torch.bfloat16 and table.nbytes == whole.nbytes
         assert torch.equal(table.gather(rows), whole[rows]) and torch.equal(table.gather(rows, plain=True), whole[rows])
+    in_one_file = PagedTable.open([(tmp_path / "c.safetensors", "t.shard_1.weight"),
+                                   (tmp_path / "c.safetensors", "t.shard_2.weight")], (30, 8))
+    assert torch.equal(in_one_file.gather(rows - 20 * (rows >= 20)), whole[20:][rows - 20 * (rows >= 20)])
     with pytest.raises(CheckpointError, match="make \\[50, 8\\], expected \\[51, 8\\]"):
         PagedTable.open([(tmp_path / "a.safetensors", "t.weight")], (51, 8))
     with pytest.raises(CheckpointError, match="2-D bf16"):
@@ -261,6 +264,8 @@ def test_a_read_ahead_gives_the_rows_a_plain_read_gives(tmp_path):
     assert torch.equal(reader.rows(spans), want) and reader.taken == 0
     reader.read_ahead(spans)
     assert torch.equal(reader.rows(spans), want) and reader.taken == 2
+    reader.read_ahead(spans[1:2])  # one span read ahead, the others read together in the step: in order still
+    assert torch.equal(reader.rows(spans), want) and reader.taken == 3
     for i in range(ngram_reader.READ_AHEAD_SPANS + 3):
         reader.read_ahead([([2, 2], [20 + i])])
     assert reader.waiting == ngram_reader.READ_AHEAD_SPANS

@@ -69,6 +69,26 @@ class PagedTable:
         self.shape = (sum(p.shape[0] for p in parts), width)
         self.nbytes = sum(p.numel() * p.element_size() for p in parts)
         self._starts = torch.tensor([0] + [p.shape[0] for p in parts]).cumsum(0)
+        self._windows: list[torch.Tensor] = []  # per map: [elements - width + 1, width], row i = elements i..
+        self._part_map = self._part_base = None  # per part: its map's index, its first element there
+        if self._where:
+            self._index_maps(width)
+
+    def _index_maps(self, width: int) -> None:
+        """Each map as one view whose row i holds the `width` elements that begin at element i (strides (1, 1):
+        overlapping rows, nothing copied), so that rows of any parts of one map are one `index_select`. A select
+        a part cost ~10 us of small ops, and a token's 16 rows touch ~16 of the released table's 128 parts: with
+        the spans read together too (`HostNgramReader.rows`), a decode step's rows 3.0 -> 0.27 ms at 8 sequences,
+        21.7 -> 1.35 ms at 64 (bench/paged_table.py --decode, bench/RESULTS.md session 56)."""
+        at = {id(m): i for i, m in enumerate(self._maps)}
+        size = self.dtype.itemsize
+        if any(byte % size for _, byte in self._where) or any(p.dtype != self.dtype for p in self._parts):
+            return  # (a part off its dtype's alignment, or parts of mixed dtypes: each part is selected alone)
+        for m in self._maps:
+            flat = torch.frombuffer(m, dtype=self.dtype, count=len(m) // size)
+            self._windows.append(flat.as_strided((flat.numel() - width + 1, width), (1, 1)))
+        self._part_map = torch.tensor([at[id(m)] for m, _ in self._where])
+        self._part_base = torch.tensor([byte // size for _, byte in self._where])
 
     @classmethod
     def open(cls, files: list[tuple[Path, str]], shape: tuple[int, int]) -> "PagedTable":
@@ -121,6 +141,17 @@ class PagedTable:
     def _gather(self, rows: torch.Tensor) -> torch.Tensor:
         if len(self._parts) == 1:
             return self._parts[0].index_select(0, rows)
+        if self._windows:  # each row's first element in its map: one select a map the rows touch
+            part = torch.searchsorted(self._starts, rows, right=True) - 1
+            first = self._part_base[part] + (rows - self._starts[part]) * self.shape[1]
+            if len(self._windows) == 1:
+                return self._windows[0].index_select(0, first)
+            where = self._part_map[part]
+            out = torch.empty(rows.numel(), self.shape[1], dtype=self.dtype)
+            for k in where.unique().tolist():
+                at = (where == k).nonzero().reshape(-1)
+                out[at] = self._windows[k].index_select(0, first[at])
+            return out
         out = torch.empty(rows.numel(), self.shape[1], dtype=self.dtype)
         part = torch.searchsorted(self._starts, rows, right=True) - 1
         for p in part.unique().tolist():
