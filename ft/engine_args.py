@@ -154,8 +154,9 @@ HELP = {
     "ngram_table": ("where Qwen3.8-Flash-Next's n-gram table (~95 GiB in bf16) lives: host (pinned host memory; "
                     "the device reads each step's rows inside the step), disk (mapped from the checkpoint's files: "
                     "the host reads each step's rows through the page cache, which keeps the rows in use; a decode "
-                    "step then waits for the one before it to read its rows) or auto: host where the host-memory plan fits, else disk "
-                    "(a host of 123 GB cannot pin the 63 GiB of experts and the table together)"),
+                    "step then waits for the one before it to read its rows) or auto: host where the host-memory "
+                    "plan fits, else disk (a host of 123 GB cannot pin the 63 GiB of experts and the table "
+                    "together)"),
     "seed": "engine seed",
     "progress": ("loading progress: a bar on a terminal, one line per phase otherwise; --progress forces the bar, "
                  "--no-progress shows neither (default: auto)"),
