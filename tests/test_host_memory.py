@@ -294,3 +294,24 @@ def test_a_synthetic_table_the_temporary_directory_cannot_hold_is_refused(tmp_pa
     monkeypatch.setattr(rank_state, "available_bytes", lambda: (1 << 20, "MemAvailable"))
     with pytest.raises(ConfigError, match=r"host memory: .*n-gram table"):  # auto: the table stays in the plan
         LLM(model=f"synthetic:{cfg}", **opts)
+
+
+def test_the_prefix_states_in_host_memory_are_in_the_plan_and_as_many_as_fit(demo, monkeypatch, caplog):
+    """--prefix-states-on-host: the prefix cache's host states join the host plan ("prefix states", entries x a
+    linear-attention slot); where what the host had before loading leaves room for fewer (past the plan and its
+    2 GiB margin), the cache keeps as many as fit and says so in one log line."""
+    import ft.engine.ranks.rank_state as rank_state
+    from ft.engine import LLM
+    from ft.memory.host_memory import HOST_MARGIN
+
+    opts = dict(model=str(demo), device="cpu", prefix_states_on_host=True, max_running_requests=6)
+    with LLM(**opts) as llm:
+        e = llm.engine
+        state = e.cache.layout.unit_costs().mamba_slot
+        assert e.prefix_cache.host_entries == 6 and e.host_plan.parts["prefix states"] == 6 * state > 0
+        assert "prefix states" in e.describe()["host_plan"]["parts"]
+        before = e.host_plan.total - 6 * state  # what loading keeps
+    monkeypatch.setattr(rank_state, "available_bytes", lambda: (before + HOST_MARGIN + 2 * state + 1, "MemAvailable"))
+    with caplog.at_level("WARNING", logger="ft.engine"), LLM(**opts) as llm:
+        assert llm.engine.prefix_cache.host_entries == 2 and llm.engine.host_plan.parts["prefix states"] == 2 * state
+    assert "prefix cache: 2 of 6 entries keep their linear-attention state in host memory" in caplog.text

@@ -34,6 +34,8 @@ from ft.engine.ranks.tp_worker import close_ranks, dead_rank, join_group, join_r
 from ft.errors import ConfigError, RanksOutOfStep
 from ft.memory.cache_pools import CachePools
 from ft.memory.device_memory import DeviceMemoryProbe
+from ft.memory.host_memory import HOST_MARGIN, HostPlan
+from ft.units import format_bytes
 
 log = logging.getLogger("ft.engine")
 
@@ -63,7 +65,7 @@ class Engine(RankState):
             model_dir=self.model_path if config.tokenizer and self.model_path.is_dir() else None)
         pools = self.cache.pools
         self.prefix_cache = PrefixCache(pools.kv, pools.mamba, config.enable_prefix_cache,
-                                        host_entries=config.prefix_host_entries(self.device.type))
+                                        host_entries=self._prefix_host_entries(config))
         # prompt logprobs return a float32 row of logits (plus its log-softmax) per prompt position: as many
         # positions per step as the activation reserve holds, which it holds at the end of the forward
         # (a vocabulary split over tensor-parallel ranks gathers the rows: 8 bytes more per entry on rank 0)
@@ -264,6 +266,26 @@ class Engine(RankState):
             raise
         self.current_work = None
         return rejected + self._postprocess(work, tokens)
+
+    def _prefix_host_entries(self, config: EngineConfig) -> int:
+        """The prefix cache's entries that keep their linear-attention state in pinned host memory
+        (`EngineConfig.prefix_host_entries`), in the host plan as "prefix states". Where the plan checked before
+        loading leaves the host too little for them all (its 2 GiB margin kept), as many as fit, at least one,
+        and a log line that says so."""
+        n = config.prefix_host_entries(self.device.type)
+        state = self.cache.layout.unit_costs().mamba_slot
+        if not n or not state:
+            return n
+        plan = self.host_plan
+        if plan.available is not None and config.host_memory_check:
+            fit = max(1, (plan.available[0] - HOST_MARGIN - plan.total) // state)
+            if fit < n:
+                log.warning("prefix cache: %d of %d entries keep their linear-attention state in host memory (%s "
+                            "each): what the host had before loading (%s) leaves room for no more beside %s",
+                            fit, n, format_bytes(state), format_bytes(plan.available[0]), plan.parts_text())
+                n = fit
+        self.host_plan = HostPlan({**plan.parts, "prefix states": n * state}, plan.available)
+        return n
 
     # ------------------------------------------------------------------- overlapped decode
     def drain(self) -> list[Sequence]:
