@@ -351,6 +351,8 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("dense M=8 router 512x2048", dense._dense_gemv_kernel, DENSE, dense_cfg(8, 512, 2048)),
     ("dense M=16 in_proj_ba 64x2048", dense._dense_gemv_kernel, DENSE, dense_cfg(16, 64, 2048)),
     ("dense M=4 K loop, last tile masked (2064)", dense._dense_gemv_kernel, DENSE, dense_cfg(4, 2048, 2064)),
+    ("dense M=8 Flash-Next router 513x2560", dense._dense_gemv_kernel, DENSE, dense_cfg(8, 513, 2560)),
+    ("dense M=1 Flash-Next router 513x2560", dense._dense_gemv_kernel, DENSE, dense_cfg(1, 513, 2560)),
     ("dense M=8 fp32 K loop", dense._dense_gemv_kernel, {**DENSE, "p_x": "*fp32", "p_w": "*fp32", "p_y": "*fp32"},
      dense_cfg(8, 512, 2048, torch.float32)),
     # the norms' EVEN_D: D == BLOCK_D, as the wrappers set it

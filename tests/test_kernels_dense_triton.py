@@ -59,11 +59,14 @@ def test_dense_linear_triton_matches_ref(m, n, k, dtype):
     _check(y, x, w)
 
 
-# K loops (BLOCK_K below K, the next W tile prefetched), K not a multiple of BLOCK_K (last tile masked),
-# more rows per program than M, several warps and rows of W per program.
+# K loops (BLOCK_K below K, the next W tile prefetched), K not a multiple of BLOCK_K (a remainder that is a
+# power of two as a tile of its own: 80 = 2 x 32 + 16, 272, 160 (Flash-Next's 2,560 = 2,048 + 512 in small);
+# another one masked: 88 = 2 x 32 + 24), more rows per program than M, several warps and rows of W per program.
 CONFIGS = [
     (3, 7, 96, {"BLOCK_M": 4, "BLOCK_N": 2, "BLOCK_K": 32, "num_warps": 1}),
     (3, 7, 80, {"BLOCK_M": 2, "BLOCK_N": 4, "BLOCK_K": 32, "num_warps": 1}),
+    (3, 7, 88, {"BLOCK_M": 2, "BLOCK_N": 4, "BLOCK_K": 32, "num_warps": 1}),
+    (8, 5, 160, {"BLOCK_M": 8, "BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 4}),
     (5, 9, 272, {"BLOCK_M": 16, "BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 2}),
     (1, 3, 48, {"BLOCK_M": 1, "BLOCK_N": 1, "BLOCK_K": 16, "num_warps": 1}),
     (8, 64, 2048, {"BLOCK_M": 8, "BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4}),
@@ -101,6 +104,16 @@ def test_deterministic_and_rows_independent_of_m():
     for dtype in (torch.float32, torch.bfloat16):
         cfgs = [default_config(m, n, 2048, dtype) for m in range(1, 17) for n in (1, 64, 512, 513, 12288)]
         assert len({(c["BLOCK_K"], c["num_warps"]) for c in cfgs}) == 1
+
+
+def test_k_tiling_takes_a_power_of_two_remainder_as_a_tile():
+    from ft.kernels.dense.kernel import k_tiling
+
+    assert k_tiling(2560, 2048) == {"EVEN_K": True, "ONE_TILE": False, "TAIL_K": 512}  # Flash-Next's hidden size
+    assert k_tiling(2048, 2048) == {"EVEN_K": True, "ONE_TILE": True, "TAIL_K": 0}
+    assert k_tiling(4096, 2048) == {"EVEN_K": True, "ONE_TILE": False, "TAIL_K": 0}
+    assert k_tiling(2088, 2048) == {"EVEN_K": False, "ONE_TILE": False, "TAIL_K": 0}  # 40: masked
+    assert k_tiling(80, 128) == {"EVEN_K": False, "ONE_TILE": True, "TAIL_K": 0}  # one tile, masked
 
 
 def test_default_config():

@@ -30,7 +30,9 @@ BLOCK_M rows of x, and takes the whole K:
   more programs along the grid's second axis (each re-reads its W rows, from L2) instead of more
   registers.
 * Rows of x past M and of W past N read the last valid row (in-bounds loads, no predication) and
-  are not stored. Columns past K (K not a multiple of BLOCK_K) are masked to 0.
+  are not stored. Past the BLOCK_K tiles, a remainder of K that is a power of two is a tile of its
+  own, unmasked (`k_tiling`: Qwen3.8-Flash-Next's K = 2,560 is 2,048 + 512); any other remainder is
+  masked to 0, which costs a load per element.
 
 Cost (sm_90 SASS compiled offline, bf16, K = 2048, 4 warps; not yet timed on the GPU): at M = 1 a
 program is ~150 instructions per thread: 4 LDG.128 issued together, 16 products summed as a tree,
@@ -86,9 +88,11 @@ def _tile_sum(b_x, b_w):
 
 @triton.jit
 def gemv_block(p_x, p_w, M, N, K, stride_xm, stride_wn, i_m, i_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ONE_TILE: tl.constexpr, PDL: tl.constexpr):
+               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ONE_TILE: tl.constexpr, PDL: tl.constexpr,
+               TAIL_K: tl.constexpr = 0):
     """The block (i_m, i_n) of x @ W^T: fp32 [BLOCK_M, BLOCK_N] sums over the whole K (this module's
-    loads and sum order; rows past M / N read the last valid row)."""
+    loads and sum order; rows past M / N read the last valid row). TAIL_K > 0 (`k_tiling`): the last
+    TAIL_K columns are a tile of their own, summed after the BLOCK_K tiles, none of them masked."""
     # PDL (`ft.kernels.pdl`): the first weight tile is loaded before the wait (W is a layer's
     # weight: no kernel of the step writes it), x after it
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -96,21 +100,30 @@ def gemv_block(p_x, p_w, M, N, K, stride_xm, stride_wn, i_m, i_n, BLOCK_M: tl.co
     o_k = tl.arange(0, BLOCK_K)
     # rows past M / N read the last valid row: in bounds, no predicated loads; they are not stored.
     # 3-D pointer tiles: the loads' layout is the product's (no shared-memory layout conversion)
-    p_xt = p_x + tl.minimum(o_m, M - 1).to(tl.int64)[:, None, None] * stride_xm + o_k[None, None, :]
-    p_wt = p_w + tl.minimum(o_n, N - 1).to(tl.int64)[None, :, None] * stride_wn + o_k[None, None, :]
+    r_x = tl.minimum(o_m, M - 1).to(tl.int64)[:, None, None] * stride_xm
+    r_w = tl.minimum(o_n, N - 1).to(tl.int64)[None, :, None] * stride_wn
+    p_xt = p_x + r_x + o_k[None, None, :]
+    p_wt = p_w + r_w + o_k[None, None, :]
     b_w = _load_k(p_wt, 0, o_k, K, EVEN_K)
+    k_end = K
+    if TAIL_K > 0:  # its W tile in flight with the first one
+        k_end = tl.multiple_of(K - TAIL_K, BLOCK_K)  # (`k_tiling`: TAIL_K = K % BLOCK_K; said so, its loads vectorize)
+        o_t = k_end + tl.arange(0, TAIL_K)
+        b_wt = tl.load(p_w + r_w + o_t[None, None, :])
     pdl_wait(PDL)
     pdl_release(PDL)
     if ONE_TILE:  # K <= BLOCK_K: W and x tiles in flight together, one reduction
         acc = _tile_sum(_load_k(p_xt, 0, o_k, K, EVEN_K), b_w)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K - BLOCK_K, BLOCK_K):  # every tile but the last; the next one exists
+        for k0 in range(0, k_end - BLOCK_K, BLOCK_K):  # every tile but the last; the next one exists
             b_w_next = _load_k(p_wt, k0 + BLOCK_K, o_k, K, EVEN_K)  # in flight during this tile's math
             acc += _tile_sum(_load_k(p_xt, k0, o_k, K, EVEN_K), b_w)
             b_w = b_w_next
-        k_last = tl.cdiv(K, BLOCK_K) * BLOCK_K - BLOCK_K
+        k_last = tl.cdiv(k_end, BLOCK_K) * BLOCK_K - BLOCK_K
         acc += _tile_sum(_load_k(p_xt, k_last, o_k, K, EVEN_K), b_w)
+    if TAIL_K > 0:
+        acc += _tile_sum(tl.load(p_x + r_x + o_t[None, None, :]), b_wt)
     return acc
 
 
@@ -120,12 +133,12 @@ def _dense_gemv_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, ONE_TILE: tl.constexpr, PDL: tl.constexpr = False,
+    EVEN_K: tl.constexpr, ONE_TILE: tl.constexpr, PDL: tl.constexpr = False, TAIL_K: tl.constexpr = 0,
 ):
     i_n = tl.program_id(0)
     i_m = tl.program_id(1)
     acc = gemv_block(p_x, p_w, M, N, K, stride_xm, stride_wn, i_m, i_n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, ONE_TILE,
-                     PDL)
+                     PDL, TAIL_K)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     p_yt = p_y + o_m.to(tl.int64)[:, None] * stride_ym + o_n[None, :]
@@ -154,8 +167,15 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype) -> dict:
 
 
 def k_tiling(k: int, block_k: int) -> dict:
-    """The kernel's K-tiling constexprs for K = k: EVEN_K (no masks along K), ONE_TILE (no K loop)."""
-    return {"EVEN_K": k % block_k == 0, "ONE_TILE": k <= block_k}
+    """The kernel's K-tiling constexprs for K = k: EVEN_K (no masks along K), ONE_TILE (no K loop), TAIL_K
+    (a last tile of its own). Past one tile, a remainder that is a power of two is that tile (unmasked), so
+    that every load stays a 16-byte vector: with a mask against the runtime K each element is a load of its
+    own (Qwen3.8-Flash-Next's K = 2,560 = 2,048 + 512: 384 two-byte loads a thread and 368 bytes of spills at
+    M = 8, against 24 vector loads and none with the tail tile; tests/compile_kernels_sm90.py --loads)."""
+    tail = k % block_k if k > block_k else 0
+    if tail and tail & (tail - 1) == 0:
+        return {"EVEN_K": True, "ONE_TILE": False, "TAIL_K": tail}
+    return {"EVEN_K": k % block_k == 0, "ONE_TILE": k <= block_k, "TAIL_K": 0}
 
 
 def dense_linear_triton(
