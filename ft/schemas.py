@@ -134,6 +134,16 @@ class DeviceState(_Model):
         return max(0, self.card_bytes - self.used_bytes)
 
 
+class HostMemoryState(_Model):
+    """What the server keeps in host memory as planned before it loaded, {what: bytes} (`ft.memory.host_memory.
+    HostPlan`: routed experts, n-gram table, embedding, prefix states), and what the host had available then
+    (None: unknown; servers before this field sent no parts)."""
+
+    parts: dict[str, int] = Field(default_factory=dict)
+    available_bytes: int | None = None
+    available_from: str = ""
+
+
 class CacheState(_Model):
     """GET /admin/cache. Each pool's [min, max] is its reachable range with the other pools held
     at their current sizes (`ranges_hold_others`); a target that changes several pools is checked
@@ -164,6 +174,7 @@ class CacheState(_Model):
     host_tables: dict[str, int] = Field(default_factory=dict)
     # tables read from the checkpoint's files through the page cache instead (--ngram-table disk): what -> bytes
     disk_tables: dict[str, int] = Field(default_factory=dict)
+    host_memory: HostMemoryState = Field(default_factory=HostMemoryState)
     device: DeviceState = Field(default_factory=DeviceState)
 
 

@@ -19,7 +19,7 @@ import threading
 import time
 
 from ft.engine_args import add_engine_args, engine_config_from_args
-from ft.units import format_bytes, host_tables_text
+from ft.units import format_bytes, host_plan_text, host_tables_text
 
 log = logging.getLogger("ft.serve")
 
@@ -103,12 +103,8 @@ def _is_loopback(host: str) -> bool:
 
 def _host_memory_lines(plan: dict) -> list[str]:
     """What loading kept in host memory against what the host had before it (`ft.memory.host_memory`)."""
-    parts = ", ".join(f"{what} {format_bytes(n)}" for what, n in plan["parts"].items())
-    if not parts:
-        return []
-    have = plan["available_bytes"]
-    return [f"  host memory: {parts} of {format_bytes(have)} available ({plan['available_from']}) before loading"
-            if have is not None else f"  host memory: {parts}"]
+    text = host_plan_text(plan["parts"], plan["available_bytes"], plan["available_from"] or "")
+    return [f"  host memory: {text}"] if text else []
 
 
 def describe(engine, url: str, started_s: float | None = None) -> str:

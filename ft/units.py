@@ -50,6 +50,15 @@ def seconds_arg(lo: float, hi: float | None = None, above: bool = False):
     return parse
 
 
+def host_plan_text(parts: dict[str, int], available_bytes: int | None, available_from: str = "") -> str:
+    """"routed experts 63.3 GiB, embedding 1.2 GiB of 124.1 GiB available (MemAvailable) before loading": what a
+    server keeps in host memory (`ft.memory.host_memory.HostPlan`) against what the host had; "" with no parts."""
+    text = ", ".join(f"{what} {format_bytes(n)}" for what, n in parts.items() if n)
+    if text and available_bytes is not None:
+        text += f" of {format_bytes(available_bytes)} available ({available_from}) before loading"
+    return text
+
+
 def host_tables_text(tables: dict[str, int], total: int) -> str:
     """"n-gram table 95.4 GiB, embedding 1.2 GiB" from {what: bytes}; a server that sends only the total
     (before `host_tables`): "tables 95.4 GiB"."""

@@ -134,6 +134,13 @@ def test_format_cache_ladder_and_states():
                                       disk_tables={"n-gram table": table}))
     assert "  host: embedding 1.2 GiB in host memory" in on_disk
     assert "  disk: n-gram table 95.4 GiB read from the checkpoint's files through the page cache" in on_disk
+    assert not any(line.startswith("  host memory:") for line in on_disk.splitlines())  # (servers before the plan sent none)
+    gib = 2**30
+    planned = format_cache(CacheState.model_validate({"host_memory": {
+        "parts": {"routed experts": int(63.3 * gib), "embedding": int(1.2 * gib), "prefix states": int(0.9 * gib)},
+        "available_bytes": int(124.1 * gib), "available_from": "MemAvailable"}}))
+    assert ("  host memory: routed experts 63.3 GiB, embedding 1.2 GiB, prefix states 921.6 MiB of 124.1 GiB "
+            "available (MemAvailable) before loading") in planned.splitlines()
 
 
 @pytest.mark.parametrize("rungs,current,expected", [

@@ -149,6 +149,11 @@ def test_ft_top_pools_panel_shows_the_card():
             panel.cache = CacheState(budget_bytes=20 * GIB, device=DEVICE)
             await pilot.pause()
             assert "card 29.5 GiB/32.0 GiB used (driver), 2.5 GiB untouched, headroom 2.4 GiB" in text_of(panel)
+            assert "host memory" not in text_of(panel)
+            panel.cache = CacheState(budget_bytes=20 * GIB, host_memory={  # (what the server pins on the host)
+                "parts": {"routed experts": 63 * GIB, "prefix states": GIB}, "available_bytes": 124 * GIB})
+            await pilot.pause()
+            assert "host memory 64.0 GiB of 124.0 GiB" in text_of(panel)
 
     asyncio.run(scenario())
 

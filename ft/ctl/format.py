@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from ft.schemas import CacheState, DeviceState, History, HistoryEntry, LadderState, RequestList, ResizePlan
-from ft.units import format_bytes, host_tables_text
+from ft.units import format_bytes, host_plan_text, host_tables_text
 
 POOL_ORDER = ("moe", "kv", "mamba")
 
@@ -163,6 +163,9 @@ def format_cache(state: CacheState) -> str:
     if state.disk_tables:
         lines.append(f"  disk: {host_tables_text(state.disk_tables, sum(state.disk_tables.values()))} read from the "
                      "checkpoint's files through the page cache (rows read by the host per step)")
+    if state.host_memory.parts:  # (servers before this field sent none)
+        hm = state.host_memory
+        lines.append(f"  host memory: {host_plan_text(hm.parts, hm.available_bytes, hm.available_from)}")
     if state.device.card_bytes:  # a CUDA device (servers before this field sent none)
         lines.append("  " + device_text(state.device))
     ex = state.exchange

@@ -60,6 +60,9 @@ def cache_state(engine, state: str, model_name: str) -> CacheState:
         "host_table_bytes": engine.model.host_bytes,
         "host_tables": dict(engine.model.host_tables),
         "disk_tables": dict(getattr(engine.model, "disk_tables", {})),
+        "host_memory": {"parts": dict(engine.host_plan.parts),
+                        "available_bytes": engine.host_plan.available[0] if engine.host_plan.available else None,
+                        "available_from": engine.host_plan.available[1] if engine.host_plan.available else ""},
         "device": engine.device_memory.figures() or {},  # (zeros on the CPU)
         "degraded": engine.cache.degraded,
         "exchange": exchange(engine),

@@ -68,6 +68,10 @@ class PoolsPanel(Widget):
             head.append(f"  host {host_tables_text(c.host_tables, c.host_table_bytes)}", "dim")
         if c.disk_tables:  # (--ngram-table disk: read through the page cache)
             head.append(f"  disk {host_tables_text(c.disk_tables, sum(c.disk_tables.values()))}", "dim")
+        if c.host_memory.parts:  # (what the server pins in host memory, against what the host had before loading)
+            have = c.host_memory.available_bytes
+            head.append(f"  host memory {format_bytes(sum(c.host_memory.parts.values()))}"
+                        + (f" of {format_bytes(have)}" if have is not None else ""), "dim")
         cells, usage = pool_cells(c), pool_usage(c)
         rows = [[name, *cells[name][:2], cells[name][2], usage[name]] for name in POOL_ORDER]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
