@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ft.errors import ConfigError
-from ft.units import format_bytes
+from ft.units import format_bytes, host_plan_text
 
 __all__ = ["HOST_MARGIN", "HostPlan", "available_bytes"]
 
@@ -86,7 +86,7 @@ class HostPlan:
 
     def parts_text(self) -> str:
         """"routed experts 63.0 GiB, n-gram table 95.4 GiB"."""
-        return ", ".join(f"{what} {format_bytes(n)}" for what, n in self.parts.items() if n)
+        return host_plan_text(self.parts, None)
 
     def fits(self, margin: int = HOST_MARGIN) -> bool:
         return self.available is None or self.total + margin <= self.available[0]
