@@ -19,7 +19,7 @@ def _check_consistent(cache):
     table = cache.slot_table.numpy()
     assert np.array_equal(table, cache.table_np)
     mapped = {(int(l_), int(e)): int(table[l_, e]) for l_, e in zip(*np.nonzero(table >= 0))}
-    assert mapped == dict(cache._lru)
+    assert mapped == cache.resident_slots()
     rt = cache.read_through
     landing = [s for slots in rt.landing + rt.spare for s in slots if s not in rt._owner]  # (owned: mapped)
     assert all(mapped.get(key) == slot for slot, key in rt._owner.items())
@@ -50,11 +50,11 @@ def test_victims_are_never_used_by_the_last_step_and_layers_keep_their_floor():
     trace = RoutingTrace(2, 64, 3, seed=3).tokens(60)
     evictions = 0
     for tok in trace:
-        before = {k for k in cache._lru}
+        before = set(cache.resident_slots())
         counts_before = (cache.table_np >= 0).sum(axis=1)
         used_last = rt.used_last.copy()
         replay_step(cache, [tok])  # begin_step evicts; the landed experts are mapped by the collect below
-        evicted = before - set(cache._lru)
+        evicted = before - set(cache.resident_slots())
         assert all(not used_last[key] for key in evicted)
         counts = (cache.table_np >= 0).sum(axis=1)
         assert all(c >= min(rt.floor, c0) for c, c0 in zip(counts.tolist(), counts_before.tolist()))
@@ -240,18 +240,18 @@ def test_without_collects_between_steps_victims_avoid_the_step_before():
     for t in range(0, len(trace) - 1, 2):
         rows = [trace[t], trace[t + 1]]
         short = any(len(s) < 1 for s in rt.spare)
-        before = set(cache._lru)
+        before = set(cache.resident_slots())
         rt.begin_step(2, 3)
-        evicted = before - set(cache._lru)
+        evicted = before - set(cache.resident_slots())
         assert not evicted & used_before, (t, evicted & used_before)
         topped_up += short and bool(evicted)
         for layer in range(cache.num_layers):
             ids = torch.tensor([row[layer] for row in rows], dtype=torch.int64)
             expert_lookup_ref(ids, cache.slot_table, rt.book, layer)
-        before = set(cache._lru)
+        before = set(cache.resident_slots())
         used_now = {(layer, e) for row in rows for layer, ids in enumerate(row) for e in ids}
         rt.end_step()  # collects the step before, then picks victims: never the step before's experts
-        assert not (before - set(cache._lru)) & used_before
+        assert not (before - set(cache.resident_slots())) & used_before
         used_before = used_now
     cache.collect()
     _check_consistent(cache)
@@ -428,14 +428,14 @@ def test_a_shrink_keeps_the_hottest_experts_with_their_bytes(policy):
     heat = cache.heat()
     hottest = sorted(heat, key=lambda k: -heat[k])[:6]
     assert any(cache.slot_of(k) >= 6 for k in hottest)  # (some must move)
-    for (layer, expert), slot in cache._lru.items():  # (the replay maps landings; the MoE kernel writes bytes)
+    for (layer, expert), slot in cache.resident_slots().items():  # (the replay maps landings; the MoE kernel writes bytes)
         for t, h in zip(cache.slots, host):
             if t is not None:
                 t[slot] = h[layer, expert]
     cache.resize(6)
     _check_consistent(cache)
-    assert sorted(cache._lru) == sorted(hottest)
-    for (layer, expert), slot in cache._lru.items():
+    assert sorted(cache.resident_slots()) == sorted(hottest)
+    for (layer, expert), slot in cache.resident_slots().items():
         assert all(torch.equal(t[slot], h[layer, expert]) for t, h in zip(cache.slots, host) if t is not None)
 
 
@@ -453,7 +453,7 @@ def test_the_policy_time_leaves_out_the_collects_wait_for_the_device():
 
     cache = read_through_cache(2, 16, 8, 2)
     rt = cache.read_through
-    rt._event = SlowEvent()
+    rt.readback_event = SlowEvent()
     for _ in range(3):
         replay_step(cache, [[[0, 1], [2, 3]]])  # each end_step collects the step before: two waits
     assert rt.wait_s >= 0.1

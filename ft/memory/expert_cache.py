@@ -100,6 +100,10 @@ class ExpertCache:
         for key in keys:
             move(key)
 
+    def resident_slots(self) -> dict[tuple[int, int], int]:
+        """A copy of {(layer, expert): slot} of the residents, least recently used first."""
+        return dict(self._lru)
+
     def residents_oldest_first(self):
         """The resident keys, least recently used first (an iterator over the live order: do not
         map or unmap while iterating)."""

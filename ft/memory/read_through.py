@@ -116,7 +116,9 @@ class ReadThrough:
         self._up_next = 0  # the buffer the next begin_step uploads
         self._staged = False  # whether that buffer holds the spares' landing table (end_step wrote it)
         self._updates = _Staging(device)
-        self._event = torch.cuda.Event() if device.type == "cuda" else None
+        # recorded after a step's readback copy, waited on before the next collect (public: a test stands a slow
+        # device in for it)
+        self.readback_event = torch.cuda.Event() if device.type == "cuda" else None
         self.landing: list[list[int]] = [[] for _ in range(layers)]  # reserved slots per layer, in upload order
         self.pending: list[list[int]] = [[] for _ in range(layers)]  # the step in flight's reserve, until collected
         self.spare: list[list[int]] = [[] for _ in range(layers)]  # chosen for the next step's reserve
@@ -178,8 +180,8 @@ class ReadThrough:
         for dst, src in ((self._last, b.last_use), (self._landed, b.landed),
                          (self._counters, b.counters)):
             dst.copy_(src, non_blocking=True)
-        if self._event is not None:
-            self._event.record()
+        if self.readback_event is not None:
+            self.readback_event.record()
         self.active = False
         self._in_flight = self.step
         self.pending, self.landing = self.landing, self.pending  # (pending was emptied by the collect)
@@ -223,9 +225,9 @@ class ReadThrough:
         if self._in_flight is None:
             return
         step, self._in_flight = self._in_flight, None
-        if self._event is not None:
+        if self.readback_event is not None:
             t0 = time.perf_counter()
-            self._event.synchronize()  # NOTE: normally done already: the runner waits for each step's end
+            self.readback_event.synchronize()  # NOTE: normally done already: the runner waits for each step's end
             self.wait_s += time.perf_counter() - t0
         cache = self.cache
         used = self._last.numpy() == step
