@@ -70,6 +70,9 @@ def main() -> None:
                     help="launch every kernel with programmatic dependent launch (kernel variant pdl)")
     ap.add_argument("--no-lanes-ptx", action="store_true",
                     help="the whole-K GEMV / decode MoE tiles decode words in Triton, not inline PTX (kernel variant nvfp4-lanes-triton)")
+    ap.add_argument("--ngram-table", default="auto", choices=("auto", "host", "disk"),
+                    help="Qwen3.8-Flash-Next's n-gram table in pinned host memory or read from disk by the host each "
+                         "step (--ngram-table of ft serve; a process per choice for an A/B)")
     ap.add_argument("--overlap-decode", action=argparse.BooleanOptionalAction, default=True,
                     help="the profiles (--profile, --cprofile) with overlapped decode (EngineConfig.overlap_decode); "
                          "default on, as the engine's default on CUDA")
@@ -138,7 +141,7 @@ def main() -> None:
                               mamba_cache_size=2 * max(batches), max_running_requests=max(batches),
                               max_prefill_length=chunk,
                               cuda_graph_max_bs=max(batches), kv_cache_dtype=args.kv_cache_dtype,
-                              overlap_decode=args.overlap_decode))
+                              overlap_decode=args.overlap_decode, ngram_table=args.ngram_table))
     print(f"engine up in {time.perf_counter() - t0:.1f} s, geometry {eng.cache.geometry}", flush=True)
     graphs = eng.runner.graphs
     rows = []
