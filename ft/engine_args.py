@@ -149,8 +149,8 @@ HELP = {
                           "so never swapped) fits the host's available memory (MemAvailable, or a container's "
                           "cgroup limit) with 2 GiB to spare, and refuse at once if not: pinned memory that does not "
                           "fit fails the load part way or has the kernel end the process; --no-host-memory-check "
-                          "loads anyway (with tensor parallelism rank 0 checks the whole host: the ranks' parts of the "
-                          "experts make the whole store)"),
+                          "loads anyway (with tensor parallelism rank 0 checks the whole host before any worker starts: "
+                          "the ranks' parts of the experts make the whole store)"),
     "ngram_table": ("where Qwen3.8-Flash-Next's n-gram table (~95 GiB in bf16) lives: host (pinned host memory; "
                     "the device reads each step's rows inside the step), disk (mapped from the checkpoint's files: "
                     "the host reads each step's rows through the page cache, which keeps the rows in use; a decode "

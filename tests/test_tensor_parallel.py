@@ -371,3 +371,18 @@ def test_ft_generate_with_two_ranks_prints_the_one_rank_tokens_and_exits_clean(t
         assert "leaked" not in p.stderr and "Traceback" not in p.stderr, p.stderr
         outs.append(json.loads(p.stdout)["token_ids"])
     assert outs[0] == outs[1] and len(outs[0]) == 6
+
+
+def test_the_host_memory_plan_is_refused_before_any_worker_starts(tiny_one, monkeypatch):
+    """Under tensor parallelism rank 0 checks the host's plan (every rank's part of the experts together) before
+    it spawns a worker: a refusal leaves no rank loading its part."""
+    import ft.engine.ranks.rank_state as rank_state
+    import ft.engine.ranks.tp_worker as tp_worker
+
+    _, _, path = tiny_one
+    spawned = []
+    monkeypatch.setattr(rank_state, "available_bytes", lambda: (1 << 30, "MemAvailable"))
+    monkeypatch.setattr(tp_worker, "free_port", lambda: spawned.append(1) or 0)  # (called before the first spawn)
+    with pytest.raises(ConfigError, match=r"host memory: this model keeps .* \(routed experts"):
+        _engine(path, 2)
+    assert not spawned

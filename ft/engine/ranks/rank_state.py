@@ -48,6 +48,38 @@ KV_ALGO_DTYPES = {"FP8": torch.float8_e4m3fn, "NVFP4": NVFP4_KV}
 """A checkpoint's kv_cache_quant_algo (ModelOpt) -> the KV dtype its KV scales describe."""
 
 
+def rank_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    """The compute dtype: --dtype, or with auto bf16 on CUDA and fp32 on the CPU."""
+    if config.dtype != "auto":
+        return DTYPES[config.dtype]
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def host_plan(config: EngineConfig, source, model_config: ModelConfig, dtype: torch.dtype,
+              host_embedding: bool) -> tuple[HostPlan, bool]:
+    """(What loading will keep in host memory against what the host has, whether an n-gram table is read from
+    the checkpoint's files instead of held): `--ngram-table` as asked, or with auto from disk where the plan
+    with the table in memory does not fit (and the table can be read from disk). ConfigError for host / disk
+    on a model without a table. Computed from the checkpoint's headers (a synthetic config's shapes), before
+    anything loads."""
+    in_memory = HostPlan(planned_host_bytes(source, model_config, dtype, host_embedding), available_bytes())
+    has_table = model_config.is_flash_next and bool(model_config.flash_next.ple_layers)
+    if config.ngram_table != "auto":
+        if not has_table:
+            raise ConfigError(f"--ngram-table {config.ngram_table}: this model has no n-gram table")
+        on_disk = config.ngram_table == "disk"
+    else:  # (a synthetic table the temporary directory cannot hold stays in memory: the plan's check says so)
+        on_disk = has_table and not in_memory.fits() and tables_fit_on_disk(source, model_config, dtype)
+        if on_disk:
+            log.info("n-gram table: read from the checkpoint's files through the page cache (--ngram-table auto): "
+                     "with it, host memory would hold %s (%s) of %s available", format_bytes(in_memory.total),
+                     in_memory.parts_text(), format_bytes(in_memory.available[0]))
+    if not on_disk:
+        return in_memory, False
+    return HostPlan({what: n for what, n in in_memory.parts.items() if what != "n-gram table"},
+                    in_memory.available), True
+
+
 class RankState:
     """config, device, dtype, model_path, model_config (the whole model's), model (this rank's
     shard; its `cfg` is the shard's config), cache (the cache manager), reserve (activation
@@ -63,9 +95,7 @@ class RankState:
         if chunk_by_card:  # by the card (every rank sees the same size); offloaded, again below
             config = self.config = dataclasses.replace(
                 config, max_prefill_length=default_prefill_length(self.device, config.gpu_memory_limit))
-        self.dtype = DTYPES[config.dtype] if config.dtype != "auto" else (
-            torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        )
+        self.dtype = rank_dtype(config, self.device)
         self.source = model_source(config.model)
         self.model_path = self.source.path
         self.model_config = ModelConfig.from_file(self.model_path, config.model_override_fields)
@@ -75,14 +105,10 @@ class RankState:
                               "(tie_word_embeddings), which every step reads whole; it stays on the device")
         host_embedding = config.embedding_host(self.device.type) and tp is None \
             and not self.model_config.tie_word_embeddings
-        # what stays in host memory, against what the host has: a refusal before minutes of loading
-        in_memory = HostPlan(planned_host_bytes(self.source, self.model_config, self.dtype, host_embedding),
-                             available_bytes())
-        tables_on_disk = self._tables_on_disk(config, in_memory)
-        self.host_plan = in_memory if not tables_on_disk else \
-            HostPlan({what: n for what, n in in_memory.parts.items() if what != "n-gram table"}, in_memory.available)
-        if config.host_memory_check and (tp is None or tp.is_leader):  # (the ranks' parts of the experts
-            # together are the whole store: rank 0 checks the host's plan for them all)
+        # what stays in host memory, against what the host has: a refusal before minutes of loading (under tensor
+        # parallelism rank 0 checked it before any worker started: `ft.engine.ranks.tp_worker.start_workers`)
+        self.host_plan, tables_on_disk = host_plan(config, self.source, self.model_config, self.dtype, host_embedding)
+        if config.host_memory_check and tp is None:
             self.host_plan.check()
         self.model, host_experts = load_model(self.source, self.model_config, self.dtype,
                                               self.device, config.seed, config.progress and (tp is None or tp.is_leader),
@@ -256,25 +282,6 @@ class RankState:
         if n is None:
             n = pages * min(STREAM_PAGE_EXPERTS, host_experts.w13.shape[1]) if self.device.type == "cuda" else 0
         return n // pages * pages
-
-    def _tables_on_disk(self, config: EngineConfig, in_memory: HostPlan) -> bool:
-        """Whether an n-gram table is mapped from the checkpoint's files (`--ngram-table`; a synthetic model's
-        is written to a temporary file first): as asked, or with auto when the host-memory plan with the
-        table in memory (`in_memory`) does not fit. ConfigError for host / disk on a model without one."""
-        cfg = self.model_config
-        has_table = cfg.is_flash_next and bool(cfg.flash_next.ple_layers)
-        if config.ngram_table != "auto":
-            if not has_table:
-                raise ConfigError(f"--ngram-table {config.ngram_table}: this model has no n-gram table")
-            return config.ngram_table == "disk"
-        if not has_table:
-            return False
-        if in_memory.fits() or not tables_fit_on_disk(self.source, cfg, self.dtype):
-            return False  # (a synthetic table the temporary directory cannot hold: the plan's check says so)
-        log.info("n-gram table: read from the checkpoint's files through the page cache (--ngram-table auto): with "
-                 "it, host memory would hold %s (%s) of %s available", format_bytes(in_memory.total),
-                 in_memory.parts_text(), format_bytes(in_memory.available[0]))
-        return True
 
     def _check_kernels(self, config: EngineConfig) -> bool:
         """The checkpoint's shapes against the kernels (`ft.model.kernel_support`): a shape no path runs

@@ -49,8 +49,15 @@ def start_workers(config: EngineConfig) -> Workers | None:
     from ft.model.config import ModelConfig
     from ft.model.tp_split import check_split
 
-    # before any worker starts
-    check_split(ModelConfig.from_file(model_source(config.model).path, config.model_override_fields), world)
+    # before any worker starts: the split, and the host's memory for every rank's part of the experts together
+    # (a refusal here leaves no worker loading its part)
+    source = model_source(config.model)
+    model_config = ModelConfig.from_file(source.path, config.model_override_fields)
+    check_split(model_config, world)
+    if config.host_memory_check:
+        from ft.engine.ranks.rank_state import host_plan, rank_device, rank_dtype
+
+        host_plan(config, source, model_config, rank_dtype(config, rank_device(config.device, 0)), False)[0].check()
     import torch
     import torch.multiprocessing as mp
 
