@@ -183,6 +183,12 @@ def test_the_ngram_table_read_from_disk_gives_the_reference_tokens(checkpoint):
         # prompts' later chunks taken from their reads ahead
         assert sum(reads) >= (len(a) + len(b) + 2 * (GREEDY - 1)) * model.hashing.num_heads
         assert model.ngram_reader.taken >= 2
+        # every token computed took its rows once (`/metrics` ft_ngram_table_rows_read), and the steps waited on them
+        from ft.engine.core.stats import engine_stats
+
+        stats = engine_stats(llm.engine)
+        assert stats.ngram_rows_read == (len(a) + len(b) + 2 * (GREEDY - 1)) * model.hashing.num_heads
+        assert stats.ngram_read_seconds > 0
         turn2 = a + want_a + prompt_of(5, 3)
         out2 = llm.generate(prompt_token_ids=[turn2], **GREEDY_OPTS)[0]
         assert out2.num_cached_tokens == len(a) + GREEDY - 1

@@ -209,7 +209,7 @@ class FlashNextModel:
         self.embed_on_host = ROOT + "embed_tokens.weight" in weights.on_host
         self.host_bytes = sum(self.host_tables.values())
         # an n-gram table mapped from the checkpoint's files (`ft.model.paged_table`): the host reads each
-        # step's rows (`ngram_reader`), so the step's tokens must be known before it is queued
+        # step's rows (`ngram_reader`), so its tokens must be on the host before its forward runs
         paged = [w[n] for n in tables if isinstance(w[n], PagedTable)]
         if len(paged) > 1:  # (`ForwardBatch.ngram_rows` carries one table's rows)
             raise UnsupportedModelError(f"{len(paged)} n-gram tables read from disk: one is supported "

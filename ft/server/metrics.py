@@ -142,6 +142,11 @@ class _EngineCollector:
                 s.preemptions)
         yield c("ft_decode_steps_overlapped", "Decode steps queued behind the step in flight before the host read "
                 "its tokens (overlapped decode, --overlap-decode)", s.overlapped_steps)
+        yield c("ft_ngram_table_rows_read", "N-gram table rows the host read from the checkpoint's files for steps "
+                "(--ngram-table disk; 0 with the table in host memory)", s.ngram_rows_read)
+        yield c("ft_ngram_table_read_seconds", "Seconds the engine thread spent reading those rows (a step's inputs "
+                "wait on them; reads ahead of a prompt's next chunk count where a step waits for one)",
+                s.ngram_read_seconds)
         for name, doc, values in (
                 ("ft_engine_steps", "Engine steps by kind (decode: every row decodes a token; prefill: prompt chunks "
                  "only; mixed: a prompt chunk beside decoding rows)", s.steps),

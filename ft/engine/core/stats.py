@@ -46,6 +46,8 @@ class EngineStats:
     prefix_host_bytes: int  # their linear-attention states in host memory (--prefix-states-on-host)
     preemptions: int
     overlapped_steps: int
+    ngram_rows_read: int  # a paged n-gram table's rows the host read for steps (--ngram-table disk; 0 without one)
+    ngram_read_seconds: float  # the engine thread's time in those reads
     steps: dict[str, int]  # by kind: decode, mixed, prefill (`ft.engine.core.step_times`)
     step_seconds: dict[str, float]  # the engine thread's wall time in them
     graph_replays: dict[str, int]  # by kind: decode, prefill
@@ -76,6 +78,7 @@ def engine_stats(engine: Any) -> EngineStats:
             durations.append((h["trigger"], float(took)))
     graphs = {"decode": engine.runner.graphs, "prefill": engine.runner.prefill_graphs}
     lad = engine.ladder
+    reader = getattr(engine.model, "ngram_reader", None)  # (`ft.model.ngram_reader`: a paged n-gram table's)
     return EngineStats(
         at=time.monotonic(),
         running=len(engine.scheduler.running), waiting=len(engine.waiting_requests()),
@@ -92,6 +95,8 @@ def engine_stats(engine: Any) -> EngineStats:
         prefix_queried_tokens=engine.prefix_cache.query_tokens, prefix_hit_tokens=engine.prefix_cache.hit_tokens,
         prefix_entries=len(engine.prefix_cache), prefix_host_bytes=engine.prefix_cache.host_bytes,
         preemptions=engine.scheduler.num_preemptions, overlapped_steps=engine.overlapped_steps,
+        ngram_rows_read=reader.rows_read if reader is not None else 0,
+        ngram_read_seconds=reader.read_s if reader is not None else 0.0,
         steps=dict(engine.step_times.count), step_seconds=dict(engine.step_times.seconds),
         graph_replays={k: g.replays if g is not None else 0 for k, g in graphs.items()},
         graph_captures={k: g.captures if g is not None else 0 for k, g in graphs.items()},
