@@ -326,6 +326,8 @@ class MetricsProber:
 
 
 STEP_SERIES = ("ft_engine_steps_total", "ft_engine_step_seconds_total")
+NGRAM_SERIES = ("ft_ngram_table_rows_read_total", "ft_ngram_table_read_seconds_total")
+"""A disk n-gram table's rows the host read for steps, and the engine thread's seconds in them (--ngram-table disk)."""
 # `ft.engine.core.step_times.STEP_KINDS`, not imported: this client imports no torch
 STEP_KINDS = ("decode", "mixed", "prefill")
 DEVICE_SERIES = {"ft_device_memory_card_bytes": "card_bytes", "ft_device_memory_used_bytes": "used_bytes",
@@ -346,7 +348,8 @@ async def server_samples(client: httpx.AsyncClient, url: str) -> dict | None:
         return None
     try:
         got = {(smp.name, smp.labels.get("kind")): smp.value for fam in text_string_to_metric_families(resp.text)
-               for smp in fam.samples if smp.name in STEP_SERIES or smp.name in DEVICE_SERIES}
+               for smp in fam.samples if smp.name in STEP_SERIES or smp.name in DEVICE_SERIES
+               or smp.name in NGRAM_SERIES}
     except ValueError:  # not Prometheus text
         return None
     return got or None
@@ -361,6 +364,16 @@ def device_memory(samples: dict | None, used_most: int | None = None) -> dict | 
     d = {key: int(samples.get((name, None), 0)) for name, key in DEVICE_SERIES.items()}
     d["used_most_bytes"] = max(d["used_bytes"], used_most or 0)
     return d
+
+
+def ngram_split(before: dict | None, after: dict | None) -> dict | None:
+    """{"rows", "seconds"} a disk n-gram table's host reads took between two `server_samples` reads (None if either
+    is missing or the server read no rows: its table is in host memory, or it has none)."""
+    if before is None or after is None:
+        return None
+    rows = int(after.get((NGRAM_SERIES[0], None), 0) - before.get((NGRAM_SERIES[0], None), 0))
+    seconds = after.get((NGRAM_SERIES[1], None), 0.0) - before.get((NGRAM_SERIES[1], None), 0.0)
+    return {"rows": rows, "seconds": seconds} if rows else None
 
 
 def step_split(before: dict | None, after: dict | None) -> dict | None:
@@ -455,7 +468,7 @@ async def run_level(target: Target, prompts: Prompts, *, concurrency: int | None
     return level_figures(results, concurrency=concurrency, rate=rate, num_prompts=num_prompts,
                          output_len=target.fixed["max_tokens"], probe_lat=probe_lat, probe_err=probe_err,
                          steps=step_split(samples_before, samples_after), loop_lat=loop_lat, loop_err=loop_err,
-                         device=device_memory(samples_after, used_most))
+                         device=device_memory(samples_after, used_most), ngram=ngram_split(samples_before, samples_after))
 
 
 def probe_figures(latencies: list[float], errors: list[str]) -> dict:
@@ -467,10 +480,12 @@ def probe_figures(latencies: list[float], errors: list[str]) -> dict:
 
 def level_figures(results: list[RequestResult], *, concurrency: int | None, rate: float | None, num_prompts: int,
                   output_len: int, probe_lat: list[float], probe_err: list[str], steps: dict | None = None,
-                  loop_lat: list[float] = (), loop_err: list[str] = (), device: dict | None = None) -> dict:
+                  loop_lat: list[float] = (), loop_err: list[str] = (), device: dict | None = None,
+                  ngram: dict | None = None) -> dict:
     """A level's figures. probe_lat / probe_err: the /metrics probes from their own process; loop_lat /
     loop_err: those the client's event loop ran beside the streams; device: the server's card during the
-    level (`device_memory`: at its end, and the most its probes saw in use)."""
+    level (`device_memory`: at its end, and the most its probes saw in use); ngram: a disk n-gram table's reads
+    during it (`ngram_split`)."""
     ok = [r for r in results if r.ok]
     errors = [r for r in results if not r.ok]
     short = [r for r in ok if r.output_tokens != output_len]
@@ -509,6 +524,7 @@ def level_figures(results: list[RequestResult], *, concurrency: int | None, rate
         "metrics_probe_client_loop": probe_figures(loop_lat, loop_err),
         "engine_steps": steps,
         "device_memory": device,
+        "ngram_table_reads": ngram,
         "requests": [{
             "prompt_len": r.prompt_len, "ok": r.ok, "error": r.error, "status": r.status,
             "output_tokens": r.output_tokens, "chunks": r.chunks, "cached_tokens": r.cached_tokens,
@@ -718,6 +734,11 @@ def level_line(lv: dict) -> str:
             f"{lv['cached_prompt_tokens']} prompt tokens from the prefix cache")
     if lv.get("engine_steps"):
         line += "\n  " + steps_line(lv["engine_steps"], lv["duration_s"])
+    if lv.get("ngram_table_reads"):
+        nr = lv["ngram_table_reads"]
+        busy = sum(v["seconds"] for v in (lv.get("engine_steps") or {}).values())
+        line += (f"\n  n-gram table on disk: {nr['rows']:,} rows read for steps in {nr['seconds']:.3f} s"
+                 + (f" ({nr['seconds'] / busy:.1%} of the steps' time)" if busy else ""))
     if lv.get("device_memory"):
         line += "\n  " + device_line(lv["device_memory"])
     if lv["first_error"]:

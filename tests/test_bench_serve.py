@@ -175,3 +175,15 @@ def test_routing_trace_serves_a_traced_copy_of_the_synthetic_config():
     run = subprocess.run([sys.executable, str(SCRIPT), "--url", "http://127.0.0.1:9", "--routing-trace"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and "--routing-trace applies to a server it starts" in run.stderr
+
+
+def test_a_levels_disk_table_reads_come_from_the_servers_counters():
+    """`ngram_split`: the rows and seconds between two /metrics reads; None where the server read none (its
+    table in host memory, or none) or a read is missing."""
+    from bench.serve import NGRAM_SERIES, ngram_split
+
+    rows, secs = NGRAM_SERIES
+    before = {(rows, None): 100.0, (secs, None): 0.5}
+    assert ngram_split(before, {(rows, None): 1860.0, (secs, None): 0.75}) == {"rows": 1760, "seconds": 0.25}
+    assert ngram_split(before, before) is None and ngram_split(None, before) is None
+    assert ngram_split({}, {}) is None  # (a server without a disk table exports zeros)
