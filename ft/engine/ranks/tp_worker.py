@@ -54,16 +54,18 @@ def start_workers(config: EngineConfig) -> Workers | None:
     source = model_source(config.model)
     model_config = ModelConfig.from_file(source.path, config.model_override_fields)
     check_split(model_config, world)
-    if config.host_memory_check:
-        from ft.engine.ranks.rank_state import host_plan, rank_device, rank_dtype
-
-        host_plan(config, source, model_config, rank_dtype(config, rank_device(config.device, 0)), False)[0].check()
     import torch
     import torch.multiprocessing as mp
 
     from ft.errors import ConfigError
 
-    if config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available()):
+    cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
+    if config.host_memory_check:  # (the device's type alone: no CUDA context made here before the spawns)
+        from ft.engine.ranks.rank_state import host_plan, rank_dtype
+
+        dtype = rank_dtype(config, torch.device("cuda" if cuda else "cpu"))
+        host_plan(config, source, model_config, dtype, False)[0].check()
+    if cuda:
         if torch.cuda.device_count() < world:
             raise ConfigError(f"--tensor-parallel-size {world} needs {world} GPUs; {torch.cuda.device_count()} visible")
 
