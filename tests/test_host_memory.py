@@ -266,6 +266,21 @@ def test_a_read_ahead_gives_the_rows_a_plain_read_gives(tmp_path):
     assert torch.equal(reader.rows(spans), want) and reader.taken == 2
     reader.read_ahead(spans[1:2])  # one span read ahead, the others read together in the step: in order still
     assert torch.equal(reader.rows(spans), want) and reader.taken == 3
+    # a step that cuts a chunk read ahead otherwise: a shorter one takes the rows it needs and leaves the rest for
+    # the next step, a longer one takes all of them and reads only what follows; the same rows as plain reads
+    plain = HostNgramReader(hs, reader.table)
+    chunk = ([2, 2], [5, 9, 2, 7, 8, 4])
+    reader.read_ahead([chunk])
+    short, rest = ([2, 2], [5, 9, 2]), ([9, 2], [7, 8, 4])  # (the context after 5 9 2: its last two ids)
+    assert torch.equal(reader.rows([short]), plain.rows([short])) and reader.taken == 4 and reader.waiting == 1
+    assert torch.equal(reader.rows([rest]), plain.rows([rest])) and reader.taken == 5 and reader.waiting == 0
+    whole = plain.rows([chunk])
+    read = []
+    gather = reader.table.gather
+    reader.table.gather = lambda rows: (read.append(rows.numel()), gather(rows))[1]
+    reader.read_ahead([short])
+    assert torch.equal(reader.rows([chunk]), whole) and reader.taken == 6
+    assert read == [3 * hs.num_heads, 3 * hs.num_heads]  # (the read ahead, then only the three ids past it)
     for i in range(ngram_reader.READ_AHEAD_SPANS + 3):
         reader.read_ahead([([2, 2], [20 + i])])
     assert reader.waiting == ngram_reader.READ_AHEAD_SPANS

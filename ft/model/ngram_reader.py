@@ -74,23 +74,48 @@ class HostNgramReader:
     def _rows(self, spans: list[Span]) -> torch.Tensor:
         # the spans not read ahead are read together: one hash and one gather (a decode step's rows: a span a
         # sequence; span by span, 64 of them took 9.0 ms a step against 1.35, bench/paged_table.py --decode)
-        out: list = []
+        out: list = []  # per piece, in order: rows (a tensor), a read ahead (a Future) or an index into `unread`
         unread: list[Span] = []
         for span in spans:
-            ahead = self._ahead.pop(_key(span), None)
-            if ahead is not None:
-                self.taken += 1
-                out.append(ahead)
-            else:
+            rest = self._take_ahead(span, out)
+            if rest is not None and rest[1]:
                 out.append(len(unread))
-                unread.append(span)
+                unread.append(rest)
         if not spans:
             return torch.empty(0, self.width, dtype=self.table.dtype)
         read = self._read(unread) if unread else None
         at = [0]
         for _, ids in unread:
             at.append(at[-1] + len(ids))
-        return torch.cat([read[at[x]: at[x + 1]] if isinstance(x, int) else x.result() for x in out])
+        return torch.cat([read[at[x]: at[x + 1]] if isinstance(x, int) else x.result() if isinstance(x, Future) else x
+                          for x in out])
+
+    def _take_ahead(self, span: Span, out: list) -> Span | None:
+        """Append to `out` what was read ahead of `span` and return the part of it still to read (None: none).
+        A read ahead assumed the next chunk as long as the one before; a step may cut it otherwise (a mixed
+        step's token budget): its rows are taken as far as they match, the rest of a longer one is kept for the
+        step that asks for it, and only the part never read ahead is read now."""
+        ahead = self._ahead.pop(_key(span), None)
+        if ahead is not None:
+            self.taken += 1
+            out.append(ahead)
+            return None
+        ctx, ids = tuple(span[0]), tuple(span[1])
+        for key in list(self._ahead):  # (at most READ_AHEAD_SPANS)
+            n = min(len(key[1]), len(ids))
+            if key[0] != ctx or not n or key[1][:n] != ids[:n]:
+                continue
+            rows = self._ahead.pop(key).result()
+            self.taken += 1
+            out.append(rows[:n])
+            c = self.hashing.context_len
+            after = (ctx + ids[:n])[len(ctx) + n - c:]  # the context of what follows the n ids
+            if len(key[1]) > n:
+                kept: Future = Future()
+                kept.set_result(rows[n:])
+                self._ahead[(after, key[1][n:])] = kept
+            return (list(after), list(ids[n:])) if len(ids) > n else None
+        return span
 
     def read_ahead(self, spans: list[Span]) -> None:
         for span in spans:
