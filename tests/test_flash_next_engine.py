@@ -165,7 +165,7 @@ def test_the_ngram_table_read_from_disk_gives_the_reference_tokens(checkpoint):
     want_a, want_b = reference_greedy(weights, path, a), reference_greedy(weights, path, b)
     with make_llm(path, ngram_table="disk", max_prefill_length=16) as llm:
         model = llm.engine.model
-        assert model.reads_tokens_on_host and "n-gram table" not in model.host_tables
+        assert model.paged_table is not None and "n-gram table" not in model.host_tables
         assert model.disk_tables["n-gram table"] == model.paged_table.nbytes > 0
         # the step rows' device buffer, allocated after the budget is measured, is in the budget's reserve
         rows = llm.engine.runner.ngram_rows.device_buffer
@@ -330,7 +330,7 @@ def test_a_synthetic_ngram_table_on_disk_gives_the_same_tokens(tmp_path):
     runs = []
     for where in ("host", "disk"):
         with make_llm(f"synthetic:{cfg}", num_tokens=256, ngram_table=where, max_prefill_length=16) as llm:
-            assert llm.engine.model.reads_tokens_on_host == (where == "disk")
+            assert (llm.engine.model.paged_table is not None) == (where == "disk")
             runs.append([r.token_ids for r in llm.generate(prompt_token_ids=prompts, **GREEDY_OPTS)])
     assert runs[0] == runs[1]
     assert not [n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("ft-synthetic-table-")]
@@ -491,7 +491,7 @@ def test_padding_rows_of_a_decode_step_write_no_live_state(tmp_path, monkeypatch
     # steps each: every page in use by the last steps, the last one among them
     with make_llm(path, max_running_requests=3, mamba_cache_size=3, num_tokens=144, enable_prefix_cache=False,
                   overlap_decode=overlap, ngram_table=table) as llm:
-        assert llm.engine.pools.mamba.num_slots == 3 and llm.engine.model.reads_tokens_on_host == (table == "disk")
+        assert llm.engine.pools.mamba.num_slots == 3 and (llm.engine.model.paged_table is not None) == (table == "disk")
         got = [r.token_ids for r in llm.generate(prompt_token_ids=prompts, **GREEDY_OPTS)]
         assert llm.engine.overlapped_steps > 0 if overlap else llm.engine.overlapped_steps == 0
     assert padded  # the decode steps took the padded path

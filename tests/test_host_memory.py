@@ -213,7 +213,7 @@ def test_auto_maps_the_ngram_table_when_the_host_cannot_hold_it(tmp_path, monkey
     write_checkpoint(path, TEXT)
     opts = dict(device="cpu", dtype="float32", page_size=16, num_tokens=256)
     with LLM(model=str(path), **opts) as llm:
-        assert not llm.engine.model.reads_tokens_on_host and "n-gram table" in llm.engine.host_plan.parts
+        assert llm.engine.model.paged_table is None and "n-gram table" in llm.engine.host_plan.parts
     cfg = ModelConfig.from_file(path)
     full = planned_host_bytes(model_source(str(path)), cfg, torch.float32, False)
     from ft.memory.host_memory import HOST_MARGIN
@@ -221,7 +221,7 @@ def test_auto_maps_the_ngram_table_when_the_host_cannot_hold_it(tmp_path, monkey
     between = full["routed experts"] + HOST_MARGIN + full["n-gram table"] // 2
     monkeypatch.setattr(rank_state, "available_bytes", lambda: (between, "MemAvailable"))
     with caplog.at_level(logging.INFO, logger="ft.engine"), LLM(model=str(path), **opts) as llm:
-        assert llm.engine.model.reads_tokens_on_host and llm.engine.host_plan.parts == {
+        assert llm.engine.model.paged_table is not None and llm.engine.host_plan.parts == {
             "routed experts": full["routed experts"]}
         assert len(llm.generate(prompt_token_ids=[[5, 6, 7]], max_new_tokens=2)[0].token_ids) == 2
     assert "n-gram table: read from the checkpoint's files" in caplog.text

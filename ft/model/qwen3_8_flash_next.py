@@ -215,7 +215,6 @@ class FlashNextModel:
             raise UnsupportedModelError(f"{len(paged)} n-gram tables read from disk: one is supported "
                                         "(--ngram-table host keeps them in host memory)")
         self.paged_table: PagedTable | None = paged[0] if paged else None
-        self.reads_tokens_on_host = self.paged_table is not None
         self.disk_tables = {"n-gram table": self.paged_table.nbytes} if paged else {}
         self.ngram_reader: HostNgramReader | None = None  # (made with the hashing, below)
         self.vocab_lo = None

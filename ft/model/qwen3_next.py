@@ -100,7 +100,7 @@ class Qwen3NextModel:
     # (H100, session 41)
     decode_graph_pdl = False
     prefill_graph_safe = True  # its attention hands its cores to a prefill graph's capture (`batch.pieces`)
-    reads_tokens_on_host = False  # no step input the host computes from the tokens (Flash-Next's paged n-gram table)
+    paged_table = None  # no table the host reads rows from for each step (Flash-Next's, `ft.model.paged_table`)
     slot_states = ()  # no per-sequence state beside the GDN layers' (`MambaPool.extra`)
     index_key_dim = 0  # no QSA indexer keys in the KV pool
 

@@ -168,7 +168,7 @@ def test_an_ngram_table_on_disk_gives_the_same_bits_in_graphs(tmp_path, backend)
     for where in ("host", "disk"):
         with LLM(model=model, device="cuda", dtype="bfloat16", moe_backend=backend, page_size=16,
                  max_running_requests=4, num_tokens=1024, max_prefill_length=64, ngram_table=where) as llm:
-            assert llm.engine.model.reads_tokens_on_host == (where == "disk")
+            assert (llm.engine.model.paged_table is not None) == (where == "disk")
             tokens = [r.token_ids for r in llm.generate(prompt_token_ids=prompts, max_new_tokens=24,
                                                         temperature=0.0, ignore_eos=True)]
             runs.append((tokens, llm.engine.last_logits.clone(), llm.engine.runner.graphs.replays,

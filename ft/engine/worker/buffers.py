@@ -235,7 +235,7 @@ class RowsBuffer:
     def shape_for(model, capacity: int) -> tuple[int, int, torch.dtype] | None:
         """(capacity, width, dtype) of the buffer for `model`'s paged n-gram table (`model.paged_table`, each
         token's rows of every hash head side by side), or None when the model reads no rows on the host."""
-        table = getattr(model, "paged_table", None)
+        table = model.paged_table
         if table is None:
             return None
         return max(1, capacity), model.hashing.num_heads * table.shape[1], table.dtype
