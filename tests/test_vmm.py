@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ft.memory import vmm
+from ft.memory.cuda_driver import DriverError, unwrap
 
 MiB = 1 << 20
 G = 2 * MiB
@@ -64,8 +65,11 @@ def test_check_raises_with_error_name():
         def cuGetErrorName(err):
             return (FakeResult(0), err.name.encode())
 
-    assert vmm._check(FakeDriver, "cuX", (FakeResult(0), 7)) == 7
-    assert vmm._check(FakeDriver, "cuX", (FakeResult(0),)) is None
+    assert unwrap("cuX", (FakeResult(0), 7), drv=FakeDriver) == 7
+    assert unwrap("cuX", (FakeResult(0), 7, 8), drv=FakeDriver) == (7, 8)
+    assert unwrap("cuX", (FakeResult(0),), drv=FakeDriver) is None
     with pytest.raises(vmm.VmmError, match="cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY") as ei:
-        vmm._check(FakeDriver, "cuMemCreate", (FakeResult(2), None))
+        unwrap("cuMemCreate", (FakeResult(2), None), vmm.VmmError, drv=FakeDriver)
     assert ei.value.code == "CUDA_ERROR_OUT_OF_MEMORY"
+    with pytest.raises(DriverError, match="cuX failed: CUDA_ERROR_OUT_OF_MEMORY"):
+        unwrap("cuX", FakeResult(2), drv=FakeDriver)

@@ -19,18 +19,13 @@ from typing import Any
 
 import torch
 
+from ft.memory.cuda_driver import DriverError, driver, unwrap
+
 __all__ = ["VmmBuffer", "VmmError", "chunks_for", "resize_rows_vmm", "round_up", "vmm_available"]
 
-_DRIVER: Any = None
 
-
-class VmmError(RuntimeError):
-    """A CUDA driver call failed; `code` is the driver's error name (e.g. CUDA_ERROR_OUT_OF_MEMORY)."""
-
-    def __init__(self, call: str, code: str):
-        super().__init__(f"{call} failed: {code}")
-        self.call = call
-        self.code = code
+class VmmError(DriverError):
+    """A CUDA driver call of a VMM buffer failed; `code` is the driver's error name (e.g. CUDA_ERROR_OUT_OF_MEMORY)."""
 
 
 def chunks_for(nbytes: int, granularity: int) -> int:
@@ -47,38 +42,9 @@ def round_up(nbytes: int, granularity: int) -> int:
     return chunks_for(nbytes, granularity) * granularity
 
 
-def _driver():
-    """The cuda-python driver module (new layout first, the pre-12.6 `cuda.cuda` second)."""
-    global _DRIVER
-    if _DRIVER is None:
-        try:
-            from cuda.bindings import driver
-        except ImportError:
-            from cuda import cuda as driver  # type: ignore[no-redef]
-        _DRIVER = driver
-    return _DRIVER
-
-
-def _err_name(drv, err) -> str:
-    with contextlib.suppress(Exception):  # naming the error must never mask it
-        res = drv.cuGetErrorName(err)
-        if res[0] == drv.CUresult.CUDA_SUCCESS and res[1]:
-            name = res[1]
-            return name.decode() if isinstance(name, bytes) else str(name)
-    return getattr(err, "name", str(err))
-
-
 def _check(drv, call: str, result):
     """Unwrap a cuda-bindings (err, *values) tuple; raise VmmError with the error name on failure."""
-    if isinstance(result, tuple):
-        err, values = result[0], result[1:]
-    else:
-        err, values = result, ()
-    if err != drv.CUresult.CUDA_SUCCESS:
-        raise VmmError(call, _err_name(drv, err))
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else values
+    return unwrap(call, result, VmmError, drv)
 
 
 def _device_index(device: torch.device | str | int) -> int:
@@ -98,7 +64,7 @@ def vmm_available(device: torch.device | str | int) -> bool:
         idx = _device_index(dev)
         if idx >= torch.cuda.device_count():
             return False
-        drv = _driver()
+        drv = driver()
         _check(drv, "cuInit", drv.cuInit(0))
         cu_dev = _check(drv, "cuDeviceGet", drv.cuDeviceGet(idx))
         attr = drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
@@ -144,7 +110,7 @@ class VmmBuffer:
         torch.cuda.init()
         with torch.cuda.device(self._device_index):
             torch.empty(1, device=self.device)
-        drv = self._drv = _driver()
+        drv = self._drv = driver()
         _check(drv, "cuInit", drv.cuInit(0))
         self._cu_dev = _check(drv, "cuDeviceGet", drv.cuDeviceGet(self._device_index))
         self._ctx = _check(drv, "cuDevicePrimaryCtxRetain", drv.cuDevicePrimaryCtxRetain(self._cu_dev))

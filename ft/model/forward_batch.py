@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -61,6 +62,10 @@ class ForwardBatch:
     # [T, heads * width] the n-gram table rows of every new token, read by the host from a paged table
     # (`FlashNextModel.ngram_reader`), in a persistent buffer; None: the device gathers them itself
     ngram_rows: torch.Tensor | None = None
+    # a decode step whose `ngram_rows` the host fills while the step runs: called on the step's stream just
+    # before the rows are read, it makes the stream wait for them there (a graph records the wait;
+    # `ft.engine.worker.buffers.RowsBuffer.gate`); None: the rows are in place before the step starts
+    ngram_gate: Callable[[], None] | None = None
     # a prefill that sets each quantized KV layer's scales from its own K and V before writing them
     # (`ft.kernels.attention.calibrate_kv_scale`): the first prefill of a cache without scales
     calibrate_kv: bool = False

@@ -351,10 +351,15 @@ class FlashNextModel:
         slots = batch.mamba_slots
         contexts, histories = pools.mamba.extra["ngram_context"], pools.mamba.extra["ple_conv"]
         if batch.decode is not None:  # (a graph's padding rows, slot -1, read empty states and write none)
-            sizes, offsets = hs.head_tensors(x.device)
+            sizes, offsets = hs.head_tensors(x.device)  # (with a paged table too: the kernel moves the contexts on)
             rows = ngram_rows_decode(batch.input_ids, contexts, slots, hs.multipliers, sizes, offsets,
                                      hs.heads_per_ngram, eos)
-            emb = gather_rows(ple.table, rows, x.dtype) if batch.ngram_rows is None else batch.ngram_rows.to(x.dtype)
+            if batch.ngram_rows is None:
+                emb = gather_rows(ple.table, rows, x.dtype)
+            else:  # read by the host (a paged table)
+                if batch.ngram_gate is not None:  # filled while this step runs: the stream waits for them here
+                    batch.ngram_gate()
+                emb = batch.ngram_rows.to(x.dtype)
             key_value = F.linear(emb, ple.key_value)
             return ple_decode(x, key_value, histories, slots, w.norm_key, w.norm_query, w.norm_conv, w.conv,
                               self.streams, w.dilation, w.eps)

@@ -158,9 +158,9 @@ def test_graph_decode_equals_eager_bitwise(tmp_path, monkeypatch, budget, pdl):
 @pytest.mark.parametrize("backend", ["resident", "offload"])
 def test_an_ngram_table_on_disk_gives_the_same_bits_in_graphs(tmp_path, backend):
     """--ngram-table disk (the table mapped from a file, each step's rows read by the host into a pinned
-    staging buffer and copied in before the step): the same tokens, and the last step's logits bit for bit,
+    staging buffer, the step's stream waiting for them at the table's layer): the same tokens, and the last step's logits bit for bit,
     as the table in pinned host memory read by the device; both runs' decode steps replay CUDA graphs
-    (overlapped: the disk run's launches wait for the step before it to read their rows), offloaded experts
+    (overlapped: the disk run's replays are launched before their rows are read), offloaded experts
     read through as well."""
     model = synthetic_model(tmp_path)
     prompts = [prompt_of(50, 1, eos_at=(17, 30)), prompt_of(141, 2), prompt_of(9, 3)]
@@ -172,7 +172,8 @@ def test_an_ngram_table_on_disk_gives_the_same_bits_in_graphs(tmp_path, backend)
             tokens = [r.token_ids for r in llm.generate(prompt_token_ids=prompts, max_new_tokens=24,
                                                         temperature=0.0, ignore_eos=True)]
             runs.append((tokens, llm.engine.last_logits.clone(), llm.engine.runner.graphs.replays,
-                         llm.engine.overlapped_steps))
-    (want, want_logits, replays_host, _), (got, got_logits, replays_disk, overlapped) = runs
+                         llm.engine.overlapped_steps, llm.engine.runner.launcher.rows_after_launch))
+    (want, want_logits, replays_host, _, _), (got, got_logits, replays_disk, overlapped, after_launch) = runs
     assert replays_host > 0 and replays_disk > 0 and overlapped > 0 and got == want
+    assert after_launch > 0  # steps launched before their rows were read (the gate, `RowsBuffer`)
     assert torch.equal(got_logits, want_logits)

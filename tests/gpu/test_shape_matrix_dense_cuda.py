@@ -210,12 +210,12 @@ def test_silu_mul_and_expert_combine(t, h, i, dtype):
 DENSE_CASES = [
     (1, 1, 2048, BF16), (8, 64, 2048, BF16), (1, 96, 4096, BF16), (8, 512, 2560, BF16), (16, 256, 1024, FP32),
     (3, 8, 128, FP32), (64, 512, 2048, BF16), (64, 96, 4096, FP32), (1, 513, 2560, BF16), (8, 96, 2560, BF16),
-    (5, 64, 2088, BF16),
+    (5, 64, 2096, BF16),
 ]
 """(M = decode batch, N, K = hidden, dtype): the shared-expert gate (N 1), in_proj_ba (N = 2 * Hv: 8, 64,
 96), routers (256, 512; Flash-Next's 513 with the shared gate); K in one tile (up to 4 KB a row), in several
 (4096: two bf16 tiles, four fp32 ones), with a last tile of its own (2560 in bf16: 2048 + 512, Flash-Next's
-router and in_proj_ba) and with a masked last one (2088: 2048 + 40); batches 1 to 16 take the kernel, 64 F.linear (above the
+router and in_proj_ba) and with a masked last one (2096: 2048 + 48; the dispatcher takes K in multiples of 16); batches 1 to 16 take the kernel, 64 F.linear (above the
 dispatcher's MAX_M)."""
 
 

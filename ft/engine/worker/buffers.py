@@ -1,14 +1,22 @@
 """The model runner's persistent device buffers: a buffer loaded from a host staging twin each step
 (`StagedBuffer`) and the batch's page table (`PageTableBuffer`). Fixed addresses from step to step,
 what a CUDA graph capture needs. Buffers carved from one `StagingArena` reach the device in one copy
-per step (a decode step's inputs: one host-to-device copy instead of one per input)."""
+per step (a decode step's inputs: one host-to-device copy instead of one per input). `RowsBuffer` holds the
+rows the host reads for a step (a paged n-gram table's), a decode step's taken through a gate on CUDA."""
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Callable
 
 import numpy as np
 import torch
+
+from ft.memory.cuda_driver import DriverError
+from ft.memory.host_flag import HostFlag
+
+log = logging.getLogger(__name__)
 
 _ALIGN = 64  # bytes between the regions of an arena (any dtype's alignment)
 
@@ -221,15 +229,40 @@ class PageTableBuffer:
         return [self.table[i, : len(row)] for i, row in enumerate(pages)]
 
 
+def _host_flag(device: torch.device) -> HostFlag | None:
+    """The gate's flag, or None (with a log line) where the driver refuses it: the steps then wait for their
+    rows before they are launched, as they did before the gate."""
+    try:
+        return HostFlag(device)
+    except (DriverError, ImportError) as e:
+        log.warning("n-gram rows: no host flag on %s (%s): each decode step waits for its rows before launch", device, e)
+        return None
+
+
 class RowsBuffer:
     """A persistent device buffer [capacity, width] and its host staging twin (pinned on CUDA) for rows the
     host reads for a step (a paged n-gram table's, `ForwardBatch.ngram_rows`). A load waits for the last
-    load's copy to have read the staging before it rewrites it (an event, not a device sync)."""
+    load's copy to have read the staging before it rewrites it (an event, not a device sync).
+
+    A decode step on CUDA takes its rows through a gate instead (`gate`, `stage`, `mark`): the step's stream
+    waits, just before the rows are read, for the host to `stage` them (`ft.memory.host_flag.HostFlag`), and
+    then copies them in. So an overlapped decode step whose graph is already captured is launched before its
+    rows are known (the tokens they hash come from the step still in flight): the host reads them while the
+    device runs the layers before the table's (`ft.engine.worker.decode_launch`). A gated step that was never
+    staged would wait forever: `owed` says one is, `stage` always lets the step go (even when reading its rows
+    failed: the step's output is then dropped with its error)."""
 
     def __init__(self, capacity: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
         self.width, self.dtype, self.device = width, dtype, device
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self.flag = _host_flag(device) if device.type == "cuda" else None
+        self.owed = False  # a gate queued (or about to be) and its rows not staged yet
         self._alloc(max(1, capacity))
+
+    @property
+    def gated(self) -> bool:
+        """Whether decode steps take their rows through the gate (CUDA)."""
+        return self.flag is not None
 
     @staticmethod
     def shape_for(model, capacity: int) -> tuple[int, int, torch.dtype] | None:
@@ -266,3 +299,35 @@ class RowsBuffer:
         if self._copied is not None:
             self._copied.record()
         return out
+
+    def gated_view(self, n: int) -> tuple[torch.Tensor, Callable[[], None]]:
+        """A gated decode step of n rows: (the device rows it reads [n, width], its `ForwardBatch.ngram_gate`).
+        The step owes a `stage` from now on."""
+        if n > self.capacity:
+            raise ValueError(f"a gated step of {n} rows, the buffer holds {self.capacity}")
+        self.owed = True
+        return self.device_buffer[:n], functools.partial(self.gate, n)
+
+    def gate(self, n: int) -> None:
+        """On the current stream (a capture records it): wait until the host staged the step's rows, then copy
+        the staging's first n rows in (rows past what was staged: the last step's, a graph's padding rows)."""
+        self.flag.pass_when_set()
+        self.device_buffer[:n].copy_(self.host[:n], non_blocking=True)
+
+    def stage(self, rows: torch.Tensor | Callable[[], torch.Tensor]) -> None:
+        """Stage a gated step's rows [m, width] (CPU; or a callable that reads them) and let its gate pass,
+        whatever happens: the flag is set in a ``finally``. Waits for the last step's copy to have read the
+        staging (`mark`) before it writes it."""
+        try:
+            if callable(rows):
+                rows = rows()
+            if self._copied is not None:
+                self._copied.synchronize()
+            self.host[: rows.shape[0]].copy_(rows)
+        finally:
+            self.owed = False
+            self.flag.set()
+
+    def mark(self) -> None:
+        """After a gated step is queued (and staged): the event the next staging waits for."""
+        self._copied.record()

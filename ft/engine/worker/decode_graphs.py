@@ -92,19 +92,31 @@ class DecodeGraphs:
         self._pool, self._key = None, None
         torch.cuda.synchronize()
 
-    def run(self, n: int, key: Hashable, forward: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+    def will_replay(self, n: int, key: Hashable) -> bool:
+        """Whether `run(n, key, ...)` replays a captured graph (else it computes eagerly and captures)."""
+        return key == self._key and n in self._graphs
+
+    def run(self, n: int, key: Hashable, forward: Callable[[], torch.Tensor | None],
+            after_launch: Callable[[], None] | None = None) -> torch.Tensor | None:
         """The logits [n, V] of this step: replayed from bucket n's graph, or computed eagerly
-        and captured for the next steps. `forward` reads only the persistent buffers."""
+        and captured for the next steps. `forward` reads only the persistent buffers. `after_launch`:
+        called once the step is queued, right after the replay's launch (before anything else is queued
+        or allocated: a step that waits on the host, `ft.memory.host_flag`, is let go there); before
+        the forward where no graph is replayed."""
         if key != self._key:
             self.invalidate()
             self._key = key
         entry = self._graphs.get(n)
+        if entry is None and after_launch is not None:
+            after_launch()  # (the eager step and its capture must find the host's part done)
         if entry is not None:
             graph, out = entry
             t0 = time.perf_counter()
             graph.replay()
             self.replay_s += time.perf_counter() - t0
             self.replays += 1
+            if after_launch is not None:
+                after_launch()
             # NOTE: another bucket's replay may reuse the shared pool's memory (a worker rank of a
             # tensor-parallel engine computes no logits: None)
             return None if out is None else out.clone()

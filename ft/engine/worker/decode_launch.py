@@ -39,6 +39,7 @@ class DecodeLauncher:
         # NOTE: a weak reference: no cycle through the runner, whose pools go with it when dropped
         self.runner = weakref.proxy(runner)
         self._staged: torch.cuda.Event | None = None  # after the last launch's host-to-device copies
+        self.rows_after_launch = 0  # steps whose n-gram rows were read after their graph's launch (tests, reports)
 
     def wait_staged(self) -> None:
         """The last launch's host-to-device copies have read their staging."""
@@ -67,13 +68,23 @@ class DecodeLauncher:
         cuda = r.device.type == "cuda"
         rows_of = None if after is None or r.ngram_rows is None else {id(s): j for j, s in enumerate(after.seqs)}
 
-        def before_forward(batch: ForwardBatch) -> None:
+        def ngram_rows() -> torch.Tensor:
+            # NOTE: the one wait for the step in flight, as late as it can come: this step's inputs are
+            # staged and its expert policy has run (`begin_step`) while `after` computed
+            tokens = r.results.take(after.copy)
+            return r.decode_ngram_rows(seqs, [tokens[rows_of[id(s)]] for s in seqs], len(inp.ids))
+
+        def before_forward(batch: ForwardBatch, replays: bool):
+            staged_after = None
             if rows_of is not None:  # a paged n-gram table: the host reads the rows of `after`'s tokens
-                # NOTE: the one wait for the step in flight, as late as it can come: this step's inputs are
-                # staged and its expert policy has run (`begin_step`) while `after` computed
-                tokens = r.results.take(after.copy)
-                ids = [tokens[rows_of[id(s)]] for s in seqs]
-                batch.ngram_rows = r.ngram_rows.load(r.decode_ngram_rows(seqs, ids, len(inp.ids)))
+                if batch.ngram_gate is None:
+                    batch.ngram_rows = r.ngram_rows.load(ngram_rows())
+                elif replays:  # read once this step's graph is launched: it waits for them at the table's layer
+                    def staged_after() -> None:
+                        self.rows_after_launch += 1
+                        r.ngram_rows.stage(ngram_rows)
+                else:  # (an eager step, or the one a capture follows: nothing may wait on the host there)
+                    r.ngram_rows.stage(ngram_rows)
             if feed is not None:
                 rows, stops, width = feed
                 ids = after.sampled.index_select(0, rows)
@@ -85,6 +96,7 @@ class DecodeLauncher:
             if cuda:
                 self._staged = torch.cuda.Event()
                 self._staged.record()
+            return staged_after
 
         logits = r.execute_local(inp, before_forward)
         sampled = sample(logits, batch_s)

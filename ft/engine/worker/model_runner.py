@@ -232,7 +232,11 @@ class ModelRunner:
                 cu.append(cu[-1] + n)
             batch.cu_seqlens = buf["cu_seqlens"].load(cu)
         batch.forced_experts = self._load_forced(inp.forced)
-        if inp.ngram_rows is not None:
+        if d and self.ngram_rows is not None and self.ngram_rows.gated:  # (`RowsBuffer`: rows staged, not copied)
+            batch.ngram_rows, batch.ngram_gate = self.ngram_rows.gated_view(len(inp.ids))
+            if inp.ngram_rows is not None:
+                self.ngram_rows.stage(inp.ngram_rows)
+        elif inp.ngram_rows is not None:
             batch.ngram_rows = self.ngram_rows.load(inp.ngram_rows)
         batch.calibrate_kv = inp.calibrate_kv
         if d:
@@ -472,8 +476,10 @@ class ModelRunner:
     def execute_local(self, inp: StepInputs, before_forward=None) -> torch.Tensor | None:
         """`execute` on this rank alone (no tensor-parallel message): the collected expert cache, the
         prefill or decode forward (graph-replayed where one applies), read-through offload's
-        begin_step / end_step around a decode; `before_forward(batch)` runs once the inputs are loaded
-        (overlapped decode feeds its ids there)."""
+        begin_step / end_step around a decode; `before_forward(batch, replays)` runs once the inputs are
+        loaded (overlapped decode feeds its ids there; `replays`: the step replays a captured graph) and may
+        return a callable to run right after the step is queued (`DecodeGraphs.run`'s `after_launch`: a
+        gated step's rows, `RowsBuffer.stage`)."""
         experts = self.pools.experts
         rt = experts.read_through if experts is not None else None
         if experts is not None and (inp.kind != "decode" or rt is None):
@@ -494,13 +500,22 @@ class ModelRunner:
             rt.begin_step(inp.real, self.model.top_k)
         try:
             batch = self.load(inp)
+            eager = inp.graph_rows is None or self.graphs is None or self.graphs.disabled
+            key = None if eager else self._graph_key(experts, rt)
+            after_launch = None
             if before_forward is not None:  # (overlapped decode: the ids fed on the device)
-                before_forward(batch)
-            if inp.graph_rows is None or self.graphs is None or self.graphs.disabled:
+                after_launch = before_forward(batch, not eager and self.graphs.will_replay(inp.graph_rows, key))
+            if batch.ngram_gate is not None and after_launch is None and self.ngram_rows.owed:
+                raise RuntimeError("a decode step's n-gram rows were never staged: its gate would wait forever")
+            if eager:
+                if after_launch is not None:
+                    after_launch()
                 logits = self.model.forward(batch, self.pools)
             else:
-                logits = self.graphs.run(inp.graph_rows, self._graph_key(experts, rt),
-                                         lambda: self.model.forward(batch, self.pools))
+                logits = self.graphs.run(inp.graph_rows, key, lambda: self.model.forward(batch, self.pools),
+                                         after_launch)
+            if batch.ngram_gate is not None:
+                self.ngram_rows.mark()
             return None if logits is None else logits[: inp.real]
         finally:
             if rt is not None:
