@@ -339,14 +339,20 @@ def replay_span_ms(eng, prompt, batch: int, replays: int) -> float | None:
     bucket = graphs.bucket(batch)
     graph = graphs.graph(bucket) if bucket is not None else None
     span = None
+    # a paged n-gram table's gated rows (`RowsBuffer.gate`): each replay waits for the host to let it go
+    gated = eng.runner.ngram_rows if eng.runner.ngram_rows is not None and eng.runner.ngram_rows.gated else None
     if graph is not None:
         torch.cuda.synchronize()
         graph.replay()  # (one untimed: the first replay after a capture uploads the graph)
+        if gated is not None:
+            gated.release(1)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(replays):
             graph.replay()
         end.record()
+        if gated is not None:  # (the replays are queued: each is let go once the one before passed its gate)
+            gated.release(replays)
         torch.cuda.synchronize()
         span = start.elapsed_time(end) / replays
     eng.run_until_done(seqs)

@@ -60,3 +60,36 @@ def test_a_gated_step_larger_than_the_buffer_is_refused():
     with pytest.raises(ValueError, match="5 rows"):
         rows.gated_view(5)
     assert not rows.owed
+
+
+class PassingFlag(RecordingFlag):
+    """A flag the stand-in device clears once the host has looked at it set; after `stuck` sets, never."""
+
+    def __init__(self, stuck: int | None = None) -> None:
+        super().__init__()
+        self.state, self.stuck = 0, stuck
+
+    def set(self) -> None:
+        super().set()
+        self.state = 1
+
+    @property
+    def is_set(self) -> bool:
+        if self.state and (self.stuck is None or self.sets <= self.stuck):
+            self.state = 0  # (the device passed the gate and cleared it)
+            return True
+        return bool(self.state)
+
+
+def test_release_lets_queued_steps_go_one_after_another():
+    rows = RowsBuffer(4, 4, torch.float32, CPU)
+    rows.flag = PassingFlag()
+    rows.release(3)
+    assert rows.flag.sets == 3
+
+
+def test_release_gives_up_on_a_step_that_never_passes():
+    rows = RowsBuffer(4, 4, torch.float32, CPU)
+    rows.flag = PassingFlag(stuck=1)
+    with pytest.raises(RuntimeError, match="step 2 of 3 did not pass"):
+        rows.release(3, timeout_s=0.05)

@@ -68,7 +68,8 @@ class DecodeGraphs:
 
     def graph(self, bucket: int) -> torch.cuda.CUDAGraph | None:
         """Bucket `bucket`'s captured graph (None: not captured yet), for a benchmark that replays it back to
-        back (`bench/decode.py --replay-span`): a replay reruns the step on the buffers as they are."""
+        back (`bench/decode.py --replay-span`): a replay reruns the step on the buffers as they are (a step
+        with gated n-gram rows waits at its gate until let go: `RowsBuffer.release`)."""
         entry = self._graphs.get(bucket)
         return None if entry is None else entry[0]
 
