@@ -7,8 +7,9 @@ safetensors files, copy-on-write and with random-access advice (no read-ahead), 
 step's tokens hash to on the host: the kernel keeps the rows that get read in its page cache, and gives
 them back under pressure, so the table costs the memory its traffic earns and no more. The rows then travel
 with the step's inputs (`ForwardBatch.ngram_rows`); the device cannot read a mapped file itself, which is
-why a model with such a table computes its n-gram rows on the host, and why an overlapped decode step waits
-for the step before it (its tokens) before the host reads its rows (`ft.engine.worker.decode_launch`).
+why a model with such a table computes its n-gram rows on the host, and why an overlapped decode step's rows are
+read only once the step before it has sampled its tokens (the step itself is launched before that and waits for
+its rows at the table's layer: `ft.engine.worker.buffers.RowsBuffer`, `ft.engine.worker.decode_launch`).
 """
 
 from __future__ import annotations
