@@ -84,6 +84,8 @@ class HostNgramReader:
         if not spans:
             return torch.empty(0, self.width, dtype=self.table.dtype)
         read = self._read(unread) if unread else None
+        if unread and len(unread) == len(out):  # (nothing read ahead: a decode step's spans, read in order)
+            return read
         at = [0]
         for _, ids in unread:
             at.append(at[-1] + len(ids))

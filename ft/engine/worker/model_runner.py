@@ -355,7 +355,7 @@ class ModelRunner:
         """A decode step's paged n-gram table rows [n, heads * width] (CPU): each sequence's new token `ids[i]`
         at its position num_computed, with the ids before it as its context; padding rows zero."""
         real = self.model.ngram_reader.rows([(self._ngram_context(s, s.num_computed), [i]) for s, i in zip(seqs, ids)])
-        return torch.cat([real, real.new_zeros(n - len(seqs), real.shape[1])])
+        return real if n == len(seqs) else torch.cat([real, real.new_zeros(n - len(seqs), real.shape[1])])
 
     def run(self, work: ScheduledWork) -> list[int | None]:
         """One forward pass over `work`; for each sequence the sampled token, or None when its
