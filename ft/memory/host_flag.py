@@ -21,6 +21,7 @@ whatever the host wrote to pinned memory before `set()` is what the device reads
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -57,6 +58,22 @@ class HostFlag:
         address = driver().CUdeviceptr(self._address)
         call("cuStreamWaitValue32", handle, address, 1, int(driver().CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ))
         call("cuStreamWriteValue32", handle, address, 0, 0)
+
+    def works(self, timeout_s: float = 2.0) -> bool:
+        """Whether a pass on a stream of its own goes once the host sets the flag, within `timeout_s` (checked
+        once, before any step relies on it: a device that never saw the host's store would leave a step
+        waiting for ever; a failed check leaves only that side stream waiting)."""
+        side = torch.cuda.Stream(self.device)
+        self.pass_when_set(side)
+        passed = torch.cuda.Event()
+        passed.record(side)
+        self.set()
+        deadline = time.monotonic() + timeout_s
+        while not passed.query():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(1e-4)
+        return not self.is_set
 
     def set(self) -> None:
         """Let the queued pass go (after a fence: the host's earlier stores first)."""

@@ -23,6 +23,7 @@ def _still_waiting(stream: torch.cuda.Stream, seconds: float = 0.05) -> bool:
 
 def test_work_after_the_wait_runs_once_the_host_sets_the_flag():
     flag = HostFlag(DEV)
+    assert flag.works()  # (the check the runner makes before it gates a step)
     out = torch.zeros(4, device=DEV)
     stream = torch.cuda.current_stream()
     flag.pass_when_set()

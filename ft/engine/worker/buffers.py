@@ -14,7 +14,6 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ft.memory.cuda_driver import DriverError
 from ft.memory.host_flag import HostFlag
 
 log = logging.getLogger(__name__)
@@ -231,13 +230,17 @@ class PageTableBuffer:
 
 
 def _host_flag(device: torch.device) -> HostFlag | None:
-    """The gate's flag, or None (with a log line) where the driver refuses it: the steps then wait for their
-    rows before they are launched, as they did before the gate."""
+    """The gate's flag, or None (with a log line) where the driver refuses it or a stream never sees it set
+    (`HostFlag.works`): the steps then wait for their rows before they are launched, as before the gate."""
     try:
-        return HostFlag(device)
-    except (DriverError, ImportError) as e:
-        log.warning("n-gram rows: no host flag on %s (%s): each decode step waits for its rows before launch", device, e)
-        return None
+        flag = HostFlag(device)
+        if flag.works():
+            return flag
+        why = "a stream waiting on it did not see the host set it"
+    except Exception as e:  # noqa: BLE001 - whatever fails (the driver, the bindings' import): no gate, said once
+        why = f"{type(e).__name__}: {e}"
+    log.warning("n-gram rows: no host flag on %s (%s): each decode step waits for its rows before launch", device, why)
+    return None
 
 
 class RowsBuffer:
