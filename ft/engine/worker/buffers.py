@@ -229,6 +229,9 @@ class PageTableBuffer:
         return [self.table[i, : len(row)] for i, row in enumerate(pages)]
 
 
+_FAILED_FLAGS: list[HostFlag] = []
+
+
 def _host_flag(device: torch.device) -> HostFlag | None:
     """The gate's flag, or None (with a log line) where the driver refuses it or a stream never sees it set
     (`HostFlag.works`): the steps then wait for their rows before they are launched, as before the gate."""
@@ -236,6 +239,7 @@ def _host_flag(device: torch.device) -> HostFlag | None:
         flag = HostFlag(device)
         if flag.works():
             return flag
+        _FAILED_FLAGS.append(flag)  # NOTE: kept: its side stream may still pass and clear it (its memory stays its)
         why = "a stream waiting on it did not see the host set it"
     except Exception as e:  # noqa: BLE001 - whatever fails (the driver, the bindings' import): no gate, said once
         why = f"{type(e).__name__}: {e}"
