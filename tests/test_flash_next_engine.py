@@ -195,6 +195,35 @@ def test_the_ngram_table_read_from_disk_gives_the_reference_tokens(checkpoint):
         assert out2.token_ids == reference_greedy(weights, path, turn2), name
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_gated_decode_step_that_fails_leaves_the_gate_as_it_found_it(tmp_path, monkeypatch, overlap):
+    """A decode step whose n-gram rows go through the gate (a stand-in for the CUDA host flag, played in order)
+    and whose forward raises before its gate is queued: its rows were staged, so the flag was set with no pass
+    to consume it. The runner takes the set back (`RowsBuffer.settle`); else the next step's gate would pass on
+    it, before its own rows were staged."""
+    from tests.test_rows_gate import DeviceFlag
+
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    write_checkpoint(path, TEXT)
+    with make_llm(path, ngram_table="disk", max_prefill_length=16, overlap_decode=overlap) as llm:
+        runner = llm.engine.runner
+        runner.ngram_rows.flag = flag = DeviceFlag()
+        forward, failed = runner.model.forward, []
+
+        def failing(batch, pools):
+            if batch.decode is not None and not failed:
+                failed.append(batch.ngram_gate is not None)
+                raise FloatingPointError("injected")
+            return forward(batch, pools)
+
+        monkeypatch.setattr(runner.model, "forward", failing)
+        with pytest.raises(FloatingPointError, match="injected"):
+            llm.generate(prompt_token_ids=[prompt_of(20, 5)], **GREEDY_OPTS)
+        assert failed == [True] and flag.sets >= 1
+        assert not flag.is_set and flag.waiting == 0 and not runner.ngram_rows.owed
+
+
 def test_the_embedding_in_host_memory_gives_the_same_tokens(checkpoint):
     """--embedding-on-host: the embedding leaves the device weights for the host tables (named in the
     banner) and the tokens stay the reference's, prefill and decode."""

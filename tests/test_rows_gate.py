@@ -93,3 +93,68 @@ def test_release_gives_up_on_a_step_that_never_passes():
     rows.flag = PassingFlag(stuck=1)
     with pytest.raises(RuntimeError, match="step 2 of 3 did not pass"):
         rows.release(3, timeout_s=0.05)
+
+
+class DeviceFlag(RecordingFlag):
+    """A flag with the device's side played in order: a queued pass consumes the set it finds (or waits for the
+    next one: `waiting`), as the stream's wait-then-clear does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state, self.waiting = 0, 0
+
+    def pass_when_set(self) -> None:
+        super().pass_when_set()
+        if self.state:
+            self.state = 0
+        else:
+            self.waiting += 1
+
+    def set(self) -> None:
+        super().set()
+        if self.waiting:
+            self.waiting -= 1
+        else:
+            self.state = 1
+
+    def clear(self) -> None:
+        self.state = 0
+
+    @property
+    def is_set(self) -> bool:
+        return bool(self.state)
+
+
+def test_a_step_staged_then_failed_before_its_gate_leaves_no_set_for_the_next_step():
+    rows = RowsBuffer(8, 4, torch.float32, CPU)
+    rows.flag = flag = DeviceFlag()
+    rows.gated_view(2)
+    rows.stage(torch.ones(2, 4))  # (a step whose ids were known: staged before its launch)
+    assert flag.is_set  # ... and it failed before its forward queued the gate
+    rows.settle()
+    assert not flag.is_set and not rows.owed
+    # the next step, overlapped: its gate queued before its rows; it must wait for them, not pass on a stale set
+    view, gate = rows.gated_view(2)
+    gate()
+    assert flag.waiting == 1
+    rows.stage(torch.full((2, 4), 7.0))
+    assert flag.waiting == 0 and not flag.is_set
+
+
+def test_a_step_whose_gate_was_queued_unstaged_is_let_go_when_it_fails():
+    rows = RowsBuffer(8, 4, torch.float32, CPU)
+    rows.flag = flag = DeviceFlag()
+    _, gate = rows.gated_view(2)
+    gate()  # queued, waiting; then the step failed before its rows were read
+    rows.settle()
+    assert flag.sets == 1 and flag.waiting == 0 and not flag.is_set and not rows.owed
+
+
+def test_settle_is_a_no_op_after_a_step_that_passed():
+    rows = RowsBuffer(8, 4, torch.float32, CPU)
+    rows.flag = flag = DeviceFlag()
+    _, gate = rows.gated_view(2)
+    rows.stage(torch.ones(2, 4))
+    gate()
+    rows.settle()
+    assert flag.sets == 1 and not flag.is_set and flag.waiting == 0

@@ -80,6 +80,11 @@ class HostFlag:
         _fence()
         self._host[0] = 1
 
+    def clear(self) -> None:
+        """Take back a set that no pass consumed (only once nothing queued waits on the flag: a failed step's
+        recovery, `ft.engine.worker.buffers.RowsBuffer.settle`)."""
+        self._host[0] = 0
+
     @property
     def is_set(self) -> bool:
         """Set and not yet passed by the device (tests and checks)."""

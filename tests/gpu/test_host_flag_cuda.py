@@ -72,3 +72,30 @@ def test_gated_rows_staged_after_the_launch_reach_the_step():
     rows.mark()
     torch.cuda.synchronize()
     assert not rows.owed and torch.equal(out.cpu(), want)
+
+
+def test_a_failed_step_staged_before_its_gate_leaves_the_next_gate_waiting():
+    rows = RowsBuffer(32, 160, torch.bfloat16, DEV)
+    rows.gated_view(4)
+    rows.stage(torch.ones(4, 160, dtype=torch.bfloat16))  # set, and no pass queued: the step failed before its gate
+    assert rows.flag.is_set
+    rows.settle()
+    assert not rows.flag.is_set and not rows.owed
+    view, gate = rows.gated_view(4)  # the next step: its gate queued before its rows are staged
+    out = torch.zeros(4, 160, dtype=torch.bfloat16, device=DEV)
+    gate()
+    out.copy_(view)
+    assert _still_waiting(torch.cuda.current_stream())  # (it did not pass on the failed step's set)
+    want = torch.randn(4, 160).to(torch.bfloat16)
+    rows.stage(want)
+    rows.mark()
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), want)
+
+
+def test_settle_lets_a_queued_unstaged_gate_go():
+    rows = RowsBuffer(32, 160, torch.bfloat16, DEV)
+    _, gate = rows.gated_view(4)
+    gate()  # queued; the step then failed before its rows were read
+    rows.settle()  # (returns: the pass was let go, then the stream drained)
+    assert torch.cuda.current_stream().query() and not rows.flag.is_set and not rows.owed

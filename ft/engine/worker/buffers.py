@@ -252,9 +252,9 @@ class RowsBuffer:
     host reads for a step (a paged n-gram table's, `ForwardBatch.ngram_rows`). A load waits for the last
     load's copy to have read the staging before it rewrites it (an event, not a device sync).
 
-    A decode step on CUDA takes its rows through a gate instead (`gate`, `stage`, `mark`): the step's stream
-    waits, just before the rows are read, for the host to `stage` them (`ft.memory.host_flag.HostFlag`), and
-    then copies them in. So an overlapped decode step whose graph is already captured is launched before its
+    A decode step on CUDA takes its rows through a gate instead (`gate`, `stage`, `mark`; `settle` after a step
+    that failed): the step's stream waits, just before the rows are read, for the host to `stage` them
+    (`ft.memory.host_flag.HostFlag`), and then copies them in. So an overlapped decode step whose graph is already captured is launched before its
     rows are known (the tokens they hash come from the step still in flight): the host reads them while the
     device runs the layers before the table's (`ft.engine.worker.decode_launch`). A gated step that was never
     staged would wait forever: `owed` says one is, `stage` always lets the step go (even when reading its rows
@@ -347,6 +347,36 @@ class RowsBuffer:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"gated step {i + 1} of {count} did not pass its gate in {timeout_s:g} s")
 
+    def settle(self) -> None:
+        """After a gated decode step failed somewhere between its `gated_view` and its launch's end: leave the
+        flag clear with nothing queued waiting on it, as a step that ran would have. A step that queued its
+        pass but was never staged is let go first (its output is dropped with its error); then the device's
+        queued work is waited for (a pass still waiting after a second, its set merged with another, is let go
+        again), and a set that no pass consumed (a step staged before its launch, which then failed before its
+        gate was queued) is taken back. Without this, every later step's gate would pass on
+        the set before its own: each would read the staging before the host had written its rows."""
+        if self.flag is None:
+            return
+        if self.owed:
+            self.flag.set()
+        self.owed = False
+        if self.device.type == "cuda":
+            try:
+                done = torch.cuda.Event()
+                done.record()  # (the stream the gates are queued on)
+                since = time.monotonic()
+                while not done.query():
+                    if time.monotonic() - since > 1.0:  # a pass still waits (a set the flag merged): let it go
+                        self.flag.set()
+                        since = time.monotonic()
+                    time.sleep(1e-4)
+            except Exception:  # noqa: BLE001 - a lost device: nothing queued will run, the flag is moot
+                log.warning("n-gram rows: the device did not finish its queued work after a failed step")
+                return
+        if self.flag.is_set:
+            self.flag.clear()
+
     def mark(self) -> None:
         """After a gated step is queued (and staged): the event the next staging waits for."""
-        self._copied.record()
+        if self._copied is not None:
+            self._copied.record()

@@ -517,6 +517,10 @@ class ModelRunner:
             if batch.ngram_gate is not None:
                 self.ngram_rows.mark()
             return None if logits is None else logits[: inp.real]
+        except BaseException:
+            if self.ngram_rows is not None and self.ngram_rows.gated:
+                self.ngram_rows.settle()  # (a failed step must not leave the flag set for the next one's gate)
+            raise
         finally:
             if rt is not None:
                 rt.end_step()
