@@ -347,14 +347,16 @@ class RowsBuffer:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"gated step {i + 1} of {count} did not pass its gate in {timeout_s:g} s")
 
-    def settle(self) -> None:
+    def settle(self, timeout_s: float = 10.0) -> None:
         """After a gated decode step failed somewhere between its `gated_view` and its launch's end: leave the
         flag clear with nothing queued waiting on it, as a step that ran would have. A step that queued its
         pass but was never staged is let go first (its output is dropped with its error); then the device's
         queued work is waited for (a pass still waiting after a second, its set merged with another, is let go
         again), and a set that no pass consumed (a step staged before its launch, which then failed before its
-        gate was queued) is taken back. Without this, every later step's gate would pass on
-        the set before its own: each would read the staging before the host had written its rows."""
+        gate was queued) is taken back. Without this, every later step's gate would pass on the set before its
+        own: each would read the staging before the host had written its rows. A stream that does not drain in
+        `timeout_s` (a device lost or stuck on other work) leaves the flag as it is, with a log line: the step's
+        own error says the rest."""
         if self.flag is None:
             return
         if self.owed:
@@ -364,14 +366,16 @@ class RowsBuffer:
             try:
                 done = torch.cuda.Event()
                 done.record()  # (the stream the gates are queued on)
-                since = time.monotonic()
+                start = since = time.monotonic()
                 while not done.query():
+                    if time.monotonic() - start > timeout_s:  # (e.g. a collective whose peer is gone: not ours)
+                        raise TimeoutError(f"the stream did not drain in {timeout_s:g} s")
                     if time.monotonic() - since > 1.0:  # a pass still waits (a set the flag merged): let it go
                         self.flag.set()
                         since = time.monotonic()
                     time.sleep(1e-4)
-            except Exception:  # noqa: BLE001 - a lost device: nothing queued will run, the flag is moot
-                log.warning("n-gram rows: the device did not finish its queued work after a failed step")
+            except Exception as e:  # noqa: BLE001 - a lost device or a stuck stream: the failure is said elsewhere
+                log.warning("n-gram rows: the flag left as it is after a failed step (%s: %s)", type(e).__name__, e)
                 return
         if self.flag.is_set:
             self.flag.clear()
