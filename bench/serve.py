@@ -938,7 +938,7 @@ def run_server(args: argparse.Namespace, serve_args: str | None, log_path: str |
             if geometry or prefill:
                 print(f"server {'; '.join(line for line in (geometry, prefill) if line)}", flush=True)
             if geometry and "(offload)" in geometry and not args.routing_trace and "synthetic:" in serve_args:
-                # (session 58 spent a device call on such a run: 25% hits where the trace gives 83%)
+                # (e.g. Flash-Next on the 32 GiB card: ~25% hits so, 83% with the trace)
                 print("note: this synthetic model routes by its random router, near-uniformly: an offloaded "
                       "cache's hit rate is about its share of the experts, far below a trained model's; "
                       "--routing-trace routes by the calibrated trace", flush=True)

@@ -134,7 +134,7 @@ def test_a_step_staged_then_failed_before_its_gate_leaves_no_set_for_the_next_st
     rows.settle()
     assert not flag.is_set and not rows.owed
     # the next step, overlapped: its gate queued before its rows; it must wait for them, not pass on a stale set
-    view, gate = rows.gated_view(2)
+    _, gate = rows.gated_view(2)
     gate()
     assert flag.waiting == 1
     rows.stage(torch.full((2, 4), 7.0))

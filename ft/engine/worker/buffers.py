@@ -254,11 +254,12 @@ class RowsBuffer:
 
     A decode step on CUDA takes its rows through a gate instead (`gate`, `stage`, `mark`; `settle` after a step
     that failed): the step's stream waits, just before the rows are read, for the host to `stage` them
-    (`ft.memory.host_flag.HostFlag`), and then copies them in. So an overlapped decode step whose graph is already captured is launched before its
-    rows are known (the tokens they hash come from the step still in flight): the host reads them while the
-    device runs the layers before the table's (`ft.engine.worker.decode_launch`). A gated step that was never
-    staged would wait forever: `owed` says one is, `stage` always lets the step go (even when reading its rows
-    failed: the step's output is then dropped with its error)."""
+    (`ft.memory.host_flag.HostFlag`), and then copies them in. So an overlapped decode step whose graph is
+    already captured is launched before its rows are known (the tokens they hash come from the step still in
+    flight): the host reads them while the device runs the layers before the table's
+    (`ft.engine.worker.decode_launch`). A gated step that was never staged would wait forever: `owed` says one
+    is, `stage` always lets the step go (even when reading its rows failed: the step's output is then dropped
+    with its error)."""
 
     def __init__(self, capacity: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
         self.width, self.dtype, self.device = width, dtype, device
