@@ -989,8 +989,21 @@ def ab_table(a: dict, b: dict, extra: str) -> str:
     return "\n".join(rows)
 
 
+def writes_to(path: str, fd: int) -> bool:
+    """Whether `path` is the file descriptor `fd`'s file (a shell redirect of this command's output to the file
+    named as the server's log: the two would write at their own offsets, over each other)."""
+    try:
+        here, there = os.fstat(fd), os.stat(path)
+    except OSError:  # (no such file yet, or a closed descriptor: not the same file)
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.serve_log is not None and any(writes_to(args.serve_log, fd) for fd in (1, 2)):
+        raise SystemExit(f"bench/serve.py: --serve-log {args.serve_log} is where this command's own output goes: the "
+                         "two would overwrite each other; give the server's log a file of its own")
     if args.routing_trace and args.serve_args is None:
         raise SystemExit("bench/serve.py: --routing-trace applies to a server it starts (--serve-args); a running "
                          "server routes as it was started")

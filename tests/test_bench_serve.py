@@ -70,6 +70,20 @@ def test_unreachable_url_is_one_line_and_nonzero():
     assert "Traceback" not in r.stderr
 
 
+def test_a_server_log_that_is_the_commands_own_output_is_refused_in_one_line(tmp_path):
+    """`bench/serve.py ... --serve-log F > F`: the server's log and the command's output would write over each other."""
+    log = tmp_path / "run.log"
+    with open(log, "w") as out:
+        r = subprocess.run([sys.executable, "bench/serve.py", "--serve-args", "--model demo", "--serve-log", str(log)],
+                           cwd=REPO, stdout=out, stderr=subprocess.PIPE, text=True, timeout=60)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "a file of its own" in r.stderr
+    from bench.serve import writes_to
+
+    with open(log) as f:
+        assert writes_to(str(log), f.fileno()) and not writes_to(str(tmp_path / "other.log"), f.fileno())
+
+
 def test_serving_benchmark_against_a_started_server(tmp_path):
     ckpt = write_serve_checkpoint(tmp_path)
     out = tmp_path / "bench.json"
