@@ -198,6 +198,48 @@ def test_a_paged_table_reads_rows_from_the_files_it_maps(tmp_path, monkeypatch, 
         PagedTable.open([(tmp_path / "a.safetensors", "other")], (3, 1))
 
 
+@pytest.mark.parametrize("loop_rows", [64, 4], ids=["loop", "numpy"])
+def test_a_paged_tables_read_advice_covers_each_rows_first_page_once(tmp_path, monkeypatch, loop_rows):
+    """`PagedTable.advice`: one call a page a row begins in, page-aligned, reaching that row's end; its map and
+    offset found from the files' safetensors headers here."""
+    import json
+    import mmap
+    import struct
+
+    import ft.model.paged_table as paged_table
+    from ft.model.paged_table import PagedTable
+
+    monkeypatch.setattr(paged_table, "ADVICE_LOOP_ROWS", loop_rows)  # (the 11 rows below: by the loop, or numpy)
+    width = 1000  # (2,000-byte rows: some cross a page, several share one)
+    whole = torch.randn(60, width).to(torch.bfloat16)
+    save_file({"pad": torch.ones(7), "t.shard_0.weight": whole[:25].clone()}, str(tmp_path / "b.safetensors"))
+    save_file({"t.shard_1.weight": whole[25:40].clone(), "t.shard_2.weight": whole[40:].clone()},
+              str(tmp_path / "c.safetensors"))
+    parts = [(tmp_path / "b.safetensors", "t.shard_0.weight", 0), (tmp_path / "c.safetensors", "t.shard_1.weight", 25),
+             (tmp_path / "c.safetensors", "t.shard_2.weight", 40)]
+    table = PagedTable.open([(f, n) for f, n, _ in parts], (60, width))
+    rows = torch.tensor([0, 1, 2, 24, 25, 26, 39, 40, 59, 2, 26])
+
+    def where(r: int) -> tuple[int, int]:  # (the row's file, as a map index in file order, and its byte there)
+        f, name, first = max((p for p in parts if p[2] <= r), key=lambda p: p[2])
+        raw = f.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        begin = json.loads(raw[8:8 + n])[name]["data_offsets"][0]
+        return (0 if f.name == "b.safetensors" else 1), 8 + n + begin + (r - first) * width * 2
+
+    advice = table.advice(rows)
+    keys = [(m, at) for m, at, _ in advice]
+    assert len(keys) == len(set(keys)) and all(at % mmap.PAGESIZE == 0 for _, at in keys)
+    want = {}
+    for r in rows.tolist():
+        m, lo = where(r)
+        want.setdefault((m, lo - lo % mmap.PAGESIZE), lo + width * 2 - (lo - lo % mmap.PAGESIZE))
+    assert {(m, at): length for m, at, length in advice} == want  # (a page's length: its first row's end)
+    assert keys == list(want)  # (in the rows' order)
+    assert table.advice(torch.tensor([], dtype=torch.int64)) == []
+    assert torch.equal(table.gather(rows), whole[rows])
+
+
 def test_auto_maps_the_ngram_table_when_the_host_cannot_hold_it(tmp_path, monkeypatch, caplog):
     """--ngram-table auto: the table in host memory where the plan fits; mapped from disk (and left out of the
     plan) where the plan with it does not fit but the plan without it does."""
