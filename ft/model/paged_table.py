@@ -77,7 +77,7 @@ class PagedTable:
         self._part_map = self._part_base = None  # per part: its map's index, its first element there
         if self._where:
             self._index_maps(width)
-            # the read advice's per-part numbers as numpy arrays (`_advise`): each part's first row, its map's
+            # the read advice's per-part numbers as numpy arrays (`advice`): each part's first row, its map's
             # index and the byte its data starts at in that map
             at = {id(m): i for i, m in enumerate(self._maps)}
             self._advice = (self._starts.numpy(), np.array([at[id(m)] for m, _ in self._where], dtype=np.int64),
