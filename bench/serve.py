@@ -826,7 +826,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="with --serve-args: then a second server with ARGS plus EXTRA, the same levels, and a "
                          "comparison table (B / A) last")
     ap.add_argument("--serve-log", metavar="FILE",
-                    help="keep the started server's output in FILE (default: a temporary file)")
+                    help="keep the started server's output in FILE (default: a temporary file; not the file this "
+                         "command's own output goes to)")
     ap.add_argument("--server-timeout", type=float, default=900.0, metavar="S",
                     help="seconds the started server may take to be healthy (default: %(default)g)")
     ap.add_argument("--stop-timeout", type=float, default=60.0, metavar="S",
