@@ -76,13 +76,13 @@ class PagedTable:
         self._windows: list[torch.Tensor] = []  # per map: [elements - width + 1, width], row i = elements i..
         self._part_map = self._part_base = None  # per part: its map's index, its first element there
         if self._where:
-            self._index_maps(width)
-            # the read advice's per-part numbers as numpy arrays (`advice`): each part's first row, its map's
+            # per part as numpy arrays (`advice`; the windows' selects take two of them): its first row, its map's
             # index and the byte its data starts at in that map
             at = {id(m): i for i, m in enumerate(self._maps)}
             self._advice = (self._starts.numpy(), np.array([at[id(m)] for m, _ in self._where], dtype=np.int64),
                             np.array([byte for _, byte in self._where], dtype=np.int64))
             self._advice_lists = tuple(a.tolist() for a in self._advice)  # (the loop's: Python ints read faster)
+            self._index_maps(width)
 
     def _index_maps(self, width: int) -> None:
         """Each map as one view whose row i holds the `width` elements that begin at element i (strides (1, 1):
@@ -90,15 +90,15 @@ class PagedTable:
         a part cost ~10 us of small ops, and a token's 16 rows touch ~16 of the released table's 128 parts: with
         the spans read together too (`HostNgramReader.rows`), a decode step's rows 3.0 -> 0.27 ms at 8 sequences,
         21.7 -> 1.35 ms at 64 (bench/paged_table.py --decode, bench/RESULTS.md session 56)."""
-        at = {id(m): i for i, m in enumerate(self._maps)}
         size = self.dtype.itemsize
         if any(byte % size for _, byte in self._where) or any(p.dtype != self.dtype for p in self._parts):
             return  # (a part off its dtype's alignment, or parts of mixed dtypes: each part is selected alone)
         for m in self._maps:
             flat = torch.frombuffer(m, dtype=self.dtype, count=len(m) // size)
             self._windows.append(flat.as_strided((flat.numel() - width + 1, width), (1, 1)))
-        self._part_map = torch.tensor([at[id(m)] for m, _ in self._where])
-        self._part_base = torch.tensor([byte // size for _, byte in self._where])
+        _, part_map, part_byte = self._advice
+        self._part_map = torch.from_numpy(part_map)
+        self._part_base = torch.from_numpy(part_byte // size)
 
     @classmethod
     def open(cls, files: list[tuple[Path, str]], shape: tuple[int, int]) -> "PagedTable":
