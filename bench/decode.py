@@ -73,6 +73,10 @@ def main() -> None:
     ap.add_argument("--ngram-table", default="auto", choices=("auto", "host", "disk"),
                     help="Qwen3.8-Flash-Next's n-gram table in pinned host memory or read from disk by the host each "
                          "step (--ngram-table of ft serve; a process per choice for an A/B)")
+    ap.add_argument("--memory-ratio", type=float, default=None,
+                    help="--memory-ratio of ft serve: the share of the free memory after the weights the pools and "
+                         "the reserve may take (default: the engine's headroom rule); e.g. 0.97 fits Qwen3.8-Flash-"
+                         "Next's 48 layers resident on an 80 GB card")
     ap.add_argument("--overlap-decode", action=argparse.BooleanOptionalAction, default=True,
                     help="the profiles (--profile, --cprofile) with overlapped decode (EngineConfig.overlap_decode); "
                          "default on, as the engine's default on CUDA")
@@ -141,7 +145,8 @@ def main() -> None:
                               mamba_cache_size=2 * max(batches), max_running_requests=max(batches),
                               max_prefill_length=chunk,
                               cuda_graph_max_bs=max(batches), kv_cache_dtype=args.kv_cache_dtype,
-                              overlap_decode=args.overlap_decode, ngram_table=args.ngram_table))
+                              overlap_decode=args.overlap_decode, ngram_table=args.ngram_table,
+                              memory_ratio=args.memory_ratio))
     print(f"engine up in {time.perf_counter() - t0:.1f} s, geometry {eng.cache.geometry}", flush=True)
     graphs = eng.runner.graphs
     rows = []
