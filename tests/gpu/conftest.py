@@ -1,6 +1,8 @@
 """GPU tests: every test here carries the ``gpu`` marker and is skipped without a CUDA device.
 
-Run them on the device machine in their own pytest process: ``python -m pytest -q tests/gpu``.
+Run them on the device machine in their own pytest process: ``python -m pytest -q tests/gpu``. With
+pytest-xdist, two workers on one card at most: some cases take 20-30 GiB each, and eight workers ran an 80 GB
+card out of memory (session 59's sweep: 40 failures, all passing again in two workers).
 """
 
 from __future__ import annotations
