@@ -325,7 +325,9 @@ class MetricsProber:
         return result
 
 
-STEP_SERIES = ("ft_engine_steps_total", "ft_engine_step_seconds_total")
+STEP_SERIES = ("ft_engine_steps_total", "ft_engine_step_seconds_total", "ft_engine_slow_steps_total")
+"""Steps, their seconds, and the slow ones among them (each a warning in the server's log: `ft.engine.core.slow_steps`),
+by kind."""
 NGRAM_SERIES = ("ft_ngram_table_rows_read_total", "ft_ngram_table_read_seconds_total")
 """A disk n-gram table's rows the host read for steps, and the engine thread's seconds in them (--ngram-table disk)."""
 # `ft.engine.core.step_times.STEP_KINDS`, not imported: this client imports no torch
@@ -377,11 +379,13 @@ def ngram_split(before: dict | None, after: dict | None) -> dict | None:
 
 
 def step_split(before: dict | None, after: dict | None) -> dict | None:
-    """{kind: {"steps", "seconds"}} between two `server_samples` reads (None if either is missing)."""
+    """{kind: {"steps", "seconds", "slow"}} between two `server_samples` reads (None if either is missing; "slow" 0
+    from a server that does not count slow steps)."""
     if before is None or after is None:
         return None
     return {kind: {"steps": int(after.get((STEP_SERIES[0], kind), 0) - before.get((STEP_SERIES[0], kind), 0)),
-                   "seconds": after.get((STEP_SERIES[1], kind), 0.0) - before.get((STEP_SERIES[1], kind), 0.0)}
+                   "seconds": after.get((STEP_SERIES[1], kind), 0.0) - before.get((STEP_SERIES[1], kind), 0.0),
+                   "slow": int(after.get((STEP_SERIES[2], kind), 0) - before.get((STEP_SERIES[2], kind), 0))}
             for kind in STEP_KINDS}
 
 
@@ -755,7 +759,8 @@ def steps_line(steps: dict, duration_s: float) -> str:
     ms a step, and the level's seconds outside steps (the warm-up excluded; the counters are the engine's
     published figures, which trail its last step by at most a few ms)."""
     parts = [f"{kind} {v['steps']:,} in {v['seconds']:.2f} s"
-             + (f" ({v['seconds'] / v['steps'] * 1e3:.1f} ms each)" if v["steps"] else "")
+             + (f" ({v['seconds'] / v['steps'] * 1e3:.1f} ms each"
+                + (f"; {v['slow']} slow: see the server's log" if v.get("slow") else "") + ")" if v["steps"] else "")
              for kind, v in steps.items()]
     inside = sum(v["seconds"] for v in steps.values())
     return f"engine steps: {', '.join(parts)}; {max(0.0, duration_s - inside):.2f} s of the level outside them"

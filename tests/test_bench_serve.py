@@ -201,3 +201,19 @@ def test_a_levels_disk_table_reads_come_from_the_servers_counters():
     assert ngram_split(before, {(rows, None): 1860.0, (secs, None): 0.75}) == {"rows": 1760, "seconds": 0.25}
     assert ngram_split(before, before) is None and ngram_split(None, before) is None
     assert ngram_split({}, {}) is None  # (a server without a disk table exports zeros)
+
+
+def test_a_levels_steps_line_names_its_slow_steps():
+    """The server's slow steps of a level (`ft_engine_slow_steps_total`) beside each kind's steps, pointing at the
+    server's log, where each has its line; a server that does not count them reads as none."""
+    from bench.serve import step_split, steps_line
+
+    before = {("ft_engine_steps_total", "mixed"): 1.0, ("ft_engine_step_seconds_total", "mixed"): 0.3}
+    after = {("ft_engine_steps_total", "decode"): 10.0, ("ft_engine_step_seconds_total", "decode"): 0.07,
+             ("ft_engine_steps_total", "mixed"): 3.0, ("ft_engine_step_seconds_total", "mixed"): 2.26,
+             ("ft_engine_slow_steps_total", "mixed"): 2.0}
+    split = step_split(before, after)
+    assert split["mixed"] == {"steps": 2, "seconds": pytest.approx(1.96), "slow": 2}
+    line = steps_line(split, 3.0)
+    assert "mixed 2 in 1.96 s (980.0 ms each; 2 slow: see the server's log)" in line, line
+    assert "decode 10 in 0.07 s (7.0 ms each)," in line and "prefill 0 in 0.00 s;" in line

@@ -27,7 +27,7 @@ NEW_SERIES = (
     "ft_request_prompt_tokens_bucket", "ft_request_generation_tokens_bucket",
     "ft_cuda_graph_replays_total", "ft_cuda_graph_captures_total", "ft_decode_steps_overlapped_total",
     "ft_engine_steps_total", "ft_engine_step_seconds_total", "ft_ngram_table_rows_read_total",
-    "ft_ngram_table_read_seconds_total",
+    "ft_ngram_table_read_seconds_total", "ft_engine_slow_steps_total",
 )
 OLD_SERIES = (
     "ft_requests_running", "ft_requests_waiting", "ft_kv_tokens_used", "ft_kv_tokens_capacity", "ft_mamba_slots_used",

@@ -38,7 +38,10 @@ def test_warm_up_runs_its_shapes_and_leaves_nothing_behind(checkpoint):
 
     mixed = []
 
+    paused = []
+
     def recording():  # the running batch after each step; whether a step prefilled the 89-token prompt beside decodes
+        paused.append(e.slow_steps.paused)
         before = {id(q): (q.num_computed, bool(q.output_ids)) for q in e.scheduler.running}
         out = step()
         running.append(len(e.scheduler.running))
@@ -57,6 +60,8 @@ def test_warm_up_runs_its_shapes_and_leaves_nothing_behind(checkpoint):
     assert 89 in report.prefill_lengths and mixed == [True]  # the chunk less 7, prefilled beside two decodes
     assert len(lines) == 4 and report.line().startswith("warm-up done in ")
     assert not e.has_work and len(e.prefix_cache) == 0
+    # its steps are no user's: the slow-step watch was paused through them, and judges the next ones afresh
+    assert paused and all(paused) and not e.slow_steps.paused and sum(e.slow_steps.count.values()) == 0
     assert e.pools.kv.num_used_pages == 0 and e.pools.mamba.num_used == 0
     assert all(v == 0 for v in e.counters.values()) and e.prefix_cache.query_tokens == 0
     stats = e.stats()

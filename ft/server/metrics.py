@@ -151,7 +151,9 @@ class _EngineCollector:
                 ("ft_engine_steps", "Engine steps by kind (decode: every row decodes a token; prefill: prompt chunks "
                  "only; mixed: a prompt chunk beside decoding rows)", s.steps),
                 ("ft_engine_step_seconds", "Wall time the engine thread spent in steps, by kind (with overlapped "
-                 "decode a decode step's time is the wait for the step queued before it)", s.step_seconds)):
+                 "decode a decode step's time is the wait for the step queued before it)", s.step_seconds),
+                ("ft_engine_slow_steps", "Steps far slower than their kind's usual, each logged with its rows and what "
+                 "was paid for during it (a compile, a graph capture, new device memory, a rebuild)", s.slow_steps)):
             fam = self._family(CounterMetricFamily, name, doc, labels=("kind",))
             for kind, value in values.items():
                 fam.add_metric([m, kind], value)

@@ -26,6 +26,7 @@ from ft.engine.ranks.rank_state import KV_ALGO_DTYPES, KV_DTYPES, RankState
 from ft.engine.base.sampling_params import SamplingParams
 from ft.engine.sched.scheduler import Scheduler, ScheduledWork
 from ft.engine.core.stats import EngineStats, engine_stats
+from ft.engine.core.slow_steps import SlowSteps, StepShape, engine_captures
 from ft.engine.core.step_times import StepTimes, step_kind
 from ft.engine.worker.overlap import OverlappedDecode
 from ft.engine.base.sequence import Sequence
@@ -109,6 +110,9 @@ class Engine(RankState):
         self.started_monotonic = time.monotonic()  # the admin API's uptime never goes backwards
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         self.step_times = StepTimes()  # steps and their wall time by kind (`ft.engine.core.step_times`)
+        # steps far slower than their kind's usual, logged with what was paid for during them (`ft.engine.core.slow_steps`)
+        self.slow_steps = SlowSteps(self.device, lambda: engine_captures(self), lambda: self.cache.history)
+        self._step_shape = StepShape()
         self._step_kind: str | None = None  # the kind of the step `_step` ran (None: it ran none)
 
     def _join_workers(self) -> None:
@@ -226,15 +230,23 @@ class Engine(RankState):
         if self._workers:
             self._check_workers()
         t0 = time.perf_counter()
+        mark = self.slow_steps.mark()
         if self.overlap.inflight is not None:
             out = self.overlap.step()
-            self.step_times.add("decode", time.perf_counter() - t0)
+            self._account("decode", time.perf_counter() - t0, StepShape(decode_rows=len(out)), mark)
             return out
         self._step_kind = None
         out = self._step()
         if self._step_kind is not None:
-            self.step_times.add(self._step_kind, time.perf_counter() - t0)
+            self._account(self._step_kind, time.perf_counter() - t0, self._step_shape, mark)
         return out
+
+    def _account(self, kind: str, seconds: float, shape: StepShape, mark) -> None:
+        """A step's time by kind, and its warning line if it was slow (`ft.engine.core.slow_steps`)."""
+        self.step_times.add(kind, seconds)
+        line = self.slow_steps.end(kind, seconds, shape, mark)
+        if line is not None:
+            log.warning("%s", line)
 
     def _step(self) -> list[Sequence]:
         rejected = []
@@ -253,6 +265,7 @@ class Engine(RankState):
             return rejected + self._reject_unservable()
         self.current_work = work  # NOTE: what a step that raises was running (the server fails only those)
         self._step_kind = step_kind(work)  # (before the step moves the sequences on)
+        self._step_shape = StepShape.of(work)
         if self.loan is not None:
             self.loan.before_run(work)
         self.runner.last_logprobs, self.runner.last_prompt_logprobs = [], []  # (a stand-in runner may leave them)

@@ -50,6 +50,7 @@ class EngineStats:
     ngram_read_seconds: float  # the engine thread's time in those reads
     steps: dict[str, int]  # by kind: decode, mixed, prefill (`ft.engine.core.step_times`)
     step_seconds: dict[str, float]  # the engine thread's wall time in them
+    slow_steps: dict[str, int]  # of them, those far slower than their kind's usual (`ft.engine.core.slow_steps`)
     graph_replays: dict[str, int]  # by kind: decode, prefill
     graph_captures: dict[str, int]
     rebuilds: dict[str, int]  # by status (startup excluded)
@@ -98,6 +99,7 @@ def engine_stats(engine: Any) -> EngineStats:
         ngram_rows_read=reader.rows_read if reader is not None else 0,
         ngram_read_seconds=reader.read_s if reader is not None else 0.0,
         steps=dict(engine.step_times.count), step_seconds=dict(engine.step_times.seconds),
+        slow_steps=dict(engine.slow_steps.count),
         graph_replays={k: g.replays if g is not None else 0 for k, g in graphs.items()},
         graph_captures={k: g.captures if g is not None else 0 for k, g in graphs.items()},
         rebuilds=rebuilds, rebuild_durations=tuple(durations),

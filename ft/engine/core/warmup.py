@@ -94,9 +94,21 @@ class WarmupReport:
 
 def warm_up(engine: Any, say: Callable[[str], None] | None = None) -> WarmupReport:
     """Run the warm-up requests on `engine` (idle: nothing queued or running), then leave it as it
-    was (no request, no prefix-cache entry, counters zero). `say` gets a line as each phase starts."""
+    was (no request, no prefix-cache entry, counters zero). `say` gets a line as each phase starts. The engine's
+    slow-step watch (`ft.engine.core.slow_steps`) is paused meanwhile: every warm-up step is a first time."""
     if engine.has_work:
         raise RuntimeError("warm-up needs an idle engine")
+    watch = getattr(engine, "slow_steps", None)
+    if watch is not None:
+        watch.pause()
+    try:
+        return _warm_up(engine, say)
+    finally:
+        if watch is not None:
+            watch.resume()
+
+
+def _warm_up(engine: Any, say: Callable[[str], None] | None) -> WarmupReport:
     t0 = time.monotonic()
     say = say or (lambda line: None)
     vocab = engine.model_config.vocab_size

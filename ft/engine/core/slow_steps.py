@@ -1,0 +1,237 @@
+"""Steps that take far longer than their kind usually does, each logged in one line with its rows and what
+the process paid for during it (`SlowSteps`).
+
+Why: a serving run's tail (a TTFT p99, an ITL p99) is often one step, and the step's cause is often a first
+time: a Triton kernel compiled (or loaded from its cache) on the request path, a CUDA graph captured, the
+caching allocator taking new memory from the driver, a cache rebuild. `ft serve` on the 80B through
+`bench/serve.py` (an H100, concurrency 10, 1K in / 1K out, twice in one server) ran its first level's two
+mixed steps in ~980 ms each and the second level's in ~270 ms, TTFT p99 1,781 against 365 ms, and said
+nothing of it (what those steps paid for is not known yet). Now such a step is a warning line (logger
+"ft.engine") of the form
+
+    slow mixed step: T ms, Rx what such a step has taken (U ms): P prompts (N tokens) beside D decoding rows;
+    during it: K Triton kernels compiled or loaded (names); C CUDA graphs captured; the caching allocator took
+    M MiB more from the driver (...)
+
+and `ft_engine_slow_steps_total{kind}` counts them (`bench/serve.py` prints each level's). A line that names
+nothing the engine counts ("nothing counted") points at what it cannot see: a library's first use (cuBLAS,
+cuDNN), the host (the GIL, swapping), another process on the card.
+
+What is slow: a step of at least `SLOW_MIN_S` that took `SLOW_FACTOR` times what its kind has taken of late
+(decode: the median of the last `HISTORY` decode steps; prefill and mixed: their median time a token, times
+the step's tokens, at least `TOKEN_FLOOR` of them, so that short chunks' fixed costs do not count as slow),
+or any step of at least `SLOW_MIN_S` during which something was paid for the first time. Judged from
+`MIN_HISTORY` steps of the kind on; slow steps stay out of the history. The warm-up runs with the watch paused
+(its steps are all first times, and none is a user's).
+
+Cost: a few integer reads a step; the allocator's reserved bytes (a `torch.cuda.memory_stats` call, tens of
+microseconds) at most every `RESERVED_EVERY_S` seconds and after every step of at least `SLOW_MIN_S`, so a slow
+step's growth is counted since the last reading (taken at most that long before the step began).
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ft.engine.sched.scheduler import ScheduledWork
+
+__all__ = ["SlowSteps", "StepShape", "engine_captures", "triton_compiles"]
+
+SLOW_MIN_S = 0.25
+"""Shortest step that may count as slow (a decode step takes milliseconds; a whole 16K chunk under a second)."""
+SLOW_FACTOR = 3.0
+"""How many times its kind's usual time a step must take to count as slow without a first time to name."""
+HISTORY = 64
+"""Steps of a kind whose times make its usual time (the median)."""
+MIN_HISTORY = 8
+"""Steps of a kind before its usual time is trusted."""
+TOKEN_FLOOR = 1024
+"""Fewest tokens a prefill or mixed step is charged (a short chunk costs about what a 1K one does)."""
+RESERVED_EVERY_S = 0.25
+"""Least time between two readings of the allocator's reserved bytes outside slow steps."""
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """A step's rows: prompt chunks, their tokens, and rows that decode one token."""
+
+    prompts: int = 0
+    prompt_tokens: int = 0
+    decode_rows: int = 0
+
+    @classmethod
+    def of(cls, work: ScheduledWork) -> "StepShape":
+        """The shape of scheduled work (a row decodes when it adds one token to a sequence with output, as
+        `step_times.step_kind` counts it)."""
+        if not work.is_prefill:
+            return cls(decode_rows=len(work.seqs))
+        decoding = sum(1 for seq, n in zip(work.seqs, work.num_tokens) if n == 1 and seq.output_ids)
+        tokens = sum(n for seq, n in zip(work.seqs, work.num_tokens) if not (n == 1 and seq.output_ids))
+        return cls(len(work.seqs) - decoding, tokens, decoding)
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.decode_rows
+
+    def text(self) -> str:
+        rows = f"{self.decode_rows} decoding row{'s' * (self.decode_rows != 1)}"
+        if not self.prompts:
+            return rows
+        prompts = f"{self.prompts} prompt{'s' * (self.prompts != 1)} ({self.prompt_tokens:,} tokens)"
+        return f"{prompts} beside {rows}" if self.decode_rows else prompts
+
+
+class _TritonCompiles:
+    """The names of the Triton kernels compiled (or loaded from Triton's cache) in this process since the hook
+    went in: Triton's `knobs.runtime.jit_post_compile_hook`, chained to any hook set before it. Installed once
+    per process; `available` is False where this Triton has no such hook (compiles then go uncounted)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.available: bool | None = None  # None: not tried yet
+        self._lock = threading.Lock()
+
+    def install(self) -> bool:
+        with self._lock:
+            if self.available is not None:
+                return self.available
+            try:
+                import triton
+            except ImportError:
+                self.available = False
+                return False
+            knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
+            if knobs is None or not hasattr(knobs, "jit_post_compile_hook"):
+                self.available = False
+                return False
+            before = knobs.jit_post_compile_hook
+
+            def compiled(*args, **kwargs):
+                info = kwargs.get("fn")
+                self.names.append(str(getattr(info, "name", None) or "a kernel"))
+                return before(*args, **kwargs) if before is not None else False
+
+            knobs.jit_post_compile_hook = compiled
+            self.available = True
+            return True
+
+
+triton_compiles = _TritonCompiles()
+"""The process's count of Triton compiles (`_TritonCompiles`)."""
+
+
+@dataclass(frozen=True)
+class _Mark:
+    """What was counted when a step began."""
+
+    compiles: int
+    captures: int
+    rebuilds: int
+    reserved: int | None  # the allocator's reserved bytes at the last reading (None: off CUDA)
+    reserved_at: float
+
+
+class SlowSteps:
+    """The watch over one engine's steps (engine thread only): `mark()` before a step, `end(...)` after it,
+    which returns the warning line of a slow step (or None) and counts it by kind in `count`.
+
+    `captures()`: the CUDA graphs captured so far (decode and prefill); `history()`: the cache's rebuild
+    history (a list of dicts with "trigger" and "status"); `device`: where the caching allocator is read
+    (CUDA only)."""
+
+    def __init__(self, device: torch.device, captures: Callable[[], int], history: Callable[[], list],
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.device, self._captures, self._history, self.clock = device, captures, history, clock
+        self.count = {"decode": 0, "mixed": 0, "prefill": 0}
+        self.paused = False
+        self._decode: deque[float] = deque(maxlen=HISTORY)  # seconds a decode step
+        self._token: deque[float] = deque(maxlen=HISTORY)  # seconds a token, prefill and mixed steps
+        self._cuda = device.type == "cuda"
+        if self._cuda:
+            triton_compiles.install()
+        self._reserved: int | None = self._read_reserved() if self._cuda else None
+        self._reserved_at = clock()
+
+    def _read_reserved(self) -> int:
+        return int(torch.cuda.memory_reserved(self.device))
+
+    def pause(self) -> None:
+        """Judge no step until `resume` (the warm-up)."""
+        self.paused = True
+
+    def resume(self) -> None:
+        """Judge steps again, from a history of none (what came before was no user's)."""
+        self.paused = False
+        self._decode.clear()
+        self._token.clear()
+        if self._cuda:
+            self._reserved, self._reserved_at = self._read_reserved(), self.clock()
+
+    def mark(self) -> _Mark:
+        return _Mark(len(triton_compiles.names), self._captures(), len(self._history()), self._reserved,
+                     self._reserved_at)
+
+    def end(self, kind: str, seconds: float, shape: StepShape, mark: _Mark) -> str | None:
+        """Account a step that began at `mark` and took `seconds`; the warning line if it was slow."""
+        now = self.clock()
+        if self._cuda and (seconds >= SLOW_MIN_S or now - self._reserved_at >= RESERVED_EVERY_S):
+            self._reserved, self._reserved_at = self._read_reserved(), now
+        if self.paused:
+            return None
+        usual = paid = None
+        if seconds >= SLOW_MIN_S:  # (the usual time and the counters are read for these steps only)
+            usual, paid = self._usual(kind, shape), self._paid(mark)
+        if not paid and (usual is None or seconds < SLOW_FACTOR * usual):
+            if kind == "decode":
+                self._decode.append(seconds)
+            else:
+                self._token.append(seconds / max(shape.tokens, TOKEN_FLOOR))
+            return None
+        self.count[kind] = self.count.get(kind, 0) + 1
+        than = (f"{seconds / usual:.1f}x what such a step has taken ({usual * 1e3:,.0f} ms)" if usual
+                else "no usual time yet")
+        return (f"slow {kind} step: {seconds * 1e3:,.0f} ms, {than}: {shape.text()}; during it: "
+                f"{'; '.join(paid) if paid else self._nothing()}")
+
+    def _usual(self, kind: str, shape: StepShape) -> float | None:
+        if kind == "decode":
+            return statistics.median(self._decode) if len(self._decode) >= MIN_HISTORY else None
+        if len(self._token) < MIN_HISTORY:
+            return None
+        return statistics.median(self._token) * max(shape.tokens, TOKEN_FLOOR)
+
+    def _paid(self, mark: _Mark) -> list[str]:
+        out = []
+        names = triton_compiles.names[mark.compiles:]
+        if names:
+            shown = ", ".join(dict.fromkeys(names))  # (distinct, in order)
+            out.append(f"{len(names)} Triton kernel{'s' * (len(names) != 1)} compiled or loaded ({shown})")
+        captures = self._captures() - mark.captures
+        if captures > 0:
+            out.append(f"{captures} CUDA graph{'s' * (captures != 1)} captured")
+        for entry in self._history()[mark.rebuilds:]:
+            out.append(f"a {entry.get('trigger', '?')} rebuild ({entry.get('status', '?')})")
+        if mark.reserved is not None and self._reserved is not None and self._reserved > mark.reserved:
+            apart = (self._reserved_at - mark.reserved_at) * 1e3
+            out.append(f"the caching allocator took {(self._reserved - mark.reserved) / 2**20:,.0f} MiB more from "
+                       f"the driver (in the {apart:,.0f} ms between two readings, this step included)")
+        return out
+
+    def _nothing(self) -> str:
+        counted = "compile, capture, allocation or rebuild" if triton_compiles.available or not self._cuda \
+            else "capture, allocation or rebuild (this Triton reports no compiles)"
+        return f"nothing counted (no {counted}: a library's first use, the host, or another process?)"
+
+
+def engine_captures(engine: Any) -> int:
+    """CUDA graphs an engine's runner captured so far, decode and prefill."""
+    runner = engine.runner
+    return sum(g.captures for g in (getattr(runner, "graphs", None), getattr(runner, "prefill_graphs", None))
+               if g is not None)

@@ -1,0 +1,117 @@
+"""The slow-step watch (`ft.engine.core.slow_steps`): which steps count as slow, what their line names, that the
+engine accounts every step with its kind and rows, and that the warm-up runs with the watch paused."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from ft.engine.core.slow_steps import MIN_HISTORY, SLOW_MIN_S, TOKEN_FLOOR, SlowSteps, StepShape, triton_compiles
+
+
+class Counts:
+    """Stand-ins for an engine's graph captures and rebuild history."""
+
+    def __init__(self) -> None:
+        self.captures = 0
+        self.history: list[dict] = []
+
+
+def watch(counts: Counts | None = None) -> SlowSteps:
+    counts = counts or Counts()
+    return SlowSteps(torch.device("cpu"), lambda: counts.captures, lambda: counts.history)
+
+
+def run(w: SlowSteps, kind: str, seconds: float, shape: StepShape) -> str | None:
+    return w.end(kind, seconds, shape, w.mark())
+
+
+def test_a_decode_step_is_slow_at_three_times_its_usual_and_a_quarter_second():
+    w = watch()
+    rows = StepShape(decode_rows=10)
+    assert run(w, "decode", 1.0, rows) is None  # no usual time yet and nothing paid: not judged
+    for _ in range(MIN_HISTORY):
+        assert run(w, "decode", 0.007, rows) is None
+    assert run(w, "decode", 0.2, rows) is None  # 28x, but under SLOW_MIN_S
+    line = run(w, "decode", 0.3, rows)
+    assert line is not None and line.startswith("slow decode step: 300 ms, 42.9x what such a step has taken (7 ms)")
+    assert "10 decoding rows" in line and "nothing counted" in line
+    assert w.count == {"decode": 1, "mixed": 0, "prefill": 0}
+    # the slow step stayed out of the history: the usual time is still 7 ms
+    assert "(7 ms)" in run(w, "decode", 0.3, rows)
+
+
+def test_prefill_and_mixed_steps_are_judged_by_their_time_a_token():
+    w = watch()
+    for _ in range(MIN_HISTORY):  # 30 us a token
+        assert run(w, "prefill", 0.03 * 4096 / 1000, StepShape(1, 4096)) is None
+    assert run(w, "prefill", 0.49, StepShape(1, 16384)) is None  # 16K tokens in 0.49 s: its usual
+    short = StepShape(1, 100)  # charged TOKEN_FLOOR tokens: ~31 ms usual, so 0.08 s is not slow even at 27x a token
+    assert run(w, "prefill", 0.08, short) is None
+    line = run(w, "mixed", 0.979, StepShape(9, 9216, 1))
+    assert line is not None
+    assert line.startswith("slow mixed step: 979 ms, 3.5x what such a step has taken (277 ms): "
+                           "9 prompts (9,216 tokens) beside 1 decoding row; during it: nothing counted"), line
+    assert TOKEN_FLOOR == 1024 and w.count["mixed"] == 1
+
+
+def test_a_step_that_paid_for_a_first_time_is_named_without_a_usual_time():
+    counts = Counts()
+    w = watch(counts)
+    mark = w.mark()
+    counts.captures += 1
+    counts.history.append({"trigger": "mamba", "status": "ok"})
+    triton_compiles.names.extend(["_decode_combine_kernel", "_decode_combine_kernel", "_prefill_kernel"])
+    line = w.end("prefill", SLOW_MIN_S, StepShape(2, 3000), mark)
+    assert line == ("slow prefill step: 250 ms, no usual time yet: 2 prompts (3,000 tokens); during it: 3 Triton "
+                    "kernels compiled or loaded (_decode_combine_kernel, _prefill_kernel); 1 CUDA graph captured; "
+                    "a mamba rebuild (ok)")
+    # the same firsts in a step under SLOW_MIN_S: not slow, not named
+    mark = w.mark()
+    counts.captures += 1
+    assert w.end("decode", SLOW_MIN_S / 2, StepShape(decode_rows=1), mark) is None
+
+
+def test_a_paused_watch_judges_nothing_and_resumes_with_no_history():
+    w = watch()
+    w.pause()
+    for _ in range(MIN_HISTORY):
+        assert run(w, "decode", 0.007, StepShape(decode_rows=1)) is None
+    assert run(w, "decode", 5.0, StepShape(decode_rows=1)) is None and w.count["decode"] == 0
+    w.resume()
+    assert run(w, "decode", 5.0, StepShape(decode_rows=1)) is None  # the paused steps made no usual time
+
+
+def test_the_engine_accounts_each_step_by_kind_and_rows_and_logs_a_slow_one(tiny_one, caplog):
+    from ft.engine import LLM, SamplingParams
+
+    e = LLM(model=str(tiny_one[2]), device="cpu", max_running_requests=4, max_prefill_length=64).engine
+    seen = []
+    end = e.slow_steps.end
+
+    def recording(kind, seconds, shape, mark):
+        seen.append((kind, shape))
+        return end(kind, seconds, shape, mark)
+
+    e.slow_steps.end = recording
+    params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    first = e.add_request(list(range(5, 45)), params)
+    e.step()  # the first prompt alone
+    second = e.add_request(list(range(50, 70)), params)
+    e.run_until_done([first, second])
+    assert seen[0] == ("prefill", StepShape(1, 40, 0))
+    assert seen[1] == ("mixed", StepShape(1, 20, 1))  # the second prompt beside the first's decode
+    assert seen[-1][0] == "decode" and all(s.prompts == 0 for k, s in seen if k == "decode")
+    assert sum(e.step_times.count.values()) == len(seen)
+    # a step that takes far longer than the usual: a warning from the engine's logger, and counted
+    del e.slow_steps.end
+    for _ in range(MIN_HISTORY):
+        e.slow_steps.end("decode", 0.01, StepShape(decode_rows=1), e.slow_steps.mark())
+    e.slow_steps.end = lambda kind, seconds, shape, mark: end(kind, 1.0, shape, mark)
+    with caplog.at_level(logging.WARNING, logger="ft.engine"):
+        e.run_until_done([e.add_request(list(range(80, 90)), SamplingParams(max_new_tokens=2, ignore_eos=True))])
+    assert any(r.getMessage().startswith("slow decode step: 1,000 ms") for r in caplog.records)
+    assert e.stats().slow_steps["decode"] >= 1
+
