@@ -65,3 +65,27 @@ def test_no_triton_kernel_compiles_on_the_request_path_for_prompts_of_any_length
     finally:
         hooks.jit_post_compile_hook = before
     assert compiled == []
+
+
+def test_the_slow_step_watch_names_a_first_compile_on_the_device(model, monkeypatch):
+    """`ft.engine.core.slow_steps` on CUDA: Triton's compile hook is in (a fresh engine's first prefill names the
+    kernels it compiled or loaded), the allocator is read, and after the warm-up the same prompt pays for nothing
+    (every step judged: SLOW_MIN_S 0)."""
+    import ft.engine.core.slow_steps as slow_steps
+
+    monkeypatch.setattr(slow_steps, "SLOW_MIN_S", 0.0)
+    llm = LLM(model=model, device="cuda", dtype="bfloat16", moe_backend="resident", num_tokens=8192,
+              max_running_requests=4, prefill_graph_max_tokens=0, max_prefill_length=600)
+    e = llm.engine
+    assert slow_steps.triton_compiles.available, "this Triton has no jit_post_compile_hook: compiles go uncounted"
+    lines = []
+    end = e.slow_steps.end
+    e.slow_steps.end = lambda *a: lines.append(end(*a)) or lines[-1]
+    params = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    e.run_until_done([e.add_request([(13 * i) % 1000 + 5 for i in range(517)], params)])
+    first = [line for line in lines if line]
+    assert first and "Triton kernel" in first[0] and first[0].startswith("slow prefill step: "), first
+    warm_up(e)
+    lines.clear()
+    e.run_until_done([e.add_request([(17 * i) % 1000 + 5 for i in range(517)], params)])
+    assert not any(line and ("Triton" in line or "captured" in line) for line in lines), lines
