@@ -74,6 +74,40 @@ def test_a_step_that_paid_for_a_first_time_is_named_without_a_usual_time():
     assert w.end("decode", SLOW_MIN_S / 2, StepShape(decode_rows=1), mark) is None
 
 
+def test_memory_taken_during_a_slow_step_is_named_by_where_it_went():
+    """The caching allocator's growth, and the driver's count's growth beyond it (memory outside torch: kernel
+    modules loaded on first use, library workspaces); read at most every MEMORY_EVERY_S outside slow steps."""
+    now = [0.0]
+    memory = [(4 << 30, 70 << 30)]  # (allocator reserved, driver's count)
+    reads = []
+
+    def read():
+        reads.append(now[0])
+        return memory[0]
+
+    w = SlowSteps(torch.device("cpu"), lambda: 0, lambda: [], clock=lambda: now[0], read_memory=read)
+    assert reads == [0.0]
+    for _ in range(MIN_HISTORY):  # fast steps: one reading a MEMORY_EVERY_S
+        now[0] += 0.01
+        assert run(w, "decode", 0.01, StepShape(decode_rows=2)) is None
+    assert reads == [0.0]
+    now[0] += 0.3
+    assert run(w, "decode", 0.01, StepShape(decode_rows=2)) is None and len(reads) == 2
+    mark = w.mark()
+    memory[0] = ((4 << 30) + (512 << 20), (70 << 30) + (512 << 20) + (200 << 20))
+    now[0] += 0.4
+    line = w.end("mixed", 0.4, StepShape(3, 3072, 2), mark)
+    assert line is not None and len(reads) == 3
+    assert "the caching allocator took 512 MiB more from the driver (in the 400 ms between two readings" in line
+    assert "200 MiB more of the card went outside torch's allocator (kernel modules loaded on first use" in line
+    # nothing taken: a slow step's line names no memory
+    for _ in range(MIN_HISTORY):
+        run(w, "mixed", 0.03, StepShape(1, 1024))
+    now[0] += 1.0
+    line = run(w, "mixed", 1.0, StepShape(1, 1024))
+    assert line is not None and "MiB" not in line and "nothing counted" in line
+
+
 def test_a_paused_watch_judges_nothing_and_resumes_with_no_history():
     w = watch()
     w.pause()

@@ -24,9 +24,15 @@ or any step of at least `SLOW_MIN_S` during which something was paid for the fir
 `MIN_HISTORY` steps of the kind on; slow steps stay out of the history. The warm-up runs with the watch paused
 (its steps are all first times, and none is a user's).
 
-Cost: a few integer reads a step; the allocator's reserved bytes (a `torch.cuda.memory_stats` call, tens of
-microseconds) at most every `RESERVED_EVERY_S` seconds and after every step of at least `SLOW_MIN_S`, so a slow
-step's growth is counted since the last reading (taken at most that long before the step began).
+Device memory taken during a step is read two ways: the caching allocator's reserved bytes (torch's own
+tensors) and the driver's count of the card's use (`cudaMemGetInfo`), whose growth beyond the allocator's is
+memory taken outside torch: kernels' modules loaded on their first launch (CUDA's lazy loading: a library's
+kernels load as a new shape first picks them), library workspaces, the CUDA context, the pools' own driver mappings
+(`ft.memory.vmm`: a rebuild, a loan). (On a card other processes share, their allocations count there too.)
+
+Cost: a few integer reads a step; the two memory readings (a `torch.cuda.memory_stats` call and a driver call,
+tens of microseconds) at most every `MEMORY_EVERY_S` seconds and after every step of at least `SLOW_MIN_S`, so a
+slow step's growth is counted since the last readings (taken at most that long before the step began).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import torch
 
 from ft.engine.sched.scheduler import ScheduledWork
 
-__all__ = ["SlowSteps", "StepShape", "engine_captures", "triton_compiles"]
+__all__ = ["SlowSteps", "StepShape", "cuda_memory", "engine_captures", "triton_compiles"]
 
 SLOW_MIN_S = 0.25
 """Shortest step that may count as slow (a decode step takes milliseconds; a whole 16K chunk under a second)."""
@@ -54,8 +60,8 @@ MIN_HISTORY = 8
 """Steps of a kind before its usual time is trusted."""
 TOKEN_FLOOR = 1024
 """Fewest tokens a prefill or mixed step is charged (a short chunk costs about what a 1K one does)."""
-RESERVED_EVERY_S = 0.25
-"""Least time between two readings of the allocator's reserved bytes outside slow steps."""
+MEMORY_EVERY_S = 0.25
+"""Least time between two memory readings (the allocator's reserved bytes, the driver's count) outside slow steps."""
 
 
 @dataclass(frozen=True)
@@ -134,8 +140,9 @@ class _Mark:
     compiles: int
     captures: int
     rebuilds: int
-    reserved: int | None  # the allocator's reserved bytes at the last reading (None: off CUDA)
-    reserved_at: float
+    memory: tuple[int, int] | None  # (the allocator's reserved bytes, the driver's count of the card's use) at the
+    # last reading (None: off CUDA)
+    memory_at: float
 
 
 class SlowSteps:
@@ -143,11 +150,13 @@ class SlowSteps:
     which returns the warning line of a slow step (or None) and counts it by kind in `count`.
 
     `captures()`: the CUDA graphs captured so far (decode and prefill); `history()`: the cache's rebuild
-    history (a list of dicts with "trigger" and "status"); `device`: where the caching allocator is read
-    (CUDA only)."""
+    history (a list of dicts with "trigger" and "status"); `device`: on CUDA, Triton's compiles are counted and
+    `read_memory` defaults to `cuda_memory` (the allocator's reserved bytes, the driver's count of the card's use);
+    elsewhere nothing is read unless `read_memory` is given."""
 
     def __init__(self, device: torch.device, captures: Callable[[], int], history: Callable[[], list],
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 read_memory: Callable[[], tuple[int, int]] | None = None) -> None:
         self.device, self._captures, self._history, self.clock = device, captures, history, clock
         self.count = {"decode": 0, "mixed": 0, "prefill": 0}
         self.paused = False
@@ -156,11 +165,11 @@ class SlowSteps:
         self._cuda = device.type == "cuda"
         if self._cuda:
             triton_compiles.install()
-        self._reserved: int | None = self._read_reserved() if self._cuda else None
-        self._reserved_at = clock()
-
-    def _read_reserved(self) -> int:
-        return int(torch.cuda.memory_reserved(self.device))
+        if read_memory is None and self._cuda:
+            read_memory = lambda: cuda_memory(device)  # noqa: E731
+        self._read_memory = read_memory
+        self._memory: tuple[int, int] | None = read_memory() if read_memory is not None else None
+        self._memory_at = clock()
 
     def pause(self) -> None:
         """Judge no step until `resume` (the warm-up)."""
@@ -171,18 +180,18 @@ class SlowSteps:
         self.paused = False
         self._decode.clear()
         self._token.clear()
-        if self._cuda:
-            self._reserved, self._reserved_at = self._read_reserved(), self.clock()
+        if self._read_memory is not None:
+            self._memory, self._memory_at = self._read_memory(), self.clock()
 
     def mark(self) -> _Mark:
-        return _Mark(len(triton_compiles.names), self._captures(), len(self._history()), self._reserved,
-                     self._reserved_at)
+        return _Mark(len(triton_compiles.names), self._captures(), len(self._history()), self._memory,
+                     self._memory_at)
 
     def end(self, kind: str, seconds: float, shape: StepShape, mark: _Mark) -> str | None:
         """Account a step that began at `mark` and took `seconds`; the warning line if it was slow."""
         now = self.clock()
-        if self._cuda and (seconds >= SLOW_MIN_S or now - self._reserved_at >= RESERVED_EVERY_S):
-            self._reserved, self._reserved_at = self._read_reserved(), now
+        if self._read_memory is not None and (seconds >= SLOW_MIN_S or now - self._memory_at >= MEMORY_EVERY_S):
+            self._memory, self._memory_at = self._read_memory(), now
         if self.paused:
             return None
         usual = paid = None
@@ -218,16 +227,27 @@ class SlowSteps:
             out.append(f"{captures} CUDA graph{'s' * (captures != 1)} captured")
         for entry in self._history()[mark.rebuilds:]:
             out.append(f"a {entry.get('trigger', '?')} rebuild ({entry.get('status', '?')})")
-        if mark.reserved is not None and self._reserved is not None and self._reserved > mark.reserved:
-            apart = (self._reserved_at - mark.reserved_at) * 1e3
-            out.append(f"the caching allocator took {(self._reserved - mark.reserved) / 2**20:,.0f} MiB more from "
-                       f"the driver (in the {apart:,.0f} ms between two readings, this step included)")
+        if mark.memory is not None and self._memory is not None:
+            torch_mib = (self._memory[0] - mark.memory[0]) / 2**20
+            other_mib = (self._memory[1] - mark.memory[1]) / 2**20 - max(torch_mib, 0.0)
+            apart = f"in the {(self._memory_at - mark.memory_at) * 1e3:,.0f} ms between two readings, this step included"
+            if torch_mib >= 1:
+                out.append(f"the caching allocator took {torch_mib:,.0f} MiB more from the driver ({apart})")
+            if other_mib >= 1:
+                out.append(f"{other_mib:,.0f} MiB more of the card went outside torch's allocator (kernel modules "
+                           f"loaded on first use, library workspaces, the pools' own mappings; {apart})")
         return out
 
     def _nothing(self) -> str:
         counted = "compile, capture, allocation or rebuild" if triton_compiles.available or not self._cuda \
             else "capture, allocation or rebuild (this Triton reports no compiles)"
         return f"nothing counted (no {counted}: a library's first use, the host, or another process?)"
+
+
+def cuda_memory(device: torch.device) -> tuple[int, int]:
+    """(torch's caching allocator's reserved bytes, the driver's count of the card's use in bytes) on `device`."""
+    free, total = torch.cuda.mem_get_info(device)
+    return int(torch.cuda.memory_reserved(device)), int(total - free)
 
 
 def engine_captures(engine: Any) -> int:
