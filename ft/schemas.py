@@ -259,6 +259,7 @@ class LiveRates(_Model):
     expert_hit_rate: float = 0.0  # over the last interval
     kv_usage: float = 0.0  # used pages / pages
     engine_busy: float = 0.0  # share of the last interval the engine thread spent in steps, 0..1 (0 when unknown)
+    slow_steps: int = 0  # steps in the last interval far slower than their kind's usual (each a warning in the server log)
 
 
 class Event(_Model):

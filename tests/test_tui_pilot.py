@@ -563,3 +563,25 @@ def test_a_dry_run_answering_after_the_dialog_closed_changes_nothing():
             await pilot.press("q")
 
     asyncio.run(scenario())
+
+
+def test_the_plots_border_counts_the_servers_slow_steps_in_its_window():
+    """A tick whose interval had slow steps (`LiveRates.slow_steps`): the plots' bottom border counts them beside
+    the window's span, and says where each is named (the server's log)."""
+    from ft.schemas import LiveRates
+    from ft.tui.widgets.plots import RatePlots
+
+    ticks = [Update(Event(kind="tick", cache=cache(uptime_s=100.0 + i),
+                          rates=LiveRates(decode_tokens_per_s=50.0, slow_steps=2 if i == 3 else 0)))
+             for i in range(5)]
+    app = make_app("http://127.0.0.1:30000", None, 1.0, client=FakeClient(), clock=Clock(),
+                   source=FixedSource(ticks, Status(True, "test")))
+
+    async def scenario():
+        async with app.run_test(size=(120, 40)) as pilot:
+            await until(pilot, lambda: "slow" in str(app.query_one(RatePlots).border_subtitle), 30)
+            assert str(app.query_one(RatePlots).border_subtitle).endswith(
+                " · 2 slow steps (the server's log names each)")
+            await pilot.press("q")
+
+    asyncio.run(scenario())

@@ -98,6 +98,12 @@ def test_rate_history_ring():
     assert len(h) == 3
     assert h.series() == {"decode": [2.0, 3.0, 4.0], "hit_rate": [1.0] * 3, "kv_usage": [0.0] * 3,
                           "busy": [2 / 3, 1.0, 1.0]}  # (a share over 1, from instants a little apart: 1)
+    assert h.slow_steps() == 0
+    for i in range(3):
+        h.push(LiveRates(slow_steps=2 if i == 0 else 0))
+    assert h.slow_steps() == 2
+    h.push(LiveRates())
+    assert h.slow_steps() == 0  # out of the window
     with pytest.raises(ValueError):
         RateHistory(0)
 

@@ -208,6 +208,7 @@ async def events(request: Request):
                     rates.expert_hit_rate = dh / (dh + dm) if dh + dm else cache.pools.moe.hit_rate
                     busy = sum(stats.step_seconds.values()) - sum(last.step_seconds.values())
                     rates.engine_busy = min(1.0, max(0.0, busy / dt))  # (the figures' own instants differ a little)
+                    rates.slow_steps = max(0, sum(stats.slow_steps.values()) - sum(last.slow_steps.values()))
                 last, last_t = stats, now
                 key = (cache.state, cache.pools.moe.size, cache.pools.kv.size, cache.pools.mamba.size)
                 if kind != "snapshot" and key != last_key:

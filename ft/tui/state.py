@@ -227,14 +227,16 @@ def rung_label(ladder: LadderState, kv_tokens: int) -> str:
 @dataclass
 class RateHistory:
     """Ring buffers of the live rates, one sample per event: the last `capacity` samples of
-    decode tokens/s, expert hit rate (0..1), KV usage (0..1) and the engine's busy share (0..1), and
-    when each came (the caller's clock, seconds) for the plots' time span."""
+    decode tokens/s, expert hit rate (0..1), KV usage (0..1) and the engine's busy share (0..1), the slow steps
+    of each interval (`slow_steps`: their sum over the window), and when each came (the caller's clock, seconds)
+    for the plots' time span."""
 
     capacity: int = 240
     decode: deque = field(init=False)
     hit_rate: deque = field(init=False)
     kv_usage: deque = field(init=False)
     busy: deque = field(init=False)
+    slow: deque = field(init=False)
     times: deque = field(init=False)
 
     def __post_init__(self) -> None:
@@ -244,6 +246,7 @@ class RateHistory:
         self.hit_rate = deque(maxlen=self.capacity)
         self.kv_usage = deque(maxlen=self.capacity)
         self.busy = deque(maxlen=self.capacity)
+        self.slow = deque(maxlen=self.capacity)
         self.times = deque(maxlen=self.capacity)
 
     def push(self, rates: LiveRates, t: float = 0.0) -> None:
@@ -251,6 +254,7 @@ class RateHistory:
         self.hit_rate.append(min(1.0, max(0.0, rates.expert_hit_rate)))
         self.kv_usage.append(min(1.0, max(0.0, rates.kv_usage)))
         self.busy.append(min(1.0, max(0.0, rates.engine_busy)))
+        self.slow.append(max(0, rates.slow_steps))
         self.times.append(t)
 
     def __len__(self) -> int:
@@ -259,6 +263,10 @@ class RateHistory:
     def span(self) -> float:
         """Seconds between the oldest and the newest sample."""
         return self.times[-1] - self.times[0] if len(self.times) > 1 else 0.0
+
+    def slow_steps(self) -> int:
+        """The server's slow steps within the window (`ft.engine.core.slow_steps`)."""
+        return sum(self.slow)
 
     def series(self) -> dict[str, list[float]]:
         return {"decode": list(self.decode), "hit_rate": list(self.hit_rate), "kv_usage": list(self.kv_usage),

@@ -2,7 +2,8 @@
 thread spent in steps: near 100% the server is saturated) over the last minutes, each a bar plot
 with its scale: the axis's bottom and top with the unit (the shares on 0..100%, decode on 0 up to a
 round number above the window's peak), the latest value, and the window's time span in the panel's
-bottom border."""
+bottom border, with the server's slow steps in that window when there were any (a stall's count: the
+server's log has a line for each, `ft.engine.core.slow_steps`)."""
 
 from __future__ import annotations
 
@@ -100,4 +101,6 @@ class RatePlots(Vertical):
         for key, *_ in PLOTS:
             self.query_one(f"#plot-{key}", RatePlot).show(series[key])
         span = history.span()
-        self.border_subtitle = f"last {format_age(span)} → now" if len(history) > 1 else ""
+        slow = history.slow_steps()
+        slow_text = f" · {slow} slow step{'s' * (slow != 1)} (the server's log names each)" if slow else ""
+        self.border_subtitle = (f"last {format_age(span)} → now" if len(history) > 1 else "") + slow_text
