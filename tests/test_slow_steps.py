@@ -19,9 +19,8 @@ class Counts:
         self.history: list[dict] = []
 
 
-def watch(counts: Counts | None = None) -> SlowSteps:
-    counts = counts or Counts()
-    return SlowSteps(torch.device("cpu"), lambda: counts.captures, lambda: counts.history)
+def watch() -> SlowSteps:
+    return SlowSteps(torch.device("cpu"))
 
 
 def run(w: SlowSteps, kind: str, seconds: float, shape: StepShape) -> str | None:
@@ -59,19 +58,19 @@ def test_prefill_and_mixed_steps_are_judged_by_their_time_a_token():
 
 def test_a_step_that_paid_for_a_first_time_is_named_without_a_usual_time():
     counts = Counts()
-    w = watch(counts)
-    mark = w.mark()
+    w = watch()
+    mark = w.mark(counts.captures, counts.history)
     counts.captures += 1
     counts.history.append({"trigger": "mamba", "status": "ok"})
     triton_compiles.names.extend(["_decode_combine_kernel", "_decode_combine_kernel", "_prefill_kernel"])
-    line = w.end("prefill", SLOW_MIN_S, StepShape(2, 3000), mark)
+    line = w.end("prefill", SLOW_MIN_S, StepShape(2, 3000), mark, counts.captures, counts.history)
     assert line == ("slow prefill step: 250 ms, no usual time yet: 2 prompts (3,000 tokens); during it: 3 Triton "
                     "kernels compiled or loaded (_decode_combine_kernel, _prefill_kernel); 1 CUDA graph captured; "
                     "a mamba rebuild (ok)")
     # the same firsts in a step under SLOW_MIN_S: not slow, not named
-    mark = w.mark()
+    mark = w.mark(counts.captures, counts.history)
     counts.captures += 1
-    assert w.end("decode", SLOW_MIN_S / 2, StepShape(decode_rows=1), mark) is None
+    assert w.end("decode", SLOW_MIN_S / 2, StepShape(decode_rows=1), mark, counts.captures, counts.history) is None
 
 
 def test_memory_taken_during_a_slow_step_is_named_by_where_it_went():
@@ -85,7 +84,7 @@ def test_memory_taken_during_a_slow_step_is_named_by_where_it_went():
         reads.append(now[0])
         return memory[0]
 
-    w = SlowSteps(torch.device("cpu"), lambda: 0, lambda: [], clock=lambda: now[0], read_memory=read)
+    w = SlowSteps(torch.device("cpu"), clock=lambda: now[0], read_memory=read)
     assert reads == [0.0]
     for _ in range(MIN_HISTORY):  # fast steps: one reading a MEMORY_EVERY_S
         now[0] += 0.01
@@ -125,9 +124,9 @@ def test_the_engine_accounts_each_step_by_kind_and_rows_and_logs_a_slow_one(tiny
     seen = []
     end = e.slow_steps.end
 
-    def recording(kind, seconds, shape, mark):
+    def recording(kind, seconds, shape, mark, *counts):
         seen.append((kind, shape))
-        return end(kind, seconds, shape, mark)
+        return end(kind, seconds, shape, mark, *counts)
 
     e.slow_steps.end = recording
     params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
@@ -143,7 +142,7 @@ def test_the_engine_accounts_each_step_by_kind_and_rows_and_logs_a_slow_one(tiny
     del e.slow_steps.end
     for _ in range(MIN_HISTORY):
         e.slow_steps.end("decode", 0.01, StepShape(decode_rows=1), e.slow_steps.mark())
-    e.slow_steps.end = lambda kind, seconds, shape, mark: end(kind, 1.0, shape, mark)
+    e.slow_steps.end = lambda kind, seconds, shape, mark, *counts: end(kind, 1.0, shape, mark, *counts)
     with caplog.at_level(logging.WARNING, logger="ft.engine"):
         e.run_until_done([e.add_request(list(range(80, 90)), SamplingParams(max_new_tokens=2, ignore_eos=True))])
     assert any(r.getMessage().startswith("slow decode step: 1,000 ms") for r in caplog.records)

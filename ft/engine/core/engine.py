@@ -111,7 +111,7 @@ class Engine(RankState):
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         self.step_times = StepTimes()  # steps and their wall time by kind (`ft.engine.core.step_times`)
         # steps far slower than their kind's usual, logged with what was paid for during them (`ft.engine.core.slow_steps`)
-        self.slow_steps = SlowSteps(self.device, lambda: engine_captures(self), lambda: self.cache.history)
+        self.slow_steps = SlowSteps(self.device)
         self._step_shape = StepShape()
         self._step_kind: str | None = None  # the kind of the step `_step` ran (None: it ran none)
 
@@ -230,7 +230,7 @@ class Engine(RankState):
         if self._workers:
             self._check_workers()
         t0 = time.perf_counter()
-        mark = self.slow_steps.mark()
+        mark = self.slow_steps.mark(engine_captures(self), self.cache.history)
         if self.overlap.inflight is not None:
             out = self.overlap.step()
             self._account("decode", time.perf_counter() - t0, StepShape(decode_rows=len(out)), mark)
@@ -244,7 +244,7 @@ class Engine(RankState):
     def _account(self, kind: str, seconds: float, shape: StepShape, mark) -> None:
         """A step's time by kind, and its warning line if it was slow (`ft.engine.core.slow_steps`)."""
         self.step_times.add(kind, seconds)
-        line = self.slow_steps.end(kind, seconds, shape, mark)
+        line = self.slow_steps.end(kind, seconds, shape, mark, engine_captures(self), self.cache.history)
         if line is not None:
             log.warning("%s", line)
 

@@ -42,7 +42,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -146,18 +146,17 @@ class _Mark:
 
 
 class SlowSteps:
-    """The watch over one engine's steps (engine thread only): `mark()` before a step, `end(...)` after it,
-    which returns the warning line of a slow step (or None) and counts it by kind in `count`.
-
-    `captures()`: the CUDA graphs captured so far (decode and prefill); `history()`: the cache's rebuild
-    history (a list of dicts with "trigger" and "status"); `device`: on CUDA, Triton's compiles are counted and
+    """The watch over one engine's steps (engine thread only): `mark(captures, history)` before a step,
+    `end(kind, seconds, shape, mark, captures, history)` after it, which returns the warning line of a slow step
+    (or None) and counts it by kind in `count`. `captures`: the CUDA graphs the engine captured so far (decode and
+    prefill, `engine_captures`); `history`: its cache's rebuild history (dicts with "trigger" and "status"),
+    passed at each call rather than held, so that the watch keeps no reference to its engine. `device`: on CUDA, Triton's compiles are counted and
     `read_memory` defaults to `cuda_memory` (the allocator's reserved bytes, the driver's count of the card's use);
     elsewhere nothing is read unless `read_memory` is given."""
 
-    def __init__(self, device: torch.device, captures: Callable[[], int], history: Callable[[], list],
-                 clock: Callable[[], float] = time.perf_counter,
+    def __init__(self, device: torch.device, clock: Callable[[], float] = time.perf_counter,
                  read_memory: Callable[[], tuple[int, int]] | None = None) -> None:
-        self.device, self._captures, self._history, self.clock = device, captures, history, clock
+        self.device, self.clock = device, clock
         self.count = {"decode": 0, "mixed": 0, "prefill": 0}
         self.paused = False
         self._decode: deque[float] = deque(maxlen=HISTORY)  # seconds a decode step
@@ -183,11 +182,12 @@ class SlowSteps:
         if self._read_memory is not None:
             self._memory, self._memory_at = self._read_memory(), self.clock()
 
-    def mark(self) -> _Mark:
-        return _Mark(len(triton_compiles.names), self._captures(), len(self._history()), self._memory,
+    def mark(self, captures: int = 0, history: Sequence[dict] = ()) -> _Mark:
+        return _Mark(len(triton_compiles.names), captures, len(history), self._memory,
                      self._memory_at)
 
-    def end(self, kind: str, seconds: float, shape: StepShape, mark: _Mark) -> str | None:
+    def end(self, kind: str, seconds: float, shape: StepShape, mark: _Mark, captures: int = 0,
+            history: Sequence[dict] = ()) -> str | None:
         """Account a step that began at `mark` and took `seconds`; the warning line if it was slow."""
         now = self.clock()
         if self._read_memory is not None and (seconds >= SLOW_MIN_S or now - self._memory_at >= MEMORY_EVERY_S):
@@ -196,7 +196,7 @@ class SlowSteps:
             return None
         usual = paid = None
         if seconds >= SLOW_MIN_S:  # (the usual time and the counters are read for these steps only)
-            usual, paid = self._usual(kind, shape), self._paid(mark)
+            usual, paid = self._usual(kind, shape), self._paid(mark, captures, history)
         if not paid and (usual is None or seconds < SLOW_FACTOR * usual):
             if kind == "decode":
                 self._decode.append(seconds)
@@ -216,16 +216,16 @@ class SlowSteps:
             return None
         return statistics.median(self._token) * max(shape.tokens, TOKEN_FLOOR)
 
-    def _paid(self, mark: _Mark) -> list[str]:
+    def _paid(self, mark: _Mark, captures: int, history: Sequence[dict]) -> list[str]:
         out = []
         names = triton_compiles.names[mark.compiles:]
         if names:
             shown = ", ".join(dict.fromkeys(names))  # (distinct, in order)
             out.append(f"{len(names)} Triton kernel{'s' * (len(names) != 1)} compiled or loaded ({shown})")
-        captures = self._captures() - mark.captures
-        if captures > 0:
-            out.append(f"{captures} CUDA graph{'s' * (captures != 1)} captured")
-        for entry in self._history()[mark.rebuilds:]:
+        captured = captures - mark.captures
+        if captured > 0:
+            out.append(f"{captured} CUDA graph{'s' * (captured != 1)} captured")
+        for entry in history[mark.rebuilds:]:
             out.append(f"a {entry.get('trigger', '?')} rebuild ({entry.get('status', '?')})")
         if mark.memory is not None and self._memory is not None:
             torch_mib = (self._memory[0] - mark.memory[0]) / 2**20
@@ -253,5 +253,5 @@ def cuda_memory(device: torch.device) -> tuple[int, int]:
 def engine_captures(engine: Any) -> int:
     """CUDA graphs an engine's runner captured so far, decode and prefill."""
     runner = engine.runner
-    return sum(g.captures for g in (getattr(runner, "graphs", None), getattr(runner, "prefill_graphs", None))
-               if g is not None)
+    return sum(getattr(g, "captures", 0) for g in (getattr(runner, "graphs", None),
+                                                   getattr(runner, "prefill_graphs", None)) if g is not None)
