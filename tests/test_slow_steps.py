@@ -8,7 +8,8 @@ import logging
 import pytest
 import torch
 
-from ft.engine.core.slow_steps import MIN_HISTORY, SLOW_MIN_S, TOKEN_FLOOR, SlowSteps, StepShape, triton_compiles
+from ft.engine.core.slow_steps import (MIN_HISTORY, SLOW_MIN_S, TOKEN_FLOOR, MemoryReading, SlowSteps, StepShape,
+                                       triton_compiles)
 
 
 class Counts:
@@ -74,10 +75,11 @@ def test_a_step_that_paid_for_a_first_time_is_named_without_a_usual_time():
 
 
 def test_memory_taken_during_a_slow_step_is_named_by_where_it_went():
-    """The caching allocator's growth, and the driver's count's growth beyond it (memory outside torch: kernel
-    modules loaded on first use, library workspaces); read at most every MEMORY_EVERY_S outside slow steps."""
+    """The caching allocator's growth, the driver's count's growth beyond it (memory outside torch: kernel modules
+    loaded on first use, library workspaces) and the pinned host blocks created (and the time their CUDA calls took);
+    read at most every MEMORY_EVERY_S outside slow steps."""
     now = [0.0]
-    memory = [(4 << 30, 70 << 30)]  # (allocator reserved, driver's count)
+    memory = [MemoryReading(4 << 30, 70 << 30, host_blocks=3, host_alloc_us=40_000.0)]
     reads = []
 
     def read():
@@ -93,12 +95,14 @@ def test_memory_taken_during_a_slow_step_is_named_by_where_it_went():
     now[0] += 0.3
     assert run(w, "decode", 0.01, StepShape(decode_rows=2)) is None and len(reads) == 2
     mark = w.mark()
-    memory[0] = ((4 << 30) + (512 << 20), (70 << 30) + (512 << 20) + (200 << 20))
+    memory[0] = MemoryReading((4 << 30) + (512 << 20), (70 << 30) + (512 << 20) + (200 << 20), host_blocks=10,
+                              host_alloc_us=40_000.0 + 250_000.0)
     now[0] += 0.4
     line = w.end("mixed", 0.4, StepShape(3, 3072, 2), mark)
     assert line is not None and len(reads) == 3
     assert "the caching allocator took 512 MiB more from the driver (in the 400 ms between two readings" in line
     assert "200 MiB more of the card went outside torch's allocator (kernel modules loaded on first use" in line
+    assert "7 pinned host blocks created, 250 ms in their CUDA calls (in the 400 ms" in line
     # nothing taken: a slow step's line names no memory
     for _ in range(MIN_HISTORY):
         run(w, "mixed", 0.03, StepShape(1, 1024))

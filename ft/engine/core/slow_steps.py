@@ -29,9 +29,12 @@ tensors) and the driver's count of the card's use (`cudaMemGetInfo`), whose grow
 memory taken outside torch: kernels' modules loaded on their first launch (CUDA's lazy loading: a library's
 kernels load as a new shape first picks them), library workspaces, the CUDA context, the pools' own driver mappings
 (`ft.memory.vmm`: a rebuild, a loan). (On a card other processes share, their allocations count there too.)
+Pinned host memory is read from torch's host allocator (`torch.cuda.host_memory_stats`: the blocks it created and
+the microseconds its CUDA calls took): page-locking a block is slow (tens of milliseconds for ~100 MB), and the
+prefix cache's linear-attention states (`--prefix-states-on-host`) take one such block an entry.
 
-Cost: a few integer reads a step; the two memory readings (a `torch.cuda.memory_stats` call and a driver call,
-tens of microseconds) at most every `MEMORY_EVERY_S` seconds and after every step of at least `SLOW_MIN_S`, so a
+Cost: a few integer reads a step; the memory readings (`torch.cuda.memory_stats`, a driver call and the host
+allocator's statistics, tens of microseconds) at most every `MEMORY_EVERY_S` seconds and after every step of at least `SLOW_MIN_S`, so a
 slow step's growth is counted since the last readings (taken at most that long before the step began).
 """
 
@@ -48,7 +51,7 @@ import torch
 
 from ft.engine.sched.scheduler import ScheduledWork
 
-__all__ = ["SlowSteps", "StepShape", "cuda_memory", "engine_captures", "triton_compiles"]
+__all__ = ["MemoryReading", "SlowSteps", "StepShape", "cuda_memory", "engine_captures", "triton_compiles"]
 
 SLOW_MIN_S = 0.25
 """Shortest step that may count as slow (a decode step takes milliseconds; a whole 16K chunk under a second)."""
@@ -61,7 +64,17 @@ MIN_HISTORY = 8
 TOKEN_FLOOR = 1024
 """Fewest tokens a prefill or mixed step is charged (a short chunk costs about what a 1K one does)."""
 MEMORY_EVERY_S = 0.25
-"""Least time between two memory readings (the allocator's reserved bytes, the driver's count) outside slow steps."""
+"""Least time between two memory readings (`MemoryReading`) outside slow steps."""
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """Cumulative memory figures of a process on its device, in bytes, blocks and microseconds."""
+
+    reserved: int  # torch's caching allocator's reserved bytes
+    used: int  # the driver's count of the card's use (total - free)
+    host_blocks: int = 0  # pinned host blocks torch's host allocator created so far
+    host_alloc_us: float = 0.0  # microseconds its CUDA calls took creating them
 
 
 @dataclass(frozen=True)
@@ -140,8 +153,7 @@ class _Mark:
     compiles: int
     captures: int
     rebuilds: int
-    memory: tuple[int, int] | None  # (the allocator's reserved bytes, the driver's count of the card's use) at the
-    # last reading (None: off CUDA)
+    memory: MemoryReading | None  # at the last reading (None: off CUDA)
     memory_at: float
 
 
@@ -151,11 +163,10 @@ class SlowSteps:
     (or None) and counts it by kind in `count`. `captures`: the CUDA graphs the engine captured so far (decode and
     prefill, `engine_captures`); `history`: its cache's rebuild history (dicts with "trigger" and "status"),
     passed at each call rather than held, so that the watch keeps no reference to its engine. `device`: on CUDA, Triton's compiles are counted and
-    `read_memory` defaults to `cuda_memory` (the allocator's reserved bytes, the driver's count of the card's use);
-    elsewhere nothing is read unless `read_memory` is given."""
+    `read_memory` defaults to `cuda_memory`; elsewhere nothing is read unless `read_memory` is given."""
 
     def __init__(self, device: torch.device, clock: Callable[[], float] = time.perf_counter,
-                 read_memory: Callable[[], tuple[int, int]] | None = None) -> None:
+                 read_memory: Callable[[], MemoryReading] | None = None) -> None:
         self.device, self.clock = device, clock
         self.count = {"decode": 0, "mixed": 0, "prefill": 0}
         self.paused = False
@@ -167,7 +178,7 @@ class SlowSteps:
         if read_memory is None and self._cuda:
             read_memory = lambda: cuda_memory(device)  # noqa: E731
         self._read_memory = read_memory
-        self._memory: tuple[int, int] | None = read_memory() if read_memory is not None else None
+        self._memory: MemoryReading | None = read_memory() if read_memory is not None else None
         self._memory_at = clock()
 
     def pause(self) -> None:
@@ -227,15 +238,21 @@ class SlowSteps:
             out.append(f"{captured} CUDA graph{'s' * (captured != 1)} captured")
         for entry in history[mark.rebuilds:]:
             out.append(f"a {entry.get('trigger', '?')} rebuild ({entry.get('status', '?')})")
-        if mark.memory is not None and self._memory is not None:
-            torch_mib = (self._memory[0] - mark.memory[0]) / 2**20
-            other_mib = (self._memory[1] - mark.memory[1]) / 2**20 - max(torch_mib, 0.0)
+        before, now = mark.memory, self._memory
+        if before is not None and now is not None:
+            torch_mib = (now.reserved - before.reserved) / 2**20
+            other_mib = (now.used - before.used) / 2**20 - max(torch_mib, 0.0)
             apart = f"in the {(self._memory_at - mark.memory_at) * 1e3:,.0f} ms between two readings, this step included"
             if torch_mib >= 1:
                 out.append(f"the caching allocator took {torch_mib:,.0f} MiB more from the driver ({apart})")
             if other_mib >= 1:
                 out.append(f"{other_mib:,.0f} MiB more of the card went outside torch's allocator (kernel modules "
                            f"loaded on first use, library workspaces, the pools' own mappings; {apart})")
+            blocks = now.host_blocks - before.host_blocks
+            if blocks > 0:
+                took = (now.host_alloc_us - before.host_alloc_us) / 1e3  # (0 where this torch does not time them)
+                out.append(f"{blocks} pinned host block{'s' * (blocks != 1)} created"
+                           + (f", {took:,.0f} ms in their CUDA calls" if took > 0 else "") + f" ({apart})")
         return out
 
     def _nothing(self) -> str:
@@ -244,10 +261,13 @@ class SlowSteps:
         return f"nothing counted (no {counted}: a library's first use, the host, or another process?)"
 
 
-def cuda_memory(device: torch.device) -> tuple[int, int]:
-    """(torch's caching allocator's reserved bytes, the driver's count of the card's use in bytes) on `device`."""
+def cuda_memory(device: torch.device) -> MemoryReading:
+    """The `MemoryReading` of this process on CUDA `device` (the host allocator's figures 0 where this torch has no
+    `torch.cuda.host_memory_stats` or it lacks them)."""
     free, total = torch.cuda.mem_get_info(device)
-    return int(torch.cuda.memory_reserved(device)), int(total - free)
+    stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    return MemoryReading(int(torch.cuda.memory_reserved(device)), int(total - free), int(stats.get("num_host_alloc", 0)),
+                         float(stats.get("host_alloc_time.total", 0.0)))
 
 
 def engine_captures(engine: Any) -> int:
