@@ -326,6 +326,7 @@ def _serve(args: argparse.Namespace, config, sock, t0: float) -> int:
             from ft.engine.core.warmup import warm_up
 
             say(warm_up(engine, phase).line())
+        engine.slow_steps.resume()  # from here on a slow step is a user's: logged with what it paid for
         if args.gc_freeze:
             from ft.server.gc_freeze import freeze_startup_heap
 

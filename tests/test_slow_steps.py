@@ -125,6 +125,8 @@ def test_the_engine_accounts_each_step_by_kind_and_rows_and_logs_a_slow_one(tiny
     from ft.engine import LLM, SamplingParams
 
     e = LLM(model=str(tiny_one[2]), device="cpu", max_running_requests=4, max_prefill_length=64).engine
+    assert e.slow_steps.paused  # (a library engine's watch is off until resumed: `ft serve` resumes it when ready)
+    e.slow_steps.resume()
     seen = []
     end = e.slow_steps.end
 

@@ -51,6 +51,7 @@ def test_warm_up_runs_its_shapes_and_leaves_nothing_behind(checkpoint):
         return out
 
     e.step = recording
+    e.slow_steps.resume()  # (as `ft serve` has it once ready; the warm-up pauses it meanwhile)
     lines = []
     report = warm_up(e, lines.append)
     del e.step

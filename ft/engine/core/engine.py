@@ -112,6 +112,7 @@ class Engine(RankState):
         self.step_times = StepTimes()  # steps and their wall time by kind (`ft.engine.core.step_times`)
         # steps far slower than their kind's usual, logged with what was paid for during them (`ft.engine.core.slow_steps`)
         self.slow_steps = SlowSteps(self.device)
+        self.slow_steps.pause()  # (until a server says it is ready: `ft serve` resumes it; a library user may)
         self._step_shape = StepShape()
         self._step_kind: str | None = None  # the kind of the step `_step` ran (None: it ran none)
 

@@ -21,8 +21,10 @@ What is slow: a step of at least `SLOW_MIN_S` that took `SLOW_FACTOR` times what
 (decode: the median of the last `HISTORY` decode steps; prefill and mixed: their median time a token, times
 the step's tokens, at least `TOKEN_FLOOR` of them, so that short chunks' fixed costs do not count as slow),
 or any step of at least `SLOW_MIN_S` during which something was paid for the first time. Judged from
-`MIN_HISTORY` steps of the kind on; slow steps stay out of the history. The warm-up runs with the watch paused
-(its steps are all first times, and none is a user's).
+`MIN_HISTORY` steps of the kind on; slow steps stay out of the history. An engine's watch starts paused: `ft
+serve` resumes it once it is ready (after its warm-up, whose steps are all first times and none a user's; a
+warm-up on a watching engine pauses it meanwhile), so a library user's first steps, which compile as they go,
+log nothing unless they resume it.
 
 Device memory taken during a step is read two ways: the caching allocator's reserved bytes (torch's own
 tensors) and the driver's count of the card's use (`cudaMemGetInfo`), whose growth beyond the allocator's is

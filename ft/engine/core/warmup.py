@@ -95,16 +95,18 @@ class WarmupReport:
 def warm_up(engine: Any, say: Callable[[str], None] | None = None) -> WarmupReport:
     """Run the warm-up requests on `engine` (idle: nothing queued or running), then leave it as it
     was (no request, no prefix-cache entry, counters zero). `say` gets a line as each phase starts. The engine's
-    slow-step watch (`ft.engine.core.slow_steps`) is paused meanwhile: every warm-up step is a first time."""
+    slow-step watch (`ft.engine.core.slow_steps`), if on, is paused meanwhile (every warm-up step is a first time)
+    and judges afresh after it."""
     if engine.has_work:
         raise RuntimeError("warm-up needs an idle engine")
     watch = getattr(engine, "slow_steps", None)
-    if watch is not None:
+    watching = watch is not None and not watch.paused
+    if watching:
         watch.pause()
     try:
         return _warm_up(engine, say)
     finally:
-        if watch is not None:
+        if watching:
             watch.resume()
 
 
