@@ -26,8 +26,8 @@ from ft.engine.ranks.rank_state import KV_ALGO_DTYPES, KV_DTYPES, RankState
 from ft.engine.base.sampling_params import SamplingParams
 from ft.engine.sched.scheduler import Scheduler, ScheduledWork
 from ft.engine.core.stats import EngineStats, engine_stats
-from ft.engine.core.slow_steps import SlowSteps, StepShape, engine_captures
-from ft.engine.core.step_times import StepTimes, step_kind
+from ft.engine.core.slow_steps import SlowSteps, engine_captures
+from ft.engine.core.step_times import StepShape, StepTimes
 from ft.engine.worker.overlap import OverlappedDecode
 from ft.engine.base.sequence import Sequence
 from ft.engine.text.tokenizer import Tokenizer
@@ -110,7 +110,7 @@ class Engine(RankState):
         self.started_monotonic = time.monotonic()  # the admin API's uptime never goes backwards
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         self.step_times = StepTimes()  # steps and their wall time by kind (`ft.engine.core.step_times`)
-        # steps far slower than their kind's usual, logged with what was paid for during them (`ft.engine.core.slow_steps`)
+        # steps far slower than their kind's usual, logged with what they paid for (`ft.engine.core.slow_steps`)
         self.slow_steps = SlowSteps(self.device)
         self.slow_steps.pause()  # (until a server says it is ready: `ft serve` resumes it; a library user may)
         self._step_shape = StepShape()
@@ -265,8 +265,8 @@ class Engine(RankState):
         if work is None:
             return rejected + self._reject_unservable()
         self.current_work = work  # NOTE: what a step that raises was running (the server fails only those)
-        self._step_kind = step_kind(work)  # (before the step moves the sequences on)
-        self._step_shape = StepShape.of(work)
+        self._step_shape = StepShape.of(work)  # (before the step moves the sequences on)
+        self._step_kind = self._step_shape.kind
         if self.loan is not None:
             self.loan.before_run(work)
         self.runner.last_logprobs, self.runner.last_prompt_logprobs = [], []  # (a stand-in runner may leave them)

@@ -36,8 +36,9 @@ the microseconds its CUDA calls took): page-locking a block is slow (tens of mil
 prefix cache's linear-attention states (`--prefix-states-on-host`) take one such block an entry.
 
 Cost: a few integer reads a step; the memory readings (`torch.cuda.memory_stats`, a driver call and the host
-allocator's statistics, tens of microseconds) at most every `MEMORY_EVERY_S` seconds and after every step of at least `SLOW_MIN_S`, so a
-slow step's growth is counted since the last readings (taken at most that long before the step began).
+allocator's statistics, tens of microseconds) at most every `MEMORY_EVERY_S` seconds and after every step of at
+least `SLOW_MIN_S`, so a slow step's growth is counted since the last readings (taken at most that long before the
+step began).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ft.engine.sched.scheduler import ScheduledWork
+from ft.engine.core.step_times import StepShape
 
 __all__ = ["MemoryReading", "SlowSteps", "StepShape", "cuda_memory", "engine_captures", "triton_compiles"]
 
@@ -77,36 +78,6 @@ class MemoryReading:
     used: int  # the driver's count of the card's use (total - free)
     host_blocks: int = 0  # pinned host blocks torch's host allocator created so far
     host_alloc_us: float = 0.0  # microseconds its CUDA calls took creating them
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """A step's rows: prompt chunks, their tokens, and rows that decode one token."""
-
-    prompts: int = 0
-    prompt_tokens: int = 0
-    decode_rows: int = 0
-
-    @classmethod
-    def of(cls, work: ScheduledWork) -> "StepShape":
-        """The shape of scheduled work (a row decodes when it adds one token to a sequence with output, as
-        `step_times.step_kind` counts it)."""
-        if not work.is_prefill:
-            return cls(decode_rows=len(work.seqs))
-        decoding = sum(1 for seq, n in zip(work.seqs, work.num_tokens) if n == 1 and seq.output_ids)
-        tokens = sum(n for seq, n in zip(work.seqs, work.num_tokens) if not (n == 1 and seq.output_ids))
-        return cls(len(work.seqs) - decoding, tokens, decoding)
-
-    @property
-    def tokens(self) -> int:
-        return self.prompt_tokens + self.decode_rows
-
-    def text(self) -> str:
-        rows = f"{self.decode_rows} decoding row{'s' * (self.decode_rows != 1)}"
-        if not self.prompts:
-            return rows
-        prompts = f"{self.prompts} prompt{'s' * (self.prompts != 1)} ({self.prompt_tokens:,} tokens)"
-        return f"{prompts} beside {rows}" if self.decode_rows else prompts
 
 
 class _TritonCompiles:
@@ -164,8 +135,9 @@ class SlowSteps:
     `end(kind, seconds, shape, mark, captures, history)` after it, which returns the warning line of a slow step
     (or None) and counts it by kind in `count`. `captures`: the CUDA graphs the engine captured so far (decode and
     prefill, `engine_captures`); `history`: its cache's rebuild history (dicts with "trigger" and "status"),
-    passed at each call rather than held, so that the watch keeps no reference to its engine. `device`: on CUDA, Triton's compiles are counted and
-    `read_memory` defaults to `cuda_memory`; elsewhere nothing is read unless `read_memory` is given."""
+    passed at each call rather than held, so that the watch keeps no reference to its engine. `device`: on CUDA,
+    Triton's compiles are counted and `read_memory` defaults to `cuda_memory`; elsewhere nothing is read unless
+    `read_memory` is given."""
 
     def __init__(self, device: torch.device, clock: Callable[[], float] = time.perf_counter,
                  read_memory: Callable[[], MemoryReading] | None = None) -> None:
@@ -202,11 +174,11 @@ class SlowSteps:
     def end(self, kind: str, seconds: float, shape: StepShape, mark: _Mark, captures: int = 0,
             history: Sequence[dict] = ()) -> str | None:
         """Account a step that began at `mark` and took `seconds`; the warning line if it was slow."""
+        if self.paused:
+            return None
         now = self.clock()
         if self._read_memory is not None and (seconds >= SLOW_MIN_S or now - self._memory_at >= MEMORY_EVERY_S):
             self._memory, self._memory_at = self._read_memory(), now
-        if self.paused:
-            return None
         usual = paid = None
         if seconds >= SLOW_MIN_S:  # (the usual time and the counters are read for these steps only)
             usual, paid = self._usual(kind, shape), self._paid(mark, captures, history)
@@ -244,7 +216,8 @@ class SlowSteps:
         if before is not None and now is not None:
             torch_mib = (now.reserved - before.reserved) / 2**20
             other_mib = (now.used - before.used) / 2**20 - max(torch_mib, 0.0)
-            apart = f"in the {(self._memory_at - mark.memory_at) * 1e3:,.0f} ms between two readings, this step included"
+            apart = (f"in the {(self._memory_at - mark.memory_at) * 1e3:,.0f} ms between two readings, this step "
+                     "included")
             if torch_mib >= 1:
                 out.append(f"the caching allocator took {torch_mib:,.0f} MiB more from the driver ({apart})")
             if other_mib >= 1:
@@ -268,8 +241,8 @@ def cuda_memory(device: torch.device) -> MemoryReading:
     `torch.cuda.host_memory_stats` or it lacks them)."""
     free, total = torch.cuda.mem_get_info(device)
     stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
-    return MemoryReading(int(torch.cuda.memory_reserved(device)), int(total - free), int(stats.get("num_host_alloc", 0)),
-                         float(stats.get("host_alloc_time.total", 0.0)))
+    return MemoryReading(int(torch.cuda.memory_reserved(device)), int(total - free),
+                         int(stats.get("num_host_alloc", 0)), float(stats.get("host_alloc_time.total", 0.0)))
 
 
 def engine_captures(engine: Any) -> int:

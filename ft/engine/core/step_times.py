@@ -11,23 +11,55 @@ returns the tokens of the step queued before it, so its time is the host's wait 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ft.engine.sched.scheduler import ScheduledWork
 
-__all__ = ["STEP_KINDS", "StepTimes", "step_kind"]
+__all__ = ["STEP_KINDS", "StepShape", "StepTimes", "step_kind"]
 
 STEP_KINDS = ("decode", "mixed", "prefill")
 
 
 def step_kind(work: ScheduledWork) -> str:
-    """The kind of a scheduled step, before it runs: a row decodes when it adds one token to a sequence
-    that has output already (a preempted sequence's recompute adds its tokens as a prompt chunk)."""
-    if not work.is_prefill:
-        return "decode"
-    decoding = any(n == 1 and seq.output_ids for seq, n in zip(work.seqs, work.num_tokens))
-    prefilling = any(not (n == 1 and seq.output_ids) for seq, n in zip(work.seqs, work.num_tokens))
-    if decoding and prefilling:
-        return "mixed"
-    return "decode" if decoding else "prefill"
+    """The kind of a scheduled step, before it runs (`StepShape.kind`)."""
+    return StepShape.of(work).kind
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """A step's rows: prompt chunks, their tokens, and rows that decode one token."""
+
+    prompts: int = 0
+    prompt_tokens: int = 0
+    decode_rows: int = 0
+
+    @classmethod
+    def of(cls, work: ScheduledWork) -> "StepShape":
+        """The shape of scheduled work, before it runs: a row decodes when it adds one token to a sequence that
+        has output already (a preempted sequence's recompute adds its tokens as a prompt chunk)."""
+        if not work.is_prefill:
+            return cls(decode_rows=len(work.seqs))
+        decoding = sum(1 for seq, n in zip(work.seqs, work.num_tokens) if n == 1 and seq.output_ids)
+        tokens = sum(n for seq, n in zip(work.seqs, work.num_tokens) if not (n == 1 and seq.output_ids))
+        return cls(len(work.seqs) - decoding, tokens, decoding)
+
+    @property
+    def kind(self) -> str:
+        """"decode" (no prompt chunk), "prefill" (no decoding row) or "mixed"."""
+        if not self.prompts:
+            return "decode"
+        return "mixed" if self.decode_rows else "prefill"
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.decode_rows
+
+    def text(self) -> str:
+        rows = f"{self.decode_rows} decoding row{'s' * (self.decode_rows != 1)}"
+        if not self.prompts:
+            return rows
+        prompts = f"{self.prompts} prompt{'s' * (self.prompts != 1)} ({self.prompt_tokens:,} tokens)"
+        return f"{prompts} beside {rows}" if self.decode_rows else prompts
 
 
 class StepTimes:
