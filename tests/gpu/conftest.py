@@ -1,8 +1,8 @@
 """GPU tests: every test here carries the ``gpu`` marker and is skipped without a CUDA device.
 
 Run them on the device machine in their own pytest process: ``python -m pytest -q tests/gpu``. With
-pytest-xdist, two workers on one card at most: some cases take 20-30 GiB each, and eight workers ran an 80 GB
-card out of memory (session 59's sweep: 40 failures, all passing again in two workers).
+pytest-xdist, `MAX_WORKERS_A_CARD` workers a card at most (more is refused in one line): some cases take 20-30 GiB
+each, and eight workers ran an 80 GB card out of memory (session 59's sweep: 40 failures, all passing again in two).
 """
 
 from __future__ import annotations
@@ -30,6 +30,16 @@ def pytest_configure(config: pytest.Config) -> None:
     # import the kernels, so that they compile for the GPU; in a mixed run they are skipped instead.
     if torch.cuda.is_available() and _only_this_folder(config):
         os.environ.pop("TRITON_INTERPRET", None)
+        workers = getattr(config.option, "numprocesses", None)  # (pytest-xdist's -n, where it is installed)
+        if isinstance(workers, int) and workers > MAX_WORKERS_A_CARD * torch.cuda.device_count():
+            raise pytest.UsageError(f"tests/gpu: at most {MAX_WORKERS_A_CARD} xdist workers a card "
+                                    f"({torch.cuda.device_count()} here), got -n {workers}: some cases take 20-30 GiB "
+                                    "each, and more workers run the card out of memory")
+
+
+MAX_WORKERS_A_CARD = 2
+"""pytest-xdist workers a card may run (session 59: eight on one 80 GB card failed 40 cases out of memory, all passing
+in two)."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
