@@ -758,10 +758,13 @@ def steps_line(steps: dict, duration_s: float) -> str:
     """Where the engine's time went during a level (`step_split`'s figures): each kind's steps, seconds and
     ms a step, and the level's seconds outside steps (the warm-up excluded; the counters are the engine's
     published figures, which trail its last step by at most a few ms)."""
-    parts = [f"{kind} {v['steps']:,} in {v['seconds']:.2f} s"
-             + (f" ({v['seconds'] / v['steps'] * 1e3:.1f} ms each"
-                + (f"; {v['slow']} slow: see the server's log" if v.get("slow") else "") + ")" if v["steps"] else "")
-             for kind, v in steps.items()]
+    parts = []
+    for kind, v in steps.items():
+        text = f"{kind} {v['steps']:,} in {v['seconds']:.2f} s"
+        if v["steps"]:
+            slow = f"; {v['slow']} slow: see the server's log" if v.get("slow") else ""
+            text += f" ({v['seconds'] / v['steps'] * 1e3:.1f} ms each{slow})"
+        parts.append(text)
     inside = sum(v["seconds"] for v in steps.values())
     return f"engine steps: {', '.join(parts)}; {max(0.0, duration_s - inside):.2f} s of the level outside them"
 
