@@ -1,4 +1,4 @@
-"""`ft.engine.core.step_times`: a step's kind from its scheduled rows, and the totals by kind."""
+"""`ft.engine.core.step_times`: a step's shape and kind from its scheduled rows, and the totals by kind."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ft.engine.core.step_times import STEP_KINDS, StepTimes, step_kind
+from ft.engine.core.step_times import STEP_KINDS, StepShape, StepTimes
 from ft.engine.sched.scheduler import ScheduledWork
 
 
@@ -14,17 +14,18 @@ def seq(outputs: int) -> SimpleNamespace:
     return SimpleNamespace(output_ids=list(range(outputs)))
 
 
-@pytest.mark.parametrize(("rows", "is_prefill", "kind"), [
-    ([(seq(3), 1), (seq(1), 1)], False, "decode"),
-    ([(seq(0), 37)], True, "prefill"),
-    ([(seq(0), 1)], True, "prefill"),  # a one-token prompt
-    ([(seq(2), 1), (seq(0), 512)], True, "mixed"),
-    ([(seq(4), 9)], True, "prefill"),  # a preempted sequence recomputed: a chunk, though it has output
-    ([(seq(4), 9), (seq(1), 1)], True, "mixed"),
+@pytest.mark.parametrize(("rows", "is_prefill", "kind", "shape"), [
+    ([(seq(3), 1), (seq(1), 1)], False, "decode", (0, 0, 2)),
+    ([(seq(0), 37)], True, "prefill", (1, 37, 0)),
+    ([(seq(0), 1)], True, "prefill", (1, 1, 0)),  # a one-token prompt
+    ([(seq(2), 1), (seq(0), 512)], True, "mixed", (1, 512, 1)),
+    ([(seq(4), 9)], True, "prefill", (1, 9, 0)),  # a preempted sequence recomputed: a chunk, though it has output
+    ([(seq(4), 9), (seq(1), 1)], True, "mixed", (1, 9, 1)),
 ], ids=["decode", "prompt", "one-token-prompt", "mixed", "recompute", "recompute-beside-decode"])
-def test_step_kind(rows, is_prefill, kind):
+def test_step_shape_and_kind(rows, is_prefill, kind, shape):
     work = ScheduledWork([s for s, _ in rows], [n for _, n in rows], is_prefill)
-    assert step_kind(work) == kind
+    got = StepShape.of(work)
+    assert got.kind == kind and (got.prompts, got.prompt_tokens, got.decode_rows) == shape
 
 
 def test_step_times_total_by_kind():

@@ -2,7 +2,7 @@
 run's time is made of. `/metrics` exports it (`ft_engine_steps_total{kind}`,
 `ft_engine_step_seconds_total{kind}`) and `bench/serve.py` prints each level's split from it.
 
-Kinds (`step_kind`): "decode", every row of the step decodes one token; "prefill", every row is a
+Kinds (`StepShape.kind`, from a step's rows before it runs): "decode", every row of the step decodes one token; "prefill", every row is a
 prompt chunk; "mixed", a prompt chunk beside decoding rows (the chunked prefill that keeps running
 streams moving). A step's time is `Engine.step`'s wall time: with overlapped decode a decode step
 returns the tokens of the step queued before it, so its time is the host's wait for that step
@@ -15,14 +15,9 @@ from dataclasses import dataclass
 
 from ft.engine.sched.scheduler import ScheduledWork
 
-__all__ = ["STEP_KINDS", "StepShape", "StepTimes", "step_kind"]
+__all__ = ["STEP_KINDS", "StepShape", "StepTimes"]
 
 STEP_KINDS = ("decode", "mixed", "prefill")
-
-
-def step_kind(work: ScheduledWork) -> str:
-    """The kind of a scheduled step, before it runs (`StepShape.kind`)."""
-    return StepShape.of(work).kind
 
 
 @dataclass(frozen=True)

@@ -122,8 +122,10 @@ def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
     logits, plus one NVFP4 projection decoded to `dtype` for a prefill chunk's cuBLAS GEMM
     (`ft.kernels.nvfp4.DEQUANT_MM_MIN_M`), plus the library prefill attention's transients on CUDA
     where a context of `context_limit` positions on a `kv_dtype` (None: `dtype`) cache can reach it
-    (`ft.kernels.attention.use_library_prefill`). Estimated from the config; the CUDA path will
-    replace this with a profiled figure."""
+    (`ft.kernels.attention.use_library_prefill`). Estimated from the config, not profiled: a serving run's
+    caching-allocator peak is checked against it by hand (bench/RESULTS.md session 54: 16K-token prompts on the
+    80B peaked within 0.2 GiB of the weights plus this reserve), and `ft.memory.device_memory` shows the card's
+    use beside the budget on every server."""
     widest = max(
         2 * cfg.linear_key_dim + 2 * cfg.linear_value_dim,  # in_proj_qkvz
         2 * cfg.num_attention_heads * cfg.head_dim,  # q with its gate
