@@ -113,8 +113,7 @@ class Engine(RankState):
         # steps far slower than their kind's usual, logged with what they paid for (`ft.engine.core.slow_steps`)
         self.slow_steps = SlowSteps(self.device)
         self.slow_steps.pause()  # (until a server says it is ready: `ft serve` resumes it; a library user may)
-        self._step_shape = StepShape()
-        self._step_kind: str | None = None  # the kind of the step `_step` ran (None: it ran none)
+        self._step_shape: StepShape | None = None  # the rows of the step `_step` ran (None: it ran none)
 
     def _join_workers(self) -> None:
         """The startup gather (`tp_worker.join_ranks`): every worker rank built, its caches sized as
@@ -236,10 +235,10 @@ class Engine(RankState):
             out = self.overlap.step()
             self._account("decode", time.perf_counter() - t0, StepShape(decode_rows=len(out)), mark)
             return out
-        self._step_kind = None
+        self._step_shape = None
         out = self._step()
-        if self._step_kind is not None:
-            self._account(self._step_kind, time.perf_counter() - t0, self._step_shape, mark)
+        if self._step_shape is not None:
+            self._account(self._step_shape.kind, time.perf_counter() - t0, self._step_shape, mark)
         return out
 
     def _account(self, kind: str, seconds: float, shape: StepShape, mark) -> None:
@@ -266,7 +265,6 @@ class Engine(RankState):
             return rejected + self._reject_unservable()
         self.current_work = work  # NOTE: what a step that raises was running (the server fails only those)
         self._step_shape = StepShape.of(work)  # (before the step moves the sequences on)
-        self._step_kind = self._step_shape.kind
         if self.loan is not None:
             self.loan.before_run(work)
         self.runner.last_logprobs, self.runner.last_prompt_logprobs = [], []  # (a stand-in runner may leave them)
