@@ -630,6 +630,10 @@ class ServerProcess:
                 return None
             time.sleep(0.1)
 
+    def slow_steps(self) -> list[str]:
+        """The server's slow-step lines so far (`slow_step_lines` of its log)."""
+        return slow_step_lines(Path(self.log_path).read_text(errors="replace"))
+
     def tail(self, lines: int = 40) -> str:
         self.log.flush()
         text = Path(self.log_path).read_text(errors="replace").splitlines()
@@ -647,6 +651,17 @@ class ServerProcess:
         if not self.keep_log:
             os.unlink(self.log_path)
         return self.proc.returncode
+
+
+def slow_step_lines(log: str) -> list[str]:
+    """The warning lines of a server's slow steps in its log text (`ft.engine.core.slow_steps`: "slow KIND step:
+    ..."), from "slow" on."""
+    out = []
+    for line in log.splitlines():
+        i = line.find("slow ")
+        if i >= 0 and " step: " in line[i:] and line[i:].split(" ", 2)[1] in STEP_KINDS:
+            out.append(line[i:])
+    return out
 
 
 def _flag(args: list[str], name: str) -> str | None:
@@ -969,6 +984,9 @@ def run_server(args: argparse.Namespace, serve_args: str | None, log_path: str |
               f"temperature {args.temperature:g}", flush=True)
         t0 = time.time()
         levels = asyncio.run(run_all(args, base, info, vocab))
+        if server is not None:  # (the levels' slow-step counts point here)
+            for line in server.slow_steps():
+                print(f"server log: {line}", flush=True)
     finally:
         if server is not None:
             if server_up and server.proc.poll() is not None:  # it exited under the load

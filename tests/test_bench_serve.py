@@ -217,3 +217,22 @@ def test_a_levels_steps_line_names_its_slow_steps():
     line = steps_line(split, 3.0)
     assert "mixed 2 in 1.96 s (980.0 ms each; 2 slow: see the server's log)" in line, line
     assert "decode 10 in 0.07 s (7.0 ms each)," in line and "prefill 0 in 0.00 s;" in line
+
+
+def test_the_servers_slow_step_lines_are_found_in_its_log():
+    """A started server's slow steps are printed from its log after the levels (their counts are in each level's
+    steps line): the warning lines `ft.engine.core.slow_steps` writes, whatever the log's prefix."""
+    from bench.serve import slow_step_lines
+
+    log = "\n".join([
+        "2026-12-07 09:09:17 INFO ft.stats: running 10, waiting 0, prompt 1126.3 tok/s",
+        "2026-12-07 09:09:18 WARNING ft.engine: slow mixed step: 979 ms, 3.6x what such a step has taken (272 ms): "
+        "9 prompts (9,216 tokens) beside 1 decoding row; during it: nothing counted",
+        "slow decode step: 300 ms, no usual time yet: 8 decoding rows; during it: 1 CUDA graph captured",
+        "a slow client step: not the engine's",
+        "ft serve: warm-up: decode batches of 64, 56",
+    ])
+    assert slow_step_lines(log) == [
+        "slow mixed step: 979 ms, 3.6x what such a step has taken (272 ms): 9 prompts (9,216 tokens) beside 1 "
+        "decoding row; during it: nothing counted",
+        "slow decode step: 300 ms, no usual time yet: 8 decoding rows; during it: 1 CUDA graph captured"]
