@@ -102,6 +102,7 @@ def _user_error_cases(tmp: Path, ckpt: Path) -> dict[str, tuple[list[str], str]]
         "bad --chat-template path": ([str(ckpt), "--chat-template", str(tmp / "t.jinja")], "--chat-template: no file"),
         "no tokenizer.json": ([str(no_tok)], "tokenizer.json not found"),
         "missing --tokenizer directory": ([str(ckpt), "--tokenizer", str(tmp / "tok")], "--tokenizer: directory"),
+        "--memory-ratio out of range": ([str(ckpt), "--memory-ratio", "2"], "--memory-ratio must be in (0, 1], got 2.0"),
     }
 
 

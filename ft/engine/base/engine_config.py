@@ -139,6 +139,8 @@ class EngineConfig:
             object.__setattr__(self, "cuda_graph_bs", _batch_sizes(self.cuda_graph_bs))
         if self.prefill_graph_max_tokens < 0:
             raise ConfigError(f"--prefill-graph-max-tokens must be >= 0, got {self.prefill_graph_max_tokens}")
+        if self.memory_ratio is not None and not 0 < self.memory_ratio <= 1:  # (before anything loads or listens)
+            raise ConfigError(f"--memory-ratio must be in (0, 1], got {self.memory_ratio}")
         for name in ("page_size", "max_running_requests", "max_prefill_length", "max_mixed_prefill_length"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
