@@ -288,6 +288,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     if args.log_stats_interval < 0:
         raise ConfigError(f"--log-stats-interval must be >= 0 (0: no stats lines), got {args.log_stats_interval:g}")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in 0..65535 (0: any free port), got {args.port}")
     config = engine_config_from_args(args)
     check_model(config)
     logs.configure(args.log_level, args.log_format, args.access_log_admin)  # process-wide: after the checks

@@ -103,6 +103,7 @@ def _user_error_cases(tmp: Path, ckpt: Path) -> dict[str, tuple[list[str], str]]
         "no tokenizer.json": ([str(no_tok)], "tokenizer.json not found"),
         "missing --tokenizer directory": ([str(ckpt), "--tokenizer", str(tmp / "tok")], "--tokenizer: directory"),
         "--memory-ratio out of range": ([str(ckpt), "--memory-ratio", "2"], "--memory-ratio must be in (0, 1], got 2.0"),
+        "--max-model-len below one": ([str(ckpt), "--max-model-len", "-5"], "--max-model-len must be >= 1"),
     }
 
 
@@ -161,3 +162,10 @@ def test_ready_line_comes_when_health_is_ok_and_polling_stays_out_of_the_access_
         assert text.index("listening on") < text.index("ready on")
     assert "Application startup complete" not in text and "Uvicorn running" not in text
     assert '"GET /v1/models HTTP/1.1" 200' in text and "/health" not in text.split("ready on")[1]
+
+
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_a_port_out_of_range_is_one_line(port):
+    p = _serve("demo", "--port", port)
+    assert p.returncode != 0 and p.stderr.strip().splitlines() == [
+        f"ft serve: error: --port must be in 0..65535 (0: any free port), got {port}"], p.stderr

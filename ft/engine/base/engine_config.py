@@ -139,6 +139,9 @@ class EngineConfig:
             object.__setattr__(self, "cuda_graph_bs", _batch_sizes(self.cuda_graph_bs))
         if self.prefill_graph_max_tokens < 0:
             raise ConfigError(f"--prefill-graph-max-tokens must be >= 0, got {self.prefill_graph_max_tokens}")
+        if self.max_seq_len_override is not None and self.max_seq_len_override < 1:  # (0 read as "none" before)
+            raise ConfigError(f"--max-model-len must be >= 1 (leave it out for the checkpoint's context), got "
+                              f"{self.max_seq_len_override}")
         if self.memory_ratio is not None and not 0 < self.memory_ratio <= 1:  # (before anything loads or listens)
             raise ConfigError(f"--memory-ratio must be in (0, 1], got {self.memory_ratio}")
         for name in ("page_size", "max_running_requests", "max_prefill_length", "max_mixed_prefill_length"):
