@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
+import pytest
 from server_proc import WAIT_S, free_port, wait_for
 
 from ft.server.app import ServerState, create_app
