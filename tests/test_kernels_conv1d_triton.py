@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 
 from ft.kernels.conv1d import causal_conv1d_ref, causal_conv1d_varlen, causal_conv1d_varlen_ref
 from ft.kernels.conv1d import kernel as details
+from ft.kernels.options import use_kernel_options, variant
 from triton_flags import spy_launches
 
 TOL_Y = {torch.float32: 1e-6, torch.float16: 2e-4}
@@ -75,16 +76,28 @@ def test_varlen_reference_is_the_per_sequence_reference():
     assert not torch.equal(conv_v[slots[0], LAYER], conv[slots[0], LAYER])
 
 
+KERNELS = {"tiles": (), "rows": ("conv1d-rows",)}
+"""The packed conv's two kernels: tiles of tokens by channels, each input loaded once a tap (the default), and
+rows walked with the window in registers (`Conv1dOptions.rows`, variant "conv1d-rows"), at small tiles here so
+that programs span several tiles of a sequence."""
+ROWS_SMALL = variant("conv1d-rows", **{"conv1d.rows_launch": (("BLOCK_T", 8), ("BLOCK_C", 32))})
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize(("c", "width", "lengths"), CASES, ids=CASE_IDS)
-def test_triton_matches_reference(c, width, lengths, dtype):
+def test_triton_matches_reference(c, width, lengths, dtype, kernel, monkeypatch):
     x, weight, cu, slots, conv, region = make_batch(c, width, lengths, dtype, seed=c + width)
     if width == 3:
         cu, slots = cu.long(), slots.int()  # int64 offsets and int32 slots too
     conv_ref, conv_t = conv.clone(), conv.clone()
     y_ref = causal_conv1d_varlen_ref(x, conv_ref[:, LAYER], weight, cu, slots)
     out = torch.full((sum(lengths), c), float("nan"), dtype=dtype)
-    y = details.causal_conv1d_varlen_triton(x, conv_t[:, LAYER], weight, cu, slots, out=out)
+    name = "_conv_varlen_rows_kernel" if kernel == "rows" else "_conv_varlen_kernel"
+    calls = spy_launches(monkeypatch, details, name)
+    with use_kernel_options(ROWS_SMALL if kernel == "rows" else variant()):
+        y = details.causal_conv1d_varlen_triton(x, conv_t[:, LAYER], weight, cu, slots, out=out)
+    assert calls  # the kernel named ran
     assert y is out and rel_rms(y, y_ref) < TOL_Y[dtype]
     assert torch.equal(conv_t[region], conv_ref[region])  # the new states are copies: bit-exact
     assert conv_t[~region].isnan().all()  # other slots and layers neither read (NaN would spread) nor written

@@ -244,9 +244,16 @@ class Conv1dOptions:
 
     varlen_launch: changes to its tile and warps (`conv_varlen_config`: ("BLOCK_T", 32),
     ("BLOCK_C", 128), ("num_warps", 8)) for sweeps; empty, the default: the rule whose note says what
-    was measured."""
+    was measured.
+    rows: the kernel that walks a program's tokens a row at a time with the window in registers
+    (`_conv_varlen_rows_kernel`: each input row loaded once, against W times in the tile kernel, which is
+    ~3x off the copy bandwidth at 16K tokens); off until measured on a device (variant "conv1d-rows").
+    rows_launch: changes to its launch (`conv_rows_config`: ("BLOCK_T", 64), ("BLOCK_C", 1024),
+    ("num_warps", 4), ("num_stages", 3)) for sweeps."""
 
     varlen_launch: tuple[tuple[str, int], ...] = ()
+    rows: bool = False
+    rows_launch: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -484,6 +491,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "route-lookup-apart": {"moe.route_lookup_fused": False},  # bench/ladder.py --variant
     "gated-delta-ba-own-launch": {"gated_delta.decode_ba_in_conv": False},  # the same
     "qsa-prefill-select-torch": {"qsa.prefill_select_kernel": False},  # bench/prefill.py --variant
+    "conv1d-rows": {"conv1d.rows": True},  # bench/gated_delta_prefill.py (not yet measured on a device)
 }
 """Named variants a benchmark or test selects: the changes from `DEFAULTS` each one makes."""
 

@@ -33,6 +33,7 @@ from ft.kernels.activation import expert_combine, expert_combine_ref, silu_mul, 
 from ft.kernels.activation.kernel import expert_combine_triton, silu_mul_triton
 from ft.kernels.conv1d import causal_conv1d_varlen, causal_conv1d_varlen_ref
 from ft.kernels.conv1d.kernel import causal_conv1d_varlen_triton
+from ft.kernels.options import use_kernel_options, variant
 from ft.kernels.dense import dense_linear, dense_linear_ref, uses_dense_kernel
 from ft.kernels.dense.kernel import dense_linear_triton
 from ft.kernels.gated_delta import gated_delta_decode, gated_delta_decode_ref
@@ -283,10 +284,18 @@ for these heads); lengths on both sides of the 16-token tiles, 4095-4097 after a
 sequences, a 1-token and a shorter-than-W-1 sequence (2 at W 4, 1 at W 3) and, at W 2, an empty one."""
 
 
+@pytest.mark.parametrize("kernel", ["tiles", "rows"])
 @pytest.mark.parametrize(("hk", "hv", "dk", "dv", "width", "lengths", "dtype"), CONV_CASES,
                          ids=case_ids(CONV_CASES, lambda hk, hv, dk, dv, w, lens:
                                       f"Hk{hk}-Hv{hv}-Dk{dk}-Dv{dv}-W{w}-T{'+'.join(map(str, lens))}"))
-def test_conv1d_varlen(hk, hv, dk, dv, width, lengths, dtype):
+def test_conv1d_varlen(hk, hv, dk, dv, width, lengths, dtype, kernel):
+    """Both packed conv kernels (the tiles, the default; the rows, variant "conv1d-rows") against the reference,
+    at their launch choices for these shapes."""
+    with use_kernel_options(variant(*(("conv1d-rows",) if kernel == "rows" else ()))):
+        _check_conv1d_varlen(hk, hv, dk, dv, width, lengths, dtype)
+
+
+def _check_conv1d_varlen(hk, hv, dk, dv, width, lengths, dtype):
     gen = generator(hk, hv, dk, dv, width, *lengths)
     c, t = channels(hk, hv, dk, dv), sum(lengths)
     x = projections(gen, t, c, hv, dv, dtype)

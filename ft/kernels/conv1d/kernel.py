@@ -33,7 +33,7 @@ import triton.language as tl
 from ft.kernels.backend import TRITON_DTYPES
 from ft.kernels.options import kernel_options
 
-__all__ = ["conv_varlen_config", "causal_conv1d_varlen_triton"]
+__all__ = ["conv_rows_config", "conv_varlen_config", "causal_conv1d_varlen_triton"]
 
 
 @triton.jit
@@ -115,6 +115,133 @@ def _conv_varlen_kernel(
              b_new.to(p_cs.dtype.element_ty), mask=m_new)
 
 
+@triton.jit
+def _tap(acc, h, wt, w_dtype: tl.constexpr):
+    """acc + h * wt in fp32, h (the window's input, x's dtype) rounded to the weight's dtype first (as the tile
+    kernel and the reference cast the window)."""
+    return acc + h.to(w_dtype).to(tl.float32) * wt
+
+
+@triton.jit
+def _window_row(p_x, p_state, start, t_lo, o_c, C, live, stride_xt, stride_csw, K: tl.constexpr, W: tl.constexpr,
+                dtype: tl.constexpr):
+    """Input t_lo - K of a sequence ([BLOCK_C] channels at o_c, x's dtype): x's row where t_lo >= K, else the
+    old state's column W - 1 + t_lo - K (p_state: the slot's channels); zeros where `live` is false."""
+    from_x = o_c < tl.where(live & (t_lo >= K), C, 0)
+    from_s = o_c < tl.where(live & (t_lo < K), C, 0)
+    b_x = tl.load(p_x + (start + t_lo - K) * stride_xt + o_c, mask=from_x, other=0.0)
+    b_s = tl.load(p_state + (W - 1 + t_lo - K) * stride_csw, mask=from_s, other=0.0).to(dtype)
+    return tl.where(from_x, b_x, b_s)
+
+
+@triton.jit
+def _conv_varlen_rows_kernel(
+    p_x, p_w, p_cs, p_cu, p_slots, p_y, B, C, n_iters,
+    stride_xt, stride_wc, stride_css, stride_csc, stride_csw, stride_yt,
+    W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
+    EVEN_C: tl.constexpr = False,
+):
+    """The tile kernel's contract (same grid mapping, same casts and tap order, the same new state), a token
+    row at a time: the program walks its BLOCK_T tokens of one sequence with the last W-1 inputs held in
+    registers (h1 = x[t-1], h2 = x[t-2], h3 = x[t-3]), so each input row is loaded once and each output row
+    stored once, [BLOCK_C] channels wide (the tile kernel loads every row W times, once a tap). W <= 4.
+    EVEN_C: C % BLOCK_C == 0: the token loop's rows are unmasked (16-byte loads and stores; a mask against a
+    runtime limit makes every element an access of its own, as the sm_90 SASS showed). Only programs with
+    tokens enter the loop, so its rows need no other mask."""
+    tl.static_assert(W >= 2 and W <= 4, "the rows kernel holds at most three past inputs (W <= 4)")
+    i_p = tl.program_id(0)
+    i_c = tl.program_id(1)
+    dtype = p_x.dtype.element_ty
+    w_dtype = p_w.dtype.element_ty
+    i_b = find_seq(p_cu, i_p, B, n_iters, BLOCK_T)
+    start = tl.load(p_cu + i_b)
+    length = tl.load(p_cu + i_b + 1) - start
+    i_tile = i_p - (start // BLOCK_T + i_b)
+    t_lo = i_tile * BLOCK_T
+    c_end = tl.where((t_lo < length) | (i_tile == 0), C, 0)
+    slot = tl.load(p_slots + i_b).to(tl.int64)
+    start = start.to(tl.int64)
+    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    m_c = o_c < c_end
+    live = t_lo < length  # (a spare program and an empty sequence's tile 0 read no input)
+    p_state = p_cs + slot * stride_css + o_c * stride_csc
+    # the taps' weights, fp32; tap k multiplies x[t - (W - 1) + k]
+    w0 = tl.load(p_w + o_c * stride_wc, mask=m_c, other=0.0).to(tl.float32)
+    w1 = tl.load(p_w + o_c * stride_wc + 1, mask=m_c, other=0.0).to(tl.float32)
+    w2 = w1
+    w3 = w1
+    if W >= 3:
+        w2 = tl.load(p_w + o_c * stride_wc + 2, mask=m_c, other=0.0).to(tl.float32)
+    if W >= 4:
+        w3 = tl.load(p_w + o_c * stride_wc + 3, mask=m_c, other=0.0).to(tl.float32)
+    # the window before the first token, h_k = input t_lo - k: x inside the sequence, else the old state's
+    # column W - 1 + t_lo - k (tile 0 only). Limits through tl.where, not a scalar bool in a mask (the
+    # interpreter rejects those).
+    h1 = _window_row(p_x, p_state, start, t_lo, o_c, C, live, stride_xt, stride_csw, 1, W, dtype)
+    h2 = h1
+    h3 = h1
+    if W >= 3:
+        h2 = _window_row(p_x, p_state, start, t_lo, o_c, C, live, stride_xt, stride_csw, 2, W, dtype)
+    if W >= 4:
+        h3 = _window_row(p_x, p_state, start, t_lo, o_c, C, live, stride_xt, stride_csw, 3, W, dtype)
+    rows = tl.minimum(length - t_lo, BLOCK_T)  # (<= 0 for a spare program: no token)
+    m_row = o_c < C
+    for r in range(0, rows):
+        t = start + t_lo + r
+        if EVEN_C:
+            x_t = tl.load(p_x + t * stride_xt + o_c)
+        else:
+            x_t = tl.load(p_x + t * stride_xt + o_c, mask=m_row, other=0.0)
+        acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        if W == 4:
+            acc = _tap(acc, h3, w0, w_dtype)
+            acc = _tap(acc, h2, w1, w_dtype)
+            acc = _tap(acc, h1, w2, w_dtype)
+            acc = _tap(acc, x_t, w3, w_dtype)
+        elif W == 3:
+            acc = _tap(acc, h2, w0, w_dtype)
+            acc = _tap(acc, h1, w1, w_dtype)
+            acc = _tap(acc, x_t, w2, w_dtype)
+        else:
+            acc = _tap(acc, h1, w0, w_dtype)
+            acc = _tap(acc, x_t, w1, w_dtype)
+        b_y = acc.to(w_dtype).to(tl.float32)
+        b_y = (b_y / (1.0 + tl.exp(-b_y))).to(w_dtype).to(dtype)
+        if EVEN_C:
+            tl.store(p_y + t * stride_yt + o_c, b_y)
+        else:
+            tl.store(p_y + t * stride_yt + o_c, b_y, mask=m_row)
+        h3 = h2
+        h2 = h1
+        h1 = x_t
+    # the new state (tile 0 only), after the loop (not held in registers through it): the old state is this
+    # program's alone, so it is still the old one here
+    o_w = tl.arange(0, BLOCK_W)
+    m_new = (o_c < tl.where(i_tile == 0, c_end, 0))[:, None] & (o_w < W - 1)[None, :]
+    o_cat = length + o_w  # index into [old state (W-1), x (length)]
+    m_from_x = m_new & (o_cat >= W - 1)[None, :]
+    m_from_s = m_new & (o_cat < W - 1)[None, :]
+    b_nx = tl.load(p_x + (start + o_cat - (W - 1))[None, :] * stride_xt + o_c[:, None], mask=m_from_x, other=0.0)
+    b_ns = tl.load(p_cs + slot * stride_css + o_c[:, None] * stride_csc + o_cat[None, :] * stride_csw,
+                   mask=m_from_s, other=0.0)
+    b_new = tl.where(m_from_x, b_nx.to(dtype), b_ns.to(dtype))
+    tl.debug_barrier()  # NOTE: every load of the old state (the window's and the new state's) before it is overwritten
+    tl.store(p_cs + slot * stride_css + o_c[:, None] * stride_csc + o_w[None, :] * stride_csw,
+             b_new.to(p_cs.dtype.element_ty), mask=m_new)
+
+
+def conv_rows_config(channels: int, width: int) -> dict:
+    """Constexprs and launch options of `_conv_varlen_rows_kernel` (`Conv1dOptions.rows`): BLOCK_T tokens a
+    program (at least W-1: only tile 0 reads the old state) by BLOCK_C channels, from `Conv1dOptions.rows_launch`.
+    Not measured on a device yet."""
+    launch = dict(kernel_options().conv1d.rows_launch)
+    block_c = min(launch.get("BLOCK_C", 1024), triton.next_power_of_2(channels))
+    block_t = max(launch.get("BLOCK_T", 64), triton.next_power_of_2(width - 1))
+    return {"W": width, "BLOCK_T": block_t, "BLOCK_C": block_c, "BLOCK_W": triton.next_power_of_2(width),
+            "EVEN_C": channels % block_c == 0, "num_warps": launch.get("num_warps", 4),
+            "num_stages": launch.get("num_stages", 3)}
+
+
 def conv_varlen_config(channels: int, width: int) -> dict:
     """Constexprs and warps of `_conv_varlen_kernel`: tiles of 16 tokens by 64 channels, 4 warps.
     Measured on the H200 (C = 8192, W = 4, bf16; bench/gated_delta_prefill.py): 0.18 ms per 4,096
@@ -193,9 +320,10 @@ def causal_conv1d_varlen_triton(
         x = x.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
-    cfg = conv_varlen_config(c, width)
+    rows = kernel_options().conv1d.rows and width <= 4
+    cfg = conv_rows_config(c, width) if rows else conv_varlen_config(c, width)
     grid = (t // cfg["BLOCK_T"] + bsz, triton.cdiv(c, cfg["BLOCK_C"]))
-    _conv_varlen_kernel[grid](
+    (_conv_varlen_rows_kernel if rows else _conv_varlen_kernel)[grid](
         x, weight, conv_state, cu_seqlens, slots, out, bsz, c, search_iters(bsz),
         x.stride(0), weight.stride(0), *conv_state.stride(), out.stride(0), **cfg)
     return out
