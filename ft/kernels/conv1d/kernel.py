@@ -14,6 +14,11 @@ alone writes the new one (the last W-1 inputs of [old state, x]: from x, or part
 for a sequence shorter than W-1), after all of its own loads (a barrier): no other program touches
 that slot, so one launch needs no grid-wide ordering.
 
+Two kernels take that grid and contract: `_conv_varlen_kernel` computes [BLOCK_T, BLOCK_C] tiles, loading each
+input row once a tap (the default); `_conv_varlen_rows_kernel` (`Conv1dOptions.rows`, variant "conv1d-rows", off
+until measured on a device) walks its BLOCK_T tokens a row at a time with the window in registers, each input row
+loaded once. They share the tile lookup (`_program_tile`) and the new state (`_new_state`).
+
 EVEN_C (C a multiple of BLOCK_C, set by `conv_varlen_config`): the [BLOCK_T, BLOCK_C] tiles of x and
 y are masked by their tokens alone, so that their loads and stores vectorize (16 bytes per thread);
 a mask against the runtime C makes every element a load of its own. Same values either way.
@@ -53,6 +58,40 @@ def find_seq(p_cu, i_prog, n_seqs, n_iters, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _program_tile(p_cu, p_slots, i_p, B, C, n_iters, BLOCK_T: tl.constexpr):
+    """Program `i_p`'s tile of BLOCK_T tokens (the module's docstring): (its sequence's start (int64) and length,
+    the tile's index in the sequence, its first token t_lo relative to the start, c_end (the channels it covers: C,
+    or 0 for a spare program past its sequence's last tile, which then does nothing; tile 0 always covers C, so a
+    0-length sequence's tile 0 rewrites the old state as it was), the sequence's slot (int64)). Limits through
+    tl.where, not a scalar bool in a mask (the interpreter rejects those)."""
+    i_b = find_seq(p_cu, i_p, B, n_iters, BLOCK_T)
+    start = tl.load(p_cu + i_b)
+    length = tl.load(p_cu + i_b + 1) - start
+    i_tile = i_p - (start // BLOCK_T + i_b)
+    t_lo = i_tile * BLOCK_T
+    c_end = tl.where((t_lo < length) | (i_tile == 0), C, 0)
+    slot = tl.load(p_slots + i_b).to(tl.int64)
+    return start.to(tl.int64), length, i_tile, t_lo, c_end, slot
+
+
+@triton.jit
+def _new_state(p_x, p_cs, slot, start, length, o_c, c_end, i_tile, stride_xt, stride_css, stride_csc, stride_csw,
+               dtype: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr):
+    """A sequence's new conv state, the last W-1 inputs of [old state, x] (column j: index length + j), loaded by
+    its tile 0 only: (b_new [BLOCK_C, BLOCK_W] in x's dtype, its store mask, o_w). The caller stores it after a
+    barrier that follows every load of the old state."""
+    o_w = tl.arange(0, BLOCK_W)
+    m_new = (o_c < tl.where(i_tile == 0, c_end, 0))[:, None] & (o_w < W - 1)[None, :]
+    o_cat = length + o_w  # index into [old state (W-1), x (length)]
+    m_from_x = m_new & (o_cat >= W - 1)[None, :]
+    m_from_s = m_new & (o_cat < W - 1)[None, :]
+    b_nx = tl.load(p_x + (start + o_cat - (W - 1))[None, :] * stride_xt + o_c[:, None], mask=m_from_x, other=0.0)
+    b_ns = tl.load(p_cs + slot * stride_css + o_c[:, None] * stride_csc + o_cat[None, :] * stride_csw,
+                   mask=m_from_s, other=0.0)
+    return tl.where(m_from_x, b_nx.to(dtype), b_ns.to(dtype)), m_new, o_w
+
+
+@triton.jit
 def _conv_varlen_kernel(
     p_x, p_w, p_cs, p_cu, p_slots, p_y, B, C, n_iters,
     stride_xt, stride_wc, stride_css, stride_csc, stride_csw, stride_yt,
@@ -67,17 +106,7 @@ def _conv_varlen_kernel(
     i_c = tl.program_id(1)
     dtype = p_x.dtype.element_ty
     w_dtype = p_w.dtype.element_ty
-    i_b = find_seq(p_cu, i_p, B, n_iters, BLOCK_T)
-    start = tl.load(p_cu + i_b)
-    length = tl.load(p_cu + i_b + 1) - start
-    i_tile = i_p - (start // BLOCK_T + i_b)
-    t_lo = i_tile * BLOCK_T  # the tile's first token, relative to the sequence's start
-    # NOTE: a spare program (past its sequence's last tile) does nothing; a 0-length sequence's tile 0
-    # rewrites the old state as it was. Limits through tl.where, not a scalar bool in a mask (the
-    # interpreter rejects those).
-    c_end = tl.where((t_lo < length) | (i_tile == 0), C, 0)
-    slot = tl.load(p_slots + i_b).to(tl.int64)
-    start = start.to(tl.int64)
+    start, length, i_tile, t_lo, c_end, slot = _program_tile(p_cu, p_slots, i_p, B, C, n_iters, BLOCK_T)
     o_t = t_lo + tl.arange(0, BLOCK_T)
     o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     m_c = o_c < c_end
@@ -99,16 +128,8 @@ def _conv_varlen_kernel(
         b_acc += b_win.to(w_dtype).to(tl.float32) * b_wt.to(tl.float32)[None, :]
     b_y = b_acc.to(w_dtype).to(tl.float32)
     b_y = (b_y / (1.0 + tl.exp(-b_y))).to(w_dtype).to(dtype)
-    # the new state (tile 0 only): column j is [old state, x] at index length + j
-    o_w = tl.arange(0, BLOCK_W)
-    m_new = (o_c < tl.where(i_tile == 0, c_end, 0))[:, None] & (o_w < W - 1)[None, :]
-    o_cat = length + o_w  # index into [old state (W-1), x (length)]
-    m_from_x = m_new & (o_cat >= W - 1)[None, :]
-    m_from_s = m_new & (o_cat < W - 1)[None, :]
-    b_nx = tl.load(p_x + (start + o_cat - (W - 1))[None, :] * stride_xt + o_c[:, None], mask=m_from_x, other=0.0)
-    b_ns = tl.load(p_cs + slot * stride_css + o_c[:, None] * stride_csc + o_cat[None, :] * stride_csw,
-                   mask=m_from_s, other=0.0)
-    b_new = tl.where(m_from_x, b_nx.to(dtype), b_ns.to(dtype))
+    b_new, m_new, o_w = _new_state(p_x, p_cs, slot, start, length, o_c, c_end, i_tile, stride_xt, stride_css,
+                                   stride_csc, stride_csw, dtype, W, BLOCK_W)
     tl.debug_barrier()  # NOTE: every load of the old state before the stores that overwrite it
     tl.store(p_y + (start + o_t)[:, None] * stride_yt + o_c[None, :], b_y, mask=m_tc)
     tl.store(p_cs + slot * stride_css + o_c[:, None] * stride_csc + o_w[None, :] * stride_csw,
@@ -153,14 +174,7 @@ def _conv_varlen_rows_kernel(
     i_c = tl.program_id(1)
     dtype = p_x.dtype.element_ty
     w_dtype = p_w.dtype.element_ty
-    i_b = find_seq(p_cu, i_p, B, n_iters, BLOCK_T)
-    start = tl.load(p_cu + i_b)
-    length = tl.load(p_cu + i_b + 1) - start
-    i_tile = i_p - (start // BLOCK_T + i_b)
-    t_lo = i_tile * BLOCK_T
-    c_end = tl.where((t_lo < length) | (i_tile == 0), C, 0)
-    slot = tl.load(p_slots + i_b).to(tl.int64)
-    start = start.to(tl.int64)
+    start, length, i_tile, t_lo, c_end, slot = _program_tile(p_cu, p_slots, i_p, B, C, n_iters, BLOCK_T)
     o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     m_c = o_c < c_end
     live = t_lo < length  # (a spare program and an empty sequence's tile 0 read no input)
@@ -216,15 +230,8 @@ def _conv_varlen_rows_kernel(
         h1 = x_t
     # the new state (tile 0 only), after the loop (not held in registers through it): the old state is this
     # program's alone, so it is still the old one here
-    o_w = tl.arange(0, BLOCK_W)
-    m_new = (o_c < tl.where(i_tile == 0, c_end, 0))[:, None] & (o_w < W - 1)[None, :]
-    o_cat = length + o_w  # index into [old state (W-1), x (length)]
-    m_from_x = m_new & (o_cat >= W - 1)[None, :]
-    m_from_s = m_new & (o_cat < W - 1)[None, :]
-    b_nx = tl.load(p_x + (start + o_cat - (W - 1))[None, :] * stride_xt + o_c[:, None], mask=m_from_x, other=0.0)
-    b_ns = tl.load(p_cs + slot * stride_css + o_c[:, None] * stride_csc + o_cat[None, :] * stride_csw,
-                   mask=m_from_s, other=0.0)
-    b_new = tl.where(m_from_x, b_nx.to(dtype), b_ns.to(dtype))
+    b_new, m_new, o_w = _new_state(p_x, p_cs, slot, start, length, o_c, c_end, i_tile, stride_xt, stride_css,
+                                   stride_csc, stride_csw, dtype, W, BLOCK_W)
     tl.debug_barrier()  # NOTE: every load of the old state (the window's and the new state's) before it is overwritten
     tl.store(p_cs + slot * stride_css + o_c[:, None] * stride_csc + o_w[None, :] * stride_csw,
              b_new.to(p_cs.dtype.element_ty), mask=m_new)
