@@ -74,6 +74,22 @@ def test_a_step_that_paid_for_a_first_time_is_named_without_a_usual_time():
     assert w.end("decode", SLOW_MIN_S / 2, StepShape(decode_rows=1), mark, counts.captures, counts.history) is None
 
 
+def test_with_a_usual_time_a_step_that_paid_for_something_but_took_its_usual_time_is_not_slow():
+    """What was paid explains a slow step; it does not make one (an offloaded server's long prompt recalls the
+    prefill reserve's loan, a rebuild, every time)."""
+    counts = Counts()
+    w = watch()
+    for _ in range(MIN_HISTORY):
+        assert run(w, "prefill", 0.5, StepShape(1, 16384)) is None
+    mark = w.mark(counts.captures, counts.history)
+    counts.history.append({"trigger": "loan", "status": "ok"})
+    assert w.end("prefill", 0.55, StepShape(1, 16384), mark, counts.captures, counts.history) is None
+    mark = w.mark(counts.captures, counts.history)
+    counts.history.append({"trigger": "loan", "status": "ok"})
+    line = w.end("prefill", 1.6, StepShape(1, 16384), mark, counts.captures, counts.history)
+    assert line is not None and line.endswith("during it: a loan rebuild (ok)")
+
+
 def test_memory_taken_during_a_slow_step_is_named_by_where_it_went():
     """The caching allocator's growth, the driver's count's growth beyond it (memory outside torch: kernel modules
     loaded on first use, library workspaces) and the pinned host blocks created (and the time their CUDA calls took);

@@ -20,8 +20,9 @@ cuDNN), the host (the GIL, swapping), another process on the card.
 What is slow: a step of at least `SLOW_MIN_S` that took `SLOW_FACTOR` times what its kind has taken of late
 (decode: the median of the last `HISTORY` decode steps; prefill and mixed: their median time a token, times
 the step's tokens, at least `TOKEN_FLOOR` of them, so that short chunks' fixed costs do not count as slow),
-or any step of at least `SLOW_MIN_S` during which something was paid for the first time. Judged from
-`MIN_HISTORY` steps of the kind on; slow steps stay out of the history. An engine's watch starts paused: `ft
+judged from `MIN_HISTORY` steps of the kind on; before that, a step of at least `SLOW_MIN_S` during which
+something was paid for the first time (what was paid explains a slow step; it does not make a step that took its
+usual time slow: a long prompt's loan recall is a rebuild every time). Slow steps stay out of the history. An engine's watch starts paused: `ft
 serve` resumes it once it is ready (after its warm-up, whose steps are all first times and none a user's; a
 warm-up on a watching engine pauses it meanwhile), so a library user's first steps, which compile as they go,
 log nothing unless they resume it.
@@ -179,10 +180,12 @@ class SlowSteps:
         now = self.clock()
         if self._read_memory is not None and (seconds >= SLOW_MIN_S or now - self._memory_at >= MEMORY_EVERY_S):
             self._memory, self._memory_at = self._read_memory(), now
-        usual = paid = None
+        usual, paid, slow = None, [], False
         if seconds >= SLOW_MIN_S:  # (the usual time and the counters are read for these steps only)
             usual, paid = self._usual(kind, shape), self._paid(mark, captures, history)
-        if not paid and (usual is None or seconds < SLOW_FACTOR * usual):
+            # with a usual time the time decides (what was paid explains); before one, a first time does
+            slow = seconds >= SLOW_FACTOR * usual if usual is not None else bool(paid)
+        if not slow:
             if kind == "decode":
                 self._decode.append(seconds)
             else:
