@@ -139,7 +139,7 @@ def test_bad_sampling_extras_are_named(tiny_one):
                         (dict(presence_penalty=float("inf")), "presence_penalty"),
                         (dict(frequency_penalty=float("nan")), "frequency_penalty"),
                         (dict(logit_bias={3: 101.0}), "logit_bias"), (dict(logprobs=21), "logprobs"),
-                        (dict(prompt_logprobs=-1), "prompt_logprobs")):
+                        (dict(prompt_logprobs=-1), "prompt_logprobs"), (dict(stop=("a", "")), "stop: an empty")):
         with pytest.raises(RequestError, match=needle):
             SamplingParams(**bad)
     llm = load(tiny_one[2])

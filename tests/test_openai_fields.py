@@ -269,3 +269,16 @@ def test_unimplemented_fields_are_refused_by_name(server, route, extra, needle):
 def test_harmless_fields_are_accepted(server, extra):
     r = server.post("/v1/chat/completions", json={**CHAT, **extra})
     assert r.status_code == 200, r.text
+
+
+def test_an_empty_stop_string_is_a_400_in_either_form(server):
+    """`stop: ""` ended every generation at its first token, and `stop: ["", "a"]` dropped the empty one unsaid:
+    both are refused now, by name, and the request loses nothing else (a next one with a real stop string runs)."""
+    for stop in ("", ["", "a"]):
+        for route, body in (("/v1/completions", {"prompt": "Hello"}),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]})):
+            r = server.post(route, json={"model": MODEL, "max_tokens": 3, "stop": stop, **body})
+            assert r.status_code == 400, (route, stop, r.text)
+            assert "stop: an empty string" in r.json()["error"]["message"], r.text
+    r = server.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 3, "stop": ["a"]})
+    assert r.status_code == 200, r.text

@@ -107,7 +107,7 @@ class SamplingFields(BaseModel):
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(s for s in self.stop if s)
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)  # (an empty one: refused, a 400)
 
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """logit_bias as (token id, bias); ValueError naming a key that is not a token id."""

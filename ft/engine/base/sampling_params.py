@@ -87,6 +87,8 @@ class SamplingParams:
             pairs[int(token)] = value
         object.__setattr__(self, "logit_bias", tuple(sorted(pairs.items())))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if any(s == "" for s in self.stop):  # (any text contains it: the first token would end every request)
+            raise RequestError("stop: an empty string would end the generation at its first token; leave it out")
         if self.grammar is not None:
             if not (isinstance(self.grammar, tuple) and len(self.grammar) == 2
                     and self.grammar[0] in ("json_schema", "lark") and isinstance(self.grammar[1], str)):
