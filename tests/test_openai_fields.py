@@ -282,3 +282,18 @@ def test_an_empty_stop_string_is_a_400_in_either_form(server):
             assert "stop: an empty string" in r.json()["error"]["message"], r.text
     r = server.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 3, "stop": ["a"]})
     assert r.status_code == 200, r.text
+
+
+def test_chat_max_completion_tokens_and_max_tokens_name_themselves(server):
+    """Chat's max_completion_tokens (and max_tokens, its older name): a refusal names the field the request gave
+    (not completions' echo note), and the two given apart must agree."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}]}
+    r = server.post("/v1/chat/completions", json={**chat, "max_completion_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "max_completion_tokens must be at least 1, got 0"
+    r = server.post("/v1/chat/completions", json={**chat, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "max_tokens must be at least 1, got 0"
+    r = server.post("/v1/chat/completions", json={**chat, "max_tokens": 2, "max_completion_tokens": 3})
+    assert r.status_code == 400 and "max_completion_tokens (3) and max_tokens (2) differ" in r.text
+    r = server.post("/v1/chat/completions", json={**chat, "max_tokens": 2, "max_completion_tokens": 2,
+                                                  "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

@@ -71,10 +71,12 @@ def _check_common(st, body: SamplingFields) -> None:
 
 
 def _params(st, body: SamplingFields, prompt_len: int, max_tokens: int | None, logprobs: int | None = None,
-            prompt_logprobs: int | None = None, allow_zero: bool = False, grammar: tuple[str, str] | None = None) -> list:
+            prompt_logprobs: int | None = None, allow_zero: bool = False, grammar: tuple[str, str] | None = None,
+            max_tokens_field: str = "max_tokens", zero_note: str = "") -> list:
     """The SamplingParams of each of the body's n choices (seeds seed, seed + 1, ...; unseeded
     choices get random seeds of their own). max_tokens 0 (allow_zero: echo) runs one token, which
-    the route drops."""
+    the route drops. `max_tokens_field`: the request's name of max_tokens, for the refusal's text, which ends
+    with `zero_note` (where 0 would be allowed otherwise)."""
     from ft.engine.base.sampling_params import SamplingParams
     from ft.errors import RequestError
 
@@ -83,8 +85,8 @@ def _params(st, body: SamplingFields, prompt_len: int, max_tokens: int | None, l
         raise ApiError(400, f"the prompt is {prompt_len} tokens; {st.context_reason(limit)}", "context_length_exceeded")
     if max_tokens is not None:
         if max_tokens < (0 if allow_zero else 1):
-            raise ApiError(400, f"max_tokens must be at least {0 if allow_zero else 1}, got {max_tokens}"
-                           + ("" if allow_zero else " (0 only with echo)"))
+            raise ApiError(400, f"{max_tokens_field} must be at least {0 if allow_zero else 1}, got {max_tokens}"
+                           + zero_note)
         if prompt_len + max_tokens > limit:
             why = "" if limit >= st.context_limit else f" Now: {st.context_reason(limit)}."
             raise ApiError(
@@ -158,7 +160,8 @@ async def completions(body: CompletionRequest, request: Request):
             raise ApiError(400, "the prompt is empty" if len(prompts) == 1 else f"prompt {i} is empty")
         # echo + logprobs: the prompt's logprobs too (its prefill computes every position's logits)
         groups.append((ids, _params(st, body, len(ids), body.max_tokens, logprobs=body.logprobs,
-                                    prompt_logprobs=body.logprobs if echo else None, allow_zero=echo)))
+                                    prompt_logprobs=body.logprobs if echo else None, allow_zero=echo,
+                                    zero_note="" if echo else " (0 only with echo)")))
         if echo:
             echoes.append(p if isinstance(p, str) else await off_loop(
                 st, lambda ids=ids: st.tokenizer.decode(ids, skip_special_tokens=False)))
@@ -202,9 +205,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         ids = await off_loop(st, render_and_encode)
     except ChatTemplateError as e:
         raise ApiError(400, str(e)) from None
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    newer, older = body.max_completion_tokens, body.max_tokens
+    if newer is not None and older is not None and newer != older:
+        raise ApiError(400, f"max_completion_tokens ({newer}) and max_tokens ({older}) differ: give one (max_tokens is "
+                       "its older name)")
+    field = "max_completion_tokens" if newer is not None else "max_tokens"
     top = (body.top_logprobs or 0) if body.logprobs else None
-    params = _params(st, body, len(ids), max_tokens, logprobs=top, grammar=grammar)
+    params = _params(st, body, len(ids), newer if newer is not None else older, logprobs=top, grammar=grammar,
+                     max_tokens_field=field)
     return await _respond(st, request, body, [(ids, params)], _ChatShape(new_id("chatcmpl"), st.model_name,
                                                                         _texts(st.tokenizer), top, parse_tools=parse_tools))
 
