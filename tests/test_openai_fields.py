@@ -297,3 +297,17 @@ def test_chat_max_completion_tokens_and_max_tokens_name_themselves(server):
     r = server.post("/v1/chat/completions", json={**chat, "max_tokens": 2, "max_completion_tokens": 2,
                                                   "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_message_without_content_is_a_400_unless_an_assistant_calls_tools(server):
+    """A user (system, developer, tool) message with content null or left out was served as an empty message: a
+    400 names the message now; an assistant message may leave it out (its tool calls carry it)."""
+    for message in ({"role": "user", "content": None}, {"role": "system"}, {"role": "tool", "tool_call_id": "a"}):
+        r = server.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": [
+            message, {"role": "user", "content": "Hello"}]})
+        assert r.status_code == 400 and f"a {message['role']} message needs content" in r.text, r.text
+    r = server.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "user", "content": "Hello"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"}]})
+    assert r.status_code == 200, r.text

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from ft.engine.base.sampling_params import MAX_LOGPROBS
 from ft.schemas import JsonInt
@@ -176,6 +176,14 @@ class ChatMessage(BaseModel):
             if part.text is None:
                 raise ValueError(f"content[{j}]: a text part needs `text`")
         return content
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self):
+        # (OpenAI's schema: only an assistant message, one that calls tools, may come without content; a user
+        # message with none was served as an empty one)
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (text or text parts)")
+        return self
 
 
 class FunctionDef(BaseModel):
