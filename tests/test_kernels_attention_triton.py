@@ -204,9 +204,11 @@ def test_write_kv_decode_writes_the_extra_rows_in_its_launch(monkeypatch, cache_
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
-# every path ungated; the gate on the split path (the single kernel's gate: test_decode_attention_gate_is_the_product)
-@pytest.mark.parametrize(("path", "gated"), [("single", False), ("split3", False), ("split8", False), ("split3", True)],
-                         ids=["single-nogate", "split3-nogate", "split8-nogate", "split3-gate"])
+# every path ungated; the gate on the split path (the single kernel's gate: test_decode_attention_gate_is_the_product);
+# 37 splits: the combine's loops over more than one chunk of COMBINE_CHUNK_S, the last one partial
+@pytest.mark.parametrize(("path", "gated"), [("single", False), ("split3", False), ("split8", False), ("split3", True),
+                                             ("split37", True)],
+                         ids=["single-nogate", "split3-nogate", "split8-nogate", "split3-gate", "split37-gate"])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize(("seq_lens", "hq", "hkv", "d", "page"), CASES, ids=CASE_IDS)
 def test_decode_attention_triton(seq_lens, hq, hkv, d, page, dtype, path, gated):

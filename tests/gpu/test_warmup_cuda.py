@@ -5,6 +5,7 @@ no capture, and so no first-time compile, on a user's request), and the engine i
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ft.engine import LLM, SamplingParams
 from ft.engine.core.warmup import warm_up
@@ -33,60 +34,77 @@ def test_no_graph_is_captured_on_the_request_path_after_the_warm_up(model):
 
 def test_no_triton_kernel_compiles_on_the_request_path_for_prompts_of_any_length(model):
     """After the warm-up, prompts of lengths that are not multiples of 16, chunked at positions that
-    are not either, prefilling in steps that also decode: no Triton kernel compiles (Triton's
-    `jit_post_compile_hook` sees none). Session 27 saw `_prefill_kernel` compile twice and
-    `_pair_tiles_kernel` once after ready through `ft serve` (each a stall of every stream); their
-    per-chunk integers are no longer specialized."""
-    import triton
+    are not either, prefilling in steps beside an odd and an even number of decoding rows: no Triton kernel
+    compiles (Triton's `jit_post_compile_hook` sees none). Session 27 saw `_prefill_kernel` compile twice and
+    `_pair_tiles_kernel` once after ready through `ft serve` (each a stall of every stream); session 60's c10 run
+    saw the conv, chunk-state and decode-combine kernels compile in mixed steps of 9 prompts beside 1 decoding row
+    and 2 beside 8. A failure lists each such compile's specialization beside the warm-up's of the same kernel."""
+    from ft.engine.core.slow_steps import triton_compiles
 
-    runtime_knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
-    if not hasattr(runtime_knobs, "jit_post_compile_hook"):
-        pytest.skip(f"triton {triton.__version__} has no knobs.runtime.jit_post_compile_hook to count compiles with")
+    if not triton_compiles.install():
+        pytest.skip("this Triton has no knobs.runtime.jit_post_compile_hook to count compiles with")
     llm = LLM(model=model, device="cuda", dtype="bfloat16", moe_backend="resident", num_tokens=16384,
-              max_running_requests=8, prefill_graph_max_tokens=512, max_prefill_length=1000)
+              max_running_requests=24, prefill_graph_max_tokens=512, max_prefill_length=1000)
     e = llm.engine
+    first = len(triton_compiles.names)
     warm_up(e)
-    compiled = []
-    hooks = runtime_knobs
-
-    def seen(*args, **kwargs):
-        info = kwargs.get("fn")
-        compiled.append(getattr(info, "name", repr(info)))
-        return False
-
-    before, hooks.jit_post_compile_hook = hooks.jit_post_compile_hook, seen
-    try:
-        params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-        running = [e.add_request(list(range(200 + i, 233 + i)), params) for i in range(3)]  # decoding streams
-        for _ in range(4):
+    warm = len(triton_compiles.names)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    # (decoding rows, their prompts' length, the prompts that arrive beside them): the last round's rows have
+    # contexts long enough for the split decode attention, which a mixed step runs eagerly
+    for streams, context, prompts in ((3, 33, (1537, 999, 130, 17)), (1, 33, (211,) * 9), (8, 33, (203, 190)),
+                                      (5, 900, (16,) * 16)):
+        running = [e.add_request([(7 * i + j) % 1000 + 5 for i in range(context)], params) for j in range(streams)]
+        while not all(s.output_ids for s in running):  # (their prompts prefill; then they decode)
             e.step()
-        prompts = [[(11 * i + n) % 1000 + 5 for i in range(n)] for n in (1537, 999, 130, 17)]
-        e.run_until_done(running + [e.add_request(p, params) for p in prompts])
-    finally:
-        hooks.jit_post_compile_hook = before
-    assert compiled == []
+        batch = [[(11 * i + 3 * j + n + len(prompts)) % 1000 + 5 for i in range(n)] for j, n in enumerate(prompts)]
+        e.run_until_done(running + [e.add_request(p, params) for p in batch])
+    late = list(zip(triton_compiles.names[warm:], triton_compiles.signatures[warm:]))
+    seen = {}
+    for name, signature in zip(triton_compiles.names[first:warm], triton_compiles.signatures[first:warm]):
+        seen.setdefault(name, []).append(signature)
+    report = "\n".join(f"after ready: {sig}\n  warm-up's: " + "\n  warm-up's: ".join(seen.get(name, ["none"]))
+                       for name, sig in late)
+    assert not late, report
 
 
-def test_the_slow_step_watch_names_a_first_compile_on_the_device(model, monkeypatch):
-    """`ft.engine.core.slow_steps` on CUDA: Triton's compile hook is in (a fresh engine's first prefill names the
-    kernels it compiled or loaded), the allocator is read, and after the warm-up the same prompt pays for nothing
-    (every step judged: SLOW_MIN_S 0)."""
+def test_the_slow_step_watch_names_a_compile_on_the_device(model, monkeypatch):
+    """`ft.engine.core.slow_steps` on CUDA: Triton's compile hook is in (a kernel compiled between a step's mark and
+    its end is named in the line: a kernel of this test's own, which no earlier test of the process compiled), the
+    allocator is read, and after the warm-up a fresh engine's prompt pays for nothing (every step judged:
+    SLOW_MIN_S 0)."""
+    import triton
+    import triton.language as tl
+
     import ft.engine.core.slow_steps as slow_steps
+    from ft.engine.core.step_times import StepShape
 
     monkeypatch.setattr(slow_steps, "SLOW_MIN_S", 0.0)
+    watch = slow_steps.SlowSteps(torch.device("cuda"))
+    assert slow_steps.triton_compiles.available, "this Triton has no jit_post_compile_hook: compiles go uncounted"
+
+    @triton.jit
+    def _watched_kernel(p_x, N, BLOCK: tl.constexpr):
+        o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(p_x + o, tl.load(p_x + o, mask=o < N) + 1.0, mask=o < N)
+
+    x = torch.zeros(1000, device="cuda")
+    mark = watch.mark()
+    _watched_kernel[(8,)](x, x.numel(), BLOCK=128)
+    torch.cuda.synchronize()
+    line = watch.end("prefill", 0.5, StepShape(prompts=1, prompt_tokens=1000), mark)
+    assert line and "1 Triton kernel compiled or loaded (_watched_kernel)" in line, line
+    assert slow_steps.triton_compiles.signatures[-1].startswith("_watched_kernel"), slow_steps.triton_compiles.signatures[-1]
+    assert float(x.sum()) == 1000.0
+
     llm = LLM(model=model, device="cuda", dtype="bfloat16", moe_backend="resident", num_tokens=8192,
               max_running_requests=4, prefill_graph_max_tokens=0, max_prefill_length=600)
     e = llm.engine
+    warm_up(e)
     e.slow_steps.resume()  # (as `ft serve` has it)
-    assert slow_steps.triton_compiles.available, "this Triton has no jit_post_compile_hook: compiles go uncounted"
     lines = []
     end = e.slow_steps.end
     e.slow_steps.end = lambda *a: lines.append(end(*a)) or lines[-1]
     params = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
-    e.run_until_done([e.add_request([(13 * i) % 1000 + 5 for i in range(517)], params)])
-    first = [line for line in lines if line]
-    assert first and "Triton kernel" in first[0] and first[0].startswith("slow prefill step: "), first
-    warm_up(e)
-    lines.clear()
     e.run_until_done([e.add_request([(17 * i) % 1000 + 5 for i in range(517)], params)])
-    assert not any(line and ("Triton" in line or "captured" in line) for line in lines), lines
+    assert lines and not any(line and ("Triton" in line or "captured" in line) for line in lines), lines

@@ -44,6 +44,7 @@ step began).
 
 from __future__ import annotations
 
+import logging
 import statistics
 import threading
 import time
@@ -54,6 +55,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ft.engine.core.step_times import StepShape
+
+log = logging.getLogger("ft.engine")
 
 __all__ = ["MemoryReading", "SlowSteps", "StepShape", "cuda_memory", "engine_captures", "triton_compiles"]
 
@@ -84,10 +87,14 @@ class MemoryReading:
 class _TritonCompiles:
     """The names of the Triton kernels compiled (or loaded from Triton's cache) in this process since the hook
     went in: Triton's `knobs.runtime.jit_post_compile_hook`, chained to any hook set before it. Installed once
-    per process; `available` is False where this Triton has no such hook (compiles then go uncounted)."""
+    per process; `available` is False where this Triton has no such hook (compiles then go uncounted).
+    `signatures[i]` is `names[i]`'s compile as Triton writes it (its options and each argument's specialization,
+    such as `*bf16D`: a pointer aligned to 16 bytes): what tells two compiles of one kernel apart, logged at debug
+    level with a slow step's line."""
 
     def __init__(self) -> None:
         self.names: list[str] = []
+        self.signatures: list[str] = []
         self.available: bool | None = None  # None: not tried yet
         self._lock = threading.Lock()
 
@@ -108,6 +115,7 @@ class _TritonCompiles:
 
             def compiled(*args, **kwargs):
                 info = kwargs.get("fn")
+                self.signatures.append(str(kwargs.get("repr") or ""))
                 self.names.append(str(getattr(info, "name", None) or "a kernel"))
                 return before(*args, **kwargs) if before is not None else False
 
@@ -210,6 +218,8 @@ class SlowSteps:
         if names:
             shown = ", ".join(dict.fromkeys(names))  # (distinct, in order)
             out.append(f"{len(names)} Triton kernel{'s' * (len(names) != 1)} compiled or loaded ({shown})")
+            for signature in triton_compiles.signatures[mark.compiles:]:
+                log.debug("compiled in a slow step: %s", signature)
         captured = captures - mark.captures
         if captured > 0:
             out.append(f"{captured} CUDA graph{'s' * (captured != 1)} captured")

@@ -70,6 +70,8 @@ __all__ = ["paged_decode_attention_triton", "write_kv_decode_triton"]
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
+COMBINE_CHUNK_S = 16
+"""Splits the decode combine reads at a time (a loop over them: few registers for any split count)."""
 
 
 @triton.jit
@@ -278,11 +280,13 @@ def _decode_split_kernel(
     tl.store(p_st + i_r * stride_sr + o_h * stride_sh + 1, b_l, mask=m_g)
 
 
-@triton.jit
+# NOTE: S is not specialized and sizes no block: one compile serves every split count (a mixed step's eager decode
+# rows take theirs from their contexts; session 60 saw this kernel compile at c10 through `ft serve` when a block
+# was the splits' next power of two)
+@triton.jit(do_not_specialize=["S"])
 def _decode_combine_kernel(
     p_acc, p_st, p_g, p_o, S, D, stride_ar, stride_ah, stride_sr, stride_sh, stride_gb, stride_gh, stride_ob,
-    stride_oh, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
-    PDL: tl.constexpr = False,
+    stride_oh, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
     pdl_release(PDL)
@@ -292,8 +296,11 @@ def _decode_combine_kernel(
     i_h = tl.program_id(1)
     p_sb = p_st + i_b * S * stride_sr + i_h * stride_sh
     p_ab = p_acc + i_b * S * stride_ar + i_h * stride_ah
-    o_s = tl.arange(0, BLOCK_S)
-    b_max = tl.max(tl.load(p_sb + o_s * stride_sr, mask=o_s < S, other=float("-inf")), axis=0)
+    b_maxes = tl.full((CHUNK_S,), float("-inf"), dtype=tl.float32)
+    for s0 in range(0, S, CHUNK_S):  # the splits' maximum, CHUNK_S at a time (S is not a compile-time size)
+        o_c = s0 + tl.arange(0, CHUNK_S)
+        b_maxes = tl.maximum(b_maxes, tl.load(p_sb + o_c * stride_sr, mask=o_c < S, other=float("-inf")))
+    b_max = tl.max(b_maxes, axis=0)
     b_max = tl.where(b_max == float("-inf"), 0.0, b_max)  # seq_len 0: every split empty
     o_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = o_d < D
@@ -498,6 +505,5 @@ def combine_splits(acc: torch.Tensor, stats: torch.Tensor, gate: torch.Tensor | 
     g, g_strides = (gate, (gate.stride(0), gate.stride(1))) if gate is not None else (out, (0, 0))
     _decode_combine_kernel[(b, hq, triton.cdiv(d, block_d))](
         acc, stats, g, out, splits, d, acc.stride(0), acc.stride(1), stats.stride(0), stats.stride(1), *g_strides,
-        out.stride(0), out.stride(1), BLOCK_S=triton.next_power_of_2(splits),
-        CHUNK_S=min(16, triton.next_power_of_2(splits)), BLOCK_D=block_d, HAS_GATE=gate is not None, num_warps=4,
+        out.stride(0), out.stride(1), CHUNK_S=COMBINE_CHUNK_S, BLOCK_D=block_d, HAS_GATE=gate is not None, num_warps=4,
         **pdl_args(out.device))

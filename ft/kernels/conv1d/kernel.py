@@ -38,7 +38,13 @@ import triton.language as tl
 from ft.kernels.backend import TRITON_DTYPES
 from ft.kernels.options import kernel_options
 
-__all__ = ["conv_rows_config", "conv_varlen_config", "causal_conv1d_varlen_triton"]
+__all__ = ["VARLEN_UNSPECIALIZED", "conv_rows_config", "conv_varlen_config", "causal_conv1d_varlen_triton"]
+
+# NOTE: the batch's integers and its cu_seqlens / slots pointers are not specialized: a mixed step's slots are a
+# slice after its decoding rows (at an offset that is not a multiple of 16 bytes when one row decodes) and B may be 1 or a multiple of
+# 16, each of which Triton would compile apart on a user's request (session 60 saw it through `ft serve`); they
+# are read as scalars, so nothing is lost
+VARLEN_UNSPECIALIZED = ["p_cu", "p_slots", "B", "n_iters"]
 
 
 @triton.jit
@@ -91,7 +97,7 @@ def _new_state(p_x, p_cs, slot, start, length, o_c, c_end, i_tile, stride_xt, st
     return tl.where(m_from_x, b_nx.to(dtype), b_ns.to(dtype)), m_new, o_w
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARLEN_UNSPECIALIZED)
 def _conv_varlen_kernel(
     p_x, p_w, p_cs, p_cu, p_slots, p_y, B, C, n_iters,
     stride_xt, stride_wc, stride_css, stride_csc, stride_csw, stride_yt,
@@ -155,7 +161,7 @@ def _window_row(p_x, p_state, start, t_lo, o_c, C, live, stride_xt, stride_csw, 
     return tl.where(from_x, b_x, b_s)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARLEN_UNSPECIALIZED)
 def _conv_varlen_rows_kernel(
     p_x, p_w, p_cs, p_cu, p_slots, p_y, B, C, n_iters,
     stride_xt, stride_wc, stride_css, stride_csc, stride_csw, stride_yt,

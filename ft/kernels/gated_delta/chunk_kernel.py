@@ -123,7 +123,7 @@ def _unit_lower_inverse(b_l, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, PREC
     return b_t
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["p_cu", "B", "n_iters"])  # (`conv1d.kernel.VARLEN_UNSPECIALIZED`'s reasons)
 def _chunk_prep_kernel(
     p_q, p_k, p_v, p_g, p_beta, p_cu, p_w, p_u, p_gc, p_a, B, n_iters, GROUP, DK, DV, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
@@ -178,7 +178,7 @@ def _chunk_prep_kernel(
     tl.store(p_u + rows[:, None] * stride_ut + i_h * stride_uh + o_v[None, :], b_u.to(dt), mask=m_rv)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["p_cu", "p_slots"])  # (`conv1d.kernel.VARLEN_UNSPECIALIZED`'s reasons)
 def _chunk_state_kernel(
     p_q, p_k, p_w, p_u, p_gc, p_a, p_ss, p_cu, p_slots, p_o, GROUP, DK, DV, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_wt, stride_wh, stride_ut, stride_uh, stride_gct,
