@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from ft.engine import LLM, SamplingParams
+from gpu.small_model import small_flash_next as synthetic_model
 from test_flash_next_engine import (CASES, GREEDY, GREEDY_OPTS, TEXT, mixed_step_case, prompt_of, reference_greedy,
                                    run_mixed_step, write_checkpoint)
 
@@ -107,21 +108,6 @@ def test_a_mixed_steps_decoding_rows_past_the_span_equal_the_reference(tmp_path,
         lengths, mixed, got = run_mixed_step(llm, prompts, rows)
     assert mixed and all(r == (True, lengths) for r in mixed)  # ungated: a mixed step's decode batch
     assert got == want
-
-
-def synthetic_model(tmp_path, **text) -> str:
-    """A small synthetic NVFP4 Qwen3.8-Flash-Next (`bench/configs/qwen3.8-flash-next.json`'s fields,
-    smaller), as a model name."""
-    import json
-
-    flagship = json.loads(open("bench/configs/qwen3.8-flash-next-small-table.json").read())
-    flagship["text_config"].update(dict(vocab_size=1024, hidden_size=512, num_hidden_layers=4, num_experts=32,
-                                        hc_lowrank=64, ngram_vocab_size_base=1000, max_position_embeddings=4096,
-                                        eos_token_id=2, bos_token_id=2), **text)
-    flagship["eos_token_id"] = 2
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(flagship))
-    return f"synthetic:{path}"
 
 
 @pytest.mark.parametrize("budget,pdl", [(2048, None), (32, None), (32, True), (32, False)],
