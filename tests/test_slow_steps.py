@@ -63,7 +63,8 @@ def test_a_step_that_paid_for_a_first_time_is_named_without_a_usual_time():
     mark = w.mark(counts.captures, counts.history)
     counts.captures += 1
     counts.history.append({"trigger": "mamba", "status": "ok"})
-    triton_compiles.names.extend(["_decode_combine_kernel", "_decode_combine_kernel", "_prefill_kernel"])
+    for name in ("_decode_combine_kernel", "_decode_combine_kernel", "_prefill_kernel"):
+        triton_compiles.record(name)
     line = w.end("prefill", SLOW_MIN_S, StepShape(2, 3000), mark, counts.captures, counts.history)
     assert line == ("slow prefill step: 250 ms, no usual time yet: 2 prompts (3,000 tokens); during it: 3 Triton "
                     "kernels compiled or loaded (_decode_combine_kernel, _prefill_kernel); 1 CUDA graph captured; "
@@ -170,3 +171,18 @@ def test_the_engine_accounts_each_step_by_kind_and_rows_and_logs_a_slow_one(tiny
     assert any(r.getMessage().startswith("slow decode step: 1,000 ms") for r in caplog.records)
     assert e.stats().slow_steps["decode"] >= 1
 
+
+
+def test_the_compile_record_keeps_the_newest_and_counts_them_all():
+    """`TritonCompiles`: a long-lived server's compiles are counted without bound, their names and
+    specializations kept for the newest `KEPT_COMPILES` only; `since(n)` gives what is kept of compile n on."""
+    from ft.engine.core.slow_steps import KEPT_COMPILES, TritonCompiles
+
+    record = TritonCompiles()
+    for i in range(KEPT_COMPILES + 5):
+        record.record(f"k{i}", f"k{i}[num_warps=4]()")
+    assert record.count == KEPT_COMPILES + 5
+    assert record.since(0)[0] == ("k5", "k5[num_warps=4]()") and len(record.since(0)) == KEPT_COMPILES
+    assert record.since(KEPT_COMPILES + 3) == [(f"k{KEPT_COMPILES + 3}", f"k{KEPT_COMPILES + 3}[num_warps=4]()"),
+                                              (f"k{KEPT_COMPILES + 4}", f"k{KEPT_COMPILES + 4}[num_warps=4]()")]
+    assert record.since(record.count) == []

@@ -50,9 +50,9 @@ def test_no_triton_kernel_compiles_on_the_request_path_for_prompts_of_any_length
     llm = LLM(model=name, device="cuda", dtype="bfloat16", moe_backend="resident", num_tokens=16384,
               max_running_requests=24, prefill_graph_max_tokens=512, max_prefill_length=1000)
     e = llm.engine
-    first = len(triton_compiles.names)
+    first = triton_compiles.count
     warm_up(e)
-    warm = len(triton_compiles.names)
+    warm, warm_ups = triton_compiles.count, triton_compiles.since(first)
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     # (decoding rows, their prompts' length, the prompts that arrive beside them): the last round's rows have
     # contexts long enough for the split decode attention, which a mixed step runs eagerly
@@ -63,13 +63,13 @@ def test_no_triton_kernel_compiles_on_the_request_path_for_prompts_of_any_length
             e.step()
         batch = [[(11 * i + 3 * j + n + len(prompts)) % 1000 + 5 for i in range(n)] for j, n in enumerate(prompts)]
         e.run_until_done(running + [e.add_request(p, params) for p in batch])
-    late = list(zip(triton_compiles.names[warm:], triton_compiles.signatures[warm:]))
+    late = triton_compiles.since(warm)
     seen = {}
-    for name, signature in zip(triton_compiles.names[first:warm], triton_compiles.signatures[first:warm]):
+    for name, signature in warm_ups:
         seen.setdefault(name, []).append(signature)
     report = "\n".join(f"after ready: {sig}\n  warm-up's: " + "\n  warm-up's: ".join(seen.get(name, ["none"]))
                        for name, sig in late)
-    assert not late, report
+    assert triton_compiles.count == warm, report
 
 
 def test_the_slow_step_watch_names_a_compile_on_the_device(model, monkeypatch):
@@ -98,7 +98,8 @@ def test_the_slow_step_watch_names_a_compile_on_the_device(model, monkeypatch):
     torch.cuda.synchronize()
     line = watch.end("prefill", 0.5, StepShape(prompts=1, prompt_tokens=1000), mark)
     assert line and "1 Triton kernel compiled or loaded (_watched_kernel)" in line, line
-    assert slow_steps.triton_compiles.signatures[-1].startswith("_watched_kernel"), slow_steps.triton_compiles.signatures[-1]
+    name, signature = slow_steps.triton_compiles.since(slow_steps.triton_compiles.count - 1)[0]
+    assert name == "_watched_kernel" and signature.startswith("_watched_kernel["), signature
     assert float(x.sum()) == 1000.0
 
     llm = LLM(model=model, device="cuda", dtype="bfloat16", moe_backend="resident", num_tokens=8192,

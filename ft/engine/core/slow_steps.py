@@ -58,7 +58,7 @@ from ft.engine.core.step_times import StepShape
 
 log = logging.getLogger("ft.engine")
 
-__all__ = ["MemoryReading", "SlowSteps", "StepShape", "cuda_memory", "engine_captures", "triton_compiles"]
+__all__ = ["MemoryReading", "SlowSteps", "StepShape", "TritonCompiles", "cuda_memory", "engine_captures", "triton_compiles"]
 
 SLOW_MIN_S = 0.25
 """Shortest step that may count as slow (a decode step takes milliseconds; a whole 16K chunk under a second)."""
@@ -84,19 +84,36 @@ class MemoryReading:
     host_alloc_us: float = 0.0  # microseconds its CUDA calls took creating them
 
 
-class _TritonCompiles:
-    """The names of the Triton kernels compiled (or loaded from Triton's cache) in this process since the hook
-    went in: Triton's `knobs.runtime.jit_post_compile_hook`, chained to any hook set before it. Installed once
-    per process; `available` is False where this Triton has no such hook (compiles then go uncounted).
-    `signatures[i]` is `names[i]`'s compile as Triton writes it (its options and each argument's specialization,
-    such as `*bf16D`: a pointer aligned to 16 bytes): what tells two compiles of one kernel apart, logged at debug
-    level with a slow step's line."""
+KEPT_COMPILES = 1024
+"""Compiles whose name and specialization `TritonCompiles` keeps (the newest; the count goes on past them)."""
+
+
+class TritonCompiles:
+    """The Triton kernels compiled (or loaded from Triton's cache) in this process since the hook went in: Triton's
+    `knobs.runtime.jit_post_compile_hook`, chained to any hook set before it. Installed once per process;
+    `available` is False where this Triton has no such hook (compiles then go uncounted). `count`: compiles so
+    far; `since(n)`: (name, signature) of compile n onwards, of the newest `KEPT_COMPILES`. A signature is the
+    compile as Triton writes it (its options and each argument's specialization, such as `*bf16D`: a pointer
+    aligned to 16 bytes), what tells two compiles of one kernel apart, logged at debug level with a slow step's
+    line. The hook may run on a compile thread: `record` takes a lock."""
 
     def __init__(self) -> None:
-        self.names: list[str] = []
-        self.signatures: list[str] = []
+        self.count = 0
         self.available: bool | None = None  # None: not tried yet
+        self._kept: deque[tuple[str, str]] = deque(maxlen=KEPT_COMPILES)
         self._lock = threading.Lock()
+
+    def record(self, name: str, signature: str = "") -> None:
+        """One compile of kernel `name`."""
+        with self._lock:
+            self._kept.append((name, signature))
+            self.count += 1
+
+    def since(self, index: int) -> list[tuple[str, str]]:
+        """(name, signature) of compiles `index`, `index` + 1, ... that are still kept, in order."""
+        with self._lock:
+            kept, first = list(self._kept), self.count - len(self._kept)
+        return kept[max(index - first, 0):]
 
     def install(self) -> bool:
         with self._lock:
@@ -115,8 +132,7 @@ class _TritonCompiles:
 
             def compiled(*args, **kwargs):
                 info = kwargs.get("fn")
-                self.signatures.append(str(kwargs.get("repr") or ""))
-                self.names.append(str(getattr(info, "name", None) or "a kernel"))
+                self.record(str(getattr(info, "name", None) or "a kernel"), str(kwargs.get("repr") or ""))
                 return before(*args, **kwargs) if before is not None else False
 
             knobs.jit_post_compile_hook = compiled
@@ -124,8 +140,8 @@ class _TritonCompiles:
             return True
 
 
-triton_compiles = _TritonCompiles()
-"""The process's count of Triton compiles (`_TritonCompiles`)."""
+triton_compiles = TritonCompiles()
+"""The process's count of Triton compiles (`TritonCompiles`)."""
 
 
 @dataclass(frozen=True)
@@ -177,7 +193,7 @@ class SlowSteps:
             self._memory, self._memory_at = self._read_memory(), self.clock()
 
     def mark(self, captures: int = 0, history: Sequence[dict] = ()) -> _Mark:
-        return _Mark(len(triton_compiles.names), captures, len(history), self._memory,
+        return _Mark(triton_compiles.count, captures, len(history), self._memory,
                      self._memory_at)
 
     def end(self, kind: str, seconds: float, shape: StepShape, mark: _Mark, captures: int = 0,
@@ -214,11 +230,12 @@ class SlowSteps:
 
     def _paid(self, mark: _Mark, captures: int, history: Sequence[dict]) -> list[str]:
         out = []
-        names = triton_compiles.names[mark.compiles:]
-        if names:
-            shown = ", ".join(dict.fromkeys(names))  # (distinct, in order)
-            out.append(f"{len(names)} Triton kernel{'s' * (len(names) != 1)} compiled or loaded ({shown})")
-            for signature in triton_compiles.signatures[mark.compiles:]:
+        compiled = triton_compiles.count - mark.compiles
+        if compiled > 0:
+            kept = triton_compiles.since(mark.compiles)
+            shown = ", ".join(dict.fromkeys(name for name, _ in kept))  # (distinct, in order)
+            out.append(f"{compiled} Triton kernel{'s' * (compiled != 1)} compiled or loaded ({shown})")
+            for _, signature in kept:
                 log.debug("compiled in a slow step: %s", signature)
         captured = captures - mark.captures
         if captured > 0:
