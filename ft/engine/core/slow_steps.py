@@ -58,7 +58,8 @@ from ft.engine.core.step_times import StepShape
 
 log = logging.getLogger("ft.engine")
 
-__all__ = ["MemoryReading", "SlowSteps", "StepShape", "TritonCompiles", "cuda_memory", "engine_captures", "triton_compiles"]
+__all__ = ["MemoryReading", "SlowSteps", "StepShape", "TritonCompiles", "cuda_memory", "engine_captures",
+           "triton_compiles"]
 
 SLOW_MIN_S = 0.25
 """Shortest step that may count as slow (a decode step takes milliseconds; a whole 16K chunk under a second)."""
