@@ -41,9 +41,9 @@ from ft.kernels.options import kernel_options
 __all__ = ["VARLEN_UNSPECIALIZED", "conv_rows_config", "conv_varlen_config", "causal_conv1d_varlen_triton"]
 
 # NOTE: the batch's integers and its cu_seqlens / slots pointers are not specialized: a mixed step's slots are a
-# slice after its decoding rows (at an offset that is not a multiple of 16 bytes when one row decodes) and B may be 1 or a multiple of
-# 16, each of which Triton would compile apart on a user's request (session 60 saw it through `ft serve`); they
-# are read as scalars, so nothing is lost
+# slice after its decoding rows (at an offset that is not a multiple of 16 bytes when one row decodes), and B may
+# be 1 or a multiple of 16, each of which Triton would compile apart on a user's request (session 60 saw it
+# through `ft serve`); they are read as scalars, so nothing is lost
 VARLEN_UNSPECIALIZED = ["p_cu", "p_slots", "B", "n_iters"]
 
 
