@@ -23,9 +23,9 @@ the step's tokens, at least `TOKEN_FLOOR` of them, so that short chunks' fixed c
 judged from `MIN_HISTORY` steps of the kind on; before that, a step of at least `SLOW_MIN_S` during which
 something was paid for the first time (what was paid explains a slow step; it does not make a step that took its
 usual time slow: a long prompt's loan recall is a rebuild every time). Slow steps stay out of the history. An
-engine's watch starts paused: `ft serve` resumes it once it is ready (after its warm-up, whose steps are all first times and none a user's; a
-warm-up on a watching engine pauses it meanwhile), so a library user's first steps, which compile as they go,
-log nothing unless they resume it.
+engine's watch starts paused: `ft serve` resumes it once it is ready (after its warm-up, whose steps are all
+first times and none a user's; a warm-up on a watching engine pauses it meanwhile), so a library user's first
+steps, which compile as they go, log nothing unless they resume it.
 
 Device memory taken during a step is read two ways: the caching allocator's reserved bytes (torch's own
 tensors) and the driver's count of the card's use (`cudaMemGetInfo`), whose growth beyond the allocator's is
