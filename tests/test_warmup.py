@@ -40,14 +40,14 @@ def test_warm_up_runs_its_shapes_and_leaves_nothing_behind(checkpoint):
 
     paused = []
 
-    def recording():  # the running batch after each step; whether a step prefilled the 89-token prompt beside decodes
+    def recording():  # the running batch after each step; (prompt, decoding rows) of a step beside decodes
         paused.append(e.slow_steps.paused)
         before = {id(q): (q.num_computed, bool(q.output_ids)) for q in e.scheduler.running}
         out = step()
         running.append(len(e.scheduler.running))
         grew = [q for q in e.scheduler.running if q.num_computed > before.get(id(q), (0, False))[0]]
-        if any(len(q.prompt_ids) == 89 for q in grew):  # decoding before the step: had an output already
-            mixed.append(sum(len(q.prompt_ids) == 4 and before.get(id(q), (0, False))[1] for q in grew) == 2)
+        rows = sum(len(q.prompt_ids) == 4 and before.get(id(q), (0, False))[1] for q in grew)  # had an output
+        mixed.extend((len(q.prompt_ids), rows) for q in grew if len(q.prompt_ids) in (13, 29, 61, 89) and rows)
         return out
 
     e.step = recording
@@ -57,8 +57,9 @@ def test_warm_up_runs_its_shapes_and_leaves_nothing_behind(checkpoint):
     del e.step
     assert report.decode_batches == (4, 1) and 96 in report.prefill_lengths
     assert report.variants == ("sampled", "penalties", "logprobs", "grammar")
-    assert report.requests == 1 + 4 + 1 + 3 + 4 * 3 and max(running) == 4 and 1 in running
-    assert 89 in report.prefill_lengths and mixed == [True]  # the chunk less 7, prefilled beside two decodes
+    assert report.requests == 1 + 4 + 1 + 3 * 4 + 2 + 4 * 3 and max(running) == 4 and 1 in running
+    # the short prompts beside two decodes, then the chunk less 7 beside two and beside one
+    assert {13, 29, 61, 89} <= set(report.prefill_lengths) and mixed == [(13, 2), (29, 2), (61, 2), (89, 2), (89, 1)]
     assert len(lines) == 4 and report.line().startswith("warm-up done in ")
     assert not e.has_work and len(e.prefix_cache) == 0
     # its steps are no user's: the slow-step watch was paused through them, and judges the next ones afresh
@@ -114,7 +115,7 @@ def test_a_prompt_over_a_long_prefix_is_warmed_on_a_gpu_only(checkpoint, monkeyp
     e = make(checkpoint).engine
     monkeypatch.setattr(warmup, "long_prefix_length", lambda device_type, limit: 200 if limit >= 200 else 0)
     report = warm_up(e)
-    assert 200 in report.prefill_lengths and report.requests == 2 + 4 + 1 + 3 + 4 * 3
+    assert 200 in report.prefill_lengths and report.requests == 2 + 4 + 1 + 3 * 4 + 2 + 4 * 3
     assert not e.has_work and len(e.prefix_cache) == 0 and e.pools.kv.num_used_pages == 0
 
 

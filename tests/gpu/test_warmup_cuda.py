@@ -54,10 +54,11 @@ def test_no_triton_kernel_compiles_on_the_request_path_for_prompts_of_any_length
     warm_up(e)
     warm, warm_ups = triton_compiles.count, triton_compiles.since(first)
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-    # (decoding rows, their prompts' length, the prompts that arrive beside them): the last round's rows have
-    # contexts long enough for the split decode attention, which a mixed step runs eagerly
+    # (decoding rows, their prompts' length, the prompts that arrive beside them): steps of every size class up to
+    # a chunk, the last round's rows with contexts long enough for the split decode attention (a mixed step runs
+    # it eagerly)
     for streams, context, prompts in ((3, 33, (1537, 999, 130, 17)), (1, 33, (211,) * 9), (8, 33, (203, 190)),
-                                      (5, 900, (16,) * 16)):
+                                      (2, 33, (30,)), (1, 33, (47,)), (4, 33, (100,)), (5, 900, (16,) * 16)):
         running = [e.add_request([(7 * i + j) % 1000 + 5 for i in range(context)], params) for j in range(streams)]
         while not all(s.output_ids for s in running):  # (their prompts prefill; then they decode)
             e.step()

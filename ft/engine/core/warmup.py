@@ -9,9 +9,9 @@ and eager prefills (a whole chunk, at most `EAGER_PREFILL_TOKENS`, and one per c
 grouped passes, `moe_pass_lengths`), on a GPU one prompt whose
 last chunk runs over a long cached prefix (`long_prefix_length`: the prefix kernels' shapes and
 cuDNN's plans for the library prefill attention, `ft.kernels.attention.library_prefill`), a decode
-batch at every graph bucket (largest first), a prompt of a length that is not a multiple of 16
-prefilling in a step beside decoding streams (`mixed_prompt_length`), and one request of each
-sampling variant; then it puts back what the requests left: no request, no prefix-cache
+batch at every graph bucket (largest first), prompts prefilling in steps beside decoding streams
+(`mixed_steps`: short ones in each small class of a step's tokens, and one of a length that is not a multiple of
+16 beside two streams and beside one), and one request of each sampling variant; then it puts back what the requests left: no request, no prefix-cache
 entry, counters at zero. Its cost is paid once per process (and less on a restart: Triton keeps
 what it compiled in its cache directory, `~/.triton/cache` or $TRITON_CACHE_DIR).
 
@@ -41,18 +41,35 @@ LONG_PREFIX_TAIL = 256
 """Tokens of the warm-up's long prompt after its first `LIBRARY_GRANULE_KEYS` (its last chunk's)."""
 
 MIXED_STREAMS = 2
-"""Decoding streams beside the warm-up's mixed-step prompt (`mixed_prompt_length`)."""
+"""Decoding streams beside the warm-up's mixed-step prompts (`mixed_steps`)."""
+
+SHORT_MIXED_TOKENS = (13, 29, 61, 125)
+"""Short prompts the warm-up prefills beside `MIXED_STREAMS` decoding streams: steps of 15, 31, 63 and 127 tokens,
+one in each power-of-two class under 128 by which a kernel may size its tiles from the step's tokens (the
+HyperConnection's fused read up to 64 tokens, the per-pair MoE up to 128). The decode graphs reach these classes
+with decode steps alone and the prefill graphs with prompts alone; a mixed step runs eagerly."""
 
 
 def mixed_prompt_length(chunk: int, room: int) -> int:
-    """Tokens of the warm-up's prompt that prefills in a step beside `MIXED_STREAMS` decoding streams:
-    the chunk less 7, a length that no bucket has and that is not a multiple of 16 (a mixed step cuts
-    prompts at its token budget less the decode rows, so users' chunks start and end anywhere; a
-    kernel that specializes such a length compiles on their request path: session 27 saw 3.3 s
-    stalls of every stream through `ft serve`). 0 for none, where that is under 17 tokens or does not
-    fit `room` with the streams."""
+    """Tokens of the warm-up's long prompt that prefills in a step beside decoding streams: the chunk less 7, a
+    length that no bucket has and that is not a multiple of 16 (a mixed step cuts prompts at its token budget less
+    the decode rows, so users' chunks start and end anywhere; a kernel that specializes such a length compiles on
+    their request path: session 27 saw 3.3 s stalls of every stream through `ft serve`). 0 for none, where that is
+    under 17 tokens or does not fit `room` with the streams."""
     n = chunk - 7
     return n if n >= 17 and n + MIXED_STREAMS * 16 <= room else 0
+
+
+def mixed_steps(chunk: int, room: int) -> tuple[tuple[int, int], ...]:
+    """(decoding streams, prompt tokens) of the warm-up's mixed steps, each a prompt prefilled beside streams
+    that decode: the `SHORT_MIXED_TOKENS` shorter than the long prompt (`mixed_prompt_length`), then the long one
+    beside `MIXED_STREAMS` streams and beside one (a step's decoding rows come first, so one row puts the prompts'
+    per-sequence tensors at an odd offset: session 60 saw kernels compile for it after ready at c10). None where
+    the long prompt has no room."""
+    long = mixed_prompt_length(chunk, room)
+    if not long:
+        return ()
+    return (*((MIXED_STREAMS, n) for n in SHORT_MIXED_TOKENS if n < long), (MIXED_STREAMS, long), (1, long))
 
 
 def moe_pass_lengths(chunk: int) -> tuple[int, ...]:
@@ -158,19 +175,21 @@ def _warm_up(engine: Any, say: Callable[[str], None] | None) -> WarmupReport:
     for b in batches:
         run([prompt(4) for _ in range(b)], steps)
 
-    odd = mixed_prompt_length(chunk, room) if max_bs > MIXED_STREAMS else 0
-    if odd:
-        say(f"warm-up: a prompt of {odd} tokens beside {MIXED_STREAMS} decoding streams (a mixed step)")
+    mixed = mixed_steps(chunk, room) if max_bs > MIXED_STREAMS else ()
+    if mixed:
+        say(f"warm-up: prompts of {', '.join(str(n) for _, n in mixed)} tokens beside decoding streams "
+            f"({', '.join(str(k) for k, _ in mixed)}: mixed steps)")
         decoding = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
-        streams = [engine.add_request(prompt(4), decoding) for _ in range(MIXED_STREAMS)]
-        for _ in range(16):  # (their prompts prefill in a step or two; then they decode)
-            if all(s.output_ids for s in streams):
-                break
-            engine.step()
-        late = engine.add_request(prompt(odd), greedy)
-        requests[0] += MIXED_STREAMS + 1
-        engine.run_until_done([*streams, late], timeout_s=WARMUP_TIMEOUT_S)
-        lengths = (*lengths, odd)
+        for count, n in mixed:
+            streams = [engine.add_request(prompt(4), decoding) for _ in range(count)]
+            for _ in range(16):  # (their prompts prefill in a step or two; then they decode)
+                if all(s.output_ids for s in streams):
+                    break
+                engine.step()
+            late = engine.add_request(prompt(n), greedy)
+            requests[0] += count + 1
+            engine.run_until_done([*streams, late], timeout_s=WARMUP_TIMEOUT_S)
+        lengths = tuple(sorted({*lengths, *(n for _, n in mixed)}))
 
     variants = {
         "sampled": SamplingParams(max_new_tokens=3, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=1,
