@@ -186,3 +186,19 @@ def test_the_compile_record_keeps_the_newest_and_counts_them_all():
     assert record.since(KEPT_COMPILES + 3) == [(f"k{KEPT_COMPILES + 3}", f"k{KEPT_COMPILES + 3}[num_warps=4]()"),
                                               (f"k{KEPT_COMPILES + 4}", f"k{KEPT_COMPILES + 4}[num_warps=4]()")]
     assert record.since(record.count) == []
+
+
+def test_a_compile_is_described_by_its_arguments_constants_and_alignment():
+    """`compile_signature` from the keywords Triton's `jit_post_compile_hook` passes (their shape in triton 3.x:
+    `compile` holds the signature, the constants by argument index and the divisibility attributes); Triton's
+    `repr` alone where those are missing."""
+    from ft.engine.core.slow_steps import compile_signature
+
+    hook = {"repr": "_k[num_warps=4, num_stages=3](p_x: *bf16, N: i32)",
+            "compile": {"signature": {"p_x": "*bf16", "p_s": "*i64", "N": "i32", "B": "constexpr",
+                                      "BLOCK": "constexpr"},
+                        "constants": {(3,): 1, (4,): 128}, "configs": [{(0,): [["tt.divisibility", 16]]}]}}
+    assert compile_signature(hook) == ("_k[num_warps=4, num_stages=3](p_x: *bf16, p_s: *i64, N: i32; constants B=1, "
+                                       "BLOCK=128; divisible by 16: p_x)")
+    assert compile_signature({"repr": "_k[num_warps=4](p_x)"}) == "_k[num_warps=4](p_x)"
+    assert compile_signature({}) == ""

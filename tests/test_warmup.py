@@ -37,7 +37,7 @@ def test_warm_up_runs_its_shapes_and_leaves_nothing_behind(checkpoint):
     step = e.step
 
     mixed = []
-
+    ramp = []
     paused = []
 
     def recording():  # the running batch after each step; (prompt, decoding rows) of a step beside decodes
@@ -48,6 +48,7 @@ def test_warm_up_runs_its_shapes_and_leaves_nothing_behind(checkpoint):
         grew = [q for q in e.scheduler.running if q.num_computed > before.get(id(q), (0, False))[0]]
         rows = sum(len(q.prompt_ids) == 4 and before.get(id(q), (0, False))[1] for q in grew)  # had an output
         mixed.extend((len(q.prompt_ids), rows) for q in grew if len(q.prompt_ids) in (13, 29, 61, 89) and rows)
+        ramp.extend(rows for q in grew if len(q.prompt_ids) == 4 and id(q) not in before and rows)  # a new stream
         return out
 
     e.step = recording
@@ -57,10 +58,12 @@ def test_warm_up_runs_its_shapes_and_leaves_nothing_behind(checkpoint):
     del e.step
     assert report.decode_batches == (4, 1) and 96 in report.prefill_lengths
     assert report.variants == ("sampled", "penalties", "logprobs", "grammar")
-    assert report.requests == 1 + 4 + 1 + 3 * 4 + 2 + 4 * 3 and max(running) == 4 and 1 in running
+    assert report.requests == 1 + 4 + 1 + 3 * 4 + 2 + 4 + 4 * 3 and max(running) == 4 and 1 in running
+    # the ramp: four streams admitted one a step, each prompt beside the streams before it decoding
+    assert report.ramp == 4 and ramp == [1, 2, 3]
     # the short prompts beside two decodes, then the chunk less 7 beside two and beside one
     assert {13, 29, 61, 89} <= set(report.prefill_lengths) and mixed == [(13, 2), (29, 2), (61, 2), (89, 2), (89, 1)]
-    assert len(lines) == 4 and report.line().startswith("warm-up done in ")
+    assert len(lines) == 5 and report.line().startswith("warm-up done in ")
     assert not e.has_work and len(e.prefix_cache) == 0
     # its steps are no user's: the slow-step watch was paused through them, and judges the next ones afresh
     assert paused and all(paused) and not e.slow_steps.paused and sum(e.slow_steps.count.values()) == 0
@@ -115,7 +118,7 @@ def test_a_prompt_over_a_long_prefix_is_warmed_on_a_gpu_only(checkpoint, monkeyp
     e = make(checkpoint).engine
     monkeypatch.setattr(warmup, "long_prefix_length", lambda device_type, limit: 200 if limit >= 200 else 0)
     report = warm_up(e)
-    assert 200 in report.prefill_lengths and report.requests == 2 + 4 + 1 + 3 * 4 + 2 + 4 * 3
+    assert 200 in report.prefill_lengths and report.requests == 2 + 4 + 1 + 3 * 4 + 2 + 4 + 4 * 3
     assert not e.has_work and len(e.prefix_cache) == 0 and e.pools.kv.num_used_pages == 0
 
 
@@ -144,3 +147,12 @@ def test_the_largest_batch_is_warmed_when_it_runs_past_the_graphs(checkpoint):
     assert e.runner.graphs.buckets == [1, 2]
     report = warm_up(e, lambda line: None)
     assert report.decode_batches == (4, 2, 1)
+
+
+def test_the_ramp_admits_as_many_streams_as_the_kv_room_holds():
+    """`ramp_streams`: every running request up to the KV room, each stream's pages for its prompt and tokens."""
+    from ft.engine.core.warmup import ramp_streams
+
+    assert ramp_streams(64, 16, 10**6) == 64  # 64 streams of 4 + 65 tokens: 5 pages of 16 each
+    assert ramp_streams(64, 16, 64 * 5 * 16) == 64 and ramp_streams(64, 16, 64 * 5 * 16 - 1) < 64
+    assert ramp_streams(8, 16, 10**6) == 8 and ramp_streams(8, 16, 16) == 0 and ramp_streams(1, 16, 10**6) == 0

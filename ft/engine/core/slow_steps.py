@@ -133,12 +133,38 @@ class TritonCompiles:
 
             def compiled(*args, **kwargs):
                 info = kwargs.get("fn")
-                self.record(str(getattr(info, "name", None) or "a kernel"), str(kwargs.get("repr") or ""))
+                self.record(str(getattr(info, "name", None) or "a kernel"), compile_signature(kwargs))
                 return before(*args, **kwargs) if before is not None else False
 
             knobs.jit_post_compile_hook = compiled
             self.available = True
             return True
+
+
+def compile_signature(hook_kwargs: dict) -> str:
+    """One compile as Triton's `jit_post_compile_hook` describes it, in a line: the kernel and its launch options
+    (Triton's own `repr`, up to its argument list), each argument's type, the constants it was compiled for (the
+    constexprs, and integers specialized to their value) and the arguments specialized as divisible by 16 (a
+    pointer aligned to 16 bytes, an integer multiple of 16). Triton's `repr` alone, where its `compile` details are
+    missing or not as expected."""
+    text = str(hook_kwargs.get("repr") or "")
+    try:
+        details = hook_kwargs["compile"]
+        types = dict(details["signature"])
+        names = list(types)
+
+        def named(key) -> str:
+            return names[key[0]] if isinstance(key, tuple) and len(key) == 1 and key[0] < len(names) else str(key)
+
+        constants = {named(k): v for k, v in dict(details.get("constants") or {}).items()}
+        attrs = (details.get("configs") or [{}])[0] or {}
+        divisible = [named(k) for k, v in dict(attrs).items() if "divisibility" in str(v)]
+    except (KeyError, TypeError, AttributeError, IndexError):
+        return text
+    arguments = ", ".join(f"{n}: {t}" for n, t in types.items() if n not in constants)
+    fixed = ", ".join(f"{n}={getattr(v, '__name__', v)}" for n, v in constants.items())
+    return f"{text.split('(', 1)[0]}({arguments}; constants {fixed or 'none'}; divisible by 16: " \
+           f"{', '.join(divisible) or 'none'})"
 
 
 triton_compiles = TritonCompiles()

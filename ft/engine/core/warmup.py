@@ -72,6 +72,19 @@ def mixed_steps(chunk: int, room: int) -> tuple[tuple[int, int], ...]:
     return (*((MIXED_STREAMS, n) for n in SHORT_MIXED_TOKENS if n < long), (MIXED_STREAMS, long), (1, long))
 
 
+def ramp_streams(max_running: int, page_size: int, room: int) -> int:
+    """Streams the warm-up admits one a step, each a 4-token prompt that then decodes until the last has: stream k's
+    prompt prefills in a mixed step beside k decoding rows, so that every count of decoding rows up to
+    `max_running` - 1 runs once eagerly beside a prompt. The eager decode rows' kernels choose their tiles and warps
+    by that count (the Gated DeltaNet decode's value block and warps), and on Flash-Next launch without the PDL
+    the decode graphs capture with: session 60's GPU test saw one compile after ready at 5 decoding rows. As many
+    as `room` KV tokens hold (each stream's page(s) for 4 + `max_running` + 1 tokens)."""
+    count = max_running
+    while count > 1 and count * -(-(4 + count + 1) // page_size) * page_size > room:
+        count -= 1
+    return count if count > 1 else 0
+
+
 def moe_pass_lengths(chunk: int) -> tuple[int, ...]:
     """One eager prompt length per class of the MoE's grouped prefill passes a chunk of up to `chunk`
     tokens reaches (each class its own compiled tiles): up to `GROUPED_SHORT_TOKENS` tokens (the short
@@ -102,11 +115,13 @@ class WarmupReport:
     decode_batches: tuple[int, ...]  # decode batch sizes stepped (every graph bucket on CUDA)
     variants: tuple[str, ...]  # sampling variants run
     seconds: float
+    ramp: int = 0  # streams admitted one a step (`ramp_streams`): mixed steps beside 1 .. ramp - 1 decoding rows
 
     def line(self) -> str:
         return (f"warm-up done in {self.seconds:.1f} s: {self.requests} requests, prefills of "
                 f"{', '.join(map(str, self.prefill_lengths)) or 'none'} tokens, decode batches "
-                f"{', '.join(map(str, self.decode_batches))}, sampling {', '.join(self.variants)}")
+                f"{', '.join(map(str, self.decode_batches))}, mixed steps beside 1 to {max(self.ramp - 1, 0)} "
+                f"decoding rows, sampling {', '.join(self.variants)}")
 
 
 def warm_up(engine: Any, say: Callable[[str], None] | None = None) -> WarmupReport:
@@ -191,6 +206,17 @@ def _warm_up(engine: Any, say: Callable[[str], None] | None) -> WarmupReport:
             engine.run_until_done([*streams, late], timeout_s=WARMUP_TIMEOUT_S)
         lengths = tuple(sorted({*lengths, *(n for _, n in mixed)}))
 
+    ramp = ramp_streams(max_bs, engine.config.page_size, room)
+    if ramp:
+        say(f"warm-up: {ramp} streams admitted one a step (mixed steps beside 1 to {ramp - 1} decoding rows)")
+        along = SamplingParams(max_new_tokens=ramp + 1, temperature=0.0, ignore_eos=True)
+        streams = []
+        for _ in range(ramp):
+            streams.append(engine.add_request(prompt(4), along))
+            engine.step()
+        requests[0] += ramp
+        engine.run_until_done(streams, timeout_s=WARMUP_TIMEOUT_S)
+
     variants = {
         "sampled": SamplingParams(max_new_tokens=3, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=1,
                                   ignore_eos=True),
@@ -212,7 +238,7 @@ def _warm_up(engine: Any, say: Callable[[str], None] | None) -> WarmupReport:
         engine.mamba_demand.shrink("after the warm-up")
     if getattr(engine, "loan", None) is not None and engine.cache.lent < engine.loan_bytes:
         engine.loan.lend("after the warm-up")  # a long warm-up prompt recalled it: out again before ready
-    return WarmupReport(requests[0], lengths, batches, tuple(ran), time.monotonic() - t0)
+    return WarmupReport(requests[0], lengths, batches, tuple(ran), time.monotonic() - t0, ramp)
 
 
 def _forget(engine: Any) -> None:
