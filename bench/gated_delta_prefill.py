@@ -120,24 +120,26 @@ def main() -> None:
             rows.append((name, f"chunk, solve {solve}", total, prep, total - prep, err_o, err_s))
             print(rows[-1], flush=True)
         conv = x["conv"].clone()
-        y_tiles = conv_kernel.causal_conv1d_varlen_triton(x["mixed"], x["conv"].clone(), x["weight"], x["cu"], x["slots"])
-        rows.append((name, "conv (default)", time_ms(lambda: conv_kernel.causal_conv1d_varlen_triton(
-            x["mixed"], conv, x["weight"], x["cu"], x["slots"])), 0, 0, 0, 0))
+        with use_kernel_options(variant("conv1d-tiles")):  # the tile kernel (wider windows take it)
+            y_tiles = conv_kernel.causal_conv1d_varlen_triton(x["mixed"], x["conv"].clone(), x["weight"], x["cu"],
+                                                              x["slots"])
+            rows.append((name, "conv tiles", time_ms(lambda: conv_kernel.causal_conv1d_varlen_triton(
+                x["mixed"], conv, x["weight"], x["cu"], x["slots"])), 0, 0, 0, 0))
         print(rows[-1], flush=True)
-        # the rows kernel (variant conv1d-rows): its y against the tiles' (err o column), then its time
+        # the rows kernel (the default): its y against the tiles' (err o column), then its time
         for launch in ((),) if args.quick else ((), (("BLOCK_T", 32),), (("BLOCK_T", 128),), (("BLOCK_C", 512),),
                                                    (("num_stages", 2),), (("num_stages", 4),)):
-            with use_kernel_options(variant("conv1d-rows", **{"conv1d.rows_launch": launch})):
+            with use_kernel_options(variant(**{"conv1d.rows_launch": launch})):
                 y_rows = conv_kernel.causal_conv1d_varlen_triton(x["mixed"], x["conv"].clone(), x["weight"], x["cu"],
                                                                 x["slots"])
-                label = "conv rows" + "".join(f" {k[6:] if k.startswith('BLOCK_') else k} {v}" for k, v in launch)
+                label = "conv rows (default)" * (not launch) + "conv rows" * bool(launch) + "".join(f" {k[6:] if k.startswith('BLOCK_') else k} {v}" for k, v in launch)
                 rows.append((name, label, time_ms(lambda: conv_kernel.causal_conv1d_varlen_triton(
                     x["mixed"], conv, x["weight"], x["cu"], x["slots"])), 0, 0, rel_rms(y_rows, y_tiles), 0))
             print(rows[-1], flush=True)
         if not args.quick:
             for bt, bc, nw in ((16, 128, 8), (16, 64, 4), (32, 64, 4), (64, 64, 8), (32, 256, 8)):
                 launch = (("BLOCK_T", bt), ("BLOCK_C", bc), ("num_warps", nw))
-                with use_kernel_options(variant(**{"conv1d.varlen_launch": launch})):
+                with use_kernel_options(variant("conv1d-tiles", **{"conv1d.varlen_launch": launch})):
                     rows.append((name, f"conv T{bt} C{bc} w{nw}", time_ms(lambda: conv_kernel.causal_conv1d_varlen_triton(
                         x["mixed"], conv, x["weight"], x["cu"], x["slots"])), 0, 0, 0, 0))
                 print(rows[-1], flush=True)

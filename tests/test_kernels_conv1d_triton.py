@@ -76,11 +76,11 @@ def test_varlen_reference_is_the_per_sequence_reference():
     assert not torch.equal(conv_v[slots[0], LAYER], conv[slots[0], LAYER])
 
 
-KERNELS = {"tiles": (), "rows": ("conv1d-rows",)}
-"""The packed conv's two kernels: tiles of tokens by channels, each input loaded once a tap (the default), and
-rows walked with the window in registers (`Conv1dOptions.rows`, variant "conv1d-rows"), at small tiles here so
-that programs span several tiles of a sequence."""
-ROWS_SMALL = variant("conv1d-rows", **{"conv1d.rows_launch": (("BLOCK_T", 8), ("BLOCK_C", 32))})
+KERNELS = {"tiles": ("conv1d-tiles",), "rows": ()}
+"""The packed conv's two kernels: rows walked with the window in registers (`Conv1dOptions.rows`, the default), at
+small tiles here so that programs span several tiles of a sequence, and tiles of tokens by channels, each input
+loaded once a tap (variant "conv1d-tiles", and every window wider than 4)."""
+ROWS_SMALL = variant(**{"conv1d.rows_launch": (("BLOCK_T", 8), ("BLOCK_C", 32))})
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=KERNELS)
@@ -95,7 +95,7 @@ def test_triton_matches_reference(c, width, lengths, dtype, kernel, monkeypatch)
     out = torch.full((sum(lengths), c), float("nan"), dtype=dtype)
     name = "_conv_varlen_rows_kernel" if kernel == "rows" else "_conv_varlen_kernel"
     calls = spy_launches(monkeypatch, details, name)
-    with use_kernel_options(ROWS_SMALL if kernel == "rows" else variant()):
+    with use_kernel_options(ROWS_SMALL if kernel == "rows" else variant(*KERNELS[kernel])):
         y = details.causal_conv1d_varlen_triton(x, conv_t[:, LAYER], weight, cu, slots, out=out)
     assert calls  # the kernel named ran
     assert y is out and rel_rms(y, y_ref) < TOL_Y[dtype]
@@ -105,26 +105,33 @@ def test_triton_matches_reference(c, width, lengths, dtype, kernel, monkeypatch)
 
 
 EVEN_CASES = [(128, 4, (1, 2, 17, 0, 40)), (40, 3, (5, 18, 1))]
-"""C a multiple of BLOCK_C (64: two channel blocks, EVEN_C) and not (one partial block)."""
+"""C a multiple of BLOCK_C (128: whole channel blocks, EVEN_C) and not (40: a partial block)."""
 
 
+# (the kernel, its options here, its BLOCK_C under them)
+EVEN_KERNELS = {"tiles": ("_conv_varlen_kernel", variant("conv1d-tiles"), 64),
+                "rows": ("_conv_varlen_rows_kernel", ROWS_SMALL, 32)}
+
+
+@pytest.mark.parametrize("kernel", EVEN_KERNELS, ids=EVEN_KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize(("c", "width", "lengths"), EVEN_CASES, ids=[f"C{c}-W{w}" for c, w, _ in EVEN_CASES])
-def test_even_c_flag(monkeypatch, c, width, lengths, dtype):
+def test_even_c_flag(monkeypatch, c, width, lengths, dtype, kernel):
     """The wrapper sets EVEN_C = (C % BLOCK_C == 0); the kernel with EVEN_C forced off (masks against C)
     gives the same y and states bitwise, and both match the reference."""
+    name, options, block_c = EVEN_KERNELS[kernel]
     x, weight, cu, slots, conv, region = make_batch(c, width, lengths, dtype, seed=c)
     conv_ref = conv.clone()
     y_ref = causal_conv1d_varlen_ref(x, conv_ref[:, LAYER], weight, cu, slots)
     results = []
     for overrides in ({}, {"EVEN_C": False}):
-        with monkeypatch.context() as m:
-            calls = spy_launches(m, details, "_conv_varlen_kernel", **overrides)
+        with monkeypatch.context() as m, use_kernel_options(options):
+            calls = spy_launches(m, details, name, **overrides)
             conv_t = conv.clone()
             out = torch.full((sum(lengths), c), float("nan"), dtype=dtype)
             y = details.causal_conv1d_varlen_triton(x, conv_t[:, LAYER], weight, cu, slots, out=out)
             results.append((y, conv_t))
-        assert [call["EVEN_C"] for call in calls] == [c % 64 == 0]
+        assert [call["EVEN_C"] for call in calls] == [c % block_c == 0]
     (y, conv_t), (y_masked, conv_masked) = results
     assert rel_rms(y, y_ref) < TOL_Y[dtype] and torch.equal(conv_t[region], conv_ref[region])
     assert conv_t[~region].isnan().all()

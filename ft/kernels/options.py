@@ -246,13 +246,16 @@ class Conv1dOptions:
     ("BLOCK_C", 128), ("num_warps", 8)) for sweeps; empty, the default: the rule whose note says what
     was measured.
     rows: the kernel that walks a program's tokens a row at a time with the window in registers
-    (`_conv_varlen_rows_kernel`: each input row loaded once, against W times in the tile kernel, which is
-    ~3x off the copy bandwidth at 16K tokens); off until measured on a device (variant "conv1d-rows").
+    (`_conv_varlen_rows_kernel`: each input row loaded once, against W times in the tile kernel), for W <= 4;
+    off (variant "conv1d-tiles"), the tile kernel, which a wider window takes anyway. Session 60 (H100,
+    bench/gated_delta_prefill.py --quick, C 8192, W 4): 0.33 against 0.70 ms at 16,384 tokens in 1 and in 16
+    sequences, 0.11 against 0.18 at 4,096 in 3; the 80B's 16K prefill (bench/prefill.py, 16K chunk) 471.8 ->
+    462.4 ms (+2.0%).
     rows_launch: changes to its launch (`conv_rows_config`: ("BLOCK_T", 64), ("BLOCK_C", 1024),
     ("num_warps", 4), ("num_stages", 3)) for sweeps."""
 
     varlen_launch: tuple[tuple[str, int], ...] = ()
-    rows: bool = False
+    rows: bool = True
     rows_launch: tuple[tuple[str, int], ...] = ()
 
 
@@ -491,7 +494,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "route-lookup-apart": {"moe.route_lookup_fused": False},  # bench/ladder.py --variant
     "gated-delta-ba-own-launch": {"gated_delta.decode_ba_in_conv": False},  # the same
     "qsa-prefill-select-torch": {"qsa.prefill_select_kernel": False},  # bench/prefill.py --variant
-    "conv1d-rows": {"conv1d.rows": True},  # bench/gated_delta_prefill.py (not yet measured on a device)
+    "conv1d-tiles": {"conv1d.rows": False},  # bench/gated_delta_prefill.py, tests (the kernel wide windows take)
 }
 """Named variants a benchmark or test selects: the changes from `DEFAULTS` each one makes."""
 

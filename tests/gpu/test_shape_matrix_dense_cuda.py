@@ -289,9 +289,9 @@ sequences, a 1-token and a shorter-than-W-1 sequence (2 at W 4, 1 at W 3) and, a
                          ids=case_ids(CONV_CASES, lambda hk, hv, dk, dv, w, lens:
                                       f"Hk{hk}-Hv{hv}-Dk{dk}-Dv{dv}-W{w}-T{'+'.join(map(str, lens))}"))
 def test_conv1d_varlen(hk, hv, dk, dv, width, lengths, dtype, kernel):
-    """Both packed conv kernels (the tiles, the default; the rows, variant "conv1d-rows") against the reference,
+    """Both packed conv kernels (the rows, the default; the tiles, variant "conv1d-tiles") against the reference,
     at their launch choices for these shapes."""
-    with use_kernel_options(variant(*(("conv1d-rows",) if kernel == "rows" else ()))):
+    with use_kernel_options(variant(*(("conv1d-tiles",) if kernel == "tiles" else ()))):
         _check_conv1d_varlen(hk, hv, dk, dv, width, lengths, dtype)
 
 

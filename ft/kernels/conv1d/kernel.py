@@ -14,10 +14,11 @@ alone writes the new one (the last W-1 inputs of [old state, x]: from x, or part
 for a sequence shorter than W-1), after all of its own loads (a barrier): no other program touches
 that slot, so one launch needs no grid-wide ordering.
 
-Two kernels take that grid and contract: `_conv_varlen_kernel` computes [BLOCK_T, BLOCK_C] tiles, loading each
-input row once a tap (the default); `_conv_varlen_rows_kernel` (`Conv1dOptions.rows`, variant "conv1d-rows", off
-until measured on a device) walks its BLOCK_T tokens a row at a time with the window in registers, each input row
-loaded once. They share the tile lookup (`_program_tile`) and the new state (`_new_state`).
+Two kernels take that grid and contract: `_conv_varlen_rows_kernel` (`Conv1dOptions.rows`, the default for W <= 4)
+walks its BLOCK_T tokens a row at a time with the window in registers, each input row loaded once;
+`_conv_varlen_kernel` (wider windows, and variant "conv1d-tiles") computes [BLOCK_T, BLOCK_C] tiles, loading each
+input row once a tap (2.1x slower at 16K tokens on the H100: `Conv1dOptions`). They share the tile lookup
+(`_program_tile`) and the new state (`_new_state`).
 
 EVEN_C (C a multiple of BLOCK_C, set by `conv_varlen_config`): the [BLOCK_T, BLOCK_C] tiles of x and
 y are masked by their tokens alone, so that their loads and stores vectorize (16 bytes per thread);
