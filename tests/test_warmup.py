@@ -156,3 +156,4 @@ def test_the_ramp_admits_as_many_streams_as_the_kv_room_holds():
     assert ramp_streams(64, 16, 10**6) == 64  # 64 streams of 4 + 65 tokens: 5 pages of 16 each
     assert ramp_streams(64, 16, 64 * 5 * 16) == 64 and ramp_streams(64, 16, 64 * 5 * 16 - 1) < 64
     assert ramp_streams(8, 16, 10**6) == 8 and ramp_streams(8, 16, 16) == 0 and ramp_streams(1, 16, 10**6) == 0
+    assert ramp_streams(1024, 16, 10**9) == 256  # RAMP_MAX_STREAMS

@@ -72,14 +72,20 @@ def mixed_steps(chunk: int, room: int) -> tuple[tuple[int, int], ...]:
     return (*((MIXED_STREAMS, n) for n in SHORT_MIXED_TOKENS if n < long), (MIXED_STREAMS, long), (1, long))
 
 
+RAMP_MAX_STREAMS = 256
+"""Most streams the warm-up's ramp admits (`ramp_streams`): the tile and warp choices that follow the decoding rows'
+count stop changing well before (the Gated DeltaNet decode's by 3-5 rows, a step's token classes by 128), and a
+server of a thousand running requests should not take a thousand warm-up steps."""
+
+
 def ramp_streams(max_running: int, page_size: int, room: int) -> int:
     """Streams the warm-up admits one a step, each a 4-token prompt that then decodes until the last has: stream k's
     prompt prefills in a mixed step beside k decoding rows, so that every count of decoding rows up to
     `max_running` - 1 runs once eagerly beside a prompt. The eager decode rows' kernels choose their tiles and warps
     by that count (the Gated DeltaNet decode's value block and warps), and on Flash-Next launch without the PDL
     the decode graphs capture with: session 60's GPU test saw one compile after ready at 5 decoding rows. As many
-    as `room` KV tokens hold (each stream's page(s) for 4 + `max_running` + 1 tokens)."""
-    count = max_running
+    as `room` KV tokens hold (each stream's page(s) for 4 + `max_running` + 1 tokens), `RAMP_MAX_STREAMS` at most."""
+    count = min(max_running, RAMP_MAX_STREAMS)
     while count > 1 and count * -(-(4 + count + 1) // page_size) * page_size > room:
         count -= 1
     return count if count > 1 else 0
