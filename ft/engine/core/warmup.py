@@ -11,9 +11,10 @@ last chunk runs over a long cached prefix (`long_prefix_length`: the prefix kern
 cuDNN's plans for the library prefill attention, `ft.kernels.attention.library_prefill`), a decode
 batch at every graph bucket (largest first), prompts prefilling in steps beside decoding streams
 (`mixed_steps`: short ones in each small class of a step's tokens, and one of a length that is not a multiple of
-16 beside two streams and beside one), and one request of each sampling variant; then it puts back what the requests left: no request, no prefix-cache
-entry, counters at zero. Its cost is paid once per process (and less on a restart: Triton keeps
-what it compiled in its cache directory, `~/.triton/cache` or $TRITON_CACHE_DIR).
+16 beside two streams and beside one), a ramp of streams admitted one a step (`ramp_streams`: a prompt beside
+every count of decoding rows), and one request of each sampling variant; then it puts back what the requests
+left: no request, no prefix-cache entry, counters at zero. Its cost is paid once per process (and less on a
+restart: Triton keeps what it compiled in its cache directory, `~/.triton/cache` or $TRITON_CACHE_DIR).
 
 It runs on the thread that owns the engine (the server's engine thread, before "ready").
 """
@@ -126,8 +127,9 @@ class WarmupReport:
     def line(self) -> str:
         return (f"warm-up done in {self.seconds:.1f} s: {self.requests} requests, prefills of "
                 f"{', '.join(map(str, self.prefill_lengths)) or 'none'} tokens, decode batches "
-                f"{', '.join(map(str, self.decode_batches))}, mixed steps beside 1 to {max(self.ramp - 1, 0)} "
-                f"decoding rows, sampling {', '.join(self.variants)}")
+                f"{', '.join(map(str, self.decode_batches))}, "
+                + (f"mixed steps beside 1 to {self.ramp - 1} decoding rows, " if self.ramp > 1 else "")
+                + f"sampling {', '.join(self.variants)}")
 
 
 def warm_up(engine: Any, say: Callable[[str], None] | None = None) -> WarmupReport:
