@@ -132,7 +132,8 @@ def main() -> None:
             with use_kernel_options(variant(**{"conv1d.rows_launch": launch})):
                 y_rows = conv_kernel.causal_conv1d_varlen_triton(x["mixed"], x["conv"].clone(), x["weight"], x["cu"],
                                                                 x["slots"])
-                label = "conv rows (default)" * (not launch) + "conv rows" * bool(launch) + "".join(f" {k[6:] if k.startswith('BLOCK_') else k} {v}" for k, v in launch)
+                changed = "".join(f" {k[6:] if k.startswith('BLOCK_') else k} {v}" for k, v in launch)
+                label = "conv rows" + (changed or " (default)")
                 rows.append((name, label, time_ms(lambda: conv_kernel.causal_conv1d_varlen_triton(
                     x["mixed"], conv, x["weight"], x["cu"], x["slots"])), 0, 0, rel_rms(y_rows, y_tiles), 0))
             print(rows[-1], flush=True)
