@@ -202,3 +202,22 @@ def test_a_compile_is_described_by_its_arguments_constants_and_alignment():
                                        "BLOCK=128; divisible by 16: p_x)")
     assert compile_signature({"repr": "_k[num_warps=4](p_x)"}) == "_k[num_warps=4](p_x)"
     assert compile_signature({}) == ""
+
+
+def test_the_allocators_growth_alone_is_no_first_time():
+    """Before a kind has a usual time, a step that only took more memory into torch's caching allocator (a prefill
+    of more tokens than any before, at its usual rate) is not slow; memory taken outside torch's allocator is a
+    first time (kernel modules loaded on first use); with a usual time, the time decides and the growth explains."""
+    now = [0.0]
+    memory = [MemoryReading(4 << 30, 70 << 30)]
+    w = SlowSteps(torch.device("cpu"), clock=lambda: now[0], read_memory=lambda: memory[0])
+    mark = w.mark()
+    memory[0] = MemoryReading((4 << 30) + (160 << 20), (70 << 30) + (160 << 20))
+    now[0] += 0.3
+    assert w.end("prefill", 0.29, StepShape(10, 10240), mark) is None
+    mark = w.mark()
+    memory[0] = MemoryReading((4 << 30) + (320 << 20), (70 << 30) + (320 << 20) + (64 << 20))
+    now[0] += 0.3
+    line = w.end("prefill", 0.29, StepShape(10, 10240), mark)
+    assert line is not None and "64 MiB more of the card went outside torch's allocator" in line
+    assert "the caching allocator took 160 MiB more" in line

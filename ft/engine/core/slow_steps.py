@@ -233,9 +233,10 @@ class SlowSteps:
             self._memory, self._memory_at = self._read_memory(), now
         usual, paid, slow = None, [], False
         if seconds >= SLOW_MIN_S:  # (the usual time and the counters are read for these steps only)
-            usual, paid = self._usual(kind, shape), self._paid(mark, captures, history)
+            usual = self._usual(kind, shape)
+            paid, first_time = self._paid(mark, captures, history)
             # with a usual time the time decides (what was paid explains); before one, a first time does
-            slow = seconds >= SLOW_FACTOR * usual if usual is not None else bool(paid)
+            slow = seconds >= SLOW_FACTOR * usual if usual is not None else first_time
         if not slow:
             if kind == "decode":
                 self._decode.append(seconds)
@@ -255,8 +256,12 @@ class SlowSteps:
             return None
         return statistics.median(self._token) * max(shape.tokens, TOKEN_FLOOR)
 
-    def _paid(self, mark: _Mark, captures: int, history: Sequence[dict]) -> list[str]:
-        out = []
+    def _paid(self, mark: _Mark, captures: int, history: Sequence[dict]) -> tuple[list[str], bool]:
+        """(what the step paid for, as phrases; whether any of it is a first time that costs: a compile, a capture,
+        a rebuild, memory taken outside torch's allocator, pinned host blocks). The caching allocator's growth
+        alone is no such first time: a step with more tokens than any before takes more memory at no cost to speak
+        of (session 60: a 10-prompt prefill at its usual rate flagged for 160 MiB)."""
+        out, allocator = [], None
         compiled = triton_compiles.count - mark.compiles
         if compiled > 0:
             kept = triton_compiles.since(mark.compiles)
@@ -277,6 +282,7 @@ class SlowSteps:
                      "included")
             if torch_mib >= 1:
                 out.append(f"the caching allocator took {torch_mib:,.0f} MiB more from the driver ({apart})")
+                allocator = out[-1]
             if other_mib >= 1:
                 out.append(f"{other_mib:,.0f} MiB more of the card went outside torch's allocator (kernel modules "
                            f"loaded on first use, library workspaces, the pools' own mappings; {apart})")
@@ -285,7 +291,7 @@ class SlowSteps:
                 took = (now.host_alloc_us - before.host_alloc_us) / 1e3  # (0 where this torch does not time them)
                 out.append(f"{blocks} pinned host block{'s' * (blocks != 1)} created"
                            + (f", {took:,.0f} ms in their CUDA calls" if took > 0 else "") + f" ({apart})")
-        return out
+        return out, any(item is not allocator for item in out)
 
     def _nothing(self) -> str:
         counted = "compile, capture, allocation or rebuild" if triton_compiles.available or not self._cuda \
