@@ -296,3 +296,28 @@ def test_tool_calls_in_the_response_from_a_stubbed_generation():
     shape = _ChatShape("chatcmpl-x", SERVE_MODEL, None, None, parse_tools=False)  # tool_choice "none"
     body = shape.full([_Choice(0, None, Generation(prompt_tokens=3, text=CALL, finish_reason="stop"))], {})
     assert body["choices"][0]["message"] == {"role": "assistant", "content": CALL}
+
+
+def test_a_tokenizer_the_grammar_engine_refuses_is_a_request_error_for_every_grammar_request(monkeypatch):
+    """A tokenizer with more tokens than the model's vocabulary (a tiny model served with a real tokenizer): the
+    grammar engine refuses it, and a request with a grammar gets a RequestError that says structured output is not
+    available here (a 400, not an internal error: session 60 saw a 500); the refusal is kept, not retried at each
+    request; a request without a grammar is served as ever."""
+    from types import SimpleNamespace
+
+    import ft.engine.text.grammar as grammar
+    from ft.engine.core.request_builder import RequestBuilder
+    from ft.engine.text.tokenizer import Tokenizer
+
+    built = []
+    real = grammar.GrammarCompiler
+    monkeypatch.setattr(grammar, "GrammarCompiler", lambda *a: built.append(1) or real(*a))
+    model = SimpleNamespace(vocab_size=VOCAB_SIZE // 2, eos_token_ids=[IM_END_ID % (VOCAB_SIZE // 2)])
+    builder = RequestBuilder(model, Tokenizer(build_tokenizer()))
+    params = SamplingParams(max_new_tokens=4, grammar=json_schema_spec(SCHEMA))
+    for _ in range(2):
+        with pytest.raises(RequestError, match="structured output is not available on this server"):
+            builder.build([1, 2, 3], params, None, 64, str)
+    assert built == [1]
+    seq = builder.build([1, 2, 3], SamplingParams(max_new_tokens=4), None, 64, str)
+    assert seq.grammar is None

@@ -157,3 +157,32 @@ def test_the_ramp_admits_as_many_streams_as_the_kv_room_holds():
     assert ramp_streams(64, 16, 64 * 5 * 16) == 64 and ramp_streams(64, 16, 64 * 5 * 16 - 1) < 64
     assert ramp_streams(8, 16, 10**6) == 8 and ramp_streams(8, 16, 16) == 0 and ramp_streams(1, 16, 10**6) == 0
     assert ramp_streams(1024, 16, 10**9) == 256  # RAMP_MAX_STREAMS
+
+
+def test_the_mixed_steps_are_those_that_fit():
+    """`mixed_steps`: the short prompts beside two streams, then the chunk less 7 beside two and beside one; the
+    short ones where the long one has no room (a small KV), none past the chunk."""
+    from ft.engine.core.warmup import mixed_steps
+
+    assert mixed_steps(96, 10_000) == ((2, 13), (2, 29), (2, 61), (2, 89), (1, 89))
+    assert mixed_steps(2048, 2060) == ((2, 13), (2, 29), (2, 61), (2, 125))  # 2,041 + 32 does not fit
+    assert mixed_steps(20, 10_000) == ((2, 13),)  # the long one is 13 tokens: under 17, none
+    assert mixed_steps(2048, 40) == ()
+
+
+def test_a_refused_grammar_engine_skips_the_grammar_variant_and_nothing_else(checkpoint):
+    """Where structured output cannot be served (the grammar engine refuses the tokenizer: a RequestError at each
+    grammar request), the warm-up says so and goes on: `ft serve --warmup` starts (session 60: it failed to)."""
+    from ft.errors import RequestError
+
+    e = make(checkpoint).engine
+
+    def refused():
+        raise RequestError("structured output is not available on this server: (a test)")
+
+    e.requests_in.grammar_compiler = refused
+    lines = []
+    report = warm_up(e, lines.append)
+    assert report.variants == ("sampled", "penalties", "logprobs")
+    assert lines[-1] == "warm-up: grammar skipped: structured output is not available on this server: (a test)"
+    assert not e.has_work and len(e.prefix_cache) == 0 and e.pools.kv.num_used_pages == 0

@@ -26,6 +26,7 @@ class RequestBuilder:
     def __init__(self, model_config, tokenizer) -> None:
         self.model_config, self.tokenizer = model_config, tokenizer
         self._grammars = None  # the grammar compiler, built on first use (its token trie)
+        self._grammars_refused: RequestError | None = None  # why it cannot be built, once tried
 
     def build(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None, limit: int,
               context_reason: Callable[[int], str]) -> Sequence:
@@ -66,10 +67,21 @@ class RequestBuilder:
         return seq
 
     def grammar_compiler(self):
-        """The grammar compiler over this model's tokenizer (built on first use: its token trie)."""
+        """The grammar compiler over this model's tokenizer (built on first use: its token trie). RequestError, at
+        every call once it has failed, where the grammar engine refuses the tokenizer (one whose vocabulary is
+        larger than the model's: structured output cannot be served here, and a request asking for it is told so
+        rather than meeting an internal error)."""
+        if self._grammars_refused is not None:
+            raise self._grammars_refused
         if self._grammars is None:
             from ft.engine.text.grammar import GrammarCompiler
 
             eos = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
-            self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size, eos)
+            try:
+                self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size, eos)
+            except ValueError as e:
+                self._grammars_refused = RequestError(
+                    f"structured output is not available on this server: the grammar engine refuses its tokenizer "
+                    f"for a vocabulary of {self.model_config.vocab_size:,} tokens ({e})")
+                raise self._grammars_refused from e
         return self._grammars

@@ -29,6 +29,7 @@ from typing import Any, Callable
 from ft.kernels.attention import LIBRARY_GRANULE_KEYS
 from ft.kernels.moe import GROUPED_SHORT_TOKENS, PER_PAIR_MAX_TOKENS
 from ft.engine.base.sampling_params import SamplingParams
+from ft.errors import RequestError
 
 __all__ = ["WarmupReport", "warm_up"]
 
@@ -65,12 +66,12 @@ def mixed_steps(chunk: int, room: int) -> tuple[tuple[int, int], ...]:
     """(decoding streams, prompt tokens) of the warm-up's mixed steps, each a prompt prefilled beside streams
     that decode: the `SHORT_MIXED_TOKENS` shorter than the long prompt (`mixed_prompt_length`), then the long one
     beside `MIXED_STREAMS` streams and beside one (a step's decoding rows come first, so one row puts the prompts'
-    per-sequence tensors at an odd offset: session 60 saw kernels compile for it after ready at c10). None where
-    the long prompt has no room."""
+    per-sequence tensors at an odd offset: session 60 saw kernels compile for it after ready at c10). Each where it
+    fits a chunk and the KV `room` beside its streams."""
     long = mixed_prompt_length(chunk, room)
-    if not long:
-        return ()
-    return (*((MIXED_STREAMS, n) for n in SHORT_MIXED_TOKENS if n < long), (MIXED_STREAMS, long), (1, long))
+    short = tuple((MIXED_STREAMS, n) for n in SHORT_MIXED_TOKENS
+                  if n < (long or chunk) and n + MIXED_STREAMS * 16 <= room)
+    return (*short, *(((MIXED_STREAMS, long), (1, long)) if long else ()))
 
 
 RAMP_MAX_STREAMS = 256
@@ -238,8 +239,14 @@ def _warm_up(engine: Any, say: Callable[[str], None] | None) -> WarmupReport:
     for name, params in variants.items():
         if name == "grammar" and engine.tokenizer is None:
             continue
-        for b in (1, 2) if max_bs >= 2 else (1,):
-            run([prompt(4) for _ in range(b)], params)
+        try:
+            for b in (1, 2) if max_bs >= 2 else (1,):
+                run([prompt(4) for _ in range(b)], params)
+        except RequestError as e:  # structured output refused on this server (its requests are told so too)
+            if name != "grammar":
+                raise
+            say(f"warm-up: {name} skipped: {e}")
+            continue
         ran.append(name)
     _forget(engine)
     if getattr(engine, "mamba_demand", None) is not None:  # the decode batches grew it to max_running_requests
