@@ -108,7 +108,8 @@ def test_ft_serve_warms_up_before_ready_when_asked_and_not_on_the_cpu_by_default
 def test_a_prompt_over_a_long_prefix_is_warmed_on_a_gpu_only(checkpoint, monkeypatch):
     """`long_prefix_length`: on CUDA a prompt of the library prefill's granule plus a tail when the KV
     room holds it, never on the CPU; where it runs (here made to run on the CPU at 200 tokens: chunks
-    of 96, the last over a cached prefix) the warm-up still leaves nothing behind."""
+    of 96, the last over a cached prefix) it then decodes beside a short prompt (its rows over the long context in
+    a mixed step), and the warm-up still leaves nothing behind."""
     from ft.engine.core import warmup
     from ft.kernels.attention import LIBRARY_GRANULE_KEYS
 
@@ -117,8 +118,21 @@ def test_a_prompt_over_a_long_prefix_is_warmed_on_a_gpu_only(checkpoint, monkeyp
     assert warmup.long_prefix_length("cpu", 10 * n) == 0
     e = make(checkpoint).engine
     monkeypatch.setattr(warmup, "long_prefix_length", lambda device_type, limit: 200 if limit >= 200 else 0)
+    step, beside = e.step, []
+
+    def recording():  # a step that prefilled the 13-token prompt while the 200-token one decoded
+        before = {id(q): (q.num_computed, bool(q.output_ids)) for q in e.scheduler.running}
+        out = step()
+        grew = [q for q in e.scheduler.running if q.num_computed > before.get(id(q), (0, False))[0]]
+        if any(len(q.prompt_ids) == 13 for q in grew):
+            beside.append(any(len(q.prompt_ids) == 200 and before.get(id(q), (0, False))[1] for q in grew))
+        return out
+
+    e.step = recording
     report = warm_up(e)
-    assert 200 in report.prefill_lengths and report.requests == 2 + 4 + 1 + 3 * 4 + 2 + 4 + 4 * 3
+    del e.step
+    assert 200 in report.prefill_lengths and report.requests == 3 + 4 + 1 + 3 * 4 + 2 + 4 + 4 * 3
+    assert True in beside
     assert not e.has_work and len(e.prefix_cache) == 0 and e.pools.kv.num_used_pages == 0
 
 

@@ -180,12 +180,26 @@ def _warm_up(engine: Any, say: Callable[[str], None] | None) -> WarmupReport:
     if lengths:
         say(f"warm-up: prefills of {', '.join(map(str, lengths))} tokens")
     greedy = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
-    long = long_prefix_length(engine.device.type, limit)
-    if long:
-        say(f"warm-up: a prompt of {long} tokens (a chunk over a long cached prefix)")
-        lengths = (*lengths, long)
     for n in lengths:
         run([prompt(n)], greedy)
+    long = long_prefix_length(engine.device.type, limit)
+    if long and limit < long + 2 * engine.config.page_size + SHORT_MIXED_TOKENS[0]:
+        say(f"warm-up: a prompt of {long} tokens (a chunk over a long cached prefix)")
+        run([prompt(long)], greedy)
+        lengths = (*lengths, long)
+    elif long:
+        say(f"warm-up: a prompt of {long} tokens (a chunk over a long cached prefix), then decoding beside a "
+            "prompt (a mixed step)")
+        # its decode row over the long context runs eagerly beside the short prompt: the split decode attention at
+        # a long context's split count and launch options (a register cap past two waves of programs), which the
+        # graphs reach only with their own launch (PDL on Flash-Next)
+        stream = engine.add_request(prompt(long), SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+        while not (stream.output_ids or stream.is_finished):  # (its chunks prefill; then it decodes)
+            engine.step()
+        late = engine.add_request(prompt(SHORT_MIXED_TOKENS[0]), greedy)
+        requests[0] += 2
+        engine.run_until_done([stream, late], timeout_s=WARMUP_TIMEOUT_S)
+        lengths = (*lengths, long)
 
     max_bs = engine.config.max_running_requests
     # the graphs' buckets, and the largest batch, which runs eagerly when it is past them (--cuda-graph-max-bs or
