@@ -42,6 +42,10 @@ EAGER_PREFILL_TOKENS = 4096
 LONG_PREFIX_TAIL = 256
 """Tokens of the warm-up's long prompt after its first `LIBRARY_GRANULE_KEYS` (its last chunk's)."""
 
+STREAM_PREFILL_STEPS = 4096
+"""Most steps the warm-up waits for streams' prompts to prefill before a mixed step (a long prompt in small chunks
+takes tens; the bound only keeps a broken engine from holding startup forever)."""
+
 MIXED_STREAMS = 2
 """Decoding streams beside the warm-up's mixed-step prompts (`mixed_steps`)."""
 
@@ -169,6 +173,18 @@ def _warm_up(engine: Any, say: Callable[[str], None] | None) -> WarmupReport:
         requests[0] += len(seqs)
         engine.run_until_done(seqs, timeout_s=WARMUP_TIMEOUT_S)
 
+    def beside(stream_prompts: list[list[int]], params: SamplingParams, n: int) -> None:
+        """A prompt of n tokens prefilled in a step beside streams that decode (a mixed step): the streams first
+        prefill (a step or a few chunks) and take their first token."""
+        streams = [engine.add_request(p, params) for p in stream_prompts]
+        for _ in range(STREAM_PREFILL_STEPS):
+            if all(q.output_ids or q.is_finished for q in streams):
+                break
+            engine.step()
+        late = engine.add_request(prompt(n), greedy)
+        requests[0] += len(streams) + 1
+        engine.run_until_done([*streams, late], timeout_s=WARMUP_TIMEOUT_S)
+
     room = engine.pools.kv.num_tokens - 2 * engine.config.page_size  # (a prompt plus its decoded tokens)
     limit = min(room, engine.context_limit - 4)
     runner = engine.runner
@@ -193,12 +209,8 @@ def _warm_up(engine: Any, say: Callable[[str], None] | None) -> WarmupReport:
         # its decode row over the long context runs eagerly beside the short prompt: the split decode attention at
         # a long context's split count and launch options (a register cap past two waves of programs), which the
         # graphs reach only with their own launch (PDL on Flash-Next)
-        stream = engine.add_request(prompt(long), SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
-        while not (stream.output_ids or stream.is_finished):  # (its chunks prefill; then it decodes)
-            engine.step()
-        late = engine.add_request(prompt(SHORT_MIXED_TOKENS[0]), greedy)
-        requests[0] += 2
-        engine.run_until_done([stream, late], timeout_s=WARMUP_TIMEOUT_S)
+        beside([prompt(long)], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
+               SHORT_MIXED_TOKENS[0])
         lengths = (*lengths, long)
 
     max_bs = engine.config.max_running_requests
@@ -219,14 +231,7 @@ def _warm_up(engine: Any, say: Callable[[str], None] | None) -> WarmupReport:
             f"({', '.join(str(k) for k, _ in mixed)}: mixed steps)")
         decoding = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
         for count, n in mixed:
-            streams = [engine.add_request(prompt(4), decoding) for _ in range(count)]
-            for _ in range(16):  # (their prompts prefill in a step or two; then they decode)
-                if all(s.output_ids for s in streams):
-                    break
-                engine.step()
-            late = engine.add_request(prompt(n), greedy)
-            requests[0] += count + 1
-            engine.run_until_done([*streams, late], timeout_s=WARMUP_TIMEOUT_S)
+            beside([prompt(4) for _ in range(count)], decoding, n)
         lengths = tuple(sorted({*lengths, *(n for _, n in mixed)}))
 
     ramp = ramp_streams(max_bs, engine.config.page_size, room)
