@@ -21,7 +21,8 @@ What is slow: a step of at least `SLOW_MIN_S` that took `SLOW_FACTOR` times what
 (decode: the median of the last `HISTORY` decode steps; prefill and mixed: their median time a token, times
 the step's tokens, at least `TOKEN_FLOOR` of them, so that short chunks' fixed costs do not count as slow),
 judged from `MIN_HISTORY` steps of the kind on; before that, a step of at least `SLOW_MIN_S` during which
-something was paid for the first time (what was paid explains a slow step; it does not make a step that took its
+something was paid for the first time, the caching allocator's growth alone not counting (what was paid explains a
+slow step; it does not make a step that took its
 usual time slow: a long prompt's loan recall is a rebuild every time). Slow steps stay out of the history. An
 engine's watch starts paused: `ft serve` resumes it once it is ready (after its warm-up, whose steps are all
 first times and none a user's; a warm-up on a watching engine pauses it meanwhile), so a library user's first
