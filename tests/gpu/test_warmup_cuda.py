@@ -32,7 +32,7 @@ def test_no_graph_is_captured_on_the_request_path_after_the_warm_up(model):
     assert decode.replays > 0 and prefill.replays > 0
 
 
-@pytest.mark.parametrize("kind", ["qwen3-next", "flash-next"])
+@pytest.mark.parametrize("kind", ["qwen3-next", "flash-next", "flash-next-nvfp4-kv"])
 def test_no_triton_kernel_compiles_on_the_request_path_for_prompts_of_any_length(model, tmp_path, kind):
     """After the warm-up, prompts of lengths that are not multiples of 16, chunked at positions that
     are not either, prefilling in steps beside an odd and an even number of decoding rows: no Triton kernel
@@ -40,15 +40,18 @@ def test_no_triton_kernel_compiles_on_the_request_path_for_prompts_of_any_length
     `_pair_tiles_kernel` once after ready through `ft serve` (each a stall of every stream); session 60's c10 run
     saw the conv, chunk-state and decode-combine kernels compile in mixed steps of 9 prompts beside 1 decoding row
     and 2 beside 8. A failure lists each such compile's specialization beside the warm-up's of the same kernel.
-    Both small models: the Qwen3-Next (bf16) and the NVFP4 Flash-Next (QSA, HyperConnections, the n-gram table)."""
+    Both small models: the Qwen3-Next (bf16) and the NVFP4 Flash-Next (QSA, HyperConnections, the n-gram table),
+    the latter also over an NVFP4 KV cache (the seeds' `--kv-cache-dtype nvfp4`: the decode attention's own
+    kernels and launch options)."""
     from ft.engine.core.slow_steps import triton_compiles
     from gpu.small_model import small_flash_next
 
     if not triton_compiles.install():
         pytest.skip("this Triton has no knobs.runtime.jit_post_compile_hook to count compiles with")
     name = model if kind == "qwen3-next" else small_flash_next(tmp_path)
+    kv = {"kv_cache_dtype": "nvfp4"} if kind.endswith("nvfp4-kv") else {}
     llm = LLM(model=name, device="cuda", dtype="bfloat16", moe_backend="resident", num_tokens=16384,
-              max_running_requests=24, prefill_graph_max_tokens=512, max_prefill_length=1000)
+              max_running_requests=24, prefill_graph_max_tokens=512, max_prefill_length=1000, **kv)
     e = llm.engine
     first = triton_compiles.count
     warm_up(e)
