@@ -743,30 +743,3 @@ def test_the_down_pass_sums_the_pairs_itself_bitwise(monkeypatch, case):
     with use_kernel_options(variant("moe-sum-own-launch")):
         moe_decode_triton(x, slots, weights, w, shared, down_per_pair=True, sum_counters=counters)
     assert len(sums) == 2
-
-
-@pytest.mark.parametrize("case", [DECODE_CASES[1], DECODE_CASES[3]], ids=str)
-def test_x_first_loads_give_the_same_bits(case):
-    """Variant "moe-decode-x-first" (`MoeOptions.decode_x_first`: x's and h's loads issued before the pair's
-    slot is read) changes a load order only: y bit for bit the default's, with padding tokens and with
-    slotless pairs read from a host store, over one whole-K tile and two."""
-    t, k, s, h, i, dtype, skip, with_shared = case
-    gen = torch.Generator().manual_seed(5 * t + h + i)
-    w, shared = _slot_pool(s, h, i, gen), _slot_pool(1, h, i, gen)
-    slots, weights = _routing(t, k, s, skip, gen)
-    weights = torch.cat([weights, torch.rand(t, 1, generator=gen)], dim=1).to(dtype)
-    x = torch.randn(t, h, generator=gen).to(dtype)
-    live = torch.arange(t, dtype=torch.int64)
-    live[1::2] = -1
-    host = SlotWeights(*(p[None] for p in w))
-    no_slots = torch.where(slots >= 0, -1, slots)
-    ids = slots.clamp(min=0).to(torch.int64)
-    calls = [dict(live=None), dict(live=live), dict(host=host, topk_ids=ids, layer=0)]
-    for kw in calls:
-        table = no_slots if "host" in kw else slots
-        want = moe_decode_triton(x, table, weights, w, shared, down_per_pair=True, **kw)
-        with use_kernel_options(variant("moe-decode-x-first")):
-            got = moe_decode_triton(x, table, weights, w, shared, down_per_pair=True, **kw)
-        assert torch.equal(got, want)
-    ref = moe_decode_ref(x.float(), slots, weights.float(), w, shared)
-    assert ((moe_decode_triton(x, slots, weights, w, shared).float() - ref).norm() / ref.norm()).item() < TOL[dtype]

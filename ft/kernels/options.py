@@ -178,10 +178,6 @@ class MoeOptions:
     64 rows, the whole K): 2. Against 4 (variant "moe-decode-down-4-warps"; bench/moe_decode.py's block, H100,
     session 48): the 80B's block 60.6 -> 58.5 us at 8 tokens, 183.2 -> 175.4 at 32; Flash-Next's 97.0 -> 95.8,
     313.6 -> 312.1 (a tie).
-    decode_x_first: the decode MoE's whole-K passes (gate/up, down per pair) issue their x (h) row's loads before
-    the pair's slot is read, so that x is in flight while the slot arrives (sm_90 SASS: otherwise x is loaded
-    after the slot and the padding check, and the first use of x stalls the weights' loads behind x's latency);
-    off: x after the slot. The same bits either way. (Session 61: written, its A/B owed to the device.)
     decode_sum_in_down: where no norm follows the decode MoE (Qwen3.8-Flash-Next, whose HyperConnection
     write takes the block's output), the per-pair down pass sums a token's pairs itself (the last of its
     programs of a column block; `moe_decode(sum_counters=...)`), the same bits as the sum kernel and one
@@ -214,7 +210,6 @@ class MoeOptions:
     decode_down_two_tiles: tuple | None = (16, 1)
     decode_down_warps: int = 2
     decode_tiles_one_token: tuple | None = ((4, 0, 2), (16, 0, 4))
-    decode_x_first: bool = False
 
 
 @dataclass(frozen=True)
@@ -496,7 +491,6 @@ VARIANTS: dict[str, dict[str, object]] = {
     "hc-read-dot-only": {"hyper_connection.fma_read_max_tokens": 0},  # the same
     "hc-write-own-launch": {"hyper_connection.write_into_read": False},  # the same
     "moe-sum-own-launch": {"moe.decode_sum_in_down": False},  # the same
-    "moe-decode-x-first": {"moe.decode_x_first": True},  # the same bits (a load order)
     "route-lookup-apart": {"moe.route_lookup_fused": False},  # bench/ladder.py --variant
     "gated-delta-ba-own-launch": {"gated_delta.decode_ba_in_conv": False},  # the same
     "qsa-prefill-select-torch": {"qsa.prefill_select_kernel": False},  # bench/prefill.py --variant

@@ -106,7 +106,7 @@ def _moe_decode_gate_up_kernel(
     WHOLE_K: tl.constexpr = 0, HAS_HOST: tl.constexpr = False, HAS_DST: tl.constexpr = False,
     ASM: tl.constexpr = False,
     PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0, HAS_LIVE: tl.constexpr = False,
-    HALF: tl.constexpr = False, X_FIRST: tl.constexpr = False,
+    HALF: tl.constexpr = False,
 ):
     """Grid (T * KS, I / BLOCK_I), KS = TOPK + HAS_SHARED: h[t * KS + j] = silu(x[t] @ gate^T) * (x[t] @ up^T)
     (fp32) of pair j of token t: the expert in slot topk_slots[t, j] for j < TOPK, the shared expert
@@ -129,10 +129,6 @@ def _moe_decode_gate_up_kernel(
     i_i = tl.program_id(1)
     i_t = i_p // KS
     j = i_p % KS
-    if X_FIRST and WHOLE_K > 0:  # x's loads before the slot's (they need none): in flight together
-        x0, x1, x2, x3, x4, x5, x6, x7 = x_lanes(p_x + i_t * stride_xt, WHOLE_K)
-        if WHOLE_K2 > 0:
-            y0, y1, y2, y3, y4, y5, y6, y7 = x_lanes(p_x + i_t * stride_xt + 8 * WHOLE_K, WHOLE_K2)
     is_shared, slot, eid, from_host, on, dst, land = _pair_source(p_slots, p_ids, p_dst, i_t, j, stride_st, stride_it,
                                                                   stride_dt, TOPK, HAS_HOST, HAS_DST)
     if HAS_LIVE:  # a padding token: nothing to compute (its output is never read)
@@ -152,12 +148,10 @@ def _moe_decode_gate_up_kernel(
         # `rows_dot_whole_k` in its parts (x first: x and the weights in flight together), the raw
         # words in between for the landing store
         m_r = o_i < tl.where(on, I, 0)
-        if not X_FIRST:
-            x0, x1, x2, x3, x4, x5, x6, x7 = x_lanes(p_x + i_t * stride_xt, WHOLE_K)
+        x0, x1, x2, x3, x4, x5, x6, x7 = x_lanes(p_x + i_t * stride_xt, WHOLE_K)
         b_w, b_sb = load_whole_k(p_w, p_s, o_r, m_r, stride_w13r, stride_s13r, WHOLE_K)
         if WHOLE_K2 > 0:  # the second tile: words WHOLE_K.., their scale bytes WHOLE_K / 2..
-            if not X_FIRST:
-                y0, y1, y2, y3, y4, y5, y6, y7 = x_lanes(p_x + i_t * stride_xt + 8 * WHOLE_K, WHOLE_K2)
+            y0, y1, y2, y3, y4, y5, y6, y7 = x_lanes(p_x + i_t * stride_xt + 8 * WHOLE_K, WHOLE_K2)
             c_w, c_sb = load_whole_k(p_w + WHOLE_K, p_s + WHOLE_K // 2, o_r, m_r, stride_w13r, stride_s13r, WHOLE_K2)
         if HAS_DST:
             m_d = o_i < tl.where(land, I, 0)  # (m_r for a landing pair: land implies on)
@@ -251,7 +245,7 @@ def _moe_decode_down_pairs_kernel(
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, WHOLE_K: tl.constexpr,
     HAS_HOST: tl.constexpr = False, HAS_DST: tl.constexpr = False, ASM: tl.constexpr = False,
     PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0, HAS_LIVE: tl.constexpr = False,
-    SUM: tl.constexpr = False, HALF: tl.constexpr = False, X_FIRST: tl.constexpr = False,
+    SUM: tl.constexpr = False, HALF: tl.constexpr = False,
 ):
     """Grid (T * KS, H / BLOCK_H): yp[p] = wts[t, j] * (h[p] @ down_j^T) (fp32) for pair p = t * KS + j,
     zeros for a skipped pair; `moe_sum_pairs_kernel` then sums each token's KS pairs in order, or with
@@ -269,10 +263,6 @@ def _moe_decode_down_pairs_kernel(
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     i_t = i_p // KS
     j = i_p % KS
-    if X_FIRST:  # h's loads before the slot's (as in the gate/up kernel)
-        x0, x1, x2, x3, x4, x5, x6, x7 = x_lanes(p_h + i_p * stride_ht, WHOLE_K)
-        if WHOLE_K2 > 0:
-            y0, y1, y2, y3, y4, y5, y6, y7 = x_lanes(p_h + i_p * stride_ht + 8 * WHOLE_K, WHOLE_K2)
     is_shared, slot, eid, from_host, on, dst, land = _pair_source(p_slots, p_ids, p_dst, i_t, j, stride_st, stride_it,
                                                                   stride_dt, TOPK, HAS_HOST, HAS_DST)
     if HAS_LIVE:  # a padding token: nothing to compute (its output is never read)
@@ -288,12 +278,10 @@ def _moe_decode_down_pairs_kernel(
     # `rows_dot_whole_k` in its parts (h first: h and the weights in flight together), the raw words
     # in between for the landing store
     m_r = o_h < tl.where(on, H, 0)
-    if not X_FIRST:
-        x0, x1, x2, x3, x4, x5, x6, x7 = x_lanes(p_h + i_p * stride_ht, WHOLE_K)
+    x0, x1, x2, x3, x4, x5, x6, x7 = x_lanes(p_h + i_p * stride_ht, WHOLE_K)
     b_w, b_sb = load_whole_k(p_w, p_s, o_h, m_r, stride_w2r, stride_s2wr, WHOLE_K)
     if WHOLE_K2 > 0:  # the second tile: words WHOLE_K.., their scale bytes WHOLE_K / 2..
-        if not X_FIRST:
-            y0, y1, y2, y3, y4, y5, y6, y7 = x_lanes(p_h + i_p * stride_ht + 8 * WHOLE_K, WHOLE_K2)
+        y0, y1, y2, y3, y4, y5, y6, y7 = x_lanes(p_h + i_p * stride_ht + 8 * WHOLE_K, WHOLE_K2)
         c_w, c_sb = load_whole_k(p_w + WHOLE_K, p_s + WHOLE_K // 2, o_h, m_r, stride_w2r, stride_s2wr, WHOLE_K2)
     if HAS_DST:
         m_d = o_h < tl.where(land, H, 0)  # (m_r for a landing pair: land implies on)
@@ -495,8 +483,7 @@ def moe_decode_triton(
         x.stride(0), slots.stride(0), ids.stride(0), dst.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
         s13.stride(1), s2.stride(0), hw13.stride(0), hs13.stride(0), hs2.stride(0), h.stride(0), TOPK=k,
         HAS_SHARED=has_shared, BLOCK_I=block_i, BLOCK_W=bw13, WHOLE_K=whole13, HAS_HOST=has_host, HAS_DST=has_dst,
-        ASM=asm and whole13 > 0, WHOLE_K2=whole13b, HAS_LIVE=has_live, HALF=half and whole13 > 0,
-        X_FIRST=opts.decode_x_first, num_warps=warps13,
+        ASM=asm and whole13 > 0, WHOLE_K2=whole13b, HAS_LIVE=has_live, HALF=half and whole13 > 0, num_warps=warps13,
         **pdl_args(x.device))
     fuse_norm = residual is not None and norm_weight is not None
     if per_pair and whole2:  # (a row's K in one tile; other shapes take the loop)
@@ -511,8 +498,7 @@ def moe_decode_triton(
             s2w.stride(0), s2w.stride(1), s2.stride(0), hw2.stride(0), hs2w.stride(0), hs2.stride(0), y_pairs.stride(0),
             sum_counters if sums_here else slots, y, y.stride(0),
             TOPK=k, HAS_SHARED=has_shared, BLOCK_H=block_h, WHOLE_K=whole2, HAS_HOST=has_host, HAS_DST=has_dst,
-            ASM=asm, WHOLE_K2=whole2b, HAS_LIVE=has_live, SUM=sums_here, HALF=half, X_FIRST=opts.decode_x_first,
-            num_warps=warps2,
+            ASM=asm, WHOLE_K2=whole2b, HAS_LIVE=has_live, SUM=sums_here, HALF=half, num_warps=warps2,
             **pdl_args(x.device))
         if sums_here:
             return y
