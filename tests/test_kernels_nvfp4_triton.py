@@ -224,6 +224,16 @@ def test_swapped_dot_halves_match_ref(m):
                "SPLIT_K": split}
         y = nvfp4_linear_triton(x, packed, scale, scale_2, path="dot", config=cfg)
         assert _rel_rms(y, ref) < TOL[torch.float16], split
+    # `Nvfp4Options.dot_small_m_swap` makes it the small-M tile's default
+    from ft.kernels.nvfp4.kernel import dot_launch_config
+    from ft.kernels.options import use_kernel_options, variant
+
+    with use_kernel_options(variant(**{"nvfp4.dot_small_m_swap": (64, 128, 3)})):
+        cfg = dot_launch_config(x, packed)
+        y = nvfp4_linear_triton(x, packed, scale, scale_2, path="dot")
+    assert cfg["SWAP_AB"] and cfg["HALVES"] and (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]) == (64, 128, 4)
+    assert _rel_rms(y, ref) < TOL[torch.float16]
+    assert not dot_launch_config(x, packed).get("SWAP_AB")
 
 
 @pytest.mark.parametrize("m, tile", [(24, (32, 64, 128)), (24, (16, 32, 256)), (40, (64, 32, 256)), (40, (64, 16, 256))],
