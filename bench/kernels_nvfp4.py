@@ -77,14 +77,9 @@ DOT_HALVES_SMALL_SWEEP = [
     for bn, bk, nw, st, sk in [(32, 256, 4, 3, 2), (32, 256, 4, 3, 4), (32, 256, 2, 3, 1), (32, 256, 8, 3, 1),
                                (32, 512, 4, 2, 1), (32, 128, 4, 4, 1), (32, 256, 4, 4, 1), (16, 256, 4, 3, 1),
                                (16, 256, 2, 3, 1), (64, 256, 4, 3, 1), (64, 128, 4, 3, 1), (64, 256, 8, 3, 1)]
-] + [
-    {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": 4, "num_stages": st, "SPLIT_K": 1,
-     "SWAP_AB": True, "HALVES": True}
-    for bn, bk, st in [(64, 128, 3), (64, 128, 4), (64, 256, 3), (128, 128, 3), (128, 64, 4)]
 ]
 """Decode batches of 3-16 rows on the halves (the tile `_dot_config` takes there, 16 x 32 x 256 in 4 warps and 3
-stages, against other widths, depths, warps, stages and K split over 2 or 4 programs, session 46); the last five
-with the weights as the MMA's left operand (SWAP_AB: wgmma's A from registers on sm_90, session 61)."""
+stages, against other widths, depths, warps, stages and K split over 2 or 4 programs, session 46)."""
 DOT_MID_SWEEP = [
     {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": nw, "num_stages": 3, "HALVES": hv,
      "SPLIT_K": sk}

@@ -211,31 +211,6 @@ def test_dot_halves_match_ref(m):
     assert _rel_rms(halves, ref) < TOL[torch.float16] and _rel_rms(whole, ref) < TOL[torch.float16]
 
 
-@pytest.mark.parametrize("m", [3, 8])
-def test_swapped_dot_halves_match_ref(m):
-    """The halves form with the weights as the MMA's left operand (SWAP_AB: acc [BLOCK_N, BLOCK_M], transposed
-    at the end): the reference's result in fp16, and over a K split in two programs too."""
-    gen = torch.Generator().manual_seed(61 + m)
-    packed, scale, scale_2 = _weight(80, 512, gen)
-    x = torch.randn(m, 512, generator=gen).to(torch.float16)
-    ref = nvfp4_linear_ref(x, packed, scale, scale_2)
-    for split in (1, 2):
-        cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "SWAP_AB": True, "HALVES": True,
-               "SPLIT_K": split}
-        y = nvfp4_linear_triton(x, packed, scale, scale_2, path="dot", config=cfg)
-        assert _rel_rms(y, ref) < TOL[torch.float16], split
-    # `Nvfp4Options.dot_small_m_swap` makes it the small-M tile's default
-    from ft.kernels.nvfp4.kernel import dot_launch_config
-    from ft.kernels.options import use_kernel_options, variant
-
-    with use_kernel_options(variant(**{"nvfp4.dot_small_m_swap": (64, 128, 3)})):
-        cfg = dot_launch_config(x, packed)
-        y = nvfp4_linear_triton(x, packed, scale, scale_2, path="dot")
-    assert cfg["SWAP_AB"] and cfg["HALVES"] and (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]) == (64, 128, 4)
-    assert _rel_rms(y, ref) < TOL[torch.float16]
-    assert not dot_launch_config(x, packed).get("SWAP_AB")
-
-
 @pytest.mark.parametrize("m, tile", [(24, (32, 64, 128)), (24, (16, 32, 256)), (40, (64, 32, 256)), (40, (64, 16, 256))],
                          ids=["M24-32x64x128", "M24-16x32x256", "M40-64x32x256", "M40-64x16x256"])
 def test_mid_m_tiles_match_ref(m, tile):

@@ -96,11 +96,7 @@ class Nvfp4Options:
     49, batch 8 910.7 / 908.6 -> 942.8 / 937.7 tok/s (+3.3%), with the two-tile down tile
     (`MoeOptions.decode_down_two_tiles`) 909.8 -> 959.0 (+5.4%); at 64 rows against 16, session 50, batch 32
     1,498.5 / 1,500.2 -> 1,531.5 (+2.1%), batch 48 1,641.8 / 1,639.0 -> 1,644.9 (a tie). Variant
-    "nvfp4-dot-bf16-x" (0: off).
-    dot_small_m_swap: (BLOCK_N, BLOCK_K, stages) of the 16-row tile's halves form with the weights as the MMA's
-    left operand (SWAP_AB: on sm_90 wgmma takes them from registers, 87 registers a thread at 64 x 128 against
-    140 for the default tile), where K is not split; None (the default): the 16 x 32 x 256 tile. Session 61:
-    written, measured by `bench/kernels_nvfp4.py --sweep` and the step on the device only."""
+    "nvfp4-dot-bf16-x" (0: off)."""
 
     small_m_whole_k: bool = True
     dot_halves: bool = True
@@ -111,7 +107,6 @@ class Nvfp4Options:
     dot_split_k_small_m: int = 4
     dot_small_m_past_wave_warps: int = 2
     dot_f16_x_max_m: int | None = None
-    dot_small_m_swap: tuple | None = None
 
 
 @dataclass(frozen=True)

@@ -153,16 +153,14 @@ def _interleaved_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_
 
 @triton.jit
 def _halves_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, stride_sn, k, BLOCK_K: tl.constexpr,
-                 PRECISION: tl.constexpr, ASM: tl.constexpr, F16X: tl.constexpr = False, SWAP: tl.constexpr = False):
+                 PRECISION: tl.constexpr, ASM: tl.constexpr, F16X: tl.constexpr = False):
     """One K step of `_nvfp4_dot_kernel`'s HALVES form: acc [BLOCK_M, BLOCK_N] fp32 plus x[:, k:k+BLOCK_K]
     times the weight rows o_n's elements there, as x's even columns against the low nibbles and its
     odd columns against the high nibbles, decoded straight to x's dtype (`e2m1_halves_bf16` /
     `e2m1_halves_f16`: exact tiles, no interleave). x (bf16 or fp16, rows 4-byte aligned, stride_xm
     even) is read as 32-bit words, each an (even, odd) pair. F16X (fp16 x: a bf16 model's rows made fp16
     by `f16_rows`): the weights decoded as E4M3 bytes, two to a conversion (`e2m1_halves_f16_scaled`, the
-    values times 2**-6: the epilogue puts the power of two back). SWAP (the kernel's SWAP_AB): acc is
-    [BLOCK_N, BLOCK_M] and the decoded weight tiles are the MMA's left operand (sm_90: wgmma's A from
-    registers, no shared-memory round trip for them; its M dimension is then BLOCK_N, 64 a warp group)."""
+    values times 2**-6: the epilogue puts the power of two back)."""
     HK: tl.constexpr = BLOCK_K // 2
     G: tl.constexpr = BLOCK_K // 16
     R: tl.constexpr = o_n.shape[0]
@@ -182,13 +180,8 @@ def _halves_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, s
         lo, hi = e2m1_halves_f16_scaled(b_w, tl.reshape(tl.broadcast_to(b_sb[:, :, None], (R, G, 8)), (R, HK)), ASM)
     else:
         lo, hi = e2m1_halves_f16(b_w, tl.reshape(tl.broadcast_to(b_sb[:, :, None], (R, G, 8)), (R, HK)), ASM)
-    if SWAP:  # acc [BLOCK_N, BLOCK_M]: the decoded weights as the MMA's left operand
-        acc = tl.dot(lo, tl.trans(x_e), acc, input_precision=PRECISION)
-        acc = tl.dot(hi, tl.trans(x_o), acc, input_precision=PRECISION)
-    else:
-        acc = tl.dot(x_e, tl.trans(lo), acc, input_precision=PRECISION)
-        acc = tl.dot(x_o, tl.trans(hi), acc, input_precision=PRECISION)
-    return acc
+    acc = tl.dot(x_e, tl.trans(lo), acc, input_precision=PRECISION)
+    return tl.dot(x_o, tl.trans(hi), acc, input_precision=PRECISION)
 
 
 _HALVES_SCALED_FACTOR = tl.constexpr(2.0 ** HALVES_SCALED_EXPONENT)
@@ -241,7 +234,7 @@ def _nvfp4_dot_kernel(
     pdl_wait(PDL)  # (`ft.kernels.pdl`: before any load; the K loop streams weights and x together)
     pdl_release(PDL)
     # EVEN_K: K % BLOCK_K == 0, no mask along K (the loads vectorize; `dequant_tile`'s EVEN)
-    # HALVES (with EVEN_K, bf16/fp16 x whose rows start on 4-byte boundaries): `_halves_step`
+    # HALVES (with EVEN_K, bf16/fp16 x whose rows start on 4-byte boundaries, not SWAP_AB): `_halves_step`
     # SPLIT_K > 1 (grid axis 1): program (tile, s) sums K in [s * K_SPLIT, (s + 1) * K_SPLIT) (K_SPLIT a
     # multiple of BLOCK_K) and `_split_k_ticket` ends it; p_part / p_count unused at 1
     # F16X (with HALVES): x is fp16 rows scaled by powers of two whose factors back are p_xs [M] (`f16_rows`)
@@ -272,7 +265,7 @@ def _nvfp4_dot_kernel(
     for k in range(0, k_len, BLOCK_K):
         if HALVES:
             acc = _halves_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, stride_sn, k, BLOCK_K,
-                               PRECISION, ASM, F16X, SWAP_AB)
+                               PRECISION, ASM, F16X)
         else:
             acc = _interleaved_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, stride_sn, k,
                                     k_len, BLOCK_N, BLOCK_K, PRECISION, SWAP_AB, EVEN_K)
@@ -368,10 +361,6 @@ def _dot_config(m: int, n: int, k: int) -> dict:
         split = 1  # (Nvfp4Options.dot_split_k_small_m: K split where the tile's grid is thin and K long)
         if triton.cdiv(n, 32) < MID_M_MIN_PROGRAMS and k >= SPLIT_K_MIN_K:
             split = kernel_options().nvfp4.dot_split_k_small_m
-        swap = kernel_options().nvfp4.dot_small_m_swap
-        if swap and split == 1:  # the weights as the MMA's left operand (`Nvfp4Options.dot_small_m_swap`)
-            return {"BLOCK_M": 16, "BLOCK_N": swap[0], "BLOCK_K": swap[1], "GROUP_M": 1, "num_warps": 4,
-                    "num_stages": swap[2], "SPLIT_K": 1, "SWAP_AB": True}
         return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 3,
                 "SPLIT_K": split}
     # Session 44 (the sweep with K split over programs): out_proj 2,048 x 4,096 at M = 32 12.46 us (the narrow
@@ -398,7 +387,7 @@ def dot_launch_config(x: torch.Tensor, packed: torch.Tensor, config: dict | None
     tile's warps past one wave (`SMALL_M_WAVE_PROGRAMS_PER_SM`, by the device's SM count)."""
     (m, k), n = x.shape, packed.shape[0]
     cfg = dict(config or _dot_config(m, n, k))
-    if config is None and m <= 16 and cfg.get("SPLIT_K", 1) == 1 and not cfg.get("SWAP_AB") and \
+    if config is None and m <= 16 and cfg.get("SPLIT_K", 1) == 1 and \
             triton.cdiv(n, cfg["BLOCK_N"]) > SMALL_M_WAVE_PROGRAMS_PER_SM * sm_count(x.device) > 0:
         cfg["num_warps"] = kernel_options().nvfp4.dot_small_m_past_wave_warps  # (`SMALL_M_WAVE_PROGRAMS_PER_SM`)
     want = cfg.get("SPLIT_K", 1)  # (`_dot_config`'s, from the options at M <= 64)
@@ -407,7 +396,7 @@ def dot_launch_config(x: torch.Tensor, packed: torch.Tensor, config: dict | None
     cfg["SPLIT_K"] = triton.cdiv(steps, per_split)  # no empty split: each holds per_split steps but the last
     cfg["EVEN_K"] = k % cfg["BLOCK_K"] == 0
     cfg["HALVES"] = bool(cfg.get("HALVES", kernel_options().nvfp4.dot_halves and m <= 64)) and cfg["EVEN_K"] and x.dtype != torch.float32 \
-        and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and cfg["BLOCK_K"] % 64 == 0
+        and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and cfg["BLOCK_K"] % 64 == 0 and not cfg.get("SWAP_AB")
     cfg["ASM"] = cfg["HALVES"] and bool(cfg.get("ASM", True)) and inline_ptx(x.device)
     return cfg
 
