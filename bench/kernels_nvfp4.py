@@ -76,10 +76,14 @@ DOT_HALVES_SMALL_SWEEP = [
     {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": nw, "num_stages": st, "SPLIT_K": sk}
     for bn, bk, nw, st, sk in [(32, 256, 4, 3, 2), (32, 256, 4, 3, 4), (32, 256, 2, 3, 1), (32, 256, 8, 3, 1),
                                (32, 512, 4, 2, 1), (32, 128, 4, 4, 1), (32, 256, 4, 4, 1), (16, 256, 4, 3, 1),
-                               (16, 256, 2, 3, 1), (64, 256, 4, 3, 1), (64, 128, 4, 3, 1), (64, 256, 8, 3, 1)]
+                               (16, 256, 2, 3, 1), (64, 256, 4, 3, 1), (64, 128, 4, 3, 1), (64, 256, 8, 3, 1),
+                               (64, 128, 2, 3, 1), (64, 256, 2, 3, 1), (128, 128, 4, 3, 1), (128, 64, 4, 4, 1),
+                               (128, 128, 8, 3, 1)]
 ]
 """Decode batches of 3-16 rows on the halves (the tile `_dot_config` takes there, 16 x 32 x 256 in 4 warps and 3
-stages, against other widths, depths, warps, stages and K split over 2 or 4 programs, session 46)."""
+stages, against other widths, depths, warps, stages and K split over 2 or 4 programs, session 46). The widest
+(session 61): every program reads all of x once over its K loop, ~40 KB of L2 at M = 8 and K = 2,560 against ~46 KB
+of weights in a 32-column tile, so wider tiles read less x per weight byte."""
 DOT_MID_SWEEP = [
     {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": nw, "num_stages": 3, "HALVES": hv,
      "SPLIT_K": sk}
