@@ -96,7 +96,12 @@ class Nvfp4Options:
     49, batch 8 910.7 / 908.6 -> 942.8 / 937.7 tok/s (+3.3%), with the two-tile down tile
     (`MoeOptions.decode_down_two_tiles`) 909.8 -> 959.0 (+5.4%); at 64 rows against 16, session 50, batch 32
     1,498.5 / 1,500.2 -> 1,531.5 (+2.1%), batch 48 1,641.8 / 1,639.0 -> 1,644.9 (a tie). Variant
-    "nvfp4-dot-bf16-x" (0: off)."""
+    "nvfp4-dot-bf16-x" (0: off).
+    dot_small_m_tile: (BLOCK_N, BLOCK_K, warps, stages) of the 16-row tile (M <= 16) where K is not split; None (the
+    default): 16 x 32 x 256 in 4 warps and 3 stages (2 warps past one wave). Every program reads all of x once over
+    its K loop (~40 KB of L2 at M = 8 and K = 2,560, against ~46 KB of weights in 32 columns), so wider tiles read
+    less x per weight byte; sm_90 SASS (session 61): 128 x 128 in 4 warps 3.7 instructions an element at 140
+    registers, the default 5.25 at 140. Written for the device's A/B (`bench/decode.py --define`), not measured."""
 
     small_m_whole_k: bool = True
     dot_halves: bool = True
@@ -107,6 +112,7 @@ class Nvfp4Options:
     dot_split_k_small_m: int = 4
     dot_small_m_past_wave_warps: int = 2
     dot_f16_x_max_m: int | None = None
+    dot_small_m_tile: tuple | None = None
 
 
 @dataclass(frozen=True)

@@ -361,6 +361,10 @@ def _dot_config(m: int, n: int, k: int) -> dict:
         split = 1  # (Nvfp4Options.dot_split_k_small_m: K split where the tile's grid is thin and K long)
         if triton.cdiv(n, 32) < MID_M_MIN_PROGRAMS and k >= SPLIT_K_MIN_K:
             split = kernel_options().nvfp4.dot_split_k_small_m
+        tile = kernel_options().nvfp4.dot_small_m_tile
+        if tile and split == 1:  # `Nvfp4Options.dot_small_m_tile`: (BLOCK_N, BLOCK_K, warps, stages)
+            return {"BLOCK_M": 16, "BLOCK_N": tile[0], "BLOCK_K": tile[1], "GROUP_M": 1, "num_warps": tile[2],
+                    "num_stages": tile[3], "SPLIT_K": 1}
         return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 3,
                 "SPLIT_K": split}
     # Session 44 (the sweep with K split over programs): out_proj 2,048 x 4,096 at M = 32 12.46 us (the narrow
@@ -387,7 +391,7 @@ def dot_launch_config(x: torch.Tensor, packed: torch.Tensor, config: dict | None
     tile's warps past one wave (`SMALL_M_WAVE_PROGRAMS_PER_SM`, by the device's SM count)."""
     (m, k), n = x.shape, packed.shape[0]
     cfg = dict(config or _dot_config(m, n, k))
-    if config is None and m <= 16 and cfg.get("SPLIT_K", 1) == 1 and \
+    if config is None and m <= 16 and cfg.get("SPLIT_K", 1) == 1 and not kernel_options().nvfp4.dot_small_m_tile and \
             triton.cdiv(n, cfg["BLOCK_N"]) > SMALL_M_WAVE_PROGRAMS_PER_SM * sm_count(x.device) > 0:
         cfg["num_warps"] = kernel_options().nvfp4.dot_small_m_past_wave_warps  # (`SMALL_M_WAVE_PROGRAMS_PER_SM`)
     want = cfg.get("SPLIT_K", 1)  # (`_dot_config`'s, from the options at M <= 64)
