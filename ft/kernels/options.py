@@ -101,7 +101,13 @@ class Nvfp4Options:
     default): 16 x 32 x 256 in 4 warps and 3 stages (2 warps past one wave). Every program reads all of x once over
     its K loop (~40 KB of L2 at M = 8 and K = 2,560, against ~46 KB of weights in 32 columns), so wider tiles read
     less x per weight byte; sm_90 SASS (session 61): 128 x 128 in 4 warps 3.7 instructions an element at 140
-    registers, the default 5.25 at 140. Written for the device's A/B (`bench/decode.py --define`), not measured."""
+    registers, the default 5.25 at 140. Written for the device's A/B (`bench/decode.py --define`), not measured.
+    dot_mid_m_tile: (BLOCK_N, BLOCK_K, warps, stages) of the tiles at 16 < M <= 64 (32 or 64 rows) where their grid
+    holds at least `kernel.MID_M_MIN_PROGRAMS` programs; None (the default): 32 x 64 x 128 / 64 x 32 x 256 in 4 warps
+    (narrower, or K split, on a thin grid). There x outweighs the weights a program reads (at 64 rows and 32 columns
+    32 KB of x a K step against 4 KB of weights); sm_90 SASS (session 61, bf16 x): the default 64 x 32 x 256 10.2
+    instructions an element, 64 x 128 x 64 in 4 warps 7.8 (167 registers), 32 x 128 x 64 8.0 (149). Written for
+    the device's A/B, not measured."""
 
     small_m_whole_k: bool = True
     dot_halves: bool = True
@@ -113,6 +119,7 @@ class Nvfp4Options:
     dot_small_m_past_wave_warps: int = 2
     dot_f16_x_max_m: int | None = None
     dot_small_m_tile: tuple | None = None
+    dot_mid_m_tile: tuple | None = None
 
 
 @dataclass(frozen=True)

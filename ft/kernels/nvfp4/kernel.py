@@ -373,6 +373,11 @@ def _dot_config(m: int, n: int, k: int) -> dict:
     # at M = 64: 24.21 -> 28.96 / 36.52) but for in_proj_qkvz at M = 32 (21.45 -> 18.26 in 2), left alone here.
     if m <= 64:
         block_m, block_n, block_k = (32, 64, 128) if m <= 32 else (64, 32, 256)
+        wide = kernel_options().nvfp4.dot_mid_m_tile
+        if wide and triton.cdiv(m, block_m) * triton.cdiv(n, wide[0]) >= MID_M_MIN_PROGRAMS:
+            # `Nvfp4Options.dot_mid_m_tile`: (BLOCK_N, BLOCK_K, warps, stages) where its grid is not thin
+            return {"BLOCK_M": block_m, "BLOCK_N": wide[0], "BLOCK_K": wide[1], "GROUP_M": 1, "num_warps": wide[2],
+                    "num_stages": wide[3], "SPLIT_K": 1}
         split = 1
         if triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < MID_M_MIN_PROGRAMS:
             split = kernel_options().nvfp4.dot_split_k_few_tiles if k >= SPLIT_K_MIN_K else 1
