@@ -93,14 +93,15 @@ DOT_MID_SWEEP = [
 ] + [
     {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": nw, "num_stages": 3, "HALVES": True,
      "SPLIT_K": 1}
-    for bm, bn, bk, nw in [(32, 128, 64, 4), (32, 128, 128, 8), (64, 128, 64, 4), (64, 64, 128, 4), (64, 128, 128, 8)]
+    for bm, bn, bk, nw in [(32, 128, 64, 4), (32, 128, 128, 8), (64, 128, 64, 4), (64, 64, 128, 4), (64, 128, 128, 8),
+                           (32, 64, 64, 4)]
 ]
 """Decode batches past 16 rows (`--decode-m 32,64`): the tiles `_dot_config` chooses from for 16 < M <= 64 since
 session 28 (32 x 64 x 128 / 64 x 32 x 256 with the halves, 16 x 32 x 256 / 64 x 16 x 256 where the wide one launches
 too few programs) and the 64 x 64 x 128 tile without the halves that was the default before (the 32-row tiles of
 32 or 16 columns lost everywhere and left the list; their figures: bench/RESULTS.md, session 28); each halves tile
 also with K split over 2 and 4 programs (`Nvfp4Options.dot_split_k`, the tile's last program summing) and in 8 warps.
-The last five (session 61): wider tiles, which read less x per weight byte (`Nvfp4Options.dot_mid_m_tile`)."""
+The last six (session 61): wider tiles, which read less x per weight byte (`Nvfp4Options.dot_mid_m_tile`)."""
 DOT_SWEEP = [
     {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": nw, "num_stages": st}
     for bm, bn, bk, nw, st in [(256, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4)]
