@@ -1,0 +1,67 @@
+"""The NVFP4 ``tl.dot`` tiles' widths by option on the GPU (`Nvfp4Options.dot_small_m_tile` at 3-16 rows,
+`dot_mid_m_tile` at 17-64): at both models' decode shapes, the launch takes the option's tile and y stays as close
+to the reference as the default tile's (bf16 x, and fp16 rows as Flash-Next takes them at these rows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ft.kernels.nvfp4 import nvfp4_linear_ref
+from ft.kernels.nvfp4 import kernel as nv
+from ft.kernels.nvfp4.kernel import dot_launch_config, nvfp4_linear_triton
+from ft.kernels.options import use_kernel_options, variant
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+SHAPES = {"in_proj_qkvz": (12288, 2048), "attn_q": (8192, 2048), "fn_qkvz": (16384, 2560), "fn_attn_qkv": (13312, 2560)}
+SMALL_TILES = [(128, 128, 4, 3), (64, 256, 4, 3), (128, 64, 4, 4)]
+MID_TILES = [(64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3)]
+
+
+def rel_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def random_nvfp4(n: int, k: int):
+    """Any code byte, block scales 2**U{-3..3}, scale_2 0.01 (as tests/gpu/test_split_k_cuda.py)."""
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=DEV)
+    scale = torch.exp2(torch.randint(-3, 4, (n, k // 16), device=DEV).float()).to(torch.float8_e4m3fn)
+    return packed, scale, torch.tensor(0.01, device=DEV)
+
+
+def check_tile(option: str, tile: tuple, shape: str, m: int, f16_rows: bool) -> None:
+    n, k = SHAPES[shape]
+    torch.manual_seed(m + n)
+    packed, scale, s2 = random_nvfp4(n, k)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    ref = nvfp4_linear_ref(x, packed, scale, s2)
+    rows = {"nvfp4.dot_f16_x_max_m": 64} if f16_rows else {}
+    with use_kernel_options(variant(**rows)):
+        plain = nvfp4_linear_triton(x, packed, scale, s2)
+    with use_kernel_options(variant(**rows, **{option: tile})):
+        cfg = dot_launch_config(x, packed)
+        y = nvfp4_linear_triton(x, packed, scale, s2)
+    if option.endswith("small_m_tile"):  # (these shapes' grids are never thin enough to split K at 16 rows)
+        taken = cfg["SPLIT_K"] == 1
+    else:  # the option gives way where its grid would be thin, as the defaults' wide tile does
+        taken = -(-m // (32 if m <= 32 else 64)) * -(-n // tile[0]) >= nv.MID_M_MIN_PROGRAMS
+    assert taken == ((cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"]) == tile)
+    assert rel_rms(y, ref) < 1e-2 and rel_rms(y, ref) < 2 * rel_rms(plain, ref) + 1e-3
+
+
+@pytest.mark.parametrize("f16_rows", [False, True], ids=["bf16-x", "fp16-rows"])
+@pytest.mark.parametrize("tile", SMALL_TILES, ids=str)
+@pytest.mark.parametrize("m", [3, 8, 16])
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_the_small_m_tile_option_at_the_decode_shapes(shape, m, tile, f16_rows):
+    check_tile("nvfp4.dot_small_m_tile", tile, shape, m, f16_rows)
+
+
+@pytest.mark.parametrize("f16_rows", [False, True], ids=["bf16-x", "fp16-rows"])
+@pytest.mark.parametrize("tile", MID_TILES, ids=str)
+@pytest.mark.parametrize("m", [17, 32, 64])
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_the_mid_m_tile_option_at_the_decode_shapes(shape, m, tile, f16_rows):
+    check_tile("nvfp4.dot_mid_m_tile", tile, shape, m, f16_rows)
