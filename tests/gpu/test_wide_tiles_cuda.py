@@ -11,6 +11,7 @@ from ft.kernels.nvfp4 import nvfp4_linear_ref
 from ft.kernels.nvfp4 import kernel as nv
 from ft.kernels.nvfp4.kernel import dot_launch_config, nvfp4_linear_triton
 from ft.kernels.options import use_kernel_options, variant
+from gpu.test_split_k_cuda import random_nvfp4, rel_rms
 
 pytestmark = pytest.mark.gpu
 
@@ -18,17 +19,6 @@ DEV = "cuda"
 SHAPES = {"in_proj_qkvz": (12288, 2048), "attn_q": (8192, 2048), "fn_qkvz": (16384, 2560), "fn_attn_qkv": (13312, 2560)}
 SMALL_TILES = [(128, 128, 4, 3), (64, 256, 4, 3), (128, 64, 4, 4)]
 MID_TILES = [(64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3)]
-
-
-def rel_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
-def random_nvfp4(n: int, k: int):
-    """Any code byte, block scales 2**U{-3..3}, scale_2 0.01 (as tests/gpu/test_split_k_cuda.py)."""
-    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=DEV)
-    scale = torch.exp2(torch.randint(-3, 4, (n, k // 16), device=DEV).float()).to(torch.float8_e4m3fn)
-    return packed, scale, torch.tensor(0.01, device=DEV)
 
 
 def check_tile(option: str, tile: tuple, shape: str, m: int, f16_rows: bool) -> None:
@@ -51,17 +41,13 @@ def check_tile(option: str, tile: tuple, shape: str, m: int, f16_rows: bool) -> 
     assert rel_rms(y, ref) < 1e-2 and rel_rms(y, ref) < 2 * rel_rms(plain, ref) + 1e-3
 
 
-@pytest.mark.parametrize("f16_rows", [False, True], ids=["bf16-x", "fp16-rows"])
-@pytest.mark.parametrize("tile", SMALL_TILES, ids=str)
-@pytest.mark.parametrize("m", [3, 8, 16])
-@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
-def test_the_small_m_tile_option_at_the_decode_shapes(shape, m, tile, f16_rows):
-    check_tile("nvfp4.dot_small_m_tile", tile, shape, m, f16_rows)
+CASES = [("nvfp4.dot_small_m_tile", tile, m) for tile in SMALL_TILES for m in (3, 8, 16)] + \
+    [("nvfp4.dot_mid_m_tile", tile, m) for tile in MID_TILES for m in (17, 32, 64)]
+"""(option, tile, rows of x): the 16-row tile's widths at 3-16 rows, the mid-M tiles' at 17-64."""
 
 
 @pytest.mark.parametrize("f16_rows", [False, True], ids=["bf16-x", "fp16-rows"])
-@pytest.mark.parametrize("tile", MID_TILES, ids=str)
-@pytest.mark.parametrize("m", [17, 32, 64])
+@pytest.mark.parametrize("option, tile, m", CASES, ids=[f"{o.split('.')[1]}-{t}-M{m}" for o, t, m in CASES])
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
-def test_the_mid_m_tile_option_at_the_decode_shapes(shape, m, tile, f16_rows):
-    check_tile("nvfp4.dot_mid_m_tile", tile, shape, m, f16_rows)
+def test_a_width_option_at_the_decode_shapes(shape, option, tile, m, f16_rows):
+    check_tile(option, tile, shape, m, f16_rows)
