@@ -164,7 +164,7 @@ def _dry_run_setup() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="also time the block configurations of sweep_configs")
-    ap.add_argument("--m", default=",".join(map(str, M_CASES)), help="rows of x, comma-separated (1..16)")
+    ap.add_argument("--m", default=",".join(map(str, M_CASES)), help="rows of x, comma-separated (the dispatcher takes the kernel up to DenseOptions.max_m; any M is timed)")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="shape names, comma-separated")
     ap.add_argument("--log", default=None)
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, shapes / 16: checks the script")

@@ -76,32 +76,25 @@ DOT_HALVES_SMALL_SWEEP = [
     {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": nw, "num_stages": st, "SPLIT_K": sk}
     for bn, bk, nw, st, sk in [(32, 256, 4, 3, 2), (32, 256, 4, 3, 4), (32, 256, 2, 3, 1), (32, 256, 8, 3, 1),
                                (32, 512, 4, 2, 1), (32, 128, 4, 4, 1), (32, 256, 4, 4, 1), (16, 256, 4, 3, 1),
-                               (16, 256, 2, 3, 1), (64, 256, 4, 3, 1), (64, 128, 4, 3, 1), (64, 256, 8, 3, 1),
-                               (64, 128, 2, 3, 1), (64, 256, 2, 3, 1), (128, 128, 4, 3, 1), (128, 64, 4, 4, 1),
-                               (128, 128, 8, 3, 1)]
+                               (16, 256, 2, 3, 1), (64, 256, 4, 3, 1), (64, 128, 4, 3, 1), (64, 256, 8, 3, 1)]
 ]
 """Decode batches of 3-16 rows on the halves (the tile `_dot_config` takes there, 16 x 32 x 256 in 4 warps and 3
-stages, against other widths, depths, warps, stages and K split over 2 or 4 programs, session 46). The widest
-(session 61): every program reads all of x once over its K loop, ~40 KB of L2 at M = 8 and K = 2,560 against ~46 KB
-of weights in a 32-column tile, so wider tiles read less x per weight byte."""
+stages, against other widths, depths, warps, stages and K split over 2 or 4 programs, session 46). Five wider tiles
+(64 and 128 columns in 2-8 warps, session 61) lost both models' steps in session 62 (alone at M = 8: up to 3% faster
+on fn_qkvz, 15-36% slower on in_proj_qkvz; bench/RESULTS.md): they left the list."""
 DOT_MID_SWEEP = [
     {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": nw, "num_stages": 3, "HALVES": hv,
      "SPLIT_K": sk}
     for bm, bn, bk, hv in [(32, 64, 128, True), (64, 32, 256, True), (16, 32, 256, True), (64, 16, 256, True),
                            (64, 64, 128, False)]
     for nw, sk in ([(4, 1), (4, 2), (4, 4), (8, 1)] if hv else [(4, 1)])
-] + [
-    {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": nw, "num_stages": 3, "HALVES": True,
-     "SPLIT_K": 1}
-    for bm, bn, bk, nw in [(32, 128, 64, 4), (32, 128, 128, 8), (64, 128, 64, 4), (64, 64, 128, 4), (64, 128, 128, 8),
-                           (32, 64, 64, 4)]
 ]
 """Decode batches past 16 rows (`--decode-m 32,64`): the tiles `_dot_config` chooses from for 16 < M <= 64 since
 session 28 (32 x 64 x 128 / 64 x 32 x 256 with the halves, 16 x 32 x 256 / 64 x 16 x 256 where the wide one launches
 too few programs) and the 64 x 64 x 128 tile without the halves that was the default before (the 32-row tiles of
 32 or 16 columns lost everywhere and left the list; their figures: bench/RESULTS.md, session 28); each halves tile
 also with K split over 2 and 4 programs (`Nvfp4Options.dot_split_k`, the tile's last program summing) and in 8 warps.
-The last six (session 61): wider tiles, which read less x per weight byte (`Nvfp4Options.dot_mid_m_tile`)."""
+Six wider tiles (64 and 128 columns, session 61) lost alone and in the 80B's step (session 62): they left the list."""
 DOT_SWEEP = [
     {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": nw, "num_stages": st}
     for bm, bn, bk, nw, st in [(256, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4)]

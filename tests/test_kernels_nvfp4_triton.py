@@ -211,48 +211,6 @@ def test_dot_halves_match_ref(m):
     assert _rel_rms(halves, ref) < TOL[torch.float16] and _rel_rms(whole, ref) < TOL[torch.float16]
 
 
-@pytest.mark.parametrize("m", [3, 8])
-def test_the_small_m_tile_option_takes_a_wider_tile(m):
-    """`Nvfp4Options.dot_small_m_tile` (BLOCK_N, BLOCK_K, warps, stages): the 16-row tile's launch takes it where K
-    is not split (its warps kept past one wave), the reference's result in fp16; None keeps 16 x 32 x 256."""
-    from ft.kernels.nvfp4.kernel import dot_launch_config
-    from ft.kernels.options import use_kernel_options, variant
-
-    gen = torch.Generator().manual_seed(71 + m)
-    packed, scale, scale_2 = _weight(200, 512, gen)
-    x = torch.randn(m, 512, generator=gen).to(torch.float16)
-    ref = nvfp4_linear_ref(x, packed, scale, scale_2)
-    assert (dot_launch_config(x, packed)["BLOCK_N"], dot_launch_config(x, packed)["BLOCK_K"]) == (32, 256)
-    with use_kernel_options(variant(**{"nvfp4.dot_small_m_tile": (128, 128, 4, 3)})):
-        cfg = dot_launch_config(x, packed)
-        y = nvfp4_linear_triton(x, packed, scale, scale_2, path="dot")
-    assert (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"], cfg["HALVES"]) == (128, 128, 4, 3, True)
-    assert _rel_rms(y, ref) < TOL[torch.float16]
-
-
-@pytest.mark.parametrize("m", [24, 40])
-def test_the_mid_m_tile_option_takes_a_wider_tile(m):
-    """`Nvfp4Options.dot_mid_m_tile` (BLOCK_N, BLOCK_K, warps, stages) at 16 < M <= 64: taken where its grid is not
-    thin (the launch's tile, the reference's result in fp16), the defaults' rule where it is."""
-    from ft.kernels.nvfp4 import kernel as nv
-    from ft.kernels.options import use_kernel_options, variant
-
-    gen = torch.Generator().manual_seed(81 + m)
-    packed, scale, scale_2 = _weight(256, 512, gen)
-    x = torch.randn(m, 512, generator=gen).to(torch.float16)
-    ref = nvfp4_linear_ref(x, packed, scale, scale_2)
-    default = nv.dot_launch_config(x, packed)
-    with use_kernel_options(variant(**{"nvfp4.dot_mid_m_tile": (128, 64, 4, 3)})):
-        assert nv.dot_launch_config(x, packed) == default  # 2 programs: a thin grid keeps the defaults' tile
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(nv, "MID_M_MIN_PROGRAMS", 2)
-            cfg = nv.dot_launch_config(x, packed)
-            y = nvfp4_linear_triton(x, packed, scale, scale_2, path="dot")
-    assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["HALVES"]) == \
-        (32 if m <= 32 else 64, 128, 64, 4, True)
-    assert _rel_rms(y, ref) < TOL[torch.float16]
-
-
 @pytest.mark.parametrize("m, tile", [(24, (32, 64, 128)), (24, (16, 32, 256)), (40, (64, 32, 256)), (40, (64, 16, 256))],
                          ids=["M24-32x64x128", "M24-16x32x256", "M40-64x32x256", "M40-64x16x256"])
 def test_mid_m_tiles_match_ref(m, tile):

@@ -8,7 +8,8 @@ inside `use_kernel_options(...)`, which puts the previous options back on exit. 
 only with a measured reason (bench/RESULTS.md); one that loses its measurement is deleted here and
 in its kernel, its figures kept in RESULTS.md.
 
-Operations covered so far: the NVFP4 GEMV / tile decode (`Nvfp4Options`), the Triton MoE's grouped
+Operations covered so far: the NVFP4 GEMV / tile decode (`Nvfp4Options`), the dense skinny GEMM's reach
+(`DenseOptions`), the Triton MoE's grouped
 prefill (`MoeOptions`), Gated DeltaNet's chunked prefill (`GatedDeltaOptions`), prefill attention's
 paths on CUDA (`PrefillAttentionOptions`), the paged decode attention's launch choices
 (`DecodeAttentionOptions`), the HyperConnection read (`HyperConnectionOptions`), QSA's prefill
@@ -23,7 +24,7 @@ import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["Conv1dOptions", "DecodeAttentionOptions", "GatedDeltaOptions", "HyperConnectionOptions", "KernelOptions", "LaunchOptions", "MoeOptions", "Nvfp4Options",
+__all__ = ["Conv1dOptions", "DecodeAttentionOptions", "DenseOptions", "GatedDeltaOptions", "HyperConnectionOptions", "KernelOptions", "LaunchOptions", "MoeOptions", "Nvfp4Options",
            "PrefillAttentionOptions", "QsaOptions", "VARIANTS", "kernel_options", "model_defaults", "set_kernel_options",
            "use_kernel_options", "variant"]
 
@@ -96,18 +97,7 @@ class Nvfp4Options:
     49, batch 8 910.7 / 908.6 -> 942.8 / 937.7 tok/s (+3.3%), with the two-tile down tile
     (`MoeOptions.decode_down_two_tiles`) 909.8 -> 959.0 (+5.4%); at 64 rows against 16, session 50, batch 32
     1,498.5 / 1,500.2 -> 1,531.5 (+2.1%), batch 48 1,641.8 / 1,639.0 -> 1,644.9 (a tie). Variant
-    "nvfp4-dot-bf16-x" (0: off).
-    dot_small_m_tile: (BLOCK_N, BLOCK_K, warps, stages) of the 16-row tile (M <= 16) where K is not split; None (the
-    default): 16 x 32 x 256 in 4 warps and 3 stages (2 warps past one wave). Every program reads all of x once over
-    its K loop (~40 KB of L2 at M = 8 and K = 2,560, against ~46 KB of weights in 32 columns), so wider tiles read
-    less x per weight byte; sm_90 SASS (session 61): 128 x 128 in 4 warps 3.7 instructions an element at 140
-    registers, the default 5.25 at 140. Written for the device's A/B (`bench/decode.py --define`), not measured.
-    dot_mid_m_tile: (BLOCK_N, BLOCK_K, warps, stages) of the tiles at 16 < M <= 64 (32 or 64 rows) where their grid
-    holds at least `kernel.MID_M_MIN_PROGRAMS` programs; None (the default): 32 x 64 x 128 / 64 x 32 x 256 in 4 warps
-    (narrower, or K split, on a thin grid). There x outweighs the weights a program reads (at 64 rows and 32 columns
-    32 KB of x a K step against 4 KB of weights); sm_90 SASS (session 61, bf16 x): the default 64 x 32 x 256 10.2
-    instructions an element, 64 x 128 x 64 in 4 warps 7.8 (167 registers), 32 x 128 x 64 8.0 (149). Written for
-    the device's A/B, not measured."""
+    "nvfp4-dot-bf16-x" (0: off)."""
 
     small_m_whole_k: bool = True
     dot_halves: bool = True
@@ -118,8 +108,21 @@ class Nvfp4Options:
     dot_split_k_small_m: int = 4
     dot_small_m_past_wave_warps: int = 2
     dot_f16_x_max_m: int | None = None
-    dot_small_m_tile: tuple | None = None
-    dot_mid_m_tile: tuple | None = None
+
+
+@dataclass(frozen=True)
+class DenseOptions:
+    """The dense skinny GEMM of the decode step's small bf16 projections (`ft.kernels.dense`: the router with the
+    shared expert's gate, 513 x 2,048 on the 80B; in_proj_ba).
+
+    max_m: rows of x up to which the dispatcher runs the Triton kernel (F.linear, cuBLAS, above). 16 since
+    session 13 (bench/dense_gemv.py at 1 and 8 rows, H200: the router with the shared gate 3.78 us against
+    cuBLAS's 10.48 at 8). At 64 rows cuBLAS takes a split-K GEMM and its reduce for the router, 9.3 + 2.1 us a
+    layer on the H100 (session 62's profile of the 80B's batch-64 step: 0.55 ms of its 22.6); variant
+    "dense-to-64" runs the kernel up to 64 rows (the kernel takes any M: more programs along M, each reading its
+    W rows again from L2)."""
+
+    max_m: int = 16
 
 
 @dataclass(frozen=True)
@@ -443,6 +446,7 @@ class KernelOptions:
     """Every operation's options; `kernel_options()` is the one in force."""
 
     nvfp4: Nvfp4Options = field(default_factory=Nvfp4Options)
+    dense: DenseOptions = field(default_factory=DenseOptions)
     moe: MoeOptions = field(default_factory=MoeOptions)
     gated_delta: GatedDeltaOptions = field(default_factory=GatedDeltaOptions)
     conv1d: Conv1dOptions = field(default_factory=Conv1dOptions)
@@ -486,6 +490,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "nvfp4-dot-no-split-k-small-m": {"nvfp4.dot_split_k_small_m": 1},
     "nvfp4-dot-interleaved": {"nvfp4.dot_halves": False},  # bench/decode.py --no-dot-halves
     "nvfp4-dot-small-m-4-warps": {"nvfp4.dot_small_m_past_wave_warps": 4},  # bench/decode.py --modes
+    "dense-to-64": {"dense.max_m": 64},  # bench/dense_gemv.py --m 32,64, bench/decode.py --modes --batches 32,64
     "moe-bytes": {"moe.grouped_words": False},  # bench/moe_prefill.py, bench/prefill.py
     "moe-grouped-tiles-first": {"moe.grouped_columns_first": False, "moe.grouped_h_sorted": False},  # the same
     "moe-grouped-h-by-pair": {"moe.grouped_h_sorted": False},  # the same

@@ -47,7 +47,7 @@ Reference paths (cuda; lines returned for the startup summary):
     moe_intermediate_size is not a power of two 16..8192 (K / 8 up to WHOLE_K_MAX_WORDS words in one
     tile): `moe_decode_triton` raises for the host store, so the engine loads missing experts before
     each step instead (`read_through_refusal`).
-Not rules: the dense GEMV's MAX_M / MAX_N / K % 16 (past them cuBLAS runs, as fast); GQA groups in
+Not rules: the dense GEMV's `DenseOptions.max_m` / MAX_N / K % 16 (past them cuBLAS runs, as fast); GQA groups in
 decode attention (measured to 256 at head_dim 256); the gated delta decode kernel's Dv (any, in blocks).
 """
 

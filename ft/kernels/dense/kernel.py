@@ -60,10 +60,7 @@ import triton.language as tl
 
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
-__all__ = ["MAX_M", "default_config", "dense_linear_triton", "gemv_block", "k_tiling"]
-
-MAX_M = 16
-"""Rows of x up to which the dispatcher runs this kernel (decode batch sizes); F.linear above."""
+__all__ = ["default_config", "dense_linear_triton", "gemv_block", "k_tiling"]
 
 TILE_BYTES = 4096
 """Largest K tile of one W row, in bytes: K = 2048 in bf16/fp16 (1024 in fp32) in one tile."""
@@ -185,7 +182,8 @@ def dense_linear_triton(
     w must be a weight that no kernel before this one in the stream writes (with PDL it is read
     before the launch waits for that kernel).
 
-    fp32 products and sums, one rounding to x's dtype. Any M, N, K >= 0 (meant for M <= `MAX_M`);
+    fp32 products and sums, one rounding to x's dtype. Any M, N, K >= 0 (meant for a decode batch's rows:
+    the dispatcher's `DenseOptions.max_m`);
     x and w are made contiguous along K if they are not (a copy); any row strides.
 
     Args:

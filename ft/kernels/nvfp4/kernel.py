@@ -361,10 +361,6 @@ def _dot_config(m: int, n: int, k: int) -> dict:
         split = 1  # (Nvfp4Options.dot_split_k_small_m: K split where the tile's grid is thin and K long)
         if triton.cdiv(n, 32) < MID_M_MIN_PROGRAMS and k >= SPLIT_K_MIN_K:
             split = kernel_options().nvfp4.dot_split_k_small_m
-        tile = kernel_options().nvfp4.dot_small_m_tile
-        if tile and split == 1:  # `Nvfp4Options.dot_small_m_tile`: (BLOCK_N, BLOCK_K, warps, stages)
-            return {"BLOCK_M": 16, "BLOCK_N": tile[0], "BLOCK_K": tile[1], "GROUP_M": 1, "num_warps": tile[2],
-                    "num_stages": tile[3], "SPLIT_K": 1}
         return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 3,
                 "SPLIT_K": split}
     # Session 44 (the sweep with K split over programs): out_proj 2,048 x 4,096 at M = 32 12.46 us (the narrow
@@ -373,11 +369,6 @@ def _dot_config(m: int, n: int, k: int) -> dict:
     # at M = 64: 24.21 -> 28.96 / 36.52) but for in_proj_qkvz at M = 32 (21.45 -> 18.26 in 2), left alone here.
     if m <= 64:
         block_m, block_n, block_k = (32, 64, 128) if m <= 32 else (64, 32, 256)
-        wide = kernel_options().nvfp4.dot_mid_m_tile
-        if wide and triton.cdiv(m, block_m) * triton.cdiv(n, wide[0]) >= MID_M_MIN_PROGRAMS:
-            # `Nvfp4Options.dot_mid_m_tile`: (BLOCK_N, BLOCK_K, warps, stages) where its grid is not thin
-            return {"BLOCK_M": block_m, "BLOCK_N": wide[0], "BLOCK_K": wide[1], "GROUP_M": 1, "num_warps": wide[2],
-                    "num_stages": wide[3], "SPLIT_K": 1}
         split = 1
         if triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < MID_M_MIN_PROGRAMS:
             split = kernel_options().nvfp4.dot_split_k_few_tiles if k >= SPLIT_K_MIN_K else 1
@@ -396,7 +387,7 @@ def dot_launch_config(x: torch.Tensor, packed: torch.Tensor, config: dict | None
     tile's warps past one wave (`SMALL_M_WAVE_PROGRAMS_PER_SM`, by the device's SM count)."""
     (m, k), n = x.shape, packed.shape[0]
     cfg = dict(config or _dot_config(m, n, k))
-    if config is None and m <= 16 and cfg.get("SPLIT_K", 1) == 1 and not kernel_options().nvfp4.dot_small_m_tile and \
+    if config is None and m <= 16 and cfg.get("SPLIT_K", 1) == 1 and \
             triton.cdiv(n, cfg["BLOCK_N"]) > SMALL_M_WAVE_PROGRAMS_PER_SM * sm_count(x.device) > 0:
         cfg["num_warps"] = kernel_options().nvfp4.dot_small_m_past_wave_warps  # (`SMALL_M_WAVE_PROGRAMS_PER_SM`)
     want = cfg.get("SPLIT_K", 1)  # (`_dot_config`'s, from the options at M <= 64)
