@@ -166,14 +166,14 @@ def test_dispatcher_runs_the_kernel(monkeypatch, m, dtype):
 
 @pytest.mark.parametrize("m", [17, 64])
 def test_dispatcher_takes_up_to_the_option_s_rows(monkeypatch, m):
-    """`DenseOptions.max_m`: past 16 rows F.linear by default; with variant "dense-to-64" the kernel, whose rows
-    equal the same rows computed alone (a row's sum order does not follow M), and F.linear again past 64."""
+    """`DenseOptions.max_m`: past 16 rows F.linear by default; with 64 the kernel, whose rows equal the same rows
+    computed alone (a row's sum order does not follow M), and F.linear again past 64."""
     from ft.kernels.options import use_kernel_options, variant
 
     calls = _spy(monkeypatch)
     x, w = _inputs(m, 24, 64, torch.float16, seed=5)
     assert not uses_dense_kernel(x, w)
-    with use_kernel_options(variant("dense-to-64")):
+    with use_kernel_options(variant(**{"dense.max_m": 64})):
         assert uses_dense_kernel(x, w) and not uses_dense_kernel(torch.randn(65, 64).half(), w)
         y = dense_linear(x, w)
     assert calls and torch.equal(y[-3:], dense_linear_triton(x[-3:], w))

@@ -115,12 +115,15 @@ class DenseOptions:
     """The dense skinny GEMM of the decode step's small bf16 projections (`ft.kernels.dense`: the router with the
     shared expert's gate, 513 x 2,048 on the 80B; in_proj_ba).
 
-    max_m: rows of x up to which the dispatcher runs the Triton kernel (F.linear, cuBLAS, above). 16 since
-    session 13 (bench/dense_gemv.py at 1 and 8 rows, H200: the router with the shared gate 3.78 us against
-    cuBLAS's 10.48 at 8). At 64 rows cuBLAS takes a split-K GEMM and its reduce for the router, 9.3 + 2.1 us a
-    layer on the H100 (session 62's profile of the 80B's batch-64 step: 0.55 ms of its 22.6); variant
-    "dense-to-64" runs the kernel up to 64 rows (the kernel takes any M: more programs along M, each reading its
-    W rows again from L2)."""
+    max_m: rows of x up to which the dispatcher runs the Triton kernel (F.linear, cuBLAS, above). 16 since the
+    kernel came (2026-11-30, bench/dense_gemv.py at 1 and 8 rows: the router with the shared gate 3.78 us against
+    cuBLAS's 10.48 at 8). Past 16 rows cuBLAS takes a split-K GEMM and its reduce for the router (the 80B's batch-64
+    step, H100, session 62: 9.3 + 2.1 us a layer, 0.55 ms of 22.6). The kernel there, alone (H100, us, kernel /
+    cuBLAS): the 80B's router 513 x 2,048 at 32 rows 5.93 / 10.26, at 64 9.65 / 11.51; Flash-Next's 513 x 2,560 at
+    32 10.60 / 13.10, at 64 16.22 / 14.65. In the 80B's step with 64 (bench/decode.py --replay-span 40, two rounds,
+    ms a replay): batch 32 13.210 / 13.209 against 13.214 / 13.462, batch 64 23.002 / 22.975 against 22.794 / 22.864:
+    inside the rounds' spread at 32, a loss at 64, so the bound stays (its variant deleted; `--define
+    r='{"dense.max_m": 32}'` makes one)."""
 
     max_m: int = 16
 
@@ -490,7 +493,6 @@ VARIANTS: dict[str, dict[str, object]] = {
     "nvfp4-dot-no-split-k-small-m": {"nvfp4.dot_split_k_small_m": 1},
     "nvfp4-dot-interleaved": {"nvfp4.dot_halves": False},  # bench/decode.py --no-dot-halves
     "nvfp4-dot-small-m-4-warps": {"nvfp4.dot_small_m_past_wave_warps": 4},  # bench/decode.py --modes
-    "dense-to-64": {"dense.max_m": 64},  # bench/dense_gemv.py --m 32,64, bench/decode.py --modes --batches 32,64
     "moe-bytes": {"moe.grouped_words": False},  # bench/moe_prefill.py, bench/prefill.py
     "moe-grouped-tiles-first": {"moe.grouped_columns_first": False, "moe.grouped_h_sorted": False},  # the same
     "moe-grouped-h-by-pair": {"moe.grouped_h_sorted": False},  # the same

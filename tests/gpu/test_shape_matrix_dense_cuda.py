@@ -217,7 +217,7 @@ DENSE_CASES = [
 96), routers (256, 512; Flash-Next's 513 with the shared gate); K in one tile (up to 4 KB a row), in several
 (4096: two bf16 tiles, four fp32 ones), with a last tile of its own (2560 in bf16: 2048 + 512, Flash-Next's
 router and in_proj_ba) and with a masked last one (2096: 2048 + 48; the dispatcher takes K in multiples of 16); batches 1 to 16 take the kernel, 64 F.linear (above the
-dispatcher's `DenseOptions.max_m`, 16; variant "dense-to-64" takes it to the kernel)."""
+dispatcher's `DenseOptions.max_m`, 16)."""
 
 
 @pytest.mark.parametrize(("m", "n", "k", "dtype"), DENSE_CASES,

@@ -24,7 +24,7 @@ def uses_dense_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `dense_linear` runs the Triton kernel for x and w (else F.linear).
 
     The kernel runs where `uses_triton` says so, for w with at most `MAX_N` rows, x [M, K] with
-    1 <= M <= `DenseOptions.max_m` (16; variant "dense-to-64": 64) and unit stride along K (any row stride), w [N, K] with contiguous rows (unit stride along K), x and w of one
+    1 <= M <= `DenseOptions.max_m` (16) and unit stride along K (any row stride), w [N, K] with contiguous rows (unit stride along K), x and w of one
     dtype among fp32, bf16, fp16 on one device, and K a positive multiple of 16.
     """
     if x.dim() != 2 or w.dim() != 2 or x.dtype != w.dtype or x.dtype not in TRITON_DTYPES:
