@@ -233,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             log = out / f"{row.name}.log"
             print(f"== {row.name}: {shlex.join(cmd)}", flush=True)
             t0 = time.monotonic()
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
-                   "PYTHONUNBUFFERED": "1"}
+            path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+            env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
             with log.open("w") as f:
                 rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
             took = time.monotonic() - t0

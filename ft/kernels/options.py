@@ -24,7 +24,8 @@ import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["Conv1dOptions", "DecodeAttentionOptions", "DenseOptions", "GatedDeltaOptions", "HyperConnectionOptions", "KernelOptions", "LaunchOptions", "MoeOptions", "Nvfp4Options",
+__all__ = ["Conv1dOptions", "DecodeAttentionOptions", "DenseOptions", "GatedDeltaOptions", "HyperConnectionOptions",
+           "KernelOptions", "LaunchOptions", "MoeOptions", "Nvfp4Options",
            "PrefillAttentionOptions", "QsaOptions", "VARIANTS", "kernel_options", "model_defaults", "set_kernel_options",
            "use_kernel_options", "variant"]
 
@@ -97,7 +98,9 @@ class Nvfp4Options:
     49, batch 8 910.7 / 908.6 -> 942.8 / 937.7 tok/s (+3.3%), with the two-tile down tile
     (`MoeOptions.decode_down_two_tiles`) 909.8 -> 959.0 (+5.4%); at 64 rows against 16, session 50, batch 32
     1,498.5 / 1,500.2 -> 1,531.5 (+2.1%), batch 48 1,641.8 / 1,639.0 -> 1,644.9 (a tie). Variant
-    "nvfp4-dot-bf16-x" (0: off)."""
+    "nvfp4-dot-bf16-x" (0: off).
+    (Wider tiles at 3-64 rows, 64 and 128 columns by option, which read less x per weight byte, lost 1.5-4% of
+    both models' steps on the H100 in session 62; the options were deleted, commit c1910ec holds them.)"""
 
     small_m_whole_k: bool = True
     dot_halves: bool = True

@@ -1,6 +1,6 @@
 """Dense linear y = x @ W^T at decode batch sizes: `reference.py` (torch), `kernel.py` (a Triton
-skinny GEMM, one launch, for up to `DenseOptions.max_m` rows of x) and this dispatcher, which runs the kernel where
-it applies and ``torch.nn.functional.linear`` (cuBLAS) everywhere else.
+skinny GEMM, one launch, for up to `DenseOptions.max_m` rows of x) and this dispatcher, which runs
+the kernel where it applies and ``torch.nn.functional.linear`` (cuBLAS) everywhere else.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ def uses_dense_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `dense_linear` runs the Triton kernel for x and w (else F.linear).
 
     The kernel runs where `uses_triton` says so, for w with at most `MAX_N` rows, x [M, K] with
-    1 <= M <= `DenseOptions.max_m` (16) and unit stride along K (any row stride), w [N, K] with contiguous rows (unit stride along K), x and w of one
-    dtype among fp32, bf16, fp16 on one device, and K a positive multiple of 16.
+    1 <= M <= `DenseOptions.max_m` (16) and unit stride along K (any row stride), w [N, K] with contiguous
+    rows (unit stride along K), x and w of one dtype among fp32, bf16, fp16 on one device, and K a positive
+    multiple of 16.
     """
     if x.dim() != 2 or w.dim() != 2 or x.dtype != w.dtype or x.dtype not in TRITON_DTYPES:
         return False
