@@ -99,6 +99,12 @@ class Nvfp4Options:
     (`MoeOptions.decode_down_two_tiles`) 909.8 -> 959.0 (+5.4%); at 64 rows against 16, session 50, batch 32
     1,498.5 / 1,500.2 -> 1,531.5 (+2.1%), batch 48 1,641.8 / 1,639.0 -> 1,644.9 (a tie). Variant
     "nvfp4-dot-bf16-x" (0: off).
+    dot_f16_scales: with the fp16 rows above, the tile's block scales are made fp16 once per scale byte before
+    they spread over their 8 code bytes (`decode.e2m1_halves_f16_scaled_f16s`), instead of each code word's
+    PTX converting its bytes' scales (`e2m1_halves_f16_scaled`): the same values, the same bits. sm_90 SASS of
+    the K step (session 63, triton 3.6's compiler on the CPU): Flash-Next's in_proj_qkvz at M = 8 in 2 warps
+    547 -> 496 instructions (F2FP 96 -> 72, PRMT 96 -> 64; 188 -> 180 registers). Not yet timed on a device:
+    off (variant "nvfp4-dot-f16-scales" turns it on).
     (Wider tiles at 3-64 rows, 64 and 128 columns by option, which read less x per weight byte, lost 1.5-4% of
     both models' steps on the H100 in session 62; the options were deleted, commit c1910ec holds them.)"""
 
@@ -111,6 +117,7 @@ class Nvfp4Options:
     dot_split_k_small_m: int = 4
     dot_small_m_past_wave_warps: int = 2
     dot_f16_x_max_m: int | None = None
+    dot_f16_scales: bool = False
 
 
 @dataclass(frozen=True)
@@ -508,6 +515,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "moe-decode-two-tiles-table": {"moe.decode_gate_up_two_tiles": None},  # the same, bench/moe_decode.py --variants
     "moe-decode-down-4-warps": {"moe.decode_down_warps": 4},  # the same
     "nvfp4-dot-bf16-x": {"nvfp4.dot_f16_x_max_m": 0},  # bench/decode.py --modes (over a model's choice)
+    "nvfp4-dot-f16-scales": {"nvfp4.dot_f16_scales": True},  # bench/decode.py --modes, bench/kernels_nvfp4.py
     "moe-decode-down-two-tiles-table": {"moe.decode_down_two_tiles": None},  # the same
     "attention-nvfp4-f16": {"decode_attention.nvfp4_prmt": False},  # bench/decode.py --no-prmt, decode_attention.py
     "hc-read-cublas": {"hyper_connection.fused_read_max_tokens": 0},  # bench/hc_read.py, bench/decode.py --modes

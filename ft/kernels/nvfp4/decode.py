@@ -384,6 +384,18 @@ def _cvt_ptx() -> str:
 _E2M1_CVT_PTX = tl.constexpr(_cvt_ptx())
 
 
+def _cvt_f16_scales_ptx() -> str:
+    """`_cvt_ptx` with the block scales already fp16 pairs ($5: elements 0 and 1, $6: 2 and 3): no conversion
+    of the scales here."""
+    return "\n{\n" + _cvt_ptx().split("\n{\n", 1)[1].replace("cvt.rn.f16x2.e4m3x2 c01, sa;\ncvt.rn.f16x2.e4m3x2 c23, sb;\n", "") \
+        .replace(".reg .b32 e, f, t, c01, c23;\n.reg .b16 sa, sb, e0, e1;\nmov.b32 {sa, sb}, $5;\n",
+                 ".reg .b32 e, f, t;\n.reg .b16 e0, e1;\n").replace("c01", "$5").replace("c23", "$6") \
+        .replace("$5;", "$5;").replace("$0, t, $5", "$0, t, $5")
+
+
+_E2M1_CVT_F16_SCALES_PTX = tl.constexpr(_cvt_f16_scales_ptx())
+
+
 @triton.jit
 def e2m1_halves_f16_scaled(b_w, b_s, ASM: tl.constexpr):
     """`e2m1_halves_f16` times 2**-6 (`HALVES_SCALED_EXPONENT`): (low nibble x scale, high nibble x
@@ -399,3 +411,17 @@ def e2m1_halves_f16_scaled(b_w, b_s, ASM: tl.constexpr):
         lo = (e2m1_lo(b_w) * sc).to(tl.float16)
         hi = (e2m1_hi(b_w) * sc).to(tl.float16)
     return lo, hi
+
+
+@triton.jit
+def e2m1_halves_f16_scaled_f16s(b_w, b_sf, ASM: tl.constexpr):
+    """`e2m1_halves_f16_scaled` with the block scales as fp16 values b_sf (each byte's E4M3 scale, exact)."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(_E2M1_CVT_F16_SCALES_PTX, "=r,=r,=r,=r,r,r,r", [b_w, b_sf],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        sc = b_sf.to(tl.float32)
+        lo = (e2m1_lo(b_w) * sc).to(tl.float16)
+        hi = (e2m1_hi(b_w) * sc).to(tl.float16)
+    return lo, hi
+

@@ -56,7 +56,7 @@ from ft.kernels.options import kernel_options
 from ft.kernels.tickets import ticket_counters
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
 from ft.kernels.nvfp4.decode import (HALVES_SCALED_EXPONENT, e4m3_f32, dequant_tile, e2m1_halves_bf16, e2m1_halves_f16,
-                                    e2m1_halves_f16_scaled)
+                                    e2m1_halves_f16_scaled, e2m1_halves_f16_scaled_f16s)
 from ft.kernels.nvfp4.f16_rows import f16_rows
 from ft.kernels.nvfp4.rows import (dot_whole_k, load_whole_k, whole_k_row, whole_k_tile, x_lanes, nvfp4_rows_dot,
                                    rows_dot_whole_k)
@@ -153,7 +153,7 @@ def _interleaved_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_
 
 @triton.jit
 def _halves_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, stride_sn, k, BLOCK_K: tl.constexpr,
-                 PRECISION: tl.constexpr, ASM: tl.constexpr, F16X: tl.constexpr = False):
+                 PRECISION: tl.constexpr, ASM: tl.constexpr, F16X: tl.constexpr = False, F16S: tl.constexpr = False):
     """One K step of `_nvfp4_dot_kernel`'s HALVES form: acc [BLOCK_M, BLOCK_N] fp32 plus x[:, k:k+BLOCK_K]
     times the weight rows o_n's elements there, as x's even columns against the low nibbles and its
     odd columns against the high nibbles, decoded straight to x's dtype (`e2m1_halves_bf16` /
@@ -176,6 +176,9 @@ def _halves_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, s
     if dt == tl.bfloat16:
         b_sc = tl.reshape(tl.broadcast_to(e4m3_f32(b_sb).to(tl.bfloat16)[:, :, None], (R, G, 8)), (R, HK))  # byte j: j // 8
         lo, hi = e2m1_halves_bf16(b_w, b_sc, ASM)
+    elif F16X and F16S:
+        b_sf = b_sb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        lo, hi = e2m1_halves_f16_scaled_f16s(b_w, tl.reshape(tl.broadcast_to(b_sf[:, :, None], (R, G, 8)), (R, HK)), ASM)
     elif F16X:
         lo, hi = e2m1_halves_f16_scaled(b_w, tl.reshape(tl.broadcast_to(b_sb[:, :, None], (R, G, 8)), (R, HK)), ASM)
     else:
@@ -229,7 +232,7 @@ def _nvfp4_dot_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, SWAP_AB: tl.constexpr = False, EVEN_K: tl.constexpr = False,
     HALVES: tl.constexpr = False, ASM: tl.constexpr = False, PDL: tl.constexpr = False,
-    SPLIT_K: tl.constexpr = 1, p_xs=None, F16X: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1, p_xs=None, F16X: tl.constexpr = False, F16S: tl.constexpr = False,
 ):
     pdl_wait(PDL)  # (`ft.kernels.pdl`: before any load; the K loop streams weights and x together)
     pdl_release(PDL)
@@ -265,7 +268,7 @@ def _nvfp4_dot_kernel(
     for k in range(0, k_len, BLOCK_K):
         if HALVES:
             acc = _halves_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, stride_sn, k, BLOCK_K,
-                               PRECISION, ASM, F16X)
+                               PRECISION, ASM, F16X, F16S)
         else:
             acc = _interleaved_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, stride_sn, k,
                                     k_len, BLOCK_N, BLOCK_K, PRECISION, SWAP_AB, EVEN_K)
@@ -477,6 +480,7 @@ def nvfp4_linear_triton(
         if f16_rows_take(x, cfg):
             x, xs = f16_rows(x)  # (y keeps the caller's dtype)
             cfg["F16X"] = True
+            cfg["F16S"] = bool(cfg.get("F16S", kernel_options().nvfp4.dot_f16_scales))
         _nvfp4_dot_kernel[(tiles, splits)](
             x, packed, scale_u8, s2, y, m, n, k, x.stride(0), packed.stride(0), scale_u8.stride(0), y.stride(0),
             part, count, k_split, PRECISION=precision, p_xs=xs, **cfg, **pdl_args(x.device))
