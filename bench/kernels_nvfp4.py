@@ -430,9 +430,21 @@ def main() -> None:
                     help=f"the NVFP4 kernel module's file in REV (default: the first of {BASELINE_PATHS['nvfp4']} there)")
     ap.add_argument("--baseline-moe", default=None, metavar="PATH",
                     help=f"the MoE kernel module's file in REV (default: the first of {BASELINE_PATHS['moe']} there)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME",
+                    help="a named kernel variant in force for the whole run (ft.kernels.options.VARIANTS); repeatable")
+    ap.add_argument("--model-defaults", choices=["flash-next"], default=None,
+                    help="the kernel options a model chooses in force too (flash-next: its fp16 rows on the tiles)")
     args = ap.parse_args()
     if args.dry_run:
         _dry_run_setup()
+    from ft.kernels.options import set_kernel_options, variant
+
+    model = {}
+    if args.model_defaults == "flash-next":
+        from ft.model.qwen3_8_flash_next import FlashNextModel
+
+        model = dict(FlashNextModel.kernel_defaults)
+    set_kernel_options(variant(*args.variant, **model))  # (before any launch; unknown names fail here)
     base = None
     if args.baseline_rev:
         base = load_baseline(args.baseline_rev, {"nvfp4": args.baseline_nvfp4, "moe": args.baseline_moe})
@@ -443,7 +455,8 @@ def main() -> None:
         if log:
             print(*a, file=log, flush=True)
 
-    say(DEV, torch.cuda.get_device_name() if DEV.type == "cuda" else "", torch.__version__, triton.__version__)
+    say(DEV, torch.cuda.get_device_name() if DEV.type == "cuda" else "", torch.__version__, triton.__version__,
+        "variants:", args.variant or "none", "model defaults:", args.model_defaults or "none")
     if base:
         say("before:", args.baseline_rev, {name: m.__file__ for name, m in base.items()})
     torch.manual_seed(0)

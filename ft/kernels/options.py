@@ -105,6 +105,12 @@ class Nvfp4Options:
     the K step (session 63, triton 3.6's compiler on the CPU): Flash-Next's in_proj_qkvz at M = 8 in 2 warps
     547 -> 496 instructions (F2FP 96 -> 72, PRMT 96 -> 64; 188 -> 180 registers). Not yet timed on a device:
     off (variant "nvfp4-dot-f16-scales" turns it on).
+    dot_prefetch_l2: every program of the ``tl.dot`` tiles first asks L2 for its weight rows and their scales over
+    its whole K (one ``cp.async.bulk.prefetch.L2`` a row, sm_90, before its PDL wait: no kernel of a step writes
+    weights), so that the whole tile's bytes are in flight from its start and its K loop, whose loads the
+    pipeline issues a few steps ahead, waits on L2 instead of HBM (the 16-row tile at Flash-Next's in_proj_qkvz
+    ran at ~1.07 TB/s, latency-bound: 3.9 programs an SM). The same bits. Not yet timed on a device: off
+    (variant "nvfp4-dot-prefetch-l2" turns it on).
     (Wider tiles at 3-64 rows, 64 and 128 columns by option, which read less x per weight byte, lost 1.5-4% of
     both models' steps on the H100 in session 62; the options were deleted, commit c1910ec holds them.)"""
 
@@ -118,6 +124,7 @@ class Nvfp4Options:
     dot_small_m_past_wave_warps: int = 2
     dot_f16_x_max_m: int | None = None
     dot_f16_scales: bool = False
+    dot_prefetch_l2: bool = False
 
 
 @dataclass(frozen=True)
@@ -515,7 +522,8 @@ VARIANTS: dict[str, dict[str, object]] = {
     "moe-decode-two-tiles-table": {"moe.decode_gate_up_two_tiles": None},  # the same, bench/moe_decode.py --variants
     "moe-decode-down-4-warps": {"moe.decode_down_warps": 4},  # the same
     "nvfp4-dot-bf16-x": {"nvfp4.dot_f16_x_max_m": 0},  # bench/decode.py --modes (over a model's choice)
-    "nvfp4-dot-f16-scales": {"nvfp4.dot_f16_scales": True},  # bench/decode.py --modes, bench/kernels_nvfp4.py
+    "nvfp4-dot-f16-scales": {"nvfp4.dot_f16_scales": True},  # bench/decode.py --modes
+    "nvfp4-dot-prefetch-l2": {"nvfp4.dot_prefetch_l2": True},  # the same
     "moe-decode-down-two-tiles-table": {"moe.decode_down_two_tiles": None},  # the same
     "attention-nvfp4-f16": {"decode_attention.nvfp4_prmt": False},  # bench/decode.py --no-prmt, decode_attention.py
     "hc-read-cublas": {"hyper_connection.fused_read_max_tokens": 0},  # bench/hc_read.py, bench/decode.py --modes
