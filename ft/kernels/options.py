@@ -225,6 +225,11 @@ class MoeOptions:
     that read the same expert in one decode program, the tile decoded once for both tokens, 0.87-0.92x the
     block at 16-64 tokens, the 80B's step -7% / -12% / -17% at batch 16 / 32 / 64 (more registers, fewer
     programs); a bf16 model's grouped MMAs in fp16, the same time as bf16 at 4K and 16K tokens.)
+    decode_prefetch_ahead: the decode MoE's gate/up programs each ask L2 for the rows of the program this many
+    programs an SM (times the SMs) after it in launch order, about a wave ahead (`decode_kernel`'s
+    `_prefetch_gate_up_ahead`, sm_90): the pass runs ~9 waves of ~6 programs an SM at Flash-Next's batch 8 (ncu,
+    session 49: DRAM 73%, occupancy 17.6%), each wave's loads starting from HBM. 0: off, the default until timed
+    (variant "moe-decode-prefetch-ahead": 6). The same bits.
     route_lookup_fused: an offloaded decode step of one token whose landing slots may hold their victims (mapped
     victims, the read-through default) routes and looks up its experts in one program
     (`expert_lookup.route_and_lookup`: the ids stay in registers), one launch a MoE layer fewer; off (variant
@@ -246,6 +251,7 @@ class MoeOptions:
     decode_down_two_tiles: tuple | None = (16, 1)
     decode_down_warps: int = 2
     decode_tiles_one_token: tuple | None = ((4, 0, 2), (16, 0, 4))
+    decode_prefetch_ahead: int = 0
 
 
 @dataclass(frozen=True)
@@ -524,6 +530,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "nvfp4-dot-bf16-x": {"nvfp4.dot_f16_x_max_m": 0},  # bench/decode.py --modes (over a model's choice)
     "nvfp4-dot-f16-scales": {"nvfp4.dot_f16_scales": True},  # bench/decode.py --modes
     "nvfp4-dot-prefetch-l2": {"nvfp4.dot_prefetch_l2": True},  # the same
+    "moe-decode-prefetch-ahead": {"moe.decode_prefetch_ahead": 6},  # the same, bench/moe_decode.py --variants
     "moe-decode-down-two-tiles-table": {"moe.decode_down_two_tiles": None},  # the same
     "attention-nvfp4-f16": {"decode_attention.nvfp4_prmt": False},  # bench/decode.py --no-prmt, decode_attention.py
     "hc-read-cublas": {"hyper_connection.fused_read_max_tokens": 0},  # bench/hc_read.py, bench/decode.py --modes

@@ -18,9 +18,10 @@ import triton
 import triton.language as tl
 
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
+from ft.kernels.prefetch import bulk_prefetch_aligned, prefetch_l2
 
 from ft.kernels.options import kernel_options
-from ft.kernels.backend import inline_ptx
+from ft.kernels.backend import inline_ptx, sm_count
 from ft.kernels.moe.decode_tiles import DECODE_DOWN_MIN_BLOCK_H
 from ft.kernels.moe.kernel import moe_sum_pairs_kernel
 from ft.kernels.norm.kernel import rms_rstd, norm_warps, add_rms_norm_triton
@@ -97,6 +98,32 @@ def _pair_source(p_slots, p_ids, p_dst, i_t, j, stride_st, stride_it, stride_dt,
 
 
 @triton.jit
+def _prefetch_gate_up_ahead(p_slots, p_w13, p_s13, p_sw13, p_ss13, i_p, i_i, I, stride_st, stride_w13e, stride_w13r,
+                            stride_s13e, stride_s13r, TOPK: tl.constexpr, KS: tl.constexpr, BLOCK_I: tl.constexpr,
+                            AHEAD: tl.constexpr):
+    """`_moe_decode_gate_up_kernel`'s look-ahead: program (i_p, i_i) asks L2 (`prefetch_l2`) for the BLOCK_I gate
+    rows, the BLOCK_I up rows and their scales of the program AHEAD after it in launch order (axis 0 fastest), when
+    that program exists and reads a slot (routed, slot >= 0) or the shared expert; host-store pairs are not asked
+    for. Rows are `stride_w13r` int32 words and `stride_s13r` scale bytes apart."""
+    n_p = tl.num_programs(0)
+    ahead = i_p + i_i * n_p + AHEAD
+    a_p = ahead % n_p
+    a_i = ahead // n_p
+    a_j = a_p % KS
+    exists = a_i < tl.num_programs(1)
+    a_slot = tl.load(p_slots + (a_p // KS) * stride_st + a_j, mask=exists & (a_j < TOPK), other=-1)
+    on = exists & ((a_slot >= 0) | (a_j >= TOPK))
+    slot = tl.maximum(a_slot, 0).to(tl.int64)
+    row = (a_i * BLOCK_I).to(tl.int64)
+    w = tl.where(a_j >= TOPK, p_sw13, p_w13 + slot * stride_w13e) + row * stride_w13r
+    sc = tl.where(a_j >= TOPK, p_ss13, p_s13 + slot * stride_s13e) + row * stride_s13r
+    half = tl.arange(0, 2).to(tl.int64)  # the gate rows, then the up rows I rows further
+    none = tl.zeros((2,), dtype=tl.int32)
+    prefetch_l2((w + half * I * stride_w13r).to(tl.int64, bitcast=True), none + tl.where(on, BLOCK_I * stride_w13r * 4, 0))
+    prefetch_l2((sc + half * I * stride_s13r).to(tl.int64, bitcast=True), none + tl.where(on, BLOCK_I * stride_s13r, 0))
+
+
+@triton.jit
 def _moe_decode_gate_up_kernel(
     p_x, p_slots, p_ids, p_dst, p_w13, p_s13, p_s2, p_sw13, p_ss13, p_ss2, p_hw13, p_hs13, p_hs2, p_h, p_live,
     I, H,
@@ -106,7 +133,7 @@ def _moe_decode_gate_up_kernel(
     WHOLE_K: tl.constexpr = 0, HAS_HOST: tl.constexpr = False, HAS_DST: tl.constexpr = False,
     ASM: tl.constexpr = False,
     PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0, HAS_LIVE: tl.constexpr = False,
-    HALF: tl.constexpr = False,
+    HALF: tl.constexpr = False, AHEAD: tl.constexpr = 0,
 ):
     """Grid (T * KS, I / BLOCK_I), KS = TOPK + HAS_SHARED: h[t * KS + j] = silu(x[t] @ gate^T) * (x[t] @ up^T)
     (fp32) of pair j of token t: the expert in slot topk_slots[t, j] for j < TOPK, the shared expert
@@ -121,12 +148,17 @@ def _moe_decode_gate_up_kernel(
     contract), so the stores race with no load.
     HAS_LIVE: token t is live when p_live[t] >= 0 (a decode step's KV slots: a padding row writes
     nowhere, -1); a dead token's pairs store zeros and return before any weight is read, except a
-    pair that lands an expert (HAS_DST), which runs whole so that the slot is filled."""
+    pair that lands an expert (HAS_DST), which runs whole so that the slot is filled.
+    AHEAD > 0 (`MoeOptions.decode_prefetch_ahead`): each program first asks L2 for the gate and up rows and scales
+    of the program AHEAD after it in launch order (about a wave later; `_prefetch_gate_up_ahead`)."""
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
     pdl_release(PDL)
     KS: tl.constexpr = TOPK + HAS_SHARED
     i_p = tl.program_id(0)
     i_i = tl.program_id(1)
+    if AHEAD > 0:
+        _prefetch_gate_up_ahead(p_slots, p_w13, p_s13, p_sw13, p_ss13, i_p, i_i, I, stride_st, stride_w13e,
+                                stride_w13r, stride_s13e, stride_s13r, TOPK, KS, BLOCK_I, AHEAD)
     i_t = i_p // KS
     j = i_p % KS
     is_shared, slot, eid, from_host, on, dst, land = _pair_source(p_slots, p_ids, p_dst, i_t, j, stride_st, stride_it,
@@ -478,13 +510,18 @@ def moe_decode_triton(
     asm = kernel_options().nvfp4.lanes_ptx and inline_ptx(x.device)  # the whole-K tiles' word decode in PTX
     # blocks summed in fp16 (whole-K tiles only) from two tokens: at one they lost (bench/RESULTS.md session 46)
     half = kernel_options().nvfp4.half_sums and t > 1 and half_sums_take(x)
+    # the look-ahead prefetch (`MoeOptions.decode_prefetch_ahead` programs an SM ahead; sm_90, 16-byte rows)
+    ahead = opts.decode_prefetch_ahead * sm_count(x.device) if opts.decode_prefetch_ahead and inline_ptx(x.device) \
+        and bulk_prefetch_aligned(x.device, w13.data_ptr(), s13.data_ptr(), sw13.data_ptr(), ss13.data_ptr(),
+                                  w13.stride(0) * 4, w13.stride(1) * 4, s13.stride(0), s13.stride(1),
+                                  block_i * w13.stride(1) * 4, block_i * s13.stride(1)) else 0
     _moe_decode_gate_up_kernel[(t * ks, triton.cdiv(i, block_i))](
         x, slots, ids, dst, w13, s13, s2, sw13, ss13, ss2, hw13, hs13, hs2, h, live_ptr, i, hid,
         x.stride(0), slots.stride(0), ids.stride(0), dst.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
         s13.stride(1), s2.stride(0), hw13.stride(0), hs13.stride(0), hs2.stride(0), h.stride(0), TOPK=k,
         HAS_SHARED=has_shared, BLOCK_I=block_i, BLOCK_W=bw13, WHOLE_K=whole13, HAS_HOST=has_host, HAS_DST=has_dst,
-        ASM=asm and whole13 > 0, WHOLE_K2=whole13b, HAS_LIVE=has_live, HALF=half and whole13 > 0, num_warps=warps13,
-        **pdl_args(x.device))
+        ASM=asm and whole13 > 0, WHOLE_K2=whole13b, HAS_LIVE=has_live, HALF=half and whole13 > 0, AHEAD=ahead,
+        num_warps=warps13, **pdl_args(x.device))
     fuse_norm = residual is not None and norm_weight is not None
     if per_pair and whole2:  # (a row's K in one tile; other shapes take the loop)
         y_pairs = torch.empty((t * ks, hid), dtype=torch.float32, device=x.device)

@@ -55,6 +55,7 @@ from ft.kernels.limits import whole_k_pieces
 from ft.kernels.options import kernel_options
 from ft.kernels.tickets import ticket_counters
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
+from ft.kernels.prefetch import bulk_prefetch_aligned, prefetch_l2
 from ft.kernels.nvfp4.decode import (HALVES_SCALED_EXPONENT, e4m3_f32, dequant_tile, e2m1_halves_bf16, e2m1_halves_f16,
                                     e2m1_halves_f16_scaled, e2m1_halves_f16_scaled_f16s)
 from ft.kernels.nvfp4.f16_rows import f16_rows
@@ -201,17 +202,6 @@ def _scaled_out(acc, p_s2, p_xs, o_m, m_m, F16X: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(p_rows, stride, nbytes, o_n, m_n):
-    """Ask L2 for rows o_n (where m_n) of nbytes bytes each from p_rows (bytes, row stride `stride`), one
-    ``cp.async.bulk.prefetch.L2`` a row (sm_90): the whole range in flight at once, no registers, no wait.
-    Each row's start and nbytes must be multiples of 16 (the caller's check)."""
-    addr = (p_rows + o_n.to(tl.int64) * stride).to(tl.int64, bitcast=True)
-    size = tl.where(m_n, nbytes, 0)
-    tl.inline_asm_elementwise("{\n.reg .pred p;\nsetp.ne.u32 p, $2, 0;\n@p cp.async.bulk.prefetch.L2.global [$1], $2;\n"
-                              "mov.u32 $0, 0;\n}", "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _split_k_ticket(acc, p_part, p_count, p_s2, p_y, o_m, o_n, m_m, m_n, i_tile, M, N, stride_ym,
                     SPLIT_K: tl.constexpr, p_xs=None, F16X: tl.constexpr = False):
     """The end of a split-K program (`_nvfp4_dot_kernel`, SPLIT_K > 1): its fp32 partial acc
@@ -251,7 +241,7 @@ def _nvfp4_dot_kernel(
     # SPLIT_K > 1 (grid axis 1): program (tile, s) sums K in [s * K_SPLIT, (s + 1) * K_SPLIT) (K_SPLIT a
     # multiple of BLOCK_K) and `_split_k_ticket` ends it; p_part / p_count unused at 1
     # F16X (with HALVES): x is fp16 rows scaled by powers of two whose factors back are p_xs [M] (`f16_rows`)
-    # PREFETCH: `_prefetch_l2` of the program's weight and scale rows over its K, before the PDL wait (no kernel of
+    # PREFETCH: `prefetch_l2` of the program's weight and scale rows over its K, before the PDL wait (no kernel of
     # a step writes weights; `Nvfp4Options.dot_prefetch_l2`)
     i_pid = tl.program_id(0)
     n_m = tl.cdiv(M, BLOCK_M)
@@ -266,8 +256,10 @@ def _nvfp4_dot_kernel(
         o_p = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         k_p = tl.program_id(1) * K_SPLIT if SPLIT_K > 1 else 0
         k_p_len = tl.minimum(K_SPLIT, K - k_p) if SPLIT_K > 1 else K
-        _prefetch_l2(p_w + k_p // 2, stride_wn, k_p_len // 2, o_p, o_p < N)
-        _prefetch_l2(p_s + k_p // 16, stride_sn, k_p_len // 16, o_p, o_p < N)
+        m_p = o_p < N
+        r_p = o_p.to(tl.int64)
+        prefetch_l2((p_w + k_p // 2 + r_p * stride_wn).to(tl.int64, bitcast=True), tl.where(m_p, k_p_len // 2, 0))
+        prefetch_l2((p_s + k_p // 16 + r_p * stride_sn).to(tl.int64, bitcast=True), tl.where(m_p, k_p_len // 16, 0))
     pdl_wait(PDL)  # (`ft.kernels.pdl`: before any load; the K loop streams weights and x together)
     pdl_release(PDL)
 
@@ -424,14 +416,6 @@ def dot_launch_config(x: torch.Tensor, packed: torch.Tensor, config: dict | None
     return cfg
 
 
-def _bulk_prefetch_fits(packed: torch.Tensor, scale_u8: torch.Tensor, k: int, k_split: int) -> bool:
-    """Whether `_prefetch_l2` may ask for a tile program's weight and scale rows: a Hopper or later device, every
-    row's start and length (over the whole K and over a split's, K_SPLIT) on 16-byte boundaries."""
-    return (packed.device.type == "cuda" and torch.cuda.get_device_capability(packed.device)[0] >= 9
-            and k % 256 == 0 and k_split % 256 == 0 and packed.data_ptr() % 16 == 0 and scale_u8.data_ptr() % 16 == 0
-            and packed.stride(0) % 16 == 0 and scale_u8.stride(0) % 16 == 0)
-
-
 def f16_rows_take(x: torch.Tensor, cfg: dict) -> bool:
     """Whether a tile launch (`dot_launch_config`'s cfg) takes x as fp16 rows (`f16_rows`): a bf16 x on the
     halves form of at most `Nvfp4Options.dot_f16_x_max_m` rows (None, no model's choice in force: none)."""
@@ -506,7 +490,8 @@ def nvfp4_linear_triton(
             k_split = triton.cdiv(triton.cdiv(k, cfg["BLOCK_K"]), splits) * cfg["BLOCK_K"]
         # (the decode tiles only: a prefill's row tiles share their weights through L2 as it is)
         cfg["PREFETCH"] = bool(cfg.get("PREFETCH", kernel_options().nvfp4.dot_prefetch_l2)) and m <= 64 \
-            and inline_ptx(x.device) and _bulk_prefetch_fits(packed, scale_u8, k, k_split if splits > 1 else k)
+            and inline_ptx(x.device) and bulk_prefetch_aligned(x.device, packed.data_ptr(), scale_u8.data_ptr(),
+                                                               packed.stride(0), scale_u8.stride(0), k // 16, k_split // 16)
         xs = s2  # (unread without F16X)
         if f16_rows_take(x, cfg):
             x, xs = f16_rows(x)  # (y keeps the caller's dtype)
