@@ -230,6 +230,9 @@ class MoeOptions:
     `_prefetch_gate_up_ahead`, sm_90): the pass runs ~9 waves of ~6 programs an SM at Flash-Next's batch 8 (ncu,
     session 49: DRAM 73%, occupancy 17.6%), each wave's loads starting from HBM. 0: off, the default until timed
     (variant "moe-decode-prefetch-ahead": 6). The same bits.
+    decode_down_prefetch_ahead: the same for the per-pair down pass (`_moe_decode_down_pairs_kernel`, whose 1-warp
+    programs of 16 rows at Flash-Next's shape ran at 46% of DRAM, ncu session 49, ~20 an SM): 0, off until timed
+    (variant "moe-decode-down-prefetch-ahead": 16).
     route_lookup_fused: an offloaded decode step of one token whose landing slots may hold their victims (mapped
     victims, the read-through default) routes and looks up its experts in one program
     (`expert_lookup.route_and_lookup`: the ids stay in registers), one launch a MoE layer fewer; off (variant
@@ -252,6 +255,7 @@ class MoeOptions:
     decode_down_warps: int = 2
     decode_tiles_one_token: tuple | None = ((4, 0, 2), (16, 0, 4))
     decode_prefetch_ahead: int = 0
+    decode_down_prefetch_ahead: int = 0
 
 
 @dataclass(frozen=True)
@@ -531,6 +535,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "nvfp4-dot-f16-scales": {"nvfp4.dot_f16_scales": True},  # bench/decode.py --modes
     "nvfp4-dot-prefetch-l2": {"nvfp4.dot_prefetch_l2": True},  # the same
     "moe-decode-prefetch-ahead": {"moe.decode_prefetch_ahead": 6},  # the same, bench/moe_decode.py --variants
+    "moe-decode-down-prefetch-ahead": {"moe.decode_down_prefetch_ahead": 16},  # the same
     "moe-decode-down-two-tiles-table": {"moe.decode_down_two_tiles": None},  # the same
     "attention-nvfp4-f16": {"decode_attention.nvfp4_prmt": False},  # bench/decode.py --no-prmt, decode_attention.py
     "hc-read-cublas": {"hyper_connection.fused_read_max_tokens": 0},  # bench/hc_read.py, bench/decode.py --modes

@@ -68,12 +68,18 @@ def test_the_moe_look_ahead_leaves_y_as_it_was(hidden, inter, batch, monkeypatch
     live = torch.arange(batch, device=DEV)
     live[-1] = -1  # a padding row
     y = moe_decode_triton(x, topk, weights, pool, shared, live=live)
-    seen = []
     import ft.kernels.moe.decode_kernel as md
-    real = md._moe_decode_gate_up_kernel
-    monkeypatch.setattr(md, "_moe_decode_gate_up_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: (lambda *a, **kw: seen.append(kw["AHEAD"]) or real[grid](*a, **kw))})())
-    with use_kernel_options(variant("moe-decode-prefetch-ahead")):
+
+    seen = {}
+    for name in ("_moe_decode_gate_up_kernel", "_moe_decode_down_pairs_kernel"):
+        monkeypatch.setattr(md, name, _spy(getattr(md, name), seen.setdefault(name, [])))
+    with use_kernel_options(variant("moe-decode-prefetch-ahead", "moe-decode-down-prefetch-ahead")):
         y_ahead = moe_decode_triton(x, topk, weights, pool, shared, live=live)
-    assert seen and all(a > 0 for a in seen)
+    assert all(s and all(a > 0 for a in s) for s in seen.values())
     assert torch.equal(y_ahead, y)
+
+
+def _spy(kernel, seen: list):
+    """A stand-in for a Triton kernel that records each launch's AHEAD, then launches it."""
+    return type("Spy", (), {"__getitem__": lambda self, grid: (
+        lambda *a, **kw: seen.append(kw["AHEAD"]) or kernel[grid](*a, **kw))})()
