@@ -227,7 +227,7 @@ class MoeOptions:
     programs); a bf16 model's grouped MMAs in fp16, the same time as bf16 at 4K and 16K tokens.)
     decode_prefetch_ahead: the decode MoE's gate/up programs each ask L2 for the rows of the program this many
     programs an SM (times the SMs) after it in launch order, about a wave ahead (`decode_kernel`'s
-    `_prefetch_gate_up_ahead`, sm_90): the pass runs ~9 waves of ~6 programs an SM at Flash-Next's batch 8 (ncu,
+    `_prefetch_rows_ahead`, sm_90): the pass runs ~9 waves of ~6 programs an SM at Flash-Next's batch 8 (ncu,
     session 49: DRAM 73%, occupancy 17.6%), each wave's loads starting from HBM. 0: off, the default until timed
     (variant "moe-decode-prefetch-ahead": 6). The same bits.
     decode_down_prefetch_ahead: the same for the per-pair down pass (`_moe_decode_down_pairs_kernel`, whose 1-warp

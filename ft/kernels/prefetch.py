@@ -1,8 +1,9 @@
 """L2 prefetch hints (sm_90): ``cp.async.bulk.prefetch.L2`` asks L2 for a contiguous byte range and returns at once
-(no registers, no wait, no fault on a hint the memory system drops). A kernel whose programs stream a few KB each,
+(no registers, no wait). A kernel whose programs stream a few KB each,
 a few programs an SM, is latency-bound on HBM; asking for its whole range first puts every byte in flight from its
 start, and its loads then wait on L2. The NVFP4 decode tiles (`Nvfp4Options.dot_prefetch_l2`) and the decode MoE's
-gate/up pass (`MoeOptions.decode_prefetch_ahead`) take it.
+passes (`MoeOptions.decode_prefetch_ahead`, `decode_down_prefetch_ahead`) take it, each asking only for bytes of the
+tensors it reads.
 
 `prefetch_l2` is elementwise over tensors of byte addresses and lengths (a range of 0 bytes asks for nothing);
 each address and length must be a multiple of 16 (`bulk_prefetch_aligned` checks a launch's tensors on the host).

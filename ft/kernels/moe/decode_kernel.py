@@ -514,9 +514,10 @@ def moe_decode_triton(
     asm = kernel_options().nvfp4.lanes_ptx and inline_ptx(x.device)  # the whole-K tiles' word decode in PTX
     # blocks summed in fp16 (whole-K tiles only) from two tokens: at one they lost (bench/RESULTS.md session 46)
     half = kernel_options().nvfp4.half_sums and t > 1 and half_sums_take(x)
-    # the look-ahead prefetch (`MoeOptions.decode_prefetch_ahead` programs an SM ahead; sm_90, 16-byte rows)
+    # the look-ahead prefetch (`MoeOptions.decode_prefetch_ahead` programs an SM ahead; sm_90, 16-byte rows, whole
+    # row blocks: a range never runs past its expert)
     ahead = opts.decode_prefetch_ahead * sm_count(x.device) if opts.decode_prefetch_ahead and inline_ptx(x.device) \
-        and bulk_prefetch_aligned(x.device, w13.data_ptr(), s13.data_ptr(), sw13.data_ptr(), ss13.data_ptr(),
+        and i % block_i == 0 and bulk_prefetch_aligned(x.device, w13.data_ptr(), s13.data_ptr(), sw13.data_ptr(), ss13.data_ptr(),
                                   w13.stride(0) * 4, w13.stride(1) * 4, s13.stride(0), s13.stride(1),
                                   block_i * w13.stride(1) * 4, block_i * s13.stride(1)) else 0
     _moe_decode_gate_up_kernel[(t * ks, triton.cdiv(i, block_i))](
@@ -531,7 +532,7 @@ def moe_decode_triton(
         y_pairs = torch.empty((t * ks, hid), dtype=torch.float32, device=x.device)
         blocks = triton.cdiv(hid, block_h)
         ahead2 = opts.decode_down_prefetch_ahead * sm_count(x.device) if opts.decode_down_prefetch_ahead \
-            and inline_ptx(x.device) and bulk_prefetch_aligned(
+            and inline_ptx(x.device) and hid % block_h == 0 and bulk_prefetch_aligned(
                 x.device, w2.data_ptr(), s2w.data_ptr(), sw2.data_ptr(), ss2w.data_ptr(), w2.stride(0) * 4,
                 w2.stride(1) * 4, s2w.stride(0), s2w.stride(1), block_h * w2.stride(1) * 4, block_h * s2w.stride(1)) else 0
         sums_here = (not fuse_norm and sum_counters is not None and opts.decode_sum_in_down
