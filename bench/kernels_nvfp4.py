@@ -38,6 +38,7 @@ from ft.kernels.moe import SlotWeights, moe_over_slots_ref
 from ft.kernels.moe.kernel import moe_over_slots_triton
 from ft.kernels.nvfp4 import dequantize_nvfp4, nvfp4_linear, nvfp4_linear_ref
 from ft.kernels.nvfp4.kernel import nvfp4_linear_triton
+from ft.kernels.options import set_kernel_options, variant
 
 TOL_BF16 = 1e-2  # relative RMS vs the fp32-matmul reference, y rounded to bf16
 TOL_MOE = 2e-2  # the MoE reference runs its matmuls in bf16
@@ -437,8 +438,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.dry_run:
         _dry_run_setup()
-    from ft.kernels.options import set_kernel_options, variant
-
     model = {}
     if args.model_defaults == "flash-next":
         from ft.model.qwen3_8_flash_next import FlashNextModel
