@@ -436,9 +436,6 @@ def test_dot_f16_x_matches_ref_and_the_fp16_tile(monkeypatch, m, splits):
         huge[0] *= 1e6  # past fp16's largest value: the row's factor brings it back
         y_huge = nvfp4_linear_triton(huge, packed, scale, scale_2, path="dot", config=cfg)
         assert _rel_rms(y_huge, nvfp4_linear_ref(huge, packed, scale, scale_2)) < TOL[torch.bfloat16]
-    with use_kernel_options(variant("nvfp4-dot-f16-scales", **FLASH_NEXT_F16_ROWS)):  # the scales made fp16 first
-        assert torch.equal(nvfp4_linear_triton(x, packed, scale, scale_2, path="dot", config=cfg), y)
-        assert torch.equal(nvfp4_linear_triton(huge, packed, scale, scale_2, path="dot", config=cfg), y_huge)
     calls.clear()
     nvfp4_linear_triton(x.half(), packed, scale, scale_2, path="dot", config=cfg)
     nvfp4_linear_triton(x, packed, scale, scale_2, path="dot", config=cfg)  # the defaults: no model's choice

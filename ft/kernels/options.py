@@ -99,18 +99,6 @@ class Nvfp4Options:
     (`MoeOptions.decode_down_two_tiles`) 909.8 -> 959.0 (+5.4%); at 64 rows against 16, session 50, batch 32
     1,498.5 / 1,500.2 -> 1,531.5 (+2.1%), batch 48 1,641.8 / 1,639.0 -> 1,644.9 (a tie). Variant
     "nvfp4-dot-bf16-x" (0: off).
-    dot_f16_scales: with the fp16 rows above, the tile's block scales are made fp16 once per scale byte before
-    they spread over their 8 code bytes (`decode.e2m1_halves_f16_scaled_f16s`), instead of each code word's
-    PTX converting its bytes' scales (`e2m1_halves_f16_scaled`): the same values, the same bits. sm_90 SASS of
-    the K step (session 63, triton 3.6's compiler on the CPU): Flash-Next's in_proj_qkvz at M = 8 in 2 warps
-    547 -> 496 instructions (F2FP 96 -> 72, PRMT 96 -> 64; 188 -> 180 registers). Not yet timed on a device:
-    off (variant "nvfp4-dot-f16-scales" turns it on).
-    dot_prefetch_l2: every program of the ``tl.dot`` tiles first asks L2 for its weight rows and their scales over
-    its whole K (one ``cp.async.bulk.prefetch.L2`` a row, sm_90, before its PDL wait: no kernel of a step writes
-    weights), so that the whole tile's bytes are in flight from its start and its K loop, whose loads the
-    pipeline issues a few steps ahead, waits on L2 instead of HBM (the 16-row tile at Flash-Next's in_proj_qkvz
-    ran at ~1.07 TB/s, latency-bound: 3.9 programs an SM). The same bits. Not yet timed on a device: off
-    (variant "nvfp4-dot-prefetch-l2" turns it on).
     (Wider tiles at 3-64 rows, 64 and 128 columns by option, which read less x per weight byte, lost 1.5-4% of
     both models' steps on the H100 in session 62; the options were deleted, commit c1910ec holds them.)"""
 
@@ -123,8 +111,6 @@ class Nvfp4Options:
     dot_split_k_small_m: int = 4
     dot_small_m_past_wave_warps: int = 2
     dot_f16_x_max_m: int | None = None
-    dot_f16_scales: bool = False
-    dot_prefetch_l2: bool = False
 
 
 @dataclass(frozen=True)
@@ -225,14 +211,6 @@ class MoeOptions:
     that read the same expert in one decode program, the tile decoded once for both tokens, 0.87-0.92x the
     block at 16-64 tokens, the 80B's step -7% / -12% / -17% at batch 16 / 32 / 64 (more registers, fewer
     programs); a bf16 model's grouped MMAs in fp16, the same time as bf16 at 4K and 16K tokens.)
-    decode_prefetch_ahead: the decode MoE's gate/up programs each ask L2 for the rows of the program this many
-    programs an SM (times the SMs) after it in launch order, about a wave ahead (`decode_kernel`'s
-    `_prefetch_rows_ahead`, sm_90): the pass runs ~9 waves of ~6 programs an SM at Flash-Next's batch 8 (ncu,
-    session 49: DRAM 73%, occupancy 17.6%), each wave's loads starting from HBM. 0: off, the default until timed
-    (variant "moe-decode-prefetch-ahead": 6). The same bits.
-    decode_down_prefetch_ahead: the same for the per-pair down pass (`_moe_decode_down_pairs_kernel`, whose 1-warp
-    programs of 16 rows at Flash-Next's shape ran at 46% of DRAM, ncu session 49, ~20 an SM): 0, off until timed
-    (variant "moe-decode-down-prefetch-ahead": 16).
     route_lookup_fused: an offloaded decode step of one token whose landing slots may hold their victims (mapped
     victims, the read-through default) routes and looks up its experts in one program
     (`expert_lookup.route_and_lookup`: the ids stay in registers), one launch a MoE layer fewer; off (variant
@@ -254,8 +232,6 @@ class MoeOptions:
     decode_down_two_tiles: tuple | None = (16, 1)
     decode_down_warps: int = 2
     decode_tiles_one_token: tuple | None = ((4, 0, 2), (16, 0, 4))
-    decode_prefetch_ahead: int = 0
-    decode_down_prefetch_ahead: int = 0
 
 
 @dataclass(frozen=True)
@@ -532,10 +508,6 @@ VARIANTS: dict[str, dict[str, object]] = {
     "moe-decode-two-tiles-table": {"moe.decode_gate_up_two_tiles": None},  # the same, bench/moe_decode.py --variants
     "moe-decode-down-4-warps": {"moe.decode_down_warps": 4},  # the same
     "nvfp4-dot-bf16-x": {"nvfp4.dot_f16_x_max_m": 0},  # bench/decode.py --modes (over a model's choice)
-    "nvfp4-dot-f16-scales": {"nvfp4.dot_f16_scales": True},  # bench/decode.py --modes
-    "nvfp4-dot-prefetch-l2": {"nvfp4.dot_prefetch_l2": True},  # the same
-    "moe-decode-prefetch-ahead": {"moe.decode_prefetch_ahead": 6},  # the same, bench/moe_decode.py --variants
-    "moe-decode-down-prefetch-ahead": {"moe.decode_down_prefetch_ahead": 16},  # the same
     "moe-decode-down-two-tiles-table": {"moe.decode_down_two_tiles": None},  # the same
     "attention-nvfp4-f16": {"decode_attention.nvfp4_prmt": False},  # bench/decode.py --no-prmt, decode_attention.py
     "hc-read-cublas": {"hyper_connection.fused_read_max_tokens": 0},  # bench/hc_read.py, bench/decode.py --modes

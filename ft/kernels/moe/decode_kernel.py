@@ -18,10 +18,9 @@ import triton
 import triton.language as tl
 
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
-from ft.kernels.prefetch import bulk_prefetch_aligned, prefetch_l2
 
 from ft.kernels.options import kernel_options
-from ft.kernels.backend import inline_ptx, sm_count
+from ft.kernels.backend import inline_ptx
 from ft.kernels.moe.decode_tiles import DECODE_DOWN_MIN_BLOCK_H
 from ft.kernels.moe.kernel import moe_sum_pairs_kernel
 from ft.kernels.norm.kernel import rms_rstd, norm_warps, add_rms_norm_triton
@@ -98,32 +97,6 @@ def _pair_source(p_slots, p_ids, p_dst, i_t, j, stride_st, stride_it, stride_dt,
 
 
 @triton.jit
-def _prefetch_rows_ahead(p_slots, p_w, p_s, p_sw, p_ss, i_p, i_b, second, stride_st, stride_we, stride_wr, stride_se,
-                         stride_sr, TOPK: tl.constexpr, KS: tl.constexpr, ROWS: tl.constexpr, AHEAD: tl.constexpr):
-    """A decode MoE pass's look-ahead (`MoeOptions.decode_prefetch_ahead`): program (i_p, i_b) of a grid (pairs,
-    row blocks) asks L2 (`prefetch_l2`) for the rows of the program AHEAD after it in launch order (axis 0
-    fastest): ROWS rows from row i_b' * ROWS of its expert's weights (int32 words, `stride_wr` a row) and scale
-    bytes (`stride_sr` a row), and as many again `second` rows further when second > 0 (gate/up: the up rows),
-    when that program exists and reads a slot (routed, slot >= 0) or the shared expert (p_sw, p_ss); host-store
-    pairs are not asked for."""
-    n_p = tl.num_programs(0)
-    ahead = i_p + i_b * n_p + AHEAD
-    a_p = ahead % n_p
-    a_b = ahead // n_p
-    a_j = a_p % KS
-    exists = a_b < tl.num_programs(1)
-    a_slot = tl.load(p_slots + (a_p // KS) * stride_st + a_j, mask=exists & (a_j < TOPK), other=-1)
-    on = exists & ((a_slot >= 0) | (a_j >= TOPK))
-    slot = tl.maximum(a_slot, 0).to(tl.int64)
-    row = (a_b * ROWS).to(tl.int64) + tl.arange(0, 2).to(tl.int64) * second  # the first range, then the second
-    w = tl.where(a_j >= TOPK, p_sw, p_w + slot * stride_we) + row * stride_wr
-    sc = tl.where(a_j >= TOPK, p_ss, p_s + slot * stride_se) + row * stride_sr
-    ask = on & ((tl.arange(0, 2) == 0) | (second > 0))
-    prefetch_l2(w.to(tl.int64, bitcast=True), tl.where(ask, ROWS * stride_wr * 4, 0))
-    prefetch_l2(sc.to(tl.int64, bitcast=True), tl.where(ask, ROWS * stride_sr, 0))
-
-
-@triton.jit
 def _moe_decode_gate_up_kernel(
     p_x, p_slots, p_ids, p_dst, p_w13, p_s13, p_s2, p_sw13, p_ss13, p_ss2, p_hw13, p_hs13, p_hs2, p_h, p_live,
     I, H,
@@ -133,7 +106,7 @@ def _moe_decode_gate_up_kernel(
     WHOLE_K: tl.constexpr = 0, HAS_HOST: tl.constexpr = False, HAS_DST: tl.constexpr = False,
     ASM: tl.constexpr = False,
     PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0, HAS_LIVE: tl.constexpr = False,
-    HALF: tl.constexpr = False, AHEAD: tl.constexpr = 0,
+    HALF: tl.constexpr = False,
 ):
     """Grid (T * KS, I / BLOCK_I), KS = TOPK + HAS_SHARED: h[t * KS + j] = silu(x[t] @ gate^T) * (x[t] @ up^T)
     (fp32) of pair j of token t: the expert in slot topk_slots[t, j] for j < TOPK, the shared expert
@@ -148,17 +121,12 @@ def _moe_decode_gate_up_kernel(
     contract), so the stores race with no load.
     HAS_LIVE: token t is live when p_live[t] >= 0 (a decode step's KV slots: a padding row writes
     nowhere, -1); a dead token's pairs store zeros and return before any weight is read, except a
-    pair that lands an expert (HAS_DST), which runs whole so that the slot is filled.
-    AHEAD > 0 (`MoeOptions.decode_prefetch_ahead`): each program first asks L2 for the gate and up rows and scales
-    of the program AHEAD after it in launch order (about a wave later; `_prefetch_rows_ahead`)."""
+    pair that lands an expert (HAS_DST), which runs whole so that the slot is filled."""
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
     pdl_release(PDL)
     KS: tl.constexpr = TOPK + HAS_SHARED
     i_p = tl.program_id(0)
     i_i = tl.program_id(1)
-    if AHEAD > 0:  # (the gate rows, and the up rows I rows further)
-        _prefetch_rows_ahead(p_slots, p_w13, p_s13, p_sw13, p_ss13, i_p, i_i, I, stride_st, stride_w13e, stride_w13r,
-                             stride_s13e, stride_s13r, TOPK, KS, BLOCK_I, AHEAD)
     i_t = i_p // KS
     j = i_p % KS
     is_shared, slot, eid, from_host, on, dst, land = _pair_source(p_slots, p_ids, p_dst, i_t, j, stride_st, stride_it,
@@ -277,7 +245,7 @@ def _moe_decode_down_pairs_kernel(
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, WHOLE_K: tl.constexpr,
     HAS_HOST: tl.constexpr = False, HAS_DST: tl.constexpr = False, ASM: tl.constexpr = False,
     PDL: tl.constexpr = False, WHOLE_K2: tl.constexpr = 0, HAS_LIVE: tl.constexpr = False,
-    SUM: tl.constexpr = False, HALF: tl.constexpr = False, AHEAD: tl.constexpr = 0,
+    SUM: tl.constexpr = False, HALF: tl.constexpr = False,
 ):
     """Grid (T * KS, H / BLOCK_H): yp[p] = wts[t, j] * (h[p] @ down_j^T) (fp32) for pair p = t * KS + j,
     zeros for a skipped pair; `moe_sum_pairs_kernel` then sums each token's KS pairs in order, or with
@@ -287,15 +255,11 @@ def _moe_decode_down_pairs_kernel(
     a token's pairs in one program). HAS_HOST: a pair without a slot reads the host store, as in
     `_moe_decode_gate_up_kernel`; HAS_DST: such a pair with topk_dst[t, j] = d >= 0 also stores the
     raw w2 rows and block scales it loaded into slot d (the gate/up kernel lands the rest). HAS_LIVE:
-    as in the gate/up kernel (a dead token's pairs store zeros; a landing one lands, then stores zeros).
-    AHEAD > 0: the look-ahead prefetch as in the gate/up kernel (`_prefetch_rows_ahead`, BLOCK_H rows)."""
+    as in the gate/up kernel (a dead token's pairs store zeros; a landing one lands, then stores zeros)."""
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
     pdl_release(PDL)
     KS: tl.constexpr = TOPK + HAS_SHARED
     i_p = tl.program_id(0)
-    if AHEAD > 0:
-        _prefetch_rows_ahead(p_slots, p_w2, p_s2w, p_sw2, p_ss2w, i_p, tl.program_id(1), 0, stride_st, stride_w2e,
-                             stride_w2r, stride_s2we, stride_s2wr, TOPK, KS, BLOCK_H, AHEAD)
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     i_t = i_p // KS
     j = i_p % KS
@@ -514,27 +478,17 @@ def moe_decode_triton(
     asm = kernel_options().nvfp4.lanes_ptx and inline_ptx(x.device)  # the whole-K tiles' word decode in PTX
     # blocks summed in fp16 (whole-K tiles only) from two tokens: at one they lost (bench/RESULTS.md session 46)
     half = kernel_options().nvfp4.half_sums and t > 1 and half_sums_take(x)
-    # the look-ahead prefetch (`MoeOptions.decode_prefetch_ahead` programs an SM ahead; sm_90, 16-byte rows, whole
-    # row blocks: a range never runs past its expert)
-    ahead = opts.decode_prefetch_ahead * sm_count(x.device) if opts.decode_prefetch_ahead and inline_ptx(x.device) \
-        and i % block_i == 0 and bulk_prefetch_aligned(x.device, w13.data_ptr(), s13.data_ptr(), sw13.data_ptr(), ss13.data_ptr(),
-                                  w13.stride(0) * 4, w13.stride(1) * 4, s13.stride(0), s13.stride(1),
-                                  block_i * w13.stride(1) * 4, block_i * s13.stride(1)) else 0
     _moe_decode_gate_up_kernel[(t * ks, triton.cdiv(i, block_i))](
         x, slots, ids, dst, w13, s13, s2, sw13, ss13, ss2, hw13, hs13, hs2, h, live_ptr, i, hid,
         x.stride(0), slots.stride(0), ids.stride(0), dst.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
         s13.stride(1), s2.stride(0), hw13.stride(0), hs13.stride(0), hs2.stride(0), h.stride(0), TOPK=k,
         HAS_SHARED=has_shared, BLOCK_I=block_i, BLOCK_W=bw13, WHOLE_K=whole13, HAS_HOST=has_host, HAS_DST=has_dst,
-        ASM=asm and whole13 > 0, WHOLE_K2=whole13b, HAS_LIVE=has_live, HALF=half and whole13 > 0, AHEAD=ahead,
-        num_warps=warps13, **pdl_args(x.device))
+        ASM=asm and whole13 > 0, WHOLE_K2=whole13b, HAS_LIVE=has_live, HALF=half and whole13 > 0, num_warps=warps13,
+        **pdl_args(x.device))
     fuse_norm = residual is not None and norm_weight is not None
     if per_pair and whole2:  # (a row's K in one tile; other shapes take the loop)
         y_pairs = torch.empty((t * ks, hid), dtype=torch.float32, device=x.device)
         blocks = triton.cdiv(hid, block_h)
-        ahead2 = opts.decode_down_prefetch_ahead * sm_count(x.device) if opts.decode_down_prefetch_ahead \
-            and inline_ptx(x.device) and hid % block_h == 0 and bulk_prefetch_aligned(
-                x.device, w2.data_ptr(), s2w.data_ptr(), sw2.data_ptr(), ss2w.data_ptr(), w2.stride(0) * 4,
-                w2.stride(1) * 4, s2w.stride(0), s2w.stride(1), block_h * w2.stride(1) * 4, block_h * s2w.stride(1)) else 0
         sums_here = (not fuse_norm and sum_counters is not None and opts.decode_sum_in_down
                      and sum_counters.dtype == torch.int32 and sum_counters.device == x.device
                      and sum_counters.numel() >= t * blocks and y.stride(-1) == 1)
@@ -544,7 +498,7 @@ def moe_decode_triton(
             s2w.stride(0), s2w.stride(1), s2.stride(0), hw2.stride(0), hs2w.stride(0), hs2.stride(0), y_pairs.stride(0),
             sum_counters if sums_here else slots, y, y.stride(0),
             TOPK=k, HAS_SHARED=has_shared, BLOCK_H=block_h, WHOLE_K=whole2, HAS_HOST=has_host, HAS_DST=has_dst,
-            ASM=asm, WHOLE_K2=whole2b, HAS_LIVE=has_live, SUM=sums_here, HALF=half, AHEAD=ahead2, num_warps=warps2,
+            ASM=asm, WHOLE_K2=whole2b, HAS_LIVE=has_live, SUM=sums_here, HALF=half, num_warps=warps2,
             **pdl_args(x.device))
         if sums_here:
             return y

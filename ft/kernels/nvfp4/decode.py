@@ -365,28 +365,23 @@ HALVES_SCALED_EXPONENT = 6
 """`e2m1_halves_f16_scaled` gives the values times 2**-HALVES_SCALED_EXPONENT."""
 
 
-def _cvt_ptx(f16_scales: bool = False) -> str:
+def _cvt_ptx() -> str:
     """PTX of `e2m1_halves_f16_scaled`: the four low nibbles (then the four high) made E4M3 bytes in one
     32-bit operation each (sign to bit 7, e1 e0 m to bits 4..2: the value times 2**-6, the
     subnormal code included), converted two bytes at a time (`cvt.rn.f16x2.e4m3x2`), exact; the
-    block scales converted alike, a pair per code-byte pair. f16_scales (`e2m1_halves_f16_scaled_f16s`): the
-    scales come as fp16 pairs ($5: elements 0 and 1, $6: 2 and 3), nothing to convert."""
-    if f16_scales:
-        head, c01, c23 = ".reg .b32 e, f, t;\n.reg .b16 e0, e1;\n", "$5", "$6"
-    else:
-        head, c01, c23 = (".reg .b32 e, f, t, c01, c23;\n.reg .b16 sa, sb, e0, e1;\nmov.b32 {sa, sb}, $5;\n"
-                          "cvt.rn.f16x2.e4m3x2 c01, sa;\ncvt.rn.f16x2.e4m3x2 c23, sb;\n"), "c01", "c23"
-    body = (head + "shl.b32 e, $4, 4;\nand.b32 e, e, 0x80808080;\nshl.b32 f, $4, 2;\nand.b32 f, f, 0x1C1C1C1C;\n"
+    block scales converted alike, a pair per code-byte pair."""
+    body = (".reg .b32 e, f, t, c01, c23;\n.reg .b16 sa, sb, e0, e1;\nmov.b32 {sa, sb}, $5;\n"
+            "cvt.rn.f16x2.e4m3x2 c01, sa;\ncvt.rn.f16x2.e4m3x2 c23, sb;\n"
+            "shl.b32 e, $4, 4;\nand.b32 e, e, 0x80808080;\nshl.b32 f, $4, 2;\nand.b32 f, f, 0x1C1C1C1C;\n"
             "or.b32 e, e, f;\nmov.b32 {e0, e1}, e;\n"
             "cvt.rn.f16x2.e4m3x2 t, e0;\nmul.rn.f16x2 $0, t, C01;\ncvt.rn.f16x2.e4m3x2 t, e1;\nmul.rn.f16x2 $1, t, C23;\n"
             "and.b32 e, $4, 0x80808080;\nshr.b32 f, $4, 2;\nand.b32 f, f, 0x1C1C1C1C;\nor.b32 e, e, f;\n"
             "mov.b32 {e0, e1}, e;\n"
             "cvt.rn.f16x2.e4m3x2 t, e0;\nmul.rn.f16x2 $2, t, C01;\ncvt.rn.f16x2.e4m3x2 t, e1;\nmul.rn.f16x2 $3, t, C23;\n")
-    return "\n{\n" + body.replace("C01", c01).replace("C23", c23) + "}\n"
+    return "\n{\n" + body.replace("C01", "c01").replace("C23", "c23") + "}\n"
 
 
 _E2M1_CVT_PTX = tl.constexpr(_cvt_ptx())
-_E2M1_CVT_F16_SCALES_PTX = tl.constexpr(_cvt_ptx(f16_scales=True))
 
 
 @triton.jit
@@ -401,19 +396,6 @@ def e2m1_halves_f16_scaled(b_w, b_s, ASM: tl.constexpr):
                                            dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
     else:
         sc = e4m3_f32(b_s)  # (the nibble decode gives values times 2**-6)
-        lo = (e2m1_lo(b_w) * sc).to(tl.float16)
-        hi = (e2m1_hi(b_w) * sc).to(tl.float16)
-    return lo, hi
-
-
-@triton.jit
-def e2m1_halves_f16_scaled_f16s(b_w, b_sf, ASM: tl.constexpr):
-    """`e2m1_halves_f16_scaled` with the block scales as fp16 values b_sf (each byte's E4M3 scale, exact)."""
-    if ASM:
-        lo, hi = tl.inline_asm_elementwise(_E2M1_CVT_F16_SCALES_PTX, "=r,=r,=r,=r,r,r,r", [b_w, b_sf],
-                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-    else:
-        sc = b_sf.to(tl.float32)
         lo = (e2m1_lo(b_w) * sc).to(tl.float16)
         hi = (e2m1_hi(b_w) * sc).to(tl.float16)
     return lo, hi

@@ -55,9 +55,8 @@ from ft.kernels.limits import whole_k_pieces
 from ft.kernels.options import kernel_options
 from ft.kernels.tickets import ticket_counters
 from ft.kernels.pdl import pdl_args, pdl_release, pdl_wait
-from ft.kernels.prefetch import bulk_prefetch_aligned, prefetch_l2
 from ft.kernels.nvfp4.decode import (HALVES_SCALED_EXPONENT, e4m3_f32, dequant_tile, e2m1_halves_bf16, e2m1_halves_f16,
-                                    e2m1_halves_f16_scaled, e2m1_halves_f16_scaled_f16s)
+                                    e2m1_halves_f16_scaled)
 from ft.kernels.nvfp4.f16_rows import f16_rows
 from ft.kernels.nvfp4.rows import (dot_whole_k, load_whole_k, whole_k_row, whole_k_tile, x_lanes, nvfp4_rows_dot,
                                    rows_dot_whole_k)
@@ -154,7 +153,7 @@ def _interleaved_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_
 
 @triton.jit
 def _halves_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, stride_sn, k, BLOCK_K: tl.constexpr,
-                 PRECISION: tl.constexpr, ASM: tl.constexpr, F16X: tl.constexpr = False, F16S: tl.constexpr = False):
+                 PRECISION: tl.constexpr, ASM: tl.constexpr, F16X: tl.constexpr = False):
     """One K step of `_nvfp4_dot_kernel`'s HALVES form: acc [BLOCK_M, BLOCK_N] fp32 plus x[:, k:k+BLOCK_K]
     times the weight rows o_n's elements there, as x's even columns against the low nibbles and its
     odd columns against the high nibbles, decoded straight to x's dtype (`e2m1_halves_bf16` /
@@ -177,9 +176,6 @@ def _halves_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, s
     if dt == tl.bfloat16:
         b_sc = tl.reshape(tl.broadcast_to(e4m3_f32(b_sb).to(tl.bfloat16)[:, :, None], (R, G, 8)), (R, HK))  # byte j: j // 8
         lo, hi = e2m1_halves_bf16(b_w, b_sc, ASM)
-    elif F16X and F16S:
-        b_sf = b_sb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        lo, hi = e2m1_halves_f16_scaled_f16s(b_w, tl.reshape(tl.broadcast_to(b_sf[:, :, None], (R, G, 8)), (R, HK)), ASM)
     elif F16X:
         lo, hi = e2m1_halves_f16_scaled(b_w, tl.reshape(tl.broadcast_to(b_sb[:, :, None], (R, G, 8)), (R, HK)), ASM)
     else:
@@ -233,16 +229,15 @@ def _nvfp4_dot_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, SWAP_AB: tl.constexpr = False, EVEN_K: tl.constexpr = False,
     HALVES: tl.constexpr = False, ASM: tl.constexpr = False, PDL: tl.constexpr = False,
-    SPLIT_K: tl.constexpr = 1, p_xs=None, F16X: tl.constexpr = False, F16S: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1, p_xs=None, F16X: tl.constexpr = False,
 ):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: before any load; the K loop streams weights and x together)
+    pdl_release(PDL)
     # EVEN_K: K % BLOCK_K == 0, no mask along K (the loads vectorize; `dequant_tile`'s EVEN)
     # HALVES (with EVEN_K, bf16/fp16 x whose rows start on 4-byte boundaries, not SWAP_AB): `_halves_step`
     # SPLIT_K > 1 (grid axis 1): program (tile, s) sums K in [s * K_SPLIT, (s + 1) * K_SPLIT) (K_SPLIT a
     # multiple of BLOCK_K) and `_split_k_ticket` ends it; p_part / p_count unused at 1
     # F16X (with HALVES): x is fp16 rows scaled by powers of two whose factors back are p_xs [M] (`f16_rows`)
-    # PREFETCH: `prefetch_l2` of the program's weight and scale rows over its K, before the PDL wait (no kernel of
-    # a step writes weights; `Nvfp4Options.dot_prefetch_l2`)
     i_pid = tl.program_id(0)
     n_m = tl.cdiv(M, BLOCK_M)
     n_n = tl.cdiv(N, BLOCK_N)
@@ -252,16 +247,6 @@ def _nvfp4_dot_kernel(
     size_m = tl.minimum(n_m - first_m, GROUP_M)
     i_m = first_m + (i_pid % (GROUP_M * n_n)) % size_m
     i_n = (i_pid % (GROUP_M * n_n)) // size_m
-    if PREFETCH:
-        o_p = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        k_p = tl.program_id(1) * K_SPLIT if SPLIT_K > 1 else 0
-        k_p_len = tl.minimum(K_SPLIT, K - k_p) if SPLIT_K > 1 else K
-        m_p = o_p < N
-        r_p = o_p.to(tl.int64)
-        prefetch_l2((p_w + k_p // 2 + r_p * stride_wn).to(tl.int64, bitcast=True), tl.where(m_p, k_p_len // 2, 0))
-        prefetch_l2((p_s + k_p // 16 + r_p * stride_sn).to(tl.int64, bitcast=True), tl.where(m_p, k_p_len // 16, 0))
-    pdl_wait(PDL)  # (`ft.kernels.pdl`: before any load; the K loop streams weights and x together)
-    pdl_release(PDL)
 
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -280,7 +265,7 @@ def _nvfp4_dot_kernel(
     for k in range(0, k_len, BLOCK_K):
         if HALVES:
             acc = _halves_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, stride_sn, k, BLOCK_K,
-                               PRECISION, ASM, F16X, F16S)
+                               PRECISION, ASM, F16X)
         else:
             acc = _interleaved_step(acc, p_x, p_w, p_s, o_m, m_m, o_n, m_n, stride_xm, stride_wn, stride_sn, k,
                                     k_len, BLOCK_N, BLOCK_K, PRECISION, SWAP_AB, EVEN_K)
@@ -488,15 +473,10 @@ def nvfp4_linear_triton(
             part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
             count = ticket_counters(x.device, tiles)
             k_split = triton.cdiv(triton.cdiv(k, cfg["BLOCK_K"]), splits) * cfg["BLOCK_K"]
-        # (the decode tiles only: a prefill's row tiles share their weights through L2 as it is)
-        cfg["PREFETCH"] = bool(cfg.get("PREFETCH", kernel_options().nvfp4.dot_prefetch_l2)) and m <= 64 \
-            and inline_ptx(x.device) and bulk_prefetch_aligned(x.device, packed.data_ptr(), scale_u8.data_ptr(),
-                                                               packed.stride(0), scale_u8.stride(0), k // 16, k_split // 16)
         xs = s2  # (unread without F16X)
         if f16_rows_take(x, cfg):
             x, xs = f16_rows(x)  # (y keeps the caller's dtype)
             cfg["F16X"] = True
-            cfg["F16S"] = bool(cfg.get("F16S", kernel_options().nvfp4.dot_f16_scales))
         _nvfp4_dot_kernel[(tiles, splits)](
             x, packed, scale_u8, s2, y, m, n, k, x.stride(0), packed.stride(0), scale_u8.stride(0), y.stride(0),
             part, count, k_split, PRECISION=precision, p_xs=xs, **cfg, **pdl_args(x.device))
