@@ -51,10 +51,6 @@ BASE_4K = (128, 64, 64, 4, 4, True)
 SPLIT_TILES = [  # --split: each tile for one of the two passes at a time, the other kept at BASE_4K
     (128, 128, 64, 8, 3, True), (128, 128, 64, 8, 4, True), (128, 64, 128, 4, 3, True), (128, 64, 128, 8, 3, True),
     (128, 128, 128, 8, 2, True), (128, 64, 64, 8, 4, True), (128, 64, 64, 4, 3, True), (128, 64, 64, 4, 5, True),
-    # 256-pair tiles (session 64): a 16K-token pass gives each expert ~320 pairs, so a 128-pair tile decodes
-    # each expert's weights three times and a 256-pair one twice
-    (256, 64, 64, 8, 3, True), (256, 64, 64, 8, 4, True), (256, 128, 64, 8, 3, True), (256, 64, 128, 8, 3, True),
-    (256, 32, 64, 4, 4, True),
 ]
 
 

@@ -499,6 +499,8 @@ VARIANTS: dict[str, dict[str, object]] = {
     "moe-bytes": {"moe.grouped_words": False},  # bench/moe_prefill.py, bench/prefill.py
     "moe-grouped-tiles-first": {"moe.grouped_columns_first": False, "moe.grouped_h_sorted": False},  # the same
     "moe-grouped-h-by-pair": {"moe.grouped_h_sorted": False},  # the same
+    # the down pass's former tile past GROUPED_SHORT_TOKENS (also forced on shorter passes, both tiles pinned)
+    "moe-grouped-down-k128": {"moe.grouped_tile": ((128, 64, 64, 4, 4, True), (128, 64, 128, 4, 3, True))},
     "attention-prefill-reference": {"prefill_attention.triton_on_cuda": False},  # bench/prefill.py --modes
     "attention-prefill-triton-only": {"prefill_attention.library_on_cuda": False},  # bench/prefill.py --library
     "gated-delta-solve-ieee": {"gated_delta.solve_precision": "ieee"},  # bench/gated_delta_prefill.py

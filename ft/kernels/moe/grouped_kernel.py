@@ -37,14 +37,19 @@ __all__ = ["GROUPED_CONFIG", "GROUPED_CONFIG_SHORT", "GROUPED_SHORT_TOKENS", "gr
 
 # the word-wise weight decode is an option: `ft.kernels.options.MoeOptions.grouped_words`
 
-GROUPED_CONFIG = ((128, 64, 64, 4, 4, True), (128, 64, 128, 4, 3, True))
+GROUPED_CONFIG = ((128, 64, 64, 4, 4, True), (128, 64, 64, 4, 3, True))
 """(gate_up's tile, down's tile), each (BLOCK_M pairs, BLOCK_N rows, BLOCK_K, num_warps, num_stages,
 SWAP_AB), of the grouped passes over more than GROUPED_SHORT_TOKENS tokens. gate_up: the H200 sweep's
 best at 4,096 tokens (one layer, 512 experts, top-10: 2.094 ms for both passes against 2.439 for the
 former (64, 64, 64, 4, 4); bench/moe_prefill.py --sweep, bench/RESULTS.md, 2026-12-01): ~80 pairs per
 expert fill one 128-pair tile, so each expert's weights are decoded once, and the decoded tile feeds
-the MMA from registers. down (K = 512): BLOCK_K 128 in 3 stages, 2.003 -> 1.963 ms for both passes
-(`--split`, session 12); every other tile measured for either pass was slower."""
+the MMA from registers. down (K = 512): BLOCK_K 64 in 3 stages since session 64 (H100, today's kernel, one
+layer of the 80B's experts, ms for both passes, two rounds each: 4,096 tokens 1.612 / 1.631 against 1.701 /
+1.704 for BLOCK_K 128 in 3 stages, 8,192 3.024 / 3.029 against 3.160 / 3.161, 12,288 3.416 / 3.417 against
+3.557 / 3.559, 16,384 4.574 / 4.577 against 4.877 / 4.776: 4-5% at every length; 4 stages in between). Session
+12 had found BLOCK_K 128 better on the H200 with the byte-wise decode and tiles-first order (2.003 -> 1.963 ms
+at 4,096); variant "moe-grouped-down-k128" restores it for an A/B. 256-pair tiles (session 64, a 16K pass gives
+an expert ~320 pairs) lost at 16,384 tokens, 5.90-22.86 ms against 4.76-4.81, and tied or lost at 8,192."""
 GROUPED_CONFIG_SHORT = (32, 64, 128, 4, 3, True)
 """The tile of shorter passes: at 1,024 tokens (~20 pairs per expert) 1.187 ms against 1.325 for
 (64, 64, 64, 4, 4) and 1.833 for GROUPED_CONFIG (a 128-pair tile mostly empty)."""
