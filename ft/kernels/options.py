@@ -100,7 +100,9 @@ class Nvfp4Options:
     1,498.5 / 1,500.2 -> 1,531.5 (+2.1%), batch 48 1,641.8 / 1,639.0 -> 1,644.9 (a tie). Variant
     "nvfp4-dot-bf16-x" (0: off).
     (Wider tiles at 3-64 rows, 64 and 128 columns by option, which read less x per weight byte, lost 1.5-4% of
-    both models' steps on the H100 in session 62; the options were deleted, commit c1910ec holds them.)"""
+    both models' steps on the H100 in session 62; the options were deleted, commit c1910ec holds them. The
+    fp16 tile's scales made fp16 before they spread, and L2 prefetch hints for its weight rows, lost Flash-Next's
+    batch-8 step on the H200, -1.8% / -3.3%, in session 64; commit 7a1b5a7 holds them.)"""
 
     small_m_whole_k: bool = True
     dot_halves: bool = True
@@ -210,7 +212,9 @@ class MoeOptions:
     (Two forms lost on the H100 in session 47 and were deleted, their figures in bench/RESULTS.md: two pairs
     that read the same expert in one decode program, the tile decoded once for both tokens, 0.87-0.92x the
     block at 16-64 tokens, the 80B's step -7% / -12% / -17% at batch 16 / 32 / 64 (more registers, fewer
-    programs); a bf16 model's grouped MMAs in fp16, the same time as bf16 at 4K and 16K tokens.)
+    programs); a bf16 model's grouped MMAs in fp16, the same time as bf16 at 4K and 16K tokens; L2 prefetch
+    hints for the rows of the program a wave ahead, Flash-Next's step -7.8% / -7.0% at batch 8 / 32 on the H200
+    for the gate/up pass, -1.0% / a tie for the down pass, session 64, commit 7a1b5a7.)
     route_lookup_fused: an offloaded decode step of one token whose landing slots may hold their victims (mapped
     victims, the read-through default) routes and looks up its experts in one program
     (`expert_lookup.route_and_lookup`: the ids stay in registers), one launch a MoE layer fewer; off (variant
