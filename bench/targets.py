@@ -1,7 +1,7 @@
 """The open issues' target rows in one run on the device, each measured by the benchmark that defines it, and a
 table last: issue, measure, target, measured, met.
 
-    python3 bench/targets.py [--rows NAME[,NAME...]] [--tokenizer DIR] [--out DIR] [--dry-run] [--list]
+    python3 bench/targets.py [--rows NAME[,NAME...]] [--tokenizer DIR] [--out DIR] [--tail N] [--dry-run] [--list]
 
 On the lent device the tokenizer must travel with the tree (`../shared` does not): copy
 `../shared/reference/qwen3-tokenizer` into an ignored folder that the call carries and pass it, e.g.
@@ -176,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=",".join(r.name for r in ROWS), help="rows to run, comma-separated (--list)")
     ap.add_argument("--list", action="store_true", help="name the rows and exit")
+    ap.add_argument("--tail", type=int, default=0, metavar="N",
+                    help="print the last N lines of each row's log after its figure (where the logs may not come back "
+                         "from the machine that ran them)")
     ap.add_argument("--tokenizer", default="../shared/reference/qwen3-tokenizer",
                     help="the serve rows' --tokenizer (default: %(default)s)")
     ap.add_argument("--out", default=None, help="folder for each benchmark's output (default: a new temporary one)")
@@ -245,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
             except (KeyError, ValueError, OSError, SyntaxError, IndexError, TypeError) as e:
                 measured, met = f"no figures (exit {rc}; {type(e).__name__}: see {log})", None
             print(f"   {measured} in {took:.0f} s", flush=True)
+            if args.tail > 0:
+                lines = log.read_text(errors="replace").splitlines()
+                print("\n".join(f"   | {line}" for line in lines[-args.tail:]), flush=True)
             results.append((row, measured, met, took))
     finally:
         if server is not None:

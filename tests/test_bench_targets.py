@@ -90,3 +90,16 @@ def test_unknown_rows_are_refused(capsys):
     with pytest.raises(SystemExit):
         targets.main(["--rows", "c64-1k,c99"])
     assert "unknown c99" in capsys.readouterr().err
+
+
+def test_tail_prints_the_end_of_each_row_s_log_after_its_figure(capsys, tmp_path, monkeypatch):
+    """--tail N: a row's last N log lines follow its figure (the logs stay behind where a device returns few files)."""
+    row = targets.Row("echo", 0, "a figure", ">= 1", ("-c", "print('first'); print('second'); print('figure 3.5')"),
+                      lambda text, _json: {"v": float(text.split()[-1])}, lambda f: (f"{f['v']:.1f}", f["v"] >= 1))
+    monkeypatch.setattr(targets, "ROWS", [row])
+    assert targets.main(["--rows", "echo", "--out", str(tmp_path), "--tail", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "   3.5 in" in out and "   | second\n   | figure 3.5" in out and "| first" not in out
+    assert (tmp_path / "echo.log").read_text().startswith("first")
+    assert targets.main(["--rows", "echo", "--out", str(tmp_path)]) == 0  # no --tail: the figure alone
+    assert "   | " not in capsys.readouterr().out
