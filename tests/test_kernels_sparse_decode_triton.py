@@ -128,3 +128,53 @@ def test_the_reference_is_qsa_attention_on_qsa_lists():
     fewer = tokens.clone()
     fewer[0, 0] = -1  # one selected token less: another result (the lists matter)
     assert not torch.allclose(sparse_decode_attention_ref(q, k_cache, v_cache, table, fewer, d ** -0.5), want)
+
+
+@pytest.mark.parametrize("kv", list(KV), ids=list(KV))
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_one_split_writes_the_combines_bits(dtype, gated, kv):
+    """At one split (a prefill's rows) the kernel writes the output itself (`QsaOptions.one_pass`): the same
+    bits as its partials through the combine kernel (variant "qsa-sparse-combine"), gate or none, and a row
+    without any position stays zeros."""
+    from ft.kernels.options import use_kernel_options, variant
+
+    hq, hkv, d, lengths = 6, 2, 64, [70, 5, 33]
+    k_cache, v_cache, table, scale = make_cache(hkv, d, lengths, dtype, KV[kv], seed=21)
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.full((3, 45), -1, dtype=torch.int64)
+    tokens[0, :40] = torch.randperm(70, generator=g)[:40]
+    tokens[2, 3:36:2] = torch.arange(17) * 2
+    q = torch.randn(3, hq, d, generator=g).to(dtype)
+    gate = torch.randn(3, hq, 2 * d, generator=g).to(dtype)[..., d:] if gated else None
+    got = details.sparse_decode_attention_triton(q, k_cache, v_cache, table, tokens, d ** -0.5, scale, splits=1,
+                                                 gate=gate)
+    with use_kernel_options(variant("qsa-sparse-combine")):
+        two = details.sparse_decode_attention_triton(q, k_cache, v_cache, table, tokens, d ** -0.5, scale, splits=1,
+                                                     gate=gate)
+    assert torch.equal(got, two)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    want = sparse_decode_attention_ref(q, k_cache, v_cache, table, tokens, d ** -0.5, scale, gate=gate)
+    for b in (0, 2):
+        assert rel_rms(got[b], want[b]) < TOL[dtype], b
+
+
+@pytest.mark.parametrize("tile", [(16, 2, 2), (64, 4, 3)], ids=["N16", "N64"])
+def test_one_split_tile_gives_the_reference(tile):
+    """`QsaOptions.one_split_tile`'s positions a tile change the loop, never the result: a list longer than
+    one tile, one tile and a half, and none."""
+    from ft.kernels.options import use_kernel_options, variant
+
+    hq, hkv, d, lengths = 4, 2, 32, [150, 5, 40]
+    k_cache, v_cache, table, _ = make_cache(hkv, d, lengths, torch.float32, None, seed=5)
+    g = torch.Generator().manual_seed(6)
+    tokens = torch.full((3, 100), -1, dtype=torch.int64)
+    tokens[0, :97] = torch.randperm(150, generator=g)[:97]
+    tokens[2, :40] = torch.arange(40)
+    q = torch.randn(3, hq, d, generator=g)
+    want = sparse_decode_attention_ref(q, k_cache, v_cache, table, tokens, d ** -0.5)
+    with use_kernel_options(variant(**{"qsa.one_split_tile": tile})):
+        got = details.sparse_decode_attention_triton(q, k_cache, v_cache, table, tokens, d ** -0.5, splits=1)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    for b in (0, 2):
+        assert rel_rms(got[b], want[b]) < TOL[torch.float32], b

@@ -429,9 +429,16 @@ class QsaOptions:
     Triton top-k on the scores' bits, the same set of tokens by its contract) from the same torch scores,
     instead of `select_tokens`' stable torch sort of every query's scores (variant qsa-prefill-select-torch).
     H200, bench/prefill.py on the Flash-Next small-table config, one process each, median of 3: 4K
-    prompt 323.8 -> 321.6 ms, 16K 1,144.6 -> 1,134.2 ms (torch sort -> kernel)."""
+    prompt 323.8 -> 321.6 ms, 16K 1,144.6 -> 1,134.2 ms (torch sort -> kernel).
+    one_pass: a sparse attention launch of one split (a prefill's rows: thousands of queries, one program
+    each walks its whole list) writes the normalized, gated output itself (`sparse_decode`'s ONE_PASS, the
+    combine's bits) instead of fp32 partials that the combine kernel then reads (variant
+    "qsa-sparse-combine"). one_split_tile: (positions a tile, warps, pipeline stages) of such launches;
+    launches of several splits (decode) keep 32 positions, 4 warps, 3 stages."""
 
     prefill_select_kernel: bool = True
+    one_pass: bool = True
+    one_split_tile: tuple[int, int, int] = (32, 4, 3)
 
 
 @dataclass(frozen=True)
@@ -523,6 +530,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "route-lookup-apart": {"moe.route_lookup_fused": False},  # bench/ladder.py --variant
     "gated-delta-ba-own-launch": {"gated_delta.decode_ba_in_conv": False},  # the same
     "qsa-prefill-select-torch": {"qsa.prefill_select_kernel": False},  # bench/prefill.py --variant
+    "qsa-sparse-combine": {"qsa.one_pass": False},  # bench/qsa_attention.py, bench/prefill.py --variant
     "conv1d-tiles": {"conv1d.rows": False},  # bench/gated_delta_prefill.py, tests (the kernel wide windows take)
 }
 """Named variants a benchmark or test selects: the changes from `DEFAULTS` each one makes."""

@@ -1,7 +1,8 @@
 """Qwen3.8-Flash-Next's new kernels compiled for the GPU at its real shapes, against their torch
 references: the host-table gather (a pinned table of width 160, 16 heads, 1 and 64 tokens: exact),
 QSA's sparse decode attention (24 query heads over 2 KV heads of 256, lists of 2,051 positions: 512
-blocks of 4 and a partial block, bf16 / fp8 / NVFP4 caches, batch 1 and 8), QSA's block scores and
+blocks of 4 and a partial block, bf16 / fp8 / NVFP4 caches, batch 1 and 8; a prefill's 512 rows in one
+pass), QSA's block scores and
 decode selection (4 indexer heads of 128, contexts to 70K tokens of a 256K limit), the
 HyperConnection kernels (4 streams of 2,560; the fused read against the cuBLAS read), and the sigmoid-gated RMSNorm (48 value heads of 128).
 Beside them the streamed prefill's expert copy (`copy_rows`) at the 80B's NVFP4 expert tensors, and the
@@ -160,6 +161,44 @@ def test_sparse_decode_attention_at_the_flagship_shape(batch, kv):
     got = sparse_decode_attention_triton(q, k_cache, v_cache, table, tokens, d ** -0.5, scale, gate=gate)
     err = float((got.float() - want).norm() / want.norm())
     assert torch.isfinite(got).all() and err < TOL[kv], f"gated: relative RMS {err:.3g}"
+
+
+@pytest.mark.parametrize("kv", ["bf16", "nvfp4"])
+def test_sparse_attention_of_a_prefills_rows(kv):
+    """A prefill's launch (`QSAAttention._sparse`: 512 queries of one 4K prompt, each its own list of random
+    blocks, one split): the one-pass kernel against the reference, and bit for bit the partials through the
+    combine (variant "qsa-sparse-combine"), plain and gated."""
+    from ft.kernels.options import use_kernel_options, variant
+
+    hq, hkv, d, page, ratio, budget, context, rows = 24, 2, 256, 64, 4, 2048, 4096, 512
+    g = torch.Generator(device=DEV).manual_seed(3)
+    cache_dtype = {"bf16": torch.bfloat16, "nvfp4": NVFP4_KV}[kv]
+    pages = context // page
+    k_cache = torch.zeros(pages, page, hkv, kv_row_size(d, cache_dtype), dtype=cache_dtype, device=DEV)
+    v_cache = torch.zeros_like(k_cache)
+    scale = None if kv == "bf16" else torch.tensor([0.05, 0.04], device=DEV)
+    table = torch.randperm(pages, generator=g, device=DEV)[None, :]
+    k = torch.randn(context, hkv, d, generator=g, device=DEV).to(torch.bfloat16)
+    v = torch.randn(context, hkv, d, generator=g, device=DEV).to(torch.bfloat16)
+    write_kv_ref(k_cache, v_cache, k, v, table[0], 0, scale)
+    pos = torch.arange(context - rows, context, device=DEV)
+    scores = torch.rand(rows, context // ratio, generator=g, device=DEV)
+    scores[torch.arange(context // ratio, device=DEV)[None, :] >= (pos // ratio)[:, None]] = -1.0
+    chosen = (scores.topk(budget // ratio, dim=1).indices[:, :, None] * ratio + torch.arange(ratio, device=DEV))
+    tail = (pos // ratio * ratio)[:, None] + torch.arange(ratio - 1, device=DEV)[None, :]
+    tokens = torch.cat([chosen.reshape(rows, -1), torch.where(tail <= pos[:, None], tail, -1)], dim=1)
+    tables = table.expand(rows, -1)
+    q = torch.randn(rows, hq, d, generator=g, device=DEV).to(torch.bfloat16)
+    gate = torch.randn(rows, hq, 2 * d, generator=g, device=DEV).to(torch.bfloat16)[..., d:]
+    for gt in (None, gate):
+        got = sparse_decode_attention_triton(q, k_cache, v_cache, tables, tokens, d ** -0.5, scale, gate=gt)
+        with use_kernel_options(variant("qsa-sparse-combine")):
+            two = sparse_decode_attention_triton(q, k_cache, v_cache, tables, tokens, d ** -0.5, scale, gate=gt)
+        assert torch.equal(got, two)
+        want = sparse_decode_attention_ref(q[:64].float(), k_cache, v_cache, tables[:64], tokens[:64], d ** -0.5,
+                                           scale, gate=None if gt is None else gt[:64].float())
+        err = float((got[:64].float() - want).norm() / want.norm())
+        assert torch.isfinite(got).all() and err < TOL[kv], f"relative RMS {err:.3g}"
 
 
 def test_sigmoid_gated_norm_at_the_flagship_shape():

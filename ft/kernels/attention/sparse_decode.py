@@ -35,17 +35,22 @@ TARGET_PROGRAMS = 264
 
 
 @triton.jit
-def _sparse_decode_kernel(p_q, p_k, p_v, p_pt, p_tok, p_acc, p_st, p_kvs, W, G, D, qk_scale,
+def _sparse_decode_kernel(p_q, p_k, p_v, p_pt, p_tok, p_acc, p_st, p_kvs, p_g, p_o, W, G, D, qk_scale,
                           stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                           stride_ptb, stride_tb, stride_ar, stride_ah, stride_sr, stride_sh,
+                          stride_gb, stride_gh, stride_ob, stride_oh,
                           TILES: tl.constexpr, PAGE_SIZE: tl.constexpr,
                           BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
                           KV_FP8: tl.constexpr, KV_NVFP4: tl.constexpr, EVEN_D: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          ONE_PASS: tl.constexpr = False, HAS_GATE: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (b, kv, s): the group's queries over positions [s * TILES * BLOCK_N, ...) of list b ->
     acc [B * S, Hq, D] (unnormalized), max and sum [B * S, Hq, 2] (log2 units), row b * S + s: the
     layout `_decode_combine_kernel` reads. A quantized cache's K scale (p_kvs[0]) folds into the scores,
-    its V scale (p_kvs[1]) into acc."""
+    its V scale (p_kvs[1]) into acc.
+
+    ONE_PASS (one split, S = 1): the program writes out [B, Hq, D] itself, acc / sum (times
+    sigmoid(gate [B, Hq, D]) with HAS_GATE) rounded once to out's dtype, and nothing to acc or the
+    stats: the combine's arithmetic at one split (its weight exp2(max - max) is 1), so the same bits."""
     pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
     pdl_release(PDL)
     if KV_FP8 or KV_NVFP4:
@@ -81,16 +86,23 @@ def _sparse_decode_kernel(p_q, p_k, p_v, p_pt, p_tok, p_acc, p_st, p_kvs, W, G, 
         b_m = b_m_new
     if KV_FP8 or KV_NVFP4:
         b_acc = b_acc * tl.load(p_kvs + 1)
-    # the paged decode's split layout, which its combine kernel reads: row b * S + s, query head kv * G + g
     o_g = tl.arange(0, BLOCK_G)
     o_d = tl.arange(0, BLOCK_D)
     m_g = o_g < G
+    m_gd = m_g[:, None] & (o_d < D)[None, :]
     o_h = i_kv * G + o_g
-    row = i_b * n_s + i_s
-    tl.store(p_acc + row * stride_ar + o_h[:, None] * stride_ah + o_d[None, :], b_acc,
-             mask=m_g[:, None] & (o_d < D)[None, :])
-    tl.store(p_st + row * stride_sr + o_h * stride_sh, b_m, mask=m_g)
-    tl.store(p_st + row * stride_sr + o_h * stride_sh + 1, b_l, mask=m_g)
+    if ONE_PASS:  # no position at all: acc 0, sum 0 -> zeros, as the combine gives
+        b_out = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
+        if HAS_GATE:
+            b_gate = tl.load(p_g + i_b * stride_gb + o_h[:, None] * stride_gh + o_d[None, :], mask=m_gd, other=0.0)
+            b_out = b_out * tl.sigmoid(b_gate.to(tl.float32))
+        tl.store(p_o + i_b * stride_ob + o_h[:, None] * stride_oh + o_d[None, :], b_out.to(p_o.dtype.element_ty),
+                 mask=m_gd)
+    else:  # the paged decode's split layout, which its combine kernel reads: row b * S + s, query head kv * G + g
+        row = i_b * n_s + i_s
+        tl.store(p_acc + row * stride_ar + o_h[:, None] * stride_ah + o_d[None, :], b_acc, mask=m_gd)
+        tl.store(p_st + row * stride_sr + o_h * stride_sh, b_m, mask=m_g)
+        tl.store(p_st + row * stride_sr + o_h * stride_sh + 1, b_l, mask=m_g)
 
 
 def sparse_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -98,7 +110,8 @@ def sparse_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
                                    kv_scale: torch.Tensor | None = None, splits: int | None = None, *,
                                    gate: torch.Tensor | None = None) -> torch.Tensor:
     """As `sparse_decode_attention_ref` (its argument contract); `splits`: force a split count. Two
-    launches: the splits, then the paged decode's combine kernel (which also applies `gate`)."""
+    launches: the splits, then the paged decode's combine kernel (which also applies `gate`); one where
+    the count is 1 (a prefill's rows; `QsaOptions.one_pass`, the tile `QsaOptions.one_split_tile`)."""
     b, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     if hq % hkv:
@@ -119,13 +132,22 @@ def sparse_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     if not w:  # no position: zeros (gated zeros are zeros)
         return out.zero_()
     block_g, block_d = max(16, triton.next_power_of_2(g)), max(16, triton.next_power_of_2(d))
-    tiles = max(1, triton.cdiv(w, BLOCK_N))
+    block_n, warps, stages = BLOCK_N, 4, 3
+    tiles = max(1, triton.cdiv(w, block_n))
     if splits is None:
         splits = max(1, min(tiles, TARGET_PROGRAMS // max(1, b * hkv)))
+    opts = kernel_options().qsa
+    if splits == 1:  # (a prefill's rows: one program walks a whole list)
+        block_n, warps, stages = opts.one_split_tile
+        tiles = max(1, triton.cdiv(w, block_n))
     per_split = triton.cdiv(tiles, splits)
     splits = triton.cdiv(tiles, per_split)
-    acc = torch.empty(b * splits, hq, d, dtype=torch.float32, device=q.device)
-    st = torch.empty(b * splits, hq, 2, dtype=torch.float32, device=q.device)
+    one_pass = splits == 1 and opts.one_pass
+    if one_pass:  # (the kernel writes out: no partials)
+        acc = st = out
+    else:
+        acc = torch.empty(b * splits, hq, d, dtype=torch.float32, device=q.device)
+        st = torch.empty(b * splits, hq, 2, dtype=torch.float32, device=q.device)
     nvfp4, fp8 = k_cache.dtype == NVFP4_KV, k_cache.dtype == torch.float8_e4m3fn
     kc, vc = k_cache, v_cache
     if fp8 or nvfp4:  # the tiles come exact without the layer scale: K's folds into the scores, V's into acc
@@ -133,13 +155,18 @@ def sparse_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
             raise ValueError("sparse_decode_attention: a quantized KV cache needs kv_scale")
         if fp8:
             kc, vc = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    # NOTE: without a gate, out stands in for its pointer, never read (HAS_GATE prunes the load)
+    gp, g_strides = (gate, (gate.stride(0), gate.stride(1))) if gate is not None else (out, (0, 0))
     _sparse_decode_kernel[(b, hkv, splits)](
-        q, kc, vc, page_table, tokens, acc, st, kv_scale if kv_scale is not None else acc, w, g, d,
+        q, kc, vc, page_table, tokens, acc, st, kv_scale if kv_scale is not None else out, gp, out, w, g, d,
         scale * math.log2(math.e), q.stride(0), q.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
         page_table.stride(0), tokens.stride(0), acc.stride(0), acc.stride(1), st.stride(0), st.stride(1),
-        TILES=per_split, PAGE_SIZE=page, BLOCK_G=block_g, BLOCK_N=BLOCK_N,
+        *g_strides, out.stride(0), out.stride(1),
+        TILES=per_split, PAGE_SIZE=page, BLOCK_G=block_g, BLOCK_N=block_n,
         BLOCK_D=block_d, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=fp8, KV_NVFP4=nvfp4,
-        EVEN_D=d == block_d, num_warps=4, **pdl_args(q.device))
-    combine_splits(acc, st, gate, out, splits, min(block_d, kernel_options().decode_attention.combine_block_d))
+        EVEN_D=d == block_d, ONE_PASS=one_pass, HAS_GATE=one_pass and gate is not None, num_warps=warps,
+        num_stages=stages, **pdl_args(q.device))
+    if not one_pass:
+        combine_splits(acc, st, gate, out, splits, min(block_d, kernel_options().decode_attention.combine_block_d))
     return out
