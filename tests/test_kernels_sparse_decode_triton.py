@@ -51,6 +51,15 @@ def make_cache(hkv: int, d: int, lengths: list[int], dtype: torch.dtype, kv: tor
     return k_cache, v_cache, table, scale
 
 
+def three_lists(g: torch.Generator) -> torch.Tensor:
+    """Lists [3, 45] over sequences of 70, 5 and 33 tokens: 40 positions out of order across pages, none,
+    and every other position (holes)."""
+    tokens = torch.full((3, 45), -1, dtype=torch.int64)
+    tokens[0, :40] = torch.randperm(70, generator=g)[:40]
+    tokens[2, 3:36:2] = torch.arange(17) * 2
+    return tokens
+
+
 @pytest.mark.parametrize("kv", list(KV), ids=list(KV))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize(("hq", "hkv", "d", "splits"), [(*c, None) for c in CASES] + [(4, 2, 32, 1)],
@@ -82,9 +91,7 @@ def test_the_output_gate_is_applied_by_the_combine(dtype, kv):
     hq, hkv, d, lengths = 6, 2, 64, [70, 5, 33]
     k_cache, v_cache, table, scale = make_cache(hkv, d, lengths, dtype, KV[kv], seed=11)
     g = torch.Generator().manual_seed(2)
-    tokens = torch.full((3, 45), -1, dtype=torch.int64)
-    tokens[0, :40] = torch.randperm(70, generator=g)[:40]
-    tokens[2, 3:36:2] = torch.arange(17) * 2
+    tokens = three_lists(g)
     q_and_gate = torch.randn(3, hq, 2 * d, generator=g).to(dtype)
     q, gate = q_and_gate.chunk(2, dim=-1)  # views: gate's rows stride 2D
     q = q.contiguous()
@@ -142,9 +149,7 @@ def test_one_split_writes_the_combines_bits(dtype, gated, kv):
     hq, hkv, d, lengths = 6, 2, 64, [70, 5, 33]
     k_cache, v_cache, table, scale = make_cache(hkv, d, lengths, dtype, KV[kv], seed=21)
     g = torch.Generator().manual_seed(4)
-    tokens = torch.full((3, 45), -1, dtype=torch.int64)
-    tokens[0, :40] = torch.randperm(70, generator=g)[:40]
-    tokens[2, 3:36:2] = torch.arange(17) * 2
+    tokens = three_lists(g)
     q = torch.randn(3, hq, d, generator=g).to(dtype)
     gate = torch.randn(3, hq, 2 * d, generator=g).to(dtype)[..., d:] if gated else None
     got = details.sparse_decode_attention_triton(q, k_cache, v_cache, table, tokens, d ** -0.5, scale, splits=1,
