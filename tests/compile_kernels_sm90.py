@@ -28,6 +28,7 @@ from ft.kernels.activation import kernel as act  # noqa: E402
 from ft.kernels.attention import kernel as attn  # noqa: E402
 from ft.kernels.attention import decode_tuning as attn_tuning  # noqa: E402
 from ft.kernels.attention import prefill_kernel as attn_pf  # noqa: E402
+from ft.kernels.attention import sparse_decode as attn_sparse  # noqa: E402
 from ft.kernels.dense import kernel as dense  # noqa: E402
 from ft.kernels.gated_delta import kernel as gd  # noqa: E402
 from ft.kernels.gated_delta import chunk_kernel as gd_chunk  # noqa: E402
@@ -149,6 +150,16 @@ GD_CHUNK_STATE = {"p_q": "*bf16", "p_k": "*bf16", "p_w": "*bf16", "p_u": "*bf16"
                   "scale": "fp32", **ints("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_wt", "stride_wh",
                                           "stride_ut", "stride_uh", "stride_gct", "stride_at", "stride_ah", "stride_sss",
                                           "stride_ssh", "stride_ssk", "stride_ssv", "stride_ot", "stride_oh")}
+
+
+SPARSE = {"p_q": "*bf16", "p_k": "*bf16", "p_v": "*bf16", "p_pt": "*i32", "p_tok": "*i64", "p_acc": "*fp32",
+          "p_st": "*fp32", "p_kvs": "*fp32", "p_g": "*bf16", "p_o": "*bf16", **ints("W", "G", "D"), "qk_scale": "fp32",
+          **ints("stride_qb", "stride_qh", "stride_kp", "stride_ks", "stride_kh", "stride_vp", "stride_vs",
+                 "stride_vh", "stride_ptb", "stride_tb", "stride_ar", "stride_ah", "stride_sr", "stride_sh",
+                 "stride_gb", "stride_gh", "stride_ob", "stride_oh")}
+SPARSE_CFG = {"TILES": 65, "PAGE_SIZE": 64, "BLOCK_G": 16, "BLOCK_D": 256, "PRECISION": "tf32", "KV_FP8": False,
+              "KV_NVFP4": False, "EVEN_D": True}
+"""QSA's lists of 2,051 positions in one split of 65 tiles (a prefill's launch; a decode's splits take fewer)."""
 
 
 def prefill_cfg(head_dim: int, group: int) -> dict:
@@ -427,6 +438,17 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
     ("prefill attention G 8, D 256, nvfp4 cache, causal split", attn_pf._prefill_kernel,
      {**PREFILL, "p_kc": "*u8", "p_vc": "*u8"},
      {**prefill_cfg(256, 8), "KV_FP8": False, "KV_NVFP4": True, "CAUSAL_SPLIT": True}),
+    # QSA's sparse attention (24 / 2 heads of 256): splits into the combine's layout (decode), and one pass at a
+    # prefill's rows (the one-split tile, the output written and gated by the kernel)
+    ("QSA sparse attention, splits, G 12, D 256", attn_sparse._sparse_decode_kernel, SPARSE,
+     {**SPARSE_CFG, "BLOCK_N": attn_sparse.BLOCK_N, "num_warps": 4, "num_stages": 3}),
+    ("QSA sparse attention, one pass, output gate, G 12, D 256", attn_sparse._sparse_decode_kernel, SPARSE,
+     {**SPARSE_CFG, "ONE_PASS": True, "HAS_GATE": True, "BLOCK_N": OPTIONS.qsa.one_split_tile[0],
+      "num_warps": OPTIONS.qsa.one_split_tile[1], "num_stages": OPTIONS.qsa.one_split_tile[2]}),
+    ("QSA sparse attention, one pass, nvfp4 cache", attn_sparse._sparse_decode_kernel,
+     {**SPARSE, "p_k": "*u8", "p_v": "*u8"},
+     {**SPARSE_CFG, "KV_NVFP4": True, "ONE_PASS": True, "BLOCK_N": OPTIONS.qsa.one_split_tile[0],
+      "num_warps": OPTIONS.qsa.one_split_tile[1], "num_stages": OPTIONS.qsa.one_split_tile[2]}),
     ("decode attention combine", attn._decode_combine_kernel, COMBINE,
      {"CHUNK_S": 16, "BLOCK_D": 64, "HAS_GATE": False, "num_warps": 4}),
     ("decode attention combine, output gate", attn._decode_combine_kernel, COMBINE,

@@ -304,6 +304,28 @@ def test_qsa_past_its_dense_span_equals_the_reference(tmp_path, monkeypatch):
     assert 0 < sum(calls) < 100  # the decodes only
 
 
+def test_a_chunk_crossing_the_dense_span_runs_its_first_rows_dense(tmp_path, monkeypatch):
+    """A prefill chunk that starts inside QSA's dense span (budget 32 + ratio 4 - 1 = 35 positions) and ends
+    past it: its queries below position 35 take the causal prefill attention in one call (QSA selects every
+    token there), the other 29 their lists, the next chunk's 26 theirs; the tokens stay the reference's."""
+    import ft.model.layers.qsa_attention as qsa_attention
+
+    path = tmp_path / "m"
+    weights = write_checkpoint(path, {**TEXT, "indexer_budget": 32})
+    prompt = prompt_of(90, 5)
+    want = reference_greedy(weights, path, prompt)
+    dense, sparse = [], []
+    real_dense, real_sparse = qsa_attention.paged_attention, qsa_attention.sparse_decode_attention
+    monkeypatch.setattr(qsa_attention, "paged_attention",
+                        lambda q, *a: dense.append((q.shape[0], a[3])) or real_dense(q, *a))
+    monkeypatch.setattr(qsa_attention, "sparse_decode_attention",
+                        lambda q, *a, **k: sparse.append(q.shape[0]) or real_sparse(q, *a, **k))
+    with make_llm(path, max_prefill_length=64, num_tokens=1024) as llm:
+        assert [r.token_ids for r in llm.generate(prompt_token_ids=[prompt], **GREEDY_OPTS)] == [want]
+    assert dense and set(dense) == {(35, 0)}  # every QSA layer: rows 0 .. 34 of the first chunk
+    assert {29, 26} <= set(sparse) and max(sparse) == 29
+
+
 def test_qsa_selection_is_seen(tmp_path):
     """Negative control: the reference with a budget covering the whole prompt (dense attention)
     gives other tokens for the 150-token prompt, so the equality above depends on the selection."""

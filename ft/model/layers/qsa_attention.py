@@ -7,10 +7,12 @@ attention kernels unchanged: there dense attention is QSA exactly. A decode step
 runs the selection in fixed shapes (a CUDA graph holds them): `ft.kernels.qsa.block_scores` (Triton:
 each block's raw keys read through the page table, meaned, normed, rotated, scored; bounded by each
 sequence's length), `select_decode_tokens` (Triton: the best blocks, ties to the lower block), one
-`sparse_decode_attention` launch (split-K over the lists). A prefill past the span selects in torch (its
-raw keys gathered from the pages and compressed, each query's blocks chosen, in blocks of queries)
-and attends with the same kernel, each query a row with its own list. The score kernel re-reads every raw key each step (4x a compressed cache's
-bytes): a compressed-key cache is the next step (issue 38).
+`sparse_decode_attention` launch (split-K over the lists). A prefill past the span runs its queries still
+inside it (positions below `dense_limit`) through the causal prefill attention, and selects for the rest
+(their raw keys gathered from the pages and compressed, each query's blocks chosen, by default by the
+decode path's top-k, in blocks of queries) and attends with the same kernel, each query a row with its
+own list (one split a row at a prefill's thousands: `QsaOptions.one_pass`). The score kernel re-reads
+every raw key each step (4x a compressed cache's bytes): a compressed-key cache is the next step (issue 38).
 """
 
 from __future__ import annotations
@@ -148,18 +150,21 @@ class QSAAttention(GatedAttention):
     def _sparse(self, q: torch.Tensor, iq: torch.Tensor, start: int, page_table: torch.Tensor, kv: tuple,
                 index_keys: torch.Tensor, rope: Rope) -> torch.Tensor:
         """One sequence's queries q [n, Hq, D] at positions start.. (indexer queries iq [n, Hi, Di]) over
-        the tokens each selects, its context 0 .. start + n - 1 read from the pages -> [n, Hq, D]: each
-        query a row of `sparse_decode_attention` (its list, the sequence's page table), in blocks of
-        queries that bound the selection's scores ([n, Hi, blocks] fp32)."""
+        the tokens each selects, its context 0 .. start + n - 1 read from the pages -> [n, Hq, D]. The
+        queries whose context fits the dense span (positions below `dense_limit`: the indexer selects every
+        token) run the causal prefill attention, which QSA is there; each later query a row of
+        `sparse_decode_attention` (its list, the sequence's page table), in blocks of queries that bound the
+        selection's scores ([n, Hi, blocks] fp32)."""
         k_cache, v_cache, kv_scale = kv
         n, total = q.shape[0], start + q.shape[0]
+        dense = min(n, max(0, self.dense_limit - start))
+        out = [paged_attention(q[:dense], k_cache, v_cache, page_table, start, self.scale, kv_scale)] if dense else []
         blocks = self._blocks(total, page_table, index_keys, rope)  # [V, Di]: the complete blocks
         step = max(1, SCORE_BYTES // (4 * self.index_heads * max(1, blocks.shape[0])))
         if not uses_triton(q.device):  # the reference gathers each row's K and V (fp32): bound those too
             width = self.budget_blocks * self.ratio + self.ratio - 1
             step = min(step, max(1, SCORE_BYTES // (2 * 4 * width * self.num_kv_heads * self.head_dim)))
-        out = []
-        for a in range(0, n, step):
+        for a in range(dense, n, step):
             rows = min(n, a + step) - a
             qpos = torch.arange(start + a, start + a + rows, device=q.device)
             if kernel_options().qsa.prefill_select_kernel:  # the same set, by the decode path's top-k
