@@ -19,23 +19,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from ft.kernels.options import DEFAULTS, VARIANTS, kernel_options, set_kernel_options, variant
-from ft.engine.core.engine import Engine
-from ft.engine.base.engine_config import EngineConfig
-from ft.engine.base.sampling_params import SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.variant_args import DEFINE_HELP, define_variants  # noqa: E402
+from ft.kernels.options import DEFAULTS, VARIANTS, kernel_options, set_kernel_options, variant  # noqa: E402
+from ft.engine.core.engine import Engine  # noqa: E402
+from ft.engine.base.engine_config import EngineConfig  # noqa: E402
+from ft.engine.base.sampling_params import SamplingParams  # noqa: E402
 
 COPY_BW = 4.3e12
-
-
-def _tuples(value):
-    """JSON lists as tuples, nested (the kernel options' tile fields are tuples)."""
-    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
 def main() -> None:
@@ -89,8 +87,8 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME",
                     help="a named kernel variant (ft.kernels.options.VARIANTS, e.g. moe-decode-per-pair); repeatable")
     ap.add_argument("--define", action="append", default=[], metavar="NAME=JSON",
-                    help="an ad-hoc variant for --modes' MODE:NAME: options keyed 'operation.field' as JSON (lists become "
-                         "tuples), e.g. gu='{\"moe.decode_gate_up_two_tiles\": [4, 0, 2]}'; repeatable")
+                    help="for --modes' MODE:NAME, " + DEFINE_HELP
+                    + ", e.g. gu='{\"moe.decode_gate_up_two_tiles\": [4, 0, 2]}'")
     ap.add_argument("--gpu-time", type=int, default=0, metavar="STEPS",
                     help="after each mode's timed run at each batch, profile this many decode steps (CUDA activity "
                          "only) and add the GPU's busy ms a step to the table, with each mode's largest per-kernel "
@@ -119,15 +117,7 @@ def main() -> None:
     ap.add_argument("--prmt-stages", type=int, default=0, metavar="S",
                     help="the byte-permute halves' pipeline stages (DecodeAttentionOptions.prmt_stages) instead of the library's")
     args = ap.parse_args()
-    for spec in args.define:
-        name, _, body = spec.partition("=")
-        if not name or name in VARIANTS:
-            raise SystemExit(f"--define NAME=JSON: {name!r} is empty or a named variant already")
-        try:
-            VARIANTS[name] = {key: _tuples(value) for key, value in json.loads(body).items()}
-            variant(name)  # (an unknown option fails here, not after the engine is up)
-        except (ValueError, TypeError, AttributeError) as exc:
-            raise SystemExit(f"--define {name}: {exc}") from None
+    define_variants(args.define)
     att = DEFAULTS.decode_attention
     changes = {key: value for key, value, given in (
         ("decode_attention.prmt_programs_per_sm", args.prmt_programs_per_sm, args.prmt_programs_per_sm >= 0),

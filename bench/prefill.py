@@ -29,15 +29,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
-import ft.kernels.attention as attention
-from ft.engine.core.engine import Engine
-from ft.engine.base.engine_config import EngineConfig
-from ft.engine.base.sampling_params import SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import ft.kernels.attention as attention  # noqa: E402
+from bench.variant_args import DEFINE_HELP, define_variants  # noqa: E402
+from ft.engine.core.engine import Engine  # noqa: E402
+from ft.engine.base.engine_config import EngineConfig  # noqa: E402
+from ft.engine.base.sampling_params import SamplingParams  # noqa: E402
 
 # kernel-name fragments -> family, first match wins (names of Triton kernels and torch's ATen kernels)
 FAMILIES = [
@@ -71,7 +76,9 @@ def main() -> None:
                          "--moe-words)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME",
                     help="a named kernel variant (ft.kernels.options.VARIANTS) for the whole run, e.g. "
-                         "qsa-prefill-select-torch; repeatable")
+                         "qsa-prefill-select-torch, or one --define names; repeatable")
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=JSON",
+                    help="for --variant NAME, " + DEFINE_HELP + ", e.g. t64='{\"qsa.one_split_tile\": [64, 4, 3]}'")
     ap.add_argument("--library", default="on", choices=["on", "off", "both"],
                     help="long-prefix chunks on cuDNN (PrefillAttentionOptions.library_on_cuda); both: off, then on")
     ap.add_argument("--host-profile", type=int, default=0, metavar="LEN",
@@ -94,6 +101,7 @@ def main() -> None:
     lengths = [int(n) for n in args.lengths.split(",")]
     from ft.kernels.options import kernel_options, set_kernel_options, variant
 
+    define_variants(args.define)
     set_kernel_options(variant(*(["moe-bytes"] if args.moe_bytes else []), *args.variant))
     grouped = [tuple(int(v) for v in c.split(",")) for c in args.grouped_configs.split(";") if c.strip()] or [None]
     pass_tokens = [int(v) for v in args.grouped_max_tokens.split(",") if v.strip()] or [None]
