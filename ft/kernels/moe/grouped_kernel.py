@@ -48,7 +48,9 @@ layer of the 80B's experts, ms for both passes, two rounds each: 4,096 tokens 1.
 1.704 for BLOCK_K 128 in 3 stages, 8,192 3.024 / 3.029 against 3.160 / 3.161, 12,288 3.416 / 3.417 against
 3.557 / 3.559, 16,384 4.574 / 4.577 against 4.877 / 4.776: 4-5% at every length; 4 stages in between). Session
 12 had found BLOCK_K 128 better on the H200 with the byte-wise decode and tiles-first order (2.003 -> 1.963 ms
-at 4,096); variant "moe-grouped-down-k128" restores it for an A/B. 256-pair tiles (session 64, a 16K pass gives
+at 4,096); variant "moe-grouped-down-k128" restores it for an A/B: in whole prefills (session 65, H100, 12 layers
+of either model, alternating) the two tie within 1-2%; not yet timed on an H200 with today's decode, the variant stays
+for that A/B. 256-pair tiles (session 64, a 16K pass gives
 an expert ~320 pairs) lost at 16,384 tokens, 5.90-22.86 ms against 4.76-4.81, and tied or lost at 8,192."""
 GROUPED_CONFIG_SHORT = (32, 64, 128, 4, 3, True)
 """The tile of shorter passes: at 1,024 tokens (~20 pairs per expert) 1.187 ms against 1.325 for
