@@ -2,7 +2,7 @@
 2,051 positions its indexer chose. Not a test.
 
     PYTHONPATH=. python3 bench/qsa_attention.py [--context 16384] [--rows 4096] [--lists random,local]
-        [--variants default,qsa-sparse-combine] [--tile 64,4,3 ...]
+        [--variants default,qsa-sparse-combine] [--tile 64,4,3[,combine] ...]
 
 Qwen3.8-Flash-Next's QSA layer (24 query heads over 2 KV heads of 256, budget 2,048 tokens in blocks of
 4, the engine's page of 64 tokens in a shuffled order): one `sparse_decode_attention` launch as
@@ -58,8 +58,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=4096, help="queries a launch (the prompt's last ones)")
     ap.add_argument("--lists", default="random,local")
     ap.add_argument("--variants", default="default,qsa-sparse-combine")
-    ap.add_argument("--tile", action="append", default=[], metavar="N,WARPS,STAGES",
-                    help="an ad-hoc QsaOptions.one_split_tile, timed as a variant of its own")
+    ap.add_argument("--tile", action="append", default=[], metavar="N,WARPS,STAGES[,combine]",
+                    help="an ad-hoc QsaOptions.one_split_tile, timed as a variant of its own (with ',combine': "
+                         "the partials and the combine launch, variant qsa-sparse-combine's path, at that tile)")
     ap.add_argument("--kv", choices=["bf16", "fp8"], default="bf16")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -80,8 +81,13 @@ def main() -> None:
     out_rows = []
     specs = [(name, variant() if name == "default" else variant(name)) for name in args.variants.split(",")]
     for t in args.tile:
-        n, w, s = (int(x) for x in t.split(","))
-        specs.append((f"tile {n}x{w}w{s}s", variant(**{"qsa.one_split_tile": (n, w, s)})))
+        fields = t.split(",")
+        combine = fields[3:] == ["combine"]
+        if len(fields) != 3 and not combine:
+            raise SystemExit(f"--tile {t!r}: N,WARPS,STAGES[,combine]")
+        n, w, s = (int(x) for x in fields[:3])
+        specs.append((f"tile {n}x{w}w{s}s" + (" combine" if combine else ""),
+                      variant(**{"qsa.one_split_tile": (n, w, s), **({"qsa.one_pass": False} if combine else {})})))
     for kind in args.lists.split(","):
         tokens = token_lists(ctx, rows, budget // ratio, ratio, kind, dev)
         tables = table.expand(rows, -1)

@@ -5,11 +5,14 @@ the context's reset after EOS, chunked = whole, and the PLE delta's causality an
 from __future__ import annotations
 
 import math
+import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from ft.model.layers.engram import EngramHashing, PLEWeights, next_primes, ple_delta, ple_delta_batched
+from ft.model.layers.engram import (PLE_CHUNK_BYTES, EngramHashing, PLEWeights, next_primes, ple_chunk_tokens, ple_delta,
+                                    ple_delta_batched)
 from ft.model.layers.hyper_connection import grouped_rms_norm
 
 EOS = 248044
@@ -188,3 +191,82 @@ def test_batched_ple_delta_equals_each_sequence_alone():
         want, hist = ple_delta(emb[sl], streams[sl], w, histories[b])
         torch.testing.assert_close(delta[sl], want, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(new[b], hist, rtol=1e-6, atol=1e-6)  # (batched GEMMs: last-bit differences)
+
+
+def test_batched_ple_delta_in_chunks_gives_the_same_bits():
+    """ple_delta_batched's chunks (gate, conv inputs, conv) change no bit of the delta or the histories on the
+    CPU, at chunk lengths shorter than a sequence, than the history, and longer than the batch."""
+    w = _weights()
+    c, d, e = 2, 8, 12
+    g = torch.Generator().manual_seed(5)
+    t = sum(LENGTHS)
+    emb, streams = torch.randn(t, e, generator=g), torch.randn(t, c, d, generator=g)
+    histories = torch.randn(len(LENGTHS), w.history, c * d, generator=g)
+    cu = torch.tensor([0] + LENGTHS).cumsum(0)
+    whole, whole_new = ple_delta_batched(emb, streams, w, histories, cu, chunk_tokens=t)
+    for step in (1, 3, 7, 10, t + 5):
+        delta, new = ple_delta_batched(emb, streams, w, histories, cu, chunk_tokens=step)
+        assert torch.equal(delta, whole), step
+        assert torch.equal(new, whole_new), step
+
+
+def test_the_ple_chunk_bounds_its_temporaries():
+    """Chunks of about PLE_CHUNK_BYTES of fp32 temporaries at Flash-Next's width (4 streams of 2,560), never
+    under 16 tokens."""
+    n = ple_chunk_tokens(4, 2560)
+    assert 6 * 4 * 4 * 2560 * n <= PLE_CHUNK_BYTES < 6 * 4 * 4 * 2560 * (n + 1)
+    assert ple_chunk_tokens(4, 1 << 30) == 16
+
+
+class _PeakBytes(TorchDispatchMode):
+    """The most bytes of tensor storage that ops made inside the mode held at once (inputs not counted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.now = self.peak = 0
+        self.seen_inputs: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for a in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() not in self.live:
+                self.seen_inputs.add(a.untyped_storage().data_ptr())
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            s = t.untyped_storage()
+            key = s.data_ptr()
+            if key in self.live or key in self.seen_inputs or not s.nbytes():
+                continue
+            self.live[key] = s.nbytes()
+            self.now += s.nbytes()
+            self.peak = max(self.peak, self.now)
+            weakref.finalize(s, self._free, key)
+        return out
+
+    def _free(self, key: int) -> None:
+        self.now -= self.live.pop(key, 0)
+
+
+def test_batched_ple_delta_holds_its_temporaries_to_a_chunk():
+    """Beside its inputs, a chunked ple_delta_batched holds the gated values, the conv's input rows and the
+    value projection for the whole batch plus about one chunk's temporaries (`ple_chunk_tokens`' six fp32 rows
+    of C x D a token, with slack for the index tensors); unchunked, the temporaries scale with the batch."""
+    c, d, e, t, chunk = 4, 64, 48, 2048, 64
+    g = torch.Generator().manual_seed(6)
+    w = PLEWeights(key_proj=torch.randn(c * d, e, generator=g) * 0.02, value_proj=torch.randn(d, e, generator=g) * 0.02,
+                   norm_key=torch.zeros(c * d), norm_query=torch.zeros(c * d), norm_conv=torch.zeros(c * d),
+                   conv=torch.randn(c * d, 4, generator=g) * 0.1, streams=c)
+    emb, streams = torch.randn(t, e, generator=g), torch.randn(t, c, d, generator=g)
+    histories = torch.randn(3, w.history, c * d, generator=g)
+    cu = torch.tensor([0, 100, 1500, t])
+    whole = (t * (2 * c * d + d) + 3 * w.history * c * d) * 4
+    bound = whole + chunk * 10 * 4 * c * d
+    peaks = {}
+    for step in (chunk, t):
+        with _PeakBytes() as meter:
+            ple_delta_batched(emb, streams, w, histories, cu, chunk_tokens=step)
+        peaks[step] = meter.peak
+    assert whole < peaks[chunk] <= bound, peaks
+    assert peaks[t] > bound + t * 3 * 4 * c * d, peaks  # (what the chunks save: several fp32 rows a token)

@@ -7,7 +7,8 @@ decode selection (4 indexer heads of 128, contexts to 70K tokens of a 256K limit
 HyperConnection kernels (4 streams of 2,560; the fused read against the cuBLAS read), and the sigmoid-gated RMSNorm (48 value heads of 128).
 Beside them the streamed prefill's expert copy (`copy_rows`) at the 80B's NVFP4 expert tensors, and the
 slot writes of a padded decode step (`write_slots`) inside a CUDA graph, and the decode-step Engram
-(`ngram_rows_decode`, `ple_decode`: the seeds' 16 heads, 4 streams of 2,560, a history of 9) in a graph."""
+(`ngram_rows_decode`, `ple_decode`: the seeds' 16 heads, 4 streams of 2,560, a history of 9) in a graph, and the
+prefill's PLE in chunks against one chunk."""
 
 from __future__ import annotations
 
@@ -307,3 +308,35 @@ def test_the_fused_hyper_connection_read_at_the_flagship_shape(tokens, inject, f
     else:
         assert gates is None
     torch.cuda.synchronize()
+
+
+def test_the_prefill_ple_in_chunks_on_the_device():
+    """`ple_delta_batched` at the seeds' geometry (4 streams of 2,560, 16 x 160 embedding, 4 taps at dilation 3),
+    3,000 tokens in three sequences with carried histories: in default chunks (1,092 tokens) as unchunked, but
+    for the order of torch's reductions over a chunk's rows (bf16 closeness; the new histories too); the
+    allocator's peak over the inputs below the unchunked form's."""
+    from ft.model.layers.engram import PLEWeights, ple_chunk_tokens, ple_delta_batched
+
+    c, d, e, t = 4, 2560, 2560, 3000
+    g = torch.Generator(device=DEV).manual_seed(7)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device=DEV, generator=g) * scale).to(torch.bfloat16)
+
+    w = PLEWeights(key_proj=rand(c * d, e, scale=0.02), value_proj=rand(d, e, scale=0.02), norm_key=rand(c * d, scale=0.1),
+                   norm_query=rand(c * d, scale=0.1), norm_conv=rand(c * d, scale=0.1), conv=rand(c * d, 4, scale=0.3),
+                   streams=c)
+    emb, streams, hist = rand(t, e), rand(t, c, d), rand(3, w.history, c * d)
+    cu = torch.tensor([0, 5, 1800, t], device=DEV)
+    peaks, outs = [], []
+    for chunk in (ple_chunk_tokens(c, d), t):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        outs.append(ple_delta_batched(emb, streams, w, hist, cu, chunk_tokens=chunk))
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+    (delta, new), (whole, whole_new) = outs
+    torch.testing.assert_close(delta, whole, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(new, whole_new, rtol=2e-2, atol=2e-2)
+    assert peaks[0] < peaks[1], peaks

@@ -17,6 +17,7 @@ from ft.kernels.moe import SlotWeights, moe_workspace_bytes
 from ft.kernels.nvfp4 import DEQUANT_MM_MIN_M
 from ft.model.checkpoint import CheckpointReader, host_bytes, load_weights
 from ft.model.config import ModelConfig
+from ft.model.layers.engram import ple_chunk_tokens
 from ft.model.layers.linear import NVFP4Weight
 from ft.model import qwen3_8_flash_next, qwen3_next
 from ft.model.qwen3_next import Qwen3NextModel
@@ -122,7 +123,11 @@ def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
     logits, plus one NVFP4 projection decoded to `dtype` for a prefill chunk's cuBLAS GEMM
     (`ft.kernels.nvfp4.DEQUANT_MM_MIN_M`), plus the library prefill attention's transients on CUDA
     where a context of `context_limit` positions on a `kv_dtype` (None: `dtype`) cache can reach it
-    (`ft.kernels.attention.use_library_prefill`). Estimated from the config, not profiled: a serving run's
+    (`ft.kernels.attention.use_library_prefill`). For Qwen3.8-Flash-Next the MoE's workspace is the larger of it
+    and one chunk of the PLE layer's temporaries (`ft.model.layers.engram.PLE_CHUNK_BYTES` at most): the PLE
+    runs before its layer's MoE and after the previous one's, so the two are never alive at once (its
+    whole-batch tensors, two C x hidden rows and one hidden row a token, fit the widest projection's two).
+    Estimated from the config, not profiled: a serving run's
     caching-allocator peak is checked against it by hand (bench/RESULTS.md session 54: 16K-token prompts on the
     80B peaked within 0.2 GiB of the weights plus this reserve), and `ft.memory.device_memory` shows the card's
     use beside the budget on every server."""
@@ -151,4 +156,6 @@ def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
             and context_limit > attention.LIBRARY_GRANULE_KEYS and kernel_options().prefill_attention.library_on_cuda:
         library = attention.library_prefill_reserve(prefill_tokens, cfg.num_attention_heads, cfg.num_key_value_heads,
                                                     cfg.head_dim, torch.finfo(dtype).bits // 8)
+    if cfg.is_flash_next:  # (6 fp32 C x hidden rows a token of a chunk: `engram.ple_chunk_tokens`' count)
+        moe = max(moe, min(prefill_tokens, ple_chunk_tokens(streams, cfg.hidden_size)) * 6 * 4 * streams * cfg.hidden_size)
     return prefill_tokens * per_token + moe + decoded + library + max_running * cfg.vocab_size * 4

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from ft.model.layers.hyper_connection import grouped_rms_norm
 
-__all__ = ["DEFAULT_MULTIPLIERS", "EngramHashing", "PLEWeights", "next_primes", "ple_delta", "ple_delta_batched"]
+__all__ = ["DEFAULT_MULTIPLIERS", "PLE_CHUNK_BYTES", "EngramHashing", "PLEWeights", "next_primes", "ple_chunk_tokens",
+           "ple_delta", "ple_delta_batched"]
 
 DEFAULT_MULTIPLIERS = (23703573157769, 20109073645365, 8052911324071)
 """The hash's odd int64 multipliers: index 0 multiplies the current token, 1 the previous, 2 the one
@@ -231,32 +232,59 @@ def ple_delta(embedding: torch.Tensor, streams: torch.Tensor, w: PLEWeights,
     return delta, seq[-hist:].clone()
 
 
+PLE_CHUNK_BYTES = 256 << 20
+"""What `ple_delta_batched`'s per-chunk temporaries may hold (bytes): its gate and its convolution run over the
+packed tokens in chunks of `ple_chunk_tokens`, so that a prefill's transients beside the whole-batch tensors stay
+this size at any chunk length (unchunked, a 16K-token prefill held ~240 KiB a token here: 3.7 GiB, over the
+activation reserve's per-token estimate; `ft.engine.ranks.loader.activation_reserve` counts this bound)."""
+
+
+def ple_chunk_tokens(streams: int, width: int) -> int:
+    """Tokens a chunk of `ple_delta_batched` handles: its temporaries bounded by `PLE_CHUNK_BYTES` (about six
+    fp32 [tokens, C*D] tensors at the worst moment, the torch norms' upcasts counted)."""
+    return max(16, PLE_CHUNK_BYTES // (6 * 4 * streams * width))
+
+
 def ple_delta_batched(embedding: torch.Tensor, streams: torch.Tensor, w: PLEWeights, histories: torch.Tensor,
-                      cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                      cu_seqlens: torch.Tensor, chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`ple_delta` for B sequences at once, on the device and without a host read.
 
     Args:
         embedding: [T, E], streams: [T, C, D] the new tokens of B sequences, flattened in order.
         histories: [B, history, C*D] each sequence's conv history (as `ple_delta`'s conv_history).
         cu_seqlens: [B + 1] the sequences' offsets (every length >= 1).
+        chunk_tokens: tokens a chunk of the elementwise work (default `ple_chunk_tokens`); any value gives
+            the same bits (each op is per token, or per token and channel, in the same order).
     Returns:
-        (delta [T, C*D], the new histories [B, history, C*D]): per sequence what `ple_delta` returns."""
+        (delta [T, C*D], the new histories [B, history, C*D]): per sequence what `ple_delta` returns.
+
+    Memory: besides its inputs, two [T, C*D] tensors in the activations' dtype for the whole call (the key
+    projection, later the convolution's inputs) and the delta, plus one chunk's temporaries."""
     t, c, d = streams.shape
     if c != w.streams:
         raise ValueError(f"{c} streams, the PLE weights are for {w.streams}")
-    key = grouped_rms_norm(F.linear(embedding, w.key_proj), w.norm_key, c, w.eps).reshape(t, c, d)
-    query = grouped_rms_norm(streams.reshape(t, c * d), w.norm_query, c, w.eps).reshape(t, c, d)
-    value = F.linear(embedding, w.value_proj)
-    g = (key * query).sum(-1) / math.sqrt(d)
-    g = torch.sign(g) * torch.sqrt(torch.clamp(g.abs(), min=1e-6))
-    u = (torch.sigmoid(g)[:, :, None] * value[:, None, :]).reshape(t, c * d)
-    u_hat = grouped_rms_norm(u, w.norm_conv, c, w.eps)
+    step = max(1, chunk_tokens or ple_chunk_tokens(c, d))
+    key_all = F.linear(embedding, w.key_proj)  # [T, C*D] (whole: a GEMM's bits may follow its row count)
+    value = F.linear(embedding, w.value_proj)  # [T, D]
+    u = torch.empty(t, c * d, dtype=value.dtype, device=value.device)  # the gated values, later the delta
+    for a in range(0, t, step):
+        z = min(t, a + step)
+        key = grouped_rms_norm(key_all[a:z], w.norm_key, c, w.eps).reshape(z - a, c, d)
+        query = grouped_rms_norm(streams[a:z].reshape(z - a, c * d), w.norm_query, c, w.eps).reshape(z - a, c, d)
+        g = (key * query).sum(-1) / math.sqrt(d)
+        g = torch.sign(g) * torch.sqrt(torch.clamp(g.abs(), min=1e-6))
+        u[a:z] = (torch.sigmoid(g)[:, :, None] * value[a:z, None, :]).reshape(z - a, c * d)
+    del key_all
     b, hist = histories.shape[0], w.history
     # every row a tap may read: the B histories (row b * hist + j), then this batch's u_hat (row B * hist + t)
-    rows = torch.cat([histories.to(u_hat.dtype).reshape(b * hist, c * d), u_hat])
+    rows = torch.empty(b * hist + t, c * d, dtype=u.dtype, device=u.device)
+    rows[:b * hist] = histories.to(u.dtype).reshape(b * hist, c * d)
+    for a in range(0, t, step):
+        rows[b * hist + a: b * hist + min(t, a + step)] = grouped_rms_norm(u[a:a + step], w.norm_conv, c, w.eps)
     cu = cu_seqlens.to(torch.int64)
-    seq = torch.searchsorted(cu[1:], torch.arange(t, device=u.device), right=True)
-    local = torch.arange(t, device=u.device) - cu[seq]
+    positions = torch.arange(t, device=u.device)
+    seq = torch.searchsorted(cu[1:], positions, right=True)
+    local = positions - cu[seq]
 
     def source(back: torch.Tensor | int, at: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
         """The row of position `at - back` of sequence `owner` (at: its local index): in this batch or
@@ -265,10 +293,13 @@ def ple_delta_batched(embedding: torch.Tensor, streams: torch.Tensor, w: PLEWeig
         return torch.where(p >= 0, b * hist + cu[owner] + p, owner * hist + hist + p)
 
     k = w.conv.shape[-1]
-    conv = sum(rows[source((k - 1 - j) * w.dilation, local, seq)].float() * w.conv[:, j].float() for j in range(k))
-    delta = u + F.silu(conv.to(u.dtype))
+    taps = [w.conv[:, j].float() for j in range(k)]
+    for a in range(0, t, step):  # delta = u + silu(conv(u_hat)), the taps summed in fp32 in order, into u
+        z = min(t, a + step)
+        conv = sum(rows[source((k - 1 - j) * w.dilation, local[a:z], seq[a:z])].float() * taps[j] for j in range(k))
+        u[a:z] += F.silu(conv.to(u.dtype))
     lengths = cu[1:] - cu[:-1]  # [B]
     keep = torch.arange(hist, device=u.device)[None, :] - hist  # the last `hist` positions, oldest first
     owner = torch.arange(b, device=u.device)[:, None].expand(b, hist)
     new = rows[source(0, lengths[:, None] + keep, owner)]  # [B, hist, C*D]
-    return delta, new.to(histories.dtype)
+    return u, new.to(histories.dtype)
