@@ -1,11 +1,14 @@
-"""Qwen3.8-Flash-Next's PLE layer over a prefill chunk (`ft.model.layers.engram.ple_delta_batched`): its time and
-the memory it takes beside its inputs, in token chunks of the default size and unchunked. Not a test.
+"""Qwen3.8-Flash-Next's PLE layer over a prefill chunk: its time and the memory it takes beside its inputs, in the
+Triton form the engine runs on a GPU (`ft.kernels.engram.ple_prefill`, its key/value GEMM included) and in the
+model's torch form (`ft.model.layers.engram.ple_delta_batched`) in token chunks of the default size or unchunked.
+Not a test.
 
-    PYTHONPATH=. python3 bench/ple_prefill.py [--tokens 4096,16384] [--chunks default,whole] [--repeat 5]
+    PYTHONPATH=. python3 bench/ple_prefill.py [--tokens 4096,16384] [--forms triton,default,whole] [--repeat 5]
 
 The released model's geometry (4 HyperConnection streams of 2,560, an embedding of 16 x 160, a 4-tap conv at
 dilation 3), bf16, one sequence with an empty history, random weights (the layer's cost does not depend on
-them). `--chunks`: "default" (`ple_chunk_tokens`), "whole" (one chunk: the form before chunks) or a token count.
+them). `--forms`: "triton", or the torch form's chunks: "default" (`ple_chunk_tokens`), "whole" (one chunk: the
+form before chunks) or a token count.
 Prints the median ms of `--repeat` calls after a warm one, and the caching allocator's peak over the inputs
 (MiB, `torch.cuda.max_memory_allocated` less what was allocated before the call). Table last.
 """
@@ -21,6 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch.nn.functional as F  # noqa: E402
+
+from ft.kernels.engram import ple_prefill  # noqa: E402
 from ft.model.layers.engram import PLEWeights, ple_chunk_tokens, ple_delta_batched  # noqa: E402
 
 
@@ -31,7 +37,7 @@ def _mib(peak: float | None) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="4096,16384")
-    ap.add_argument("--chunks", default="default,whole")
+    ap.add_argument("--forms", default="triton,default,whole")
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -49,9 +55,17 @@ def main() -> None:
         emb, streams = rand(t, e), rand(t, c, d)
         hist = torch.zeros(1, w.history, c * d, dtype=dt, device=dev)
         cu = torch.tensor([0, t], device=dev)
-        for name in args.chunks.split(","):
-            chunk = {"default": ple_chunk_tokens(c, d), "whole": t}.get(name) or int(name)
-            ple_delta_batched(emb, streams, w, hist, cu, chunk_tokens=chunk)  # warm (allocator, kernels)
+        key_value = torch.cat([w.key_proj, w.value_proj])
+        for name in args.forms.split(","):
+            chunk = t if name == "triton" else {"default": ple_chunk_tokens(c, d), "whole": t}.get(name) or int(name)
+
+            def form():
+                if name == "triton":
+                    return ple_prefill(streams.reshape(t, c * d), F.linear(emb, key_value), hist, cu, w.norm_key,
+                                       w.norm_query, w.norm_conv, w.conv, c, w.dilation, w.eps)
+                return ple_delta_batched(emb, streams, w, hist, cu, chunk_tokens=chunk)
+
+            form()  # warm (allocator, kernels)
             times, peak = [], None  # (MiB; the CPU has no allocator's peak)
             for _ in range(args.repeat):
                 if dev.type == "cuda":
@@ -60,7 +74,7 @@ def main() -> None:
                     torch.cuda.reset_peak_memory_stats()
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
-                    out = ple_delta_batched(emb, streams, w, hist, cu, chunk_tokens=chunk)
+                    out = form()
                     end.record()
                     torch.cuda.synchronize()
                     times.append(start.elapsed_time(end))
@@ -68,12 +82,12 @@ def main() -> None:
                 else:
                     import time
                     t0 = time.perf_counter()
-                    out = ple_delta_batched(emb, streams, w, hist, cu, chunk_tokens=chunk)
+                    out = form()
                     times.append((time.perf_counter() - t0) * 1e3)
                 del out
             rows.append((t, name, min(chunk, t), statistics.median(times), peak))
-            print(f"{t} tokens, chunks {name} ({min(chunk, t)}): {rows[-1][3]:.3f} ms, peak {_mib(peak)} MiB", flush=True)
-    print(f"\n{'tokens':>7} {'chunks':>8} {'chunk':>6} {'ms':>9} {'peak MiB':>9} {'KiB/token':>9}")
+            print(f"{t} tokens, {name} ({min(chunk, t)}): {rows[-1][3]:.3f} ms, peak {_mib(peak)} MiB", flush=True)
+    print(f"\n{'tokens':>7} {'form':>8} {'chunk':>6} {'ms':>9} {'peak MiB':>9} {'KiB/token':>9}")
     for t, name, chunk, ms, peak in rows:
         per_token = "-" if peak is None else f"{peak * 1024 / t:.1f}"
         print(f"{t:>7} {name:>8} {chunk:>6} {ms:>9.3f} {_mib(peak):>9} {per_token:>9}")

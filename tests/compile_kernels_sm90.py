@@ -30,6 +30,7 @@ from ft.kernels.attention import decode_tuning as attn_tuning  # noqa: E402
 from ft.kernels.attention import prefill_kernel as attn_pf  # noqa: E402
 from ft.kernels.attention import sparse_decode as attn_sparse  # noqa: E402
 from ft.kernels.dense import kernel as dense  # noqa: E402
+from ft.kernels.engram import kernel as engram  # noqa: E402
 from ft.kernels.gated_delta import kernel as gd  # noqa: E402
 from ft.kernels.gated_delta import chunk_kernel as gd_chunk  # noqa: E402
 from ft.kernels.hyper_connection import kernel as hc  # noqa: E402
@@ -449,6 +450,12 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
      {**SPARSE, "p_k": "*u8", "p_v": "*u8"},
      {**SPARSE_CFG, "KV_NVFP4": True, "ONE_PASS": True, "BLOCK_N": OPTIONS.qsa.one_split_tile[0],
       "num_warps": OPTIONS.qsa.one_split_tile[1], "num_stages": OPTIONS.qsa.one_split_tile[2]}),
+    # Flash-Next's PLE over a prefill's packed tokens (4 streams of 2,560: blocks of 1,024 columns, 4 taps at 3)
+    ("PLE prefill conv, 4 taps, dilation 3", engram._ple_conv_prefill_kernel,
+     {"p_x": "*bf16", "p_u": "*bf16", "p_uh": "*bf16", "p_hist": "*bf16", "p_seq": "*i64", "p_local": "*i64",
+      "p_w": "*bf16", "p_out": "*bf16", **ints("W", "stride_x", "stride_u", "stride_hb", "stride_hr", "stride_w",
+                                                "stride_o")},
+     {"K": 4, "DIL": 3, "BLOCK": engram.BLOCK_COLUMNS, "num_warps": 4}),
     ("decode attention combine", attn._decode_combine_kernel, COMBINE,
      {"CHUNK_S": 16, "BLOCK_D": 64, "HAS_GATE": False, "num_warps": 4}),
     ("decode attention combine, output gate", attn._decode_combine_kernel, COMBINE,

@@ -1,7 +1,8 @@
-"""Qwen3.8-Flash-Next's decode-step Engram (`ft.kernels.engram`): the Triton kernels against the torch
+"""Qwen3.8-Flash-Next's Engram kernels (`ft.kernels.engram`): the Triton kernels against the torch
 references under the interpreter, and the references against the model's batched torch forms
-(`EngramHashing.windows` / `rows_of_windows`, `ple_delta_batched`) on one token a sequence. Rows with
-slot -1 read empty states and write none; EOS ids inside a context cut the n-grams."""
+(`EngramHashing.windows` / `rows_of_windows`, `ple_delta_batched`) on one token a sequence (decode) and on
+packed sequences (prefill). Rows with slot -1 read empty states and write none; EOS ids inside a context cut
+the n-grams."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from ft.kernels.engram import ngram_rows_decode_ref, ple_decode_ref
+from ft.kernels.engram import ngram_rows_decode_ref, ple_decode_ref, ple_prefill_ref
 from ft.kernels.engram import kernel as details
 from ft.model.layers.engram import EngramHashing, PLEWeights, ple_delta_batched
 
@@ -113,3 +114,43 @@ def test_it_checks_its_inputs():
         details.ngram_rows_decode_triton(torch.zeros(1, dtype=torch.int64), torch.zeros(2, 4, dtype=torch.int64),
                                          torch.zeros(1, dtype=torch.int64), (1, 2, 3, 4, 5), torch.ones(4),
                                          torch.zeros(4), 1, EOS)
+
+
+PREFILL_LENGTHS = [1, 3, 12, 5, 10]
+"""Packed sequences shorter and longer than the 9-token history (K = 4 taps at dilation 3)."""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_ple_prefill_equals_the_decode_step_token_by_token_and_the_model(dtype):
+    """The prefill kernels = `ple_prefill_ref` (the decode reference over each token in order): the streams plus
+    delta and every sequence's history after its last token; in fp32 also the model's batched torch form."""
+    t = sum(PREFILL_LENGTHS)
+    w, histories, _, _ = _ple_inputs(dtype, seed=5, slots_n=len(PREFILL_LENGTHS))
+    g = torch.Generator().manual_seed(6)
+    emb = torch.randn(t, w.key_proj.shape[1], generator=g).to(dtype)
+    x = torch.randn(t, w.key_proj.shape[0], generator=g).to(dtype)
+    cu = torch.tensor([0] + PREFILL_LENGTHS).cumsum(0)
+    key_value = torch.nn.functional.linear(emb, torch.cat([w.key_proj, w.value_proj]).to(dtype))
+    norms = [t_.to(dtype) for t_ in (w.norm_key, w.norm_query, w.norm_conv, w.conv)]
+    want, want_h = ple_prefill_ref(x, key_value, histories, cu, *norms, w.streams, w.dilation, w.eps)
+    got, got_h = details.ple_prefill_triton(x, key_value, histories, cu, *norms, w.streams, w.dilation, w.eps)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got_h.float(), want_h.float(), rtol=tol, atol=tol)
+    assert torch.equal(want_h[0, :-1], histories[0, 1:])  # a one-token sequence: moved on by one row
+    if dtype != torch.float32:
+        return
+    delta, new = ple_delta_batched(emb, x.reshape(t, w.streams, -1), w, histories, cu)
+    torch.testing.assert_close(want, x + delta, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(want_h, new, rtol=1e-6, atol=1e-6)
+
+
+def test_ple_prefill_checks_its_inputs():
+    w, histories, emb, x = _ple_inputs(torch.float32)
+    kv = torch.zeros(4, x.shape[1] + 48)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        details.ple_prefill_triton(x, kv, histories, torch.tensor([0, 4]), w.norm_key, w.norm_query, w.norm_conv,
+                                   w.conv, 2, 3, w.eps)
+    with pytest.raises(ValueError, match="histories"):
+        details.ple_prefill_triton(x, kv, histories[:, :3], torch.tensor([0, 4]), w.norm_key, w.norm_query,
+                                   w.norm_conv, w.conv, 2, 3, w.eps)

@@ -40,7 +40,7 @@ from ft.model.config import ModelConfig
 from ft.model.forward_batch import ForwardBatch
 from ft.model.layers.attention import Rope
 from ft.model.layers.qsa_attention import QSAAttention
-from ft.kernels.engram import ngram_rows_decode, ple_decode
+from ft.kernels.engram import ngram_rows_decode, ple_decode, ple_prefill, ple_prefill_on_triton
 from ft.kernels.host_gather import gather_rows
 from ft.kernels.options import model_defaults, use_kernel_options
 from ft.kernels.slot_write import write_slots
@@ -346,7 +346,8 @@ class FlashNextModel:
         n-gram context and conv history (read from its mamba slot and written back). Device ops only, no
         host read: the table rows are read from host memory by the device (`gather_rows`). A decode
         step in five launches (`ft.kernels.engram`: the hashing, the gather, one GEMM, the gate, the
-        conv); a prefill hashes and convolves the packed batch in torch (`ple_delta_batched`)."""
+        conv); a prefill hashes the packed batch in torch and adds the delta in two Triton launches
+        (`ple_prefill`), or on the CPU in torch (`ple_delta_batched`)."""
         hs, eos, w = self.hashing, self.text.eos_token_id, ple.weights
         slots = batch.mamba_slots
         contexts, histories = pools.mamba.extra["ngram_context"], pools.mamba.extra["ple_conv"]
@@ -368,7 +369,12 @@ class FlashNextModel:
         windows, after = hs.windows(batch.input_ids, torch.where(stored == 0, eos, stored - 1), cu)
         emb = gather_rows(ple.table, hs.rows_of_windows(windows), x.dtype) if batch.ngram_rows is None \
             else batch.ngram_rows.to(x.dtype)
-        delta, history = ple_delta_batched(emb, x.reshape(x.shape[0], self.streams, -1), w, histories[slots], cu)
+        if ple_prefill_on_triton(x, self.streams):  # (two launches, no fp32 temporaries: `ft.kernels.engram`)
+            out, history = ple_prefill(x, F.linear(emb, ple.key_value), histories[slots], cu, w.norm_key, w.norm_query,
+                                       w.norm_conv, w.conv, self.streams, w.dilation, w.eps)
+        else:  # (the batched torch form, in chunks)
+            delta, history = ple_delta_batched(emb, x.reshape(x.shape[0], self.streams, -1), w, histories[slots], cu)
+            out = x + delta
         write_slots(contexts, slots, after + 1)
         write_slots(histories, slots, history)
-        return x + delta
+        return out

@@ -8,7 +8,7 @@ HyperConnection kernels (4 streams of 2,560; the fused read against the cuBLAS r
 Beside them the streamed prefill's expert copy (`copy_rows`) at the 80B's NVFP4 expert tensors, and the
 slot writes of a padded decode step (`write_slots`) inside a CUDA graph, and the decode-step Engram
 (`ngram_rows_decode`, `ple_decode`: the seeds' 16 heads, 4 streams of 2,560, a history of 9) in a graph, and the
-prefill's PLE in chunks against one chunk."""
+prefill's PLE (Triton, and the torch form in chunks) against the torch form in one chunk."""
 
 from __future__ import annotations
 
@@ -310,11 +310,14 @@ def test_the_fused_hyper_connection_read_at_the_flagship_shape(tokens, inject, f
     torch.cuda.synchronize()
 
 
-def test_the_prefill_ple_in_chunks_on_the_device():
-    """`ple_delta_batched` at the seeds' geometry (4 streams of 2,560, 16 x 160 embedding, 4 taps at dilation 3),
-    3,000 tokens in three sequences with carried histories: in default chunks (1,092 tokens) as unchunked, but
-    for the order of torch's reductions over a chunk's rows (bf16 closeness; the new histories too); the
-    allocator's peak over the inputs below the unchunked form's."""
+def test_the_prefill_ple_on_the_device():
+    """The prefill PLE at the seeds' geometry (4 streams of 2,560, 16 x 160 embedding, 4 taps at dilation 3),
+    3,000 tokens in three sequences with carried histories: the Triton form (`ple_prefill`) against the model's
+    torch form unchunked and in its default chunks (1,092 tokens), all within bf16 closeness (their reductions'
+    orders differ), the new histories too; the allocator's peak over the inputs: Triton < chunks < unchunked."""
+    import torch.nn.functional as F
+
+    from ft.kernels.engram import ple_prefill, ple_prefill_on_triton
     from ft.model.layers.engram import PLEWeights, ple_chunk_tokens, ple_delta_batched
 
     c, d, e, t = 4, 2560, 2560, 3000
@@ -327,16 +330,26 @@ def test_the_prefill_ple_in_chunks_on_the_device():
                    norm_query=rand(c * d, scale=0.1), norm_conv=rand(c * d, scale=0.1), conv=rand(c * d, 4, scale=0.3),
                    streams=c)
     emb, streams, hist = rand(t, e), rand(t, c, d), rand(3, w.history, c * d)
+    x = streams.reshape(t, c * d)
     cu = torch.tensor([0, 5, 1800, t], device=DEV)
-    peaks, outs = [], []
-    for chunk in (ple_chunk_tokens(c, d), t):
+    key_value = torch.cat([w.key_proj, w.value_proj])
+    assert ple_prefill_on_triton(x, c)
+    forms = {
+        "triton": lambda: ple_prefill(x, F.linear(emb, key_value), hist, cu, w.norm_key, w.norm_query, w.norm_conv,
+                                      w.conv, c, w.dilation, w.eps),
+        "chunks": lambda: ple_delta_batched(emb, streams, w, hist, cu, chunk_tokens=ple_chunk_tokens(c, d)),
+        "whole": lambda: ple_delta_batched(emb, streams, w, hist, cu, chunk_tokens=t),
+    }
+    peaks, outs = {}, {}
+    for name, form in forms.items():
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        outs.append(ple_delta_batched(emb, streams, w, hist, cu, chunk_tokens=chunk))
+        out, new = form()
         torch.cuda.synchronize()
-        peaks.append(torch.cuda.max_memory_allocated() - base)
-    (delta, new), (whole, whole_new) = outs
-    torch.testing.assert_close(delta, whole, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(new, whole_new, rtol=2e-2, atol=2e-2)
-    assert peaks[0] < peaks[1], peaks
+        peaks[name] = torch.cuda.max_memory_allocated() - base
+        outs[name] = (out if name == "triton" else x + out, new)
+    for name in ("chunks", "whole"):
+        torch.testing.assert_close(outs[name][0], outs["triton"][0], rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(outs[name][1], outs["triton"][1], rtol=2e-2, atol=2e-2)
+    assert peaks["triton"] < peaks["chunks"] < peaks["whole"], peaks

@@ -8,6 +8,12 @@ where the batched torch forms take ~130 small ones:
 * `_ple_conv_kernel`: program (b, block of columns): the dilated causal conv of u_hat over the slot's
   history, x + u + silu(conv), and the history moved on by one row (oldest out, u_hat in).
 
+A prefill's packed tokens (`ple_prefill_triton`) take the same gate kernel, a token a row, then
+`_ple_conv_prefill_kernel`: program (t, block of columns): each tap from an earlier token of the batch or
+from the sequence's history, x + u + silu(conv); the new histories are a gather in torch. Where the
+model's torch form held ~205 KiB a token of fp32 temporaries (3.3 GiB at 16K tokens), this holds the
+key/value projection, u and u_hat (65 KiB a token at Flash-Next's geometry).
+
 A negative slot (a CUDA graph's padding row) reads an empty state and writes nothing; every shape is
 fixed by the batch, so a graph holds them.
 """
@@ -150,33 +156,106 @@ def _ple_conv_kernel(p_x, p_u, p_uh, p_hist, p_slots, p_w, p_out, W, stride_x, s
     tl.store(hist + ((K - 1) * DIL - 1) * stride_hr + o, uh.to(p_hist.dtype.element_ty), mask=live)
 
 
-def ple_decode_triton(x: torch.Tensor, key_value: torch.Tensor, histories: torch.Tensor, slots: torch.Tensor,
-                      norm_key: torch.Tensor, norm_query: torch.Tensor, norm_conv: torch.Tensor, conv: torch.Tensor,
-                      streams: int, dilation: int, eps: float) -> torch.Tensor:
-    """As `ple_decode_ref`: two launches. Raises ValueError for shapes that do not match or rows
-    without unit column stride."""
+@triton.jit
+def _ple_conv_prefill_kernel(p_x, p_u, p_uh, p_hist, p_seq, p_local, p_w, p_out, W, stride_x, stride_u, stride_hb,
+                             stride_hr, stride_w, stride_o, K: tl.constexpr, DIL: tl.constexpr, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr = False):
+    pdl_wait(PDL)  # (`ft.kernels.pdl`: every program, before any load or store)
+    pdl_release(PDL)
+    i = tl.program_id(0).to(tl.int64)
+    o = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = o < W
+    seq = tl.load(p_seq + i).to(tl.int64)
+    local = tl.load(p_local + i).to(tl.int64)  # the token's index in its sequence
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(K):  # tap j reads the token (K - 1 - j) * DIL back, in the reference's order
+        back = (K - 1 - j) * DIL
+        p = local - back + tl.zeros_like(o)  # its index in the sequence: < 0 is row (K - 1) * DIL + p of the history
+        inside = p >= 0
+        from_batch = tl.load(p_uh + (i - back) * stride_u + o, mask=m & inside, other=0.0)
+        from_hist = tl.load(p_hist + seq * stride_hb + ((K - 1) * DIL + p) * stride_hr + o, mask=m & (p < 0),
+                            other=0.0)
+        tap = tl.where(inside, from_batch.to(tl.float32), from_hist.to(tl.float32))
+        acc += tap * tl.load(p_w + o * stride_w + j, mask=m, other=0.0).to(tl.float32)
+    acc = acc.to(p_out.dtype.element_ty).to(tl.float32)  # (the reference rounds the conv before its SiLU)
+    silu = (acc / (1.0 + tl.exp(-acc))).to(p_out.dtype.element_ty).to(tl.float32)  # (and the SiLU's output)
+    u = tl.load(p_u + i * stride_u + o, mask=m, other=0.0).to(tl.float32)
+    delta = (u + silu).to(p_out.dtype.element_ty)
+    x = tl.load(p_x + i * stride_x + o, mask=m, other=0.0)
+    tl.store(p_out + i * stride_o + o, x + delta, mask=m)
+
+
+def _check_ple(name: str, x: torch.Tensor, key_value: torch.Tensor, conv: torch.Tensor, histories: torch.Tensor,
+               streams: int, dilation: int) -> tuple[int, int, int, int]:
+    """(rows, C*D, D, K) after the shape checks that `ple_decode_triton` and `ple_prefill_triton` share."""
     b, width = x.shape
     d = width // streams
     k = conv.shape[-1]
     hist = (k - 1) * dilation
     if width != streams * d or key_value.shape != (b, width + d) or conv.shape != (width, k) or k < 2:
-        raise ValueError(f"ple decode: x {tuple(x.shape)}, key_value {tuple(key_value.shape)}, conv "
+        raise ValueError(f"{name}: x {tuple(x.shape)}, key_value {tuple(key_value.shape)}, conv "
                          f"{tuple(conv.shape)} for {streams} streams")
     if histories.shape[1:] != (hist, width) or histories.stride(2) != 1:
-        raise ValueError(f"ple decode: histories {tuple(histories.shape)} must be [S, {hist}, {width}], "
-                         "rows contiguous")
-    for name, t in (("x", x), ("key_value", key_value)):
+        raise ValueError(f"{name}: histories {tuple(histories.shape)} must be [S, {hist}, {width}], rows contiguous")
+    for label, t in (("x", x), ("key_value", key_value)):
         if t.stride(1) != 1:
-            raise ValueError(f"ple decode: {name} must have unit column stride")
+            raise ValueError(f"{name}: {label} must have unit column stride")
+    return b, width, d, k
+
+
+def _ple_gate(x: torch.Tensor, key_value: torch.Tensor, norm_key: torch.Tensor, norm_query: torch.Tensor,
+              norm_conv: torch.Tensor, streams: int, d: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(u, u_hat) [rows, C*D] of every row, one `_ple_gate_kernel` program a row and stream."""
+    u = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    u_hat = torch.empty_like(u)
+    block_d = triton.next_power_of_2(d)
+    _ple_gate_kernel[(x.shape[0], streams)](x, key_value, norm_key, norm_query, norm_conv, u, u_hat, d, eps,
+                                            1.0 / math.sqrt(d), x.stride(0), key_value.stride(0), u.stride(0),
+                                            C=streams, BLOCK_D=block_d, num_warps=max(1, min(8, block_d // 256)),
+                                            **pdl_args(x.device))
+    return u, u_hat
+
+
+def ple_prefill_triton(x: torch.Tensor, key_value: torch.Tensor, histories: torch.Tensor, cu_seqlens: torch.Tensor,
+                       norm_key: torch.Tensor, norm_query: torch.Tensor, norm_conv: torch.Tensor, conv: torch.Tensor,
+                       streams: int, dilation: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `ple_prefill_ref`: two launches (the gate, the conv) and a torch gather for the new histories.
+    Raises ValueError for shapes that do not match or rows without unit column stride."""
+    t, width, d, k = _check_ple("ple prefill", x, key_value, conv, histories, streams, dilation)
+    hist = (k - 1) * dilation
+    b = histories.shape[0]
+    if cu_seqlens.shape != (b + 1,):
+        raise ValueError(f"ple prefill: cu_seqlens {tuple(cu_seqlens.shape)} for {b} histories")
+    out = torch.empty_like(x)
+    if not t:
+        return out, histories.clone()
+    u, u_hat = _ple_gate(x, key_value, norm_key, norm_query, norm_conv, streams, d, eps)
+    cu = cu_seqlens.to(device=x.device, dtype=torch.int64)
+    positions = torch.arange(t, device=x.device)
+    seq = torch.searchsorted(cu[1:], positions, right=True)
+    local = positions - cu[seq]
+    block = min(BLOCK_COLUMNS, triton.next_power_of_2(width))
+    _ple_conv_prefill_kernel[(t, triton.cdiv(width, block))](
+        x, u, u_hat, histories, seq, local, conv, out, width, x.stride(0), u.stride(0), histories.stride(0),
+        histories.stride(1), conv.stride(0), out.stride(0), K=k, DIL=dilation, BLOCK=block,
+        num_warps=max(1, min(4, block // 256)), **pdl_args(x.device))
+    # each sequence's last `hist` conv inputs, oldest first: from its tokens, or (a short one) its old history
+    back = (cu[1:] - cu[:-1])[:, None] - hist + torch.arange(hist, device=x.device)[None, :]  # [B, hist]
+    from_batch = u_hat[(cu[:-1, None] + back).clamp(min=0)]
+    from_hist = histories[torch.arange(b, device=x.device)[:, None], (hist + back).clamp(max=hist - 1)]
+    return out, torch.where((back >= 0)[:, :, None], from_batch, from_hist.to(u_hat.dtype)).to(histories.dtype)
+
+
+def ple_decode_triton(x: torch.Tensor, key_value: torch.Tensor, histories: torch.Tensor, slots: torch.Tensor,
+                      norm_key: torch.Tensor, norm_query: torch.Tensor, norm_conv: torch.Tensor, conv: torch.Tensor,
+                      streams: int, dilation: int, eps: float) -> torch.Tensor:
+    """As `ple_decode_ref`: two launches. Raises ValueError for shapes that do not match or rows
+    without unit column stride."""
+    b, width, d, k = _check_ple("ple decode", x, key_value, conv, histories, streams, dilation)
     out = torch.empty_like(x)
     if not b:
         return out
-    u = torch.empty(b, width, dtype=x.dtype, device=x.device)
-    u_hat = torch.empty_like(u)
-    block_d = triton.next_power_of_2(d)
-    _ple_gate_kernel[(b, streams)](x, key_value, norm_key, norm_query, norm_conv, u, u_hat, d, eps, 1.0 / math.sqrt(d),
-                           x.stride(0), key_value.stride(0), u.stride(0), C=streams, BLOCK_D=block_d,
-                           num_warps=max(1, min(8, block_d // 256)), **pdl_args(x.device))
+    u, u_hat = _ple_gate(x, key_value, norm_key, norm_query, norm_conv, streams, d, eps)
     block = min(BLOCK_COLUMNS, triton.next_power_of_2(width))
     _ple_conv_kernel[(b, triton.cdiv(width, block))](
         x, u, u_hat, histories, slots, conv, out, width, x.stride(0), u.stride(0), histories.stride(0),

@@ -86,3 +86,26 @@ def ple_decode_ref(x: torch.Tensor, key_value: torch.Tensor, histories: torch.Te
     out = sum(seq[:, j * dilation].float() * conv[:, j].float() for j in range(k))
     write_slots_ref(histories, slots, seq[:, 1:])
     return x + (u + F.silu(out.to(u.dtype)))
+
+
+def ple_prefill_ref(x: torch.Tensor, key_value: torch.Tensor, histories: torch.Tensor, cu_seqlens: torch.Tensor,
+                    norm_key: torch.Tensor, norm_query: torch.Tensor, norm_conv: torch.Tensor, conv: torch.Tensor,
+                    streams: int, dilation: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PLE layer over a prefill's packed tokens: `ple_decode_ref` applied to each token of each sequence in
+    order, the sequence's history moving on token by token (the contract; a loop, for tests).
+
+    Args:
+        x: [T, C*D] the streams of B sequences' new tokens, packed in order; key_value: [T, C*D + D].
+        histories: [B, hist, C*D] each sequence's conv history before its tokens (oldest first).
+        cu_seqlens: [B + 1] the sequences' offsets (every length >= 1). The rest as `ple_decode_ref`.
+    Returns:
+        (x + delta [T, C*D], the histories after each sequence's last token [B, hist, C*D])."""
+    out = torch.empty_like(x)
+    moved = histories.clone()
+    cu = cu_seqlens.tolist()
+    for b in range(len(cu) - 1):
+        slot = torch.tensor([b], device=x.device)
+        for t in range(cu[b], cu[b + 1]):
+            out[t:t + 1] = ple_decode_ref(x[t:t + 1], key_value[t:t + 1], moved, slot, norm_key, norm_query, norm_conv,
+                                          conv, streams, dilation, eps)
+    return out, moved
