@@ -270,3 +270,24 @@ def test_batched_ple_delta_holds_its_temporaries_to_a_chunk():
         peaks[step] = meter.peak
     assert whole < peaks[chunk] <= bound, peaks
     assert peaks[t] > bound + t * 3 * 4 * c * d, peaks  # (what the chunks save: several fp32 rows a token)
+
+
+def test_the_activation_reserve_holds_the_prefill_ple():
+    """Flash-Next's reserve (`activation_reserve`) per prefill token holds the Triton PLE's key/value projection,
+    u and u_hat (3 C x hidden + hidden) where the widest projection's two are fewer; on the CPU (the torch
+    form) one chunk of its temporaries too. The seeds' geometry: C x hidden = 10,240 > 2 x 16,384 / 3."""
+    from ft.engine.ranks.loader import activation_reserve
+    from ft.model.config import ModelConfig
+
+    path = "bench/configs/qwen3.8-flash-next-small-table.json"
+    cfg = ModelConfig.from_file(path)
+    plain = ModelConfig.from_file(path, {"text_config": {"ple_layer_ids": []}})
+    assert cfg.flash_next.ple_layers and not plain.flash_next.ple_layers
+    bf16, cuda, cpu = torch.bfloat16, torch.device("cuda"), torch.device("cpu")
+    tokens, hidden, streams = 4096, cfg.hidden_size, cfg.flash_next.hc_count
+    extra = (3 * streams * hidden + hidden - 2 * 16384) * 2
+    assert extra > 0
+    assert activation_reserve(cfg, bf16, cuda, tokens, 8) - activation_reserve(plain, bf16, cuda, tokens, 8) == tokens * extra
+    chunk = ple_chunk_tokens(streams, hidden) * 6 * 4 * streams * hidden
+    assert activation_reserve(cfg, bf16, cpu, tokens, 8) - activation_reserve(plain, bf16, cpu, tokens, 8) == \
+        tokens * extra + chunk

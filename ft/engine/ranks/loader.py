@@ -123,10 +123,11 @@ def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
     logits, plus one NVFP4 projection decoded to `dtype` for a prefill chunk's cuBLAS GEMM
     (`ft.kernels.nvfp4.DEQUANT_MM_MIN_M`), plus the library prefill attention's transients on CUDA
     where a context of `context_limit` positions on a `kv_dtype` (None: `dtype`) cache can reach it
-    (`ft.kernels.attention.use_library_prefill`). For Qwen3.8-Flash-Next the MoE's workspace is the larger of it
-    and one chunk of the PLE layer's temporaries (`ft.model.layers.engram.PLE_CHUNK_BYTES` at most): the PLE
-    runs before its layer's MoE and after the previous one's, so the two are never alive at once (its
-    whole-batch tensors, two C x hidden rows and one hidden row a token, fit the widest projection's two).
+    (`ft.kernels.attention.use_library_prefill`). Qwen3.8-Flash-Next's PLE layer: its whole-batch tensors (on
+    Triton the key/value projection, u and u_hat: three C x hidden rows and one hidden row a token) where they
+    exceed the widest projection's two; where its torch form runs (no Triton), one chunk of that form's
+    temporaries (`ft.model.layers.engram.PLE_CHUNK_BYTES` at most) in place of the MoE's workspace if larger
+    (the PLE runs between two MoE layers: the two are never alive at once).
     Estimated from the config, not profiled: a serving run's
     caching-allocator peak is checked against it by hand (bench/RESULTS.md session 54: 16K-token prompts on the
     80B peaked within 0.2 GiB of the weights plus this reserve), and `ft.memory.device_memory` shows the card's
@@ -140,7 +141,10 @@ def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
     )
     streams = cfg.flash_next.hc_count if cfg.is_flash_next else 1  # HyperConnections: a residual of C streams,
     # its normalised copy, the read's gate and the write's result (4 tensors of C x hidden)
-    per_token = (3 * cfg.hidden_size + 4 * (streams - 1) * cfg.hidden_size + 2 * widest) * torch.finfo(dtype).bits // 8
+    pair = 2 * widest
+    if cfg.is_flash_next and cfg.flash_next.ple_layers:  # (`ft.kernels.engram.ple_prefill`'s key/value, u, u_hat)
+        pair = max(pair, 3 * streams * cfg.hidden_size + cfg.hidden_size)
+    per_token = (3 * cfg.hidden_size + 4 * (streams - 1) * cfg.hidden_size + pair) * torch.finfo(dtype).bits // 8
     moe = decoded = 0
     if uses_triton(device):  # the Triton MoE's workspace (the CPU reference allocates per group)
         moe = moe_workspace_bytes(prefill_tokens, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
@@ -156,6 +160,7 @@ def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
             and context_limit > attention.LIBRARY_GRANULE_KEYS and kernel_options().prefill_attention.library_on_cuda:
         library = attention.library_prefill_reserve(prefill_tokens, cfg.num_attention_heads, cfg.num_key_value_heads,
                                                     cfg.head_dim, torch.finfo(dtype).bits // 8)
-    if cfg.is_flash_next:  # (6 fp32 C x hidden rows a token of a chunk: `engram.ple_chunk_tokens`' count)
+    if cfg.is_flash_next and cfg.flash_next.ple_layers and not uses_triton(device):  # (the torch form's chunk: 6
+        # fp32 C x hidden rows a token, `engram.ple_chunk_tokens`' count)
         moe = max(moe, min(prefill_tokens, ple_chunk_tokens(streams, cfg.hidden_size)) * 6 * 4 * streams * cfg.hidden_size)
     return prefill_tokens * per_token + moe + decoded + library + max_running * cfg.vocab_size * 4
