@@ -175,16 +175,21 @@ def test_batched_windows_equal_each_sequence_hashed_alone():
         assert after[b].tolist() == ctx, b
 
 
-def test_batched_ple_delta_equals_each_sequence_alone():
-    """ple_delta_batched over a packed batch with carried histories = ple_delta per sequence (deltas and
-    new histories), sequences shorter and longer than the 9-token history."""
+def _packed(seed: int) -> tuple:
+    """(weights, emb [T, 12], streams [T, 2, 8], histories [B, 9, 16], cu_seqlens) of the LENGTHS sequences."""
     w = _weights()
     c, d, e = 2, 8, 12
-    g = torch.Generator().manual_seed(4)
+    g = torch.Generator().manual_seed(seed)
     t = sum(LENGTHS)
     emb, streams = torch.randn(t, e, generator=g), torch.randn(t, c, d, generator=g)
     histories = torch.randn(len(LENGTHS), w.history, c * d, generator=g)
-    cu = torch.tensor([0] + LENGTHS).cumsum(0)
+    return w, emb, streams, histories, torch.tensor([0] + LENGTHS).cumsum(0)
+
+
+def test_batched_ple_delta_equals_each_sequence_alone():
+    """ple_delta_batched over a packed batch with carried histories = ple_delta per sequence (deltas and
+    new histories), sequences shorter and longer than the 9-token history."""
+    w, emb, streams, histories, cu = _packed(seed=4)
     delta, new = ple_delta_batched(emb, streams, w, histories, cu)
     for b in range(len(LENGTHS)):
         sl = slice(int(cu[b]), int(cu[b + 1]))
@@ -196,13 +201,8 @@ def test_batched_ple_delta_equals_each_sequence_alone():
 def test_batched_ple_delta_in_chunks_gives_the_same_bits():
     """ple_delta_batched's chunks (gate, conv inputs, conv) change no bit of the delta or the histories on the
     CPU, at chunk lengths shorter than a sequence, than the history, and longer than the batch."""
-    w = _weights()
-    c, d, e = 2, 8, 12
-    g = torch.Generator().manual_seed(5)
-    t = sum(LENGTHS)
-    emb, streams = torch.randn(t, e, generator=g), torch.randn(t, c, d, generator=g)
-    histories = torch.randn(len(LENGTHS), w.history, c * d, generator=g)
-    cu = torch.tensor([0] + LENGTHS).cumsum(0)
+    w, emb, streams, histories, cu = _packed(seed=5)
+    t = emb.shape[0]
     whole, whole_new = ple_delta_batched(emb, streams, w, histories, cu, chunk_tokens=t)
     for step in (1, 3, 7, 10, t + 5):
         delta, new = ple_delta_batched(emb, streams, w, histories, cu, chunk_tokens=step)

@@ -130,6 +130,18 @@ def _ple_gate_kernel(p_x, p_kv, p_nk, p_nq, p_nc, p_u, p_uh, D, eps, inv_sqrt_d,
 
 
 @triton.jit
+def _ple_write(acc, p_x, p_u, p_out, i, o, m, stride_x, stride_u, stride_o):
+    """Row i's columns o of out = x + (u + silu(conv)), from the conv's fp32 sum acc, rounded where the reference
+    rounds: the conv and the SiLU's output to out's dtype, then their sum with u, then x + delta."""
+    acc = acc.to(p_out.dtype.element_ty).to(tl.float32)
+    silu = (acc / (1.0 + tl.exp(-acc))).to(p_out.dtype.element_ty).to(tl.float32)
+    u = tl.load(p_u + i * stride_u + o, mask=m, other=0.0).to(tl.float32)
+    delta = (u + silu).to(p_out.dtype.element_ty)
+    x = tl.load(p_x + i * stride_x + o, mask=m, other=0.0)
+    tl.store(p_out + i * stride_o + o, x + delta, mask=m)
+
+
+@triton.jit
 def _ple_conv_kernel(p_x, p_u, p_uh, p_hist, p_slots, p_w, p_out, W, stride_x, stride_u, stride_hs, stride_hr,
                      stride_w, stride_o, K: tl.constexpr, DIL: tl.constexpr, BLOCK: tl.constexpr,
                      PDL: tl.constexpr = False):
@@ -146,11 +158,7 @@ def _ple_conv_kernel(p_x, p_u, p_uh, p_hist, p_slots, p_w, p_out, W, stride_x, s
     for j in tl.static_range(K - 1):
         tap = tl.load(hist + (j * DIL) * stride_hr + o, mask=live, other=0.0).to(tl.float32)
         acc += tap * tl.load(p_w + o * stride_w + j, mask=m, other=0.0).to(tl.float32)
-    acc = acc.to(p_out.dtype.element_ty).to(tl.float32)  # (the reference rounds the conv before its SiLU)
-    u = tl.load(p_u + i * stride_u + o, mask=m, other=0.0).to(tl.float32)
-    delta = (u + acc / (1.0 + tl.exp(-acc))).to(p_out.dtype.element_ty)
-    x = tl.load(p_x + i * stride_x + o, mask=m, other=0.0)
-    tl.store(p_out + i * stride_o + o, x + delta, mask=m)
+    _ple_write(acc, p_x, p_u, p_out, i, o, m, stride_x, stride_u, stride_o)
     for r in tl.static_range((K - 1) * DIL - 1):  # the history moved on: row r takes row r + 1
         tl.store(hist + r * stride_hr + o, tl.load(hist + (r + 1) * stride_hr + o, mask=live), mask=live)
     tl.store(hist + ((K - 1) * DIL - 1) * stride_hr + o, uh.to(p_hist.dtype.element_ty), mask=live)
@@ -177,12 +185,7 @@ def _ple_conv_prefill_kernel(p_x, p_u, p_uh, p_hist, p_seq, p_local, p_w, p_out,
                             other=0.0)
         tap = tl.where(inside, from_batch.to(tl.float32), from_hist.to(tl.float32))
         acc += tap * tl.load(p_w + o * stride_w + j, mask=m, other=0.0).to(tl.float32)
-    acc = acc.to(p_out.dtype.element_ty).to(tl.float32)  # (the reference rounds the conv before its SiLU)
-    silu = (acc / (1.0 + tl.exp(-acc))).to(p_out.dtype.element_ty).to(tl.float32)  # (and the SiLU's output)
-    u = tl.load(p_u + i * stride_u + o, mask=m, other=0.0).to(tl.float32)
-    delta = (u + silu).to(p_out.dtype.element_ty)
-    x = tl.load(p_x + i * stride_x + o, mask=m, other=0.0)
-    tl.store(p_out + i * stride_o + o, x + delta, mask=m)
+    _ple_write(acc, p_x, p_u, p_out, i, o, m, stride_x, stride_u, stride_o)
 
 
 def _check_ple(name: str, x: torch.Tensor, key_value: torch.Tensor, conv: torch.Tensor, histories: torch.Tensor,
