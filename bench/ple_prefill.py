@@ -1,6 +1,7 @@
 """Qwen3.8-Flash-Next's PLE layer over a prefill chunk: its time and the memory it takes beside its inputs, in the
-Triton form the engine runs on a GPU (`ft.kernels.engram.ple_prefill`, its key/value GEMM included) and in the
-model's torch form (`ft.model.layers.engram.ple_delta_batched`) in token chunks of the default size or unchunked.
+Triton form (`ft.kernels.engram.ple_prefill`, its key/value GEMM included; the engine's with variant
+ple-prefill-triton) and in the model's torch form (`ft.model.layers.engram.ple_delta_batched`, the engine's
+default) in token chunks of the default size or unchunked.
 Not a test.
 
     PYTHONPATH=. python3 bench/ple_prefill.py [--tokens 4096,16384] [--forms triton,default,whole] [--repeat 5]

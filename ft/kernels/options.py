@@ -442,6 +442,21 @@ class QsaOptions:
 
 
 @dataclass(frozen=True)
+class EngramOptions:
+    """Qwen3.8-Flash-Next's PLE layer (`ft.kernels.engram`).
+
+    prefill_triton: a prefill's PLE in two Triton launches (`ple_prefill`: the decode step's gate kernel a token a
+    row, then `_ple_conv_prefill_kernel`) where Triton runs, instead of the model's torch form in token chunks
+    (`ft.model.layers.engram.ple_delta_batched`, 256 MiB of temporaries a chunk). Off (variant
+    "ple-prefill-triton" turns it on) until it has run on a GPU: written and tested in the interpreter in session
+    66, when the device's time ran out before its GPU test (`tests/gpu/test_flash_next_kernels_cuda.py::
+    test_the_prefill_ple_on_the_device`) and `bench/ple_prefill.py` could run. The torch form on an H100 (session
+    66): 18.2 ms and 891 MiB over its inputs at 16,384 tokens in chunks, 12.3 ms and 3,281 MiB unchunked."""
+
+    prefill_triton: bool = False
+
+
+@dataclass(frozen=True)
 class LaunchOptions:
     """How the decode path's kernels launch (`ft.kernels.pdl`).
 
@@ -471,6 +486,7 @@ class KernelOptions:
     decode_attention: DecodeAttentionOptions = field(default_factory=DecodeAttentionOptions)
     hyper_connection: HyperConnectionOptions = field(default_factory=HyperConnectionOptions)
     qsa: QsaOptions = field(default_factory=QsaOptions)
+    engram: EngramOptions = field(default_factory=EngramOptions)
     launch: LaunchOptions = field(default_factory=LaunchOptions)
 
     def option(self, key: str) -> tuple[str, str, object]:
@@ -531,6 +547,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "gated-delta-ba-own-launch": {"gated_delta.decode_ba_in_conv": False},  # the same
     "qsa-prefill-select-torch": {"qsa.prefill_select_kernel": False},  # bench/prefill.py --variant
     "qsa-sparse-combine": {"qsa.one_pass": False},  # bench/qsa_attention.py, bench/prefill.py --variant
+    "ple-prefill-triton": {"engram.prefill_triton": True},  # bench/prefill.py --variant, tests
     "conv1d-tiles": {"conv1d.rows": False},  # bench/gated_delta_prefill.py, tests (the kernel wide windows take)
 }
 """Named variants a benchmark or test selects: the changes from `DEFAULTS` each one makes."""

@@ -346,8 +346,8 @@ class FlashNextModel:
         n-gram context and conv history (read from its mamba slot and written back). Device ops only, no
         host read: the table rows are read from host memory by the device (`gather_rows`). A decode
         step in five launches (`ft.kernels.engram`: the hashing, the gather, one GEMM, the gate, the
-        conv); a prefill hashes the packed batch in torch and adds the delta in two Triton launches
-        (`ple_prefill`), or on the CPU in torch (`ple_delta_batched`)."""
+        conv); a prefill hashes the packed batch in torch and adds the delta in torch in chunks
+        (`ple_delta_batched`), or with `EngramOptions.prefill_triton` in two Triton launches (`ple_prefill`)."""
         hs, eos, w = self.hashing, self.text.eos_token_id, ple.weights
         slots = batch.mamba_slots
         contexts, histories = pools.mamba.extra["ngram_context"], pools.mamba.extra["ple_conv"]
@@ -369,10 +369,10 @@ class FlashNextModel:
         windows, after = hs.windows(batch.input_ids, torch.where(stored == 0, eos, stored - 1), cu)
         emb = gather_rows(ple.table, hs.rows_of_windows(windows), x.dtype) if batch.ngram_rows is None \
             else batch.ngram_rows.to(x.dtype)
-        if ple_prefill_on_triton(x, self.streams):  # (two launches, no fp32 temporaries: `ft.kernels.engram`)
+        if ple_prefill_on_triton(x, self.streams):  # (two launches, no fp32 temporaries; off until run on a GPU)
             out, history = ple_prefill(x, F.linear(emb, ple.key_value), histories[slots], cu, w.norm_key, w.norm_query,
                                        w.norm_conv, w.conv, self.streams, w.dilation, w.eps)
-        else:  # (the batched torch form, in chunks)
+        else:  # (the batched torch form, in chunks: run on an H100)
             delta, history = ple_delta_batched(emb, x.reshape(x.shape[0], self.streams, -1), w, histories[slots], cu)
             out = x + delta
         write_slots(contexts, slots, after + 1)

@@ -317,7 +317,7 @@ def test_the_prefill_ple_on_the_device():
     orders differ), the new histories too; the allocator's peak over the inputs: Triton < chunks < unchunked."""
     import torch.nn.functional as F
 
-    from ft.kernels.engram import ple_prefill, ple_prefill_on_triton
+    from ft.kernels.engram import ple_prefill, ple_prefill_runs_triton
     from ft.model.layers.engram import PLEWeights, ple_chunk_tokens, ple_delta_batched
 
     c, d, e, t = 4, 2560, 2560, 3000
@@ -333,7 +333,7 @@ def test_the_prefill_ple_on_the_device():
     x = streams.reshape(t, c * d)
     cu = torch.tensor([0, 5, 1800, t], device=DEV)
     key_value = torch.cat([w.key_proj, w.value_proj])
-    assert ple_prefill_on_triton(x, c)
+    assert ple_prefill_runs_triton(x, c)
     forms = {
         "triton": lambda: ple_prefill(x, F.linear(emb, key_value), hist, cu, w.norm_key, w.norm_query, w.norm_conv,
                                       w.conv, c, w.dilation, w.eps),

@@ -125,7 +125,8 @@ def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
     where a context of `context_limit` positions on a `kv_dtype` (None: `dtype`) cache can reach it
     (`ft.kernels.attention.use_library_prefill`). Qwen3.8-Flash-Next's PLE layer: its whole-batch tensors (on
     Triton the key/value projection, u and u_hat: three C x hidden rows and one hidden row a token) where they
-    exceed the widest projection's two; where its torch form runs (no Triton), one chunk of that form's
+    exceed the widest projection's two; where its torch form runs (`EngramOptions.prefill_triton` off or no
+    Triton), one chunk of that form's
     temporaries (`ft.model.layers.engram.PLE_CHUNK_BYTES` at most) in place of the MoE's workspace if larger
     (the PLE runs between two MoE layers: the two are never alive at once).
     Estimated from the config, not profiled: a serving run's
@@ -160,7 +161,9 @@ def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
             and context_limit > attention.LIBRARY_GRANULE_KEYS and kernel_options().prefill_attention.library_on_cuda:
         library = attention.library_prefill_reserve(prefill_tokens, cfg.num_attention_heads, cfg.num_key_value_heads,
                                                     cfg.head_dim, torch.finfo(dtype).bits // 8)
-    if cfg.is_flash_next and cfg.flash_next.ple_layers and not uses_triton(device):  # (the torch form's chunk: 6
-        # fp32 C x hidden rows a token, `engram.ple_chunk_tokens`' count)
-        moe = max(moe, min(prefill_tokens, ple_chunk_tokens(streams, cfg.hidden_size)) * 6 * 4 * streams * cfg.hidden_size)
+    triton_ple = uses_triton(device) and kernel_options().engram.prefill_triton
+    if cfg.is_flash_next and cfg.flash_next.ple_layers and not triton_ple:  # (the torch form's chunk: 6 fp32 C x
+        # hidden rows a token, `engram.ple_chunk_tokens`' count)
+        chunk = min(prefill_tokens, ple_chunk_tokens(streams, cfg.hidden_size))
+        moe = max(moe, chunk * 6 * 4 * streams * cfg.hidden_size)
     return prefill_tokens * per_token + moe + decoded + library + max_running * cfg.vocab_size * 4

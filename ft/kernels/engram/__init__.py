@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 
 from ft.kernels.backend import TRITON_DTYPES, uses_triton
+from ft.kernels.options import kernel_options
 from ft.kernels.engram.reference import ngram_rows_decode_ref, ple_decode_ref, ple_prefill_ref
 
-__all__ = ["ngram_rows_decode", "ngram_rows_decode_ref", "ple_decode", "ple_decode_ref", "ple_prefill", "ple_prefill_ref",
-           "ple_prefill_on_triton"]
+__all__ = ["ngram_rows_decode", "ngram_rows_decode_ref", "ple_decode", "ple_decode_ref", "ple_prefill",
+           "ple_prefill_on_triton", "ple_prefill_ref", "ple_prefill_runs_triton"]
 
 
 def ngram_rows_decode(ids: torch.Tensor, contexts: torch.Tensor, slots: torch.Tensor, multipliers: tuple[int, ...],
@@ -41,8 +42,14 @@ def ple_decode(x: torch.Tensor, key_value: torch.Tensor, histories: torch.Tensor
 
 
 def ple_prefill_on_triton(x: torch.Tensor, streams: int) -> bool:
+    """Whether the model's prefill takes `ple_prefill`'s Triton kernels for streams x [T, C*D]
+    (`EngramOptions.prefill_triton`, off until run on a GPU) rather than its batched torch form."""
+    return kernel_options().engram.prefill_triton and ple_prefill_runs_triton(x, streams)
+
+
+def ple_prefill_runs_triton(x: torch.Tensor, streams: int) -> bool:
     """Whether `ple_prefill` runs its Triton kernels for streams x [T, C*D] (else its reference: a loop over the
-    tokens, for tests; the model's CPU path keeps its batched torch form, `ft.model.layers.engram`)."""
+    tokens, for tests)."""
     return uses_triton(x.device) and x.dtype in TRITON_DTYPES and x.shape[1] // streams <= 8192
 
 
@@ -51,7 +58,7 @@ def ple_prefill(x: torch.Tensor, key_value: torch.Tensor, histories: torch.Tenso
                 streams: int, dilation: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + the PLE delta [T, C*D], the histories after each sequence [B, hist, C*D]) of a prefill's packed
     tokens (`ple_prefill_ref`)."""
-    if ple_prefill_on_triton(x, streams):
+    if ple_prefill_runs_triton(x, streams):
         from ft.kernels.engram.kernel import ple_prefill_triton  # NOTE: imports triton only when used
 
         return ple_prefill_triton(x, key_value, histories, cu_seqlens, norm_key, norm_query, norm_conv, conv, streams,
