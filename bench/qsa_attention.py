@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--lists", default="random,local")
     ap.add_argument("--variants", default="default,qsa-sparse-combine")
     ap.add_argument("--tile", action="append", default=[], metavar="N,WARPS,STAGES[,combine]",
-                    help="an ad-hoc QsaOptions.one_split_tile, timed as a variant of its own (with ',combine': "
+                    help="an ad-hoc QsaOptions.one_split_tile (and _quantized), timed as a variant of its own (with ',combine': "
                          "the partials and the combine launch, variant qsa-sparse-combine's path, at that tile)")
     ap.add_argument("--kv", choices=["bf16", "fp8"], default="bf16")
     args = ap.parse_args()
@@ -87,7 +87,8 @@ def main() -> None:
             raise SystemExit(f"--tile {t!r}: N,WARPS,STAGES[,combine]")
         n, w, s = (int(x) for x in fields[:3])
         specs.append((f"tile {n}x{w}w{s}s" + (" combine" if combine else ""),
-                      variant(**{"qsa.one_split_tile": (n, w, s), **({"qsa.one_pass": False} if combine else {})})))
+                      variant(**{"qsa.one_split_tile": (n, w, s), "qsa.one_split_tile_quantized": (n, w, s),
+                                 **({"qsa.one_pass": False} if combine else {})})))
     for kind in args.lists.split(","):
         tokens = token_lists(ctx, rows, budget // ratio, ratio, kind, dev)
         tables = table.expand(rows, -1)

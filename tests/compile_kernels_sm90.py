@@ -448,8 +448,8 @@ CASES = [  # (name, kernel, signature, constexprs and launch options); flagship 
       "num_warps": OPTIONS.qsa.one_split_tile[1], "num_stages": OPTIONS.qsa.one_split_tile[2]}),
     ("QSA sparse attention, one pass, nvfp4 cache", attn_sparse._sparse_decode_kernel,
      {**SPARSE, "p_k": "*u8", "p_v": "*u8"},
-     {**SPARSE_CFG, "KV_NVFP4": True, "ONE_PASS": True, "BLOCK_N": OPTIONS.qsa.one_split_tile[0],
-      "num_warps": OPTIONS.qsa.one_split_tile[1], "num_stages": OPTIONS.qsa.one_split_tile[2]}),
+     {**SPARSE_CFG, "KV_NVFP4": True, "ONE_PASS": True, "BLOCK_N": OPTIONS.qsa.one_split_tile_quantized[0],
+      "num_warps": OPTIONS.qsa.one_split_tile_quantized[1], "num_stages": OPTIONS.qsa.one_split_tile_quantized[2]}),
     # Flash-Next's PLE over a prefill's packed tokens (4 streams of 2,560: blocks of 1,024 columns, 4 taps at 3)
     ("PLE prefill conv, 4 taps, dilation 3", engram._ple_conv_prefill_kernel,
      {"p_x": "*bf16", "p_u": "*bf16", "p_uh": "*bf16", "p_hist": "*bf16", "p_seq": "*i64", "p_local": "*i64",

@@ -183,3 +183,43 @@ def test_one_split_tile_gives_the_reference(tile):
     assert torch.equal(got[1], torch.zeros_like(got[1]))
     for b in (0, 2):
         assert rel_rms(got[b], want[b]) < TOL[torch.float32], b
+
+
+@pytest.mark.parametrize("kv", ["as-stored", "fp8", "nvfp4"])
+def test_a_quantized_cache_takes_its_own_one_split_tile(kv):
+    """At one split an fp8 or NVFP4 cache takes `QsaOptions.one_split_tile_quantized`, a cache as stored
+    `one_split_tile`: each kind still gives the reference with its own tile while the other's is (16, 2, 2)."""
+    from ft.kernels.options import use_kernel_options, variant
+
+    hq, hkv, d, lengths = 4, 2, 32, [150, 40]
+    k_cache, v_cache, table, scale = make_cache(hkv, d, lengths, torch.float32, KV[kv], seed=7)
+    g = torch.Generator().manual_seed(8)
+    tokens = torch.full((2, 100), -1, dtype=torch.int64)
+    tokens[0, :97] = torch.randperm(150, generator=g)[:97]
+    tokens[1, :40] = torch.arange(40)
+    q = torch.randn(2, hq, d, generator=g)
+    want = sparse_decode_attention_ref(q, k_cache, v_cache, table, tokens, d ** -0.5, scale)
+    own, other = ("qsa.one_split_tile", "qsa.one_split_tile_quantized") if kv == "as-stored" else \
+        ("qsa.one_split_tile_quantized", "qsa.one_split_tile")
+    with use_kernel_options(variant(**{own: (64, 4, 3), other: (16, 2, 2)})):
+        launched = []
+        real = details._sparse_decode_kernel
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(details, "_sparse_decode_kernel", _Spy(real, launched))
+            got = details.sparse_decode_attention_triton(q, k_cache, v_cache, table, tokens, d ** -0.5, scale, splits=1)
+    assert launched == [64]
+    for b in (0, 1):
+        assert rel_rms(got[b], want[b]) < TOL[torch.float32], b
+
+
+class _Spy:
+    """`kernel[grid](...)` as the kernel, noting each launch's BLOCK_N."""
+
+    def __init__(self, kernel, launched: list):
+        self.kernel, self.launched = kernel, launched
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launched.append(kwargs["BLOCK_N"])
+            return self.kernel[grid](*args, **kwargs)
+        return launch

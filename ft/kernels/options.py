@@ -433,12 +433,19 @@ class QsaOptions:
     one_pass: a sparse attention launch of one split (a prefill's rows: thousands of queries, one program
     each walks its whole list) writes the normalized, gated output itself (`sparse_decode`'s ONE_PASS, the
     combine's bits) instead of fp32 partials that the combine kernel then reads (variant
-    "qsa-sparse-combine"). one_split_tile: (positions a tile, warps, pipeline stages) of such launches;
-    launches of several splits (decode) keep 32 positions, 4 warps, 3 stages."""
+    "qsa-sparse-combine"; a tie in whole prefills, session 66 on an H100: bench/prefill.py on 12 of Flash-Next's
+    layers, 281.7 / 283.5 against 281.4 / 282.3 ms at 16K; kept for the partials it does not allocate).
+    one_split_tile: (positions a tile, warps, pipeline stages) of such launches on a bf16 cache; launches of
+    several splits (decode) keep 32 positions, 4 warps, 3 stages. Session 66, H100, bench/qsa_attention.py (4,096
+    rows of a 16K prompt, bf16 KV, us a launch, random / local lists): (32, 4, 2) 3,555 / 3,477 against (32, 4, 3)
+    4,660 / 4,517, (64, 4, 3) 4,496 / 4,376, (64, 4, 4) 4,687 / 4,534, (32, 8, 3) 5,162 / 5,010; its
+    whole-prefill A/B is owed. one_split_tile_quantized: the same on an fp8 or NVFP4 cache (other loads and
+    registers: at 2 stages the NVFP4 form keeps 16 bytes of stack on sm_90), the former tile until timed."""
 
     prefill_select_kernel: bool = True
     one_pass: bool = True
-    one_split_tile: tuple[int, int, int] = (32, 4, 3)
+    one_split_tile: tuple[int, int, int] = (32, 4, 2)
+    one_split_tile_quantized: tuple[int, int, int] = (32, 4, 3)
 
 
 @dataclass(frozen=True)

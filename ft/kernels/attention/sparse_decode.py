@@ -111,7 +111,8 @@ def sparse_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
                                    gate: torch.Tensor | None = None) -> torch.Tensor:
     """As `sparse_decode_attention_ref` (its argument contract); `splits`: force a split count. Two
     launches: the splits, then the paged decode's combine kernel (which also applies `gate`); one where
-    the count is 1 (a prefill's rows; `QsaOptions.one_pass`, the tile `QsaOptions.one_split_tile`)."""
+    the count is 1 (a prefill's rows; `QsaOptions.one_pass`, the tile `QsaOptions.one_split_tile`, or
+    `one_split_tile_quantized` on an fp8 or NVFP4 cache)."""
     b, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     if hq % hkv:
@@ -138,7 +139,8 @@ def sparse_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         splits = max(1, min(tiles, TARGET_PROGRAMS // max(1, b * hkv)))
     opts = kernel_options().qsa
     if splits == 1:  # (a prefill's rows: one program walks a whole list)
-        block_n, warps, stages = opts.one_split_tile
+        quantized = k_cache.dtype in (NVFP4_KV, torch.float8_e4m3fn)
+        block_n, warps, stages = opts.one_split_tile_quantized if quantized else opts.one_split_tile
         tiles = max(1, triton.cdiv(w, block_n))
     per_split = triton.cdiv(tiles, splits)
     splits = triton.cdiv(tiles, per_split)
