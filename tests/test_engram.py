@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
 
 from ft.model.layers.engram import (PLE_CHUNK_BYTES, EngramHashing, PLEWeights, next_primes, ple_chunk_tokens, ple_delta,
                                     ple_delta_batched)
@@ -218,8 +218,20 @@ def test_the_ple_chunk_bounds_its_temporaries():
     assert ple_chunk_tokens(4, 1 << 30) == 16
 
 
-class _PeakBytes(TorchDispatchMode):
-    """The most bytes of tensor storage that ops made inside the mode held at once (inputs not counted)."""
+def _tensors(value) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or result (nested tuples, lists and dicts)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+class _PeakBytes(TorchFunctionMode):
+    """The most bytes of tensor storage that torch calls made inside the mode held at once (storages first seen
+    as an argument, the inputs, not counted)."""
 
     def __init__(self):
         super().__init__()
@@ -227,14 +239,12 @@ class _PeakBytes(TorchDispatchMode):
         self.now = self.peak = 0
         self.seen_inputs: set[int] = set()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        for a in torch.utils._pytree.tree_leaves((args, kwargs)):
-            if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() not in self.live:
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        for a in _tensors((args, kwargs or {})):
+            if a.untyped_storage().data_ptr() not in self.live:
                 self.seen_inputs.add(a.untyped_storage().data_ptr())
         out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
+        for t in _tensors(out):
             s = t.untyped_storage()
             key = s.data_ptr()
             if key in self.live or key in self.seen_inputs or not s.nbytes():
