@@ -125,10 +125,9 @@ def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
     where a context of `context_limit` positions on a `kv_dtype` (None: `dtype`) cache can reach it
     (`ft.kernels.attention.use_library_prefill`). Qwen3.8-Flash-Next's PLE layer: its whole-batch tensors (on
     Triton the key/value projection, u and u_hat: three C x hidden rows and one hidden row a token) where they
-    exceed the widest projection's two; where its torch form runs (`EngramOptions.prefill_triton` off or no
-    Triton), one chunk of that form's
-    temporaries (`ft.model.layers.engram.PLE_CHUNK_BYTES` at most) in place of the MoE's workspace if larger
-    (the PLE runs between two MoE layers: the two are never alive at once).
+    exceed the widest projection's two; where its torch form runs (`EngramOptions.prefill_triton` off, or no
+    Triton), one chunk of that form's temporaries (`ft.model.layers.engram.PLE_CHUNK_BYTES` at most) in place of
+    the MoE's workspace if larger (the PLE runs between two MoE layers: the two are never alive at once).
     Estimated from the config, not profiled: a serving run's
     caching-allocator peak is checked against it by hand (bench/RESULTS.md session 54: 16K-token prompts on the
     80B peaked within 0.2 GiB of the weights plus this reserve), and `ft.memory.device_memory` shows the card's

@@ -12,7 +12,7 @@ A prefill's packed tokens (`ple_prefill_triton`) take the same gate kernel, a to
 `_ple_conv_prefill_kernel`: program (t, block of columns): each tap from an earlier token of the batch or
 from the sequence's history, x + u + silu(conv); the new histories are a gather in torch. Where the
 model's torch form held ~205 KiB a token of fp32 temporaries (3.3 GiB at 16K tokens), this holds the
-key/value projection, u and u_hat (65 KiB a token at Flash-Next's geometry).
+key/value projection, u and u_hat (~67 KiB a token at Flash-Next's geometry).
 
 A negative slot (a CUDA graph's padding row) reads an empty state and writes nothing; every shape is
 fixed by the batch, so a graph holds them.
