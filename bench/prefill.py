@@ -15,7 +15,9 @@ double the bench).
 kernel in the same run (before / after). `--profile LEN` profiles one prefill of LEN tokens
 (torch.profiler) and prints GPU time per kernel family, then the copies' and casts' GPU time by the
 line of `ft/` that asked for them (the ATen op, its input shapes, the two innermost `ft/`
-frames above it). Prints a table last.
+frames above it). Each timed length runs once more to read the caching allocator's peak over what it held before
+(the "transient MiB" column: the forward's activations and workspaces), printed beside the engine's activation
+reserve, which should hold it. Prints a table last.
 
 `--decoding N` keeps N requests decoding (prompts of `--decoding-context` tokens, started once each length has
 been timed alone: the table's "alone" rows, so that one run says what the decoding rows add) beside every
@@ -117,6 +119,7 @@ def main() -> None:
     print(f"engine up in {time.perf_counter() - t0:.1f} s, geometry {eng.cache.geometry}", flush=True)
     modes = ["reference", "triton"] if args.attention == "both" else [args.attention]
     rows, base = [], [0]
+    peaks: dict[tuple[str, int], int] = {}  # (label, prompt): the caching allocator's peak over what it held before
     row_forms = {"batch": [True], "prefills": [False], "both": [False, True]}[args.decoding_rows_as] \
         if args.decoding else [True]
     # the GPU's clocks: right after the engine's build (tens of seconds of host work) the first
@@ -155,9 +158,10 @@ def main() -> None:
             times = [ttft(eng, n, base, cpu) for _ in range(args.repeat)]
             t = statistics.median(times)
             rows.append((label, n, t, n / t))
+            peaks[label, n] = transient_peak(eng, n, base)
             each = ", ".join(f"{w * 1e3:.1f}/{c * 1e3:.1f}" for w, c in zip(times, cpu))
-            print(f"{label} {n}: TTFT {t * 1e3:.1f} ms, {n / t:,.0f} tok/s (each run wall/process CPU ms: {each})",
-                  flush=True)
+            print(f"{label} {n}: TTFT {t * 1e3:.1f} ms, {n / t:,.0f} tok/s (each run wall/process CPU ms: {each}); "
+                  f"transient peak {peaks[label, n] / 2**20:,.0f} MiB", flush=True)
     last = kernel_options().with_(**{"prefill_attention.triton_on_cuda": modes[-1] == "triton", "moe.grouped_tile": None,
                                      "moe.grouped_max_tokens": pass_tokens[-1] or library_pass})
     if args.host_profile:
@@ -176,9 +180,25 @@ def main() -> None:
     print(f"\nchunk {args.chunk} tokens, kv {args.kv_cache_dtype}, median of {args.repeat}, {warm}, cuDNN prefix "
           f"path {args.library} (from {attention.LIBRARY_GRANULE_KEYS} cached positions; refused: "
           f"{attention._library_refused[:1] or 'no'})")
-    print(f"{'attention [grouped MoE tile]':<40} {'prompt':>7} {'TTFT ms':>9} {'prefill tok/s':>14}")
+    reserved_for = min(eng.config.max_prefill_length, eng.context_limit)
+    print(f"activation reserve {eng.reserve / 2**20:,.0f} MiB (for {reserved_for} tokens); transient: the caching "
+          "allocator's peak over a prompt's prefill, beside what it held before")
+    print(f"{'attention [grouped MoE tile]':<40} {'prompt':>7} {'TTFT ms':>9} {'prefill tok/s':>14} "
+          f"{'transient MiB':>14}")
     for mode, n, t, tps in rows:
-        print(f"{mode:<40} {n:>7} {t * 1e3:>9.1f} {tps:>14,.0f}")
+        peak = f"{peaks[mode, n] / 2**20:,.0f}" if (mode, n) in peaks else "-"
+        print(f"{mode:<40} {n:>7} {t * 1e3:>9.1f} {tps:>14,.0f} {peak:>14}")
+
+
+def transient_peak(eng, n: int, base: list[int]) -> int:
+    """Bytes the caching allocator held at most during one more prefill of `n` tokens beyond what it held before
+    it (the forward's activations and workspaces, against `eng.reserve`)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    ttft(eng, n, base)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
 
 
 DECODE_STEPS_AT_MOST = 4096
